@@ -1,0 +1,16 @@
+"""latentloop: language models whose transformers carry latent state forward.
+
+    import latentloop as ll
+    model = ll.build("gpt", preset="test", n_layer=2)
+    model, tokenizer = ll.load("runs/NAME")
+    ids = ll.generate(model, prompt_ids, max_new_tokens=16, temperature=0.0)
+"""
+
+from .api import build, generate, load, load_run
+from .config import PRESETS, DataConfig, ModelConfig, RunConfig, TrainConfig, model_config
+from .errors import CheckpointError, ConfigError, DataError, LatentloopError
+
+__version__ = "0.1.0"
+
+__all__ = ["PRESETS", "CheckpointError", "ConfigError", "DataConfig", "DataError", "LatentloopError", "ModelConfig",
+           "RunConfig", "TrainConfig", "build", "generate", "load", "load_run", "model_config"]

@@ -1,0 +1,118 @@
+"""Run folders and checkpoints.
+
+    RUN/config.json            the run's full config (model, train, data)
+    RUN/tokenizer.json         the tokenizer the run was trained with
+    RUN/metrics.jsonl          one JSON object per logged step / evaluation
+    RUN/checkpoints/step_00000100/
+        model.safetensors      weights
+        config.json, tokenizer.json   copies, so a checkpoint folder loads on its own
+        trainer.pt             optimizer states and RNG states
+        state.json             step, tokens seen, loader state
+
+A checkpoint is written into a hidden temporary folder and renamed into place, so an interrupted
+save never leaves a half-written checkpoint; only the last `keep_last` are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .config import RunConfig
+from .errors import CheckpointError, ConfigError
+
+CHECKPOINT_PREFIX = "step_"
+
+
+def write_json_atomic(path: Path, payload: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    folder = run_dir / "checkpoints"
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX))
+
+
+def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, trainer_state: dict[str, Any],
+                    state: dict[str, Any], keep_last: int) -> Path:
+    folder = run_dir / "checkpoints"
+    folder.mkdir(parents=True, exist_ok=True)
+    final = folder / f"{CHECKPOINT_PREFIX}{step:08d}"
+    tmp = folder / f".tmp-{final.name}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    weights = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
+    save_file(weights, str(tmp / "model.safetensors"), metadata={"step": str(step)})
+    torch.save(trainer_state, tmp / "trainer.pt")
+    for name in ("config.json", "tokenizer.json"):
+        if (run_dir / name).exists():
+            shutil.copy2(run_dir / name, tmp / name)
+    (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n")
+    if final.exists():  # re-saving the same step (e.g. resume with no new steps): replace it
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    for old in list_checkpoints(run_dir)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A run folder (its latest checkpoint) or a checkpoint folder -> the checkpoint folder."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"no run or checkpoint at {path}")
+    if (path / "model.safetensors").is_file():
+        return path
+    checkpoints = list_checkpoints(path)
+    if not checkpoints:
+        raise CheckpointError(f"{path} holds no checkpoint (expected {path}/checkpoints/{CHECKPOINT_PREFIX}*/)")
+    return checkpoints[-1]
+
+
+def read_run_config(checkpoint: Path) -> RunConfig:
+    for candidate in (checkpoint / "config.json", checkpoint.parent.parent / "config.json"):
+        if candidate.is_file():
+            try:
+                return RunConfig.from_dict(json.loads(candidate.read_text()))
+            except json.JSONDecodeError as exc:
+                raise CheckpointError(f"corrupt config {candidate}: {exc}") from None
+            except ConfigError as exc:
+                raise CheckpointError(f"config {candidate} is invalid: {exc}") from None
+    raise CheckpointError(f"no config.json found for checkpoint {checkpoint}")
+
+
+def load_weights(model: torch.nn.Module, checkpoint: Path) -> None:
+    file = checkpoint / "model.safetensors"
+    try:
+        weights = load_file(str(file))
+    except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
+        raise CheckpointError(f"cannot read weights {file}: {str(exc).splitlines()[0]}") from None
+    missing, unexpected = set(model.state_dict()) - set(weights), set(weights) - set(model.state_dict())
+    if missing or unexpected:
+        raise CheckpointError(f"weights {file} do not fit the model: missing {sorted(missing)[:3]}, "
+                              f"unexpected {sorted(unexpected)[:3]}")
+    try:
+        model.load_state_dict(weights, strict=True)
+    except RuntimeError as exc:
+        raise CheckpointError(f"weights {file} do not fit the model: {str(exc).splitlines()[-1].strip()}") from None
+
+
+def read_trainer_state(checkpoint: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    try:
+        state = json.loads((checkpoint / "state.json").read_text())
+        trainer = torch.load(checkpoint / "trainer.pt", map_location="cpu", weights_only=False)
+    except (OSError, json.JSONDecodeError, RuntimeError, EOFError) as exc:
+        raise CheckpointError(f"cannot resume from {checkpoint}: {str(exc).splitlines()[0]}") from None
+    return state, trainer

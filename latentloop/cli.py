@@ -1,0 +1,290 @@
+"""The `latentloop` command line: train, eval, generate, tokenizer, demo.
+
+Every user mistake ends in one line on stderr (`latentloop: error: ...`) and exit code 2, with no
+traceback; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import json
+import sys
+from pathlib import Path
+
+from .errors import LatentloopError
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one line (the default prints the whole usage first)."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"latentloop: error: {message} (see '{self.prog} --help')\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def _add_generation_options(p: argparse.ArgumentParser) -> None:
+    """Variant options shared by eval and generate; None means 'not given' (the model's default)."""
+    p.add_argument("--regime", choices=["standard", "soft", "fused"], default=None,
+                   help="fbt decoding regime (standard: plain inputs; soft: latent feedback; fused: multi-pass "
+                        "prefill, then soft)")
+    p.add_argument("--passes", default=None, help="fbt prefill passes for --regime fused: an integer >= 1 or 'auto'")
+    p.add_argument("--steps", dest="depth", type=_positive_int, default=None,
+                   help="rgpt recurrence steps at inference (early exit at a fixed depth)")
+    p.add_argument("--prefill", choices=["sequential", "interleaved"], default=None,
+                   help="lrt prompt prefill: exact sequential (default) or interleaved (faster, approximate)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="latentloop", description="Train, evaluate and sample latent-state language models.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    t = sub.add_parser("train", help="train a model into a run folder")
+    t.add_argument("--config", help="YAML file with sections model/train/data")
+    t.add_argument("--arch", help="architecture: gpt, fbt, lrt, rgpt")
+    t.add_argument("--preset", help="model size preset: test, tiny, small, gpt2, 1b")
+    t.add_argument("--data", help="data source: stdlib, text:PATH, hf:NAME[:CONFIG], task:NAME")
+    t.add_argument("--tokenizer", help="'byte' or a path to a tokenizer.json")
+    t.add_argument("--steps", type=_positive_int, help="optimizer steps")
+    t.add_argument("--batch-size", type=_positive_int, help="sequences per micro-batch")
+    t.add_argument("--lr", type=float, help="peak learning rate")
+    t.add_argument("--seed", type=int, help="random seed")
+    t.add_argument("--device", help="auto, cpu, cuda[:N], mps")
+    t.add_argument("--out", required=True, help="run folder to create (or continue with --resume)")
+    t.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    t.add_argument("--init-from", help="start from another run's weights (e.g. fbt from a tied gpt run)")
+    t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any config field, e.g. --set n_layer=4 or --set train.lr=1e-3 (repeatable)")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("--json", action="store_true", help="print the final summary as JSON")
+
+    e = sub.add_parser("eval", help="validation loss, perplexity and bits per byte of a run")
+    e.add_argument("run", help="run folder or checkpoint folder")
+    e.add_argument("--json", action="store_true", help="print the metrics as JSON")
+    e.add_argument("--split", choices=["val", "train"], default="val", help="data split to evaluate")
+    e.add_argument("--batches", type=_non_negative_int, default=0, help="evaluate at most this many batches (0: all)")
+    e.add_argument("--batch-size", type=_positive_int, default=16, help="sequences per batch")
+    e.add_argument("--device", default="cpu", help="cpu, cuda[:N], mps")
+    _add_generation_options(e)
+
+    g = sub.add_parser("generate", help="continue a prompt with a trained model")
+    g.add_argument("run", help="run folder or checkpoint folder")
+    g.add_argument("--prompt", required=True, help="text to continue")
+    g.add_argument("--max-new-tokens", type=_non_negative_int, default=64, help="tokens to generate")
+    g.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
+    g.add_argument("--top-k", type=_positive_int, default=None, help="sample among the k most likely tokens")
+    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold in (0, 1]")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed")
+    g.add_argument("--no-cache", action="store_true", help="use the naive uncached reference path")
+    g.add_argument("--json", action="store_true", help="print prompt, completion and token ids as JSON")
+    g.add_argument("--device", default="cpu", help="cpu, cuda[:N], mps")
+    _add_generation_options(g)
+
+    k = sub.add_parser("tokenizer", help="tokenizer tools")
+    ksub = k.add_subparsers(dest="tokenizer_command", required=True, parser_class=_Parser)
+    kt = ksub.add_parser("train", help="train a byte-level BPE tokenizer")
+    kt.add_argument("--data", required=True, help="data source: stdlib, text:PATH, hf:NAME[:CONFIG]")
+    kt.add_argument("--vocab-size", type=_positive_int, required=True, help="vocabulary size (>= 259)")
+    kt.add_argument("--out", required=True, help="output tokenizer.json file or folder")
+    kt.add_argument("--max-bytes", type=_non_negative_int, default=20_000_000,
+                    help="read at most this many bytes of training text (0: all)")
+
+    d = sub.add_parser("demo", help="train every architecture briefly, compare, sample, write a report")
+    d.add_argument("--minutes", type=float, default=4.0, help="training budget for all architectures together")
+    d.add_argument("--out", default="runs/demo", help="folder for the runs and the report (replaced)")
+    d.add_argument("--data", default="stdlib", help="data source")
+    d.add_argument("--preset", default="tiny", help="model size preset")
+    d.add_argument("--archs", default=None, help="comma-separated architectures (default: all available)")
+    d.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return parser
+
+
+# --------------------------------------------------------------------------------------------
+# Commands
+# --------------------------------------------------------------------------------------------
+
+
+def _run_config_from_args(args):
+    from .config import RunConfig, apply_overrides, load_yaml
+
+    saved = Path(args.out) / "config.json"
+    if args.config:
+        raw = load_yaml(args.config)
+    elif args.resume and saved.is_file():
+        raw = json.loads(saved.read_text())
+    else:
+        raw = {}
+    raw = {s: dict(raw.get(s) or {}) for s in ("model", "train", "data")} | {
+        k: v for k, v in raw.items() if k not in ("model", "train", "data")}
+    flags = {"model.arch": args.arch, "model.preset": args.preset, "data.source": args.data,
+             "data.tokenizer": args.tokenizer, "train.steps": args.steps, "train.batch_size": args.batch_size,
+             "train.lr": args.lr, "train.seed": args.seed, "train.device": args.device}
+    for key, value in flags.items():
+        if value is not None:
+            section, name = key.split(".")
+            raw[section][name] = value
+    if not raw["model"].get("preset") and not args.config and not (args.resume and saved.is_file()):
+        raw["model"]["preset"] = "tiny"
+    return RunConfig.from_dict(apply_overrides(raw, args.overrides))
+
+
+def cmd_train(args) -> int:
+    from .train import fit, setup
+
+    config = _run_config_from_args(args)
+    state = setup(config, args.out, resume=args.resume, progress=not args.no_progress, init_from=args.init_from)
+    summary = fit(state, progress=not args.no_progress)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(f"trained {config.model.arch} ({summary['params']:,} params) for {summary['step']} steps, "
+              f"{summary['tokens']:,} tokens: val loss {summary['val_loss']:.4f}, bpb {summary['val_bpb']:.4f}; "
+              f"checkpoint {summary['checkpoint']}")
+    return 0
+
+
+def _generation_options(args) -> dict:
+    options = {"regime": args.regime, "passes": args.passes, "steps": args.depth, "prefill": args.prefill}
+    if args.passes is not None and args.passes != "auto":
+        try:
+            options["passes"] = int(args.passes)
+        except ValueError:
+            raise LatentloopError(f"--passes must be an integer >= 1 or 'auto', got {args.passes!r}") from None
+    return {k: v for k, v in options.items() if v is not None}
+
+
+def cmd_eval(args) -> int:
+    from .api import load_run
+    from .evaluate import evaluate_run
+    from .train import prepare_data, resolve_device
+
+    device = resolve_device(args.device)
+    model, tokenizer, config, checkpoint = load_run(args.run, device)
+    data = prepare_data(config, tokenizer, progress=False)
+    tokens = data.val if args.split == "val" else data.train
+    metrics = evaluate_run(model, tokens, tokenizer, args.batch_size, config.model.sequence_len,
+                           args.batches or None, _generation_options(args))
+    metrics = {"run": str(args.run), "checkpoint": str(checkpoint), "split": args.split, **metrics}
+    if args.json:
+        print(json.dumps(metrics, indent=2))
+    else:
+        for key, value in metrics.items():
+            print(f"{key:>12}: {value:.4f}" if isinstance(value, float) else f"{key:>12}: {value}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from .api import load_run
+    from .engine import generate
+    from .train import resolve_device
+
+    device = resolve_device(args.device)
+    model, tokenizer, _, _ = load_run(args.run, device)
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise LatentloopError(f"--top-p must be in (0, 1], got {args.top_p}")
+    prompt_ids = [tokenizer.bos_id] + tokenizer.encode(args.prompt)
+    streamer = None
+    if not args.json:
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        shown = []  # the prompt is echoed with the first token, so an invalid prompt prints nothing
+
+        def streamer(tokens):
+            if not shown:
+                sys.stdout.write(args.prompt)
+                shown.append(True)
+            token = tokens[0]
+            if token is not None:
+                sys.stdout.write(decoder.decode(_token_bytes(tokenizer, token)))
+                sys.stdout.flush()
+
+    ids = generate(model, prompt_ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                   top_p=args.top_p, seed=args.seed, stop_tokens=[tokenizer.eos_id, tokenizer.bos_id],
+                   stream=streamer, use_cache=not args.no_cache, pad_id=tokenizer.pad_id, **_generation_options(args))
+    if args.json:
+        print(json.dumps({"prompt": args.prompt, "completion": tokenizer.decode(ids), "ids": ids,
+                          "prompt_tokens": len(prompt_ids), "new_tokens": len(ids)}))
+    else:
+        sys.stdout.write(("" if shown else args.prompt) + "\n")
+    return 0
+
+
+def _token_bytes(tokenizer, token: int) -> bytes:
+    """Raw bytes of one token, so streamed multi-byte characters are decoded once complete."""
+    if hasattr(tokenizer, "token_to_bytes"):
+        return tokenizer.token_to_bytes(token)
+    return tokenizer.decode([token]).encode()
+
+
+def cmd_tokenizer(args) -> int:
+    from .data import BPETokenizer, parse_source
+
+    source = parse_source(args.data)
+    budget = args.max_bytes or None
+
+    def texts():
+        used = 0
+        for doc in source.iter_documents("train"):
+            yield doc
+            used += len(doc.encode())
+            if budget is not None and used >= budget:
+                return
+
+    tokenizer = BPETokenizer.train(texts(), args.vocab_size)
+    out = Path(args.out)
+    folder = out.parent if out.suffix == ".json" else out
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(folder)
+    if out.suffix == ".json" and out.name != "tokenizer.json":
+        (folder / "tokenizer.json").replace(out)
+    print(f"trained a {tokenizer.vocab_size}-token BPE tokenizer on {args.data}: {out}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    archs = [a.strip() for a in args.archs.split(",")] if args.archs else None
+    run_demo(Path(args.out), minutes=args.minutes, data=args.data, preset=args.preset, archs=archs,
+             progress=not args.no_progress)
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "generate": cmd_generate, "tokenizer": cmd_tokenizer,
+            "demo": cmd_demo}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except LatentloopError as exc:
+        print(f"latentloop: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("latentloop: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

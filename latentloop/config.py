@@ -1,0 +1,339 @@
+"""Typed configuration: model, training and data dataclasses, named presets, YAML and overrides.
+
+Every config is a dataclass validated in `__post_init__`; an impossible value raises `ConfigError`
+with a one-line message naming the field. Architecture variants subclass `ModelConfig` and add only
+their own knobs (including the knobs of their training procedure, as Huginn keeps its mean
+recurrence next to the model shape).
+
+A run is described by `RunConfig(model, train, data)`; it serialises to YAML/JSON with the sections
+`model:`, `train:`, `data:`. Overrides use `key=value` with either a dotted (`model.n_layer=4`) or a
+bare field name (`n_layer=4`) when the bare name is unambiguous.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, ClassVar
+
+import yaml
+
+from .errors import ConfigError
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+# --------------------------------------------------------------------------------------------
+# Model configs
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelConfig:
+    """Shape and options of the shared backbone (arch `gpt`)."""
+
+    arch: ClassVar[str] = "gpt"
+
+    vocab_size: int = 259  # the byte tokenizer's 256 bytes + BOS/EOS/PAD; set from the tokenizer
+    sequence_len: int = 256  # longest context the model is trained for (RoPE tables cover 2x)
+    n_layer: int = 4
+    n_embd: int = 128
+    n_head: int = 4
+    n_kv_head: int | None = None  # None: same as n_head (no grouped-query attention)
+    mlp: str = "relu2"  # "relu2" (nanochat) or "swiglu"
+    mlp_ratio: float = 4.0  # hidden width / n_embd (SwiGLU uses 2/3 of it, to match params)
+    tie_embeddings: bool = False
+    logit_softcap: float = 0.0  # 0 disables; else logits = cap * tanh(logits / cap)
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        _require(self.vocab_size >= 2, f"vocab_size must be >= 2, got {self.vocab_size}")
+        _require(self.sequence_len >= 1, f"sequence_len must be >= 1, got {self.sequence_len}")
+        _require(self.n_layer >= 1, f"n_layer must be >= 1, got {self.n_layer}")
+        _require(self.n_head >= 1, f"n_head must be >= 1, got {self.n_head}")
+        _require(self.n_embd % self.n_head == 0,
+                 f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        _require(self.head_dim % 2 == 0, f"head_dim (n_embd / n_head = {self.head_dim}) must be even for RoPE")
+        _require(1 <= self.n_kv_head <= self.n_head and self.n_head % self.n_kv_head == 0,
+                 f"n_kv_head ({self.n_kv_head}) must divide n_head ({self.n_head})")
+        _require(self.mlp in ("relu2", "swiglu"), f"mlp must be 'relu2' or 'swiglu', got {self.mlp!r}")
+        _require(self.mlp_ratio > 0, f"mlp_ratio must be > 0, got {self.mlp_ratio}")
+        _require(self.logit_softcap >= 0, f"logit_softcap must be >= 0, got {self.logit_softcap}")
+        _require(self.rope_theta > 0, f"rope_theta must be > 0, got {self.rope_theta}")
+
+    # derived fields ---------------------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def mlp_hidden(self) -> int:
+        hidden = self.mlp_ratio * self.n_embd
+        if self.mlp == "swiglu":  # three matrices instead of two: keep the parameter count
+            hidden = hidden * 2 / 3
+        return max(1, int(round(hidden)))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"arch": self.arch, **dataclasses.asdict(self)}
+
+
+@dataclass
+class FBTConfig(ModelConfig):
+    """Full-bandwidth transformer: GLU fusion of the previous top state into the next input.
+
+    The `pass_*` and `plain_fraction` fields configure its multi-pass training objective.
+    """
+
+    arch: ClassVar[str] = "fbt"
+    tie_embeddings: bool = True
+    state_source: str = "post_norm"  # carry the top state after ("post_norm") or before ("pre_norm") the final norm
+    jitter: float = 0.02  # Uniform[-jitter, jitter] noise on the carried state, training only
+    loss_lambda: float = 1.0  # weight of the deeper passes: L = L_1 + lambda/(K-1) sum_k L_k
+    plain_fraction: float = 0.5  # first fraction of training steps uses plain single-pass batches
+    pass_mix: tuple[float, ...] = (0.75, 0.22, 0.03)  # P(K = 1), P(K = 2), P(K = 3), ... per batch
+    prefix_mixin: bool = True  # passes > 1 keep a random plain prefix per packed document
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.pass_mix = tuple(float(p) for p in self.pass_mix)
+        _require(self.tie_embeddings, "fbt requires tie_embeddings=true (the fused state lives in embedding space)")
+        _require(self.state_source in ("post_norm", "pre_norm"),
+                 f"state_source must be 'post_norm' or 'pre_norm', got {self.state_source!r}")
+        _require(self.jitter >= 0, f"jitter must be >= 0, got {self.jitter}")
+        _require(self.loss_lambda >= 0, f"loss_lambda must be >= 0, got {self.loss_lambda}")
+        _require(0.0 <= self.plain_fraction <= 1.0, f"plain_fraction must be in [0, 1], got {self.plain_fraction}")
+        _require(len(self.pass_mix) >= 1 and all(p >= 0 for p in self.pass_mix)
+                 and math.isclose(sum(self.pass_mix), 1.0, abs_tol=1e-6),
+                 f"pass_mix must be non-negative probabilities summing to 1, got {list(self.pass_mix)}")
+
+
+MODEL_CONFIGS: dict[str, type[ModelConfig]] = {"gpt": ModelConfig, "fbt": FBTConfig}
+
+
+def register_model_config(cls: type[ModelConfig]) -> type[ModelConfig]:
+    """Make an architecture's config class known by its `arch` name."""
+    MODEL_CONFIGS[cls.arch] = cls
+    return cls
+
+
+# Presets: shapes only; they apply to every architecture. Parameter counts are for the byte
+# tokenizer (vocab 259) except gpt2/1b, which assume a GPT-2-sized BPE vocabulary.
+PRESETS: dict[str, dict[str, Any]] = {
+    "test": dict(n_layer=2, n_embd=64, n_head=4, sequence_len=64),  # ~0.1M params, unit tests
+    "tiny": dict(n_layer=4, n_embd=128, n_head=4, sequence_len=256),  # ~0.8M, CPU demo
+    "small": dict(n_layer=6, n_embd=384, n_head=6, sequence_len=512),  # ~10.7M
+    "gpt2": dict(n_layer=12, n_embd=768, n_head=12, sequence_len=1024, vocab_size=50304,
+                 tie_embeddings=True),  # ~124M
+    "1b": dict(n_layer=18, n_embd=2048, n_head=16, n_kv_head=8, sequence_len=2048,
+               vocab_size=50304, tie_embeddings=True),  # ~0.85B with GQA, a single-GPU run
+}
+
+
+def model_config(arch: str = "gpt", preset: str | None = None, **overrides: Any) -> ModelConfig:
+    """Build a validated model config from an arch name, an optional preset and field overrides."""
+    if arch not in MODEL_CONFIGS:
+        raise ConfigError(f"unknown arch {arch!r}: choose from {', '.join(sorted(MODEL_CONFIGS))}")
+    values: dict[str, Any] = {}
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ConfigError(f"unknown preset {preset!r}: choose from {', '.join(PRESETS)}")
+        values.update(PRESETS[preset])
+    values.update(overrides)
+    return _construct(MODEL_CONFIGS[arch], values, f"{arch} model")
+
+
+# --------------------------------------------------------------------------------------------
+# Training and data configs
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    batch_size: int = 16  # sequences per micro-batch
+    grad_accum: int = 1  # micro-batches per optimizer step
+    optimizer: str = "adamw"  # "adamw" or "muon" (Muon for matrices, AdamW for the rest)
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio
+    warmup_steps: int = 20
+    schedule: str = "cosine"  # "cosine" or "wsd" (warmup-stable-decay)
+    decay_fraction: float = 0.2  # wsd: the last fraction of steps decays linearly
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    muon_lr: float = 0.02
+    grad_clip: float = 1.0  # 0 disables
+    seed: int = 1337
+    eval_every: int = 100  # 0: only at the end
+    eval_batches: int = 8
+    save_every: int = 0  # 0: only at the end
+    keep_last: int = 2  # checkpoints kept on disk
+    log_every: int = 10
+    compile: bool = False
+    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", "mps"
+    dtype: str = "auto"  # autocast dtype: "auto" (bf16 on cuda, fp32 on cpu), "float32", "bfloat16"
+
+    def __post_init__(self) -> None:
+        self.betas = tuple(float(b) for b in self.betas)
+        for name in ("steps", "batch_size", "grad_accum", "log_every"):
+            _require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup_steps", "eval_every", "save_every", "eval_batches"):
+            _require(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
+        _require(self.keep_last >= 1, f"keep_last must be >= 1, got {self.keep_last}")
+        _require(self.optimizer in ("adamw", "muon"), f"optimizer must be 'adamw' or 'muon', got {self.optimizer!r}")
+        _require(self.schedule in ("cosine", "wsd"), f"schedule must be 'cosine' or 'wsd', got {self.schedule!r}")
+        _require(self.lr > 0 and self.muon_lr > 0, "lr and muon_lr must be > 0")
+        _require(0.0 <= self.min_lr_ratio <= 1.0, f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        _require(0.0 < self.decay_fraction <= 1.0, f"decay_fraction must be in (0, 1], got {self.decay_fraction}")
+        _require(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}")
+        _require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), f"betas must be two values in [0, 1), got {self.betas}")
+        _require(self.grad_clip >= 0, f"grad_clip must be >= 0, got {self.grad_clip}")
+        _require(self.dtype in ("auto", "float32", "bfloat16"), f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+        _require(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda", "mps"),
+                 f"device must be auto, cpu, cuda[:N] or mps, got {self.device!r}")
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"  # stdlib | text:PATH | hf:NAME[:CONFIG] | task:NAME
+    tokenizer: str = "byte"  # "byte" or a path to a tokenizer.json (see `latentloop tokenizer train`)
+    val_fraction: float = 0.05
+    max_bytes: int = 0  # cap on UTF-8 bytes read per split; 0 = no cap
+    cache_dir: str = ""  # "" = $LATENTLOOP_CACHE or ~/.cache/latentloop
+
+    def __post_init__(self) -> None:
+        _require(bool(self.source), "data source must not be empty")
+        _require(0.0 < self.val_fraction < 1.0, f"val_fraction must be in (0, 1), got {self.val_fraction}")
+        _require(self.max_bytes >= 0, f"max_bytes must be >= 0, got {self.max_bytes}")
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model.to_dict(), "train": dataclasses.asdict(self.train),
+                "data": dataclasses.asdict(self.data)}
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> RunConfig:
+        if not isinstance(raw, dict):
+            raise ConfigError("a run config must be a mapping with sections model/train/data")
+        unknown = set(raw) - {"model", "train", "data"}
+        _require(not unknown, f"unknown config section(s): {', '.join(sorted(unknown))} (use model, train, data)")
+        model_raw = dict(raw.get("model") or {})
+        arch = model_raw.pop("arch", "gpt")
+        preset = model_raw.pop("preset", None)
+        return cls(model=model_config(arch, preset, **model_raw),
+                   train=_construct(TrainConfig, dict(raw.get("train") or {}), "train"),
+                   data=_construct(DataConfig, dict(raw.get("data") or {}), "data"))
+
+    def save_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def _construct(cls: type, values: dict[str, Any], what: str) -> Any:
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"unknown {what} field(s): {', '.join(unknown)}")
+    for f in fields(cls):  # reject wrong types early with a clear message (YAML/CLI give strings)
+        if f.name in values:
+            values[f.name] = _coerce(values[f.name], f.type, f"{what}.{f.name}")
+    try:
+        return cls(**values)
+    except TypeError as exc:  # pragma: no cover - defensive: dataclass signature mismatch
+        raise ConfigError(f"invalid {what} config: {exc}") from None
+
+
+def _coerce(value: Any, type_name: Any, name: str) -> Any:
+    """Convert YAML/CLI values to the annotated type (annotations are strings here)."""
+    t = str(type_name)
+    optional = "None" in t
+    if value is None:
+        _require(optional, f"{name} must not be null")
+        return None
+    try:
+        if t.startswith("bool"):
+            if isinstance(value, str):
+                _require(value.lower() in ("true", "false", "1", "0", "yes", "no"), f"{name} must be true or false, got {value!r}")
+                return value.lower() in ("true", "1", "yes")
+            _require(isinstance(value, (bool, int)), f"{name} must be true or false, got {value!r}")
+            return bool(value)
+        if t.startswith("int"):
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            _require(not isinstance(value, bool), f"{name} must be an integer, got {value!r}")
+            return int(value)
+        if t.startswith("float"):
+            _require(not isinstance(value, bool), f"{name} must be a number, got {value!r}")
+            return float(value)
+        if t.startswith("tuple"):
+            if isinstance(value, str):
+                value = [v for v in value.strip("[]() ").split(",") if v.strip()]
+            return tuple(float(v) for v in value)
+        if t.startswith("str"):
+            _require(isinstance(value, (str, int, float)), f"{name} must be a string, got {value!r}")
+            return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name} has an invalid value {value!r} (expected {t})") from None
+    return value
+
+
+# --------------------------------------------------------------------------------------------
+# YAML files and key=value overrides
+# --------------------------------------------------------------------------------------------
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if raw is None:
+        return {}
+    _require(isinstance(raw, dict), f"config file {path} must hold a mapping with sections model/train/data")
+    return raw
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `key=value` strings (value parsed as YAML) to a raw run-config mapping."""
+    raw = {section: dict(raw.get(section) or {}) for section in ("model", "train", "data")} | {
+        k: v for k, v in raw.items() if k not in ("model", "train", "data")}
+    arch = raw["model"].get("arch", "gpt")
+    model_cls = MODEL_CONFIGS.get(arch, ModelConfig)
+    section_fields = {"model": {f.name for f in fields(model_cls)} | {"arch", "preset"},
+                      "train": {f.name for f in fields(TrainConfig)},
+                      "data": {f.name for f in fields(DataConfig)}}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key=value")
+        key, text = item.split("=", 1)
+        key = key.strip()
+        try:
+            value = yaml.safe_load(text) if text.strip() else ""
+        except yaml.YAMLError:
+            value = text
+        if "." in key:
+            section, name = key.split(".", 1)
+            _require(section in section_fields, f"unknown config section {section!r} in override {item!r}")
+        else:
+            owners = [s for s, names in section_fields.items() if key in names]
+            _require(len(owners) >= 1, f"unknown config field {key!r} in override {item!r}")
+            _require(len(owners) == 1, f"config field {key!r} is ambiguous: write {owners[0]}.{key}")
+            section, name = owners[0], key
+        _require(name in section_fields[section], f"unknown {section} field {name!r} in override {item!r}")
+        raw[section][name] = value
+    return raw

@@ -1,0 +1,144 @@
+"""Batches from a flat token stream: a resumable shuffling loader for training and an ordered
+one for validation.
+
+The stream is cut into windows of `seq_len + 1` tokens that start at multiples of `seq_len`
+(consecutive windows share one token, so every token except the first is a target exactly once
+per epoch). The trailing tokens that do not fill a window are not used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from latentloop.errors import ConfigError, DataError
+
+
+def _window_count(tokens: np.ndarray, seq_len: int) -> int:
+    """Number of full windows of seq_len+1 tokens; raises DataError when there are none."""
+    if seq_len < 1:
+        raise ConfigError(f"seq_len must be at least 1, got {seq_len}")
+    if len(tokens) < seq_len + 1:
+        raise DataError(
+            f"data has {len(tokens)} tokens; need at least seq_len+1 = {seq_len + 1}; lower seq_len or add data"
+        )
+    return (len(tokens) - 1) // seq_len
+
+
+def _make_batch(tokens: np.ndarray, window_ids: np.ndarray, seq_len: int):
+    """(x, y) int64 tensors for the given windows; y is x shifted left by one token."""
+    offsets = window_ids[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
+    windows = torch.from_numpy(np.asarray(tokens[offsets], dtype=np.int64))
+    return windows[:, :-1], windows[:, 1:]
+
+
+class TokenLoader:
+    """Endless training batches drawn from `tokens`, exactly resumable via `state_dict`.
+
+    Each epoch visits every window once, in the order `np.random.default_rng([seed, epoch])`
+    gives (or in stream order when `shuffle` is False). A batch that does not fit in what is
+    left of an epoch continues into the next one.
+    """
+
+    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, shuffle: bool = True):
+        if batch_size < 1:
+            raise ConfigError(f"batch_size must be at least 1, got {batch_size}")
+        if seed < 0:
+            raise ConfigError(f"seed must be non-negative, got {seed}")
+        self.tokens = tokens
+        self.batch_size = batch_size
+        self.seq_len = seq_len
+        self.seed = seed
+        self.shuffle = shuffle
+        self.num_windows = _window_count(tokens, seq_len)
+        self.epoch = 0
+        self.index = 0  # position within the current epoch's visiting order
+        self._order: np.ndarray | None = None
+        self._order_epoch = -1
+
+    def _epoch_order(self) -> np.ndarray:
+        if self._order_epoch != self.epoch:
+            if self.shuffle:
+                rng = np.random.default_rng([self.seed, self.epoch])
+                self._order = rng.permutation(self.num_windows)
+            else:
+                self._order = np.arange(self.num_windows)
+            self._order_epoch = self.epoch
+        return self._order
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next (x, y) pair, each an int64 tensor of shape (batch_size, seq_len)."""
+        window_ids = []
+        while len(window_ids) < self.batch_size:
+            if self.index >= self.num_windows:
+                self.epoch += 1
+                self.index = 0
+            order = self._epoch_order()
+            take = min(self.batch_size - len(window_ids), self.num_windows - self.index)
+            window_ids.extend(order[self.index : self.index + take].tolist())
+            self.index += take
+        return _make_batch(self.tokens, np.asarray(window_ids, dtype=np.int64), self.seq_len)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        while True:
+            yield self.next_batch()
+
+    def state_dict(self) -> dict:
+        """Position in the stream, as plain JSON-serialisable values."""
+        return {
+            "epoch": self.epoch,
+            "index": self.index,
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "seq_len": self.seq_len,
+            "shuffle": self.shuffle,
+            "num_windows": self.num_windows,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a saved position; the following batches match the original run's.
+
+        The seed and shuffle flag are taken from `state`. seq_len and the data must be the same
+        (else the saved position would mean other windows); batch_size may differ, in which
+        case the run continues from the same window onwards in larger or smaller steps.
+        """
+        if state["seq_len"] != self.seq_len:
+            raise ConfigError(
+                f"loader state was saved with seq_len={state['seq_len']}, but this loader has seq_len={self.seq_len}"
+            )
+        saved_windows = state.get("num_windows", self.num_windows)
+        if saved_windows != self.num_windows:
+            raise DataError(
+                f"loader state was saved for data with {saved_windows} windows, "
+                f"but this data has {self.num_windows}: the token data changed"
+            )
+        self.seed = int(state["seed"])
+        self.shuffle = bool(state.get("shuffle", self.shuffle))
+        self.epoch = int(state["epoch"])
+        self.index = int(state["index"])
+        self._order_epoch = -1  # the order depends on seed and epoch: draw it again
+
+
+def eval_batches(
+    tokens: np.ndarray, batch_size: int, seq_len: int, max_batches: int | None = None
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Consecutive windows in stream order, for validation; the last batch may have fewer rows.
+
+    Checks its arguments at call time (not on first iteration), so errors surface early.
+    """
+    if batch_size < 1:
+        raise ConfigError(f"batch_size must be at least 1, got {batch_size}")
+    num_windows = _window_count(tokens, seq_len)
+    num_batches = -(-num_windows // batch_size)
+    if max_batches is not None:
+        num_batches = min(num_batches, max(0, max_batches))
+
+    def generate() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for batch in range(num_batches):
+            first = batch * batch_size
+            window_ids = np.arange(first, min(first + batch_size, num_windows), dtype=np.int64)
+            yield _make_batch(tokens, window_ids, seq_len)
+
+    return generate()

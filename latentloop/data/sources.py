@@ -1,0 +1,382 @@
+"""Data sources: where training text comes from, split into "train" and "val".
+
+`parse_source(spec)` understands these specs:
+
+- `stdlib`: the `.py` files of the running interpreter's standard library, one document per file
+  (no download needed, so it is the default for quick experiments and tests);
+- `text:PATH`: a `.txt`/`.jsonl`/`.parquet` file, a folder of them (searched recursively) or a glob;
+- `hf:NAME` / `hf:NAME:CONFIG`: a Hugging Face dataset, streamed (needs `latentloop[hf]`);
+- `task:NAME`: reserved for task datasets (`latentloop.data.tasks`).
+
+Every split is decided by a stable hash of a document's identity (its file path, its index), never
+by random state, so the same spec always gives the same split on every machine, and adding files
+does not move existing documents between splits.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import importlib
+import importlib.util
+import json
+import os
+import sys
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+
+from latentloop.errors import ConfigError, DataError
+
+SPLITS = ("train", "val")
+
+# Separator used by GPT-2 style corpora (TinyStories, OpenWebText dumps) between documents.
+END_OF_TEXT = "<|endoftext|>"
+
+TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
+
+# A text source with fewer documents than this is split inside each document instead of by
+# document, so that e.g. a single Shakespeare file still has a validation part.
+MIN_DOCUMENTS_FOR_DOCUMENT_SPLIT = 20
+
+# Directories of the standard library that are not representative library code.
+STDLIB_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "__pycache__"})
+
+_HASH_BUCKETS = 10_000
+
+
+def goes_to_val(key: str, val_fraction: float) -> bool:
+    """Whether the document identified by `key` belongs to the val split (stable across runs)."""
+    bucket = int.from_bytes(hashlib.sha1(key.encode("utf-8")).digest()[:8], "big") % _HASH_BUCKETS
+    return bucket < round(val_fraction * _HASH_BUCKETS)
+
+
+def _check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+
+
+def _digest(payload: object) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode("utf-8")).hexdigest()
+
+
+def _file_listing(root: Path, files: list[Path]) -> list[tuple[str, int, int]]:
+    """(relative path, size, mtime_ns) of each file: changes whenever a file is edited."""
+    listing = []
+    for path in files:
+        stat = path.stat()
+        listing.append((path.relative_to(root).as_posix(), stat.st_size, stat.st_mtime_ns))
+    return listing
+
+
+class Source:
+    """Base class: a named collection of documents, split into train and val."""
+
+    spec: str
+    val_fraction: float
+
+    def iter_documents(self, split: str) -> Iterator[str]:
+        raise NotImplementedError
+
+    def fingerprint(self) -> str:
+        """A string that changes whenever the documents of either split could change."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.spec!r}, val_fraction={self.val_fraction})"
+
+
+class StdlibSource(Source):
+    """The `.py` files of the running interpreter's standard library, one document per file."""
+
+    def __init__(self, val_fraction: float = 0.05, root: str | Path | None = None):
+        self.spec = "stdlib"
+        self.val_fraction = val_fraction
+        self.root = Path(root if root is not None else sysconfig.get_paths()["stdlib"])
+        if not self.root.is_dir():
+            raise DataError(f"standard library folder not found: {self.root}")
+        self._files: list[Path] | None = None
+
+    def files(self) -> list[Path]:
+        """The candidate `.py` files, sorted by relative path (decoding is checked later)."""
+        if self._files is None:
+            found = []
+            for folder, dir_names, file_names in os.walk(self.root):
+                # Pruning in place stops os.walk from descending into skipped directories.
+                dir_names[:] = [name for name in dir_names if name not in STDLIB_SKIPPED_DIRS]
+                found.extend(Path(folder) / name for name in file_names if name.endswith(".py"))
+            self._files = sorted(found, key=lambda path: path.relative_to(self.root).as_posix())
+        return self._files
+
+    def iter_documents(self, split: str) -> Iterator[str]:
+        _check_split(split)
+        want_val = split == "val"
+        for path in self.files():
+            relative = path.relative_to(self.root).as_posix()
+            if goes_to_val(relative, self.val_fraction) != want_val:
+                continue
+            try:
+                text = path.read_bytes().decode("utf-8")
+            except (OSError, UnicodeDecodeError):
+                continue  # a few stdlib files are deliberately not UTF-8; they are not needed
+            if text.strip():
+                yield text
+
+    def fingerprint(self) -> str:
+        listing = _file_listing(self.root, self.files())
+        return _digest(["stdlib", str(self.root), sys.version, self.val_fraction, listing])
+
+
+class TextSource(Source):
+    """Local text files: `.txt`, `.jsonl` (field `text`) and `.parquet` (column `text`).
+
+    `.txt` files holding `<|endoftext|>` are split on it (each piece stripped of surrounding
+    whitespace); other `.txt` files are one document each. Blank documents are dropped.
+    Documents go to val by a stable hash of (relative file path, document index), except
+    that a source with fewer than 20 documents gives the last `val_fraction` of each document's
+    characters (at least one) to val, so that a single file still yields both splits.
+    """
+
+    def __init__(self, path: str, val_fraction: float = 0.05):
+        self.spec = f"text:{path}"
+        self.path = path
+        self.val_fraction = val_fraction
+        self.root, self.files = _resolve_text_files(path)
+        self._is_small: bool | None = None
+
+    def _iter_all(self) -> Iterator[tuple[str, int, str]]:
+        """Every non-blank document as (relative file path, index within the file, text)."""
+        for file in self.files:
+            relative = file.relative_to(self.root).as_posix()
+            for index, text in enumerate(_read_documents(file)):
+                yield relative, index, text
+
+    def is_small(self) -> bool:
+        """Whether the source has too few documents to split by document."""
+        if self._is_small is None:
+            count = 0
+            for _ in self._iter_all():
+                count += 1
+                if count >= MIN_DOCUMENTS_FOR_DOCUMENT_SPLIT:
+                    break
+            if count == 0:
+                raise DataError(f"no text in {self.path}: the files hold no non-blank documents")
+            self._is_small = count < MIN_DOCUMENTS_FOR_DOCUMENT_SPLIT
+        return self._is_small
+
+    def iter_documents(self, split: str) -> Iterator[str]:
+        _check_split(split)
+        want_val = split == "val"
+        if self.is_small():
+            for _, _, text in self._iter_all():
+                cut = _val_cut(len(text), self.val_fraction)
+                part = text[cut:] if want_val else text[:cut]
+                if part:
+                    yield part
+            return
+        for relative, index, text in self._iter_all():
+            if goes_to_val(f"{relative}:{index}", self.val_fraction) == want_val:
+                yield text
+
+    def fingerprint(self) -> str:
+        listing = _file_listing(self.root, self.files)
+        return _digest(["text", str(self.root.resolve()), self.val_fraction, listing])
+
+
+def _val_cut(length: int, val_fraction: float) -> int:
+    """Character position where a document's val share starts (its last `val_fraction`)."""
+    if val_fraction <= 0:
+        return length
+    return length - max(1, round(length * val_fraction))
+
+
+def _resolve_text_files(path: str) -> tuple[Path, list[Path]]:
+    """The files behind a `text:` path (file, folder or glob), and the root they are relative to."""
+    if not path:
+        raise DataError("empty path in data source 'text:': use text:PATH")
+    expanded = Path(path).expanduser()
+    if expanded.is_file():
+        # A file named explicitly is read even with another suffix (.md, .csv...), as plain text.
+        return expanded.parent, [expanded]
+    if expanded.is_dir():
+        files = sorted(
+            (p for p in expanded.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES),
+            key=lambda p: p.relative_to(expanded).as_posix(),
+        )
+        if not files:
+            raise DataError(f"no .txt, .jsonl or .parquet files in folder {expanded}")
+        return expanded, files
+    if any(char in path for char in "*?["):
+        matches = [Path(p) for p in glob.glob(str(expanded), recursive=True)]
+        files = [p for p in matches if p.is_file() and p.suffix in TEXT_SUFFIXES]
+        if not files:
+            raise DataError(f"no .txt, .jsonl or .parquet files match {path}")
+        root = Path(os.path.commonpath([str(p.parent) for p in files]))
+        return root, sorted(files, key=lambda p: p.relative_to(root).as_posix())
+    raise DataError(f"data path not found: {expanded}")
+
+
+def _read_documents(file: Path) -> Iterator[str]:
+    """The non-blank documents of one file, in order."""
+    if file.suffix == ".jsonl":
+        yield from _read_jsonl(file)
+    elif file.suffix == ".parquet":
+        yield from _read_parquet(file)
+    else:
+        text = _read_text(file)
+        if END_OF_TEXT in text:
+            for piece in text.split(END_OF_TEXT):
+                piece = piece.strip()
+                if piece:
+                    yield piece
+        elif text.strip():
+            yield text
+
+
+def _read_text(file: Path) -> str:
+    try:
+        return file.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{file} is not valid UTF-8 (byte {exc.start})") from exc
+    except OSError as exc:
+        raise DataError(f"cannot read {file}: {exc.strerror}") from exc
+
+
+def _read_jsonl(file: Path) -> Iterator[str]:
+    try:
+        handle = file.open(encoding="utf-8")
+    except OSError as exc:
+        raise DataError(f"cannot read {file}: {exc.strerror}") from exc
+    with handle:
+        line_number = 0
+        try:
+            for line_number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"{file}:{line_number}: invalid JSON ({exc.msg})") from exc
+                if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                    raise DataError(f"{file}:{line_number}: expected an object with a string 'text'")
+                if record["text"].strip():
+                    yield record["text"]
+        except UnicodeDecodeError as exc:
+            raise DataError(f"{file}: not valid UTF-8 (after line {line_number})") from exc
+
+
+def _read_parquet(file: Path) -> Iterator[str]:
+    try:
+        import pyarrow.parquet as parquet
+    except ImportError as exc:
+        raise DataError(f"reading {file} needs pyarrow: pip install pyarrow") from exc
+    try:
+        parquet_file = parquet.ParquetFile(file)
+    except Exception as exc:  # pyarrow raises several unrelated types for unreadable files
+        raise DataError(f"cannot read parquet file {file}: {exc}") from exc
+    if "text" not in parquet_file.schema_arrow.names:
+        raise DataError(f"parquet file {file} has no 'text' column")
+    for batch in parquet_file.iter_batches(columns=["text"]):
+        for text in batch.column(0).to_pylist():
+            if isinstance(text, str) and text.strip():
+                yield text
+
+
+class HFSource(Source):
+    """A Hugging Face dataset, streamed (nothing is downloaded in full).
+
+    Uses the `train` split of the dataset and divides it into train/val by a stable hash of each
+    document's index in the stream; `max_documents` caps how many documents are read (before
+    dividing). The text is field `text`, or else the first string field of the first record.
+    Each of our splits streams the dataset once.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        config: str | None = None,
+        val_fraction: float = 0.05,
+        max_documents: int | None = None,
+    ):
+        if not name:
+            raise DataError("empty dataset name in data source 'hf:': use hf:NAME[:CONFIG]")
+        if max_documents is not None and max_documents < 1:
+            raise ConfigError(f"max_documents must be at least 1, got {max_documents}")
+        self.name = name
+        self.config = config
+        self.spec = f"hf:{name}" + (f":{config}" if config else "")
+        self.val_fraction = val_fraction
+        self.max_documents = max_documents
+
+    def _load_stream(self):
+        try:
+            import datasets
+        except ImportError as exc:
+            raise DataError(
+                f"data source '{self.spec}' needs the datasets library: pip install 'latentloop[hf]'"
+            ) from exc
+        try:
+            return datasets.load_dataset(self.name, self.config, split="train", streaming=True)
+        except Exception as exc:  # network, missing dataset, bad config...: all user-facing here
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise DataError(f"cannot load Hugging Face dataset '{self.spec}': {reason}") from exc
+
+    def iter_documents(self, split: str) -> Iterator[str]:
+        _check_split(split)
+        want_val = split == "val"
+        text_field = None
+        for index, record in enumerate(self._load_stream()):
+            if self.max_documents is not None and index >= self.max_documents:
+                break
+            if text_field is None:
+                text_field = _pick_text_field(record, self.spec)
+            if goes_to_val(str(index), self.val_fraction) != want_val:
+                continue
+            text = record.get(text_field)
+            if isinstance(text, str) and text.strip():
+                yield text
+
+    def fingerprint(self) -> str:
+        # A hub dataset is identified by name and config (assumed not to change underneath us);
+        # a local folder also by the files it holds.
+        listing = None
+        local = Path(self.name).expanduser()
+        if local.is_dir():
+            files = sorted(p for p in local.rglob("*") if p.is_file())
+            listing = _file_listing(local, files)
+        return _digest(["hf", self.name, self.config, self.max_documents, self.val_fraction, listing])
+
+
+def _pick_text_field(record: dict, spec: str) -> str:
+    if isinstance(record.get("text"), str):
+        return "text"
+    for key, value in record.items():
+        if isinstance(value, str):
+            return key
+    raise DataError(f"dataset '{spec}' has no string field to use as text (fields: {list(record)})")
+
+
+def parse_source(spec: str, val_fraction: float = 0.05, max_documents: int | None = None) -> Source:
+    """Turn a data spec (`stdlib`, `text:PATH`, `hf:NAME[:CONFIG]`, `task:NAME`) into a Source.
+
+    `max_documents` caps the documents read from an `hf:` dataset; other sources ignore it.
+    """
+    if not 0 <= val_fraction < 1:
+        raise ConfigError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    spec = spec.strip()
+    kind, colon, rest = spec.partition(":")
+    if spec == "stdlib":
+        return StdlibSource(val_fraction)
+    if kind == "text" and colon:
+        return TextSource(rest, val_fraction)
+    if kind == "hf" and colon:
+        name, _, config = rest.partition(":")
+        return HFSource(name, config or None, val_fraction, max_documents)
+    if kind == "task" and colon:
+        if importlib.util.find_spec("latentloop.data.tasks") is None:
+            raise DataError(f"data source '{spec}': task sources are not available yet")
+        tasks = importlib.import_module("latentloop.data.tasks")
+        if not hasattr(tasks, "get_task_source"):
+            raise DataError(f"data source '{spec}': task sources are not available yet")
+        return tasks.get_task_source(rest, val_fraction)
+    raise DataError(f"unknown data source '{spec}': use stdlib, text:PATH, hf:NAME[:CONFIG] or task:NAME")

@@ -1,0 +1,208 @@
+"""Tokenizers: a dependency-free byte tokenizer and a trainable byte-level BPE tokenizer.
+
+Both share one small interface, which is all the rest of latentloop relies on:
+
+- `encode(text) -> list[int]` (no special tokens), `encode_batch(texts)`, `decode(ids) -> str`
+  (special tokens skipped, invalid UTF-8 replaced), `encode_to_array(text) -> np.ndarray`
+  (fast path for big texts);
+- `bos_id`, `eos_id`, `pad_id`, `vocab_size`, `name`;
+- `token_byte_lengths()`: how many UTF-8 bytes each token id stands for, so that losses can be
+  reported in bits per byte, which is comparable across tokenizers;
+- `save(directory)` writes `tokenizer.json`; `load_tokenizer(spec)` reads it back;
+- `fingerprint()`: a short stable string that changes whenever the id mapping changes, used in
+  cache keys of tokenized data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from latentloop.errors import ConfigError, DataError
+
+TOKENIZER_FILE = "tokenizer.json"
+
+BOS_TOKEN = "<|bos|>"
+EOS_TOKEN = "<|eos|>"
+PAD_TOKEN = "<|pad|>"
+SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)
+
+# Byte-level BPE needs all 256 byte symbols in its alphabet plus our special tokens.
+MIN_BPE_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
+
+
+class ByteTokenizer:
+    """Token ids 0..255 are raw UTF-8 bytes; 256, 257, 258 are BOS, EOS and PAD."""
+
+    name = "byte"
+    bos_id = 256
+    eos_id = 257
+    pad_id = 258
+    vocab_size = 259
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
+        return [self.encode(text) for text in texts]
+
+    def encode_to_array(self, text: str) -> np.ndarray:
+        """Encode to a uint8 array without building a Python list (fast for big texts)."""
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        # Vectorised so that decoding a long memory-mapped stream stays fast.
+        array = np.asarray(ids if isinstance(ids, np.ndarray) else list(ids), dtype=np.int64)
+        data = array[(array >= 0) & (array < 256)].astype(np.uint8).tobytes()
+        return data.decode("utf-8", errors="replace")
+
+    def token_byte_lengths(self) -> np.ndarray:
+        lengths = np.zeros(self.vocab_size, dtype=np.int64)
+        lengths[:256] = 1
+        return lengths
+
+    def save(self, directory: str | Path) -> Path:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / TOKENIZER_FILE
+        path.write_text(json.dumps({"type": "byte"}) + "\n", encoding="utf-8")
+        return path
+
+    def fingerprint(self) -> str:
+        return "byte-v1"
+
+    def __repr__(self) -> str:
+        return "ByteTokenizer()"
+
+
+class BPETokenizer:
+    """A Hugging Face byte-level BPE tokenizer with latentloop's three special tokens.
+
+    Build one with `BPETokenizer.train(texts, vocab_size)` or `BPETokenizer.load(path)`.
+    """
+
+    name = "bpe"
+
+    def __init__(self, hf_tokenizer, source: str = "<memory>"):
+        self._tokenizer = hf_tokenizer
+        # Text that happens to contain "<|eos|>" etc. must be encoded as ordinary bytes, never
+        # turned into a control token; only our own code inserts special ids.
+        self._tokenizer.encode_special_tokens = True
+        ids = [hf_tokenizer.token_to_id(token) for token in SPECIAL_TOKENS]
+        missing = [token for token, token_id in zip(SPECIAL_TOKENS, ids) if token_id is None]
+        if missing:
+            raise DataError(f"tokenizer {source} lacks the special tokens {', '.join(missing)}")
+        self.bos_id, self.eos_id, self.pad_id = ids
+        self.vocab_size = hf_tokenizer.get_vocab_size(with_added_tokens=True)
+        self._byte_lengths: np.ndarray | None = None
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int) -> BPETokenizer:
+        """Learn merges on `texts` until the vocabulary (specials included) has `vocab_size` ids."""
+        if vocab_size < MIN_BPE_VOCAB_SIZE:
+            raise ConfigError(
+                f"BPE vocab_size {vocab_size} is too small: need at least {MIN_BPE_VOCAB_SIZE} "
+                f"(256 bytes + {len(SPECIAL_TOKENS)} special tokens)"
+            )
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+        hf_tokenizer = Tokenizer(models.BPE())
+        hf_tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        hf_tokenizer.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=list(SPECIAL_TOKENS),
+            # Seed the alphabet with all 256 byte symbols so that any text stays encodable,
+            # even bytes that never occurred in the training texts.
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        hf_tokenizer.train_from_iterator(texts, trainer=trainer)
+        return cls(hf_tokenizer)
+
+    @classmethod
+    def load(cls, path: str | Path) -> BPETokenizer:
+        """Load from a `tokenizer.json` file or a directory holding one."""
+        from tokenizers import Tokenizer
+
+        path = Path(path).expanduser()
+        if path.is_dir():
+            path = path / TOKENIZER_FILE
+        if not path.is_file():
+            raise DataError(f"tokenizer file not found: {path}")
+        try:
+            hf_tokenizer = Tokenizer.from_file(str(path))
+        except Exception as exc:  # the Rust side raises plain Exception for any parse problem
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise DataError(f"cannot read tokenizer {path}: {reason}") from exc
+        return cls(hf_tokenizer, source=str(path))
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
+        encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=False)
+        return [encoding.ids for encoding in encodings]
+
+    def encode_to_array(self, text: str) -> np.ndarray:
+        return np.asarray(self.encode(text), dtype=np.uint32)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def token_byte_lengths(self) -> np.ndarray:
+        # In the ByteLevel alphabet every character of a token string stands for exactly one
+        # byte, so a token's byte count is simply the length of its string.
+        if self._byte_lengths is None:
+            special_ids = {self.bos_id, self.eos_id, self.pad_id}
+            lengths = np.zeros(self.vocab_size, dtype=np.int64)
+            for token_id in range(self.vocab_size):
+                token = self._tokenizer.id_to_token(token_id)
+                if token is not None and token_id not in special_ids:
+                    lengths[token_id] = len(token)
+            self._byte_lengths = lengths
+        return self._byte_lengths.copy()
+
+    def to_json(self) -> str:
+        return self._tokenizer.to_str()
+
+    def save(self, directory: str | Path) -> Path:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / TOKENIZER_FILE
+        self._tokenizer.save(str(path))
+        return path
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(self.to_json().encode("utf-8")).hexdigest()[:16]
+
+    def __repr__(self) -> str:
+        return f"BPETokenizer(vocab_size={self.vocab_size})"
+
+
+def load_tokenizer(spec: str) -> ByteTokenizer | BPETokenizer:
+    """Turn a tokenizer spec into a tokenizer.
+
+    `"byte"` gives a ByteTokenizer; a path to a `tokenizer.json` (or a directory holding one)
+    gives whichever kind the file describes.
+    """
+    if spec == "byte":
+        return ByteTokenizer()
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / TOKENIZER_FILE).is_file():
+            raise DataError(f"no {TOKENIZER_FILE} in directory {path}")
+        path = path / TOKENIZER_FILE
+    if not path.is_file():
+        raise DataError(f"unknown tokenizer '{spec}': use 'byte' or a path to a tokenizer.json")
+    try:
+        content = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DataError(f"cannot read tokenizer {path}: {exc}") from exc
+    if isinstance(content, dict) and content.get("type") == "byte":
+        return ByteTokenizer()
+    return BPETokenizer.load(path)

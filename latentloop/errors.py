@@ -1,0 +1,22 @@
+"""User-facing errors.
+
+Anything a user can get wrong (a config value, a CLI flag, a data path, a prompt, a checkpoint)
+raises a subclass of `LatentloopError`. The CLI turns these into one line on stderr and exit code 2;
+every other exception is a bug and keeps its traceback.
+"""
+
+
+class LatentloopError(Exception):
+    """Base class for errors caused by the user's input rather than by a bug."""
+
+
+class ConfigError(LatentloopError, ValueError):
+    """An impossible or unknown configuration value."""
+
+
+class DataError(LatentloopError):
+    """Missing, empty or unreadable data."""
+
+
+class CheckpointError(LatentloopError):
+    """A missing, corrupt or incompatible checkpoint / run folder."""

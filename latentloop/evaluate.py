@@ -1,0 +1,63 @@
+"""Validation loss, perplexity and bits per byte.
+
+BPB = (summed nats over the target tokens) / ln 2 / (UTF-8 bytes of those targets). Special tokens
+(BOS/EOS/PAD, which stand for zero bytes) are excluded from both sums, so the number compares
+across tokenizers. Loss and perplexity are per token, over all targets.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from .data import eval_batches
+from .objectives import token_cross_entropy
+
+LogitsFn = Callable[[nn.Module, Tensor], Tensor]  # (model, x (B, T)) -> logits (B, T, V)
+
+
+def plain_logits(model: nn.Module, x: Tensor) -> Tensor:
+    return model(x).logits
+
+
+@torch.no_grad()
+def evaluate_loss(model: nn.Module, tokens: np.ndarray, token_bytes: np.ndarray, batch_size: int, seq_len: int,
+                  max_batches: int | None = None, logits_fn: LogitsFn = plain_logits,
+                  device: torch.device | str | None = None) -> dict[str, float]:
+    was_training = model.training
+    model.eval()
+    device = device or next(model.parameters()).device
+    byte_table = torch.as_tensor(np.asarray(token_bytes), dtype=torch.long, device=device)
+    nats = nats_bpb = 0.0
+    n_tokens = n_bytes = 0
+    try:
+        for x, y in eval_batches(tokens, batch_size, seq_len, max_batches):
+            x, y = x.to(device), y.to(device)
+            losses = token_cross_entropy(logits_fn(model, x), y, reduction="none")  # (B*T,)
+            target_bytes = byte_table[y.flatten()]
+            nats += float(losses.sum())
+            n_tokens += y.numel()
+            nats_bpb += float((losses * (target_bytes > 0)).sum())
+            n_bytes += int(target_bytes.sum())
+    finally:
+        model.train(was_training)
+    if n_tokens == 0:
+        return {"loss": float("nan"), "ppl": float("nan"), "bpb": float("nan"), "tokens": 0}
+    loss = nats / n_tokens
+    return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "bpb": nats_bpb / math.log(2) / max(n_bytes, 1),
+            "tokens": n_tokens}
+
+
+def evaluate_run(model: nn.Module, tokens: np.ndarray, tokenizer, batch_size: int, seq_len: int,
+                 max_batches: int | None = None, options: dict | None = None) -> dict[str, float]:
+    """`evaluate_loss` with the model's own scoring under architecture options (regime, passes, ...)."""
+    options = options or {}
+
+    def logits_fn(m: nn.Module, x: Tensor) -> Tensor:
+        return m.eval_logits(x, **options)
+
+    return evaluate_loss(model, tokens, tokenizer.token_byte_lengths(), batch_size, seq_len, max_batches, logits_fn)

@@ -1,0 +1,270 @@
+"""The shared backbone: a nanochat-style decoder-only transformer (arch `gpt`).
+
+Notable features:
+- token embedding followed by a parameter-free RMSNorm; pre-norm blocks; a final norm
+- no biases and no learnable norm gains anywhere
+- causal self-attention through `F.scaled_dot_product_attention`, with rotary position embeddings
+  (RoPE), QK-norm and optional grouped-query attention (`n_kv_head < n_head`)
+- ReLU² MLP (nanochat) or SwiGLU
+- lm_head tied to the embedding or separate; optional logit soft-cap
+- an explicit `KVCache` passed into `forward`; per-row positions so that left-padded batches of
+  prompts of different lengths give exactly the logits of each prompt alone
+- `forward` returns logits *and* the top-layer states; losses live in `latentloop.objectives`
+
+Init (documented because the variants rely on it):
+- embedding ~ N(0, 1/D): its input use is normed anyway, and with a tied head the initial logits
+  then have unit scale; an untied head ~ N(0, 0.001²) starts near the uniform distribution;
+- input projections (q, k, v, MLP up/gate) ~ N(0, 1/fan_in), so each keeps unit RMS;
+- output projections (attention and MLP out) ~ N(0, 1/(fan_in · 2L)): the 2L residual branches of
+  an L-layer stack add O(1) variance in total, so the top state's RMS stays O(1) at any depth (the
+  full-bandwidth variant feeds that state back in and needs it bounded).
+
+Extension points for the variants (each a thin subclass in its own file):
+`make_block` (which block class each layer uses), `Attention.project_qkv` (e.g. extra keys/values),
+`embed`, `run_blocks`, `readout`, `new_cache` (how many cache slots), `forward`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..config import ModelConfig
+from ..errors import ConfigError
+from .cache import AttentionPlan, KVCache, plan_attention
+
+UNTIED_HEAD_INIT_STD = 0.001  # small enough that the initial next-token distribution is ~uniform
+
+
+def norm(x: Tensor) -> Tensor:
+    """Parameter-free RMSNorm over the last dimension."""
+    return F.rms_norm(x, (x.size(-1),))
+
+
+# --------------------------------------------------------------------------------------------
+# Rotary position embeddings
+# --------------------------------------------------------------------------------------------
+
+
+def rope_tables(max_positions: int, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos, sin tables of shape (max_positions, head_dim / 2)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # (P, hd/2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate pairs (x1, x2) of the two head-dim halves. x: (B, T, H, hd); cos, sin: (B|1, T, 1, hd/2)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
+
+
+@dataclass
+class ForwardContext:
+    """What every layer of one forward needs besides its input. Variants may subclass it."""
+
+    plan: AttentionPlan
+    cos: Tensor  # (B|1, T, 1, hd/2)
+    sin: Tensor
+    cache: KVCache | None = None
+    slot_offset: int = 0  # cache slot of layer 0 (recurrent-depth models use several per layer)
+
+
+# --------------------------------------------------------------------------------------------
+# Attention, MLP, block
+# --------------------------------------------------------------------------------------------
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        D = config.n_embd
+        self.c_q = nn.Linear(D, self.n_head * self.head_dim, bias=False)
+        self.c_k = nn.Linear(D, self.n_kv_head * self.head_dim, bias=False)
+        self.c_v = nn.Linear(D, self.n_kv_head * self.head_dim, bias=False)
+        self.c_proj = nn.Linear(D, D, bias=False)
+
+    def project_qkv(self, x: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor, Tensor]:
+        """q (B, T, H, hd), k and v (B, T, Hkv, hd), before RoPE and QK-norm."""
+        B, T, _ = x.shape
+        q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
+        k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
+        v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
+        return q, k, v
+
+    def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
+        B, T, D = x.shape
+        q, k, v = self.project_qkv(x, ctx)
+        q, k = norm(apply_rope(q, ctx.cos, ctx.sin)), norm(apply_rope(k, ctx.cos, ctx.sin))  # QK-norm
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, hd)
+        if ctx.cache is not None:
+            k, v = ctx.cache.update(ctx.slot_offset + self.layer_idx, k, v)  # (B, Hkv, Tk, hd)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.plan.mask, is_causal=ctx.plan.is_causal,
+                                           enable_gqa=self.n_kv_head != self.n_head)  # (B, H, T, hd)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, D))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.swiglu = config.mlp == "swiglu"
+        hidden = config.mlp_hidden
+        self.c_fc = nn.Linear(config.n_embd, hidden, bias=False)
+        self.c_gate = nn.Linear(config.n_embd, hidden, bias=False) if self.swiglu else None
+        self.c_proj = nn.Linear(hidden, config.n_embd, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.swiglu:
+            h = F.silu(self.c_gate(x)) * self.c_fc(x)
+        else:
+            h = F.relu(self.c_fc(x)).square()  # ReLU²
+        return self.c_proj(h)
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.attn = Attention(config, layer_idx)
+        self.mlp = MLP(config)
+
+    def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
+        x = x + self.attn(norm(x), ctx)
+        x = x + self.mlp(norm(x))
+        return x
+
+
+# --------------------------------------------------------------------------------------------
+# The model
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelOutput:
+    logits: Tensor  # (B, T, V)
+    hidden: Tensor  # (B, T, D) top-layer residual state, before the final norm
+
+
+class GPT(nn.Module):
+    config_class = ModelConfig
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        D, V = config.n_embd, config.vocab_size
+        self.wte = nn.Embedding(V, D)
+        self.blocks = nn.ModuleList([self.make_block(i) for i in range(config.n_layer)])
+        self.lm_head = None if config.tie_embeddings else nn.Linear(D, V, bias=False)
+        cos, sin = rope_tables(config.sequence_len, config.head_dim, config.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    def make_block(self, layer_idx: int) -> nn.Module:
+        return Block(self.config, layer_idx)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        D, L = self.config.n_embd, self.config.n_layer
+        nn.init.normal_(self.wte.weight, std=D ** -0.5)
+        if self.lm_head is not None:
+            nn.init.normal_(self.lm_head.weight, std=UNTIED_HEAD_INIT_STD)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear) and module is not self.lm_head:
+                fan_in = module.in_features
+                depth_scale = (2 * L) ** -0.5 if name.endswith("c_proj") else 1.0
+                nn.init.normal_(module.weight, std=fan_in ** -0.5 * depth_scale)
+
+    # -- pieces of the forward pass, reused by the variants ----------------------------------
+    def embed(self, idx: Tensor) -> Tensor:
+        return norm(self.wte(idx))  # (B, T, D)
+
+    def context(self, idx: Tensor, cache: KVCache | None, pad_mask: Tensor | None) -> ForwardContext:
+        T = idx.shape[1]
+        plan = cache.begin(T, pad_mask) if cache is not None else plan_attention(pad_mask, T, idx.device)
+        if int(plan.positions.max()) >= self.config.sequence_len:
+            raise ValueError(f"position {int(plan.positions.max())} is beyond the context of "
+                             f"{self.config.sequence_len} tokens")
+        cos = self.rope_cos[plan.positions][:, :, None, :]  # (B|1, T, 1, hd/2)
+        sin = self.rope_sin[plan.positions][:, :, None, :]
+        return ForwardContext(plan=plan, cos=cos.to(self.wte.weight.dtype), sin=sin.to(self.wte.weight.dtype),
+                              cache=cache)
+
+    def run_blocks(self, x: Tensor, ctx: ForwardContext) -> Tensor:
+        for block in self.blocks:
+            x = block(x, ctx)
+        return x
+
+    def readout(self, h: Tensor) -> Tensor:
+        """Final norm, head and soft-cap: (B, T, D) -> (B, T, V)."""
+        h = norm(h)
+        logits = F.linear(h, self.wte.weight) if self.lm_head is None else self.lm_head(h)
+        cap = self.config.logit_softcap
+        if cap > 0:
+            logits = cap * torch.tanh(logits / cap)
+        return logits
+
+    def forward(self, idx: Tensor, cache: KVCache | None = None, pad_mask: Tensor | None = None) -> ModelOutput:
+        """idx (B, T) token ids; pad_mask (B, T) True for real tokens of left-padded rows."""
+        ctx = self.context(idx, cache, pad_mask)
+        h = self.run_blocks(self.embed(idx), ctx)  # (B, T, D)
+        if cache is not None:
+            cache.advance()
+        return ModelOutput(logits=self.readout(h), hidden=h)
+
+    def generate_step(self, idx: Tensor, cache: KVCache | None = None, pad_mask: Tensor | None = None,
+                      prompt_len: int = 0, **options) -> ModelOutput:
+        """One call of the engine's loop: a prefill or one-token decode with `cache`, or (cache None)
+        the whole sequence so far, whose first `prompt_len` columns are the prompt. Variants use
+        `prompt_len` and their own options (regime, passes, steps); the baseline takes none."""
+        if options:
+            raise ConfigError(f"arch {self.config.arch!r} does not support generation option(s): "
+                              f"{', '.join(sorted(options))}")
+        return self(idx, cache=cache, pad_mask=pad_mask)
+
+    def eval_logits(self, idx: Tensor, **options) -> Tensor:
+        """Logits for scoring teacher-forced text (loss, BPB, multiple choice) under `options`."""
+        if options:
+            raise ConfigError(f"arch {self.config.arch!r} does not support evaluation option(s): "
+                              f"{', '.join(sorted(options))}")
+        return self(idx).logits
+
+    # -- utilities ---------------------------------------------------------------------------
+    def cache_slots(self) -> int:
+        return self.config.n_layer
+
+    def new_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
+        weight = self.wte.weight
+        return KVCache(batch_size, max_len or self.config.sequence_len, self.cache_slots(), self.config.n_kv_head,
+                       self.config.head_dim, device=weight.device, dtype=weight.dtype)
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.wte.weight.numel() if exclude_embedding else n
+
+    def flops_per_token(self, seq_len: int | None = None) -> int:
+        """Training FLOPs per token of one forward + backward (6 per matmul weight + attention).
+
+        Counts 2 FLOPs per multiply-add for every weight matrix except the embedding lookup (the
+        tied head is counted), plus QK^T and AV with the average causal context of seq_len/2,
+        and triples the forward for the backward pass.
+        """
+        T = seq_len or self.config.sequence_len
+        c = self.config
+        matmul_params = self.num_params() - self.wte.weight.numel() + c.vocab_size * c.n_embd
+        attention = c.n_layer * 2 * 2 * c.n_embd * (T / 2)  # QK^T and AV, causal average
+        return int(3 * (2 * matmul_params + attention))
+
+
+def count_param_groups(model: nn.Module) -> dict[str, int]:
+    """Parameters per top-level submodule name, for reports."""
+    groups: dict[str, int] = {}
+    for name, p in model.named_parameters():
+        key = name.split(".")[0]
+        groups[key] = groups.get(key, 0) + p.numel()
+    return groups
+

@@ -1,0 +1,120 @@
+"""The inference cache passed explicitly into `forward`.
+
+`KVCache` holds, for every attention *slot*, the keys and values of all tokens seen so far, the
+absolute position of every stored token, and named slots of recurrent state that variants carry
+from one token to the next (nanochat's `KVCache.prev_embedding`, generalised):
+
+- slots: normally one per layer; a recurrent-depth model asks for one per (step, core layer).
+- `key_pos` (B, max_len): position of each stored token, -1 for empty slots and left padding.
+  Masks are built from positions, so a left-padded batch of prompts of different lengths decodes
+  exactly like each prompt alone.
+- `state`: a dict of tensors, e.g. `state["fbt.prev_top"]` (B, D), owned by the variant that
+  writes it.
+
+Usage inside a model forward: `ctx = cache.begin(T, pad_mask)` once, `cache.update(slot, k, v)` in
+every attention layer, `cache.advance(T)` once at the end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class AttentionPlan:
+    """How one forward's queries attend to keys: positions for RoPE and the mask for SDPA."""
+
+    positions: Tensor  # (B or 1, T) absolute position of each query token
+    mask: Tensor | None  # (B, 1, T, Tk) bool, True = may attend; None with is_causal as below
+    is_causal: bool  # SDPA's causal flag, only valid when mask is None
+
+
+def attention_mask(query_pos: Tensor, key_pos: Tensor, query_slot: Tensor, key_slot: Tensor) -> Tensor:
+    """Bool mask (B, 1, Tq, Tk): a query sees stored keys at positions <= its own.
+
+    Empty or padded keys have position -1 and are never seen, except that each query always sees
+    its own slot, so that a padding query has one valid key and SDPA never returns NaN (which would
+    leak into real tokens through 0 * NaN in later layers).
+    """
+    visible = (key_pos[:, None, :] >= 0) & (key_pos[:, None, :] <= query_pos[:, :, None])  # (B, Tq, Tk)
+    own_slot = key_slot[None, None, :] == query_slot[None, :, None]  # (1, Tq, Tk)
+    return (visible | own_slot)[:, None]  # (B, 1, Tq, Tk)
+
+
+def plan_attention(pad_mask: Tensor | None, T: int, device: torch.device) -> AttentionPlan:
+    """The uncached case: one full sequence, optionally left-padded (pad_mask True = real token)."""
+    if pad_mask is None:
+        return AttentionPlan(torch.arange(T, device=device)[None], None, True)
+    positions = (pad_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, T)
+    key_pos = torch.where(pad_mask, positions, torch.full_like(positions, -1))
+    slots = torch.arange(T, device=device)
+    return AttentionPlan(positions, attention_mask(positions, key_pos, slots, slots), False)
+
+
+class KVCache:
+    """Preallocated keys/values for `n_slots` attention slots plus recurrent-state slots."""
+
+    def __init__(self, batch_size: int, max_len: int, n_slots: int, n_kv_head: int, head_dim: int,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+        shape = (n_slots, batch_size, n_kv_head, max_len, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)  # (S, B, H, L, hd)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.key_pos = torch.full((batch_size, max_len), -1, dtype=torch.long, device=device)
+        self.next_pos = torch.zeros(batch_size, dtype=torch.long, device=device)  # next position per row
+        self.length = 0  # slots used along the time axis
+        self.has_padding = False
+        self.state: dict[str, Tensor] = {}
+        self._pending = 0  # tokens of the forward in flight
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def begin(self, T: int, pad_mask: Tensor | None = None) -> AttentionPlan:
+        """Register T new tokens (left-padded where pad_mask is False) and plan their attention."""
+        if self.length + T > self.max_len:
+            raise ValueError(f"cache overflow: {self.length} + {T} tokens > max_len {self.max_len}")
+        device = self.key_pos.device
+        steps = torch.arange(T, device=device)
+        if pad_mask is None:
+            positions = self.next_pos[:, None] + steps[None]  # (B, T)
+            key_pos = positions
+        else:
+            offsets = pad_mask.long().cumsum(dim=1) - 1  # (B, T)
+            positions = self.next_pos[:, None] + offsets.clamp(min=0)
+            key_pos = torch.where(pad_mask, positions, torch.full_like(positions, -1))
+            self.has_padding = self.has_padding or bool((~pad_mask).any())
+        self.key_pos[:, self.length:self.length + T] = key_pos
+        self.next_pos = positions[:, -1] + 1
+        self._pending = T
+        if not self.has_padding and self.length == 0:
+            return AttentionPlan(positions, None, True)
+        if not self.has_padding and T == 1:  # one new token sees everything stored: no mask needed
+            return AttentionPlan(positions, None, False)
+        end = self.length + T
+        mask = attention_mask(positions, self.key_pos[:, :end],
+                              torch.arange(self.length, end, device=device), torch.arange(end, device=device))
+        return AttentionPlan(positions, mask, False)
+
+    def update(self, slot: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store this forward's k, v (B, H, T, hd) in `slot`; return all keys/values so far."""
+        start, end = self.length, self.length + k.shape[2]
+        self.k[slot, :, :, start:end] = k
+        self.v[slot, :, :, start:end] = v
+        return self.k[slot, :, :, :end], self.v[slot, :, :, :end]
+
+    def advance(self) -> None:
+        """Commit the tokens registered by `begin` (call once, after every layer ran)."""
+        self.length += self._pending
+        self._pending = 0
+
+    def memory_bytes(self) -> int:
+        tensors = [self.k, self.v, self.key_pos, *self.state.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)

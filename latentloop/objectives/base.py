@@ -1,0 +1,47 @@
+"""The objective interface and the baseline next-token objective."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..config import ModelConfig, TrainConfig
+
+
+def token_cross_entropy(logits: Tensor, targets: Tensor, reduction: str = "mean") -> Tensor:
+    """Cross-entropy of (B, T, V) logits against (B, T) targets, computed in float32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction=reduction)
+
+
+@dataclass
+class LossResult:
+    loss: Tensor  # scalar to back-propagate
+    metrics: dict[str, float] = field(default_factory=dict)  # extra values for the log (e.g. passes used)
+
+
+class Objective:
+    """Turns (model, batch, step) into a loss. Subclasses define a variant's training procedure."""
+
+    name = "objective"
+
+    def __init__(self, model_config: ModelConfig, train_config: TrainConfig):
+        self.model_config = model_config
+        self.train_config = train_config
+
+    def __call__(self, model: nn.Module, x: Tensor, y: Tensor, step: int) -> LossResult:
+        raise NotImplementedError
+
+    def flops_per_token(self, model: nn.Module, step: int | None = None) -> float:
+        """Training FLOPs charged per token (forward + backward); `step` None = the run's average."""
+        return float(model.flops_per_token())
+
+
+class NextTokenObjective(Objective):
+    """Plain next-token prediction: one forward, mean cross-entropy."""
+
+    name = "next_token"
+
+    def __call__(self, model: nn.Module, x: Tensor, y: Tensor, step: int) -> LossResult:
+        return LossResult(token_cross_entropy(model(x).logits, y))

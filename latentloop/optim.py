@@ -1,0 +1,106 @@
+"""Optimizers and learning-rate schedules.
+
+- AdamW for everything (default), with weight decay on matrices only.
+- Muon (as in nanochat / modded-nanoGPT) for the 2-D weights inside the blocks: SGD momentum whose
+  update is orthogonalised by a few Newton-Schulz iterations; AdamW keeps the embedding, the head and
+  any vectors or scalars.
+- Schedules return a multiplier of the base lr: linear warmup, then cosine decay, or
+  warmup-stable-decay (constant, then a linear decay over the last fraction of steps).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from .config import TrainConfig
+
+# Coefficients of the quintic Newton-Schulz iteration that drives singular values towards 1
+# quickly (Keller Jordan's Muon); exactness is not needed, only speed and stability in bf16.
+NEWTON_SCHULZ_COEFFS = (3.4445, -4.7750, 2.0315)
+MUON_MOMENTUM = 0.95
+
+
+def orthogonalize(G: Tensor, steps: int = 5) -> Tensor:
+    """Approximately replace G = U S V^T by U V^T."""
+    a, b, c = NEWTON_SCHULZ_COEFFS
+    X = G.bfloat16() if G.is_cuda else G.float()
+    transposed = X.size(0) > X.size(1)
+    if transposed:
+        X = X.mT
+    X = X / (X.norm() + 1e-7)
+    for _ in range(steps):
+        A = X @ X.mT
+        X = a * X + (b * A + c * A @ A) @ X
+    return (X.mT if transposed else X).to(G.dtype)
+
+
+class Muon(torch.optim.Optimizer):
+    def __init__(self, params, lr: float = 0.02, momentum: float = MUON_MOMENTUM, weight_decay: float = 0.0,
+                 ns_steps: int = 5):
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, ns_steps=ns_steps))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad))
+                buf.lerp_(p.grad, 1 - group["momentum"])
+                update = orthogonalize(p.grad.lerp(buf, group["momentum"]), group["ns_steps"])  # Nesterov
+                aspect = max(1.0, p.size(0) / p.size(1)) ** 0.5  # keeps the update's RMS comparable across shapes
+                if group["weight_decay"]:
+                    p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(update, alpha=-group["lr"] * aspect)
+
+
+def build_optimizers(model: nn.Module, config: TrainConfig) -> list[torch.optim.Optimizer]:
+    """One or two optimizers; each param group remembers its base lr as `initial_lr`."""
+    embed_ids = {id(p) for name, p in model.named_parameters() if name.startswith(("wte", "lm_head"))}
+    matrices, vectors, embeddings = [], [], []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        if id(p) in embed_ids:
+            embeddings.append(p)
+        elif p.dim() >= 2:
+            matrices.append(p)
+        else:
+            vectors.append(p)
+    adam_kwargs = dict(lr=config.lr, betas=config.betas, eps=1e-8)
+    if config.optimizer == "muon":
+        groups = [dict(params=embeddings, weight_decay=0.0), dict(params=vectors, weight_decay=0.0)]
+        optimizers = [torch.optim.AdamW([g for g in groups if g["params"]], **adam_kwargs),
+                      Muon(matrices, lr=config.muon_lr, weight_decay=config.weight_decay)]
+    else:
+        groups = [dict(params=matrices + embeddings, weight_decay=config.weight_decay),
+                  dict(params=vectors, weight_decay=0.0)]
+        optimizers = [torch.optim.AdamW([g for g in groups if g["params"]], **adam_kwargs)]
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["initial_lr"] = group["lr"]
+    return optimizers
+
+
+def lr_multiplier(step: int, config: TrainConfig) -> float:
+    """Multiplier of the base lr at optimizer step `step` (0-based)."""
+    total, warmup, floor = config.steps, config.warmup_steps, config.min_lr_ratio
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    if config.schedule == "wsd":
+        decay_start = total - max(1, int(round(config.decay_fraction * total)))
+        if step < decay_start:
+            return 1.0
+        progress = (step - decay_start + 1) / max(1, total - decay_start)
+        return 1.0 - (1.0 - floor) * min(1.0, progress)
+    progress = (step - warmup) / max(1, total - warmup)
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def set_lr(optimizers: list[torch.optim.Optimizer], multiplier: float) -> None:
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = group["initial_lr"] * multiplier
