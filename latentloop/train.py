@@ -199,8 +199,9 @@ def _log(state: TrainState, row: dict[str, Any]) -> None:
         f.write(json.dumps(row) + "\n")
 
 
-def fit(state: TrainState, progress: bool = True) -> dict[str, Any]:
-    """Train until `train.steps`, evaluating and checkpointing on schedule; returns a summary."""
+def fit(state: TrainState, progress: bool = True, max_seconds: float | None = None) -> dict[str, Any]:
+    """Train until `train.steps` (or until `max_seconds` of training have passed in this call),
+    evaluating and checkpointing on schedule; returns a summary."""
     cfg, model = state.config.train, state.model
     forward_model = state.forward_model or model
     tokens_per_step = cfg.batch_size * cfg.grad_accum * state.config.model.sequence_len
@@ -208,7 +209,8 @@ def fit(state: TrainState, progress: bool = True) -> dict[str, Any]:
     bar = tqdm(total=cfg.steps, initial=state.step, disable=not progress, desc="train", dynamic_ncols=True)
     window_start, window_tokens = time.perf_counter(), 0
     train_loss = float("nan")
-    while state.step < cfg.steps:
+    deadline = time.perf_counter() + max_seconds if max_seconds is not None else float("inf")
+    while state.step < cfg.steps and time.perf_counter() < deadline:
         step_start = time.perf_counter()
         multiplier = lr_multiplier(state.step, cfg)
         set_lr(state.optimizers, multiplier)
@@ -232,7 +234,7 @@ def fit(state: TrainState, progress: bool = True) -> dict[str, Any]:
         state.elapsed += time.perf_counter() - step_start
         window_tokens += tokens_per_step
         train_loss = loss_sum
-        if state.step % cfg.log_every == 0 or state.step == cfg.steps:
+        if state.step % cfg.log_every == 0 or state.step == cfg.steps or time.perf_counter() >= deadline:
             now = time.perf_counter()
             tok_per_s = window_tokens / max(now - window_start, 1e-9)
             window_start, window_tokens = now, 0

@@ -255,7 +255,8 @@ class GPT(nn.Module):
         """
         T = seq_len or self.config.sequence_len
         c = self.config
-        matmul_params = self.num_params() - self.wte.weight.numel() + c.vocab_size * c.n_embd
+        head = c.vocab_size * c.n_embd if self.lm_head is None else 0  # a tied head still multiplies
+        matmul_params = self.num_params() - self.wte.weight.numel() + head
         attention = c.n_layer * 2 * 2 * c.n_embd * (T / 2)  # QK^T and AV, causal average
         return int(3 * (2 * matmul_params + attention))
 

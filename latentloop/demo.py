@@ -1,0 +1,138 @@
+"""`latentloop demo`: train every available architecture briefly on the same data, evaluate, sample,
+print a comparison table and write a report (Markdown + loss plot) into the demo folder.
+
+The time budget is split evenly between architectures; each run's step count comes from timing a
+few calibration steps, so the budget holds on slow and fast machines alike.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import DataConfig, RunConfig, TrainConfig, model_config
+from .engine import generate
+from .errors import ConfigError, LatentloopError
+from .models import MODEL_CLASSES
+
+DEMO_MARKER = "demo.json"  # a folder holding this file was written by the demo and may be replaced
+CALIBRATION_STEPS = 3
+MIN_STEPS = 10
+BUDGET_FOR_TRAINING = 0.8  # the rest of the budget goes to setup, evaluation and sampling
+OVERRUN_ALLOWED = 1.25  # a run whose calibration was too optimistic is cut here (schedule unfinished)
+SAMPLE_PROMPT = "def "
+SAMPLE_TOKENS = 160
+
+
+def _prepare_folder(out: Path) -> None:
+    if out.exists() and any(out.iterdir()):
+        if not (out / DEMO_MARKER).is_file():
+            raise LatentloopError(f"{out} exists and was not written by the demo; choose another --out")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def _seconds_per_step(state) -> float:
+    """Time a few optimizer-free forward/backward passes of a copy of the run's model."""
+    import copy
+
+    model = copy.deepcopy(state.model).train()
+    x, y = state.loader.next_batch()
+    times = []
+    for i in range(CALIBRATION_STEPS):
+        start = time.perf_counter()
+        state.objective(model, x, y, state.config.train.steps).loss.backward()
+        if i:  # the first pass pays one-off costs
+            times.append(time.perf_counter() - start)
+    state.loader.load_state_dict({**state.loader.state_dict(), "epoch": 0, "index": 0})
+    return sum(times) / len(times) * 1.15  # the optimizer step and logging add a little
+
+
+def run_demo(out: Path, minutes: float = 4.0, data: str = "stdlib", preset: str = "tiny",
+             archs: list[str] | None = None, progress: bool = True) -> list[dict[str, Any]]:
+    from .train import fit, setup
+
+    archs = archs or sorted(MODEL_CLASSES, key=lambda a: (a != "gpt", a))
+    unknown = [a for a in archs if a not in MODEL_CLASSES]
+    if unknown:
+        raise ConfigError(f"unknown arch(s) {', '.join(unknown)}: choose from {', '.join(sorted(MODEL_CLASSES))}")
+    if minutes <= 0:
+        raise ConfigError(f"--minutes must be > 0, got {minutes}")
+    _prepare_folder(out)
+    (out / DEMO_MARKER).write_text(json.dumps({"status": "running", "archs": archs}) + "\n")
+    budget = minutes * 60 * BUDGET_FOR_TRAINING / len(archs)
+    results = []
+    for arch in archs:
+        print(f"== {arch}: training for about {budget:.0f} s")
+        config = RunConfig(model=model_config(arch, preset),
+                           train=TrainConfig(steps=1_000_000, batch_size=16, eval_every=0, eval_batches=16,
+                                             log_every=5, warmup_steps=20),
+                           data=DataConfig(source=data))
+        state = setup(config, out / arch, progress=progress)
+        steps = max(MIN_STEPS, int(budget / _seconds_per_step(state)))
+        config.train.steps = steps
+        state.config.train.steps = steps
+        (out / arch / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+        summary = fit(state, progress=progress, max_seconds=budget * OVERRUN_ALLOWED)
+        prompt = [state.tokenizer.bos_id] + state.tokenizer.encode(SAMPLE_PROMPT)
+        ids = generate(state.model, prompt, SAMPLE_TOKENS, temperature=0.8, top_k=50, seed=0,
+                       stop_tokens=[state.tokenizer.bos_id, state.tokenizer.eos_id])
+        summary.update(arch=arch, sample=SAMPLE_PROMPT + state.tokenizer.decode(ids),
+                       history=[row for row in state.history if "loss" in row or "val_loss" in row])
+        results.append(summary)
+    _write_report(out, results, data, preset, minutes)
+    return results
+
+
+def _table(results: list[dict[str, Any]]) -> str:
+    lines = ["| arch | params | steps | tokens | train s | val loss | val bpb |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        lines.append(f"| {r['arch']} | {r['params']:,} | {r['step']} | {r['tokens']:,} | {r['elapsed']:.0f} | "
+                     f"{r['val_loss']:.4f} | {r['val_bpb']:.4f} |")
+    return "\n".join(lines)
+
+
+def _plot(out: Path, results: list[dict[str, Any]]) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in results:
+        train = [(h["tokens"], h["loss"]) for h in r["history"] if "loss" in h]
+        if train:
+            ax.plot(*zip(*train), label=f"{r['arch']} train")
+        ax.scatter([r["tokens"]], [r["val_loss"]], marker="o", label=f"{r['arch']} val")
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title("latentloop demo")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "loss.png", dpi=120)
+    plt.close(fig)
+    return "loss.png"
+
+
+def _write_report(out: Path, results: list[dict[str, Any]], data: str, preset: str, minutes: float) -> None:
+    table = _table(results)
+    plot = _plot(out, results)
+    device = "cuda" if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
+    parts = [f"# latentloop demo\n\npreset `{preset}`, data `{data}`, budget {minutes:g} min, device {device}\n",
+             table, ""]
+    parts.append(f"![loss]({plot})\n" if plot else "(install the `plot` extra for a loss plot)\n")
+    for r in results:
+        parts += [f"## {r['arch']} sample\n", "```", r["sample"], "```", ""]
+    (out / "report.md").write_text("\n".join(parts))
+    slim = [{k: v for k, v in r.items() if k != "history"} for r in results]
+    (out / DEMO_MARKER).write_text(json.dumps({"status": "done", "results": slim}, indent=2) + "\n")
+    print(table)
+    print(f"report: {out / 'report.md'}")

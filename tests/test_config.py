@@ -1,0 +1,78 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+import latentloop as ll
+from latentloop.config import PRESETS, RunConfig, apply_overrides, load_yaml, model_config
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+
+
+def test_presets_have_the_documented_sizes():
+    sizes = {name: ll.build("gpt", preset=name).num_params() for name in ("test", "tiny", "small")}
+    assert 0.08e6 < sizes["test"] < 0.2e6
+    assert 0.5e6 < sizes["tiny"] < 1.5e6
+    assert 8e6 < sizes["small"] < 13e6
+    gpt2 = model_config("gpt", "gpt2")  # too big to build in a unit test: count analytically
+    D, L, V = gpt2.n_embd, gpt2.n_layer, gpt2.vocab_size
+    assert abs((12 * D * D * L + V * D) - 124e6) < 2e6
+    assert set(PRESETS) >= {"test", "tiny", "small", "gpt2", "1b"}
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("n_layer", 0, "n_layer"), ("n_embd", 65, "divisible"), ("n_kv_head", 3, "n_kv_head"),
+    ("mlp", "gelu", "mlp"), ("logit_softcap", -1.0, "logit_softcap"), ("vocab_size", 1, "vocab_size")])
+def test_invalid_model_values_are_named(field, value, words):
+    with pytest.raises(ll.ConfigError, match=words):
+        model_config("gpt", "test", **{field: value})
+
+
+def test_unknown_names_are_rejected():
+    with pytest.raises(ll.ConfigError, match="unknown arch"):
+        model_config("transformer-xl")
+    with pytest.raises(ll.ConfigError, match="unknown preset"):
+        model_config("gpt", "huge")
+    with pytest.raises(ll.ConfigError, match="n_layers"):
+        model_config("gpt", "test", n_layers=3)
+
+
+def test_overrides_dotted_bare_and_typed():
+    raw = apply_overrides({"model": {"preset": "test"}}, ["n_layer=3", "train.lr=1e-3", "data.source=text:x",
+                                                          "tie_embeddings=true"])
+    config = RunConfig.from_dict(raw)
+    assert config.model.n_layer == 3 and config.model.tie_embeddings is True
+    assert config.train.lr == pytest.approx(1e-3) and config.data.source == "text:x"
+    with pytest.raises(ll.ConfigError, match="key=value"):
+        apply_overrides({}, ["n_layer"])
+    with pytest.raises(ll.ConfigError, match="unknown config field"):
+        apply_overrides({}, ["bogus=1"])
+    with pytest.raises(ll.ConfigError, match="train.steps"):
+        RunConfig.from_dict(apply_overrides({}, ["steps=ten"]))
+
+
+def test_round_trip_through_dict():
+    config = RunConfig.from_dict({"model": {"arch": "gpt", "preset": "tiny", "n_kv_head": 2}, "train": {"steps": 7}})
+    again = RunConfig.from_dict(config.to_dict())
+    assert again.to_dict() == config.to_dict()
+    assert again.model.n_kv_head == 2 and again.train.steps == 7
+
+
+def test_every_yaml_config_file_parses():
+    files = sorted(CONFIG_DIR.glob("*.yaml"))
+    assert files, "configs/*.yaml missing"
+    for file in files:
+        config = RunConfig.from_dict(load_yaml(file))
+        assert config.model.n_layer >= 1, file
+
+
+def test_yaml_errors_are_one_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ll.ConfigError, match="not valid YAML"):
+        load_yaml(bad)
+    with pytest.raises(ll.ConfigError, match="not found"):
+        load_yaml(tmp_path / "missing.yaml")
+    (tmp_path / "sec.yaml").write_text(yaml.safe_dump({"modle": {}}))
+    with pytest.raises(ll.ConfigError, match="modle"):
+        RunConfig.from_dict(load_yaml(tmp_path / "sec.yaml"))

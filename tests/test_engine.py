@@ -1,0 +1,66 @@
+"""Engine: cached vs naive generation, batching, sampling controls, stop tokens, streaming."""
+
+import pytest
+import torch
+
+import latentloop as ll
+from latentloop.engine import PromptError, sample_next
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return ll.build("gpt", preset="test", n_kv_head=2).eval()
+
+
+PROMPTS = [[256, 5, 9, 12, 40, 41], [256, 7], [256, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
+
+
+def test_cached_and_uncached_greedy_give_identical_tokens(model):
+    cached = ll.generate(model, PROMPTS, 24, temperature=0.0)
+    naive = ll.generate(model, PROMPTS, 24, temperature=0.0, use_cache=False)
+    assert cached == naive
+    assert all(len(row) == 24 for row in cached)
+
+
+def test_batched_prompts_of_different_lengths_match_single_prompts(model):
+    batched = ll.generate(model, PROMPTS, 16, temperature=0.0)
+    assert batched == [ll.generate(model, p, 16, temperature=0.0) for p in PROMPTS]
+
+
+def test_seeded_sampling_is_reproducible_and_cache_independent(model):
+    kwargs = dict(temperature=0.9, top_k=20, top_p=0.95, seed=7)
+    first = ll.generate(model, PROMPTS, 12, **kwargs)
+    assert first == ll.generate(model, PROMPTS, 12, **kwargs)
+    assert first == ll.generate(model, PROMPTS, 12, use_cache=False, **kwargs)
+    assert first != ll.generate(model, PROMPTS, 12, **{**kwargs, "seed": 8})
+
+
+def test_top_k_and_top_p_restrict_the_support():
+    logits = torch.tensor([[4.0, 3.0, 2.0, -5.0, -6.0]]).repeat(400, 1)
+    gen = torch.Generator().manual_seed(0)
+    assert set(sample_next(logits, 1.0, top_k=2, generator=gen).tolist()) == {0, 1}
+    # softmax mass of the first token is ~0.66: top_p=0.5 keeps only it, 0.8 keeps two
+    assert set(sample_next(logits, 1.0, top_p=0.5, generator=gen).tolist()) == {0}
+    assert set(sample_next(logits, 1.0, top_p=0.8, generator=gen).tolist()) == {0, 1}
+    assert sample_next(logits[:1], 0.0).item() == 0
+
+
+def test_stop_tokens_and_streaming(model):
+    greedy = ll.generate(model, PROMPTS[0], 10, temperature=0.0)
+    stop = greedy[3]
+    first_stop = greedy.index(stop)
+    streamed = []
+    out = ll.generate(model, PROMPTS[0], 10, temperature=0.0, stop_tokens=[stop], stream=streamed.append)
+    assert out == greedy[:first_stop]
+    assert [t[0] for t in streamed][:first_stop] == out
+    assert streamed[first_stop] == [None]
+
+
+def test_prompt_errors(model):
+    with pytest.raises(PromptError, match="context"):
+        ll.generate(model, list(range(60)), 10)
+    with pytest.raises(PromptError, match="at least one token"):
+        ll.generate(model, [[1, 2], []], 4)
+    with pytest.raises(ll.ConfigError, match="regime"):
+        ll.generate(model, [1, 2], 4, regime="soft")
