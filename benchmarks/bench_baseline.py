@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -211,8 +212,16 @@ def markdown_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):  # not on every platform
+        return None
+
+
 def environment() -> dict[str, Any]:
-    return {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+    return {"load_avg_1min_at_start": load_average(), "cpu_count": os.cpu_count(),
+            "python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "interop_threads": torch.get_num_interop_threads(), "machine": platform.machine(),
             "processor": platform.processor() or platform.machine(), "platform": platform.platform()}
 
@@ -255,6 +264,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     env = environment()
     print(f"torch {env['torch']}, {env['threads']} threads ({env['interop_threads']} inter-op), "
           f"{env['platform']}", flush=True)
+    load = env["load_avg_1min_at_start"]
+    if load is not None and load > 0.5:
+        print(f"warning: 1-minute load average is {load:.2f} before the run: other processes compete for the "
+              f"{env['cpu_count']} cores and the numbers will be low", flush=True)
     context = max(args.seq_len, args.prompt_len + args.new_tokens, args.prompt_len + args.naive_tokens)
     model = build_model(context, args.seed)
     print(f"model: gpt {N_LAYER} layers, d={N_EMBD}, {N_HEAD} heads, vocab {VOCAB}, "
@@ -310,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     results = run(args)
     results["wall_s"] = time.perf_counter() - start
+    results["env"]["load_avg_1min_at_end"] = load_average()
     print()
     print(markdown_table(results))
     print()

@@ -77,12 +77,13 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 1.0, top_
         raise PromptError("every prompt needs at least one token")
     if max_new_tokens < 0:
         raise PromptError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    options = {name: value for name, value in options.items() if value is not None}
+    model.check_options(options)
     context = model.config.sequence_len
     longest = max(len(p) for p in prompts)
     if longest + max_new_tokens > context:
         raise PromptError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
                           f"context of {context} tokens")
-    options = {name: value for name, value in options.items() if value is not None}
     was_training = model.training
     model.eval()
     try:

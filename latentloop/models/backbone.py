@@ -221,16 +221,17 @@ class GPT(nn.Module):
         """One call of the engine's loop: a prefill or one-token decode with `cache`, or (cache None)
         the whole sequence so far, whose first `prompt_len` columns are the prompt. Variants use
         `prompt_len` and their own options (regime, passes, steps); the baseline takes none."""
-        if options:
-            raise ConfigError(f"arch {self.config.arch!r} does not support generation option(s): "
-                              f"{', '.join(sorted(options))}")
+        self.check_options(options)
         return self(idx, cache=cache, pad_mask=pad_mask)
+
+    def check_options(self, options: dict) -> None:
+        """Reject generation/evaluation options this architecture does not have (variants extend)."""
+        if options:
+            raise ConfigError(f"arch {self.config.arch!r} does not support option(s): {', '.join(sorted(options))}")
 
     def eval_logits(self, idx: Tensor, **options) -> Tensor:
         """Logits for scoring teacher-forced text (loss, BPB, multiple choice) under `options`."""
-        if options:
-            raise ConfigError(f"arch {self.config.arch!r} does not support evaluation option(s): "
-                              f"{', '.join(sorted(options))}")
+        self.check_options(options)
         return self(idx).logits
 
     # -- utilities ---------------------------------------------------------------------------

@@ -1,0 +1,72 @@
+"""CLI: the happy path end to end, and one-line errors with exit code 2 for bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from latentloop.cli import main
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("cli")
+    corpus = folder / "corpus.txt"
+    corpus.write_text("hello latent world, " * 400)
+    run = folder / "run"
+    code = main(["train", "--preset", "test", "--data", f"text:{corpus}", "--steps", "4", "--out", str(run),
+                 "--set", "batch_size=4", "--set", "sequence_len=32", "--no-progress"])
+    assert code == 0
+    return run
+
+
+def test_train_eval_generate(run_dir, capsys):
+    capsys.readouterr()
+    assert main(["eval", str(run_dir), "--json", "--batches", "2"]) == 0
+    metrics = json.loads(capsys.readouterr().out)
+    assert set(metrics) >= {"loss", "ppl", "bpb"} and metrics["bpb"] > 0
+    assert main(["generate", str(run_dir), "--prompt", "hello", "--max-new-tokens", "5", "--temperature", "0",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["new_tokens"] == 5 and len(out["ids"]) == 5
+    assert main(["generate", str(run_dir), "--prompt", "hé", "--max-new-tokens", "3", "--seed", "1"]) == 0
+    assert capsys.readouterr().out.startswith("hé")
+
+
+def test_resume_extends_a_run(run_dir, capsys):
+    assert main(["train", "--out", str(run_dir), "--resume", "--steps", "6", "--no-progress", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 6
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["train", "--arch", "nope", "--out", "{tmp}/x"], "unknown arch"),
+    (["train", "--preset", "huge", "--out", "{tmp}/x"], "unknown preset"),
+    (["train", "--set", "n_head=3", "--out", "{tmp}/x"], "n_embd"),
+    (["train", "--data", "ftp:thing", "--out", "{tmp}/x"], "unknown data source"),
+    (["train", "--data", "text:{tmp}/nothing", "--out", "{tmp}/x"], "nothing"),
+    (["train", "--steps", "0", "--out", "{tmp}/x"], "positive integer"),
+    (["train", "--config", "{tmp}/missing.yaml", "--out", "{tmp}/x"], "not found"),
+    (["eval", "{tmp}/no-run"], "no run"),
+    (["generate", "{run}", "--prompt", "{long}"], "context"),
+    (["generate", "{run}", "--prompt", "x", "--regime", "soft"], "regime"),
+    (["generate", "{run}", "--prompt", "x", "--top-p", "1.5"], "top-p"),
+    (["train", "--out", "{run}", "--no-progress"], "already holds a run"),
+])
+def test_bad_input_is_one_line_exit_2(argv, words, run_dir, tmp_path, capsys):
+    argv = [a.format(tmp=tmp_path, run=run_dir, long="y" * 200) for a in argv]
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse rejects flags before main's own handler runs
+        code = exc.code
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1 and words in err, err
+    assert not (tmp_path / "x").exists()
+
+
+def test_entry_point_reports_without_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "latentloop.cli", "eval", str(tmp_path / "none")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1

@@ -1,0 +1,109 @@
+"""Trainer: exact resume, checkpoints, run-folder safety, BPB arithmetic, Muon and schedules."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import latentloop as ll
+from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config
+from latentloop.evaluate import evaluate_loss
+from latentloop.optim import lr_multiplier
+from latentloop.train import fit, setup, validate
+
+
+def _config(corpus, steps=6, **train):
+    train = {"steps": steps, "batch_size": 4, "eval_every": 0, "eval_batches": 2, "log_every": 1,
+             "warmup_steps": 2, "save_every": 3, **train}
+    return RunConfig(model=model_config("gpt", "test", sequence_len=32),
+                     train=TrainConfig(**train), data=DataConfig(source=f"text:{corpus}"))
+
+
+def _weights(run_dir):
+    return load_file(str(sorted((run_dir / "checkpoints").iterdir())[-1] / "model.safetensors"))
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_resume_is_bit_identical(corpus, tmp_path, optimizer):
+    straight = setup(_config(corpus, optimizer=optimizer, grad_accum=2), tmp_path / "a", progress=False)
+    fit(straight, progress=False)
+
+    half = _config(corpus, steps=3, optimizer=optimizer, grad_accum=2)
+    fit(setup(half, tmp_path / "b", progress=False), progress=False)
+    resumed = setup(_config(corpus, optimizer=optimizer, grad_accum=2), tmp_path / "b", resume=True, progress=False)
+    assert resumed.step == 3
+    fit(resumed, progress=False)
+
+    a, b = _weights(tmp_path / "a"), _weights(tmp_path / "b")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    rows = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5, 6]  # no duplicated steps after resume
+
+
+def test_training_lowers_loss_and_keeps_last_checkpoints(corpus, tmp_path):
+    state = setup(_config(corpus, steps=12, save_every=2, keep_last=2, lr=1e-2), tmp_path / "run", progress=False)
+    before = validate(state)["loss"]
+    summary = fit(state, progress=False)
+    assert summary["val_loss"] < before - 0.5
+    names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert names == ["step_00000010", "step_00000012"]
+    model, tokenizer = ll.load(tmp_path / "run")
+    ids = ll.generate(model, [tokenizer.bos_id], 5, temperature=0.0)
+    assert len(ids) == 5
+
+
+def test_run_folder_is_never_clobbered(corpus, tmp_path):
+    fit(setup(_config(corpus, steps=2), tmp_path / "run", progress=False), progress=False)
+    before = (tmp_path / "run" / "config.json").read_text()
+    with pytest.raises(ll.CheckpointError, match="already holds a run"):
+        setup(_config(corpus, steps=2), tmp_path / "run", progress=False)
+    other = _config(corpus, steps=4)
+    other.model.n_layer = 3
+    with pytest.raises(ll.CheckpointError, match="n_layer"):
+        setup(other, tmp_path / "run", resume=True, progress=False)
+    assert (tmp_path / "run" / "config.json").read_text() == before
+    (tmp_path / "stranger").mkdir()
+    (tmp_path / "stranger" / "notes.txt").write_text("mine")
+    with pytest.raises(ll.CheckpointError, match="not empty"):
+        setup(_config(corpus), tmp_path / "stranger", progress=False)
+    with pytest.raises(ll.DataError):
+        setup(RunConfig(data=DataConfig(source=f"text:{tmp_path / 'missing'}")), tmp_path / "new", progress=False)
+    assert not (tmp_path / "new").exists()  # nothing half-written
+
+
+def test_corrupt_checkpoint_is_a_clear_error(corpus, tmp_path):
+    fit(setup(_config(corpus, steps=2), tmp_path / "run", progress=False), progress=False)
+    weights = next((tmp_path / "run" / "checkpoints").iterdir()) / "model.safetensors"
+    weights.write_bytes(b"not a safetensors file")
+    with pytest.raises(ll.CheckpointError, match="cannot read weights"):
+        ll.load(tmp_path / "run")
+
+
+def test_bpb_is_nats_over_bytes_without_specials():
+    model = ll.build("gpt", preset="test", sequence_len=8).eval()
+    tokens = np.array([256, 104, 105, 33, 256, 200, 201, 65, 66], dtype=np.uint16)  # BOS h i ! BOS ...
+    byte_lengths = np.ones(259, dtype=np.int64)
+    byte_lengths[256:] = 0
+    result = evaluate_loss(model, tokens, byte_lengths, batch_size=1, seq_len=8)
+    with torch.no_grad():
+        logits = model(torch.tensor(tokens[:8][None].astype(np.int64))).logits[0]
+    targets = torch.tensor(tokens[1:].astype(np.int64))
+    nats = torch.nn.functional.cross_entropy(logits, targets, reduction="none")
+    real = targets < 256
+    assert result["loss"] == pytest.approx(nats.mean().item(), rel=1e-6)
+    assert result["bpb"] == pytest.approx(nats[real].sum().item() / math.log(2) / int(real.sum()), rel=1e-6)
+
+
+def test_schedules():
+    cosine = TrainConfig(steps=100, warmup_steps=10, min_lr_ratio=0.1)
+    assert lr_multiplier(0, cosine) == pytest.approx(0.1)
+    assert lr_multiplier(9, cosine) == pytest.approx(1.0)
+    assert lr_multiplier(99, cosine) == pytest.approx(0.1, abs=1e-3)
+    wsd = TrainConfig(steps=100, warmup_steps=10, schedule="wsd", decay_fraction=0.2, min_lr_ratio=0.0)
+    assert lr_multiplier(50, wsd) == 1.0 and lr_multiplier(79, wsd) == 1.0
+    assert lr_multiplier(89, wsd) == pytest.approx(0.5)
+    assert lr_multiplier(99, wsd) == pytest.approx(0.0)
