@@ -21,6 +21,7 @@ prefill included. Threads are left as torch picks them unless `--threads` is giv
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -39,7 +40,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 import latentloop  # noqa: E402
-from latentloop.config import TrainConfig  # noqa: E402
+from latentloop.config import ModelConfig, TrainConfig  # noqa: E402
 from latentloop.objectives.base import NextTokenObjective  # noqa: E402
 from latentloop.optim import build_optimizers  # noqa: E402
 
@@ -60,9 +61,12 @@ TARGET_DECODE_RATIO = 3.0  # batch-1 decode >= 3x HF
 
 
 def build_model(sequence_len: int, seed: int) -> torch.nn.Module:
+    overrides: dict[str, Any] = dict(n_layer=N_LAYER, n_embd=N_EMBD, n_head=N_HEAD, vocab_size=VOCAB,
+                                     sequence_len=sequence_len)
+    if "bos_id" in {f.name for f in dataclasses.fields(ModelConfig)}:
+        overrides["bos_id"] = 1  # the byte tokenizer's default (256) is outside vocab 256; 1 as in the Llama config
     torch.manual_seed(seed)
-    return latentloop.build("gpt", preset=None, n_layer=N_LAYER, n_embd=N_EMBD, n_head=N_HEAD, vocab_size=VOCAB,
-                            sequence_len=sequence_len)
+    return latentloop.build("gpt", preset=None, **overrides)
 
 
 def bench_training(model: torch.nn.Module, seq_len: int, batch_size: int, warmup: int, steps: int,
@@ -219,8 +223,26 @@ def load_average() -> float | None:
         return None
 
 
+def cpu_busy_fraction(interval: float = 0.5) -> float | None:
+    """Fraction of all cores busy over `interval` seconds (Linux /proc/stat), before we start any work."""
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            values = [int(v) for v in f.readline().split()[1:]]
+        idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+        return sum(values), idle
+
+    try:
+        total0, idle0 = sample()
+        time.sleep(interval)
+        total1, idle1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    return 1.0 - (idle1 - idle0) / max(1, total1 - total0)
+
+
 def environment() -> dict[str, Any]:
-    return {"load_avg_1min_at_start": load_average(), "cpu_count": os.cpu_count(),
+    return {"cpu_busy_before": cpu_busy_fraction(), "load_avg_1min_at_start": load_average(),
+            "cpu_count": os.cpu_count(),
             "python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "interop_threads": torch.get_num_interop_threads(), "machine": platform.machine(),
             "processor": platform.processor() or platform.machine(), "platform": platform.platform()}
@@ -237,13 +259,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=256, help="training sequence length T")
     p.add_argument("--batch-size", type=int, default=16, help="training batch size")
     p.add_argument("--warmup-steps", type=int, default=3, help="untimed training steps first")
-    p.add_argument("--steps", type=int, default=8, help="timed training steps (the median is reported)")
+    p.add_argument("--steps", type=int, default=10, help="timed training steps (the median is reported)")
     p.add_argument("--grad-clip", type=float, default=1.0, help="grad-norm clip in the step, as the trainer (0: off)")
     p.add_argument("--prompt-len", type=int, default=16, help="decode prompt length")
     p.add_argument("--new-tokens", type=int, default=256, help="new tokens per cached decode call")
     p.add_argument("--decode-batch", type=int, default=16, help="the larger decode batch size")
     p.add_argument("--naive-tokens", type=int, default=64, help="new tokens for the uncached batch-1 reference")
-    p.add_argument("--repeats", type=int, default=3, help="timed calls per decode measurement (median)")
+    p.add_argument("--repeats", type=int, default=5, help="timed calls per decode measurement (median)")
     p.add_argument("--hf", action="store_true", help="also measure HF LlamaForCausalLM decoding (needs transformers)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave torch's choice)")
     p.add_argument("--seed", type=int, default=0)
@@ -262,12 +284,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     env = environment()
+    busy = env["cpu_busy_before"]
     print(f"torch {env['torch']}, {env['threads']} threads ({env['interop_threads']} inter-op), "
+          f"{env['cpu_count']} CPUs ({'?' if busy is None else f'{busy:.0%}'} busy before start), "
           f"{env['platform']}", flush=True)
-    load = env["load_avg_1min_at_start"]
-    if load is not None and load > 0.5:
-        print(f"warning: 1-minute load average is {load:.2f} before the run: other processes compete for the "
-              f"{env['cpu_count']} cores and the numbers will be low", flush=True)
+    if busy is not None and busy > 0.2:
+        print(f"warning: the CPUs were {busy:.0%} busy just before the run: other processes compete for the "
+              f"{env['cpu_count']} cores and the numbers will be low (noisy neighbours can slow torch's "
+              "OpenMP threads several-fold)", flush=True)
     context = max(args.seq_len, args.prompt_len + args.new_tokens, args.prompt_len + args.naive_tokens)
     model = build_model(context, args.seed)
     print(f"model: gpt {N_LAYER} layers, d={N_EMBD}, {N_HEAD} heads, vocab {VOCAB}, "

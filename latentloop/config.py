@@ -51,6 +51,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     logit_softcap: float = 0.0  # 0 disables; else logits = cap * tanh(logits / cap)
     rope_theta: float = 10000.0
+    bos_id: int = 256  # the tokenizer's BOS id (set from the tokenizer): variants restart state there
 
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
@@ -68,6 +69,8 @@ class ModelConfig:
         _require(self.mlp_ratio > 0, f"mlp_ratio must be > 0, got {self.mlp_ratio}")
         _require(self.logit_softcap >= 0, f"logit_softcap must be >= 0, got {self.logit_softcap}")
         _require(self.rope_theta > 0, f"rope_theta must be > 0, got {self.rope_theta}")
+        _require(0 <= self.bos_id < self.vocab_size, f"bos_id ({self.bos_id}) must be a token id below vocab_size "
+                 f"({self.vocab_size})")
 
     # derived fields ---------------------------------------------------------------------------
     @property

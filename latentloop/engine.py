@@ -61,11 +61,13 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device
 @torch.no_grad()
 def generate(model, prompts, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
              top_p: float | None = None, seed: int | None = None, stop_tokens: Sequence[int] = (),
-             stream: StreamCallback | None = None, use_cache: bool = True, pad_id: int = 0, **options):
+             stream: StreamCallback | None = None, use_cache: bool = True, pad_id: int = 0, info: dict | None = None,
+             **options):
     """Continue each prompt by up to max_new_tokens tokens.
 
     prompts: one list of ids, a list of lists, or a (B, T) tensor. Returns the new ids (without the
-    stop token) as a list, or a list of lists when several prompts were given.
+    stop token) as a list, or a list of lists when several prompts were given. Pass a dict as `info`
+    to receive what the model reports about the prefill (e.g. `prefill_passes` under passes="auto").
     """
     single = isinstance(prompts, Sequence) and len(prompts) > 0 and isinstance(prompts[0], int)
     if isinstance(prompts, Tensor):
@@ -88,14 +90,14 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 1.0, top_
     model.eval()
     try:
         generated = _decode_loop(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, set(stop_tokens),
-                                 stream, use_cache, pad_id, options)
+                                 stream, use_cache, pad_id, options, info if info is not None else {})
     finally:
         model.train(was_training)
     return generated[0] if single else generated
 
 
 def _decode_loop(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, stream,
-                 use_cache, pad_id, options) -> list[list[int]]:
+                 use_cache, pad_id, options, info) -> list[list[int]]:
     device = next(model.parameters()).device
     idx, pad_mask = left_pad(prompts, pad_id, device)
     B, P = idx.shape
@@ -108,6 +110,7 @@ def _decode_loop(model, prompts, max_new_tokens, temperature, top_k, top_p, seed
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     cache = model.new_cache(B, P + max_new_tokens) if use_cache else None
     out = model.generate_step(idx, cache=cache, pad_mask=pad_mask, prompt_len=P, **options)
+    info.update(out.info)
     sequence = idx
     for step in range(max_new_tokens):
         next_ids = sample_next(out.logits[:, -1], temperature, top_k, top_p, generator)  # (B,)

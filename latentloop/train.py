@@ -112,7 +112,7 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
     run_dir = Path(run_dir)
     _check_run_folder(run_dir, config, resume)
     tokenizer = load_tokenizer(str(run_dir / "tokenizer.json") if resume else config.data.tokenizer)
-    config.model.vocab_size = tokenizer.vocab_size
+    config.model.vocab_size, config.model.bos_id = tokenizer.vocab_size, tokenizer.bos_id
     config.model.__post_init__()
     device = resolve_device(config.train.device)
     torch.manual_seed(config.train.seed)

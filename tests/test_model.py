@@ -74,7 +74,7 @@ def test_top_state_rms_stays_bounded_with_depth(depth):
 
 
 def test_flops_per_token_matches_hand_count():
-    model = ll.build("gpt", preset=None, n_layer=1, n_embd=8, n_head=2, vocab_size=10, sequence_len=4,
+    model = ll.build("gpt", preset=None, n_layer=1, n_embd=8, n_head=2, vocab_size=10, bos_id=0, sequence_len=4,
                      mlp_ratio=4.0, tie_embeddings=False)
     # weights used in matmuls: q,k,v,o 4*8*8=256, mlp 2*8*32=512, head 10*8=80 -> 848 multiply-adds
     # attention: QK^T and AV over an average causal context of 2 -> 2 * 8 * 2 = 32 multiply-adds

@@ -26,7 +26,7 @@ Extension points for the variants (each a thin subclass in its own file):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -147,6 +147,7 @@ class Block(nn.Module):
 class ModelOutput:
     logits: Tensor  # (B, T, V)
     hidden: Tensor  # (B, T, D) top-layer residual state, before the final norm
+    info: dict = field(default_factory=dict)  # variant facts worth reporting (e.g. prefill passes used)
 
 
 class GPT(nn.Module):
