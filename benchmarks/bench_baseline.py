@@ -21,10 +21,10 @@ prefill included. Threads are left as torch picks them unless `--threads` is giv
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -40,7 +40,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 import latentloop  # noqa: E402
-from latentloop.config import ModelConfig, TrainConfig  # noqa: E402
+from latentloop.config import TrainConfig  # noqa: E402
 from latentloop.objectives.base import NextTokenObjective  # noqa: E402
 from latentloop.optim import build_optimizers  # noqa: E402
 
@@ -61,12 +61,10 @@ TARGET_DECODE_RATIO = 3.0  # batch-1 decode >= 3x HF
 
 
 def build_model(sequence_len: int, seed: int) -> torch.nn.Module:
-    overrides: dict[str, Any] = dict(n_layer=N_LAYER, n_embd=N_EMBD, n_head=N_HEAD, vocab_size=VOCAB,
-                                     sequence_len=sequence_len)
-    if "bos_id" in {f.name for f in dataclasses.fields(ModelConfig)}:
-        overrides["bos_id"] = 1  # the byte tokenizer's default (256) is outside vocab 256; 1 as in the Llama config
     torch.manual_seed(seed)
-    return latentloop.build("gpt", preset=None, **overrides)
+    # bos_id: the byte tokenizer's default (256) is outside vocab 256; 1 as in the Llama config
+    return latentloop.build("gpt", preset=None, n_layer=N_LAYER, n_embd=N_EMBD, n_head=N_HEAD, vocab_size=VOCAB,
+                            sequence_len=sequence_len, bos_id=1)
 
 
 def bench_training(model: torch.nn.Module, seq_len: int, batch_size: int, warmup: int, steps: int,
@@ -223,21 +221,47 @@ def load_average() -> float | None:
         return None
 
 
-def cpu_busy_fraction(interval: float = 0.5) -> float | None:
-    """Fraction of all cores busy over `interval` seconds (Linux /proc/stat), before we start any work."""
-    def sample() -> tuple[int, int]:
+def _proc_stat_busy() -> tuple[float, float] | None:
+    """(busy CPU-seconds of the whole machine, now) from /proc/stat, or None off Linux."""
+    try:
         with open("/proc/stat") as f:
             values = [int(v) for v in f.readline().split()[1:]]
-        idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
-        return sum(values), idle
-
-    try:
-        total0, idle0 = sample()
-        time.sleep(interval)
-        total1, idle1 = sample()
-    except (OSError, ValueError, IndexError):
+    except (OSError, ValueError):
         return None
-    return 1.0 - (idle1 - idle0) / max(1, total1 - total0)
+    idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+    return (sum(values) - idle) / os.sysconf("SC_CLK_TCK"), time.perf_counter()
+
+
+def _own_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+class ContentionMeter:
+    """Share of the machine's cores used by *other* processes between `start()` and `stop()`."""
+
+    def __init__(self) -> None:
+        self._machine: tuple[float, float] | None = None
+        self._own = 0.0
+
+    def start(self) -> ContentionMeter:
+        self._machine, self._own = _proc_stat_busy(), _own_cpu_seconds()
+        return self
+
+    def stop(self) -> float | None:
+        end = _proc_stat_busy()
+        if self._machine is None or end is None:
+            return None
+        wall = end[1] - self._machine[1]
+        others = (end[0] - self._machine[0]) - (_own_cpu_seconds() - self._own)
+        return max(0.0, others / (max(wall, 1e-9) * (os.cpu_count() or 1)))
+
+
+def cpu_busy_fraction(interval: float = 0.5) -> float | None:
+    """Share of the cores busy over `interval` seconds just before we start any work."""
+    meter = ContentionMeter().start()
+    time.sleep(interval)
+    return meter.stop()
 
 
 def environment() -> dict[str, Any]:
@@ -345,8 +369,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     start = time.perf_counter()
+    meter = ContentionMeter().start()
     results = run(args)
     results["wall_s"] = time.perf_counter() - start
+    results["env"]["others_cpu_share_during_run"] = others = meter.stop()
     results["env"]["load_avg_1min_at_end"] = load_average()
     print()
     print(markdown_table(results))
@@ -354,7 +380,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"training step: median {results['train']['step_s_median'] * 1e3:.0f} ms, best "
           f"{results['train']['step_s_min'] * 1e3:.0f} ms ({_fmt_rate(results['train']['tok_s_best'])} tok/s); "
           f"cached greedy == uncached greedy: {results['cached_matches_uncached']}; "
-          f"total {results['wall_s']:.0f} s")
+          f"total {results['wall_s']:.0f} s; other processes used "
+          f"{'?' if others is None else f'{others:.0%}'} of the CPUs during the run")
+    if others is not None and others > 0.1:
+        print("warning: other processes competed for the CPUs during the run; these numbers understate the "
+              "speed, rerun on an idle machine")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2) + "\n")

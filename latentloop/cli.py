@@ -218,14 +218,18 @@ def cmd_generate(args) -> int:
                 sys.stdout.write(decoder.decode(_token_bytes(tokenizer, token)))
                 sys.stdout.flush()
 
+    info: dict = {}
     ids = generate(model, prompt_ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, stop_tokens=[tokenizer.eos_id, tokenizer.bos_id],
-                   stream=streamer, use_cache=not args.no_cache, pad_id=tokenizer.pad_id, **_generation_options(args))
+                   stream=streamer, use_cache=not args.no_cache, pad_id=tokenizer.pad_id, info=info,
+                   **_generation_options(args))
     if args.json:
         print(json.dumps({"prompt": args.prompt, "completion": tokenizer.decode(ids), "ids": ids,
-                          "prompt_tokens": len(prompt_ids), "new_tokens": len(ids)}))
+                          "prompt_tokens": len(prompt_ids), "new_tokens": len(ids), **info}))
     else:
         sys.stdout.write(("" if shown else args.prompt) + "\n")
+        if "prefill_passes" in info:
+            print(f"[prefill passes used: {info['prefill_passes']}]", file=sys.stderr)
     return 0
 
 

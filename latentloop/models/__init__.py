@@ -22,6 +22,15 @@ def register_model(arch: str):
     return wrap
 
 
+def _register_variants() -> None:
+    from .fbt import FBT
+
+    MODEL_CLASSES.update(fbt=FBT)
+
+
+_register_variants()
+
+
 def build_model(config: ModelConfig) -> nn.Module:
     if config.arch not in MODEL_CLASSES:
         raise ConfigError(f"no model is registered for arch {config.arch!r}")

@@ -21,6 +21,15 @@ def register_objective(arch: str):
     return wrap
 
 
+def _register_variants() -> None:
+    from .fbt import MultiPassObjective
+
+    OBJECTIVES.update(fbt=MultiPassObjective)
+
+
+_register_variants()
+
+
 def objective_for(model_config: ModelConfig, train_config: TrainConfig) -> Objective:
     if model_config.arch not in OBJECTIVES:
         raise ConfigError(f"no training objective is registered for arch {model_config.arch!r}")

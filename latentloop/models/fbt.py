@@ -1,0 +1,217 @@
+"""Full-Bandwidth Transformer (arch `fbt`; Wang et al., "Full-bandwidth transformer", 2026).
+
+Standard decoding squeezes the D-dimensional top state into one sampled token and throws the rest
+away. Here the previous position's top state re-enters the bottom of the stack, fused with the
+next token's embedding by a GLU:
+
+    u_t = (W_U s_{t-1}) ⊙ σ(W_G e_t),     x_t = norm(u_t)        (e_t = norm(wte(token_t)))
+
+where s is the top state after the final norm (`state_source="post_norm"`, default: it is what the
+tied head reads, so it lives in embedding space and has unit RMS whatever the depth) or before it
+("pre_norm"). W_U and W_G are the only new parameters. Position 0, BOS tokens and every position
+before `fuse_from` take the plain embedding.
+
+Notable features:
+- parallel multi-pass forward: pass 1 is plain; pass k fuses pass k-1's top states shifted right by
+  one. This is a Jacobi iteration of the sequential recurrence and is exact after T passes
+- training-only jitter Uniform[-σ, σ] on the carried state
+- decoding regimes with the KV cache, the carried state in `cache.state["fbt.prev_top"]`:
+  `standard` (plain inputs: the same weights as an ordinary transformer), `soft` (plain prefill,
+  then every generated token is fused with the previous step's state) and `fused` (K-pass prefill,
+  the cache taken from the last pass, then soft); `passes="auto"` adds prefill passes until the top
+  states stop moving
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from ..config import FBTConfig
+from ..errors import ConfigError
+from .backbone import GPT, ForwardContext, ModelOutput, norm
+from .cache import KVCache
+
+STATE_KEY = "fbt.prev_top"
+REGIMES = ("standard", "soft", "fused")
+DEFAULT_FUSED_PASSES = 2
+AUTO_TOLERANCE = 1e-3  # passes="auto" stops when max_t ||h_t^k - h_t^(k-1)|| / ||h_t^k|| falls below this
+AUTO_MAX_PASSES = 16
+
+
+@dataclass
+class FBTOutput(ModelOutput):
+    pass_logits: list[Tensor] = field(default_factory=list)  # (B, T, V) per pass, when requested
+    pass_hidden: list[Tensor] = field(default_factory=list)  # (B, T, D) top states per pass, when requested
+
+
+def shift_right(s: Tensor) -> Tensor:
+    """(B, T, D) -> (B, T, D): position t receives the state of position t-1; position 0 zeros."""
+    return torch.cat([torch.zeros_like(s[:, :1]), s[:, :-1]], dim=1)
+
+
+def max_relative_change(new: Tensor, old: Tensor) -> float:
+    return float(((new - old).norm(dim=-1) / new.norm(dim=-1).clamp_min(1e-12)).max())
+
+
+class FBT(GPT):
+    config_class = FBTConfig
+
+    def __init__(self, config: FBTConfig):
+        super().__init__(config)
+        D = config.n_embd
+        self.fuse_value = nn.Linear(D, D, bias=False)  # W_U: the carried state, on the value path
+        self.fuse_gate = nn.Linear(D, D, bias=False)  # W_G: the token embedding, on the gate
+        for linear in (self.fuse_value, self.fuse_gate):
+            nn.init.normal_(linear.weight, std=D ** -0.5)
+
+    # -- the mechanism ------------------------------------------------------------------------
+    def carried_state(self, h: Tensor) -> Tensor:
+        """The top state that is fed back: after or before the final norm, jittered in training."""
+        s = norm(h) if self.config.state_source == "post_norm" else h
+        if self.training and self.config.jitter > 0:
+            s = s + torch.empty_like(s).uniform_(-self.config.jitter, self.config.jitter)
+        return s
+
+    def fuse(self, e: Tensor, s_prev: Tensor) -> Tensor:
+        """GLU fusion of token embeddings e with previous states s_prev, both (B, T, D)."""
+        return norm(self.fuse_value(s_prev) * torch.sigmoid(self.fuse_gate(e)))
+
+    def fuse_mask(self, idx: Tensor, positions: Tensor, fuse_from: int) -> Tensor:
+        """(B, T) True where the input is fused: positions >= max(1, fuse_from), never at BOS."""
+        return (positions >= max(1, fuse_from)) & (idx != self.config.bos_id)
+
+    def multipass(self, idx: Tensor, ctx: ForwardContext, passes: int, mask: Tensor,
+                  base: Tensor | None = None, tolerance: float | None = None) -> tuple[list[Tensor], Tensor]:
+        """Run up to `passes` passes; unfused positions keep `base` (default: plain embeddings).
+
+        Returns the top states of every pass and the input of the last one. With `tolerance`, stops
+        early once the largest relative change of the top states falls under it.
+        """
+        e = self.embed(idx)  # (B, T, D)
+        base = e if base is None else base
+        mask = mask[..., None]  # (B, T, 1)
+        x, states = base, []
+        for k in range(passes):
+            h = self.run_blocks(x, ctx)  # (B, T, D)
+            states.append(h)
+            if tolerance is not None and k > 0 and max_relative_change(h, states[-2]) < tolerance:
+                break
+            if k < passes - 1:
+                x = torch.where(mask, self.fuse(e, shift_right(self.carried_state(h))), base)
+        return states, x
+
+    # -- forward ------------------------------------------------------------------------------
+    def forward(self, idx: Tensor, cache: KVCache | None = None, pad_mask: Tensor | None = None, passes: int = 1,
+                fuse_from: int = 1, fuse_mask: Tensor | None = None, return_passes: bool = False) -> FBTOutput:
+        """Multi-pass forward over a whole sequence (pass 1 plain), or with a cache:
+
+        - empty cache: the same multi-pass prefill; every pass rewrites the cache slots, so the
+          keys/values left in it are those of the last pass;
+        - non-empty cache: decode with latent feedback, each new token fused with the state the
+          previous token produced (several tokens are stepped through one at a time).
+        `fuse_mask` (B, T) overrides `fuse_from` (training's per-document prefixes).
+        """
+        if passes < 1:
+            raise ConfigError(f"passes must be >= 1, got {passes}")
+        if cache is not None and cache.length > 0:
+            return self._decode_fused(idx, cache)
+        states, _ = self._prefill(idx, cache, pad_mask, passes, fuse_from=fuse_from, mask=fuse_mask)
+        return self._output(states, return_passes)
+
+    def _prefill(self, idx: Tensor, cache: KVCache | None, pad_mask: Tensor | None, passes: int,
+                 fuse_from: int = 1, mask: Tensor | None = None, base: Tensor | None = None,
+                 tolerance: float | None = None) -> tuple[list[Tensor], Tensor]:
+        ctx = self.context(idx, cache, pad_mask)
+        if mask is None:
+            mask = self.fuse_mask(idx, ctx.plan.positions, fuse_from)
+        states, x_last = self.multipass(idx, ctx, passes, mask, base=base, tolerance=tolerance)
+        if cache is not None:
+            cache.advance()
+            cache.state[STATE_KEY] = self.carried_state(states[-1][:, -1:])  # (B, 1, D)
+        return states, x_last
+
+    def _decode_fused(self, idx: Tensor, cache: KVCache) -> FBTOutput:
+        hidden = []
+        for t in range(idx.shape[1]):
+            token = idx[:, t:t + 1]  # (B, 1)
+            e = self.embed(token)
+            fused = self.fuse(e, cache.state[STATE_KEY])
+            x = torch.where((token != self.config.bos_id)[..., None], fused, e)
+            h = self.run_blocks(x, self.context(token, cache, None))  # (B, 1, D)
+            cache.advance()
+            cache.state[STATE_KEY] = self.carried_state(h)
+            hidden.append(h)
+        return self._output([torch.cat(hidden, dim=1)], False)
+
+    def _output(self, states: list[Tensor], return_passes: bool) -> FBTOutput:
+        out = FBTOutput(logits=self.readout(states[-1]), hidden=states[-1], info={"passes": len(states)})
+        if return_passes:
+            out.pass_hidden = states
+            out.pass_logits = [self.readout(h) for h in states[:-1]] + [out.logits]
+        return out
+
+    # -- generation and evaluation regimes ---------------------------------------------------
+    def check_options(self, options: dict) -> None:
+        unknown = set(options) - {"regime", "passes"}
+        if unknown:
+            raise ConfigError(f"arch 'fbt' does not support option(s): {', '.join(sorted(unknown))}")
+        regime = options.get("regime", "soft")
+        if regime not in REGIMES:
+            raise ConfigError(f"unknown regime {regime!r}: choose from {', '.join(REGIMES)}")
+        passes = options.get("passes")
+        if passes is not None:
+            if regime != "fused":
+                raise ConfigError(f"passes applies to regime 'fused' only (regime is {regime!r})")
+            if passes != "auto" and (isinstance(passes, bool) or not isinstance(passes, int) or passes < 1):
+                raise ConfigError(f"passes must be an integer >= 1 or 'auto', got {passes!r}")
+
+    def generate_step(self, idx: Tensor, cache: KVCache | None = None, pad_mask: Tensor | None = None,
+                      prompt_len: int = 0, regime: str = "soft", passes: int | str | None = None) -> FBTOutput:
+        self.check_options({"regime": regime, "passes": passes})
+        if cache is not None:
+            if cache.length > 0:  # decode one token
+                return GPT.forward(self, idx, cache=cache) if regime == "standard" else self._decode_fused(idx, cache)
+            if regime == "fused":
+                return self._fused_prefill(idx, cache, pad_mask, passes)[0]
+            return self._output(self._prefill(idx, cache, pad_mask, 1)[0], False)  # plain prefill
+        # uncached reference: the whole sequence, whose columns >= prompt_len were generated
+        if regime == "standard":
+            return self._output([GPT.forward(self, idx, pad_mask=pad_mask).hidden], False)
+        base = None
+        if regime == "fused":  # the prompt's inputs stay those of its last prefill pass
+            prompt_mask = None if pad_mask is None else pad_mask[:, :prompt_len]
+            _, prompt_input = self._fused_prefill(idx[:, :prompt_len], None, prompt_mask, passes)
+            base = torch.cat([prompt_input, self.embed(idx[:, prompt_len:])], dim=1)
+        ctx = self.context(idx, None, pad_mask)
+        columns = torch.arange(idx.shape[1], device=idx.device)
+        generated = self.fuse_mask(idx, ctx.plan.positions, 1) & (columns >= prompt_len)
+        # generated column j is exact after j - prompt_len + 1 passes (Jacobi)
+        states, _ = self.multipass(idx, ctx, idx.shape[1] - prompt_len + 1, generated, base=base)
+        return self._output(states, False)
+
+    def _fused_prefill(self, idx: Tensor, cache: KVCache | None, pad_mask: Tensor | None,
+                       passes: int | str | None) -> tuple[FBTOutput, Tensor]:
+        """K-pass (or "auto") prefill; also returns the input of the last pass."""
+        auto = passes == "auto"
+        limit = AUTO_MAX_PASSES if auto else (passes or DEFAULT_FUSED_PASSES)
+        states, x_last = self._prefill(idx, cache, pad_mask, limit, tolerance=AUTO_TOLERANCE if auto else None)
+        out = self._output(states, False)
+        out.info["prefill_passes"] = len(states)
+        return out, x_last
+
+    def eval_logits(self, idx: Tensor, regime: str = "soft", passes: int | str | None = None) -> Tensor:
+        """Teacher-forced scoring: standard = plain inputs; fused = a K-pass forward; soft = exact
+        latent feedback at every position (stepped token by token through a cache)."""
+        self.check_options({"regime": regime, "passes": passes})
+        if regime == "standard":
+            return GPT.forward(self, idx).logits
+        if regime == "fused":
+            return self._fused_prefill(idx, None, None, passes)[0].logits
+        cache = self.new_cache(idx.shape[0], idx.shape[1])
+        first = GPT.forward(self, idx[:, :1], cache=cache)
+        cache.state[STATE_KEY] = self.carried_state(first.hidden[:, -1:])
+        rest = self._decode_fused(idx[:, 1:], cache).logits if idx.shape[1] > 1 else first.logits[:, :0]
+        return torch.cat([first.logits, rest], dim=1)

@@ -1,0 +1,79 @@
+"""The full-bandwidth transformer's scheduled multi-pass objective.
+
+    L = L_1 + λ/(K-1) Σ_{k=2..K} L_k        (L_k: next-token loss of pass k; no detach between passes)
+
+- Schedule: the first `plain_fraction` of the steps trains single-pass; after that each batch draws
+  its pass count K from `pass_mix` (default 75% K=1, 22% K=2, 3% K=3). The draw is seeded by
+  (seed, step) so every data-parallel rank draws the same K, and a resumed run the same sequence.
+  The rare deeper batches are what keeps the learned map contractive.
+- Prefix mix-in: with K > 1 every packed document keeps a random plain prefix of
+  p = 1 + floor(U · length) tokens, as a prompt is plain before generation starts.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from ..config import FBTConfig, TrainConfig
+from .base import LossResult, Objective, token_cross_entropy
+
+
+def document_prefix_mask(idx: Tensor, bos_id: int, generator: torch.Generator) -> Tensor:
+    """(B, T) True where a position is past its document's random plain prefix.
+
+    Documents start at BOS tokens (a row's first token starts a document too, possibly a cut one).
+    Each document of length n keeps p = 1 + floor(U · n) plain positions, U ~ Uniform[0, 1).
+    """
+    B, T = idx.shape
+    starts = idx == bos_id
+    starts[:, 0] = True
+    doc_id = starts.long().cumsum(dim=1) - 1  # (B, T) index of the document within its row
+    columns = torch.arange(T, device=idx.device).expand(B, T)
+    doc_start = torch.zeros(B, T, dtype=torch.long, device=idx.device).scatter_reduce(
+        1, doc_id, columns, reduce="amin", include_self=False)  # first column of each document
+    doc_len = torch.zeros(B, T, dtype=torch.long, device=idx.device).scatter_add(1, doc_id, torch.ones_like(columns))
+    u = torch.rand(B, T, generator=generator).to(idx.device)  # one draw per (row, document)
+    prefix = 1 + (u * doc_len.float()).floor().long()  # (B, T) per document
+    offset = columns - doc_start.gather(1, doc_id)
+    return offset >= prefix.gather(1, doc_id)
+
+
+class MultiPassObjective(Objective):
+    name = "fbt_multipass"
+
+    def __init__(self, model_config: FBTConfig, train_config: TrainConfig):
+        super().__init__(model_config, train_config)
+        self.pass_mix = np.asarray(model_config.pass_mix, dtype=np.float64)
+
+    def _rng(self, step: int) -> np.random.Generator:
+        return np.random.default_rng([self.train_config.seed, step])
+
+    def passes_for_step(self, step: int) -> int:
+        if step < self.model_config.plain_fraction * self.train_config.steps:
+            return 1
+        return 1 + int(self._rng(step).choice(len(self.pass_mix), p=self.pass_mix))
+
+    def __call__(self, model: nn.Module, x: Tensor, y: Tensor, step: int) -> LossResult:
+        K = self.passes_for_step(step)
+        if K == 1:
+            return LossResult(token_cross_entropy(model(x).logits, y), {"passes": 1})
+        mask = None
+        if self.model_config.prefix_mixin:
+            generator = torch.Generator().manual_seed(int(self._rng(step).integers(2**62)))
+            mask = document_prefix_mask(x, self.model_config.bos_id, generator) & (x != self.model_config.bos_id)
+        out = model(x, passes=K, fuse_mask=mask, return_passes=True)
+        losses = [token_cross_entropy(logits, y) for logits in out.pass_logits]
+        loss = losses[0] + self.model_config.loss_lambda / (K - 1) * sum(losses[1:])
+        return LossResult(loss, {"passes": K, "loss_pass1": float(losses[0].detach()),
+                                 "loss_last_pass": float(losses[-1].detach())})
+
+    def expected_passes(self) -> float:
+        deep = float(np.dot(np.arange(1, len(self.pass_mix) + 1), self.pass_mix))
+        plain = self.model_config.plain_fraction
+        return plain + (1 - plain) * deep
+
+    def flops_per_token(self, model: nn.Module, step: int | None = None) -> float:
+        passes = self.expected_passes() if step is None else self.passes_for_step(step)
+        return passes * float(model.flops_per_token())

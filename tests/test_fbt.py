@@ -1,0 +1,202 @@
+"""Full-bandwidth transformer: Jacobi exactness, regimes, cache agreement, objective, init."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import latentloop as ll
+from latentloop.cli import main
+from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config
+from latentloop.objectives import objective_for, token_cross_entropy
+from latentloop.objectives.fbt import document_prefix_mask
+from latentloop.train import fit, setup
+
+TOL = 1e-5  # fp32 max abs logit difference between two exact paths
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return ll.build("fbt", preset="test").eval()
+
+
+def sequential_reference(model, idx, fuse_from=1):
+    """Token by token without a cache: every fused input uses the state its predecessor produced."""
+    e = model.embed(idx)
+    inputs = e[:, :1]
+    for t in range(1, idx.shape[1]):
+        h = model.run_blocks(inputs, model.context(idx[:, :t], None, None))
+        nxt = model.fuse(e[:, t:t + 1], model.carried_state(h[:, -1:])) if t >= fuse_from else e[:, t:t + 1]
+        inputs = torch.cat([inputs, nxt], dim=1)
+    return model.readout(model.run_blocks(inputs, model.context(idx, None, None)))
+
+
+@torch.no_grad()
+def test_parallel_passes_are_a_jacobi_iteration_exact_after_T_passes(model):
+    T = 12
+    idx = torch.randint(0, 256, (2, T))
+    reference = sequential_reference(model, idx)
+    assert (model(idx, passes=T).logits - reference).abs().max().item() <= TOL
+    assert (model(idx, passes=T - 3).logits - reference).abs().max().item() > 1e-3  # K < T: not exact
+    # soft evaluation (cached, token by token) is the same recurrence
+    assert (model.eval_logits(idx, regime="soft") - reference).abs().max().item() <= TOL
+
+
+@torch.no_grad()
+def test_soft_teacher_forcing_equals_multipass_with_fuse_from(model):
+    prompt, continuation = torch.randint(0, 256, (2, 7)), torch.randint(0, 256, (2, 6))
+    cache = model.new_cache(2, 13)
+    first = model.generate_step(prompt, cache=cache, prompt_len=7, regime="soft")  # plain prefill
+    decoded = model(continuation, cache=cache)  # latent-feedback decode, teacher-forced
+    stepped = torch.cat([first.logits, decoded.logits], dim=1)
+    full = torch.cat([prompt, continuation], dim=1)
+    parallel = model(full, passes=continuation.shape[1] + 1, fuse_from=7).logits
+    assert (stepped - parallel).abs().max().item() <= TOL
+    assert (stepped - sequential_reference(model, full, fuse_from=7)).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("regime, passes", [("standard", None), ("soft", None), ("fused", None), ("fused", 3),
+                                            ("fused", "auto")])
+def test_cached_and_uncached_decoding_agree_in_every_regime(model, regime, passes):
+    prompts = [[256, 5, 6, 7, 8], [256, 9], [256, 40, 41, 42]]
+    info = {}
+    cached = ll.generate(model, prompts, 10, temperature=0.0, regime=regime, passes=passes, info=info)
+    assert cached == ll.generate(model, prompts, 10, temperature=0.0, regime=regime, passes=passes, use_cache=False)
+    assert cached == [ll.generate(model, p, 10, temperature=0.0, regime=regime, passes=passes) for p in prompts]
+    if regime == "fused":
+        assert info["prefill_passes"] == (passes if isinstance(passes, int) else 2 if passes is None
+                                          else info["prefill_passes"])
+        assert 1 <= info["prefill_passes"] <= 16
+
+
+def test_regimes_differ_and_options_are_checked(model):
+    prompt = [256, 10, 11, 12, 13, 14]
+    outputs = {r: ll.generate(model, prompt, 12, temperature=0.0, regime=r) for r in ("standard", "soft")}
+    assert outputs["standard"] != outputs["soft"]
+    with pytest.raises(ll.ConfigError, match="regime"):
+        ll.generate(model, prompt, 4, regime="hard")
+    with pytest.raises(ll.ConfigError, match="passes"):
+        ll.generate(model, prompt, 4, regime="fused", passes=0)
+    with pytest.raises(ll.ConfigError, match="fused"):
+        ll.generate(model, prompt, 4, regime="soft", passes=2)
+
+
+def test_config_and_parameters():
+    with pytest.raises(ll.ConfigError, match="tie_embeddings"):
+        model_config("fbt", "test", tie_embeddings=False)
+    with pytest.raises(ll.ConfigError, match="pass_mix"):
+        model_config("fbt", "test", pass_mix=(0.5, 0.4))
+    fbt, gpt = ll.build("fbt", preset="test"), ll.build("gpt", preset="test", tie_embeddings=True)
+    assert fbt.num_params() - gpt.num_params() == 2 * 64 * 64  # only W_U and W_G are new
+
+
+@pytest.mark.parametrize("depth", [2, 12, 48])
+def test_fed_back_state_stays_bounded_with_depth(depth):
+    torch.manual_seed(depth)
+    model = ll.build("fbt", preset="test", n_layer=depth, n_embd=128, state_source="pre_norm").eval()
+    with torch.no_grad():
+        states = model(torch.randint(0, 256, (4, 48)), passes=3, return_passes=True).pass_hidden
+    for h in states:
+        rms = h.pow(2).mean().sqrt().item()
+        assert 0.8 < rms < 2.5, f"pass state RMS {rms:.3f} at depth {depth}"
+
+
+def test_jitter_only_in_training():
+    torch.manual_seed(0)
+    model = ll.build("fbt", preset="test")
+    idx = torch.randint(0, 256, (2, 16))
+    model.train()
+    assert not torch.equal(model(idx, passes=2).logits, model(idx, passes=2).logits)
+    model.eval()
+    assert torch.equal(model(idx, passes=2).logits, model(idx, passes=2).logits)
+    model.config.jitter = 0.0
+    model.train()
+    assert torch.equal(model(idx, passes=2).logits, model(idx, passes=2).logits)
+
+
+def test_schedule_and_pass_mix():
+    objective = objective_for(model_config("fbt", "test"), TrainConfig(steps=4000, seed=3))
+    assert {objective.passes_for_step(s) for s in range(2000)} == {1}
+    draws = np.array([objective.passes_for_step(s) for s in range(2000, 4000)])
+    freq = [(draws == k).mean() for k in (1, 2, 3)]
+    assert abs(freq[0] - 0.75) < 0.04 and abs(freq[1] - 0.22) < 0.04 and 0.01 < freq[2] < 0.06
+    assert objective.passes_for_step(3001) == objective.passes_for_step(3001)  # seeded by step
+    assert objective.expected_passes() == pytest.approx(0.5 + 0.5 * (0.75 + 2 * 0.22 + 3 * 0.03))
+
+
+def test_prefix_mixin_mask_keeps_a_plain_prefix_per_document():
+    idx = torch.tensor([[256, 1, 2, 3, 4, 256, 5, 6, 7, 8, 9, 10]] * 64)
+    mask = document_prefix_mask(idx, 256, torch.Generator().manual_seed(0))
+    for row in mask:
+        for start, end in ((0, 5), (5, 12)):
+            doc = row[start:end].tolist()
+            p = doc.index(True) if True in doc else len(doc)
+            assert p >= 1 and all(doc[p:]) and not any(doc[:p])
+    lengths = [row[5:12].tolist().index(True) if True in row[5:12].tolist() else 7 for row in mask]
+    assert len(set(lengths)) > 3  # prefixes are random
+
+
+def test_multipass_loss_formula_and_gradients_through_passes():
+    cfg = model_config("fbt", "test", plain_fraction=0.0, pass_mix=(0.0, 0.0, 1.0), prefix_mixin=False, jitter=0.0,
+                       loss_lambda=0.7)
+    torch.manual_seed(0)
+    model = ll.build("fbt", preset="test", plain_fraction=0.0, jitter=0.0)
+    objective = objective_for(cfg, TrainConfig(steps=10))
+    x, y = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
+    result = objective(model, x, y, step=0)
+    assert result.metrics["passes"] == 3
+    out = model(x, passes=3, return_passes=True)
+    losses = [token_cross_entropy(lg, y) for lg in out.pass_logits]
+    expected = losses[0] + 0.7 / 2 * (losses[1] + losses[2])
+    assert result.loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    grad = torch.autograd.grad(losses[2], out.pass_hidden[0])[0]  # no detach between passes
+    assert grad.abs().sum() > 0
+
+
+def _run_config(corpus, arch="fbt", steps=6, **model):
+    return RunConfig(model=model_config(arch, "test", sequence_len=32, **model),
+                     train=TrainConfig(steps=steps, batch_size=4, eval_every=0, eval_batches=2, log_every=1,
+                                       warmup_steps=2, save_every=3),
+                     data=DataConfig(source=f"text:{corpus}"))
+
+
+def test_resume_is_bit_identical_with_passes_and_jitter(corpus, tmp_path):
+    mix = dict(plain_fraction=0.0, pass_mix=(0.4, 0.4, 0.2))
+    fit(setup(_run_config(corpus, **mix), tmp_path / "a", progress=False), progress=False)
+    fit(setup(_run_config(corpus, steps=3, **mix), tmp_path / "b", progress=False), progress=False)
+    fit(setup(_run_config(corpus, **mix), tmp_path / "b", resume=True, progress=False), progress=False)
+    a = load_file(str(tmp_path / "a" / "checkpoints" / "step_00000006" / "model.safetensors"))
+    b = load_file(str(tmp_path / "b" / "checkpoints" / "step_00000006" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    passes = [json.loads(r).get("passes") for r in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert {p for p in passes if p} >= {2}
+
+
+def test_start_from_a_tied_gpt_checkpoint(corpus, tmp_path):
+    fit(setup(_run_config(corpus, arch="gpt", steps=2, tie_embeddings=True), tmp_path / "gpt", progress=False),
+        progress=False)
+    state = setup(_run_config(corpus, steps=2), tmp_path / "fbt", progress=False, init_from=tmp_path / "gpt")
+    gpt, _ = ll.load(tmp_path / "gpt")
+    assert torch.equal(state.model.blocks[1].mlp.c_fc.weight, gpt.blocks[1].mlp.c_fc.weight)
+    assert torch.equal(state.model.wte.weight, gpt.wte.weight)
+    fit(state, progress=False)
+
+
+def test_cli_regimes(corpus, tmp_path, capsys):
+    assert main(["train", "--arch", "fbt", "--preset", "test", "--data", f"text:{corpus}", "--steps", "2",
+                 "--out", str(tmp_path / "run"), "--set", "batch_size=2", "--no-progress"]) == 0
+    capsys.readouterr()
+    bpb = {}
+    for regime, extra in (("standard", []), ("soft", []), ("fused", ["--passes", "2"])):
+        assert main(["eval", str(tmp_path / "run"), "--json", "--batches", "1", "--regime", regime, *extra]) == 0
+        bpb[regime] = json.loads(capsys.readouterr().out)["bpb"]
+    assert len(set(bpb.values())) == 3
+    assert main(["generate", str(tmp_path / "run"), "--prompt", "ab", "--max-new-tokens", "4", "--regime", "fused",
+                 "--passes", "auto", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["new_tokens"] <= 4 and 1 <= out["prefill_passes"] <= 16
+    assert main(["generate", str(tmp_path / "run"), "--prompt", "ab", "--passes", "0", "--regime", "fused"]) == 2
+    assert "passes" in capsys.readouterr().err
