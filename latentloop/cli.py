@@ -176,7 +176,7 @@ def _generation_options(args) -> dict:
 
 def cmd_eval(args) -> int:
     from .api import load_run
-    from .evaluate import evaluate_run
+    from .eval import evaluate_run
     from .train import prepare_data, resolve_device
 
     device = resolve_device(args.device)

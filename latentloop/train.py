@@ -30,7 +30,7 @@ from .checkpoint import (list_checkpoints, load_weights, read_trainer_state, res
 from .config import RunConfig
 from .data import TokenData, TokenLoader, load_tokenizer, parse_source, prepare_tokens
 from .errors import CheckpointError, ConfigError
-from .evaluate import evaluate_loss
+from .eval import evaluate_loss
 from .models import build_model
 from .objectives import Objective, objective_for
 from .optim import build_optimizers, lr_multiplier, set_lr

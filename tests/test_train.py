@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 import latentloop as ll
 from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config
-from latentloop.evaluate import evaluate_loss
+from latentloop.eval import evaluate_loss
 from latentloop.optim import lr_multiplier
 from latentloop.train import fit, setup, validate
 

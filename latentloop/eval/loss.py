@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from .data import eval_batches
-from .objectives import token_cross_entropy
+from ..data import eval_batches
+from ..objectives import token_cross_entropy
 
 LogitsFn = Callable[[nn.Module, Tensor], Tensor]  # (model, x (B, T)) -> logits (B, T, V)
 
