@@ -107,7 +107,7 @@ def _decode_loop(model, prompts, max_new_tokens, temperature, top_k, top_p, seed
     outputs: list[list[int]] = [[] for _ in range(B)]
     if max_new_tokens == 0:
         return outputs
-    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    finished = [False] * B
     cache = model.new_cache(B, P + max_new_tokens) if use_cache else None
     out = model.generate_step(idx, cache=cache, pad_mask=pad_mask, prompt_len=P, **options)
     info.update(out.info)
@@ -125,7 +125,7 @@ def _decode_loop(model, prompts, max_new_tokens, temperature, top_k, top_p, seed
                 reported.append(token)
         if stream is not None:
             stream(reported)
-        if bool(finished.all()) or step == max_new_tokens - 1:
+        if all(finished) or step == max_new_tokens - 1:
             break
         if cache is not None:
             out = model.generate_step(next_ids[:, None], cache=cache, prompt_len=P, **options)

@@ -50,16 +50,17 @@ def norm(x: Tensor) -> Tensor:
 
 
 def rope_tables(max_positions: int, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
-    """cos, sin tables of shape (max_positions, head_dim / 2)."""
+    """cos and signed-sin tables (max_positions, head_dim) laid out for `apply_rope`."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # (P, hd/2)
-    return angles.cos(), angles.sin()
+    return torch.cat([angles.cos(), angles.cos()], dim=-1), torch.cat([angles.sin(), -angles.sin()], dim=-1)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate pairs (x1, x2) of the two head-dim halves. x: (B, T, H, hd); cos, sin: (B|1, T, 1, hd/2)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
+    """Rotate the pairs (x1_i, x2_i) of the two head-dim halves by their position's angles:
+    (x1, x2) -> (x1 cos + x2 sin, x2 cos - x1 sin). x: (B, T, H, hd); cos, sin: (B|1, T, 1, hd).
+    Rolling by half a head swaps the halves, so this is three elementwise ops."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
 @dataclass
@@ -67,7 +68,7 @@ class ForwardContext:
     """What every layer of one forward needs besides its input. Variants may subclass it."""
 
     plan: AttentionPlan
-    cos: Tensor  # (B|1, T, 1, hd/2)
+    cos: Tensor  # (B|1, T, 1, hd)
     sin: Tensor
     cache: KVCache | None = None
     slot_offset: int = 0  # cache slot of layer 0 (recurrent-depth models use several per layer)
@@ -84,18 +85,14 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
         D = config.n_embd
-        self.c_q = nn.Linear(D, self.n_head * self.head_dim, bias=False)
-        self.c_k = nn.Linear(D, self.n_kv_head * self.head_dim, bias=False)
-        self.c_v = nn.Linear(D, self.n_kv_head * self.head_dim, bias=False)
+        self.c_qkv = nn.Linear(D, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=False)  # one matmul
         self.c_proj = nn.Linear(D, D, bias=False)
 
     def project_qkv(self, x: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor, Tensor]:
         """q (B, T, H, hd), k and v (B, T, Hkv, hd), before RoPE and QK-norm."""
         B, T, _ = x.shape
-        q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
-        k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
-        v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
-        return q, k, v
+        qkv = self.c_qkv(x).view(B, T, self.n_head + 2 * self.n_kv_head, self.head_dim)
+        return qkv.split([self.n_head, self.n_kv_head, self.n_kv_head], dim=2)
 
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
         B, T, D = x.shape
@@ -186,14 +183,13 @@ class GPT(nn.Module):
 
     def context(self, idx: Tensor, cache: KVCache | None, pad_mask: Tensor | None) -> ForwardContext:
         T = idx.shape[1]
+        seen = cache.length if cache is not None else 0
+        if seen + T > self.config.sequence_len:  # positions never exceed slots, so this bounds them
+            raise ValueError(f"{seen + T} tokens are beyond the context of {self.config.sequence_len} tokens")
         plan = cache.begin(T, pad_mask) if cache is not None else plan_attention(pad_mask, T, idx.device)
-        if int(plan.positions.max()) >= self.config.sequence_len:
-            raise ValueError(f"position {int(plan.positions.max())} is beyond the context of "
-                             f"{self.config.sequence_len} tokens")
-        cos = self.rope_cos[plan.positions][:, :, None, :]  # (B|1, T, 1, hd/2)
+        cos = self.rope_cos[plan.positions][:, :, None, :]  # (B|1, T, 1, hd)
         sin = self.rope_sin[plan.positions][:, :, None, :]
-        return ForwardContext(plan=plan, cos=cos.to(self.wte.weight.dtype), sin=sin.to(self.wte.weight.dtype),
-                              cache=cache)
+        return ForwardContext(plan=plan, cos=cos, sin=sin, cache=cache)
 
     def run_blocks(self, x: Tensor, ctx: ForwardContext) -> Tensor:
         for block in self.blocks:

@@ -92,7 +92,7 @@ class KVCache:
             key_pos = torch.where(pad_mask, positions, torch.full_like(positions, -1))
             self.has_padding = self.has_padding or bool((~pad_mask).any())
         self.key_pos[:, self.length:self.length + T] = key_pos
-        self.next_pos = positions[:, -1] + 1
+        self.next_pos = self.next_pos + (T if pad_mask is None else pad_mask.long().sum(dim=1))
         self._pending = T
         if not self.has_padding and self.length == 0:
             return AttentionPlan(positions, None, True)
