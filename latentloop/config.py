@@ -118,7 +118,50 @@ class FBTConfig(ModelConfig):
                  f"pass_mix must be non-negative probabilities summing to 1, got {list(self.pass_mix)}")
 
 
-MODEL_CONFIGS: dict[str, type[ModelConfig]] = {"gpt": ModelConfig, "fbt": FBTConfig}
+LRT_RECURRENCES = ("interleaved", "chunked", "sequential", "multi_refine")
+
+
+@dataclass
+class LRTConfig(ModelConfig):
+    """Latent recurrent transformer: the previous token's source-layer state injected into the
+    keys/values and the residual stream of the current token.
+
+    `recurrence`, `subsets`, `chunk_size` and `refine_passes` configure its training procedure.
+    """
+
+    arch: ClassVar[str] = "lrt"
+    source_layer: int = -1  # -1: the top state after the final norm; l >= 0: the output of block l (normed)
+    inject_layers: tuple[int, ...] = ()  # blocks that receive the memory; () = every block
+    injection: str = "both"  # "kv", "residual" or "both"
+    kv_projection: str = "shared"  # "shared" (one W_k, W_v for all layers) or "layerwise"
+    residual_gamma_init: float = 0.1  # x <- alpha_l x + gamma_l m with alpha_l = 1 at init
+    recurrence: str = "interleaved"  # training procedure, see LRT_RECURRENCES
+    subsets: int = 2  # interleaved: stride subsets refined after the init pass
+    chunk_size: int = 64  # chunked: memory crosses chunk boundaries only
+    refine_passes: int = 2  # multi_refine: full passes, each using the previous pass's states
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.inject_layers = tuple(int(i) for i in self.inject_layers)
+        _require(-1 <= self.source_layer < self.n_layer,
+                 f"source_layer must be -1 (top) or a block index below n_layer ({self.n_layer}), got {self.source_layer}")
+        _require(all(0 <= i < self.n_layer for i in self.inject_layers),
+                 f"inject_layers must be block indices below n_layer ({self.n_layer}), got {list(self.inject_layers)}")
+        _require(self.injection in ("kv", "residual", "both"),
+                 f"injection must be 'kv', 'residual' or 'both', got {self.injection!r}")
+        _require(self.kv_projection in ("shared", "layerwise"),
+                 f"kv_projection must be 'shared' or 'layerwise', got {self.kv_projection!r}")
+        _require(self.recurrence in LRT_RECURRENCES,
+                 f"recurrence must be one of {', '.join(LRT_RECURRENCES)}, got {self.recurrence!r}")
+        _require(self.subsets >= 1, f"subsets must be >= 1, got {self.subsets}")
+        _require(self.chunk_size >= 1, f"chunk_size must be >= 1, got {self.chunk_size}")
+        _require(self.refine_passes >= 1, f"refine_passes must be >= 1, got {self.refine_passes}")
+
+    def injects(self, layer_idx: int) -> bool:
+        return not self.inject_layers or layer_idx in self.inject_layers
+
+
+MODEL_CONFIGS: dict[str, type[ModelConfig]] = {"gpt": ModelConfig, "fbt": FBTConfig, "lrt": LRTConfig}
 
 
 def register_model_config(cls: type[ModelConfig]) -> type[ModelConfig]:
@@ -283,7 +326,10 @@ def _coerce(value: Any, type_name: Any, name: str) -> Any:
         if t.startswith("tuple"):
             if isinstance(value, str):
                 value = [v for v in value.strip("[]() ").split(",") if v.strip()]
-            return tuple(float(v) for v in value)
+            if isinstance(value, (int, float)):
+                value = [value]
+            cast = int if "int" in t else float
+            return tuple(cast(v) for v in value)
         if t.startswith("str"):
             _require(isinstance(value, (str, int, float)), f"{name} must be a string, got {value!r}")
             return str(value)

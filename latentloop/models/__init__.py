@@ -24,8 +24,9 @@ def register_model(arch: str):
 
 def _register_variants() -> None:
     from .fbt import FBT
+    from .lrt import LRT
 
-    MODEL_CLASSES.update(fbt=FBT)
+    MODEL_CLASSES.update(fbt=FBT, lrt=LRT)
 
 
 _register_variants()

@@ -70,7 +70,7 @@ class ForwardContext:
     plan: AttentionPlan
     cos: Tensor  # (B|1, T, 1, hd)
     sin: Tensor
-    cache: KVCache | None = None
+    cache: KVCache | None = None  # or any object with the same update(slot, k, v) (e.g. a KVBuffer)
     slot_offset: int = 0  # cache slot of layer 0 (recurrent-depth models use several per layer)
 
 
@@ -124,9 +124,11 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+    attention_class = Attention  # variants swap in a subclass
+
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
-        self.attn = Attention(config, layer_idx)
+        self.attn = self.attention_class(config, layer_idx)
         self.mlp = MLP(config)
 
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
@@ -187,6 +189,9 @@ class GPT(nn.Module):
         if seen + T > self.config.sequence_len:  # positions never exceed slots, so this bounds them
             raise ValueError(f"{seen + T} tokens are beyond the context of {self.config.sequence_len} tokens")
         plan = cache.begin(T, pad_mask) if cache is not None else plan_attention(pad_mask, T, idx.device)
+        return self.context_from_plan(plan, cache)
+
+    def context_from_plan(self, plan: AttentionPlan, cache=None) -> ForwardContext:
         cos = self.rope_cos[plan.positions][:, :, None, :]  # (B|1, T, 1, hd)
         sin = self.rope_sin[plan.positions][:, :, None, :]
         return ForwardContext(plan=plan, cos=cos, sin=sin, cache=cache)

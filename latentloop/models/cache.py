@@ -118,3 +118,56 @@ class KVCache:
     def memory_bytes(self) -> int:
         tensors = [self.k, self.v, self.key_pos, *self.state.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class KVBuffer:
+    """A differentiable stand-in for `KVCache`, for training procedures that recompute subsets of
+    one sequence against the keys/values of the rest (interleaved and chunked recurrence).
+
+    Column t of the buffer always holds token t. `begin_columns(index)` plans a pass over the columns
+    `index`; during it `update` writes their fresh keys/values *out of place* (gradients flow through
+    the buffer) and returns the whole buffer; each query sees every column whose position is <= its
+    own. Columns never written hold zeros and sit at later positions, so causality hides them.
+    """
+
+    def __init__(self, n_slots: int, key_pos: Tensor):
+        self.key_pos = key_pos  # (B|1, T) position of each column, -1 for padding
+        self.k: list[Tensor | None] = [None] * n_slots
+        self.v: list[Tensor | None] = [None] * n_slots
+        self._index: Tensor | None = None
+
+    @property
+    def columns(self) -> int:
+        return self.key_pos.shape[1]
+
+    def begin_columns(self, index: Tensor) -> AttentionPlan:
+        self._index = index
+        device = self.key_pos.device
+        query_pos = self.key_pos[:, index].clamp(min=0)  # (B|1, n)
+        if len(index) == self.columns and bool((self.key_pos >= 0).all()):  # a plain full causal pass
+            return AttentionPlan(query_pos, None, True)
+        mask = attention_mask(query_pos, self.key_pos, index, torch.arange(self.columns, device=device))
+        return AttentionPlan(query_pos, mask, False)
+
+    def update(self, slot: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        if len(self._index) == self.columns:
+            self.k[slot], self.v[slot] = k, v
+        else:
+            if self.k[slot] is None:
+                shape = (*k.shape[:2], self.columns, k.shape[3])
+                self.k[slot], self.v[slot] = k.new_zeros(shape), v.new_zeros(shape)
+            self.k[slot] = self.k[slot].index_copy(2, self._index, k)
+            self.v[slot] = self.v[slot].index_copy(2, self._index, v)
+        return self.k[slot], self.v[slot]
+
+    def advance(self) -> None:
+        self._index = None
+
+    def copy_into(self, cache: KVCache, pad_mask: Tensor | None = None) -> None:
+        """Fill an empty inference cache with this buffer's keys/values (a parallel prefill)."""
+        T = self.columns
+        cache.begin(T, pad_mask)
+        for slot, (k, v) in enumerate(zip(self.k, self.v)):
+            cache.k[slot, :, :, :T] = k
+            cache.v[slot, :, :, :T] = v
+        cache.advance()

@@ -23,8 +23,9 @@ def register_objective(arch: str):
 
 def _register_variants() -> None:
     from .fbt import MultiPassObjective
+    from .lrt import LRTObjective
 
-    OBJECTIVES.update(fbt=MultiPassObjective)
+    OBJECTIVES.update(fbt=MultiPassObjective, lrt=LRTObjective)
 
 
 _register_variants()

@@ -1,0 +1,280 @@
+"""Latent Recurrent Transformer (arch `lrt`; Huang et al., "Latent Recurrent Transformer", 2026).
+
+The previous token's hidden state at a source layer is the current token's recurrent memory
+m_{t-1} (zeros at position 0 and at BOS). It enters every injected block two ways:
+
+    residual:     x <- α_l · x + γ_l · m_{t-1}                  (α = 1, γ = 0.1 at init)
+    keys/values:  k_fb = W_k m,  v_fb = W_v m,  (g_loc, g_fb) = 2σ(W_g · norm(x))  per head
+                  k <- g_loc · k + g_fb · k_fb,   v <- g_loc · v + g_fb · v_fb   (before RoPE/QK-norm)
+
+W_g starts at zero, so every gate starts at 1. W_k, W_v are shared by all layers (`shared`) or
+per layer (`layerwise`). The cache keeps its standard shape; the memory rides in
+`cache.state["lrt.memory"]`.
+
+Notable features:
+- source state: the top state after the final norm (`source_layer=-1`, default, as the authors'
+  released code), or the normed output of block `source_layer`
+- recurrence procedures over a whole sequence (`forward(idx, recurrence=...)`), which the objective
+  turns into losses: `sequential` (exact token-by-token reference), `interleaved` (an init pass with
+  zero memory fills a buffer of every layer's keys/values and source states; then each stride subset
+  {t : t mod S = i} is recomputed in turn against the latest buffer and written back), `chunked`
+  (memory crosses chunk boundaries only) and `multi_refine` (K full passes)
+- inference: one ordinary forward per token; the prompt prefill is exact (token by token through
+  the cache) by default, or `prefill="interleaved"` (parallel, approximate)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from ..config import LRTConfig
+from ..errors import ConfigError
+from .backbone import GPT, Attention, Block, ForwardContext, ModelOutput, norm
+from .cache import KVBuffer, KVCache, plan_attention
+
+MEMORY_KEY = "lrt.memory"
+PREFILLS = ("sequential", "interleaved")
+RESIDUAL_ALPHA_INIT = 1.0
+
+
+@dataclass
+class LRTContext(ForwardContext):
+    memory: Tensor | None = None  # (B, T, D) m_{t-1} for each position
+    memory_kv: tuple[Tensor, Tensor] | None = None  # shared W_k m, W_v m as (B, T, Hkv, hd)
+    source: Tensor | None = None  # (B, T, D) written by the source block during the pass
+
+
+@dataclass
+class LRTOutput(ModelOutput):
+    source: Tensor | None = None  # (B, T, D) source states (the next positions' memory)
+    pass_logits: list[Tensor] = field(default_factory=list)  # logits of each pass / subset
+    pass_columns: list[Tensor] = field(default_factory=list)  # the columns each of those covers
+
+
+def shift_right(s: Tensor) -> Tensor:
+    return torch.cat([torch.zeros_like(s[:, :1]), s[:, :-1]], dim=1)
+
+
+class LRTAttention(Attention):
+    def __init__(self, config: LRTConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.inject = config.injects(layer_idx) and config.injection in ("kv", "both")
+        self.layerwise = config.kv_projection == "layerwise"
+        if self.inject:
+            self.c_gate = nn.Linear(config.n_embd, 2 * self.n_kv_head, bias=False)  # (g_loc, g_fb) per kv head
+            if self.layerwise:
+                self.c_mem_kv = nn.Linear(config.n_embd, 2 * self.n_kv_head * self.head_dim, bias=False)
+
+    def project_qkv(self, x: Tensor, ctx: LRTContext) -> tuple[Tensor, Tensor, Tensor]:
+        q, k, v = super().project_qkv(x, ctx)
+        if not self.inject:
+            return q, k, v
+        B, T, _ = x.shape
+        if self.layerwise:
+            k_fb, v_fb = self.c_mem_kv(ctx.memory).view(B, T, 2 * self.n_kv_head, self.head_dim).chunk(2, dim=2)
+        else:
+            k_fb, v_fb = ctx.memory_kv
+        g_loc, g_fb = (2 * torch.sigmoid(self.c_gate(x))).view(B, T, 2, self.n_kv_head, 1).unbind(2)
+        return q, torch.addcmul(g_loc * k, g_fb, k_fb), torch.addcmul(g_loc * v, g_fb, v_fb)
+
+
+class LRTBlock(Block):
+    attention_class = LRTAttention
+
+    def __init__(self, config: LRTConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.inject = config.injects(layer_idx) and config.injection in ("residual", "both")
+        self.is_source = layer_idx == config.source_layer
+        if self.inject:
+            self.mem_alpha = nn.Parameter(torch.full((1,), RESIDUAL_ALPHA_INIT))
+            self.mem_gamma = nn.Parameter(torch.full((1,), config.residual_gamma_init))
+
+    def forward(self, x: Tensor, ctx: LRTContext) -> Tensor:
+        if self.inject:
+            x = torch.addcmul(self.mem_alpha * x, self.mem_gamma, ctx.memory)
+        x = super().forward(x, ctx)
+        if self.is_source:
+            ctx.source = norm(x)
+        return x
+
+
+class LRT(GPT):
+    config_class = LRTConfig
+
+    def __init__(self, config: LRTConfig):
+        super().__init__(config)
+        uses_kv = config.injection in ("kv", "both")
+        self.mem_kv = None
+        if uses_kv and config.kv_projection == "shared":  # W_k and W_v, applied once per token
+            self.mem_kv = nn.Linear(config.n_embd, 2 * config.n_kv_head * config.head_dim, bias=False)
+            nn.init.normal_(self.mem_kv.weight, std=config.n_embd ** -0.5)
+        for block in self.blocks:
+            if block.attn.inject:
+                nn.init.zeros_(block.attn.c_gate.weight)  # every gate starts at 2σ(0) = 1
+
+    def make_block(self, layer_idx: int) -> nn.Module:
+        return LRTBlock(self.config, layer_idx)
+
+    # -- one pass over some columns, given their memory ---------------------------------------
+    def memory_for(self, idx: Tensor, positions: Tensor, previous_source: Tensor) -> Tensor:
+        """m_{t-1} for each column: the previous column's source state, zeros at position 0 / BOS."""
+        restart = (positions == 0) | (idx == self.config.bos_id)  # (B, T)
+        return previous_source.masked_fill(restart[..., None], 0.0)
+
+    def run_pass(self, idx: Tensor, ctx: ForwardContext, memory: Tensor) -> tuple[Tensor, Tensor]:
+        """Blocks over idx with the given memory; returns top states and source states (B, T, D)."""
+        lctx = LRTContext(**vars(ctx), memory=memory)
+        if self.mem_kv is not None:
+            B, T, _ = memory.shape
+            lctx.memory_kv = self.mem_kv(memory).view(B, T, 2 * self.config.n_kv_head, -1).chunk(2, dim=2)
+        h = self.run_blocks(self.embed(idx), lctx)
+        return h, (norm(h) if self.config.source_layer < 0 else lctx.source)
+
+    # -- recurrence procedures over a whole sequence ---------------------------------------
+    def forward(self, idx: Tensor, cache: KVCache | None = None, pad_mask: Tensor | None = None,
+                recurrence: str | None = None, subsets: int | None = None) -> LRTOutput:
+        """With a cache: exact token-by-token steps (an empty cache is a sequential prefill).
+        Without: the whole sequence under `recurrence` (default: the configured training one)."""
+        if cache is not None:
+            return self.step(idx, cache, pad_mask)
+        recurrence = recurrence or self.config.recurrence
+        if recurrence == "sequential":
+            return self.sequential(idx, pad_mask)
+        if recurrence == "interleaved":
+            return self.interleaved(idx, subsets or self.config.subsets, pad_mask)[0]
+        if recurrence == "chunked":
+            return self.chunked(idx, self.config.chunk_size)
+        if recurrence == "multi_refine":
+            return self.multi_refine(idx, self.config.refine_passes)
+        raise ConfigError(f"unknown recurrence {recurrence!r}")
+
+    def sequential(self, idx: Tensor, pad_mask: Tensor | None = None) -> LRTOutput:
+        """The exact recurrence, naively: T passes over growing prefixes, no cache (a reference)."""
+        T = idx.shape[1]
+        ctx = self.context(idx, None, pad_mask)
+        positions = ctx.plan.positions.expand(idx.shape[0], T)
+        sources: list[Tensor] = []
+        pad_column = self.wte.weight.new_zeros(idx.shape[0], 1, self.config.n_embd)
+        for t in range(T):
+            prefix_mask = None if pad_mask is None else pad_mask[:, :t + 1]
+            previous = shift_right(torch.cat(sources + [pad_column], dim=1))  # (B, t + 1, D)
+            memory = self.memory_for(idx[:, :t + 1], positions[:, :t + 1], previous)
+            h, source = self.run_pass(idx[:, :t + 1], self.context(idx[:, :t + 1], None, prefix_mask), memory)
+            sources.append(source[:, t:t + 1])
+        return LRTOutput(logits=self.readout(h), hidden=h, source=source)
+
+    def _buffer(self, idx: Tensor, pad_mask: Tensor | None) -> KVBuffer:
+        plan = plan_attention(pad_mask, idx.shape[1], idx.device)
+        key_pos = plan.positions if pad_mask is None else plan.positions.masked_fill(~pad_mask, -1)
+        return KVBuffer(self.cache_slots(), key_pos)
+
+    def _buffered_pass(self, idx: Tensor, buffer: KVBuffer, columns: Tensor, memory: Tensor) -> tuple[Tensor, Tensor]:
+        ctx = self.context_from_plan(buffer.begin_columns(columns), buffer)
+        h, source = self.run_pass(idx[:, columns], ctx, memory)
+        buffer.advance()
+        return h, source
+
+    def interleaved(self, idx: Tensor, subsets: int, pad_mask: Tensor | None = None) -> tuple[LRTOutput, KVBuffer]:
+        """Init pass with zero memory, then each stride subset refined against the latest buffer."""
+        B, T = idx.shape
+        buffer = self._buffer(idx, pad_mask)
+        positions = buffer.key_pos.clamp(min=0).expand(B, T)
+        everything = torch.arange(T, device=idx.device)
+        h, source = self._buffered_pass(idx, buffer, everything, torch.zeros_like(self.embed(idx)))
+        logits = self.readout(h)
+        out = LRTOutput(logits=logits, hidden=h, source=source, pass_logits=[logits], pass_columns=[everything])
+        for i in range(min(subsets, T)):
+            columns = everything[i::subsets]
+            memory = self.memory_for(idx, positions, shift_right(out.source))[:, columns]
+            h_sub, source_sub = self._buffered_pass(idx, buffer, columns, memory)
+            logits_sub = self.readout(h_sub)
+            out.source = out.source.index_copy(1, columns, source_sub)
+            out.hidden = out.hidden.index_copy(1, columns, h_sub)
+            out.logits = out.logits.index_copy(1, columns, logits_sub)  # the merged estimate
+            out.pass_logits.append(logits_sub)
+            out.pass_columns.append(columns)
+        return out, buffer
+
+    def chunked(self, idx: Tensor, chunk_size: int) -> LRTOutput:
+        """Chunks in order; inside a chunk the memory is zero except at its first token, which
+        gets the previous chunk's last source state (the paper's weaker baseline)."""
+        B, T = idx.shape
+        buffer = self._buffer(idx, None)
+        positions = buffer.key_pos.expand(B, T)
+        hidden, sources = [], []
+        for start in range(0, T, chunk_size):
+            columns = torch.arange(start, min(T, start + chunk_size), device=idx.device)
+            memory = torch.zeros_like(self.embed(idx[:, columns]))
+            if start > 0:
+                carried = torch.cat([sources[-1][:, -1:], memory[:, 1:]], dim=1)
+                memory = self.memory_for(idx[:, columns], positions[:, columns], carried)
+            h, source = self._buffered_pass(idx, buffer, columns, memory)
+            hidden.append(h)
+            sources.append(source)
+        h = torch.cat(hidden, dim=1)
+        return LRTOutput(logits=self.readout(h), hidden=h, source=torch.cat(sources, dim=1))
+
+    def multi_refine(self, idx: Tensor, passes: int) -> LRTOutput:
+        """K full passes; pass k's memory is pass k-1's source states (pass 1: zeros)."""
+        ctx = self.context(idx, None, None)
+        positions = ctx.plan.positions.expand(idx.shape)
+        source = torch.zeros_like(self.embed(idx))
+        all_logits = []
+        for k in range(passes):
+            memory = self.memory_for(idx, positions, shift_right(source)) if k else source
+            h, source = self.run_pass(idx, ctx, memory)
+            all_logits.append(self.readout(h))
+        return LRTOutput(logits=all_logits[-1], hidden=h, source=source, pass_logits=all_logits)
+
+    # -- inference --------------------------------------------------------------------------
+    def step(self, idx: Tensor, cache: KVCache, pad_mask: Tensor | None = None) -> LRTOutput:
+        """Tokens one at a time through the cache, each with the memory its predecessor left."""
+        hidden, sources = [], []
+        for t in range(idx.shape[1]):
+            token = idx[:, t:t + 1]
+            ctx = self.context(token, cache, None if pad_mask is None else pad_mask[:, t:t + 1])
+            previous = cache.state.get(MEMORY_KEY)
+            if previous is None:
+                previous = torch.zeros_like(self.embed(token))
+            h, source = self.run_pass(token, ctx, self.memory_for(token, ctx.plan.positions, previous))
+            cache.advance()
+            if pad_mask is None:
+                cache.state[MEMORY_KEY] = source
+            else:  # a padding step leaves the memory as it was
+                cache.state[MEMORY_KEY] = torch.where(pad_mask[:, t:t + 1, None], source, previous)
+            hidden.append(h)
+            sources.append(source)
+        h = torch.cat(hidden, dim=1)
+        return LRTOutput(logits=self.readout(h), hidden=h, source=torch.cat(sources, dim=1))
+
+    def check_options(self, options: dict) -> None:
+        unknown = set(options) - {"prefill"}
+        if unknown:
+            raise ConfigError(f"arch 'lrt' does not support option(s): {', '.join(sorted(unknown))}")
+        if options.get("prefill", "sequential") not in PREFILLS:
+            raise ConfigError(f"unknown prefill {options['prefill']!r}: choose from {', '.join(PREFILLS)}")
+
+    def generate_step(self, idx: Tensor, cache: KVCache | None = None, pad_mask: Tensor | None = None,
+                      prompt_len: int = 0, prefill: str = "sequential") -> LRTOutput:
+        self.check_options({"prefill": prefill})
+        if cache is None:
+            if prefill != "sequential":
+                raise ConfigError("prefill 'interleaved' needs the cache (its uncached reference is the exact one)")
+            return self.sequential(idx, pad_mask)
+        if cache.length == 0 and prefill == "interleaved":
+            out, buffer = self.interleaved(idx, self.config.subsets, pad_mask)
+            buffer.copy_into(cache, pad_mask)
+            cache.state[MEMORY_KEY] = out.source[:, -1:]
+            return out
+        return self.step(idx, cache, pad_mask)
+
+    def eval_logits(self, idx: Tensor, prefill: str = "sequential") -> Tensor:
+        """sequential: exact memory (stepped through a cache); interleaved: the merged parallel
+        estimate used in training (each position's logits from its latest refinement)."""
+        self.check_options({"prefill": prefill})
+        if prefill == "interleaved":
+            return self.interleaved(idx, self.config.subsets)[0].logits
+        return self.step(idx, self.new_cache(idx.shape[0], idx.shape[1])).logits

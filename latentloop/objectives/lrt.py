@@ -1,0 +1,48 @@
+"""The latent recurrent transformer's training procedures (selected by `recurrence` in its config).
+
+- interleaved (default): loss (L_init + Σ_i L_i) / (S + 1), each term the mean over its own
+  positions (the init pass over all of them, subset i over {t : t mod S = i}); no stop-gradient.
+- multi_refine: the mean of the K passes' losses.
+- sequential, chunked: one loss over all positions.
+
+FLOPs are charged honestly: interleaved runs every token through the stack twice (init pass +
+one refinement), multi_refine K times, and the naive sequential reference re-runs every prefix.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from .base import LossResult, Objective, token_cross_entropy
+
+
+class LRTObjective(Objective):
+    name = "lrt_recurrence"
+
+    def __call__(self, model: nn.Module, x: Tensor, y: Tensor, step: int) -> LossResult:
+        recurrence = self.model_config.recurrence
+        out = model(x, recurrence=recurrence)
+        if recurrence == "interleaved":
+            losses = [token_cross_entropy(logits, y[:, columns])
+                      for logits, columns in zip(out.pass_logits, out.pass_columns)]
+        elif recurrence == "multi_refine":
+            losses = [token_cross_entropy(logits, y) for logits in out.pass_logits]
+        else:
+            losses = [token_cross_entropy(out.logits, y)]
+        loss = sum(losses) / len(losses)
+        return LossResult(loss, {"loss_init": float(losses[0].detach()), "loss_final": float(losses[-1].detach())}
+                          if len(losses) > 1 else {})
+
+    def forward_passes(self, seq_len: int) -> float:
+        """How many times each token goes through the whole stack, on average."""
+        recurrence = self.model_config.recurrence
+        if recurrence == "interleaved":
+            return 2.0
+        if recurrence == "multi_refine":
+            return float(self.model_config.refine_passes)
+        if recurrence == "sequential":
+            return (seq_len + 1) / 2  # the reference re-runs every prefix
+        return 1.0
+
+    def flops_per_token(self, model: nn.Module, step: int | None = None) -> float:
+        return self.forward_passes(self.model_config.sequence_len) * float(model.flops_per_token())

@@ -1,0 +1,134 @@
+"""Latent recurrent transformer: interleaved == sequential at S = T, cache exactness, gpt reduction,
+gradients through the buffer, objective and compute accounting."""
+
+import json
+
+import pytest
+import torch
+
+import latentloop as ll
+from latentloop.cli import main
+from latentloop.config import TrainConfig, model_config
+from latentloop.objectives import objective_for, token_cross_entropy
+
+TOL = 1e-5  # fp32 max abs logit difference between two exact paths
+
+VARIANTS = [{}, {"kv_projection": "layerwise"}, {"injection": "kv"}, {"injection": "residual"},
+            {"source_layer": 0}, {"n_kv_head": 2, "inject_layers": (1,)}]
+
+
+def _model(**overrides):
+    torch.manual_seed(0)
+    return ll.build("lrt", preset="test", **overrides).eval()
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("overrides", VARIANTS)
+def test_interleaved_with_T_subsets_equals_sequential(overrides):
+    model = _model(**overrides)
+    idx = torch.randint(0, 256, (2, 12))
+    sequential = model(idx, recurrence="sequential").logits
+    assert (model(idx, recurrence="interleaved", subsets=12).logits - sequential).abs().max().item() <= TOL
+    assert (model(idx, recurrence="interleaved", subsets=2).logits - sequential).abs().max().item() > 1e-4
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("overrides", VARIANTS)
+def test_cached_decoding_equals_sequential(overrides):
+    model = _model(**overrides)
+    idx = torch.randint(0, 256, (3, 14))
+    sequential = model(idx, recurrence="sequential").logits
+    cache = model.new_cache(3, 14)
+    stepped = torch.cat([model(idx[:, :5], cache=cache).logits, model(idx[:, 5:], cache=cache).logits], dim=1)
+    assert (stepped - sequential).abs().max().item() <= TOL
+
+
+def test_greedy_generation_cached_uncached_and_batched():
+    model = _model()
+    prompts = [[256, 5, 6, 7, 8], [256, 9], [256, 40, 41, 42]]
+    cached = ll.generate(model, prompts, 8, temperature=0.0)
+    assert cached == ll.generate(model, prompts, 8, temperature=0.0, use_cache=False)
+    assert cached == [ll.generate(model, p, 8, temperature=0.0) for p in prompts]
+    approx = ll.generate(model, prompts, 8, temperature=0.0, prefill="interleaved")
+    assert all(len(row) == 8 for row in approx)
+    with pytest.raises(ll.ConfigError, match="prefill"):
+        ll.generate(model, prompts, 2, prefill="parallel")
+    with pytest.raises(ll.ConfigError, match="needs the cache"):
+        ll.generate(model, prompts, 2, prefill="interleaved", use_cache=False)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("recurrence", ["sequential", "interleaved", "chunked", "multi_refine"])
+def test_without_feedback_lrt_is_gpt(recurrence):
+    """gamma = 0 and the feedback keys/values at 0 (W_k = W_v = 0; the gates start at 1):
+    the same weights as a gpt give the gpt's logits."""
+    torch.manual_seed(1)
+    gpt = ll.build("gpt", preset="test").eval()
+    lrt = ll.build("lrt", preset="test", residual_gamma_init=0.0, chunk_size=5).eval()
+    missing, unexpected = lrt.load_state_dict(gpt.state_dict(), strict=False)
+    assert not unexpected and all("mem" in name or "gate" in name for name in missing)
+    lrt.mem_kv.weight.zero_()
+    idx = torch.randint(0, 256, (2, 12))
+    assert (lrt(idx, recurrence=recurrence).logits - gpt(idx).logits).abs().max().item() <= TOL
+
+
+def test_gradients_flow_through_the_buffer():
+    """Subset 1 (odd columns) sees even columns only through the init pass's buffer: its loss
+    must still reach the embeddings of tokens that occur only at even columns."""
+    model = _model()
+    model.train()
+    idx = torch.tensor([[256, 3, 100, 4, 101, 5, 102, 6, 103, 7]])
+    y = torch.randint(0, 256, (1, 10))
+    out = model(idx, recurrence="interleaved", subsets=2)
+    odd_loss = token_cross_entropy(out.pass_logits[2], y[:, out.pass_columns[2]])
+    grad = torch.autograd.grad(odd_loss, model.wte.weight)[0]
+    assert grad[100:104].abs().sum() > 0
+
+
+def test_objective_loss_and_flops():
+    cfg = model_config("lrt", "test", subsets=3)
+    objective = objective_for(cfg, TrainConfig(steps=2))
+    model = _model(subsets=3)
+    x, y = torch.randint(0, 256, (2, 12)), torch.randint(0, 256, (2, 12))
+    result = objective(model, x, y, step=0)
+    out = model(x, recurrence="interleaved", subsets=3)
+    terms = [token_cross_entropy(lg, y[:, c]) for lg, c in zip(out.pass_logits, out.pass_columns)]
+    assert len(terms) == 4
+    assert result.loss.item() == pytest.approx((sum(terms) / 4).item(), rel=1e-6)
+    assert objective.flops_per_token(model) == pytest.approx(2 * model.flops_per_token())
+    refine = objective_for(model_config("lrt", "test", recurrence="multi_refine", refine_passes=3), TrainConfig())
+    assert refine.flops_per_token(model) == pytest.approx(3 * model.flops_per_token())
+
+
+def test_parameter_overhead_counts():
+    D, L, H = 64, 2, 4
+    gpt = ll.build("gpt", preset="test").num_params()
+    shared = ll.build("lrt", preset="test").num_params()
+    layerwise = ll.build("lrt", preset="test", kv_projection="layerwise").num_params()
+    per_layer = D * 2 * H + 2  # gates + alpha, gamma
+    assert shared - gpt == 2 * D * D + L * per_layer
+    assert layerwise - gpt == L * (2 * D * D + per_layer)
+
+
+def test_config_errors():
+    with pytest.raises(ll.ConfigError, match="source_layer"):
+        model_config("lrt", "test", source_layer=2)
+    with pytest.raises(ll.ConfigError, match="injection"):
+        model_config("lrt", "test", injection="attention")
+    with pytest.raises(ll.ConfigError, match="recurrence"):
+        model_config("lrt", "test", recurrence="jacobi")
+
+
+def test_train_eval_generate_cli(corpus, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "--arch", "lrt", "--preset", "test", "--data", f"text:{corpus}", "--steps", "2",
+                 "--out", str(run), "--set", "batch_size=2", "--set", "sequence_len=24", "--no-progress"]) == 0
+    capsys.readouterr()
+    results = {}
+    for prefill in ("sequential", "interleaved"):
+        assert main(["eval", str(run), "--json", "--batches", "1", "--prefill", prefill]) == 0
+        results[prefill] = json.loads(capsys.readouterr().out)["bpb"]
+    assert results["sequential"] != results["interleaved"]
+    assert main(["generate", str(run), "--prompt", "ab", "--max-new-tokens", "3", "--prefill", "interleaved",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["new_tokens"] <= 3
