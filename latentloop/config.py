@@ -144,7 +144,8 @@ class LRTConfig(ModelConfig):
         super().__post_init__()
         self.inject_layers = tuple(int(i) for i in self.inject_layers)
         _require(-1 <= self.source_layer < self.n_layer,
-                 f"source_layer must be -1 (top) or a block index below n_layer ({self.n_layer}), got {self.source_layer}")
+                 f"source_layer must be -1 (top) or a block index below n_layer ({self.n_layer}), "
+                 f"got {self.source_layer}")
         _require(all(0 <= i < self.n_layer for i in self.inject_layers),
                  f"inject_layers must be block indices below n_layer ({self.n_layer}), got {list(self.inject_layers)}")
         _require(self.injection in ("kv", "residual", "both"),
@@ -239,9 +240,11 @@ class TrainConfig:
         _require(0.0 <= self.min_lr_ratio <= 1.0, f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         _require(0.0 < self.decay_fraction <= 1.0, f"decay_fraction must be in (0, 1], got {self.decay_fraction}")
         _require(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}")
-        _require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), f"betas must be two values in [0, 1), got {self.betas}")
+        _require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+                 f"betas must be two values in [0, 1), got {self.betas}")
         _require(self.grad_clip >= 0, f"grad_clip must be >= 0, got {self.grad_clip}")
-        _require(self.dtype in ("auto", "float32", "bfloat16"), f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+        _require(self.dtype in ("auto", "float32", "bfloat16"),
+                 f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         _require(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda", "mps"),
                  f"device must be auto, cpu, cuda[:N] or mps, got {self.device!r}")
 
@@ -311,7 +314,8 @@ def _coerce(value: Any, type_name: Any, name: str) -> Any:
     try:
         if t.startswith("bool"):
             if isinstance(value, str):
-                _require(value.lower() in ("true", "false", "1", "0", "yes", "no"), f"{name} must be true or false, got {value!r}")
+                _require(value.lower() in ("true", "false", "1", "0", "yes", "no"),
+                         f"{name} must be true or false, got {value!r}")
                 return value.lower() in ("true", "1", "yes")
             _require(isinstance(value, (bool, int)), f"{name} must be true or false, got {value!r}")
             return bool(value)

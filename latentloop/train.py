@@ -25,8 +25,13 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .checkpoint import (list_checkpoints, load_weights, read_trainer_state, resolve_checkpoint, save_checkpoint,
-                         write_json_atomic)
+from .checkpoint import (
+    list_checkpoints,
+    load_weights,
+    read_trainer_state,
+    resolve_checkpoint,
+    save_checkpoint,
+)
 from .config import RunConfig
 from .data import TokenData, TokenLoader, load_tokenizer, parse_source, prepare_tokens
 from .errors import CheckpointError, ConfigError
