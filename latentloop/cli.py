@@ -54,6 +54,16 @@ def _add_generation_options(p: argparse.ArgumentParser) -> None:
                    help="rgpt recurrence steps at inference (early exit at a fixed depth)")
     p.add_argument("--prefill", choices=["sequential", "interleaved"], default=None,
                    help="lrt prompt prefill: exact sequential (default) or interleaved (faster, approximate)")
+    p.add_argument("--cache-mode", choices=["full", "mean", "last"], default=None,
+                   help="rgpt KV cache: one slot per (step, core layer) (full, exact), or a running mean / the "
+                        "latest step per core layer (less memory)")
+    p.add_argument("--exit-threshold", type=float, default=None,
+                   help="rgpt adaptive exit while decoding: stop a token's recurrence once the criterion falls "
+                        "below this (0: off)")
+    p.add_argument("--exit-criterion", choices=["kl", "state"], default=None,
+                   help="rgpt exit criterion: KL between successive steps' next-token distributions, or the "
+                        "relative change of the state")
+    p.add_argument("--min-steps", type=_positive_int, default=None, help="rgpt: recurrence steps before any exit")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,18 +84,30 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", required=True, help="run folder to create (or continue with --resume)")
     t.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     t.add_argument("--init-from", help="start from another run's weights (e.g. fbt from a tied gpt run)")
+    t.add_argument("--iso", choices=["flops", "params"], default=None,
+                   help="rgpt: shape the recurrent model from the preset's dense depth at equal FLOPs (same "
+                        "effective depth) or equal parameters (same distinct blocks); prints both models' sizes")
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config field, e.g. --set n_layer=4 or --set train.lr=1e-3 (repeatable)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.add_argument("--json", action="store_true", help="print the final summary as JSON")
 
-    e = sub.add_parser("eval", help="validation loss, perplexity and bits per byte of a run")
+    e = sub.add_parser("eval", help="validation loss / perplexity / bits per byte of a run, or task accuracy (--tasks)")
     e.add_argument("run", help="run folder or checkpoint folder")
     e.add_argument("--json", action="store_true", help="print the metrics as JSON")
     e.add_argument("--split", choices=["val", "train"], default="val", help="data split to evaluate")
     e.add_argument("--batches", type=_non_negative_int, default=0, help="evaluate at most this many batches (0: all)")
-    e.add_argument("--batch-size", type=_positive_int, default=16, help="sequences per batch")
+    e.add_argument("--batch-size", type=_positive_int, default=None,
+                   help="sequences per batch (default 16 for the loss, 64 rows for --tasks)")
     e.add_argument("--device", default="cpu", help="cpu, cuda[:N], mps")
+    e.add_argument("--tasks", default=None, metavar="NAMES|core",
+                   help="evaluate tasks instead of the loss: 'core' (the 22 CORE tasks), CORE task names and/or "
+                        "generation tasks, comma-separated; results go to RUN/evals/")
+    e.add_argument("--limit", type=_positive_int, default=None, help="with --tasks: at most N examples per task")
+    e.add_argument("--eval-dir", default=None, metavar="PATH",
+                   help="with --tasks: folder of the task jsonl files (default: $LATENTLOOP_EVAL_DIR, else the "
+                        "cached official bundle, fetched once when online)")
+    e.add_argument("--no-progress", action="store_true", help="with --tasks: no progress bars")
     _add_generation_options(e)
 
     g = sub.add_parser("generate", help="continue a prompt with a trained model")
@@ -117,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--preset", default="tiny", help="model size preset")
     d.add_argument("--archs", default=None, help="comma-separated architectures (default: all available)")
     d.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+    c = sub.add_parser("compare", help="compare runs: params, tokens, FLOPs, loss, BPB, CORE and task accuracy")
+    c.add_argument("runs", nargs="+", metavar="RUN", help="run folders")
+    c.add_argument("--out", default="compare", help="folder for compare.md and the loss plots (default: ./compare)")
     return parser
 
 
@@ -153,6 +179,8 @@ def cmd_train(args) -> int:
     from .train import fit, setup
 
     config = _run_config_from_args(args)
+    if args.iso:
+        config = _iso_shaped(config, args.iso)
     state = setup(config, args.out, resume=args.resume, progress=not args.no_progress, init_from=args.init_from)
     summary = fit(state, progress=not args.no_progress)
     if args.json:
@@ -164,8 +192,38 @@ def cmd_train(args) -> int:
     return 0
 
 
+def _iso_shaped(config, iso: str):
+    """Reshape an rgpt config from its dense depth; print params and FLOPs/token of both."""
+    import dataclasses
+
+    from .config import ModelConfig, model_config, rgpt_shape_from_dense
+    from .models import build_model
+
+    if config.model.arch != "rgpt":
+        raise LatentloopError("--iso applies to --arch rgpt only")
+    dense_layers = config.model.n_layer
+    fields = {f.name: getattr(config.model, f.name) for f in dataclasses.fields(config.model)}
+    for name in ("n_pre", "n_rec", "n_coda", "n_layer"):
+        fields.pop(name)
+    shape = rgpt_shape_from_dense(dense_layers, iso, config.model.recurrence_steps)
+    fields.update(shape)
+    rgpt_config = model_config("rgpt", None, **fields)
+    dense_fields = {f.name: fields[f.name] for f in dataclasses.fields(ModelConfig) if f.name in fields}
+    dense = build_model(model_config("gpt", None, **{**dense_fields, "n_layer": dense_layers}))
+    recurrent = build_model(rgpt_config)
+    T = rgpt_config.sequence_len
+    print(f"iso{iso}: dense gpt {dense_layers} layers: {dense.num_params():,} params, "
+          f"{dense.flops_per_token(T):,} FLOPs/token (fwd+bwd)")
+    print(f"iso{iso}: rgpt {shape['n_pre']} + {shape['n_rec']} x {shape['recurrence_steps']} + {shape['n_coda']}: "
+          f"{recurrent.num_params():,} params, {recurrent.flops_per_token(T):,} FLOPs/token at R")
+    config.model = rgpt_config
+    return config
+
+
 def _generation_options(args) -> dict:
-    options = {"regime": args.regime, "passes": args.passes, "steps": args.depth, "prefill": args.prefill}
+    options = {"regime": args.regime, "passes": args.passes, "steps": args.depth, "prefill": args.prefill,
+               "cache_mode": getattr(args, "cache_mode", None), "exit_threshold": getattr(args, "exit_threshold", None),
+               "exit_criterion": getattr(args, "exit_criterion", None), "min_steps": getattr(args, "min_steps", None)}
     if args.passes is not None and args.passes != "auto":
         try:
             options["passes"] = int(args.passes)
@@ -179,11 +237,28 @@ def cmd_eval(args) -> int:
     from .eval import evaluate_run
     from .train import prepare_data, resolve_device
 
+    if args.tasks is None and (args.limit is not None or args.eval_dir is not None):
+        raise LatentloopError("--limit and --eval-dir apply to --tasks only")
     device = resolve_device(args.device)
     model, tokenizer, config, checkpoint = load_run(args.run, device)
+    if args.tasks is not None:  # task accuracy (CORE, generation), written to RUN/evals/
+        from .eval.core import DEFAULT_BATCH_SIZE
+        from .eval.suite import format_suite, run_folder, run_tasks
+
+        run_dir = run_folder(args.run, checkpoint)
+        result = run_tasks(model, tokenizer, args.tasks, data_dir=args.eval_dir, options=_generation_options(args),
+                           limit=args.limit, progress=not args.no_progress and not args.json, run_dir=run_dir,
+                           batch_size=args.batch_size or DEFAULT_BATCH_SIZE,
+                           meta={"run": str(args.run), "checkpoint": str(checkpoint), "arch": config.model.arch})
+        if args.json:
+            print(json.dumps({"run": str(args.run), "checkpoint": str(checkpoint), **result}, indent=2, default=str))
+        else:
+            print(format_suite(result))
+            print(f"results: {run_dir / 'evals'}")
+        return 0
     data = prepare_data(config, tokenizer, progress=False)
     tokens = data.val if args.split == "val" else data.train
-    metrics = evaluate_run(model, tokens, tokenizer, args.batch_size, config.model.sequence_len,
+    metrics = evaluate_run(model, tokens, tokenizer, args.batch_size or 16, config.model.sequence_len,
                            args.batches or None, _generation_options(args))
     metrics = {"run": str(args.run), "checkpoint": str(checkpoint), "split": args.split, **metrics}
     if args.json:
@@ -191,6 +266,17 @@ def cmd_eval(args) -> int:
     else:
         for key, value in metrics.items():
             print(f"{key:>12}: {value:.4f}" if isinstance(value, float) else f"{key:>12}: {value}")
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from .eval.compare import compare_runs
+
+    report = compare_runs(args.runs, args.out)
+    print(report["markdown"])
+    for note in report["notes"]:
+        print(f"note: {note}", file=sys.stderr)
+    print(f"report: {report['report']}")
     return 0
 
 
@@ -275,7 +361,7 @@ def cmd_demo(args) -> int:
 
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "generate": cmd_generate, "tokenizer": cmd_tokenizer,
-            "demo": cmd_demo}
+            "demo": cmd_demo, "compare": cmd_compare}
 
 
 def main(argv: list[str] | None = None) -> int:

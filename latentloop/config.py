@@ -162,7 +162,69 @@ class LRTConfig(ModelConfig):
         return not self.inject_layers or layer_idx in self.inject_layers
 
 
-MODEL_CONFIGS: dict[str, type[ModelConfig]] = {"gpt": ModelConfig, "fbt": FBTConfig, "lrt": LRTConfig}
+@dataclass
+class RGPTConfig(ModelConfig):
+    """RecurrentGPT: prelude (n_pre blocks) -> shared core (n_rec blocks) applied R times with a
+    projected, gated state update -> coda (n_coda blocks). `n_layer` is derived: the number of
+    distinct blocks. When n_pre / n_rec / n_coda are not given they split a preset's n_layer as
+    1 / n_layer - 2 / 1.
+
+    `recurrence_steps` is the trained R; `truncate_steps` configures its training objective.
+    """
+
+    arch: ClassVar[str] = "rgpt"
+    n_pre: int | None = None
+    n_rec: int | None = None
+    n_coda: int | None = None
+    recurrence_steps: int = 4  # R, the trained number of core applications (depth ~ Uniform{1..R})
+    noise_std: float = 0.1  # std of the training-only noise on the state (eps_x) and the gate (eps_g)
+    gate_temperature: float = 1.0  # tau in g = sigmoid(f_gate(...) / tau + eps_g)
+    gate_bias_init: float = 4.0  # sigmoid(4) ~ 0.98: at init each step passes the state almost unchanged
+    truncate_steps: int = 0  # training: the first n recurrence steps run without gradient
+
+    def __post_init__(self) -> None:
+        if self.n_pre is None and self.n_rec is None and self.n_coda is None:
+            edge = 1 if self.n_layer >= 3 else 0
+            self.n_pre, self.n_coda, self.n_rec = edge, edge, self.n_layer - 2 * edge
+        else:
+            self.n_pre = 1 if self.n_pre is None else self.n_pre
+            self.n_coda = 1 if self.n_coda is None else self.n_coda
+            self.n_rec = max(1, self.n_layer - self.n_pre - self.n_coda) if self.n_rec is None else self.n_rec
+        _require(self.n_pre >= 0 and self.n_coda >= 0, "n_pre and n_coda must be >= 0")
+        _require(self.n_rec >= 1, f"n_rec must be >= 1, got {self.n_rec}")
+        self.n_layer = self.n_pre + self.n_rec + self.n_coda
+        super().__post_init__()
+        _require(self.recurrence_steps >= 1, f"recurrence_steps must be >= 1, got {self.recurrence_steps}")
+        _require(self.noise_std >= 0, f"noise_std must be >= 0, got {self.noise_std}")
+        _require(self.gate_temperature > 0, f"gate_temperature must be > 0, got {self.gate_temperature}")
+        _require(0 <= self.truncate_steps < self.recurrence_steps,
+                 f"truncate_steps must be in [0, recurrence_steps), got {self.truncate_steps}")
+
+    @property
+    def effective_depth(self) -> int:
+        return self.n_pre + self.n_rec * self.recurrence_steps + self.n_coda
+
+
+def rgpt_shape_from_dense(dense_layers: int, iso: str, steps: int) -> dict[str, int]:
+    """Split a dense model's depth into (n_pre, n_rec, n_coda) for an isoFLOPs or isoparams RGPT.
+
+    iso="flops": the effective depth n_pre + n_rec * R + n_coda equals the dense depth (fewer
+    parameters, about the same compute); iso="params": the distinct blocks n_pre + n_rec + n_coda
+    equal the dense depth (about the same parameters, more compute).
+    """
+    _require(iso in ("flops", "params"), f"iso must be 'flops' or 'params', got {iso!r}")
+    _require(dense_layers >= 1 and steps >= 1, "dense depth and steps must be >= 1")
+    edge = 1 if dense_layers >= 3 else 0
+    if iso == "params":
+        return dict(n_pre=edge, n_rec=dense_layers - 2 * edge, n_coda=edge, recurrence_steps=steps)
+    n_rec = max(1, (dense_layers - 2 * edge) // steps)
+    leftover = max(0, dense_layers - 2 * edge - n_rec * steps)  # depth the core cannot fill evenly
+    return dict(n_pre=edge + leftover // 2, n_rec=n_rec, n_coda=edge + leftover - leftover // 2,
+                recurrence_steps=steps)
+
+
+MODEL_CONFIGS: dict[str, type[ModelConfig]] = {"gpt": ModelConfig, "fbt": FBTConfig, "lrt": LRTConfig,
+                                               "rgpt": RGPTConfig}
 
 
 def register_model_config(cls: type[ModelConfig]) -> type[ModelConfig]:

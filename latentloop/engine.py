@@ -108,7 +108,7 @@ def _decode_loop(model, prompts, max_new_tokens, temperature, top_k, top_p, seed
     if max_new_tokens == 0:
         return outputs
     finished = [False] * B
-    cache = model.new_cache(B, P + max_new_tokens) if use_cache else None
+    cache = model.new_cache(B, P + max_new_tokens, **options) if use_cache else None
     out = model.generate_step(idx, cache=cache, pad_mask=pad_mask, prompt_len=P, **options)
     info.update(out.info)
     sequence = idx
@@ -129,6 +129,7 @@ def _decode_loop(model, prompts, max_new_tokens, temperature, top_k, top_p, seed
             break
         if cache is not None:
             out = model.generate_step(next_ids[:, None], cache=cache, prompt_len=P, **options)
+            info.update(out.info)
         else:
             sequence = torch.cat([sequence, next_ids[:, None]], dim=1)
             if pad_mask is not None:

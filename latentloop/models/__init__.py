@@ -25,8 +25,9 @@ def register_model(arch: str):
 def _register_variants() -> None:
     from .fbt import FBT
     from .lrt import LRT
+    from .rgpt import RGPT
 
-    MODEL_CLASSES.update(fbt=FBT, lrt=LRT)
+    MODEL_CLASSES.update(fbt=FBT, lrt=LRT, rgpt=RGPT)
 
 
 _register_variants()

@@ -240,7 +240,9 @@ class GPT(nn.Module):
     def cache_slots(self) -> int:
         return self.config.n_layer
 
-    def new_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
+    def new_cache(self, batch_size: int, max_len: int | None = None, **options) -> KVCache:
+        """An empty cache for `batch_size` rows of up to `max_len` tokens; `options` are the
+        generation options (some variants size their cache by them)."""
         weight = self.wte.weight
         return KVCache(batch_size, max_len or self.config.sequence_len, self.cache_slots(), self.config.n_kv_head,
                        self.config.head_dim, device=weight.device, dtype=weight.dtype)

@@ -24,8 +24,9 @@ def register_objective(arch: str):
 def _register_variants() -> None:
     from .fbt import MultiPassObjective
     from .lrt import LRTObjective
+    from .rgpt import RecurrentDepthObjective
 
-    OBJECTIVES.update(fbt=MultiPassObjective, lrt=LRTObjective)
+    OBJECTIVES.update(fbt=MultiPassObjective, lrt=LRTObjective, rgpt=RecurrentDepthObjective)
 
 
 _register_variants()

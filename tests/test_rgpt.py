@@ -1,0 +1,160 @@
+"""RecurrentGPT: cache exactness, the g = 1 reduction, noise, early-exit cache rule, depth sampling,
+truncated backprop, iso shapes and FLOPs."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import latentloop as ll
+from latentloop.cli import main
+from latentloop.config import TrainConfig, model_config, rgpt_shape_from_dense
+from latentloop.objectives import objective_for, token_cross_entropy
+
+TOL = 1e-5  # fp32 max abs logit difference between two exact paths
+
+
+def _model(**overrides):
+    torch.manual_seed(0)
+    return ll.build("rgpt", preset="test", n_layer=4, recurrence_steps=3, **overrides).eval()
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("steps", [1, 3, 5])
+def test_cached_full_decoding_equals_uncached_forward(steps):
+    model = _model(n_kv_head=2)
+    idx = torch.randint(0, 256, (2, 14))
+    full = model(idx, steps=steps).logits
+    cache = model.new_cache(2, 14, steps=steps)
+    pieces = [model(idx[:, :6], cache=cache, steps=steps).logits]
+    pieces += [model(idx[:, t:t + 1], cache=cache, steps=steps).logits for t in range(6, 14)]
+    assert (torch.cat(pieces, dim=1) - full).abs().max().item() <= TOL
+
+
+def test_generation_cached_equals_uncached_and_reports_depth():
+    model = _model()
+    prompts = [[256, 5, 6, 7], [256, 9]]
+    for steps in (None, 2):
+        assert ll.generate(model, prompts, 8, temperature=0.0, steps=steps) == \
+            ll.generate(model, prompts, 8, temperature=0.0, steps=steps, use_cache=False)
+    info = {}
+    ll.generate(model, prompts, 3, temperature=0.0, steps=5, info=info)
+    assert info["beyond_trained"] and info["trained_steps"] == 3
+    for mode in ("mean", "last"):
+        assert len(ll.generate(model, prompts, 6, temperature=0.0, cache_mode=mode)[0]) == 6
+    with pytest.raises(ll.ConfigError, match="cache_mode"):
+        ll.generate(model, prompts, 2, cache_mode="half")
+    with pytest.raises(ll.ConfigError, match="adaptive exit needs the cache"):
+        ll.generate(model, prompts, 2, exit_threshold=0.1, use_cache=False)
+
+
+@torch.no_grad()
+def test_gate_fixed_at_one_reduces_to_prelude_then_coda():
+    model = _model()
+    model.gate_out.bias.fill_(1e4)  # sigmoid saturates to exactly 1 in fp32
+    idx = torch.randint(0, 256, (2, 10))
+    ctx = model.context(idx, None, None)
+    x = model.embed(idx)
+    for block in list(model.prelude) + list(model.coda):
+        x = block(x, ctx)
+    assert (model(idx).logits - model.readout(x)).abs().max().item() <= TOL
+
+
+def test_noise_only_in_training():
+    model = _model()
+    idx = torch.randint(0, 256, (2, 10))
+    with torch.no_grad():
+        assert torch.equal(model(idx).logits, model(idx).logits)
+        model.train()
+        assert not torch.equal(model(idx).logits, model(idx).logits)
+        model.config.noise_std = 0.0
+        assert torch.equal(model(idx).logits, model(idx).logits)
+
+
+@torch.no_grad()
+def test_early_exit_cache_rule_repeats_the_last_computed_step():
+    model = _model()
+    cache = model.new_cache(2, 8)
+    model.generate_step(torch.tensor([[256, 4, 5], [256, 6, 7]]), cache=cache, prompt_len=3)
+    # a huge state threshold makes every row stop after its first step
+    model.generate_step(torch.tensor([[8], [9]]), cache=cache, exit_threshold=1e9, exit_criterion="state")
+    pos, n_pre, n_rec = 3, model.config.n_pre, model.config.n_rec
+    for step in (2, 3):
+        for j in range(n_rec):
+            first, later = n_pre + j, n_pre + (step - 1) * n_rec + j
+            assert torch.equal(cache.k[later, :, :, pos], cache.k[first, :, :, pos])
+            assert torch.equal(cache.v[later, :, :, pos], cache.v[first, :, :, pos])
+    assert cache.state["rgpt.exit_steps"] == [1, 1]
+    # a token that ran every step keeps distinct keys per step
+    assert not torch.equal(cache.k[n_pre + n_rec, :, :, 2], cache.k[n_pre, :, :, 2])
+
+
+def test_cache_memory_per_mode():
+    model = _model()
+    sizes = {mode: model.new_cache(1, 32, cache_mode=mode).memory_bytes() for mode in ("full", "mean", "last")}
+    slots_full = 1 + 2 * 3 + 1
+    slots_shared = 1 + 2 + 1
+    assert sizes["mean"] == sizes["last"] < sizes["full"]
+    kv_per_slot = 2 * 1 * 4 * 32 * 16 * 4  # k and v, B=1, H=4, L=32, hd=16, fp32
+    assert sizes["full"] - sizes["mean"] == (slots_full - slots_shared) * kv_per_slot
+
+
+def test_depth_sampling_is_uniform_and_seeded():
+    objective = objective_for(model_config("rgpt", "test", recurrence_steps=4), TrainConfig(seed=5))
+    draws = np.array([objective.depth_for_step(s) for s in range(4000)])
+    assert set(draws) == {1, 2, 3, 4}
+    assert all(abs((draws == r).mean() - 0.25) < 0.03 for r in range(1, 5))
+    assert objective.depth_for_step(17) == objective.depth_for_step(17)
+
+
+def test_truncated_backprop_only_differentiates_the_last_steps():
+    torch.manual_seed(0)
+    model = ll.build("rgpt", preset="test", n_layer=4, recurrence_steps=3, noise_std=0.0)
+    idx, y = torch.randint(0, 256, (2, 10)), torch.randint(0, 256, (2, 10))
+    loss = token_cross_entropy(model(idx, steps=3, no_grad_steps=2).logits, y)
+    truncated = torch.autograd.grad(loss, model.proj.weight)[0]
+    # by hand: two steps without gradient, then one with
+    ctx = model.context(idx, None, None)
+    h_pre = model._run(model.prelude, model.embed(idx), ctx)
+    with torch.no_grad():
+        h = h_pre
+        for _ in range(2):
+            h, _ = model.recur(h, h_pre, ctx)
+    h, _ = model.recur(h, h_pre, ctx)
+    manual = torch.autograd.grad(token_cross_entropy(model.readout(model._run(model.coda, h, ctx)), y),
+                                 model.proj.weight)[0]
+    full = torch.autograd.grad(token_cross_entropy(model(idx, steps=3).logits, y), model.proj.weight)[0]
+    assert torch.allclose(truncated, manual, atol=1e-6)
+    assert not torch.allclose(truncated, full, atol=1e-6)
+
+
+def test_iso_shapes_and_flops():
+    assert rgpt_shape_from_dense(12, "flops", 4) == dict(n_pre=2, n_rec=2, n_coda=2, recurrence_steps=4)
+    assert rgpt_shape_from_dense(12, "params", 4) == dict(n_pre=1, n_rec=10, n_coda=1, recurrence_steps=4)
+    model = ll.build("rgpt", preset=None, n_embd=8, n_head=2, vocab_size=10, bos_id=0, sequence_len=4,
+                     n_pre=1, n_rec=1, n_coda=1, recurrence_steps=2)
+    block = 4 * 8 * 8 + 2 * 8 * 32  # qkv + out, MLP up + down: 768 multiply-adds
+    step = 16 * 8 + (16 * 8 + 8) + (8 * 8 + 8)  # proj, gate_in (+bias), gate_out (+bias): 336
+    head = 10 * 8
+    attention = 2 * 8 * 2  # QK^T and AV over an average context of 2, per block application
+    for steps in (1, 2, 3):
+        depth = 2 + steps
+        expected = 3 * 2 * (depth * block + steps * step + head + depth * attention)
+        assert model.flops_per_token(4, steps=steps) == expected
+
+
+def test_train_eval_generate_cli(corpus, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "--arch", "rgpt", "--preset", "test", "--data", f"text:{corpus}", "--steps", "2",
+                 "--out", str(run), "--set", "batch_size=2", "--set", "recurrence_steps=3", "--no-progress"]) == 0
+    capsys.readouterr()
+    bpb = []
+    for steps in ("1", "3"):
+        assert main(["eval", str(run), "--json", "--batches", "1", "--steps", steps]) == 0
+        bpb.append(json.loads(capsys.readouterr().out)["bpb"])
+    assert bpb[0] != bpb[1]
+    assert main(["generate", str(run), "--prompt", "ab", "--max-new-tokens", "3", "--steps", "5", "--json",
+                 "--exit-threshold", "0.5", "--cache-mode", "mean"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["beyond_trained"] is True and 1 <= out["mean_exit_steps"] <= 5
