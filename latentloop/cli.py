@@ -132,6 +132,22 @@ def build_parser() -> argparse.ArgumentParser:
     kt.add_argument("--max-bytes", type=_non_negative_int, default=20_000_000,
                     help="read at most this many bytes of training text (0: all)")
 
+    a = sub.add_parser("analyze", help="look inside a trained run (fbt contraction and probes, rgpt depth)")
+    asub = a.add_subparsers(dest="analysis", required=True, parser_class=_Parser)
+    ac = asub.add_parser("contraction", help="fbt: iterate the multi-pass map; relative change and loss per pass")
+    ac.add_argument("--passes", type=_positive_int, default=1000, help="passes to iterate")
+    ap = asub.add_parser("probe", help="fbt: linear probes of nesting depth from layer 0, standard vs recurrent")
+    ap.add_argument("--passes", type=_positive_int, default=4, help="passes of the recurrent prefill")
+    ad = asub.add_parser("depth", help="rgpt: early-exit curve, gate per step, exit depth vs token loss")
+    ad.add_argument("--max-steps", type=_positive_int, default=None, help="evaluate r = 1..this (default: trained R)")
+    ad.add_argument("--exit-threshold", type=float, default=0.01, help="KL threshold of the adaptive exit")
+    ad.add_argument("--min-steps", type=_positive_int, default=1, help="steps before any exit")
+    for sp in (ac, ap, ad):
+        sp.add_argument("run", help="run folder or checkpoint folder")
+        sp.add_argument("--batches", type=_positive_int, default=None, help="validation batches to use")
+        sp.add_argument("--out", default=None, help="output folder (default: RUN/analysis)")
+        sp.add_argument("--json", action="store_true", help="print the result as JSON")
+
     d = sub.add_parser("demo", help="train every architecture briefly, compare, sample, write a report")
     d.add_argument("--minutes", type=float, default=4.0, help="training budget for all architectures together")
     d.add_argument("--out", default="runs/demo", help="folder for the runs and the report (replaced)")
@@ -351,6 +367,37 @@ def cmd_tokenizer(args) -> int:
     return 0
 
 
+def cmd_analyze(args) -> int:
+    from . import analysis
+
+    common = dict(out=Path(args.out) if args.out else None)
+    if args.batches:
+        common["batches"] = args.batches
+    if args.analysis == "contraction":
+        result = analysis.contraction(args.run, passes=args.passes, **common)
+        summary = (f"passes {result['passes']}: final relative change {result['final_relative_change']:.2e}, "
+                   f"loss pass 1 {result['loss_pass1']:.4f}, best {result['loss_best']:.4f}, "
+                   f"final {result['loss_final']:.4f}")
+    elif args.analysis == "probe":
+        result = analysis.probe(args.run, passes=args.passes, **common)
+        summary = "; ".join(f"{name} {r['test_accuracy']:.3f}" for name, r in result["probes"].items())
+        summary += f" (majority {next(iter(result['probes'].values()))['majority_baseline']:.3f})"
+    else:
+        if args.exit_threshold < 0:
+            raise LatentloopError(f"--exit-threshold must be >= 0, got {args.exit_threshold}")
+        result = analysis.depth(args.run, max_steps=args.max_steps, exit_threshold=args.exit_threshold,
+                                min_steps=args.min_steps, **common)
+        summary = ", ".join(f"r={r}: {loss:.4f}" for r, loss in zip(result["steps"], result["loss"]))
+        summary += (f"; mean exit depth {result['mean_exit_depth']:.2f}, Spearman(exit depth, loss) "
+                    f"{result['spearman_exit_depth_vs_token_loss']:.3f}")
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(summary)
+        print(f"written to {result['folder']}")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
@@ -361,7 +408,7 @@ def cmd_demo(args) -> int:
 
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "generate": cmd_generate, "tokenizer": cmd_tokenizer,
-            "demo": cmd_demo, "compare": cmd_compare}
+            "demo": cmd_demo, "compare": cmd_compare, "analyze": cmd_analyze}
 
 
 def main(argv: list[str] | None = None) -> int:
