@@ -1,0 +1,520 @@
+"""Generation tasks: the model writes an answer, which is extracted and checked.
+
+Tasks (`GENERATION_TASKS`, each `fn(model, tokenizer, data_dir, options, limit, progress) -> dict`):
+
+- `gsm8k`, `svamp` (`gsm8k.jsonl`, `svamp.jsonl`: `context`, `chain_of_thought`, `answer`): a few-shot
+  prompt of other rows of the same file, each `Question: ...\\nAnswer: <chain of thought> #### <answer>`
+  (calculator annotations `<<...>>` removed, one line per answer); generation stops at a blank line
+  or at `Question:`; the answer is the number after `####`, else after "answer is", else the last
+  number written; exact match as numbers (`1,000` = `1000.0`);
+- `simple_arithmetic` (`simple_arithmetic_nospaces.jsonl`: `context`, `continuation`): few-shot
+  lines `25-759=-734`, the first generated line must equal the continuation;
+- one task per built-in reasoning task (`addition`, `s5`, ...; see `latentloop.data.tasks`): its
+  harder *test* split, zero-shot, as trained (`prompt` → `work;answer` or `answer`, one line).
+  `run_generation_tasks` also takes specs with knobs, e.g. `addition:digits=3` or
+  `task:addition:digits=3,test=4-5`, to evaluate a model trained on `--data task:addition:digits=3`;
+- `humaneval` (`human_eval.jsonl`): the prompt is completed until a new top-level statement; the
+  function with its tests runs in `latentloop.eval.sandbox` (a separate process with a timeout, a
+  memory limit and no network); pass@k by the unbiased estimator over `samples` per problem.
+
+Files are read from `data_dir` (or its `eval/` subfolder). Every prompt starts with BOS, as the
+training documents do. A prompt longer than the model's context minus the generation budget first
+loses few-shot examples, then its oldest tokens (counted in `truncated_prompts`). Decoding is
+greedy unless sampling is asked for (humaneval with samples > 1). `options` go to
+`latentloop.generate` untouched (e.g. `{"regime": "soft"}` for fbt).
+
+Every result holds `accuracy`, `n` (examples scored), `mean_trace_tokens` (generated tokens until
+the answer is complete: until the stop string / newline / end token, or the budget), `seconds`,
+plus task details (`max_new_tokens`, `truncated_prompts`, `shots`, `accuracy_by_steps` for the
+built-in tasks, `pass@k` and `statuses` for humaneval) and the first few `examples` (prompt tail,
+output, target, correct).
+
+Keyword arguments beyond the common six (for scripts and tests): `shots`, `max_new_tokens` (gsm8k
+and svamp 256, simple_arithmetic 16, built-in tasks the longest reference + 25%, humaneval 512; at
+most half the model's context) and `batch_size` (32) for all; humaneval also `samples` (1),
+`temperature` (0 for one sample, else 0.8), `top_p`, `ks`, `timeout`, `memory_mb`, `workers`, `seed`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from functools import partial
+from pathlib import Path
+
+from tqdm import tqdm
+
+from latentloop.data.tasks import TASKS, final_answer, parse_task_spec
+from latentloop.engine import generate
+from latentloop.errors import ConfigError, DataError
+from latentloop.eval.sandbox import run_untrusted
+
+DEFAULT_BATCH_SIZE = 32
+DEFAULT_TASK_EXAMPLES = 500  # test examples of a built-in task when no limit is given
+GSM8K_SHOTS = 8
+SVAMP_SHOTS = 5
+ARITHMETIC_SHOTS = 5
+HUMANEVAL_STOPS = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
+WORD_PROBLEM_STOPS = ("\n\n", "Question:")
+NUMBER = re.compile(r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)")
+EXAMPLES_REPORTED = 3
+
+
+class _AllRowsStopped(Exception):
+    """Raised from the stream callback to end a batch once every row has hit a stop string."""
+
+
+@dataclass
+class Generation:
+    text: str  # the generated text, cut before the first stop string
+    tokens: int  # generated tokens up to the end of `text` (the trace length)
+
+
+# -- answers ---------------------------------------------------------------------------------------
+def to_number(text: str) -> Decimal | None:
+    """`"1,000"`, `"$18"`, `"18.0"`, `"-3."` -> Decimal; None when there is no number."""
+    cleaned = text.strip().replace(",", "").replace("$", "").rstrip(".")
+    try:
+        value = Decimal(cleaned)
+    except InvalidOperation:
+        return None
+    return value if value.is_finite() else None
+
+
+def extract_number(text: str) -> str | None:
+    """The final numeric answer in a model's text: after `####`, else after "answer is", else the
+    last number. Returned without thousands separators; None when the text has no number."""
+    marked = re.search(r"####\s*\$?\s*(" + NUMBER.pattern + ")", text)
+    if marked is None:
+        marked = re.search(r"answer is\s*:?\s*\$?\s*(" + NUMBER.pattern + ")", text, flags=re.IGNORECASE)
+    if marked is not None:
+        return marked.group(1).replace(",", "")
+    numbers = NUMBER.findall(text)
+    return numbers[-1].replace(",", "") if numbers else None
+
+
+def numbers_match(predicted: str | None, gold: str) -> bool:
+    if predicted is None:
+        return False
+    a, b = to_number(predicted), to_number(gold)
+    return a is not None and b is not None and a == b
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k (Chen et al., 2021): 1 - C(n-c, k) / C(n, k), for n samples of which c pass."""
+    if not 0 <= c <= n or k < 1 or k > n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    # The product form avoids huge binomials: C(n-c, k)/C(n, k) = prod_{i=n-c+1}^{n} (1 - k/i).
+    fail = 1.0
+    for i in range(n - c + 1, n + 1):
+        fail *= 1.0 - k / i
+    return 1.0 - fail
+
+
+# -- generation ------------------------------------------------------------------------------------
+_STOP_ID_CACHE: dict[tuple[str, str], list[int]] = {}
+
+
+def newline_token_ids(tokenizer) -> list[int]:
+    """Ids of tokens that are only whitespace and contain a newline: safe to stop on for line answers."""
+    key = (type(tokenizer).__name__, tokenizer.fingerprint())
+    if key not in _STOP_ID_CACHE:
+        special = {tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id}
+        ids = []
+        for token_id in range(tokenizer.vocab_size):
+            if token_id in special:
+                continue
+            text = tokenizer.decode([token_id])
+            if "\n" in text and not text.strip():
+                ids.append(token_id)
+        _STOP_ID_CACHE[key] = ids
+    return _STOP_ID_CACHE[key]
+
+
+def _first_stop(text: str, stops: Sequence[str]) -> int:
+    positions = [text.find(stop) for stop in stops]
+    positions = [p for p in positions if p >= 0]
+    return min(positions) if positions else -1
+
+
+def _cut(tokenizer, tokens: list[int], stops: Sequence[str]) -> Generation:
+    text = tokenizer.decode(tokens)
+    position = _first_stop(text, stops)
+    if position < 0:
+        return Generation(text, len(tokens))
+    # The fewest tokens whose text covers everything before the stop string.
+    low, high = 0, len(tokens)
+    while low < high:
+        middle = (low + high) // 2
+        if len(tokenizer.decode(tokens[:middle])) >= position:
+            high = middle
+        else:
+            low = middle + 1
+    return Generation(text[:position], low)
+
+
+def generate_texts(model, tokenizer, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                   stops: Sequence[str] = (), options: dict | None = None, temperature: float = 0.0,
+                   top_p: float | None = None, seed: int = 0, batch_size: int = DEFAULT_BATCH_SIZE,
+                   bar: tqdm | None = None) -> list[Generation]:
+    """Generate for every prompt (token ids) in batches of similar length, stopping each row at the
+    end/BOS token, at a newline token when "\\n" is a stop string, or at any stop string.
+
+    The engine stops rows only on token ids, so stop strings are watched through its `stream`
+    callback, which ends the batch (by raising) once every row has written one; the tokens are
+    collected from the stream, so nothing is lost. Results come back in the order of `prompts`."""
+    stop_ids = [tokenizer.eos_id, tokenizer.bos_id]
+    if "\n" in stops:
+        stop_ids += newline_token_ids(tokenizer)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    results: list[Generation | None] = [None] * len(prompts)
+    for batch_index, start in enumerate(range(0, len(order), batch_size)):
+        rows = order[start:start + batch_size]
+        tokens: list[list[int]] = [[] for _ in rows]
+        done = [False] * len(rows)
+
+        def collect(new: list[int | None], tokens=tokens, done=done) -> None:
+            for row, token in enumerate(new):
+                if done[row]:
+                    continue
+                if token is None:
+                    done[row] = True
+                    continue
+                tokens[row].append(token)
+                if stops and _first_stop(tokenizer.decode(tokens[row][-64:]), stops) >= 0:
+                    done[row] = True
+            if all(done):
+                raise _AllRowsStopped
+
+        try:
+            generate(model, [list(prompts[i]) for i in rows], max_new_tokens, temperature=temperature, top_p=top_p,
+                     seed=seed + batch_index, stop_tokens=stop_ids, stream=collect, pad_id=tokenizer.pad_id,
+                     **(options or {}))
+        except _AllRowsStopped:
+            pass
+        for row, index in enumerate(rows):
+            results[index] = _cut(tokenizer, tokens[row], stops)
+        if bar is not None:
+            bar.update(len(rows))
+    return results  # type: ignore[return-value]
+
+
+def generation_budget(model, max_new_tokens: int) -> tuple[int, int]:
+    """(max new tokens, prompt tokens) that fit the model's context: generation gets at most half."""
+    context = int(model.config.sequence_len)
+    new = max(1, min(max_new_tokens, context // 2))
+    return new, context - new
+
+
+def encode_prompt(tokenizer, text: str, budget: int) -> tuple[list[int], bool]:
+    """[BOS] + tokens of `text`, keeping only the last `budget` tokens when too long."""
+    ids = [tokenizer.bos_id] + tokenizer.encode(text)
+    if len(ids) <= budget:
+        return ids, False
+    return ids[len(ids) - budget:], True
+
+
+def few_shot_prompt(tokenizer, shots: Sequence[str], query: str, budget: int) -> tuple[list[int], int, bool]:
+    """The prompt with as many of `shots` (in order) as fit before `query`: (ids, shots used, truncated)."""
+    query_length = 1 + len(tokenizer.encode(query))
+    used, total = 0, query_length
+    for shot in shots:
+        length = len(tokenizer.encode(shot))
+        if total + length > budget:
+            break
+        used, total = used + 1, total + length
+    while True:
+        ids, truncated = encode_prompt(tokenizer, "".join(shots[:used]) + query, budget)
+        if not truncated or used == 0:
+            return ids, used, truncated
+        used -= 1  # token boundaries between shots differ slightly from the separate counts
+
+
+# -- data ------------------------------------------------------------------------------------------
+def find_data_file(data_dir: Path | str | None, filename: str, task: str) -> Path:
+    if data_dir is None:
+        raise DataError(f"task {task} reads {filename}: give the folder of evaluation data (data_dir)")
+    folder = Path(data_dir).expanduser()
+    for candidate in (folder / filename, folder / "eval" / filename):
+        if candidate.is_file():
+            return candidate
+    raise DataError(f"task {task}: {filename} not found in {folder}")
+
+
+def read_jsonl(path: Path, keys: Sequence[str]) -> list[dict]:
+    rows = []
+    try:
+        with path.open(encoding="utf-8") as handle:
+            for line_number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"{path}:{line_number}: invalid JSON ({exc.msg})") from exc
+                missing = [key for key in keys if not isinstance(row, dict) or key not in row]
+                if missing:
+                    raise DataError(f"{path}:{line_number}: missing key(s) {', '.join(missing)}")
+                rows.append(row)
+    except OSError as exc:
+        raise DataError(f"cannot read {path}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: not valid UTF-8") from exc
+    if not rows:
+        raise DataError(f"{path} holds no rows")
+    return rows
+
+
+def _limited(rows: list, limit: int | None) -> list:
+    if limit is not None and limit < 1:
+        raise ConfigError(f"limit must be >= 1, got {limit}")
+    return rows if limit is None else rows[:limit]
+
+
+def _shot_indices(count: int, exclude: int, shots: int, salt: str) -> list[int]:
+    """`shots` row indices other than `exclude`, the same for the same row on every run."""
+    rng = random.Random(f"{salt}:{exclude}")
+    pool = [i for i in range(count) if i != exclude] if count <= 5_000 else None
+    if pool is not None:
+        return rng.sample(pool, min(shots, len(pool)))
+    chosen: list[int] = []
+    while len(chosen) < min(shots, count - 1):
+        i = rng.randrange(count)
+        if i != exclude and i not in chosen:
+            chosen.append(i)
+    return chosen
+
+
+def _report(name: str, correct: list[bool], generations: list[Generation], started: float,
+            records: list[dict], **extra) -> dict:
+    n = len(correct)
+    return {
+        "task": name,
+        "accuracy": sum(correct) / n if n else 0.0,
+        "n": n,
+        "mean_trace_tokens": sum(g.tokens for g in generations) / len(generations) if generations else 0.0,
+        "seconds": time.perf_counter() - started,
+        **extra,
+        "examples": records[:EXAMPLES_REPORTED],
+    }
+
+
+def _record(prompt_text: str, generation: Generation, target: str, correct: bool) -> dict:
+    return {"prompt": prompt_text[-200:], "output": generation.text, "target": target, "correct": correct}
+
+
+# -- word problems and arithmetic ------------------------------------------------------------------
+def _word_problem_shot(row: dict) -> str:
+    steps = re.sub(r"<<[^>]*>>", "", str(row["chain_of_thought"]))
+    steps = " ".join(line.strip() for line in steps.splitlines() if line.strip())
+    return f"Question: {row['context'].strip()}\nAnswer: {steps} #### {row['answer']}\n\n"
+
+
+def _word_problems(name: str, filename: str, default_shots: int, model, tokenizer, data_dir, options: dict | None,
+                   limit: int | None, progress: bool, *, shots: int | None = None, max_new_tokens: int = 256,
+                   batch_size: int = DEFAULT_BATCH_SIZE) -> dict:
+    started = time.perf_counter()
+    rows = read_jsonl(find_data_file(data_dir, filename, name), ("context", "chain_of_thought", "answer"))
+    evaluated = _limited(rows, limit)
+    shots = default_shots if shots is None else shots
+    new_tokens, budget = generation_budget(model, max_new_tokens)
+    prompts, shots_used, truncated = [], [], 0
+    for index, row in enumerate(evaluated):
+        examples = [_word_problem_shot(rows[i]) for i in _shot_indices(len(rows), index, shots, name)]
+        query = f"Question: {row['context'].strip()}\nAnswer:"
+        ids, used, cut = few_shot_prompt(tokenizer, examples, query, budget)
+        prompts.append(ids)
+        shots_used.append(used)
+        truncated += cut
+    with tqdm(total=len(prompts), desc=name, unit="ex", disable=not progress) as bar:
+        generations = generate_texts(model, tokenizer, prompts, new_tokens, stops=WORD_PROBLEM_STOPS, options=options,
+                                     batch_size=batch_size, bar=bar)
+    correct, records = [], []
+    for row, generation in zip(evaluated, generations):
+        predicted = extract_number(generation.text)
+        correct.append(numbers_match(predicted, str(row["answer"])))
+        records.append(_record(row["context"], generation, str(row["answer"]), correct[-1]))
+    return _report(name, correct, generations, started, records, shots=shots,
+                   mean_shots_used=sum(shots_used) / len(shots_used), truncated_prompts=truncated,
+                   max_new_tokens=new_tokens)
+
+
+def eval_gsm8k(model, tokenizer, data_dir, options, limit, progress, **kwargs) -> dict:
+    return _word_problems("gsm8k", "gsm8k.jsonl", GSM8K_SHOTS, model, tokenizer, data_dir, options, limit, progress,
+                          **kwargs)
+
+
+def eval_svamp(model, tokenizer, data_dir, options, limit, progress, **kwargs) -> dict:
+    return _word_problems("svamp", "svamp.jsonl", SVAMP_SHOTS, model, tokenizer, data_dir, options, limit, progress,
+                          **kwargs)
+
+
+def eval_simple_arithmetic(model, tokenizer, data_dir, options, limit, progress, *, shots: int = ARITHMETIC_SHOTS,
+                           max_new_tokens: int = 16, batch_size: int = DEFAULT_BATCH_SIZE) -> dict:
+    name = "simple_arithmetic"
+    started = time.perf_counter()
+    rows = read_jsonl(find_data_file(data_dir, "simple_arithmetic_nospaces.jsonl", name), ("context", "continuation"))
+    evaluated = _limited(rows, limit)
+    new_tokens, budget = generation_budget(model, max_new_tokens)
+    prompts, truncated = [], 0
+    for index, row in enumerate(evaluated):
+        examples = [f"{rows[i]['context']}{rows[i]['continuation']}\n" for i in _shot_indices(len(rows), index, shots,
+                                                                                               name)]
+        ids, _, cut = few_shot_prompt(tokenizer, examples, row["context"], budget)
+        prompts.append(ids)
+        truncated += cut
+    with tqdm(total=len(prompts), desc=name, unit="ex", disable=not progress) as bar:
+        generations = generate_texts(model, tokenizer, prompts, new_tokens, stops=("\n",), options=options,
+                                     batch_size=batch_size, bar=bar)
+    correct, records = [], []
+    for row, generation in zip(evaluated, generations):
+        target = str(row["continuation"]).strip()
+        correct.append(generation.text.strip() == target)
+        records.append(_record(row["context"], generation, target, correct[-1]))
+    return _report(name, correct, generations, started, records, shots=shots, truncated_prompts=truncated,
+                   max_new_tokens=new_tokens)
+
+
+# -- built-in reasoning tasks ----------------------------------------------------------------------
+def eval_reasoning_task(model, tokenizer, data_dir, options, limit, progress, *, spec: str,
+                        max_new_tokens: int | None = None, batch_size: int = DEFAULT_BATCH_SIZE) -> dict:
+    """Accuracy on the test split of a built-in task (`spec`: a name, optionally with knobs)."""
+    del data_dir  # generated, no files
+    started = time.perf_counter()
+    parsed = parse_task_spec(spec)
+    _limited([], limit)  # checks the limit
+    examples = parsed.task.examples("test", limit or DEFAULT_TASK_EXAMPLES, parsed.seed)
+    if max_new_tokens is None:
+        longest = max(len(tokenizer.encode(example.completion + "\n")) for example in examples)
+        max_new_tokens = longest + max(4, longest // 4)
+    new_tokens, budget = generation_budget(model, max_new_tokens)
+    prompts, truncated = [], 0
+    for example in examples:
+        ids, cut = encode_prompt(tokenizer, example.prompt, budget)
+        prompts.append(ids)
+        truncated += cut
+    with tqdm(total=len(prompts), desc=parsed.name, unit="ex", disable=not progress) as bar:
+        generations = generate_texts(model, tokenizer, prompts, new_tokens, stops=("\n",), options=options,
+                                     batch_size=batch_size, bar=bar)
+    correct, records = [], []
+    by_steps: dict[int, list[bool]] = {}
+    for example, generation in zip(examples, generations):
+        ok = final_answer(generation.text) == example.answer
+        correct.append(ok)
+        by_steps.setdefault(example.steps or 0, []).append(ok)
+        records.append(_record(example.prompt, generation, example.completion, ok))
+    accuracy_by_steps = {str(steps): sum(v) / len(v) for steps, v in sorted(by_steps.items())}
+    return _report(parsed.name, correct, generations, started, records, spec=parsed.spec,
+                   settings=parsed.task.settings(), accuracy_by_steps=accuracy_by_steps,
+                   truncated_prompts=truncated, max_new_tokens=new_tokens)
+
+
+# -- HumanEval -------------------------------------------------------------------------------------
+def humaneval_program(problem: dict, completion: str) -> str:
+    """The prompt, the candidate body, the tests and the call that runs them."""
+    return (f"{problem['prompt']}{completion}\n\n{problem['test']}\n\n"
+            f"check({problem['entry_point']})\n")
+
+
+def eval_humaneval(model, tokenizer, data_dir, options, limit, progress, *, samples: int = 1,
+                   temperature: float | None = None, top_p: float | None = 0.95, ks: Sequence[int] = (1, 10, 100),
+                   max_new_tokens: int = 512, timeout: float = 5.0, memory_mb: int = 512, workers: int = 2,
+                   batch_size: int = DEFAULT_BATCH_SIZE, seed: int = 0) -> dict:
+    """pass@k over `samples` candidates per problem (greedy when samples == 1, else temperature 0.8)."""
+    name = "humaneval"
+    if samples < 1:
+        raise ConfigError(f"samples must be >= 1, got {samples}")
+    started = time.perf_counter()
+    problems = _limited(read_jsonl(find_data_file(data_dir, "human_eval.jsonl", name),
+                                   ("task_id", "prompt", "test", "entry_point")), limit)
+    if temperature is None:
+        temperature = 0.0 if samples == 1 else 0.8
+    new_tokens, budget = generation_budget(model, max_new_tokens)
+    prompts, owners, truncated = [], [], 0
+    for index, problem in enumerate(problems):
+        ids, cut = encode_prompt(tokenizer, problem["prompt"], budget)
+        truncated += cut
+        for _ in range(samples):
+            prompts.append(ids)
+            owners.append(index)
+    with tqdm(total=len(prompts), desc=name, unit="sample", disable=not progress) as bar:
+        generations = generate_texts(model, tokenizer, prompts, new_tokens, stops=HUMANEVAL_STOPS, options=options,
+                                     temperature=temperature, top_p=top_p if temperature > 0 else None, seed=seed,
+                                     batch_size=batch_size, bar=bar)
+        bar.set_postfix_str("running tests")
+        programs = [humaneval_program(problems[owner], g.text) for owner, g in zip(owners, generations)]
+        run = partial(run_untrusted, timeout=timeout, memory_mb=memory_mb)
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+            outcomes = list(pool.map(run, programs))
+    passed_per_problem = [0] * len(problems)
+    statuses: dict[str, int] = {}
+    for owner, outcome in zip(owners, outcomes):
+        passed_per_problem[owner] += outcome.passed
+        statuses[outcome.status] = statuses.get(outcome.status, 0) + 1
+    pass_k = {f"pass@{k}": sum(pass_at_k(samples, c, k) for c in passed_per_problem) / len(problems)
+              for k in sorted(set(ks)) if k <= samples}
+    records = [_record(problems[owner]["prompt"], g, problems[owner]["task_id"], outcome.passed)
+               for owner, g, outcome in zip(owners, generations, outcomes)]
+    report = _report(name, [c > 0 for c in passed_per_problem], generations, started, records, **pass_k,
+                     samples_per_problem=samples, temperature=temperature, statuses=statuses,
+                     truncated_prompts=truncated, max_new_tokens=new_tokens)
+    report["accuracy"] = sum(c / samples for c in passed_per_problem) / len(problems)  # = unbiased pass@1
+    return report
+
+
+# -- registry --------------------------------------------------------------------------------------
+GENERATION_TASKS: dict[str, Callable[..., dict]] = {
+    "gsm8k": eval_gsm8k,
+    "svamp": eval_svamp,
+    "simple_arithmetic": eval_simple_arithmetic,
+    "humaneval": eval_humaneval,
+    **{name: partial(eval_reasoning_task, spec=name) for name in TASKS},
+}
+
+
+def resolve_generation_task(name: str) -> Callable[..., dict]:
+    """The function for a task name, or for a built-in task spec with knobs (`addition:digits=3`)."""
+    if name in GENERATION_TASKS:
+        return GENERATION_TASKS[name]
+    base = name.removeprefix("task:").split("?", 1)[0].split(":", 1)[0].strip()
+    if base in TASKS:
+        parse_task_spec(name)  # reports bad knobs now, before any task has run
+        return partial(eval_reasoning_task, spec=name)
+    raise ConfigError(f"unknown generation task {name!r}: choose from {', '.join(GENERATION_TASKS)}")
+
+
+def split_task_names(text: str) -> list[str]:
+    """`"gsm8k,addition:digits=3,test=4-5,s5"` -> `["gsm8k", "addition:digits=3,test=4-5", "s5"]`: a piece
+    that is only `KEY=VALUE` continues the knobs of the task spec before it."""
+    names: list[str] = []
+    for piece in (part.strip() for part in text.split(",")):
+        if not piece:
+            continue
+        if names and "=" in piece and ":" not in piece and "?" not in piece:
+            names[-1] += "," + piece
+        else:
+            names.append(piece)
+    return names
+
+
+def run_generation_tasks(model, tokenizer, names: Sequence[str] | str, data_dir: Path | str | None = None,
+                         options: dict | None = None, limit: int | None = None, progress: bool = True) -> dict:
+    """Run each named task; returns {name: result}. Names may be comma-separated in one string."""
+    if isinstance(names, str):
+        names = split_task_names(names)
+    functions = {name: resolve_generation_task(name) for name in names}
+    data = Path(data_dir) if data_dir is not None else None
+    return {name: fn(model, tokenizer, data, dict(options or {}), limit, progress) for name, fn in functions.items()}
+
+
+__all__ = ["GENERATION_TASKS", "Generation", "eval_gsm8k", "eval_humaneval", "eval_reasoning_task",
+           "eval_simple_arithmetic", "eval_svamp", "extract_number", "generate_texts", "humaneval_program",
+           "numbers_match", "pass_at_k", "resolve_generation_task", "run_generation_tasks", "split_task_names"]

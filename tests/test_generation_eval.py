@@ -1,0 +1,258 @@
+"""Generation tasks: scoring on hand-made examples through the real engine with a scripted model stub,
+answer extraction, pass@k, and one end-to-end run with a real (untrained) model."""
+
+import json
+import math
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import shared_data
+from torch import nn
+
+import latentloop as ll
+from latentloop.data import ByteTokenizer
+from latentloop.data.tasks import get_task
+from latentloop.errors import ConfigError, DataError
+from latentloop.eval.generation import (
+    GENERATION_TASKS,
+    extract_number,
+    generate_texts,
+    numbers_match,
+    pass_at_k,
+    run_generation_tasks,
+    split_task_names,
+)
+
+TOKENIZER = ByteTokenizer()
+
+
+class ScriptedModel(nn.Module):
+    """Writes `respond(prompt_text)` token by token (then EOS) with one-hot logits, via the engine."""
+
+    def __init__(self, respond, sequence_len=4096, allowed_options=()):
+        super().__init__()
+        self.respond = respond
+        self.config = SimpleNamespace(sequence_len=sequence_len)
+        self.anchor = nn.Parameter(torch.zeros(1))
+        self.allowed = set(allowed_options)
+        self.prompts: list[str] = []
+        self.options_seen: list[dict] = []
+
+    def check_options(self, options):
+        unknown = set(options) - self.allowed
+        if unknown:
+            raise ConfigError(f"unsupported option(s): {', '.join(sorted(unknown))}")
+
+    def new_cache(self, batch_size, max_len=None, **options):
+        return SimpleNamespace()
+
+    def generate_step(self, idx, cache=None, pad_mask=None, prompt_len=0, **options):
+        self.options_seen.append(options)
+        if getattr(cache, "scripts", None) is None:  # prefill: read each row's prompt
+            cache.scripts, cache.position = [], 0
+            for row in range(idx.shape[0]):
+                ids = idx[row][pad_mask[row]] if pad_mask is not None else idx[row]
+                text = TOKENIZER.decode(ids.tolist())
+                self.prompts.append(text)
+                cache.scripts.append(TOKENIZER.encode(self.respond(text)) + [TOKENIZER.eos_id])
+        logits = torch.full((idx.shape[0], 1, TOKENIZER.vocab_size), -1e4)
+        for row, script in enumerate(cache.scripts):
+            logits[row, 0, script[min(cache.position, len(script) - 1)]] = 0.0
+        cache.position += 1
+        return SimpleNamespace(logits=logits, info={})
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+# -- pure functions --------------------------------------------------------------------------------
+def test_pass_at_k_matches_hand_computation():
+    assert pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)  # 1 - C(3,2)/C(5,2)
+    assert pass_at_k(3, 1, 1) == pytest.approx(1 / 3)
+    assert pass_at_k(10, 0, 5) == 0.0 and pass_at_k(10, 10, 1) == 1.0 and pass_at_k(4, 3, 2) == 1.0
+    for n in range(1, 12):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                assert pass_at_k(n, c, k) == pytest.approx(1 - math.comb(n - c, k) / math.comb(n, k))
+    with pytest.raises(ValueError):
+        pass_at_k(3, 4, 1)
+
+
+@pytest.mark.parametrize("text, number", [
+    ("She has 3 + 4 = 7 eggs #### 7", "7"),
+    ("so the total is 1,200 dollars. #### 1,250\nQuestion: 99", "1250"),
+    ("The answer is $42.", "42"),
+    ("first 3 then -3.5 then", "-3.5"),
+    ("no digits here", None),
+    ("#### .5", ".5"),
+])
+def test_extract_number(text, number):
+    assert extract_number(text) == number
+
+
+def test_numbers_match():
+    assert numbers_match("18.0", "18") and numbers_match("1000", "1,000") and numbers_match("-3", "-3.00")
+    assert not numbers_match("17", "18") and not numbers_match(None, "1") and not numbers_match("x", "1")
+
+
+def test_split_task_names_keeps_knobs_together():
+    assert split_task_names("gsm8k, addition:digits=3,test=4-5,s5") == ["gsm8k", "addition:digits=3,test=4-5", "s5"]
+
+
+# -- generation plumbing ---------------------------------------------------------------------------
+def test_generate_texts_cuts_at_stop_strings_and_counts_trace_tokens():
+    responses = {"a": "12 #### 3\n\nQuestion: more", "bb": "no stop here", "ccc": "x\ny"}
+    model = ScriptedModel(lambda prompt: responses[prompt])
+    prompts = [[TOKENIZER.bos_id] + TOKENIZER.encode(p) for p in responses]
+    out = generate_texts(model, TOKENIZER, prompts, 40, stops=("\n\n", "Question:"), batch_size=2)
+    assert [g.text for g in out] == ["12 #### 3", "no stop here", "x\ny"]
+    assert [g.tokens for g in out] == [9, 12, 3]
+    lines = generate_texts(model, TOKENIZER, prompts, 40, stops=("\n",))
+    assert [g.text for g in lines] == ["12 #### 3", "no stop here", "x"]
+    assert [g.tokens for g in lines] == [9, 12, 1]
+    capped = generate_texts(model, TOKENIZER, prompts, 5)
+    assert [g.text for g in capped] == ["12 ##", "no st", "x\ny"]
+
+
+def test_reasoning_task_accuracy_trace_length_and_options():
+    task = get_task("addition")
+    examples = task.examples("test", 8, 0)
+    right = {ex.prompt: ex.completion for ex in examples[:6]}
+
+    def respond(prompt):  # 6 of 8 right; a newline ends the answer, whatever follows is ignored
+        return (right[prompt] if prompt in right else "0") + "\n999"
+
+    model = ScriptedModel(respond, allowed_options={"regime"})
+    result = GENERATION_TASKS["addition"](model, TOKENIZER, None, {"regime": "soft"}, 8, False)
+    assert result["n"] == 8 and result["accuracy"] == pytest.approx(6 / 8)
+    expected = [len(ex.completion) for ex in examples[:6]] + [1, 1]
+    assert result["mean_trace_tokens"] == pytest.approx(sum(expected) / 8)
+    assert all(options == {"regime": "soft"} for options in model.options_seen)
+    assert sorted(model.prompts) == sorted(ex.prompt for ex in examples)
+    steps = {str(ex.steps) for ex in examples}
+    assert set(result["accuracy_by_steps"]) == steps
+    assert {"seconds", "max_new_tokens", "examples"} <= set(result)
+    with pytest.raises(ConfigError, match="regime"):
+        GENERATION_TASKS["addition"](ScriptedModel(respond), TOKENIZER, None, {"regime": "soft"}, 2, False)
+
+
+def test_reasoning_task_with_written_steps_checks_the_final_answer():
+    examples = get_task("multiplication_steps").examples("test", 4, 0)
+    answers = {ex.prompt: ex for ex in examples}
+
+    def respond(prompt):  # right work and answer for two; right work but a wrong answer for the others
+        ex = answers[prompt]
+        return ex.completion if ex is examples[0] or ex is examples[1] else ex.work + ";1"
+
+    result = run_generation_tasks(ScriptedModel(respond), TOKENIZER, ["multiplication_steps"], None, {}, 4, False)
+    assert result["multiplication_steps"]["accuracy"] == 0.5
+
+
+def test_reasoning_task_spec_with_knobs():
+    task = get_task("binding:hops=2,test=7")
+    examples = task.examples("test", 5, 0)
+    model = ScriptedModel(lambda prompt: next(ex.answer for ex in examples if ex.prompt == prompt))
+    result = run_generation_tasks(model, TOKENIZER, "task:binding:hops=2,test=7", None, {}, 5, False)
+    (report,) = result.values()
+    assert report["accuracy"] == 1.0 and report["accuracy_by_steps"] == {"7": 1.0}
+
+
+def test_word_problems_few_shot_prompt_and_scoring(tmp_path):
+    rows = [{"context": f"Q{i} has {i} apples?", "chain_of_thought": f"It is <<{i}+0={i}>>{i}.\nSo {i}.",
+             "answer": f"{i},000"} for i in range(1, 7)]
+    write_jsonl(tmp_path / "gsm8k.jsonl", rows)
+
+    def respond(prompt):
+        index = int((re.findall(r"Q(\d+) has", prompt) or ["0"])[-1])
+        answer = f"{index}000" if index <= 3 else "5"  # rows 1-3 right (commas ignored), 4-6 wrong
+        return f" Because. #### {answer}\n\nQuestion: Q9 has"
+
+    model = ScriptedModel(respond)
+    result = GENERATION_TASKS["gsm8k"](model, TOKENIZER, tmp_path, {}, None, False, shots=3)
+    assert result["n"] == 6 and result["accuracy"] == 0.5
+    assert result["mean_trace_tokens"] == pytest.approx(sum(len(f" Because. #### {a}") for a in
+                                                            ["1000", "2000", "3000", "5", "5", "5"]) / 6)
+    for prompt in model.prompts:
+        own = int(re.findall(r"Question: Q(\d+)", prompt)[-1])
+        assert prompt.endswith(f"Question: Q{own} has {own} apples?\nAnswer:")
+        shot = r"Question: Q(\d+) has \d+ apples\?\nAnswer: It is (\d+)\. So \d+\. #### ([\d,]+)\n\n"
+        shots = re.findall(shot, prompt)
+        assert len(shots) == 3 and all(int(q) != own for q, _, _ in shots)  # annotations removed, one line
+        assert all(a == f"{q},000" for q, _, a in shots)
+    # A short context drops the shots, then truncates the question from the left.
+    small = ScriptedModel(respond, sequence_len=40)
+    result = GENERATION_TASKS["gsm8k"](small, TOKENIZER, tmp_path, {}, 2, False)
+    assert result["n"] == 2 and result["mean_shots_used"] == 0 and result["max_new_tokens"] == 20
+
+
+def test_simple_arithmetic_and_svamp_files(tmp_path):
+    write_jsonl(tmp_path / "simple_arithmetic_nospaces.jsonl",
+                [{"context": "2+3=", "continuation": "5"}, {"context": "9-12=", "continuation": "-3"},
+                 {"context": "4*4=", "continuation": "16"}])
+    wrong = {"4*4="}
+    model = ScriptedModel(lambda p: ("17" if p.endswith(tuple(wrong)) else str(eval(p.split("\n")[-1][:-1]))) + "\n1")
+    result = run_generation_tasks(model, TOKENIZER, ["simple_arithmetic"], tmp_path, {}, None, False)
+    assert result["simple_arithmetic"]["accuracy"] == pytest.approx(2 / 3)
+    assert all(p.count("=") == 3 for p in model.prompts)  # two shots + the query
+    write_jsonl(tmp_path / "svamp.jsonl", [{"context": "A?", "chain_of_thought": "( 8.0 - 7.0 )", "answer": "1"},
+                                           {"context": "B?", "chain_of_thought": "( 2.0 + 2.0 )", "answer": "4"}])
+    model = ScriptedModel(lambda p: " ( 8.0 - 7.0 ) #### 1.0\n\n")
+    assert GENERATION_TASKS["svamp"](model, TOKENIZER, tmp_path, {}, None, False)["accuracy"] == 0.5
+
+
+def test_humaneval_pass_at_k_runs_candidates_in_the_sandbox(tmp_path):
+    problems = [
+        {"task_id": "T/0", "prompt": "def add(a, b):\n    \"\"\"Sum.\"\"\"\n", "entry_point": "add",
+         "test": "def check(candidate):\n    assert candidate(2, 3) == 5\n"},
+        {"task_id": "T/1", "prompt": "def neg(a):\n    \"\"\"Negate.\"\"\"\n", "entry_point": "neg",
+         "test": "def check(candidate):\n    assert candidate(2) == -2\n"},
+    ]
+    write_jsonl(tmp_path / "human_eval.jsonl", problems)
+    bodies = {"add": "    return a + b\n\ndef helper():\n    raise SystemExit(0)\n", "neg": "    return a\n"}
+    model = ScriptedModel(lambda p: bodies["add" if "def add" in p else "neg"])
+    result = GENERATION_TASKS["humaneval"](model, TOKENIZER, tmp_path, {}, None, False)
+    assert result["n"] == 2 and result["accuracy"] == 0.5 and result["pass@1"] == 0.5
+    assert result["statuses"] == {"passed": 1, "failed": 1}
+    assert result["examples"][0]["output"] == "    return a + b\n"  # cut before the next top-level def
+    sampled = GENERATION_TASKS["humaneval"](model, TOKENIZER, tmp_path, {}, None, False, samples=3)
+    assert sampled["pass@1"] == 0.5 and "pass@10" not in sampled and sampled["temperature"] > 0
+
+
+def test_errors_name_the_choices(tmp_path):
+    with pytest.raises(ConfigError, match="gsm8k.*humaneval.*addition"):
+        run_generation_tasks(ScriptedModel(str), TOKENIZER, ["nope"], None, {}, 1, False)
+    with pytest.raises(DataError, match="data_dir"):
+        run_generation_tasks(ScriptedModel(str), TOKENIZER, ["gsm8k"], None, {}, 1, False)
+    with pytest.raises(DataError, match="not found"):
+        run_generation_tasks(ScriptedModel(str), TOKENIZER, ["svamp"], tmp_path, {}, 1, False)
+    with pytest.raises(DataError, match="unknown knob"):
+        run_generation_tasks(ScriptedModel(str), TOKENIZER, ["addition:colour=red"], None, {}, 1, False)
+
+
+# -- shared data (skipped when absent) -------------------------------------------------------------
+def test_real_files_with_oracle_answers():
+    folder = shared_data("eval")
+    problems = [json.loads(line) for line in (folder / "human_eval.jsonl").open()][:3]
+    solutions = {p["prompt"]: p["canonical_solution"] for p in problems}
+    oracle = ScriptedModel(lambda prompt: solutions[prompt])
+    result = GENERATION_TASKS["humaneval"](oracle, TOKENIZER, folder, {}, 3, False, max_new_tokens=2048)
+    assert result["accuracy"] == 1.0, result["examples"]
+    rows = [json.loads(line) for line in (folder / "gsm8k.jsonl").open()]
+    answers = {row["context"].strip(): row["answer"] for row in rows}
+    oracle = ScriptedModel(lambda prompt: f" #### {answers[prompt.split('Question: ')[-1].rsplit(chr(10), 1)[0]]}")
+    assert GENERATION_TASKS["gsm8k"](oracle, TOKENIZER, folder, {}, 4, False)["accuracy"] == 1.0
+
+
+# -- end to end ------------------------------------------------------------------------------------
+def test_end_to_end_with_an_untrained_model():
+    torch.manual_seed(0)
+    model = ll.build("gpt", preset="test")
+    result = run_generation_tasks(model, ByteTokenizer(), ["addition", "iteration"], None, {}, 2, False)
+    for name in ("addition", "iteration"):
+        report = result[name]
+        assert report["n"] == 2 and 0.0 <= report["accuracy"] <= 1.0
+        assert 0 <= report["mean_trace_tokens"] <= report["max_new_tokens"] and report["seconds"] >= 0
