@@ -210,8 +210,11 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float:
 
 @torch.no_grad()
 def depth(run: str | Path, max_steps: int | None = None, batches: int = 2, batch_size: int = 8,
-          exit_threshold: float = 0.01, min_steps: int = 1, out: Path | None = None) -> dict[str, Any]:
-    model, _, config, checkpoint, x, y = _val_batch(run, batches, batch_size)
+          exit_threshold: float = 0.01, min_steps: int = 1, task_limit: int = 50,
+          out: Path | None = None) -> dict[str, Any]:
+    """Also the task accuracy per depth when the run was trained on a built-in task (`task:NAME`),
+    on `task_limit` examples of its (harder) test split."""
+    model, tokenizer, config, checkpoint, x, y = _val_batch(run, batches, batch_size)
     _require_arch(config, "rgpt", "depth")
     trained = config.model.recurrence_steps
     R = max_steps or trained
@@ -232,12 +235,24 @@ def depth(run: str | Path, max_steps: int | None = None, batches: int = 2, batch
               "exit_threshold": exit_threshold, "mean_exit_depth": float(exit_flat.mean()),
               "exit_depth_histogram": np.bincount(exit_flat, minlength=R + 1)[1:].tolist(),
               "spearman_exit_depth_vs_token_loss": spearman(exit_flat, token_loss)}
+    if config.data.source.startswith("task:"):
+        from .eval.generation import run_generation_tasks
+
+        task = config.data.source
+        result["task"] = task
+        result["task_accuracy"] = [run_generation_tasks(model, tokenizer, [task], options={"steps": r},
+                                                        limit=task_limit, progress=False)[task]["accuracy"]
+                                   for r in result["steps"]]
 
     def plot(plt, r):
         fig, (a, b, c) = plt.subplots(1, 3, figsize=(13, 4))
-        a.plot(r["steps"], r["loss"], marker="o")
+        a.plot(r["steps"], r["loss"], marker="o", label="val loss")
         a.axvline(r["trained_steps"], color="gray", ls="--", label="trained R")
         a.set(xlabel="recurrence steps r", ylabel="val loss", title="early-exit curve")
+        if "task_accuracy" in r:
+            twin = a.twinx()
+            twin.plot(r["steps"], r["task_accuracy"], marker="s", color="tab:red", label="task accuracy")
+            twin.set_ylabel("task accuracy")
         a.legend()
         b.plot(r["steps"], r["gate_mean_per_step"], marker="o")
         b.set(xlabel="step", ylabel="mean gate g (1 = copy)", title="gate per step")

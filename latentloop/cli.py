@@ -142,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     ad.add_argument("--max-steps", type=_positive_int, default=None, help="evaluate r = 1..this (default: trained R)")
     ad.add_argument("--exit-threshold", type=float, default=0.01, help="KL threshold of the adaptive exit")
     ad.add_argument("--min-steps", type=_positive_int, default=1, help="steps before any exit")
+    ad.add_argument("--task-limit", type=_positive_int, default=50,
+                    help="for runs trained on task:NAME, test examples scored at each depth")
     for sp in (ac, ap, ad):
         sp.add_argument("run", help="run folder or checkpoint folder")
         sp.add_argument("--batches", type=_positive_int, default=None, help="validation batches to use")
@@ -386,7 +388,7 @@ def cmd_analyze(args) -> int:
         if args.exit_threshold < 0:
             raise LatentloopError(f"--exit-threshold must be >= 0, got {args.exit_threshold}")
         result = analysis.depth(args.run, max_steps=args.max_steps, exit_threshold=args.exit_threshold,
-                                min_steps=args.min_steps, **common)
+                                min_steps=args.min_steps, task_limit=args.task_limit, **common)
         summary = ", ".join(f"r={r}: {loss:.4f}" for r, loss in zip(result["steps"], result["loss"]))
         summary += (f"; mean exit depth {result['mean_exit_depth']:.2f}, Spearman(exit depth, loss) "
                     f"{result['spearman_exit_depth_vs_token_loss']:.3f}")

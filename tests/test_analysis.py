@@ -59,3 +59,13 @@ def test_bracket_labels_and_probe_arithmetic():
     assert fit_linear_probe(separable, labels)["test_accuracy"] > 0.95
     assert fit_linear_probe(torch.randn(600, 5), labels)["test_accuracy"] < 0.4
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+
+
+def test_depth_reports_task_accuracy_for_task_runs(tmp_path, capsys):
+    assert main(["train", "--arch", "rgpt", "--preset", "test", "--data", "task:addition:digits=2,n=400",
+                 "--steps", "2", "--out", str(tmp_path / "run"), "--set", "batch_size=2", "--set", "sequence_len=32",
+                 "--set", "recurrence_steps=2", "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["analyze", "depth", str(tmp_path / "run"), "--json", "--task-limit", "4"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert len(result["task_accuracy"]) == 2 and all(0.0 <= a <= 1.0 for a in result["task_accuracy"])
