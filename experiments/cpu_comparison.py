@@ -1,0 +1,134 @@
+"""CPU-scale comparison of the four architectures on `stdlib`, several seeds.
+
+    python experiments/cpu_comparison.py --out runs/exp --seeds 0 1 2 --steps 300
+
+Runs (each seed):
+- gpt           tied baseline, `--steps` steps
+- fbt           the scheduled multi-pass objective, the same tokens as gpt
+- gpt-2x        the baseline with twice the steps: matched training compute for lrt
+- lrt           interleaved S=2 (about 2x the baseline's FLOPs per token), the same steps as gpt
+- lrt-mid       ablation: source layer = the middle block instead of the normed top state
+- rgpt-params   isoparams: the preset's blocks as 1 + (L-2) x R + 1, R = 4
+- rgpt-flops    isoFLOPs: the same effective depth as gpt
+
+Every run is evaluated on the same validation batches: loss/BPB (fbt under standard, soft and
+fused; lrt with exact sequential memory and the merged parallel estimate; rgpt at r = 1..R).
+Writes `results.json` and `results.md` into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config, rgpt_shape_from_dense  # noqa: E402
+from latentloop.eval import evaluate_loss  # noqa: E402
+from latentloop.train import fit, setup  # noqa: E402
+
+
+def variants(preset: str, seq_len: int, steps: int) -> dict[str, tuple[dict, int]]:
+    """name -> (model fields, steps)."""
+    base = dict(sequence_len=seq_len, tie_embeddings=True)
+    layers = model_config("gpt", preset).n_layer
+    return {
+        "gpt": (dict(arch="gpt", **base), steps),
+        "fbt": (dict(arch="fbt", **base), steps),
+        "gpt-2x": (dict(arch="gpt", **base), 2 * steps),
+        "lrt": (dict(arch="lrt", **base), steps),
+        "lrt-mid": (dict(arch="lrt", source_layer=layers // 2 - 1, **base), steps),
+        "rgpt-params": (dict(arch="rgpt", **base, **rgpt_shape_from_dense(layers, "params", 4)), steps),
+        "rgpt-flops": (dict(arch="rgpt", **base, **rgpt_shape_from_dense(layers, "flops", 2)), steps),
+    }
+
+
+def evaluations(arch: str, config) -> dict[str, dict]:
+    if arch == "fbt":
+        return {"standard": {"regime": "standard"}, "soft": {"regime": "soft"}, "fused": {"regime": "fused"}}
+    if arch == "lrt":
+        return {"sequential": {"prefill": "sequential"}, "interleaved": {"prefill": "interleaved"}}
+    if arch == "rgpt":
+        return {f"r={r}": {"steps": r} for r in range(1, config.recurrence_steps + 1)}
+    return {"plain": {}}
+
+
+def run_one(out: Path, name: str, fields: dict, steps: int, seed: int, preset: str, batch_size: int,
+            eval_batches: int) -> dict:
+    fields = dict(fields)
+    arch = fields.pop("arch")
+    config = RunConfig(model=model_config(arch, preset, **fields),
+                       train=TrainConfig(steps=steps, batch_size=batch_size, lr=3e-3, warmup_steps=max(1, steps // 20),
+                                         eval_every=0, eval_batches=eval_batches, seed=seed, log_every=10),
+                       data=DataConfig(source="stdlib"))
+    run_dir = out / f"{name}-s{seed}"
+    state = setup(config, run_dir, resume=(run_dir / "config.json").exists(), progress=False)
+    start = time.time()
+    summary = fit(state, progress=False)
+    model = state.model.eval()
+    byte_lengths = state.tokenizer.token_byte_lengths()
+    scores = {}
+    for label, options in evaluations(arch, config.model).items():
+        def logits_fn(m, x, options=options):
+            return m.eval_logits(x, **options)
+        scores[label] = evaluate_loss(model, state.data.val, byte_lengths, batch_size, config.model.sequence_len,
+                                      max_batches=eval_batches, logits_fn=logits_fn)
+    return {"name": name, "seed": seed, "arch": arch, "params": model.num_params(), "steps": steps,
+            "tokens": summary["tokens"], "train_flops": summary["flops"], "seconds": time.time() - start,
+            "scores": scores}
+
+
+def summarise(results: list[dict]) -> str:
+    by_name: dict[str, list[dict]] = {}
+    for r in results:
+        by_name.setdefault(r["name"], []).append(r)
+    lines = ["| run | params | tokens | train FLOPs | eval | val loss (mean ± sd) | val BPB (mean ± sd) | seeds |",
+             "|---|---:|---:|---:|---|---:|---:|---:|"]
+    for name, runs in by_name.items():
+        for label in runs[0]["scores"]:
+            losses = [r["scores"][label]["loss"] for r in runs]
+            bpbs = [r["scores"][label]["bpb"] for r in runs]
+            sd = (lambda v: statistics.stdev(v) if len(v) > 1 else 0.0)
+            lines.append(f"| {name} | {runs[0]['params']:,} | {runs[0]['tokens']:,} | {runs[0]["train_flops"]:.2e}"
+                         f" | {label} | {statistics.mean(losses):.4f} ± {sd(losses):.4f} | "
+                         f"{statistics.mean(bpbs):.4f} ± {sd(bpbs):.4f} | {len(runs)} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="runs/exp")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--eval-batches", type=int, default=8)
+    parser.add_argument("--only", nargs="*", default=None, help="run only these variants")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results_file = out / "results.json"
+    results = json.loads(results_file.read_text()) if results_file.exists() else []
+    done = {(r["name"], r["seed"]) for r in results}
+    for seed in args.seeds:
+        for name, (fields, steps) in variants(args.preset, args.seq_len, args.steps).items():
+            if (args.only and name not in args.only) or (name, seed) in done:
+                continue
+            result = run_one(out, name, fields, steps, seed, args.preset, args.batch_size, args.eval_batches)
+            results.append(result)
+            results_file.write_text(json.dumps(results, indent=2) + "\n")
+            print(f"{name} seed {seed}: " + ", ".join(f"{k} {v['bpb']:.4f}" for k, v in result["scores"].items()),
+                  flush=True)
+    table = summarise(results)
+    (out / "results.md").write_text(f"# CPU comparison on stdlib ({args.preset}, T={args.seq_len})\n\n{table}\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
