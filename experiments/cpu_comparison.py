@@ -83,6 +83,10 @@ def run_one(out: Path, name: str, fields: dict, steps: int, seed: int, preset: s
             "scores": scores}
 
 
+def _sd(values: list[float]) -> float:
+    return statistics.stdev(values) if len(values) > 1 else 0.0
+
+
 def summarise(results: list[dict]) -> str:
     by_name: dict[str, list[dict]] = {}
     for r in results:
@@ -93,10 +97,9 @@ def summarise(results: list[dict]) -> str:
         for label in runs[0]["scores"]:
             losses = [r["scores"][label]["loss"] for r in runs]
             bpbs = [r["scores"][label]["bpb"] for r in runs]
-            sd = (lambda v: statistics.stdev(v) if len(v) > 1 else 0.0)
-            lines.append(f"| {name} | {runs[0]['params']:,} | {runs[0]['tokens']:,} | {runs[0]["train_flops"]:.2e}"
-                         f" | {label} | {statistics.mean(losses):.4f} ± {sd(losses):.4f} | "
-                         f"{statistics.mean(bpbs):.4f} ± {sd(bpbs):.4f} | {len(runs)} |")
+            lines.append(f"| {name} | {runs[0]['params']:,} | {runs[0]['tokens']:,} | {runs[0]['train_flops']:.2e}"
+                         f" | {label} | {statistics.mean(losses):.4f} ± {_sd(losses):.4f} | "
+                         f"{statistics.mean(bpbs):.4f} ± {_sd(bpbs):.4f} | {len(runs)} |")
     return "\n".join(lines)
 
 
