@@ -36,8 +36,12 @@ import torch
 # Measure this checkout's code whichever way the package is installed (a stale editable install
 # otherwise resolves `latentloop` to a namespace package when run as `python benchmarks/...`).
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+BENCH_DIR = REPO_ROOT / "benchmarks"  # for `common` when this module is imported from elsewhere
+for _path in (str(REPO_ROOT), str(BENCH_DIR)):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+from common import announce_environment, make_train_step, render_table, warn_contention  # noqa: E402
 
 import latentloop  # noqa: E402
 from latentloop.config import TrainConfig  # noqa: E402
@@ -78,17 +82,7 @@ def bench_training(model: torch.nn.Module, seq_len: int, batch_size: int, warmup
     data = torch.randint(0, VOCAB, (batch_size, seq_len + 1), generator=gen)
     x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
     model.train()
-
-    def step(i: int) -> float:
-        result = objective(model, x, y, i)
-        result.loss.backward()
-        if grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-        for opt in optimizers:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return float(result.loss.detach())  # synchronises, as the trainer's loss logging does
-
+    step = make_train_step(model, objective, x, y, optimizers, grad_clip)
     for i in range(warmup):
         step(i)
     times = []
@@ -208,10 +202,7 @@ def markdown_table(results: dict[str, Any]) -> str:
     rows.append((f"Greedy decode, uncached (`use_cache=False`), batch 1, {naive['new_tokens']} new",
                  _fmt_rate(naive["tok_s"]), "—", _fmt_ratio(b1["tok_s"] / naive["tok_s"]) + " cached/uncached",
                  "—"))
-    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
-    lines = ["| " + " | ".join(str(c).ljust(w) for c, w in zip(row, widths)) + " |" for row in rows]
-    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    return "\n".join(lines)
+    return render_table(rows)
 
 
 def load_average() -> float | None:
@@ -308,14 +299,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     env = environment()
-    busy = env["cpu_busy_before"]
-    print(f"torch {env['torch']}, {env['threads']} threads ({env['interop_threads']} inter-op), "
-          f"{env['cpu_count']} CPUs ({'?' if busy is None else f'{busy:.0%}'} busy before start), "
-          f"{env['platform']}", flush=True)
-    if busy is not None and busy > 0.2:
-        print(f"warning: the CPUs were {busy:.0%} busy just before the run: other processes compete for the "
-              f"{env['cpu_count']} cores and the numbers will be low (noisy neighbours can slow torch's "
-              "OpenMP threads several-fold)", flush=True)
+    announce_environment(env)
     context = max(args.seq_len, args.prompt_len + args.new_tokens, args.prompt_len + args.naive_tokens)
     model = build_model(context, args.seed)
     print(f"model: gpt {N_LAYER} layers, d={N_EMBD}, {N_HEAD} heads, vocab {VOCAB}, "
@@ -382,9 +366,7 @@ def main(argv: list[str] | None = None) -> int:
           f"cached greedy == uncached greedy: {results['cached_matches_uncached']}; "
           f"total {results['wall_s']:.0f} s; other processes used "
           f"{'?' if others is None else f'{others:.0%}'} of the CPUs during the run")
-    if others is not None and others > 0.1:
-        print("warning: other processes competed for the CPUs during the run; these numbers understate the "
-              "speed, rerun on an idle machine")
+    warn_contention(others)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2) + "\n")

@@ -25,6 +25,7 @@ CALIBRATION_STEPS = 3
 MIN_STEPS = 10
 BUDGET_FOR_TRAINING = 0.8  # the rest of the budget goes to setup, evaluation and sampling
 OVERRUN_ALLOWED = 1.25  # a run whose calibration was too optimistic is cut here (schedule unfinished)
+EVAL_BATCHES = 8  # validation batches per scoring option (fbt soft and lrt sequential step token by token)
 SAMPLE_PROMPT = "def "
 SAMPLE_TOKENS = 160
 
@@ -70,7 +71,7 @@ def run_demo(out: Path, minutes: float = 4.0, data: str = "stdlib", preset: str 
     for arch in archs:
         print(f"== {arch}: training for about {budget:.0f} s")
         config = RunConfig(model=model_config(arch, preset),
-                           train=TrainConfig(steps=1_000_000, batch_size=16, eval_every=0, eval_batches=16,
+                           train=TrainConfig(steps=1_000_000, batch_size=16, eval_every=0, eval_batches=EVAL_BATCHES,
                                              log_every=5, warmup_steps=20),
                            data=DataConfig(source=data))
         state = setup(config, out / arch, progress=progress)
@@ -79,6 +80,7 @@ def run_demo(out: Path, minutes: float = 4.0, data: str = "stdlib", preset: str 
         state.config.train.steps = steps
         (out / arch / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
         summary = fit(state, progress=progress, max_seconds=budget * OVERRUN_ALLOWED)
+        summary["by_option"] = score_options(state)
         prompt = [state.tokenizer.bos_id] + state.tokenizer.encode(SAMPLE_PROMPT)
         ids = generate(state.model, prompt, SAMPLE_TOKENS, temperature=0.8, top_k=50, seed=0,
                        stop_tokens=[state.tokenizer.bos_id, state.tokenizer.eos_id])
@@ -89,11 +91,23 @@ def run_demo(out: Path, minutes: float = 4.0, data: str = "stdlib", preset: str 
     return results
 
 
+def score_options(state) -> dict[str, dict[str, float]]:
+    """Validation loss/BPB under each of the model's evaluation options (fbt regimes, ...)."""
+    from .eval import evaluate_run
+
+    cfg = state.config
+    return {label: evaluate_run(state.model, state.data.val, state.tokenizer, cfg.train.batch_size,
+                                cfg.model.sequence_len, EVAL_BATCHES, options)
+            for label, options in state.model.evaluation_options().items()}
+
+
 def _table(results: list[dict[str, Any]]) -> str:
-    lines = ["| arch | params | steps | tokens | train s | val loss | val bpb |", "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| arch | params | steps | tokens | train s | scored as | val loss | val bpb |",
+             "|---|---:|---:|---:|---:|---|---:|---:|"]
     for r in results:
-        lines.append(f"| {r['arch']} | {r['params']:,} | {r['step']} | {r['tokens']:,} | {r['elapsed']:.0f} | "
-                     f"{r['val_loss']:.4f} | {r['val_bpb']:.4f} |")
+        for label, scores in r["by_option"].items():
+            lines.append(f"| {r['arch']} | {r['params']:,} | {r['step']} | {r['tokens']:,} | {r['elapsed']:.0f} | "
+                         f"{label} | {scores['loss']:.4f} | {scores['bpb']:.4f} |")
     return "\n".join(lines)
 
 

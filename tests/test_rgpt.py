@@ -85,7 +85,7 @@ def test_early_exit_cache_rule_repeats_the_last_computed_step():
             first, later = n_pre + j, n_pre + (step - 1) * n_rec + j
             assert torch.equal(cache.k[later, :, :, pos], cache.k[first, :, :, pos])
             assert torch.equal(cache.v[later, :, :, pos], cache.v[first, :, :, pos])
-    assert cache.state["rgpt.exit_steps"] == [1, 1]
+    assert cache.stats["rgpt.exit_steps"] == [1, 1]
     # a token that ran every step keeps distinct keys per step
     assert not torch.equal(cache.k[n_pre + n_rec, :, :, 2], cache.k[n_pre, :, :, 2])
 

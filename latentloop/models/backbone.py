@@ -203,7 +203,11 @@ class GPT(nn.Module):
 
     def readout(self, h: Tensor) -> Tensor:
         """Final norm, head and soft-cap: (B, T, D) -> (B, T, V)."""
-        h = norm(h)
+        return self.head(norm(h))
+
+    def head(self, h_normed: Tensor) -> Tensor:
+        """Head and soft-cap of an already normed top state."""
+        h = h_normed
         logits = F.linear(h, self.wte.weight) if self.lm_head is None else self.lm_head(h)
         cap = self.config.logit_softcap
         if cap > 0:
@@ -230,6 +234,10 @@ class GPT(nn.Module):
         """Reject generation/evaluation options this architecture does not have (variants extend)."""
         if options:
             raise ConfigError(f"arch {self.config.arch!r} does not support option(s): {', '.join(sorted(options))}")
+
+    def evaluation_options(self) -> dict[str, dict]:
+        """The ways worth scoring this model by default (label -> options for eval_logits)."""
+        return {"plain": {}}
 
     def eval_logits(self, idx: Tensor, **options) -> Tensor:
         """Logits for scoring teacher-forced text (loss, BPB, multiple choice) under `options`."""

@@ -67,6 +67,7 @@ class KVCache:
         self.length = 0  # slots used along the time axis
         self.has_padding = False
         self.state: dict[str, Tensor] = {}
+        self.stats: dict[str, list] = {}  # plain-Python bookkeeping (e.g. exit depths), not model state
         self._pending = 0  # tokens of the forward in flight
 
     @property

@@ -134,7 +134,9 @@ class FBT(GPT):
         return states, x_last
 
     def _decode_fused(self, idx: Tensor, cache: KVCache) -> FBTOutput:
-        hidden = []
+        """Tokens one at a time, each fused with the state its predecessor left in the cache."""
+        hidden, logits = [], []
+        reuse_norm = self.config.state_source == "post_norm" and not (self.training and self.config.jitter > 0)
         for t in range(idx.shape[1]):
             token = idx[:, t:t + 1]  # (B, 1)
             e = self.embed(token)
@@ -142,9 +144,13 @@ class FBT(GPT):
             x = torch.where((token != self.config.bos_id)[..., None], fused, e)
             h = self.run_blocks(x, self.context(token, cache, None))  # (B, 1, D)
             cache.advance()
-            cache.state[STATE_KEY] = self.carried_state(h)
+            h_normed = norm(h)  # shared by the head and the carried state
+            cache.state[STATE_KEY] = h_normed if reuse_norm else self.carried_state(h)
             hidden.append(h)
-        return self._output([torch.cat(hidden, dim=1)], False)
+            logits.append(self.head(h_normed))
+        if len(hidden) == 1:
+            return FBTOutput(logits=logits[0], hidden=hidden[0], info={"passes": 1})
+        return FBTOutput(logits=torch.cat(logits, dim=1), hidden=torch.cat(hidden, dim=1), info={"passes": 1})
 
     def _output(self, states: list[Tensor], return_passes: bool) -> FBTOutput:
         out = FBTOutput(logits=self.readout(states[-1]), hidden=states[-1], info={"passes": len(states)})
@@ -201,6 +207,10 @@ class FBT(GPT):
         out = self._output(states, False)
         out.info["prefill_passes"] = len(states)
         return out, x_last
+
+    def evaluation_options(self) -> dict[str, dict]:
+        return {"standard": {"regime": "standard"}, "soft": {"regime": "soft"},
+                "fused": {"regime": "fused", "passes": DEFAULT_FUSED_PASSES}}
 
     def eval_logits(self, idx: Tensor, regime: str = "soft", passes: int | str | None = None) -> Tensor:
         """Teacher-forced scoring: standard = plain inputs; fused = a K-pass forward; soft = exact

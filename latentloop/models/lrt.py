@@ -271,6 +271,9 @@ class LRT(GPT):
             return out
         return self.step(idx, cache, pad_mask)
 
+    def evaluation_options(self) -> dict[str, dict]:
+        return {"sequential": {"prefill": "sequential"}, "interleaved": {"prefill": "interleaved"}}
+
     def eval_logits(self, idx: Tensor, prefill: str = "sequential") -> Tensor:
         """sequential: exact memory (stepped through a cache); interleaved: the merged parallel
         estimate used in training (each position's logits from its latest refinement)."""

@@ -50,7 +50,7 @@ OPTIONS = ("steps", "cache_mode", "exit_threshold", "exit_criterion", "min_steps
 class RGPTOutput(ModelOutput):
     steps: int = 0
     step_logits: list[Tensor] = field(default_factory=list)  # (B, T, V) after each step, when requested
-    gate_means: list[float] = field(default_factory=list)  # mean gate value of each step
+    gate_means: list[float] = field(default_factory=list)  # mean gate value of each step, when requested
 
 
 class RecurrentKVCache(KVCache):
@@ -63,12 +63,12 @@ class RecurrentKVCache(KVCache):
     def __init__(self, *args, mode: str, first_core_slot: int, last_core_slot: int, n_rec: int, **kwargs):
         super().__init__(*args, **kwargs)
         self.mode, self.n_rec = mode, n_rec
-        self.core_range = range(first_core_slot, last_core_slot + 1)
+        self.first_core_slot, self.last_core_slot = first_core_slot, last_core_slot
         self.step = 1
         self.active: Tensor | None = None  # (B,) rows still recurring; None = all
 
     def update(self, slot: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        if slot not in self.core_range:
+        if not self.first_core_slot <= slot <= self.last_core_slot:  # prelude / coda: a plain slot
             return super().update(slot, k, v)
         start, end = self.length, self.length + k.shape[2]
         if self.mode == "full":
@@ -89,7 +89,7 @@ class RecurrentKVCache(KVCache):
         if self.mode != "full":
             return
         start, end = self.length, self.length + self._pending
-        first = self.core_range.start
+        first = self.first_core_slot
         for step in range(last_step + 1, max_steps + 1):
             for j in range(self.n_rec):
                 src, dst = first + (last_step - 1) * self.n_rec + j, first + (step - 1) * self.n_rec + j
@@ -177,7 +177,8 @@ class RGPT(GPT):
                 cache.step, cache.active = r, None
             with torch.set_grad_enabled(torch.is_grad_enabled() and r > no_grad_steps):
                 h, g = self.recur(h, h_pre, self._slot_ctx(ctx, r, max_steps))
-            out.gate_means.append(float(g.detach().mean()))
+            if return_steps:  # reading the gate syncs with the device: only when asked
+                out.gate_means.append(float(g.detach().mean()))
             if return_steps and r < steps:
                 out.step_logits.append(self.readout(self._run(self.coda, h, self._slot_ctx(ctx, None, max_steps))))
         if isinstance(cache, RecurrentKVCache):
@@ -222,7 +223,7 @@ class RGPT(GPT):
         cache.fill_later_steps(r, cache.max_steps)
         top = self._run(self.coda, h, coda_ctx)
         cache.advance()
-        exits = cache.state.setdefault("rgpt.exit_steps", [])
+        exits = cache.stats.setdefault("rgpt.exit_steps", [])
         exits.extend(exit_step.tolist())
         return RGPTOutput(logits=self.readout(top), hidden=top, steps=r,
                           info={"mean_exit_steps": sum(exits) / len(exits)})
@@ -278,6 +279,10 @@ class RGPT(GPT):
         out.info.update(steps=steps, trained_steps=self.config.recurrence_steps,
                         beyond_trained=steps > self.config.recurrence_steps)
         return out
+
+    def evaluation_options(self) -> dict[str, dict]:
+        R = self.config.recurrence_steps
+        return {f"r={r}": {"steps": r} for r in sorted({max(1, R // 2), R})}
 
     def eval_logits(self, idx: Tensor, steps: int | None = None) -> Tensor:
         self.check_options({"steps": steps})
