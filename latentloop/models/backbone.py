@@ -88,11 +88,16 @@ class Attention(nn.Module):
         self.c_qkv = nn.Linear(D, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=False)  # one matmul
         self.c_proj = nn.Linear(D, D, bias=False)
 
-    def project_qkv(self, x: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor, Tensor]:
-        """q (B, T, H, hd), k and v (B, T, Hkv, hd), before RoPE and QK-norm."""
+    def project_q_kv(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """q (B, T, H, hd) and keys-then-values kv (B, T, 2 Hkv, hd) from one matmul."""
         B, T, _ = x.shape
         qkv = self.c_qkv(x).view(B, T, self.n_head + 2 * self.n_kv_head, self.head_dim)
-        return qkv.split([self.n_head, self.n_kv_head, self.n_kv_head], dim=2)
+        return qkv.split([self.n_head, 2 * self.n_kv_head], dim=2)
+
+    def project_qkv(self, x: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor, Tensor]:
+        """q (B, T, H, hd), k and v (B, T, Hkv, hd), before RoPE and QK-norm."""
+        q, kv = self.project_q_kv(x)
+        return q, *kv.chunk(2, dim=2)
 
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
         B, T, D = x.shape

@@ -43,7 +43,7 @@ RESIDUAL_ALPHA_INIT = 1.0
 @dataclass
 class LRTContext(ForwardContext):
     memory: Tensor | None = None  # (B, T, D) m_{t-1} for each position
-    memory_kv: tuple[Tensor, Tensor] | None = None  # shared W_k m, W_v m as (B, T, Hkv, hd)
+    memory_kv: Tensor | None = None  # shared [W_k m, W_v m] as (B, T, 2 Hkv, hd)
     source: Tensor | None = None  # (B, T, D) written by the source block during the pass
 
 
@@ -69,16 +69,15 @@ class LRTAttention(Attention):
                 self.c_mem_kv = nn.Linear(config.n_embd, 2 * self.n_kv_head * self.head_dim, bias=False)
 
     def project_qkv(self, x: Tensor, ctx: LRTContext) -> tuple[Tensor, Tensor, Tensor]:
-        q, k, v = super().project_qkv(x, ctx)
+        q, kv = self.project_q_kv(x)  # kv (B, T, 2 Hkv, hd): keys and values are gated in one go
         if not self.inject:
-            return q, k, v
+            return q, *kv.chunk(2, dim=2)
         B, T, _ = x.shape
-        if self.layerwise:
-            k_fb, v_fb = self.c_mem_kv(ctx.memory).view(B, T, 2 * self.n_kv_head, self.head_dim).chunk(2, dim=2)
-        else:
-            k_fb, v_fb = ctx.memory_kv
-        g_loc, g_fb = (2 * torch.sigmoid(self.c_gate(x))).view(B, T, 2, self.n_kv_head, 1).unbind(2)
-        return q, torch.addcmul(g_loc * k, g_fb, k_fb), torch.addcmul(g_loc * v, g_fb, v_fb)
+        kv_fb = ctx.memory_kv if not self.layerwise else self.c_mem_kv(ctx.memory).view(B, T, 2 * self.n_kv_head, -1)
+        g_loc, g_fb = (2 * torch.sigmoid(self.c_gate(x))).view(B, T, 2, 1, self.n_kv_head).unbind(2)  # (B, T, 1, Hkv)
+        kv = torch.addcmul(kv * g_loc.expand(B, T, 2, -1).reshape(B, T, -1, 1),
+                           g_fb.expand(B, T, 2, -1).reshape(B, T, -1, 1), kv_fb)  # the same gate for k and v
+        return q, *kv.chunk(2, dim=2)
 
 
 class LRTBlock(Block):
@@ -129,7 +128,7 @@ class LRT(GPT):
         lctx = LRTContext(**vars(ctx), memory=memory)
         if self.mem_kv is not None:
             B, T, _ = memory.shape
-            lctx.memory_kv = self.mem_kv(memory).view(B, T, 2 * self.config.n_kv_head, -1).chunk(2, dim=2)
+            lctx.memory_kv = self.mem_kv(memory).view(B, T, 2 * self.config.n_kv_head, -1)
         h = self.run_blocks(self.embed(idx), lctx)
         return h, (norm(h) if self.config.source_layer < 0 else lctx.source)
 
