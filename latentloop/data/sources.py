@@ -25,6 +25,7 @@ import sys
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from latentloop.errors import ConfigError, DataError
 
@@ -242,7 +243,9 @@ def _read_text(file: Path) -> str:
         raise DataError(f"cannot read {file}: {exc.strerror}") from exc
 
 
-def _read_jsonl(file: Path) -> Iterator[str]:
+def iter_jsonl(file: Path) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed value) for each non-blank line; unreadable files and bad lines raise
+    DataError naming the file and line."""
     try:
         handle = file.open(encoding="utf-8")
     except OSError as exc:
@@ -254,15 +257,19 @@ def _read_jsonl(file: Path) -> Iterator[str]:
                 if not line.strip():
                     continue
                 try:
-                    record = json.loads(line)
+                    yield line_number, json.loads(line)
                 except json.JSONDecodeError as exc:
                     raise DataError(f"{file}:{line_number}: invalid JSON ({exc.msg})") from exc
-                if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                    raise DataError(f"{file}:{line_number}: expected an object with a string 'text'")
-                if record["text"].strip():
-                    yield record["text"]
         except UnicodeDecodeError as exc:
             raise DataError(f"{file}: not valid UTF-8 (after line {line_number})") from exc
+
+
+def _read_jsonl(file: Path) -> Iterator[str]:
+    for line_number, record in iter_jsonl(file):
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise DataError(f"{file}:{line_number}: expected an object with a string 'text'")
+        if record["text"].strip():
+            yield record["text"]
 
 
 def _read_parquet(file: Path) -> Iterator[str]:

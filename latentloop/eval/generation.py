@@ -37,7 +37,6 @@ most half the model's context) and `batch_size` (32) for all; humaneval also `sa
 
 from __future__ import annotations
 
-import json
 import random
 import re
 import time
@@ -50,6 +49,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from latentloop.data.sources import iter_jsonl
 from latentloop.data.tasks import TASKS, final_answer, parse_task_spec
 from latentloop.engine import generate
 from latentloop.errors import ConfigError, DataError
@@ -251,23 +251,11 @@ def find_data_file(data_dir: Path | str | None, filename: str, task: str) -> Pat
 
 def read_jsonl(path: Path, keys: Sequence[str]) -> list[dict]:
     rows = []
-    try:
-        with path.open(encoding="utf-8") as handle:
-            for line_number, line in enumerate(handle, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise DataError(f"{path}:{line_number}: invalid JSON ({exc.msg})") from exc
-                missing = [key for key in keys if not isinstance(row, dict) or key not in row]
-                if missing:
-                    raise DataError(f"{path}:{line_number}: missing key(s) {', '.join(missing)}")
-                rows.append(row)
-    except OSError as exc:
-        raise DataError(f"cannot read {path}: {exc.strerror}") from exc
-    except UnicodeDecodeError as exc:
-        raise DataError(f"{path}: not valid UTF-8") from exc
+    for line_number, row in iter_jsonl(path):
+        missing = [key for key in keys if not isinstance(row, dict) or key not in row]
+        if missing:
+            raise DataError(f"{path}:{line_number}: missing key(s) {', '.join(missing)}")
+        rows.append(row)
     if not rows:
         raise DataError(f"{path} holds no rows")
     return rows
