@@ -272,14 +272,24 @@ def cmd_eval(args) -> int:
         return 0
     data = prepare_data(config, tokenizer, progress=False)
     tokens = data.val if args.split == "val" else data.train
-    metrics = evaluate_run(model, tokens, tokenizer, args.batch_size or 16, config.model.sequence_len,
-                           args.batches or None, _generation_options(args))
-    metrics = {"run": str(args.run), "checkpoint": str(checkpoint), "split": args.split, **metrics}
+    options = _generation_options(args)
+    # no options given: score every way the architecture offers (fbt regimes, lrt prefills, rgpt depths)
+    choices = {"given": options} if options else model.evaluation_options()
+    by_option = {label: evaluate_run(model, tokens, tokenizer, args.batch_size or 16, config.model.sequence_len,
+                                     args.batches or None, choice) for label, choice in choices.items()}
+    first = next(iter(by_option))
+    metrics = {"run": str(args.run), "checkpoint": str(checkpoint), "split": args.split, "scored_as": first,
+               **by_option[first]}
+    if len(by_option) > 1:
+        metrics["by_option"] = by_option
     if args.json:
         print(json.dumps(metrics, indent=2))
     else:
         for key, value in metrics.items():
-            print(f"{key:>12}: {value:.4f}" if isinstance(value, float) else f"{key:>12}: {value}")
+            if key != "by_option":
+                print(f"{key:>12}: {value:.4f}" if isinstance(value, float) else f"{key:>12}: {value}")
+        for label, scores in metrics.get("by_option", {}).items():
+            print(f"{label:>12}: loss {scores['loss']:.4f}  ppl {scores['ppl']:.3f}  bpb {scores['bpb']:.4f}")
     return 0
 
 

@@ -129,6 +129,10 @@ def test_train_eval_generate_cli(corpus, tmp_path, capsys):
         assert main(["eval", str(run), "--json", "--batches", "1", "--prefill", prefill]) == 0
         results[prefill] = json.loads(capsys.readouterr().out)["bpb"]
     assert results["sequential"] != results["interleaved"]
+    assert main(["eval", str(run), "--json", "--batches", "1"]) == 0  # no flag: both ways, sequential first
+    both = json.loads(capsys.readouterr().out)
+    assert both["scored_as"] == "sequential" and both["bpb"] == results["sequential"]
+    assert both["by_option"]["interleaved"]["bpb"] == results["interleaved"]
     assert main(["generate", str(run), "--prompt", "ab", "--max-new-tokens", "3", "--prefill", "interleaved",
                  "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["new_tokens"] <= 3
