@@ -1,4 +1,4 @@
-"""The `latentloop` command line: train, eval, generate, tokenizer, demo.
+"""The `latentloop` command line: train, eval, generate, tokenizer, analyze, compare, demo.
 
 Every user mistake ends in one line on stderr (`latentloop: error: ...`) and exit code 2, with no
 traceback; anything else is a bug and keeps its traceback.

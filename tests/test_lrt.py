@@ -51,6 +51,8 @@ def test_greedy_generation_cached_uncached_and_batched():
     assert cached == [ll.generate(model, p, 8, temperature=0.0) for p in prompts]
     approx = ll.generate(model, prompts, 8, temperature=0.0, prefill="interleaved")
     assert all(len(row) == 8 for row in approx)
+    # the approximate prefill still treats each row as it would alone, whatever its padding
+    assert approx == [ll.generate(model, p, 8, temperature=0.0, prefill="interleaved") for p in prompts]
     with pytest.raises(ll.ConfigError, match="prefill"):
         ll.generate(model, prompts, 2, prefill="parallel")
     with pytest.raises(ll.ConfigError, match="needs the cache"):

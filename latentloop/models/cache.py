@@ -164,11 +164,10 @@ class KVBuffer:
     def advance(self) -> None:
         self._index = None
 
-    def copy_into(self, cache: KVCache, pad_mask: Tensor | None = None) -> None:
-        """Fill an empty inference cache with this buffer's keys/values (a parallel prefill)."""
+    def write_rows(self, cache: KVCache, rows: Tensor) -> None:
+        """Copy this buffer (computed for `rows` of a batch) into the first columns of an inference
+        cache whose tokens were registered with `cache.begin` (a parallel prefill)."""
         T = self.columns
-        cache.begin(T, pad_mask)
         for slot, (k, v) in enumerate(zip(self.k, self.v)):
-            cache.k[slot, :, :, :T] = k
-            cache.v[slot, :, :, :T] = v
-        cache.advance()
+            cache.k[slot, rows, :, :T] = k
+            cache.v[slot, rows, :, :T] = v

@@ -176,8 +176,11 @@ class LRT(GPT):
         buffer.advance()
         return h, source
 
-    def interleaved(self, idx: Tensor, subsets: int, pad_mask: Tensor | None = None) -> tuple[LRTOutput, KVBuffer]:
-        """Init pass with zero memory, then each stride subset refined against the latest buffer."""
+    def interleaved(self, idx: Tensor, subsets: int, pad_mask: Tensor | None = None,
+                    pad_shift: int = 0) -> tuple[LRTOutput, KVBuffer]:
+        """Init pass with zero memory, then each stride subset {t : position t mod S = i} refined in
+        turn against the latest buffer. Rows left-padded by p columns (p mod S = `pad_shift` for
+        every row) have position = column - p, so subset i is the columns = i + p mod S."""
         B, T = idx.shape
         buffer = self._buffer(idx, pad_mask)
         positions = buffer.key_pos.clamp(min=0).expand(B, T)
@@ -186,7 +189,7 @@ class LRT(GPT):
         logits = self.readout(h)
         out = LRTOutput(logits=logits, hidden=h, source=source, pass_logits=[logits], pass_columns=[everything])
         for i in range(min(subsets, T)):
-            columns = everything[i::subsets]
+            columns = everything[(i + pad_shift) % subsets::subsets]
             memory = self.memory_for(idx, positions, shift_right(out.source))[:, columns]
             h_sub, source_sub = self._buffered_pass(idx, buffer, columns, memory)
             logits_sub = self.readout(h_sub)
@@ -264,11 +267,26 @@ class LRT(GPT):
                 raise ConfigError("prefill 'interleaved' needs the cache (its uncached reference is the exact one)")
             return self.sequential(idx, pad_mask)
         if cache.length == 0 and prefill == "interleaved":
-            out, buffer = self.interleaved(idx, self.config.subsets, pad_mask)
-            buffer.copy_into(cache, pad_mask)
-            cache.state[MEMORY_KEY] = out.source[:, -1:]
-            return out
+            return self._interleaved_prefill(idx, cache, pad_mask)
         return self.step(idx, cache, pad_mask)
+
+    def _interleaved_prefill(self, idx: Tensor, cache: KVCache, pad_mask: Tensor | None) -> LRTOutput:
+        """Parallel prefill into the cache; rows are grouped by their padding mod S so that each row
+        is refined exactly as it would be alone."""
+        S, B = self.config.subsets, idx.shape[0]
+        pad = torch.zeros(B, dtype=torch.long, device=idx.device) if pad_mask is None else (~pad_mask).sum(1)
+        cache.begin(idx.shape[1], pad_mask)
+        logits = hidden = source = None
+        for shift in sorted(set((pad % S).tolist())):
+            rows = ((pad % S) == shift).nonzero().squeeze(1)
+            out, buffer = self.interleaved(idx[rows], S, None if pad_mask is None else pad_mask[rows], shift)
+            buffer.write_rows(cache, rows)
+            if logits is None:
+                logits, hidden, source = (t.new_zeros(B, *t.shape[1:]) for t in (out.logits, out.hidden, out.source))
+            logits[rows], hidden[rows], source[rows] = out.logits, out.hidden, out.source
+        cache.advance()
+        cache.state[MEMORY_KEY] = source[:, -1:]
+        return LRTOutput(logits=logits, hidden=hidden, source=source)
 
     def evaluation_options(self) -> dict[str, dict]:
         return {"sequential": {"prefill": "sequential"}, "interleaved": {"prefill": "interleaved"}}

@@ -1,0 +1,629 @@
+"""CORE: the in-context-learning score of DCLM (Li et al., 2024), as nanochat computes it.
+
+Twenty-two tasks in three kinds, each scored from the model's log-probabilities:
+
+- multiple choice (`query`, `choices`, `gold`): the prompt is rendered once per choice; the choice
+  whose continuation has the lowest *mean* loss per token is the answer. The continuation is what
+  follows the longest token prefix the rendered prompts share;
+- schema (`context_options`, `continuation`, `gold`; winograd, winogrande): one prompt per context
+  option, all ending in the same continuation; the option after which that shared continuation
+  (the longest common token suffix) has the lowest mean loss is the answer;
+- language modelling (`context`, `continuation`): correct when greedy decoding reproduces the
+  continuation exactly, i.e. the argmax at every continuation position is the next true token.
+
+Prompts: `num_fewshot` solved examples, each `<query><delimiter><answer>` followed by a blank line,
+then the scored example. The few-shot examples of example i are drawn from the same file with
+`random.Random(1234 + i)`, excluding i itself; examples are first shuffled with `Random(1337)`, and
+`limit` keeps the first N of that order (the shots are still drawn from the whole file, so a limit
+does not change any prompt). Each task's accuracy is centred by its random baseline,
+`(acc - rb) / (1 - rb)`, and CORE is the mean centred accuracy over the tasks evaluated. The random
+baselines are those of DCLM's `eval_meta_data.csv` (e.g. 62% for boolq, 9.1% for language
+identification), so scores compare with published CORE numbers.
+
+Scoring works for every architecture through `model.generate_step(idx, cache=None, pad_mask,
+prompt_len=P, **options)`: each row is `[left padding][context][continuation][right padding]` with
+all contexts ending at column P, so the continuation is scored as generated text under the chosen
+regime (fbt `fused` prefills the context with K passes, then feeds latents back over the
+continuation; `soft` feeds latents back over the continuation after a plain prefill). Where that
+uncached call re-runs the stack once per continuation token (fbt soft/fused), the same numbers come
+far cheaper from the engine's cached path: a prefill of the contexts, then one-token decode steps
+(`continuation_logits`, chosen by `choose_stepwise`; a model may set `scoring_mode`). A context too
+long for the model is cut from the left, keeping its leading BOS (see `fit_row`). Rows are sorted by
+length and packed into batches, so a small model scores a few hundred examples in seconds on a CPU,
+and a row scores the same in any batch as alone.
+
+Data: a folder of jsonl files (`../shared/data/eval`, or the official bundle's `eval_data/**`),
+from an argument, else `$LATENTLOOP_EVAL_DIR`, else `<cache>/eval_bundle`, which
+`download_eval_bundle` fills from the official bundle when there is a network.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import re
+import shutil
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import zipfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..errors import ConfigError, DataError
+
+EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
+EVAL_DIR_ENV = "LATENTLOOP_EVAL_DIR"
+SHUFFLE_SEED = 1337
+FEWSHOT_SEED = 1234
+DEFAULT_BATCH_SIZE = 64
+TRUNCATION_STEP = 16  # cut contexts leave room for the continuation rounded up to this (see fit_row)
+
+MULTIPLE_CHOICE, SCHEMA, LANGUAGE_MODELING = "multiple_choice", "schema", "language_modeling"
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    files: tuple[str, ...]  # candidate jsonl names, first found wins
+    kind: str  # MULTIPLE_CHOICE, SCHEMA or LANGUAGE_MODELING
+    num_fewshot: int
+    random_baseline: float  # fraction of questions a random guess gets right
+    delimiter: str = " "  # between a query/context and its answer
+
+
+def _task(name, files, kind, shots, baseline, delimiter=" ") -> Task:
+    return Task(name, tuple(files) if isinstance(files, (list, tuple)) else (files,), kind, shots, baseline, delimiter)
+
+
+_ANSWER = "\nAnswer: "
+_HELLASWAG = ("hellaswag.jsonl", "hellaswag_val1k.jsonl")
+
+# The 22 tasks of DCLM's CORE, in the order of its core.yaml.
+CORE_TASKS: dict[str, Task] = {t.name: t for t in (
+    _task("hellaswag_zeroshot", _HELLASWAG, MULTIPLE_CHOICE, 0, 0.25),
+    _task("jeopardy", "jeopardy_all.jsonl", LANGUAGE_MODELING, 10, 0.0, _ANSWER),
+    _task("bigbench_qa_wikidata", "bigbench_qa_wikidata.jsonl", LANGUAGE_MODELING, 10, 0.0),
+    _task("arc_easy", "arc_easy.jsonl", MULTIPLE_CHOICE, 10, 0.25, _ANSWER),
+    _task("arc_challenge", "arc_challenge.jsonl", MULTIPLE_CHOICE, 10, 0.25, _ANSWER),
+    _task("copa", "copa.jsonl", MULTIPLE_CHOICE, 0, 0.5),
+    _task("commonsense_qa", "commonsense_qa.jsonl", MULTIPLE_CHOICE, 10, 0.2),
+    _task("piqa", "piqa.jsonl", MULTIPLE_CHOICE, 10, 0.5, _ANSWER),
+    _task("openbook_qa", "openbook_qa.jsonl", MULTIPLE_CHOICE, 0, 0.25),
+    _task("lambada_openai", "lambada_openai.jsonl", LANGUAGE_MODELING, 0, 0.0),
+    _task("hellaswag", _HELLASWAG, MULTIPLE_CHOICE, 10, 0.25),
+    _task("winograd", "winograd_wsc.jsonl", SCHEMA, 0, 0.5),
+    _task("winogrande", "winogrande.jsonl", SCHEMA, 0, 0.5),
+    _task("bigbench_dyck_languages", "bigbench_dyck_languages.jsonl", LANGUAGE_MODELING, 10, 0.0),
+    _task("agi_eval_lsat_ar", "agi_eval_lsat_ar.jsonl", MULTIPLE_CHOICE, 3, 0.2),
+    _task("bigbench_cs_algorithms", "bigbench_cs_algorithms.jsonl", LANGUAGE_MODELING, 10, 0.0),
+    _task("bigbench_operators", "bigbench_operators.jsonl", LANGUAGE_MODELING, 10, 0.0),
+    _task("bigbench_repeat_copy_logic", "bigbench_repeat_copy_logic.jsonl", LANGUAGE_MODELING, 10, 0.0),
+    _task("squad", "squad.jsonl", LANGUAGE_MODELING, 10, 0.0),
+    _task("coqa", "coqa.jsonl", LANGUAGE_MODELING, 0, 0.0),
+    _task("boolq", "boolq.jsonl", MULTIPLE_CHOICE, 10, 0.62, _ANSWER),
+    _task("bigbench_language_identification", "bigbench_language_identification.jsonl", MULTIPLE_CHOICE, 10, 0.091),
+)}
+
+
+def centered(accuracy: float, random_baseline: float) -> float:
+    """Accuracy rescaled so that chance is 0 and perfect is 1: (acc - rb) / (1 - rb)."""
+    return (accuracy - random_baseline) / (1.0 - random_baseline)
+
+
+# --------------------------------------------------------------------------------------------
+# Data: where it lives, fetching the official bundle, reading and normalising rows
+# --------------------------------------------------------------------------------------------
+
+
+def default_eval_dir() -> Path:
+    cache = os.environ.get("LATENTLOOP_CACHE") or Path.home() / ".cache" / "latentloop"
+    return Path(cache) / "eval_bundle"
+
+
+def resolve_eval_dir(data_dir: str | Path | None = None, download: bool = True) -> Path:
+    """The folder of task files: `data_dir`, else $LATENTLOOP_EVAL_DIR, else the cache folder
+    (fetched there once when `download` and a network allow)."""
+    for given, origin in ((data_dir, "eval data folder"), (os.environ.get(EVAL_DIR_ENV), f"${EVAL_DIR_ENV}")):
+        if given:
+            folder = Path(given).expanduser()
+            if not folder.is_dir():
+                raise DataError(f"{origin} {folder} does not exist")
+            return folder
+    cached = default_eval_dir()
+    if cached.is_dir() and any(cached.rglob("*.jsonl")):
+        return cached
+    hint = f"pass --eval-dir PATH or set ${EVAL_DIR_ENV} (e.g. to ../shared/data/eval)"
+    if not download:
+        raise DataError(f"no evaluation data in {cached}: {hint}")
+    try:
+        return download_eval_bundle(cached)
+    except DataError as exc:
+        raise DataError(f"no evaluation data: {hint}; {exc}") from None
+
+
+def download_eval_bundle(dest: str | Path | None = None, url: str | None = None, timeout: float = 60.0) -> Path:
+    """Fetch the official CORE bundle (a zip of jsonl files, ~20 MB) into `dest` and return it.
+
+    The zip is downloaded and unpacked in a temporary folder next to `dest`, then moved into place,
+    so an interrupted download leaves nothing half-written. Raises DataError when offline.
+    """
+    dest = Path(dest) if dest is not None else default_eval_dir()
+    url = url or EVAL_BUNDLE_URL
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+    try:
+        archive = work / "bundle.zip"
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as response, open(archive, "wb") as f:
+                shutil.copyfileobj(response, f)
+        except (urllib.error.URLError, OSError, TimeoutError) as exc:
+            reason = getattr(exc, "reason", None) or exc
+            raise DataError(f"cannot download the eval bundle from {url}: {reason}") from None
+        unpacked = work / "unpacked"
+        try:
+            with zipfile.ZipFile(archive) as zf:
+                root = unpacked.resolve()
+                for member in zf.namelist():
+                    if not (unpacked / member).resolve().is_relative_to(root):
+                        raise DataError(f"the eval bundle from {url} holds an unsafe path: {member}")
+                zf.extractall(unpacked)
+        except zipfile.BadZipFile:
+            raise DataError(f"the download from {url} is not a zip file") from None
+        entries = [p for p in unpacked.iterdir() if not p.name.startswith("__MACOSX")]
+        source = entries[0] if len(entries) == 1 and entries[0].is_dir() else unpacked
+        if not any(source.rglob("*.jsonl")):
+            raise DataError(f"the eval bundle from {url} holds no jsonl files")
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(source, dest)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return dest
+
+
+def find_task_file(folder: Path, task: Task) -> Path | None:
+    """The task's jsonl in `folder`, at the top level or anywhere below it (the bundle's layout)."""
+    for name in task.files:
+        if (folder / name).is_file():
+            return folder / name
+    for name in task.files:
+        found = sorted(folder.rglob(name))
+        if found:
+            return found[0]
+    return None
+
+
+def _clean_hellaswag(text: str) -> str:
+    """HellaSwag's usual cleanup: WikiHow '[title]' markers become sentence breaks, other
+    bracketed markers go, double spaces collapse."""
+    text = text.strip().replace(" [title]", ". ")
+    text = re.sub(r"\[.*?\]", "", text)
+    return text.replace("  ", " ")
+
+
+def normalize_row(row: dict, kind: str) -> dict:
+    """One jsonl row in the task's canonical form; HellaSwag's original format is converted."""
+    if kind == MULTIPLE_CHOICE and "endings" in row and "query" not in row:
+        context = row["ctx_a"] + " " + row["ctx_b"].capitalize()
+        return {"query": _clean_hellaswag(f"{row['activity_label']}: {context}"),
+                "choices": [_clean_hellaswag(e) for e in row["endings"]], "gold": int(row["label"])}
+    needed = {MULTIPLE_CHOICE: ("query", "choices", "gold"), SCHEMA: ("context_options", "continuation", "gold"),
+              LANGUAGE_MODELING: ("context", "continuation")}[kind]
+    missing = [key for key in needed if key not in row]
+    if missing:
+        raise KeyError(", ".join(missing))
+    item = {key: row[key] for key in needed}
+    if "gold" in item:
+        item["gold"] = int(item["gold"])
+    return item
+
+
+def load_examples(path: Path, kind: str) -> list[dict]:
+    examples = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                examples.append(normalize_row(json.loads(line), kind))
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}:{line_no}: not valid JSON ({exc.msg})") from None
+            except KeyError as exc:
+                raise DataError(f"{path}:{line_no}: a {kind} row needs the key(s) {exc.args[0]}") from None
+            except (TypeError, ValueError) as exc:
+                raise DataError(f"{path}:{line_no}: malformed {kind} row ({exc})") from None
+    if not examples:
+        raise DataError(f"{path} holds no examples")
+    return examples
+
+
+# --------------------------------------------------------------------------------------------
+# Prompts
+# --------------------------------------------------------------------------------------------
+
+
+def fewshot_indices(n: int, index: int, k: int) -> list[int]:
+    """k example indices other than `index`, drawn deterministically for that example."""
+    if k <= 0 or n < 2:
+        return []
+    # the same draw as sampling the list of all other indices (nanochat), without building it
+    drawn = random.Random(FEWSHOT_SEED + index).sample(range(n - 1), min(k, n - 1))
+    return [j if j < index else j + 1 for j in drawn]
+
+
+def render_prompts(kind: str, item: dict, delimiter: str, shots: Sequence[dict] = ()) -> list[str]:
+    """The full prompts of one example: one per choice (multiple choice), one per context option
+    (schema), or [context only, context + continuation] (language modelling)."""
+    if kind == MULTIPLE_CHOICE:
+        prefix = "".join(f"{s['query']}{delimiter}{s['choices'][s['gold']]}\n\n" for s in shots)
+        return [f"{prefix}{item['query']}{delimiter}{choice}" for choice in item["choices"]]
+    if kind == SCHEMA:
+        prefix = "".join(f"{s['context_options'][s['gold']]}{delimiter}{s['continuation']}\n\n" for s in shots)
+        return [f"{prefix}{option}{delimiter}{item['continuation']}" for option in item["context_options"]]
+    if kind == LANGUAGE_MODELING:
+        prefix = "".join(f"{s['context'].strip()}{delimiter}{s['continuation']}\n\n" for s in shots)
+        context = f"{prefix}{item['context'].strip()}{delimiter}"
+        # the context alone is stripped, so its trailing space goes with the continuation's first token
+        return [context.strip(), context + item["continuation"]]
+    raise ConfigError(f"unknown task type {kind!r}")
+
+
+def common_prefix_length(sequences: Sequence[Sequence[int]]) -> int:
+    shortest = min(len(s) for s in sequences)
+    for i in range(shortest):
+        if any(s[i] != sequences[0][i] for s in sequences):
+            return i
+    return shortest
+
+
+def common_suffix_length(sequences: Sequence[Sequence[int]]) -> int:
+    return common_prefix_length([list(reversed(s)) for s in sequences])
+
+
+def _encode_all(tokenizer, texts: list[str]) -> list[list[int]]:
+    encoded = tokenizer.encode_batch(texts) if hasattr(tokenizer, "encode_batch") else [tokenizer.encode(t)
+                                                                                         for t in texts]
+    return [[tokenizer.bos_id] + list(ids) for ids in encoded]
+
+
+def split_requests(kind: str, tokens: list[list[int]]) -> list[tuple[list[int], list[int]]]:
+    """(context, continuation) token lists from the tokenized prompts of one example (each with
+    its BOS). Every continuation keeps at least one token and every context at least the BOS."""
+    if kind == MULTIPLE_CHOICE:
+        start = max(1, min(common_prefix_length(tokens), min(len(t) for t in tokens) - 1))
+        return [(t[:start], t[start:]) for t in tokens]
+    if kind == SCHEMA:
+        shared = max(1, min(common_suffix_length(tokens), min(len(t) for t in tokens) - 1))
+        return [(t[:-shared], t[-shared:]) for t in tokens]
+    without, with_continuation = tokens
+    if with_continuation[:len(without)] == without:
+        start = len(without)
+    else:  # the tokenizer merged across the boundary: score from where the two first differ
+        start = common_prefix_length([without, with_continuation])
+    start = max(1, min(start, len(with_continuation) - 1))
+    return [(with_continuation[:start], with_continuation[start:])]
+
+
+# --------------------------------------------------------------------------------------------
+# Batched scoring of continuations, for every architecture
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ContinuationScore:
+    logprob: float  # summed log-probability of the continuation tokens (nats)
+    tokens: int  # continuation tokens scored
+    greedy: bool  # greedy decoding would reproduce the continuation exactly
+
+    @property
+    def mean_loss(self) -> float:
+        return -self.logprob / self.tokens
+
+
+def _bucket(length: int) -> int:
+    return -(-length // TRUNCATION_STEP) * TRUNCATION_STEP
+
+
+def fit_row(context: list[int], continuation: list[int], max_len: int,
+            bos_id: int | None = None) -> tuple[list[int], list[int]]:
+    """Cut a (context, continuation) pair that does not fit in max_len tokens.
+
+    A continuation longer than the window keeps its first max_len - 1 tokens. The context then
+    loses tokens from the left (after its leading BOS, which stays) until it fits next to the
+    continuation's length rounded up to a multiple of TRUNCATION_STEP: every cut row with a
+    continuation in the same length bucket gets the same context length, so such rows share one
+    batch exactly, and a row scores the same alone as in any batch.
+    """
+    if len(context) + len(continuation) <= max_len:
+        return context, continuation
+    continuation = continuation[:max_len - 1]
+    room = max_len - min(_bucket(len(continuation)), max_len - 1)
+    if len(context) > room:
+        keep_bos = bos_id is not None and context[0] == bos_id and room >= 2
+        context = context[:1] + context[len(context) - room + 1:] if keep_bos else context[len(context) - room:]
+    return context, continuation
+
+
+MAX_OPEN_BATCHES = 64
+
+
+def plan_batches(rows: Sequence[tuple[list[int], list[int]]], batch_size: int, max_len: int,
+                 max_tokens: int) -> list[list[int]]:
+    """Row indices grouped into batches, first fit: rows in order of continuation length bucket,
+    then context length (longest first), each into the first open batch where it fits. A batch
+    fits a row when it holds fewer than batch_size rows, its aligned width (longest context +
+    longest continuation) stays within max_len, and rows x width within max_tokens."""
+    order = sorted(range(len(rows)), key=lambda i: (-_bucket(len(rows[i][1])), -len(rows[i][0]), i))
+    closed: list[list[int]] = []
+    open_batches: list[tuple[list[int], int, int]] = []  # (rows, longest context, longest continuation)
+    for i in order:
+        p, c = len(rows[i][0]), len(rows[i][1])
+        for n, (batch, P, C) in enumerate(open_batches):
+            width = max(P, p) + max(C, c)
+            if width <= max_len and (len(batch) + 1) * width <= max_tokens:
+                batch.append(i)
+                if len(batch) >= batch_size:
+                    closed.append(open_batches.pop(n)[0])
+                else:
+                    open_batches[n] = (batch, max(P, p), max(C, c))
+                break
+        else:
+            if batch_size == 1:
+                closed.append([i])
+                continue
+            open_batches.append(([i], p, c))
+            if len(open_batches) > MAX_OPEN_BATCHES:
+                closed.append(open_batches.pop(0)[0])
+    return closed + [batch for batch, _, _ in open_batches]
+
+
+def continuation_logits(model: nn.Module, idx: torch.Tensor, pad_mask: torch.Tensor | None, P: int, C: int,
+                        options: dict, stepwise: bool) -> torch.Tensor:
+    """Logits (B, C, V) predicting idx[:, P:P+C] after the contexts that end at column P.
+
+    full: one uncached `generate_step` over the whole rows, the first P columns being the prompt.
+    stepwise: the engine's own path: a cached prefill of the contexts, then one-token decode steps
+    through the continuation. Both give the same numbers; stepwise is far cheaper where the
+    uncached call re-runs the stack once per continuation token (fbt soft/fused).
+    """
+    if not stepwise:
+        logits = model.generate_step(idx, cache=None, pad_mask=pad_mask, prompt_len=P, **options).logits
+        return logits[:, P - 1:P + C - 1]
+    cache = model.new_cache(idx.shape[0], P + C)
+    prompt_mask = None if pad_mask is None else pad_mask[:, :P]
+    out = model.generate_step(idx[:, :P], cache=cache, pad_mask=prompt_mask, prompt_len=P, **options)
+    steps = [out.logits[:, -1:]]
+    for j in range(C - 1):
+        out = model.generate_step(idx[:, P + j:P + j + 1], cache=cache, prompt_len=P, **options)
+        steps.append(out.logits[:, -1:])
+    return torch.cat(steps, dim=1)
+
+
+def choose_stepwise(model: nn.Module, options: dict, mode: str = "auto") -> bool:
+    """Whether to score with cached one-token steps: `mode` "stepwise" or "full", or "auto": the
+    model's own `scoring_mode` attribute (a string, or a function of the options) where it has one;
+    else stepwise where the uncached call re-runs the stack per continuation token (fbt soft/fused),
+    is sequential anyway (lrt; its interleaved prefill exists only with the cache) or where an
+    option needs the cache (rgpt's adaptive exit); else full."""
+    if mode not in ("auto", "full", "stepwise"):
+        raise ConfigError(f"scoring mode must be auto, full or stepwise, got {mode!r}")
+    if mode != "auto":
+        return mode == "stepwise"
+    declared = getattr(model, "scoring_mode", None)
+    if callable(declared):
+        declared = declared(options)
+    if declared in ("full", "stepwise"):
+        return declared == "stepwise"
+    arch = getattr(model.config, "arch", None)
+    if arch == "fbt":
+        return options.get("regime", "soft") != "standard"
+    if arch == "lrt":
+        return True
+    return (options.get("exit_threshold") or 0) > 0
+
+
+def _score_batch(model: nn.Module, rows: list[tuple[list[int], list[int]]], options: dict, pad_id: int,
+                 device: torch.device, stepwise: bool) -> list[ContinuationScore]:
+    P = max(len(ctx) for ctx, _ in rows)
+    C = max(len(cont) for _, cont in rows)
+    B = len(rows)
+    idx = torch.full((B, P + C), pad_id, dtype=torch.long)
+    pad_mask = torch.ones((B, P + C), dtype=torch.bool)
+    lengths = torch.tensor([len(cont) for _, cont in rows])
+    for r, (ctx, cont) in enumerate(rows):
+        idx[r, P - len(ctx):P] = torch.tensor(ctx, dtype=torch.long)
+        idx[r, P:P + len(cont)] = torch.tensor(cont, dtype=torch.long)
+        pad_mask[r, :P - len(ctx)] = False
+    idx = idx.to(device)
+    mask = None if bool(pad_mask.all()) else pad_mask.to(device)
+    logits = continuation_logits(model, idx, mask, P, C, options, stepwise).float()  # (B, C, V)
+    targets = idx[:, P:P + C]  # (B, C)
+    logprobs = logits.log_softmax(dim=-1).gather(-1, targets[..., None]).squeeze(-1)  # (B, C)
+    valid = (torch.arange(C)[None, :] < lengths[:, None]).to(device)
+    sums = torch.where(valid, logprobs, torch.zeros_like(logprobs)).sum(dim=1)
+    greedy = ((logits.argmax(dim=-1) == targets) | ~valid).all(dim=1)
+    return [ContinuationScore(float(s), int(n), bool(g)) for s, n, g in zip(sums.tolist(), lengths.tolist(),
+                                                                            greedy.tolist())]
+
+
+def _clean_options(options: dict | None) -> dict:
+    return {k: v for k, v in (options or {}).items() if v is not None}
+
+
+@torch.no_grad()
+def score_continuations(model: nn.Module, rows: Sequence[tuple[Sequence[int], Sequence[int]]],
+                        options: dict | None = None, batch_size: int = DEFAULT_BATCH_SIZE,
+                        max_tokens: int | None = None, on_batch: Callable[[int], None] | None = None,
+                        mode: str = "auto") -> list[ContinuationScore]:
+    """Log-probability and greedy match of each continuation after its context (both token id
+    lists; the context should start with BOS). Rows too long for the model are cut by `fit_row`.
+    `on_batch(n)` is called after each batch of n rows (progress bars); `mode` picks how the
+    continuation is run (`continuation_logits`; auto: see `choose_stepwise`)."""
+    options = _clean_options(options)
+    model.check_options(options)
+    stepwise = choose_stepwise(model, options, mode)
+    if batch_size < 1:
+        raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+    config = model.config
+    max_len = config.sequence_len
+    if max_tokens is None:  # bound the (rows x width x vocab) logits to ~0.5 GB
+        max_tokens = max(max_len, min(1 << 16, (1 << 27) // max(config.vocab_size, 1)))
+    fitted = []
+    for ctx, cont in rows:
+        ctx, cont = list(ctx), list(cont)
+        if not ctx or not cont:
+            raise ValueError("every row needs a context and a continuation of at least one token")
+        fitted.append(fit_row(ctx, cont, max_len, config.bos_id))
+    device = next(model.parameters()).device
+    scores: list[ContinuationScore | None] = [None] * len(fitted)
+    was_training = model.training
+    model.eval()
+    try:
+        for batch in plan_batches(fitted, batch_size, max_len, max_tokens):
+            for i, score in zip(batch, _score_batch(model, [fitted[i] for i in batch], options, config.bos_id,
+                                                     device, stepwise)):
+                scores[i] = score
+            if on_batch is not None:
+                on_batch(len(batch))
+    finally:
+        model.train(was_training)
+    return scores  # type: ignore[return-value]
+
+
+# --------------------------------------------------------------------------------------------
+# Tasks and the CORE score
+# --------------------------------------------------------------------------------------------
+
+
+def build_task_requests(task: Task, examples: Sequence[dict], tokenizer, limit: int | None = None
+                        ) -> tuple[list[tuple[list[int], list[int]]], list[tuple[int, int, int | None]]]:
+    """Rows for the first `limit` examples (in the shuffled order) and, per example, the slice
+    (start, end) of its rows and its gold index (None for language modelling)."""
+    n = len(examples) if limit is None else min(limit, len(examples))
+    prompts, counts, golds = [], [], []
+    for i in range(n):
+        shots = [examples[j] for j in fewshot_indices(len(examples), i, task.num_fewshot)]
+        rendered = render_prompts(task.kind, examples[i], task.delimiter, shots)
+        prompts.extend(rendered)
+        counts.append(len(rendered))
+        golds.append(examples[i].get("gold"))
+    tokens = _encode_all(tokenizer, prompts)
+    rows, groups, start = [], [], 0
+    for count, gold in zip(counts, golds):
+        pairs = split_requests(task.kind, tokens[start:start + count])
+        groups.append((len(rows), len(rows) + len(pairs), gold))
+        rows.extend(pairs)
+        start += count
+    return rows, groups
+
+
+def judge(kind: str, scores: Sequence[ContinuationScore], gold: int | None) -> bool:
+    """Whether one example is answered correctly, from the scores of its rows."""
+    if kind == LANGUAGE_MODELING:
+        return all(s.greedy for s in scores)
+    losses = [s.mean_loss for s in scores]
+    return losses.index(min(losses)) == gold
+
+
+def shuffled(examples: Sequence[dict]) -> list[dict]:
+    order = list(examples)
+    random.Random(SHUFFLE_SEED).shuffle(order)
+    return order
+
+
+def evaluate_task(model: nn.Module, tokenizer, task: Task, examples: Sequence[dict], options: dict | None = None,
+                  limit: int | None = None, batch_size: int = DEFAULT_BATCH_SIZE, progress: bool = True) -> dict:
+    """Accuracy and centred accuracy of one task; `examples` in file order."""
+    start = time.perf_counter()
+    data = shuffled(examples)
+    rows, groups = build_task_requests(task, data, tokenizer, limit)
+    bar = tqdm(total=len(rows), desc=task.name, unit="row", disable=not progress, dynamic_ncols=True)
+    try:
+        scores = score_continuations(model, rows, options, batch_size, on_batch=bar.update)
+    finally:
+        bar.close()
+    correct = [judge(task.kind, scores[a:b], gold) for a, b, gold in groups]
+    accuracy = sum(correct) / len(correct)
+    return {"task": task.name, "type": task.kind, "num_fewshot": task.num_fewshot,
+            "random_baseline": task.random_baseline, "accuracy": accuracy,
+            "centered": centered(accuracy, task.random_baseline), "n": len(correct), "n_available": len(data),
+            "rows": len(rows), "seconds": time.perf_counter() - start}
+
+
+def resolve_task_names(tasks: str | Sequence[str]) -> list[str]:
+    """'core' (or a list / comma-separated string of CORE task names, 'core' expanding to all)."""
+    names = [t.strip() for t in tasks.split(",")] if isinstance(tasks, str) else [str(t).strip() for t in tasks]
+    resolved: list[str] = []
+    for name in filter(None, names):
+        for expanded in (CORE_TASKS if name == "core" else [name]):
+            if expanded not in CORE_TASKS:
+                raise ConfigError(f"unknown CORE task {expanded!r}: choose from core, {', '.join(CORE_TASKS)}")
+            if expanded not in resolved:
+                resolved.append(expanded)
+    if not resolved:
+        raise ConfigError("no task given")
+    return resolved
+
+
+def run_core(model: nn.Module, tokenizer, tasks: str | Sequence[str] = "core", data_dir: str | Path | None = None,
+             options: dict | None = None, limit: int | None = None, batch_size: int = DEFAULT_BATCH_SIZE,
+             progress: bool = True, on_task: Callable[[str, dict], None] | None = None) -> dict[str, Any]:
+    """Evaluate CORE tasks; returns per-task results, the CORE mean and the tasks whose files are
+    missing (reported, not scored as zero). `on_task(name, result)` is called as each task ends."""
+    names = resolve_task_names(tasks)
+    if limit is not None and limit < 1:
+        raise ConfigError(f"limit must be >= 1, got {limit}")
+    options = _clean_options(options)
+    model.check_options(options)
+    folder = resolve_eval_dir(data_dir)
+    start = time.perf_counter()
+    results: dict[str, dict] = {}
+    missing: list[str] = []
+    loaded: dict[Path, list[dict]] = {}
+    for name in names:
+        task = CORE_TASKS[name]
+        path = find_task_file(folder, task)
+        if path is None:
+            missing.append(name)
+            continue
+        if path not in loaded:
+            loaded[path] = load_examples(path, task.kind)
+        result = evaluate_task(model, tokenizer, task, loaded[path], options, limit, batch_size, progress)
+        result["file"] = str(path)
+        results[name] = result
+        if on_task is not None:
+            on_task(name, result)
+    if not results:
+        raise DataError(f"none of the task files ({', '.join(missing)}) is in {folder}")
+    core = sum(r["centered"] for r in results.values()) / len(results)
+    return {"core": core, "tasks": results, "evaluated": len(results), "missing": missing,
+            "requested": names, "data_dir": str(folder), "options": options, "limit": limit,
+            "seconds": time.perf_counter() - start}
+
+
+def format_results(result: dict) -> str:
+    """A plain-text table of a `run_core` result."""
+    lines = [f"{'task':<34} {'n':>5} {'acc':>7} {'centred':>8} {'sec':>7}"]
+    for name, r in result["tasks"].items():
+        lines.append(f"{name:<34} {r['n']:>5} {r['accuracy']:>7.4f} {r['centered']:>8.4f} {r['seconds']:>7.1f}")
+    for name in result.get("missing", []):
+        lines.append(f"{name:<34} {'missing':>5}")
+    core = result["core"]
+    lines.append(f"{'CORE':<34} {'':>5} {'':>7} {core:>8.4f} {result['seconds']:>7.1f}"
+                 + (f"   ({result['evaluated']} tasks)" if not math.isnan(core) else ""))
+    return "\n".join(lines)
+
+
+__all__ = ["CORE_TASKS", "ContinuationScore", "EVAL_BUNDLE_URL", "EVAL_DIR_ENV", "Task", "centered",
+           "download_eval_bundle", "evaluate_task", "find_task_file", "format_results", "load_examples",
+           "render_prompts", "resolve_eval_dir", "resolve_task_names", "run_core", "score_continuations"]

@@ -1,0 +1,283 @@
+"""lm-evaluation-harness adapter: any latentloop run as an lm-eval model named `latentloop`.
+
+    pip install 'latentloop[lm_eval]'
+    python -m latentloop.eval.lm_eval_adapter --model latentloop \\
+        --model_args pretrained=runs/fbt,regime=soft --tasks arc_easy --limit 100
+    # the same arguments work with a console script `latentloop-lm-eval` where one is installed
+
+lm-eval finds models only in its own registry and offers no plugin entry point for them, so the
+plain `lm_eval` command cannot see this one; this module registers `latentloop` when imported and
+runs lm-eval's own command line (`main`). From Python: `import latentloop.eval.lm_eval_adapter`,
+then `lm_eval.simple_evaluate(model="latentloop", model_args="pretrained=RUN,regime=soft", ...)`.
+
+model_args: `pretrained` (run or checkpoint folder, required), `device` (cpu, cuda, ...),
+`batch_size` (rows per forward), `max_gen_toks` (default for generate_until), and the decoding
+options of `latentloop eval`: `regime` (fbt standard/soft/fused), `passes` (fused: int or auto),
+`steps` (rgpt depth), `prefill` (lrt sequential/interleaved).
+
+Requests:
+- `loglikelihood(context, continuation)`: `[BOS] + context`, then the continuation scored as
+  generated text under the chosen regime, by `latentloop.eval.core.score_continuations` (the CORE
+  scorer; trailing spaces of the context move to the continuation, as lm-eval expects). A context
+  too long for the model loses its oldest tokens;
+- `loglikelihood_rolling(text)`: the text in disjoint windows of the model's context, the first
+  after BOS, each next one after the last token of the previous window (lm-eval's convention);
+- `generate_until(context, {until, max_gen_toks, do_sample, temperature})`: batched generation with
+  the engine, stopped at the end token or at the first `until` string, which is cut off.
+
+A local task YAML over a file of `../shared/data/eval` is in `latentloop/eval/lm_eval_tasks/`
+(use `--include_path` with that folder).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from ..errors import ConfigError
+from .core import DEFAULT_BATCH_SIZE, score_continuations
+
+MODEL_NAME = "latentloop"
+TASKS_DIR = Path(__file__).resolve().parent / "lm_eval_tasks"
+
+try:  # lm_eval is optional: without it this module still imports (for docs and tests)
+    from lm_eval.api.model import LM as _LMBase
+
+    HAVE_LM_EVAL = True
+except ImportError:  # pragma: no cover - depends on the environment
+    _LMBase = object
+    HAVE_LM_EVAL = False
+
+
+class _AllStopped(Exception):
+    """Ends a generation batch early once every row produced a stop string."""
+
+
+def _parse_passes(value: Any) -> int | str | None:
+    if value is None or value == "auto":
+        return value
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"passes must be an integer >= 1 or 'auto', got {value!r}") from None
+
+
+def _available_device(name: str | None):
+    """The device asked for; lm-eval's default `cuda:0` falls back to the CPU where there is no GPU."""
+    import torch
+
+    from ..train import resolve_device
+
+    name = name or "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        print(f"latentloop: device {name!r} is not available, using the CPU", file=sys.stderr)
+        name = "cpu"
+    return resolve_device(name)
+
+
+class LatentloopLM(_LMBase):
+    """lm-eval's `LM` interface over a latentloop run, under one set of decoding options."""
+
+    def __init__(self, pretrained: str | None = None, device: str | None = "cpu", batch_size: int | str | None = None,
+                 max_batch_size: int | None = None, max_gen_toks: int = 256, regime: str | None = None,
+                 passes: int | str | None = None, steps: int | None = None, prefill: str | None = None,
+                 model=None, tokenizer=None, **unused):
+        super().__init__()
+        if model is None:
+            if pretrained is None:
+                raise ConfigError("model_args needs pretrained=RUN (a latentloop run or checkpoint folder)")
+            from ..api import load_run
+
+            model, tokenizer, _, _ = load_run(pretrained, _available_device(device))
+        elif tokenizer is None:
+            raise ConfigError("give the tokenizer together with the model")
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.options = {k: v for k, v in {"regime": regime, "passes": _parse_passes(passes),
+                                          "steps": None if steps is None else int(steps),
+                                          "prefill": prefill}.items() if v is not None}
+        self.model.check_options(self.options)
+        size = batch_size if batch_size not in (None, "auto") and not str(batch_size).startswith("auto") else None
+        self.batch_size_rows = int(size) if size is not None else DEFAULT_BATCH_SIZE
+        if max_batch_size is not None:
+            self.batch_size_rows = min(self.batch_size_rows, int(max_batch_size))
+        self.max_gen_toks = int(max_gen_toks)
+        self.max_length = int(model.config.sequence_len)
+
+    # -- lm-eval bookkeeping ----------------------------------------------------------------
+    @property
+    def tokenizer_name(self) -> str:
+        return f"latentloop-{getattr(self.tokenizer, 'name', type(self.tokenizer).__name__)}"
+
+    def _cache(self, kind: str, args: Any, result: Any) -> None:
+        hook = getattr(self, "cache_hook", None)
+        if hook is not None:
+            hook.add_partial(kind, args, result)
+
+    # -- encoding ---------------------------------------------------------------------------
+    def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """([BOS] + context tokens, continuation tokens); trailing spaces of the context move to the
+        continuation, and the continuation is what the joint tokenization adds to the context."""
+        spaces = len(context) - len(context.rstrip())
+        if spaces:
+            context, continuation = context[:-spaces], context[-spaces:] + continuation
+        bos = [self.tokenizer.bos_id]
+        if not context:
+            return bos, self.tokenizer.encode(continuation)
+        context_ids = self.tokenizer.encode(context)
+        whole = self.tokenizer.encode(context + continuation)
+        if whole[:len(context_ids)] == context_ids:
+            return bos + context_ids, whole[len(context_ids):]
+        return bos + context_ids, self.tokenizer.encode(continuation)
+
+    def rolling_windows(self, tokens: list[int]) -> list[tuple[list[int], list[int]]]:
+        """Disjoint windows covering `tokens`: (one conditioning token, up to max_length - 1 targets)."""
+        span = self.max_length - 1
+        windows = []
+        for start in range(0, len(tokens), span):
+            before = [self.tokenizer.bos_id] if start == 0 else [tokens[start - 1]]
+            windows.append((before, tokens[start:start + span]))
+        return windows
+
+    # -- the three request types ------------------------------------------------------------
+    def _score(self, rows: list[tuple[list[int], list[int]]], disable_tqdm: bool, desc: str):
+        bar = tqdm(total=len(rows), desc=desc, disable=disable_tqdm)
+        try:
+            return score_continuations(self.model, rows, self.options, self.batch_size_rows, on_batch=bar.update)
+        finally:
+            bar.close()
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        pairs = [self.encode_pair(*req.args) for req in requests]
+        scored = [i for i, (_, cont) in enumerate(pairs) if cont]
+        scores = self._score([pairs[i] for i in scored], disable_tqdm, "latentloop loglikelihood")
+        results: list[tuple[float, bool]] = [(0.0, True)] * len(pairs)  # an empty continuation is certain
+        for i, score in zip(scored, scores):
+            results[i] = (score.logprob, score.greedy)
+        for req, result in zip(requests, results):
+            self._cache("loglikelihood", req.args, result)
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        rows, owners = [], []
+        for n, req in enumerate(requests):
+            for window in self.rolling_windows(self.tokenizer.encode(req.args[0])):
+                rows.append(window)
+                owners.append(n)
+        totals = [0.0] * len(requests)
+        for owner, score in zip(owners, self._score(rows, disable_tqdm, "latentloop rolling")):
+            totals[owner] += score.logprob
+        for req, total in zip(requests, totals):
+            self._cache("loglikelihood_rolling", req.args, total)
+        return totals
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        groups: dict[str, list[int]] = {}
+        for i, req in enumerate(requests):
+            groups.setdefault(json.dumps(req.args[1] or {}, sort_keys=True, default=str), []).append(i)
+        outputs: list[str] = [""] * len(requests)
+        bar = tqdm(total=len(requests), desc="latentloop generate", disable=disable_tqdm)
+        for key, members in groups.items():
+            kwargs = dict(json.loads(key))
+            for start in range(0, len(members), self.batch_size_rows):
+                batch = members[start:start + self.batch_size_rows]
+                texts = self.generate_batch([requests[i].args[0] for i in batch], kwargs)
+                for i, text in zip(batch, texts):
+                    outputs[i] = text
+                    self._cache("generate_until", requests[i].args, text)
+                bar.update(len(batch))
+        bar.close()
+        return outputs
+
+    def generate_batch(self, contexts: Sequence[str], gen_kwargs: dict) -> list[str]:
+        """Greedy (or sampled, with do_sample) continuations of contexts, cut at the first stop string."""
+        from ..engine import generate
+
+        until = gen_kwargs.get("until") or []
+        stops = [until] if isinstance(until, str) else list(until)
+        new_tokens = max(1, min(int(gen_kwargs.get("max_gen_toks", self.max_gen_toks)), self.max_length - 1))
+        budget = self.max_length - new_tokens
+        sample = bool(gen_kwargs.get("do_sample", False))
+        temperature = float(gen_kwargs.get("temperature", 1.0 if sample else 0.0)) if sample else 0.0
+        prompts = []
+        for context in contexts:
+            ids = [self.tokenizer.bos_id] + self.tokenizer.encode(context)
+            if len(ids) > budget:  # keep BOS and the most recent tokens
+                ids = ids[:1] + ids[len(ids) - budget + 1:] if budget >= 2 else ids[-budget:]
+            prompts.append(ids)
+        produced: list[list[int]] = [[] for _ in prompts]
+        done = [False] * len(prompts)
+
+        def collect(tokens: list[int | None]) -> None:
+            for row, token in enumerate(tokens):
+                if done[row]:
+                    continue
+                if token is None:
+                    done[row] = True
+                    continue
+                produced[row].append(token)
+                if stops and any(stop in self.tokenizer.decode(produced[row][-64:]) for stop in stops):
+                    done[row] = True
+            if all(done):
+                raise _AllStopped
+
+        try:
+            generate(self.model, prompts, new_tokens, temperature=temperature, top_p=gen_kwargs.get("top_p"),
+                     top_k=gen_kwargs.get("top_k"), seed=int(gen_kwargs.get("seed", 0)),
+                     stop_tokens=[self.tokenizer.eos_id, self.tokenizer.bos_id], stream=collect,
+                     pad_id=self.tokenizer.pad_id, **self.options)
+        except _AllStopped:
+            pass
+        texts = []
+        for ids in produced:
+            text = self.tokenizer.decode(ids)
+            cut = [text.find(stop) for stop in stops if stop and stop in text]
+            texts.append(text[:min(cut)] if cut else text)
+        return texts
+
+
+def register() -> bool:
+    """Make `latentloop` known to lm-eval's model registry; False where lm_eval is not installed."""
+    if not HAVE_LM_EVAL:
+        return False
+    from lm_eval.api import registry
+
+    try:  # lm-eval fills its registry with its own models only while it is empty: fill it first
+        import lm_eval.models  # noqa: F401
+    except ImportError:  # pragma: no cover - a broken optional backend must not stop ours
+        pass
+    known = getattr(registry, "model_registry", None)
+    if known is None:
+        known = getattr(registry, "MODEL_REGISTRY", {})
+    if MODEL_NAME not in known:
+        registry.register_model(MODEL_NAME)(LatentloopLM)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    """lm-eval's command line with `latentloop` registered (`python -m latentloop.eval.lm_eval_adapter`)."""
+    if not register():
+        print("latentloop: error: lm_eval is not installed (pip install 'latentloop[lm_eval]')", file=sys.stderr)
+        return 2
+    from lm_eval.__main__ import cli_evaluate
+
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    try:
+        cli_evaluate()
+    except ConfigError as exc:
+        print(f"latentloop: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+register()
+
+__all__ = ["HAVE_LM_EVAL", "LatentloopLM", "MODEL_NAME", "TASKS_DIR", "main", "register"]
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""Data loading for the local lm-eval tasks of this folder (lm-eval imports this file by path)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+SHARED_EVAL_DIR = Path(__file__).resolve().parents[4] / "shared" / "data" / "eval"  # ../shared next to the project
+
+
+def eval_file(name: str, eval_dir: str | None = None) -> Path:
+    """The jsonl file `name` from eval_dir, $LATENTLOOP_EVAL_DIR, the cached bundle or ../shared/data/eval."""
+    from latentloop.errors import DataError
+    from latentloop.eval.core import default_eval_dir
+
+    candidates = [eval_dir, os.environ.get("LATENTLOOP_EVAL_DIR"), default_eval_dir(), SHARED_EVAL_DIR]
+    for folder in candidates:
+        if not folder:
+            continue
+        folder = Path(folder).expanduser()
+        if (folder / name).is_file():
+            return folder / name
+        found = sorted(folder.rglob(name)) if folder.is_dir() else []
+        if found:
+            return found[0]
+    raise DataError(f"{name} not found: pass --metadata '{{\"eval_dir\": PATH}}' or set LATENTLOOP_EVAL_DIR")
+
+
+def load_eval_file(file: str, eval_dir: str | None = None, limit_rows: int | None = None, **unused) -> dict:
+    """{"test": Dataset} of one jsonl file, for a task's `custom_dataset`."""
+    import datasets
+
+    rows = []
+    with open(eval_file(file, eval_dir), encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                rows.append(json.loads(line))
+            if limit_rows is not None and len(rows) >= limit_rows:
+                break
+    return {"test": datasets.Dataset.from_list(rows)}

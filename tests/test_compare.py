@@ -1,0 +1,114 @@
+"""`latentloop compare`: tables from run folders (config, metrics log, eval results) and the plots."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from latentloop.cli import main
+from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config
+from latentloop.errors import CheckpointError
+from latentloop.eval import compare
+from latentloop.models import build_model
+from latentloop.objectives import objective_for
+
+
+def make_run(folder: Path, arch: str, losses: list[float], *, flops: bool = True, evals: dict | None = None) -> Path:
+    folder.mkdir(parents=True)
+    config = RunConfig(model=model_config(arch, "test"), train=TrainConfig(steps=len(losses) * 10),
+                       data=DataConfig(source="stdlib"))
+    config.save_json(folder / "config.json")
+    rows = []
+    for i, loss in enumerate(losses, 1):
+        row = {"step": i * 10, "loss": loss, "tokens": i * 10_000, "lr": 1e-3}
+        if flops:
+            row["flops"] = i * 1e9
+        rows.append(row)
+        rows.append({"step": i * 10, "val_loss": loss + 0.1, "val_bpb": (loss + 0.1) / 0.69, "val_tokens": 99})
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 9')  # cut line
+    for (task, tag), payload in (evals or {}).items():
+        (folder / "evals").mkdir(exist_ok=True)
+        (folder / "evals" / f"{task}-{tag}.json").write_text(json.dumps({"task": task, "tag": tag, **payload}))
+    return folder
+
+
+@pytest.fixture
+def runs(tmp_path):
+    gpt = make_run(tmp_path / "gpt", "gpt", [3.0, 2.5, 2.0], evals={
+        ("core", "default"): {"kind": "core_aggregate", "limit": 10,
+                              "result": {"core": 0.0123, "evaluated": 20, "missing": ["squad", "coqa"]}},
+        ("arc_easy", "default"): {"kind": "core", "limit": 10, "result": {"accuracy": 0.3, "centered": 0.0667}},
+    })
+    fbt = make_run(tmp_path / "fbt", "fbt", [2.9, 2.2], flops=False, evals={
+        ("arc_easy", "soft"): {"kind": "core", "result": {"accuracy": 0.35}},
+        ("arc_easy", "fused-passes2"): {"kind": "core", "result": {"accuracy": 0.4}},
+        ("gsm8k", "soft"): {"kind": "generation", "result": {"accuracy": 0.05, "mean_trace_tokens": 41.6}},
+    })
+    return gpt, fbt
+
+
+def test_read_run_counts_params_and_flops(runs):
+    gpt, fbt = runs
+    info = compare.read_run(gpt)
+    config = RunConfig.from_dict(json.loads((gpt / "config.json").read_text()))
+    model = build_model(config.model)
+    assert info["params"] == model.num_params() and info["arch"] == "gpt"
+    assert info["flops_per_token"] == pytest.approx(objective_for(config.model, config.train).flops_per_token(model))
+    assert (info["tokens"], info["flops"], info["steps"]) == (30_000, 3e9, 30)
+    assert info["val_loss"] == pytest.approx(2.1) and info["val_bpb"] == pytest.approx(2.1 / 0.69)
+    fbt_info = compare.read_run(fbt)  # no FLOPs logged: FLOPs per token x tokens
+    assert fbt_info["flops"] == pytest.approx(fbt_info["flops_per_token"] * 20_000)
+    assert len(fbt_info["evals"]) == 3
+
+
+def test_compare_writes_tables_and_plots(runs, tmp_path):
+    report = compare.compare_runs(list(runs), tmp_path / "out")
+    text = (tmp_path / "out" / "compare.md").read_text()
+    assert "| gpt | gpt |" in text and "| fbt | fbt |" in text and "3G" in text
+    assert "| **CORE** (centred) | 0.0123 (20 tasks) | – | – |" in text
+    assert "| arc_easy | 0.3000 | 0.4000 | 0.3500 |" in text  # columns: gpt default, fbt fused, fbt soft
+    assert "| gsm8k | – | – | 0.0500 (42 tok) |" in text
+    assert "limited (--limit) for gpt (default): 10" in text
+    assert json.loads((tmp_path / "out" / "compare.json").read_text())["runs"][0]["tokens"] == 30_000
+    pytest.importorskip("matplotlib")
+    assert report["plots"] == ["loss_vs_tokens.png", "loss_vs_flops.png"]
+    for name in report["plots"]:
+        assert (tmp_path / "out" / name).stat().st_size > 1000 and f"]({name})" in text
+
+
+def test_plots_are_skipped_without_matplotlib(runs, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
+    report = compare.compare_runs(list(runs), tmp_path / "out")
+    assert report["plots"] == [] and any("matplotlib is not installed" in n for n in report["notes"])
+    assert "matplotlib is not installed" in (tmp_path / "out" / "compare.md").read_text()
+
+
+def test_validation_points_follow_training_tokens(runs):
+    info = compare.read_run(runs[0])
+    info["label"] = "gpt"
+    xs, ys = compare._val_axis(info, "tokens")
+    assert xs == [10_000.0, 20_000.0, 30_000.0] and ys == pytest.approx([3.1, 2.6, 2.1])
+
+
+def test_cli_compare(runs, tmp_path, capsys):
+    assert main(["compare", *map(str, runs), "--out", str(tmp_path / "cmp")]) == 0
+    out = capsys.readouterr().out
+    assert "| run | arch |" in out and "report:" in out and (tmp_path / "cmp" / "compare.md").is_file()
+    assert main(["compare", str(tmp_path / "missing"), "--out", str(tmp_path / "cmp")]) == 2
+    assert capsys.readouterr().err.startswith("latentloop: error:")
+
+
+def test_not_a_run_folder(tmp_path):
+    with pytest.raises(CheckpointError, match="not a run folder"):
+        compare.read_run(tmp_path)
+
+
+def test_runs_without_evals_or_metrics(tmp_path):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    RunConfig(model=model_config("gpt", "test")).save_json(bare / "config.json")
+    report = compare.compare_runs([bare], tmp_path / "out")
+    assert "| bare | gpt |" in report["markdown"] and any("no task results" in n for n in report["notes"])

@@ -1,0 +1,403 @@
+"""CORE evaluation: prompts, scoring arithmetic on a stub with known logits, batching, centring,
+data folders (local, environment, offline download), the suite's result files and the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import zipfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import shared_data
+from torch import nn
+
+import latentloop
+from latentloop.cli import main
+from latentloop.data import ByteTokenizer
+from latentloop.errors import ConfigError, DataError
+from latentloop.eval import core, suite
+from latentloop.eval.core import (
+    CORE_TASKS,
+    LANGUAGE_MODELING,
+    MULTIPLE_CHOICE,
+    SCHEMA,
+    ContinuationScore,
+    centered,
+    fewshot_indices,
+    render_prompts,
+    score_continuations,
+    split_requests,
+)
+
+BOS = ByteTokenizer.bos_id
+V = ByteTokenizer.vocab_size
+
+
+class BigramStub(nn.Module):
+    """logits[b, t] = table[idx[b, t]]: the next-token distribution depends on the current token only."""
+
+    def __init__(self, table: torch.Tensor, sequence_len: int = 64):
+        super().__init__()
+        self.table = nn.Parameter(table, requires_grad=False)
+        self.config = SimpleNamespace(sequence_len=sequence_len, bos_id=BOS, vocab_size=table.shape[0], arch="stub")
+        self.calls: list[tuple[tuple[int, int], int]] = []
+
+    def check_options(self, options):
+        if options:
+            raise ConfigError(f"stub takes no options: {sorted(options)}")
+
+    def generate_step(self, idx, cache=None, pad_mask=None, prompt_len=0, **options):
+        self.check_options(options)
+        self.calls.append((tuple(idx.shape), prompt_len))
+        return SimpleNamespace(logits=self.table[idx])
+
+
+def prefer(pairs: dict[str, str], strength: float = 5.0) -> torch.Tensor:
+    """A bigram table favouring each `after` character after `before` (uniform elsewhere)."""
+    table = torch.zeros(V, V)
+    for before, after in pairs.items():
+        table[ord(before), ord(after)] = strength
+    return table
+
+
+def logprob(table: torch.Tensor, before: str, after: str) -> float:
+    return float(table[ord(before)].log_softmax(-1)[ord(after)])
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+# -- the task table, centring -----------------------------------------------------------------
+
+
+def test_core_table_and_centring():
+    assert len(CORE_TASKS) == 22
+    assert {n: (t.num_fewshot, t.random_baseline) for n, t in CORE_TASKS.items() if n in
+            ("hellaswag", "hellaswag_zeroshot", "copa", "boolq", "agi_eval_lsat_ar", "jeopardy")} == {
+        "hellaswag": (10, 0.25), "hellaswag_zeroshot": (0, 0.25), "copa": (0, 0.5), "boolq": (10, 0.62),
+        "agi_eval_lsat_ar": (3, 0.2), "jeopardy": (10, 0.0)}
+    assert CORE_TASKS["winograd"].kind == SCHEMA and CORE_TASKS["lambada_openai"].kind == LANGUAGE_MODELING
+    assert CORE_TASKS["arc_easy"].delimiter == "\nAnswer: " and CORE_TASKS["copa"].delimiter == " "
+    assert centered(0.25, 0.25) == 0.0 and centered(1.0, 0.25) == 1.0
+    assert centered(0.625, 0.25) == pytest.approx(0.5)
+    assert centered(0.5, 0.62) == pytest.approx((0.5 - 0.62) / 0.38)
+    assert centered(0.3, 0.0) == pytest.approx(0.3)
+
+
+def test_task_names():
+    assert core.resolve_task_names("core") == list(CORE_TASKS)
+    assert core.resolve_task_names("copa, arc_easy,copa") == ["copa", "arc_easy"]
+    with pytest.raises(ConfigError, match="unknown CORE task 'nope'"):
+        core.resolve_task_names("copa,nope")
+
+
+# -- prompts ----------------------------------------------------------------------------------
+
+
+def test_fewshot_prompts_are_deterministic_and_exclude_the_example():
+    for i in range(10):
+        shots = fewshot_indices(10, i, 3)
+        assert len(set(shots)) == 3 and i not in shots
+        assert shots == fewshot_indices(10, i, 3)
+        assert shots == random.Random(1234 + i).sample([j for j in range(10) if j != i], 3)
+    assert sorted(fewshot_indices(3, 0, 10)) == [1, 2]  # all the others when there are too few
+    assert fewshot_indices(10, 4, 0) == []
+
+
+def test_render_prompts():
+    mc = {"query": "Q1?", "choices": ["yes", "no"], "gold": 1}
+    shot = {"query": "Q0?", "choices": ["a", "b"], "gold": 0}
+    assert render_prompts(MULTIPLE_CHOICE, mc, "\nAnswer: ", [shot]) == [
+        "Q0?\nAnswer: a\n\nQ1?\nAnswer: yes", "Q0?\nAnswer: a\n\nQ1?\nAnswer: no"]
+    schema = {"context_options": ["Tom ate", "Ann ate"], "continuation": "the cake.", "gold": 0}
+    assert render_prompts(SCHEMA, schema, " ", [schema]) == [
+        "Tom ate the cake.\n\nTom ate the cake.", "Tom ate the cake.\n\nAnn ate the cake."]
+    lm = {"context": "  Capital of France: ", "continuation": "Paris"}
+    shot_lm = {"context": "2+2= ", "continuation": "4"}
+    assert render_prompts(LANGUAGE_MODELING, lm, " ", [shot_lm]) == [
+        "2+2= 4\n\nCapital of France:", "2+2= 4\n\nCapital of France: Paris"]
+
+
+def test_split_requests_finds_the_continuations():
+    tok = ByteTokenizer()
+    mc = core._encode_all(tok, ["Q: x y", "Q: x zz"])
+    assert [(len(c), bytes(x).decode()) for c, x in split_requests(MULTIPLE_CHOICE, mc)] == [(6, "y"), (6, "zz")]
+    schema = core._encode_all(tok, ["A went home.", "Bob went home."])
+    pairs = split_requests(SCHEMA, schema)
+    assert [bytes(c[1:]).decode() for c, _ in pairs] == ["A", "Bob"] and pairs[0][1] == pairs[1][1]
+    lm = core._encode_all(tok, ["2+2=", "2+2= 4"])
+    assert split_requests(LANGUAGE_MODELING, lm) == [([BOS] + list(b"2+2="), list(b" 4"))]
+    same = core._encode_all(tok, ["Q a", "Q a"])  # identical choices still score one token each
+    assert all(len(cont) == 1 for _, cont in split_requests(MULTIPLE_CHOICE, same))
+
+
+def test_hellaswag_original_format_is_converted():
+    row = {"ctx_a": "A man sits on a roof.", "ctx_b": "he", "activity_label": "Roofing", "label": "2",
+           "endings": ["is using wrap [title] Step one.", "falls.", "starts  pulling up roofing.", "x"]}
+    item = core.normalize_row(row, MULTIPLE_CHOICE)
+    assert item == {"query": "Roofing: A man sits on a roof. He", "gold": 2,
+                    "choices": ["is using wrap. Step one.", "falls.", "starts pulling up roofing.", "x"]}
+
+
+def test_bad_rows_name_file_and_line(tmp_path):
+    path = tmp_path / "copa.jsonl"
+    path.write_text('{"query": "q", "choices": ["a"], "gold": 0}\n{"query": "q"}\n')
+    with pytest.raises(DataError, match=r"copa.jsonl:2: .*choices, gold"):
+        core.load_examples(path, MULTIPLE_CHOICE)
+    path.write_text("not json\n")
+    with pytest.raises(DataError, match="copa.jsonl:1: not valid JSON"):
+        core.load_examples(path, MULTIPLE_CHOICE)
+
+
+# -- scoring arithmetic on a stub with known logits -------------------------------------------
+
+
+def test_continuation_logprob_and_greedy_are_exact():
+    table = prefer({"a": "b", "b": "c"})
+    model = BigramStub(table)
+    ctx = [BOS] + list(b"a")
+    good, bad = score_continuations(model, [(ctx, list(b"bc")), (ctx, list(b"bd"))])
+    assert good.logprob == pytest.approx(logprob(table, "a", "b") + logprob(table, "b", "c"), abs=1e-5)
+    assert bad.logprob == pytest.approx(logprob(table, "a", "b") + logprob(table, "b", "d"), abs=1e-5)
+    assert good.greedy and not bad.greedy and good.tokens == 2
+    assert good.mean_loss == pytest.approx(-good.logprob / 2)
+
+
+def test_multiple_choice_uses_the_mean_loss():
+    long_cheap = [ContinuationScore(-2.0, 2, False)]  # mean loss 1.0, total 2.0
+    short_costly = [ContinuationScore(-1.5, 1, False)]  # mean loss 1.5, total 1.5
+    assert core.judge(MULTIPLE_CHOICE, long_cheap + short_costly, 0)
+    assert not core.judge(MULTIPLE_CHOICE, long_cheap + short_costly, 1)
+    assert core.judge(LANGUAGE_MODELING, [ContinuationScore(-9.0, 3, True)], None)
+    assert not core.judge(LANGUAGE_MODELING, [ContinuationScore(-0.1, 3, False)], None)
+
+
+def test_tasks_scored_end_to_end_on_hand_made_examples(tmp_path):
+    # the stub prefers "y" after a space, a space after "=" and after "Z": the right answers are known
+    table = prefer({" ": "y", "=": " ", "Z": " "}, strength=8.0)
+    model = BigramStub(table, sequence_len=256)
+    data = tmp_path / "eval"
+    data.mkdir()
+    write_jsonl(data / "copa.jsonl", [{"query": "q?", "choices": ["n", "y"], "gold": 1},
+                                      {"query": "q?", "choices": ["y", "n"], "gold": 0},
+                                      {"query": "q?", "choices": ["y", "n"], "gold": 1}])  # 2 of 3 right
+    write_jsonl(data / "winograd_wsc.jsonl", [{"context_options": ["aA", "aZ"], "continuation": "!", "gold": 1},
+                                              {"context_options": ["aZ", "aA"], "continuation": "!", "gold": 0}])
+    write_jsonl(data / "lambada_openai.jsonl", [{"context": "k=", "continuation": "y"},
+                                                {"context": "k=", "continuation": "n"}])
+    result = core.run_core(model, ByteTokenizer(), ["copa", "winograd", "lambada_openai", "squad"], data,
+                           progress=False)
+    tasks = result["tasks"]
+    assert tasks["copa"]["accuracy"] == pytest.approx(2 / 3) and tasks["copa"]["n"] == 3
+    assert tasks["copa"]["centered"] == pytest.approx((2 / 3 - 0.5) / 0.5)
+    assert tasks["winograd"]["accuracy"] == 1.0
+    assert tasks["lambada_openai"]["accuracy"] == 0.5  # " y" is the greedy continuation of "k=", " n" is not
+    assert result["missing"] == ["squad"] and result["evaluated"] == 3
+    assert result["core"] == pytest.approx(sum(t["centered"] for t in tasks.values()) / 3)
+
+
+def test_limit_and_fewshot_from_the_whole_file(tmp_path):
+    rows = [{"context": f"c{i}", "continuation": f"x{i}"} for i in range(30)]
+    task = core.Task("t", ("t.jsonl",), LANGUAGE_MODELING, 3, 0.0)
+    data = core.shuffled(rows)
+    requests, groups = core.build_task_requests(task, data, ByteTokenizer(), limit=5)
+    assert len(groups) == 5 and len(requests) == 5
+    text = bytes(requests[4][0][1:]).decode()
+    shots = [data[j] for j in fewshot_indices(30, 4, 3)]
+    assert text == "\n\n".join(f"{s['context']} {s['continuation']}" for s in shots) + f"\n\n{data[4]['context']}"
+
+
+# -- truncation and batching ------------------------------------------------------------------
+
+
+def test_fit_row_keeps_bos_and_aligns_cut_contexts():
+    ctx = [BOS] + list(range(100))
+    c1, k1 = core.fit_row(ctx, [1] * 5, 64, BOS)
+    c2, k2 = core.fit_row(ctx, [1] * 9, 64, BOS)
+    assert c1[0] == BOS and c1[-1] == 99 and len(c1) + core.TRUNCATION_STEP == 64
+    assert len(c1) == len(c2)  # same continuation bucket: same context length, one batch
+    short, cont = core.fit_row([BOS, 5, 6], list(range(80)), 64, BOS)
+    assert len(cont) == 63 and short == [6]
+    assert core.fit_row([BOS, 1], [2], 64, BOS) == ([BOS, 1], [2])
+
+
+def test_stub_rows_align_contexts_at_one_column():
+    model = BigramStub(prefer({"a": "b"}), sequence_len=32)
+    rows = [([BOS] + [97] * n, [98] * m) for n, m in ((1, 3), (7, 1), (4, 2))]
+    score_continuations(model, rows, batch_size=8)
+    assert model.calls == [((3, 8 + 3), 8)]  # longest context 8, longest continuation 3
+
+
+@pytest.mark.parametrize("arch,options,modes", [
+    ("gpt", {}, ("full", "stepwise")), ("fbt", {"regime": "soft"}, ("full", "stepwise")),
+    ("fbt", {"regime": "fused", "passes": 2}, ("full", "stepwise")), ("fbt", {"regime": "standard"}, ("full",)),
+    ("lrt", {}, ("full", "stepwise")), ("rgpt", {"steps": 2}, ("full", "stepwise"))])
+def test_batched_scores_equal_one_by_one(arch, options, modes):
+    torch.manual_seed(0)
+    model = latentloop.build(arch, preset="test", n_layer=1 if arch != "rgpt" else 2, sequence_len=24)
+    generator = torch.Generator().manual_seed(1)
+    rows = []
+    for n, m in ((3, 4), (11, 1), (6, 5), (1, 2), (30, 3)):  # the last one is cut to the context of 24
+        rows.append(([BOS] + torch.randint(0, 256, (n,), generator=generator).tolist(),
+                     torch.randint(0, 256, (m,), generator=generator).tolist()))
+    alone = [score_continuations(model, [row], options, batch_size=1)[0] for row in rows]
+    for mode in modes:
+        batched = score_continuations(model, rows, options, batch_size=64, mode=mode)
+        assert [b.logprob for b in batched] == pytest.approx([a.logprob for a in alone], abs=1e-4)
+        assert [b.greedy for b in batched] == [a.greedy for a in alone]
+    assert model.training  # restored after scoring
+
+
+def test_options_are_checked():
+    model = latentloop.build("gpt", preset="test", n_layer=1)
+    with pytest.raises(ConfigError, match="does not support"):
+        score_continuations(model, [([BOS], [1])], {"regime": "soft"})
+    with pytest.raises(ConfigError, match="scoring mode"):
+        score_continuations(model, [([BOS], [1])], mode="fast")
+
+
+# -- data folders and the official bundle -----------------------------------------------------
+
+
+def test_eval_dir_from_argument_environment_and_cache(tmp_path, monkeypatch):
+    monkeypatch.delenv(core.EVAL_DIR_ENV, raising=False)
+    monkeypatch.setenv("LATENTLOOP_CACHE", str(tmp_path / "cache"))
+    given = tmp_path / "given"
+    given.mkdir()
+    assert core.resolve_eval_dir(given) == given
+    with pytest.raises(DataError, match="does not exist"):
+        core.resolve_eval_dir(tmp_path / "nowhere")
+    monkeypatch.setenv(core.EVAL_DIR_ENV, str(given))
+    assert core.resolve_eval_dir(None) == given
+    monkeypatch.delenv(core.EVAL_DIR_ENV)
+    with pytest.raises(DataError, match="--eval-dir"):
+        core.resolve_eval_dir(None, download=False)
+    bundle = tmp_path / "cache" / "eval_bundle" / "eval_data" / "commonsense_reasoning"
+    bundle.mkdir(parents=True)
+    write_jsonl(bundle / "copa.jsonl", [{"query": "q", "choices": ["a", "b"], "gold": 0}])
+    assert core.resolve_eval_dir(None) == tmp_path / "cache" / "eval_bundle"
+    assert core.find_task_file(core.resolve_eval_dir(None), CORE_TASKS["copa"]) == bundle / "copa.jsonl"
+
+
+def test_download_offline_is_a_clear_error(tmp_path, monkeypatch):
+    refused = "http://127.0.0.1:9/eval_bundle.zip"  # the discard port: nothing listens, refused at once
+    with pytest.raises(DataError, match="cannot download the eval bundle from http://127.0.0.1:9"):
+        core.download_eval_bundle(tmp_path / "bundle", url=refused, timeout=5)
+    assert not (tmp_path / "bundle").exists() and list(tmp_path.iterdir()) == []
+    monkeypatch.delenv(core.EVAL_DIR_ENV, raising=False)
+    monkeypatch.setenv("LATENTLOOP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(core, "EVAL_BUNDLE_URL", refused)
+    with pytest.raises(DataError, match=r"no evaluation data: pass --eval-dir PATH .*cannot download"):
+        core.resolve_eval_dir(None)
+
+
+def test_download_unpacks_a_bundle(tmp_path):
+    archive = tmp_path / "eval_bundle.zip"
+    with zipfile.ZipFile(archive, "w") as zf:
+        zf.writestr("eval_bundle/core.yaml", "icl_tasks: []\n")
+        zf.writestr("eval_bundle/eval_data/language_understanding/winograd_wsc.jsonl",
+                    json.dumps({"context_options": ["a", "b"], "continuation": "c", "gold": 0}) + "\n")
+    dest = core.download_eval_bundle(tmp_path / "cache" / "eval_bundle", url=archive.as_uri())
+    assert (dest / "core.yaml").is_file()
+    assert core.find_task_file(dest, CORE_TASKS["winograd"]).name == "winograd_wsc.jsonl"
+    (tmp_path / "bad.zip").write_text("not a zip")
+    with pytest.raises(DataError, match="not a zip"):
+        core.download_eval_bundle(tmp_path / "other", url=(tmp_path / "bad.zip").as_uri())
+
+
+# -- the real files, when present -------------------------------------------------------------
+
+
+def test_core_on_the_shared_files():
+    folder = shared_data("eval")
+    torch.manual_seed(0)
+    model = latentloop.build("gpt", preset="test", n_layer=1)
+    result = core.run_core(model, ByteTokenizer(), "core", folder, limit=2, progress=False)
+    assert result["missing"] == ["squad", "coqa"] and result["evaluated"] == 20
+    assert all(r["n"] == 2 for r in result["tasks"].values())
+    assert result["tasks"]["hellaswag"]["file"].endswith("hellaswag_val1k.jsonl")
+    assert -5 < result["core"] < 1
+
+
+# -- the suite: result files and the CLI ------------------------------------------------------
+
+
+@pytest.fixture
+def small_eval_dir(tmp_path) -> Path:
+    folder = tmp_path / "eval"
+    folder.mkdir()
+    write_jsonl(folder / "copa.jsonl", [{"query": f"q{i}", "choices": ["a", "b"], "gold": i % 2} for i in range(6)])
+    write_jsonl(folder / "lambada_openai.jsonl", [{"context": f"c{i}", "continuation": "d"} for i in range(4)])
+    return folder
+
+
+def test_suite_writes_results_into_the_run_folder(tmp_path, small_eval_dir):
+    model = latentloop.build("fbt", preset="test", n_layer=1)
+    run = tmp_path / "run"
+    result = suite.run_tasks(model, ByteTokenizer(), "copa,lambada_openai", small_eval_dir,
+                             {"regime": "fused", "passes": 2}, limit=3, progress=False, run_dir=run)
+    assert result["tag"] == "fused-passes2"
+    written = sorted(p.name for p in (run / "evals").iterdir())
+    assert written == ["copa-fused-passes2.json", "lambada_openai-fused-passes2.json"]
+    payload = json.loads((run / "evals" / "copa-fused-passes2.json").read_text())
+    assert payload["task"] == "copa" and payload["limit"] == 3 and payload["result"]["n"] == 3
+    assert payload["options"] == {"regime": "fused", "passes": 2}
+    whole = suite.run_tasks(model, ByteTokenizer(), "core", small_eval_dir, None, limit=2, progress=False,
+                            run_dir=run)
+    aggregate = json.loads((run / "evals" / "core-default.json").read_text())
+    assert aggregate["kind"] == "core_aggregate" and aggregate["result"]["evaluated"] == 2
+    assert aggregate["result"]["core"] == pytest.approx(whole["core"]["core"])
+    assert len(aggregate["result"]["missing"]) == 20
+    assert suite.options_tag({"steps": 8}) == "default-steps8" and suite.options_tag(None) == "default"
+    with pytest.raises(ConfigError, match="unknown task 'nonsense'"):
+        suite.run_tasks(model, ByteTokenizer(), "copa,nonsense", small_eval_dir, progress=False)
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("core_cli")
+    corpus = folder / "corpus.txt"
+    corpus.write_text("the answer is b. " * 300)
+    run = folder / "run"
+    assert main(["train", "--preset", "test", "--data", f"text:{corpus}", "--steps", "2", "--out", str(run),
+                 "--set", "batch_size=4", "--set", "sequence_len=32", "--set", "n_layer=1", "--no-progress"]) == 0
+    return run
+
+
+def test_cli_eval_tasks(trained_run, small_eval_dir, capsys):
+    capsys.readouterr()
+    assert main(["eval", str(trained_run), "--tasks", "copa,lambada_openai", "--eval-dir", str(small_eval_dir),
+                 "--limit", "4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tasks"]["copa"]["n"] == 4 and out["tag"] == "default"
+    assert (trained_run / "evals" / "copa-default.json").is_file()
+    assert main(["eval", str(trained_run), "--tasks", "copa", "--eval-dir", str(small_eval_dir), "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    assert "copa" in text and "mean centred" in text and "results:" in text
+
+
+def test_cli_eval_task_errors_are_one_line(trained_run, small_eval_dir, capsys):
+    capsys.readouterr()
+    assert main(["eval", str(trained_run), "--limit", "3"]) == 2
+    assert capsys.readouterr().err.strip() == "latentloop: error: --limit and --eval-dir apply to --tasks only"
+    assert main(["eval", str(trained_run), "--tasks", "nope", "--eval-dir", str(small_eval_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("latentloop: error: unknown task 'nope'") and err.count("\n") == 1
+    assert main(["eval", str(trained_run), "--tasks", "copa", "--eval-dir", str(small_eval_dir / "none")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["eval", str(trained_run), "--tasks", "copa", "--regime", "soft",
+                 "--eval-dir", str(small_eval_dir)]) == 2
+    assert "does not support" in capsys.readouterr().err
+
+
+def test_math_helpers():
+    assert core.common_prefix_length([[1, 2, 3], [1, 2, 4]]) == 2
+    assert core.common_suffix_length([[9, 2, 3], [1, 2, 3]]) == 2
+    assert core.common_prefix_length([[1, 2], [1, 2, 3]]) == 2
+    assert math.isclose(core._bucket(1), core.TRUNCATION_STEP) and core._bucket(core.TRUNCATION_STEP) == 16

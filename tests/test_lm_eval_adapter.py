@@ -1,0 +1,130 @@
+"""The lm-evaluation-harness adapter: request handling against direct computation, and (when lm_eval
+is installed and ../shared/data is present) a real lm-eval run over the local task YAMLs."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import shared_data
+
+import latentloop
+from latentloop.cli import main
+from latentloop.data import ByteTokenizer
+from latentloop.engine import generate
+from latentloop.eval import lm_eval_adapter
+from latentloop.eval.lm_eval_adapter import LatentloopLM
+
+BOS = ByteTokenizer.bos_id
+
+
+def request(*args):
+    return SimpleNamespace(args=args)
+
+
+@pytest.fixture(scope="module")
+def lm():
+    torch.manual_seed(0)
+    model = latentloop.build("gpt", preset="test", n_layer=1)  # sequence_len 64
+    return LatentloopLM(model=model, tokenizer=ByteTokenizer(), batch_size=4)
+
+
+def sequence_logprob(model, ids: list[int], start: int) -> tuple[float, bool]:
+    """Summed log-probability of ids[start:] given ids[:start], and whether greedy reproduces it."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    logprobs = logits.log_softmax(-1)
+    targets = torch.tensor(ids[start:])
+    picked = logprobs[start - 1:len(ids) - 1].gather(-1, targets[:, None]).sum()
+    return float(picked), bool((logits[start - 1:len(ids) - 1].argmax(-1) == targets).all())
+
+
+def test_encode_pair_moves_trailing_spaces(lm):
+    assert lm.encode_pair("Hello ", "world") == ([BOS] + list(b"Hello"), list(b" world"))
+    assert lm.encode_pair("", "xy") == ([BOS], list(b"xy"))
+
+
+def test_loglikelihood_matches_direct_computation(lm):
+    results = lm.loglikelihood([request("The cat", " sat"), request("", "ab"), request("x", "")],
+                               disable_tqdm=True)
+    expected = sequence_logprob(lm.model, [BOS] + list(b"The cat sat"), 8)
+    assert results[0][0] == pytest.approx(expected[0], abs=1e-4) and results[0][1] == expected[1]
+    assert results[1][0] == pytest.approx(sequence_logprob(lm.model, [BOS] + list(b"ab"), 1)[0], abs=1e-4)
+    assert results[2] == (0.0, True)
+
+
+def test_rolling_loglikelihood_windows(lm):
+    short = "a short document"
+    (total,) = lm.loglikelihood_rolling([request(short)], disable_tqdm=True)
+    assert total == pytest.approx(sequence_logprob(lm.model, [BOS] + list(short.encode()), 1)[0], abs=1e-4)
+    text = bytes(range(97, 123)).decode() * 6  # 156 tokens: windows of 63 predicted tokens
+    tokens = list(text.encode())
+    windows = lm.rolling_windows(tokens)
+    assert [len(w[1]) for w in windows] == [63, 63, 30] and windows[1][0] == [tokens[62]]
+    assert [t for _, targets in windows for t in targets] == tokens
+    (total,) = lm.loglikelihood_rolling([request(text)], disable_tqdm=True)
+    direct = sum(sequence_logprob(lm.model, before + targets, 1)[0] for before, targets in windows)
+    assert total == pytest.approx(direct, abs=1e-3)
+
+
+def test_generate_until_is_greedy_and_stops(lm):
+    prompt = "Once upon"
+    ids = generate(lm.model, [BOS] + list(prompt.encode()), 6, temperature=0.0, stop_tokens=[BOS, 257])
+    full = ByteTokenizer().decode(ids)
+    out = lm.generate_until([request(prompt, {"max_gen_toks": 6}), request(prompt, {"max_gen_toks": 6})],
+                            disable_tqdm=True)
+    assert out == [full, full]
+    if full:
+        cut = lm.generate_until([request(prompt, {"until": [full[-1]], "max_gen_toks": 6})], disable_tqdm=True)
+        assert cut == [full[:full.index(full[-1])]]
+
+
+def test_options_reach_the_model():
+    model = latentloop.build("fbt", preset="test", n_layer=1)
+    adapter = LatentloopLM(model=model, tokenizer=ByteTokenizer(), regime="fused", passes="2")
+    assert adapter.options == {"regime": "fused", "passes": 2}
+    with pytest.raises(latentloop.ConfigError):
+        LatentloopLM(model=model, tokenizer=ByteTokenizer(), regime="bogus")
+    with pytest.raises(latentloop.ConfigError, match="pretrained"):
+        LatentloopLM()
+
+
+def test_main_without_lm_eval(monkeypatch, capsys):
+    monkeypatch.setattr(lm_eval_adapter, "HAVE_LM_EVAL", False)
+    assert lm_eval_adapter.main(["--help"]) == 2
+    assert "lm_eval is not installed" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lm_eval_run")
+    corpus = folder / "corpus.txt"
+    corpus.write_text("The man turned on the faucet, therefore water flowed. " * 100)
+    run = folder / "run"
+    assert main(["train", "--arch", "fbt", "--preset", "test", "--data", f"text:{corpus}", "--steps", "2",
+                 "--out", str(run), "--set", "batch_size=4", "--set", "n_layer=1", "--no-progress"]) == 0
+    return run
+
+
+def test_lm_eval_runs_the_local_tasks(trained_run, monkeypatch):
+    pytest.importorskip("lm_eval")
+    eval_dir = shared_data("eval")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from lm_eval import simple_evaluate
+    from lm_eval.api.registry import get_model
+    from lm_eval.tasks import TaskManager
+
+    assert lm_eval_adapter.register() and get_model("latentloop") is LatentloopLM
+    assert get_model("dummy") is not None  # lm-eval's own models stay available
+    manager = TaskManager(include_path=str(lm_eval_adapter.TASKS_DIR), include_defaults=False,
+                          metadata={"eval_dir": str(eval_dir)})
+    tasks = ["latentloop_copa", "latentloop_lambada", "latentloop_lambada_rolling", "latentloop_arithmetic"]
+    results = simple_evaluate(model="latentloop", model_args=f"pretrained={trained_run},regime=soft", tasks=tasks,
+                              task_manager=manager, limit=2, device="cpu", batch_size=8)
+    scores = results["results"]
+    assert 0.0 <= scores["latentloop_copa"]["acc,none"] <= 1.0
+    assert scores["latentloop_lambada"]["perplexity,none"] > 1.0
+    assert scores["latentloop_lambada_rolling"]["bits_per_byte,none"] > 0
+    assert scores["latentloop_arithmetic"]["exact_match,none"] >= 0.0
