@@ -70,3 +70,25 @@ def test_entry_point_reports_without_traceback(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_bpe_tokenizer_train_then_train_a_model(tmp_path, capsys):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the latent loop carries state forward; " * 300 + "naïve café " * 50)
+    assert main(["tokenizer", "train", "--data", f"text:{corpus}", "--vocab-size", "300",
+                 "--out", str(tmp_path / "tok")]) == 0
+    assert (tmp_path / "tok" / "tokenizer.json").is_file()
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "test", "--data", f"text:{corpus}", "--tokenizer", str(tmp_path / "tok"),
+                 "--steps", "2", "--out", str(run), "--set", "batch_size=2", "--set", "sequence_len=16",
+                 "--no-progress"]) == 0
+    from latentloop.data import load_tokenizer
+
+    vocab = load_tokenizer(str(tmp_path / "tok")).vocab_size
+    assert 259 < vocab <= 300  # a small corpus may run out of merges before 300
+    assert json.loads((run / "config.json").read_text())["model"]["vocab_size"] == vocab
+    capsys.readouterr()
+    assert main(["generate", str(run), "--prompt", "the latent", "--max-new-tokens", "4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["completion"] is not None
+    assert main(["tokenizer", "train", "--data", f"text:{corpus}", "--vocab-size", "100",
+                 "--out", str(tmp_path / "tok2")]) == 2
