@@ -208,7 +208,7 @@ def fit(state: TrainState, progress: bool = True, max_seconds: float | None = No
     """Train until `train.steps` (or until `max_seconds` of training have passed in this call),
     evaluating and checkpointing on schedule; returns a summary."""
     cfg, model = state.config.train, state.model
-    forward_model = state.forward_model or model
+    forward_model = state.forward_model if state.forward_model is not None else model
     tokens_per_step = cfg.batch_size * cfg.grad_accum * state.config.model.sequence_len
     model.train()
     bar = tqdm(total=cfg.steps, initial=state.step, disable=not progress, desc="train", dynamic_ncols=True)
