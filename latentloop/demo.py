@@ -25,7 +25,7 @@ CALIBRATION_STEPS = 3
 MIN_STEPS = 10
 BUDGET_FOR_TRAINING = 0.8  # the rest of the budget goes to setup, evaluation and sampling
 OVERRUN_ALLOWED = 1.25  # a run whose calibration was too optimistic is cut here (schedule unfinished)
-EVAL_BATCHES = 8  # validation batches per scoring option (fbt soft and lrt sequential step token by token)
+EVAL_BATCHES = 4  # validation batches per scoring option (fbt soft and lrt sequential step token by token)
 SAMPLE_PROMPT = "def "
 SAMPLE_TOKENS = 160
 
@@ -82,7 +82,8 @@ def run_demo(out: Path, minutes: float = 4.0, data: str = "stdlib", preset: str 
         summary = fit(state, progress=progress, max_seconds=budget * OVERRUN_ALLOWED)
         summary["by_option"] = score_options(state)
         prompt = [state.tokenizer.bos_id] + state.tokenizer.encode(SAMPLE_PROMPT)
-        ids = generate(state.model, prompt, SAMPLE_TOKENS, temperature=0.8, top_k=50, seed=0,
+        room = config.model.sequence_len - len(prompt)
+        ids = generate(state.model, prompt, min(SAMPLE_TOKENS, room), temperature=0.8, top_k=50, seed=0,
                        stop_tokens=[state.tokenizer.bos_id, state.tokenizer.eos_id])
         summary.update(arch=arch, sample=SAMPLE_PROMPT + state.tokenizer.decode(ids),
                        history=[row for row in state.history if "loss" in row or "val_loss" in row])

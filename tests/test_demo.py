@@ -1,0 +1,33 @@
+"""The demo on a tiny budget: every architecture trains, is scored, samples, and the report is written."""
+
+import json
+
+import pytest
+
+from latentloop.cli import main
+from latentloop.models import MODEL_CLASSES
+
+
+def test_demo_writes_a_report_for_every_architecture(corpus, tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert main(["demo", "--minutes", "0.1", "--out", str(out), "--data", f"text:{corpus}", "--preset", "test",
+                 "--no-progress"]) == 0
+    summary = json.loads((out / "demo.json").read_text())
+    assert summary["status"] == "done"
+    assert {r["arch"] for r in summary["results"]} == set(MODEL_CLASSES)
+    report = (out / "report.md").read_text()
+    for arch in MODEL_CLASSES:
+        assert f"## {arch} sample" in report
+    assert "| fbt |" in report and "soft" in report and "interleaved" in report
+    assert (out / "loss.png").is_file()
+    # the folder is the demo's own: running again replaces it, but a stranger's folder is refused
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    capsys.readouterr()
+    assert main(["demo", "--minutes", "0.1", "--out", str(tmp_path / "mine"), "--data", f"text:{corpus}"]) == 2
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+
+
+@pytest.mark.parametrize("minutes", ["0", "-1"])
+def test_demo_rejects_a_non_positive_budget(minutes, tmp_path):
+    assert main(["demo", "--minutes", minutes, "--out", str(tmp_path / "d")]) == 2
