@@ -58,7 +58,7 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device
     return idx, (None if bool(mask.all()) else mask)
 
 
-@torch.no_grad()
+@torch.inference_mode()  # lighter than no_grad: no version counters on the cache writes
 def generate(model, prompts, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
              top_p: float | None = None, seed: int | None = None, stop_tokens: Sequence[int] = (),
              stream: StreamCallback | None = None, use_cache: bool = True, pad_id: int = 0, info: dict | None = None,

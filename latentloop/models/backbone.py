@@ -102,7 +102,8 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
         B, T, D = x.shape
         q, k, v = self.project_qkv(x, ctx)
-        q, k = norm(apply_rope(q, ctx.cos, ctx.sin)), norm(apply_rope(k, ctx.cos, ctx.sin))  # QK-norm
+        qk = norm(apply_rope(torch.cat([q, k], dim=2), ctx.cos, ctx.sin))  # RoPE + QK-norm, in one go
+        q, k = qk.split([self.n_head, self.n_kv_head], dim=2)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, hd)
         if ctx.cache is not None:
             k, v = ctx.cache.update(ctx.slot_offset + self.layer_idx, k, v)  # (B, Hkv, Tk, hd)

@@ -83,9 +83,8 @@ class KVCache:
         if self.length + T > self.max_len:
             raise ValueError(f"cache overflow: {self.length} + {T} tokens > max_len {self.max_len}")
         device = self.key_pos.device
-        steps = torch.arange(T, device=device)
         if pad_mask is None:
-            positions = self.next_pos[:, None] + steps[None]  # (B, T)
+            positions = self.next_pos[:, None] + (torch.arange(T, device=device)[None] if T > 1 else 0)  # (B, T)
             key_pos = positions
         else:
             offsets = pad_mask.long().cumsum(dim=1) - 1  # (B, T)
