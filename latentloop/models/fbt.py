@@ -75,9 +75,23 @@ class FBT(GPT):
             s = s + torch.empty_like(s).uniform_(-self.config.jitter, self.config.jitter)
         return s
 
-    def fuse(self, e: Tensor, s_prev: Tensor) -> Tensor:
-        """GLU fusion of token embeddings e with previous states s_prev, both (B, T, D)."""
-        return norm(self.fuse_value(s_prev) * torch.sigmoid(self.fuse_gate(e)))
+    def fuse(self, e: Tensor, s_prev: Tensor, gate: Tensor | None = None) -> Tensor:
+        """GLU fusion of token embeddings e with previous states s_prev, both (B, T, D).
+        `gate` = σ(W_G e), when already known (see `token_gates`)."""
+        gate = torch.sigmoid(self.fuse_gate(e)) if gate is None else gate
+        return norm(self.fuse_value(s_prev) * gate)
+
+    def token_gates(self) -> Tensor:
+        """σ(W_G norm(wte)) for every token id (V, D). The gate depends on the token alone, so
+        decoding looks it up instead of paying a D×D matmul per token; recomputed whenever the
+        weights change (their version counters move)."""
+        key = (self.wte.weight._version, self.fuse_gate.weight._version, self.wte.weight.data_ptr(),
+               self.fuse_gate.weight.data_ptr())
+        if getattr(self, "_gate_table_key", None) != key:
+            with torch.no_grad():
+                self._gate_table = torch.sigmoid(self.fuse_gate(norm(self.wte.weight)))
+            self._gate_table_key = key
+        return self._gate_table
 
     def fuse_mask(self, idx: Tensor, positions: Tensor, fuse_from: int) -> Tensor:
         """(B, T) True where the input is fused: positions >= max(1, fuse_from), never at BOS."""
@@ -140,7 +154,8 @@ class FBT(GPT):
         for t in range(idx.shape[1]):
             token = idx[:, t:t + 1]  # (B, 1)
             e = self.embed(token)
-            fused = self.fuse(e, cache.state[STATE_KEY])
+            gate = None if torch.is_grad_enabled() else self.token_gates()[token]  # (B, 1, D)
+            fused = self.fuse(e, cache.state[STATE_KEY], gate)
             x = torch.where((token != self.config.bos_id)[..., None], fused, e)
             h = self.run_blocks(x, self.context(token, cache, None))  # (B, 1, D)
             cache.advance()
