@@ -70,7 +70,7 @@ def run_demo(out: Path, minutes: float = 4.0, data: str = "stdlib", preset: str 
     results = []
     for arch in archs:
         print(f"== {arch}: training for about {budget:.0f} s")
-        config = RunConfig(model=model_config(arch, preset),
+        config = RunConfig(model=model_config(arch, preset, tie_embeddings=True),  # fbt needs it: all alike
                            train=TrainConfig(steps=1_000_000, batch_size=16, eval_every=0, eval_batches=EVAL_BATCHES,
                                              log_every=5, warmup_steps=20),
                            data=DataConfig(source=data))

@@ -226,7 +226,7 @@ def fit(state: TrainState, progress: bool = True, max_seconds: float | None = No
             with autocast_for(state.device, cfg.dtype):
                 result = state.objective(forward_model, x, y, state.step)
             (result.loss / cfg.grad_accum).backward()
-            loss_sum += float(result.loss.detach()) / cfg.grad_accum
+            loss_sum += result.reported_loss / cfg.grad_accum
             extra = result.metrics
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)

@@ -19,6 +19,12 @@ def token_cross_entropy(logits: Tensor, targets: Tensor, reduction: str = "mean"
 class LossResult:
     loss: Tensor  # scalar to back-propagate
     metrics: dict[str, float] = field(default_factory=dict)  # extra values for the log (e.g. passes used)
+    next_token_loss: float | None = None  # the plain next-token loss, when `loss` is a composite objective
+
+    @property
+    def reported_loss(self) -> float:
+        """What the trainer logs as "loss": comparable across architectures and objectives."""
+        return float(self.loss.detach()) if self.next_token_loss is None else self.next_token_loss
 
 
 class Objective:

@@ -66,8 +66,9 @@ class MultiPassObjective(Objective):
         out = model(x, passes=K, fuse_mask=mask, return_passes=True)
         losses = [token_cross_entropy(logits, y) for logits in out.pass_logits]
         loss = losses[0] + self.model_config.loss_lambda / (K - 1) * sum(losses[1:])
-        return LossResult(loss, {"passes": K, "loss_pass1": float(losses[0].detach()),
-                                 "loss_last_pass": float(losses[-1].detach())})
+        return LossResult(loss, {"passes": K, "objective": float(loss.detach()),
+                                 "loss_last_pass": float(losses[-1].detach())},
+                          next_token_loss=float(losses[0].detach()))  # pass 1 is the plain model
 
     def expected_passes(self) -> float:
         deep = float(np.dot(np.arange(1, len(self.pass_mix) + 1), self.pass_mix))
