@@ -21,7 +21,6 @@ prefill included. Threads are left as torch picks them unless `--threads` is giv
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import resource
@@ -41,7 +40,7 @@ for _path in (str(REPO_ROOT), str(BENCH_DIR)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from common import announce_environment, make_train_step, render_table, warn_contention  # noqa: E402
+from common import announce_environment, make_train_step, render_table, write_results  # noqa: E402
 
 import latentloop  # noqa: E402
 from latentloop.config import TrainConfig  # noqa: E402
@@ -366,11 +365,7 @@ def main(argv: list[str] | None = None) -> int:
           f"cached greedy == uncached greedy: {results['cached_matches_uncached']}; "
           f"total {results['wall_s']:.0f} s; other processes used "
           f"{'?' if others is None else f'{others:.0%}'} of the CPUs during the run")
-    warn_contention(others)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    write_results(results, others, args.json)
     return 0
 
 

@@ -68,7 +68,7 @@ for _path in (str(REPO_ROOT), str(BENCH_DIR)):
         sys.path.insert(0, _path)
 
 from bench_baseline import ContentionMeter, environment, load_average  # noqa: E402
-from common import announce_environment, make_train_step, render_table, warn_contention  # noqa: E402
+from common import announce_environment, make_train_step, render_table, write_results  # noqa: E402
 
 import latentloop  # noqa: E402
 from latentloop.config import PRESETS, TrainConfig, rgpt_shape_from_dense  # noqa: E402
@@ -765,11 +765,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"total {results['wall_s']:.0f} s; other processes used {'?' if others is None else f'{others:.0%}'} "
           "of the CPUs during the run")
-    warn_contention(others)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    write_results(results, others, args.json)
     return 0
 
 

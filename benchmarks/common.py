@@ -8,6 +8,7 @@ step). The CPU-busy measurement itself (`ContentionMeter`, `environment`) stays 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,6 +33,15 @@ def announce_environment(env: dict[str, Any]) -> None:
         print(f"warning: the CPUs were {busy:.0%} busy just before the run: other processes compete for the "
               f"{env['cpu_count']} cores and the numbers will be low (noisy neighbours can slow torch's "
               "OpenMP threads several-fold)", flush=True)
+
+
+def write_results(results: dict[str, Any], others: float | None, json_path) -> None:
+    """Warn if other processes were busy, and write the results as JSON when asked."""
+    warn_contention(others)
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(results, indent=2) + "\n")
+        print(f"wrote {json_path}")
 
 
 def warn_contention(others: float | None) -> None:

@@ -199,25 +199,35 @@ def _number(rng: random.Random, digits: int) -> int:
     return rng.randint(0, 9) if digits == 1 else rng.randint(10 ** (digits - 1), 10 ** digits - 1)
 
 
-class Addition(TaskGenerator):
+class _TwoOperands(TaskGenerator):
+    """Arithmetic on two numbers, answered directly or after written steps (`written=True`)."""
+
     knob = "digits"
-    train_range = (1, 4)
-    extra = 2
-    limit = 60
+    base_name = ""
+    base_description = ""
+    steps_description = ""
 
     def __init__(self, written: bool = False, **params: int):
         super().__init__(**params)
         self.written = written
-        self.name = "addition_steps" if written else "addition"
-        self.description = "multi-digit addition" + (" with written column steps" if written else "")
+        self.name = f"{self.base_name}_steps" if written else self.base_name
+        self.description = self.base_description + (f" with {self.steps_description}" if written else "")
+
+    def operands(self, rng: random.Random, level: int) -> tuple[int, int]:
+        """The longer operand has exactly `level` digits, the other any number up to it, so that a
+        test example is never shorter than the training ones."""
+        a, b = _number(rng, level), _number(rng, rng.randint(1, level))
+        return (b, a) if rng.random() < 0.5 else (a, b)
+
+
+class Addition(_TwoOperands):
+    base_name, base_description, steps_description = "addition", "multi-digit addition", "written column steps"
+    train_range = (1, 4)
+    extra = 2
+    limit = 60
 
     def make(self, rng: random.Random, level: int) -> Example:
-        # The longer operand has exactly `level` digits, the other any number up to it, so that a
-        # test example is never shorter than the training ones.
-        a = _number(rng, level)
-        b = _number(rng, rng.randint(1, level))
-        if rng.random() < 0.5:
-            a, b = b, a
+        a, b = self.operands(rng, level)
         total = a + b
         columns = max(len(str(a)), len(str(b)))
         work = ""
@@ -232,23 +242,15 @@ class Addition(TaskGenerator):
         return Example(f"{a}+{b}=", str(total), columns, work)
 
 
-class Multiplication(TaskGenerator):
-    knob = "digits"
+class Multiplication(_TwoOperands):
+    base_name, base_description = "multiplication", "multi-digit multiplication"
+    steps_description = "written partial products"
     train_range = (1, 3)
     extra = 2
     limit = 30
 
-    def __init__(self, written: bool = False, **params: int):
-        super().__init__(**params)
-        self.written = written
-        self.name = "multiplication_steps" if written else "multiplication"
-        self.description = "multi-digit multiplication" + (" with written partial products" if written else "")
-
     def make(self, rng: random.Random, level: int) -> Example:
-        a = _number(rng, level)
-        b = _number(rng, rng.randint(1, level))
-        if rng.random() < 0.5:
-            a, b = b, a
+        a, b = self.operands(rng, level)
         digits_b = len(str(b))
         work = ""
         if self.written:
