@@ -43,7 +43,7 @@ RESIDUAL_ALPHA_INIT = 1.0
 @dataclass
 class LRTContext(ForwardContext):
     memory: Tensor | None = None  # (B, T, D) m_{t-1} for each position
-    memory_kv: Tensor | None = None  # shared [W_k m, W_v m] as (B, T, 2 Hkv, hd)
+    memory_kv: Tensor | None = None  # shared [W_k m, W_v m] as (B, T, 2 Hkv hd)
     source: Tensor | None = None  # (B, T, D) written by the source block during the pass
 
 
@@ -73,11 +73,12 @@ class LRTAttention(Attention):
         if not self.inject:
             return q, *kv.chunk(2, dim=2)
         B, T, _ = x.shape
-        kv_fb = ctx.memory_kv if not self.layerwise else self.c_mem_kv(ctx.memory).view(B, T, 2 * self.n_kv_head, -1)
-        g_loc, g_fb = (2 * torch.sigmoid(self.c_gate(x))).view(B, T, 2, 1, self.n_kv_head).unbind(2)  # (B, T, 1, Hkv)
-        kv = torch.addcmul(kv * g_loc.expand(B, T, 2, -1).reshape(B, T, -1, 1),
-                           g_fb.expand(B, T, 2, -1).reshape(B, T, -1, 1), kv_fb)  # the same gate for k and v
-        return q, *kv.chunk(2, dim=2)
+        kv_fb = ctx.memory_kv if not self.layerwise else self.c_mem_kv(ctx.memory)
+        H, hd = self.n_kv_head, self.head_dim
+        g_loc, g_fb = (2 * torch.sigmoid(self.c_gate(x))).view(B, T, 2, 1, H, 1).unbind(2)  # (B, T, 1, Hkv, 1)
+        # (B, T, 2, Hkv, hd): keys and values side by side, so one gate per head broadcasts over both
+        kv = torch.addcmul(kv.view(B, T, 2, H, hd) * g_loc, g_fb, kv_fb.view(B, T, 2, H, hd))
+        return q, *kv.view(B, T, 2 * H, hd).chunk(2, dim=2)
 
 
 class LRTBlock(Block):
@@ -127,8 +128,7 @@ class LRT(GPT):
         """Blocks over idx with the given memory; returns top states and source states (B, T, D)."""
         lctx = LRTContext(**vars(ctx), memory=memory)
         if self.mem_kv is not None:
-            B, T, _ = memory.shape
-            lctx.memory_kv = self.mem_kv(memory).view(B, T, 2 * self.config.n_kv_head, -1)
+            lctx.memory_kv = self.mem_kv(memory)  # (B, T, 2 Hkv hd); viewed per head by each layer
         h = self.run_blocks(self.embed(idx), lctx)
         return h, (norm(h) if self.config.source_layer < 0 else lctx.source)
 
@@ -216,8 +216,11 @@ class LRT(GPT):
             h, source = self._buffered_pass(idx, buffer, columns, memory)
             hidden.append(h)
             sources.append(source)
-        h = torch.cat(hidden, dim=1)
-        return LRTOutput(logits=self.readout(h), hidden=h, source=torch.cat(sources, dim=1))
+        h = hidden[0] if len(hidden) == 1 else torch.cat(hidden, dim=1)
+        source = sources[0] if len(sources) == 1 else torch.cat(sources, dim=1)
+        # with the top state as source, it is the normed top state: the head can reuse it
+        logits = self.head(source) if self.config.source_layer < 0 else self.readout(h)
+        return LRTOutput(logits=logits, hidden=h, source=source)
 
     def multi_refine(self, idx: Tensor, passes: int) -> LRTOutput:
         """K full passes; pass k's memory is pass k-1's source states (pass 1: zeros)."""
@@ -240,7 +243,7 @@ class LRT(GPT):
             ctx = self.context(token, cache, None if pad_mask is None else pad_mask[:, t:t + 1])
             previous = cache.state.get(MEMORY_KEY)
             if previous is None:
-                previous = torch.zeros_like(self.embed(token))
+                previous = self.wte.weight.new_zeros(token.shape[0], 1, self.config.n_embd)
             h, source = self.run_pass(token, ctx, self.memory_for(token, ctx.plan.positions, previous))
             cache.advance()
             if pad_mask is None:
