@@ -325,7 +325,7 @@ def cmd_generate(args) -> int:
                 shown.append(True)
             token = tokens[0]
             if token is not None:
-                sys.stdout.write(decoder.decode(_token_bytes(tokenizer, token)))
+                sys.stdout.write(decoder.decode(tokenizer.token_to_bytes(token)))  # whole characters only
                 sys.stdout.flush()
 
     info: dict = {}
@@ -341,13 +341,6 @@ def cmd_generate(args) -> int:
         if "prefill_passes" in info:
             print(f"[prefill passes used: {info['prefill_passes']}]", file=sys.stderr)
     return 0
-
-
-def _token_bytes(tokenizer, token: int) -> bytes:
-    """Raw bytes of one token, so streamed multi-byte characters are decoded once complete."""
-    if hasattr(tokenizer, "token_to_bytes"):
-        return tokenizer.token_to_bytes(token)
-    return tokenizer.decode([token]).encode()
 
 
 def cmd_tokenizer(args) -> int:

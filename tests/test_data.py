@@ -411,3 +411,14 @@ def test_eval_batches_are_ordered_with_partial_last_batch():
     x, y = batches[-1]
     assert torch.equal(y, x + 1)
     assert len(list(eval_batches(tokens, batch_size=3, seq_len=10, max_batches=2))) == 2
+
+
+def test_token_to_bytes_rebuilds_the_utf8_stream(tmp_path):
+    text = "naïve café, 日本語 and emoji 🙂 " * 20
+    byte = ByteTokenizer()
+    assert b"".join(byte.token_to_bytes(t) for t in byte.encode(text)) == text.encode()
+    assert byte.token_to_bytes(byte.bos_id) == b""
+    bpe = BPETokenizer.train([text, "plain ascii words " * 50], vocab_size=300)
+    ids = bpe.encode(text)
+    assert b"".join(bpe.token_to_bytes(t) for t in ids) == text.encode()
+    assert sum(len(bpe.token_to_bytes(t)) for t in ids) == int(bpe.token_byte_lengths()[ids].sum())

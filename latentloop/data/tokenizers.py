@@ -15,6 +15,7 @@ Both share one small interface, which is all the rest of latentloop relies on:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Iterable, Sequence
@@ -64,6 +65,11 @@ class ByteTokenizer:
         lengths = np.zeros(self.vocab_size, dtype=np.int64)
         lengths[:256] = 1
         return lengths
+
+    def token_to_bytes(self, token_id: int) -> bytes:
+        """The raw bytes of one token (b"" for specials): streaming decoders join these, so a
+        character split over several tokens is printed once complete."""
+        return bytes([token_id]) if 0 <= token_id < 256 else b""
 
     def save(self, directory: str | Path) -> Path:
         directory = Path(directory)
@@ -167,6 +173,14 @@ class BPETokenizer:
             self._byte_lengths = lengths
         return self._byte_lengths.copy()
 
+    def token_to_bytes(self, token_id: int) -> bytes:
+        """The raw bytes of one token (b"" for specials), through the ByteLevel alphabet."""
+        token = self._tokenizer.id_to_token(int(token_id))
+        if token is None or token_id in (self.bos_id, self.eos_id, self.pad_id):
+            return b""
+        table = _byte_level_decoding()
+        return bytes(table[ch] for ch in token)
+
     def to_json(self) -> str:
         return self._tokenizer.to_str()
 
@@ -182,6 +196,22 @@ class BPETokenizer:
 
     def __repr__(self) -> str:
         return f"BPETokenizer(vocab_size={self.vocab_size})"
+
+
+@functools.cache
+def _byte_level_decoding() -> dict[str, int]:
+    """Character -> byte of the byte-level BPE alphabet: printable Latin-1 bytes stand for
+    themselves; the other bytes (controls, space, ...) were shifted to code points 256 and up, in
+    byte order, so that every token string is printable."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    decoding, shifted = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            decoding[chr(byte)] = byte
+        else:
+            decoding[chr(256 + shifted)] = byte
+            shifted += 1
+    return decoding
 
 
 def load_tokenizer(spec: str) -> ByteTokenizer | BPETokenizer:
