@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import random
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -261,7 +260,3 @@ def fit(state: TrainState, progress: bool = True, max_seconds: float | None = No
             "elapsed": state.elapsed, "params": state.model.num_params(), "checkpoint": str(checkpoint),
             **{f"val_{k}": v for k, v in final.items()}}
 
-
-def remove_run(run_dir: Path) -> None:  # used by the demo to start fresh in its own folder
-    if run_dir.exists():
-        shutil.rmtree(run_dir)

@@ -14,16 +14,14 @@ decoding options: the regime or `default`, then any `passes`, `steps`, `prefill`
 from __future__ import annotations
 
 import datetime
-import json
-import os
 import re
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
+from ..checkpoint import write_json_atomic
 from ..errors import ConfigError, DataError
 from . import core
 
@@ -56,19 +54,6 @@ def options_tag(options: dict | None) -> str:
 def result_filename(name: str, tag: str) -> str:
     safe = re.sub(r"[^A-Za-z0-9._=-]+", "_", name).strip("_") or "task"
     return f"{safe}-{tag}.json"
-
-
-def write_json_atomic(path: Path, payload: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(payload, f, indent=2, default=str)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def split_names(names: str | Sequence[str]) -> list[str]:

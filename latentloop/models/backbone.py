@@ -279,12 +279,3 @@ class GPT(nn.Module):
         attention = c.n_layer * 2 * 2 * c.n_embd * (T / 2)  # QK^T and AV, causal average
         return int(3 * (2 * matmul_params + attention))
 
-
-def count_param_groups(model: nn.Module) -> dict[str, int]:
-    """Parameters per top-level submodule name, for reports."""
-    groups: dict[str, int] = {}
-    for name, p in model.named_parameters():
-        key = name.split(".")[0]
-        groups[key] = groups.get(key, 0) + p.numel()
-    return groups
-
