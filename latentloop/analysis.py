@@ -78,7 +78,7 @@ def _save(checkpoint: Path, out: Path | None, name: str, result: dict[str, Any],
 @torch.no_grad()
 def contraction(run: str | Path, passes: int = 1000, batches: int = 1, batch_size: int = 4,
                 out: Path | None = None) -> dict[str, Any]:
-    from .models.fbt import shift_right
+    from .models.backbone import shift_right
 
     model, _, config, checkpoint, x, y = _val_batch(run, batches, batch_size)
     _require_arch(config, "fbt", "contraction")

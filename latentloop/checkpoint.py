@@ -102,12 +102,17 @@ def read_run_config(checkpoint: Path) -> RunConfig:
     raise CheckpointError(f"no config.json found for checkpoint {checkpoint}")
 
 
-def load_weights(model: torch.nn.Module, checkpoint: Path) -> None:
+def read_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     file = checkpoint / "model.safetensors"
     try:
-        weights = load_file(str(file))
+        return load_file(str(file))
     except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
         raise CheckpointError(f"cannot read weights {file}: {str(exc).splitlines()[0]}") from None
+
+
+def load_weights(model: torch.nn.Module, checkpoint: Path) -> None:
+    file = checkpoint / "model.safetensors"
+    weights = read_weights(checkpoint)
     missing, unexpected = set(model.state_dict()) - set(weights), set(weights) - set(model.state_dict())
     if missing or unexpected:
         raise CheckpointError(f"weights {file} do not fit the model: missing {sorted(missing)[:3]}, "
@@ -116,6 +121,19 @@ def load_weights(model: torch.nn.Module, checkpoint: Path) -> None:
         model.load_state_dict(weights, strict=True)
     except RuntimeError as exc:
         raise CheckpointError(f"weights {file} do not fit the model: {str(exc).splitlines()[-1].strip()}") from None
+
+
+def load_matching_weights(model: torch.nn.Module, checkpoint: Path) -> list[str]:
+    """Start from another run's weights (e.g. an `fbt` from a tied `gpt`): every tensor of the
+    checkpoint must fit; parameters the checkpoint lacks keep their fresh init. Returns their names."""
+    weights = read_weights(checkpoint)
+    own = model.state_dict()
+    for name, tensor in weights.items():
+        if name not in own or own[name].shape != tensor.shape:
+            raise CheckpointError(f"--init-from {checkpoint}: tensor {name} {tuple(tensor.shape)} does not fit "
+                                  f"this model")
+    model.load_state_dict(weights, strict=False)
+    return sorted(set(own) - set(weights))
 
 
 def read_trainer_state(checkpoint: Path) -> tuple[dict[str, Any], dict[str, Any]]:

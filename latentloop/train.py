@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from .checkpoint import (
     list_checkpoints,
+    load_matching_weights,
     load_weights,
     read_trainer_state,
     resolve_checkpoint,
@@ -38,6 +39,9 @@ from .eval import evaluate_loss
 from .models import build_model
 from .objectives import Objective, objective_for
 from .optim import build_optimizers, lr_multiplier, set_lr
+
+# Config fields that setup fills in (from the tokenizer) or that only say where a cache lives.
+SET_ON_SETUP = ("vocab_size", "bos_id", "cache_dir")
 
 
 def default_cache_dir() -> Path:
@@ -101,7 +105,9 @@ def _check_run_folder(run_dir: Path, config: RunConfig, resume: bool) -> None:
         for section in ("model", "data"):
             for key in sorted(set(previous.get(section, {})) | set(current[section])):
                 old, new = previous.get(section, {}).get(key), current[section].get(key)
-                if json.loads(json.dumps(old)) != json.loads(json.dumps(new)) and key != "cache_dir":
+                if key in SET_ON_SETUP:  # resuming reloads the run's own tokenizer, which decides these
+                    continue
+                if json.loads(json.dumps(old)) != json.loads(json.dumps(new)):
                     raise CheckpointError(f"{run_dir} holds a different run: {section}.{key} is {old!r} there, "
                                           f"{new!r} here")
     elif resume:
@@ -138,24 +144,6 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
         tokenizer.save(run_dir)
         (run_dir / "metrics.jsonl").write_text("")
     return state
-
-
-def load_matching_weights(model: nn.Module, checkpoint: Path) -> list[str]:
-    """Start from another run's weights (e.g. an `fbt` from a tied `gpt`): every tensor of the
-    checkpoint must fit; parameters the checkpoint lacks keep their fresh init. Returns their names."""
-    from safetensors.torch import load_file
-
-    try:
-        weights = load_file(str(checkpoint / "model.safetensors"))
-    except Exception as exc:  # safetensors raises several types for a bad file
-        raise CheckpointError(f"cannot read weights {checkpoint}: {str(exc).splitlines()[0]}") from None
-    own = model.state_dict()
-    for name, tensor in weights.items():
-        if name not in own or own[name].shape != tensor.shape:
-            raise CheckpointError(f"--init-from {checkpoint}: tensor {name} {tuple(tensor.shape)} does not fit "
-                                  f"this model")
-    model.load_state_dict(weights, strict=False)
-    return sorted(set(own) - set(weights))
 
 
 def _restore(state: TrainState, checkpoint: Path) -> None:

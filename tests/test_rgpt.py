@@ -116,13 +116,13 @@ def test_truncated_backprop_only_differentiates_the_last_steps():
     truncated = torch.autograd.grad(loss, model.proj.weight)[0]
     # by hand: two steps without gradient, then one with
     ctx = model.context(idx, None, None)
-    h_pre = model._run(model.prelude, model.embed(idx), ctx)
+    h_pre = model.run_blocks(model.embed(idx), ctx, model.prelude)
     with torch.no_grad():
         h = h_pre
         for _ in range(2):
             h, _ = model.recur(h, h_pre, ctx)
     h, _ = model.recur(h, h_pre, ctx)
-    manual = torch.autograd.grad(token_cross_entropy(model.readout(model._run(model.coda, h, ctx)), y),
+    manual = torch.autograd.grad(token_cross_entropy(model.readout(model.run_blocks(h, ctx, model.coda)), y),
                                  model.proj.weight)[0]
     full = torch.autograd.grad(token_cross_entropy(model(idx, steps=3).logits, y), model.proj.weight)[0]
     assert torch.allclose(truncated, manual, atol=1e-6)

@@ -44,6 +44,12 @@ def norm(x: Tensor) -> Tensor:
     return F.rms_norm(x, (x.size(-1),))
 
 
+def shift_right(s: Tensor) -> Tensor:
+    """(B, T, D) -> (B, T, D): position t receives the state of position t-1; position 0 zeros.
+    How the recurrent variants hand a token's state to the next one in a parallel pass."""
+    return torch.cat([torch.zeros_like(s[:, :1]), s[:, :-1]], dim=1)
+
+
 # --------------------------------------------------------------------------------------------
 # Rotary position embeddings
 # --------------------------------------------------------------------------------------------
@@ -202,8 +208,9 @@ class GPT(nn.Module):
         sin = self.rope_sin[plan.positions][:, :, None, :]
         return ForwardContext(plan=plan, cos=cos, sin=sin, cache=cache)
 
-    def run_blocks(self, x: Tensor, ctx: ForwardContext) -> Tensor:
-        for block in self.blocks:
+    def run_blocks(self, x: Tensor, ctx: ForwardContext, blocks: nn.ModuleList | None = None) -> Tensor:
+        """x through `blocks` (default: all of them) in order."""
+        for block in self.blocks if blocks is None else blocks:
             x = block(x, ctx)
         return x
 
@@ -213,8 +220,7 @@ class GPT(nn.Module):
 
     def head(self, h_normed: Tensor) -> Tensor:
         """Head and soft-cap of an already normed top state."""
-        h = h_normed
-        logits = F.linear(h, self.wte.weight) if self.lm_head is None else self.lm_head(h)
+        logits = F.linear(h_normed, self.wte.weight) if self.lm_head is None else self.lm_head(h_normed)
         cap = self.config.logit_softcap
         if cap > 0:
             logits = cap * torch.tanh(logits / cap)

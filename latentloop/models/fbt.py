@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from ..config import FBTConfig
 from ..errors import ConfigError
-from .backbone import GPT, ForwardContext, ModelOutput, norm
+from .backbone import GPT, ForwardContext, ModelOutput, norm, shift_right
 from .cache import KVCache
 
 STATE_KEY = "fbt.prev_top"
@@ -45,11 +45,6 @@ AUTO_MAX_PASSES = 16
 class FBTOutput(ModelOutput):
     pass_logits: list[Tensor] = field(default_factory=list)  # (B, T, V) per pass, when requested
     pass_hidden: list[Tensor] = field(default_factory=list)  # (B, T, D) top states per pass, when requested
-
-
-def shift_right(s: Tensor) -> Tensor:
-    """(B, T, D) -> (B, T, D): position t receives the state of position t-1; position 0 zeros."""
-    return torch.cat([torch.zeros_like(s[:, :1]), s[:, :-1]], dim=1)
 
 
 def max_relative_change(new: Tensor, old: Tensor) -> float:
@@ -236,7 +231,7 @@ class FBT(GPT):
         if regime == "fused":
             return self._fused_prefill(idx, None, None, passes)[0].logits
         cache = self.new_cache(idx.shape[0], idx.shape[1])
-        first = GPT.forward(self, idx[:, :1], cache=cache)
-        cache.state[STATE_KEY] = self.carried_state(first.hidden[:, -1:])
-        rest = self._decode_fused(idx[:, 1:], cache).logits if idx.shape[1] > 1 else first.logits[:, :0]
-        return torch.cat([first.logits, rest], dim=1)
+        first = self.readout(self._prefill(idx[:, :1], cache, None, 1)[0][-1])  # position 0 is always plain
+        if idx.shape[1] == 1:
+            return first
+        return torch.cat([first, self._decode_fused(idx[:, 1:], cache).logits], dim=1)

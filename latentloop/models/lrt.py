@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from ..config import LRTConfig
 from ..errors import ConfigError
-from .backbone import GPT, Attention, Block, ForwardContext, ModelOutput, norm
+from .backbone import GPT, Attention, Block, ForwardContext, ModelOutput, norm, shift_right
 from .cache import KVBuffer, KVCache, plan_attention
 
 MEMORY_KEY = "lrt.memory"
@@ -52,10 +52,6 @@ class LRTOutput(ModelOutput):
     source: Tensor | None = None  # (B, T, D) source states (the next positions' memory)
     pass_logits: list[Tensor] = field(default_factory=list)  # logits of each pass / subset
     pass_columns: list[Tensor] = field(default_factory=list)  # the columns each of those covers
-
-
-def shift_right(s: Tensor) -> Tensor:
-    return torch.cat([torch.zeros_like(s[:, :1]), s[:, :-1]], dim=1)
 
 
 class LRTAttention(Attention):
@@ -119,6 +115,17 @@ class LRT(GPT):
         return LRTBlock(self.config, layer_idx)
 
     # -- one pass over some columns, given their memory ---------------------------------------
+    def zero_memory(self, batch: int, columns: int) -> Tensor:
+        return self.wte.weight.new_zeros(batch, columns, self.config.n_embd)  # (B, T, D)
+
+    def _stitch(self, hidden: list[Tensor], sources: list[Tensor]) -> LRTOutput:
+        """One output from passes over consecutive columns (chunks, or tokens stepped one by one)."""
+        h = hidden[0] if len(hidden) == 1 else torch.cat(hidden, dim=1)
+        source = sources[0] if len(sources) == 1 else torch.cat(sources, dim=1)
+        # with the top state as source, it is the normed top state: the head can reuse it
+        logits = self.head(source) if self.config.source_layer < 0 else self.readout(h)
+        return LRTOutput(logits=logits, hidden=h, source=source)
+
     def memory_for(self, idx: Tensor, positions: Tensor, previous_source: Tensor) -> Tensor:
         """m_{t-1} for each column: the previous column's source state, zeros at position 0 / BOS."""
         restart = (positions == 0) | (idx == self.config.bos_id)  # (B, T)
@@ -156,7 +163,7 @@ class LRT(GPT):
         ctx = self.context(idx, None, pad_mask)
         positions = ctx.plan.positions.expand(idx.shape[0], T)
         sources: list[Tensor] = []
-        pad_column = self.wte.weight.new_zeros(idx.shape[0], 1, self.config.n_embd)
+        pad_column = self.zero_memory(idx.shape[0], 1)
         for t in range(T):
             prefix_mask = None if pad_mask is None else pad_mask[:, :t + 1]
             previous = shift_right(torch.cat(sources + [pad_column], dim=1))  # (B, t + 1, D)
@@ -185,7 +192,7 @@ class LRT(GPT):
         buffer = self._buffer(idx, pad_mask)
         positions = buffer.key_pos.clamp(min=0).expand(B, T)
         everything = torch.arange(T, device=idx.device)
-        h, source = self._buffered_pass(idx, buffer, everything, torch.zeros_like(self.embed(idx)))
+        h, source = self._buffered_pass(idx, buffer, everything, self.zero_memory(B, T))
         logits = self.readout(h)
         out = LRTOutput(logits=logits, hidden=h, source=source, pass_logits=[logits], pass_columns=[everything])
         for i in range(min(subsets, T)):
@@ -209,24 +216,20 @@ class LRT(GPT):
         hidden, sources = [], []
         for start in range(0, T, chunk_size):
             columns = torch.arange(start, min(T, start + chunk_size), device=idx.device)
-            memory = torch.zeros_like(self.embed(idx[:, columns]))
+            memory = self.zero_memory(B, len(columns))
             if start > 0:
                 carried = torch.cat([sources[-1][:, -1:], memory[:, 1:]], dim=1)
                 memory = self.memory_for(idx[:, columns], positions[:, columns], carried)
             h, source = self._buffered_pass(idx, buffer, columns, memory)
             hidden.append(h)
             sources.append(source)
-        h = hidden[0] if len(hidden) == 1 else torch.cat(hidden, dim=1)
-        source = sources[0] if len(sources) == 1 else torch.cat(sources, dim=1)
-        # with the top state as source, it is the normed top state: the head can reuse it
-        logits = self.head(source) if self.config.source_layer < 0 else self.readout(h)
-        return LRTOutput(logits=logits, hidden=h, source=source)
+        return self._stitch(hidden, sources)
 
     def multi_refine(self, idx: Tensor, passes: int) -> LRTOutput:
         """K full passes; pass k's memory is pass k-1's source states (pass 1: zeros)."""
         ctx = self.context(idx, None, None)
         positions = ctx.plan.positions.expand(idx.shape)
-        source = torch.zeros_like(self.embed(idx))
+        source = self.zero_memory(*idx.shape)
         all_logits = []
         for k in range(passes):
             memory = self.memory_for(idx, positions, shift_right(source)) if k else source
@@ -243,7 +246,7 @@ class LRT(GPT):
             ctx = self.context(token, cache, None if pad_mask is None else pad_mask[:, t:t + 1])
             previous = cache.state.get(MEMORY_KEY)
             if previous is None:
-                previous = self.wte.weight.new_zeros(token.shape[0], 1, self.config.n_embd)
+                previous = self.zero_memory(token.shape[0], 1)
             h, source = self.run_pass(token, ctx, self.memory_for(token, ctx.plan.positions, previous))
             cache.advance()
             if pad_mask is None:
@@ -252,8 +255,7 @@ class LRT(GPT):
                 cache.state[MEMORY_KEY] = torch.where(pad_mask[:, t:t + 1, None], source, previous)
             hidden.append(h)
             sources.append(source)
-        h = torch.cat(hidden, dim=1)
-        return LRTOutput(logits=self.readout(h), hidden=h, source=torch.cat(sources, dim=1))
+        return self._stitch(hidden, sources)
 
     def check_options(self, options: dict) -> None:
         unknown = set(options) - {"prefill"}

@@ -60,10 +60,14 @@ class RecurrentKVCache(KVCache):
     whether a slot belongs to the core, and in `full` mode `slot - n_rec` is the previous step's.
     """
 
-    def __init__(self, *args, mode: str, first_core_slot: int, last_core_slot: int, n_rec: int, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.mode, self.n_rec = mode, n_rec
-        self.first_core_slot, self.last_core_slot = first_core_slot, last_core_slot
+    def __init__(self, batch_size: int, max_len: int, config: RGPTConfig, mode: str, max_steps: int,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+        c = config
+        core_slots = c.n_rec * (max_steps if mode == "full" else 1)
+        super().__init__(batch_size, max_len, c.n_pre + core_slots + c.n_coda, c.n_kv_head, c.head_dim,
+                         device=device, dtype=dtype)
+        self.mode, self.n_rec, self.max_steps = mode, c.n_rec, max_steps
+        self.first_core_slot, self.last_core_slot = c.n_pre, c.n_pre + core_slots - 1
         self.step = 1
         self.active: Tensor | None = None  # (B,) rows still recurring; None = all
 
@@ -84,13 +88,13 @@ class RecurrentKVCache(KVCache):
             v = torch.where(keep, self.v[previous, :, :, start:end], v)
         return super().update(slot, k, v)
 
-    def fill_later_steps(self, last_step: int, max_steps: int) -> None:
+    def fill_later_steps(self, last_step: int) -> None:
         """Full mode: steps after `last_step` repeat its keys/values for the tokens just added."""
         if self.mode != "full":
             return
         start, end = self.length, self.length + self._pending
         first = self.first_core_slot
-        for step in range(last_step + 1, max_steps + 1):
+        for step in range(last_step + 1, self.max_steps + 1):
             for j in range(self.n_rec):
                 src, dst = first + (last_step - 1) * self.n_rec + j, first + (step - 1) * self.n_rec + j
                 self.k[dst, :, :, start:end] = self.k[src, :, :, start:end]
@@ -128,7 +132,7 @@ class RGPT(GPT):
         """One step: (h^(r-1), h_pre) -> (h^(r), g)."""
         noisy = self.training and self.config.noise_std > 0
         h_in = h + self.config.noise_std * torch.randn_like(h) if noisy else h
-        o = self.h_tilde_through_core(self.proj(torch.cat([h_in, h_pre], dim=-1)), ctx)
+        o = self.run_blocks(self.proj(torch.cat([h_in, h_pre], dim=-1)), ctx, self.core)  # core(h̃)
         gate_logits = self.gate_out(F.silu(self.gate_in(torch.cat([norm(h), norm(h_pre)], dim=-1))))
         gate_logits = gate_logits / self.config.gate_temperature
         if noisy:
@@ -136,24 +140,13 @@ class RGPT(GPT):
         g = torch.sigmoid(gate_logits)
         return torch.lerp(o, h, g), g  # g * h + (1 - g) * o
 
-    def h_tilde_through_core(self, h_tilde: Tensor, ctx: ForwardContext) -> Tensor:
-        for block in self.core:
-            h_tilde = block(h_tilde, ctx)
-        return h_tilde
-
-    def _slot_ctx(self, ctx: ForwardContext, step: int | None, max_steps: int) -> ForwardContext:
-        """Context whose cache slots are those of core step `step` (None: prelude/coda)."""
+    def _slot_ctx(self, ctx: ForwardContext, step: int | None) -> ForwardContext:
+        """Context whose cache slots are those of core step `step` (None: the coda, after all steps)."""
         cache = ctx.cache
         if not isinstance(cache, RecurrentKVCache) or cache.mode != "full":
             return ctx
-        n_rec = self.config.n_rec
-        offset = (max_steps - 1) * n_rec if step is None else (step - 1) * n_rec
-        return dataclasses.replace(ctx, slot_offset=offset)
-
-    def _run(self, blocks, x: Tensor, ctx: ForwardContext) -> Tensor:
-        for block in blocks:
-            x = block(x, ctx)
-        return x
+        last = cache.max_steps if step is None else step
+        return dataclasses.replace(ctx, slot_offset=(last - 1) * self.config.n_rec)
 
     # -- forward ------------------------------------------------------------------------------
     def forward(self, idx: Tensor, cache: KVCache | None = None, pad_mask: Tensor | None = None,
@@ -170,20 +163,20 @@ class RGPT(GPT):
         if steps > max_steps:
             raise ConfigError(f"this cache holds {max_steps} recurrence steps; {steps} were asked for")
         ctx = self.context(idx, cache, pad_mask)
-        h_pre = self._run(self.prelude, self.embed(idx), ctx)  # (B, T, D)
+        h_pre = self.run_blocks(self.embed(idx), ctx, self.prelude)  # (B, T, D)
         h, out = h_pre, RGPTOutput(logits=None, hidden=None, steps=steps)
         for r in range(1, steps + 1):
             if isinstance(cache, RecurrentKVCache):
                 cache.step, cache.active = r, None
             with torch.set_grad_enabled(torch.is_grad_enabled() and r > no_grad_steps):
-                h, g = self.recur(h, h_pre, self._slot_ctx(ctx, r, max_steps))
+                h, g = self.recur(h, h_pre, self._slot_ctx(ctx, r))
             if return_steps:  # reading the gate syncs with the device: only when asked
                 out.gate_means.append(float(g.detach().mean()))
             if return_steps and r < steps:
-                out.step_logits.append(self.readout(self._run(self.coda, h, self._slot_ctx(ctx, None, max_steps))))
+                out.step_logits.append(self.readout(self.run_blocks(h, self._slot_ctx(ctx, None), self.coda)))
         if isinstance(cache, RecurrentKVCache):
-            cache.fill_later_steps(steps, max_steps)
-        top = self._run(self.coda, h, self._slot_ctx(ctx, None, max_steps))
+            cache.fill_later_steps(steps)
+        top = self.run_blocks(h, self._slot_ctx(ctx, None), self.coda)
         if cache is not None:
             cache.advance()
         out.logits, out.hidden = self.readout(top), top
@@ -195,20 +188,20 @@ class RGPT(GPT):
                         criterion: str, min_steps: int) -> RGPTOutput:
         """One token per row with per-row early exit (rows stop independently)."""
         ctx = self.context(idx, cache, None)
-        coda_ctx = self._slot_ctx(ctx, None, cache.max_steps)
-        h_pre = self._run(self.prelude, self.embed(idx), ctx)
+        coda_ctx = self._slot_ctx(ctx, None)
+        h_pre = self.run_blocks(self.embed(idx), ctx, self.prelude)
         h = h_pre
         active = torch.ones(idx.shape[0], dtype=torch.bool, device=idx.device)
         exit_step = torch.full_like(active, max_steps, dtype=torch.long)
         previous_logp = None
         for r in range(1, max_steps + 1):
             cache.step, cache.active = r, (None if bool(active.all()) else active)
-            h_new, _ = self.recur(h, h_pre, self._slot_ctx(ctx, r, cache.max_steps))
+            h_new, _ = self.recur(h, h_pre, self._slot_ctx(ctx, r))
             if criterion == "state":
                 change = (h_new - h).norm(dim=-1) / h_new.norm(dim=-1).clamp_min(1e-12)  # (B, 1)
                 settled = change[:, -1] < threshold
             else:
-                logp = F.log_softmax(self.readout(self._run(self.coda, h_new, coda_ctx))[:, -1].float(), dim=-1)
+                logp = F.log_softmax(self.readout(self.run_blocks(h_new, coda_ctx, self.coda))[:, -1].float(), dim=-1)
                 settled = torch.zeros_like(active)
                 if previous_logp is not None:
                     settled = (logp.exp() * (logp - previous_logp)).sum(-1) < threshold  # KL(p_r || p_{r-1})
@@ -220,8 +213,8 @@ class RGPT(GPT):
             if not bool(active.any()):
                 break
         cache.active = None
-        cache.fill_later_steps(r, cache.max_steps)
-        top = self._run(self.coda, h, coda_ctx)
+        cache.fill_later_steps(r)
+        top = self.run_blocks(h, coda_ctx, self.coda)
         cache.advance()
         exits = cache.stats.setdefault("rgpt.exit_steps", [])
         exits.extend(exit_step.tolist())
@@ -233,13 +226,9 @@ class RGPT(GPT):
                   cache_mode: str = "full", **options) -> KVCache:
         c = self.config
         max_steps = max(steps or c.recurrence_steps, c.recurrence_steps)
-        n_core_slots = c.n_rec * (max_steps if cache_mode == "full" else 1)
         weight = self.wte.weight
-        cache = RecurrentKVCache(batch_size, max_len or c.sequence_len, c.n_pre + n_core_slots + c.n_coda,
-                                 c.n_kv_head, c.head_dim, device=weight.device, dtype=weight.dtype, mode=cache_mode,
-                                 first_core_slot=c.n_pre, last_core_slot=c.n_pre + n_core_slots - 1, n_rec=c.n_rec)
-        cache.max_steps = max_steps
-        return cache
+        return RecurrentKVCache(batch_size, max_len or c.sequence_len, c, cache_mode, max_steps,
+                                device=weight.device, dtype=weight.dtype)
 
     def cache_slots(self) -> int:
         return self.config.n_pre + self.config.n_rec * self.config.recurrence_steps + self.config.n_coda
