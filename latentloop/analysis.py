@@ -24,10 +24,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .api import load_run
 from .data import eval_batches
 from .errors import ConfigError
 from .objectives import token_cross_entropy
+from .runtime import load_run, prepare_data
 
 PROBE_CLASSES = 5  # nesting depth 0..3, and 4 for "4 or deeper"
 PROBE_TRAIN_FRACTION = 0.7
@@ -37,7 +37,6 @@ OPENERS, CLOSERS = "([{", ")]}"
 
 
 def _val_batch(run: str | Path, batches: int, batch_size: int):
-    from .train import prepare_data
 
     model, tokenizer, config, checkpoint = load_run(run)
     data = prepare_data(config, tokenizer, progress=False)

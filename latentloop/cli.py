@@ -247,9 +247,8 @@ def _generation_options(args) -> dict:
 
 
 def cmd_eval(args) -> int:
-    from .api import load_run
     from .eval import evaluate_run
-    from .train import prepare_data, resolve_device
+    from .runtime import load_run, prepare_data, resolve_device
 
     if args.tasks is None and (args.limit is not None or args.eval_dir is not None):
         raise LatentloopError("--limit and --eval-dir apply to --tasks only")
@@ -305,9 +304,8 @@ def cmd_compare(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from .api import load_run
     from .engine import generate
-    from .train import resolve_device
+    from .runtime import load_run, resolve_device
 
     device = resolve_device(args.device)
     model, tokenizer, _, _ = load_run(args.run, device)

@@ -10,7 +10,6 @@ interface, so each architecture brings its own training procedure.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
@@ -33,43 +32,16 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .config import RunConfig
-from .data import TokenData, TokenLoader, load_tokenizer, parse_source, prepare_tokens
-from .errors import CheckpointError, ConfigError
+from .data import TokenData, TokenLoader, load_tokenizer
+from .errors import CheckpointError
 from .eval import evaluate_loss
 from .models import build_model
 from .objectives import Objective, objective_for
 from .optim import build_optimizers, lr_multiplier, set_lr
+from .runtime import autocast_for, prepare_data, resolve_device
 
 # Config fields that setup fills in (from the tokenizer) or that only say where a cache lives.
 SET_ON_SETUP = ("vocab_size", "bos_id", "cache_dir")
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("LATENTLOOP_CACHE") or Path.home() / ".cache" / "latentloop")
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {name!r} requested but CUDA is not available")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise ConfigError("device 'mps' requested but MPS is not available")
-    return device
-
-
-def autocast_for(device: torch.device, dtype: str):
-    if dtype == "bfloat16" or (dtype == "auto" and device.type == "cuda"):
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-def prepare_data(config: RunConfig, tokenizer, progress: bool = True) -> TokenData:
-    data = config.data
-    source = parse_source(data.source, val_fraction=data.val_fraction)
-    cache_dir = Path(data.cache_dir) if data.cache_dir else default_cache_dir()
-    return prepare_tokens(source, tokenizer, cache_dir, max_bytes=data.max_bytes or None, progress=progress)
 
 
 @dataclass

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import importlib
-import importlib.util
 import json
 import os
 import sys
@@ -27,6 +25,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from latentloop.data.base import Source
+from latentloop.data.tasks import get_task_source
 from latentloop.errors import ConfigError, DataError
 
 SPLITS = ("train", "val")
@@ -68,23 +68,6 @@ def _file_listing(root: Path, files: list[Path]) -> list[tuple[str, int, int]]:
         stat = path.stat()
         listing.append((path.relative_to(root).as_posix(), stat.st_size, stat.st_mtime_ns))
     return listing
-
-
-class Source:
-    """Base class: a named collection of documents, split into train and val."""
-
-    spec: str
-    val_fraction: float
-
-    def iter_documents(self, split: str) -> Iterator[str]:
-        raise NotImplementedError
-
-    def fingerprint(self) -> str:
-        """A string that changes whenever the documents of either split could change."""
-        raise NotImplementedError
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.spec!r}, val_fraction={self.val_fraction})"
 
 
 class StdlibSource(Source):
@@ -380,10 +363,5 @@ def parse_source(spec: str, val_fraction: float = 0.05, max_documents: int | Non
         name, _, config = rest.partition(":")
         return HFSource(name, config or None, val_fraction, max_documents)
     if kind == "task" and colon:
-        if importlib.util.find_spec("latentloop.data.tasks") is None:
-            raise DataError(f"data source '{spec}': task sources are not available yet")
-        tasks = importlib.import_module("latentloop.data.tasks")
-        if not hasattr(tasks, "get_task_source"):
-            raise DataError(f"data source '{spec}': task sources are not available yet")
-        return tasks.get_task_source(rest, val_fraction)
+        return get_task_source(rest, val_fraction)
     raise DataError(f"unknown data source '{spec}': use stdlib, text:PATH, hf:NAME[:CONFIG] or task:NAME")

@@ -59,7 +59,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from latentloop.data.sources import Source
+from latentloop.data.base import Source
 from latentloop.errors import DataError
 
 # Bump whenever a generator changes what it writes, so that cached token shards are rebuilt.

@@ -60,9 +60,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..errors import ConfigError, DataError
+from ..runtime import EVAL_DIR_ENV, default_eval_dir
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
-EVAL_DIR_ENV = "LATENTLOOP_EVAL_DIR"
 SHUFFLE_SEED = 1337
 FEWSHOT_SEED = 1234
 DEFAULT_BATCH_SIZE = 64
@@ -123,11 +123,6 @@ def centered(accuracy: float, random_baseline: float) -> float:
 # --------------------------------------------------------------------------------------------
 # Data: where it lives, fetching the official bundle, reading and normalising rows
 # --------------------------------------------------------------------------------------------
-
-
-def default_eval_dir() -> Path:
-    cache = os.environ.get("LATENTLOOP_CACHE") or Path.home() / ".cache" / "latentloop"
-    return Path(cache) / "eval_bundle"
 
 
 def resolve_eval_dir(data_dir: str | Path | None = None, download: bool = True) -> Path:

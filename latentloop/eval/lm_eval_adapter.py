@@ -71,7 +71,7 @@ def _available_device(name: str | None):
     """The device asked for; lm-eval's default `cuda:0` falls back to the CPU where there is no GPU."""
     import torch
 
-    from ..train import resolve_device
+    from ..runtime import resolve_device
 
     name = name or "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():
@@ -91,7 +91,7 @@ class LatentloopLM(_LMBase):
         if model is None:
             if pretrained is None:
                 raise ConfigError("model_args needs pretrained=RUN (a latentloop run or checkpoint folder)")
-            from ..api import load_run
+            from ..runtime import load_run
 
             model, tokenizer, _, _ = load_run(pretrained, _available_device(device))
         elif tokenizer is None:

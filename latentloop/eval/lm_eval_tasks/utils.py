@@ -12,9 +12,9 @@ SHARED_EVAL_DIR = Path(__file__).resolve().parents[4] / "shared" / "data" / "eva
 def eval_file(name: str, eval_dir: str | None = None) -> Path:
     """The jsonl file `name` from eval_dir, $LATENTLOOP_EVAL_DIR, the cached bundle or ../shared/data/eval."""
     from latentloop.errors import DataError
-    from latentloop.eval.core import default_eval_dir
+    from latentloop.runtime import EVAL_DIR_ENV, default_eval_dir
 
-    candidates = [eval_dir, os.environ.get("LATENTLOOP_EVAL_DIR"), default_eval_dir(), SHARED_EVAL_DIR]
+    candidates = [eval_dir, os.environ.get(EVAL_DIR_ENV), default_eval_dir(), SHARED_EVAL_DIR]
     for folder in candidates:
         if not folder:
             continue
