@@ -30,6 +30,7 @@ sys.path.insert(0, str(REPO))
 
 from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config, rgpt_shape_from_dense  # noqa: E402
 from latentloop.eval import evaluate_loss  # noqa: E402
+from latentloop.eval.loss import decoding_logits  # noqa: E402
 from latentloop.train import fit, setup  # noqa: E402
 
 
@@ -74,10 +75,8 @@ def run_one(out: Path, name: str, fields: dict, steps: int, seed: int, preset: s
     byte_lengths = state.tokenizer.token_byte_lengths()
     scores = {}
     for label, options in evaluations(arch, config.model).items():
-        def logits_fn(m, x, options=options):
-            return m.eval_logits(x, **options)
         scores[label] = evaluate_loss(model, state.data.val, byte_lengths, batch_size, config.model.sequence_len,
-                                      max_batches=eval_batches, logits_fn=logits_fn)
+                                      max_batches=eval_batches, logits_fn=decoding_logits(options))
     return {"name": name, "seed": seed, "arch": arch, "params": model.num_params(), "steps": steps,
             "tokens": summary["tokens"], "train_flops": summary["flops"], "seconds": time.time() - start,
             "scores": scores}

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from .data import eval_batches
 from .errors import ConfigError
+from .models.criteria import KLDivergence, RelativeChange
 from .objectives import token_cross_entropy
 from .runtime import load_run, prepare_data
 
@@ -88,7 +89,7 @@ def contraction(run: str | Path, passes: int = 1000, batches: int = 1, batch_siz
     changes, losses = [float("nan")], [float(token_cross_entropy(model.readout(h), y))]
     for _ in range(passes - 1):
         h_next = model.run_blocks(torch.where(mask, model.fuse(e, shift_right(model.carried_state(h))), e), ctx)
-        changes.append(float(((h_next - h).norm(dim=-1) / h_next.norm(dim=-1).clamp_min(1e-12)).mean()))
+        changes.append(float(RelativeChange(0.0).value(h_next, h).mean()))
         losses.append(float(token_cross_entropy(model.readout(h_next), y)))
         h = h_next
     result = {"run": str(run), "passes": passes, "tokens": int(x.numel()), "relative_change": changes,
@@ -223,14 +224,15 @@ def depth(run: str | Path, max_steps: int | None = None, batches: int = 2, batch
     logps = [F.log_softmax(lg.float(), dim=-1) for lg in out_all.step_logits]
     exit_depth = torch.full(y.shape, R, dtype=torch.long)
     decided = torch.zeros(y.shape, dtype=torch.bool)
+    criterion = KLDivergence(exit_threshold)  # the decoder's own exit rule, per position
     for r in range(2, R + 1):
-        kl = (logps[r - 1].exp() * (logps[r - 1] - logps[r - 2])).sum(-1)  # KL(p_r || p_{r-1})
-        stop = ~decided & (kl < exit_threshold) & (r >= min_steps)
+        stop = ~decided & criterion.settled(logps[r - 1], logps[r - 2]) & (r >= min_steps)
         exit_depth[stop] = r
         decided |= stop
     exit_flat = exit_depth.flatten().numpy()
     result = {"run": str(run), "trained_steps": trained, "steps": list(range(1, R + 1)), "loss": losses,
               "loss_at_half_depth": losses[max(0, R // 2 - 1)], "gate_mean_per_step": out_all.gate_means,
+              "openness_per_step": out_all.openness,
               "exit_threshold": exit_threshold, "mean_exit_depth": float(exit_flat.mean()),
               "exit_depth_histogram": np.bincount(exit_flat, minlength=R + 1)[1:].tolist(),
               "spearman_exit_depth_vs_token_loss": spearman(exit_flat, token_loss)}

@@ -7,9 +7,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .archs import build_model
 from .config import model_config
-from .engine import generate
-from .models import build_model
+from .engine import generate, stream, teacher_forced_logits
 from .runtime import load_run
 
 
@@ -24,4 +24,4 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> tuple[nn.Modul
     return model, tokenizer
 
 
-__all__ = ["build", "generate", "load", "load_run"]
+__all__ = ["build", "generate", "load", "load_run", "stream", "teacher_forced_logits"]

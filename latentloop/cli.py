@@ -15,6 +15,7 @@ from pathlib import Path
 from .errors import LatentloopError
 
 EXIT_USAGE = 2
+DEFAULT_NEW_TOKENS = 64  # generate's default budget, capped at half the context (the prompt gets the rest)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -41,34 +42,32 @@ _non_negative_int = _int_at_least(0, "an integer >= 0")
 
 
 def _add_generation_options(p: argparse.ArgumentParser) -> None:
-    """Variant options shared by eval and generate; None means 'not given' (the model's default)."""
-    p.add_argument("--regime", choices=["standard", "soft", "fused"], default=None,
-                   help="fbt decoding regime (standard: plain inputs; soft: latent feedback; fused: multi-pass "
-                        "prefill, then soft)")
-    p.add_argument("--passes", default=None, help="fbt prefill passes for --regime fused: an integer >= 1 or 'auto'")
-    p.add_argument("--steps", dest="depth", type=_positive_int, default=None,
-                   help="rgpt recurrence steps at inference (early exit at a fixed depth)")
-    p.add_argument("--prefill", choices=["sequential", "interleaved"], default=None,
-                   help="lrt prompt prefill: exact sequential (default) or interleaved (faster, approximate)")
-    p.add_argument("--cache-mode", choices=["full", "mean", "last"], default=None,
-                   help="rgpt KV cache: one slot per (step, core layer) (full, exact), or a running mean / the "
-                        "latest step per core layer (less memory)")
-    p.add_argument("--exit-threshold", type=float, default=None,
-                   help="rgpt adaptive exit while decoding: stop a token's recurrence once the criterion falls "
-                        "below this (0: off)")
-    p.add_argument("--exit-criterion", choices=["kl", "state"], default=None,
-                   help="rgpt exit criterion: KL between successive steps' next-token distributions, or the "
-                        "relative change of the state")
-    p.add_argument("--min-steps", type=_positive_int, default=None, help="rgpt: recurrence steps before any exit")
+    """One flag per inference option any architecture declares (its `ArchSpec`); the value is
+    parsed and checked against the loaded model's arch later, so a flag of another arch is a
+    one-line error. None means 'not given' (the model's default)."""
+    from .archs import option_union
+
+    for name, (option, archs) in option_union().items():
+        p.add_argument(option.flag, dest=f"option_{name}", default=None, metavar=_metavar(option),
+                       help=f"[{', '.join(archs)}] {option.help}")
+
+
+def _metavar(option) -> str:
+    if option.choices:
+        return "{" + ",".join(option.choices) + "}"
+    return option.kind.__name__.upper() + "".join(f"|{word}" for word in option.keywords)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .archs import ARCHS
+
     parser = _Parser(prog="latentloop", description="Train, evaluate and sample latent-state language models.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     t = sub.add_parser("train", help="train a model into a run folder")
     t.add_argument("--config", help="YAML file with sections model/train/data")
-    t.add_argument("--arch", help="architecture: gpt, fbt, lrt, rgpt")
+    t.add_argument("--arch", help="architecture: " + "; ".join(
+        f"{spec.name}: {spec.summary}" for spec in ARCHS.values()))
     t.add_argument("--preset", help="model size preset: test, tiny, small, gpt2, 1b")
     t.add_argument("--data", help="data source: stdlib, text:PATH, hf:NAME[:CONFIG], task:NAME")
     t.add_argument("--tokenizer", help="'byte' or a path to a tokenizer.json")
@@ -109,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="continue a prompt with a trained model")
     g.add_argument("run", help="run folder or checkpoint folder")
     g.add_argument("--prompt", required=True, help="text to continue")
-    g.add_argument("--max-new-tokens", type=_non_negative_int, default=64, help="tokens to generate")
+    g.add_argument("--max-new-tokens", type=_non_negative_int, default=None,
+                   help=f"tokens to generate (default: {DEFAULT_NEW_TOKENS}, at most half the model's context)")
     g.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
     g.add_argument("--top-k", type=_positive_int, default=None, help="sample among the k most likely tokens")
     g.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold in (0, 1]")
@@ -210,8 +210,8 @@ def _iso_shaped(config, iso: str):
     """Reshape an rgpt config from its dense depth; print params and FLOPs/token of both."""
     import dataclasses
 
+    from .archs import build_model
     from .config import ModelConfig, model_config, rgpt_shape_from_dense
-    from .models import build_model
 
     if config.model.arch != "rgpt":
         raise LatentloopError("--iso applies to --arch rgpt only")
@@ -235,18 +235,15 @@ def _iso_shaped(config, iso: str):
 
 
 def _generation_options(args) -> dict:
-    options = {"regime": args.regime, "passes": args.passes, "steps": args.depth, "prefill": args.prefill,
-               "cache_mode": getattr(args, "cache_mode", None), "exit_threshold": getattr(args, "exit_threshold", None),
-               "exit_criterion": getattr(args, "exit_criterion", None), "min_steps": getattr(args, "min_steps", None)}
-    if args.passes is not None and args.passes != "auto":
-        try:
-            options["passes"] = int(args.passes)
-        except ValueError:
-            raise LatentloopError(f"--passes must be an integer >= 1 or 'auto', got {args.passes!r}") from None
-    return {k: v for k, v in options.items() if v is not None}
+    """The option flags given on the command line, parsed by their declarations."""
+    from .archs import option_union
+
+    return {name: option.parse(getattr(args, f"option_{name}")) for name, (option, _) in option_union().items()
+            if getattr(args, f"option_{name}", None) is not None}
 
 
 def cmd_eval(args) -> int:
+    from .archs import get_arch
     from .eval import evaluate_run
     from .runtime import load_run, prepare_data, resolve_device
 
@@ -273,7 +270,7 @@ def cmd_eval(args) -> int:
     tokens = data.val if args.split == "val" else data.train
     options = _generation_options(args)
     # no options given: score every way the architecture offers (fbt regimes, lrt prefills, rgpt depths)
-    choices = {"given": options} if options else model.evaluation_options()
+    choices = {"given": options} if options else get_arch(config.model.arch).scoring_modes(config.model)
     by_option = {label: evaluate_run(model, tokens, tokenizer, args.batch_size or 16, config.model.sequence_len,
                                      args.batches or None, choice) for label, choice in choices.items()}
     first = next(iter(by_option))
@@ -304,38 +301,42 @@ def cmd_compare(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from .engine import generate
+    from .engine import model_options, stream
     from .runtime import load_run, resolve_device
 
     device = resolve_device(args.device)
     model, tokenizer, _, _ = load_run(args.run, device)
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise LatentloopError(f"--top-p must be in (0, 1], got {args.top_p}")
+    options = model_options(model, _generation_options(args), cached=not args.no_cache)
+    context = model.config.sequence_len
+    max_new = args.max_new_tokens if args.max_new_tokens is not None else min(DEFAULT_NEW_TOKENS, context // 2)
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise LatentloopError("--prompt is not valid UTF-8 text") from None
     prompt_ids = [tokenizer.bos_id] + tokenizer.encode(args.prompt)
-    streamer = None
-    if not args.json:
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        shown = []  # the prompt is echoed with the first token, so an invalid prompt prints nothing
-
-        def streamer(tokens):
-            if not shown:
-                sys.stdout.write(args.prompt)
-                shown.append(True)
-            token = tokens[0]
-            if token is not None:
-                sys.stdout.write(decoder.decode(tokenizer.token_to_bytes(token)))  # whole characters only
-                sys.stdout.flush()
-
-    info: dict = {}
-    ids = generate(model, prompt_ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                   top_p=args.top_p, seed=args.seed, stop_tokens=[tokenizer.eos_id, tokenizer.bos_id],
-                   stream=streamer, use_cache=not args.no_cache, pad_id=tokenizer.pad_id, info=info,
-                   **_generation_options(args))
+    if args.max_new_tokens is None and len(prompt_ids) < context:  # the default budget fits what is left
+        max_new = min(max_new, context - len(prompt_ids))
+    steps = stream(model, prompt_ids, max_new, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                   seed=args.seed, stop_tokens=[tokenizer.eos_id, tokenizer.bos_id], use_cache=not args.no_cache,
+                   pad_id=tokenizer.pad_id, **options)
+    ids, info = [], {}
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    if not args.json:  # the prompt is echoed once the arguments are known to be valid
+        sys.stdout.write(args.prompt)
+    for step in steps:
+        token = step.tokens[0]
+        ids.append(token)
+        info = step.info
+        if not args.json:
+            sys.stdout.write(decoder.decode(tokenizer.token_to_bytes(token)))  # whole characters only
+            sys.stdout.flush()
     if args.json:
         print(json.dumps({"prompt": args.prompt, "completion": tokenizer.decode(ids), "ids": ids,
                           "prompt_tokens": len(prompt_ids), "new_tokens": len(ids), **info}))
     else:
-        sys.stdout.write(("" if shown else args.prompt) + "\n")
+        sys.stdout.write(decoder.decode(b"", final=True) + "\n")
         if "prefill_passes" in info:
             print(f"[prefill passes used: {info['prefill_passes']}]", file=sys.stderr)
     return 0

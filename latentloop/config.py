@@ -223,14 +223,15 @@ def rgpt_shape_from_dense(dense_layers: int, iso: str, steps: int) -> dict[str, 
                 recurrence_steps=steps)
 
 
-MODEL_CONFIGS: dict[str, type[ModelConfig]] = {"gpt": ModelConfig, "fbt": FBTConfig, "lrt": LRTConfig,
-                                               "rgpt": RGPTConfig}
-
-
-def register_model_config(cls: type[ModelConfig]) -> type[ModelConfig]:
-    """Make an architecture's config class known by its `arch` name."""
-    MODEL_CONFIGS[cls.arch] = cls
-    return cls
+def config_classes() -> dict[str, type[ModelConfig]]:
+    """Every model config class by its `arch` name: ModelConfig and its subclasses (an
+    architecture's spec in `latentloop.archs` names the same class)."""
+    found, pending = {}, [ModelConfig]
+    while pending:
+        cls = pending.pop()
+        found.setdefault(cls.arch, cls)
+        pending.extend(cls.__subclasses__())
+    return found
 
 
 # Presets: shapes only; they apply to every architecture. Parameter counts are for the byte
@@ -248,15 +249,16 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 def model_config(arch: str = "gpt", preset: str | None = None, **overrides: Any) -> ModelConfig:
     """Build a validated model config from an arch name, an optional preset and field overrides."""
-    if arch not in MODEL_CONFIGS:
-        raise ConfigError(f"unknown arch {arch!r}: choose from {', '.join(sorted(MODEL_CONFIGS))}")
+    classes = config_classes()
+    if arch not in classes:
+        raise ConfigError(f"unknown arch {arch!r}: choose from {', '.join(sorted(classes))}")
     values: dict[str, Any] = {}
     if preset is not None:
         if preset not in PRESETS:
             raise ConfigError(f"unknown preset {preset!r}: choose from {', '.join(PRESETS)}")
         values.update(PRESETS[preset])
     values.update(overrides)
-    return _construct(MODEL_CONFIGS[arch], values, f"{arch} model")
+    return _construct(classes[arch], values, f"{arch} model")
 
 
 # --------------------------------------------------------------------------------------------
@@ -428,7 +430,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     raw = {section: dict(raw.get(section) or {}) for section in ("model", "train", "data")} | {
         k: v for k, v in raw.items() if k not in ("model", "train", "data")}
     arch = raw["model"].get("arch", "gpt")
-    model_cls = MODEL_CONFIGS.get(arch, ModelConfig)
+    model_cls = config_classes().get(arch, ModelConfig)
     section_fields = {"model": {f.name for f in fields(model_cls)} | {"arch", "preset"},
                       "train": {f.name for f in fields(TrainConfig)},
                       "data": {f.name for f in fields(DataConfig)}}

@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
+from .archs import ARCHS
 from .config import DataConfig, RunConfig, TrainConfig, model_config
 from .engine import generate
 from .errors import ConfigError, LatentloopError
-from .models import MODEL_CLASSES
 
 DEMO_MARKER = "demo.json"  # a folder holding this file was written by the demo and may be replaced
 CALIBRATION_STEPS = 3
@@ -58,10 +58,10 @@ def run_demo(out: Path, minutes: float = 4.0, data: str = "stdlib", preset: str 
              archs: list[str] | None = None, progress: bool = True) -> list[dict[str, Any]]:
     from .train import fit, setup
 
-    archs = archs or sorted(MODEL_CLASSES, key=lambda a: (a != "gpt", a))
-    unknown = [a for a in archs if a not in MODEL_CLASSES]
+    archs = archs or sorted(ARCHS, key=lambda a: (a != "gpt", a))
+    unknown = [a for a in archs if a not in ARCHS]
     if unknown:
-        raise ConfigError(f"unknown arch(s) {', '.join(unknown)}: choose from {', '.join(sorted(MODEL_CLASSES))}")
+        raise ConfigError(f"unknown arch(s) {', '.join(unknown)}: choose from {', '.join(sorted(ARCHS))}")
     if minutes <= 0:
         raise ConfigError(f"--minutes must be > 0, got {minutes}")
     _prepare_folder(out)
@@ -94,12 +94,13 @@ def run_demo(out: Path, minutes: float = 4.0, data: str = "stdlib", preset: str 
 
 def score_options(state) -> dict[str, dict[str, float]]:
     """Validation loss/BPB under each of the model's evaluation options (fbt regimes, ...)."""
+    from .archs import get_arch
     from .eval import evaluate_run
 
     cfg = state.config
     return {label: evaluate_run(state.model, state.data.val, state.tokenizer, cfg.train.batch_size,
                                 cfg.model.sequence_len, EVAL_BATCHES, options)
-            for label, options in state.model.evaluation_options().items()}
+            for label, options in get_arch(cfg.model.arch).scoring_modes(cfg.model).items()}
 
 
 def _table(results: list[dict[str, Any]]) -> str:

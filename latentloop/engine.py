@@ -1,46 +1,144 @@
-"""Inference engine: prefill and one-token decode steps with the KV cache, plus sampling.
+"""Inference engine: a generator that prefills the prompts into the KV cache, then yields one step
+per new token, as nanochat's `Engine.generate` and litgpt's `generate_fn`.
 
-`generate` works for every architecture: it calls `model.generate_step(idx, cache, pad_mask,
-prompt_len, **options)`, where the model decides what a prefill and a decode step mean for it
-(options such as `regime=`, `passes=`, `steps=` belong to the variants; the baseline accepts none).
-`use_cache=False` runs the naive reference: the whole sequence again at every step, no cache.
-Both paths sample identically, so greedy outputs must match token for token (tested).
+    for step in stream(model, [prompt_ids], max_new_tokens=64, temperature=0.0, regime="soft"):
+        print(step.tokens[0])          # the new token of row 0 (None once that row stopped)
+        if done():                     # the caller stops by breaking out of the loop
+            break
+
+    ids = generate(model, prompt_ids, 64)   # the same, collected: the new ids of each prompt
+
+The model decides what a prefill and a decode step mean for it through the decoding protocol
+(`prefill` / `decode` / `reference`, see `latentloop.models.backbone`). The architecture's options
+(`regime=`, `passes=`, `steps=`, ...) are checked here once per call against the options it
+declares, then handed to the model complete. `use_cache=False` runs the naive reference: the whole
+sequence again at every step, no cache; both paths sample identically, so greedy outputs must
+match token for token (tested).
 
 Prompts of different lengths are left-padded into one batch; the padding is masked and positions
 are counted per row, so each row decodes exactly as it would alone.
+
+`teacher_forced_logits` is the one scoring path: the prefix prefilled, the rest decoded
+teacher-forced through the cache (loss/BPB and CORE scoring both use it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from .errors import LatentloopError
+from .models.options import check_options
 
-StreamCallback = Callable[[list[int | None]], None]  # new token per row (None once a row stopped)
+MAX_SEED = 2**63  # torch.Generator seeds are 64-bit
 
 
 class PromptError(LatentloopError):
-    """An empty prompt, or a prompt that does not fit the model's context."""
+    """An empty or malformed prompt, a prompt that does not fit the model's context, or an invalid
+    sampling setting."""
+
+
+@dataclass
+class DecodeStep:
+    """One step of `stream`: the new token of each row, None for rows that have stopped."""
+
+    tokens: list[int | None]
+    logprobs: list[float | None] | None = None  # log-probability of each new token, when asked for
+    info: dict = field(default_factory=dict)  # what the model reports (prefill passes, mean exit depth)
+
+
+# --------------------------------------------------------------------------------------------
+# Checking what a caller passes
+# --------------------------------------------------------------------------------------------
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None, seed: int | None) -> None:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
+            or temperature < 0:
+        raise PromptError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if top_k is not None and (not _is_int(top_k) or top_k < 1):
+        raise PromptError(f"top_k must be an integer >= 1, got {top_k!r}")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
+                              or not math.isfinite(top_p) or not 0 < top_p <= 1):
+        raise PromptError(f"top_p must be in (0, 1], got {top_p!r}")
+    if seed is not None and (not _is_int(seed) or not 0 <= seed < MAX_SEED):
+        raise PromptError(f"seed must be an integer in [0, 2**63), got {seed!r}")
+
+
+def normalize_prompts(prompts, vocab_size: int) -> tuple[list[list[int]], bool]:
+    """(list of id lists, whether one prompt was given) from one id list, a list of id lists, or a
+    1-D / 2-D integer tensor; every id checked to be an integer in [0, vocab_size)."""
+    if isinstance(prompts, Tensor):
+        if prompts.dim() not in (1, 2) or prompts.dtype.is_floating_point or prompts.dtype == torch.bool \
+                or prompts.is_complex():
+            raise PromptError(f"a prompt tensor must be 1-D or 2-D integer ids, got {prompts.dim()}-D {prompts.dtype}")
+        single = prompts.dim() == 1
+        prompts = [prompts.tolist()] if single else prompts.tolist()
+    elif isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise PromptError(f"prompts must be token ids (a list of ints, a list of lists or a tensor), "
+                          f"got {type(prompts).__name__}; encode text with the tokenizer first")
+    else:
+        single = len(prompts) > 0 and not isinstance(prompts[0], (Sequence, Tensor))
+        prompts = [prompts] if single else prompts
+    rows = []
+    for prompt in prompts:
+        if isinstance(prompt, Tensor):
+            prompt = prompt.tolist()
+        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
+            raise PromptError(f"each prompt must be a list of token ids, got {type(prompt).__name__}")
+        if len(prompt) == 0:
+            raise PromptError("every prompt needs at least one token")
+        bad = next((t for t in prompt if not _is_int(t) or not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise PromptError(f"token ids must be integers in [0, {vocab_size}), got {bad!r}")
+        rows.append(list(prompt))
+    if not rows:
+        raise PromptError("no prompt given")
+    return rows, single
+
+
+def fit_prompt(ids: Sequence[int], budget: int, bos_id: int) -> tuple[list[int], bool]:
+    """A prompt cut to at most `budget` tokens: its leading BOS (when it has one) and its most
+    recent tokens. Returns (ids, whether anything was cut)."""
+    ids = list(ids)
+    if len(ids) <= budget:
+        return ids, False
+    if budget >= 2 and ids and ids[0] == bos_id:
+        return [bos_id] + ids[len(ids) - budget + 1:], True
+    return ids[len(ids) - budget:], True
+
+
+# --------------------------------------------------------------------------------------------
+# Sampling
+# --------------------------------------------------------------------------------------------
 
 
 def sample_next(logits: Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                 generator: torch.Generator | None = None) -> Tensor:
-    """Pick one token per row from logits (B, V). temperature 0 is greedy."""
-    if temperature < 0:
-        raise PromptError(f"temperature must be >= 0, got {temperature}")
+    """Pick one token per row from logits (B, V). temperature 0 is greedy.
+
+    top_k keeps the k most likely tokens (ties at the k-th value all stay); top_p keeps the
+    smallest set of most likely tokens whose probability reaches p (the token that crosses p
+    stays)."""
     if temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature
-    if top_k is not None and top_k > 0:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and 0 < top_p < 1:
+    if top_p is not None and top_p < 1:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop_sorted = cumulative - sorted_logits.softmax(dim=-1) >= top_p  # keeps the token that crosses p
+        probs = sorted_logits.softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above each one
+        drop_sorted = before >= top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     probs = logits.softmax(dim=-1)
@@ -58,81 +156,116 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device
     return idx, (None if bool(mask.all()) else mask)
 
 
-@torch.inference_mode()  # lighter than no_grad: no version counters on the cache writes
-def generate(model, prompts, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-             top_p: float | None = None, seed: int | None = None, stop_tokens: Sequence[int] = (),
-             stream: StreamCallback | None = None, use_cache: bool = True, pad_id: int = 0, info: dict | None = None,
-             **options):
-    """Continue each prompt by up to max_new_tokens tokens.
+# --------------------------------------------------------------------------------------------
+# Decoding
+# --------------------------------------------------------------------------------------------
 
-    prompts: one list of ids, a list of lists, or a (B, T) tensor. Returns the new ids (without the
-    stop token) as a list, or a list of lists when several prompts were given. Pass a dict as `info`
-    to receive what the model reports about the prefill (e.g. `prefill_passes` under passes="auto").
+
+def model_options(model, options: dict, cached: bool = True) -> dict:
+    """The model's declared options with `options` applied, checked once (one-line errors)."""
+    return check_options(model.OPTIONS, options, model.config.arch, cached=cached)
+
+
+def stream(model, prompts, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+           top_p: float | None = None, seed: int | None = None, stop_tokens: Sequence[int] = (),
+           use_cache: bool = True, pad_id: int = 0, logprobs: bool = False, **options) -> Iterator[DecodeStep]:
+    """Yield one `DecodeStep` per new token, for every row together, until every row stopped (a
+    stop token, which is not yielded) or `max_new_tokens` steps. Break out to stop early.
+
+    prompts: one list of ids, a list of lists, or a 1-D / 2-D tensor. Everything is checked here,
+    before any work: a bad argument raises at the call, not at the first step.
     """
-    single = isinstance(prompts, Sequence) and len(prompts) > 0 and isinstance(prompts[0], int)
-    if isinstance(prompts, Tensor):
-        prompts = prompts.tolist() if prompts.dim() == 2 else [prompts.tolist()]
-    elif single:
-        prompts = [list(prompts)]
-    prompts = [list(p) for p in prompts]
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise PromptError("every prompt needs at least one token")
-    if max_new_tokens < 0:
-        raise PromptError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    options = {name: value for name, value in options.items() if value is not None}
-    model.check_options(options)
+    rows, _ = normalize_prompts(prompts, model.config.vocab_size)
+    if not _is_int(max_new_tokens) or max_new_tokens < 0:
+        raise PromptError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    check_sampling(temperature, top_k, top_p, seed)
+    options = model_options(model, options, cached=use_cache)
     context = model.config.sequence_len
-    longest = max(len(p) for p in prompts)
+    longest = max(len(p) for p in rows)
     if longest + max_new_tokens > context:
         raise PromptError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
                           f"context of {context} tokens")
+    return _decode(model, rows, max_new_tokens, temperature, top_k, top_p, seed, frozenset(stop_tokens), use_cache,
+                   pad_id, logprobs, options)
+
+
+@torch.inference_mode()  # lighter than no_grad: no version counters on the cache writes
+def _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, use_cache, pad_id,
+            logprobs, options) -> Iterator[DecodeStep]:
     was_training = model.training
     model.eval()
     try:
-        generated = _decode_loop(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, set(stop_tokens),
-                                 stream, use_cache, pad_id, options, info if info is not None else {})
+        device = next(model.parameters()).device
+        idx, pad_mask = left_pad(prompts, pad_id, device)
+        B, P = idx.shape
+        generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+        if max_new_tokens == 0:
+            return
+        finished = [False] * B
+        cache = model.new_cache(B, P + max_new_tokens, **options) if use_cache else None
+        if cache is not None:
+            out = model.prefill(idx, cache, pad_mask, **options)
+        else:
+            out = model.reference(idx, pad_mask, P, **options)
+        info = dict(out.info)
+        sequence = idx
+        for step in range(max_new_tokens):
+            last = out.logits[:, -1]  # (B, V)
+            next_ids = sample_next(last, temperature, top_k, top_p, generator)  # (B,)
+            chosen = last.float().log_softmax(dim=-1).gather(-1, next_ids[:, None]).squeeze(-1) if logprobs else None
+            tokens: list[int | None] = []
+            for row, token in enumerate(next_ids.tolist()):
+                finished[row] = finished[row] or token in stop_tokens
+                tokens.append(None if finished[row] else token)
+            if all(finished):
+                return
+            row_logprobs = None
+            if chosen is not None:
+                row_logprobs = [None if t is None else lp for t, lp in zip(tokens, chosen.tolist())]
+            yield DecodeStep(tokens, row_logprobs, info)
+            if step == max_new_tokens - 1:
+                return
+            if cache is not None:
+                out = model.decode(next_ids[:, None], cache, **options)
+            else:
+                sequence = torch.cat([sequence, next_ids[:, None]], dim=1)
+                if pad_mask is not None:
+                    pad_mask = torch.cat([pad_mask, torch.ones_like(pad_mask[:, :1])], dim=1)
+                out = model.reference(sequence, pad_mask, P, **options)
+            info = {**info, **out.info}
     finally:
         model.train(was_training)
-    return generated[0] if single else generated
 
 
-def _decode_loop(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, stream,
-                 use_cache, pad_id, options, info) -> list[list[int]]:
-    device = next(model.parameters()).device
-    idx, pad_mask = left_pad(prompts, pad_id, device)
-    B, P = idx.shape
-    generator = None
-    if seed is not None:
-        generator = torch.Generator(device=device).manual_seed(seed)
-    outputs: list[list[int]] = [[] for _ in range(B)]
-    if max_new_tokens == 0:
-        return outputs
-    finished = [False] * B
-    cache = model.new_cache(B, P + max_new_tokens, **options) if use_cache else None
-    out = model.generate_step(idx, cache=cache, pad_mask=pad_mask, prompt_len=P, **options)
-    info.update(out.info)
-    sequence = idx
-    for step in range(max_new_tokens):
-        next_ids = sample_next(out.logits[:, -1], temperature, top_k, top_p, generator)  # (B,)
-        ids = next_ids.tolist()
-        reported: list[int | None] = []
-        for row, token in enumerate(ids):
-            if finished[row] or token in stop_tokens:
-                finished[row] = True
-                reported.append(None)
-            else:
+def generate(model, prompts, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+             top_p: float | None = None, seed: int | None = None, stop_tokens: Sequence[int] = (),
+             use_cache: bool = True, pad_id: int = 0, **options):
+    """Continue each prompt by up to max_new_tokens tokens: the new ids (without the stop token),
+    a list for one prompt, a list of lists for several. `stream` is the same, step by step."""
+    rows, single = normalize_prompts(prompts, model.config.vocab_size)
+    outputs: list[list[int]] = [[] for _ in rows]
+    for step in stream(model, rows, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, use_cache, pad_id,
+                       **options):
+        for row, token in enumerate(step.tokens):
+            if token is not None:
                 outputs[row].append(token)
-                reported.append(token)
-        if stream is not None:
-            stream(reported)
-        if all(finished) or step == max_new_tokens - 1:
-            break
-        if cache is not None:
-            out = model.generate_step(next_ids[:, None], cache=cache, prompt_len=P, **options)
-            info.update(out.info)
-        else:
-            sequence = torch.cat([sequence, next_ids[:, None]], dim=1)
-            if pad_mask is not None:
-                pad_mask = torch.cat([pad_mask, torch.ones_like(pad_mask[:, :1])], dim=1)
-            out = model.generate_step(sequence, cache=None, pad_mask=pad_mask, prompt_len=P, **options)
-    return outputs
+    return outputs[0] if single else outputs
+
+
+@torch.no_grad()
+def teacher_forced_logits(model, idx: Tensor, pad_mask: Tensor | None = None, prompt_len: int | None = None,
+                          **options) -> Tensor:
+    """Logits (B, T, V) for a given text idx (B, T) as decoding would produce them: the first
+    `prompt_len` columns prefilled into a cache (left-padded rows masked by `pad_mask`), the rest
+    decoded teacher-forced. `prompt_len` None: as much as the architecture prefills when scoring
+    a whole text (`teacher_forced_prompt_len`: all of it, fbt soft only position 0)."""
+    options = model_options(model, options)
+    B, T = idx.shape
+    P = model.teacher_forced_prompt_len(T, options) if prompt_len is None else prompt_len
+    if not 1 <= P <= T:
+        raise PromptError(f"prompt_len must be in [1, {T}], got {P}")
+    cache = model.new_cache(B, T, **options)
+    logits = model.prefill(idx[:, :P], cache, None if pad_mask is None else pad_mask[:, :P], **options).logits
+    if P == T:
+        return logits
+    return torch.cat([logits, model.decode(idx[:, P:], cache, **options).logits], dim=1)

@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .archs import build_model
 from .checkpoint import load_weights, read_run_config, resolve_checkpoint
 from .config import RunConfig
 from .data import TokenData, load_tokenizer, parse_source, prepare_tokens
 from .errors import CheckpointError, ConfigError
-from .models import build_model
 
 CACHE_ENV = "LATENTLOOP_CACHE"  # root of every cache folder (tokens, eval bundle)
 EVAL_DIR_ENV = "LATENTLOOP_EVAL_DIR"  # folder of the evaluation task files

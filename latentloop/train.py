@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from .archs import build_model, build_objective
 from .checkpoint import (
     list_checkpoints,
     load_matching_weights,
@@ -35,8 +36,7 @@ from .config import RunConfig
 from .data import TokenData, TokenLoader, load_tokenizer
 from .errors import CheckpointError
 from .eval import evaluate_loss
-from .models import build_model
-from .objectives import Objective, objective_for
+from .objectives import Objective
 from .optim import build_optimizers, lr_multiplier, set_lr
 from .runtime import autocast_for, prepare_data, resolve_device
 
@@ -103,7 +103,7 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
     model = build_model(config.model).to(device)
     if init_from is not None:
         load_matching_weights(model, resolve_checkpoint(init_from))
-    objective = objective_for(config.model, config.train)
+    objective = build_objective(config.model, config.train)
     optimizers = build_optimizers(model, config.train)
     state = TrainState(config, run_dir, model, tokenizer, data, loader, objective, optimizers, device)
     state.forward_model = torch.compile(model) if config.train.compile else model

@@ -8,12 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from latentloop.archs import build_model, build_objective
 from latentloop.cli import main
 from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config
 from latentloop.errors import CheckpointError
 from latentloop.eval import compare
-from latentloop.models import build_model
-from latentloop.objectives import objective_for
 
 
 def make_run(folder: Path, arch: str, losses: list[float], *, flops: bool = True, evals: dict | None = None) -> Path:
@@ -56,7 +55,7 @@ def test_read_run_counts_params_and_flops(runs):
     config = RunConfig.from_dict(json.loads((gpt / "config.json").read_text()))
     model = build_model(config.model)
     assert info["params"] == model.num_params() and info["arch"] == "gpt"
-    assert info["flops_per_token"] == pytest.approx(objective_for(config.model, config.train).flops_per_token(model))
+    assert info["flops_per_token"] == pytest.approx(build_objective(config.model, config.train).flops_per_token(model))
     assert (info["tokens"], info["flops"], info["steps"]) == (30_000, 3e9, 30)
     assert info["val_loss"] == pytest.approx(2.1) and info["val_bpb"] == pytest.approx(2.1 / 0.69)
     fbt_info = compare.read_run(fbt)  # no FLOPs logged: FLOPs per token x tokens

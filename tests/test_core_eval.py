@@ -44,16 +44,27 @@ class BigramStub(nn.Module):
         super().__init__()
         self.table = nn.Parameter(table, requires_grad=False)
         self.config = SimpleNamespace(sequence_len=sequence_len, bos_id=BOS, vocab_size=table.shape[0], arch="stub")
-        self.calls: list[tuple[tuple[int, int], int]] = []
+        self.calls: list[tuple[str, tuple[int, int]]] = []
 
-    def check_options(self, options):
-        if options:
-            raise ConfigError(f"stub takes no options: {sorted(options)}")
+    OPTIONS = ()  # the decoding protocol of latentloop.models.backbone, with no options
 
-    def generate_step(self, idx, cache=None, pad_mask=None, prompt_len=0, **options):
-        self.check_options(options)
-        self.calls.append((tuple(idx.shape), prompt_len))
-        return SimpleNamespace(logits=self.table[idx])
+    def new_cache(self, batch_size, max_len=None, **options):
+        return SimpleNamespace()
+
+    def teacher_forced_prompt_len(self, seq_len, options):
+        return seq_len
+
+    def prefill(self, idx, cache, pad_mask=None, **options):
+        self.calls.append(("prefill", tuple(idx.shape)))
+        return SimpleNamespace(logits=self.table[idx], info={})
+
+    def decode(self, idx, cache, **options):
+        self.calls.append(("decode", tuple(idx.shape)))
+        return SimpleNamespace(logits=self.table[idx], info={})
+
+    def reference(self, idx, pad_mask=None, prompt_len=0, **options):
+        self.calls.append(("reference", tuple(idx.shape)))
+        return SimpleNamespace(logits=self.table[idx], info={})
 
 
 def prefer(pairs: dict[str, str], strength: float = 5.0) -> torch.Tensor:
@@ -231,7 +242,8 @@ def test_stub_rows_align_contexts_at_one_column():
     model = BigramStub(prefer({"a": "b"}), sequence_len=32)
     rows = [([BOS] + [97] * n, [98] * m) for n, m in ((1, 3), (7, 1), (4, 2))]
     score_continuations(model, rows, batch_size=8)
-    assert model.calls == [((3, 8 + 3), 8)]  # longest context 8, longest continuation 3
+    # longest context 8 prefilled, longest continuation 3 decoded teacher-forced in one call
+    assert model.calls == [("prefill", (3, 8)), ("decode", (3, 3))]
 
 
 @pytest.mark.parametrize("arch,options,modes", [

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
+from latentloop.archs import ARCHS
 from latentloop.cli import main
-from latentloop.models import MODEL_CLASSES
 
 
 def test_demo_writes_a_report_for_every_architecture(corpus, tmp_path, capsys):
@@ -14,9 +14,9 @@ def test_demo_writes_a_report_for_every_architecture(corpus, tmp_path, capsys):
                  "--no-progress"]) == 0
     summary = json.loads((out / "demo.json").read_text())
     assert summary["status"] == "done"
-    assert {r["arch"] for r in summary["results"]} == set(MODEL_CLASSES)
+    assert {r["arch"] for r in summary["results"]} == set(ARCHS)
     report = (out / "report.md").read_text()
-    for arch in MODEL_CLASSES:
+    for arch in ARCHS:
         assert f"## {arch} sample" in report
     assert "| fbt |" in report and "soft" in report and "interleaved" in report
     assert (out / "loss.png").is_file()

@@ -50,11 +50,16 @@ def test_stop_tokens_and_streaming(model):
     greedy = ll.generate(model, PROMPTS[0], 10, temperature=0.0)
     stop = greedy[3]
     first_stop = greedy.index(stop)
-    streamed = []
-    out = ll.generate(model, PROMPTS[0], 10, temperature=0.0, stop_tokens=[stop], stream=streamed.append)
+    out = ll.generate(model, PROMPTS[0], 10, temperature=0.0, stop_tokens=[stop])
     assert out == greedy[:first_stop]
-    assert [t[0] for t in streamed][:first_stop] == out
-    assert streamed[first_stop] == [None]
+    streamed = [step.tokens for step in ll.stream(model, PROMPTS[0], 10, temperature=0.0, stop_tokens=[stop])]
+    assert [t[0] for t in streamed] == out  # the stream ends when the only row stops
+    # with two rows, the stopped row reports None while the other goes on
+    rows = [PROMPTS[0], PROMPTS[1]]
+    both = list(ll.stream(model, rows, 10, temperature=0.0, stop_tokens=[stop]))
+    other = ll.generate(model, PROMPTS[1], 10, temperature=0.0, stop_tokens=[stop])
+    assert [s.tokens[0] for s in both[:first_stop]] == out and all(s.tokens[0] is None for s in both[first_stop:])
+    assert [s.tokens[1] for s in both if s.tokens[1] is not None] == other
 
 
 def test_prompt_errors(model):

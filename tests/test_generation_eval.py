@@ -24,6 +24,7 @@ from latentloop.eval.generation import (
     run_generation_tasks,
     split_task_names,
 )
+from latentloop.models.options import DecodeOption
 
 TOKENIZER = ByteTokenizer()
 
@@ -34,21 +35,19 @@ class ScriptedModel(nn.Module):
     def __init__(self, respond, sequence_len=4096, allowed_options=()):
         super().__init__()
         self.respond = respond
-        self.config = SimpleNamespace(sequence_len=sequence_len)
+        self.config = SimpleNamespace(sequence_len=sequence_len, vocab_size=TOKENIZER.vocab_size, arch="scripted")
         self.anchor = nn.Parameter(torch.zeros(1))
-        self.allowed = set(allowed_options)
+        self.OPTIONS = tuple(DecodeOption(name, str, None, "a test option") for name in sorted(allowed_options))
         self.prompts: list[str] = []
         self.options_seen: list[dict] = []
-
-    def check_options(self, options):
-        unknown = set(options) - self.allowed
-        if unknown:
-            raise ConfigError(f"unsupported option(s): {', '.join(sorted(unknown))}")
 
     def new_cache(self, batch_size, max_len=None, **options):
         return SimpleNamespace()
 
-    def generate_step(self, idx, cache=None, pad_mask=None, prompt_len=0, **options):
+    def prefill(self, idx, cache, pad_mask=None, **options):
+        return self.decode(idx, cache, pad_mask, **options)
+
+    def decode(self, idx, cache, pad_mask=None, **options):
         self.options_seen.append(options)
         if getattr(cache, "scripts", None) is None:  # prefill: read each row's prompt
             cache.scripts, cache.position = [], 0

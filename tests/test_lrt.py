@@ -7,9 +7,10 @@ import pytest
 import torch
 
 import latentloop as ll
+from latentloop.archs import build_objective
 from latentloop.cli import main
 from latentloop.config import TrainConfig, model_config
-from latentloop.objectives import objective_for, token_cross_entropy
+from latentloop.objectives import token_cross_entropy
 
 TOL = 1e-5  # fp32 max abs logit difference between two exact paths
 
@@ -39,7 +40,7 @@ def test_cached_decoding_equals_sequential(overrides):
     idx = torch.randint(0, 256, (3, 14))
     sequential = model(idx, recurrence="sequential").logits
     cache = model.new_cache(3, 14)
-    stepped = torch.cat([model(idx[:, :5], cache=cache).logits, model(idx[:, 5:], cache=cache).logits], dim=1)
+    stepped = torch.cat([model.prefill(idx[:, :5], cache).logits, model.decode(idx[:, 5:], cache).logits], dim=1)
     assert (stepped - sequential).abs().max().item() <= TOL
 
 
@@ -89,7 +90,7 @@ def test_gradients_flow_through_the_buffer():
 
 def test_objective_loss_and_flops():
     cfg = model_config("lrt", "test", subsets=3)
-    objective = objective_for(cfg, TrainConfig(steps=2))
+    objective = build_objective(cfg, TrainConfig(steps=2))
     model = _model(subsets=3)
     x, y = torch.randint(0, 256, (2, 12)), torch.randint(0, 256, (2, 12))
     result = objective(model, x, y, step=0)
@@ -97,9 +98,10 @@ def test_objective_loss_and_flops():
     terms = [token_cross_entropy(lg, y[:, c]) for lg, c in zip(out.pass_logits, out.pass_columns)]
     assert len(terms) == 4
     assert result.loss.item() == pytest.approx((sum(terms) / 4).item(), rel=1e-6)
-    assert objective.flops_per_token(model) == pytest.approx(2 * model.flops_per_token())
-    refine = objective_for(model_config("lrt", "test", recurrence="multi_refine", refine_passes=3), TrainConfig())
-    assert refine.flops_per_token(model) == pytest.approx(3 * model.flops_per_token())
+    one_pass = model.flops_per_token(recurrence="chunked")  # chunk_size >= T: one pass over the stack
+    assert objective.flops_per_token(model) == pytest.approx(2 * one_pass)  # init pass + one refinement
+    refine = build_objective(model_config("lrt", "test", recurrence="multi_refine", refine_passes=3), TrainConfig())
+    assert refine.flops_per_token(_model(recurrence="multi_refine", refine_passes=3)) == pytest.approx(3 * one_pass)
 
 
 def test_parameter_overhead_counts():

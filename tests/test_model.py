@@ -28,9 +28,9 @@ def test_cached_logits_equal_full_forward(overrides):
     idx = torch.randint(0, 259, (2, 30))
     full = model(idx).logits
     cache = model.new_cache(2, 40)
-    pieces = [model(idx[:, :11], cache=cache).logits]  # prefill
-    pieces += [model(idx[:, t:t + 1], cache=cache).logits for t in range(11, 20)]  # one-token steps
-    pieces.append(model(idx[:, 20:], cache=cache).logits)  # a second chunk
+    pieces = [model.prefill(idx[:, :11], cache).logits]
+    pieces += [model.decode(idx[:, t:t + 1], cache).logits for t in range(11, 20)]  # one-token steps
+    pieces.append(model.decode(idx[:, 20:], cache).logits)  # a second chunk
     assert cache.length == 30
     assert (torch.cat(pieces, dim=1) - full).abs().max().item() <= TOL
 
@@ -46,8 +46,8 @@ def test_left_padded_rows_match_each_row_alone():
         idx[r, P - len(row):], mask[r, P - len(row):] = row, True
     padded = model(idx, pad_mask=mask).logits
     cache = model.new_cache(3, P + 4)
-    cached = model(idx, cache=cache, pad_mask=mask).logits
-    step = model(torch.tensor([[1], [2], [3]]), cache=cache).logits[:, 0]
+    cached = model.prefill(idx, cache, mask).logits
+    step = model.decode(torch.tensor([[1], [2], [3]]), cache).logits[:, 0]
     for r, row in enumerate(rows):
         alone = model(row[None]).logits[0]
         assert (padded[r, P - len(row):] - alone).abs().max().item() <= TOL

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 import latentloop as ll
+from latentloop.archs import build_objective
 from latentloop.cli import main
 from latentloop.config import TrainConfig, model_config, rgpt_shape_from_dense
-from latentloop.objectives import objective_for, token_cross_entropy
+from latentloop.objectives import token_cross_entropy
 
 TOL = 1e-5  # fp32 max abs logit difference between two exact paths
 
@@ -27,8 +28,8 @@ def test_cached_full_decoding_equals_uncached_forward(steps):
     idx = torch.randint(0, 256, (2, 14))
     full = model(idx, steps=steps).logits
     cache = model.new_cache(2, 14, steps=steps)
-    pieces = [model(idx[:, :6], cache=cache, steps=steps).logits]
-    pieces += [model(idx[:, t:t + 1], cache=cache, steps=steps).logits for t in range(6, 14)]
+    pieces = [model.prefill(idx[:, :6], cache, steps=steps).logits]
+    pieces += [model.decode(idx[:, t:t + 1], cache, steps=steps).logits for t in range(6, 14)]
     assert (torch.cat(pieces, dim=1) - full).abs().max().item() <= TOL
 
 
@@ -38,14 +39,13 @@ def test_generation_cached_equals_uncached_and_reports_depth():
     for steps in (None, 2):
         assert ll.generate(model, prompts, 8, temperature=0.0, steps=steps) == \
             ll.generate(model, prompts, 8, temperature=0.0, steps=steps, use_cache=False)
-    info = {}
-    ll.generate(model, prompts, 3, temperature=0.0, steps=5, info=info)
+    info = list(ll.stream(model, prompts, 3, temperature=0.0, steps=5))[-1].info
     assert info["beyond_trained"] and info["trained_steps"] == 3
     for mode in ("mean", "last"):
         assert len(ll.generate(model, prompts, 6, temperature=0.0, cache_mode=mode)[0]) == 6
     with pytest.raises(ll.ConfigError, match="cache_mode"):
         ll.generate(model, prompts, 2, cache_mode="half")
-    with pytest.raises(ll.ConfigError, match="adaptive exit needs the cache"):
+    with pytest.raises(ll.ConfigError, match="exit_threshold=0.1 needs the cache"):
         ll.generate(model, prompts, 2, exit_threshold=0.1, use_cache=False)
 
 
@@ -76,9 +76,9 @@ def test_noise_only_in_training():
 def test_early_exit_cache_rule_repeats_the_last_computed_step():
     model = _model()
     cache = model.new_cache(2, 8)
-    model.generate_step(torch.tensor([[256, 4, 5], [256, 6, 7]]), cache=cache, prompt_len=3)
+    model.prefill(torch.tensor([[256, 4, 5], [256, 6, 7]]), cache)
     # a huge state threshold makes every row stop after its first step
-    model.generate_step(torch.tensor([[8], [9]]), cache=cache, exit_threshold=1e9, exit_criterion="state")
+    model.decode(torch.tensor([[8], [9]]), cache, exit_threshold=1e9, exit_criterion="state")
     pos, n_pre, n_rec = 3, model.config.n_pre, model.config.n_rec
     for step in (2, 3):
         for j in range(n_rec):
@@ -101,7 +101,7 @@ def test_cache_memory_per_mode():
 
 
 def test_depth_sampling_is_uniform_and_seeded():
-    objective = objective_for(model_config("rgpt", "test", recurrence_steps=4), TrainConfig(seed=5))
+    objective = build_objective(model_config("rgpt", "test", recurrence_steps=4), TrainConfig(seed=5))
     draws = np.array([objective.depth_for_step(s) for s in range(4000)])
     assert set(draws) == {1, 2, 3, 4}
     assert all(abs((draws == r).mean() - 0.25) < 0.03 for r in range(1, 5))
@@ -120,8 +120,8 @@ def test_truncated_backprop_only_differentiates_the_last_steps():
     with torch.no_grad():
         h = h_pre
         for _ in range(2):
-            h, _ = model.recur(h, h_pre, ctx)
-    h, _ = model.recur(h, h_pre, ctx)
+            h, _, _ = model.recur(h, h_pre, ctx)
+    h, _, _ = model.recur(h, h_pre, ctx)
     manual = torch.autograd.grad(token_cross_entropy(model.readout(model.run_blocks(h, ctx, model.coda)), y),
                                  model.proj.weight)[0]
     full = torch.autograd.grad(token_cross_entropy(model(idx, steps=3).logits, y), model.proj.weight)[0]
@@ -135,7 +135,7 @@ def test_iso_shapes_and_flops():
     model = ll.build("rgpt", preset=None, n_embd=8, n_head=2, vocab_size=10, bos_id=0, sequence_len=4,
                      n_pre=1, n_rec=1, n_coda=1, recurrence_steps=2)
     block = 4 * 8 * 8 + 2 * 8 * 32  # qkv + out, MLP up + down: 768 multiply-adds
-    step = 16 * 8 + (16 * 8 + 8) + (8 * 8 + 8)  # proj, gate_in (+bias), gate_out (+bias): 336
+    step = 16 * 8 + 16 * 8 + 8 * 8  # proj, gate_in, gate_out: 320 (bias adds are not multiply-adds)
     head = 10 * 8
     attention = 2 * 8 * 2  # QK^T and AV over an average context of 2, per block application
     for steps in (1, 2, 3):

@@ -49,8 +49,7 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 def _model_facts(config: RunConfig) -> tuple[int | None, float | None]:
     """(parameters, training FLOPs per token) from the config, building the model on `meta`."""
-    from ..models import build_model
-    from ..objectives import objective_for
+    from ..archs import build_model, build_objective
 
     try:
         with torch.device("meta"):
@@ -59,7 +58,7 @@ def _model_facts(config: RunConfig) -> tuple[int | None, float | None]:
     except (LatentloopError, RuntimeError, NotImplementedError):
         return None, None
     try:
-        flops = float(objective_for(config.model, config.train).flops_per_token(model, None))
+        flops = float(build_objective(config.model, config.train).flops_per_token(model, None))
     except (LatentloopError, RuntimeError, NotImplementedError, AttributeError):
         flops = None
     return params, flops

@@ -20,15 +20,14 @@ does not change any prompt). Each task's accuracy is centred by its random basel
 baselines are those of DCLM's `eval_meta_data.csv` (e.g. 62% for boolq, 9.1% for language
 identification), so scores compare with published CORE numbers.
 
-Scoring works for every architecture through `model.generate_step(idx, cache=None, pad_mask,
-prompt_len=P, **options)`: each row is `[left padding][context][continuation][right padding]` with
-all contexts ending at column P, so the continuation is scored as generated text under the chosen
-regime (fbt `fused` prefills the context with K passes, then feeds latents back over the
-continuation; `soft` feeds latents back over the continuation after a plain prefill). Where that
-uncached call re-runs the stack once per continuation token (fbt soft/fused), the same numbers come
-far cheaper from the engine's cached path: a prefill of the contexts, then one-token decode steps
-(`continuation_logits`, chosen by `choose_stepwise`; a model may set `scoring_mode`). A context too
-long for the model is cut from the left, keeping its leading BOS (see `fit_row`). Rows are sorted by
+Scoring works for every architecture through the engine's `teacher_forced_logits`: each row is
+`[left padding][context][continuation][right padding]` with all contexts ending at column P; the
+contexts are prefilled into the cache and the continuation decoded teacher-forced, so it is scored
+as generated text under the chosen regime (fbt `fused` prefills the context with K passes, then
+feeds latents back over the continuation; `soft` feeds latents back over the continuation after a
+plain prefill). `mode="full"` scores with the naive uncached `reference` path instead (the same
+numbers, tested; far slower where the reference re-runs the stack per continuation token). A
+context too long for the model is cut from the left, keeping its leading BOS (see `fit_row`). Rows are sorted by
 length and packed into batches, so a small model scores a few hundred examples in seconds on a CPU,
 and a row scores the same in any batch as alone.
 
@@ -59,6 +58,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..engine import model_options, teacher_forced_logits
 from ..errors import ConfigError, DataError
 from ..runtime import EVAL_DIR_ENV, default_eval_dir
 
@@ -382,49 +382,22 @@ def plan_batches(rows: Sequence[tuple[list[int], list[int]]], batch_size: int, m
     return closed + [batch for batch, _, _ in open_batches]
 
 
+SCORING_MODES = ("auto", "full", "stepwise")  # auto = stepwise: the cached path
+
+
 def continuation_logits(model: nn.Module, idx: torch.Tensor, pad_mask: torch.Tensor | None, P: int, C: int,
-                        options: dict, stepwise: bool) -> torch.Tensor:
+                        options: dict, stepwise: bool = True) -> torch.Tensor:
     """Logits (B, C, V) predicting idx[:, P:P+C] after the contexts that end at column P.
 
-    full: one uncached `generate_step` over the whole rows, the first P columns being the prompt.
-    stepwise: the engine's own path: a cached prefill of the contexts, then one-token decode steps
-    through the continuation. Both give the same numbers; stepwise is far cheaper where the
-    uncached call re-runs the stack once per continuation token (fbt soft/fused).
+    stepwise: the engine's own path: a cached prefill of the contexts, then the continuation
+    decoded teacher-forced. full: the naive uncached `reference` over the whole rows, the first P
+    columns being the prompt. Both give the same numbers.
     """
-    if not stepwise:
-        logits = model.generate_step(idx, cache=None, pad_mask=pad_mask, prompt_len=P, **options).logits
-        return logits[:, P - 1:P + C - 1]
-    cache = model.new_cache(idx.shape[0], P + C)
-    prompt_mask = None if pad_mask is None else pad_mask[:, :P]
-    out = model.generate_step(idx[:, :P], cache=cache, pad_mask=prompt_mask, prompt_len=P, **options)
-    steps = [out.logits[:, -1:]]
-    for j in range(C - 1):
-        out = model.generate_step(idx[:, P + j:P + j + 1], cache=cache, prompt_len=P, **options)
-        steps.append(out.logits[:, -1:])
-    return torch.cat(steps, dim=1)
-
-
-def choose_stepwise(model: nn.Module, options: dict, mode: str = "auto") -> bool:
-    """Whether to score with cached one-token steps: `mode` "stepwise" or "full", or "auto": the
-    model's own `scoring_mode` attribute (a string, or a function of the options) where it has one;
-    else stepwise where the uncached call re-runs the stack per continuation token (fbt soft/fused),
-    is sequential anyway (lrt; its interleaved prefill exists only with the cache) or where an
-    option needs the cache (rgpt's adaptive exit); else full."""
-    if mode not in ("auto", "full", "stepwise"):
-        raise ConfigError(f"scoring mode must be auto, full or stepwise, got {mode!r}")
-    if mode != "auto":
-        return mode == "stepwise"
-    declared = getattr(model, "scoring_mode", None)
-    if callable(declared):
-        declared = declared(options)
-    if declared in ("full", "stepwise"):
-        return declared == "stepwise"
-    arch = getattr(model.config, "arch", None)
-    if arch == "fbt":
-        return options.get("regime", "soft") != "standard"
-    if arch == "lrt":
-        return True
-    return (options.get("exit_threshold") or 0) > 0
+    if stepwise:
+        logits = teacher_forced_logits(model, idx[:, :P + C], pad_mask, prompt_len=P, **options)
+    else:
+        logits = model.reference(idx, pad_mask, P, **model_options(model, options, cached=False)).logits
+    return logits[:, P - 1:P + C - 1]
 
 
 def _score_batch(model: nn.Module, rows: list[tuple[list[int], list[int]]], options: dict, pad_id: int,
@@ -463,10 +436,12 @@ def score_continuations(model: nn.Module, rows: Sequence[tuple[Sequence[int], Se
     """Log-probability and greedy match of each continuation after its context (both token id
     lists; the context should start with BOS). Rows too long for the model are cut by `fit_row`.
     `on_batch(n)` is called after each batch of n rows (progress bars); `mode` picks how the
-    continuation is run (`continuation_logits`; auto: see `choose_stepwise`)."""
+    continuation is run (`continuation_logits`; auto: stepwise)."""
     options = _clean_options(options)
-    model.check_options(options)
-    stepwise = choose_stepwise(model, options, mode)
+    model_options(model, options, cached=mode != "full")
+    if mode not in SCORING_MODES:
+        raise ConfigError(f"scoring mode must be one of {', '.join(SCORING_MODES)}, got {mode!r}")
+    stepwise = mode != "full"
     if batch_size < 1:
         raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
     config = model.config
@@ -579,7 +554,7 @@ def run_core(model: nn.Module, tokenizer, tasks: str | Sequence[str] = "core", d
     if limit is not None and limit < 1:
         raise ConfigError(f"limit must be >= 1, got {limit}")
     options = _clean_options(options)
-    model.check_options(options)
+    model_options(model, options)
     folder = resolve_eval_dir(data_dir)
     start = time.perf_counter()
     results: dict[str, dict] = {}

@@ -51,7 +51,7 @@ from tqdm import tqdm
 
 from latentloop.data.sources import iter_jsonl
 from latentloop.data.tasks import TASKS, final_answer, parse_task_spec
-from latentloop.engine import generate
+from latentloop.engine import fit_prompt, stream
 from latentloop.errors import ConfigError, DataError
 from latentloop.eval.sandbox import run_untrusted
 
@@ -64,10 +64,6 @@ HUMANEVAL_STOPS = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
 WORD_PROBLEM_STOPS = ("\n\n", "Question:")
 NUMBER = re.compile(r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)")
 EXAMPLES_REPORTED = 3
-
-
-class _AllRowsStopped(Exception):
-    """Raised from the stream callback to end a batch once every row has hit a stop string."""
 
 
 @dataclass
@@ -163,14 +159,14 @@ def _cut(tokenizer, tokens: list[int], stops: Sequence[str]) -> Generation:
 
 def generate_texts(model, tokenizer, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                    stops: Sequence[str] = (), options: dict | None = None, temperature: float = 0.0,
-                   top_p: float | None = None, seed: int = 0, batch_size: int = DEFAULT_BATCH_SIZE,
-                   bar: tqdm | None = None) -> list[Generation]:
+                   top_p: float | None = None, top_k: int | None = None, seed: int = 0,
+                   batch_size: int = DEFAULT_BATCH_SIZE, bar: tqdm | None = None) -> list[Generation]:
     """Generate for every prompt (token ids) in batches of similar length, stopping each row at the
     end/BOS token, at a newline token when "\\n" is a stop string, or at any stop string.
 
-    The engine stops rows only on token ids, so stop strings are watched through its `stream`
-    callback, which ends the batch (by raising) once every row has written one; the tokens are
-    collected from the stream, so nothing is lost. Results come back in the order of `prompts`."""
+    The engine stops rows only on token ids; stop strings are watched here, step by step, and the
+    batch ends (by leaving the engine's generator) once every row has written one. Results come
+    back in the order of `prompts`."""
     stop_ids = [tokenizer.eos_id, tokenizer.bos_id]
     if "\n" in stops:
         stop_ids += newline_token_ids(tokenizer)
@@ -180,26 +176,18 @@ def generate_texts(model, tokenizer, prompts: Sequence[Sequence[int]], max_new_t
         rows = order[start:start + batch_size]
         tokens: list[list[int]] = [[] for _ in rows]
         done = [False] * len(rows)
-
-        def collect(new: list[int | None], tokens=tokens, done=done) -> None:
-            for row, token in enumerate(new):
-                if done[row]:
-                    continue
-                if token is None:
+        for step in stream(model, [list(prompts[i]) for i in rows], max_new_tokens, temperature=temperature,
+                           top_p=top_p, top_k=top_k, seed=seed + batch_index, stop_tokens=stop_ids,
+                           pad_id=tokenizer.pad_id, **(options or {})):
+            for row, token in enumerate(step.tokens):
+                if done[row] or token is None:
                     done[row] = True
                     continue
                 tokens[row].append(token)
                 if stops and _first_stop(tokenizer.decode(tokens[row][-64:]), stops) >= 0:
                     done[row] = True
             if all(done):
-                raise _AllRowsStopped
-
-        try:
-            generate(model, [list(prompts[i]) for i in rows], max_new_tokens, temperature=temperature, top_p=top_p,
-                     seed=seed + batch_index, stop_tokens=stop_ids, stream=collect, pad_id=tokenizer.pad_id,
-                     **(options or {}))
-        except _AllRowsStopped:
-            pass
+                break
         for row, index in enumerate(rows):
             results[index] = _cut(tokenizer, tokens[row], stops)
         if bar is not None:
@@ -215,11 +203,9 @@ def generation_budget(model, max_new_tokens: int) -> tuple[int, int]:
 
 
 def encode_prompt(tokenizer, text: str, budget: int) -> tuple[list[int], bool]:
-    """[BOS] + tokens of `text`, keeping only the last `budget` tokens when too long."""
-    ids = [tokenizer.bos_id] + tokenizer.encode(text)
-    if len(ids) <= budget:
-        return ids, False
-    return ids[len(ids) - budget:], True
+    """[BOS] + tokens of `text`, cut to `budget` tokens by `fit_prompt` (BOS and the most recent
+    tokens) when too long."""
+    return fit_prompt([tokenizer.bos_id] + tokenizer.encode(text), budget, tokenizer.bos_id)
 
 
 def few_shot_prompt(tokenizer, shots: Sequence[str], query: str, budget: int) -> tuple[list[int], int, bool]:

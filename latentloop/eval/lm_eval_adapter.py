@@ -39,6 +39,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from ..archs import option_union
+from ..engine import fit_prompt, model_options
 from ..errors import ConfigError
 from .core import DEFAULT_BATCH_SIZE, score_continuations
 
@@ -52,19 +54,6 @@ try:  # lm_eval is optional: without it this module still imports (for docs and 
 except ImportError:  # pragma: no cover - depends on the environment
     _LMBase = object
     HAVE_LM_EVAL = False
-
-
-class _AllStopped(Exception):
-    """Ends a generation batch early once every row produced a stop string."""
-
-
-def _parse_passes(value: Any) -> int | str | None:
-    if value is None or value == "auto":
-        return value
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"passes must be an integer >= 1 or 'auto', got {value!r}") from None
 
 
 def _available_device(name: str | None):
@@ -84,9 +73,7 @@ class LatentloopLM(_LMBase):
     """lm-eval's `LM` interface over a latentloop run, under one set of decoding options."""
 
     def __init__(self, pretrained: str | None = None, device: str | None = "cpu", batch_size: int | str | None = None,
-                 max_batch_size: int | None = None, max_gen_toks: int = 256, regime: str | None = None,
-                 passes: int | str | None = None, steps: int | None = None, prefill: str | None = None,
-                 model=None, tokenizer=None, **unused):
+                 max_batch_size: int | None = None, max_gen_toks: int = 256, model=None, tokenizer=None, **extra):
         super().__init__()
         if model is None:
             if pretrained is None:
@@ -97,10 +84,13 @@ class LatentloopLM(_LMBase):
         elif tokenizer is None:
             raise ConfigError("give the tokenizer together with the model")
         self.model, self.tokenizer = model.eval(), tokenizer
-        self.options = {k: v for k, v in {"regime": regime, "passes": _parse_passes(passes),
-                                          "steps": None if steps is None else int(steps),
-                                          "prefill": prefill}.items() if v is not None}
-        self.model.check_options(self.options)
+        # model_args beyond lm-eval's own are the architecture's declared options (regime, passes,
+        # prefill, steps, cache_mode, exit_threshold, ...), parsed from their text as the CLI does
+        declared = {option.name: option for option in self.model.OPTIONS}
+        given = {name: value for name, value in extra.items() if name in option_union()}
+        self.options = {name: declared[name].parse(value) if name in declared else value
+                        for name, value in given.items() if value is not None}
+        model_options(self.model, self.options)
         size = batch_size if batch_size not in (None, "auto") and not str(batch_size).startswith("auto") else None
         self.batch_size_rows = int(size) if size is not None else DEFAULT_BATCH_SIZE
         if max_batch_size is not None:
@@ -195,7 +185,7 @@ class LatentloopLM(_LMBase):
 
     def generate_batch(self, contexts: Sequence[str], gen_kwargs: dict) -> list[str]:
         """Greedy (or sampled, with do_sample) continuations of contexts, cut at the first stop string."""
-        from ..engine import generate
+        from .generation import generate_texts
 
         until = gen_kwargs.get("until") or []
         stops = [until] if isinstance(until, str) else list(until)
@@ -203,41 +193,13 @@ class LatentloopLM(_LMBase):
         budget = self.max_length - new_tokens
         sample = bool(gen_kwargs.get("do_sample", False))
         temperature = float(gen_kwargs.get("temperature", 1.0 if sample else 0.0)) if sample else 0.0
-        prompts = []
-        for context in contexts:
-            ids = [self.tokenizer.bos_id] + self.tokenizer.encode(context)
-            if len(ids) > budget:  # keep BOS and the most recent tokens
-                ids = ids[:1] + ids[len(ids) - budget + 1:] if budget >= 2 else ids[-budget:]
-            prompts.append(ids)
-        produced: list[list[int]] = [[] for _ in prompts]
-        done = [False] * len(prompts)
-
-        def collect(tokens: list[int | None]) -> None:
-            for row, token in enumerate(tokens):
-                if done[row]:
-                    continue
-                if token is None:
-                    done[row] = True
-                    continue
-                produced[row].append(token)
-                if stops and any(stop in self.tokenizer.decode(produced[row][-64:]) for stop in stops):
-                    done[row] = True
-            if all(done):
-                raise _AllStopped
-
-        try:
-            generate(self.model, prompts, new_tokens, temperature=temperature, top_p=gen_kwargs.get("top_p"),
-                     top_k=gen_kwargs.get("top_k"), seed=int(gen_kwargs.get("seed", 0)),
-                     stop_tokens=[self.tokenizer.eos_id, self.tokenizer.bos_id], stream=collect,
-                     pad_id=self.tokenizer.pad_id, **self.options)
-        except _AllStopped:
-            pass
-        texts = []
-        for ids in produced:
-            text = self.tokenizer.decode(ids)
-            cut = [text.find(stop) for stop in stops if stop and stop in text]
-            texts.append(text[:min(cut)] if cut else text)
-        return texts
+        bos = self.tokenizer.bos_id
+        prompts = [fit_prompt([bos] + self.tokenizer.encode(context), budget, bos)[0] for context in contexts]
+        generations = generate_texts(self.model, self.tokenizer, prompts, new_tokens, stops=[s for s in stops if s],
+                                     options=self.options, temperature=temperature, top_p=gen_kwargs.get("top_p"),
+                                     top_k=gen_kwargs.get("top_k"), seed=int(gen_kwargs.get("seed", 0)),
+                                     batch_size=max(1, len(prompts)))
+        return [generation.text for generation in generations]
 
 
 def register() -> bool:

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from ..data import eval_batches
+from ..engine import model_options, teacher_forced_logits
 from ..objectives import token_cross_entropy
 
 LogitsFn = Callable[[nn.Module, Tensor], Tensor]  # (model, x (B, T)) -> logits (B, T, V)
@@ -52,12 +53,21 @@ def evaluate_loss(model: nn.Module, tokens: np.ndarray, token_bytes: np.ndarray,
             "tokens": n_tokens}
 
 
+def decoding_logits(options: dict | None = None) -> LogitsFn:
+    """Logits as the architecture decodes under `options` (regime, passes, prefill, steps, ...):
+    the engine's teacher-forced scoring path, checked once here."""
+    options = dict(options or {})
+
+    def logits_fn(m: nn.Module, x: Tensor) -> Tensor:
+        return teacher_forced_logits(m, x, **options)
+
+    return logits_fn
+
+
 def evaluate_run(model: nn.Module, tokens: np.ndarray, tokenizer, batch_size: int, seq_len: int,
                  max_batches: int | None = None, options: dict | None = None) -> dict[str, float]:
     """`evaluate_loss` with the model's own scoring under architecture options (regime, passes, ...)."""
-    options = options or {}
-
-    def logits_fn(m: nn.Module, x: Tensor) -> Tensor:
-        return m.eval_logits(x, **options)
+    model_options(model, options or {})  # a bad option fails before any batch
+    logits_fn = decoding_logits(options)
 
     return evaluate_loss(model, tokens, tokenizer.token_byte_lengths(), batch_size, seq_len, max_batches, logits_fn)

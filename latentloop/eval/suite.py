@@ -22,6 +22,7 @@ from typing import Any
 from torch import nn
 
 from ..checkpoint import write_json_atomic
+from ..engine import model_options
 from ..errors import ConfigError, DataError
 from . import core
 
@@ -116,7 +117,7 @@ def run_tasks(model: nn.Module, tokenizer, names: str | Sequence[str], data_dir:
     "missing": CORE tasks without data, "files": written paths}.
     """
     options = {k: v for k, v in (options or {}).items() if v is not None}
-    model.check_options(options)
+    model_options(model, options)
     if limit is not None and limit < 1:
         raise ConfigError(f"limit must be >= 1, got {limit}")
     core_names, generation_tasks, whole_core = plan_tasks(names)

@@ -7,8 +7,9 @@ Notable features:
   (RoPE), QK-norm and optional grouped-query attention (`n_kv_head < n_head`)
 - ReLU² MLP (nanochat) or SwiGLU
 - lm_head tied to the embedding or separate; optional logit soft-cap
-- an explicit `KVCache` passed into `forward`; per-row positions so that left-padded batches of
-  prompts of different lengths give exactly the logits of each prompt alone
+- two faces: `forward` (the whole sequence, for training and scoring) and the decoding protocol
+  `prefill` / `decode` / `reference` with an explicit `KVCache`; per-row positions so that
+  left-padded batches of prompts of different lengths give exactly the logits of each prompt alone
 - `forward` returns logits *and* the top-layer states; losses live in `latentloop.objectives`
 
 Init (documented because the variants rely on it):
@@ -21,20 +22,32 @@ Init (documented because the variants rely on it):
 
 Extension points for the variants (each a thin subclass in its own file):
 `make_block` (which block class each layer uses), `Attention.project_qkv` (e.g. extra keys/values),
-`embed`, `run_blocks`, `readout`, `new_cache` (how many cache slots), `forward`.
+`embed`, `run_blocks`, `readout`, `new_cache` (how many cache slots), and the decoding protocol:
+
+- `prefill(idx, cache, pad_mask, **options)`: the prompt into an empty cache;
+- `decode(idx, cache, **options)`: new tokens after what the cache holds (several teacher-forced
+  tokens allowed); variants that feed a token's state to the next one plug a one-token step into
+  `step_tokens`, the one loop that steps tokens through a cache;
+- `reference(idx, pad_mask, prompt_len, **options)`: the naive uncached path over the whole
+  sequence so far, whose first `prompt_len` columns are the prompt;
+- `OPTIONS`: the declared inference options (`latentloop.models.options`); the engine checks them
+  once per call and passes every one, defaults filled in, to these methods.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import ModelConfig
-from ..errors import ConfigError
-from .cache import AttentionPlan, KVCache, plan_attention
+from .cache import AttentionPlan, KVCache, KVStore, plan_attention
+from .flops import count_flops_per_token
+from .options import DecodeOption
 
 UNTIED_HEAD_INIT_STD = 0.001  # small enough that the initial next-token distribution is ~uniform
 
@@ -76,7 +89,7 @@ class ForwardContext:
     plan: AttentionPlan
     cos: Tensor  # (B|1, T, 1, hd)
     sin: Tensor
-    cache: KVCache | None = None  # or any object with the same update(slot, k, v) (e.g. a KVBuffer)
+    cache: KVStore | None = None  # a KVCache, a training KVBuffer or a per-step view of one
     slot_offset: int = 0  # cache slot of layer 0 (recurrent-depth models use several per layer)
 
 
@@ -162,7 +175,7 @@ class ModelOutput:
 
 
 class GPT(nn.Module):
-    config_class = ModelConfig
+    OPTIONS: ClassVar[tuple[DecodeOption, ...]] = ()  # the baseline decodes one way
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -203,7 +216,7 @@ class GPT(nn.Module):
         plan = cache.begin(T, pad_mask) if cache is not None else plan_attention(pad_mask, T, idx.device)
         return self.context_from_plan(plan, cache)
 
-    def context_from_plan(self, plan: AttentionPlan, cache=None) -> ForwardContext:
+    def context_from_plan(self, plan: AttentionPlan, cache: KVStore | None = None) -> ForwardContext:
         cos = self.rope_cos[plan.positions][:, :, None, :]  # (B|1, T, 1, hd)
         sin = self.rope_sin[plan.positions][:, :, None, :]
         return ForwardContext(plan=plan, cos=cos, sin=sin, cache=cache)
@@ -226,35 +239,53 @@ class GPT(nn.Module):
             logits = cap * torch.tanh(logits / cap)
         return logits
 
-    def forward(self, idx: Tensor, cache: KVCache | None = None, pad_mask: Tensor | None = None) -> ModelOutput:
-        """idx (B, T) token ids; pad_mask (B, T) True for real tokens of left-padded rows."""
+    def run(self, idx: Tensor, cache: KVCache | None = None, pad_mask: Tensor | None = None) -> ModelOutput:
+        """The plain stack over idx (B, T), through the cache when one is given."""
         ctx = self.context(idx, cache, pad_mask)
         h = self.run_blocks(self.embed(idx), ctx)  # (B, T, D)
         if cache is not None:
             cache.advance()
         return ModelOutput(logits=self.readout(h), hidden=h)
 
-    def generate_step(self, idx: Tensor, cache: KVCache | None = None, pad_mask: Tensor | None = None,
-                      prompt_len: int = 0, **options) -> ModelOutput:
-        """One call of the engine's loop: a prefill or one-token decode with `cache`, or (cache None)
-        the whole sequence so far, whose first `prompt_len` columns are the prompt. Variants use
-        `prompt_len` and their own options (regime, passes, steps); the baseline takes none."""
-        self.check_options(options)
-        return self(idx, cache=cache, pad_mask=pad_mask)
+    # -- the two faces ------------------------------------------------------------------------
+    def forward(self, idx: Tensor, pad_mask: Tensor | None = None) -> ModelOutput:
+        """The whole sequence: idx (B, T) token ids; pad_mask (B, T) True for real tokens of
+        left-padded rows."""
+        return self.run(idx, None, pad_mask)
 
-    def check_options(self, options: dict) -> None:
-        """Reject generation/evaluation options this architecture does not have (variants extend)."""
-        if options:
-            raise ConfigError(f"arch {self.config.arch!r} does not support option(s): {', '.join(sorted(options))}")
+    def prefill(self, idx: Tensor, cache: KVCache, pad_mask: Tensor | None = None, **options) -> ModelOutput:
+        """The prompt idx (B, P) into an empty cache."""
+        return self.run(idx, cache, pad_mask)
 
-    def evaluation_options(self) -> dict[str, dict]:
-        """The ways worth scoring this model by default (label -> options for eval_logits)."""
+    def decode(self, idx: Tensor, cache: KVCache, **options) -> ModelOutput:
+        """New tokens idx (B, n) after what the cache holds: one sampled token, or several
+        teacher-forced ones (scoring)."""
+        return self.run(idx, cache)
+
+    def reference(self, idx: Tensor, pad_mask: Tensor | None = None, prompt_len: int = 0, **options) -> ModelOutput:
+        """The naive path: the whole sequence so far, no cache; columns >= prompt_len were generated."""
+        return self.forward(idx, pad_mask)
+
+    def step_tokens(self, idx: Tensor, cache: KVCache, step: Callable[..., ModelOutput],
+                    pad_mask: Tensor | None = None) -> ModelOutput:
+        """The one loop that steps tokens through a cache, for variants whose token t needs a state
+        that token t-1 leaves in the cache: `step(token (B, 1), cache, pad_mask (B, 1) | None)`."""
+        outputs = [step(idx[:, t:t + 1], cache, None if pad_mask is None else pad_mask[:, t:t + 1])
+                   for t in range(idx.shape[1])]
+        if len(outputs) == 1:
+            return outputs[0]
+        return ModelOutput(logits=torch.cat([o.logits for o in outputs], dim=1),
+                           hidden=torch.cat([o.hidden for o in outputs], dim=1), info=outputs[-1].info)
+
+    def teacher_forced_prompt_len(self, seq_len: int, options: dict) -> int:
+        """How much of a scored text is prefilled before the rest is decoded teacher-forced:
+        the whole of it, unless the options make decoding differ from prefilling (fbt soft)."""
+        return seq_len
+
+    @classmethod
+    def scoring_modes(cls, config: ModelConfig) -> dict[str, dict]:
+        """The ways worth scoring a model by default (label -> options)."""
         return {"plain": {}}
-
-    def eval_logits(self, idx: Tensor, **options) -> Tensor:
-        """Logits for scoring teacher-forced text (loss, BPB, multiple choice) under `options`."""
-        self.check_options(options)
-        return self(idx).logits
 
     # -- utilities ---------------------------------------------------------------------------
     def cache_slots(self) -> int:
@@ -262,7 +293,7 @@ class GPT(nn.Module):
 
     def new_cache(self, batch_size: int, max_len: int | None = None, **options) -> KVCache:
         """An empty cache for `batch_size` rows of up to `max_len` tokens; `options` are the
-        generation options (some variants size their cache by them)."""
+        decoding options (some variants size their cache by them)."""
         weight = self.wte.weight
         return KVCache(batch_size, max_len or self.config.sequence_len, self.cache_slots(), self.config.n_kv_head,
                        self.config.head_dim, device=weight.device, dtype=weight.dtype)
@@ -271,17 +302,8 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.wte.weight.numel() if exclude_embedding else n
 
-    def flops_per_token(self, seq_len: int | None = None) -> int:
-        """Training FLOPs per token of one forward + backward (6 per matmul weight + attention).
-
-        Counts 2 FLOPs per multiply-add for every weight matrix except the embedding lookup (the
-        tied head is counted), plus QK^T and AV with the average causal context of seq_len/2,
-        and triples the forward for the backward pass.
-        """
-        T = seq_len or self.config.sequence_len
-        c = self.config
-        head = c.vocab_size * c.n_embd if self.lm_head is None else 0  # a tied head still multiplies
-        matmul_params = self.num_params() - self.wte.weight.numel() + head
-        attention = c.n_layer * 2 * 2 * c.n_embd * (T / 2)  # QK^T and AV, causal average
-        return int(3 * (2 * matmul_params + attention))
-
+    def flops_per_token(self, seq_len: int | None = None, **forward_options) -> float:
+        """Training FLOPs per token (forward + backward) of `forward(idx, **forward_options)`,
+        counted structurally: see `latentloop.models.flops`."""
+        seq_len = seq_len or self.config.sequence_len
+        return count_flops_per_token(self, lambda idx: self(idx, **forward_options), seq_len)

@@ -8,16 +8,19 @@ from one token to the next (nanochat's `KVCache.prev_embedding`, generalised):
 - `key_pos` (B, max_len): position of each stored token, -1 for empty slots and left padding.
   Masks are built from positions, so a left-padded batch of prompts of different lengths decodes
   exactly like each prompt alone.
-- `state`: a dict of tensors, e.g. `state["fbt.prev_top"]` (B, D), owned by the variant that
+- `state`: a dict of tensors, e.g. `state["fbt.prev_top"]` (B, 1, D), owned by the variant that
   writes it.
 
-Usage inside a model forward: `ctx = cache.begin(T, pad_mask)` once, `cache.update(slot, k, v)` in
-every attention layer, `cache.advance(T)` once at the end.
+Usage inside a model forward: `plan = cache.begin(T, pad_mask)` once, `cache.update(slot, k, v)`
+in every attention layer, `cache.advance()` once at the end. Attention layers see the cache only
+through the `KVStore` protocol (`update`), which `KVBuffer` (training's differentiable stand-in) and
+rgpt's per-step views implement too.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -30,6 +33,13 @@ class AttentionPlan:
     positions: Tensor  # (B or 1, T) absolute position of each query token
     mask: Tensor | None  # (B, 1, T, Tk) bool, True = may attend; None with is_causal as below
     is_causal: bool  # SDPA's causal flag, only valid when mask is None
+
+
+class KVStore(Protocol):
+    """What an attention layer needs of a cache: store this forward's keys/values of one slot and
+    get back every key/value the queries may attend to."""
+
+    def update(self, slot: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...
 
 
 def attention_mask(query_pos: Tensor, key_pos: Tensor, query_slot: Tensor, key_slot: Tensor) -> Tensor:
@@ -68,7 +78,7 @@ class KVCache:
         self.has_padding = False
         self.state: dict[str, Tensor] = {}
         self.stats: dict[str, list] = {}  # plain-Python bookkeeping (e.g. exit depths), not model state
-        self._pending = 0  # tokens of the forward in flight
+        self.pending = 0  # tokens registered by `begin` and not yet committed by `advance`
 
     @property
     def batch_size(self) -> int:
@@ -93,7 +103,7 @@ class KVCache:
             self.has_padding = self.has_padding or bool((~pad_mask).any())
         self.key_pos[:, self.length:self.length + T] = key_pos
         self.next_pos = self.next_pos + (T if pad_mask is None else pad_mask.long().sum(dim=1))
-        self._pending = T
+        self.pending = T
         if not self.has_padding and self.length == 0:
             return AttentionPlan(positions, None, True)
         if not self.has_padding and T == 1:  # one new token sees everything stored: no mask needed
@@ -112,8 +122,8 @@ class KVCache:
 
     def advance(self) -> None:
         """Commit the tokens registered by `begin` (call once, after every layer ran)."""
-        self.length += self._pending
-        self._pending = 0
+        self.length += self.pending
+        self.pending = 0
 
     def memory_bytes(self) -> int:
         tensors = [self.k, self.v, self.key_pos, *self.state.values()]

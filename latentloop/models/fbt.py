@@ -15,11 +15,13 @@ Notable features:
 - parallel multi-pass forward: pass 1 is plain; pass k fuses pass k-1's top states shifted right by
   one. This is a Jacobi iteration of the sequential recurrence and is exact after T passes
 - training-only jitter Uniform[-σ, σ] on the carried state
-- decoding regimes with the KV cache, the carried state in `cache.state["fbt.prev_top"]`:
+- decoding regimes with the KV cache, the carried state in `cache.state["fbt.prev_top"]` (B, 1, D):
   `standard` (plain inputs: the same weights as an ordinary transformer), `soft` (plain prefill,
   then every generated token is fused with the previous step's state) and `fused` (K-pass prefill,
   the cache taken from the last pass, then soft); `passes="auto"` adds prefill passes until the top
-  states stop moving
+  states stop moving (a `RelativeChange` criterion)
+- a BOS inside a sequence restarts the recurrence: its input is the plain embedding, in every
+  pass and every regime, so what follows it sees no state carried from before
 """
 
 from __future__ import annotations
@@ -33,12 +35,23 @@ from ..config import FBTConfig
 from ..errors import ConfigError
 from .backbone import GPT, ForwardContext, ModelOutput, norm, shift_right
 from .cache import KVCache
+from .criteria import RelativeChange
+from .options import DecodeOption
 
 STATE_KEY = "fbt.prev_top"
 REGIMES = ("standard", "soft", "fused")
 DEFAULT_FUSED_PASSES = 2
-AUTO_TOLERANCE = 1e-3  # passes="auto" stops when max_t ||h_t^k - h_t^(k-1)|| / ||h_t^k|| falls below this
+AUTO_TOLERANCE = 1e-3  # passes="auto" stops once every position's relative change of its top state is below this
 AUTO_MAX_PASSES = 16
+MAX_PASSES = 4096  # a bound on asked-for work; the Jacobi iteration is exact after sequence_len passes anyway
+
+OPTIONS = (
+    DecodeOption("regime", str, "soft", "decoding regime: standard (plain inputs), soft (latent feedback while "
+                 "decoding) or fused (multi-pass prefill, then soft)", choices=REGIMES),
+    DecodeOption("passes", int, DEFAULT_FUSED_PASSES, "prefill passes of the fused regime: an integer or 'auto' "
+                 f"(until the top states settle, at most {AUTO_MAX_PASSES})", minimum=1, maximum=MAX_PASSES,
+                 keywords=("auto",), applies_if=("regime", ("fused",))),
+)
 
 
 @dataclass
@@ -47,12 +60,8 @@ class FBTOutput(ModelOutput):
     pass_hidden: list[Tensor] = field(default_factory=list)  # (B, T, D) top states per pass, when requested
 
 
-def max_relative_change(new: Tensor, old: Tensor) -> float:
-    return float(((new - old).norm(dim=-1) / new.norm(dim=-1).clamp_min(1e-12)).max())
-
-
 class FBT(GPT):
-    config_class = FBTConfig
+    OPTIONS = OPTIONS
 
     def __init__(self, config: FBTConfig):
         super().__init__(config)
@@ -93,11 +102,11 @@ class FBT(GPT):
         return (positions >= max(1, fuse_from)) & (idx != self.config.bos_id)
 
     def multipass(self, idx: Tensor, ctx: ForwardContext, passes: int, mask: Tensor,
-                  base: Tensor | None = None, tolerance: float | None = None) -> tuple[list[Tensor], Tensor]:
+                  base: Tensor | None = None, until: RelativeChange | None = None) -> tuple[list[Tensor], Tensor]:
         """Run up to `passes` passes; unfused positions keep `base` (default: plain embeddings).
 
-        Returns the top states of every pass and the input of the last one. With `tolerance`, stops
-        early once the largest relative change of the top states falls under it.
+        Returns the top states of every pass and the input of the last one. With `until`, stops
+        early once every position's top state has settled under that criterion.
         """
         e = self.embed(idx)  # (B, T, D)
         base = e if base is None else base
@@ -106,61 +115,35 @@ class FBT(GPT):
         for k in range(passes):
             h = self.run_blocks(x, ctx)  # (B, T, D)
             states.append(h)
-            if tolerance is not None and k > 0 and max_relative_change(h, states[-2]) < tolerance:
+            if until is not None and k > 0 and bool(until.settled(h, states[-2]).all()):
                 break
             if k < passes - 1:
                 x = torch.where(mask, self.fuse(e, shift_right(self.carried_state(h))), base)
         return states, x
 
-    # -- forward ------------------------------------------------------------------------------
-    def forward(self, idx: Tensor, cache: KVCache | None = None, pad_mask: Tensor | None = None, passes: int = 1,
-                fuse_from: int = 1, fuse_mask: Tensor | None = None, return_passes: bool = False) -> FBTOutput:
-        """Multi-pass forward over a whole sequence (pass 1 plain), or with a cache:
-
-        - empty cache: the same multi-pass prefill; every pass rewrites the cache slots, so the
-          keys/values left in it are those of the last pass;
-        - non-empty cache: decode with latent feedback, each new token fused with the state the
-          previous token produced (several tokens are stepped through one at a time).
-        `fuse_mask` (B, T) overrides `fuse_from` (training's per-document prefixes).
-        """
+    # -- the whole sequence -------------------------------------------------------------------
+    def forward(self, idx: Tensor, pad_mask: Tensor | None = None, passes: int = 1, fuse_from: int = 1,
+                fuse_mask: Tensor | None = None, return_passes: bool = False) -> FBTOutput:
+        """Multi-pass forward over a whole sequence (pass 1 plain); pass k fuses pass k-1's top
+        states. `fuse_mask` (B, T) overrides `fuse_from` (training's per-document prefixes)."""
         if passes < 1:
             raise ConfigError(f"passes must be >= 1, got {passes}")
-        if cache is not None and cache.length > 0:
-            return self._decode_fused(idx, cache)
-        states, _ = self._prefill(idx, cache, pad_mask, passes, fuse_from=fuse_from, mask=fuse_mask)
+        states, _ = self._passes(idx, None, pad_mask, passes, fuse_from=fuse_from, mask=fuse_mask)
         return self._output(states, return_passes)
 
-    def _prefill(self, idx: Tensor, cache: KVCache | None, pad_mask: Tensor | None, passes: int,
-                 fuse_from: int = 1, mask: Tensor | None = None, base: Tensor | None = None,
-                 tolerance: float | None = None) -> tuple[list[Tensor], Tensor]:
+    def _passes(self, idx: Tensor, cache: KVCache | None, pad_mask: Tensor | None, passes: int,
+                fuse_from: int = 1, mask: Tensor | None = None, base: Tensor | None = None,
+                until: RelativeChange | None = None) -> tuple[list[Tensor], Tensor]:
+        """`multipass` over idx; with a cache (empty), every pass rewrites its slots, so the
+        keys/values left there are those of the last pass, and the carried state is stored."""
         ctx = self.context(idx, cache, pad_mask)
         if mask is None:
             mask = self.fuse_mask(idx, ctx.plan.positions, fuse_from)
-        states, x_last = self.multipass(idx, ctx, passes, mask, base=base, tolerance=tolerance)
+        states, x_last = self.multipass(idx, ctx, passes, mask, base=base, until=until)
         if cache is not None:
             cache.advance()
             cache.state[STATE_KEY] = self.carried_state(states[-1][:, -1:])  # (B, 1, D)
         return states, x_last
-
-    def _decode_fused(self, idx: Tensor, cache: KVCache) -> FBTOutput:
-        """Tokens one at a time, each fused with the state its predecessor left in the cache."""
-        hidden, logits = [], []
-        reuse_norm = self.config.state_source == "post_norm" and not (self.training and self.config.jitter > 0)
-        for t in range(idx.shape[1]):
-            token = idx[:, t:t + 1]  # (B, 1)
-            e = self.embed(token)
-            gate = None if torch.is_grad_enabled() else self.token_gates()[token]  # (B, 1, D)
-            fused = self.fuse(e, cache.state[STATE_KEY], gate)
-            x = torch.where((token != self.config.bos_id)[..., None], fused, e)
-            h = self.run_blocks(x, self.context(token, cache, None))  # (B, 1, D)
-            cache.advance()
-            h_normed = norm(h)  # shared by the head and the carried state
-            cache.state[STATE_KEY] = h_normed if reuse_norm else self.carried_state(h)
-            hidden.append(h)
-            logits.append(self.head(h_normed))
-        if len(hidden) == 1:
-            return FBTOutput(logits=logits[0], hidden=hidden[0], info={"passes": 1})
-        return FBTOutput(logits=torch.cat(logits, dim=1), hidden=torch.cat(hidden, dim=1), info={"passes": 1})
 
     def _output(self, states: list[Tensor], return_passes: bool) -> FBTOutput:
         out = FBTOutput(logits=self.readout(states[-1]), hidden=states[-1], info={"passes": len(states)})
@@ -169,33 +152,37 @@ class FBT(GPT):
             out.pass_logits = [self.readout(h) for h in states[:-1]] + [out.logits]
         return out
 
-    # -- generation and evaluation regimes ---------------------------------------------------
-    def check_options(self, options: dict) -> None:
-        unknown = set(options) - {"regime", "passes"}
-        if unknown:
-            raise ConfigError(f"arch 'fbt' does not support option(s): {', '.join(sorted(unknown))}")
-        regime = options.get("regime", "soft")
-        if regime not in REGIMES:
-            raise ConfigError(f"unknown regime {regime!r}: choose from {', '.join(REGIMES)}")
-        passes = options.get("passes")
-        if passes is not None:
-            if regime != "fused":
-                raise ConfigError(f"passes applies to regime 'fused' only (regime is {regime!r})")
-            if passes != "auto" and (isinstance(passes, bool) or not isinstance(passes, int) or passes < 1):
-                raise ConfigError(f"passes must be an integer >= 1 or 'auto', got {passes!r}")
+    # -- decoding protocol --------------------------------------------------------------------
+    def prefill(self, idx: Tensor, cache: KVCache, pad_mask: Tensor | None = None, regime: str = "soft",
+                passes: int | str = DEFAULT_FUSED_PASSES) -> FBTOutput:
+        if regime == "fused":
+            return self._fused_prefill(idx, cache, pad_mask, passes)[0]
+        return self._output(self._passes(idx, cache, pad_mask, 1)[0], False)  # plain
 
-    def generate_step(self, idx: Tensor, cache: KVCache | None = None, pad_mask: Tensor | None = None,
-                      prompt_len: int = 0, regime: str = "soft", passes: int | str | None = None) -> FBTOutput:
-        self.check_options({"regime": regime, "passes": passes})
-        if cache is not None:
-            if cache.length > 0:  # decode one token
-                return GPT.forward(self, idx, cache=cache) if regime == "standard" else self._decode_fused(idx, cache)
-            if regime == "fused":
-                return self._fused_prefill(idx, cache, pad_mask, passes)[0]
-            return self._output(self._prefill(idx, cache, pad_mask, 1)[0], False)  # plain prefill
-        # uncached reference: the whole sequence, whose columns >= prompt_len were generated
+    def decode(self, idx: Tensor, cache: KVCache, regime: str = "soft",
+               passes: int | str = DEFAULT_FUSED_PASSES) -> ModelOutput:
         if regime == "standard":
-            return self._output([GPT.forward(self, idx, pad_mask=pad_mask).hidden], False)
+            return self.run(idx, cache)
+        return self.step_tokens(idx, cache, self.soft_step)
+
+    def soft_step(self, token: Tensor, cache: KVCache, pad_mask: Tensor | None = None) -> ModelOutput:
+        """One token (B, 1) fused with the state its predecessor left in the cache (plain at BOS)."""
+        e = self.embed(token)
+        gate = None if torch.is_grad_enabled() else self.token_gates()[token]  # (B, 1, D)
+        fused = self.fuse(e, cache.state[STATE_KEY], gate)
+        x = torch.where((token != self.config.bos_id)[..., None], fused, e)  # BOS restarts the recurrence
+        h = self.run_blocks(x, self.context(token, cache, None))  # (B, 1, D)
+        cache.advance()
+        h_normed = norm(h)  # shared by the head and the carried state
+        reuse_norm = self.config.state_source == "post_norm" and not (self.training and self.config.jitter > 0)
+        cache.state[STATE_KEY] = h_normed if reuse_norm else self.carried_state(h)
+        return ModelOutput(logits=self.head(h_normed), hidden=h, info={"passes": 1})
+
+    def reference(self, idx: Tensor, pad_mask: Tensor | None = None, prompt_len: int = 0, regime: str = "soft",
+                  passes: int | str = DEFAULT_FUSED_PASSES) -> FBTOutput:
+        """The whole sequence, whose columns >= prompt_len were generated, without a cache."""
+        if regime == "standard":
+            return self._output([self.run(idx, None, pad_mask).hidden], False)
         base = None
         if regime == "fused":  # the prompt's inputs stay those of its last prefill pass
             prompt_mask = None if pad_mask is None else pad_mask[:, :prompt_len]
@@ -209,29 +196,21 @@ class FBT(GPT):
         return self._output(states, False)
 
     def _fused_prefill(self, idx: Tensor, cache: KVCache | None, pad_mask: Tensor | None,
-                       passes: int | str | None) -> tuple[FBTOutput, Tensor]:
+                       passes: int | str) -> tuple[FBTOutput, Tensor]:
         """K-pass (or "auto") prefill; also returns the input of the last pass."""
         auto = passes == "auto"
-        limit = AUTO_MAX_PASSES if auto else (passes or DEFAULT_FUSED_PASSES)
-        states, x_last = self._prefill(idx, cache, pad_mask, limit, tolerance=AUTO_TOLERANCE if auto else None)
+        until = RelativeChange(AUTO_TOLERANCE) if auto else None
+        states, x_last = self._passes(idx, cache, pad_mask, AUTO_MAX_PASSES if auto else passes, until=until)
         out = self._output(states, False)
         out.info["prefill_passes"] = len(states)
         return out, x_last
 
-    def evaluation_options(self) -> dict[str, dict]:
+    def teacher_forced_prompt_len(self, seq_len: int, options: dict) -> int:
+        """soft scores latent feedback at every position: only position 0 (always plain) is
+        prefilled. standard and fused score one (multi-pass) forward over the whole text."""
+        return 1 if options.get("regime", "soft") == "soft" else seq_len
+
+    @classmethod
+    def scoring_modes(cls, config: FBTConfig) -> dict[str, dict]:
         return {"standard": {"regime": "standard"}, "soft": {"regime": "soft"},
                 "fused": {"regime": "fused", "passes": DEFAULT_FUSED_PASSES}}
-
-    def eval_logits(self, idx: Tensor, regime: str = "soft", passes: int | str | None = None) -> Tensor:
-        """Teacher-forced scoring: standard = plain inputs; fused = a K-pass forward; soft = exact
-        latent feedback at every position (stepped token by token through a cache)."""
-        self.check_options({"regime": regime, "passes": passes})
-        if regime == "standard":
-            return GPT.forward(self, idx).logits
-        if regime == "fused":
-            return self._fused_prefill(idx, None, None, passes)[0].logits
-        cache = self.new_cache(idx.shape[0], idx.shape[1])
-        first = self.readout(self._prefill(idx[:, :1], cache, None, 1)[0][-1])  # position 0 is always plain
-        if idx.shape[1] == 1:
-            return first
-        return torch.cat([first, self._decode_fused(idx[:, 1:], cache).logits], dim=1)

@@ -19,8 +19,10 @@ Notable features:
   zero memory fills a buffer of every layer's keys/values and source states; then each stride subset
   {t : t mod S = i} is recomputed in turn against the latest buffer and written back), `chunked`
   (memory crosses chunk boundaries only) and `multi_refine` (K full passes)
-- inference: one ordinary forward per token; the prompt prefill is exact (token by token through
-  the cache) by default, or `prefill="interleaved"` (parallel, approximate)
+- inference: one ordinary forward per token (`step`, plugged into the backbone's token loop); the
+  prompt prefill is exact (token by token through the cache) by default, or
+  `prefill="interleaved"` (parallel, approximate)
+- a BOS inside a sequence restarts the recurrence: its memory is zero, as at position 0
 """
 
 from __future__ import annotations
@@ -34,10 +36,17 @@ from ..config import LRTConfig
 from ..errors import ConfigError
 from .backbone import GPT, Attention, Block, ForwardContext, ModelOutput, norm, shift_right
 from .cache import KVBuffer, KVCache, plan_attention
+from .options import DecodeOption
 
 MEMORY_KEY = "lrt.memory"
 PREFILLS = ("sequential", "interleaved")
 RESIDUAL_ALPHA_INIT = 1.0
+
+OPTIONS = (
+    DecodeOption("prefill", str, "sequential", "prompt prefill: sequential (exact, token by token) or interleaved "
+                 "(parallel, approximate; needs the cache)", choices=PREFILLS,
+                 needs_cache=lambda value: value == "interleaved"),
+)
 
 
 @dataclass
@@ -98,7 +107,7 @@ class LRTBlock(Block):
 
 
 class LRT(GPT):
-    config_class = LRTConfig
+    OPTIONS = OPTIONS
 
     def __init__(self, config: LRTConfig):
         super().__init__(config)
@@ -140,12 +149,9 @@ class LRT(GPT):
         return h, (norm(h) if self.config.source_layer < 0 else lctx.source)
 
     # -- recurrence procedures over a whole sequence ---------------------------------------
-    def forward(self, idx: Tensor, cache: KVCache | None = None, pad_mask: Tensor | None = None,
-                recurrence: str | None = None, subsets: int | None = None) -> LRTOutput:
-        """With a cache: exact token-by-token steps (an empty cache is a sequential prefill).
-        Without: the whole sequence under `recurrence` (default: the configured training one)."""
-        if cache is not None:
-            return self.step(idx, cache, pad_mask)
+    def forward(self, idx: Tensor, pad_mask: Tensor | None = None, recurrence: str | None = None,
+                subsets: int | None = None) -> LRTOutput:
+        """The whole sequence under `recurrence` (default: the configured training one)."""
         recurrence = recurrence or self.config.recurrence
         if recurrence == "sequential":
             return self.sequential(idx, pad_mask)
@@ -237,43 +243,33 @@ class LRT(GPT):
             all_logits.append(self.readout(h))
         return LRTOutput(logits=all_logits[-1], hidden=h, source=source, pass_logits=all_logits)
 
-    # -- inference --------------------------------------------------------------------------
-    def step(self, idx: Tensor, cache: KVCache, pad_mask: Tensor | None = None) -> LRTOutput:
-        """Tokens one at a time through the cache, each with the memory its predecessor left."""
-        hidden, sources = [], []
-        for t in range(idx.shape[1]):
-            token = idx[:, t:t + 1]
-            ctx = self.context(token, cache, None if pad_mask is None else pad_mask[:, t:t + 1])
-            previous = cache.state.get(MEMORY_KEY)
-            if previous is None:
-                previous = self.zero_memory(token.shape[0], 1)
-            h, source = self.run_pass(token, ctx, self.memory_for(token, ctx.plan.positions, previous))
-            cache.advance()
-            if pad_mask is None:
-                cache.state[MEMORY_KEY] = source
-            else:  # a padding step leaves the memory as it was
-                cache.state[MEMORY_KEY] = torch.where(pad_mask[:, t:t + 1, None], source, previous)
-            hidden.append(h)
-            sources.append(source)
-        return self._stitch(hidden, sources)
+    # -- decoding protocol ----------------------------------------------------------------
+    def step(self, token: Tensor, cache: KVCache, pad_mask: Tensor | None = None) -> LRTOutput:
+        """One token (B, 1) through the cache, with the memory its predecessor left there."""
+        ctx = self.context(token, cache, pad_mask)
+        previous = cache.state.get(MEMORY_KEY)
+        if previous is None:
+            previous = self.zero_memory(token.shape[0], 1)
+        h, source = self.run_pass(token, ctx, self.memory_for(token, ctx.plan.positions, previous))
+        cache.advance()
+        if pad_mask is None:
+            cache.state[MEMORY_KEY] = source
+        else:  # a padding step leaves the memory as it was
+            cache.state[MEMORY_KEY] = torch.where(pad_mask[..., None], source, previous)
+        return self._stitch([h], [source])
 
-    def check_options(self, options: dict) -> None:
-        unknown = set(options) - {"prefill"}
-        if unknown:
-            raise ConfigError(f"arch 'lrt' does not support option(s): {', '.join(sorted(unknown))}")
-        if options.get("prefill", "sequential") not in PREFILLS:
-            raise ConfigError(f"unknown prefill {options['prefill']!r}: choose from {', '.join(PREFILLS)}")
-
-    def generate_step(self, idx: Tensor, cache: KVCache | None = None, pad_mask: Tensor | None = None,
-                      prompt_len: int = 0, prefill: str = "sequential") -> LRTOutput:
-        self.check_options({"prefill": prefill})
-        if cache is None:
-            if prefill != "sequential":
-                raise ConfigError("prefill 'interleaved' needs the cache (its uncached reference is the exact one)")
-            return self.sequential(idx, pad_mask)
-        if cache.length == 0 and prefill == "interleaved":
+    def prefill(self, idx: Tensor, cache: KVCache, pad_mask: Tensor | None = None,
+                prefill: str = "sequential") -> ModelOutput:
+        if prefill == "interleaved":
             return self._interleaved_prefill(idx, cache, pad_mask)
-        return self.step(idx, cache, pad_mask)
+        return self.step_tokens(idx, cache, self.step, pad_mask)
+
+    def decode(self, idx: Tensor, cache: KVCache, prefill: str = "sequential") -> ModelOutput:
+        return self.step_tokens(idx, cache, self.step)
+
+    def reference(self, idx: Tensor, pad_mask: Tensor | None = None, prompt_len: int = 0,
+                  prefill: str = "sequential") -> LRTOutput:
+        return self.sequential(idx, pad_mask)  # the engine refuses prefill="interleaved" without a cache
 
     def _interleaved_prefill(self, idx: Tensor, cache: KVCache, pad_mask: Tensor | None) -> LRTOutput:
         """Parallel prefill into the cache; rows are grouped by their padding mod S so that each row
@@ -293,13 +289,8 @@ class LRT(GPT):
         cache.state[MEMORY_KEY] = source[:, -1:]
         return LRTOutput(logits=logits, hidden=hidden, source=source)
 
-    def evaluation_options(self) -> dict[str, dict]:
-        return {"sequential": {"prefill": "sequential"}, "interleaved": {"prefill": "interleaved"}}
-
-    def eval_logits(self, idx: Tensor, prefill: str = "sequential") -> Tensor:
+    @classmethod
+    def scoring_modes(cls, config: LRTConfig) -> dict[str, dict]:
         """sequential: exact memory (stepped through a cache); interleaved: the merged parallel
         estimate used in training (each position's logits from its latest refinement)."""
-        self.check_options({"prefill": prefill})
-        if prefill == "interleaved":
-            return self.interleaved(idx, self.config.subsets)[0].logits
-        return self.step(idx, self.new_cache(idx.shape[0], idx.shape[1])).logits
+        return {"sequential": {"prefill": "sequential"}, "interleaved": {"prefill": "interleaved"}}

@@ -25,6 +25,10 @@ Notable features:
   Rule for early exits: a token that stopped at step e has no keys/values of its own for later
   steps, so its entries for steps > e repeat those of step e (the latest step it computed); in
   `mean` its running mean simply stops. The prompt prefill always runs at a fixed depth.
+- each core step writes the cache through a `CoreStepView` (which step, which rows still recur),
+  handed to the core blocks in their context: nothing depends on call order
+- a BOS inside a sequence needs no restart rule: rgpt carries no state from token to token, only
+  depth (the recurrence is per token)
 """
 
 from __future__ import annotations
@@ -40,10 +44,29 @@ from ..config import RGPTConfig
 from ..errors import ConfigError
 from .backbone import GPT, ForwardContext, ModelOutput, norm
 from .cache import KVCache
+from .criteria import KLDivergence, RelativeChange
+from .options import DecodeOption
 
 CACHE_MODES = ("full", "mean", "last")
 EXIT_CRITERIA = ("kl", "state")
-OPTIONS = ("steps", "cache_mode", "exit_threshold", "exit_criterion", "min_steps")
+MAX_STEPS = 256  # a bound on asked-for work: a full-mode cache grows by n_rec slots per step
+
+OPTIONS = (
+    DecodeOption("steps", int, None, "recurrence steps at inference (default: the trained R; early exit at a "
+                 "fixed depth below it)", minimum=1, maximum=MAX_STEPS),
+    DecodeOption("cache_mode", str, "full", "KV cache of the core: one slot per (step, core layer) (full, exact), "
+                 "or a running mean / the latest step per core layer (less memory)", choices=CACHE_MODES),
+    DecodeOption("exit_threshold", float, 0.0, "adaptive exit while decoding: stop a token's recurrence once the "
+                 "criterion falls below this (0: off; needs the cache)", minimum=0.0,
+                 needs_cache=lambda value: value > 0),
+    DecodeOption("exit_criterion", str, "kl", "exit criterion: KL between successive steps' next-token "
+                 "distributions (kl), or the relative change of the state (state)", choices=EXIT_CRITERIA),
+    DecodeOption("min_steps", int, 1, "recurrence steps before any exit", minimum=1, maximum=MAX_STEPS),
+)
+
+
+def make_exit_criterion(name: str, threshold: float) -> KLDivergence | RelativeChange:
+    return KLDivergence(threshold) if name == "kl" else RelativeChange(threshold)
 
 
 @dataclass
@@ -51,14 +74,12 @@ class RGPTOutput(ModelOutput):
     steps: int = 0
     step_logits: list[Tensor] = field(default_factory=list)  # (B, T, V) after each step, when requested
     gate_means: list[float] = field(default_factory=list)  # mean gate value of each step, when requested
+    openness: list[float] = field(default_factory=list)  # ||h^(r) - h^(r-1)|| / ||o|| per step, when requested
 
 
 class RecurrentKVCache(KVCache):
-    """KV cache whose core-layer slots follow `mode` (see the module docstring).
-
-    The model sets `step` (1-based) and `active` (B,) before each core step; `core_slot` tells
-    whether a slot belongs to the core, and in `full` mode `slot - n_rec` is the previous step's.
-    """
+    """KV cache whose core-layer slots follow `mode` (see the module docstring). The core blocks
+    write through `step_view(step, active)`; prelude and coda write the cache directly."""
 
     def __init__(self, batch_size: int, max_len: int, config: RGPTConfig, mode: str, max_steps: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
@@ -67,32 +88,16 @@ class RecurrentKVCache(KVCache):
         super().__init__(batch_size, max_len, c.n_pre + core_slots + c.n_coda, c.n_kv_head, c.head_dim,
                          device=device, dtype=dtype)
         self.mode, self.n_rec, self.max_steps = mode, c.n_rec, max_steps
-        self.first_core_slot, self.last_core_slot = c.n_pre, c.n_pre + core_slots - 1
-        self.step = 1
-        self.active: Tensor | None = None  # (B,) rows still recurring; None = all
+        self.first_core_slot = c.n_pre
 
-    def update(self, slot: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        if not self.first_core_slot <= slot <= self.last_core_slot:  # prelude / coda: a plain slot
-            return super().update(slot, k, v)
-        start, end = self.length, self.length + k.shape[2]
-        if self.mode == "full":
-            previous = slot - self.n_rec if self.step > 1 else None
-        else:
-            previous = slot
-        if self.mode == "mean" and self.step > 1:  # running mean over this token's steps
-            k = self.k[slot, :, :, start:end] + (k - self.k[slot, :, :, start:end]) / self.step
-            v = self.v[slot, :, :, start:end] + (v - self.v[slot, :, :, start:end]) / self.step
-        if self.active is not None and previous is not None:  # stopped rows keep their latest step
-            keep = ~self.active[:, None, None, None]
-            k = torch.where(keep, self.k[previous, :, :, start:end], k)
-            v = torch.where(keep, self.v[previous, :, :, start:end], v)
-        return super().update(slot, k, v)
+    def step_view(self, step: int, active: Tensor | None = None) -> CoreStepView:
+        return CoreStepView(self, step, active)
 
     def fill_later_steps(self, last_step: int) -> None:
         """Full mode: steps after `last_step` repeat its keys/values for the tokens just added."""
         if self.mode != "full":
             return
-        start, end = self.length, self.length + self._pending
+        start, end = self.length, self.length + self.pending
         first = self.first_core_slot
         for step in range(last_step + 1, self.max_steps + 1):
             for j in range(self.n_rec):
@@ -101,8 +106,34 @@ class RecurrentKVCache(KVCache):
                 self.v[dst, :, :, start:end] = self.v[src, :, :, start:end]
 
 
+@dataclass
+class CoreStepView:
+    """The cache as core step `step` (1-based) writes it; `active` (B,) marks rows still recurring
+    (None: all). Stopped rows keep their latest step's entries; `mean` keeps a running mean."""
+
+    cache: RecurrentKVCache
+    step: int
+    active: Tensor | None = None
+
+    def update(self, slot: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        cache = self.cache
+        start, end = cache.length, cache.length + k.shape[2]
+        if cache.mode == "full":
+            previous = slot - cache.n_rec if self.step > 1 else None  # the same layer, one step earlier
+        else:
+            previous = slot
+        if cache.mode == "mean" and self.step > 1:  # running mean over this token's steps
+            k = cache.k[slot, :, :, start:end] + (k - cache.k[slot, :, :, start:end]) / self.step
+            v = cache.v[slot, :, :, start:end] + (v - cache.v[slot, :, :, start:end]) / self.step
+        if self.active is not None and previous is not None:  # stopped rows keep their latest step
+            keep = ~self.active[:, None, None, None]
+            k = torch.where(keep, cache.k[previous, :, :, start:end], k)
+            v = torch.where(keep, cache.v[previous, :, :, start:end], v)
+        return cache.update(slot, k, v)
+
+
 class RGPT(GPT):
-    config_class = RGPTConfig
+    OPTIONS = OPTIONS
 
     def __init__(self, config: RGPTConfig):
         super().__init__(config)
@@ -128,8 +159,8 @@ class RGPT(GPT):
         return self.blocks[self.config.n_pre + self.config.n_rec:]
 
     # -- the mechanism ------------------------------------------------------------------------
-    def recur(self, h: Tensor, h_pre: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor]:
-        """One step: (h^(r-1), h_pre) -> (h^(r), g)."""
+    def recur(self, h: Tensor, h_pre: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor, Tensor]:
+        """One step: (h^(r-1), h_pre) -> (h^(r), g, o)."""
         noisy = self.training and self.config.noise_std > 0
         h_in = h + self.config.noise_std * torch.randn_like(h) if noisy else h
         o = self.run_blocks(self.proj(torch.cat([h_in, h_pre], dim=-1)), ctx, self.core)  # core(h̃)
@@ -138,24 +169,36 @@ class RGPT(GPT):
         if noisy:
             gate_logits = gate_logits + self.config.noise_std * torch.randn_like(gate_logits)
         g = torch.sigmoid(gate_logits)
-        return torch.lerp(o, h, g), g  # g * h + (1 - g) * o
+        return torch.lerp(o, h, g), g, o  # g * h + (1 - g) * o
 
-    def _slot_ctx(self, ctx: ForwardContext, step: int | None) -> ForwardContext:
-        """Context whose cache slots are those of core step `step` (None: the coda, after all steps)."""
+    def _step_ctx(self, ctx: ForwardContext, step: int, active: Tensor | None = None) -> ForwardContext:
+        """Context of core step `step`: its cache view and, in full mode, its slots."""
+        cache = ctx.cache
+        if not isinstance(cache, RecurrentKVCache):
+            return ctx
+        offset = (step - 1) * self.config.n_rec if cache.mode == "full" else 0
+        return dataclasses.replace(ctx, cache=cache.step_view(step, active), slot_offset=offset)
+
+    def _coda_ctx(self, ctx: ForwardContext) -> ForwardContext:
+        """Context of the coda: its slots follow all core steps the cache holds."""
         cache = ctx.cache
         if not isinstance(cache, RecurrentKVCache) or cache.mode != "full":
             return ctx
-        last = cache.max_steps if step is None else step
-        return dataclasses.replace(ctx, slot_offset=(last - 1) * self.config.n_rec)
+        return dataclasses.replace(ctx, slot_offset=(cache.max_steps - 1) * self.config.n_rec)
 
-    # -- forward ------------------------------------------------------------------------------
-    def forward(self, idx: Tensor, cache: KVCache | None = None, pad_mask: Tensor | None = None,
-                steps: int | None = None, return_steps: bool = False, no_grad_steps: int = 0) -> RGPTOutput:
+    # -- the whole sequence, or a fixed depth through the cache ------------------------------
+    def forward(self, idx: Tensor, pad_mask: Tensor | None = None, steps: int | None = None,
+                return_steps: bool = False, no_grad_steps: int = 0) -> RGPTOutput:
         """Prelude -> `steps` core applications (default: the trained R) -> coda.
 
-        return_steps: also the logits after every step (coda + head applied to each h^(r)).
-        no_grad_steps: the first n steps run without gradient (truncated backprop).
+        return_steps: also the logits, mean gate and openness after every step (coda + head
+        applied to each h^(r)). no_grad_steps: the first n steps run without gradient
+        (truncated backprop).
         """
+        return self._run_depth(idx, None, pad_mask, steps, return_steps, no_grad_steps)
+
+    def _run_depth(self, idx: Tensor, cache: KVCache | None, pad_mask: Tensor | None, steps: int | None,
+                   return_steps: bool = False, no_grad_steps: int = 0) -> RGPTOutput:
         steps = steps or self.config.recurrence_steps
         if steps < 1:
             raise ConfigError(f"steps must be >= 1, got {steps}")
@@ -166,17 +209,17 @@ class RGPT(GPT):
         h_pre = self.run_blocks(self.embed(idx), ctx, self.prelude)  # (B, T, D)
         h, out = h_pre, RGPTOutput(logits=None, hidden=None, steps=steps)
         for r in range(1, steps + 1):
-            if isinstance(cache, RecurrentKVCache):
-                cache.step, cache.active = r, None
             with torch.set_grad_enabled(torch.is_grad_enabled() and r > no_grad_steps):
-                h, g = self.recur(h, h_pre, self._slot_ctx(ctx, r))
-            if return_steps:  # reading the gate syncs with the device: only when asked
+                h_new, g, o = self.recur(h, h_pre, self._step_ctx(ctx, r))
+            if return_steps:  # reading these syncs with the device: only when asked
                 out.gate_means.append(float(g.detach().mean()))
+                out.openness.append(float((h_new - h).detach().norm() / o.detach().norm().clamp_min(1e-12)))
+            h = h_new
             if return_steps and r < steps:
-                out.step_logits.append(self.readout(self.run_blocks(h, self._slot_ctx(ctx, None), self.coda)))
+                out.step_logits.append(self.readout(self.run_blocks(h, self._coda_ctx(ctx), self.coda)))
         if isinstance(cache, RecurrentKVCache):
             cache.fill_later_steps(steps)
-        top = self.run_blocks(h, self._slot_ctx(ctx, None), self.coda)
+        top = self.run_blocks(h, self._coda_ctx(ctx), self.coda)
         if cache is not None:
             cache.advance()
         out.logits, out.hidden = self.readout(top), top
@@ -184,27 +227,25 @@ class RGPT(GPT):
             out.step_logits.append(out.logits)
         return out
 
-    def decode_adaptive(self, idx: Tensor, cache: RecurrentKVCache, max_steps: int, threshold: float,
-                        criterion: str, min_steps: int) -> RGPTOutput:
-        """One token per row with per-row early exit (rows stop independently)."""
-        ctx = self.context(idx, cache, None)
-        coda_ctx = self._slot_ctx(ctx, None)
-        h_pre = self.run_blocks(self.embed(idx), ctx, self.prelude)
+    def adaptive_step(self, token: Tensor, cache: RecurrentKVCache, max_steps: int,
+                      criterion: KLDivergence | RelativeChange, min_steps: int) -> RGPTOutput:
+        """One token per row with per-row early exit (rows stop independently): a row stops at the
+        first step r >= min_steps where `criterion` says step r settled against step r-1 (KL of
+        the next-token distributions, or the state's relative change)."""
+        ctx = self.context(token, cache, None)
+        coda_ctx = self._coda_ctx(ctx)
+        h_pre = self.run_blocks(self.embed(token), ctx, self.prelude)
         h = h_pre
-        active = torch.ones(idx.shape[0], dtype=torch.bool, device=idx.device)
+        active = torch.ones(token.shape[0], dtype=torch.bool, device=token.device)
         exit_step = torch.full_like(active, max_steps, dtype=torch.long)
         previous_logp = None
         for r in range(1, max_steps + 1):
-            cache.step, cache.active = r, (None if bool(active.all()) else active)
-            h_new, _ = self.recur(h, h_pre, self._slot_ctx(ctx, r))
-            if criterion == "state":
-                change = (h_new - h).norm(dim=-1) / h_new.norm(dim=-1).clamp_min(1e-12)  # (B, 1)
-                settled = change[:, -1] < threshold
+            h_new, _, _ = self.recur(h, h_pre, self._step_ctx(ctx, r, None if bool(active.all()) else active))
+            if isinstance(criterion, RelativeChange):
+                settled = criterion.settled(h_new[:, -1], h[:, -1])  # (B,)
             else:
                 logp = F.log_softmax(self.readout(self.run_blocks(h_new, coda_ctx, self.coda))[:, -1].float(), dim=-1)
-                settled = torch.zeros_like(active)
-                if previous_logp is not None:
-                    settled = (logp.exp() * (logp - previous_logp)).sum(-1) < threshold  # KL(p_r || p_{r-1})
+                settled = torch.zeros_like(active) if previous_logp is None else criterion.settled(logp, previous_logp)
                 previous_logp = logp
             h = torch.where(active[:, None, None], h_new, h)
             stopping = active & settled & (r >= min_steps)
@@ -212,7 +253,6 @@ class RGPT(GPT):
             active = active & ~stopping
             if not bool(active.any()):
                 break
-        cache.active = None
         cache.fill_later_steps(r)
         top = self.run_blocks(h, coda_ctx, self.coda)
         cache.advance()
@@ -221,7 +261,7 @@ class RGPT(GPT):
         return RGPTOutput(logits=self.readout(top), hidden=top, steps=r,
                           info={"mean_exit_steps": sum(exits) / len(exits)})
 
-    # -- cache, options, generation ------------------------------------------------------------
+    # -- decoding protocol --------------------------------------------------------------------
     def new_cache(self, batch_size: int, max_len: int | None = None, steps: int | None = None,
                   cache_mode: str = "full", **options) -> KVCache:
         c = self.config
@@ -233,60 +273,35 @@ class RGPT(GPT):
     def cache_slots(self) -> int:
         return self.config.n_pre + self.config.n_rec * self.config.recurrence_steps + self.config.n_coda
 
-    def check_options(self, options: dict) -> None:
-        unknown = set(options) - set(OPTIONS)
-        if unknown:
-            raise ConfigError(f"arch 'rgpt' does not support option(s): {', '.join(sorted(unknown))}")
-        steps = options.get("steps")
-        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-            raise ConfigError(f"steps must be an integer >= 1, got {steps!r}")
-        if options.get("cache_mode", "full") not in CACHE_MODES:
-            raise ConfigError(f"unknown cache_mode {options['cache_mode']!r}: choose from {', '.join(CACHE_MODES)}")
-        if options.get("exit_criterion", "kl") not in EXIT_CRITERIA:
-            raise ConfigError(f"unknown exit_criterion {options['exit_criterion']!r}: choose from "
-                              f"{', '.join(EXIT_CRITERIA)}")
-        if options.get("exit_threshold", 0.0) < 0:
-            raise ConfigError(f"exit_threshold must be >= 0, got {options['exit_threshold']}")
-        if options.get("min_steps", 1) < 1:
-            raise ConfigError(f"min_steps must be >= 1, got {options['min_steps']}")
-
-    def generate_step(self, idx: Tensor, cache: KVCache | None = None, pad_mask: Tensor | None = None,
-                      prompt_len: int = 0, steps: int | None = None, cache_mode: str = "full",
-                      exit_threshold: float = 0.0, exit_criterion: str = "kl", min_steps: int = 1) -> RGPTOutput:
-        self.check_options(dict(steps=steps, cache_mode=cache_mode, exit_threshold=exit_threshold,
-                                exit_criterion=exit_criterion, min_steps=min_steps))
-        steps = steps or self.config.recurrence_steps
-        adaptive = exit_threshold > 0
-        if cache is None:
-            if adaptive:
-                raise ConfigError("adaptive exit needs the cache (the uncached reference runs a fixed depth)")
-            return self(idx, pad_mask=pad_mask, steps=steps)
-        if adaptive and cache.length > 0:
-            out = self.decode_adaptive(idx, cache, steps, exit_threshold, exit_criterion, min_steps)
-        else:
-            out = self(idx, cache=cache, pad_mask=pad_mask, steps=steps)
+    def _depth_info(self, out: RGPTOutput, steps: int) -> RGPTOutput:
         out.info.update(steps=steps, trained_steps=self.config.recurrence_steps,
                         beyond_trained=steps > self.config.recurrence_steps)
         return out
 
-    def evaluation_options(self) -> dict[str, dict]:
-        R = self.config.recurrence_steps
+    def prefill(self, idx: Tensor, cache: KVCache, pad_mask: Tensor | None = None, steps: int | None = None,
+                cache_mode: str = "full", exit_threshold: float = 0.0, exit_criterion: str = "kl",
+                min_steps: int = 1) -> RGPTOutput:
+        """The prompt at a fixed depth (adaptive exit is per decoded token)."""
+        steps = steps or self.config.recurrence_steps
+        return self._depth_info(self._run_depth(idx, cache, pad_mask, steps), steps)
+
+    def decode(self, idx: Tensor, cache: KVCache, steps: int | None = None, cache_mode: str = "full",
+               exit_threshold: float = 0.0, exit_criterion: str = "kl", min_steps: int = 1) -> ModelOutput:
+        steps = steps or self.config.recurrence_steps
+        if exit_threshold > 0:
+            criterion = make_exit_criterion(exit_criterion, exit_threshold)
+            out = self.step_tokens(idx, cache, lambda token, c, pad: self.adaptive_step(token, c, steps, criterion,
+                                                                                         min_steps))
+        else:
+            out = self._run_depth(idx, cache, None, steps)
+        return self._depth_info(out, steps)
+
+    def reference(self, idx: Tensor, pad_mask: Tensor | None = None, prompt_len: int = 0, steps: int | None = None,
+                  cache_mode: str = "full", exit_threshold: float = 0.0, exit_criterion: str = "kl",
+                  min_steps: int = 1) -> RGPTOutput:
+        return self.forward(idx, pad_mask, steps=steps)  # the engine refuses an adaptive exit without a cache
+
+    @classmethod
+    def scoring_modes(cls, config: RGPTConfig) -> dict[str, dict]:
+        R = config.recurrence_steps
         return {f"r={r}": {"steps": r} for r in sorted({max(1, R // 2), R})}
-
-    def eval_logits(self, idx: Tensor, steps: int | None = None) -> Tensor:
-        self.check_options({"steps": steps})
-        return self(idx, steps=steps).logits
-
-    # -- accounting --------------------------------------------------------------------------
-    def flops_per_token(self, seq_len: int | None = None, steps: float | None = None) -> int:
-        """Forward + backward FLOPs per token at `steps` core applications (default: trained R)."""
-        c = self.config
-        steps = c.recurrence_steps if steps is None else steps
-        T = seq_len or c.sequence_len
-        block_params = sum(p.numel() for p in self.blocks[0].parameters())
-        step_params = sum(p.numel() for m in (self.proj, self.gate_in, self.gate_out) for p in m.parameters())
-        head = c.vocab_size * c.n_embd
-        depth = c.n_pre + c.n_coda + c.n_rec * steps
-        matmul = depth * block_params + steps * step_params + head
-        attention = depth * 2 * 2 * c.n_embd * (T / 2)
-        return int(3 * (2 * matmul + attention))

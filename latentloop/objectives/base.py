@@ -39,9 +39,15 @@ class Objective:
     def __call__(self, model: nn.Module, x: Tensor, y: Tensor, step: int) -> LossResult:
         raise NotImplementedError
 
+    def forward_mix(self, step: int | None = None) -> list[tuple[float, dict]]:
+        """The forwards one optimizer step runs, as (weight, forward keyword arguments); with
+        `step` None, the average over the run (e.g. over the drawn pass counts)."""
+        return [(1.0, {})]
+
     def flops_per_token(self, model: nn.Module, step: int | None = None) -> float:
-        """Training FLOPs charged per token (forward + backward); `step` None = the run's average."""
-        return float(model.flops_per_token())
+        """Training FLOPs charged per token (forward + backward), counted structurally on the
+        forwards of `forward_mix`; `step` None = the run's average."""
+        return sum(weight * model.flops_per_token(**kwargs) for weight, kwargs in self.forward_mix(step))
 
 
 class NextTokenObjective(Objective):

@@ -75,6 +75,12 @@ class MultiPassObjective(Objective):
         plain = self.model_config.plain_fraction
         return plain + (1 - plain) * deep
 
-    def flops_per_token(self, model: nn.Module, step: int | None = None) -> float:
-        passes = self.expected_passes() if step is None else self.passes_for_step(step)
-        return passes * float(model.flops_per_token())
+    def forward_mix(self, step: int | None = None) -> list[tuple[float, dict]]:
+        def forward(K: int) -> dict:
+            return {"passes": K, "return_passes": K > 1}  # deeper batches read out every pass
+
+        if step is not None:
+            return [(1.0, forward(self.passes_for_step(step)))]
+        plain = self.model_config.plain_fraction
+        return [(plain, forward(1))] + [((1 - plain) * float(p), forward(K))
+                                        for K, p in enumerate(self.pass_mix, start=1) if p > 0]

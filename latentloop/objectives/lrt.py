@@ -33,16 +33,10 @@ class LRTObjective(Objective):
         return LossResult(loss, {"loss_init": float(losses[0].detach()), "loss_final": float(losses[-1].detach())}
                           if len(losses) > 1 else {})
 
-    def forward_passes(self, seq_len: int) -> float:
-        """How many times each token goes through the whole stack, on average."""
+    def forward_mix(self, step: int | None = None) -> list[tuple[float, dict]]:
         recurrence = self.model_config.recurrence
-        if recurrence == "interleaved":
-            return 2.0
-        if recurrence == "multi_refine":
-            return float(self.model_config.refine_passes)
         if recurrence == "sequential":
-            return (seq_len + 1) / 2  # the reference re-runs every prefix
-        return 1.0
-
-    def flops_per_token(self, model: nn.Module, step: int | None = None) -> float:
-        return self.forward_passes(self.model_config.sequence_len) * float(model.flops_per_token())
+            # the naive reference re-runs every prefix: (T + 1) / 2 one-pass forwards per token on
+            # average (probing the real prefixes would cost O(T^2) forwards)
+            return [((self.model_config.sequence_len + 1) / 2, {"recurrence": "chunked"})]
+        return [(1.0, {"recurrence": recurrence})]

@@ -26,6 +26,8 @@ class RecurrentDepthObjective(Objective):
         out = model(x, steps=steps, no_grad_steps=no_grad)
         return LossResult(token_cross_entropy(out.logits, y), {"steps": steps})
 
-    def flops_per_token(self, model: nn.Module, step: int | None = None) -> float:
-        steps = (self.model_config.recurrence_steps + 1) / 2 if step is None else self.depth_for_step(step)
-        return float(model.flops_per_token(steps=steps))
+    def forward_mix(self, step: int | None = None) -> list[tuple[float, dict]]:
+        if step is not None:
+            return [(1.0, {"steps": self.depth_for_step(step)})]
+        R = self.model_config.recurrence_steps
+        return [(1.0 / R, {"steps": r}) for r in range(1, R + 1)]  # r ~ Uniform{1..R}
