@@ -282,6 +282,9 @@ def test_a_forged_status_is_not_a_pass():
         "import os\nprint('passed')\nfor fd in range(1, 64):\n"
         "    try:\n        os.write(fd, b'passed\\nready passed\\n')\n    except OSError:\n        pass\n"
         "os._exit(0)\nassert False\n",
+        # erasing what was written before (were "ready" lost, we would report the sandbox as broken)
+        "import os\nfor fd in range(64):\n    try:\n        os.ftruncate(fd, 0)\n    except OSError:\n"
+        "        pass\nos._exit(0)\nassert False\n",
         # the verdict event, raised by the code itself, and by a C callable while the bootstrap's frame runs
         "import os, sys\nsys.audit('latentloop.sandbox.verdict')\nos._exit(0)\nassert False\n",
         "import functools, signal, sys\n"

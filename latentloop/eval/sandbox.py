@@ -33,7 +33,7 @@ interpreter under bubblewrap (`bwrap`, Debian package `bubblewrap`), as root, wi
 
 Verdict. The parent decides, never a file or exit code the code controls: the bootstrap receives a
 random token on stdin (a file only we can open; stdin is `/dev/null` before the code runs) and
-keeps it in the audit hook only. The hook writes `<token> <status>` to a verdict file of ours when
+keeps it in the audit hook only. The hook writes `<token> <status>` to a verdict pipe of ours when
 the bootstrap reaches one of its verdict lines, checking that the call comes from the bootstrap's
 own frame at that line (the line, not an argument, gives the status). "passed": the code ran to
 its end; "failed": an AssertionError escaped (a test failed); "error": any other exception
@@ -355,33 +355,36 @@ def run_untrusted(code: str, timeout: float = 5.0, memory_mb: int = 512) -> Sand
     cpu_seconds = max(1, int(timeout) + 1)
     with tempfile.TemporaryDirectory(prefix="latentloop-sandbox-") as host:
         folder = Path(host)
-        input_file, output_file, verdict_file = folder / "input", folder / "output", folder / "verdict"
+        input_file, output_file = folder / "input", folder / "output"
         input_file.write_bytes(token + b"\n" + code.encode("utf-8", "surrogatepass"))
-        info, info_write = os.pipe()
+        # Pipes, not files: the code holds the write ends but can neither truncate nor read them.
+        (verdict, verdict_write), (info, info_write) = os.pipe(), os.pipe()
         try:
-            with input_file.open("rb") as stdin, output_file.open("wb") as output, verdict_file.open("ab") as verdict:
+            with input_file.open("rb") as stdin, output_file.open("wb") as output:
                 command = [*_bwrap_command(bwrap, info_write), str(uid), str(memory_mb << 20), str(cpu_seconds),
                            str(FILE_SIZE_LIMIT), str(PROCESS_LIMIT), str(OPEN_FILES_LIMIT), str(DISK_LIMIT),
-                           str(FILE_LIMIT), str(verdict.fileno()), WORKDIR, CODE_FILE, mount, _VERDICT_LINES]
+                           str(FILE_LIMIT), str(verdict_write), WORKDIR, CODE_FILE, mount, _VERDICT_LINES]
                 process = subprocess.Popen(command, stdin=stdin, stdout=output, stderr=subprocess.STDOUT,
-                                           env=_child_environment(), pass_fds=(verdict.fileno(), info_write),
+                                           env=_child_environment(), pass_fds=(verdict_write, info_write),
                                            start_new_session=True)
-                os.close(info_write)
-                info_write = -1
-                os.set_blocking(info, False)
-                timed_out = False
-                try:
-                    process.wait(timeout=timeout)
-                except subprocess.TimeoutExpired:
-                    timed_out = True
-                _end_namespace(process, info)
-                returncode = process.wait()
+            for end in (verdict_write, info_write):
+                os.close(end)
+            verdict_write = info_write = -1
+            os.set_blocking(info, False)
+            os.set_blocking(verdict, False)
+            timed_out = False
+            try:
+                process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            _end_namespace(process, info)
+            returncode = process.wait()
+            verdicts = _verdicts(verdict, token)
         finally:
-            os.close(info)
-            if info_write >= 0:
-                os.close(info_write)
+            for end in (verdict, verdict_write, info, info_write):
+                if end >= 0:
+                    os.close(end)
         text = _read_tail(output_file)
-        verdicts = _verdicts(verdict_file, token)
     if "ready" not in verdicts and not timed_out:
         raise SandboxUnavailable(f"the code sandbox did not start: {_setup_error(text, returncode)}")
     given = [status for status in verdicts if status in _STATUSES]
@@ -417,12 +420,17 @@ def require_sandbox() -> None:
     _probe(_tools())
 
 
-def _verdicts(path: Path, token: bytes) -> list[str]:
+def _verdicts(pipe: int, token: bytes) -> list[str]:
     """The statuses the bootstrap wrote (lines `<token> <status>`), in order; anything else is ignored."""
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return []
+    data = b""
+    while len(data) < (1 << 20):  # the pipe holds what the code wrote; nothing writes any more
+        try:
+            chunk = os.read(pipe, 1 << 16)
+        except BlockingIOError:
+            break
+        if not chunk:
+            break
+        data += chunk
     prefix = token + b" "
     return [line[len(prefix):].decode("ascii", "replace") for line in data.split(b"\n") if line.startswith(prefix)]
 
