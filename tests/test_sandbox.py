@@ -4,6 +4,7 @@ The escapes are attempted both through plain Python (where the audit hook answer
 `_posixsubprocess.fork_exec`, which no audit hook sees: there the kernel isolation alone must hold.
 """
 
+import ctypes
 import os
 import secrets
 import socket
@@ -344,6 +345,27 @@ def test_our_environment_is_not_readable(monkeypatch):
     assert result.passed, result.output
     assert secret not in result.output and "LEAKED" not in result.output
     assert result.output.count("FileNotFoundError") == 3
+
+
+@needs_sandbox
+def test_our_keys_and_the_bootstraps_memory_are_out_of_reach():
+    number = {"x86_64": 250, "aarch64": 219}.get(os.uname().machine)  # keyctl
+    if number is None:
+        pytest.skip(f"no keyctl number for {os.uname().machine} in this test")
+    ours = ctypes.CDLL(None).syscall(number, 0, -3, 0)  # our session keyring
+    child = ("import ctypes, os\n"
+             "libc = ctypes.CDLL(None, use_errno=True)\n"
+             f"session = libc.syscall({number}, 0, -3, 0)\n"
+             f"print('KEYRING', session, libc.syscall({number}, 11, session, None, 0))\n"  # its size: empty
+             "print('PTRACE', libc.ptrace(16, os.getppid(), 0, 0), ctypes.get_errno())\n"  # attach the bootstrap
+             "local, remote = (ctypes.c_size_t * 2)(ctypes.addressof(ctypes.create_string_buffer(8)), 8), "
+             "(ctypes.c_size_t * 2)(0x400000, 8)\n"
+             "print('READ', libc.process_vm_readv(os.getppid(), local, 1, remote, 1, 0), ctypes.get_errno())\n")
+    result = run_untrusted(SPAWN + f"python({child!r})\n")  # ctypes in a child: the bootstrap refuses it
+    assert result.passed, result.output
+    session, size = (int(v) for v in result.output.split("KEYRING ")[1].split()[:2])
+    assert session > 0 and session != ours and size == 0
+    assert "PTRACE -1 1\n" in result.output and "READ -1 1\n" in result.output  # EPERM
 
 
 # -- fails closed ----------------------------------------------------------------------------------

@@ -16,12 +16,15 @@ interpreter under bubblewrap (`bwrap`, Debian package `bubblewrap`), as root, wi
   no home folders, no project, no `/tmp` of ours. The only writable place is the work folder
   `/sandbox` (also `/tmp`, `HOME`, `TMPDIR`), a tmpfs of `DISK_LIMIT` bytes and `FILE_LIMIT` files
   that vanishes with the namespace: the code can neither read our files nor fill the disk;
-- **a throwaway unprivileged uid**: a bootstrap mounts the work folder, then drops to a random uid
-  and gid in [2^30, 2^31) that owns no file, with no supplementary groups and no capabilities
-  permitted, effective or ambient (bwrap sets no_new_privs: setuid binaries and file capabilities
-  give nothing). The uid is the code's own, so the per-user process limit (`PROCESS_LIMIT` tasks,
-  threads included) counts exactly its processes: a fork bomb stops there. Other limits: address
-  space `memory_mb`, CPU seconds, `FILE_SIZE_LIMIT` bytes per written file (output included),
+- **a throwaway unprivileged uid**: a first stage mounts the work folder and joins a new, empty
+  session keyring (ours, and the keys we possess through it, stay out of reach), then executes the
+  bootstrap, which drops to a random uid and gid in [2^30, 2^31) that owns no file, with no
+  supplementary groups and no capabilities permitted, effective or ambient (bwrap sets
+  no_new_privs: setuid binaries and file capabilities give nothing; the uid change also makes the
+  bootstrap undumpable, so the code's own child processes cannot trace it or read its memory).
+  The uid is the code's own, so the per-user process limit (`PROCESS_LIMIT` tasks, threads
+  included) counts exactly its processes: a fork bomb stops there. Other limits: address space
+  `memory_mb`, CPU seconds, `FILE_SIZE_LIMIT` bytes per written file (output included),
   `OPEN_FILES_LIMIT` descriptors, no core dumps;
 - a fresh environment (`PATH`, `HOME`, `LANG` and thread counts; nothing of ours is passed on) and
   `python -I -S` (standard library only, no user site, no PYTHON* variables);
@@ -47,7 +50,7 @@ handler or finalizer firing there) or corrupts the interpreter (a hand-made .pyc
 token and fake a pass; it still cannot leave the isolation above. Memory of tmpfs files counts
 against `DISK_LIMIT`, not `memory_mb`.
 
-Fails closed: when the process is not root, bwrap or mount is missing, or the sandbox does not come
+Fails closed: when the process is not root, bwrap is missing, or the sandbox does not come
 up (e.g. namespaces are forbidden), `run_untrusted` raises `SandboxUnavailable` with one line that
 says what is missing; it never runs code with less isolation. `require_sandbox()` checks this once
 up front. Install the tool with `apt-get install bubblewrap` (`make test` does, as root).
@@ -80,9 +83,34 @@ WORKDIR = "/sandbox"
 CODE_FILE = "candidate.py"
 ID_RANGE = (1 << 30, (1 << 31) - 1)  # throwaway uids/gids: far above any real account
 
-# Runs as root inside bwrap. argv: uid, address space bytes, cpu seconds, file size, processes, open
-# files, disk bytes, files, verdict fd, work folder, code file name, mount binary, verdict lines
-# ("line:status,..."). stdin: the token, a newline, the code. Exit 70: the setup failed.
+# Runs first, as root inside bwrap, with ctypes (which must never be loaded where the code runs: its
+# types would stay reachable). argv: work folder, disk bytes, files, uid, then the bootstrap's source
+# and arguments. Gives the process a new, empty session keyring (it would otherwise share ours, and
+# possess our keys), mounts the work folder, and executes the bootstrap in a fresh interpreter.
+_PREPARE = r'''
+import ctypes, os, sys
+
+def fail(message):
+    os.write(2, ("sandbox setup failed: " + message + "\n").encode("utf-8", "replace"))
+    os._exit(70)
+
+workdir, disk, inodes, uid = sys.argv[1], *(int(v) for v in sys.argv[2:5])
+libc = ctypes.CDLL(None, use_errno=True)
+keyctl = {"x86_64": 250, "i686": 288, "aarch64": 219, "riscv64": 219, "ppc64le": 271, "s390x": 280,
+          "armv7l": 311, "loongarch64": 219}.get(os.uname().machine)
+if keyctl is None:
+    fail("no keyctl system call number for " + os.uname().machine)
+if libc.syscall(keyctl, 1, None) < 0 and ctypes.get_errno() not in (38, 1):  # JOIN_SESSION_KEYRING
+    fail("could not join a new session keyring: " + os.strerror(ctypes.get_errno()))  # (38, 1: no keyrings)
+options = f"size={disk},nr_inodes={inodes},mode=0700,uid={uid},gid={uid}".encode()
+if libc.mount(b"tmpfs", workdir.encode(), b"tmpfs", 2 | 4 | 8, options) != 0:  # nosuid, nodev, noexec
+    fail("could not mount the work folder: " + os.strerror(ctypes.get_errno()))
+os.execv(sys.executable, [sys.executable, "-I", "-S", "-c", *sys.argv[5:]])
+'''
+
+# Runs as root inside bwrap, after _PREPARE. argv: uid, address space bytes, cpu seconds, file size,
+# processes, open files, verdict fd, work folder, code file name, verdict lines ("line:status,...").
+# stdin: the token, a newline, the code. Exit 70: the setup failed.
 _BOOTSTRAP = r'''
 import os, sys
 
@@ -129,10 +157,10 @@ def _guard(token, verdict_fd, main_frame, verdict_lines, getframe=sys._getframe,
 def _main():
     main_frame = sys._getframe()
     try:
-        uid, memory, cpu, fsize, processes, files, disk, inodes, verdict_fd = (int(v) for v in sys.argv[1:10])
-        workdir, code_name, mount = sys.argv[10:13]
+        uid, memory, cpu, fsize, processes, files, verdict_fd = (int(v) for v in sys.argv[1:8])
+        workdir, code_name = sys.argv[8:10]
         verdict_lines = {int(line): status.encode() for line, status in
-                         (item.split(":") for item in sys.argv[13].split(","))}
+                         (item.split(":") for item in sys.argv[10].split(","))}
         data = b""
         while True:
             chunk = os.read(0, 1 << 16)
@@ -144,10 +172,6 @@ def _main():
         null = os.open("/dev/null", os.O_RDONLY)
         os.dup2(null, 0)
         os.close(null)
-        options = (f"size={disk},nr_inodes={inodes},mode=0700,uid={uid},gid={uid},nosuid,nodev,noexec")
-        mounter = os.posix_spawn(mount, [mount, "-n", "-t", "tmpfs", "-o", options, "tmpfs", workdir], {})
-        if os.waitpid(mounter, 0)[1] != 0:
-            _fail("could not mount the work folder")
         os.setgroups([])
         os.setresgid(uid, uid, uid)
         os.setresuid(uid, uid, uid)
@@ -223,8 +247,8 @@ class SandboxResult:
     output: str  # the tail of the child's stdout and stderr, plus a note from the sandbox
 
 
-def _tools() -> tuple[str, str]:
-    """The paths of bwrap and mount, or SandboxUnavailable saying what is missing."""
+def _bwrap() -> str:
+    """The path of bwrap, or SandboxUnavailable saying what is missing."""
     if os.geteuid() != 0:
         raise SandboxUnavailable(f"the code sandbox must be started as root (to drop the code to a throwaway uid); "
                                  f"this process runs as uid {os.geteuid()}")
@@ -232,10 +256,7 @@ def _tools() -> tuple[str, str]:
     if bwrap is None:
         raise SandboxUnavailable("the code sandbox needs bubblewrap: `bwrap` is not on PATH "
                                  "(install it with `apt-get install bubblewrap`, or run `make test`)")
-    mount = shutil.which("mount", path="/usr/bin:/bin:/usr/sbin:/sbin")  # all inside the sandbox's view
-    if mount is None:
-        raise SandboxUnavailable("the code sandbox needs util-linux `mount` (in /usr/bin or /bin)")
-    return bwrap, mount
+    return bwrap
 
 
 def _mapped(path: str, low: int, high: int) -> bool:
@@ -261,7 +282,7 @@ def _python() -> tuple[str, str]:
     return executable, os.path.realpath(sys.base_prefix)
 
 
-def _bwrap_command(bwrap: str, info_fd: int) -> list[str]:
+def _bwrap_command(bwrap: str, info_fd: int, uid: int) -> list[str]:
     executable, prefix = _python()
     command = [bwrap, "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
                "--die-with-parent", "--new-session", "--info-fd", str(info_fd),
@@ -283,7 +304,8 @@ def _bwrap_command(bwrap: str, info_fd: int) -> list[str]:
     for path in ("/etc/ld.so.cache", "/etc/localtime"):
         command += ["--ro-bind-try", path, path]
     command += ["--dev", "/dev", "--dir", WORKDIR, "--symlink", WORKDIR, "/tmp", "--chdir", "/",
-                executable, "-I", "-S", "-c", _BOOTSTRAP]
+                executable, "-I", "-S", "-c", _PREPARE, WORKDIR, str(DISK_LIMIT), str(FILE_LIMIT), str(uid),
+                _BOOTSTRAP, str(uid)]
     return command
 
 
@@ -349,7 +371,7 @@ def run_untrusted(code: str, timeout: float = 5.0, memory_mb: int = 512) -> Sand
         raise ValueError(f"timeout must be > 0, got {timeout}")
     if memory_mb < 32:
         raise ValueError(f"memory_mb must be at least 32, got {memory_mb}")
-    bwrap, mount = _tools()
+    bwrap = _bwrap()
     uid = _throwaway_id()
     token = secrets.token_hex(16).encode()
     cpu_seconds = max(1, int(timeout) + 1)
@@ -361,9 +383,9 @@ def run_untrusted(code: str, timeout: float = 5.0, memory_mb: int = 512) -> Sand
         (verdict, verdict_write), (info, info_write) = os.pipe(), os.pipe()
         try:
             with input_file.open("rb") as stdin, output_file.open("wb") as output:
-                command = [*_bwrap_command(bwrap, info_write), str(uid), str(memory_mb << 20), str(cpu_seconds),
-                           str(FILE_SIZE_LIMIT), str(PROCESS_LIMIT), str(OPEN_FILES_LIMIT), str(DISK_LIMIT),
-                           str(FILE_LIMIT), str(verdict_write), WORKDIR, CODE_FILE, mount, _VERDICT_LINES]
+                command = [*_bwrap_command(bwrap, info_write, uid), str(memory_mb << 20), str(cpu_seconds),
+                           str(FILE_SIZE_LIMIT), str(PROCESS_LIMIT), str(OPEN_FILES_LIMIT), str(verdict_write),
+                           WORKDIR, CODE_FILE, _VERDICT_LINES]
                 process = subprocess.Popen(command, stdin=stdin, stdout=output, stderr=subprocess.STDOUT,
                                            env=_child_environment(), pass_fds=(verdict_write, info_write),
                                            start_new_session=True)
@@ -408,7 +430,7 @@ def run_untrusted(code: str, timeout: float = 5.0, memory_mb: int = 512) -> Sand
 
 
 @functools.lru_cache(maxsize=1)
-def _probe(tools: tuple[str, str]) -> None:
+def _probe(bwrap: str) -> None:
     result = run_untrusted("assert sum(range(4)) == 6\n", timeout=30.0)
     if not result.passed:
         last = (result.output.strip().splitlines() or ["no output"])[-1]
@@ -417,7 +439,7 @@ def _probe(tools: tuple[str, str]) -> None:
 
 def require_sandbox() -> None:
     """Raise SandboxUnavailable (one line) unless untrusted code can be run here; checked once per process."""
-    _probe(_tools())
+    _probe(_bwrap())
 
 
 def _verdicts(pipe: int, token: bytes) -> list[str]:
