@@ -324,6 +324,9 @@ def _child_environment() -> dict[str, str]:
 
 
 def _kill_group(process: subprocess.Popen) -> None:
+    """Kill bwrap and its process group, unless it has ended: then its pid may already name another group."""
+    if process.poll() is not None:
+        return
     try:
         os.killpg(process.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
