@@ -1,6 +1,6 @@
 # Two entry points that set everything up themselves (idempotent):
 #   make demo   create .venv, install, run `latentloop demo` on the embedded stdlib data
-#   make test   create/update .venv, install with test extras, run the test suite
+#   make test   create/update .venv, install with test extras and bubblewrap (the code sandbox), run the tests
 # torch is installed first, pinned by TORCH_SPEC, when the venv has none: on CPU-only machines
 # this picks the local CPU wheel instead of a multi-GB CUDA build. Override e.g.
 #   make test TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126'
@@ -13,7 +13,7 @@ PYTEST_ARGS ?= -m "not slow"
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell echo '$(EXTRAS)' | tr ',' '-')
 
-.PHONY: demo test test-all bench lint clean
+.PHONY: demo test test-all bench lint clean sandbox-tools
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,13 +27,25 @@ $(STAMP): pyproject.toml $(BIN)/.torch
 	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
 	touch $@
 
+# The code sandbox (HumanEval candidates, latentloop.eval.sandbox) runs under bubblewrap. As root with
+# apt-get, install it when missing (quiet; nothing to do when present); otherwise say so: the sandbox
+# then refuses to run code and its tests are skipped.
+sandbox-tools:
+	@command -v bwrap >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1 || { \
+	  echo "installing bubblewrap (the code sandbox)"; \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -qq bubblewrap >/dev/null 2>&1 || \
+	  { apt-get update -qq >/dev/null && apt-get install -y -qq bubblewrap >/dev/null; }; }
+	@command -v bwrap >/dev/null 2>&1 || \
+	  echo "note: bubblewrap (bwrap) is not installed, so the code sandbox is unavailable (apt-get install bubblewrap, as root)" >&2
+
 demo: $(STAMP)
 	$(BIN)/latentloop demo
 
-test: $(STAMP)
+test: $(STAMP) sandbox-tools
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-test-all: $(STAMP)
+test-all: $(STAMP) sandbox-tools
 	$(BIN)/python -m pytest -q -m ""
 
 bench: $(STAMP)

@@ -10,10 +10,10 @@
 
 from .api import build, generate, load, load_run, stream, teacher_forced_logits
 from .config import PRESETS, DataConfig, ModelConfig, RunConfig, TrainConfig, model_config
-from .errors import CheckpointError, ConfigError, DataError, LatentloopError
+from .errors import CheckpointError, ConfigError, DataError, LatentloopError, SandboxUnavailable
 
 __version__ = "0.1.0"
 
 __all__ = ["PRESETS", "CheckpointError", "ConfigError", "DataConfig", "DataError", "LatentloopError", "ModelConfig",
-           "RunConfig", "TrainConfig", "build", "generate", "load", "load_run", "model_config", "stream",
-           "teacher_forced_logits"]
+           "RunConfig", "SandboxUnavailable", "TrainConfig", "build", "generate", "load", "load_run",
+           "model_config", "stream", "teacher_forced_logits"]

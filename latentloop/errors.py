@@ -20,3 +20,7 @@ class DataError(LatentloopError):
 
 class CheckpointError(LatentloopError):
     """A missing, corrupt or incompatible checkpoint / run folder."""
+
+
+class SandboxUnavailable(LatentloopError):
+    """Untrusted code cannot be run: the isolation it needs is missing on this machine."""

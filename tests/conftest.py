@@ -35,3 +35,18 @@ def shared_data(*parts: str) -> Path:
     if not path.exists():
         pytest.skip(f"{path} not available")
     return path
+
+
+@pytest.fixture(scope="session")
+def code_sandbox():
+    """Skip a test that runs untrusted code where the sandbox cannot start (e.g. not root, no bubblewrap);
+    with LATENTLOOP_REQUIRE_SANDBOX=1 (CI) fail instead."""
+    from latentloop.errors import SandboxUnavailable
+    from latentloop.eval.sandbox import require_sandbox
+
+    try:
+        require_sandbox()
+    except SandboxUnavailable as error:
+        if os.environ.get("LATENTLOOP_REQUIRE_SANDBOX") == "1":
+            pytest.fail(f"{error} (LATENTLOOP_REQUIRE_SANDBOX=1)")
+        pytest.skip(str(error))

@@ -203,6 +203,7 @@ def test_simple_arithmetic_and_svamp_files(tmp_path):
     assert GENERATION_TASKS["svamp"](model, TOKENIZER, tmp_path, {}, None, False)["accuracy"] == 0.5
 
 
+@pytest.mark.usefixtures("code_sandbox")
 def test_humaneval_pass_at_k_runs_candidates_in_the_sandbox(tmp_path):
     problems = [
         {"task_id": "T/0", "prompt": "def add(a, b):\n    \"\"\"Sum.\"\"\"\n", "entry_point": "add",
@@ -233,13 +234,18 @@ def test_errors_name_the_choices(tmp_path):
 
 
 # -- shared data (skipped when absent) -------------------------------------------------------------
-def test_real_files_with_oracle_answers():
+@pytest.mark.usefixtures("code_sandbox")
+def test_real_humaneval_file_with_oracle_answers():
     folder = shared_data("eval")
     problems = [json.loads(line) for line in (folder / "human_eval.jsonl").open()][:3]
     solutions = {p["prompt"]: p["canonical_solution"] for p in problems}
     oracle = ScriptedModel(lambda prompt: solutions[prompt])
     result = GENERATION_TASKS["humaneval"](oracle, TOKENIZER, folder, {}, 3, False, max_new_tokens=2048)
     assert result["accuracy"] == 1.0, result["examples"]
+
+
+def test_real_gsm8k_file_with_oracle_answers():
+    folder = shared_data("eval")
     rows = [json.loads(line) for line in (folder / "gsm8k.jsonl").open()]
     answers = {row["context"].strip(): row["answer"] for row in rows}
     oracle = ScriptedModel(lambda prompt: f" #### {answers[prompt.split('Question: ')[-1].rsplit(chr(10), 1)[0]]}")

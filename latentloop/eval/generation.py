@@ -14,8 +14,10 @@ Tasks (`GENERATION_TASKS`, each `fn(model, tokenizer, data_dir, options, limit, 
   `run_generation_tasks` also takes specs with knobs, e.g. `addition:digits=3` or
   `task:addition:digits=3,test=4-5`, to evaluate a model trained on `--data task:addition:digits=3`;
 - `humaneval` (`human_eval.jsonl`): the prompt is completed until a new top-level statement; the
-  function with its tests runs in `latentloop.eval.sandbox` (a separate process with a timeout, a
-  memory limit and no network); pass@k by the unbiased estimator over `samples` per problem.
+  function with its tests runs in `latentloop.eval.sandbox` (bubblewrap namespaces, a throwaway uid,
+  a read-only view but for a size-limited work folder, no network, timeout and memory limit; it
+  raises `SandboxUnavailable` before generating anything where that isolation is missing); pass@k
+  by the unbiased estimator over `samples` per problem.
 
 Files are read from `data_dir` (or its `eval/` subfolder). Every prompt starts with BOS, as the
 training documents do. A prompt longer than the model's context minus the generation budget first
@@ -53,7 +55,7 @@ from latentloop.data.sources import iter_jsonl
 from latentloop.data.tasks import TASKS, final_answer, parse_task_spec
 from latentloop.engine import fit_prompt, stream
 from latentloop.errors import ConfigError, DataError
-from latentloop.eval.sandbox import run_untrusted
+from latentloop.eval.sandbox import require_sandbox, run_untrusted
 
 DEFAULT_BATCH_SIZE = 32
 DEFAULT_TASK_EXAMPLES = 500  # test examples of a built-in task when no limit is given
@@ -406,6 +408,7 @@ def eval_humaneval(model, tokenizer, data_dir, options, limit, progress, *, samp
     name = "humaneval"
     if samples < 1:
         raise ConfigError(f"samples must be >= 1, got {samples}")
+    require_sandbox()  # before any generation: raises SandboxUnavailable where candidates cannot be run safely
     started = time.perf_counter()
     problems = _limited(read_jsonl(find_data_file(data_dir, "human_eval.jsonl", name),
                                    ("task_id", "prompt", "test", "entry_point")), limit)
