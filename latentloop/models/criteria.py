@@ -7,6 +7,8 @@ has settled. The same objects serve rgpt's adaptive exit (per decoded token), fb
     criterion = RelativeChange(threshold=1e-3)
     criterion.value(h_new, h_old)          # (...,) the measured change
     criterion.settled(h_new, h_old)        # (...,) bool: value < threshold
+
+`compares` says what the iteration must hand it ("state" or "logprobs").
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class RelativeChange:
     """||new - old|| / ||new|| over the last dimension (states)."""
 
     threshold: float
+    compares = "state"  # what an iteration hands it: successive states
 
     def value(self, new: Tensor, old: Tensor) -> Tensor:
         return (new - old).norm(dim=-1) / new.norm(dim=-1).clamp_min(NORM_FLOOR)
@@ -36,6 +39,7 @@ class KLDivergence:
     """KL(p_new || p_old) over the last dimension, from log-probabilities."""
 
     threshold: float
+    compares = "logprobs"  # successive next-token log-distributions
 
     def value(self, new_logp: Tensor, old_logp: Tensor) -> Tensor:
         return (new_logp.exp() * (new_logp - old_logp)).sum(dim=-1)

@@ -241,7 +241,7 @@ class RGPT(GPT):
         previous_logp = None
         for r in range(1, max_steps + 1):
             h_new, _, _ = self.recur(h, h_pre, self._step_ctx(ctx, r, None if bool(active.all()) else active))
-            if isinstance(criterion, RelativeChange):
+            if criterion.compares == "state":
                 settled = criterion.settled(h_new[:, -1], h[:, -1])  # (B,)
             else:
                 logp = F.log_softmax(self.readout(self.run_blocks(h_new, coda_ctx, self.coda))[:, -1].float(), dim=-1)
