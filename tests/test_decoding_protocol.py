@@ -261,35 +261,43 @@ def _independent_value(name, new, old):
     return torch.linalg.vector_norm(new - old, dim=-1) / torch.linalg.vector_norm(new, dim=-1)
 
 
-@torch.no_grad()
-@pytest.mark.parametrize("criterion", ["kl", "state"])
-@pytest.mark.parametrize("min_steps", [1, 3])
-def test_exit_stops_at_the_first_step_under_the_threshold(criterion, min_steps, monkeypatch):
-    torch.manual_seed(0)
-    model = ll.build("rgpt", preset="test", n_layer=4, recurrence_steps=6, gate_bias_init=0.0).eval()
-    prompt = torch.tensor([[BOS, 4, 5, 6], [BOS, 7, 8, 9], [BOS, 10, 2, 3]])
-    probe_values = _record_criterion(monkeypatch, _independent_value)
-    cache = model.new_cache(3, 8)
-    model.prefill(prompt, cache)
-    model.decode(torch.tensor([[11], [12], [13]]), cache, exit_threshold=1e-12, exit_criterion=criterion)
-    per_step = torch.stack(probe_values)  # (steps compared, 3): the criterion at each step
-    threshold = float(per_step.median())  # some rows settle early, others late
-    probe_values.clear()
-    cache = model.new_cache(3, 8)
-    model.prefill(prompt, cache)
-    model.decode(torch.tensor([[11], [12], [13]]), cache, exit_threshold=threshold, exit_criterion=criterion,
-                 min_steps=min_steps)
-    first_comparable = 2 if criterion == "kl" else 1  # KL needs a previous distribution
-    expected = []
-    for row in range(3):
-        stop = model.config.recurrence_steps
-        for r in range(first_comparable, model.config.recurrence_steps + 1):
-            if r >= min_steps and float(per_step[r - first_comparable, row]) < threshold:
+def _expected_exits(per_step, threshold, min_steps, first_comparable, max_steps):
+    """Per row: the first step r >= min_steps whose criterion value is under the threshold."""
+    exits = []
+    for row in range(per_step.shape[1]):
+        stop = max_steps
+        for r in range(max(first_comparable, min_steps), max_steps + 1):
+            if float(per_step[r - first_comparable, row]) < threshold:
                 stop = r
                 break
-        expected.append(stop)
-    assert cache.stats["rgpt.exit_steps"] == expected
-    assert len(set(expected)) > 1 or min_steps > 1  # the test exercises different exit steps
+        exits.append(stop)
+    return exits
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("criterion", ["kl", "state"])
+def test_exit_stops_at_the_first_step_under_the_threshold(criterion, monkeypatch):
+    torch.manual_seed(0)
+    model = ll.build("rgpt", preset="test", n_layer=4, recurrence_steps=6, gate_bias_init=0.0).eval()
+    R = model.config.recurrence_steps
+    prompt, token = torch.tensor([[BOS, 4, 5, 6], [BOS, 7, 8, 9], [BOS, 10, 2, 3]]), torch.tensor([[11], [12], [13]])
+    probe_values = _record_criterion(monkeypatch, _independent_value)
+
+    def exits(threshold, min_steps=1):
+        cache = model.new_cache(3, 8)
+        model.prefill(prompt, cache)
+        model.decode(token, cache, exit_threshold=threshold, exit_criterion=criterion, min_steps=min_steps)
+        return cache.stats["rgpt.exit_steps"]
+
+    assert exits(1e-12) == [R] * 3
+    per_step = torch.stack(probe_values)  # (steps compared, rows): the criterion at each step, computed apart
+    first_comparable = 2 if criterion == "kl" else 1  # KL needs a previous distribution
+    threshold = float(per_step.median())  # some rows settle early, others late
+    expected = _expected_exits(per_step, threshold, 1, first_comparable, R)
+    assert exits(threshold) == expected
+    assert len(set(expected)) > 1  # the test exercises different exit steps
+    later = min(expected) + 1  # min_steps past the earliest exit moves that row's exit
+    assert exits(threshold, later) == _expected_exits(per_step, threshold, later, first_comparable, R) != expected
 
 
 @torch.no_grad()
