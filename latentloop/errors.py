@@ -20,3 +20,11 @@ class DataError(LatentloopError):
 
 class CheckpointError(LatentloopError):
     """A missing, corrupt or incompatible checkpoint / run folder."""
+
+
+class OutputError(LatentloopError):
+    """An output path that cannot be created or written (a file where a folder should be, ...)."""
+
+
+class NonFiniteError(LatentloopError):
+    """Training produced a NaN or infinite loss or gradient (the run diverged)."""
