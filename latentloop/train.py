@@ -145,7 +145,10 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
     try:
         _check_run_folder(run_dir, config, resume)  # again, locked: another run may have started here meanwhile
         if resume:
-            _resume(state)
+            try:
+                _resume(state)
+            except OSError as exc:  # renaming leftovers or broken checkpoints aside
+                raise OutputError(f"cannot repair {run_dir / 'checkpoints'}: {exc.strerror or exc}") from None
         else:
             config.save_json(run_dir / "config.json")
             try:
@@ -254,9 +257,11 @@ def save(state: TrainState) -> Path:
     meta = {"step": state.step, "tokens_seen": state.tokens_seen, "flops_seen": state.flops_seen,
             "elapsed": state.elapsed, "loader": state.loader.state_dict(), "data": _data_checksums(state.data)}
     log = state.run_dir / "metrics.jsonl"
-    if log.exists():  # the metrics up to this step reach the disk before the checkpoint that follows them
-        with open(log, "a") as f:
+    try:
+        with open(log, "a") as f:  # the metrics up to this step reach the disk before the checkpoint after them
             os.fsync(f.fileno())
+    except OSError as exc:
+        raise OutputError(f"cannot write {log}: {exc.strerror or exc}") from None
     return save_checkpoint(state.run_dir, state.step, state.model, trainer, meta, state.config.train.keep_last)
 
 
@@ -349,46 +354,48 @@ def _fit(state: TrainState, progress: bool, max_seconds: float | None) -> dict[s
     window_start, window_tokens = time.perf_counter(), 0
     train_loss = float("nan")
     deadline = time.perf_counter() + max_seconds if max_seconds is not None else float("inf")
-    while state.step < cfg.steps and time.perf_counter() < deadline:
-        step_start = time.perf_counter()
-        multiplier = lr_multiplier(state.step, cfg)
-        set_lr(state.optimizers, multiplier)
-        loss_sum, extra = 0.0, {}
-        for _ in range(cfg.grad_accum):
-            x, y = state.loader.next_batch()
-            x, y = x.to(state.device, non_blocking=True), y.to(state.device, non_blocking=True)
-            with autocast_for(state.device, cfg.dtype):
-                result = state.objective(forward_model, x, y, state.step)
-            (result.loss / cfg.grad_accum).backward()
-            loss_sum += result.reported_loss / cfg.grad_accum
-            extra = result.metrics
-        guard.observe_loss(loss_sum, state.step + 1)
-        guard.observe_grad_norm(_grad_norm(model, cfg.grad_clip), state.step + 1)
-        for opt in state.optimizers:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        state.flops_seen += state.objective.flops_per_token(model, state.step) * tokens_per_step
-        state.step += 1
-        state.tokens_seen += tokens_per_step
-        state.elapsed += time.perf_counter() - step_start
-        window_tokens += tokens_per_step
-        train_loss = loss_sum
-        if state.step % cfg.log_every == 0 or state.step == cfg.steps or time.perf_counter() >= deadline:
-            guard.check()
-            now = time.perf_counter()
-            tok_per_s = window_tokens / max(now - window_start, 1e-9)
-            window_start, window_tokens = now, 0
-            lr = cfg.lr * multiplier
-            _log(state, {"step": state.step, "loss": train_loss, "lr": lr, "tokens": state.tokens_seen,
-                         "flops": state.flops_seen, "tok_per_s": tok_per_s, "elapsed": state.elapsed, **extra})
-            bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tok_per_s:,.0f}")
-        bar.update(1)
-        if cfg.eval_every and state.step % cfg.eval_every == 0 and state.step < cfg.steps:
-            _log(state, {"step": state.step, **{f"val_{k}": v for k, v in validate(state).items()}})
-            model.train()
-        if cfg.save_every and state.step % cfg.save_every == 0 and state.step < cfg.steps:
-            save(state)
-    bar.close()
+    try:
+        while state.step < cfg.steps and time.perf_counter() < deadline:
+            step_start = time.perf_counter()
+            multiplier = lr_multiplier(state.step, cfg)
+            set_lr(state.optimizers, multiplier)
+            loss_sum, extra = 0.0, {}
+            for _ in range(cfg.grad_accum):
+                x, y = state.loader.next_batch()
+                x, y = x.to(state.device, non_blocking=True), y.to(state.device, non_blocking=True)
+                with autocast_for(state.device, cfg.dtype):
+                    result = state.objective(forward_model, x, y, state.step)
+                (result.loss / cfg.grad_accum).backward()
+                loss_sum += result.reported_loss / cfg.grad_accum
+                extra = result.metrics
+            guard.observe_loss(loss_sum, state.step + 1)
+            guard.observe_grad_norm(_grad_norm(model, cfg.grad_clip), state.step + 1)
+            for opt in state.optimizers:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            state.flops_seen += state.objective.flops_per_token(model, state.step) * tokens_per_step
+            state.step += 1
+            state.tokens_seen += tokens_per_step
+            state.elapsed += time.perf_counter() - step_start
+            window_tokens += tokens_per_step
+            train_loss = loss_sum
+            if state.step % cfg.log_every == 0 or state.step == cfg.steps or time.perf_counter() >= deadline:
+                guard.check()
+                now = time.perf_counter()
+                tok_per_s = window_tokens / max(now - window_start, 1e-9)
+                window_start, window_tokens = now, 0
+                lr = cfg.lr * multiplier
+                _log(state, {"step": state.step, "loss": train_loss, "lr": lr, "tokens": state.tokens_seen,
+                             "flops": state.flops_seen, "tok_per_s": tok_per_s, "elapsed": state.elapsed, **extra})
+                bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tok_per_s:,.0f}")
+            bar.update(1)
+            if cfg.eval_every and state.step % cfg.eval_every == 0 and state.step < cfg.steps:
+                _log(state, {"step": state.step, **{f"val_{k}": v for k, v in validate(state).items()}})
+                model.train()
+            if cfg.save_every and state.step % cfg.save_every == 0 and state.step < cfg.steps:
+                save(state)
+    finally:  # also when the run stops (diverged, interrupted): the error starts a line of its own
+        bar.close()
     final = validate(state)
     _log(state, {"step": state.step, **{f"val_{k}": v for k, v in final.items()}})
     checkpoint = save(state)
