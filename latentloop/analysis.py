@@ -25,10 +25,10 @@ import torch
 import torch.nn.functional as F
 
 from .data import eval_batches
-from .errors import ConfigError
+from .errors import ConfigError, OutputError
 from .models.criteria import KLDivergence, RelativeChange
 from .objectives import token_cross_entropy
-from .runtime import load_run, prepare_data
+from .runtime import load_run, output_folder, prepare_data
 
 PROBE_CLASSES = 5  # nesting depth 0..3, and 4 for "4 or deeper"
 PROBE_TRAIN_FRACTION = 0.7
@@ -53,9 +53,11 @@ def _require_arch(config, arch: str, what: str) -> None:
 
 
 def _save(checkpoint: Path, out: Path | None, name: str, result: dict[str, Any], plot) -> Path:
-    folder = Path(out) if out else checkpoint.parent.parent / "analysis"
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    folder = output_folder(Path(out) if out else checkpoint.parent.parent / "analysis", "analysis folder")
+    try:
+        (folder / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    except OSError as exc:
+        raise OutputError(f"cannot write {folder / f'{name}.json'}: {exc.strerror or exc}") from None
     try:
         import matplotlib
 
@@ -65,8 +67,12 @@ def _save(checkpoint: Path, out: Path | None, name: str, result: dict[str, Any],
         return folder
     fig = plot(plt, result)
     fig.tight_layout()
-    fig.savefig(folder / f"{name}.png", dpi=120)
-    plt.close(fig)
+    try:
+        fig.savefig(folder / f"{name}.png", dpi=120)
+    except OSError as exc:
+        raise OutputError(f"cannot write {folder / f'{name}.png'}: {exc.strerror or exc}") from None
+    finally:
+        plt.close(fig)
     return folder
 
 

@@ -2,20 +2,29 @@
 
     RUN/config.json            the run's full config (model, train, data)
     RUN/tokenizer.json         the tokenizer the run was trained with
-    RUN/metrics.jsonl          one JSON object per logged step / evaluation
+    RUN/metrics.jsonl          one strict-JSON object per logged step / evaluation
+    RUN/.lock                  locked (flock) by the one process training into RUN
     RUN/checkpoints/step_00000100/
         model.safetensors      weights
         config.json, tokenizer.json   copies, so a checkpoint folder loads on its own
-        trainer.pt             optimizer states and RNG states
-        state.json             step, tokens seen, loader state
+        trainer.safetensors    every tensor of the optimizer states
+        trainer.json           everything else of the optimizer states, and the RNG states
+        state.json             step, tokens seen, loader state, checksums of the token data
 
-A checkpoint is written into a hidden temporary folder and renamed into place, so an interrupted
-save never leaves a half-written checkpoint; only the last `keep_last` are kept.
+No file of a checkpoint is a pickle: loading one never runs code, whoever wrote it. A checkpoint
+of an older version (`trainer.pt`) is read with `torch.load(weights_only=True)` or refused.
+
+A checkpoint is written into `.tmp-step_N/`, every file and the folder fsynced, and renamed into
+place, so an interrupted save never leaves a half-written checkpoint. Re-saving a step first renames
+the old folder to `.old-step_N/`, deleted only once the new one is in place; `recover_checkpoints`
+puts such a copy back after a crash. Rotation (only the last `keep_last` are kept) renames a folder
+to `.del-step_N/` before deleting it, so a half-deleted folder never looks like a checkpoint.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -23,58 +32,295 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from .config import RunConfig
-from .errors import CheckpointError, ConfigError
+from .errors import CheckpointError, ConfigError, NonFiniteError, OutputError
 
 CHECKPOINT_PREFIX = "step_"
+TMP_PREFIX = ".tmp-"  # a checkpoint being written
+ASIDE_PREFIX = ".old-"  # the previous copy of a step being re-saved
+DELETE_PREFIX = ".del-"  # a rotated-out checkpoint being deleted
+BROKEN_PREFIX = ".bad-"  # a checkpoint that could not be loaded when resuming, kept for inspection
+LOCK_FILE = ".lock"
+
+TRAINER_TENSORS = "trainer.safetensors"
+TRAINER_JSON = "trainer.json"
+LEGACY_TRAINER = "trainer.pt"
+# Bump when the layout of trainer.json changes.
+TRAINER_FORMAT = 1
+
+# Markers of the JSON encoding of nested state (see `flatten_state`); a dict key may not start with
+# "__", so these can never be confused with real keys.
+_TENSOR, _TUPLE, _ITEMS, _FLOAT = "__tensor__", "__tuple__", "__items__", "__float__"
+
+
+# --------------------------------------------------------------------------------------------
+# Durable files
+# --------------------------------------------------------------------------------------------
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in `path` durable (where the platform allows it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # platforms without directory handles (Windows) order renames themselves
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems refuse fsync on a directory; the rename is as durable as they allow
+    finally:
+        os.close(fd)
+
+
+def json_safe(value: Any) -> Any:
+    """`value` with every NaN / infinity replaced by None (null), so that it dumps as strict JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
 
 
 def write_json_atomic(path: Path, payload: Any) -> None:
-    """Write JSON through a temporary file in the same folder, then rename: never half-written."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    """Write JSON through a temporary file in the same folder, fsync, then rename: never half-written,
+    and still there after a crash. An unwritable `path` is an `OutputError`."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(payload, f, indent=2, default=str)
             f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
 
 
+def _write_json_file(path: Path, payload: Any) -> None:
+    path.write_text(json.dumps(payload, indent=2, allow_nan=False) + "\n")
+
+
+# --------------------------------------------------------------------------------------------
+# Nested state (optimizer state dicts, RNG states) as safetensors + JSON
+# --------------------------------------------------------------------------------------------
+
+
+def flatten_state(state: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Split nested state into a JSON-able structure and a flat {key: tensor} dict.
+
+    Each tensor is replaced by {"__tensor__": key}, its key being its path in the structure
+    (`optimizers.0.state.3.exp_avg`), so the keys are stable and readable. Tuples, dicts with
+    non-string keys (an optimizer's per-parameter state is keyed by int) and non-finite floats get
+    markers of their own, so that `unflatten_state` rebuilds exactly the same types and values.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+
+    def encode(value: Any, key: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            if key in tensors:
+                raise ValueError(f"two tensors of the state have the key {key!r}")
+            # a copy of its own: safetensors refuses tensors that share memory
+            tensors[key] = value.detach().to("cpu", copy=True).contiguous()
+            return {_TENSOR: key}
+        if value is None or isinstance(value, (bool, int, str)):
+            return value
+        if isinstance(value, float):
+            return value if math.isfinite(value) else {_FLOAT: repr(value)}
+        if isinstance(value, tuple):
+            return {_TUPLE: [encode(v, f"{key}.{i}") for i, v in enumerate(value)]}
+        if isinstance(value, list):
+            return [encode(v, f"{key}.{i}") for i, v in enumerate(value)]
+        if isinstance(value, dict):
+            if all(isinstance(k, str) and not k.startswith("__") for k in value):
+                return {k: encode(v, f"{key}.{k}") for k, v in value.items()}
+            return {_ITEMS: [[encode(k, f"{key}.key{i}"), encode(v, f"{key}.{k}")]
+                             for i, (k, v) in enumerate(value.items())]}
+        raise TypeError(f"cannot store a {type(value).__name__} (at {key}) in a checkpoint")
+
+    return encode(state, "state"), tensors
+
+
+def unflatten_state(encoded: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """The inverse of `flatten_state`; a reference to a missing tensor raises KeyError."""
+    if isinstance(encoded, list):
+        return [unflatten_state(v, tensors) for v in encoded]
+    if not isinstance(encoded, dict):
+        return encoded
+    if _TENSOR in encoded:
+        return tensors[encoded[_TENSOR]]
+    if _FLOAT in encoded:
+        return float(encoded[_FLOAT])
+    if _TUPLE in encoded:
+        return tuple(unflatten_state(v, tensors) for v in encoded[_TUPLE])
+    if _ITEMS in encoded:
+        return {unflatten_state(k, tensors): unflatten_state(v, tensors) for k, v in encoded[_ITEMS]}
+    return {k: unflatten_state(v, tensors) for k, v in encoded.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# Listing, saving, recovering
+# --------------------------------------------------------------------------------------------
+
+
+def _step_of(name: str, prefix: str) -> int | None:
+    digits = name[len(prefix):]
+    return int(digits) if name.startswith(prefix) and digits.isdigit() else None
+
+
 def list_checkpoints(run_dir: Path) -> list[Path]:
-    folder = run_dir / "checkpoints"
+    """The finished checkpoint folders of a run, oldest first."""
+    folder = Path(run_dir) / "checkpoints"
     if not folder.is_dir():
         return []
-    return sorted(p for p in folder.iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX))
+    return sorted(p for p in folder.iterdir() if p.is_dir() and _step_of(p.name, CHECKPOINT_PREFIX) is not None)
+
+
+def checkpoint_candidates(run_dir: Path) -> list[Path]:
+    """Checkpoints to load, oldest first: the finished folders, plus the copy set aside by a re-save
+    that was interrupted before the new folder was in place (until `recover_checkpoints` renames it
+    back)."""
+    found = {_step_of(p.name, CHECKPOINT_PREFIX): p for p in list_checkpoints(run_dir)}
+    folder = Path(run_dir) / "checkpoints"
+    if folder.is_dir():
+        for p in folder.iterdir():
+            step = _step_of(p.name, ASIDE_PREFIX + CHECKPOINT_PREFIX)
+            if step is not None and p.is_dir() and step not in found:
+                found[step] = p
+    return [found[step] for step in sorted(found)]
+
+
+def _remove(path: Path) -> None:
+    """Rename out of the listing first, then delete: an interrupted delete leaves a `.del-` folder."""
+    doomed = path.with_name(DELETE_PREFIX + path.name)
+    if doomed.exists():
+        shutil.rmtree(doomed, ignore_errors=True)
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def recover_checkpoints(run_dir: Path) -> list[str]:
+    """Undo what an interrupted save left behind (call with the run's lock held); returns notes.
+
+    An `.old-step_N` copy whose `step_N` is missing is renamed back (the re-save was cut before
+    the new folder was in place); one whose `step_N` exists is stale. `.tmp-` and `.del-`
+    folders are leftovers of an unfinished write or delete.
+    """
+    folder = Path(run_dir) / "checkpoints"
+    if not folder.is_dir():
+        return []
+    notes = []
+    for path in sorted(folder.iterdir()):
+        aside_step = _step_of(path.name, ASIDE_PREFIX + CHECKPOINT_PREFIX)
+        if aside_step is not None:
+            final = folder / path.name[len(ASIDE_PREFIX):]
+            if final.exists():
+                _remove(path)
+            else:
+                os.replace(path, final)
+                fsync_dir(folder)
+                notes.append(f"recovered checkpoint {final.name} from the copy an interrupted save set aside")
+        elif path.name.startswith((TMP_PREFIX, DELETE_PREFIX)):
+            shutil.rmtree(path, ignore_errors=True)
+    return notes
+
+
+def set_aside_broken(checkpoint: Path) -> Path:
+    """Rename a checkpoint that cannot be loaded to `.bad-step_N`: kept for inspection, but no longer
+    taken for the latest."""
+    target = checkpoint.with_name(BROKEN_PREFIX + checkpoint.name.removeprefix(ASIDE_PREFIX))
+    if target.exists():
+        shutil.rmtree(target, ignore_errors=True)
+    os.replace(checkpoint, target)
+    return target
+
+
+def _first_non_finite(tensors: dict[str, torch.Tensor]) -> str | None:
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            return name
+    return None
 
 
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, trainer_state: dict[str, Any],
                     state: dict[str, Any], keep_last: int) -> Path:
-    folder = run_dir / "checkpoints"
-    folder.mkdir(parents=True, exist_ok=True)
-    final = folder / f"{CHECKPOINT_PREFIX}{step:08d}"
-    tmp = folder / f".tmp-{final.name}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+    """Write `checkpoints/step_N` durably (see the module docstring); weights holding NaN or inf are
+    refused with `NonFiniteError` before anything is written, so a good checkpoint is never
+    replaced or rotated out by a diverged one."""
     weights = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
-    save_file(weights, str(tmp / "model.safetensors"), metadata={"step": str(step)})
-    torch.save(trainer_state, tmp / "trainer.pt")
-    for name in ("config.json", "tokenizer.json"):
-        if (run_dir / name).exists():
-            shutil.copy2(run_dir / name, tmp / name)
-    (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n")
-    if final.exists():  # re-saving the same step (e.g. resume with no new steps): replace it
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    for old in list_checkpoints(run_dir)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+    bad = _first_non_finite(weights)
+    if bad is not None:
+        raise NonFiniteError(f"not saving step {step}: weight {bad} holds NaN or inf (training diverged); "
+                             f"the last good checkpoint is kept")
+    meta, tensors = flatten_state(trainer_state)
+    folder = Path(run_dir) / "checkpoints"
+    final = folder / f"{CHECKPOINT_PREFIX}{step:08d}"
+    tmp = folder / f"{TMP_PREFIX}{final.name}"
+    aside = folder / f"{ASIDE_PREFIX}{final.name}"
+    moved_aside = False
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"step": str(step)})
+        save_file(tensors, str(tmp / TRAINER_TENSORS))
+        _write_json_file(tmp / TRAINER_JSON, {"format": TRAINER_FORMAT, "state": meta})
+        _write_json_file(tmp / "state.json", state)
+        for name in ("config.json", "tokenizer.json"):
+            if (Path(run_dir) / name).exists():
+                shutil.copy2(Path(run_dir) / name, tmp / name)
+        for file in tmp.iterdir():
+            fsync_file(file)
+        fsync_dir(tmp)
+        if final.exists():  # re-saving a step (e.g. resuming a finished run): keep the old copy until replaced
+            if aside.exists():  # stale: left by an earlier re-save whose new folder did get into place
+                shutil.rmtree(aside)
+            os.replace(final, aside)
+            moved_aside = True
+            fsync_dir(folder)
+        os.replace(tmp, final)
+        fsync_dir(folder)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if moved_aside and aside.exists() and not final.exists():
+            os.replace(aside, final)
+        raise OutputError(f"cannot write checkpoint {final}: {exc.strerror or exc}") from None
+    try:
+        if moved_aside:
+            shutil.rmtree(aside, ignore_errors=True)
+        for old in list_checkpoints(run_dir)[:-keep_last]:
+            _remove(old)
+    except OSError as exc:
+        raise OutputError(f"saved {final}, but cannot remove older checkpoints: {exc.strerror or exc}") from None
     return final
+
+
+# --------------------------------------------------------------------------------------------
+# Reading
+# --------------------------------------------------------------------------------------------
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -84,7 +330,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
         raise CheckpointError(f"no run or checkpoint at {path}")
     if (path / "model.safetensors").is_file():
         return path
-    checkpoints = list_checkpoints(path)
+    checkpoints = checkpoint_candidates(path) if path.is_dir() else []
     if not checkpoints:
         raise CheckpointError(f"{path} holds no checkpoint (expected {path}/checkpoints/{CHECKPOINT_PREFIX}*/)")
     return checkpoints[-1]
@@ -95,19 +341,39 @@ def read_run_config(checkpoint: Path) -> RunConfig:
         if candidate.is_file():
             try:
                 return RunConfig.from_dict(json.loads(candidate.read_text()))
-            except json.JSONDecodeError as exc:
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
                 raise CheckpointError(f"corrupt config {candidate}: {exc}") from None
             except ConfigError as exc:
                 raise CheckpointError(f"config {candidate} is invalid: {exc}") from None
     raise CheckpointError(f"no config.json found for checkpoint {checkpoint}")
 
 
-def read_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def weight_shapes(checkpoint: Path) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of the weights, read from the safetensors header without loading any tensor."""
     file = checkpoint / "model.safetensors"
     try:
-        return load_file(str(file))
+        with safe_open(str(file), framework="pt") as f:
+            return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
     except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
-        raise CheckpointError(f"cannot read weights {file}: {str(exc).splitlines()[0]}") from None
+        raise CheckpointError(f"cannot read weights {file}: {_first_line(exc)}") from None
+
+
+def read_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The weights of a checkpoint; unreadable or non-finite weights are a `CheckpointError`."""
+    file = checkpoint / "model.safetensors"
+    try:
+        weights = load_file(str(file))
+    except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
+        raise CheckpointError(f"cannot read weights {file}: {_first_line(exc)}") from None
+    bad = _first_non_finite(weights)
+    if bad is not None:
+        raise CheckpointError(f"weights {file} hold NaN or inf (tensor {bad}): the run diverged before this save")
+    return weights
 
 
 def load_weights(model: torch.nn.Module, checkpoint: Path) -> None:
@@ -136,10 +402,85 @@ def load_matching_weights(model: torch.nn.Module, checkpoint: Path) -> list[str]
     return sorted(set(own) - set(weights))
 
 
-def read_trainer_state(checkpoint: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+def _read_legacy_trainer(checkpoint: Path) -> dict[str, Any]:
+    """A `trainer.pt` of an older version, unpickled with weights_only=True (which refuses anything
+    but tensors and plain containers, so it cannot run code); those held numpy RNG states, which it
+    refuses too, so in practice such a checkpoint cannot be resumed."""
     try:
-        state = json.loads((checkpoint / "state.json").read_text())
-        trainer = torch.load(checkpoint / "trainer.pt", map_location="cpu", weights_only=False)
-    except (OSError, json.JSONDecodeError, RuntimeError, EOFError) as exc:
-        raise CheckpointError(f"cannot resume from {checkpoint}: {str(exc).splitlines()[0]}") from None
-    return state, trainer
+        return torch.load(checkpoint / LEGACY_TRAINER, map_location="cpu", weights_only=True)
+    except Exception as exc:  # UnpicklingError, RuntimeError, ...: whatever it is, nothing ran
+        raise CheckpointError(f"cannot resume from {checkpoint}: its {LEGACY_TRAINER} is an older pickle format "
+                              f"that cannot be loaded safely ({type(exc).__name__}: it holds more than tensors); "
+                              f"start a new run, e.g. with --init-from {checkpoint}") from None
+
+
+def read_trainer_state(checkpoint: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(state.json, trainer state {"optimizers": [...], "rng": {...}}) of a checkpoint."""
+    try:
+        meta = json.loads((checkpoint / "state.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"cannot resume from {checkpoint}: state.json: {_first_line(exc)}") from None
+    if not (checkpoint / TRAINER_JSON).is_file() and (checkpoint / LEGACY_TRAINER).is_file():
+        trainer = _read_legacy_trainer(checkpoint)
+    else:
+        try:
+            encoded = json.loads((checkpoint / TRAINER_JSON).read_text())
+            tensors = load_file(str(checkpoint / TRAINER_TENSORS))
+            if encoded.get("format") != TRAINER_FORMAT:
+                raise ValueError(f"unknown {TRAINER_JSON} format {encoded.get('format')!r}")
+            trainer = unflatten_state(encoded["state"], tensors)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, SafetensorError, KeyError, TypeError,
+                AttributeError, ValueError) as exc:
+            raise CheckpointError(f"cannot resume from {checkpoint}: trainer state: {_first_line(exc)}") from None
+    if not isinstance(meta, dict) or not isinstance(trainer, dict) or not {"optimizers", "rng"} <= set(trainer):
+        raise CheckpointError(f"cannot resume from {checkpoint}: its trainer state is incomplete")
+    return meta, trainer
+
+
+# --------------------------------------------------------------------------------------------
+# The run lock
+# --------------------------------------------------------------------------------------------
+
+
+class RunLock:
+    """An exclusive, non-blocking `flock` on RUN/.lock, held while a process trains into RUN.
+
+    The kernel drops it when the process dies, however it dies, so a crashed run never leaves a
+    stale lock. The file itself stays (deleting it would race with a process about to lock it).
+    On platforms without `fcntl` runs are not guarded.
+    """
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / LOCK_FILE
+        self._file = None
+
+    @property
+    def held(self) -> bool:
+        return self._file is not None
+
+    def acquire(self) -> RunLock:
+        if self._file is not None:
+            return self
+        try:
+            import fcntl
+        except ImportError:
+            return self
+        try:
+            file = open(self.path, "a")  # held open for the life of the lock
+        except OSError as exc:
+            raise OutputError(f"cannot create {self.path}: {exc.strerror or exc}") from None
+        try:
+            fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            file.close()
+            if isinstance(exc, BlockingIOError):
+                raise CheckpointError(f"{self.path.parent} is in use: another training writes to it "
+                                      f"(it holds {self.path}); wait for it to finish") from None
+            raise CheckpointError(f"cannot lock {self.path}: {exc.strerror or exc}") from None
+        self._file = file
+        return self
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.close()  # closing the last descriptor drops the flock
+            self._file = None

@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from .errors import LatentloopError
+from .errors import CheckpointError, LatentloopError, OutputError
 
 EXIT_USAGE = 2
 DEFAULT_NEW_TOKENS = 64  # generate's default budget, capped at half the context (the prompt gets the rest)
@@ -95,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--batch-size", type=_positive_int, default=None,
                    help="sequences per batch (default 16 for the loss, 64 rows for --tasks)")
     e.add_argument("--device", default="cpu", help="cpu, cuda[:N], mps")
+    e.add_argument("--data", default=None, metavar="SOURCE",
+                   help="data to score the loss on (text:PATH, hf:NAME, ...); required unless the run was trained "
+                        "on a built-in source (stdlib, task:NAME): the files a run's config.json names are not "
+                        "read on its say-so")
     e.add_argument("--tasks", default=None, metavar="NAMES|core",
                    help="evaluate tasks instead of the loss: 'core' (the 22 CORE tasks), CORE task names and/or "
                         "generation tasks, comma-separated; results go to RUN/evals/")
@@ -124,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     kt = ksub.add_parser("train", help="train a byte-level BPE tokenizer")
     kt.add_argument("--data", required=True, help="data source: stdlib, text:PATH, hf:NAME[:CONFIG]")
     kt.add_argument("--vocab-size", type=_positive_int, required=True, help="vocabulary size (>= 259)")
-    kt.add_argument("--out", required=True, help="output tokenizer.json file or folder")
+    kt.add_argument("--out", required=True, help="output tokenizer.json file or folder (an existing tokenizer file "
+                                                 "is never overwritten)")
     kt.add_argument("--max-bytes", type=_non_negative_int, default=20_000_000,
                     help="read at most this many bytes of training text (0: all)")
 
@@ -172,7 +177,12 @@ def _run_config_from_args(args):
     if args.config:
         raw = load_yaml(args.config)
     elif args.resume and saved.is_file():
-        raw = json.loads(saved.read_text())
+        try:
+            raw = json.loads(saved.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"cannot resume: {saved} is unreadable or cut short ({exc})") from None
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"cannot resume: {saved} does not hold a run config")
     else:
         raw = {}
     raw = {s: dict(raw.get(s) or {}) for s in ("model", "train", "data")} | {
@@ -245,10 +255,12 @@ def _generation_options(args) -> dict:
 def cmd_eval(args) -> int:
     from .archs import get_arch
     from .eval import evaluate_run
-    from .runtime import load_run, prepare_data, resolve_device
+    from .runtime import eval_data, load_run, resolve_device
 
     if args.tasks is None and (args.limit is not None or args.eval_dir is not None):
         raise LatentloopError("--limit and --eval-dir apply to --tasks only")
+    if args.tasks is not None and args.data is not None:
+        raise LatentloopError("--data applies to the loss, not to --tasks")
     device = resolve_device(args.device)
     model, tokenizer, config, checkpoint = load_run(args.run, device)
     if args.tasks is not None:  # task accuracy (CORE, generation), written to RUN/evals/
@@ -266,7 +278,7 @@ def cmd_eval(args) -> int:
             print(format_suite(result))
             print(f"results: {run_dir / 'evals'}")
         return 0
-    data = prepare_data(config, tokenizer, progress=False)
+    data = eval_data(config, tokenizer, args.data)
     tokens = data.val if args.split == "val" else data.train
     options = _generation_options(args)
     # no options given: score every way the architecture offers (fbt regimes, lrt prefills, rgpt depths)
@@ -291,8 +303,13 @@ def cmd_eval(args) -> int:
 
 def cmd_compare(args) -> int:
     from .eval.compare import compare_runs
+    from .runtime import output_folder
 
-    report = compare_runs(args.runs, args.out)
+    output_folder(args.out, "--out")
+    try:
+        report = compare_runs(args.runs, args.out)
+    except OSError as exc:  # the folder was writable a moment ago: a full disk, a file dropped in the way
+        raise OutputError(f"cannot write the report into {args.out}: {exc.strerror or exc}") from None
     print(report["markdown"])
     for note in report["notes"]:
         print(f"note: {note}", file=sys.stderr)
@@ -344,7 +361,14 @@ def cmd_generate(args) -> int:
 
 def cmd_tokenizer(args) -> int:
     from .data import BPETokenizer, parse_source
+    from .data.tokenizers import TOKENIZER_FILE, write_new_tokenizer
+    from .runtime import output_folder
 
+    out = Path(args.out)
+    target = out if out.suffix == ".json" else out / TOKENIZER_FILE
+    if target.exists():  # checked before the (long) training too, not only when writing
+        raise OutputError(f"{target} already exists; choose another --out (a run's tokenizer is never replaced)")
+    output_folder(target.parent, "--out folder")
     source = parse_source(args.data)
     budget = args.max_bytes or None
 
@@ -357,19 +381,17 @@ def cmd_tokenizer(args) -> int:
                 return
 
     tokenizer = BPETokenizer.train(texts(), args.vocab_size)
-    out = Path(args.out)
-    folder = out.parent if out.suffix == ".json" else out
-    folder.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(folder)
-    if out.suffix == ".json" and out.name != "tokenizer.json":
-        (folder / "tokenizer.json").replace(out)
-    print(f"trained a {tokenizer.vocab_size}-token BPE tokenizer on {args.data}: {out}")
+    write_new_tokenizer(tokenizer, target)
+    print(f"trained a {tokenizer.vocab_size}-token BPE tokenizer on {args.data}: {target}")
     return 0
 
 
 def cmd_analyze(args) -> int:
     from . import analysis
+    from .runtime import output_folder
 
+    if args.out:  # before the analysis runs, not after
+        output_folder(args.out, "--out")
     common = dict(out=Path(args.out) if args.out else None)
     if args.batches:
         common["batches"] = args.batches

@@ -13,7 +13,6 @@ bare field name (`n_layer=4`) when the bare name is unambiguous.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -27,6 +26,17 @@ from .errors import ConfigError
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
+
+
+def _require_finite(config: Any) -> None:
+    """Every float field (and every float in a tuple field) of a config dataclass is finite: an
+    infinite lr or softcap passes every range check and then silently trains on NaN."""
+    for f in fields(config):
+        value = getattr(config, f.name)
+        values = value if isinstance(value, tuple) else (value,)
+        for item in values:
+            _require(not isinstance(item, float) or math.isfinite(item),
+                     f"{f.name} must be a finite number, got {value!r}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -54,6 +64,7 @@ class ModelConfig:
     bos_id: int = 256  # the tokenizer's BOS id (set from the tokenizer): variants restart state there
 
     def __post_init__(self) -> None:
+        _require_finite(self)
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
         _require(self.vocab_size >= 2, f"vocab_size must be >= 2, got {self.vocab_size}")
@@ -266,6 +277,10 @@ def model_config(arch: str = "gpt", preset: str | None = None, **overrides: Any)
 # --------------------------------------------------------------------------------------------
 
 
+# Seeds feed torch.manual_seed, which takes a signed 64-bit integer (larger ones overflow inside torch).
+SEED_LIMIT = 2**63
+
+
 @dataclass
 class TrainConfig:
     steps: int = 200
@@ -293,6 +308,9 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         self.betas = tuple(float(b) for b in self.betas)
+        _require_finite(self)
+        _require(isinstance(self.seed, int) and 0 <= self.seed < SEED_LIMIT,
+                 f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         for name in ("steps", "batch_size", "grad_accum", "log_every"):
             _require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("warmup_steps", "eval_every", "save_every", "eval_batches"):
@@ -322,6 +340,7 @@ class DataConfig:
     cache_dir: str = ""  # "" = $LATENTLOOP_CACHE or ~/.cache/latentloop
 
     def __post_init__(self) -> None:
+        _require_finite(self)
         _require(bool(self.source), "data source must not be empty")
         _require(0.0 < self.val_fraction < 1.0, f"val_fraction must be in (0, 1), got {self.val_fraction}")
         _require(self.max_bytes >= 0, f"max_bytes must be >= 0, got {self.max_bytes}")
@@ -351,7 +370,10 @@ class RunConfig:
                    data=_construct(DataConfig, dict(raw.get("data") or {}), "data"))
 
     def save_json(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        """Written atomically (and fsynced): a crash never leaves a half-written config behind."""
+        from .checkpoint import write_json_atomic  # checkpoint imports this module
+
+        write_json_atomic(Path(path), self.to_dict())
 
 
 def _construct(cls: type, values: dict[str, Any], what: str) -> Any:
@@ -390,17 +412,23 @@ def _coerce(value: Any, type_name: Any, name: str) -> Any:
             return int(value)
         if t.startswith("float"):
             _require(not isinstance(value, bool), f"{name} must be a number, got {value!r}")
-            return float(value)
+            number = float(value)
+            _require(math.isfinite(number), f"{name} must be a finite number, got {value!r}")
+            return number
         if t.startswith("tuple"):
             if isinstance(value, str):
                 value = [v for v in value.strip("[]() ").split(",") if v.strip()]
             if isinstance(value, (int, float)):
                 value = [value]
             cast = int if "int" in t else float
-            return tuple(cast(v) for v in value)
+            items = tuple(cast(v) for v in value)
+            _require(all(math.isfinite(v) for v in items), f"{name} must hold finite numbers, got {value!r}")
+            return items
         if t.startswith("str"):
             _require(isinstance(value, (str, int, float)), f"{name} must be a string, got {value!r}")
             return str(value)
+    except ConfigError:
+        raise
     except (TypeError, ValueError):
         raise ConfigError(f"{name} has an invalid value {value!r} (expected {t})") from None
     return value

@@ -8,6 +8,7 @@ few calibration steps, so the budget holds on slow and fast machines alike.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import time
 from pathlib import Path
@@ -18,7 +19,7 @@ import torch
 from .archs import ARCHS
 from .config import DataConfig, RunConfig, TrainConfig, model_config
 from .engine import generate
-from .errors import ConfigError, LatentloopError
+from .errors import ConfigError, LatentloopError, OutputError
 
 DEMO_MARKER = "demo.json"  # a folder holding this file was written by the demo and may be replaced
 CALIBRATION_STEPS = 3
@@ -31,11 +32,16 @@ SAMPLE_TOKENS = 160
 
 
 def _prepare_folder(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"--out {out} is a file; choose a folder")
     if out.exists() and any(out.iterdir()):
         if not (out / DEMO_MARKER).is_file():
             raise LatentloopError(f"{out} exists and was not written by the demo; choose another --out")
         shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"cannot create --out {out}: {exc.strerror or exc}") from None
 
 
 def _seconds_per_step(state) -> float:
@@ -62,8 +68,8 @@ def run_demo(out: Path, minutes: float = 4.0, data: str = "stdlib", preset: str 
     unknown = [a for a in archs if a not in ARCHS]
     if unknown:
         raise ConfigError(f"unknown arch(s) {', '.join(unknown)}: choose from {', '.join(sorted(ARCHS))}")
-    if minutes <= 0:
-        raise ConfigError(f"--minutes must be > 0, got {minutes}")
+    if not (math.isfinite(minutes) and minutes > 0):
+        raise ConfigError(f"--minutes must be a finite number > 0, got {minutes}")
     _prepare_folder(out)
     (out / DEMO_MARKER).write_text(json.dumps({"status": "running", "archs": archs}) + "\n")
     budget = minutes * 60 * BUDGET_FOR_TRAINING / len(archs)

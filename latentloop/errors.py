@@ -24,3 +24,11 @@ class CheckpointError(LatentloopError):
 
 class SandboxUnavailable(LatentloopError):
     """Untrusted code cannot be run: the isolation it needs is missing on this machine."""
+
+
+class OutputError(LatentloopError):
+    """An output path that cannot be created or written (a file where a folder should be, ...)."""
+
+
+class NonFiniteError(LatentloopError):
+    """Training produced a NaN or infinite loss or gradient (the run diverged)."""

@@ -4,6 +4,11 @@ default folders, data preparation and loading a run.
     device = resolve_device("auto")
     model, tokenizer, config, checkpoint = load_run("runs/gpt", device)
     data = prepare_data(config, tokenizer)          # memory-mapped train / val tokens
+    data = eval_data(config, tokenizer, "text:x/")  # the same for a loaded run, whose config is not trusted
+
+A run folder may come from anyone: `load_run` checks its config against the weights' header before
+allocating anything, and the tokenizer against the config; a loaded run's `cache_dir` is ignored
+and its data source used only when it is built in (see `eval_data`).
 
 `eval/`, `analysis` and the server import this module, never `train` or `api`.
 """
@@ -11,21 +16,25 @@ default folders, data preparation and loading a run.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+import tempfile
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from .archs import build_model
-from .checkpoint import load_weights, read_run_config, resolve_checkpoint
-from .config import RunConfig
+from .checkpoint import load_weights, read_run_config, resolve_checkpoint, weight_shapes
+from .config import ModelConfig, RunConfig
 from .data import TokenData, load_tokenizer, parse_source, prepare_tokens
-from .errors import CheckpointError, ConfigError
+from .errors import CheckpointError, ConfigError, OutputError
 
 CACHE_ENV = "LATENTLOOP_CACHE"  # root of every cache folder (tokens, eval bundle)
 EVAL_DIR_ENV = "LATENTLOOP_EVAL_DIR"  # folder of the evaluation task files
 EVAL_BUNDLE_DIR = "eval_bundle"  # below the cache root: the fetched official CORE bundle
+# Data sources that name no file: a run's config may pick these for evaluation by itself.
+BUILTIN_SOURCES = ("stdlib", "task:")
 
 
 def default_cache_dir() -> Path:
@@ -72,15 +81,85 @@ def prepare_data(config: RunConfig, tokenizer, progress: bool = True) -> TokenDa
     return prepare_tokens(source, tokenizer, cache_dir, max_bytes=data.max_bytes or None, progress=progress)
 
 
+def eval_data(config: RunConfig, tokenizer, data: str | None = None, progress: bool = False) -> TokenData:
+    """The tokens to evaluate a loaded run on: `data` when given, else the run's own source if it
+    is built in (stdlib, task:NAME). A run's config.json does not get to choose which files are
+    read: a file or dataset source must be named by the user. The default cache folder is used."""
+    if data is None:
+        data = config.data.source
+        if not data.startswith(BUILTIN_SOURCES):
+            raise ConfigError(f"this run was trained on {data!r}; name the data to evaluate on with --data "
+                              f"(a run folder does not choose files to read)")
+    chosen = RunConfig(model=config.model, train=config.train,
+                       data=dataclasses.replace(config.data, source=data, cache_dir=""))
+    return prepare_data(chosen, tokenizer, progress)
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of the weights a config describes, from a model built on the meta device
+    (shapes only: nothing is allocated, however large the config)."""
+    with torch.device("meta"):
+        model = build_model(config)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def check_weights_fit(config: ModelConfig, checkpoint: Path) -> None:
+    """The checkpoint's weights (their safetensors header) have exactly the names and shapes the
+    config describes, checked before a model of that config is allocated."""
+    found, expected = weight_shapes(checkpoint), expected_shapes(config)
+    file = checkpoint / "model.safetensors"
+    missing, unexpected = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(f"weights {file} do not fit the run's config.json: missing {missing[:3]}, "
+                              f"unexpected {unexpected[:3]}")
+    for name, shape in expected.items():
+        if found[name] != shape:
+            raise CheckpointError(f"weights {file} do not fit the run's config.json: {name} is {list(found[name])} "
+                                  f"in the file but {list(shape)} by the config")
+
+
+def check_tokenizer_fits(tokenizer, config: ModelConfig, tokenizer_file: Path) -> None:
+    """A tokenizer with more ids than the model would index out of its embedding; one with fewer (or
+    other special ids) would decode the model's ids as the wrong text."""
+    if tokenizer.vocab_size != config.vocab_size:
+        raise CheckpointError(f"tokenizer {tokenizer_file} has {tokenizer.vocab_size} tokens but the model has "
+                              f"vocab_size {config.vocab_size}: it is not the tokenizer this model was trained with")
+    if tokenizer.bos_id != config.bos_id:
+        raise CheckpointError(f"tokenizer {tokenizer_file} has BOS id {tokenizer.bos_id} but the model was trained "
+                              f"with {config.bos_id}: it is not the tokenizer this model was trained with")
+
+
 def load_run(path: str | Path, device: str | torch.device = "cpu") -> tuple[nn.Module, object, RunConfig, Path]:
-    """Model (eval mode), tokenizer, run config and checkpoint folder from a run or checkpoint folder."""
+    """Model (eval mode), tokenizer, run config and checkpoint folder from a run or checkpoint folder.
+
+    The config is checked against the weights' header and the tokenizer against the config before
+    the model is built; the returned config's `data.cache_dir` is cleared (the default cache is used).
+    """
     checkpoint = resolve_checkpoint(path)
     config = read_run_config(checkpoint)
+    config.data.cache_dir = ""  # a folder on the machine that trained the run, not one to write into here
     tokenizer_file = next((p for p in (checkpoint / "tokenizer.json", checkpoint.parent.parent / "tokenizer.json")
                            if p.is_file()), None)
     if tokenizer_file is None:
         raise CheckpointError(f"no tokenizer.json found for checkpoint {checkpoint}")
     tokenizer = load_tokenizer(str(tokenizer_file))
+    check_tokenizer_fits(tokenizer, config.model, tokenizer_file)
+    check_weights_fit(config.model, checkpoint)
     model = build_model(config.model)
     load_weights(model, checkpoint)
     return model.to(device).eval(), tokenizer, config, checkpoint
+
+
+def output_folder(path: str | Path, what: str = "output folder") -> Path:
+    """Create `path` (and its parents) and make sure a file can be written in it; any failure (a file
+    in the way, no permission, a read-only disk) is one `OutputError` line, before work starts."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        if path.exists() and not path.is_dir():
+            raise OutputError(f"{what} {path} is a file") from None
+        raise OutputError(f"cannot write into {what} {path}: {exc.strerror or exc}") from None
+    return path

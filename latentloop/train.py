@@ -11,8 +11,10 @@ interface, so each architecture brings its own training procedure.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,16 +27,22 @@ from tqdm.auto import tqdm
 
 from .archs import build_model, build_objective
 from .checkpoint import (
-    list_checkpoints,
+    LOCK_FILE,
+    RunLock,
+    checkpoint_candidates,
+    fsync_dir,
+    json_safe,
     load_matching_weights,
     load_weights,
     read_trainer_state,
+    recover_checkpoints,
     resolve_checkpoint,
     save_checkpoint,
+    set_aside_broken,
 )
 from .config import RunConfig
 from .data import TokenData, TokenLoader, load_tokenizer
-from .errors import CheckpointError
+from .errors import CheckpointError, DataError, NonFiniteError, OutputError
 from .eval import evaluate_loss
 from .objectives import Objective
 from .optim import build_optimizers, lr_multiplier, set_lr
@@ -61,6 +69,24 @@ class TrainState:
     elapsed: float = 0.0  # seconds of training, across resumes
     forward_model: nn.Module | None = None  # the compiled model when train.compile is on
     history: list[dict[str, Any]] = field(default_factory=list)
+    lock: RunLock | None = None  # held from setup to the end of fit: one writer per run folder
+    guard: FiniteGuard | None = None  # fit's divergence check, consulted again before every save
+
+
+def _warn(message: str) -> None:
+    print(f"latentloop: warning: {message}", file=sys.stderr)
+
+
+def _check_output_path(run_dir: Path) -> None:
+    """A run folder that could never be created (a file stands in its place or above it) is reported
+    before any data is prepared."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise OutputError(f"output folder {run_dir} is a file")
+    for parent in run_dir.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise OutputError(f"cannot create output folder {run_dir}: {parent} is a file")
+            break
 
 
 def _check_run_folder(run_dir: Path, config: RunConfig, resume: bool) -> None:
@@ -71,8 +97,10 @@ def _check_run_folder(run_dir: Path, config: RunConfig, resume: bool) -> None:
                                   f"output folder")
         try:
             previous = json.loads(saved.read_text())
-        except json.JSONDecodeError as exc:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise CheckpointError(f"corrupt {saved}: {exc}") from None
+        if not isinstance(previous, dict) or not all(isinstance(previous.get(s, {}), dict) for s in ("model", "data")):
+            raise CheckpointError(f"corrupt {saved}: not a run config with sections model/train/data")
         current = config.to_dict()
         for section in ("model", "data"):
             for key in sorted(set(previous.get(section, {})) | set(current[section])):
@@ -84,7 +112,7 @@ def _check_run_folder(run_dir: Path, config: RunConfig, resume: bool) -> None:
                                           f"{new!r} here")
     elif resume:
         raise CheckpointError(f"cannot resume: {run_dir} holds no run (no config.json)")
-    elif run_dir.exists() and any(run_dir.iterdir()):
+    elif run_dir.exists() and any(p.name != LOCK_FILE for p in run_dir.iterdir()):
         raise CheckpointError(f"{run_dir} exists and is not empty; choose another output folder")
 
 
@@ -92,6 +120,7 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
           init_from: str | Path | None = None) -> TrainState:
     """Build tokenizer, data, model, objective and optimizers; nothing is written until all succeed."""
     run_dir = Path(run_dir)
+    _check_output_path(run_dir)
     _check_run_folder(run_dir, config, resume)
     tokenizer = load_tokenizer(str(run_dir / "tokenizer.json") if resume else config.data.tokenizer)
     config.model.vocab_size, config.model.bos_id = tokenizer.vocab_size, tokenizer.bos_id
@@ -108,44 +137,131 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
     state = TrainState(config, run_dir, model, tokenizer, data, loader, objective, optimizers, device)
     state.forward_model = torch.compile(model) if config.train.compile else model
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if resume and list_checkpoints(run_dir):
-        _restore(state, resolve_checkpoint(run_dir))
-    else:
-        config.save_json(run_dir / "config.json")
-        tokenizer.save(run_dir)
-        (run_dir / "metrics.jsonl").write_text("")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"cannot create output folder {run_dir}: {exc.strerror or exc}") from None
+    state.lock = RunLock(run_dir).acquire()
+    try:
+        _check_run_folder(run_dir, config, resume)  # again, locked: another run may have started here meanwhile
+        if resume:
+            try:
+                _resume(state)
+            except OSError as exc:  # renaming leftovers or broken checkpoints aside
+                raise OutputError(f"cannot repair {run_dir / 'checkpoints'}: {exc.strerror or exc}") from None
+        else:
+            config.save_json(run_dir / "config.json")
+            try:
+                tokenizer.save(run_dir)
+                (run_dir / "metrics.jsonl").write_text("")
+            except OSError as exc:
+                raise OutputError(f"cannot write into {run_dir}: {exc.strerror or exc}") from None
+    except BaseException:
+        state.lock.release()
+        raise
     return state
 
 
+def _resume(state: TrainState) -> None:
+    """Continue from the newest checkpoint that loads. An unloadable newer one (corrupt, cut short)
+    is set aside with a warning; with none loadable the run is refused, never restarted from step 0."""
+    for note in recover_checkpoints(state.run_dir):
+        _warn(note)
+    candidates = checkpoint_candidates(state.run_dir)
+    if not candidates:
+        raise CheckpointError(f"cannot resume: {state.run_dir} holds no checkpoint yet (a run saves one every "
+                              f"save_every steps and at the end); start it again in a new folder")
+    failed: list[tuple[Path, CheckpointError]] = []
+    for checkpoint in reversed(candidates):
+        try:
+            _restore(state, checkpoint)
+        except CheckpointError as exc:
+            failed.append((checkpoint, exc))
+            continue
+        for broken, reason in failed:
+            kept = set_aside_broken(broken)
+            _warn(f"{reason}; moved it to {kept.name} and resumed from {checkpoint.name}")
+        _trim_metrics(state)
+        return
+    newest, reason = failed[0]
+    raise CheckpointError(f"cannot resume: no checkpoint of {state.run_dir} loads (newest {newest.name}: {reason})")
+
+
+def _data_checksums(data: TokenData) -> dict[str, str] | None:
+    return data.meta.get("sha256")
+
+
 def _restore(state: TrainState, checkpoint: Path) -> None:
-    load_weights(state.model, checkpoint)
+    """Load everything of one checkpoint into `state`; a partly applied checkpoint that then fails
+    is fully overwritten by the next one tried (weights, optimizer states, RNGs, loader all are)."""
     meta, trainer = read_trainer_state(checkpoint)
-    for opt, opt_state in zip(state.optimizers, trainer["optimizers"]):
-        opt.load_state_dict(opt_state)
-    torch.set_rng_state(trainer["rng"]["torch"])
-    if torch.cuda.is_available() and trainer["rng"].get("cuda") is not None:
-        torch.cuda.set_rng_state_all(trainer["rng"]["cuda"])
-    np.random.set_state(trainer["rng"]["numpy"])
-    random.setstate(trainer["rng"]["python"])
-    state.loader.load_state_dict(meta["loader"])
-    state.step, state.tokens_seen = meta["step"], meta["tokens_seen"]
-    state.flops_seen, state.elapsed = meta.get("flops_seen", 0.0), meta.get("elapsed", 0.0)
-    # keep the metrics of the steps we resume from; drop rows logged after that checkpoint
+    saved_data = meta.get("data")
+    if saved_data is not None and saved_data != _data_checksums(state.data):
+        raise DataError(f"the token data of {state.run_dir} changed since checkpoint {checkpoint.name} (its shards' "
+                        f"sha256 differ): resume with the data it was trained on, or start a new run")
+    load_weights(state.model, checkpoint)
+    try:
+        if len(trainer["optimizers"]) != len(state.optimizers):
+            raise ValueError(f"{len(trainer['optimizers'])} optimizer states for {len(state.optimizers)} optimizers")
+        for opt, opt_state in zip(state.optimizers, trainer["optimizers"]):
+            opt.load_state_dict(opt_state)
+        rng = trainer["rng"]
+        torch.set_rng_state(torch.as_tensor(rng["torch"], dtype=torch.uint8))
+        if torch.cuda.is_available() and rng.get("cuda") is not None:
+            torch.cuda.set_rng_state_all([torch.as_tensor(s, dtype=torch.uint8) for s in rng["cuda"]])
+        name, keys, pos, has_gauss, cached = rng["numpy"]
+        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+        version, internal, gauss = rng["python"]
+        random.setstate((version, tuple(internal), gauss))
+        state.loader.load_state_dict(meta["loader"])
+        state.step, state.tokens_seen = int(meta["step"]), int(meta["tokens_seen"])
+        state.flops_seen, state.elapsed = meta.get("flops_seen", 0.0), meta.get("elapsed", 0.0)
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"cannot resume from {checkpoint}: {str(exc).splitlines()[0] if str(exc) else exc!r}"
+                              ) from None
+
+
+def _trim_metrics(state: TrainState) -> None:
+    """Keep the metrics up to the resumed step; rows logged after that checkpoint are logged again.
+    A line cut short by a crash is dropped."""
     log = state.run_dir / "metrics.jsonl"
-    rows = [line for line in log.read_text().splitlines() if line.strip()] if log.exists() else []
-    kept = [r for r in rows if json.loads(r).get("step", 0) <= state.step]
+    kept = []
+    for line in (log.read_text().splitlines() if log.exists() else []):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and row.get("step", 0) <= state.step:
+            kept.append(line)
     tmp = log.with_name(".metrics.jsonl.tmp")
-    tmp.write_text("".join(r + "\n" for r in kept))
-    os.replace(tmp, log)
+    try:
+        with open(tmp, "w") as f:
+            f.write("".join(r + "\n" for r in kept))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, log)
+        fsync_dir(log.parent)
+    except OSError as exc:
+        raise OutputError(f"cannot rewrite {log}: {exc.strerror or exc}") from None
 
 
 def save(state: TrainState) -> Path:
-    trainer = {"optimizers": [opt.state_dict() for opt in state.optimizers],
-               "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
-                       "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
+    """Checkpoint the run; refused (`NonFiniteError`) when training has diverged since the last check."""
+    if state.guard is not None:
+        state.guard.check()
+    rng = {"torch": torch.get_rng_state().tolist(),
+           "numpy": [v.tolist() if isinstance(v, np.ndarray) else v for v in np.random.get_state()],
+           "python": [v if not isinstance(v, tuple) else list(v) for v in random.getstate()],
+           "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else None}
+    trainer = {"optimizers": [opt.state_dict() for opt in state.optimizers], "rng": rng}
     meta = {"step": state.step, "tokens_seen": state.tokens_seen, "flops_seen": state.flops_seen,
-            "elapsed": state.elapsed, "loader": state.loader.state_dict()}
+            "elapsed": state.elapsed, "loader": state.loader.state_dict(), "data": _data_checksums(state.data)}
+    log = state.run_dir / "metrics.jsonl"
+    try:
+        with open(log, "a") as f:  # the metrics up to this step reach the disk before the checkpoint after them
+            os.fsync(f.fileno())
+    except OSError as exc:
+        raise OutputError(f"cannot write {log}: {exc.strerror or exc}") from None
     return save_checkpoint(state.run_dir, state.step, state.model, trainer, meta, state.config.train.keep_last)
 
 
@@ -158,15 +274,79 @@ def validate(state: TrainState, max_batches: int | None = None) -> dict[str, flo
 
 
 def _log(state: TrainState, row: dict[str, Any]) -> None:
+    """Append a row to metrics.jsonl as strict JSON: a NaN or infinity is written as null."""
     state.history.append(row)
-    with open(state.run_dir / "metrics.jsonl", "a") as f:
-        f.write(json.dumps(row) + "\n")
+    try:
+        with open(state.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(json_safe(row), allow_nan=False) + "\n")
+    except OSError as exc:
+        raise OutputError(f"cannot write {state.run_dir / 'metrics.jsonl'}: {exc.strerror or exc}") from None
+
+
+NO_STEP = -1  # the guard's "no non-finite step seen yet"
+
+
+class FiniteGuard:
+    """Stops a diverged run: remembers the first step whose gradient norm was NaN or infinite.
+
+    On an accelerator the flag stays on the device (reading it every step would stall the queue
+    of kernels) and is read at log intervals and before each save; on the CPU it is read every
+    step, before the optimizer touches the weights. The loss is a host float already and is
+    checked at once everywhere.
+    """
+
+    def __init__(self, device: torch.device):
+        self.deferred = device.type != "cpu"
+        self.first_bad = torch.full((), NO_STEP, dtype=torch.long, device=device) if self.deferred else None
+
+    @staticmethod
+    def fail(step: int, what: str, value: float | str) -> NonFiniteError:
+        return NonFiniteError(f"training diverged at step {step}: the {what} is {value}; stopped without saving "
+                              f"it (the last checkpoint is kept); try a lower learning rate")
+
+    def observe_loss(self, loss: float, step: int) -> None:
+        if not math.isfinite(loss):
+            raise self.fail(step, "loss", loss)
+
+    def observe_grad_norm(self, norm: torch.Tensor, step: int) -> None:
+        if not self.deferred:
+            if not math.isfinite(float(norm)):
+                raise self.fail(step, "gradient norm", float(norm))
+            return
+        newly_bad = ~torch.isfinite(norm) & (self.first_bad == NO_STEP)
+        self.first_bad = torch.where(newly_bad, torch.full_like(self.first_bad, step), self.first_bad)
+
+    def check(self) -> None:
+        if self.deferred and int(self.first_bad) != NO_STEP:
+            raise self.fail(int(self.first_bad), "gradient norm", "not finite")
+
+
+def _grad_norm(model: nn.Module, clip: float) -> torch.Tensor:
+    """The total gradient norm, clipping to `clip` when it is > 0 (without clipping: measured only)."""
+    if clip > 0:
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads]))
 
 
 def fit(state: TrainState, progress: bool = True, max_seconds: float | None = None) -> dict[str, Any]:
     """Train until `train.steps` (or until `max_seconds` of training have passed in this call),
-    evaluating and checkpointing on schedule; returns a summary."""
+    evaluating and checkpointing on schedule; returns a summary. Holds the run folder's lock
+    throughout; a NaN or infinite loss or gradient stops the run with `NonFiniteError`."""
+    if state.lock is None:
+        state.lock = RunLock(state.run_dir)
+    state.lock.acquire()  # a no-op when setup's lock is still held
+    try:
+        return _fit(state, progress, max_seconds)
+    finally:
+        state.lock.release()
+
+
+def _fit(state: TrainState, progress: bool, max_seconds: float | None) -> dict[str, Any]:
     cfg, model = state.config.train, state.model
+    guard = state.guard = FiniteGuard(state.device)
     forward_model = state.forward_model if state.forward_model is not None else model
     tokens_per_step = cfg.batch_size * cfg.grad_accum * state.config.model.sequence_len
     model.train()
@@ -174,45 +354,48 @@ def fit(state: TrainState, progress: bool = True, max_seconds: float | None = No
     window_start, window_tokens = time.perf_counter(), 0
     train_loss = float("nan")
     deadline = time.perf_counter() + max_seconds if max_seconds is not None else float("inf")
-    while state.step < cfg.steps and time.perf_counter() < deadline:
-        step_start = time.perf_counter()
-        multiplier = lr_multiplier(state.step, cfg)
-        set_lr(state.optimizers, multiplier)
-        loss_sum, extra = 0.0, {}
-        for _ in range(cfg.grad_accum):
-            x, y = state.loader.next_batch()
-            x, y = x.to(state.device, non_blocking=True), y.to(state.device, non_blocking=True)
-            with autocast_for(state.device, cfg.dtype):
-                result = state.objective(forward_model, x, y, state.step)
-            (result.loss / cfg.grad_accum).backward()
-            loss_sum += result.reported_loss / cfg.grad_accum
-            extra = result.metrics
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        for opt in state.optimizers:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        state.flops_seen += state.objective.flops_per_token(model, state.step) * tokens_per_step
-        state.step += 1
-        state.tokens_seen += tokens_per_step
-        state.elapsed += time.perf_counter() - step_start
-        window_tokens += tokens_per_step
-        train_loss = loss_sum
-        if state.step % cfg.log_every == 0 or state.step == cfg.steps or time.perf_counter() >= deadline:
-            now = time.perf_counter()
-            tok_per_s = window_tokens / max(now - window_start, 1e-9)
-            window_start, window_tokens = now, 0
-            lr = cfg.lr * multiplier
-            _log(state, {"step": state.step, "loss": train_loss, "lr": lr, "tokens": state.tokens_seen,
-                         "flops": state.flops_seen, "tok_per_s": tok_per_s, "elapsed": state.elapsed, **extra})
-            bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tok_per_s:,.0f}")
-        bar.update(1)
-        if cfg.eval_every and state.step % cfg.eval_every == 0 and state.step < cfg.steps:
-            _log(state, {"step": state.step, **{f"val_{k}": v for k, v in validate(state).items()}})
-            model.train()
-        if cfg.save_every and state.step % cfg.save_every == 0 and state.step < cfg.steps:
-            save(state)
-    bar.close()
+    try:
+        while state.step < cfg.steps and time.perf_counter() < deadline:
+            step_start = time.perf_counter()
+            multiplier = lr_multiplier(state.step, cfg)
+            set_lr(state.optimizers, multiplier)
+            loss_sum, extra = 0.0, {}
+            for _ in range(cfg.grad_accum):
+                x, y = state.loader.next_batch()
+                x, y = x.to(state.device, non_blocking=True), y.to(state.device, non_blocking=True)
+                with autocast_for(state.device, cfg.dtype):
+                    result = state.objective(forward_model, x, y, state.step)
+                (result.loss / cfg.grad_accum).backward()
+                loss_sum += result.reported_loss / cfg.grad_accum
+                extra = result.metrics
+            guard.observe_loss(loss_sum, state.step + 1)
+            guard.observe_grad_norm(_grad_norm(model, cfg.grad_clip), state.step + 1)
+            for opt in state.optimizers:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            state.flops_seen += state.objective.flops_per_token(model, state.step) * tokens_per_step
+            state.step += 1
+            state.tokens_seen += tokens_per_step
+            state.elapsed += time.perf_counter() - step_start
+            window_tokens += tokens_per_step
+            train_loss = loss_sum
+            if state.step % cfg.log_every == 0 or state.step == cfg.steps or time.perf_counter() >= deadline:
+                guard.check()
+                now = time.perf_counter()
+                tok_per_s = window_tokens / max(now - window_start, 1e-9)
+                window_start, window_tokens = now, 0
+                lr = cfg.lr * multiplier
+                _log(state, {"step": state.step, "loss": train_loss, "lr": lr, "tokens": state.tokens_seen,
+                             "flops": state.flops_seen, "tok_per_s": tok_per_s, "elapsed": state.elapsed, **extra})
+                bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tok_per_s:,.0f}")
+            bar.update(1)
+            if cfg.eval_every and state.step % cfg.eval_every == 0 and state.step < cfg.steps:
+                _log(state, {"step": state.step, **{f"val_{k}": v for k, v in validate(state).items()}})
+                model.train()
+            if cfg.save_every and state.step % cfg.save_every == 0 and state.step < cfg.steps:
+                save(state)
+    finally:  # also when the run stops (diverged, interrupted): the error starts a line of its own
+        bar.close()
     final = validate(state)
     _log(state, {"step": state.step, **{f"val_{k}": v for k, v in final.items()}})
     checkpoint = save(state)

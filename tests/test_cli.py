@@ -23,7 +23,8 @@ def run_dir(tmp_path_factory):
 
 def test_train_eval_generate(run_dir, capsys):
     capsys.readouterr()
-    assert main(["eval", str(run_dir), "--json", "--batches", "2"]) == 0
+    corpus = run_dir.parent / "corpus.txt"
+    assert main(["eval", str(run_dir), "--json", "--batches", "2", "--data", f"text:{corpus}"]) == 0
     metrics = json.loads(capsys.readouterr().out)
     assert set(metrics) >= {"loss", "ppl", "bpb"} and metrics["bpb"] > 0
     assert main(["generate", str(run_dir), "--prompt", "hello", "--max-new-tokens", "5", "--temperature", "0",

@@ -201,8 +201,6 @@ def test_rgpt_cache_modes_store_the_mean_or_the_last_step(mode, early_exit, monk
         for row in range(3):
             raw = [(step, k[row, :, 0], v[row, :, 0]) for slot, step, k, v in writes
                    if (slot - c.n_pre) % c.n_rec == j and step <= exits[row]]  # what the row computed
-            for step, k, v in raw:
-                assert step <= exits[row]
             if mode == "full":  # each step in its own slot; later steps repeat the exit step's
                 for step in range(1, c.recurrence_steps + 1):
                     kept = raw[min(step, exits[row]) - 1]

@@ -197,7 +197,8 @@ def test_cli_regimes(corpus, tmp_path, capsys):
     capsys.readouterr()
     bpb = {}
     for regime, extra in (("standard", []), ("soft", []), ("fused", ["--passes", "2"])):
-        assert main(["eval", str(tmp_path / "run"), "--json", "--batches", "1", "--regime", regime, *extra]) == 0
+        assert main(["eval", str(tmp_path / "run"), "--json", "--batches", "1", "--data", f"text:{corpus}",
+                     "--regime", regime, *extra]) == 0
         bpb[regime] = json.loads(capsys.readouterr().out)["bpb"]
     assert len(set(bpb.values())) == 3
     assert main(["generate", str(tmp_path / "run"), "--prompt", "ab", "--max-new-tokens", "4", "--regime", "fused",

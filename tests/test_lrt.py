@@ -130,10 +130,12 @@ def test_train_eval_generate_cli(corpus, tmp_path, capsys):
     capsys.readouterr()
     results = {}
     for prefill in ("sequential", "interleaved"):
-        assert main(["eval", str(run), "--json", "--batches", "1", "--prefill", prefill]) == 0
+        assert main(["eval", str(run), "--json", "--batches", "1", "--data", f"text:{corpus}",
+                     "--prefill", prefill]) == 0
         results[prefill] = json.loads(capsys.readouterr().out)["bpb"]
     assert results["sequential"] != results["interleaved"]
-    assert main(["eval", str(run), "--json", "--batches", "1"]) == 0  # no flag: both ways, sequential first
+    # no flag: both ways, sequential first
+    assert main(["eval", str(run), "--json", "--batches", "1", "--data", f"text:{corpus}"]) == 0
     both = json.loads(capsys.readouterr().out)
     assert both["scored_as"] == "sequential" and both["bpb"] == results["sequential"]
     assert both["by_option"]["interleaved"]["bpb"] == results["interleaved"]

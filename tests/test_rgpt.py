@@ -151,7 +151,7 @@ def test_train_eval_generate_cli(corpus, tmp_path, capsys):
     capsys.readouterr()
     bpb = []
     for steps in ("1", "3"):
-        assert main(["eval", str(run), "--json", "--batches", "1", "--steps", steps]) == 0
+        assert main(["eval", str(run), "--json", "--batches", "1", "--data", f"text:{corpus}", "--steps", steps]) == 0
         bpb.append(json.loads(capsys.readouterr().out)["bpb"])
     assert bpb[0] != bpb[1]
     assert main(["generate", str(run), "--prompt", "ab", "--max-new-tokens", "3", "--steps", "5", "--json",

@@ -5,11 +5,15 @@ Layout of the cache (one folder per (source, tokenizer, max_bytes) combination):
     cache_dir/<16 hex chars of the cache key>/
         train.bin   flat token ids (uint16 when the vocabulary fits, else uint32)
         val.bin
-        meta.json   spec, tokenizer, dtype and per-split token/document/byte counts
+        meta.json   spec, tokenizer, dtype, per-split token/document/byte counts, and per split
+                    the sha256 of the file and its largest token id
 
 Documents are packed back to back, each as `[bos_id] + tokenizer.encode(document)`, so a model
 can see where documents start. A folder is built under a temporary name and renamed into place
-only when complete: an interrupted run never leaves a half-written cache behind.
+only when complete: an interrupted run never leaves a half-written cache behind. Every open
+re-reads the shards against their checksums, so a corrupted or edited file (even one of the same
+size) is a `DataError` rather than silently different training data, and so is a token id that the
+tokenizer does not have.
 """
 
 from __future__ import annotations
@@ -29,13 +33,16 @@ from tqdm import tqdm
 from latentloop.errors import ConfigError, DataError
 
 # Bump when the layout or the packing of shards changes, so that old caches are not reused.
-FORMAT_VERSION = 1
+# 2: meta.json holds a sha256 and the largest token id per split.
+FORMAT_VERSION = 2
 
 SPLIT_NAMES = ("train", "val")
 META_FILE = "meta.json"
 
 # Tokens are gathered in memory up to about this many before each write to disk.
 _WRITE_CHUNK_TOKENS = 1 << 20
+# Bytes read at a time when verifying a shard (a multiple of every token dtype's size).
+_VERIFY_CHUNK_BYTES = 1 << 24
 
 
 @dataclass
@@ -97,7 +104,7 @@ def prepare_tokens(
     key = cache_key(source, tokenizer, max_bytes)
     directory = cache_dir / key[:16]
 
-    cached = _open_cached(directory)
+    cached = _open_cached(directory, tokenizer.vocab_size)
     if cached is not None:
         return cached
     if directory.exists():
@@ -113,12 +120,12 @@ def prepare_tokens(
             os.replace(temp_dir, directory)
         except OSError:
             # Another process finished the same cache first; its copy is just as good.
-            if _open_cached(directory) is None:
+            if _open_cached(directory, tokenizer.vocab_size) is None:
                 raise
     finally:
         if temp_dir.exists():
             shutil.rmtree(temp_dir, ignore_errors=True)
-    opened = _open_cached(directory)
+    opened = _open_cached(directory, tokenizer.vocab_size)
     if opened is None:
         raise DataError(f"token cache {directory} could not be read back after writing it")
     return opened
@@ -141,6 +148,8 @@ def _build(source, tokenizer, directory: Path, max_bytes: int | None, progress: 
         "tokens": {},
         "documents": {},
         "bytes": {},
+        "sha256": {},
+        "max_id": {},
     }
     for split in SPLIT_NAMES:
         counts = _write_split(source, tokenizer, split, directory / f"{split}.bin", dtype, caps[split], progress)
@@ -154,11 +163,22 @@ def _build(source, tokenizer, directory: Path, max_bytes: int | None, progress: 
 def _write_split(
     source, tokenizer, split: str, path: Path, dtype: np.dtype, byte_cap: int | None, progress: bool
 ) -> dict[str, int]:
-    """Stream the split's documents into `path`; returns token, document and byte counts."""
+    """Stream the split's documents into `path`; returns token, document and byte counts, the
+    file's sha256 and its largest token id."""
     bos = np.array([tokenizer.bos_id], dtype=dtype)
     counts = {"tokens": 0, "documents": 0, "bytes": 0}
     pending: list[np.ndarray] = []
     pending_tokens = 0
+    digest, max_id = hashlib.sha256(), 0
+
+    def write(out, arrays: list[np.ndarray]) -> None:
+        nonlocal max_id
+        chunk = np.concatenate(arrays)
+        max_id = max(max_id, int(chunk.max()))
+        data = chunk.tobytes()
+        digest.update(data)
+        out.write(data)
+
     bar = tqdm(desc=f"tokenizing {source.spec} [{split}]", unit="doc", disable=not progress)
     with path.open("wb") as out, bar:
         for document in source.iter_documents(split):
@@ -177,13 +197,15 @@ def _write_split(
                 counts["bytes"] += document_bytes
                 bar.update(1)
             if pending_tokens >= _WRITE_CHUNK_TOKENS:
-                out.write(np.concatenate(pending).tobytes())
+                write(out, pending)
                 pending, pending_tokens = [], 0
             if reached_cap:
                 break  # stop pulling documents: a streamed source should not read any further
         if pending:
-            out.write(np.concatenate(pending).tobytes())
-    return counts
+            write(out, pending)
+        out.flush()
+        os.fsync(out.fileno())
+    return {**counts, "sha256": digest.hexdigest(), "max_id": max_id}
 
 
 def _truncate_utf8(text: str, max_bytes: int) -> str:
@@ -191,8 +213,20 @@ def _truncate_utf8(text: str, max_bytes: int) -> str:
     return text.encode("utf-8")[: max(0, max_bytes)].decode("utf-8", errors="ignore")
 
 
-def _open_cached(directory: Path) -> TokenData | None:
-    """Open a finished cache folder, or None when there is none (or it is unreadable)."""
+def scan_shard(path: Path, dtype: np.dtype) -> tuple[str, int]:
+    """(sha256 hex digest, largest token id) of a shard file, read in chunks."""
+    digest, max_id = hashlib.sha256(), 0
+    with path.open("rb") as f:
+        while chunk := f.read(_VERIFY_CHUNK_BYTES):
+            digest.update(chunk)
+            max_id = max(max_id, int(np.frombuffer(chunk, dtype=dtype).max()))
+    return digest.hexdigest(), max_id
+
+
+def _open_cached(directory: Path, vocab_size: int | None = None) -> TokenData | None:
+    """Open a finished cache folder, or None when there is none (or its layout is unreadable, so it
+    is rebuilt). A shard that does not match its checksum, or holds an id outside the vocabulary
+    (`vocab_size`, else the one recorded in meta.json), is a `DataError`."""
     meta_path = directory / META_FILE
     if not meta_path.is_file():
         return None
@@ -201,12 +235,19 @@ def _open_cached(directory: Path) -> TokenData | None:
         if meta.get("format_version") != FORMAT_VERSION:
             return None
         dtype = np.dtype(meta["dtype"])
-        arrays = {}
+        vocab = int(meta["vocab_size"]) if vocab_size is None else vocab_size
         for split in SPLIT_NAMES:
             path = directory / f"{split}.bin"
             if path.stat().st_size != meta["tokens"][split] * dtype.itemsize:
                 return None
-            arrays[split] = np.memmap(path, dtype=dtype, mode="r")
+            checksum, max_id = scan_shard(path, dtype)
+            if checksum != meta["sha256"][split]:
+                raise DataError(f"token cache file {path} does not match its checksum (corrupted or edited); "
+                                f"delete {directory} to rebuild it")
+            if max_id >= vocab or max_id != meta["max_id"][split]:
+                raise DataError(f"token cache file {path} holds token id {max_id}, outside the tokenizer's "
+                                f"{vocab} ids; delete {directory} to rebuild it")
+        arrays = {split: np.memmap(directory / f"{split}.bin", dtype=dtype, mode="r") for split in SPLIT_NAMES}
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return TokenData(train=arrays["train"], val=arrays["val"], meta=meta, directory=directory)

@@ -9,6 +9,7 @@ Both share one small interface, which is all the rest of latentloop relies on:
 - `token_byte_lengths()`: how many UTF-8 bytes each token id stands for, so that losses can be
   reported in bits per byte, which is comparable across tokenizers;
 - `save(directory)` writes `tokenizer.json`; `load_tokenizer(spec)` reads it back;
+  `write_new_tokenizer(tokenizer, path)` writes a file that must not exist yet;
 - `fingerprint()`: a short stable string that changes whenever the id mapping changes, used in
   cache keys of tokenized data.
 """
@@ -18,12 +19,14 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
+import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from latentloop.errors import ConfigError, DataError
+from latentloop.errors import ConfigError, DataError, OutputError
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -71,11 +74,14 @@ class ByteTokenizer:
         character split over several tokens is printed once complete."""
         return bytes([token_id]) if 0 <= token_id < 256 else b""
 
+    def to_json(self) -> str:
+        return json.dumps({"type": "byte"}) + "\n"
+
     def save(self, directory: str | Path) -> Path:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / TOKENIZER_FILE
-        path.write_text(json.dumps({"type": "byte"}) + "\n", encoding="utf-8")
+        path.write_text(self.to_json(), encoding="utf-8")
         return path
 
     def fingerprint(self) -> str:
@@ -212,6 +218,38 @@ def _byte_level_decoding() -> dict[str, int]:
             decoding[chr(256 + shifted)] = byte
             shifted += 1
     return decoding
+
+
+def write_new_tokenizer(tokenizer, path: str | Path) -> Path:
+    """Write `tokenizer` to the file `path`, which must not exist: a run's tokenizer.json is never
+    replaced (its model would decode garbage). The text goes to a temporary file that is then
+    hard-linked into place, which fails rather than overwrite a file that appeared meanwhile."""
+    path = Path(path)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(tokenizer.to_json())
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            raise
+        except OSError:  # a file system without hard links: check, then rename
+            if path.exists():
+                raise FileExistsError(path) from None
+            os.replace(tmp, path)
+    except FileExistsError:
+        raise OutputError(f"{path} already exists; choose another output (a tokenizer file is never replaced)"
+                          ) from None
+    except OSError as exc:
+        raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return path
 
 
 def load_tokenizer(spec: str) -> ByteTokenizer | BPETokenizer:
