@@ -301,7 +301,7 @@ def cmd_compare(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from .engine import model_options, stream
+    from .engine import model_options, row_info, stream
     from .runtime import load_run, resolve_device
 
     device = resolve_device(args.device)
@@ -328,7 +328,7 @@ def cmd_generate(args) -> int:
     for step in steps:
         token = step.tokens[0]
         ids.append(token)
-        info = step.info
+        info = row_info(step.info, 0)
         if not args.json:
             sys.stdout.write(decoder.decode(tokenizer.token_to_bytes(token)))  # whole characters only
             sys.stdout.flush()

@@ -3,6 +3,7 @@ default folders, data preparation and loading a run.
 
     device = resolve_device("auto")
     model, tokenizer, config, checkpoint = load_run("runs/gpt", device)
+    save_run(model, tokenizer, "runs/untrained")    # a loadable run folder from any model
     data = prepare_data(config, tokenizer)          # memory-mapped train / val tokens
 
 `eval/`, `analysis` and the server import this module, never `train` or `api`.
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 
 from .archs import build_model
-from .checkpoint import load_weights, read_run_config, resolve_checkpoint
+from .checkpoint import load_weights, read_run_config, resolve_checkpoint, save_checkpoint
 from .config import RunConfig
 from .data import TokenData, load_tokenizer, parse_source, prepare_tokens
 from .errors import CheckpointError, ConfigError
@@ -84,3 +85,18 @@ def load_run(path: str | Path, device: str | torch.device = "cpu") -> tuple[nn.M
     model = build_model(config.model)
     load_weights(model, checkpoint)
     return model.to(device).eval(), tokenizer, config, checkpoint
+
+
+def save_run(model: nn.Module, tokenizer, run_dir: str | Path, config: RunConfig | None = None) -> Path:
+    """A run folder that `load_run` (and so `generate`, `eval`, `serve`) reads, from a model as it
+    is, e.g. freshly initialised for tests and load tests: config, tokenizer and one checkpoint at
+    step 0. It holds no optimizer or loader state, so training cannot resume from it."""
+    run_dir = Path(run_dir)
+    config = config or RunConfig(model=model.config)
+    if config.model.vocab_size != tokenizer.vocab_size or config.model.bos_id != tokenizer.bos_id:
+        raise ConfigError(f"the model's vocab_size/bos_id ({config.model.vocab_size}/{config.model.bos_id}) do not "
+                          f"match the tokenizer's ({tokenizer.vocab_size}/{tokenizer.bos_id})")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config.save_json(run_dir / "config.json")
+    tokenizer.save(run_dir)
+    return save_checkpoint(run_dir, 0, model, trainer_state={}, state={"step": 0}, keep_last=1)
