@@ -297,7 +297,8 @@ def serve(settings: ServeSettings) -> None:
     _check_port(settings.host, settings.port)
     device = resolve_device(settings.device)
     model, tokenizer, _, checkpoint = load_run(settings.run, device)
-    name = settings.model_name or Path(settings.run).resolve().name
+    run_dir = checkpoint.parent.parent if Path(settings.run).resolve() == checkpoint.resolve() else Path(settings.run)
+    name = settings.model_name or run_dir.resolve().name  # the run's name, also when given a checkpoint folder
     app = create_app(model, tokenizer, name, settings)
 
     class Server(uvicorn.Server):
