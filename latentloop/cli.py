@@ -1,4 +1,4 @@
-"""The `latentloop` command line: train, eval, generate, tokenizer, analyze, compare, demo.
+"""The `latentloop` command line: train, eval, generate, tokenizer, analyze, compare, demo, serve.
 
 Every user mistake ends in one line on stderr (`latentloop: error: ...`) and exit code 2, with no
 traceback; anything else is a bug and keeps its traceback.
@@ -56,6 +56,33 @@ def _metavar(option) -> str:
     if option.choices:
         return "{" + ",".join(option.choices) + "}"
     return option.kind.__name__.upper() + "".join(f"|{word}" for word in option.keywords)
+
+
+def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    from .serve import settings as defaults
+
+    p.add_argument("run", help="run folder or checkpoint folder")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default loopback only; any other needs an API key)")
+    p.add_argument("--port", type=_non_negative_int, default=8000, help="port (default 8000)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda[:N], mps")
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' (default: ${defaults.API_KEY_ENV} when set)")
+    p.add_argument("--model-name", default=None, help="the model id clients send (default: the run folder's name)")
+    p.add_argument("--max-tokens-cap", type=_positive_int, default=defaults.DEFAULT_MAX_TOKENS_CAP,
+                   help=f"largest max_tokens a request may ask for (default {defaults.DEFAULT_MAX_TOKENS_CAP})")
+    p.add_argument("--max-batch-size", type=_positive_int, default=defaults.DEFAULT_MAX_BATCH_SIZE,
+                   help=f"rows decoded together, and the most one request may ask for (prompts x n); 1 turns "
+                        f"batching off (default {defaults.DEFAULT_MAX_BATCH_SIZE})")
+    p.add_argument("--max-queue", type=_positive_int, default=defaults.DEFAULT_MAX_QUEUE,
+                   help=f"requests that may wait for a batch; more get 429 (default {defaults.DEFAULT_MAX_QUEUE})")
+    p.add_argument("--batch-window-ms", type=float, default=defaults.DEFAULT_BATCH_WINDOW_MS,
+                   help=f"how long an idle server waits for more requests before it starts a batch (default "
+                        f"{defaults.DEFAULT_BATCH_WINDOW_MS:g})")
+    p.add_argument("--request-timeout", type=float, default=defaults.DEFAULT_REQUEST_TIMEOUT_S,
+                   help=f"seconds a request may take, waiting included, before it ends with 504 (default "
+                        f"{defaults.DEFAULT_REQUEST_TIMEOUT_S:g})")
+    p.add_argument("--access-log", action="store_true", help="log every request")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -158,6 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--preset", default="tiny", help="model size preset")
     d.add_argument("--archs", default=None, help="comma-separated architectures (default: all available)")
     d.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+    sv = sub.add_parser("serve", help="an OpenAI-compatible completions server for a run (pip install "
+                                      "'latentloop[serve]')")
+    _add_serve_arguments(sv)
 
     c = sub.add_parser("compare", help="compare runs: params, tokens, FLOPs, loss, BPB, CORE and task accuracy")
     c.add_argument("runs", nargs="+", metavar="RUN", help="run folders")
@@ -318,7 +349,7 @@ def cmd_compare(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from .engine import model_options, stream
+    from .engine import model_options, row_info, stream
     from .runtime import load_run, resolve_device
 
     device = resolve_device(args.device)
@@ -345,7 +376,7 @@ def cmd_generate(args) -> int:
     for step in steps:
         token = step.tokens[0]
         ids.append(token)
-        info = step.info
+        info = row_info(step.info, 0)
         if not args.json:
             sys.stdout.write(decoder.decode(tokenizer.token_to_bytes(token)))  # whole characters only
             sys.stdout.flush()
@@ -429,8 +460,22 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    import os
+
+    from .serve import API_KEY_ENV, ServeSettings, serve
+
+    settings = ServeSettings(run=args.run, host=args.host, port=args.port, device=args.device,
+                             api_key=args.api_key or os.environ.get(API_KEY_ENV) or None, model_name=args.model_name,
+                             max_tokens_cap=args.max_tokens_cap, max_batch_size=args.max_batch_size,
+                             max_queue=args.max_queue, batch_window_ms=args.batch_window_ms,
+                             request_timeout=args.request_timeout, access_log=args.access_log)
+    serve(settings)
+    return 0
+
+
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "generate": cmd_generate, "tokenizer": cmd_tokenizer,
-            "demo": cmd_demo, "compare": cmd_compare, "analyze": cmd_analyze}
+            "demo": cmd_demo, "compare": cmd_compare, "analyze": cmd_analyze, "serve": cmd_serve}
 
 
 def main(argv: list[str] | None = None) -> int:

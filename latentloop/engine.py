@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from .errors import LatentloopError
+from .models.backbone import PER_ROW_INFO
 from .models.options import check_options
 
 MAX_SEED = 2**63  # torch.Generator seeds are 64-bit
@@ -48,7 +49,16 @@ class DecodeStep:
 
     tokens: list[int | None]
     logprobs: list[float | None] | None = None  # log-probability of each new token, when asked for
-    info: dict = field(default_factory=dict)  # what the model reports (prefill passes, mean exit depth)
+    info: dict = field(default_factory=dict)  # what the model reports (prefill passes, mean exit depth);
+    # info[PER_ROW_INFO], when present: {name: [value per row]}, each row's own value (see `row_info`)
+    top_logprobs: list[list[tuple[int, float]] | None] | None = None  # per row: the k most likely (id, logprob)
+
+
+def row_info(info: dict, row: int) -> dict:
+    """What the model reported for one row: the shared facts, with the row's own values where the
+    model gives them per row (`info[PER_ROW_INFO]`, e.g. rgpt's mean exit depth)."""
+    shared = {name: value for name, value in info.items() if name != PER_ROW_INFO}
+    return {**shared, **{name: values[row] for name, values in info.get(PER_ROW_INFO, {}).items()}}
 
 
 # --------------------------------------------------------------------------------------------
@@ -168,9 +178,12 @@ def model_options(model, options: dict, cached: bool = True) -> dict:
 
 def stream(model, prompts, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
            top_p: float | None = None, seed: int | None = None, stop_tokens: Sequence[int] = (),
-           use_cache: bool = True, pad_id: int = 0, logprobs: bool = False, **options) -> Iterator[DecodeStep]:
+           use_cache: bool = True, pad_id: int = 0, logprobs: bool = False, top_logprobs: int = 0,
+           **options) -> Iterator[DecodeStep]:
     """Yield one `DecodeStep` per new token, for every row together, until every row stopped (a
     stop token, which is not yielded) or `max_new_tokens` steps. Break out to stop early.
+    `logprobs`: each new token's log-probability; `top_logprobs=k`: also the k most likely tokens
+    of each step with theirs (both from the logits before temperature and truncation).
 
     prompts: one list of ids, a list of lists, or a 1-D / 2-D tensor. Everything is checked here,
     before any work: a bad argument raises at the call, not at the first step.
@@ -179,6 +192,8 @@ def stream(model, prompts, max_new_tokens: int, temperature: float = 1.0, top_k:
     if not _is_int(max_new_tokens) or max_new_tokens < 0:
         raise PromptError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     check_sampling(temperature, top_k, top_p, seed)
+    if not _is_int(top_logprobs) or not 0 <= top_logprobs <= model.config.vocab_size:
+        raise PromptError(f"top_logprobs must be an integer in [0, {model.config.vocab_size}], got {top_logprobs!r}")
     options = model_options(model, options, cached=use_cache)
     context = model.config.sequence_len
     longest = max(len(p) for p in rows)
@@ -186,12 +201,12 @@ def stream(model, prompts, max_new_tokens: int, temperature: float = 1.0, top_k:
         raise PromptError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
                           f"context of {context} tokens")
     return _decode(model, rows, max_new_tokens, temperature, top_k, top_p, seed, frozenset(stop_tokens), use_cache,
-                   pad_id, logprobs, options)
+                   pad_id, logprobs, top_logprobs, options)
 
 
 @torch.inference_mode()  # lighter than no_grad: no version counters on the cache writes
 def _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, use_cache, pad_id,
-            logprobs, options) -> Iterator[DecodeStep]:
+            logprobs, top_logprobs, options) -> Iterator[DecodeStep]:
     was_training = model.training
     model.eval()
     try:
@@ -212,7 +227,8 @@ def _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, sto
         for step in range(max_new_tokens):
             last = out.logits[:, -1]  # (B, V)
             next_ids = sample_next(last, temperature, top_k, top_p, generator)  # (B,)
-            chosen = last.float().log_softmax(dim=-1).gather(-1, next_ids[:, None]).squeeze(-1) if logprobs else None
+            logp = last.float().log_softmax(dim=-1) if logprobs or top_logprobs else None
+            chosen = logp.gather(-1, next_ids[:, None]).squeeze(-1) if logprobs else None
             tokens: list[int | None] = []
             for row, token in enumerate(next_ids.tolist()):
                 finished[row] = finished[row] or token in stop_tokens
@@ -222,7 +238,12 @@ def _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, sto
             row_logprobs = None
             if chosen is not None:
                 row_logprobs = [None if t is None else lp for t, lp in zip(tokens, chosen.tolist())]
-            yield DecodeStep(tokens, row_logprobs, info)
+            row_top = None
+            if top_logprobs:
+                values, ids = logp.topk(top_logprobs, dim=-1)
+                row_top = [None if t is None else list(zip(i, v)) for t, i, v in zip(tokens, ids.tolist(),
+                                                                                      values.tolist())]
+            yield DecodeStep(tokens, row_logprobs, info, row_top)
             if step == max_new_tokens - 1:
                 return
             if cache is not None:

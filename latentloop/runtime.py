@@ -3,6 +3,7 @@ default folders, data preparation and loading a run.
 
     device = resolve_device("auto")
     model, tokenizer, config, checkpoint = load_run("runs/gpt", device)
+    save_run(model, tokenizer, "runs/untrained")    # a loadable run folder from any model
     data = prepare_data(config, tokenizer)          # memory-mapped train / val tokens
     data = eval_data(config, tokenizer, "text:x/")  # the same for a loaded run, whose config is not trusted
 
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 
 from .archs import build_model
-from .checkpoint import load_weights, read_run_config, resolve_checkpoint, weight_shapes
+from .checkpoint import load_weights, read_run_config, resolve_checkpoint, save_checkpoint, weight_shapes
 from .config import ModelConfig, RunConfig
 from .data import TokenData, load_tokenizer, parse_source, prepare_tokens
 from .errors import CheckpointError, ConfigError, OutputError
@@ -163,3 +164,18 @@ def output_folder(path: str | Path, what: str = "output folder") -> Path:
             raise OutputError(f"{what} {path} is a file") from None
         raise OutputError(f"cannot write into {what} {path}: {exc.strerror or exc}") from None
     return path
+
+
+def save_run(model: nn.Module, tokenizer, run_dir: str | Path, config: RunConfig | None = None) -> Path:
+    """A run folder that `load_run` (and so `generate`, `eval`, `serve`) reads, from a model as it
+    is, e.g. freshly initialised for tests and load tests: config, tokenizer and one checkpoint at
+    step 0. It holds no optimizer or loader state, so training cannot resume from it."""
+    run_dir = Path(run_dir)
+    config = config or RunConfig(model=model.config)
+    if config.model.vocab_size != tokenizer.vocab_size or config.model.bos_id != tokenizer.bos_id:
+        raise ConfigError(f"the model's vocab_size/bos_id ({config.model.vocab_size}/{config.model.bos_id}) do not "
+                          f"match the tokenizer's ({tokenizer.vocab_size}/{tokenizer.bos_id})")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config.save_json(run_dir / "config.json")
+    tokenizer.save(run_dir)
+    return save_checkpoint(run_dir, 0, model, trainer_state={}, state={"step": 0}, keep_last=1)

@@ -69,3 +69,13 @@ def test_prompt_errors(model):
         ll.generate(model, [[1, 2], []], 4)
     with pytest.raises(ll.ConfigError, match="regime"):
         ll.generate(model, [1, 2], 4, regime="soft")
+
+
+def test_logprobs_and_top_logprobs(model):
+    steps = list(ll.stream(model, PROMPTS, 4, temperature=0.0, logprobs=True, top_logprobs=3))
+    for step in steps:
+        for token, logprob, top in zip(step.tokens, step.logprobs, step.top_logprobs):
+            assert len(top) == 3 and top[0] == (token, logprob)  # greedy picks the most likely
+            assert [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+    with pytest.raises(PromptError, match="top_logprobs"):
+        ll.stream(model, PROMPTS, 4, top_logprobs=-1)

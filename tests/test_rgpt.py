@@ -11,6 +11,7 @@ import latentloop as ll
 from latentloop.archs import build_objective
 from latentloop.cli import main
 from latentloop.config import TrainConfig, model_config, rgpt_shape_from_dense
+from latentloop.engine import row_info
 from latentloop.objectives import token_cross_entropy
 
 TOL = 1e-5  # fp32 max abs logit difference between two exact paths
@@ -158,3 +159,14 @@ def test_train_eval_generate_cli(corpus, tmp_path, capsys):
                  "--exit-threshold", "0.5", "--cache-mode", "mean"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["beyond_trained"] is True and 1 <= out["mean_exit_steps"] <= 5
+
+
+def test_adaptive_exit_reports_each_rows_own_mean_depth():
+    """In a batch, each row's mean exit depth is its own (as alone), not the batch's mean."""
+    model = _model()
+    prompts = [[256, 4, 5, 6], [256, 7], [256, 1, 2, 3, 9, 9]]
+    options = dict(temperature=0.0, exit_threshold=0.02, exit_criterion="state", steps=4)
+    batch = list(ll.stream(model, prompts, 6, **options))[-1].info
+    alone = [list(ll.stream(model, p, 6, **options))[-1].info["mean_exit_steps"] for p in prompts]
+    assert [row_info(batch, row)["mean_exit_steps"] for row in range(3)] == pytest.approx(alone)
+    assert batch["mean_exit_steps"] == pytest.approx(sum(alone) / 3)

@@ -49,6 +49,9 @@ from .cache import AttentionPlan, KVCache, KVStore, plan_attention
 from .flops import count_flops_per_token
 from .options import DecodeOption
 
+# In `ModelOutput.info`, the key whose value maps names to lists with one entry per batch row: the
+# row's own value of a fact that is otherwise reported for the whole batch (rgpt's mean exit depth)
+PER_ROW_INFO = "per_row"
 UNTIED_HEAD_INIT_STD = 0.001  # small enough that the initial next-token distribution is ~uniform
 
 
@@ -171,7 +174,8 @@ class Block(nn.Module):
 class ModelOutput:
     logits: Tensor  # (B, T, V)
     hidden: Tensor  # (B, T, D) top-layer residual state, before the final norm
-    info: dict = field(default_factory=dict)  # variant facts worth reporting (e.g. prefill passes used)
+    info: dict = field(default_factory=dict)  # variant facts worth reporting (e.g. prefill passes used);
+    # info[PER_ROW_INFO] (optional): {name: [value per row]} for facts that differ between rows
 
 
 class GPT(nn.Module):

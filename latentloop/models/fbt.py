@@ -50,7 +50,8 @@ OPTIONS = (
                  "decoding) or fused (multi-pass prefill, then soft)", choices=REGIMES),
     DecodeOption("passes", int, DEFAULT_FUSED_PASSES, "prefill passes of the fused regime: an integer or 'auto' "
                  f"(until the top states settle, at most {AUTO_MAX_PASSES})", minimum=1, maximum=MAX_PASSES,
-                 keywords=("auto",), applies_if=("regime", ("fused",))),
+                 keywords=("auto",), applies_if=("regime", ("fused",)),
+                 couples_rows=lambda value: value == "auto"),  # "auto" runs until *every* row settled
 )
 
 

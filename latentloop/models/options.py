@@ -29,6 +29,9 @@ class DecodeOption:
     keywords: tuple[str, ...] = ()  # words accepted besides numbers (fbt passes: "auto")
     needs_cache: Callable[[Any], bool] | None = None  # value -> only meaningful with the KV cache
     applies_if: tuple[str, tuple] | None = None  # (other option, its values) this one needs
+    # value -> the work is decided for the whole batch (e.g. "until every row settled"), so a row
+    # in a batch may decode differently from the same row alone; servers then decode it alone
+    couples_rows: Callable[[Any], bool] | None = None
 
     @property
     def flag(self) -> str:

@@ -42,7 +42,7 @@ from torch import Tensor, nn
 
 from ..config import RGPTConfig
 from ..errors import ConfigError
-from .backbone import GPT, ForwardContext, ModelOutput, norm
+from .backbone import GPT, PER_ROW_INFO, ForwardContext, ModelOutput, norm
 from .cache import KVCache
 from .criteria import KLDivergence, RelativeChange
 from .options import DecodeOption
@@ -257,9 +257,15 @@ class RGPT(GPT):
         top = self.run_blocks(h, coda_ctx, self.coda)
         cache.advance()
         exits = cache.stats.setdefault("rgpt.exit_steps", [])
-        exits.extend(exit_step.tolist())
+        row_exits = exit_step.tolist()
+        exits.extend(row_exits)
+        # each row's own running total: a row's mean over its tokens, whatever the other rows did
+        totals = cache.stats.setdefault("rgpt.exit_step_totals", [0] * len(row_exits))
+        totals[:] = [total + e for total, e in zip(totals, row_exits)]
+        tokens = len(exits) // len(row_exits)
         return RGPTOutput(logits=self.readout(top), hidden=top, steps=r,
-                          info={"mean_exit_steps": sum(exits) / len(exits)})
+                          info={"mean_exit_steps": sum(exits) / len(exits),
+                                PER_ROW_INFO: {"mean_exit_steps": [total / tokens for total in totals]}})
 
     # -- decoding protocol --------------------------------------------------------------------
     def new_cache(self, batch_size: int, max_len: int | None = None, steps: int | None = None,

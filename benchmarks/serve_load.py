@@ -1,0 +1,205 @@
+"""Load test of `latentloop serve` on loopback: requests/s, tokens/s and p50 / p99 latency at
+concurrency 1, 8 and 32, with batching (`--max-batch-size 32`) and without (`--max-batch-size 1`,
+one row per engine call, requests served one after another), for random-init `tiny` and `small`
+gpt models saved as run folders (speed does not depend on the weights).
+
+Bounded: the four servers start together, then every cell (preset x batching x concurrency) gets
+an equal share of what is left of `--budget` seconds (default 55: about a minute with the imports).
+In a cell, C client tasks (asyncio + httpx, in this process) send greedy /v1/completions requests
+back to back (prompts of 12-40 characters, max_tokens 32); requests still running when the cell's
+time is up are abandoned (their connections close and the server drops their rows, so the next
+cell starts clean) and not counted, so latencies of overloaded cells are those of the lucky ones.
+Latency is per completed request, queueing included; tokens/s counts `usage.completion_tokens` of
+completed requests (random weights sometimes stop early at BOS/EOS).
+Client and servers share the machine's cores.
+
+    .venv/bin/python benchmarks/serve_load.py
+    .venv/bin/python benchmarks/serve_load.py --presets tiny --concurrency 1 8 --budget 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+BENCH_DIR = REPO_ROOT / "benchmarks"
+for _path in (str(REPO_ROOT), str(BENCH_DIR)):  # this checkout's code, and `common`
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+import httpx  # noqa: E402
+import torch  # noqa: E402
+from common import render_table  # noqa: E402
+
+import latentloop as ll  # noqa: E402
+from latentloop.data import ByteTokenizer  # noqa: E402
+from latentloop.runtime import save_run  # noqa: E402
+
+BATCHED_ROWS = 32  # --max-batch-size of the batching server (>= the highest concurrency)
+NEW_TOKENS = 32  # max_tokens of every request
+TEXT = "import os\nclass Loop:\n    def step(self, state, token):\n        return self.cell(state, token)\n"
+PROMPT_LENGTHS = (12, 20, 28, 40)  # characters; requests cycle through them
+START_TIMEOUT_S = 120  # for the servers to answer /health
+DRAIN_TIMEOUT_S = 10  # after a cell, for the server to drop the abandoned requests
+MIN_CELL_S = 1.0  # below this a cell measures nothing useful: refuse the budget instead
+POLL_S = 0.05
+DEFAULT_BUDGET_S = 55.0  # with the imports before it, about a minute in all
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, run: Path, max_rows: int, log: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "latentloop", "serve", str(run), "--port",
+                                          str(self.port), "--device", "cpu", "--max-batch-size", str(max_rows),
+                                          "--max-queue", "1024"], cwd=REPO_ROOT, env=env, stdout=out,
+                                         stderr=subprocess.STDOUT)
+        self.log = log
+
+    def wait_ready(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"server exited: {self.log.read_text()[-1000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(POLL_S)
+        raise SystemExit("a server did not start in time")
+
+    def stats(self) -> dict:
+        return httpx.get(self.url + "/v1/stats", timeout=DRAIN_TIMEOUT_S).json()
+
+    def drain(self) -> None:
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        while time.monotonic() < deadline:
+            stats = self.stats()
+            if stats["queued"] == 0 and stats["active_rows"] == 0:
+                return
+            time.sleep(POLL_S)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(DRAIN_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def body(i: int) -> dict:
+    return {"prompt": TEXT[:PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)]], "max_tokens": NEW_TOKENS, "temperature": 0}
+
+
+async def load(url: str, concurrency: int, seconds: float) -> tuple[list[float], int, float]:
+    """(latencies of completed requests, their completion tokens, measured seconds)."""
+    latencies: list[float] = []
+    tokens = 0
+    start = time.perf_counter()
+    stop_at = start + seconds
+    async with httpx.AsyncClient(base_url=url, timeout=None,
+                                 limits=httpx.Limits(max_connections=concurrency)) as client:
+        async def worker(k: int) -> None:
+            nonlocal tokens
+            i = k
+            while time.perf_counter() < stop_at:
+                sent = time.perf_counter()
+                reply = await client.post("/v1/completions", json=body(i))
+                reply.raise_for_status()
+                if time.perf_counter() <= stop_at:
+                    latencies.append(time.perf_counter() - sent)
+                    tokens += reply.json()["usage"]["completion_tokens"]
+                i += concurrency
+
+        tasks = [asyncio.create_task(worker(k)) for k in range(concurrency)]
+        await asyncio.wait(tasks, timeout=max(0.0, stop_at - time.perf_counter()))
+        for task in tasks:  # abandon what still runs: closing its connection frees its row
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return latencies, tokens, time.perf_counter() - start
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--presets", nargs="+", default=["tiny", "small"])
+    p.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32])
+    p.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S,
+                   help="seconds for everything after the imports, server start included")
+    args = p.parse_args(argv)
+    if max(args.concurrency) > BATCHED_ROWS or min(args.concurrency) < 1:
+        p.error(f"concurrency must be in [1, {BATCHED_ROWS}]")
+    began = time.monotonic()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, load average "
+          f"{os.getloadavg()[0]:.1f} at start", flush=True)
+    servers: dict[tuple[str, str], Server] = {}
+    with tempfile.TemporaryDirectory(prefix="serve_load_") as folder:
+        try:
+            for preset in args.presets:
+                torch.manual_seed(0)
+                run = save_run(ll.build("gpt", preset=preset), ByteTokenizer(), Path(folder) / preset).parents[1]
+                for mode, rows in (("batched", BATCHED_ROWS), ("unbatched", 1)):
+                    servers[preset, mode] = Server(run, rows, Path(folder) / f"{preset}-{mode}.log")
+            for server in servers.values():
+                server.wait_ready(time.monotonic() + START_TIMEOUT_S)
+            for server in servers.values():  # first calls pay one-off costs: not measured
+                httpx.post(server.url + "/v1/completions", json=body(0), timeout=START_TIMEOUT_S).raise_for_status()
+            cells = [(preset, mode, c) for preset in args.presets for mode in ("batched", "unbatched")
+                     for c in args.concurrency]
+            left = args.budget - (time.monotonic() - began)
+            seconds = left / len(cells) * 0.8  # the rest: draining between cells
+            if seconds < MIN_CELL_S:
+                raise SystemExit(f"the budget leaves {seconds:.1f} s per cell after the servers started; "
+                                 f"raise --budget or measure fewer cells")
+            print(f"servers ready after {time.monotonic() - began:.0f} s; {len(cells)} cells of {seconds:.1f} s",
+                  flush=True)
+            rows = [["preset", "server", "concurrency", "requests", "req/s", "tokens/s", "p50 latency s",
+                     "p99 latency s", "rows per batch"]]
+            for preset, mode, c in cells:
+                server = servers[preset, mode]
+                before = server.stats()
+                latencies, tokens, wall = asyncio.run(load(server.url, c, seconds))
+                server.drain()
+                after = server.stats()
+                batches = after["batches"] - before["batches"]
+                per_batch = (after["rows_decoded"] - before["rows_decoded"]) / batches if batches else 0.0
+                done = len(latencies)
+                rows.append([preset, mode, c, done, f"{done / wall:.1f}", f"{tokens / wall:.0f}",
+                             f"{statistics.median(latencies):.2f}" if latencies else "-",
+                             f"{percentile(latencies, 0.99):.2f}" if latencies else "-", f"{per_batch:.1f}"])
+                print(" ".join(str(v) for v in rows[-1]), flush=True)
+        finally:
+            for server in servers.values():
+                server.stop()
+    print()
+    print(render_table(rows))
+    print(f"\ntotal {time.monotonic() - began:.0f} s; load average {os.getloadavg()[0]:.1f} at the end "
+          f"(client and servers share the cores)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

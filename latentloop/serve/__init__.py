@@ -1,0 +1,37 @@
+"""`latentloop serve`: an OpenAI-compatible completions server with batching, streaming and
+per-request decoding regimes (`pip install 'latentloop[serve]'` for FastAPI and uvicorn).
+
+    from latentloop.serve import ServeSettings, serve
+    serve(ServeSettings("runs/fbt", port=8000))
+
+Layers: `protocol` (request checks, OpenAI shapes; no HTTP), `text` (incremental text and stop
+strings), `scheduler` (the batching thread over `engine.stream`), `app` (FastAPI routes and the
+uvicorn runner). This package imports engine, models, archs and runtime, never train or the CLI.
+"""
+
+from __future__ import annotations
+
+from ..errors import LatentloopError
+from .settings import API_KEY_ENV, ServeSettings, check_settings
+
+
+def require_extra() -> None:
+    """A one-line error when FastAPI or uvicorn is missing."""
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as exc:
+        raise LatentloopError(f"serve needs the serve extra ({exc.name} is missing): "
+                              f"pip install 'latentloop[serve]'") from None
+
+
+def serve(settings: ServeSettings) -> None:
+    """Load the run and serve it until SIGINT / SIGTERM."""
+    check_settings(settings)
+    require_extra()
+    from .app import serve as run
+
+    run(settings)
+
+
+__all__ = ["API_KEY_ENV", "ServeSettings", "check_settings", "require_extra", "serve"]

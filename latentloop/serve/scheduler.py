@@ -1,0 +1,454 @@
+"""The batching scheduler: one thread owns the model and decodes the waiting requests together.
+
+Rounds. The thread waits for a request, lets `batch_window` pass so that concurrent requests
+arrive, then takes the requests waiting at that moment (first come first served, up to
+`max_rows` rows in all) and runs them as one round:
+
+1. prompts that are echoed get their logprobs from `teacher_forced_logits`;
+2. the rows are grouped by what must be equal within one engine call: the architecture's
+   options, and for sampled rows the sampling settings. A greedy row decodes the same in any
+   batch (the engine left-pads rows and each decodes exactly as it would alone), so greedy rows
+   of all requests share a group. Sampled rows draw from one random generator per engine call, so
+   a request with a `seed` is its own group (reproducible: the same request gives the same text);
+   unseeded sampled rows with equal settings share one. Options that couple the rows of a batch
+   (fbt's `passes="auto"`, declared by `DecodeOption.couples_rows`) put each request alone;
+3. each group is packed into batches whose longest prompt + longest max_tokens fits the context;
+   one `engine.stream` per batch, and the batches of the round step in turn, one token each, so
+   every request of the round streams from the start.
+
+A row leaves its batch when it is done (its max_tokens, a stop token, a stop string) or its
+client went away or timed out; the batch goes on with the other rows and is closed (the generator
+left) once no row is left. Requests that arrive while a round runs wait for the next round: rows
+never join a batch already decoding (its cache was allocated for its rows).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..engine import row_info, stream, teacher_forced_logits
+from .protocol import APIError, CompletionRequest, decode_with_offsets, special_names, token_string
+from .text import RowText, TokenEntry, top_dict
+
+IDLE_POLL_S = 0.1  # how often an idle scheduler looks for shutdown
+
+
+# --------------------------------------------------------------------------------------------
+# Events posted to a request's handler
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Delta:
+    """New text of one choice; `finish_reason` set on its last delta."""
+
+    choice: int
+    text: str
+    tokens: list[TokenEntry]
+    finish_reason: str | None = None
+    info: dict | None = None  # with the last delta: what the regime did for this row (DecodeStep.info)
+
+
+@dataclass
+class Done:
+    prompt_tokens: int
+    completion_tokens: int
+    batch_rows: int  # the most rows decoded together with this request's rows
+
+
+@dataclass
+class Failed:
+    error: APIError
+
+
+# --------------------------------------------------------------------------------------------
+# Jobs and rows
+# --------------------------------------------------------------------------------------------
+
+
+_job_ids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class Row:
+    job: Job
+    choice: int
+    prompt: list[int]  # as the model reads it
+    text: RowText
+    generated: int = 0
+    done: bool = False
+    info: dict = field(default_factory=dict)
+
+
+class Job:
+    """One completions request in the scheduler; `post` hands events to its handler (thread-safe)."""
+
+    def __init__(self, request: CompletionRequest, post: Callable[[Any], None], tokenizer):
+        self.id = next(_job_ids)
+        self.request = request
+        self.post = post
+        self.cancelled = threading.Event()  # the client went away or timed out: drop the rows
+        self.finished = False
+        self.batch_rows = 0
+        self.completion_tokens = 0
+        specials = special_names(tokenizer)
+        self.echo_texts = [decode_with_offsets(tokenizer, self.echoed(i))[0] if request.echo else ""
+                           for i in range(len(request.prompts))]
+        self.rows = [Row(self, p * request.n + j, prompt,
+                         RowText(tokenizer, specials, request.stop, len(self.echo_texts[p])))
+                     for p, prompt in enumerate(request.prompts) for j in range(request.n)]
+
+    def echoed(self, prompt_index: int) -> list[int]:
+        """The prompt as the client sent it (without a BOS the server added)."""
+        prompt = self.request.prompts[prompt_index]
+        return prompt[1:] if self.request.added_bos[prompt_index] else prompt
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def fail(self, error: APIError) -> None:
+        if not self.finished:
+            self.finished = True
+            for row in self.rows:
+                row.done = True
+            self.post(Failed(error))
+
+
+# --------------------------------------------------------------------------------------------
+# Statistics
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Stats:
+    requests: int = 0  # accepted into the queue
+    completed: int = 0
+    failed: int = 0  # ended with an error (shutdown, internal error)
+    cancelled: int = 0  # the client disconnected or timed out before the end
+    rejected_queue_full: int = 0
+    rounds: int = 0
+    batches: int = 0
+    rows_decoded: int = 0  # rows started in a batch
+    rows_freed: int = 0  # rows dropped from a running batch because their client went away
+    max_batch_rows: int = 0  # the most rows one engine call decoded together
+    last_round_rows: int = 0
+    last_batch_rows: list[int] = field(default_factory=list)  # rows of each batch of the last round
+    steps: int = 0  # decode steps over all batches
+    tokens: int = 0  # generated tokens handed to clients' rows
+
+
+# --------------------------------------------------------------------------------------------
+# The scheduler
+# --------------------------------------------------------------------------------------------
+
+
+class Scheduler:
+    def __init__(self, model, tokenizer, max_rows: int, max_queue: int, batch_window: float):
+        self.model, self.tokenizer = model, tokenizer
+        self.max_rows, self.max_queue, self.batch_window = max_rows, max_queue, batch_window
+        self.context = int(model.config.sequence_len)
+        self.stop_tokens = (tokenizer.eos_id, tokenizer.bos_id)  # as `latentloop generate`
+        self.specials = special_names(tokenizer)
+        self.stats = Stats()
+        self._pending: collections.deque[Job] = collections.deque()
+        self._cond = threading.Condition(threading.RLock())
+        self._stopping = threading.Event()
+        self._active_rows = 0
+        self._thread = threading.Thread(target=self._loop, name="latentloop-scheduler", daemon=True)
+
+    # -- the handlers' side -------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        """Queue a job, or raise APIError 429 (queue full) / 503 (shutting down)."""
+        with self._cond:  # checked under the lock that `_fail_pending` takes: no job is queued after it
+            if self._stopping.is_set():
+                raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
+            waiting = sum(1 for j in self._pending if not j.cancelled.is_set())
+            if waiting >= self.max_queue:
+                self.stats.rejected_queue_full += 1
+                raise APIError(429, f"the queue is full ({self.max_queue} requests wait already, --max-queue); "
+                                    f"retry later", type="rate_limit_error", code="queue_full")
+            self._pending.append(job)
+            self.stats.requests += 1
+            self._cond.notify()
+
+    def stop(self) -> None:
+        """Ask the thread to end every request with an error and exit (safe from a signal handler:
+        it only sets a flag, which the thread reads at its next step)."""
+        self._stopping.set()
+
+    def join(self, timeout: float) -> None:
+        self.stop()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def snapshot(self) -> dict:
+        with self._cond:
+            queued = sum(1 for j in self._pending if not j.cancelled.is_set())
+        stats = dict(vars(self.stats))
+        stats["last_batch_rows"] = list(self.stats.last_batch_rows)
+        return {**stats, "queued": queued, "active_rows": self._active_rows, "max_batch_size": self.max_rows,
+                "max_queue": self.max_queue, "batch_window_s": self.batch_window}
+
+    # -- the thread ---------------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                jobs = self._take_round()
+                if jobs:
+                    self._run_round(jobs)
+        finally:
+            self._fail_pending()
+
+    def _take_round(self) -> list[Job]:
+        """The jobs waiting once the batch window has passed, first come first served, up to
+        max_rows rows (at least one job)."""
+        with self._cond:
+            while not self._pending and not self._stopping.is_set():
+                self._cond.wait(IDLE_POLL_S)
+        if self._stopping.is_set():
+            return []
+        if self.batch_window > 0:  # let concurrent requests arrive; end early once a batch is full
+            deadline = time.monotonic() + self.batch_window
+            with self._cond:
+                while (left := deadline - time.monotonic()) > 0 and not self._stopping.is_set() \
+                        and sum(len(j.rows) for j in self._pending) < self.max_rows:
+                    self._cond.wait(left)
+        jobs, rows = [], 0
+        with self._cond:
+            while self._pending:
+                job = self._pending[0]
+                if job.cancelled.is_set():
+                    self._pending.popleft()
+                    self.stats.cancelled += 1
+                    continue
+                if jobs and rows + len(job.rows) > self.max_rows:
+                    break
+                jobs.append(self._pending.popleft())
+                rows += len(job.rows)
+        return jobs
+
+    def _fail_pending(self) -> None:
+        with self._cond:
+            jobs, self._pending = list(self._pending), collections.deque()
+        for job in jobs:
+            job.fail(APIError(503, "the server is shutting down", type="server_error", code="shutting_down"))
+            self.stats.failed += 1
+
+    def _run_round(self, jobs: list[Job]) -> None:
+        self.stats.rounds += 1
+        self.stats.last_round_rows = sum(len(job.rows) for job in jobs)
+        runs: list[_BatchRun] = []
+        try:
+            for job in jobs:
+                if job.request.echo:
+                    self._echo(job)
+            live = []
+            for job in jobs:
+                for row in job.rows:
+                    if job.request.max_tokens == 0:
+                        self._finish_row(row, "length")
+                    else:
+                        live.append(row)
+            for batch in self._plan(live):
+                try:
+                    runs.append(self._start_batch(batch))
+                except Exception as exc:  # noqa: BLE001 - a bug must not take the server down
+                    self._fail_internal([row.job for row in batch], exc)
+            self.stats.last_batch_rows = [len(run.rows) for run in runs]
+            while runs:
+                if self._stopping.is_set():
+                    break
+                for run in list(runs):
+                    try:
+                        alive = self._step(run)
+                    except Exception as exc:  # noqa: BLE001 - only this batch's requests fail
+                        self._fail_internal([row.job for row in run.rows], exc)
+                        alive = False
+                    if not alive:
+                        run.close()
+                        runs.remove(run)
+        except Exception as exc:  # noqa: BLE001 - a bug must not take the server down: the round's requests fail
+            self._fail_internal(jobs, exc)
+        finally:
+            for run in runs:
+                run.close()
+            self._active_rows = 0
+            if self._stopping.is_set():
+                for job in jobs:
+                    if not job.finished:
+                        job.fail(APIError(503, "the server is shutting down: the request was stopped",
+                                          type="server_error", code="shutting_down"))
+                        self.stats.failed += 1
+            for job in jobs:
+                if not job.finished and job.cancelled.is_set():
+                    job.finished = True
+                    self.stats.cancelled += 1
+
+    def _fail_internal(self, jobs: list[Job], exc: Exception) -> None:
+        for job in jobs:
+            if not job.finished:
+                self.stats.failed += 1
+                job.fail(APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"))
+
+    # -- grouping and batches -----------------------------------------------------------------
+    def _group_key(self, job: Job) -> tuple:
+        request = job.request
+        options = tuple(sorted(request.resolved.items()))  # {} and {"regime": "soft"} decode alike
+        if any(option.couples_rows is not None and option.couples_rows(request.resolved.get(option.name))
+               for option in self.model.OPTIONS):
+            return options, ("alone", job.id)
+        if request.greedy:
+            return options, ("greedy",)
+        if request.seed is not None:
+            return options, ("seeded", job.id)
+        return options, ("sampled", request.temperature, request.top_k, request.top_p)
+
+    def _plan(self, rows: list[Row]) -> list[list[Row]]:
+        """Rows grouped by key, each group packed first fit (longest prompt first) into batches of at
+        most max_rows rows whose longest prompt + longest max_tokens fits the context."""
+        groups: dict[tuple, list[Row]] = {}
+        for row in rows:
+            groups.setdefault(self._group_key(row.job), []).append(row)
+        batches: list[list[Row]] = []
+        for group in groups.values():
+            open_batches: list[tuple[list[Row], int, int]] = []
+            for row in sorted(group, key=lambda r: -len(r.prompt)):
+                P, M = len(row.prompt), row.job.request.max_tokens
+                for i, (batch, longest, most) in enumerate(open_batches):
+                    if len(batch) < self.max_rows and max(longest, P) + max(most, M) <= self.context:
+                        batch.append(row)
+                        open_batches[i] = (batch, max(longest, P), max(most, M))
+                        break
+                else:
+                    open_batches.append(([row], P, M))
+            batches.extend(batch for batch, _, _ in open_batches)
+        return batches
+
+    def _start_batch(self, rows: list[Row]) -> _BatchRun:
+        request = rows[0].job.request  # every row of a batch shares the key's settings and resolved options
+        top = max((row.job.request.logprobs or 0) for row in rows)
+        steps = stream(self.model, [row.prompt for row in rows], max(row.job.request.max_tokens for row in rows),
+                       temperature=request.temperature, top_k=request.top_k, top_p=request.top_p, seed=request.seed,
+                       stop_tokens=self.stop_tokens, pad_id=self.tokenizer.pad_id,
+                       logprobs=any(row.job.request.logprobs is not None for row in rows), top_logprobs=top,
+                       **request.options)
+        self.stats.batches += 1
+        self.stats.rows_decoded += len(rows)
+        self.stats.max_batch_rows = max(self.stats.max_batch_rows, len(rows))
+        self._active_rows += len(rows)
+        for row in rows:
+            row.job.batch_rows = max(row.job.batch_rows, len(rows))
+        return _BatchRun(rows, steps)
+
+    # -- one step of one batch ----------------------------------------------------------------
+    def _step(self, run: _BatchRun) -> bool:
+        """Advance a batch by one token; False once it has no row left."""
+        for row in run.rows:
+            if not row.done and (row.job.cancelled.is_set() or row.job.finished):
+                row.done = True
+                self.stats.rows_freed += 1
+                self._active_rows -= 1
+        if all(row.done for row in run.rows):
+            return False
+        try:
+            step = next(run.steps)
+        except StopIteration:  # every row stopped on a stop token, or the batch's max_tokens
+            for row in run.rows:
+                if not row.done:
+                    self._finish_row(row, "length" if row.generated >= row.job.request.max_tokens else "stop")
+            return False
+        self.stats.steps += 1
+        for i, row in enumerate(run.rows):
+            if row.done:
+                continue
+            token = step.tokens[i]
+            if token is None:  # the engine stopped this row on a stop token
+                self._finish_row(row, "stop")
+                continue
+            row.info = row_info(step.info, i)
+            row.generated += 1
+            self.stats.tokens += 1
+            logprob = step.logprobs[i] if step.logprobs is not None else None
+            top = step.top_logprobs[i][:row.job.request.logprobs] if step.top_logprobs is not None else None
+            stopped = row.text.add(token, logprob, top if row.job.request.logprobs else None)
+            if stopped:
+                self._finish_row(row, "stop")
+            elif row.generated >= row.job.request.max_tokens:
+                self._finish_row(row, "length")
+            else:
+                text, tokens = row.text.release()
+                if text or tokens:
+                    row.job.post(Delta(row.choice, text, tokens))
+        return not all(row.done for row in run.rows)
+
+    def _finish_row(self, row: Row, reason: str) -> None:
+        job = row.job
+        if row.done:
+            return
+        row.done = True
+        if job.request.max_tokens > 0:
+            self._active_rows -= 1
+        text, tokens = row.text.release(final=True)
+        job.completion_tokens += row.generated
+        job.post(Delta(row.choice, text, tokens, reason, row.info))
+        if all(r.done for r in job.rows) and not job.finished:
+            job.finished = True
+            self.stats.completed += 1
+            job.post(Done(sum(len(p) for p in job.request.prompts), job.completion_tokens, job.batch_rows))
+
+    # -- echo ---------------------------------------------------------------------------------
+    def _echo(self, job: Job) -> None:
+        """Each echoed prompt's text and, with logprobs, each prompt token's log-probability given
+        the tokens before it (None for a first token that has none), from the architecture's
+        scoring path (`teacher_forced_logits`)."""
+        request = job.request
+        k = request.logprobs
+        for p, prompt in enumerate(request.prompts):
+            entries: list[TokenEntry] = []
+            echoed = job.echoed(p)
+            text, offsets = decode_with_offsets(self.tokenizer, echoed)
+            if k is not None:
+                first = len(prompt) - len(echoed)  # 1 when the server added BOS
+                logp = self._prompt_logprobs(prompt, request.options)  # (T, V)
+                chosen = logp[:-1].gather(-1, torch.tensor(prompt[1:])[:, None]).squeeze(-1).tolist()
+                top_values, top_ids = logp[:-1].topk(k, dim=-1) if k else (None, None)
+                for j in range(first, len(prompt)):
+                    token = token_string(self.tokenizer, prompt[j], self.specials)
+                    if j == 0:
+                        entries.append(TokenEntry(token, None, None, offsets[j - first]))
+                        continue
+                    top = None
+                    if k:
+                        top = top_dict(self.tokenizer, self.specials,
+                                       list(zip(top_ids[j - 1].tolist(), top_values[j - 1].tolist())))
+                    entries.append(TokenEntry(token, chosen[j - 1], top, offsets[j - first]))
+            for j in range(request.n):
+                job.post(Delta(p * request.n + j, text, entries))
+
+    def _prompt_logprobs(self, prompt: list[int], options: dict) -> torch.Tensor:
+        """Log-probabilities (T, V) of the next token after every prompt position."""
+        idx = torch.tensor([prompt], device=next(self.model.parameters()).device)
+        with torch.inference_mode():
+            logits = teacher_forced_logits(self.model, idx, **options)
+        return logits[0].float().log_softmax(dim=-1).cpu()
+
+
+class _BatchRun:
+    """One engine call (a generator) and its rows, in order."""
+
+    def __init__(self, rows: list[Row], steps):
+        self.rows, self.steps = rows, steps
+
+    def close(self) -> None:
+        self.steps.close()  # leaves the engine's generator: its cache is freed

@@ -1,0 +1,54 @@
+"""What `latentloop serve` is told: the settings, their defaults and their checks (no FastAPI needed)."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+
+from ..errors import LatentloopError
+
+DEFAULT_MAX_TOKENS_CAP = 1024  # bounds one request's decode steps, and so how long it holds a batch
+DEFAULT_MAX_BATCH_SIZE = 32  # rows decoded together (1: no batching)
+DEFAULT_MAX_QUEUE = 256  # requests waiting for a round before 429
+DEFAULT_BATCH_WINDOW_MS = 5.0  # how long an idle server waits for more requests before a round
+DEFAULT_REQUEST_TIMEOUT_S = 300.0  # a request (queue wait included) running longer ends with 504
+API_KEY_ENV = "LATENTLOOP_API_KEY"
+
+
+@dataclass
+class ServeSettings:
+    run: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    device: str = "auto"
+    api_key: str | None = None
+    model_name: str | None = None
+    max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
+    max_queue: int = DEFAULT_MAX_QUEUE
+    batch_window_ms: float = DEFAULT_BATCH_WINDOW_MS
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S
+    access_log: bool = False
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_settings(settings: ServeSettings) -> None:
+    """One-line errors for settings that cannot work, before anything is loaded."""
+    if not is_loopback(settings.host) and not settings.api_key:
+        raise LatentloopError(f"--host {settings.host} makes the server reachable from other machines: give an API "
+                              f"key with --api-key or ${API_KEY_ENV} (clients send 'Authorization: Bearer KEY')")
+    for name, value, minimum in (("--max-tokens-cap", settings.max_tokens_cap, 1),
+                                 ("--max-batch-size", settings.max_batch_size, 1),
+                                 ("--max-queue", settings.max_queue, 1), ("--port", settings.port, 0)):
+        if value < minimum:
+            raise LatentloopError(f"{name} must be >= {minimum}, got {value}")
+    if settings.batch_window_ms < 0 or settings.request_timeout <= 0:
+        raise LatentloopError("--batch-window-ms must be >= 0 and --request-timeout > 0")

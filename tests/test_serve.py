@@ -1,0 +1,511 @@
+"""`latentloop serve` against real clients.
+
+Servers run in subprocesses (`python -m latentloop serve RUN --port P`) on free loopback ports,
+started together by a module fixture and stopped at its end; the clients are the official
+`openai` package, httpx (raw HTTP, server-sent events, a client that hangs up) and
+lm-evaluation-harness's own `local-completions` model. The runs are random-init models saved as
+run folders: every comparison is token for token against the engine in this process, which does
+not need a trained model. Every wait is bounded in time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import shared_data
+
+import latentloop as ll
+from latentloop.cli import main
+from latentloop.data import ByteTokenizer
+from latentloop.engine import row_info
+from latentloop.runtime import save_run
+from latentloop.serve.protocol import APIError, Limits, parse_completion, special_names, token_string
+from latentloop.serve.text import RowText
+
+REPO = Path(ll.__file__).resolve().parents[1]
+ARCHS = ("gpt", "fbt", "lrt", "rgpt")
+CONTEXT = 128  # room for the lm-eval COPA rows (at most ~85 tokens with BOS)
+START_TIMEOUT_S = 120  # a server's start: importing torch and FastAPI on 2 busy cores
+CALL_TIMEOUT_S = 60  # any one client call
+EXIT_TIMEOUT_S = 20  # from SIGTERM to the process's end
+POLL_S = 0.05
+PROMPT = "def fibonacci(n):\n    "
+NEW_TOKENS = 10
+SLOW_STEPS = 32  # rgpt recurrence steps that make each decode step slow enough to hang up during it
+LONG_STEPS = 64  # ~0.3 s per token here: a 120-token request outlasts the rgpt server's timeout many times
+RGPT_TIMEOUT_S = 5  # --request-timeout of the rgpt server (its other requests take about a second)
+TOK = ByteTokenizer()
+STOPS = [TOK.eos_id, TOK.bos_id]  # what `latentloop generate` and the server stop on
+
+httpx = pytest.importorskip("httpx")
+
+
+# --------------------------------------------------------------------------------------------
+# Without HTTP: request checks and the text of a choice
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fbt_model():
+    torch.manual_seed(0)
+    return ll.build("fbt", preset="test").eval()
+
+
+LIMITS = Limits(context=64, max_tokens_cap=32, max_rows=4)
+
+
+def parse(body, model):
+    return parse_completion(body, model, TOK, LIMITS, "m")
+
+
+def test_parse_completion_fields(fbt_model):
+    request = parse({"model": "m", "prompt": ["ab", "c"], "max_tokens": 3, "n": 2, "regime": "fused",
+                     "passes": "auto", "stop": "\n", "logprobs": 2, "temperature": 0}, fbt_model)
+    assert request.prompts == [[TOK.bos_id, 97, 98], [TOK.bos_id, 99]] and request.added_bos == [True, True]
+    assert request.rows == 4 and request.greedy and request.stop == ("\n",) and request.logprobs == 2
+    assert request.options == {"regime": "fused", "passes": "auto"}
+    assert request.resolved == {"regime": "fused", "passes": "auto"}
+    # token prompts: BOS added only where missing; defaults fill in, passes does not apply to soft
+    request = parse({"prompt": [[TOK.bos_id, 5], [6, 7]]}, fbt_model)
+    assert request.prompts == [[TOK.bos_id, 5], [TOK.bos_id, 6, 7]] and request.added_bos == [False, True]
+    assert request.resolved == {"regime": "soft"} and request.max_tokens == 16 and request.temperature == 1.0
+
+
+@pytest.mark.parametrize("body, status, words", [
+    ({"prompt": "x" * 70}, 400, "context"),
+    ({"prompt": "x" * 40, "max_tokens": 30}, 400, "exceeds the model's context"),
+    ({"prompt": "x", "max_tokens": 33}, 400, "--max-tokens-cap"),
+    ({"prompt": "x", "max_tokens": "3"}, 400, "max_tokens must be an integer"),
+    ({"prompt": "x", "n": 0}, 400, "n must be an integer"),
+    ({"prompt": ["x", "y"], "n": 3}, 400, "--max-batch-size"),
+    ({"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "x", "foo": 1}, 400, "unknown field(s): foo"),
+    ({"prompt": "x", "steps": 2}, 400, "arch 'fbt' does not support option(s): steps"),
+    ({"prompt": "x", "regime": "bogus"}, 400, "regime must be one of"),
+    ({"prompt": "x", "passes": 3}, 400, "passes applies to regime 'fused' only"),
+    ({"prompt": "x", "stop": [1]}, 400, "stop must be"),
+    ({"prompt": 5}, 400, "prompt must be"),
+    ({"prompt": []}, 400, "prompt must be"),
+    ({"prompt": [1, "a"]}, 400, "not a mix"),
+    ({"prompt": [[1, 999]]}, 400, "token ids"),
+    ({"prompt": "x", "logprobs": 6}, 400, "logprobs"),
+    ({"prompt": "x", "suffix": "y"}, 400, "suffix"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream=true"),
+    ({"max_tokens": 1}, 400, "prompt is required"),
+    ({"prompt": "x", "model": "other"}, 404, "does not exist"),
+    ([1, 2], 400, "JSON object"),
+])
+def test_parse_completion_refuses(fbt_model, body, status, words):
+    with pytest.raises(APIError) as caught:
+        parse(body, fbt_model)
+    assert caught.value.status == status and words in caught.value.message
+    assert set(caught.value.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def feed(text: RowText, pieces: list[bytes]) -> list[tuple[str, bool]]:
+    """Each one-byte token in turn; (released text, stopped) after each."""
+    out = []
+    for piece in pieces:
+        stopped = text.add(piece[0])
+        out.append((text.release()[0], stopped))
+    return out
+
+
+def test_row_text_holds_back_stop_prefixes_and_cuts_at_the_stop():
+    specials = special_names(TOK)
+    text = RowText(TOK, specials, stops=("END",))
+    steps = feed(text, [bytes([b]) for b in b"abEN"])
+    assert [s for s, _ in steps] == ["a", "b", "", ""]  # "E", "EN" could begin "END"
+    assert text.add(ord("D"))  # the stop string is complete
+    rest, tokens = text.release(final=True)
+    assert rest == "" and [t.token for t in tokens] == []  # nothing of the stop string is returned
+    text = RowText(TOK, specials, stops=("END",))
+    feed(text, [bytes([b]) for b in b"aEx"])
+    assert text.release(final=True)[0] == "" and text.text == "aEx"  # "E" was released with "x"
+    # a two-byte character comes out whole, once both bytes are in; its tokens with it
+    text = RowText(TOK, specials, base_offset=3)
+    first = text.add(0xC3) or text.release()
+    assert first == ("", [])
+    text.add(0xA9)
+    released, tokens = text.release()
+    assert released == "é" and [t.token for t in tokens] == ["bytes:\\xc3", "bytes:\\xa9"]
+    assert [t.offset for t in tokens] == [3, 3]
+    assert token_string(TOK, TOK.bos_id, specials) == "<|bos|>" and token_string(TOK, 65, specials) == "A"
+
+
+# --------------------------------------------------------------------------------------------
+# Real servers
+# --------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`python -m latentloop serve RUN` in a subprocess on a free loopback port."""
+
+    def __init__(self, run: Path, log: Path, *flags: str):
+        self.port, self.log = free_port(), log
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "latentloop", "serve", str(run), "--port",
+                                          str(self.port), "--device", "cpu", *flags],
+                                         cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    def wait_ready(self) -> Server:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"the server exited ({self.proc.returncode}): {self.log.read_text()[-2000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(POLL_S)
+        pytest.fail(f"the server did not answer /health within {START_TIMEOUT_S} s")
+
+    def stats(self, **headers) -> dict:
+        return httpx.get(self.url + "/v1/stats", headers=headers, timeout=CALL_TIMEOUT_S).json()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(EXIT_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("serve_runs")
+    out = {}
+    for seed, arch in enumerate(ARCHS):
+        torch.manual_seed(seed)
+        out[arch] = save_run(ll.build(arch, preset="test", sequence_len=CONTEXT), TOK, folder / arch).parents[1]
+    return out
+
+
+@pytest.fixture(scope="module")
+def models(runs):
+    return {arch: ll.load(run)[0] for arch, run in runs.items()}
+
+
+API_KEY = "test-key"
+
+
+@pytest.fixture(scope="module")
+def servers(runs, tmp_path_factory):
+    """One server per arch, a small-limits one with an API key, and one that the shutdown test
+    stops; all started at once so that their imports overlap."""
+    logs = tmp_path_factory.mktemp("serve_logs")
+    specs = {arch: (runs[arch],) for arch in ARCHS}
+    specs["fbt"] += ("--batch-window-ms", "300")  # the concurrency test's requests meet in one round
+    specs["rgpt"] += ("--request-timeout", str(RGPT_TIMEOUT_S))
+    specs["limits"] = (runs["gpt"], "--max-queue", "1", "--max-tokens-cap", "32", "--max-batch-size", "4",
+                       "--batch-window-ms", "1500", "--api-key", API_KEY)
+    specs["doomed"] = (runs["rgpt"],)
+    started = {}
+    try:
+        for name, (run, *flags) in specs.items():
+            started[name] = Server(run, logs / f"{name}.log", *flags)
+        for server in started.values():
+            server.wait_ready()
+        yield started
+    finally:
+        for server in started.values():
+            server.stop()
+
+
+def expected_greedy(model, prompt: str, new_tokens: int, **options) -> tuple[list[int], dict]:
+    """The engine's greedy tokens for the prompt as `latentloop generate` reads it, and the last
+    step's info (each row's own values where the model gives them per row)."""
+    ids = [TOK.bos_id] + TOK.encode(prompt)
+    steps = list(ll.stream(model, ids, new_tokens, temperature=0.0, stop_tokens=STOPS, **options))
+    assert steps == [] or ll.generate(model, ids, new_tokens, temperature=0.0, stop_tokens=STOPS, **options) == \
+        [s.tokens[0] for s in steps]
+    return [s.tokens[0] for s in steps], row_info(steps[-1].info, 0) if steps else {}
+
+
+def strings(ids: list[int]) -> list[str]:
+    specials = special_names(TOK)
+    return [token_string(TOK, t, specials) for t in ids]
+
+
+CASES = [("gpt", {}), ("fbt", {"regime": "standard"}), ("fbt", {"regime": "soft"}),
+         ("fbt", {"regime": "fused", "passes": 3}), ("fbt", {"regime": "fused", "passes": "auto"}),
+         ("lrt", {"prefill": "sequential"}), ("lrt", {"prefill": "interleaved"}),
+         ("rgpt", {"steps": 2}), ("rgpt", {"steps": 3, "cache_mode": "mean", "exit_threshold": 0.01}),
+         ("rgpt", {"cache_mode": "last"})]
+
+
+@pytest.mark.parametrize("arch, options", CASES, ids=[f"{a}-{'-'.join(map(str, o.values())) or 'plain'}"
+                                                      for a, o in CASES])
+def test_openai_client_gives_the_engines_greedy_tokens(servers, models, arch, options):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=servers[arch].url + "/v1", api_key="unused", max_retries=0,
+                           timeout=CALL_TIMEOUT_S)
+    expected, info = expected_greedy(models[arch], PROMPT, NEW_TOKENS, **options)
+    kwargs = dict(model=arch, prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0, logprobs=0, extra_body=options)
+    plain = client.completions.create(**kwargs)
+    choice = plain.choices[0]
+    assert choice.logprobs.tokens == strings(expected)
+    assert choice.text == TOK.decode(expected)
+    assert choice.finish_reason == ("length" if len(expected) == NEW_TOKENS else "stop")
+    assert plain.usage.prompt_tokens == 1 + len(PROMPT) and plain.usage.completion_tokens == len(expected)
+    report = plain.model_extra["latentloop"]
+    assert report["arch"] == arch and all(report["options"][k] == v for k, v in options.items())
+    for name, value in info.items():  # what the regime did: prefill passes, mean exit depth
+        assert report["choices"][0][name] == pytest.approx(value), name
+    chunks = list(client.completions.create(stream=True, **kwargs))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert [t for c in chunks if c.choices for t in c.choices[0].logprobs.tokens] == strings(expected)
+    assert chunks[-1].choices[0].finish_reason == choice.finish_reason
+
+
+def test_concurrent_requests_batch_and_each_matches_its_single_result(servers, models):
+    """16 requests at once, of different lengths and options, greedy and seeded sampling: each
+    gets what the engine gives it alone, and the server decoded rows together."""
+    server, model = servers["fbt"], models["fbt"]
+    text = "import os\nclass Loop:\n    def step(self, state):\n        return state"
+    regimes = [{}, {"regime": "standard"}, {"regime": "fused", "passes": 2}, {"regime": "soft"}]
+    jobs = []
+    for i in range(16):
+        body = {"prompt": text[:5 + 3 * i], "max_tokens": 4 + i % 7, "temperature": 0, **regimes[i % 4]}
+        if i in (5, 11):  # seeded sampling: its own engine call, so it reproduces `generate` with that seed
+            body.update(temperature=0.9, top_k=40, seed=100 + i)
+        if i in (6, 13):  # passes="auto" settles for the whole batch: decoded alone, as its passes show
+            body.update(regime="fused", passes="auto")
+        jobs.append(body)
+    before = server.stats()["batches"]
+
+    def send(body):
+        return httpx.post(server.url + "/v1/completions", json={**body, "logprobs": 0}, timeout=CALL_TIMEOUT_S)
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        replies = list(pool.map(send, jobs))
+    for body, reply in zip(jobs, replies):
+        assert reply.status_code == 200, reply.text
+        options = {k: v for k, v in body.items() if k in ("regime", "passes")}
+        ids = [TOK.bos_id] + TOK.encode(body["prompt"])
+        expected = ll.generate(model, ids, body["max_tokens"], temperature=body["temperature"],
+                               top_k=body.get("top_k"), seed=body.get("seed"), stop_tokens=STOPS, **options)
+        assert reply.json()["choices"][0]["logprobs"]["tokens"] == strings(expected), body
+        if options.get("passes") == "auto":
+            alone = list(ll.stream(model, ids, 1, temperature=0.0, **options))[0].info["prefill_passes"]
+            assert reply.json()["latentloop"]["choices"][0]["prefill_passes"] == alone
+    stats = server.stats()
+    assert stats["max_batch_rows"] > 1 and stats["batches"] - before < len(jobs)
+    assert max(r.json()["latentloop"]["batch_rows"] for r in replies) > 1
+    assert stats["active_rows"] == 0 and stats["queued"] == 0
+
+
+def test_echo_logprobs_score_the_prompt(servers, models):
+    """echo + logprobs + max_tokens 0 gives each prompt token's log-probability (what lm-eval's
+    loglikelihood reads), equal to the model's own scoring of the text."""
+    server, model = servers["gpt"], models["gpt"]
+
+    def echo(prompt):
+        return httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 0, "echo": True,
+                                                                "logprobs": 1}, timeout=CALL_TIMEOUT_S).json()
+
+    reply = echo(PROMPT)
+    (first,) = reply["choices"]
+    assert first["text"] == PROMPT and first["logprobs"]["tokens"] == strings(TOK.encode(PROMPT))
+    ids = [TOK.bos_id] + TOK.encode(PROMPT)
+    with torch.no_grad():
+        logp = model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    direct = [float(logp[j - 1, ids[j]]) for j in range(1, len(ids))]
+    assert first["logprobs"]["token_logprobs"] == pytest.approx(direct, abs=1e-4)
+    top = first["logprobs"]["top_logprobs"]
+    assert all(len(t) == 1 and max(t.values()) >= lp - 1e-6 for t, lp in zip(top, direct))
+    assert reply["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+    # a token prompt that starts with BOS is read as sent: BOS is echoed, with no logprob
+    (second,) = echo([TOK.bos_id] + TOK.encode(PROMPT))["choices"]
+    assert second["logprobs"]["tokens"] == ["<|bos|>"] + first["logprobs"]["tokens"]
+    assert second["logprobs"]["token_logprobs"] == [None] + first["logprobs"]["token_logprobs"]
+
+
+def test_lm_eval_local_completions_equals_the_in_process_adapter(servers, runs, monkeypatch):
+    """lm-eval's own OpenAI-compatible client against the server gives the in-process adapter's
+    numbers: per-request loglikelihoods (COPA) and generations (arithmetic)."""
+    pytest.importorskip("lm_eval")
+    pytest.importorskip("tenacity")  # lm-eval's API models need it (lm_eval[api])
+    eval_dir = shared_data("eval")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from latentloop.eval import lm_eval_adapter
+
+    manager = TaskManager(include_path=str(lm_eval_adapter.TASKS_DIR), include_defaults=False,
+                          metadata={"eval_dir": str(eval_dir)})
+    tasks, limit = ["latentloop_copa", "latentloop_arithmetic"], 4
+    url = servers["gpt"].url
+    remote = simple_evaluate(model="local-completions", tasks=tasks, task_manager=manager, limit=limit,
+                             log_samples=True, model_args=f"base_url={url}/v1/completions,model=gpt,"
+                                                          f"tokenizer_backend=remote,max_length={CONTEXT - 1},"
+                                                          f"max_retries=1,num_concurrent=1")
+    local = simple_evaluate(model="latentloop", model_args=f"pretrained={runs['gpt']}", tasks=tasks,
+                            task_manager=manager, limit=limit, log_samples=True, device="cpu", batch_size=8)
+    for task in tasks:
+        assert remote["results"][task] == pytest.approx(local["results"][task]), task
+        ours = {s["doc_id"]: s["resps"] for s in local["samples"][task]}
+        theirs = {s["doc_id"]: s["resps"] for s in remote["samples"][task]}
+        assert set(ours) == set(theirs) and len(ours) == limit
+        for doc, responses in ours.items():
+            for mine, other in zip(responses, theirs[doc]):
+                if task == "latentloop_copa":  # (loglikelihood, is_greedy) of each choice
+                    assert other[0][0] == pytest.approx(mine[0][0], abs=1e-4) and other[0][1] == mine[0][1]
+                else:
+                    assert other == mine
+
+
+def post(server: Server, body, **headers) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(server.url + "/v1/completions", content=content, timeout=CALL_TIMEOUT_S,
+                      headers={"Content-Type": "application/json", **headers})
+
+
+KEY = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def test_bad_requests_get_400_and_the_server_keeps_serving(servers):
+    server = servers["limits"]
+    cases = [({"prompt": "x" * 200, "max_tokens": 1}, "context"),
+             ({"prompt": "x", "max_tokens": 33}, "--max-tokens-cap"),
+             ({"prompt": "x", "bogus": True}, "unknown field(s): bogus"),
+             ({"prompt": "x", "regime": "soft"}, "arch 'gpt' does not support option(s): regime"),
+             ({"prompt": "x", "max_tokens": "many"}, "max_tokens must be an integer"),
+             ({"prompt": "x", "n": 0}, "n must be an integer"),
+             ({"prompt": "x", "temperature": -1}, "temperature must be"),
+             (b"{not json", "not valid JSON"),
+             (b"[1, 2]", "JSON object")]
+    for body, words in cases:
+        reply = post(server, body, **KEY)
+        assert reply.status_code == 400, (body, reply.text)
+        error = reply.json()["error"]
+        assert words in error["message"] and error["type"] == "invalid_request_error"
+    assert post(server, {"prompt": "x"}).status_code == 401  # no key
+    assert post(server, {"prompt": "x"}, Authorization="Bearer wrong").status_code == 401
+    assert httpx.get(server.url + "/health", timeout=CALL_TIMEOUT_S).status_code == 200  # open to probes
+    chat = httpx.post(server.url + "/v1/chat/completions", json={}, headers=KEY, timeout=CALL_TIMEOUT_S)
+    assert chat.status_code == 404 and "not supported" in chat.json()["error"]["message"]
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=CALL_TIMEOUT_S)
+    with pytest.raises(openai.BadRequestError, match="--max-tokens-cap"):
+        client.completions.create(model="gpt", prompt="x", max_tokens=100)
+    assert [m.id for m in client.models.list().data] == ["gpt"]
+    reply = post(server, {"prompt": "x", "max_tokens": 2, "temperature": 0}, **KEY)
+    assert reply.status_code == 200 and reply.json()["usage"]["total_tokens"] <= 4
+
+
+def test_full_queue_gets_429(servers):
+    """--max-queue 1 and a 1.5 s batch window: the first request waits in the queue, the second
+    is refused, the first still completes."""
+    server = servers["limits"]
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(post, server, {"prompt": "x", "max_tokens": 2}, **KEY)
+        deadline = time.monotonic() + CALL_TIMEOUT_S
+        while server.stats(**KEY)["queued"] < 1 and time.monotonic() < deadline and not first.done():
+            time.sleep(POLL_S)
+        refused = post(server, {"prompt": "y", "max_tokens": 2}, **KEY)
+        assert refused.status_code == 429 and "--max-queue" in refused.json()["error"]["message"]
+        assert first.result(CALL_TIMEOUT_S).status_code == 200
+    assert server.stats(**KEY)["rejected_queue_full"] >= 1
+
+
+def test_a_client_that_hangs_up_frees_its_row(servers):
+    server = servers["rgpt"]
+    before = server.stats()["rows_freed"]
+    body = {"prompt": "x", "max_tokens": 100, "temperature": 0, "steps": SLOW_STEPS, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=CALL_TIMEOUT_S) as reply:
+        first = next(line for line in reply.iter_lines() if line.startswith("data: "))
+        assert json.loads(first[len("data: "):])["choices"][0]["finish_reason"] is None
+    # the connection is closed here, mid-stream
+    deadline = time.monotonic() + CALL_TIMEOUT_S
+    while server.stats()["rows_freed"] == before and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    stats = server.stats()
+    assert stats["rows_freed"] == before + 1
+    while server.stats()["active_rows"] and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    assert server.stats()["active_rows"] == 0  # the batch was closed, not run to its end
+    later = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=CALL_TIMEOUT_S)
+    assert later.status_code == 200
+
+
+def test_a_request_past_its_timeout_gets_504_and_frees_its_row(servers):
+    server = servers["rgpt"]
+    before = server.stats()
+    start = time.monotonic()
+    reply = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 120, "temperature": 0,
+                                                             "steps": LONG_STEPS}, timeout=CALL_TIMEOUT_S)
+    assert reply.status_code == 504 and "--request-timeout" in reply.json()["error"]["message"]
+    assert RGPT_TIMEOUT_S <= time.monotonic() - start < CALL_TIMEOUT_S
+    deadline = time.monotonic() + CALL_TIMEOUT_S
+    while server.stats()["active_rows"] and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    stats = server.stats()
+    assert stats["timeouts"] == before["timeouts"] + 1 and stats["rows_freed"] == before["rows_freed"] + 1
+    assert stats["active_rows"] == 0
+
+
+def test_sigterm_ends_requests_in_flight_with_an_error_and_exits(servers):
+    server = servers["doomed"]
+    body = {"prompt": "x", "max_tokens": 100, "temperature": 0, "steps": SLOW_STEPS}
+    results: dict[str, object] = {}
+
+    def plain():
+        results["plain"] = post(server, body)
+
+    def streamed():
+        with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True},
+                          timeout=CALL_TIMEOUT_S) as reply:
+            results["stream"] = [line for line in reply.iter_lines() if line]
+
+    threads = [threading.Thread(target=plain), threading.Thread(target=streamed)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + CALL_TIMEOUT_S
+    while time.monotonic() < deadline:  # one request decoding, the other waiting for the next round
+        stats = server.stats()
+        if stats["active_rows"] >= 1 and stats["active_rows"] + stats["queued"] >= 2:
+            break
+        time.sleep(POLL_S)
+    start = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    for thread in threads:
+        thread.join(EXIT_TIMEOUT_S)
+        assert not thread.is_alive()
+    server.proc.wait(EXIT_TIMEOUT_S)
+    assert time.monotonic() - start < EXIT_TIMEOUT_S
+    assert results["plain"].status_code == 503 and "shutting down" in results["plain"].json()["error"]["message"]
+    events = results["stream"]
+    assert events[-1] == "data: [DONE]"
+    assert "shutting down" in json.loads(events[-2][len("data: "):])["error"]["message"]
+
+
+def test_cli_refuses_an_open_host_without_a_key(runs, capsys, monkeypatch):
+    monkeypatch.delenv("LATENTLOOP_API_KEY", raising=False)
+    assert main(["serve", str(runs["gpt"]), "--host", "0.0.0.0"]) == 2
+    assert "--api-key" in capsys.readouterr().err
