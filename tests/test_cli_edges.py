@@ -1,0 +1,70 @@
+"""Edges of `eval` and `generate` that once gave tracebacks or ran unbounded: each is one line and
+exit code 2, or works."""
+
+import json
+
+import pytest
+
+from latentloop.cli import main
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("runs")
+    corpus = folder / "corpus.txt"
+    corpus.write_text("def f(a, b):\n    return a + b\n" * 300)
+    made = {}
+    for arch in ("gpt", "rgpt"):
+        made[arch] = folder / arch
+        assert main(["train", "--arch", arch, "--preset", "test", "--data", f"text:{corpus}", "--steps", "2",
+                     "--set", "batch_size=2", "--out", str(made[arch]), "--no-progress"]) == 0
+    return made, corpus
+
+
+def _one_line_exit_2(argv, words, capsys):
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert len(err.splitlines()) == 1 and words in err, err
+
+
+@pytest.mark.parametrize("flags", [["--exit-threshold", "0.5"], ["--cache-mode", "mean"],
+                                   ["--exit-criterion", "state", "--exit-threshold", "0.1"], ["--min-steps", "2"],
+                                   ["--steps", "2", "--cache-mode", "last"]])
+def test_rgpt_eval_takes_every_option_of_its_arch(runs, flags, capsys):
+    made, corpus = runs
+    capsys.readouterr()
+    assert main(["eval", str(made["rgpt"]), "--data", f"text:{corpus}", "--batches", "1", "--json", *flags]) == 0
+    assert json.loads(capsys.readouterr().out)["bpb"] > 0
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["generate", "{gpt}", "--prompt", "hi", "--device", "cuda:abc"], "device"),
+    (["generate", "{gpt}", "--prompt", "hi", "--temperature", "nan"], "temperature"),
+    (["generate", "{gpt}", "--prompt", "hi", "--seed", "100000000000000000000000"], "seed"),
+    (["generate", "{rgpt}", "--prompt", "hi", "--steps", "100000"], "steps"),
+    (["generate", "{rgpt}", "--prompt", "hi", "--steps", "1e3"], "steps"),
+    (["generate", "{gpt}", "--prompt", "hi", "--passes", "1000000000"], "passes"),
+    (["generate", "{gpt}", "--prompt", "hi", "--regime", "soft"], "does not support"),
+    (["generate", "{rgpt}", "--prompt", "hi", "--exit-threshold", "0.1", "--no-cache"], "needs the cache"),
+    (["eval", "{rgpt}", "--exit-threshold", "-1", "--data", "stdlib"], "exit_threshold"),
+])
+def test_bad_generation_flags_are_one_line(runs, argv, words, capsys):
+    made, _ = runs
+    _one_line_exit_2([a.format(gpt=made["gpt"], rgpt=made["rgpt"]) for a in argv], words, capsys)
+
+
+def test_a_prompt_that_is_not_utf8_is_one_line(runs, capsys):
+    made, _ = runs
+    _one_line_exit_2(["generate", str(made["gpt"]), "--prompt", "caf\udce9"], "UTF-8", capsys)
+
+
+def test_generate_defaults_fit_a_short_context(runs, capsys):
+    made, _ = runs  # the test preset's context is 64 tokens: the default budget must fit it
+    capsys.readouterr()
+    assert main(["generate", str(made["gpt"]), "--prompt", "hi", "--temperature", "0", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert 0 < out["prompt_tokens"] + out["new_tokens"] <= 64
