@@ -49,7 +49,7 @@ test-all: $(STAMP) sandbox-tools
 	$(BIN)/python -m pytest -q -m ""
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/bench_baseline.py
+	$(BIN)/python -m benchmarks.baseline
 
 lint: $(STAMP)
 	$(BIN)/ruff check latentloop tests benchmarks

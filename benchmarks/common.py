@@ -1,18 +1,39 @@
-"""Helpers shared by the benchmark scripts (`bench_baseline.py`, `bench_variants.py`).
+"""Timing primitives and formatting shared by the benchmarks (`python -m benchmarks.NAME`).
 
-Only what the scripts would otherwise duplicate lives here: the Markdown table renderer, the
-CPU-contention notices, and one full optimizer step of the trainer (objective, backward, clip,
-step). The CPU-busy measurement itself (`ContentionMeter`, `environment`) stays in
-`bench_baseline.py`, which the other scripts import.
+- the machine: `environment()`, `ContentionMeter` (CPU share used by other processes meanwhile);
+- timing: `run_interleaved` (every measurement in rotating order, medians), `decode_generate` (the
+  engine's generator, per-token latency), `decode_steps` (the model's own prefill/decode),
+  `decode_comparison`, `training_call` / `training_comparison` (one full optimizer step of the
+  trainer through the arch's objective), `make_train_step`;
+- formatting: `render_table`, `ms`, `ratio_vs`, `change`, ...
 """
 
 from __future__ import annotations
 
+import argparse
+import itertools
 import json
+import os
+import platform
+import resource
+import statistics
+import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
+from torch import Tensor, nn
+
+import latentloop
+from latentloop.archs import build_objective
+from latentloop.config import PRESETS, TrainConfig
+from latentloop.data.tokenizers import ByteTokenizer
+from latentloop.engine import model_options
+from latentloop.optim import build_optimizers
+
+BYTE_VOCAB = ByteTokenizer.vocab_size  # 259: bytes + BOS/EOS/PAD; prompts use bytes only (never BOS)
+MiB = 2 ** 20
 
 
 def render_table(rows: Sequence[Sequence[Any]]) -> str:
@@ -68,3 +89,238 @@ def make_train_step(model: torch.nn.Module, objective: Callable, x: torch.Tensor
         return float(result.loss.detach())
 
     return step
+
+
+# --------------------------------------------------------------------------------------------
+# The machine
+# --------------------------------------------------------------------------------------------
+
+
+def load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):  # not on every platform
+        return None
+
+
+def _proc_stat_busy() -> tuple[float, float] | None:
+    """(busy CPU-seconds of the whole machine, now) from /proc/stat, or None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            values = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+    return (sum(values) - idle) / os.sysconf("SC_CLK_TCK"), time.perf_counter()
+
+
+def _own_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+class ContentionMeter:
+    """Share of the machine's cores used by *other* processes between `start()` and `stop()`."""
+
+    def __init__(self) -> None:
+        self._machine: tuple[float, float] | None = None
+        self._own = 0.0
+
+    def start(self) -> ContentionMeter:
+        self._machine, self._own = _proc_stat_busy(), _own_cpu_seconds()
+        return self
+
+    def stop(self) -> float | None:
+        end = _proc_stat_busy()
+        if self._machine is None or end is None:
+            return None
+        wall = end[1] - self._machine[1]
+        others = (end[0] - self._machine[0]) - (_own_cpu_seconds() - self._own)
+        return max(0.0, others / (max(wall, 1e-9) * (os.cpu_count() or 1)))
+
+
+def cpu_busy_fraction(interval: float = 0.5) -> float | None:
+    """Share of the cores busy over `interval` seconds just before we start any work."""
+    meter = ContentionMeter().start()
+    time.sleep(interval)
+    return meter.stop()
+
+
+def environment() -> dict[str, Any]:
+    return {"cpu_busy_before": cpu_busy_fraction(), "load_avg_1min_at_start": load_average(),
+            "cpu_count": os.cpu_count(),
+            "python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "interop_threads": torch.get_num_interop_threads(), "machine": platform.machine(),
+            "processor": platform.processor() or platform.machine(), "platform": platform.platform()}
+
+
+# --------------------------------------------------------------------------------------------
+# Timing primitives
+# --------------------------------------------------------------------------------------------
+
+
+def make_sync(device: torch.device) -> Callable[[], None]:
+    if device.type == "cuda":
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+def run_interleaved(calls: dict[str, Callable[[], dict[str, float]]], warmup: int, repeats: int) -> dict[str, Any]:
+    """Call every measurement `warmup` times, then `repeats` rounds of all of them in rotating order.
+
+    Each call returns named figures (seconds); the result holds, per call and figure, the median
+    (`figure`) and every sample (`figure_all`)."""
+    names = list(calls)
+    for name in names:
+        for _ in range(warmup):
+            calls[name]()
+    samples: dict[str, dict[str, list[float]]] = {name: {} for name in names}
+    for r in range(repeats):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            for key, value in calls[name]().items():
+                samples[name].setdefault(key, []).append(value)
+    return {name: {**{key: statistics.median(v) for key, v in figures.items()},
+                   **{f"{key}_all": v for key, v in figures.items()}} for name, figures in samples.items()}
+
+
+def decode_generate(model: nn.Module, prompt: list[int], new_tokens: int, options: dict[str, Any],
+                    sync: Callable[[], None]) -> dict[str, float]:
+    """One greedy pass of the engine's generator (`latentloop.stream`, as `generate` runs it); seconds
+    per decoded token (prefill excluded) and the prefill."""
+    stamps: list[float] = []
+    start = time.perf_counter()
+    for _ in latentloop.stream(model, prompt, new_tokens, temperature=0.0, **options):
+        sync()
+        stamps.append(time.perf_counter())
+    if len(stamps) != new_tokens:
+        raise RuntimeError(f"the engine produced {len(stamps)} tokens, expected {new_tokens}")
+    return {"token_s": (stamps[-1] - stamps[0]) / (new_tokens - 1), "prefill_s": stamps[0] - start}
+
+
+@torch.no_grad()
+def decode_steps(model: nn.Module, prompt: Tensor, tokens: list[Tensor], options: dict[str, Any],
+                 sync: Callable[[], None]) -> dict[str, float]:
+    """The model's own decode step: prefill a fresh cache, then one `decode` per token (the options
+    completed and checked once, as the engine does)."""
+    options = model_options(model, options)
+    P = prompt.shape[1]
+    cache = model.new_cache(1, P + len(tokens), **options)
+    model.prefill(prompt, cache, **options)
+    sync()
+    start = time.perf_counter()
+    for token in tokens:
+        model.decode(token, cache, **options)
+    sync()
+    return {"token_s": (time.perf_counter() - start) / len(tokens)}
+
+
+def decode_comparison(entries: dict[str, tuple[nn.Module, dict[str, Any]]], args: argparse.Namespace,
+                      device: torch.device, warmup: int | None = None) -> dict[str, dict[str, Any]]:
+    """Decode latency of several (model, generation options) at batch 1, measured interleaved."""
+    sync = make_sync(device)
+    gen = torch.Generator().manual_seed(args.seed)
+    prompt = torch.randint(0, 256, (1, args.prompt_len), generator=gen)
+    tokens = torch.randint(0, 256, (1, args.new_tokens), generator=gen).to(device)
+    token_views = [tokens[:, t:t + 1] for t in range(args.new_tokens)]
+    calls: dict[str, Callable[[], dict[str, float]]] = {}
+    for name, (model, options) in entries.items():
+        model.eval()
+        calls[f"{name}/generate"] = partial(decode_generate, model, prompt[0].tolist(), args.new_tokens, options, sync)
+        calls[f"{name}/step"] = partial(decode_steps, model, prompt.to(device), token_views, options, sync)
+    raw = run_interleaved(calls, args.warmup if warmup is None else warmup, args.repeats)
+    results = {}
+    for name in entries:
+        g, s = raw[f"{name}/generate"], raw[f"{name}/step"]
+        results[name] = {"generate_s_per_token": g["token_s"], "step_s_per_token": s["token_s"],
+                         "engine_overhead_s_per_token": g["token_s"] - s["token_s"], "prefill_s": g["prefill_s"],
+                         "generate_s_per_token_all": g["token_s_all"], "step_s_per_token_all": s["token_s_all"]}
+    return results
+
+
+def training_call(arch: str, shape: dict[str, Any], overrides: dict[str, Any], args: argparse.Namespace,
+                  device: torch.device, data: Tensor, passes: int | None = None) -> tuple[Callable, dict[str, Any]]:
+    """A fresh model, optimizer and objective; returns a call that times one optimizer step."""
+    torch.manual_seed(args.seed)
+    model = latentloop.build(arch, preset=None, **shape, **overrides).to(device)
+    model.train()
+    train_cfg = TrainConfig(batch_size=data.shape[0], optimizer="adamw", grad_clip=args.grad_clip,
+                            dtype="float32", device=device.type)
+    objective = build_objective(model.config, train_cfg)
+    if passes is not None and any(objective.passes_for_step(i) != passes for i in range(64)):
+        raise RuntimeError(f"the fbt objective did not fix K={passes}")
+    x, y = data[:, :-1].contiguous().to(device), data[:, 1:].contiguous().to(device)
+    step = make_train_step(model, objective, x, y, build_optimizers(model, train_cfg), args.grad_clip)
+    counter = itertools.count()
+    sync = make_sync(device)
+
+    def call() -> dict[str, float]:
+        start = time.perf_counter()
+        loss = step(next(counter))
+        sync()
+        return {"step_s": time.perf_counter() - start, "loss": loss}
+
+    info = {"arch": arch, "params": model.num_params(), "tokens_per_step": x.numel(),
+            "charged_flops_per_token": objective.flops_per_token(model, step=0)}
+    return call, info
+
+
+def training_comparison(variants: dict[str, tuple[str, dict, dict, int | None]], args: argparse.Namespace,
+                        device: torch.device) -> dict[str, dict[str, Any]]:
+    gen = torch.Generator().manual_seed(args.seed)
+    data = torch.randint(0, 256, (args.train_batch, args.train_seq_len + 1), generator=gen)
+    calls, infos = {}, {}
+    for name, (arch, shape, overrides, passes) in variants.items():
+        calls[name], infos[name] = training_call(arch, shape, overrides, args, device, data, passes)
+    raw = run_interleaved(calls, args.train_warmup, args.train_steps)
+    return {name: {**infos[name], "step_s": raw[name]["step_s"], "step_s_all": raw[name]["step_s_all"],
+                   "tok_s": infos[name]["tokens_per_step"] / raw[name]["step_s"],
+                   "final_loss": raw[name]["loss_all"][-1]} for name in variants}
+
+
+# --------------------------------------------------------------------------------------------
+# Formatting
+# --------------------------------------------------------------------------------------------
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f}"
+
+
+def ratio_vs(value: float, target: float | None = None) -> str:
+    """`value`x, with a mark against an upper-bound target."""
+    text = f"{value:.3f}x"
+    if target is not None:
+        text += " ✅" if value <= target else " ❌"
+    return text
+
+
+def change(value: float) -> str:
+    return f"{value:.2f}x ({value - 1:+.0%})"
+
+
+def shape_label(cfg: Any) -> str:
+    return f"d={cfg.n_embd}, {cfg.n_layer} layers, {cfg.n_head} heads"
+
+
+def tiny_shape(seq_len: int = 0) -> dict[str, Any]:
+    """The `tiny` preset with the byte vocabulary, its context stretched to `seq_len` if longer."""
+    preset = PRESETS["tiny"]
+    return {**preset, "vocab_size": BYTE_VOCAB, "sequence_len": max(preset["sequence_len"], seq_len)}
+
+
+def build(arch: str, device: torch.device, seed: int, **kwargs: Any) -> nn.Module:
+    torch.manual_seed(seed)
+    return latentloop.build(arch, preset=None, **kwargs).to(device)
+
+
+def weight_macs_per_token(model: nn.Module, skip: tuple[nn.Module, ...] = ()) -> int:
+    """Multiply-adds of the weight matrices one decoded token goes through (attention over the cache
+    not counted): every parameter except the embedding lookup, plus the head (tied or not). `skip`:
+    modules the measured path does not run (e.g. fbt's fusion under `standard`)."""
+    n = model.num_params() - sum(p.numel() for m in skip for p in m.parameters())
+    return n if model.lm_head is None else n - model.wte.weight.numel()
+
+
+def param_bytes(model: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))

@@ -14,16 +14,13 @@ Measures, at one fixed shape (4 layers, d=256, 4 heads, vocab 256):
 Decode tokens/s counts new tokens (all rows) over the wall time of the whole `generate` call,
 prefill included. Threads are left as torch picks them unless `--threads` is given.
 
-    .venv/bin/python benchmarks/bench_baseline.py
-    .venv/bin/python benchmarks/bench_baseline.py --hf --json bench.json
+    .venv/bin/python -m benchmarks.baseline
+    .venv/bin/python -m benchmarks.baseline --hf --json bench.json
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import platform
-import resource
 import statistics
 import sys
 import time
@@ -32,20 +29,19 @@ from typing import Any
 
 import torch
 
-# Measure this checkout's code whichever way the package is installed (a stale editable install
-# otherwise resolves `latentloop` to a namespace package when run as `python benchmarks/...`).
-REPO_ROOT = Path(__file__).resolve().parents[1]
-BENCH_DIR = REPO_ROOT / "benchmarks"  # for `common` when this module is imported from elsewhere
-for _path in (str(REPO_ROOT), str(BENCH_DIR)):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
-
-from common import announce_environment, make_train_step, render_table, write_results  # noqa: E402
-
-import latentloop  # noqa: E402
-from latentloop.config import TrainConfig  # noqa: E402
-from latentloop.objectives.base import NextTokenObjective  # noqa: E402
-from latentloop.optim import build_optimizers  # noqa: E402
+import latentloop
+from benchmarks.common import (
+    ContentionMeter,
+    announce_environment,
+    environment,
+    load_average,
+    make_train_step,
+    render_table,
+    write_results,
+)
+from latentloop.config import TrainConfig
+from latentloop.objectives.base import NextTokenObjective
+from latentloop.optim import build_optimizers
 
 # Shape of the comparison (fixed by the reference figures below).
 N_LAYER, N_EMBD, N_HEAD, VOCAB = 4, 256, 4, 256
@@ -202,64 +198,6 @@ def markdown_table(results: dict[str, Any]) -> str:
                  _fmt_rate(naive["tok_s"]), "—", _fmt_ratio(b1["tok_s"] / naive["tok_s"]) + " cached/uncached",
                  "—"))
     return render_table(rows)
-
-
-def load_average() -> float | None:
-    try:
-        return os.getloadavg()[0]
-    except (AttributeError, OSError):  # not on every platform
-        return None
-
-
-def _proc_stat_busy() -> tuple[float, float] | None:
-    """(busy CPU-seconds of the whole machine, now) from /proc/stat, or None off Linux."""
-    try:
-        with open("/proc/stat") as f:
-            values = [int(v) for v in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
-    return (sum(values) - idle) / os.sysconf("SC_CLK_TCK"), time.perf_counter()
-
-
-def _own_cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-class ContentionMeter:
-    """Share of the machine's cores used by *other* processes between `start()` and `stop()`."""
-
-    def __init__(self) -> None:
-        self._machine: tuple[float, float] | None = None
-        self._own = 0.0
-
-    def start(self) -> ContentionMeter:
-        self._machine, self._own = _proc_stat_busy(), _own_cpu_seconds()
-        return self
-
-    def stop(self) -> float | None:
-        end = _proc_stat_busy()
-        if self._machine is None or end is None:
-            return None
-        wall = end[1] - self._machine[1]
-        others = (end[0] - self._machine[0]) - (_own_cpu_seconds() - self._own)
-        return max(0.0, others / (max(wall, 1e-9) * (os.cpu_count() or 1)))
-
-
-def cpu_busy_fraction(interval: float = 0.5) -> float | None:
-    """Share of the cores busy over `interval` seconds just before we start any work."""
-    meter = ContentionMeter().start()
-    time.sleep(interval)
-    return meter.stop()
-
-
-def environment() -> dict[str, Any]:
-    return {"cpu_busy_before": cpu_busy_fraction(), "load_avg_1min_at_start": load_average(),
-            "cpu_count": os.cpu_count(),
-            "python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "interop_threads": torch.get_num_interop_threads(), "machine": platform.machine(),
-            "processor": platform.processor() or platform.machine(), "platform": platform.platform()}
 
 
 # --------------------------------------------------------------------------------------------
