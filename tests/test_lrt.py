@@ -29,7 +29,7 @@ def test_interleaved_with_T_subsets_equals_sequential(overrides):
     model = _model(**overrides)
     idx = torch.randint(0, 256, (2, 12))
     sequential = model(idx, recurrence="sequential").logits
-    assert (model(idx, recurrence="interleaved", subsets=12).logits - sequential).abs().max().item() <= TOL
+    torch.testing.assert_close(model(idx, recurrence="interleaved", subsets=12).logits, sequential, rtol=0, atol=TOL)
     assert (model(idx, recurrence="interleaved", subsets=2).logits - sequential).abs().max().item() > 1e-4
 
 
@@ -41,7 +41,7 @@ def test_cached_decoding_equals_sequential(overrides):
     sequential = model(idx, recurrence="sequential").logits
     cache = model.new_cache(3, 14)
     stepped = torch.cat([model.prefill(idx[:, :5], cache).logits, model.decode(idx[:, 5:], cache).logits], dim=1)
-    assert (stepped - sequential).abs().max().item() <= TOL
+    torch.testing.assert_close(stepped, sequential, rtol=0, atol=TOL)
 
 
 def test_greedy_generation_cached_uncached_and_batched():
@@ -72,7 +72,7 @@ def test_without_feedback_lrt_is_gpt(recurrence):
     assert not unexpected and all("mem" in name or "gate" in name for name in missing)
     lrt.mem_kv.weight.zero_()
     idx = torch.randint(0, 256, (2, 12))
-    assert (lrt(idx, recurrence=recurrence).logits - gpt(idx).logits).abs().max().item() <= TOL
+    torch.testing.assert_close(lrt(idx, recurrence=recurrence).logits, gpt(idx).logits, rtol=0, atol=TOL)
 
 
 def test_gradients_flow_through_the_buffer():

@@ -32,7 +32,7 @@ def test_cached_logits_equal_full_forward(overrides):
     pieces += [model.decode(idx[:, t:t + 1], cache).logits for t in range(11, 20)]  # one-token steps
     pieces.append(model.decode(idx[:, 20:], cache).logits)  # a second chunk
     assert cache.length == 30
-    assert (torch.cat(pieces, dim=1) - full).abs().max().item() <= TOL
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=0, atol=TOL)
 
 
 def test_left_padded_rows_match_each_row_alone():
@@ -50,10 +50,10 @@ def test_left_padded_rows_match_each_row_alone():
     step = model.decode(torch.tensor([[1], [2], [3]]), cache).logits[:, 0]
     for r, row in enumerate(rows):
         alone = model(row[None]).logits[0]
-        assert (padded[r, P - len(row):] - alone).abs().max().item() <= TOL
-        assert (cached[r, P - len(row):] - alone).abs().max().item() <= TOL
+        torch.testing.assert_close(padded[r, P - len(row):], alone, rtol=0, atol=TOL)
+        torch.testing.assert_close(cached[r, P - len(row):], alone, rtol=0, atol=TOL)
         extended = model(torch.cat([row, torch.tensor([r + 1])])[None]).logits[0, -1]
-        assert (step[r] - extended).abs().max().item() <= TOL
+        torch.testing.assert_close(step[r], extended, rtol=0, atol=TOL)
 
 
 def test_position_beyond_context_is_refused():
