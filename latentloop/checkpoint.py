@@ -6,7 +6,7 @@
     RUN/checkpoints/step_00000100/
         model.safetensors      weights
         config.json, tokenizer.json   copies, so a checkpoint folder loads on its own
-        trainer.pt             optimizer states and RNG states
+        trainer.pt             optimizer states and RNG states (not in imported checkpoints)
         state.json             step, tokens seen, loader state
 
 A checkpoint is written into a hidden temporary folder and renamed into place, so an interrupted
@@ -53,8 +53,10 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX))
 
 
-def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, trainer_state: dict[str, Any],
+def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, trainer_state: dict[str, Any] | None,
                     state: dict[str, Any], keep_last: int) -> Path:
+    """Weights, config/tokenizer copies, trainer state (optimizers, RNG; None: none) and
+    state.json into checkpoints/step_N, atomically; the oldest beyond `keep_last` are removed."""
     folder = run_dir / "checkpoints"
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / f"{CHECKPOINT_PREFIX}{step:08d}"
@@ -64,7 +66,8 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, trainer_st
     tmp.mkdir()
     weights = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
     save_file(weights, str(tmp / "model.safetensors"), metadata={"step": str(step)})
-    torch.save(trainer_state, tmp / "trainer.pt")
+    if trainer_state is not None:
+        torch.save(trainer_state, tmp / "trainer.pt")
     for name in ("config.json", "tokenizer.json"):
         if (run_dir / name).exists():
             shutil.copy2(run_dir / name, tmp / name)
@@ -75,6 +78,12 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, trainer_st
     for old in list_checkpoints(run_dir)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def save_weights_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, state: dict[str, Any]) -> Path:
+    """A checkpoint without optimizer or RNG state (an imported model): it loads, evaluates and
+    seeds `train --init-from`, but cannot be resumed."""
+    return save_checkpoint(run_dir, step, model, None, state, keep_last=1)
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -137,6 +146,9 @@ def load_matching_weights(model: torch.nn.Module, checkpoint: Path) -> list[str]
 
 
 def read_trainer_state(checkpoint: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    if (checkpoint / "model.safetensors").is_file() and not (checkpoint / "trainer.pt").is_file():
+        raise CheckpointError(f"cannot resume from {checkpoint}: it holds weights only (an imported model); "
+                              f"start a new run from it with --init-from")
     try:
         state = json.loads((checkpoint / "state.json").read_text())
         trainer = torch.load(checkpoint / "trainer.pt", map_location="cpu", weights_only=False)

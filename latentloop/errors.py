@@ -20,3 +20,8 @@ class DataError(LatentloopError):
 
 class CheckpointError(LatentloopError):
     """A missing, corrupt or incompatible checkpoint / run folder."""
+
+
+class InteropError(LatentloopError):
+    """A model that cannot be imported or exported: an unsupported family or option, a folder that
+    is not a Hugging Face checkpoint, an unreachable hub."""

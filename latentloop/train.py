@@ -26,7 +26,6 @@ from tqdm.auto import tqdm
 from .archs import build_model, build_objective
 from .checkpoint import (
     list_checkpoints,
-    load_matching_weights,
     load_weights,
     read_trainer_state,
     resolve_checkpoint,
@@ -36,6 +35,7 @@ from .config import RunConfig
 from .data import TokenData, TokenLoader, load_tokenizer
 from .errors import CheckpointError
 from .eval import evaluate_loss
+from .interop.upcycle import initialise_from
 from .objectives import Objective
 from .optim import build_optimizers, lr_multiplier, set_lr
 from .runtime import autocast_for, prepare_data, resolve_device
@@ -61,6 +61,7 @@ class TrainState:
     elapsed: float = 0.0  # seconds of training, across resumes
     forward_model: nn.Module | None = None  # the compiled model when train.compile is on
     history: list[dict[str, Any]] = field(default_factory=list)
+    init_report: dict[str, Any] | None = None  # what --init-from loaded (see latentloop.interop.upcycle)
 
 
 def _check_run_folder(run_dir: Path, config: RunConfig, resume: bool) -> None:
@@ -100,12 +101,13 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
     torch.manual_seed(config.train.seed)
     data = prepare_data(config, tokenizer, progress)
     loader = TokenLoader(data.train, config.train.batch_size, config.model.sequence_len, seed=config.train.seed)
-    model = build_model(config.model).to(device)
-    if init_from is not None:
-        load_matching_weights(model, resolve_checkpoint(init_from))
+    model = build_model(config.model)
+    init_report = initialise_from(model, init_from) if init_from is not None else None
+    model = model.to(device)
     objective = build_objective(config.model, config.train)
     optimizers = build_optimizers(model, config.train)
-    state = TrainState(config, run_dir, model, tokenizer, data, loader, objective, optimizers, device)
+    state = TrainState(config, run_dir, model, tokenizer, data, loader, objective, optimizers, device,
+                       init_report=init_report)
     state.forward_model = torch.compile(model) if config.train.compile else model
 
     run_dir.mkdir(parents=True, exist_ok=True)
