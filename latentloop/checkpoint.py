@@ -99,6 +99,14 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return checkpoints[-1]
 
 
+def find_tokenizer_file(checkpoint: Path) -> Path:
+    """The tokenizer.json of a checkpoint: its own copy, else its run folder's."""
+    for candidate in (checkpoint / "tokenizer.json", checkpoint.parent.parent / "tokenizer.json"):
+        if candidate.is_file():
+            return candidate
+    raise CheckpointError(f"no tokenizer.json found for checkpoint {checkpoint}")
+
+
 def read_run_config(checkpoint: Path) -> RunConfig:
     for candidate in (checkpoint / "config.json", checkpoint.parent.parent / "config.json"):
         if candidate.is_file():

@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 from .archs import build_model
-from .checkpoint import load_weights, read_run_config, resolve_checkpoint
+from .checkpoint import find_tokenizer_file, load_weights, read_run_config, resolve_checkpoint
 from .config import RunConfig
 from .data import TokenData, load_tokenizer, parse_source, prepare_tokens
-from .errors import CheckpointError, ConfigError
+from .errors import ConfigError
 
 CACHE_ENV = "LATENTLOOP_CACHE"  # root of every cache folder (tokens, eval bundle)
 EVAL_DIR_ENV = "LATENTLOOP_EVAL_DIR"  # folder of the evaluation task files
@@ -76,11 +76,7 @@ def load_run(path: str | Path, device: str | torch.device = "cpu") -> tuple[nn.M
     """Model (eval mode), tokenizer, run config and checkpoint folder from a run or checkpoint folder."""
     checkpoint = resolve_checkpoint(path)
     config = read_run_config(checkpoint)
-    tokenizer_file = next((p for p in (checkpoint / "tokenizer.json", checkpoint.parent.parent / "tokenizer.json")
-                           if p.is_file()), None)
-    if tokenizer_file is None:
-        raise CheckpointError(f"no tokenizer.json found for checkpoint {checkpoint}")
-    tokenizer = load_tokenizer(str(tokenizer_file))
+    tokenizer = load_tokenizer(str(find_tokenizer_file(checkpoint)))
     model = build_model(config.model)
     load_weights(model, checkpoint)
     return model.to(device).eval(), tokenizer, config, checkpoint

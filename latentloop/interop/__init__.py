@@ -11,6 +11,6 @@ Imports models, config, data (tokenizers), checkpoint and the arch registry; nev
 
 from .hf_export import export_hf
 from .hf_import import import_hf
-from .upcycle import initialise_from, upcycle_config
+from .upcycle import initialise_from, upcycle_config, upcycle_fields
 
-__all__ = ["export_hf", "import_hf", "initialise_from", "upcycle_config"]
+__all__ = ["export_hf", "import_hf", "initialise_from", "upcycle_config", "upcycle_fields"]

@@ -31,9 +31,9 @@ import torch
 from safetensors.torch import save_file
 
 from ..archs import build_model, get_arch
-from ..checkpoint import load_weights, read_run_config, resolve_checkpoint
+from ..checkpoint import find_tokenizer_file, load_weights, read_run_config, resolve_checkpoint
 from ..config import ModelConfig
-from ..data.tokenizers import TOKENIZER_FILE, load_tokenizer, write_hf_tokenizer
+from ..data.tokenizers import load_tokenizer, write_hf_tokenizer
 from ..errors import InteropError
 from .hf_import import hf_to_latentloop_names, rope_half_flip
 
@@ -103,11 +103,7 @@ def export_hf(run: str | Path, out: str | Path, plain: bool | None = None) -> di
         raise InteropError(f"{out} exists and is not an empty folder; choose another output folder")
     checkpoint = resolve_checkpoint(run)
     config = read_run_config(checkpoint).model
-    tokenizer_file = next((p for p in (checkpoint / TOKENIZER_FILE, checkpoint.parent.parent / TOKENIZER_FILE)
-                           if p.is_file()), None)
-    if tokenizer_file is None:
-        raise InteropError(f"no {TOKENIZER_FILE} found for checkpoint {checkpoint}")
-    tokenizer = load_tokenizer(str(tokenizer_file))
+    tokenizer = load_tokenizer(str(find_tokenizer_file(checkpoint)))
     blockers = plain_blockers(config)
     if plain and blockers:
         raise InteropError(f"cannot export as a plain Llama model: {', '.join(blockers)} (these are not Llama "

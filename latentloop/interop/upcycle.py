@@ -37,6 +37,7 @@ A run of the same arch (or a tied gpt into fbt) keeps the old rule: every tensor
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 from typing import Any
@@ -59,19 +60,28 @@ BLOCK_KEY = re.compile(r"^blocks\.(\d+)\.(.*)$")
 
 def backbone_fields(config: ModelConfig) -> dict[str, Any]:
     """The backbone fields of any model config (what every arch shares)."""
-    return {name: value for name, value in config.to_dict().items()
-            if name in ModelConfig.__dataclass_fields__}
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    return {name: value for name, value in config.to_dict().items() if name in names}
+
+
+def upcycle_fields(run: str | Path, arch: str | None = None) -> dict[str, Any]:
+    """The model-config fields of a model upcycled from `run` into `arch` (default: the run's own
+    arch): the run's backbone (shape and options) and the arch's upcycling defaults, `arch` included."""
+    source = read_run_config(resolve_checkpoint(run)).model
+    arch = arch or source.arch
+    if arch == source.arch:
+        return source.to_dict()
+    values = {"arch": arch} | backbone_fields(source) | UPCYCLE_DEFAULTS.get(arch, {})
+    if arch == "rgpt":  # every pretrained block by default; n_pre / n_rec / n_coda override the split
+        values.pop("n_layer")
+        values |= _default_rgpt_split(source.n_layer)
+    return values
 
 
 def upcycle_config(run: str | Path, arch: str, **overrides: Any) -> ModelConfig:
-    """The config of an `arch` model upcycled from `run`: the run's backbone (shape and options),
-    the arch's upcycling defaults, then `overrides`."""
-    source = read_run_config(resolve_checkpoint(run)).model
-    values = backbone_fields(source) | UPCYCLE_DEFAULTS.get(arch, {}) | overrides
-    if arch == "rgpt" and not any(k in overrides for k in ("n_pre", "n_rec", "n_coda")):
-        values.pop("n_layer")  # RGPTConfig splits n_layer itself; keep the base depth as the default split
-        values |= _default_rgpt_split(source.n_layer)
-    return model_config(arch, None, **values)
+    """The config of an `arch` model upcycled from `run`: `upcycle_fields`, then `overrides`."""
+    values = upcycle_fields(run, arch) | overrides
+    return model_config(values.pop("arch"), None, **values)
 
 
 def _default_rgpt_split(n_layer: int) -> dict[str, int]:
@@ -162,7 +172,14 @@ def _upcycle_rgpt(model: nn.Module, weights: dict[str, torch.Tensor], base_layer
     gate = torch.sigmoid(torch.tensor(c.gate_bias_init)).item()
     exact = c.recurrence_steps == 1 and gate < torch.finfo(torch.float32).eps / 2
     return {"source_arch": "gpt", "new": fresh, "gate_at_init": gate,
-            "mapping": f"prelude = blocks 0..{c.n_pre - 1}, core = blocks {c.n_pre}..{c.n_pre + c.n_rec - 1}, "
-                       f"coda = blocks {coda_start}..{base_layers - 1} of {base_layers}",
+            "mapping": f"prelude = {_span(0, c.n_pre)}, core = {_span(c.n_pre, c.n_pre + c.n_rec)}, "
+                       f"coda = {_span(coda_start, base_layers)} of the {base_layers} pretrained blocks",
             "exact_at_step0": "r=1 (gate saturated open)" if exact else
                               f"no (r=1 mixes σ(gate_bias_init) = {gate:.3g} of the previous state in)"}
+
+
+def _span(start: int, stop: int) -> str:
+    """Pretrained blocks start..stop-1 in words."""
+    if stop <= start:
+        return "none"
+    return f"block {start}" if stop == start + 1 else f"blocks {start}-{stop - 1}"
