@@ -153,10 +153,15 @@ def load_matching_weights(model: torch.nn.Module, checkpoint: Path) -> list[str]
     return sorted(set(own) - set(weights))
 
 
-def read_trainer_state(checkpoint: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+def check_resumable(checkpoint: Path) -> None:
+    """A weights-only checkpoint (an imported model) has no optimizer state to resume."""
     if (checkpoint / "model.safetensors").is_file() and not (checkpoint / "trainer.pt").is_file():
         raise CheckpointError(f"cannot resume from {checkpoint}: it holds weights only (an imported model); "
                               f"start a new run from it with --init-from")
+
+
+def read_trainer_state(checkpoint: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    check_resumable(checkpoint)
     try:
         state = json.loads((checkpoint / "state.json").read_text())
         trainer = torch.load(checkpoint / "trainer.pt", map_location="cpu", weights_only=False)

@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from .archs import build_model, build_objective
 from .checkpoint import (
+    check_resumable,
     list_checkpoints,
     load_weights,
     read_trainer_state,
@@ -94,6 +95,8 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
     """Build tokenizer, data, model, objective and optimizers; nothing is written until all succeed."""
     run_dir = Path(run_dir)
     _check_run_folder(run_dir, config, resume)
+    if resume and list_checkpoints(run_dir):
+        check_resumable(resolve_checkpoint(run_dir))  # before any data is prepared
     tokenizer = load_tokenizer(str(run_dir / "tokenizer.json") if resume else config.data.tokenizer)
     config.model.vocab_size, config.model.bos_id = tokenizer.vocab_size, tokenizer.bos_id
     config.model.__post_init__()

@@ -376,8 +376,9 @@ class HFTokenizer:
         return path
 
     def fingerprint(self) -> str:
+        canonical = json.dumps(json.loads(self._json), sort_keys=True)  # saving may reformat the JSON
         ids = f"{self.bos_id},{self.eos_id},{self.pad_id},{self.vocab_size}"
-        return hashlib.sha256((self._json + ids).encode("utf-8")).hexdigest()[:16]
+        return hashlib.sha256((canonical + ids).encode("utf-8")).hexdigest()[:16]
 
     def __repr__(self) -> str:
         return f"HFTokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_id={self.eos_id})"
