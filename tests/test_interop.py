@@ -106,6 +106,31 @@ LLAMA_OPTIONS = dict(learned_norms=True, qk_norm=False, embed_norm=False, mlp="s
 
 
 # --------------------------------------------------------------------------------------------
+# Backbone options
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["gpt", "fbt", "lrt", "rgpt"])
+def test_default_state_dict_keys_are_unchanged(arch):
+    """Checkpoints written before the Llama options still load: with every option at its default no
+    new tensor exists."""
+    names = ll.build(arch, "test").state_dict()
+    new = [n for n in names if re.search(r"ln_[12f]\.|c_qkv\.bias|qk_norm|embed_norm|fuse_scale", n)]
+    assert not new
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("norm_eps", 0.0, "norm_eps"), ("intermediate_size", -1, "intermediate_size"),
+    ("rope_scaling", "yarn", "rope_scaling"), ("rope_factor", 0.0, "rope_factor"),
+    ("rope_low_freq_factor", 8.0, "rope_low_freq_factor"), ("rope_original_max_positions", 0, "rope_original"),
+    ("learned_norms", "maybe", "learned_norms"),
+])
+def test_new_fields_are_validated(field, value, words):
+    with pytest.raises(ll.ConfigError, match=words):
+        model_config("gpt", "test", **{field: value})
+
+
+# --------------------------------------------------------------------------------------------
 # Import: parity with transformers
 # --------------------------------------------------------------------------------------------
 
@@ -336,6 +361,10 @@ def test_upcycled_training_runs_its_objective_and_reduces_the_loss(arch, base_ru
         assert {r.get("passes") for r in rows if "loss" in r} == {2}
     config = json.loads((out / "config.json").read_text())["model"]
     assert config["learned_norms"] and config["n_layer"] == 4 and config["arch"] == arch
+
+    err = _one_line_error(["train", "--arch", arch, "--init-from", str(run), "--preset", "tiny", "--out",
+                           str(tmp_path / "x")], capsys)
+    assert "--preset" in err
 
 
 # --------------------------------------------------------------------------------------------

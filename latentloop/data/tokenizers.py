@@ -269,6 +269,9 @@ class HFTokenizer:
         content = json.loads(tokenizer_json)
         self._byte_level = '"ByteLevel"' in json.dumps([content.get("decoder"), content.get("pre_tokenizer")])
         self._byte_lengths: np.ndarray | None = None
+        canonical = json.dumps(content, sort_keys=True)  # saving may reformat the JSON: hash its content
+        ids = f"{bos_id},{eos_id},{pad_id},{self.vocab_size}"
+        self._fingerprint = hashlib.sha256((canonical + ids).encode("utf-8")).hexdigest()[:16]
 
     @classmethod
     def from_pretrained_folder(cls, folder: str | Path, vocab_size: int | None = None,
@@ -376,9 +379,7 @@ class HFTokenizer:
         return path
 
     def fingerprint(self) -> str:
-        canonical = json.dumps(json.loads(self._json), sort_keys=True)  # saving may reformat the JSON
-        ids = f"{self.bos_id},{self.eos_id},{self.pad_id},{self.vocab_size}"
-        return hashlib.sha256((canonical + ids).encode("utf-8")).hexdigest()[:16]
+        return self._fingerprint
 
     def __repr__(self) -> str:
         return f"HFTokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_id={self.eos_id})"
