@@ -7,7 +7,7 @@
     RUN/checkpoints/step_00000100/
         model.safetensors      weights
         config.json, tokenizer.json   copies, so a checkpoint folder loads on its own
-        trainer.safetensors    every tensor of the optimizer states
+        trainer.safetensors    every tensor of the optimizer states (not in imported checkpoints)
         trainer.json           everything else of the optimizer states, and the RNG states
         state.json             step, tokens seen, loader state, checksums of the token data
 
@@ -264,17 +264,18 @@ def _first_non_finite(tensors: dict[str, torch.Tensor]) -> str | None:
     return None
 
 
-def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, trainer_state: dict[str, Any],
+def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, trainer_state: dict[str, Any] | None,
                     state: dict[str, Any], keep_last: int) -> Path:
     """Write `checkpoints/step_N` durably (see the module docstring); weights holding NaN or inf are
     refused with `NonFiniteError` before anything is written, so a good checkpoint is never
-    replaced or rotated out by a diverged one."""
+    replaced or rotated out by a diverged one. `trainer_state` None: weights only (an imported
+    model), which loads and seeds `--init-from` but cannot be resumed."""
     weights = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
     bad = _first_non_finite(weights)
     if bad is not None:
         raise NonFiniteError(f"not saving step {step}: weight {bad} holds NaN or inf (training diverged); "
                              f"the last good checkpoint is kept")
-    meta, tensors = flatten_state(trainer_state)
+    meta, tensors = flatten_state(trainer_state) if trainer_state is not None else (None, None)
     folder = Path(run_dir) / "checkpoints"
     final = folder / f"{CHECKPOINT_PREFIX}{step:08d}"
     tmp = folder / f"{TMP_PREFIX}{final.name}"
@@ -286,8 +287,9 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, trainer_st
             shutil.rmtree(tmp)
         tmp.mkdir()
         save_file(weights, str(tmp / "model.safetensors"), metadata={"step": str(step)})
-        save_file(tensors, str(tmp / TRAINER_TENSORS))
-        _write_json_file(tmp / TRAINER_JSON, {"format": TRAINER_FORMAT, "state": meta})
+        if trainer_state is not None:
+            save_file(tensors, str(tmp / TRAINER_TENSORS))
+            _write_json_file(tmp / TRAINER_JSON, {"format": TRAINER_FORMAT, "state": meta})
         _write_json_file(tmp / "state.json", state)
         for name in ("config.json", "tokenizer.json"):
             if (Path(run_dir) / name).exists():
@@ -318,6 +320,12 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, trainer_st
     return final
 
 
+def save_weights_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, state: dict[str, Any]) -> Path:
+    """A checkpoint without optimizer or RNG state (an imported model): it loads, evaluates and
+    seeds `train --init-from`, but cannot be resumed."""
+    return save_checkpoint(run_dir, step, model, None, state, keep_last=1)
+
+
 # --------------------------------------------------------------------------------------------
 # Reading
 # --------------------------------------------------------------------------------------------
@@ -334,6 +342,14 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if not checkpoints:
         raise CheckpointError(f"{path} holds no checkpoint (expected {path}/checkpoints/{CHECKPOINT_PREFIX}*/)")
     return checkpoints[-1]
+
+
+def find_tokenizer_file(checkpoint: Path) -> Path:
+    """The tokenizer.json of a checkpoint: its own copy, else its run folder's."""
+    for candidate in (checkpoint / "tokenizer.json", checkpoint.parent.parent / "tokenizer.json"):
+        if candidate.is_file():
+            return candidate
+    raise CheckpointError(f"no tokenizer.json found for checkpoint {checkpoint}")
 
 
 def read_run_config(checkpoint: Path) -> RunConfig:
@@ -402,6 +418,14 @@ def load_matching_weights(model: torch.nn.Module, checkpoint: Path) -> list[str]
     return sorted(set(own) - set(weights))
 
 
+def check_resumable(checkpoint: Path) -> None:
+    """A weights-only checkpoint (an imported model) has no optimizer state to resume."""
+    if (checkpoint / "model.safetensors").is_file() and not (checkpoint / TRAINER_JSON).is_file() \
+            and not (checkpoint / LEGACY_TRAINER).is_file():
+        raise CheckpointError(f"cannot resume from {checkpoint}: it holds weights only (an imported model); "
+                              f"start a new run from it with --init-from")
+
+
 def _read_legacy_trainer(checkpoint: Path) -> dict[str, Any]:
     """A `trainer.pt` of an older version, unpickled with weights_only=True (which refuses anything
     but tensors and plain containers, so it cannot run code); those held numpy RNG states, which it
@@ -416,6 +440,7 @@ def _read_legacy_trainer(checkpoint: Path) -> dict[str, Any]:
 
 def read_trainer_state(checkpoint: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(state.json, trainer state {"optimizers": [...], "rng": {...}}) of a checkpoint."""
+    check_resumable(checkpoint)
     try:
         meta = json.loads((checkpoint / "state.json").read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:

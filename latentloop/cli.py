@@ -1,4 +1,5 @@
-"""The `latentloop` command line: train, eval, generate, tokenizer, analyze, compare, demo, serve.
+"""The `latentloop` command line: train, eval, generate, tokenizer, analyze, compare, demo, serve,
+import-hf, export.
 
 Every user mistake ends in one line on stderr (`latentloop: error: ...`) and exit code 2, with no
 traceback; anything else is a bug and keeps its traceback.
@@ -105,7 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--device", help="auto, cpu, cuda[:N], mps")
     t.add_argument("--out", required=True, help="run folder to create (or continue with --resume)")
     t.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
-    t.add_argument("--init-from", help="start from another run's weights (e.g. fbt from a tied gpt run)")
+    t.add_argument("--init-from", metavar="RUN",
+                   help="start from another run's weights; from a gpt run (e.g. imported with import-hf) "
+                        "--arch fbt / lrt / rgpt upcycles it; the model shape and the tokenizer come from RUN")
     t.add_argument("--iso", choices=["flops", "params"], default=None,
                    help="rgpt: shape the recurrent model from the preset's dense depth at equal FLOPs (same "
                         "effective depth) or equal parameters (same distinct blocks); prints both models' sizes")
@@ -178,6 +181,26 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--out", default=None, help="output folder (default: RUN/analysis)")
         sp.add_argument("--json", action="store_true", help="print the result as JSON")
 
+    i = sub.add_parser("import-hf", help="import a Hugging Face Llama-family checkpoint (llama, mistral, qwen2) "
+                                         "as a gpt run")
+    i.add_argument("source", metavar="PATH", help="a local model folder (config.json, *.safetensors, "
+                                                  "tokenizer.json) or a Hub name org/name")
+    i.add_argument("--out", required=True, help="run folder to create")
+    i.add_argument("--sequence-len", type=_positive_int, default=None,
+                   help="context of the run (default: the model's max_position_embeddings)")
+    i.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+    x = sub.add_parser("export", help="export a run as a Hugging Face model folder")
+    x.add_argument("run", help="run folder or checkpoint folder")
+    x.add_argument("--format", choices=["hf"], default="hf", help="output format (hf: transformers)")
+    x.add_argument("--out", required=True, help="folder to create")
+    kind = x.add_mutually_exclusive_group()
+    kind.add_argument("--plain", action="store_true",
+                      help="require a plain LlamaForCausalLM / Qwen2ForCausalLM (error if the run's options block it)")
+    kind.add_argument("--remote-code", action="store_true",
+                      help="always ship latentloop's own modeling code (trust_remote_code=True)")
+    x.add_argument("--json", action="store_true", help="print the summary as JSON")
+
     d = sub.add_parser("demo", help="train every architecture briefly, compare, sample, write a report")
     d.add_argument("--minutes", type=float, default=4.0, help="training budget for all architectures together")
     d.add_argument("--out", default="runs/demo", help="folder for the runs and the report (replaced)")
@@ -225,9 +248,23 @@ def _run_config_from_args(args):
         if value is not None:
             section, name = key.split(".")
             raw[section][name] = value
-    if not raw["model"].get("preset") and not args.config and not (args.resume and saved.is_file()):
+    if args.init_from and not (args.resume and saved.is_file()):
+        _inherit_from_run(raw, args.init_from)
+    elif not raw["model"].get("preset") and not args.config and not (args.resume and saved.is_file()):
         raw["model"]["preset"] = "tiny"
     return RunConfig.from_dict(apply_overrides(raw, args.overrides))
+
+
+def _inherit_from_run(raw: dict, run: str) -> None:
+    """--init-from: the model's shape and options, and the tokenizer, come from that run (a config
+    file's model fields and --set still override them)."""
+    from .checkpoint import find_tokenizer_file, resolve_checkpoint
+    from .interop.upcycle import upcycle_fields
+
+    if raw["model"].get("preset"):
+        raise LatentloopError("--preset does not combine with --init-from (the model's shape comes from that run)")
+    raw["model"] = upcycle_fields(run, raw["model"].get("arch")) | raw["model"]
+    raw["data"].setdefault("tokenizer", str(find_tokenizer_file(resolve_checkpoint(run))))
 
 
 def cmd_train(args) -> int:
@@ -237,6 +274,12 @@ def cmd_train(args) -> int:
     if args.iso:
         config = _iso_shaped(config, args.iso)
     state = setup(config, args.out, resume=args.resume, progress=not args.no_progress, init_from=args.init_from)
+    if state.init_report is not None:
+        report = state.init_report
+        print(f"initialised from {args.init_from} ({report['source_arch']} -> {config.model.arch}): "
+              f"{report['mapping']}; {len(report['new'])} new tensors"
+              + (f"; exact at step 0: {report['exact_at_step0']}" if "exact_at_step0" in report else ""),
+              file=sys.stderr)
     summary = fit(state, progress=not args.no_progress)
     if args.json:
         print(json.dumps(summary, indent=2))
@@ -474,8 +517,36 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_import_hf(args) -> int:
+    from .interop import import_hf
+
+    summary = import_hf(args.source, args.out, sequence_len=args.sequence_len)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        m = summary["model"]
+        print(f"imported {summary['model_type']} {args.source} ({summary['params']:,} params, {m['n_layer']} x "
+              f"{m['n_embd']}, vocab {m['vocab_size']}, context {m['sequence_len']}) as a gpt run: {summary['run']}")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from .interop import export_hf
+
+    summary = export_hf(args.run, args.out, plain=True if args.plain else (False if args.remote_code else None))
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(f"exported {args.run} as {summary['format']}: {summary['out']}")
+        if summary["plain_blockers"] and not args.remote_code:
+            print(f"note: not a plain Llama model because of {', '.join(summary['plain_blockers'])}; load it with "
+                  f"trust_remote_code=True", file=sys.stderr)
+    return 0
+
+
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "generate": cmd_generate, "tokenizer": cmd_tokenizer,
-            "demo": cmd_demo, "compare": cmd_compare, "analyze": cmd_analyze, "serve": cmd_serve}
+            "demo": cmd_demo, "compare": cmd_compare, "analyze": cmd_analyze, "serve": cmd_serve,
+            "import-hf": cmd_import_hf, "export": cmd_export}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -44,6 +44,9 @@ def _require_finite(config: Any) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+ROPE_SCALINGS = ("none", "linear", "llama3")
+
+
 @dataclass
 class ModelConfig:
     """Shape and options of the shared backbone (arch `gpt`)."""
@@ -62,6 +65,20 @@ class ModelConfig:
     logit_softcap: float = 0.0  # 0 disables; else logits = cap * tanh(logits / cap)
     rope_theta: float = 10000.0
     bos_id: int = 256  # the tokenizer's BOS id (set from the tokenizer): variants restart state there
+    # Options that express the Llama family exactly (Llama, SmolLM, Qwen2, ...; see
+    # `latentloop.interop`). The defaults are nanochat's; a new parameter exists only while its
+    # option is on, so checkpoints written before these options load unchanged.
+    embed_norm: bool = True  # RMSNorm on the token embedding (nanochat); Llama feeds the raw embedding
+    qk_norm: bool = True  # RMSNorm on queries and keys after RoPE (nanochat); Llama has none
+    learned_norms: bool = False  # a learned gain in every block norm and the final norm (Llama)
+    norm_eps: float | None = None  # RMSNorm epsilon; None: torch's default (the dtype's machine epsilon)
+    qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2); the output projection never has one
+    intermediate_size: int = 0  # MLP hidden width; 0: derived from mlp_ratio (see `mlp_hidden`)
+    rope_scaling: str = "none"  # "none", "linear" (positions / factor) or "llama3" (Llama 3.1's per-frequency)
+    rope_factor: float = 1.0  # linear and llama3: how much longer the context is than the trained one
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original / low are scaled by 1 / factor
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original / high are kept
+    rope_original_max_positions: int = 8192  # llama3: the context the frequencies were trained for
 
     def __post_init__(self) -> None:
         _require_finite(self)
@@ -82,6 +99,18 @@ class ModelConfig:
         _require(self.rope_theta > 0, f"rope_theta must be > 0, got {self.rope_theta}")
         _require(0 <= self.bos_id < self.vocab_size, f"bos_id ({self.bos_id}) must be a token id below vocab_size "
                  f"({self.vocab_size})")
+        _require(self.norm_eps is None or 0 < self.norm_eps < 1,
+                 f"norm_eps must be in (0, 1) or null, got {self.norm_eps}")
+        _require(self.intermediate_size >= 0, f"intermediate_size must be >= 0 (0: from mlp_ratio), "
+                 f"got {self.intermediate_size}")
+        _require(self.rope_scaling in ROPE_SCALINGS,
+                 f"rope_scaling must be one of {', '.join(ROPE_SCALINGS)}, got {self.rope_scaling!r}")
+        _require(self.rope_factor > 0, f"rope_factor must be > 0, got {self.rope_factor}")
+        _require(0 < self.rope_low_freq_factor < self.rope_high_freq_factor,
+                 f"rope_low_freq_factor ({self.rope_low_freq_factor}) must be > 0 and below rope_high_freq_factor "
+                 f"({self.rope_high_freq_factor})")
+        _require(self.rope_original_max_positions >= 1,
+                 f"rope_original_max_positions must be >= 1, got {self.rope_original_max_positions}")
 
     # derived fields ---------------------------------------------------------------------------
     @property
@@ -90,6 +119,8 @@ class ModelConfig:
 
     @property
     def mlp_hidden(self) -> int:
+        if self.intermediate_size:
+            return self.intermediate_size
         hidden = self.mlp_ratio * self.n_embd
         if self.mlp == "swiglu":  # three matrices instead of two: keep the parameter count
             hidden = hidden * 2 / 3
@@ -107,6 +138,9 @@ class FBTConfig(ModelConfig):
     """
 
     arch: ClassVar[str] = "fbt"
+    # Tied by default (the paper): the post-norm top state then lives in embedding space by
+    # construction. Untied is allowed (upcycling an untied pretrained model): the carried state is
+    # still what the head reads, and W_U has to learn the map from there into the input space.
     tie_embeddings: bool = True
     state_source: str = "post_norm"  # carry the top state after ("post_norm") or before ("pre_norm") the final norm
     jitter: float = 0.02  # Uniform[-jitter, jitter] noise on the carried state, training only
@@ -118,7 +152,6 @@ class FBTConfig(ModelConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.pass_mix = tuple(float(p) for p in self.pass_mix)
-        _require(self.tie_embeddings, "fbt requires tie_embeddings=true (the fused state lives in embedding space)")
         _require(self.state_source in ("post_norm", "pre_norm"),
                  f"state_source must be 'post_norm' or 'pre_norm', got {self.state_source!r}")
         _require(self.jitter >= 0, f"jitter must be >= 0, got {self.jitter}")

@@ -32,3 +32,8 @@ class OutputError(LatentloopError):
 
 class NonFiniteError(LatentloopError):
     """Training produced a NaN or infinite loss or gradient (the run diverged)."""
+
+
+class InteropError(LatentloopError):
+    """A model that cannot be imported or exported: an unsupported family or option, a folder that
+    is not a Hugging Face checkpoint, an unreachable hub."""

@@ -26,7 +26,14 @@ import torch
 from torch import nn
 
 from .archs import build_model
-from .checkpoint import load_weights, read_run_config, resolve_checkpoint, save_checkpoint, weight_shapes
+from .checkpoint import (
+    find_tokenizer_file,
+    load_weights,
+    read_run_config,
+    resolve_checkpoint,
+    save_checkpoint,
+    weight_shapes,
+)
 from .config import ModelConfig, RunConfig
 from .data import TokenData, load_tokenizer, parse_source, prepare_tokens
 from .errors import CheckpointError, ConfigError, OutputError
@@ -139,10 +146,7 @@ def load_run(path: str | Path, device: str | torch.device = "cpu") -> tuple[nn.M
     checkpoint = resolve_checkpoint(path)
     config = read_run_config(checkpoint)
     config.data.cache_dir = ""  # a folder on the machine that trained the run, not one to write into here
-    tokenizer_file = next((p for p in (checkpoint / "tokenizer.json", checkpoint.parent.parent / "tokenizer.json")
-                           if p.is_file()), None)
-    if tokenizer_file is None:
-        raise CheckpointError(f"no tokenizer.json found for checkpoint {checkpoint}")
+    tokenizer_file = find_tokenizer_file(checkpoint)
     tokenizer = load_tokenizer(str(tokenizer_file))
     check_tokenizer_fits(tokenizer, config.model, tokenizer_file)
     check_weights_fit(config.model, checkpoint)

@@ -29,10 +29,11 @@ from .archs import build_model, build_objective
 from .checkpoint import (
     LOCK_FILE,
     RunLock,
+    check_resumable,
     checkpoint_candidates,
     fsync_dir,
     json_safe,
-    load_matching_weights,
+    list_checkpoints,
     load_weights,
     read_trainer_state,
     recover_checkpoints,
@@ -44,6 +45,7 @@ from .config import RunConfig
 from .data import TokenData, TokenLoader, load_tokenizer
 from .errors import CheckpointError, DataError, NonFiniteError, OutputError
 from .eval import evaluate_loss
+from .interop.upcycle import initialise_from
 from .objectives import Objective
 from .optim import build_optimizers, lr_multiplier, set_lr
 from .runtime import autocast_for, prepare_data, resolve_device
@@ -71,6 +73,7 @@ class TrainState:
     history: list[dict[str, Any]] = field(default_factory=list)
     lock: RunLock | None = None  # held from setup to the end of fit: one writer per run folder
     guard: FiniteGuard | None = None  # fit's divergence check, consulted again before every save
+    init_report: dict[str, Any] | None = None  # what --init-from loaded (see latentloop.interop.upcycle)
 
 
 def _warn(message: str) -> None:
@@ -122,6 +125,8 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
     run_dir = Path(run_dir)
     _check_output_path(run_dir)
     _check_run_folder(run_dir, config, resume)
+    if resume and list_checkpoints(run_dir):
+        check_resumable(resolve_checkpoint(run_dir))  # before any data is prepared
     tokenizer = load_tokenizer(str(run_dir / "tokenizer.json") if resume else config.data.tokenizer)
     config.model.vocab_size, config.model.bos_id = tokenizer.vocab_size, tokenizer.bos_id
     config.model.__post_init__()
@@ -129,12 +134,13 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
     torch.manual_seed(config.train.seed)
     data = prepare_data(config, tokenizer, progress)
     loader = TokenLoader(data.train, config.train.batch_size, config.model.sequence_len, seed=config.train.seed)
-    model = build_model(config.model).to(device)
-    if init_from is not None:
-        load_matching_weights(model, resolve_checkpoint(init_from))
+    model = build_model(config.model)
+    init_report = initialise_from(model, init_from) if init_from is not None else None
+    model = model.to(device)
     objective = build_objective(config.model, config.train)
     optimizers = build_optimizers(model, config.train)
-    state = TrainState(config, run_dir, model, tokenizer, data, loader, objective, optimizers, device)
+    state = TrainState(config, run_dir, model, tokenizer, data, loader, objective, optimizers, device,
+                       init_report=init_report)
     state.forward_model = torch.compile(model) if config.train.compile else model
 
     try:

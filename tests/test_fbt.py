@@ -91,8 +91,6 @@ def test_regimes_differ_and_options_are_checked(model):
 
 
 def test_config_and_parameters():
-    with pytest.raises(ll.ConfigError, match="tie_embeddings"):
-        model_config("fbt", "test", tie_embeddings=False)
     with pytest.raises(ll.ConfigError, match="pass_mix"):
         model_config("fbt", "test", pass_mix=(0.5, 0.4))
     fbt, gpt = ll.build("fbt", preset="test"), ll.build("gpt", preset="test", tie_embeddings=True)

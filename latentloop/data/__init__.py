@@ -21,15 +21,17 @@ Typical use:
 from latentloop.data.loader import TokenLoader, eval_batches
 from latentloop.data.shards import TokenData, prepare_tokens
 from latentloop.data.sources import parse_source
-from latentloop.data.tokenizers import BPETokenizer, ByteTokenizer, load_tokenizer
+from latentloop.data.tokenizers import BPETokenizer, ByteTokenizer, HFTokenizer, load_tokenizer, write_hf_tokenizer
 
 __all__ = [
     "BPETokenizer",
     "ByteTokenizer",
+    "HFTokenizer",
     "TokenData",
     "TokenLoader",
     "eval_batches",
     "load_tokenizer",
     "parse_source",
     "prepare_tokens",
+    "write_hf_tokenizer",
 ]

@@ -1,6 +1,7 @@
-"""Tokenizers: a dependency-free byte tokenizer and a trainable byte-level BPE tokenizer.
+"""Tokenizers: a dependency-free byte tokenizer, a trainable byte-level BPE tokenizer, and a
+pretrained model's own Hugging Face tokenizer (`HFTokenizer`, for imported Llama-family models).
 
-Both share one small interface, which is all the rest of latentloop relies on:
+All share one small interface, which is all the rest of latentloop relies on:
 
 - `encode(text) -> list[int]` (no special tokens), `encode_batch(texts)`, `decode(ids) -> str`
   (special tokens skipped, invalid UTF-8 replaced), `encode_to_array(text) -> np.ndarray`
@@ -12,6 +13,10 @@ Both share one small interface, which is all the rest of latentloop relies on:
   `write_new_tokenizer(tokenizer, path)` writes a file that must not exist yet;
 - `fingerprint()`: a short stable string that changes whenever the id mapping changes, used in
   cache keys of tokenized data.
+
+`write_hf_tokenizer(tokenizer, directory)` writes any of them as Hugging Face files
+(`tokenizer.json` + `tokenizer_config.json`) that `transformers.AutoTokenizer` loads (the byte
+tokenizer as a byte-level BPE without merges, whose ids are the byte values).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)
 
 # Byte-level BPE needs all 256 byte symbols in its alphabet plus our special tokens.
 MIN_BPE_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
+SENTENCEPIECE_SPACE = "\u2581"  # "▁": how SentencePiece-style tokenizers spell a space inside a token
 
 
 class ByteTokenizer:
@@ -252,11 +258,216 @@ def write_new_tokenizer(tokenizer, path: str | Path) -> Path:
     return path
 
 
-def load_tokenizer(spec: str) -> ByteTokenizer | BPETokenizer:
+def _token_string(entry) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+    if isinstance(entry, dict):
+        entry = entry.get("content")
+    return entry if isinstance(entry, str) else None
+
+
+class HFTokenizer:
+    """A pretrained model's Hugging Face tokenizer (a `tokenizers` JSON: Llama 2 / 3, SmolLM,
+    Qwen2, ...) with the special ids latentloop needs.
+
+    - `bos_id`, `eos_id`, `pad_id`: from the model's config / tokenizer_config.json. A model without
+      a BOS token (Qwen2) separates documents with its EOS: that id then also serves as BOS, which
+      starts every latentloop sequence and restarts the variants' carried state. Without a PAD
+      token, EOS pads (padding is always masked).
+    - `vocab_size`: the model's embedding rows, which may exceed the tokenizer's own ids (models pad
+      their vocabulary to a multiple of 64 or 128); ids past the tokenizer never decode to text.
+    - token bytes: through the byte-level alphabet for byte-level BPEs (Llama 3, Qwen2, SmolLM);
+      otherwise byte-fallback tokens `<0xNN>` are their byte and `▁` is a space (SentencePiece
+      style, Llama 2); special tokens have none.
+
+    In a run folder it is saved as latentloop's `tokenizer.json`: {"type": "hf", the ids, and
+    "tokenizer": the Hugging Face JSON unchanged}; `write_hf_tokenizer` writes the original files back.
+    """
+
+    name = "hf"
+
+    def __init__(self, tokenizer_json: str, bos_id: int, eos_id: int, pad_id: int, vocab_size: int | None = None,
+                 source: str = "<memory>"):
+        from tokenizers import Tokenizer
+
+        try:
+            self._tokenizer = Tokenizer.from_str(tokenizer_json)
+        except Exception as exc:  # the Rust side raises plain Exception for any parse problem
+            raise DataError(f"cannot read tokenizer {source}: {str(exc).splitlines()[0]}") from None
+        self._json = tokenizer_json
+        # as for BPETokenizer: text that spells a special token is encoded as ordinary text
+        self._tokenizer.encode_special_tokens = True
+        self.own_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        self.vocab_size = max(self.own_size, vocab_size or 0)
+        for what, token_id in (("bos", bos_id), ("eos", eos_id), ("pad", pad_id)):
+            if not isinstance(token_id, int) or not 0 <= token_id < self.vocab_size:
+                raise DataError(f"tokenizer {source}: {what} id {token_id!r} is not a token id below {self.vocab_size}")
+        self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
+        self.special_ids = {bos_id, eos_id, pad_id} | {
+            i for i, token in self._tokenizer.get_added_tokens_decoder().items() if token.special}
+        content = json.loads(tokenizer_json)
+        self._byte_level = '"ByteLevel"' in json.dumps([content.get("decoder"), content.get("pre_tokenizer")])
+        self._byte_lengths: np.ndarray | None = None
+        canonical = json.dumps(content, sort_keys=True)  # saving may reformat the JSON: hash its content
+        ids = f"{bos_id},{eos_id},{pad_id},{self.vocab_size}"
+        self._fingerprint = hashlib.sha256((canonical + ids).encode("utf-8")).hexdigest()[:16]
+
+    @classmethod
+    def from_pretrained_folder(cls, folder: str | Path, vocab_size: int | None = None,
+                               config: dict | None = None) -> HFTokenizer:
+        """From a Hugging Face model folder: its tokenizer.json, and the special tokens named by
+        the model's config.json (`bos_token_id`, ...) or else by tokenizer_config.json."""
+        folder = Path(folder)
+        file = folder / TOKENIZER_FILE
+        if not file.is_file():
+            raise DataError(f"no {TOKENIZER_FILE} in {folder} (a `tokenizers` JSON is needed; a SentencePiece "
+                            f"tokenizer.model alone is not supported)")
+        text = file.read_text(encoding="utf-8")
+        settings = {}
+        if (folder / "tokenizer_config.json").is_file():
+            try:
+                settings = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+            except json.JSONDecodeError as exc:
+                raise DataError(f"cannot read {folder / 'tokenizer_config.json'}: {exc}") from None
+        probe = cls._probe(text, str(file))
+        config = config or {}
+
+        def special(name: str) -> int | None:
+            token_id = config.get(f"{name}_token_id")
+            if isinstance(token_id, list):  # several EOS ids (Llama 3 instruct): the first one
+                token_id = token_id[0] if token_id else None
+            if isinstance(token_id, int):
+                return token_id
+            token = _token_string(settings.get(f"{name}_token"))
+            return probe.token_to_id(token) if token is not None else None
+
+        bos, eos, pad = special("bos"), special("eos"), special("pad")
+        if bos is None and eos is None:
+            raise DataError(f"tokenizer {folder} names neither a BOS nor an EOS token")
+        bos = eos if bos is None else bos
+        eos = bos if eos is None else eos
+        return cls(text, bos, eos, eos if pad is None else pad, vocab_size, source=str(file))
+
+    @staticmethod
+    def _probe(text: str, source: str):
+        from tokenizers import Tokenizer
+
+        try:
+            return Tokenizer.from_str(text)
+        except Exception as exc:  # the Rust side raises plain Exception for any parse problem
+            raise DataError(f"cannot read tokenizer {source}: {str(exc).splitlines()[0]}") from None
+
+    @classmethod
+    def from_saved(cls, content: dict, source: str) -> HFTokenizer:
+        try:
+            return cls(json.dumps(content["tokenizer"]), int(content["bos_id"]), int(content["eos_id"]),
+                       int(content["pad_id"]), int(content["vocab_size"]), source=source)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise DataError(f"tokenizer {source} is not a valid latentloop HF tokenizer file: {exc}") from None
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
+        return [e.ids for e in self._tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+
+    def encode_to_array(self, text: str) -> np.ndarray:
+        return np.asarray(self.encode(text), dtype=np.uint32)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode([int(i) for i in ids if 0 <= int(i) < self.own_size], skip_special_tokens=True)
+
+    def token_to_bytes(self, token_id: int) -> bytes:
+        """The raw bytes of one token (b"" for specials and ids past the tokenizer)."""
+        token_id = int(token_id)
+        token = self._tokenizer.id_to_token(token_id) if token_id < self.own_size else None
+        if token is None or token_id in self.special_ids:
+            return b""
+        if self._byte_level:
+            table = _byte_level_decoding()
+            if all(ch in table for ch in token):
+                return bytes(table[ch] for ch in token)
+            return token.encode("utf-8")
+        if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):  # SentencePiece byte fallback
+            try:
+                return bytes([int(token[3:5], 16)])
+            except ValueError:
+                pass
+        return token.replace(SENTENCEPIECE_SPACE, " ").encode("utf-8")
+
+    def token_byte_lengths(self) -> np.ndarray:
+        if self._byte_lengths is None:
+            self._byte_lengths = np.array([len(self.token_to_bytes(i)) for i in range(self.vocab_size)],
+                                          dtype=np.int64)
+        return self._byte_lengths.copy()
+
+    def hf_json(self) -> str:
+        """The Hugging Face tokenizer JSON, as it was read."""
+        return self._json
+
+    def token_string(self, token_id: int) -> str | None:
+        return self._tokenizer.id_to_token(int(token_id)) if token_id < self.own_size else None
+
+    def save(self, directory: str | Path) -> Path:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / TOKENIZER_FILE
+        payload = {"type": "hf", "bos_id": self.bos_id, "eos_id": self.eos_id, "pad_id": self.pad_id,
+                   "vocab_size": self.vocab_size, "tokenizer": json.loads(self._json)}
+        path.write_text(json.dumps(payload, ensure_ascii=False) + "\n", encoding="utf-8")
+        return path
+
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_id={self.eos_id})"
+
+
+def _byte_tokenizer_json() -> str:
+    """The byte tokenizer as a `tokenizers` JSON: a byte-level BPE without merges whose 256 base
+    symbols have ids 0..255 in byte order, then <|bos|>, <|eos|>, <|pad|>: the same ids."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {char: byte for char, byte in _byte_level_decoding().items()}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(token, special=True) for token in SPECIAL_TOKENS])
+    return tokenizer.to_str()
+
+
+def write_hf_tokenizer(tokenizer, directory: str | Path, model_max_length: int | None = None) -> list[Path]:
+    """Write `tokenizer.json` and `tokenizer_config.json` that Hugging Face's `AutoTokenizer` loads
+    (a fast tokenizer; the special tokens named as the model's config names their ids)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    if isinstance(tokenizer, ByteTokenizer):
+        text = _byte_tokenizer_json()
+        names = dict(zip(("bos", "eos", "pad"), SPECIAL_TOKENS))
+    elif isinstance(tokenizer, BPETokenizer):
+        text = tokenizer.to_json()
+        names = dict(zip(("bos", "eos", "pad"), SPECIAL_TOKENS))
+    elif isinstance(tokenizer, HFTokenizer):
+        text = tokenizer.hf_json()
+        names = {what: tokenizer.token_string(getattr(tokenizer, f"{what}_id")) for what in ("bos", "eos", "pad")}
+    else:
+        raise DataError(f"cannot write {type(tokenizer).__name__} as a Hugging Face tokenizer")
+    (directory / TOKENIZER_FILE).write_text(text, encoding="utf-8")
+    settings = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+                **{f"{what}_token": name for what, name in names.items() if name is not None}}
+    if model_max_length is not None:
+        settings["model_max_length"] = model_max_length
+    (directory / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
+    return [directory / TOKENIZER_FILE, directory / "tokenizer_config.json"]
+
+
+def load_tokenizer(spec: str) -> ByteTokenizer | BPETokenizer | HFTokenizer:
     """Turn a tokenizer spec into a tokenizer.
 
     `"byte"` gives a ByteTokenizer; a path to a `tokenizer.json` (or a directory holding one)
-    gives whichever kind the file describes.
+    gives whichever kind the file describes: latentloop's byte or HF-wrapper files, a BPE trained
+    here (it has latentloop's special tokens), or a pretrained model's Hugging Face tokenizer next
+    to its `tokenizer_config.json` (an `HFTokenizer`).
     """
     if spec == "byte":
         return ByteTokenizer()
@@ -273,4 +484,10 @@ def load_tokenizer(spec: str) -> ByteTokenizer | BPETokenizer:
         raise DataError(f"cannot read tokenizer {path}: {exc}") from exc
     if isinstance(content, dict) and content.get("type") == "byte":
         return ByteTokenizer()
+    if isinstance(content, dict) and content.get("type") == "hf":
+        return HFTokenizer.from_saved(content, str(path))
+    added = content.get("added_tokens") if isinstance(content, dict) else None
+    ours = any(isinstance(token, dict) and token.get("content") == BOS_TOKEN for token in added or [])
+    if not ours and (path.parent / "tokenizer_config.json").is_file():  # a pretrained model's own tokenizer
+        return HFTokenizer.from_pretrained_folder(path.parent)
     return BPETokenizer.load(path)

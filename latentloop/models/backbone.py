@@ -1,12 +1,16 @@
 """The shared backbone: a nanochat-style decoder-only transformer (arch `gpt`).
 
 Notable features:
-- token embedding followed by a parameter-free RMSNorm; pre-norm blocks; a final norm
-- no biases and no learnable norm gains anywhere
+- token embedding followed by a parameter-free RMSNorm (`embed_norm`); pre-norm blocks; a final norm
+- by default no biases and no learnable norm gains anywhere
 - causal self-attention through `F.scaled_dot_product_attention`, with rotary position embeddings
   (RoPE), QK-norm and optional grouped-query attention (`n_kv_head < n_head`)
 - ReLU² MLP (nanochat) or SwiGLU
 - lm_head tied to the embedding or separate; optional logit soft-cap
+- options for the Llama family (off by default, see `ModelConfig`): learned norm gains and their
+  epsilon, no QK-norm, no embedding norm, q/k/v biases, an explicit MLP width, Llama 3 RoPE
+  scaling; a parameter exists only while its option is on, so the state-dict keys of the default
+  model never change
 - two faces: `forward` (the whole sequence, for training and scoring) and the decoding protocol
   `prefill` / `decode` / `reference` with an explicit `KVCache`; per-row positions so that
   left-padded batches of prompts of different lengths give exactly the logits of each prompt alone
@@ -36,6 +40,7 @@ Extension points for the variants (each a thin subclass in its own file):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -55,9 +60,22 @@ PER_ROW_INFO = "per_row"
 UNTIED_HEAD_INIT_STD = 0.001  # small enough that the initial next-token distribution is ~uniform
 
 
-def norm(x: Tensor) -> Tensor:
+def norm(x: Tensor, eps: float | None = None) -> Tensor:
     """Parameter-free RMSNorm over the last dimension."""
-    return F.rms_norm(x, (x.size(-1),))
+    return F.rms_norm(x, (x.size(-1),), eps=eps)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dimension with a learned gain when `learned` (Llama's norms), else
+    parameter-free (nanochat's) and without any state-dict entry."""
+
+    def __init__(self, dim: int, eps: float | None = None, learned: bool = False):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if learned else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
 
 
 def shift_right(s: Tensor) -> Tensor:
@@ -71,9 +89,31 @@ def shift_right(s: Tensor) -> Tensor:
 # --------------------------------------------------------------------------------------------
 
 
-def rope_tables(max_positions: int, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
-    """cos and signed-sin tables (max_positions, head_dim) laid out for `apply_rope`."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+def rope_frequencies(config: ModelConfig) -> Tensor:
+    """The (head_dim / 2,) rotation frequencies, scaled as `config.rope_scaling` says (the same
+    arithmetic as Hugging Face's `linear` and `llama3` RoPE types, so imported models match)."""
+    hd = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+    if config.rope_scaling == "linear":
+        return inv_freq / config.rope_factor
+    if config.rope_scaling == "llama3":  # long wavelengths / factor, short ones kept, a smooth blend between
+        factor, low, high = config.rope_factor, config.rope_low_freq_factor, config.rope_high_freq_factor
+        original = config.rope_original_max_positions
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+        smooth = (original / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < original / high) * ~(wavelen > original / low)
+        return torch.where(medium, blended, scaled)
+    return inv_freq
+
+
+def rope_tables(max_positions: int, head_dim: int, theta: float,
+                inv_freq: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """cos and signed-sin tables (max_positions, head_dim) laid out for `apply_rope`; `inv_freq`
+    overrides the plain frequencies of `theta` (see `rope_frequencies`)."""
+    if inv_freq is None:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # (P, hd/2)
     return torch.cat([angles.cos(), angles.cos()], dim=-1), torch.cat([angles.sin(), -angles.sin()], dim=-1)
 
@@ -81,7 +121,9 @@ def rope_tables(max_positions: int, head_dim: int, theta: float) -> tuple[Tensor
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate the pairs (x1_i, x2_i) of the two head-dim halves by their position's angles:
     (x1, x2) -> (x1 cos + x2 sin, x2 cos - x1 sin). x: (B, T, H, hd); cos, sin: (B|1, T, 1, hd).
-    Rolling by half a head swaps the halves, so this is three elementwise ops."""
+    Rolling by half a head swaps the halves, so this is three elementwise ops. (Hugging Face's
+    Llama rotates the other way; `latentloop.interop` negates the second half of every q and k
+    row on import and export, which makes the two attention scores identical.)"""
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
@@ -107,8 +149,10 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
         D = config.n_embd
-        self.c_qkv = nn.Linear(D, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=False)  # one matmul
+        qkv_width = (self.n_head + 2 * self.n_kv_head) * self.head_dim
+        self.c_qkv = nn.Linear(D, qkv_width, bias=config.qkv_bias)  # q, k and v in one matmul
         self.c_proj = nn.Linear(D, D, bias=False)
+        self.qk_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
 
     def project_q_kv(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """q (B, T, H, hd) and keys-then-values kv (B, T, 2 Hkv, hd) from one matmul."""
@@ -124,7 +168,9 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
         B, T, D = x.shape
         q, k, v = self.project_qkv(x, ctx)
-        qk = norm(apply_rope(torch.cat([q, k], dim=2), ctx.cos, ctx.sin))  # RoPE + QK-norm, in one go
+        qk = apply_rope(torch.cat([q, k], dim=2), ctx.cos, ctx.sin)  # RoPE (+ QK-norm) on q and k in one go
+        if self.qk_norm is not None:
+            qk = self.qk_norm(qk)
         q, k = qk.split([self.n_head, self.n_kv_head], dim=2)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, hd)
         if ctx.cache is not None:
@@ -158,10 +204,12 @@ class Block(nn.Module):
         super().__init__()
         self.attn = self.attention_class(config, layer_idx)
         self.mlp = MLP(config)
+        self.ln_1 = RMSNorm(config.n_embd, config.norm_eps, config.learned_norms)  # before attention
+        self.ln_2 = RMSNorm(config.n_embd, config.norm_eps, config.learned_norms)  # before the MLP
 
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
-        x = x + self.attn(norm(x), ctx)
-        x = x + self.mlp(norm(x))
+        x = x + self.attn(self.ln_1(x), ctx)
+        x = x + self.mlp(self.ln_2(x))
         return x
 
 
@@ -188,7 +236,9 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(V, D)
         self.blocks = nn.ModuleList([self.make_block(i) for i in range(config.n_layer)])
         self.lm_head = None if config.tie_embeddings else nn.Linear(D, V, bias=False)
-        cos, sin = rope_tables(config.sequence_len, config.head_dim, config.rope_theta)
+        self.embed_norm = RMSNorm(D, config.norm_eps) if config.embed_norm else nn.Identity()
+        self.ln_f = RMSNorm(D, config.norm_eps, config.learned_norms)  # the final norm, where the head reads
+        cos, sin = rope_tables(config.sequence_len, config.head_dim, config.rope_theta, rope_frequencies(config))
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters()
@@ -207,10 +257,14 @@ class GPT(nn.Module):
                 fan_in = module.in_features
                 depth_scale = (2 * L) ** -0.5 if name.endswith("c_proj") else 1.0
                 nn.init.normal_(module.weight, std=fan_in ** -0.5 * depth_scale)
+                if name.endswith("c_qkv") and module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, RMSNorm) and module.weight is not None:
+                nn.init.ones_(module.weight)
 
     # -- pieces of the forward pass, reused by the variants ----------------------------------
     def embed(self, idx: Tensor) -> Tensor:
-        return norm(self.wte(idx))  # (B, T, D)
+        return self.embed_norm(self.wte(idx))  # (B, T, D)
 
     def context(self, idx: Tensor, cache: KVCache | None, pad_mask: Tensor | None) -> ForwardContext:
         T = idx.shape[1]
@@ -233,7 +287,7 @@ class GPT(nn.Module):
 
     def readout(self, h: Tensor) -> Tensor:
         """Final norm, head and soft-cap: (B, T, D) -> (B, T, V)."""
-        return self.head(norm(h))
+        return self.head(self.ln_f(h))
 
     def head(self, h_normed: Tensor) -> Tensor:
         """Head and soft-cap of an already normed top state."""

@@ -11,6 +11,15 @@ tied head reads, so it lives in embedding space and has unit RMS whatever the de
 ("pre_norm"). W_U and W_G are the only new parameters. Position 0, BOS tokens and every position
 before `fuse_from` take the plain embedding.
 
+Two backbone options change what "the embedding" and "the final norm" are (upcycled Llama-family
+models, see `latentloop.interop`):
+- learned norm gains: s = ln_f(h), the final norm *with* its gain, i.e. exactly what the head reads;
+- an untied head: s is still what the head reads; W_U learns the map into the input space that
+  tying gives for free;
+- no embedding norm (`embed_norm=false`): e_t is the raw embedding, and the fused input
+  norm(u_t) is rescaled by one learned scalar `fuse_scale`, initialised to the embedding table's
+  RMS, so that a fused input enters the stack at the scale the pretrained layers expect.
+
 Notable features:
 - parallel multi-pass forward: pass 1 is plain; pass k fuses pass k-1's top states shifted right by
   one. This is a Jacobi iteration of the sequential recurrence and is exact after T passes
@@ -71,11 +80,21 @@ class FBT(GPT):
         self.fuse_gate = nn.Linear(D, D, bias=False)  # W_G: the token embedding, on the gate
         for linear in (self.fuse_value, self.fuse_gate):
             nn.init.normal_(linear.weight, std=D ** -0.5)
+        self.fuse_scale = None  # only without the embedding norm (see the module docstring)
+        if not config.embed_norm:
+            self.fuse_scale = nn.Parameter(torch.ones(1))
+            self.reset_fuse_scale()
+
+    @torch.no_grad()
+    def reset_fuse_scale(self) -> None:
+        """fuse_scale <- the RMS of the embedding table (call again after loading other embeddings)."""
+        if self.fuse_scale is not None:
+            self.fuse_scale.fill_(float(self.wte.weight.float().pow(2).mean().sqrt()))
 
     # -- the mechanism ------------------------------------------------------------------------
     def carried_state(self, h: Tensor) -> Tensor:
         """The top state that is fed back: after or before the final norm, jittered in training."""
-        s = norm(h) if self.config.state_source == "post_norm" else h
+        s = self.ln_f(h) if self.config.state_source == "post_norm" else h
         if self.training and self.config.jitter > 0:
             s = s + torch.empty_like(s).uniform_(-self.config.jitter, self.config.jitter)
         return s
@@ -84,17 +103,18 @@ class FBT(GPT):
         """GLU fusion of token embeddings e with previous states s_prev, both (B, T, D).
         `gate` = σ(W_G e), when already known (see `token_gates`)."""
         gate = torch.sigmoid(self.fuse_gate(e)) if gate is None else gate
-        return norm(self.fuse_value(s_prev) * gate)
+        fused = norm(self.fuse_value(s_prev) * gate)
+        return fused if self.fuse_scale is None else fused * self.fuse_scale
 
     def token_gates(self) -> Tensor:
-        """σ(W_G norm(wte)) for every token id (V, D). The gate depends on the token alone, so
-        decoding looks it up instead of paying a D×D matmul per token; recomputed whenever the
-        weights change (their version counters move)."""
+        """σ(W_G e) for every token id (V, D), e the embedding as `embed` gives it. The gate
+        depends on the token alone, so decoding looks it up instead of paying a D×D matmul per
+        token; recomputed whenever the weights change (their version counters move)."""
         key = (self.wte.weight._version, self.fuse_gate.weight._version, self.wte.weight.data_ptr(),
                self.fuse_gate.weight.data_ptr())
         if getattr(self, "_gate_table_key", None) != key:
             with torch.no_grad():
-                self._gate_table = torch.sigmoid(self.fuse_gate(norm(self.wte.weight)))
+                self._gate_table = torch.sigmoid(self.fuse_gate(self.embed_norm(self.wte.weight)))
             self._gate_table_key = key
         return self._gate_table
 
@@ -174,7 +194,7 @@ class FBT(GPT):
         x = torch.where((token != self.config.bos_id)[..., None], fused, e)  # BOS restarts the recurrence
         h = self.run_blocks(x, self.context(token, cache, None))  # (B, 1, D)
         cache.advance()
-        h_normed = norm(h)  # shared by the head and the carried state
+        h_normed = self.ln_f(h)  # shared by the head and the carried state
         reuse_norm = self.config.state_source == "post_norm" and not (self.training and self.config.jitter > 0)
         cache.state[STATE_KEY] = h_normed if reuse_norm else self.carried_state(h)
         return ModelOutput(logits=self.head(h_normed), hidden=h, info={"passes": 1})

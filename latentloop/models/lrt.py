@@ -13,7 +13,8 @@ per layer (`layerwise`). The cache keeps its standard shape; the memory rides in
 
 Notable features:
 - source state: the top state after the final norm (`source_layer=-1`, default, as the authors'
-  released code), or the normed output of block `source_layer`
+  released code; with learned norm gains, the final norm's gain included: exactly what the head
+  reads), or the (parameter-free) normed output of block `source_layer`
 - recurrence procedures over a whole sequence (`forward(idx, recurrence=...)`), which the objective
   turns into losses: `sequential` (exact token-by-token reference), `interleaved` (an init pass with
   zero memory fills a buffer of every layer's keys/values and source states; then each stride subset
@@ -146,7 +147,7 @@ class LRT(GPT):
         if self.mem_kv is not None:
             lctx.memory_kv = self.mem_kv(memory)  # (B, T, 2 Hkv hd); viewed per head by each layer
         h = self.run_blocks(self.embed(idx), lctx)
-        return h, (norm(h) if self.config.source_layer < 0 else lctx.source)
+        return h, (self.ln_f(h) if self.config.source_layer < 0 else lctx.source)
 
     # -- recurrence procedures over a whole sequence ---------------------------------------
     def forward(self, idx: Tensor, pad_mask: Tensor | None = None, recurrence: str | None = None,

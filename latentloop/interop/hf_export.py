@@ -1,0 +1,148 @@
+"""Export a latentloop run as a Hugging Face model folder.
+
+    export_hf("runs/gpt-llama", "hf/gpt-llama")     # plain LlamaForCausalLM (or Qwen2ForCausalLM)
+    export_hf("runs/fbt", "hf/fbt")                 # latentloop's own modeling code (trust_remote_code)
+
+Two paths:
+- plain: a `gpt` run whose options are the Llama family's (SwiGLU, no QK-norm, no embedding norm,
+  no soft-cap) becomes a `LlamaForCausalLM` folder, or `Qwen2ForCausalLM` with q/k/v biases: loads
+  with `AutoModelForCausalLM.from_pretrained(DIR)`, no remote code. Parameter-free norms export as
+  gains of 1 (exactly the same function) with the epsilon torch used (float32's machine epsilon
+  when the run left `norm_eps` unset). The q/k RoPE half-flip of the import is applied again (it
+  is its own inverse).
+- custom code: anything else (fbt, lrt, rgpt, or a gpt with nanochat options) is written with
+  `configuration_latentloop.py` and `modeling_latentloop.py` from `latentloop/interop/hf_remote/`
+  (self-contained: they need transformers, not latentloop) and the package's own tensor names:
+  `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`, whose `generate()` decodes
+  with the architecture's latent state (see that module's docstring).
+
+Either way the folder holds config.json, model.safetensors, generation_config.json and the
+tokenizer (`tokenizer.json` + `tokenizer_config.json`, loadable by `AutoTokenizer`).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from ..archs import build_model, get_arch
+from ..checkpoint import find_tokenizer_file, load_weights, read_run_config, resolve_checkpoint
+from ..config import ModelConfig
+from ..data.tokenizers import load_tokenizer, write_hf_tokenizer
+from ..errors import InteropError
+from .hf_import import hf_to_latentloop_names, rope_half_flip
+
+REMOTE_DIR = Path(__file__).resolve().parent / "hf_remote"
+REMOTE_FILES = ("configuration_latentloop.py", "modeling_latentloop.py")
+AUTO_MAP = {"AutoConfig": "configuration_latentloop.LatentloopConfig",
+            "AutoModelForCausalLM": "modeling_latentloop.LatentloopForCausalLM"}
+DEFAULT_NORM_EPS = torch.finfo(torch.float32).eps  # what F.rms_norm uses on float32 when given no epsilon
+REMOTE_DECODING = {"fbt": ("regime", "passes"), "rgpt": ("steps",)}  # options the exported code takes
+
+
+def plain_blockers(config: ModelConfig) -> list[str]:
+    """The options that keep a run from being a plain Llama / Qwen2 model (empty: none)."""
+    blockers = [] if config.arch == "gpt" else [f"arch={config.arch}"]
+    if config.qk_norm:
+        blockers.append("qk_norm=true")
+    if config.embed_norm:
+        blockers.append("embed_norm=true")
+    if config.mlp != "swiglu":
+        blockers.append(f"mlp={config.mlp}")
+    if config.logit_softcap > 0:
+        blockers.append(f"logit_softcap={config.logit_softcap:g}")
+    return blockers
+
+
+def _rope_config(config: ModelConfig) -> dict[str, Any]:
+    """rope_theta / rope_scaling in the layout both transformers 4 and 5 read."""
+    out: dict[str, Any] = {"rope_theta": config.rope_theta, "rope_scaling": None}
+    if config.rope_scaling == "linear":
+        out["rope_scaling"] = {"rope_type": "linear", "factor": config.rope_factor}
+    elif config.rope_scaling == "llama3":
+        out["rope_scaling"] = {"rope_type": "llama3", "factor": config.rope_factor,
+                               "low_freq_factor": config.rope_low_freq_factor,
+                               "high_freq_factor": config.rope_high_freq_factor,
+                               "original_max_position_embeddings": config.rope_original_max_positions}
+    return out
+
+
+def _plain_weights(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """latentloop gpt state dict -> Hugging Face Llama / Qwen2 names (the inverse of the import)."""
+    D, hd = config.n_embd, config.head_dim
+    filled = dict(state)
+    for name in ["ln_f.weight"] + [f"blocks.{i}.ln_{j}.weight" for i in range(config.n_layer) for j in (1, 2)]:
+        filled.setdefault(name, torch.ones(D))  # parameter-free norms: a gain of one is the same function
+    out = {hf: filled[ll].contiguous() for hf, ll in hf_to_latentloop_names(config).items()}
+    sizes = [config.n_head * hd, config.n_kv_head * hd, config.n_kv_head * hd]
+    for i in range(config.n_layer):
+        for part in ("weight", "bias") if config.qkv_bias else ("weight",):
+            q, k, v = filled[f"blocks.{i}.attn.c_qkv.{part}"].split(sizes)
+            prefix = f"model.layers.{i}.self_attn."
+            out[prefix + f"q_proj.{part}"] = rope_half_flip(q, config.n_head).contiguous()
+            out[prefix + f"k_proj.{part}"] = rope_half_flip(k, config.n_kv_head).contiguous()
+            out[prefix + f"v_proj.{part}"] = v.contiguous()
+    return out
+
+
+def _special_ids(tokenizer) -> dict[str, int]:
+    return {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
+
+
+def export_hf(run: str | Path, out: str | Path, plain: bool | None = None) -> dict[str, Any]:
+    """Write `run` (its latest checkpoint) as a Hugging Face folder. plain=None: plain when the
+    options allow it, else custom code; True: plain or a one-line error naming what blocks it;
+    False: always custom code. Returns a summary."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise InteropError(f"{out} exists and is not an empty folder; choose another output folder")
+    checkpoint = resolve_checkpoint(run)
+    config = read_run_config(checkpoint).model
+    tokenizer = load_tokenizer(str(find_tokenizer_file(checkpoint)))
+    blockers = plain_blockers(config)
+    if plain and blockers:
+        raise InteropError(f"cannot export as a plain Llama model: {', '.join(blockers)} (these are not Llama "
+                           f"options; export without --plain to ship latentloop's modeling code)")
+    as_plain = not blockers if plain is None else plain
+    model = build_model(config)
+    load_weights(model, checkpoint)
+    state = {name: tensor.detach().float() for name, tensor in model.state_dict().items()}
+    out.mkdir(parents=True, exist_ok=True)
+    if as_plain:
+        family = "qwen2" if config.qkv_bias else "llama"
+        hf_config = {
+            "architectures": ["Qwen2ForCausalLM" if family == "qwen2" else "LlamaForCausalLM"], "model_type": family,
+            "vocab_size": config.vocab_size, "hidden_size": config.n_embd, "intermediate_size": config.mlp_hidden,
+            "num_hidden_layers": config.n_layer, "num_attention_heads": config.n_head,
+            "num_key_value_heads": config.n_kv_head, "head_dim": config.head_dim, "hidden_act": "silu",
+            "max_position_embeddings": config.sequence_len,
+            "rms_norm_eps": config.norm_eps if config.norm_eps is not None else DEFAULT_NORM_EPS,
+            "tie_word_embeddings": config.tie_embeddings, "attention_bias": False, "mlp_bias": False,
+            "attention_dropout": 0.0, "use_cache": True, "torch_dtype": "float32", **_rope_config(config),
+            **_special_ids(tokenizer)}
+        if family == "qwen2":
+            hf_config.update(use_sliding_window=False, sliding_window=None)
+        weights = _plain_weights(state, config)
+        kind = hf_config["architectures"][0]
+    else:
+        spec = get_arch(config.arch)
+        defaults = {option.name: option.default for option in spec.options if option.default is not None}
+        decoding = {name: defaults[name] for name in REMOTE_DECODING.get(config.arch, ()) if name in defaults}
+        hf_config = {"architectures": ["LatentloopForCausalLM"], "model_type": "latentloop", "auto_map": AUTO_MAP,
+                     "latentloop": config.to_dict(), "decoding": decoding, "torch_dtype": "float32",
+                     **_special_ids(tokenizer)}
+        weights = {name: tensor.contiguous() for name, tensor in state.items()}
+        for name in REMOTE_FILES:
+            shutil.copyfile(REMOTE_DIR / name, out / name)
+        kind = "LatentloopForCausalLM (trust_remote_code)"
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps(_special_ids(tokenizer), indent=2) + "\n")
+    write_hf_tokenizer(tokenizer, out, model_max_length=config.sequence_len)
+    return {"run": str(run), "checkpoint": str(checkpoint), "out": str(out), "format": kind,
+            "plain_blockers": blockers}

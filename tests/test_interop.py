@@ -1,0 +1,418 @@
+"""Hugging Face interop: import (parity with transformers' own Llama / Qwen2 classes), export (plain
+and trust_remote_code), upcycling into fbt / lrt / rgpt, and one-line errors. Offline: every
+model is a tiny random one written here with `save_pretrained`."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+
+import latentloop as ll
+from latentloop.checkpoint import save_weights_checkpoint
+from latentloop.cli import main
+from latentloop.config import RunConfig, model_config
+from latentloop.data import ByteTokenizer, HFTokenizer, load_tokenizer
+from latentloop.interop import export_hf, import_hf, initialise_from, upcycle_config
+from latentloop.interop.hf_export import REMOTE_DIR, REMOTE_FILES
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+IMPORT_TOL = 1e-4  # vs transformers (fp32): the same arithmetic in a different order
+EXACT_TOL = 1e-5  # latentloop vs its own exported code or upcycled model: the same operations
+HF_VOCAB = 320  # model vocabulary; the tokenizer below has fewer ids (models pad their vocab)
+RANDOM_SCALE = 0.1  # norm gains and biases perturbed from their init, so that they matter in the comparison
+WEIGHT_SCALE = 10.0  # transformers' 0.02 init makes greedy decoding repeat one token; 0.2 gives varied ones
+
+
+def _hf_tokenizer(folder, bos: str | None = "<s>"):
+    """A small byte-level BPE (as Llama 3 / Qwen2 use) saved as tokenizer.json + tokenizer_config.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["hello world, the latent loop carries state forward. " * 40], trainer=trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    settings = {"eos_token": "</s>", "tokenizer_class": "PreTrainedTokenizerFast"}
+    if bos:
+        settings["bos_token"] = bos
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+
+
+def _hf_model(kind: str, folder, shard: bool = False):
+    """A tiny random transformers model of `kind`, saved with its tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=HF_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5,
+                  eos_token_id=1)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common, bos_token_id=0, rope_theta=500000.0))
+    elif kind == "llama3":  # Llama 3.1 rope scaling, active well inside the 64-token context
+        model = LlamaForCausalLM(LlamaConfig(**common, bos_token_id=0, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}))
+    else:  # Qwen2: q/k/v biases, tied embeddings, no BOS token
+        model = Qwen2ForCausalLM(Qwen2Config(**common, bos_token_id=None, tie_word_embeddings=True))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * RANDOM_SCALE)
+            else:
+                p.mul_(WEIGHT_SCALE)
+    model.save_pretrained(folder, max_shard_size="200KB" if shard else "5GB")
+    _hf_tokenizer(folder, bos=None if kind == "qwen2" else "<s>")
+    return model.eval()
+
+
+def _run(folder, arch="gpt", tokenizer=None, perturb=True, **overrides):
+    """A run folder holding a random model (config, tokenizer, one weights-only checkpoint)."""
+    torch.manual_seed(1)
+    config = model_config(arch, "test", **overrides)
+    model = ll.build(arch, "test", **overrides)
+    if perturb:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "gate_out.bias" not in name:
+                    p.add_(torch.randn_like(p) * RANDOM_SCALE)
+    folder.mkdir(parents=True)
+    RunConfig(model=config).save_json(folder / "config.json")
+    (tokenizer or ByteTokenizer()).save(folder)
+    save_weights_checkpoint(folder, 0, model, {"step": 0})
+    return model.eval()
+
+
+def _one_line_error(argv, capsys) -> str:
+    capsys.readouterr()
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    return err
+
+
+LLAMA_OPTIONS = dict(learned_norms=True, qk_norm=False, embed_norm=False, mlp="swiglu", intermediate_size=96,
+                     norm_eps=1e-5, n_kv_head=2)
+
+
+# --------------------------------------------------------------------------------------------
+# Backbone options
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["gpt", "fbt", "lrt", "rgpt"])
+def test_default_state_dict_keys_are_unchanged(arch):
+    """Checkpoints written before the Llama options still load: with every option at its default no
+    new tensor exists."""
+    names = ll.build(arch, "test").state_dict()
+    new = [n for n in names if re.search(r"ln_[12f]\.|c_qkv\.bias|qk_norm|embed_norm|fuse_scale", n)]
+    assert not new
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("norm_eps", 0.0, "norm_eps"), ("intermediate_size", -1, "intermediate_size"),
+    ("rope_scaling", "yarn", "rope_scaling"), ("rope_factor", 0.0, "rope_factor"),
+    ("rope_low_freq_factor", 8.0, "rope_low_freq_factor"), ("rope_original_max_positions", 0, "rope_original"),
+    ("learned_norms", "maybe", "learned_norms"),
+])
+def test_new_fields_are_validated(field, value, words):
+    with pytest.raises(ll.ConfigError, match=words):
+        model_config("gpt", "test", **{field: value})
+
+
+# --------------------------------------------------------------------------------------------
+# Import: parity with transformers
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2"])
+def test_import_matches_transformers(kind, tmp_path, capsys):
+    hf = _hf_model(kind, tmp_path / "hf", shard=kind == "llama")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file() == (kind == "llama")
+    assert main(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
+    model, tokenizer = ll.load(tmp_path / "run")
+    c = model.config
+    assert (c.qkv_bias, c.tie_embeddings, c.rope_scaling) == {
+        "llama": (False, False, "none"), "llama3": (False, False, "llama3"), "qwen2": (True, True, "none")}[kind]
+    torch.manual_seed(2)
+    idx = torch.randint(0, HF_VOCAB, (2, 48))
+    with torch.no_grad():
+        ours, theirs = model(idx).logits, hf(idx).logits
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=IMPORT_TOL)
+    print(f"\n{kind}: max |logit difference| vs transformers {float((ours - theirs).abs().max()):.2e}")
+    # greedy decoding token for token, one prompt and a left-padded batch of two
+    prompts = [[5, 17, 33, 9, 120], [7, 8]]
+    mine = ll.generate(model, prompts, 16, temperature=0)
+    ids = torch.tensor([prompts[0], [0, 0, 0] + prompts[1]])
+    mask = torch.tensor([[1] * 5, [0, 0, 0, 1, 1]])
+    out = hf.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, eos_token_id=None,
+                      pad_token_id=0)[:, 5:].tolist()
+    assert mine == out and len(set(out[0])) > 1
+    # the model's own tokenizer came along; Qwen2 has no BOS: its EOS starts sequences
+    assert isinstance(tokenizer, HFTokenizer) and tokenizer.vocab_size == HF_VOCAB
+    assert (tokenizer.bos_id, tokenizer.eos_id) == ((1, 1) if kind == "qwen2" else (0, 1))
+    text = "hello latent world"
+    reference = tokenizers.Tokenizer.from_file(str(tmp_path / "hf" / "tokenizer.json"))
+    assert tokenizer.encode(text) == reference.encode(text, add_special_tokens=False).ids
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+    assert b"".join(tokenizer.token_to_bytes(t) for t in tokenizer.encode(text)) == text.encode()
+
+
+def test_imported_run_evaluates_generates_and_refuses_resume(tmp_path, capsys):
+    _hf_model("llama", tmp_path / "hf")
+    import_hf(tmp_path / "hf", tmp_path / "run", sequence_len=32)
+    assert ll.load(tmp_path / "run")[0].config.sequence_len == 32
+    capsys.readouterr()
+    assert main(["generate", str(tmp_path / "run"), "--prompt", "hello", "--max-new-tokens", "4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["new_tokens"] <= 4
+    err = _one_line_error(["train", "--out", str(tmp_path / "run"), "--resume", "--steps", "2", "--no-progress"],
+                          capsys)
+    assert "--init-from" in err
+
+
+def test_sentencepiece_style_tokens_and_missing_specials(tmp_path):
+    """Byte-fallback tokens are their byte, ▁ is a space, specials have no bytes; a model folder
+    that names no BOS/EOS token is refused."""
+    from tokenizers import Tokenizer, decoders, models
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "▁hello": 3, "<0x0A>": 4, "é": 5}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.decoder = decoders.Metaspace()
+    tok.add_special_tokens(["<s>", "</s>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    t = load_tokenizer(str(tmp_path))
+    assert isinstance(t, HFTokenizer) and (t.bos_id, t.eos_id, t.pad_id) == (1, 2, 2)
+    assert [t.token_to_bytes(i) for i in range(6)] == [b"<unk>", b"", b"", b" hello", b"\n", "é".encode()]
+    assert t.token_byte_lengths().tolist() == [5, 0, 0, 6, 1, 2]
+    saved = load_tokenizer(str(t.save(tmp_path / "saved")))
+    assert saved.fingerprint() == t.fingerprint() and saved.encode("é") == t.encode("é")
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(ll.DataError, match="neither a BOS nor an EOS"):
+        HFTokenizer.from_pretrained_folder(tmp_path)
+
+
+# --------------------------------------------------------------------------------------------
+# Export
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("options, family", [
+    (dict(LLAMA_OPTIONS, rope_scaling="llama3", rope_factor=4.0, rope_original_max_positions=16), "Llama"),
+    (dict(qk_norm=False, embed_norm=False, mlp="swiglu", qkv_bias=True, tie_embeddings=True), "Qwen2"),
+])
+def test_plain_export_round_trip(options, family, tmp_path, capsys):
+    """A gpt with Llama options -> a plain transformers class (parameter-free norms as gains of 1)
+    -> the same logits; imported back -> the same logits again; AutoTokenizer loads the tokenizer."""
+    model = _run(tmp_path / "run", **options)
+    assert main(["export", str(tmp_path / "run"), "--format", "hf", "--out", str(tmp_path / "hf"), "--plain"]) == 0
+    assert not any((tmp_path / "hf" / name).exists() for name in REMOTE_FILES)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    assert type(hf).__name__ == f"{family}ForCausalLM"
+    idx = torch.randint(0, 259, (2, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, model(idx).logits, rtol=0, atol=IMPORT_TOL)
+    import_hf(tmp_path / "hf", tmp_path / "back")
+    with torch.no_grad():
+        torch.testing.assert_close(ll.load(tmp_path / "back")[0](idx).logits, model(idx).logits, rtol=0,
+                                   atol=IMPORT_TOL)
+    text = "héllo, wörld\n"
+    auto = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert auto(text, add_special_tokens=False)["input_ids"] == ByteTokenizer().encode(text)
+    assert (auto.bos_token_id, auto.eos_token_id) == (ByteTokenizer.bos_id, ByteTokenizer.eos_id)
+
+
+@pytest.mark.parametrize("arch, overrides, options", [
+    ("gpt", {}, [{}]),  # nanochat options: QK-norm, normed embedding, ReLU² -> custom code
+    ("fbt", {}, [{"regime": "standard"}, {"regime": "soft"}, {"regime": "fused", "passes": 3}]),
+    ("fbt", dict(LLAMA_OPTIONS, tie_embeddings=False), [{"regime": "soft"}]),  # untied, no embedding norm
+    ("lrt", dict(LLAMA_OPTIONS, kv_projection="layerwise"), [{}]),
+    ("rgpt", dict(n_layer=3, recurrence_steps=2), [{"steps": 2}, {"steps": 3}]),
+])
+def test_remote_code_export_matches_the_package(arch, overrides, options, tmp_path):
+    """fbt / lrt / rgpt (and non-Llama gpt) -> trust_remote_code folder: forward logits (scored as
+    decoding produces them) and transformers' generate() give what the package gives."""
+    model = _run(tmp_path / "run", arch, **overrides)
+    summary = export_hf(tmp_path / "run", tmp_path / "hf")
+    assert summary["format"].startswith("LatentloopForCausalLM") and summary["plain_blockers"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), trust_remote_code=True).eval()
+    torch.manual_seed(3)
+    idx = torch.randint(0, 256, (2, 24))
+    prompts = [[256, 10, 20, 30, 40, 50], [256, 99, 98]]
+    ids = torch.tensor([prompts[0], [258, 258, 258] + prompts[1]])
+    mask = torch.tensor([[1] * 6, [0, 0, 0, 1, 1, 1]])
+    for opts in options:
+        with torch.no_grad():
+            torch.testing.assert_close(hf(idx, **opts).logits, ll.teacher_forced_logits(model, idx, **opts),
+                                       rtol=0, atol=EXACT_TOL)
+        mine = ll.generate(model, prompts, 12, temperature=0, pad_id=258, **opts)
+        theirs = hf.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=None,
+                             pad_token_id=258, **opts)[:, 6:].tolist()
+        assert theirs == mine, opts
+
+
+def test_remote_code_is_self_contained():
+    for name in REMOTE_FILES:
+        source = (REMOTE_DIR / name).read_text()
+        assert not re.search(r"^\s*(from|import)\s+latentloop", source, re.MULTILINE), name
+
+
+def test_export_errors_are_one_line(tmp_path, capsys):
+    _run(tmp_path / "run")
+    err = _one_line_error(["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf"), "--plain"], capsys)
+    assert "qk_norm=true" in err and "embed_norm=true" in err and "mlp=relu2" in err
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    assert "not an empty folder" in _one_line_error(["export", str(tmp_path / "run"), "--out",
+                                                     str(tmp_path / "full")], capsys)
+
+
+# --------------------------------------------------------------------------------------------
+# Upcycling
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def base_run(tmp_path):
+    """A 4-block gpt with Llama options (learned norms, untied, no embedding norm), as imported."""
+    model = _run(tmp_path / "base", n_layer=4, **LLAMA_OPTIONS)
+    return tmp_path / "base", model
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kv_projection", ["shared", "layerwise"])
+def test_upcycled_lrt_equals_its_base_at_step_0(base_run, kv_projection):
+    run, base = base_run
+    config = upcycle_config(run, "lrt", kv_projection=kv_projection)
+    assert config.residual_gamma_init == 0.0
+    model = ll.archs.build_model(config).eval()
+    report = initialise_from(model, run)
+    assert report["exact_at_step0"] == "all recurrences"
+    idx = torch.randint(0, 259, (2, 20))
+    expected = base(idx).logits
+    for recurrence in ("sequential", "interleaved", "multi_refine"):
+        torch.testing.assert_close(model(idx, recurrence=recurrence).logits, expected, rtol=0, atol=EXACT_TOL)
+    torch.testing.assert_close(ll.teacher_forced_logits(model, idx), expected, rtol=0, atol=EXACT_TOL)
+
+
+@torch.no_grad()
+def test_upcycled_rgpt_reproduces_the_chosen_blocks(base_run):
+    """R = 1, gate saturated open, W_proj = [I, 0]: prelude -> core -> coda is the pretrained stack
+    restricted to the chosen blocks (all of them by default, or blocks 0, 1, 3 for 1 + 1 + 1)."""
+    run, base = base_run
+    idx = torch.randint(0, 259, (2, 20))
+    saturated = dict(recurrence_steps=1, gate_bias_init=-30.0)
+    model = ll.archs.build_model(upcycle_config(run, "rgpt", **saturated)).eval()
+    assert (model.config.n_pre, model.config.n_rec, model.config.n_coda) == (1, 2, 1)
+    assert initialise_from(model, run)["exact_at_step0"].startswith("r=1")
+    torch.testing.assert_close(model(idx, steps=1).logits, base(idx).logits, rtol=0, atol=EXACT_TOL)
+
+    subset = ll.archs.build_model(upcycle_config(run, "rgpt", n_pre=1, n_rec=1, n_coda=1, **saturated)).eval()
+    report = initialise_from(subset, run)
+    assert "coda = block 3" in report["mapping"]
+    ctx = base.context(idx, None, None)
+    chosen = [base.blocks[0], base.blocks[1], base.blocks[3]]
+    expected = base.readout(base.run_blocks(base.embed(idx), ctx, chosen))
+    torch.testing.assert_close(subset(idx, steps=1).logits, expected, rtol=0, atol=EXACT_TOL)
+
+    default = ll.archs.build_model(upcycle_config(run, "rgpt")).eval()  # gate bias -4: trainable, not exact
+    assert initialise_from(default, run)["exact_at_step0"].startswith("no")
+    assert not torch.allclose(default(idx, steps=1).logits, base(idx).logits, atol=EXACT_TOL)
+
+
+@torch.no_grad()
+def test_upcycled_untied_fbt_is_its_base_in_the_standard_regime(base_run):
+    run, base = base_run
+    model = ll.archs.build_model(upcycle_config(run, "fbt")).eval()
+    assert initialise_from(model, run)["exact_at_step0"] == "regime=standard"
+    assert model.lm_head is not None and model.fuse_scale is not None
+    torch.testing.assert_close(model.fuse_scale, base.wte.weight.pow(2).mean().sqrt().reshape(1))
+    idx = torch.randint(0, 259, (2, 20))
+    torch.testing.assert_close(ll.teacher_forced_logits(model, idx, regime="standard"), base(idx).logits,
+                               rtol=0, atol=EXACT_TOL)
+    soft = ll.teacher_forced_logits(model, idx, regime="soft")
+    assert torch.isfinite(soft).all() and not torch.allclose(soft, base(idx).logits, atol=EXACT_TOL)
+
+
+@pytest.mark.parametrize("arch", ["fbt", "lrt"])
+def test_upcycled_training_runs_its_objective_and_reduces_the_loss(arch, base_run, corpus, tmp_path, capsys):
+    run, _ = base_run
+    out = tmp_path / arch
+    extra = ["--set", "plain_fraction=0", "--set", "pass_mix=[0,1]"] if arch == "fbt" else []
+    settings = [arg for pair in ("batch_size=4", "sequence_len=32", "eval_batches=2", "log_every=1")
+                for arg in ("--set", pair)]
+    assert main(["train", "--arch", arch, "--init-from", str(run), "--data", f"text:{corpus}", "--steps", "6",
+                 "--lr", "3e-3", *settings, "--out", str(out), "--no-progress", *extra]) == 0
+    assert "initialised from" in capsys.readouterr().err
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert losses[-1] < losses[0]
+    if arch == "fbt":  # the multi-pass objective ran (2 passes per step)
+        assert {r.get("passes") for r in rows if "loss" in r} == {2}
+    config = json.loads((out / "config.json").read_text())["model"]
+    assert config["learned_norms"] and config["n_layer"] == 4 and config["arch"] == arch
+
+    err = _one_line_error(["train", "--arch", arch, "--init-from", str(run), "--preset", "tiny", "--out",
+                           str(tmp_path / "x")], capsys)
+    assert "--preset" in err
+
+
+# --------------------------------------------------------------------------------------------
+# What cannot be imported
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hf") / "llama"
+    _hf_model("llama", folder)
+    return folder
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
+    ({"model_type": "mixtral", "num_local_experts": 8}, "mixture of experts"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({"attention_bias": True}, "o_proj"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "rope_scaling type 'yarn'"),
+    ({"model_type": "mistral", "sliding_window": 16}, "sliding-window"),
+    ({"head_dim": 32}, "head_dim"),
+    ({"num_hidden_layers": 5}, "lacks tensor"),
+    ("no-tokenizer", "tokenizer.json"),
+    ("bin-only", ".bin checkpoints are not supported"),
+])
+def test_unsupported_checkpoints_are_one_line_errors(change, words, llama_folder, tmp_path, capsys):
+    folder = tmp_path / "hf"
+    shutil.copytree(llama_folder, folder)
+    if change == "no-tokenizer":
+        (folder / "tokenizer.json").unlink()
+    elif change == "bin-only":
+        (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
+    else:
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps(config | change))
+    err = _one_line_error(["import-hf", str(folder), "--out", str(tmp_path / "run")], capsys)
+    assert words in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_hub_name_offline_is_one_line_error(monkeypatch, tmp_path, capsys):
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    err = _one_line_error(["import-hf", "latentloop-tests/no-such-model", "--out", str(tmp_path / "run")], capsys)
+    assert "offline" in err and "HF_HUB_OFFLINE" in err
+    assert "not a Hub name" in _one_line_error(["import-hf", str(tmp_path / "nothing/here/x"), "--out",
+                                                str(tmp_path / "run")], capsys)
