@@ -408,12 +408,16 @@ def load_weights(model: torch.nn.Module, checkpoint: Path) -> None:
 def load_matching_weights(model: torch.nn.Module, checkpoint: Path) -> list[str]:
     """Start from another run's weights (e.g. an `fbt` from a tied `gpt`): every tensor of the
     checkpoint must fit; parameters the checkpoint lacks keep their fresh init. Returns their names."""
-    weights = read_weights(checkpoint)
+    return load_fitting_tensors(model, read_weights(checkpoint), f"--init-from {checkpoint}")
+
+
+def load_fitting_tensors(model: torch.nn.Module, weights: dict[str, torch.Tensor], source: str) -> list[str]:
+    """Load `weights` into `model`, every tensor of which must fit (name and shape; else one line
+    naming `source`); returns the model's parameters they do not cover (left at their init)."""
     own = model.state_dict()
     for name, tensor in weights.items():
         if name not in own or own[name].shape != tensor.shape:
-            raise CheckpointError(f"--init-from {checkpoint}: tensor {name} {tuple(tensor.shape)} does not fit "
-                                  f"this model")
+            raise CheckpointError(f"{source}: tensor {name} {tuple(tensor.shape)} does not fit this model")
     model.load_state_dict(weights, strict=False)
     return sorted(set(own) - set(weights))
 

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..checkpoint import load_matching_weights, read_run_config, read_weights, resolve_checkpoint
+from ..checkpoint import load_fitting_tensors, load_matching_weights, read_run_config, read_weights, resolve_checkpoint
 from ..config import ModelConfig, config_classes, model_config
 from ..errors import CheckpointError
 
@@ -127,13 +127,7 @@ def _check_backbone(source: ModelConfig, target: ModelConfig, checkpoint: Path) 
 
 def _load(model: nn.Module, weights: dict[str, torch.Tensor], checkpoint_hint: str) -> list[str]:
     """Load base tensors (every one must fit); returns the parameters they do not cover."""
-    own = model.state_dict()
-    for name, tensor in weights.items():
-        if name not in own or own[name].shape != tensor.shape:
-            raise CheckpointError(f"--init-from: tensor {name} {tuple(tensor.shape)} does not fit this "
-                                  f"{checkpoint_hint} model")
-    model.load_state_dict(weights, strict=False)
-    return sorted(set(own) - set(weights))
+    return load_fitting_tensors(model, weights, f"--init-from ({checkpoint_hint} model)")
 
 
 @torch.no_grad()
