@@ -179,7 +179,8 @@ def _write_split(
         digest.update(data)
         out.write(data)
 
-    bar = tqdm(desc=f"tokenizing {source.spec} [{split}]", unit="doc", disable=not progress)
+    # leave=False: the bar is transient, so an error that follows it is the only line left on screen
+    bar = tqdm(desc=f"tokenizing {source.spec} [{split}]", unit="doc", disable=not progress, leave=False)
     with path.open("wb") as out, bar:
         for document in source.iter_documents(split):
             document_bytes = len(document.encode("utf-8"))
