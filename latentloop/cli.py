@@ -106,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", required=True, help="run folder to create (or continue with --resume)")
     t.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     t.add_argument("--init-from", help="start from another run's weights (e.g. fbt from a tied gpt run)")
+    t.add_argument("--stage", choices=["pretrain", "sft", "extend"], default=None,
+                   help="sft: fine-tune --init-from RUN on conversations (--data chat:FILE[:field=role,...] or "
+                        "chat:task:NAME), loss on the assistant's tokens only; extend: continue --init-from RUN at a "
+                        "longer context (--set sequence_len=N; rope_theta scaled). Both start from the base run's "
+                        "config and tokenizer")
     t.add_argument("--iso", choices=["flops", "params"], default=None,
                    help="rgpt: shape the recurrent model from the preset's dense depth at equal FLOPs (same "
                         "effective depth) or equal parameters (same distinct blocks); prints both models' sizes")
@@ -205,6 +210,17 @@ def _run_config_from_args(args):
     from .config import RunConfig, apply_overrides, load_yaml
 
     saved = Path(args.out) / "config.json"
+    if args.stage in ("sft", "extend") and not args.config and not args.resume:
+        from .train import stage_config
+
+        if not args.init_from:
+            raise LatentloopError(f"--stage {args.stage} continues a trained run: give --init-from RUN")
+        if args.arch or args.preset or args.tokenizer:
+            raise LatentloopError(f"--stage {args.stage} keeps the base run's arch, shape and tokenizer: drop "
+                                  f"--arch/--preset/--tokenizer")
+        flags = {"train.steps": args.steps, "train.batch_size": args.batch_size, "train.lr": args.lr,
+                 "train.seed": args.seed, "train.device": args.device}
+        return stage_config(args.stage, args.init_from, args.overrides, data=args.data, flags=flags)
     if args.config:
         raw = load_yaml(args.config)
     elif args.resume and saved.is_file():
@@ -220,7 +236,7 @@ def _run_config_from_args(args):
         k: v for k, v in raw.items() if k not in ("model", "train", "data")}
     flags = {"model.arch": args.arch, "model.preset": args.preset, "data.source": args.data,
              "data.tokenizer": args.tokenizer, "train.steps": args.steps, "train.batch_size": args.batch_size,
-             "train.lr": args.lr, "train.seed": args.seed, "train.device": args.device}
+             "train.lr": args.lr, "train.seed": args.seed, "train.device": args.device, "train.stage": args.stage}
     for key, value in flags.items():
         if value is not None:
             section, name = key.split(".")

@@ -8,7 +8,7 @@ across tokenizers. Loss and perplexity are per token, over all targets.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
@@ -29,6 +29,15 @@ def plain_logits(model: nn.Module, x: Tensor) -> Tensor:
 def evaluate_loss(model: nn.Module, tokens: np.ndarray, token_bytes: np.ndarray, batch_size: int, seq_len: int,
                   max_batches: int | None = None, logits_fn: LogitsFn = plain_logits,
                   device: torch.device | str | None = None) -> dict[str, float]:
+    return evaluate_batches(model, eval_batches(tokens, batch_size, seq_len, max_batches), token_bytes, logits_fn,
+                            device)
+
+
+@torch.no_grad()
+def evaluate_batches(model: nn.Module, batches: Iterable[tuple], token_bytes: np.ndarray,
+                     logits_fn: LogitsFn = plain_logits, device: torch.device | str | None = None) -> dict[str, float]:
+    """Loss / perplexity / BPB over batches (x, y) or (x, y, loss_mask): with a mask only the
+    targets it marks are counted (SFT's assistant tokens)."""
     was_training = model.training
     model.eval()
     device = device or next(model.parameters()).device
@@ -36,12 +45,13 @@ def evaluate_loss(model: nn.Module, tokens: np.ndarray, token_bytes: np.ndarray,
     nats = nats_bpb = 0.0
     n_tokens = n_bytes = 0
     try:
-        for x, y in eval_batches(tokens, batch_size, seq_len, max_batches):
+        for x, y, *rest in batches:
             x, y = x.to(device), y.to(device)
-            losses = token_cross_entropy(logits_fn(model, x), y, reduction="none")  # (B*T,)
-            target_bytes = byte_table[y.flatten()]
+            counted = rest[0].to(device).flatten() if rest else torch.ones(y.numel(), dtype=torch.bool, device=device)
+            losses = token_cross_entropy(logits_fn(model, x), y, reduction="none") * counted  # (B*T,)
+            target_bytes = byte_table[y.flatten()] * counted
             nats += float(losses.sum())
-            n_tokens += y.numel()
+            n_tokens += int(counted.sum())
             nats_bpb += float((losses * (target_bytes > 0)).sum())
             n_bytes += int(target_bytes.sum())
     finally:
