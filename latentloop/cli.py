@@ -155,6 +155,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="cpu", help="cpu, cuda[:N], mps")
     _add_generation_options(g)
 
+    ch = sub.add_parser("chat", help="talk to an SFT run: type a message, the reply streams; /reset starts over, "
+                                     "/quit (or end of input) ends")
+    ch.add_argument("run", help="run folder or checkpoint folder (trained with --stage sft)")
+    ch.add_argument("--system", default=None, help="a system message to start every conversation with")
+    ch.add_argument("--max-new-tokens", type=_positive_int, default=None,
+                    help=f"reply budget (default: {DEFAULT_NEW_TOKENS}, at most half the model's context)")
+    ch.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    ch.add_argument("--top-k", type=_positive_int, default=None, help="sample among the k most likely tokens")
+    ch.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold in (0, 1]")
+    ch.add_argument("--seed", type=int, default=None, help="sampling seed")
+    ch.add_argument("--device", default="cpu", help="cpu, cuda[:N], mps")
+    _add_generation_options(ch)
+
     k = sub.add_parser("tokenizer", help="tokenizer tools")
     ksub = k.add_subparsers(dest="tokenizer_command", required=True, parser_class=_Parser)
     kt = ksub.add_parser("train", help="train a byte-level BPE tokenizer")
@@ -406,6 +419,65 @@ def cmd_generate(args) -> int:
     return 0
 
 
+CHAT_COMMANDS = "/reset starts a new conversation, /quit ends (so does end of input)"
+
+
+def cmd_chat(args) -> int:
+    from .chat import stream_reply
+    from .engine import PromptError, model_options
+    from .runtime import load_run, resolve_device
+
+    device = resolve_device(args.device)
+    model, tokenizer, _, _ = load_run(args.run, device)
+    if getattr(tokenizer, "chat_tokens", None) is None:
+        raise LatentloopError(f"{args.run} has no chat tokens: fine-tune it first (latentloop train --stage sft "
+                              f"--init-from {args.run} --data chat:...)")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise LatentloopError(f"--top-p must be in (0, 1], got {args.top_p}")
+    options = model_options(model, _generation_options(args))
+    budget = args.max_new_tokens or min(DEFAULT_NEW_TOKENS, model.config.sequence_len // 2)
+    start = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(start)
+    print(f"[{CHAT_COMMANDS}]", file=sys.stderr)
+    while True:
+        sys.stdout.write("> ")
+        sys.stdout.flush()
+        line = sys.stdin.readline()
+        if not line:  # end of input
+            sys.stdout.write("\n")
+            return 0
+        text = line.strip()
+        if not text:
+            continue
+        if text == "/quit":
+            return 0
+        if text == "/reset":
+            messages = list(start)
+            print("[new conversation]")
+            continue
+        if text.startswith("/"):
+            print(f"[unknown command {text.split()[0]}: {CHAT_COMMANDS}]", file=sys.stderr)
+            continue
+        messages.append({"role": "user", "content": text})
+        pieces = []
+        try:
+            for piece in stream_reply(model, tokenizer, messages, budget, temperature=args.temperature,
+                                      top_k=args.top_k, top_p=args.top_p, seed=args.seed, **options):
+                pieces.append(piece)
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        except PromptError as exc:  # a message too long for the context: say so and keep the session
+            messages.pop()
+            print(f"[{exc}]", file=sys.stderr)
+            continue
+        sys.stdout.write("\n")
+        reply = "".join(pieces)
+        if reply.strip():
+            messages.append({"role": "assistant", "content": reply})
+        else:  # an empty turn is not a turn of the format: forget the exchange
+            messages.pop()
+
+
 def cmd_tokenizer(args) -> int:
     from .data import BPETokenizer, parse_source
     from .data.tokenizers import TOKENIZER_FILE, write_new_tokenizer
@@ -490,7 +562,8 @@ def cmd_serve(args) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "eval": cmd_eval, "generate": cmd_generate, "tokenizer": cmd_tokenizer,
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "generate": cmd_generate, "chat": cmd_chat,
+            "tokenizer": cmd_tokenizer,
             "demo": cmd_demo, "compare": cmd_compare, "analyze": cmd_analyze, "serve": cmd_serve}
 
 

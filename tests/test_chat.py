@@ -174,3 +174,56 @@ def test_grown_vocabulary_rows_start_at_the_mean_and_old_rows_keep_their_ids():
     grown = weights["wte.weight"]
     assert grown.shape == (263, 8) and torch.equal(grown[:259], old["wte.weight"])
     torch.testing.assert_close(grown[259:], old["wte.weight"].mean(0).expand(4, 8))
+
+
+# -- the chat CLI -----------------------------------------------------------------------------------
+@pytest.fixture
+def chat_run(tmp_path):
+    from latentloop.api import build
+    from latentloop.runtime import save_run
+
+    torch.manual_seed(0)
+    save_run(build("fbt", preset="test", vocab_size=CHAT.vocab_size), CHAT, tmp_path / "chat")
+    return tmp_path / "chat"
+
+
+def test_stream_reply_is_the_engine_continuation_of_the_rendered_prompt(chat_run):
+    from latentloop import generate
+    from latentloop.chat import chat_prompt, stream_reply
+    from latentloop.runtime import load_run
+
+    model, tokenizer, _, _ = load_run(chat_run)
+    messages = [{"role": "user", "content": "2+2="}]
+    pieces = list(stream_reply(model, tokenizer, messages, 10, regime="soft"))
+    ids = generate(model, tokenizer.render_prompt(messages), 10, temperature=0.0, regime="soft",
+                   stop_tokens=[END, tokenizer.eos_id, BOS])
+    assert "".join(pieces) == tokenizer.decode(ids)
+    # a long history keeps its system turn and the newest exchanges
+    history = [{"role": "system", "content": "S"}] + [{"role": r, "content": "x" * 10} for r in
+                                                      ["user", "assistant"] * 5] + [{"role": "user", "content": "q"}]
+    ids = chat_prompt(tokenizer, history, 40)
+    assert len(ids) <= 40 and ids[:3] == [BOS, SYS, ord("S")] and ids[-4:] == [USER, ord("q"), END, ASSISTANT]
+
+
+def test_scripted_chat_session(chat_run, monkeypatch, capsys):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n/reset\n\n/what\nagain\n"))  # EOF ends it
+    assert main(["chat", str(chat_run), "--max-new-tokens", "5", "--regime", "fused", "--passes", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert out.count("> ") == 6 and "[new conversation]" in out
+    assert "unknown command /what" in err
+    monkeypatch.setattr("sys.stdin", io.StringIO("/quit\nnever read\n"))
+    assert main(["chat", str(chat_run)]) == 0
+    assert capsys.readouterr().out == "> "
+
+
+def test_chat_mistakes_are_one_line(chat_run, tmp_path, capsys):
+    from latentloop.api import build
+    from latentloop.runtime import save_run
+
+    save_run(build("gpt", preset="test"), ByteTokenizer(), tmp_path / "base")
+    assert main(["chat", str(tmp_path / "base")]) == 2  # no chat tokens
+    assert main(["chat", str(chat_run), "--steps", "2"]) == 2  # an rgpt option on an fbt run
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "no chat tokens" in err[0]
