@@ -134,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--tasks", default=None, metavar="NAMES|core",
                    help="evaluate tasks instead of the loss: 'core' (the 22 CORE tasks), CORE task names and/or "
                         "generation tasks, comma-separated; results go to RUN/evals/")
+    e.add_argument("--by-position", type=_positive_int, default=None, metavar="BUCKETS",
+                   help="the loss per position: mean loss of the targets in each of BUCKETS equal ranges of the "
+                        "context (does a model extended to a longer context use it?)")
     e.add_argument("--limit", type=_positive_int, default=None, help="with --tasks: at most N examples per task")
     e.add_argument("--eval-dir", default=None, metavar="PATH",
                    help="with --tasks: folder of the task jsonl files (default: $LATENTLOOP_EVAL_DIR, else the "
@@ -341,6 +344,8 @@ def cmd_eval(args) -> int:
     data = eval_data(config, tokenizer, args.data)
     tokens = data.val if args.split == "val" else data.train
     options = _generation_options(args)
+    if args.by_position is not None:
+        return _eval_by_position(args, model, tokens, config, checkpoint, options)
     # no options given: score every way the architecture offers (fbt regimes, lrt prefills, rgpt depths)
     choices = {"given": options} if options else get_arch(config.model.arch).scoring_modes(config.model)
     by_option = {label: evaluate_run(model, tokens, tokenizer, args.batch_size or 16, config.model.sequence_len,
@@ -358,6 +363,24 @@ def cmd_eval(args) -> int:
                 print(f"{key:>12}: {value:.4f}" if isinstance(value, float) else f"{key:>12}: {value}")
         for label, scores in metrics.get("by_option", {}).items():
             print(f"{label:>12}: loss {scores['loss']:.4f}  ppl {scores['ppl']:.3f}  bpb {scores['bpb']:.4f}")
+    return 0
+
+
+def _eval_by_position(args, model, tokens, config, checkpoint, options) -> int:
+    from .engine import model_options
+    from .eval.loss import decoding_logits, loss_by_position, plain_logits
+
+    model_options(model, options)  # a bad option fails before any batch
+    logits_fn = decoding_logits(options) if options else plain_logits
+    buckets = loss_by_position(model, tokens, args.batch_size or 16, config.model.sequence_len, args.by_position,
+                               args.batches or None, logits_fn)
+    if args.json:
+        print(json.dumps({"run": str(args.run), "checkpoint": str(checkpoint), "split": args.split,
+                          "sequence_len": config.model.sequence_len, "by_position": buckets}, indent=2))
+        return 0
+    print(f"loss by position ({args.split}, context {config.model.sequence_len}):")
+    for bucket in buckets:
+        print(f"  {bucket['start']:>6}-{bucket['end'] - 1:<6} {bucket['loss']:.4f}")
     return 0
 
 

@@ -157,3 +157,43 @@ def test_stage_mistakes_are_one_line(tmp_path, capsys):
     assert main(["train", "--data", "chat:task:addition", "--out", str(tmp_path / "c"), "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 3 and all(line.startswith("latentloop: error:") for line in err)
+
+
+def test_loss_by_position_averages_each_bucket_of_the_context():
+    from latentloop.eval.loss import loss_by_position
+
+    model = _model("gpt")
+    tokens = torch.randint(0, 256, (2 * 64 * 3 + 1,)).numpy()
+    buckets = loss_by_position(model, tokens, batch_size=4, seq_len=64, buckets=4)
+    assert [(b["start"], b["end"]) for b in buckets] == [(0, 16), (16, 32), (32, 48), (48, 64)]
+    x = torch.as_tensor(tokens[:6 * 64 + 1].astype("int64"))
+    windows = torch.stack([x[i * 64:i * 64 + 65] for i in range(6)])
+    with torch.no_grad():
+        losses = F.cross_entropy(model(windows[:, :-1]).logits.transpose(1, 2), windows[:, 1:], reduction="none")
+    assert buckets[2]["loss"] == pytest.approx(float(losses[:, 32:48].mean()), abs=1e-5)
+    assert buckets[0]["tokens"] == 6 * 16
+
+
+def test_chat_tasks_report_accuracy_and_reasoning_tokens(tmp_path):
+    from latentloop.eval.generation import (
+        Generation,
+        run_generation_tasks,
+        task_answer_start,
+        tokens_before,
+        word_problem_answer_start,
+    )
+
+    text = "3+4+0=7,1+2+0=3;37"
+    generation = Generation(text, len(text), tuple(text.encode()))
+    assert tokens_before(CHAT, generation, task_answer_start(text)) == text.index(";")
+    assert word_problem_answer_start("5*2=10 so 10+1=11 #### 11") == 18
+    model = _model("rgpt")
+    (tmp_path / "gsm8k.jsonl").write_text(json.dumps({"context": "1+1?", "chain_of_thought": "", "answer": "2"}) + "\n")
+    results = run_generation_tasks(model, CHAT, "chat:addition_steps:digits=1,test=2,chat:gsm8k", tmp_path,
+                                   {"steps": 2}, limit=3, progress=False)
+    assert set(results) == {"chat:addition_steps:digits=1,test=2", "chat:gsm8k"}
+    for result in results.values():
+        assert result["n"] in (1, 3) and 0 <= result["mean_reasoning_tokens"] <= result["mean_trace_tokens"]
+    with pytest.raises(Exception, match="no chat tokens"):
+        run_generation_tasks(build("gpt", preset="test"), ByteTokenizer(), "chat:addition", None, limit=1,
+                             progress=False)

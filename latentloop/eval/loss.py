@@ -63,6 +63,32 @@ def evaluate_batches(model: nn.Module, batches: Iterable[tuple], token_bytes: np
             "tokens": n_tokens}
 
 
+@torch.no_grad()
+def loss_by_position(model: nn.Module, tokens: np.ndarray, batch_size: int, seq_len: int, buckets: int = 8,
+                     max_batches: int | None = None, logits_fn: LogitsFn = plain_logits) -> list[dict]:
+    """Mean loss of the targets at each position bucket of the context: `buckets` equal ranges of
+    [0, seq_len). Whether a model uses a long context shows as loss that keeps falling with the
+    position (more context, better predictions) instead of flattening or rising past the length
+    it was trained at. Returns [{"start", "end", "loss", "tokens"}] per bucket."""
+    buckets = max(1, min(buckets, seq_len))
+    edges = [round(i * seq_len / buckets) for i in range(buckets + 1)]
+    sums = torch.zeros(seq_len, dtype=torch.float64)
+    count = 0
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    try:
+        for x, y in eval_batches(tokens, batch_size, seq_len, max_batches):
+            x, y = x.to(device), y.to(device)
+            losses = token_cross_entropy(logits_fn(model, x), y, reduction="none").view(y.shape)  # (B, T)
+            sums += losses.double().sum(dim=0).cpu()
+            count += y.shape[0]
+    finally:
+        model.train(was_training)
+    return [{"start": a, "end": b, "loss": float(sums[a:b].sum() / max(count * (b - a), 1)), "tokens": count * (b - a)}
+            for a, b in zip(edges[:-1], edges[1:])]
+
+
 def decoding_logits(options: dict | None = None) -> LogitsFn:
     """Logits as the architecture decodes under `options` (regime, passes, prefill, steps, ...):
     the engine's teacher-forced scoring path, checked once here."""
