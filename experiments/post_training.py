@@ -2,7 +2,8 @@
 built-in *_steps task in the chat format (and gpt on GSM8K train), then measure accuracy and trace
 length (tokens before the final answer) per regime / depth, before and after SFT.
 
-    python experiments/post_training.py --out runs/post --pretrain-steps 150 --sft-steps 150
+    PYTHONPATH=. python experiments/post_training.py --out runs/post --gsm8k ../shared/data \
+        --pretrain-steps 120 --sft-steps 120 --limit 50
 
 One seed by default (the budget is ~20 CPU minutes on a shared 2-core machine). Evaluation uses the
 task's *training* difficulty (`test=` = the train range) because the harder test split is out of
