@@ -141,6 +141,11 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
     torch.manual_seed(config.train.seed)
     if sft:
         data = prepare_chat(config.data.source, tokenizer, config.model.sequence_len, config.data.val_fraction)
+        counts = data.meta["train"]
+        if counts["dropped"] or counts["cut"]:  # a context too short for the data should not pass unnoticed
+            _warn(f"{counts['dropped']} training conversations longer than a row of {config.model.sequence_len + 1} "
+                  f"tokens were dropped (no assistant token fits) and {counts['cut']} cut; "
+                  f"{counts['conversations']} are trained on")
         loader = ChatLoader(data.train, config.train.batch_size, seed=config.train.seed)
     else:
         data = prepare_data(config, tokenizer, progress)
