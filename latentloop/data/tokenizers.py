@@ -99,6 +99,8 @@ class ByteTokenizer(_ChatInterface):
     bos_id = 256
     eos_id = 257
     pad_id = 258
+    vocab_size = 259  # the class's own (no chat tokens); an instance with chat=True has 263
+    chat_tokens: ChatTokens | None = None
 
     def __init__(self, chat: bool = False):
         self.chat = chat
