@@ -405,10 +405,35 @@ def load_weights(model: torch.nn.Module, checkpoint: Path) -> None:
         raise CheckpointError(f"weights {file} do not fit the model: {str(exc).splitlines()[-1].strip()}") from None
 
 
-def load_matching_weights(model: torch.nn.Module, checkpoint: Path) -> list[str]:
+# The tensors with one row per token id: an SFT run that adds the chat tokens grows these.
+VOCAB_TENSORS = ("wte.weight", "lm_head.weight")
+
+
+def grow_vocab_rows(weights: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> list[str]:
+    """Pad the vocabulary tensors of `weights` in place to the rows of `own`: the old rows keep their
+    ids, each new row is the mean of the old rows (a new token starts as the average token: its
+    embedding has the typical direction and norm, and as a head row it gets an average logit
+    instead of a random one). Returns the names grown."""
+    grown = []
+    for name in VOCAB_TENSORS:
+        old, new = weights.get(name), own.get(name)
+        if old is None or new is None or old.ndim != 2 or old.shape[1] != new.shape[1] or old.shape[0] >= new.shape[0]:
+            continue
+        rows = old.mean(dim=0, keepdim=True).expand(new.shape[0] - old.shape[0], -1)
+        weights[name] = torch.cat([old, rows.to(old.dtype)], dim=0)
+        grown.append(name)
+    return grown
+
+
+def load_matching_weights(model: torch.nn.Module, checkpoint: Path, grow_vocab: bool = False) -> list[str]:
     """Start from another run's weights (e.g. an `fbt` from a tied `gpt`): every tensor of the
-    checkpoint must fit; parameters the checkpoint lacks keep their fresh init. Returns their names."""
-    return load_fitting_tensors(model, read_weights(checkpoint), f"--init-from {checkpoint}")
+    checkpoint must fit; parameters the checkpoint lacks keep their fresh init. Returns their names.
+    `grow_vocab`: a model with more token ids than the checkpoint (SFT's chat tokens) gets its
+    vocabulary tensors grown by `grow_vocab_rows`."""
+    weights = read_weights(checkpoint)
+    if grow_vocab:
+        grow_vocab_rows(weights, model.state_dict())
+    return load_fitting_tensors(model, weights, f"--init-from {checkpoint}")
 
 
 def load_fitting_tensors(model: torch.nn.Module, weights: dict[str, torch.Tensor], source: str) -> list[str]:

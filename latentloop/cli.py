@@ -109,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--init-from", metavar="RUN",
                    help="start from another run's weights; from a gpt run (e.g. imported with import-hf) "
                         "--arch fbt / lrt / rgpt upcycles it; the model shape and the tokenizer come from RUN")
+    t.add_argument("--stage", choices=["pretrain", "sft", "extend"], default=None,
+                   help="sft: fine-tune --init-from RUN on conversations (--data chat:FILE[:field=role,...] or "
+                        "chat:task:NAME), loss on the assistant's tokens only; extend: continue --init-from RUN at a "
+                        "longer context (--set sequence_len=N; rope_theta scaled). Both start from the base run's "
+                        "config and tokenizer")
     t.add_argument("--iso", choices=["flops", "params"], default=None,
                    help="rgpt: shape the recurrent model from the preset's dense depth at equal FLOPs (same "
                         "effective depth) or equal parameters (same distinct blocks); prints both models' sizes")
@@ -132,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--tasks", default=None, metavar="NAMES|core",
                    help="evaluate tasks instead of the loss: 'core' (the 22 CORE tasks), CORE task names and/or "
                         "generation tasks, comma-separated; results go to RUN/evals/")
+    e.add_argument("--by-position", type=_positive_int, default=None, metavar="BUCKETS",
+                   help="the loss per position: mean loss of the targets in each of BUCKETS equal ranges of the "
+                        "context (does a model extended to a longer context use it?)")
     e.add_argument("--limit", type=_positive_int, default=None, help="with --tasks: at most N examples per task")
     e.add_argument("--eval-dir", default=None, metavar="PATH",
                    help="with --tasks: folder of the task jsonl files (default: $LATENTLOOP_EVAL_DIR, else the "
@@ -152,6 +160,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print prompt, completion and token ids as JSON")
     g.add_argument("--device", default="cpu", help="cpu, cuda[:N], mps")
     _add_generation_options(g)
+
+    ch = sub.add_parser("chat", help="talk to an SFT run: type a message, the reply streams; /reset starts over, "
+                                     "/quit (or end of input) ends")
+    ch.add_argument("run", help="run folder or checkpoint folder (trained with --stage sft)")
+    ch.add_argument("--system", default=None, help="a system message to start every conversation with")
+    ch.add_argument("--max-new-tokens", type=_positive_int, default=None,
+                    help=f"reply budget (default: {DEFAULT_NEW_TOKENS}, at most half the model's context)")
+    ch.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    ch.add_argument("--top-k", type=_positive_int, default=None, help="sample among the k most likely tokens")
+    ch.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold in (0, 1]")
+    ch.add_argument("--seed", type=int, default=None, help="sampling seed")
+    ch.add_argument("--device", default="cpu", help="cpu, cuda[:N], mps")
+    _add_generation_options(ch)
 
     k = sub.add_parser("tokenizer", help="tokenizer tools")
     ksub = k.add_subparsers(dest="tokenizer_command", required=True, parser_class=_Parser)
@@ -228,6 +249,17 @@ def _run_config_from_args(args):
     from .config import RunConfig, apply_overrides, load_yaml
 
     saved = Path(args.out) / "config.json"
+    if args.stage in ("sft", "extend") and not args.config and not args.resume:
+        from .train import stage_config
+
+        if not args.init_from:
+            raise LatentloopError(f"--stage {args.stage} continues a trained run: give --init-from RUN")
+        if args.arch or args.preset or args.tokenizer:
+            raise LatentloopError(f"--stage {args.stage} keeps the base run's arch, shape and tokenizer: drop "
+                                  f"--arch/--preset/--tokenizer")
+        flags = {"train.steps": args.steps, "train.batch_size": args.batch_size, "train.lr": args.lr,
+                 "train.seed": args.seed, "train.device": args.device}
+        return stage_config(args.stage, args.init_from, args.overrides, data=args.data, flags=flags)
     if args.config:
         raw = load_yaml(args.config)
     elif args.resume and saved.is_file():
@@ -243,7 +275,7 @@ def _run_config_from_args(args):
         k: v for k, v in raw.items() if k not in ("model", "train", "data")}
     flags = {"model.arch": args.arch, "model.preset": args.preset, "data.source": args.data,
              "data.tokenizer": args.tokenizer, "train.steps": args.steps, "train.batch_size": args.batch_size,
-             "train.lr": args.lr, "train.seed": args.seed, "train.device": args.device}
+             "train.lr": args.lr, "train.seed": args.seed, "train.device": args.device, "train.stage": args.stage}
     for key, value in flags.items():
         if value is not None:
             section, name = key.split(".")
@@ -355,6 +387,8 @@ def cmd_eval(args) -> int:
     data = eval_data(config, tokenizer, args.data)
     tokens = data.val if args.split == "val" else data.train
     options = _generation_options(args)
+    if args.by_position is not None:
+        return _eval_by_position(args, model, tokens, config, checkpoint, options)
     # no options given: score every way the architecture offers (fbt regimes, lrt prefills, rgpt depths)
     choices = {"given": options} if options else get_arch(config.model.arch).scoring_modes(config.model)
     by_option = {label: evaluate_run(model, tokens, tokenizer, args.batch_size or 16, config.model.sequence_len,
@@ -372,6 +406,24 @@ def cmd_eval(args) -> int:
                 print(f"{key:>12}: {value:.4f}" if isinstance(value, float) else f"{key:>12}: {value}")
         for label, scores in metrics.get("by_option", {}).items():
             print(f"{label:>12}: loss {scores['loss']:.4f}  ppl {scores['ppl']:.3f}  bpb {scores['bpb']:.4f}")
+    return 0
+
+
+def _eval_by_position(args, model, tokens, config, checkpoint, options) -> int:
+    from .engine import model_options
+    from .eval.loss import decoding_logits, loss_by_position, plain_logits
+
+    model_options(model, options)  # a bad option fails before any batch
+    logits_fn = decoding_logits(options) if options else plain_logits
+    buckets = loss_by_position(model, tokens, args.batch_size or 16, config.model.sequence_len, args.by_position,
+                               args.batches or None, logits_fn)
+    if args.json:
+        print(json.dumps({"run": str(args.run), "checkpoint": str(checkpoint), "split": args.split,
+                          "sequence_len": config.model.sequence_len, "by_position": buckets}, indent=2))
+        return 0
+    print(f"loss by position ({args.split}, context {config.model.sequence_len}):")
+    for bucket in buckets:
+        print(f"  {bucket['start']:>6}-{bucket['end'] - 1:<6} {bucket['loss']:.4f}")
     return 0
 
 
@@ -431,6 +483,65 @@ def cmd_generate(args) -> int:
         if "prefill_passes" in info:
             print(f"[prefill passes used: {info['prefill_passes']}]", file=sys.stderr)
     return 0
+
+
+CHAT_COMMANDS = "/reset starts a new conversation, /quit ends (so does end of input)"
+
+
+def cmd_chat(args) -> int:
+    from .chat import stream_reply
+    from .engine import PromptError, model_options
+    from .runtime import load_run, resolve_device
+
+    device = resolve_device(args.device)
+    model, tokenizer, _, _ = load_run(args.run, device)
+    if getattr(tokenizer, "chat_tokens", None) is None:
+        raise LatentloopError(f"{args.run} has no chat tokens: fine-tune it first (latentloop train --stage sft "
+                              f"--init-from {args.run} --data chat:...)")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise LatentloopError(f"--top-p must be in (0, 1], got {args.top_p}")
+    options = model_options(model, _generation_options(args))
+    budget = args.max_new_tokens or min(DEFAULT_NEW_TOKENS, model.config.sequence_len // 2)
+    start = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(start)
+    print(f"[{CHAT_COMMANDS}]", file=sys.stderr)
+    while True:
+        sys.stdout.write("> ")
+        sys.stdout.flush()
+        line = sys.stdin.readline()
+        if not line:  # end of input
+            sys.stdout.write("\n")
+            return 0
+        text = line.strip()
+        if not text:
+            continue
+        if text == "/quit":
+            return 0
+        if text == "/reset":
+            messages = list(start)
+            print("[new conversation]")
+            continue
+        if text.startswith("/"):
+            print(f"[unknown command {text.split()[0]}: {CHAT_COMMANDS}]", file=sys.stderr)
+            continue
+        messages.append({"role": "user", "content": text})
+        pieces = []
+        try:
+            for piece in stream_reply(model, tokenizer, messages, budget, temperature=args.temperature,
+                                      top_k=args.top_k, top_p=args.top_p, seed=args.seed, **options):
+                pieces.append(piece)
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        except PromptError as exc:  # a message too long for the context: say so and keep the session
+            messages.pop()
+            print(f"[{exc}]", file=sys.stderr)
+            continue
+        sys.stdout.write("\n")
+        reply = "".join(pieces)
+        if reply.strip():
+            messages.append({"role": "assistant", "content": reply})
+        else:  # an empty turn is not a turn of the format: forget the exchange
+            messages.pop()
 
 
 def cmd_tokenizer(args) -> int:
@@ -545,7 +656,7 @@ def cmd_export(args) -> int:
 
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "generate": cmd_generate, "tokenizer": cmd_tokenizer,
-            "demo": cmd_demo, "compare": cmd_compare, "analyze": cmd_analyze, "serve": cmd_serve,
+            "chat": cmd_chat, "demo": cmd_demo, "compare": cmd_compare, "analyze": cmd_analyze, "serve": cmd_serve,
             "import-hf": cmd_import_hf, "export": cmd_export}
 
 

@@ -310,6 +310,25 @@ def model_config(arch: str = "gpt", preset: str | None = None, **overrides: Any)
 # --------------------------------------------------------------------------------------------
 
 
+# Training stages: pretraining from scratch, supervised fine-tuning on conversations, and
+# long-context extension; sft and extend start from another run (`setup(init_from=...)`).
+STAGES = ("pretrain", "sft", "extend")
+
+
+def extended_rope_theta(theta: float, head_dim: int, old_len: int, new_len: int) -> float:
+    """RoPE base for a context stretched from `old_len` to `new_len` ("NTK-aware" base scaling):
+    theta * s^(d / (d - 2)) with s = new_len / old_len, d = head_dim. The slowest rotary pair then
+    turns at the new length by exactly the angle it reached at the old one (it is interpolated, so
+    no position looks farther away than training ever showed), while the fastest pair keeps its
+    frequency (local word order stays as sharp as before). Positions stay integers, so the cached
+    and uncached paths stay the same code and stay exact."""
+    scale = new_len / old_len
+    if scale <= 1:
+        return theta
+    exponent = head_dim / (head_dim - 2) if head_dim > 2 else 1.0  # one rotary pair: plain base scaling
+    return theta * scale ** exponent
+
+
 # Seeds feed torch.manual_seed, which takes a signed 64-bit integer (larger ones overflow inside torch).
 SEED_LIMIT = 2**63
 
@@ -338,8 +357,10 @@ class TrainConfig:
     compile: bool = False
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", "mps"
     dtype: str = "auto"  # autocast dtype: "auto" (bf16 on cuda, fp32 on cpu), "float32", "bfloat16"
+    stage: str = "pretrain"  # see STAGES: sft trains on chat data with the assistant-only loss
 
     def __post_init__(self) -> None:
+        _require(self.stage in STAGES, f"stage must be one of {', '.join(STAGES)}, got {self.stage!r}")
         self.betas = tuple(float(b) for b in self.betas)
         _require_finite(self)
         _require(isinstance(self.seed, int) and 0 <= self.seed < SEED_LIMIT,

@@ -4,6 +4,12 @@
     summary = fit(state)                             # progress bar, JSONL metrics, checkpoints
     metrics = validate(state)                        # val loss / ppl / bpb
 
+Stages (`train.stage`): `pretrain`; `sft` (from `init_from`, on `chat:` data: the tokenizer gains
+the chat tokens, the embedding and head grow by `checkpoint.grow_vocab_rows`, batches carry a loss
+mask of the assistant's tokens that every objective honours, validation is the masked loss on
+held-out conversations); `extend` (from `init_from`, at a longer `sequence_len` with the RoPE base
+scaled by `config.extended_rope_theta`; `stage_config` builds both from the base run's config).
+
 The trainer knows models only through `forward` and objectives only through the `Objective`
 interface, so each architecture brings its own training procedure.
 """
@@ -41,10 +47,12 @@ from .checkpoint import (
     save_checkpoint,
     set_aside_broken,
 )
-from .config import RunConfig
+from .config import RunConfig, apply_overrides, extended_rope_theta
 from .data import TokenData, TokenLoader, load_tokenizer
-from .errors import CheckpointError, DataError, NonFiniteError, OutputError
+from .data.chat import ChatData, ChatLoader, is_chat_source, masked_batches, prepare_chat
+from .errors import CheckpointError, ConfigError, DataError, NonFiniteError, OutputError
 from .eval import evaluate_loss
+from .eval.loss import evaluate_batches
 from .interop.upcycle import initialise_from
 from .objectives import Objective
 from .optim import build_optimizers, lr_multiplier, set_lr
@@ -60,8 +68,8 @@ class TrainState:
     run_dir: Path
     model: nn.Module
     tokenizer: Any
-    data: TokenData
-    loader: TokenLoader
+    data: TokenData | ChatData
+    loader: TokenLoader  # a ChatLoader (batches with a loss mask) for sft
     objective: Objective
     optimizers: list[torch.optim.Optimizer]
     device: torch.device
@@ -124,18 +132,31 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
     """Build tokenizer, data, model, objective and optimizers; nothing is written until all succeed."""
     run_dir = Path(run_dir)
     _check_output_path(run_dir)
+    _check_stage(config, resume, init_from)
     _check_run_folder(run_dir, config, resume)
     if resume and list_checkpoints(run_dir):
         check_resumable(resolve_checkpoint(run_dir))  # before any data is prepared
     tokenizer = load_tokenizer(str(run_dir / "tokenizer.json") if resume else config.data.tokenizer)
+    sft = config.train.stage == "sft"
+    if sft:
+        tokenizer = tokenizer.with_chat_tokens()  # already there on resume: the same tokenizer back
     config.model.vocab_size, config.model.bos_id = tokenizer.vocab_size, tokenizer.bos_id
     config.model.__post_init__()
     device = resolve_device(config.train.device)
     torch.manual_seed(config.train.seed)
-    data = prepare_data(config, tokenizer, progress)
-    loader = TokenLoader(data.train, config.train.batch_size, config.model.sequence_len, seed=config.train.seed)
+    if sft:
+        data = prepare_chat(config.data.source, tokenizer, config.model.sequence_len, config.data.val_fraction)
+        counts = data.meta["train"]
+        if counts["dropped"] or counts["cut"]:  # a context too short for the data should not pass unnoticed
+            _warn(f"{counts['dropped']} training conversations longer than a row of {config.model.sequence_len + 1} "
+                  f"tokens were dropped (no assistant token fits) and {counts['cut']} cut; "
+                  f"{counts['conversations']} are trained on")
+        loader = ChatLoader(data.train, config.train.batch_size, seed=config.train.seed)
+    else:
+        data = prepare_data(config, tokenizer, progress)
+        loader = TokenLoader(data.train, config.train.batch_size, config.model.sequence_len, seed=config.train.seed)
     model = build_model(config.model)
-    init_report = initialise_from(model, init_from) if init_from is not None else None
+    init_report = initialise_from(model, init_from, grow_vocab=sft) if init_from is not None else None
     model = model.to(device)
     objective = build_objective(config.model, config.train)
     optimizers = build_optimizers(model, config.train)
@@ -166,6 +187,71 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
         state.lock.release()
         raise
     return state
+
+
+def _check_stage(config: RunConfig, resume: bool, init_from: str | Path | None) -> None:
+    stage, chat = config.train.stage, is_chat_source(config.data.source)
+    if chat and stage != "sft":
+        raise ConfigError(f"chat data ({config.data.source}) trains with stage sft (--stage sft --init-from RUN)")
+    if stage == "sft" and not chat:
+        raise ConfigError(f"stage sft trains on conversations: use --data chat:FILE or chat:task:NAME, got "
+                          f"{config.data.source!r}")
+    if stage in ("sft", "extend") and init_from is None and not resume:
+        raise ConfigError(f"stage {stage} continues a trained run: give --init-from RUN")
+
+
+# What each stage changes in the base run's config unless the user says otherwise (why, each):
+STAGE_DEFAULTS: dict[str, dict[str, Any]] = {
+    # A short run on few tokens: a fifth of pretraining's peak lr (nanochat's SFT uses a small lr too)
+    # decaying to zero, no warm start from a stable phase.
+    "sft": {"train.lr": 6e-4, "train.warmup_steps": 10, "train.min_lr_ratio": 0.0, "train.schedule": "cosine",
+            "train.eval_every": 50},
+    # Continued pretraining at the new length: a third of the peak lr with a short re-warmup (the
+    # optimizer state starts afresh), cosine to 10%.
+    "extend": {"train.lr": 1e-3, "train.warmup_steps": 20, "train.min_lr_ratio": 0.1, "train.schedule": "cosine"},
+}
+# fbt's base run already went through its plain single-pass phase: later stages mix passes from step 0.
+STAGE_MODEL_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
+    "fbt": {"sft": {"plain_fraction": 0.0}, "extend": {"plain_fraction": 0.0}},
+}
+
+
+def stage_config(stage: str, init_from: str | Path, overrides: list[str] = (), data: str | None = None,
+                 flags: dict[str, Any] | None = None) -> RunConfig:
+    """The config of an sft / extend run from its base run: the base's model (shape, arch, its
+    tokenizer), the stage's defaults (`STAGE_DEFAULTS`), then `flags` ({"section.key": value}) and
+    `overrides` ("key=value"). For extend, a `sequence_len` above the base's scales `rope_theta` by
+    `extended_rope_theta` unless the overrides set rope_theta themselves."""
+    from .checkpoint import read_run_config
+
+    checkpoint = resolve_checkpoint(init_from)
+    base = read_run_config(checkpoint)
+    tokenizer_file = next((p for p in (checkpoint / "tokenizer.json", checkpoint.parent.parent / "tokenizer.json")
+                           if p.is_file()), None)
+    if tokenizer_file is None:
+        raise CheckpointError(f"no tokenizer.json found for --init-from {init_from}")
+    raw = base.to_dict()
+    raw["train"] = {"stage": stage, "seed": base.train.seed, "batch_size": base.train.batch_size,
+                    "device": base.train.device, "dtype": base.train.dtype}
+    raw["data"] = {"source": base.data.source, "tokenizer": str(tokenizer_file), "val_fraction": base.data.val_fraction,
+                   "max_bytes": base.data.max_bytes}
+    for key, value in {**STAGE_DEFAULTS[stage], **{f"model.{k}": v for k, v in
+                                                  STAGE_MODEL_DEFAULTS.get(base.model.arch, {}).get(stage, {}).items()},
+                       **{k: v for k, v in (flags or {}).items() if v is not None}}.items():
+        section, name = key.split(".")
+        raw[section][name] = value
+    if data is not None:
+        raw["data"]["source"] = data
+    raw = apply_overrides(raw, list(overrides))
+    config = RunConfig.from_dict(raw)
+    if stage == "extend":
+        if config.model.sequence_len <= base.model.sequence_len:
+            raise ConfigError(f"stage extend needs a sequence_len above the base run's {base.model.sequence_len} "
+                              f"(--set sequence_len=N), got {config.model.sequence_len}")
+        if not any(item.split("=", 1)[0].strip().endswith("rope_theta") for item in overrides):
+            config.model.rope_theta = extended_rope_theta(base.model.rope_theta, base.model.head_dim,
+                                                          base.model.sequence_len, config.model.sequence_len)
+    return config
 
 
 def _resume(state: TrainState) -> None:
@@ -274,6 +360,10 @@ def save(state: TrainState) -> Path:
 def validate(state: TrainState, max_batches: int | None = None) -> dict[str, float]:
     cfg = state.config
     batches = cfg.train.eval_batches if max_batches is None else max_batches
+    if isinstance(state.data, ChatData):  # the loss on the assistant's tokens of held-out conversations
+        with autocast_for(state.device, cfg.train.dtype):
+            return evaluate_batches(state.model, masked_batches(state.data.val, cfg.train.batch_size, batches or None),
+                                    state.tokenizer.token_byte_lengths())
     with autocast_for(state.device, cfg.train.dtype):
         return evaluate_loss(state.model, state.data.val, state.tokenizer.token_byte_lengths(),
                              cfg.train.batch_size, cfg.model.sequence_len, max_batches=batches or None)
@@ -367,10 +457,11 @@ def _fit(state: TrainState, progress: bool, max_seconds: float | None) -> dict[s
             set_lr(state.optimizers, multiplier)
             loss_sum, extra = 0.0, {}
             for _ in range(cfg.grad_accum):
-                x, y = state.loader.next_batch()
+                x, y, *rest = state.loader.next_batch()  # sft batches also carry the loss mask
                 x, y = x.to(state.device, non_blocking=True), y.to(state.device, non_blocking=True)
+                masked = {"loss_mask": rest[0].to(state.device, non_blocking=True)} if rest else {}
                 with autocast_for(state.device, cfg.dtype):
-                    result = state.objective(forward_model, x, y, state.step)
+                    result = state.objective(forward_model, x, y, state.step, **masked)
                 (result.loss / cfg.grad_accum).backward()
                 loss_sum += result.reported_loss / cfg.grad_accum
                 extra = result.metrics

@@ -12,7 +12,13 @@ All share one small interface, which is all the rest of latentloop relies on:
 - `save(directory)` writes `tokenizer.json`; `load_tokenizer(spec)` reads it back;
   `write_new_tokenizer(tokenizer, path)` writes a file that must not exist yet;
 - `fingerprint()`: a short stable string that changes whenever the id mapping changes, used in
-  cache keys of tokenized data.
+  cache keys of tokenized data;
+- the chat interface (`latentloop.data.chat`): `chat_tokens` (a `ChatTokens` of the role and
+  end-of-turn ids, or None when the tokenizer has none), `with_chat_tokens()` (the same tokenizer
+  with them added: the ids of existing tokens never move, the new ones come after them), and
+  `render(messages) -> (ids, mask)` / `render_prompt(messages) -> ids` (the conversation format).
+  A tokenizer imported from Hugging Face implements `render` with its own chat template when it
+  has one; byte and BPE use `latentloop.data.chat.render_conversation`.
 
 `write_hf_tokenizer(tokenizer, directory)` writes any of them as Hugging Face files
 (`tokenizer.json` + `tokenizer_config.json`) that `transformers.AutoTokenizer` loads (the byte
@@ -27,6 +33,7 @@ import json
 import os
 import tempfile
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -40,19 +47,75 @@ EOS_TOKEN = "<|eos|>"
 PAD_TOKEN = "<|pad|>"
 SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)
 
+# The conversation format's special tokens, in the order their ids are appended to a vocabulary:
+# one per role that opens a turn, and one that ends any turn.
+SYSTEM_TOKEN = "<|system|>"
+USER_TOKEN = "<|user|>"
+ASSISTANT_TOKEN = "<|assistant|>"
+END_OF_TURN_TOKEN = "<|end|>"
+CHAT_TOKENS = (SYSTEM_TOKEN, USER_TOKEN, ASSISTANT_TOKEN, END_OF_TURN_TOKEN)
+
+
+@dataclass(frozen=True)
+class ChatTokens:
+    """Ids of the conversation format's special tokens."""
+
+    system: int
+    user: int
+    assistant: int
+    end: int
+
+    def role(self, name: str) -> int:
+        return {"system": self.system, "user": self.user, "assistant": self.assistant}[name]
+
+    @property
+    def ids(self) -> tuple[int, int, int, int]:
+        return (self.system, self.user, self.assistant, self.end)
+
+
+class _ChatInterface:
+    """The conversation methods byte and BPE share (see `latentloop.data.chat`)."""
+
+    chat_tokens: ChatTokens | None
+
+    def render(self, messages) -> tuple[list[int], list[bool]]:
+        """[BOS] + every turn as ids, and a mask True on the tokens a model is trained to write
+        (the assistant's content and its end-of-turn token)."""
+        from latentloop.data.chat import render_conversation
+
+        return render_conversation(self, messages)
+
+    def render_prompt(self, messages) -> list[int]:
+        """The ids a model continues to answer `messages` (which end with a user turn)."""
+        from latentloop.data.chat import render_prompt
+
+        return render_prompt(self, messages)
+
 # Byte-level BPE needs all 256 byte symbols in its alphabet plus our special tokens.
 MIN_BPE_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
 SENTENCEPIECE_SPACE = "\u2581"  # "▁": how SentencePiece-style tokenizers spell a space inside a token
 
 
-class ByteTokenizer:
-    """Token ids 0..255 are raw UTF-8 bytes; 256, 257, 258 are BOS, EOS and PAD."""
+class ByteTokenizer(_ChatInterface):
+    """Token ids 0..255 are raw UTF-8 bytes; 256, 257, 258 are BOS, EOS and PAD; with `chat=True`,
+    259..262 are the chat tokens (system, user, assistant, end of turn). Without them the vocabulary
+    is the 259 ids every earlier run was trained with, so those runs keep loading unchanged."""
 
     name = "byte"
     bos_id = 256
     eos_id = 257
     pad_id = 258
-    vocab_size = 259
+    vocab_size = 259  # the class's own (no chat tokens); an instance with chat=True has 263
+    chat_tokens: ChatTokens | None = None
+
+    def __init__(self, chat: bool = False):
+        self.chat = chat
+        base = 256 + len(SPECIAL_TOKENS)
+        self.chat_tokens = ChatTokens(*range(base, base + len(CHAT_TOKENS))) if chat else None
+        self.vocab_size = base + (len(CHAT_TOKENS) if chat else 0)
+
+    def with_chat_tokens(self) -> ByteTokenizer:
+        return ByteTokenizer(chat=True)
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -81,7 +144,7 @@ class ByteTokenizer:
         return bytes([token_id]) if 0 <= token_id < 256 else b""
 
     def to_json(self) -> str:
-        return json.dumps({"type": "byte"}) + "\n"
+        return json.dumps({"type": "byte", "chat": True} if self.chat else {"type": "byte"}) + "\n"
 
     def save(self, directory: str | Path) -> Path:
         directory = Path(directory)
@@ -91,13 +154,13 @@ class ByteTokenizer:
         return path
 
     def fingerprint(self) -> str:
-        return "byte-v1"
+        return "byte-chat-v1" if self.chat else "byte-v1"
 
     def __repr__(self) -> str:
-        return "ByteTokenizer()"
+        return "ByteTokenizer(chat=True)" if self.chat else "ByteTokenizer()"
 
 
-class BPETokenizer:
+class BPETokenizer(_ChatInterface):
     """A Hugging Face byte-level BPE tokenizer with latentloop's three special tokens.
 
     Build one with `BPETokenizer.train(texts, vocab_size)` or `BPETokenizer.load(path)`.
@@ -115,8 +178,21 @@ class BPETokenizer:
         if missing:
             raise DataError(f"tokenizer {source} lacks the special tokens {', '.join(missing)}")
         self.bos_id, self.eos_id, self.pad_id = ids
+        chat_ids = [hf_tokenizer.token_to_id(token) for token in CHAT_TOKENS]
+        self.chat_tokens = ChatTokens(*chat_ids) if all(i is not None for i in chat_ids) else None
+        self._special_ids = frozenset(ids) | frozenset(i for i in chat_ids if i is not None)
         self.vocab_size = hf_tokenizer.get_vocab_size(with_added_tokens=True)
         self._byte_lengths: np.ndarray | None = None
+
+    def with_chat_tokens(self) -> BPETokenizer:
+        """A copy with the chat tokens appended as special tokens (ids vocab_size, +1, ...)."""
+        if self.chat_tokens is not None:
+            return self
+        from tokenizers import AddedToken, Tokenizer
+
+        copy = Tokenizer.from_str(self.to_json())
+        copy.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in CHAT_TOKENS])
+        return BPETokenizer(copy)
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int) -> BPETokenizer:
@@ -176,7 +252,7 @@ class BPETokenizer:
         # In the ByteLevel alphabet every character of a token string stands for exactly one
         # byte, so a token's byte count is simply the length of its string.
         if self._byte_lengths is None:
-            special_ids = {self.bos_id, self.eos_id, self.pad_id}
+            special_ids = self._special_ids
             lengths = np.zeros(self.vocab_size, dtype=np.int64)
             for token_id in range(self.vocab_size):
                 token = self._tokenizer.id_to_token(token_id)
@@ -188,7 +264,7 @@ class BPETokenizer:
     def token_to_bytes(self, token_id: int) -> bytes:
         """The raw bytes of one token (b"" for specials), through the ByteLevel alphabet."""
         token = self._tokenizer.id_to_token(int(token_id))
-        if token is None or token_id in (self.bos_id, self.eos_id, self.pad_id):
+        if token is None or token_id in self._special_ids:
             return b""
         table = _byte_level_decoding()
         return bytes(table[ch] for ch in token)
@@ -284,6 +360,11 @@ class HFTokenizer:
     """
 
     name = "hf"
+    chat_tokens = None  # the conversation format is not wired to Hugging Face chat templates yet
+
+    def with_chat_tokens(self) -> HFTokenizer:
+        raise DataError("chat fine-tuning of an imported Hugging Face tokenizer is not supported yet (its own "
+                        "chat template would have to render the conversations); use a byte or BPE tokenizer run")
 
     def __init__(self, tokenizer_json: str, bos_id: int, eos_id: int, pad_id: int, vocab_size: int | None = None,
                  source: str = "<memory>"):
@@ -483,7 +564,7 @@ def load_tokenizer(spec: str) -> ByteTokenizer | BPETokenizer | HFTokenizer:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise DataError(f"cannot read tokenizer {path}: {exc}") from exc
     if isinstance(content, dict) and content.get("type") == "byte":
-        return ByteTokenizer()
+        return ByteTokenizer(chat=content.get("chat") is True)
     if isinstance(content, dict) and content.get("type") == "hf":
         return HFTokenizer.from_saved(content, str(path))
     added = content.get("added_tokens") if isinstance(content, dict) else None

@@ -25,8 +25,19 @@ loses few-shot examples, then its oldest tokens (counted in `truncated_prompts`)
 greedy unless sampling is asked for (humaneval with samples > 1). `options` go to
 `latentloop.generate` untouched (e.g. `{"regime": "soft"}` for fbt).
 
+Chat-format tasks (for SFT runs, whose tokenizer has chat tokens; `latentloop.data.chat`): the
+question is the user turn, the model answers after `<|assistant|>` until `<|end|>`, zero-shot:
+
+- `chat:gsm8k` (`gsm8k.jsonl`, the test split): the user turn is the question, as SFT on
+  `chat:gsm8k_train.jsonl:question=user,answer=assistant` trained it; the answer is read as for `gsm8k`;
+- `chat:TASK[:knobs]` for a built-in task (`chat:addition_steps`): prompt as the user turn, the
+  reply read as the task's line (`work;answer`).
+
 Every result holds `accuracy`, `n` (examples scored), `mean_trace_tokens` (generated tokens until
-the answer is complete: until the stop string / newline / end token, or the budget), `seconds`,
+the answer is complete: until the stop string / newline / end token, or the budget),
+`mean_reasoning_tokens` (generated tokens before the final answer starts: before `####` / "answer
+is" / the last number for word problems, before the last `;` for built-in tasks, so 0 for a bare
+answer; the papers' "trace length"), `seconds`,
 plus task details (`max_new_tokens`, `truncated_prompts`, `shots`, `accuracy_by_steps` for the
 built-in tasks, `pass@k` and `statuses` for humaneval) and the first few `examples` (prompt tail,
 output, target, correct).
@@ -52,7 +63,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from latentloop.data.sources import iter_jsonl
-from latentloop.data.tasks import TASKS, final_answer, parse_task_spec
+from latentloop.data.tasks import ANSWER_SEPARATOR, TASKS, final_answer, parse_task_spec
 from latentloop.engine import fit_prompt, stream
 from latentloop.errors import ConfigError, DataError
 from latentloop.eval.sandbox import require_sandbox, run_untrusted
@@ -72,6 +83,38 @@ EXAMPLES_REPORTED = 3
 class Generation:
     text: str  # the generated text, cut before the first stop string
     tokens: int  # generated tokens up to the end of `text` (the trace length)
+    ids: tuple[int, ...] = ()  # those tokens
+
+
+def tokens_before(tokenizer, generation: Generation, position: int) -> int:
+    """How many of the generation's tokens it takes to write its text up to character `position`
+    (the fewest whose decoded text reaches it)."""
+    ids = list(generation.ids[:generation.tokens])
+    low, high = 0, len(ids)
+    while low < high:
+        middle = (low + high) // 2
+        if len(tokenizer.decode(ids[:middle])) >= position:
+            high = middle
+        else:
+            low = middle + 1
+    return low
+
+
+def word_problem_answer_start(text: str) -> int:
+    """Where the final answer of a word-problem solution starts (as `extract_number` reads it):
+    its `####` or "answer is", else its last number; the text's length when it has no number."""
+    marked = re.search(r"####|answer is", text, flags=re.IGNORECASE)
+    if marked is not None:
+        return marked.start()
+    numbers = list(NUMBER.finditer(text))
+    return numbers[-1].start() if numbers else len(text)
+
+
+def task_answer_start(text: str) -> int:
+    """Where the answer of a built-in task's line starts: after its work (the last `;`), else 0."""
+    line = text.split("\n", 1)[0]
+    cut = line.rfind(ANSWER_SEPARATOR)
+    return 0 if cut < 0 else cut
 
 
 # -- answers ---------------------------------------------------------------------------------------
@@ -147,7 +190,7 @@ def _cut(tokenizer, tokens: list[int], stops: Sequence[str]) -> Generation:
     text = tokenizer.decode(tokens)
     position = _first_stop(text, stops)
     if position < 0:
-        return Generation(text, len(tokens))
+        return Generation(text, len(tokens), tuple(tokens))
     # The fewest tokens whose text covers everything before the stop string.
     low, high = 0, len(tokens)
     while low < high:
@@ -156,20 +199,21 @@ def _cut(tokenizer, tokens: list[int], stops: Sequence[str]) -> Generation:
             high = middle
         else:
             low = middle + 1
-    return Generation(text[:position], low)
+    return Generation(text[:position], low, tuple(tokens[:low]))
 
 
 def generate_texts(model, tokenizer, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                    stops: Sequence[str] = (), options: dict | None = None, temperature: float = 0.0,
                    top_p: float | None = None, top_k: int | None = None, seed: int = 0,
-                   batch_size: int = DEFAULT_BATCH_SIZE, bar: tqdm | None = None) -> list[Generation]:
+                   batch_size: int = DEFAULT_BATCH_SIZE, bar: tqdm | None = None,
+                   stop_token_ids: Sequence[int] = ()) -> list[Generation]:
     """Generate for every prompt (token ids) in batches of similar length, stopping each row at the
     end/BOS token, at a newline token when "\\n" is a stop string, or at any stop string.
 
     The engine stops rows only on token ids; stop strings are watched here, step by step, and the
     batch ends (by leaving the engine's generator) once every row has written one. Results come
     back in the order of `prompts`."""
-    stop_ids = [tokenizer.eos_id, tokenizer.bos_id]
+    stop_ids = [tokenizer.eos_id, tokenizer.bos_id, *stop_token_ids]
     if "\n" in stops:
         stop_ids += newline_token_ids(tokenizer)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
@@ -270,13 +314,15 @@ def _shot_indices(count: int, exclude: int, shots: int, salt: str) -> list[int]:
 
 
 def _report(name: str, correct: list[bool], generations: list[Generation], started: float,
-            records: list[dict], **extra) -> dict:
+            records: list[dict], reasoning: list[int] | None = None, **extra) -> dict:
     n = len(correct)
+    mean = (lambda values: sum(values) / len(values) if values else 0.0)  # noqa: E731
     return {
         "task": name,
         "accuracy": sum(correct) / n if n else 0.0,
         "n": n,
-        "mean_trace_tokens": sum(g.tokens for g in generations) / len(generations) if generations else 0.0,
+        "mean_trace_tokens": mean([g.tokens for g in generations]),
+        **({"mean_reasoning_tokens": mean(reasoning)} if reasoning is not None else {}),
         "seconds": time.perf_counter() - started,
         **extra,
         "examples": records[:EXAMPLES_REPORTED],
@@ -314,11 +360,12 @@ def _word_problems(name: str, filename: str, default_shots: int, model, tokenize
         generations = generate_texts(model, tokenizer, prompts, new_tokens, stops=WORD_PROBLEM_STOPS, options=options,
                                      batch_size=batch_size, bar=bar)
     correct, records = [], []
+    reasoning = [tokens_before(tokenizer, g, word_problem_answer_start(g.text)) for g in generations]
     for row, generation in zip(evaluated, generations):
         predicted = extract_number(generation.text)
         correct.append(numbers_match(predicted, str(row["answer"])))
         records.append(_record(row["context"], generation, str(row["answer"]), correct[-1]))
-    return _report(name, correct, generations, started, records, shots=shots,
+    return _report(name, correct, generations, started, records, reasoning, shots=shots,
                    mean_shots_used=sum(shots_used) / len(shots_used), truncated_prompts=truncated,
                    max_new_tokens=new_tokens)
 
@@ -388,8 +435,70 @@ def eval_reasoning_task(model, tokenizer, data_dir, options, limit, progress, *,
         by_steps.setdefault(example.steps or 0, []).append(ok)
         records.append(_record(example.prompt, generation, example.completion, ok))
     accuracy_by_steps = {str(steps): sum(v) / len(v) for steps, v in sorted(by_steps.items())}
-    return _report(parsed.name, correct, generations, started, records, spec=parsed.spec,
+    reasoning = [tokens_before(tokenizer, g, task_answer_start(g.text)) for g in generations]
+    return _report(parsed.name, correct, generations, started, records, reasoning, spec=parsed.spec,
                    settings=parsed.task.settings(), accuracy_by_steps=accuracy_by_steps,
+                   truncated_prompts=truncated, max_new_tokens=new_tokens)
+
+
+# -- chat format ------------------------------------------------------------------------------------
+def _chat_generations(model, tokenizer, name: str, questions: list[str], max_new_tokens: int, options, progress: bool,
+                      batch_size: int) -> tuple[list[Generation], int, int]:
+    """Zero-shot answers in the chat format: (generations, max new tokens, prompts truncated)."""
+    tokens = getattr(tokenizer, "chat_tokens", None)
+    if tokens is None:
+        raise ConfigError(f"task {name} is in the chat format, but this run's tokenizer has no chat tokens "
+                          f"(fine-tune it with --stage sft first)")
+    new_tokens, budget = generation_budget(model, max_new_tokens)
+    prompts, truncated = [], 0
+    for question in questions:
+        ids = tokenizer.render_prompt([{"role": "user", "content": question}])
+        if len(ids) > budget:  # keep BOS and the end of the question with its <|end|><|assistant|>
+            ids, _ = fit_prompt(ids, budget, tokenizer.bos_id)
+            truncated += 1
+        prompts.append(ids)
+    with tqdm(total=len(prompts), desc=name, unit="ex", disable=not progress) as bar:
+        generations = generate_texts(model, tokenizer, prompts, new_tokens, options=options, batch_size=batch_size,
+                                     bar=bar, stop_token_ids=[tokens.end])
+    return generations, new_tokens, truncated
+
+
+def eval_chat_gsm8k(model, tokenizer, data_dir, options, limit, progress, *, max_new_tokens: int = 256,
+                    batch_size: int = DEFAULT_BATCH_SIZE) -> dict:
+    name = "chat:gsm8k"
+    started = time.perf_counter()
+    rows = _limited(read_jsonl(find_data_file(data_dir, "gsm8k.jsonl", name), ("context", "answer")), limit)
+    generations, new_tokens, truncated = _chat_generations(model, tokenizer, name, [r["context"].strip() for r in rows],
+                                                           max_new_tokens, options, progress, batch_size)
+    correct = [numbers_match(extract_number(g.text), str(r["answer"])) for r, g in zip(rows, generations)]
+    records = [_record(r["context"], g, str(r["answer"]), ok) for r, g, ok in zip(rows, generations, correct)]
+    reasoning = [tokens_before(tokenizer, g, word_problem_answer_start(g.text)) for g in generations]
+    return _report(name, correct, generations, started, records, reasoning, shots=0, truncated_prompts=truncated,
+                   max_new_tokens=new_tokens)
+
+
+def eval_chat_task(model, tokenizer, data_dir, options, limit, progress, *, spec: str,
+                   max_new_tokens: int | None = None, batch_size: int = DEFAULT_BATCH_SIZE) -> dict:
+    """A built-in task's test split in the chat format (`spec`: `chat:NAME[:knobs]`)."""
+    del data_dir
+    started = time.perf_counter()
+    parsed = parse_task_spec(spec.removeprefix("chat:"))
+    _limited([], limit)
+    examples = parsed.task.examples("test", limit or DEFAULT_TASK_EXAMPLES, parsed.seed)
+    if max_new_tokens is None:
+        longest = max(len(tokenizer.encode(example.completion)) + 1 for example in examples)
+        max_new_tokens = longest + max(4, longest // 4)
+    name = f"chat:{parsed.name}"
+    generations, new_tokens, truncated = _chat_generations(model, tokenizer, name, [e.prompt for e in examples],
+                                                           max_new_tokens, options, progress, batch_size)
+    correct = [final_answer(g.text) == e.answer for e, g in zip(examples, generations)]
+    by_steps: dict[int, list[bool]] = {}
+    for example, ok in zip(examples, correct):
+        by_steps.setdefault(example.steps or 0, []).append(ok)
+    records = [_record(e.prompt, g, e.completion, ok) for e, g, ok in zip(examples, generations, correct)]
+    reasoning = [tokens_before(tokenizer, g, task_answer_start(g.text)) for g in generations]
+    return _report(name, correct, generations, started, records, reasoning, spec=f"chat:{parsed.spec}",
+                   accuracy_by_steps={str(k): sum(v) / len(v) for k, v in sorted(by_steps.items())},
                    truncated_prompts=truncated, max_new_tokens=new_tokens)
 
 
@@ -461,6 +570,11 @@ def resolve_generation_task(name: str) -> Callable[..., dict]:
     """The function for a task name, or for a built-in task spec with knobs (`addition:digits=3`)."""
     if name in GENERATION_TASKS:
         return GENERATION_TASKS[name]
+    if name.startswith("chat:"):
+        if name == "chat:gsm8k":
+            return eval_chat_gsm8k
+        parse_task_spec(name.removeprefix("chat:"))  # a bad task or knob is reported now
+        return partial(eval_chat_task, spec=name)
     base = name.removeprefix("task:").split("?", 1)[0].split(":", 1)[0].strip()
     if base in TASKS:
         parse_task_spec(name)  # reports bad knobs now, before any task has run
@@ -492,6 +606,7 @@ def run_generation_tasks(model, tokenizer, names: Sequence[str] | str, data_dir:
     return {name: fn(model, tokenizer, data, dict(options or {}), limit, progress) for name, fn in functions.items()}
 
 
-__all__ = ["GENERATION_TASKS", "Generation", "eval_gsm8k", "eval_humaneval", "eval_reasoning_task",
+__all__ = ["GENERATION_TASKS", "Generation", "eval_chat_gsm8k", "eval_chat_task", "eval_gsm8k",
+            "eval_humaneval", "eval_reasoning_task",
            "eval_simple_arithmetic", "eval_svamp", "extract_number", "generate_texts", "humaneval_program",
            "numbers_match", "pass_at_k", "resolve_generation_task", "run_generation_tasks", "split_task_names"]

@@ -8,7 +8,7 @@ across tokenizers. Loss and perplexity are per token, over all targets.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
@@ -29,6 +29,15 @@ def plain_logits(model: nn.Module, x: Tensor) -> Tensor:
 def evaluate_loss(model: nn.Module, tokens: np.ndarray, token_bytes: np.ndarray, batch_size: int, seq_len: int,
                   max_batches: int | None = None, logits_fn: LogitsFn = plain_logits,
                   device: torch.device | str | None = None) -> dict[str, float]:
+    return evaluate_batches(model, eval_batches(tokens, batch_size, seq_len, max_batches), token_bytes, logits_fn,
+                            device)
+
+
+@torch.no_grad()
+def evaluate_batches(model: nn.Module, batches: Iterable[tuple], token_bytes: np.ndarray,
+                     logits_fn: LogitsFn = plain_logits, device: torch.device | str | None = None) -> dict[str, float]:
+    """Loss / perplexity / BPB over batches (x, y) or (x, y, loss_mask): with a mask only the
+    targets it marks are counted (SFT's assistant tokens)."""
     was_training = model.training
     model.eval()
     device = device or next(model.parameters()).device
@@ -36,12 +45,13 @@ def evaluate_loss(model: nn.Module, tokens: np.ndarray, token_bytes: np.ndarray,
     nats = nats_bpb = 0.0
     n_tokens = n_bytes = 0
     try:
-        for x, y in eval_batches(tokens, batch_size, seq_len, max_batches):
+        for x, y, *rest in batches:
             x, y = x.to(device), y.to(device)
-            losses = token_cross_entropy(logits_fn(model, x), y, reduction="none")  # (B*T,)
-            target_bytes = byte_table[y.flatten()]
+            counted = rest[0].to(device).flatten() if rest else torch.ones(y.numel(), dtype=torch.bool, device=device)
+            losses = token_cross_entropy(logits_fn(model, x), y, reduction="none") * counted  # (B*T,)
+            target_bytes = byte_table[y.flatten()] * counted
             nats += float(losses.sum())
-            n_tokens += y.numel()
+            n_tokens += int(counted.sum())
             nats_bpb += float((losses * (target_bytes > 0)).sum())
             n_bytes += int(target_bytes.sum())
     finally:
@@ -51,6 +61,32 @@ def evaluate_loss(model: nn.Module, tokens: np.ndarray, token_bytes: np.ndarray,
     loss = nats / n_tokens
     return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "bpb": nats_bpb / math.log(2) / max(n_bytes, 1),
             "tokens": n_tokens}
+
+
+@torch.no_grad()
+def loss_by_position(model: nn.Module, tokens: np.ndarray, batch_size: int, seq_len: int, buckets: int = 8,
+                     max_batches: int | None = None, logits_fn: LogitsFn = plain_logits) -> list[dict]:
+    """Mean loss of the targets at each position bucket of the context: `buckets` equal ranges of
+    [0, seq_len). Whether a model uses a long context shows as loss that keeps falling with the
+    position (more context, better predictions) instead of flattening or rising past the length
+    it was trained at. Returns [{"start", "end", "loss", "tokens"}] per bucket."""
+    buckets = max(1, min(buckets, seq_len))
+    edges = [round(i * seq_len / buckets) for i in range(buckets + 1)]
+    sums = torch.zeros(seq_len, dtype=torch.float64)
+    count = 0
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    try:
+        for x, y in eval_batches(tokens, batch_size, seq_len, max_batches):
+            x, y = x.to(device), y.to(device)
+            losses = token_cross_entropy(logits_fn(model, x), y, reduction="none").view(y.shape)  # (B, T)
+            sums += losses.double().sum(dim=0).cpu()
+            count += y.shape[0]
+    finally:
+        model.train(was_training)
+    return [{"start": a, "end": b, "loss": float(sums[a:b].sum() / max(count * (b - a), 1)), "tokens": count * (b - a)}
+            for a, b in zip(edges[:-1], edges[1:])]
 
 
 def decoding_logits(options: dict | None = None) -> LogitsFn:

@@ -45,7 +45,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..checkpoint import load_fitting_tensors, load_matching_weights, read_run_config, read_weights, resolve_checkpoint
+from ..checkpoint import (
+    grow_vocab_rows,
+    load_fitting_tensors,
+    load_matching_weights,
+    read_run_config,
+    read_weights,
+    resolve_checkpoint,
+)
 from ..config import ModelConfig, config_classes, model_config
 from ..errors import CheckpointError
 
@@ -90,23 +97,27 @@ def _default_rgpt_split(n_layer: int) -> dict[str, int]:
     return {"n_pre": config.n_pre, "n_rec": config.n_rec, "n_coda": config.n_coda}
 
 
-def initialise_from(model: nn.Module, run: str | Path) -> dict[str, Any]:
+def initialise_from(model: nn.Module, run: str | Path, grow_vocab: bool = False) -> dict[str, Any]:
     """Load `run`'s weights into `model` by the rules of the module docstring. Returns a report:
-    source arch, what was done, which parameters are new and whether step 0 is exact."""
+    source arch, what was done, which parameters are new and whether step 0 is exact.
+    `grow_vocab`: the model may have more token ids than the run (SFT's chat tokens)."""
     checkpoint = resolve_checkpoint(run)
     source = read_run_config(checkpoint).model
     target = model.config.arch
     if source.arch == target:
-        return {"source_arch": source.arch, "mapping": "same tensors", "new": load_matching_weights(model, checkpoint)}
+        return {"source_arch": source.arch, "mapping": "same tensors",
+                "new": load_matching_weights(model, checkpoint, grow_vocab)}
     if source.arch != "gpt":
         raise CheckpointError(f"--init-from {checkpoint}: a {source.arch} run cannot be upcycled into {target}; "
                               f"start from a gpt run")
     _check_backbone(source, model.config, checkpoint)
     if target == "fbt":
-        fresh = load_matching_weights(model, checkpoint)
+        fresh = load_matching_weights(model, checkpoint, grow_vocab)
         model.reset_fuse_scale()  # the loaded embeddings set the scale of the fused input
         return {"source_arch": "gpt", "mapping": "same tensors", "new": fresh, "exact_at_step0": "regime=standard"}
     weights = read_weights(checkpoint)
+    if grow_vocab:
+        grow_vocab_rows(weights, model.state_dict())
     if target == "lrt":
         return _upcycle_lrt(model, weights)
     if target == "rgpt":

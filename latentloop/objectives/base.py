@@ -10,9 +10,17 @@ from torch import Tensor, nn
 from ..config import ModelConfig, TrainConfig
 
 
-def token_cross_entropy(logits: Tensor, targets: Tensor, reduction: str = "mean") -> Tensor:
-    """Cross-entropy of (B, T, V) logits against (B, T) targets, computed in float32."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction=reduction)
+def token_cross_entropy(logits: Tensor, targets: Tensor, reduction: str = "mean", mask: Tensor | None = None
+                        ) -> Tensor:
+    """Cross-entropy of (B, T, V) logits against (B, T) targets, computed in float32. With a (B, T)
+    bool `mask` (SFT: the assistant's tokens) the mean is over the targets it marks (0 when none)."""
+    if mask is None:
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction=reduction)
+    losses = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
+    weights = mask.flatten().to(losses.dtype)
+    if reduction == "none":
+        return losses * weights
+    return (losses * weights).sum() / weights.sum().clamp(min=1)
 
 
 @dataclass
@@ -36,7 +44,9 @@ class Objective:
         self.model_config = model_config
         self.train_config = train_config
 
-    def __call__(self, model: nn.Module, x: Tensor, y: Tensor, step: int) -> LossResult:
+    def __call__(self, model: nn.Module, x: Tensor, y: Tensor, step: int, loss_mask: Tensor | None = None
+                 ) -> LossResult:
+        """`loss_mask` (B, T) bool: the targets that count (SFT: the assistant's tokens); None = all."""
         raise NotImplementedError
 
     def forward_mix(self, step: int | None = None) -> list[tuple[float, dict]]:
@@ -55,5 +65,6 @@ class NextTokenObjective(Objective):
 
     name = "next_token"
 
-    def __call__(self, model: nn.Module, x: Tensor, y: Tensor, step: int) -> LossResult:
-        return LossResult(token_cross_entropy(model(x).logits, y))
+    def __call__(self, model: nn.Module, x: Tensor, y: Tensor, step: int, loss_mask: Tensor | None = None
+                 ) -> LossResult:
+        return LossResult(token_cross_entropy(model(x).logits, y, mask=loss_mask))

@@ -8,6 +8,9 @@
   The rare deeper batches are what keeps the learned map contractive.
 - Prefix mix-in: with K > 1 every packed document keeps a random plain prefix of
   p = 1 + floor(U · length) tokens, as a prompt is plain before generation starts.
+- SFT (a `loss_mask` is given): the plain prefix ends where the assistant's turn begins, as at
+  inference, where the conversation up to `<|assistant|>` is the (plain) prompt and the assistant's
+  tokens are generated (fused): exactly the assistant tokens are fused (`sft_fuse_mask`).
 """
 
 from __future__ import annotations
@@ -40,6 +43,12 @@ def document_prefix_mask(idx: Tensor, bos_id: int, generator: torch.Generator) -
     return offset >= prefix.gather(1, doc_id)
 
 
+def sft_fuse_mask(loss_mask: Tensor) -> Tensor:
+    """(B, T) True where the input token is one the assistant wrote: target t-1 counts exactly when
+    input t is an assistant token, so the fused positions are the loss mask shifted right by one."""
+    return torch.cat([torch.zeros_like(loss_mask[:, :1]), loss_mask[:, :-1]], dim=1)
+
+
 class MultiPassObjective(Objective):
     name = "fbt_multipass"
 
@@ -55,16 +64,19 @@ class MultiPassObjective(Objective):
             return 1
         return 1 + int(self._rng(step).choice(len(self.pass_mix), p=self.pass_mix))
 
-    def __call__(self, model: nn.Module, x: Tensor, y: Tensor, step: int) -> LossResult:
+    def __call__(self, model: nn.Module, x: Tensor, y: Tensor, step: int, loss_mask: Tensor | None = None
+                 ) -> LossResult:
         K = self.passes_for_step(step)
         if K == 1:
-            return LossResult(token_cross_entropy(model(x).logits, y), {"passes": 1})
+            return LossResult(token_cross_entropy(model(x).logits, y, mask=loss_mask), {"passes": 1})
         mask = None
-        if self.model_config.prefix_mixin:
+        if loss_mask is not None:
+            mask = sft_fuse_mask(loss_mask) & (x != self.model_config.bos_id)
+        elif self.model_config.prefix_mixin:
             generator = torch.Generator().manual_seed(int(self._rng(step).integers(2**62)))
             mask = document_prefix_mask(x, self.model_config.bos_id, generator) & (x != self.model_config.bos_id)
         out = model(x, passes=K, fuse_mask=mask, return_passes=True)
-        losses = [token_cross_entropy(logits, y) for logits in out.pass_logits]
+        losses = [token_cross_entropy(logits, y, mask=loss_mask) for logits in out.pass_logits]
         loss = losses[0] + self.model_config.loss_lambda / (K - 1) * sum(losses[1:])
         return LossResult(loss, {"passes": K, "objective": float(loss.detach()),
                                  "loss_last_pass": float(losses[-1].detach())},

@@ -19,16 +19,18 @@ from .base import LossResult, Objective, token_cross_entropy
 class LRTObjective(Objective):
     name = "lrt_recurrence"
 
-    def __call__(self, model: nn.Module, x: Tensor, y: Tensor, step: int) -> LossResult:
+    def __call__(self, model: nn.Module, x: Tensor, y: Tensor, step: int, loss_mask: Tensor | None = None
+                 ) -> LossResult:
         recurrence = self.model_config.recurrence
         out = model(x, recurrence=recurrence)
-        if recurrence == "interleaved":
-            losses = [token_cross_entropy(logits, y[:, columns])
+        if recurrence == "interleaved":  # each term over its own columns, masked by theirs
+            losses = [token_cross_entropy(logits, y[:, columns], mask=None if loss_mask is None else
+                                          loss_mask[:, columns])
                       for logits, columns in zip(out.pass_logits, out.pass_columns)]
         elif recurrence == "multi_refine":
-            losses = [token_cross_entropy(logits, y) for logits in out.pass_logits]
+            losses = [token_cross_entropy(logits, y, mask=loss_mask) for logits in out.pass_logits]
         else:
-            losses = [token_cross_entropy(out.logits, y)]
+            losses = [token_cross_entropy(out.logits, y, mask=loss_mask)]
         loss = sum(losses) / len(losses)
         return LossResult(loss, {"loss_init": float(losses[0].detach()), "loss_final": float(losses[-1].detach())}
                           if len(losses) > 1 else {})

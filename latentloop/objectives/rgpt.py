@@ -20,11 +20,12 @@ class RecurrentDepthObjective(Objective):
         rng = np.random.default_rng([self.train_config.seed, step])
         return int(rng.integers(1, self.model_config.recurrence_steps + 1))
 
-    def __call__(self, model: nn.Module, x: Tensor, y: Tensor, step: int) -> LossResult:
+    def __call__(self, model: nn.Module, x: Tensor, y: Tensor, step: int, loss_mask: Tensor | None = None
+                 ) -> LossResult:
         steps = self.depth_for_step(step)
         no_grad = min(self.model_config.truncate_steps, steps - 1)
         out = model(x, steps=steps, no_grad_steps=no_grad)
-        return LossResult(token_cross_entropy(out.logits, y), {"steps": steps})
+        return LossResult(token_cross_entropy(out.logits, y, mask=loss_mask), {"steps": steps})
 
     def forward_mix(self, step: int | None = None) -> list[tuple[float, dict]]:
         if step is not None:

@@ -1,0 +1,60 @@
+"""Talking to an SFT run: the reply to a conversation, streamed through `engine.stream`.
+
+    for piece in stream_reply(model, tokenizer, messages, max_new_tokens=128, regime="soft"):
+        print(piece, end="")
+
+The conversation is rendered by the tokenizer (`tokenizer.render_prompt`: the turns so far and
+`<|assistant|>`), the reply ends at `<|end|>` (or EOS / BOS / the budget), and pieces are whole
+UTF-8 characters. When the conversation no longer fits the context with the reply's budget, its
+oldest exchanges are dropped (a system turn is kept): the model sees the most recent turns, as a
+sliding window. `latentloop chat RUN` is the interactive loop around this (in `cli`).
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Iterator
+
+from .engine import PromptError, stream
+from .errors import ConfigError
+
+
+def chat_prompt(tokenizer, messages: list[dict], budget: int) -> list[int]:
+    """The prompt ids of `messages`, dropping the oldest exchanges (never the system turn nor the
+    last user turn) until they fit `budget` tokens."""
+    messages = list(messages)
+    system = messages[:1] if messages and messages[0].get("role") == "system" else []
+    turns = messages[len(system):]
+    while True:
+        ids = tokenizer.render_prompt(system + turns)
+        if len(ids) <= budget:
+            return ids
+        if len(turns) <= 1:
+            raise PromptError(f"the last message ({len(ids)} tokens with the format) does not fit the context "
+                              f"left for it ({budget} tokens); shorten it or lower the reply budget")
+        turns = turns[2:]  # one user + assistant exchange
+
+
+def stream_reply(model, tokenizer, messages: list[dict], max_new_tokens: int, temperature: float = 0.0,
+                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                 **options) -> Iterator[str]:
+    """Yield the assistant's reply to `messages` (ending with a user turn) piece by piece."""
+    tokens = getattr(tokenizer, "chat_tokens", None)
+    if tokens is None:
+        raise ConfigError("this run's tokenizer has no chat tokens: fine-tune it first (latentloop train --stage sft "
+                          "--init-from RUN --data chat:...)")
+    context = model.config.sequence_len
+    if not 1 <= max_new_tokens < context:
+        raise PromptError(f"the reply budget must be in [1, {context - 1}] for a context of {context}, got "
+                          f"{max_new_tokens}")
+    prompt = chat_prompt(tokenizer, messages, context - max_new_tokens)
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    for step in stream(model, prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                       stop_tokens=[tokens.end, tokenizer.eos_id, tokenizer.bos_id], pad_id=tokenizer.pad_id,
+                       **options):
+        piece = decoder.decode(tokenizer.token_to_bytes(step.tokens[0]))
+        if piece:
+            yield piece
+    tail = decoder.decode(b"", final=True)
+    if tail:
+        yield tail

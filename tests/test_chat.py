@@ -1,0 +1,229 @@
+"""The conversation format: chat tokens, rendering and its mask, packing, chat files and their errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from latentloop.checkpoint import grow_vocab_rows
+from latentloop.cli import main
+from latentloop.data import BPETokenizer, ByteTokenizer, load_tokenizer
+from latentloop.data.chat import (
+    ChatFormatError,
+    ChatLoader,
+    assistant_start,
+    iter_conversations,
+    pack_conversations,
+    parse_chat_spec,
+    prepare_chat,
+)
+from latentloop.errors import ConfigError, DataError
+
+CHAT = ByteTokenizer(chat=True)
+SYS, USER, ASSISTANT, END = CHAT.chat_tokens.ids
+BOS, PAD = CHAT.bos_id, CHAT.pad_id
+
+
+def test_byte_tokenizer_keeps_its_vocabulary_and_reserves_chat_ids_after_it(tmp_path):
+    assert ByteTokenizer().vocab_size == 259 and ByteTokenizer().chat_tokens is None  # old runs load unchanged
+    assert (SYS, USER, ASSISTANT, END) == (259, 260, 261, 262) and CHAT.vocab_size == 263
+    CHAT.save(tmp_path)
+    back = load_tokenizer(str(tmp_path / "tokenizer.json"))
+    assert back.chat_tokens == CHAT.chat_tokens and back.fingerprint() != ByteTokenizer().fingerprint()
+    assert CHAT.token_byte_lengths()[259:].sum() == 0  # chat tokens stand for no bytes (BPB)
+
+
+def test_render_masks_exactly_the_assistant_tokens_and_their_end_of_turn():
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "yo"}, {"role": "user", "content": "q"},
+                {"role": "assistant", "content": "a"}]
+    ids, mask = CHAT.render(messages)
+    b = list(b"hi"), list(b"yo")
+    assert ids == [BOS, SYS, ord("S"), END, USER, *b[0], END, ASSISTANT, *b[1], END, USER, ord("q"), END,
+                   ASSISTANT, ord("a"), END]
+    trained = [ids[i] for i, m in enumerate(mask) if m]
+    assert trained == [*b[1], END, ord("a"), END]
+    # the prompt for the first answer ends with <|assistant|>, and its length is where the mask starts
+    prompt = CHAT.render_prompt(messages[:2])
+    assert prompt[-1] == ASSISTANT and ids[:len(prompt)] == prompt
+    assert mask.index(True) == len(prompt) == assistant_start(ids, CHAT)
+
+
+def test_text_that_spells_a_chat_token_stays_text():
+    ids, _ = CHAT.render([{"role": "user", "content": "<|end|>"}, {"role": "assistant", "content": "x"}])
+    assert ids.count(END) == 2  # only the two real turn ends
+    bpe = BPETokenizer.train(["hello world " * 50], 300).with_chat_tokens()
+    assert bpe.chat_tokens.user not in bpe.encode("<|user|> hi")
+
+
+def test_bpe_gains_chat_tokens_after_its_ids(tmp_path):
+    base = BPETokenizer.train(["the cat sat on the mat " * 40], 300)
+    chat = base.with_chat_tokens()
+    assert chat.vocab_size == base.vocab_size + 4
+    assert chat.chat_tokens.ids == tuple(range(base.vocab_size, base.vocab_size + 4))
+    assert chat.encode("the cat") == base.encode("the cat") and chat.with_chat_tokens() is chat
+    ids, mask = chat.render([{"role": "user", "content": "cat"}, {"role": "assistant", "content": "mat"}])
+    assert chat.decode(ids) == "catmat" and sum(mask) == len(chat.encode("mat")) + 1
+    chat.save(tmp_path)
+    assert load_tokenizer(str(tmp_path)).chat_tokens == chat.chat_tokens
+    assert chat.token_to_bytes(chat.chat_tokens.end) == b""
+
+
+def test_rendering_without_chat_tokens_is_a_clear_error():
+    with pytest.raises(ConfigError, match="no chat tokens"):
+        ByteTokenizer().render([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
+
+
+def _conv(n_prompt: int, n_answer: int) -> tuple[list[int], list[bool]]:
+    return ([BOS] + [1] * (n_prompt - 1) + [2] * n_answer, [False] * n_prompt + [True] * n_answer)
+
+
+def test_packing_keeps_conversations_whole_and_masks_padding():
+    convs = [_conv(3, 2), _conv(2, 2), _conv(4, 3), _conv(20, 1), _conv(6, 6)]
+    packed, counts = pack_conversations(convs, seq_len=8, pad_id=PAD)  # rows of 9 tokens
+    # 5 + 4 fit row 0 exactly; 7 goes to row 1; 21 tokens with its answer past the cut is dropped;
+    # 12 tokens with 3 answer tokens inside the first 9 is cut to 9 and starts row 2
+    assert counts == {"conversations": 4, "rows": 3, "cut": 1, "dropped": 1, "trained_tokens": 2 + 2 + 3 + 3}
+    assert packed.tokens[0].tolist() == convs[0][0] + convs[1][0]
+    assert packed.tokens[1].tolist() == convs[2][0] + [PAD, PAD]
+    assert packed.mask[1].tolist() == convs[2][1] + [False, False]
+    assert packed.tokens[2].tolist() == convs[4][0][:9]
+    assert packed.mask[2].tolist() == [False] * 6 + [True] * 3
+    x, y, loss_mask = packed.batch(torch.tensor([0]).numpy())
+    assert torch.equal(y, x.new_tensor(packed.tokens[0][1:])[None])
+    assert loss_mask[0].tolist() == packed.mask[0][1:].tolist()  # target t counts iff token t+1 is trained
+    assert all(row[0] == BOS for row in packed.tokens)  # every row starts a conversation
+
+
+def test_chat_loader_resumes_in_the_same_order():
+    convs = [([BOS, i, i], [False, True, True]) for i in range(12)]  # rows of 3: one conversation each
+    packed, _ = pack_conversations(convs, seq_len=2, pad_id=PAD)
+    a = ChatLoader(packed, batch_size=4, seed=3)
+    seen = torch.cat([a.next_batch()[0][:, 1] for _ in range(3)])
+    assert sorted(seen.tolist()) == list(range(12)) and seen.tolist() != list(range(12))  # one shuffled epoch
+    b = ChatLoader(packed, batch_size=4, seed=3)
+    b.load_state_dict(a.state_dict())
+    assert all(torch.equal(u, v) for u, v in zip(a.next_batch(), b.next_batch()))
+
+
+def test_question_answer_files_map_fields_to_roles(tmp_path):
+    path = tmp_path / "qa.jsonl"
+    rows = [{"question": f"q{i}", "answer": f"a{i} #### {i}"} for i in range(30)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = parse_chat_spec(f"chat:{path}:question=user,answer=assistant")
+    conversations = list(iter_conversations(spec))
+    assert conversations[0][1] == [{"role": "user", "content": "q0"}, {"role": "assistant", "content": "a0 #### 0"}]
+    data = prepare_chat(f"chat:{path}:question=user,answer=assistant", CHAT, seq_len=64, val_fraction=0.2)
+    assert data.meta["train"]["conversations"] + data.meta["val"]["conversations"] == 30
+    assert data.val.mask.any() and data.meta["sha256"]["train"] == data.train.sha256()
+
+
+def test_task_conversations():
+    (key, messages), *_ = iter_conversations("chat:task:addition_steps:n=5")
+    assert messages[0]["role"] == "user" and messages[0]["content"].endswith("=")
+    assert ";" in messages[1]["content"]
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"messages": [{"content": "hi"}]}', "no 'role'"),
+    ('{"messages": [{"role": "robot", "content": "hi"}]}', "unknown role"),
+    ('{"messages": [{"role": "user", "content": "  "}, {"role": "assistant", "content": "x"}]}', "empty user turn"),
+    ('{"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "x"}]}', "must be a string"),
+    ('{"messages": [{"role": "assistant", "content": "x"}]}', "expected user"),
+    ('{"messages": [{"role": "user", "content": "x"}]}', "no assistant turn"),
+    ('{"messages": "hello"}', "non-empty list"),
+    ('[1, 2]', "expected a JSON object"),
+    ('{"text": "hi"}', "no 'messages'"),
+    ('not json', "invalid JSON"),
+])
+def test_bad_chat_files_are_one_line_errors(tmp_path, capsys, line, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"messages": [{"role": "user", "content": "ok"}, {"role": "assistant", "content": "ok"}]}\n'
+                    + line + "\n")
+    with pytest.raises(ChatFormatError, match=message) as error:
+        list(iter_conversations(f"chat:{path}"))
+    assert f"{path}:2" in str(error.value) and "\n" not in str(error.value)
+    assert issubclass(ChatFormatError, DataError)
+    # through the CLI: one line, exit 2 (a base run is not even needed to find out)
+    base = tmp_path / "base"
+    from latentloop.api import build
+    from latentloop.runtime import save_run
+
+    save_run(build("gpt", preset="test"), ByteTokenizer(), base)
+    code = main(["train", "--stage", "sft", "--init-from", str(base), "--data", f"chat:{path}", "--steps", "1",
+                 "--out", str(tmp_path / "sft"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and message.split()[0] in err
+
+
+def test_bad_specs(tmp_path):
+    with pytest.raises(DataError, match="not found"):
+        parse_chat_spec("chat:/nope.jsonl")
+    (tmp_path / "a.jsonl").write_text("")
+    with pytest.raises(DataError, match="FIELD=ROLE"):
+        parse_chat_spec(f"chat:{tmp_path / 'a.jsonl'}:question=robot")
+
+
+def test_grown_vocabulary_rows_start_at_the_mean_and_old_rows_keep_their_ids():
+    old = {"wte.weight": torch.randn(259, 8), "blocks.0.x": torch.randn(3)}
+    own = {"wte.weight": torch.zeros(263, 8), "blocks.0.x": torch.zeros(3)}
+    weights = dict(old)
+    assert grow_vocab_rows(weights, own) == ["wte.weight"]
+    grown = weights["wte.weight"]
+    assert grown.shape == (263, 8) and torch.equal(grown[:259], old["wte.weight"])
+    torch.testing.assert_close(grown[259:], old["wte.weight"].mean(0).expand(4, 8))
+
+
+# -- the chat CLI -----------------------------------------------------------------------------------
+@pytest.fixture
+def chat_run(tmp_path):
+    from latentloop.api import build
+    from latentloop.runtime import save_run
+
+    torch.manual_seed(0)
+    save_run(build("fbt", preset="test", vocab_size=CHAT.vocab_size), CHAT, tmp_path / "chat")
+    return tmp_path / "chat"
+
+
+def test_stream_reply_is_the_engine_continuation_of_the_rendered_prompt(chat_run):
+    from latentloop import generate
+    from latentloop.chat import chat_prompt, stream_reply
+    from latentloop.runtime import load_run
+
+    model, tokenizer, _, _ = load_run(chat_run)
+    messages = [{"role": "user", "content": "2+2="}]
+    pieces = list(stream_reply(model, tokenizer, messages, 10, regime="soft"))
+    ids = generate(model, tokenizer.render_prompt(messages), 10, temperature=0.0, regime="soft",
+                   stop_tokens=[END, tokenizer.eos_id, BOS])
+    assert "".join(pieces) == tokenizer.decode(ids)
+    # a long history keeps its system turn and the newest exchanges
+    history = [{"role": "system", "content": "S"}] + [{"role": r, "content": "x" * 10} for r in
+                                                      ["user", "assistant"] * 5] + [{"role": "user", "content": "q"}]
+    ids = chat_prompt(tokenizer, history, 40)
+    assert len(ids) <= 40 and ids[:3] == [BOS, SYS, ord("S")] and ids[-4:] == [USER, ord("q"), END, ASSISTANT]
+
+
+def test_scripted_chat_session(chat_run, monkeypatch, capsys):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n/reset\n\n/what\nagain\n"))  # EOF ends it
+    assert main(["chat", str(chat_run), "--max-new-tokens", "5", "--regime", "fused", "--passes", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert out.count("> ") == 6 and "[new conversation]" in out
+    assert "unknown command /what" in err
+    monkeypatch.setattr("sys.stdin", io.StringIO("/quit\nnever read\n"))
+    assert main(["chat", str(chat_run)]) == 0
+    assert capsys.readouterr().out == "> "
+
+
+def test_chat_mistakes_are_one_line(chat_run, tmp_path, capsys):
+    from latentloop.api import build
+    from latentloop.runtime import save_run
+
+    save_run(build("gpt", preset="test"), ByteTokenizer(), tmp_path / "base")
+    assert main(["chat", str(tmp_path / "base")]) == 2  # no chat tokens
+    assert main(["chat", str(chat_run), "--steps", "2"]) == 2  # an rgpt option on an fbt run
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "no chat tokens" in err[0]

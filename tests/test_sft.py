@@ -1,0 +1,199 @@
+"""SFT: the masked loss of every architecture's objective, fbt's prefix at the assistant start, the
+sft and extend stages end to end, and exactness at an extended context."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from latentloop.api import build
+from latentloop.archs import build_objective
+from latentloop.cli import main
+from latentloop.config import TrainConfig, extended_rope_theta
+from latentloop.data import ByteTokenizer
+from latentloop.data.chat import assistant_start, pack_conversations
+from latentloop.engine import teacher_forced_logits
+from latentloop.objectives.fbt import sft_fuse_mask
+from latentloop.runtime import load_run, save_run
+
+CHAT = ByteTokenizer(chat=True)
+
+
+def _batch(seq_len: int = 24):
+    """Two packed rows of real rendered conversations: (x, y, loss_mask), and the rendered ones."""
+    convs = [CHAT.render([{"role": "user", "content": f"{a}+{b}="}, {"role": "assistant", "content": str(a + b)}])
+             for a, b in ((1, 2), (13, 4), (7, 70), (5, 5))]
+    packed, _ = pack_conversations(convs, seq_len, CHAT.pad_id)
+    x, y, mask = packed.batch(torch.arange(len(packed.tokens)).numpy())
+    return x, y, mask, convs
+
+
+def _masked_ce(logits, y, mask):
+    """The hand-computed reference: the mean cross-entropy over the counted targets only."""
+    picked = [F.cross_entropy(logits[b, t][None].float(), y[b, t][None]) for b, t in mask.nonzero().tolist()]
+    return torch.stack(picked).mean()
+
+
+def _model(arch: str, **kw):
+    torch.manual_seed(0)
+    return build(arch, preset="test", vocab_size=CHAT.vocab_size, **kw)
+
+
+def test_gpt_sft_loss_is_the_mean_over_assistant_targets_only():
+    x, y, mask, _ = _batch()
+    model = _model("gpt")
+    result = build_objective(model.config, TrainConfig())(model, x, y, 0, loss_mask=mask)
+    expected = _masked_ce(model(x).logits, y, mask)
+    torch.testing.assert_close(result.loss, expected, rtol=0, atol=1e-5)
+    unmasked = build_objective(model.config, TrainConfig())(model, x, y, 0).loss
+    assert abs(float(unmasked.detach()) - float(expected.detach())) > 1e-3  # the mask changes what is counted
+
+
+def test_fbt_prefix_ends_where_the_assistant_turn_begins():
+    x, y, mask, convs = _batch()
+    fuse = sft_fuse_mask(mask)
+    ids, _ = convs[0]
+    start = assistant_start(ids, CHAT)  # = len(render_prompt(...)): where generation starts at inference
+    assert fuse[0].nonzero()[0].item() == start
+    # in every row, an input position is fused exactly when its token was written by the assistant
+    packed_mask = torch.cat([torch.zeros_like(mask[:, :1]), mask[:, :-1]], dim=1)
+    assert torch.equal(fuse, packed_mask)
+
+
+def test_fbt_sft_objective_is_the_multipass_loss_with_the_assistant_prefix(monkeypatch):
+    x, y, mask, _ = _batch()
+    model = _model("fbt", jitter=0.0)
+    objective = build_objective(model.config, TrainConfig())
+    monkeypatch.setattr(objective, "passes_for_step", lambda step: 3)
+    result = objective(model, x, y, 0, loss_mask=mask)
+    fuse = sft_fuse_mask(mask) & (x != CHAT.bos_id)
+    out = model(x, passes=3, fuse_mask=fuse, return_passes=True)
+    losses = [_masked_ce(logits, y, mask) for logits in out.pass_logits]
+    lam = model.config.loss_lambda
+    torch.testing.assert_close(result.loss, losses[0] + lam / 2 * (losses[1] + losses[2]), rtol=0, atol=1e-5)
+    assert result.next_token_loss == pytest.approx(float(losses[0]), abs=1e-5)
+
+
+def test_lrt_sft_objective_masks_each_interleaved_term():
+    x, y, mask, _ = _batch()
+    model = _model("lrt")
+    result = build_objective(model.config, TrainConfig())(model, x, y, 0, loss_mask=mask)
+    out = model(x, recurrence="interleaved")
+    terms = [_masked_ce(logits, y[:, cols], mask[:, cols]) if mask[:, cols].any() else torch.zeros(())
+             for logits, cols in zip(out.pass_logits, out.pass_columns)]
+    assert len(terms) == model.config.subsets + 1
+    torch.testing.assert_close(result.loss, sum(terms) / len(terms), rtol=0, atol=1e-5)
+
+
+def test_rgpt_sft_objective_is_the_masked_loss_at_the_drawn_depth():
+    x, y, mask, _ = _batch()
+    model = _model("rgpt", noise_std=0.0)
+    objective = build_objective(model.config, TrainConfig())
+    result = objective(model, x, y, 5, loss_mask=mask)
+    steps = objective.depth_for_step(5)
+    assert result.metrics["steps"] == steps
+    torch.testing.assert_close(result.loss, _masked_ce(model(x, steps=steps).logits, y, mask), rtol=0, atol=1e-5)
+
+
+def _base_run(tmp_path, arch="gpt"):
+    base = tmp_path / f"base-{arch}"
+    save_run(build(arch, preset="test"), ByteTokenizer(), base)
+    return base
+
+
+@pytest.mark.parametrize("arch", ["gpt", "fbt"])
+def test_sft_stage_grows_the_vocabulary_trains_and_resumes(tmp_path, capsys, arch):
+    base = _base_run(tmp_path, arch)
+    out = tmp_path / "sft"
+    args = ["train", "--stage", "sft", "--init-from", str(base), "--data", "chat:task:addition_steps:n=200",
+            "--steps", "3", "--batch-size", "4", "--out", str(out), "--no-progress", "--json",
+            "--set", "eval_batches=1"]
+    assert main(args) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["step"] == 3 and summary["val_loss"] == summary["val_loss"]  # finite, masked val loss
+    model, tokenizer, config, _ = load_run(out)
+    assert tokenizer.chat_tokens is not None and config.model.vocab_size == 263 and config.train.stage == "sft"
+    base_model, _, _, _ = load_run(base)
+    # old ids kept their rows until training moved them a little; the new ones started at the mean
+    assert model.wte.weight.shape[0] == base_model.wte.weight.shape[0] + 4
+    assert main(args[:-4] + ["--resume", "--steps", "4", "--no-progress"]) == 0
+
+
+def test_extend_stage_scales_rope_theta_and_stays_exact(tmp_path, capsys):
+    base = _base_run(tmp_path)
+    out = tmp_path / "long"
+    code = main(["train", "--stage", "extend", "--init-from", str(base), "--data", "task:addition:n=500",
+                 "--set", "sequence_len=128", "--steps", "2", "--batch-size", "2", "--out", str(out),
+                 "--no-progress", "--set", "eval_batches=1"])
+    assert code == 0, capsys.readouterr().err
+    model, _, config, _ = load_run(out)
+    head_dim = config.model.head_dim
+    assert config.model.sequence_len == 128
+    assert config.model.rope_theta == pytest.approx(10000.0 * 2 ** (head_dim / (head_dim - 2)))
+    # the slowest rotary pair turns at position 2p by the angle it had at p before the extension
+    slow_old = 10000.0 ** (-(head_dim - 2) / head_dim)
+    slow_new = config.model.rope_theta ** (-(head_dim - 2) / head_dim)
+    assert slow_new * 128 == pytest.approx(slow_old * 64)
+    idx = torch.randint(0, 256, (2, 128))
+    idx[:, 0] = 256
+    torch.testing.assert_close(teacher_forced_logits(model, idx, prompt_len=40), model(idx).logits, rtol=0, atol=1e-5)
+    assert main(["train", "--stage", "extend", "--init-from", str(base), "--set", "sequence_len=32",
+                 "--out", str(tmp_path / "short"), "--no-progress"]) == 2
+
+
+def test_extended_rope_theta_is_identity_without_extension():
+    assert extended_rope_theta(500.0, 16, 256, 256) == 500.0
+    assert extended_rope_theta(500.0, 16, 256, 1024) == pytest.approx(500.0 * 4 ** (16 / 14))
+
+
+def test_stage_mistakes_are_one_line(tmp_path, capsys):
+    base = _base_run(tmp_path)
+    assert main(["train", "--stage", "sft", "--data", "chat:task:addition", "--out", str(tmp_path / "a")]) == 2
+    assert main(["train", "--stage", "sft", "--init-from", str(base), "--data", "stdlib",
+                 "--out", str(tmp_path / "b"), "--no-progress"]) == 2
+    assert main(["train", "--data", "chat:task:addition", "--out", str(tmp_path / "c"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(line.startswith("latentloop: error:") for line in err)
+
+
+def test_loss_by_position_averages_each_bucket_of_the_context():
+    from latentloop.eval.loss import loss_by_position
+
+    model = _model("gpt")
+    tokens = torch.randint(0, 256, (2 * 64 * 3 + 1,)).numpy()
+    buckets = loss_by_position(model, tokens, batch_size=4, seq_len=64, buckets=4)
+    assert [(b["start"], b["end"]) for b in buckets] == [(0, 16), (16, 32), (32, 48), (48, 64)]
+    x = torch.as_tensor(tokens[:6 * 64 + 1].astype("int64"))
+    windows = torch.stack([x[i * 64:i * 64 + 65] for i in range(6)])
+    with torch.no_grad():
+        losses = F.cross_entropy(model(windows[:, :-1]).logits.transpose(1, 2), windows[:, 1:], reduction="none")
+    assert buckets[2]["loss"] == pytest.approx(float(losses[:, 32:48].mean()), abs=1e-5)
+    assert buckets[0]["tokens"] == 6 * 16
+
+
+def test_chat_tasks_report_accuracy_and_reasoning_tokens(tmp_path):
+    from latentloop.eval.generation import (
+        Generation,
+        run_generation_tasks,
+        task_answer_start,
+        tokens_before,
+        word_problem_answer_start,
+    )
+
+    text = "3+4+0=7,1+2+0=3;37"
+    generation = Generation(text, len(text), tuple(text.encode()))
+    assert tokens_before(CHAT, generation, task_answer_start(text)) == text.index(";")
+    assert word_problem_answer_start("5*2=10 so 10+1=11 #### 11") == 18
+    model = _model("rgpt")
+    (tmp_path / "gsm8k.jsonl").write_text(json.dumps({"context": "1+1?", "chain_of_thought": "", "answer": "2"}) + "\n")
+    results = run_generation_tasks(model, CHAT, "chat:addition_steps:digits=1,test=2,chat:gsm8k", tmp_path,
+                                   {"steps": 2}, limit=3, progress=False)
+    assert set(results) == {"chat:addition_steps:digits=1,test=2", "chat:gsm8k"}
+    for result in results.values():
+        assert result["n"] in (1, 3) and 0 <= result["mean_reasoning_tokens"] <= result["mean_trace_tokens"]
+    with pytest.raises(Exception, match="no chat tokens"):
+        run_generation_tasks(build("gpt", preset="test"), ByteTokenizer(), "chat:addition", None, limit=1,
+                             progress=False)
