@@ -25,7 +25,7 @@ How it measures:
   them, not the paper's <1% at full depth).
 - Training step: forward + backward + grad-norm clip + AdamW step, the trainer's step through the
   arch's registered objective (fp32, random tokens, no data loading). fbt gets K by a config with
-  `plain_fraction=0` and the whole pass mix on K, so its real objective (prefix mix-in included) runs.
+  `feedback_start=0` and the whole pass mix on K, so its real objective (prefix mix-in included) runs.
 - The variants compared in one table are measured interleaved (round robin, the order rotating every
   repeat), so that a change of machine load hits all of them alike; each figure is the median over
   the repeats, after warmup calls of each.
@@ -312,7 +312,7 @@ def bench_fbt(args: argparse.Namespace, device: torch.device) -> tuple[dict[str,
     shape = tiny_shape(args.train_seq_len)
     print(f"fbt training: K=1/2/3, T={args.train_seq_len}, batch {args.train_batch}, "
           f"{args.train_warmup} warmup + {args.train_steps} timed steps each ...", flush=True)
-    variants = {f"K={k}": ("fbt", shape, dict(plain_fraction=0.0, pass_mix=tuple(float(i == k - 1) for i in range(k))),
+    variants = {f"K={k}": ("fbt", shape, dict(feedback_start=0.0, pass_mix=tuple(float(i == k - 1) for i in range(k))),
                            k) for k in (1, 2, 3)}
     train = training_comparison(variants, args, device)
     base = train["K=1"]

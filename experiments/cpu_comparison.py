@@ -4,15 +4,21 @@
 
 Runs (each seed):
 - gpt           tied baseline, `--steps` steps
-- fbt           the scheduled multi-pass objective, the same tokens as gpt
+- fbt           the default recipe ("short": feedback from step 0, 88/12 two-/three-pass batches),
+                the same tokens as gpt
+- fbt-paper     the paper's recipe (single-pass for 75% of the run, 75/22/3 over the whole run)
 - gpt-2x        the baseline with twice the steps: matched training compute for lrt
 - lrt           interleaved S=2 (about 2x the baseline's FLOPs per token), the same steps as gpt
-- lrt-mid       ablation: source layer = the middle block instead of the normed top state
-- rgpt-params   isoparams: the preset's blocks as 1 + (L-2) x R + 1, R = 4
+- lrt-top       ablation: source = the normed top state (the released code) instead of the
+                default upper-middle block (the paper)
+- rgpt-params   isoparams: the preset's blocks as 1 + (L-2) x R + 1, R = 4 (default gate bias 0)
+- rgpt-gate4    the same with the paper's gate bias init +4
 - rgpt-flops    isoFLOPs: the same effective depth as gpt
 
 Every run is evaluated on the same validation batches: loss/BPB (fbt under standard, soft and
-fused; lrt with exact sequential memory and the merged parallel estimate; rgpt at r = 1..R).
+fused, and the passes curve K = 1, 2, 3, 4, 8, 16, T on the first 2 batches; lrt with exact
+sequential memory and the merged parallel estimate; rgpt at r = 1..R, with the mean gate and the
+effective openness per step read from the last logged training step).
 Writes `results.json` and `results.md` into --out.
 """
 
@@ -30,7 +36,7 @@ sys.path.insert(0, str(REPO))
 
 from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config, rgpt_shape_from_dense  # noqa: E402
 from latentloop.eval import evaluate_loss  # noqa: E402
-from latentloop.eval.loss import decoding_logits  # noqa: E402
+from latentloop.eval.loss import decoding_logits, passes_curve  # noqa: E402
 from latentloop.train import fit, setup  # noqa: E402
 
 
@@ -41,10 +47,13 @@ def variants(preset: str, seq_len: int, steps: int) -> dict[str, tuple[dict, int
     return {
         "gpt": (dict(arch="gpt", **base), steps),
         "fbt": (dict(arch="fbt", **base), steps),
+        "fbt-paper": (dict(arch="fbt", recipe="paper", **base), steps),
         "gpt-2x": (dict(arch="gpt", **base), 2 * steps),
         "lrt": (dict(arch="lrt", **base), steps),
-        "lrt-mid": (dict(arch="lrt", source_layer=layers // 2 - 1, **base), steps),
+        "lrt-top": (dict(arch="lrt", source_layer=-1, **base), steps),
         "rgpt-params": (dict(arch="rgpt", **base, **rgpt_shape_from_dense(layers, "params", 4)), steps),
+        "rgpt-gate4": (dict(arch="rgpt", gate_bias_init=4.0, **base, **rgpt_shape_from_dense(layers, "params", 4)),
+                       steps),
         "rgpt-flops": (dict(arch="rgpt", **base, **rgpt_shape_from_dense(layers, "flops", 2)), steps),
     }
 
@@ -77,9 +86,20 @@ def run_one(out: Path, name: str, fields: dict, steps: int, seed: int, preset: s
     for label, options in evaluations(arch, config.model).items():
         scores[label] = evaluate_loss(model, state.data.val, byte_lengths, batch_size, config.model.sequence_len,
                                       max_batches=eval_batches, logits_fn=decoding_logits(options))
+    extra = {}
+    if arch == "fbt":
+        extra["passes_curve"] = passes_curve(model, state.data.val, byte_lengths, batch_size,
+                                             config.model.sequence_len, max_batches=CURVE_BATCHES)
+    if arch == "rgpt":  # the last logged training step's gate readings
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        logged = [row for row in rows if "openness_r1" in row][-1]
+        extra["gates"] = {k: v for k, v in logged.items() if k.startswith(("openness_r", "gate_mean_r"))}
     return {"name": name, "seed": seed, "arch": arch, "params": model.num_params(), "steps": steps,
             "tokens": summary["tokens"], "train_flops": summary["flops"], "seconds": time.time() - start,
-            "scores": scores}
+            "scores": scores, **extra}
+
+
+CURVE_BATCHES = 2  # the fixed point costs T forwards per batch
 
 
 def _sd(values: list[float]) -> float:
