@@ -119,6 +119,33 @@ def summarise(results: list[dict]) -> str:
             lines.append(f"| {name} | {runs[0]['params']:,} | {runs[0]['tokens']:,} | {runs[0]['train_flops']:.2e}"
                          f" | {label} | {statistics.mean(losses):.4f} ± {_sd(losses):.4f} | "
                          f"{statistics.mean(bpbs):.4f} ± {_sd(bpbs):.4f} | {len(runs)} |")
+    curves = [r for r in results if "passes_curve" in r]
+    if curves:
+        labels = list(curves[0]["passes_curve"])
+        lines += ["", "fbt fused forward, val loss by passes (first 2 batches; fixed point = K = T):", "",
+                  "| run | " + " | ".join(labels) + " |", "|---|" + "---:|" * len(labels)]
+        for name in {r["name"]: None for r in curves}:
+            runs = [r for r in curves if r["name"] == name]
+            cells = []
+            for label in labels:
+                values = [r["passes_curve"][label]["loss"] for r in runs]
+                cells.append(f"{statistics.mean(values):.4f} ± {_sd(values):.4f}")
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    gated = [r for r in results if "gates" in r]
+    if gated:
+        lines += ["", "rgpt gates at the last logged training step (mean over seeds):", "",
+                  "| run | r | mean gate | effective openness ||Δh||/||o|| |", "|---|---:|---:|---:|"]
+        for name in {r["name"]: None for r in gated}:
+            runs = [r for r in gated if r["name"] == name]
+            for r_step in range(1, 33):
+                key = f"openness_r{r_step}"
+                with_step = [r for r in runs if key in r["gates"]]
+                if not with_step:
+                    continue
+                gates = [r["gates"][f"gate_mean_r{r_step}"] for r in with_step]
+                opens = [r["gates"][key] for r in with_step]
+                lines.append(f"| {name} | {r_step} | {statistics.mean(gates):.3f} ± {_sd(gates):.3f} | "
+                             f"{statistics.mean(opens):.3f} ± {_sd(opens):.3f} |")
     return "\n".join(lines)
 
 
