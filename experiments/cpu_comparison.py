@@ -69,13 +69,13 @@ def evaluations(arch: str, config) -> dict[str, dict]:
 
 
 def run_one(out: Path, name: str, fields: dict, steps: int, seed: int, preset: str, batch_size: int,
-            eval_batches: int) -> dict:
+            eval_batches: int, data: str = "stdlib") -> dict:
     fields = dict(fields)
     arch = fields.pop("arch")
     config = RunConfig(model=model_config(arch, preset, **fields),
                        train=TrainConfig(steps=steps, batch_size=batch_size, lr=3e-3, warmup_steps=max(1, steps // 20),
                                          eval_every=0, eval_batches=eval_batches, seed=seed, log_every=10),
-                       data=DataConfig(source="stdlib"))
+                       data=DataConfig(source=data))
     run_dir = out / f"{name}-s{seed}"
     state = setup(config, run_dir, resume=(run_dir / "config.json").exists(), progress=False)
     start = time.time()
@@ -159,6 +159,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--eval-batches", type=int, default=8)
     parser.add_argument("--only", nargs="*", default=None, help="run only these variants")
+    parser.add_argument("--data", default="stdlib", help="data source (stdlib, text:PATH, task:NAME)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -169,13 +170,14 @@ def main() -> None:
         for name, (fields, steps) in variants(args.preset, args.seq_len, args.steps).items():
             if (args.only and name not in args.only) or (name, seed) in done:
                 continue
-            result = run_one(out, name, fields, steps, seed, args.preset, args.batch_size, args.eval_batches)
+            result = run_one(out, name, fields, steps, seed, args.preset, args.batch_size, args.eval_batches,
+                             args.data)
             results.append(result)
             results_file.write_text(json.dumps(results, indent=2) + "\n")
             print(f"{name} seed {seed}: " + ", ".join(f"{k} {v['bpb']:.4f}" for k, v in result["scores"].items()),
                   flush=True)
     table = summarise(results)
-    (out / "results.md").write_text(f"# CPU comparison on stdlib ({args.preset}, T={args.seq_len})\n\n{table}\n")
+    (out / "results.md").write_text(f"# CPU comparison on {args.data} ({args.preset}, T={args.seq_len})\n\n{table}\n")
     print(table)
 
 
