@@ -134,7 +134,7 @@ def summarise(results: list[dict]) -> str:
     gated = [r for r in results if "gates" in r]
     if gated:
         lines += ["", "rgpt gates at the last logged training step (mean over seeds):", "",
-                  "| run | r | mean gate | effective openness ||Δh||/||o|| |", "|---|---:|---:|---:|"]
+                  "| run | r | mean gate | effective openness ‖Δh‖/‖o‖ |", "|---|---:|---:|---:|"]
         for name in {r["name"]: None for r in gated}:
             runs = [r for r in gated if r["name"] == name]
             for r_step in range(1, 33):
