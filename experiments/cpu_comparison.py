@@ -18,7 +18,7 @@ Runs (each seed):
 Every run is evaluated on the same validation batches: loss/BPB (fbt under standard, soft and
 fused, and the passes curve K = 1, 2, 3, 4, 8, 16, T on the first 2 batches; lrt with exact
 sequential memory and the merged parallel estimate; rgpt at r = 1..R, with the mean gate and the
-effective openness per step read from the last logged training step).
+effective openness per step: each step's latest logged reading).
 Writes `results.json` and `results.md` into --out.
 """
 
@@ -90,10 +90,11 @@ def run_one(out: Path, name: str, fields: dict, steps: int, seed: int, preset: s
     if arch == "fbt":
         extra["passes_curve"] = passes_curve(model, state.data.val, byte_lengths, batch_size,
                                              config.model.sequence_len, max_batches=CURVE_BATCHES)
-    if arch == "rgpt":  # the last logged training step's gate readings
+    if arch == "rgpt":  # each recurrence step's latest logged gate readings (a step runs its drawn depth only)
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-        logged = [row for row in rows if "openness_r1" in row][-1]
-        extra["gates"] = {k: v for k, v in logged.items() if k.startswith(("openness_r", "gate_mean_r"))}
+        extra["gates"] = {}
+        for row in rows:
+            extra["gates"] |= {k: v for k, v in row.items() if k.startswith(("openness_r", "gate_mean_r"))}
     return {"name": name, "seed": seed, "arch": arch, "params": model.num_params(), "steps": steps,
             "tokens": summary["tokens"], "train_flops": summary["flops"], "seconds": time.time() - start,
             "scores": scores, **extra}

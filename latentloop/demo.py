@@ -92,10 +92,11 @@ def run_demo(out: Path, minutes: float = 4.0, data: str = "stdlib", preset: str 
         room = config.model.sequence_len - len(prompt)
         ids = generate(state.model, prompt, min(SAMPLE_TOKENS, room), temperature=0.8, top_k=50, seed=0,
                        stop_tokens=[state.tokenizer.bos_id, state.tokenizer.eos_id])
-        logged_gates = [row for row in state.history if "openness_r1" in row]
-        if logged_gates:  # rgpt: the last logged step's mean gate and effective openness per recurrence step
-            summary["gates"] = {k: v for k, v in logged_gates[-1].items()
-                                if k.startswith(("openness_r", "gate_mean_r"))}
+        gates: dict[str, float] = {}
+        for row in state.history:  # rgpt: each recurrence step's latest logged mean gate and openness
+            gates |= {k: v for k, v in row.items() if k.startswith(("openness_r", "gate_mean_r"))}
+        if gates:  # (a logged step ran its drawn depth r only, so deeper steps come from earlier rows)
+            summary["gates"] = gates
         summary.update(arch=arch, sample=SAMPLE_PROMPT + state.tokenizer.decode(ids),
                        history=[row for row in state.history if "loss" in row or "val_loss" in row])
         results.append(summary)
@@ -118,7 +119,7 @@ def gates_line(gates: dict[str, float]) -> str:
     """'r=1: gate 0.52, openness 0.41; r=2: ...' from openness_rN / gate_mean_rN readings."""
     steps = sorted(int(k[len("openness_r"):]) for k in gates if k.startswith("openness_r"))
     return "; ".join(f"r={r}: mean gate {gates.get(f'gate_mean_r{r}', float('nan')):.3f}, effective openness "
-                     f"||Δh||/||o|| {gates[f'openness_r{r}']:.3f}" for r in steps)
+                     f"‖Δh‖/‖o‖ {gates[f'openness_r{r}']:.3f}" for r in steps)
 
 
 def _table(results: list[dict[str, Any]]) -> str:
