@@ -145,6 +145,13 @@ def test_paper_recipe_gives_the_whole_run_mix():
     assert objective.expected_passes() == pytest.approx(0.75 + 2 * 0.22 + 3 * 0.03)  # the paper's 1.28x
 
 
+def test_schedule_follows_the_run_length_set_after_building_the_objective():
+    train = TrainConfig(steps=1_000_000)
+    objective = build_objective(model_config("fbt", "test", recipe="paper"), train)
+    train.steps = 800  # as the demo does once it has timed a few steps
+    assert objective.passes_for_step(599) == 1 and objective.passes_for_step(600) in (2, 3)
+
+
 def test_per_batch_mix_conversion():
     assert per_batch_mix((0.75, 0.22, 0.03), 0.75) == pytest.approx((0.0, 0.88, 0.12))
     assert per_batch_mix((0.75, 0.22, 0.03), 0.5) == pytest.approx((0.5, 0.44, 0.06))

@@ -21,7 +21,6 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..config import FBTConfig, TrainConfig
 from .base import LossResult, Objective, token_cross_entropy
 
 
@@ -48,10 +47,15 @@ def document_prefix_mask(idx: Tensor, bos_id: int, generator: torch.Generator) -
 class MultiPassObjective(Objective):
     name = "fbt_multipass"
 
-    def __init__(self, model_config: FBTConfig, train_config: TrainConfig):
-        super().__init__(model_config, train_config)
-        self.pass_mix = np.asarray(model_config.batch_mix(train_config.steps), dtype=np.float64)
-        self.start = model_config.start_step(train_config.steps)
+    # read from the train config on use, not cached: a caller may set the run's length after building
+    # the objective (the demo sizes its runs by timing a few steps)
+    @property
+    def pass_mix(self) -> np.ndarray:
+        return np.asarray(self.model_config.batch_mix(self.train_config.steps), dtype=np.float64)
+
+    @property
+    def start(self) -> float:
+        return self.model_config.start_step(self.train_config.steps)
 
     def _rng(self, step: int) -> np.random.Generator:
         return np.random.default_rng([self.train_config.seed, step])
