@@ -25,7 +25,7 @@ How it measures:
   them, not the paper's <1% at full depth).
 - Training step: forward + backward + grad-norm clip + AdamW step, the trainer's step through the
   arch's registered objective (fp32, random tokens, no data loading). fbt gets K by a config with
-  `plain_fraction=0` and the whole pass mix on K, so its real objective (prefix mix-in included) runs.
+  `feedback_start=0` and the whole pass mix on K, so its real objective (prefix mix-in included) runs.
 - The variants compared in one table are measured interleaved (round robin, the order rotating every
   repeat), so that a change of machine load hits all of them alike; each figure is the median over
   the repeats, after warmup calls of each.

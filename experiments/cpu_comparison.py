@@ -4,15 +4,21 @@
 
 Runs (each seed):
 - gpt           tied baseline, `--steps` steps
-- fbt           the scheduled multi-pass objective, the same tokens as gpt
+- fbt           the default recipe ("short": feedback from step 0, 88/12 two-/three-pass batches),
+                the same tokens as gpt
+- fbt-paper     the paper's recipe (single-pass for 75% of the run, 75/22/3 over the whole run)
 - gpt-2x        the baseline with twice the steps: matched training compute for lrt
 - lrt           interleaved S=2 (about 2x the baseline's FLOPs per token), the same steps as gpt
-- lrt-mid       ablation: source layer = the middle block instead of the normed top state
-- rgpt-params   isoparams: the preset's blocks as 1 + (L-2) x R + 1, R = 4
+- lrt-top       ablation: source = the normed top state (the released code) instead of the
+                default upper-middle block (the paper)
+- rgpt-params   isoparams: the preset's blocks as 1 + (L-2) x R + 1, R = 4 (default gate bias 0)
+- rgpt-gate4    the same with the paper's gate bias init +4
 - rgpt-flops    isoFLOPs: the same effective depth as gpt
 
 Every run is evaluated on the same validation batches: loss/BPB (fbt under standard, soft and
-fused; lrt with exact sequential memory and the merged parallel estimate; rgpt at r = 1..R).
+fused, and the passes curve K = 1, 2, 3, 4, 8, 16, T on the first 2 batches; lrt with exact
+sequential memory and the merged parallel estimate; rgpt at r = 1..R, with the mean gate and the
+effective openness per step: each step's latest logged reading).
 Writes `results.json` and `results.md` into --out.
 """
 
@@ -30,7 +36,7 @@ sys.path.insert(0, str(REPO))
 
 from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config, rgpt_shape_from_dense  # noqa: E402
 from latentloop.eval import evaluate_loss  # noqa: E402
-from latentloop.eval.loss import decoding_logits  # noqa: E402
+from latentloop.eval.loss import decoding_logits, passes_curve  # noqa: E402
 from latentloop.train import fit, setup  # noqa: E402
 
 
@@ -41,10 +47,13 @@ def variants(preset: str, seq_len: int, steps: int) -> dict[str, tuple[dict, int
     return {
         "gpt": (dict(arch="gpt", **base), steps),
         "fbt": (dict(arch="fbt", **base), steps),
+        "fbt-paper": (dict(arch="fbt", recipe="paper", **base), steps),
         "gpt-2x": (dict(arch="gpt", **base), 2 * steps),
         "lrt": (dict(arch="lrt", **base), steps),
-        "lrt-mid": (dict(arch="lrt", source_layer=layers // 2 - 1, **base), steps),
+        "lrt-top": (dict(arch="lrt", source_layer=-1, **base), steps),
         "rgpt-params": (dict(arch="rgpt", **base, **rgpt_shape_from_dense(layers, "params", 4)), steps),
+        "rgpt-gate4": (dict(arch="rgpt", gate_bias_init=4.0, **base, **rgpt_shape_from_dense(layers, "params", 4)),
+                       steps),
         "rgpt-flops": (dict(arch="rgpt", **base, **rgpt_shape_from_dense(layers, "flops", 2)), steps),
     }
 
@@ -60,13 +69,13 @@ def evaluations(arch: str, config) -> dict[str, dict]:
 
 
 def run_one(out: Path, name: str, fields: dict, steps: int, seed: int, preset: str, batch_size: int,
-            eval_batches: int) -> dict:
+            eval_batches: int, data: str = "stdlib") -> dict:
     fields = dict(fields)
     arch = fields.pop("arch")
     config = RunConfig(model=model_config(arch, preset, **fields),
                        train=TrainConfig(steps=steps, batch_size=batch_size, lr=3e-3, warmup_steps=max(1, steps // 20),
                                          eval_every=0, eval_batches=eval_batches, seed=seed, log_every=10),
-                       data=DataConfig(source="stdlib"))
+                       data=DataConfig(source=data))
     run_dir = out / f"{name}-s{seed}"
     state = setup(config, run_dir, resume=(run_dir / "config.json").exists(), progress=False)
     start = time.time()
@@ -77,9 +86,21 @@ def run_one(out: Path, name: str, fields: dict, steps: int, seed: int, preset: s
     for label, options in evaluations(arch, config.model).items():
         scores[label] = evaluate_loss(model, state.data.val, byte_lengths, batch_size, config.model.sequence_len,
                                       max_batches=eval_batches, logits_fn=decoding_logits(options))
+    extra = {}
+    if arch == "fbt":
+        extra["passes_curve"] = passes_curve(model, state.data.val, byte_lengths, batch_size,
+                                             config.model.sequence_len, max_batches=CURVE_BATCHES)
+    if arch == "rgpt":  # each recurrence step's latest logged gate readings (a step runs its drawn depth only)
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        extra["gates"] = {}
+        for row in rows:
+            extra["gates"] |= {k: v for k, v in row.items() if k.startswith(("openness_r", "gate_mean_r"))}
     return {"name": name, "seed": seed, "arch": arch, "params": model.num_params(), "steps": steps,
             "tokens": summary["tokens"], "train_flops": summary["flops"], "seconds": time.time() - start,
-            "scores": scores}
+            "scores": scores, **extra}
+
+
+CURVE_BATCHES = 2  # the fixed point costs T forwards per batch
 
 
 def _sd(values: list[float]) -> float:
@@ -99,6 +120,33 @@ def summarise(results: list[dict]) -> str:
             lines.append(f"| {name} | {runs[0]['params']:,} | {runs[0]['tokens']:,} | {runs[0]['train_flops']:.2e}"
                          f" | {label} | {statistics.mean(losses):.4f} ± {_sd(losses):.4f} | "
                          f"{statistics.mean(bpbs):.4f} ± {_sd(bpbs):.4f} | {len(runs)} |")
+    curves = [r for r in results if "passes_curve" in r]
+    if curves:
+        labels = list(curves[0]["passes_curve"])
+        lines += ["", "fbt fused forward, val loss by passes (first 2 batches; fixed point = K = T):", "",
+                  "| run | " + " | ".join(labels) + " |", "|---|" + "---:|" * len(labels)]
+        for name in {r["name"]: None for r in curves}:
+            runs = [r for r in curves if r["name"] == name]
+            cells = []
+            for label in labels:
+                values = [r["passes_curve"][label]["loss"] for r in runs]
+                cells.append(f"{statistics.mean(values):.4f} ± {_sd(values):.4f}")
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    gated = [r for r in results if "gates" in r]
+    if gated:
+        lines += ["", "rgpt gates at the last logged training step (mean over seeds):", "",
+                  "| run | r | mean gate | effective openness ‖Δh‖/‖o‖ |", "|---|---:|---:|---:|"]
+        for name in {r["name"]: None for r in gated}:
+            runs = [r for r in gated if r["name"] == name]
+            for r_step in range(1, 33):
+                key = f"openness_r{r_step}"
+                with_step = [r for r in runs if key in r["gates"]]
+                if not with_step:
+                    continue
+                gates = [r["gates"][f"gate_mean_r{r_step}"] for r in with_step]
+                opens = [r["gates"][key] for r in with_step]
+                lines.append(f"| {name} | {r_step} | {statistics.mean(gates):.3f} ± {_sd(gates):.3f} | "
+                             f"{statistics.mean(opens):.3f} ± {_sd(opens):.3f} |")
     return "\n".join(lines)
 
 
@@ -112,6 +160,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--eval-batches", type=int, default=8)
     parser.add_argument("--only", nargs="*", default=None, help="run only these variants")
+    parser.add_argument("--data", default="stdlib", help="data source (stdlib, text:PATH, task:NAME)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -122,13 +171,14 @@ def main() -> None:
         for name, (fields, steps) in variants(args.preset, args.seq_len, args.steps).items():
             if (args.only and name not in args.only) or (name, seed) in done:
                 continue
-            result = run_one(out, name, fields, steps, seed, args.preset, args.batch_size, args.eval_batches)
+            result = run_one(out, name, fields, steps, seed, args.preset, args.batch_size, args.eval_batches,
+                             args.data)
             results.append(result)
             results_file.write_text(json.dumps(results, indent=2) + "\n")
             print(f"{name} seed {seed}: " + ", ".join(f"{k} {v['bpb']:.4f}" for k, v in result["scores"].items()),
                   flush=True)
     table = summarise(results)
-    (out / "results.md").write_text(f"# CPU comparison on stdlib ({args.preset}, T={args.seq_len})\n\n{table}\n")
+    (out / "results.md").write_text(f"# CPU comparison on {args.data} ({args.preset}, T={args.seq_len})\n\n{table}\n")
     print(table)
 
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from .data import eval_batches
 from .errors import ConfigError, OutputError
+from .eval.loss import PASSES_CURVE
 from .models.criteria import KLDivergence, RelativeChange
 from .objectives import token_cross_entropy
 from .runtime import load_run, output_folder, prepare_data
@@ -98,7 +99,10 @@ def contraction(run: str | Path, passes: int = 1000, batches: int = 1, batch_siz
         changes.append(float(RelativeChange(0.0).value(h_next, h).mean()))
         losses.append(float(token_cross_entropy(model.readout(h_next), y)))
         h = h_next
+    T = x.shape[1]  # the Jacobi iteration is exact after T passes: the sequential fixed point
     result = {"run": str(run), "passes": passes, "tokens": int(x.numel()), "relative_change": changes,
+              "sequence_len": T, "loss_fixed_point": losses[T - 1] if passes >= T else None,
+              "passes_curve": {f"K={k}": losses[k - 1] for k in PASSES_CURVE if k <= passes},
               "loss": losses, "final_relative_change": changes[-1], "loss_pass1": losses[0],
               "loss_best": min(losses), "loss_final": losses[-1], "stable": bool(math.isfinite(losses[-1])
                                                                                  and losses[-1] < losses[0] + 0.5)}
@@ -109,8 +113,13 @@ def contraction(run: str | Path, passes: int = 1000, batches: int = 1, batch_siz
         a.set_xscale("log")
         a.set(xlabel="pass k", ylabel="mean ||H_k - H_k-1|| / ||H_k||", title="contraction")
         b.plot(range(1, len(r["loss"]) + 1), r["loss"])
+        curve = [k for k in PASSES_CURVE if k <= len(r["loss"])]
+        b.scatter(curve, [r["loss"][k - 1] for k in curve], color="tab:red", zorder=3, label="K = 1, 2, 3, 4, 8, 16")
+        if r.get("loss_fixed_point") is not None:
+            b.axhline(r["loss_fixed_point"], color="gray", ls="--", label=f"fixed point (K = T = {r['sequence_len']})")
         b.set_xscale("log")
-        b.set(xlabel="pass k", ylabel="loss (nats/token)", title="loss per pass")
+        b.set(xlabel="pass k", ylabel="loss (nats/token)", title="loss per pass (the paper's stability check)")
+        b.legend()
         for axis in (a, b):
             axis.grid(alpha=0.3)
         return fig
@@ -261,8 +270,10 @@ def depth(run: str | Path, max_steps: int | None = None, batches: int = 2, batch
             twin.plot(r["steps"], r["task_accuracy"], marker="s", color="tab:red", label="task accuracy")
             twin.set_ylabel("task accuracy")
         a.legend()
-        b.plot(r["steps"], r["gate_mean_per_step"], marker="o")
-        b.set(xlabel="step", ylabel="mean gate g (1 = copy)", title="gate per step")
+        b.plot(r["steps"], r["gate_mean_per_step"], marker="o", label="mean gate g (1 = copy)")
+        b.plot(r["steps"], r["openness_per_step"], marker="s", label="effective openness ||Δh|| / ||o||")
+        b.set(xlabel="step", ylabel="value", title="gate and openness per step")
+        b.legend()
         c.bar(r["steps"], r["exit_depth_histogram"])
         c.set(xlabel="adaptive exit depth", ylabel="tokens",
               title=f"exit depth (Spearman vs loss {r['spearman_exit_depth_vs_token_loss']:.2f})")

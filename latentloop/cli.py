@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from .errors import CheckpointError, LatentloopError, OutputError
+from .errors import CheckpointError, ConfigError, LatentloopError, OutputError
 
 EXIT_USAGE = 2
 DEFAULT_NEW_TOKENS = 64  # generate's default budget, capped at half the context (the prompt gets the rest)
@@ -145,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --tasks: folder of the task jsonl files (default: $LATENTLOOP_EVAL_DIR, else the "
                         "cached official bundle, fetched once when online)")
     e.add_argument("--no-progress", action="store_true", help="with --tasks: no progress bars")
+    e.add_argument("--passes-curve", action="store_true",
+                   help="fbt: also the loss of the K-pass fused forward for K = 1, 2, 3, 4, 8, 16 and at the "
+                        "sequential fixed point (K = T passes, exact): the paper's stability check")
     _add_generation_options(e)
 
     g = sub.add_parser("generate", help="continue a prompt with a trained model")
@@ -384,6 +387,8 @@ def cmd_eval(args) -> int:
             print(format_suite(result))
             print(f"results: {run_dir / 'evals'}")
         return 0
+    if args.passes_curve and config.model.arch != "fbt":
+        raise ConfigError(f"--passes-curve needs an fbt run; this one is {config.model.arch}")
     data = eval_data(config, tokenizer, args.data)
     tokens = data.val if args.split == "val" else data.train
     options = _generation_options(args)
@@ -398,14 +403,30 @@ def cmd_eval(args) -> int:
                **by_option[first]}
     if len(by_option) > 1:
         metrics["by_option"] = by_option
+    if args.passes_curve:
+        from .eval.loss import passes_curve
+
+        metrics["passes_curve"] = passes_curve(model, tokens, tokenizer.token_byte_lengths(), args.batch_size or 16,
+                                               config.model.sequence_len, args.batches or None)
+    from .eval.loss import SOFT_BPB_NOTE
+
+    notes = [SOFT_BPB_NOTE] if config.model.arch == "fbt" and "soft" in by_option else []
+    if notes:
+        metrics["notes"] = notes
     if args.json:
         print(json.dumps(metrics, indent=2))
     else:
         for key, value in metrics.items():
-            if key != "by_option":
+            if key not in ("by_option", "passes_curve", "notes"):
                 print(f"{key:>12}: {value:.4f}" if isinstance(value, float) else f"{key:>12}: {value}")
         for label, scores in metrics.get("by_option", {}).items():
             print(f"{label:>12}: loss {scores['loss']:.4f}  ppl {scores['ppl']:.3f}  bpb {scores['bpb']:.4f}")
+        if "passes_curve" in metrics:
+            print("fused forward, loss by passes (the paper's stability check):")
+            for label, scores in metrics["passes_curve"].items():
+                print(f"{label:>12}: loss {scores['loss']:.4f}  bpb {scores['bpb']:.4f}")
+        for note in notes:
+            print(f"note: {note}")
     return 0
 
 

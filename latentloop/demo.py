@@ -20,6 +20,7 @@ from .archs import ARCHS
 from .config import DataConfig, RunConfig, TrainConfig, model_config
 from .engine import generate
 from .errors import ConfigError, LatentloopError, OutputError
+from .eval.loss import SOFT_BPB_NOTE
 
 DEMO_MARKER = "demo.json"  # a folder holding this file was written by the demo and may be replaced
 CALIBRATION_STEPS = 3
@@ -91,6 +92,11 @@ def run_demo(out: Path, minutes: float = 4.0, data: str = "stdlib", preset: str 
         room = config.model.sequence_len - len(prompt)
         ids = generate(state.model, prompt, min(SAMPLE_TOKENS, room), temperature=0.8, top_k=50, seed=0,
                        stop_tokens=[state.tokenizer.bos_id, state.tokenizer.eos_id])
+        gates: dict[str, float] = {}
+        for row in state.history:  # rgpt: each recurrence step's latest logged mean gate and openness
+            gates |= {k: v for k, v in row.items() if k.startswith(("openness_r", "gate_mean_r"))}
+        if gates:  # (a logged step ran its drawn depth r only, so deeper steps come from earlier rows)
+            summary["gates"] = gates
         summary.update(arch=arch, sample=SAMPLE_PROMPT + state.tokenizer.decode(ids),
                        history=[row for row in state.history if "loss" in row or "val_loss" in row])
         results.append(summary)
@@ -107,6 +113,13 @@ def score_options(state) -> dict[str, dict[str, float]]:
     return {label: evaluate_run(state.model, state.data.val, state.tokenizer, cfg.train.batch_size,
                                 cfg.model.sequence_len, EVAL_BATCHES, options)
             for label, options in get_arch(cfg.model.arch).scoring_modes(cfg.model).items()}
+
+
+def gates_line(gates: dict[str, float]) -> str:
+    """'r=1: gate 0.52, openness 0.41; r=2: ...' from openness_rN / gate_mean_rN readings."""
+    steps = sorted(int(k[len("openness_r"):]) for k in gates if k.startswith("openness_r"))
+    return "; ".join(f"r={r}: mean gate {gates.get(f'gate_mean_r{r}', float('nan')):.3f}, effective openness "
+                     f"‖Δh‖/‖o‖ {gates[f'openness_r{r}']:.3f}" for r in steps)
 
 
 def _table(results: list[dict[str, Any]]) -> str:
@@ -150,6 +163,11 @@ def _write_report(out: Path, results: list[dict[str, Any]], data: str, preset: s
     device = "cuda" if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
     parts = [f"# latentloop demo\n\npreset `{preset}`, data `{data}`, budget {minutes:g} min, device {device}\n",
              table, ""]
+    if any(r["arch"] == "fbt" for r in results):
+        parts += [f"_{SOFT_BPB_NOTE}._", ""]
+    for r in results:
+        if r.get("gates"):
+            parts += [f"{r['arch']} gates at the last logged step: " + gates_line(r["gates"]), ""]
     parts.append(f"![loss]({plot})\n" if plot else "(install the `plot` extra for a loss plot)\n")
     for r in results:
         parts += [f"## {r['arch']} sample\n", "```", r["sample"], "```", ""]

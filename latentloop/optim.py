@@ -59,25 +59,34 @@ class Muon(torch.optim.Optimizer):
 
 def build_optimizers(model: nn.Module, config: TrainConfig) -> list[torch.optim.Optimizer]:
     """One or two optimizers; each param group remembers its base lr as `initial_lr`."""
-    embed_ids = {id(p) for name, p in model.named_parameters() if name.startswith(("wte", "lm_head"))}
-    matrices, vectors, embeddings = [], [], []
+    # lookup tables (the token embedding, lrt's per-layer value embeddings) and the head: AdamW, never Muon
+    embed_ids = {id(p) for name, p in model.named_parameters()
+                 if name.startswith(("wte", "lm_head")) or ".value_embed." in name}
+    # lrt's residual scalars alpha_l, gamma_l: their own lr when the config sets one (residual_lr > 0)
+    residual_lr = float(getattr(getattr(model, "config", None), "residual_lr", 0.0) or 0.0)
+    residual_ids = {id(p) for name, p in model.named_parameters()
+                    if residual_lr > 0 and name.endswith((".mem_alpha", ".mem_gamma"))}
+    matrices, vectors, embeddings, residuals = [], [], [], []
     for p in model.parameters():
         if not p.requires_grad:
             continue
-        if id(p) in embed_ids:
+        if id(p) in residual_ids:
+            residuals.append(p)
+        elif id(p) in embed_ids:
             embeddings.append(p)
         elif p.dim() >= 2:
             matrices.append(p)
         else:
             vectors.append(p)
     adam_kwargs = dict(lr=config.lr, betas=config.betas, eps=1e-8)
+    residual_group = [dict(params=residuals, weight_decay=0.0, lr=residual_lr)]  # scheduled like the rest
     if config.optimizer == "muon":
-        groups = [dict(params=embeddings, weight_decay=0.0), dict(params=vectors, weight_decay=0.0)]
+        groups = [dict(params=embeddings, weight_decay=0.0), dict(params=vectors, weight_decay=0.0)] + residual_group
         optimizers = [torch.optim.AdamW([g for g in groups if g["params"]], **adam_kwargs),
                       Muon(matrices, lr=config.muon_lr, weight_decay=config.weight_decay)]
     else:
         groups = [dict(params=matrices + embeddings, weight_decay=config.weight_decay),
-                  dict(params=vectors, weight_decay=0.0)]
+                  dict(params=vectors, weight_decay=0.0)] + residual_group
         optimizers = [torch.optim.AdamW([g for g in groups if g["params"]], **adam_kwargs)]
     for opt in optimizers:
         for group in opt.param_groups:

@@ -212,7 +212,7 @@ STAGE_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 # fbt's base run already went through its plain single-pass phase: later stages mix passes from step 0.
 STAGE_MODEL_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
-    "fbt": {"sft": {"plain_fraction": 0.0}, "extend": {"plain_fraction": 0.0}},
+    "fbt": {"sft": {"feedback_start": 0.0}, "extend": {"feedback_start": 0.0}},
 }
 
 

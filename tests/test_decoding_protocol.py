@@ -446,7 +446,8 @@ _VALUES = st.one_of(st.none(), st.booleans(), st.integers(-10**12, 10**12), st.f
 @given(st.sampled_from(sorted(ARCHS)), st.dictionaries(st.sampled_from(
     ["vocab_size", "sequence_len", "n_layer", "n_embd", "n_head", "n_kv_head", "mlp", "mlp_ratio", "logit_softcap",
      "rope_theta", "bos_id", "jitter", "pass_mix", "plain_fraction", "source_layer", "inject_layers", "subsets",
-     "recurrence_steps", "n_rec", "gate_temperature", "tie_embeddings", "unknown_field"]), _VALUES, max_size=4))
+     "recurrence_steps", "n_rec", "gate_temperature", "tie_embeddings", "unknown_field", "recipe", "feedback_start",
+     "run_mix", "residual_lr", "kv_gate_channels", "value_embeds", "gate_bias_init"]), _VALUES, max_size=4))
 def test_config_validation_raises_only_config_errors(arch, fields):
     try:
         ll.model_config(arch, "test", **fields)

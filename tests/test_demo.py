@@ -31,3 +31,11 @@ def test_demo_writes_a_report_for_every_architecture(corpus, tmp_path, capsys):
 @pytest.mark.parametrize("minutes", ["0", "-1"])
 def test_demo_rejects_a_non_positive_budget(minutes, tmp_path):
     assert main(["demo", "--minutes", minutes, "--out", str(tmp_path / "d")]) == 2
+
+
+def test_gates_line_lists_every_recurrence_step():
+    from latentloop.demo import gates_line
+
+    line = gates_line({"openness_r2": 0.1, "gate_mean_r2": 0.9, "openness_r1": 0.5, "gate_mean_r1": 0.6})
+    assert line.index("r=1") < line.index("r=2")
+    assert "r=1: mean gate 0.600, effective openness ‖Δh‖/‖o‖ 0.500" in line and "mean gate 0.900" in line

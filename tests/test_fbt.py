@@ -10,8 +10,9 @@ from safetensors.torch import load_file
 import latentloop as ll
 from latentloop.archs import build_objective
 from latentloop.cli import main
-from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config
+from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config, per_batch_mix
 from latentloop.engine import teacher_forced_logits
+from latentloop.eval.loss import passes_curve
 from latentloop.objectives import token_cross_entropy
 from latentloop.objectives.fbt import document_prefix_mask
 from latentloop.train import fit, setup
@@ -121,14 +122,132 @@ def test_jitter_only_in_training():
     assert torch.equal(model(idx, passes=2).logits, model(idx, passes=2).logits)
 
 
-def test_schedule_and_pass_mix():
+def test_default_recipe_starts_feedback_at_once():
     objective = build_objective(model_config("fbt", "test"), TrainConfig(steps=4000, seed=3))
+    draws = np.array([objective.passes_for_step(s) for s in range(4000)])
+    assert set(draws.tolist()) == {2, 3}  # "short": every batch multi-pass from step 0
+    assert abs((draws == 3).mean() - 0.12) < 0.03
+    assert objective.passes_for_step(3001) == objective.passes_for_step(3001)  # seeded by step
+    assert objective.expected_passes() == pytest.approx(2 * 0.88 + 3 * 0.12)
+
+
+def test_paper_recipe_gives_the_whole_run_mix():
+    cfg = model_config("fbt", "test", recipe="paper")
+    assert cfg.feedback_start == 0.75 and cfg.run_mix == (0.75, 0.22, 0.03)
+    objective = build_objective(cfg, TrainConfig(steps=8000, seed=3))
+    draws = np.array([objective.passes_for_step(s) for s in range(8000)])
+    assert set(draws[:6000].tolist()) == {1}  # single-pass before the start
+    assert set(draws[6000:].tolist()) == {2, 3}  # after it, every batch feeds back (88/12)
+    freq = [(draws == k).mean() for k in (1, 2, 3)]  # over the whole run: the paper's 75/22/3
+    assert freq[0] == pytest.approx(0.75) and abs(freq[1] - 0.22) < 0.015 and abs(freq[2] - 0.03) < 0.015
+    assert objective.expected_passes() == pytest.approx(0.75 + 2 * 0.22 + 3 * 0.03)  # the paper's 1.28x
+
+
+def test_schedule_follows_the_run_length_set_after_building_the_objective():
+    train = TrainConfig(steps=1_000_000)
+    objective = build_objective(model_config("fbt", "test", recipe="paper"), train)
+    train.steps = 800  # as the demo does once it has timed a few steps
+    assert objective.passes_for_step(599) == 1 and objective.passes_for_step(600) in (2, 3)
+
+
+def test_per_batch_mix_conversion():
+    assert per_batch_mix((0.75, 0.22, 0.03), 0.75) == pytest.approx((0.0, 0.88, 0.12))
+    assert per_batch_mix((0.75, 0.22, 0.03), 0.5) == pytest.approx((0.5, 0.44, 0.06))
+    assert per_batch_mix((0.75, 0.22, 0.03), 0.0) == pytest.approx((0.75, 0.22, 0.03))
+    with pytest.raises(ll.ConfigError, match="feedback_start"):
+        per_batch_mix((0.75, 0.22, 0.03), 0.8)  # more single-pass steps before the start than the run has
+    # a start given as a step converts with the run's length: 600 of 800 steps = 0.75
+    cfg = model_config("fbt", "test", feedback_start=600, run_mix=(0.75, 0.22, 0.03))
+    assert cfg.batch_mix(800) == pytest.approx((0.0, 0.88, 0.12))
+    assert build_objective(cfg, TrainConfig(steps=800)).passes_for_step(599) == 1
+
+
+def test_recipe_config_errors():
+    with pytest.raises(ll.ConfigError, match="recipe"):
+        model_config("fbt", "test", recipe="long")
+    with pytest.raises(ll.ConfigError, match="not both"):
+        model_config("fbt", "test", pass_mix=(0.0, 1.0), run_mix=(0.5, 0.5))
+    with pytest.raises(ll.ConfigError, match="run_mix"):
+        model_config("fbt", "test", feedback_start=0.9, run_mix=(0.75, 0.22, 0.03))
+    with pytest.raises(ll.ConfigError, match="run_mix"):
+        model_config("fbt", "test", run_mix=(0.5, 0.4))
+    with pytest.raises(ll.ConfigError, match="feedback_start"):
+        model_config("fbt", "test", feedback_start=2.5)
+    with pytest.raises(ll.ConfigError, match="feedback_start"):
+        model_config("fbt", "test", feedback_start=-0.1)
+    with pytest.raises(ll.ConfigError, match="not both"):
+        model_config("fbt", "test", plain_fraction=0.5, feedback_start=0.2)
+    with pytest.raises(ll.ConfigError, match="plain_fraction"):
+        model_config("fbt", "test", plain_fraction=1.5)
+
+
+def test_old_config_with_plain_fraction_loads_and_trains_as_before(tmp_path):
+    old = {"model": {"arch": "fbt", "preset": "test", "plain_fraction": 0.5, "pass_mix": [0.75, 0.22, 0.03]},
+           "train": {"steps": 4000, "seed": 3}, "data": {}}
+    cfg = RunConfig.from_dict(old)
+    assert cfg.model.feedback_start == 0.5 and cfg.model.pass_mix == (0.75, 0.22, 0.03)
+    objective = build_objective(cfg.model, cfg.train)
     assert {objective.passes_for_step(s) for s in range(2000)} == {1}
     draws = np.array([objective.passes_for_step(s) for s in range(2000, 4000)])
     freq = [(draws == k).mean() for k in (1, 2, 3)]
     assert abs(freq[0] - 0.75) < 0.04 and abs(freq[1] - 0.22) < 0.04 and 0.01 < freq[2] < 0.06
-    assert objective.passes_for_step(3001) == objective.passes_for_step(3001)  # seeded by step
     assert objective.expected_passes() == pytest.approx(0.5 + 0.5 * (0.75 + 2 * 0.22 + 3 * 0.03))
+    # the resolved config round-trips through config.json
+    cfg.save_json(tmp_path / "config.json")
+    again = RunConfig.from_dict(json.loads((tmp_path / "config.json").read_text()))
+    assert again.model.to_dict() == cfg.model.to_dict()
+    for recipe in ("short", "paper"):  # and so do the new recipes
+        fresh = RunConfig(model=model_config("fbt", "test", recipe=recipe))
+        assert RunConfig.from_dict(fresh.to_dict()).model.to_dict() == fresh.model.to_dict()
+
+
+def test_prefix_is_drawn_afresh_per_pass():
+    cfg = model_config("fbt", "test", feedback_start=0.0, pass_mix=(0.0, 0.0, 1.0), jitter=0.0)
+    model = ll.build("fbt", preset="test", jitter=0.0)
+    seen = []
+    original = model.multipass
+
+    def spy(idx, ctx, passes, mask, **kwargs):
+        seen.append(mask)
+        return original(idx, ctx, passes, mask, **kwargs)
+
+    model.multipass = spy
+    x = torch.full((8, 64), 5)
+    x[:, 0] = 256
+    build_objective(cfg, TrainConfig(steps=10))(model, x, x, step=0)
+    masks = seen[0]
+    assert isinstance(masks, list) and len(masks) == 2  # passes 2 and 3
+    assert not torch.equal(masks[0], masks[1])
+
+
+def test_per_pass_masks_match_single_mask_when_equal(model):
+    idx = torch.randint(0, 256, (2, 24))
+    mask = torch.rand(2, 24) > 0.3
+    with torch.no_grad():
+        one = model(idx, passes=3, fuse_mask=mask).logits
+        listed = model(idx, passes=3, fuse_mask=[mask, mask]).logits
+        # a different second-pass mask changes the output: the list is really used per pass
+        other = model(idx, passes=3, fuse_mask=[mask, torch.zeros_like(mask)]).logits
+    torch.testing.assert_close(listed, one, rtol=0, atol=0)  # the same computation, bit for bit
+    assert (other - one).abs().max() > 1e-3
+    with pytest.raises(ll.ConfigError, match="passes - 1"):
+        model(idx, passes=3, fuse_mask=[mask])
+
+
+def test_passes_curve_matches_the_fused_forward(model):
+    tokens = np.random.default_rng(0).integers(0, 256, 2000)
+    byte_lengths = np.ones(259, dtype=np.int64)
+    curve = passes_curve(model, tokens, byte_lengths, 2, 32, max_batches=1)
+    assert list(curve) == ["K=1", "K=2", "K=3", "K=4", "K=8", "K=16", "fixed_point"]
+    x = torch.as_tensor(tokens[:33]).view(1, 33)
+    x2 = torch.as_tensor(tokens[32:65]).view(1, 33)
+    batch, target = torch.cat([x[:, :-1], x2[:, :-1]]), torch.cat([x[:, 1:], x2[:, 1:]])
+    with torch.no_grad():
+        for k in (1, 2, 16):
+            expected = token_cross_entropy(model(batch, passes=k).logits, target).item()
+            assert curve[f"K={k}"]["loss"] == pytest.approx(expected, rel=1e-5)
+        exact = token_cross_entropy(sequential_reference(model, batch), target).item()
+    assert curve["fixed_point"]["loss"] == pytest.approx(exact, rel=1e-4)  # T passes = the sequential recurrence
 
 
 def test_prefix_mixin_mask_keeps_a_plain_prefix_per_document():
@@ -144,10 +263,10 @@ def test_prefix_mixin_mask_keeps_a_plain_prefix_per_document():
 
 
 def test_multipass_loss_formula_and_gradients_through_passes():
-    cfg = model_config("fbt", "test", plain_fraction=0.0, pass_mix=(0.0, 0.0, 1.0), prefix_mixin=False, jitter=0.0,
+    cfg = model_config("fbt", "test", feedback_start=0.0, pass_mix=(0.0, 0.0, 1.0), prefix_mixin=False, jitter=0.0,
                        loss_lambda=0.7)
     torch.manual_seed(0)
-    model = ll.build("fbt", preset="test", plain_fraction=0.0, jitter=0.0)
+    model = ll.build("fbt", preset="test", jitter=0.0)
     objective = build_objective(cfg, TrainConfig(steps=10))
     x, y = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
     result = objective(model, x, y, step=0)
@@ -168,7 +287,7 @@ def _run_config(corpus, arch="fbt", steps=6, **model):
 
 
 def test_resume_is_bit_identical_with_passes_and_jitter(corpus, tmp_path):
-    mix = dict(plain_fraction=0.0, pass_mix=(0.4, 0.4, 0.2))
+    mix = dict(feedback_start=0.0, pass_mix=(0.4, 0.4, 0.2))
     fit(setup(_run_config(corpus, **mix), tmp_path / "a", progress=False), progress=False)
     fit(setup(_run_config(corpus, steps=3, **mix), tmp_path / "b", progress=False), progress=False)
     fit(setup(_run_config(corpus, **mix), tmp_path / "b", resume=True, progress=False), progress=False)

@@ -348,7 +348,7 @@ def test_upcycled_untied_fbt_is_its_base_in_the_standard_regime(base_run):
 def test_upcycled_training_runs_its_objective_and_reduces_the_loss(arch, base_run, corpus, tmp_path, capsys):
     run, _ = base_run
     out = tmp_path / arch
-    extra = ["--set", "plain_fraction=0", "--set", "pass_mix=[0,1]"] if arch == "fbt" else []
+    extra = ["--set", "feedback_start=0", "--set", "pass_mix=[0,1]"] if arch == "fbt" else []
     settings = [arg for pair in ("batch_size=4", "sequence_len=32", "eval_batches=2", "log_every=1")
                 for arg in ("--set", pair)]
     assert main(["train", "--arch", arch, "--init-from", str(run), "--data", f"text:{corpus}", "--steps", "6",

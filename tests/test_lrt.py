@@ -9,18 +9,26 @@ import torch
 import latentloop as ll
 from latentloop.archs import build_objective
 from latentloop.cli import main
-from latentloop.config import TrainConfig, model_config
+from latentloop.config import TrainConfig, model_config, upper_middle_layer
 from latentloop.objectives import token_cross_entropy
+from latentloop.optim import build_optimizers, set_lr
 
 TOL = 1e-5  # fp32 max abs logit difference between two exact paths
 
 VARIANTS = [{}, {"kv_projection": "layerwise"}, {"injection": "kv"}, {"injection": "residual"},
-            {"source_layer": 0}, {"n_kv_head": 2, "inject_layers": (1,)}]
+            {"source_layer": 0}, {"source_layer": -1}, {"n_kv_head": 2, "inject_layers": (1,)},
+            {"value_embeds": True}, {"kv_gate_channels": 32}, {"value_embeds": True, "kv_gate_channels": 32,
+                                                               "kv_projection": "layerwise", "source_layer": -1}]
 
 
 def _model(**overrides):
     torch.manual_seed(0)
-    return ll.build("lrt", preset="test", **overrides).eval()
+    model = ll.build("lrt", preset="test", **overrides).eval()
+    with torch.no_grad():  # value embeddings and gates start at zero; random ones make the checks bite
+        for name, p in model.named_parameters():
+            if ".value_embed." in name or ".c_gate." in name:
+                p.normal_(std=0.5)
+    return model
 
 
 @torch.no_grad()
@@ -114,9 +122,52 @@ def test_parameter_overhead_counts():
     assert layerwise - gpt == L * (2 * D * D + per_layer)
 
 
+def test_released_code_options_change_the_model_and_count_their_parameters():
+    D, L, H, V = 64, 2, 4, 259
+    base = ll.build("lrt", preset="test").num_params()
+    assert ll.build("lrt", preset="test", value_embeds=True).num_params() - base == L * (V * D + D * H)  # + 3rd gate
+    assert ll.build("lrt", preset="test", kv_gate_channels=32).num_params() - base == -L * 32 * 2 * H
+    idx = torch.randint(0, 256, (2, 10))
+    plain, ve = _model(), _model(value_embeds=True)
+    with torch.no_grad():
+        assert (plain(idx, recurrence="sequential").logits - ve(idx, recurrence="sequential").logits).abs().max() > 1e-3
+    narrow = _model(kv_gate_channels=32)
+    assert narrow.blocks[0].attn.c_gate.in_features == 32  # the gate reads only the first 32 channels
+
+
+def test_source_layer_defaults_to_the_upper_middle():
+    assert upper_middle_layer(20) == 11  # the paper: layer 12 of 20 (1-based)
+    assert model_config("lrt", "tiny").source_layer == 1  # 4 blocks: round(2.4) - 1
+    assert model_config("lrt", "small").source_layer == 3  # 6 blocks
+    assert model_config("lrt", "tiny", source_layer=-1).source_layer == -1  # the released code's top state
+
+
+def test_residual_scalars_get_their_own_learning_rate():
+    model = ll.build("lrt", preset="test", residual_lr=0.05)
+    (opt,) = build_optimizers(model, TrainConfig(lr=1e-3))
+    scalars = {id(b.mem_alpha) for b in model.blocks} | {id(b.mem_gamma) for b in model.blocks}
+    groups = [g for g in opt.param_groups if {id(p) for p in g["params"]} & scalars]
+    assert len(groups) == 1 and {id(p) for p in groups[0]["params"]} == scalars
+    assert groups[0]["initial_lr"] == 0.05 and groups[0]["weight_decay"] == 0.0
+    set_lr([opt], 0.5)
+    assert groups[0]["lr"] == pytest.approx(0.025)  # scheduled like every other group
+    (plain_opt,) = build_optimizers(ll.build("lrt", preset="test"), TrainConfig(lr=1e-3))
+    assert all(g["initial_lr"] == 1e-3 for g in plain_opt.param_groups)  # residual_lr 0: the run's lr
+    ve = ll.build("lrt", preset="test", value_embeds=True)
+    muon_opts = build_optimizers(ve, TrainConfig(optimizer="muon"))
+    muon_ids = {id(p) for g in muon_opts[1].param_groups for p in g["params"]}
+    assert all(id(b.attn.value_embed.weight) not in muon_ids for b in ve.blocks)  # lookup tables stay on AdamW
+
+
 def test_config_errors():
     with pytest.raises(ll.ConfigError, match="source_layer"):
         model_config("lrt", "test", source_layer=2)
+    with pytest.raises(ll.ConfigError, match="residual_lr"):
+        model_config("lrt", "test", residual_lr=-1.0)
+    with pytest.raises(ll.ConfigError, match="kv_gate_channels"):
+        model_config("lrt", "test", kv_gate_channels=65)
+    with pytest.raises(ll.ConfigError, match="value_embeds"):
+        model_config("lrt", "test", value_embeds=True, injection="residual")
     with pytest.raises(ll.ConfigError, match="injection"):
         model_config("lrt", "test", injection="attention")
     with pytest.raises(ll.ConfigError, match="recurrence"):

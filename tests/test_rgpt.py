@@ -10,9 +10,10 @@ import torch
 import latentloop as ll
 from latentloop.archs import build_objective
 from latentloop.cli import main
-from latentloop.config import TrainConfig, model_config, rgpt_shape_from_dense
+from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config, rgpt_shape_from_dense
 from latentloop.engine import row_info
 from latentloop.objectives import token_cross_entropy
+from latentloop.train import fit, setup
 
 TOL = 1e-5  # fp32 max abs logit difference between two exact paths
 
@@ -170,3 +171,35 @@ def test_adaptive_exit_reports_each_rows_own_mean_depth():
     alone = [list(ll.stream(model, p, 6, **options))[-1].info["mean_exit_steps"] for p in prompts]
     assert [row_info(batch, row)["mean_exit_steps"] for row in range(3)] == pytest.approx(alone)
     assert batch["mean_exit_steps"] == pytest.approx(sum(alone) / 3)
+
+
+def test_default_gate_bias_lets_gates_learn_and_the_paper_init_stays_available():
+    assert model_config("rgpt", "test").gate_bias_init == 0.0
+    paper = ll.build("rgpt", preset="test", gate_bias_init=4.0)
+    assert paper.gate_out.bias.detach().eq(4.0).all()
+
+
+def test_openness_is_logged_on_log_steps_only(corpus, tmp_path):
+    config = RunConfig(model=model_config("rgpt", "test", sequence_len=32, recurrence_steps=3),
+                       train=TrainConfig(steps=5, batch_size=2, eval_every=0, eval_batches=1, log_every=2,
+                                         warmup_steps=1),
+                       data=DataConfig(source=f"text:{corpus}"))
+    state = setup(config, tmp_path / "run", progress=False)
+    calls = []
+    forward = state.model.forward
+
+    def spy(*args, **kwargs):
+        if state.model.training:  # validation forwards are not training steps
+            calls.append(kwargs.get("record_gates", False))
+        return forward(*args, **kwargs)
+
+    state.model.forward = spy
+    fit(state, progress=False)
+    assert calls == [False, True, False, True, True]  # steps 2 and 4 are logged, and the last one
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    logged = [row for row in rows if "loss" in row]
+    assert [row["step"] for row in logged] == [2, 4, 5]
+    for row in logged:
+        steps = row["steps"]
+        assert all(f"openness_r{r}" in row and f"gate_mean_r{r}" in row for r in range(1, steps + 1))
+        assert all(0 < row[f"gate_mean_r{r}"] < 1 and row[f"openness_r{r}"] > 0 for r in range(1, steps + 1))

@@ -293,6 +293,10 @@ def compare_runs(paths: list[str | Path], out: str | Path = "compare") -> dict[s
         notes.append("no task results in RUN/evals/ (run `latentloop eval RUN --tasks core` first)")
     for plot in plots:
         parts += [f"![{plot[:-4].replace('_', ' ')}]({plot})", ""]
+    if any(r.get("arch") == "fbt" for r in runs):
+        from .loss import SOFT_BPB_NOTE
+
+        notes.append(SOFT_BPB_NOTE)
     parts += [f"_{note}_" for note in notes]
     markdown = "\n".join(parts).rstrip() + "\n"
     report = out / "compare.md"

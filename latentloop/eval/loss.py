@@ -20,6 +20,12 @@ from ..objectives import token_cross_entropy
 
 LogitsFn = Callable[[nn.Module, Tensor], Tensor]  # (model, x (B, T)) -> logits (B, T, V)
 
+# fbt's teacher-forced "soft" score feeds the latent state back at every position of a text the
+# model did not generate; the paper reports no such number (its SOFT regime is a decoding regime,
+# judged by task accuracy). Reports label it so.
+SOFT_BPB_NOTE = ("fbt soft = teacher-forced latent feedback at every position: latentloop's own metric, "
+                 "not one the paper reports")
+
 
 def plain_logits(model: nn.Module, x: Tensor) -> Tensor:
     return model(x).logits
@@ -107,3 +113,55 @@ def evaluate_run(model: nn.Module, tokens: np.ndarray, tokenizer, batch_size: in
     logits_fn = decoding_logits(options)
 
     return evaluate_loss(model, tokens, tokenizer.token_byte_lengths(), batch_size, seq_len, max_batches, logits_fn)
+
+
+# The paper's stability check (its loss-vs-passes figure): the K-pass fused forward's loss for
+# these K, and at the sequential fixed point (K = T passes: the Jacobi iteration is exact there).
+PASSES_CURVE = (1, 2, 3, 4, 8, 16)
+
+
+@torch.no_grad()
+def passes_curve(model: nn.Module, tokens: np.ndarray, token_bytes: np.ndarray, batch_size: int, seq_len: int,
+                 max_batches: int | None = None, passes: tuple[int, ...] = PASSES_CURVE,
+                 device: torch.device | str | None = None) -> dict[str, dict[str, float]]:
+    """fbt: loss/BPB of `model(x, passes=K)` (the fused forward over the whole text) for each K in
+    `passes` and at "fixed_point" (K = the batch's length T, exact). One iteration per batch serves
+    every K: the states of pass k are pass k's whatever the later passes do."""
+    was_training = model.training
+    model.eval()
+    device = device or next(model.parameters()).device
+    byte_table = torch.as_tensor(np.asarray(token_bytes), dtype=torch.long, device=device)
+    sums: dict[str, list[float]] = {}
+    try:
+        for x, y in eval_batches(tokens, batch_size, seq_len, max_batches):
+            x, y = x.to(device), y.to(device)
+            T = x.shape[1]
+            wanted = {f"K={k}": k for k in passes} | {"fixed_point": T}
+            target_bytes = byte_table[y.flatten()]
+            for k, h in enumerate(_fused_passes(model, x, max(wanted.values())), start=1):
+                for label in [label for label, want in wanted.items() if want == k]:
+                    losses = token_cross_entropy(model.readout(h), y, reduction="none")
+                    row = sums.setdefault(label, [0.0, 0.0, 0, 0])
+                    row[0] += float(losses.sum())
+                    row[1] += float((losses * (target_bytes > 0)).sum())
+                    row[2] += y.numel()
+                    row[3] += int(target_bytes.sum())
+    finally:
+        model.train(was_training)
+    return {label: {"loss": nats / max(n, 1), "bpb": nats_bpb / math.log(2) / max(nb, 1), "tokens": n}
+            for label, (nats, nats_bpb, n, nb) in sums.items()}
+
+
+def _fused_passes(model: nn.Module, x: Tensor, passes: int):
+    """Yield the top states of passes 1..`passes` of fbt's fused forward (the same iteration as
+    `FBT.multipass`, one pass in memory at a time: T passes of states would not fit at scale)."""
+    from ..models.backbone import shift_right
+
+    ctx = model.context(x, None, None)
+    e = model.embed(x)
+    mask = model.fuse_mask(x, ctx.plan.positions, 1)[..., None]
+    x_in = e
+    for _ in range(passes):
+        h = model.run_blocks(x_in, ctx)
+        yield h
+        x_in = torch.where(mask, model.fuse(e, shift_right(model.carried_state(h))), e)

@@ -122,16 +122,18 @@ class FBT(GPT):
         """(B, T) True where the input is fused: positions >= max(1, fuse_from), never at BOS."""
         return (positions >= max(1, fuse_from)) & (idx != self.config.bos_id)
 
-    def multipass(self, idx: Tensor, ctx: ForwardContext, passes: int, mask: Tensor,
+    def multipass(self, idx: Tensor, ctx: ForwardContext, passes: int, mask: Tensor | list[Tensor],
                   base: Tensor | None = None, until: RelativeChange | None = None) -> tuple[list[Tensor], Tensor]:
         """Run up to `passes` passes; unfused positions keep `base` (default: plain embeddings).
 
+        `mask` (B, T) says which positions are fused, the same in every pass; or a list of
+        passes - 1 masks, one per fused pass 2..K (training draws a fresh prefix per pass).
         Returns the top states of every pass and the input of the last one. With `until`, stops
         early once every position's top state has settled under that criterion.
         """
+        masks = self._pass_masks(mask, passes)
         e = self.embed(idx)  # (B, T, D)
         base = e if base is None else base
-        mask = mask[..., None]  # (B, T, 1)
         x, states = base, []
         for k in range(passes):
             h = self.run_blocks(x, ctx)  # (B, T, D)
@@ -139,21 +141,31 @@ class FBT(GPT):
             if until is not None and k > 0 and bool(until.settled(h, states[-2]).all()):
                 break
             if k < passes - 1:
-                x = torch.where(mask, self.fuse(e, shift_right(self.carried_state(h))), base)
+                x = torch.where(masks[k][..., None], self.fuse(e, shift_right(self.carried_state(h))), base)
         return states, x
+
+    @staticmethod
+    def _pass_masks(mask: Tensor | list[Tensor], passes: int) -> list[Tensor]:
+        """One (B, T) mask per fused pass (the input of pass k + 2 uses masks[k])."""
+        if isinstance(mask, Tensor):
+            return [mask] * max(0, passes - 1)
+        if len(mask) != passes - 1:
+            raise ConfigError(f"a per-pass fuse mask list needs passes - 1 = {passes - 1} masks, got {len(mask)}")
+        return list(mask)
 
     # -- the whole sequence -------------------------------------------------------------------
     def forward(self, idx: Tensor, pad_mask: Tensor | None = None, passes: int = 1, fuse_from: int = 1,
-                fuse_mask: Tensor | None = None, return_passes: bool = False) -> FBTOutput:
+                fuse_mask: Tensor | list[Tensor] | None = None, return_passes: bool = False) -> FBTOutput:
         """Multi-pass forward over a whole sequence (pass 1 plain); pass k fuses pass k-1's top
-        states. `fuse_mask` (B, T) overrides `fuse_from` (training's per-document prefixes)."""
+        states. `fuse_mask` (B, T), or a list of passes - 1 of them (one per fused pass), overrides
+        `fuse_from` (training's per-document prefixes)."""
         if passes < 1:
             raise ConfigError(f"passes must be >= 1, got {passes}")
         states, _ = self._passes(idx, None, pad_mask, passes, fuse_from=fuse_from, mask=fuse_mask)
         return self._output(states, return_passes)
 
     def _passes(self, idx: Tensor, cache: KVCache | None, pad_mask: Tensor | None, passes: int,
-                fuse_from: int = 1, mask: Tensor | None = None, base: Tensor | None = None,
+                fuse_from: int = 1, mask: Tensor | list[Tensor] | None = None, base: Tensor | None = None,
                 until: RelativeChange | None = None) -> tuple[list[Tensor], Tensor]:
         """`multipass` over idx; with a cache (empty), every pass rewrites its slots, so the
         keys/values left there are those of the last pass, and the carried state is stored."""

@@ -12,9 +12,11 @@ per layer (`layerwise`). The cache keeps its standard shape; the memory rides in
 `cache.state["lrt.memory"]`.
 
 Notable features:
-- source state: the top state after the final norm (`source_layer=-1`, default, as the authors'
-  released code; with learned norm gains, the final norm's gain included: exactly what the head
-  reads), or the (parameter-free) normed output of block `source_layer`
+- source state: the normed output of block `source_layer` (default: an upper-middle block, the
+  paper's best), or the top state after the final norm (`source_layer=-1`, the authors' released
+  code; with learned norm gains, the final norm's gain included: exactly what the head reads)
+- released-code options: the gate reads only the first `kv_gate_channels` channels of norm(x);
+  `value_embeds` adds a per-layer token value embedding to the values through a third gate
 - recurrence procedures over a whole sequence (`forward(idx, recurrence=...)`), which the objective
   turns into losses: `sequential` (exact token-by-token reference), `interleaved` (an init pass with
   zero memory fills a buffer of every layer's keys/values and source states; then each stride subset
@@ -54,6 +56,7 @@ OPTIONS = (
 class LRTContext(ForwardContext):
     memory: Tensor | None = None  # (B, T, D) m_{t-1} for each position
     memory_kv: Tensor | None = None  # shared [W_k m, W_v m] as (B, T, 2 Hkv hd)
+    idx: Tensor | None = None  # (B, T) the tokens of this pass, for the value embeddings
     source: Tensor | None = None  # (B, T, D) written by the source block during the pass
 
 
@@ -69,8 +72,14 @@ class LRTAttention(Attention):
         super().__init__(config, layer_idx)
         self.inject = config.injects(layer_idx) and config.injection in ("kv", "both")
         self.layerwise = config.kv_projection == "layerwise"
-        if self.inject:
-            self.c_gate = nn.Linear(config.n_embd, 2 * self.n_kv_head, bias=False)  # (g_loc, g_fb) per kv head
+        self.gate_channels = config.kv_gate_channels or config.n_embd
+        self.value_embeds = self.inject and config.value_embeds
+        if self.inject:  # (g_loc, g_fb[, g_ve]) per kv head
+            gates = 3 if self.value_embeds else 2
+            self.c_gate = nn.Linear(self.gate_channels, gates * self.n_kv_head, bias=False)
+            if self.value_embeds:  # zeros: at init the option changes nothing
+                self.value_embed = nn.Embedding(config.vocab_size, self.n_kv_head * self.head_dim)
+                nn.init.zeros_(self.value_embed.weight)
             if self.layerwise:
                 self.c_mem_kv = nn.Linear(config.n_embd, 2 * self.n_kv_head * self.head_dim, bias=False)
 
@@ -81,10 +90,14 @@ class LRTAttention(Attention):
         B, T, _ = x.shape
         kv_fb = ctx.memory_kv if not self.layerwise else self.c_mem_kv(ctx.memory)
         H, hd = self.n_kv_head, self.head_dim
-        g_loc, g_fb = (2 * torch.sigmoid(self.c_gate(x))).view(B, T, 2, 1, H, 1).unbind(2)  # (B, T, 1, Hkv, 1)
+        gates = (2 * torch.sigmoid(self.c_gate(x[..., :self.gate_channels]))).view(B, T, -1, 1, H, 1)
+        g_loc, g_fb = gates[:, :, 0], gates[:, :, 1]  # (B, T, 1, Hkv, 1)
         # (B, T, 2, Hkv, hd): keys and values side by side, so one gate per head broadcasts over both
         kv = torch.addcmul(kv.view(B, T, 2, H, hd) * g_loc, g_fb, kv_fb.view(B, T, 2, H, hd))
-        return q, *kv.view(B, T, 2 * H, hd).chunk(2, dim=2)
+        k, v = kv.view(B, T, 2 * H, hd).chunk(2, dim=2)
+        if self.value_embeds:  # the third gate: the token's own value embedding, values only
+            v = torch.addcmul(v, gates[:, :, 2, 0], self.value_embed(ctx.idx).view(B, T, H, hd))
+        return q, k, v
 
 
 class LRTBlock(Block):
@@ -143,7 +156,7 @@ class LRT(GPT):
 
     def run_pass(self, idx: Tensor, ctx: ForwardContext, memory: Tensor) -> tuple[Tensor, Tensor]:
         """Blocks over idx with the given memory; returns top states and source states (B, T, D)."""
-        lctx = LRTContext(**vars(ctx), memory=memory)
+        lctx = LRTContext(**vars(ctx), memory=memory, idx=idx)
         if self.mem_kv is not None:
             lctx.memory_kv = self.mem_kv(memory)  # (B, T, 2 Hkv hd); viewed per head by each layer
         h = self.run_blocks(self.embed(idx), lctx)

@@ -11,7 +11,7 @@ R times with a projected, gated state update, and a coda reads the final state:
         h^(r) = g ⊙ h^(r-1) + (1 - g) ⊙ o
     logits = head(coda(h^(R)))
 
-f_gate's last bias starts at +4 (g ≈ 0.98: each step first passes the state almost unchanged);
+f_gate's last bias starts at `gate_bias_init` (default 0: g = 0.5; the paper's +4 gives g ≈ 0.98);
 ε_x, ε_g ~ N(0, noise_std²) in training only. "norm" is the backbone's parameter-free RMSNorm.
 
 Notable features:
@@ -188,17 +188,18 @@ class RGPT(GPT):
 
     # -- the whole sequence, or a fixed depth through the cache ------------------------------
     def forward(self, idx: Tensor, pad_mask: Tensor | None = None, steps: int | None = None,
-                return_steps: bool = False, no_grad_steps: int = 0) -> RGPTOutput:
+                return_steps: bool = False, no_grad_steps: int = 0, record_gates: bool = False) -> RGPTOutput:
         """Prelude -> `steps` core applications (default: the trained R) -> coda.
 
         return_steps: also the logits, mean gate and openness after every step (coda + head
-        applied to each h^(r)). no_grad_steps: the first n steps run without gradient
-        (truncated backprop).
+        applied to each h^(r)). record_gates: only the mean gate and openness per step (no extra
+        readouts; training asks for them on log steps). no_grad_steps: the first n steps run
+        without gradient (truncated backprop).
         """
-        return self._run_depth(idx, None, pad_mask, steps, return_steps, no_grad_steps)
+        return self._run_depth(idx, None, pad_mask, steps, return_steps, no_grad_steps, record_gates)
 
     def _run_depth(self, idx: Tensor, cache: KVCache | None, pad_mask: Tensor | None, steps: int | None,
-                   return_steps: bool = False, no_grad_steps: int = 0) -> RGPTOutput:
+                   return_steps: bool = False, no_grad_steps: int = 0, record_gates: bool = False) -> RGPTOutput:
         steps = steps or self.config.recurrence_steps
         if steps < 1:
             raise ConfigError(f"steps must be >= 1, got {steps}")
@@ -211,7 +212,7 @@ class RGPT(GPT):
         for r in range(1, steps + 1):
             with torch.set_grad_enabled(torch.is_grad_enabled() and r > no_grad_steps):
                 h_new, g, o = self.recur(h, h_pre, self._step_ctx(ctx, r))
-            if return_steps:  # reading these syncs with the device: only when asked
+            if return_steps or record_gates:  # reading these syncs with the device: only when asked
                 out.gate_means.append(float(g.detach().mean()))
                 out.openness.append(float((h_new - h).detach().norm() / o.detach().norm().clamp_min(1e-12)))
             h = h_new

@@ -2,15 +2,20 @@
 
     L = L_1 + λ/(K-1) Σ_{k=2..K} L_k        (L_k: next-token loss of pass k; no detach between passes)
 
-- Schedule: the first `plain_fraction` of the steps trains single-pass; after that each batch draws
-  its pass count K from `pass_mix` (default 75% K=1, 22% K=2, 3% K=3). The draw is seeded by
-  (seed, step) so every data-parallel rank draws the same K, and a resumed run the same sequence.
-  The rare deeper batches are what keeps the learned map contractive.
-- Prefix mix-in: with K > 1 every packed document keeps a random plain prefix of
-  p = 1 + floor(U · length) tokens, as a prompt is plain before generation starts.
+- Schedule (the config's recipe, see `FBT_RECIPES`): steps before `feedback_start` train
+  single-pass; after it each batch draws its pass count K from the per-batch mix (`pass_mix`, or the
+  whole-run `run_mix` converted by `per_batch_mix`). Default recipe "short": feedback from step 0,
+  88% K=2 / 12% K=3; recipe "paper": 75/22/3 over the whole run with feedback from 75% of it. The
+  draw is seeded by (seed, step) so every data-parallel rank draws the same K, and a resumed run the
+  same sequence. The rare deeper batches are what keeps the learned map contractive.
+- Prefix mix-in: every fused pass (2..K) keeps, per packed document, a random plain prefix of
+  p = 1 + floor(U · length) tokens, as a prompt is plain before generation starts. The prefix is
+  drawn afresh for each pass (as the public reproduction does; the paper randomises "the prefix
+  length where fused inputs start" without tying it across passes), so a deeper pass also sees
+  positions fused whose predecessor was plain in the pass before.
 - SFT (a `loss_mask` is given): the plain prefix ends where the assistant's turn begins, as at
   inference, where the conversation up to `<|assistant|>` is the (plain) prompt and the assistant's
-  tokens are generated (fused): exactly the assistant tokens are fused (`sft_fuse_mask`).
+  tokens are generated (fused): exactly the assistant tokens are fused in every pass (`sft_fuse_mask`).
 """
 
 from __future__ import annotations
@@ -19,7 +24,6 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..config import FBTConfig, TrainConfig
 from .base import LossResult, Objective, token_cross_entropy
 
 
@@ -52,15 +56,21 @@ def sft_fuse_mask(loss_mask: Tensor) -> Tensor:
 class MultiPassObjective(Objective):
     name = "fbt_multipass"
 
-    def __init__(self, model_config: FBTConfig, train_config: TrainConfig):
-        super().__init__(model_config, train_config)
-        self.pass_mix = np.asarray(model_config.pass_mix, dtype=np.float64)
+    # read from the train config on use, not cached: a caller may set the run's length after building
+    # the objective (the demo sizes its runs by timing a few steps)
+    @property
+    def pass_mix(self) -> np.ndarray:
+        return np.asarray(self.model_config.batch_mix(self.train_config.steps), dtype=np.float64)
+
+    @property
+    def start(self) -> float:
+        return self.model_config.start_step(self.train_config.steps)
 
     def _rng(self, step: int) -> np.random.Generator:
         return np.random.default_rng([self.train_config.seed, step])
 
     def passes_for_step(self, step: int) -> int:
-        if step < self.model_config.plain_fraction * self.train_config.steps:
+        if step < self.start:
             return 1
         return 1 + int(self._rng(step).choice(len(self.pass_mix), p=self.pass_mix))
 
@@ -69,22 +79,27 @@ class MultiPassObjective(Objective):
         K = self.passes_for_step(step)
         if K == 1:
             return LossResult(token_cross_entropy(model(x).logits, y, mask=loss_mask), {"passes": 1})
-        mask = None
-        if loss_mask is not None:
-            mask = sft_fuse_mask(loss_mask) & (x != self.model_config.bos_id)
-        elif self.model_config.prefix_mixin:
+        masks = None
+        not_bos = x != self.model_config.bos_id
+        if loss_mask is not None:  # SFT: the assistant's tokens are fused, in every pass
+            masks = sft_fuse_mask(loss_mask) & not_bos
+        elif self.model_config.prefix_mixin:  # one fresh prefix per fused pass (passes 2..K)
             generator = torch.Generator().manual_seed(int(self._rng(step).integers(2**62)))
-            mask = document_prefix_mask(x, self.model_config.bos_id, generator) & (x != self.model_config.bos_id)
-        out = model(x, passes=K, fuse_mask=mask, return_passes=True)
+            masks = [document_prefix_mask(x, self.model_config.bos_id, generator) & not_bos for _ in range(K - 1)]
+        out = model(x, passes=K, fuse_mask=masks, return_passes=True)
         losses = [token_cross_entropy(logits, y, mask=loss_mask) for logits in out.pass_logits]
         loss = losses[0] + self.model_config.loss_lambda / (K - 1) * sum(losses[1:])
         return LossResult(loss, {"passes": K, "objective": float(loss.detach()),
                                  "loss_last_pass": float(losses[-1].detach())},
                           next_token_loss=float(losses[0].detach()))  # pass 1 is the plain model
 
+    def plain_share(self) -> float:
+        """The fraction of the run's steps before feedback starts."""
+        return min(1.0, self.start / max(1, self.train_config.steps))
+
     def expected_passes(self) -> float:
         deep = float(np.dot(np.arange(1, len(self.pass_mix) + 1), self.pass_mix))
-        plain = self.model_config.plain_fraction
+        plain = self.plain_share()
         return plain + (1 - plain) * deep
 
     def forward_mix(self, step: int | None = None) -> list[tuple[float, dict]]:
@@ -93,6 +108,6 @@ class MultiPassObjective(Objective):
 
         if step is not None:
             return [(1.0, forward(self.passes_for_step(step)))]
-        plain = self.model_config.plain_fraction
+        plain = self.plain_share()
         return [(plain, forward(1))] + [((1 - plain) * float(p), forward(K))
                                         for K, p in enumerate(self.pass_mix, start=1) if p > 0]
