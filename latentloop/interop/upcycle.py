@@ -13,7 +13,8 @@ What each arch starts from, and what is exact at step 0:
 - fbt: every pretrained tensor; W_U, W_G fresh. Decoding with `regime=standard` is the pretrained
   model exactly (plain inputs); the fused inputs are new and are learned by the multi-pass
   objective from its `feedback_start` on (the paper introduces the feedback late in pretraining:
-  a pretrained base has had its single-pass phase, so the default recipe's start at step 0 fits). An untied head is allowed: the carried state is still what the
+  a pretrained base has had its single-pass phase, so the default recipe's start at step 0 fits).
+  An untied head is allowed: the carried state is still what the
   head reads (after the final norm and its gain), and W_U learns the map into the input space that
   tying gives for free; without an embedding norm the fused input is rescaled to the embedding
   table's RMS (`fuse_scale`, re-measured here on the loaded embeddings).
