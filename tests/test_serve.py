@@ -46,6 +46,7 @@ SLOW_STEPS = 32  # rgpt recurrence steps that make each decode step slow enough 
 LONG_STEPS = 64  # ~0.3 s per token here: a 120-token request outlasts the rgpt server's timeout many times
 RGPT_TIMEOUT_S = 5  # --request-timeout of the rgpt server (its other requests take about a second)
 TOK = ByteTokenizer()
+CHAT_TOK = ByteTokenizer(chat=True)
 STOPS = [TOK.eos_id, TOK.bos_id]  # what `latentloop generate` and the server stop on
 
 httpx = pytest.importorskip("httpx")
@@ -201,6 +202,9 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     for seed, arch in enumerate(ARCHS):
         torch.manual_seed(seed)
         out[arch] = save_run(ll.build(arch, preset="test", sequence_len=CONTEXT), TOK, folder / arch).parents[1]
+    torch.manual_seed(len(ARCHS))  # a model with the chat format (as `train --stage sft` leaves one)
+    out["chat"] = save_run(ll.build("fbt", preset="test", sequence_len=CONTEXT, vocab_size=CHAT_TOK.vocab_size),
+                           CHAT_TOK, folder / "chat").parents[1]
     return out
 
 
@@ -223,6 +227,7 @@ def servers(runs, tmp_path_factory):
     specs["limits"] = (runs["gpt"], "--max-queue", "1", "--max-tokens-cap", "32", "--max-batch-size", "4",
                        "--batch-window-ms", "1500", "--api-key", API_KEY)
     specs["doomed"] = (runs["rgpt"],)
+    specs["chat"] = (runs["chat"],)
     started = {}
     try:
         for name, (run, *flags) in specs.items():
@@ -408,8 +413,11 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(servers):
     assert post(server, {"prompt": "x"}).status_code == 401  # no key
     assert post(server, {"prompt": "x"}, Authorization="Bearer wrong").status_code == 401
     assert httpx.get(server.url + "/health", timeout=CALL_TIMEOUT_S).status_code == 200  # open to probes
-    chat = httpx.post(server.url + "/v1/chat/completions", json={}, headers=KEY, timeout=CALL_TIMEOUT_S)
-    assert chat.status_code == 404 and "not supported" in chat.json()["error"]["message"]
+    chat = httpx.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]},
+                      headers=KEY, timeout=CALL_TIMEOUT_S)
+    assert chat.status_code == 400 and "no chat format" in chat.json()["error"]["message"]
+    missing = httpx.post(server.url + "/v1/embeddings", json={}, headers=KEY, timeout=CALL_TIMEOUT_S)
+    assert missing.status_code == 404 and "not an endpoint" in missing.json()["error"]["message"]
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=CALL_TIMEOUT_S)
     with pytest.raises(openai.BadRequestError, match="--max-tokens-cap"):
@@ -509,3 +517,34 @@ def test_cli_refuses_an_open_host_without_a_key(runs, capsys, monkeypatch):
     monkeypatch.delenv("LATENTLOOP_API_KEY", raising=False)
     assert main(["serve", str(runs["gpt"]), "--host", "0.0.0.0"]) == 2
     assert "--api-key" in capsys.readouterr().err
+
+
+def test_chat_completions_render_the_sft_format_and_match_the_engine(servers, runs):
+    """/v1/chat/completions renders the conversation as SFT trained it, stops at <|end|>, and gives
+    the engine's greedy tokens for those ids, plain and streamed, through the official client."""
+    openai = pytest.importorskip("openai")
+    from latentloop.data.chat import render_prompt
+
+    server, model = servers["chat"], ll.load(runs["chat"])[0]
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]
+    ids = render_prompt(CHAT_TOK, messages)
+    stops = [CHAT_TOK.eos_id, CHAT_TOK.bos_id, CHAT_TOK.chat_tokens.end]
+    for regime in ("standard", "soft"):
+        expected = ll.generate(model, ids, NEW_TOKENS, temperature=0.0, stop_tokens=stops, regime=regime)
+        text = CHAT_TOK.decode(expected)
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=CALL_TIMEOUT_S)
+        reply = client.chat.completions.create(model="chat", messages=messages, max_tokens=NEW_TOKENS, temperature=0,
+                                               extra_body={"regime": regime})
+        assert reply.object == "chat.completion" and reply.choices[0].message.role == "assistant"
+        assert reply.choices[0].message.content == text and reply.usage.prompt_tokens == len(ids)
+        assert reply.usage.completion_tokens == len(expected) + (reply.choices[0].finish_reason == "stop")
+        pieces = list(client.chat.completions.create(model="chat", messages=messages, max_tokens=NEW_TOKENS,
+                                                     temperature=0, stream=True, extra_body={"regime": regime}))
+        assert pieces[0].choices[0].delta.role == "assistant"
+        assert "".join(p.choices[0].delta.content or "" for p in pieces if p.choices) == text
+    bad = httpx.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]},
+                     timeout=CALL_TIMEOUT_S)
+    assert bad.status_code == 400 and "role" in bad.json()["error"]["message"]
+    echo = httpx.post(server.url + "/v1/chat/completions", json={"messages": messages, "echo": True},
+                      timeout=CALL_TIMEOUT_S)
+    assert echo.status_code == 400 and "echo" in echo.json()["error"]["message"]

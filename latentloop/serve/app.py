@@ -1,7 +1,9 @@
 """The HTTP face of the server: FastAPI routes in OpenAI's shapes, server-sent events, the API
 key, and a uvicorn runner whose shutdown first ends the running requests with an error.
 
-Endpoints: GET /health (no key needed), GET /v1/models, POST /v1/completions, GET /v1/stats, and
+Endpoints: GET /health (no key needed), GET /v1/models, POST /v1/completions, POST
+/v1/chat/completions (models with a chat format: the conversation rendered as SFT trained it), GET
+/v1/stats, and
 vLLM's tokenizer endpoints GET /tokenizer_info, POST /tokenize, POST /detokenize (lm-eval's
 `local-completions` model uses them as its tokenizer with `tokenizer_backend=remote`).
 """
@@ -94,8 +96,7 @@ def create_app(model, tokenizer, name: str, settings: ServeSettings) -> FastAPI:
         message = str(exc.detail)
         if exc.status_code in (404, 405):
             message = (f"{request.method} {request.url.path} is not an endpoint of this server (it offers GET "
-                       f"/v1/models, POST /v1/completions, GET /v1/stats, GET /health; chat completions are not "
-                       f"supported)")
+                       f"/v1/models, POST /v1/completions, POST /v1/chat/completions, GET /v1/stats, GET /health)")
         return JSONResponse(APIError(exc.status_code, message).body(), status_code=exc.status_code)
 
     @app.exception_handler(Exception)
@@ -182,8 +183,17 @@ def create_app(model, tokenizer, name: str, settings: ServeSettings) -> FastAPI:
 
     @router.post("/v1/completions")
     async def completions(request: Request):
+        return await respond(request, chat=False)
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await respond(request, chat=True)
+
+    async def respond(request: Request, chat: bool):
+        """One completions or chat-completions request, plain or streamed: the same parsing,
+        scheduling and events; only the shape of a choice differs (`text` vs `message` / `delta`)."""
         body = await _json_body(request)
-        parsed = parse_completion(body, model, tokenizer, limits, name)
+        parsed = parse_completion(body, model, tokenizer, limits, name, chat=chat)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -194,8 +204,9 @@ def create_app(model, tokenizer, name: str, settings: ServeSettings) -> FastAPI:
         job = Job(parsed, post, tokenizer)
         scheduler.submit(job)
         deadline = time.monotonic() + settings.request_timeout
-        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": name}
+        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
+                "model": name, "object": "chat.completion" if chat else "text_completion"}
+        chunk_object = "chat.completion.chunk" if chat else "text_completion"
 
         def logprobs_of(tokens) -> dict | None:
             if parsed.logprobs is None:
@@ -211,6 +222,7 @@ def create_app(model, tokenizer, name: str, settings: ServeSettings) -> FastAPI:
         if parsed.stream:
             async def events():
                 infos: dict[int, dict] = {}
+                started: set[int] = set()
                 try:
                     while True:
                         try:
@@ -225,12 +237,19 @@ def create_app(model, tokenizer, name: str, settings: ServeSettings) -> FastAPI:
                             return
                         if isinstance(event, Done):
                             if parsed.include_usage:
-                                yield _sse({**head, "choices": [], "usage": usage(event)})
+                                yield _sse({**head, "object": chunk_object, "choices": [], "usage": usage(event)})
                             yield "data: [DONE]\n\n"
                             return
-                        chunk = {**head, "choices": [{"text": event.text, "index": event.choice,
-                                                      "logprobs": logprobs_of(event.tokens),
-                                                      "finish_reason": event.finish_reason}]}
+                        if chat:
+                            delta = {"content": event.text}
+                            if event.choice not in started:  # the first chunk of a choice names the role
+                                started.add(event.choice)
+                                delta = {"role": "assistant", **delta}
+                            choice = {"index": event.choice, "delta": delta, "finish_reason": event.finish_reason}
+                        else:
+                            choice = {"text": event.text, "index": event.choice, "logprobs": logprobs_of(event.tokens),
+                                      "finish_reason": event.finish_reason}
+                        chunk = {**head, "object": chunk_object, "choices": [choice]}
                         if event.finish_reason is not None:
                             infos = {event.choice: event.info or {}}
                             chunk["latentloop"] = extra(parsed.resolved, job, infos)
@@ -264,6 +283,9 @@ def create_app(model, tokenizer, name: str, settings: ServeSettings) -> FastAPI:
                     infos[event.choice] = event.info or {}
         finally:
             job.cancel()
+        if chat:
+            choices = {i: {"index": i, "message": {"role": "assistant", "content": c["text"]},
+                           "finish_reason": c["finish_reason"]} for i, c in choices.items()}
         return {**head, "choices": [choices[i] for i in range(parsed.rows)], "usage": usage(event),
                 "latentloop": extra(parsed.resolved, job, infos)}
 

@@ -165,6 +165,9 @@ def _sampling(body: dict) -> tuple[float, float | None, int | None, int | None]:
     return float(temperature), (None if top_p is None or top_p == 1 else float(top_p)), top_k, seed
 
 
+CHAT_FIELDS = ("messages", "logprobs", "top_logprobs")  # chat-only fields, read before the shared checks
+
+
 def _options(body: dict, model) -> tuple[dict[str, Any], dict[str, Any]]:
     """The architecture's options among the body's fields (given, and resolved with the defaults),
     checked against the model's declarations; any other unknown field is refused by name."""
@@ -243,6 +246,20 @@ def completion_prompts(prompt: Any, tokenizer, vocab_size: int) -> tuple[list[li
     return prompts, added
 
 
+def chat_prompts(messages: Any, tokenizer) -> tuple[list[list[int]], list[bool]]:
+    """The prompt ids of a chat request: the conversation rendered in the chat format of
+    `latentloop.data.chat` (the one SFT trains on), ending with `<|assistant|>`."""
+    from ..data.chat import ChatFormatError, render_prompt
+
+    if getattr(tokenizer, "chat_tokens", None) is None:
+        raise bad_request("this model has no chat format (its tokenizer has no chat tokens): fine-tune it with "
+                          "`latentloop train --stage sft`, or use /v1/completions", "messages")
+    try:
+        return [render_prompt(tokenizer, messages, "messages")], [False]
+    except ChatFormatError as error:
+        raise bad_request(str(error), "messages") from None
+
+
 def _describe(value: Any) -> str:
     return "an empty list" if value == [] else type(value).__name__
 
@@ -252,8 +269,10 @@ def _describe(value: Any) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def parse_completion(body: Any, model, tokenizer, limits: Limits, served_name: str) -> CompletionRequest:
-    """A checked `CompletionRequest` from a decoded JSON body, or an APIError naming the problem."""
+def parse_completion(body: Any, model, tokenizer, limits: Limits, served_name: str,
+                     chat: bool = False) -> CompletionRequest:
+    """A checked `CompletionRequest` from a decoded JSON body, or an APIError naming the problem.
+    `chat`: a /v1/chat/completions body (`messages` instead of `prompt`; no echo, no logprobs)."""
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
     name = body.get("model")
@@ -262,11 +281,24 @@ def parse_completion(body: Any, model, tokenizer, limits: Limits, served_name: s
     if name is not None and name != served_name:
         raise APIError(404, f"the model {name!r} does not exist: this server serves {served_name!r}",
                        param="model", code="model_not_found")
+    if chat:
+        for field_name in ("prompt", "echo", "suffix"):
+            if body.get(field_name) not in (None, False):
+                raise bad_request(f"{field_name} is a /v1/completions field; a chat request sends messages", field_name)
+        if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
+            raise bad_request("logprobs are not supported on /v1/chat/completions (use /v1/completions)", "logprobs")
+        messages = body.get("messages")
+        body = {key: value for key, value in body.items() if key not in CHAT_FIELDS}
     options, resolved = _options(body, model)
     _unsupported(body)
-    if "prompt" not in body:
+    if chat:
+        if messages is None:
+            raise bad_request("messages is required", "messages")
+        prompts, added = chat_prompts(messages, tokenizer)
+    elif "prompt" not in body:
         raise bad_request("prompt is required", "prompt")
-    prompts, added = completion_prompts(body["prompt"], tokenizer, model.config.vocab_size)
+    else:
+        prompts, added = completion_prompts(body["prompt"], tokenizer, model.config.vocab_size)
     temperature, top_p, top_k, seed = _sampling(body)
     n = _int_field(body, "n", 1, 1, limits.max_rows)
     best_of = body.get("best_of")

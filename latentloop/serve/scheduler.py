@@ -155,7 +155,9 @@ class Scheduler:
         self.model, self.tokenizer = model, tokenizer
         self.max_rows, self.max_queue, self.batch_window = max_rows, max_queue, batch_window
         self.context = int(model.config.sequence_len)
-        self.stop_tokens = (tokenizer.eos_id, tokenizer.bos_id)  # as `latentloop generate`
+        # as `latentloop generate`; a chat model also ends its turn with <|end|>
+        chat = getattr(tokenizer, "chat_tokens", None)
+        self.stop_tokens = (tokenizer.eos_id, tokenizer.bos_id) + ((chat.end,) if chat is not None else ())
         self.specials = special_names(tokenizer)
         self.stats = Stats()
         self._pending: collections.deque[Job] = collections.deque()
