@@ -392,12 +392,28 @@ def cmd_eval(args) -> int:
     data = eval_data(config, tokenizer, args.data)
     tokens = data.val if args.split == "val" else data.train
     options = _generation_options(args)
+    from .data.chat import ChatData
+
+    chat = isinstance(data, ChatData)
+    if chat and (args.by_position is not None or args.passes_curve):
+        raise LatentloopError("--by-position and --passes-curve score plain text; this data is conversations")
     if args.by_position is not None:
         return _eval_by_position(args, model, tokens, config, checkpoint, options)
     # no options given: score every way the architecture offers (fbt regimes, lrt prefills, rgpt depths)
     choices = {"given": options} if options else get_arch(config.model.arch).scoring_modes(config.model)
-    by_option = {label: evaluate_run(model, tokens, tokenizer, args.batch_size or 16, config.model.sequence_len,
-                                     args.batches or None, choice) for label, choice in choices.items()}
+    if chat:  # the loss on the assistant's tokens, as SFT validates
+        from .data.chat import masked_batches
+        from .engine import model_options
+        from .eval.loss import decoding_logits, evaluate_batches
+
+        for choice in choices.values():
+            model_options(model, choice)  # a bad option fails before any batch
+        by_option = {label: evaluate_batches(model, masked_batches(tokens, args.batch_size or 16, args.batches or None),
+                                             tokenizer.token_byte_lengths(), decoding_logits(choice))
+                     for label, choice in choices.items()}
+    else:
+        by_option = {label: evaluate_run(model, tokens, tokenizer, args.batch_size or 16, config.model.sequence_len,
+                                         args.batches or None, choice) for label, choice in choices.items()}
     first = next(iter(by_option))
     metrics = {"run": str(args.run), "checkpoint": str(checkpoint), "split": args.split, "scored_as": first,
                **by_option[first]}

@@ -89,15 +89,20 @@ def prepare_data(config: RunConfig, tokenizer, progress: bool = True) -> TokenDa
     return prepare_tokens(source, tokenizer, cache_dir, max_bytes=data.max_bytes or None, progress=progress)
 
 
-def eval_data(config: RunConfig, tokenizer, data: str | None = None, progress: bool = False) -> TokenData:
+def eval_data(config: RunConfig, tokenizer, data: str | None = None, progress: bool = False):
     """The tokens to evaluate a loaded run on: `data` when given, else the run's own source if it
-    is built in (stdlib, task:NAME). A run's config.json does not get to choose which files are
-    read: a file or dataset source must be named by the user. The default cache folder is used."""
+    is built in (stdlib, task:NAME, chat:task:NAME). A run's config.json does not get to choose
+    which files are read: a file or dataset source must be named by the user. The default cache
+    folder is used. Conversations (`chat:`) come back as `ChatData` (rows with a loss mask)."""
     if data is None:
         data = config.data.source
-        if not data.startswith(BUILTIN_SOURCES):
+        if not data.startswith(BUILTIN_SOURCES + ("chat:task:",)):
             raise ConfigError(f"this run was trained on {data!r}; name the data to evaluate on with --data "
                               f"(a run folder does not choose files to read)")
+    if data.startswith("chat:"):
+        from .data.chat import prepare_chat
+
+        return prepare_chat(data, tokenizer, config.model.sequence_len, config.data.val_fraction)
     chosen = RunConfig(model=config.model, train=config.train,
                        data=dataclasses.replace(config.data, source=data, cache_dir=""))
     return prepare_data(chosen, tokenizer, progress)

@@ -197,3 +197,20 @@ def test_chat_tasks_report_accuracy_and_reasoning_tokens(tmp_path):
     with pytest.raises(Exception, match="no chat tokens"):
         run_generation_tasks(build("gpt", preset="test"), ByteTokenizer(), "chat:addition", None, limit=1,
                              progress=False)
+
+
+def test_eval_of_an_sft_run_is_the_masked_loss_on_held_out_conversations(tmp_path, capsys):
+    base = _base_run(tmp_path, "fbt")
+    out = tmp_path / "sft"
+    assert main(["train", "--stage", "sft", "--init-from", str(base), "--data", "chat:task:addition_steps:n=200",
+                 "--steps", "2", "--batch-size", "4", "--out", str(out), "--no-progress", "--json",
+                 "--set", "eval_batches=2"]) == 0
+    trained = json.loads(capsys.readouterr().out)
+    # the run's own source is built in (chat:task:...), so eval needs no --data; standard = plain inputs,
+    # which is what the trainer's validation scores
+    assert main(["eval", str(out), "--regime", "standard", "--batches", "2", "--batch-size", "4", "--json"]) == 0
+    scored = json.loads(capsys.readouterr().out)
+    assert scored["loss"] == pytest.approx(trained["val_loss"], abs=1e-5) and scored["tokens"] == trained["val_tokens"]
+    assert main(["eval", str(out), "--batches", "1", "--batch-size", "4", "--json"]) == 0
+    assert set(json.loads(capsys.readouterr().out)["by_option"]) == {"standard", "soft", "fused"}
+    assert main(["eval", str(out), "--passes-curve"]) == 2
