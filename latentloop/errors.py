@@ -32,3 +32,9 @@ class OutputError(LatentloopError):
 
 class NonFiniteError(LatentloopError):
     """Training produced a NaN or infinite loss or gradient (the run diverged)."""
+
+
+class RankFailure(LatentloopError):
+    """Another process of a distributed run failed (with an error of no known class); raised on
+    every process, so that all stop together. Errors that every process raises this way carry
+    `shared = True`, and the command line prints them on rank 0 only."""
