@@ -74,6 +74,20 @@ def compiles_whole_model(model: nn.Module, strategy: str) -> bool:
     return model.config.arch == "gpt" and strategy != "fsdp2"
 
 
+# Graphs one compiled block function may keep: its blocks (layer attributes such as lrt's injection
+# flags are guarded) x the kinds of pass it runs in (full causal, subset with a mask, evaluation).
+GRAPHS_PER_BLOCK = 4
+
+
+def _allow_recompiles(blocks: int) -> None:
+    """Raise dynamo's per-function recompile limit (8 by default: past it, a block falls back to
+    eager for good) to what block-by-block compilation needs."""
+    import torch._dynamo.config as dynamo
+
+    name = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
+    setattr(dynamo, name, max(getattr(dynamo, name), GRAPHS_PER_BLOCK * blocks))
+
+
 def _bf16_on_gpu(config: TrainConfig, device: torch.device) -> bool:
     return device.type == "cuda" and config.dtype in ("auto", "bfloat16")
 
@@ -86,6 +100,7 @@ def wrap_model(model: nn.Module, config: TrainConfig, device: torch.device) -> n
         apply_activation_checkpointing(model)
     whole = config.compile and compiles_whole_model(model, config.strategy)
     if config.compile and not whole:
+        _allow_recompiles(len(model.blocks))
         for block in model.blocks:
             block.compile()  # in place: the parameter names stay
     forward_model = model

@@ -26,11 +26,12 @@ SEED = 2  # steps 0-2 draw fbt K = 1, 2, 2 and rgpt depths 3, 1, 2 (asserted by 
 LATE_FUSION_SEED = 11
 
 
-def run_config(arch: str, corpus: Path, strategy: str, steps: int = 3, grad_accum: int = 1, **train) -> RunConfig:
+def run_config(arch: str, corpus: Path, strategy: str, steps: int = 3, grad_accum: int = 1,
+               model: dict | None = None, **train) -> RunConfig:
     train = {"steps": steps, "batch_size": 2, "grad_accum": grad_accum, "eval_every": 0, "eval_batches": 1,
              "log_every": 1, "warmup_steps": 1, "lr": 1e-2, "seed": SEED, "strategy": strategy, "device": "cpu",
              **train}
-    return RunConfig(model=model_config(arch, "test", sequence_len=32, **ARCH_OVERRIDES[arch]),
+    return RunConfig(model=model_config(arch, "test", sequence_len=32, **{**ARCH_OVERRIDES[arch], **(model or {})}),
                      train=TrainConfig(**train), data=DataConfig(source=f"text:{corpus}"))
 
 
@@ -76,36 +77,78 @@ def record_draws(objective, model) -> list[dict]:
     return draws
 
 
-def _runs(rank: int, corpus: str, out: str, strategy: str, archs: list[str]) -> None:
-    """One run per architecture under `strategy`; rank 0 writes the losses and every rank's draws."""
+ACCUMULATING = "gpt+accum"  # a case of its own: gpt with 2 micro-batches per step on every process
+
+
+def case_arch(case: str) -> tuple[str, int]:
+    """(arch, grad_accum) of a case name: an arch, or ACCUMULATING."""
+    return ("gpt", 2) if case == ACCUMULATING else (case, 1)
+
+
+def _runs(rank: int, corpus: str, out: str, strategy: str, cases: list[str]) -> None:
+    """One run per case under `strategy`; rank 0 writes the losses and every rank's draws."""
     from latentloop.parallel import gather_objects
     from latentloop.train import fit, setup
 
     results = {}
-    for arch in archs:
-        state = setup(run_config(arch, Path(corpus), strategy), Path(out) / f"{arch}-{strategy}", progress=False)
+    for case in cases:
+        arch, grad_accum = case_arch(case)
+        state = setup(run_config(arch, Path(corpus), strategy, grad_accum=grad_accum),
+                      Path(out) / f"{case}-{strategy}", progress=False)
         draws = record_draws(state.objective, state.model)
         summary = fit(state, progress=False)
-        results[arch] = {"losses": [row["loss"] for row in state.history if "loss" in row],
+        results[case] = {"losses": [row["loss"] for row in state.history if "loss" in row],
                          "draws": gather_objects(draws), "checkpoint": summary["checkpoint"]}
     if rank == 0:
         (Path(out) / f"{strategy}.json").write_text(json.dumps(results))
 
 
-def equivalence(rank: int, world: int, port: int, corpus: str, out: str, strategy: str, archs: list[str]) -> None:
+NOISY_RGPT = {"noise_std": 0.1}  # rgpt's training noise on: each rank's own RNG stream must be saved and restored
+
+
+def equivalence(rank: int, world: int, port: int, corpus: str, out: str, strategy: str, cases: list[str]) -> None:
+    """`_runs`, then (ddp) a noisy rgpt run interrupted after step 2 and resumed (`interrupted`)."""
     from latentloop.runtime import destroy_distributed
 
     join(rank, world, port)
-    _runs(rank, corpus, out, strategy, archs)
+    _runs(rank, corpus, out, strategy, cases)
+    if strategy == "ddp":
+        interrupted(rank, corpus, out, "rgpt-ddp-resume", "rgpt", "ddp", NOISY_RGPT)
     destroy_distributed()
 
 
-def sharded(rank: int, world: int, port: int, corpus: str, out: str, archs: list[str]) -> None:
-    """fsdp2 runs of `archs` (as `equivalence`), then `sharded_checkpoints`, in one process group."""
+def interrupted(rank: int, corpus: str, out: str, name: str, arch: str, strategy: str, model: dict,
+                **train) -> int:
+    """A 4-step run saving at steps 2 and 4; rank 0 keeps its final checkpoint as NAME-straight and
+    deletes it, and the run resumes from step 2 on as many processes into NAME/. Returns the step
+    it resumed from (also written to NAME.json by rank 0)."""
+    import shutil
+
+    from latentloop.checkpoint import list_checkpoints
+    from latentloop.train import fit, setup
+
+    run = Path(out) / name
+    config = dict(steps=4, save_every=2, keep_last=3, model=model, **train)
+    fit(setup(run_config(arch, Path(corpus), strategy, **config), run, progress=False), progress=False)
+    if rank == 0:
+        final = list_checkpoints(run)[-1]
+        shutil.copytree(final, Path(out) / f"{name}-straight")  # what the uninterrupted run ended with
+        shutil.rmtree(final)
+    torch.distributed.barrier()
+    resumed = setup(run_config(arch, Path(corpus), strategy, **config), run, resume=True, progress=False)
+    start = resumed.step
+    fit(resumed, progress=False)
+    if rank == 0:
+        (Path(out) / f"{name}.json").write_text(json.dumps({"resumed_from": start}))
+    return start
+
+
+def sharded(rank: int, world: int, port: int, corpus: str, out: str, cases: list[str]) -> None:
+    """fsdp2 runs of `cases` (as `equivalence`), then `sharded_checkpoints`, in one process group."""
     from latentloop.runtime import destroy_distributed
 
     join(rank, world, port)
-    _runs(rank, corpus, out, "fsdp2", archs)
+    _runs(rank, corpus, out, "fsdp2", cases)
     sharded_checkpoints(rank, corpus, out)
     destroy_distributed()
 

@@ -29,6 +29,8 @@ from latentloop.errors import CheckpointError
 from latentloop.train import fit, setup
 
 ARCHS = ["gpt", "fbt", "lrt", "rgpt"]
+# and gpt accumulating 2 micro-batches per process: the gradients synchronise on the second only
+CASES = [*ARCHS, dist_workers.ACCUMULATING]
 WORLD = 2
 SPAWN_TIMEOUT_S = 150  # a hung collective fails the test instead of the suite
 TORCHRUN_TIMEOUT_S = 120
@@ -89,9 +91,10 @@ def _final_weights(checkpoint: str | Path) -> dict[str, torch.Tensor]:
     return load_file(str(Path(checkpoint) / "model.safetensors"))
 
 
-def _reference(arch: str, corpus: Path, run: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process, twice the gradient accumulation: the run two data-parallel processes must equal."""
-    state = setup(dist_workers.run_config(arch, corpus, "none", grad_accum=WORLD), run, progress=False)
+def _reference(case: str, corpus: Path, run: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, WORLD times the gradient accumulation: the run the data-parallel processes must equal."""
+    arch, grad_accum = dist_workers.case_arch(case)
+    state = setup(dist_workers.run_config(arch, corpus, "none", grad_accum=grad_accum * WORLD), run, progress=False)
     summary = fit(state, progress=False)
     return [row["loss"] for row in state.history if "loss" in row], _final_weights(summary["checkpoint"])
 
@@ -111,16 +114,16 @@ def _assert_same_run(result: dict, reference: tuple[list[float], dict[str, torch
 def ddp_runs(corpus, tmp_path_factory) -> tuple[Path, dict, dict]:
     """The two-process DDP runs of every arch, and (computed meanwhile) their one-process references."""
     out = tmp_path_factory.mktemp("ddp")
-    context = _start(dist_workers.equivalence, str(corpus), str(out), "ddp", ARCHS)
-    references = {arch: _reference(arch, corpus, out / f"{arch}-reference") for arch in ARCHS}
+    context = _start(dist_workers.equivalence, str(corpus), str(out), "ddp", CASES)
+    references = {case: _reference(case, corpus, out / f"{case}-reference") for case in CASES}
     _join(context)
     return out, json.loads((out / "ddp.json").read_text()), references
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_ddp_on_two_processes_equals_one_process_with_twice_the_accumulation(ddp_runs, arch):
+@pytest.mark.parametrize("case", CASES)
+def test_ddp_on_two_processes_equals_one_process_with_twice_the_accumulation(ddp_runs, case):
     _, results, references = ddp_runs
-    _assert_same_run(results[arch], references[arch], arch)
+    _assert_same_run(results[case], references[case], case)
 
 
 def test_every_random_draw_is_the_same_on_every_rank(ddp_runs):
@@ -134,6 +137,18 @@ def test_every_random_draw_is_the_same_on_every_rank(ddp_runs):
     assert len({d["steps"] for d in results["rgpt"]["draws"][0]}) > 1  # the depth changed between steps
     lrt = results["lrt"]["draws"][0]
     assert all(d["columns"][1:] == [list(range(0, 32, 2)), list(range(1, 32, 2))] for d in lrt)  # S = 2 subsets
+
+
+def test_a_two_process_ddp_run_resumes_exactly(ddp_runs):
+    """rgpt with its training noise on: each process's own RNG stream is saved and restored."""
+    out, _, _ = ddp_runs
+    assert json.loads((out / "rgpt-ddp-resume.json").read_text()) == {"resumed_from": 2}
+    straight = _final_weights(out / "rgpt-ddp-resume-straight")
+    resumed = _final_weights(list_checkpoints(out / "rgpt-ddp-resume")[-1])
+    assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
+    trainer = json.loads((out / "rgpt-ddp-resume-straight" / "trainer.json").read_text())
+    ranks = trainer["state"]["rng_ranks"]
+    assert len(ranks) == WORLD and ranks[0]["torch"] != ranks[1]["torch"]  # two streams, both kept
 
 
 def test_a_two_process_run_logs_once_with_the_global_batch(ddp_runs):
@@ -163,9 +178,9 @@ def fsdp2_runs(corpus, tmp_path_factory) -> tuple[Path, dict, dict]:
     if reason is not None:
         pytest.skip(reason)  # the GPU benchmark (benchmarks/gpu.sh) runs fsdp2 with NCCL instead
     out = tmp_path_factory.mktemp("fsdp2")
-    archs = [arch for arch in ARCHS if arch != "fbt"]  # fbt: the checkpoint run below
-    context = _start(dist_workers.sharded, str(corpus), str(out), archs)
-    references = {arch: _reference(arch, corpus, out / f"{arch}-reference") for arch in archs}
+    cases = [case for case in CASES if case != "fbt"]  # fbt: the checkpoint run below
+    context = _start(dist_workers.sharded, str(corpus), str(out), cases)
+    references = {case: _reference(case, corpus, out / f"{case}-reference") for case in cases}
     # fbt: K = 1, 1, 2, ... so the fusion matrices first get gradients (and optimizer state) after step 2
     config = dist_workers.run_config("fbt", corpus, "none", steps=4, grad_accum=WORLD, save_every=2, keep_last=3,
                                      seed=dist_workers.LATE_FUSION_SEED)
