@@ -242,11 +242,13 @@ def _run_config_from_args(args):
 
 
 def cmd_train(args) -> int:
+    import os
+
     from .train import fit, setup
 
     config = _run_config_from_args(args)
     if args.iso:
-        config = _iso_shaped(config, args.iso)
+        config = _iso_shaped(config, args.iso, show=os.environ.get("RANK", "0") in ("", "0"))  # once per job
     state = setup(config, args.out, resume=args.resume, progress=not args.no_progress, init_from=args.init_from)
     summary = fit(state, progress=not args.no_progress)
     if not state.dist.is_main:  # rank 0 reports for the job
@@ -260,8 +262,8 @@ def cmd_train(args) -> int:
     return 0
 
 
-def _iso_shaped(config, iso: str):
-    """Reshape an rgpt config from its dense depth; print params and FLOPs/token of both."""
+def _iso_shaped(config, iso: str, show: bool = True):
+    """Reshape an rgpt config from its dense depth; print params and FLOPs/token of both (`show`)."""
     import dataclasses
 
     from .archs import build_model
@@ -276,6 +278,9 @@ def _iso_shaped(config, iso: str):
     shape = rgpt_shape_from_dense(dense_layers, iso, config.model.recurrence_steps)
     fields.update(shape)
     rgpt_config = model_config("rgpt", None, **fields)
+    config.model = rgpt_config
+    if not show:
+        return config
     dense_fields = {f.name: fields[f.name] for f in dataclasses.fields(ModelConfig) if f.name in fields}
     dense = build_model(model_config("gpt", None, **{**dense_fields, "n_layer": dense_layers}))
     recurrent = build_model(rgpt_config)
@@ -284,7 +289,6 @@ def _iso_shaped(config, iso: str):
           f"{dense.flops_per_token(T):,} FLOPs/token (fwd+bwd)")
     print(f"iso{iso}: rgpt {shape['n_pre']} + {shape['n_rec']} x {shape['recurrence_steps']} + {shape['n_coda']}: "
           f"{recurrent.num_params():,} params, {recurrent.flops_per_token(T):,} FLOPs/token at R")
-    config.model = rgpt_config
     return config
 
 

@@ -612,8 +612,11 @@ def _fit(state: TrainState, progress: bool, max_seconds: float | None) -> dict[s
                 tok_per_s = window_tokens / max(now - window_start, 1e-9)
                 window_start, window_tokens = now, 0
                 lr = cfg.lr * multiplier
+                spread = ({"world_size": state.dist.world_size, "global_batch": state.global_batch}
+                          if state.dist.world_size > 1 else {})
                 _log(state, {"step": state.step, "loss": train_loss, "lr": lr, "tokens": state.tokens_seen,
-                             "flops": state.flops_seen, "tok_per_s": tok_per_s, "elapsed": state.elapsed, **extra})
+                             "flops": state.flops_seen, "tok_per_s": tok_per_s, "elapsed": state.elapsed, **spread,
+                             **extra})
                 bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tok_per_s:,.0f}")
             bar.update(1)
             if cfg.eval_every and state.step % cfg.eval_every == 0 and state.step < cfg.steps:

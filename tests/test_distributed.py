@@ -206,6 +206,12 @@ def test_a_sharded_checkpoint_resumes_exactly_and_exports_to_one_file(fsdp2_runs
     with pytest.raises(CheckpointError, match="export-dcp"):
         ll.load(straight)
     assert main(["export-dcp", str(straight)]) == 0
+    written = (straight / "model.safetensors").stat().st_mtime_ns
+    capsys.readouterr()
+    assert main(["export-dcp", str(straight)]) == 2  # never overwritten unless asked
+    assert "exists already (pass --force" in capsys.readouterr().err
+    assert (straight / "model.safetensors").stat().st_mtime_ns == written
+    assert main(["export-dcp", str(straight), "--force"]) == 0
     resumed = list_checkpoints(run)[-1]  # saved with full_weights=true: gathered on rank 0
     assert (resumed / "dcp").is_dir() and (resumed / "model.safetensors").is_file()
     a, b = _final_weights(straight), _final_weights(resumed)
