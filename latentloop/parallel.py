@@ -28,8 +28,9 @@ Per block, before the strategy wraps the model:
 
 Checkpoints of an fsdp2 run (`save_sharded` / `load_sharded`) go through
 `torch.distributed.checkpoint`: every process writes its own shards of the model and optimizer
-(`get_state_dict` / `set_state_dict`), so no process ever holds the whole model; a run resumed on
-another number of processes is resharded on load.
+(`get_state_dict` / `set_state_dict`), so saving never gathers the model; a run resumed on another
+number of processes is resharded on load. The single-file copy for `load` / `eval` / `generate`
+(`full_weights`) is gathered shard by shard into rank 0's CPU memory, never onto a GPU.
 """
 
 from __future__ import annotations
@@ -51,8 +52,9 @@ from .config import TrainConfig
 from .errors import CheckpointError, OutputError
 from .runtime import current_dist
 
-__all__ = ["SHARDED_DIR", "apply_activation_checkpointing", "full_weights", "gradient_sync", "grad_norm",
-           "load_sharded", "save_sharded", "wrap_model"]
+__all__ = ["SHARDED_DIR", "any_rank", "apply_activation_checkpointing", "compiles_whole_model", "full_weights",
+           "gather_objects", "grad_norm", "gradient_sync", "load_full_optimizer_states", "load_full_weights",
+           "load_sharded", "mean_across_ranks", "save_sharded", "wrap_model"]
 # lrt recurrences whose passes share one key/value buffer (see the module docstring)
 BUFFERED_RECURRENCES = ("interleaved", "chunked")
 

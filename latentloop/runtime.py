@@ -1,5 +1,5 @@
-"""What every front-end needs around a model, without training or the CLI: the device, the
-default folders, data preparation and loading a run.
+"""What every front-end needs around a model, without training or the CLI: the device and the
+process group, the default folders, data preparation and loading (or exporting) a run.
 
     device = resolve_device("auto")
     env, device = init_distributed("ddp", "auto")   # the process group torchrun asked for (gloo / nccl)
@@ -8,6 +8,7 @@ default folders, data preparation and loading a run.
     save_run(model, tokenizer, "runs/untrained")    # a loadable run folder from any model
     data = prepare_data(config, tokenizer)          # memory-mapped train / val tokens
     data = eval_data(config, tokenizer, "text:x/")  # the same for a loaded run, whose config is not trusted
+    export_full_weights("runs/big")                 # model.safetensors from an fsdp2 checkpoint's shards
 
 A run folder may come from anyone: `load_run` checks its config against the weights' header before
 allocating anything, and the tokenizer against the config; a loaded run's `cache_dir` is ignored
