@@ -32,7 +32,7 @@ QUIET = {"gpt": {}, "fbt": {"plain_fraction": 0.0, "pass_mix": (0.0, 1.0), "jitt
 def _loss_and_grads(model, objective, x, y, step=3, forward=None):
     """Loss and gradients (by parameter name of `model`) of one objective call through `forward`."""
     model.zero_grad(set_to_none=True)
-    loss = objective(forward or model, x, y, step).loss
+    loss = objective(model if forward is None else forward, x, y, step).loss
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
