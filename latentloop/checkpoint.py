@@ -8,8 +8,11 @@
         model.safetensors      weights
         config.json, tokenizer.json   copies, so a checkpoint folder loads on its own
         trainer.safetensors    every tensor of the optimizer states (not in imported checkpoints)
-        trainer.json           everything else of the optimizer states, and the RNG states
-        state.json             step, tokens seen, loader state, checksums of the token data
+        trainer.json           everything else of the optimizer states, and the RNG states (every rank's)
+        state.json             step, tokens seen, loader state, checksums of the token data, world size
+        dcp/                   an fsdp2 run's shards of weights and optimizer states, written by every
+                               process (torch.distributed.checkpoint); model.safetensors is then the
+                               copy gathered on rank 0 (train.full_weights) or `latentloop export-dcp`'s
 
 No file of a checkpoint is a pickle: loading one never runs code, whoever wrote it. A checkpoint
 of an older version (`trainer.pt`) is read with `torch.load(weights_only=True)` or refused.
@@ -44,6 +47,9 @@ ASIDE_PREFIX = ".old-"  # the previous copy of a step being re-saved
 DELETE_PREFIX = ".del-"  # a rotated-out checkpoint being deleted
 BROKEN_PREFIX = ".bad-"  # a checkpoint that could not be loaded when resuming, kept for inspection
 LOCK_FILE = ".lock"
+# A checkpoint of an fsdp2 run keeps the model and optimizer shards of every process in this folder
+# (torch.distributed.checkpoint); model.safetensors beside it is the gathered copy, when written.
+SHARDED_DIR = "dcp"
 
 TRAINER_TENSORS = "trainer.safetensors"
 TRAINER_JSON = "trainer.json"
@@ -264,38 +270,71 @@ def _first_non_finite(tensors: dict[str, torch.Tensor]) -> str | None:
     return None
 
 
-def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, trainer_state: dict[str, Any] | None,
-                    state: dict[str, Any], keep_last: int) -> Path:
-    """Write `checkpoints/step_N` durably (see the module docstring); weights holding NaN or inf are
-    refused with `NonFiniteError` before anything is written, so a good checkpoint is never
-    replaced or rotated out by a diverged one. `trainer_state` None: weights only (an imported
-    model), which loads and seeds `--init-from` but cannot be resumed."""
-    weights = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
+def checkpoint_folder(run_dir: Path, step: int) -> Path:
+    """The final folder of step `step`'s checkpoint (it may not exist yet)."""
+    return Path(run_dir) / "checkpoints" / f"{CHECKPOINT_PREFIX}{step:08d}"
+
+
+def checkpoint_tmp_folder(run_dir: Path, step: int) -> Path:
+    """Where step `step`'s checkpoint is written before it is renamed into place."""
+    final = checkpoint_folder(run_dir, step)
+    return final.with_name(TMP_PREFIX + final.name)
+
+
+def begin_checkpoint(run_dir: Path, step: int) -> Path:
+    """A fresh, empty `.tmp-step_N/` folder to write a checkpoint into (see `commit_checkpoint`)."""
+    final, tmp = checkpoint_folder(run_dir, step), checkpoint_tmp_folder(run_dir, step)
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    except OSError as exc:
+        raise OutputError(f"cannot write checkpoint {final}: {exc.strerror or exc}") from None
+    return tmp
+
+
+def check_weights_finite(weights: dict[str, torch.Tensor], step: int) -> None:
+    """Weights holding NaN or inf are refused with `NonFiniteError` before anything is written, so
+    a good checkpoint is never replaced or rotated out by a diverged one."""
     bad = _first_non_finite(weights)
     if bad is not None:
         raise NonFiniteError(f"not saving step {step}: weight {bad} holds NaN or inf (training diverged); "
                              f"the last good checkpoint is kept")
-    meta, tensors = flatten_state(trainer_state) if trainer_state is not None else (None, None)
-    folder = Path(run_dir) / "checkpoints"
-    final = folder / f"{CHECKPOINT_PREFIX}{step:08d}"
-    tmp = folder / f"{TMP_PREFIX}{final.name}"
-    aside = folder / f"{ASIDE_PREFIX}{final.name}"
-    moved_aside = False
+
+
+def write_checkpoint_files(tmp: Path, run_dir: Path, step: int, weights: dict[str, torch.Tensor] | None,
+                           trainer_state: dict[str, Any] | None, state: dict[str, Any]) -> None:
+    """Weights (when given: a sharded checkpoint may hold its weights in `dcp/` only), trainer state
+    (None: weights only, an imported model), state.json and copies of the run's config and
+    tokenizer, into the folder `begin_checkpoint` made."""
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-        save_file(weights, str(tmp / "model.safetensors"), metadata={"step": str(step)})
+        if weights is not None:
+            save_file(weights, str(tmp / "model.safetensors"), metadata={"step": str(step)})
         if trainer_state is not None:
+            meta, tensors = flatten_state(trainer_state)
             save_file(tensors, str(tmp / TRAINER_TENSORS))
             _write_json_file(tmp / TRAINER_JSON, {"format": TRAINER_FORMAT, "state": meta})
         _write_json_file(tmp / "state.json", state)
         for name in ("config.json", "tokenizer.json"):
             if (Path(run_dir) / name).exists():
                 shutil.copy2(Path(run_dir) / name, tmp / name)
-        for file in tmp.iterdir():
-            fsync_file(file)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OutputError(f"cannot write checkpoint {checkpoint_folder(run_dir, step)}: "
+                          f"{exc.strerror or exc}") from None
+
+
+def commit_checkpoint(run_dir: Path, step: int, keep_last: int) -> Path:
+    """fsync everything under `.tmp-step_N/` and rename it into place (the module docstring says
+    how a re-saved step is kept safe), then rotate out all but the last `keep_last`."""
+    final = checkpoint_folder(run_dir, step)
+    folder = final.parent
+    tmp, aside = final.with_name(TMP_PREFIX + final.name), final.with_name(ASIDE_PREFIX + final.name)
+    moved_aside = False
+    try:
+        for path in sorted(tmp.rglob("*"), key=lambda p: -len(p.parts)):  # files and subfolders, deepest first
+            fsync_file(path) if path.is_file() else fsync_dir(path)
         fsync_dir(tmp)
         if final.exists():  # re-saving a step (e.g. resuming a finished run): keep the old copy until replaced
             if aside.exists():  # stale: left by an earlier re-save whose new folder did get into place
@@ -320,6 +359,21 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, trainer_st
     return final
 
 
+def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, trainer_state: dict[str, Any] | None,
+                    state: dict[str, Any], keep_last: int, weights: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write `checkpoints/step_N` durably (see the module docstring); weights holding NaN or inf are
+    refused with `NonFiniteError` before anything is written, so a good checkpoint is never
+    replaced or rotated out by a diverged one. `weights` (default: the model's state dict) lets a
+    wrapped model hand in its plain weights. `trainer_state` None: weights only (an imported
+    model), which loads and seeds `--init-from` but cannot be resumed."""
+    if weights is None:
+        weights = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
+    check_weights_finite(weights, step)
+    tmp = begin_checkpoint(run_dir, step)
+    write_checkpoint_files(tmp, run_dir, step, weights, trainer_state, state)
+    return commit_checkpoint(run_dir, step, keep_last)
+
+
 def save_weights_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, state: dict[str, Any]) -> Path:
     """A checkpoint without optimizer or RNG state (an imported model): it loads, evaluates and
     seeds `train --init-from`, but cannot be resumed."""
@@ -336,7 +390,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"no run or checkpoint at {path}")
-    if (path / "model.safetensors").is_file():
+    if (path / "model.safetensors").is_file() or (path / SHARDED_DIR).is_dir():
         return path
     checkpoints = checkpoint_candidates(path) if path.is_dir() else []
     if not checkpoints:

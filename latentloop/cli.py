@@ -1,8 +1,10 @@
 """The `latentloop` command line: train, eval, generate, tokenizer, analyze, compare, demo, serve,
-import-hf, export.
+import-hf, export, export-dcp.
 
 Every user mistake ends in one line on stderr (`latentloop: error: ...`) and exit code 2, with no
-traceback; anything else is a bug and keeps its traceback.
+traceback; anything else is a bug and keeps its traceback. Under torchrun the line is printed once:
+an error every process raised alike (agreed on, or raised before the processes could talk) is
+printed by rank 0 alone; an error of one process alone names its rank.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from pathlib import Path
 from .errors import CheckpointError, ConfigError, LatentloopError, OutputError
 
 EXIT_USAGE = 2
+# A process whose peers vanished mid-collective waits this long for torchrun to stop it: the peer
+# that failed first has printed the cause, and torchrun ends the others within its monitor interval.
+PEER_GRACE_S = 10.0
 DEFAULT_NEW_TOKENS = 64  # generate's default budget, capped at half the context (the prompt gets the rest)
 
 
@@ -237,6 +242,11 @@ def build_parser() -> argparse.ArgumentParser:
                                       "'latentloop[serve]')")
     _add_serve_arguments(sv)
 
+    x = sub.add_parser("export-dcp", help="write model.safetensors for a checkpoint that holds sharded weights only "
+                                          "(an fsdp2 run saved with train.full_weights=false)")
+    x.add_argument("run", help="run folder (its latest checkpoint) or checkpoint folder")
+    x.add_argument("--force", action="store_true", help="write it again even if the checkpoint has one")
+
     c = sub.add_parser("compare", help="compare runs: params, tokens, FLOPs, loss, BPB, CORE and task accuracy")
     c.add_argument("runs", nargs="+", metavar="RUN", help="run folders")
     c.add_argument("--out", default="compare", help="folder for compare.md and the loss plots (default: ./compare)")
@@ -303,11 +313,13 @@ def _inherit_from_run(raw: dict, run: str) -> None:
 
 
 def cmd_train(args) -> int:
+    import os
+
     from .train import fit, setup
 
     config = _run_config_from_args(args)
     if args.iso:
-        config = _iso_shaped(config, args.iso)
+        config = _iso_shaped(config, args.iso, show=os.environ.get("RANK", "0") in ("", "0"))  # once per job
     state = setup(config, args.out, resume=args.resume, progress=not args.no_progress, init_from=args.init_from)
     if state.init_report is not None:
         report = state.init_report
@@ -316,6 +328,8 @@ def cmd_train(args) -> int:
               + (f"; exact at step 0: {report['exact_at_step0']}" if "exact_at_step0" in report else ""),
               file=sys.stderr)
     summary = fit(state, progress=not args.no_progress)
+    if not state.dist.is_main:  # rank 0 reports for the job
+        return 0
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
@@ -325,8 +339,8 @@ def cmd_train(args) -> int:
     return 0
 
 
-def _iso_shaped(config, iso: str):
-    """Reshape an rgpt config from its dense depth; print params and FLOPs/token of both."""
+def _iso_shaped(config, iso: str, show: bool = True):
+    """Reshape an rgpt config from its dense depth; print params and FLOPs/token of both (`show`)."""
     import dataclasses
 
     from .archs import build_model
@@ -341,6 +355,9 @@ def _iso_shaped(config, iso: str):
     shape = rgpt_shape_from_dense(dense_layers, iso, config.model.recurrence_steps)
     fields.update(shape)
     rgpt_config = model_config("rgpt", None, **fields)
+    config.model = rgpt_config
+    if not show:
+        return config
     dense_fields = {f.name: fields[f.name] for f in dataclasses.fields(ModelConfig) if f.name in fields}
     dense = build_model(model_config("gpt", None, **{**dense_fields, "n_layer": dense_layers}))
     recurrent = build_model(rgpt_config)
@@ -349,7 +366,6 @@ def _iso_shaped(config, iso: str):
           f"{dense.flops_per_token(T):,} FLOPs/token (fwd+bwd)")
     print(f"iso{iso}: rgpt {shape['n_pre']} + {shape['n_rec']} x {shape['recurrence_steps']} + {shape['n_coda']}: "
           f"{recurrent.num_params():,} params, {recurrent.flops_per_token(T):,} FLOPs/token at R")
-    config.model = rgpt_config
     return config
 
 
@@ -651,6 +667,14 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_export_dcp(args) -> int:
+    from .runtime import export_full_weights
+
+    path = export_full_weights(args.run, force=args.force)
+    print(f"wrote {path}")
+    return 0
+
+
 def cmd_serve(args) -> int:
     import os
 
@@ -694,19 +718,47 @@ def cmd_export(args) -> int:
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "generate": cmd_generate, "tokenizer": cmd_tokenizer,
             "chat": cmd_chat, "demo": cmd_demo, "compare": cmd_compare, "analyze": cmd_analyze, "serve": cmd_serve,
-            "import-hf": cmd_import_hf, "export": cmd_export}
+            "import-hf": cmd_import_hf, "export": cmd_export, "export-dcp": cmd_export_dcp}
+
+
+def _report(exc: LatentloopError) -> None:
+    """Print a user error's line, once per job (see the module docstring)."""
+    import os
+
+    from .runtime import current_dist
+
+    env = current_dist()
+    shared, own = getattr(exc, "shared", False), getattr(exc, "rank_specific", False)
+    if shared and not env.is_main:
+        return  # every process has it; rank 0 prints it
+    if not env.distributed and os.environ.get("RANK", "0") not in ("", "0") and not own:
+        return  # before the process group: torchrun started every process alike, and rank 0 fails alike
+    prefix = f"rank {env.rank}: " if env.world_size > 1 and not env.is_main and not shared else ""
+    print(f"latentloop: error: {prefix}{exc}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return COMMANDS[args.command](args)
+        code = COMMANDS[args.command](args)
     except LatentloopError as exc:
-        print(f"latentloop: error: {exc}", file=sys.stderr)
+        _report(exc)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("latentloop: interrupted", file=sys.stderr)
         return 130
+    except RuntimeError:
+        from .runtime import current_dist
+
+        if current_dist().world_size > 1:  # most likely a peer failed first: let torchrun end this process
+            import time
+
+            time.sleep(PEER_GRACE_S)
+        raise
+    from .runtime import destroy_distributed
+
+    destroy_distributed()  # after a failure the process exits instead: leaving a group can wait on its peers
+    return code
 
 
 if __name__ == "__main__":

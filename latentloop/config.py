@@ -465,6 +465,10 @@ def extended_rope_theta(theta: float, head_dim: int, old_len: int, new_len: int)
 
 # Seeds feed torch.manual_seed, which takes a signed 64-bit integer (larger ones overflow inside torch).
 SEED_LIMIT = 2**63
+# How training spreads over processes (one per GPU, launched by torchrun): none (one process), ddp
+# (replicated model, all-reduced gradients) or fsdp2 (parameters, gradients and optimizer states
+# sharded per block with torch.distributed.fsdp.fully_shard).
+STRATEGIES = ("none", "ddp", "fsdp2")
 
 
 @dataclass
@@ -492,6 +496,9 @@ class TrainConfig:
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", "mps"
     dtype: str = "auto"  # autocast dtype: "auto" (bf16 on cuda, fp32 on cpu), "float32", "bfloat16"
     stage: str = "pretrain"  # see STAGES: sft trains on chat data with the assistant-only loss
+    strategy: str = "none"  # none | ddp | fsdp2 (see STRATEGIES); launch with torchrun for more than one process
+    activation_checkpointing: bool = False  # recompute each block's activations in the backward (less memory)
+    full_weights: bool = True  # fsdp2: every checkpoint also gets model.safetensors, gathered on rank 0's CPU
 
     def __post_init__(self) -> None:
         _require(self.stage in STAGES, f"stage must be one of {', '.join(STAGES)}, got {self.stage!r}")
@@ -517,6 +524,11 @@ class TrainConfig:
                  f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         _require(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda", "mps"),
                  f"device must be auto, cpu, cuda[:N] or mps, got {self.device!r}")
+        _require(self.strategy in STRATEGIES, f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
+        # Muon orthogonalises whole matrices; FSDP2 hands the optimizer one shard of each
+        _require(not (self.strategy == "fsdp2" and self.optimizer == "muon"),
+                 "optimizer muon does not work with strategy fsdp2 (Muon needs whole matrices, FSDP2 shards them): "
+                 "use strategy ddp or optimizer adamw")
 
 
 @dataclass

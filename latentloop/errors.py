@@ -37,3 +37,9 @@ class NonFiniteError(LatentloopError):
 class InteropError(LatentloopError):
     """A model that cannot be imported or exported: an unsupported family or option, a folder that
     is not a Hugging Face checkpoint, an unreachable hub."""
+
+
+class RankFailure(LatentloopError):
+    """Another process of a distributed run failed (with an error of no known class); raised on
+    every process, so that all stop together. Errors that every process raises this way carry
+    `shared = True`, and the command line prints them on rank 0 only."""

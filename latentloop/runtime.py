@@ -1,11 +1,14 @@
-"""What every front-end needs around a model, without training or the CLI: the device, the
-default folders, data preparation and loading a run.
+"""What every front-end needs around a model, without training or the CLI: the device and the
+process group, the default folders, data preparation and loading (or exporting) a run.
 
     device = resolve_device("auto")
+    env, device = init_distributed("ddp", "auto")   # the process group torchrun asked for (gloo / nccl)
+    agree(error_or_none)                            # every process learns whether any failed a phase
     model, tokenizer, config, checkpoint = load_run("runs/gpt", device)
     save_run(model, tokenizer, "runs/untrained")    # a loadable run folder from any model
     data = prepare_data(config, tokenizer)          # memory-mapped train / val tokens
     data = eval_data(config, tokenizer, "text:x/")  # the same for a loaded run, whose config is not trusted
+    export_full_weights("runs/big")                 # model.safetensors from an fsdp2 checkpoint's shards
 
 A run folder may come from anyone: `load_run` checks its config against the weights' header before
 allocating anything, and the tokenizer against the config; a loaded run's `cache_dir` is ignored
@@ -20,14 +23,24 @@ import contextlib
 import dataclasses
 import os
 import tempfile
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from . import errors
 from .archs import build_model
 from .checkpoint import (
+    SHARDED_DIR,
+    check_weights_finite,
     find_tokenizer_file,
+    fsync_dir,
     load_weights,
     read_run_config,
     resolve_checkpoint,
@@ -36,7 +49,7 @@ from .checkpoint import (
 )
 from .config import ModelConfig, RunConfig
 from .data import TokenData, load_tokenizer, parse_source, prepare_tokens
-from .errors import CheckpointError, ConfigError, OutputError
+from .errors import CheckpointError, ConfigError, LatentloopError, OutputError, RankFailure
 
 CACHE_ENV = "LATENTLOOP_CACHE"  # root of every cache folder (tokens, eval bundle)
 EVAL_DIR_ENV = "LATENTLOOP_EVAL_DIR"  # folder of the evaluation task files
@@ -72,6 +85,206 @@ def resolve_device(name: str) -> torch.device:
     if device.type not in ("cpu", "cuda", "mps"):
         raise ConfigError(f"unsupported device {name!r}: use auto, cpu, cuda[:N] or mps")
     return device
+
+
+# --------------------------------------------------------------------------------------------
+# Process groups: torchrun starts one process per GPU (or several CPU processes) and sets RANK,
+# LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; each process joins one group.
+# --------------------------------------------------------------------------------------------
+
+DIST_TIMEOUT_ENV = "LATENTLOOP_DIST_TIMEOUT"  # seconds a collective waits for the other processes
+# torch's own default for NCCL groups: long enough for a first torch.compile or a large save on rank 0
+DEFAULT_DIST_TIMEOUT_S = 1800.0
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process stands in a training job; the defaults are a plain single process."""
+
+    rank: int = 0
+    local_rank: int = 0  # the process's index on its node: which GPU it takes
+    world_size: int = 1
+    backend: str | None = None  # "nccl" or "gloo" while a process group is up; None without one
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 prints, logs and writes the run folder's shared files."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend is not None
+
+
+def launch_env() -> tuple[int, int, int]:
+    """(rank, local rank, world size) as torchrun sets them; (0, 0, 1) when it did not start us."""
+    values = []
+    for name, default in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)):
+        text = os.environ.get(name)
+        try:
+            values.append(default if text is None or text == "" else int(text))
+        except ValueError:
+            raise ConfigError(f"environment variable {name}={text!r} is not an integer (torchrun sets it)") from None
+    rank, local_rank, world_size = values
+    if world_size < 1 or not 0 <= rank < world_size or local_rank < 0:
+        raise ConfigError(f"inconsistent launch: RANK={rank}, LOCAL_RANK={local_rank}, WORLD_SIZE={world_size}")
+    return rank, local_rank, world_size
+
+
+def current_dist() -> DistEnv:
+    """This process's place in the process group that is up (a single process without one)."""
+    if dist.is_available() and dist.is_initialized():
+        local_rank = int(os.environ.get("LOCAL_RANK") or 0)
+        return DistEnv(dist.get_rank(), local_rank, dist.get_world_size(), dist.get_backend())
+    return DistEnv()
+
+
+def distributed_device(name: str, local_rank: int, world_size: int) -> torch.device:
+    """The device of one process of a distributed job: the GPU of its LOCAL_RANK, or the CPU."""
+    device = resolve_device(name)
+    if device.type == "mps":
+        raise ConfigError("strategies ddp and fsdp2 need cuda or cpu: mps has no distributed backend")
+    if device.type == "cuda":
+        if device.index is not None and world_size > 1:
+            raise ConfigError(f"device {name!r} names one GPU, but each of the {world_size} processes takes the GPU "
+                              f"of its LOCAL_RANK: use device cuda or auto")
+        if local_rank >= torch.cuda.device_count():
+            error = ConfigError(f"LOCAL_RANK {local_rank} has no GPU: this node has {torch.cuda.device_count()}; "
+                                f"start at most that many processes per node (--nproc_per_node)")
+            error.rank_specific = True  # only this process fails: it prints the line, not rank 0
+            raise error
+        device = torch.device("cuda", device.index if device.index is not None else local_rank)
+    return device
+
+
+def dist_timeout() -> timedelta:
+    text = os.environ.get(DIST_TIMEOUT_ENV)
+    try:
+        seconds = DEFAULT_DIST_TIMEOUT_S if not text else float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ConfigError(f"{DIST_TIMEOUT_ENV}={text!r} must be a positive number of seconds")
+    return timedelta(seconds=seconds)
+
+
+def init_distributed(strategy: str, device_name: str) -> tuple[DistEnv, torch.device]:
+    """Join the process group of a `ddp` / `fsdp2` job (gloo on CPU, nccl on CUDA, each process on
+    the GPU of its LOCAL_RANK) and return (DistEnv, device). Strategy `none` joins nothing and
+    refuses a multi-process launch; a `ddp` / `fsdp2` run started without torchrun is a group of
+    one, so that it takes the same code path. A group that is already up (made by the caller) is
+    used as it is."""
+    rank, local_rank, world_size = launch_env()
+    if strategy == "none":
+        if world_size > 1:
+            raise ConfigError(f"started as {world_size} processes (torchrun) but train.strategy is none: set "
+                              f"--set train.strategy=ddp or fsdp2")
+        return DistEnv(), resolve_device(device_name)
+    if not dist.is_available():
+        raise ConfigError(f"strategy {strategy} needs torch.distributed, which this torch build lacks")
+    device = distributed_device(device_name, local_rank, world_size)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        timeout = dist_timeout()
+        if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:  # torchrun's rendezvous (env://)
+            dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+        elif world_size == 1:  # no launcher: a group of one, in this process's memory
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            raise ConfigError(f"WORLD_SIZE={world_size} but MASTER_ADDR / MASTER_PORT are not set: start the job "
+                              f"with torchrun")
+    return current_dist(), device
+
+
+def destroy_distributed() -> None:
+    """Leave the process group (if one is up); the end of a distributed command."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _shared(error: LatentloopError) -> LatentloopError:
+    error.shared = True  # every process raises it: the command line prints it on rank 0 only
+    return error
+
+
+def shared_error(error: BaseException | None) -> LatentloopError | None:
+    """Every process of the group says whether its part of a phase failed (`error`, or None); the
+    answer is the same everywhere: None when none failed, else an error of the lowest failed rank's
+    class and message (on that rank its own error), marked `shared`. A failure on rank R > 0 reads
+    "rank R: ..." on the others. Without a group, or in a group of one, `error` itself."""
+    env = current_dist()
+    if env.world_size == 1:
+        return error
+    report = None if error is None else (type(error).__name__, _first_line(error))
+    reports: list[tuple[str, str] | None] = [None] * env.world_size
+    dist.all_gather_object(reports, report)
+    failed = [(rank, r) for rank, r in enumerate(reports) if r is not None]
+    if not failed:
+        return None
+    first, (kind, message) = failed[0]
+    if first == env.rank and isinstance(error, LatentloopError):
+        return _shared(error)
+    cls = getattr(errors, kind, None)
+    if not (isinstance(cls, type) and issubclass(cls, LatentloopError)):
+        cls = RankFailure
+    return _shared(cls(message if first == 0 else f"rank {first}: {message}"))
+
+
+def agree(error: BaseException | None) -> None:
+    """`shared_error`, raised: when any process failed a phase, every process raises, so that all
+    stop together instead of some waiting forever for the others."""
+    shared = shared_error(error)
+    if shared is not None:
+        if shared is error:
+            raise error
+        raise shared from error
+
+
+_T = TypeVar("_T")
+
+
+def together(fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    """`fn(*args, **kwargs)` on this process, then `agree` on whether it failed anywhere (a user
+    error: `LatentloopError`; a bug keeps its traceback and ends its process)."""
+    try:
+        result = fn(*args, **kwargs)
+    except LatentloopError as exc:
+        agree(exc)
+        raise  # agree raised already; kept for the type checker
+    agree(None)
+    return result
+
+
+def on_main(fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T | None:
+    """`fn` on rank 0 only (writing the run folder's shared files), agreed on by all; None elsewhere."""
+    if current_dist().is_main:
+        return together(fn, *args, **kwargs)
+    agree(None)
+    return None
+
+
+def in_turns(fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    """`fn` first on rank 0, then on the first process of every other node, then on the rest, each
+    turn agreed on by all: work that fills a cache on disk (tokenizing the data) is then done once
+    per shared file system, and the later turns find it done."""
+    env = current_dist()
+    if env.world_size == 1:
+        return fn(*args, **kwargs)
+    turns = (env.rank == 0, env.rank != 0 and env.local_rank == 0, env.rank != 0 and env.local_rank != 0)
+    result = None
+    for mine in turns:
+        if mine:
+            result = together(fn, *args, **kwargs)
+        else:
+            agree(None)
+    return result
 
 
 def autocast_for(device: torch.device, dtype: str):
@@ -149,6 +362,10 @@ def load_run(path: str | Path, device: str | torch.device = "cpu") -> tuple[nn.M
     the model is built; the returned config's `data.cache_dir` is cleared (the default cache is used).
     """
     checkpoint = resolve_checkpoint(path)
+    if not (checkpoint / "model.safetensors").is_file() and (checkpoint / SHARDED_DIR).is_dir():
+        raise CheckpointError(f"checkpoint {checkpoint} holds sharded weights only (an fsdp2 run saved with "
+                              f"train.full_weights=false): write model.safetensors with `latentloop export-dcp "
+                              f"{checkpoint}`")
     config = read_run_config(checkpoint)
     config.data.cache_dir = ""  # a folder on the machine that trained the run, not one to write into here
     tokenizer_file = find_tokenizer_file(checkpoint)
@@ -188,3 +405,44 @@ def save_run(model: nn.Module, tokenizer, run_dir: str | Path, config: RunConfig
     config.save_json(run_dir / "config.json")
     tokenizer.save(run_dir)
     return save_checkpoint(run_dir, 0, model, trainer_state={}, state={"step": 0}, keep_last=1)
+
+
+def export_full_weights(path: str | Path, force: bool = False) -> Path:
+    """Write `model.safetensors` into a checkpoint that holds sharded weights only (`dcp/`, an fsdp2
+    run's), in this one process: the model is built on the CPU and the shards are read into it
+    (torch.distributed.checkpoint, without a process group). Needs one full fp32 copy of the
+    weights in CPU memory; no GPU. The file is written atomically."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    checkpoint = resolve_checkpoint(path)
+    target, sharded = checkpoint / "model.safetensors", checkpoint / SHARDED_DIR
+    if not sharded.is_dir():
+        raise CheckpointError(f"{checkpoint} holds no sharded weights ({SHARDED_DIR}/): it needs no export")
+    if target.exists() and not force:
+        raise OutputError(f"{target} exists already (pass --force to write it again)")
+    config = read_run_config(checkpoint)
+    model = build_model(config.model)
+    weights = model.state_dict()
+    try:
+        with warnings.catch_warnings():  # DCP warns that it reads in one process: that is the point here
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({"model": weights}, checkpoint_id=str(sharded), no_dist=True)
+    except Exception as exc:  # CheckpointException: missing, corrupt or foreign shards
+        text = str(exc).strip()
+        raise CheckpointError(f"cannot read the sharded weights {sharded}: "
+                              f"{text.splitlines()[0] if text else type(exc).__name__}") from None
+    weights = {name: t.detach().contiguous() for name, t in weights.items()}
+    step = int(checkpoint.name.rsplit("_", 1)[-1]) if checkpoint.name.rsplit("_", 1)[-1].isdigit() else 0
+    check_weights_finite(weights, step)
+    tmp = target.with_name(f".{target.name}.tmp")
+    try:
+        save_file(weights, str(tmp), metadata={"step": str(step)})
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+        fsync_dir(checkpoint)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise OutputError(f"cannot write {target}: {exc.strerror or exc}") from None
+    return target

@@ -12,6 +12,15 @@ scaled by `config.extended_rope_theta`; `stage_config` builds both from the base
 
 The trainer knows models only through `forward` and objectives only through the `Objective`
 interface, so each architecture brings its own training procedure.
+
+Many processes (`torchrun --nproc_per_node N -m latentloop train ... --set train.strategy=ddp`):
+every process runs these same functions on its own rank's batches (`TokenLoader` shards the global
+order), so one step sees micro-batch x grad_accum x world_size sequences. Rank 0 alone prints,
+logs and writes the run folder's shared files; the others follow. Every phase that can fail on
+bad input ends with the processes agreeing on the outcome (`runtime.agree`), so an error on one
+rank stops them all with its one line, printed once. The objectives' random draws (fbt's pass
+count and prefix boundaries, rgpt's depth) are seeded by (seed, step) and so the same on every
+rank; training noise (fbt's jitter, rgpt's noise) comes from each rank's own torch RNG stream.
 """
 
 from __future__ import annotations
@@ -35,17 +44,24 @@ from .archs import build_model, build_objective
 from .checkpoint import (
     LOCK_FILE,
     RunLock,
+    begin_checkpoint,
     check_resumable,
+    check_weights_finite,
     checkpoint_candidates,
+    checkpoint_folder,
+    checkpoint_tmp_folder,
+    commit_checkpoint,
     fsync_dir,
     json_safe,
     list_checkpoints,
     load_weights,
     read_trainer_state,
+    read_weights,
     recover_checkpoints,
     resolve_checkpoint,
     save_checkpoint,
     set_aside_broken,
+    write_checkpoint_files,
 )
 from .config import RunConfig, apply_overrides, extended_rope_theta
 from .data import TokenData, TokenLoader, load_tokenizer
@@ -56,7 +72,30 @@ from .eval.loss import evaluate_batches
 from .interop.upcycle import initialise_from
 from .objectives import Objective
 from .optim import build_optimizers, lr_multiplier, set_lr
-from .runtime import autocast_for, prepare_data, resolve_device
+from .parallel import (
+    SHARDED_DIR,
+    any_rank,
+    full_weights,
+    gather_objects,
+    grad_norm,
+    gradient_sync,
+    load_full_optimizer_states,
+    load_full_weights,
+    load_sharded,
+    mean_across_ranks,
+    save_sharded,
+    wrap_model,
+)
+from .runtime import (
+    DistEnv,
+    agree,
+    autocast_for,
+    in_turns,
+    init_distributed,
+    on_main,
+    prepare_data,
+    together,
+)
 
 # Config fields that setup fills in (from the tokenizer) or that only say where a cache lives.
 SET_ON_SETUP = ("vocab_size", "bos_id", "cache_dir")
@@ -79,13 +118,49 @@ class TrainState:
     elapsed: float = 0.0  # seconds of training, across resumes
     forward_model: nn.Module | None = None  # the compiled model when train.compile is on
     history: list[dict[str, Any]] = field(default_factory=list)
-    lock: RunLock | None = None  # held from setup to the end of fit: one writer per run folder
+    lock: RunLock | None = None  # held (by rank 0) from setup to the end of fit: one writer per run folder
     guard: FiniteGuard | None = None  # fit's divergence check, consulted again before every save
     init_report: dict[str, Any] | None = None  # what --init-from loaded (see latentloop.interop.upcycle)
+    dist: DistEnv = field(default_factory=DistEnv)  # this process's rank in the job (a single process by default)
+    flops: FlopsMemo | None = None  # the objective's FLOPs per token, counted once per kind of forward
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step, over every process: micro-batch x accumulation x world size."""
+        train = self.config.train
+        return train.batch_size * train.grad_accum * self.dist.world_size
+
+
+class FlopsMemo:
+    """The model as `Objective.flops_per_token` sees it, with `flops_per_token` remembered per
+    forward's arguments: counting runs a probe forward, which would otherwise run every step (and
+    under fsdp2 or torch.compile costs a collective or a recompilation)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.cache: dict[str, float] = {}
+
+    def flops_per_token(self, seq_len: int | None = None, **forward_options) -> float:
+        key = repr((seq_len, sorted(forward_options.items())))
+        if key not in self.cache:
+            self.cache[key] = self.model.flops_per_token(seq_len, **forward_options)
+        return self.cache[key]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
 
 
 def _warn(message: str) -> None:
     print(f"latentloop: warning: {message}", file=sys.stderr)
+
+
+def _note(message: str) -> None:
+    print(f"latentloop: {message}", file=sys.stderr)
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The torch seed of rank `rank`'s own stream (training noise), distinct for every rank."""
+    return int(np.random.SeedSequence([seed, rank]).generate_state(1, dtype=np.uint64)[0] % (2**63))
 
 
 def _check_output_path(run_dir: Path) -> None:
@@ -129,20 +204,24 @@ def _check_run_folder(run_dir: Path, config: RunConfig, resume: bool) -> None:
 
 def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress: bool = True,
           init_from: str | Path | None = None) -> TrainState:
-    """Build tokenizer, data, model, objective and optimizers; nothing is written until all succeed."""
+    """Build tokenizer, data, model, objective and optimizers; nothing is written until all succeed.
+    Under torchrun (train.strategy ddp or fsdp2) this process first joins the job's process group."""
     run_dir = Path(run_dir)
-    _check_output_path(run_dir)
-    _check_stage(config, resume, init_from)
-    _check_run_folder(run_dir, config, resume)
+    env, device = init_distributed(config.train.strategy, config.train.device)
+    together(_check_output_path, run_dir)
+    together(_check_stage, config, resume, init_from)
+    together(_check_run_folder, run_dir, config, resume)
     if resume and list_checkpoints(run_dir):
-        check_resumable(resolve_checkpoint(run_dir))  # before any data is prepared
-    tokenizer = load_tokenizer(str(run_dir / "tokenizer.json") if resume else config.data.tokenizer)
+        together(lambda: check_resumable(resolve_checkpoint(run_dir)))  # before any data is prepared
+    tokenizer = together(load_tokenizer, str(run_dir / "tokenizer.json") if resume else config.data.tokenizer)
     sft = config.train.stage == "sft"
     if sft:
+        if env.world_size > 1:
+            raise ConfigError("--stage sft runs on one process for now (its loader does not shard conversations "
+                              "by rank); start it without torchrun")
         tokenizer = tokenizer.with_chat_tokens()  # already there on resume: the same tokenizer back
     config.model.vocab_size, config.model.bos_id = tokenizer.vocab_size, tokenizer.bos_id
-    config.model.__post_init__()
-    device = resolve_device(config.train.device)
+    together(config.model.__post_init__)
     torch.manual_seed(config.train.seed)
     if sft:
         data = prepare_chat(config.data.source, tokenizer, config.model.sequence_len, config.data.val_fraction)
@@ -153,17 +232,44 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
                   f"{counts['conversations']} are trained on")
         loader = ChatLoader(data.train, config.train.batch_size, seed=config.train.seed)
     else:
-        data = prepare_data(config, tokenizer, progress)
-        loader = TokenLoader(data.train, config.train.batch_size, config.model.sequence_len, seed=config.train.seed)
-    model = build_model(config.model)
-    init_report = initialise_from(model, init_from, grow_vocab=sft) if init_from is not None else None
+        data = in_turns(prepare_data, config, tokenizer, progress and env.is_main)
+        loader = together(TokenLoader, data.train, config.train.batch_size, config.model.sequence_len,
+                          seed=config.train.seed, rank=env.rank, world_size=env.world_size)
+    model = build_model(config.model)  # the same init on every rank (same seed)
+    init_report = None
+    if init_from is not None:
+        init_report = together(initialise_from, model, init_from, grow_vocab=sft)
     model = model.to(device)
     objective = build_objective(config.model, config.train)
-    optimizers = build_optimizers(model, config.train)
+    flops = FlopsMemo(model)
+    objective.flops_per_token(flops)  # every kind of forward the run takes, counted once on the plain model
+    if env.rank > 0:  # training noise: each rank its own stream (rank 0 continues the single-process one)
+        torch.manual_seed(rank_seed(config.train.seed, env.rank))
+    forward_model = wrap_model(model, config.train, device)
+    optimizers = build_optimizers(model, config.train)  # after fsdp2 sharded the parameters
     state = TrainState(config, run_dir, model, tokenizer, data, loader, objective, optimizers, device,
-                       init_report=init_report)
-    state.forward_model = torch.compile(model) if config.train.compile else model
+                       init_report=init_report, dist=env, flops=flops)
+    state.forward_model = forward_model
 
+    on_main(_claim_run_folder, state, resume)
+    try:
+        if resume:
+            _resume(state)
+    except BaseException:
+        if state.lock is not None:
+            state.lock.release()
+        raise
+    if env.world_size > 1 and env.is_main:
+        train = config.train
+        _note(f"{env.world_size} processes ({train.strategy}, {env.backend}): global batch = {train.batch_size} "
+              f"x {train.grad_accum} accumulation x {env.world_size} processes = {state.global_batch} sequences "
+              f"({state.global_batch * config.model.sequence_len:,} tokens) per step")
+    return state
+
+
+def _claim_run_folder(state: TrainState, resume: bool) -> None:
+    """Rank 0: create and lock the run folder; a new run writes its config, tokenizer and an empty log."""
+    run_dir, config = state.run_dir, state.config
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -171,22 +277,23 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
     state.lock = RunLock(run_dir).acquire()
     try:
         _check_run_folder(run_dir, config, resume)  # again, locked: another run may have started here meanwhile
-        if resume:
-            try:
-                _resume(state)
-            except OSError as exc:  # renaming leftovers or broken checkpoints aside
-                raise OutputError(f"cannot repair {run_dir / 'checkpoints'}: {exc.strerror or exc}") from None
-        else:
+        if not resume:
             config.save_json(run_dir / "config.json")
             try:
-                tokenizer.save(run_dir)
+                state.tokenizer.save(run_dir)
                 (run_dir / "metrics.jsonl").write_text("")
             except OSError as exc:
                 raise OutputError(f"cannot write into {run_dir}: {exc.strerror or exc}") from None
     except BaseException:
         state.lock.release()
         raise
-    return state
+
+
+def _recover(run_dir: Path) -> list[str]:
+    try:
+        return recover_checkpoints(run_dir)
+    except OSError as exc:  # renaming leftovers aside
+        raise OutputError(f"cannot repair {run_dir / 'checkpoints'}: {exc.strerror or exc}") from None
 
 
 def _check_stage(config: RunConfig, resume: bool, init_from: str | Path | None) -> None:
@@ -256,61 +363,131 @@ def stage_config(stage: str, init_from: str | Path, overrides: list[str] = (), d
 
 def _resume(state: TrainState) -> None:
     """Continue from the newest checkpoint that loads. An unloadable newer one (corrupt, cut short)
-    is set aside with a warning; with none loadable the run is refused, never restarted from step 0."""
-    for note in recover_checkpoints(state.run_dir):
+    is set aside with a warning; with none loadable the run is refused, never restarted from step 0.
+    Every process tries the same checkpoints in the same order and agrees on each outcome."""
+    for note in on_main(_recover, state.run_dir) or []:
         _warn(note)
     candidates = checkpoint_candidates(state.run_dir)
     if not candidates:
-        raise CheckpointError(f"cannot resume: {state.run_dir} holds no checkpoint yet (a run saves one every "
-                              f"save_every steps and at the end); start it again in a new folder")
+        agree(CheckpointError(f"cannot resume: {state.run_dir} holds no checkpoint yet (a run saves one every "
+                              f"save_every steps and at the end); start it again in a new folder"))
     failed: list[tuple[Path, CheckpointError]] = []
     for checkpoint in reversed(candidates):
         try:
-            _restore(state, checkpoint)
-        except CheckpointError as exc:
+            saved_world = _restore(state, checkpoint)
+        except CheckpointError as exc:  # the same on every rank: _restore agrees on each of its phases
             failed.append((checkpoint, exc))
             continue
+        on_main(_after_restore, state, checkpoint, failed)
+        if saved_world != state.dist.world_size and state.dist.is_main:
+            _note(f"resuming a run saved by {saved_world} process(es) on {state.dist.world_size}: the global batch "
+                  f"is now {state.global_batch} sequences, and the run does not continue bit-exactly")
+        return
+    newest, reason = failed[0]
+    agree(CheckpointError(f"cannot resume: no checkpoint of {state.run_dir} loads (newest {newest.name}: {reason})"))
+
+
+def _after_restore(state: TrainState, checkpoint: Path, failed: list[tuple[Path, CheckpointError]]) -> None:
+    try:
         for broken, reason in failed:
             kept = set_aside_broken(broken)
             _warn(f"{reason}; moved it to {kept.name} and resumed from {checkpoint.name}")
-        _trim_metrics(state)
-        return
-    newest, reason = failed[0]
-    raise CheckpointError(f"cannot resume: no checkpoint of {state.run_dir} loads (newest {newest.name}: {reason})")
+    except OSError as exc:
+        raise OutputError(f"cannot repair {state.run_dir / 'checkpoints'}: {exc.strerror or exc}") from None
+    _trim_metrics(state)
 
 
 def _data_checksums(data: TokenData) -> dict[str, str] | None:
     return data.meta.get("sha256")
 
 
-def _restore(state: TrainState, checkpoint: Path) -> None:
-    """Load everything of one checkpoint into `state`; a partly applied checkpoint that then fails
-    is fully overwritten by the next one tried (weights, optimizer states, RNGs, loader all are)."""
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else repr(exc)
+
+
+def _read_checkpoint(state: TrainState, checkpoint: Path) -> tuple[dict, dict, dict[str, torch.Tensor] | None]:
+    """What every process reads of a checkpoint on its own: state.json, the trainer state and (for
+    an unsharded checkpoint) the weights, checked against the model."""
     meta, trainer = read_trainer_state(checkpoint)
     saved_data = meta.get("data")
     if saved_data is not None and saved_data != _data_checksums(state.data):
         raise DataError(f"the token data of {state.run_dir} changed since checkpoint {checkpoint.name} (its shards' "
                         f"sha256 differ): resume with the data it was trained on, or start a new run")
-    load_weights(state.model, checkpoint)
+    if (checkpoint / SHARDED_DIR).is_dir():
+        return meta, trainer, None
+    if state.config.train.strategy != "fsdp2":
+        return meta, trainer, {}  # loaded straight into the plain model below
+    weights = read_weights(checkpoint)
+    missing, unexpected = set(state.model.state_dict()) - set(weights), set(weights) - set(state.model.state_dict())
+    if missing or unexpected:
+        raise CheckpointError(f"weights {checkpoint / 'model.safetensors'} do not fit the model: missing "
+                              f"{sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}")
+    return meta, trainer, weights
+
+
+def _load_states(state: TrainState, checkpoint: Path, trainer: dict, weights: dict | None) -> None:
+    """Weights and optimizer states into this run's model (collective under fsdp2)."""
     try:
+        if weights is None:  # a sharded checkpoint (torch.distributed.checkpoint), any strategy
+            with_state = trainer.get("sharded", {}).get("optimizer_state_params", [])
+            load_sharded(checkpoint / SHARDED_DIR, state.model, state.optimizers, with_state)
+            return
         if len(trainer["optimizers"]) != len(state.optimizers):
             raise ValueError(f"{len(trainer['optimizers'])} optimizer states for {len(state.optimizers)} optimizers")
+        if weights:  # an unsharded checkpoint into an fsdp2 run: every process keeps its shards
+            load_full_weights(state.model, weights)
+            load_full_optimizer_states(state.model, state.optimizers, trainer["optimizers"])
+            return
+        load_weights(state.model, checkpoint)
         for opt, opt_state in zip(state.optimizers, trainer["optimizers"]):
             opt.load_state_dict(opt_state)
-        rng = trainer["rng"]
-        torch.set_rng_state(torch.as_tensor(rng["torch"], dtype=torch.uint8))
-        if torch.cuda.is_available() and rng.get("cuda") is not None:
-            torch.cuda.set_rng_state_all([torch.as_tensor(s, dtype=torch.uint8) for s in rng["cuda"]])
-        name, keys, pos, has_gauss, cached = rng["numpy"]
-        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-        version, internal, gauss = rng["python"]
-        random.setstate((version, tuple(internal), gauss))
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"cannot resume from {checkpoint}: {_first_line(exc)}") from None
+
+
+def _restore_counters(state: TrainState, checkpoint: Path, meta: dict, trainer: dict) -> int:
+    """RNG states, loader position and counters; returns the world size the checkpoint was saved by."""
+    env = state.dist
+    try:
+        saved_world = int(meta.get("world_size", 1))
+        by_rank = trainer.get("rng_ranks") or [trainer["rng"]]
+        if env.rank < len(by_rank):
+            _set_rng_state(by_rank[env.rank])
+        else:  # more processes than saved this run: a fresh stream of its own, past the ones used so far
+            torch.manual_seed(rank_seed(state.config.train.seed, env.rank) ^ int(meta["step"]))
         state.loader.load_state_dict(meta["loader"])
         state.step, state.tokens_seen = int(meta["step"]), int(meta["tokens_seen"])
         state.flops_seen, state.elapsed = meta.get("flops_seen", 0.0), meta.get("elapsed", 0.0)
     except (KeyError, TypeError, ValueError, RuntimeError) as exc:
-        raise CheckpointError(f"cannot resume from {checkpoint}: {str(exc).splitlines()[0] if str(exc) else exc!r}"
-                              ) from None
+        raise CheckpointError(f"cannot resume from {checkpoint}: {_first_line(exc)}") from None
+    return saved_world
+
+
+def _restore(state: TrainState, checkpoint: Path) -> int:
+    """Load everything of one checkpoint into `state`; a partly applied checkpoint that then fails
+    is fully overwritten by the next one tried (weights, optimizer states, RNGs, loader all are).
+    Each phase is agreed on by every process, so all raise the same error at the same point.
+    Returns the world size that saved it."""
+    meta, trainer, weights = together(_read_checkpoint, state, checkpoint)
+    together(_load_states, state, checkpoint, trainer, weights)
+    return together(_restore_counters, state, checkpoint, meta, trainer)
+
+
+def _rng_state() -> dict[str, Any]:
+    return {"torch": torch.get_rng_state().tolist(),
+            "numpy": [v.tolist() if isinstance(v, np.ndarray) else v for v in np.random.get_state()],
+            "python": [v if not isinstance(v, tuple) else list(v) for v in random.getstate()],
+            "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else None}
+
+
+def _set_rng_state(rng: dict[str, Any]) -> None:
+    torch.set_rng_state(torch.as_tensor(rng["torch"], dtype=torch.uint8))
+    if torch.cuda.is_available() and rng.get("cuda") is not None:
+        torch.cuda.set_rng_state_all([torch.as_tensor(s, dtype=torch.uint8) for s in rng["cuda"]])
+    name, keys, pos, has_gauss, cached = rng["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    version, internal, gauss = rng["python"]
+    random.setstate((version, tuple(internal), gauss))
 
 
 def _trim_metrics(state: TrainState) -> None:
@@ -337,27 +514,72 @@ def _trim_metrics(state: TrainState) -> None:
         raise OutputError(f"cannot rewrite {log}: {exc.strerror or exc}") from None
 
 
-def save(state: TrainState) -> Path:
-    """Checkpoint the run; refused (`NonFiniteError`) when training has diverged since the last check."""
-    if state.guard is not None:
-        state.guard.check()
-    rng = {"torch": torch.get_rng_state().tolist(),
-           "numpy": [v.tolist() if isinstance(v, np.ndarray) else v for v in np.random.get_state()],
-           "python": [v if not isinstance(v, tuple) else list(v) for v in random.getstate()],
-           "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else None}
-    trainer = {"optimizers": [opt.state_dict() for opt in state.optimizers], "rng": rng}
-    meta = {"step": state.step, "tokens_seen": state.tokens_seen, "flops_seen": state.flops_seen,
-            "elapsed": state.elapsed, "loader": state.loader.state_dict(), "data": _data_checksums(state.data)}
+def _sync_metrics(state: TrainState) -> None:
+    """The metrics up to this step reach the disk before the checkpoint after them."""
     log = state.run_dir / "metrics.jsonl"
     try:
-        with open(log, "a") as f:  # the metrics up to this step reach the disk before the checkpoint after them
+        with open(log, "a") as f:
             os.fsync(f.fileno())
     except OSError as exc:
         raise OutputError(f"cannot write {log}: {exc.strerror or exc}") from None
-    return save_checkpoint(state.run_dir, state.step, state.model, trainer, meta, state.config.train.keep_last)
+
+
+def save(state: TrainState) -> Path:
+    """Checkpoint the run; refused (`NonFiniteError`) when training has diverged since the last check.
+    Every process calls it: rank 0 writes the files, and under fsdp2 every process its shards."""
+    if state.guard is not None:
+        state.guard.check()
+    env, train = state.dist, state.config.train
+    rng = _rng_state()
+    rng_ranks = gather_objects(rng) if env.world_size > 1 else None
+    meta = {"step": state.step, "tokens_seen": state.tokens_seen, "flops_seen": state.flops_seen,
+            "elapsed": state.elapsed, "loader": state.loader.state_dict(), "data": _data_checksums(state.data),
+            "world_size": env.world_size, "strategy": train.strategy, "global_batch": state.global_batch}
+    if train.strategy == "fsdp2":
+        return _save_sharded(state, rng, rng_ranks, meta)
+
+    def write() -> Path:
+        trainer = {"optimizers": [opt.state_dict() for opt in state.optimizers], "rng": rng}
+        if rng_ranks is not None:
+            trainer["rng_ranks"] = rng_ranks
+        _sync_metrics(state)
+        return save_checkpoint(state.run_dir, state.step, state.model, trainer, meta, train.keep_last)
+
+    on_main(write)
+    return checkpoint_folder(state.run_dir, state.step)
+
+
+def _save_sharded(state: TrainState, rng: dict, rng_ranks: list | None, meta: dict) -> Path:
+    """An fsdp2 checkpoint: every process writes its shards into `dcp/` (nothing is gathered);
+    with `train.full_weights` rank 0 also writes model.safetensors from the weights gathered into
+    its CPU memory, so that `load`, `eval` and `generate` read the checkpoint as any other."""
+    run_dir, step, train = state.run_dir, state.step, state.config.train
+    together(check_weights_finite, {name: getattr(t, "to_local", lambda t=t: t)()
+                                    for name, t in state.model.state_dict().items()}, step)
+    weights = full_weights(state.model) if train.full_weights else None
+
+    def begin() -> Path:
+        _sync_metrics(state)
+        return begin_checkpoint(run_dir, step)
+
+    on_main(begin)
+    tmp = checkpoint_tmp_folder(run_dir, step)
+    with_state = together(save_sharded, tmp / SHARDED_DIR, state.model, state.optimizers)
+    trainer = {"optimizers": [], "rng": rng, "sharded": {"optimizer_state_params": with_state}}
+    if rng_ranks is not None:
+        trainer["rng_ranks"] = rng_ranks
+
+    def finish() -> Path:
+        write_checkpoint_files(tmp, run_dir, step, weights, trainer, meta)
+        return commit_checkpoint(run_dir, step, train.keep_last)
+
+    on_main(finish)
+    return checkpoint_folder(run_dir, step)
 
 
 def validate(state: TrainState, max_batches: int | None = None) -> dict[str, float]:
+    """Validation loss / perplexity / bits per byte. Every process of a job evaluates the same
+    batches (under fsdp2 each forward is collective); rank 0 logs them."""
     cfg = state.config
     batches = cfg.train.eval_batches if max_batches is None else max_batches
     if isinstance(state.data, ChatData):  # the loss on the assistant's tokens of held-out conversations
@@ -370,8 +592,11 @@ def validate(state: TrainState, max_batches: int | None = None) -> dict[str, flo
 
 
 def _log(state: TrainState, row: dict[str, Any]) -> None:
-    """Append a row to metrics.jsonl as strict JSON: a NaN or infinity is written as null."""
+    """Append a row to metrics.jsonl as strict JSON: a NaN or infinity is written as null. Only
+    rank 0 writes (every process keeps the rows in `state.history`)."""
     state.history.append(row)
+    if not state.dist.is_main:
+        return
     try:
         with open(state.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(json_safe(row), allow_nan=False) + "\n")
@@ -417,73 +642,82 @@ class FiniteGuard:
             raise self.fail(int(self.first_bad), "gradient norm", "not finite")
 
 
-def _grad_norm(model: nn.Module, clip: float) -> torch.Tensor:
-    """The total gradient norm, clipping to `clip` when it is > 0 (without clipping: measured only)."""
-    if clip > 0:
-        return torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads]))
-
-
 def fit(state: TrainState, progress: bool = True, max_seconds: float | None = None) -> dict[str, Any]:
     """Train until `train.steps` (or until `max_seconds` of training have passed in this call),
     evaluating and checkpointing on schedule; returns a summary. Holds the run folder's lock
-    throughout; a NaN or infinite loss or gradient stops the run with `NonFiniteError`."""
-    if state.lock is None:
-        state.lock = RunLock(state.run_dir)
-    state.lock.acquire()  # a no-op when setup's lock is still held
+    throughout (rank 0); a NaN or infinite loss or gradient stops the run with `NonFiniteError`
+    (on every process at the same step: the loss is averaged over them and the gradients are
+    shared)."""
+    if state.dist.is_main:
+        if state.lock is None:
+            state.lock = RunLock(state.run_dir)
+        state.lock.acquire()  # a no-op when setup's lock is still held
     try:
-        return _fit(state, progress, max_seconds)
+        return _fit(state, progress and state.dist.is_main, max_seconds)
+    except NonFiniteError as exc:
+        if state.dist.world_size > 1:
+            exc.shared = True  # every process stops at the same step with the same line: rank 0 prints it
+        raise
     finally:
-        state.lock.release()
+        if state.lock is not None:
+            state.lock.release()
 
 
 def _fit(state: TrainState, progress: bool, max_seconds: float | None) -> dict[str, Any]:
     cfg, model = state.config.train, state.model
     guard = state.guard = FiniteGuard(state.device)
     forward_model = state.forward_model if state.forward_model is not None else model
-    tokens_per_step = cfg.batch_size * cfg.grad_accum * state.config.model.sequence_len
+    flops_model = state.flops if state.flops is not None else FlopsMemo(model)
+    tokens_per_step = state.global_batch * state.config.model.sequence_len
     model.train()
     bar = tqdm(total=cfg.steps, initial=state.step, disable=not progress, desc="train", dynamic_ncols=True)
     window_start, window_tokens = time.perf_counter(), 0
     train_loss = float("nan")
     deadline = time.perf_counter() + max_seconds if max_seconds is not None else float("inf")
+
+    def out_of_time() -> bool:  # one decision for every process, else some would wait for the others
+        return max_seconds is not None and any_rank(time.perf_counter() >= deadline, state.device)
+
     try:
-        while state.step < cfg.steps and time.perf_counter() < deadline:
+        while state.step < cfg.steps and not out_of_time():
             step_start = time.perf_counter()
             multiplier = lr_multiplier(state.step, cfg)
             set_lr(state.optimizers, multiplier)
             loss_sum, extra = 0.0, {}
-            for _ in range(cfg.grad_accum):
-                x, y, *rest = state.loader.next_batch()  # sft batches also carry the loss mask
-                x, y = x.to(state.device, non_blocking=True), y.to(state.device, non_blocking=True)
-                masked = {"loss_mask": rest[0].to(state.device, non_blocking=True)} if rest else {}
-                with autocast_for(state.device, cfg.dtype):
-                    result = state.objective(forward_model, x, y, state.step, **masked)
-                (result.loss / cfg.grad_accum).backward()
+            for micro in range(cfg.grad_accum):
+                with gradient_sync(model, forward_model, sync=micro == cfg.grad_accum - 1):
+                    x, y, *rest = state.loader.next_batch()  # sft batches also carry the loss mask
+                    x, y = x.to(state.device, non_blocking=True), y.to(state.device, non_blocking=True)
+                    masked = {"loss_mask": rest[0].to(state.device, non_blocking=True)} if rest else {}
+                    with autocast_for(state.device, cfg.dtype):
+                        result = state.objective(forward_model, x, y, state.step, **masked)
+                    (result.loss / cfg.grad_accum).backward()
                 loss_sum += result.reported_loss / cfg.grad_accum
                 extra = result.metrics
+            loss_sum = mean_across_ranks(loss_sum, state.device)
             guard.observe_loss(loss_sum, state.step + 1)
-            guard.observe_grad_norm(_grad_norm(model, cfg.grad_clip), state.step + 1)
+            guard.observe_grad_norm(grad_norm(model, cfg.grad_clip), state.step + 1)
             for opt in state.optimizers:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-            state.flops_seen += state.objective.flops_per_token(model, state.step) * tokens_per_step
+            state.flops_seen += state.objective.flops_per_token(flops_model, state.step) * tokens_per_step
             state.step += 1
             state.tokens_seen += tokens_per_step
             state.elapsed += time.perf_counter() - step_start
             window_tokens += tokens_per_step
             train_loss = loss_sum
-            if state.step % cfg.log_every == 0 or state.step == cfg.steps or time.perf_counter() >= deadline:
+            stopping = out_of_time()
+            if state.step % cfg.log_every == 0 or state.step == cfg.steps or stopping:
                 guard.check()
                 now = time.perf_counter()
                 tok_per_s = window_tokens / max(now - window_start, 1e-9)
                 window_start, window_tokens = now, 0
                 lr = cfg.lr * multiplier
+                spread = ({"world_size": state.dist.world_size, "global_batch": state.global_batch}
+                          if state.dist.world_size > 1 else {})
                 _log(state, {"step": state.step, "loss": train_loss, "lr": lr, "tokens": state.tokens_seen,
-                             "flops": state.flops_seen, "tok_per_s": tok_per_s, "elapsed": state.elapsed, **extra})
+                             "flops": state.flops_seen, "tok_per_s": tok_per_s, "elapsed": state.elapsed, **spread,
+                             **extra})
                 bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tok_per_s:,.0f}")
             bar.update(1)
             if cfg.eval_every and state.step % cfg.eval_every == 0 and state.step < cfg.steps:
@@ -491,6 +725,8 @@ def _fit(state: TrainState, progress: bool, max_seconds: float | None) -> dict[s
                 model.train()
             if cfg.save_every and state.step % cfg.save_every == 0 and state.step < cfg.steps:
                 save(state)
+            if stopping:
+                break
     finally:  # also when the run stops (diverged, interrupted): the error starts a line of its own
         bar.close()
     final = validate(state)
@@ -498,5 +734,5 @@ def _fit(state: TrainState, progress: bool, max_seconds: float | None) -> dict[s
     checkpoint = save(state)
     return {"step": state.step, "train_loss": train_loss, "tokens": state.tokens_seen, "flops": state.flops_seen,
             "elapsed": state.elapsed, "params": state.model.num_params(), "checkpoint": str(checkpoint),
+            "world_size": state.dist.world_size, "strategy": cfg.strategy, "global_batch": state.global_batch,
             **{f"val_{k}": v for k, v in final.items()}}
-

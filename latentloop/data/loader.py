@@ -40,18 +40,29 @@ class TokenLoader:
     Each epoch visits every window once, in the order `np.random.default_rng([seed, epoch])`
     gives (or in stream order when `shuffle` is False). A batch that does not fit in what is
     left of an epoch continues into the next one.
+
+    Data-parallel sharding: with `world_size` W, each call takes the next W x batch_size windows of
+    that one global order and returns rank `rank`'s consecutive slice of batch_size. Every rank's
+    loader walks the same global position, so the saved state is the same on every rank, and W
+    ranks see exactly the windows that one process sees in W micro-batches (rank r's batch is that
+    process's r-th). Resuming with another W continues from the same window.
     """
 
-    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, shuffle: bool = True):
+    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, shuffle: bool = True,
+                 rank: int = 0, world_size: int = 1):
         if batch_size < 1:
             raise ConfigError(f"batch_size must be at least 1, got {batch_size}")
         if seed < 0:
             raise ConfigError(f"seed must be non-negative, got {seed}")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ConfigError(f"rank {rank} is not in a world of {world_size} processes")
         self.tokens = tokens
         self.batch_size = batch_size
         self.seq_len = seq_len
         self.seed = seed
         self.shuffle = shuffle
+        self.rank = rank
+        self.world_size = world_size
         self.num_windows = _window_count(tokens, seq_len)
         self.epoch = 0
         self.index = 0  # position within the current epoch's visiting order
@@ -69,17 +80,19 @@ class TokenLoader:
         return self._order
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next (x, y) pair, each an int64 tensor of shape (batch_size, seq_len)."""
+        """The next (x, y) pair of this rank, each an int64 tensor of shape (batch_size, seq_len)."""
         window_ids = []
-        while len(window_ids) < self.batch_size:
+        wanted = self.batch_size * self.world_size  # every rank's batch of this round
+        while len(window_ids) < wanted:
             if self.index >= self.num_windows:
                 self.epoch += 1
                 self.index = 0
             order = self._epoch_order()
-            take = min(self.batch_size - len(window_ids), self.num_windows - self.index)
+            take = min(wanted - len(window_ids), self.num_windows - self.index)
             window_ids.extend(order[self.index : self.index + take].tolist())
             self.index += take
-        return _make_batch(self.tokens, np.asarray(window_ids, dtype=np.int64), self.seq_len)
+        mine = window_ids[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
+        return _make_batch(self.tokens, np.asarray(mine, dtype=np.int64), self.seq_len)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         while True:
@@ -95,14 +108,15 @@ class TokenLoader:
             "seq_len": self.seq_len,
             "shuffle": self.shuffle,
             "num_windows": self.num_windows,
+            "world_size": self.world_size,  # the position is global: any rank's state is every rank's
         }
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a saved position; the following batches match the original run's.
 
         The seed and shuffle flag are taken from `state`. seq_len and the data must be the same
-        (else the saved position would mean other windows); batch_size may differ, in which
-        case the run continues from the same window onwards in larger or smaller steps.
+        (else the saved position would mean other windows); batch_size and world_size may differ,
+        in which case the run continues from the same window onwards in larger or smaller steps.
         """
         if state["seq_len"] != self.seq_len:
             raise ConfigError(

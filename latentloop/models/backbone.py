@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import ModelConfig
+from . import flex
 from .cache import AttentionPlan, KVCache, KVStore, plan_attention
 from .flops import count_flops_per_token
 from .options import DecodeOption
@@ -175,8 +176,11 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, hd)
         if ctx.cache is not None:
             k, v = ctx.cache.update(ctx.slot_offset + self.layer_idx, k, v)  # (B, Hkv, Tk, hd)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.plan.mask, is_causal=ctx.plan.is_causal,
-                                           enable_gqa=self.n_kv_head != self.n_head)  # (B, H, T, hd)
+        if ctx.plan.block_mask is not None:  # a strided subset pass on GPU (models/flex.py)
+            y = flex.attend(q, k, v, ctx.plan.block_mask, enable_gqa=self.n_kv_head != self.n_head)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.plan.mask, is_causal=ctx.plan.is_causal,
+                                               enable_gqa=self.n_kv_head != self.n_head)  # (B, H, T, hd)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, D))
 
 

@@ -20,10 +20,12 @@ rgpt's per-step views implement too.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
+
+from . import flex
 
 
 @dataclass
@@ -33,6 +35,7 @@ class AttentionPlan:
     positions: Tensor  # (B or 1, T) absolute position of each query token
     mask: Tensor | None  # (B, 1, T, Tk) bool, True = may attend; None with is_causal as below
     is_causal: bool  # SDPA's causal flag, only valid when mask is None
+    block_mask: Any = None  # the mask as a flex_attention BlockMask instead (strided subsets on GPU: models/flex.py)
 
 
 class KVStore(Protocol):
@@ -156,6 +159,8 @@ class KVBuffer:
         query_pos = self.key_pos[:, index].clamp(min=0)  # (B|1, n)
         if len(index) == self.columns and bool((self.key_pos >= 0).all()):  # a plain full causal pass
             return AttentionPlan(query_pos, None, True)
+        if flex.available(device):  # a subset of the columns: let the kernel skip what no query sees
+            return AttentionPlan(query_pos, None, False, block_mask=flex.block_mask(query_pos, self.key_pos, index))
         mask = attention_mask(query_pos, self.key_pos, index, torch.arange(self.columns, device=device))
         return AttentionPlan(query_pos, mask, False)
 

@@ -1,0 +1,296 @@
+"""Training over many processes, and the per-block options that go with it (used by `train`).
+
+    forward_model = wrap_model(model, train_config, device)   # AC, compile, DDP or FSDP2
+    with gradient_sync(state_model, forward_model, last_micro_batch): loss.backward()
+    norm = grad_norm(model, clip)                               # also over FSDP2's sharded gradients
+
+Strategies (`train.strategy`), each process on the GPU of its LOCAL_RANK (or the CPU, gloo):
+- `ddp`: `DistributedDataParallel`, the model replicated, gradients all-reduced (averaged) during
+  the backward of the last micro-batch of a step (`no_sync` before it);
+- `fsdp2`: `torch.distributed.fsdp.fully_shard` on every block and then on the whole model (the
+  embedding, head and the variants' extra matrices), so each process keeps 1/N of the parameters,
+  gradients and optimizer states and all-gathers a block's parameters just before using them. On
+  CUDA with bf16 (train.dtype auto or bfloat16) the mixed-precision policy computes in bf16 and
+  reduces gradients in fp32; on the CPU (gloo) everything stays fp32.
+
+Per block, before the strategy wraps the model:
+- activation checkpointing (`train.activation_checkpointing`): a block's activations are
+  recomputed in the backward (torch.utils.checkpoint, non-reentrant). lrt's interleaved and chunked
+  passes write one key/value buffer that later passes read and extend, so recomputing attention in
+  the backward would read the buffer as it is then, not as it was: there only the MLPs are
+  recomputed.
+- `torch.compile` (`train.compile`): `gpt` compiles its whole forward (wrapped in DDP when asked;
+  under fsdp2 block by block, as torchtitan does). The recurrent variants compile each block and
+  keep their loops in Python: fbt's passes, lrt's stride subsets and rgpt's recurrence steps run
+  as eager loops around compiled blocks, since the loop counts change from step to step (each K or
+  r would be a graph of its own) and lrt's buffer and rgpt's cache views are Python objects that
+  the passes mutate.
+
+Checkpoints of an fsdp2 run (`save_sharded` / `load_sharded`) go through
+`torch.distributed.checkpoint`: every process writes its own shards of the model and optimizer
+(`get_state_dict` / `set_state_dict`), so saving never gathers the model; a run resumed on another
+number of processes is resharded on load. The single-file copy for `load` / `eval` / `generate`
+(`full_weights`) is gathered shard by shard into rank 0's CPU memory, never onto a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from .checkpoint import SHARDED_DIR
+from .config import TrainConfig
+from .errors import CheckpointError, OutputError
+from .runtime import current_dist
+
+__all__ = ["SHARDED_DIR", "any_rank", "apply_activation_checkpointing", "compiles_whole_model", "full_weights",
+           "gather_objects", "grad_norm", "gradient_sync", "load_full_optimizer_states", "load_full_weights",
+           "load_sharded", "mean_across_ranks", "save_sharded", "wrap_model"]
+# lrt recurrences whose passes share one key/value buffer (see the module docstring)
+BUFFERED_RECURRENCES = ("interleaved", "chunked")
+
+
+def _checkpointed(module: nn.Module) -> None:
+    """Recompute `module`'s forward in the backward. The instance's forward is replaced (not the
+    module), so parameter names, and hence checkpoints, stay as they are."""
+    module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False)
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    buffered = getattr(model.config, "recurrence", None) in BUFFERED_RECURRENCES
+    for block in model.blocks:
+        _checkpointed(block.mlp if buffered else block)
+
+
+def compiles_whole_model(model: nn.Module, strategy: str) -> bool:
+    """Whether `train.compile` compiles the whole forward (the plain gpt, not under fsdp2) or each block."""
+    return model.config.arch == "gpt" and strategy != "fsdp2"
+
+
+# Graphs one compiled block function may keep: its blocks (layer attributes such as lrt's injection
+# flags are guarded) x the kinds of pass it runs in (full causal, subset with a mask, evaluation).
+GRAPHS_PER_BLOCK = 4
+
+
+def _allow_recompiles(blocks: int) -> None:
+    """Raise dynamo's per-function recompile limit (8 by default: past it, a block falls back to
+    eager for good) to what block-by-block compilation needs."""
+    import torch._dynamo.config as dynamo
+
+    name = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
+    setattr(dynamo, name, max(getattr(dynamo, name), GRAPHS_PER_BLOCK * blocks))
+
+
+def _bf16_on_gpu(config: TrainConfig, device: torch.device) -> bool:
+    return device.type == "cuda" and config.dtype in ("auto", "bfloat16")
+
+
+def wrap_model(model: nn.Module, config: TrainConfig, device: torch.device) -> nn.Module:
+    """Apply activation checkpointing, compilation and the strategy; returns the module the
+    objective calls. `model` stays the plain module (with fsdp2: sharded in place), whose
+    state dict and parameters the optimizer, validation and checkpoints use."""
+    if config.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    whole = config.compile and compiles_whole_model(model, config.strategy)
+    if config.compile and not whole:
+        _allow_recompiles(len(model.blocks))
+        for block in model.blocks:
+            block.compile()  # in place: the parameter names stay
+    forward_model = model
+    if config.strategy == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                  if _bf16_on_gpu(config, device) else MixedPrecisionPolicy())
+        for block in model.blocks:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+    elif config.strategy == "ddp":
+        import inspect
+
+        from torch.nn.parallel import DistributedDataParallel
+
+        # The buffers (RoPE tables) are computed alike everywhere: no need to send them every forward.
+        no_buffer_sync = ({"forward_sync_buffers": False}
+                          if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+                          else {"broadcast_buffers": False})
+        # Recurrent objectives leave some parameters unused in some steps (fbt's fusion at K = 1);
+        # DDP must then look for them, or it waits forever for their gradients.
+        forward_model = DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True,
+            find_unused_parameters=model.config.arch != "gpt", **no_buffer_sync)
+    if whole:
+        forward_model = torch.compile(forward_model)
+    return forward_model
+
+
+def _ddp_module(forward_model: nn.Module) -> nn.Module | None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    inner = getattr(forward_model, "_orig_mod", forward_model)  # a compiled DDP
+    return inner if isinstance(inner, DistributedDataParallel) else None
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, forward_model: nn.Module, sync: bool) -> Iterator[None]:
+    """Around one micro-batch's forward and backward: gradients are reduced across processes only
+    on the last micro-batch of a step (`sync`); the ones before accumulate locally."""
+    ddp = _ddp_module(forward_model)
+    if ddp is not None and not sync:
+        with ddp.no_sync():
+            yield
+        return
+    if hasattr(model, "set_requires_gradient_sync"):  # an FSDP2 module
+        model.set_requires_gradient_sync(sync)
+    yield
+
+
+def _full(t: Tensor) -> Tensor:
+    """A plain tensor from a DTensor (the norm of sharded gradients) or a tensor."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def grad_norm(model: nn.Module, clip: float) -> Tensor:
+    """The total gradient norm over every process's shards, clipping to `clip` when it is > 0
+    (otherwise measured only)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if clip > 0:
+        return _full(torch.nn.utils.clip_grad_norm_(params, clip))
+    if not params:
+        return torch.zeros(())
+    if any(hasattr(p.grad, "full_tensor") for p in params):
+        return _full(torch.nn.utils.get_total_norm([p.grad for p in params]))
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.detach().float()) for p in params]))
+
+
+def mean_across_ranks(value: float, device: torch.device) -> float:
+    """The mean of a float over the processes (each step's loss: every process logs and checks the
+    same number)."""
+    env = current_dist()
+    if env.world_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64 if device.type != "cuda" else torch.float32, device=device)
+    dist.all_reduce(t)
+    return float(t) / env.world_size
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every process when `flag` is true on any (a stop decision all must share)."""
+    if current_dist().world_size == 1:
+        return flag
+    t = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t)
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every process's `obj`, by rank."""
+    env = current_dist()
+    if env.world_size == 1:
+        return [obj]
+    out: list[Any] = [None] * env.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoints of sharded runs
+# --------------------------------------------------------------------------------------------
+
+
+def _options(**kwargs):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(**kwargs)
+
+
+def full_weights(model: nn.Module) -> dict[str, Tensor]:
+    """The whole model's weights, gathered shard by shard into rank 0's CPU memory (collective: every
+    process calls it; the others get an empty dict). Peak memory: one full fp32 copy on rank 0's
+    CPU, none on any GPU."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    weights = get_model_state_dict(model, options=_options(full_state_dict=True, cpu_offload=True))
+    return {name: t.detach().contiguous() for name, t in weights.items()}
+
+
+def save_sharded(folder: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> list[str]:
+    """Every process writes its shards of the model and optimizer states into `folder`
+    (torch.distributed.checkpoint; collective). Returns the names of the parameters that have
+    optimizer state (one never updated has none), so that a resume can leave the others without."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizers)
+    try:
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(folder))
+    except Exception as exc:  # CheckpointException (raised on every rank), OSError
+        raise OutputError(f"cannot write the sharded checkpoint {folder}: {str(exc).strip().splitlines()[0]}") from None
+    return sorted(optim_state.get("state", {}))
+
+
+def load_sharded(folder: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer],
+                 with_state: list[str]) -> None:
+    """Load a `save_sharded` folder into this run's (possibly differently sharded) model and
+    optimizers (collective). Parameters that had no optimizer state when it was saved get none."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizers)  # fills empty optimizer states first
+    keep = set(with_state)
+    optim_state["state"] = {name: s for name, s in optim_state.get("state", {}).items() if name in keep}
+    wanted = {"model": model_state, "optim": optim_state}
+    try:
+        with warnings.catch_warnings():  # without a process group DCP warns that it reads in one process: we mean it
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(wanted, checkpoint_id=str(folder), no_dist=not (dist.is_available() and dist.is_initialized()))
+    except Exception as exc:  # CheckpointException (missing or corrupt files), OSError
+        raise CheckpointError(f"cannot load the sharded checkpoint {folder}: "
+                              f"{str(exc).strip().splitlines()[0]}") from None
+    # not strict: parameters never updated when it was saved have no optimizer state in the file (dcp.load
+    # has already checked that every weight and every state asked for was there)
+    set_state_dict(model, optimizers, model_state_dict=wanted["model"], optim_state_dict=wanted["optim"],
+                   options=_options(strict=False))
+    names = _param_names(model)
+    for opt in optimizers:  # and they get none here either, as in the run that saved it
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if names.get(p) not in keep:
+                    opt.state.pop(p, None)
+
+
+def _param_names(model: nn.Module) -> dict[nn.Parameter, str]:
+    return {p: name for name, p in model.named_parameters()}
+
+
+def load_full_optimizer_states(model: nn.Module, optimizers: list[torch.optim.Optimizer],
+                               saved: list[dict[str, Any]]) -> None:
+    """Optimizer states of an unsharded checkpoint (keyed by parameter index, as
+    `Optimizer.state_dict` writes them) into this run's sharded optimizers: renamed by parameter,
+    then sharded by `set_optimizer_state_dict`. The optimizers are built in the same parameter
+    order as the ones that saved them."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    names = _param_names(model)
+    for opt, state in zip(optimizers, saved):
+        order = [names[p] for group in opt.param_groups for p in group["params"]]
+        by_name = {"state": {order[int(i)]: s for i, s in state["state"].items()},
+                   "param_groups": [{**g, "params": [order[int(i)] for i in g["params"]]}
+                                    for g in state["param_groups"]]}
+        set_optimizer_state_dict(model, opt, by_name, options=_options(full_state_dict=True))
+
+
+def load_full_weights(model: nn.Module, weights: dict[str, Tensor]) -> None:
+    """Whole weights into a sharded model: each process keeps its shards."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    set_model_state_dict(model, weights, options=_options(full_state_dict=True))

@@ -1,0 +1,206 @@
+"""What each process of `test_distributed.py`'s multi-process runs does (imported by the spawned
+processes, so it lives in a module of its own). Every worker joins a gloo group on localhost the
+way torchrun would set it up (env vars), runs its scenario through `latentloop.train`, and rank 0
+writes what the test reads into `out` (JSON / safetensors)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config
+
+ARCH_OVERRIDES = {
+    "gpt": {},
+    # multi-pass batches from the first step on (K = 1 and 2 both drawn in the first 3 steps with SEED,
+    # asserted by the test); no jitter: it comes from each process's own RNG stream
+    "fbt": {"plain_fraction": 0.0, "pass_mix": (0.5, 0.5), "jitter": 0.0},
+    "lrt": {"recurrence": "interleaved", "subsets": 2},
+    "rgpt": {"recurrence_steps": 3, "noise_std": 0.0},  # noise: per-process stream, as fbt's jitter
+}
+SEED = 2  # steps 0-2 draw fbt K = 1, 2, 2 and rgpt depths 3, 1, 2 (asserted by the test)
+# fbt K = 1, 1, 2, ...: a checkpoint after step 2 holds no optimizer state for the fusion matrices yet
+LATE_FUSION_SEED = 11
+
+
+def run_config(arch: str, corpus: Path, strategy: str, steps: int = 3, grad_accum: int = 1,
+               model: dict | None = None, **train) -> RunConfig:
+    train = {"steps": steps, "batch_size": 2, "grad_accum": grad_accum, "eval_every": 0, "eval_batches": 1,
+             "log_every": 1, "warmup_steps": 1, "lr": 1e-2, "seed": SEED, "strategy": strategy, "device": "cpu",
+             **train}
+    return RunConfig(model=model_config(arch, "test", sequence_len=32, **{**ARCH_OVERRIDES[arch], **(model or {})}),
+                     train=TrainConfig(**train), data=DataConfig(source=f"text:{corpus}"))
+
+
+def join(rank: int, world: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    torch.set_num_threads(1)  # two processes share the machine's cores
+
+
+def record_draws(objective, model) -> list[dict]:
+    """Wrap the objective so that every call records the random draws it made (fbt: pass count and
+    the uniform field that places the prefix boundaries; rgpt: depth; lrt: the subsets' columns)."""
+    from latentloop.objectives import fbt as fbt_objective
+
+    draws: list[dict] = []
+    real_mask = fbt_objective.document_prefix_mask
+
+    def mask(idx, bos_id, generator):
+        probe = torch.Generator().set_state(generator.get_state())
+        draws[-1]["prefix_u"] = torch.rand(idx.shape, generator=probe).flatten().tolist()
+        return real_mask(idx, bos_id, generator)
+
+    fbt_objective.document_prefix_mask = mask
+    real_call = type(objective).__call__
+
+    def call(self, forward_model, x, y, step):
+        draws.append({"step": step})
+        result = real_call(self, forward_model, x, y, step)
+        draws[-1].update({k: v for k, v in result.metrics.items() if k in ("passes", "steps")})
+        return result
+
+    objective.__class__ = type("Recording", (type(objective),), {"__call__": call})
+    if model.config.arch == "lrt":
+        real_interleaved = type(model).interleaved
+
+        def interleaved(self, idx, subsets, pad_mask=None, pad_shift=0):
+            out, buffer = real_interleaved(self, idx, subsets, pad_mask, pad_shift)
+            if self.training:
+                draws[-1]["columns"] = [c.tolist() for c in out.pass_columns]
+            return out, buffer
+
+        model.interleaved = interleaved.__get__(model)
+    return draws
+
+
+ACCUMULATING = "gpt+accum"  # a case of its own: gpt with 2 micro-batches per step on every process
+
+
+def case_arch(case: str) -> tuple[str, int]:
+    """(arch, grad_accum) of a case name: an arch, or ACCUMULATING."""
+    return ("gpt", 2) if case == ACCUMULATING else (case, 1)
+
+
+def _runs(rank: int, corpus: str, out: str, strategy: str, cases: list[str]) -> None:
+    """One run per case under `strategy`; rank 0 writes the losses and every rank's draws."""
+    from latentloop.parallel import gather_objects
+    from latentloop.train import fit, setup
+
+    results = {}
+    for case in cases:
+        arch, grad_accum = case_arch(case)
+        state = setup(run_config(arch, Path(corpus), strategy, grad_accum=grad_accum),
+                      Path(out) / f"{case}-{strategy}", progress=False)
+        draws = record_draws(state.objective, state.model)
+        summary = fit(state, progress=False)
+        results[case] = {"losses": [row["loss"] for row in state.history if "loss" in row],
+                         "draws": gather_objects(draws), "checkpoint": summary["checkpoint"]}
+    if rank == 0:
+        (Path(out) / f"{strategy}.json").write_text(json.dumps(results))
+
+
+NOISY_RGPT = {"noise_std": 0.1}  # rgpt's training noise on: each rank's own RNG stream must be saved and restored
+
+
+def equivalence(rank: int, world: int, port: int, corpus: str, out: str, strategy: str, cases: list[str]) -> None:
+    """`_runs`, then (ddp) a noisy rgpt run interrupted after step 2 and resumed (`interrupted`)."""
+    from latentloop.runtime import destroy_distributed
+
+    join(rank, world, port)
+    _runs(rank, corpus, out, strategy, cases)
+    if strategy == "ddp":
+        interrupted(rank, corpus, out, "rgpt-ddp-resume", "rgpt", "ddp", NOISY_RGPT)
+    destroy_distributed()
+
+
+def interrupted(rank: int, corpus: str, out: str, name: str, arch: str, strategy: str, model: dict,
+                **train) -> int:
+    """A 4-step run saving at steps 2 and 4; rank 0 keeps its final checkpoint as NAME-straight and
+    deletes it, and the run resumes from step 2 on as many processes into NAME/. Returns the step
+    it resumed from (also written to NAME.json by rank 0)."""
+    import shutil
+
+    from latentloop.checkpoint import list_checkpoints
+    from latentloop.train import fit, setup
+
+    run = Path(out) / name
+    config = dict(steps=4, save_every=2, keep_last=3, model=model, **train)
+    fit(setup(run_config(arch, Path(corpus), strategy, **config), run, progress=False), progress=False)
+    if rank == 0:
+        final = list_checkpoints(run)[-1]
+        shutil.copytree(final, Path(out) / f"{name}-straight")  # what the uninterrupted run ended with
+        shutil.rmtree(final)
+    torch.distributed.barrier()
+    resumed = setup(run_config(arch, Path(corpus), strategy, **config), run, resume=True, progress=False)
+    start = resumed.step
+    fit(resumed, progress=False)
+    if rank == 0:
+        (Path(out) / f"{name}.json").write_text(json.dumps({"resumed_from": start}))
+    return start
+
+
+def sharded(rank: int, world: int, port: int, corpus: str, out: str, cases: list[str]) -> None:
+    """fsdp2 runs of `cases` (as `equivalence`), then `sharded_checkpoints`, in one process group."""
+    from latentloop.runtime import destroy_distributed
+
+    join(rank, world, port)
+    _runs(rank, corpus, out, "fsdp2", cases)
+    sharded_checkpoints(rank, corpus, out)
+    destroy_distributed()
+
+
+def sharded_checkpoints(rank: int, corpus: str, out: str) -> None:
+    """An fsdp2 run of 4 steps saving at 2 and 4 (sharded only), its logits on a fixed batch; then
+    the step-4 checkpoint removed and the run resumed from step 2 on as many processes."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from latentloop.checkpoint import list_checkpoints
+    from latentloop.train import fit, setup
+
+    run = Path(out) / "fsdp2-run"
+    config = run_config("fbt", Path(corpus), "fsdp2", steps=4, save_every=2, keep_last=3, full_weights=False,
+                        seed=LATE_FUSION_SEED)
+    state = setup(config, run, progress=False)
+    fit(state, progress=False)
+    x = torch.arange(2 * 32).reshape(2, 32) % 250
+    state.model.eval()
+    with torch.no_grad():
+        logits = state.model(x).logits.detach()
+    if rank == 0:
+        save_file({"x": x, "logits": logits.contiguous()}, str(Path(out) / "fsdp2-logits.safetensors"))
+        final = list_checkpoints(run)[-1]
+        shutil.copytree(final, Path(out) / "fsdp2-straight")  # what the uninterrupted run ended with
+        shutil.rmtree(final)
+    torch.distributed.barrier()
+    resumed = setup(run_config("fbt", Path(corpus), "fsdp2", steps=4, save_every=2, keep_last=3,
+                               full_weights=True, seed=LATE_FUSION_SEED), run, resume=True, progress=False)
+    start = resumed.step
+    fit(resumed, progress=False)
+    if rank == 0:
+        (Path(out) / "fsdp2-resume.json").write_text(json.dumps({"resumed_from": start}))
+
+
+def plant_fault(rank: int, at_batch: int = 3) -> None:
+    """On rank 1 only: the loader's `at_batch`-th batch fails with a DataError, as an unreadable shard
+    on one node would (rank 0 carries on into the step's collectives)."""
+    if rank != 1:
+        return
+    from latentloop.data import loader
+    from latentloop.errors import DataError
+
+    calls = {"n": 0}
+    real = loader.TokenLoader.next_batch
+
+    def next_batch(self):
+        calls["n"] += 1
+        if calls["n"] == at_batch:
+            raise DataError("shard unreadable on this node (planted by the test)")
+        return real(self)
+
+    loader.TokenLoader.next_batch = next_batch

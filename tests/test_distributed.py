@@ -1,0 +1,280 @@
+"""Training on several processes (CPU, gloo, localhost): DDP and FSDP2 equal one process with as
+much gradient accumulation, sharded checkpoints resume exactly and export to the single-file
+format, every random draw agrees across ranks, and an error on one rank ends the job.
+
+Processes are started with `torch.multiprocessing` (what torchrun's workers do, without its
+agent) or with torchrun itself for the command line; every start is bounded in time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import dist_workers
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+
+import latentloop as ll
+from latentloop.checkpoint import list_checkpoints
+from latentloop.cli import main
+from latentloop.errors import CheckpointError
+from latentloop.train import fit, setup
+
+ARCHS = ["gpt", "fbt", "lrt", "rgpt"]
+# and gpt accumulating 2 micro-batches per process: the gradients synchronise on the second only
+CASES = [*ARCHS, dist_workers.ACCUMULATING]
+WORLD = 2
+SPAWN_TIMEOUT_S = 150  # a hung collective fails the test instead of the suite
+TORCHRUN_TIMEOUT_S = 120
+# DDP averages the two processes' gradients where one process sums two halves of accumulation:
+# the same numbers added in another order, so fp32 rounding (~1e-7 relative) is the only difference,
+# amplified a little by Adam's division by small second moments over 3 steps.
+LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
+WEIGHT_TOL = dict(rtol=1e-4, atol=1e-5)
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                                reason="this torch build has no gloo backend")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(fn, *args, nprocs: int = WORLD):
+    """`fn(rank, nprocs, port, *args)` in `nprocs` fresh processes (not waited for)."""
+    return mp.start_processes(fn, args=(nprocs, _free_port(), *args), nprocs=nprocs, join=False,
+                              start_method="spawn")
+
+
+def _join(context, timeout: float = SPAWN_TIMEOUT_S) -> None:
+    """Wait for `_start`'s processes; a failure in one re-raises its traceback, and a run that
+    outlives `timeout` (a hung collective) is killed and fails the test."""
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=max(0.5, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the {len(context.processes)} processes did not finish within {timeout} s")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """This process's one-process references run while the spawned processes work: at this size a
+    second thread buys nothing, and on busy cores OpenMP threads that wait for each other cost seconds."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("corpus")
+    words = "the quick brown fox jumps over the lazy dog while latent state loops forward".split()
+    for i in range(40):
+        text = " ".join(words[(i + j) % len(words)] for j in range(200)) + f"\nstory {i}\n"
+        (folder / f"doc{i:02d}.txt").write_text(text)
+    return folder
+
+
+def _final_weights(checkpoint: str | Path) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(checkpoint) / "model.safetensors"))
+
+
+def _reference(case: str, corpus: Path, run: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, WORLD times the gradient accumulation: the run the data-parallel processes must equal."""
+    arch, grad_accum = dist_workers.case_arch(case)
+    state = setup(dist_workers.run_config(arch, corpus, "none", grad_accum=grad_accum * WORLD), run, progress=False)
+    summary = fit(state, progress=False)
+    return [row["loss"] for row in state.history if "loss" in row], _final_weights(summary["checkpoint"])
+
+
+def _assert_same_run(result: dict, reference: tuple[list[float], dict[str, torch.Tensor]], arch: str) -> None:
+    losses, weights = reference
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(losses), **LOSS_TOL,
+                               msg=lambda m: f"{arch}: losses differ: {m}")
+    parallel = _final_weights(result["checkpoint"])
+    assert parallel.keys() == weights.keys()
+    for name in weights:
+        torch.testing.assert_close(parallel[name], weights[name], **WEIGHT_TOL,
+                                   msg=lambda m, name=name: f"{arch}: {name} differs: {m}")
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(corpus, tmp_path_factory) -> tuple[Path, dict, dict]:
+    """The two-process DDP runs of every arch, and (computed meanwhile) their one-process references."""
+    out = tmp_path_factory.mktemp("ddp")
+    context = _start(dist_workers.equivalence, str(corpus), str(out), "ddp", CASES)
+    references = {case: _reference(case, corpus, out / f"{case}-reference") for case in CASES}
+    _join(context)
+    return out, json.loads((out / "ddp.json").read_text()), references
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_ddp_on_two_processes_equals_one_process_with_twice_the_accumulation(ddp_runs, case):
+    _, results, references = ddp_runs
+    _assert_same_run(results[case], references[case], case)
+
+
+def test_every_random_draw_is_the_same_on_every_rank(ddp_runs):
+    _, results, _ = ddp_runs
+    for arch in ARCHS:
+        rank0, rank1 = results[arch]["draws"]
+        assert len(rank0) == 3 and rank0 == rank1, f"{arch}: the ranks drew differently"
+    fbt = results["fbt"]["draws"][0]
+    assert {d["passes"] for d in fbt} == {1, 2}  # K = 1 (fusion unused) and K = 2 both ran
+    assert all(len(d["prefix_u"]) == 2 * 32 for d in fbt if d["passes"] > 1)  # a boundary per row and position
+    assert len({d["steps"] for d in results["rgpt"]["draws"][0]}) > 1  # the depth changed between steps
+    lrt = results["lrt"]["draws"][0]
+    assert all(d["columns"][1:] == [list(range(0, 32, 2)), list(range(1, 32, 2))] for d in lrt)  # S = 2 subsets
+
+
+def test_a_two_process_ddp_run_resumes_exactly(ddp_runs):
+    """rgpt with its training noise on: each process's own RNG stream is saved and restored."""
+    out, _, _ = ddp_runs
+    assert json.loads((out / "rgpt-ddp-resume.json").read_text()) == {"resumed_from": 2}
+    straight = _final_weights(out / "rgpt-ddp-resume-straight")
+    resumed = _final_weights(list_checkpoints(out / "rgpt-ddp-resume")[-1])
+    assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
+    trainer = json.loads((out / "rgpt-ddp-resume-straight" / "trainer.json").read_text())
+    ranks = trainer["state"]["rng_ranks"]
+    assert len(ranks) == WORLD and ranks[0]["torch"] != ranks[1]["torch"]  # two streams, both kept
+
+
+def test_a_two_process_run_logs_once_with_the_global_batch(ddp_runs):
+    out, results, _ = ddp_runs
+    rows = [json.loads(line) for line in (out / "gpt-ddp" / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train_rows] == [1, 2, 3]  # rank 0 alone writes: no row twice
+    assert train_rows[-1]["tokens"] == 3 * 2 * 1 * WORLD * 32  # steps x micro-batch x accumulation x world x T
+    state = json.loads((Path(results["gpt"]["checkpoint"]) / "state.json").read_text())
+    assert (state["world_size"], state["global_batch"], state["strategy"]) == (WORLD, 2 * WORLD, "ddp")
+
+
+def _fsdp2_on_gloo() -> str | None:
+    """Why FSDP2 cannot run here, or None."""
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError:
+        return f"torch {torch.__version__} has no torch.distributed.fsdp.fully_shard (FSDP2)"
+    return None
+
+
+@pytest.fixture(scope="module")
+def fsdp2_runs(corpus, tmp_path_factory) -> tuple[Path, dict, dict]:
+    """In one two-process group: fsdp2 runs of gpt, lrt and rgpt, then an fbt run with sharded
+    checkpoints (`dist_workers.sharded_checkpoints`); meanwhile their one-process references."""
+    reason = _fsdp2_on_gloo()
+    if reason is not None:
+        pytest.skip(reason)  # the GPU benchmark (benchmarks/gpu.sh) runs fsdp2 with NCCL instead
+    out = tmp_path_factory.mktemp("fsdp2")
+    cases = [case for case in CASES if case != "fbt"]  # fbt: the checkpoint run below
+    context = _start(dist_workers.sharded, str(corpus), str(out), cases)
+    references = {case: _reference(case, corpus, out / f"{case}-reference") for case in cases}
+    # fbt: K = 1, 1, 2, ... so the fusion matrices first get gradients (and optimizer state) after step 2
+    config = dist_workers.run_config("fbt", corpus, "none", steps=4, grad_accum=WORLD, save_every=2, keep_last=3,
+                                     seed=dist_workers.LATE_FUSION_SEED)
+    fbt = _final_weights(fit(setup(config, out / "fbt-reference", progress=False), progress=False)["checkpoint"])
+    _join(context)
+    return out, json.loads((out / "fsdp2.json").read_text()), {**references, "fbt": fbt}
+
+
+def test_fsdp2_on_two_processes_equals_one_process(fsdp2_runs):
+    _, results, references = fsdp2_runs
+    for arch in results:
+        assert results[arch]["draws"][0] == results[arch]["draws"][1]
+        _assert_same_run(results[arch], references[arch], arch)
+
+
+def test_a_sharded_checkpoint_resumes_exactly_and_exports_to_one_file(fsdp2_runs, corpus, capsys):
+    out, _, references = fsdp2_runs
+    run, straight = out / "fsdp2-run", out / "fsdp2-straight"
+    assert json.loads((out / "fsdp2-resume.json").read_text()) == {"resumed_from": 2}
+
+    # saved with full_weights=false: sharded only, and the loaders say how to export it
+    assert (straight / "dcp").is_dir() and not (straight / "model.safetensors").exists()
+    with pytest.raises(CheckpointError, match="export-dcp"):
+        ll.load(straight)
+    assert main(["export-dcp", str(straight)]) == 0
+    written = (straight / "model.safetensors").stat().st_mtime_ns
+    capsys.readouterr()
+    assert main(["export-dcp", str(straight)]) == 2  # never overwritten unless asked
+    assert "exists already (pass --force" in capsys.readouterr().err
+    assert (straight / "model.safetensors").stat().st_mtime_ns == written
+    assert main(["export-dcp", str(straight), "--force"]) == 0
+    resumed = list_checkpoints(run)[-1]  # saved with full_weights=true: gathered on rank 0
+    assert (resumed / "dcp").is_dir() and (resumed / "model.safetensors").is_file()
+    a, b = _final_weights(straight), _final_weights(resumed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # resumed == uninterrupted
+    for name, tensor in references["fbt"].items():  # and the sharded run == one process, twice the accumulation
+        torch.testing.assert_close(a[name], tensor, **WEIGHT_TOL)
+
+    # the exported file loads in one process and gives the sharded model's logits
+    model, _ = ll.load(straight)
+    saved = load_file(str(out / "fsdp2-logits.safetensors"))
+    with torch.no_grad():
+        torch.testing.assert_close(model(saved["x"]).logits, saved["logits"], rtol=1e-5, atol=1e-5)
+
+    # on another number of processes (here one, unsharded) the run continues, and says it is not exact
+    capsys.readouterr()
+    state = setup(dist_workers.run_config("fbt", corpus, "none", steps=6, save_every=2, keep_last=3,
+                                          seed=dist_workers.LATE_FUSION_SEED), run, resume=True, progress=False)
+    assert state.step == 4 and "saved by 2 process(es) on 1" in capsys.readouterr().err
+    assert fit(state, progress=False)["step"] == 6
+
+
+def _torchrun(args: list[str], tmp_path: Path, script: str | None = None) -> subprocess.CompletedProcess:
+    here = Path(__file__).resolve().parent  # this checkout's package and the test helpers, not an installed copy
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent), str(here), os.environ.get("PYTHONPATH", "")])}
+    target = [script] if script else ["-m", "latentloop"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD), "--master-addr",
+               "127.0.0.1", "--master-port", str(_free_port()), *target, *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT_S, env=env, cwd=tmp_path)
+
+
+def _error_lines(result: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in (result.stdout + result.stderr).splitlines() if "latentloop: error:" in line]
+
+
+def test_an_error_on_one_rank_ends_the_job_with_one_line(corpus, tmp_path):
+    script = tmp_path / "faulty_train.py"
+    script.write_text("import os, sys\nimport dist_workers\ndist_workers.plant_fault(int(os.environ['RANK']))\n"
+                      "from latentloop.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+    started = time.monotonic()
+    result = _torchrun(["train", "--arch", "gpt", "--preset", "test", "--data", f"text:{corpus}", "--steps", "6",
+                        "--batch-size", "2", "--set", "sequence_len=32", "--set", "train.strategy=ddp", "--set",
+                        "train.eval_every=0", "--out", str(tmp_path / "run"), "--no-progress"], tmp_path, str(script))
+    assert result.returncode != 0
+    assert _error_lines(result) == ["latentloop: error: rank 1: shard unreadable on this node (planted by the test)"]
+    workers = result.stderr.split("failed (exitcode")[0]  # what the processes printed before torchrun's report
+    assert "Traceback" not in result.stdout + workers  # the other rank was stopped by torchrun, quietly
+    assert "exitcode  : 2" in result.stderr  # torchrun names rank 1's exit code 2 as the root cause
+    assert time.monotonic() - started < TORCHRUN_TIMEOUT_S
+
+
+def test_an_error_before_the_processes_connect_is_printed_by_rank_0_only(corpus, tmp_path, monkeypatch, capsys):
+    """torchrun starts every process with the same command line, so a config error (found before
+    the process group exists) happens on all of them: rank 0 prints it, the others only exit 2."""
+    argv = ["train", "--arch", "gpt", "--preset", "test", "--data", f"text:{corpus}", "--steps", "2",
+            "--out", str(tmp_path / "run")]  # train.strategy stays none
+    printed = {}
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", str(WORLD))
+        capsys.readouterr()
+        assert main(argv) == 2
+        printed[rank] = capsys.readouterr().err.strip().splitlines()
+    assert printed == {0: ["latentloop: error: started as 2 processes (torchrun) but train.strategy is none: set "
+                           "--set train.strategy=ddp or fsdp2"], 1: []}
+    assert not (tmp_path / "run").exists()
