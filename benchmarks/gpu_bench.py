@@ -74,9 +74,9 @@ WHOLE_STEP = "gpt, loss compiled too"  # the headroom case: model and cross-entr
 TRAIN_CASES: list[tuple[str, str, dict]] = [
     ("gpt", "gpt", {}),
     (WHOLE_STEP, "gpt", {}),
-    ("fbt K=1", "fbt", {"plain_fraction": 0.0, "pass_mix": (1.0,)}),
-    ("fbt K=2", "fbt", {"plain_fraction": 0.0, "pass_mix": (0.0, 1.0)}),
-    ("fbt K=3", "fbt", {"plain_fraction": 0.0, "pass_mix": (0.0, 0.0, 1.0)}),
+    ("fbt K=1", "fbt", {"feedback_start": 0.0, "pass_mix": (1.0,)}),
+    ("fbt K=2", "fbt", {"feedback_start": 0.0, "pass_mix": (0.0, 1.0)}),
+    ("fbt K=3", "fbt", {"feedback_start": 0.0, "pass_mix": (0.0, 0.0, 1.0)}),
     ("lrt interleaved S=2", "lrt", {"recurrence": "interleaved", "subsets": 2}),
     ("rgpt", "rgpt", {}),
 ]
