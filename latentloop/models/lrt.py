@@ -57,7 +57,6 @@ class LRTContext(ForwardContext):
     memory: Tensor | None = None  # (B, T, D) m_{t-1} for each position
     memory_kv: Tensor | None = None  # shared [W_k m, W_v m] as (B, T, 2 Hkv hd)
     idx: Tensor | None = None  # (B, T) the tokens of this pass, for the value embeddings
-    source: Tensor | None = None  # (B, T, D) written by the source block during the pass
 
 
 @dataclass
@@ -106,7 +105,6 @@ class LRTBlock(Block):
     def __init__(self, config: LRTConfig, layer_idx: int):
         super().__init__(config, layer_idx)
         self.inject = config.injects(layer_idx) and config.injection in ("residual", "both")
-        self.is_source = layer_idx == config.source_layer
         if self.inject:
             self.mem_alpha = nn.Parameter(torch.full((1,), RESIDUAL_ALPHA_INIT))
             self.mem_gamma = nn.Parameter(torch.full((1,), config.residual_gamma_init))
@@ -114,10 +112,7 @@ class LRTBlock(Block):
     def forward(self, x: Tensor, ctx: LRTContext) -> Tensor:
         if self.inject:
             x = torch.addcmul(self.mem_alpha * x, self.mem_gamma, ctx.memory)
-        x = super().forward(x, ctx)
-        if self.is_source:
-            ctx.source = norm(x)
-        return x
+        return super().forward(x, ctx)
 
 
 class LRT(GPT):
@@ -159,8 +154,13 @@ class LRT(GPT):
         lctx = LRTContext(**vars(ctx), memory=memory, idx=idx)
         if self.mem_kv is not None:
             lctx.memory_kv = self.mem_kv(memory)  # (B, T, 2 Hkv hd); viewed per head by each layer
-        h = self.run_blocks(self.embed(idx), lctx)
-        return h, (self.ln_f(h) if self.config.source_layer < 0 else lctx.source)
+        # the source block's output is read here, not written into the context by the block: a
+        # wrapped block (FSDP2, activation checkpointing, compile) may see a copy of its arguments
+        source_layer = self.config.source_layer
+        h = self.run_blocks(self.embed(idx), lctx, self.blocks[:source_layer + 1]) if source_layer >= 0 else None
+        source = norm(h) if h is not None else None
+        h = self.run_blocks(self.embed(idx) if h is None else h, lctx, self.blocks[source_layer + 1:])
+        return h, (self.ln_f(h) if source_layer < 0 else source)
 
     # -- recurrence procedures over a whole sequence ---------------------------------------
     def forward(self, idx: Tensor, pad_mask: Tensor | None = None, recurrence: str | None = None,
