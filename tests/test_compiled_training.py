@@ -17,9 +17,10 @@ GRAD_TOL = 1e-4
 SEQ_LEN, BATCH = 32, 2
 
 
-def loss_and_grads(model, objective, x, y, step: int):
+def loss_and_grads(forward, model, objective, x, y, step: int):
+    """Loss and gradients of the objective through `forward` (the model, or its compiled wrapper)."""
     model.zero_grad(set_to_none=True)
-    loss = objective(model, x, y, step).loss
+    loss = objective(forward, x, y, step).loss
     loss.backward()
     return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
@@ -42,9 +43,9 @@ def _check_compiled_training(arch):
     compiled = torch.compile(model)
     for step in range(2):  # the objectives sample a schedule per step (passes, depth, subsets) from the step
         torch.manual_seed(step)  # training noise (fbt jitter, rgpt eps) drawn identically on both paths
-        eager_loss, eager_grads = loss_and_grads(model, objective, x, y, step)
+        eager_loss, eager_grads = loss_and_grads(model, model, objective, x, y, step)
         torch.manual_seed(step)
-        compiled_loss, compiled_grads = loss_and_grads(compiled, objective, x, y, step)
+        compiled_loss, compiled_grads = loss_and_grads(compiled, model, objective, x, y, step)
         torch.testing.assert_close(compiled_loss, eager_loss, rtol=0, atol=LOSS_TOL)
         assert compiled_grads.keys() == eager_grads.keys() and eager_grads
         for name, grad in eager_grads.items():
