@@ -8,11 +8,12 @@ decode step has static shapes:
 - `static_cache(cache)` turns the cache a model made (`new_cache`, any subclass: rgpt's
   `RecurrentKVCache` too) into a `Static…` subclass of its own class. Prefill runs eagerly and
   unchanged (the parent's slicing by Python ints). Then `freeze()` switches it to the static
-  mode: a new token is written at the position held in the tensor `write_index` (`index_copy_`
-  on the time axis), attention runs over the whole `max_len` with a mask built from the
-  `key_pos` tensor, RoPE reads its rows at the position tensor, and `advance` bumps the tensors
-  in place. Nothing the compiled step reads is a Python int that changes from step to step, so
-  it compiles once per (shapes, options) and never recompiles as the sequence grows.
+  mode: each slot's keys/values get a tensor of their own, a new token is written at the
+  position held in the tensor `write_index` (`index_put_` on the time axis, in place when
+  compiled), attention runs over the whole `max_len` with a mask built from the `key_pos` tensor,
+  RoPE reads its rows at the position tensor, and `advance` bumps the tensors in place. Nothing
+  the compiled step reads is a Python int that changes from step to step, so it compiles once
+  per (shapes, options) and never recompiles as the sequence grows.
 - While frozen, `length` reads 0: the decode window is the whole buffer from slot 0 (masked by
   `key_pos`), so the models' "tokens seen + new <= context" checks, which read `length`, pass
   inside the compiled step; `FastDecoder` checks the real bound (`filled`) outside it instead.
@@ -70,11 +71,32 @@ class StaticCacheMixin:
         self._length = value
 
     def freeze(self) -> None:
-        """Switch to the static decode mode (after prefill); state tensors become fixed buffers."""
+        """Switch to the static decode mode (after prefill). Each slot's keys/values move into a
+        tensor of its own: a compiled step that writes into a view of one (S, ...) tensor is
+        functionalised into a copy of the whole tensor per write (measured: every slot's cache
+        copied twice per step), while a write into an input tensor of its own stays in place.
+        State tensors become fixed buffers. `k` / `v` are dropped: the slots hold the data now."""
         self.filled = self._length
         self.write_index = torch.full((1,), self._length, dtype=torch.long, device=self.key_pos.device)
+        self.k_slots = [t.clone() for t in self.k.unbind(0)]  # S x (B, H, L, hd)
+        self.v_slots = [t.clone() for t in self.v.unbind(0)]
+        self.k = self.v = None
         self.state = {name: value.clone() for name, value in self.state.items()}
         self.static = True
+
+    @property
+    def batch_size(self) -> int:
+        return self.key_pos.shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.key_pos.shape[1]
+
+    def memory_bytes(self) -> int:
+        if not self.static:
+            return super().memory_bytes()
+        tensors = [*self.k_slots, *self.v_slots, self.key_pos, *self.state.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def begin(self, T: int, pad_mask: Tensor | None = None) -> AttentionPlan:
         if not self.static:
@@ -82,7 +104,7 @@ class StaticCacheMixin:
         if T != 1 or pad_mask is not None:
             raise ValueError("a frozen static cache decodes one unpadded token per row per step")
         positions = self.next_pos[:, None].clone()  # (B, 1); a copy, as next_pos moves on below
-        self.key_pos.index_copy_(1, self.write_index, positions)
+        self.key_pos[:, self.write_index] = positions  # index_put_: inductor keeps it in place
         self.next_pos.add_(1)
         self.pending = 1
         visible = (self.key_pos >= 0) & (self.key_pos <= positions)  # (B, L): stored, not in the future
@@ -91,13 +113,14 @@ class StaticCacheMixin:
     def update(self, slot: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         if not self.static:
             return super().update(slot, k, v)
-        self.k[slot].index_copy_(2, self.write_index, k)
-        self.v[slot].index_copy_(2, self.write_index, v)
-        return self.k[slot], self.v[slot]
+        k_slot, v_slot = self.k_slots[slot], self.v_slots[slot]
+        k_slot[:, :, self.write_index] = k  # index_put_ at the tensor position: in place when compiled
+        v_slot[:, :, self.write_index] = v
+        return k_slot, v_slot
 
     def read(self, slot: int) -> tuple[Tensor, Tensor]:
         """The keys/values (B, H, 1, hd) of the token being decoded in `slot` (as written so far)."""
-        return self.k[slot].index_select(2, self.write_index), self.v[slot].index_select(2, self.write_index)
+        return self.k_slots[slot][:, :, self.write_index], self.v_slots[slot][:, :, self.write_index]
 
     def advance(self) -> None:
         if not self.static:
@@ -120,8 +143,8 @@ class StaticCacheMixin:
             for j in range(self.n_rec):
                 src, dst = first + (last_step - 1) * self.n_rec + j, first + (step - 1) * self.n_rec + j
                 k, v = self.read(src)
-                self.k[dst].index_copy_(2, self.write_index, k)
-                self.v[dst].index_copy_(2, self.write_index, v)
+                self.k_slots[dst][:, :, self.write_index] = k
+                self.v_slots[dst][:, :, self.write_index] = v
 
 
 @dataclass
@@ -198,7 +221,7 @@ class FastDecoder:
         if hasattr(self.model, "token_gates"):  # fbt's gate table: computed here, read as is when compiled
             self.model.token_gates()
         if self.cuda and self.compiled:  # CUDA graphs may mutate these only as static inputs
-            for tensor in (cache.k, cache.v, cache.key_pos, cache.next_pos, cache.write_index,
+            for tensor in (*cache.k_slots, *cache.v_slots, cache.key_pos, cache.next_pos, cache.write_index,
                            *cache.state.values()):
                 torch._dynamo.mark_static_address(tensor)
         self.cache = cache
