@@ -9,7 +9,7 @@ import torch
 import latentloop as ll
 from latentloop.archs import ARCHS, build_objective
 from latentloop.config import TrainConfig
-from latentloop.models.backbone import norm
+from latentloop.models.backbone import norm, relu_squared
 from latentloop.optim import build_optimizers
 
 # fp32: inductor fuses and reorders the elementwise work and the reductions, so losses and
@@ -27,6 +27,15 @@ def test_rms_norm_backward_is_the_derivative():
     ours = torch.autograd.grad(norm(x), x, g)[0]
     theirs = torch.autograd.grad(torch.nn.functional.rms_norm(x, (16,)), x, g)[0]
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-12)  # float64: the two differ by rounding only
+
+
+def test_relu_squared_backward_is_the_derivative():
+    x = torch.randn(4, 33, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(relu_squared, (x,))
+    g = torch.randn(4, 33, dtype=torch.float64)
+    torch.testing.assert_close(torch.autograd.grad(relu_squared(x), x, g)[0],
+                               torch.autograd.grad(torch.relu(x).square(), x, g)[0], rtol=0, atol=0)
+    torch.testing.assert_close(relu_squared(x), torch.relu(x).square(), rtol=0, atol=0)  # the same forward
 
 
 def loss_and_grads(forward, model, objective, x, y, step: int):

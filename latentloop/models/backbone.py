@@ -82,8 +82,33 @@ class _RMSNormFunction(torch.autograd.Function):
         return torch.addcmul(grad, y, (grad * y).mean(-1, keepdim=True), value=-1).mul_(rstd), None
 
 
+class _ReLUSquaredFunction(torch.autograd.Function):
+    """ReLU² with a hand-written backward for eager training: autograd's relu-then-square keeps
+    both and runs pow's backward and relu's threshold backward (four passes over the MLP's widest
+    activation); here the backward is one fused multiply-add on the saved relu, 2 · relu(x) · g."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        r = F.relu(x)
+        ctx.save_for_backward(r)
+        return r * r
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor) -> Tensor:
+        r, = ctx.saved_tensors
+        return (r * grad).mul_(2)
+
+
+def relu_squared(x: Tensor) -> Tensor:
+    """ReLU(x)², nanochat's MLP activation."""
+    if _fast_norm_applies(x):
+        return _ReLUSquaredFunction.apply(x)
+    return F.relu(x).square()
+
+
 def _fast_norm_applies(x: Tensor) -> bool:
-    """The hand-written backward pays off in eager autograd only: without gradients torch already
+    """The hand-written backwards (RMSNorm, ReLU²) pay off in eager autograd only: without gradients torch already
     runs the fused kernel, and a compiled graph fuses the decomposition itself."""
     return x.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling()
 
@@ -237,7 +262,7 @@ class MLP(nn.Module):
         if self.swiglu:
             h = F.silu(self.c_gate(x)) * self.c_fc(x)
         else:
-            h = F.relu(self.c_fc(x)).square()  # ReLU²
+            h = relu_squared(self.c_fc(x))
         return self.c_proj(h)
 
 
