@@ -10,7 +10,8 @@ At one fixed shape (4 layers, d=256, 4 heads, vocab 256, fp32):
    order rotating), eager and with `--compile` both compiled; the ratio per round, median and range;
 2. greedy decoding tokens/s through the engine (`latentloop.generate(..., temperature=0)`, KV cache)
    at batch 1, interleaved with HF Llama of the same shape (`--hf`, needs transformers), and at
-   batch 16; the uncached reference (`use_cache=False`) at batch 1.
+   batch 16; the uncached reference (`use_cache=False`) at batch 1. With `--compile`, also the
+   fast path (`generate(..., compile=True)`: static cache, compiled step) in the same rounds.
 
 Decode tokens/s counts new tokens over the wall time of the whole call, prefill included. Threads
 are left as torch picks them unless `--threads` is given.
