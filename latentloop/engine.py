@@ -202,7 +202,8 @@ def stream(model, prompts, max_new_tokens: int, temperature: float = 1.0, top_k:
         raise PromptError(f"top_logprobs must be an integer in [0, {model.config.vocab_size}], got {top_logprobs!r}")
     options = model_options(model, options, cached=use_cache)
     if compile and not use_cache:
-        raise PromptError("compile=True decodes through the cache: it cannot be combined with use_cache=False")
+        raise PromptError("compile=True decodes through the cache: it cannot be combined with use_cache=False "
+                          "(--no-cache)")
     context = model.config.sequence_len
     longest = max(len(p) for p in rows)
     if longest + max_new_tokens > context:
