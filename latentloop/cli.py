@@ -165,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold in (0, 1]")
     g.add_argument("--seed", type=int, default=None, help="sampling seed")
     g.add_argument("--no-cache", action="store_true", help="use the naive uncached reference path")
+    g.add_argument("--compile", action="store_true",
+                   help="decode with the compiled static-cache step (torch.compile; the first call compiles)")
     g.add_argument("--json", action="store_true", help="print prompt, completion and token ids as JSON")
     g.add_argument("--device", default="cpu", help="cpu, cuda[:N], mps")
     _add_generation_options(g)
@@ -516,7 +518,7 @@ def cmd_generate(args) -> int:
         max_new = min(max_new, context - len(prompt_ids))
     steps = stream(model, prompt_ids, max_new, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                    seed=args.seed, stop_tokens=[tokenizer.eos_id, tokenizer.bos_id], use_cache=not args.no_cache,
-                   pad_id=tokenizer.pad_id, **options)
+                   pad_id=tokenizer.pad_id, compile=args.compile, **options)
     ids, info = [], {}
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     if not args.json:  # the prompt is echoed once the arguments are known to be valid

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from .errors import LatentloopError
 from .models.backbone import PER_ROW_INFO
+from .models.fast import FastDecoder
 from .models.options import check_options
 
 MAX_SEED = 2**63  # torch.Generator seeds are 64-bit
@@ -179,7 +180,7 @@ def model_options(model, options: dict, cached: bool = True) -> dict:
 def stream(model, prompts, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
            top_p: float | None = None, seed: int | None = None, stop_tokens: Sequence[int] = (),
            use_cache: bool = True, pad_id: int = 0, logprobs: bool = False, top_logprobs: int = 0,
-           **options) -> Iterator[DecodeStep]:
+           compile: bool = False, **options) -> Iterator[DecodeStep]:
     """Yield one `DecodeStep` per new token, for every row together, until every row stopped (a
     stop token, which is not yielded) or `max_new_tokens` steps. Break out to stop early.
     `logprobs`: each new token's log-probability; `top_logprobs=k`: also the k most likely tokens
@@ -187,6 +188,11 @@ def stream(model, prompts, max_new_tokens: int, temperature: float = 1.0, top_k:
 
     prompts: one list of ids, a list of lists, or a 1-D / 2-D tensor. Everything is checked here,
     before any work: a bad argument raises at the call, not at the first step.
+
+    compile: decode through `latentloop.models.fast.FastDecoder` (a static cache and the model's
+    decode step under `torch.compile`; greedy argmax inside the compiled step). The first call per
+    model and options pays the compile; outputs equal the eager path's (tested). Options whose step
+    cannot be captured (rgpt's adaptive exit) decode eagerly.
     """
     rows, _ = normalize_prompts(prompts, model.config.vocab_size)
     if not _is_int(max_new_tokens) or max_new_tokens < 0:
@@ -195,18 +201,21 @@ def stream(model, prompts, max_new_tokens: int, temperature: float = 1.0, top_k:
     if not _is_int(top_logprobs) or not 0 <= top_logprobs <= model.config.vocab_size:
         raise PromptError(f"top_logprobs must be an integer in [0, {model.config.vocab_size}], got {top_logprobs!r}")
     options = model_options(model, options, cached=use_cache)
+    if compile and not use_cache:
+        raise PromptError("compile=True decodes through the cache: it cannot be combined with use_cache=False "
+                          "(--no-cache)")
     context = model.config.sequence_len
     longest = max(len(p) for p in rows)
     if longest + max_new_tokens > context:
         raise PromptError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
                           f"context of {context} tokens")
     return _decode(model, rows, max_new_tokens, temperature, top_k, top_p, seed, frozenset(stop_tokens), use_cache,
-                   pad_id, logprobs, top_logprobs, options)
+                   pad_id, logprobs, top_logprobs, options, compile)
 
 
 @torch.inference_mode()  # lighter than no_grad: no version counters on the cache writes
 def _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, use_cache, pad_id,
-            logprobs, top_logprobs, options) -> Iterator[DecodeStep]:
+            logprobs, top_logprobs, options, compile=False) -> Iterator[DecodeStep]:
     was_training = model.training
     model.eval()
     try:
@@ -217,16 +226,27 @@ def _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, sto
         if max_new_tokens == 0:
             return
         finished = [False] * B
-        cache = model.new_cache(B, P + max_new_tokens, **options) if use_cache else None
+        fast = FastDecoder(model, **options) if compile else None
+        if fast is not None and fast.reason is not None:  # this step cannot be captured: decode eagerly
+            fast = None
+        if fast is not None:
+            cache = fast.new_cache(B, P + max_new_tokens)
+        else:
+            cache = model.new_cache(B, P + max_new_tokens, **options) if use_cache else None
         if cache is not None:
             out = model.prefill(idx, cache, pad_mask, **options)
         else:
             out = model.reference(idx, pad_mask, P, **options)
+        if fast is not None:
+            fast.begin_decoding(cache)
         info = dict(out.info)
+        last, greedy = out.logits[:, -1], None  # (B, V); the compiled step's own argmax, once it runs
         sequence = idx
         for step in range(max_new_tokens):
-            last = out.logits[:, -1]  # (B, V)
-            next_ids = sample_next(last, temperature, top_k, top_p, generator)  # (B,)
+            if temperature == 0 and greedy is not None:
+                next_ids = greedy  # (B,) argmax taken inside the compiled step: the same as sample_next's
+            else:
+                next_ids = sample_next(last, temperature, top_k, top_p, generator)  # (B,)
             logp = last.float().log_softmax(dim=-1) if logprobs or top_logprobs else None
             chosen = logp.gather(-1, next_ids[:, None]).squeeze(-1) if logprobs else None
             tokens: list[int | None] = []
@@ -246,6 +266,10 @@ def _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, sto
             yield DecodeStep(tokens, row_logprobs, info, row_top)
             if step == max_new_tokens - 1:
                 return
+            if fast is not None:
+                last, greedy, step_info = fast.step(next_ids)
+                info = {**info, **step_info}
+                continue
             if cache is not None:
                 out = model.decode(next_ids[:, None], cache, **options)
             else:
@@ -253,6 +277,7 @@ def _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, sto
                 if pad_mask is not None:
                     pad_mask = torch.cat([pad_mask, torch.ones_like(pad_mask[:, :1])], dim=1)
                 out = model.reference(sequence, pad_mask, P, **options)
+            last = out.logits[:, -1]
             info = {**info, **out.info}
     finally:
         model.train(was_training)
@@ -260,13 +285,13 @@ def _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, sto
 
 def generate(model, prompts, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
              top_p: float | None = None, seed: int | None = None, stop_tokens: Sequence[int] = (),
-             use_cache: bool = True, pad_id: int = 0, **options):
+             use_cache: bool = True, pad_id: int = 0, compile: bool = False, **options):
     """Continue each prompt by up to max_new_tokens tokens: the new ids (without the stop token),
     a list for one prompt, a list of lists for several. `stream` is the same, step by step."""
     rows, single = normalize_prompts(prompts, model.config.vocab_size)
     outputs: list[list[int]] = [[] for _ in rows]
     for step in stream(model, rows, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, use_cache, pad_id,
-                       **options):
+                       compile=compile, **options):
         for row, token in enumerate(step.tokens):
             if token is not None:
                 outputs[row].append(token)

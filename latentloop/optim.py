@@ -1,6 +1,7 @@
 """Optimizers and learning-rate schedules.
 
-- AdamW for everything (default), with weight decay on matrices only.
+- AdamW for everything (default), with weight decay on matrices only; fused (one kernel over all
+  parameters) on CPU and CUDA.
 - Muon (as in nanochat / modded-nanoGPT) for the 2-D weights inside the blocks: SGD momentum whose
   update is orthogonalised by a few Newton-Schulz iterations; AdamW keeps the embedding, the head and
   any vectors or scalars.
@@ -21,6 +22,9 @@ from .config import TrainConfig
 # quickly (Keller Jordan's Muon); exactness is not needed, only speed and stability in bf16.
 NEWTON_SCHULZ_COEFFS = (3.4445, -4.7750, 2.0315)
 MUON_MOMENTUM = 0.95
+# Devices with a fused AdamW kernel: one multi-tensor update per step instead of the per-parameter
+# Python loop that torch's AdamW otherwise runs on CPU (foreach is its default on CUDA only)
+FUSED_ADAMW_DEVICES = ("cpu", "cuda")
 
 
 def orthogonalize(G: Tensor, steps: int = 5) -> Tensor:
@@ -80,6 +84,9 @@ def build_optimizers(model: nn.Module, config: TrainConfig) -> list[torch.optim.
             vectors.append(p)
     adam_kwargs = dict(lr=config.lr, betas=config.betas, eps=1e-8)
     residual_group = [dict(params=residuals, weight_decay=0.0, lr=residual_lr)]  # scheduled like the rest
+    params = matrices + vectors + embeddings + residuals
+    if params and all(p.device.type in FUSED_ADAMW_DEVICES and p.is_floating_point() for p in params):
+        adam_kwargs["fused"] = True
     if config.optimizer == "muon":
         groups = [dict(params=embeddings, weight_decay=0.0), dict(params=vectors, weight_decay=0.0)] + residual_group
         optimizers = [torch.optim.AdamW([g for g in groups if g["params"]], **adam_kwargs),

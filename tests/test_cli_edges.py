@@ -50,6 +50,7 @@ def test_rgpt_eval_takes_every_option_of_its_arch(runs, flags, capsys):
     (["generate", "{gpt}", "--prompt", "hi", "--passes", "1000000000"], "passes"),
     (["generate", "{gpt}", "--prompt", "hi", "--regime", "soft"], "does not support"),
     (["generate", "{rgpt}", "--prompt", "hi", "--exit-threshold", "0.1", "--no-cache"], "needs the cache"),
+    (["generate", "{gpt}", "--prompt", "hi", "--compile", "--no-cache"], "use_cache"),
     (["eval", "{rgpt}", "--exit-threshold", "-1", "--data", "stdlib"], "exit_threshold"),
 ])
 def test_bad_generation_flags_are_one_line(runs, argv, words, capsys):
@@ -60,6 +61,17 @@ def test_bad_generation_flags_are_one_line(runs, argv, words, capsys):
 def test_a_prompt_that_is_not_utf8_is_one_line(runs, capsys):
     made, _ = runs
     _one_line_exit_2(["generate", str(made["gpt"]), "--prompt", "caf\udce9"], "UTF-8", capsys)
+
+
+def test_generate_compile_falls_back_to_eager_where_the_step_cannot_be_captured(runs, capsys):
+    made, _ = runs  # rgpt's adaptive exit decodes eagerly under --compile: the same text, no compile
+    argv = ["generate", str(made["rgpt"]), "--prompt", "hi", "--temperature", "0", "--json", "--max-new-tokens", "6",
+            "--exit-threshold", "0.01"]
+    capsys.readouterr()
+    assert main(argv) == 0
+    eager = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--compile"]) == 0
+    assert json.loads(capsys.readouterr().out)["ids"] == eager["ids"]
 
 
 def test_generate_defaults_fit_a_short_context(runs, capsys):

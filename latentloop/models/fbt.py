@@ -110,6 +110,8 @@ class FBT(GPT):
         """σ(W_G e) for every token id (V, D), e the embedding as `embed` gives it. The gate
         depends on the token alone, so decoding looks it up instead of paying a D×D matmul per
         token; recomputed whenever the weights change (their version counters move)."""
+        if torch.compiler.is_compiling():  # compiled decode (models.fast) refreshes the table eagerly first
+            return self._gate_table
         key = (self.wte.weight._version, self.fuse_gate.weight._version, self.wte.weight.data_ptr(),
                self.fuse_gate.weight.data_ptr())
         if getattr(self, "_gate_table_key", None) != key:

@@ -1,0 +1,269 @@
+"""The fast decode path: a static-shape cache and one compiled decode step per architecture.
+
+At batch 1 a decode step of a small model is almost all per-op and Python overhead. This module
+removes it without a second copy of any model: the model's own eager decode (`decode`, with its
+`soft_step` / `step` / fixed-depth `_run_depth`) runs inside `torch.compile`, over a cache whose
+decode step has static shapes:
+
+- `static_cache(cache)` turns the cache a model made (`new_cache`, any subclass: rgpt's
+  `RecurrentKVCache` too) into a `Static…` subclass of its own class. Prefill runs eagerly and
+  unchanged (the parent's slicing by Python ints). Then `freeze()` switches it to the static
+  mode: each slot's keys/values get a tensor of their own, a new token is written at the
+  position held in the tensor `write_index` (`index_put_` on the time axis, in place when
+  compiled), attention runs over the whole `max_len` with a mask built from the `key_pos` tensor,
+  RoPE reads its rows at the position tensor, and `advance` bumps the tensors in place. Nothing
+  the compiled step reads is a Python int that changes from step to step, so it compiles once
+  per (shapes, options) and never recompiles as the sequence grows.
+- While frozen, `length` reads 0: the decode window is the whole buffer from slot 0 (masked by
+  `key_pos`), so the models' "tokens seen + new <= context" checks, which read `length`, pass
+  inside the compiled step; `FastDecoder` checks the real bound (`filled`) outside it instead.
+- Recurrent state (`cache.state`: fbt's carried top state, lrt's memory) is copied into buffers
+  allocated once, so every step reads and writes the same tensors (CUDA graphs need that).
+- `FastDecoder(model, **options)` compiles `step(token) -> (logits (B, V), greedy ids (B,))`:
+  the greedy argmax runs inside the compiled region; sampling with a `torch.Generator` stays
+  outside (in the engine's `sample_next`), since a generator is host state that dynamo does not
+  trace. On CUDA the step is compiled with `mode="reduce-overhead"` (CUDA graphs), the cache
+  tensors marked static; that path is written but was not run here (no GPU on the machine it was
+  built on).
+
+What does not compile, and falls back to eager (`FastDecoder.supports` says why):
+- rgpt's adaptive exit (`exit_threshold > 0`): how many core steps run depends on the data (the
+  exit test reads the device), so the whole step stays eager; fixed depth (`steps=`, every
+  `cache_mode`) compiles;
+- prefill (every arch): run once per call, its shapes change with the prompt, so compiling it
+  would cost more than it saves; it runs eagerly into the same cache.
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .cache import AttentionPlan, KVCache
+
+# The static cache's length is rounded up to a multiple of this, so prompts of nearby lengths
+# share one compiled step (a new max_len is a new shape, hence a recompile).
+LENGTH_BUCKET = 64
+
+
+def bucketed_length(needed: int, context: int) -> int:
+    """max_len for `needed` tokens: rounded up to LENGTH_BUCKET, never beyond the context."""
+    return min(context, -(-needed // LENGTH_BUCKET) * LENGTH_BUCKET)
+
+
+class StaticCacheMixin:
+    """The static decode mode, mixed in front of a `KVCache` class (see the module docstring)."""
+
+    static: bool
+    write_index: Tensor  # (1,) long: the time slot the next decoded token is written to
+    filled: int  # tokens stored (the real length while frozen; checked outside compiled code)
+
+    @property
+    def length(self) -> int:
+        return 0 if self.static else self._length
+
+    @length.setter
+    def length(self, value: int) -> None:
+        self._length = value
+
+    def freeze(self) -> None:
+        """Switch to the static decode mode (after prefill). Each slot's keys/values move into a
+        tensor of its own: a compiled step that writes into a view of one (S, ...) tensor is
+        functionalised into a copy of the whole tensor per write (measured: every slot's cache
+        copied twice per step), while a write into an input tensor of its own stays in place.
+        State tensors become fixed buffers. `k` / `v` are dropped: the slots hold the data now."""
+        self.filled = self._length
+        self.write_index = torch.full((1,), self._length, dtype=torch.long, device=self.key_pos.device)
+        self.k_slots = [t.clone() for t in self.k.unbind(0)]  # S x (B, H, L, hd)
+        self.v_slots = [t.clone() for t in self.v.unbind(0)]
+        self.k = self.v = None
+        self.state = {name: value.clone() for name, value in self.state.items()}
+        self.static = True
+
+    @property
+    def batch_size(self) -> int:
+        return self.key_pos.shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.key_pos.shape[1]
+
+    def memory_bytes(self) -> int:
+        if not self.static:
+            return super().memory_bytes()
+        tensors = [*self.k_slots, *self.v_slots, self.key_pos, *self.state.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def begin(self, T: int, pad_mask: Tensor | None = None) -> AttentionPlan:
+        if not self.static:
+            return super().begin(T, pad_mask)
+        if T != 1 or pad_mask is not None:
+            raise ValueError("a frozen static cache decodes one unpadded token per row per step")
+        positions = self.next_pos[:, None].clone()  # (B, 1); a copy, as next_pos moves on below
+        self.key_pos[:, self.write_index] = positions  # index_put_: inductor keeps it in place
+        self.next_pos.add_(1)
+        self.pending = 1
+        visible = (self.key_pos >= 0) & (self.key_pos <= positions)  # (B, L): stored, not in the future
+        return AttentionPlan(positions, visible[:, None, None, :], False)  # mask (B, 1, 1, L)
+
+    def update(self, slot: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        if not self.static:
+            return super().update(slot, k, v)
+        k_slot, v_slot = self.k_slots[slot], self.v_slots[slot]
+        k_slot[:, :, self.write_index] = k  # index_put_ at the tensor position: in place when compiled
+        v_slot[:, :, self.write_index] = v
+        return k_slot, v_slot
+
+    def read(self, slot: int) -> tuple[Tensor, Tensor]:
+        """The keys/values (B, H, 1, hd) of the token being decoded in `slot` (as written so far)."""
+        return self.k_slots[slot][:, :, self.write_index], self.v_slots[slot][:, :, self.write_index]
+
+    def advance(self) -> None:
+        if not self.static:
+            return super().advance()
+        self.write_index.add_(1)
+        self.pending = 0
+
+    # rgpt's RecurrentKVCache: the core steps' view and the full mode's "later steps" rule
+    def step_view(self, step: int, active: Tensor | None = None):
+        view = super().step_view(step, active)
+        return StaticCoreStepView(view.cache, view.step, view.active) if self.static else view
+
+    def fill_later_steps(self, last_step: int) -> None:
+        if not self.static:
+            return super().fill_later_steps(last_step)
+        if self.mode != "full":
+            return
+        first = self.first_core_slot
+        for step in range(last_step + 1, self.max_steps + 1):
+            for j in range(self.n_rec):
+                src, dst = first + (last_step - 1) * self.n_rec + j, first + (step - 1) * self.n_rec + j
+                k, v = self.read(src)
+                self.k_slots[dst][:, :, self.write_index] = k
+                self.v_slots[dst][:, :, self.write_index] = v
+
+
+@dataclass
+class StaticCoreStepView:
+    """rgpt's `CoreStepView` for a frozen static cache (fixed depth: every row recurs, so no
+    `active` rows to keep): `mean` mode's running mean reads this token's entry at the tensor
+    write position instead of a Python slice."""
+
+    cache: KVCache
+    step: int
+    active: Tensor | None = None
+
+    def update(self, slot: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        if self.active is not None:
+            raise ValueError("the static cache runs fixed-depth steps only (adaptive exit decodes eagerly)")
+        if self.cache.mode == "mean" and self.step > 1:  # running mean over this token's steps
+            k_old, v_old = self.cache.read(slot)
+            k = k_old + (k - k_old) / self.step
+            v = v_old + (v - v_old) / self.step
+        return self.cache.update(slot, k, v)
+
+
+_STATIC_CLASSES: dict[type, type] = {}
+
+
+def static_cache(cache: KVCache) -> KVCache:
+    """`cache` (empty, as `model.new_cache` made it) given the static decode mode, not yet frozen."""
+    cls = type(cache)
+    if cls not in _STATIC_CLASSES:
+        _STATIC_CLASSES[cls] = type(f"Static{cls.__name__}", (StaticCacheMixin, cls), {})
+    length = cache.__dict__.pop("length")
+    cache.__class__ = _STATIC_CLASSES[cls]
+    cache.static = False
+    cache.length = length
+    return cache
+
+
+def fallback_reason(model, options: dict) -> str | None:
+    """Why this model with these options decodes eagerly, or None when its step compiles."""
+    if getattr(model.config, "arch", None) == "rgpt" and options.get("exit_threshold", 0.0) > 0:
+        return "rgpt's adaptive exit runs a data-dependent number of core steps (the exit test reads the device)"
+    return None
+
+
+class FastDecoder:
+    """A model's decode step, compiled once per (model, options, shapes): `new_cache`, then the
+    model's eager `prefill`, then `begin_decoding(cache)`, then `step(token)` per new token."""
+
+    def __init__(self, model, compile: bool = True, **options):
+        self.model, self.options = model, options
+        self.reason = fallback_reason(model, options)
+        device = model.wte.weight.device
+        self.cuda = device.type == "cuda"
+        self._step = self._eager_step
+        if compile and self.reason is None:
+            per_model = _COMPILED_STEPS.setdefault(model, {})
+            key = (self.cuda, tuple(sorted(options.items())))
+            if key not in per_model:
+                per_model[key] = _compiled_step(self.cuda)
+            self._step = per_model[key]
+        self.cache: KVCache | None = None
+
+    @property
+    def compiled(self) -> bool:
+        return self._step is not self._eager_step
+
+    def new_cache(self, batch_size: int, needed: int) -> KVCache:
+        max_len = bucketed_length(needed, self.model.config.sequence_len)
+        return static_cache(self.model.new_cache(batch_size, max_len, **self.options))
+
+    def begin_decoding(self, cache: KVCache) -> None:
+        """After the prefill: freeze the cache (static buffers, tensor positions)."""
+        cache.freeze()
+        if hasattr(self.model, "token_gates"):  # fbt's gate table: computed here, read as is when compiled
+            self.model.token_gates()
+        if self.cuda and self.compiled:  # CUDA graphs may mutate these only as static inputs
+            for tensor in (*cache.k_slots, *cache.v_slots, cache.key_pos, cache.next_pos, cache.write_index,
+                           *cache.state.values()):
+                torch._dynamo.mark_static_address(tensor)
+        self.cache = cache
+
+    def step(self, token: Tensor) -> tuple[Tensor, Tensor, dict]:
+        """token (B,) -> logits (B, V), greedy next ids (B,), what the model reported."""
+        cache = self.cache
+        if cache.filled + 1 > cache.max_len:
+            raise ValueError(f"cache overflow: {cache.filled} + 1 tokens > max_len {cache.max_len}")
+        logits, greedy, info = self._step(self.model, token, cache, self.options)
+        cache.filled += 1
+        return logits, greedy, info
+
+    @staticmethod
+    def _eager_step(model, token: Tensor, cache: KVCache, options: dict) -> tuple[Tensor, Tensor, dict]:
+        return _decode_step(model, token, cache, options)
+
+
+def _decode_step(model, token: Tensor, cache: KVCache, options: dict) -> tuple[Tensor, Tensor, dict]:
+    """The model's own decode of one token per row, its state written back into the fixed buffers."""
+    buffers = dict(cache.state)
+    out = model.decode(token[:, None], cache, **options)
+    for name, buffer in buffers.items():  # the step may have replaced a state tensor: keep the buffer
+        if cache.state[name] is not buffer:
+            buffer.copy_(cache.state[name])
+            cache.state[name] = buffer
+    logits = out.logits[:, -1]
+    return logits, logits.argmax(dim=-1), out.info
+
+
+def _compiled_step(cuda: bool):
+    """A compiled copy of `_decode_step` with a code object of its own: dynamo keeps its graphs
+    and its recompile limit per code object, so each decoder (model, options) gets its own
+    instead of every architecture and option sharing one function's limit of recompiles."""
+    global _COPIES
+    _COPIES += 1
+    code = _decode_step.__code__.replace(co_name=f"_decode_step_{_COPIES}")
+    copy = types.FunctionType(code, _decode_step.__globals__, code.co_name)
+    mode = "reduce-overhead" if cuda else None  # CUDA graphs on GPU (written, not run here: no GPU)
+    return torch.compile(copy, mode=mode, dynamic=False)
+
+
+_COPIES = 0
+# model -> {(cuda, options): compiled step}: one compile per model and options, reused by every call
+_COMPILED_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -1,0 +1,78 @@
+"""Training speed paths: the hand-written RMSNorm backward (fast), and compiled training
+(`train.compile`): every architecture's objective through `torch.compile(model)` gives the eager
+loss and gradients, and the fused AdamW steps (slow: CPU inductor compiles of forward and backward
+take tens of seconds per architecture)."""
+
+import pytest
+import torch
+
+import latentloop as ll
+from latentloop.archs import ARCHS, build_objective
+from latentloop.config import TrainConfig
+from latentloop.models.backbone import norm, relu_squared
+from latentloop.optim import build_optimizers
+
+# fp32: inductor fuses and reorders the elementwise work and the reductions, so losses and
+# gradients agree to rounding, not bit for bit
+LOSS_TOL = 1e-5
+GRAD_TOL = 1e-4
+SEQ_LEN, BATCH = 32, 2
+
+
+def test_rms_norm_backward_is_the_derivative():
+    x = torch.randn(3, 5, 16, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: norm(t), (x,))
+    assert torch.autograd.gradcheck(lambda t: norm(t, 1e-2), (x,))  # a large eps, so that it matters
+    g = torch.randn(3, 5, 16, dtype=torch.float64)
+    ours = torch.autograd.grad(norm(x), x, g)[0]
+    theirs = torch.autograd.grad(torch.nn.functional.rms_norm(x, (16,)), x, g)[0]
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-12)  # float64: the two differ by rounding only
+
+
+def test_relu_squared_backward_is_the_derivative():
+    x = torch.randn(4, 33, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(relu_squared, (x,))
+    g = torch.randn(4, 33, dtype=torch.float64)
+    torch.testing.assert_close(torch.autograd.grad(relu_squared(x), x, g)[0],
+                               torch.autograd.grad(torch.relu(x).square(), x, g)[0], rtol=0, atol=0)
+    torch.testing.assert_close(relu_squared(x), torch.relu(x).square(), rtol=0, atol=0)  # the same forward
+
+
+def loss_and_grads(forward, model, objective, x, y, step: int):
+    """Loss and gradients of the objective through `forward` (the model, or its compiled wrapper)."""
+    model.zero_grad(set_to_none=True)
+    loss = objective(forward, x, y, step).loss
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_compiled_training_step_matches_eager(arch):
+    # inductor draws random numbers its own way unless told to call torch's RNG as eager does
+    with torch._inductor.config.patch(fallback_random=True):
+        _check_compiled_training(arch)
+
+
+def _check_compiled_training(arch):
+    torch.manual_seed(0)
+    model = ll.build(arch, preset="test", sequence_len=SEQ_LEN).train()
+    train = TrainConfig(batch_size=BATCH, device="cpu", dtype="float32")
+    objective = build_objective(model.config, train)
+    data = torch.randint(0, model.config.vocab_size, (BATCH, SEQ_LEN + 1), generator=torch.Generator().manual_seed(1))
+    x, y = data[:, :-1], data[:, 1:]
+    compiled = torch.compile(model)
+    for step in range(2):  # the objectives sample a schedule per step (passes, depth, subsets) from the step
+        torch.manual_seed(step)  # training noise (fbt jitter, rgpt eps) drawn identically on both paths
+        eager_loss, eager_grads = loss_and_grads(model, model, objective, x, y, step)
+        torch.manual_seed(step)
+        compiled_loss, compiled_grads = loss_and_grads(compiled, model, objective, x, y, step)
+        torch.testing.assert_close(compiled_loss, eager_loss, rtol=0, atol=LOSS_TOL)
+        assert compiled_grads.keys() == eager_grads.keys() and eager_grads
+        for name, grad in eager_grads.items():
+            torch.testing.assert_close(compiled_grads[name], grad, rtol=0, atol=GRAD_TOL, msg=name)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    optimizer, = build_optimizers(model, train)
+    assert optimizer.defaults["fused"]  # the fused kernel on CPU
+    optimizer.step()
+    assert any(not torch.equal(before[name], p) for name, p in model.named_parameters())

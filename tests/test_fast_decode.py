@@ -1,0 +1,129 @@
+"""The fast decode path (`latentloop.models.fast`): the static cache's eager step against the
+ordinary cache (default suite), and the compiled step against the eager one (slow: CPU inductor
+compiles take tens of seconds per architecture and option set)."""
+
+import pytest
+import torch
+
+import latentloop as ll
+from latentloop.engine import PromptError, model_options
+from latentloop.models.fast import LENGTH_BUCKET, FastDecoder, bucketed_length
+
+# fp32 max abs logit difference between the static step and the ordinary one: the static step
+# attends over the whole buffer with masked keys, which the attention kernel sums in another
+# order than the stored prefix alone; fbt's carried state feeds that back for every step
+# (measured up to 2e-5 over 20 steps)
+FAST_TOL = 1e-4
+STEPS = 12  # decode steps per check
+BOS = 256
+
+CASES = [("gpt", {}), ("fbt", {"regime": "soft"}), ("fbt", {"regime": "standard"}),
+         ("fbt", {"regime": "fused", "passes": 2}), ("lrt", {}), ("lrt", {"prefill": "interleaved"}),
+         ("rgpt", {"cache_mode": "full"}), ("rgpt", {"cache_mode": "mean"}), ("rgpt", {"cache_mode": "last"}),
+         ("rgpt", {"cache_mode": "full", "steps": 2})]  # fewer steps than trained: the later slots are filled
+IDS = [f"{arch}-{'-'.join(f'{k}={v}' for k, v in opts.items()) or 'default'}" for arch, opts in CASES]
+
+# two rows, the second left-padded: the static mask must hide padding exactly as the ordinary one
+PROMPTS = torch.tensor([[BOS, 5, 9, 12, 40, 41], [0, 0, BOS, 7, 3, 8]])
+PAD_MASK = torch.tensor([[True] * 6, [False, False, True, True, True, True]])
+
+_MODELS: dict[str, torch.nn.Module] = {}
+
+
+def model_for(arch: str):
+    if arch not in _MODELS:
+        torch.manual_seed(0)
+        _MODELS[arch] = ll.build(arch, preset="test").eval()
+    return _MODELS[arch]
+
+
+def decode_both(arch: str, options: dict, compile: bool):
+    """Greedy decode with the ordinary cache and with the FastDecoder; logits per step of each."""
+    model = model_for(arch)  # built outside inference mode, as users build models
+    with torch.inference_mode():
+        return _decode_both(model, options, compile)
+
+
+def _decode_both(model, options: dict, compile: bool):
+    options = model_options(model, options)
+    needed = PROMPTS.shape[1] + STEPS
+    cache = model.new_cache(2, needed, **options)
+    out = model.prefill(PROMPTS, cache, PAD_MASK, **options)
+    fast = FastDecoder(model, compile=compile, **options)
+    assert fast.compiled == compile
+    static = fast.new_cache(2, needed)
+    fast_out = model.prefill(PROMPTS, static, PAD_MASK, **options)
+    fast.begin_decoding(static)
+    token = out.logits[:, -1].argmax(-1)
+    fast_token = fast_out.logits[:, -1].argmax(-1)
+    eager_logits, fast_logits = [], []
+    for _ in range(STEPS):
+        logits = model.decode(token[:, None], cache, **options).logits[:, -1]
+        step_logits, greedy, _ = fast.step(fast_token)
+        eager_logits.append(logits)
+        fast_logits.append(step_logits.clone())
+        token, fast_token = logits.argmax(-1), greedy
+        assert torch.equal(greedy, step_logits.argmax(-1))  # the in-step argmax is the argmax
+    return torch.stack(eager_logits, 1), torch.stack(fast_logits, 1)
+
+
+@pytest.mark.parametrize(("arch", "options"), CASES, ids=IDS)
+def test_static_cache_eager_step_matches_the_ordinary_cache(arch, options):
+    eager, fast = decode_both(arch, options, compile=False)
+    torch.testing.assert_close(fast, eager, rtol=0, atol=FAST_TOL)
+    assert torch.equal(fast.argmax(-1), eager.argmax(-1))  # token for token
+
+
+def test_static_cache_length_is_bucketed_and_capped():
+    assert bucketed_length(1, 1024) == LENGTH_BUCKET
+    assert bucketed_length(LENGTH_BUCKET + 1, 1024) == 2 * LENGTH_BUCKET
+    assert bucketed_length(1000, 1000) == 1000  # never beyond the context
+
+
+def test_static_cache_refuses_to_overflow():
+    model = model_for("gpt")
+    fast = FastDecoder(model, compile=False)
+    with torch.inference_mode():
+        cache = fast.new_cache(1, model.config.sequence_len)
+        model.prefill(torch.full((1, model.config.sequence_len), 3), cache)
+        fast.begin_decoding(cache)
+        with pytest.raises(ValueError, match="overflow"):
+            fast.step(torch.tensor([3]))
+
+
+def test_engine_compile_needs_the_cache():
+    with pytest.raises(PromptError, match="use_cache"):
+        ll.generate(model_for("gpt"), [BOS, 5], 4, temperature=0.0, use_cache=False, compile=True)
+
+
+def test_rgpt_adaptive_exit_falls_back_to_eager_with_the_same_tokens():
+    model = model_for("rgpt")
+    options = model_options(model, {"exit_threshold": 1e-2})
+    assert "adaptive exit" in FastDecoder(model, **options).reason  # no compile is attempted
+    kwargs = dict(temperature=0.0, exit_threshold=1e-2)
+    assert ll.generate(model, [BOS, 5, 9], STEPS, compile=True, **kwargs) == ll.generate(model, [BOS, 5, 9], STEPS,
+                                                                                           **kwargs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("arch", "options"), CASES, ids=IDS)
+def test_compiled_step_matches_the_eager_step(arch, options):
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    eager, fast = decode_both(arch, options, compile=True)
+    assert not counters["graph_break"], dict(counters["graph_break"])  # the whole step is one graph
+    torch.testing.assert_close(fast, eager, rtol=0, atol=FAST_TOL)
+    assert torch.equal(fast.argmax(-1), eager.argmax(-1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["gpt", "fbt"])
+def test_engine_compile_gives_the_eager_tokens(arch):
+    model = model_for(arch)
+    prompts = [[BOS, 5, 9, 12, 40, 41], [BOS, 7]]  # left-padded into one batch
+    compiled = ll.generate(model, prompts, STEPS, temperature=0.0, compile=True)
+    assert compiled == ll.generate(model, prompts, STEPS, temperature=0.0)
+    assert all(len(row) == STEPS for row in compiled)
+    sampled = dict(temperature=0.9, top_k=20, seed=3)  # sampling stays outside the compiled step
+    assert ll.generate(model, prompts, STEPS, compile=True, **sampled) == ll.generate(model, prompts, STEPS, **sampled)
