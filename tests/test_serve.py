@@ -43,7 +43,9 @@ POLL_S = 0.05
 PROMPT = "def fibonacci(n):\n    "
 NEW_TOKENS = 10
 SLOW_STEPS = 32  # rgpt recurrence steps that make each decode step slow enough to hang up during it
-LONG_STEPS = 64  # ~0.3 s per token here: a 120-token request outlasts the rgpt server's timeout many times
+# the most recurrence steps a request may ask for: a request of all the context's tokens at this
+# depth takes ~15 s on an idle 2-core machine, so it outlasts the rgpt server's timeout whatever the load
+LONG_STEPS = 256
 RGPT_TIMEOUT_S = 5  # --request-timeout of the rgpt server (its other requests take about a second)
 TOK = ByteTokenizer()
 CHAT_TOK = ByteTokenizer(chat=True)
@@ -466,8 +468,9 @@ def test_a_request_past_its_timeout_gets_504_and_frees_its_row(servers):
     server = servers["rgpt"]
     before = server.stats()
     start = time.monotonic()
-    reply = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 120, "temperature": 0,
-                                                             "steps": LONG_STEPS}, timeout=CALL_TIMEOUT_S)
+    reply = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": CONTEXT - 2,
+                                                             "temperature": 0, "steps": LONG_STEPS},
+                       timeout=CALL_TIMEOUT_S)
     assert reply.status_code == 504 and "--request-timeout" in reply.json()["error"]["message"]
     assert RGPT_TIMEOUT_S <= time.monotonic() - start < CALL_TIMEOUT_S
     deadline = time.monotonic() + CALL_TIMEOUT_S
