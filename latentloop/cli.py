@@ -58,6 +58,14 @@ def _add_generation_options(p: argparse.ArgumentParser) -> None:
                        help=f"[{', '.join(archs)}] {option.help}")
 
 
+def _add_sampling_options(p: argparse.ArgumentParser, temperature: float) -> None:
+    """The sampling flags of generate and chat (their default temperature differs)."""
+    p.add_argument("--temperature", type=float, default=temperature, help=f"0 is greedy (default {temperature:g})")
+    p.add_argument("--top-k", type=_positive_int, default=None, help="sample among the k most likely tokens")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold in (0, 1]")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+
+
 def _metavar(option) -> str:
     if option.choices:
         return "{" + ",".join(option.choices) + "}"
@@ -160,10 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", required=True, help="text to continue")
     g.add_argument("--max-new-tokens", type=_non_negative_int, default=None,
                    help=f"tokens to generate (default: {DEFAULT_NEW_TOKENS}, at most half the model's context)")
-    g.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
-    g.add_argument("--top-k", type=_positive_int, default=None, help="sample among the k most likely tokens")
-    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold in (0, 1]")
-    g.add_argument("--seed", type=int, default=None, help="sampling seed")
+    _add_sampling_options(g, temperature=0.8)
     g.add_argument("--no-cache", action="store_true", help="use the naive uncached reference path")
     g.add_argument("--compile", action="store_true",
                    help="decode with the compiled static-cache step (torch.compile; the first call compiles)")
@@ -177,10 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--system", default=None, help="a system message to start every conversation with")
     ch.add_argument("--max-new-tokens", type=_positive_int, default=None,
                     help=f"reply budget (default: {DEFAULT_NEW_TOKENS}, at most half the model's context)")
-    ch.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    ch.add_argument("--top-k", type=_positive_int, default=None, help="sample among the k most likely tokens")
-    ch.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold in (0, 1]")
-    ch.add_argument("--seed", type=int, default=None, help="sampling seed")
+    _add_sampling_options(ch, temperature=0.0)
     ch.add_argument("--device", default="cpu", help="cpu, cuda[:N], mps")
     _add_generation_options(ch)
 

@@ -329,14 +329,11 @@ def stage_config(stage: str, init_from: str | Path, overrides: list[str] = (), d
     tokenizer), the stage's defaults (`STAGE_DEFAULTS`), then `flags` ({"section.key": value}) and
     `overrides` ("key=value"). For extend, a `sequence_len` above the base's scales `rope_theta` by
     `extended_rope_theta` unless the overrides set rope_theta themselves."""
-    from .checkpoint import read_run_config
+    from .checkpoint import find_tokenizer_file, read_run_config
 
     checkpoint = resolve_checkpoint(init_from)
     base = read_run_config(checkpoint)
-    tokenizer_file = next((p for p in (checkpoint / "tokenizer.json", checkpoint.parent.parent / "tokenizer.json")
-                           if p.is_file()), None)
-    if tokenizer_file is None:
-        raise CheckpointError(f"no tokenizer.json found for --init-from {init_from}")
+    tokenizer_file = find_tokenizer_file(checkpoint)
     raw = base.to_dict()
     raw["train"] = {"stage": stage, "seed": base.train.seed, "batch_size": base.train.batch_size,
                     "device": base.train.device, "dtype": base.train.dtype}
