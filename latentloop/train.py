@@ -216,21 +216,21 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
     tokenizer = together(load_tokenizer, str(run_dir / "tokenizer.json") if resume else config.data.tokenizer)
     sft = config.train.stage == "sft"
     if sft:
-        if env.world_size > 1:
-            raise ConfigError("--stage sft runs on one process for now (its loader does not shard conversations "
-                              "by rank); start it without torchrun")
         tokenizer = tokenizer.with_chat_tokens()  # already there on resume: the same tokenizer back
     config.model.vocab_size, config.model.bos_id = tokenizer.vocab_size, tokenizer.bos_id
     together(config.model.__post_init__)
     torch.manual_seed(config.train.seed)
     if sft:
-        data = prepare_chat(config.data.source, tokenizer, config.model.sequence_len, config.data.val_fraction)
+        # rendered in memory on every rank (nothing cached to disk), the same rows everywhere
+        data = together(prepare_chat, config.data.source, tokenizer, config.model.sequence_len,
+                        config.data.val_fraction)
         counts = data.meta["train"]
-        if counts["dropped"] or counts["cut"]:  # a context too short for the data should not pass unnoticed
+        if (counts["dropped"] or counts["cut"]) and env.is_main:  # a context too short should not pass unnoticed
             _warn(f"{counts['dropped']} training conversations longer than a row of {config.model.sequence_len + 1} "
                   f"tokens were dropped (no assistant token fits) and {counts['cut']} cut; "
                   f"{counts['conversations']} are trained on")
-        loader = ChatLoader(data.train, config.train.batch_size, seed=config.train.seed)
+        loader = ChatLoader(data.train, config.train.batch_size, seed=config.train.seed, rank=env.rank,
+                            world_size=env.world_size)
     else:
         data = in_turns(prepare_data, config, tokenizer, progress and env.is_main)
         loader = together(TokenLoader, data.train, config.train.batch_size, config.model.sequence_len,

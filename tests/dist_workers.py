@@ -204,3 +204,32 @@ def plant_fault(rank: int, at_batch: int = 3) -> None:
         return real(self)
 
     loader.TokenLoader.next_batch = next_batch
+
+
+SFT_DATA = "chat:task:addition_steps:n=60"
+
+
+def sft_config(base: str, strategy: str, grad_accum: int = 1) -> RunConfig:
+    """An SFT stage on `base` (a gpt run): 3 steps of 2 conversations rows per process."""
+    from latentloop.train import stage_config
+
+    return stage_config("sft", base, data=SFT_DATA,
+                        flags={"train.steps": 3, "train.batch_size": 2, "train.grad_accum": grad_accum,
+                               "train.log_every": 1, "train.eval_every": 0, "train.eval_batches": 1,
+                               "train.warmup_steps": 1, "train.lr": 1e-2, "train.strategy": strategy,
+                               "train.device": "cpu"})
+
+
+def sft(rank: int, world: int, port: int, base: str, out: str) -> None:
+    """The SFT stage on `world` processes (each rank its own rows of the packed conversations)."""
+    from latentloop.runtime import destroy_distributed
+    from latentloop.train import fit, setup
+
+    join(rank, world, port)
+    run = Path(out) / "sft-ddp"
+    state = setup(sft_config(base, "ddp"), run, progress=False, init_from=base)
+    summary = fit(state, progress=False)
+    if rank == 0:
+        (Path(out) / "sft-ddp.json").write_text(json.dumps(
+            {"losses": [row["loss"] for row in state.history if "loss" in row], "checkpoint": summary["checkpoint"]}))
+    destroy_distributed()

@@ -161,6 +161,22 @@ def test_a_two_process_run_logs_once_with_the_global_batch(ddp_runs):
     assert (state["world_size"], state["global_batch"], state["strategy"]) == (WORLD, 2 * WORLD, "ddp")
 
 
+def test_sft_on_two_processes_equals_one_process_with_twice_the_accumulation(corpus, tmp_path):
+    """The SFT stage shards its packed conversation rows by rank as pretraining shards windows:
+    two processes train on exactly the rows (and masks) one process sees in two micro-batches."""
+    base = tmp_path / "base"
+    fit(setup(dist_workers.run_config("gpt", corpus, "none", steps=1), base, progress=False), progress=False)
+    context = _start(dist_workers.sft, str(base), str(tmp_path))
+    reference = setup(dist_workers.sft_config(str(base), "none", grad_accum=WORLD), tmp_path / "sft-one",
+                      progress=False, init_from=base)
+    summary = fit(reference, progress=False)
+    _join(context)
+    losses = [row["loss"] for row in reference.history if "loss" in row]
+    assert len(losses) == 3
+    _assert_same_run(json.loads((tmp_path / "sft-ddp.json").read_text()),
+                     (losses, _final_weights(summary["checkpoint"])), "gpt sft")
+
+
 def _fsdp2_on_gloo() -> str | None:
     """Why FSDP2 cannot run here, or None."""
     try:

@@ -299,27 +299,20 @@ def prepare_chat(spec: str, tokenizer, seq_len: int, val_fraction: float = 0.05)
 
 
 class ChatLoader(TokenLoader):
-    """`TokenLoader` over packed rows: the same shuffled, resumable order (its state dict has the
-    same fields, `num_windows` counting rows); `next_batch` returns (x, y, loss_mask)."""
+    """`TokenLoader` over packed rows: the same shuffled, resumable order, sharded by rank the same
+    way (its state dict has the same fields, `num_windows` counting rows); `next_batch` returns
+    (x, y, loss_mask)."""
 
-    def __init__(self, rows: PackedRows, batch_size: int, seed: int, shuffle: bool = True):
+    def __init__(self, rows: PackedRows, batch_size: int, seed: int, shuffle: bool = True, rank: int = 0,
+                 world_size: int = 1):
         if len(rows.tokens) == 0:
             raise DataError("no packed chat rows to train on")
-        super().__init__(rows.tokens[0], batch_size, rows.tokens.shape[1] - 1, seed, shuffle)
+        super().__init__(rows.tokens[0], batch_size, rows.tokens.shape[1] - 1, seed, shuffle, rank, world_size)
         self.rows = rows
         self.num_windows = len(rows.tokens)
 
     def next_batch(self):
-        ids = []
-        while len(ids) < self.batch_size:
-            if self.index >= self.num_windows:
-                self.epoch += 1
-                self.index = 0
-            order = self._epoch_order()
-            take = min(self.batch_size - len(ids), self.num_windows - self.index)
-            ids.extend(order[self.index:self.index + take].tolist())
-            self.index += take
-        return self.rows.batch(np.asarray(ids, dtype=np.int64))
+        return self.rows.batch(self._next_windows())
 
 
 def masked_batches(rows: PackedRows, batch_size: int, max_batches: int | None = None):

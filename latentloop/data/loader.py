@@ -81,6 +81,10 @@ class TokenLoader:
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next (x, y) pair of this rank, each an int64 tensor of shape (batch_size, seq_len)."""
+        return _make_batch(self.tokens, self._next_windows(), self.seq_len)
+
+    def _next_windows(self) -> np.ndarray:
+        """This rank's window ids of the next round (the loader's position moves by the whole round)."""
         window_ids = []
         wanted = self.batch_size * self.world_size  # every rank's batch of this round
         while len(window_ids) < wanted:
@@ -92,7 +96,7 @@ class TokenLoader:
             window_ids.extend(order[self.index : self.index + take].tolist())
             self.index += take
         mine = window_ids[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
-        return _make_batch(self.tokens, np.asarray(mine, dtype=np.int64), self.seq_len)
+        return np.asarray(mine, dtype=np.int64)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         while True:
