@@ -1,7 +1,7 @@
 """The conversation format: rendering, chat data files and packing into training rows.
 
-Format (every tokenizer with `chat_tokens`; a Hugging Face tokenizer may render with its own chat
-template instead, through the same `tokenizer.render` interface):
+Format (every tokenizer with latentloop's `chat_tokens`; a Hugging Face tokenizer with a chat
+template renders with that instead, see "Chat templates" below):
 
     [BOS] <|system|> text <|end|>  <|user|> text <|end|>  <|assistant|> text <|end|>  <|user|> ...
 
@@ -21,6 +21,16 @@ Chat data (`--data chat:SPEC`, `parse_chat_spec`):
 - `chat:task:NAME[:knobs]`: a built-in task (`latentloop.data.tasks`) as conversations: the
   prompt is the user turn, the completion (written steps and answer) the assistant turn.
 
+Chat templates (`ChatTemplate`, an imported model's own format): the conversation is rendered to
+text by its Jinja template in a sandbox, with the globals and filters `transformers` gives
+templates (`bos_token`, `eos_token`, `raise_exception`, `strftime_now`, `tojson`), and the text
+is tokenized with the template's special tokens parsed. The mask covers, for every assistant turn,
+the text the template adds between the prompt rendered for that turn (`add_generation_prompt`)
+and the conversation rendered through that turn: the reply and whatever closes it (`<|im_end|>`,
+`<|eot_id|>`, ...). Each such span is tokenized on its own, so that the ids before it are exactly
+the prompt the model reads at inference. A template that does not render a conversation as a
+growing prefix (some drop earlier turns' reasoning) cannot be trained on: one-line error.
+
 A bad row (not JSON, not an object, a missing or unknown role, an empty turn, a non-string content,
 turns out of order) is a `ChatFormatError` naming the file and line.
 
@@ -36,9 +46,12 @@ data's meta (`cut`, `dropped`).
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +59,7 @@ import torch
 
 from latentloop.data.loader import TokenLoader
 from latentloop.data.sources import goes_to_val, iter_jsonl
+from latentloop.data.tokenizers import ChatTemplate
 from latentloop.errors import ConfigError, DataError
 
 ROLES = ("system", "user", "assistant")
@@ -101,7 +115,8 @@ def _describe(value) -> str:
     return f"{type(value).__name__} {value!r}"[:80]
 
 
-def _chat_tokens(tokenizer):
+def _chat_format(tokenizer):
+    """The tokenizer's chat format: latentloop's `ChatTokens` or a model's own `ChatTemplate`."""
     tokens = getattr(tokenizer, "chat_tokens", None)
     if tokens is None:
         raise ConfigError(f"{tokenizer!r} has no chat tokens: use tokenizer.with_chat_tokens() (an SFT run adds "
@@ -112,7 +127,9 @@ def _chat_tokens(tokenizer):
 def render_conversation(tokenizer, messages, where: str = "conversation") -> tuple[list[int], list[bool]]:
     """(ids, mask) of a conversation in the format above; mask[i] True when ids[i] is a token the
     model is trained to write."""
-    tokens = _chat_tokens(tokenizer)
+    tokens = _chat_format(tokenizer)
+    if isinstance(tokens, ChatTemplate):
+        return _render_with_template(tokenizer, check_messages(messages, where))
     ids, mask = [tokenizer.bos_id], [False]
     for message in check_messages(messages, where):
         content = tokenizer.encode(message["content"])
@@ -124,7 +141,10 @@ def render_conversation(tokenizer, messages, where: str = "conversation") -> tup
 
 def render_prompt(tokenizer, messages, where: str = "conversation") -> list[int]:
     """The conversation so far (ending with a user turn) and `<|assistant|>`: what a model continues."""
-    tokens = _chat_tokens(tokenizer)
+    tokens = _chat_format(tokenizer)
+    if isinstance(tokens, ChatTemplate):
+        text = _template_text(tokenizer, check_messages(messages, where, for_training=False), True)
+        return _starting_with_bos(tokenizer, tokenizer.encode_markup(text), [])[0]
     ids = [tokenizer.bos_id]
     for message in check_messages(messages, where, for_training=False):
         ids += [tokens.role(message["role"]), *tokenizer.encode(message["content"]), tokens.end]
@@ -132,8 +152,94 @@ def render_prompt(tokenizer, messages, where: str = "conversation") -> list[int]
 
 
 def assistant_start(ids: Sequence[int], tokenizer) -> int:
-    """Index of the first assistant content token: the length of the prompt that precedes it."""
-    return list(ids).index(_chat_tokens(tokenizer).assistant) + 1
+    """Index of the first assistant content token (latentloop's format): the length of the prompt
+    that precedes it."""
+    return list(ids).index(_chat_format(tokenizer).assistant) + 1
+
+
+# -- chat templates ---------------------------------------------------------------------------------
+def _raise_from_template(message: str):
+    raise ChatFormatError(f"the chat template refused the conversation: {message}")
+
+
+@functools.cache
+def _template_environment():
+    """A sandboxed Jinja environment set up as `transformers` sets up chat templates."""
+    try:
+        import jinja2
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        raise ConfigError("rendering a Hugging Face chat template needs jinja2: pip install 'latentloop[hf]'") from None
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols],
+                                        undefined=jinja2.Undefined)
+    env.filters["tojson"] = lambda value, indent=None, **_: json.dumps(value, ensure_ascii=False, indent=indent)
+    env.globals["raise_exception"] = _raise_from_template
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_template(source: str):
+    import jinja2
+
+    try:
+        return _template_environment().from_string(source)
+    except jinja2.TemplateError as exc:
+        raise DataError(f"the tokenizer's chat template does not compile: {exc}") from None
+
+
+def _template_text(tokenizer, messages: list[Message], add_generation_prompt: bool) -> str:
+    import jinja2
+
+    specials = {f"{what}_token": tokenizer.token_string(getattr(tokenizer, f"{what}_id")) or ""
+                for what in ("bos", "eos", "pad")}
+    try:
+        return _compiled_template(tokenizer.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **specials)
+    except jinja2.TemplateError as exc:
+        raise ChatFormatError(f"the tokenizer's chat template failed on a conversation: {exc}") from None
+
+
+def _starting_with_bos(tokenizer, ids: list[int], mask: list[bool]) -> tuple[list[int], list[bool]]:
+    """Every latentloop sequence starts with BOS (where the variants restart their carried state);
+    templates that write none (ChatML) get it in front."""
+    if ids[:1] == [tokenizer.bos_id]:
+        return ids, mask
+    return [tokenizer.bos_id, *ids], [False, *mask]
+
+
+def _render_with_template(tokenizer, messages: list[Message]) -> tuple[list[int], list[bool]]:
+    """(ids, mask) of `messages` through the tokenizer's chat template (module docstring)."""
+    full = _template_text(tokenizer, messages, False)
+    cuts = [0]  # alternate context / trained spans of `full`
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt = _template_text(tokenizer, messages[:index], True)
+        through = _template_text(tokenizer, messages[:index + 1], False)
+        if not (through.startswith(prompt) and full.startswith(through) and len(prompt) >= cuts[-1]):
+            raise ChatFormatError(f"the tokenizer's chat template does not render this conversation as a growing "
+                                  f"prefix at message {index} (it rewrites earlier turns), so its assistant turns "
+                                  f"cannot be masked for training")
+        cuts += [len(prompt), len(through)]
+    cuts.append(len(full))
+    ids, mask = [], []
+    for span, (start, end) in enumerate(zip(cuts, cuts[1:])):
+        piece = tokenizer.encode_markup(full[start:end]) if end > start else []
+        ids += piece
+        mask += [span % 2 == 1] * len(piece)
+    return _starting_with_bos(tokenizer, ids, mask)
+
+
+def template_end_id(tokenizer) -> int:
+    """The id that ends an assistant turn in the tokenizer's chat template: the first special
+    token it writes after a reply (EOS when it writes none)."""
+    probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    ids, mask = _render_with_template(tokenizer, probe)
+    trained = [token for token, m in zip(ids, mask) if m]
+    return next((token for token in trained if token in tokenizer.special_ids), tokenizer.eos_id)
 
 
 # -- chat data --------------------------------------------------------------------------------------

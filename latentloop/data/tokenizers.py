@@ -17,8 +17,10 @@ All share one small interface, which is all the rest of latentloop relies on:
   end-of-turn ids, or None when the tokenizer has none), `with_chat_tokens()` (the same tokenizer
   with them added: the ids of existing tokens never move, the new ones come after them), and
   `render(messages) -> (ids, mask)` / `render_prompt(messages) -> ids` (the conversation format).
-  A tokenizer imported from Hugging Face implements `render` with its own chat template when it
-  has one; byte and BPE use `latentloop.data.chat.render_conversation`.
+  A tokenizer imported from Hugging Face renders with its own chat template when it has one
+  (`chat_tokens` is then a `ChatTemplate`); otherwise `with_chat_tokens()` adds latentloop's
+  tokens to it as to byte and BPE. Every consumer needs only `chat_tokens.end`, the id that ends
+  an assistant turn (where decoding stops).
 
 `write_hf_tokenizer(tokenizer, directory)` writes any of them as Hugging Face files
 (`tokenizer.json` + `tokenizer_config.json`) that `transformers.AutoTokenizer` loads (the byte
@@ -71,6 +73,23 @@ class ChatTokens:
     @property
     def ids(self) -> tuple[int, int, int, int]:
         return (self.system, self.user, self.assistant, self.end)
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A pretrained tokenizer's own conversation format: its Jinja chat template (as
+    `tokenizer_config.json` carries it) and the id that ends an assistant turn in it."""
+
+    source: str
+    end: int
+
+
+# latentloop's format (`latentloop.data.chat`) as a Jinja chat template, written into exported
+# `tokenizer_config.json` files so that `AutoTokenizer.apply_chat_template` renders the same ids.
+CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] + '"
+                 + END_OF_TURN_TOKEN + "' }}{% endfor %}{% if add_generation_prompt %}{{ '" + ASSISTANT_TOKEN
+                 + "' }}{% endif %}")
+assert all(token == f"<|{role}|>" for token, role in zip(CHAT_TOKENS, ("system", "user", "assistant")))
 
 
 class _ChatInterface:
@@ -341,7 +360,7 @@ def _token_string(entry) -> str | None:
     return entry if isinstance(entry, str) else None
 
 
-class HFTokenizer:
+class HFTokenizer(_ChatInterface):
     """A pretrained model's Hugging Face tokenizer (a `tokenizers` JSON: Llama 2 / 3, SmolLM,
     Qwen2, ...) with the special ids latentloop needs.
 
@@ -354,20 +373,20 @@ class HFTokenizer:
     - token bytes: through the byte-level alphabet for byte-level BPEs (Llama 3, Qwen2, SmolLM);
       otherwise byte-fallback tokens `<0xNN>` are their byte and `▁` is a space (SentencePiece
       style, Llama 2); special tokens have none.
+    - conversations: with a `chat_template` (the model's own, from tokenizer_config.json or
+      chat_template.jinja) `render` / `render_prompt` use it, as `apply_chat_template` would, and
+      `chat_tokens` is a `ChatTemplate` whose `end` is the first special token the template writes
+      after an assistant's words (`<|im_end|>`, `<|eot_id|>`, ...; EOS if it writes none). Without
+      one, `with_chat_tokens()` appends latentloop's chat tokens, as for byte and BPE.
 
-    In a run folder it is saved as latentloop's `tokenizer.json`: {"type": "hf", the ids, and
-    "tokenizer": the Hugging Face JSON unchanged}; `write_hf_tokenizer` writes the original files back.
+    In a run folder it is saved as latentloop's `tokenizer.json`: {"type": "hf", the ids, the chat
+    template, and "tokenizer": the Hugging Face JSON}; `write_hf_tokenizer` writes the files back.
     """
 
     name = "hf"
-    chat_tokens = None  # the conversation format is not wired to Hugging Face chat templates yet
-
-    def with_chat_tokens(self) -> HFTokenizer:
-        raise DataError("chat fine-tuning of an imported Hugging Face tokenizer is not supported yet (its own "
-                        "chat template would have to render the conversations); use a byte or BPE tokenizer run")
 
     def __init__(self, tokenizer_json: str, bos_id: int, eos_id: int, pad_id: int, vocab_size: int | None = None,
-                 source: str = "<memory>"):
+                 source: str = "<memory>", chat_template: str | None = None):
         from tokenizers import Tokenizer
 
         try:
@@ -390,7 +409,44 @@ class HFTokenizer:
         self._byte_lengths: np.ndarray | None = None
         canonical = json.dumps(content, sort_keys=True)  # saving may reformat the JSON: hash its content
         ids = f"{bos_id},{eos_id},{pad_id},{self.vocab_size}"
-        self._fingerprint = hashlib.sha256((canonical + ids).encode("utf-8")).hexdigest()[:16]
+        if chat_template is not None and not (isinstance(chat_template, str) and chat_template.strip()):
+            raise DataError(f"tokenizer {source}: the chat template must be a non-empty string")
+        self.chat_template = chat_template
+        template = "" if chat_template is None else "\0" + chat_template  # rendered ids change with it
+        self._fingerprint = hashlib.sha256((canonical + ids + template).encode("utf-8")).hexdigest()[:16]
+        self._source = source
+        self._markup_tokenizer = None
+
+    @functools.cached_property
+    def chat_tokens(self) -> ChatTemplate | ChatTokens | None:
+        if self.chat_template is not None:
+            from latentloop.data.chat import template_end_id
+
+            return ChatTemplate(self.chat_template, template_end_id(self))
+        chat_ids = [self._tokenizer.token_to_id(token) for token in CHAT_TOKENS]
+        return ChatTokens(*chat_ids) if all(i is not None for i in chat_ids) else None
+
+    def with_chat_tokens(self) -> HFTokenizer:
+        """Itself when it has a chat format (its template, or our tokens added before); else a copy
+        with latentloop's chat tokens appended as special tokens after its own ids."""
+        if self.chat_tokens is not None:
+            return self
+        from tokenizers import AddedToken, Tokenizer
+
+        copy = Tokenizer.from_str(self._json)
+        copy.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in CHAT_TOKENS])
+        grown = copy.get_vocab_size(with_added_tokens=True)
+        return HFTokenizer(copy.to_str(), self.bos_id, self.eos_id, self.pad_id, max(self.vocab_size, grown),
+                           source=self._source)
+
+    def encode_markup(self, text: str) -> list[int]:
+        """Ids of text a chat template wrote: its special tokens (`<|im_start|>`, ...) are parsed as
+        such, as `apply_chat_template` does; `encode` never does that for ordinary text."""
+        if self._markup_tokenizer is None:
+            from tokenizers import Tokenizer
+
+            self._markup_tokenizer = Tokenizer.from_str(self._json)
+        return self._markup_tokenizer.encode(text, add_special_tokens=False).ids
 
     @classmethod
     def from_pretrained_folder(cls, folder: str | Path, vocab_size: int | None = None,
@@ -426,7 +482,8 @@ class HFTokenizer:
             raise DataError(f"tokenizer {folder} names neither a BOS nor an EOS token")
         bos = eos if bos is None else bos
         eos = bos if eos is None else eos
-        return cls(text, bos, eos, eos if pad is None else pad, vocab_size, source=str(file))
+        return cls(text, bos, eos, eos if pad is None else pad, vocab_size, source=str(file),
+                   chat_template=_folder_chat_template(folder, settings))
 
     @staticmethod
     def _probe(text: str, source: str):
@@ -441,7 +498,8 @@ class HFTokenizer:
     def from_saved(cls, content: dict, source: str) -> HFTokenizer:
         try:
             return cls(json.dumps(content["tokenizer"]), int(content["bos_id"]), int(content["eos_id"]),
-                       int(content["pad_id"]), int(content["vocab_size"]), source=source)
+                       int(content["pad_id"]), int(content["vocab_size"]), source=source,
+                       chat_template=content.get("chat_template"))
         except (KeyError, TypeError, ValueError) as exc:
             raise DataError(f"tokenizer {source} is not a valid latentloop HF tokenizer file: {exc}") from None
 
@@ -494,6 +552,8 @@ class HFTokenizer:
         path = directory / TOKENIZER_FILE
         payload = {"type": "hf", "bos_id": self.bos_id, "eos_id": self.eos_id, "pad_id": self.pad_id,
                    "vocab_size": self.vocab_size, "tokenizer": json.loads(self._json)}
+        if self.chat_template is not None:
+            payload["chat_template"] = self.chat_template
         path.write_text(json.dumps(payload, ensure_ascii=False) + "\n", encoding="utf-8")
         return path
 
@@ -504,7 +564,25 @@ class HFTokenizer:
         return f"HFTokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_id={self.eos_id})"
 
 
-def _byte_tokenizer_json() -> str:
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where recent transformers versions save the template
+
+
+def _folder_chat_template(folder: Path, settings: dict) -> str | None:
+    """The chat template of a Hugging Face tokenizer folder: chat_template.jinja, else the
+    `chat_template` of tokenizer_config.json (a string, or a list of named templates: "default")."""
+    if (folder / CHAT_TEMPLATE_FILE).is_file():
+        return (folder / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+    template = settings.get("chat_template")
+    if isinstance(template, list):
+        named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
+        template = named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise DataError(f"{folder / 'tokenizer_config.json'}: chat_template must be a string or a list of "
+                        f"{{'name', 'template'}} objects, got {type(template).__name__}")
+    return template
+
+
+def _byte_tokenizer_json(chat: bool = False) -> str:
     """The byte tokenizer as a `tokenizers` JSON: a byte-level BPE without merges whose 256 base
     symbols have ids 0..255 in byte order, then <|bos|>, <|eos|>, <|pad|>: the same ids."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
@@ -514,6 +592,8 @@ def _byte_tokenizer_json() -> str:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens([AddedToken(token, special=True) for token in SPECIAL_TOKENS])
+    if chat:  # ids 259.., in the order ByteTokenizer(chat=True) numbers them
+        tokenizer.add_special_tokens([AddedToken(token, special=True) for token in CHAT_TOKENS])
     return tokenizer.to_str()
 
 
@@ -523,7 +603,7 @@ def write_hf_tokenizer(tokenizer, directory: str | Path, model_max_length: int |
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     if isinstance(tokenizer, ByteTokenizer):
-        text = _byte_tokenizer_json()
+        text = _byte_tokenizer_json(chat=tokenizer.chat)
         names = dict(zip(("bos", "eos", "pad"), SPECIAL_TOKENS))
     elif isinstance(tokenizer, BPETokenizer):
         text = tokenizer.to_json()
@@ -538,6 +618,9 @@ def write_hf_tokenizer(tokenizer, directory: str | Path, model_max_length: int |
                 **{f"{what}_token": name for what, name in names.items() if name is not None}}
     if model_max_length is not None:
         settings["model_max_length"] = model_max_length
+    chat = tokenizer.chat_tokens
+    if chat is not None:  # a model's own template back, or latentloop's format as a template
+        settings["chat_template"] = chat.source if isinstance(chat, ChatTemplate) else CHAT_TEMPLATE
     (directory / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
     return [directory / TOKENIZER_FILE, directory / "tokenizer_config.json"]
 

@@ -1,0 +1,145 @@
+"""Hugging Face chat templates: an imported tokenizer renders conversations with its own template
+(ids as `transformers`' `apply_chat_template` gives them, the mask on each assistant reply and
+what closes it), latentloop's format round-trips through an exported template, and an imported
+model with a template goes through SFT and chat without new tokens."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from latentloop.chat import stream_reply
+from latentloop.cli import main
+from latentloop.data import BPETokenizer, ByteTokenizer, HFTokenizer, load_tokenizer
+from latentloop.data.chat import ChatFormatError
+from latentloop.data.tokenizers import ChatTemplate, write_hf_tokenizer
+from latentloop.errors import DataError
+from latentloop.runtime import load_run
+
+transformers = pytest.importorskip("transformers")
+
+# ChatML, as Qwen2 / SmolLM2 write it (no BOS; the template opens every turn itself)
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello world"},
+                {"role": "assistant", "content": "the loop"}, {"role": "user", "content": "state?"},
+                {"role": "assistant", "content": "carried forward"}]
+
+
+def _chatml_folder(folder, template: str = CHATML):
+    """A byte-level BPE with ChatML's special tokens and `template`, as a model folder holds them."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=CHATML_SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["hello world, the latent loop carries state forward. 12+34=46; " * 40], trainer=trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    settings = {"eos_token": "<|endoftext|>", "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template}
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    return folder
+
+
+def _hf_ids(folder, messages, add_generation_prompt: bool) -> list[int]:
+    """The independent reference: transformers' own template rendering and tokenization."""
+    tok = transformers.AutoTokenizer.from_pretrained(str(folder))
+    ids = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                  return_dict=False)
+    return list(ids)
+
+
+def test_a_chatml_template_renders_as_transformers_does_and_masks_each_reply(tmp_path):
+    folder = _chatml_folder(tmp_path / "qwenish")
+    tok = HFTokenizer.from_pretrained_folder(folder)
+    end = tok.encode_markup("<|im_end|>")
+    assert isinstance(tok.chat_tokens, ChatTemplate) and [tok.chat_tokens.end] == end
+    assert tok.with_chat_tokens() is tok  # no tokens added: the model's own format
+    bos = [tok.bos_id]  # ChatML writes no BOS: latentloop puts one in front (where state restarts)
+    assert tok.render_prompt(CONVERSATION[:2]) == bos + _hf_ids(folder, CONVERSATION[:2], True)
+    ids, mask = tok.render(CONVERSATION)
+    assert ids == bos + _hf_ids(folder, CONVERSATION, False)
+    trained = [i for i, m in zip(ids, mask) if m]
+    assert trained == tok.encode_markup("the loop<|im_end|>\n") + tok.encode_markup("carried forward<|im_end|>\n")
+    for turns in (2, 4):  # the mask of each reply starts exactly where its prompt ends
+        prompt = tok.render_prompt(CONVERSATION[:turns])
+        assert ids[:len(prompt)] == prompt and mask[len(prompt)] and not any(mask[:len(prompt)][-3:])
+    assert mask.index(True) == len(tok.render_prompt(CONVERSATION[:2]))
+
+
+def test_the_template_survives_the_run_folder_and_export(tmp_path):
+    tok = HFTokenizer.from_pretrained_folder(_chatml_folder(tmp_path / "qwenish"))
+    tok.save(tmp_path / "run")
+    back = load_tokenizer(str(tmp_path / "run" / "tokenizer.json"))
+    assert back.chat_template == CHATML and back.fingerprint() == tok.fingerprint()
+    assert back.render(CONVERSATION) == tok.render(CONVERSATION)
+    write_hf_tokenizer(back, tmp_path / "export")
+    assert json.loads((tmp_path / "export" / "tokenizer_config.json").read_text())["chat_template"] == CHATML
+    plain = HFTokenizer(tok.hf_json(), tok.bos_id, tok.eos_id, tok.pad_id)  # the template changes rendering:
+    assert plain.fingerprint() != tok.fingerprint()  # cached chat data keyed by it must not be reused
+
+
+@pytest.mark.parametrize("make", [lambda: ByteTokenizer(chat=True),
+                                  lambda: BPETokenizer.train(["the loop carries state " * 40], 300).with_chat_tokens()],
+                         ids=["byte", "bpe"])
+def test_latentloops_format_exports_as_a_template_that_renders_the_same(tmp_path, make):
+    """Exported chat runs carry latentloop's format as a chat template: transformers renders the
+    same ids, and the same folder imported back renders the same ids and mask via its template."""
+    ours = make()
+    write_hf_tokenizer(ours, tmp_path)
+    assert _hf_ids(tmp_path, CONVERSATION[:2], True) == ours.render_prompt(CONVERSATION[:2])
+    assert _hf_ids(tmp_path, CONVERSATION, False) == ours.render(CONVERSATION)[0]
+    imported = HFTokenizer.from_pretrained_folder(tmp_path)
+    assert isinstance(imported.chat_tokens, ChatTemplate) and imported.chat_tokens.end == ours.chat_tokens.end
+    assert imported.render(CONVERSATION) == ours.render(CONVERSATION)
+    assert imported.render_prompt(CONVERSATION[:4]) == ours.render_prompt(CONVERSATION[:4])
+
+
+def test_a_tokenizer_without_a_template_gains_latentloops_tokens(tmp_path):
+    folder = _chatml_folder(tmp_path / "plain")
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    del settings["chat_template"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    tok = HFTokenizer.from_pretrained_folder(folder, vocab_size=320)
+    assert tok.chat_tokens is None
+    chat = tok.with_chat_tokens()
+    assert chat.chat_tokens.ids == tuple(range(tok.own_size, tok.own_size + 4)) and chat.vocab_size == 320
+    assert chat.encode("hello world") == tok.encode("hello world")
+    ids, mask = chat.render(CONVERSATION[1:3])
+    assert ids[-1] == chat.chat_tokens.end and chat.decode([i for i, m in zip(ids, mask) if m]) == "the loop"
+
+
+@pytest.mark.parametrize("template, error, words", [
+    ("{{ messages[-1]['content'] }}", ChatFormatError, "growing prefix"),  # renders only the last turn
+    ("{{ raise_exception('only user and assistant roles') }}", ChatFormatError, "only user and assistant roles"),
+    ("{% for m in messages %}{{ m.content }", DataError, "does not compile"),
+])
+def test_a_template_that_cannot_be_trained_on_is_one_clear_error(tmp_path, template, error, words):
+    tok = HFTokenizer.from_pretrained_folder(_chatml_folder(tmp_path / "bad", template))
+    with pytest.raises(error, match=words):
+        tok.render(CONVERSATION[1:3])
+
+
+def test_an_imported_model_with_a_template_fine_tunes_and_chats_in_its_own_format(tmp_path, capsys):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = _chatml_folder(tmp_path / "hf")
+    tok = HFTokenizer.from_pretrained_folder(folder)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         bos_token_id=tok.bos_id, eos_token_id=tok.eos_id)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    assert main(["import-hf", str(folder), "--out", str(tmp_path / "base")]) == 0
+    assert main(["train", "--stage", "sft", "--init-from", str(tmp_path / "base"), "--data",
+                 "chat:task:addition_steps:n=80", "--steps", "2", "--batch-size", "2", "--out", str(tmp_path / "sft"),
+                 "--no-progress", "--set", "eval_every=0"]) == 0
+    model, run_tok, config, _ = load_run(tmp_path / "sft")
+    assert config.model.vocab_size == 320 and run_tok.chat_template == CHATML  # nothing grown: its own format
+    reply = "".join(stream_reply(model, run_tok, [{"role": "user", "content": "12+34="}], max_new_tokens=6))
+    assert isinstance(reply, str) and "<|im_end|>" not in reply
