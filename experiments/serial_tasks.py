@@ -1,0 +1,182 @@
+"""Serial tasks where latent state should matter: accuracy by problem length, inside and beyond
+the training range, for every architecture (issue 10, item 5).
+
+    python experiments/serial_tasks.py --out runs/serial --seeds 0 1 2
+
+Tasks (built-in generators, `latentloop.data.tasks`), trained on the short range, tested on
+lengths 1..2x the training maximum:
+- s3       state tracking: compose 1-4 permutations of S3 (`s5` task, size 3); test 1-8
+- iterate  function iteration: f^k(x) for a random permutation f of 0..7, k 1-4 (one filler dot
+           per step); test 1-8
+- add      multi-digit addition, 1-3 digits per operand; test 1-5
+
+Models: one shape for all (4 blocks x 64, 4 heads, T = 64), trained on the task's text
+(`--data task:...`) for `--steps` steps of 32 rows: gpt; fbt (default recipe) decoded standard and
+soft; rgpt isoparams 1 + 2x4 + 1 (R = 4) decoded at r = 4 and r = 8 (test-time depth above
+training); lrt (default: source block 3 of 4, interleaved S = 2 training) decoded with exact
+sequential memory. Greedy decoding, `--limit` test examples per task, uniform over lengths.
+Resumable: finished (task, arch, seed) are kept in results.json. Writes results.md and
+accuracy-by-length plots (serial_TASK.png) into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config, rgpt_shape_from_dense  # noqa: E402
+from latentloop.eval.generation import run_generation_tasks  # noqa: E402
+from latentloop.train import fit, setup  # noqa: E402
+
+TASKS = {  # name -> (training data spec, evaluation task name)
+    "s3": ("task:s5:size=3,length=1-4,n=20000", "s5:size=3,length=1-4,test=1-8"),
+    "iterate": ("task:iteration:size=8,k=1-4,fill=1,n=20000", "iteration:size=8,k=1-4,fill=1,test=1-8"),
+    "add": ("task:addition:digits=1-3,n=20000", "addition:digits=1-3,test=1-5"),
+}
+SHAPE = dict(n_layer=4, n_embd=64, n_head=4, sequence_len=64)
+RECURRENCE = 4  # rgpt's trained depth R; it is also decoded at 2R
+ARCHS = {  # name -> (model fields, {label: decoding options})
+    "gpt": ({"arch": "gpt"}, {"gpt": {}}),
+    "fbt": ({"arch": "fbt"}, {"fbt standard": {"regime": "standard"}, "fbt soft": {"regime": "soft"}}),
+    "rgpt": ({"arch": "rgpt", **rgpt_shape_from_dense(SHAPE["n_layer"], "params", RECURRENCE)},
+             {f"rgpt r={RECURRENCE}": {"steps": RECURRENCE}, f"rgpt r={2 * RECURRENCE}": {"steps": 2 * RECURRENCE}}),
+    "lrt": ({"arch": "lrt"}, {"lrt": {}}),
+}
+
+
+def run_one(out: Path, task: str, arch: str, seed: int, steps: int, limit: int) -> dict:
+    fields, regimes = ARCHS[arch]
+    fields = dict(fields)
+    name = fields.pop("arch")
+    data_spec, eval_name = TASKS[task]
+    config = RunConfig(model=model_config(name, None, **SHAPE, **fields),
+                       train=TrainConfig(steps=steps, batch_size=32, lr=3e-3, warmup_steps=max(1, steps // 20),
+                                         eval_every=0, eval_batches=2, seed=seed, log_every=50),
+                       data=DataConfig(source=data_spec))
+    run_dir = out / f"{task}-{arch}-s{seed}"
+    started = time.time()
+    state = setup(config, run_dir, resume=(run_dir / "config.json").exists(), progress=False)
+    summary = fit(state, progress=False)
+    model = state.model.eval()
+    scores = {}
+    for label, options in regimes.items():
+        result = run_generation_tasks(model, state.tokenizer, [eval_name], None, options, limit=limit,
+                                      progress=False)[eval_name]
+        scores[label] = {"accuracy": result["accuracy"], "n": result["n"],
+                         "by_length": {str(k): v for k, v in result["accuracy_by_steps"].items()}}
+    return {"task": task, "arch": arch, "seed": seed, "steps": steps, "params": model.num_params(),
+            "train_flops": summary["flops"], "seconds": time.time() - started, "scores": scores}
+
+
+def _mean_sd(values: list[float]) -> str:
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.mean(values):.2f} ± {sd:.2f}"
+
+
+def _accuracy(entry) -> float:
+    return entry["accuracy"] if isinstance(entry, dict) else float(entry)
+
+
+def summarise(results: list[dict]) -> str:
+    lines = []
+    for task, (data_spec, eval_name) in TASKS.items():
+        rows = [r for r in results if r["task"] == task]
+        if not rows:
+            continue
+        train_high = _train_max(data_spec)
+        lengths = sorted({int(k) for r in rows for s in r["scores"].values() for k in s["by_length"]})
+        lines += [f"### {task}: train `{data_spec}`, test `{eval_name}` (lengths <= {train_high} are in the "
+                  f"training range)", "",
+                  "| model | seeds | " + " | ".join(f"len {n}" for n in lengths) + " | in range | beyond |",
+                  "|---|---:|" + "---:|" * (len(lengths) + 2)]
+        labels = {label: None for r in rows for label in r["scores"]}
+        for label in labels:
+            with_label = [r for r in rows if label in r["scores"]]
+            cells = []
+            for n in lengths:
+                values = [_accuracy(r["scores"][label]["by_length"][str(n)]) for r in with_label
+                          if str(n) in r["scores"][label]["by_length"]]
+                cells.append(_mean_sd(values) if values else "")
+            inside = [statistics.mean(_accuracy(v) for k, v in r["scores"][label]["by_length"].items()
+                                      if int(k) <= train_high) for r in with_label]
+            beyond = [statistics.mean(_accuracy(v) for k, v in r["scores"][label]["by_length"].items()
+                                      if int(k) > train_high) for r in with_label]
+            lines.append(f"| {label} | {len(with_label)} | " + " | ".join(cells) +
+                         f" | {_mean_sd(inside)} | {_mean_sd(beyond)} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _train_max(data_spec: str) -> int:
+    knob = [item for item in data_spec.split(":", 2)[2].split(",") if "-" in item and not item.startswith("n=")][0]
+    return int(knob.split("=")[1].split("-")[1])
+
+
+def plot(results: list[dict], out: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plots (pip install 'latentloop[plot]')", file=sys.stderr)
+        return
+    for task, (data_spec, _) in TASKS.items():
+        rows = [r for r in results if r["task"] == task]
+        if not rows:
+            continue
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for label in {label: None for r in rows for label in r["scores"]}:
+            with_label = [r for r in rows if label in r["scores"]]
+            lengths = sorted({int(k) for r in with_label for k in r["scores"][label]["by_length"]})
+            means = [statistics.mean(_accuracy(r["scores"][label]["by_length"][str(n)]) for r in with_label
+                                     if str(n) in r["scores"][label]["by_length"]) for n in lengths]
+            ax.plot(lengths, means, marker="o", label=label)
+        ax.axvline(_train_max(data_spec) + 0.5, color="grey", linestyle="--", linewidth=1)
+        ax.set(xlabel="problem length (serial steps)", ylabel="accuracy (greedy)", ylim=(-0.02, 1.02),
+               title=f"{task}: mean over seeds; dashed = end of training range")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / f"serial_{task}.png", dpi=120)
+        plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="runs/serial")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--limit", type=int, default=160, help="test examples per task and model")
+    parser.add_argument("--tasks", nargs="*", default=list(TASKS), choices=list(TASKS))
+    parser.add_argument("--archs", nargs="*", default=list(ARCHS), choices=list(ARCHS))
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results_file = out / "results.json"
+    results = json.loads(results_file.read_text()) if results_file.exists() else []
+    done = {(r["task"], r["arch"], r["seed"]) for r in results}
+    for seed in args.seeds:
+        for task in args.tasks:
+            for arch in args.archs:
+                if (task, arch, seed) in done:
+                    continue
+                result = run_one(out, task, arch, seed, args.steps, args.limit)
+                results.append(result)
+                results_file.write_text(json.dumps(results, indent=2) + "\n")
+                print(f"{task} {arch} seed {seed} ({result['seconds']:.0f} s): " +
+                      ", ".join(f"{k} {v['accuracy']:.2f}" for k, v in result["scores"].items()), flush=True)
+    table = summarise(results)
+    (out / "results.md").write_text(f"# Serial tasks: accuracy by length\n\n{table}\n")
+    plot(results, out)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
