@@ -422,3 +422,24 @@ def test_token_to_bytes_rebuilds_the_utf8_stream(tmp_path):
     ids = bpe.encode(text)
     assert b"".join(bpe.token_to_bytes(t) for t in ids) == text.encode()
     assert sum(len(bpe.token_to_bytes(t)) for t in ids) == int(bpe.token_byte_lengths()[ids].sum())
+
+
+def test_a_mix_interleaves_its_parts_balanced_by_bytes(tmp_path):
+    (tmp_path / "long").mkdir()
+    (tmp_path / "short").mkdir()
+    for i in range(30):
+        (tmp_path / "long" / f"l{i:02d}.txt").write_text("L" * 100)
+        (tmp_path / "short" / f"s{i:02d}.txt").write_text("s" * 10)
+    mix = parse_source(f"mix:text:{tmp_path / 'long'}+text:{tmp_path / 'short'}", val_fraction=0.2)
+    parts = [parse_source(f"text:{tmp_path / name}", val_fraction=0.2) for name in ("long", "short")]
+    for split in ("train", "val"):
+        documents = list(mix.iter_documents(split))
+        # every document of both parts, each part's own split, in each part's order
+        assert sorted(documents) == sorted(d for p in parts for d in p.iter_documents(split))
+        assert [d for d in documents if d[0] == "L"] == list(parts[0].iter_documents(split))
+    head = list(mix.iter_documents("train"))[:22]
+    assert [d[0] for d in head].count("s") == 20  # ten short ones per long one while both last
+    assert mix.fingerprint() != parse_source(f"mix:text:{tmp_path / 'short'}+text:{tmp_path / 'long'}").fingerprint()
+    for bad in ("mix:stdlib", "mix:stdlib+", "mix:stdlib+mix:stdlib+stdlib", "mix:stdlib+nope"):
+        with pytest.raises(DataError):
+            parse_source(bad)

@@ -6,7 +6,9 @@
   (no download needed, so it is the default for quick experiments and tests);
 - `text:PATH`: a `.txt`/`.jsonl`/`.parquet` file, a folder of them (searched recursively) or a glob;
 - `hf:NAME` / `hf:NAME:CONFIG`: a Hugging Face dataset, streamed (needs `latentloop[hf]`);
-- `task:NAME`: reserved for task datasets (`latentloop.data.tasks`).
+- `task:NAME`: reserved for task datasets (`latentloop.data.tasks`);
+- `mix:SPEC+SPEC[+...]`: several of the above, interleaved so that each contributes about the
+  same number of bytes (`MixSource`), e.g. `mix:stdlib+text:../shared/data/text/tinystories_sample.txt`.
 
 Every split is decided by a stable hash of a document's identity (its file path, its index), never
 by random state, so the same spec always gives the same split on every machine, and adding files
@@ -165,6 +167,39 @@ class TextSource(Source):
     def fingerprint(self) -> str:
         listing = _file_listing(self.root, self.files)
         return _digest(["text", str(self.root.resolve()), self.val_fraction, listing])
+
+
+class MixSource(Source):
+    """Several sources as one: documents interleaved so that the mix is balanced by bytes (the
+    next document comes from the source that has given the fewest UTF-8 bytes so far; once one
+    runs out, the others continue). Each part keeps its own train/val split, so a capped run
+    (`max_bytes`) sees the same share of every part."""
+
+    SEPARATOR = "+"
+
+    def __init__(self, parts: list[Source]):
+        if len(parts) < 2:
+            raise DataError("a mix: source needs at least two parts (mix:SPEC+SPEC)")
+        self.parts = parts
+        self.spec = "mix:" + self.SEPARATOR.join(part.spec for part in parts)
+        self.val_fraction = parts[0].val_fraction
+
+    def iter_documents(self, split: str) -> Iterator[str]:
+        _check_split(split)
+        streams = [part.iter_documents(split) for part in self.parts]
+        given = [0] * len(streams)
+        active = list(range(len(streams)))
+        while active:
+            index = min(active, key=lambda i: given[i])
+            document = next(streams[index], None)
+            if document is None:
+                active.remove(index)
+                continue
+            given[index] += len(document.encode("utf-8"))
+            yield document
+
+    def fingerprint(self) -> str:
+        return _digest(["mix", *(part.fingerprint() for part in self.parts)])
 
 
 def _val_cut(length: int, val_fraction: float) -> int:
@@ -364,4 +399,10 @@ def parse_source(spec: str, val_fraction: float = 0.05, max_documents: int | Non
         return HFSource(name, config or None, val_fraction, max_documents)
     if kind == "task" and colon:
         return get_task_source(rest, val_fraction)
-    raise DataError(f"unknown data source '{spec}': use stdlib, text:PATH, hf:NAME[:CONFIG] or task:NAME")
+    if kind == "mix" and colon:
+        parts = [part.strip() for part in rest.split(MixSource.SEPARATOR)]
+        if any(not part or part.startswith("mix:") for part in parts):
+            raise DataError(f"data source '{spec}': a mix is mix:SPEC+SPEC[+...] of non-empty, non-mix specs")
+        return MixSource([parse_source(part, val_fraction, max_documents) for part in parts])
+    raise DataError(f"unknown data source '{spec}': use stdlib, text:PATH, hf:NAME[:CONFIG], task:NAME or "
+                    f"mix:SPEC+SPEC")
