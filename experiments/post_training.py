@@ -25,11 +25,15 @@ import statistics
 import time
 from pathlib import Path
 
+import torch
+
 from latentloop.archs import build_model
 from latentloop.checkpoint import list_checkpoints
 from latentloop.cli import main
+from latentloop.data.loader import eval_batches
 from latentloop.eval.generation import run_generation_tasks
 from latentloop.eval.loss import loss_by_position
+from latentloop.objectives.base import token_cross_entropy
 from latentloop.runtime import eval_data, load_run
 
 TASK = "addition_steps:digits=2,n=4000"
@@ -99,13 +103,34 @@ def _by_position(run: Path, data: str, seq_len: int | None = None, batches: int 
     return loss_by_position(model, tokens, 8, length, max(1, length // POSITION_BUCKET), max_batches=batches)
 
 
+@torch.no_grad()
+def _by_position_in_short_windows(run: Path, data: str, long: int, batches: int = 4) -> list[dict]:
+    """The reference for the extended model's buckets: the base run on the same validation text
+    and the same targets, each `long` window cut into windows of the base's own length, so every
+    target is predicted from at most that much context."""
+    model, tokenizer, config, _ = load_run(run)
+    short = config.model.sequence_len
+    pieces = long // short
+    tokens = eval_data(config, tokenizer, data).val
+    sums, rows = torch.zeros(pieces, dtype=torch.float64), 0
+    for x, y in eval_batches(tokens, 8, long, batches):
+        B = x.shape[0]
+        logits = model.eval()(x.reshape(B * pieces, short)).logits
+        losses = token_cross_entropy(logits, y.reshape(B * pieces, short), reduction="none")
+        sums += losses.view(B, pieces, short).double().sum(dim=(0, 2))
+        rows += B
+    return [{"start": j * short, "end": (j + 1) * short, "loss": float(sums[j] / (rows * short)),
+             "tokens": rows * short} for j in range(pieces)]
+
+
 def gsm8k_arm(out: Path, report: dict, arch: str, args) -> None:
     base, long, sft = out / f"{arch}-base-s0", out / f"{arch}-long-s0", out / f"{arch}-gsm8k-s0"
     if not _trained(long):
         _train(["--stage", "extend", "--init-from", str(base), "--set", f"sequence_len={args.long}", "--steps",
                 str(args.extend_steps), "--batch-size", "8", "--out", str(long), "--set", "eval_every=0"])
     entry = report.setdefault("long", {}).setdefault(arch, {})
-    _cached(entry, "base at its length", lambda: _by_position(base, args.data))
+    _cached(entry, f"base, windows of its own length (context <= {POSITION_BUCKET})",
+            lambda: _by_position_in_short_windows(base, args.data, args.long))
     _cached(entry, "base stretched, no training", lambda: _by_position(base, args.data, args.long))
     _cached(entry, "extended", lambda: _by_position(long, args.data))
     if not _trained(sft):
