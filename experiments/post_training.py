@@ -12,8 +12,10 @@ Per seed and arch (the `test` preset widened to 4 blocks of 64, T = 64):
    at this scale; say so wherever the numbers are quoted): the base zero-shot in the plain task
    format, the SFT model in the chat format; every fbt regime, rgpt at depth 1 / 2 / 4 / 8.
 With `--gsm8k DIR` (seed 0 only): each arch's base is extended to T = `--long` with `--stage
-extend` (NTK RoPE base scaling), evaluated by position (does loss keep falling past the old 64?),
-then SFT'd on GSM8K train at that length and evaluated 0-shot on `--limit` GSM8K test problems.
+extend` (NTK RoPE base scaling, `--extend-steps`; gpt also for `--extend-more` steps), evaluated by
+position against the base on the same targets with at most its own 64 tokens of context (does the
+longer context help?) and against the base stretched without training, then SFT'd on GSM8K train
+at that length and evaluated 0-shot on `--limit` GSM8K test problems.
 Resumable: finished runs and evaluations are kept. Writes post_training.json and post_training.md.
 """
 
@@ -133,6 +135,12 @@ def gsm8k_arm(out: Path, report: dict, arch: str, args) -> None:
             lambda: _by_position_in_short_windows(base, args.data, args.long))
     _cached(entry, "base stretched, no training", lambda: _by_position(base, args.data, args.long))
     _cached(entry, "extended", lambda: _by_position(long, args.data))
+    if args.extend_more and arch == "gpt":  # the trend with the extension's length, on one arch
+        longer = out / f"{arch}-long{args.extend_more}-s0"
+        if not _trained(longer):
+            _train(["--stage", "extend", "--init-from", str(base), "--set", f"sequence_len={args.long}", "--steps",
+                    str(args.extend_more), "--batch-size", "8", "--out", str(longer), "--set", "eval_every=0"])
+        _cached(entry, f"extended, {args.extend_more} steps", lambda: _by_position(longer, args.data))
     if not _trained(sft):
         _train(["--stage", "sft", "--init-from", str(long), "--data",
                 f"chat:{args.gsm8k}/sft/gsm8k_train.jsonl:question=user,answer=assistant", "--steps",
@@ -217,6 +225,8 @@ if __name__ == "__main__":
     parser.add_argument("--pretrain-steps", type=int, default=300)
     parser.add_argument("--sft-steps", type=int, default=200)
     parser.add_argument("--extend-steps", type=int, default=100)
+    parser.add_argument("--extend-more", type=int, default=0, metavar="STEPS",
+                        help="also extend gpt for this many steps (the trend with the extension's length)")
     parser.add_argument("--long", type=int, default=512, help="the extended context")
     parser.add_argument("--limit", type=int, default=100)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
