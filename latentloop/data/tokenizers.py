@@ -86,10 +86,11 @@ class ChatTemplate:
 
 # latentloop's format (`latentloop.data.chat`) as a Jinja chat template, written into exported
 # `tokenizer_config.json` files so that `AutoTokenizer.apply_chat_template` renders the same ids.
-CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] + '"
-                 + END_OF_TURN_TOKEN + "' }}{% endfor %}{% if add_generation_prompt %}{{ '" + ASSISTANT_TOKEN
-                 + "' }}{% endif %}")
-assert all(token == f"<|{role}|>" for token, role in zip(CHAT_TOKENS, ("system", "user", "assistant")))
+_ROLE_TOKENS = {"system": SYSTEM_TOKEN, "user": USER_TOKEN, "assistant": ASSISTANT_TOKEN}
+CHAT_TEMPLATE = ("{% set role_tokens = " + json.dumps(_ROLE_TOKENS) + " %}{{ bos_token }}"
+                 "{% for message in messages %}{{ role_tokens[message['role']] + message['content'] + "
+                 + json.dumps(END_OF_TURN_TOKEN) + " }}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ " + json.dumps(ASSISTANT_TOKEN) + " }}{% endif %}")
 
 
 class _ChatInterface:
