@@ -123,6 +123,8 @@ def test_a_template_that_cannot_be_trained_on_is_one_clear_error(tmp_path, templ
     tok = HFTokenizer.from_pretrained_folder(_chatml_folder(tmp_path / "bad", template))
     with pytest.raises(error, match=words):
         tok.render(CONVERSATION[1:3])
+    write_hf_tokenizer(tok, tmp_path / "export")  # exporting never renders: the template goes back as read
+    assert json.loads((tmp_path / "export" / "tokenizer_config.json").read_text())["chat_template"] == template
 
 
 def test_an_imported_model_with_a_template_fine_tunes_and_chats_in_its_own_format(tmp_path, capsys):

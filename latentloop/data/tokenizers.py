@@ -619,9 +619,11 @@ def write_hf_tokenizer(tokenizer, directory: str | Path, model_max_length: int |
                 **{f"{what}_token": name for what, name in names.items() if name is not None}}
     if model_max_length is not None:
         settings["model_max_length"] = model_max_length
-    chat = tokenizer.chat_tokens
-    if chat is not None:  # a model's own template back, or latentloop's format as a template
-        settings["chat_template"] = chat.source if isinstance(chat, ChatTemplate) else CHAT_TEMPLATE
+    own_template = getattr(tokenizer, "chat_template", None)  # written back as read: not rendered here
+    if own_template is not None:
+        settings["chat_template"] = own_template
+    elif tokenizer.chat_tokens is not None:  # latentloop's format, as a template
+        settings["chat_template"] = CHAT_TEMPLATE
     (directory / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
     return [directory / TOKENIZER_FILE, directory / "tokenizer_config.json"]
 
