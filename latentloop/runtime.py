@@ -199,8 +199,12 @@ def init_distributed(strategy: str, device_name: str) -> tuple[DistEnv, torch.de
 
 
 def destroy_distributed() -> None:
-    """Leave the process group (if one is up); the end of a distributed command."""
+    """Leave the process group (if one is up); the end of a distributed command, after success
+    only. Every process leaves together (a barrier first): a peer that tears its connections down
+    while rank 0 still writes its last files can take rank 0 down with it (seen once under gloo:
+    SIGABRT, "terminate called without an active exception", after all the work was done)."""
     if dist.is_available() and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 
