@@ -89,7 +89,12 @@ class Generation:
 def tokens_before(tokenizer, generation: Generation, position: int) -> int:
     """How many of the generation's tokens it takes to write its text up to character `position`
     (the fewest whose decoded text reaches it)."""
-    ids = list(generation.ids[:generation.tokens])
+    return _fewest_tokens_reaching(tokenizer, list(generation.ids[:generation.tokens]), position)
+
+
+def _fewest_tokens_reaching(tokenizer, ids: list[int], position: int) -> int:
+    """The fewest leading `ids` whose decoded text is at least `position` characters long
+    (a binary search: decoded length only grows with more tokens)."""
     low, high = 0, len(ids)
     while low < high:
         middle = (low + high) // 2
@@ -191,15 +196,8 @@ def _cut(tokenizer, tokens: list[int], stops: Sequence[str]) -> Generation:
     position = _first_stop(text, stops)
     if position < 0:
         return Generation(text, len(tokens), tuple(tokens))
-    # The fewest tokens whose text covers everything before the stop string.
-    low, high = 0, len(tokens)
-    while low < high:
-        middle = (low + high) // 2
-        if len(tokenizer.decode(tokens[:middle])) >= position:
-            high = middle
-        else:
-            low = middle + 1
-    return Generation(text[:position], low, tuple(tokens[:low]))
+    kept = _fewest_tokens_reaching(tokenizer, tokens, position)  # covers everything before the stop string
+    return Generation(text[:position], kept, tuple(tokens[:kept]))
 
 
 def generate_texts(model, tokenizer, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
