@@ -85,11 +85,11 @@ class KVCache:
 
     @property
     def batch_size(self) -> int:
-        return self.k.shape[1]
+        return self.key_pos.shape[0]  # key_pos, not k: a frozen static cache (models/fast.py) drops k
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[3]
+        return self.key_pos.shape[1]
 
     def begin(self, T: int, pad_mask: Tensor | None = None) -> AttentionPlan:
         """Register T new tokens (left-padded where pad_mask is False) and plan their attention."""

@@ -85,14 +85,6 @@ class StaticCacheMixin:
         self.state = {name: value.clone() for name, value in self.state.items()}
         self.static = True
 
-    @property
-    def batch_size(self) -> int:
-        return self.key_pos.shape[0]
-
-    @property
-    def max_len(self) -> int:
-        return self.key_pos.shape[1]
-
     def memory_bytes(self) -> int:
         if not self.static:
             return super().memory_bytes()
