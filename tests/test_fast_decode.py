@@ -4,10 +4,18 @@ compiles take tens of seconds per architecture and option set)."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import latentloop as ll
 from latentloop.engine import PromptError, model_options
-from latentloop.models.fast import LENGTH_BUCKET, FastDecoder, bucketed_length
+from latentloop.models.fast import (
+    LENGTH_BUCKET,
+    REDUCTION_MAX_ROWS,
+    FastDecoder,
+    _linear_by_reduction,
+    bucketed_length,
+    linears_by_reduction,
+)
 
 # fp32 max abs logit difference between the static step and the ordinary one: the static step
 # attends over the whole buffer with masked keys, which the attention kernel sums in another
@@ -89,6 +97,46 @@ def test_static_cache_refuses_to_overflow():
         fast.begin_decoding(cache)
         with pytest.raises(ValueError, match="overflow"):
             fast.step(torch.tensor([3]))
+
+
+# fp32 max abs difference between a product summed as a reduction and the matmul library's, for
+# unit-scale inputs over 1024 terms: another summation order, so a few ulps of the ~30-sized sums
+REDUCTION_TOL = 1e-4
+
+
+@pytest.mark.parametrize("rows", [1, 3, REDUCTION_MAX_ROWS])
+def test_linear_by_reduction_is_the_linear_product(rows):
+    torch.manual_seed(0)
+    x, weight, bias = torch.randn(rows, 1, 1024), torch.randn(96, 1024), torch.randn(96)
+    torch.testing.assert_close(_linear_by_reduction(x, weight), F.linear(x, weight), rtol=0, atol=REDUCTION_TOL)
+    torch.testing.assert_close(_linear_by_reduction(x, weight, bias), F.linear(x, weight, bias), rtol=0,
+                               atol=REDUCTION_TOL)
+
+
+def test_linear_by_reduction_keeps_the_library_product_past_its_row_limit():
+    torch.manual_seed(0)
+    x, weight = torch.randn(REDUCTION_MAX_ROWS + 1, 1024), torch.randn(96, 1024)
+    assert torch.equal(_linear_by_reduction(x, weight), F.linear(x, weight))
+
+
+def test_the_cpu_decode_backend_rewrites_every_linear_of_the_step():
+    """Modules' and functional linears alike (the head is `F.linear` on the tied embedding)."""
+    model = model_for("gpt")
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(linears_by_reduction(gm))
+        return gm.forward
+
+    token = torch.tensor([[BOS]])
+    with torch.inference_mode():
+        expected = model(token).logits
+        got = torch.compile(lambda idx: model(idx).logits, backend=capture)(token)
+    targets = [node.target for gm in graphs for node in gm.graph.nodes if node.op == "call_function"]
+    n_linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules()) + (model.lm_head is None)  # tied head
+    assert targets.count(_linear_by_reduction) == n_linears
+    assert torch._C._nn.linear not in targets and F.linear not in targets
+    torch.testing.assert_close(got, expected, rtol=0, atol=REDUCTION_TOL)
 
 
 def test_engine_compile_needs_the_cache():

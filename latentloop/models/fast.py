@@ -255,10 +255,54 @@ def _compiled_step(cuda: bool):
     copy = types.FunctionType(code, _decode_step.__globals__, code.co_name)
     if cuda:  # CUDA graphs (written, not run here: no GPU)
         return torch.compile(copy, mode="reduce-overhead", dynamic=False)
-    # On CPU a batch-1 step is ~1 ms, and inductor's Python wrapper that calls its kernels was a
-    # fifth of it (profiled); a C++ wrapper removes most of that (1.21 -> 0.83 ms per token measured
-    # at the baseline benchmark's shape) for a longer first compile (~4 s -> ~14 s).
-    return torch.compile(copy, dynamic=False, options={"cpp_wrapper": True})
+    return compile_cpu_decode(copy)
+
+
+def compile_cpu_decode(fn):
+    """`fn` compiled for decoding on CPU: static shapes, `_cpu_decode_backend`."""
+    return torch.compile(fn, backend=_cpu_decode_backend, dynamic=False)
+
+
+# Up to this many rows (batch size x new tokens), a decode step's weight products are rewritten as
+# vectorised reductions (see `_cpu_decode_backend`). Measured on the project's 2-core machine (AMD
+# EPYC, torch's CPU matmul), the 17 products of the baseline benchmark's model, compiled: 1 row
+# 151 vs 478 us, 4 rows 426 vs 1162 us, 16 rows 1464 vs 1880 us; past that the matmul library's
+# blocking wins as the products become matrix-matrix.
+REDUCTION_MAX_ROWS = 16
+
+
+def _linear_by_reduction(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """`F.linear` for a few rows as a multiply-and-sum over the input dimension: inductor emits
+    one vectorised loop that streams each weight row once, where the matmul library treats a
+    (1, in) x (in, out) product as a GEMM and runs at a fraction of the memory bandwidth. Rows
+    past `REDUCTION_MAX_ROWS` keep the library's product. Same products, another summation order
+    (rounding differs in the last bits)."""
+    rows = x.numel() // x.shape[-1]
+    if rows > REDUCTION_MAX_ROWS:
+        return torch.nn.functional.linear(x, weight, bias)
+    y = (x[..., None, :] * weight).sum(-1)  # (..., out, in) -> (..., out): one fused loop, never materialised
+    return y if bias is None else y + bias
+
+
+def _cpu_decode_backend(gm: torch.fx.GraphModule, example_inputs):
+    """Inductor for the CPU decode step, with two changes measured at batch 1 (the baseline
+    benchmark's shape): every `F.linear` of the traced step becomes `_linear_by_reduction`
+    (0.76 -> 0.5 ms per step), and inductor's wrapper that calls the kernels is C++ instead of
+    Python (`cpp_wrapper`: the Python wrapper was a fifth of the step; 1.21 -> 0.83 ms), for a
+    longer first compile (~4 s -> ~14 s)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(linears_by_reduction(gm), example_inputs, config_patches={"cpp_wrapper": True})
+
+
+def linears_by_reduction(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """`gm` (a dynamo graph) with every `F.linear` call, nn.Linear's included, replaced in place
+    by `_linear_by_reduction`."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in (torch._C._nn.linear, torch.nn.functional.linear):
+            node.target = _linear_by_reduction
+    gm.recompile()
+    return gm
 
 
 _COPIES = 0
