@@ -7,7 +7,11 @@ At one fixed shape (4 layers, d=256, 4 heads, vocab 256, fp32):
 
 1. training tokens/s (T=256, batch 16, AdamW, grad clip; forward + backward + clip + step, the
    trainer's step without data loading), latentloop and nanoGPT interleaved round by round (the
-   order rotating), eager and with `--compile` both compiled; the ratio per round, median and range;
+   order rotating), eager and with `--compile` both compiled; the ratio per round, median and range.
+   In the same rounds a training *floor*: the matrix products (forward and both backward ones of
+   every Linear and the head) and the causal attention kernels (SDPA forward and backward) of one
+   step alone, the kernels both models call with the same shapes; nanoGPT's time over it bounds
+   the ratio over nanoGPT that a model computing these products with these kernels can reach;
 2. greedy decoding tokens/s through the engine (`latentloop.generate(..., temperature=0)`, KV cache)
    at batch 1, interleaved with HF Llama of the same shape (`--hf`, needs transformers), and at
    batch 16; the uncached reference (`use_cache=False`) at batch 1. With `--compile`, also the
@@ -96,6 +100,8 @@ def training_steps(kind: str, seq_len: int, batch_size: int, grad_clip: float, s
     x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
     train_cfg = TrainConfig(batch_size=batch_size, optimizer="adamw", grad_clip=grad_clip, dtype="float32",
                             device="cpu")
+    if kind == "floor":
+        return training_floor_step(build_model(seq_len, seed), seq_len, batch_size), x.numel()
     if kind == "latentloop":
         model = build_model(seq_len, seed).train()
         optimizers = build_optimizers(model, train_cfg)
@@ -121,10 +127,48 @@ def training_steps(kind: str, seq_len: int, batch_size: int, grad_clip: float, s
     return step, x.numel()
 
 
+def training_floor_step(model: torch.nn.Module, seq_len: int, batch_size: int):
+    """One step's worth of the kernels a training step of this shape cannot avoid, alone: for
+    every Linear and the head, the forward product and the two backward ones (grad of the input,
+    grad of the weight), and per layer causal SDPA forward and backward. nanoGPT's step and ours
+    call exactly these (same shapes, same torch kernels), plus elementwise work, the optimizer and
+    dispatch; so nanoGPT's time over this bounds the ratio over nanoGPT of any model of this shape
+    that computes these products with these kernels."""
+    gen = torch.Generator().manual_seed(0)
+    tokens = batch_size * seq_len
+    weights = [m.weight.detach() for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    if model.lm_head is None:  # the tied head's product
+        weights.append(model.wte.weight.detach())
+    # one activation and one gradient per width, shared by the products: a real step's operands
+    # were just written and are partly in cache, which fresh tensors for each product would not be
+    widths = {n for w in weights for n in w.shape}
+    operand = {n: torch.randn(tokens, n, generator=gen) for n in widths}
+    grad = {n: torch.randn(tokens, n, generator=gen) for n in widths}
+    products = [(operand[w.shape[1]], w, grad[w.shape[0]]) for w in weights]
+    cfg = model.config
+    B, T, H, hd = batch_size, seq_len, cfg.n_head, cfg.head_dim
+    # q, k, v as both models lay them out: heads-first views of one (B, T, 3 H hd) projection
+    qkv = [torch.randn(B, T, 3 * H * hd, generator=gen).requires_grad_() for _ in range(cfg.n_layer)]
+    grad_y = torch.randn(B, T, H, hd, generator=gen).transpose(1, 2)  # from the output projection
+
+    def step(_i: int) -> float:
+        for x, w, grad_out in products:
+            torch.mm(x, w.t())  # forward
+            torch.mm(grad_out, w)  # grad of the input
+            torch.mm(grad_out.t(), x)  # grad of the weight
+        for projected in qkv:
+            q, k, v = (t.view(B, T, H, hd).transpose(1, 2) for t in projected.split(H * hd, dim=2))
+            y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            torch.autograd.grad(y, projected, grad_y)
+        return 0.0
+
+    return step
+
+
 def bench_training_side_by_side(args, compile: bool) -> dict[str, Any]:
-    """latentloop's and nanoGPT's training steps, interleaved: per round each times
-    `args.steps_per_round` steps; tokens/s per round, and the ratio per round."""
-    kinds = ["latentloop"] + (["nanogpt"] if load_nanogpt() is not None else [])
+    """latentloop's and nanoGPT's training steps and the kernels' floor, interleaved: per round
+    each times `args.steps_per_round` steps; tokens/s per round, and the ratio per round."""
+    kinds = ["latentloop", "floor"] + (["nanogpt"] if load_nanogpt() is not None else [])
     steps, tokens, counters = {}, {}, {}
     for kind in kinds:
         steps[kind], tokens[kind] = training_steps(kind, args.seq_len, args.batch_size, args.grad_clip, args.seed,
@@ -146,6 +190,10 @@ def bench_training_side_by_side(args, compile: bool) -> dict[str, Any]:
         result["ratio_all"] = [ours / ref for ours, ref in zip(result["latentloop"]["tok_s_all"],
                                                                  result["nanogpt"]["tok_s_all"])]
         result["ratio"] = statistics.median(result["ratio_all"])
+        result["bound_all"] = [floor / ref for floor, ref in zip(result["floor"]["tok_s_all"],  # its time over floor
+                                                                 result["nanogpt"]["tok_s_all"])]
+    result["latentloop"]["over_floor_all"] = [floor / ours for ours, floor in zip(
+        result["latentloop"]["tok_s_all"], result["floor"]["tok_s_all"])]
     return result
 
 
@@ -316,6 +364,14 @@ def markdown_table(results: dict[str, Any]) -> str:
                      _spread(train["latentloop"]["tok_s_all"]),
                      "— (no ../shared/anchors)" if ref is None else _spread(ref["tok_s_all"]) + " nanoGPT",
                      ratio + mark, f"≥ {TARGET_TRAIN_RATIO[mode]}x"))
+        over_floor = "time over floor: ours " + _spread(train["latentloop"]["over_floor_all"], "{:.2f}x")
+        bound = "—"
+        if ref is not None:
+            over_floor += ", nanoGPT " + _spread(train["bound_all"], "{:.2f}x")
+            bound = "nanoGPT over floor = the largest ratio over nanoGPT with these kernels"
+        rows.append((f"floor ({mode} rounds): the step's matrix products (forward, grad of input and weight) and "
+                     "causal SDPA forward + backward alone", _spread(train["floor"]["tok_s_all"]), "—", over_floor,
+                     bound))
     decode = results["decode_b1"]
     hf = decode.get("hf")
     rows.append((f"greedy decode, cached, batch 1, {results['args']['new_tokens']} new",

@@ -12,9 +12,10 @@ from latentloop.models.fast import (
     LENGTH_BUCKET,
     REDUCTION_MAX_ROWS,
     FastDecoder,
+    _attention_by_reduction,
     _linear_by_reduction,
     bucketed_length,
-    linears_by_reduction,
+    products_by_reduction,
 )
 
 # fp32 max abs logit difference between the static step and the ordinary one: the static step
@@ -119,13 +120,37 @@ def test_linear_by_reduction_keeps_the_library_product_past_its_row_limit():
     assert torch.equal(_linear_by_reduction(x, weight), F.linear(x, weight))
 
 
-def test_the_cpu_decode_backend_rewrites_every_linear_of_the_step():
-    """Modules' and functional linears alike (the head is `F.linear` on the tied embedding)."""
+@pytest.mark.parametrize(("heads", "kv_heads", "mask_kind"), [(4, 4, "bool"), (4, 2, "bool"), (4, 1, "float"),
+                                                             (4, 4, "per-head"), (4, 2, None)])
+def test_attention_by_reduction_is_sdpa_for_one_query(heads, kv_heads, mask_kind):
+    torch.manual_seed(0)
+    B, L, hd = 3, 40, 16
+    q, k, v = torch.randn(B, heads, 1, hd), torch.randn(B, kv_heads, L, hd), torch.randn(B, kv_heads, L, hd)
+    visible = torch.rand(B, 1 if mask_kind != "per-head" else heads, 1, L) < 0.7
+    visible[..., 0] = True  # every query sees a key
+    mask = {"bool": visible, "per-head": visible, "float": torch.where(visible, 0.0, float("-inf")),
+            None: None}[mask_kind]
+    gqa = kv_heads != heads
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    torch.testing.assert_close(_attention_by_reduction(q, k, v, attn_mask=mask, enable_gqa=gqa), expected,
+                               rtol=0, atol=REDUCTION_TOL)
+
+
+def test_attention_by_reduction_keeps_sdpa_for_several_queries():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 5, 16), torch.randn(2, 4, 5, 16), torch.randn(2, 4, 5, 16)
+    assert torch.equal(_attention_by_reduction(q, k, v, is_causal=True),
+                       F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+def test_the_cpu_decode_backend_rewrites_every_product_of_the_step():
+    """Modules' and functional linears alike (the head is `F.linear` on the tied embedding), and
+    every layer's attention."""
     model = model_for("gpt")
     graphs = []
 
     def capture(gm, example_inputs):
-        graphs.append(linears_by_reduction(gm))
+        graphs.append(products_by_reduction(gm))
         return gm.forward
 
     token = torch.tensor([[BOS]])
@@ -135,7 +160,9 @@ def test_the_cpu_decode_backend_rewrites_every_linear_of_the_step():
     targets = [node.target for gm in graphs for node in gm.graph.nodes if node.op == "call_function"]
     n_linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules()) + (model.lm_head is None)  # tied head
     assert targets.count(_linear_by_reduction) == n_linears
-    assert torch._C._nn.linear not in targets and F.linear not in targets
+    assert targets.count(_attention_by_reduction) == model.config.n_layer
+    assert not {torch._C._nn.linear, F.linear, torch._C._nn.scaled_dot_product_attention,
+                F.scaled_dot_product_attention} & set(targets)
     torch.testing.assert_close(got, expected, rtol=0, atol=REDUCTION_TOL)
 
 
