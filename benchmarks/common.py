@@ -114,9 +114,37 @@ def _proc_stat_busy() -> tuple[float, float] | None:
     return (sum(values) - idle) / os.sysconf("SC_CLK_TCK"), time.perf_counter()
 
 
+def _descendants_cpu_seconds() -> float:
+    """CPU seconds of this process's live descendants (inductor's compile workers, torchrun's
+    ranks), from /proc; 0 off Linux. Children already waited for are in RUSAGE_CHILDREN."""
+    parent_of, ticks = {}, {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)", which may hold spaces
+        except OSError:  # gone meanwhile
+            continue
+        parent_of[int(entry)] = int(fields[1])
+        ticks[int(entry)] = int(fields[11]) + int(fields[12])  # utime + stime
+    ours, total = {os.getpid()}, 0
+    for pid in sorted(parent_of):  # a child's pid may be lower than its parent's: walk up each chain
+        chain, node = [], pid
+        while node in parent_of and node not in ours and node > 1:
+            chain.append(node)
+            node = parent_of[node]
+        if node in ours:
+            ours.update(chain)
+            total += sum(ticks[p] for p in chain if p != os.getpid())
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def _own_cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+    """CPU seconds of this process and everything it started (compile workers included), so that
+    the meter does not count our own helpers as competition."""
+    usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    return sum(u.ru_utime + u.ru_stime for u in usage) + _descendants_cpu_seconds()
 
 
 class ContentionMeter:
