@@ -31,6 +31,8 @@ from latentloop.config import PRESETS, TrainConfig
 from latentloop.data.tokenizers import ByteTokenizer
 from latentloop.engine import model_options
 from latentloop.optim import build_optimizers
+from latentloop.parallel import wrap_model
+from latentloop.train import FlopsMemo
 
 BYTE_VOCAB = ByteTokenizer.vocab_size  # 259: bytes + BOS/EOS/PAD; prompts use bytes only (never BOS)
 MiB = 2 ** 20
@@ -267,41 +269,48 @@ def decode_comparison(entries: dict[str, tuple[nn.Module, dict[str, Any]]], args
 
 
 def training_call(arch: str, shape: dict[str, Any], overrides: dict[str, Any], args: argparse.Namespace,
-                  device: torch.device, data: Tensor, passes: int | None = None) -> tuple[Callable, dict[str, Any]]:
-    """A fresh model, optimizer and objective; returns a call that times one optimizer step."""
+                  device: torch.device, data: Tensor, passes: int | None = None,
+                  compile: bool = False) -> tuple[Callable, dict[str, Any]]:
+    """A fresh model, optimizer and objective; returns a call that times one optimizer step. With
+    `compile`, the objective calls the model as the trainer wraps it for `train.compile`."""
     torch.manual_seed(args.seed)
     model = latentloop.build(arch, preset=None, **shape, **overrides).to(device)
     model.train()
     train_cfg = TrainConfig(batch_size=data.shape[0], optimizer="adamw", grad_clip=args.grad_clip,
-                            dtype="float32", device=device.type)
+                            dtype="float32", device=device.type, compile=compile)
     objective = build_objective(model.config, train_cfg)
     if passes is not None and any(objective.passes_for_step(i) != passes for i in range(64)):
         raise RuntimeError(f"the fbt objective did not fix K={passes}")
     x, y = data[:, :-1].contiguous().to(device), data[:, 1:].contiguous().to(device)
-    step = make_train_step(model, objective, x, y, build_optimizers(model, train_cfg), args.grad_clip)
+    forward_model = wrap_model(model, train_cfg, device)
+    step = make_train_step(forward_model, objective, x, y, build_optimizers(model, train_cfg), args.grad_clip)
     counter = itertools.count()
     sync = make_sync(device)
+    flops = FlopsMemo(model)  # counted once per kind of forward (rgpt's depth changes from step to step)
 
     def call() -> dict[str, float]:
+        i = next(counter)
         start = time.perf_counter()
-        loss = step(next(counter))
+        loss = step(i)
         sync()
-        return {"step_s": time.perf_counter() - start, "loss": loss}
+        return {"step_s": time.perf_counter() - start, "loss": loss,
+                "flops_per_token": objective.flops_per_token(flops, step=i)}  # what this step was charged
 
     info = {"arch": arch, "params": model.num_params(), "tokens_per_step": x.numel(),
-            "charged_flops_per_token": objective.flops_per_token(model, step=0)}
+            "charged_flops_per_token": objective.flops_per_token(flops, step=0)}
     return call, info
 
 
 def training_comparison(variants: dict[str, tuple[str, dict, dict, int | None]], args: argparse.Namespace,
-                        device: torch.device) -> dict[str, dict[str, Any]]:
+                        device: torch.device, compile: bool = False) -> dict[str, dict[str, Any]]:
     gen = torch.Generator().manual_seed(args.seed)
     data = torch.randint(0, 256, (args.train_batch, args.train_seq_len + 1), generator=gen)
     calls, infos = {}, {}
     for name, (arch, shape, overrides, passes) in variants.items():
-        calls[name], infos[name] = training_call(arch, shape, overrides, args, device, data, passes)
+        calls[name], infos[name] = training_call(arch, shape, overrides, args, device, data, passes, compile)
     raw = run_interleaved(calls, args.train_warmup, args.train_steps)
     return {name: {**infos[name], "step_s": raw[name]["step_s"], "step_s_all": raw[name]["step_s_all"],
+                   "flops_per_token_all": raw[name]["flops_per_token_all"],
                    "tok_s": infos[name]["tokens_per_step"] / raw[name]["step_s"],
                    "final_loss": raw[name]["loss_all"][-1]} for name in variants}
 

@@ -1,0 +1,130 @@
+"""The variants' training steps over gpt's, eager and compiled (issue 16): the trainer's optimizer
+step (the arch's registered objective, backward, grad clip, AdamW) with the model as the trainer
+runs it, plain and under `train.compile`, all measured interleaved in one run.
+
+Shape: the baseline's (4 layers, d=256, 4 heads, vocab 256, fp32; T=256, batch 16, random tokens).
+fbt with K=2 passes every step (its default mix is 88% K=2; a fixed K keeps rounds comparable);
+lrt with its default objective (interleaved, S=2); rgpt at equal depth (prelude 1, core 1, coda 1,
+R=2: its objective draws the depth r in {1, 2} per step, and each step is charged for the depth it
+ran). "Per FLOP" divides a round's time per token by the FLOPs per token the objective charged for
+that step, over gpt's: the overhead at equal FLOPs. The issue sets no training targets for the
+variants; this is the training half of "the variants' overhead ratios on the fast path".
+
+    .venv/bin/python -m benchmarks.fast_training [--rounds 5] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import (
+    ContentionMeter,
+    announce_environment,
+    environment,
+    render_table,
+    training_comparison,
+    write_results,
+)
+from benchmarks.fast_decode import RGPT_EQUAL_DEPTH, SHAPE
+
+FBT_PASSES = 2
+# name -> (arch, overrides, fixed fbt passes or None), as `training_comparison` takes them
+VARIANTS = {"gpt": ("gpt", {}, None),
+            f"fbt K={FBT_PASSES}": ("fbt", dict(feedback_start=0.0, pass_mix=(0.0, 1.0)), FBT_PASSES),
+            "lrt": ("lrt", {}, None),
+            "rgpt": ("rgpt", RGPT_EQUAL_DEPTH, None)}
+MODES = ("eager", "compiled")
+
+
+def spread(values: list[float], fmt: str) -> str:
+    return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}–{fmt.format(max(values))}]"
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    env = environment()
+    announce_environment(env)
+    device = torch.device("cpu")
+    variants = {name: (arch, {**SHAPE, "sequence_len": args.train_seq_len}, overrides, passes)
+                for name, (arch, overrides, passes) in VARIANTS.items()}
+    results: dict[str, Any] = {"env": env, "args": {k: (str(v) if isinstance(v, Path) else v)
+                                                    for k, v in vars(args).items()}, "modes": {}}
+    for mode in MODES:
+        print(f"training ({mode}): {args.train_warmup} warmup steps (the compile happens there) and "
+              f"{args.train_steps} interleaved rounds per arch ...", flush=True)
+        raw = training_comparison(variants, args, device, compile=mode == "compiled")
+        base = raw["gpt"]
+        per_token = {name: [s / r["tokens_per_step"] for s in r["step_s_all"]] for name, r in raw.items()}
+        per_flop = {name: [t / f for t, f in zip(per_token[name], r["flops_per_token_all"])]
+                    for name, r in raw.items()}
+        results["modes"][mode] = {name: {
+            "tok_s_all": [1 / t for t in per_token[name]],
+            "over_gpt_all": [t / b for t, b in zip(per_token[name], per_token["gpt"])],
+            "flops_over_gpt": statistics.median(r["flops_per_token_all"]) / statistics.median(
+                base["flops_per_token_all"]),
+            "over_gpt_per_flop_all": [t / b for t, b in zip(per_flop[name], per_flop["gpt"])],
+            "final_loss": r["final_loss"]} for name, r in raw.items()}
+    eager, compiled = results["modes"]["eager"], results["modes"]["compiled"]
+    for name in VARIANTS:
+        compiled[name]["speedup_over_eager_all"] = [c / e for c, e in zip(compiled[name]["tok_s_all"],
+                                                                          eager[name]["tok_s_all"])]
+    return results
+
+
+def markdown_table(results: dict[str, Any]) -> str:
+    args = results["args"]
+    rows = [(f"Arch (T={args['train_seq_len']}, batch {args['train_batch']})", "mode", "tok/s",
+             "over gpt (time per token)", "FLOPs over gpt", "over gpt per FLOP", "compiled over eager (tok/s)")]
+    for mode, entries in results["modes"].items():
+        for name, entry in entries.items():
+            speedup = entry.get("speedup_over_eager_all")
+            rows.append((name, mode, spread(entry["tok_s_all"], "{:,.0f}"), spread(entry["over_gpt_all"], "{:.3f}x"),
+                         f"{entry['flops_over_gpt']:.3f}x", spread(entry["over_gpt_per_flop_all"], "{:.3f}x"),
+                         spread(speedup, "{:.2f}x") if speedup else "—"))
+    return render_table(rows)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--train-seq-len", type=int, default=256)
+    p.add_argument("--train-batch", type=int, default=16)
+    p.add_argument("--train-warmup", type=int, default=3,
+                   help="untimed steps of each arch first (compiling happens here; rgpt needs both depths)")
+    p.add_argument("--rounds", dest="train_steps", type=int, default=5,
+                   help="interleaved rounds of one step per arch (median and range reported)")
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write all results as JSON")
+    args = p.parse_args(argv)
+    for name in ("train_seq_len", "train_batch", "train_steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.train_warmup < 1:
+        p.error("--train-warmup must be >= 1: the first compiled step compiles")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    meter = ContentionMeter().start()
+    results = run(args)
+    others = meter.stop()
+    print()
+    print(markdown_table(results))
+    print()
+    print(f"other processes used {'?' if others is None else f'{others:.0%}'} of the CPUs during the run")
+    write_results(results, others, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
