@@ -12,6 +12,7 @@ At one fixed shape (4 layers, d=256, 4 heads, vocab 256, fp32):
    every Linear and the head) and the causal attention kernels (SDPA forward and backward) of one
    step alone, the kernels both models call with the same shapes; nanoGPT's time over it bounds
    the ratio over nanoGPT that a model computing these products with these kernels can reach;
+   With `--hf`, HF's LlamaForCausalLM of the same shape trains in the same rounds too;
 2. greedy decoding tokens/s through the engine (`latentloop.generate(..., temperature=0)`, KV cache)
    at batch 1, interleaved with HF Llama of the same shape (`--hf`, needs transformers), and at
    batch 16; the uncached reference (`use_cache=False`) at batch 1. With `--compile`, also the
@@ -94,7 +95,8 @@ def load_nanogpt():
 
 
 def training_steps(kind: str, seq_len: int, batch_size: int, grad_clip: float, seed: int, compile: bool):
-    """(one optimizer step -> loss, tokens per step) for latentloop's gpt or nanoGPT at the shape."""
+    """(one optimizer step -> loss, tokens per step) at the shape for `kind`: latentloop's gpt,
+    nanoGPT, HF Llama (`hf`, torch's AdamW as for nanoGPT) or the kernels' floor."""
     gen = torch.Generator().manual_seed(seed)
     data = torch.randint(0, VOCAB, (batch_size, seq_len + 1), generator=gen)
     x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
@@ -108,15 +110,25 @@ def training_steps(kind: str, seq_len: int, batch_size: int, grad_clip: float, s
         objective = NextTokenObjective(model.config, train_cfg)
         step = make_train_step(torch.compile(model) if compile else model, objective, x, y, optimizers, grad_clip)
         return step, x.numel()
-    nanogpt = load_nanogpt()
     torch.manual_seed(seed)
-    model = nanogpt.GPT(nanogpt.GPTConfig(block_size=seq_len, vocab_size=VOCAB, n_layer=N_LAYER, n_head=N_HEAD,
-                                          n_embd=N_EMBD, dropout=0.0, bias=False)).train()
-    forward = torch.compile(model) if compile else model
+    if kind == "hf":  # labels are the inputs: HF shifts them itself (T - 1 targets per row)
+        model = hf_llama(seq_len).train()
+        forward = torch.compile(model) if compile else model
+
+        def loss_of() -> torch.Tensor:
+            return forward(input_ids=x, labels=x).loss
+    else:
+        nanogpt = load_nanogpt()
+        model = nanogpt.GPT(nanogpt.GPTConfig(block_size=seq_len, vocab_size=VOCAB, n_layer=N_LAYER, n_head=N_HEAD,
+                                              n_embd=N_EMBD, dropout=0.0, bias=False)).train()
+        forward = torch.compile(model) if compile else model
+
+        def loss_of() -> torch.Tensor:
+            return forward(x, y)[1]
     optimizer = torch.optim.AdamW(model.parameters(), lr=train_cfg.lr, betas=train_cfg.betas, weight_decay=0.0)
 
     def step(_i: int) -> float:
-        _, loss = forward(x, y)
+        loss = loss_of()
         loss.backward()
         if grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
@@ -168,7 +180,8 @@ def training_floor_step(model: torch.nn.Module, seq_len: int, batch_size: int):
 def bench_training_side_by_side(args, compile: bool) -> dict[str, Any]:
     """latentloop's and nanoGPT's training steps and the kernels' floor, interleaved: per round
     each times `args.steps_per_round` steps; tokens/s per round, and the ratio per round."""
-    kinds = ["latentloop", "floor"] + (["nanogpt"] if load_nanogpt() is not None else [])
+    kinds = ["latentloop", "floor"] + (["nanogpt"] if load_nanogpt() is not None else []) + (
+        ["hf"] if args.hf and hf_available() is None else [])
     steps, tokens, counters = {}, {}, {}
     for kind in kinds:
         steps[kind], tokens[kind] = training_steps(kind, args.seq_len, args.batch_size, args.grad_clip, args.seed,
@@ -192,6 +205,9 @@ def bench_training_side_by_side(args, compile: bool) -> dict[str, Any]:
         result["ratio"] = statistics.median(result["ratio_all"])
         result["bound_all"] = [floor / ref for floor, ref in zip(result["floor"]["tok_s_all"],  # its time over floor
                                                                  result["nanogpt"]["tok_s_all"])]
+    if "hf" in result:
+        result["hf_ratio_all"] = [ours / ref for ours, ref in zip(result["latentloop"]["tok_s_all"],
+                                                                    result["hf"]["tok_s_all"])]
     result["latentloop"]["over_floor_all"] = [floor / ours for ours, floor in zip(
         result["latentloop"]["tok_s_all"], result["floor"]["tok_s_all"])]
     return result
@@ -233,19 +249,27 @@ def hf_available() -> str | None:
     return None
 
 
-def hf_decode_call(prompt_len: int, new_tokens: int, seed: int):
-    """A call of HF LlamaForCausalLM.generate of the same shape (random init, no download), greedy,
-    batch 1, KV cache; and a description of the model."""
+def hf_llama(context: int):
+    """HF LlamaForCausalLM of the comparison's shape, random init (no download). Its SwiGLU MLP
+    has a third matrix, so it does 4/3 of our MLP's matmul work per token."""
     import transformers
     from transformers import LlamaConfig, LlamaForCausalLM
 
     transformers.logging.set_verbosity_error()
     config = LlamaConfig(hidden_size=N_EMBD, num_hidden_layers=N_LAYER, num_attention_heads=N_HEAD,
                          num_key_value_heads=N_HEAD, intermediate_size=MLP_HIDDEN, vocab_size=VOCAB,
-                         max_position_embeddings=max(2048, prompt_len + new_tokens), tie_word_embeddings=False,
+                         max_position_embeddings=max(2048, context), tie_word_embeddings=False,
                          bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return LlamaForCausalLM(config)
+
+
+def hf_decode_call(prompt_len: int, new_tokens: int, seed: int):
+    """A call of HF LlamaForCausalLM.generate of the same shape (random init, no download), greedy,
+    batch 1, KV cache; and a description of the model."""
+    import transformers
+
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
+    model = hf_llama(prompt_len + new_tokens).eval()
     gen = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, VOCAB, (1, prompt_len), generator=gen)
     attention_mask = torch.ones_like(input_ids)
@@ -369,6 +393,10 @@ def markdown_table(results: dict[str, Any]) -> str:
         if ref is not None:
             over_floor += ", nanoGPT " + _spread(train["bound_all"], "{:.2f}x")
             bound = "nanoGPT over floor = the largest ratio over nanoGPT with these kernels"
+        if "hf" in train:
+            rows.append((f"training {mode}, against HF Llama (4/3 of our MLP matmuls)",
+                         _spread(train["latentloop"]["tok_s_all"]), _spread(train["hf"]["tok_s_all"]) + " HF Llama",
+                         _spread(train["hf_ratio_all"], "{:.2f}x"), "—"))
         rows.append((f"floor ({mode} rounds): the step's matrix products (forward, grad of input and weight) and "
                      "causal SDPA forward + backward alone", _spread(train["floor"]["tok_s_all"]), "—", over_floor,
                      bound))
@@ -427,7 +455,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--naive-tokens", type=int, default=64, help="new tokens for the uncached batch-1 reference")
     p.add_argument("--repeats", type=int, default=5, help="timed calls per decode measurement (median)")
     p.add_argument("--hf", action="store_true",
-                   help="decode side by side with HF LlamaForCausalLM (needs transformers)")
+                   help="train and decode side by side with HF LlamaForCausalLM (needs transformers)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave torch's choice)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write all results as JSON")
