@@ -56,6 +56,7 @@ from benchmarks.common import (
     make_train_step,
     render_table,
     run_interleaved,
+    spread,
     write_results,
 )
 from latentloop.config import TrainConfig
@@ -373,57 +374,53 @@ def _fmt_ratio(value: float | None, target: float | None = None) -> str:
     return text
 
 
-def _spread(values: list[float], fmt: str = "{:,.0f}") -> str:
-    return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}–{fmt.format(max(values))}]"
-
-
 def markdown_table(results: dict[str, Any]) -> str:
     """Every figure with its same-run reference: median [min–max] over the interleaved rounds."""
     rows = [("Figure (same run, interleaved)", "latentloop gpt (tok/s)", "reference (tok/s)", "ratio", "target")]
     for mode, train in results["train"].items():
         ref = train.get("nanogpt")
-        ratio = "—" if ref is None else _spread(train["ratio_all"], "{:.2f}x")
+        ratio = "—" if ref is None else spread(train["ratio_all"], "{:.2f}x")
         mark = "" if ref is None else (" ✅" if train["ratio"] >= TARGET_TRAIN_RATIO[mode] else " ❌")
         rows.append((f"training {mode}, T={results['args']['seq_len']}, batch {results['args']['batch_size']}",
-                     _spread(train["latentloop"]["tok_s_all"]),
-                     "— (no ../shared/anchors)" if ref is None else _spread(ref["tok_s_all"]) + " nanoGPT",
+                     spread(train["latentloop"]["tok_s_all"]),
+                     "— (no ../shared/anchors)" if ref is None else spread(ref["tok_s_all"]) + " nanoGPT",
                      ratio + mark, f"≥ {TARGET_TRAIN_RATIO[mode]}x"))
-        over_floor = "time over floor: ours " + _spread(train["latentloop"]["over_floor_all"], "{:.2f}x")
+        over_floor = "time over floor: ours " + spread(train["latentloop"]["over_floor_all"], "{:.2f}x")
         bound = "—"
         if ref is not None:
-            over_floor += ", nanoGPT " + _spread(train["bound_all"], "{:.2f}x")
+            over_floor += ", nanoGPT " + spread(train["bound_all"], "{:.2f}x")
             bound = "nanoGPT over floor = the largest ratio over nanoGPT with these kernels"
         if "hf" in train:
             rows.append((f"training {mode}, against HF Llama (4/3 of our MLP matmuls)",
-                         _spread(train["latentloop"]["tok_s_all"]), _spread(train["hf"]["tok_s_all"]) + " HF Llama",
-                         _spread(train["hf_ratio_all"], "{:.2f}x"), "—"))
+                         spread(train["latentloop"]["tok_s_all"]), spread(train["hf"]["tok_s_all"]) + " HF Llama",
+                         spread(train["hf_ratio_all"], "{:.2f}x"), "—"))
         rows.append((f"floor ({mode} rounds): the step's matrix products (forward, grad of input and weight) and "
-                     "causal SDPA forward + backward alone", _spread(train["floor"]["tok_s_all"]), "—", over_floor,
+                     "causal SDPA forward + backward alone", spread(train["floor"]["tok_s_all"]), "—", over_floor,
                      bound))
     decode = results["decode_b1"]
     hf = decode.get("hf")
     rows.append((f"greedy decode, cached, batch 1, {results['args']['new_tokens']} new",
-                 _spread(decode["latentloop"]["tok_s_all"]),
-                 (_spread(hf["tok_s_all"]) + " HF Llama") if hf else f"— ({results['hf_note']})",
-                 (_spread(decode["ratio_all"], "{:.2f}x") + (" ✅" if decode["ratio"] >= TARGET_DECODE_RATIO
+                 spread(decode["latentloop"]["tok_s_all"]),
+                 (spread(hf["tok_s_all"]) + " HF Llama") if hf else f"— ({results['hf_note']})",
+                 (spread(decode["ratio_all"], "{:.2f}x") + (" ✅" if decode["ratio"] >= TARGET_DECODE_RATIO
                                                              else " ❌")) if hf else "—",
                  f"≥ {TARGET_DECODE_RATIO:.0f}x"))
     fast = decode.get("latentloop compiled")
     if fast is not None:
         rows.append((f"greedy decode, compiled static cache (`compile=True`), batch 1, "
-                     f"{results['args']['new_tokens']} new", _spread(fast["tok_s_all"]),
-                     (_spread(hf["tok_s_all"]) + " HF Llama") if hf else f"— ({results['hf_note']})",
-                     (_spread(decode["compiled_ratio_all"], "{:.2f}x")
+                     f"{results['args']['new_tokens']} new", spread(fast["tok_s_all"]),
+                     (spread(hf["tok_s_all"]) + " HF Llama") if hf else f"— ({results['hf_note']})",
+                     (spread(decode["compiled_ratio_all"], "{:.2f}x")
                       + (" ✅" if decode["compiled_ratio"] >= TARGET_DECODE_RATIO else " ❌")) if hf else "—",
                      f"≥ {TARGET_DECODE_RATIO:.0f}x (stretch {STRETCH_DECODE_RATIO:.0f}x)"))
     floor = decode["floor"]
     rows.append((f"floor: batch-1 products with every weight ({decode['weight_bytes'] / 1e6:.1f} MB fp32) "
-                 f"per token, the faster of F.linear ({_spread(decode['floor F.linear']['tok_s_all'])}) and "
-                 f"compiled reductions ({_spread(decode['floor reductions']['tok_s_all'])})",
-                 _spread(floor["tok_s_all"]), "—",
-                 "time over floor: ours " + _spread(decode["latentloop"]["over_floor_all"], "{:.2f}x")
-                 + (", compiled " + _spread(fast["over_floor_all"], "{:.2f}x") if fast is not None else "")
-                 + (", HF " + _spread(hf["over_floor_all"], "{:.2f}x") if hf else ""),
+                 f"per token, the faster of F.linear ({spread(decode['floor F.linear']['tok_s_all'])}) and "
+                 f"compiled reductions ({spread(decode['floor reductions']['tok_s_all'])})",
+                 spread(floor["tok_s_all"]), "—",
+                 "time over floor: ours " + spread(decode["latentloop"]["over_floor_all"], "{:.2f}x")
+                 + (", compiled " + spread(fast["over_floor_all"], "{:.2f}x") if fast is not None else "")
+                 + (", HF " + spread(hf["over_floor_all"], "{:.2f}x") if hf else ""),
                  "HF over floor bounds the ratio over HF of a decoder streaming weights at the floor's speed"))
     b16, naive = results["decode_b16"], results["decode_b1_naive"]
     rows.append((f"greedy decode, cached, batch {b16['batch_size']}, {b16['new_tokens']} new (all rows)",

@@ -320,6 +320,26 @@ def training_comparison(variants: dict[str, tuple[str, dict, dict, int | None]],
 # --------------------------------------------------------------------------------------------
 
 
+def spread(values: Sequence[float], fmt: str = "{:,.0f}") -> str:
+    """median [min–max] of a measurement's rounds."""
+    return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}–{fmt.format(max(values))}]"
+
+
+def benchmark_main(args: argparse.Namespace, run: Callable[[argparse.Namespace], dict[str, Any]],
+                   table: Callable[[dict[str, Any]], str]) -> int:
+    """Run a benchmark under the contention meter, print its table and how busy the machine was,
+    write the JSON (`args.json`)."""
+    meter = ContentionMeter().start()
+    results = run(args)
+    others = meter.stop()
+    print()
+    print(table(results))
+    print()
+    print(f"other processes used {'?' if others is None else f'{others:.0%}'} of the CPUs during the run")
+    write_results(results, others, args.json)
+    return 0
+
+
 def ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f}"
 

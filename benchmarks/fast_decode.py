@@ -24,14 +24,14 @@ from typing import Any
 import torch
 
 from benchmarks.common import (
-    ContentionMeter,
     announce_environment,
+    benchmark_main,
     decode_generate,
     environment,
     make_sync,
     render_table,
     run_interleaved,
-    write_results,
+    spread,
 )
 
 SHAPE = dict(n_layer=4, n_embd=256, n_head=4, vocab_size=256, bos_id=1)  # the baseline's
@@ -65,9 +65,6 @@ def decode_step_flops(model: torch.nn.Module, options: dict, prompt: list[int]) 
         model.decode(out.logits[:, -1:].argmax(-1), cache, **options)
     return float(counter.get_total_flops())
 
-
-def spread(values: list[float], fmt: str) -> str:
-    return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}–{fmt.format(max(values))}]"
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -155,16 +152,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    meter = ContentionMeter().start()
-    results = run(args)
-    others = meter.stop()
-    print()
-    print(markdown_table(results))
-    print()
-    print(f"other processes used {'?' if others is None else f'{others:.0%}'} of the CPUs during the run")
-    write_results(results, others, args.json)
-    return 0
+    return benchmark_main(parse_args(argv), run, markdown_table)
 
 
 if __name__ == "__main__":

@@ -24,12 +24,12 @@ from typing import Any
 import torch
 
 from benchmarks.common import (
-    ContentionMeter,
     announce_environment,
+    benchmark_main,
     environment,
     render_table,
+    spread,
     training_comparison,
-    write_results,
 )
 from benchmarks.fast_decode import RGPT_EQUAL_DEPTH, SHAPE
 
@@ -41,9 +41,6 @@ VARIANTS = {"gpt": ("gpt", {}, None),
             "rgpt": ("rgpt", RGPT_EQUAL_DEPTH, None)}
 MODES = ("eager", "compiled")
 
-
-def spread(values: list[float], fmt: str) -> str:
-    return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}–{fmt.format(max(values))}]"
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -114,16 +111,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    meter = ContentionMeter().start()
-    results = run(args)
-    others = meter.stop()
-    print()
-    print(markdown_table(results))
-    print()
-    print(f"other processes used {'?' if others is None else f'{others:.0%}'} of the CPUs during the run")
-    write_results(results, others, args.json)
-    return 0
+    return benchmark_main(parse_args(argv), run, markdown_table)
 
 
 if __name__ == "__main__":
