@@ -136,11 +136,15 @@ def test_attention_by_reduction_is_sdpa_for_one_query(heads, kv_heads, mask_kind
                                rtol=0, atol=REDUCTION_TOL)
 
 
-def test_attention_by_reduction_keeps_sdpa_for_several_queries():
+def test_attention_by_reduction_keeps_sdpa_for_several_queries_or_other_masks():
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 4, 5, 16), torch.randn(2, 4, 5, 16), torch.randn(2, 4, 5, 16)
     assert torch.equal(_attention_by_reduction(q, k, v, is_causal=True),
                        F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    q1, mask = q[:, :, :1], torch.rand(1, 5) < 0.5  # one query, a (Tq, Tk) mask: SDPA broadcasts it
+    mask[:, 0] = True
+    assert torch.equal(_attention_by_reduction(q1, k, v, attn_mask=mask),
+                       F.scaled_dot_product_attention(q1, k, v, attn_mask=mask))
 
 
 def test_the_cpu_decode_backend_rewrites_every_product_of_the_step():
