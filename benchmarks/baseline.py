@@ -19,7 +19,9 @@ At one fixed shape (4 layers, d=256, 4 heads, vocab 256, fp32):
    fast path (`generate(..., compile=True)`: static cache, compiled step) in the same rounds.
 
 Decode tokens/s counts new tokens over the wall time of the whole call, prefill included. Threads
-are left as torch picks them unless `--threads` is given.
+are left as torch picks them unless `--threads` is given. As `latentloop train` does on CPU, the
+process keeps freed memory (glibc's malloc, `latentloop.runtime.keep_freed_memory`) for every model
+it measures, the references included; `--default-malloc` measures without it.
 
 The decode rounds also time a *floor*: per new token, the batch-1 matrix products of every weight
 a decode step must read (each Linear and the head on a (1, 1, in) vector, nothing else), i.e. what
@@ -50,7 +52,9 @@ import torch
 import latentloop
 from benchmarks.common import (
     ContentionMeter,
+    add_allocator_flag,
     announce_environment,
+    apply_allocator_flag,
     environment,
     load_average,
     make_train_step,
@@ -456,6 +460,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave torch's choice)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write all results as JSON")
+    add_allocator_flag(p)
     args = p.parse_args(argv)
     for name in ("seq_len", "batch_size", "rounds", "steps_per_round", "prompt_len", "new_tokens", "decode_batch",
                  "naive_tokens", "repeats"):
@@ -471,6 +476,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     env = environment()
     announce_environment(env)
+    env["malloc"] = apply_allocator_flag(args)
     context = max(args.seq_len, args.prompt_len + args.new_tokens, args.prompt_len + args.naive_tokens)
     model = build_model(context, args.seed)
     print(f"model: gpt {N_LAYER} layers, d={N_EMBD}, {N_HEAD} heads, vocab {VOCAB}, "

@@ -32,6 +32,7 @@ from latentloop.data.tokenizers import ByteTokenizer
 from latentloop.engine import model_options
 from latentloop.optim import build_optimizers
 from latentloop.parallel import wrap_model
+from latentloop.runtime import keep_freed_memory
 from latentloop.train import FlopsMemo
 
 BYTE_VOCAB = ByteTokenizer.vocab_size  # 259: bytes + BOS/EOS/PAD; prompts use bytes only (never BOS)
@@ -323,6 +324,20 @@ def training_comparison(variants: dict[str, tuple[str, dict, dict, int | None]],
 def spread(values: Sequence[float], fmt: str = "{:,.0f}") -> str:
     """median [min–max] of a measurement's rounds."""
     return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}–{fmt.format(max(values))}]"
+
+
+def add_allocator_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--default-malloc", action="store_true",
+                        help="leave glibc's malloc as it is; by default the benchmark keeps freed memory in "
+                             "the process as `latentloop train` does on CPU (runtime.keep_freed_memory), which "
+                             "then applies to every model measured in this process, references included")
+
+
+def apply_allocator_flag(args: argparse.Namespace) -> dict[str, Any]:
+    """What the run used, for its JSON: `keep_freed_memory` unless `--default-malloc`."""
+    kept = False if args.default_malloc else keep_freed_memory()
+    print(f"malloc: {'freed memory kept in the process' if kept else 'glibc default'}", flush=True)
+    return {"keep_freed_memory": kept}
 
 
 def benchmark_main(args: argparse.Namespace, run: Callable[[argparse.Namespace], dict[str, Any]],

@@ -24,7 +24,9 @@ from typing import Any
 import torch
 
 from benchmarks.common import (
+    add_allocator_flag,
     announce_environment,
+    apply_allocator_flag,
     benchmark_main,
     environment,
     render_table,
@@ -48,6 +50,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     env = environment()
     announce_environment(env)
+    env["malloc"] = apply_allocator_flag(args)
     device = torch.device("cpu")
     variants = {name: (arch, {**SHAPE, "sequence_len": args.train_seq_len}, overrides, passes)
                 for name, (arch, overrides, passes) in VARIANTS.items()}
@@ -101,6 +104,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write all results as JSON")
+    add_allocator_flag(p)
     args = p.parse_args(argv)
     for name in ("train_seq_len", "train_batch", "train_steps"):
         if getattr(args, name) < 1:

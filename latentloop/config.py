@@ -498,6 +498,7 @@ class TrainConfig:
     stage: str = "pretrain"  # see STAGES: sft trains on chat data with the assistant-only loss
     strategy: str = "none"  # none | ddp | fsdp2 (see STRATEGIES); launch with torchrun for more than one process
     activation_checkpointing: bool = False  # recompute each block's activations in the backward (less memory)
+    keep_freed_memory: bool = True  # on CPU with glibc: freed tensors' memory stays in the process (runtime.py)
     full_weights: bool = True  # fsdp2: every checkpoint also gets model.safetensors, gathered on rank 0's CPU
 
     def __post_init__(self) -> None:

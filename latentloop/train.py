@@ -92,6 +92,7 @@ from .runtime import (
     autocast_for,
     in_turns,
     init_distributed,
+    keep_freed_memory,
     on_main,
     prepare_data,
     together,
@@ -208,6 +209,8 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
     Under torchrun (train.strategy ddp or fsdp2) this process first joins the job's process group."""
     run_dir = Path(run_dir)
     env, device = init_distributed(config.train.strategy, config.train.device)
+    if device.type == "cpu" and config.train.keep_freed_memory:
+        keep_freed_memory()
     together(_check_output_path, run_dir)
     together(_check_stage, config, resume, init_from)
     together(_check_run_folder, run_dir, config, resume)

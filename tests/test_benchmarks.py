@@ -59,3 +59,4 @@ def test_the_training_floor_runs_the_products_and_attention_of_a_training_step()
     with FlopCounterMode(display=False) as step:
         model(idx).logits.sum().backward()
     assert floor.get_total_flops() == step.get_total_flops() > 0
+
