@@ -326,7 +326,7 @@ def _cpu_decode_backend(gm: torch.fx.GraphModule, example_inputs):
     reduction inductor writes itself (`products_by_reduction`: 0.80 -> 0.43 ms per token), and
     inductor's wrapper that calls the kernels is C++ instead of Python (`cpp_wrapper`: the Python
     wrapper was a fifth of the step; 1.21 -> 0.83 ms before the reductions), for a longer first
-    compile (~4 s -> ~14 s)."""
+    compile (~4 s with inductor's defaults; ~16 s now, measured with an empty inductor cache)."""
     from torch._inductor.compile_fx import compile_fx
 
     return compile_fx(products_by_reduction(gm), example_inputs, config_patches={"cpp_wrapper": True})
