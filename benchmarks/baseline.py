@@ -26,9 +26,9 @@ it measures, the references included; `--default-malloc` measures without it.
 The decode rounds also time a *floor*: per new token, the batch-1 matrix products of every weight
 a decode step must read (each Linear and the head on a (1, 1, in) vector, nothing else), i.e. what
 streaming the fp32 weights through the cores costs on this machine, done two ways: `F.linear` (the
-matmul library, what an eager decoder calls) and the same products compiled as vectorised
-reductions (what the fast path's step does, `latentloop.models.fast`). The floor is the faster of
-the two in each round. A decoder's time over the floor is what it spends on everything else
+matmul library, what an eager decoder calls) and, with `--compile`, the same products compiled as
+vectorised reductions (what the fast path's step does, `latentloop.models.fast`). The floor is the
+faster of the two in each round. A decoder's time over the floor is what it spends on everything else
 (attention, norms, RoPE, dispatch); HF's time over the floor bounds the ratio over HF that any
 exact fp32 decoder streaming its weights no faster than this could reach.
 
@@ -51,17 +51,15 @@ import torch
 
 import latentloop
 from benchmarks.common import (
-    ContentionMeter,
     add_allocator_flag,
     announce_environment,
     apply_allocator_flag,
+    benchmark_main,
     environment,
-    load_average,
     make_train_step,
     render_table,
     run_interleaved,
     spread,
-    write_results,
 )
 from latentloop.config import TrainConfig
 from latentloop.objectives.base import NextTokenObjective
@@ -290,10 +288,10 @@ def hf_decode_call(prompt_len: int, new_tokens: int, seed: int):
                   "params": sum(p.numel() for p in model.parameters())}
 
 
-def matmul_floor_calls(model: torch.nn.Module, new_tokens: int):
-    """Two calls, each `new_tokens` x the batch-1 products with every weight one decode step reads
-    (see the docstring): through `F.linear`, and compiled as the fast path compiles them; and the
-    bytes of those weights."""
+def matmul_floor_calls(model: torch.nn.Module, new_tokens: int, compiled: bool):
+    """Calls, each `new_tokens` x the batch-1 products with every weight one decode step reads
+    (see the docstring): through `F.linear`, and (`compiled`) compiled as the fast path compiles
+    them; and the bytes of those weights."""
     from latentloop.models.fast import compile_cpu_decode
 
     weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
@@ -304,8 +302,6 @@ def matmul_floor_calls(model: torch.nn.Module, new_tokens: int):
     def products(inputs, weights):
         return [torch.nn.functional.linear(x, w) for x, w in zip(inputs, weights)]
 
-    compiled = compile_cpu_decode(products)
-
     def calls(fn):
         @torch.inference_mode()
         def call():
@@ -313,8 +309,10 @@ def matmul_floor_calls(model: torch.nn.Module, new_tokens: int):
                 fn(inputs, weights)
         return call
 
-    return {"floor F.linear": calls(products), "floor reductions": calls(compiled)}, \
-        sum(w.numel() * w.element_size() for w in weights)
+    floors = {"floor F.linear": calls(products)}
+    if compiled:  # the fast path's way needs inductor (and a C++ compiler), as the fast path does
+        floors["floor reductions"] = calls(compile_cpu_decode(products))
+    return floors, sum(w.numel() * w.element_size() for w in weights)
 
 
 def bench_decode_side_by_side(model, args) -> dict[str, Any]:
@@ -322,7 +320,7 @@ def bench_decode_side_by_side(model, args) -> dict[str, Any]:
     with the matrix-product floor in the same rounds."""
     gen = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(0, VOCAB, (1, args.prompt_len), generator=gen)[0].tolist()
-    floor_calls, weight_bytes = matmul_floor_calls(model, args.new_tokens)
+    floor_calls, weight_bytes = matmul_floor_calls(model, args.new_tokens, args.compile)
     calls = {"latentloop": lambda: latentloop.generate(model, prompt, args.new_tokens, temperature=0.0),
              **floor_calls}
     if args.compile:  # the fast path: static cache, compiled step (compiled in the warmup round)
@@ -418,9 +416,11 @@ def markdown_table(results: dict[str, Any]) -> str:
                       + (" ✅" if decode["compiled_ratio"] >= TARGET_DECODE_RATIO else " ❌")) if hf else "—",
                      f"≥ {TARGET_DECODE_RATIO:.0f}x (stretch {STRETCH_DECODE_RATIO:.0f}x)"))
     floor = decode["floor"]
+    ways = f"F.linear ({spread(decode['floor F.linear']['tok_s_all'])})"
+    if "floor reductions" in decode:
+        ways = f"the faster of {ways} and compiled reductions ({spread(decode['floor reductions']['tok_s_all'])})"
     rows.append((f"floor: batch-1 products with every weight ({decode['weight_bytes'] / 1e6:.1f} MB fp32) "
-                 f"per token, the faster of F.linear ({spread(decode['floor F.linear']['tok_s_all'])}) and "
-                 f"compiled reductions ({spread(decode['floor reductions']['tok_s_all'])})",
+                 f"per token, {ways}",
                  spread(floor["tok_s_all"]), "—",
                  "time over floor: ours " + spread(decode["latentloop"]["over_floor_all"], "{:.2f}x")
                  + (", compiled " + spread(fast["over_floor_all"], "{:.2f}x") if fast is not None else "")
@@ -506,20 +506,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    start = time.perf_counter()
-    meter = ContentionMeter().start()
-    results = run(args)
-    results["wall_s"] = time.perf_counter() - start
-    results["env"]["others_cpu_share_during_run"] = others = meter.stop()
-    results["env"]["load_avg_1min_at_end"] = load_average()
-    print()
-    print(markdown_table(results))
-    print()
-    print(f"total {results['wall_s']:.0f} s; other processes used "
-          f"{'?' if others is None else f'{others:.0%}'} of the CPUs during the run")
-    write_results(results, others, args.json)
-    return 0
+    return benchmark_main(parse_args(argv), run, markdown_table)
 
 
 if __name__ == "__main__":

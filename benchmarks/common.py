@@ -127,10 +127,12 @@ def _descendants_cpu_seconds() -> float:
         try:
             with open(f"/proc/{entry}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)", which may hold spaces
-        except OSError:  # gone meanwhile
+            parent_of[int(entry)] = int(fields[1])
+            # utime + stime, and the same of its children it has waited for: a live helper that
+            # reaps its own workers (torchrun, inductor's pool) keeps their time in its count
+            ticks[int(entry)] = sum(int(value) for value in fields[11:15])
+        except (OSError, IndexError, ValueError):  # gone meanwhile, or a format this does not know
             continue
-        parent_of[int(entry)] = int(fields[1])
-        ticks[int(entry)] = int(fields[11]) + int(fields[12])  # utime + stime
     ours, total = {os.getpid()}, 0
     for pid in sorted(parent_of):  # a child's pid may be lower than its parent's: walk up each chain
         chain, node = [], pid
@@ -342,15 +344,19 @@ def apply_allocator_flag(args: argparse.Namespace) -> dict[str, Any]:
 
 def benchmark_main(args: argparse.Namespace, run: Callable[[argparse.Namespace], dict[str, Any]],
                    table: Callable[[dict[str, Any]], str]) -> int:
-    """Run a benchmark under the contention meter, print its table and how busy the machine was,
-    write the JSON (`args.json`)."""
+    """Run a benchmark under the contention meter, print its table, its wall time and how busy the
+    machine was, write the JSON (`args.json`)."""
+    start = time.perf_counter()
     meter = ContentionMeter().start()
     results = run(args)
     others = meter.stop()
+    results["wall_s"] = time.perf_counter() - start
+    results.setdefault("env", {}).update(others_cpu_share_during_run=others, load_avg_1min_at_end=load_average())
     print()
     print(table(results))
     print()
-    print(f"other processes used {'?' if others is None else f'{others:.0%}'} of the CPUs during the run")
+    print(f"total {results['wall_s']:.0f} s; other processes used {'?' if others is None else f'{others:.0%}'} "
+          "of the CPUs during the run")
     write_results(results, others, args.json)
     return 0
 

@@ -66,7 +66,6 @@ def decode_step_flops(model: torch.nn.Module, options: dict, prompt: list[int]) 
     return float(counter.get_total_flops())
 
 
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.threads is not None:
         torch.set_num_threads(args.threads)

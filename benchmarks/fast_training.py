@@ -1,6 +1,8 @@
 """The variants' training steps over gpt's, eager and compiled (issue 16): the trainer's optimizer
 step (the arch's registered objective, backward, grad clip, AdamW) with the model as the trainer
-runs it, plain and under `train.compile`, all measured interleaved in one run.
+runs it, plain and under `train.compile`. Within each mode the archs are measured interleaved,
+round by round; the eager rounds run before the compiled ones, so "compiled over eager" pairs
+rounds taken minutes apart (read it as a rough figure; the ratios over gpt are same-time).
 
 Shape: the baseline's (4 layers, d=256, 4 heads, vocab 256, fp32; T=256, batch 16, random tokens).
 fbt with K=2 passes every step (its default mix is 88% K=2; a fixed K keeps rounds comparable);
@@ -42,7 +44,6 @@ VARIANTS = {"gpt": ("gpt", {}, None),
             "lrt": ("lrt", {}, None),
             "rgpt": ("rgpt", RGPT_EQUAL_DEPTH, None)}
 MODES = ("eager", "compiled")
-
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

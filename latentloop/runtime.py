@@ -81,19 +81,16 @@ TRIM_THRESHOLD_BYTES = 2**30  # free memory the heap keeps before returning any 
 def keep_freed_memory() -> bool:
     """Tell glibc's malloc to keep freed memory in the process (see the constants above): for the
     rest of the process, blocks up to 32 MiB come from the heap and up to 1 GiB of free heap is kept.
-    True when it took effect; False off glibc (macOS, musl, Windows), where nothing changes."""
+    True when both took effect; False off glibc (macOS, musl, Windows), where nothing changes."""
     import ctypes
-    import ctypes.util
+    import platform
 
-    name = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(name).mallopt if name else None
-    except (OSError, AttributeError):
-        mallopt = None
-    if mallopt is None:
+    if platform.libc_ver()[0] != "glibc":
         return False
-    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD,
-                                                                                TRIM_THRESHOLD_BYTES))
+    mallopt = ctypes.CDLL(None).mallopt  # the C library this process already runs on
+    kept_in_heap = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+    kept_after_free = bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+    return kept_in_heap and kept_after_free
 
 
 def resolve_device(name: str) -> torch.device:

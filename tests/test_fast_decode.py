@@ -15,7 +15,7 @@ from latentloop.models.fast import (
     _attention_by_reduction,
     _linear_by_reduction,
     bucketed_length,
-    products_by_reduction,
+    rewrite_as_reductions,
 )
 
 # fp32 max abs logit difference between the static step and the ordinary one: the static step
@@ -120,20 +120,31 @@ def test_linear_by_reduction_keeps_the_library_product_past_its_row_limit():
     assert torch.equal(_linear_by_reduction(x, weight), F.linear(x, weight))
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "mask_kind"), [(4, 4, "bool"), (4, 2, "bool"), (4, 1, "float"),
-                                                             (4, 4, "per-head"), (4, 2, None)])
-def test_attention_by_reduction_is_sdpa_for_one_query(heads, kv_heads, mask_kind):
+@pytest.mark.parametrize(("heads", "kv_heads", "mask_kind", "scale"),
+                         [(4, 4, "bool", None), (4, 2, "bool", None), (4, 1, "float", None), (4, 4, "per-head", None),
+                          (6, 3, "per-head", None), (4, 2, None, 0.3), (4, 4, "one row for all", None)])
+def test_attention_by_reduction_is_sdpa_for_one_query(heads, kv_heads, mask_kind, scale):
     torch.manual_seed(0)
-    B, L, hd = 3, 40, 16
-    q, k, v = torch.randn(B, heads, 1, hd), torch.randn(B, kv_heads, L, hd), torch.randn(B, kv_heads, L, hd)
-    visible = torch.rand(B, 1 if mask_kind != "per-head" else heads, 1, L) < 0.7
+    B, L, hd, hd_v = 3, 40, 16, 8  # values may be narrower than keys
+    q, k, v = torch.randn(B, heads, 1, hd), torch.randn(B, kv_heads, L, hd), torch.randn(B, kv_heads, L, hd_v)
+    mask_rows = 1 if mask_kind == "one row for all" else B
+    visible = torch.rand(mask_rows, heads if "per-head" == mask_kind else 1, 1, L) < 0.7
     visible[..., 0] = True  # every query sees a key
-    mask = {"bool": visible, "per-head": visible, "float": torch.where(visible, 0.0, float("-inf")),
-            None: None}[mask_kind]
+    mask = {"float": torch.where(visible, 0.0, float("-inf")), None: None}.get(mask_kind, visible)
     gqa = kv_heads != heads
-    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-    torch.testing.assert_close(_attention_by_reduction(q, k, v, attn_mask=mask, enable_gqa=gqa), expected,
-                               rtol=0, atol=REDUCTION_TOL)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
+    got = _attention_by_reduction(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
+    torch.testing.assert_close(got, expected, rtol=0, atol=REDUCTION_TOL)
+
+
+def test_attention_by_reduction_gives_zeros_where_sdpa_does():
+    """A row whose keys are all masked: SDPA returns zeros, a plain softmax NaN."""
+    q, k, v = torch.randn(2, 4, 1, 16), torch.randn(2, 4, 5, 16), torch.randn(2, 4, 5, 16)
+    mask = torch.ones(2, 1, 1, 5, dtype=torch.bool)
+    mask[1] = False
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(_attention_by_reduction(q, k, v, attn_mask=mask), expected, rtol=0,
+                               atol=REDUCTION_TOL)
 
 
 def test_attention_by_reduction_keeps_sdpa_for_several_queries_or_other_masks():
@@ -148,26 +159,33 @@ def test_attention_by_reduction_keeps_sdpa_for_several_queries_or_other_masks():
 
 
 def test_the_cpu_decode_backend_rewrites_every_product_of_the_step():
-    """Modules' and functional linears alike (the head is `F.linear` on the tied embedding), and
-    every layer's attention."""
+    """The static cache's decode step traced by dynamo and run as rewritten (without inductor, so
+    the reductions themselves run, over the step's real mask): modules' and functional linears
+    alike (the head is `F.linear` on the tied embedding), and every layer's attention; the logits
+    those give are the eager step's."""
+    from latentloop.models.fast import _decode_step
+
     model = model_for("gpt")
     graphs = []
 
     def capture(gm, example_inputs):
-        graphs.append(products_by_reduction(gm))
+        graphs.append(rewrite_as_reductions(gm))
         return gm.forward
 
-    token = torch.tensor([[BOS]])
     with torch.inference_mode():
-        expected = model(token).logits
-        got = torch.compile(lambda idx: model(idx).logits, backend=capture)(token)
+        logits = {}
+        for name, step in (("eager", _decode_step), ("rewritten", torch.compile(_decode_step, backend=capture))):
+            fast = FastDecoder(model, compile=False)
+            cache = fast.new_cache(2, PROMPTS.shape[1] + STEPS)
+            model.prefill(PROMPTS, cache, PAD_MASK)
+            fast.begin_decoding(cache)
+            logits[name] = step(model, torch.tensor([5, 9]), cache, {})[0]
     targets = [node.target for gm in graphs for node in gm.graph.nodes if node.op == "call_function"]
     n_linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules()) + (model.lm_head is None)  # tied head
     assert targets.count(_linear_by_reduction) == n_linears
     assert targets.count(_attention_by_reduction) == model.config.n_layer
-    assert not {torch._C._nn.linear, F.linear, torch._C._nn.scaled_dot_product_attention,
-                F.scaled_dot_product_attention} & set(targets)
-    torch.testing.assert_close(got, expected, rtol=0, atol=REDUCTION_TOL)
+    assert not {F.linear, F.scaled_dot_product_attention} & set(targets)
+    torch.testing.assert_close(logits["rewritten"], logits["eager"], rtol=0, atol=REDUCTION_TOL)
 
 
 def test_engine_compile_needs_the_cache():

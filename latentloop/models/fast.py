@@ -19,10 +19,10 @@ decode step has static shapes:
   inside the compiled step; `FastDecoder` checks the real bound (`filled`) outside it instead.
 - Recurrent state (`cache.state`: fbt's carried top state, lrt's memory) is copied into buffers
   allocated once, so every step reads and writes the same tensors (CUDA graphs need that).
-- On CPU the step's weight products and attention are rewritten as reductions that inductor
-  generates and fuses itself (`_cpu_decode_backend`): torch's matmul runs a one-row product far
-  below the memory bandwidth on the machine this was built on, and one attention kernel call per
-  layer cost more than the fused loops.
+- On CPU the step's weight products (up to `REDUCTION_MAX_ROWS` rows) and its one-query attention
+  are rewritten as reductions that inductor generates and fuses itself (`_cpu_decode_backend`):
+  torch's matmul runs a one-row product far below the memory bandwidth on the machine this was
+  built on, and one attention kernel call per layer cost more than the fused loops.
 - `FastDecoder(model, **options)` compiles `step(token) -> (logits (B, V), greedy ids (B,))`:
   the greedy argmax runs inside the compiled region; sampling with a `torch.Generator` stays
   outside (in the engine's `sample_next`), since a generator is host state that dynamo does not
@@ -198,9 +198,9 @@ class FastDecoder:
         self._step = self._eager_step
         if compile and self.reason is None:
             per_model = _COMPILED_STEPS.setdefault(model, {})
-            key = (self.cuda, tuple(sorted(options.items())))
+            key = (device.type, tuple(sorted(options.items())))
             if key not in per_model:
-                per_model[key] = _compiled_step(self.cuda)
+                per_model[key] = _compiled_step(device.type)
             self._step = per_model[key]
         self.cache: KVCache | None = None
 
@@ -249,7 +249,7 @@ def _decode_step(model, token: Tensor, cache: KVCache, options: dict) -> tuple[T
     return logits, logits.argmax(dim=-1), out.info
 
 
-def _compiled_step(cuda: bool):
+def _compiled_step(device_type: str):
     """A compiled copy of `_decode_step` with a code object of its own: dynamo keeps its graphs
     and its recompile limit per code object, so each decoder (model, options) gets its own
     instead of every architecture and option sharing one function's limit of recompiles."""
@@ -257,9 +257,11 @@ def _compiled_step(cuda: bool):
     _COPIES += 1
     code = _decode_step.__code__.replace(co_name=f"_decode_step_{_COPIES}")
     copy = types.FunctionType(code, _decode_step.__globals__, code.co_name)
-    if cuda:  # CUDA graphs (written, not run here: no GPU)
+    if device_type == "cuda":  # CUDA graphs (written, not run here: no GPU)
         return torch.compile(copy, mode="reduce-overhead", dynamic=False)
-    return compile_cpu_decode(copy)
+    if device_type == "cpu":
+        return compile_cpu_decode(copy)
+    return torch.compile(copy, dynamic=False)  # e.g. mps: inductor as it is
 
 
 def compile_cpu_decode(fn):
@@ -268,73 +270,83 @@ def compile_cpu_decode(fn):
 
 
 # Up to this many rows (batch size x new tokens), a decode step's weight products are rewritten as
-# vectorised reductions (see `_cpu_decode_backend`). Measured on the project's 2-core machine (AMD
-# EPYC, torch's CPU matmul), the 17 products of the baseline benchmark's model, compiled: 1 row
-# 151 vs 478 us, 4 rows 426 vs 1162 us, 16 rows 1464 vs 1880 us; past that the matmul library's
-# blocking wins as the products become matrix-matrix.
-REDUCTION_MAX_ROWS = 16
+# reductions (see `_cpu_decode_backend`). The reduction reads each weight once per row, the matmul
+# library once per product, so the rows it may take depend on where the weights live. Measured on the
+# project's 2-core machine, every product of a model compiled both ways: the baseline benchmark's
+# 12.8 MB of weights (in L3): 1 row 151 vs 478 us, 4 rows 426 vs 1162 us, 16 rows 1464 vs 1880 us;
+# 340 MB (12 layers, d=768, from memory): 1 row 11.2 vs 23.7 ms, 2 rows 15.4 vs 41.9, 4 rows 27.1 vs
+# 35.5, 8 rows 53.6 vs 32.2 ms. Four rows win in both.
+REDUCTION_MAX_ROWS = 4
 
 
-def _linear_by_reduction(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """`F.linear` for a few rows as a multiply-and-sum over the input dimension: inductor emits
-    one vectorised loop that streams each weight row once, where the matmul library treats a
-    (1, in) x (in, out) product as a GEMM and runs at a fraction of the memory bandwidth. Rows
-    past `REDUCTION_MAX_ROWS` keep the library's product. Same products, another summation order
-    (rounding differs in the last bits)."""
-    rows = x.numel() // x.shape[-1]
+def _linear_by_reduction(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """`F.linear` (its parameter names, so keyword calls map too) for a few rows as a multiply-and-sum
+    over the input dimension: inductor emits one vectorised loop that streams each weight row once
+    per input row, where torch's CPU matmul runs a (1, in) x (in, out) product at a fraction of the
+    memory bandwidth. Rows past `REDUCTION_MAX_ROWS` keep the library's product. Same products,
+    another summation order (rounding differs in the last bits)."""
+    rows = input.numel() // input.shape[-1]
     if rows > REDUCTION_MAX_ROWS:
-        return torch.nn.functional.linear(x, weight, bias)
-    y = (x[..., None, :] * weight).sum(-1)  # (..., out, in) -> (..., out): one fused loop, never materialised
+        return torch.nn.functional.linear(input, weight, bias)
+    y = (input[..., None, :] * weight).sum(-1)  # (..., out, in) -> (..., out): one fused loop, never materialised
     return y if bias is None else y + bias
 
 
-def _attention_by_reduction(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None,
+def _attention_by_reduction(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
                             dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                             enable_gqa: bool = False) -> Tensor:
-    """`F.scaled_dot_product_attention` for one query per row (a decode step) written out as
-    products, masking and a softmax, which inductor fuses into loops around the step's other work
-    instead of calling the attention kernel once per layer (measured at batch 1: 0.49 -> 0.43 ms per
-    token, interleaved in one process). Anything else keeps SDPA. The mask is SDPA's: bool (True =
-    may attend) or additive, of shape (B | 1, H | 1, 1, L) (others keep SDPA); every query must
-    see one key at least (the caches see to that: a token always sees itself)."""
-    mask_fits = attn_mask is None or (attn_mask.dim() == 4 and attn_mask.shape[1] in (1, q.shape[1]))
-    if q.shape[-2] != 1 or is_causal or dropout_p > 0 or not mask_fits:
+    """`F.scaled_dot_product_attention` (its parameter names) for one query per row, a decode step,
+    written out as products, masking and a softmax, which inductor fuses into loops around the
+    step's other work instead of calling the attention kernel once per layer (measured at batch 1:
+    0.49 -> 0.43 ms per token, interleaved in one process). It takes 4-d q, k, v (B, H|Hkv, 1|L, hd)
+    and a mask of SDPA's kinds, bool (True = may attend) or additive, shaped (B | 1, H | 1, 1, L);
+    anything else keeps SDPA. A row whose keys are all masked gets zeros, as SDPA gives."""
+    B, H = query.shape[:2] if query.dim() == 4 else (0, 0)
+    Hkv = key.shape[1] if key.dim() == 4 else 0
+    fits = (query.dim() == key.dim() == value.dim() == 4 and query.shape[-2] == 1 and not is_causal
+            and dropout_p == 0 and (Hkv == H or (enable_gqa and Hkv and H % Hkv == 0))
+            and (attn_mask is None or (attn_mask.dim() == 4 and attn_mask.shape[1] in (1, H)
+                                       and attn_mask.shape[2] == 1)))
+    if not fits:
         return torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-    B, H, _, hd = q.shape
-    Hkv = k.shape[1]
-    group = H // Hkv  # query heads per key/value head (1 without grouped-query attention)
-    q = q.reshape(B, Hkv, group, 1, hd)
-    scores = (q * k[:, :, None]).sum(-1) * (hd ** -0.5 if scale is None else scale)  # (B, Hkv, G, L)
+            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+            enable_gqa=enable_gqa)
+    hd = query.shape[-1]
+    group = H // Hkv  # query heads per key/value head; SDPA pairs query head h with key head h // group
+    q = query.reshape(B, Hkv, group, 1, hd)
+    scores = (q * key[:, :, None]).sum(-1) * (hd ** -0.5 if scale is None else scale)  # (B, Hkv, G, L)
     if attn_mask is not None:
         mask = attn_mask.reshape(attn_mask.shape[0], *((1, 1) if attn_mask.shape[1] == 1 else (Hkv, group)), -1)
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    weights = scores.softmax(dim=-1)
-    out = (weights[..., None] * v[:, :, None]).sum(-2)  # (B, Hkv, G, hd)
-    return out.reshape(B, H, 1, hd)
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.to(
+            scores.dtype)
+    weights = scores.softmax(dim=-1).nan_to_num(0.0)  # all keys masked: softmax gives NaN, SDPA zeros
+    out = (weights[..., None] * value[:, :, None]).sum(-2)  # (B, Hkv, G, hd_v)
+    return out.reshape(B, H, 1, value.shape[-1])
 
 
-# the dynamo graph's call -> what the CPU decode step computes instead
-_BY_REDUCTION = {torch._C._nn.linear: _linear_by_reduction, torch.nn.functional.linear: _linear_by_reduction,
-                 torch._C._nn.scaled_dot_product_attention: _attention_by_reduction,
+# the dynamo graph's call -> what the CPU decode step computes instead (`F.linear` is
+# `torch._C._nn.linear`, and the same for SDPA)
+_BY_REDUCTION = {torch.nn.functional.linear: _linear_by_reduction,
                  torch.nn.functional.scaled_dot_product_attention: _attention_by_reduction}
 
 
 def _cpu_decode_backend(gm: torch.fx.GraphModule, example_inputs):
     """Inductor for the CPU decode step, with the changes measured at batch 1 (the baseline
-    benchmark's shape): every `F.linear` and every attention call of the traced step becomes a
-    reduction inductor writes itself (`products_by_reduction`: 0.80 -> 0.43 ms per token), and
-    inductor's wrapper that calls the kernels is C++ instead of Python (`cpp_wrapper`: the Python
-    wrapper was a fifth of the step; 1.21 -> 0.83 ms before the reductions), for a longer first
-    compile (~4 s with inductor's defaults; ~16 s now, measured with an empty inductor cache)."""
+    benchmark's shape): the step's weight products of up to `REDUCTION_MAX_ROWS` rows and its
+    one-query attention become reductions that inductor writes itself (`rewrite_as_reductions`:
+    0.80 -> 0.43 ms per token), and inductor's wrapper that calls the kernels is C++ instead of
+    Python (`cpp_wrapper`: the Python wrapper was a fifth of the step; 1.21 -> 0.83 ms before the
+    reductions), for a longer first compile (~4 s with inductor's defaults; ~16 s now, measured with
+    an empty inductor cache)."""
     from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx(products_by_reduction(gm), example_inputs, config_patches={"cpp_wrapper": True})
+    return compile_fx(rewrite_as_reductions(gm), example_inputs, config_patches={"cpp_wrapper": True})
 
 
-def products_by_reduction(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+def rewrite_as_reductions(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """`gm` (a dynamo graph) with every `F.linear` call (nn.Linear's included) and every
-    `F.scaled_dot_product_attention` call replaced in place by its reduction form above."""
+    `F.scaled_dot_product_attention` call replaced in place by `_linear_by_reduction` /
+    `_attention_by_reduction`, which decide per call (by its static shapes) whether to reduce."""
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in _BY_REDUCTION:
             node.target = _BY_REDUCTION[node.target]
@@ -343,5 +355,5 @@ def products_by_reduction(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 _COPIES = 0
-# model -> {(cuda, options): compiled step}: one compile per model and options, reused by every call
+# model -> {(device type, options): compiled step}: one compile per model and options, reused by every call
 _COMPILED_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
