@@ -52,14 +52,12 @@ import torch
 import latentloop
 from benchmarks.common import (
     add_allocator_flag,
-    announce_environment,
-    apply_allocator_flag,
     benchmark_main,
-    environment,
     make_train_step,
     render_table,
     run_interleaved,
     spread,
+    start_run,
 )
 from latentloop.config import TrainConfig
 from latentloop.objectives.base import NextTokenObjective
@@ -472,11 +470,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    env = environment()
-    announce_environment(env)
-    env["malloc"] = apply_allocator_flag(args)
+    env = start_run(args)
     context = max(args.seq_len, args.prompt_len + args.new_tokens, args.prompt_len + args.naive_tokens)
     model = build_model(context, args.seed)
     print(f"model: gpt {N_LAYER} layers, d={N_EMBD}, {N_HEAD} heads, vocab {VOCAB}, "

@@ -342,6 +342,18 @@ def apply_allocator_flag(args: argparse.Namespace) -> dict[str, Any]:
     return {"keep_freed_memory": kept}
 
 
+def start_run(args: argparse.Namespace) -> dict[str, Any]:
+    """A benchmark's start: `--threads` applied, the machine described and announced, and (for the
+    benchmarks with `add_allocator_flag`) the allocator set; returns the description for the JSON."""
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    env = environment()
+    announce_environment(env)
+    if hasattr(args, "default_malloc"):
+        env["malloc"] = apply_allocator_flag(args)
+    return env
+
+
 def benchmark_main(args: argparse.Namespace, run: Callable[[argparse.Namespace], dict[str, Any]],
                    table: Callable[[dict[str, Any]], str]) -> int:
     """Run a benchmark under the contention meter, print its table, its wall time and how busy the

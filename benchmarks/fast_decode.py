@@ -24,14 +24,13 @@ from typing import Any
 import torch
 
 from benchmarks.common import (
-    announce_environment,
     benchmark_main,
     decode_generate,
-    environment,
     make_sync,
     render_table,
     run_interleaved,
     spread,
+    start_run,
 )
 
 SHAPE = dict(n_layer=4, n_embd=256, n_head=4, vocab_size=256, bos_id=1)  # the baseline's
@@ -67,10 +66,7 @@ def decode_step_flops(model: torch.nn.Module, options: dict, prompt: list[int]) 
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    env = environment()
-    announce_environment(env)
+    env = start_run(args)
     context = args.prompt_len + args.new_tokens
     sync = make_sync(torch.device("cpu"))
     prompt = torch.randint(0, SHAPE["vocab_size"], (args.prompt_len,),

@@ -27,12 +27,10 @@ import torch
 
 from benchmarks.common import (
     add_allocator_flag,
-    announce_environment,
-    apply_allocator_flag,
     benchmark_main,
-    environment,
     render_table,
     spread,
+    start_run,
     training_comparison,
 )
 from benchmarks.fast_decode import RGPT_EQUAL_DEPTH, SHAPE
@@ -47,11 +45,7 @@ MODES = ("eager", "compiled")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    env = environment()
-    announce_environment(env)
-    env["malloc"] = apply_allocator_flag(args)
+    env = start_run(args)
     device = torch.device("cpu")
     variants = {name: (arch, {**SHAPE, "sequence_len": args.train_seq_len}, overrides, passes)
                 for name, (arch, overrides, passes) in VARIANTS.items()}
