@@ -5,6 +5,7 @@ The escapes are attempted both through plain Python (where the audit hook answer
 """
 
 import ctypes
+import json
 import os
 import secrets
 import socket
@@ -12,9 +13,11 @@ import subprocess
 import time
 
 import pytest
+from conftest import shared_data
 
 from latentloop.errors import LatentloopError, SandboxUnavailable
 from latentloop.eval import sandbox
+from latentloop.eval.generation import humaneval_program
 from latentloop.eval.sandbox import DISK_LIMIT, FILE_LIMIT, PROCESS_LIMIT, require_sandbox, run_untrusted
 
 BLOCKED = "network access is blocked"
@@ -302,6 +305,110 @@ def test_a_forged_status_is_not_a_pass():
         assert not result.passed and result.status == "error", (code, result)
     assert "STDIN ''" in result.output and "gc.get_objects is blocked" in result.output
     assert "token" not in result.output.split("LOCALS")[1]
+
+
+# Walks every frame above the code (and the frames in a traceback of a blocked call) and rewrites every
+# dict it finds there to say "passed": the issue's forgery of the verdict table from inside.
+REWRITE_THE_FRAMES = """
+import sys
+def rewrite(frame):
+    while frame is not None:
+        for scope in (frame.f_locals, frame.f_globals):
+            for value in list(scope.values()):
+                if type(value) is dict:
+                    for key in list(value):
+                        try:
+                            value[key] = b"passed" if isinstance(value[key], bytes) else "passed"
+                        except Exception:
+                            pass
+        frame = frame.f_back
+rewrite(sys._getframe(1))
+try:
+    import socket
+    socket.socket()
+except PermissionError as error:
+    tb = error.__traceback__
+    while tb is not None:
+        rewrite(tb.tb_frame)
+        tb = tb.tb_next
+"""
+
+# Writes a well-formed "the code ended, tests passed" into every descriptor it can, then leaves.
+FORGE_EVERY_PIPE = """
+import json, os
+def framed(message):
+    payload = json.dumps(message).encode()
+    return b"%010d" % len(payload) + payload
+for fd in range(64):
+    for data in (b"passed\\n", framed({"ended": "passed", "names": []}), b"ready\\npassed\\n"):
+        try:
+            os.write(fd, data)
+        except OSError:
+            pass
+"""
+
+WRONG = "def add_one(x):\n    return x\n"
+TESTS = "def check(candidate):\n    assert candidate(1) == 2\n\ncheck(add_one)\n"
+
+
+@needs_sandbox
+def test_failing_tests_stay_failing_whatever_the_code_does():
+    right = run_untrusted("def add_one(x):\n    return x + 1\n", tests=TESTS)
+    assert right.passed, right.output
+    assert run_untrusted(WRONG, tests=TESTS).status == "failed"
+    attacks = {
+        "frames": WRONG + REWRITE_THE_FRAMES,
+        "frames, then a forged report on every pipe": WRONG + REWRITE_THE_FRAMES + FORGE_EVERY_PIPE,
+        "forged report, then leave": WRONG + FORGE_EVERY_PIPE + "os._exit(0)\n",
+        "frames during the call": "def add_one(x):\n" + "".join(f"    {line}\n" for line in
+                                  (REWRITE_THE_FRAMES + FORGE_EVERY_PIPE).splitlines()) + "    return x\n",
+        "an answer that equals anything": "class Yes:\n    def __eq__(self, other):\n        return True\n"
+                                          "def add_one(x):\n    return Yes()\n",
+        "a str that equals anything": "class S(str):\n    def __eq__(self, other):\n        return True\n"
+                                      "def add_one(x):\n    return S('1')\n",
+        "exit during the call": "import os\ndef add_one(x):\n    os._exit(0)\n",
+        "the tests' own names replaced": "import builtins\nbuiltins.AssertionError = None\n" + WRONG,
+    }
+    for name, code in attacks.items():
+        result = run_untrusted(code, tests=TESTS)
+        assert not result.passed and result.status in ("failed", "error"), (name, result)
+    exits = run_untrusted(attacks["exit during the call"], tests=TESTS)
+    assert "ended during a call from its tests" in exits.output, exits.output
+    equal = run_untrusted(attacks["an answer that equals anything"], tests=TESTS)
+    assert "type Yes cannot pass between the code and its tests" in equal.output, equal.output
+
+
+@needs_sandbox
+def test_values_cross_between_the_code_and_its_tests_exactly():
+    values = ("[None, True, 3, -2**70, 0.1, float('inf'), -0.0, 1+2j, b'\\x00\\xff', 'é\\n', (1, (2,)), {1, 2}, "
+              "frozenset({3}), {(1, 2): [3], 'k': {'n': None}}]")
+    code = f"def same():\n    return {values}\ndef echo(*args, **kwargs):\n    return [args, kwargs]\n"
+    tests = (f"expected = {values}\n"
+             "got = same()\n"
+             "assert got == expected and [type(v) for v in got] == [type(v) for v in expected]\n"
+             "assert str(got[6]) == '-0.0'\n"
+             "assert echo(1, (2, 3), key={'a': [1.5]}) == [(1, (2, 3)), {'key': {'a': [1.5]}}]\n"
+             "try:\n    echo(object())\nexcept TypeError as error:\n    assert 'cannot pass' in str(error)\n"
+             "else:\n    raise AssertionError('an object crossed')\n")
+    result = run_untrusted(code, tests=tests)
+    assert result.passed, result.output
+    raised = run_untrusted("def f():\n    raise KeyError('k')\nclass Mine(Exception):\n    pass\n"
+                           "def g():\n    raise Mine('m')\n",
+                           tests="try:\n    f()\nexcept KeyError:\n    pass\ntry:\n    g()\n"
+                                 "except RuntimeError as error:\n    assert str(error) == 'Mine: m'\n")
+    assert raised.passed, raised.output
+
+
+@needs_sandbox
+def test_real_humaneval_solutions_pass_and_wrong_ones_fail():
+    path = shared_data("eval") / "human_eval.jsonl"  # skips when the shared data is not beside the checkout
+    problems = [json.loads(line) for line in path.read_text().splitlines() if line.strip()][::16]
+    for problem in problems:
+        program, tests = humaneval_program(problem, problem["canonical_solution"])
+        result = run_untrusted(program, tests=tests, timeout=10.0)
+        assert result.passed, (problem["task_id"], result.output)
+        program, tests = humaneval_program(problem, "    return None\n")
+        assert not run_untrusted(program, tests=tests, timeout=10.0).passed, problem["task_id"]
 
 
 @needs_sandbox

@@ -501,10 +501,12 @@ def eval_chat_task(model, tokenizer, data_dir, options, limit, progress, *, spec
 
 
 # -- HumanEval -------------------------------------------------------------------------------------
-def humaneval_program(problem: dict, completion: str) -> str:
-    """The prompt, the candidate body, the tests and the call that runs them."""
-    return (f"{problem['prompt']}{completion}\n\n{problem['test']}\n\n"
-            f"check({problem['entry_point']})\n")
+def humaneval_program(problem: dict, completion: str) -> tuple[str, str]:
+    """The candidate's program (the prompt and its body) and the tests with the call that runs them.
+
+    They run in two processes (`run_untrusted(program, tests=tests)`): the tests' assertions are decided
+    where the candidate's code cannot reach them."""
+    return f"{problem['prompt']}{completion}\n", f"{problem['test']}\n\ncheck({problem['entry_point']})\n"
 
 
 def eval_humaneval(model, tokenizer, data_dir, options, limit, progress, *, samples: int = 1,
@@ -535,7 +537,9 @@ def eval_humaneval(model, tokenizer, data_dir, options, limit, progress, *, samp
                                      batch_size=batch_size, bar=bar)
         bar.set_postfix_str("running tests")
         programs = [humaneval_program(problems[owner], g.text) for owner, g in zip(owners, generations)]
-        run = partial(run_untrusted, timeout=timeout, memory_mb=memory_mb)
+        def run(program_and_tests: tuple[str, str]):
+            program, tests = program_and_tests
+            return run_untrusted(program, timeout=timeout, memory_mb=memory_mb, tests=tests)
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
             outcomes = list(pool.map(run, programs))
     passed_per_problem = [0] * len(problems)

@@ -31,24 +31,28 @@ interpreter under bubblewrap (`bwrap`, Debian package `bubblewrap`), as root, wi
 - in Python, an audit hook that refuses sockets ("sandbox: network access is blocked"), subprocess
   / os.system / exec / fork / spawn ("sandbox: process creation is blocked"), ctypes, building code
   objects, gc object walks, frame listings and trace/profile hooks. These give clear messages for
-  honest code and guard the verdict (below); the isolation itself does not depend on them
-  (`_posixsubprocess`, for instance, still forks, and whatever it starts is confined as above).
+  honest code; neither the isolation nor the verdict depends on them (`_posixsubprocess`, for
+  instance, still forks, and whatever it starts is confined as above).
 
-Verdict. The parent decides, never a file or exit code the code controls: the bootstrap receives a
-random token on stdin (a file only we can open; stdin is `/dev/null` before the code runs) and
-keeps it in the audit hook only. The hook writes `<token> <status>` to a verdict pipe of ours when
-the bootstrap reaches one of its verdict lines, checking that the call comes from the bootstrap's
-own frame at that line (the line, not an argument, gives the status). "passed": the code ran to
-its end; "failed": an AssertionError escaped (a test failed); "error": any other exception
-(MemoryError, a syntax error, exit() / sys.exit()); "timeout": the wall-clock timeout or the CPU
-limit. No verdict (os._exit(), a kill by a signal) is an error. Writing "passed" somewhere and
-exiting 0 therefore gains nothing.
+Verdict. It is decided by a process that never runs the code: the bootstrap forks, the child drops
+to the code's uid and runs the code, and the parent — the judge — drops to a second throwaway uid
+(so the code can neither signal nor trace it; there is no `/proc`) and is the only process that
+holds the verdict pipe to us. With `tests` (HumanEval's `check(candidate)`), the judge runs them;
+each name the code defined at its top level is, in the judge, a call into the code's process, and
+arguments and results cross as plain data of the exact built-in types (JSON with tags; an object
+of the code's own class, or a `str` subclass with its own `__eq__`, cannot cross: "error"). So the
+tests' assertions are evaluated where the code cannot reach them, and walking the code's frames,
+rewriting its interpreter or writing to any descriptor it holds changes no verdict: at most it
+answers the judge's calls. "passed": the tests ran to their end; "failed": an AssertionError escaped
+them (or the code's own top level); "error": any other exception (MemoryError, a syntax error,
+exit() / sys.exit(), a value that cannot cross, the code's process ending during a call);
+"timeout": the wall-clock timeout or the CPU limit. Without tests, the verdict is the code's own
+account of how its top level ended, which code written against this protocol can fake: trust a
+pass only from tests.
 
-Limits of the guarantee: the verdict is as strong as the token's secrecy inside one CPython
-process. Code written against this bootstrap that runs Python inside the audit hook (a signal
-handler or finalizer firing there) or corrupts the interpreter (a hand-made .pyc) could read the
-token and fake a pass; it still cannot leave the isolation above. Memory of tmpfs files counts
-against `DISK_LIMIT`, not `memory_mb`.
+Limits of the guarantee: the judge runs the tests, which are ours (a data set's) and trusted only
+as far as the sandbox confines them too. Memory of tmpfs files counts against `DISK_LIMIT`, not
+`memory_mb`. The work folder belongs to the code's uid; the judge's working directory is `/`.
 
 Fails closed: when the process is not root, bwrap is missing, or the sandbox does not come
 up (e.g. namespaces are forbidden), `run_untrusted` raises `SandboxUnavailable` with one line that
@@ -79,6 +83,8 @@ DISK_LIMIT = 64 << 20  # bytes of the work folder (a tmpfs)
 FILE_LIMIT = 4096  # files and folders in the work folder
 PROCESS_LIMIT = 16  # tasks (processes and threads) of the sandbox's uid
 OPEN_FILES_LIMIT = 128
+MESSAGE_LIMIT = 16 << 20  # bytes of one message (a call or its value) between the code and its judge
+NESTING_LIMIT = 100  # levels of lists, tuples, dicts... in one value passed between them
 WORKDIR = "/sandbox"
 CODE_FILE = "candidate.py"
 ID_RANGE = (1 << 30, (1 << 31) - 1)  # throwaway uids/gids: far above any real account
@@ -108,17 +114,105 @@ if libc.mount(b"tmpfs", workdir.encode(), b"tmpfs", 2 | 4 | 8, options) != 0:  #
 os.execv(sys.executable, [sys.executable, "-I", "-S", "-c", *sys.argv[5:]])
 '''
 
-# Runs as root inside bwrap, after _PREPARE. argv: uid, address space bytes, cpu seconds, file size,
-# processes, open files, verdict fd, work folder, code file name, verdict lines ("line:status,...").
-# stdin: the token, a newline, the code. Exit 70: the setup failed.
+# Runs as root inside bwrap, after _PREPARE. argv: the code's uid, the judge's uid, address space bytes,
+# cpu seconds, file size, processes, open files, verdict fd, work folder, code file name. stdin: a line
+# "<code bytes> <tests bytes or -1>", then the code, then the tests. Exit 70: the setup failed.
+# Forks: the child runs the code (uid A); this process becomes the judge (uid B), which never runs it.
 _BOOTSTRAP = r'''
 import os, sys
+
+MESSAGE_LIMIT = @MESSAGE_LIMIT@  # bytes of one message between the code and the judge
+NESTING_LIMIT = @NESTING_LIMIT@  # levels of containers in one value passed between them
+TESTS_FILE = "tests.py"  # the name tracebacks give the tests
+FRAME_DIGITS = 10  # a message is its length in ASCII digits, then that many bytes of JSON
 
 def _fail(message):
     os.write(2, ("sandbox setup failed: " + message + "\n").encode("utf-8", "replace"))
     os._exit(70)
 
-def _guard(token, verdict_fd, main_frame, verdict_lines, getframe=sys._getframe, write=os.write):
+def _read_exactly(fd, size):
+    data = b""
+    while len(data) < size:
+        chunk = os.read(fd, min(size - len(data), 1 << 16))
+        if not chunk:
+            raise EOFError
+        data += chunk
+    return data
+
+def _send(fd, message):
+    import json
+    payload = json.dumps(message).encode()
+    if len(payload) > MESSAGE_LIMIT:
+        raise ValueError(f"a message of {len(payload)} bytes is over the sandbox's limit of {MESSAGE_LIMIT}")
+    data = str(len(payload)).zfill(FRAME_DIGITS).encode() + payload
+    while data:
+        data = data[os.write(fd, data):]
+
+def _receive(fd):
+    import json
+    header = _read_exactly(fd, FRAME_DIGITS)
+    if not header.isdigit() or int(header) > MESSAGE_LIMIT:
+        raise ValueError("a malformed message")
+    return json.loads(_read_exactly(fd, int(header)))
+
+# Values cross between the code and the judge as JSON with tags: plain data of the exact built-in
+# types only, so nothing of the code's (a subclass, an object with its own __eq__) reaches the judge.
+def _encode(value, depth=0):
+    if depth > NESTING_LIMIT:
+        raise ValueError("a value nested too deeply to pass between the code and its tests")
+    kind = type(value)
+    if value is None or kind in (bool, int, str):
+        return value
+    if kind is float:
+        return {"f": value.hex()}
+    if kind is complex:
+        return {"c": [value.real.hex(), value.imag.hex()]}
+    if kind is bytes:
+        return {"b": value.hex()}
+    if kind is list:
+        return [_encode(item, depth + 1) for item in value]
+    tags = {tuple: "t", set: "s", frozenset: "z"}
+    if kind in tags:
+        return {tags[kind]: [_encode(item, depth + 1) for item in value]}
+    if kind is dict:
+        return {"d": [[_encode(k, depth + 1), _encode(v, depth + 1)] for k, v in value.items()]}
+    raise TypeError(f"a value of type {kind.__name__} cannot pass between the code and its tests")
+
+def _decode(data):
+    if type(data) is list:
+        return [_decode(item) for item in data]
+    if type(data) is not dict:
+        return data
+    (tag, body), = data.items()
+    if tag == "f":
+        return float.fromhex(body)
+    if tag == "c":
+        return complex(float.fromhex(body[0]), float.fromhex(body[1]))
+    if tag == "b":
+        return bytes.fromhex(body)
+    if tag == "d":
+        return {_decode(k): _decode(v) for k, v in body}
+    return {"t": tuple, "s": set, "z": frozenset}[tag](_decode(item) for item in body)
+
+def _drop_privileges(uid):
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
+    try:
+        os.setresuid(0, 0, 0)
+    except PermissionError:
+        pass
+    else:
+        _fail("root privileges could not be dropped")
+
+def _limit(memory, cpu, fsize, processes, files):
+    import resource
+    for which, value in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_FSIZE, fsize), (resource.RLIMIT_CORE, 0),
+                         (resource.RLIMIT_NPROC, processes), (resource.RLIMIT_NOFILE, files),
+                         (resource.RLIMIT_AS, memory)):
+        resource.setrlimit(which, (value, value))
+
+def _guard(PermissionError=PermissionError, RuntimeError=RuntimeError, str=str, type=type):
     network = "sandbox: network access is blocked"
     process = "sandbox: process creation is blocked"
     process_events = frozenset({"subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn",
@@ -127,17 +221,8 @@ def _guard(token, verdict_fd, main_frame, verdict_lines, getframe=sys._getframe,
                                "sys.settrace", "sys.setprofile", "code.__new__", "sys.monitoring.register_callback",
                                "cpython.PyInterpreterState_New"})  # a sub-interpreter would have no hook
     native = frozenset({"ctypes", "_ctypes"})
-    given = []
 
-    def hook(event, args):  # never calls anything the code could have supplied
-        if event == "latentloop.sandbox.verdict":
-            caller = getframe(1)
-            if caller is main_frame and not given:
-                status = verdict_lines.get(caller.f_lineno)
-                if status is not None:
-                    given.append(status)
-                    write(verdict_fd, token + b" " + status + b"\n")
-            return
+    def hook(event, args):  # clear messages for honest code; the isolation does not rest on it
         if event.startswith("socket."):
             raise PermissionError(network)
         if event in process_events:
@@ -151,93 +236,212 @@ def _guard(token, verdict_fd, main_frame, verdict_lines, getframe=sys._getframe,
         elif event == "sys.addaudithook":
             raise RuntimeError("sandbox: audit hooks cannot be added")
 
-    write(verdict_fd, token + b" ready\n")
     return hook
 
-def _main():
-    main_frame = sys._getframe()
-    try:
-        uid, memory, cpu, fsize, processes, files, verdict_fd = (int(v) for v in sys.argv[1:8])
-        workdir, code_name = sys.argv[8:10]
-        verdict_lines = {int(line): status.encode() for line, status in
-                         (item.split(":") for item in sys.argv[10].split(","))}
-        data = b""
-        while True:
-            chunk = os.read(0, 1 << 16)
-            if not chunk:
-                break
-            data += chunk
-        token, _, source = data.partition(b"\n")
-        del data
-        null = os.open("/dev/null", os.O_RDONLY)
-        os.dup2(null, 0)
-        os.close(null)
-        os.setgroups([])
-        os.setresgid(uid, uid, uid)
-        os.setresuid(uid, uid, uid)
-        try:
-            os.setresuid(0, 0, 0)
-        except PermissionError:
-            pass
-        else:
-            _fail("root privileges could not be dropped")
-        os.chdir(workdir)
-        code_file = os.path.join(workdir, code_name)
-        with open(code_file, "wb") as handle:
-            handle.write(source)
-        source = source.decode("utf-8", "replace")
-        os.set_inheritable(verdict_fd, False)
-        import resource, socket, traceback
-        def refuse(*args, **kwargs):
-            raise PermissionError("sandbox: network access is blocked")
-        class BlockedSocket(socket.socket):  # a class, so that modules subclassing socket still import
-            def __init__(self, *args, **kwargs):
-                refuse()
-        socket.socket = BlockedSocket
-        for name in ("create_connection", "create_server", "socketpair", "fromfd", "getaddrinfo"):
-            setattr(socket, name, refuse)
-        for which, value in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_FSIZE, fsize), (resource.RLIMIT_CORE, 0),
-                             (resource.RLIMIT_NPROC, processes), (resource.RLIMIT_NOFILE, files),
-                             (resource.RLIMIT_AS, memory)):
-            resource.setrlimit(which, (value, value))
-        sys.addaudithook(_guard(token, verdict_fd, main_frame, verdict_lines))
-        del token
-    except Exception as error:
-        _fail(f"{type(error).__name__}: {error}")
-    sys.argv = [code_file]
+def _flush():
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+def _run_code(source, code_file, report):
+    """The code's process: run the code, say how it ended; then answer the judge's calls."""
+    import traceback
     namespace = {"__name__": "__main__", "__file__": code_file, "__builtins__": __builtins__}
     try:
         exec(compile(source, code_file, "exec"), namespace)
     except AssertionError as error:
-        sys.audit("latentloop.sandbox.verdict")  # verdict: failed
         traceback.print_exception(type(error), error, error.__traceback__.tb_next)  # from the code's frame on
-        sys.stdout.flush()
-        sys.stderr.flush()
+        _flush()
+        _send(report, {"ended": "failed"})
         os._exit(1)
     except SystemExit as stop:
-        sys.audit("latentloop.sandbox.verdict")  # verdict: error
         print(f"sandbox: the code called exit({stop.code!r}) before finishing", file=sys.stderr)
-        sys.stdout.flush()
-        sys.stderr.flush()
+        _flush()
+        _send(report, {"ended": "error"})
         os._exit(2)
     except BaseException as error:
-        sys.audit("latentloop.sandbox.verdict")  # verdict: error
         traceback.print_exception(type(error), error, error.__traceback__.tb_next)
         if isinstance(error, MemoryError):
             print("sandbox: memory limit exceeded", file=sys.stderr)
-        sys.stdout.flush()
-        sys.stderr.flush()
+        _flush()
+        _send(report, {"ended": "error"})
         os._exit(2)
-    sys.audit("latentloop.sandbox.verdict")  # verdict: passed
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    _flush()
+    names = sorted(name for name, value in namespace.items()  # what the tests may call
+                   if isinstance(name, str) and not name.startswith("__") and callable(value))
+    _send(report, {"ended": "passed", "names": names})
+    return namespace
+
+def _serve_calls(namespace, requests, report):
+    while True:
+        try:
+            request = _receive(requests)
+        except EOFError:
+            os._exit(0)
+        try:
+            value = namespace[request["name"]]
+            if request.get("call"):
+                value = value(*_decode(request["args"]), **_decode(request["kwargs"]))
+            reply = {"value": _encode(value)}
+        except BaseException as error:
+            if isinstance(error, SystemExit):
+                print(f"sandbox: the code called exit({error.code!r}) in a call from its tests", file=sys.stderr)
+            reply = {"raised": type(error).__name__, "message": str(error)[:1000]}
+        _flush()
+        _send(report, reply)
+
+class _CodeEnded(Exception):
+    """The code's process ended (or broke the protocol) while the tests needed it."""
+
+def _remote(requests, replies):
+    import builtins
+    def ask(request):
+        try:
+            _send(requests, request)
+            reply = _receive(replies)
+        except (EOFError, BrokenPipeError) as error:
+            raise _CodeEnded("the code's process ended during a call from its tests") from None
+        except (ValueError, TypeError, KeyError) as error:
+            raise _CodeEnded(f"the code's process broke the protocol: {error}") from None
+        if "raised" not in reply:
+            return _decode(reply["value"])
+        name, message = str(reply["raised"]), str(reply["message"])
+        kind = getattr(builtins, name, None)
+        if isinstance(kind, type) and issubclass(kind, Exception):
+            raise kind(message)  # a built-in exception keeps its type: tests may expect it
+        raise RuntimeError(f"{name}: {message}")
+    return ask
+
+def _proxy(ask, name):
+    def call(*args, **kwargs):
+        return ask({"name": name, "call": True, "args": _encode(list(args)), "kwargs": _encode(kwargs)})
+    call.__name__ = call.__qualname__ = name
+    return call
+
+def _judge(child, tests, verdict_fd, requests, replies):
+    """The judge's process: it never runs the code. It decides the verdict, from the code's report when
+    there are no tests, else by running the tests against the code's names (each a call into the code's
+    process), and is the only process that holds the verdict pipe."""
+    import signal, traceback
+
+    def verdict(status, note=""):
+        os.write(verdict_fd, (status + " " + note).strip().encode("utf-8", "replace")[:4000] + b"\n")
+        _flush()
+        os._exit(0)
+
+    def code_ended(note):
+        try:
+            _, status = os.waitpid(child, 0)
+        except ChildProcessError:
+            status = 0
+        if os.WIFSIGNALED(status):
+            number = os.WTERMSIG(status)
+            if number == signal.SIGXCPU:
+                verdict("timeout", "sandbox: CPU time limit exceeded")
+            name = signal.Signals(number).name if number in signal.valid_signals() else str(number)
+            verdict("error", f"sandbox: killed by signal {name}")
+        code = os.waitstatus_to_exitcode(status)
+        verdict("error", f"sandbox: {note} (exit code {code})")
+
+    try:
+        started = _receive(replies)
+    except EOFError:
+        os._exit(70)  # the code's process failed its setup (it said why on stderr)
+    if started != {"started": True}:
+        _fail("the code's process did not start")
+    os.write(verdict_fd, b"ready\n")
+    try:
+        report = _receive(replies)
+        ended = report["ended"]
+    except EOFError:
+        code_ended("the code ended before finishing")
+    except Exception:
+        code_ended("the code broke the protocol")
+    if ended not in ("passed", "failed", "error"):
+        code_ended("the code broke the protocol")
+    if ended != "passed" or tests is None:
+        verdict(ended)
+    ask = _remote(requests, replies)
+    namespace = {"__name__": "__main__", "__builtins__": __builtins__}
+    for name in report.get("names", []):
+        if type(name) is str and name.isidentifier():
+            namespace[name] = _proxy(ask, name)
+    import linecache
+    linecache.cache[TESTS_FILE] = (len(tests), None, tests.splitlines(True), TESTS_FILE)  # for tracebacks
+    try:
+        exec(compile(tests, TESTS_FILE, "exec"), namespace)
+    except _CodeEnded as error:
+        code_ended(str(error))
+    except AssertionError as error:
+        traceback.print_exception(type(error), error, error.__traceback__.tb_next)
+        verdict("failed")
+    except BaseException as error:
+        traceback.print_exception(type(error), error, error.__traceback__.tb_next)
+        verdict("error")
+    verdict("passed")
+
+def _main():
+    try:
+        code_uid, judge_uid, memory, cpu, fsize, processes, files, verdict_fd = (int(v) for v in sys.argv[1:9])
+        workdir, code_name = sys.argv[9:11]
+        header = b""
+        while not header.endswith(b"\n"):
+            byte = os.read(0, 1)
+            if not byte:
+                _fail("no input")
+            header += byte
+        code_size, tests_size = (int(v) for v in header.split())
+        source = _read_exactly(0, code_size)
+        tests = _read_exactly(0, tests_size).decode("utf-8", "replace") if tests_size >= 0 else None
+        null = os.open("/dev/null", os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        requests, request_end = os.pipe()  # judge -> code
+        reply_end, replies = os.pipe()     # code -> judge
+        child = os.fork()
+        if child == 0:  # the code's process: no verdict pipe, and the judge's ends closed
+            for fd in (verdict_fd, request_end, reply_end):
+                os.close(fd)
+            _drop_privileges(code_uid)
+            os.chdir(workdir)
+            code_file = os.path.join(workdir, code_name)
+            with open(code_file, "wb") as handle:
+                handle.write(source)
+            source = source.decode("utf-8", "replace")
+            import socket, traceback, json
+            def refuse(*args, **kwargs):
+                raise PermissionError("sandbox: network access is blocked")
+            class BlockedSocket(socket.socket):  # a class, so that modules subclassing socket still import
+                def __init__(self, *args, **kwargs):
+                    refuse()
+            socket.socket = BlockedSocket
+            for name in ("create_connection", "create_server", "socketpair", "fromfd", "getaddrinfo"):
+                setattr(socket, name, refuse)
+            _limit(memory, cpu, fsize, processes, files)
+            sys.addaudithook(_guard())
+            sys.argv = [code_file]
+            _send(replies, {"started": True})
+        else:  # the judge
+            for fd in (requests, replies):
+                os.close(fd)
+            del source
+            os.set_inheritable(verdict_fd, False)
+            _drop_privileges(judge_uid)
+            os.chdir("/")
+            import signal, traceback, json, builtins
+            _limit(memory, cpu, fsize, processes, files)
+            sys.addaudithook(_guard())
+    except Exception as error:
+        _fail(f"{type(error).__name__}: {error}")
+    if child == 0:
+        namespace = _run_code(source, code_file, replies)
+        del source
+        _serve_calls(namespace, requests, replies)
+    else:
+        _judge(child, tests, verdict_fd, request_end, reply_end)
 
 _main()
-'''
-_VERDICT_LINES = ",".join(f"{number}:{match[1]}" for number, line in enumerate(_BOOTSTRAP.split("\n"), 1)
-                          if (match := re.search(r"# verdict: (\w+)$", line)))
-_STATUSES = ("passed", "failed", "error")
+'''.replace("@MESSAGE_LIMIT@", str(MESSAGE_LIMIT)).replace("@NESTING_LIMIT@", str(NESTING_LIMIT))
+_STATUSES = ("passed", "failed", "error", "timeout")
 
 
 @dataclass(frozen=True)
@@ -366,29 +570,37 @@ def _end_namespace(process: subprocess.Popen, info: int) -> None:
     _kill_group(process)
 
 
-def run_untrusted(code: str, timeout: float = 5.0, memory_mb: int = 512) -> SandboxResult:
+def run_untrusted(code: str, timeout: float = 5.0, memory_mb: int = 512, tests: str | None = None) -> SandboxResult:
     """Run `code` in the sandbox (see the module docstring) and report how it ended.
 
-    Raises SandboxUnavailable (one line) when the isolation cannot be set up on this machine."""
+    With `tests`, the verdict is the tests': they run in the judge's process, each name the code defined
+    at its top level standing for a call into the code's process. Without them, the verdict is the code's
+    own account of how it ended. Raises SandboxUnavailable (one line) when the isolation cannot be set
+    up on this machine."""
     if timeout <= 0:
         raise ValueError(f"timeout must be > 0, got {timeout}")
     if memory_mb < 32:
         raise ValueError(f"memory_mb must be at least 32, got {memory_mb}")
     bwrap = _bwrap()
-    uid = _throwaway_id()
-    token = secrets.token_hex(16).encode()
+    code_uid = _throwaway_id()
+    judge_uid = _throwaway_id()
+    while judge_uid == code_uid:  # the judge must be a user the code cannot signal
+        judge_uid = _throwaway_id()
     cpu_seconds = max(1, int(timeout) + 1)
+    code_bytes = code.encode("utf-8", "surrogatepass")
+    tests_bytes = None if tests is None else tests.encode("utf-8", "surrogatepass")
     with tempfile.TemporaryDirectory(prefix="latentloop-sandbox-") as host:
         folder = Path(host)
         input_file, output_file = folder / "input", folder / "output"
-        input_file.write_bytes(token + b"\n" + code.encode("utf-8", "surrogatepass"))
-        # Pipes, not files: the code holds the write ends but can neither truncate nor read them.
+        header = f"{len(code_bytes)} {-1 if tests_bytes is None else len(tests_bytes)}\n".encode()
+        input_file.write_bytes(header + code_bytes + (tests_bytes or b""))
+        # Pipes, not files: only the judge holds the verdict's write end, and nobody can truncate it.
         (verdict, verdict_write), (info, info_write) = os.pipe(), os.pipe()
         try:
             with input_file.open("rb") as stdin, output_file.open("wb") as output:
-                command = [*_bwrap_command(bwrap, info_write, uid), str(memory_mb << 20), str(cpu_seconds),
-                           str(FILE_SIZE_LIMIT), str(PROCESS_LIMIT), str(OPEN_FILES_LIMIT), str(verdict_write),
-                           WORKDIR, CODE_FILE, _VERDICT_LINES]
+                command = [*_bwrap_command(bwrap, info_write, code_uid), str(judge_uid), str(memory_mb << 20),
+                           str(cpu_seconds), str(FILE_SIZE_LIMIT), str(PROCESS_LIMIT), str(OPEN_FILES_LIMIT),
+                           str(verdict_write), WORKDIR, CODE_FILE]
                 process = subprocess.Popen(command, stdin=stdin, stdout=output, stderr=subprocess.STDOUT,
                                            env=_child_environment(), pass_fds=(verdict_write, info_write),
                                            start_new_session=True)
@@ -404,29 +616,21 @@ def run_untrusted(code: str, timeout: float = 5.0, memory_mb: int = 512) -> Sand
                 timed_out = True
             _end_namespace(process, info)
             returncode = process.wait()
-            verdicts = _verdicts(verdict, token)
+            lines = _verdicts(verdict)
         finally:
             for end in (verdict, verdict_write, info, info_write):
                 if end >= 0:
                     os.close(end)
         text = _read_tail(output_file)
-    if "ready" not in verdicts and not timed_out:
+    if "ready" not in lines and not timed_out:
         raise SandboxUnavailable(f"the code sandbox did not start: {_setup_error(text, returncode)}")
-    given = [status for status in verdicts if status in _STATUSES]
-    signum = -returncode if returncode < 0 else returncode - 128 if returncode > 128 else 0
-    note = ""
+    given = [line.partition(" ") for line in lines if line.partition(" ")[0] in _STATUSES]
     if timed_out:
         status, note = "timeout", f"sandbox: killed after the {timeout:g} s timeout"
-    elif len(given) == 1:
-        status = given[0]
-    elif signum == signal.SIGXCPU:
-        status, note = "timeout", f"sandbox: CPU time limit ({cpu_seconds} s) exceeded"
-    elif signum:
-        status = "error"
-        name = signal.Signals(signum).name if signum in signal.valid_signals() else str(signum)
-        note = f"sandbox: killed by signal {name}"
-    else:
-        status, note = "error", f"sandbox: the code ended before finishing (exit code {returncode})"
+    elif given:
+        status, _, note = given[0]
+    else:  # the judge itself ended without a verdict (its limits, or a kill)
+        status, note = "error", f"sandbox: the judge ended without a verdict (exit code {returncode})"
     if note:
         text = f"{text.rstrip()}\n{note}".lstrip("\n")
     return SandboxResult(passed=status == "passed", status=status, output=text)
@@ -445,10 +649,10 @@ def require_sandbox() -> None:
     _probe(_bwrap())
 
 
-def _verdicts(pipe: int, token: bytes) -> list[str]:
-    """The statuses the bootstrap wrote (lines `<token> <status>`), in order; anything else is ignored."""
+def _verdicts(pipe: int) -> list[str]:
+    """The lines the judge wrote ("ready", then "<status> [note]"), in order."""
     data = b""
-    while len(data) < (1 << 20):  # the pipe holds what the code wrote; nothing writes any more
+    while len(data) < (1 << 20):  # only the judge writes there, and it has ended
         try:
             chunk = os.read(pipe, 1 << 16)
         except BlockingIOError:
@@ -456,8 +660,7 @@ def _verdicts(pipe: int, token: bytes) -> list[str]:
         if not chunk:
             break
         data += chunk
-    prefix = token + b" "
-    return [line[len(prefix):].decode("ascii", "replace") for line in data.split(b"\n") if line.startswith(prefix)]
+    return [line.decode("utf-8", "replace") for line in data.split(b"\n") if line]
 
 
 def _setup_error(text: str, returncode: int) -> str:
