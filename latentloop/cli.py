@@ -508,7 +508,11 @@ def cmd_generate(args) -> int:
     model, tokenizer, _, _ = load_run(args.run, device)
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise LatentloopError(f"--top-p must be in (0, 1], got {args.top_p}")
-    options = model_options(model, _generation_options(args), cached=not args.no_cache)
+    # The engine fills in the defaults itself: hand it only what the user gave (checked here first, so
+    # a bad option fails before any work). Handing it the filled-in dict made every fbt run fail, the
+    # default `passes` read as given beside regime soft.
+    options = _generation_options(args)
+    model_options(model, options, cached=not args.no_cache)
     context = model.config.sequence_len
     max_new = args.max_new_tokens if args.max_new_tokens is not None else min(DEFAULT_NEW_TOKENS, context // 2)
     try:
@@ -557,7 +561,8 @@ def cmd_chat(args) -> int:
                               f"--init-from {args.run} --data chat:...)")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise LatentloopError(f"--top-p must be in (0, 1], got {args.top_p}")
-    options = model_options(model, _generation_options(args))
+    options = _generation_options(args)  # the given ones only: the engine fills in the defaults (see generate)
+    model_options(model, options)
     budget = args.max_new_tokens or min(DEFAULT_NEW_TOKENS, model.config.sequence_len // 2)
     start = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(start)
