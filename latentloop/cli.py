@@ -78,7 +78,8 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run", help="run folder or checkpoint folder")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default loopback only; any other needs an API key)")
-    p.add_argument("--port", type=_non_negative_int, default=8000, help="port (default 8000)")
+    p.add_argument("--port", type=_non_negative_int, default=8000,
+                   help="port, at most 65535 (default 8000; 0: any free port, printed at start)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda[:N], mps")
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' (default: ${defaults.API_KEY_ENV} when set)")

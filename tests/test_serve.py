@@ -49,9 +49,25 @@ LONG_STEPS = 256
 RGPT_TIMEOUT_S = 5  # --request-timeout of the rgpt server (its other requests take about a second)
 TOK = ByteTokenizer()
 CHAT_TOK = ByteTokenizer(chat=True)
+# A model's own chat template (ChatML), and one that loops for a while on the message "slow": about 4e8
+# template steps, ~30 s on an idle core, far longer than the test that sends it takes (it stops the
+# server, and so the render); finite, so that a render left running ends all the same
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SLOW_CONTENT = "slow"
+SLOW_TEMPLATE = ("{% if messages[-1].content == '" + SLOW_CONTENT + "' %}{% for i in range(100000) %}"
+                 "{% for j in range(4000) %}{% endfor %}{% endfor %}{% endif %}" + CHATML)
+TEMPLATE_TIMEOUT_S = 2  # --request-timeout of the slow-template server
+RESPONSIVE_S = 5  # the most /health may take while a template renders (2 busy cores, GIL shared with it)
+PROMPT_EXIT_S = 10  # from SIGTERM to the process's end while a render that would take far longer runs
 STOPS = [TOK.eos_id, TOK.bos_id]  # what `latentloop generate` and the server stop on
 
 httpx = pytest.importorskip("httpx")
+try:
+    import jinja2  # noqa: F401
+    HAS_JINJA = True
+except ImportError:
+    HAS_JINJA = False
 
 
 # --------------------------------------------------------------------------------------------
@@ -197,6 +213,24 @@ class Server:
                 self.proc.wait()
 
 
+def template_run(folder: Path, template: str) -> Path:
+    """A random-init gpt run whose tokenizer is a small byte-level BPE with ChatML's special
+    tokens and `template` as its chat template (as an imported model's)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from latentloop.data import HFTokenizer
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(["hello world, the loop"], trainer=trainer)
+    tok = HFTokenizer(bpe.to_str(), 0, 0, 0, chat_template=template)  # <|endoftext|>: BOS, EOS and PAD
+    model = ll.build("gpt", preset="test", sequence_len=CONTEXT, vocab_size=tok.vocab_size, bos_id=tok.bos_id)
+    return save_run(model, tok, folder).parents[1]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("serve_runs")
@@ -207,6 +241,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     torch.manual_seed(len(ARCHS))  # a model with the chat format (as `train --stage sft` leaves one)
     out["chat"] = save_run(ll.build("fbt", preset="test", sequence_len=CONTEXT, vocab_size=CHAT_TOK.vocab_size),
                            CHAT_TOK, folder / "chat").parents[1]
+    out["template"] = template_run(folder / "template", SLOW_TEMPLATE)
     return out
 
 
@@ -230,6 +265,8 @@ def servers(runs, tmp_path_factory):
                        "--batch-window-ms", "1500", "--api-key", API_KEY)
     specs["doomed"] = (runs["rgpt"],)
     specs["chat"] = (runs["chat"],)
+    if HAS_JINJA:  # chat templates render with jinja2 (the hf extra); stopped by its test
+        specs["template"] = (runs["template"], "--request-timeout", str(TEMPLATE_TIMEOUT_S))
     started = {}
     try:
         for name, (run, *flags) in specs.items():
@@ -551,3 +588,135 @@ def test_chat_completions_render_the_sft_format_and_match_the_engine(servers, ru
     echo = httpx.post(server.url + "/v1/chat/completions", json={"messages": messages, "echo": True},
                       timeout=CALL_TIMEOUT_S)
     assert echo.status_code == 400 and "echo" in echo.json()["error"]["message"]
+
+
+# --------------------------------------------------------------------------------------------
+# What a hostile client or a broken run cannot do: hold the event loop, the memory, the stack, the
+# command line
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_chat_template_that_renders_slowly_holds_up_nothing(servers):
+    """A chat request whose template renders for ~30 s: /health and a chat request that renders
+    at once are answered meanwhile, the slow one gets 504 at --request-timeout, and SIGTERM ends
+    the server within seconds while a render runs (its client gets 503)."""
+    if not HAS_JINJA:
+        pytest.skip("chat templates need jinja2")
+    server = servers["template"]
+    slow = {"messages": [{"role": "user", "content": SLOW_CONTENT}], "max_tokens": 2}
+    results: dict[str, object] = {}
+
+    def send(key: str) -> None:
+        start = time.monotonic()
+        results[key] = httpx.post(server.url + "/v1/chat/completions", json=slow, timeout=CALL_TIMEOUT_S)
+        results[key + "_s"] = time.monotonic() - start
+
+    def wait_rendering() -> None:
+        deadline = time.monotonic() + CALL_TIMEOUT_S
+        while httpx.get(server.url + "/v1/stats", timeout=RESPONSIVE_S).json()["rendering"] < 1:
+            assert time.monotonic() < deadline, "the slow render did not start"
+            time.sleep(POLL_S)
+
+    first = threading.Thread(target=send, args=("first",))
+    first.start()
+    wait_rendering()
+    for _ in range(3):  # while the template renders, the loop answers
+        assert httpx.get(server.url + "/health", timeout=RESPONSIVE_S).status_code == 200
+    quick = httpx.post(server.url + "/v1/chat/completions", timeout=CALL_TIMEOUT_S,
+                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert quick.status_code == 200 and quick.json()["object"] == "chat.completion"
+    first.join(CALL_TIMEOUT_S)
+    reply = results["first"]
+    assert reply.status_code == 504, reply.text
+    assert reply.json()["error"]["code"] == "timeout" and "--request-timeout" in reply.json()["error"]["message"]
+    assert TEMPLATE_TIMEOUT_S <= results["first_s"] < TEMPLATE_TIMEOUT_S + RESPONSIVE_S
+    # SIGTERM while a render runs: the process ends within seconds, the request with 503
+    second = threading.Thread(target=send, args=("second",))
+    second.start()
+    wait_rendering()
+    start = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    server.proc.wait(PROMPT_EXIT_S)
+    assert time.monotonic() - start < PROMPT_EXIT_S
+    second.join(CALL_TIMEOUT_S)
+    assert results["second"].status_code == 503 and "shutting down" in results["second"].text
+
+
+def raw_exchange(server: Server, head: bytes, pieces=()) -> bytes:
+    """Send the head and the pieces on a socket of its own, then read until the server closes.
+    A server that waits for more of the body never answers: the read times out."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=CALL_TIMEOUT_S) as conn:
+        conn.sendall(head)
+        for piece in pieces:
+            conn.sendall(piece)
+        reply = b""
+        while chunk := conn.recv(2**16):
+            reply += chunk
+    return reply
+
+
+def test_a_body_past_the_limit_is_refused_as_it_arrives(servers):
+    """413 for an authenticated body over the limit, reading no more of it than the limit: a
+    Content-Length past it is refused before any byte of the body; a chunked body gets its 413
+    as soon as its bytes pass the limit, although it never ends; either way the connection closes."""
+    from latentloop.serve.app import MAX_BODY_BYTES
+
+    server = servers["limits"]
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {API_KEY}\r\n"
+            f"Content-Type: application/json\r\n").encode()
+    declared = raw_exchange(server, head + f"Content-Length: {30 * MAX_BODY_BYTES}\r\n\r\n".encode())
+    assert declared.startswith(b"HTTP/1.1 413") and b"larger than" in declared
+    piece = 2**20
+    chunks = [b"%x\r\n" % piece + b"[" * piece + b"\r\n"] * (MAX_BODY_BYTES // piece)  # the limit exactly...
+    chunks.append(b"1\r\n[\r\n")  # ... and one byte more; never the last chunk (0) that would end it
+    chunked = raw_exchange(server, head + b"Transfer-Encoding: chunked\r\n\r\n", chunks)
+    assert chunked.startswith(b"HTTP/1.1 413") and b"connection: close" in chunked.lower()
+    assert httpx.get(server.url + "/health", timeout=CALL_TIMEOUT_S).status_code == 200
+
+
+@pytest.mark.parametrize("body", [b"[" * 100_000 + b"]" * 100_000,  # past the decoder's recursion (was 500)
+                                  b'{"prompt": ' + b"[" * 900 + b"1" + b"]" * 900 + b"}"],  # decoded, past the limit
+                         ids=["100k-deep", "900-deep-prompt"])
+def test_a_deeply_nested_body_gets_400(servers, body):
+    """Nesting is refused by its depth, before anything recurses over it (the decoder, the checks,
+    an error message's repr)."""
+    reply = post(servers["limits"], body, **KEY)
+    assert reply.status_code == 400, reply.text
+    assert "nests arrays and objects deeper than" in reply.json()["error"]["message"]
+
+
+def test_cli_refuses_a_bad_or_busy_port_with_one_line(runs, capsys):
+    assert main(["serve", str(runs["gpt"]), "--port", "99999"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--port must be in [0, 65535]" in err
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        assert main(["serve", str(runs["gpt"]), "--port", str(busy.getsockname()[1]), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot listen on 127.0.0.1" in err and "in use" in err
+
+
+PROBE_LIMIT_S = 0.2  # serve's limit on the startup probe, in the test (a template that loops takes ~3 s)
+# renders anything in ~1 s on an idle core (the probe renders three times): in the test, a loop
+LOOPING_TEMPLATE = "{% for i in range(100000) %}{% for j in range(150) %}{% endfor %}{% endfor %}" + CHATML
+
+
+@pytest.mark.parametrize("template", [LOOPING_TEMPLATE, "{{ raise_exception('no probes here') }}"],
+                         ids=["loops", "raises"])
+def test_a_template_that_fails_the_startup_probe_stops_serve_with_one_line(tmp_path, capsys, monkeypatch,
+                                                                           template):
+    """serve renders a probe conversation with the chat template before it listens: one that
+    fails or loops stops it (exit 2, one line) instead of a server that never listens."""
+    if not HAS_JINJA:
+        pytest.skip("chat templates need jinja2")
+    import uvicorn
+
+    from latentloop.serve import app
+
+    monkeypatch.setattr(app, "CHAT_PROBE_TIMEOUT_S", PROBE_LIMIT_S)
+    monkeypatch.setattr(uvicorn.Server, "run", lambda *args, **kwargs: pytest.fail("serve went on to listen"))
+    run = template_run(tmp_path / "run", template)
+    assert main(["serve", str(run), "--port", "0", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "chat template" in err

@@ -6,6 +6,13 @@ Endpoints: GET /health (no key needed), GET /v1/models, POST /v1/completions, PO
 /v1/stats, and
 vLLM's tokenizer endpoints GET /tokenizer_info, POST /tokenize, POST /detokenize (lm-eval's
 `local-completions` model uses them as its tokenizer with `tokenizer_backend=remote`).
+
+The event loop only moves bytes and events: decoding a JSON body, tokenizing and rendering a chat
+template run in daemon threads (`_Threads`), so that one slow request (a chat template that loops,
+a 16 MB prompt) never holds up /health or the other requests. Every request is bounded by
+`--request-timeout` from its first byte: a body that does not arrive in time gets 408 (the client
+was too slow to send it), work of the server's own that does not end in time gets 504 (as a
+generation past its time always did).
 """
 
 from __future__ import annotations
@@ -16,8 +23,10 @@ import hmac
 import json
 import socket
 import sys
+import threading
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +46,19 @@ from .protocol import (
 from .scheduler import Done, Failed, Job, Scheduler
 from .settings import ServeSettings, check_settings
 
-DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks whether its client went away
-MAX_BODY_BYTES = 16 * 2**20  # larger request bodies are refused (413) before they are read
+DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks whether its client went away or the server stops
+MAX_BODY_BYTES = 16 * 2**20  # larger request bodies are refused (413), reading no more than this
+# JSON nesting a request may have: OpenAI's bodies nest 5 deep at most (body, messages, message, content
+# parts, part); the limit keeps deep bodies from the recursion of the decoder and of the checks after it
+MAX_JSON_DEPTH = 64
+# Threads for blocking work at once, per kind; more requests wait for a slot (within their timeout).
+# Chat rendering has its own slots: a template that never ends holds a slot till it does, and must not
+# starve /v1/completions and the tokenizer endpoints, whose work always ends.
+RENDER_THREADS = 4
+PREPARE_THREADS = 4
+# What serve allows the chat template to render its probe conversation at start (a real template takes
+# milliseconds): longer means it loops, and serve stops with one line instead of never listening
+CHAT_PROBE_TIMEOUT_S = 30.0
 SHUTDOWN_GRACE_S = 5.0  # after a signal, uvicorn waits this long for open connections, then cancels them
 # --------------------------------------------------------------------------------------------
 # The application
@@ -51,17 +71,89 @@ def _declared(option) -> dict:
             "keywords": list(option.keywords) or None}
 
 
-async def _json_body(request: Request) -> Any:
+async def _read_body(request: Request) -> bytes:
+    """The request body, refused (413) as soon as it is known to exceed MAX_BODY_BYTES: by its
+    Content-Length before any of it is read, else (a chunked body) once the bytes read pass the
+    limit, so that no more than the limit is ever held."""
+    too_large = APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-        raise APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _nested_deeper(value: Any, limit: int) -> bool:
+    """Whether arrays and objects nest more than `limit` levels in `value` (without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        for item in node.values() if isinstance(node, dict) else node:
+            if isinstance(item, (list, dict)):
+                stack.append((item, depth + 1))
+    return False
+
+
+def _decode_json(raw: bytes) -> Any:
+    """The decoded body, or a 400 naming what is wrong with it (blocking: run it off the loop)."""
+    too_deep = bad_request(f"the request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels")
     try:
-        return json.loads(raw)
+        value = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:  # deeper than the decoder's recursion allows: far past the limit
+        raise too_deep from None
+    if isinstance(value, (list, dict)) and _nested_deeper(value, MAX_JSON_DEPTH):
+        raise too_deep
+    return value
+
+
+class _Threads:
+    """Blocking work off the event loop: each call in a daemon thread of its own, at most `limit`
+    at once (more wait for a slot). Not an executor: asyncio.run joins its default executor at
+    exit and the interpreter joins a ThreadPoolExecutor's threads, so a call that never returns (a
+    chat template that loops) would keep the process from exiting on SIGTERM. A call keeps its slot
+    until it returns, also when its request has given up on it: runaway calls cannot pile up threads."""
+
+    def __init__(self, name: str, limit: int):
+        self.name = name
+        self.busy = 0  # calls running, those whose request has given up included
+        self._slots = asyncio.Semaphore(limit)
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        await self._slots.acquire()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def settle(ok: bool, value: Any) -> None:  # on the loop
+            self.busy -= 1
+            self._slots.release()
+            if not future.done():  # else its request gave up on it (timeout, shutdown)
+                future.set_result(value) if ok else future.set_exception(value)
+
+        def work() -> None:  # in the thread
+            try:
+                outcome = (True, fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to the request, which raises it
+                outcome = (False, exc)
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
+                loop.call_soon_threadsafe(settle, *outcome)
+
+        self.busy += 1
+        try:
+            threading.Thread(target=work, name=f"latentloop-{self.name}", daemon=True).start()
+        except BaseException:
+            self.busy -= 1
+            self._slots.release()
+            raise
+        return await future
 
 
 def _sse(payload: Any) -> str:
@@ -77,6 +169,8 @@ def create_app(model, tokenizer, name: str, settings: ServeSettings) -> FastAPI:
     arch = model.config.arch
     created = int(time.time())
     counters = {"timeouts": 0, "disconnects": 0}
+    renders = _Threads("render", RENDER_THREADS)  # chat requests: their checks and the chat template
+    prepares = _Threads("prepare", PREPARE_THREADS)  # JSON decoding, completions' checks and tokenizing
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -89,7 +183,10 @@ def create_app(model, tokenizer, name: str, settings: ServeSettings) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        # a body refused before its end (413, 408) is left unread: closing the connection stops the
+        # client sending the rest, where keeping it open would read (and drop) all of it first
+        headers = {"Connection": "close"} if exc.status in (408, 413) else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -114,6 +211,38 @@ def create_app(model, tokenizer, name: str, settings: ServeSettings) -> FastAPI:
 
     router = APIRouter(dependencies=[Depends(authorize)])
 
+    def timed_out() -> APIError:
+        counters["timeouts"] += 1
+        return APIError(504, f"the request took longer than {settings.request_timeout:g} s (--request-timeout)",
+                        type="server_error", code="timeout")
+
+    def body_timed_out() -> APIError:
+        counters["timeouts"] += 1
+        return APIError(408, f"the request body did not arrive within {settings.request_timeout:g} s "
+                             f"(--request-timeout)", code="timeout")
+
+    async def bounded(work: Awaitable, deadline: float, past_deadline: Callable[[], APIError]) -> Any:
+        """The result of `work`; or `past_deadline()` once the deadline has passed, or 503 once the
+        server begins to stop, whichever comes first. Given up, `work` is cancelled (work in a thread
+        goes on until it returns, but nobody waits for it)."""
+        task = asyncio.ensure_future(work)
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise past_deadline()
+                if scheduler.stopping:
+                    raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
+                done, _ = await asyncio.wait({task}, timeout=min(left, DISCONNECT_POLL_S))
+                if done:
+                    return task.result()
+        finally:
+            task.cancel()  # a no-op once done
+
+    async def read_json(request: Request, deadline: float) -> Any:
+        raw = await bounded(_read_body(request), deadline, body_timed_out)
+        return await bounded(prepares.run(_decode_json, raw), deadline, timed_out)
+
     @app.get("/health")
     async def health() -> dict:
         snapshot = scheduler.snapshot()
@@ -128,7 +257,7 @@ def create_app(model, tokenizer, name: str, settings: ServeSettings) -> FastAPI:
 
     @router.get("/v1/stats")
     async def stats() -> dict:
-        return {**scheduler.snapshot(), **counters}
+        return {**scheduler.snapshot(), **counters, "rendering": renders.busy, "preparing": prepares.busy}
 
     @router.get("/tokenizer_info")
     async def get_tokenizer_info() -> dict:
@@ -136,7 +265,8 @@ def create_app(model, tokenizer, name: str, settings: ServeSettings) -> FastAPI:
 
     @router.post("/tokenize")
     async def tokenize(request: Request) -> dict:
-        body = await _json_body(request)
+        deadline = time.monotonic() + settings.request_timeout
+        body = await read_json(request, deadline)
         text = body.get("prompt") if isinstance(body, dict) else None
         if not isinstance(text, str):
             raise bad_request("tokenize takes {\"prompt\": TEXT, \"add_special_tokens\": true|false}", "prompt")
@@ -144,19 +274,23 @@ def create_app(model, tokenizer, name: str, settings: ServeSettings) -> FastAPI:
         if not isinstance(add, bool):
             raise bad_request(f"add_special_tokens must be true or false, got {add!r}", "add_special_tokens")
         try:
-            ids = tokenize_text(tokenizer, text, add)
+            ids = await bounded(prepares.run(tokenize_text, tokenizer, text, add), deadline, timed_out)
         except UnicodeEncodeError:
             raise bad_request("prompt is not valid UTF-8 text", "prompt") from None
         return {"tokens": ids, "count": len(ids), "max_model_len": context}
 
-    @router.post("/detokenize")
-    async def detokenize(request: Request) -> dict:
-        body = await _json_body(request)
+    def detokenize_ids(body: Any) -> str:  # blocking: checks and decodes up to a body's worth of ids
         ids = body.get("tokens") if isinstance(body, dict) else None
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
                                                 and 0 <= t < tokenizer.vocab_size for t in ids):
             raise bad_request(f"detokenize takes {{\"tokens\": [ids in [0, {tokenizer.vocab_size})]}}", "tokens")
-        return {"prompt": tokenizer.decode(ids)}
+        return tokenizer.decode(ids)
+
+    @router.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        deadline = time.monotonic() + settings.request_timeout
+        body = await read_json(request, deadline)
+        return {"prompt": await bounded(prepares.run(detokenize_ids, body), deadline, timed_out)}
 
     async def next_event(queue: asyncio.Queue, job: Job, request: Request, deadline: float):
         """The job's next event; None when the client went away; APIError 504 past the deadline.
@@ -165,9 +299,7 @@ def create_app(model, tokenizer, name: str, settings: ServeSettings) -> FastAPI:
             left = deadline - time.monotonic()
             if left <= 0:
                 job.cancel()
-                counters["timeouts"] += 1
-                raise APIError(504, f"the request took longer than {settings.request_timeout:g} s "
-                                    f"(--request-timeout)", type="server_error", code="timeout")
+                raise timed_out()
             try:
                 return await asyncio.wait_for(queue.get(), min(left, DISCONNECT_POLL_S))
             except asyncio.TimeoutError:
@@ -192,8 +324,11 @@ def create_app(model, tokenizer, name: str, settings: ServeSettings) -> FastAPI:
     async def respond(request: Request, chat: bool):
         """One completions or chat-completions request, plain or streamed: the same parsing,
         scheduling and events; only the shape of a choice differs (`text` vs `message` / `delta`)."""
-        body = await _json_body(request)
-        parsed = parse_completion(body, model, tokenizer, limits, name, chat=chat)
+        deadline = time.monotonic() + settings.request_timeout  # the whole request, from its first byte
+        body = await read_json(request, deadline)
+        # the checks tokenize the prompt, or render the conversation with the model's chat template
+        parsed = await bounded((renders if chat else prepares).run(parse_completion, body, model, tokenizer, limits,
+                                                                   name, chat), deadline, timed_out)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -203,7 +338,6 @@ def create_app(model, tokenizer, name: str, settings: ServeSettings) -> FastAPI:
 
         job = Job(parsed, post, tokenizer)
         scheduler.submit(job)
-        deadline = time.monotonic() + settings.request_timeout
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": name, "object": "chat.completion" if chat else "text_completion"}
         chunk_object = "chat.completion.chunk" if chat else "text_completion"
@@ -298,15 +432,46 @@ def create_app(model, tokenizer, name: str, settings: ServeSettings) -> FastAPI:
 # --------------------------------------------------------------------------------------------
 
 
-def _check_port(host: str, port: int) -> None:
-    """A one-line error now rather than uvicorn's log line and exit 1 after the model is loaded."""
+def _bind(host: str, port: int) -> socket.socket:
+    """The server's socket, bound now and listening only once uvicorn runs: a port in use is one
+    line before the model is loaded, nothing can take the port while it loads, and `--port 0` gets
+    a port that can be printed."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port in TIME_WAIT is free
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise LatentloopError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+def _probe_chat_format(tokenizer, limit_s: float) -> None:
+    """Settle the tokenizer's chat format before serving: with a Hugging Face chat template, the
+    template renders a probe conversation to find its end-of-turn token. A template that fails
+    it, or does not render it within `limit_s`, stops serve with one line (exit 2): every chat
+    request would fail alike, and the scheduler stops generation at that token, so the server
+    cannot run without it. The probe runs in a daemon thread, which is left behind if it loops."""
+    outcome: dict[str, Any] = {}
+
+    def probe() -> None:
         try:
-            probe.bind((host, port))
-        except OSError as exc:
-            raise LatentloopError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+            getattr(tokenizer, "chat_tokens", None)  # computed once and cached by the tokenizer
+        except BaseException as exc:  # noqa: BLE001 - raised below, in the main thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=probe, name="latentloop-chat-probe", daemon=True)
+    thread.start()
+    thread.join(limit_s)
+    if thread.is_alive():
+        raise LatentloopError(f"the model's chat template did not render a two-turn probe conversation within "
+                              f"{limit_s:g} s (it loops?): fix the chat_template in the run's tokenizer.json")
+    error = outcome.get("error")
+    if isinstance(error, LatentloopError):
+        raise LatentloopError(f"the model's chat template fails its probe conversation: {error}") from None
+    if error is not None:
+        raise error
 
 
 def serve(settings: ServeSettings) -> None:
@@ -316,21 +481,29 @@ def serve(settings: ServeSettings) -> None:
     from ..runtime import load_run, resolve_device
 
     check_settings(settings)
-    _check_port(settings.host, settings.port)
-    device = resolve_device(settings.device)
-    model, tokenizer, _, checkpoint = load_run(settings.run, device)
-    run_dir = checkpoint.parent.parent if Path(settings.run).resolve() == checkpoint.resolve() else Path(settings.run)
-    name = settings.model_name or run_dir.resolve().name  # the run's name, also when given a checkpoint folder
-    app = create_app(model, tokenizer, name, settings)
+    sock = _bind(settings.host, settings.port)
+    try:
+        device = resolve_device(settings.device)
+        model, tokenizer, _, checkpoint = load_run(settings.run, device)
+        run_dir = (checkpoint.parent.parent if Path(settings.run).resolve() == checkpoint.resolve()
+                   else Path(settings.run))
+        name = settings.model_name or run_dir.resolve().name  # the run's name, also when given a checkpoint folder
+        _probe_chat_format(tokenizer, CHAT_PROBE_TIMEOUT_S)
+        app = create_app(model, tokenizer, name, settings)
 
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame) -> None:
-            app.state.scheduler.stop()  # running requests end with an error now, so their connections close
-            super().handle_exit(sig, frame)
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig, frame) -> None:
+                # running requests end with an error now (those decoding, rendering or reading a
+                # body alike), so their connections close and the shutdown waits for none of them
+                app.state.scheduler.stop()
+                super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
-                            access_log=settings.access_log, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
-    host = f"[{settings.host}]" if ":" in settings.host else settings.host
-    print(f"latentloop: serving {name!r} ({model.config.arch}, {checkpoint}) at http://{host}:{settings.port}/v1 "
-          f"on {device}; Ctrl+C stops", file=sys.stderr, flush=True)
-    Server(config).run()
+        config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
+                                access_log=settings.access_log, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+        host = f"[{settings.host}]" if ":" in settings.host else settings.host
+        port = sock.getsockname()[1]
+        print(f"latentloop: serving {name!r} ({model.config.arch}, {checkpoint}) at http://{host}:{port}/v1 "
+              f"on {device}; Ctrl+C stops", file=sys.stderr, flush=True)
+        Server(config).run(sockets=[sock])
+    finally:
+        sock.close()

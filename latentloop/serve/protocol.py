@@ -26,7 +26,7 @@ from typing import Any
 from ..archs import option_union
 from ..data.tokenizers import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN
 from ..engine import MAX_SEED, model_options
-from ..errors import ConfigError
+from ..errors import ConfigError, LatentloopError
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions when max_tokens is not given
 MAX_LOGPROBS = 5  # OpenAI's limit on `logprobs` (alternatives reported per token) for completions
@@ -256,8 +256,11 @@ def chat_prompts(messages: Any, tokenizer) -> tuple[list[list[int]], list[bool]]
                           "`latentloop train --stage sft`, or use /v1/completions", "messages")
     try:
         return [render_prompt(tokenizer, messages, "messages")], [False]
-    except ChatFormatError as error:
+    except ChatFormatError as error:  # this conversation: the client can send another
         raise bad_request(str(error), "messages") from None
+    except LatentloopError as error:  # the model's template itself (past its limits, ...): the server's fault
+        raise APIError(500, f"the model's chat template failed: {error}", type="server_error",
+                       code="chat_template_failed") from None
 
 
 def _describe(value: Any) -> str:

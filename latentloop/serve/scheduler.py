@@ -189,6 +189,11 @@ class Scheduler:
         it only sets a flag, which the thread reads at its next step)."""
         self._stopping.set()
 
+    @property
+    def stopping(self) -> bool:
+        """Whether `stop` was called: handlers waiting for other work give up with 503 too."""
+        return self._stopping.is_set()
+
     def join(self, timeout: float) -> None:
         self.stop()
         if self._thread.is_alive():

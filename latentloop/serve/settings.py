@@ -13,6 +13,7 @@ DEFAULT_MAX_QUEUE = 256  # requests waiting for a round before 429
 DEFAULT_BATCH_WINDOW_MS = 5.0  # how long an idle server waits for more requests before a round
 DEFAULT_REQUEST_TIMEOUT_S = 300.0  # a request (queue wait included) running longer ends with 504
 API_KEY_ENV = "LATENTLOOP_API_KEY"
+MAX_PORT = 2**16 - 1  # TCP ports are 16 bits (0: any free port)
 
 
 @dataclass
@@ -47,8 +48,10 @@ def check_settings(settings: ServeSettings) -> None:
                               f"key with --api-key or ${API_KEY_ENV} (clients send 'Authorization: Bearer KEY')")
     for name, value, minimum in (("--max-tokens-cap", settings.max_tokens_cap, 1),
                                  ("--max-batch-size", settings.max_batch_size, 1),
-                                 ("--max-queue", settings.max_queue, 1), ("--port", settings.port, 0)):
+                                 ("--max-queue", settings.max_queue, 1)):
         if value < minimum:
             raise LatentloopError(f"{name} must be >= {minimum}, got {value}")
+    if not 0 <= settings.port <= MAX_PORT:
+        raise LatentloopError(f"--port must be in [0, {MAX_PORT}] (0: any free port), got {settings.port}")
     if settings.batch_window_ms < 0 or settings.request_timeout <= 0:
         raise LatentloopError("--batch-window-ms must be >= 0 and --request-timeout > 0")
