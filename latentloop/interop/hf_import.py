@@ -19,12 +19,20 @@ The mapping (exact: the tests compare logits with transformers' own classes):
 - no QK-norm, no embedding norm, no soft-cap; rope_theta and `linear` / `llama3` rope scaling.
 Anything else (another family, another activation, an o_proj bias, YaRN, a sliding window shorter
 than the imported context, ...) is refused with one line naming it.
+
+Before any weight is read or any model built, `hf_checks` checks every config.json field the
+import reads, the safetensors headers against the shapes the config implies, and the memory the
+import needs against the machine's; a bad folder costs milliseconds, not an allocation of the
+size its config claims. The run is written into a hidden folder beside --out and renamed into
+place at the end: a failed import leaves nothing there.
 """
 
 from __future__ import annotations
 
-import json
+import os
 import re
+import secrets
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -33,18 +41,33 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from ..archs import build_model
-from ..checkpoint import save_weights_checkpoint
+from ..checkpoint import fsync_dir, save_weights_checkpoint
 from ..config import DataConfig, ModelConfig, RunConfig, TrainConfig, model_config
-from ..data.tokenizers import TOKENIZER_FILE, HFTokenizer
+from ..data.tokenizers import CHAT_TEMPLATE_FILE, TOKENIZER_FILE, HFTokenizer
 from ..errors import ConfigError, DataError, InteropError
+from .hf_checks import (
+    MAX_METADATA_BYTES,
+    HFFields,
+    TensorHeader,
+    check_memory,
+    check_tensor_shapes,
+    read_json_object,
+    read_tensor_headers,
+    shown,
+)
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2")  # model_type values of the Llama family we can express
 QKV_BIAS_FAMILIES = ("qwen2",)  # families whose q, k, v projections always carry biases
 ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3"}  # HF rope type -> latentloop rope_scaling
+# transformers' defaults for fields a Llama config may leave out
+DEFAULT_ROPE_THETA = 10000.0
+DEFAULT_MAX_POSITIONS = 2048
+DEFAULT_RMS_NORM_EPS = 1e-6
 HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json",
              "tokenizer_config.json", "generation_config.json"]
 REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 IGNORED_TENSORS = re.compile(r".*rotary_emb\.inv_freq$")  # old checkpoints stored RoPE tables
+STAGING_PREFIX = ".importing-"  # the hidden folder beside --out that the run is written into first
 
 
 def rope_half_flip(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -94,35 +117,23 @@ def read_hf_config(folder: Path) -> dict[str, Any]:
     file = folder / "config.json"
     if not file.is_file():
         raise InteropError(f"{folder} holds no config.json (not a Hugging Face model folder)")
-    try:
-        config = json.loads(file.read_text())
-    except json.JSONDecodeError as exc:
-        raise InteropError(f"cannot read {file}: {exc}") from None
-    if not isinstance(config, dict):
-        raise InteropError(f"{file} is not a JSON object")
-    return config
+    return read_json_object(file)
 
 
-def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of model.safetensors, or of the shards model.safetensors.index.json lists."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, AttributeError) as exc:
-            raise InteropError(f"cannot read {index}: {exc}") from None
-    elif (folder / "model.safetensors").is_file():
-        shards = ["model.safetensors"]
-    else:
-        found = sorted(p.name for p in folder.glob("*.bin"))
-        hint = f" (found {found[0]}: PyTorch .bin checkpoints are not supported, only safetensors)" if found else ""
-        raise InteropError(f"{folder} holds no model.safetensors or model.safetensors.index.json{hint}")
+def read_hf_weights(headers: dict[str, TensorHeader]) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint files the headers were read from (see `read_tensor_headers`);
+    a tensor holding NaN or inf is refused, naming it and its file."""
     weights: dict[str, torch.Tensor] = {}
-    for shard in shards:
+    for file in sorted({header.file for header in headers.values()}):
         try:
-            weights.update(load_file(str(folder / shard)))
+            tensors = load_file(str(file))
         except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
-            raise InteropError(f"cannot read weights {folder / shard}: {str(exc).splitlines()[0]}") from None
+            raise InteropError(f"cannot read weights {file}: {str(exc).splitlines()[0]}") from None
+        for name, tensor in tensors.items():
+            if not bool(torch.isfinite(tensor).all()):
+                raise InteropError(f"{file}: tensor {name} holds NaN or inf; a checkpoint with non-finite weights "
+                                   f"cannot be imported")
+        weights.update(tensors)
     return weights
 
 
@@ -131,72 +142,101 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
 # --------------------------------------------------------------------------------------------
 
 
-def _rope_settings(hf: dict[str, Any]) -> dict[str, Any]:
+def _rope_settings(hf: HFFields) -> dict[str, Any]:
     """rope_theta and scaling from either layout: transformers 5's `rope_parameters` or the
-    older top-level `rope_theta` + `rope_scaling`."""
-    params = dict(hf.get("rope_parameters") or {})
-    scaling = dict(hf.get("rope_scaling") or {})
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    merged = {**scaling, **{k: v for k, v in params.items() if k != "rope_theta"}}
-    rope_type = merged.get("rope_type", merged.get("type", "default"))
+    older top-level `rope_theta` + `rope_scaling`, each field checked for the rope type's needs."""
+    params = HFFields(hf.section("rope_parameters"), hf.file, "rope_parameters.")
+    scaling = HFFields(hf.section("rope_scaling"), hf.file, "rope_scaling.")
+    theta = (params.positive_float("rope_theta") if params.has("rope_theta")
+             else hf.positive_float("rope_theta", DEFAULT_ROPE_THETA))
+    # the section that names the rope type is the one a missing field is reported in
+    home = scaling if scaling.values and not (params.has("rope_type") or params.has("type")) else params
+    type_key = "rope_type" if params.has("rope_type") or scaling.has("rope_type") else "type"
+    type_source = params if params.has(type_key) else scaling
+    rope_type = type_source.string(type_key, "default")
     if rope_type not in ROPE_TYPES:
         raise InteropError(f"rope_scaling type {rope_type!r} is not supported (supported: "
                            f"{', '.join(t for t in ROPE_TYPES if t != 'default')})")
-    if float(merged.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))) != 1.0:
+
+    def source(key: str) -> HFFields:  # rope_parameters wins where both layouts name a field
+        chosen = params if params.has(key) else scaling if scaling.has(key) else home
+        return HFFields(chosen.values, hf.file, chosen.prefix, missing=f"rope type {rope_type} needs it")
+
+    partial = source("partial_rotary_factor")
+    partial = partial if partial.has("partial_rotary_factor") else hf
+    if partial.number("partial_rotary_factor", 1.0) != 1.0:
         raise InteropError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
-    settings: dict[str, Any] = {"rope_theta": float(theta), "rope_scaling": ROPE_TYPES[rope_type]}
+    settings: dict[str, Any] = {"rope_theta": theta, "rope_scaling": ROPE_TYPES[rope_type]}
     if rope_type in ("linear", "llama3"):
-        settings["rope_factor"] = float(merged["factor"])
+        factor = source("factor").positive_float("factor")
+        if factor < 1:  # transformers refuses it too: scaling stretches the trained context, never shrinks it
+            raise source("factor").fail("factor", f"a number >= 1 for rope type {rope_type}")
+        settings["rope_factor"] = factor
     if rope_type == "llama3":
-        settings.update(rope_low_freq_factor=float(merged["low_freq_factor"]),
-                        rope_high_freq_factor=float(merged["high_freq_factor"]),
-                        rope_original_max_positions=int(merged["original_max_position_embeddings"]))
+        low = source("low_freq_factor").positive_float("low_freq_factor")
+        high = source("high_freq_factor").positive_float("high_freq_factor")
+        if low >= high:
+            raise source("low_freq_factor").fail("low_freq_factor", f"below high_freq_factor ({high:g})")
+        settings.update(rope_low_freq_factor=low, rope_high_freq_factor=high,
+                        rope_original_max_positions=source("original_max_position_embeddings").positive_int(
+                            "original_max_position_embeddings"))
     return settings
 
 
-def config_from_hf(hf: dict[str, Any], sequence_len: int | None = None, bos_id: int = 0) -> ModelConfig:
+def config_from_hf(hf: dict[str, Any], sequence_len: int | None = None, bos_id: int = 0,
+                   file: str | Path = "config.json") -> ModelConfig:
     """The `gpt` config that expresses a Hugging Face Llama-family config exactly, or a one-line
-    InteropError naming what it cannot express."""
+    InteropError naming what it cannot express or the field of `file` that is malformed."""
+    fields = HFFields(hf, file)
     family = hf.get("model_type")
     if any(key in hf for key in ("num_local_experts", "num_experts", "moe_intermediate_size")):
-        raise InteropError(f"model_type {family!r} is a mixture of experts, which is not supported")
+        raise InteropError(f"model_type {shown(family)} is a mixture of experts, which is not supported")
     if family not in SUPPORTED_FAMILIES:
-        raise InteropError(f"model_type {family!r} is not supported (supported: {', '.join(SUPPORTED_FAMILIES)}: "
+        raise InteropError(f"model_type {shown(family)} is not supported (supported: {', '.join(SUPPORTED_FAMILIES)}: "
                            f"the Llama family)")
     if hf.get("quantization_config"):
         raise InteropError("quantized checkpoints are not supported (import the full-precision weights)")
-    act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
+    act_key = "hidden_act" if fields.has("hidden_act") else "hidden_activation"
+    act = fields.string(act_key, "silu")
     if act != "silu":
-        raise InteropError(f"hidden_act {act!r} is not supported (only silu: SwiGLU)")
-    if hf.get("attention_bias"):
+        raise InteropError(f"hidden_act {shown(act)} is not supported (only silu: SwiGLU)")
+    if fields.boolean("attention_bias", False):
         raise InteropError("attention_bias=true is not supported (it puts a bias on o_proj; only q/k/v biases "
                            "can be expressed)")
-    if hf.get("mlp_bias"):
+    if fields.boolean("mlp_bias", False):
         raise InteropError("mlp_bias=true is not supported (MLP projections without biases only)")
-    try:
-        D, n_head = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-        n_layer, vocab = int(hf["num_hidden_layers"]), int(hf["vocab_size"])
-        intermediate = int(hf["intermediate_size"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise InteropError(f"config.json lacks a usable {exc} (not a Llama-family config)") from None
-    head_dim = hf.get("head_dim")
-    if head_dim is not None and int(head_dim) * n_head != D:
+    D, n_head = fields.positive_int("hidden_size"), fields.positive_int("num_attention_heads")
+    n_layer, vocab = fields.positive_int("num_hidden_layers"), fields.positive_int("vocab_size")
+    intermediate = fields.positive_int("intermediate_size")
+    if D % n_head:
+        raise InteropError(f"{file}: hidden_size ({D}) must be divisible by num_attention_heads ({n_head})")
+    head_dim = fields.positive_int("head_dim", None)
+    if head_dim is not None and head_dim * n_head != D:
         raise InteropError(f"head_dim {head_dim} != hidden_size / num_attention_heads ({D} / {n_head}) is not "
                            f"supported")
-    positions = int(hf.get("max_position_embeddings", 2048))
+    if (D // n_head) % 2:
+        raise InteropError(f"{file}: head_dim (hidden_size / num_attention_heads = {D // n_head}) must be even "
+                           f"for RoPE")
+    n_kv_head = fields.positive_int("num_key_value_heads", n_head)
+    if n_kv_head > n_head or n_head % n_kv_head:
+        raise InteropError(f"{file}: num_key_value_heads ({n_kv_head}) must divide num_attention_heads ({n_head})")
+    positions = fields.positive_int("max_position_embeddings", DEFAULT_MAX_POSITIONS)
     sequence_len = sequence_len or positions
-    window = hf.get("sliding_window")
-    uses_window = hf.get("use_sliding_window", family == "mistral") and window is not None
-    if uses_window and sequence_len > int(window):
+    window = fields.positive_int("sliding_window", None)
+    uses_window = fields.boolean("use_sliding_window", family == "mistral") and window is not None
+    if uses_window and sequence_len > window:
         raise InteropError(f"sliding-window attention (window {window}) is not supported beyond the window: "
                            f"import with --sequence-len {window} or less, where it equals full attention")
+    norm_eps = fields.positive_float("rms_norm_eps", DEFAULT_RMS_NORM_EPS, below=1.0)
+    tie = fields.boolean("tie_word_embeddings", False)
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):  # the tokenizer reads these
+        fields.token_ids(name)
     try:
         return model_config(
             "gpt", None, vocab_size=vocab, sequence_len=sequence_len, n_layer=n_layer, n_embd=D, n_head=n_head,
-            n_kv_head=int(hf.get("num_key_value_heads") or n_head), mlp="swiglu", intermediate_size=intermediate,
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)), logit_softcap=0.0, bos_id=bos_id,
-            embed_norm=False, qk_norm=False, learned_norms=True, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            qkv_bias=family in QKV_BIAS_FAMILIES, **_rope_settings(hf))
+            n_kv_head=n_kv_head, mlp="swiglu", intermediate_size=intermediate, tie_embeddings=tie, logit_softcap=0.0,
+            bos_id=bos_id, embed_norm=False, qk_norm=False, learned_norms=True, norm_eps=norm_eps,
+            qkv_bias=family in QKV_BIAS_FAMILIES, **_rope_settings(fields))
     except ConfigError as exc:
         raise InteropError(f"cannot express this config: {exc}") from None
 
@@ -252,17 +292,31 @@ def convert_weights(hf_weights: dict[str, torch.Tensor], config: ModelConfig) ->
 # --------------------------------------------------------------------------------------------
 
 
-def import_hf(source: str | Path, out: str | Path, sequence_len: int | None = None) -> dict[str, Any]:
-    """Read a Hugging Face checkpoint (folder or Hub name) into a new latentloop run folder.
-    Returns a summary (run folder, checkpoint, parameters, config)."""
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise InteropError(f"{out} exists and is not empty; choose another output folder")
-    if sequence_len is not None and sequence_len < 1:
-        raise InteropError(f"--sequence-len must be >= 1, got {sequence_len}")
-    folder = resolve_source(source)
-    hf = read_hf_config(folder)
-    config = config_from_hf(hf, sequence_len)  # refuses unsupported families before reading any weights
+def check_out_folder(out: Path) -> None:
+    """--out must name a folder to create, or an empty one: checked before any work is done."""
+    try:
+        if out.exists() and not out.is_dir():
+            raise InteropError(f"--out {out} is a file; give a folder to create")
+        if out.is_dir() and any(out.iterdir()):
+            raise InteropError(f"{out} exists and is not empty; choose another output folder")
+    except OSError as exc:
+        raise InteropError(f"cannot use --out {out}: {exc.strerror or exc}") from None
+    ancestor = next(p for p in Path(os.path.abspath(out)).parents if p.exists())
+    if not ancestor.is_dir():
+        raise InteropError(f"cannot create --out {out}: {ancestor} is a file, not a folder")
+
+
+def read_hf_tokenizer(folder: Path, config: ModelConfig, hf: dict[str, Any]) -> HFTokenizer:
+    """The folder's tokenizer.json with the special tokens its config names; the files are checked
+    to be UTF-8 JSON objects first, so a binary file is one line naming it."""
+    for name, max_bytes in ((TOKENIZER_FILE, None), ("tokenizer_config.json", MAX_METADATA_BYTES)):
+        if (folder / name).is_file():  # a vocabulary's tokenizer.json may be large: no cap on it
+            read_json_object(folder / name, max_bytes)
+    if (folder / CHAT_TEMPLATE_FILE).is_file():
+        try:
+            (folder / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            raise InteropError(f"cannot read {folder / CHAT_TEMPLATE_FILE}: not UTF-8 text") from None
     try:
         tokenizer = HFTokenizer.from_pretrained_folder(folder, vocab_size=config.vocab_size, config=hf)
     except DataError as exc:
@@ -270,22 +324,74 @@ def import_hf(source: str | Path, out: str | Path, sequence_len: int | None = No
     if tokenizer.vocab_size > config.vocab_size:
         raise InteropError(f"the tokenizer has {tokenizer.vocab_size} ids but the model only {config.vocab_size} "
                            f"embedding rows")
+    return tokenizer
+
+
+def import_hf(source: str | Path, out: str | Path, sequence_len: int | None = None) -> dict[str, Any]:
+    """Read a Hugging Face checkpoint (folder or Hub name) into a new latentloop run folder.
+    Returns a summary (run folder, checkpoint, parameters, config).
+
+    Everything that can be checked is checked before anything big is read or allocated: the
+    config's fields, the checkpoint's tensor shapes and dtypes (from the safetensors headers)
+    against the config, the memory needed against the machine's, the tokenizer. The run is then
+    written into a hidden folder beside `out` and renamed into place, so a failure leaves
+    nothing at `out`."""
+    out = Path(out)
+    check_out_folder(out)
+    if sequence_len is not None and sequence_len < 1:
+        raise InteropError(f"--sequence-len must be >= 1, got {sequence_len}")
+    folder = resolve_source(source)
+    hf = read_hf_config(folder)
+    config = config_from_hf(hf, sequence_len, file=folder / "config.json")  # refuses unsupported families first
+    headers = read_tensor_headers(folder)
+    params = check_tensor_shapes(config, headers, folder / "config.json", IGNORED_TENSORS)
+    check_memory(config, headers, params, folder)
+    tokenizer = read_hf_tokenizer(folder, config, hf)
     config.bos_id = tokenizer.bos_id
+    weights = convert_weights(read_hf_weights(headers), config)  # the checkpoint as stored is freed here
     model = build_model(config)
-    weights = convert_weights(read_hf_weights(folder), config)
     expected = model.state_dict()
     for name, tensor in weights.items():
         if expected[name].shape != tensor.shape:
             raise InteropError(f"tensor {name} has shape {tuple(tensor.shape)}, the config implies "
                                f"{tuple(expected[name].shape)}")
     model.load_state_dict(weights, strict=True)
-    run = RunConfig(model=config, train=TrainConfig(), data=DataConfig(tokenizer=str(out / TOKENIZER_FILE)))
-    out.mkdir(parents=True, exist_ok=True)
-    run.save_json(out / "config.json")
-    tokenizer.save(out)
-    (out / "metrics.jsonl").write_text("")
+    del weights, expected  # the model holds its own copy; writing the checkpoint needs the room
     state = {"step": 0, "tokens_seen": 0, "flops_seen": 0.0, "elapsed": 0.0,
              "imported_from": str(source), "model_type": hf.get("model_type")}
-    checkpoint = save_weights_checkpoint(out, 0, model, state)
+    checkpoint = _write_run(out, config, tokenizer, model, state)
     return {"run": str(out), "checkpoint": str(checkpoint), "source": str(source), "model_type": hf.get("model_type"),
             "params": model.num_params(), "model": config.to_dict()}
+
+
+def _write_run(out: Path, config: ModelConfig, tokenizer: HFTokenizer, model: torch.nn.Module,
+               state: dict[str, Any]) -> Path:
+    """The run folder (config, tokenizer, metrics, one weights-only checkpoint), written into a
+    staging folder beside `out` and renamed onto it at the end; on any failure the staging folder
+    and every parent folder made for it are removed again. Returns the checkpoint's final path."""
+    target = Path(os.path.abspath(out))
+    made = [p for p in (target.parent, *target.parent.parents) if not p.exists()]  # deepest first
+    staging = target.parent / f"{STAGING_PREFIX}{target.name}-{os.getpid()}-{secrets.token_hex(4)}"
+    done = False
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging.mkdir()
+        run = RunConfig(model=config, train=TrainConfig(), data=DataConfig(tokenizer=str(out / TOKENIZER_FILE)))
+        run.save_json(staging / "config.json")
+        tokenizer.save(staging)
+        (staging / "metrics.jsonl").write_text("")
+        checkpoint = save_weights_checkpoint(staging, 0, model, state)
+        os.replace(staging, target)  # onto an empty folder too (POSIX rename replaces an empty directory)
+        fsync_dir(target.parent)
+        done = True
+    except OSError as exc:
+        raise InteropError(f"cannot write {out}: {exc.strerror or exc}") from None
+    finally:
+        if not done:
+            shutil.rmtree(staging, ignore_errors=True)
+            for parent in made:
+                try:
+                    parent.rmdir()
+                except OSError:  # someone else put something there meanwhile: keep it
+                    break
+    return out / checkpoint.relative_to(staging)
