@@ -674,6 +674,17 @@ def test_a_body_past_the_limit_is_refused_as_it_arrives(servers):
     assert httpx.get(server.url + "/health", timeout=CALL_TIMEOUT_S).status_code == 200
 
 
+def test_a_body_that_does_not_arrive_in_time_gets_408(servers):
+    """--request-timeout counts from the request's first byte: a client that sends part of its
+    body and stalls gets 408 at the timeout (not a connection held open for ever)."""
+    server = servers["rgpt"]
+    start = time.monotonic()
+    reply = raw_exchange(server, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+                                 b"\r\nContent-Length: 100\r\n\r\n", [b'{"prompt": "x", '])
+    assert reply.startswith(b"HTTP/1.1 408") and b"--request-timeout" in reply
+    assert RGPT_TIMEOUT_S <= time.monotonic() - start < CALL_TIMEOUT_S
+
+
 @pytest.mark.parametrize("body", [b"[" * 100_000 + b"]" * 100_000,  # past the decoder's recursion (was 500)
                                   b'{"prompt": ' + b"[" * 900 + b"1" + b"]" * 900 + b"}"],  # decoded, past the limit
                          ids=["100k-deep", "900-deep-prompt"])

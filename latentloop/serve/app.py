@@ -57,8 +57,10 @@ MAX_JSON_DEPTH = 64
 RENDER_THREADS = 4
 PREPARE_THREADS = 4
 # What serve allows the chat template to render its probe conversation at start (a real template takes
-# milliseconds): longer means it loops, and serve stops with one line instead of never listening
-CHAT_PROBE_TIMEOUT_S = 30.0
+# milliseconds): longer means it loops, and serve stops with one line instead of never listening. A
+# backstop: latentloop.data.chat bounds each render itself (and the start of its renderer process, on a
+# loaded machine) and says so more precisely; this must stay above the sum of those limits.
+CHAT_PROBE_TIMEOUT_S = 120.0
 SHUTDOWN_GRACE_S = 5.0  # after a signal, uvicorn waits this long for open connections, then cancels them
 # --------------------------------------------------------------------------------------------
 # The application
