@@ -13,9 +13,13 @@
         dcp/                   an fsdp2 run's shards of weights and optimizer states, written by every
                                process (torch.distributed.checkpoint); model.safetensors is then the
                                copy gathered on rank 0 (train.full_weights) or `latentloop export-dcp`'s
+            checksums.json     the sha256 of every other file of dcp/, checked before DCP reads any
 
-No file of a checkpoint is a pickle: loading one never runs code, whoever wrote it. A checkpoint
-of an older version (`trainer.pt`) is read with `torch.load(weights_only=True)` or refused.
+No file of a checkpoint is unpickled freely: loading one never runs code, whoever wrote it. A
+checkpoint of an older version (`trainer.pt`) is read with `torch.load(weights_only=True)` or
+refused. DCP's own files are pickles (`dcp/.metadata`, and its non-tensor entries); they are read
+only through `load_sharded_state`, which admits nothing but DCP's metadata classes and plain data
+(see "Sharded checkpoints" below).
 
 A checkpoint is written into `.tmp-step_N/`, every file and the folder fsynced, and renamed into
 place, so an interrupted save never leaves a half-written checkpoint. Re-saving a step first renames
@@ -26,12 +30,17 @@ to `.del-step_N/` before deleting it, so a half-deleted folder never looks like 
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import io
 import json
 import math
 import os
+import pickle
 import shutil
 import tempfile
-from pathlib import Path
+import warnings
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 import torch
@@ -39,7 +48,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from .config import RunConfig
-from .errors import CheckpointError, ConfigError, NonFiniteError, OutputError
+from .errors import CheckpointError, ConfigError, LatentloopError, NonFiniteError, OutputError
 
 CHECKPOINT_PREFIX = "step_"
 TMP_PREFIX = ".tmp-"  # a checkpoint being written
@@ -543,6 +552,297 @@ def read_trainer_state(checkpoint: Path) -> tuple[dict[str, Any], dict[str, Any]
     if not isinstance(meta, dict) or not isinstance(trainer, dict) or not {"optimizers", "rng"} <= set(trainer):
         raise CheckpointError(f"cannot resume from {checkpoint}: its trainer state is incomplete")
     return meta, trainer
+
+
+# --------------------------------------------------------------------------------------------
+# Sharded checkpoints (dcp/): checksums, and DCP's pickles read without running code
+# --------------------------------------------------------------------------------------------
+
+# torch.distributed.checkpoint (DCP) writes shard files (`__R_N.distcp`: tensors saved with
+# torch.save, and each non-tensor entry, e.g. an optimizer's param_groups, as a pickle of its own)
+# and, on rank 0, `.metadata`: a pickled index of which entry lives in which file at which offset.
+# DCP's FileSystemReader unpickles `.metadata` with plain `pickle.load` and its default planner the
+# non-tensor entries with `torch.load(weights_only=False)`: a planted file would run code. We read
+# both through allow-lists instead (`load_sharded_state`); tensors DCP already loads with
+# weights_only=True.
+DCP_METADATA = ".metadata"
+DCP_CHECKSUMS = "checksums.json"  # the sha256 of every other file of dcp/
+DCP_CHECKSUMS_FORMAT = 1  # bump when the layout of checksums.json changes
+HASH_BLOCK_BYTES = 1 << 20  # read size when hashing a shard: bounded memory, whatever its size
+
+# The globals DCP's `.metadata` refers to, listed from the metadata our own fsdp2 runs write (one
+# and two processes): its dataclasses, torch.Size, the dtypes (admitted by type in
+# `_MetadataUnpickler`) and the helpers layouts and memory formats pickle through.
+DCP_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                                              "TensorStorageMetadata", "BytesStorageMetadata",
+                                              "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"),
+    "torch.distributed.checkpoint.filesystem": ("_StorageInfo",),
+    "torch": ("Size",),
+    "torch.serialization": ("_get_layout",),  # a torch.layout pickles as _get_layout("torch.strided")
+}
+# storage_meta.checkpoint_id, the folder it was saved to, is a path (informational: DCP reads from
+# the folder it is given). It is rebuilt as a pure path, which cannot touch the file system (and a
+# WindowsPath could not even be built here). Python 3.13 moved the classes to pathlib._local.
+PATH_MODULES = ("pathlib", "pathlib._local")
+PURE_PATHS = {"PosixPath": PurePosixPath, "PurePosixPath": PurePosixPath, "WindowsPath": PureWindowsPath,
+              "PureWindowsPath": PureWindowsPath}
+
+
+class _RefusedGlobal(pickle.UnpicklingError):
+    """A pickle refers to a global outside the allow-list (its name is the message)."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds nothing but what DCP's metadata is made of: any other global (os.system, a class with
+    a malicious __reduce__, ...) is refused before it is looked up, so unpickling runs no code of
+    the file's choosing. Persistent ids are refused by pickle itself (no persistent_load)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in DCP_METADATA_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if module in PATH_MODULES and name in PURE_PATHS:
+            return PURE_PATHS[name]
+        raise _RefusedGlobal(f"{module}.{name}")
+
+
+def _plain_file_name(name: Any) -> bool:
+    """A file directly in the folder: no path separator, not `.` or `..`."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "\0" not in name and os.sep not in name
+            and (os.altsep is None or os.altsep not in name))
+
+
+def read_sharded_metadata(folder: Path) -> Any:
+    """DCP's index of a sharded checkpoint (`folder/.metadata`, a `Metadata`), unpickled through
+    `_MetadataUnpickler`: a planted pickle is refused before it builds anything. Every shard file
+    it names must be a file of `folder` (no path leads out of it). Any problem is one
+    `CheckpointError` line naming the file."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    folder = Path(folder)
+    path = folder / DCP_METADATA
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing: {folder} is not a complete sharded checkpoint") from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except _RefusedGlobal as exc:
+        raise CheckpointError(f"{path} holds a pickled object that is not checkpoint metadata ({exc}): "
+                              f"refusing to load it") from None
+    except Exception as exc:  # a garbled pickle's bytes decide what it raises (EOFError, UnpicklingError, ...)
+        raise CheckpointError(f"{path} is unreadable (cut short or corrupt): {_first_line(exc)}") from None
+    if not (isinstance(metadata, Metadata) and isinstance(metadata.state_dict_metadata, dict)
+            and isinstance(metadata.storage_data, dict)):
+        raise CheckpointError(f"{path} holds a pickled {type(metadata).__name__}, not checkpoint metadata: "
+                              f"refusing to load it")
+    for info in metadata.storage_data.values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(info, _StorageInfo) or not _plain_file_name(name):
+            raise CheckpointError(f"{path} names a shard outside {folder} ({name!r}): refusing to load it")
+        if not (folder / name).is_file():
+            raise CheckpointError(f"{folder / name} is missing (its shards are listed in {path})")
+    return metadata
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(HASH_BLOCK_BYTES), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_sharded_checksums(folder: Path) -> None:
+    """Record the sha256 of every file of a sharded checkpoint folder in its `checksums.json`.
+
+    Called on rank 0 once `dcp.save` has returned there: DCP's last collective of a save comes after
+    every process has written (and fsynced) its shard files and rank 0 its `.metadata`, so the
+    folder is complete, and no process writes to it any more. Rank 0 hashes every process's files
+    (one read of the checkpoint, just written, so mostly from the page cache), which keeps the
+    manifest one file written by one process. It goes into the checkpoint's `.tmp-` folder like
+    every other file, so `commit_checkpoint` fsyncs it and renames it into place with the rest."""
+    folder = Path(folder)
+    try:
+        files = {p.name: sha256_file(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != DCP_CHECKSUMS}
+        _write_json_file(folder / DCP_CHECKSUMS, {"format": DCP_CHECKSUMS_FORMAT, "sha256": files})
+    except OSError as exc:
+        raise OutputError(f"cannot write {folder / DCP_CHECKSUMS}: {exc.strerror or exc}") from None
+
+
+def _recorded_checksums(manifest: Path) -> dict[str, str]:
+    try:
+        recorded = json.loads(manifest.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{manifest} is unreadable: {_first_line(exc)}") from None
+    files = recorded.get("sha256") if isinstance(recorded, dict) else None
+    if not isinstance(recorded, dict) or recorded.get("format") != DCP_CHECKSUMS_FORMAT:
+        found = recorded.get("format") if isinstance(recorded, dict) else None
+        raise CheckpointError(f"{manifest} has an unknown format ({found!r}; this version writes "
+                              f"{DCP_CHECKSUMS_FORMAT})")
+    if not isinstance(files, dict) or DCP_METADATA not in files \
+            or not all(isinstance(v, str) and _plain_file_name(k) for k, v in files.items()):
+        raise CheckpointError(f"{manifest} does not hold a sha256 for each file of its folder")
+    return files
+
+
+def verify_sharded_checksums(folder: Path, rank: int = 0, world: int = 1) -> bool:
+    """Check a sharded checkpoint's files against its `checksums.json` before DCP reads any: a
+    missing file, or one whose sha256 differs (a flipped bit, a copy cut short), is a
+    `CheckpointError` naming it. The processes of a job share the work (rank R hashes every
+    world-th file from the R-th on; each must then agree with the others on the outcome), and every
+    process checks `.metadata`, which it reads itself.
+
+    The checksums catch damage, not an attacker, who could rewrite them too: what keeps a planted
+    file from running code is `read_sharded_metadata` and `load_sharded_state`. Returns False for
+    a checkpoint saved before checksums were recorded: nothing is checked, and it loads as it is
+    (`check_sharded` says so in a warning)."""
+    folder = Path(folder)
+    manifest = folder / DCP_CHECKSUMS
+    if not manifest.is_file():
+        return False
+    files = _recorded_checksums(manifest)
+    for name in sorted(set(sorted(files)[rank::world]) | {DCP_METADATA}):
+        path = folder / name
+        try:
+            found = sha256_file(path)
+        except FileNotFoundError:
+            raise CheckpointError(f"{path} is missing (listed in {manifest})") from None
+        except OSError as exc:
+            raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
+        if found != files[name]:
+            raise CheckpointError(f"{path} is corrupt: its sha256 differs from the one recorded when it was saved "
+                                  f"(in {manifest})")
+    return True
+
+
+def check_sharded(folder: Path, rank: int = 0, world: int = 1) -> tuple[Any, str | None]:
+    """What each process does before loading a sharded checkpoint: its share of
+    `verify_sharded_checksums`, then `read_sharded_metadata`. Returns (DCP's metadata, for
+    `load_sharded_state`; a warning to print once, or None)."""
+    checked = verify_sharded_checksums(folder, rank, world)
+    metadata = read_sharded_metadata(folder)
+    note = None if checked else (f"{folder} has no {DCP_CHECKSUMS} (saved by an older version): its shards are "
+                                 f"loaded without a checksum check")
+    return metadata, note
+
+
+def dcp_cause(exc: BaseException) -> Exception:
+    """The error behind an error of `dcp.save` / `dcp.load`: DCP's CheckpointException (a
+    BaseException, raised alike on every process) holds each failed rank's error, and this is the
+    lowest failed rank's. One that is no Exception (a KeyboardInterrupt DCP caught on its way out)
+    is raised again as it is."""
+    cause: BaseException = exc
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        wrapped = failures[min(failures)]
+        cause = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+    if not isinstance(cause, Exception):
+        raise cause from None
+    return cause
+
+
+def _refused_global(exc: BaseException) -> str | None:
+    """The global torch's weights-only unpickler refused ("... unsupported GLOBAL posix.system
+    whose module ..."), or None when it failed otherwise (bytes that are no pickle)."""
+    words = str(exc).split()
+    for before, word in zip(words, words[1:]):
+        if before == "GLOBAL":
+            return word
+    return None
+
+
+def _first_sentence(exc: BaseException) -> str:
+    """The start of an error's first line (torch's zip reader appends advice to its reason)."""
+    return _first_line(exc).split(". ")[0].rstrip(".")
+
+
+@functools.cache
+def _sharded_io() -> tuple[type, type]:
+    """Our DCP reader and planner classes, built on first use (importing DCP takes most of a second,
+    which no command that reads no sharded checkpoint should pay)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class PlainDataPlanner(DefaultLoadPlanner):
+        """DCP's default load planner, except for the non-tensor entries (an optimizer's param_groups:
+        floats, bools, tuples, names): decoded with `torch.load(weights_only=True)` instead of
+        DCP's weights_only=False, so an entry holding anything but plain data is refused."""
+
+        def __init__(self, folder: Path):
+            super().__init__()
+            self.folder = Path(folder)
+
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            fqn = read_item.dest_index.fqn
+            try:
+                obj = torch.load(value, map_location="cpu", weights_only=True)
+            except Exception as exc:  # UnpicklingError for a refused global; others for bytes that are no pickle
+                shard = self.folder / self.metadata.storage_data[read_item.storage_index].relative_path
+                refused = _refused_global(exc)
+                if refused is None:
+                    raise CheckpointError(f"{shard} is corrupt: its entry {fqn} cannot be read "
+                                          f"({_first_sentence(exc)})") from None
+                raise CheckpointError(f"{shard} holds a pickled object that is not plain data ({refused}, in entry "
+                                      f"{fqn}): refusing to load it") from None
+            if self.flatten_state_dict:  # placed as DefaultLoadPlanner.load_bytes places it
+                set_element(self.original_state_dict, self.mappings[fqn], obj)
+            else:
+                self.state_dict[fqn] = obj
+
+    class CheckedReader(FileSystemReader):
+        """DCP's file reader, except that its metadata is the one `read_sharded_metadata` read (never
+        `pickle.load`), and that it reads only for a `PlainDataPlanner`."""
+
+        def __init__(self, folder: Path, metadata: Any = None):
+            super().__init__(folder)
+            self.metadata = metadata
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            # DCP asks again with rank=R for per-rank metadata only when this fails; ours never
+            # writes any, so both questions get the one `.metadata`
+            metadata = self.metadata if self.metadata is not None else read_sharded_metadata(Path(self.path))
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+        def read_data(self, plan, planner):
+            if not isinstance(planner, PlainDataPlanner):
+                raise TypeError("CheckedReader reads for a PlainDataPlanner only (DCP's default planner unpickles "
+                                "non-tensor entries freely)")
+            return super().read_data(plan, planner)
+
+    return CheckedReader, PlainDataPlanner
+
+
+def load_sharded_state(state_dict: dict[str, Any], folder: Path, metadata: Any, no_dist: bool) -> None:
+    """`torch.distributed.checkpoint.load` of `state_dict` (in place) from the sharded checkpoint
+    `folder`, through our reader and planner only (see `_sharded_io`), with the metadata
+    `check_sharded` read. Collective unless `no_dist`. Any failure, on any process, is one
+    `CheckpointError` line, the same on every process (the lowest failed rank's): DCP raises its
+    CheckpointException, a BaseException, which would otherwise escape `except Exception`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    reader, planner = _sharded_io()
+    folder = Path(folder)
+    try:
+        with warnings.catch_warnings():  # without a process group DCP warns that it reads in one process: we mean it
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state_dict, storage_reader=reader(folder, metadata), planner=planner(folder), no_dist=no_dist)
+    except (Exception, CheckpointException) as exc:
+        cause = dcp_cause(exc)
+        if isinstance(cause, LatentloopError):
+            raise CheckpointError(str(cause)) from None
+        raise CheckpointError(f"cannot load the sharded checkpoint {folder}: {_first_sentence(cause)}") from None
 
 
 # --------------------------------------------------------------------------------------------

@@ -29,15 +29,17 @@ Per block, before the strategy wraps the model:
 Checkpoints of an fsdp2 run (`save_sharded` / `load_sharded`) go through
 `torch.distributed.checkpoint`: every process writes its own shards of the model and optimizer
 (`get_state_dict` / `set_state_dict`), so saving never gathers the model; a run resumed on another
-number of processes is resharded on load. The single-file copy for `load` / `eval` / `generate`
-(`full_weights`) is gathered shard by shard into rank 0's CPU memory, never onto a GPU.
+number of processes is resharded on load. Rank 0 records every file's sha256 after a save, and a
+load checks them first and reads DCP's pickled metadata and non-tensor entries through allow-lists
+(`checkpoint.check_sharded` / `load_sharded_state`): a corrupt or planted file is one error line.
+The single-file copy for `load` / `eval` / `generate` (`full_weights`) is gathered shard by shard
+into rank 0's CPU memory, never onto a GPU.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -47,10 +49,16 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from .checkpoint import SHARDED_DIR
+from .checkpoint import (
+    SHARDED_DIR,
+    check_sharded,
+    dcp_cause,
+    load_sharded_state,
+    write_sharded_checksums,
+)
 from .config import TrainConfig
 from .errors import CheckpointError, OutputError
-from .runtime import current_dist
+from .runtime import agree, current_dist
 
 __all__ = ["SHARDED_DIR", "any_rank", "apply_activation_checkpointing", "compiles_whole_model", "full_weights",
            "gather_objects", "grad_norm", "gradient_sync", "load_full_optimizer_states", "load_full_weights",
@@ -225,37 +233,49 @@ def full_weights(model: nn.Module) -> dict[str, Tensor]:
 
 def save_sharded(folder: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> list[str]:
     """Every process writes its shards of the model and optimizer states into `folder`
-    (torch.distributed.checkpoint; collective). Returns the names of the parameters that have
-    optimizer state (one never updated has none), so that a resume can leave the others without."""
+    (torch.distributed.checkpoint; collective), then rank 0 records every file's sha256 in
+    `folder/checksums.json` (`write_sharded_checksums`). Returns the names of the parameters that
+    have optimizer state (one never updated has none), so that a resume can leave the others without."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optim_state = get_state_dict(model, optimizers)
     try:
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(folder))
-    except Exception as exc:  # CheckpointException (raised on every rank), OSError
-        raise OutputError(f"cannot write the sharded checkpoint {folder}: {str(exc).strip().splitlines()[0]}") from None
+    except (Exception, CheckpointException) as exc:  # CheckpointException: a BaseException, raised on every rank
+        cause = dcp_cause(exc)
+        text = str(cause).strip()
+        raise OutputError(f"cannot write the sharded checkpoint {folder}: "
+                          f"{text.splitlines()[0] if text else type(cause).__name__}") from None
+    if current_dist().is_main:  # dcp.save has returned: every process's files are complete
+        write_sharded_checksums(folder)
     return sorted(optim_state.get("state", {}))
 
 
 def load_sharded(folder: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer],
-                 with_state: list[str]) -> None:
+                 with_state: list[str]) -> str | None:
     """Load a `save_sharded` folder into this run's (possibly differently sharded) model and
-    optimizers (collective). Parameters that had no optimizer state when it was saved get none."""
-    import torch.distributed.checkpoint as dcp
+    optimizers (collective). Parameters that had no optimizer state when it was saved get none.
+
+    Before DCP reads anything, the processes check the files against their checksums (each its
+    share) and read DCP's metadata without unpickling it freely (`checkpoint.check_sharded`), and
+    all agree on the outcome; DCP then reads only through `checkpoint.load_sharded_state`. Returns
+    a warning for rank 0 to print (a checkpoint saved before checksums were recorded), or None."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    env = current_dist()
+    try:
+        metadata, note = check_sharded(folder, env.rank, env.world_size)
+    except CheckpointError as exc:
+        agree(exc)  # every process raises (the lowest failed rank's error), none goes on into DCP's collectives
+        raise  # agree raised already; kept for the type checker
+    agree(None)
     model_state, optim_state = get_state_dict(model, optimizers)  # fills empty optimizer states first
     keep = set(with_state)
     optim_state["state"] = {name: s for name, s in optim_state.get("state", {}).items() if name in keep}
     wanted = {"model": model_state, "optim": optim_state}
-    try:
-        with warnings.catch_warnings():  # without a process group DCP warns that it reads in one process: we mean it
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load(wanted, checkpoint_id=str(folder), no_dist=not (dist.is_available() and dist.is_initialized()))
-    except Exception as exc:  # CheckpointException (missing or corrupt files), OSError
-        raise CheckpointError(f"cannot load the sharded checkpoint {folder}: "
-                              f"{str(exc).strip().splitlines()[0]}") from None
+    load_sharded_state(wanted, folder, metadata, no_dist=not (dist.is_available() and dist.is_initialized()))
     # not strict: parameters never updated when it was saved have no optimizer state in the file (dcp.load
     # has already checked that every weight and every state asked for was there)
     set_state_dict(model, optimizers, model_state_dict=wanted["model"], optim_state_dict=wanted["optim"],
@@ -266,6 +286,7 @@ def load_sharded(folder: Path, model: nn.Module, optimizers: list[torch.optim.Op
             for p in group["params"]:
                 if names.get(p) not in keep:
                     opt.state.pop(p, None)
+    return note
 
 
 def _param_names(model: nn.Module) -> dict[nn.Parameter, str]:

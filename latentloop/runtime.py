@@ -23,8 +23,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import sys
 import tempfile
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -39,9 +39,11 @@ from . import errors
 from .archs import build_model
 from .checkpoint import (
     SHARDED_DIR,
+    check_sharded,
     check_weights_finite,
     find_tokenizer_file,
     fsync_dir,
+    load_sharded_state,
     load_weights,
     read_run_config,
     resolve_checkpoint,
@@ -440,8 +442,9 @@ def export_full_weights(path: str | Path, force: bool = False) -> Path:
     """Write `model.safetensors` into a checkpoint that holds sharded weights only (`dcp/`, an fsdp2
     run's), in this one process: the model is built on the CPU and the shards are read into it
     (torch.distributed.checkpoint, without a process group). Needs one full fp32 copy of the
-    weights in CPU memory; no GPU. The file is written atomically."""
-    import torch.distributed.checkpoint as dcp
+    weights in CPU memory; no GPU. The file is written atomically. The shards are checked against
+    their checksums and DCP's pickles read through allow-lists first (`checkpoint.check_sharded`):
+    a corrupt or planted file is one `CheckpointError` line, and nothing of it runs."""
     from safetensors.torch import save_file
 
     checkpoint = resolve_checkpoint(path)
@@ -451,16 +454,12 @@ def export_full_weights(path: str | Path, force: bool = False) -> Path:
     if target.exists() and not force:
         raise OutputError(f"{target} exists already (pass --force to write it again)")
     config = read_run_config(checkpoint)
+    metadata, note = check_sharded(sharded)
+    if note is not None:
+        print(f"latentloop: warning: {note}", file=sys.stderr)
     model = build_model(config.model)
     weights = model.state_dict()
-    try:
-        with warnings.catch_warnings():  # DCP warns that it reads in one process: that is the point here
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load({"model": weights}, checkpoint_id=str(sharded), no_dist=True)
-    except Exception as exc:  # CheckpointException: missing, corrupt or foreign shards
-        text = str(exc).strip()
-        raise CheckpointError(f"cannot read the sharded weights {sharded}: "
-                              f"{text.splitlines()[0] if text else type(exc).__name__}") from None
+    load_sharded_state({"model": weights}, sharded, metadata, no_dist=True)  # one line on missing / foreign shards
     weights = {name: t.detach().contiguous() for name, t in weights.items()}
     step = int(checkpoint.name.rsplit("_", 1)[-1]) if checkpoint.name.rsplit("_", 1)[-1].isdigit() else 0
     check_weights_finite(weights, step)

@@ -430,7 +430,9 @@ def _load_states(state: TrainState, checkpoint: Path, trainer: dict, weights: di
     try:
         if weights is None:  # a sharded checkpoint (torch.distributed.checkpoint), any strategy
             with_state = trainer.get("sharded", {}).get("optimizer_state_params", [])
-            load_sharded(checkpoint / SHARDED_DIR, state.model, state.optimizers, with_state)
+            note = load_sharded(checkpoint / SHARDED_DIR, state.model, state.optimizers, with_state)
+            if note is not None and state.dist.is_main:
+                _warn(note)
             return
         if len(trainer["optimizers"]) != len(state.optimizers):
             raise ValueError(f"{len(trainer['optimizers'])} optimizer states for {len(state.optimizers)} optimizers")

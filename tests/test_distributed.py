@@ -294,3 +294,30 @@ def test_an_error_before_the_processes_connect_is_printed_by_rank_0_only(corpus,
     assert printed == {0: ["latentloop: error: started as 2 processes (torchrun) but train.strategy is none: set "
                            "--set train.strategy=ddp or fsdp2"], 1: []}
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("damage", ["planted metadata pickle", "flipped bit in rank 1's share"])
+def test_a_damaged_sharded_checkpoint_ends_a_torchrun_resume_with_one_line(corpus, tmp_path, damage):
+    """Every process checks its share of the checksums and reads DCP's metadata without unpickling
+    it freely before DCP reads anything; all agree, rank 0 prints the one line."""
+    from test_sharded_checkpoints import dcp_folder, flip_bit, plant_metadata
+
+    run, marker = tmp_path / "run", tmp_path / "pwned"
+    try:  # a one-process fsdp2 run (a group of one) whose checkpoint holds dcp/ only
+        fit(setup(dist_workers.run_config("gpt", corpus, "fsdp2", steps=2, full_weights=False), run, progress=False),
+            progress=False)
+    finally:
+        torch.distributed.destroy_process_group()
+    if damage == "planted metadata pickle":
+        path = plant_metadata(run, marker)
+        reason = "holds a pickled object that is not checkpoint metadata"
+    else:
+        path = dcp_folder(run) / "__0_0.distcp"  # the checksums' second file: rank 1 hashes it
+        flip_bit(path)
+        reason = "is corrupt: its sha256 differs"
+    result = _torchrun(["train", "--resume", "--out", str(run), "--steps", "3", "--no-progress"], tmp_path)
+    assert not marker.exists()
+    lines = _error_lines(result)
+    assert result.returncode != 0 and len(lines) == 1 and f"{path} {reason}" in lines[0], result.stderr[-2000:]
+    workers = result.stderr.split("failed (exitcode")[0]  # what the processes printed before torchrun's report
+    assert "exitcode  : 2" in result.stderr and "Traceback" not in result.stdout + workers

@@ -1,0 +1,241 @@
+"""Sharded (fsdp2, torch.distributed.checkpoint) checkpoints read safely: a planted pickle in
+`dcp/` runs nothing on resume or export-dcp, every file is checked against the sha256 recorded when
+it was saved, and a damaged file is one error line (exit 2). One process here (a group of one); on
+two processes under torchrun: test_distributed.py."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from latentloop.checkpoint import (
+    DCP_CHECKSUMS,
+    DCP_METADATA,
+    read_sharded_metadata,
+    sha256_file,
+    write_sharded_checksums,
+)
+from latentloop.cli import main
+from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config
+from latentloop.errors import CheckpointError
+from latentloop.runtime import export_full_weights
+from latentloop.train import fit, setup
+
+REFUSED = f"{os.system.__module__}.system"  # how a pickle names os.system (posix.system here)
+RESUME_STEPS = "3"  # one step past the saved checkpoint
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                                reason="this torch build has no gloo backend")
+
+
+def run_config(corpus: Path, steps: int = 2) -> RunConfig:
+    return RunConfig(model=model_config("gpt", "test", sequence_len=32),
+                     train=TrainConfig(steps=steps, batch_size=2, eval_every=0, eval_batches=1, log_every=1,
+                                       warmup_steps=1, strategy="fsdp2", device="cpu", full_weights=False),
+                     data=DataConfig(source=f"text:{corpus}"))
+
+
+def leave_group() -> None:
+    """A command that failed in this process leaves its group of one up (a failed process exits
+    instead): the next test starts without it."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory) -> Path:
+    """A two-step fsdp2 run of one process whose checkpoint holds its weights in dcp/ only."""
+    corpus = tmp_path_factory.mktemp("corpus")
+    words = "the quick brown fox jumps over the lazy dog while latent state loops forward".split()
+    for i in range(40):
+        (corpus / f"doc{i:02d}.txt").write_text(" ".join(words[(i + j) % len(words)] for j in range(200)) + "\n")
+    run = tmp_path_factory.mktemp("saved") / "run"
+    try:
+        fit(setup(run_config(corpus), run, progress=False), progress=False)
+    finally:
+        leave_group()
+    return run
+
+
+@pytest.fixture
+def run(saved_run, tmp_path):
+    """A copy of the saved run for one test to damage."""
+    copy = tmp_path / "run"
+    shutil.copytree(saved_run, copy)
+    yield copy
+    leave_group()
+
+
+def dcp_folder(run: Path) -> Path:
+    return sorted((run / "checkpoints").iterdir())[-1] / "dcp"
+
+
+class Payload:
+    """Unpickled freely, it runs a shell command that creates `marker`."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch '{self.marker}'",)
+
+
+def rehash(folder: Path) -> None:
+    """Record the checksums again, as whoever planted a file could."""
+    (folder / DCP_CHECKSUMS).unlink()
+    write_sharded_checksums(folder)
+
+
+def plant_metadata(run: Path, marker: Path) -> Path:
+    folder = dcp_folder(run)
+    (folder / DCP_METADATA).write_bytes(pickle.dumps(Payload(marker)))
+    rehash(folder)
+    return folder / DCP_METADATA
+
+
+def plant_entry(run: Path, marker: Path, entry: str = "optim.param_groups.0.lr") -> Path:
+    """Point the non-tensor entry `entry` of the metadata at a torch.save'd payload appended to the
+    shard file (metadata and checksums rewritten to match, all of them legitimate in form)."""
+    folder = dcp_folder(run)
+    metadata = read_sharded_metadata(folder)
+    info, = [s for i, s in metadata.storage_data.items() if i.fqn == entry]
+    shard = folder / info.relative_path
+    payload = io.BytesIO()
+    torch.save(Payload(marker), payload)
+    info.offset, info.length = shard.stat().st_size, len(payload.getvalue())
+    with open(shard, "ab") as f:
+        f.write(payload.getvalue())
+    (folder / DCP_METADATA).write_bytes(pickle.dumps(metadata))
+    rehash(folder)
+    return shard
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, list[str]]:
+    capsys.readouterr()
+    code = main(argv)
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+def resume_argv(run: Path, *extra: str) -> list[str]:
+    return ["train", "--resume", "--out", str(run), "--steps", RESUME_STEPS, "--no-progress", *extra]
+
+
+ENTRY_POINTS = {
+    "export-dcp": lambda run: ["export-dcp", str(run)],
+    "resume under fsdp2": lambda run: resume_argv(run),
+    "resume in one plain process": lambda run: resume_argv(run, "--set", "train.strategy=none"),
+}
+
+
+@pytest.mark.parametrize("entry", list(ENTRY_POINTS))
+def test_a_planted_metadata_pickle_runs_nothing(run, tmp_path, capsys, entry):
+    marker = tmp_path / "pwned"
+    path = plant_metadata(run, marker)
+    code, err = run_cli(ENTRY_POINTS[entry](run), capsys)
+    assert not marker.exists()
+    assert code == 2 and len(err) == 1, err
+    assert f"{path} holds a pickled object that is not checkpoint metadata ({REFUSED}): refusing to load it" in err[0]
+
+
+def test_the_export_function_refuses_a_planted_metadata_pickle(run, tmp_path):
+    marker = tmp_path / "pwned"
+    plant_metadata(run, marker)
+    with pytest.raises(CheckpointError, match="not checkpoint metadata"):
+        export_full_weights(run)
+    assert not marker.exists() and not (dcp_folder(run).parent / "model.safetensors").exists()
+
+
+def test_a_planted_non_tensor_entry_runs_nothing_on_resume(run, tmp_path, capsys):
+    """DCP's own planner unpickles non-tensor entries (an optimizer's param_groups) with
+    weights_only=False; ours only decodes plain data."""
+    marker = tmp_path / "pwned"
+    shard = plant_entry(run, marker)
+    code, err = run_cli(resume_argv(run), capsys)
+    assert not marker.exists()
+    assert code == 2 and len(err) == 1, err
+    assert (f"{shard} holds a pickled object that is not plain data ({REFUSED}, in entry optim.param_groups.0.lr): "
+            f"refusing to load it") in err[0]
+
+
+def test_the_checksums_cover_every_file_of_dcp(saved_run):
+    folder = dcp_folder(saved_run)
+    recorded = json.loads((folder / DCP_CHECKSUMS).read_text())
+    files = {p.name for p in folder.iterdir()} - {DCP_CHECKSUMS}
+    assert DCP_METADATA in files and any(name.endswith(".distcp") for name in files)
+    assert recorded == {"format": 1, "sha256": {name: sha256_file(folder / name) for name in sorted(files)}}
+
+
+def flip_bit(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("name", [DCP_METADATA, "__0_0.distcp"])
+@pytest.mark.parametrize("entry", ["export-dcp", "resume under fsdp2"])
+def test_a_flipped_bit_is_named_before_anything_is_read(run, capsys, name, entry):
+    path = dcp_folder(run) / name
+    flip_bit(path)
+    code, err = run_cli(ENTRY_POINTS[entry](run), capsys)
+    assert code == 2 and len(err) == 1, err
+    assert f"{path} is corrupt: its sha256 differs from the one recorded when it was saved" in err[0]
+
+
+def test_a_missing_shard_is_named(run, capsys):
+    shard = dcp_folder(run) / "__0_0.distcp"
+    shard.unlink()
+    code, err = run_cli(ENTRY_POINTS["export-dcp"](run), capsys)
+    assert code == 2 and err == [f"latentloop: error: {shard} is missing (listed in {shard.parent / DCP_CHECKSUMS})"]
+
+
+def saved_before_checksums(run: Path) -> Path:
+    folder = dcp_folder(run)
+    (folder / DCP_CHECKSUMS).unlink()
+    return folder
+
+
+@pytest.mark.parametrize("entry", ["export-dcp", "resume under fsdp2"])
+def test_a_cut_short_metadata_is_one_line(run, capsys, entry):
+    path = saved_before_checksums(run) / DCP_METADATA
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    code, err = run_cli(ENTRY_POINTS[entry](run), capsys)
+    assert code == 2 and len(err) == 1, err
+    assert f"{path} is unreadable (cut short or corrupt): pickle data was truncated" in err[0]
+
+
+@pytest.mark.parametrize("entry", ["export-dcp", "resume under fsdp2"])
+def test_a_garbled_shard_is_one_line(run, capsys, entry):
+    """DCP's own error is a CheckpointException, a BaseException that used to escape as a traceback."""
+    folder = saved_before_checksums(run)
+    shard = folder / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])
+    code, err = run_cli(ENTRY_POINTS[entry](run), capsys)
+    errors = [line for line in err if line.startswith("latentloop: error:")]
+    assert code == 2 and len(errors) == 1 and not any("Traceback" in line for line in err), err
+    assert f"cannot load the sharded checkpoint {folder}: PytorchStreamReader failed reading zip archive" in errors[0]
+
+
+def test_a_checkpoint_saved_before_checksums_loads_with_a_warning(saved_run, run, tmp_path, capsys):
+    folder = saved_before_checksums(run)
+    code, err = run_cli(["export-dcp", str(run)], capsys)
+    assert code == 0
+    assert err == [f"latentloop: warning: {folder} has no {DCP_CHECKSUMS} (saved by an older version): its shards "
+                   f"are loaded without a checksum check"]
+    checked = shutil.copytree(saved_run, tmp_path / "checked")
+    a, b = load_file(str(folder.parent / "model.safetensors")), load_file(str(export_full_weights(checked)))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_sharded_checkpoint_resumes_and_records_new_checksums(run, capsys):
+    code, err = run_cli(resume_argv(run), capsys)
+    assert code == 0, err
+    folder = dcp_folder(run)
+    assert folder.parent.name.endswith(RESUME_STEPS) and (folder / DCP_CHECKSUMS).is_file()
