@@ -748,6 +748,9 @@ def _report(exc: LatentloopError) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns its exit code. Without `argv` (sys.argv) this is the process's own
+    command line, and after a command that joined a process group it ends the process itself
+    (`runtime.exit_without_finalizing`); with `argv` (tests, other Python code) it always returns."""
     args = build_parser().parse_args(argv)
     try:
         code = COMMANDS[args.command](args)
@@ -765,9 +768,11 @@ def main(argv: list[str] | None = None) -> int:
 
             time.sleep(PEER_GRACE_S)
         raise
-    from .runtime import destroy_distributed
+    from .runtime import destroy_distributed, exit_without_finalizing
 
-    destroy_distributed()  # after a failure the process exits instead: leaving a group can wait on its peers
+    # after a failure the process exits instead: leaving a group can wait on its peers
+    if destroy_distributed() and argv is None:  # this process's own command line (the script, python -m)
+        exit_without_finalizing(code)  # a process group's threads outlive it: see there
     return code
 
 

@@ -1,7 +1,8 @@
 """Sharded (fsdp2, torch.distributed.checkpoint) checkpoints read safely: a planted pickle in
 `dcp/` runs nothing on resume or export-dcp, every file is checked against the sha256 recorded when
-it was saved, and a damaged file is one error line (exit 2). One process here (a group of one); on
-two processes under torchrun: test_distributed.py."""
+it was saved, a damaged file is one error line (exit 2), and a distributed command line ends its
+process without the interpreter's teardown. One process here (a group of one); on two processes
+under torchrun: test_distributed.py."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import json
 import os
 import pickle
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -31,6 +34,7 @@ from latentloop.train import fit, setup
 
 REFUSED = f"{os.system.__module__}.system"  # how a pickle names os.system (posix.system here)
 RESUME_STEPS = "3"  # one step past the saved checkpoint
+SUBPROCESS_TIMEOUT_S = 120
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                                 reason="this torch build has no gloo backend")
@@ -239,3 +243,39 @@ def test_a_sharded_checkpoint_resumes_and_records_new_checksums(run, capsys):
     assert code == 0, err
     folder = dcp_folder(run)
     assert folder.parent.name.endswith(RESUME_STEPS) and (folder / DCP_CHECKSUMS).is_file()
+
+
+# Python's exit, step by step: atexit handlers run while the interpreter is whole, module teardown
+# (where an object's __del__ runs) only in its finalization.
+TEARDOWN_PROBE = """
+import atexit, sys
+from latentloop.cli import main
+
+atexit.register(lambda: print("atexit handlers ran", flush=True))
+
+class Teardown:
+    def __del__(self, out=sys.stdout):
+        out.write("the interpreter was torn down\\n")
+        out.flush()
+
+probe = Teardown()
+sys.exit(main())
+"""
+
+
+def test_a_distributed_command_line_ends_without_the_interpreter_teardown(saved_run, tmp_path):
+    """After a distributed command, the process group's C++ threads are still running (FSDP2 keeps
+    the gloo group alive past destroy_process_group), and a thread that meets a finalizing
+    interpreter can abort the process ("terminate called without an active exception"): the
+    command line ends its process after the atexit handlers, before the teardown."""
+    run = tmp_path / "run"
+    shutil.copytree(saved_run, run)
+    script = tmp_path / "probe.py"
+    script.write_text(TEARDOWN_PROBE)
+    here = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, str(script), *resume_argv(run)], capture_output=True, text=True,
+                            env=env, timeout=SUBPROCESS_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr
+    assert "atexit handlers ran" in result.stdout and "the interpreter was torn down" not in result.stdout
+    assert "trained gpt" in result.stdout  # what the command printed last still came out
