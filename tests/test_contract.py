@@ -18,7 +18,8 @@ from latentloop import build
 from latentloop.archs import ARCHS, get_arch
 from latentloop.cli import main
 from latentloop.data.tokenizers import ByteTokenizer
-from latentloop.engine import generate
+from latentloop.engine import generate, model_options, stream, teacher_forced_logits
+from latentloop.errors import ConfigError
 from latentloop.models.options import DecodeOption
 from latentloop.runtime import load_run, save_run
 
@@ -98,3 +99,72 @@ def test_cli_chat_after_sft_answers_for_every_option_set(arch, label, given, run
     out = capsys.readouterr()
     assert code == 0, out.err
     assert out.out.count("> ") >= 3 and "[new conversation]" in out.out
+
+
+# -- the decoding contract, through the API ---------------------------------------------------------
+TOL = 1e-5  # fp32: two paths computing the same function (the decoding protocol's bar)
+BOS = 256  # the byte tokenizer's
+PROMPTS = ([BOS, *b"hello"], [BOS, *b"a latent"])  # of different lengths: a ragged batch
+DECODE_STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def models():
+    made = {}
+    for arch in ARCHS:
+        torch.manual_seed(0)
+        made[arch] = build(arch, preset="test").eval()
+    return made
+
+
+def _decode(model, prompt, given, **kwargs):
+    steps = list(stream(model, prompt, DECODE_STEPS, temperature=0.0, logprobs=True, **given, **kwargs))
+    return [s.tokens[0] for s in steps], torch.tensor([s.logprobs[0] for s in steps])
+
+
+def _exact_cache(model, given) -> bool:
+    """Whether the declarations call the cache exact with these options. An approximate cache (rgpt's
+    mean / last) makes decoding depend on how tokens are grouped into calls, so neither the reference
+    path nor teacher-forced scoring (the rest of a text in one call) computes what token-by-token
+    decoding does."""
+    filled = model_options(model, given)
+    return all(option.exact_with_cache(filled[option.name]) for option in model.OPTIONS)
+
+
+def _has_a_reference(model, given) -> bool:
+    """Whether the uncached reference path is defined for these options (some need the cache)."""
+    try:
+        model_options(model, given, cached=False)
+    except ConfigError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("arch, label, given", CASES, ids=[f"{a}-{label}" for a, label, _ in CASES])
+def test_cached_decoding_equals_the_reference_path_and_scoring(arch, label, given, models):
+    model = models[arch]
+    prompt = PROMPTS[0]
+    tokens, logprobs = _decode(model, prompt, given)
+    if not _exact_cache(model, given):
+        pytest.skip(f"{label}: the declaration calls this cache approximate")
+    if _has_a_reference(model, given):
+        ref_tokens, ref_logprobs = _decode(model, prompt, given, use_cache=False)
+        assert tokens == ref_tokens
+        torch.testing.assert_close(logprobs, ref_logprobs, rtol=0, atol=TOL)
+    full = torch.tensor([prompt + tokens])
+    scored = teacher_forced_logits(model, full, prompt_len=len(prompt), **given)  # (1, T, V)
+    scored = torch.log_softmax(scored[0, len(prompt) - 1:-1].float(), -1)
+    torch.testing.assert_close(scored.gather(-1, torch.tensor(tokens)[:, None])[:, 0], logprobs, rtol=0, atol=TOL)
+
+
+@pytest.mark.parametrize("arch, label, given", CASES, ids=[f"{a}-{label}" for a, label, _ in CASES])
+def test_a_ragged_batch_decodes_each_row_as_alone(arch, label, given, models):
+    model = models[arch]
+    declared = {option.name: option for option in model.OPTIONS}
+    filled = model_options(model, given)
+    if any(declared[name].couples_rows is not None and declared[name].couples_rows(value)
+           for name, value in filled.items()):
+        pytest.skip(f"{label}: the declaration says a row may decode differently in a batch")
+    together = generate(model, list(PROMPTS), DECODE_STEPS, temperature=0.0, **given)
+    alone = [generate(model, prompt, DECODE_STEPS, temperature=0.0, **given) for prompt in PROMPTS]
+    assert together == alone

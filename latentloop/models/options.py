@@ -29,9 +29,16 @@ class DecodeOption:
     keywords: tuple[str, ...] = ()  # words accepted besides numbers (fbt passes: "auto")
     needs_cache: Callable[[Any], bool] | None = None  # value -> only meaningful with the KV cache
     applies_if: tuple[str, tuple] | None = None  # (other option, its values) this one needs
+    # value -> the cache approximates what the reference path computes (rgpt's mean / last core caches
+    # keep less than every step's keys): cached decoding is then its own function, not the reference's
+    approximates: Callable[[Any], bool] | None = None
     # value -> the work is decided for the whole batch (e.g. "until every row settled"), so a row
     # in a batch may decode differently from the same row alone; servers then decode it alone
     couples_rows: Callable[[Any], bool] | None = None
+
+    def exact_with_cache(self, value: Any) -> bool:
+        """Whether cached decoding with this value computes what the uncached reference path computes."""
+        return self.approximates is None or not self.approximates(value)
 
     @property
     def flag(self) -> str:
