@@ -1,11 +1,15 @@
 """The bad-input tally: every way a user can get the command line wrong that we know of, each run
 in-process through `latentloop.cli.main`; a case passes when it ends with exit code 2 and exactly
 one line on stderr (no traceback) naming the problem, and nothing already written was changed.
+Then what lies beyond the command line: the sandbox's verdict against a program that walks its
+frames (where the sandbox can run), and `latentloop serve` answering hostile requests (deeply nested
+JSON, a body too large to buffer) and staying healthy.
 
     python -m benchmarks.bad_inputs [--json tally.json] [--verbose]
 
 It builds what the cases need in a temporary folder first (a corpus, three tiny trained runs, a
-corrupt run, files where folders are expected), about a minute on 2 CPU cores.
+corrupt run, files where folders are expected, Hugging Face folders with one thing wrong, an fsdp2
+run with a planted, a bit-flipped and a cut-short `dcp/`), about two minutes on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -86,7 +90,111 @@ def build_fixtures(root: Path) -> dict[str, str]:
     return {"root": str(root), "corpus": str(corpus), "empty": str(root / "empty.txt"),
             "file": str(root / "a_file"), "badyaml": str(root / "bad.yaml"), "listyaml": str(root / "list.yaml"),
             "corrupt": str(corrupt), "badconfig": str(badconfig), "tok": str(tok), "hf": str(hf),
-            **{arch: str(path) for arch, path in runs.items()}}
+            **{arch: str(path) for arch, path in runs.items()}, **_hf_fixtures(root, tok),
+            **_sharded_fixtures(root, corpus), "busy_port": str(_busy_port())}
+
+
+# A Llama-3-70B shape: its config.json over a checkpoint of a few KB must be refused before allocating.
+LLAMA_70B = dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                 num_attention_heads=64, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072)
+TINY_LLAMA = {"model_type": "llama", "vocab_size": 320, "hidden_size": 32, "intermediate_size": 48,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "bos_token_id": 0, "eos_token_id": 1}
+
+
+def _hf_llama(root: Path, tok: Path, name: str, changes: dict | None = None, poison: bool = False,
+              index_lists: bool = False, tokenizer_bytes: bytes | None = None) -> str:
+    """A tiny Llama checkpoint folder as Hugging Face saves one, with one thing wrong."""
+    import torch
+    from safetensors.torch import save_file
+
+    from latentloop.interop.hf_checks import expected_hf_tensors
+    from latentloop.interop.hf_import import config_from_hf
+
+    folder = root / name
+    folder.mkdir()
+    weights = {n: torch.randn(shape) * 0.02 for n, shape, _ in expected_hf_tensors(config_from_hf(TINY_LLAMA))}
+    if poison:
+        weights["model.norm.weight"][0] = float("nan")
+    save_file(weights, str(folder / "model.safetensors"))
+    if index_lists:
+        (folder / "model.safetensors.index.json").write_text(
+            json.dumps({"weight_map": {n: ["model.safetensors"] for n in weights}}))
+    (folder / "config.json").write_text(json.dumps(TINY_LLAMA | (changes or {})))
+    if tokenizer_bytes is None:
+        shutil.copy(tok / "tokenizer.json", folder / "tokenizer.json")
+    else:
+        (folder / "tokenizer.json").write_bytes(tokenizer_bytes)
+    return str(folder)
+
+
+def _hf_fixtures(root: Path, tok: Path) -> dict[str, str]:
+    return {"hfok": _hf_llama(root, tok, "hf_ok"), "hf70b": _hf_llama(root, tok, "hf_70b", LLAMA_70B),
+            "hfeps": _hf_llama(root, tok, "hf_eps", {"rms_norm_eps": {}}),
+            "hfrope": _hf_llama(root, tok, "hf_rope", {"rope_scaling": {"rope_type": "llama3"}}),
+            "hfvocab": _hf_llama(root, tok, "hf_vocab", {"vocab_size": 2e9}),
+            "hfbintok": _hf_llama(root, tok, "hf_bintok", tokenizer_bytes=b"\x89PNG\r\n\x1a\n\x00\xff"),
+            "hfnan": _hf_llama(root, tok, "hf_nan", poison=True),
+            "hfindex": _hf_llama(root, tok, "hf_index", index_lists=True)}
+
+
+class _Payload:
+    """A pickle that would create MARKER when unpickled: it must never be."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def _sharded_fixtures(root: Path, corpus: Path) -> dict[str, str]:
+    """An fsdp2 run (one process) whose dcp/ is then planted with a payload, bit-flipped or cut short."""
+    import pickle
+
+    from latentloop.checkpoint import write_sharded_checksums
+
+    sharded = root / "sharded"
+    code, err = _run(["train", "--arch", "gpt", "--preset", "test", "--data", f"text:{corpus}", "--steps", "2",
+                      "--set", "batch_size=2", "--set", "train.strategy=fsdp2", "--set", "train.full_weights=false",
+                      "--out", str(sharded), "--no-progress"])
+    if code != 0:
+        raise SystemExit(f"fixture sharded run failed: {err}")
+    made = {}
+    for name in ("dcp_planted", "dcp_flipped", "dcp_cut"):
+        folder = root / name
+        shutil.copytree(sharded, folder)
+        dcp = next(folder.glob("checkpoints/step_*/dcp"))
+        if name == "dcp_planted":  # an attacker rewrites the checksums too: the allow-list must stop it
+            (dcp / ".metadata").write_bytes(pickle.dumps(_Payload(root / PWNED)))
+            (dcp / "checksums.json").unlink()
+            write_sharded_checksums(dcp)
+        elif name == "dcp_flipped":
+            shard = next(dcp.glob("*.distcp"))
+            data = bytearray(shard.read_bytes())
+            data[len(data) // 2] ^= 1
+            shard.write_bytes(bytes(data))
+        else:
+            metadata = dcp / ".metadata"
+            metadata.write_bytes(metadata.read_bytes()[: metadata.stat().st_size // 2])
+            (dcp / "checksums.json").unlink()
+        made[name] = str(folder)
+    return made
+
+
+PWNED = "pwned"  # the file a planted payload would create under the fixtures' root
+
+
+def _busy_port() -> int:
+    """A port something listens on for the whole tally (kept open by a module-level socket)."""
+    import socket
+
+    global _LISTENER
+    _LISTENER = socket.create_server(("127.0.0.1", 0))
+    return _LISTENER.getsockname()[1]
+
+
+_LISTENER = None
 
 
 CASES: list[tuple[str, list[str]]] = [
@@ -184,7 +292,29 @@ CASES: list[tuple[str, list[str]]] = [
     ("import-hf unsupported", ["import-hf", "{hf}", "--out", "{root}/i2"]),
     ("export no run", ["export", "{root}/missing", "--format", "hf", "--out", "{root}/e1"]),
     ("export plain nanochat", ["export", "{gpt}", "--format", "hf", "--plain", "--out", "{root}/e2"]),
+    # reliability, round 2: checkpoints of fsdp2 runs
+    ("export-dcp planted dcp metadata", ["export-dcp", "{dcp_planted}"]),
+    ("resume planted dcp metadata", ["train", "--resume", "--out", "{dcp_planted}", "--steps", "3", "--no-progress",
+                                     "--set", "train.strategy=none"]),  # fsdp2 in-process would leave a group up
+    ("export-dcp flipped shard bit", ["export-dcp", "{dcp_flipped}"]),
+    ("export-dcp cut-short dcp metadata", ["export-dcp", "{dcp_cut}"]),
+    # import-hf checks before it allocates
+    ("import-hf 70B config", ["import-hf", "{hf70b}", "--out", "{root}/i3"]),
+    ("import-hf eps not a number", ["import-hf", "{hfeps}", "--out", "{root}/i4"]),
+    ("import-hf llama3 rope without factor", ["import-hf", "{hfrope}", "--out", "{root}/i5"]),
+    ("import-hf vocab 2e9", ["import-hf", "{hfvocab}", "--out", "{root}/i6"]),
+    ("import-hf binary tokenizer", ["import-hf", "{hfbintok}", "--out", "{root}/i7"]),
+    ("import-hf NaN weights", ["import-hf", "{hfnan}", "--out", "{root}/i8"]),
+    ("import-hf weight_map lists", ["import-hf", "{hfindex}", "--out", "{root}/i9"]),
+    ("import-hf out is a file", ["import-hf", "{hfok}", "--out", "{file}"]),
+    # serve's port
+    ("serve port 99999", ["serve", "{gpt}", "--port", "99999"]),
+    ("serve port 65536", ["serve", "{gpt}", "--port", "65536"]),
+    ("serve port in use", ["serve", "{gpt}", "--port", "{busy_port}"]),
 ]
+
+# Cases that must leave no folder behind (nothing written on a refusal).
+NOTHING_WRITTEN = ["i3", "i4", "i5", "i6", "i7", "i8", "i9"]
 
 
 def run_cases(fixtures: dict[str, str], verbose: bool) -> list[dict]:
@@ -204,6 +334,106 @@ def run_cases(fixtures: dict[str, str], verbose: bool) -> list[dict]:
             print(f"{'ok ' if ok else 'BAD'} {name}: exit {code}: {' | '.join(screen_lines(err))}"[:300])
     untouched = {name: _digest(path) == before[name] for name, path in watched.items()}
     results.append({"case": "nothing already written changed", "ok": all(untouched.values()), "detail": untouched})
+    root = Path(fixtures["root"])
+    written = [name for name in NOTHING_WRITTEN if (root / name).exists()]
+    results.append({"case": "a refused import writes nothing", "ok": not written, "detail": written})
+    results.append({"case": "a planted DCP payload never ran", "ok": not (root / PWNED).exists()})
+    return results
+
+
+# -- beyond the command line: the sandbox's verdict and the server under hostile requests ----------
+FRAME_WALK = """
+import sys
+def rewrite(frame):
+    while frame is not None:
+        for scope in (frame.f_locals, frame.f_globals):
+            for value in list(scope.values()):
+                if type(value) is dict:
+                    for key in list(value):
+                        try:
+                            value[key] = b"passed" if isinstance(value[key], bytes) else "passed"
+                        except Exception:
+                            pass
+        frame = frame.f_back
+rewrite(sys._getframe(1))
+try:
+    import socket
+    socket.socket()
+except PermissionError as error:
+    tb = error.__traceback__
+    while tb is not None:
+        rewrite(tb.tb_frame)
+        tb = tb.tb_next
+def add_one(x):
+    return x
+"""
+CHECK_ADD_ONE = "def check(candidate):\n    assert candidate(1) == 2\n\ncheck(add_one)\n"
+
+
+def sandbox_cases() -> list[dict]:
+    """A failing program that walks its frames (and a traceback's) must not pass; skipped without bwrap/root."""
+    from latentloop.errors import SandboxUnavailable
+    from latentloop.eval.sandbox import require_sandbox, run_untrusted
+
+    try:
+        require_sandbox()
+    except SandboxUnavailable as error:
+        return [{"case": "sandbox: frame walking", "ok": None, "detail": f"skipped: {error}"}]
+    walked = run_untrusted(FRAME_WALK, tests=CHECK_ADD_ONE)
+    equal = run_untrusted("class Yes:\n    def __eq__(self, other):\n        return True\n"
+                          "def add_one(x):\n    return Yes()\n", tests=CHECK_ADD_ONE)
+    return [{"case": "sandbox: frame walking keeps a failing verdict", "ok": walked.status in ("failed", "error"),
+             "detail": walked.status},
+            {"case": "sandbox: an answer equal to anything is no pass", "ok": not equal.passed, "detail": equal.status}]
+
+
+def server_cases(fixtures: dict[str, str]) -> list[dict]:
+    """`latentloop serve` in a child process on a free loopback port, each request bounded in time."""
+    import http.client
+    import socket
+    import subprocess
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "latentloop", "serve", fixtures["gpt"], "--port", str(port),
+                               "--request-timeout", "5"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    results = []
+
+    def request(method: str, path: str, body: bytes | None = None, headers: dict | None = None) -> int:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+        try:
+            connection.request(method, path, body=body, headers=headers or {})
+            return connection.getresponse().status
+        except OSError:
+            return -1
+        finally:
+            connection.close()
+
+    try:
+        deadline = time.monotonic() + 120
+        while request("GET", "/health") != 200:
+            if server.poll() is not None or time.monotonic() > deadline:
+                return [{"case": "serve: started", "ok": False, "detail": server.stderr.read().decode()[-300:]}]
+            time.sleep(0.5)
+        nested = b"[" * 100_000 + b"]" * 100_000
+        results.append({"case": "serve: JSON nested 100k deep is a 400",
+                        "ok": (status := request("POST", "/v1/completions", nested,
+                                                 {"Content-Type": "application/json"})) == 400, "detail": status})
+        with socket.create_connection(("127.0.0.1", port), timeout=20) as raw:  # a body never sent
+            raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: 300000000\r\n\r\n")
+            reply = raw.recv(200)
+        results.append({"case": "serve: a 300 MB body is refused before it arrives (413)",
+                        "ok": reply.startswith(b"HTTP/1.1 413"), "detail": reply.split(b"\r\n")[0].decode(errors="replace")})
+        results.append({"case": "serve: still healthy after both", "ok": request("GET", "/health") == 200})
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
     return results
 
 
@@ -216,8 +446,16 @@ def main_cli(argv: list[str] | None = None) -> int:
         os.environ["LATENTLOOP_CACHE"] = str(Path(tmp) / "cache")
         fixtures = build_fixtures(Path(tmp))
         results = run_cases(fixtures, args.verbose)
+        beyond = sandbox_cases() + server_cases(fixtures)
+    for result in beyond:
+        if args.verbose or not result["ok"]:
+            print(f"{'ok ' if result['ok'] else 'BAD' if result['ok'] is False else '-- '} {result['case']}: "
+                  f"{result.get('detail', '')}")
+    results += beyond
+    skipped = sum(r["ok"] is None for r in results)
+    results = [r for r in results if r["ok"] is not None]
     passed = sum(r["ok"] for r in results)
-    print(f"{passed} passed, {len(results) - passed} failed")
+    print(f"{passed} passed, {len(results) - passed} failed" + (f", {skipped} skipped" if skipped else ""))
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
     return 0 if passed == len(results) else 1
