@@ -425,7 +425,8 @@ def server_cases(fixtures: dict[str, str]) -> list[dict]:
                         b"Content-Length: 300000000\r\n\r\n")
             reply = raw.recv(200)
         results.append({"case": "serve: a 300 MB body is refused before it arrives (413)",
-                        "ok": reply.startswith(b"HTTP/1.1 413"), "detail": reply.split(b"\r\n")[0].decode(errors="replace")})
+                        "ok": reply.startswith(b"HTTP/1.1 413"),
+                        "detail": reply.split(b"\r\n")[0].decode(errors="replace")})
         results.append({"case": "serve: still healthy after both", "ok": request("GET", "/health") == 200})
     finally:
         server.terminate()
