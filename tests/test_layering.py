@@ -1,0 +1,213 @@
+"""The import rules of docs/design.md ("Import rules"), checked on the source with `ast`.
+
+Every `import` / `from ... import` of a `latentloop` module in `latentloop/**/*.py` counts, at module
+level or inside a function ("lazy"), under `if TYPE_CHECKING:` too. A part is a top-level module
+(`latentloop/engine.py` -> `engine`) or a subpackage (`latentloop/eval/...` -> `eval`). An import
+that the table below does not allow fails, unless it is one of the documented exceptions; an
+exception that no longer occurs fails too, so the document and this file change together.
+`importlib.import_module` and other dynamic imports are not seen.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "latentloop"
+
+# The base: `errors` imports nothing of ours; `config` imports `errors` only; every other part may
+# import both.
+BASE = frozenset({"errors", "config"})
+
+# What each part may import besides BASE (docs/design.md, "Import rules"). The comments name edges the
+# design allows that no file uses today.
+ALLOWED: dict[str, frozenset[str]] = {
+    "errors": frozenset(),
+    "config": frozenset({"errors"}),  # not `config` itself, and nothing else (exception below)
+    "checkpoint": frozenset(),
+    "data": frozenset(),
+    "models": frozenset(),
+    "objectives": frozenset({"models"}),  # models: allowed by the design, unused today
+    "optim": frozenset(),
+    "archs": frozenset({"models", "objectives"}),
+    "engine": frozenset({"models"}),
+    "runtime": frozenset({"archs", "checkpoint", "data", "models"}),  # models: unused today
+    "parallel": frozenset({"checkpoint", "runtime"}),
+    "interop": frozenset({"archs", "checkpoint", "data", "models"}),  # models: unused today
+    "eval": frozenset({"archs", "checkpoint", "data", "engine", "models", "objectives", "runtime"}),
+    "serve": frozenset({"archs", "data", "engine", "models", "runtime"}),  # models: unused today
+    "chat": frozenset({"data", "engine"}),
+    "api": frozenset({"archs", "engine", "runtime"}),
+    "train": frozenset({"archs", "checkpoint", "data", "eval", "interop", "models", "objectives", "optim",
+                        "parallel", "runtime"}),  # models: unused today
+    "analysis": frozenset({"data", "eval", "models", "objectives", "runtime"}),
+    "demo": frozenset({"archs", "engine", "eval", "train"}),
+    "cli": frozenset({"analysis", "archs", "chat", "checkpoint", "data", "demo", "engine", "eval", "interop",
+                      "runtime", "serve", "train"}),
+    "__init__": frozenset({"api"}),
+    "__main__": frozenset({"cli"}),
+}
+
+# Parts whose module-level imports are limited further: the rest of their imports must be lazy.
+MODULE_LEVEL_ONLY: dict[str, frozenset[str]] = {
+    "cli": frozenset({"errors"}),  # `latentloop --help` and argument errors import neither torch nor models
+}
+
+# The documented exceptions: (file, imported part, lazy).
+EXCEPTIONS = {
+    ("latentloop/config.py", "checkpoint", True),  # RunConfig.save_json writes through write_json_atomic
+}
+
+
+@dataclass(frozen=True)
+class Edge:
+    file: str  # relative to the repository root
+    line: int
+    source: str  # the importing part
+    target: str  # the imported part
+    module: str  # the imported module, dotted
+    lazy: bool  # inside a function (or a lambda)
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}: {self.source} -> {self.module}{' (lazy)' if self.lazy else ''}"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _part(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _is_module(dotted: str) -> bool:
+    path = PACKAGE.parent.joinpath(*dotted.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def _targets(node: ast.Import | ast.ImportFrom, path: Path) -> list[str]:
+    """The latentloop modules an import statement loads (a name imported from a package counts as
+    its submodule when it is one)."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names if alias.name.split(".")[0] == "latentloop"]
+    if node.level:
+        here = _module_name(path)
+        package = here if path.name == "__init__.py" else here.rpartition(".")[0]
+        base = package.split(".")
+        base = base[:len(base) - (node.level - 1)]
+        module = ".".join(base + ([node.module] if node.module else []))
+    else:
+        module = node.module or ""
+    if module.split(".")[0] != "latentloop":
+        return []
+    return [f"{module}.{alias.name}" if _is_module(f"{module}.{alias.name}") else module for alias in node.names]
+
+
+def _imports(tree: ast.AST):
+    """(import node, lazy) for every import statement, lazy when inside a function or lambda."""
+    stack = [(child, False) for child in ast.iter_child_nodes(tree)]
+    while stack:
+        node, lazy = stack.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node, lazy
+        inner = lazy or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+        stack.extend((child, inner) for child in ast.iter_child_nodes(node))
+
+
+def scan() -> list[Edge]:
+    edges = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        source = _part(_module_name(path))
+        rel = path.relative_to(PACKAGE.parent).as_posix()
+        for node, lazy in _imports(tree):
+            for module in _targets(node, path):
+                edges.append(Edge(rel, node.lineno, source, _part(module), module, lazy))
+    return sorted(edges, key=lambda e: (e.file, e.line, e.module))
+
+
+@pytest.fixture(scope="module")
+def edges() -> list[Edge]:
+    return scan()
+
+
+def test_every_part_is_documented(edges):
+    parts = {e.source for e in edges} | {_part(_module_name(p)) for p in PACKAGE.rglob("*.py")}
+    unknown = sorted(parts - set(ALLOWED))
+    assert not unknown, f"parts with no import rule (add them to docs/design.md and ALLOWED): {unknown}"
+
+
+def test_imports_follow_the_documented_rules(edges):
+    bad = []
+    for e in edges:
+        if e.source == e.target:
+            continue
+        allowed = ALLOWED.get(e.source, frozenset())
+        if e.source not in ("errors", "config"):
+            allowed = allowed | BASE
+        if e.target in allowed or (e.file, e.target, e.lazy) in EXCEPTIONS:
+            continue
+        bad.append(str(e))
+    assert not bad, ("imports that break the rules of docs/design.md (change the import, or the rule and "
+                     "the document together):\n" + "\n".join(bad))
+
+
+def test_module_level_imports_of_front_ends(edges):
+    bad = [str(e) for e in edges if e.source in MODULE_LEVEL_ONLY and e.source != e.target and not e.lazy
+           and e.target not in MODULE_LEVEL_ONLY[e.source]]
+    assert not bad, "module-level imports that must be lazy (inside the command's function):\n" + "\n".join(bad)
+
+
+def test_documented_exceptions_still_exist(edges):
+    present = {(e.file, e.target, e.lazy) for e in edges}
+    stale = sorted(EXCEPTIONS - present)
+    assert not stale, f"exceptions no longer in the code: remove them from docs/design.md and EXCEPTIONS: {stale}"
+
+
+def test_no_import_cycle_at_module_level(edges):
+    """Between parts, the module-level imports form no cycle (the lazy exception is the one cycle)."""
+    graph: dict[str, set[str]] = {}
+    for e in edges:
+        if e.source != e.target and not e.lazy:
+            graph.setdefault(e.source, set()).add(e.target)
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                raise AssertionError("module-level import cycle: " + " -> ".join(path + [node, nxt]))
+            if nxt not in state:
+                visit(nxt, path + [node])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+
+
+def test_hf_remote_is_standalone(edges):
+    """The trust_remote_code copy is exported on its own: it imports nothing of latentloop but itself."""
+    bad = [str(e) for e in edges if e.file.startswith("latentloop/interop/hf_remote/")
+           and not e.module.startswith("latentloop.interop.hf_remote")]
+    assert not bad, "\n".join(bad)
+
+
+def test_variants_know_nothing_of_the_fast_path(edges):
+    bad = [str(e) for e in edges if e.file in ("latentloop/models/fbt.py", "latentloop/models/lrt.py",
+                                               "latentloop/models/rgpt.py") and e.module == "latentloop.models.fast"]
+    assert not bad, "\n".join(bad)
+
+
+def test_tasks_do_not_import_sources(edges):
+    """`data.sources` resolves `task:` through `data.tasks`; tasks and the `Source` base never import sources."""
+    bad = [str(e) for e in edges if e.file in ("latentloop/data/tasks.py", "latentloop/data/base.py")
+           and e.module == "latentloop.data.sources"]
+    assert not bad, "\n".join(bad)
