@@ -38,7 +38,6 @@ import math
 import os
 import pickle
 import shutil
-import tempfile
 import warnings
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
@@ -49,6 +48,7 @@ from safetensors.torch import load_file, save_file
 
 from .config import RunConfig
 from .errors import CheckpointError, ConfigError, LatentloopError, NonFiniteError, OutputError
+from .util import first_line, fsync_dir, fsync_file, write_json_atomic  # noqa: F401 (re-exported)
 
 CHECKPOINT_PREFIX = "step_"
 TMP_PREFIX = ".tmp-"  # a checkpoint being written
@@ -76,28 +76,6 @@ _TENSOR, _TUPLE, _ITEMS, _FLOAT = "__tensor__", "__tuple__", "__items__", "__flo
 # --------------------------------------------------------------------------------------------
 
 
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename or a new file in `path` durable (where the platform allows it)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # platforms without directory handles (Windows) order renames themselves
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some file systems refuse fsync on a directory; the rename is as durable as they allow
-    finally:
-        os.close(fd)
-
-
 def json_safe(value: Any) -> Any:
     """`value` with every NaN / infinity replaced by None (null), so that it dumps as strict JSON."""
     if isinstance(value, float):
@@ -107,31 +85,6 @@ def json_safe(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [json_safe(v) for v in value]
     return value
-
-
-def write_json_atomic(path: Path, payload: Any) -> None:
-    """Write JSON through a temporary file in the same folder, fsync, then rename: never half-written,
-    and still there after a crash. An unwritable `path` is an `OutputError`."""
-    path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as exc:
-        raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(payload, f, indent=2, default=str)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    except OSError as exc:
-        Path(tmp).unlink(missing_ok=True)
-        raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _write_json_file(path: Path, payload: Any) -> None:
@@ -427,11 +380,6 @@ def read_run_config(checkpoint: Path) -> RunConfig:
     raise CheckpointError(f"no config.json found for checkpoint {checkpoint}")
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 def weight_shapes(checkpoint: Path) -> dict[str, tuple[int, ...]]:
     """{name: shape} of the weights, read from the safetensors header without loading any tensor."""
     file = checkpoint / "model.safetensors"
@@ -439,7 +387,7 @@ def weight_shapes(checkpoint: Path) -> dict[str, tuple[int, ...]]:
         with safe_open(str(file), framework="pt") as f:
             return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
     except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
-        raise CheckpointError(f"cannot read weights {file}: {_first_line(exc)}") from None
+        raise CheckpointError(f"cannot read weights {file}: {first_line(exc)}") from None
 
 
 def read_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
@@ -448,7 +396,7 @@ def read_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     try:
         weights = load_file(str(file))
     except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
-        raise CheckpointError(f"cannot read weights {file}: {_first_line(exc)}") from None
+        raise CheckpointError(f"cannot read weights {file}: {first_line(exc)}") from None
     bad = _first_non_finite(weights)
     if bad is not None:
         raise CheckpointError(f"weights {file} hold NaN or inf (tensor {bad}): the run diverged before this save")
@@ -536,7 +484,7 @@ def read_trainer_state(checkpoint: Path) -> tuple[dict[str, Any], dict[str, Any]
     try:
         meta = json.loads((checkpoint / "state.json").read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"cannot resume from {checkpoint}: state.json: {_first_line(exc)}") from None
+        raise CheckpointError(f"cannot resume from {checkpoint}: state.json: {first_line(exc)}") from None
     if not (checkpoint / TRAINER_JSON).is_file() and (checkpoint / LEGACY_TRAINER).is_file():
         trainer = _read_legacy_trainer(checkpoint)
     else:
@@ -548,7 +496,7 @@ def read_trainer_state(checkpoint: Path) -> tuple[dict[str, Any], dict[str, Any]
             trainer = unflatten_state(encoded["state"], tensors)
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, SafetensorError, KeyError, TypeError,
                 AttributeError, ValueError) as exc:
-            raise CheckpointError(f"cannot resume from {checkpoint}: trainer state: {_first_line(exc)}") from None
+            raise CheckpointError(f"cannot resume from {checkpoint}: trainer state: {first_line(exc)}") from None
     if not isinstance(meta, dict) or not isinstance(trainer, dict) or not {"optimizers", "rng"} <= set(trainer):
         raise CheckpointError(f"cannot resume from {checkpoint}: its trainer state is incomplete")
     return meta, trainer
@@ -636,7 +584,7 @@ def read_sharded_metadata(folder: Path) -> Any:
         raise CheckpointError(f"{path} holds a pickled object that is not checkpoint metadata ({exc}): "
                               f"refusing to load it") from None
     except Exception as exc:  # a garbled pickle's bytes decide what it raises (EOFError, UnpicklingError, ...)
-        raise CheckpointError(f"{path} is unreadable (cut short or corrupt): {_first_line(exc)}") from None
+        raise CheckpointError(f"{path} is unreadable (cut short or corrupt): {first_line(exc)}") from None
     if not (isinstance(metadata, Metadata) and isinstance(metadata.state_dict_metadata, dict)
             and isinstance(metadata.storage_data, dict)):
         raise CheckpointError(f"{path} holds a pickled {type(metadata).__name__}, not checkpoint metadata: "
@@ -679,7 +627,7 @@ def _recorded_checksums(manifest: Path) -> dict[str, str]:
     try:
         recorded = json.loads(manifest.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{manifest} is unreadable: {_first_line(exc)}") from None
+        raise CheckpointError(f"{manifest} is unreadable: {first_line(exc)}") from None
     files = recorded.get("sha256") if isinstance(recorded, dict) else None
     if not isinstance(recorded, dict) or recorded.get("format") != DCP_CHECKSUMS_FORMAT:
         found = recorded.get("format") if isinstance(recorded, dict) else None
@@ -759,7 +707,7 @@ def _refused_global(exc: BaseException) -> str | None:
 
 def _first_sentence(exc: BaseException) -> str:
     """The start of an error's first line (torch's zip reader appends advice to its reason)."""
-    return _first_line(exc).split(". ")[0].rstrip(".")
+    return first_line(exc).split(". ")[0].rstrip(".")
 
 
 @functools.cache

@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 import yaml
 
 from .errors import ConfigError
+from .util import write_json_atomic
 
 
 def _require(condition: bool, message: str) -> None:
@@ -572,7 +573,6 @@ class RunConfig:
 
     def save_json(self, path: str | Path) -> None:
         """Written atomically (and fsynced): a crash never leaves a half-written config behind."""
-        from .checkpoint import write_json_atomic  # checkpoint imports this module
 
         write_json_atomic(Path(path), self.to_dict())
 

@@ -35,6 +35,7 @@ from .errors import LatentloopError
 from .models.backbone import PER_ROW_INFO
 from .models.fast import FastDecoder
 from .models.options import check_options
+from .util import is_int
 
 MAX_SEED = 2**63  # torch.Generator seeds are 64-bit
 
@@ -67,20 +68,16 @@ def row_info(info: dict, row: int) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None, seed: int | None) -> None:
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
             or temperature < 0:
         raise PromptError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if top_k is not None and (not _is_int(top_k) or top_k < 1):
+    if top_k is not None and (not is_int(top_k) or top_k < 1):
         raise PromptError(f"top_k must be an integer >= 1, got {top_k!r}")
     if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
                               or not math.isfinite(top_p) or not 0 < top_p <= 1):
         raise PromptError(f"top_p must be in (0, 1], got {top_p!r}")
-    if seed is not None and (not _is_int(seed) or not 0 <= seed < MAX_SEED):
+    if seed is not None and (not is_int(seed) or not 0 <= seed < MAX_SEED):
         raise PromptError(f"seed must be an integer in [0, 2**63), got {seed!r}")
 
 
@@ -107,7 +104,7 @@ def normalize_prompts(prompts, vocab_size: int) -> tuple[list[list[int]], bool]:
             raise PromptError(f"each prompt must be a list of token ids, got {type(prompt).__name__}")
         if len(prompt) == 0:
             raise PromptError("every prompt needs at least one token")
-        bad = next((t for t in prompt if not _is_int(t) or not 0 <= t < vocab_size), None)
+        bad = next((t for t in prompt if not is_int(t) or not 0 <= t < vocab_size), None)
         if bad is not None:
             raise PromptError(f"token ids must be integers in [0, {vocab_size}), got {bad!r}")
         rows.append(list(prompt))
@@ -195,10 +192,10 @@ def stream(model, prompts, max_new_tokens: int, temperature: float = 1.0, top_k:
     cannot be captured (rgpt's adaptive exit) decode eagerly.
     """
     rows, _ = normalize_prompts(prompts, model.config.vocab_size)
-    if not _is_int(max_new_tokens) or max_new_tokens < 0:
+    if not is_int(max_new_tokens) or max_new_tokens < 0:
         raise PromptError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     check_sampling(temperature, top_k, top_p, seed)
-    if not _is_int(top_logprobs) or not 0 <= top_logprobs <= model.config.vocab_size:
+    if not is_int(top_logprobs) or not 0 <= top_logprobs <= model.config.vocab_size:
         raise PromptError(f"top_logprobs must be an integer in [0, {model.config.vocab_size}], got {top_logprobs!r}")
     options = model_options(model, options, cached=use_cache)
     if compile and not use_cache:

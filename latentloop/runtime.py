@@ -53,6 +53,7 @@ from .checkpoint import (
 from .config import ModelConfig, RunConfig
 from .data import TokenData, load_tokenizer, parse_source, prepare_tokens
 from .errors import CheckpointError, ConfigError, LatentloopError, OutputError, RankFailure
+from .util import first_line
 
 CACHE_ENV = "LATENTLOOP_CACHE"  # root of every cache folder (tokens, eval bundle)
 EVAL_DIR_ENV = "LATENTLOOP_EVAL_DIR"  # folder of the evaluation task files
@@ -272,11 +273,6 @@ def exit_without_finalizing(code: int) -> NoReturn:
     os._exit(code)
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 def _shared(error: LatentloopError) -> LatentloopError:
     error.shared = True  # every process raises it: the command line prints it on rank 0 only
     return error
@@ -290,7 +286,7 @@ def shared_error(error: BaseException | None) -> LatentloopError | None:
     env = current_dist()
     if env.world_size == 1:
         return error
-    report = None if error is None else (type(error).__name__, _first_line(error))
+    report = None if error is None else (type(error).__name__, first_line(error))
     reports: list[tuple[str, str] | None] = [None] * env.world_size
     dist.all_gather_object(reports, report)
     failed = [(rank, r) for rank, r in enumerate(reports) if r is not None]

@@ -97,6 +97,7 @@ from .runtime import (
     prepare_data,
     together,
 )
+from .util import first_line
 
 # Config fields that setup fills in (from the tokenizer) or that only say where a cache lives.
 SET_ON_SETUP = ("vocab_size", "bos_id", "cache_dir")
@@ -401,10 +402,6 @@ def _data_checksums(data: TokenData) -> dict[str, str] | None:
     return data.meta.get("sha256")
 
 
-def _first_line(exc: BaseException) -> str:
-    return str(exc).splitlines()[0] if str(exc) else repr(exc)
-
-
 def _read_checkpoint(state: TrainState, checkpoint: Path) -> tuple[dict, dict, dict[str, torch.Tensor] | None]:
     """What every process reads of a checkpoint on its own: state.json, the trainer state and (for
     an unsharded checkpoint) the weights, checked against the model."""
@@ -444,7 +441,7 @@ def _load_states(state: TrainState, checkpoint: Path, trainer: dict, weights: di
         for opt, opt_state in zip(state.optimizers, trainer["optimizers"]):
             opt.load_state_dict(opt_state)
     except (KeyError, TypeError, ValueError, RuntimeError) as exc:
-        raise CheckpointError(f"cannot resume from {checkpoint}: {_first_line(exc)}") from None
+        raise CheckpointError(f"cannot resume from {checkpoint}: {first_line(exc)}") from None
 
 
 def _restore_counters(state: TrainState, checkpoint: Path, meta: dict, trainer: dict) -> int:
@@ -461,7 +458,7 @@ def _restore_counters(state: TrainState, checkpoint: Path, meta: dict, trainer: 
         state.step, state.tokens_seen = int(meta["step"]), int(meta["tokens_seen"])
         state.flops_seen, state.elapsed = meta.get("flops_seen", 0.0), meta.get("elapsed", 0.0)
     except (KeyError, TypeError, ValueError, RuntimeError) as exc:
-        raise CheckpointError(f"cannot resume from {checkpoint}: {_first_line(exc)}") from None
+        raise CheckpointError(f"cannot resume from {checkpoint}: {first_line(exc)}") from None
     return saved_world
 
 

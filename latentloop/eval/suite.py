@@ -21,9 +21,9 @@ from typing import Any
 
 from torch import nn
 
-from ..checkpoint import write_json_atomic
 from ..engine import model_options
 from ..errors import ConfigError, DataError
+from ..util import write_json_atomic
 from . import core
 
 EVALS_DIR = "evals"

@@ -17,7 +17,6 @@ tokens the model read.
 
 from __future__ import annotations
 
-import codecs
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from ..archs import option_union
 from ..data.tokenizers import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN
 from ..engine import MAX_SEED, model_options
 from ..errors import ConfigError, LatentloopError
+from ..util import TokenText, is_int
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions when max_tokens is not given
 MAX_LOGPROBS = 5  # OpenAI's limit on `logprobs` (alternatives reported per token) for completions
@@ -96,10 +96,6 @@ class CompletionRequest:
 # --------------------------------------------------------------------------------------------
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -109,7 +105,7 @@ def _int_field(body: dict, name: str, default: Any, minimum: int, maximum: int |
     value = body.get(name)
     if value is None:
         return default
-    if not _is_int(value) or value < minimum or (maximum is not None and value > maximum):
+    if not is_int(value) or value < minimum or (maximum is not None and value > maximum):
         bounds = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
         raise bad_request(f"{name} must be an integer {bounds}{what or ''}, got {value!r}", name)
     return value
@@ -216,7 +212,7 @@ def completion_prompts(prompt: Any, tokenizer, vocab_size: int) -> tuple[list[li
     elif isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
             texts, id_lists = prompt, []
-        elif all(_is_int(t) for t in prompt):
+        elif all(is_int(t) for t in prompt):
             texts, id_lists = None, [prompt]
         elif all(isinstance(p, list) for p in prompt):
             texts, id_lists = None, prompt
@@ -238,7 +234,7 @@ def completion_prompts(prompt: Any, tokenizer, vocab_size: int) -> tuple[list[li
     for ids in id_lists:
         if not ids:
             raise bad_request("a token-id prompt needs at least one token", "prompt")
-        bad = next((t for t in ids if not _is_int(t) or not 0 <= t < vocab_size), None)
+        bad = next((t for t in ids if not is_int(t) or not 0 <= t < vocab_size), None)
         if bad is not None:
             raise bad_request(f"token ids must be integers in [0, {vocab_size}), got {bad!r}", "prompt")
         prompts.append(list(ids) if ids[0] == bos else [bos] + list(ids))
@@ -363,12 +359,12 @@ def token_string(tokenizer, token_id: int, specials: dict[int, str]) -> str:
 def decode_with_offsets(tokenizer, ids: Sequence[int]) -> tuple[str, list[int]]:
     """The text of ids (whole characters, invalid bytes replaced) and each token's character
     offset into it: where the text stood when the token began."""
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    decoder = TokenText(tokenizer)
     text, offsets = "", []
     for token in ids:
         offsets.append(len(text))
-        text += decoder.decode(tokenizer.token_to_bytes(token))
-    return text + decoder.decode(b"", final=True), offsets
+        text += decoder.add(token)
+    return text + decoder.finish(), offsets
 
 
 def tokenize_text(tokenizer, text: str, add_special_tokens: bool) -> list[int]:

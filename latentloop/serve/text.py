@@ -9,10 +9,10 @@ whose text covers it (as the evaluation code cuts generations).
 
 from __future__ import annotations
 
-import codecs
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..util import TokenText
 from .protocol import token_string
 
 
@@ -41,7 +41,7 @@ class RowText:
     def __init__(self, tokenizer, specials: dict[int, str], stops: Sequence[str] = (), base_offset: int = 0):
         self.tokenizer, self.specials, self.stops = tokenizer, specials, tuple(stops)
         self.base_offset = base_offset  # characters before the generated text (the echoed prompt)
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._decoder = TokenText(tokenizer)
         self.text = ""  # generated so far; cut before the stop string once one appeared
         self.stopped = False  # a stop string appeared
         self._released = 0  # characters of `text` already handed out
@@ -54,7 +54,7 @@ class RowText:
         if self.stopped:
             return True
         start = len(self.text)
-        self.text += self._decoder.decode(self.tokenizer.token_to_bytes(token_id))
+        self.text += self._decoder.add(token_id)
         self._pending.append((start, token_id, logprob, top))
         if self.stops:
             search_from = max(self._released, start - self._reach)
@@ -73,7 +73,7 @@ class RowText:
     def release(self, final: bool = False) -> tuple[str, list[TokenEntry]]:
         """The text and tokens that are final now; `final`: the row ended, everything left."""
         if final and not self.stopped:
-            self.text += self._decoder.decode(b"", final=True)
+            self.text += self._decoder.finish()
         end = len(self.text) if final or self.stopped else len(self.text) - self._held()
         text = self.text[self._released:end]
         self._released = max(self._released, end)

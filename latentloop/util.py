@@ -1,0 +1,95 @@
+"""Small helpers several parts need, in one leaf module: it imports nothing of latentloop's but
+`errors`, so any part may use it (config included) without importing a layer above.
+
+- `first_line(exc)`: the one line a user sees of an error.
+- `is_int(value)`: an integer that is not a bool (JSON and YAML give both).
+- durable files: `fsync_file`, `fsync_dir`, `write_json_atomic` (temp file, fsync, rename).
+- `TokenText`: a stream of token ids turned into whole characters, as the CLI, chat and server print.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from .errors import OutputError
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an error's message, else its class name (an error with no message)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def is_int(value: Any) -> bool:
+    """An int and not a bool: `True` is an int to Python, never a count to a user."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class TokenText:
+    """Token ids -> text as they stream (the CLI, chat and the server all print this way): a character
+    split across tokens is held back until its last byte arrives; bytes that can never form one
+    become U+FFFD. `tokenizer` is anything with `token_to_bytes(id)`."""
+
+    def __init__(self, tokenizer):
+        self._token_bytes = tokenizer.token_to_bytes
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def add(self, token_id: int) -> str:
+        """The whole characters this token completes ("" while one is still open)."""
+        return self._decoder.decode(self._token_bytes(token_id))
+
+    def finish(self) -> str:
+        """What is left at the end (an unfinished character, replaced)."""
+        return self._decoder.decode(b"", final=True)
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in `path` durable (where the platform allows it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # platforms without directory handles (Windows) order renames themselves
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems refuse fsync on a directory; the rename is as durable as they allow
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, payload: Any) -> None:
+    """Write JSON through a temporary file in the same folder, fsync, then rename: never half-written,
+    and still there after a crash. An unwritable `path` is an `OutputError`."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(payload, f, indent=2, default=str)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
