@@ -15,8 +15,13 @@ from __future__ import annotations
 import codecs
 from collections.abc import Iterator
 
+from .data.chat import MAX_CHAT_TEXT_CHARS
 from .engine import PromptError, stream
 from .errors import ConfigError
+
+
+def _text_length(messages: list[dict]) -> int:
+    return sum(len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str))
 
 
 def chat_prompt(tokenizer, messages: list[dict], budget: int) -> list[int]:
@@ -25,6 +30,11 @@ def chat_prompt(tokenizer, messages: list[dict], budget: int) -> list[int]:
     messages = list(messages)
     system = messages[:1] if messages and messages[0].get("role") == "system" else []
     turns = messages[len(system):]
+    while _text_length(system + turns) > MAX_CHAT_TEXT_CHARS:  # the format refuses more text: drop as below
+        if len(turns) <= 1:
+            raise PromptError(f"the last message ({_text_length(system + turns):,} characters with the system "
+                              f"message) is over the {MAX_CHAT_TEXT_CHARS:,} characters a conversation may hold")
+        turns = turns[2:]
     while True:
         ids = tokenizer.render_prompt(system + turns)
         if len(ids) <= budget:

@@ -550,9 +550,32 @@ def cmd_generate(args) -> int:
 CHAT_COMMANDS = "/reset starts a new conversation, /quit ends (so does end of input)"
 
 
+def _read_message_line() -> tuple[str, bool]:
+    """A line of stdin ("" at its end) and whether it held bytes that are not text in stdin's
+    encoding; those are replaced by U+FFFD, as a terminal or editor shows them, so that a stray byte
+    in pasted or piped text costs one character rather than the turn (the caller says so)."""
+    raw = getattr(sys.stdin, "buffer", None)
+    if raw is not None:
+        line = raw.readline()
+        try:
+            return line.decode(sys.stdin.encoding or "utf-8"), False
+        except UnicodeDecodeError:
+            return line.decode(sys.stdin.encoding or "utf-8", errors="replace"), True
+    line = sys.stdin.readline()  # a text stream (a test's StringIO): undecodable bytes arrive as surrogates
+    try:
+        line.encode("utf-8")
+        return line, False
+    except UnicodeEncodeError:
+        try:
+            data = line.encode("utf-8", "surrogateescape")  # the escaped bytes back
+        except UnicodeEncodeError:
+            data = line.encode("utf-8", "surrogatepass")
+        return data.decode("utf-8", errors="replace"), True
+
+
 def cmd_chat(args) -> int:
     from .chat import stream_reply
-    from .engine import PromptError, model_options
+    from .engine import PromptError, check_sampling, model_options
     from .runtime import load_run, resolve_device
 
     device = resolve_device(args.device)
@@ -562,6 +585,9 @@ def cmd_chat(args) -> int:
                               f"--init-from {args.run} --data chat:...)")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise LatentloopError(f"--top-p must be in (0, 1], got {args.top_p}")
+    # before the first message: checked inside the loop, a bad value was one more message the
+    # session survived (and it ended with exit 0)
+    check_sampling(args.temperature, args.top_k, args.top_p, args.seed)
     options = _generation_options(args)  # the given ones only: the engine fills in the defaults (see generate)
     model_options(model, options)
     budget = args.max_new_tokens or min(DEFAULT_NEW_TOKENS, model.config.sequence_len // 2)
@@ -571,11 +597,14 @@ def cmd_chat(args) -> int:
     while True:
         sys.stdout.write("> ")
         sys.stdout.flush()
-        line = sys.stdin.readline()
+        line, replaced = _read_message_line()
         if not line:  # end of input
             sys.stdout.write("\n")
             return 0
         text = line.strip()
+        if replaced and text:
+            print("[the message was not valid text in the input's encoding: its undecodable bytes are sent as "
+                  "U+FFFD]", file=sys.stderr)
         if not text:
             continue
         if text == "/quit":

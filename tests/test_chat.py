@@ -11,6 +11,7 @@ from latentloop.checkpoint import grow_vocab_rows
 from latentloop.cli import main
 from latentloop.data import BPETokenizer, ByteTokenizer, load_tokenizer
 from latentloop.data.chat import (
+    MAX_CHAT_TEXT_CHARS,
     ChatFormatError,
     ChatLoader,
     assistant_start,
@@ -137,7 +138,16 @@ def test_task_conversations():
     ('[1, 2]', "expected a JSON object"),
     ('{"text": "hi"}', "no 'messages'"),
     ('not json', "invalid JSON"),
-])
+    # a number Python's JSON reader refuses (its int-to-str limit): it was a ValueError traceback
+    ('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], "id": ' + "7" * 5000
+     + "}", "unreadable JSON"),
+    ("[" * 100_000, "unreadable JSON"),  # nested too deeply: a RecursionError traceback
+    # half of a character: the tokenizer's encode raised UnicodeEncodeError
+    (r'{"messages": [{"role": "user", "content": "a\ud800"}, {"role": "assistant", "content": "b"}]}',
+     "lone surrogate"),
+    ('{"messages": [{"role": "user", "content": "' + "a" * (MAX_CHAT_TEXT_CHARS + 1) + '"}, {"role": "assistant", '
+     '"content": "b"}]}', "characters of text"),
+], ids=lambda value: value[:40] if isinstance(value, str) else None)
 def test_bad_chat_files_are_one_line_errors(tmp_path, capsys, line, message):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"messages": [{"role": "user", "content": "ok"}, {"role": "assistant", "content": "ok"}]}\n'
@@ -227,3 +237,49 @@ def test_chat_mistakes_are_one_line(chat_run, tmp_path, capsys):
     assert main(["chat", str(chat_run), "--steps", "2"]) == 2  # an rgpt option on an fbt run
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "no chat tokens" in err[0]
+
+
+def test_chat_sends_bytes_that_are_not_utf8_as_replacement_characters(chat_run, monkeypatch, capsys):
+    """A stray byte in typed or piped input (Latin-1 text, a cut character) was a UnicodeEncodeError
+    traceback; it is replaced by U+FFFD, as a terminal shows it, the user is told, and the turn goes on."""
+    import io
+
+    from latentloop.engine import PromptError
+
+    seen = []
+
+    def reply(model, tokenizer, messages, *args, **kwargs):
+        seen.append(messages[-1]["content"])
+        tokenizer.render_prompt(messages)  # what failed: the text's ids
+        raise PromptError("stop here")
+
+    monkeypatch.setattr("latentloop.chat.stream_reply", reply)
+    for stdin in (io.TextIOWrapper(io.BytesIO(b"h\xffi\n"), encoding="utf-8", errors="surrogateescape"),  # a real stdin
+                  io.StringIO("h\udcffi\n")):  # a text stream with the byte escaped
+        monkeypatch.setattr("sys.stdin", stdin)
+        assert main(["chat", str(chat_run), "--max-new-tokens", "2"]) == 0
+        assert "not valid text" in capsys.readouterr().err
+    assert seen == ["h\ufffdi", "h\ufffdi"]
+
+
+@pytest.mark.parametrize("flags", [["--temperature", "nan"], ["--temperature", "inf"], ["--temperature", "-1"],
+                                   ["--seed", "-3"]])
+def test_chat_with_a_bad_sampling_setting_exits_2_before_reading(chat_run, monkeypatch, capsys, flags):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+    assert main(["chat", str(chat_run), *flags]) == 2  # it printed the message per turn and exited 0
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("latentloop: error:")
+
+
+def test_a_message_over_the_text_limit_keeps_the_chat_session(chat_run):
+    from latentloop.chat import chat_prompt
+    from latentloop.engine import PromptError
+
+    history = [{"role": "user", "content": "x" * 50}, {"role": "assistant", "content": "y" * 50},
+               {"role": "user", "content": "z" * MAX_CHAT_TEXT_CHARS}]
+    assert chat_prompt(CHAT, history[2:3], 10**7)[-1] == ASSISTANT  # at the limit: rendered
+    history[2]["content"] += "z"
+    with pytest.raises(PromptError, match="characters a conversation may hold"):  # a PromptError: the session stays
+        chat_prompt(CHAT, history, 10**7)

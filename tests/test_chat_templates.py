@@ -6,6 +6,7 @@ model with a template goes through SFT and chat without new tokens."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -13,7 +14,8 @@ import torch
 from latentloop.chat import stream_reply
 from latentloop.cli import main
 from latentloop.data import BPETokenizer, ByteTokenizer, HFTokenizer, load_tokenizer
-from latentloop.data.chat import ChatFormatError
+from latentloop.data import chat as chat_data
+from latentloop.data.chat import ChatFormatError, ChatTemplateLimitError, TemplateLimits, render_template
 from latentloop.data.tokenizers import ChatTemplate, write_hf_tokenizer
 from latentloop.errors import DataError
 from latentloop.runtime import load_run
@@ -145,3 +147,93 @@ def test_an_imported_model_with_a_template_fine_tunes_and_chats_in_its_own_forma
     assert config.model.vocab_size == 320 and run_tok.chat_template == CHATML  # nothing grown: its own format
     reply = "".join(stream_reply(model, run_tok, [{"role": "user", "content": "12+34="}], max_new_tokens=6))
     assert isinstance(reply, str) and "<|im_end|>" not in reply
+
+
+# -- templates that would hang or exhaust memory ----------------------------------------------------
+# short limits, so that each case takes a second at most
+SHORT_LIMITS = TemplateLimits(time_s=1.0, output_chars=100_000, memory_bytes=256 * 2**20)
+NESTED_LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}BODY{% endfor %}{% endfor %}"
+
+
+@pytest.fixture
+def short_limits(monkeypatch):
+    monkeypatch.setattr(chat_data, "TEMPLATE_LIMITS", SHORT_LIMITS)
+    return SHORT_LIMITS
+
+
+@pytest.mark.parametrize("template, words", [
+    (NESTED_LOOPS.replace("BODY", ""), "longer than 1 s"),  # loops forever writing nothing: only the clock stops it
+    (NESTED_LOOPS.replace("BODY", "x"), "output over 100,000 characters"),  # stopped while it writes
+    ("{{ lipsum(10**7) }}", "output over"),
+    ("{{ 'a' * 10**10 }}", "output over"),
+    ("{{ 'a' * 10**8 }}", "output over"),  # tokenized, this much text made `tokenizers` panic (abort)
+    ("{{ messages | tojson(indent=10**10) }}", "output over"),
+    ("{{ '{:>10000000000}'.format(1) }}", "output over"),
+    ("{{ '%10000000000d' % 1 }}", "output over"),
+    ("{{ 2 ** (10 ** 9) }}", "output over"),
+    # what no cheap check looks at: the worker's address space and the clock still hold
+    ("{{ 'a' | center(10**10) }}", "out of memory"),
+    ("{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s[:9] }}",
+     "out of memory|longer than 1 s"),
+])
+def test_a_template_that_breaks_a_limit_is_one_clear_error_and_the_next_renders(tmp_path, short_limits, template,
+                                                                                   words):
+    good = HFTokenizer.from_pretrained_folder(_chatml_folder(tmp_path / "good"))
+    expected = good.render_prompt(CONVERSATION[:2])
+    tok = HFTokenizer.from_pretrained_folder(_chatml_folder(tmp_path / "bad", template))
+    started = time.monotonic()
+    with pytest.raises(ChatTemplateLimitError, match=words) as error:
+        tok.render_prompt(CONVERSATION[:2])
+    assert time.monotonic() - started < 10 * short_limits.time_s and "\n" not in str(error.value)
+    assert str(error.value).startswith("chat template: ")
+    assert good.render_prompt(CONVERSATION[:2]) == expected  # a killed worker is replaced
+
+
+def test_the_output_limit_is_checked_before_the_tokenizer_reads_the_text(monkeypatch, short_limits):
+    source = "{{ 'a' * n }}"
+    assert render_template(source, {"n": short_limits.output_chars}) == "a" * short_limits.output_chars
+    with pytest.raises(ChatTemplateLimitError, match="output over"):
+        render_template(source, {"n": short_limits.output_chars + 1})
+    # a conversation's own text is capped as well (every format tokenizes all of it at once)
+    long = [{"role": "user", "content": "a" * (chat_data.MAX_CHAT_TEXT_CHARS + 1)}]
+    with pytest.raises(ChatFormatError, match="characters of text"):
+        ByteTokenizer(chat=True).render_prompt(long)
+
+
+def test_rendering_is_safe_from_many_threads_at_once(short_limits):
+    """Concurrent calls (a server's thread pool) each get their own text; a looping template among
+    them fails alone, after its time limit, and the others are not held up by it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def render(index: int):
+        if index == 5:
+            source = NESTED_LOOPS.replace("BODY", "")
+        else:
+            source = "{% for m in messages %}{{ m.content }}|{% endfor %}" + str(index)
+        context = {"messages": [{"role": "user", "content": f"message {index}"}], "add_generation_prompt": True}
+        try:
+            return render_template(source, context)
+        except ChatTemplateLimitError as exc:
+            return exc
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        results = list(pool.map(render, range(24)))
+    assert isinstance(results[5], ChatTemplateLimitError) and "longer than" in str(results[5])
+    assert all(results[i] == f"message {i}|{i}" for i in range(24) if i != 5)
+
+
+def test_a_looping_template_ends_chat_and_sft_with_one_line(tmp_path, short_limits, monkeypatch, capsys):
+    import io
+
+    from latentloop.api import build
+    from latentloop.runtime import save_run
+
+    tok = HFTokenizer.from_pretrained_folder(_chatml_folder(tmp_path / "hf", NESTED_LOOPS.replace("BODY", "")))
+    save_run(build("gpt", preset="test", vocab_size=tok.vocab_size, bos_id=tok.bos_id), tok, tmp_path / "run")
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+    assert main(["chat", str(tmp_path / "run")]) == 2
+    assert main(["train", "--stage", "sft", "--init-from", str(tmp_path / "run"), "--data",
+                 "chat:task:addition_steps:n=8", "--steps", "1", "--batch-size", "2", "--out", str(tmp_path / "sft"),
+                 "--no-progress"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("latentloop: error")]
+    assert len(err) == 2 and all("chat template: rendering took longer than 1 s" in line for line in err)

@@ -31,8 +31,17 @@ and the conversation rendered through that turn: the reply and whatever closes i
 the prompt the model reads at inference. A template that does not render a conversation as a
 growing prefix (some drop earlier turns' reasoning) cannot be trained on: one-line error.
 
-A bad row (not JSON, not an object, a missing or unknown role, an empty turn, a non-string content,
-turns out of order) is a `ChatFormatError` naming the file and line.
+A template is a program that comes with a model, so it renders in a worker process
+(`chat_template_worker.py`, kept for the next conversation) under `TemplateLimits`: at most
+`TEMPLATE_TIME_LIMIT_S` seconds a call (killed and replaced past it: a loop cannot hang the
+caller), `MAX_CHAT_TEXT_CHARS` characters of output (checked while it writes, and before the text
+reaches the tokenizer) and `TEMPLATE_MEMORY_BYTES` of address space. A template that breaks one
+is a one-line `ChatTemplateLimitError`. `TEMPLATE_LIMITS` holds the limits in use (a program may
+replace it); `render_template` is safe to call from several threads at once.
+
+A bad row (not JSON, not an object, a missing or unknown role, an empty turn, a non-string content
+or one that is not text (a lone surrogate), turns out of order, more than `MAX_CHAT_TEXT_CHARS`
+characters of text) is a `ChatFormatError` naming the file and line.
 
 Packing (`pack_conversations`): every row holds `seq_len + 1` tokens (inputs are the first
 `seq_len`, targets the last `seq_len`). Conversations are placed whole, in order, one after
@@ -46,12 +55,18 @@ data's meta (`cut`, `dropped`).
 
 from __future__ import annotations
 
-import functools
+import atexit
 import hashlib
 import json
+import os
+import selectors
+import struct
+import subprocess
+import sys
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -66,6 +81,10 @@ ROLES = ("system", "user", "assistant")
 CHAT_PREFIX = "chat:"
 # Bump when rendering or packing changes, so that a resumed run notices its data changed.
 CHAT_FORMAT_VERSION = 1
+# Characters of a conversation's text (its turns together; a chat template's output): the
+# tokenizer reads all of it at once, and `tokenizers` needs some 200-300 bytes a character to do so
+# (and panics near 10^8). A conversation this long is far past any model's context anyway.
+MAX_CHAT_TEXT_CHARS = 1 << 21
 
 
 class ChatFormatError(DataError):
@@ -73,6 +92,7 @@ class ChatFormatError(DataError):
 
 
 Message = dict  # {"role": str, "content": str}
+_DESCRIBED_INT_BITS = 256  # an int longer than this is described by its size: its digits would not help
 
 
 def check_messages(messages, where: str = "conversation", for_training: bool = True) -> list[Message]:
@@ -95,9 +115,16 @@ def check_messages(messages, where: str = "conversation", for_training: bool = T
             raise ChatFormatError(f"{at}: 'content' must be a string, got {_describe(content)}")
         if not content.strip():
             raise ChatFormatError(f"{at}: empty {role} turn")
+        if not _encodable(content):
+            raise ChatFormatError(f"{at}: 'content' holds a lone surrogate (an escape such as \\ud800 that is "
+                                  f"half of a character), not text")
         if role == "system" and index != 0:
             raise ChatFormatError(f"{at}: a system turn may only come first")
         checked.append({"role": role, "content": content})
+    length = sum(len(m["content"]) for m in checked)
+    if length > MAX_CHAT_TEXT_CHARS:
+        raise ChatFormatError(f"{where}: {length:,} characters of text, over the {MAX_CHAT_TEXT_CHARS:,} a "
+                              f"conversation may hold")
     turns = [m["role"] for m in checked if m["role"] != "system"]
     for index, role in enumerate(turns):
         expected = "user" if index % 2 == 0 else "assistant"
@@ -111,7 +138,17 @@ def check_messages(messages, where: str = "conversation", for_training: bool = T
     return checked
 
 
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _describe(value) -> str:
+    if isinstance(value, int) and abs(value).bit_length() > _DESCRIBED_INT_BITS:
+        return f"{type(value).__name__} of {abs(value).bit_length():,} bits"  # repr would refuse (or take long)
     return f"{type(value).__name__} {value!r}"[:80]
 
 
@@ -143,7 +180,8 @@ def render_prompt(tokenizer, messages, where: str = "conversation") -> list[int]
     """The conversation so far (ending with a user turn) and `<|assistant|>`: what a model continues."""
     tokens = _chat_format(tokenizer)
     if isinstance(tokens, ChatTemplate):
-        text = _template_text(tokenizer, check_messages(messages, where, for_training=False), True)
+        context = _template_context(tokenizer, check_messages(messages, where, for_training=False), True)
+        text = render_template(tokenizer.chat_template, context)
         return _starting_with_bos(tokenizer, tokenizer.encode_markup(text), [])[0]
     ids = [tokenizer.bos_id]
     for message in check_messages(messages, where, for_training=False):
@@ -158,48 +196,239 @@ def assistant_start(ids: Sequence[int], tokenizer) -> int:
 
 
 # -- chat templates ---------------------------------------------------------------------------------
-def _raise_from_template(message: str):
-    raise ChatFormatError(f"the chat template refused the conversation: {message}")
+# A chat template is a program that comes with a model: it may loop forever or write gigabytes, and
+# a thread cannot be stopped. So templates render in worker processes (`chat_template_worker.py`)
+# that are killed when their time is up and capped in memory; a render waits for its reply at most
+# `TemplateLimits.time_s`, and a worker is replaced after a timeout or a crash.
+TEMPLATE_TIME_LIMIT_S = 5.0  # seconds one rendering may take: real templates take milliseconds
+TEMPLATE_MEMORY_BYTES = 1 << 30  # address space a worker may add to what it holds at start
+TEMPLATE_WORKERS = 4  # renderer processes at most; more concurrent renders wait for one
+TEMPLATE_WORKER_START_S = 60.0  # a worker's start (a fresh Python and jinja2), on a loaded machine too
+TEMPLATE_WORKER_SCRIPT = Path(__file__).with_name("chat_template_worker.py")
+_FRAME_HEADER = struct.Struct(">I")  # the worker's framing: 4-byte big-endian length, then JSON
+_ESCAPED_CHAR_BYTES = 12  # the most bytes one character takes in ASCII-escaped JSON ("\\ud83d\\ude00")
+_REPLY_OVERHEAD_BYTES = 1 << 16  # a reply's JSON around its text (or its one-line error)
 
 
-@functools.cache
-def _template_environment():
-    """A sandboxed Jinja environment set up as `transformers` sets up chat templates."""
-    try:
-        import jinja2
-        from jinja2.ext import loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-    except ImportError:
-        raise ConfigError("rendering a Hugging Face chat template needs jinja2: pip install 'latentloop[hf]'") from None
+@dataclass(frozen=True)
+class TemplateLimits:
+    """What one rendering of a chat template may use: wall-clock seconds, characters of output
+    (the text the tokenizer then reads) and address space of its worker."""
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols],
-                                        undefined=jinja2.Undefined)
-    env.filters["tojson"] = lambda value, indent=None, **_: json.dumps(value, ensure_ascii=False, indent=indent)
-    env.globals["raise_exception"] = _raise_from_template
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env
+    time_s: float = TEMPLATE_TIME_LIMIT_S
+    output_chars: int = MAX_CHAT_TEXT_CHARS
+    memory_bytes: int = TEMPLATE_MEMORY_BYTES
 
 
-@functools.lru_cache(maxsize=8)
-def _compiled_template(source: str):
-    import jinja2
-
-    try:
-        return _template_environment().from_string(source)
-    except jinja2.TemplateError as exc:
-        raise DataError(f"the tokenizer's chat template does not compile: {exc}") from None
+# The limits of every rendering that is given none; a program (a test, a server) may replace it.
+TEMPLATE_LIMITS = TemplateLimits()
 
 
-def _template_text(tokenizer, messages: list[Message], add_generation_prompt: bool) -> str:
-    import jinja2
+class ChatTemplateLimitError(ChatFormatError):
+    """A chat template that broke a rendering limit: it ran too long, wrote too much, ran out of
+    memory or crashed its worker."""
 
+
+def render_template(source: str, context: dict, limits: TemplateLimits | None = None) -> str:
+    """The text of the Jinja chat template `source` rendered with `context` (JSON values: the
+    messages, add_generation_prompt, the special tokens), in a sandbox as `transformers` renders it,
+    in a worker process under `limits` (default `TEMPLATE_LIMITS`). Thread-safe: concurrent calls
+    render in different workers. A template that does not compile is a `DataError`, one that fails
+    or refuses the conversation a `ChatFormatError`, one that breaks a limit a `ChatTemplateLimitError`."""
+    return _template_reply(source, context, limits, spans=False)["text"]
+
+
+def template_spans(source: str, context: dict, limits: TemplateLimits | None = None) -> tuple[str, list[int]]:
+    """The text of the conversation `context["messages"]` through the template, and its cuts
+    [0, prompt_1, through_1, ..., len(text)]: text[prompt_i:through_i] is what the template writes
+    for the i-th assistant turn (its reply and what closes it), prompt_i the length of the prompt
+    rendered for it. All renders of the conversation share one request (and its time limit).
+    Errors as `render_template`'s, and a `ChatFormatError` when the template does not render the
+    conversation as a growing prefix."""
+    reply = _template_reply(source, context, limits, spans=True)
+    cuts = reply["cuts"]
+    if cuts != sorted(cuts) or cuts[-1] != len(reply["text"]):  # the worker's own logic: a broken reply
+        raise ChatTemplateLimitError("chat template: the renderer process replied with inconsistent spans")
+    return reply["text"], cuts
+
+
+def _template_reply(source: str, context: dict, limits: TemplateLimits | None, spans: bool) -> dict:
+    limits = limits or TEMPLATE_LIMITS
+    request = json.dumps({"source": source, "context": context, "max_output": limits.output_chars,
+                          "time_limit": limits.time_s, "spans": spans}).encode("ascii")  # escaped: any str travels
+    reply = _RENDERERS.render(request, limits)
+    if "text" in reply:
+        if len(reply["text"]) > limits.output_chars:  # the worker checks it too: this is the caller's own guard
+            raise ChatTemplateLimitError(f"chat template: output over {limits.output_chars:,} characters (limit)")
+        return reply
+    kind, message = reply.get("error"), reply.get("message", "")
+    if kind == "compile":
+        raise DataError(f"the tokenizer's chat template does not compile: {message}")
+    if kind == "refused":
+        raise ChatFormatError(f"the chat template refused the conversation: {message}")
+    if kind == "prefix":
+        raise ChatFormatError(f"the tokenizer's chat template does not render this conversation as a growing "
+                              f"prefix at message {reply.get('index')} (it rewrites earlier turns), so its assistant "
+                              f"turns cannot be masked for training")
+    if kind == "output":
+        how = f": {message}" if message else ""
+        raise ChatTemplateLimitError(f"chat template: output over {limits.output_chars:,} characters (limit){how}")
+    if kind == "memory":
+        raise ChatTemplateLimitError(f"chat template: rendering ran out of memory (limit "
+                                     f"{limits.memory_bytes / 2**20:,.0f} MiB)")
+    raise ChatFormatError(f"the tokenizer's chat template failed on a conversation: {message}")
+
+
+class _RendererGone(Exception):
+    """The worker closed its pipe or exited (killed, crashed)."""
+
+
+class _Renderer:
+    """One worker process; used by one thread at a time."""
+
+    def __init__(self, memory_bytes: int):
+        self.memory_bytes = memory_bytes
+        # no stderr: a crashing worker is reported by the caller in one line, not by its traceback
+        try:
+            self.process = subprocess.Popen([sys.executable, str(TEMPLATE_WORKER_SCRIPT), str(memory_bytes)],
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                            stderr=subprocess.DEVNULL, bufsize=0)
+        except OSError as exc:
+            python = sys.executable or "no Python executable"
+            raise ConfigError(f"cannot start the chat template renderer ({python}): {exc.strerror or exc}") from None
+        self._replies = selectors.DefaultSelector()  # epoll where there is one: any fd number
+        self._replies.register(self.process.stdout, selectors.EVENT_READ)
+        try:
+            ready = self._receive(time.monotonic() + TEMPLATE_WORKER_START_S, _REPLY_OVERHEAD_BYTES)
+        except (TimeoutError, _RendererGone):
+            self.close()
+            raise ChatTemplateLimitError(f"chat template: the renderer process did not start (in "
+                                         f"{TEMPLATE_WORKER_START_S:g} s)") from None
+        if not ready.get("ready"):
+            self.close()
+            raise ConfigError("rendering a Hugging Face chat template needs jinja2: pip install 'latentloop[hf]'")
+
+    def request(self, data: bytes, limits: TemplateLimits) -> dict:
+        try:
+            self.process.stdin.write(_FRAME_HEADER.pack(len(data)) + data)
+        except (BrokenPipeError, OSError):
+            raise _RendererGone from None
+        # the clock starts once the worker has the whole request: the template cannot run before
+        deadline = time.monotonic() + limits.time_s
+        return self._receive(deadline, limits.output_chars * _ESCAPED_CHAR_BYTES + _REPLY_OVERHEAD_BYTES)
+
+    def _receive(self, deadline: float, max_bytes: int) -> dict:
+        (size,) = _FRAME_HEADER.unpack(self._read(_FRAME_HEADER.size, deadline))
+        if size > max_bytes:  # the worker bounds its replies: this one is broken
+            raise _RendererGone
+        return json.loads(self._read(size, deadline))
+
+    def _read(self, size: int, deadline: float) -> bytes:
+        data = bytearray()
+        fd = self.process.stdout.fileno()
+        while len(data) < size:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._replies.select(left):
+                raise TimeoutError
+            chunk = os.read(fd, min(size - len(data), 1 << 20))
+            if not chunk:
+                raise _RendererGone
+            data += chunk
+        return bytes(data)
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()  # not terminate: a template in a loop does not get to clean up
+        self.process.wait()
+        self._replies.close()
+        for pipe in (self.process.stdin, self.process.stdout):
+            pipe.close()
+
+
+class _RendererPool:
+    """Idle workers kept for the next rendering (so that thousands of conversations render without
+    starting a process each); a worker that timed out, crashed or ran out of memory is replaced."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._reset()
+        atexit.register(self.close)
+
+    def _reset(self):
+        self._pid = os.getpid()  # a forked child must not share its parent's workers (their pipes)
+        self._slots = threading.BoundedSemaphore(TEMPLATE_WORKERS)
+        self._idle: list[_Renderer] = []
+        self._live: set[_Renderer] = set()
+
+    def render(self, request: bytes, limits: TemplateLimits) -> dict:
+        with self._lock:
+            if self._pid != os.getpid():
+                self._reset()
+            slots = self._slots
+        with slots:
+            renderer = self._take(limits.memory_bytes)
+            try:
+                reply = renderer.request(request, limits)
+            except TimeoutError:
+                self._discard(renderer)
+                raise ChatTemplateLimitError(f"chat template: rendering took longer than {limits.time_s:g} s "
+                                             f"(limit)") from None
+            except _RendererGone:
+                self._discard(renderer)
+                code = renderer.process.returncode
+                how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+                raise ChatTemplateLimitError(f"chat template: the renderer process stopped while rendering "
+                                             f"({how})") from None
+            except BaseException:  # interrupted mid-request (Ctrl-C): its state is unknown
+                self._discard(renderer)
+                raise
+            if reply.get("error") == "memory":  # a fresh worker rather than one that just ran out
+                self._discard(renderer)
+            else:
+                with self._lock:
+                    self._idle.append(renderer)
+            return reply
+
+    def _take(self, memory_bytes: int) -> _Renderer:
+        with self._lock:
+            for renderer in self._idle:
+                if renderer.memory_bytes == memory_bytes:
+                    self._idle.remove(renderer)
+                    return renderer
+            stale = [r for r in self._idle if r.memory_bytes != memory_bytes]  # limits changed: not needed
+        for renderer in stale:
+            self._discard(renderer)
+        renderer = _Renderer(memory_bytes)
+        with self._lock:
+            self._live.add(renderer)
+        return renderer
+
+    def _discard(self, renderer: _Renderer) -> None:
+        with self._lock:
+            if renderer in self._idle:
+                self._idle.remove(renderer)
+            self._live.discard(renderer)
+        renderer.close()
+
+    def close(self) -> None:
+        """Stop every worker (at exit)."""
+        with self._lock:
+            if self._pid != os.getpid():
+                return
+            live, self._idle, self._live = list(self._live), [], set()
+        for renderer in live:
+            renderer.close()
+
+
+_RENDERERS = _RendererPool()
+
+
+def _template_context(tokenizer, messages: list[Message], add_generation_prompt: bool) -> dict:
+    """What a template reads, as `transformers` gives it: the messages, add_generation_prompt and
+    the special tokens' text."""
     specials = {f"{what}_token": tokenizer.token_string(getattr(tokenizer, f"{what}_id")) or ""
                 for what in ("bos", "eos", "pad")}
-    try:
-        return _compiled_template(tokenizer.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **specials)
-    except jinja2.TemplateError as exc:
-        raise ChatFormatError(f"the tokenizer's chat template failed on a conversation: {exc}") from None
+    return {"messages": messages, "add_generation_prompt": add_generation_prompt, **specials}
 
 
 def _starting_with_bos(tokenizer, ids: list[int], mask: list[bool]) -> tuple[list[int], list[bool]]:
@@ -212,21 +441,9 @@ def _starting_with_bos(tokenizer, ids: list[int], mask: list[bool]) -> tuple[lis
 
 def _render_with_template(tokenizer, messages: list[Message]) -> tuple[list[int], list[bool]]:
     """(ids, mask) of `messages` through the tokenizer's chat template (module docstring)."""
-    full = _template_text(tokenizer, messages, False)
-    cuts = [0]  # alternate context / trained spans of `full`
-    for index, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        prompt = _template_text(tokenizer, messages[:index], True)
-        through = _template_text(tokenizer, messages[:index + 1], False)
-        if not (through.startswith(prompt) and full.startswith(through) and len(prompt) >= cuts[-1]):
-            raise ChatFormatError(f"the tokenizer's chat template does not render this conversation as a growing "
-                                  f"prefix at message {index} (it rewrites earlier turns), so its assistant turns "
-                                  f"cannot be masked for training")
-        cuts += [len(prompt), len(through)]
-    cuts.append(len(full))
+    full, cuts = template_spans(tokenizer.chat_template, _template_context(tokenizer, messages, False))
     ids, mask = [], []
-    for span, (start, end) in enumerate(zip(cuts, cuts[1:])):
+    for span, (start, end) in enumerate(zip(cuts, cuts[1:])):  # alternate context / trained spans
         piece = tokenizer.encode_markup(full[start:end]) if end > start else []
         ids += piece
         mask += [span % 2 == 1] * len(piece)

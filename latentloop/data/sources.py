@@ -275,9 +275,14 @@ def iter_jsonl(file: Path) -> Iterator[tuple[int, Any]]:
                 if not line.strip():
                     continue
                 try:
-                    yield line_number, json.loads(line)
+                    value = json.loads(line)
                 except json.JSONDecodeError as exc:
                     raise DataError(f"{file}:{line_number}: invalid JSON ({exc.msg})") from exc
+                except ValueError as exc:  # valid JSON Python will not read: a number past its int-to-str limit
+                    raise DataError(f"{file}:{line_number}: unreadable JSON ({str(exc).split(';')[0]})") from None
+                except RecursionError:  # arrays or objects nested thousands deep
+                    raise DataError(f"{file}:{line_number}: unreadable JSON (nested too deeply)") from None
+                yield line_number, value
         except UnicodeDecodeError as exc:
             raise DataError(f"{file}: not valid UTF-8 (after line {line_number})") from exc
 
