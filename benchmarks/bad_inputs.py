@@ -31,9 +31,13 @@ from latentloop.cli import main
 EXIT_USAGE = 2
 
 
+CHAT_INPUT = "hello\n"  # what `chat` cases read on stdin: one message, then the end of input
+
+
 def _run(argv: list[str]) -> tuple[int, str]:
     err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()), \
+            _stdin(io.StringIO(CHAT_INPUT)):
         try:
             code = main(argv)
         except SystemExit as exc:  # argparse's own rejections
@@ -41,6 +45,15 @@ def _run(argv: list[str]) -> tuple[int, str]:
         except BaseException as exc:  # a traceback: the case fails
             return -1, f"{type(exc).__name__}: {exc}"
     return code, err.getvalue().strip()
+
+
+@contextlib.contextmanager
+def _stdin(stream):
+    saved, sys.stdin = sys.stdin, stream
+    try:
+        yield
+    finally:
+        sys.stdin = saved
 
 
 def screen_lines(stderr: str) -> list[str]:
@@ -91,7 +104,53 @@ def build_fixtures(root: Path) -> dict[str, str]:
             "file": str(root / "a_file"), "badyaml": str(root / "bad.yaml"), "listyaml": str(root / "list.yaml"),
             "corrupt": str(corrupt), "badconfig": str(badconfig), "tok": str(tok), "hf": str(hf),
             **{arch: str(path) for arch, path in runs.items()}, **_hf_fixtures(root, tok),
-            **_sharded_fixtures(root, corpus), "busy_port": str(_busy_port())}
+            **_sharded_fixtures(root, corpus), "busy_port": str(_busy_port()), **_template_fixtures(root)}
+
+
+# Chat templates that would hang or exhaust the process that renders them.
+TEMPLATES = {
+    "tpl_loop": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "tpl_lipsum": "{{ lipsum(10**7) }}",
+    "tpl_huge": "{{ 'a' * 10**10 }}",
+    "tpl_indent": "{{ messages | tojson(indent=10**10) }}",
+    # one that loops only on a message that says "loop": it passes serve's startup probe
+    "tpl_cond": "{% for m in messages %}{% if m['content'] == 'loop' %}{% for i in range(100000) %}"
+                "{% for j in range(100000) %}{% endfor %}{% endfor %}{% endif %}"
+                "{{ m['role'] + ': ' + m['content'] + '\n' }}"
+                "{% endfor %}{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}",
+    # and one that works, for the cases about something else
+    "tpl_plain": "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}",
+}
+
+
+def _template_fixtures(root: Path) -> dict[str, str]:
+    """Runs whose Hugging Face tokenizer carries one of TEMPLATES, and a chat file with a 5,000-digit number."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from latentloop.api import build
+    from latentloop.data.tokenizers import HFTokenizer
+    from latentloop.runtime import save_run
+
+    made = {}
+    for name, template in TEMPLATES.items():
+        folder = root / f"{name}_tokenizer"
+        folder.mkdir()
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tok.train_from_iterator(["hello world, the latent loop carries state forward. " * 40], trainer=trainer)
+        tok.save(str(folder / "tokenizer.json"))
+        (folder / "tokenizer_config.json").write_text(json.dumps(
+            {"eos_token": "<|endoftext|>", "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template}))
+        hf = HFTokenizer.from_pretrained_folder(folder)
+        save_run(build("gpt", preset="test", vocab_size=hf.vocab_size, bos_id=hf.bos_id), hf, root / name)
+        made[name] = str(root / name)
+    digits = root / "digits.jsonl"
+    digits.write_text('{"question": ' + "9" * 5000 + ', "answer": "x"}\n')
+    made["digits"] = str(digits)
+    return made
 
 
 # A Llama-3-70B shape: its config.json over a checkpoint of a few KB must be refused before allocating.
@@ -307,6 +366,19 @@ CASES: list[tuple[str, list[str]]] = [
     ("import-hf NaN weights", ["import-hf", "{hfnan}", "--out", "{root}/i8"]),
     ("import-hf weight_map lists", ["import-hf", "{hfindex}", "--out", "{root}/i9"]),
     ("import-hf out is a file", ["import-hf", "{hfok}", "--out", "{file}"]),
+    # chat templates that would hang or exhaust the renderer (each waits out the 5 s limit)
+    ("chat looping template", ["chat", "{tpl_loop}"]),
+    ("chat lipsum(10**7)", ["chat", "{tpl_lipsum}"]),
+    ("chat 'a'*10**10", ["chat", "{tpl_huge}"]),
+    ("chat tojson indent 10**10", ["chat", "{tpl_indent}"]),
+    ("sft looping template", ["train", "--stage", "sft", "--init-from", "{tpl_loop}", "--data",
+                              "chat:task:addition_steps:n=8", "--steps", "1", "--batch-size", "2",
+                              "--out", "{root}/s1", "--no-progress"]),
+    ("serve looping template (startup probe)", ["serve", "{tpl_loop}", "--port", "0"]),
+    ("chat temperature nan", ["chat", "{tpl_plain}", "--temperature", "nan"]),
+    ("sft row with a 5,000-digit number", ["train", "--stage", "sft", "--init-from", "{gpt}", "--data",
+                                           "chat:{digits}:question=user,answer=assistant", "--steps", "1",
+                                           "--out", "{root}/s2", "--no-progress"]),
     # serve's port
     ("serve port 99999", ["serve", "{gpt}", "--port", "99999"]),
     ("serve port 65536", ["serve", "{gpt}", "--port", "65536"]),
@@ -314,7 +386,7 @@ CASES: list[tuple[str, list[str]]] = [
 ]
 
 # Cases that must leave no folder behind (nothing written on a refusal).
-NOTHING_WRITTEN = ["i3", "i4", "i5", "i6", "i7", "i8", "i9"]
+NOTHING_WRITTEN = ["i3", "i4", "i5", "i6", "i7", "i8", "i9", "s1", "s2"]
 
 
 def run_cases(fixtures: dict[str, str], verbose: bool) -> list[dict]:
@@ -387,6 +459,10 @@ def sandbox_cases() -> list[dict]:
             {"case": "sandbox: an answer equal to anything is no pass", "ok": not equal.passed, "detail": equal.status}]
 
 
+HEALTH_WHILE_RENDERING_S = 4.0  # how long /health is asked while the looping render runs (its limit: 5 s)
+HEALTH_ANSWER_S = 1.0  # an answer slower than this counts as the server being held up
+
+
 def server_cases(fixtures: dict[str, str]) -> list[dict]:
     """`latentloop serve` in a child process on a free loopback port, each request bounded in time."""
     import http.client
@@ -396,8 +472,8 @@ def server_cases(fixtures: dict[str, str]) -> list[dict]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "latentloop", "serve", fixtures["gpt"], "--port", str(port),
-                               "--request-timeout", "5"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    server = subprocess.Popen([sys.executable, "-m", "latentloop", "serve", fixtures["tpl_cond"], "--port", str(port),
+                               "--request-timeout", "30"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     results = []
 
     def request(method: str, path: str, body: bytes | None = None, headers: dict | None = None) -> int:
@@ -409,6 +485,31 @@ def server_cases(fixtures: dict[str, str]) -> list[dict]:
             return -1
         finally:
             connection.close()
+
+    def while_a_template_loops() -> list[dict]:
+        """A chat request whose rendering loops; /health is asked meanwhile and must answer at once."""
+        import threading
+
+        chat = json.dumps({"model": Path(fixtures["tpl_cond"]).name, "max_tokens": 2,
+                           "messages": [{"role": "user", "content": "loop"}]}).encode()
+        outcome = {}
+        worker = threading.Thread(target=lambda: outcome.update(status=request(
+            "POST", "/v1/chat/completions", chat, {"Content-Type": "application/json"})))
+        started = time.monotonic()
+        worker.start()
+        waits = []
+        while worker.is_alive() and time.monotonic() - started < HEALTH_WHILE_RENDERING_S:
+            asked = time.monotonic()
+            ok = request("GET", "/health") == 200
+            waits.append(time.monotonic() - asked if ok else float("inf"))
+            time.sleep(0.2)
+        worker.join(timeout=60)
+        slowest = max(waits, default=float("inf"))
+        return [{"case": "serve: /health answers while a chat template loops",
+                 "ok": bool(waits) and slowest < HEALTH_ANSWER_S,
+                 "detail": f"{len(waits)} asked, slowest {slowest:.2f} s"},
+                {"case": "serve: the looping render ends in an error, not a hang",
+                 "ok": 400 <= outcome.get("status", 0) < 600, "detail": outcome.get("status")}]
 
     try:
         deadline = time.monotonic() + 120
@@ -427,7 +528,8 @@ def server_cases(fixtures: dict[str, str]) -> list[dict]:
         results.append({"case": "serve: a 300 MB body is refused before it arrives (413)",
                         "ok": reply.startswith(b"HTTP/1.1 413"),
                         "detail": reply.split(b"\r\n")[0].decode(errors="replace")})
-        results.append({"case": "serve: still healthy after both", "ok": request("GET", "/health") == 200})
+        results += while_a_template_loops()
+        results.append({"case": "serve: still healthy after all", "ok": request("GET", "/health") == 200})
     finally:
         server.terminate()
         try:
