@@ -12,12 +12,12 @@ sliding window. `latentloop chat RUN` is the interactive loop around this (in `c
 
 from __future__ import annotations
 
-import codecs
 from collections.abc import Iterator
 
 from .data.chat import MAX_CHAT_TEXT_CHARS
 from .engine import PromptError, stream
 from .errors import ConfigError
+from .util import TokenText
 
 
 def _text_length(messages: list[dict]) -> int:
@@ -58,13 +58,13 @@ def stream_reply(model, tokenizer, messages: list[dict], max_new_tokens: int, te
         raise PromptError(f"the reply budget must be in [1, {context - 1}] for a context of {context}, got "
                           f"{max_new_tokens}")
     prompt = chat_prompt(tokenizer, messages, context - max_new_tokens)
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    decoder = TokenText(tokenizer)
     for step in stream(model, prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                        stop_tokens=[tokens.end, tokenizer.eos_id, tokenizer.bos_id], pad_id=tokenizer.pad_id,
                        **options):
-        piece = decoder.decode(tokenizer.token_to_bytes(step.tokens[0]))
+        piece = decoder.add(step.tokens[0])
         if piece:
             yield piece
-    tail = decoder.decode(b"", final=True)
+    tail = decoder.finish()
     if tail:
         yield tail

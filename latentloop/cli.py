@@ -10,7 +10,6 @@ printed by rank 0 alone; an error of one process alone names its rank.
 from __future__ import annotations
 
 import argparse
-import codecs
 import json
 import sys
 from pathlib import Path
@@ -504,6 +503,7 @@ def cmd_compare(args) -> int:
 def cmd_generate(args) -> int:
     from .engine import model_options, row_info, stream
     from .runtime import load_run, resolve_device
+    from .util import TokenText
 
     device = resolve_device(args.device)
     model, tokenizer, _, _ = load_run(args.run, device)
@@ -527,7 +527,7 @@ def cmd_generate(args) -> int:
                    seed=args.seed, stop_tokens=[tokenizer.eos_id, tokenizer.bos_id], use_cache=not args.no_cache,
                    pad_id=tokenizer.pad_id, compile=args.compile, **options)
     ids, info = [], {}
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    decoder = TokenText(tokenizer)
     if not args.json:  # the prompt is echoed once the arguments are known to be valid
         sys.stdout.write(args.prompt)
     for step in steps:
@@ -535,13 +535,13 @@ def cmd_generate(args) -> int:
         ids.append(token)
         info = row_info(step.info, 0)
         if not args.json:
-            sys.stdout.write(decoder.decode(tokenizer.token_to_bytes(token)))  # whole characters only
+            sys.stdout.write(decoder.add(token))  # whole characters only
             sys.stdout.flush()
     if args.json:
         print(json.dumps({"prompt": args.prompt, "completion": tokenizer.decode(ids), "ids": ids,
                           "prompt_tokens": len(prompt_ids), "new_tokens": len(ids), **info}))
     else:
-        sys.stdout.write(decoder.decode(b"", final=True) + "\n")
+        sys.stdout.write(decoder.finish() + "\n")
         if "prefill_passes" in info:
             print(f"[prefill passes used: {info['prefill_passes']}]", file=sys.stderr)
     return 0
