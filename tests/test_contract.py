@@ -1,27 +1,52 @@
 """The architecture contract, driven by the registry: every architecture in `ARCHS`, under each of its
-declared option sets, through the command line's `generate` and `chat`.
+declared option sets, through every front-end: the command line's `generate` and `chat`, the
+decoding API (cache == reference == scoring, ragged batches), the OpenAI-compatible server, the
+Hugging Face export, upcycling from a gpt run, resumed training, the FLOPs the trainer charges and
+(slow) a two-process torchrun run loaded in one process.
 
 No architecture is named here: registering one adds it to every check. Option sets come from the
 declarations (`DecodeOption`): the defaults, each choice of every choice-option, and the minimum of
-every numeric one (with the choice of the option it depends on that makes it apply).
+every numeric one (with the choice of the option it depends on that makes it apply). A case is
+skipped only for what a declaration says (an approximate cache, rows coupled in a batch, step 0
+not exact after upcycling, an option the exported code does not take).
 """
 
 from __future__ import annotations
 
+import inspect
 import io
 import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from latentloop import build
-from latentloop.archs import ARCHS, get_arch
+from latentloop.archs import ARCHS, build_model, build_objective, get_arch
+from latentloop.checkpoint import list_checkpoints
 from latentloop.cli import main
+from latentloop.config import RunConfig, TrainConfig
 from latentloop.data.tokenizers import ByteTokenizer
 from latentloop.engine import generate, model_options, stream, teacher_forced_logits
 from latentloop.errors import ConfigError
+from latentloop.interop import initialise_from, upcycle_config
+from latentloop.models.flops import BACKWARD_FACTOR
 from latentloop.models.options import DecodeOption
 from latentloop.runtime import load_run, save_run
+
+REPO = Path(__file__).resolve().parents[1]
 
 PROMPT = "hi"
 NEW_TOKENS = 4
@@ -83,11 +108,16 @@ def test_cli_generate_equals_the_api_for_every_option_set(arch, label, given, ru
     out = capsys.readouterr()
     assert code == 0, out.err
     ids = json.loads(out.out)["ids"]
-    model, tokenizer, _, _ = load_run(base)
+    assert ids == _api_greedy(base, given)[0]
+
+
+def _api_greedy(run: Path, given: dict) -> tuple[list[int], object]:
+    """The API's greedy tokens for PROMPT as the front-ends read it ([BOS] + text, stopping at EOS or
+    BOS), and the run's tokenizer."""
+    model, tokenizer, _, _ = load_run(run)
     prompt_ids = [tokenizer.bos_id] + tokenizer.encode(PROMPT)
-    expected = generate(model, prompt_ids, NEW_TOKENS, temperature=0.0,
-                        stop_tokens=[tokenizer.eos_id, tokenizer.bos_id], **given)
-    assert ids == expected
+    return generate(model, prompt_ids, NEW_TOKENS, temperature=0.0,
+                    stop_tokens=[tokenizer.eos_id, tokenizer.bos_id], **given), tokenizer
 
 
 @pytest.mark.parametrize("arch, label, given", CASES, ids=[f"{a}-{label}" for a, label, _ in CASES])
@@ -168,3 +198,408 @@ def test_a_ragged_batch_decodes_each_row_as_alone(arch, label, given, models):
     together = generate(model, list(PROMPTS), DECODE_STEPS, temperature=0.0, **given)
     alone = [generate(model, prompt, DECODE_STEPS, temperature=0.0, **given) for prompt in PROMPTS]
     assert together == alone
+
+
+# -- the server: greedy /v1/completions == the API's generate ---------------------------------------
+SERVER_START_S = 120  # one server per arch, started together: importing torch and FastAPI on 2 busy cores
+SERVER_CALL_S = 60  # any one request
+SERVER_EXIT_S = 20  # from SIGTERM to the process's end
+POLL_S = 0.05
+# serve's start line names the port it bound: started with --port 0, each server takes a free port itself
+LISTENING = re.compile(r" at (http://127\.0\.0\.1:\d+)/v1 ")
+
+
+class _Server:
+    """`python -m latentloop serve RUN --port 0` in a subprocess on the loopback interface."""
+
+    def __init__(self, run: Path, log: Path):
+        self.log, self.url = log, None
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "latentloop", "serve", str(run), "--host", "127.0.0.1",
+                                          "--port", "0", "--device", "cpu"],
+                                         cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + SERVER_START_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"the server exited ({self.proc.returncode}): {self.log.read_text()[-2000:]}")
+            if self.url is None:
+                found = LISTENING.search(self.log.read_text())
+                self.url = found and found.group(1)
+            else:
+                try:
+                    with urllib.request.urlopen(self.url + "/health", timeout=1) as reply:
+                        if reply.status == 200:
+                            return
+                except OSError:  # not listening yet
+                    pass
+            time.sleep(POLL_S)
+        pytest.fail(f"the server did not answer /health within {SERVER_START_S} s: {self.log.read_text()[-2000:]}")
+
+    def post(self, path: str, body: dict) -> dict:
+        request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=SERVER_CALL_S) as reply:
+                return json.loads(reply.read())
+        except urllib.error.HTTPError as error:
+            pytest.fail(f"{path} answered {error.code}: {error.read().decode(errors='replace')}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(SERVER_EXIT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def servers(runs, tmp_path_factory):
+    """One server per arch over its base run, all started at once so that their imports overlap."""
+    pytest.importorskip("fastapi")  # the serve extra
+    pytest.importorskip("uvicorn")
+    logs = tmp_path_factory.mktemp("serve-logs")
+    started = {}
+    try:
+        for arch in ARCHS:
+            started[arch] = _Server(runs[arch][0], logs / f"{arch}.log")
+        for server in started.values():
+            server.wait_ready()
+        yield started
+    finally:
+        for server in started.values():
+            server.stop()
+
+
+@pytest.mark.parametrize("arch, label, given", CASES, ids=[f"{a}-{label}" for a, label, _ in CASES])
+def test_server_greedy_completions_equal_the_api(arch, label, given, runs, servers):
+    """The option set's values as request fields (the server derives them from the declarations)."""
+    from latentloop.serve.protocol import special_names, token_string
+
+    base, _ = runs[arch]
+    reply = servers[arch].post("/v1/completions", {"model": base.name, "prompt": PROMPT, "max_tokens": NEW_TOKENS,
+                                                   "temperature": 0, "logprobs": 0, **given})
+    expected, tokenizer = _api_greedy(base, given)
+    specials = special_names(tokenizer)
+    (choice,) = reply["choices"]
+    assert choice["logprobs"]["tokens"] == [token_string(tokenizer, t, specials) for t in expected]
+    assert choice["text"] == tokenizer.decode(expected)
+    assert reply["usage"]["completion_tokens"] == len(expected)
+    assert reply["latentloop"]["arch"] == arch
+
+
+# -- export -> transformers -> the same logits ------------------------------------------------------
+# fp32 logits of unit scale, the same function computed by separately written code (the exported
+# module, or transformers' own Llama classes for a plain export): rounding differences only
+EXPORT_TOL = 1e-4
+EXPORT_ROWS, EXPORT_LEN = 2, 24
+BYTES = 256  # the byte tokenizer's ordinary tokens (ids below BOS)
+
+
+@pytest.fixture(scope="module")
+def exported(runs, tmp_path_factory) -> Callable[[str], object]:
+    """arch -> its base run exported with `latentloop export RUN --format hf` and loaded back with
+    transformers from the local folder (once per arch, on first use)."""
+    transformers = pytest.importorskip("transformers")
+    folder = tmp_path_factory.mktemp("export")
+    loaded = {}
+
+    def load(arch: str):
+        if arch not in loaded:
+            out = folder / arch
+            assert main(["export", str(runs[arch][0]), "--format", "hf", "--out", str(out)]) == 0, arch
+            # latentloop's own modeling code ships with the folder exactly when config.json maps to it
+            remote = "auto_map" in json.loads((out / "config.json").read_text())
+            loaded[arch] = transformers.AutoModelForCausalLM.from_pretrained(
+                str(out), trust_remote_code=remote, local_files_only=True).eval()
+        return loaded[arch]
+
+    return load
+
+
+def _named_parameters(fn) -> set[str]:
+    """The keyword arguments `fn` names (a catch-all **kwargs names none: what lands there is ignored)."""
+    return {name for name, p in inspect.signature(fn).parameters.items()
+            if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+
+
+@pytest.mark.parametrize("arch, label, given", CASES, ids=[f"{a}-{label}" for a, label, _ in CASES])
+def test_export_loads_in_transformers_with_the_same_logits(arch, label, given, runs, exported):
+    """The exported forward scores a text as the package's teacher-forced scoring does, with the
+    option set's values as forward arguments."""
+    hf = exported(arch)
+    missing = sorted(set(given) - _named_parameters(hf.forward))
+    if missing:
+        pytest.skip(f"{label}: the exported model's forward takes no {', '.join(missing)}")
+    model, tokenizer, _, _ = load_run(runs[arch][0])
+    generator = torch.Generator().manual_seed(0)
+    idx = torch.cat([torch.full((EXPORT_ROWS, 1), tokenizer.bos_id),
+                     torch.randint(0, BYTES, (EXPORT_ROWS, EXPORT_LEN - 1), generator=generator)], dim=1)
+    with torch.no_grad():
+        theirs = hf(idx, **given).logits
+    torch.testing.assert_close(theirs, teacher_forced_logits(model, idx, **given), rtol=0, atol=EXPORT_TOL)
+
+
+# -- upcycling from a gpt run: exact at step 0 where declared -------------------------------------
+# `initialise_from` upcycles from runs of this arch only: it is the front-end's source, not an arch under test
+UPCYCLE_SOURCE = "gpt"
+UPCYCLE_LAYERS = 4  # room for every split a target may make of the source's blocks (prelude, core, coda)
+# "exact": the target computes the source's operations, plus terms that are exactly zero at step 0;
+# fp32 rounding of a different grouping is all that may differ
+UPCYCLE_TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def upcycle_source(tmp_path_factory):
+    torch.manual_seed(0)
+    model = build(UPCYCLE_SOURCE, preset="test", n_layer=UPCYCLE_LAYERS).eval()
+    run = tmp_path_factory.mktemp("upcycle") / "source"
+    save_run(model, ByteTokenizer(), run)
+    return run, model
+
+
+def _declared_exact(declared: str | None, model) -> Callable[[dict], bool] | None:
+    """Which option sets (complete, defaults filled in) the upcycling report calls exact at step 0,
+    from its `exact_at_step0`: absent (the same arch: every tensor is the source's) or "all ...":
+    every set; "no ...": none (None); else "name=value[, name=value]" of declared options."""
+    if declared is None or declared.startswith("all"):
+        return lambda filled: True
+    if declared.startswith("no"):
+        return None
+    options = {option.name: option for option in model.OPTIONS}
+    required = {}
+    for part in declared.split(","):
+        name, _, value = part.strip().partition("=")
+        assert name in options and value, f"exact_at_step0 {declared!r} names no declared option of the arch"
+        required[name] = options[name].parse(value)
+    return lambda filled: all(filled[name] == value for name, value in required.items())
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_upcycling_from_a_gpt_run_is_exact_at_step_0_where_declared(arch, upcycle_source):
+    run, source = upcycle_source
+    model = build_model(upcycle_config(run, arch)).eval()
+    report = initialise_from(model, run)
+    exact = _declared_exact(report.get("exact_at_step0"), model)
+    if exact is None:
+        pytest.skip(f"the upcycling report says step 0 is not exact: {report['exact_at_step0']}")
+    generator = torch.Generator().manual_seed(0)
+    idx = torch.cat([torch.full((EXPORT_ROWS, 1), model.config.bos_id),
+                     torch.randint(0, BYTES, (EXPORT_ROWS, EXPORT_LEN - 1), generator=generator)], dim=1)
+    expected = source(idx).logits
+    checked = []
+    for label, given in option_sets(model.OPTIONS).items():
+        if exact(model_options(model, given)):
+            torch.testing.assert_close(teacher_forced_logits(model, idx, **given), expected, rtol=0, atol=UPCYCLE_TOL,
+                                       msg=lambda m, label=label: f"{label}: {m}")
+            checked.append(label)
+    assert checked, f"declared exact ({report.get('exact_at_step0')}) under none of the declared option sets"
+
+
+# -- training: resume is bit-exact ------------------------------------------------------------------
+RESUME_STEPS = 4  # N: one run of N steps against N / 2 steps and a resume
+TRAIN_LR = "1e-2"  # large enough that a few steps move the weights well past rounding
+# Every step is in the warmup, whose learning rate does not depend on the run's total steps, so that
+# a run of N / 2 steps extended to N (`--resume --steps N`) is the run of N (cosine decay would not be)
+TRAIN_WARMUP = 2 * RESUME_STEPS
+TRAIN_SEQ_LEN = 32
+TRAIN_SETTINGS = {"sequence_len": TRAIN_SEQ_LEN, "eval_every": 0, "eval_batches": 1, "log_every": 1,
+                  "save_every": RESUME_STEPS // 2, "warmup_steps": TRAIN_WARMUP}
+
+
+@pytest.fixture(scope="module")
+def text_corpus(tmp_path_factory) -> Path:
+    """A folder of small text documents, enough for a few batches of every run here."""
+    folder = tmp_path_factory.mktemp("corpus")
+    words = "the quick brown fox jumps over the lazy dog while latent state loops forward".split()
+    for i in range(20):
+        text = " ".join(words[(i + j) % len(words)] for j in range(200)) + f"\nstory {i}\n"
+        (folder / f"doc{i:02d}.txt").write_text(text)
+    return folder
+
+
+def _train_argv(arch: str, corpus: Path, out: Path, steps: int) -> list[str]:
+    settings = [part for name, value in TRAIN_SETTINGS.items() for part in ("--set", f"{name}={value}")]
+    return ["train", "--arch", arch, "--preset", "test", "--data", f"text:{corpus}", "--steps", str(steps),
+            "--batch-size", "2", "--lr", TRAIN_LR, "--out", str(out), "--no-progress", *settings]
+
+
+@pytest.fixture(scope="module")
+def straight_runs(text_corpus, tmp_path_factory) -> Callable[[str], Path]:
+    """arch -> a run of RESUME_STEPS steps in one go (checkpoints at N / 2 and N), trained on first use."""
+    folder = tmp_path_factory.mktemp("straight")
+    made = {}
+
+    def run(arch: str) -> Path:
+        if arch not in made:
+            assert main(_train_argv(arch, text_corpus, folder / arch, RESUME_STEPS)) == 0, arch
+            made[arch] = folder / arch
+        return made[arch]
+
+    return run
+
+
+def _final_weights(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(list_checkpoints(run)[-1] / "model.safetensors"))
+
+
+def _losses(run: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {row["step"]: row["loss"] for row in rows if "loss" in row}
+
+
+@pytest.mark.parametrize("how", ["cut", "extended"])
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_resume_is_bit_exact(arch, how, straight_runs, text_corpus, tmp_path):
+    """cut: the straight run's own checkpoint at N / 2 (as a crash leaves it) resumed with `--resume`;
+    extended: a run of N / 2 steps resumed with `--resume --steps N`. Either ends with the straight
+    run's weights, bit for bit, having logged its losses."""
+    straight, resumed = straight_runs(arch), tmp_path / "resumed"
+    if how == "cut":
+        shutil.copytree(straight, resumed)
+        for later in list_checkpoints(resumed)[1:]:
+            shutil.rmtree(later)
+        assert [p.name for p in list_checkpoints(resumed)] == [list_checkpoints(straight)[0].name]
+        assert main(["train", "--out", str(resumed), "--resume", "--no-progress"]) == 0
+    else:
+        assert main(_train_argv(arch, text_corpus, resumed, RESUME_STEPS // 2)) == 0
+        assert main(["train", "--out", str(resumed), "--resume", "--steps", str(RESUME_STEPS), "--no-progress"]) == 0
+    expected, got = _final_weights(straight), _final_weights(resumed)
+    assert got.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+    assert _losses(resumed) == _losses(straight)
+    assert sorted(_losses(straight)) == list(range(1, RESUME_STEPS + 1))
+
+
+# -- FLOPs: what an arch reports == an independent count ----------------------------------------------
+# FlopCounterMode charges attention for every (query, key) pair; causal attention needs half of them,
+# which is what the reported count charges (seq_len / 2 keys per query on average, see models/flops.py)
+CAUSAL_SHARE = 0.5
+FLOPS_RTOL = 1e-9  # both are sums of integer products; only dividing by the tokens rounds
+FLOPS_STEPS = range(3)  # the first optimizer steps: an objective may draw a different forward per step
+FLOPS_ROWS = 2
+
+
+def _cpu_attention_flops(query, key, value, *args, **kwargs) -> int:
+    """torch's own SDPA formula for the CPU kernel, which its counter does not register (torch 2.13)."""
+    return sdpa_flop_count(query, key, value)
+
+
+def _counted_training_forward(objective, model, step: int) -> float:
+    """Training FLOPs per token counted apart from the arch's own count: the objective's whole
+    forward for `step` (what a training step runs, whatever it declares), at the model's full
+    context, attention from the counter's SDPA formula; times the documented backward factor."""
+    T = model.config.sequence_len
+    generator = torch.Generator().manual_seed(step)
+    x, y = (torch.randint(0, BYTES, (FLOPS_ROWS, T), generator=generator) for _ in range(2))
+    mapping = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops}
+    model.train()
+    with torch.no_grad(), FlopCounterMode(display=False, custom_mapping=mapping) as counter:
+        objective(model, x, y, step)
+    counts = counter.get_flop_counts().get("Global", {})
+    attention = sum(n for op, n in counts.items() if "attention" in str(op))
+    products = sum(n for op, n in counts.items() if "attention" not in str(op))
+    assert products > 0
+    return BACKWARD_FACTOR * (products + CAUSAL_SHARE * attention) / x.numel()
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_reported_flops_equal_an_independent_count(arch):
+    """What the trainer charges per token for a step (`Objective.flops_per_token`, counted by
+    models/flops.py on the forwards the objective declares, with a probe of a few tokens and
+    attention added per layer application) == FlopCounterMode over the objective's actual forward
+    at the full context, attention by torch's formula."""
+    torch.manual_seed(0)
+    model = build(arch, preset="test")
+    objective = build_objective(model.config, TrainConfig())
+    for step in FLOPS_STEPS:
+        reported = objective.flops_per_token(model, step)
+        assert reported > 0
+        assert reported == pytest.approx(_counted_training_forward(objective, model, step), rel=FLOPS_RTOL), step
+    assert objective.flops_per_token(model, None) > 0  # the run's average, for reports
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_the_trainer_logs_the_flops_the_objective_reports(arch, straight_runs):
+    """metrics.jsonl's cumulative FLOPs: each step's tokens times what the objective reports for that step."""
+    run = straight_runs(arch)
+    config = RunConfig.from_dict(json.loads((run / "config.json").read_text()))
+    model, objective = build_model(config.model), build_objective(config.model, config.train)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = [row for row in rows if "loss" in row]
+    tokens_per_step = rows[0]["tokens"]
+    expected = 0.0
+    for row in rows:
+        expected += objective.flops_per_token(model, row["step"] - 1) * tokens_per_step
+        assert row["flops"] == pytest.approx(expected, rel=FLOPS_RTOL), row["step"]
+
+
+# -- two processes (torchrun, DDP), then one process loads the run ------------------------------------
+DDP_WORLD = 2
+DDP_STEPS = 3
+TORCHRUN_TIMEOUT_S = 300  # every arch's job at once on 2 cores
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(text_corpus, tmp_path_factory) -> dict[str, tuple[Path, int, str]]:
+    """arch -> (run, exit code, output) of `torchrun --standalone --nproc_per_node 2 -m latentloop train
+    ... --set train.strategy=ddp`; every arch's job started at once, all bounded in time."""
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("this torch build has no gloo backend")
+    folder = tmp_path_factory.mktemp("ddp")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    jobs = {}
+    for arch in ARCHS:
+        argv = _train_argv(arch, text_corpus, folder / arch, DDP_STEPS) + ["--set", "train.strategy=ddp"]
+        # --standalone: a rendezvous on localhost at a port of its own choosing, so the jobs never collide
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(DDP_WORLD),
+                   "-m", "latentloop", *argv]
+        log = open(folder / f"{arch}.log", "w")
+        jobs[arch] = (subprocess.Popen(command, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT), log)
+    deadline = time.monotonic() + TORCHRUN_TIMEOUT_S
+    results = {}
+    try:
+        for arch, (proc, log) in jobs.items():
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{arch}: torchrun did not finish within {TORCHRUN_TIMEOUT_S} s")
+            log.close()
+            results[arch] = (folder / arch, proc.returncode, (folder / f"{arch}.log").read_text())
+    finally:
+        for proc, log in jobs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.close()
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_a_two_process_run_loads_in_one_process(arch, ddp_runs, text_corpus):
+    run, code, log = ddp_runs[arch]
+    assert code == 0, log[-3000:]
+    checkpoint = list_checkpoints(run)[-1]
+    state = json.loads((checkpoint / "state.json").read_text())
+    assert (state["world_size"], state["strategy"], state["step"]) == (DDP_WORLD, "ddp", DDP_STEPS)
+    model, tokenizer, config, loaded = load_run(run)
+    assert loaded == checkpoint and config.model.arch == arch
+    saved, ours = load_file(str(checkpoint / "model.safetensors")), model.state_dict()
+    assert saved.keys() == ours.keys()
+    for name in saved:
+        torch.testing.assert_close(ours[name], saved[name], rtol=0, atol=0)
+    text = sorted(text_corpus.iterdir())[0].read_text()
+    x = torch.tensor([[tokenizer.bos_id] + tokenizer.encode(text)[:TRAIN_SEQ_LEN - 1]])
+    with torch.no_grad():
+        logits = model(x).logits
+    assert logits.shape == (1, x.shape[1], config.model.vocab_size) and torch.isfinite(logits).all()
+    # the weights that load are the trained ones: their loss is below the loss of step 1 (at init)
+    loss = torch.nn.functional.cross_entropy(logits[0, :-1], x[0, 1:]).item()
+    assert loss < _losses(run)[1]
