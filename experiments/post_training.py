@@ -9,7 +9,9 @@ Per seed and arch (the `test` preset widened to 4 blocks of 64, T = 64):
 1. pretrain `--pretrain-steps` on `--data` (default code + English: `mix:stdlib+text:TinyStories`);
 2. SFT `--sft-steps` on `chat:task:addition_steps` (2-digit operands);
 3. accuracy and trace length on the task's *training* range (the harder test split is out of reach
-   at this scale; say so wherever the numbers are quoted): the base zero-shot in the plain task
+   at this scale; say so wherever the numbers are quoted), on held-out problems only: the task
+   splits problems by a hash of each, SFT draws none of the held-out ones, and the run stops if an
+   evaluation prompt is an SFT prompt (`evaluated_in_sft`); the base zero-shot in the plain task
    format, the SFT model in the chat format; every fbt regime, rgpt at depth 1 / 2 / 4 / 8.
 With `--gsm8k DIR` (seed 0 only): each arch's base is extended to T = `--long` with `--stage
 extend` (NTK RoPE base scaling, `--extend-steps`; gpt also for `--extend-more` steps), evaluated by
@@ -32,7 +34,9 @@ import torch
 from latentloop.archs import build_model
 from latentloop.checkpoint import list_checkpoints
 from latentloop.cli import main
+from latentloop.data.chat import iter_conversations
 from latentloop.data.loader import eval_batches
+from latentloop.data.tasks import TASKS_VERSION, parse_task_spec
 from latentloop.eval.generation import run_generation_tasks
 from latentloop.eval.loss import loss_by_position
 from latentloop.objectives.base import token_cross_entropy
@@ -47,6 +51,16 @@ REGIMES = {"gpt": {"plain": {}},
            "rgpt": {f"depth {r}": {"steps": r} for r in (1, 2, 4, 8)}}
 MEASURES = ("accuracy", "n", "mean_trace_tokens", "mean_reasoning_tokens")
 POSITION_BUCKET = 64  # positions per bucket of the by-position loss: the base runs' whole context
+
+
+def evaluated_in_sft(limit: int) -> tuple[int, int]:
+    """(evaluation problems that are also SFT problems, evaluation problems): the first must be 0,
+    or accuracy measures recall of the SFT data rather than addition."""
+    parsed = parse_task_spec(EVAL_TASK)
+    key = parsed.task.problem_key
+    sft = {key(messages[0]["content"]) for _, messages in iter_conversations(f"chat:task:{TASK}")}
+    evaluated = [key(example.prompt) for example in parsed.task.examples("test", limit, parsed.seed)]
+    return sum(problem in sft for problem in evaluated), len(evaluated)
 
 
 def _train(args: list[str]) -> None:
@@ -197,11 +211,20 @@ def run(args) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     report_file = out / "post_training.json"
     report = json.loads(report_file.read_text()) if report_file.exists() else {}
+    # runs and numbers kept from before the held-out split (version 1) evaluated on SFT prompts
+    made_with = report.setdefault("tasks_version", TASKS_VERSION if not report else 1)
+    if made_with != TASKS_VERSION:
+        raise SystemExit(f"{out} holds runs made with task data version {made_with}, not {TASKS_VERSION}: their "
+                         f"evaluation prompts were not held out from SFT; use a new --out")
 
     def save():
         report_file.write_text(json.dumps(report, indent=1))
         (out / "post_training.md").write_text(summarise(report) + "\n")
 
+    overlap, evaluated = evaluated_in_sft(args.limit)
+    if overlap:
+        raise SystemExit(f"{overlap} of {evaluated} evaluation prompts ({EVAL_TASK}) are in the SFT data "
+                         f"(chat:task:{TASK}): the accuracy would not be held out")
     archs = args.archs.split(",")
     for seed in args.seeds:
         for arch in archs:

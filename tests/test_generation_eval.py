@@ -4,6 +4,7 @@ answer extraction, pass@k, and one end-to-end run with a real (untrained) model.
 import json
 import math
 import re
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -13,17 +14,19 @@ from torch import nn
 
 import latentloop as ll
 from latentloop.data import ByteTokenizer
-from latentloop.data.tasks import get_task
+from latentloop.data.tasks import get_task, parse_task_spec, spec_baselines
 from latentloop.errors import ConfigError, DataError
 from latentloop.eval.generation import (
     GENERATION_TASKS,
     extract_number,
+    format_by_length,
     generate_texts,
     numbers_match,
     pass_at_k,
     run_generation_tasks,
     split_task_names,
 )
+from latentloop.eval.suite import format_suite
 from latentloop.models.options import DecodeOption
 
 TOKENIZER = ByteTokenizer()
@@ -158,6 +161,73 @@ def test_reasoning_task_spec_with_knobs():
     result = run_generation_tasks(model, TOKENIZER, "task:binding:hops=2,test=7", None, {}, 5, False)
     (report,) = result.values()
     assert report["accuracy"] == 1.0 and report["accuracy_by_steps"] == {"7": 1.0}
+
+
+def test_reasoning_task_report_puts_baselines_beside_accuracy_per_length():
+    """Chance, copy (x itself) and majority, computed here on the very items scored, in the JSON and
+    in the printed table."""
+    spec = "task:iteration:k=2,test=1-3,n=500"
+    task = get_task(spec)
+    examples = task.examples("test", 30, 0)
+    right = {ex.prompt for ex in examples[::3]}
+    model = ScriptedModel(lambda prompt: next((ex.completion if ex.prompt in right else "..;x")
+                                              for ex in examples if ex.prompt == prompt))
+    report = run_generation_tasks(model, TOKENIZER, spec, None, {}, 30, False)[spec]
+    json.dumps(report)  # what `eval --json` prints
+    train = Counter(ex.answer for ex in task.examples("train", 500, 0))
+    majority = sorted(train, key=lambda answer: (-train[answer], answer))[0]
+    assert report["baselines"]["majority_answer"] == majority
+    assert set(report["by_length"]) == {str(ex.steps) for ex in examples} == set(report["accuracy_by_steps"])
+    for length, row in report["by_length"].items():
+        items = [ex for ex in examples if str(ex.steps) == length]
+        x = [re.search(r",x=(\d),", ex.prompt).group(1) for ex in items]
+        assert row["n"] == len(items) and row["distinct"] == len({ex.prompt for ex in items})
+        assert row["accuracy"] == pytest.approx(sum(ex.prompt in right for ex in items) / len(items))
+        assert row["accuracy"] == report["accuracy_by_steps"][length]
+        assert row["chance"] == pytest.approx(1 / 10)
+        assert row["copy"] == pytest.approx(sum(v == ex.answer for v, ex in zip(x, items)) / len(items))
+        assert row["majority"] == pytest.approx(sum(ex.answer == majority for ex in items) / len(items))
+    printed = format_suite({"tasks": {spec: report}, "missing": [], "core": None})
+    header, *rows = [line for line in printed.splitlines() if line.startswith("  ")]
+    assert header.split() == ["length", "n", "distinct", "accuracy", "chance", "copy", "majority"]
+    first = report["by_length"]["1"]
+    assert rows[0].split() == ["1", str(first["n"]), str(first["distinct"])] + [
+        f"{first[k]:.4f}" for k in ("accuracy", "chance", "copy", "majority")]
+    assert any("copy: x itself" in line for line in rows)
+    products = run_generation_tasks(ScriptedModel(lambda prompt: "0"), TOKENIZER, "multiplication", None, {}, 4,
+                                    False)["multiplication"]
+    assert all(row["chance"] is None for row in products["by_length"].values())
+    assert "closed form" in "\n".join(format_by_length(products))
+
+
+def test_cli_eval_prints_and_returns_baselines_per_length(tmp_path, capsys):
+    from latentloop.cli import main
+
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "test", "--data", "task:iteration:k=2,n=200", "--steps", "1", "--out", str(run),
+                 "--set", "batch_size=2", "--set", "sequence_len=64", "--set", "n_layer=1", "--no-progress"]) == 0
+    task = "task:iteration:k=2,test=1-3,n=200"
+    capsys.readouterr()
+    assert main(["eval", str(run), "--tasks", task, "--limit", "6", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)["tasks"][task]
+    assert report["by_length"] and all(set(row) == {"n", "distinct", "accuracy", "chance", "copy", "majority"}
+                                       for row in report["by_length"].values())
+    assert main(["eval", str(run), "--tasks", task, "--limit", "6", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "distinct  accuracy    chance      copy  majority" in printed and "copy: x itself" in printed
+
+
+def test_chat_task_report_has_the_same_baselines():
+    chat = ByteTokenizer(chat=True)
+    torch.manual_seed(0)
+    model = ll.build("gpt", preset="test", vocab_size=chat.vocab_size)
+    spec = "chat:addition_steps:digits=2,test=1-2,n=300"
+    report = run_generation_tasks(model, chat, spec, None, {}, 6, False)[spec]
+    parsed = parse_task_spec(spec.removeprefix("chat:"))
+    expected = spec_baselines(parsed, parsed.task.examples("test", 6, parsed.seed))
+    assert {length: {k: row[k] for k in ("n", "distinct", "chance", "copy", "majority")}
+            for length, row in report["by_length"].items()} == expected["by_length"]
+    assert report["baselines"]["majority_answer"] == expected["majority_answer"]
 
 
 def test_word_problems_few_shot_prompt_and_scoring(tmp_path):

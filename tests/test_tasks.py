@@ -1,12 +1,27 @@
-"""Built-in reasoning tasks: answers checked by independent computations, splits, specs, the Source."""
+"""Built-in reasoning tasks: answers checked by independent computations, splits (held out by
+construction, for every registered task), baselines checked by hand, specs, the Source."""
 
+import hashlib
+import itertools
 import re
 
 import numpy as np
 import pytest
 
 from latentloop.data import ByteTokenizer, parse_source, prepare_tokens
-from latentloop.data.tasks import TASKS, Example, final_answer, get_task, get_task_source, parse_task_spec
+from latentloop.data.chat import iter_conversations
+from latentloop.data.tasks import (
+    HELD_OUT_FRACTION,
+    SPLIT_SALT,
+    TASKS,
+    Example,
+    final_answer,
+    get_task,
+    get_task_source,
+    majority_answer,
+    parse_task_spec,
+    task_baselines,
+)
 from latentloop.errors import DataError
 
 N = 300
@@ -114,6 +129,131 @@ def test_iteration_matches_permutation_powers_by_squaring():
     assert all(ex.work == "." * 3 * ex.steps for ex in examples("iteration", spec="iteration:fill=3"))
 
 
+# -- held out by construction ----------------------------------------------------------------------
+def _held_out_by_sha256(key):
+    """The split rule, computed here on its own: SHA-256 of salt, NUL, key; the first 8 bytes as a fraction."""
+    digest = hashlib.sha256(SPLIT_SALT.encode() + b"\0" + key.encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2 ** 64 < HELD_OUT_FRACTION
+
+
+def _configurations(name):
+    """Specs of one task at several lengths and knobs, named only through what the task declares:
+    its difficulty knob (small ranges, test ranges overlapping training, beyond it) and every
+    task-specific knob at its smallest and a middle value."""
+    task = TASKS[name]
+    knob, (_, high) = task.knob, task.train_range
+    specs = [name, f"{name}:{knob}=2,test=1-3", f"{name}:{knob}=1-3,test=2-{high + 1}",
+             f"{name}:{knob}={high},test=1-{high}"]
+    for param, (low, top) in task.param_limits.items():
+        specs += [f"{name}:{param}={low},{knob}=3,test=1-4", f"{name}:{param}={(low + top) // 2},test=1-{high}"]
+    return specs
+
+
+@pytest.mark.parametrize("name", list(TASKS))
+def test_no_val_or_test_problem_is_ever_trained_on(name):
+    """For every registered task: train and val/test share no problem (canonical keys), within each
+    configuration and across all of them (a model trained with one knob setting and evaluated with
+    another), and the split is the sha256 rule, recomputed here."""
+    trained, held = set(), set()
+    for spec in _configurations(name):
+        parsed = parse_task_spec(spec)
+        task = parsed.task
+        for n, seed in ((300, 0), (2000, 1)):
+            train = {task.problem_key(e.prompt) for e in task.iter_examples("train", n, seed)}
+            val = {task.problem_key(e.prompt) for e in task.iter_examples("val", n // 4, seed)}
+            test = {task.problem_key(e.prompt) for e in task.iter_examples("test", n // 4, seed)}
+            assert not train & (val | test), spec
+            assert not any(_held_out_by_sha256(key) for key in train), spec
+            assert all(_held_out_by_sha256(key) for key in val | test), spec
+            trained |= train
+            held |= val | test
+        source = get_task_source(spec + (",n=400" if ":" in spec else ":n=400"), 0.25)
+        source_train = {task.problem_key(e.prompt) for e in source.iter_examples("train")}
+        source_rest = {task.problem_key(e.prompt) for split in ("val", "test") for e in source.iter_examples(split)}
+        assert not source_train & source_rest, spec
+    assert not trained & held
+
+
+@pytest.mark.parametrize("name", list(TASKS))
+def test_chat_sft_data_never_holds_an_evaluated_problem(name):
+    """`chat:task:` SFT conversations against the items `chat:TASK` evaluates (the test split), with
+    the test range inside the training range too (as experiments/post_training.py evaluates)."""
+    task = TASKS[name]
+    for knobs in ("n=400", f"n=400,{task.knob}=2,test=1-2"):
+        parsed = parse_task_spec(f"{name}:{knobs}")
+        sft = {parsed.task.problem_key(messages[0]["content"])
+               for _, messages in iter_conversations(f"chat:task:{name}:{knobs}")}
+        evaluated = {parsed.task.problem_key(e.prompt) for e in parsed.task.examples("test", 200, parsed.seed)}
+        assert len(sft) > 1 and evaluated and not sft & evaluated
+        # by the rule itself, not only by luck where the problems are too many to collide
+        assert not any(map(_held_out_by_sha256, sft)) and all(map(_held_out_by_sha256, evaluated))
+
+
+def test_binding_key_ignores_statement_order():
+    task = TASKS["binding"]
+    assert task.problem_key("a=7,b=a,c=2;b=") == task.problem_key("c=2,b=a,a=7;b=")
+    assert task.problem_key("a=7,b=a,c=2;b=") != task.problem_key("a=7,b=a,c=2;a=")
+    assert task.is_held_out("a=7,b=a,c=2;b=") == task.is_held_out("b=a,c=2,a=7;b=")
+
+
+# -- baselines, each kind on a case checked by hand -------------------------------------------------
+def test_chance_is_one_over_the_answers_a_length_can_have():
+    addition = TASKS["addition"]
+    for level in (1, 2):  # every sum of two numbers whose longer one has `level` digits
+        numbers = range(10 ** level)
+        sums = {a + b for a in numbers for b in numbers if max(len(str(a)), len(str(b))) == level}
+        assert addition.answer_space(level) == len(sums)
+    s3 = get_task("s5:size=3")
+    assert s3.answer_space(4) == len(list(itertools.permutations("012"))) == 6
+    assert get_task("modarith:mod=7").answer_space(5) == 7
+    assert TASKS["iteration"].answer_space(9) == 10 and TASKS["binding"].answer_space(2) == 10
+    test = [Example("1+2=", "3", 1), Example("12+3=", "15", 2), Example("4+5=", "9", 1)]
+    report = task_baselines(addition, test, ["3"])
+    assert report["by_length"]["1"]["chance"] == pytest.approx(1 / 19)
+    assert report["by_length"]["2"]["chance"] == pytest.approx(1 / 189)  # sums 10..198
+    assert report["overall"]["chance"] == pytest.approx((2 / 19 + 1 / 189) / 3)
+    multiplication = task_baselines(TASKS["multiplication"], [Example("2*3=", "6", 1)], ["6"])
+    assert multiplication["by_length"]["1"]["chance"] is None and "closed form" in multiplication["undefined"]["chance"]
+
+
+def test_copy_baseline_answers_with_the_input_value():
+    iteration = TASKS["iteration"]
+    swap = "1023456789"  # f swaps 0 and 1 (a 2-cycle) and fixes the rest
+    test = [Example(f"f={swap},x=0,k=1:", "1", 1), Example(f"f={swap},x=5,k=1:", "5", 1),
+            Example(f"f={swap},x=0,k=2:", "0", 2), Example(f"f={swap},x=1,k=3:", "0", 3)]
+    report = task_baselines(iteration, test, ["0"])
+    assert report["by_length"]["1"]["copy"] == 0.5  # x=5 is fixed, x=0 is not
+    assert report["by_length"]["2"]["copy"] == 1.0  # the 2-cycle returns after 2
+    assert report["by_length"]["3"]["copy"] == 0.0
+    # on generated items: copying x is right exactly when x's cycle length divides k
+    for example in iteration.examples("test", 200):
+        table, x, k = re.fullmatch(r"f=(\d+),x=(\d),k=(\d+):", example.prompt).groups()
+        cycle, y = 1, int(table[int(x)])
+        while y != int(x):
+            cycle, y = cycle + 1, int(table[y])
+        assert (iteration.copy_answer(example) == example.answer) == (int(k) % cycle == 0)
+    s3 = get_task("s5:size=3")
+    copied = task_baselines(s3, [Example("s3:102=", "102", 1), Example("s3:102,102=", "012", 2),
+                                 Example("s3:102,021=", "120", 2)], ["012"])
+    assert copied["by_length"]["1"]["copy"] == 1.0 and copied["by_length"]["2"]["copy"] == 0.0
+    binding = task_baselines(TASKS["binding"], [Example("b=a,a=7,c=2;b=", "7", 1), Example("c=2,b=a,a=7;b=", "7", 1)],
+                             ["7"])
+    assert binding["by_length"]["1"]["copy"] == 0.5
+
+
+def test_majority_is_the_most_frequent_training_answer_scored_on_test():
+    assert majority_answer(["3", "5", "3", "7"]) == ("3", 4)
+    assert majority_answer(["5", "3"]) == ("3", 2)  # a tie goes to the answer that sorts first
+    test = [Example("1+2=", "3", 1), Example("2+2=", "4", 1), Example("3+0=", "3", 1), Example("10+3=", "13", 2)]
+    report = task_baselines(TASKS["addition"], test, ["3", "3", "4", "9"])
+    assert report["majority_answer"] == "3" and report["majority_train_examples"] == 4
+    assert report["by_length"]["1"]["majority"] == pytest.approx(2 / 3)
+    assert report["by_length"]["2"]["majority"] == 0.0
+    assert report["overall"]["majority"] == 0.5
+    assert report["by_length"]["1"]["copy"] == pytest.approx(1 / 3)  # only 3+0 is answered by its first operand
+    assert report["by_length"]["1"]["n"] == 3 and report["by_length"]["1"]["distinct"] == 3
+
+
 # -- splits ----------------------------------------------------------------------------------------
 def _size(name, ex):
     """The difficulty an example was drawn at, read off the prompt."""
@@ -197,10 +337,26 @@ def test_bad_specs_raise_data_errors_naming_the_choices():
         get_task_source("addition:n=0")
 
 
-def test_exhausted_difficulty_has_no_val_split():
-    source = get_task_source("addition:digits=1,n=5000", 0.1)  # only 100 distinct 1-digit sums
-    with pytest.raises(DataError, match="nothing to validate"):
-        list(source.iter_documents("val"))
+def test_a_small_range_validates_on_exactly_its_held_out_problems():
+    # Training 5000 examples on 1-digit sums used to cover all 100 of them, leaving no val split.
+    # Now a hash-chosen share is never trained on: val is exactly those problems, each once.
+    source = get_task_source("addition:digits=1,n=5000", 0.1)
+    every = {f"{a}+{b}=" for a in range(10) for b in range(10)}
+    held_out = {prompt for prompt in every if _held_out_by_sha256(prompt)}
+    assert 0 < len(held_out) < len(every)
+    val = [example.prompt for example in source.iter_examples("val")]
+    assert sorted(val) == sorted(held_out)
+    assert {example.prompt for example in source.iter_examples("train")} == every - held_out
+
+
+def test_a_range_without_held_out_problems_says_so():
+    # S2 has 2 problems of length 1 and 4 of length 2; the hash holds none of these 6 out
+    prompts = [f"s2:{','.join(seq)}=" for length in (1, 2) for seq in itertools.product(("01", "10"), repeat=length)]
+    assert not any(_held_out_by_sha256(prompt) for prompt in prompts)
+    with pytest.raises(DataError, match="no held-out problem at length 1-2"):
+        get_task("s5:size=2,length=2").examples("val", 1)
+    assert {e.steps for e in get_task("s5:size=2,length=2,test=1-3").examples("test", 50)} == {3}
+    assert {e.steps for e in get_task("s5:size=2,length=2").examples("train", 50)} == {1, 2}
 
 
 def test_parse_task_spec_defaults():

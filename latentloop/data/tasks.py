@@ -44,10 +44,27 @@ range; default just above training). Task knobs: `mod` (modarith), `size` (s5, i
 `distract` (binding: distractor chains), `fill` (iteration: filler dots per step). Example:
 `task:addition:digits=3,test=4-5,n=50000`.
 
+Held out by construction: every problem is assigned to one side of the split by a stable hash of
+its canonical key (`problem_key`: the prompt, or for binding its statements sorted), SHA-256 over
+`SPLIT_SALT` and the key, so the same in every process and Python version. A problem whose hash
+falls below `HELD_OUT_FRACTION` (a quarter) is *held out*: "train" never draws it, "val" and "test"
+draw only such problems, at every length (in the training range and beyond it). So no val or test
+item of any configuration is ever a training item of any configuration of the same task family
+(`addition` and `addition_steps` share prompts and so share the split), whatever the knobs, and
+`chat:task:` SFT data (the train split) never holds a problem that `chat:TASK` evaluates (the test
+split). Each length keeps about its share; a length with few problems may hold none out (then its
+val/test items come from the other lengths) or only a few (test repeats them: evaluation reports
+how many are distinct).
+
 As a data source, train is `n` examples drawn with the seed, val is `round(n * val_fraction)`
-(at least 1) examples of the same distribution drawn with another seed, leaving out prompts that
-also occur in train. The harder *test* split is for evaluation
-(`latentloop.eval.generation`), never for training.
+(at least 1) distinct held-out problems of the training range, drawn with another seed. The
+*test* split is for evaluation (`latentloop.eval.generation`), never for training.
+
+Baselines (`task_baselines`): beside every accuracy, per length and on the very test items scored,
+*chance* (1 / the number of possible answers at that length, where the task defines it, else None
+with the reason), *copy* (the accuracy of answering with a value copied from the input, e.g. x
+itself for iteration, where the task defines one) and *majority* (the most frequent answer of the
+training split, scored on the test items).
 """
 
 from __future__ import annotations
@@ -55,15 +72,19 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import random
-from collections.abc import Iterator
+import re
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from latentloop.data.base import Source
 from latentloop.errors import DataError
 
-# Bump whenever a generator changes what it writes, so that cached token shards are rebuilt.
-TASKS_VERSION = 1
+# Bump whenever a generator changes what it writes, so that cached token shards are rebuilt
+# (2: problems split by hash, train never draws a held-out one).
+TASKS_VERSION = 2
 
 TASK_SPLITS = ("train", "val", "test")
 ANSWER_SEPARATOR = ";"
@@ -71,6 +92,21 @@ FILLER = "."
 DEFAULT_TRAIN_EXAMPLES = 20_000
 MAX_TRAIN_EXAMPLES = 50_000_000
 VARIABLE_NAMES = "abcdefghijklmnopqrstuvwxyz"
+
+# The share of every length's problems that training never sees (val and test draw from it): a
+# quarter leaves training most of a small length (S3 length 1 has 6 problems) while larger lengths
+# still give thousands of distinct held-out items.
+HELD_OUT_FRACTION = 0.25
+# Salted into the split hash; changing it re-deals which problems are held out (bump TASKS_VERSION).
+SPLIT_SALT = "latentloop.tasks.split.v1"
+# Draws of one length that all land on the other side of the split before that length is taken to
+# have no problem on this side: at the smallest share a length can hold (1 of its problems, say 1/6)
+# a wrong verdict has probability (5/6)**1000 < 1e-79.
+MAX_DRAWS_PER_LENGTH = 1_000
+# Training examples read to find the majority answer (the first ones of the train stream).
+BASELINE_TRAIN_EXAMPLES = DEFAULT_TRAIN_EXAMPLES
+# Bytes of the digest read as the split hash: 64 bits resolve HELD_OUT_FRACTION far below any use.
+SPLIT_HASH_BYTES = 8
 
 
 @dataclass(frozen=True)
@@ -92,6 +128,13 @@ def final_answer(generated: str) -> str:
     """The answer inside generated text: its first line, after the last `;`, stripped."""
     line = generated.split("\n", 1)[0]
     return line.rsplit(ANSWER_SEPARATOR, 1)[-1].strip()
+
+
+def split_hash(key: str) -> float:
+    """Where a problem falls in [0, 1): SHA-256 of the salt and its canonical key, so the split is
+    the same in every process, machine and Python version (unlike the salted built-in `hash`)."""
+    digest = hashlib.sha256(f"{SPLIT_SALT}\0{key}".encode()).digest()
+    return int.from_bytes(digest[:SPLIT_HASH_BYTES], "big") / 2 ** (8 * SPLIT_HASH_BYTES)
 
 
 def _parse_range(knob: str, value: str) -> tuple[int, int]:
@@ -175,17 +218,59 @@ class TaskGenerator:
         return list(self.iter_examples(split, n, seed))
 
     def iter_examples(self, split: str, n: int, seed: int = 0) -> Iterator[Example]:
+        """Train draws only problems that are not held out; val and test only held-out ones (see
+        the module docstring). Lengths are uniform over the split's range, less any length with no
+        problem on this side of the split."""
         if split not in TASK_SPLITS:
             raise ValueError(f"split must be one of {TASK_SPLITS}, got {split!r}")
         # A string seed is hashed by `random` itself (SHA-512), so streams are stable everywhere
         # and independent across tasks, settings and splits.
         rng = random.Random(json.dumps([self.settings(), split, seed], sort_keys=True))
         low, high = self.split_range(split)
+        held_out = split != "train"
+        empty: set[int] = set()  # lengths found to have no problem on this side of the split
         for _ in range(n):
-            yield self.make(rng, rng.randint(low, high))
+            yield self._draw(rng, low, high, held_out, empty)
+
+    def _draw(self, rng: random.Random, low: int, high: int, held_out: bool, empty: set[int]) -> Example:
+        while len(empty) <= high - low:
+            level = rng.randint(low, high)
+            if level in empty:
+                continue
+            for _ in range(MAX_DRAWS_PER_LENGTH):
+                example = self.make(rng, level)
+                if self.is_held_out(example.prompt) == held_out:
+                    return example
+            empty.add(level)
+        side = "held-out" if held_out else "training"
+        raise DataError(f"task {self.name!r}: no {side} problem at {self.knob} {low}-{high} (each problem is held "
+                        f"out by a hash of itself, and these lengths have too few problems); widen the range")
+
+    def problem_key(self, prompt: str) -> str:
+        """The canonical encoding of the problem a prompt poses: what the split hashes and what the
+        no-overlap checks compare. The prompt itself writes the whole input of most tasks."""
+        return prompt
+
+    def is_held_out(self, prompt: str) -> bool:
+        """Whether a problem is kept out of training (it may be a val or test item)."""
+        return split_hash(self.problem_key(prompt)) < HELD_OUT_FRACTION
 
     def make(self, rng: random.Random, level: int) -> Example:
         raise NotImplementedError
+
+    # -- baselines (see `task_baselines`) --------------------------------------------------------
+    chance_rule: str = ""  # how answer_space counts, for the report
+    no_chance_reason: str = "the task does not define its number of possible answers"
+    copy_rule: str = ""  # which input value copy_answer copies, for the report
+    no_copy_reason: str = "the input holds no value of the answer's kind to copy"
+
+    def answer_space(self, level: int) -> int | None:
+        """How many answers are possible at a length (chance = 1 / this); None where undefined."""
+        return None
+
+    def copy_answer(self, example: Example) -> str | None:
+        """The answer a model gives by copying a value of the input; None where there is none."""
+        return None
 
     def format(self, example: Example) -> str:
         """The training document of one example: prompt + completion + newline."""
@@ -225,6 +310,16 @@ class Addition(_TwoOperands):
     train_range = (1, 4)
     extra = 2
     limit = 60
+    chance_rule = "1 / the number of sums the operands reach at that length (0-18 at one digit)"
+    copy_rule = "the first operand (right when the second is 0)"
+
+    def answer_space(self, level: int) -> int:
+        # the longer operand has exactly `level` digits (0-9 at one digit), the other any up to it
+        smallest = 0 if level == 1 else 10 ** (level - 1)
+        return 2 * (10 ** level - 1) - smallest + 1
+
+    def copy_answer(self, example: Example) -> str:
+        return example.prompt.split("+", 1)[0]
 
     def make(self, rng: random.Random, level: int) -> Example:
         a, b = self.operands(rng, level)
@@ -248,6 +343,11 @@ class Multiplication(_TwoOperands):
     train_range = (1, 3)
     extra = 2
     limit = 30
+    no_chance_reason = "how many distinct products numbers of a given length have has no closed form"
+    copy_rule = "the first operand (right when the second is 1 or the first is 0)"
+
+    def copy_answer(self, example: Example) -> str:
+        return example.prompt.split("*", 1)[0]
 
     def make(self, rng: random.Random, level: int) -> Example:
         a, b = self.operands(rng, level)
@@ -275,6 +375,14 @@ class ModularArithmetic(TaskGenerator):
     limit = 200
     params = {"mod": 10}
     param_limits = {"mod": (2, 1000)}
+    chance_rule = "1 / mod (every residue is an answer)"
+    copy_rule = "the first number written (right when the expression reduces to it)"
+
+    def answer_space(self, level: int) -> int:
+        return self.params["mod"]
+
+    def copy_answer(self, example: Example) -> str:
+        return re.search(r"\d+", example.prompt).group(0)
 
     def _tree(self, rng: random.Random, ops: int) -> tuple[str, int]:
         mod = self.params["mod"]
@@ -302,6 +410,14 @@ class PermutationComposition(TaskGenerator):
     limit = 500
     params = {"size": 5}
     param_limits = {"size": (2, 10)}
+    chance_rule = "1 / size! (every permutation is a final state)"
+    copy_rule = "the first permutation written (right at length 1, and when the rest compose to the identity)"
+
+    def answer_space(self, level: int) -> int:
+        return math.factorial(self.params["size"])
+
+    def copy_answer(self, example: Example) -> str:
+        return example.prompt.split(":", 1)[1].split(",", 1)[0].rstrip("=")
 
     def make(self, rng: random.Random, level: int) -> Example:
         size = self.params["size"]
@@ -325,6 +441,20 @@ class VariableBinding(TaskGenerator):
     limit = len(VARIABLE_NAMES) - 1
     params = {"distract": 3}
     param_limits = {"distract": (0, 25)}
+    chance_rule = "1 / 10 (the answer is a digit)"
+    copy_rule = "the first digit written (right when it starts the queried chain, always without distractors)"
+
+    def answer_space(self, level: int) -> int:
+        return 10
+
+    def copy_answer(self, example: Example) -> str:
+        return re.search(r"\d", example.prompt).group(0)
+
+    def problem_key(self, prompt: str) -> str:
+        """The statements sorted, then the query: the same chains in another order pose the same problem,
+        so they must fall on the same side of the split."""
+        statements, _, query = prompt.rpartition(";")
+        return ",".join(sorted(statements.split(","))) + ";" + query
 
     def make(self, rng: random.Random, level: int) -> Example:
         names = list(VARIABLE_NAMES)
@@ -352,6 +482,14 @@ class FunctionIteration(TaskGenerator):
     limit = 10_000
     params = {"size": 10, "fill": 1}
     param_limits = {"size": (2, 10), "fill": (0, 16)}
+    chance_rule = "1 / size (the answer is a point of f's domain)"
+    copy_rule = "x itself (right when the length of x's cycle under f divides k)"
+
+    def answer_space(self, level: int) -> int:
+        return self.params["size"]
+
+    def copy_answer(self, example: Example) -> str:
+        return re.search(r",x=(\d+),", example.prompt).group(1)
 
     def make(self, rng: random.Random, level: int) -> Example:
         size = self.params["size"]
@@ -431,6 +569,12 @@ def get_task(spec: str) -> TaskGenerator:
     return parse_task_spec(spec).task
 
 
+# How long val looks for distinct held-out problems before settling for fewer (a small range may
+# hold fewer than n_val of them).
+VAL_DRAWS_PER_EXAMPLE = 50
+VAL_EXTRA_DRAWS = 1_000
+
+
 class TaskSource(Source):
     """A built-in task as a data source: one document per example (see the module docstring)."""
 
@@ -443,23 +587,23 @@ class TaskSource(Source):
         self.n_val = max(1, round(parsed.n * val_fraction))
 
     def iter_examples(self, split: str) -> Iterator[Example]:
-        """The examples of "train", "val" (held out from train) or "test" (`n_val` harder ones)."""
+        """The examples of "train", "val" (distinct held-out problems of the training range) or
+        "test" (`n_val` held-out problems of the test range)."""
         if split == "train":
             yield from self.task.iter_examples("train", self.n_train, self.parsed.seed)
         elif split == "val":
-            seen = {example.prompt for example in self.task.iter_examples("train", self.n_train, self.parsed.seed)}
-            found = 0
-            for example in self.task.iter_examples("val", 50 * self.n_val + 1_000, self.parsed.seed):
-                if example.prompt in seen:
+            # Held out from train by construction (the val stream draws only held-out problems);
+            # each problem once, so a small length weighs no more than it has problems.
+            seen: set[str] = set()
+            for example in self.task.iter_examples("val", VAL_DRAWS_PER_EXAMPLE * self.n_val + VAL_EXTRA_DRAWS,
+                                                   self.parsed.seed):
+                key = self.task.problem_key(example.prompt)
+                if key in seen:
                     continue
-                seen.add(example.prompt)
+                seen.add(key)
                 yield example
-                found += 1
-                if found == self.n_val:
+                if len(seen) == self.n_val:
                     return
-            if found == 0:
-                raise DataError(f"{self.spec}: the training examples cover every example of this difficulty, "
-                                f"so there is nothing to validate on; lower n or raise {self.task.knob}")
         elif split == "test":
             yield from self.task.iter_examples("test", self.n_val, self.parsed.seed)
         else:
@@ -472,6 +616,58 @@ class TaskSource(Source):
     def fingerprint(self) -> str:
         payload = ["task", TASKS_VERSION, self.task.settings(), self.n_train, self.parsed.seed, self.val_fraction]
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode("utf-8")).hexdigest()
+
+
+def majority_answer(answers: Iterable[str]) -> tuple[str, int]:
+    """(the most frequent answer, how many answers were read); a tie goes to the answer that sorts
+    first, so the baseline does not depend on the order of the stream."""
+    counts = Counter(answers)
+    if not counts:
+        raise DataError("no training answers to take the majority of")
+    return min(counts, key=lambda answer: (-counts[answer], answer)), sum(counts.values())
+
+
+def task_baselines(task: TaskGenerator, test: Sequence[Example], train_answers: Iterable[str]) -> dict:
+    """Chance, copy and majority accuracy on the given test items, per length and over all of them.
+
+    Returns {"by_length": {length: {"n", "distinct", "chance", "copy", "majority"}}, "overall": {...},
+    "rules": {kind: what it scores}, "undefined": {kind: why it is None}, "majority_answer",
+    "majority_train_examples"}; a kind the task does not define is None (its reason under
+    "undefined"). `distinct` counts distinct problems (a length with few held-out problems repeats them).
+    """
+    majority, read = majority_answer(train_answers)
+    copies = [task.copy_answer(example) for example in test]
+    spaces = [task.answer_space(example.steps or 0) for example in test]
+    undefined = {}
+    if any(space is None for space in spaces):
+        undefined["chance"] = task.no_chance_reason
+    if any(answer is None for answer in copies):
+        undefined["copy"] = task.no_copy_reason
+
+    def scores(indices: list[int]) -> dict:
+        def mean(values: list[float]) -> float:
+            return sum(values) / len(values)
+
+        return {"n": len(indices), "distinct": len({task.problem_key(test[i].prompt) for i in indices}),
+                "chance": None if "chance" in undefined else mean([1 / spaces[i] for i in indices]),
+                "copy": None if "copy" in undefined else mean([copies[i] == test[i].answer for i in indices]),
+                "majority": mean([test[i].answer == majority for i in indices])}
+
+    lengths: dict[int, list[int]] = {}
+    for index, example in enumerate(test):
+        lengths.setdefault(example.steps or 0, []).append(index)
+    rules = {"chance": task.chance_rule or None, "copy": task.copy_rule or None,
+             "majority": f"the most frequent answer of the first {read} training examples, {majority!r}"}
+    return {"by_length": {str(length): scores(indices) for length, indices in sorted(lengths.items())},
+            "overall": scores(list(range(len(test)))) if test else {}, "rules": rules, "undefined": undefined,
+            "majority_answer": majority, "majority_train_examples": read}
+
+
+def spec_baselines(parsed: TaskSpec, test: Sequence[Example]) -> dict:
+    """`task_baselines` with the majority taken over the spec's own training stream (its first
+    BASELINE_TRAIN_EXAMPLES examples: the stream's prefix does not depend on `n`)."""
+    train = parsed.task.iter_examples("train", min(parsed.n, BASELINE_TRAIN_EXAMPLES), parsed.seed)
+    return task_baselines(parsed.task, test, (example.answer for example in train))
 
 
 def get_task_source(name: str, val_fraction: float = 0.05) -> TaskSource:
@@ -488,5 +684,6 @@ def describe_tasks() -> str:
     return "\n".join(lines)
 
 
-__all__ = ["ANSWER_SEPARATOR", "Example", "TASKS", "TaskGenerator", "TaskSource", "TaskSpec", "describe_tasks",
-           "final_answer", "get_task", "get_task_source", "parse_task_spec"]
+__all__ = ["ANSWER_SEPARATOR", "HELD_OUT_FRACTION", "Example", "TASKS", "TaskGenerator", "TaskSource", "TaskSpec",
+           "describe_tasks", "final_answer", "get_task", "get_task_source", "majority_answer", "parse_task_spec",
+           "spec_baselines", "split_hash", "task_baselines"]

@@ -10,7 +10,8 @@ Tasks (`GENERATION_TASKS`, each `fn(model, tokenizer, data_dir, options, limit, 
 - `simple_arithmetic` (`simple_arithmetic_nospaces.jsonl`: `context`, `continuation`): few-shot
   lines `25-759=-734`, the first generated line must equal the continuation;
 - one task per built-in reasoning task (`addition`, `s5`, ...; see `latentloop.data.tasks`): its
-  harder *test* split, zero-shot, as trained (`prompt` → `work;answer` or `answer`, one line).
+  *test* split (held-out problems only, never trained on), zero-shot, as trained (`prompt` →
+  `work;answer` or `answer`, one line).
   `run_generation_tasks` also takes specs with knobs, e.g. `addition:digits=3` or
   `task:addition:digits=3,test=4-5`, to evaluate a model trained on `--data task:addition:digits=3`;
 - `humaneval` (`human_eval.jsonl`): the prompt is completed until a new top-level statement; the
@@ -42,6 +43,11 @@ plus task details (`max_new_tokens`, `truncated_prompts`, `shots`, `accuracy_by_
 built-in tasks, `pass@k` and `statuses` for humaneval) and the first few `examples` (prompt tail,
 output, target, correct).
 
+Built-in tasks (plain and chat) also report, per length, the model's accuracy beside its baselines
+on the same test items (`by_length`: {length: {"n", "distinct", "accuracy", "chance", "copy",
+"majority"}}) and `baselines` ({"overall", "rules", "undefined", "majority_answer", ...}; see
+`latentloop.data.tasks.task_baselines`); `format_by_length` writes them as text.
+
 Keyword arguments beyond the common six (for scripts and tests): `shots`, `max_new_tokens` (gsm8k
 and svamp 256, simple_arithmetic 16, built-in tasks the longest reference + 25%, humaneval 512; at
 most half the model's context) and `batch_size` (32) for all; humaneval also `samples` (1),
@@ -63,7 +69,15 @@ from pathlib import Path
 from tqdm import tqdm
 
 from latentloop.data.sources import iter_jsonl
-from latentloop.data.tasks import ANSWER_SEPARATOR, TASKS, final_answer, parse_task_spec
+from latentloop.data.tasks import (
+    ANSWER_SEPARATOR,
+    TASKS,
+    Example,
+    TaskSpec,
+    final_answer,
+    parse_task_spec,
+    spec_baselines,
+)
 from latentloop.engine import fit_prompt, stream
 from latentloop.errors import ConfigError, DataError
 from latentloop.eval.sandbox import require_sandbox, run_untrusted
@@ -405,6 +419,43 @@ def eval_simple_arithmetic(model, tokenizer, data_dir, options, limit, progress,
 
 
 # -- built-in reasoning tasks ----------------------------------------------------------------------
+BASELINE_KINDS = ("chance", "copy", "majority")
+
+
+def _task_scores(parsed: TaskSpec, examples: Sequence[Example], correct: Sequence[bool]) -> dict:
+    """The per-length part of a built-in task's report: accuracy with its baselines beside it."""
+    by_steps: dict[int, list[bool]] = {}
+    for example, ok in zip(examples, correct):
+        by_steps.setdefault(example.steps or 0, []).append(ok)
+    accuracy_by_steps = {str(steps): sum(v) / len(v) for steps, v in sorted(by_steps.items())}
+    baselines = spec_baselines(parsed, examples)
+    by_length = {length: {"n": row["n"], "distinct": row["distinct"], "accuracy": accuracy_by_steps[length],
+                          **{kind: row[kind] for kind in BASELINE_KINDS}}
+                 for length, row in baselines.pop("by_length").items()}
+    return {"accuracy_by_steps": accuracy_by_steps, "by_length": by_length, "baselines": baselines}
+
+
+def format_by_length(result: dict) -> list[str]:
+    """Text lines of a built-in task's per-length accuracy and baselines (none for other tasks)."""
+    rows = result.get("by_length")
+    if not rows:
+        return []
+
+    def cell(value) -> str:
+        return f"{value:>9.4f}" if isinstance(value, (int, float)) else f"{'n/a':>9}"
+
+    lines = [f"  {'length':>8} {'n':>5} {'distinct':>8} {'accuracy':>9} " + " ".join(f"{k:>9}" for k in BASELINE_KINDS)]
+    for length, row in rows.items():
+        lines.append(f"  {length:>8} {row['n']:>5} {row['distinct']:>8} {cell(row['accuracy'])} "
+                     + " ".join(cell(row[kind]) for kind in BASELINE_KINDS))
+    baselines = result.get("baselines", {})
+    for kind in BASELINE_KINDS:
+        reason = baselines.get("undefined", {}).get(kind)
+        rule = baselines.get("rules", {}).get(kind)
+        if reason or rule:
+            lines.append(f"  {kind}: " + (f"n/a, {reason}" if reason else rule))
+    return lines
+
 def eval_reasoning_task(model, tokenizer, data_dir, options, limit, progress, *, spec: str,
                         max_new_tokens: int | None = None, batch_size: int = DEFAULT_BATCH_SIZE) -> dict:
     """Accuracy on the test split of a built-in task (`spec`: a name, optionally with knobs)."""
@@ -426,16 +477,13 @@ def eval_reasoning_task(model, tokenizer, data_dir, options, limit, progress, *,
         generations = generate_texts(model, tokenizer, prompts, new_tokens, stops=("\n",), options=options,
                                      batch_size=batch_size, bar=bar)
     correct, records = [], []
-    by_steps: dict[int, list[bool]] = {}
     for example, generation in zip(examples, generations):
         ok = final_answer(generation.text) == example.answer
         correct.append(ok)
-        by_steps.setdefault(example.steps or 0, []).append(ok)
         records.append(_record(example.prompt, generation, example.completion, ok))
-    accuracy_by_steps = {str(steps): sum(v) / len(v) for steps, v in sorted(by_steps.items())}
     reasoning = [tokens_before(tokenizer, g, task_answer_start(g.text)) for g in generations]
     return _report(parsed.name, correct, generations, started, records, reasoning, spec=parsed.spec,
-                   settings=parsed.task.settings(), accuracy_by_steps=accuracy_by_steps,
+                   settings=parsed.task.settings(), **_task_scores(parsed, examples, correct),
                    truncated_prompts=truncated, max_new_tokens=new_tokens)
 
 
@@ -490,14 +538,10 @@ def eval_chat_task(model, tokenizer, data_dir, options, limit, progress, *, spec
     generations, new_tokens, truncated = _chat_generations(model, tokenizer, name, [e.prompt for e in examples],
                                                            max_new_tokens, options, progress, batch_size)
     correct = [final_answer(g.text) == e.answer for e, g in zip(examples, generations)]
-    by_steps: dict[int, list[bool]] = {}
-    for example, ok in zip(examples, correct):
-        by_steps.setdefault(example.steps or 0, []).append(ok)
     records = [_record(e.prompt, g, e.completion, ok) for e, g, ok in zip(examples, generations, correct)]
     reasoning = [tokens_before(tokenizer, g, task_answer_start(g.text)) for g in generations]
     return _report(name, correct, generations, started, records, reasoning, spec=f"chat:{parsed.spec}",
-                   accuracy_by_steps={str(k): sum(v) / len(v) for k, v in sorted(by_steps.items())},
-                   truncated_prompts=truncated, max_new_tokens=new_tokens)
+                   **_task_scores(parsed, examples, correct), truncated_prompts=truncated, max_new_tokens=new_tokens)
 
 
 # -- HumanEval -------------------------------------------------------------------------------------
@@ -609,6 +653,6 @@ def run_generation_tasks(model, tokenizer, names: Sequence[str] | str, data_dir:
 
 
 __all__ = ["GENERATION_TASKS", "Generation", "eval_chat_gsm8k", "eval_chat_task", "eval_gsm8k",
-            "eval_humaneval", "eval_reasoning_task",
+            "eval_humaneval", "eval_reasoning_task", "format_by_length",
            "eval_simple_arithmetic", "eval_svamp", "extract_number", "generate_texts", "humaneval_program",
            "numbers_match", "pass_at_k", "resolve_generation_task", "run_generation_tasks", "split_task_names"]

@@ -170,6 +170,9 @@ def format_suite(result: dict) -> str:
         accuracy = r.get("accuracy")
         accuracy_text = f"{accuracy:>7.4f}" if isinstance(accuracy, (int, float)) else f"{'?':>7}"
         lines.append(f"{name:<34} {r.get('n', ''):>5} {accuracy_text} {centred_text} {r.get('seconds', 0.0):>7.1f}")
+        generation = _generation_module() if "by_length" in r else None
+        if generation is not None and hasattr(generation, "format_by_length"):
+            lines += generation.format_by_length(r)  # built-in tasks: accuracy per length beside its baselines
     for name in result.get("missing", []):
         lines.append(f"{name:<34} {'missing (no data file)':>22}")
     summary = result.get("core")
