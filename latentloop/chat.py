@@ -32,8 +32,9 @@ def chat_prompt(tokenizer, messages: list[dict], budget: int) -> list[int]:
     turns = messages[len(system):]
     while _text_length(system + turns) > MAX_CHAT_TEXT_CHARS:  # the format refuses more text: drop as below
         if len(turns) <= 1:
-            raise PromptError(f"the last message ({_text_length(system + turns):,} characters with the system "
-                              f"message) is over the {MAX_CHAT_TEXT_CHARS:,} characters a conversation may hold")
+            with_system = " with the system message" if system else ""
+            raise PromptError(f"the last message ({_text_length(system + turns):,} characters{with_system}) is over "
+                              f"the {MAX_CHAT_TEXT_CHARS:,} characters a conversation may hold")
         turns = turns[2:]
     while True:
         ids = tokenizer.render_prompt(system + turns)
