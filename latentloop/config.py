@@ -336,6 +336,19 @@ class LRTConfig(ModelConfig):
         return not self.inject_layers or layer_idx in self.inject_layers
 
 
+# rgpt's training depth distributions (drawn per optimizer step by objectives/rgpt.py):
+#   uniform:    r ~ Uniform{1..R}, the RecurrentGPT paper's own sampling.
+#   heavy_tail: Huginn's log-normal Poisson (Geiping et al. 2025, arXiv 2502.05171), the baseline the
+#               RecurrentGPT paper compares against: tau ~ N(log r̄ - σ²/2, σ), r = Poisson(e^tau) + 1,
+#               so E[r - 1] = E[e^tau] = r̄. Huginn trains with r̄ = 32 and gradients through the last
+#               k = 8 steps (depth_mean=32 backprop_steps=8 here); its σ = 1/2 is the default below.
+DEPTH_SAMPLINGS = ("uniform", "heavy_tail")
+HUGINN_DEPTH_SIGMA = 0.5
+# The most recurrence steps one forward may run: a bound on asked-for work. It caps a heavy-tailed
+# training draw (the tail is unbounded) and the depth decoding may ask for (models/rgpt.py).
+MAX_RECURRENCE_STEPS = 256
+
+
 @dataclass
 class RGPTConfig(ModelConfig):
     """RecurrentGPT: prelude (n_pre blocks) -> shared core (n_rec blocks) applied R times with a
@@ -343,7 +356,9 @@ class RGPTConfig(ModelConfig):
     distinct blocks. When n_pre / n_rec / n_coda are not given they split a preset's n_layer as
     1 / n_layer - 2 / 1.
 
-    `recurrence_steps` is the trained R; `truncate_steps` configures its training objective.
+    `recurrence_steps` is the trained R (the default inference depth); `truncate_steps`,
+    `depth_sampling`, `depth_mean`, `depth_sigma` and `backprop_steps` configure its training
+    objective (see DEPTH_SAMPLINGS and objectives/rgpt.py).
     """
 
     arch: ClassVar[str] = "rgpt"
@@ -360,6 +375,14 @@ class RGPTConfig(ModelConfig):
     # -0.05 BPB on tiny). Set gate_bias_init=4.0 for the paper's initialisation.
     gate_bias_init: float = 0.0
     truncate_steps: int = 0  # training: the first n recurrence steps run without gradient
+    depth_sampling: str = "uniform"  # training depth distribution, one of DEPTH_SAMPLINGS
+    # heavy_tail: r̄ = E[r - 1]; None: recurrence_steps, the depth the model decodes at by default
+    # (as Huginn decodes at its r̄)
+    depth_mean: float | None = None
+    depth_sigma: float = HUGINN_DEPTH_SIGMA  # heavy_tail: σ of the log-normal rate
+    # training: only the last k recurrence steps get gradients, the first r - k run without
+    # (Huginn's truncated backprop); None: every step. Either sampling; excludes truncate_steps.
+    backprop_steps: int | None = None
 
     def __post_init__(self) -> None:
         if self.n_pre is None and self.n_rec is None and self.n_coda is None:
@@ -378,10 +401,25 @@ class RGPTConfig(ModelConfig):
         _require(self.gate_temperature > 0, f"gate_temperature must be > 0, got {self.gate_temperature}")
         _require(0 <= self.truncate_steps < self.recurrence_steps,
                  f"truncate_steps must be in [0, recurrence_steps), got {self.truncate_steps}")
+        _require(self.depth_sampling in DEPTH_SAMPLINGS,
+                 f"depth_sampling must be one of {', '.join(DEPTH_SAMPLINGS)}, got {self.depth_sampling!r}")
+        _require(self.depth_mean is None or 1 <= self.depth_mean < MAX_RECURRENCE_STEPS,
+                 f"depth_mean must be in [1, {MAX_RECURRENCE_STEPS}) or null, got {self.depth_mean}")
+        _require(self.depth_sigma > 0, f"depth_sigma must be > 0, got {self.depth_sigma}")
+        _require(self.backprop_steps is None or 1 <= self.backprop_steps <= MAX_RECURRENCE_STEPS,
+                 f"backprop_steps must be in [1, {MAX_RECURRENCE_STEPS}] or null, got {self.backprop_steps}")
+        _require(self.backprop_steps is None or self.truncate_steps == 0,
+                 "set one of truncate_steps (the first n steps without gradient) and backprop_steps "
+                 "(the last k steps with it), not both")
 
     @property
     def effective_depth(self) -> int:
         return self.n_pre + self.n_rec * self.recurrence_steps + self.n_coda
+
+    @property
+    def heavy_tail_mean(self) -> float:
+        """r̄ of the heavy_tail draw: depth_mean, or R when it is not set."""
+        return float(self.recurrence_steps if self.depth_mean is None else self.depth_mean)
 
 
 def rgpt_shape_from_dense(dense_layers: int, iso: str, steps: int) -> dict[str, int]:

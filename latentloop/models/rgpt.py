@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..config import RGPTConfig
+from ..config import MAX_RECURRENCE_STEPS, RGPTConfig
 from ..errors import ConfigError
 from .backbone import GPT, PER_ROW_INFO, ForwardContext, ModelOutput, norm
 from .cache import KVCache
@@ -49,7 +49,7 @@ from .options import DecodeOption
 
 CACHE_MODES = ("full", "mean", "last")
 EXIT_CRITERIA = ("kl", "state")
-MAX_STEPS = 256  # a bound on asked-for work: a full-mode cache grows by n_rec slots per step
+MAX_STEPS = MAX_RECURRENCE_STEPS  # a bound on asked-for work: a full-mode cache grows by n_rec slots per step
 
 OPTIONS = (
     DecodeOption("steps", int, None, "recurrence steps at inference (default: the trained R; early exit at a "
