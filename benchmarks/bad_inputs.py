@@ -436,9 +436,8 @@ except PermissionError as error:
     while tb is not None:
         rewrite(tb.tb_frame)
         tb = tb.tb_next
-def add_one(x):
-    return x
 """
+WRONG_ADD_ONE = "def add_one(x):\n    return x\n"
 CHECK_ADD_ONE = "def check(candidate):\n    assert candidate(1) == 2\n\ncheck(add_one)\n"
 
 
@@ -451,7 +450,7 @@ def sandbox_cases() -> list[dict]:
         require_sandbox()
     except SandboxUnavailable as error:
         return [{"case": "sandbox: frame walking", "ok": None, "detail": f"skipped: {error}"}]
-    walked = run_untrusted(FRAME_WALK, tests=CHECK_ADD_ONE)
+    walked = run_untrusted(WRONG_ADD_ONE + FRAME_WALK, tests=CHECK_ADD_ONE)
     equal = run_untrusted("class Yes:\n    def __eq__(self, other):\n        return True\n"
                           "def add_one(x):\n    return Yes()\n", tests=CHECK_ADD_ONE)
     return [{"case": "sandbox: frame walking keeps a failing verdict", "ok": walked.status in ("failed", "error"),

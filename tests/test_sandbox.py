@@ -15,6 +15,7 @@ import time
 import pytest
 from conftest import shared_data
 
+from benchmarks.bad_inputs import FRAME_WALK
 from latentloop.errors import LatentloopError, SandboxUnavailable
 from latentloop.eval import sandbox
 from latentloop.eval.generation import humaneval_program
@@ -307,31 +308,9 @@ def test_a_forged_status_is_not_a_pass():
     assert "token" not in result.output.split("LOCALS")[1]
 
 
-# Walks every frame above the code (and the frames in a traceback of a blocked call) and rewrites every
-# dict it finds there to say "passed": the issue's forgery of the verdict table from inside.
-REWRITE_THE_FRAMES = """
-import sys
-def rewrite(frame):
-    while frame is not None:
-        for scope in (frame.f_locals, frame.f_globals):
-            for value in list(scope.values()):
-                if type(value) is dict:
-                    for key in list(value):
-                        try:
-                            value[key] = b"passed" if isinstance(value[key], bytes) else "passed"
-                        except Exception:
-                            pass
-        frame = frame.f_back
-rewrite(sys._getframe(1))
-try:
-    import socket
-    socket.socket()
-except PermissionError as error:
-    tb = error.__traceback__
-    while tb is not None:
-        rewrite(tb.tb_frame)
-        tb = tb.tb_next
-"""
+# The issue's forgery from inside: walk every frame above the code (and the frames in a traceback of a
+# blocked call) and rewrite every dict there to say "passed". One copy, shared with the bad-input tally.
+REWRITE_THE_FRAMES = FRAME_WALK
 
 # Writes a well-formed "the code ended, tests passed" into every descriptor it can, then leaves.
 FORGE_EVERY_PIPE = """
