@@ -509,10 +509,10 @@ def read_trainer_state(checkpoint: Path) -> tuple[dict[str, Any], dict[str, Any]
 # torch.distributed.checkpoint (DCP) writes shard files (`__R_N.distcp`: tensors saved with
 # torch.save, and each non-tensor entry, e.g. an optimizer's param_groups, as a pickle of its own)
 # and, on rank 0, `.metadata`: a pickled index of which entry lives in which file at which offset.
-# DCP's FileSystemReader unpickles `.metadata` with plain `pickle.load` and its default planner the
-# non-tensor entries with `torch.load(weights_only=False)`: a planted file would run code. We read
-# both through allow-lists instead (`load_sharded_state`); tensors DCP already loads with
-# weights_only=True.
+# DCP's own reader unpickles `.metadata` with no restriction, and its default planner the non-tensor
+# entries with `torch.load` outside its weights-only mode: a planted file would run code. We read
+# both through allow-lists instead (`load_sharded_state`); tensors DCP already loads in weights-only
+# mode.
 DCP_METADATA = ".metadata"
 DCP_CHECKSUMS = "checksums.json"  # the sha256 of every other file of dcp/
 DCP_CHECKSUMS_FORMAT = 1  # bump when the layout of checksums.json changes
@@ -721,8 +721,8 @@ def _sharded_io() -> tuple[type, type]:
 
     class PlainDataPlanner(DefaultLoadPlanner):
         """DCP's default load planner, except for the non-tensor entries (an optimizer's param_groups:
-        floats, bools, tuples, names): decoded with `torch.load(weights_only=True)` instead of
-        DCP's weights_only=False, so an entry holding anything but plain data is refused."""
+        floats, bools, tuples, names): decoded with `torch.load(weights_only=True)`, where DCP's
+        default lifts that restriction, so an entry holding anything but plain data is refused."""
 
         def __init__(self, folder: Path):
             super().__init__()

@@ -23,12 +23,13 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 import latentloop as ll
+from latentloop.archs import ARCHS as REGISTERED
 from latentloop.checkpoint import list_checkpoints
 from latentloop.cli import main
 from latentloop.errors import CheckpointError
 from latentloop.train import fit, setup
 
-ARCHS = ["gpt", "fbt", "lrt", "rgpt"]
+ARCHS = list(REGISTERED)  # every registered architecture: a new one is checked here too
 # and gpt accumulating 2 micro-batches per process: the gradients synchronise on the second only
 CASES = [*ARCHS, dist_workers.ACCUMULATING]
 WORLD = 2

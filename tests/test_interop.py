@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import latentloop as ll
+from latentloop.archs import ARCHS
 from latentloop.checkpoint import save_weights_checkpoint
 from latentloop.cli import main
 from latentloop.config import RunConfig, model_config
@@ -110,7 +111,7 @@ LLAMA_OPTIONS = dict(learned_norms=True, qk_norm=False, embed_norm=False, mlp="s
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", ["gpt", "fbt", "lrt", "rgpt"])
+@pytest.mark.parametrize("arch", list(ARCHS))  # every registered architecture
 def test_default_state_dict_keys_are_unchanged(arch):
     """Checkpoints written before the Llama options still load: with every option at its default no
     new tensor exists."""
