@@ -1,14 +1,27 @@
-"""Shared fixtures: a private token cache per test session, tiny corpora, seeded torch."""
+"""Shared fixtures: a private token cache per test session, tiny corpora, seeded torch; and a
+`latentloop serve` subprocess for the tests that talk to a real server."""
 
 from __future__ import annotations
 
 import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+REPO = Path(__file__).resolve().parents[1]
+SERVER_START_S = 120  # a server's start: importing torch and FastAPI on 2 busy cores
+SERVER_EXIT_S = 20  # from SIGTERM to the process's end
+SERVER_POLL_S = 0.05
+# serve's start line names the address it bound: started with --port 0, each server takes a free port itself
+LISTENING = re.compile(r" at (http://127\.0\.0\.1:(\d+))/v1 ")
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -50,3 +63,45 @@ def code_sandbox():
         if os.environ.get("LATENTLOOP_REQUIRE_SANDBOX") == "1":
             pytest.fail(f"{error} (LATENTLOOP_REQUIRE_SANDBOX=1)")
         pytest.skip(str(error))
+
+
+class ServeProcess:
+    """`python -m latentloop serve RUN --port 0 FLAGS` in a subprocess on the loopback interface; `url`
+    and `port` are known once `wait_ready` returns. `env`: variables added to ours."""
+
+    def __init__(self, run: Path, log: Path, *flags: str, env: dict | None = None):
+        self.log, self.url, self.port = log, None, None
+        env = {**os.environ, **(env or {}),
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "latentloop", "serve", str(run), "--host", "127.0.0.1",
+                                          "--port", "0", "--device", "cpu", *flags],
+                                         cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    def wait_ready(self) -> ServeProcess:
+        deadline = time.monotonic() + SERVER_START_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"the server exited ({self.proc.returncode}): {self.log.read_text()[-2000:]}")
+            if self.url is None:
+                found = LISTENING.search(self.log.read_text())
+                if found:
+                    self.url, self.port = found.group(1), int(found.group(2))
+            else:
+                try:
+                    with urllib.request.urlopen(self.url + "/health", timeout=1) as reply:
+                        if reply.status == 200:
+                            return self
+                except OSError:  # not listening yet
+                    pass
+            time.sleep(SERVER_POLL_S)
+        pytest.fail(f"the server did not answer /health within {SERVER_START_S} s: {self.log.read_text()[-2000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(SERVER_EXIT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()

@@ -17,9 +17,7 @@ import inspect
 import io
 import json
 import os
-import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -30,6 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ServeProcess
 from safetensors.torch import load_file
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
@@ -213,43 +212,14 @@ def test_a_ragged_batch_decodes_each_row_as_alone(arch, label, given, models):
 
 
 # -- the server: greedy /v1/completions == the API's generate ---------------------------------------
-SERVER_START_S = 120  # one server per arch, started together: importing torch and FastAPI on 2 busy cores
 SERVER_CALL_S = 60  # any one request
-SERVER_EXIT_S = 20  # from SIGTERM to the process's end
-POLL_S = 0.05
-# serve's start line names the port it bound: started with --port 0, each server takes a free port itself
-LISTENING = re.compile(r" at (http://127\.0\.0\.1:\d+)/v1 ")
 
 
-class _Server:
-    """`python -m latentloop serve RUN --port 0` in a subprocess on the loopback interface."""
+class _Server(ServeProcess):
+    """A server of one arch's run, with one torch thread (see ONE_THREAD_ENV)."""
 
     def __init__(self, run: Path, log: Path):
-        self.log, self.url = log, None
-        env = {**os.environ, **ONE_THREAD_ENV,
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-        with open(log, "w") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "latentloop", "serve", str(run), "--host", "127.0.0.1",
-                                          "--port", "0", "--device", "cpu"],
-                                         cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + SERVER_START_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"the server exited ({self.proc.returncode}): {self.log.read_text()[-2000:]}")
-            if self.url is None:
-                found = LISTENING.search(self.log.read_text())
-                self.url = found and found.group(1)
-            else:
-                try:
-                    with urllib.request.urlopen(self.url + "/health", timeout=1) as reply:
-                        if reply.status == 200:
-                            return
-                except OSError:  # not listening yet
-                    pass
-            time.sleep(POLL_S)
-        pytest.fail(f"the server did not answer /health within {SERVER_START_S} s: {self.log.read_text()[-2000:]}")
+        super().__init__(run, log, env=ONE_THREAD_ENV)
 
     def post(self, path: str, body: dict) -> dict:
         request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
@@ -259,15 +229,6 @@ class _Server:
                 return json.loads(reply.read())
         except urllib.error.HTTPError as error:
             pytest.fail(f"{path} answered {error.code}: {error.read().decode(errors='replace')}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(SERVER_EXIT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 @pytest.fixture(scope="module")

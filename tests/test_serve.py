@@ -11,11 +11,8 @@ not need a trained model. Every wait is bounded in time.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,9 +20,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import shared_data
+from conftest import SERVER_EXIT_S, ServeProcess, shared_data
 
 import latentloop as ll
+from latentloop.archs import ARCHS as REGISTERED
 from latentloop.cli import main
 from latentloop.data import ByteTokenizer
 from latentloop.engine import row_info
@@ -34,11 +32,10 @@ from latentloop.serve.protocol import APIError, Limits, parse_completion, specia
 from latentloop.serve.text import RowText
 
 REPO = Path(ll.__file__).resolve().parents[1]
-ARCHS = ("gpt", "fbt", "lrt", "rgpt")
+ARCHS = tuple(REGISTERED)  # every registered architecture gets a server here
 CONTEXT = 128  # room for the lm-eval COPA rows (at most ~85 tokens with BOS)
-START_TIMEOUT_S = 120  # a server's start: importing torch and FastAPI on 2 busy cores
 CALL_TIMEOUT_S = 60  # any one client call
-EXIT_TIMEOUT_S = 20  # from SIGTERM to the process's end
+EXIT_TIMEOUT_S = SERVER_EXIT_S  # from SIGTERM to the process's end
 POLL_S = 0.05
 PROMPT = "def fibonacci(n):\n    "
 NEW_TOKENS = 10
@@ -169,48 +166,11 @@ def test_row_text_holds_back_stop_prefixes_and_cuts_at_the_stop():
 # --------------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
+class Server(ServeProcess):
     """`python -m latentloop serve RUN` in a subprocess on a free loopback port."""
-
-    def __init__(self, run: Path, log: Path, *flags: str):
-        self.port, self.log = free_port(), log
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-        with open(log, "w") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "latentloop", "serve", str(run), "--port",
-                                          str(self.port), "--device", "cpu", *flags],
-                                         cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-
-    def wait_ready(self) -> Server:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"the server exited ({self.proc.returncode}): {self.log.read_text()[-2000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(POLL_S)
-        pytest.fail(f"the server did not answer /health within {START_TIMEOUT_S} s")
 
     def stats(self, **headers) -> dict:
         return httpx.get(self.url + "/v1/stats", headers=headers, timeout=CALL_TIMEOUT_S).json()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(EXIT_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 def template_run(folder: Path, template: str) -> Path:
