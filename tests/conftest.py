@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -31,16 +32,20 @@ def _private_cache(tmp_path_factory):
     yield
 
 
-@pytest.fixture
-def corpus(tmp_path) -> Path:
-    """A small text corpus (a folder of .txt documents) with enough tokens for a few batches."""
-    folder = tmp_path / "corpus"
-    folder.mkdir()
+def write_corpus(folder: Path, documents: int = 40) -> Path:
+    """A small text corpus in `folder` (created): `documents` .txt files of about 200 words each."""
+    folder.mkdir(parents=True, exist_ok=True)
     words = "the quick brown fox jumps over the lazy dog while latent state loops forward".split()
-    for i in range(40):
+    for i in range(documents):
         text = " ".join(words[(i + j) % len(words)] for j in range(200)) + f"\nstory {i}\n"
         (folder / f"doc{i:02d}.txt").write_text(text)
     return folder
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    """A small text corpus (a folder of .txt documents) with enough tokens for a few batches."""
+    return write_corpus(tmp_path / "corpus")
 
 
 def shared_data(*parts: str) -> Path:
@@ -63,6 +68,19 @@ def code_sandbox():
         if os.environ.get("LATENTLOOP_REQUIRE_SANDBOX") == "1":
             pytest.fail(f"{error} (LATENTLOOP_REQUIRE_SANDBOX=1)")
         pytest.skip(str(error))
+
+
+@contextlib.contextmanager
+def serving(servers: dict):
+    """Wait until every server of {name: ServeProcess} (started together: their imports overlap) is
+    ready, yield them, and stop them all, whatever happened."""
+    try:
+        for server in servers.values():
+            server.wait_ready()
+        yield servers
+    finally:
+        for server in servers.values():
+            server.stop()
 
 
 class ServeProcess:

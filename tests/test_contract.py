@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ServeProcess
+from conftest import ServeProcess, serving, write_corpus
 from safetensors.torch import load_file
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
@@ -237,16 +237,8 @@ def servers(runs, tmp_path_factory):
     pytest.importorskip("fastapi")  # the serve extra
     pytest.importorskip("uvicorn")
     logs = tmp_path_factory.mktemp("serve-logs")
-    started = {}
-    try:
-        for arch in ARCHS:
-            started[arch] = _Server(runs[arch][0], logs / f"{arch}.log")
-        for server in started.values():
-            server.wait_ready()
+    with serving({arch: _Server(runs[arch][0], logs / f"{arch}.log") for arch in ARCHS}) as started:
         yield started
-    finally:
-        for server in started.values():
-            server.stop()
 
 
 @pytest.mark.parametrize("arch, label, given", CASES, ids=[f"{a}-{label}" for a, label, _ in CASES])
@@ -396,12 +388,7 @@ TRAIN_SETTINGS = {"sequence_len": TRAIN_SEQ_LEN, "eval_every": 0, "eval_batches"
 @pytest.fixture(scope="module")
 def text_corpus(tmp_path_factory) -> Path:
     """A folder of small text documents, enough for a few batches of every run here."""
-    folder = tmp_path_factory.mktemp("corpus")
-    words = "the quick brown fox jumps over the lazy dog while latent state loops forward".split()
-    for i in range(20):
-        text = " ".join(words[(i + j) % len(words)] for j in range(200)) + f"\nstory {i}\n"
-        (folder / f"doc{i:02d}.txt").write_text(text)
-    return folder
+    return write_corpus(tmp_path_factory.mktemp("corpus"), documents=20)
 
 
 def _train_argv(arch: str, corpus: Path, out: Path, steps: int) -> list[str]:

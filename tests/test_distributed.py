@@ -20,6 +20,7 @@ import dist_workers
 import pytest
 import torch
 import torch.multiprocessing as mp
+from conftest import write_corpus
 from safetensors.torch import load_file
 
 import latentloop as ll
@@ -80,12 +81,7 @@ def _one_thread():
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("corpus")
-    words = "the quick brown fox jumps over the lazy dog while latent state loops forward".split()
-    for i in range(40):
-        text = " ".join(words[(i + j) % len(words)] for j in range(200)) + f"\nstory {i}\n"
-        (folder / f"doc{i:02d}.txt").write_text(text)
-    return folder
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def _final_weights(checkpoint: str | Path) -> dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SERVER_EXIT_S, ServeProcess, shared_data
+from conftest import SERVER_EXIT_S, ServeProcess, serving, shared_data
 
 import latentloop as ll
 from latentloop.archs import ARCHS as REGISTERED
@@ -227,16 +227,8 @@ def servers(runs, tmp_path_factory):
     specs["chat"] = (runs["chat"],)
     if HAS_JINJA:  # chat templates render with jinja2 (the hf extra); stopped by its test
         specs["template"] = (runs["template"], "--request-timeout", str(TEMPLATE_TIMEOUT_S))
-    started = {}
-    try:
-        for name, (run, *flags) in specs.items():
-            started[name] = Server(run, logs / f"{name}.log", *flags)
-        for server in started.values():
-            server.wait_ready()
+    with serving({name: Server(run, logs / f"{name}.log", *flags) for name, (run, *flags) in specs.items()}) as started:
         yield started
-    finally:
-        for server in started.values():
-            server.stop()
 
 
 def expected_greedy(model, prompt: str, new_tokens: int, **options) -> tuple[list[int], dict]:
