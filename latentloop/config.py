@@ -506,8 +506,10 @@ def extended_rope_theta(theta: float, head_dim: int, old_len: int, new_len: int)
 SEED_LIMIT = 2**63
 # How training spreads over processes (one per GPU, launched by torchrun): none (one process), ddp
 # (replicated model, all-reduced gradients) or fsdp2 (parameters, gradients and optimizer states
-# sharded per block with torch.distributed.fsdp.fully_shard).
-STRATEGIES = ("none", "ddp", "fsdp2")
+# sharded per block with torch.distributed.fsdp.fully_shard). auto, the default, is what nanoGPT,
+# nanochat and torchtitan do: ddp when torchrun started more than one process, else none; training
+# resolves it when it starts (runtime.resolve_strategy) and records the strategy it ran.
+STRATEGIES = ("auto", "none", "ddp", "fsdp2")
 
 
 @dataclass
@@ -535,7 +537,7 @@ class TrainConfig:
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", "mps"
     dtype: str = "auto"  # autocast dtype: "auto" (bf16 on cuda, fp32 on cpu), "float32", "bfloat16"
     stage: str = "pretrain"  # see STAGES: sft trains on chat data with the assistant-only loss
-    strategy: str = "none"  # none | ddp | fsdp2 (see STRATEGIES); launch with torchrun for more than one process
+    strategy: str = "auto"  # auto | none | ddp | fsdp2 (see STRATEGIES); launch with torchrun for more than one process
     activation_checkpointing: bool = False  # recompute each block's activations in the backward (less memory)
     keep_freed_memory: bool = True  # on CPU with glibc: freed tensors' memory stays in the process (runtime.py)
     full_weights: bool = True  # fsdp2: every checkpoint also gets model.safetensors, gathered on rank 0's CPU

@@ -196,17 +196,26 @@ def dist_timeout() -> timedelta:
     return timedelta(seconds=seconds)
 
 
+def resolve_strategy(strategy: str) -> str:
+    """`train.strategy` as this launch runs it: `auto` is ddp when torchrun started more than one
+    process (WORLD_SIZE > 1), else none; any other value stands as given."""
+    if strategy != "auto":
+        return strategy
+    return "ddp" if launch_env()[2] > 1 else "none"
+
+
 def init_distributed(strategy: str, device_name: str) -> tuple[DistEnv, torch.device]:
     """Join the process group of a `ddp` / `fsdp2` job (gloo on CPU, nccl on CUDA, each process on
-    the GPU of its LOCAL_RANK) and return (DistEnv, device). Strategy `none` joins nothing and
-    refuses a multi-process launch; a `ddp` / `fsdp2` run started without torchrun is a group of
-    one, so that it takes the same code path. A group that is already up (made by the caller) is
+    the GPU of its LOCAL_RANK) and return (DistEnv, device). Strategy `auto` is resolved first
+    (`resolve_strategy`); `none` joins nothing and refuses a multi-process launch; a `ddp` / `fsdp2`
+    run started without torchrun is a group of one, so that it takes the same code path. A group that is already up (made by the caller) is
     used as it is."""
     rank, local_rank, world_size = launch_env()
+    strategy = resolve_strategy(strategy)
     if strategy == "none":
         if world_size > 1:
             raise ConfigError(f"started as {world_size} processes (torchrun) but train.strategy is none: set "
-                              f"--set train.strategy=ddp or fsdp2")
+                              f"--set train.strategy=ddp or fsdp2 (or auto, the default: ddp under torchrun)")
         return DistEnv(), resolve_device(device_name)
     if not dist.is_available():
         raise ConfigError(f"strategy {strategy} needs torch.distributed, which this torch build lacks")

@@ -13,7 +13,8 @@ scaled by `config.extended_rope_theta`; `stage_config` builds both from the base
 The trainer knows models only through `forward` and objectives only through the `Objective`
 interface, so each architecture brings its own training procedure.
 
-Many processes (`torchrun --nproc_per_node N -m latentloop train ... --set train.strategy=ddp`):
+Many processes (`torchrun --nproc_per_node N -m latentloop train ...`: ddp unless train.strategy says
+otherwise):
 every process runs these same functions on its own rank's batches (`TokenLoader` shards the global
 order), so one step sees micro-batch x grad_accum x world_size sequences. Rank 0 alone prints,
 logs and writes the run folder's shared files; the others follow. Every phase that can fail on
@@ -95,6 +96,7 @@ from .runtime import (
     keep_freed_memory,
     on_main,
     prepare_data,
+    resolve_strategy,
     together,
 )
 from .util import first_line
@@ -209,6 +211,7 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
     """Build tokenizer, data, model, objective and optimizers; nothing is written until all succeed.
     Under torchrun (train.strategy ddp or fsdp2) this process first joins the job's process group."""
     run_dir = Path(run_dir)
+    config.train.strategy = resolve_strategy(config.train.strategy)  # auto -> what runs, and what the run records
     env, device = init_distributed(config.train.strategy, config.train.device)
     if device.type == "cpu" and config.train.keep_freed_memory:
         keep_freed_memory()

@@ -518,7 +518,8 @@ TORCHRUN_TIMEOUT_S = 300  # every arch's job at once on 2 cores
 @pytest.fixture(scope="module")
 def ddp_runs(text_corpus, tmp_path_factory) -> dict[str, tuple[Path, int, str]]:
     """arch -> (run, exit code, output) of `torchrun --standalone --nproc_per_node 2 -m latentloop train
-    ... --set train.strategy=ddp`; every arch's job started at once, all bounded in time."""
+    ...` with no strategy flag (auto: ddp under torchrun, as nanoGPT / torchtitan do); every arch's job
+    started at once, all bounded in time."""
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("this torch build has no gloo backend")
     folder = tmp_path_factory.mktemp("ddp")
@@ -526,7 +527,7 @@ def ddp_runs(text_corpus, tmp_path_factory) -> dict[str, tuple[Path, int, str]]:
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     jobs = {}
     for arch in ARCHS:
-        argv = _train_argv(arch, text_corpus, folder / arch, DDP_STEPS) + ["--set", "train.strategy=ddp"]
+        argv = _train_argv(arch, text_corpus, folder / arch, DDP_STEPS)
         # --standalone: a rendezvous on localhost at a port of its own choosing, so the jobs never collide
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(DDP_WORLD),
                    "-m", "latentloop", *argv]

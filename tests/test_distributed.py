@@ -279,7 +279,7 @@ def test_an_error_before_the_processes_connect_is_printed_by_rank_0_only(corpus,
     """torchrun starts every process with the same command line, so a config error (found before
     the process group exists) happens on all of them: rank 0 prints it, the others only exit 2."""
     argv = ["train", "--arch", "gpt", "--preset", "test", "--data", f"text:{corpus}", "--steps", "2",
-            "--out", str(tmp_path / "run")]  # train.strategy stays none
+            "--set", "train.strategy=none", "--out", str(tmp_path / "run")]  # told: one process
     printed = {}
     for rank in (0, 1):
         monkeypatch.setenv("RANK", str(rank))
@@ -289,7 +289,7 @@ def test_an_error_before_the_processes_connect_is_printed_by_rank_0_only(corpus,
         assert main(argv) == 2
         printed[rank] = capsys.readouterr().err.strip().splitlines()
     assert printed == {0: ["latentloop: error: started as 2 processes (torchrun) but train.strategy is none: set "
-                           "--set train.strategy=ddp or fsdp2"], 1: []}
+                           "--set train.strategy=ddp or fsdp2 (or auto, the default: ddp under torchrun)"], 1: []}
     assert not (tmp_path / "run").exists()
 
 

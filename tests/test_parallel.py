@@ -15,12 +15,12 @@ import torch
 import latentloop as ll
 from latentloop.archs import build_objective
 from latentloop.cli import main
-from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config
+from latentloop.config import STRATEGIES, DataConfig, RunConfig, TrainConfig, model_config
 from latentloop.data import TokenLoader
 from latentloop.errors import ConfigError
 from latentloop.models import flex
 from latentloop.parallel import _checkpointed, apply_activation_checkpointing, wrap_model
-from latentloop.runtime import current_dist, init_distributed
+from latentloop.runtime import current_dist, init_distributed, resolve_strategy
 from latentloop.train import fit, setup
 
 # Per-arch settings whose training forward draws nothing from the global RNG in the step tested
@@ -125,7 +125,7 @@ def test_flex_attention_subsets_match_the_dense_mask_on_cpu(monkeypatch):
 
 
 def test_strategy_is_validated_and_a_multi_process_launch_needs_one(monkeypatch):
-    with pytest.raises(ConfigError, match="strategy must be one of none, ddp, fsdp2"):
+    with pytest.raises(ConfigError, match="strategy must be one of auto, none, ddp, fsdp2"):
         TrainConfig(strategy="zero3")
     with pytest.raises(ConfigError, match="muon does not work with strategy fsdp2"):
         TrainConfig(strategy="fsdp2", optimizer="muon")
@@ -135,6 +135,22 @@ def test_strategy_is_validated_and_a_multi_process_launch_needs_one(monkeypatch)
     monkeypatch.setenv("RANK", "x")
     with pytest.raises(ConfigError, match="RANK='x' is not an integer"):
         init_distributed("ddp", "cpu")
+
+
+def test_the_default_strategy_is_ddp_under_torchrun_and_none_alone(monkeypatch):
+    """auto (TrainConfig's default) follows the launch, as nanoGPT / nanochat / torchtitan do; an
+    explicit strategy stands as given."""
+    assert TrainConfig().strategy == "auto"
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert [resolve_strategy(s) for s in STRATEGIES] == ["none", "none", "ddp", "fsdp2"]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert [resolve_strategy(s) for s in STRATEGIES] == ["ddp", "none", "ddp", "fsdp2"]
+    # auto under a launch of 2 takes the ddp path: without torchrun's rendezvous it asks for one
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    with pytest.raises(ConfigError, match="WORLD_SIZE=2 but MASTER_ADDR / MASTER_PORT are not set"):
+        init_distributed("auto", "cpu")
 
 
 def _run(corpus, strategy: str) -> RunConfig:
