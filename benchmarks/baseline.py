@@ -109,7 +109,8 @@ def training_steps(kind: str, seq_len: int, batch_size: int, grad_clip: float, s
         model = build_model(seq_len, seed).train()
         optimizers = build_optimizers(model, train_cfg)
         objective = NextTokenObjective(model.config, train_cfg)
-        step = make_train_step(torch.compile(model) if compile else model, objective, x, y, optimizers, grad_clip)
+        step = make_train_step(model, torch.compile(model) if compile else model, objective, x, y, optimizers,
+                               train_cfg)
         return step, x.numel()
     torch.manual_seed(seed)
     if kind == "hf":  # labels are the inputs: HF shifts them itself (T - 1 targets per row)

@@ -33,7 +33,7 @@ from latentloop.engine import model_options
 from latentloop.optim import build_optimizers
 from latentloop.parallel import wrap_model
 from latentloop.runtime import keep_freed_memory
-from latentloop.train import FlopsMemo
+from latentloop.train import FiniteGuard, FlopsMemo, train_step
 
 BYTE_VOCAB = ByteTokenizer.vocab_size  # 259: bytes + BOS/EOS/PAD; prompts use bytes only (never BOS)
 MiB = 2 ** 20
@@ -75,21 +75,20 @@ def warn_contention(others: float | None) -> None:
               "speed, rerun on an idle machine")
 
 
-def make_train_step(model: torch.nn.Module, objective: Callable, x: torch.Tensor, y: torch.Tensor,
-                    optimizers: Sequence[torch.optim.Optimizer], grad_clip: float) -> Callable[[int], float]:
-    """One full optimizer step as `latentloop.train.fit` takes it (without data loading): the objective's
-    loss, backward, grad-norm clip, every optimizer's step and zero_grad. Returns the loss as a float,
-    which synchronises, as the trainer's loss logging does."""
+def make_train_step(model: torch.nn.Module, forward_model: torch.nn.Module, objective: Callable, x: torch.Tensor,
+                    y: torch.Tensor, optimizers: Sequence[torch.optim.Optimizer], train_cfg: TrainConfig,
+                    device: torch.device | None = None) -> Callable[[int], float]:
+    """One full optimizer step as `latentloop.train.fit` takes it, through the same function
+    (`latentloop.train.train_step`: accumulation, autocast, the non-finite guard, the grad-norm clip,
+    every optimizer's step), on the fixed batch (x, y) instead of the loader's. `forward_model` is
+    the model as the trainer runs it (compiled under `train.compile`), `model` the plain one whose
+    gradients are clipped. Returns the loss as a float, which synchronises, as the trainer's does."""
+    device = device if device is not None else x.device
+    guard = FiniteGuard(device)
 
     def step(i: int) -> float:
-        result = objective(model, x, y, i)
-        result.loss.backward()
-        if grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-        for opt in optimizers:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return float(result.loss.detach())
+        return train_step(model, forward_model, objective, lambda: (x, y), i, list(optimizers), train_cfg, device,
+                          guard).loss
 
     return step
 
@@ -286,7 +285,7 @@ def training_call(arch: str, shape: dict[str, Any], overrides: dict[str, Any], a
         raise RuntimeError(f"the fbt objective did not fix K={passes}")
     x, y = data[:, :-1].contiguous().to(device), data[:, 1:].contiguous().to(device)
     forward_model = wrap_model(model, train_cfg, device)
-    step = make_train_step(forward_model, objective, x, y, build_optimizers(model, train_cfg), args.grad_clip)
+    step = make_train_step(model, forward_model, objective, x, y, build_optimizers(model, train_cfg), train_cfg, device)
     counter = itertools.count()
     sync = make_sync(device)
     flops = FlopsMemo(model)  # counted once per kind of forward (rgpt's depth changes from step to step)

@@ -360,9 +360,51 @@ def in_turns(fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
     return result
 
 
+# The CPU features that give bf16 matrix products their own instructions (Linux /proc/cpuinfo flag
+# names): without one of them torch emulates bf16 and a bf16 step is slower than an fp32 one.
+CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+def cpu_bf16_support() -> str | None:
+    """The first of `CPU_BF16_FLAGS` this CPU has, or None (also off Linux, where the flags cannot
+    be read; torch's own view is `torch.backends.cpu.get_cpu_capability()`, which names the vector
+    width only)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return None
+    return next((flag for flag in CPU_BF16_FLAGS if flag in flags), None)
+
+
+def resolve_dtype(device: torch.device, dtype: str) -> str:
+    """The autocast dtype a run takes: "bfloat16" or "float32". "auto" is bf16 on CUDA and fp32
+    elsewhere: on the CPU bf16 reaches fp32's validation BPB at equal steps only within a few
+    percent in our measurements (experiments/logs/2026-12-01-time-to-quality.md), short of the
+    1% a default must meet, so it stays an option (`train.dtype=bfloat16`)."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device.type == "cuda" else "float32"
+
+
+def precision_note(device: torch.device, dtype: str) -> str:
+    """One line for the run log: the dtype the products run in and, on the CPU, its bf16 support."""
+    resolved = resolve_dtype(device, dtype)
+    line = ("bf16 autocast for the matrix products (fp32 weights, optimizer state, norms, softmax and loss)"
+            if resolved == "bfloat16" else "fp32 throughout")
+    if device.type == "cpu":
+        support = cpu_bf16_support()
+        line += (f"; CPU bf16 support: {support}" if support else
+                 "; this CPU has no bf16 instructions (amx_bf16 / avx512_bf16)"
+                 + (": bf16 is emulated and slower than fp32" if resolved == "bfloat16" else ""))
+        line += f", torch CPU capability {torch.backends.cpu.get_cpu_capability()}"
+    return f"precision ({dtype}): {line}"
+
+
 def autocast_for(device: torch.device, dtype: str):
-    """bf16 autocast on CUDA (dtype "auto") or when asked; a no-op otherwise."""
-    if dtype == "bfloat16" or (dtype == "auto" and device.type == "cuda"):
+    """bf16 autocast when `resolve_dtype` says so (the products in bf16; torch's autocast keeps
+    reductions, norms and the loss's softmax in fp32, and the weights stay fp32); a no-op otherwise."""
+    if resolve_dtype(device, dtype) == "bfloat16":
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 

@@ -32,6 +32,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,7 +65,7 @@ from .checkpoint import (
     set_aside_broken,
     write_checkpoint_files,
 )
-from .config import RunConfig, apply_overrides, extended_rope_theta
+from .config import RunConfig, TrainConfig, apply_overrides, extended_rope_theta
 from .data import TokenData, TokenLoader, load_tokenizer
 from .data.chat import ChatData, ChatLoader, is_chat_source, masked_batches, prepare_chat
 from .errors import CheckpointError, ConfigError, DataError, NonFiniteError, OutputError
@@ -95,7 +96,9 @@ from .runtime import (
     init_distributed,
     keep_freed_memory,
     on_main,
+    precision_note,
     prepare_data,
+    resolve_dtype,
     resolve_strategy,
     together,
 )
@@ -266,6 +269,8 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
         if state.lock is not None:
             state.lock.release()
         raise
+    if progress and env.is_main:
+        _note(precision_note(device, config.train.dtype))
     if env.world_size > 1 and env.is_main:
         train = config.train
         _note(f"{env.world_size} processes ({train.strategy}, {env.backend}): global batch = {train.batch_size} "
@@ -644,6 +649,43 @@ class FiniteGuard:
             raise self.fail(int(self.first_bad), "gradient norm", "not finite")
 
 
+@dataclass
+class StepOutcome:
+    loss: float  # the reported loss, averaged over the micro-batches and the processes
+    metrics: dict[str, Any]  # what the objective reports of its last micro-batch (fbt's passes, rgpt's depth)
+
+
+def train_step(model: nn.Module, forward_model: nn.Module, objective: Objective,
+               next_batch: Callable[[], tuple[torch.Tensor, ...]], step: int,
+               optimizers: list[torch.optim.Optimizer], train: TrainConfig, device: torch.device,
+               guard: FiniteGuard) -> StepOutcome:
+    """One optimizer step, the one `fit` and the benchmarks take: `train.grad_accum` micro-batches
+    (each `next_batch()` -> x, y[, loss mask]) through the objective under the run's autocast, each
+    loss backward scaled by 1 / grad_accum (gradients are reduced across processes on the last one
+    only), the loss averaged over processes and checked, the gradient norm clipped and checked (a
+    non-finite one raises before the optimizer touches the weights, on the CPU), then every
+    optimizer's step. The learning rate is the caller's (`set_lr`). `step` is 0-based: the
+    objective's draws are seeded by it, and `guard` reports a failure as step + 1."""
+    loss_sum, metrics = 0.0, {}
+    for micro in range(train.grad_accum):
+        with gradient_sync(model, forward_model, sync=micro == train.grad_accum - 1):
+            x, y, *rest = next_batch()  # sft batches also carry the loss mask
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            masked = {"loss_mask": rest[0].to(device, non_blocking=True)} if rest else {}
+            with autocast_for(device, train.dtype):
+                result = objective(forward_model, x, y, step, **masked)
+            (result.loss / train.grad_accum).backward()
+        loss_sum += result.reported_loss / train.grad_accum
+        metrics = result.metrics
+    loss_sum = mean_across_ranks(loss_sum, device)
+    guard.observe_loss(loss_sum, step + 1)
+    guard.observe_grad_norm(grad_norm(model, train.grad_clip), step + 1)
+    for opt in optimizers:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return StepOutcome(loss_sum, metrics)
+
+
 def fit(state: TrainState, progress: bool = True, max_seconds: float | None = None) -> dict[str, Any]:
     """Train until `train.steps` (or until `max_seconds` of training have passed in this call),
     evaluating and checkpointing on schedule; returns a summary. Holds the run folder's lock
@@ -685,23 +727,9 @@ def _fit(state: TrainState, progress: bool, max_seconds: float | None) -> dict[s
             step_start = time.perf_counter()
             multiplier = lr_multiplier(state.step, cfg)
             set_lr(state.optimizers, multiplier)
-            loss_sum, extra = 0.0, {}
-            for micro in range(cfg.grad_accum):
-                with gradient_sync(model, forward_model, sync=micro == cfg.grad_accum - 1):
-                    x, y, *rest = state.loader.next_batch()  # sft batches also carry the loss mask
-                    x, y = x.to(state.device, non_blocking=True), y.to(state.device, non_blocking=True)
-                    masked = {"loss_mask": rest[0].to(state.device, non_blocking=True)} if rest else {}
-                    with autocast_for(state.device, cfg.dtype):
-                        result = state.objective(forward_model, x, y, state.step, **masked)
-                    (result.loss / cfg.grad_accum).backward()
-                loss_sum += result.reported_loss / cfg.grad_accum
-                extra = result.metrics
-            loss_sum = mean_across_ranks(loss_sum, state.device)
-            guard.observe_loss(loss_sum, state.step + 1)
-            guard.observe_grad_norm(grad_norm(model, cfg.grad_clip), state.step + 1)
-            for opt in state.optimizers:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+            outcome = train_step(model, forward_model, state.objective, state.loader.next_batch, state.step,
+                                 state.optimizers, cfg, state.device, guard)
+            loss_sum, extra = outcome.loss, outcome.metrics
             state.flops_seen += state.objective.flops_per_token(flops_model, state.step) * tokens_per_step
             state.step += 1
             state.tokens_seen += tokens_per_step
@@ -737,4 +765,5 @@ def _fit(state: TrainState, progress: bool, max_seconds: float | None) -> dict[s
     return {"step": state.step, "train_loss": train_loss, "tokens": state.tokens_seen, "flops": state.flops_seen,
             "elapsed": state.elapsed, "params": state.model.num_params(), "checkpoint": str(checkpoint),
             "world_size": state.dist.world_size, "strategy": cfg.strategy, "global_batch": state.global_batch,
+            "precision": resolve_dtype(state.device, cfg.dtype),
             **{f"val_{k}": v for k, v in final.items()}}
