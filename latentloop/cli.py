@@ -750,8 +750,9 @@ def cmd_export(args) -> int:
     else:
         print(f"exported {args.run} as {summary['format']}: {summary['out']}")
         if summary["plain_blockers"] and not args.remote_code:
-            print(f"note: not a plain Llama model because of {', '.join(summary['plain_blockers'])}; load it with "
-                  f"trust_remote_code=True", file=sys.stderr)
+            print(f"note: not a plain Llama model because of {', '.join(summary['plain_blockers'])}; load it (and "
+                  f"its tokenizer: AutoTokenizer reads config.json first) with trust_remote_code=True",
+                  file=sys.stderr)
     return 0
 
 

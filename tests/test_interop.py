@@ -4,9 +4,12 @@ model is a tiny random one written here with `save_pretrained`."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import re
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -208,17 +211,40 @@ def test_sentencepiece_style_tokens_and_missing_specials(tmp_path):
 # --------------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _transformers_warnings():
+    """The messages at WARNING and above that transformers' logger emits inside the block."""
+    records: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logger, handler = logging.getLogger("transformers"), Collect(logging.WARNING)
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+
+
 @pytest.mark.parametrize("options, family", [
     (dict(LLAMA_OPTIONS, rope_scaling="llama3", rope_factor=4.0, rope_original_max_positions=16), "Llama"),
     (dict(qk_norm=False, embed_norm=False, mlp="swiglu", qkv_bias=True, tie_embeddings=True), "Qwen2"),
 ])
 def test_plain_export_round_trip(options, family, tmp_path, capsys):
     """A gpt with Llama options -> a plain transformers class (parameter-free norms as gains of 1)
-    -> the same logits; imported back -> the same logits again; AutoTokenizer loads the tokenizer."""
+    -> the same logits; imported back -> the same logits again; AutoTokenizer loads the tokenizer.
+    Both load as a user loads them (no trust_remote_code) without one warning: Python's warnings and
+    transformers' own logger (which does not propagate to the root logger) are both recorded."""
     model = _run(tmp_path / "run", **options)
     assert main(["export", str(tmp_path / "run"), "--format", "hf", "--out", str(tmp_path / "hf"), "--plain"]) == 0
     assert not any((tmp_path / "hf" / name).exists() for name in REMOTE_FILES)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    with _transformers_warnings() as logged, warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+        auto = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert [str(w.message) for w in warned] == [] and logged == []
     assert type(hf).__name__ == f"{family}ForCausalLM"
     idx = torch.randint(0, 259, (2, 40))
     with torch.no_grad():
@@ -228,7 +254,6 @@ def test_plain_export_round_trip(options, family, tmp_path, capsys):
         torch.testing.assert_close(ll.load(tmp_path / "back")[0](idx).logits, model(idx).logits, rtol=0,
                                    atol=IMPORT_TOL)
     text = "héllo, wörld\n"
-    auto = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
     assert auto(text, add_special_tokens=False)["input_ids"] == ByteTokenizer().encode(text)
     assert (auto.bos_token_id, auto.eos_token_id) == (ByteTokenizer.bos_id, ByteTokenizer.eos_id)
 
