@@ -1,4 +1,5 @@
-"""Shared fixtures: a private token cache per test session, tiny corpora, seeded torch; and a
+"""Shared fixtures: a private token cache per test session, tiny corpora, seeded torch; one tiny
+trained run per architecture (`tiny_run`, built once per session by `latentloop train`); and a
 `latentloop serve` subprocess for the tests that talk to a real server."""
 
 from __future__ import annotations
@@ -6,11 +7,13 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -46,6 +49,58 @@ def write_corpus(folder: Path, documents: int = 40) -> Path:
 def corpus(tmp_path) -> Path:
     """A small text corpus (a folder of .txt documents) with enough tokens for a few batches."""
     return write_corpus(tmp_path / "corpus")
+
+
+# The tiny runs: the `test` preset with a 32-token context (so that fbt's Jacobi iteration is exact
+# after 32 passes, which `analyze contraction` shows), trained for two steps of two rows: enough to
+# have a checkpoint, a config, a tokenizer, a metrics log and a final validation, in well under a
+# second per architecture.
+TINY_RUN_CONTEXT = 32
+TINY_RUN_ARGV = ("--preset", "test", "--steps", "2", "--batch-size", "2", "--set", f"sequence_len={TINY_RUN_CONTEXT}",
+                 "--set", "eval_batches=1", "--no-progress")
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus(tmp_path_factory) -> Path:
+    """The folder of text the tiny runs trained on: prose and code with nested brackets (what
+    `analyze probe` labels)."""
+    folder = write_corpus(tmp_path_factory.mktemp("tiny-corpus"), documents=20)
+    for i in range(20):
+        (folder / f"code{i:02d}.txt").write_text("".join(f"def f{j}(a, (b[{j}], {{c: d}})):\n    return (a)\n"
+                                                         for j in range(i, i + 30)))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tiny_corpus, tmp_path_factory) -> Callable[[str], Path]:
+    """arch -> a run folder of that architecture trained by `latentloop train` (the CLI's own path:
+    `TINY_RUN_ARGV` on `tiny_corpus`), once per session, on first use. Shared by every test: read
+    it, never write into it; a test that changes a run (resumes it, writes evals/ or analysis/,
+    damages a file) takes its own copy with `tiny_run_copy`."""
+    from latentloop.cli import main
+
+    folder = tmp_path_factory.mktemp("tiny-runs")
+    made: dict[str, Path] = {}
+
+    def run(arch: str) -> Path:
+        if arch not in made:
+            out = folder / arch
+            assert main(["train", "--arch", arch, "--data", f"text:{tiny_corpus}", "--out", str(out),
+                         *TINY_RUN_ARGV]) == 0, arch
+            made[arch] = out
+        return made[arch]
+
+    return run
+
+
+@pytest.fixture
+def tiny_run_copy(tiny_run, tmp_path) -> Callable[[str], Path]:
+    """arch -> a private copy of `tiny_run(arch)` under this test's tmp_path, free to change."""
+
+    def copy(arch: str) -> Path:
+        return Path(shutil.copytree(tiny_run(arch), tmp_path / f"{arch}-run"))
+
+    return copy
 
 
 def shared_data(*parts: str) -> Path:

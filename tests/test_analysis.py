@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from conftest import TINY_RUN_CONTEXT
 
 from latentloop.analysis import bracket_depth_labels, fit_linear_probe, spearman
 from latentloop.cli import main
@@ -13,44 +14,30 @@ from latentloop.data import ByteTokenizer
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
-@pytest.fixture(scope="module")
-def code_corpus(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("code")
-    for i in range(30):
-        (folder / f"f{i}.txt").write_text("".join(f"def f{j}(a, (b[{j}], {{c: d}})):\n    return (a)\n"
-                                                  for j in range(i, i + 30)))
-    return folder
-
-
-def _train(arch, corpus, out, *extra):
-    assert main(["train", "--arch", arch, "--preset", "test", "--data", f"text:{corpus}", "--steps", "3",
-                 "--out", str(out), "--set", "batch_size=2", "--set", "sequence_len=32", "--no-progress",
-                 *extra]) == 0
-
-
-def test_contraction_and_probe(code_corpus, tmp_path, capsys):
-    _train("fbt", code_corpus, tmp_path / "fbt")
+def test_contraction_and_probe(tiny_run_copy, capsys):
+    run = tiny_run_copy("fbt")  # analyze writes into RUN/analysis/
     capsys.readouterr()
-    assert main(["analyze", "contraction", str(tmp_path / "fbt"), "--passes", "40", "--json"]) == 0
+    passes = TINY_RUN_CONTEXT + 8
+    assert main(["analyze", "contraction", str(run), "--passes", str(passes), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert len(result["loss"]) == 40 and len(result["relative_change"]) == 40
-    # the Jacobi iteration is exact after sequence_len (32) passes: from then on nothing moves
-    assert max(result["relative_change"][33:]) < 1e-6 < max(result["relative_change"][1:8])
-    assert (tmp_path / "fbt" / "analysis" / "contraction.json").is_file()
-    assert main(["analyze", "probe", str(tmp_path / "fbt"), "--passes", "3", "--batches", "2", "--json"]) == 0
+    assert len(result["loss"]) == passes and len(result["relative_change"]) == passes
+    # the Jacobi iteration is exact after sequence_len passes: from then on nothing moves
+    assert max(result["relative_change"][TINY_RUN_CONTEXT + 1:]) < 1e-6 < max(result["relative_change"][1:8])
+    assert (run / "analysis" / "contraction.json").is_file()
+    assert main(["analyze", "probe", str(run), "--passes", "3", "--batches", "2", "--json"]) == 0
     probes = json.loads(capsys.readouterr().out)["probes"]
     assert set(probes) == {"standard/block0_in", "standard/block0_out", "recurrent/block0_in",
                            "recurrent/block0_out"}
-    assert (tmp_path / "fbt" / "analysis" / "probe.json").is_file()
+    assert (run / "analysis" / "probe.json").is_file()
     if HAVE_MATPLOTLIB:  # plots are optional (the `plot` extra); the analysis runs without them
-        assert (tmp_path / "fbt" / "analysis" / "probe.png").is_file()
-    assert main(["analyze", "depth", str(tmp_path / "fbt")]) == 2  # wrong architecture: one-line error
+        assert (run / "analysis" / "probe.png").is_file()
+    assert main(["analyze", "depth", str(run)]) == 2  # wrong architecture: one-line error
 
 
-def test_depth(code_corpus, tmp_path, capsys):
-    _train("rgpt", code_corpus, tmp_path / "rgpt", "--set", "recurrence_steps=3")
+def test_depth(tiny_run_copy, capsys):
+    run = tiny_run_copy("rgpt")
     capsys.readouterr()
-    assert main(["analyze", "depth", str(tmp_path / "rgpt"), "--max-steps", "4", "--json"]) == 0
+    assert main(["analyze", "depth", str(run), "--max-steps", "4", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["steps"] == [1, 2, 3, 4] and len(result["gate_mean_per_step"]) == 4
     assert len(result["openness_per_step"]) == 4 and all(v > 0 for v in result["openness_per_step"])
@@ -79,8 +66,7 @@ def test_depth_reports_task_accuracy_for_task_runs(tmp_path, capsys):
     assert len(result["task_accuracy"]) == 2 and all(0.0 <= a <= 1.0 for a in result["task_accuracy"])
 
 
-def test_analysis_without_matplotlib_writes_json_only(code_corpus, tmp_path, capsys, monkeypatch):
-    _train("fbt", code_corpus, tmp_path / "fbt")
+def test_analysis_without_matplotlib_writes_json_only(tiny_run, tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # as if the plot extra were absent
-    assert main(["analyze", "contraction", str(tmp_path / "fbt"), "--passes", "3", "--out", str(tmp_path / "a")]) == 0
+    assert main(["analyze", "contraction", str(tiny_run("fbt")), "--passes", "3", "--out", str(tmp_path / "a")]) == 0
     assert (tmp_path / "a" / "contraction.json").is_file() and not (tmp_path / "a" / "contraction.png").exists()

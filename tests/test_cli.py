@@ -9,22 +9,10 @@ import pytest
 from latentloop.cli import main
 
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("cli")
-    corpus = folder / "corpus.txt"
-    corpus.write_text("hello latent world, " * 400)
-    run = folder / "run"
-    code = main(["train", "--preset", "test", "--data", f"text:{corpus}", "--steps", "4", "--out", str(run),
-                 "--set", "batch_size=4", "--set", "sequence_len=32", "--no-progress"])
-    assert code == 0
-    return run
-
-
-def test_train_eval_generate(run_dir, capsys):
+def test_train_eval_generate(tiny_run, tiny_corpus, capsys):
+    run_dir = tiny_run("gpt")
     capsys.readouterr()
-    corpus = run_dir.parent / "corpus.txt"
-    assert main(["eval", str(run_dir), "--json", "--batches", "2", "--data", f"text:{corpus}"]) == 0
+    assert main(["eval", str(run_dir), "--json", "--batches", "2", "--data", f"text:{tiny_corpus}"]) == 0
     metrics = json.loads(capsys.readouterr().out)
     assert set(metrics) >= {"loss", "ppl", "bpb"} and metrics["bpb"] > 0
     assert main(["generate", str(run_dir), "--prompt", "hello", "--max-new-tokens", "5", "--temperature", "0",
@@ -35,8 +23,9 @@ def test_train_eval_generate(run_dir, capsys):
     assert capsys.readouterr().out.startswith("hé")
 
 
-def test_resume_extends_a_run(run_dir, capsys):
-    assert main(["train", "--out", str(run_dir), "--resume", "--steps", "6", "--no-progress", "--json"]) == 0
+def test_resume_extends_a_run(tiny_run_copy, capsys):
+    run = tiny_run_copy("gpt")
+    assert main(["train", "--out", str(run), "--resume", "--steps", "6", "--no-progress", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["step"] == 6
 
 
@@ -54,8 +43,8 @@ def test_resume_extends_a_run(run_dir, capsys):
     (["generate", "{run}", "--prompt", "x", "--top-p", "1.5"], "top-p"),
     (["train", "--out", "{run}", "--no-progress"], "already holds a run"),
 ])
-def test_bad_input_is_one_line_exit_2(argv, words, run_dir, tmp_path, capsys):
-    argv = [a.format(tmp=tmp_path, run=run_dir, long="y" * 200) for a in argv]
+def test_bad_input_is_one_line_exit_2(argv, words, tiny_run, tmp_path, capsys):
+    argv = [a.format(tmp=tmp_path, run=tiny_run("gpt"), long="y" * 200) for a in argv]
     try:
         code = main(argv)
     except SystemExit as exc:  # argparse rejects flags before main's own handler runs

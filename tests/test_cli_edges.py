@@ -4,21 +4,14 @@ exit code 2, or works."""
 import json
 
 import pytest
+from conftest import TINY_RUN_CONTEXT
 
 from latentloop.cli import main
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("runs")
-    corpus = folder / "corpus.txt"
-    corpus.write_text("def f(a, b):\n    return a + b\n" * 300)
-    made = {}
-    for arch in ("gpt", "rgpt"):
-        made[arch] = folder / arch
-        assert main(["train", "--arch", arch, "--preset", "test", "--data", f"text:{corpus}", "--steps", "2",
-                     "--set", "batch_size=2", "--out", str(made[arch]), "--no-progress"]) == 0
-    return made, corpus
+@pytest.fixture
+def runs(tiny_run, tiny_corpus):
+    return {arch: tiny_run(arch) for arch in ("gpt", "rgpt")}, tiny_corpus
 
 
 def _one_line_exit_2(argv, words, capsys):
@@ -75,8 +68,8 @@ def test_generate_compile_falls_back_to_eager_where_the_step_cannot_be_captured(
 
 
 def test_generate_defaults_fit_a_short_context(runs, capsys):
-    made, _ = runs  # the test preset's context is 64 tokens: the default budget must fit it
+    made, _ = runs  # the tiny runs' context is 32 tokens: the default budget must fit it
     capsys.readouterr()
     assert main(["generate", str(made["gpt"]), "--prompt", "hi", "--temperature", "0", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert 0 < out["prompt_tokens"] + out["new_tokens"] <= 64
+    assert 0 < out["prompt_tokens"] + out["new_tokens"] <= TINY_RUN_CONTEXT

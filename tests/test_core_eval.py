@@ -371,18 +371,8 @@ def test_suite_writes_results_into_the_run_folder(tmp_path, small_eval_dir):
         suite.run_tasks(model, ByteTokenizer(), "copa,nonsense", small_eval_dir, progress=False)
 
 
-@pytest.fixture(scope="module")
-def trained_run(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("core_cli")
-    corpus = folder / "corpus.txt"
-    corpus.write_text("the answer is b. " * 300)
-    run = folder / "run"
-    assert main(["train", "--preset", "test", "--data", f"text:{corpus}", "--steps", "2", "--out", str(run),
-                 "--set", "batch_size=4", "--set", "sequence_len=32", "--set", "n_layer=1", "--no-progress"]) == 0
-    return run
-
-
-def test_cli_eval_tasks(trained_run, small_eval_dir, capsys):
+def test_cli_eval_tasks(tiny_run_copy, small_eval_dir, capsys):
+    trained_run = tiny_run_copy("gpt")  # eval --tasks writes RUN/evals/
     capsys.readouterr()
     assert main(["eval", str(trained_run), "--tasks", "copa,lambada_openai", "--eval-dir", str(small_eval_dir),
                  "--limit", "4", "--json"]) == 0
@@ -394,7 +384,8 @@ def test_cli_eval_tasks(trained_run, small_eval_dir, capsys):
     assert "copa" in text and "mean centred" in text and "results:" in text
 
 
-def test_cli_eval_task_errors_are_one_line(trained_run, small_eval_dir, capsys):
+def test_cli_eval_task_errors_are_one_line(tiny_run, small_eval_dir, capsys):
+    trained_run = tiny_run("gpt")
     capsys.readouterr()
     assert main(["eval", str(trained_run), "--limit", "3"]) == 2
     assert capsys.readouterr().err.strip() == "latentloop: error: --limit and --eval-dir apply to --tasks only"

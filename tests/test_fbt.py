@@ -308,19 +308,18 @@ def test_start_from_a_tied_gpt_checkpoint(corpus, tmp_path):
     fit(state, progress=False)
 
 
-def test_cli_regimes(corpus, tmp_path, capsys):
-    assert main(["train", "--arch", "fbt", "--preset", "test", "--data", f"text:{corpus}", "--steps", "2",
-                 "--out", str(tmp_path / "run"), "--set", "batch_size=2", "--no-progress"]) == 0
+def test_cli_regimes(tiny_run, tiny_corpus, capsys):
+    run = tiny_run("fbt")
     capsys.readouterr()
     bpb = {}
     for regime, extra in (("standard", []), ("soft", []), ("fused", ["--passes", "2"])):
-        assert main(["eval", str(tmp_path / "run"), "--json", "--batches", "1", "--data", f"text:{corpus}",
+        assert main(["eval", str(run), "--json", "--batches", "1", "--data", f"text:{tiny_corpus}",
                      "--regime", regime, *extra]) == 0
         bpb[regime] = json.loads(capsys.readouterr().out)["bpb"]
     assert len(set(bpb.values())) == 3
-    assert main(["generate", str(tmp_path / "run"), "--prompt", "ab", "--max-new-tokens", "4", "--regime", "fused",
+    assert main(["generate", str(run), "--prompt", "ab", "--max-new-tokens", "4", "--regime", "fused",
                  "--passes", "auto", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["new_tokens"] <= 4 and 1 <= out["prefill_passes"] <= 16
-    assert main(["generate", str(tmp_path / "run"), "--prompt", "ab", "--passes", "0", "--regime", "fused"]) == 2
+    assert main(["generate", str(run), "--prompt", "ab", "--passes", "0", "--regime", "fused"]) == 2
     assert "passes" in capsys.readouterr().err

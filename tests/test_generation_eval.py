@@ -200,12 +200,10 @@ def test_reasoning_task_report_puts_baselines_beside_accuracy_per_length():
     assert "closed form" in "\n".join(format_by_length(products))
 
 
-def test_cli_eval_prints_and_returns_baselines_per_length(tmp_path, capsys):
+def test_cli_eval_prints_and_returns_baselines_per_length(tiny_run_copy, capsys):
     from latentloop.cli import main
 
-    run = tmp_path / "run"
-    assert main(["train", "--preset", "test", "--data", "task:iteration:k=2,n=200", "--steps", "1", "--out", str(run),
-                 "--set", "batch_size=2", "--set", "sequence_len=64", "--set", "n_layer=1", "--no-progress"]) == 0
+    run = tiny_run_copy("gpt")  # eval --tasks writes RUN/evals/
     task = "task:iteration:k=2,test=1-3,n=200"
     capsys.readouterr()
     assert main(["eval", str(run), "--tasks", task, "--limit", "6", "--json"]) == 0

@@ -174,10 +174,8 @@ def test_config_errors():
         model_config("lrt", "test", recurrence="jacobi")
 
 
-def test_train_eval_generate_cli(corpus, tmp_path, capsys):
-    run = tmp_path / "run"
-    assert main(["train", "--arch", "lrt", "--preset", "test", "--data", f"text:{corpus}", "--steps", "2",
-                 "--out", str(run), "--set", "batch_size=2", "--set", "sequence_len=24", "--no-progress"]) == 0
+def test_eval_generate_cli(tiny_run, tiny_corpus, capsys):
+    run, corpus = tiny_run("lrt"), tiny_corpus
     capsys.readouterr()
     results = {}
     for prefill in ("sequential", "interleaved"):
