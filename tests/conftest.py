@@ -19,6 +19,23 @@ from pathlib import Path
 import pytest
 import torch
 
+
+def option_sets(options) -> dict[str, dict]:
+    """{label: options given} for an architecture's declared options (a tuple of `DecodeOption`):
+    the defaults, then one set per declared choice and numeric edge (the contract suite's grid)."""
+    sets: dict[str, dict] = {"defaults": {}}
+    for option in options:
+        values = list(option.choices) if option.choices else \
+            [option.kind(option.minimum)] * (option.minimum is not None) + list(option.keywords)
+        for value in values:
+            given = {option.name: value}
+            if option.applies_if is not None:
+                other, applies = option.applies_if
+                given[other] = applies[0]
+            sets[",".join(f"{k}={v}" for k, v in given.items())] = given
+    return sets
+
+
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 REPO = Path(__file__).resolve().parents[1]
 SERVER_START_S = 120  # a server's start: importing torch and FastAPI on 2 busy cores

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ServeProcess, serving, write_corpus
+from conftest import ServeProcess, option_sets, serving, write_corpus
 from safetensors.torch import load_file
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
@@ -42,28 +42,12 @@ from latentloop.engine import generate, model_options, stream, teacher_forced_lo
 from latentloop.errors import ConfigError
 from latentloop.interop import initialise_from, upcycle_config
 from latentloop.models.flops import BACKWARD_FACTOR
-from latentloop.models.options import DecodeOption
 from latentloop.runtime import load_run, save_run
 
 REPO = Path(__file__).resolve().parents[1]
 
 PROMPT = "hi"
 NEW_TOKENS = 4
-
-
-def option_sets(options: tuple[DecodeOption, ...]) -> dict[str, dict]:
-    """{label: options given}: the defaults, then one set per declared choice and numeric edge."""
-    sets: dict[str, dict] = {"defaults": {}}
-    for option in options:
-        values = list(option.choices) if option.choices else \
-            [option.kind(option.minimum)] * (option.minimum is not None) + list(option.keywords)
-        for value in values:
-            given = {option.name: value}
-            if option.applies_if is not None:
-                other, applies = option.applies_if
-                given[other] = applies[0]
-            sets[",".join(f"{k}={v}" for k, v in given.items())] = given
-    return sets
 
 
 def _flags(given: dict) -> list[str]:

@@ -9,12 +9,17 @@ from one token to the next (nanochat's `KVCache.prev_embedding`, generalised):
   Masks are built from positions, so a left-padded batch of prompts of different lengths decodes
   exactly like each prompt alone.
 - `state`: a dict of tensors, e.g. `state["fbt.prev_top"]` (B, 1, D), owned by the variant that
-  writes it.
+  writes it; every state tensor has the batch as its first dimension, so that its rows can move
+  with their keys/values (`regroup`).
 
 Usage inside a model forward: `plan = cache.begin(T, pad_mask)` once, `cache.update(slot, k, v)`
 in every attention layer, `cache.advance()` once at the end. Attention layers see the cache only
 through the `KVStore` protocol (`update`), which `KVBuffer` (training's differentiable stand-in) and
 rgpt's per-step views implement too.
+
+`regroup(target, parts)` fills an empty cache with rows of other caches, each row's tokens kept in
+order and right-aligned: the continuous batching of `latentloop.serve` lets rows at different
+positions share one decode step this way, each row decoding exactly as it would alone.
 """
 
 from __future__ import annotations
@@ -185,3 +190,54 @@ class KVBuffer:
         for slot, (k, v) in enumerate(zip(self.k, self.v)):
             cache.k[slot, rows, :, :T] = k
             cache.v[slot, rows, :, :T] = v
+
+
+def row_span(cache: KVCache, index: Tensor) -> int:
+    """How many time slots the rows `index` of `cache` occupy: from the first slot any of them uses
+    to the end of what the cache holds (slots empty for all of them before that are not counted)."""
+    used = (cache.key_pos[index, :cache.length] >= 0).any(dim=0)  # (length,)
+    if not bool(used.any()):
+        return 0
+    return cache.length - int(used.int().argmax())
+
+
+def regroup(target: KVCache, parts: list[tuple[KVCache, Tensor]]) -> None:
+    """Fill the empty cache `target` with rows of other caches: part i's rows `index` (a long
+    tensor) become the next rows of `target`, in order. Each part's stored slots keep their order
+    and positions and end at the target's new length, the longest span among the parts
+    (`row_span`); what lies before a shorter part is empty (key_pos -1), which every mask hides as
+    it hides left padding, and positions come from `key_pos` / `next_pos`, so each row decodes on
+    exactly as it would have in its own cache. Every state tensor follows its rows (batch first);
+    a state a part lacks starts at zeros for its rows (a counter no step has touched yet).
+    `stats` (bookkeeping of a whole batch) start empty. The caches must come from the same model
+    and decoding options (the same slots and state shapes)."""
+    if target.length or target.pending:
+        raise ValueError("regroup fills an empty cache")
+    rows = sum(len(index) for _, index in parts)
+    if rows != target.batch_size:
+        raise ValueError(f"regroup: the parts hold {rows} rows, the target has {target.batch_size}")
+    spans = [row_span(cache, index) for cache, index in parts]
+    length = max(spans, default=0)
+    if length > target.max_len:
+        raise ValueError(f"regroup: {length} slots do not fit a cache of max_len {target.max_len}")
+    first = 0
+    for (cache, index), span in zip(parts, spans):
+        rows = slice(first, first + len(index))
+        source = slice(cache.length - span, cache.length)
+        destination = slice(length - span, length)
+        target.k[:, rows, :, destination] = cache.k[:, index][:, :, :, source]  # (S, b, H, span, hd)
+        target.v[:, rows, :, destination] = cache.v[:, index][:, :, :, source]
+        target.key_pos[rows, destination] = cache.key_pos[index][:, source]
+        target.next_pos[rows] = cache.next_pos[index]
+        first += len(index)
+    for name in {name for cache, _ in parts for name in cache.state}:
+        like = next(cache.state[name] for cache, _ in parts if name in cache.state)
+        merged = like.new_zeros((target.batch_size, *like.shape[1:]))
+        first = 0
+        for cache, index in parts:
+            if name in cache.state:
+                merged[first:first + len(index)] = cache.state[name][index]
+            first += len(index)
+        target.state[name] = merged
+    target.length = length
+    target.has_padding = bool((target.key_pos[:, :length] < 0).any())

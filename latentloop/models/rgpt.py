@@ -48,6 +48,8 @@ from .criteria import KLDivergence, RelativeChange
 from .options import DecodeOption
 
 CACHE_MODES = ("full", "mean", "last")
+EXIT_TOTAL_KEY = "rgpt.exit_step_total"  # cache.state: (B,) each row's exit steps summed over its decoded tokens
+EXIT_TOKENS_KEY = "rgpt.exit_tokens"  # cache.state: (B,) how many tokens each row decoded with adaptive exit
 EXIT_CRITERIA = ("kl", "state")
 MAX_STEPS = MAX_RECURRENCE_STEPS  # a bound on asked-for work: a full-mode cache grows by n_rec slots per step
 
@@ -259,15 +261,15 @@ class RGPT(GPT):
         top = self.run_blocks(h, coda_ctx, self.coda)
         cache.advance()
         exits = cache.stats.setdefault("rgpt.exit_steps", [])
-        row_exits = exit_step.tolist()
-        exits.extend(row_exits)
-        # each row's own running total: a row's mean over its tokens, whatever the other rows did
-        totals = cache.stats.setdefault("rgpt.exit_step_totals", [0] * len(row_exits))
-        totals[:] = [total + e for total, e in zip(totals, row_exits)]
-        tokens = len(exits) // len(row_exits)
+        exits.extend(exit_step.tolist())
+        # each row's own exit total and token count: a row's mean over its tokens, whatever the other
+        # rows did; batch-first state, so they move with the row when a server regroups its batch
+        totals = cache.state.get(EXIT_TOTAL_KEY, torch.zeros_like(exit_step)) + exit_step  # (B,)
+        tokens = cache.state.get(EXIT_TOKENS_KEY, torch.zeros_like(exit_step)) + 1  # (B,)
+        cache.state[EXIT_TOTAL_KEY], cache.state[EXIT_TOKENS_KEY] = totals, tokens
         return RGPTOutput(logits=self.readout(top), hidden=top, steps=r,
                           info={"mean_exit_steps": sum(exits) / len(exits),
-                                PER_ROW_INFO: {"mean_exit_steps": [total / tokens for total in totals]}})
+                                PER_ROW_INFO: {"mean_exit_steps": (totals.double() / tokens).tolist()}})
 
     # -- decoding protocol --------------------------------------------------------------------
     def new_cache(self, batch_size: int, max_len: int | None = None, steps: int | None = None,

@@ -1,0 +1,231 @@
+"""Continuous batching: one running batch whose rows join at the next decode step and leave when done
+(iteration-level scheduling, as vLLM and TGI do), each row decoding exactly as it would alone.
+
+    batch = DecodeBatch(model, options, stop_tokens, pad_id)
+    batch.add([Member(prompt, max_new_tokens, sampling)])      # prefilled at the next step
+    for step in batch.step():                                  # one token per member (None: stopped)
+        ...
+    batch.drop(member)                                          # left at the next step
+
+How rows at different positions share one step: every row's positions and masks come from the cache's
+per-row `key_pos` / `next_pos` (as in a left-padded batch), so rows need not be aligned. Joining rows
+are prefilled together in a cache of their own (left-padded, as `engine.stream` prefills a batch),
+then `models.cache.regroup` copies the running rows and the new ones into one cache, each row's
+tokens right-aligned at the batch's length; rows that left are not copied. The copy happens only
+when rows join or leave, and the cache holds no more than the longest row's span plus the decode
+steps still owed, so a batch that runs for ever never grows past the context.
+
+Sampling is per request (`Sampling`: its settings and its own `torch.Generator`), so requests with
+different temperatures, top_k, top_p and seeds share a batch: a request's rows draw together, in its
+row order, from its generator, exactly the draws `engine.stream` makes for the request alone (a row
+of the request that has stopped keeps its place with a placeholder row of logits: `multinomial`
+draws each row from the generator in turn, whatever the values, so the other rows' draws are those
+of the request alone). Greedy rows take the argmax. What couples rows lives in the architecture's
+options (`DecodeOption.couples_rows`, e.g. fbt's `passes="auto"`, which settles a prefill for all
+its rows): such a request is prefilled alone and then decodes with the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..engine import left_pad, row_info, sample_next
+from ..models.cache import regroup, row_span
+
+
+@dataclass(eq=False)
+class Sampling:
+    """How one request samples: its settings and generator; its members in row order."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    generator: torch.Generator | None = None
+    logprobs: bool = False  # each new token's log-probability
+    top_logprobs: int = 0  # and the k most likely tokens with theirs
+    members: list[Member] = field(default_factory=list)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(eq=False)
+class Member:
+    """One row of a request in a batch. `owner`: whatever the caller ties to the row."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: Sampling
+    owner: Any = None
+    generated: int = 0  # tokens handed out so far
+    done: bool = False  # stopped (stop token, max_new_tokens) or dropped: decodes no more
+    info: dict = field(default_factory=dict)  # what the model reported for this row (prefill, last step)
+
+    def __post_init__(self) -> None:
+        self.sampling.members.append(self)
+
+
+@dataclass
+class MemberStep:
+    member: Member
+    token: int | None  # None: the member stopped on a stop token (not handed out)
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    logits: Tensor | None = None  # (V,) the logits it was drawn from, when the batch keeps them
+
+
+class DecodeBatch:
+    """Rows decoding together with one model and one set of architecture options (see the module
+    docstring). Not thread-safe: one thread steps it."""
+
+    def __init__(self, model, options: dict, stop_tokens: Sequence[int] = (), pad_id: int = 0,
+                 coupled: bool = False, keep_logits: bool = False):
+        self.model, self.options = model, dict(options)
+        self.stop_tokens = frozenset(stop_tokens)
+        self.pad_id = pad_id
+        self.coupled = coupled  # the options couple the rows of a prefill: each request prefills alone
+        self.keep_logits = keep_logits
+        self.device = next(model.parameters()).device
+        self.members: list[Member] = []  # the rows of `cache`, in order
+        self.cache = None
+        self.last: Tensor | None = None  # (B, V) logits of each member's next token, None once decoded past
+        self.waiting: list[list[Member]] = []  # joiners, by the `add` call that brought them
+        self.regroups = 0  # times the cache was rebuilt (rows joined or left)
+
+    def __len__(self) -> int:
+        """Rows decoding or about to join."""
+        return sum(not m.done for m in self.members) + sum(len(group) for group in self.waiting)
+
+    def add(self, members: list[Member]) -> None:
+        """Members (one request's rows, or several requests') to prefill and join at the next step."""
+        if members:
+            self.waiting.append(list(members))
+
+    def drop(self, member: Member) -> None:
+        """The member decodes no more; its row leaves the batch at the next step."""
+        member.done = True
+
+    # -- one step -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[MemberStep]:
+        """Decode the members that go on, prefill and join the waiting ones, then draw each live
+        member's next token. Returns one entry per live member, in batch order."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            self._decode_running()
+            self._join_waiting()
+            if not self.members:
+                return []
+            return self._sample()
+        finally:
+            self.model.train(was_training)
+
+    def _remaining(self, member: Member) -> int:
+        return member.max_new_tokens - member.generated
+
+    def _capacity(self, length: int, members: list[Member]) -> int:
+        """Slots for `length` stored tokens and every decode step still owed to the members."""
+        return length + max((self._remaining(m) for m in members), default=0) + 1
+
+    def _keep(self, keep: list[int]) -> None:
+        """Rebuild the cache with the members at positions `keep` only."""
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        members = [self.members[i] for i in keep]
+        cache = self.model.new_cache(len(keep), self._capacity(row_span(self.cache, index), members), **self.options)
+        regroup(cache, [(self.cache, index)])
+        self.cache, self.members = cache, members
+        self.regroups += 1
+
+    def _decode_running(self) -> None:
+        if self.cache is None:
+            return
+        keep = [i for i, m in enumerate(self.members) if not m.done]
+        if not keep:
+            self.cache, self.members, self.last = None, [], None
+            return
+        tokens = self._pending_tokens
+        if len(keep) < len(self.members):
+            self._keep(keep)
+            tokens = tokens[keep]
+        out = self.model.decode(tokens[:, None], self.cache, **self.options)
+        self.last = out.logits[:, -1]  # (B, V)
+        for i, member in enumerate(self.members):
+            member.info.update(row_info(out.info, i))
+
+    def _join_waiting(self) -> None:
+        if not self.waiting:
+            return
+        groups = self.waiting if self.coupled else [[m for group in self.waiting for m in group]]
+        self.waiting = []
+        parts, logits, members = [], [], []
+        if self.cache is not None:
+            parts.append((self.cache, torch.arange(len(self.members), device=self.device)))
+            logits.append(self.last)
+            members.extend(self.members)
+        for group in groups:
+            idx, pad_mask = left_pad([m.prompt for m in group], self.pad_id, self.device)
+            cache = self.model.new_cache(len(group), idx.shape[1], **self.options)
+            out = self.model.prefill(idx, cache, pad_mask, **self.options)
+            for j, member in enumerate(group):
+                member.info = row_info(out.info, j)
+            parts.append((cache, torch.arange(len(group), device=self.device)))
+            logits.append(out.logits[:, -1])
+            members.extend(group)
+        length = max(row_span(cache, index) for cache, index in parts)
+        cache = self.model.new_cache(len(members), self._capacity(length, members), **self.options)
+        regroup(cache, parts)
+        self.cache, self.members, self.last = cache, members, torch.cat(logits)
+        self.regroups += 1
+
+    # -- drawing the next tokens ----------------------------------------------------------------
+    def _sample(self) -> list[MemberStep]:
+        last = self.last  # (B, V)
+        row_of = {id(m): i for i, m in enumerate(self.members)}
+        tokens = last.argmax(dim=-1)  # (B,) the greedy rows' tokens; sampled rows are overwritten
+        for sampling in {id(m.sampling): m.sampling for m in self.members}.values():
+            if sampling.greedy:
+                continue
+            # the request's rows in its own order; a stopped row keeps its place (see the docstring)
+            rows = [row_of.get(id(m)) for m in sampling.members]
+            stacked = torch.stack([last[i] if i is not None else torch.zeros_like(last[0]) for i in rows])
+            drawn = sample_next(stacked, sampling.temperature, sampling.top_k, sampling.top_p, sampling.generator)
+            live = [(i, j) for j, i in enumerate(rows) if i is not None]
+            tokens[[i for i, _ in live]] = drawn[[j for _, j in live]]
+        want_logp = any(m.sampling.logprobs or m.sampling.top_logprobs for m in self.members)
+        logp = last.float().log_softmax(dim=-1) if want_logp else None
+        chosen = logp.gather(-1, tokens[:, None]).squeeze(-1).tolist() if logp is not None else None
+        k = max((m.sampling.top_logprobs for m in self.members), default=0)
+        top_values, top_ids = logp.topk(k, dim=-1) if k else (None, None)
+        top_values = top_values.tolist() if k else None
+        top_ids = top_ids.tolist() if k else None
+        self._pending_tokens = tokens
+        steps = []
+        for i, (member, token) in enumerate(zip(self.members, tokens.tolist())):
+            if member.done:
+                continue
+            if token in self.stop_tokens:
+                member.done = True
+                steps.append(MemberStep(member, None))
+                continue
+            member.generated += 1
+            if member.generated >= member.max_new_tokens:
+                member.done = True
+            n = member.sampling.top_logprobs
+            steps.append(MemberStep(member, token, chosen[i] if member.sampling.logprobs else None,
+                                    list(zip(top_ids[i][:n], top_values[i][:n])) if n else None,
+                                    last[i] if self.keep_logits else None))
+        return steps
+
+
+def couples_rows(model, options: dict) -> bool:
+    """Whether the architecture declares that these options couple the rows of a prefill (each
+    request is then prefilled alone)."""
+    return any(option.couples_rows is not None and option.couples_rows(options.get(option.name))
+               for option in model.OPTIONS)
