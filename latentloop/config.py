@@ -567,10 +567,6 @@ class TrainConfig:
         _require(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda", "mps"),
                  f"device must be auto, cpu, cuda[:N] or mps, got {self.device!r}")
         _require(self.strategy in STRATEGIES, f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
-        # Muon orthogonalises whole matrices; FSDP2 hands the optimizer one shard of each
-        _require(not (self.strategy == "fsdp2" and self.optimizer == "muon"),
-                 "optimizer muon does not work with strategy fsdp2 (Muon needs whole matrices, FSDP2 shards them): "
-                 "use strategy ddp or optimizer adamw")
 
 
 @dataclass

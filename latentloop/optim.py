@@ -41,7 +41,31 @@ def orthogonalize(G: Tensor, steps: int = 5) -> Tensor:
     return (X.mT if transposed else X).to(G.dtype)
 
 
+def _whole(t: Tensor) -> Tensor:
+    """The whole matrix of a tensor that FSDP2 shards (a DTensor: gathered from every process), or
+    the tensor itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _like(whole: Tensor, param: Tensor) -> Tensor:
+    """`whole` laid out as `param` is: this process's shard of it when `param` is a DTensor (every
+    process holds the same whole matrix, so each keeps its own part, with no communication)."""
+    if not hasattr(param, "device_mesh"):
+        return whole
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None)
+
+
 class Muon(torch.optim.Optimizer):
+    """Muon for 2-D weights. Under DDP every process holds the whole, already all-reduced gradient
+    and takes the same step. Under FSDP2 the parameter, its gradient and the momentum buffer are
+    DTensors sharded by rows: the momentum is kept sharded (updated shard by shard), the Nesterov
+    combination is gathered whole on every process (one all-gather per matrix), orthogonalised
+    there (the same computation on every process: simple, at the cost of repeating the
+    Newton-Schulz products on each), and each process applies its own rows of the update. The
+    result equals one process's Muon on the whole matrices (tests/test_distributed.py)."""
+
     def __init__(self, params, lr: float = 0.02, momentum: float = MUON_MOMENTUM, weight_decay: float = 0.0,
                  ns_steps: int = 5):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, ns_steps=ns_steps))
@@ -54,7 +78,8 @@ class Muon(torch.optim.Optimizer):
                     continue
                 buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad))
                 buf.lerp_(p.grad, 1 - group["momentum"])
-                update = orthogonalize(p.grad.lerp(buf, group["momentum"]), group["ns_steps"])  # Nesterov
+                nesterov = _whole(p.grad.lerp(buf, group["momentum"]))
+                update = _like(orthogonalize(nesterov, group["ns_steps"]), p)
                 aspect = max(1.0, p.size(0) / p.size(1)) ** 0.5  # keeps the update's RMS comparable across shapes
                 if group["weight_decay"]:
                     p.mul_(1 - group["lr"] * group["weight_decay"])

@@ -83,9 +83,17 @@ def record_draws(objective, model) -> list[dict]:
 ACCUMULATING = "gpt+accum"  # a case of its own: gpt with 2 micro-batches per step on every process
 
 
+MUON = "gpt+muon"  # gpt trained with Muon: under fsdp2 its matrices are gathered for the orthogonalisation
+
+
 def case_arch(case: str) -> tuple[str, int]:
-    """(arch, grad_accum) of a case name: an arch, or ACCUMULATING."""
-    return ("gpt", 2) if case == ACCUMULATING else (case, 1)
+    """(arch, grad_accum) of a case name: an arch, ACCUMULATING or MUON."""
+    return {ACCUMULATING: ("gpt", 2), MUON: ("gpt", 1)}.get(case, (case, 1))
+
+
+def case_train(case: str) -> dict:
+    """The TrainConfig fields a case sets beyond `run_config`'s."""
+    return {"optimizer": "muon"} if case == MUON else {}
 
 
 def _runs(rank: int, corpus: str, out: str, strategy: str, cases: list[str]) -> None:
@@ -96,7 +104,7 @@ def _runs(rank: int, corpus: str, out: str, strategy: str, cases: list[str]) -> 
     results = {}
     for case in cases:
         arch, grad_accum = case_arch(case)
-        state = setup(run_config(arch, Path(corpus), strategy, grad_accum=grad_accum),
+        state = setup(run_config(arch, Path(corpus), strategy, grad_accum=grad_accum, **case_train(case)),
                       Path(out) / f"{case}-{strategy}", progress=False)
         draws = record_draws(state.objective, state.model)
         summary = fit(state, progress=False)

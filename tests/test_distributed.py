@@ -32,7 +32,7 @@ from latentloop.train import fit, setup
 
 ARCHS = list(REGISTERED)  # every registered architecture: a new one is checked here too
 # and gpt accumulating 2 micro-batches per process: the gradients synchronise on the second only
-CASES = [*ARCHS, dist_workers.ACCUMULATING]
+CASES = [*ARCHS, dist_workers.ACCUMULATING, dist_workers.MUON]
 WORLD = 2
 SPAWN_TIMEOUT_S = 150  # a hung collective fails the test instead of the suite
 TORCHRUN_TIMEOUT_S = 120
@@ -91,7 +91,8 @@ def _final_weights(checkpoint: str | Path) -> dict[str, torch.Tensor]:
 def _reference(case: str, corpus: Path, run: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process, WORLD times the gradient accumulation: the run the data-parallel processes must equal."""
     arch, grad_accum = dist_workers.case_arch(case)
-    state = setup(dist_workers.run_config(arch, corpus, "none", grad_accum=grad_accum * WORLD), run, progress=False)
+    state = setup(dist_workers.run_config(arch, corpus, "none", grad_accum=grad_accum * WORLD,
+                                          **dist_workers.case_train(case)), run, progress=False)
     summary = fit(state, progress=False)
     return [row["loss"] for row in state.history if "loss" in row], _final_weights(summary["checkpoint"])
 
