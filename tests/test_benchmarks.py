@@ -4,6 +4,8 @@ the training floor must compute exactly the products and attention of a real tra
 
 from __future__ import annotations
 
+import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -80,3 +82,58 @@ def test_the_training_floor_runs_the_products_and_attention_of_a_training_step()
     assert sum(n for (name, _), n in step.seen.items() if name.startswith("_scaled_dot_product")) == 2 * N_LAYER
     assert floor.seen == step.seen
 
+
+
+def _time_to_quality():
+    sys.path.insert(0, str(ROOT))
+    try:
+        from benchmarks import time_to_quality
+    finally:
+        sys.path.remove(str(ROOT))
+    return time_to_quality
+
+
+def test_time_to_quality_finds_the_first_kept_state_at_the_target_by_bisection():
+    ttq = _time_to_quality()
+    values = [5.0, 4.0, 3.5, 3.0, 2.875, 2.5, 2.375, 2.0]  # val BPB of each kept state, falling (exact in fp32)
+
+    class Bench:  # evaluates a state as its one weight's value, counting the evaluations
+        calls = 0
+
+        def val_bpb(self, model):
+            Bench.calls += 1
+            return float(model.weight)
+
+    model = torch.nn.Linear(1, 1, bias=False)
+    kept = [(10 * (i + 1), 1.5 * (i + 1), {"weight": torch.tensor([[v]])}) for i, v in enumerate(values)]
+    assert ttq.first_reaching(Bench(), model, kept, 2.95) == (50, 7.5, 2.875)
+    assert Bench.calls <= 1 + 3  # the last state, then log2(8) bisection steps
+    assert ttq.first_reaching(Bench(), model, kept, 5.0) == (10, 1.5, 5.0)
+    assert ttq.first_reaching(Bench(), model, kept, 1.9) is None
+
+
+def test_time_to_quality_runs_every_registered_arch_against_nanogpt(tmp_path):
+    """A few steps on a small corpus: a row per registered arch, the target is nanoGPT's BPB, and each
+    figure is nanoGPT's time over the time of the first kept state at or below it."""
+    from latentloop.archs import ARCHS
+
+    ttq = _time_to_quality()
+    if ttq.load_nanogpt() is None:
+        pytest.skip("../shared/anchors/nanogpt_model.py is absent")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog {i % 7}\n" for i in range(400)))
+    steps, check_every = 4, 2
+    out = tmp_path / "ttq.json"
+    assert ttq.main(["--preset", "test", "--data", f"text:{corpus}", "--steps", str(steps), "--repeats", "1",
+                     "--check-every", str(check_every), "--threads", "1", "--json", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert set(runs) == {"nanogpt", *ARCHS}
+    (nano,) = runs["nanogpt"]
+    assert nano["train_s"] > 0 and math.isfinite(nano["val_bpb"])
+    for arch in ARCHS:
+        (row,) = runs[arch]
+        assert row["target_bpb"] == nano["val_bpb"] and row["precision"] == "float32"
+        if row["reached"]:
+            assert row["step"] % check_every == 0 and row["step"] <= steps
+            assert row["val_bpb"] <= row["target_bpb"] and row["time_s"] <= row["train_s"]
+            assert row["speedup"] == pytest.approx(nano["train_s"] / row["time_s"])

@@ -1,0 +1,319 @@
+"""Time to quality (issue 25): how long latentloop's default recipe takes to reach the validation
+BPB that nanoGPT's `model.py` reaches in N steps, on this CPU, in the same run.
+
+1. nanoGPT (`../shared/anchors/nanogpt_model.py`, unmodified) at the preset's shape (layers, width,
+   heads, T; bias off, dropout 0), trained fp32 with AdamW by its own recipe (below) for N steps on
+   the same batches of the same data (`stdlib`, byte tokenizer, batch 16): its validation BPB on the
+   whole validation split is the target.
+2. Each registered architecture, built at the same preset, trained by latentloop's default recipe
+   (`TrainConfig()`'s optimizer, lr, schedule, precision, with `steps` = N) through the trainer's own
+   step (`latentloop.train.train_step`). Its weights are kept every `--check-every` steps; after the
+   run the first kept state whose whole-split validation BPB is at or below the target is found by
+   bisection (validation BPB falls with training here: the search assumes it), and its time is the
+   summed wall-clock of the steps up to it. Evaluation time is excluded for both.
+3. The figure: nanoGPT's N-step training time over latentloop's time to the target, per repeat (the
+   two back to back, the order rotating between repeats), median and range over `--repeats`, with
+   the contention meter around every run (the share of the CPUs other processes used meanwhile).
+
+nanoGPT's recipe is the one its repository ships for a small character-level model trained on a
+laptop CPU (`config/train_shakespeare_char.py`: AdamW lr 1e-3 with betas (0.9, 0.99), weight decay
+0.1 on the matrices and embeddings (its `configure_optimizers`), 100 warmup steps, cosine to lr/10
+at `lr_decay_iters` = max_iters, grad clip 1.0) with the warmup cut to a tenth of N for short runs.
+Its `train.py` defaults (lr 6e-4, 2000 warmup steps, decay over 600,000) are for GPT-2 on GPUs:
+after N = a few hundred steps it would still be warming up, and the ratio would mean nothing.
+
+`--precision-check` instead trains every arch for N steps under each `train.dtype` (float32,
+bfloat16) with everything else equal and reports both validation BPBs (whole split) and the step
+time: the measurement that decides whether bf16 may be the CPU default (within 1% BPB).
+
+    .venv/bin/python -m benchmarks.time_to_quality [--preset tiny] [--steps 300] [--repeats 3]
+    .venv/bin/python -m benchmarks.time_to_quality --precision-check --preset small --steps 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import latentloop
+from benchmarks.baseline import load_nanogpt
+from benchmarks.common import ContentionMeter, benchmark_main, render_table, spread, start_run
+from latentloop.archs import ARCHS, build_objective
+from latentloop.config import PRESETS, DataConfig, RunConfig, TrainConfig, model_config
+from latentloop.data import TokenLoader, load_tokenizer
+from latentloop.eval.loss import evaluate_loss
+from latentloop.optim import build_optimizers, lr_multiplier, set_lr
+from latentloop.runtime import cpu_bf16_support, prepare_data, resolve_dtype
+from latentloop.train import FiniteGuard, train_step
+
+DATA_SOURCE = "stdlib"
+BATCH_SIZE = 16  # latentloop's default micro-batch (TrainConfig.batch_size), for both models
+EVAL_BATCH = 32  # sequences per validation forward (only the speed of the evaluation depends on it)
+# nanoGPT's config/train_shakespeare_char.py (see the docstring)
+NANOGPT_LR, NANOGPT_MIN_LR = 1e-3, 1e-4
+NANOGPT_BETAS = (0.9, 0.99)
+NANOGPT_WEIGHT_DECAY = 0.1
+NANOGPT_WARMUP = 100
+NANOGPT_WARMUP_SHARE = 0.1  # short runs: warmup at most this share of the steps
+NANOGPT_GRAD_CLIP = 1.0
+PRECISIONS = ("float32", "bfloat16")
+
+
+def nanogpt_lr(step: int, steps: int) -> float:
+    """nanoGPT's schedule (linear warmup, cosine from lr to min_lr at lr_decay_iters = steps)."""
+    warmup = max(1, min(NANOGPT_WARMUP, int(steps * NANOGPT_WARMUP_SHARE)))
+    if step < warmup:
+        return NANOGPT_LR * (step + 1) / (warmup + 1)
+    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+    return NANOGPT_MIN_LR + 0.5 * (1.0 + math.cos(math.pi * progress)) * (NANOGPT_LR - NANOGPT_MIN_LR)
+
+
+class Bench:
+    """The data, tokenizer and shape every run of one invocation shares."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.tokenizer = load_tokenizer("byte")
+        config = RunConfig(model=model_config("gpt", args.preset), data=DataConfig(source=args.data))
+        config.model.vocab_size, config.model.bos_id = self.tokenizer.vocab_size, self.tokenizer.bos_id
+        self.data = prepare_data(config, self.tokenizer, progress=False)
+        self.shape = PRESETS[args.preset]
+        self.seq_len = self.shape["sequence_len"]
+        self.token_bytes = self.tokenizer.token_byte_lengths()
+        val = self.data.val if args.val_tokens is None else self.data.val[:args.val_tokens]
+        self.val = val
+
+    def loader(self) -> TokenLoader:
+        return TokenLoader(self.data.train, BATCH_SIZE, self.seq_len, seed=self.args.seed)
+
+    def val_bpb(self, model: torch.nn.Module, logits_fn=None) -> float:
+        kwargs = {"logits_fn": logits_fn} if logits_fn is not None else {}
+        return evaluate_loss(model, self.val, self.token_bytes, EVAL_BATCH, self.seq_len, **kwargs)["bpb"]
+
+
+def nanogpt_logits(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """nanoGPT returns every position's logits only when given targets (its loss is then discarded)."""
+    x = x.contiguous()  # nanoGPT flattens the targets with .view
+    return model(x, x)[0]
+
+
+def train_nanogpt(bench: Bench, steps: int) -> dict[str, Any]:
+    """nanoGPT trained for `steps` (fp32, its AdamW and schedule): its training time and the model."""
+    nanogpt = load_nanogpt()
+    torch.manual_seed(bench.args.seed)
+    model = nanogpt.GPT(nanogpt.GPTConfig(block_size=bench.seq_len, vocab_size=bench.tokenizer.vocab_size,
+                                          n_layer=bench.shape["n_layer"], n_head=bench.shape["n_head"],
+                                          n_embd=bench.shape["n_embd"], dropout=0.0, bias=False)).train()
+    optimizer = model.configure_optimizers(NANOGPT_WEIGHT_DECAY, NANOGPT_LR, NANOGPT_BETAS, "cpu")
+    loader = bench.loader()
+    meter, seconds = ContentionMeter().start(), 0.0
+    for step in range(steps):
+        start = time.perf_counter()
+        for group in optimizer.param_groups:
+            group["lr"] = nanogpt_lr(step, steps)
+        x, y = loader.next_batch()
+        _, loss = model(x, y.contiguous())  # nanoGPT flattens the targets with .view
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), NANOGPT_GRAD_CLIP)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss.item()  # nanoGPT's loop reads the loss to log it
+        seconds += time.perf_counter() - start
+    return {"train_s": seconds, "others_cpu_share": meter.stop(), "params": sum(p.numel() for p in model.parameters()),
+            "model": model}
+
+
+def train_latentloop(bench: Bench, arch: str, steps: int, check_every: int, **train: Any
+                     ) -> tuple[list[tuple[int, float, dict]], dict[str, Any]]:
+    """`arch` trained for `steps` by the default recipe (`train` overrides it) through the trainer's
+    step; returns the kept states (step, seconds of training so far, weights) and the run's facts."""
+    torch.manual_seed(bench.args.seed)
+    model = latentloop.build(arch, preset=bench.args.preset, vocab_size=bench.tokenizer.vocab_size,
+                             bos_id=bench.tokenizer.bos_id).train()
+    cfg = TrainConfig(steps=steps, batch_size=BATCH_SIZE, seed=bench.args.seed, device="cpu", **train)
+    objective = build_objective(model.config, cfg)
+    optimizers = build_optimizers(model, cfg)
+    loader, guard, device = bench.loader(), FiniteGuard(torch.device("cpu")), torch.device("cpu")
+    kept: list[tuple[int, float, dict]] = []
+    meter, seconds = ContentionMeter().start(), 0.0
+    for step in range(steps):
+        start = time.perf_counter()
+        set_lr(optimizers, lr_multiplier(step, cfg))
+        train_step(model, model, objective, loader.next_batch, step, optimizers, cfg, device, guard)
+        seconds += time.perf_counter() - start
+        if (step + 1) % check_every == 0 or step + 1 == steps:
+            kept.append((step + 1, seconds, copy.deepcopy(model.state_dict())))
+    facts = {"train_s": seconds, "others_cpu_share": meter.stop(), "params": model.num_params(),
+             "precision": resolve_dtype(device, cfg.dtype), "optimizer": cfg.optimizer}
+    return kept, {"model": model, **facts}
+
+
+def first_reaching(bench: Bench, model: torch.nn.Module, kept: list[tuple[int, float, dict]], target: float
+                   ) -> tuple[int, float, float] | None:
+    """(step, seconds, val BPB) of the first kept state at or below `target`, by bisection over the
+    kept states (the last is evaluated first: None when even it misses)."""
+    evaluated: dict[int, float] = {}
+
+    def bpb(i: int) -> float:
+        if i not in evaluated:
+            model.load_state_dict(kept[i][2])
+            evaluated[i] = bench.val_bpb(model)
+        return evaluated[i]
+
+    if bpb(len(kept) - 1) > target:
+        return None
+    lo, hi = -1, len(kept) - 1  # kept[hi] reaches the target; kept[lo] (if any) does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if bpb(mid) <= target:
+            hi = mid
+        else:
+            lo = mid
+    return kept[hi][0], kept[hi][1], evaluated[hi]
+
+
+def time_to_quality(bench: Bench, archs: list[str]) -> dict[str, Any]:
+    """Per repeat: every model trained back to back (the order rotating between repeats), then
+    nanoGPT's final BPB is the target each latentloop run's kept states are searched for."""
+    args = bench.args
+    runs: dict[str, list[dict[str, Any]]] = {"nanogpt": [], **{arch: [] for arch in archs}}
+    names = ["nanogpt", *archs]
+    for repeat in range(args.repeats):
+        shift = repeat % len(names)
+        trained = {}
+        for name in names[shift:] + names[:shift]:
+            trained[name] = (train_nanogpt(bench, args.steps) if name == "nanogpt"
+                             else train_latentloop(bench, name, args.steps, args.check_every))
+        nano = trained["nanogpt"]
+        nano["val_bpb"] = bench.val_bpb(nano.pop("model"), nanogpt_logits)
+        runs["nanogpt"].append(nano)
+        target = nano["val_bpb"]
+        print(f"repeat {repeat + 1}: nanoGPT {args.steps} steps in {nano['train_s']:.1f} s, val BPB {target:.4f} "
+              f"(others used {_share(nano['others_cpu_share'])})", flush=True)
+        for name in archs:
+            kept, facts = trained[name]
+            reached = first_reaching(bench, facts.pop("model"), kept, target)
+            row = {**facts, "target_bpb": target, "nanogpt_s": nano["train_s"], "reached": reached is not None}
+            if reached is not None:
+                row.update(step=reached[0], time_s=reached[1], val_bpb=reached[2], speedup=nano["train_s"] / reached[1])
+                print(f"repeat {repeat + 1}: {name} reached it at step {reached[0]} after {reached[1]:.1f} s of "
+                      f"training ({facts['train_s']:.1f} s for all {args.steps}): {row['speedup']:.2f}x nanoGPT's "
+                      f"time (others used {_share(facts['others_cpu_share'])})", flush=True)
+            else:
+                print(f"repeat {repeat + 1}: {name} did not reach it in {args.steps} steps", flush=True)
+            runs[name].append(row)
+    return runs
+
+
+def precision_check(bench: Bench, archs: list[str]) -> dict[str, Any]:
+    """Every arch for N steps under each dtype: the final weights' whole-split val BPB (evaluated in
+    fp32) and the training time."""
+    results: dict[str, dict[str, Any]] = {}
+    for arch in archs:
+        results[arch] = {}
+        for dtype in PRECISIONS:
+            kept, facts = train_latentloop(bench, arch, bench.args.steps, bench.args.steps, dtype=dtype)
+            model = facts.pop("model")
+            facts["val_bpb"] = bench.val_bpb(model)
+            results[arch][dtype] = facts
+            print(f"{arch} {dtype}: val BPB {facts['val_bpb']:.4f}, {facts['train_s']:.1f} s "
+                  f"(others used {_share(facts['others_cpu_share'])})", flush=True)
+        fp32, bf16 = results[arch]["float32"], results[arch]["bfloat16"]
+        results[arch]["bpb_change"] = bf16["val_bpb"] / fp32["val_bpb"] - 1
+        results[arch]["speedup"] = fp32["train_s"] / bf16["train_s"]
+    return results
+
+
+def _share(value: float | None) -> str:
+    return "?" if value is None else f"{value:.0%}"
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    env = start_run(args)
+    env["cpu_bf16_support"] = cpu_bf16_support()
+    archs = args.archs or list(ARCHS)
+    bench = Bench(args)
+    results: dict[str, Any] = {"env": env, "args": {k: (str(v) if isinstance(v, Path) else v)
+                                                    for k, v in vars(args).items()},
+                               "val_tokens": int(len(bench.val)),
+                               "recipe": TrainConfig().__dict__ | {"steps": args.steps}}
+    if args.precision_check:
+        results["precision"] = precision_check(bench, archs)
+    else:
+        if load_nanogpt() is None:
+            raise SystemExit("time_to_quality: ../shared/anchors/nanogpt_model.py is absent; nothing to compare with")
+        results["runs"] = time_to_quality(bench, archs)
+    return results
+
+
+def markdown_table(results: dict[str, Any]) -> str:
+    args = results["args"]
+    if "precision" in results:
+        rows = [(f"Arch ({args['preset']}, {args['steps']} steps)", "val BPB fp32", "val BPB bf16", "bf16 vs fp32",
+                 "bf16 step-time speedup")]
+        for arch, r in results["precision"].items():
+            rows.append((arch, f"{r['float32']['val_bpb']:.4f}", f"{r['bfloat16']['val_bpb']:.4f}",
+                         f"{r['bpb_change']:+.2%}", f"{r['speedup']:.2f}x"))
+        return render_table(rows)
+    runs = results["runs"]
+    nano = runs["nanogpt"]
+    rows = [(f"Arch ({args['preset']}, target: nanoGPT's BPB after {args['steps']} steps)", "target BPB",
+             "nanoGPT s", "steps to target", "s to target", "speedup (nanoGPT s / s to target)", "others' CPU")]
+    rows.append(("nanoGPT (AdamW, fp32)", spread([r["val_bpb"] for r in nano], "{:.4f}"),
+                 spread([r["train_s"] for r in nano], "{:.1f}"), str(args["steps"]), "—", "1x",
+                 spread([r["others_cpu_share"] or 0.0 for r in nano], "{:.0%}")))
+    for name, entries in runs.items():
+        if name == "nanogpt":
+            continue
+        reached = [e for e in entries if e["reached"]]
+        if not reached:
+            rows.append((name, "—", "—", f"not within {args['steps']}", "—", "—", "—"))
+            continue
+        missing = f" ({len(entries) - len(reached)} of {len(entries)} missed)" if len(reached) < len(entries) else ""
+        rows.append((name, spread([e["target_bpb"] for e in reached], "{:.4f}"),
+                     spread([e["nanogpt_s"] for e in reached], "{:.1f}"),
+                     spread([e["step"] for e in reached], "{:.0f}"),
+                     spread([e["time_s"] for e in reached], "{:.1f}"),
+                     spread([e["speedup"] for e in reached], "{:.2f}x") + missing,
+                     spread([e["others_cpu_share"] or 0.0 for e in reached], "{:.0%}")))
+    return render_table(rows)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--preset", default="tiny", choices=list(PRESETS))
+    p.add_argument("--data", default=DATA_SOURCE, help="the data source both models train and validate on")
+    p.add_argument("--steps", type=int, default=300, help="N: nanoGPT's steps, and latentloop's schedule length")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--check-every", type=int, default=10, help="latentloop's weights are kept every this many steps")
+    p.add_argument("--archs", nargs="*", default=None, choices=list(ARCHS), help="default: every registered arch")
+    p.add_argument("--val-tokens", type=int, default=None,
+                   help="validate on the first this many tokens only (smoke tests); default: the whole split")
+    p.add_argument("--precision-check", action="store_true",
+                   help="compare float32 and bfloat16 training at N steps instead (no nanoGPT)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write all results as JSON")
+    args = p.parse_args(argv)
+    for name in ("steps", "repeats", "check_every"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.val_tokens is not None and args.val_tokens < PRESETS[args.preset]["sequence_len"] + 1:
+        p.error("--val-tokens must hold at least one sequence (sequence_len + 1 tokens)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    return benchmark_main(parse_args(argv), run, markdown_table)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
