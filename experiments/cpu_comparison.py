@@ -34,9 +34,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config, rgpt_shape_from_dense  # noqa: E402
+from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config  # noqa: E402
 from latentloop.eval import evaluate_loss  # noqa: E402
 from latentloop.eval.loss import decoding_logits, passes_curve  # noqa: E402
+from latentloop.models.rgpt import rgpt_shape_from_dense  # noqa: E402
 from latentloop.train import fit, setup  # noqa: E402
 
 

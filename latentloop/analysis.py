@@ -48,9 +48,13 @@ def _val_batch(run: str | Path, batches: int, batch_size: int):
     return model, tokenizer, config, checkpoint, x, y
 
 
-def _require_arch(config, arch: str, what: str) -> None:
-    if config.model.arch != arch:
-        raise ConfigError(f"analyze {what} needs an {arch} run; this one is {config.model.arch}")
+def _require_analysis(config, what: str) -> None:
+    """The run's arch offers `what` (its model's ANALYSES), or one line naming the archs that do."""
+    from .archs import get_arch, offering
+
+    if what not in get_arch(config.model.arch).analyses:
+        raise ConfigError(f"analyze {what} needs a run of {' or '.join(offering(what))}; "
+                          f"this one is {config.model.arch}")
 
 
 def _save(checkpoint: Path, out: Path | None, name: str, result: dict[str, Any], plot) -> Path:
@@ -88,7 +92,7 @@ def contraction(run: str | Path, passes: int = 1000, batches: int = 1, batch_siz
     from .models.backbone import shift_right
 
     model, _, config, checkpoint, x, y = _val_batch(run, batches, batch_size)
-    _require_arch(config, "fbt", "contraction")
+    _require_analysis(config, "contraction")
     ctx = model.context(x, None, None)
     e = model.embed(x)
     mask = model.fuse_mask(x, ctx.plan.positions, 1)[..., None]
@@ -179,7 +183,7 @@ def fit_linear_probe(features: torch.Tensor, labels: torch.Tensor, seed: int = 0
 def probe(run: str | Path, passes: int = 4, batches: int = 4, batch_size: int = 8,
           out: Path | None = None) -> dict[str, Any]:
     model, tokenizer, config, checkpoint, x, _ = _val_batch(run, batches, batch_size)
-    _require_arch(config, "fbt", "probe")
+    _require_analysis(config, "probe")
     labels = bracket_depth_labels(tokenizer, x).flatten()
     captured: dict[str, torch.Tensor] = {}
     hook = model.blocks[0].register_forward_hook(
@@ -230,7 +234,7 @@ def depth(run: str | Path, max_steps: int | None = None, batches: int = 2, batch
     """Also the task accuracy per depth when the run was trained on a built-in task (`task:NAME`),
     on `task_limit` examples of its (harder) test split."""
     model, tokenizer, config, checkpoint, x, y = _val_batch(run, batches, batch_size)
-    _require_arch(config, "rgpt", "depth")
+    _require_analysis(config, "depth")
     trained = config.model.recurrence_steps
     R = max_steps or trained
     out_all = model(x, steps=R, return_steps=True)

@@ -19,13 +19,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .config import FBTConfig, LRTConfig, ModelConfig, RGPTConfig, TrainConfig
+from .config import ModelConfig, TrainConfig
 from .errors import ConfigError
 from .models.backbone import GPT
-from .models.fbt import FBT
-from .models.lrt import LRT
+from .models.fbt import FBT, FBTConfig
+from .models.lrt import LRT, LRTConfig
 from .models.options import DecodeOption, all_options
-from .models.rgpt import RGPT
+from .models.rgpt import RGPT, RGPTConfig
 from .objectives.base import NextTokenObjective, Objective
 from .objectives.fbt import MultiPassObjective
 from .objectives.lrt import LRTObjective
@@ -49,6 +49,15 @@ class ArchSpec:
     def scoring_modes(self) -> Callable[[ModelConfig], dict[str, dict]]:
         """config -> {label: options}: the ways `eval` scores a model of this arch by default."""
         return self.model_class.scoring_modes
+
+    @property
+    def analyses(self) -> frozenset[str]:
+        """The `latentloop analyze` kinds (and eval curves) the model offers."""
+        return self.model_class.ANALYSES
+
+    def notes_for(self, labels) -> list[str]:
+        """The caveats to print beside the scoring modes `labels` (e.g. fbt's soft BPB)."""
+        return [note for label, note in self.model_class.SCORING_NOTES.items() if label in labels]
 
     def build_model(self, config: ModelConfig) -> GPT:
         if not isinstance(config, self.config_class):
@@ -91,6 +100,11 @@ def build_model(config: ModelConfig) -> GPT:
 
 def build_objective(model_config: ModelConfig, train_config: TrainConfig) -> Objective:
     return get_arch(model_config.arch).build_objective(model_config, train_config)
+
+
+def offering(analysis: str) -> list[str]:
+    """The archs that offer `analysis` (for a one-line refusal naming them)."""
+    return [name for name, spec in ARCHS.items() if analysis in spec.analyses]
 
 
 def option_union() -> dict[str, tuple[DecodeOption, list[str]]]:

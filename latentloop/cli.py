@@ -344,22 +344,23 @@ def cmd_train(args) -> int:
 
 
 def _iso_shaped(config, iso: str, show: bool = True):
-    """Reshape an rgpt config from its dense depth; print params and FLOPs/token of both (`show`)."""
+    """Reshape a config whose arch trades depth for compute (its `iso_fields`) from its dense depth;
+    print params and FLOPs/token of both (`show`)."""
     import dataclasses
 
-    from .archs import build_model
-    from .config import ModelConfig, model_config, rgpt_shape_from_dense
+    from .archs import ARCHS, build_model
+    from .config import ModelConfig, model_config
 
-    if config.model.arch != "rgpt":
-        raise LatentloopError("--iso applies to --arch rgpt only")
+    shape = config.model.iso_fields(iso)
+    if shape is None:
+        able = [name for name, spec in ARCHS.items() if spec.config_class.iso_fields is not ModelConfig.iso_fields]
+        raise LatentloopError(f"--iso applies to an arch whose depth recurs ({', '.join(able)}); "
+                              f"this one is {config.model.arch}")
     dense_layers = config.model.n_layer
-    fields = {f.name: getattr(config.model, f.name) for f in dataclasses.fields(config.model)}
-    for name in ("n_pre", "n_rec", "n_coda", "n_layer"):
-        fields.pop(name)
-    shape = rgpt_shape_from_dense(dense_layers, iso, config.model.recurrence_steps)
-    fields.update(shape)
-    rgpt_config = model_config("rgpt", None, **fields)
-    config.model = rgpt_config
+    fields = {f.name: getattr(config.model, f.name) for f in dataclasses.fields(config.model)
+              if f.name not in shape and f.name != "n_layer"}
+    reshaped = model_config(config.model.arch, None, **fields, **shape)
+    config.model = reshaped
     if not show:
         return config
     dense_fields = {f.name: fields[f.name] for f in dataclasses.fields(ModelConfig) if f.name in fields}
@@ -407,8 +408,11 @@ def cmd_eval(args) -> int:
             print(format_suite(result))
             print(f"results: {run_dir / 'evals'}")
         return 0
-    if args.passes_curve and config.model.arch != "fbt":
-        raise ConfigError(f"--passes-curve needs an fbt run; this one is {config.model.arch}")
+    if args.passes_curve and "passes_curve" not in get_arch(config.model.arch).analyses:
+        from .archs import offering
+
+        raise ConfigError(f"--passes-curve needs a run of {' or '.join(offering('passes_curve'))}; "
+                          f"this one is {config.model.arch}")
     data = eval_data(config, tokenizer, args.data)
     tokens = data.val if args.split == "val" else data.train
     options = _generation_options(args)
@@ -444,9 +448,7 @@ def cmd_eval(args) -> int:
 
         metrics["passes_curve"] = passes_curve(model, tokens, tokenizer.token_byte_lengths(), args.batch_size or 16,
                                                config.model.sequence_len, args.batches or None)
-    from .eval.loss import SOFT_BPB_NOTE
-
-    notes = [SOFT_BPB_NOTE] if config.model.arch == "fbt" and "soft" in by_option else []
+    notes = get_arch(config.model.arch).notes_for(by_option)
     if notes:
         metrics["notes"] = notes
     if args.json:

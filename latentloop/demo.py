@@ -20,7 +20,6 @@ from .archs import ARCHS
 from .config import DataConfig, RunConfig, TrainConfig, model_config
 from .engine import generate
 from .errors import ConfigError, LatentloopError, OutputError
-from .eval.loss import SOFT_BPB_NOTE
 
 DEMO_MARKER = "demo.json"  # a folder holding this file was written by the demo and may be replaced
 CALIBRATION_STEPS = 3
@@ -65,7 +64,7 @@ def run_demo(out: Path, minutes: float = 4.0, data: str = "stdlib", preset: str 
              archs: list[str] | None = None, progress: bool = True) -> list[dict[str, Any]]:
     from .train import fit, setup
 
-    archs = archs or sorted(ARCHS, key=lambda a: (a != "gpt", a))
+    archs = archs or list(ARCHS)  # registration order: the baseline first
     unknown = [a for a in archs if a not in ARCHS]
     if unknown:
         raise ConfigError(f"unknown arch(s) {', '.join(unknown)}: choose from {', '.join(sorted(ARCHS))}")
@@ -163,8 +162,8 @@ def _write_report(out: Path, results: list[dict[str, Any]], data: str, preset: s
     device = "cuda" if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
     parts = [f"# latentloop demo\n\npreset `{preset}`, data `{data}`, budget {minutes:g} min, device {device}\n",
              table, ""]
-    if any(r["arch"] == "fbt" for r in results):
-        parts += [f"_{SOFT_BPB_NOTE}._", ""]
+    for arch in dict.fromkeys(r["arch"] for r in results):  # each arch's caveats once (e.g. fbt's soft BPB)
+        parts += [line for note in ARCHS[arch].model_class.SCORING_NOTES.values() for line in (f"_{note}._", "")]
     for r in results:
         if r.get("gates"):
             parts += [f"{r['arch']} gates at the last logged step: " + gates_line(r["gates"]), ""]

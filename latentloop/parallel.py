@@ -80,8 +80,9 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
 
 
 def compiles_whole_model(model: nn.Module, strategy: str) -> bool:
-    """Whether `train.compile` compiles the whole forward (the plain gpt, not under fsdp2) or each block."""
-    return model.config.arch == "gpt" and strategy != "fsdp2"
+    """Whether `train.compile` compiles the whole forward (an arch whose forward is one straight line,
+    `COMPILES_WHOLE`, not under fsdp2) or each block."""
+    return type(model).COMPILES_WHOLE and strategy != "fsdp2"
 
 
 # Graphs one compiled block function may keep: its blocks (layer attributes such as lrt's injection
@@ -132,10 +133,11 @@ def wrap_model(model: nn.Module, config: TrainConfig, device: torch.device) -> n
                           if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
                           else {"broadcast_buffers": False})
         # Recurrent objectives leave some parameters unused in some steps (fbt's fusion at K = 1);
-        # DDP must then look for them, or it waits forever for their gradients.
+        # DDP must then look for them, or it waits forever for their gradients. Only an arch that
+        # states otherwise (`STEP_USES_EVERY_PARAMETER`, the plain gpt) skips the search.
         forward_model = DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True,
-            find_unused_parameters=model.config.arch != "gpt", **no_buffer_sync)
+            find_unused_parameters=not type(model).STEP_USES_EVERY_PARAMETER, **no_buffer_sync)
     if whole:
         forward_model = torch.compile(forward_model)
     return forward_model

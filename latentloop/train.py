@@ -329,18 +329,14 @@ STAGE_DEFAULTS: dict[str, dict[str, Any]] = {
     # optimizer state starts afresh), cosine to 10%.
     "extend": {"train.lr": 1e-3, "train.warmup_steps": 20, "train.min_lr_ratio": 0.1, "train.schedule": "cosine"},
 }
-# fbt's base run already went through its plain single-pass phase: later stages mix passes from step 0.
-STAGE_MODEL_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
-    "fbt": {"sft": {"feedback_start": 0.0}, "extend": {"feedback_start": 0.0}},
-}
 
 
 def stage_config(stage: str, init_from: str | Path, overrides: list[str] = (), data: str | None = None,
                  flags: dict[str, Any] | None = None) -> RunConfig:
     """The config of an sft / extend run from its base run: the base's model (shape, arch, its
-    tokenizer), the stage's defaults (`STAGE_DEFAULTS`), then `flags` ({"section.key": value}) and
-    `overrides` ("key=value"). For extend, a `sequence_len` above the base's scales `rope_theta` by
-    `extended_rope_theta` unless the overrides set rope_theta themselves."""
+    tokenizer), the stage's defaults (`STAGE_DEFAULTS`, then the arch's `stage_defaults`), then `flags`
+    ({"section.key": value}) and `overrides` ("key=value"). For extend, a `sequence_len` above the
+    base's scales `rope_theta` by `extended_rope_theta` unless the overrides set rope_theta themselves."""
     from .checkpoint import find_tokenizer_file, read_run_config
 
     checkpoint = resolve_checkpoint(init_from)
@@ -352,7 +348,7 @@ def stage_config(stage: str, init_from: str | Path, overrides: list[str] = (), d
     raw["data"] = {"source": base.data.source, "tokenizer": str(tokenizer_file), "val_fraction": base.data.val_fraction,
                    "max_bytes": base.data.max_bytes}
     for key, value in {**STAGE_DEFAULTS[stage], **{f"model.{k}": v for k, v in
-                                                  STAGE_MODEL_DEFAULTS.get(base.model.arch, {}).get(stage, {}).items()},
+                                                  base.model.stage_defaults.get(stage, {}).items()},
                        **{k: v for k, v in (flags or {}).items() if v is not None}}.items():
         section, name = key.split(".")
         raw[section][name] = value

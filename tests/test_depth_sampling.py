@@ -15,7 +15,8 @@ import latentloop as ll
 from latentloop.archs import build_model, build_objective
 from latentloop.checkpoint import list_checkpoints
 from latentloop.cli import main
-from latentloop.config import HUGINN_DEPTH_SIGMA, MAX_RECURRENCE_STEPS, RunConfig, TrainConfig, model_config
+from latentloop.config import RunConfig, TrainConfig, model_config
+from latentloop.models.rgpt import HUGINN_DEPTH_SIGMA, MAX_RECURRENCE_STEPS
 from latentloop.objectives import token_cross_entropy
 from latentloop.objectives.rgpt import draw_depth
 

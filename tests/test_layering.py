@@ -44,7 +44,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "api": frozenset({"archs", "engine", "runtime"}),
     "train": frozenset({"archs", "checkpoint", "data", "eval", "interop", "models", "objectives", "optim",
                         "parallel", "runtime"}),  # models: unused today
-    "analysis": frozenset({"data", "eval", "models", "objectives", "runtime"}),
+    "analysis": frozenset({"archs", "data", "eval", "models", "objectives", "runtime"}),
     "demo": frozenset({"archs", "engine", "eval", "train"}),
     "cli": frozenset({"analysis", "archs", "chat", "checkpoint", "data", "demo", "engine", "eval", "interop",
                       "runtime", "serve", "train"}),

@@ -9,7 +9,9 @@ import torch
 import latentloop as ll
 from latentloop.archs import build_objective
 from latentloop.cli import main
-from latentloop.config import TrainConfig, model_config, upper_middle_layer
+from latentloop.config import TrainConfig, model_config
+from latentloop.engine import left_pad
+from latentloop.models.lrt import upper_middle_layer
 from latentloop.objectives import token_cross_entropy
 from latentloop.optim import build_optimizers, set_lr
 

@@ -10,8 +10,9 @@ import torch
 import latentloop as ll
 from latentloop.archs import build_objective
 from latentloop.cli import main
-from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config, rgpt_shape_from_dense
+from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config
 from latentloop.engine import row_info
+from latentloop.models.rgpt import rgpt_shape_from_dense
 from latentloop.objectives import token_cross_entropy
 from latentloop.train import fit, setup
 
@@ -107,7 +108,12 @@ def test_depth_sampling_is_uniform_and_seeded():
     draws = np.array([objective.depth_for_step(s) for s in range(4000)])
     assert set(draws) == {1, 2, 3, 4}
     assert all(abs((draws == r).mean() - 0.25) < 0.03 for r in range(1, 5))
-    assert objective.depth_for_step(17) == objective.depth_for_step(17)
+    # drawn from (seed, step) alone: pinned, the same in a second objective, another with another seed
+    assert draws[12:24].tolist() == [4, 3, 2, 4, 4, 3, 1, 2, 3, 3, 4, 2]
+    again = build_objective(model_config("rgpt", "test", recurrence_steps=4), TrainConfig(seed=5))
+    assert [again.depth_for_step(s) for s in range(23, 11, -1)] == draws[12:24].tolist()[::-1]
+    other = build_objective(model_config("rgpt", "test", recurrence_steps=4), TrainConfig(seed=6))
+    assert [other.depth_for_step(s) for s in range(12, 24)] != draws[12:24].tolist()
 
 
 def test_truncated_backprop_only_differentiates_the_last_steps():

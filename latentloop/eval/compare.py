@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..archs import ARCHS
 from ..config import RunConfig
 from ..errors import CheckpointError, ConfigError, LatentloopError
 from .core import CORE_TASKS
@@ -293,10 +294,9 @@ def compare_runs(paths: list[str | Path], out: str | Path = "compare") -> dict[s
         notes.append("no task results in RUN/evals/ (run `latentloop eval RUN --tasks core` first)")
     for plot in plots:
         parts += [f"![{plot[:-4].replace('_', ' ')}]({plot})", ""]
-    if any(r.get("arch") == "fbt" for r in runs):
-        from .loss import SOFT_BPB_NOTE
-
-        notes.append(SOFT_BPB_NOTE)
+    for arch in dict.fromkeys(r.get("arch") for r in runs):  # each arch's caveats once (e.g. fbt's soft BPB)
+        spec = ARCHS.get(arch)
+        notes += [] if spec is None else list(spec.model_class.SCORING_NOTES.values())
     parts += [f"_{note}_" for note in notes]
     markdown = "\n".join(parts).rstrip() + "\n"
     report = out / "compare.md"

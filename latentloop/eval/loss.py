@@ -20,13 +20,6 @@ from ..objectives import token_cross_entropy
 
 LogitsFn = Callable[[nn.Module, Tensor], Tensor]  # (model, x (B, T)) -> logits (B, T, V)
 
-# fbt's teacher-forced "soft" score feeds the latent state back at every position of a text the
-# model did not generate; the paper reports no such number (its SOFT regime is a decoding regime,
-# judged by task accuracy). Reports label it so.
-SOFT_BPB_NOTE = ("fbt soft = teacher-forced latent feedback at every position: latentloop's own metric, "
-                 "not one the paper reports")
-
-
 def plain_logits(model: nn.Module, x: Tensor) -> Tensor:
     return model(x).logits
 

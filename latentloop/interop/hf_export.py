@@ -47,7 +47,7 @@ REMOTE_DECODING = {"fbt": ("regime", "passes"), "rgpt": ("steps",)}  # options t
 
 def plain_blockers(config: ModelConfig) -> list[str]:
     """The options that keep a run from being a plain Llama / Qwen2 model (empty: none)."""
-    blockers = [] if config.arch == "gpt" else [f"arch={config.arch}"]
+    blockers = [] if get_arch(config.arch).model_class.EXPORTS_AS_LLAMA else [f"arch={config.arch}"]
     if config.qk_norm:
         blockers.append("qk_norm=true")
     if config.embed_norm:

@@ -299,8 +299,29 @@ class ModelOutput:
     # info[PER_ROW_INFO] (optional): {name: [value per row]} for facts that differ between rows
 
 
+# Class attributes a subclass must state for itself (not inherited): each says that the model's
+# forward is simple in a way that lets the system take a shortcut, and a new architecture that
+# forgot to think about it gets the safe answer (False).
+OPT_IN_FLAGS = (
+    "STEP_USES_EVERY_PARAMETER",  # every parameter gets a gradient in every training step (DDP need not search)
+    "COMPILES_WHOLE",  # one straight-line forward: `train.compile` compiles it whole, not block by block
+    "EXPORTS_AS_LLAMA",  # with the Llama family's options, the weights are a plain Llama / Qwen2 model
+)
+
+
 class GPT(nn.Module):
     OPTIONS: ClassVar[tuple[DecodeOption, ...]] = ()  # the baseline decodes one way
+    # What the rest of the system asks of an architecture (defaults here; a variant overrides):
+    ANALYSES: ClassVar[frozenset[str]] = frozenset()  # `latentloop analyze` kinds and eval curves it offers
+    SCORING_NOTES: ClassVar[dict[str, str]] = {}  # scoring-mode label -> a caveat printed beside its figure
+    STEP_USES_EVERY_PARAMETER: ClassVar[bool] = True  # see OPT_IN_FLAGS
+    COMPILES_WHOLE: ClassVar[bool] = True
+    EXPORTS_AS_LLAMA: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        for flag in OPT_IN_FLAGS:
+            setattr(cls, flag, cls.__dict__.get(flag, False))
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -417,6 +438,23 @@ class GPT(nn.Module):
     def scoring_modes(cls, config: ModelConfig) -> dict[str, dict]:
         """The ways worth scoring a model by default (label -> options)."""
         return {"plain": {}}
+
+    # -- what the rest of the system asks of an architecture -----------------------------------
+    def fast_path_blocker(self, options: dict) -> str | None:
+        """Why decoding with `options` cannot run as one compiled static-shape step (models/fast.py),
+        or None when it can."""
+        return None
+
+    def prepare_fast_decoding(self) -> None:
+        """Compute, eagerly, what the compiled decode step reads as a constant (before compiling)."""
+
+    def upcycle_from(self, weights: dict[str, Tensor], base_layers: int,
+                     load: Callable[[dict[str, Tensor]], list[str]]) -> dict | None:
+        """Start this model from a gpt run's `weights` (`base_layers` pretrained blocks): map them,
+        `load(tensors)` (every tensor must fit; returns the parameters left at their init), set
+        what must start exactly, and return a report: {"mapping", "new", "exact_at_step0", ...}.
+        None: this arch cannot start from a gpt run (`latentloop.interop.upcycle` says so)."""
+        return None
 
     # -- utilities ---------------------------------------------------------------------------
     def cache_slots(self) -> int:

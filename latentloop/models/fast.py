@@ -181,9 +181,8 @@ def static_cache(cache: KVCache) -> KVCache:
 
 def fallback_reason(model, options: dict) -> str | None:
     """Why this model with these options decodes eagerly, or None when its step compiles."""
-    if getattr(model.config, "arch", None) == "rgpt" and options.get("exit_threshold", 0.0) > 0:
-        return "rgpt's adaptive exit runs a data-dependent number of core steps (the exit test reads the device)"
-    return None
+    blocker = getattr(model, "fast_path_blocker", None)
+    return None if blocker is None else blocker(options)
 
 
 class FastDecoder:
@@ -215,8 +214,7 @@ class FastDecoder:
     def begin_decoding(self, cache: KVCache) -> None:
         """After the prefill: freeze the cache (static buffers, tensor positions)."""
         cache.freeze()
-        if hasattr(self.model, "token_gates"):  # fbt's gate table: computed here, read as is when compiled
-            self.model.token_gates()
+        self.model.prepare_fast_decoding()  # e.g. fbt's gate table: computed here, read as is when compiled
         if self.cuda and self.compiled:  # CUDA graphs may mutate these only as static inputs
             for tensor in (*cache.k_slots, *cache.v_slots, cache.key_pos, cache.next_pos, cache.write_index,
                            *cache.state.values()):

@@ -35,19 +35,158 @@ Notable features:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
-from ..config import FBTConfig
+from ..config import ModelConfig, require
 from ..errors import ConfigError
 from .backbone import GPT, ForwardContext, ModelOutput, norm, shift_right
 from .cache import KVCache
 from .criteria import RelativeChange
 from .options import DecodeOption
 
+# -- config ----------------------------------------------------------------------------------------
+
+# fbt training recipes: when latent feedback starts and which pass counts batches draw after it.
+#
+# The paper's schedule: "training starts single-pass; latent feedback is introduced late in
+# pretraining (2-pass batches) and a small fraction (~3%) of deeper (3-pass) batches is mixed in";
+# 75/22/3 % is the mix of 1/2/3-pass batches over the *whole* run (200B tokens -> 256B token
+# equivalents, 1.28x). With every batch after the start multi-pass, that puts the start at 75% of
+# the run, after which batches are 88/12 two-/three-pass (see `per_batch_mix`).
+#   paper: that late start, stated as the paper states it (the whole-run mix).
+#   short: the same per-batch mix after the start, but from step 0: runs of a few hundred to a few
+#          thousand steps have no long standard pretraining phase to start from, and starting late
+#          leaves the feedback path barely trained (measured: 12% multi-pass steps -> soft BPB 1.8x
+#          standard on the tiny preset).
+PAPER_RUN_MIX = (0.75, 0.22, 0.03)  # P(K = 1, 2, 3) over the whole run (the paper)
+PAPER_FEEDBACK_START = 0.75  # fraction of the run: K = 1 before, K >= 2 on every batch after
+FBT_RECIPES: dict[str, dict[str, Any]] = {
+    "short": dict(feedback_start=0.0, pass_mix=(0.0, 0.88, 0.12)),
+    "paper": dict(feedback_start=PAPER_FEEDBACK_START, run_mix=PAPER_RUN_MIX),
+}
+
+
+def per_batch_mix(run_mix: tuple[float, ...], start_fraction: float) -> tuple[float, ...]:
+    """The per-batch pass mix after feedback starts that gives `run_mix` over the whole run.
+
+    Before the start (a fraction f of the steps) every batch is single-pass, so over the run
+    P_run(K=1) = f + (1 - f) P(K=1) and P_run(K=k) = (1 - f) P(K=k) for k > 1. Solved for the
+    per-batch P: P(K=1) = (P_run(1) - f) / (1 - f), P(K=k) = P_run(k) / (1 - f). E.g. 75/22/3 with
+    f = 0.75 -> 0/88/12. Needs f <= P_run(K=1) (the single-pass steps before the start already
+    exceed the run's share otherwise) and f < 1.
+    """
+    require(0.0 <= start_fraction < 1.0, f"feedback_start as a fraction must be in [0, 1), got {start_fraction}")
+    require(len(run_mix) >= 1 and all(p >= 0 for p in run_mix) and math.isclose(sum(run_mix), 1.0, abs_tol=1e-6),
+             f"run_mix must be non-negative probabilities summing to 1, got {list(run_mix)}")
+    require(run_mix[0] >= start_fraction - 1e-9,
+             f"run_mix puts {run_mix[0]:.3f} of the run at K=1 but feedback_start={start_fraction:.3f} already "
+             "spends more than that single-pass: start earlier or raise run_mix[0]")
+    rest = 1.0 - start_fraction
+    mix = [max(0.0, (run_mix[0] - start_fraction) / rest)] + [p / rest for p in run_mix[1:]]
+    total = sum(mix)
+    return tuple(p / total for p in mix)  # renormalised: the clamp above may drop a rounding residue
+
+
+@dataclass
+class FBTConfig(ModelConfig):
+    """Full-bandwidth transformer: GLU fusion of the previous top state into the next input.
+
+    The multi-pass training objective is configured by a recipe (see `FBT_RECIPES`):
+
+    - `recipe`: "short" (default: feedback from step 0, then 88/12 two-/three-pass batches; for
+      runs of a few hundred to a few thousand steps) or "paper" (single-pass for the first 75% of
+      the run, then feedback: 75/22/3 one-/two-/three-pass batches over the whole run, as the paper).
+    - `feedback_start`: where feedback starts: a fraction of the run if in [0, 1] (1: never), else
+      the optimizer step (a whole number > 1). None: the recipe's.
+    - `pass_mix`: P(K = 1), P(K = 2), ... of each batch *after* the start. None: the recipe's (or
+      derived from `run_mix`).
+    - `run_mix`: the same mix stated over the whole run, as the paper states 75/22/3; converted to
+      a per-batch mix after the start by `per_batch_mix`. Give `pass_mix` or `run_mix`, not both.
+    - `plain_fraction`: deprecated alias of `feedback_start` (older configs); with it, `pass_mix`
+      keeps its old meaning (the mix after the plain phase), so saved runs load and train as before.
+    """
+
+    arch: ClassVar[str] = "fbt"
+    # Tied by default (the paper): the post-norm top state then lives in embedding space by
+    # construction. Untied is allowed (upcycling an untied pretrained model): the carried state is
+    # still what the head reads, and W_U has to learn the map from there into the input space.
+    tie_embeddings: bool = True
+    state_source: str = "post_norm"  # carry the top state after ("post_norm") or before ("pre_norm") the final norm
+    jitter: float = 0.02  # Uniform[-jitter, jitter] noise on the carried state, training only
+    loss_lambda: float = 1.0  # weight of the deeper passes: L = L_1 + lambda/(K-1) sum_k L_k
+    recipe: str = "short"  # "short" or "paper", see FBT_RECIPES
+    feedback_start: float | None = None  # fraction of the run in [0, 1], or an optimizer step > 1; None: the recipe's
+    pass_mix: tuple[float, ...] | None = None  # per-batch P(K = 1), P(K = 2), ... after the start; None: the recipe's
+    run_mix: tuple[float, ...] | None = None  # the whole run's mix (the paper's 75/22/3); converted to pass_mix
+    plain_fraction: float | None = None  # deprecated alias of feedback_start
+    prefix_mixin: bool = True  # fused passes keep a random plain prefix per packed document, drawn afresh per pass
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.state_source in ("post_norm", "pre_norm"),
+                 f"state_source must be 'post_norm' or 'pre_norm', got {self.state_source!r}")
+        require(self.jitter >= 0, f"jitter must be >= 0, got {self.jitter}")
+        require(self.loss_lambda >= 0, f"loss_lambda must be >= 0, got {self.loss_lambda}")
+        require(self.recipe in FBT_RECIPES, f"recipe must be one of {', '.join(FBT_RECIPES)}, got {self.recipe!r}")
+        if self.plain_fraction is not None:  # the old name: map it, so a saved config trains as before
+            require(0.0 <= self.plain_fraction <= 1.0, f"plain_fraction must be in [0, 1], got {self.plain_fraction}")
+            require(self.feedback_start is None or self.feedback_start == self.plain_fraction,
+                     "give feedback_start or its deprecated alias plain_fraction, not both")
+            self.feedback_start = self.plain_fraction  # 1.0 meant "never multi-pass", as feedback_start=1.0 does
+            self.plain_fraction = None
+            if self.pass_mix is None and self.run_mix is None:
+                self.pass_mix = PAPER_RUN_MIX  # the old default mix after the plain phase
+        require(self.pass_mix is None or self.run_mix is None,
+                 "give pass_mix (per batch after feedback starts) or run_mix (over the whole run), not both")
+        recipe = FBT_RECIPES[self.recipe]
+        if self.pass_mix is None and self.run_mix is None:
+            self.pass_mix, self.run_mix = recipe.get("pass_mix"), recipe.get("run_mix")
+        if self.feedback_start is None:
+            self.feedback_start = recipe["feedback_start"]
+        start = self.feedback_start
+        require(0 <= start <= 1 or float(start).is_integer(),
+                 f"feedback_start must be a fraction in [0, 1] or a whole step number > 1, got {start}")
+        for name in ("pass_mix", "run_mix"):
+            mix = getattr(self, name)
+            if mix is None:
+                continue
+            mix = tuple(float(p) for p in mix)
+            setattr(self, name, mix)
+            require(len(mix) >= 1 and all(math.isfinite(p) and p >= 0 for p in mix)
+                     and math.isclose(sum(mix), 1.0, abs_tol=1e-6),
+                     f"{name} must be non-negative probabilities summing to 1, got {list(mix)}")
+        if self.run_mix is not None and start < 1:
+            per_batch_mix(self.run_mix, start)  # checked now: a fractional start converts without the run length
+
+    def batch_mix(self, total_steps: int) -> tuple[float, ...]:
+        """The per-batch pass mix after feedback starts, for a run of `total_steps` steps."""
+        if self.pass_mix is not None:
+            return self.pass_mix
+        fraction = min(self.start_step(total_steps) / max(1, total_steps), 1.0)
+        return per_batch_mix(self.run_mix, fraction) if fraction < 1 else (1.0,)
+
+    def start_step(self, total_steps: int) -> float:
+        """The first optimizer step (0-based) that may draw K > 1."""
+        start = self.feedback_start
+        return start * total_steps if start <= 1 else start
+
+    # the front-ends' questions (see ModelConfig): a base run already went through its plain
+    # single-pass phase, so later stages mix passes from step 0
+    stage_defaults: ClassVar[dict[str, dict[str, Any]]] = {"sft": {"feedback_start": 0.0},
+                                                           "extend": {"feedback_start": 0.0}}
+
+
 STATE_KEY = "fbt.prev_top"
+# fbt's teacher-forced "soft" score feeds the latent state back at every position of a text the
+# model did not generate; the paper reports no such number (its SOFT regime is a decoding regime,
+# judged by task accuracy). Reports label it so.
+SOFT_BPB_NOTE = ("fbt soft = teacher-forced latent feedback at every position: latentloop's own metric, "
+                 "not one the paper reports")
 REGIMES = ("standard", "soft", "fused")
 DEFAULT_FUSED_PASSES = 2
 AUTO_TOLERANCE = 1e-3  # passes="auto" stops once every position's relative change of its top state is below this
@@ -72,6 +211,8 @@ class FBTOutput(ModelOutput):
 
 class FBT(GPT):
     OPTIONS = OPTIONS
+    ANALYSES = frozenset({"contraction", "probe", "passes_curve"})  # latentloop.analysis, eval --passes-curve
+    SCORING_NOTES = {"soft": SOFT_BPB_NOTE}
 
     def __init__(self, config: FBTConfig):
         super().__init__(config)
@@ -239,6 +380,23 @@ class FBT(GPT):
         out = self._output(states, False)
         out.info["prefill_passes"] = len(states)
         return out, x_last
+
+    @torch.no_grad()
+    def prepare_fast_decoding(self) -> None:
+        self.token_gates()
+
+    def upcycle_from(self, weights: dict[str, Tensor], base_layers: int, load) -> dict:
+        """Every pretrained tensor; W_U, W_G fresh. Decoding with `regime=standard` is the pretrained
+        model exactly (plain inputs); the fused inputs are new and are learned by the multi-pass
+        objective from its `feedback_start` on (the paper introduces the feedback late in
+        pretraining: a pretrained base has had its single-pass phase, so the default recipe's start
+        at step 0 fits). An untied head is allowed: the carried state is still what the head reads
+        (after the final norm and its gain), and W_U learns the map into the input space that tying
+        gives for free; without an embedding norm the fused input is rescaled to the embedding
+        table's RMS (`fuse_scale`, re-measured here on the loaded embeddings)."""
+        fresh = load(weights)
+        self.reset_fuse_scale()
+        return {"mapping": "same tensors", "new": fresh, "exact_at_step0": "regime=standard"}
 
     def teacher_forced_prompt_len(self, seq_len: int, options: dict) -> int:
         """soft scores latent feedback at every position: only position 0 (always plain) is

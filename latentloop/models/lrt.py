@@ -31,15 +31,102 @@ Notable features:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
-from ..config import LRTConfig
+from ..config import ModelConfig, require
 from ..errors import ConfigError
 from .backbone import GPT, Attention, Block, ForwardContext, ModelOutput, norm, shift_right
 from .cache import KVBuffer, KVCache, plan_attention
 from .options import DecodeOption
+
+# -- config ----------------------------------------------------------------------------------------
+
+LRT_RECURRENCES = ("interleaved", "chunked", "sequential", "multi_refine")
+
+
+def upper_middle_layer(n_layer: int) -> int:
+    """The paper's best memory source, scaled to a depth: "an upper-middle layer (e.g. layer 12 of
+    a 20-layer model)" -> block index round(0.6 L) - 1 (1-based layer 12 of 20 is block 11)."""
+    return max(0, round(UPPER_MIDDLE_FRACTION * n_layer) - 1)
+
+
+UPPER_MIDDLE_FRACTION = 0.6  # the paper's 12 of 20 layers
+OFFICIAL_GATE_CHANNELS = 32  # the official code's gate reads the first 32 channels of norm(x)
+
+
+@dataclass
+class LRTConfig(ModelConfig):
+    """Latent recurrent transformer: the previous token's source-layer state injected into the
+    keys/values and the residual stream of the current token.
+
+    Defaults against the paper (Huang et al.) and the authors' released code (OoDBag/
+    Latent_recurrent_transformer):
+
+    - `source_layer`: None (default) = the paper's best source, an upper-middle block
+      (`upper_middle_layer`: 60% of the depth; the paper's ablation: layer 12 of 20 beats the top).
+      -1 = the normed top state, the released code's choice. l >= 0: the normed output of block l.
+    - `injection` "both" and `kv_projection` "shared": the paper's default LRT-shared variant.
+    - `residual_lr`: the learning rate of the residual scalars α_l, γ_l, in a param group of their
+      own as the released code trains them (with AdamW here); 0 (default) = the run's lr. The
+      paper does not give a value, and none was tuned at this scale.
+    - `kv_gate_channels`: the gate W_g reads the first n channels of norm(x); 0 (default) = all of
+      them, as the paper's "input-dependent gate"; 32 = the released code.
+    - `value_embeds`: the released code's third gate channel: a per-layer token value embedding
+      (nn.Embedding(V, n_kv_head * head_dim), zeros at init) added to the values through a third
+      gate, v <- g_loc v + g_fb v_fb + g_ve ve(token). Off by default (not in the paper).
+
+    `recurrence`, `subsets`, `chunk_size` and `refine_passes` configure its training procedure.
+    """
+
+    arch: ClassVar[str] = "lrt"
+    source_layer: int | None = None  # None: upper_middle_layer(n_layer) (paper); -1: the normed top (released code)
+    inject_layers: tuple[int, ...] = ()  # blocks that receive the memory; () = every block
+    injection: str = "both"  # "kv", "residual" or "both"
+    kv_projection: str = "shared"  # "shared" (one W_k, W_v for all layers) or "layerwise"
+    residual_gamma_init: float = 0.1  # x <- alpha_l x + gamma_l m with alpha_l = 1 at init
+    residual_lr: float = 0.0  # lr of alpha_l, gamma_l (their own param group); 0: the run's lr
+    kv_gate_channels: int = 0  # the gate reads norm(x)[..., :n]; 0: all channels (released code: 32)
+    value_embeds: bool = False  # per-layer token value embeddings through a third gate (released code)
+    recurrence: str = "interleaved"  # training procedure, see LRT_RECURRENCES
+    subsets: int = 2  # interleaved: stride subsets refined after the init pass
+    chunk_size: int = 64  # chunked: memory crosses chunk boundaries only
+    refine_passes: int = 2  # multi_refine: full passes, each using the previous pass's states
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.inject_layers = tuple(int(i) for i in self.inject_layers)
+        if self.source_layer is None:
+            self.source_layer = upper_middle_layer(self.n_layer)
+        require(-1 <= self.source_layer < self.n_layer,
+                 f"source_layer must be -1 (top) or a block index below n_layer ({self.n_layer}), "
+                 f"got {self.source_layer}")
+        require(all(0 <= i < self.n_layer for i in self.inject_layers),
+                 f"inject_layers must be block indices below n_layer ({self.n_layer}), got {list(self.inject_layers)}")
+        require(self.injection in ("kv", "residual", "both"),
+                 f"injection must be 'kv', 'residual' or 'both', got {self.injection!r}")
+        require(self.kv_projection in ("shared", "layerwise"),
+                 f"kv_projection must be 'shared' or 'layerwise', got {self.kv_projection!r}")
+        require(self.residual_lr >= 0, f"residual_lr must be >= 0 (0: the run's lr), got {self.residual_lr}")
+        require(0 <= self.kv_gate_channels <= self.n_embd,
+                 f"kv_gate_channels must be in [0, n_embd={self.n_embd}] (0: all), got {self.kv_gate_channels}")
+        require(not self.value_embeds or self.injection in ("kv", "both"),
+                 "value_embeds enter through the keys/values gate: it needs injection 'kv' or 'both'")
+        require(self.recurrence in LRT_RECURRENCES,
+                 f"recurrence must be one of {', '.join(LRT_RECURRENCES)}, got {self.recurrence!r}")
+        require(self.subsets >= 1, f"subsets must be >= 1, got {self.subsets}")
+        require(self.chunk_size >= 1, f"chunk_size must be >= 1, got {self.chunk_size}")
+        require(self.refine_passes >= 1, f"refine_passes must be >= 1, got {self.refine_passes}")
+
+    def injects(self, layer_idx: int) -> bool:
+        return not self.inject_layers or layer_idx in self.inject_layers
+
+    # the front-ends' questions (see ModelConfig): upcycled, the residual memory enters with weight 0,
+    # so step 0 is the base model
+    upcycle_defaults: ClassVar[dict[str, Any]] = {"residual_gamma_init": 0.0}
+
 
 MEMORY_KEY = "lrt.memory"
 PREFILLS = ("sequential", "interleaved")
@@ -302,6 +389,23 @@ class LRT(GPT):
         cache.advance()
         cache.state[MEMORY_KEY] = source[:, -1:]
         return LRTOutput(logits=logits, hidden=hidden, source=source)
+
+    @torch.no_grad()
+    def upcycle_from(self, weights: dict[str, Tensor], base_layers: int, load) -> dict:
+        """Every pretrained tensor; the memory projections W_k, W_v start at zero (so the gated keys
+        and values are g_loc · k = k, every gate being 2σ(0) = 1 at init) and the residual γ at
+        `residual_gamma_init`, which upcycling sets to 0 (α = 1; LRTConfig.upcycle_defaults). Then
+        every injected term vanishes and the logits equal the base model's exactly, in every
+        recurrence and prefill; the gradients of W_k, W_v and γ are not zero, so the memory is
+        learned from there."""
+        fresh = load(weights)
+        projections = [self.mem_kv] if self.mem_kv is not None else []
+        projections += [b.attn.c_mem_kv for b in self.blocks if b.attn.inject and b.attn.layerwise]
+        for linear in projections:
+            nn.init.zeros_(linear.weight)  # W_k, W_v = 0: the memory adds nothing to keys and values yet
+        gamma = self.config.residual_gamma_init
+        return {"mapping": "same tensors; W_k = W_v = 0", "new": fresh,
+                "exact_at_step0": "all recurrences" if gamma == 0 else f"no (residual_gamma_init={gamma})"}
 
     @classmethod
     def scoring_modes(cls, config: LRTConfig) -> dict[str, dict]:

@@ -34,20 +34,157 @@ Notable features:
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..config import MAX_RECURRENCE_STEPS, RGPTConfig
-from ..errors import ConfigError
+from ..config import ModelConfig, require
+from ..errors import CheckpointError, ConfigError
 from .backbone import GPT, PER_ROW_INFO, ForwardContext, ModelOutput, norm
 from .cache import KVCache
 from .criteria import KLDivergence, RelativeChange
 from .options import DecodeOption
 
+# -- config ----------------------------------------------------------------------------------------
+
+# rgpt's training depth distributions (drawn per optimizer step by objectives/rgpt.py):
+#   uniform:    r ~ Uniform{1..R}, the RecurrentGPT paper's own sampling.
+#   heavy_tail: Huginn's log-normal Poisson (Geiping et al. 2025, arXiv 2502.05171), the baseline the
+#               RecurrentGPT paper compares against: tau ~ N(log r̄ - σ²/2, σ), r = Poisson(e^tau) + 1,
+#               so E[r - 1] = E[e^tau] = r̄. Huginn trains with r̄ = 32 and gradients through the last
+#               k = 8 steps (depth_mean=32 backprop_steps=8 here); its σ = 1/2 is the default below.
+DEPTH_SAMPLINGS = ("uniform", "heavy_tail")
+HUGINN_DEPTH_SIGMA = 0.5
+# The most recurrence steps one forward may run: a bound on asked-for work. It caps a heavy-tailed
+# training draw (the tail is unbounded) and the depth decoding may ask for (models/rgpt.py).
+MAX_RECURRENCE_STEPS = 256
+
+
+@dataclass
+class RGPTConfig(ModelConfig):
+    """RecurrentGPT: prelude (n_pre blocks) -> shared core (n_rec blocks) applied R times with a
+    projected, gated state update -> coda (n_coda blocks). `n_layer` is derived: the number of
+    distinct blocks. When n_pre / n_rec / n_coda are not given they split a preset's n_layer as
+    1 / n_layer - 2 / 1.
+
+    `recurrence_steps` is the trained R (the default inference depth); `truncate_steps`,
+    `depth_sampling`, `depth_mean`, `depth_sigma` and `backprop_steps` configure its training
+    objective (see DEPTH_SAMPLINGS and objectives/rgpt.py).
+    """
+
+    arch: ClassVar[str] = "rgpt"
+    n_pre: int | None = None
+    n_rec: int | None = None
+    n_coda: int | None = None
+    recurrence_steps: int = 4  # R, the trained number of core applications (depth ~ Uniform{1..R})
+    noise_std: float = 0.1  # std of the training-only noise on the state (eps_x) and the gate (eps_g)
+    gate_temperature: float = 1.0  # tau in g = sigmoid(f_gate(...) / tau + eps_g)
+    # f_gate's last bias at init. The paper's +4.0 (g = sigmoid(4) ~ 0.98: each step first passes the
+    # state almost unchanged) suits its long runs; at this library's preset scales (hundreds to a few
+    # thousand steps) the gates never leave it: sigmoid'(4) = 0.018 scales every gate gradient, and
+    # a 300-step tiny run ends with mean gate 0.98. 0.0 (g = 0.5 at init) lets them learn (measured:
+    # -0.05 BPB on tiny). Set gate_bias_init=4.0 for the paper's initialisation.
+    gate_bias_init: float = 0.0
+    truncate_steps: int = 0  # training: the first n recurrence steps run without gradient
+    depth_sampling: str = "uniform"  # training depth distribution, one of DEPTH_SAMPLINGS
+    # heavy_tail: r̄ = E[r - 1]; None: recurrence_steps, the depth the model decodes at by default
+    # (as Huginn decodes at its r̄)
+    depth_mean: float | None = None
+    depth_sigma: float = HUGINN_DEPTH_SIGMA  # heavy_tail: σ of the log-normal rate
+    # training: only the last k recurrence steps get gradients, the first r - k run without
+    # (Huginn's truncated backprop); None: every step. Either sampling; excludes truncate_steps.
+    backprop_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.n_pre is None and self.n_rec is None and self.n_coda is None:
+            edge = 1 if self.n_layer >= 3 else 0
+            self.n_pre, self.n_coda, self.n_rec = edge, edge, self.n_layer - 2 * edge
+        else:
+            self.n_pre = 1 if self.n_pre is None else self.n_pre
+            self.n_coda = 1 if self.n_coda is None else self.n_coda
+            self.n_rec = max(1, self.n_layer - self.n_pre - self.n_coda) if self.n_rec is None else self.n_rec
+        require(self.n_pre >= 0 and self.n_coda >= 0, "n_pre and n_coda must be >= 0")
+        require(self.n_rec >= 1, f"n_rec must be >= 1, got {self.n_rec}")
+        self.n_layer = self.n_pre + self.n_rec + self.n_coda
+        super().__post_init__()
+        require(self.recurrence_steps >= 1, f"recurrence_steps must be >= 1, got {self.recurrence_steps}")
+        require(self.noise_std >= 0, f"noise_std must be >= 0, got {self.noise_std}")
+        require(self.gate_temperature > 0, f"gate_temperature must be > 0, got {self.gate_temperature}")
+        require(0 <= self.truncate_steps < self.recurrence_steps,
+                 f"truncate_steps must be in [0, recurrence_steps), got {self.truncate_steps}")
+        require(self.depth_sampling in DEPTH_SAMPLINGS,
+                 f"depth_sampling must be one of {', '.join(DEPTH_SAMPLINGS)}, got {self.depth_sampling!r}")
+        require(self.depth_mean is None or 1 <= self.depth_mean < MAX_RECURRENCE_STEPS,
+                 f"depth_mean must be in [1, {MAX_RECURRENCE_STEPS}) or null, got {self.depth_mean}")
+        require(self.depth_sigma > 0, f"depth_sigma must be > 0, got {self.depth_sigma}")
+        require(self.backprop_steps is None or 1 <= self.backprop_steps <= MAX_RECURRENCE_STEPS,
+                 f"backprop_steps must be in [1, {MAX_RECURRENCE_STEPS}] or null, got {self.backprop_steps}")
+        require(self.backprop_steps is None or self.truncate_steps == 0,
+                 "set one of truncate_steps (the first n steps without gradient) and backprop_steps "
+                 "(the last k steps with it), not both")
+
+    @property
+    def effective_depth(self) -> int:
+        return self.n_pre + self.n_rec * self.recurrence_steps + self.n_coda
+
+    @property
+    def heavy_tail_mean(self) -> float:
+        """r̄ of the heavy_tail draw: depth_mean, or R when it is not set."""
+        return float(self.recurrence_steps if self.depth_mean is None else self.depth_mean)
+
+    # the front-ends' questions (see ModelConfig)
+    upcycle_defaults: ClassVar[dict[str, Any]] = {
+        "gate_bias_init": -4.0}  # each step starts as (almost) a replacement by the pretrained core, still trainable
+
+    @classmethod
+    def upcycle_shape(cls, base_layers: int) -> dict[str, int]:
+        """Every pretrained block: 1 prelude, L-2 core, 1 coda (the default split); n_pre / n_rec /
+        n_coda given by the user override it."""
+        config = cls(n_layer=base_layers)
+        return {"n_pre": config.n_pre, "n_rec": config.n_rec, "n_coda": config.n_coda}
+
+    def iso_fields(self, iso: str) -> dict[str, Any]:
+        return rgpt_shape_from_dense(self.n_layer, iso, self.recurrence_steps)
+
+    def depth_summary(self) -> str:
+        return f"{self.n_pre} + {self.n_rec} x {self.recurrence_steps} + {self.n_coda}"
+
+
+def rgpt_shape_from_dense(dense_layers: int, iso: str, steps: int) -> dict[str, int]:
+    """Split a dense model's depth into (n_pre, n_rec, n_coda) for an isoFLOPs or isoparams RGPT,
+    exactly or not at all.
+
+    iso="flops": the effective depth n_pre + n_rec * R + n_coda equals the dense depth: each token
+    goes through as many block applications as in the dense model (the recurrence's input
+    projection and gate add a little on top: `--iso` prints both counts); a prelude and a coda of
+    at least one block each when the core still fits R times, else none. A dense depth below R
+    cannot be matched (the core runs at least one block R times): a ConfigError names the nearest
+    exact shapes. iso="params": the distinct blocks n_pre + n_rec + n_coda equal the dense depth
+    (the same blocks, R times the core's compute).
+    """
+    require(iso in ("flops", "params"), f"iso must be 'flops' or 'params', got {iso!r}")
+    require(dense_layers >= 1 and steps >= 1, "dense depth and steps must be >= 1")
+    edge = 1 if dense_layers >= 3 else 0
+    if iso == "params":
+        return dict(n_pre=edge, n_rec=dense_layers - 2 * edge, n_coda=edge, recurrence_steps=steps)
+    if dense_layers - 2 * edge < steps:  # the core does not fit R times between a prelude and a coda
+        edge = 0
+    require(dense_layers >= steps,
+            f"--iso flops cannot match a dense depth of {dense_layers} with recurrence_steps={steps} (the core "
+            f"runs at least one block {steps} times); the nearest exact shapes: --set recurrence_steps="
+            f"{dense_layers} (0 + 1 x {dense_layers} + 0), or --set n_layer={steps} (0 + 1 x {steps} + 0)")
+    n_rec = (dense_layers - 2 * edge) // steps
+    leftover = dense_layers - 2 * edge - n_rec * steps  # depth the core cannot fill evenly: to prelude and coda
+    return dict(n_pre=edge + leftover // 2, n_rec=n_rec, n_coda=edge + leftover - leftover // 2,
+                recurrence_steps=steps)
+
+
 CACHE_MODES = ("full", "mean", "last")
+BLOCK_KEY = re.compile(r"^blocks\.(\d+)\.(.*)$")  # a block tensor's name: (index, rest)
 EXIT_TOTAL_KEY = "rgpt.exit_step_total"  # cache.state: (B,) each row's exit steps summed over its decoded tokens
 EXIT_TOKENS_KEY = "rgpt.exit_tokens"  # cache.state: (B,) how many tokens each row decoded with adaptive exit
 EXIT_CRITERIA = ("kl", "state")
@@ -137,6 +274,7 @@ class CoreStepView:
 
 class RGPT(GPT):
     OPTIONS = OPTIONS
+    ANALYSES = frozenset({"depth"})  # loss and exits per recurrence step (latentloop.analysis)
 
     def __init__(self, config: RGPTConfig):
         super().__init__(config)
@@ -306,12 +444,63 @@ class RGPT(GPT):
             out = self._run_depth(idx, cache, None, steps)
         return self._depth_info(out, steps)
 
+    def fast_path_blocker(self, options: dict) -> str | None:
+        if options.get("exit_threshold", 0.0) > 0:
+            return "rgpt's adaptive exit runs a data-dependent number of core steps (the exit test reads the device)"
+        return None
+
     def reference(self, idx: Tensor, pad_mask: Tensor | None = None, prompt_len: int = 0, steps: int | None = None,
                   cache_mode: str = "full", exit_threshold: float = 0.0, exit_criterion: str = "kl",
                   min_steps: int = 1) -> RGPTOutput:
         return self.forward(idx, pad_mask, steps=steps)  # the engine refuses an adaptive exit without a cache
 
+    @torch.no_grad()
+    def upcycle_from(self, weights: dict[str, Tensor], base_layers: int, load) -> dict:
+        """prelude = the first n_pre pretrained blocks, core = the next n_rec, coda = the last n_coda
+        (the blocks between core and coda, if any, are dropped); W_proj = [I, 0] (the core reads the
+        state, not the prelude output); the gate's last layer has zero weights and bias
+        `gate_bias_init`, which upcycling sets to -4 (RGPTConfig.upcycle_defaults). Exact: with R = 1
+        and a gate saturated open (σ(bias) below fp32 resolution, bias <= -17), prelude -> core ->
+        coda *is* the pretrained stack restricted to those blocks (all of it when n_pre + n_rec +
+        n_coda = n_layer, the default split 1 / L-2 / 1). The default bias -4 (σ ≈ 0.018, the mirror
+        image of the paper's +4) keeps the gate trainable (a saturated one has no gradient) at the
+        price of mixing 1.8% of the previous state into each step; further steps (r > 1) re-apply
+        the core, which no pretrained model did."""
+        c = self.config
+        if c.n_pre + c.n_rec + c.n_coda > base_layers:
+            raise CheckpointError(f"--init-from: rgpt {c.n_pre} + {c.n_rec} + {c.n_coda} blocks need more than the "
+                                  f"{base_layers} pretrained blocks")
+        coda_start = base_layers - c.n_coda
+        chosen = [*range(c.n_pre + c.n_rec), *range(coda_start, base_layers)]  # new block i <- base block chosen[i]
+        renumber = {old: new for new, old in enumerate(chosen)}
+        mapped = {}
+        for name, tensor in weights.items():
+            match = BLOCK_KEY.match(name)
+            if match is None:
+                mapped[name] = tensor
+            elif int(match.group(1)) in renumber:
+                mapped[f"blocks.{renumber[int(match.group(1))]}.{match.group(2)}"] = tensor
+        fresh = load(mapped)
+        D = c.n_embd
+        self.proj.weight.copy_(torch.cat([torch.eye(D), torch.zeros(D, D)], dim=1))  # W_proj = [I, 0]
+        nn.init.zeros_(self.gate_out.weight)  # the gate is its bias alone until it learns
+        nn.init.constant_(self.gate_out.bias, c.gate_bias_init)
+        gate = torch.sigmoid(torch.tensor(c.gate_bias_init)).item()
+        exact = c.recurrence_steps == 1 and gate < torch.finfo(torch.float32).eps / 2
+        return {"new": fresh, "gate_at_init": gate,
+                "mapping": f"prelude = {_span(0, c.n_pre)}, core = {_span(c.n_pre, c.n_pre + c.n_rec)}, "
+                           f"coda = {_span(coda_start, base_layers)} of the {base_layers} pretrained blocks",
+                "exact_at_step0": "r=1 (gate saturated open)" if exact else
+                                  f"no (r=1 mixes σ(gate_bias_init) = {gate:.3g} of the previous state in)"}
+
     @classmethod
     def scoring_modes(cls, config: RGPTConfig) -> dict[str, dict]:
         R = config.recurrence_steps
         return {f"r={r}": {"steps": r} for r in sorted({max(1, R // 2), R})}
+
+
+def _span(start: int, stop: int) -> str:
+    """Pretrained blocks start..stop-1 in words."""
+    if stop <= start:
+        return "none"
+    return f"block {start}" if stop == start + 1 else f"blocks {start}-{stop - 1}"
