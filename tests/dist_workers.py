@@ -44,9 +44,14 @@ def join(rank: int, world: int, port: int) -> None:
     torch.set_num_threads(1)  # two processes share the machine's cores
 
 
+NOISE_PROBE = 4  # numbers read ahead from a rank's own torch stream (the one training noise draws from)
+
+
 def record_draws(objective, model) -> list[dict]:
     """Wrap the objective so that every call records the random draws it made (fbt: pass count and
-    the uniform field that places the prefix boundaries; rgpt: depth; lrt: the subsets' columns)."""
+    the uniform field that places the prefix boundaries; rgpt: depth; lrt: the subsets' columns),
+    which every rank must draw alike, and under "own" what each rank must have to itself: its batch
+    and the next numbers of its torch stream (read from a copy: the run draws them unchanged)."""
     from latentloop.objectives import fbt as fbt_objective
 
     draws: list[dict] = []
@@ -61,7 +66,9 @@ def record_draws(objective, model) -> list[dict]:
     real_call = type(objective).__call__
 
     def call(self, forward_model, x, y, step):
-        draws.append({"step": step})
+        stream = torch.Generator().set_state(torch.get_rng_state())
+        own = {"batch": x.tolist(), "noise": torch.rand(NOISE_PROBE, generator=stream).tolist()}
+        draws.append({"step": step, "own": own})
         result = real_call(self, forward_model, x, y, step)
         draws[-1].update({k: v for k, v in result.metrics.items() if k in ("passes", "steps")})
         return result

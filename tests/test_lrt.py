@@ -43,6 +43,56 @@ def test_interleaved_with_T_subsets_equals_sequential(overrides):
     assert (model(idx, recurrence="interleaved", subsets=2).logits - sequential).abs().max().item() > 1e-4
 
 
+def _ragged(lengths, seed=0):
+    """Rows of random ids (BOS first) of the given lengths, and the same rows left-padded into one batch."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = [torch.cat([torch.tensor([256]), torch.randint(0, 256, (n - 1,), generator=generator)]) for n in lengths]
+    idx, pad_mask = left_pad([row.tolist() for row in rows], 0, torch.device("cpu"))
+    return rows, idx, pad_mask
+
+
+RAGGED = (12, 11, 10, 9, 8, 7)  # left paddings 0..5: every residue of the padding mod S for S <= 6
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("subsets", [3, 4, 5])
+def test_interleaved_prefill_of_a_left_padded_batch_equals_each_row_alone(subsets):
+    """More than two subsets: rows whose padding differs mod S are refined in different groups, each
+    by the stride subsets of its own positions, so every row (logits, then the memory its cache
+    hands to the next token) is as alone."""
+    model = _model(subsets=subsets)
+    rows, idx, pad_mask = _ragged(RAGGED)
+    B, T = idx.shape
+    cache = model.new_cache(B, T + 1)
+    batched = model.prefill(idx, cache, pad_mask, prefill="interleaved").logits
+    following = torch.randint(0, 256, (B, 1), generator=torch.Generator().manual_seed(1))
+    next_batched = model.decode(following, cache, prefill="interleaved").logits
+    for r, row in enumerate(rows):
+        alone_cache = model.new_cache(1, len(row) + 1)
+        alone = model.prefill(row[None], alone_cache, None, prefill="interleaved").logits[0]
+        torch.testing.assert_close(batched[r, T - len(row):], alone, rtol=0, atol=TOL)
+        next_alone = model.decode(following[r:r + 1], alone_cache, prefill="interleaved").logits[0]
+        torch.testing.assert_close(next_batched[r], next_alone, rtol=0, atol=TOL)
+    # and it is the approximation, not the exact recurrence, at fewer subsets than tokens
+    exact = model.sequential(idx, pad_mask).logits
+    assert (batched - exact)[pad_mask].abs().max().item() > 1e-4
+
+
+@torch.no_grad()
+def test_interleaved_with_a_subset_per_token_equals_sequential_under_left_padding():
+    """S = T subsets of one column each, refined in position order whatever a row's padding: the
+    exact recurrence, equal to the sequential reference of the padded batch and of each row alone."""
+    rows, idx, pad_mask = _ragged(RAGGED)
+    B, T = idx.shape
+    model = _model(subsets=T)
+    interleaved = model.prefill(idx, model.new_cache(B, T), pad_mask, prefill="interleaved").logits
+    sequential = model.sequential(idx, pad_mask).logits
+    torch.testing.assert_close(interleaved[pad_mask], sequential[pad_mask], rtol=0, atol=TOL)
+    for r, row in enumerate(rows):
+        alone = model.sequential(row[None]).logits[0]
+        torch.testing.assert_close(interleaved[r, T - len(row):], alone, rtol=0, atol=TOL)
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("overrides", VARIANTS)
 def test_cached_decoding_equals_sequential(overrides):
