@@ -29,16 +29,18 @@ def _weights(run_dir):
     return load_file(str(sorted((run_dir / "checkpoints").iterdir())[-1] / "model.safetensors"))
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-def test_resume_is_bit_identical(corpus, tmp_path, optimizer):
-    straight = setup(_config(corpus, optimizer=optimizer, grad_accum=2), tmp_path / "a", progress=False)
+@pytest.mark.parametrize("optimizer,dtype", [("adamw", "float32"), ("muon", "float32"), ("adamw", "bfloat16")])
+def test_resume_is_bit_identical(corpus, tmp_path, optimizer, dtype):
+    train = dict(optimizer=optimizer, grad_accum=2, dtype=dtype)
+    straight = setup(_config(corpus, **train), tmp_path / "a", progress=False)
     fit(straight, progress=False)
 
-    half = _config(corpus, steps=3, optimizer=optimizer, grad_accum=2)
+    half = _config(corpus, steps=3, **train)
     fit(setup(half, tmp_path / "b", progress=False), progress=False)
-    resumed = setup(_config(corpus, optimizer=optimizer, grad_accum=2), tmp_path / "b", resume=True, progress=False)
+    resumed = setup(_config(corpus, **train), tmp_path / "b", resume=True, progress=False)
     assert resumed.step == 3
-    fit(resumed, progress=False)
+    summary = fit(resumed, progress=False)
+    assert summary["precision"] == dtype
 
     a, b = _weights(tmp_path / "a"), _weights(tmp_path / "b")
     assert a.keys() == b.keys()
@@ -140,3 +142,22 @@ def test_keep_freed_memory_stops_the_page_fault_churn():
     if default < 100:  # measured ~400 here; a malloc that already keeps its memory leaves nothing to show
         pytest.skip(f"no page-fault churn with this malloc's defaults ({default:.0f} per allocation)")
     assert kept < default / 20, (default, kept)
+
+
+def test_precision_is_resolved_and_noted(monkeypatch):
+    from latentloop import runtime
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert runtime.resolve_dtype(cpu, "auto") == "float32" and runtime.resolve_dtype(cuda, "auto") == "bfloat16"
+    assert runtime.resolve_dtype(cpu, "bfloat16") == "bfloat16"
+    monkeypatch.setattr(runtime, "cpu_bf16_support", lambda: "avx512_bf16")
+    assert "bf16 autocast" in runtime.precision_note(cpu, "bfloat16") and "avx512_bf16" in runtime.precision_note(
+        cpu, "bfloat16")
+    assert "fp32 throughout" in runtime.precision_note(cpu, "auto")
+    monkeypatch.setattr(runtime, "cpu_bf16_support", lambda: None)
+    assert "emulated" in runtime.precision_note(cpu, "bfloat16")
+    assert "emulated" not in runtime.precision_note(cpu, "float32")
+    with runtime.autocast_for(cpu, "bfloat16"):
+        assert torch.nn.functional.linear(torch.ones(2, 3), torch.ones(4, 3)).dtype == torch.bfloat16
+    with runtime.autocast_for(cpu, "auto"):
+        assert torch.nn.functional.linear(torch.ones(2, 3), torch.ones(4, 3)).dtype == torch.float32
