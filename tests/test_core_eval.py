@@ -16,8 +16,10 @@ from conftest import shared_data
 from torch import nn
 
 import latentloop
+from latentloop.archs import ARCHS
 from latentloop.cli import main
 from latentloop.data import ByteTokenizer
+from latentloop.engine import teacher_forced_logits
 from latentloop.errors import ConfigError, DataError
 from latentloop.eval import core, suite
 from latentloop.eval.core import (
@@ -264,6 +266,28 @@ def test_batched_scores_equal_one_by_one(arch, options, modes):
         assert [b.logprob for b in batched] == pytest.approx([a.logprob for a in alone], abs=1e-4)
         assert [b.greedy for b in batched] == [a.greedy for a in alone]
     assert model.training  # restored after scoring
+
+
+RAGGED_ROWS = ((3, 4), (11, 1), (6, 5), (1, 2), (15, 3))  # (context, continuation) lengths: all fit in 24
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_a_ragged_batch_scores_as_the_engine_scores_each_row_alone(arch):
+    """The contexts are left-padded by the engine's own `left_pad`: each row of one padded batch gets
+    the log-probability and greedy match that `teacher_forced_logits` gives the row alone, unpadded."""
+    torch.manual_seed(0)
+    model = latentloop.build(arch, preset="test", sequence_len=24).eval()
+    generator = torch.Generator().manual_seed(1)
+    rows = [([BOS] + torch.randint(0, 256, (n,), generator=generator).tolist(),
+             torch.randint(0, 256, (m,), generator=generator).tolist()) for n, m in RAGGED_ROWS]
+    batched = score_continuations(model, rows, batch_size=len(rows))
+    for (context, continuation), score in zip(rows, batched):
+        targets = torch.tensor(continuation)
+        logits = teacher_forced_logits(model, torch.tensor([context + continuation]), prompt_len=len(context))
+        predicting = logits[0, len(context) - 1:-1].float()  # (C, V): the logits of each continuation token
+        logprob = predicting.log_softmax(-1).gather(-1, targets[:, None]).sum()
+        torch.testing.assert_close(torch.tensor(score.logprob), logprob, rtol=0, atol=1e-4)
+        assert score.greedy == bool((predicting.argmax(-1) == targets).all())
 
 
 def test_options_are_checked():

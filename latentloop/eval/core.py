@@ -21,7 +21,8 @@ baselines are those of DCLM's `eval_meta_data.csv` (e.g. 62% for boolq, 9.1% for
 identification), so scores compare with published CORE numbers.
 
 Scoring works for every architecture through the engine's `teacher_forced_logits`: each row is
-`[left padding][context][continuation][right padding]` with all contexts ending at column P; the
+`[left padding][context][continuation][right padding]` with all contexts ending at column P (the
+contexts left-padded by the engine's own `left_pad`, as prompts of different lengths are); the
 contexts are prefilled into the cache and the continuation decoded teacher-forced, so it is scored
 as generated text under the chosen regime (fbt `fused` prefills the context with K passes, then
 feeds latents back over the continuation; `soft` feeds latents back over the continuation after a
@@ -58,7 +59,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..engine import model_options, teacher_forced_logits
+from ..engine import left_pad, model_options, teacher_forced_logits
 from ..errors import ConfigError, DataError
 from ..runtime import EVAL_DIR_ENV, default_eval_dir
 
@@ -402,24 +403,23 @@ def continuation_logits(model: nn.Module, idx: torch.Tensor, pad_mask: torch.Ten
 
 def _score_batch(model: nn.Module, rows: list[tuple[list[int], list[int]]], options: dict, pad_id: int,
                  device: torch.device, stepwise: bool) -> list[ContinuationScore]:
-    P = max(len(ctx) for ctx, _ in rows)
+    contexts, mask = left_pad([ctx for ctx, _ in rows], pad_id, device)  # the engine's padding: (B, P)
+    P = contexts.shape[1]
     C = max(len(cont) for _, cont in rows)
-    B = len(rows)
-    idx = torch.full((B, P + C), pad_id, dtype=torch.long)
-    pad_mask = torch.ones((B, P + C), dtype=torch.bool)
-    lengths = torch.tensor([len(cont) for _, cont in rows])
-    for r, (ctx, cont) in enumerate(rows):
-        idx[r, P - len(ctx):P] = torch.tensor(ctx, dtype=torch.long)
-        idx[r, P:P + len(cont)] = torch.tensor(cont, dtype=torch.long)
-        pad_mask[r, :P - len(ctx)] = False
-    idx = idx.to(device)
-    mask = None if bool(pad_mask.all()) else pad_mask.to(device)
+    lengths = torch.tensor([len(cont) for _, cont in rows], device=device)
+    # continuations right-padded after column P: a row's padding comes after its last scored token,
+    # so it changes nothing the row sees
+    continuations = torch.full((len(rows), C), pad_id, dtype=torch.long, device=device)
+    for r, (_, cont) in enumerate(rows):
+        continuations[r, :len(cont)] = torch.tensor(cont, dtype=torch.long)
+    idx = torch.cat([contexts, continuations], dim=1)  # (B, P + C)
+    if mask is not None:
+        mask = torch.cat([mask, torch.ones_like(continuations, dtype=torch.bool)], dim=1)
     logits = continuation_logits(model, idx, mask, P, C, options, stepwise).float()  # (B, C, V)
-    targets = idx[:, P:P + C]  # (B, C)
-    logprobs = logits.log_softmax(dim=-1).gather(-1, targets[..., None]).squeeze(-1)  # (B, C)
-    valid = (torch.arange(C)[None, :] < lengths[:, None]).to(device)
+    logprobs = logits.log_softmax(dim=-1).gather(-1, continuations[..., None]).squeeze(-1)  # (B, C)
+    valid = torch.arange(C, device=device)[None, :] < lengths[:, None]
     sums = torch.where(valid, logprobs, torch.zeros_like(logprobs)).sum(dim=1)
-    greedy = ((logits.argmax(dim=-1) == targets) | ~valid).all(dim=1)
+    greedy = ((logits.argmax(dim=-1) == continuations) | ~valid).all(dim=1)
     return [ContinuationScore(float(s), int(n), bool(g)) for s, n, g in zip(sums.tolist(), lengths.tolist(),
                                                                             greedy.tolist())]
 
