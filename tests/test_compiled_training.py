@@ -1,7 +1,8 @@
 """Training speed paths: the hand-written RMSNorm backward (fast), and compiled training
-(`train.compile`): every architecture's objective through `torch.compile(model)` gives the eager
-loss and gradients, and the fused AdamW steps (slow: CPU inductor compiles of forward and backward
-take tens of seconds per architecture)."""
+(`train.compile`): every architecture's objective through the module `parallel.wrap_model` compiles
+for training (the whole forward, or each block) gives the eager loss and gradients, and the fused
+AdamW steps (slow: CPU inductor compiles of forward and backward take tens of seconds per
+architecture). The one test of a compiled training step: `test_slow.py` runs `fit` with it."""
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from latentloop.archs import ARCHS, build_objective
 from latentloop.config import TrainConfig
 from latentloop.models.backbone import norm, relu_squared
 from latentloop.optim import build_optimizers
+from latentloop.parallel import compiles_whole_model, wrap_model
 
 # fp32: inductor fuses and reorders the elementwise work and the reductions, so losses and
 # gradients agree to rounding, not bit for bit
@@ -57,14 +59,21 @@ def test_compiled_training_step_matches_eager(arch):
 def _check_compiled_training(arch):
     torch.manual_seed(0)
     model = ll.build(arch, preset="test", sequence_len=SEQ_LEN).train()
-    train = TrainConfig(batch_size=BATCH, device="cpu", dtype="float32")
+    train = TrainConfig(batch_size=BATCH, device="cpu", dtype="float32", compile=True)
     objective = build_objective(model.config, train)
     data = torch.randint(0, model.config.vocab_size, (BATCH, SEQ_LEN + 1), generator=torch.Generator().manual_seed(1))
     x, y = data[:, :-1], data[:, 1:]
-    compiled = torch.compile(model)
+    eager = []
     for step in range(2):  # the objectives sample a schedule per step (passes, depth, subsets) from the step
         torch.manual_seed(step)  # training noise (fbt jitter, rgpt eps) drawn identically on both paths
-        eager_loss, eager_grads = loss_and_grads(model, model, objective, x, y, step)
+        eager.append(loss_and_grads(model, model, objective, x, y, step))
+    # wrapped only now: compiling block by block changes `model`'s own blocks in place
+    compiled = wrap_model(model, train, torch.device("cpu"))  # what `fit` calls the objective with
+    if compiles_whole_model(model, train.strategy):
+        assert isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule)
+    else:  # each block compiled in place: the parameter names stay
+        assert compiled is model and all(block._compiled_call_impl is not None for block in model.blocks)
+    for step, (eager_loss, eager_grads) in enumerate(eager):
         torch.manual_seed(step)
         compiled_loss, compiled_grads = loss_and_grads(compiled, model, objective, x, y, step)
         torch.testing.assert_close(compiled_loss, eager_loss, rtol=0, atol=LOSS_TOL)

@@ -1,6 +1,7 @@
 """The single-process pieces of scaling out: per-rank data sharding, activation checkpointing,
-torch.compile of the training step, flex_attention for lrt's subsets, the strategy setting, a
-ddp run without torchrun, and `export-dcp`'s refusals. (Several processes: test_distributed.py.)"""
+flex_attention for lrt's subsets, the strategy setting, a ddp run without torchrun, and
+`export-dcp`'s refusals. (Several processes: test_distributed.py; a compiled training step:
+test_compiled_training.py.)"""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from latentloop.config import STRATEGIES, DataConfig, RunConfig, TrainConfig, mo
 from latentloop.data import TokenLoader
 from latentloop.errors import ConfigError
 from latentloop.models import flex
-from latentloop.parallel import _checkpointed, apply_activation_checkpointing, wrap_model
+from latentloop.parallel import _checkpointed, apply_activation_checkpointing
 from latentloop.runtime import current_dist, init_distributed, resolve_strategy
 from latentloop.train import fit, setup
 
@@ -204,20 +205,3 @@ def test_export_dcp_refuses_what_it_cannot_or_need_not_do(corpus, tmp_path, caps
     assert main(["export-dcp", str(tmp_path / "missing")]) == 2
     state = json.loads(next((tmp_path / "run" / "checkpoints").iterdir()).joinpath("state.json").read_text())
     assert (state["world_size"], state["strategy"]) == (1, "none")
-
-
-@pytest.mark.slow  # inductor compiles each arch's blocks on the CPU: minutes on 2 busy cores
-@pytest.mark.parametrize("arch", list(QUIET))
-def test_the_compiled_training_step_matches_eager(arch):
-    torch.manual_seed(0)
-    model = ll.build(arch, preset="test", sequence_len=32, **QUIET[arch])
-    config = TrainConfig(steps=10, compile=True)
-    objective = build_objective(model.config, config)
-    x, y = torch.randint(0, 256, (2, 32)), torch.randint(0, 256, (2, 32))
-    loss, grads = _loss_and_grads(model, objective, x, y)
-    compiled = wrap_model(model, config, torch.device("cpu"))
-    assert compiled is not model if arch == "gpt" else all(b._compiled_call_impl is not None for b in model.blocks)
-    loss_c, grads_c = _loss_and_grads(model, objective, x, y, forward=compiled)
-    torch.testing.assert_close(loss_c, loss, rtol=1e-5, atol=1e-5)  # inductor fuses: fp32 reassociation only
-    for name in grads:
-        torch.testing.assert_close(grads_c[name], grads[name], rtol=1e-4, atol=1e-6)
