@@ -89,18 +89,11 @@ def _save(checkpoint: Path, out: Path | None, name: str, result: dict[str, Any],
 @torch.no_grad()
 def contraction(run: str | Path, passes: int = 1000, batches: int = 1, batch_size: int = 4,
                 out: Path | None = None) -> dict[str, Any]:
-    from .models.backbone import shift_right
-
     model, _, config, checkpoint, x, y = _val_batch(run, batches, batch_size)
     _require_analysis(config, "contraction")
-    ctx = model.context(x, None, None)
-    e = model.embed(x)
-    mask = model.fuse_mask(x, ctx.plan.positions, 1)[..., None]
-    h = model.run_blocks(e, ctx)
-    changes, losses = [float("nan")], [float(token_cross_entropy(model.readout(h), y))]
-    for _ in range(passes - 1):
-        h_next = model.run_blocks(torch.where(mask, model.fuse(e, shift_right(model.carried_state(h))), e), ctx)
-        changes.append(float(RelativeChange(0.0).value(h_next, h).mean()))
+    changes, losses, h = [], [], None
+    for _, (h_next, _) in zip(range(passes), model.pass_states(x, model.context(x, None, None))):
+        changes.append(float("nan") if h is None else float(RelativeChange(0.0).value(h_next, h).mean()))
         losses.append(float(token_cross_entropy(model.readout(h_next), y)))
         h = h_next
     T = x.shape[1]  # the Jacobi iteration is exact after T passes: the sequential fixed point

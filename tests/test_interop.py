@@ -340,7 +340,7 @@ def test_upcycled_rgpt_reproduces_the_chosen_blocks(base_run):
     saturated = dict(recurrence_steps=1, gate_bias_init=-30.0)
     model = ll.archs.build_model(upcycle_config(run, "rgpt", **saturated)).eval()
     assert (model.config.n_pre, model.config.n_rec, model.config.n_coda) == (1, 2, 1)
-    assert initialise_from(model, run)["exact_at_step0"].startswith("r=1")
+    assert initialise_from(model, run)["exact_at_step0"] == "steps=1"
     torch.testing.assert_close(model(idx, steps=1).logits, base(idx).logits, rtol=0, atol=EXACT_TOL)
 
     subset = ll.archs.build_model(upcycle_config(run, "rgpt", n_pre=1, n_rec=1, n_coda=1, **saturated)).eval()

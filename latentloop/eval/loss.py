@@ -131,7 +131,8 @@ def passes_curve(model: nn.Module, tokens: np.ndarray, token_bytes: np.ndarray, 
             T = x.shape[1]
             wanted = {f"K={k}": k for k in passes} | {"fixed_point": T}
             target_bytes = byte_table[y.flatten()]
-            for k, h in enumerate(_fused_passes(model, x, max(wanted.values())), start=1):
+            states = model.pass_states(x, model.context(x, None, None))  # one pass in memory at a time
+            for k, (h, _) in zip(range(1, max(wanted.values()) + 1), states):
                 for label in [label for label, want in wanted.items() if want == k]:
                     losses = token_cross_entropy(model.readout(h), y, reduction="none")
                     row = sums.setdefault(label, [0.0, 0.0, 0, 0])
@@ -143,18 +144,3 @@ def passes_curve(model: nn.Module, tokens: np.ndarray, token_bytes: np.ndarray, 
         model.train(was_training)
     return {label: {"loss": nats / max(n, 1), "bpb": nats_bpb / math.log(2) / max(nb, 1), "tokens": n}
             for label, (nats, nats_bpb, n, nb) in sums.items()}
-
-
-def _fused_passes(model: nn.Module, x: Tensor, passes: int):
-    """Yield the top states of passes 1..`passes` of fbt's fused forward (the same iteration as
-    `FBT.multipass`, one pass in memory at a time: T passes of states would not fit at scale)."""
-    from ..models.backbone import shift_right
-
-    ctx = model.context(x, None, None)
-    e = model.embed(x)
-    mask = model.fuse_mask(x, ctx.plan.positions, 1)[..., None]
-    x_in = e
-    for _ in range(passes):
-        h = model.run_blocks(x_in, ctx)
-        yield h
-        x_in = torch.where(mask, model.fuse(e, shift_right(model.carried_state(h))), e)

@@ -311,6 +311,7 @@ OPT_IN_FLAGS = (
 
 class GPT(nn.Module):
     OPTIONS: ClassVar[tuple[DecodeOption, ...]] = ()  # the baseline decodes one way
+    context_class: ClassVar[type[ForwardContext]] = ForwardContext  # a variant's may carry more (its depth)
     # What the rest of the system asks of an architecture (defaults here; a variant overrides):
     ANALYSES: ClassVar[frozenset[str]] = frozenset()  # `latentloop analyze` kinds and eval curves it offers
     SCORING_NOTES: ClassVar[dict[str, str]] = {}  # scoring-mode label -> a caveat printed beside its figure
@@ -360,24 +361,31 @@ class GPT(nn.Module):
     def embed(self, idx: Tensor) -> Tensor:
         return self.embed_norm(self.wte(idx))  # (B, T, D)
 
-    def context(self, idx: Tensor, cache: KVCache | None, pad_mask: Tensor | None) -> ForwardContext:
+    def context(self, idx: Tensor, cache: KVCache | None, pad_mask: Tensor | None, **fields) -> ForwardContext:
+        """The context of a forward over idx (B, T); `fields`: what the arch's `context_class` adds."""
         T = idx.shape[1]
         seen = cache.length if cache is not None else 0
         if seen + T > self.config.sequence_len:  # positions never exceed slots, so this bounds them
             raise ValueError(f"{seen + T} tokens are beyond the context of {self.config.sequence_len} tokens")
         plan = cache.begin(T, pad_mask) if cache is not None else plan_attention(pad_mask, T, idx.device)
-        return self.context_from_plan(plan, cache)
+        return self.context_from_plan(plan, cache, **fields)
 
-    def context_from_plan(self, plan: AttentionPlan, cache: KVStore | None = None) -> ForwardContext:
+    def context_from_plan(self, plan: AttentionPlan, cache: KVStore | None = None, **fields) -> ForwardContext:
         cos = self.rope_cos[plan.positions][:, :, None, :]  # (B|1, T, 1, hd)
         sin = self.rope_sin[plan.positions][:, :, None, :]
-        return ForwardContext(plan=plan, cos=cos, sin=sin, cache=cache)
+        return self.context_class(plan=plan, cos=cos, sin=sin, cache=cache, **fields)
 
     def run_blocks(self, x: Tensor, ctx: ForwardContext, blocks: nn.ModuleList | None = None) -> Tensor:
         """x through `blocks` (default: all of them) in order."""
         for block in self.blocks if blocks is None else blocks:
             x = block(x, ctx)
         return x
+
+    def run_stack(self, x: Tensor, ctx: ForwardContext) -> Tensor:
+        """One pass of the whole stack: inputs x (B, T, D) -> top states (B, T, D). The blocks in
+        order here; an arch with a recurrent depth overrides it, and what feeds the stack its inputs
+        (fbt's passes and fused tokens) composes with any stack."""
+        return self.run_blocks(x, ctx)
 
     def readout(self, h: Tensor) -> Tensor:
         """Final norm, head and soft-cap: (B, T, D) -> (B, T, V)."""
@@ -391,10 +399,12 @@ class GPT(nn.Module):
             logits = cap * torch.tanh(logits / cap)
         return logits
 
-    def run(self, idx: Tensor, cache: KVCache | None = None, pad_mask: Tensor | None = None) -> ModelOutput:
-        """The plain stack over idx (B, T), through the cache when one is given."""
-        ctx = self.context(idx, cache, pad_mask)
-        h = self.run_blocks(self.embed(idx), ctx)  # (B, T, D)
+    def run(self, idx: Tensor, cache: KVCache | None = None, pad_mask: Tensor | None = None,
+            **fields) -> ModelOutput:
+        """The plain stack over idx (B, T), through the cache when one is given; `fields` go to the
+        context (e.g. a recurrent stack's depth)."""
+        ctx = self.context(idx, cache, pad_mask, **fields)
+        h = self.run_stack(self.embed(idx), ctx)  # (B, T, D)
         if cache is not None:
             cache.advance()
         return ModelOutput(logits=self.readout(h), hidden=h)

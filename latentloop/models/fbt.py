@@ -35,7 +35,10 @@ Notable features:
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -265,27 +268,41 @@ class FBT(GPT):
         """(B, T) True where the input is fused: positions >= max(1, fuse_from), never at BOS."""
         return (positions >= max(1, fuse_from)) & (idx != self.config.bos_id)
 
-    def multipass(self, idx: Tensor, ctx: ForwardContext, passes: int, mask: Tensor | list[Tensor],
-                  base: Tensor | None = None, until: RelativeChange | None = None) -> tuple[list[Tensor], Tensor]:
-        """Run up to `passes` passes; unfused positions keep `base` (default: plain embeddings).
+    def pass_states(self, idx: Tensor, ctx: ForwardContext, mask: Tensor | list[Tensor] | None = None,
+                    base: Tensor | None = None) -> Iterator[tuple[Tensor, Tensor]]:
+        """The one pass loop: (top states (B, T, D), the input it ran on) of pass 1, 2, ... for as
+        long as the caller iterates; stopping is the caller's (a count, a settling criterion, the
+        K's of a curve), and nothing of a pass it does not ask for is computed.
 
-        `mask` (B, T) says which positions are fused, the same in every pass; or a list of
-        passes - 1 masks, one per fused pass 2..K (training draws a fresh prefix per pass).
-        Returns the top states of every pass and the input of the last one. With `until`, stops
-        early once every position's top state has settled under that criterion.
+        Pass 1 runs on `base` (default: the plain embeddings); pass k + 1 fuses pass k's top states,
+        shifted right by one, where `mask` (B, T) says (default: every position from 1, never at
+        BOS), or where `mask[k - 1]` says when `mask` is a list (one per fused pass); unfused
+        positions keep `base`. Each pass runs the whole stack (`run_stack`), whatever it is.
         """
-        masks = self._pass_masks(mask, passes)
         e = self.embed(idx)  # (B, T, D)
         base = e if base is None else base
-        x, states = base, []
-        for k in range(passes):
-            h = self.run_blocks(x, ctx)  # (B, T, D)
+        mask = self.fuse_mask(idx, ctx.plan.positions, 1) if mask is None else mask
+        x = base
+        for k in itertools.count():
+            h = self.run_stack(x, ctx)  # (B, T, D)
+            yield h, x
+            fused = mask if isinstance(mask, Tensor) else mask[k]
+            x = torch.where(fused[..., None], self.fuse(e, shift_right(self.carried_state(h))), base)
+
+    def multipass(self, idx: Tensor, ctx: ForwardContext, passes: int, mask: Tensor | list[Tensor],
+                  base: Tensor | None = None, until: RelativeChange | None = None) -> tuple[list[Tensor], Tensor]:
+        """Run up to `passes` passes (`pass_states`); returns the top states of every pass and the
+        input of the last one. `mask`: (B, T), the same in every pass, or a list of passes - 1
+        masks, one per fused pass 2..K (training draws a fresh prefix per pass). With `until`, stops
+        early once every position's top state has settled under that criterion."""
+        masks = self._pass_masks(mask, passes)
+        states: list[Tensor] = []
+        for h, x in self.pass_states(idx, ctx, masks if isinstance(mask, list) else mask, base):
             states.append(h)
-            if until is not None and k > 0 and bool(until.settled(h, states[-2]).all()):
-                break
-            if k < passes - 1:
-                x = torch.where(masks[k][..., None], self.fuse(e, shift_right(self.carried_state(h))), base)
-        return states, x
+            settled = until is not None and len(states) > 1 and bool(until.settled(h, states[-2]).all())
+            if len(states) == passes or settled:
+                return states, x
+        raise AssertionError("pass_states never ends")  # unreachable: the loop above returns
 
     @staticmethod
     def _pass_masks(mask: Tensor | list[Tensor], passes: int) -> list[Tensor]:
@@ -298,21 +315,23 @@ class FBT(GPT):
 
     # -- the whole sequence -------------------------------------------------------------------
     def forward(self, idx: Tensor, pad_mask: Tensor | None = None, passes: int = 1, fuse_from: int = 1,
-                fuse_mask: Tensor | list[Tensor] | None = None, return_passes: bool = False) -> FBTOutput:
+                fuse_mask: Tensor | list[Tensor] | None = None, return_passes: bool = False,
+                **stack) -> FBTOutput:
         """Multi-pass forward over a whole sequence (pass 1 plain); pass k fuses pass k-1's top
         states. `fuse_mask` (B, T), or a list of passes - 1 of them (one per fused pass), overrides
-        `fuse_from` (training's per-document prefixes)."""
+        `fuse_from` (training's per-document prefixes). `stack`: context fields of the stack each
+        pass runs (a recurrent stack's depth; none for fbt's own)."""
         if passes < 1:
             raise ConfigError(f"passes must be >= 1, got {passes}")
-        states, _ = self._passes(idx, None, pad_mask, passes, fuse_from=fuse_from, mask=fuse_mask)
+        states, _ = self._passes(idx, None, pad_mask, passes, fuse_from=fuse_from, mask=fuse_mask, **stack)
         return self._output(states, return_passes)
 
     def _passes(self, idx: Tensor, cache: KVCache | None, pad_mask: Tensor | None, passes: int,
                 fuse_from: int = 1, mask: Tensor | list[Tensor] | None = None, base: Tensor | None = None,
-                until: RelativeChange | None = None) -> tuple[list[Tensor], Tensor]:
+                until: RelativeChange | None = None, **stack) -> tuple[list[Tensor], Tensor]:
         """`multipass` over idx; with a cache (empty), every pass rewrites its slots, so the
         keys/values left there are those of the last pass, and the carried state is stored."""
-        ctx = self.context(idx, cache, pad_mask)
+        ctx = self.context(idx, cache, pad_mask, **stack)
         if mask is None:
             mask = self.fuse_mask(idx, ctx.plan.positions, fuse_from)
         states, x_last = self.multipass(idx, ctx, passes, mask, base=base, until=until)
@@ -329,25 +348,26 @@ class FBT(GPT):
         return out
 
     # -- decoding protocol --------------------------------------------------------------------
+    # `stack` below: context fields of the stack (see `forward`), passed through by a variant
     def prefill(self, idx: Tensor, cache: KVCache, pad_mask: Tensor | None = None, regime: str = "soft",
-                passes: int | str = DEFAULT_FUSED_PASSES) -> FBTOutput:
+                passes: int | str = DEFAULT_FUSED_PASSES, **stack) -> FBTOutput:
         if regime == "fused":
-            return self._fused_prefill(idx, cache, pad_mask, passes)[0]
-        return self._output(self._passes(idx, cache, pad_mask, 1)[0], False)  # plain
+            return self._fused_prefill(idx, cache, pad_mask, passes, **stack)[0]
+        return self._output(self._passes(idx, cache, pad_mask, 1, **stack)[0], False)  # plain
 
     def decode(self, idx: Tensor, cache: KVCache, regime: str = "soft",
-               passes: int | str = DEFAULT_FUSED_PASSES) -> ModelOutput:
+               passes: int | str = DEFAULT_FUSED_PASSES, **stack) -> ModelOutput:
         if regime == "standard":
-            return self.run(idx, cache)
-        return self.step_tokens(idx, cache, self.soft_step)
+            return self.run(idx, cache, **stack)
+        return self.step_tokens(idx, cache, functools.partial(self.soft_step, **stack) if stack else self.soft_step)
 
-    def soft_step(self, token: Tensor, cache: KVCache, pad_mask: Tensor | None = None) -> ModelOutput:
+    def soft_step(self, token: Tensor, cache: KVCache, pad_mask: Tensor | None = None, **stack) -> ModelOutput:
         """One token (B, 1) fused with the state its predecessor left in the cache (plain at BOS)."""
         e = self.embed(token)
         gate = None if torch.is_grad_enabled() else self.token_gates()[token]  # (B, 1, D)
         fused = self.fuse(e, cache.state[STATE_KEY], gate)
         x = torch.where((token != self.config.bos_id)[..., None], fused, e)  # BOS restarts the recurrence
-        h = self.run_blocks(x, self.context(token, cache, None))  # (B, 1, D)
+        h = self.run_stack(x, self.context(token, cache, None, **stack))  # (B, 1, D)
         cache.advance()
         h_normed = self.ln_f(h)  # shared by the head and the carried state
         reuse_norm = self.config.state_source == "post_norm" and not (self.training and self.config.jitter > 0)
@@ -355,16 +375,16 @@ class FBT(GPT):
         return ModelOutput(logits=self.head(h_normed), hidden=h, info={"passes": 1})
 
     def reference(self, idx: Tensor, pad_mask: Tensor | None = None, prompt_len: int = 0, regime: str = "soft",
-                  passes: int | str = DEFAULT_FUSED_PASSES) -> FBTOutput:
+                  passes: int | str = DEFAULT_FUSED_PASSES, **stack) -> FBTOutput:
         """The whole sequence, whose columns >= prompt_len were generated, without a cache."""
         if regime == "standard":
-            return self._output([self.run(idx, None, pad_mask).hidden], False)
+            return self._output([self.run(idx, None, pad_mask, **stack).hidden], False)
         base = None
         if regime == "fused":  # the prompt's inputs stay those of its last prefill pass
             prompt_mask = None if pad_mask is None else pad_mask[:, :prompt_len]
-            _, prompt_input = self._fused_prefill(idx[:, :prompt_len], None, prompt_mask, passes)
+            _, prompt_input = self._fused_prefill(idx[:, :prompt_len], None, prompt_mask, passes, **stack)
             base = torch.cat([prompt_input, self.embed(idx[:, prompt_len:])], dim=1)
-        ctx = self.context(idx, None, pad_mask)
+        ctx = self.context(idx, None, pad_mask, **stack)
         columns = torch.arange(idx.shape[1], device=idx.device)
         generated = self.fuse_mask(idx, ctx.plan.positions, 1) & (columns >= prompt_len)
         # generated column j is exact after j - prompt_len + 1 passes (Jacobi)
@@ -372,11 +392,12 @@ class FBT(GPT):
         return self._output(states, False)
 
     def _fused_prefill(self, idx: Tensor, cache: KVCache | None, pad_mask: Tensor | None,
-                       passes: int | str) -> tuple[FBTOutput, Tensor]:
+                       passes: int | str, **stack) -> tuple[FBTOutput, Tensor]:
         """K-pass (or "auto") prefill; also returns the input of the last pass."""
         auto = passes == "auto"
         until = RelativeChange(AUTO_TOLERANCE) if auto else None
-        states, x_last = self._passes(idx, cache, pad_mask, AUTO_MAX_PASSES if auto else passes, until=until)
+        states, x_last = self._passes(idx, cache, pad_mask, AUTO_MAX_PASSES if auto else passes, until=until,
+                                      **stack)
         out = self._output(states, False)
         out.info["prefill_passes"] = len(states)
         return out, x_last

@@ -217,6 +217,18 @@ class RGPTOutput(ModelOutput):
     openness: list[float] = field(default_factory=list)  # ||h^(r) - h^(r-1)|| / ||o|| per step, when requested
 
 
+@dataclass
+class DepthContext(ForwardContext):
+    """A forward's context with its recurrent depth: `steps` core steps (None: the trained R), the
+    first `no_grad_steps` of them without gradient, per-step readings recorded into `record` (None:
+    none; with `return_steps`, the logits after every step too)."""
+
+    steps: int | None = None
+    no_grad_steps: int = 0
+    record: RGPTOutput | None = None
+    return_steps: bool = False
+
+
 class RecurrentKVCache(KVCache):
     """KV cache whose core-layer slots follow `mode` (see the module docstring). The core blocks
     write through `step_view(step, active)`; prelude and coda write the cache directly."""
@@ -274,6 +286,7 @@ class CoreStepView:
 
 class RGPT(GPT):
     OPTIONS = OPTIONS
+    context_class = DepthContext
     ANALYSES = frozenset({"depth"})  # loss and exits per recurrence step (latentloop.analysis)
 
     def __init__(self, config: RGPTConfig):
@@ -339,29 +352,39 @@ class RGPT(GPT):
         """
         return self._run_depth(idx, None, pad_mask, steps, return_steps, no_grad_steps, record_gates)
 
-    def _run_depth(self, idx: Tensor, cache: KVCache | None, pad_mask: Tensor | None, steps: int | None,
-                   return_steps: bool = False, no_grad_steps: int = 0, record_gates: bool = False) -> RGPTOutput:
-        steps = steps or self.config.recurrence_steps
+    def run_stack(self, x: Tensor, ctx: DepthContext) -> Tensor:
+        """prelude -> `ctx.steps` core steps (default: the trained R) -> coda, over inputs x (B, T, D);
+        returns the top states (B, T, D). Through the cache when the context holds one."""
+        steps = ctx.steps or self.config.recurrence_steps
         if steps < 1:
             raise ConfigError(f"steps must be >= 1, got {steps}")
+        cache = ctx.cache
         max_steps = cache.max_steps if isinstance(cache, RecurrentKVCache) and cache.mode == "full" else steps
         if steps > max_steps:
             raise ConfigError(f"this cache holds {max_steps} recurrence steps; {steps} were asked for")
-        ctx = self.context(idx, cache, pad_mask)
-        h_pre = self.run_blocks(self.embed(idx), ctx, self.prelude)  # (B, T, D)
-        h, out = h_pre, RGPTOutput(logits=None, hidden=None, steps=steps)
+        record = ctx.record
+        h_pre = self.run_blocks(x, ctx, self.prelude)  # (B, T, D)
+        h = h_pre
         for r in range(1, steps + 1):
-            with torch.set_grad_enabled(torch.is_grad_enabled() and r > no_grad_steps):
+            with torch.set_grad_enabled(torch.is_grad_enabled() and r > ctx.no_grad_steps):
                 h_new, g, o = self.recur(h, h_pre, self._step_ctx(ctx, r))
-            if return_steps or record_gates:  # reading these syncs with the device: only when asked
-                out.gate_means.append(float(g.detach().mean()))
-                out.openness.append(float((h_new - h).detach().norm() / o.detach().norm().clamp_min(1e-12)))
+            if record is not None:  # reading these syncs with the device: only when asked
+                record.gate_means.append(float(g.detach().mean()))
+                record.openness.append(float((h_new - h).detach().norm() / o.detach().norm().clamp_min(1e-12)))
             h = h_new
-            if return_steps and r < steps:
-                out.step_logits.append(self.readout(self.run_blocks(h, self._coda_ctx(ctx), self.coda)))
+            if ctx.return_steps and r < steps:
+                record.step_logits.append(self.readout(self.run_blocks(h, self._coda_ctx(ctx), self.coda)))
         if isinstance(cache, RecurrentKVCache):
             cache.fill_later_steps(steps)
-        top = self.run_blocks(h, self._coda_ctx(ctx), self.coda)
+        return self.run_blocks(h, self._coda_ctx(ctx), self.coda)
+
+    def _run_depth(self, idx: Tensor, cache: KVCache | None, pad_mask: Tensor | None, steps: int | None,
+                   return_steps: bool = False, no_grad_steps: int = 0, record_gates: bool = False) -> RGPTOutput:
+        steps = steps or self.config.recurrence_steps
+        out = RGPTOutput(logits=None, hidden=None, steps=steps)
+        ctx = self.context(idx, cache, pad_mask, steps=steps, no_grad_steps=no_grad_steps,
+                           record=out if return_steps or record_gates else None, return_steps=return_steps)
+        top = self.run_stack(self.embed(idx), ctx)
         if cache is not None:
             cache.advance()
         out.logits, out.hidden = self.readout(top), top
@@ -490,7 +513,7 @@ class RGPT(GPT):
         return {"new": fresh, "gate_at_init": gate,
                 "mapping": f"prelude = {_span(0, c.n_pre)}, core = {_span(c.n_pre, c.n_pre + c.n_rec)}, "
                            f"coda = {_span(coda_start, base_layers)} of the {base_layers} pretrained blocks",
-                "exact_at_step0": "r=1 (gate saturated open)" if exact else
+                "exact_at_step0": "steps=1" if exact else  # the gate saturated open: every step is the core
                                   f"no (r=1 mixes σ(gate_bias_init) = {gate:.3g} of the previous state in)"}
 
     @classmethod

@@ -69,6 +69,11 @@ class MultiPassObjective(Objective):
     def _rng(self, step: int) -> np.random.Generator:
         return np.random.default_rng([self.train_config.seed, step])
 
+    def forward_options(self, step: int) -> dict:
+        """Keyword arguments every forward of optimizer step `step` adds (none here; a variant whose
+        stack takes its own per-step draw, such as a recurrent depth, returns it)."""
+        return {}
+
     def passes_for_step(self, step: int) -> int:
         if step < self.start:
             return 1
@@ -77,8 +82,9 @@ class MultiPassObjective(Objective):
     def __call__(self, model: nn.Module, x: Tensor, y: Tensor, step: int, loss_mask: Tensor | None = None
                  ) -> LossResult:
         K = self.passes_for_step(step)
+        extra = self.forward_options(step)
         if K == 1:
-            return LossResult(token_cross_entropy(model(x).logits, y, mask=loss_mask), {"passes": 1})
+            return LossResult(token_cross_entropy(model(x, **extra).logits, y, mask=loss_mask), {"passes": 1, **extra})
         masks = None
         not_bos = x != self.model_config.bos_id
         if loss_mask is not None:  # SFT: the assistant's tokens are fused, in every pass
@@ -86,10 +92,10 @@ class MultiPassObjective(Objective):
         elif self.model_config.prefix_mixin:  # one fresh prefix per fused pass (passes 2..K)
             generator = torch.Generator().manual_seed(int(self._rng(step).integers(2**62)))
             masks = [document_prefix_mask(x, self.model_config.bos_id, generator) & not_bos for _ in range(K - 1)]
-        out = model(x, passes=K, fuse_mask=masks, return_passes=True)
+        out = model(x, passes=K, fuse_mask=masks, return_passes=True, **extra)
         losses = [token_cross_entropy(logits, y, mask=loss_mask) for logits in out.pass_logits]
         loss = losses[0] + self.model_config.loss_lambda / (K - 1) * sum(losses[1:])
-        return LossResult(loss, {"passes": K, "objective": float(loss.detach()),
+        return LossResult(loss, {"passes": K, **extra, "objective": float(loss.detach()),
                                  "loss_last_pass": float(losses[-1].detach())},
                           next_token_loss=float(losses[0].detach()))  # pass 1 is the plain model
 

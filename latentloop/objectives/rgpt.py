@@ -37,9 +37,11 @@ from .base import LossResult, Objective, token_cross_entropy
 RATE_CEILING = 4 * MAX_RECURRENCE_STEPS
 
 
-def draw_depth(config: RGPTConfig, seed: int, step: int) -> int:
-    """The depth of optimizer step `step`: a pure function of (config, seed, step)."""
-    rng = np.random.default_rng([seed, step])
+def draw_depth(config: RGPTConfig, seed: int, step: int, stream: int = 0) -> int:
+    """The depth of optimizer step `step`: a pure function of (config, seed, step). `stream` > 0
+    draws from a generator of its own, independent of other draws seeded by (seed, step) (an
+    objective that also draws its pass count from them)."""
+    rng = np.random.default_rng([seed, step] if stream == 0 else [seed, step, stream])
     if config.depth_sampling == "uniform":
         return int(rng.integers(1, config.recurrence_steps + 1))
     sigma = config.depth_sigma
@@ -50,9 +52,10 @@ def draw_depth(config: RGPTConfig, seed: int, step: int) -> int:
 
 class RecurrentDepthObjective(Objective):
     name = "rgpt_random_depth"
+    DEPTH_STREAM = 0  # see draw_depth
 
     def depth_for_step(self, step: int) -> int:
-        return draw_depth(self.model_config, self.train_config.seed, step)
+        return draw_depth(self.model_config, self.train_config.seed, step, self.DEPTH_STREAM)
 
     def no_grad_steps(self, steps: int) -> int:
         """How many of the first steps of an r-step forward run without gradient."""
