@@ -152,6 +152,31 @@ def test_iso_shapes_and_flops():
         assert model.flops_per_token(4, steps=steps) == expected
 
 
+def test_iso_flops_is_exact_or_refuses_naming_the_nearest_exact_shape(tiny_corpus, tmp_path, capsys):
+    """Every dense depth >= R gets n_pre + n_rec x R + n_coda == the dense depth exactly (a prelude
+    and coda of >= 1 block when the core still fits R times); below R the refusal names shapes
+    that are exact, and those shapes are."""
+    for dense in range(1, 25):
+        for steps in range(1, 7):
+            if dense < steps:
+                with pytest.raises(ll.ConfigError, match=f"--set recurrence_steps={dense} .*--set n_layer={steps}"):
+                    rgpt_shape_from_dense(dense, "flops", steps)
+                assert rgpt_shape_from_dense(dense, "flops", dense)["n_rec"] == 1
+                continue
+            shape = rgpt_shape_from_dense(dense, "flops", steps)
+            assert shape["n_pre"] + shape["n_rec"] * steps + shape["n_coda"] == dense, (dense, steps)
+            assert shape["n_rec"] >= 1 and (min(shape["n_pre"], shape["n_coda"]) >= 1) == (dense - 2 >= steps)
+            params = rgpt_shape_from_dense(dense, "params", steps)
+            assert params["n_pre"] + params["n_rec"] + params["n_coda"] == dense
+    argv = ["train", "--arch", "rgpt", "--preset", "test", "--iso", "flops", "--data", f"text:{tiny_corpus}",
+            "--steps", "1", "--out", str(tmp_path / "run"), "--no-progress", "--set", "n_layer=2", "--set",
+            "recurrence_steps=4"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nearest exact shapes: --set recurrence_steps=2" in err[0], err
+    assert not (tmp_path / "run").exists()
+
+
 def test_eval_generate_cli(tiny_run, tiny_corpus, capsys):
     run, corpus = tiny_run("rgpt"), tiny_corpus  # trained at the default R = 4: --steps 5 is beyond it
     capsys.readouterr()

@@ -14,7 +14,13 @@ from latentloop.archs import build_objective
 from latentloop.cli import main
 from latentloop.config import TrainConfig, extended_rope_theta
 from latentloop.data import ByteTokenizer
-from latentloop.data.chat import assistant_start, pack_conversations
+from latentloop.data.chat import (
+    FIT_FRACTION,
+    SEQUENCE_LEN_STEP,
+    assistant_start,
+    pack_conversations,
+    sequence_len_that_fits,
+)
 from latentloop.engine import teacher_forced_logits
 from latentloop.objectives.fbt import sft_fuse_mask
 from latentloop.runtime import load_run, save_run
@@ -142,6 +148,30 @@ def test_extend_stage_scales_rope_theta_and_stays_exact(tmp_path, capsys):
     torch.testing.assert_close(teacher_forced_logits(model, idx, prompt_len=40), model(idx).logits, rtol=0, atol=1e-5)
     assert main(["train", "--stage", "extend", "--init-from", str(base), "--set", "sequence_len=32",
                  "--out", str(tmp_path / "short"), "--no-progress"]) == 2
+
+
+def test_conversations_longer_than_the_row_name_a_sequence_len_that_fits(tmp_path, capsys):
+    """The README's SFT from a `test` base (rows of 65 tokens): the error names the setting and a
+    length; training at that length then holds at least FIT_FRACTION of the conversations whole."""
+    base = _base_run(tmp_path)
+    chat = tmp_path / "long.jsonl"
+    chat.write_text("".join(json.dumps({"question": f"{i} " + "how many? " * (7 + i % 10),
+                                        "answer": "it is " * (5 + i % 7) + str(i)}) + "\n" for i in range(200)))
+    data = f"chat:{chat}:question=user,answer=assistant"
+    args = ["train", "--stage", "sft", "--init-from", str(base), "--data", data, "--steps", "1", "--batch-size", "2",
+            "--out", str(tmp_path / "sft"), "--no-progress", "--json", "--set", "eval_batches=1"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "fits a row of 65 tokens (sequence_len 64); --set sequence_len=" in err[0], err
+    fits = int(err[0].split("--set sequence_len=")[1].split()[0])
+    assert fits % SEQUENCE_LEN_STEP == 0 and fits > 64
+    assert main(args + ["--set", f"sequence_len={fits}"]) == 0
+    # the length: the smallest multiple of the step whose rows hold the fraction whole
+    assert sequence_len_that_fits([10] * 9 + [1000]) == SEQUENCE_LEN_STEP
+    assert sequence_len_that_fits([65] * 9 + [1000]) == SEQUENCE_LEN_STEP  # a row holds sequence_len + 1
+    assert sequence_len_that_fits([66] * 9 + [1000]) == 2 * SEQUENCE_LEN_STEP
+    assert sequence_len_that_fits([10] * 8 + [200, 1000]) == 4 * SEQUENCE_LEN_STEP
+    assert FIT_FRACTION == 0.9
 
 
 def test_extended_rope_theta_is_identity_without_extension():

@@ -58,6 +58,7 @@ from __future__ import annotations
 import atexit
 import hashlib
 import json
+import math
 import os
 import selectors
 import struct
@@ -599,6 +600,21 @@ class ChatData:
     meta: dict
 
 
+# When no conversation fits, the error suggests a sequence_len that holds this fraction of the
+# split's conversations whole (the longest few are then cut or dropped, and counted), rounded up to
+# a multiple of SEQUENCE_LEN_STEP (lengths as presets and kernels like them).
+FIT_FRACTION = 0.9
+SEQUENCE_LEN_STEP = 64
+
+
+def sequence_len_that_fits(lengths: Sequence[int], fraction: float = FIT_FRACTION) -> int:
+    """The smallest multiple of SEQUENCE_LEN_STEP whose rows (sequence_len + 1 tokens) hold
+    `fraction` of conversations of these rendered lengths whole."""
+    ordered = sorted(lengths)
+    needed = ordered[max(0, math.ceil(fraction * len(ordered)) - 1)] - 1  # a row holds sequence_len + 1 tokens
+    return max(SEQUENCE_LEN_STEP, -(-needed // SEQUENCE_LEN_STEP) * SEQUENCE_LEN_STEP)
+
+
 def prepare_chat(spec: str, tokenizer, seq_len: int, val_fraction: float = 0.05) -> ChatData:
     """Render every conversation of `spec` and pack each split; conversations go to val by a
     stable hash of their key (file line or task index), as documents do."""
@@ -615,7 +631,10 @@ def prepare_chat(spec: str, tokenizer, seq_len: int, val_fraction: float = 0.05)
             raise DataError(f"chat data {parsed.spec} has no conversations in its {split} split")
         packed[split], counts = pack_conversations(rendered[split], seq_len, tokenizer.pad_id)
         if counts["rows"] == 0:
-            raise DataError(f"chat data {parsed.spec}: no {split} conversation fits a row of {seq_len + 1} tokens")
+            fits = sequence_len_that_fits([len(ids) for ids, _ in rendered[split]])
+            raise DataError(f"chat data {parsed.spec}: no {split} conversation fits a row of {seq_len + 1} tokens "
+                            f"(sequence_len {seq_len}); --set sequence_len={fits} fits "
+                            f"{FIT_FRACTION:.0%} of them whole")
         meta[split] = counts
         meta["sha256"][split] = packed[split].sha256()
     return ChatData(packed["train"], packed["val"], meta)
