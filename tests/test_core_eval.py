@@ -319,6 +319,11 @@ def test_eval_dir_from_argument_environment_and_cache(tmp_path, monkeypatch):
     write_jsonl(bundle / "copa.jsonl", [{"query": "q", "choices": ["a", "b"], "gold": 0}])
     assert core.resolve_eval_dir(None) == tmp_path / "cache" / "eval_bundle"
     assert core.find_task_file(core.resolve_eval_dir(None), CORE_TASKS["copa"]) == bundle / "copa.jsonl"
+    # where each came from, as `eval --tasks` prints it
+    assert core.locate_eval_dir(given)[1] == "from --eval-dir"
+    assert core.locate_eval_dir(None)[1].startswith("the bundle fetched earlier into the cache")
+    monkeypatch.setenv(core.EVAL_DIR_ENV, str(given))
+    assert core.locate_eval_dir(None) == (given, f"from ${core.EVAL_DIR_ENV}")
 
 
 def test_download_offline_is_a_clear_error(tmp_path, monkeypatch):
@@ -406,6 +411,9 @@ def test_cli_eval_tasks(tiny_run_copy, small_eval_dir, capsys):
     assert main(["eval", str(trained_run), "--tasks", "copa", "--eval-dir", str(small_eval_dir), "--no-progress"]) == 0
     text = capsys.readouterr().out
     assert "copa" in text and "mean centred" in text and "results:" in text
+    assert f"CORE data: {small_eval_dir} (from --eval-dir)" in text.splitlines()
+    assert main(["eval", str(trained_run), "--tasks", "copa", "--eval-dir", str(small_eval_dir), "--limit", "2"]) == 0
+    assert f"CORE data: {small_eval_dir} (from --eval-dir)" in capsys.readouterr().err.splitlines()  # before it runs
 
 
 def test_cli_eval_task_errors_are_one_line(tiny_run, small_eval_dir, capsys):

@@ -45,6 +45,7 @@ import os
 import random
 import re
 import shutil
+import sys
 import tempfile
 import time
 import urllib.error
@@ -126,25 +127,31 @@ def centered(accuracy: float, random_baseline: float) -> float:
 # --------------------------------------------------------------------------------------------
 
 
-def resolve_eval_dir(data_dir: str | Path | None = None, download: bool = True) -> Path:
-    """The folder of task files: `data_dir`, else $LATENTLOOP_EVAL_DIR, else the cache folder
-    (fetched there once when `download` and a network allow)."""
-    for given, origin in ((data_dir, "eval data folder"), (os.environ.get(EVAL_DIR_ENV), f"${EVAL_DIR_ENV}")):
+def locate_eval_dir(data_dir: str | Path | None = None, download: bool = True) -> tuple[Path, str]:
+    """The folder of task files and where it came from (for the user: which of the places below
+    answered): `data_dir` (--eval-dir), else $LATENTLOOP_EVAL_DIR, else the cache folder (fetched
+    there once when `download` and a network allow)."""
+    for given, origin in ((data_dir, "--eval-dir"), (os.environ.get(EVAL_DIR_ENV), f"${EVAL_DIR_ENV}")):
         if given:
             folder = Path(given).expanduser()
             if not folder.is_dir():
                 raise DataError(f"{origin} {folder} does not exist")
-            return folder
+            return folder, f"from {origin}"
     cached = default_eval_dir()
     if cached.is_dir() and any(cached.rglob("*.jsonl")):
-        return cached
+        return cached, f"the bundle fetched earlier into the cache (no --eval-dir, no ${EVAL_DIR_ENV})"
     hint = f"pass --eval-dir PATH or set ${EVAL_DIR_ENV} (e.g. to ../shared/data/eval)"
     if not download:
         raise DataError(f"no evaluation data in {cached}: {hint}")
     try:
-        return download_eval_bundle(cached)
+        return download_eval_bundle(cached), f"downloaded from {EVAL_BUNDLE_URL} (no --eval-dir, no ${EVAL_DIR_ENV})"
     except DataError as exc:
         raise DataError(f"no evaluation data: {hint}; {exc}") from None
+
+
+def resolve_eval_dir(data_dir: str | Path | None = None, download: bool = True) -> Path:
+    """The folder of task files (`locate_eval_dir` without saying where it came from)."""
+    return locate_eval_dir(data_dir, download)[0]
 
 
 def download_eval_bundle(dest: str | Path | None = None, url: str | None = None, timeout: float = 60.0) -> Path:
@@ -555,7 +562,9 @@ def run_core(model: nn.Module, tokenizer, tasks: str | Sequence[str] = "core", d
         raise ConfigError(f"limit must be >= 1, got {limit}")
     options = _clean_options(options)
     model_options(model, options)
-    folder = resolve_eval_dir(data_dir)
+    folder, origin = locate_eval_dir(data_dir)
+    if progress:
+        print(f"CORE data: {folder} ({origin})", file=sys.stderr)
     start = time.perf_counter()
     results: dict[str, dict] = {}
     missing: list[str] = []
@@ -577,7 +586,7 @@ def run_core(model: nn.Module, tokenizer, tasks: str | Sequence[str] = "core", d
         raise DataError(f"none of the task files ({', '.join(missing)}) is in {folder}")
     core = sum(r["centered"] for r in results.values()) / len(results)
     return {"core": core, "tasks": results, "evaluated": len(results), "missing": missing,
-            "requested": names, "data_dir": str(folder), "options": options, "limit": limit,
+            "requested": names, "data_dir": str(folder), "data_source": origin, "options": options, "limit": limit,
             "seconds": time.perf_counter() - start}
 
 
@@ -596,4 +605,5 @@ def format_results(result: dict) -> str:
 
 __all__ = ["CORE_TASKS", "ContinuationScore", "EVAL_BUNDLE_URL", "EVAL_DIR_ENV", "Task", "centered",
            "download_eval_bundle", "evaluate_task", "find_task_file", "format_results", "load_examples",
-           "render_prompts", "resolve_eval_dir", "resolve_task_names", "run_core", "score_continuations"]
+           "locate_eval_dir", "render_prompts", "resolve_eval_dir", "resolve_task_names", "run_core",
+           "score_continuations"]

@@ -156,7 +156,8 @@ def run_tasks(model: nn.Module, tokenizer, names: str | Sequence[str], data_dir:
     core_summary = None
     if summary is not None:
         core_summary = {"core": summary["core"], "evaluated": summary["evaluated"], "missing": missing,
-                        "whole": whole_core, "data_dir": summary["data_dir"], "seconds": summary["seconds"]}
+                        "whole": whole_core, "data_dir": summary["data_dir"], "data_source": summary["data_source"],
+                        "seconds": summary["seconds"]}
     return {"tag": tag, "options": options, "limit": limit, "tasks": results, "core": core_summary,
             "missing": missing, "files": written}
 
@@ -180,6 +181,7 @@ def format_suite(result: dict) -> str:
         label = "CORE" if summary["whole"] else "mean centred"
         lines.append(f"{label:<34} {'':>5} {'':>7} {summary['core']:>8.4f} {summary['seconds']:>7.1f}   "
                      f"({summary['evaluated']} tasks)")
+        lines.append(f"CORE data: {summary['data_dir']} ({summary['data_source']})")
     return "\n".join(lines)
 
 
