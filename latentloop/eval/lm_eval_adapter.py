@@ -1,6 +1,6 @@
 """lm-evaluation-harness adapter: any latentloop run as an lm-eval model named `latentloop`.
 
-    pip install 'latentloop[lm_eval]'
+    pip install 'latentloop[lm-eval]'
     python -m latentloop.eval.lm_eval_adapter --model latentloop \\
         --model_args pretrained=runs/fbt,regime=soft --tasks arc_easy --limit 100
     # the same arguments work with a console script `latentloop-lm-eval` where one is installed
@@ -223,7 +223,7 @@ def register() -> bool:
 def main(argv: list[str] | None = None) -> int:
     """lm-eval's command line with `latentloop` registered (`python -m latentloop.eval.lm_eval_adapter`)."""
     if not register():
-        print("latentloop: error: lm_eval is not installed (pip install 'latentloop[lm_eval]')", file=sys.stderr)
+        print("latentloop: error: lm_eval is not installed (pip install 'latentloop[lm-eval]')", file=sys.stderr)
         return 2
     from lm_eval.__main__ import cli_evaluate
 
