@@ -413,7 +413,7 @@ def cmd_eval(args) -> int:
 
         raise ConfigError(f"--passes-curve needs a run of {' or '.join(offering('passes_curve'))}; "
                           f"this one is {config.model.arch}")
-    data = eval_data(config, tokenizer, args.data)
+    data = eval_data(config, tokenizer, args.data, checkpoint=checkpoint)
     tokens = data.val if args.split == "val" else data.train
     options = _generation_options(args)
     from .data.chat import ChatData

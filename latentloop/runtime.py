@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import glob
+import json
 import os
 import sys
 import tempfile
@@ -208,8 +210,8 @@ def init_distributed(strategy: str, device_name: str) -> tuple[DistEnv, torch.de
     """Join the process group of a `ddp` / `fsdp2` job (gloo on CPU, nccl on CUDA, each process on
     the GPU of its LOCAL_RANK) and return (DistEnv, device). Strategy `auto` is resolved first
     (`resolve_strategy`); `none` joins nothing and refuses a multi-process launch; a `ddp` / `fsdp2`
-    run started without torchrun is a group of one, so that it takes the same code path. A group that is already up (made by the caller) is
-    used as it is."""
+    run started without torchrun is a group of one, so that it takes the same code path. A group
+    that is already up (made by the caller) is used as it is."""
     rank, local_rank, world_size = launch_env()
     strategy = resolve_strategy(strategy)
     if strategy == "none":
@@ -417,14 +419,49 @@ def prepare_data(config: RunConfig, tokenizer, progress: bool = True) -> TokenDa
     return prepare_tokens(source, tokenizer, cache_dir, max_bytes=data.max_bytes or None, progress=progress)
 
 
-def eval_data(config: RunConfig, tokenizer, data: str | None = None, progress: bool = False):
-    """The tokens to evaluate a loaded run on: `data` when given, else the run's own source if it
-    is built in (stdlib, task:NAME, chat:task:NAME). A run's config.json does not get to choose
-    which files are read: a file or dataset source must be named by the user. The default cache
-    folder is used. Conversations (`chat:`) come back as `ChatData` (rows with a loss mask)."""
+def absolute_source(spec: str) -> str:
+    """A `text:` source with its path made absolute (what a run records beside its config, so that
+    `eval` finds the same file from any folder); other sources as they are."""
+    if not spec.startswith("text:"):
+        return spec
+    return "text:" + os.path.abspath(os.path.expanduser(spec[len("text:"):]))
+
+
+def _recorded_text_source(config: RunConfig, checkpoint: Path | None) -> tuple[str, dict | None]:
+    """The `text:` source a run was trained on, as this machine can read it: the absolute path the
+    checkpoint's state.json records (`data_source`), else the config's own (relative paths from
+    here), and the token checksums training recorded. A source whose files are not here is a
+    ConfigError naming it."""
+    source, recorded = config.data.source, {}
+    if checkpoint is not None and (checkpoint / "state.json").is_file():
+        with contextlib.suppress(OSError, ValueError):
+            recorded = json.loads((checkpoint / "state.json").read_text())
+    if not isinstance(recorded, dict):
+        recorded = {}
+    spec = recorded.get("data_source") if isinstance(recorded.get("data_source"), str) else source
+    path = spec[len("text:"):]
+    if not (Path(path).expanduser().exists() or glob.glob(os.path.expanduser(path))):
+        raise ConfigError(f"this run was trained on {spec!r}, which is not on this machine; name the data to "
+                          f"evaluate on with --data")
+    checksums = recorded.get("data")
+    return spec, checksums if isinstance(checksums, dict) else None
+
+
+def eval_data(config: RunConfig, tokenizer, data: str | None = None, progress: bool = False,
+              checkpoint: Path | None = None):
+    """The tokens to evaluate a loaded run on: `data` when given, else the run's own source: a
+    built-in one (stdlib, task:NAME, chat:task:NAME), or the `text:` file or folder it was trained
+    on when that is on this machine and still holds the tokens training recorded (the checksums
+    in `checkpoint`'s state.json; a note on stderr says which file is read). Other sources must be
+    named by the user. The default cache folder is used. Conversations (`chat:`) come back as
+    `ChatData` (rows with a loss mask)."""
+    chosen_by_run, checksums = False, None
     if data is None:
         data = config.data.source
-        if not data.startswith(BUILTIN_SOURCES + ("chat:task:",)):
+        if data.startswith("text:"):
+            data, checksums = _recorded_text_source(config, checkpoint)
+            chosen_by_run = True
+        elif not data.startswith(BUILTIN_SOURCES + ("chat:task:",)):
             raise ConfigError(f"this run was trained on {data!r}; name the data to evaluate on with --data "
                               f"(a run folder does not choose files to read)")
     if data.startswith("chat:"):

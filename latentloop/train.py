@@ -90,6 +90,7 @@ from .parallel import (
 )
 from .runtime import (
     DistEnv,
+    absolute_source,
     agree,
     autocast_for,
     in_turns,
@@ -537,6 +538,7 @@ def save(state: TrainState) -> Path:
     rng_ranks = gather_objects(rng) if env.world_size > 1 else None
     meta = {"step": state.step, "tokens_seen": state.tokens_seen, "flops_seen": state.flops_seen,
             "elapsed": state.elapsed, "loader": state.loader.state_dict(), "data": _data_checksums(state.data),
+            "data_source": absolute_source(state.config.data.source),  # eval finds the file from any folder
             "world_size": env.world_size, "strategy": train.strategy, "global_batch": state.global_batch}
     if train.strategy == "fsdp2":
         return _save_sharded(state, rng, rng_ranks, meta)
