@@ -8,7 +8,7 @@
         ...
 """
 
-from .api import build, generate, load, load_run, stream, teacher_forced_logits
+from .api import build, generate, load, load_run, quantize_int8, stream, teacher_forced_logits
 from .config import PRESETS, DataConfig, ModelConfig, RunConfig, TrainConfig, model_config
 from .errors import CheckpointError, ConfigError, DataError, LatentloopError, SandboxUnavailable
 
@@ -16,4 +16,4 @@ __version__ = "0.1.0"
 
 __all__ = ["PRESETS", "CheckpointError", "ConfigError", "DataConfig", "DataError", "LatentloopError", "ModelConfig",
            "RunConfig", "SandboxUnavailable", "TrainConfig", "build", "generate", "load", "load_run",
-           "model_config", "stream", "teacher_forced_logits"]
+           "model_config", "quantize_int8", "stream", "teacher_forced_logits"]

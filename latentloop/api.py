@@ -9,7 +9,7 @@ from torch import nn
 
 from .archs import build_model
 from .config import model_config
-from .engine import generate, stream, teacher_forced_logits
+from .engine import generate, quantize_int8, stream, teacher_forced_logits
 from .runtime import load_run
 
 
@@ -24,4 +24,4 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> tuple[nn.Modul
     return model, tokenizer
 
 
-__all__ = ["build", "generate", "load", "load_run", "stream", "teacher_forced_logits"]
+__all__ = ["build", "generate", "load", "load_run", "quantize_int8", "stream", "teacher_forced_logits"]

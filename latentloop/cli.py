@@ -46,6 +46,29 @@ _positive_int = _int_at_least(1, "a positive integer")
 _non_negative_int = _int_at_least(0, "an integer >= 0")
 
 
+def _add_decode_options(p: argparse.ArgumentParser) -> None:
+    """How generate and chat decode: the compiled static-cache step where it pays (default), always, or never."""
+    p.add_argument("--decode", choices=["auto", "compiled", "eager"], default="auto",
+                   help="auto: decode the first steps eagerly, timing them, and compile the step when the saving "
+                        "over the budget reaches the compile's expected cost (latentloop.models.fast.AutoCompile; "
+                        "compiled steps are cached on disk for later processes); compiled: always; eager: never")
+    p.add_argument("--compile", dest="decode", action="store_const", const="compiled",
+                   help="the same as --decode compiled")
+    p.add_argument("--no-compile", dest="decode", action="store_const", const="eager",
+                   help="the same as --decode eager")
+    p.add_argument("--quantize", choices=["int8"], default=None,
+                   help="int8: weight-only int8 linear layers (per output channel, symmetric), for speed and memory")
+
+
+def _decode_mode(args) -> bool | str:
+    """The engine's `compile=` for --decode."""
+    return {"auto": "auto", "compiled": True, "eager": False}[args.decode]
+
+
+def _say_compiling(message: str) -> None:
+    print(f"[{message}]", file=sys.stderr, flush=True)
+
+
 def _add_generation_options(p: argparse.ArgumentParser) -> None:
     """One flag per inference option any architecture declares (its `ArchSpec`); the value is
     parsed and checked against the loaded model's arch later, so a flag of another arch is a
@@ -170,8 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"tokens to generate (default: {DEFAULT_NEW_TOKENS}, at most half the model's context)")
     _add_sampling_options(g, temperature=0.8)
     g.add_argument("--no-cache", action="store_true", help="use the naive uncached reference path")
-    g.add_argument("--compile", action="store_true",
-                   help="decode with the compiled static-cache step (torch.compile; the first call compiles)")
+    _add_decode_options(g)
     g.add_argument("--json", action="store_true", help="print prompt, completion and token ids as JSON")
     g.add_argument("--device", default="cpu", help="cpu, cuda[:N], mps")
     _add_generation_options(g)
@@ -183,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--max-new-tokens", type=_positive_int, default=None,
                     help=f"reply budget (default: {DEFAULT_NEW_TOKENS}, at most half the model's context)")
     _add_sampling_options(ch, temperature=0.0)
+    _add_decode_options(ch)
     ch.add_argument("--device", default="cpu", help="cpu, cuda[:N], mps")
     _add_generation_options(ch)
 
@@ -503,12 +526,14 @@ def cmd_compare(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from .engine import model_options, row_info, stream
+    from .engine import model_options, quantize_int8, row_info, stream
     from .runtime import load_run, resolve_device
     from .util import TokenText
 
     device = resolve_device(args.device)
     model, tokenizer, _, _ = load_run(args.run, device)
+    if args.quantize == "int8":
+        quantize_int8(model)
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise LatentloopError(f"--top-p must be in (0, 1], got {args.top_p}")
     # The engine fills in the defaults itself: hand it only what the user gave (checked here first, so
@@ -527,7 +552,7 @@ def cmd_generate(args) -> int:
         max_new = min(max_new, context - len(prompt_ids))
     steps = stream(model, prompt_ids, max_new, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                    seed=args.seed, stop_tokens=[tokenizer.eos_id, tokenizer.bos_id], use_cache=not args.no_cache,
-                   pad_id=tokenizer.pad_id, compile=args.compile, **options)
+                   pad_id=tokenizer.pad_id, compile=_decode_mode(args), on_compile=_say_compiling, **options)
     ids, info = [], {}
     decoder = TokenText(tokenizer)
     if not args.json:  # the prompt is echoed once the arguments are known to be valid
@@ -577,11 +602,13 @@ def _read_message_line() -> tuple[str, bool]:
 
 def cmd_chat(args) -> int:
     from .chat import stream_reply
-    from .engine import PromptError, check_sampling, model_options
+    from .engine import PromptError, check_sampling, model_options, quantize_int8
     from .runtime import load_run, resolve_device
 
     device = resolve_device(args.device)
     model, tokenizer, _, _ = load_run(args.run, device)
+    if args.quantize == "int8":
+        quantize_int8(model)
     if getattr(tokenizer, "chat_tokens", None) is None:
         raise LatentloopError(f"{args.run} has no chat tokens: fine-tune it first (latentloop train --stage sft "
                               f"--init-from {args.run} --data chat:...)")
@@ -622,7 +649,8 @@ def cmd_chat(args) -> int:
         pieces = []
         try:
             for piece in stream_reply(model, tokenizer, messages, budget, temperature=args.temperature,
-                                      top_k=args.top_k, top_p=args.top_p, seed=args.seed, **options):
+                                      top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                                      compile=_decode_mode(args), on_compile=_say_compiling, **options):
                 pieces.append(piece)
                 sys.stdout.write(piece)
                 sys.stdout.flush()

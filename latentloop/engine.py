@@ -25,7 +25,8 @@ teacher-forced through the cache (loss/BPB and CORE scoring both use it).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -33,11 +34,13 @@ from torch import Tensor
 
 from .errors import LatentloopError
 from .models.backbone import PER_ROW_INFO
-from .models.fast import FastDecoder
+from .models.fast import PROBE_STEPS, AutoCompile, FastDecoder, static_length
 from .models.options import check_options
+from .models.quant import quantize_int8  # noqa: F401 (the engine's callers quantise through it: cli, api)
 from .util import is_int
 
 MAX_SEED = 2**63  # torch.Generator seeds are 64-bit
+DECODE_MODES = (True, False, "auto")  # `compile=`: always the compiled step, never, or where it pays
 
 
 class PromptError(LatentloopError):
@@ -177,7 +180,8 @@ def model_options(model, options: dict, cached: bool = True) -> dict:
 def stream(model, prompts, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
            top_p: float | None = None, seed: int | None = None, stop_tokens: Sequence[int] = (),
            use_cache: bool = True, pad_id: int = 0, logprobs: bool = False, top_logprobs: int = 0,
-           compile: bool = False, **options) -> Iterator[DecodeStep]:
+           compile: bool | str = "auto", on_compile: Callable[[str], None] | None = None,
+           **options) -> Iterator[DecodeStep]:
     """Yield one `DecodeStep` per new token, for every row together, until every row stopped (a
     stop token, which is not yielded) or `max_new_tokens` steps. Break out to stop early.
     `logprobs`: each new token's log-probability; `top_logprobs=k`: also the k most likely tokens
@@ -186,10 +190,15 @@ def stream(model, prompts, max_new_tokens: int, temperature: float = 1.0, top_k:
     prompts: one list of ids, a list of lists, or a 1-D / 2-D tensor. Everything is checked here,
     before any work: a bad argument raises at the call, not at the first step.
 
-    compile: decode through `latentloop.models.fast.FastDecoder` (a static cache and the model's
-    decode step under `torch.compile`; greedy argmax inside the compiled step). The first call per
-    model and options pays the compile; outputs equal the eager path's (tested). Options whose step
-    cannot be captured (rgpt's adaptive exit) decode eagerly.
+    compile: True decodes through `latentloop.models.fast.FastDecoder` (a static cache and the
+    model's decode step under `torch.compile`; greedy argmax inside the compiled step); outputs equal
+    the eager path's (tested). The first call per model, options and batch size pays the compile, or
+    loads it from the on-disk cache a previous process filled. "auto" (the default) decodes the first
+    `PROBE_STEPS` steps eagerly, timing them, and moves the rest onto the compiled step when the
+    saving reaches the expected compile cost (`AutoCompile`: batch <= 4; a ski-rental rule that also
+    counts this process's earlier calls); otherwise, and with False, it stays eager. Options whose
+    step cannot be captured (rgpt's adaptive exit) decode eagerly. on_compile(message): told when a
+    compile starts and ends (the CLI prints it).
     """
     rows, _ = normalize_prompts(prompts, model.config.vocab_size)
     if not is_int(max_new_tokens) or max_new_tokens < 0:
@@ -198,7 +207,9 @@ def stream(model, prompts, max_new_tokens: int, temperature: float = 1.0, top_k:
     if not is_int(top_logprobs) or not 0 <= top_logprobs <= model.config.vocab_size:
         raise PromptError(f"top_logprobs must be an integer in [0, {model.config.vocab_size}], got {top_logprobs!r}")
     options = model_options(model, options, cached=use_cache)
-    if compile and not use_cache:
+    if not (compile is True or compile is False or (isinstance(compile, str) and compile in DECODE_MODES)):
+        raise PromptError(f"compile must be True, False or 'auto', got {compile!r}")
+    if compile is True and not use_cache:
         raise PromptError("compile=True decodes through the cache: it cannot be combined with use_cache=False "
                           "(--no-cache)")
     context = model.config.sequence_len
@@ -207,12 +218,12 @@ def stream(model, prompts, max_new_tokens: int, temperature: float = 1.0, top_k:
         raise PromptError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
                           f"context of {context} tokens")
     return _decode(model, rows, max_new_tokens, temperature, top_k, top_p, seed, frozenset(stop_tokens), use_cache,
-                   pad_id, logprobs, top_logprobs, options, compile)
+                   pad_id, logprobs, top_logprobs, options, compile, on_compile)
 
 
 @torch.inference_mode()  # lighter than no_grad: no version counters on the cache writes
 def _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, use_cache, pad_id,
-            logprobs, top_logprobs, options, compile=False) -> Iterator[DecodeStep]:
+            logprobs, top_logprobs, options, compile=False, on_compile=None) -> Iterator[DecodeStep]:
     was_training = model.training
     model.eval()
     try:
@@ -223,11 +234,17 @@ def _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, sto
         if max_new_tokens == 0:
             return
         finished = [False] * B
-        fast = FastDecoder(model, **options) if compile else None
+        fast = FastDecoder(model, on_compile=on_compile, **options) if compile is True else None
         if fast is not None and fast.reason is not None:  # this step cannot be captured: decode eagerly
             fast = None
+        auto = AutoCompile(model, options) if compile == "auto" and use_cache else None
+        if auto is not None and not (auto.applies(B) and max_new_tokens > PROBE_STEPS + 1):
+            auto = None  # too many rows, a step that does not compile, or too few steps to decide on
+        probe_times: list[float] = []  # seconds of the eager steps timed for the automatic mode
         if fast is not None:
             cache = fast.new_cache(B, P + max_new_tokens)
+        elif auto is not None:  # an ordinary cache of the static cache's length, so the decoder can adopt it
+            cache = model.new_cache(B, static_length(model, B, P + max_new_tokens, **options), **options)
         else:
             cache = model.new_cache(B, P + max_new_tokens, **options) if use_cache else None
         if cache is not None:
@@ -263,11 +280,21 @@ def _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, sto
             yield DecodeStep(tokens, row_logprobs, info, row_top)
             if step == max_new_tokens - 1:
                 return
+            if auto is not None and len(probe_times) == PROBE_STEPS:
+                if auto.decide(min(probe_times), max_new_tokens - 1 - step, cache):
+                    fast = FastDecoder(model, on_compile=on_compile, **options)
+                    fast.adopt(cache)
+                auto = None
             if fast is not None:
                 last, greedy, step_info = fast.step(next_ids)
                 info = {**info, **step_info}
                 continue
-            if cache is not None:
+            if auto is not None:  # a probe step: timed (the device finishes it before the logits are read)
+                start = time.perf_counter()
+                out = model.decode(next_ids[:, None], cache, **options)
+                out.logits[:, -1, :1].sum().item()
+                probe_times.append(time.perf_counter() - start)
+            elif cache is not None:
                 out = model.decode(next_ids[:, None], cache, **options)
             else:
                 sequence = torch.cat([sequence, next_ids[:, None]], dim=1)
@@ -282,13 +309,14 @@ def _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, sto
 
 def generate(model, prompts, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
              top_p: float | None = None, seed: int | None = None, stop_tokens: Sequence[int] = (),
-             use_cache: bool = True, pad_id: int = 0, compile: bool = False, **options):
+             use_cache: bool = True, pad_id: int = 0, compile: bool | str = "auto",
+             on_compile: Callable[[str], None] | None = None, **options):
     """Continue each prompt by up to max_new_tokens tokens: the new ids (without the stop token),
     a list for one prompt, a list of lists for several. `stream` is the same, step by step."""
     rows, single = normalize_prompts(prompts, model.config.vocab_size)
     outputs: list[list[int]] = [[] for _ in rows]
     for step in stream(model, rows, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, use_cache, pad_id,
-                       compile=compile, **options):
+                       compile=compile, on_compile=on_compile, **options):
         for row, token in enumerate(step.tokens):
             if token is not None:
                 outputs[row].append(token)

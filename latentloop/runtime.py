@@ -55,18 +55,12 @@ from .checkpoint import (
 from .config import ModelConfig, RunConfig
 from .data import TokenData, load_tokenizer, parse_source, prepare_tokens
 from .errors import CheckpointError, ConfigError, LatentloopError, OutputError, RankFailure
-from .util import first_line
+from .util import default_cache_dir, first_line
 
-CACHE_ENV = "LATENTLOOP_CACHE"  # root of every cache folder (tokens, eval bundle)
 EVAL_DIR_ENV = "LATENTLOOP_EVAL_DIR"  # folder of the evaluation task files
 EVAL_BUNDLE_DIR = "eval_bundle"  # below the cache root: the fetched official CORE bundle
 # Data sources that name no file: a run's config may pick these for evaluation by itself.
 BUILTIN_SOURCES = ("stdlib", "task:")
-
-
-def default_cache_dir() -> Path:
-    """$LATENTLOOP_CACHE, else ~/.cache/latentloop."""
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "latentloop")
 
 
 def default_eval_dir() -> Path:

@@ -5,6 +5,7 @@
 - `is_int(value)`: an integer that is not a bool (JSON and YAML give both).
 - durable files: `fsync_file`, `fsync_dir`, `write_json_atomic` (temp file, fsync, rename).
 - `TokenText`: a stream of token ids turned into whole characters, as the CLI, chat and server print.
+- `default_cache_dir()`: the root of latentloop's caches (tokens, eval bundle, compiled decode steps).
 """
 
 from __future__ import annotations
@@ -17,6 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from .errors import OutputError
+
+CACHE_ENV = "LATENTLOOP_CACHE"  # root of every cache folder (tokens, eval bundle, compiled decode steps)
+
+
+def default_cache_dir() -> Path:
+    """$LATENTLOOP_CACHE, else ~/.cache/latentloop."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "latentloop")
 
 
 def first_line(exc: BaseException) -> str:

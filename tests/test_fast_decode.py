@@ -11,6 +11,7 @@ from latentloop.engine import PromptError, model_options
 from latentloop.models.fast import (
     LENGTH_BUCKET,
     REDUCTION_MAX_ROWS,
+    WINDOW_BUCKET,
     FastDecoder,
     _attention_by_reduction,
     _linear_by_reduction,
@@ -23,7 +24,7 @@ from latentloop.models.fast import (
 # order than the stored prefix alone; fbt's carried state feeds that back for every step
 # (measured up to 2e-5 over 20 steps)
 FAST_TOL = 1e-4
-STEPS = 12  # decode steps per check
+STEPS = WINDOW_BUCKET + 4  # decode steps per check: the attended window grows past its first bucket
 BOS = 256
 
 CASES = [("gpt", {}), ("fbt", {"regime": "soft"}), ("fbt", {"regime": "standard"}),
@@ -210,6 +211,7 @@ def test_compiled_step_matches_the_eager_step(arch, options):
     counters.clear()
     eager, fast = decode_both(arch, options, compile=True)
     assert not counters["graph_break"], dict(counters["graph_break"])  # the whole step is one graph
+    assert counters["stats"]["unique_graphs"] == 1  # one graph as the window grows (a dynamic dimension)
     torch.testing.assert_close(fast, eager, rtol=0, atol=FAST_TOL)
     assert torch.equal(fast.argmax(-1), eager.argmax(-1))
 
@@ -224,3 +226,134 @@ def test_engine_compile_gives_the_eager_tokens(arch):
     assert all(len(row) == STEPS for row in compiled)
     sampled = dict(temperature=0.9, top_k=20, seed=3)  # sampling stays outside the compiled step
     assert ll.generate(model, prompts, STEPS, compile=True, **sampled) == ll.generate(model, prompts, STEPS, **sampled)
+
+
+# --------------------------------------------------------------------------------------------
+# The automatic mode (engine `compile="auto"`, the default) and the compile records
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def compile_dir(tmp_path, monkeypatch):
+    """Compile records and inductor's cache in a folder of the test's own."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    return tmp_path / "inductor"
+
+
+def test_compile_record_expects_the_cold_cost_then_the_fastest_first_call(compile_dir):
+    from latentloop.models.fast import COLD_COMPILE_S, CompileRecord, compile_cache_dir
+
+    model = model_for("gpt")
+    fast = FastDecoder(model, compile=False)
+    cache = fast.new_cache(1, 8)
+    record = CompileRecord(model, {}, cache)
+    assert compile_cache_dir() == compile_dir and record.path.is_relative_to(compile_dir)
+    assert not record.seen() and record.expected_seconds() == COLD_COMPILE_S
+    record.add(30.0)
+    record.add(4.0)
+    again = CompileRecord(model, {}, fast.new_cache(1, 8))  # the same key, read back from disk
+    assert again.seen() and again.expected_seconds() == 4.0
+    other = CompileRecord(model, {}, fast.new_cache(3, 8))  # another batch size is another graph
+    assert not other.seen()
+
+
+def test_auto_rule_banks_the_saving_of_eager_calls_until_it_pays_the_compile(compile_dir):
+    from latentloop.models.fast import COMPILED_OVER_EAGER, PROBE_STEPS, AutoCompile, CompileRecord
+
+    torch.manual_seed(0)
+    model = ll.build("gpt", preset="test").eval()  # a model of its own: the bank is per model
+    cache = FastDecoder(model, compile=False).new_cache(1, 8)
+    CompileRecord(model, {}, cache).add(1.0)  # the next process expects to pay 1 s
+    rule = AutoCompile(model, {})
+    step_s = 0.01  # eager step; compiling saves (1 - COMPILED_OVER_EAGER) of it
+    steps = int(0.6 / (step_s * (1 - COMPILED_OVER_EAGER))) - PROBE_STEPS  # a call that saves ~0.6 s
+    assert not rule.decide(step_s, steps, cache)  # 0.6 s < 1 s: stay eager, bank it
+    assert rule.decide(step_s, steps, cache)  # 1.2 s banked and expected >= 1 s: compile
+    assert rule.applies(1) and not rule.applies(64)
+
+
+@pytest.mark.parametrize("arch", ll.archs.ARCHS)
+def test_auto_mode_stays_eager_when_compiling_does_not_pay_and_gives_the_eager_tokens(arch, compile_dir):
+    """A default `generate` on a tiny model: the probe's saving is far below a cold compile, so it
+    decodes eagerly through the ordinary cache: bit for bit what `compile=False` gives."""
+    model = model_for(arch)
+    prompts = [[BOS, 5, 9, 12, 40, 41], [BOS, 7]]
+    logged = []
+    auto = ll.generate(model, prompts, STEPS, temperature=0.0, on_compile=logged.append)
+    assert auto == ll.generate(model, prompts, STEPS, temperature=0.0, compile=False)
+    assert not logged  # nothing compiled
+
+
+def test_engine_refuses_an_unknown_decode_mode():
+    with pytest.raises(PromptError, match="compile must be"):
+        ll.generate(model_for("gpt"), [BOS, 5], 4, compile="fast")
+
+
+@pytest.mark.slow
+def test_auto_mode_compiles_when_it_pays_and_gives_the_eager_tokens(compile_dir):
+    """With a recorded cost of zero, the auto mode moves onto the compiled step after its probe steps
+    (the cache adopted mid-call), announces the compile, and gives the eager tokens."""
+    from latentloop.models.fast import CompileRecord
+
+    torch.manual_seed(0)
+    model = ll.build("fbt", preset="test").eval()
+    prompt = [BOS, 5, 9, 12]
+    with torch.inference_mode():
+        cache = FastDecoder(model, compile=False, **model_options(model, {})).new_cache(1, 8)
+    CompileRecord(model, model_options(model, {}), cache).add(0.0)
+    logged = []
+    auto = ll.generate(model, prompt, STEPS, temperature=0.0, on_compile=logged.append)
+    assert any("compiled in" in line for line in logged)
+    assert auto == ll.generate(model, prompt, STEPS, temperature=0.0, compile=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Weight-only int8
+# --------------------------------------------------------------------------------------------
+
+
+def test_int8_rows_round_to_within_half_a_step():
+    from latentloop.models.quant import INT8_MAX, quantize_rows
+
+    torch.manual_seed(0)
+    weight = torch.randn(64, 96) * torch.rand(64, 1)  # rows of different scales
+    weight[3] = 0  # a zero row quantises to zeros, not NaN
+    q, scale = quantize_rows(weight)
+    assert q.dtype == torch.int8 and int(q.abs().max()) <= INT8_MAX
+    error = (q.float() * scale[:, None] - weight).abs()
+    assert bool((error <= scale[:, None] / 2 + 1e-7).all())
+    assert bool((q[3] == 0).all())
+
+
+@pytest.mark.parametrize("arch", ll.archs.ARCHS)
+def test_int8_replaces_every_linear_and_decodes(arch):
+    """Every registered arch quantises: no float `nn.Linear` left, the logits near the float model's
+    (per-channel int8 of the test preset's weights), and generation runs."""
+    from latentloop.models.quant import Int8Linear, quantize_int8
+
+    torch.manual_seed(0)
+    model = ll.build(arch, preset="test").eval()
+    idx = torch.randint(0, model.config.vocab_size, (2, 10))
+    with torch.no_grad():
+        before = model(idx).logits
+        n_linear = sum(type(m) is torch.nn.Linear for m in model.modules())
+        quantize_int8(model)
+        after = model(idx).logits
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    assert sum(isinstance(m, Int8Linear) for m in model.modules()) == n_linear > 0
+    # int8 steps are 1/254 of each row's range: the logits move by a small fraction of their scale
+    torch.testing.assert_close(after, before, rtol=0, atol=0.02 * float(before.abs().max()))
+    assert len(ll.generate(model, [BOS, 5, 9], 6, temperature=0.0, compile=False)) == 6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ll.archs.ARCHS)
+def test_int8_compiled_step_matches_the_int8_eager_step(arch):
+    from latentloop.models.quant import quantize_int8
+
+    torch.manual_seed(0)
+    model = quantize_int8(ll.build(arch, preset="test").eval())
+    with torch.inference_mode():
+        eager, fast = _decode_both(model, model_options(model, {}), compile=True)
+    torch.testing.assert_close(fast, eager, rtol=0, atol=FAST_TOL)
+    assert torch.equal(fast.argmax(-1), eager.argmax(-1))

@@ -41,23 +41,50 @@ What does not compile, and falls back to eager (`FastDecoder.supports` says why)
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import os
+import time
 import types
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from ..util import default_cache_dir
 from .cache import AttentionPlan, KVCache
 
-# The static cache's length is rounded up to a multiple of this, so prompts of nearby lengths
-# share one compiled step (a new max_len is a new shape, hence a recompile).
+# The static cache's length is rounded up to a multiple of this when a whole context's buffer would be
+# too large (`FULL_CONTEXT_CACHE_BYTES`), so prompts of nearby lengths share one compiled step (a new
+# max_len is a new shape, hence a recompile).
 LENGTH_BUCKET = 64
+# Up to this many bytes of keys/values, the static cache holds the model's whole context: one shape per
+# (batch, options) whatever the prompt and budget, so one compile (and one entry in the on-disk
+# compile cache) serves every call, a chat's turns included. The buffer costs memory, not time: the
+# step attends over the filled window only (`WINDOW_BUCKET`). 256 MiB: a 12-layer d=768 model's
+# 1024-token context is 72 MiB per row.
+FULL_CONTEXT_CACHE_BYTES = 256 * 2**20
+# The compiled step attends over the first W slots of the buffer, W the filled length rounded up to
+# this (a dynamic dimension of the one compiled graph: W changes without a recompile). Rounding up
+# changes the marker tensor that carries W every 16 steps instead of every step; the masked slots
+# past the filled length cost at most 15 keys per layer.
+WINDOW_BUCKET = 16
 
 
 def bucketed_length(needed: int, context: int) -> int:
     """max_len for `needed` tokens: rounded up to LENGTH_BUCKET, never beyond the context."""
     return min(context, -(-needed // LENGTH_BUCKET) * LENGTH_BUCKET)
+
+
+def static_length(model, batch_size: int, needed: int, **options) -> int:
+    """The static cache's max_len: the whole context when its keys/values fit
+    `FULL_CONTEXT_CACHE_BYTES`, else `needed` bucketed."""
+    context = model.config.sequence_len
+    per_token = model.new_cache(batch_size, 1, **options).memory_bytes()  # keys, values, positions of one token
+    return context if per_token * context <= FULL_CONTEXT_CACHE_BYTES else bucketed_length(needed, context)
 
 
 class StaticCacheMixin:
@@ -66,6 +93,7 @@ class StaticCacheMixin:
     static: bool
     write_index: Tensor  # (1,) long: the time slot the next decoded token is written to
     filled: int  # tokens stored (the real length while frozen; checked outside compiled code)
+    window: Tensor  # (W,) uninitialised: its size is the attended length W (a dynamic dimension)
 
     @property
     def length(self) -> int:
@@ -87,7 +115,20 @@ class StaticCacheMixin:
         self.v_slots = [t.clone() for t in self.v.unbind(0)]
         self.k = self.v = None
         self.state = {name: value.clone() for name, value in self.state.items()}
+        self.window = torch.empty(0, device=self.key_pos.device)
         self.static = True
+        self.set_window()
+
+    def set_window(self) -> None:
+        """Before each step, outside compiled code: the attended window covers the token about to be
+        written (`filled + 1` slots, rounded up to WINDOW_BUCKET, at most max_len). Its length
+        travels as the size of `window`, marked dynamic, so the compiled step slices by a symbolic
+        length instead of recompiling for each."""
+        if self.filled + 1 <= self.window.shape[0]:
+            return
+        W = min(self.max_len, -(-(self.filled + 1) // WINDOW_BUCKET) * WINDOW_BUCKET)
+        self.window = torch.empty(W, device=self.key_pos.device)
+        torch._dynamo.maybe_mark_dynamic(self.window, 0)
 
     def memory_bytes(self) -> int:
         if not self.static:
@@ -104,8 +145,9 @@ class StaticCacheMixin:
         self.key_pos[:, self.write_index] = positions  # index_put_: inductor keeps it in place
         self.next_pos.add_(1)
         self.pending = 1
-        visible = (self.key_pos >= 0) & (self.key_pos <= positions)  # (B, L): stored, not in the future
-        return AttentionPlan(positions, visible[:, None, None, :], False)  # mask (B, 1, 1, L)
+        key_pos = self.key_pos[:, :self.window.shape[0]]  # (B, W): the filled part (and a few empty slots)
+        visible = (key_pos >= 0) & (key_pos <= positions)  # (B, W): stored, not in the future
+        return AttentionPlan(positions, visible[:, None, None, :], False)  # mask (B, 1, 1, W)
 
     def update(self, slot: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         if not self.static:
@@ -113,7 +155,8 @@ class StaticCacheMixin:
         k_slot, v_slot = self.k_slots[slot], self.v_slots[slot]
         k_slot[:, :, self.write_index] = k  # index_put_ at the tensor position: in place when compiled
         v_slot[:, :, self.write_index] = v
-        return k_slot, v_slot
+        W = self.window.shape[0]
+        return k_slot[:, :, :W], v_slot[:, :, :W]  # (B, H, W, hd): attention over the window only
 
     def read(self, slot: int) -> tuple[Tensor, Tensor]:
         """The keys/values (B, H, 1, hd) of the token being decoded in `slot` (as written so far)."""
@@ -187,20 +230,28 @@ def fallback_reason(model, options: dict) -> str | None:
 
 class FastDecoder:
     """A model's decode step, compiled once per (model, options, shapes): `new_cache`, then the
-    model's eager `prefill`, then `begin_decoding(cache)`, then `step(token)` per new token."""
+    model's eager `prefill`, then `begin_decoding(cache)`, then `step(token)` per new token.
 
-    def __init__(self, model, compile: bool = True, **options):
-        self.model, self.options = model, options
+    `adopt(cache)` takes over an ordinary cache (`model.new_cache(B, static_length(...))`) part way
+    through a decode: the engine's automatic mode decodes its first steps eagerly through the
+    ordinary cache, and switches here only when compiling pays (`AutoCompile`).
+    `on_compile(message)` hears when the first call of a compiled step starts (it compiles, or loads
+    the compiled code from the on-disk cache) and when it ends."""
+
+    def __init__(self, model, compile: bool = True, on_compile=None, **options):
+        self.model, self.options, self.on_compile = model, options, on_compile
         self.reason = fallback_reason(model, options)
         device = model.wte.weight.device
         self.cuda = device.type == "cuda"
         self._step = self._eager_step
+        self._ran = False  # this decoder's step has run once (so its graph exists for these shapes)
         if compile and self.reason is None:
+            use_compile_cache()
             per_model = _COMPILED_STEPS.setdefault(model, {})
-            key = (device.type, tuple(sorted(options.items())))
-            if key not in per_model:
-                per_model[key] = _compiled_step(device.type)
-            self._step = per_model[key]
+            self._key = (device.type, tuple(sorted(options.items())))
+            if self._key not in per_model:
+                per_model[self._key] = _compiled_step(device.type)
+            self._step = per_model[self._key]
         self.cache: KVCache | None = None
 
     @property
@@ -208,8 +259,12 @@ class FastDecoder:
         return self._step is not self._eager_step
 
     def new_cache(self, batch_size: int, needed: int) -> KVCache:
-        max_len = bucketed_length(needed, self.model.config.sequence_len)
+        max_len = static_length(self.model, batch_size, needed, **self.options)
         return static_cache(self.model.new_cache(batch_size, max_len, **self.options))
+
+    def adopt(self, cache: KVCache) -> None:
+        """Continue an ordinary cache's decode on this decoder's step (`static_cache` + `begin_decoding`)."""
+        self.begin_decoding(static_cache(cache))
 
     def begin_decoding(self, cache: KVCache) -> None:
         """After the prefill: freeze the cache (static buffers, tensor positions)."""
@@ -226,13 +281,174 @@ class FastDecoder:
         cache = self.cache
         if cache.filled + 1 > cache.max_len:
             raise ValueError(f"cache overflow: {cache.filled} + 1 tokens > max_len {cache.max_len}")
-        logits, greedy, info = self._step(self.model, token, cache, self.options)
+        cache.set_window()
+        if not self.compiled:
+            logits, greedy, info = self._step(self.model, token, cache, self.options)
+        elif self._ran:
+            # Dynamo checks its guards before every call (80-380 us a step measured at batch 1, issue 26).
+            # This decoder's graph exists for these shapes and the window is a dynamic dimension, so the
+            # only guards that matter are those telling this graph from others of the same step (other
+            # batch sizes or lengths): `skip_guard_eval_unsafe` evaluates just those.
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                logits, greedy, info = self._step(self.model, token, cache, self.options)
+        else:
+            logits, greedy, info = self._first_compiled_step(token)
         cache.filled += 1
         return logits, greedy, info
+
+    def _first_compiled_step(self, token: Tensor) -> tuple[Tensor, Tensor, dict]:
+        """The first call: dynamo traces, inductor compiles or loads from its cache; timed, announced
+        and recorded (`CompileRecord`), so the automatic mode knows what the next process pays."""
+        record = CompileRecord(self.model, self.options, self.cache)
+        expected = record.expected_seconds()
+        if self.on_compile is not None:
+            known = (f"~{expected:.0f} s, as last time" if record.seen() else
+                     f"the first time for this model and shape: ~{expected:.0f} s or more")
+            self.on_compile(f"compiling the decode step ({known}; cached in {compile_cache_dir()}) ...")
+        start = time.perf_counter()
+        result = self._step(self.model, token, self.cache, self.options)
+        seconds = time.perf_counter() - start
+        self._ran = True
+        _RAN_SHAPES.setdefault(self.model, set()).add((self._key, self.cache.batch_size, self.cache.max_len))
+        record.add(seconds)
+        if self.on_compile is not None:
+            self.on_compile(f"decode step compiled in {seconds:.1f} s")
+        return result
 
     @staticmethod
     def _eager_step(model, token: Tensor, cache: KVCache, options: dict) -> tuple[Tensor, Tensor, dict]:
         return _decode_step(model, token, cache, options)
+
+
+# --------------------------------------------------------------------------------------------
+# Compile cost: the on-disk cache, and what the first call cost before
+# --------------------------------------------------------------------------------------------
+
+INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"  # inductor's own cache root (FX graph and AOT autograd caches)
+
+
+def compile_cache_dir() -> Path:
+    """Where compiled decode steps are kept across processes: $TORCHINDUCTOR_CACHE_DIR when the user
+    set it, else the latentloop cache's `inductor/` (so `LATENTLOOP_CACHE` moves it with the other
+    caches). Importing dynamo writes inductor's default (a folder in /tmp, lost at reboot) into the
+    variable, so that value counts as unset."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir as inductor_default
+
+    chosen = os.environ.get(INDUCTOR_CACHE_ENV)
+    if not chosen or os.path.abspath(chosen) == os.path.abspath(inductor_default()):
+        return default_cache_dir() / "inductor"
+    return Path(chosen)
+
+
+def use_compile_cache() -> None:
+    """Point inductor's on-disk caches at `compile_cache_dir()` before a compile (inductor reads the
+    variable at each use, so this holds for every later compile of the process, training's too). Both
+    caches are on by default in torch (`fx_graph_cache`: inductor's generated code per graph;
+    `autograd_cache`: AOT autograd's traced graph), keyed by the graph and torch's version, so a second
+    process with the same model shape and options skips inductor's work and pays only dynamo's trace
+    and the load."""
+    os.environ[INDUCTOR_CACHE_ENV] = str(compile_cache_dir())
+
+
+# A first call's cost when nothing is recorded for its (model shape, options, cache shape): the cold
+# compile of the tiny/baseline shapes measured on the project's 2-core machine (16 s for 4 layers,
+# d=256, quiet; tens of seconds under load, issue 26), so the automatic mode waits for that much
+# saving before compiling something it never compiled.
+COLD_COMPILE_S = 20.0
+RECORDS_KEPT = 8  # first-call times kept per key (the minimum is the estimate: the warm load)
+
+
+class CompileRecord:
+    """What the first call of a compiled step cost for one (torch version, model class and config,
+    options, cache shape), kept as a small JSON file under `compile_cache_dir()/latentloop/`. The
+    minimum over the recorded calls is what the next process expects to pay (a warm load, once one
+    process compiled)."""
+
+    def __init__(self, model, options: dict, cache: KVCache):
+        config = model.config
+        fields = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else vars(config)
+        quantized = sorted({type(m).__name__ for m in model.modules() if getattr(m, "QUANTIZED", False)})
+        key = json.dumps([torch.__version__, type(model).__qualname__, fields, sorted(options.items()), quantized,
+                          cache.batch_size, cache.max_len, str(cache.key_pos.device.type)], default=str)
+        self.path = compile_cache_dir() / "latentloop" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+
+    def _seconds(self) -> list[float]:
+        try:
+            return [float(s) for s in json.loads(self.path.read_text())["first_call_s"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            return []
+
+    def seen(self) -> bool:
+        return bool(self._seconds())
+
+    def expected_seconds(self) -> float:
+        seconds = self._seconds()
+        return min(seconds) if seconds else COLD_COMPILE_S
+
+    def add(self, seconds: float) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            kept = (self._seconds() + [round(seconds, 3)])[-RECORDS_KEPT:]
+            self.path.write_text(json.dumps({"first_call_s": kept}) + "\n")
+        except OSError:  # a read-only cache folder: the estimate stays the default
+            pass
+
+
+# --------------------------------------------------------------------------------------------
+# When compiling pays: the automatic mode's rule
+# --------------------------------------------------------------------------------------------
+
+# The compiled step's time over the eager step's, measured at batch 1 (issue 26, same run): 0.63 / 1.5 ms
+# (4 layers, d=256, vocab 256) and 20.1 / 36 ms (12 layers, d=768, vocab 32000). The larger of the two
+# (the smaller saving) is used: compiling saves `1 - COMPILED_OVER_EAGER` of each eager step.
+COMPILED_OVER_EAGER = 0.56
+# Eager steps timed before deciding: the first decode step of a call runs cold (allocator, caches),
+# so the decision reads the fastest of these.
+PROBE_STEPS = 4
+# Beyond this batch the automatic mode stays eager: the compiled step's weight products stop being
+# reductions past `REDUCTION_MAX_ROWS` rows, and each batch size is another graph to compile.
+AUTO_MAX_BATCH = 4  # = REDUCTION_MAX_ROWS
+
+
+class AutoCompile:
+    """The rule of the engine's automatic mode (`stream(compile="auto")`), a ski-rental rule: compile a
+    model's step once the decode time that compiling would have saved, in this process's earlier
+    calls with the same model and options plus this call's remaining steps, reaches what the first
+    compiled call is expected to cost (`CompileRecord`: the last warm load when recorded, else
+    `COLD_COMPILE_S`; zero once compiled in this process). The saving per step is measured, not
+    assumed: the fastest of the call's first `PROBE_STEPS` eager steps times
+    `1 - COMPILED_OVER_EAGER`. Rows beyond `AUTO_MAX_BATCH` and options that do not compile stay eager.
+    A call that stops early (a stop token) is counted at its budget."""
+
+    def __init__(self, model, options: dict):
+        self.model, self.options = model, options
+        self.key = (model.wte.weight.device.type, tuple(sorted(options.items())))
+
+    def applies(self, batch_size: int) -> bool:
+        return batch_size <= AUTO_MAX_BATCH and fallback_reason(self.model, self.options) is None
+
+    def compiled_already(self, cache: KVCache) -> bool:
+        """This process compiled (and ran) the step for this model, options and cache shape: free."""
+        return (self.key, cache.batch_size, cache.max_len) in _RAN_SHAPES.get(self.model, set())
+
+    def decide(self, eager_step_s: float, remaining_steps: int, cache: KVCache) -> bool:
+        """After the probe steps: True to compile the rest of this call. Without compiling, the
+        call's estimated saving is banked for the next decision."""
+        if self.compiled_already(cache):
+            return True
+        saving = eager_step_s * (1 - COMPILED_OVER_EAGER)
+        banked = _BANKED_SAVING.setdefault(self.model, {})
+        total = banked.get(self.key, 0.0) + (remaining_steps + PROBE_STEPS) * saving
+        if total >= CompileRecord(self.model, self.options, cache).expected_seconds():
+            return True
+        banked[self.key] = total
+        return False
+
+
+# model -> {(device type, options): seconds of eager decode that compiling would have saved so far}
+_BANKED_SAVING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# model -> {((device type, options), batch size, max_len)}: compiled steps that have run in this process
+_RAN_SHAPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _decode_step(model, token: Tensor, cache: KVCache, options: dict) -> tuple[Tensor, Tensor, dict]:
