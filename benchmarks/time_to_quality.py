@@ -64,6 +64,9 @@ NANOGPT_WARMUP = 100
 NANOGPT_WARMUP_SHARE = 0.1  # short runs: warmup at most this share of the steps
 NANOGPT_GRAD_CLIP = 1.0
 PRECISIONS = ("float32", "bfloat16")
+# latentloop recipes a run can compare: the default, and changes to it (TrainConfig fields)
+RECIPES: dict[str, dict[str, Any]] = {"default": {}, "bf16": {"dtype": "bfloat16"}, "muon": {"optimizer": "muon"},
+                                      "bf16+muon": {"dtype": "bfloat16", "optimizer": "muon"}}
 
 
 def nanogpt_lr(step: int, steps: int) -> float:
@@ -91,7 +94,7 @@ class Bench:
         self.val = val
 
     def loader(self) -> TokenLoader:
-        return TokenLoader(self.data.train, BATCH_SIZE, self.seq_len, seed=self.args.seed)
+        return TokenLoader(self.data.train, self.args.batch_size, self.seq_len, seed=self.args.seed)
 
     def val_bpb(self, model: torch.nn.Module, logits_fn=None) -> float:
         kwargs = {"logits_fn": logits_fn} if logits_fn is not None else {}
@@ -130,36 +133,39 @@ def train_nanogpt(bench: Bench, steps: int) -> dict[str, Any]:
             "model": model}
 
 
-def train_latentloop(bench: Bench, arch: str, steps: int, check_every: int, **train: Any
-                     ) -> tuple[list[tuple[int, float, dict]], dict[str, Any]]:
-    """`arch` trained for `steps` by the default recipe (`train` overrides it) through the trainer's
-    step; returns the kept states (step, seconds of training so far, weights) and the run's facts."""
+def train_latentloop(bench: Bench, arch: str, steps: int, check_every: int, stop_at: int | None = None,
+                     **train: Any) -> tuple[list[tuple[int, float, dict]], dict[str, Any]]:
+    """`arch` trained by the default recipe (`train` overrides it) for `steps` (the schedule's
+    length; the run stops after `stop_at` when given) through the trainer's step; returns the kept
+    states (step, seconds of training so far, weights) and the run's facts."""
     torch.manual_seed(bench.args.seed)
     model = latentloop.build(arch, preset=bench.args.preset, vocab_size=bench.tokenizer.vocab_size,
                              bos_id=bench.tokenizer.bos_id).train()
-    cfg = TrainConfig(steps=steps, batch_size=BATCH_SIZE, seed=bench.args.seed, device="cpu", **train)
+    cfg = TrainConfig(steps=steps, batch_size=bench.args.batch_size, seed=bench.args.seed, device="cpu", **train)
     objective = build_objective(model.config, cfg)
     optimizers = build_optimizers(model, cfg)
     loader, guard, device = bench.loader(), FiniteGuard(torch.device("cpu")), torch.device("cpu")
     kept: list[tuple[int, float, dict]] = []
     meter, seconds = ContentionMeter().start(), 0.0
-    for step in range(steps):
+    last = steps if stop_at is None else stop_at
+    for step in range(last):
         start = time.perf_counter()
         set_lr(optimizers, lr_multiplier(step, cfg))
         train_step(model, model, objective, loader.next_batch, step, optimizers, cfg, device, guard)
         seconds += time.perf_counter() - start
-        if (step + 1) % check_every == 0 or step + 1 == steps:
+        if (step + 1) % check_every == 0 or step + 1 == last:
             kept.append((step + 1, seconds, copy.deepcopy(model.state_dict())))
-    facts = {"train_s": seconds, "others_cpu_share": meter.stop(), "params": model.num_params(),
+    facts = {"train_s": seconds, "steps_run": last, "others_cpu_share": meter.stop(), "params": model.num_params(),
              "precision": resolve_dtype(device, cfg.dtype), "optimizer": cfg.optimizer}
     return kept, {"model": model, **facts}
 
 
-def first_reaching(bench: Bench, model: torch.nn.Module, kept: list[tuple[int, float, dict]], target: float
-                   ) -> tuple[int, float, float] | None:
+def first_reaching(bench: Bench, model: torch.nn.Module, kept: list[tuple[int, float, dict]], target: float,
+                   evaluated: dict[int, float] | None = None) -> tuple[int, float, float] | None:
     """(step, seconds, val BPB) of the first kept state at or below `target`, by bisection over the
-    kept states (the last is evaluated first: None when even it misses)."""
-    evaluated: dict[int, float] = {}
+    kept states (the last is evaluated first: None when even it misses). `evaluated` collects the
+    val BPB of every state evaluated, by index."""
+    evaluated = {} if evaluated is None else evaluated
 
     def bpb(i: int) -> float:
         if i not in evaluated:
@@ -179,37 +185,91 @@ def first_reaching(bench: Bench, model: torch.nn.Module, kept: list[tuple[int, f
     return kept[hi][0], kept[hi][1], evaluated[hi]
 
 
+def _same_weights(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def time_to_quality(bench: Bench, archs: list[str]) -> dict[str, Any]:
-    """Per repeat: every model trained back to back (the order rotating between repeats), then
-    nanoGPT's final BPB is the target each latentloop run's kept states are searched for."""
+    """Every job (nanoGPT, and each arch under each recipe) trained back to back per repeat, the
+    order rotating between repeats. The first repeat finds each job's step k at the target (after
+    nanoGPT's BPB is known) and its BPB after all N steps; training is deterministic (same seed,
+    data and threads), so a later repeat reruns a job only up to k for its time, and checks that
+    its weights there equal the first repeat's bit for bit (else they are evaluated again)."""
     args = bench.args
-    runs: dict[str, list[dict[str, Any]]] = {"nanogpt": [], **{arch: [] for arch in archs}}
-    names = ["nanogpt", *archs]
+    jobs = ["nanogpt", *(f"{arch}/{recipe}" for arch in archs for recipe in args.recipes)]
+    runs: dict[str, list[dict[str, Any]]] = {job: [] for job in jobs}
+    first: dict[str, dict[str, Any]] = {}  # per job, what the first repeat found
     for repeat in range(args.repeats):
-        shift = repeat % len(names)
-        trained = {}
-        for name in names[shift:] + names[:shift]:
-            trained[name] = (train_nanogpt(bench, args.steps) if name == "nanogpt"
-                             else train_latentloop(bench, name, args.steps, args.check_every))
-        nano = trained["nanogpt"]
-        nano["val_bpb"] = bench.val_bpb(nano.pop("model"), nanogpt_logits)
-        runs["nanogpt"].append(nano)
-        target = nano["val_bpb"]
-        print(f"repeat {repeat + 1}: nanoGPT {args.steps} steps in {nano['train_s']:.1f} s, val BPB {target:.4f} "
-              f"(others used {_share(nano['others_cpu_share'])})", flush=True)
-        for name in archs:
-            kept, facts = trained[name]
-            reached = first_reaching(bench, facts.pop("model"), kept, target)
-            row = {**facts, "target_bpb": target, "nanogpt_s": nano["train_s"], "reached": reached is not None}
-            if reached is not None:
-                row.update(step=reached[0], time_s=reached[1], val_bpb=reached[2], speedup=nano["train_s"] / reached[1])
-                print(f"repeat {repeat + 1}: {name} reached it at step {reached[0]} after {reached[1]:.1f} s of "
-                      f"training ({facts['train_s']:.1f} s for all {args.steps}): {row['speedup']:.2f}x nanoGPT's "
-                      f"time (others used {_share(facts['others_cpu_share'])})", flush=True)
+        shift = repeat % len(jobs)
+        pending = {}
+        for job in jobs[shift:] + jobs[:shift]:
+            if job == "nanogpt":
+                result = train_nanogpt(bench, args.steps)
+                model = result.pop("model")
+                weights = model.state_dict()
+                if repeat == 0 or not _same_weights(weights, first["nanogpt"]["weights"]):
+                    result["val_bpb"] = bench.val_bpb(model, nanogpt_logits)
+                    result["evaluated"] = True
+                else:
+                    result["val_bpb"], result["evaluated"] = first["nanogpt"]["val_bpb"], False
+                if repeat == 0:
+                    first["nanogpt"] = {"weights": copy.deepcopy(weights), "val_bpb": result["val_bpb"]}
+                runs["nanogpt"].append(result)
+                print(f"repeat {repeat + 1}: nanoGPT {args.steps} steps in {result['train_s']:.1f} s, val BPB "
+                      f"{result['val_bpb']:.4f} (others used {_share(result['others_cpu_share'])})", flush=True)
+                continue
+            arch, recipe = job.split("/")
+            if repeat == 0:
+                pending[job] = train_latentloop(bench, arch, args.steps, args.check_every, **RECIPES[recipe])
+                print(f"repeat 1: {job} {args.steps} steps in {pending[job][1]['train_s']:.1f} s (others used "
+                      f"{_share(pending[job][1]['others_cpu_share'])})", flush=True)
+                continue
+            found = first[job]
+            if found["step"] is None:
+                continue  # the first repeat never reached the target: nothing to time again
+            kept, facts = train_latentloop(bench, arch, args.steps, found["step"], stop_at=found["step"],
+                                           **RECIPES[recipe])
+            model = facts.pop("model")
+            row = {**facts, "target_bpb": found["target_bpb"], "step": found["step"], "time_s": kept[-1][1],
+                   "final_bpb": found["final_bpb"]}
+            if _same_weights(kept[-1][2], found["weights"]):
+                row["val_bpb"], row["evaluated"] = found["val_bpb"], False
             else:
-                print(f"repeat {repeat + 1}: {name} did not reach it in {args.steps} steps", flush=True)
-            runs[name].append(row)
+                row["val_bpb"], row["evaluated"] = bench.val_bpb(model), True
+            pending[job] = row
+        if repeat > 0:  # this repeat's nanoGPT time, wherever it fell in the order
+            for job, row in pending.items():
+                _record(runs[job], {**row, "nanogpt_s": runs["nanogpt"][-1]["train_s"]}, repeat, job)
+        else:
+            target = runs["nanogpt"][0]["val_bpb"]
+            for job, (kept, facts) in pending.items():
+                evaluated: dict[int, float] = {}
+                reached = first_reaching(bench, facts.pop("model"), kept, target, evaluated)
+                found = {"step": None, "target_bpb": target, "final_bpb": evaluated[len(kept) - 1]}
+                row = {**facts, "target_bpb": target, "nanogpt_s": runs["nanogpt"][0]["train_s"],
+                       "final_bpb": found["final_bpb"], "evaluated": True}
+                if reached is not None:
+                    step, seconds, bpb = reached
+                    found.update(step=step, val_bpb=bpb, weights=next(w for s, _, w in kept if s == step))
+                    row.update(step=step, time_s=seconds, val_bpb=bpb)
+                first[job] = found
+                _record(runs[job], row, repeat, job)
+    for found in first.values():
+        found.pop("weights", None)
     return runs
+
+
+def _record(rows: list[dict[str, Any]], row: dict[str, Any], repeat: int, job: str) -> None:
+    row["reached"] = "val_bpb" in row and row["val_bpb"] <= row["target_bpb"]
+    if row["reached"]:
+        row["speedup"] = row["nanogpt_s"] / row["time_s"]
+        print(f"repeat {repeat + 1}: {job} reached {row['target_bpb']:.4f} at step {row['step']} after "
+              f"{row['time_s']:.1f} s of training: {row['speedup']:.2f}x nanoGPT's time; BPB after all steps "
+              f"{row['final_bpb']:.4f} (others used {_share(row['others_cpu_share'])})", flush=True)
+    else:
+        print(f"repeat {repeat + 1}: {job} did not reach {row['target_bpb']:.4f}; BPB after all steps "
+              f"{row['final_bpb']:.4f}", flush=True)
+    rows.append(row)
 
 
 def precision_check(bench: Bench, archs: list[str]) -> dict[str, Any]:
@@ -264,23 +324,25 @@ def markdown_table(results: dict[str, Any]) -> str:
         return render_table(rows)
     runs = results["runs"]
     nano = runs["nanogpt"]
-    rows = [(f"Arch ({args['preset']}, target: nanoGPT's BPB after {args['steps']} steps)", "target BPB",
-             "nanoGPT s", "steps to target", "s to target", "speedup (nanoGPT s / s to target)", "others' CPU")]
-    rows.append(("nanoGPT (AdamW, fp32)", spread([r["val_bpb"] for r in nano], "{:.4f}"),
-                 spread([r["train_s"] for r in nano], "{:.1f}"), str(args["steps"]), "—", "1x",
-                 spread([r["others_cpu_share"] or 0.0 for r in nano], "{:.0%}")))
-    for name, entries in runs.items():
-        if name == "nanogpt":
+    rows = [(f"{args['preset']}: target = nanoGPT's val BPB after {args['steps']} steps", "recipe",
+             f"val BPB after {args['steps']} steps", "steps to target", "s to target", "nanoGPT s",
+             "speedup (nanoGPT s / s to target)", "others' CPU")]
+    rows.append(("nanoGPT", "AdamW, fp32", spread([r["val_bpb"] for r in nano], "{:.4f}"), str(args["steps"]),
+                 spread([r["train_s"] for r in nano], "{:.1f}"), spread([r["train_s"] for r in nano], "{:.1f}"),
+                 "1x", spread([r["others_cpu_share"] or 0.0 for r in nano], "{:.0%}")))
+    for job, entries in runs.items():
+        if job == "nanogpt":
             continue
+        arch, recipe = job.split("/")
+        final = f"{entries[0]['final_bpb']:.4f}" if entries else "—"
         reached = [e for e in entries if e["reached"]]
         if not reached:
-            rows.append((name, "—", "—", f"not within {args['steps']}", "—", "—", "—"))
+            rows.append((arch, recipe, final, f"not within {args['steps']}", "—", "—", "—", "—"))
             continue
         missing = f" ({len(entries) - len(reached)} of {len(entries)} missed)" if len(reached) < len(entries) else ""
-        rows.append((name, spread([e["target_bpb"] for e in reached], "{:.4f}"),
-                     spread([e["nanogpt_s"] for e in reached], "{:.1f}"),
-                     spread([e["step"] for e in reached], "{:.0f}"),
+        rows.append((arch, recipe, final, spread([e["step"] for e in reached], "{:.0f}"),
                      spread([e["time_s"] for e in reached], "{:.1f}"),
+                     spread([e["nanogpt_s"] for e in reached], "{:.1f}"),
                      spread([e["speedup"] for e in reached], "{:.2f}x") + missing,
                      spread([e["others_cpu_share"] or 0.0 for e in reached], "{:.0%}")))
     return render_table(rows)
@@ -293,8 +355,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data", default=DATA_SOURCE, help="the data source both models train and validate on")
     p.add_argument("--steps", type=int, default=300, help="N: nanoGPT's steps, and latentloop's schedule length")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="sequences per step, both models")
     p.add_argument("--check-every", type=int, default=10, help="latentloop's weights are kept every this many steps")
     p.add_argument("--archs", nargs="*", default=None, choices=list(ARCHS), help="default: every registered arch")
+    p.add_argument("--recipes", nargs="+", default=["default"], choices=list(RECIPES),
+                   help="latentloop recipes to time: the default and changes to it (see RECIPES)")
     p.add_argument("--val-tokens", type=int, default=None,
                    help="validate on the first this many tokens only (smoke tests); default: the whole split")
     p.add_argument("--precision-check", action="store_true",
@@ -303,7 +368,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write all results as JSON")
     args = p.parse_args(argv)
-    for name in ("steps", "repeats", "check_every"):
+    for name in ("steps", "repeats", "check_every", "batch_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.val_tokens is not None and args.val_tokens < PRESETS[args.preset]["sequence_len"] + 1:

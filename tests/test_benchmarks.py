@@ -122,18 +122,25 @@ def test_time_to_quality_runs_every_registered_arch_against_nanogpt(tmp_path):
         pytest.skip("../shared/anchors/nanogpt_model.py is absent")
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog {i % 7}\n" for i in range(400)))
-    steps, check_every = 4, 2
+    steps, check_every = 24, 6  # past latentloop's 20 warmup steps
     out = tmp_path / "ttq.json"
-    assert ttq.main(["--preset", "test", "--data", f"text:{corpus}", "--steps", str(steps), "--repeats", "1",
-                     "--check-every", str(check_every), "--threads", "1", "--json", str(out)]) == 0
+    assert ttq.main(["--preset", "test", "--data", f"text:{corpus}", "--steps", str(steps), "--repeats", "2",
+                     "--batch-size", "2", "--check-every", str(check_every), "--threads", "1", "--json", str(out)]) == 0
     runs = json.loads(out.read_text())["runs"]
-    assert set(runs) == {"nanogpt", *ARCHS}
-    (nano,) = runs["nanogpt"]
-    assert nano["train_s"] > 0 and math.isfinite(nano["val_bpb"])
+    assert set(runs) == {"nanogpt", *(f"{arch}/default" for arch in ARCHS)}
+    first, second = runs["nanogpt"]
+    assert first["train_s"] > 0 and math.isfinite(first["val_bpb"])
+    assert not second["evaluated"] and second["val_bpb"] == first["val_bpb"]  # the same weights, bit for bit
     for arch in ARCHS:
-        (row,) = runs[arch]
-        assert row["target_bpb"] == nano["val_bpb"] and row["precision"] == "float32"
-        if row["reached"]:
+        rows = runs[f"{arch}/default"]
+        assert rows[0]["target_bpb"] == first["val_bpb"] and rows[0]["precision"] == "float32"
+        assert rows[0]["steps_run"] == steps and math.isfinite(rows[0]["final_bpb"])
+        if not rows[0]["reached"]:
+            assert len(rows) == 1  # nothing to time again
+            continue
+        assert len(rows) == 2 and rows[1]["steps_run"] == rows[1]["step"] == rows[0]["step"]
+        assert not rows[1]["evaluated"]  # deterministic: the first repeat's weights at that step again
+        for row, nano in zip(rows, (first, second)):
             assert row["step"] % check_every == 0 and row["step"] <= steps
             assert row["val_bpb"] <= row["target_bpb"] and row["time_s"] <= row["train_s"]
             assert row["speedup"] == pytest.approx(nano["train_s"] / row["time_s"])
