@@ -35,8 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config  # noqa: E402
-from latentloop.eval import evaluate_loss  # noqa: E402
-from latentloop.eval.loss import decoding_logits, passes_curve  # noqa: E402
+from latentloop.eval.loss import passes_curve, score_run, text_batches  # noqa: E402
 from latentloop.models.rgpt import rgpt_shape_from_dense  # noqa: E402
 from latentloop.train import fit, setup  # noqa: E402
 
@@ -83,10 +82,8 @@ def run_one(out: Path, name: str, fields: dict, steps: int, seed: int, preset: s
     summary = fit(state, progress=False)
     model = state.model.eval()
     byte_lengths = state.tokenizer.token_byte_lengths()
-    scores = {}
-    for label, options in evaluations(arch, config.model).items():
-        scores[label] = evaluate_loss(model, state.data.val, byte_lengths, batch_size, config.model.sequence_len,
-                                      max_batches=eval_batches, logits_fn=decoding_logits(options))
+    batches = text_batches(state.data.val, batch_size, config.model.sequence_len, eval_batches)
+    scores = score_run(model, batches, byte_lengths, evaluations(arch, config.model))
     extra = {}
     if arch == "fbt":
         extra["passes_curve"] = passes_curve(model, state.data.val, byte_lengths, batch_size,

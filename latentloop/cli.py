@@ -406,8 +406,10 @@ def _generation_options(args) -> dict:
 
 
 def cmd_eval(args) -> int:
+    from functools import partial
+
     from .archs import get_arch
-    from .eval import evaluate_run
+    from .eval.loss import score_run, text_batches
     from .runtime import eval_data, load_run, resolve_device
 
     if args.tasks is None and (args.limit is not None or args.eval_dir is not None):
@@ -447,20 +449,13 @@ def cmd_eval(args) -> int:
     if args.by_position is not None:
         return _eval_by_position(args, model, tokens, config, checkpoint, options)
     # no options given: score every way the architecture offers (fbt regimes, lrt prefills, rgpt depths)
-    choices = {"given": options} if options else get_arch(config.model.arch).scoring_modes(config.model)
     if chat:  # the loss on the assistant's tokens, as SFT validates
         from .data.chat import masked_batches
-        from .engine import model_options
-        from .eval.loss import decoding_logits, evaluate_batches
 
-        for choice in choices.values():
-            model_options(model, choice)  # a bad option fails before any batch
-        by_option = {label: evaluate_batches(model, masked_batches(tokens, args.batch_size or 16, args.batches or None),
-                                             tokenizer.token_byte_lengths(), decoding_logits(choice))
-                     for label, choice in choices.items()}
+        batches = partial(masked_batches, tokens, args.batch_size or 16, args.batches or None)
     else:
-        by_option = {label: evaluate_run(model, tokens, tokenizer, args.batch_size or 16, config.model.sequence_len,
-                                         args.batches or None, choice) for label, choice in choices.items()}
+        batches = text_batches(tokens, args.batch_size or 16, config.model.sequence_len, args.batches or None)
+    by_option = score_run(model, batches, tokenizer.token_byte_lengths(), {"given": options} if options else None)
     first = next(iter(by_option))
     metrics = {"run": str(args.run), "checkpoint": str(checkpoint), "split": args.split, "scored_as": first,
                **by_option[first]}

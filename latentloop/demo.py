@@ -105,13 +105,11 @@ def run_demo(out: Path, minutes: float = 4.0, data: str = "stdlib", preset: str 
 
 def score_options(state) -> dict[str, dict[str, float]]:
     """Validation loss/BPB under each of the model's evaluation options (fbt regimes, ...)."""
-    from .archs import get_arch
-    from .eval import evaluate_run
+    from .eval.loss import score_run, text_batches
 
     cfg = state.config
-    return {label: evaluate_run(state.model, state.data.val, state.tokenizer, cfg.train.batch_size,
-                                cfg.model.sequence_len, EVAL_BATCHES, options)
-            for label, options in get_arch(cfg.model.arch).scoring_modes(cfg.model).items()}
+    batches = text_batches(state.data.val, cfg.train.batch_size, cfg.model.sequence_len, EVAL_BATCHES)
+    return score_run(state.model, batches, state.tokenizer.token_byte_lengths())
 
 
 def gates_line(gates: dict[str, float]) -> str:

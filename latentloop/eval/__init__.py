@@ -5,7 +5,7 @@ lm-evaluation-harness adapter (`lm_eval_adapter`, optional)."""
 
 from .compare import compare_runs
 from .core import run_core
-from .loss import evaluate_loss, evaluate_run
+from .loss import evaluate_loss, score_run, text_batches
 from .suite import run_tasks
 
-__all__ = ["compare_runs", "evaluate_loss", "evaluate_run", "run_core", "run_tasks"]
+__all__ = ["compare_runs", "evaluate_loss", "run_core", "run_tasks", "score_run", "text_batches"]

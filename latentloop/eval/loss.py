@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from functools import partial
 
 import numpy as np
 import torch
@@ -99,13 +100,26 @@ def decoding_logits(options: dict | None = None) -> LogitsFn:
     return logits_fn
 
 
-def evaluate_run(model: nn.Module, tokens: np.ndarray, tokenizer, batch_size: int, seq_len: int,
-                 max_batches: int | None = None, options: dict | None = None) -> dict[str, float]:
-    """`evaluate_loss` with the model's own scoring under architecture options (regime, passes, ...)."""
-    model_options(model, options or {})  # a bad option fails before any batch
-    logits_fn = decoding_logits(options)
+def text_batches(tokens: np.ndarray, batch_size: int, seq_len: int,
+                 max_batches: int | None = None) -> Callable[[], Iterable[tuple]]:
+    """`score_run`'s batches of a token stream: a new pass over the same validation batches per call."""
+    return partial(eval_batches, tokens, batch_size, seq_len, max_batches)
 
-    return evaluate_loss(model, tokens, tokenizer.token_byte_lengths(), batch_size, seq_len, max_batches, logits_fn)
+
+def score_run(model: nn.Module, batches: Callable[[], Iterable[tuple]], token_bytes: np.ndarray,
+              choices: dict[str, dict] | None = None) -> dict[str, dict[str, float]]:
+    """Loss / perplexity / BPB of `model` under each way of scoring it, {label: scores}, in the order
+    of `choices` ({label: architecture options}; None: the model's own `scoring_modes`, e.g. fbt's
+    regimes, lrt's prefills, rgpt's depths), each through the engine's teacher-forced path.
+    `batches()` starts a new pass over the same batches ((x, y), or (x, y, loss_mask) for
+    conversations) for each choice. Every choice is checked before the first batch. The one scoring
+    of a run that `eval`, the demo and the CPU comparison share."""
+    if choices is None:
+        choices = model.scoring_modes(model.config)
+    for options in choices.values():
+        model_options(model, options)  # a bad option fails before any batch
+    return {label: evaluate_batches(model, batches(), token_bytes, decoding_logits(options))
+            for label, options in choices.items()}
 
 
 # The paper's stability check (its loss-vs-passes figure): the K-pass fused forward's loss for
