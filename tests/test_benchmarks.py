@@ -144,3 +144,50 @@ def test_time_to_quality_runs_every_registered_arch_against_nanogpt(tmp_path):
             assert row["step"] % check_every == 0 and row["step"] <= steps
             assert row["val_bpb"] <= row["target_bpb"] and row["time_s"] <= row["train_s"]
             assert row["speedup"] == pytest.approx(nano["train_s"] / row["time_s"])
+
+
+def _engines_module():
+    sys.path.insert(0, str(ROOT))
+    try:
+        from benchmarks import engines
+    finally:
+        sys.path.remove(str(ROOT))
+    return engines
+
+
+def _engines_smoke(tmp_path, capsys, chosen: list[str]) -> None:
+    """`python -m benchmarks.engines` at a tiny shape: every row it can run is timed and its greedy
+    tokens agree with latentloop eager's (fp32 engines, the same exported weights); the engines it
+    cannot run are rows with a note, not errors."""
+    import json
+
+    engines = _engines_module()
+    out = tmp_path / "engines.json"
+    assert engines.main(["--shape", "smoke", "--prompt-len", "4", "--new-tokens", "6", "--repeats", "1",
+                         "--engines", ",".join(chosen), "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["threads"]["1"]
+    assert list(rows) == chosen
+    assert "llama-cpp-python" in rows["llama.cpp"]["note"]
+    for engine in chosen[:-1]:
+        if engines.unavailable(engine) is not None:
+            assert "not installed" in rows[engine]["note"]
+            continue
+        assert rows[engine]["ms_per_token"] > 0
+        assert rows[engine]["agree"] == 6, (engine, rows[engine])
+    assert f"| {chosen[-2]}" in capsys.readouterr().out
+
+
+def test_engines_benchmark_smoke(tmp_path, capsys):
+    _engines_smoke(tmp_path, capsys, ["latentloop eager", "llama.cpp"])
+
+
+@pytest.mark.slow  # imports transformers and converts for CTranslate2: ~40 s on the shared 2 cores
+def test_engines_benchmark_smoke_against_hf_and_ctranslate2(tmp_path, capsys):
+    _engines_smoke(tmp_path, capsys, ["latentloop eager", "hf generate", "ctranslate2 fp32", "llama.cpp"])
+
+
+def test_engines_benchmark_refuses_an_unknown_engine(capsys):
+    engines = _engines_module()
+    with pytest.raises(SystemExit) as exc:
+        engines.parse_args(["--engines", "vllm"])
+    assert exc.value.code == 2 and "unknown engine 'vllm'" in capsys.readouterr().err

@@ -1,0 +1,247 @@
+"""latentloop's decode against the CPU engines users pick for local inference, same model, same run
+(issue 26): one gpt of a Llama-compatible shape (SwiGLU, no qk/embedding norm) saved as a run,
+exported with `latentloop export --plain`, and decoded greedily at batch 1 by
+
+- latentloop: eager (`compile=False`), compiled (`compile=True`), compiled int8 (`quantize_int8`);
+- Hugging Face `generate` on the exported folder (needs transformers);
+- CTranslate2 fp32 and int8 (`pip install ctranslate2`), converted from the exported folder;
+- llama.cpp: not run. PyPI has no llama-cpp-python wheel for this platform (`pip download
+  --only-binary :all:` finds none), the source build takes ~17 min on 2 cores, and the export would
+  need a GGUF conversion (llama.cpp's own script). The row says so.
+
+Every engine decodes the same prompt for the same number of new tokens, no stop token; the figure is
+the whole call (prefill included) over the new tokens, median over interleaved rounds; the compiled
+rows are warmed up (compiled) before timing. Greedy agreement: each engine's tokens against
+latentloop eager's, token by token (fp32 engines should agree on all; int8 may drift). The
+vocabulary is the byte tokenizer's 259 (the export carries the run's tokenizer, which CTranslate2
+reads for its vocabulary), so the large shape's head is smaller than the issue's 32000-token one.
+
+    .venv/bin/python -m benchmarks.engines [--shape small|large] [--threads 1,2] [--prompt-len 16]
+        [--new-tokens 200] [--repeats 3] [--engines all|NAME,...] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import benchmark_main, render_table, spread, start_run
+
+SHAPES = {  # the issue's two shapes (with the byte vocabulary, see the docstring)
+    "small": dict(n_layer=4, n_embd=256, n_head=4),
+    "large": dict(n_layer=12, n_embd=768, n_head=12),
+    "smoke": dict(n_layer=2, n_embd=64, n_head=2),  # for the test: seconds, not minutes
+}
+LLAMA_COMPATIBLE = dict(qk_norm=False, embed_norm=False, mlp="swiglu")  # what `export --plain` requires
+ENGINES = ("latentloop eager", "latentloop compiled", "latentloop compiled int8", "hf generate",
+           "ctranslate2 fp32", "ctranslate2 int8", "llama.cpp")
+REFERENCE = "latentloop eager"  # every engine's tokens are compared with these
+LLAMA_CPP_NOTE = ("not run: PyPI has no llama-cpp-python wheel for this platform (pip download "
+                  "--only-binary :all: finds none); it builds from source (~17 min on 2 cores) and needs a GGUF "
+                  "conversion of the export")
+
+
+def build_export(shape: dict, context: int, seed: int, folder: Path):
+    """(model, tokenizer, hf folder): a random-init gpt saved as a run and exported as plain Llama."""
+    import latentloop
+    from latentloop.data.tokenizers import ByteTokenizer
+    from latentloop.interop import export_hf
+    from latentloop.runtime import save_run
+
+    tokenizer = ByteTokenizer()
+    torch.manual_seed(seed)
+    model = latentloop.build("gpt", preset=None, vocab_size=tokenizer.vocab_size, bos_id=tokenizer.bos_id,
+                             sequence_len=context, **shape, **LLAMA_COMPATIBLE).eval()
+    save_run(model, tokenizer, folder / "run")
+    export_hf(folder / "run", folder / "hf", plain=True)
+    return model, tokenizer, folder / "hf"
+
+
+def latentloop_call(model, prompt: list[int], new_tokens: int, compile: bool):
+    import latentloop
+
+    def call() -> list[int]:
+        return latentloop.generate(model, prompt, new_tokens, temperature=0.0, compile=compile)
+
+    return call
+
+
+def hf_call(hf_dir: Path, prompt: list[int], new_tokens: int):
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+
+    @torch.inference_mode()
+    def call() -> list[int]:
+        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+        return out[0, len(prompt):].tolist()
+
+    return call
+
+
+def ctranslate2_call(hf_dir: Path, folder: Path, prompt: list[int], new_tokens: int, threads: int,
+                     quantization: str | None):
+    import ctranslate2
+    import transformers
+    from ctranslate2.converters import TransformersConverter
+
+    out = folder / f"ct2-{quantization or 'float32'}"
+    if not out.exists():
+        TransformersConverter(str(hf_dir)).convert(str(out), quantization=quantization, force=True)
+    generator = ctranslate2.Generator(str(out), device="cpu", intra_threads=threads, compute_type=quantization or
+                                      "float32")
+    tokens = transformers.AutoTokenizer.from_pretrained(hf_dir).convert_ids_to_tokens(prompt)
+
+    def call() -> list[int]:
+        result = generator.generate_batch([tokens], max_length=new_tokens, sampling_topk=1,
+                                          include_prompt_in_result=False, end_token=[])
+        return list(result[0].sequences_ids[0])
+
+    return call
+
+
+def unavailable(engine: str) -> str | None:
+    """Why an engine cannot run here, or None."""
+    if engine == "llama.cpp":
+        return LLAMA_CPP_NOTE
+    module = {"hf generate": "transformers", "ctranslate2 fp32": "ctranslate2", "ctranslate2 int8": "ctranslate2"}
+    if engine in module:
+        try:
+            __import__(module[engine])
+        except ImportError:
+            return f"not installed (pip install {module[engine]})"
+    return None
+
+
+def make_calls(engines: list[str], model, hf_dir: Path, folder: Path, prompt: list[int], new_tokens: int,
+               threads: int) -> dict:
+    from latentloop.models.quant import quantize_int8
+
+    calls = {}
+    for engine in engines:
+        if engine == "latentloop eager":
+            calls[engine] = latentloop_call(model, prompt, new_tokens, compile=False)
+        elif engine == "latentloop compiled":
+            calls[engine] = latentloop_call(model, prompt, new_tokens, compile=True)
+        elif engine == "latentloop compiled int8":
+            import copy
+
+            calls[engine] = latentloop_call(quantize_int8(copy.deepcopy(model)), prompt, new_tokens, compile=True)
+        elif engine == "hf generate":
+            calls[engine] = hf_call(hf_dir, prompt, new_tokens)
+        elif engine.startswith("ctranslate2"):
+            calls[engine] = ctranslate2_call(hf_dir, folder, prompt, new_tokens, threads,
+                                             "int8" if engine.endswith("int8") else None)
+    return calls
+
+
+def agreement(tokens: list[int], reference: list[int]) -> int:
+    """Greedy tokens equal to the reference's, counted from the start until the first difference."""
+    same = 0
+    for a, b in zip(tokens, reference):
+        if a != b:
+            break
+        same += 1
+    return same
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    env = start_run(argparse.Namespace(threads=args.threads[0]))  # each thread count is set again below
+    shape = SHAPES[args.shape]
+    results: dict[str, Any] = {"env": env, "args": {k: (str(v) if isinstance(v, Path) else v)
+                                                    for k, v in vars(args).items()}, "threads": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        model, tokenizer, hf_dir = build_export(shape, args.prompt_len + args.new_tokens, args.seed, folder)
+        byte_ids = torch.randint(0, 256, (args.prompt_len - 1,), generator=torch.Generator().manual_seed(args.seed))
+        prompt = [tokenizer.bos_id] + byte_ids.tolist()  # BOS, then random bytes
+        results["params"] = model.num_params()
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            notes = {engine: unavailable(engine) for engine in args.engines}
+            runnable = [e for e in args.engines if notes[e] is None]
+            print(f"{threads} thread(s): preparing {', '.join(runnable)} ...", flush=True)
+            calls = make_calls(runnable, model, hf_dir, folder, prompt, args.new_tokens, threads)
+            tokens = {name: call() for name, call in calls.items()}  # warm-up (compiles) and the tokens
+            samples: dict[str, list[float]] = {name: [] for name in calls}
+            names = list(calls)
+            for r in range(args.repeats):  # interleaved, order rotating
+                shift = r % len(names)
+                for name in names[shift:] + names[:shift]:
+                    start = time.perf_counter()
+                    calls[name]()
+                    samples[name].append((time.perf_counter() - start) / args.new_tokens)
+            reference = tokens.get(REFERENCE)
+            rows = {}
+            for engine in args.engines:
+                if notes[engine] is not None:
+                    rows[engine] = {"note": notes[engine]}
+                    continue
+                entry = {"ms_per_token_all": [s * 1e3 for s in samples[engine]],
+                         "ms_per_token": statistics.median(samples[engine]) * 1e3}
+                if reference is not None:
+                    entry["agree"] = agreement(tokens[engine], reference)
+                rows[engine] = entry
+            results["threads"][str(threads)] = rows
+    return results
+
+
+def markdown_table(results: dict[str, Any]) -> str:
+    args = results["args"]
+    header = (f"Engine ({args['shape']}: {results['params']:,} params; prompt {args['prompt_len']} + "
+              f"{args['new_tokens']} new, batch 1, greedy)", "threads", "ms / new token (prefill included)",
+              f"greedy tokens agreeing with {REFERENCE}")
+    rows = [header]
+    for threads, engines in results["threads"].items():
+        for engine, entry in engines.items():
+            if "note" in entry:
+                rows.append((engine, threads, "—", entry["note"]))
+                continue
+            agree = f"{entry['agree']}/{args['new_tokens']}" if "agree" in entry else "—"
+            rows.append((engine, threads, spread(entry["ms_per_token_all"], "{:.3f}"), agree))
+    return render_table(rows)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--shape", choices=list(SHAPES), default="small")
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=200)
+    p.add_argument("--threads", default="1", help="comma-separated thread counts, each measured in turn")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds (median and range reported)")
+    p.add_argument("--engines", default="all", help=f"comma-separated, from: {', '.join(ENGINES)}")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write all results as JSON")
+    args = p.parse_args(argv)
+    try:
+        args.threads = [int(t) for t in args.threads.split(",")]
+    except ValueError:
+        p.error(f"--threads must be comma-separated integers, got {args.threads!r}")
+    if any(t < 1 for t in args.threads):
+        p.error("--threads must be >= 1")
+    args.engines = list(ENGINES) if args.engines == "all" else [e.strip() for e in args.engines.split(",")]
+    unknown = [e for e in args.engines if e not in ENGINES]
+    if unknown:
+        p.error(f"unknown engine {unknown[0]!r}; choose from: {', '.join(ENGINES)}")
+    for name in ("prompt_len", "new_tokens", "repeats"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    return benchmark_main(parse_args(argv), run, markdown_table)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
