@@ -113,6 +113,10 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         f"batching off (default {defaults.DEFAULT_MAX_BATCH_SIZE})")
     p.add_argument("--max-queue", type=_positive_int, default=defaults.DEFAULT_MAX_QUEUE,
                    help=f"requests that may wait for a batch; more get 429 (default {defaults.DEFAULT_MAX_QUEUE})")
+    p.add_argument("--batching", choices=defaults.BATCHING, default=defaults.BATCHING[0],
+                   help="continuous: requests join the running batch at its next decode step and leave when done; "
+                        "rounds: a batch of the requests waiting, run to its end while new ones wait (default "
+                        f"{defaults.BATCHING[0]})")
     p.add_argument("--batch-window-ms", type=float, default=defaults.DEFAULT_BATCH_WINDOW_MS,
                    help=f"how long an idle server waits for more requests before it starts a batch (default "
                         f"{defaults.DEFAULT_BATCH_WINDOW_MS:g})")
@@ -747,7 +751,7 @@ def cmd_serve(args) -> int:
     settings = ServeSettings(run=args.run, host=args.host, port=args.port, device=args.device,
                              api_key=args.api_key or os.environ.get(API_KEY_ENV) or None, model_name=args.model_name,
                              max_tokens_cap=args.max_tokens_cap, max_batch_size=args.max_batch_size,
-                             max_queue=args.max_queue, batch_window_ms=args.batch_window_ms,
+                             max_queue=args.max_queue, batch_window_ms=args.batch_window_ms, batching=args.batching,
                              request_timeout=args.request_timeout, access_log=args.access_log)
     serve(settings)
     return 0

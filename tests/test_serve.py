@@ -224,6 +224,7 @@ def servers(runs, tmp_path_factory):
     specs["limits"] = (runs["gpt"], "--max-queue", "1", "--max-tokens-cap", "32", "--max-batch-size", "4",
                        "--batch-window-ms", "1500", "--api-key", API_KEY)
     specs["doomed"] = (runs["rgpt"],)
+    specs["rounds"] = (runs["fbt"], "--batching", "rounds", "--batch-window-ms", "300")  # the round scheduler
     specs["chat"] = (runs["chat"],)
     if HAS_JINJA:  # chat templates render with jinja2 (the hf extra); stopped by its test
         specs["template"] = (runs["template"], "--request-timeout", str(TEMPLATE_TIMEOUT_S))
@@ -312,6 +313,55 @@ def test_concurrent_requests_batch_and_each_matches_its_single_result(servers, m
     assert stats["max_batch_rows"] > 1 and stats["batches"] - before < len(jobs)
     assert max(r.json()["latentloop"]["batch_rows"] for r in replies) > 1
     assert stats["active_rows"] == 0 and stats["queued"] == 0
+
+
+# Requests that differ in sampling settings and seeds: (prompt, max_tokens, sampling fields, n)
+SAMPLED = [("import", 5, {"temperature": 0.9, "top_k": 20, "seed": 1}, 1),
+           ("class Loop:", 6, {"temperature": 1.1, "top_p": 0.8, "seed": 2}, 2),
+           ("x", 4, {"temperature": 0.7, "seed": 3}, 1),
+           ("return state", 6, {"temperature": 0}, 1),
+           ("for i in", 5, {"temperature": 0.8, "top_k": 5, "top_p": 0.9, "seed": 4}, 1)]
+LONG_TOKENS = 20  # the request already decoding when the others arrive (greedy; more of them outlast
+# the rgpt server's --request-timeout on a loaded machine)
+SCHEDULERS = {**{arch: arch for arch in ARCHS}, "rounds": "fbt"}  # server -> its model's arch
+
+
+@pytest.mark.parametrize("server_name", list(SCHEDULERS))
+def test_concurrent_requests_with_different_sampling_each_equal_alone(servers, models, server_name):
+    """While one request decodes, requests with other prompts, lengths, temperatures, top_k, top_p,
+    seeds and n arrive together: each gets exactly what the engine gives it alone (the continuous
+    scheduler joins them to the running batch; the round scheduler runs them in the next round)."""
+    server, model = servers[server_name], models[SCHEDULERS[server_name]]
+    before = server.stats()
+
+    def expected(prompt: str, max_tokens: int, sampling: dict, n: int) -> list[list[int]]:
+        ids = [TOK.bos_id] + TOK.encode(prompt)
+        return ll.generate(model, [ids] * n, max_tokens, stop_tokens=STOPS, **{"temperature": 1.0, **sampling})
+
+    def send(case) -> httpx.Response:
+        prompt, max_tokens, sampling, n = case
+        return httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "n": n,
+                                                                "logprobs": 0, **sampling}, timeout=CALL_TIMEOUT_S)
+
+    long_body = {"prompt": PROMPT, "max_tokens": LONG_TOKENS, "temperature": 0, "logprobs": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=long_body, timeout=CALL_TIMEOUT_S) as reply:
+        lines = reply.iter_lines()
+        chunks = [json.loads(next(line for line in lines if line.startswith("data: "))[len("data: "):])]
+        with ThreadPoolExecutor(len(SAMPLED)) as pool:  # the long request is decoding: its first token came
+            replies = list(pool.map(send, SAMPLED))
+        chunks += [json.loads(line[len("data: "):]) for line in lines
+                   if line.startswith("data: ") and line != "data: [DONE]"]
+    assert all("choices" in c for c in chunks), chunks[-1]
+    long_tokens = [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]]
+    assert long_tokens == strings(expected(PROMPT, LONG_TOKENS, {"temperature": 0}, 1)[0])
+    for case, reply in zip(SAMPLED, replies):
+        assert reply.status_code == 200, reply.text
+        choices = reply.json()["choices"]
+        assert [c["logprobs"]["tokens"] for c in choices] == [strings(ids) for ids in expected(*case)], case
+    stats = server.stats()
+    assert stats["active_rows"] == 0 and stats["queued"] == 0
+    if server_name != "rounds":
+        assert stats["rows_joined_running"] > before["rows_joined_running"]
 
 
 def test_echo_logprobs_score_the_prompt(servers, models):

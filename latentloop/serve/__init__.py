@@ -4,9 +4,12 @@ per-request decoding regimes (`pip install 'latentloop[serve]'` for FastAPI and 
     from latentloop.serve import ServeSettings, serve
     serve(ServeSettings("runs/fbt", port=8000))
 
-Layers: `protocol` (request checks, OpenAI shapes; no HTTP), `text` (incremental text and stop
-strings), `scheduler` (the batching thread over `engine.stream`), `app` (FastAPI routes and the
-uvicorn runner). This package imports engine, models, archs and runtime, never train or the CLI.
+Layers: `protocol` (request checks; no HTTP), `text` (incremental text and stop strings), `batch`
+(continuous batching: rows join and leave a running batch over the model's cache), `scheduler` (the
+batching thread: continuous over `batch`, or rounds over `engine.stream`), `responses` (OpenAI's
+response and streaming-chunk shapes, built from the scheduler's events), `app` (HTTP only: FastAPI
+routes, limits, status codes, and the uvicorn runner). This package imports engine, models, archs
+and runtime, never train or the CLI.
 """
 
 from __future__ import annotations

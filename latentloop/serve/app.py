@@ -1,5 +1,6 @@
-"""The HTTP face of the server: FastAPI routes in OpenAI's shapes, server-sent events, the API
-key, and a uvicorn runner whose shutdown first ends the running requests with an error.
+"""The HTTP face of the server: FastAPI routes, server-sent events, the API key, limits and status
+codes, and a uvicorn runner whose shutdown first ends the running requests with an error. What a
+response says is built in `responses.py`; which rows decode together is the scheduler's.
 
 Endpoints: GET /health (no key needed), GET /v1/models, POST /v1/completions, POST
 /v1/chat/completions (models with a chat format: the conversation rendered as SFT trained it), GET
@@ -25,7 +26,6 @@ import socket
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -43,7 +43,8 @@ from .protocol import (
     tokenize_text,
     tokenizer_info,
 )
-from .scheduler import Done, Failed, Job, Scheduler
+from .responses import SSE_DONE, ResponseBuilder, sse
+from .scheduler import Done, Failed, Job, make_scheduler
 from .settings import ServeSettings, check_settings
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks whether its client went away or the server stops
@@ -158,14 +159,10 @@ class _Threads:
         return await future
 
 
-def _sse(payload: Any) -> str:
-    return f"data: {json.dumps(payload)}\n\n"
-
-
 def create_app(model, tokenizer, name: str, settings: ServeSettings) -> FastAPI:
     """The FastAPI app over a loaded model; its lifespan starts and stops the scheduler thread."""
-    scheduler = Scheduler(model, tokenizer, settings.max_batch_size, settings.max_queue,
-                          settings.batch_window_ms / 1000)
+    scheduler = make_scheduler(settings.batching, model, tokenizer, settings.max_batch_size, settings.max_queue,
+                               settings.batch_window_ms / 1000)
     context = int(model.config.sequence_len)
     limits = Limits(context, settings.max_tokens_cap, settings.max_batch_size)
     arch = model.config.arch
@@ -310,11 +307,6 @@ def create_app(model, tokenizer, name: str, settings: ServeSettings) -> FastAPI:
                     counters["disconnects"] += 1
                     return None
 
-    def extra(request_options: dict, job: Job, infos: dict[int, dict]) -> dict:
-        """The response's `latentloop` field: what the regime did, per choice."""
-        return {"arch": arch, "options": request_options, "batch_rows": job.batch_rows,
-                "choices": [{"index": i, **info} for i, info in sorted(infos.items())]}
-
     @router.post("/v1/completions")
     async def completions(request: Request):
         return await respond(request, chat=False)
@@ -340,25 +332,10 @@ def create_app(model, tokenizer, name: str, settings: ServeSettings) -> FastAPI:
 
         job = Job(parsed, post, tokenizer)
         scheduler.submit(job)
-        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
-                "model": name, "object": "chat.completion" if chat else "text_completion"}
-        chunk_object = "chat.completion.chunk" if chat else "text_completion"
-
-        def logprobs_of(tokens) -> dict | None:
-            if parsed.logprobs is None:
-                return None
-            return {"tokens": [t.token for t in tokens], "token_logprobs": [t.logprob for t in tokens],
-                    "top_logprobs": [t.top for t in tokens] if parsed.logprobs else None,
-                    "text_offset": [t.offset for t in tokens]}
-
-        def usage(done: Done) -> dict:
-            return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-                    "total_tokens": done.prompt_tokens + done.completion_tokens}
+        response = ResponseBuilder(parsed, chat, name, arch)
 
         if parsed.stream:
             async def events():
-                infos: dict[int, dict] = {}
-                started: set[int] = set()
                 try:
                     while True:
                         try:
@@ -368,37 +345,22 @@ def create_app(model, tokenizer, name: str, settings: ServeSettings) -> FastAPI:
                         if event is None:
                             return
                         if isinstance(event, Failed):
-                            yield _sse(event.error.body())
-                            yield "data: [DONE]\n\n"
+                            yield sse(event.error.body())
+                            yield SSE_DONE
                             return
                         if isinstance(event, Done):
-                            if parsed.include_usage:
-                                yield _sse({**head, "object": chunk_object, "choices": [], "usage": usage(event)})
-                            yield "data: [DONE]\n\n"
+                            usage = response.usage_chunk(event)
+                            if usage is not None:
+                                yield usage
+                            yield SSE_DONE
                             return
-                        if chat:
-                            delta = {"content": event.text}
-                            if event.choice not in started:  # the first chunk of a choice names the role
-                                started.add(event.choice)
-                                delta = {"role": "assistant", **delta}
-                            choice = {"index": event.choice, "delta": delta, "finish_reason": event.finish_reason}
-                        else:
-                            choice = {"text": event.text, "index": event.choice, "logprobs": logprobs_of(event.tokens),
-                                      "finish_reason": event.finish_reason}
-                        chunk = {**head, "object": chunk_object, "choices": [choice]}
-                        if event.finish_reason is not None:
-                            infos = {event.choice: event.info or {}}
-                            chunk["latentloop"] = extra(parsed.resolved, job, infos)
-                        yield _sse(chunk)
+                        yield response.chunk(event, job.batch_rows)
                 finally:
                     job.cancel()  # a no-op once the job is done; frees the rows of a client that left
 
             return StreamingResponse(events(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-        choices = {i: {"text": "", "index": i, "logprobs": logprobs_of([]), "finish_reason": None}
-                   for i in range(parsed.rows)}
-        infos: dict[int, dict] = {}
         try:
             while True:
                 event = await next_event(queue, job, request, deadline)
@@ -407,23 +369,10 @@ def create_app(model, tokenizer, name: str, settings: ServeSettings) -> FastAPI:
                 if isinstance(event, Failed):
                     raise event.error
                 if isinstance(event, Done):
-                    break
-                choice = choices[event.choice]
-                choice["text"] += event.text
-                if choice["logprobs"] is not None:
-                    for key, values in logprobs_of(event.tokens).items():
-                        if values is not None:
-                            choice["logprobs"][key].extend(values)
-                if event.finish_reason is not None:
-                    choice["finish_reason"] = event.finish_reason
-                    infos[event.choice] = event.info or {}
+                    return response.completion(event, job.batch_rows)
+                response.add(event)
         finally:
             job.cancel()
-        if chat:
-            choices = {i: {"index": i, "message": {"role": "assistant", "content": c["text"]},
-                           "finish_reason": c["finish_reason"]} for i, c in choices.items()}
-        return {**head, "choices": [choices[i] for i in range(parsed.rows)], "usage": usage(event),
-                "latentloop": extra(parsed.resolved, job, infos)}
 
     app.include_router(router)
     return app

@@ -1,8 +1,22 @@
-"""The batching scheduler: one thread owns the model and decodes the waiting requests together.
+"""The batching schedulers: one thread owns the model and decodes the waiting requests together.
+`--batching continuous` (the default) or `rounds` picks one; both hand the same events to the
+request handlers, and every request gets what the engine gives it alone.
 
-Rounds. The thread waits for a request, lets `batch_window` pass so that concurrent requests
-arrive, then takes the requests waiting at that moment (first come first served, up to
-`max_rows` rows in all) and runs them as one round:
+Continuous (`ContinuousScheduler`, iteration-level scheduling as vLLM and TGI do). Requests join a
+running batch at its next decode step and leave it when done (`serve/batch.py`: the joining rows
+are prefilled together, then their cache rows and the running ones are regrouped into one cache,
+rows at different positions side by side). One batch per set of architecture options (every row
+of a batch runs the same forward); sampling settings and seeds are per request inside a batch,
+each request drawing from its own generator, so they do not split batches. Options that couple the
+rows of a prefill (fbt's `passes="auto"`, `DecodeOption.couples_rows`) prefill each request alone.
+At most `max_rows` rows decode at once over all batches; more requests wait in the queue, first
+come first served. An idle scheduler waits `batch_window` after the first request, so that a burst
+starts as one batch; a busy one takes new requests at every step.
+
+Rounds (`RoundScheduler`, the scheduler before continuous batching). The thread waits for a
+request, lets `batch_window` pass so that concurrent requests arrive, then takes the requests
+waiting at that moment (first come first served, up to `max_rows` rows in all) and runs them as one
+round:
 
 1. prompts that are echoed get their logprobs from `teacher_forced_logits`;
 2. the rows are grouped by what must be equal within one engine call: the architecture's
@@ -34,8 +48,10 @@ from typing import Any
 
 import torch
 
-from ..engine import row_info, stream, teacher_forced_logits
+from ..engine import model_options, row_info, stream, teacher_forced_logits
+from .batch import DecodeBatch, Member, Sampling, couples_rows
 from .protocol import APIError, CompletionRequest, decode_with_offsets, special_names, token_string
+from .settings import BATCHING
 from .text import RowText, TokenEntry, top_dict
 
 IDLE_POLL_S = 0.1  # how often an idle scheduler looks for shutdown
@@ -134,14 +150,16 @@ class Stats:
     failed: int = 0  # ended with an error (shutdown, internal error)
     cancelled: int = 0  # the client disconnected or timed out before the end
     rejected_queue_full: int = 0
-    rounds: int = 0
-    batches: int = 0
+    rounds: int = 0  # rounds (--batching rounds); regroupings of a batch's cache (continuous)
+    batches: int = 0  # engine calls (rounds); batches started from empty (continuous)
     rows_decoded: int = 0  # rows started in a batch
     rows_freed: int = 0  # rows dropped from a running batch because their client went away
+    rows_joined_running: int = 0  # rows that joined a batch already decoding (continuous)
     max_batch_rows: int = 0  # the most rows one engine call decoded together
     last_round_rows: int = 0
     last_batch_rows: list[int] = field(default_factory=list)  # rows of each batch of the last round
     steps: int = 0  # decode steps over all batches
+    row_steps: int = 0  # rows decoded summed over the steps (row_steps / steps: rows per step)
     tokens: int = 0  # generated tokens handed to clients' rows
 
 
@@ -151,6 +169,9 @@ class Stats:
 
 
 class Scheduler:
+    """What both schedulers share: the queue and its limits, shutdown, statistics, echo, and
+    handing a row's text to its handler. A subclass decodes (`_loop`)."""
+
     def __init__(self, model, tokenizer, max_rows: int, max_queue: int, batch_window: float):
         self.model, self.tokenizer = model, tokenizer
         self.max_rows, self.max_queue, self.batch_window = max_rows, max_queue, batch_window
@@ -207,6 +228,137 @@ class Scheduler:
         return {**stats, "queued": queued, "active_rows": self._active_rows, "max_batch_size": self.max_rows,
                 "max_queue": self.max_queue, "batch_window_s": self.batch_window}
 
+    # -- taking work ----------------------------------------------------------------------------
+    def _wait_for_work(self, room: int) -> bool:
+        """Wait for a job, then let `batch_window` pass so that concurrent requests arrive (ended
+        early once `room` rows wait). False when stopping."""
+        with self._cond:
+            while not self._pending and not self._stopping.is_set():
+                self._cond.wait(IDLE_POLL_S)
+        if self._stopping.is_set():
+            return False
+        if self.batch_window > 0:  # let concurrent requests arrive; end early once a batch is full
+            deadline = time.monotonic() + self.batch_window
+            with self._cond:
+                while (left := deadline - time.monotonic()) > 0 and not self._stopping.is_set() \
+                        and sum(len(j.rows) for j in self._pending) < room:
+                    self._cond.wait(left)
+        return True
+
+    def _take_jobs(self, room: int, at_least_one: bool = True) -> list[Job]:
+        """Waiting jobs, first come first served, while their rows fit `room` (the first one
+        always, with `at_least_one`: a request of more rows than room still runs)."""
+        jobs, rows = [], 0
+        with self._cond:
+            while self._pending:
+                job = self._pending[0]
+                if job.cancelled.is_set():
+                    self._pending.popleft()
+                    self.stats.cancelled += 1
+                    continue
+                if rows + len(job.rows) > room and (jobs or not at_least_one):
+                    break
+                jobs.append(self._pending.popleft())
+                rows += len(job.rows)
+        return jobs
+
+    # -- rows -----------------------------------------------------------------------------------
+    def _gone(self, row: Row) -> bool:
+        """Whether a live row's client went away (or its job ended otherwise): the row is freed."""
+        if not row.done and (row.job.cancelled.is_set() or row.job.finished):
+            row.done = True
+            self.stats.rows_freed += 1
+            self._active_rows -= 1
+            return True
+        return False
+
+    def _hand_token(self, row: Row, token: int | None, logprob: float | None, top: list | None,
+                    info: dict) -> None:
+        """A row's new token (None: the engine stopped it on a stop token) to its text and handler."""
+        if token is None:
+            self._finish_row(row, "stop")
+            return
+        row.info = info
+        row.generated += 1
+        self.stats.tokens += 1
+        stopped = row.text.add(token, logprob, top[:row.job.request.logprobs] if row.job.request.logprobs else None)
+        if stopped:
+            self._finish_row(row, "stop")
+        elif row.generated >= row.job.request.max_tokens:
+            self._finish_row(row, "length")
+        else:
+            text, tokens = row.text.release()
+            if text or tokens:
+                row.job.post(Delta(row.choice, text, tokens))
+
+    def _fail_pending(self) -> None:
+        with self._cond:
+            jobs, self._pending = list(self._pending), collections.deque()
+        for job in jobs:
+            job.fail(APIError(503, "the server is shutting down", type="server_error", code="shutting_down"))
+            self.stats.failed += 1
+
+    def _fail_internal(self, jobs: list[Job], exc: Exception) -> None:
+        for job in jobs:
+            if not job.finished:
+                self.stats.failed += 1
+                job.fail(APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"))
+
+    def _finish_row(self, row: Row, reason: str) -> None:
+        job = row.job
+        if row.done:
+            return
+        row.done = True
+        if job.request.max_tokens > 0:
+            self._active_rows -= 1
+        text, tokens = row.text.release(final=True)
+        job.completion_tokens += row.generated
+        job.post(Delta(row.choice, text, tokens, reason, row.info))
+        if all(r.done for r in job.rows) and not job.finished:
+            job.finished = True
+            self.stats.completed += 1
+            job.post(Done(sum(len(p) for p in job.request.prompts), job.completion_tokens, job.batch_rows))
+
+    # -- echo ---------------------------------------------------------------------------------
+    def _echo(self, job: Job) -> None:
+        """Each echoed prompt's text and, with logprobs, each prompt token's log-probability given
+        the tokens before it (None for a first token that has none), from the architecture's
+        scoring path (`teacher_forced_logits`)."""
+        request = job.request
+        k = request.logprobs
+        for p, prompt in enumerate(request.prompts):
+            entries: list[TokenEntry] = []
+            echoed = job.echoed(p)
+            text, offsets = decode_with_offsets(self.tokenizer, echoed)
+            if k is not None:
+                first = len(prompt) - len(echoed)  # 1 when the server added BOS
+                logp = self._prompt_logprobs(prompt, request.options)  # (T, V)
+                chosen = logp[:-1].gather(-1, torch.tensor(prompt[1:])[:, None]).squeeze(-1).tolist()
+                top_values, top_ids = logp[:-1].topk(k, dim=-1) if k else (None, None)
+                for j in range(first, len(prompt)):
+                    token = token_string(self.tokenizer, prompt[j], self.specials)
+                    if j == 0:
+                        entries.append(TokenEntry(token, None, None, offsets[j - first]))
+                        continue
+                    top = None
+                    if k:
+                        top = top_dict(self.tokenizer, self.specials,
+                                       list(zip(top_ids[j - 1].tolist(), top_values[j - 1].tolist())))
+                    entries.append(TokenEntry(token, chosen[j - 1], top, offsets[j - first]))
+            for j in range(request.n):
+                job.post(Delta(p * request.n + j, text, entries))
+
+    def _prompt_logprobs(self, prompt: list[int], options: dict) -> torch.Tensor:
+        """Log-probabilities (T, V) of the next token after every prompt position."""
+        idx = torch.tensor([prompt], device=next(self.model.parameters()).device)
+        with torch.inference_mode():
+            logits = teacher_forced_logits(self.model, idx, **options)
+        return logits[0].float().log_softmax(dim=-1).cpu()
+
+
+class RoundScheduler(Scheduler):
+    """Rounds: see the module docstring."""
+
     # -- the thread ---------------------------------------------------------------------------
     def _loop(self) -> None:
         try:
@@ -220,37 +372,9 @@ class Scheduler:
     def _take_round(self) -> list[Job]:
         """The jobs waiting once the batch window has passed, first come first served, up to
         max_rows rows (at least one job)."""
-        with self._cond:
-            while not self._pending and not self._stopping.is_set():
-                self._cond.wait(IDLE_POLL_S)
-        if self._stopping.is_set():
+        if not self._wait_for_work(self.max_rows):
             return []
-        if self.batch_window > 0:  # let concurrent requests arrive; end early once a batch is full
-            deadline = time.monotonic() + self.batch_window
-            with self._cond:
-                while (left := deadline - time.monotonic()) > 0 and not self._stopping.is_set() \
-                        and sum(len(j.rows) for j in self._pending) < self.max_rows:
-                    self._cond.wait(left)
-        jobs, rows = [], 0
-        with self._cond:
-            while self._pending:
-                job = self._pending[0]
-                if job.cancelled.is_set():
-                    self._pending.popleft()
-                    self.stats.cancelled += 1
-                    continue
-                if jobs and rows + len(job.rows) > self.max_rows:
-                    break
-                jobs.append(self._pending.popleft())
-                rows += len(job.rows)
-        return jobs
-
-    def _fail_pending(self) -> None:
-        with self._cond:
-            jobs, self._pending = list(self._pending), collections.deque()
-        for job in jobs:
-            job.fail(APIError(503, "the server is shutting down", type="server_error", code="shutting_down"))
-            self.stats.failed += 1
+        return self._take_jobs(self.max_rows)
 
     def _run_round(self, jobs: list[Job]) -> None:
         self.stats.rounds += 1
@@ -301,12 +425,6 @@ class Scheduler:
                 if not job.finished and job.cancelled.is_set():
                     job.finished = True
                     self.stats.cancelled += 1
-
-    def _fail_internal(self, jobs: list[Job], exc: Exception) -> None:
-        for job in jobs:
-            if not job.finished:
-                self.stats.failed += 1
-                job.fail(APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"))
 
     # -- grouping and batches -----------------------------------------------------------------
     def _group_key(self, job: Job) -> tuple:
@@ -362,10 +480,7 @@ class Scheduler:
     def _step(self, run: _BatchRun) -> bool:
         """Advance a batch by one token; False once it has no row left."""
         for row in run.rows:
-            if not row.done and (row.job.cancelled.is_set() or row.job.finished):
-                row.done = True
-                self.stats.rows_freed += 1
-                self._active_rows -= 1
+            self._gone(row)
         if all(row.done for row in run.rows):
             return False
         try:
@@ -376,79 +491,145 @@ class Scheduler:
                     self._finish_row(row, "length" if row.generated >= row.job.request.max_tokens else "stop")
             return False
         self.stats.steps += 1
+        self.stats.row_steps += sum(not row.done for row in run.rows)
         for i, row in enumerate(run.rows):
             if row.done:
                 continue
-            token = step.tokens[i]
-            if token is None:  # the engine stopped this row on a stop token
-                self._finish_row(row, "stop")
-                continue
-            row.info = row_info(step.info, i)
-            row.generated += 1
-            self.stats.tokens += 1
             logprob = step.logprobs[i] if step.logprobs is not None else None
-            top = step.top_logprobs[i][:row.job.request.logprobs] if step.top_logprobs is not None else None
-            stopped = row.text.add(token, logprob, top if row.job.request.logprobs else None)
-            if stopped:
-                self._finish_row(row, "stop")
-            elif row.generated >= row.job.request.max_tokens:
-                self._finish_row(row, "length")
-            else:
-                text, tokens = row.text.release()
-                if text or tokens:
-                    row.job.post(Delta(row.choice, text, tokens))
+            top = step.top_logprobs[i] if step.top_logprobs is not None else None
+            self._hand_token(row, step.tokens[i], logprob, top, row_info(step.info, i))
         return not all(row.done for row in run.rows)
 
-    def _finish_row(self, row: Row, reason: str) -> None:
-        job = row.job
-        if row.done:
-            return
-        row.done = True
-        if job.request.max_tokens > 0:
-            self._active_rows -= 1
-        text, tokens = row.text.release(final=True)
-        job.completion_tokens += row.generated
-        job.post(Delta(row.choice, text, tokens, reason, row.info))
-        if all(r.done for r in job.rows) and not job.finished:
-            job.finished = True
-            self.stats.completed += 1
-            job.post(Done(sum(len(p) for p in job.request.prompts), job.completion_tokens, job.batch_rows))
 
-    # -- echo ---------------------------------------------------------------------------------
-    def _echo(self, job: Job) -> None:
-        """Each echoed prompt's text and, with logprobs, each prompt token's log-probability given
-        the tokens before it (None for a first token that has none), from the architecture's
-        scoring path (`teacher_forced_logits`)."""
+class ContinuousScheduler(Scheduler):
+    """Continuous batching: see the module docstring."""
+
+    def __init__(self, model, tokenizer, max_rows: int, max_queue: int, batch_window: float):
+        super().__init__(model, tokenizer, max_rows, max_queue, batch_window)
+        self.device = next(model.parameters()).device
+        self._batches: dict[tuple, DecodeBatch] = {}  # by the options every row of the batch runs with
+        self._jobs: list[Job] = []  # admitted and not finished
+
+    # -- the thread ---------------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                if not self._jobs and not self._wait_for_work(self.max_rows):
+                    break
+                room = self.max_rows - self._active_rows
+                for job in self._take_jobs(room, at_least_one=not self._jobs):
+                    self._admit(job)
+                for key, batch in list(self._batches.items()):
+                    if self._stopping.is_set():
+                        break
+                    try:
+                        self._step(batch)
+                    except Exception as exc:  # noqa: BLE001 - only this batch's requests fail
+                        self._fail_internal(list({id(m.owner.job): m.owner.job for m in self._members(batch)}
+                                                 .values()), exc)
+                        self._drop_rows(batch)
+                    if not len(batch):
+                        del self._batches[key]
+                self._jobs = [job for job in self._jobs if not job.finished]
+        finally:
+            self._stop_running()
+            self._fail_pending()
+
+    def _stop_running(self) -> None:
+        """Stopping: every admitted request that has not ended ends with 503."""
+        for job in self._jobs:
+            if not job.finished:
+                if job.cancelled.is_set():
+                    job.finished = True
+                    self.stats.cancelled += 1
+                else:
+                    job.fail(APIError(503, "the server is shutting down: the request was stopped",
+                                      type="server_error", code="shutting_down"))
+                    self.stats.failed += 1
+        self._jobs, self._batches, self._active_rows = [], {}, 0
+
+    # -- joining ------------------------------------------------------------------------------
+    def _admit(self, job: Job) -> None:
+        """A new request: its echo, then its rows into the batch of its options (prefilled and
+        joined at that batch's next step)."""
         request = job.request
-        k = request.logprobs
-        for p, prompt in enumerate(request.prompts):
-            entries: list[TokenEntry] = []
-            echoed = job.echoed(p)
-            text, offsets = decode_with_offsets(self.tokenizer, echoed)
-            if k is not None:
-                first = len(prompt) - len(echoed)  # 1 when the server added BOS
-                logp = self._prompt_logprobs(prompt, request.options)  # (T, V)
-                chosen = logp[:-1].gather(-1, torch.tensor(prompt[1:])[:, None]).squeeze(-1).tolist()
-                top_values, top_ids = logp[:-1].topk(k, dim=-1) if k else (None, None)
-                for j in range(first, len(prompt)):
-                    token = token_string(self.tokenizer, prompt[j], self.specials)
-                    if j == 0:
-                        entries.append(TokenEntry(token, None, None, offsets[j - first]))
-                        continue
-                    top = None
-                    if k:
-                        top = top_dict(self.tokenizer, self.specials,
-                                       list(zip(top_ids[j - 1].tolist(), top_values[j - 1].tolist())))
-                    entries.append(TokenEntry(token, chosen[j - 1], top, offsets[j - first]))
-            for j in range(request.n):
-                job.post(Delta(p * request.n + j, text, entries))
+        self._jobs.append(job)
+        self._active_rows += len(job.rows) if request.max_tokens > 0 else 0
+        try:
+            if request.echo:
+                self._echo(job)
+            if request.max_tokens == 0:
+                for row in job.rows:
+                    self._finish_row(row, "length")
+                return
+            options = model_options(self.model, request.options)
+            key = tuple(sorted(request.resolved.items()))  # {} and {"regime": "soft"} decode alike
+            batch = self._batches.get(key)
+            if batch is None:
+                batch = self._batches[key] = DecodeBatch(self.model, options, self.stop_tokens, self.tokenizer.pad_id,
+                                                         coupled=couples_rows(self.model, options))
+                self.stats.batches += 1
+            generator = None
+            if not request.greedy:  # the request's own draws: seeded as asked, else from fresh entropy
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(request.seed) if request.seed is not None else generator.seed()
+            sampling = Sampling(request.temperature, request.top_k, request.top_p, generator,
+                                logprobs=request.logprobs is not None, top_logprobs=request.logprobs or 0)
+            if any(not member.done for member in batch.members):
+                self.stats.rows_joined_running += len(job.rows)
+            batch.add([Member(row.prompt, request.max_tokens, sampling, owner=row) for row in job.rows])
+            self.stats.rows_decoded += len(job.rows)
+        except Exception as exc:  # noqa: BLE001 - a bug must not take the server down: this request fails
+            self._fail_internal([job], exc)
+            for row in job.rows:
+                if not row.done and request.max_tokens > 0:
+                    self._active_rows -= 1
+                row.done = True
 
-    def _prompt_logprobs(self, prompt: list[int], options: dict) -> torch.Tensor:
-        """Log-probabilities (T, V) of the next token after every prompt position."""
-        idx = torch.tensor([prompt], device=next(self.model.parameters()).device)
-        with torch.inference_mode():
-            logits = teacher_forced_logits(self.model, idx, **options)
-        return logits[0].float().log_softmax(dim=-1).cpu()
+    # -- one step of one batch ----------------------------------------------------------------
+    @staticmethod
+    def _members(batch: DecodeBatch) -> list[Member]:
+        return [m for m in batch.members if not m.done] + [m for group in batch.waiting for m in group]
+
+    def _drop_rows(self, batch: DecodeBatch) -> None:
+        """After a failed step: the batch's rows are gone (their jobs failed)."""
+        for member in self._members(batch):
+            batch.drop(member)
+            if not member.owner.done:
+                member.owner.done = True
+                self._active_rows -= 1
+        batch.waiting = []
+
+    def _step(self, batch: DecodeBatch) -> None:
+        for member in self._members(batch):
+            if self._gone(member.owner):
+                batch.drop(member)
+        regroups = batch.regroups
+        steps = batch.step()
+        self.stats.rounds += batch.regroups - regroups
+        if not steps:
+            return
+        self.stats.steps += 1
+        self.stats.row_steps += len(steps)
+        self.stats.max_batch_rows = max(self.stats.max_batch_rows, len(steps))
+        self.stats.last_batch_rows = [len(steps)]
+        for step in steps:
+            row = step.member.owner
+            row.job.batch_rows = max(row.job.batch_rows, len(steps))
+            if row.done:  # finished by its job's end meanwhile
+                batch.drop(step.member)
+                continue
+            self._hand_token(row, step.token, step.logprob, step.top_logprobs, dict(step.member.info))
+            if row.done:
+                batch.drop(step.member)
+
+
+def make_scheduler(batching: str, model, tokenizer, max_rows: int, max_queue: int, batch_window: float) -> Scheduler:
+    """The scheduler `--batching` names (BATCHING)."""
+    kinds = {"continuous": ContinuousScheduler, "rounds": RoundScheduler}
+    if batching not in kinds:
+        raise ValueError(f"batching must be one of {', '.join(BATCHING)}, got {batching!r}")
+    return kinds[batching](model, tokenizer, max_rows, max_queue, batch_window)
 
 
 class _BatchRun:

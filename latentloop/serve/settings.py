@@ -12,6 +12,7 @@ DEFAULT_MAX_BATCH_SIZE = 32  # rows decoded together (1: no batching)
 DEFAULT_MAX_QUEUE = 256  # requests waiting for a round before 429
 DEFAULT_BATCH_WINDOW_MS = 5.0  # how long an idle server waits for more requests before a round
 DEFAULT_REQUEST_TIMEOUT_S = 300.0  # a request (queue wait included) running longer ends with 504
+BATCHING = ("continuous", "rounds")  # --batching: the schedulers of serve/scheduler.py, the default first
 API_KEY_ENV = "LATENTLOOP_API_KEY"
 MAX_PORT = 2**16 - 1  # TCP ports are 16 bits (0: any free port)
 
@@ -28,6 +29,7 @@ class ServeSettings:
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
     max_queue: int = DEFAULT_MAX_QUEUE
     batch_window_ms: float = DEFAULT_BATCH_WINDOW_MS
+    batching: str = BATCHING[0]
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S
     access_log: bool = False
 
@@ -53,5 +55,7 @@ def check_settings(settings: ServeSettings) -> None:
             raise LatentloopError(f"{name} must be >= {minimum}, got {value}")
     if not 0 <= settings.port <= MAX_PORT:
         raise LatentloopError(f"--port must be in [0, {MAX_PORT}] (0: any free port), got {settings.port}")
+    if settings.batching not in BATCHING:
+        raise LatentloopError(f"--batching must be one of {', '.join(BATCHING)}, got {settings.batching!r}")
     if settings.batch_window_ms < 0 or settings.request_timeout <= 0:
         raise LatentloopError("--batch-window-ms must be >= 0 and --request-timeout > 0")
