@@ -21,7 +21,7 @@ from latentloop.cli import main
 from latentloop.config import RunConfig, model_config
 from latentloop.data import ByteTokenizer, HFTokenizer, load_tokenizer
 from latentloop.interop import export_hf, import_hf, initialise_from, upcycle_config
-from latentloop.interop.hf_export import REMOTE_DIR, REMOTE_FILES
+from latentloop.interop.hf_export import REMOTE_DIR, REMOTE_FILES, package_sources
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -287,10 +287,18 @@ def test_remote_code_export_matches_the_package(arch, overrides, options, tmp_pa
         assert theirs == mine, opts
 
 
-def test_remote_code_is_self_contained():
-    for name in REMOTE_FILES:
-        source = (REMOTE_DIR / name).read_text()
+@pytest.mark.parametrize("arch", list(ll.archs.ARCHS))
+def test_remote_code_is_self_contained(arch):
+    """The wrapper and the package files an export ships import nothing of latentloop and nothing
+    outside the folder: only `from .name import` of files that are in it."""
+    spec = ll.archs.get_arch(arch)
+    files = {name: (REMOTE_DIR / name).read_text() for name in REMOTE_FILES}
+    files |= package_sources(spec.model_class, spec.config_class)
+    for name, source in files.items():
         assert not re.search(r"^\s*(from|import)\s+latentloop", source, re.MULTILINE), name
+        assert not re.search(r"^\s*from\s+\.\.", source, re.MULTILINE), name
+        for local in re.findall(r"^\s*from\s+\.(\w+)\s+import", source, re.MULTILINE):
+            assert f"{local}.py" in files, f"{name} imports .{local}, which the export does not ship"
 
 
 def test_export_errors_are_one_line(tmp_path, capsys):

@@ -333,10 +333,18 @@ class GPT(nn.Module):
         self.lm_head = None if config.tie_embeddings else nn.Linear(D, V, bias=False)
         self.embed_norm = RMSNorm(D, config.norm_eps) if config.embed_norm else nn.Identity()
         self.ln_f = RMSNorm(D, config.norm_eps, config.learned_norms)  # the final norm, where the head reads
-        cos, sin = rope_tables(config.sequence_len, config.head_dim, config.rope_theta, rope_frequencies(config))
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_rope()
         self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_rope(self) -> None:
+        """(Re)compute the RoPE tables from the config, on the embedding's device. They are computed,
+        never stored, so a model built on the meta device and then loaded (transformers' loading of
+        an export) gets real tables by calling this."""
+        c = self.config
+        cos, sin = rope_tables(c.sequence_len, c.head_dim, c.rope_theta, rope_frequencies(c))
+        self.register_buffer("rope_cos", cos.to(self.wte.weight.device), persistent=False)
+        self.register_buffer("rope_sin", sin.to(self.wte.weight.device), persistent=False)
 
     def make_block(self, layer_idx: int) -> nn.Module:
         return Block(self.config, layer_idx)

@@ -232,7 +232,7 @@ class FBT(GPT):
     @torch.no_grad()
     def reset_fuse_scale(self) -> None:
         """fuse_scale <- the RMS of the embedding table (call again after loading other embeddings)."""
-        if self.fuse_scale is not None:
+        if self.fuse_scale is not None and not self.wte.weight.is_meta:  # meta: built to be loaded (transformers)
             self.fuse_scale.fill_(float(self.wte.weight.float().pow(2).mean().sqrt()))
 
     # -- the mechanism ------------------------------------------------------------------------

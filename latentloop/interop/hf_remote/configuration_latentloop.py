@@ -2,12 +2,19 @@
 
 Self-contained: it needs transformers, never latentloop. `latentloop` holds the package's model
 config as written by latentloop (arch and every backbone / variant field), `decoding` the default
-decoding options of the arch (fbt: regime, passes; rgpt: steps), which `generate(...)` and
-`forward(...)` keyword arguments override. The usual Hugging Face names (hidden_size, ...) are
-mirrored for tools that read them.
+decoding options of the arch (its declared options' defaults: fbt regime, passes; rgpt steps, ...),
+which `generate(...)` and `forward(...)` keyword arguments override. The usual Hugging Face names
+(hidden_size, ...) are mirrored for tools that read them.
 """
 
 from transformers import PretrainedConfig
+
+# Not used here: importing the generated module ties this file's cached copy to the architecture's
+# files. transformers caches a remote module (and the files it imports) in a folder named by a hash
+# of exactly those files, and reuses modules already imported from that folder; without this line
+# two exports of different architectures would share one folder and the second would run the
+# first one's `latentloop_arch`.
+from .latentloop_arch import CONFIG_CLASS  # noqa: F401
 
 # Hugging Face attribute -> latentloop config field, mirrored for generic tools
 MIRRORED_FIELDS = (("vocab_size", "vocab_size"), ("hidden_size", "n_embd"), ("num_hidden_layers", "n_layer"),
