@@ -25,10 +25,12 @@ from .models.backbone import GPT
 from .models.fbt import FBT, FBTConfig
 from .models.lrt import LRT, LRTConfig
 from .models.options import DecodeOption, all_options
+from .models.rfbt import RFBT, RFBTConfig
 from .models.rgpt import RGPT, RGPTConfig
 from .objectives.base import NextTokenObjective, Objective
 from .objectives.fbt import MultiPassObjective
 from .objectives.lrt import LRTObjective
+from .objectives.rfbt import RecurrentMultiPassObjective
 from .objectives.rgpt import RecurrentDepthObjective
 
 
@@ -85,6 +87,8 @@ register(ArchSpec("lrt", "latent recurrent transformer: the previous token's sta
                   LRTConfig, LRT, LRTObjective))
 register(ArchSpec("rgpt", "RecurrentGPT: prelude, gated shared core x R, coda", RGPTConfig, RGPT,
                   RecurrentDepthObjective))
+register(ArchSpec("rfbt", "rgpt's recurrent depth with fbt's latent feedback (latentloop's own)", RFBTConfig, RFBT,
+                  RecurrentMultiPassObjective))
 
 
 def get_arch(name: str) -> ArchSpec:
