@@ -3,6 +3,8 @@ is installed and ../shared/data is present) a real lm-eval run over the local ta
 
 from __future__ import annotations
 
+import json
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -10,11 +12,12 @@ import torch
 from conftest import shared_data
 
 import latentloop
-from latentloop.cli import main
 from latentloop.data import ByteTokenizer
-from latentloop.engine import generate
+from latentloop.engine import fit_prompt, generate, teacher_forced_logits
 from latentloop.eval import lm_eval_adapter
+from latentloop.eval.core import fit_row
 from latentloop.eval.lm_eval_adapter import LatentloopLM
+from latentloop.runtime import load_run
 
 BOS = ByteTokenizer.bos_id
 
@@ -96,18 +99,58 @@ def test_main_without_lm_eval(monkeypatch, capsys):
     assert "lm_eval is not installed" in capsys.readouterr().err
 
 
-@pytest.fixture(scope="module")
-def trained_run(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("lm_eval_run")
-    corpus = folder / "corpus.txt"
-    corpus.write_text("The man turned on the faucet, therefore water flowed. " * 100)
-    run = folder / "run"
-    assert main(["train", "--arch", "fbt", "--preset", "test", "--data", f"text:{corpus}", "--steps", "2",
-                 "--out", str(run), "--set", "batch_size=4", "--set", "n_layer=1", "--no-progress"]) == 0
-    return run
+def _row_score(model, context: list[int], continuation: list[int], options: dict) -> tuple[float, bool]:
+    """Log-probability and greedy match of one continuation, alone, straight from the engine's
+    teacher-forced logits (the pair cut to the context by the documented rule, `fit_row`)."""
+    context, continuation = fit_row(context, continuation, model.config.sequence_len, BOS)
+    logits = teacher_forced_logits(model, torch.tensor([context + continuation]), prompt_len=len(context), **options)
+    predicting = logits[0, len(context) - 1:-1].float()
+    targets = torch.tensor(continuation)
+    return float(predicting.log_softmax(-1).gather(-1, targets[:, None]).sum()), \
+        bool((predicting.argmax(-1) == targets).all())
 
 
-def test_lm_eval_runs_the_local_tasks(trained_run, monkeypatch):
+def _expected_scores(run, eval_dir, limit: int, options: dict) -> dict[str, float]:
+    """What the four local tasks must report for the first `limit` rows of their files, computed here
+    from the task definitions (prompt, delimiter, metric) without lm-eval or the adapter."""
+    model, tokenizer, _, _ = load_run(run, torch.device("cpu"))
+    encode = tokenizer.encode
+
+    def rows(name):
+        lines = (eval_dir / name).read_text().splitlines()
+        return [json.loads(line) for line in lines if line.strip()][:limit]
+
+    copa = [max(range(len(row["choices"])), key=lambda i, row=row: _row_score(
+        model, [BOS] + encode(row["query"]), encode(" " + row["choices"][i]), options)[0]) == row["gold"]
+            for row in rows("copa.jsonl")]
+    lambada = [_row_score(model, [BOS] + encode(row["context"].strip()), encode(" " + row["continuation"]), options)
+               for row in rows("lambada_openai.jsonl")]
+    span = model.config.sequence_len - 1  # rolling windows: one conditioning token, then up to span targets
+    rolling, rolling_bytes = 0.0, 0
+    for row in rows("lambada_openai.jsonl"):
+        text = row["context"].strip() + " " + row["continuation"]
+        tokens = encode(text)
+        rolling += sum(_row_score(model, [BOS] if start == 0 else [tokens[start - 1]], tokens[start:start + span],
+                                  options)[0] for start in range(0, len(tokens), span))
+        rolling_bytes += len(text.encode())
+    new_tokens = 8  # the task's max_gen_toks
+    arithmetic = []
+    for row in rows("simple_arithmetic_nospaces.jsonl"):
+        prompt, _ = fit_prompt([BOS] + encode(row["context"]), model.config.sequence_len - new_tokens, BOS)
+        ids = generate(model, prompt, new_tokens, temperature=0.0, stop_tokens=[BOS, tokenizer.eos_id, *encode("\n")],
+                       **options)
+        arithmetic.append(tokenizer.decode(ids).split("\n")[0] == row["continuation"])
+    return {"copa_acc": sum(copa) / limit,
+            "lambada_perplexity": math.exp(-sum(lp for lp, _ in lambada) / limit),
+            "lambada_acc": sum(greedy for _, greedy in lambada) / limit,
+            "rolling_bits_per_byte": -rolling / rolling_bytes / math.log(2),
+            "arithmetic_exact_match": sum(arithmetic) / limit}
+
+
+LM_EVAL_LIMIT = 2
+
+
+def test_lm_eval_runs_the_local_tasks(tiny_run, monkeypatch):
     pytest.importorskip("lm_eval")
     eval_dir = shared_data("eval")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
@@ -116,15 +159,19 @@ def test_lm_eval_runs_the_local_tasks(trained_run, monkeypatch):
     from lm_eval.api.registry import get_model
     from lm_eval.tasks import TaskManager
 
+    run = tiny_run("fbt")
     assert lm_eval_adapter.register() and get_model("latentloop") is LatentloopLM
     assert get_model("dummy") is not None  # lm-eval's own models stay available
     manager = TaskManager(include_path=str(lm_eval_adapter.TASKS_DIR), include_defaults=False,
                           metadata={"eval_dir": str(eval_dir)})
     tasks = ["latentloop_copa", "latentloop_lambada", "latentloop_lambada_rolling", "latentloop_arithmetic"]
-    results = simple_evaluate(model="latentloop", model_args=f"pretrained={trained_run},regime=soft", tasks=tasks,
-                              task_manager=manager, limit=2, device="cpu", batch_size=8)
+    results = simple_evaluate(model="latentloop", model_args=f"pretrained={run},regime=soft", tasks=tasks,
+                              task_manager=manager, limit=LM_EVAL_LIMIT, device="cpu", batch_size=8)
     scores = results["results"]
-    assert 0.0 <= scores["latentloop_copa"]["acc,none"] <= 1.0
-    assert scores["latentloop_lambada"]["perplexity,none"] > 1.0
-    assert scores["latentloop_lambada_rolling"]["bits_per_byte,none"] > 0
-    assert scores["latentloop_arithmetic"]["exact_match,none"] >= 0.0
+    expected = _expected_scores(run, eval_dir, LM_EVAL_LIMIT, {"regime": "soft"})
+    reported = {"copa_acc": scores["latentloop_copa"]["acc,none"],
+                "lambada_perplexity": scores["latentloop_lambada"]["perplexity,none"],
+                "lambada_acc": scores["latentloop_lambada"]["acc,none"],
+                "rolling_bits_per_byte": scores["latentloop_lambada_rolling"]["bits_per_byte,none"],
+                "arithmetic_exact_match": scores["latentloop_arithmetic"]["exact_match,none"]}
+    assert reported == pytest.approx(expected, rel=1e-4)  # the batched adapter against rows alone: rounding
