@@ -14,8 +14,11 @@ Runs (each seed):
 - rgpt-params   isoparams: the preset's blocks as 1 + (L-2) x R + 1, R = 4 (default gate bias 0)
 - rgpt-gate4    the same with the paper's gate bias init +4
 - rgpt-flops    isoFLOPs: the same effective depth as gpt
+- rfbt-flops    rgpt-flops' shape with fbt's feedback and pass recipe (latentloop's fifth arch): about
+                fbt's FLOPs per token (2.2x gpt's); gpt-2x is its matched-compute baseline
 
-Every run is evaluated on the same validation batches: loss/BPB (fbt under standard, soft and
+Every run is evaluated on the same validation windows, spaced evenly over the whole validation
+split (`--eval-batches` batches of them; 0: every window): loss/BPB (fbt and rfbt under standard, soft and
 fused, and the passes curve K = 1, 2, 3, 4, 8, 16, T on the first 2 batches; lrt with exact
 sequential memory and the merged parallel estimate; rgpt at r = 1..R, with the mean gate and the
 effective openness per step: each step's latest logged reading).
@@ -34,6 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from latentloop.archs import get_arch  # noqa: E402
 from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config  # noqa: E402
 from latentloop.eval.loss import passes_curve, score_run, text_batches  # noqa: E402
 from latentloop.models.rgpt import rgpt_shape_from_dense  # noqa: E402
@@ -55,12 +59,13 @@ def variants(preset: str, seq_len: int, steps: int) -> dict[str, tuple[dict, int
         "rgpt-gate4": (dict(arch="rgpt", gate_bias_init=4.0, **base, **rgpt_shape_from_dense(layers, "params", 4)),
                        steps),
         "rgpt-flops": (dict(arch="rgpt", **base, **rgpt_shape_from_dense(layers, "flops", 2)), steps),
+        "rfbt-flops": (dict(arch="rfbt", **base, **rgpt_shape_from_dense(layers, "flops", 2)), steps),
     }
 
 
 def evaluations(arch: str, config) -> dict[str, dict]:
-    if arch == "fbt":
-        return {"standard": {"regime": "standard"}, "soft": {"regime": "soft"}, "fused": {"regime": "fused"}}
+    if arch in ("fbt", "rfbt"):  # the regimes (rfbt: at its trained depth)
+        return get_arch(arch).scoring_modes(config)
     if arch == "lrt":
         return {"sequential": {"prefill": "sequential"}, "interleaved": {"prefill": "interleaved"}}
     if arch == "rgpt":
@@ -82,10 +87,10 @@ def run_one(out: Path, name: str, fields: dict, steps: int, seed: int, preset: s
     summary = fit(state, progress=False)
     model = state.model.eval()
     byte_lengths = state.tokenizer.token_byte_lengths()
-    batches = text_batches(state.data.val, batch_size, config.model.sequence_len, eval_batches)
+    batches = text_batches(state.data.val, batch_size, config.model.sequence_len, eval_batches or None, spread=True)
     scores = score_run(model, batches, byte_lengths, evaluations(arch, config.model))
     extra = {}
-    if arch == "fbt":
+    if arch in ("fbt", "rfbt"):
         extra["passes_curve"] = passes_curve(model, state.data.val, byte_lengths, batch_size,
                                              config.model.sequence_len, max_batches=CURVE_BATCHES)
     if arch == "rgpt":  # each recurrence step's latest logged gate readings (a step runs its drawn depth only)
@@ -156,7 +161,8 @@ def main() -> None:
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--eval-batches", type=int, default=8)
+    parser.add_argument("--eval-batches", type=int, default=32,
+                        help="validation batches, their windows spread over the whole split (0: all of it)")
     parser.add_argument("--only", nargs="*", default=None, help="run only these variants")
     parser.add_argument("--data", default="stdlib", help="data source (stdlib, text:PATH, task:NAME)")
     args = parser.parse_args()

@@ -443,3 +443,13 @@ def test_a_mix_interleaves_its_parts_balanced_by_bytes(tmp_path):
     for bad in ("mix:stdlib", "mix:stdlib+", "mix:stdlib+mix:stdlib+stdlib", "mix:stdlib+nope"):
         with pytest.raises(DataError):
             parse_source(bad)
+
+
+def test_spread_eval_batches_sample_windows_from_the_whole_split():
+    tokens = np.arange(101, dtype=np.uint16)  # 10 windows of 10 (+1 target token)
+    first = [int(x[0, 0]) for x, _ in eval_batches(tokens, batch_size=2, seq_len=10, max_batches=2)]
+    spread = [x[:, 0].tolist() for x, _ in eval_batches(tokens, batch_size=2, seq_len=10, max_batches=2, spread=True)]
+    assert first == [0, 20]  # stream order: the first four windows
+    assert spread == [[0, 30], [60, 90]]  # four windows spaced over all ten, the last one included
+    whole = [x[:, 0].tolist() for x, _ in eval_batches(tokens, batch_size=4, seq_len=10, spread=True)]
+    assert sum(whole, []) == list(range(0, 100, 10))  # nothing left out: every window, in order

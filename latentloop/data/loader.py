@@ -140,9 +140,12 @@ class TokenLoader:
 
 
 def eval_batches(
-    tokens: np.ndarray, batch_size: int, seq_len: int, max_batches: int | None = None
+    tokens: np.ndarray, batch_size: int, seq_len: int, max_batches: int | None = None, spread: bool = False
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Consecutive windows in stream order, for validation; the last batch may have fewer rows.
+    With `spread` and a `max_batches` that leaves windows out, the windows taken are spaced evenly
+    over the whole split instead of its first ones (so a sample covers every part of it, not the
+    first few documents).
 
     Checks its arguments at call time (not on first iteration), so errors surface early.
     """
@@ -153,10 +156,12 @@ def eval_batches(
     if max_batches is not None:
         num_batches = min(num_batches, max(0, max_batches))
 
+    taken = min(num_windows, num_batches * batch_size)
+    order = (np.linspace(0, num_windows - 1, taken).round().astype(np.int64) if spread and taken < num_windows
+             else np.arange(taken, dtype=np.int64))
+
     def generate() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for batch in range(num_batches):
-            first = batch * batch_size
-            window_ids = np.arange(first, min(first + batch_size, num_windows), dtype=np.int64)
-            yield _make_batch(tokens, window_ids, seq_len)
+        for first in range(0, taken, batch_size):
+            yield _make_batch(tokens, order[first:first + batch_size], seq_len)
 
     return generate()

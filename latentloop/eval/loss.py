@@ -100,10 +100,11 @@ def decoding_logits(options: dict | None = None) -> LogitsFn:
     return logits_fn
 
 
-def text_batches(tokens: np.ndarray, batch_size: int, seq_len: int,
-                 max_batches: int | None = None) -> Callable[[], Iterable[tuple]]:
-    """`score_run`'s batches of a token stream: a new pass over the same validation batches per call."""
-    return partial(eval_batches, tokens, batch_size, seq_len, max_batches)
+def text_batches(tokens: np.ndarray, batch_size: int, seq_len: int, max_batches: int | None = None,
+                 spread: bool = False) -> Callable[[], Iterable[tuple]]:
+    """`score_run`'s batches of a token stream: a new pass over the same validation batches per call
+    (`spread`: windows spaced over the whole split, see `eval_batches`)."""
+    return partial(eval_batches, tokens, batch_size, seq_len, max_batches, spread)
 
 
 def score_run(model: nn.Module, batches: Callable[[], Iterable[tuple]], token_bytes: np.ndarray,
