@@ -222,8 +222,8 @@ def test_non_finite_weights_are_never_saved_nor_rotate_out_a_good_checkpoint(tmp
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_00000001"]
 
 
-def test_loading_non_finite_weights_is_a_one_line_error(corpus, tmp_path, capsys):
-    run = _train(corpus, tmp_path / "run", steps=1)
+def test_loading_non_finite_weights_is_a_one_line_error(tiny_run_copy, capsys):
+    run = tiny_run_copy("gpt")
     file = ckpt.resolve_checkpoint(run) / "model.safetensors"
     weights = load_file(str(file))
     weights["wte.weight"][3, 3] = float("inf")
@@ -357,8 +357,8 @@ def test_saves_fsync_every_file_and_folder(tmp_path, monkeypatch):
 # --------------------------------------------------------------------------------------------
 
 
-def test_tokenizer_train_never_overwrites_or_moves_a_tokenizer(corpus, tmp_path, capsys):
-    run = _train(corpus, tmp_path / "run", steps=1)
+def test_tokenizer_train_never_overwrites_or_moves_a_tokenizer(corpus, tiny_run_copy, capsys):
+    run = tiny_run_copy("gpt")
     before = (run / "tokenizer.json").read_text()
     common = ["tokenizer", "train", "--data", f"text:{corpus}", "--vocab-size", "270", "--out"]
     err = _one_line_exit_2([*common, run], capsys)
@@ -450,8 +450,8 @@ def test_train_and_tokenizer_outputs_in_the_way_of_a_file(corpus, a_file, below,
     assert a_file.read_text() == "mine"
 
 
-def test_compare_analyze_eval_and_demo_outputs_in_the_way_of_a_file(corpus, tmp_path, a_file, capsys):
-    run = _train(corpus, tmp_path / "run", steps=1)
+def test_compare_analyze_eval_and_demo_outputs_in_the_way_of_a_file(tiny_run_copy, tmp_path, a_file, capsys):
+    run = tiny_run_copy("gpt")
     assert "is a file" in _one_line_exit_2(["compare", run, "--out", a_file], capsys)
     assert "a_file" in _one_line_exit_2(["compare", run, "--out", a_file / "sub"], capsys)
     assert "is a file" in _one_line_exit_2(["analyze", "contraction", run, "--out", a_file], capsys)
@@ -476,8 +476,8 @@ def test_write_json_atomic_reports_an_unwritable_path(a_file):
 # --------------------------------------------------------------------------------------------
 
 
-def test_config_is_checked_against_the_weights_header_before_allocating(corpus, tmp_path, monkeypatch):
-    run = _train(corpus, tmp_path / "run", steps=1)
+def test_config_is_checked_against_the_weights_header_before_allocating(tiny_run_copy, monkeypatch):
+    run = tiny_run_copy("gpt")
     for file in (run / "config.json", ckpt.resolve_checkpoint(run) / "config.json"):
         raw = json.loads(file.read_text())
         raw["model"].update(n_embd=2048, n_head=16)  # ~0.4 GB of weights, were it built
