@@ -365,8 +365,9 @@ def cmd_train(args) -> int:
         print(json.dumps(summary, indent=2))
     else:
         print(f"trained {config.model.arch} ({summary['params']:,} params) for {summary['step']} steps, "
-              f"{summary['tokens']:,} tokens: val loss {summary['val_loss']:.4f}, bpb {summary['val_bpb']:.4f}; "
-              f"checkpoint {summary['checkpoint']}")
+              f"{summary['tokens']:,} tokens: val loss {summary['val_loss']:.4f}, bpb {summary['val_bpb']:.4f} "
+              f"(on {summary.get('val_tokens', 0):,} tokens: the first {config.train.eval_batches or 'all'} "
+              f"batches of the val split; `latentloop eval` scores all of it); checkpoint {summary['checkpoint']}")
     return 0
 
 
@@ -463,6 +464,12 @@ def cmd_eval(args) -> int:
     first = next(iter(by_option))
     metrics = {"run": str(args.run), "checkpoint": str(checkpoint), "split": args.split, "scored_as": first,
                **by_option[first]}
+    # what the figure covers, beside train's own (which scores the first train.eval_batches of this split)
+    source = args.data or config.data.source
+    scope = f"the first {args.batches} batches" if args.batches else "every batch"
+    metrics["measured_on"] = (f"{by_option[first].get('tokens', 0):,} {'assistant ' if chat else ''}tokens of the "
+                              f"{args.split} split of {source} ({scope}); train's val figure scores its first "
+                              f"{config.train.eval_batches} batches of {config.train.batch_size}")
     if len(by_option) > 1:
         metrics["by_option"] = by_option
     if args.passes_curve:

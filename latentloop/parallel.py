@@ -63,8 +63,6 @@ from .runtime import agree, current_dist
 __all__ = ["SHARDED_DIR", "any_rank", "apply_activation_checkpointing", "compiles_whole_model", "full_weights",
            "gather_objects", "grad_norm", "gradient_sync", "load_full_optimizer_states", "load_full_weights",
            "load_sharded", "mean_across_ranks", "save_sharded", "wrap_model"]
-# lrt recurrences whose passes share one key/value buffer (see the module docstring)
-BUFFERED_RECURRENCES = ("interleaved", "chunked")
 
 
 def _checkpointed(module: nn.Module) -> None:
@@ -74,9 +72,8 @@ def _checkpointed(module: nn.Module) -> None:
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
-    buffered = getattr(model.config, "recurrence", None) in BUFFERED_RECURRENCES
-    for block in model.blocks:
-        _checkpointed(block.mlp if buffered else block)
+    for module in model.recomputable_modules():  # the arch says which (lrt's buffered passes: the MLPs only)
+        _checkpointed(module)
 
 
 def compiles_whole_model(model: nn.Module, strategy: str) -> bool:

@@ -466,6 +466,12 @@ class GPT(nn.Module):
     def prepare_fast_decoding(self) -> None:
         """Compute, eagerly, what the compiled decode step reads as a constant (before compiling)."""
 
+    def recomputable_modules(self) -> list[nn.Module]:
+        """The modules whose activations training may recompute in the backward (activation
+        checkpointing, latentloop.parallel): every block, unless a forward reads state a block's
+        recomputation would see changed."""
+        return list(self.blocks)
+
     def upcycle_from(self, weights: dict[str, Tensor], base_layers: int,
                      load: Callable[[dict[str, Tensor]], list[str]]) -> dict | None:
         """Start this model from a gpt run's `weights` (`base_layers` pretrained blocks): map them,

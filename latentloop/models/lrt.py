@@ -129,6 +129,7 @@ class LRTConfig(ModelConfig):
 
 
 MEMORY_KEY = "lrt.memory"
+BUFFERED_RECURRENCES = ("interleaved", "chunked")  # training passes that share one key/value buffer
 PREFILLS = ("sequential", "interleaved")
 RESIDUAL_ALPHA_INIT = 1.0
 
@@ -389,6 +390,14 @@ class LRT(GPT):
         cache.advance()
         cache.state[MEMORY_KEY] = source[:, -1:]
         return LRTOutput(logits=logits, hidden=hidden, source=source)
+
+    def recomputable_modules(self) -> list[nn.Module]:
+        """The interleaved and chunked passes write one key/value buffer that later passes read and
+        extend: attention recomputed in the backward would read the buffer as it is then, not as it
+        was, so there only the MLPs are recomputed."""
+        if self.config.recurrence in BUFFERED_RECURRENCES:
+            return [block.mlp for block in self.blocks]
+        return super().recomputable_modules()
 
     @torch.no_grad()
     def upcycle_from(self, weights: dict[str, Tensor], base_layers: int, load) -> dict:
