@@ -343,6 +343,11 @@ def _inherit_from_run(raw: dict, run: str) -> None:
     raw["data"].setdefault("tokenizer", str(find_tokenizer_file(resolve_checkpoint(run))))
 
 
+def _first_batches(count: int) -> str:
+    """How much of a split a loss covers: `count` batches from its start (0: all of them)."""
+    return f"the first {count} batches" if count else "every batch"
+
+
 def cmd_train(args) -> int:
     import os
 
@@ -366,8 +371,8 @@ def cmd_train(args) -> int:
     else:
         print(f"trained {config.model.arch} ({summary['params']:,} params) for {summary['step']} steps, "
               f"{summary['tokens']:,} tokens: val loss {summary['val_loss']:.4f}, bpb {summary['val_bpb']:.4f} "
-              f"(on {summary.get('val_tokens', 0):,} tokens: the first {config.train.eval_batches or 'all'} "
-              f"batches of the val split; `latentloop eval` scores all of it); checkpoint {summary['checkpoint']}")
+              f"(on {summary.get('val_tokens', 0):,} tokens: {_first_batches(config.train.eval_batches)} of the val "
+              f"split; `latentloop eval` scores all of it); checkpoint {summary['checkpoint']}")
     return 0
 
 
