@@ -471,10 +471,10 @@ def cmd_eval(args) -> int:
                **by_option[first]}
     # what the figure covers, beside train's own (which scores the first train.eval_batches of this split)
     source = args.data or config.data.source
-    scope = f"the first {args.batches} batches" if args.batches else "every batch"
+    scope = _first_batches(args.batches)
     metrics["measured_on"] = (f"{by_option[first].get('tokens', 0):,} {'assistant ' if chat else ''}tokens of the "
-                              f"{args.split} split of {source} ({scope}); train's val figure scores its first "
-                              f"{config.train.eval_batches} batches of {config.train.batch_size}")
+                              f"{args.split} split of {source} ({scope}); train's val figure scores "
+                              f"{_first_batches(config.train.eval_batches)} of {config.train.batch_size}")
     if len(by_option) > 1:
         metrics["by_option"] = by_option
     if args.passes_curve:
