@@ -1,20 +1,24 @@
 """Load test of `latentloop serve` on loopback: requests/s, tokens/s and p50 / p99 latency at
-concurrency 1, 8 and 32, with batching (`--max-batch-size 32`) and without (`--max-batch-size 1`,
-one row per engine call, requests served one after another), for random-init `tiny` and `small`
-gpt models saved as run folders (speed does not depend on the weights).
+concurrency 1, 8 and 32, for each batching mode measured in the same run: `continuous` (rows join
+the running batch at its next step and leave when done; the default), `rounds` (the scheduler
+before it: a batch of the requests waiting, run to its end while new ones wait), both with
+`--max-batch-size 32`, and `unbatched` (`--max-batch-size 1`: one row per engine call, requests
+served one after another); for random-init `tiny` and `small` gpt models saved as run folders
+(speed does not depend on the weights).
 
-Bounded: the four servers start together, then every cell (preset x batching x concurrency) gets
-an equal share of what is left of `--budget` seconds (default 55: about a minute with the imports).
+Bounded: the servers start together, then every cell (preset x mode x concurrency) gets an equal
+share of what is left of `--budget` seconds (default 55: about a minute with the imports).
 In a cell, C client tasks (asyncio + httpx, in this process) send greedy /v1/completions requests
-back to back (prompts of 12-40 characters, max_tokens 32); requests still running when the cell's
-time is up are abandoned (their connections close and the server drops their rows, so the next
-cell starts clean) and not counted, so latencies of overloaded cells are those of the lucky ones.
-Latency is per completed request, queueing included; tokens/s counts `usage.completion_tokens` of
-completed requests (random weights sometimes stop early at BOS/EOS).
+back to back (prompts of 12-40 characters, max_tokens 32, or 8-64 cycling with
+`--varied-lengths`); requests still running when the cell's time is up are abandoned (their
+connections close and the server drops their rows, so the next cell starts clean) and not counted,
+so latencies of overloaded cells are those of the lucky ones. Latency is per completed request,
+queueing included; tokens/s counts `usage.completion_tokens` of completed requests (random weights
+sometimes stop early at BOS/EOS). "rows per step" is the mean number of rows a decode step ran.
 Client and servers share the machine's cores.
 
     .venv/bin/python benchmarks/serve_load.py
-    .venv/bin/python benchmarks/serve_load.py --presets tiny --concurrency 1 8 --budget 30
+    .venv/bin/python benchmarks/serve_load.py --presets tiny --batching continuous rounds --budget 120
 """
 
 from __future__ import annotations
@@ -49,6 +53,9 @@ BATCHED_ROWS = 32  # --max-batch-size of the batching server (>= the highest con
 NEW_TOKENS = 32  # max_tokens of every request
 TEXT = "import os\nclass Loop:\n    def step(self, state, token):\n        return self.cell(state, token)\n"
 PROMPT_LENGTHS = (12, 20, 28, 40)  # characters; requests cycle through them
+VARIED_TOKENS = (8, 64, 16, 32, 48, 24)  # max_tokens cycled through with --varied-lengths
+MODES = {"continuous": ("continuous", BATCHED_ROWS), "rounds": ("rounds", BATCHED_ROWS),
+         "unbatched": ("continuous", 1)}  # mode -> (--batching, --max-batch-size)
 START_TIMEOUT_S = 120  # for the servers to answer /health
 DRAIN_TIMEOUT_S = 10  # after a cell, for the server to drop the abandoned requests
 MIN_CELL_S = 1.0  # below this a cell measures nothing useful: refuse the budget instead
@@ -63,15 +70,15 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, run: Path, max_rows: int, log: Path):
+    def __init__(self, run: Path, batching: str, max_rows: int, log: Path):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
         with open(log, "w") as out:
             self.proc = subprocess.Popen([sys.executable, "-m", "latentloop", "serve", str(run), "--port",
                                           str(self.port), "--device", "cpu", "--max-batch-size", str(max_rows),
-                                          "--max-queue", "1024"], cwd=REPO_ROOT, env=env, stdout=out,
-                                         stderr=subprocess.STDOUT)
+                                          "--batching", batching, "--max-queue", "1024"], cwd=REPO_ROOT, env=env,
+                                         stdout=out, stderr=subprocess.STDOUT)
         self.log = log
 
     def wait_ready(self, deadline: float) -> None:
@@ -106,11 +113,12 @@ class Server:
                 self.proc.kill()
 
 
-def body(i: int) -> dict:
-    return {"prompt": TEXT[:PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)]], "max_tokens": NEW_TOKENS, "temperature": 0}
+def body(i: int, varied: bool = False) -> dict:
+    tokens = VARIED_TOKENS[i % len(VARIED_TOKENS)] if varied else NEW_TOKENS
+    return {"prompt": TEXT[:PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)]], "max_tokens": tokens, "temperature": 0}
 
 
-async def load(url: str, concurrency: int, seconds: float) -> tuple[list[float], int, float]:
+async def load(url: str, concurrency: int, seconds: float, varied: bool) -> tuple[list[float], int, float]:
     """(latencies of completed requests, their completion tokens, measured seconds)."""
     latencies: list[float] = []
     tokens = 0
@@ -123,7 +131,7 @@ async def load(url: str, concurrency: int, seconds: float) -> tuple[list[float],
             i = k
             while time.perf_counter() < stop_at:
                 sent = time.perf_counter()
-                reply = await client.post("/v1/completions", json=body(i))
+                reply = await client.post("/v1/completions", json=body(i, varied))
                 reply.raise_for_status()
                 if time.perf_counter() <= stop_at:
                     latencies.append(time.perf_counter() - sent)
@@ -149,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32])
     p.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S,
                    help="seconds for everything after the imports, server start included")
+    p.add_argument("--batching", nargs="+", choices=list(MODES), default=["continuous", "rounds"],
+                   help="the modes to compare (default: continuous rounds; unbatched: --max-batch-size 1)")
+    p.add_argument("--varied-lengths", action="store_true",
+                   help=f"max_tokens cycles through {VARIED_TOKENS} instead of {NEW_TOKENS} for every request")
     args = p.parse_args(argv)
     if max(args.concurrency) > BATCHED_ROWS or min(args.concurrency) < 1:
         p.error(f"concurrency must be in [1, {BATCHED_ROWS}]")
@@ -161,14 +173,14 @@ def main(argv: list[str] | None = None) -> int:
             for preset in args.presets:
                 torch.manual_seed(0)
                 run = save_run(ll.build("gpt", preset=preset), ByteTokenizer(), Path(folder) / preset).parents[1]
-                for mode, rows in (("batched", BATCHED_ROWS), ("unbatched", 1)):
-                    servers[preset, mode] = Server(run, rows, Path(folder) / f"{preset}-{mode}.log")
+                for mode in args.batching:
+                    batching, rows = MODES[mode]
+                    servers[preset, mode] = Server(run, batching, rows, Path(folder) / f"{preset}-{mode}.log")
             for server in servers.values():
                 server.wait_ready(time.monotonic() + START_TIMEOUT_S)
             for server in servers.values():  # first calls pay one-off costs: not measured
                 httpx.post(server.url + "/v1/completions", json=body(0), timeout=START_TIMEOUT_S).raise_for_status()
-            cells = [(preset, mode, c) for preset in args.presets for mode in ("batched", "unbatched")
-                     for c in args.concurrency]
+            cells = [(preset, mode, c) for preset in args.presets for c in args.concurrency for mode in args.batching]
             left = args.budget - (time.monotonic() - began)
             seconds = left / len(cells) * 0.8  # the rest: draining between cells
             if seconds < MIN_CELL_S:
@@ -177,19 +189,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"servers ready after {time.monotonic() - began:.0f} s; {len(cells)} cells of {seconds:.1f} s",
                   flush=True)
             rows = [["preset", "server", "concurrency", "requests", "req/s", "tokens/s", "p50 latency s",
-                     "p99 latency s", "rows per batch"]]
+                     "p99 latency s", "rows per step"]]
             for preset, mode, c in cells:
                 server = servers[preset, mode]
                 before = server.stats()
-                latencies, tokens, wall = asyncio.run(load(server.url, c, seconds))
+                latencies, tokens, wall = asyncio.run(load(server.url, c, seconds, args.varied_lengths))
                 server.drain()
                 after = server.stats()
-                batches = after["batches"] - before["batches"]
-                per_batch = (after["rows_decoded"] - before["rows_decoded"]) / batches if batches else 0.0
+                steps = after["steps"] - before["steps"]
+                per_step = (after["row_steps"] - before["row_steps"]) / steps if steps else 0.0
                 done = len(latencies)
                 rows.append([preset, mode, c, done, f"{done / wall:.1f}", f"{tokens / wall:.0f}",
                              f"{statistics.median(latencies):.2f}" if latencies else "-",
-                             f"{percentile(latencies, 0.99):.2f}" if latencies else "-", f"{per_batch:.1f}"])
+                             f"{percentile(latencies, 0.99):.2f}" if latencies else "-", f"{per_step:.1f}"])
                 print(" ".join(str(v) for v in rows[-1]), flush=True)
         finally:
             for server in servers.values():

@@ -225,8 +225,10 @@ def regroup(target: KVCache, parts: list[tuple[KVCache, Tensor]]) -> None:
         rows = slice(first, first + len(index))
         source = slice(cache.length - span, cache.length)
         destination = slice(length - span, length)
-        target.k[:, rows, :, destination] = cache.k[:, index][:, :, :, source]  # (S, b, H, span, hd)
-        target.v[:, rows, :, destination] = cache.v[:, index][:, :, :, source]
+        whole = len(index) == cache.batch_size and bool((index == torch.arange(len(index), device=index.device)).all())
+        k, v = cache.k[:, :, :, source], cache.v[:, :, :, source]  # (S, B, H, span, hd) views
+        target.k[:, rows, :, destination] = k if whole else k.index_select(1, index)  # copied once
+        target.v[:, rows, :, destination] = v if whole else v.index_select(1, index)
         target.key_pos[rows, destination] = cache.key_pos[index][:, source]
         target.next_pos[rows] = cache.next_pos[index]
         first += len(index)

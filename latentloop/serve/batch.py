@@ -12,8 +12,9 @@ per-row `key_pos` / `next_pos` (as in a left-padded batch), so rows need not be 
 are prefilled together in a cache of their own (left-padded, as `engine.stream` prefills a batch),
 then `models.cache.regroup` copies the running rows and the new ones into one cache, each row's
 tokens right-aligned at the batch's length; rows that left are not copied. The copy happens only
-when rows join or leave, and the cache holds no more than the longest row's span plus the decode
-steps still owed, so a batch that runs for ever never grows past the context.
+when rows join, or when half the rows have left (until then they decode on, unseen), and the cache
+holds no more than the longest row's span plus the decode steps still owed, so a batch that runs
+for ever never grows past the context.
 
 Sampling is per request (`Sampling`: its settings and its own `torch.Generator`), so requests with
 different temperatures, top_k, top_p and seeds share a batch: a request's rows draw together, in its
@@ -117,7 +118,8 @@ class DecodeBatch:
         """Decode the members that go on, prefill and join the waiting ones, then draw each live
         member's next token. Returns one entry per live member, in batch order."""
         was_training = self.model.training
-        self.model.eval()
+        if was_training:  # (walking the modules every step costs a few % of a small model's step)
+            self.model.eval()
         try:
             self._decode_running()
             self._join_waiting()
@@ -125,7 +127,8 @@ class DecodeBatch:
                 return []
             return self._sample()
         finally:
-            self.model.train(was_training)
+            if was_training:
+                self.model.train()
 
     def _remaining(self, member: Member) -> int:
         return member.max_new_tokens - member.generated
@@ -151,7 +154,9 @@ class DecodeBatch:
             self.cache, self.members, self.last = None, [], None
             return
         tokens = self._pending_tokens
-        if len(keep) < len(self.members):
+        # Rows that left are copied out with the next join (one rebuild for both), or once half the
+        # batch has left; until then they decode on unseen (each copy costs about a decode step).
+        if not self.waiting and 2 * (len(self.members) - len(keep)) > len(self.members):
             self._keep(keep)
             tokens = tokens[keep]
         out = self.model.decode(tokens[:, None], self.cache, **self.options)
@@ -165,10 +170,11 @@ class DecodeBatch:
         groups = self.waiting if self.coupled else [[m for group in self.waiting for m in group]]
         self.waiting = []
         parts, logits, members = [], [], []
-        if self.cache is not None:
-            parts.append((self.cache, torch.arange(len(self.members), device=self.device)))
-            logits.append(self.last)
-            members.extend(self.members)
+        if self.cache is not None:  # the running rows, without those that left
+            live = [i for i, m in enumerate(self.members) if not m.done]
+            parts.append((self.cache, torch.tensor(live, dtype=torch.long, device=self.device)))
+            logits.append(self.last[live])
+            members.extend(self.members[i] for i in live)
         for group in groups:
             idx, pad_mask = left_pad([m.prompt for m in group], self.pad_id, self.device)
             cache = self.model.new_cache(len(group), idx.shape[1], **self.options)
