@@ -356,6 +356,12 @@ def cmd_train(args) -> int:
     config = _run_config_from_args(args)
     if args.iso:
         config = _iso_shaped(config, args.iso, show=os.environ.get("RANK", "0") in ("", "0"))  # once per job
+    if config.train.stage == "extend" and args.init_from and os.environ.get("RANK", "0") in ("", "0"):
+        from .checkpoint import read_run_config, resolve_checkpoint
+
+        base = read_run_config(resolve_checkpoint(args.init_from)).model
+        print(f"extend: context {base.sequence_len} -> {config.model.sequence_len}, RoPE base (rope_theta) "
+              f"{base.rope_theta:g} -> {config.model.rope_theta:g}", file=sys.stderr)
     state = setup(config, args.out, resume=args.resume, progress=not args.no_progress, init_from=args.init_from)
     if state.init_report is not None:
         report = state.init_report

@@ -134,9 +134,11 @@ def test_extend_stage_scales_rope_theta_and_stays_exact(tmp_path, capsys):
     code = main(["train", "--stage", "extend", "--init-from", str(base), "--data", "task:addition:n=500",
                  "--set", "sequence_len=128", "--steps", "2", "--batch-size", "2", "--out", str(out),
                  "--no-progress", "--set", "eval_batches=1"])
-    assert code == 0, capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert code == 0, err
     model, _, config, _ = load_run(out)
     head_dim = config.model.head_dim
+    assert f"extend: context 64 -> 128, RoPE base (rope_theta) 10000 -> {config.model.rope_theta:g}" in err
     assert config.model.sequence_len == 128
     assert config.model.rope_theta == pytest.approx(10000.0 * 2 ** (head_dim / (head_dim - 2)))
     # the slowest rotary pair turns at position 2p by the angle it had at p before the extension
