@@ -184,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--eval-dir", default=None, metavar="PATH",
                    help="with --tasks: folder of the task jsonl files (default: $LATENTLOOP_EVAL_DIR, else the "
                         "cached official bundle, fetched once when online)")
-    e.add_argument("--no-progress", action="store_true", help="with --tasks: no progress bars")
+    e.add_argument("--no-progress", action="store_true", help="no progress bars")
     e.add_argument("--passes-curve", action="store_true",
                    help="fbt: also the loss of the K-pass fused forward for K = 1, 2, 3, 4, 8, 16 and at the "
                         "sequential fixed point (K = T passes, exact): the paper's stability check")
@@ -403,13 +403,17 @@ def _iso_shaped(config, iso: str, show: bool = True):
     if not show:
         return config
     dense_fields = {f.name: fields[f.name] for f in dataclasses.fields(ModelConfig) if f.name in fields}
-    dense = build_model(model_config("gpt", None, **{**dense_fields, "n_layer": dense_layers}))
-    recurrent = build_model(rgpt_config)
-    T = rgpt_config.sequence_len
-    print(f"iso{iso}: dense gpt {dense_layers} layers: {dense.num_params():,} params, "
-          f"{dense.flops_per_token(T):,} FLOPs/token (fwd+bwd)")
-    print(f"iso{iso}: rgpt {shape['n_pre']} + {shape['n_rec']} x {shape['recurrence_steps']} + {shape['n_coda']}: "
-          f"{recurrent.num_params():,} params, {recurrent.flops_per_token(T):,} FLOPs/token at R")
+    dense = build_model(ModelConfig(**{**dense_fields, "n_layer": dense_layers}))
+    recurrent = build_model(reshaped)
+    T = reshaped.sequence_len
+    dense_flops, recurrent_flops = dense.flops_per_token(T), recurrent.flops_per_token(T)
+    matched = f"{dense_layers} " + ("block applications per token" if iso == "flops" else "distinct blocks")
+    print(f"iso {iso} ({matched} in both): dense {ModelConfig.arch} {dense_layers} layers: "
+          f"{dense.num_params():,} params, {dense_flops:,.0f} FLOPs/token (fwd+bwd)")
+    print(f"iso {iso}: {reshaped.arch} {reshaped.depth_summary()}: {recurrent.num_params():,} params "
+          f"({recurrent.num_params() / dense.num_params():.2f}x), {recurrent_flops:,.0f} FLOPs/token at R "
+          f"({recurrent_flops / dense_flops:.2f}x" + ("; the rest is the recurrence's own projection and gate, "
+                                                      "once per step)" if iso == "flops" else ")"))
     return config
 
 
@@ -471,6 +475,8 @@ def cmd_eval(args) -> int:
         batches = partial(masked_batches, tokens, args.batch_size or 16, args.batches or None)
     else:
         batches = text_batches(tokens, args.batch_size or 16, config.model.sequence_len, args.batches or None)
+    if not args.no_progress and not args.json:  # fbt's default eval scores three regimes: a minute or more
+        batches = _with_progress(batches, tokens, args, config.model.sequence_len)
     by_option = score_run(model, batches, tokenizer.token_byte_lengths(), {"given": options} if options else None)
     first = next(iter(by_option))
     metrics = {"run": str(args.run), "checkpoint": str(checkpoint), "split": args.split, "scored_as": first,
@@ -506,6 +512,22 @@ def cmd_eval(args) -> int:
         for note in notes:
             print(f"note: {note}")
     return 0
+
+
+def _with_progress(batches, tokens, args, seq_len: int):
+    """`batches` (a callable giving a pass over the scored batches) with a progress bar per pass."""
+    import math
+
+    from .util import progress
+
+    rows = len(tokens.tokens) if hasattr(tokens, "tokens") else max(0, (len(tokens) - 1) // seq_len)
+    total = math.ceil(rows / (args.batch_size or 16))
+    total = min(total, args.batches) if args.batches else total
+
+    def with_bar():
+        return progress(batches(), total=total, desc="eval batches")
+
+    return with_bar
 
 
 def _eval_by_position(args, model, tokens, config, checkpoint, options) -> int:

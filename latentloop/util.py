@@ -13,11 +13,15 @@ from __future__ import annotations
 import codecs
 import json
 import os
+import sys
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .errors import OutputError
+
+_T = TypeVar("_T")
 
 CACHE_ENV = "LATENTLOOP_CACHE"  # root of every cache folder (tokens, eval bundle, compiled decode steps)
 
@@ -101,3 +105,14 @@ def write_json_atomic(path: Path, payload: Any) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def progress(iterable: Iterable[_T], total: int | None = None, desc: str = "", enabled: bool = True) -> Iterable[_T]:
+    """`iterable` with a progress bar and an ETA on stderr (tqdm, which the package depends on) for
+    work that takes more than a few seconds; the iterable itself when not `enabled`. The bar is
+    removed when done, so the command's own output stays as it was."""
+    if not enabled:
+        return iterable
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, total=total, desc=desc, leave=False, file=sys.stderr, dynamic_ncols=True)

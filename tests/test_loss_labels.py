@@ -1,6 +1,6 @@
 """Every printed loss says what it was measured on: train's final validation figure (the first
 train.eval_batches batches of the val split) and eval's (its tokens, split, source and batches),
-and the two agree when they cover the same batches."""
+and the two agree when they cover the same batches; eval shows its progress unless told not to."""
 
 from __future__ import annotations
 
@@ -23,5 +23,8 @@ def test_train_and_eval_name_what_their_losses_cover_and_agree_on_the_same_batch
     assert f"(on {metrics['tokens']:,} tokens:" in line  # the same batches: the same count ...
     assert abs(metrics["loss"] - train_loss) < 1e-4  # ... and the same loss (train prints 4 decimals)
     assert main(["eval", str(run), "--data", f"text:{corpus}"]) == 0
-    printed = capsys.readouterr().out
-    assert "measured_on: " in printed and "(every batch)" in printed
+    captured = capsys.readouterr()
+    assert "measured_on: " in captured.out and "(every batch)" in captured.out
+    assert "eval batches" in captured.err and "eval batches" not in captured.out  # a progress bar, on stderr
+    assert main(["eval", str(run), "--data", f"text:{corpus}", "--no-progress"]) == 0
+    assert "eval batches" not in capsys.readouterr().err
