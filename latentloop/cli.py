@@ -262,7 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--json", action="store_true", help="print the summary as JSON")
 
     d = sub.add_parser("demo", help="train every architecture briefly, compare, sample, write a report")
-    d.add_argument("--minutes", type=float, default=4.0, help="training budget for all architectures together")
+    d.add_argument("--steps", type=int, default=None,
+                   help="training steps per architecture (default: the demo's own, about 4 minutes on 2 quiet cores)")
     d.add_argument("--out", default="runs/demo", help="folder for the runs and the report (replaced)")
     d.add_argument("--data", default="stdlib", help="data source")
     d.add_argument("--preset", default="tiny", help="model size preset")
@@ -770,8 +771,10 @@ def cmd_demo(args) -> int:
     from .demo import run_demo
 
     archs = [a.strip() for a in args.archs.split(",")] if args.archs else None
-    run_demo(Path(args.out), minutes=args.minutes, data=args.data, preset=args.preset, archs=archs,
-             progress=not args.no_progress)
+    from .demo import DEMO_STEPS
+
+    run_demo(Path(args.out), steps=DEMO_STEPS if args.steps is None else args.steps, data=args.data,
+             preset=args.preset, archs=archs, progress=not args.no_progress)
     return 0
 
 

@@ -1,14 +1,15 @@
 """`latentloop demo`: train every available architecture briefly on the same data, evaluate, sample,
 print a comparison table and write a report (Markdown + loss plot) into the demo folder.
 
-The time budget is split evenly between architectures; each run's step count comes from timing a
-few calibration steps, so the budget holds on slow and fast machines alike.
+Measured in steps, not seconds: every architecture trains for the same fixed number of steps
+(`DEMO_STEPS`, or `--steps`), so the figures are the same on every machine (deterministic on the
+CPU) and only the time they take differs; a progress bar shows each run's ETA. The loss is logged
+often enough for `CURVE_POINTS` points per curve.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import time
 from pathlib import Path
@@ -22,10 +23,13 @@ from .engine import generate
 from .errors import ConfigError, LatentloopError, OutputError
 
 DEMO_MARKER = "demo.json"  # a folder holding this file was written by the demo and may be replaced
-CALIBRATION_STEPS = 3
-MIN_STEPS = 10
-BUDGET_FOR_TRAINING = 0.8  # the rest of the budget goes to setup, evaluation and sampling
-OVERRUN_ALLOWED = 1.25  # a run whose calibration was too optimistic is cut here (schedule unfinished)
+# Steps per architecture (the same for all, so every arch sees the same tokens). Sized for about
+# four minutes of training for the five architectures together on a quiet 2-core CPU at the `tiny`
+# preset with DEMO_BATCH_SIZE rows of 256 tokens; not yet timed on a quiet machine (see the report).
+DEMO_STEPS = 120
+DEMO_BATCH_SIZE = 8
+CURVE_POINTS = 24  # logged training-loss points per curve (at least 20, as the report promises)
+WARMUP_FRACTION = 0.1  # of the steps: the learning rate's warmup
 EVAL_BATCHES = 4  # validation batches per scoring option (fbt soft and lrt sequential step token by token)
 SAMPLE_PROMPT = "def "
 SAMPLE_TOKENS = 160
@@ -44,23 +48,7 @@ def _prepare_folder(out: Path) -> None:
         raise OutputError(f"cannot create --out {out}: {exc.strerror or exc}") from None
 
 
-def _seconds_per_step(state) -> float:
-    """Time a few optimizer-free forward/backward passes of a copy of the run's model."""
-    import copy
-
-    model = copy.deepcopy(state.model).train()
-    x, y = state.loader.next_batch()
-    times = []
-    for i in range(CALIBRATION_STEPS):
-        start = time.perf_counter()
-        state.objective(model, x, y, state.config.train.steps).loss.backward()
-        if i:  # the first pass pays one-off costs
-            times.append(time.perf_counter() - start)
-    state.loader.load_state_dict({**state.loader.state_dict(), "epoch": 0, "index": 0})
-    return sum(times) / len(times) * 1.15  # the optimizer step and logging add a little
-
-
-def run_demo(out: Path, minutes: float = 4.0, data: str = "stdlib", preset: str = "tiny",
+def run_demo(out: Path, steps: int = DEMO_STEPS, data: str = "stdlib", preset: str = "tiny",
              archs: list[str] | None = None, progress: bool = True) -> list[dict[str, Any]]:
     from .train import fit, setup
 
@@ -68,24 +56,22 @@ def run_demo(out: Path, minutes: float = 4.0, data: str = "stdlib", preset: str 
     unknown = [a for a in archs if a not in ARCHS]
     if unknown:
         raise ConfigError(f"unknown arch(s) {', '.join(unknown)}: choose from {', '.join(sorted(ARCHS))}")
-    if not (math.isfinite(minutes) and minutes > 0):
-        raise ConfigError(f"--minutes must be a finite number > 0, got {minutes}")
+    if not (isinstance(steps, int) and steps >= 1):
+        raise ConfigError(f"--steps must be a whole number >= 1, got {steps}")
     _prepare_folder(out)
     (out / DEMO_MARKER).write_text(json.dumps({"status": "running", "archs": archs}) + "\n")
-    budget = minutes * 60 * BUDGET_FOR_TRAINING / len(archs)
+    log_every = max(1, steps // CURVE_POINTS)
     results = []
-    for arch in archs:
-        print(f"== {arch}: training for about {budget:.0f} s")
+    started = time.perf_counter()
+    for number, arch in enumerate(archs, start=1):
+        print(f"== {arch} ({number}/{len(archs)}): {steps} steps of {DEMO_BATCH_SIZE} rows")
         config = RunConfig(model=model_config(arch, preset, tie_embeddings=True),  # fbt needs it: all alike
-                           train=TrainConfig(steps=1_000_000, batch_size=16, eval_every=0, eval_batches=EVAL_BATCHES,
-                                             log_every=5, warmup_steps=20),
+                           train=TrainConfig(steps=steps, batch_size=DEMO_BATCH_SIZE, eval_every=0,
+                                             eval_batches=EVAL_BATCHES, log_every=log_every,
+                                             warmup_steps=max(1, round(steps * WARMUP_FRACTION))),
                            data=DataConfig(source=data))
         state = setup(config, out / arch, progress=progress)
-        steps = max(MIN_STEPS, int(budget / _seconds_per_step(state)))
-        config.train.steps = steps
-        state.config.train.steps = steps
-        (out / arch / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
-        summary = fit(state, progress=progress, max_seconds=budget * OVERRUN_ALLOWED)
+        summary = fit(state, progress=progress)
         summary["by_option"] = score_options(state)
         prompt = [state.tokenizer.bos_id] + state.tokenizer.encode(SAMPLE_PROMPT)
         room = config.model.sequence_len - len(prompt)
@@ -96,10 +82,11 @@ def run_demo(out: Path, minutes: float = 4.0, data: str = "stdlib", preset: str 
             gates |= {k: v for k, v in row.items() if k.startswith(("openness_r", "gate_mean_r"))}
         if gates:  # (a logged step ran its drawn depth r only, so deeper steps come from earlier rows)
             summary["gates"] = gates
+            summary["recurrence_steps"] = getattr(config.model, "recurrence_steps", None)
         summary.update(arch=arch, sample=SAMPLE_PROMPT + state.tokenizer.decode(ids),
                        history=[row for row in state.history if "loss" in row or "val_loss" in row])
         results.append(summary)
-    _write_report(out, results, data, preset, minutes)
+    _write_report(out, results, data, preset, steps, time.perf_counter() - started)
     return results
 
 
@@ -154,17 +141,27 @@ def _plot(out: Path, results: list[dict[str, Any]]) -> str | None:
     return "loss.png"
 
 
-def _write_report(out: Path, results: list[dict[str, Any]], data: str, preset: str, minutes: float) -> None:
+# What a run this short can and cannot show, written into every report.
+CAVEAT = ("These are a few hundred thousand tokens on models of under a million parameters: the "
+          "figures show that every architecture trains, scores and decodes through the same code, and "
+          "how far each got in the same number of steps; they cannot rank the architectures (one seed, "
+          "far from convergence) or say how they scale.")
+
+
+def _write_report(out: Path, results: list[dict[str, Any]], data: str, preset: str, steps: int,
+                  seconds: float) -> None:
     table = _table(results)
     plot = _plot(out, results)
     device = "cuda" if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
-    parts = [f"# latentloop demo\n\npreset `{preset}`, data `{data}`, budget {minutes:g} min, device {device}\n",
+    parts = [f"# latentloop demo\n\npreset `{preset}`, data `{data}`, {steps} steps of {DEMO_BATCH_SIZE} rows "
+             f"per architecture, device {device}, {seconds:.0f} s in all\n", CAVEAT, "",
              table, ""]
     for arch in dict.fromkeys(r["arch"] for r in results):  # each arch's caveats once (e.g. fbt's soft BPB)
         parts += [line for note in ARCHS[arch].model_class.SCORING_NOTES.values() for line in (f"_{note}._", "")]
     for r in results:
         if r.get("gates"):
-            parts += [f"{r['arch']} gates at the last logged step: " + gates_line(r["gates"]), ""]
+            parts += [f"{r['arch']} gates (R = {r.get('recurrence_steps')}), each step r at the last logged step that "
+                      f"ran it: " + gates_line(r["gates"]), ""]
     parts.append(f"![loss]({plot})\n" if plot else "(install the `plot` extra for a loss plot)\n")
     for r in results:
         parts += [f"## {r['arch']} sample\n", "```", r["sample"], "```", ""]

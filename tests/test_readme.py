@@ -15,10 +15,12 @@ The substitutions, in order (README -> here: why):
 - `--steps N`, `train.steps=N` -> 2; a `train` without `--steps` gets `--steps 2`: two steps prove it
 - any `train` gets `--batch-size 2 --set train.eval_batches=1`: two rows a step, one validation batch
 - `sequence_len=512` -> `sequence_len=128`: the `test` base has 64, so still an extension
-- `--limit N` -> `--limit 2`; `--max-new-tokens N` -> 4; `--vocab-size N` -> 300 (just above 259 bytes)
+- `--limit N` -> `--limit 2` (an `eval --tasks` without one gets it); `--max-new-tokens N` -> 4;
+  `--vocab-size N` -> 300 (just above the 259 byte ids)
+- `--tasks core` -> `--tasks copa,lambada_openai`: two of CORE's 22 tasks (a choice and a cloze task)
 - `path/to/SmolLM-135M` -> `hf/llama-src`: a plain Llama folder exported here (offline)
 - ` [--flag value]` -> removed: the README's notation for optional flags
-- an `eval` without `--tasks` / `--by-position` gets `--batches 1`: one batch of the val split
+- an `eval` without `--tasks` gets `--batches 1`: one batch of the val split
 - `--config configs/...` gets `--set model.preset=test`: tiny models
 
 Python blocks run in one namespace after the command list (which makes the runs they load), with
@@ -57,6 +59,7 @@ SUBSTITUTIONS: list[tuple[str, str]] = [
     (r"train\.steps=\d+", "train.steps=2"),
     (r"sequence_len=512\b", "sequence_len=128"),
     (r"--limit \d+", "--limit 2"),
+    (r"--tasks core\b", "--tasks copa,lambada_openai"),
     (r"--max-new-tokens \d+", "--max-new-tokens 4"),
     (r"--vocab-size \d+", "--vocab-size 300"),
     (r"path/to/SmolLM-135M", "hf/llama-src"),
@@ -140,8 +143,10 @@ def substitute(command: str) -> str:
         command += " --batch-size 2 --set train.eval_batches=1"
         if "--config" in words:
             command += " --set model.preset=test"
-    if words[:2] == ["latentloop", "eval"] and "--tasks" not in words and "--by-position" not in words:
+    if words[:2] == ["latentloop", "eval"] and "--tasks" not in words:
         command += " --batches 1"
+    if words[:2] == ["latentloop", "eval"] and "--tasks" in words and "--limit" not in words:
+        command += " --limit 2"
     return command
 
 

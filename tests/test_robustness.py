@@ -530,9 +530,9 @@ def test_out_of_range_seeds_are_one_line(flags, tmp_path, capsys):
     assert "seed" in _one_line_exit_2(["train", "--preset", "test", "--out", tmp_path / "x", *flags], capsys)
 
 
-@pytest.mark.parametrize("minutes", ["nan", "inf"])
-def test_demo_rejects_a_non_finite_budget(minutes, tmp_path, capsys):
-    assert "minutes" in _one_line_exit_2(["demo", "--minutes", minutes, "--out", tmp_path / "d"], capsys)
+@pytest.mark.parametrize("steps", ["nan", "inf"])
+def test_demo_rejects_a_non_finite_step_count(steps, tmp_path, capsys):
+    assert "--steps" in _one_line_exit_2(["demo", "--steps", steps, "--out", tmp_path / "d"], capsys)
     assert not (tmp_path / "d").exists()
 
 
