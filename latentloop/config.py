@@ -142,6 +142,16 @@ class ModelConfig:
     stage_defaults: ClassVar[dict[str, dict[str, Any]]] = {}
     # Model fields set when a gpt run is upcycled into this arch (see `latentloop.interop.upcycle`).
     upcycle_defaults: ClassVar[dict[str, Any]] = {}
+    # Fields whose training noise each process draws from its own torch stream (fbt's jitter, rgpt's
+    # state noise): with each at 0, data-parallel training equals one process accumulating as many
+    # micro-batches. A config class lists its own; `training_noise_fields` collects its parents' too.
+    TRAINING_NOISE: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def training_noise_fields(cls) -> tuple[str, ...]:
+        """Every field of this config (its own and its parents') that scales per-process training noise."""
+        return tuple(dict.fromkeys(name for klass in reversed(cls.__mro__)
+                                   for name in vars(klass).get("TRAINING_NOISE", ())))
 
     @classmethod
     def upcycle_shape(cls, base_layers: int) -> dict[str, int]:

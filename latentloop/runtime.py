@@ -464,7 +464,15 @@ def eval_data(config: RunConfig, tokenizer, data: str | None = None, progress: b
         return prepare_chat(data, tokenizer, config.model.sequence_len, config.data.val_fraction)
     chosen = RunConfig(model=config.model, train=config.train,
                        data=dataclasses.replace(config.data, source=data, cache_dir=""))
-    return prepare_data(chosen, tokenizer, progress)
+    prepared = prepare_data(chosen, tokenizer, progress)
+    if chosen_by_run:
+        # the run chose this file: read it only when it is what training read (a run folder from
+        # elsewhere does not get to point eval at other files)
+        if checksums is None or prepared.meta.get("sha256") != checksums:
+            raise ConfigError(f"{data[len('text:'):]} is not the data this run was trained on (its tokens differ "
+                              f"from the checksums the run recorded); name the data to evaluate on with --data")
+        print(f"evaluating on {data} (the data this run was trained on, as recorded)", file=sys.stderr)
+    return prepared
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

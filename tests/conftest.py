@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -88,26 +88,35 @@ def tiny_corpus(tmp_path_factory) -> Path:
     return folder
 
 
+def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:
+    """{relative path: (size, modification time in ns)} of every file under `folder`."""
+    return {str(path.relative_to(folder)): (path.stat().st_size, path.stat().st_mtime_ns)
+            for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
 @pytest.fixture(scope="session")
-def tiny_run(tiny_corpus, tmp_path_factory) -> Callable[[str], Path]:
+def tiny_run(tiny_corpus, tmp_path_factory) -> Iterator[Callable[[str], Path]]:
     """arch -> a run folder of that architecture trained by `latentloop train` (the CLI's own path:
     `TINY_RUN_ARGV` on `tiny_corpus`), once per session, on first use. Shared by every test: read
-    it, never write into it; a test that changes a run (resumes it, writes evals/ or analysis/,
-    damages a file) takes its own copy with `tiny_run_copy`."""
+    it, never write into it (checked when the session ends: a file added, removed or rewritten is
+    an error); a test that changes a run (resumes it, writes evals/ or analysis/, damages a file)
+    takes its own copy with `tiny_run_copy`."""
     from latentloop.cli import main
 
     folder = tmp_path_factory.mktemp("tiny-runs")
-    made: dict[str, Path] = {}
+    made: dict[str, tuple[Path, dict]] = {}
 
     def run(arch: str) -> Path:
         if arch not in made:
             out = folder / arch
             assert main(["train", "--arch", arch, "--data", f"text:{tiny_corpus}", "--out", str(out),
                          *TINY_RUN_ARGV]) == 0, arch
-            made[arch] = out
-        return made[arch]
+            made[arch] = out, _snapshot(out)
+        return made[arch][0]
 
-    return run
+    yield run
+    changed = [arch for arch, (out, snapshot) in made.items() if _snapshot(out) != snapshot]
+    assert not changed, f"a test wrote into the shared tiny run of {changed}: use tiny_run_copy"
 
 
 @pytest.fixture

@@ -11,17 +11,19 @@ from pathlib import Path
 
 import torch
 
-from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config
+from latentloop.config import DataConfig, RunConfig, TrainConfig, config_classes, model_config
 
 # Settings that make each architecture's random draws observable in 3 steps; a registered architecture
-# missing here trains with its `test` preset as it is.
+# missing here trains with its `test` preset as it is. Every arch's training noise is off besides
+# (its config's `training_noise_fields`): it comes from each process's own RNG stream, so with it
+# two processes cannot equal one that accumulates.
 ARCH_OVERRIDES = {
     "gpt": {},
     # multi-pass batches from the first step on (K = 1 and 2 both drawn in the first 3 steps with SEED,
-    # asserted by the test); no jitter: it comes from each process's own RNG stream
-    "fbt": {"plain_fraction": 0.0, "pass_mix": (0.5, 0.5), "jitter": 0.0},
+    # asserted by the test)
+    "fbt": {"plain_fraction": 0.0, "pass_mix": (0.5, 0.5)},
     "lrt": {"recurrence": "interleaved", "subsets": 2},
-    "rgpt": {"recurrence_steps": 3, "noise_std": 0.0},  # noise: per-process stream, as fbt's jitter
+    "rgpt": {"recurrence_steps": 3},
 }
 SEED = 2  # steps 0-2 draw fbt K = 1, 2, 2 and rgpt depths 3, 1, 2 (asserted by the test)
 # fbt K = 1, 1, 2, ...: a checkpoint after step 2 holds no optimizer state for the fusion matrices yet
@@ -33,7 +35,8 @@ def run_config(arch: str, corpus: Path, strategy: str, steps: int = 3, grad_accu
     train = {"steps": steps, "batch_size": 2, "grad_accum": grad_accum, "eval_every": 0, "eval_batches": 1,
              "log_every": 1, "warmup_steps": 1, "lr": 1e-2, "seed": SEED, "strategy": strategy, "device": "cpu",
              **train}
-    overrides = {**ARCH_OVERRIDES.get(arch, {}), **(model or {})}
+    quiet = dict.fromkeys(config_classes()[arch].training_noise_fields(), 0.0)
+    overrides = {**quiet, **ARCH_OVERRIDES.get(arch, {}), **(model or {})}
     return RunConfig(model=model_config(arch, "test", sequence_len=32, **overrides),
                      train=TrainConfig(**train), data=DataConfig(source=f"text:{corpus}"))
 

@@ -160,7 +160,8 @@ def test_lm_eval_runs_the_local_tasks(tiny_run, monkeypatch):
     from lm_eval.tasks import TaskManager
 
     run = tiny_run("fbt")
-    assert lm_eval_adapter.register() and get_model("latentloop") is LatentloopLM
+    assert lm_eval_adapter.register(), lm_eval_adapter.LM_EVAL_IMPORT_ERROR  # (seen once in a whole-suite run)
+    assert get_model("latentloop") is LatentloopLM
     assert get_model("dummy") is not None  # lm-eval's own models stay available
     manager = TaskManager(include_path=str(lm_eval_adapter.TASKS_DIR), include_defaults=False,
                           metadata={"eval_dir": str(eval_dir)})

@@ -496,17 +496,18 @@ def test_config_is_checked_against_the_weights_header_before_allocating(tiny_run
     assert built_on and set(built_on) == {"meta"}  # shapes only: nothing was allocated
 
 
-def test_eval_reads_only_the_data_the_user_names(corpus, tmp_path, capsys):
+def test_eval_never_follows_the_cache_dir_a_run_names(corpus, tmp_path, capsys):
     run = _train(corpus, tmp_path / "run", steps=1)
     trap = tmp_path / "trap"
     raw = json.loads((run / "config.json").read_text())
     raw["data"]["cache_dir"] = str(trap)
     for file in (run / "config.json", ckpt.resolve_checkpoint(run) / "config.json"):
         file.write_text(json.dumps(raw))
-    err = _one_line_exit_2(["eval", run, "--batches", "1"], capsys)
-    assert "--data" in err
+    # without --data eval reads the recorded text source itself (checked against its recorded checksums)
+    assert main(["eval", str(run), "--batches", "1", "--json", "--no-progress"]) == 0
+    recorded = json.loads(capsys.readouterr().out)["loss"]
     assert main(["eval", str(run), "--batches", "1", "--json", "--data", f"text:{corpus}"]) == 0
-    assert json.loads(capsys.readouterr().out)["loss"] > 0
+    assert json.loads(capsys.readouterr().out)["loss"] == recorded > 0
     assert not trap.exists()  # the run's cache_dir is never followed
 
 

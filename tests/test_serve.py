@@ -613,10 +613,11 @@ def test_a_chat_template_that_renders_slowly_holds_up_nothing(servers):
         results[key] = httpx.post(server.url + "/v1/chat/completions", json=slow, timeout=CALL_TIMEOUT_S)
         results[key + "_s"] = time.monotonic() - start
 
-    def wait_rendering() -> None:
+    def wait_rendering(busy: bool = True) -> None:
+        """Until a render is running (busy) or none is (the slow one ended at its time limit)."""
         deadline = time.monotonic() + CALL_TIMEOUT_S
-        while httpx.get(server.url + "/v1/stats", timeout=RESPONSIVE_S).json()["rendering"] < 1:
-            assert time.monotonic() < deadline, "the slow render did not start"
+        while (httpx.get(server.url + "/v1/stats", timeout=RESPONSIVE_S).json()["rendering"] > 0) != busy:
+            assert time.monotonic() < deadline, f"the slow render did not {'start' if busy else 'end'}"
             time.sleep(POLL_S)
 
     first = threading.Thread(target=send, args=("first",))
@@ -632,7 +633,10 @@ def test_a_chat_template_that_renders_slowly_holds_up_nothing(servers):
     assert reply.status_code == 504, reply.text
     assert reply.json()["error"]["code"] == "timeout" and "--request-timeout" in reply.json()["error"]["message"]
     assert TEMPLATE_TIMEOUT_S <= results["first_s"] < TEMPLATE_TIMEOUT_S + RESPONSIVE_S
-    # SIGTERM while a render runs: the process ends within seconds, the request with 503
+    # SIGTERM while a render runs: the process ends within seconds, the request with 503. The first
+    # request's render outlives its 504 until the template's time limit: wait for its slot to free,
+    # so the render waited for below is the second request's (else SIGTERM can beat its connection)
+    wait_rendering(busy=False)
     second = threading.Thread(target=send, args=("second",))
     second.start()
     wait_rendering()

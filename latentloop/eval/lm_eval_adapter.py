@@ -51,9 +51,11 @@ try:  # lm_eval is optional: without it this module still imports (for docs and 
     from lm_eval.api.model import LM as _LMBase
 
     HAVE_LM_EVAL = True
-except ImportError:  # pragma: no cover - depends on the environment
+    LM_EVAL_IMPORT_ERROR = ""
+except ImportError as exc:  # pragma: no cover - depends on the environment
     _LMBase = object
     HAVE_LM_EVAL = False
+    LM_EVAL_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"  # why, for the message (installed but broken)
 
 
 def _available_device(name: str | None):
@@ -223,7 +225,8 @@ def register() -> bool:
 def main(argv: list[str] | None = None) -> int:
     """lm-eval's command line with `latentloop` registered (`python -m latentloop.eval.lm_eval_adapter`)."""
     if not register():
-        print("latentloop: error: lm_eval is not installed (pip install 'latentloop[lm-eval]')", file=sys.stderr)
+        why = f" (importing it failed: {LM_EVAL_IMPORT_ERROR})" if LM_EVAL_IMPORT_ERROR else ""
+        print(f"latentloop: error: lm_eval is not installed (pip install 'latentloop[lm-eval]'){why}", file=sys.stderr)
         return 2
     from lm_eval.__main__ import cli_evaluate
 

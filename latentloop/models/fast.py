@@ -10,10 +10,13 @@ decode step has static shapes:
   unchanged (the parent's slicing by Python ints). Then `freeze()` switches it to the static
   mode: each slot's keys/values get a tensor of their own, a new token is written at the
   position held in the tensor `write_index` (`index_put_` on the time axis, in place when
-  compiled), attention runs over the whole `max_len` with a mask built from the `key_pos` tensor,
-  RoPE reads its rows at the position tensor, and `advance` bumps the tensors in place. Nothing
-  the compiled step reads is a Python int that changes from step to step, so it compiles once
-  per (shapes, options) and never recompiles as the sequence grows.
+  compiled), attention runs over the filled window (the first W slots, W the filled length
+  rounded up to `WINDOW_BUCKET`) with a mask built from the `key_pos` tensor, RoPE reads its rows
+  at the position tensor, and `advance` bumps the tensors in place. W reaches the compiled step as
+  the size of a marker tensor whose dimension is marked dynamic, and nothing else it reads is a
+  Python int that changes from step to step, so it compiles once per (batch, buffer length,
+  options) and never recompiles as the sequence grows. The buffer is the whole context when that
+  fits `FULL_CONTEXT_CACHE_BYTES` (one shape whatever the prompt), else the need bucketed.
 - While frozen, `length` reads 0: the decode window is the whole buffer from slot 0 (masked by
   `key_pos`), so the models' "tokens seen + new <= context" checks, which read `length`, pass
   inside the compiled step; `FastDecoder` checks the real bound (`filled`) outside it instead.
@@ -23,6 +26,12 @@ decode step has static shapes:
   are rewritten as reductions that inductor generates and fuses itself (`_cpu_decode_backend`):
   torch's matmul runs a one-row product far below the memory bandwidth on the machine this was
   built on, and one attention kernel call per layer cost more than the fused loops.
+- After a decoder's first call, dynamo's guards are evaluated only where they tell this step's graphs
+  apart (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`): the full check cost 80-380 us a
+  step at batch 1 (issue 26).
+- The compiled code is cached on disk across processes (inductor's FX graph and AOT autograd caches,
+  under `compile_cache_dir()`), and each first call's time is recorded (`CompileRecord`), which the
+  engine's automatic mode (`AutoCompile`) reads as the cost of compiling.
 - `FastDecoder(model, **options)` compiles `step(token) -> (logits (B, V), greedy ids (B,))`:
   the greedy argmax runs inside the compiled region; sampling with a `torch.Generator` stays
   outside (in the engine's `sample_next`), since a generator is host state that dynamo does not
@@ -55,6 +64,7 @@ import torch
 from torch import Tensor
 
 from ..util import default_cache_dir
+from .backbone import GPT
 from .cache import AttentionPlan, KVCache
 
 # The static cache's length is rounded up to a multiple of this when a whole context's buffer would be
@@ -245,6 +255,7 @@ class FastDecoder:
         self.cuda = device.type == "cuda"
         self._step = self._eager_step
         self._ran = False  # this decoder's step has run once (so its graph exists for these shapes)
+        self.skip_guards = True  # after the first call (see `step`); False checks them every call (benchmarks)
         if compile and self.reason is None:
             use_compile_cache()
             per_model = _COMPILED_STEPS.setdefault(model, {})
@@ -282,7 +293,7 @@ class FastDecoder:
         if cache.filled + 1 > cache.max_len:
             raise ValueError(f"cache overflow: {cache.filled} + 1 tokens > max_len {cache.max_len}")
         cache.set_window()
-        if not self.compiled:
+        if not self.compiled or (self._ran and not self.skip_guards):
             logits, greedy, info = self._step(self.model, token, cache, self.options)
         elif self._ran:
             # Dynamo checks its guards before every call (80-380 us a step measured at batch 1, issue 26).
@@ -422,10 +433,13 @@ class AutoCompile:
 
     def __init__(self, model, options: dict):
         self.model, self.options = model, options
-        self.key = (model.wte.weight.device.type, tuple(sorted(options.items())))
+        self.key = (next(model.parameters()).device.type, tuple(sorted(options.items())))
 
     def applies(self, batch_size: int) -> bool:
-        return batch_size <= AUTO_MAX_BATCH and fallback_reason(self.model, self.options) is None
+        """The static cache is the backbone's (any other model, e.g. a test's scripted one, decodes as
+        it always did), the batch small enough, the options compilable."""
+        return (isinstance(self.model, GPT) and batch_size <= AUTO_MAX_BATCH
+                and fallback_reason(self.model, self.options) is None)
 
     def compiled_already(self, cache: KVCache) -> bool:
         """This process compiled (and ran) the step for this model, options and cache shape: free."""

@@ -115,6 +115,7 @@ class FBTConfig(ModelConfig):
     """
 
     arch: ClassVar[str] = "fbt"
+    TRAINING_NOISE: ClassVar[tuple[str, ...]] = ("jitter",)
     # Tied by default (the paper): the post-norm top state then lives in embedding space by
     # construction. Untied is allowed (upcycling an untied pretrained model): the carried state is
     # still what the head reads, and W_U has to learn the map from there into the input space.

@@ -77,6 +77,7 @@ class RGPTConfig(ModelConfig):
     """
 
     arch: ClassVar[str] = "rgpt"
+    TRAINING_NOISE: ClassVar[tuple[str, ...]] = ("noise_std",)
     n_pre: int | None = None
     n_rec: int | None = None
     n_coda: int | None = None
