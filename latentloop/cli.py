@@ -167,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", action="store_true", help="print the metrics as JSON")
     e.add_argument("--split", choices=["val", "train"], default="val", help="data split to evaluate")
     e.add_argument("--batches", type=_non_negative_int, default=0, help="evaluate at most this many batches (0: all)")
+    e.add_argument("--quantize", choices=["int8"], default=None,
+                   help="int8: score the model with weight-only int8 linear layers (as generate --quantize int8)")
     e.add_argument("--batch-size", type=_positive_int, default=None,
                    help="sequences per batch (default 16 for the loss, 64 rows for --tasks)")
     e.add_argument("--device", default="cpu", help="cpu, cuda[:N], mps")
@@ -427,10 +429,8 @@ def _generation_options(args) -> dict:
 
 
 def cmd_eval(args) -> int:
-    from functools import partial
-
     from .archs import get_arch
-    from .eval.loss import score_run, text_batches
+    from .eval.loss import row_documents, score_run, text_batches
     from .runtime import eval_data, load_run, resolve_device
 
     if args.tasks is None and (args.limit is not None or args.eval_dir is not None):
@@ -439,6 +439,10 @@ def cmd_eval(args) -> int:
         raise LatentloopError("--data applies to the loss, not to --tasks")
     device = resolve_device(args.device)
     model, tokenizer, config, checkpoint = load_run(args.run, device)
+    if args.quantize == "int8":  # the quality cost of int8 decoding: the same scores with int8 linears
+        from .engine import quantize_int8
+
+        quantize_int8(model)
     if args.tasks is not None:  # task accuracy (CORE, generation), written to RUN/evals/
         from .eval.core import DEFAULT_BATCH_SIZE
         from .eval.suite import format_suite, run_folder, run_tasks
@@ -473,9 +477,11 @@ def cmd_eval(args) -> int:
     if chat:  # the loss on the assistant's tokens, as SFT validates
         from .data.chat import masked_batches
 
-        batches = partial(masked_batches, tokens, args.batch_size or 16, args.batches or None)
-    else:
-        batches = text_batches(tokens, args.batch_size or 16, config.model.sequence_len, args.batches or None)
+        def batches():  # each conversation a document of the intervals
+            return row_documents(masked_batches(tokens, args.batch_size or 16, args.batches or None), tokenizer.bos_id)
+    else:  # documents (for the intervals) start at each BOS of the stream
+        batches = text_batches(tokens, args.batch_size or 16, config.model.sequence_len, args.batches or None,
+                               bos_id=tokenizer.bos_id)
     if not args.no_progress and not args.json:  # fbt's default eval scores three regimes: a minute or more
         batches = _with_progress(batches, tokens, args, config.model.sequence_len)
     by_option = score_run(model, batches, tokenizer.token_byte_lengths(), {"given": options} if options else None)
@@ -502,10 +508,12 @@ def cmd_eval(args) -> int:
         print(json.dumps(metrics, indent=2))
     else:
         for key, value in metrics.items():
-            if key not in ("by_option", "passes_curve", "notes"):
-                print(f"{key:>12}: {value:.4f}" if isinstance(value, float) else f"{key:>12}: {value}")
+            if key not in ("by_option", "passes_curve", "notes", "loss_ci", "bpb_ci"):
+                print((f"{key:>12}: {value:.4f}" if isinstance(value, float) else f"{key:>12}: {value}")
+                      + _interval_text(metrics.get(f"{key}_ci")))
         for label, scores in metrics.get("by_option", {}).items():
-            print(f"{label:>12}: loss {scores['loss']:.4f}  ppl {scores['ppl']:.3f}  bpb {scores['bpb']:.4f}")
+            print(f"{label:>12}: loss {scores['loss']:.4f}{_interval_text(scores.get('loss_ci'))}  "
+                  f"ppl {scores['ppl']:.3f}  bpb {scores['bpb']:.4f}{_interval_text(scores.get('bpb_ci'))}")
         if "passes_curve" in metrics:
             print("fused forward, loss by passes (the paper's stability check):")
             for label, scores in metrics["passes_curve"].items():
@@ -513,6 +521,11 @@ def cmd_eval(args) -> int:
         for note in notes:
             print(f"note: {note}")
     return 0
+
+
+def _interval_text(interval) -> str:
+    """' [low, high]' after a figure that has an interval (eval's loss and BPB), else nothing."""
+    return f" [{interval[0]:.4f}, {interval[1]:.4f}]" if interval else ""
 
 
 def _with_progress(batches, tokens, args, seq_len: int):

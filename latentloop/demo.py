@@ -95,7 +95,9 @@ def score_options(state) -> dict[str, dict[str, float]]:
     from .eval.loss import score_run, text_batches
 
     cfg = state.config
-    batches = text_batches(state.data.val, cfg.train.batch_size, cfg.model.sequence_len, EVAL_BATCHES)
+    # a sample of the split: windows spread over all of it; documents at each BOS for the intervals
+    batches = text_batches(state.data.val, cfg.train.batch_size, cfg.model.sequence_len, EVAL_BATCHES, spread=True,
+                           bos_id=state.tokenizer.bos_id)
     return score_run(state.model, batches, state.tokenizer.token_byte_lengths())
 
 
@@ -106,13 +108,18 @@ def gates_line(gates: dict[str, float]) -> str:
                      f"‖Δh‖/‖o‖ {gates[f'openness_r{r}']:.3f}" for r in steps)
 
 
+def _interval(interval) -> str:
+    """' [low, high]' (the bootstrap interval over documents), or nothing when there is none."""
+    return f" [{interval[0]:.4f}, {interval[1]:.4f}]" if interval else ""
+
+
 def _table(results: list[dict[str, Any]]) -> str:
     lines = ["| arch | params | steps | tokens | train s | scored as | val loss | val bpb |",
              "|---|---:|---:|---:|---:|---|---:|---:|"]
     for r in results:
         for label, scores in r["by_option"].items():
             lines.append(f"| {r['arch']} | {r['params']:,} | {r['step']} | {r['tokens']:,} | {r['elapsed']:.0f} | "
-                         f"{label} | {scores['loss']:.4f} | {scores['bpb']:.4f} |")
+                         f"{label} | {scores['loss']:.4f} | {scores['bpb']:.4f}{_interval(scores.get('bpb_ci'))} |")
     return "\n".join(lines)
 
 
@@ -155,7 +162,8 @@ def _write_report(out: Path, results: list[dict[str, Any]], data: str, preset: s
     device = "cuda" if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
     parts = [f"# latentloop demo\n\npreset `{preset}`, data `{data}`, {steps} steps of {DEMO_BATCH_SIZE} rows "
              f"per architecture, device {device}, {seconds:.0f} s in all\n", CAVEAT, "",
-             table, ""]
+             table, "", f"_val loss and BPB: {EVAL_BATCHES} validation batches of windows spread over the whole split; "
+             "in brackets, the 95% bootstrap interval of BPB over the documents they cover._", ""]
     for arch in dict.fromkeys(r["arch"] for r in results):  # each arch's caveats once (e.g. fbt's soft BPB)
         parts += [line for note in ARCHS[arch].model_class.SCORING_NOTES.values() for line in (f"_{note}._", "")]
     for r in results:

@@ -357,3 +357,23 @@ def test_int8_compiled_step_matches_the_int8_eager_step(arch):
         eager, fast = _decode_both(model, model_options(model, {}), compile=True)
     torch.testing.assert_close(fast, eager, rtol=0, atol=FAST_TOL)
     assert torch.equal(fast.argmax(-1), eager.argmax(-1))
+
+
+@pytest.mark.parametrize("arch", ll.archs.ARCHS)
+def test_int8_through_the_cli(arch, tiny_run, tiny_corpus, capsys):
+    """`generate --quantize int8` decodes a trained run of every arch, and `eval --quantize int8`
+    reports its quality cost: the int8 loss differs from the float one, by a small fraction of it."""
+    import json
+
+    from latentloop.cli import main
+
+    run = str(tiny_run(arch))
+    assert main(["generate", run, "--prompt", "the ", "--max-new-tokens", "4", "--quantize", "int8",
+                 "--decode", "eager"]) == 0
+    capsys.readouterr()
+    scored = {}
+    for extra in ([], ["--quantize", "int8"]):
+        assert main(["eval", run, "--json", "--no-progress", "--batches", "1", "--batch-size", "2",
+                     "--data", f"text:{tiny_corpus}", *extra]) == 0
+        scored[bool(extra)] = json.loads(capsys.readouterr().out)["loss"]
+    assert scored[True] != scored[False] and abs(scored[True] - scored[False]) < 0.05 * scored[False]

@@ -18,7 +18,7 @@ from latentloop.cli import main
 from latentloop.data import eval_batches
 from latentloop.engine import teacher_forced_logits
 from latentloop.errors import ConfigError
-from latentloop.eval import score_run
+from latentloop.eval import score_run, text_batches
 from latentloop.runtime import eval_data, load_run
 
 BATCH, BATCHES = 2, 1
@@ -52,16 +52,17 @@ def test_eval_and_the_demo_report_what_score_run_gives(arch, tiny_run, tiny_corp
     assert main(["eval", str(run), "--json", "--batch-size", str(BATCH), "--batches", str(BATCHES),
                  "--data", f"text:{tiny_corpus}"]) == 0
     printed = json.loads(capsys.readouterr().out)
-    expected = score_run(model, partial(eval_batches, tokens, BATCH, config.model.sequence_len, BATCHES),
-                         tokenizer.token_byte_lengths())
-    shown = printed.get("by_option", {printed["scored_as"]: {k: printed[k] for k in ("loss", "ppl", "bpb", "tokens")}})
+    expected = score_run(model, text_batches(tokens, BATCH, config.model.sequence_len, BATCHES,
+                                             bos_id=tokenizer.bos_id), tokenizer.token_byte_lengths())
+    keys = ("loss", "ppl", "bpb", "tokens", "documents", "loss_ci", "bpb_ci", "interval")
+    shown = printed.get("by_option", {printed["scored_as"]: {k: printed[k] for k in keys}})
     assert shown == expected  # the same numbers, not merely close: one code path
-    # the demo scores its trained state the same way, over its EVAL_BATCHES validation batches
+    # the demo scores its trained state the same way, over its EVAL_BATCHES validation batches spread over the split
     monkeypatch.setattr(demo, "EVAL_BATCHES", BATCHES)
     state = SimpleNamespace(config=config, model=model, tokenizer=tokenizer, data=SimpleNamespace(val=tokens))
     assert demo.score_options(state) == score_run(
-        model, partial(eval_batches, tokens, config.train.batch_size, config.model.sequence_len, BATCHES),
-        tokenizer.token_byte_lengths())
+        model, text_batches(tokens, config.train.batch_size, config.model.sequence_len, BATCHES, spread=True,
+                            bos_id=tokenizer.bos_id), tokenizer.token_byte_lengths())
 
 
 def test_every_way_is_checked_before_the_first_batch(tiny_run):

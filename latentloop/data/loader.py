@@ -139,6 +139,22 @@ class TokenLoader:
         self._order_epoch = -1  # the order depends on seed and epoch: draw it again
 
 
+def eval_window_ids(tokens: np.ndarray, batch_size: int, seq_len: int, max_batches: int | None = None,
+                    spread: bool = False) -> np.ndarray:
+    """The windows `eval_batches` takes, in order (window i holds tokens[i * seq_len : (i + 1) * seq_len + 1]),
+    `batch_size` per batch: where in the stream each validation row comes from."""
+    if batch_size < 1:
+        raise ConfigError(f"batch_size must be at least 1, got {batch_size}")
+    num_windows = _window_count(tokens, seq_len)
+    num_batches = -(-num_windows // batch_size)
+    if max_batches is not None:
+        num_batches = min(num_batches, max(0, max_batches))
+    taken = min(num_windows, num_batches * batch_size)
+    if spread and taken < num_windows:
+        return np.linspace(0, num_windows - 1, taken).round().astype(np.int64)
+    return np.arange(taken, dtype=np.int64)
+
+
 def eval_batches(
     tokens: np.ndarray, batch_size: int, seq_len: int, max_batches: int | None = None, spread: bool = False
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -149,19 +165,10 @@ def eval_batches(
 
     Checks its arguments at call time (not on first iteration), so errors surface early.
     """
-    if batch_size < 1:
-        raise ConfigError(f"batch_size must be at least 1, got {batch_size}")
-    num_windows = _window_count(tokens, seq_len)
-    num_batches = -(-num_windows // batch_size)
-    if max_batches is not None:
-        num_batches = min(num_batches, max(0, max_batches))
-
-    taken = min(num_windows, num_batches * batch_size)
-    order = (np.linspace(0, num_windows - 1, taken).round().astype(np.int64) if spread and taken < num_windows
-             else np.arange(taken, dtype=np.int64))
+    order = eval_window_ids(tokens, batch_size, seq_len, max_batches, spread)
 
     def generate() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for first in range(0, taken, batch_size):
+        for first in range(0, len(order), batch_size):
             yield _make_batch(tokens, order[first:first + batch_size], seq_len)
 
     return generate()

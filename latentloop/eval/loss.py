@@ -3,6 +3,13 @@
 BPB = (summed nats over the target tokens) / ln 2 / (UTF-8 bytes of those targets). Special tokens
 (BOS/EOS/PAD, which stand for zero bytes) are excluded from both sums, so the number compares
 across tokenizers. Loss and perplexity are per token, over all targets.
+
+Intervals over documents: batches that also say which document each target belongs to
+(`text_batches(..., bos_id=...)`: documents are delimited by BOS in the token stream, and a window
+spanning two documents splits its targets between them; `row_documents` for packed conversations)
+make `evaluate_batches` keep per-document sums, from which `score_run` reports a bootstrap 95%
+interval of the loss and of BPB over documents (`eval.stats.bootstrap_ratio`: 1000 resamples, a
+fixed seed). The point figures are the same sums either way.
 """
 
 from __future__ import annotations
@@ -16,8 +23,10 @@ import torch
 from torch import Tensor, nn
 
 from ..data import eval_batches
+from ..data.loader import eval_window_ids
 from ..engine import model_options, teacher_forced_logits
 from ..objectives import token_cross_entropy
+from .stats import BOOTSTRAP_RESAMPLES, CONFIDENCE, bootstrap_ratio
 
 LogitsFn = Callable[[nn.Module, Tensor], Tensor]  # (model, x (B, T)) -> logits (B, T, V)
 
@@ -33,34 +42,81 @@ def evaluate_loss(model: nn.Module, tokens: np.ndarray, token_bytes: np.ndarray,
                             device)
 
 
+# The per-document sums evaluate_batches keeps, one column each: nats over every counted target,
+# nats over the targets that stand for bytes (BPB's numerator), counted targets, bytes.
+DOCUMENT_SUMS = ("nats", "nats_bpb", "tokens", "bytes")
+
+
 @torch.no_grad()
 def evaluate_batches(model: nn.Module, batches: Iterable[tuple], token_bytes: np.ndarray,
-                     logits_fn: LogitsFn = plain_logits, device: torch.device | str | None = None) -> dict[str, float]:
-    """Loss / perplexity / BPB over batches (x, y) or (x, y, loss_mask): with a mask only the
-    targets it marks are counted (SFT's assistant tokens)."""
+                     logits_fn: LogitsFn = plain_logits, device: torch.device | str | None = None) -> dict:
+    """Loss / perplexity / BPB over batches (x, y), (x, y, loss_mask) or (x, y, loss_mask | None,
+    documents): with a mask only the targets it marks are counted (SFT's assistant tokens); with
+    `documents` ((B, T) int64, the document of each target) the result also holds "per_document":
+    {"nats", "nats_bpb", "tokens", "bytes"}, float64 arrays of the sums per document (in document
+    order; documents without a counted target left out), whose totals are the figures' own."""
     was_training = model.training
     model.eval()
     device = device or next(model.parameters()).device
     byte_table = torch.as_tensor(np.asarray(token_bytes), dtype=torch.long, device=device)
     nats = nats_bpb = 0.0
     n_tokens = n_bytes = 0
+    pieces: list[tuple[np.ndarray, np.ndarray]] = []  # per batch: (its documents, their sums (D, 4))
+    keep_documents = False
     try:
         for x, y, *rest in batches:
             x, y = x.to(device), y.to(device)
-            counted = rest[0].to(device).flatten() if rest else torch.ones(y.numel(), dtype=torch.bool, device=device)
+            mask = rest[0] if rest else None
+            counted = (mask.to(device).flatten() if mask is not None
+                       else torch.ones(y.numel(), dtype=torch.bool, device=device))
             losses = token_cross_entropy(logits_fn(model, x), y, reduction="none") * counted  # (B*T,)
             target_bytes = byte_table[y.flatten()] * counted
+            byte_losses = losses * (target_bytes > 0)
             nats += float(losses.sum())
             n_tokens += int(counted.sum())
-            nats_bpb += float((losses * (target_bytes > 0)).sum())
+            nats_bpb += float(byte_losses.sum())
             n_bytes += int(target_bytes.sum())
+            if len(rest) > 1:
+                keep_documents = True
+                columns = (losses, byte_losses, counted, target_bytes)  # DOCUMENT_SUMS' order
+                sums = torch.stack([c.double() for c in columns], dim=1).cpu()  # (B*T, 4)
+                documents, where = torch.unique(rest[1].flatten().cpu(), return_inverse=True)
+                pieces.append((documents.numpy(), torch.zeros(len(documents), 4, dtype=torch.float64)
+                               .index_add_(0, where, sums).numpy()))
     finally:
         model.train(was_training)
     if n_tokens == 0:
-        return {"loss": float("nan"), "ppl": float("nan"), "bpb": float("nan"), "tokens": 0}
-    loss = nats / n_tokens
-    return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "bpb": nats_bpb / math.log(2) / max(n_bytes, 1),
-            "tokens": n_tokens}
+        result = {"loss": float("nan"), "ppl": float("nan"), "bpb": float("nan"), "tokens": 0}
+    else:
+        loss = nats / n_tokens
+        result = {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "bpb": nats_bpb / math.log(2) / max(n_bytes, 1),
+                  "tokens": n_tokens}
+    if keep_documents:
+        result["per_document"] = _merge_documents(pieces)
+    return result
+
+
+def _merge_documents(pieces: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, np.ndarray]:
+    """One row of sums per document from the batches' rows (a document spans several windows)."""
+    if not pieces:
+        return {name: np.zeros(0) for name in DOCUMENT_SUMS}
+    documents = np.concatenate([d for d, _ in pieces])
+    sums = np.concatenate([s for _, s in pieces])
+    _, where = np.unique(documents, return_inverse=True)
+    merged = np.zeros((int(where.max()) + 1, len(DOCUMENT_SUMS)))
+    np.add.at(merged, where.ravel(), sums)
+    merged = merged[merged[:, DOCUMENT_SUMS.index("tokens")] > 0]  # a document none of whose targets counted
+    return {name: merged[:, i] for i, name in enumerate(DOCUMENT_SUMS)}
+
+
+def document_intervals(per_document: dict[str, np.ndarray], resamples: int = BOOTSTRAP_RESAMPLES) -> dict:
+    """The bootstrap intervals over documents of the loss and BPB whose per-document sums these are:
+    {"documents", "loss_ci", "bpb_ci", "interval"} (an interval is None with fewer than two documents)."""
+    loss_ci = bootstrap_ratio(per_document["nats"], per_document["tokens"], resamples=resamples)
+    bpb_ci = bootstrap_ratio(per_document["nats_bpb"] / math.log(2), per_document["bytes"], resamples=resamples)
+    return {"documents": int(len(per_document["tokens"])),
+            "loss_ci": None if loss_ci is None else list(loss_ci), "bpb_ci": None if bpb_ci is None else list(bpb_ci),
+            "interval": f"{CONFIDENCE:.0%} bootstrap over documents, {resamples} resamples"}
 
 
 @torch.no_grad()
@@ -101,10 +157,38 @@ def decoding_logits(options: dict | None = None) -> LogitsFn:
 
 
 def text_batches(tokens: np.ndarray, batch_size: int, seq_len: int, max_batches: int | None = None,
-                 spread: bool = False) -> Callable[[], Iterable[tuple]]:
+                 spread: bool = False, bos_id: int | None = None) -> Callable[[], Iterable[tuple]]:
     """`score_run`'s batches of a token stream: a new pass over the same validation batches per call
-    (`spread`: windows spaced over the whole split, see `eval_batches`)."""
-    return partial(eval_batches, tokens, batch_size, seq_len, max_batches, spread)
+    (`spread`: windows spaced over the whole split, see `eval_batches`). With `bos_id` each batch is
+    (x, y, None, documents): the document of each target, documents starting at each BOS of the
+    stream (a BOS target opens its document; targets before the first BOS are document 0), so
+    `score_run` reports intervals over documents."""
+    if bos_id is None:
+        return partial(eval_batches, tokens, batch_size, seq_len, max_batches, spread)
+    return partial(_document_batches, tokens, batch_size, seq_len, max_batches, spread, bos_id)
+
+
+def _document_batches(tokens: np.ndarray, batch_size: int, seq_len: int, max_batches: int | None, spread: bool,
+                      bos_id: int) -> Iterable[tuple]:
+    windows = eval_window_ids(tokens, batch_size, seq_len, max_batches, spread)
+    starts = np.flatnonzero(np.asarray(tokens) == bos_id)  # stream positions where a document begins
+    target_offsets = np.arange(1, seq_len + 1)  # window i's targets sit at i * seq_len + 1 ... i * seq_len + seq_len
+    for first, (x, y) in zip(range(0, len(windows), batch_size),
+                             eval_batches(tokens, batch_size, seq_len, max_batches, spread)):
+        positions = windows[first:first + batch_size, None] * seq_len + target_offsets[None, :]  # (B, T)
+        documents = np.searchsorted(starts, positions, side="right")  # BOS at or before each target
+        yield x, y, None, torch.from_numpy(documents.astype(np.int64))
+
+
+def row_documents(batches: Iterable[tuple], bos_id: int) -> Iterable[tuple]:
+    """Batches (x, y, loss_mask) of packed rows, whose documents (conversations) each start with BOS
+    and never span two rows, as (x, y, loss_mask, documents) for `evaluate_batches`."""
+    next_id = 0
+    for x, y, mask in batches:
+        local = torch.cumsum((y == bos_id).long(), dim=1)  # (B, T): the row's document of each target
+        width = int(local.max()) + 1
+        yield x, y, mask, next_id + torch.arange(y.shape[0])[:, None] * width + local
+        next_id += y.shape[0] * width
 
 
 def score_run(model: nn.Module, batches: Callable[[], Iterable[tuple]], token_bytes: np.ndarray,
@@ -114,13 +198,20 @@ def score_run(model: nn.Module, batches: Callable[[], Iterable[tuple]], token_by
     regimes, lrt's prefills, rgpt's depths), each through the engine's teacher-forced path.
     `batches()` starts a new pass over the same batches ((x, y), or (x, y, loss_mask) for
     conversations) for each choice. Every choice is checked before the first batch. The one scoring
-    of a run that `eval`, the demo and the CPU comparison share."""
+    of a run that `eval`, the demo and the CPU comparison share. Batches that name each target's
+    document (`text_batches(..., bos_id=...)`, `row_documents`) add {"documents", "loss_ci",
+    "bpb_ci", "interval"}: bootstrap intervals over documents (`document_intervals`)."""
     if choices is None:
         choices = model.scoring_modes(model.config)
     for options in choices.values():
         model_options(model, options)  # a bad option fails before any batch
-    return {label: evaluate_batches(model, batches(), token_bytes, decoding_logits(options))
-            for label, options in choices.items()}
+    scores = {}
+    for label, options in choices.items():
+        result = evaluate_batches(model, batches(), token_bytes, decoding_logits(options))
+        if "per_document" in result:
+            result.update(document_intervals(result.pop("per_document")))
+        scores[label] = result
+    return scores
 
 
 # The paper's stability check (its loss-vs-passes figure): the K-pass fused forward's loss for
