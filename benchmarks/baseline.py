@@ -55,6 +55,7 @@ from benchmarks.common import (
     benchmark_main,
     make_train_step,
     render_table,
+    require_at_least_one,
     run_interleaved,
     spread,
     start_run,
@@ -461,10 +462,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write all results as JSON")
     add_allocator_flag(p)
     args = p.parse_args(argv)
-    for name in ("seq_len", "batch_size", "rounds", "steps_per_round", "prompt_len", "new_tokens", "decode_batch",
-                 "naive_tokens", "repeats"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    require_at_least_one(p, args, ("seq_len", "batch_size", "rounds", "steps_per_round", "prompt_len", "new_tokens",
+                                   "decode_batch", "naive_tokens", "repeats"))
     if args.warmup_steps < 0:
         p.error("--warmup-steps must be >= 0")
     return args

@@ -39,6 +39,13 @@ BYTE_VOCAB = ByteTokenizer.vocab_size  # 259: bytes + BOS/EOS/PAD; prompts use b
 MiB = 2 ** 20
 
 
+def require_at_least_one(parser: argparse.ArgumentParser, args: argparse.Namespace, names: Sequence[str]) -> None:
+    """parser.error for the first of the named integer arguments that is below 1."""
+    for name in names:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+
+
 def render_table(rows: Sequence[Sequence[Any]]) -> str:
     """A Markdown table whose first row is the header; columns padded to their widest cell."""
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]

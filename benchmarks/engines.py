@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import benchmark_main, render_table, spread, start_run
+from benchmarks.common import benchmark_main, render_table, require_at_least_one, spread, start_run
 
 SHAPES = {  # the two shapes (with the byte vocabulary, see the docstring)
     "small": dict(n_layer=4, n_embd=256, n_head=4),
@@ -233,9 +233,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [e for e in args.engines if e not in ENGINES]
     if unknown:
         p.error(f"unknown engine {unknown[0]!r}; choose from: {', '.join(ENGINES)}")
-    for name in ("prompt_len", "new_tokens", "repeats"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    require_at_least_one(p, args, ("prompt_len", "new_tokens", "repeats"))
     return args
 
 

@@ -28,6 +28,7 @@ from benchmarks.common import (
     decode_generate,
     make_sync,
     render_table,
+    require_at_least_one,
     run_interleaved,
     spread,
     start_run,
@@ -136,9 +137,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write all results as JSON")
     args = p.parse_args(argv)
-    for name in ("prompt_len", "repeats"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    require_at_least_one(p, args, ("prompt_len", "repeats"))
     if args.new_tokens < 2:
         p.error("--new-tokens must be >= 2 (per-token time is measured between tokens)")
     if args.warmup < 1:

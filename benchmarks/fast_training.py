@@ -29,6 +29,7 @@ from benchmarks.common import (
     add_allocator_flag,
     benchmark_main,
     render_table,
+    require_at_least_one,
     spread,
     start_run,
     training_comparison,
@@ -101,9 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write all results as JSON")
     add_allocator_flag(p)
     args = p.parse_args(argv)
-    for name in ("train_seq_len", "train_batch", "train_steps"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    require_at_least_one(p, args, ("train_seq_len", "train_batch", "train_steps"))
     if args.train_warmup < 1:
         p.error("--train-warmup must be >= 1: the first compiled step compiles")
     return args

@@ -5,15 +5,20 @@ BPB that nanoGPT's `model.py` reaches in N steps, on this CPU, in the same run.
    heads, T; bias off, dropout 0), trained fp32 with AdamW by its own recipe (below) for N steps on
    the same batches of the same data (`stdlib`, byte tokenizer, batch 16): its validation BPB on the
    whole validation split is the target.
-2. Each registered architecture, built at the same preset, trained by latentloop's default recipe
-   (`TrainConfig()`'s optimizer, lr, schedule, precision, with `steps` = N) through the trainer's own
-   step (`latentloop.train.train_step`). Its weights are kept every `--check-every` steps; after the
-   run the first kept state whose whole-split validation BPB is at or below the target is found by
+2. Each registered architecture (or `--archs`), built at the same preset, trained by latentloop's
+   default recipe (`TrainConfig()`'s optimizer, lr, schedule, precision, with `steps` = N) and by
+   each of `--recipes` (changes to it: bf16, muon), through the trainer's own step
+   (`latentloop.train.train_step`). Its weights are kept every `--check-every` steps; after the run
+   the first kept state whose whole-split validation BPB is at or below the target is found by
    bisection (validation BPB falls with training here: the search assumes it), and its time is the
-   summed wall-clock of the steps up to it. Evaluation time is excluded for both.
+   summed wall-clock of the steps up to it. The BPB after all N steps is reported too (the quality
+   of each recipe at equal steps). Evaluation time is excluded for both models.
 3. The figure: nanoGPT's N-step training time over latentloop's time to the target, per repeat (the
-   two back to back, the order rotating between repeats), median and range over `--repeats`, with
+   jobs back to back, the order rotating between repeats), median and range over `--repeats`, with
    the contention meter around every run (the share of the CPUs other processes used meanwhile).
+   Training is deterministic (same seed, data and threads), so only the first repeat searches:
+   later ones rerun each job up to the step it found, for the time, and check that the weights
+   there are the first repeat's bit for bit (nanoGPT's too), evaluating again where they are not.
 
 nanoGPT's recipe is the one its repository ships for a small character-level model trained on a
 laptop CPU (`config/train_shakespeare_char.py`: AdamW lr 1e-3 with betas (0.9, 0.99), weight decay
@@ -26,7 +31,8 @@ after N = a few hundred steps it would still be warming up, and the ratio would 
 bfloat16) with everything else equal and reports both validation BPBs (whole split) and the step
 time: the measurement that decides whether bf16 may be the CPU default (within 1% BPB).
 
-    .venv/bin/python -m benchmarks.time_to_quality [--preset tiny] [--steps 300] [--repeats 3]
+    .venv/bin/python -m benchmarks.time_to_quality [--preset tiny] [--steps 300] [--repeats 3] \
+        [--archs gpt fbt] [--recipes default bf16 muon]
     .venv/bin/python -m benchmarks.time_to_quality --precision-check --preset small --steps 100
 """
 
@@ -44,7 +50,7 @@ import torch
 
 import latentloop
 from benchmarks.baseline import load_nanogpt
-from benchmarks.common import ContentionMeter, benchmark_main, render_table, spread, start_run
+from benchmarks.common import ContentionMeter, benchmark_main, render_table, require_at_least_one, spread, start_run
 from latentloop.archs import ARCHS, build_objective
 from latentloop.config import PRESETS, DataConfig, RunConfig, TrainConfig, model_config
 from latentloop.data import TokenLoader, load_tokenizer
@@ -368,9 +374,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write all results as JSON")
     args = p.parse_args(argv)
-    for name in ("steps", "repeats", "check_every", "batch_size"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    require_at_least_one(p, args, ("steps", "repeats", "check_every", "batch_size"))
     if args.val_tokens is not None and args.val_tokens < PRESETS[args.preset]["sequence_len"] + 1:
         p.error("--val-tokens must hold at least one sequence (sequence_len + 1 tokens)")
     return args

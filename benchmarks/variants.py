@@ -56,7 +56,14 @@ from typing import Any
 import torch
 
 from benchmarks import fbt, lrt, rgpt
-from benchmarks.common import ContentionMeter, announce_environment, environment, load_average, write_results
+from benchmarks.common import (
+    ContentionMeter,
+    announce_environment,
+    environment,
+    load_average,
+    require_at_least_one,
+    write_results,
+)
 from benchmarks.fbt import DECODE_SHAPES
 
 SECTIONS = ("fbt", "lrt", "rgpt")
@@ -114,10 +121,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--dims must be comma-separated integers")
     if not args.dims or any(d not in DECODE_SHAPES for d in args.dims):
         p.error(f"--dims must be a comma-separated subset of {','.join(map(str, DECODE_SHAPES))}")
-    for name in ("prompt_len", "repeats", "train_seq_len", "train_batch", "train_steps", "rgpt_dense_layers",
-                 "rgpt_steps", "rgpt_dim", "rgpt_heads", "mem_prompt_len", "cache_context"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    require_at_least_one(p, args, ("prompt_len", "repeats", "train_seq_len", "train_batch", "train_steps",
+                                   "rgpt_dense_layers", "rgpt_steps", "rgpt_dim", "rgpt_heads", "mem_prompt_len",
+                                   "cache_context"))
     if args.new_tokens < 2:
         p.error("--new-tokens must be >= 2 (latency is measured between the first and last token)")
     if args.warmup < 0 or args.train_warmup < 0:
