@@ -40,6 +40,7 @@ sys.path.insert(0, str(REPO))
 from latentloop.archs import get_arch  # noqa: E402
 from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config  # noqa: E402
 from latentloop.eval.loss import passes_curve, score_run, text_batches  # noqa: E402
+from latentloop.eval.stats import format_comparison, seed_rows  # noqa: E402
 from latentloop.models.rgpt import rgpt_shape_from_dense  # noqa: E402
 from latentloop.train import fit, setup  # noqa: E402
 
@@ -87,7 +88,8 @@ def run_one(out: Path, name: str, fields: dict, steps: int, seed: int, preset: s
     summary = fit(state, progress=False)
     model = state.model.eval()
     byte_lengths = state.tokenizer.token_byte_lengths()
-    batches = text_batches(state.data.val, batch_size, config.model.sequence_len, eval_batches or None, spread=True)
+    batches = text_batches(state.data.val, batch_size, config.model.sequence_len, eval_batches or None, spread=True,
+                           bos_id=state.tokenizer.bos_id)  # documents at each BOS: an interval per run
     scores = score_run(model, batches, byte_lengths, evaluations(arch, config.model))
     extra = {}
     if arch in ("fbt", "rfbt"):
@@ -110,19 +112,50 @@ def _sd(values: list[float]) -> float:
     return statistics.stdev(values) if len(values) > 1 else 0.0
 
 
+BASELINES = ("gpt", "gpt-2x")  # equal tokens; about matched training compute for the 2x-FLOPs variants
+
+
+def paired_tables(by_name: dict[str, list[dict]]) -> list[str]:
+    """Each run and scoring against each baseline's default scoring: the per-seed ratio of
+    validation BPB, its mean with the 95% t-interval over the paired seeds and the verdict
+    ("lower" / "higher" when the interval excludes 1, else "undecided")."""
+    values = {(name, label): {r["seed"]: r["scores"][label]["bpb"] for r in runs}
+              for name, runs in by_name.items() for label in runs[0]["scores"]}
+    lines = []
+    for baseline in BASELINES:
+        if baseline not in by_name:
+            continue
+        base_key = (baseline, next(iter(by_name[baseline][0]["scores"])))
+        rows = seed_rows(values, base_key)
+        lines += ["", f"val BPB / {baseline} ({base_key[1]}), per seed, paired: mean [95% t-interval over seeds]:", "",
+                  "| run | eval | ratio | verdict | paired seeds |", "|---|---|---:|---|---:|"]
+        lines += [f"| {row['name'][0]} | {row['name'][1]} | {format_comparison(row['paired'])} | {row['verdict']} | "
+                  f"{len(row['paired']['seeds'])} |" for row in rows if "paired" in row]
+    return lines
+
+
+def _interval(score: dict) -> str:
+    """The bootstrap interval over documents of one run's BPB (the first seed's), when it has one."""
+    low_high = score.get("bpb_ci")
+    return f" [{low_high[0]:.3f}, {low_high[1]:.3f}]" if low_high else ""
+
+
 def summarise(results: list[dict]) -> str:
     by_name: dict[str, list[dict]] = {}
     for r in results:
         by_name.setdefault(r["name"], []).append(r)
-    lines = ["| run | params | tokens | train FLOPs | eval | val loss (mean ± sd) | val BPB (mean ± sd) | seeds |",
-             "|---|---:|---:|---:|---|---:|---:|---:|"]
+    lines = ["| run | params | tokens | train FLOPs | eval | val loss (mean ± sd) | val BPB (mean ± sd) | seeds | "
+             "first seed's BPB, 95% bootstrap over documents |",
+             "|---|---:|---:|---:|---|---:|---:|---:|---|"]
     for name, runs in by_name.items():
         for label in runs[0]["scores"]:
             losses = [r["scores"][label]["loss"] for r in runs]
             bpbs = [r["scores"][label]["bpb"] for r in runs]
             lines.append(f"| {name} | {runs[0]['params']:,} | {runs[0]['tokens']:,} | {runs[0]['train_flops']:.2e}"
                          f" | {label} | {statistics.mean(losses):.4f} ± {_sd(losses):.4f} | "
-                         f"{statistics.mean(bpbs):.4f} ± {_sd(bpbs):.4f} | {len(runs)} |")
+                         f"{statistics.mean(bpbs):.4f} ± {_sd(bpbs):.4f} | {len(runs)} |"
+                         f"{_interval(runs[0]['scores'][label])} |")
+    lines += paired_tables(by_name)
     curves = [r for r in results if "passes_curve" in r]
     if curves:
         labels = list(curves[0]["passes_curve"])

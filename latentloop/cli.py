@@ -284,6 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compare", help="compare runs: params, tokens, FLOPs, loss, BPB, CORE and task accuracy")
     c.add_argument("runs", nargs="+", metavar="RUN", help="run folders")
     c.add_argument("--out", default="compare", help="folder for compare.md and the loss plots (default: ./compare)")
+    c.add_argument("--baseline", default=None, metavar="NAME",
+                   help="the group (runs differing only in seed) or run the paired differences are taken against "
+                        "(default: the first)")
     return parser
 
 
@@ -568,7 +571,7 @@ def cmd_compare(args) -> int:
 
     output_folder(args.out, "--out")
     try:
-        report = compare_runs(args.runs, args.out)
+        report = compare_runs(args.runs, args.out, args.baseline)
     except OSError as exc:  # the folder was writable a moment ago: a full disk, a file dropped in the way
         raise OutputError(f"cannot write the report into {args.out}: {exc.strerror or exc}") from None
     print(report["markdown"])

@@ -15,9 +15,10 @@ from latentloop.errors import CheckpointError
 from latentloop.eval import compare
 
 
-def make_run(folder: Path, arch: str, losses: list[float], *, flops: bool = True, evals: dict | None = None) -> Path:
+def make_run(folder: Path, arch: str, losses: list[float], *, flops: bool = True, evals: dict | None = None,
+             seed: int = 0) -> Path:
     folder.mkdir(parents=True)
-    config = RunConfig(model=model_config(arch, "test"), train=TrainConfig(steps=len(losses) * 10),
+    config = RunConfig(model=model_config(arch, "test"), train=TrainConfig(steps=len(losses) * 10, seed=seed),
                        data=DataConfig(source="stdlib"))
     config.save_json(folder / "config.json")
     rows = []
@@ -111,3 +112,47 @@ def test_runs_without_evals_or_metrics(tmp_path):
     RunConfig(model=model_config("gpt", "test")).save_json(bare / "config.json")
     report = compare.compare_runs([bare], tmp_path / "out")
     assert "| bare | gpt |" in report["markdown"] and any("no task results" in n for n in report["notes"])
+
+
+def test_seeds_of_one_recipe_are_grouped_and_paired_against_the_baseline(tmp_path, capsys):
+    """Runs differing only in the seed form a group: mean ± sd over seeds, and BPB's paired
+    difference from the baseline group with its t-interval (seed by seed, not group means)."""
+    from latentloop.eval.stats import paired_comparison
+
+    base = [3.0, 3.2, 2.9]
+    shifts = {"better": [-0.20, -0.21, -0.19], "same": [0.05, -0.06, 0.0]}
+    paths = [make_run(tmp_path / f"gpt-s{seed}", "gpt", [4.0, loss], seed=seed) for seed, loss in enumerate(base)]
+    for name, shift in shifts.items():
+        arch = "fbt" if name == "better" else "lrt"
+        paths += [make_run(tmp_path / f"{name}_seed{seed}", arch, [4.0, loss + d], seed=seed)
+                  for seed, (loss, d) in enumerate(zip(base, shift))]
+    report = compare.compare_runs(paths, tmp_path / "out")
+    groups = {g["group"]: g for g in report["groups"]}
+    assert list(groups) == ["gpt", "better", "same"] and report["baseline"] == "gpt"
+    bpb = {seed: (loss + 0.1) / 0.69 for seed, loss in enumerate(base)}  # make_run's val_bpb
+    better = {seed: (loss + d + 0.1) / 0.69 for seed, (loss, d) in enumerate(zip(base, shifts["better"]))}
+    paired, expected = groups["better"]["val_bpb"]["paired"], paired_comparison(better, bpb, "difference")
+    assert paired["seeds"] == expected["seeds"] == [0, 1, 2] and paired["excludes"] is True
+    for key in ("mean", "sd", "low", "high"):
+        assert paired[key] == pytest.approx(expected[key], rel=1e-12)
+    assert groups["same"]["val_bpb"]["verdict"] == "undecided"
+    assert groups["gpt"]["val_loss"]["mean"] == pytest.approx(sum(base) / 3 + 0.1)
+    text = (tmp_path / "out" / "compare.md").read_text()
+    assert "## Over seeds" in text and "| better | fbt | 0, 1, 2 |" in text and "training-time estimate" in text
+    # another baseline, by group or by one of its runs; an unknown one is one line
+    assert compare.compare_runs(paths, tmp_path / "out2", baseline="same")["baseline"] == "same"
+    assert compare.compare_runs(paths, tmp_path / "out3", baseline="better_seed1")["baseline"] == "better"
+    assert main(["compare", *map(str, paths), "--out", str(tmp_path / "cli"), "--baseline", "nope"]) == 2
+    assert "--baseline 'nope' names none of the groups" in capsys.readouterr().err
+
+
+def test_group_curves_are_the_mean_and_sd_over_seeds(tmp_path):
+    paths = [make_run(tmp_path / f"r-s{seed}", "gpt", [3.0 + seed, 2.0 + seed], seed=seed) for seed in range(3)]
+    runs = [compare.read_run(p) for p in paths]
+    compare._labels(runs)
+    (members,) = compare.seed_groups(runs).values()
+    xs, mean, sd = compare.group_curve(members, "tokens", "val_bpb")
+    assert xs == [10_000.0, 20_000.0]
+    assert mean == pytest.approx([(4.1) / 0.69, (3.1) / 0.69]) and sd == pytest.approx([1 / 0.69, 1 / 0.69])
+    pytest.importorskip("matplotlib")
+    assert compare.plot_losses(runs, tmp_path, {"r": members})[0] == ["loss_vs_tokens.png", "loss_vs_flops.png"]

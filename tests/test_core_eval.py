@@ -213,6 +213,9 @@ def test_tasks_scored_end_to_end_on_hand_made_examples(tmp_path):
     assert tasks["lambada_openai"]["accuracy"] == 0.5  # " y" is the greedy continuation of "k=", " n" is not
     assert result["missing"] == ["squad"] and result["evaluated"] == 3
     assert result["core"] == pytest.approx(sum(t["centered"] for t in tasks.values()) / 3)
+    # each accuracy carries its binomial interval: Wilson's for 2 of 3 (the published 0.2077-0.9385)
+    assert tasks["copa"]["accuracy_ci"] == pytest.approx([0.2077, 0.9385], abs=1e-4)
+    assert "[0.208, 0.939]" in core.format_results(result).splitlines()[1]
 
 
 def test_limit_and_fewshot_from_the_whole_file(tmp_path):

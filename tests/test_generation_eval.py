@@ -26,6 +26,7 @@ from latentloop.eval.generation import (
     run_generation_tasks,
     split_task_names,
 )
+from latentloop.eval.stats import wilson_interval
 from latentloop.eval.suite import format_suite
 from latentloop.models.options import DecodeOption
 
@@ -187,12 +188,17 @@ def test_reasoning_task_report_puts_baselines_beside_accuracy_per_length():
         assert row["chance"] == pytest.approx(1 / 10)
         assert row["copy"] == pytest.approx(sum(v == ex.answer for v, ex in zip(x, items)) / len(items))
         assert row["majority"] == pytest.approx(sum(ex.answer == majority for ex in items) / len(items))
+        correct = round(row["accuracy"] * row["n"])
+        assert row["accuracy_ci"] == pytest.approx(list(wilson_interval(correct, row["n"])))
+        assert row["accuracy_ci"][0] <= row["accuracy"] <= row["accuracy_ci"][1]
     printed = format_suite({"tasks": {spec: report}, "missing": [], "core": None})
     header, *rows = [line for line in printed.splitlines() if line.startswith("  ")]
-    assert header.split() == ["length", "n", "distinct", "accuracy", "chance", "copy", "majority"]
+    assert header.split() == ["length", "n", "distinct", "accuracy", "95%", "Wilson", "chance", "copy", "majority"]
     first = report["by_length"]["1"]
-    assert rows[0].split() == ["1", str(first["n"]), str(first["distinct"])] + [
-        f"{first[k]:.4f}" for k in ("accuracy", "chance", "copy", "majority")]
+    low, high = first["accuracy_ci"]
+    assert rows[0].split() == ["1", str(first["n"]), str(first["distinct"]), f"{first['accuracy']:.4f}",
+                               f"[{low:.3f},", f"{high:.3f}]"] + [
+        f"{first[k]:.4f}" for k in ("chance", "copy", "majority")]
     assert any("copy: x itself" in line for line in rows)
     products = run_generation_tasks(ScriptedModel(lambda prompt: "0"), TOKENIZER, "multiplication", None, {}, 4,
                                     False)["multiplication"]
@@ -208,11 +214,11 @@ def test_cli_eval_prints_and_returns_baselines_per_length(tiny_run_copy, capsys)
     capsys.readouterr()
     assert main(["eval", str(run), "--tasks", task, "--limit", "6", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)["tasks"][task]
-    assert report["by_length"] and all(set(row) == {"n", "distinct", "accuracy", "chance", "copy", "majority"}
-                                       for row in report["by_length"].values())
+    fields = {"n", "distinct", "accuracy", "accuracy_ci", "chance", "copy", "majority"}
+    assert report["by_length"] and all(set(row) == fields for row in report["by_length"].values())
     assert main(["eval", str(run), "--tasks", task, "--limit", "6", "--no-progress"]) == 0
     printed = capsys.readouterr().out
-    assert "distinct  accuracy    chance      copy  majority" in printed and "copy: x itself" in printed
+    assert "distinct  accuracy      95% Wilson    chance      copy  majority" in printed and "copy: x itself" in printed
 
 
 def test_chat_task_report_has_the_same_baselines():

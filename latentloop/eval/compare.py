@@ -11,6 +11,16 @@ Reads each run folder (`config.json`, `metrics.jsonl`, `evals/*.json` written by
   extra; without it the plots are skipped with a note);
 - `compare.json`: everything the tables show, for scripts.
 
+Seeds: runs whose configs differ only in `train.seed` form a group (its label: the run name with a
+trailing seed tag such as `-s1` or `_seed1` removed). When a group has two or more runs,
+`compare.md` gets a table of each group's final validation loss and BPB as mean ± sd over its
+seeds and, against the baseline group (`--baseline`, default the first), the paired difference of
+BPB by seed with its 95% t-interval and whether it excludes zero (`eval.stats.seed_rows`), and the
+plots draw each group's mean validation curve with a band of ± one sd over its seeds. Task
+accuracies show their 95% Wilson interval where the eval recorded one. The final validation
+figures are the training-time estimate (the first `train.eval_batches` batches of the val split, as
+`train` logged them); `latentloop eval` scores the whole split.
+
 Parameters and FLOPs per token come from the run's config (the model is built on the `meta`
 device: no memory, no weights read); training FLOPs are those the trainer logged, else FLOPs per
 token (the objective's run average: multi-pass K, recurrence depth, ...) times tokens.
@@ -20,6 +30,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +41,7 @@ from ..archs import ARCHS
 from ..config import RunConfig
 from ..errors import CheckpointError, ConfigError, LatentloopError
 from .core import CORE_TASKS
+from .stats import format_comparison, seed_rows
 
 EVALS_DIR = "evals"
 
@@ -104,7 +116,11 @@ def read_run(path: str | Path) -> dict[str, Any]:
     if flops is None and tokens is not None and flops_per_token is not None:
         flops = flops_per_token * tokens
     final_val = val[-1] if val else {}
+    recipe = config.to_dict()
+    recipe["train"].pop("seed", None)  # what makes runs seeds of one group: everything but the seed
     return {"run": str(run_dir), "name": run_dir.resolve().name, "arch": config.model.arch, "params": params,
+            "seed": config.train.seed, "recipe": json.dumps(recipe, sort_keys=True, default=str),
+            "eval_batches": config.train.eval_batches,
             "steps": last.get("step"), "tokens": tokens, "flops": flops, "flops_per_token": flops_per_token,
             "val_loss": final_val.get("val_loss"), "val_bpb": final_val.get("val_bpb"), "train": train,
             "val": val, "evals": read_evals(run_dir)}
@@ -143,6 +159,49 @@ def runs_table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+SEED_SUFFIX = re.compile(r"[-_.]?(?:seed|s)\d+$")  # run-name endings that name a seed: gpt-s1, gpt_seed1
+
+
+def seed_groups(runs: list[dict]) -> dict[str, list[dict]]:
+    """Runs grouped by recipe (config without the seed), in first-seen order, by group label."""
+    by_recipe: dict[str, list[dict]] = {}
+    for r in runs:
+        by_recipe.setdefault(r["recipe"], []).append(r)
+    groups: dict[str, list[dict]] = {}
+    for members in by_recipe.values():
+        stems = {SEED_SUFFIX.sub("", m["label"]) or m["label"] for m in members}
+        label = stems.pop() if len(stems) == 1 and len(members) > 1 else members[0]["label"]
+        while label in groups:  # two recipes whose names strip alike
+            label += "'"
+        groups[label] = members
+    return groups
+
+
+def groups_table(groups: dict[str, list[dict]], baseline: str) -> tuple[str, list[dict]]:
+    """Mean ± sd over seeds of each group's final val loss and BPB, and BPB's paired difference
+    from the baseline group (by seed, 95% t-interval); also the rows, for compare.json."""
+    def by_seed(key: str) -> dict[str, dict]:
+        return {label: {r["seed"]: r[key] for r in members if r[key] is not None}
+                for label, members in groups.items()}
+
+    loss_rows = {row["name"]: row for row in seed_rows(by_seed("val_loss"))}
+    bpb_rows = seed_rows(by_seed("val_bpb"), baseline, kind="difference")
+    lines = [f"| group | arch | seeds | val loss (mean ± sd) | val BPB (mean ± sd) | BPB − {baseline} "
+             "(paired, 95% t) | excludes 0 |", "|---|---|---|---:|---:|---:|---|"]
+    rows = []
+    for row in bpb_rows:
+        members = groups[row["name"]]
+        loss = loss_rows[row["name"]]
+        paired = row.get("paired")
+        cells = ("(baseline)", "") if paired is None else (
+            format_comparison(paired), {True: "yes", False: "no", None: "–"}[paired["excludes"]])
+        seeds = ", ".join(str(m["seed"]) for m in members)
+        lines.append(f"| {row['name']} | {members[0]['arch']} | {seeds} | {_num(loss['mean'])} ± {_num(loss['sd'])} | "
+                     f"{_num(row['mean'])} ± {_num(row['sd'])} | {cells[0]} | {cells[1]} |")
+        rows.append({"group": row["name"], "runs": [m["label"] for m in members], "val_loss": loss, "val_bpb": row})
+    return "\n".join(lines), rows
+
+
 def collect_task_columns(runs: list[dict]) -> tuple[list[tuple[str, str]], dict[tuple[str, str], dict], list[str]]:
     """Columns (run label, tag), {(label, tag): {task: cell}} and the task rows in display order."""
     columns: list[tuple[str, str]] = []
@@ -166,6 +225,9 @@ def collect_task_columns(runs: list[dict]) -> tuple[list[tuple[str, str]], dict[
             if not isinstance(accuracy, (int, float)):
                 continue
             cell = _num(accuracy)
+            interval = result.get("accuracy_ci")
+            if isinstance(interval, list) and len(interval) == 2:
+                cell += f" [{interval[0]:.2f}, {interval[1]:.2f}]"
             trace = result.get("mean_trace_tokens")
             if isinstance(trace, (int, float)):
                 cell += f" ({trace:.0f} tok)"
@@ -199,8 +261,15 @@ def tasks_table(runs: list[dict]) -> str | None:
 # --------------------------------------------------------------------------------------------
 
 
-def _val_axis(run: dict, key: str) -> tuple[list[float], list[float]]:
-    """Validation losses against training tokens or FLOPs (interpolated from the training log)."""
+def _val_metric(runs: list[dict]) -> tuple[str, str]:
+    """(val row key, axis label): BPB when every run logged it (comparable across tokenizers), else loss."""
+    if runs and all(run["val"] and all(row.get("val_bpb") is not None for row in run["val"]) for run in runs):
+        return "val_bpb", "validation bits per byte"
+    return "val_loss", "validation loss (nats/token)"
+
+
+def _val_axis(run: dict, key: str, metric: str = "val_loss") -> tuple[list[float], list[float]]:
+    """Validation `metric` against training tokens or FLOPs (interpolated from the training log)."""
     steps = [r["step"] for r in run["train"] if r.get(key) is not None]
     values = [r[key] for r in run["train"] if r.get(key) is not None]
     if key == "flops" and not values and run["flops_per_token"] is not None:
@@ -216,12 +285,28 @@ def _val_axis(run: dict, key: str) -> tuple[list[float], list[float]]:
         if step < steps[0]:
             x = step * (values[0] / steps[0] if steps[0] else 0.0)
         xs.append(x)
-        ys.append(row["val_loss"])
+        ys.append(row.get(metric))
     return xs, ys
 
 
-def plot_losses(runs: list[dict], out: Path) -> tuple[list[str], list[str]]:
-    """Write loss_vs_tokens.png and loss_vs_flops.png; returns (file names, notes)."""
+def group_curve(members: list[dict], key: str, metric: str) -> tuple[list[float], list[float], list[float]]:
+    """A seed group's validation curve: x, mean and sd over its seeds at each validation point they
+    all reached (seeds of one recipe validate at the same steps; x is their mean)."""
+    curves = [_val_axis(run, key, metric) for run in members]
+    length = min((len(xs) for xs, _ in curves), default=0)
+    if length == 0:
+        return [], [], []
+    xs = np.mean([c[0][:length] for c in curves], axis=0)
+    ys = np.array([c[1][:length] for c in curves], dtype=np.float64)
+    sd = ys.std(axis=0, ddof=1) if len(curves) > 1 else np.zeros(length)
+    return xs.tolist(), ys.mean(axis=0).tolist(), sd.tolist()
+
+
+def plot_losses(runs: list[dict], out: Path, groups: dict[str, list[dict]] | None = None
+                ) -> tuple[list[str], list[str]]:
+    """Write loss_vs_tokens.png and loss_vs_flops.png: each group's validation curve (BPB where
+    logged; a group of seeds as its mean with a ± sd band) and each run's training loss (thin, on
+    a second axis); returns (file names, notes)."""
     try:
         import matplotlib
 
@@ -229,33 +314,41 @@ def plot_losses(runs: list[dict], out: Path) -> tuple[list[str], list[str]]:
         import matplotlib.pyplot as plt
     except ImportError:
         return [], ["matplotlib is not installed: plots skipped (pip install 'latentloop[plot]')"]
+    groups = groups or {run["label"]: [run] for run in runs}
+    metric, metric_label = _val_metric(runs)
     written, notes = [], []
     for key, label, filename in (("tokens", "training tokens", "loss_vs_tokens.png"),
                                  ("flops", "training FLOPs", "loss_vs_flops.png")):
         fig, ax = plt.subplots(figsize=(7, 4.5))
+        train_ax = ax.twinx()
         drawn = False
-        for i, run in enumerate(runs):
+        for i, (name, members) in enumerate(groups.items()):
             color = f"C{i % 10}"
-            train = [(r[key], r["loss"]) for r in run["train"] if r.get(key) is not None]
-            if key == "flops" and not train and run["flops_per_token"] is not None:
-                train = [(r["tokens"] * run["flops_per_token"], r["loss"]) for r in run["train"]
-                         if r.get("tokens") is not None]
-            if train:
-                ax.plot(*zip(*train), color=color, alpha=0.3, linewidth=1)
-                drawn = True
-            xs, ys = _val_axis(run, key)
+            for run in members:
+                train = [(r[key], r["loss"]) for r in run["train"] if r.get(key) is not None]
+                if key == "flops" and not train and run["flops_per_token"] is not None:
+                    train = [(r["tokens"] * run["flops_per_token"], r["loss"]) for r in run["train"]
+                             if r.get("tokens") is not None]
+                if train:
+                    train_ax.plot(*zip(*train), color=color, alpha=0.25, linewidth=0.8)
+                    drawn = True
+            xs, mean, sd = group_curve(members, key, metric)
+            seeds = f", {len(members)} seeds, ± sd" if len(members) > 1 else ""
             if xs:
-                ax.plot(xs, ys, color=color, marker="o", label=f"{run['label']} ({run['arch']}) val")
+                ax.plot(xs, mean, color=color, marker="o", label=f"{name} ({members[0]['arch']}{seeds})")
+                if len(members) > 1:
+                    ax.fill_between(xs, np.subtract(mean, sd), np.add(mean, sd), color=color, alpha=0.2)
                 drawn = True
-            elif train:
-                ax.plot([], [], color=color, label=f"{run['label']} ({run['arch']}) train")
+            elif drawn:
+                ax.plot([], [], color=color, label=f"{name} ({members[0]['arch']}) train only")
         if not drawn:
             plt.close(fig)
             notes.append(f"no logged {label} to plot")
             continue
         ax.set_xlabel(label)
-        ax.set_ylabel("loss (nats/token)")
-        ax.set_title(f"validation loss vs {label} (thin: training loss)")
+        ax.set_ylabel(metric_label + " (points)")
+        train_ax.set_ylabel("training loss (thin)", alpha=0.6)
+        ax.set_title(f"{metric_label.split(' (')[0]} vs {label}")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
@@ -276,18 +369,36 @@ def _labels(runs: list[dict]) -> None:
         r["label"] = r["name"] if names.count(r["name"]) == 1 else r["run"]
 
 
-def compare_runs(paths: list[str | Path], out: str | Path = "compare") -> dict[str, Any]:
-    """Read the runs, write DIR/compare.md (+ PNG plots, compare.json); returns the report."""
+def compare_runs(paths: list[str | Path], out: str | Path = "compare", baseline: str | None = None) -> dict[str, Any]:
+    """Read the runs, write DIR/compare.md (+ PNG plots, compare.json); returns the report.
+    `baseline`: the group (or run) the others' paired differences are taken against (default: the
+    first group)."""
     if not paths:
         raise ConfigError("give at least one run folder")
     runs = [read_run(p) for p in paths]
     _labels(runs)
+    groups = seed_groups(runs)
+    if baseline is None:
+        baseline = next(iter(groups))
+    elif baseline not in groups:
+        by_run = [label for label, members in groups.items() if baseline in (m["label"] for m in members)]
+        if not by_run:
+            raise ConfigError(f"--baseline {baseline!r} names none of the groups ({', '.join(groups)}) or runs")
+        baseline = by_run[0]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     table = runs_table(runs)
     tasks = tasks_table(runs)
-    plots, notes = plot_losses(runs, out)
-    parts = ["# latentloop compare", "", table, ""]
+    plots, notes = plot_losses(runs, out, groups)
+    parts = ["# latentloop compare", "", table, "",
+             f"_val loss and BPB: the training-time estimate, the first {_batches_text(runs)} of the validation "
+             "split as `train` logged them (`latentloop eval RUN` scores the whole split)._", ""]
+    seeds_table, seed_summary = (None, [])
+    if any(len(members) > 1 for members in groups.values()):
+        seeds_table, seed_summary = groups_table(groups, baseline)
+        parts += ["## Over seeds", "", seeds_table, "",
+                  "_Groups: runs whose configs differ only in the seed. A difference excludes 0 when its 95% "
+                  "t-interval over the paired seeds does; otherwise the groups are not told apart._", ""]
     if tasks:
         parts += ["## CORE and task accuracy per decoding regime", "", tasks, ""]
     else:
@@ -301,11 +412,17 @@ def compare_runs(paths: list[str | Path], out: str | Path = "compare") -> dict[s
     markdown = "\n".join(parts).rstrip() + "\n"
     report = out / "compare.md"
     report.write_text(markdown)
-    slim = [{k: v for k, v in r.items() if k not in ("train", "val")} for r in runs]
-    (out / "compare.json").write_text(json.dumps({"runs": slim}, indent=2, default=str) + "\n")
-    return {"markdown": "\n\n".join(p for p in (table, tasks) if p), "report": str(report), "plots": plots,
-            "notes": notes, "runs": slim}
+    slim = [{k: v for k, v in r.items() if k not in ("train", "val", "recipe")} for r in runs]
+    (out / "compare.json").write_text(json.dumps({"runs": slim, "groups": seed_summary, "baseline": baseline},
+                                                 indent=2, default=str) + "\n")
+    return {"markdown": "\n\n".join(p for p in (table, seeds_table, tasks) if p), "report": str(report),
+            "plots": plots, "notes": notes, "runs": slim, "groups": seed_summary, "baseline": baseline}
 
 
-__all__ = ["collect_task_columns", "compare_runs", "plot_losses", "read_evals", "read_run", "runs_table",
-           "tasks_table"]
+def _batches_text(runs: list[dict]) -> str:
+    counts = sorted({r["eval_batches"] for r in runs})
+    return " / ".join(map(str, counts)) + (" batch" if counts == [1] else " batches")
+
+
+__all__ = ["collect_task_columns", "compare_runs", "group_curve", "groups_table", "plot_losses", "read_evals",
+           "read_run", "runs_table", "seed_groups", "tasks_table"]

@@ -63,6 +63,7 @@ from tqdm.auto import tqdm
 from ..engine import left_pad, model_options, teacher_forced_logits
 from ..errors import ConfigError, DataError
 from ..runtime import EVAL_DIR_ENV, default_eval_dir
+from .stats import wilson_interval
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
 SHUFFLE_SEED = 1337
@@ -533,6 +534,7 @@ def evaluate_task(model: nn.Module, tokenizer, task: Task, examples: Sequence[di
     accuracy = sum(correct) / len(correct)
     return {"task": task.name, "type": task.kind, "num_fewshot": task.num_fewshot,
             "random_baseline": task.random_baseline, "accuracy": accuracy,
+            "accuracy_ci": list(wilson_interval(sum(correct), len(correct))),
             "centered": centered(accuracy, task.random_baseline), "n": len(correct), "n_available": len(data),
             "rows": len(rows), "seconds": time.perf_counter() - start}
 
@@ -590,15 +592,27 @@ def run_core(model: nn.Module, tokenizer, tasks: str | Sequence[str] = "core", d
             "seconds": time.perf_counter() - start}
 
 
+TASK_HEADER = f"{'task':<34} {'n':>5} {'acc':>7} {'95% Wilson':>15} {'centred':>8} {'sec':>7}"
+
+
+def task_row(name: str, r: dict) -> str:
+    """One task's line under TASK_HEADER (CORE's tasks and the generation tasks alike): n, accuracy
+    with its Wilson interval, centred accuracy where the task has a random baseline, seconds."""
+    accuracy, centred, interval = r.get("accuracy"), r.get("centered"), r.get("accuracy_ci")
+    accuracy_text = f"{accuracy:>7.4f}" if isinstance(accuracy, (int, float)) else f"{'?':>7}"
+    interval_text = f"[{interval[0]:.3f}, {interval[1]:.3f}]" if interval else ""
+    centred_text = f"{centred:>8.4f}" if isinstance(centred, (int, float)) else f"{'':>8}"
+    return (f"{name:<34} {r.get('n', ''):>5} {accuracy_text} {interval_text:>15} {centred_text} "
+            f"{r.get('seconds', 0.0):>7.1f}")
+
+
 def format_results(result: dict) -> str:
     """A plain-text table of a `run_core` result."""
-    lines = [f"{'task':<34} {'n':>5} {'acc':>7} {'centred':>8} {'sec':>7}"]
-    for name, r in result["tasks"].items():
-        lines.append(f"{name:<34} {r['n']:>5} {r['accuracy']:>7.4f} {r['centered']:>8.4f} {r['seconds']:>7.1f}")
+    lines = [TASK_HEADER] + [task_row(name, r) for name, r in result["tasks"].items()]
     for name in result.get("missing", []):
         lines.append(f"{name:<34} {'missing':>5}")
     core = result["core"]
-    lines.append(f"{'CORE':<34} {'':>5} {'':>7} {core:>8.4f} {result['seconds']:>7.1f}"
+    lines.append(f"{'CORE':<34} {'':>5} {'':>7} {'':>15} {core:>8.4f} {result['seconds']:>7.1f}"
                  + (f"   ({result['evaluated']} tasks)" if not math.isnan(core) else ""))
     return "\n".join(lines)
 

@@ -81,6 +81,7 @@ from latentloop.data.tasks import (
 from latentloop.engine import fit_prompt, stream
 from latentloop.errors import ConfigError, DataError
 from latentloop.eval.sandbox import require_sandbox, run_untrusted
+from latentloop.eval.stats import wilson_interval
 
 DEFAULT_BATCH_SIZE = 32
 DEFAULT_TASK_EXAMPLES = 500  # test examples of a built-in task when no limit is given
@@ -332,6 +333,7 @@ def _report(name: str, correct: list[bool], generations: list[Generation], start
     return {
         "task": name,
         "accuracy": sum(correct) / n if n else 0.0,
+        "accuracy_ci": _wilson(sum(correct), n),
         "n": n,
         "mean_trace_tokens": mean([g.tokens for g in generations]),
         **({"mean_reasoning_tokens": mean(reasoning)} if reasoning is not None else {}),
@@ -339,6 +341,12 @@ def _report(name: str, correct: list[bool], generations: list[Generation], start
         **extra,
         "examples": records[:EXAMPLES_REPORTED],
     }
+
+
+def _wilson(successes: int, n: int) -> list[float] | None:
+    """The 95% Wilson interval of successes / n as a JSON-ready pair (None without items)."""
+    interval = wilson_interval(successes, n)
+    return None if interval is None else list(interval)
 
 
 def _record(prompt_text: str, generation: Generation, target: str, correct: bool) -> dict:
@@ -428,8 +436,10 @@ def _task_scores(parsed: TaskSpec, examples: Sequence[Example], correct: Sequenc
     for example, ok in zip(examples, correct):
         by_steps.setdefault(example.steps or 0, []).append(ok)
     accuracy_by_steps = {str(steps): sum(v) / len(v) for steps, v in sorted(by_steps.items())}
+    correct_by_steps = {str(steps): sum(v) for steps, v in by_steps.items()}
     baselines = spec_baselines(parsed, examples)
     by_length = {length: {"n": row["n"], "distinct": row["distinct"], "accuracy": accuracy_by_steps[length],
+                          "accuracy_ci": _wilson(correct_by_steps[length], row["n"]),
                           **{kind: row[kind] for kind in BASELINE_KINDS}}
                  for length, row in baselines.pop("by_length").items()}
     return {"accuracy_by_steps": accuracy_by_steps, "by_length": by_length, "baselines": baselines}
@@ -444,10 +454,14 @@ def format_by_length(result: dict) -> list[str]:
     def cell(value) -> str:
         return f"{value:>9.4f}" if isinstance(value, (int, float)) else f"{'n/a':>9}"
 
-    lines = [f"  {'length':>8} {'n':>5} {'distinct':>8} {'accuracy':>9} " + " ".join(f"{k:>9}" for k in BASELINE_KINDS)]
+    def interval(pair) -> str:
+        return f"{f'[{pair[0]:.3f}, {pair[1]:.3f}]':>15}" if pair else f"{'':>15}"
+
+    lines = [f"  {'length':>8} {'n':>5} {'distinct':>8} {'accuracy':>9} {'95% Wilson':>15} "
+             + " ".join(f"{k:>9}" for k in BASELINE_KINDS)]
     for length, row in rows.items():
         lines.append(f"  {length:>8} {row['n']:>5} {row['distinct']:>8} {cell(row['accuracy'])} "
-                     + " ".join(cell(row[kind]) for kind in BASELINE_KINDS))
+                     f"{interval(row.get('accuracy_ci'))} " + " ".join(cell(row[kind]) for kind in BASELINE_KINDS))
     baselines = result.get("baselines", {})
     for kind in BASELINE_KINDS:
         reason = baselines.get("undefined", {}).get(kind)

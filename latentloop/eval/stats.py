@@ -8,6 +8,9 @@ evaluators and the experiment scripts. A leaf: numpy and the standard library on
   difference (or ratio) with its Student-t interval over seeds and whether it excludes no change.
 - `wilson_interval`: the binomial interval of an accuracy (k correct of n), sound at 0 and n.
 - `mean_sd`: mean and sample standard deviation over seeds.
+- `seed_rows`, `verdict`, `format_comparison`: per run, mean ± sd over seeds and the paired
+  comparison with a baseline run, in numbers and in words (what `compare` and the experiment
+  scripts print).
 
 The t and normal quantiles are computed here (`t_quantile`, `normal_quantile`): the t
 distribution's CDF is the regularized incomplete beta function, evaluated by its continued
@@ -138,6 +141,43 @@ def paired_comparison(values: dict, baseline: dict, kind: str = "difference", le
     return {"kind": kind, "seeds": seeds, "mean": mean, "sd": sd, "low": low, "high": high, "excludes": excludes}
 
 
+def verdict(comparison: dict, lower: str = "lower", higher: str = "higher") -> str:
+    """A paired comparison in words: `lower` / `higher` when its interval excludes no change on that
+    side, "undecided" when it holds no change, "one seed" without an interval."""
+    if comparison["excludes"] is None:
+        return "one seed" if comparison["seeds"] else "no paired seeds"
+    if not comparison["excludes"]:
+        return "undecided"
+    no_change = 0.0 if comparison["kind"] == "difference" else 1.0
+    return lower if comparison["high"] < no_change else higher
+
+
+def format_comparison(comparison: dict, digits: int = 4) -> str:
+    """'mean [low, high]' of a paired comparison (the mean alone without an interval)."""
+    if not comparison["seeds"]:
+        return "–"
+    mean = f"{comparison['mean']:.{digits}f}"
+    if comparison["low"] is None:
+        return mean
+    return f"{mean} [{comparison['low']:.{digits}f}, {comparison['high']:.{digits}f}]"
+
+
+def seed_rows(values: dict[str, dict], baseline: str | None = None, kind: str = "ratio") -> list[dict]:
+    """Per run (name -> {seed: value}): its mean and sd over seeds and, when `baseline` names one of
+    the runs, its paired comparison with it (`paired_comparison`, by seed) and the verdict. The
+    statistics the experiment scripts and `compare` print, computed in one place."""
+    rows = []
+    for name, by_seed in values.items():
+        finite = [v for v in by_seed.values() if _finite(v)]
+        mean, sd = mean_sd(finite)
+        row = {"name": name, "seeds": len(finite), "mean": mean, "sd": sd}
+        if baseline is not None and baseline in values and name != baseline:
+            row["paired"] = paired_comparison(by_seed, values[baseline], kind)
+            row["verdict"] = verdict(row["paired"])
+        rows.append(row)
+    return rows
+
+
 def _finite(value) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
@@ -183,5 +223,6 @@ def bootstrap_ratio(numerators: Sequence[float], denominators: Sequence[float], 
     return float(low), float(high)
 
 
-__all__ = ["BOOTSTRAP_RESAMPLES", "BOOTSTRAP_SEED", "CONFIDENCE", "bootstrap_ratio", "mean_sd", "normal_quantile",
-           "paired_comparison", "regularized_beta", "t_cdf", "t_interval", "t_quantile", "wilson_interval"]
+__all__ = ["BOOTSTRAP_RESAMPLES", "BOOTSTRAP_SEED", "CONFIDENCE", "bootstrap_ratio", "format_comparison", "mean_sd",
+           "normal_quantile", "paired_comparison", "regularized_beta", "seed_rows", "t_cdf", "t_interval", "t_quantile",
+           "verdict", "wilson_interval"]

@@ -164,13 +164,9 @@ def run_tasks(model: nn.Module, tokenizer, names: str | Sequence[str], data_dir:
 
 def format_suite(result: dict) -> str:
     """Plain-text table of a `run_tasks` result."""
-    lines = [f"{'task':<34} {'n':>5} {'acc':>7} {'centred':>8} {'sec':>7}"]
+    lines = [core.TASK_HEADER]
     for name, r in result["tasks"].items():
-        centred = r.get("centered")
-        centred_text = f"{centred:>8.4f}" if isinstance(centred, (int, float)) else f"{'':>8}"
-        accuracy = r.get("accuracy")
-        accuracy_text = f"{accuracy:>7.4f}" if isinstance(accuracy, (int, float)) else f"{'?':>7}"
-        lines.append(f"{name:<34} {r.get('n', ''):>5} {accuracy_text} {centred_text} {r.get('seconds', 0.0):>7.1f}")
+        lines.append(core.task_row(name, r))
         generation = _generation_module() if "by_length" in r else None
         if generation is not None and hasattr(generation, "format_by_length"):
             lines += generation.format_by_length(r)  # built-in tasks: accuracy per length beside its baselines
@@ -179,7 +175,7 @@ def format_suite(result: dict) -> str:
     summary = result.get("core")
     if summary is not None:
         label = "CORE" if summary["whole"] else "mean centred"
-        lines.append(f"{label:<34} {'':>5} {'':>7} {summary['core']:>8.4f} {summary['seconds']:>7.1f}   "
+        lines.append(f"{label:<34} {'':>5} {'':>7} {'':>15} {summary['core']:>8.4f} {summary['seconds']:>7.1f}   "
                      f"({summary['evaluated']} tasks)")
         lines.append(f"CORE data: {summary['data_dir']} ({summary['data_source']})")
     return "\n".join(lines)
