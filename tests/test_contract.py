@@ -1,5 +1,5 @@
 """The architecture contract, driven by the registry: every architecture in `ARCHS`, under each of its
-declared option sets, through every front-end: the command line's `generate` and `chat`, the
+declared option sets, through every front-end: the command line's `generate`, `eval` and `chat`, the
 decoding API (cache == reference == scoring, ragged batches), the OpenAI-compatible server, the
 Hugging Face export, upcycling from a gpt run, resumed training, the FLOPs the trainer charges and
 a two-process torchrun run loaded in one process.
@@ -104,6 +104,28 @@ def test_cli_generate_equals_the_api_for_every_option_set(arch, label, given, ru
     assert code == 0, out.err
     ids = json.loads(out.out)["ids"]
     assert ids == _api_greedy(base, given)[0]
+
+
+@pytest.mark.parametrize("arch, label, given", CASES, ids=[f"{a}-{label}" for a, label, _ in CASES])
+def test_cli_eval_scores_every_option_set_as_score_run(arch, label, given, runs, text_corpus, capsys):
+    """`latentloop eval` with each option set's flags (none: the arch's default scoring modes) prints
+    exactly what `score_run` gives for those options, intervals included."""
+    from latentloop.eval import score_run, text_batches
+    from latentloop.runtime import eval_data
+
+    base, _ = runs[arch]
+    capsys.readouterr()
+    code = main(["eval", str(base), "--json", "--no-progress", "--batches", "1", "--batch-size", "2",
+                 "--data", f"text:{text_corpus}", *_flags(given)])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    printed = json.loads(out.out)
+    model, tokenizer, config, _ = load_run(base)
+    tokens = eval_data(config, tokenizer, f"text:{text_corpus}").val
+    expected = score_run(model, text_batches(tokens, 2, config.model.sequence_len, 1, bos_id=tokenizer.bos_id),
+                         tokenizer.token_byte_lengths(), {"given": given} if given else None)
+    shown = printed.get("by_option") or {printed["scored_as"]: {k: printed[k] for k in next(iter(expected.values()))}}
+    assert shown == expected
 
 
 def _api_greedy(run: Path, given: dict) -> tuple[list[int], object]:

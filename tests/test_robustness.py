@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 import latentloop as ll
 from latentloop import checkpoint as ckpt
 from latentloop import runtime
-from latentloop import train as train_module
+from latentloop.train import start as train_module  # where setup reads the data
 from latentloop.cli import main
 from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config
 from latentloop.data import ByteTokenizer, load_tokenizer, parse_source, prepare_tokens

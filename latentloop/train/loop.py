@@ -1,0 +1,213 @@
+"""The training loop: `train_step` (one optimizer step, the one `fit` and the benchmarks take),
+`fit` (steps, logging, validation and checkpoints on schedule), `validate`, and `FiniteGuard`
+(the divergence check)."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..checkpoint import RunLock, json_safe
+from ..config import TrainConfig
+from ..data.chat import ChatData, masked_batches
+from ..errors import NonFiniteError, OutputError
+from ..eval.loss import evaluate_batches, evaluate_loss
+from ..objectives import Objective
+from ..optim import lr_multiplier, set_lr
+from ..parallel import any_rank, grad_norm, gradient_sync, mean_across_ranks
+from ..runtime import autocast_for, resolve_dtype
+from .resume import save
+from .state import FlopsMemo, TrainState
+
+
+def validate(state: TrainState, max_batches: int | None = None) -> dict[str, float]:
+    """Validation loss / perplexity / bits per byte. Every process of a job evaluates the same
+    batches (under fsdp2 each forward is collective); rank 0 logs them."""
+    cfg = state.config
+    batches = cfg.train.eval_batches if max_batches is None else max_batches
+    if isinstance(state.data, ChatData):  # the loss on the assistant's tokens of held-out conversations
+        with autocast_for(state.device, cfg.train.dtype):
+            return evaluate_batches(state.model, masked_batches(state.data.val, cfg.train.batch_size, batches or None),
+                                    state.tokenizer.token_byte_lengths())
+    with autocast_for(state.device, cfg.train.dtype):
+        return evaluate_loss(state.model, state.data.val, state.tokenizer.token_byte_lengths(),
+                             cfg.train.batch_size, cfg.model.sequence_len, max_batches=batches or None)
+
+
+def _log(state: TrainState, row: dict[str, Any]) -> None:
+    """Append a row to metrics.jsonl as strict JSON: a NaN or infinity is written as null. Only
+    rank 0 writes (every process keeps the rows in `state.history`)."""
+    state.history.append(row)
+    if not state.dist.is_main:
+        return
+    try:
+        with open(state.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(json_safe(row), allow_nan=False) + "\n")
+    except OSError as exc:
+        raise OutputError(f"cannot write {state.run_dir / 'metrics.jsonl'}: {exc.strerror or exc}") from None
+
+
+NO_STEP = -1  # the guard's "no non-finite step seen yet"
+
+
+class FiniteGuard:
+    """Stops a diverged run: remembers the first step whose gradient norm was NaN or infinite.
+
+    On an accelerator the flag stays on the device (reading it every step would stall the queue
+    of kernels) and is read at log intervals and before each save; on the CPU it is read every
+    step, before the optimizer touches the weights. The loss is a host float already and is
+    checked at once everywhere.
+    """
+
+    def __init__(self, device: torch.device):
+        self.deferred = device.type != "cpu"
+        self.first_bad = torch.full((), NO_STEP, dtype=torch.long, device=device) if self.deferred else None
+
+    @staticmethod
+    def fail(step: int, what: str, value: float | str) -> NonFiniteError:
+        return NonFiniteError(f"training diverged at step {step}: the {what} is {value}; stopped without saving "
+                              f"it (the last checkpoint is kept); try a lower learning rate")
+
+    def observe_loss(self, loss: float, step: int) -> None:
+        if not math.isfinite(loss):
+            raise self.fail(step, "loss", loss)
+
+    def observe_grad_norm(self, norm: torch.Tensor, step: int) -> None:
+        if not self.deferred:
+            if not math.isfinite(float(norm)):
+                raise self.fail(step, "gradient norm", float(norm))
+            return
+        newly_bad = ~torch.isfinite(norm) & (self.first_bad == NO_STEP)
+        self.first_bad = torch.where(newly_bad, torch.full_like(self.first_bad, step), self.first_bad)
+
+    def check(self) -> None:
+        if self.deferred and int(self.first_bad) != NO_STEP:
+            raise self.fail(int(self.first_bad), "gradient norm", "not finite")
+
+
+@dataclass
+class StepOutcome:
+    loss: float  # the reported loss, averaged over the micro-batches and the processes
+    metrics: dict[str, Any]  # what the objective reports of its last micro-batch (fbt's passes, rgpt's depth)
+
+
+def train_step(model: nn.Module, forward_model: nn.Module, objective: Objective,
+               next_batch: Callable[[], tuple[torch.Tensor, ...]], step: int,
+               optimizers: list[torch.optim.Optimizer], train: TrainConfig, device: torch.device,
+               guard: FiniteGuard) -> StepOutcome:
+    """One optimizer step, the one `fit` and the benchmarks take: `train.grad_accum` micro-batches
+    (each `next_batch()` -> x, y[, loss mask]) through the objective under the run's autocast, each
+    loss backward scaled by 1 / grad_accum (gradients are reduced across processes on the last one
+    only), the loss averaged over processes and checked, the gradient norm clipped and checked (a
+    non-finite one raises before the optimizer touches the weights, on the CPU), then every
+    optimizer's step. The learning rate is the caller's (`set_lr`). `step` is 0-based: the
+    objective's draws are seeded by it, and `guard` reports a failure as step + 1."""
+    loss_sum, metrics = 0.0, {}
+    for micro in range(train.grad_accum):
+        with gradient_sync(model, forward_model, sync=micro == train.grad_accum - 1):
+            x, y, *rest = next_batch()  # sft batches also carry the loss mask
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            masked = {"loss_mask": rest[0].to(device, non_blocking=True)} if rest else {}
+            with autocast_for(device, train.dtype):
+                result = objective(forward_model, x, y, step, **masked)
+            (result.loss / train.grad_accum).backward()
+        loss_sum += result.reported_loss / train.grad_accum
+        metrics = result.metrics
+    loss_sum = mean_across_ranks(loss_sum, device)
+    guard.observe_loss(loss_sum, step + 1)
+    guard.observe_grad_norm(grad_norm(model, train.grad_clip), step + 1)
+    for opt in optimizers:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return StepOutcome(loss_sum, metrics)
+
+
+def fit(state: TrainState, progress: bool = True, max_seconds: float | None = None) -> dict[str, Any]:
+    """Train until `train.steps` (or until `max_seconds` of training have passed in this call),
+    evaluating and checkpointing on schedule; returns a summary. Holds the run folder's lock
+    throughout (rank 0); a NaN or infinite loss or gradient stops the run with `NonFiniteError`
+    (on every process at the same step: the loss is averaged over them and the gradients are
+    shared)."""
+    if state.dist.is_main:
+        if state.lock is None:
+            state.lock = RunLock(state.run_dir)
+        state.lock.acquire()  # a no-op when setup's lock is still held
+    try:
+        return _fit(state, progress and state.dist.is_main, max_seconds)
+    except NonFiniteError as exc:
+        if state.dist.world_size > 1:
+            exc.shared = True  # every process stops at the same step with the same line: rank 0 prints it
+        raise
+    finally:
+        if state.lock is not None:
+            state.lock.release()
+
+
+def _fit(state: TrainState, progress: bool, max_seconds: float | None) -> dict[str, Any]:
+    cfg, model = state.config.train, state.model
+    guard = state.guard = FiniteGuard(state.device)
+    forward_model = state.forward_model if state.forward_model is not None else model
+    flops_model = state.flops if state.flops is not None else FlopsMemo(model)
+    tokens_per_step = state.global_batch * state.config.model.sequence_len
+    model.train()
+    bar = tqdm(total=cfg.steps, initial=state.step, disable=not progress, desc="train", dynamic_ncols=True)
+    window_start, window_tokens = time.perf_counter(), 0
+    train_loss = float("nan")
+    deadline = time.perf_counter() + max_seconds if max_seconds is not None else float("inf")
+
+    def out_of_time() -> bool:  # one decision for every process, else some would wait for the others
+        return max_seconds is not None and any_rank(time.perf_counter() >= deadline, state.device)
+
+    try:
+        while state.step < cfg.steps and not out_of_time():
+            step_start = time.perf_counter()
+            multiplier = lr_multiplier(state.step, cfg)
+            set_lr(state.optimizers, multiplier)
+            outcome = train_step(model, forward_model, state.objective, state.loader.next_batch, state.step,
+                                 state.optimizers, cfg, state.device, guard)
+            loss_sum, extra = outcome.loss, outcome.metrics
+            state.flops_seen += state.objective.flops_per_token(flops_model, state.step) * tokens_per_step
+            state.step += 1
+            state.tokens_seen += tokens_per_step
+            state.elapsed += time.perf_counter() - step_start
+            window_tokens += tokens_per_step
+            train_loss = loss_sum
+            stopping = out_of_time()
+            if state.step % cfg.log_every == 0 or state.step == cfg.steps or stopping:
+                guard.check()
+                now = time.perf_counter()
+                tok_per_s = window_tokens / max(now - window_start, 1e-9)
+                window_start, window_tokens = now, 0
+                lr = cfg.lr * multiplier
+                spread = ({"world_size": state.dist.world_size, "global_batch": state.global_batch}
+                          if state.dist.world_size > 1 else {})
+                _log(state, {"step": state.step, "loss": train_loss, "lr": lr, "tokens": state.tokens_seen,
+                             "flops": state.flops_seen, "tok_per_s": tok_per_s, "elapsed": state.elapsed, **spread,
+                             **extra})
+                bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tok_per_s:,.0f}")
+            bar.update(1)
+            if cfg.eval_every and state.step % cfg.eval_every == 0 and state.step < cfg.steps:
+                _log(state, {"step": state.step, **{f"val_{k}": v for k, v in validate(state).items()}})
+                model.train()
+            if cfg.save_every and state.step % cfg.save_every == 0 and state.step < cfg.steps:
+                save(state)
+            if stopping:
+                break
+    finally:  # also when the run stops (diverged, interrupted): the error starts a line of its own
+        bar.close()
+    final = validate(state)
+    _log(state, {"step": state.step, **{f"val_{k}": v for k, v in final.items()}})
+    checkpoint = save(state)
+    return {"step": state.step, "train_loss": train_loss, "tokens": state.tokens_seen, "flops": state.flops_seen,
+            "elapsed": state.elapsed, "params": state.model.num_params(), "checkpoint": str(checkpoint),
+            "world_size": state.dist.world_size, "strategy": cfg.strategy, "global_batch": state.global_batch,
+            "precision": resolve_dtype(state.device, cfg.dtype),
+            **{f"val_{k}": v for k, v in final.items()}}

@@ -1,0 +1,71 @@
+"""Training stages after pretraining: which data each takes (`check_stage`) and the config an sft /
+extend run gets from its base run (`stage_config`: the base's model, the stage's defaults, then
+the arch's, the flags and the overrides)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint import find_tokenizer_file, read_run_config, resolve_checkpoint
+from ..config import RunConfig, apply_overrides, extended_rope_theta
+from ..data.chat import is_chat_source
+from ..errors import ConfigError
+
+
+def check_stage(config: RunConfig, resume: bool, init_from: str | Path | None) -> None:
+    stage, chat = config.train.stage, is_chat_source(config.data.source)
+    if chat and stage != "sft":
+        raise ConfigError(f"chat data ({config.data.source}) trains with stage sft (--stage sft --init-from RUN)")
+    if stage == "sft" and not chat:
+        raise ConfigError(f"stage sft trains on conversations: use --data chat:FILE or chat:task:NAME, got "
+                          f"{config.data.source!r}")
+    if stage in ("sft", "extend") and init_from is None and not resume:
+        raise ConfigError(f"stage {stage} continues a trained run: give --init-from RUN")
+
+
+# What each stage changes in the base run's config unless the user says otherwise (why, each):
+STAGE_DEFAULTS: dict[str, dict[str, Any]] = {
+    # A short run on few tokens: a fifth of pretraining's peak lr (nanochat's SFT uses a small lr too)
+    # decaying to zero, no warm start from a stable phase.
+    "sft": {"train.lr": 6e-4, "train.warmup_steps": 10, "train.min_lr_ratio": 0.0, "train.schedule": "cosine",
+            "train.eval_every": 50},
+    # Continued pretraining at the new length: a third of the peak lr with a short re-warmup (the
+    # optimizer state starts afresh), cosine to 10%.
+    "extend": {"train.lr": 1e-3, "train.warmup_steps": 20, "train.min_lr_ratio": 0.1, "train.schedule": "cosine"},
+}
+
+
+def stage_config(stage: str, init_from: str | Path, overrides: list[str] = (), data: str | None = None,
+                 flags: dict[str, Any] | None = None) -> RunConfig:
+    """The config of an sft / extend run from its base run: the base's model (shape, arch, its
+    tokenizer), the stage's defaults (`STAGE_DEFAULTS`, then the arch's `stage_defaults`), then `flags`
+    ({"section.key": value}) and `overrides` ("key=value"). For extend, a `sequence_len` above the
+    base's scales `rope_theta` by `extended_rope_theta` unless the overrides set rope_theta themselves."""
+    checkpoint = resolve_checkpoint(init_from)
+    base = read_run_config(checkpoint)
+    tokenizer_file = find_tokenizer_file(checkpoint)
+    raw = base.to_dict()
+    raw["train"] = {"stage": stage, "seed": base.train.seed, "batch_size": base.train.batch_size,
+                    "device": base.train.device, "dtype": base.train.dtype}
+    raw["data"] = {"source": base.data.source, "tokenizer": str(tokenizer_file), "val_fraction": base.data.val_fraction,
+                   "max_bytes": base.data.max_bytes}
+    for key, value in {**STAGE_DEFAULTS[stage], **{f"model.{k}": v for k, v in
+                                                  base.model.stage_defaults.get(stage, {}).items()},
+                       **{k: v for k, v in (flags or {}).items() if v is not None}}.items():
+        section, name = key.split(".")
+        raw[section][name] = value
+    if data is not None:
+        raw["data"]["source"] = data
+    raw = apply_overrides(raw, list(overrides))
+    config = RunConfig.from_dict(raw)
+    if stage == "extend":
+        if config.model.sequence_len <= base.model.sequence_len:
+            raise ConfigError(f"stage extend needs a sequence_len above the base run's {base.model.sequence_len} "
+                              f"(--set sequence_len=N), got {config.model.sequence_len}")
+        if not any(item.split("=", 1)[0].strip().endswith("rope_theta") for item in overrides):
+            config.model.rope_theta = extended_rope_theta(base.model.rope_theta, base.model.head_dim,
+                                                          base.model.sequence_len, config.model.sequence_len)
+    return config
+
+

@@ -1,0 +1,165 @@
+"""`setup`: check the output folder, the stage and a resumed run's folder, then build tokenizer,
+data, model, objective and optimizers (nothing is written until all succeed), claim the folder,
+and resume from its newest loadable checkpoint when asked."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..archs import build_model, build_objective
+from ..checkpoint import LOCK_FILE, RunLock, check_resumable, list_checkpoints, resolve_checkpoint
+from ..config import RunConfig
+from ..data import TokenLoader, load_tokenizer
+from ..data.chat import ChatLoader, prepare_chat
+from ..errors import CheckpointError, OutputError
+from ..interop.upcycle import initialise_from
+from ..optim import build_optimizers
+from ..parallel import wrap_model
+from ..runtime import (
+    in_turns,
+    init_distributed,
+    keep_freed_memory,
+    on_main,
+    precision_note,
+    prepare_data,
+    resolve_strategy,
+    together,
+)
+from .resume import resume_run
+from .stages import check_stage
+from .state import SET_ON_SETUP, FlopsMemo, TrainState, note, rank_seed, warn
+
+
+def _check_output_path(run_dir: Path) -> None:
+    """A run folder that could never be created (a file stands in its place or above it) is reported
+    before any data is prepared."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise OutputError(f"output folder {run_dir} is a file")
+    for parent in run_dir.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise OutputError(f"cannot create output folder {run_dir}: {parent} is a file")
+            break
+
+
+def check_run_folder(run_dir: Path, config: RunConfig, resume: bool) -> None:
+    saved = run_dir / "config.json"
+    if saved.is_file():
+        if not resume:
+            raise CheckpointError(f"{run_dir} already holds a run; pass --resume to continue it or choose another "
+                                  f"output folder")
+        try:
+            previous = json.loads(saved.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"corrupt {saved}: {exc}") from None
+        if not isinstance(previous, dict) or not all(isinstance(previous.get(s, {}), dict) for s in ("model", "data")):
+            raise CheckpointError(f"corrupt {saved}: not a run config with sections model/train/data")
+        current = config.to_dict()
+        for section in ("model", "data"):
+            for key in sorted(set(previous.get(section, {})) | set(current[section])):
+                old, new = previous.get(section, {}).get(key), current[section].get(key)
+                if key in SET_ON_SETUP:  # resuming reloads the run's own tokenizer, which decides these
+                    continue
+                if json.loads(json.dumps(old)) != json.loads(json.dumps(new)):
+                    raise CheckpointError(f"{run_dir} holds a different run: {section}.{key} is {old!r} there, "
+                                          f"{new!r} here")
+    elif resume:
+        raise CheckpointError(f"cannot resume: {run_dir} holds no run (no config.json)")
+    elif run_dir.exists() and any(p.name != LOCK_FILE for p in run_dir.iterdir()):
+        raise CheckpointError(f"{run_dir} exists and is not empty; choose another output folder")
+
+
+def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress: bool = True,
+          init_from: str | Path | None = None) -> TrainState:
+    """Build tokenizer, data, model, objective and optimizers; nothing is written until all succeed.
+    Under torchrun (train.strategy ddp or fsdp2) this process first joins the job's process group."""
+    run_dir = Path(run_dir)
+    config.train.strategy = resolve_strategy(config.train.strategy)  # auto -> what runs, and what the run records
+    env, device = init_distributed(config.train.strategy, config.train.device)
+    if device.type == "cpu" and config.train.keep_freed_memory:
+        keep_freed_memory()
+    together(_check_output_path, run_dir)
+    together(check_stage, config, resume, init_from)
+    together(check_run_folder, run_dir, config, resume)
+    if resume and list_checkpoints(run_dir):
+        together(lambda: check_resumable(resolve_checkpoint(run_dir)))  # before any data is prepared
+    tokenizer = together(load_tokenizer, str(run_dir / "tokenizer.json") if resume else config.data.tokenizer)
+    sft = config.train.stage == "sft"
+    if sft:
+        tokenizer = tokenizer.with_chat_tokens()  # already there on resume: the same tokenizer back
+    config.model.vocab_size, config.model.bos_id = tokenizer.vocab_size, tokenizer.bos_id
+    together(config.model.__post_init__)
+    torch.manual_seed(config.train.seed)
+    if sft:
+        # rendered in memory on every rank (nothing cached to disk), the same rows everywhere
+        data = together(prepare_chat, config.data.source, tokenizer, config.model.sequence_len,
+                        config.data.val_fraction)
+        counts = data.meta["train"]
+        if (counts["dropped"] or counts["cut"]) and env.is_main:  # a context too short should not pass unnoticed
+            warn(f"{counts['dropped']} training conversations longer than a row of {config.model.sequence_len + 1} "
+                  f"tokens were dropped (no assistant token fits) and {counts['cut']} cut; "
+                  f"{counts['conversations']} are trained on")
+        loader = ChatLoader(data.train, config.train.batch_size, seed=config.train.seed, rank=env.rank,
+                            world_size=env.world_size)
+    else:
+        data = in_turns(prepare_data, config, tokenizer, progress and env.is_main)
+        loader = together(TokenLoader, data.train, config.train.batch_size, config.model.sequence_len,
+                          seed=config.train.seed, rank=env.rank, world_size=env.world_size)
+    model = build_model(config.model)  # the same init on every rank (same seed)
+    init_report = None
+    if init_from is not None:
+        init_report = together(initialise_from, model, init_from, grow_vocab=sft)
+    model = model.to(device)
+    objective = build_objective(config.model, config.train)
+    flops = FlopsMemo(model)
+    objective.flops_per_token(flops)  # every kind of forward the run takes, counted once on the plain model
+    if env.rank > 0:  # training noise: each rank its own stream (rank 0 continues the single-process one)
+        torch.manual_seed(rank_seed(config.train.seed, env.rank))
+    forward_model = wrap_model(model, config.train, device)
+    optimizers = build_optimizers(model, config.train)  # after fsdp2 sharded the parameters
+    state = TrainState(config, run_dir, model, tokenizer, data, loader, objective, optimizers, device,
+                       init_report=init_report, dist=env, flops=flops)
+    state.forward_model = forward_model
+
+    on_main(_claim_run_folder, state, resume)
+    try:
+        if resume:
+            resume_run(state)
+    except BaseException:
+        if state.lock is not None:
+            state.lock.release()
+        raise
+    if progress and env.is_main:
+        note(precision_note(device, config.train.dtype))
+    if env.world_size > 1 and env.is_main:
+        train = config.train
+        note(f"{env.world_size} processes ({train.strategy}, {env.backend}): global batch = {train.batch_size} "
+              f"x {train.grad_accum} accumulation x {env.world_size} processes = {state.global_batch} sequences "
+              f"({state.global_batch * config.model.sequence_len:,} tokens) per step")
+    return state
+
+
+def _claim_run_folder(state: TrainState, resume: bool) -> None:
+    """Rank 0: create and lock the run folder; a new run writes its config, tokenizer and an empty log."""
+    run_dir, config = state.run_dir, state.config
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"cannot create output folder {run_dir}: {exc.strerror or exc}") from None
+    state.lock = RunLock(run_dir).acquire()
+    try:
+        check_run_folder(run_dir, config, resume)  # again, locked: another run may have started here meanwhile
+        if not resume:
+            config.save_json(run_dir / "config.json")
+            try:
+                state.tokenizer.save(run_dir)
+                (run_dir / "metrics.jsonl").write_text("")
+            except OSError as exc:
+                raise OutputError(f"cannot write into {run_dir}: {exc.strerror or exc}") from None
+    except BaseException:
+        state.lock.release()
+        raise
+
