@@ -1,0 +1,78 @@
+"""The `latentloop` command line: train, eval, generate, tokenizer, analyze, compare, demo, serve,
+import-hf, export, export-dcp.
+
+Every user mistake ends in one line on stderr (`latentloop: error: ...`) and exit code 2, with no
+traceback; anything else is a bug and keeps its traceback. Under torchrun the line is printed once:
+an error every process raised alike (agreed on, or raised before the processes could talk) is
+printed by rank 0 alone; an error of one process alone names its rank.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from ..errors import LatentloopError
+from .decoding import cmd_chat, cmd_generate
+from .parser import EXIT_USAGE, build_parser
+from .scoring import cmd_analyze, cmd_compare, cmd_eval
+from .tools import cmd_demo, cmd_export, cmd_export_dcp, cmd_import_hf, cmd_serve, cmd_tokenizer
+from .training import cmd_train
+
+# A process whose peers vanished mid-collective waits this long for torchrun to stop it: the peer
+# that failed first has printed the cause, and torchrun ends the others within its monitor interval.
+PEER_GRACE_S = 10.0
+
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "generate": cmd_generate, "tokenizer": cmd_tokenizer,
+            "chat": cmd_chat, "demo": cmd_demo, "compare": cmd_compare, "analyze": cmd_analyze, "serve": cmd_serve,
+            "import-hf": cmd_import_hf, "export": cmd_export, "export-dcp": cmd_export_dcp}
+
+
+def _report(exc: LatentloopError) -> None:
+    """Print a user error's line, once per job (see the module docstring)."""
+    import os
+
+    from ..runtime import current_dist
+
+    env = current_dist()
+    shared, own = getattr(exc, "shared", False), getattr(exc, "rank_specific", False)
+    if shared and not env.is_main:
+        return  # every process has it; rank 0 prints it
+    if not env.distributed and os.environ.get("RANK", "0") not in ("", "0") and not own:
+        return  # before the process group: torchrun started every process alike, and rank 0 fails alike
+    prefix = f"rank {env.rank}: " if env.world_size > 1 and not env.is_main and not shared else ""
+    print(f"latentloop: error: {prefix}{exc}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns its exit code. Without `argv` (sys.argv) this is the process's own
+    command line, and after a command that joined a process group it ends the process itself
+    (`runtime.exit_without_finalizing`); with `argv` (tests, other Python code) it always returns."""
+    args = build_parser().parse_args(argv)
+    try:
+        code = COMMANDS[args.command](args)
+    except LatentloopError as exc:
+        _report(exc)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("latentloop: interrupted", file=sys.stderr)
+        return 130
+    except RuntimeError:
+        from ..runtime import current_dist
+
+        if current_dist().world_size > 1:  # most likely a peer failed first: let torchrun end this process
+            import time
+
+            time.sleep(PEER_GRACE_S)
+        raise
+    from ..runtime import destroy_distributed, exit_without_finalizing
+
+    # after a failure the process exits instead: leaving a group can wait on its peers
+    if destroy_distributed() and argv is None:  # this process's own command line (the script, python -m)
+        exit_without_finalizing(code)  # a process group's threads outlive it: see there
+    return code
+
+
+
+
+
+__all__ = ["COMMANDS", "EXIT_USAGE", "build_parser", "main"]

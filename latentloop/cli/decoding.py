@@ -1,0 +1,161 @@
+"""`generate` and `chat`: decoding through the engine with the options the user gave."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from ..errors import LatentloopError
+from .parser import DEFAULT_NEW_TOKENS, generation_options
+
+
+def _decode_mode(args) -> bool | str:
+    """The engine's `compile=` for --decode."""
+    return {"auto": "auto", "compiled": True, "eager": False}[args.decode]
+
+
+def _say_compiling(message: str) -> None:
+    print(f"[{message}]", file=sys.stderr, flush=True)
+
+
+def cmd_generate(args) -> int:
+    from ..engine import model_options, quantize_int8, row_info, stream
+    from ..runtime import load_run, resolve_device
+    from ..util import TokenText
+
+    device = resolve_device(args.device)
+    model, tokenizer, _, _ = load_run(args.run, device)
+    if args.quantize == "int8":
+        quantize_int8(model)
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise LatentloopError(f"--top-p must be in (0, 1], got {args.top_p}")
+    # The engine fills in the defaults itself: hand it only what the user gave (checked here first, so
+    # a bad option fails before any work). Handing it the filled-in dict made every fbt run fail, the
+    # default `passes` read as given beside regime soft.
+    options = generation_options(args)
+    model_options(model, options, cached=not args.no_cache)
+    context = model.config.sequence_len
+    max_new = args.max_new_tokens if args.max_new_tokens is not None else min(DEFAULT_NEW_TOKENS, context // 2)
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise LatentloopError("--prompt is not valid UTF-8 text") from None
+    prompt_ids = [tokenizer.bos_id] + tokenizer.encode(args.prompt)
+    if args.max_new_tokens is None and len(prompt_ids) < context:  # the default budget fits what is left
+        max_new = min(max_new, context - len(prompt_ids))
+    steps = stream(model, prompt_ids, max_new, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                   seed=args.seed, stop_tokens=[tokenizer.eos_id, tokenizer.bos_id], use_cache=not args.no_cache,
+                   pad_id=tokenizer.pad_id, compile=_decode_mode(args), on_compile=_say_compiling, **options)
+    ids, info = [], {}
+    decoder = TokenText(tokenizer)
+    if not args.json:  # the prompt is echoed once the arguments are known to be valid
+        sys.stdout.write(args.prompt)
+    for step in steps:
+        token = step.tokens[0]
+        ids.append(token)
+        info = row_info(step.info, 0)
+        if not args.json:
+            sys.stdout.write(decoder.add(token))  # whole characters only
+            sys.stdout.flush()
+    if args.json:
+        print(json.dumps({"prompt": args.prompt, "completion": tokenizer.decode(ids), "ids": ids,
+                          "prompt_tokens": len(prompt_ids), "new_tokens": len(ids), **info}))
+    else:
+        sys.stdout.write(decoder.finish() + "\n")
+        if "prefill_passes" in info:
+            print(f"[prefill passes used: {info['prefill_passes']}]", file=sys.stderr)
+    return 0
+
+
+CHAT_COMMANDS = "/reset starts a new conversation, /quit ends (so does end of input)"
+
+
+def _read_message_line() -> tuple[str, bool]:
+    """A line of stdin ("" at its end) and whether it held bytes that are not text in stdin's
+    encoding; those are replaced by U+FFFD, as a terminal or editor shows them, so that a stray byte
+    in pasted or piped text costs one character rather than the turn (the caller says so)."""
+    raw = getattr(sys.stdin, "buffer", None)
+    if raw is not None:
+        line = raw.readline()
+        try:
+            return line.decode(sys.stdin.encoding or "utf-8"), False
+        except UnicodeDecodeError:
+            return line.decode(sys.stdin.encoding or "utf-8", errors="replace"), True
+    line = sys.stdin.readline()  # a text stream (a test's StringIO): undecodable bytes arrive as surrogates
+    try:
+        line.encode("utf-8")
+        return line, False
+    except UnicodeEncodeError:
+        try:
+            data = line.encode("utf-8", "surrogateescape")  # the escaped bytes back
+        except UnicodeEncodeError:
+            data = line.encode("utf-8", "surrogatepass")
+        return data.decode("utf-8", errors="replace"), True
+
+
+def cmd_chat(args) -> int:
+    from ..chat import stream_reply
+    from ..engine import PromptError, check_sampling, model_options, quantize_int8
+    from ..runtime import load_run, resolve_device
+
+    device = resolve_device(args.device)
+    model, tokenizer, _, _ = load_run(args.run, device)
+    if args.quantize == "int8":
+        quantize_int8(model)
+    if getattr(tokenizer, "chat_tokens", None) is None:
+        raise LatentloopError(f"{args.run} has no chat tokens: fine-tune it first (latentloop train --stage sft "
+                              f"--init-from {args.run} --data chat:...)")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise LatentloopError(f"--top-p must be in (0, 1], got {args.top_p}")
+    # before the first message: checked inside the loop, a bad value was one more message the
+    # session survived (and it ended with exit 0)
+    check_sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    options = generation_options(args)  # the given ones only: the engine fills in the defaults (see generate)
+    model_options(model, options)
+    budget = args.max_new_tokens or min(DEFAULT_NEW_TOKENS, model.config.sequence_len // 2)
+    start = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(start)
+    print(f"[{CHAT_COMMANDS}]", file=sys.stderr)
+    while True:
+        sys.stdout.write("> ")
+        sys.stdout.flush()
+        line, replaced = _read_message_line()
+        if not line:  # end of input
+            sys.stdout.write("\n")
+            return 0
+        text = line.strip()
+        if replaced and text:
+            print("[the message was not valid text in the input's encoding: its undecodable bytes are sent as "
+                  "U+FFFD]", file=sys.stderr)
+        if not text:
+            continue
+        if text == "/quit":
+            return 0
+        if text == "/reset":
+            messages = list(start)
+            print("[new conversation]")
+            continue
+        if text.startswith("/"):
+            print(f"[unknown command {text.split()[0]}: {CHAT_COMMANDS}]", file=sys.stderr)
+            continue
+        messages.append({"role": "user", "content": text})
+        pieces = []
+        try:
+            for piece in stream_reply(model, tokenizer, messages, budget, temperature=args.temperature,
+                                      top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                                      compile=_decode_mode(args), on_compile=_say_compiling, **options):
+                pieces.append(piece)
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        except PromptError as exc:  # a message too long for the context: say so and keep the session
+            messages.pop()
+            print(f"[{exc}]", file=sys.stderr)
+            continue
+        sys.stdout.write("\n")
+        reply = "".join(pieces)
+        if reply.strip():
+            messages.append({"role": "assistant", "content": reply})
+        else:  # an empty turn is not a turn of the format: forget the exchange
+            messages.pop()
+
+

@@ -1,0 +1,280 @@
+"""The argument parser of every command: its flags, the declared inference options of every
+architecture as flags (from the registry), and the argument types (one-line usage errors)."""
+
+from __future__ import annotations
+
+import argparse
+
+EXIT_USAGE = 2
+DEFAULT_NEW_TOKENS = 64  # generate's default budget, capped at half the context (the prompt gets the rest)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one line (the default prints the whole usage first)."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"latentloop: error: {message} (see '{self.prog} --help')\n")
+
+
+def _int_at_least(minimum: int, description: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected {description}, got {text!r}")
+        return value
+    return parse
+
+
+_positive_int = _int_at_least(1, "a positive integer")
+_non_negative_int = _int_at_least(0, "an integer >= 0")
+
+
+def _add_decode_options(p: argparse.ArgumentParser) -> None:
+    """How generate and chat decode: the compiled static-cache step where it pays (default), always, or never."""
+    p.add_argument("--decode", choices=["auto", "compiled", "eager"], default="auto",
+                   help="auto: decode the first steps eagerly, timing them, and compile the step when the saving "
+                        "over the budget reaches the compile's expected cost (latentloop.models.fast.AutoCompile; "
+                        "compiled steps are cached on disk for later processes); compiled: always; eager: never")
+    p.add_argument("--compile", dest="decode", action="store_const", const="compiled",
+                   help="the same as --decode compiled")
+    p.add_argument("--no-compile", dest="decode", action="store_const", const="eager",
+                   help="the same as --decode eager")
+    p.add_argument("--quantize", choices=["int8"], default=None,
+                   help="int8: weight-only int8 linear layers (per output channel, symmetric), for speed and memory")
+
+
+
+
+def _addgeneration_options(p: argparse.ArgumentParser) -> None:
+    """One flag per inference option any architecture declares (its `ArchSpec`); the value is
+    parsed and checked against the loaded model's arch later, so a flag of another arch is a
+    one-line error. None means 'not given' (the model's default)."""
+    from ..archs import option_union
+
+    for name, (option, archs) in option_union().items():
+        p.add_argument(option.flag, dest=f"option_{name}", default=None, metavar=_metavar(option),
+                       help=f"[{', '.join(archs)}] {option.help}")
+
+
+def _add_sampling_options(p: argparse.ArgumentParser, temperature: float) -> None:
+    """The sampling flags of generate and chat (their default temperature differs)."""
+    p.add_argument("--temperature", type=float, default=temperature, help=f"0 is greedy (default {temperature:g})")
+    p.add_argument("--top-k", type=_positive_int, default=None, help="sample among the k most likely tokens")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold in (0, 1]")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+
+
+def _metavar(option) -> str:
+    if option.choices:
+        return "{" + ",".join(option.choices) + "}"
+    return option.kind.__name__.upper() + "".join(f"|{word}" for word in option.keywords)
+
+
+def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    from ..serve import settings as defaults
+
+    p.add_argument("run", help="run folder or checkpoint folder")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default loopback only; any other needs an API key)")
+    p.add_argument("--port", type=_non_negative_int, default=8000,
+                   help="port, at most 65535 (default 8000; 0: any free port, printed at start)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda[:N], mps")
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' (default: ${defaults.API_KEY_ENV} when set)")
+    p.add_argument("--model-name", default=None, help="the model id clients send (default: the run folder's name)")
+    p.add_argument("--max-tokens-cap", type=_positive_int, default=defaults.DEFAULT_MAX_TOKENS_CAP,
+                   help=f"largest max_tokens a request may ask for (default {defaults.DEFAULT_MAX_TOKENS_CAP})")
+    p.add_argument("--max-batch-size", type=_positive_int, default=defaults.DEFAULT_MAX_BATCH_SIZE,
+                   help=f"rows decoded together, and the most one request may ask for (prompts x n); 1 turns "
+                        f"batching off (default {defaults.DEFAULT_MAX_BATCH_SIZE})")
+    p.add_argument("--max-queue", type=_positive_int, default=defaults.DEFAULT_MAX_QUEUE,
+                   help=f"requests that may wait for a batch; more get 429 (default {defaults.DEFAULT_MAX_QUEUE})")
+    p.add_argument("--batching", choices=defaults.BATCHING, default=defaults.BATCHING[0],
+                   help="continuous: requests join the running batch at its next decode step and leave when done; "
+                        "rounds: a batch of the requests waiting, run to its end while new ones wait (default "
+                        f"{defaults.BATCHING[0]})")
+    p.add_argument("--batch-window-ms", type=float, default=defaults.DEFAULT_BATCH_WINDOW_MS,
+                   help=f"how long an idle server waits for more requests before it starts a batch (default "
+                        f"{defaults.DEFAULT_BATCH_WINDOW_MS:g})")
+    p.add_argument("--request-timeout", type=float, default=defaults.DEFAULT_REQUEST_TIMEOUT_S,
+                   help=f"seconds a request may take, waiting included, before it ends with 504 (default "
+                        f"{defaults.DEFAULT_REQUEST_TIMEOUT_S:g})")
+    p.add_argument("--access-log", action="store_true", help="log every request")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ..archs import ARCHS
+
+    parser = _Parser(prog="latentloop", description="Train, evaluate and sample latent-state language models.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    t = sub.add_parser("train", help="train a model into a run folder")
+    t.add_argument("--config", help="YAML file with sections model/train/data")
+    t.add_argument("--arch", help="architecture: " + "; ".join(
+        f"{spec.name}: {spec.summary}" for spec in ARCHS.values()))
+    t.add_argument("--preset", help="model size preset: test, tiny, small, gpt2, 1b")
+    t.add_argument("--data", help="data source: stdlib, text:PATH, hf:NAME[:CONFIG], task:NAME")
+    t.add_argument("--tokenizer", help="'byte' or a path to a tokenizer.json")
+    t.add_argument("--steps", type=_positive_int, help="optimizer steps")
+    t.add_argument("--batch-size", type=_positive_int, help="sequences per micro-batch")
+    t.add_argument("--lr", type=float, help="peak learning rate")
+    t.add_argument("--seed", type=int, help="random seed")
+    t.add_argument("--device", help="auto, cpu, cuda[:N], mps")
+    t.add_argument("--out", required=True, help="run folder to create (or continue with --resume)")
+    t.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    t.add_argument("--init-from", metavar="RUN",
+                   help="start from another run's weights; from a gpt run (e.g. imported with import-hf) "
+                        "--arch fbt / lrt / rgpt upcycles it; the model shape and the tokenizer come from RUN")
+    t.add_argument("--stage", choices=["pretrain", "sft", "extend"], default=None,
+                   help="sft: fine-tune --init-from RUN on conversations (--data chat:FILE[:field=role,...] or "
+                        "chat:task:NAME), loss on the assistant's tokens only; extend: continue --init-from RUN at a "
+                        "longer context (--set sequence_len=N; rope_theta scaled). Both start from the base run's "
+                        "config and tokenizer")
+    t.add_argument("--iso", choices=["flops", "params"], default=None,
+                   help="rgpt: shape the recurrent model from the preset's dense depth at equal FLOPs (same "
+                        "effective depth) or equal parameters (same distinct blocks); prints both models' sizes")
+    t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any config field, e.g. --set n_layer=4 or --set train.lr=1e-3 (repeatable)")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("--json", action="store_true", help="print the final summary as JSON")
+
+    e = sub.add_parser("eval", help="validation loss / perplexity / bits per byte of a run, or task accuracy (--tasks)")
+    e.add_argument("run", help="run folder or checkpoint folder")
+    e.add_argument("--json", action="store_true", help="print the metrics as JSON")
+    e.add_argument("--split", choices=["val", "train"], default="val", help="data split to evaluate")
+    e.add_argument("--batches", type=_non_negative_int, default=0, help="evaluate at most this many batches (0: all)")
+    e.add_argument("--quantize", choices=["int8"], default=None,
+                   help="int8: score the model with weight-only int8 linear layers (as generate --quantize int8)")
+    e.add_argument("--batch-size", type=_positive_int, default=None,
+                   help="sequences per batch (default 16 for the loss, 64 rows for --tasks)")
+    e.add_argument("--device", default="cpu", help="cpu, cuda[:N], mps")
+    e.add_argument("--data", default=None, metavar="SOURCE",
+                   help="data to score the loss on (text:PATH, hf:NAME, ...); required unless the run was trained "
+                        "on a built-in source (stdlib, task:NAME): the files a run's config.json names are not "
+                        "read on its say-so")
+    e.add_argument("--tasks", default=None, metavar="NAMES|core",
+                   help="evaluate tasks instead of the loss: 'core' (the 22 CORE tasks), CORE task names and/or "
+                        "generation tasks, comma-separated; results go to RUN/evals/")
+    e.add_argument("--by-position", type=_positive_int, default=None, metavar="BUCKETS",
+                   help="the loss per position: mean loss of the targets in each of BUCKETS equal ranges of the "
+                        "context (does a model extended to a longer context use it?)")
+    e.add_argument("--limit", type=_positive_int, default=None, help="with --tasks: at most N examples per task")
+    e.add_argument("--eval-dir", default=None, metavar="PATH",
+                   help="with --tasks: folder of the task jsonl files (default: $LATENTLOOP_EVAL_DIR, else the "
+                        "cached official bundle, fetched once when online)")
+    e.add_argument("--no-progress", action="store_true", help="no progress bars")
+    e.add_argument("--passes-curve", action="store_true",
+                   help="fbt: also the loss of the K-pass fused forward for K = 1, 2, 3, 4, 8, 16 and at the "
+                        "sequential fixed point (K = T passes, exact): the paper's stability check")
+    _addgeneration_options(e)
+
+    g = sub.add_parser("generate", help="continue a prompt with a trained model")
+    g.add_argument("run", help="run folder or checkpoint folder")
+    g.add_argument("--prompt", required=True, help="text to continue")
+    g.add_argument("--max-new-tokens", type=_non_negative_int, default=None,
+                   help=f"tokens to generate (default: {DEFAULT_NEW_TOKENS}, at most half the model's context)")
+    _add_sampling_options(g, temperature=0.8)
+    g.add_argument("--no-cache", action="store_true", help="use the naive uncached reference path")
+    _add_decode_options(g)
+    g.add_argument("--json", action="store_true", help="print prompt, completion and token ids as JSON")
+    g.add_argument("--device", default="cpu", help="cpu, cuda[:N], mps")
+    _addgeneration_options(g)
+
+    ch = sub.add_parser("chat", help="talk to an SFT run: type a message, the reply streams; /reset starts over, "
+                                     "/quit (or end of input) ends")
+    ch.add_argument("run", help="run folder or checkpoint folder (trained with --stage sft)")
+    ch.add_argument("--system", default=None, help="a system message to start every conversation with")
+    ch.add_argument("--max-new-tokens", type=_positive_int, default=None,
+                    help=f"reply budget (default: {DEFAULT_NEW_TOKENS}, at most half the model's context)")
+    _add_sampling_options(ch, temperature=0.0)
+    _add_decode_options(ch)
+    ch.add_argument("--device", default="cpu", help="cpu, cuda[:N], mps")
+    _addgeneration_options(ch)
+
+    k = sub.add_parser("tokenizer", help="tokenizer tools")
+    ksub = k.add_subparsers(dest="tokenizer_command", required=True, parser_class=_Parser)
+    kt = ksub.add_parser("train", help="train a byte-level BPE tokenizer")
+    kt.add_argument("--data", required=True, help="data source: stdlib, text:PATH, hf:NAME[:CONFIG]")
+    kt.add_argument("--vocab-size", type=_positive_int, required=True, help="vocabulary size (>= 259)")
+    kt.add_argument("--out", required=True, help="output tokenizer.json file or folder (an existing tokenizer file "
+                                                 "is never overwritten)")
+    kt.add_argument("--max-bytes", type=_non_negative_int, default=20_000_000,
+                    help="read at most this many bytes of training text (0: all)")
+
+    a = sub.add_parser("analyze", help="look inside a trained run (fbt contraction and probes, rgpt depth)")
+    asub = a.add_subparsers(dest="analysis", required=True, parser_class=_Parser)
+    ac = asub.add_parser("contraction", help="fbt: iterate the multi-pass map; relative change and loss per pass")
+    ac.add_argument("--passes", type=_positive_int, default=1000, help="passes to iterate")
+    ap = asub.add_parser("probe", help="fbt: linear probes of nesting depth from layer 0, standard vs recurrent")
+    ap.add_argument("--passes", type=_positive_int, default=4, help="passes of the recurrent prefill")
+    ad = asub.add_parser("depth", help="rgpt: early-exit curve, gate per step, exit depth vs token loss")
+    ad.add_argument("--max-steps", type=_positive_int, default=None, help="evaluate r = 1..this (default: trained R)")
+    ad.add_argument("--exit-threshold", type=float, default=0.01, help="KL threshold of the adaptive exit")
+    ad.add_argument("--min-steps", type=_positive_int, default=1, help="steps before any exit")
+    ad.add_argument("--task-limit", type=_positive_int, default=50,
+                    help="for runs trained on task:NAME, test examples scored at each depth")
+    for sp in (ac, ap, ad):
+        sp.add_argument("run", help="run folder or checkpoint folder")
+        sp.add_argument("--batches", type=_positive_int, default=None, help="validation batches to use")
+        sp.add_argument("--out", default=None, help="output folder (default: RUN/analysis)")
+        sp.add_argument("--json", action="store_true", help="print the result as JSON")
+
+    i = sub.add_parser("import-hf", help="import a Hugging Face Llama-family checkpoint (llama, mistral, qwen2) "
+                                         "as a gpt run")
+    i.add_argument("source", metavar="PATH", help="a local model folder (config.json, *.safetensors, "
+                                                  "tokenizer.json) or a Hub name org/name")
+    i.add_argument("--out", required=True, help="run folder to create")
+    i.add_argument("--sequence-len", type=_positive_int, default=None,
+                   help="context of the run (default: the model's max_position_embeddings)")
+    i.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+    x = sub.add_parser("export", help="export a run as a Hugging Face model folder")
+    x.add_argument("run", help="run folder or checkpoint folder")
+    x.add_argument("--format", choices=["hf"], default="hf", help="output format (hf: transformers)")
+    x.add_argument("--out", required=True, help="folder to create")
+    kind = x.add_mutually_exclusive_group()
+    kind.add_argument("--plain", action="store_true",
+                      help="require a plain LlamaForCausalLM / Qwen2ForCausalLM (error if the run's options block it)")
+    kind.add_argument("--remote-code", action="store_true",
+                      help="always ship latentloop's own modeling code (trust_remote_code=True)")
+    x.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+    d = sub.add_parser("demo", help="train every architecture briefly, compare, sample, write a report")
+    d.add_argument("--steps", type=int, default=None,
+                   help="training steps per architecture (default: the demo's own, about 4 minutes on 2 quiet cores)")
+    d.add_argument("--out", default="runs/demo", help="folder for the runs and the report (replaced)")
+    d.add_argument("--data", default="stdlib", help="data source")
+    d.add_argument("--preset", default="tiny", help="model size preset")
+    d.add_argument("--archs", default=None, help="comma-separated architectures (default: all available)")
+    d.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+    sv = sub.add_parser("serve", help="an OpenAI-compatible completions server for a run (pip install "
+                                      "'latentloop[serve]')")
+    _add_serve_arguments(sv)
+
+    x = sub.add_parser("export-dcp", help="write model.safetensors for a checkpoint that holds sharded weights only "
+                                          "(an fsdp2 run saved with train.full_weights=false)")
+    x.add_argument("run", help="run folder (its latest checkpoint) or checkpoint folder")
+    x.add_argument("--force", action="store_true", help="write it again even if the checkpoint has one")
+
+    c = sub.add_parser("compare", help="compare runs: params, tokens, FLOPs, loss, BPB, CORE and task accuracy")
+    c.add_argument("runs", nargs="+", metavar="RUN", help="run folders")
+    c.add_argument("--out", default="compare", help="folder for compare.md and the loss plots (default: ./compare)")
+    c.add_argument("--baseline", default=None, metavar="NAME",
+                   help="the group (runs differing only in seed) or run the paired differences are taken against "
+                        "(default: the first)")
+    return parser
+
+
+
+
+def generation_options(args) -> dict:
+    """The option flags given on the command line, parsed by their declarations."""
+    from ..archs import option_union
+
+    return {name: option.parse(getattr(args, f"option_{name}")) for name, (option, _) in option_union().items()
+            if getattr(args, f"option_{name}", None) is not None}
+

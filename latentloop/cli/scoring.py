@@ -1,0 +1,199 @@
+"""`eval` (loss, BPB and their intervals per scoring mode; task accuracy with --tasks; the loss by
+position), `compare` and `analyze`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from ..errors import ConfigError, LatentloopError, OutputError
+from .parser import generation_options
+from .training import first_batches
+
+
+def cmd_eval(args) -> int:
+    from ..archs import get_arch
+    from ..eval.loss import row_documents, score_run, text_batches
+    from ..runtime import eval_data, load_run, resolve_device
+
+    if args.tasks is None and (args.limit is not None or args.eval_dir is not None):
+        raise LatentloopError("--limit and --eval-dir apply to --tasks only")
+    if args.tasks is not None and args.data is not None:
+        raise LatentloopError("--data applies to the loss, not to --tasks")
+    device = resolve_device(args.device)
+    model, tokenizer, config, checkpoint = load_run(args.run, device)
+    if args.quantize == "int8":  # the quality cost of int8 decoding: the same scores with int8 linears
+        from ..engine import quantize_int8
+
+        quantize_int8(model)
+    if args.tasks is not None:  # task accuracy (CORE, generation), written to RUN/evals/
+        from ..eval.core import DEFAULT_BATCH_SIZE
+        from ..eval.suite import format_suite, run_folder, run_tasks
+
+        run_dir = run_folder(args.run, checkpoint)
+        result = run_tasks(model, tokenizer, args.tasks, data_dir=args.eval_dir, options=generation_options(args),
+                           limit=args.limit, progress=not args.no_progress and not args.json, run_dir=run_dir,
+                           batch_size=args.batch_size or DEFAULT_BATCH_SIZE,
+                           meta={"run": str(args.run), "checkpoint": str(checkpoint), "arch": config.model.arch})
+        if args.json:
+            print(json.dumps({"run": str(args.run), "checkpoint": str(checkpoint), **result}, indent=2, default=str))
+        else:
+            print(format_suite(result))
+            print(f"results: {run_dir / 'evals'}")
+        return 0
+    if args.passes_curve and "passes_curve" not in get_arch(config.model.arch).analyses:
+        from ..archs import offering
+
+        raise ConfigError(f"--passes-curve needs a run of {' or '.join(offering('passes_curve'))}; "
+                          f"this one is {config.model.arch}")
+    data = eval_data(config, tokenizer, args.data, checkpoint=checkpoint)
+    tokens = data.val if args.split == "val" else data.train
+    options = generation_options(args)
+    from ..data.chat import ChatData
+
+    chat = isinstance(data, ChatData)
+    if chat and (args.by_position is not None or args.passes_curve):
+        raise LatentloopError("--by-position and --passes-curve score plain text; this data is conversations")
+    if args.by_position is not None:
+        return _eval_by_position(args, model, tokens, config, checkpoint, options)
+    # no options given: score every way the architecture offers (fbt regimes, lrt prefills, rgpt depths)
+    if chat:  # the loss on the assistant's tokens, as SFT validates
+        from ..data.chat import masked_batches
+
+        def batches():  # each conversation a document of the intervals
+            return row_documents(masked_batches(tokens, args.batch_size or 16, args.batches or None), tokenizer.bos_id)
+    else:  # documents (for the intervals) start at each BOS of the stream
+        batches = text_batches(tokens, args.batch_size or 16, config.model.sequence_len, args.batches or None,
+                               bos_id=tokenizer.bos_id)
+    if not args.no_progress and not args.json:  # fbt's default eval scores three regimes: a minute or more
+        batches = _with_progress(batches, tokens, args, config.model.sequence_len)
+    by_option = score_run(model, batches, tokenizer.token_byte_lengths(), {"given": options} if options else None)
+    first = next(iter(by_option))
+    metrics = {"run": str(args.run), "checkpoint": str(checkpoint), "split": args.split, "scored_as": first,
+               **by_option[first]}
+    # what the figure covers, beside train's own (which scores the first train.eval_batches of this split)
+    source = args.data or config.data.source
+    scope = first_batches(args.batches)
+    metrics["measured_on"] = (f"{by_option[first].get('tokens', 0):,} {'assistant ' if chat else ''}tokens of the "
+                              f"{args.split} split of {source} ({scope}); train's val figure scores "
+                              f"{first_batches(config.train.eval_batches)} of {config.train.batch_size}")
+    if len(by_option) > 1:
+        metrics["by_option"] = by_option
+    if args.passes_curve:
+        from ..eval.loss import passes_curve
+
+        metrics["passes_curve"] = passes_curve(model, tokens, tokenizer.token_byte_lengths(), args.batch_size or 16,
+                                               config.model.sequence_len, args.batches or None)
+    notes = get_arch(config.model.arch).notes_for(by_option)
+    if notes:
+        metrics["notes"] = notes
+    if args.json:
+        print(json.dumps(metrics, indent=2))
+    else:
+        for key, value in metrics.items():
+            if key not in ("by_option", "passes_curve", "notes", "loss_ci", "bpb_ci"):
+                print((f"{key:>12}: {value:.4f}" if isinstance(value, float) else f"{key:>12}: {value}")
+                      + _interval_text(metrics.get(f"{key}_ci")))
+        for label, scores in metrics.get("by_option", {}).items():
+            print(f"{label:>12}: loss {scores['loss']:.4f}{_interval_text(scores.get('loss_ci'))}  "
+                  f"ppl {scores['ppl']:.3f}  bpb {scores['bpb']:.4f}{_interval_text(scores.get('bpb_ci'))}")
+        if "passes_curve" in metrics:
+            print("fused forward, loss by passes (the paper's stability check):")
+            for label, scores in metrics["passes_curve"].items():
+                print(f"{label:>12}: loss {scores['loss']:.4f}  bpb {scores['bpb']:.4f}")
+        for note in notes:
+            print(f"note: {note}")
+    return 0
+
+
+def _interval_text(interval) -> str:
+    """' [low, high]' after a figure that has an interval (eval's loss and BPB), else nothing."""
+    return f" [{interval[0]:.4f}, {interval[1]:.4f}]" if interval else ""
+
+
+def _with_progress(batches, tokens, args, seq_len: int):
+    """`batches` (a callable giving a pass over the scored batches) with a progress bar per pass."""
+    import math
+
+    from ..util import progress
+
+    rows = len(tokens.tokens) if hasattr(tokens, "tokens") else max(0, (len(tokens) - 1) // seq_len)
+    total = math.ceil(rows / (args.batch_size or 16))
+    total = min(total, args.batches) if args.batches else total
+
+    def with_bar():
+        return progress(batches(), total=total, desc="eval batches")
+
+    return with_bar
+
+
+def _eval_by_position(args, model, tokens, config, checkpoint, options) -> int:
+    from ..engine import model_options
+    from ..eval.loss import decoding_logits, loss_by_position, plain_logits
+
+    model_options(model, options)  # a bad option fails before any batch
+    logits_fn = decoding_logits(options) if options else plain_logits
+    buckets = loss_by_position(model, tokens, args.batch_size or 16, config.model.sequence_len, args.by_position,
+                               args.batches or None, logits_fn)
+    if args.json:
+        print(json.dumps({"run": str(args.run), "checkpoint": str(checkpoint), "split": args.split,
+                          "sequence_len": config.model.sequence_len, "by_position": buckets}, indent=2))
+        return 0
+    print(f"loss by position ({args.split}, context {config.model.sequence_len}):")
+    for bucket in buckets:
+        print(f"  {bucket['start']:>6}-{bucket['end'] - 1:<6} {bucket['loss']:.4f}")
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from ..eval.compare import compare_runs
+    from ..runtime import output_folder
+
+    output_folder(args.out, "--out")
+    try:
+        report = compare_runs(args.runs, args.out, args.baseline)
+    except OSError as exc:  # the folder was writable a moment ago: a full disk, a file dropped in the way
+        raise OutputError(f"cannot write the report into {args.out}: {exc.strerror or exc}") from None
+    print(report["markdown"])
+    for note in report["notes"]:
+        print(f"note: {note}", file=sys.stderr)
+    print(f"report: {report['report']}")
+    return 0
+
+
+
+def cmd_analyze(args) -> int:
+    from .. import analysis
+    from ..runtime import output_folder
+
+    if args.out:  # before the analysis runs, not after
+        output_folder(args.out, "--out")
+    common = dict(out=Path(args.out) if args.out else None)
+    if args.batches:
+        common["batches"] = args.batches
+    if args.analysis == "contraction":
+        result = analysis.contraction(args.run, passes=args.passes, **common)
+        summary = (f"passes {result['passes']}: final relative change {result['final_relative_change']:.2e}, "
+                   f"loss pass 1 {result['loss_pass1']:.4f}, best {result['loss_best']:.4f}, "
+                   f"final {result['loss_final']:.4f}")
+    elif args.analysis == "probe":
+        result = analysis.probe(args.run, passes=args.passes, **common)
+        summary = "; ".join(f"{name} {r['test_accuracy']:.3f}" for name, r in result["probes"].items())
+        summary += f" (majority {next(iter(result['probes'].values()))['majority_baseline']:.3f})"
+    else:
+        if args.exit_threshold < 0:
+            raise LatentloopError(f"--exit-threshold must be >= 0, got {args.exit_threshold}")
+        result = analysis.depth(args.run, max_steps=args.max_steps, exit_threshold=args.exit_threshold,
+                                min_steps=args.min_steps, task_limit=args.task_limit, **common)
+        summary = ", ".join(f"r={r}: {loss:.4f}" for r, loss in zip(result["steps"], result["loss"]))
+        summary += (f"; mean exit depth {result['mean_exit_depth']:.2f}, Spearman(exit depth, loss) "
+                    f"{result['spearman_exit_depth_vs_token_loss']:.3f}")
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(summary)
+        print(f"written to {result['folder']}")
+    return 0
+
+

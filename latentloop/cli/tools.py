@@ -1,0 +1,100 @@
+"""The commands around the runs: `tokenizer`, `demo`, `serve`, `import-hf`, `export`, `export-dcp`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from ..errors import OutputError
+
+
+def cmd_tokenizer(args) -> int:
+    from ..data import BPETokenizer, parse_source
+    from ..data.tokenizers import TOKENIZER_FILE, write_new_tokenizer
+    from ..runtime import output_folder
+
+    out = Path(args.out)
+    target = out if out.suffix == ".json" else out / TOKENIZER_FILE
+    if target.exists():  # checked before the (long) training too, not only when writing
+        raise OutputError(f"{target} already exists; choose another --out (a run's tokenizer is never replaced)")
+    output_folder(target.parent, "--out folder")
+    source = parse_source(args.data)
+    budget = args.max_bytes or None
+
+    def texts():
+        used = 0
+        for doc in source.iter_documents("train"):
+            yield doc
+            used += len(doc.encode())
+            if budget is not None and used >= budget:
+                return
+
+    tokenizer = BPETokenizer.train(texts(), args.vocab_size)
+    write_new_tokenizer(tokenizer, target)
+    print(f"trained a {tokenizer.vocab_size}-token BPE tokenizer on {args.data}: {target}")
+    return 0
+
+
+
+def cmd_demo(args) -> int:
+    from ..demo import run_demo
+
+    archs = [a.strip() for a in args.archs.split(",")] if args.archs else None
+    from ..demo import DEMO_STEPS
+
+    run_demo(Path(args.out), steps=DEMO_STEPS if args.steps is None else args.steps, data=args.data,
+             preset=args.preset, archs=archs, progress=not args.no_progress)
+    return 0
+
+
+def cmd_export_dcp(args) -> int:
+    from ..runtime import export_full_weights
+
+    path = export_full_weights(args.run, force=args.force)
+    print(f"wrote {path}")
+    return 0
+
+
+def cmd_serve(args) -> int:
+    import os
+
+    from ..serve import API_KEY_ENV, ServeSettings, serve
+
+    settings = ServeSettings(run=args.run, host=args.host, port=args.port, device=args.device,
+                             api_key=args.api_key or os.environ.get(API_KEY_ENV) or None, model_name=args.model_name,
+                             max_tokens_cap=args.max_tokens_cap, max_batch_size=args.max_batch_size,
+                             max_queue=args.max_queue, batch_window_ms=args.batch_window_ms, batching=args.batching,
+                             request_timeout=args.request_timeout, access_log=args.access_log)
+    serve(settings)
+    return 0
+
+
+def cmd_import_hf(args) -> int:
+    from ..interop import import_hf
+
+    summary = import_hf(args.source, args.out, sequence_len=args.sequence_len)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        m = summary["model"]
+        print(f"imported {summary['model_type']} {args.source} ({summary['params']:,} params, {m['n_layer']} x "
+              f"{m['n_embd']}, vocab {m['vocab_size']}, context {m['sequence_len']}) as a gpt run: {summary['run']}")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from ..interop import export_hf
+
+    summary = export_hf(args.run, args.out, plain=True if args.plain else (False if args.remote_code else None))
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(f"exported {args.run} as {summary['format']}: {summary['out']}")
+        if summary["plain_blockers"] and not args.remote_code:
+            print(f"note: not a plain Llama model because of {', '.join(summary['plain_blockers'])}; load it (and "
+                  f"its tokenizer: AutoTokenizer reads config.json first) with trust_remote_code=True",
+                  file=sys.stderr)
+    return 0
+
+

@@ -1,0 +1,140 @@
+"""`train`: the run config from the flags (a YAML file, a resumed run's config, a stage's base run),
+`--iso` reshaping, and the summary line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from ..errors import CheckpointError, LatentloopError
+
+
+def _run_config_from_args(args):
+    from ..config import RunConfig, apply_overrides, load_yaml
+
+    saved = Path(args.out) / "config.json"
+    if args.stage in ("sft", "extend") and not args.config and not args.resume:
+        from ..train import stage_config
+
+        if not args.init_from:
+            raise LatentloopError(f"--stage {args.stage} continues a trained run: give --init-from RUN")
+        if args.arch or args.preset or args.tokenizer:
+            raise LatentloopError(f"--stage {args.stage} keeps the base run's arch, shape and tokenizer: drop "
+                                  f"--arch/--preset/--tokenizer")
+        flags = {"train.steps": args.steps, "train.batch_size": args.batch_size, "train.lr": args.lr,
+                 "train.seed": args.seed, "train.device": args.device}
+        return stage_config(args.stage, args.init_from, args.overrides, data=args.data, flags=flags)
+    if args.config:
+        raw = load_yaml(args.config)
+    elif args.resume and saved.is_file():
+        try:
+            raw = json.loads(saved.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"cannot resume: {saved} is unreadable or cut short ({exc})") from None
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"cannot resume: {saved} does not hold a run config")
+    else:
+        raw = {}
+    raw = {s: dict(raw.get(s) or {}) for s in ("model", "train", "data")} | {
+        k: v for k, v in raw.items() if k not in ("model", "train", "data")}
+    flags = {"model.arch": args.arch, "model.preset": args.preset, "data.source": args.data,
+             "data.tokenizer": args.tokenizer, "train.steps": args.steps, "train.batch_size": args.batch_size,
+             "train.lr": args.lr, "train.seed": args.seed, "train.device": args.device, "train.stage": args.stage}
+    for key, value in flags.items():
+        if value is not None:
+            section, name = key.split(".")
+            raw[section][name] = value
+    if args.init_from and not (args.resume and saved.is_file()):
+        _inherit_from_run(raw, args.init_from)
+    elif not raw["model"].get("preset") and not args.config and not (args.resume and saved.is_file()):
+        raw["model"]["preset"] = "tiny"
+    return RunConfig.from_dict(apply_overrides(raw, args.overrides))
+
+
+def _inherit_from_run(raw: dict, run: str) -> None:
+    """--init-from: the model's shape and options, and the tokenizer, come from that run (a config
+    file's model fields and --set still override them)."""
+    from ..checkpoint import find_tokenizer_file, resolve_checkpoint
+    from ..interop.upcycle import upcycle_fields
+
+    if raw["model"].get("preset"):
+        raise LatentloopError("--preset does not combine with --init-from (the model's shape comes from that run)")
+    raw["model"] = upcycle_fields(run, raw["model"].get("arch")) | raw["model"]
+    raw["data"].setdefault("tokenizer", str(find_tokenizer_file(resolve_checkpoint(run))))
+
+
+def first_batches(count: int) -> str:
+    """How much of a split a loss covers: `count` batches from its start (0: all of them)."""
+    return f"the first {count} batches" if count else "every batch"
+
+
+def cmd_train(args) -> int:
+    import os
+
+    from ..train import fit, setup
+
+    config = _run_config_from_args(args)
+    if args.iso:
+        config = _iso_shaped(config, args.iso, show=os.environ.get("RANK", "0") in ("", "0"))  # once per job
+    if config.train.stage == "extend" and args.init_from and os.environ.get("RANK", "0") in ("", "0"):
+        from ..checkpoint import read_run_config, resolve_checkpoint
+
+        base = read_run_config(resolve_checkpoint(args.init_from)).model
+        print(f"extend: context {base.sequence_len} -> {config.model.sequence_len}, RoPE base (rope_theta) "
+              f"{base.rope_theta:g} -> {config.model.rope_theta:g}", file=sys.stderr)
+    state = setup(config, args.out, resume=args.resume, progress=not args.no_progress, init_from=args.init_from)
+    if state.init_report is not None:
+        report = state.init_report
+        print(f"initialised from {args.init_from} ({report['source_arch']} -> {config.model.arch}): "
+              f"{report['mapping']}; {len(report['new'])} new tensors"
+              + (f"; exact at step 0: {report['exact_at_step0']}" if "exact_at_step0" in report else ""),
+              file=sys.stderr)
+    summary = fit(state, progress=not args.no_progress)
+    if not state.dist.is_main:  # rank 0 reports for the job
+        return 0
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(f"trained {config.model.arch} ({summary['params']:,} params) for {summary['step']} steps, "
+              f"{summary['tokens']:,} tokens: val loss {summary['val_loss']:.4f}, bpb {summary['val_bpb']:.4f} "
+              f"(on {summary.get('val_tokens', 0):,} tokens: {first_batches(config.train.eval_batches)} of the val "
+              f"split; `latentloop eval` scores all of it); checkpoint {summary['checkpoint']}")
+    return 0
+
+
+def _iso_shaped(config, iso: str, show: bool = True):
+    """Reshape a config whose arch trades depth for compute (its `iso_fields`) from its dense depth;
+    print params and FLOPs/token of both (`show`)."""
+    import dataclasses
+
+    from ..archs import ARCHS, build_model
+    from ..config import ModelConfig, model_config
+
+    shape = config.model.iso_fields(iso)
+    if shape is None:
+        able = [name for name, spec in ARCHS.items() if spec.config_class.iso_fields is not ModelConfig.iso_fields]
+        raise LatentloopError(f"--iso applies to an arch whose depth recurs ({', '.join(able)}); "
+                              f"this one is {config.model.arch}")
+    dense_layers = config.model.n_layer
+    fields = {f.name: getattr(config.model, f.name) for f in dataclasses.fields(config.model)
+              if f.name not in shape and f.name != "n_layer"}
+    reshaped = model_config(config.model.arch, None, **fields, **shape)
+    config.model = reshaped
+    if not show:
+        return config
+    dense_fields = {f.name: fields[f.name] for f in dataclasses.fields(ModelConfig) if f.name in fields}
+    dense = build_model(ModelConfig(**{**dense_fields, "n_layer": dense_layers}))
+    recurrent = build_model(reshaped)
+    T = reshaped.sequence_len
+    dense_flops, recurrent_flops = dense.flops_per_token(T), recurrent.flops_per_token(T)
+    matched = f"{dense_layers} " + ("block applications per token" if iso == "flops" else "distinct blocks")
+    print(f"iso {iso} ({matched} in both): dense {ModelConfig.arch} {dense_layers} layers: "
+          f"{dense.num_params():,} params, {dense_flops:,.0f} FLOPs/token (fwd+bwd)")
+    print(f"iso {iso}: {reshaped.arch} {reshaped.depth_summary()}: {recurrent.num_params():,} params "
+          f"({recurrent.num_params() / dense.num_params():.2f}x), {recurrent_flops:,.0f} FLOPs/token at R "
+          f"({recurrent_flops / dense_flops:.2f}x" + ("; the rest is the recurrence's own projection and gate, "
+                                                      "once per step)" if iso == "flops" else ")"))
+    return config
+
+
