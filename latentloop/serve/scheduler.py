@@ -275,7 +275,8 @@ class Scheduler:
     def _hand_token(self, row: Row, token: int | None, logprob: float | None, top: list | None,
                     info: dict) -> None:
         """A row's new token (None: the engine stopped it on a stop token) to its text and handler."""
-        if token is None:
+        if token is None:  # the stop token the engine sampled counts as generated, as a stop handled here does
+            row.generated += 1
             self._finish_row(row, "stop")
             return
         row.info = info
@@ -488,7 +489,11 @@ class RoundScheduler(Scheduler):
         except StopIteration:  # every row stopped on a stop token, or the batch's max_tokens
             for row in run.rows:
                 if not row.done:
-                    self._finish_row(row, "length" if row.generated >= row.job.request.max_tokens else "stop")
+                    if row.generated >= row.job.request.max_tokens:
+                        self._finish_row(row, "length")
+                    else:  # its last sample was a stop token (not yielded): generated all the same
+                        row.generated += 1
+                        self._finish_row(row, "stop")
             return False
         self.stats.steps += 1
         self.stats.row_steps += sum(not row.done for row in run.rows)
