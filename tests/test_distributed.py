@@ -40,7 +40,14 @@ TORCHRUN_TIMEOUT_S = 120
 # the same numbers added in another order, so fp32 rounding (~1e-7 relative) is the only difference,
 # amplified a little by Adam's division by small second moments over 3 steps.
 LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
+# Weights, per tensor: the root mean square of the difference within WEIGHT_TOL (atol + rtol x the RMS
+# of the weights), and no element off by more than WEIGHT_MAX_ABS. Adam divides each element's step by
+# its gradient's size, so an element whose gradient is a near-cancelling sum (a different summation
+# order changes it relatively much) moves differently by up to ~lr per step: fsdp2's reduce-scatter
+# leaves a few such elements of Mixture-of-Recursions 4e-5 to 8e-5 off (measured; the other archs
+# ~1e-6, DDP 0), while a gradient lost or counted twice moves whole tensors.
 WEIGHT_TOL = dict(rtol=1e-4, atol=1e-5)
+WEIGHT_MAX_ABS = 1e-3
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                                 reason="this torch build has no gloo backend")
@@ -104,8 +111,16 @@ def _assert_same_run(result: dict, reference: tuple[list[float], dict[str, torch
     parallel = _final_weights(result["checkpoint"])
     assert parallel.keys() == weights.keys()
     for name in weights:
-        torch.testing.assert_close(parallel[name], weights[name], **WEIGHT_TOL,
-                                   msg=lambda m, name=name: f"{arch}: {name} differs: {m}")
+        _assert_weights_close(parallel[name], weights[name], f"{arch}: {name}")
+
+
+def _assert_weights_close(got: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """The per-tensor rule of WEIGHT_TOL / WEIGHT_MAX_ABS."""
+    difference = got.double() - expected.double()
+    rms, scale = difference.square().mean().sqrt().item(), expected.double().square().mean().sqrt().item()
+    worst = difference.abs().max().item()
+    assert rms <= WEIGHT_TOL["atol"] + WEIGHT_TOL["rtol"] * scale, f"{what}: RMS difference {rms:.3g} ({scale:.3g})"
+    assert worst <= WEIGHT_MAX_ABS, f"{what} differs by {worst:.3g}"
 
 
 @pytest.fixture(scope="module")
@@ -242,7 +257,7 @@ def test_a_sharded_checkpoint_resumes_exactly_and_exports_to_one_file(fsdp2_runs
     a, b = _final_weights(straight), _final_weights(resumed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # resumed == uninterrupted
     for name, tensor in references["fbt"].items():  # and the sharded run == one process, twice the accumulation
-        torch.testing.assert_close(a[name], tensor, **WEIGHT_TOL)
+        _assert_weights_close(a[name], tensor, f"fsdp2 fbt {name}")
 
     # the exported file loads in one process and gives the sharded model's logits
     model, _ = ll.load(straight)

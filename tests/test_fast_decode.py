@@ -5,6 +5,7 @@ compiles take tens of seconds per architecture and option set)."""
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import option_sets
 
 import latentloop as ll
 from latentloop.engine import PromptError, model_options
@@ -16,22 +17,19 @@ from latentloop.models.fast import (
     _attention_by_reduction,
     _linear_by_reduction,
     bucketed_length,
+    fallback_reason,
     rewrite_as_reductions,
 )
 
 # fp32 max abs logit difference between the static step and the ordinary one: the static step
 # attends over the whole buffer with masked keys, which the attention kernel sums in another
-# order than the stored prefix alone; fbt's carried state feeds that back for every step
-# (measured up to 2e-5 over 20 steps)
-FAST_TOL = 1e-4
+# order than the stored prefix alone; fbt's carried state feeds that back for every step, so the
+# difference grows with the steps (measured over 20 steps: up to 2e-5 for gpt, fbt, lrt and rgpt;
+# rfbt, the carried state through a recurrent depth, 6e-7 at the first step growing to 4e-5 with the
+# full cache and 2.2e-4 with the running-mean one, tokens equal throughout)
+FAST_TOL = 5e-4
 STEPS = WINDOW_BUCKET + 4  # decode steps per check: the attended window grows past its first bucket
 BOS = 256
-
-CASES = [("gpt", {}), ("fbt", {"regime": "soft"}), ("fbt", {"regime": "standard"}),
-         ("fbt", {"regime": "fused", "passes": 2}), ("lrt", {}), ("lrt", {"prefill": "interleaved"}),
-         ("rgpt", {"cache_mode": "full"}), ("rgpt", {"cache_mode": "mean"}), ("rgpt", {"cache_mode": "last"}),
-         ("rgpt", {"cache_mode": "full", "steps": 2})]  # fewer steps than trained: the later slots are filled
-IDS = [f"{arch}-{'-'.join(f'{k}={v}' for k, v in opts.items()) or 'default'}" for arch, opts in CASES]
 
 # two rows, the second left-padded: the static mask must hide padding exactly as the ordinary one
 PROMPTS = torch.tensor([[BOS, 5, 9, 12, 40, 41], [0, 0, BOS, 7, 3, 8]])
@@ -45,6 +43,18 @@ def model_for(arch: str):
         torch.manual_seed(0)
         _MODELS[arch] = ll.build(arch, preset="test").eval()
     return _MODELS[arch]
+
+
+def _compilable(arch: str, given: dict) -> bool:
+    """The fast path takes this arch's option set (its model names no reason to decode eagerly)."""
+    model = model_for(arch)
+    return fallback_reason(model, model_options(model, given)) is None
+
+
+# Every registered arch under each declared option set its fast path takes (the contract suite's grid)
+CASES = [(arch, given) for arch, spec in ll.archs.ARCHS.items() for given in option_sets(spec.options).values()
+         if _compilable(arch, given)]
+IDS = [f"{arch}-{'-'.join(f'{k}={v}' for k, v in opts.items()) or 'default'}" for arch, opts in CASES]
 
 
 def decode_both(arch: str, options: dict, compile: bool):
@@ -353,8 +363,10 @@ def test_int8_compiled_step_matches_the_int8_eager_step(arch):
 
     torch.manual_seed(0)
     model = quantize_int8(ll.build(arch, preset="test").eval())
+    if not _compilable(arch, {}):
+        pytest.skip(f"{arch}'s decode step does not compile: {fallback_reason(model, model_options(model, {}))}")
     with torch.inference_mode():
-        eager, fast = _decode_both(model, model_options(model, {}), compile=True)
+        eager, fast = _decode_both(model, {}, compile=True)  # the options as a caller gives them
     torch.testing.assert_close(fast, eager, rtol=0, atol=FAST_TOL)
     assert torch.equal(fast.argmax(-1), eager.argmax(-1))
 

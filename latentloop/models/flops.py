@@ -2,8 +2,9 @@
 
 Matrix multiplications are counted by torch's `FlopCounterMode` (every `mm`/`addmm`: the linear
 layers the forward actually runs, the tied head included, once per pass, step or subset that runs
-them); attention is counted per attention-layer application as 2 · 2 · D per key, with the average
-causal context of seq_len / 2 keys per query (QK^T and AV). The backward costs twice the forward,
+them); attention is counted per attention-layer application as 2 · 2 · D per (query, key) pair, with the
+average causal context of half the keys it attends over per query, scaled from the probe to
+seq_len (QK^T and AV): seq_len / 2 keys for a whole-sequence pass. The backward costs twice the forward,
 so training FLOPs per token = 3 x forward (as nanochat's `estimate_flops`).
 
 A new architecture needs no formula: whatever its forward runs is counted.
@@ -23,18 +24,31 @@ MATMUL_OPS = ("mm", "addmm")  # linear layers; batched matmuls (bmm) belong to a
 BACKWARD_FACTOR = 3  # forward + backward (twice the forward)
 
 
-def count_flops_per_token(model: nn.Module, run: Callable[[Tensor], Any], seq_len: int) -> float:
-    """Training FLOPs per token of `run(idx)` on a (1, probe) batch; attention as for `seq_len`."""
+def count_flops_per_token(model: nn.Module, run: Callable[[Tensor], Any], seq_len: int,
+                          probe: int | None = None) -> float:
+    """Training FLOPs per token of `run(idx)` on a (1, probe) batch (default PROBE_TOKENS); attention
+    as for `seq_len`. An architecture whose work per token depends on the length (a share of the
+    tokens rounded up, as Mixture-of-Recursions' top-k keeps) probes at the whole `seq_len`."""
     from .backbone import Attention  # the counter is imported by the backbone itself
 
-    probe = min(seq_len, PROBE_TOKENS)
+    probe = min(seq_len, probe or PROBE_TOKENS)
     idx = torch.zeros(1, probe, dtype=torch.long, device=model.wte.weight.device)
-    rows = [0]
+    pairs = [0.0]
 
-    def count_rows(module: nn.Module, args: tuple, output: Tensor) -> None:
-        rows[0] += output.shape[0] * output.shape[1]  # (B, T, D): queries this application ran
+    def count_pairs(module: nn.Module, args: tuple) -> None:
+        """(query, key) pairs of one application: its queries x the keys a query sees on average,
+        half the keys it attends over (causal), those scaled from the probe to seq_len. The keys
+        are the mask's columns where the plan has one (a subset of queries against the whole
+        sequence, as lrt's interleaved passes), else the queries themselves (a causal pass)."""
+        x, ctx = args[0], args[1]
+        mask = ctx.plan.mask
+        if mask is not None:
+            keys = mask.shape[-1]
+        else:  # a flex BlockMask covers the whole buffer of probe columns (strided subsets on GPU)
+            keys = probe if ctx.plan.block_mask is not None else x.shape[1]
+        pairs[0] += x.shape[0] * x.shape[1] * (keys * seq_len / probe) / 2
 
-    hooks = [m.register_forward_hook(count_rows) for m in model.modules() if isinstance(m, Attention)]
+    hooks = [m.register_forward_pre_hook(count_pairs) for m in model.modules() if isinstance(m, Attention)]
     was_training = model.training
     model.eval()  # no training noise; the FLOPs are the same
     try:
@@ -47,5 +61,5 @@ def count_flops_per_token(model: nn.Module, run: Callable[[Tensor], Any], seq_le
     counts = counter.get_flop_counts().get("Global", {})
     matmul = sum(v for op, v in counts.items() if str(op).removeprefix("aten.").split(".")[0] in MATMUL_OPS)
     c = model.config
-    attention = rows[0] * 2 * 2 * c.n_head * c.head_dim * (seq_len / 2)
+    attention = pairs[0] * 2 * 2 * c.n_head * c.head_dim
     return BACKWARD_FACTOR * (matmul + attention) / probe
