@@ -24,12 +24,14 @@ from .errors import ConfigError
 from .models.backbone import GPT
 from .models.fbt import FBT, FBTConfig
 from .models.lrt import LRT, LRTConfig
+from .models.mor import MoR, MoRConfig
 from .models.options import DecodeOption, all_options
 from .models.rfbt import RFBT, RFBTConfig
 from .models.rgpt import RGPT, RGPTConfig
 from .objectives.base import NextTokenObjective, Objective
 from .objectives.fbt import MultiPassObjective
 from .objectives.lrt import LRTObjective
+from .objectives.mor import RoutedRecursionObjective
 from .objectives.rfbt import RecurrentMultiPassObjective
 from .objectives.rgpt import RecurrentDepthObjective
 
@@ -89,6 +91,8 @@ register(ArchSpec("rgpt", "RecurrentGPT: prelude, gated shared core x R, coda", 
                   RecurrentDepthObjective))
 register(ArchSpec("rfbt", "rgpt's recurrent depth with fbt's latent feedback (latentloop's own)", RFBTConfig, RFBT,
                   RecurrentMultiPassObjective))
+register(ArchSpec("mor", "Mixture-of-Recursions: a shared core, routers choose which tokens recur", MoRConfig, MoR,
+                  RoutedRecursionObjective))
 
 
 def get_arch(name: str) -> ArchSpec:

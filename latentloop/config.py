@@ -146,6 +146,10 @@ class ModelConfig:
     # state noise): with each at 0, data-parallel training equals one process accumulating as many
     # micro-batches. A config class lists its own; `training_noise_fields` collects its parents' too.
     TRAINING_NOISE: ClassVar[tuple[str, ...]] = ()
+    # Named settings of this config that give a model of another mechanism under the same arch (MoR's
+    # routing: other parameters, another training route); the contract suite checks each as an
+    # architecture of its own, beside the defaults.
+    VARIANTS: ClassVar[dict[str, dict[str, Any]]] = {}
 
     @classmethod
     def training_noise_fields(cls) -> tuple[str, ...]:

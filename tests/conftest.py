@@ -20,6 +20,19 @@ import pytest
 import torch
 
 
+def contract_kinds() -> dict[str, tuple[str, dict]]:
+    """name -> (arch, model fields): every registered architecture with its defaults (named by the
+    arch) and under each of its config's declared VARIANTS (named arch-variant), for the contract
+    suite's grid."""
+    from latentloop.archs import ARCHS
+
+    kinds = {}
+    for arch, spec in ARCHS.items():
+        kinds[arch] = (arch, {})
+        kinds |= {f"{arch}-{name}": (arch, dict(fields)) for name, fields in spec.config_class.VARIANTS.items()}
+    return kinds
+
+
 def option_sets(options) -> dict[str, dict]:
     """{label: options given} for an architecture's declared options (a tuple of `DecodeOption`):
     the defaults, then one set per declared choice and numeric edge (the contract suite's grid)."""

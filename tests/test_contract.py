@@ -4,15 +4,18 @@ decoding API (cache == reference == scoring, ragged batches), the OpenAI-compati
 Hugging Face export, upcycling from a gpt run, resumed training, the FLOPs the trainer charges and
 a two-process torchrun run loaded in one process.
 
-No architecture is named here: registering one adds it to every check. Option sets come from the
-declarations (`DecodeOption`): the defaults, each choice of every choice-option, and the minimum of
-every numeric one (with the choice of the option it depends on that makes it apply). A case is
-skipped only for what a declaration says (an approximate cache, rows coupled in a batch, step 0
-not exact after upcycling, an option the exported code does not take).
+No architecture is named here: registering one adds it to every check, and each of its config's
+declared VARIANTS (another mechanism under one arch, a routing choice say) is checked as a kind of
+its own. Option sets come from the declarations (`DecodeOption`): the defaults, each choice of
+every choice-option, and the minimum of every numeric one (with the choice of the option it depends
+on that makes it apply). A case is skipped only for what a declaration says (an approximate cache,
+rows coupled in a batch, step 0 not exact after upcycling, an option the exported code does not
+take); an arch that declares no upcycling must refuse it with one line.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import io
 import json
@@ -28,7 +31,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ServeProcess, option_sets, serving, write_corpus
+from conftest import ServeProcess, contract_kinds, option_sets, serving, write_corpus
 from safetensors.torch import load_file
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
@@ -36,11 +39,12 @@ from latentloop import build
 from latentloop.archs import ARCHS, build_model, build_objective, get_arch
 from latentloop.checkpoint import list_checkpoints
 from latentloop.cli import main
-from latentloop.config import RunConfig, TrainConfig
+from latentloop.config import ModelConfig, RunConfig, TrainConfig
 from latentloop.data.tokenizers import ByteTokenizer
 from latentloop.engine import generate, model_options, stream, teacher_forced_logits
-from latentloop.errors import ConfigError
+from latentloop.errors import CheckpointError, ConfigError
 from latentloop.interop import initialise_from, upcycle_config
+from latentloop.models.backbone import GPT
 from latentloop.models.flops import BACKWARD_FACTOR
 from latentloop.runtime import load_run, save_run
 
@@ -54,7 +58,26 @@ def _flags(given: dict) -> list[str]:
     return [part for name, value in given.items() for part in (f"--{name.replace('_', '-')}", str(value))]
 
 
-CASES = [(arch, label, given) for arch in ARCHS for label, given in option_sets(get_arch(arch).options).items()]
+KINDS = contract_kinds()  # name -> (arch, model fields): every arch, and each declared variant of it
+
+
+def _arch(kind: str) -> str:
+    return KINDS[kind][0]
+
+
+def _build(kind: str):
+    """A random `test`-preset model of this kind."""
+    arch, fields = KINDS[kind]
+    return build(arch, preset="test", **fields)
+
+
+def _set_flags(kind: str) -> list[str]:
+    """The `--set` flags that make a run of this kind (its variant's fields)."""
+    return [part for name, value in KINDS[kind][1].items() for part in ("--set", f"{name}={value}")]
+
+
+CASES = [(kind, label, given) for kind, (arch, _) in KINDS.items()
+         for label, given in option_sets(get_arch(arch).options).items()]
 # Processes started here (servers) get one thread too: at these sizes a second one buys nothing, and on
 # busy cores OpenMP threads that wait for each other make a training step 10-20x slower (measured)
 ONE_THREAD_ENV = {"OMP_NUM_THREADS": "1"}
@@ -74,15 +97,15 @@ def runs(tmp_path_factory):
     """Per architecture: a random `test`-preset run and a short SFT of it (chat tokens)."""
     root = tmp_path_factory.mktemp("contract")
     made = {}
-    for arch in ARCHS:
+    for kind in KINDS:
         torch.manual_seed(0)
-        base = root / f"{arch}-base"
-        save_run(build(arch, preset="test"), ByteTokenizer(), base)
-        sft = root / f"{arch}-sft"
+        base = root / f"{kind}-base"
+        save_run(_build(kind), ByteTokenizer(), base)
+        sft = root / f"{kind}-sft"
         assert main(["train", "--stage", "sft", "--init-from", str(base), "--data", "chat:task:addition_steps:n=64",
                      "--steps", "2", "--batch-size", "2", "--out", str(sft), "--no-progress",
-                     "--set", "eval_batches=1"]) == 0, arch
-        made[arch] = (base, sft)
+                     "--set", "eval_batches=1"]) == 0, kind
+        made[kind] = (base, sft)
     return made
 
 
@@ -94,9 +117,9 @@ def test_option_sets_cover_every_declared_choice():
                 assert any(given.get(option.name) == choice for given in labels.values()), (arch, option.name)
 
 
-@pytest.mark.parametrize("arch, label, given", CASES, ids=[f"{a}-{label}" for a, label, _ in CASES])
-def test_cli_generate_equals_the_api_for_every_option_set(arch, label, given, runs, capsys):
-    base, _ = runs[arch]
+@pytest.mark.parametrize("kind, label, given", CASES, ids=[f"{k}-{label}" for k, label, _ in CASES])
+def test_cli_generate_equals_the_api_for_every_option_set(kind, label, given, runs, capsys):
+    base, _ = runs[kind]
     capsys.readouterr()
     code = main(["generate", str(base), "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS),
                  "--temperature", "0", "--json", *_flags(given)])
@@ -106,14 +129,14 @@ def test_cli_generate_equals_the_api_for_every_option_set(arch, label, given, ru
     assert ids == _api_greedy(base, given)[0]
 
 
-@pytest.mark.parametrize("arch, label, given", CASES, ids=[f"{a}-{label}" for a, label, _ in CASES])
-def test_cli_eval_scores_every_option_set_as_score_run(arch, label, given, runs, text_corpus, capsys):
+@pytest.mark.parametrize("kind, label, given", CASES, ids=[f"{k}-{label}" for k, label, _ in CASES])
+def test_cli_eval_scores_every_option_set_as_score_run(kind, label, given, runs, text_corpus, capsys):
     """`latentloop eval` with each option set's flags (none: the arch's default scoring modes) prints
     exactly what `score_run` gives for those options, intervals included."""
     from latentloop.eval import score_run, text_batches
     from latentloop.runtime import eval_data
 
-    base, _ = runs[arch]
+    base, _ = runs[kind]
     capsys.readouterr()
     code = main(["eval", str(base), "--json", "--no-progress", "--batches", "1", "--batch-size", "2",
                  "--data", f"text:{text_corpus}", *_flags(given)])
@@ -137,9 +160,9 @@ def _api_greedy(run: Path, given: dict) -> tuple[list[int], object]:
                     stop_tokens=[tokenizer.eos_id, tokenizer.bos_id], **given), tokenizer
 
 
-@pytest.mark.parametrize("arch, label, given", CASES, ids=[f"{a}-{label}" for a, label, _ in CASES])
-def test_cli_chat_after_sft_answers_for_every_option_set(arch, label, given, runs, capsys, monkeypatch):
-    _, sft = runs[arch]
+@pytest.mark.parametrize("kind, label, given", CASES, ids=[f"{k}-{label}" for k, label, _ in CASES])
+def test_cli_chat_after_sft_answers_for_every_option_set(kind, label, given, runs, capsys, monkeypatch):
+    _, sft = runs[kind]
     capsys.readouterr()
     monkeypatch.setattr("sys.stdin", io.StringIO("what is 2+2?\n/reset\nand 3+4?\n/quit\n"))
     code = main(["chat", str(sft), "--max-new-tokens", "3", *_flags(given)])
@@ -161,9 +184,9 @@ DECODE_STEPS = 6
 @pytest.fixture(scope="module")
 def models():
     made = {}
-    for arch in ARCHS:
+    for kind in KINDS:
         torch.manual_seed(0)
-        made[arch] = build(arch, preset="test").eval()
+        made[kind] = _build(kind).eval()
     return made
 
 
@@ -190,9 +213,9 @@ def _has_a_reference(model, given) -> bool:
     return True
 
 
-@pytest.mark.parametrize("arch, label, given", CASES, ids=[f"{a}-{label}" for a, label, _ in CASES])
-def test_cached_decoding_equals_the_reference_path_and_scoring(arch, label, given, models):
-    model = models[arch]
+@pytest.mark.parametrize("kind, label, given", CASES, ids=[f"{k}-{label}" for k, label, _ in CASES])
+def test_cached_decoding_equals_the_reference_path_and_scoring(kind, label, given, models):
+    model = models[kind]
     prompt = PROMPTS[0]
     tokens, logprobs = _decode(model, prompt, given)
     if not _exact_cache(model, given):
@@ -208,9 +231,9 @@ def test_cached_decoding_equals_the_reference_path_and_scoring(arch, label, give
                                atol=TOL)
 
 
-@pytest.mark.parametrize("arch, label, given", CASES, ids=[f"{a}-{label}" for a, label, _ in CASES])
-def test_a_ragged_batch_decodes_each_row_as_alone(arch, label, given, models):
-    model = models[arch]
+@pytest.mark.parametrize("kind, label, given", CASES, ids=[f"{k}-{label}" for k, label, _ in CASES])
+def test_a_ragged_batch_decodes_each_row_as_alone(kind, label, given, models):
+    model = models[kind]
     declared = {option.name: option for option in model.OPTIONS}
     filled = model_options(model, given)
     if any(declared[name].couples_rows is not None and declared[name].couples_rows(value)
@@ -247,26 +270,27 @@ def servers(runs, tmp_path_factory):
     pytest.importorskip("fastapi")  # the serve extra
     pytest.importorskip("uvicorn")
     logs = tmp_path_factory.mktemp("serve-logs")
-    with serving({arch: _Server(runs[arch][0], logs / f"{arch}.log") for arch in ARCHS}) as started:
+    with serving({kind: _Server(runs[kind][0], logs / f"{kind}.log") for kind in KINDS}) as started:
         yield started
 
 
-@pytest.mark.parametrize("arch, label, given", CASES, ids=[f"{a}-{label}" for a, label, _ in CASES])
-def test_server_greedy_completions_equal_the_api(arch, label, given, runs, servers):
+@pytest.mark.parametrize("kind, label, given", CASES, ids=[f"{k}-{label}" for k, label, _ in CASES])
+def test_server_greedy_completions_equal_the_api(kind, label, given, runs, servers):
     """The option set's values as request fields (the server derives them from the declarations)."""
     from latentloop.serve.protocol import special_names, token_string
 
-    base, _ = runs[arch]
-    reply = servers[arch].post("/v1/completions", {"model": base.name, "prompt": PROMPT, "max_tokens": NEW_TOKENS,
+    base, _ = runs[kind]
+    reply = servers[kind].post("/v1/completions", {"model": base.name, "prompt": PROMPT, "max_tokens": NEW_TOKENS,
                                                    "temperature": 0, "logprobs": 0, **given})
     expected, tokenizer = _api_greedy(base, given)
     specials = special_names(tokenizer)
     (choice,) = reply["choices"]
     assert choice["logprobs"]["tokens"] == [token_string(tokenizer, t, specials) for t in expected]
     assert choice["text"] == tokenizer.decode(expected)
-    assert reply["usage"]["completion_tokens"] == len(expected)
+    # a stop token (never in the text) counts as generated, as OpenAI-compatible servers count it
+    assert reply["usage"]["completion_tokens"] == len(expected) + (choice["finish_reason"] == "stop")
     report = reply["latentloop"]  # the options it decoded with, defaults filled in: every field given was read
-    assert report["arch"] == arch and {name: report["options"].get(name) for name in given} == given
+    assert report["arch"] == _arch(kind) and {name: report["options"].get(name) for name in given} == given
 
 
 # -- export -> transformers -> the same logits ------------------------------------------------------
@@ -282,21 +306,21 @@ BYTES = 256  # the byte tokenizer's ordinary tokens (ids below BOS)
 
 @pytest.fixture(scope="module")
 def exported(runs, tmp_path_factory) -> Callable[[str], object]:
-    """arch -> its base run exported with `latentloop export RUN --format hf` and loaded back with
-    transformers from the local folder (once per arch, on first use)."""
+    """kind -> its base run exported with `latentloop export RUN --format hf` and loaded back with
+    transformers from the local folder (once per kind, on first use)."""
     transformers = pytest.importorskip("transformers")
     folder = tmp_path_factory.mktemp("export")
     loaded = {}
 
-    def load(arch: str):
-        if arch not in loaded:
-            out = folder / arch
-            assert main(["export", str(runs[arch][0]), "--format", "hf", "--out", str(out)]) == 0, arch
+    def load(kind: str):
+        if kind not in loaded:
+            out = folder / kind
+            assert main(["export", str(runs[kind][0]), "--format", "hf", "--out", str(out)]) == 0, kind
             # latentloop's own modeling code ships with the folder exactly when config.json maps to it
             remote = "auto_map" in json.loads((out / "config.json").read_text())
-            loaded[arch] = transformers.AutoModelForCausalLM.from_pretrained(
+            loaded[kind] = transformers.AutoModelForCausalLM.from_pretrained(
                 str(out), trust_remote_code=remote, local_files_only=True).eval()
-        return loaded[arch]
+        return loaded[kind]
 
     return load
 
@@ -314,15 +338,15 @@ def _named_parameters(fn) -> set[str]:
             if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
 
 
-@pytest.mark.parametrize("arch, label, given", CASES, ids=[f"{a}-{label}" for a, label, _ in CASES])
-def test_export_loads_in_transformers_with_the_same_logits(arch, label, given, runs, exported):
+@pytest.mark.parametrize("kind, label, given", CASES, ids=[f"{k}-{label}" for k, label, _ in CASES])
+def test_export_loads_in_transformers_with_the_same_logits(kind, label, given, runs, exported):
     """The exported forward scores a text as the package's teacher-forced scoring does, with the
     option set's values as forward arguments."""
-    hf = exported(arch)
+    hf = exported(kind)
     missing = sorted(set(given) - _named_parameters(hf.forward))
     if missing:
         pytest.skip(f"{label}: the exported model's forward takes no {', '.join(missing)}")
-    model, tokenizer, _, _ = load_run(runs[arch][0])
+    model, tokenizer, _, _ = load_run(runs[kind][0])
     idx = _text_rows(tokenizer.bos_id)
     with torch.no_grad():
         theirs = hf(idx, **given).logits
@@ -365,10 +389,15 @@ def _declared_exact(declared: str | None, model) -> Callable[[dict], bool] | Non
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("arch", list(ARCHS))
-def test_upcycling_from_a_gpt_run_is_exact_at_step_0_where_declared(arch, upcycle_source):
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_upcycling_from_a_gpt_run_is_exact_at_step_0_where_declared(kind, upcycle_source):
     run, source = upcycle_source
-    model = build_model(upcycle_config(run, arch)).eval()
+    arch, fields = KINDS[kind]
+    model = build_model(dataclasses.replace(upcycle_config(run, arch), **fields)).eval()
+    if type(model).upcycle_from is GPT.upcycle_from and arch != ModelConfig.arch:  # declares no upcycling: refused
+        with pytest.raises(CheckpointError, match=f"no upcycling from gpt into {arch}"):
+            initialise_from(model, run)
+        return
     report = initialise_from(model, run)
     exact = _declared_exact(report.get("exact_at_step0"), model)
     if exact is None:
@@ -401,23 +430,23 @@ def text_corpus(tmp_path_factory) -> Path:
     return write_corpus(tmp_path_factory.mktemp("corpus"), documents=20)
 
 
-def _train_argv(arch: str, corpus: Path, out: Path, steps: int) -> list[str]:
+def _train_argv(kind: str, corpus: Path, out: Path, steps: int) -> list[str]:
     settings = [part for name, value in TRAIN_SETTINGS.items() for part in ("--set", f"{name}={value}")]
-    return ["train", "--arch", arch, "--preset", "test", "--data", f"text:{corpus}", "--steps", str(steps),
-            "--batch-size", "2", "--lr", TRAIN_LR, "--out", str(out), "--no-progress", *settings]
+    return ["train", "--arch", _arch(kind), "--preset", "test", "--data", f"text:{corpus}", "--steps", str(steps),
+            "--batch-size", "2", "--lr", TRAIN_LR, "--out", str(out), "--no-progress", *settings, *_set_flags(kind)]
 
 
 @pytest.fixture(scope="module")
 def straight_runs(text_corpus, tmp_path_factory) -> Callable[[str], Path]:
-    """arch -> a run of RESUME_STEPS steps in one go (checkpoints at N / 2 and N), trained on first use."""
+    """kind -> a run of RESUME_STEPS steps in one go (checkpoints at N / 2 and N), trained on first use."""
     folder = tmp_path_factory.mktemp("straight")
     made = {}
 
-    def run(arch: str) -> Path:
-        if arch not in made:
-            assert main(_train_argv(arch, text_corpus, folder / arch, RESUME_STEPS)) == 0, arch
-            made[arch] = folder / arch
-        return made[arch]
+    def run(kind: str) -> Path:
+        if kind not in made:
+            assert main(_train_argv(kind, text_corpus, folder / kind, RESUME_STEPS)) == 0, kind
+            made[kind] = folder / kind
+        return made[kind]
 
     return run
 
@@ -432,12 +461,12 @@ def _losses(run: Path) -> dict[int, float]:
 
 
 @pytest.mark.parametrize("how", ["cut", "extended"])
-@pytest.mark.parametrize("arch", list(ARCHS))
-def test_resume_is_bit_exact(arch, how, straight_runs, text_corpus, tmp_path):
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_resume_is_bit_exact(kind, how, straight_runs, text_corpus, tmp_path):
     """cut: the straight run's own checkpoint at N / 2 (as a crash leaves it) resumed with `--resume`;
     extended: a run of N / 2 steps resumed with `--resume --steps N`. Either ends with the straight
     run's weights, bit for bit, having logged its losses."""
-    straight, resumed = straight_runs(arch), tmp_path / "resumed"
+    straight, resumed = straight_runs(kind), tmp_path / "resumed"
     if how == "cut":
         shutil.copytree(straight, resumed)
         for later in list_checkpoints(resumed)[1:]:
@@ -445,7 +474,7 @@ def test_resume_is_bit_exact(arch, how, straight_runs, text_corpus, tmp_path):
         assert [p.name for p in list_checkpoints(resumed)] == [list_checkpoints(straight)[0].name]
         assert main(["train", "--out", str(resumed), "--resume", "--no-progress"]) == 0
     else:
-        assert main(_train_argv(arch, text_corpus, resumed, RESUME_STEPS // 2)) == 0
+        assert main(_train_argv(kind, text_corpus, resumed, RESUME_STEPS // 2)) == 0
         assert main(["train", "--out", str(resumed), "--resume", "--steps", str(RESUME_STEPS), "--no-progress"]) == 0
     expected, got = _final_weights(straight), _final_weights(resumed)
     assert got.keys() == expected.keys()
@@ -487,14 +516,14 @@ def _counted_training_forward(objective, model, step: int) -> float:
     return BACKWARD_FACTOR * (products + CAUSAL_SHARE * attention) / x.numel()
 
 
-@pytest.mark.parametrize("arch", list(ARCHS))
-def test_reported_flops_equal_an_independent_count(arch):
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_reported_flops_equal_an_independent_count(kind):
     """What the trainer charges per token for a step (`Objective.flops_per_token`, counted by
     models/flops.py on the forwards the objective declares, with a probe of a few tokens and
     attention added per layer application) == FlopCounterMode over the objective's actual forward
     at the full context, attention by torch's formula."""
     torch.manual_seed(0)
-    model = build(arch, preset="test")
+    model = _build(kind)
     objective = build_objective(model.config, TrainConfig())
     for step in FLOPS_STEPS:
         reported = objective.flops_per_token(model, step)
@@ -503,10 +532,10 @@ def test_reported_flops_equal_an_independent_count(arch):
     assert objective.flops_per_token(model, None) > 0  # the run's average, for reports
 
 
-@pytest.mark.parametrize("arch", list(ARCHS))
-def test_the_trainer_logs_the_flops_the_objective_reports(arch, straight_runs):
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_the_trainer_logs_the_flops_the_objective_reports(kind, straight_runs):
     """metrics.jsonl's cumulative FLOPs: each step's tokens times what the objective reports for that step."""
-    run = straight_runs(arch)
+    run = straight_runs(kind)
     config = RunConfig.from_dict(json.loads((run / "config.json").read_text()))
     model, objective = build_model(config.model), build_objective(config.model, config.train)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -527,7 +556,7 @@ TORCHRUN_TIMEOUT_S = 300  # every arch's job at once on 2 cores
 
 @pytest.fixture(scope="module")
 def ddp_runs(text_corpus, tmp_path_factory) -> dict[str, tuple[Path, int, str]]:
-    """arch -> (run, exit code, output) of `torchrun --standalone --nproc_per_node 2 -m latentloop train
+    """kind -> (run, exit code, output) of `torchrun --standalone --nproc_per_node 2 -m latentloop train
     ...` with no strategy flag (auto: ddp under torchrun, as nanoGPT / torchtitan do); every arch's job
     started at once, all bounded in time."""
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
@@ -536,23 +565,23 @@ def ddp_runs(text_corpus, tmp_path_factory) -> dict[str, tuple[Path, int, str]]:
     env = {**os.environ, **ONE_THREAD_ENV,
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     jobs = {}
-    for arch in ARCHS:
-        argv = _train_argv(arch, text_corpus, folder / arch, DDP_STEPS)
+    for kind in KINDS:
+        argv = _train_argv(kind, text_corpus, folder / kind, DDP_STEPS)
         # --standalone: a rendezvous on localhost at a port of its own choosing, so the jobs never collide
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(DDP_WORLD),
                    "-m", "latentloop", *argv]
-        log = open(folder / f"{arch}.log", "w")
-        jobs[arch] = (subprocess.Popen(command, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT), log)
+        log = open(folder / f"{kind}.log", "w")
+        jobs[kind] = (subprocess.Popen(command, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT), log)
     deadline = time.monotonic() + TORCHRUN_TIMEOUT_S
     results = {}
     try:
-        for arch, (proc, log) in jobs.items():
+        for kind, (proc, log) in jobs.items():
             try:
                 proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                pytest.fail(f"{arch}: torchrun did not finish within {TORCHRUN_TIMEOUT_S} s")
+                pytest.fail(f"{kind}: torchrun did not finish within {TORCHRUN_TIMEOUT_S} s")
             log.close()
-            results[arch] = (folder / arch, proc.returncode, (folder / f"{arch}.log").read_text())
+            results[kind] = (folder / kind, proc.returncode, (folder / f"{kind}.log").read_text())
     finally:
         for proc, log in jobs.values():
             if proc.poll() is None:
@@ -562,15 +591,15 @@ def ddp_runs(text_corpus, tmp_path_factory) -> dict[str, tuple[Path, int, str]]:
     return results
 
 
-@pytest.mark.parametrize("arch", list(ARCHS))
-def test_a_two_process_run_loads_in_one_process(arch, ddp_runs, text_corpus):
-    run, code, log = ddp_runs[arch]
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_two_process_run_loads_in_one_process(kind, ddp_runs, text_corpus):
+    run, code, log = ddp_runs[kind]
     assert code == 0, log[-3000:]
     checkpoint = list_checkpoints(run)[-1]
     state = json.loads((checkpoint / "state.json").read_text())
     assert (state["world_size"], state["strategy"], state["step"]) == (DDP_WORLD, "ddp", DDP_STEPS)
     model, tokenizer, config, loaded = load_run(run)
-    assert loaded == checkpoint and config.model.arch == arch
+    assert loaded == checkpoint and config.model.arch == _arch(kind)
     saved, ours = load_file(str(checkpoint / "model.safetensors")), model.state_dict()
     assert saved.keys() == ours.keys()
     for name in saved:

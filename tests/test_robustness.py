@@ -16,7 +16,6 @@ from safetensors.torch import load_file, save_file
 import latentloop as ll
 from latentloop import checkpoint as ckpt
 from latentloop import runtime
-from latentloop.train import start as train_module  # where setup reads the data
 from latentloop.cli import main
 from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config
 from latentloop.data import ByteTokenizer, load_tokenizer, parse_source, prepare_tokens
@@ -24,6 +23,7 @@ from latentloop.data.shards import scan_shard
 from latentloop.errors import CheckpointError, ConfigError, DataError, NonFiniteError, OutputError
 from latentloop.optim import build_optimizers
 from latentloop.train import FiniteGuard, fit, setup
+from latentloop.train import start as train_module  # where setup reads the data
 
 
 def _config(corpus, steps=3, **train):

@@ -1,0 +1,220 @@
+"""Mixture-of-Recursions (arch `mor`): its routing, recursion-wise attention and objective, checked
+against computations written out here. (The contract suite checks it through every front-end.)"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import latentloop as ll
+from latentloop.archs import build_objective
+from latentloop.cli import main
+from latentloop.config import TrainConfig, model_config
+from latentloop.errors import ConfigError
+from latentloop.models.backbone import norm
+from latentloop.models.cache import AttentionPlan, attention_mask
+
+TOL = dict(rtol=1e-5, atol=1e-5)  # two fp32 paths over the same arithmetic in another order
+T = 12
+
+
+def _model(routing: str = "expert", seed: int = 0, **fields):
+    torch.manual_seed(seed)
+    return ll.build("mor", preset="test", routing=routing, **fields)
+
+
+def _idx(seed: int = 1, rows: int = 2, length: int = T):
+    return torch.randint(0, 256, (rows, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _prelude(model, idx):
+    """The prelude's states of a whole unpadded sequence: h^(0)."""
+    plain = model.context_from_plan(AttentionPlan(torch.arange(idx.shape[1])[None], None, True))
+    return model.run_blocks(model.embed(idx), plain, model.prelude)
+
+
+def _by_hand(model, idx, choose):
+    """The MoR forward written out with a mask per recursion: `choose(r, h, alive) -> (go (B, T), gate (B, T))`;
+    at recursion r the tokens in `go` attend among themselves (causally), the others keep their state."""
+    c = model.config
+    x = model.embed(idx)
+    B, L, _ = x.shape
+    positions = torch.arange(L)[None].expand(B, L)
+    plain = model.context_from_plan(AttentionPlan(torch.arange(L)[None], None, True))
+    h = model.run_blocks(x, plain, model.prelude)
+    alive = torch.ones(B, L, dtype=torch.bool)
+    for r in range(1, c.recursions + 1):
+        go, gate = choose(r, h, alive)
+        key_pos = torch.where(go, positions, torch.full_like(positions, -1))
+        slots = torch.arange(L)
+        ctx = model.context_from_plan(AttentionPlan(positions, attention_mask(positions, key_pos, slots, slots), False))
+        o = model.run_blocks(h, ctx, model.core)
+        h = torch.where(go[..., None], h + gate[..., None] * (o - h), h)
+        alive = go
+    return model.readout(model.run_blocks(h, plain, model.coda))
+
+
+@torch.no_grad()
+def test_expert_choice_training_keeps_the_top_k_of_the_candidates_and_attends_among_them():
+    """The training route gathers the top ceil(capacity_r · T) of each row's candidates; it equals
+    the masked computation with those selections (attention only among the selected, causal)."""
+    model = _model().train()
+    idx = _idx()
+    out = model(idx, route="topk")
+    capacities = model.config.capacities
+    assert capacities == pytest.approx((1.0, 2 / 3, 1 / 3))
+    kept = [int(took[0].sum()) for took in out.taken]
+    assert kept == [math.ceil(c * T) for c in capacities] and all(int(t[1].sum()) == k for t, k in zip(out.taken, kept))
+    for earlier, later in zip(out.taken, out.taken[1:]):  # hierarchical: a token kept at r was kept at r - 1
+        assert not (later & ~earlier).any()
+    selections = iter(out.taken)
+
+    def chosen(r, h, alive):
+        scores = model.router(norm(h))[..., r - 1]
+        go = next(selections)
+        top = torch.where(alive, scores, torch.full_like(scores, -torch.inf)).topk(int(go[0].sum()), dim=1).indices
+        assert torch.equal(torch.zeros_like(go).scatter(1, top, True), go)  # the route's selection is the top-k
+        return go, torch.sigmoid(scores)
+
+    torch.testing.assert_close(out.logits, _by_hand(model, idx, chosen), **TOL)
+
+
+def test_expert_choice_aux_loss_is_the_selection_bce():
+    model = _model().train()
+    idx = _idx()
+    out = model(idx, route="topk")
+    with torch.no_grad():  # recompute every recursion's scores from the states the route produced
+        expected, alive = 0.0, torch.ones_like(out.taken[0])
+        h = _prelude(model, idx)
+        for r, took in enumerate(out.taken, start=1):
+            scores = model.router(norm(h))[..., r - 1]
+            expected += F.binary_cross_entropy_with_logits(scores[alive], took[alive].float())
+            x = model.run_blocks(h, model.context_from_plan(AttentionPlan(torch.arange(T)[None].expand(2, T),
+                attention_mask(torch.arange(T)[None].expand(2, T), torch.where(took, torch.arange(T), -1),
+                               torch.arange(T), torch.arange(T)), False)), model.core)
+            h = torch.where(took[..., None], h + torch.sigmoid(scores)[..., None] * (x - h), h)
+            alive = took
+    torch.testing.assert_close(out.aux_loss.detach(), torch.as_tensor(expected), **TOL)
+
+
+@torch.no_grad()
+def test_expert_choice_decodes_by_the_threshold_token_by_token():
+    """Inference: a token goes on while its router's σ(score) exceeds the threshold (and it went on
+    before); the model's path equals the masked computation with that rule."""
+    model = _model().eval()
+    idx = _idx()
+    threshold = model.config.router_threshold
+
+    def by_threshold(r, h, alive):
+        gate = torch.sigmoid(model.router(norm(h))[..., r - 1])
+        return alive & (gate > threshold), gate
+
+    out = model(idx)
+    torch.testing.assert_close(out.logits, _by_hand(model, idx, by_threshold), **TOL)
+    shares = [float(s) for s in out.active_share()]
+    assert shares[0] < 1.0 and shares == sorted(shares, reverse=True)  # the untrained router lets some go
+    # a higher threshold lets fewer tokens on
+    strict = dataclasses.replace(model.config, router_threshold=0.9)
+    model.config = strict
+    assert [float(s) for s in model(idx).active_share()] <= shares
+
+
+@torch.no_grad()
+def test_token_choice_routes_each_token_to_a_depth_in_training_and_decoding_alike():
+    model = _model("token").eval()
+    idx = _idx()
+    h_pre = _prelude(model, idx)
+    probs = torch.softmax(model.router(norm(h_pre)), dim=-1)
+    depth, gate = probs.argmax(-1) + 1, probs.max(-1).values
+
+    out = model(idx)
+    torch.testing.assert_close(out.logits, _by_hand(model, idx, lambda r, h, alive: (depth >= r, gate)), **TOL)
+    assert [int(t.sum()) for t in out.taken] == [int((depth >= r).sum()) for r in (1, 2, 3)][:len(out.taken)]
+    model.train()
+    assert torch.equal(model(idx).logits, out.logits)  # one route: training computes what decoding does
+    # steps caps the depth
+    capped = model.eval()(idx, steps=1)
+    torch.testing.assert_close(capped.logits, _by_hand(model, idx, lambda r, h, alive: (
+        (depth.clamp(max=1) >= r) & (r <= 1), gate)), **TOL)
+
+
+def test_token_choice_balance_loss():
+    model = _model("token").train()
+    idx = _idx()
+    out = model(idx)
+    with torch.no_grad():
+        probs = torch.softmax(model.router(norm(_prelude(model, idx))), dim=-1).flatten(0, 1)  # (B T, R)
+        share = F.one_hot(probs.argmax(-1), 3).float().mean(0)
+        expected = 3 * (share * probs.mean(0)).sum()
+    torch.testing.assert_close(out.aux_loss.detach(), expected, **TOL)
+
+
+@pytest.mark.parametrize("routing", ["expert", "token"])
+@torch.no_grad()
+def test_cached_decoding_attends_at_each_recursion_only_to_the_tokens_that_took_it(routing):
+    """Recursion-wise caching: the cache marks exactly the tokens each recursion ran, its keys at a
+    recursion are those tokens', and decoding token by token equals the whole-sequence forward."""
+    model = _model(routing).eval()
+    idx = _idx(rows=1)
+    cache = model.new_cache(1, T)
+    for t in range(T):  # one token at a time
+        step = model.prefill(idx[:, :1], cache) if t == 0 else model.decode(idx[:, t:t + 1], cache)
+        assert step.logits.shape == (1, 1, model.config.vocab_size)
+    whole = model(idx)
+    last = model.reference(idx).logits[:, -1]
+    torch.testing.assert_close(step.logits[:, -1], last, **TOL)
+    for r in range(1, model.config.recursions + 1):
+        took = whole.taken[r - 1][0] if r <= len(whole.taken) else torch.zeros(T, dtype=torch.bool)
+        marked = cache.key_positions(r, T)[0] >= 0
+        assert torch.equal(marked, took), r
+
+
+def test_fewer_recursions_and_bad_settings_are_one_line():
+    model = _model().eval()
+    with pytest.raises(ConfigError, match=r"steps must be in \[1, 3\]"):
+        model(_idx(), steps=4)
+    for bad, message in (({"capacity": (0.5, 1.0, 0.2)}, "must not increase"), ({"capacity": (1.0,)}, "one share"),
+                         ({"routing": "random"}, "routing must be"), ({"router_threshold": 1.0}, "router_threshold"),
+                         ({"recursions": 0}, "recursions must be")):
+        with pytest.raises(ConfigError, match=message):
+            model_config("mor", "test", **bad)
+    with pytest.raises(ConfigError, match="top-k route"):
+        model.train()(_idx(), pad_mask=torch.ones(2, T, dtype=torch.bool), route="topk")
+
+
+def test_objective_adds_the_weighted_router_loss_and_charges_the_kept_tokens():
+    torch.manual_seed(0)
+    config = model_config("mor", "test")
+    model = ll.archs.build_model(config).train()
+    objective = build_objective(config, TrainConfig(steps=1, log_every=1))
+    x, y = _idx(3), _idx(4)
+    result = objective(model, x, y, 0)
+    out = model(x, route="topk")
+    ce = F.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+    torch.testing.assert_close(result.loss, ce + config.router_aux_weight * out.aux_loss, **TOL)
+    assert result.reported_loss == pytest.approx(float(ce), rel=1e-5)
+    assert result.metrics["router_loss"] == pytest.approx(float(out.aux_loss), rel=1e-5)
+    assert [result.metrics[f"active_r{r}"] for r in (1, 2, 3)] == pytest.approx([1.0, 2 / 3, 1 / 3], abs=0.05)
+    # FLOPs: the top-k route runs the core on fewer tokens than every recursion over every token
+    routed = objective.flops_per_token(model)
+    everything = ll.archs.build_model(dataclasses.replace(config, capacity=(1.0, 1.0, 1.0))).flops_per_token(
+        route="topk")
+    assert routed < everything
+
+
+@pytest.mark.parametrize("routing", ["expert", "token"])
+def test_trains_resumes_and_generates_through_the_cli(routing, tmp_path, tiny_corpus, capsys):
+    run = tmp_path / "run"
+    argv = ["train", "--arch", "mor", "--preset", "test", "--data", f"text:{tiny_corpus}", "--steps", "4",
+            "--batch-size", "2", "--set", f"routing={routing}", "--set", "sequence_len=32", "--set", "log_every=1",
+            "--set", "eval_every=0", "--set", "eval_batches=1", "--out", str(run), "--no-progress"]
+    assert main(argv) == 0
+    rows = [line for line in (run / "metrics.jsonl").read_text().splitlines() if '"router_loss"' in line]
+    assert len(rows) == 4 and all('"active_r1"' in row for row in rows)
+    assert main(["generate", str(run), "--prompt", "the ", "--max-new-tokens", "4", "--steps", "2"]) == 0
+    assert main(["generate", str(run), "--prompt", "the ", "--steps", "9"]) == 2
+    assert "steps must be in [1, 3]" in capsys.readouterr().err
