@@ -16,6 +16,9 @@ Runs (each seed):
 - rgpt-flops    isoFLOPs: the same effective depth as gpt
 - rfbt-flops    rgpt-flops' shape with fbt's feedback and pass recipe (latentloop's fifth arch): about
                 fbt's FLOPs per token (2.2x gpt's); gpt-2x is its matched-compute baseline
+- rgpt-flops-heavy, rgpt-params-heavy   rgpt's shapes with Huginn's heavy-tailed depth sampling
+- mor-flops, mor-token-flops, mor-params   Mixture-of-Recursions on rgpt's shapes (expert choice, or
+                token choice), N_r = rgpt's R: the RecurrentGPT paper's baselines
 
 Every run is evaluated on the same validation windows, spaced evenly over the whole validation
 split (`--eval-batches` batches of them; 0: every window): loss/BPB (fbt and rfbt under standard, soft and
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -40,7 +44,7 @@ sys.path.insert(0, str(REPO))
 from latentloop.archs import get_arch  # noqa: E402
 from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config  # noqa: E402
 from latentloop.eval.loss import passes_curve, score_run, text_batches  # noqa: E402
-from latentloop.eval.stats import format_comparison, seed_rows  # noqa: E402
+from latentloop.eval.stats import format_comparison, mean_sd, seed_rows, t_interval  # noqa: E402
 from latentloop.models.rgpt import rgpt_shape_from_dense  # noqa: E402
 from latentloop.train import fit, setup  # noqa: E402
 
@@ -61,7 +65,26 @@ def variants(preset: str, seq_len: int, steps: int) -> dict[str, tuple[dict, int
                        steps),
         "rgpt-flops": (dict(arch="rgpt", **base, **rgpt_shape_from_dense(layers, "flops", 2)), steps),
         "rfbt-flops": (dict(arch="rfbt", **base, **rgpt_shape_from_dense(layers, "flops", 2)), steps),
+        # the RecurrentGPT paper's baselines for spending recurrent depth (issue 27), on rgpt's two shapes
+        "rgpt-flops-heavy": (dict(arch="rgpt", depth_sampling="heavy_tail", depth_mean=_matched_heavy_tail_mean(2),
+                                  **base, **rgpt_shape_from_dense(layers, "flops", 2)), steps),
+        "mor-flops": (dict(arch="mor", **base, **_mor_shape(layers, "flops", 2)), steps),
+        "mor-token-flops": (dict(arch="mor", routing="token", **base, **_mor_shape(layers, "flops", 2)), steps),
+        "rgpt-params-heavy": (dict(arch="rgpt", depth_sampling="heavy_tail", depth_mean=_matched_heavy_tail_mean(4),
+                                   **base, **rgpt_shape_from_dense(layers, "params", 4)), steps),
+        "mor-params": (dict(arch="mor", **base, **_mor_shape(layers, "params", 4)), steps),
     }
+
+
+def _mor_shape(layers: int, iso: str, recursions: int) -> dict:
+    """MoR on rgpt's middle-cycle shape (prelude / shared core / coda) with N_r = `recursions`."""
+    return model_config("mor", None, n_layer=layers, recursions=recursions).iso_fields(iso)
+
+
+def _matched_heavy_tail_mean(recursions: int) -> float:
+    """Huginn's r̄ (E[depth - 1]) that gives uniform{1..R}'s mean depth (R + 1) / 2, at least 1 (the
+    setting's lower bound): the two samplings then train at about the same FLOPs."""
+    return max(1.0, (recursions + 1) / 2 - 1)
 
 
 def evaluations(arch: str, config) -> dict[str, dict]:
@@ -71,6 +94,8 @@ def evaluations(arch: str, config) -> dict[str, dict]:
         return {"sequential": {"prefill": "sequential"}, "interleaved": {"prefill": "interleaved"}}
     if arch == "rgpt":
         return {f"r={r}": {"steps": r} for r in range(1, config.recurrence_steps + 1)}
+    if arch == "mor":  # at most r recursions: its early-exit curve
+        return {f"r<={r}": {"steps": r} for r in range(1, config.recursions + 1)}
     return {"plain": {}}
 
 
@@ -134,6 +159,74 @@ def paired_tables(by_name: dict[str, list[dict]]) -> list[str]:
     return lines
 
 
+PAPER_HALF_DEPTH_SHARE = 0.92  # RecurrentGPT: ~92% of the accuracy kept with half the recurrence steps
+DEPTH_LABEL = re.compile(r"^r(?:<=|=)(\d+)$")  # scorings at a depth: rgpt's "r=2", MoR's "r<=2"
+
+
+def early_exit_curves(by_name: dict[str, list[dict]]) -> dict[str, list[dict]]:
+    """Per run scored at several depths: for each depth r of R, the share of the full-depth quality
+    kept, BPB(R) / BPB(r) per seed (1 = nothing lost), with its mean and 95% t-interval."""
+    curves = {}
+    for name, runs in by_name.items():
+        depths = sorted((int(m.group(1)), label) for label in runs[0]["scores"] if (m := DEPTH_LABEL.match(label)))
+        if len(depths) < 2:
+            continue
+        full = depths[-1]
+        points = []
+        for r, label in depths:
+            kept = [run["scores"][full[1]]["bpb"] / run["scores"][label]["bpb"] for run in runs]
+            mean, _ = mean_sd(kept)
+            points.append({"r": r, "fraction": r / full[0], "kept": kept, "mean": mean, "interval": t_interval(kept)})
+        curves[name] = points
+    return curves
+
+
+def early_exit_lines(curves: dict[str, list[dict]]) -> list[str]:
+    if not curves:
+        return []
+    lines = ["", "Early exit: quality kept at a fraction of the depth, BPB(R) / BPB(r) per seed, mean [95% t-interval] "
+             f"(the paper: ~{PAPER_HALF_DEPTH_SHARE:.0%} of its accuracy at half depth):", "",
+             "| run | r / R | kept |", "|---|---:|---:|"]
+    for name, points in curves.items():
+        for p in points:
+            interval = f" [{p['interval'][0]:.4f}, {p['interval'][1]:.4f}]" if p["interval"] else ""
+            lines.append(f"| {name} | {p['r']} / {points[-1]['r']} | {p['mean']:.4f}{interval} |")
+    return lines
+
+
+def plot_early_exit(curves: dict[str, list[dict]], out: Path) -> str | None:
+    """early_exit.png: each run's kept quality against the fraction of depth run, a band of its
+    t-interval, and the paper's half-depth figure as a line; None without matplotlib or curves."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    if not curves:
+        return None
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for i, (name, points) in enumerate(curves.items()):
+        xs = [p["fraction"] for p in points]
+        ax.plot(xs, [p["mean"] for p in points], marker="o", color=f"C{i % 10}", label=name)
+        if all(p["interval"] for p in points):
+            ax.fill_between(xs, [p["interval"][0] for p in points], [p["interval"][1] for p in points],
+                            color=f"C{i % 10}", alpha=0.2)
+    ax.axhline(PAPER_HALF_DEPTH_SHARE, color="grey", linestyle="--", linewidth=1)
+    ax.annotate("the paper: ~92% of accuracy at half depth", (0.5, PAPER_HALF_DEPTH_SHARE), fontsize=8,
+                color="grey", xytext=(0.52, PAPER_HALF_DEPTH_SHARE + 0.005))
+    ax.set_xlabel("fraction of the trained depth run (r / R)")
+    ax.set_ylabel("quality kept: BPB(R) / BPB(r)")
+    ax.set_title("early exit at a fixed depth (3 seeds, 95% t-interval)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "early_exit.png", dpi=120)
+    plt.close(fig)
+    return "early_exit.png"
+
+
 def _interval(score: dict) -> str:
     """The bootstrap interval over documents of one run's BPB (the first seed's), when it has one."""
     low_high = score.get("bpb_ci")
@@ -156,6 +249,7 @@ def summarise(results: list[dict]) -> str:
                          f"{statistics.mean(bpbs):.4f} ± {_sd(bpbs):.4f} | {len(runs)} |"
                          f"{_interval(runs[0]['scores'][label])} |")
     lines += paired_tables(by_name)
+    lines += early_exit_lines(early_exit_curves(by_name))
     curves = [r for r in results if "passes_curve" in r]
     if curves:
         labels = list(curves[0]["passes_curve"])
@@ -215,6 +309,12 @@ def main() -> None:
             print(f"{name} seed {seed}: " + ", ".join(f"{k} {v['bpb']:.4f}" for k, v in result["scores"].items()),
                   flush=True)
     table = summarise(results)
+    by_name: dict[str, list[dict]] = {}
+    for r in results:
+        by_name.setdefault(r["name"], []).append(r)
+    plot = plot_early_exit(early_exit_curves(by_name), out)
+    if plot:
+        table += f"\n\n![early exit]({plot})"
     (out / "results.md").write_text(f"# CPU comparison on {args.data} ({args.preset}, T={args.seq_len})\n\n{table}\n")
     print(table)
 
