@@ -8,7 +8,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= dev,plot,hf,lm-eval,serve
+EXTRAS ?= dev,plot,hf,lm-eval,serve,tensorboard,wandb
 PYTEST_ARGS ?= -m "not slow"
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell echo '$(EXTRAS)' | tr ',' '-')

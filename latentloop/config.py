@@ -243,6 +243,7 @@ SEED_LIMIT = 2**63
 # nanochat and torchtitan do: ddp when torchrun started more than one process, else none; training
 # resolves it when it starts (runtime.resolve_strategy) and records the strategy it ran.
 STRATEGIES = ("auto", "none", "ddp", "fsdp2")
+TRACKERS = ("tensorboard", "wandb")  # where training metrics go besides metrics.jsonl (latentloop.train.trackers)
 
 
 @dataclass
@@ -274,8 +275,12 @@ class TrainConfig:
     activation_checkpointing: bool = False  # recompute each block's activations in the backward (less memory)
     keep_freed_memory: bool = True  # on CPU with glibc: freed tensors' memory stays in the process (runtime.py)
     full_weights: bool = True  # fsdp2: every checkpoint also gets model.safetensors, gathered on rank 0's CPU
+    trackers: tuple[str, ...] = ()  # besides metrics.jsonl, any of TRACKERS (`train --log tensorboard,wandb`)
 
     def __post_init__(self) -> None:
+        self.trackers = tuple(dict.fromkeys(self.trackers))
+        require(all(name in TRACKERS for name in self.trackers),
+                f"trackers must be among {', '.join(TRACKERS)}, got {', '.join(self.trackers)}")
         require(self.stage in STAGES, f"stage must be one of {', '.join(STAGES)}, got {self.stage!r}")
         self.betas = tuple(float(b) for b in self.betas)
         require_finite(self)
@@ -387,9 +392,12 @@ def _coerce(value: Any, type_name: Any, name: str) -> Any:
             return number
         if t.startswith("tuple"):
             if isinstance(value, str):
-                value = [v for v in value.strip("[]() ").split(",") if v.strip()]
+                value = [v.strip() for v in value.strip("[]() ").split(",") if v.strip()]
             if isinstance(value, (int, float)):
                 value = [value]
+            if t.startswith("tuple[str"):  # names (train.trackers)
+                require(all(isinstance(v, str) for v in value), f"{name} must be names, got {value!r}")
+                return tuple(value)
             cast = int if "int" in t else float
             items = tuple(cast(v) for v in value)
             require(all(math.isfinite(v) for v in items), f"{name} must hold finite numbers, got {value!r}")

@@ -28,6 +28,16 @@ def _int_at_least(minimum: int, description: str):
     return parse
 
 
+def _tracker_list(text: str) -> tuple[str, ...]:
+    from ..config import TRACKERS
+
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [name for name in names if name not in TRACKERS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"expected some of {', '.join(TRACKERS)}, comma-separated, got {text!r}")
+    return names
+
+
 _positive_int = _int_at_least(1, "a positive integer")
 _non_negative_int = _int_at_least(0, "an integer >= 0")
 
@@ -138,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "effective depth) or equal parameters (same distinct blocks); prints both models' sizes")
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config field, e.g. --set n_layer=4 or --set train.lr=1e-3 (repeatable)")
+    t.add_argument("--log", type=_tracker_list, default=None, metavar="TRACKER[,TRACKER]",
+                   help="also log the metrics to tensorboard (RUN/tensorboard) and/or wandb (RUN/wandb, offline "
+                        "unless WANDB_MODE or WANDB_API_KEY is set); metrics.jsonl is always written")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.add_argument("--json", action="store_true", help="print the final summary as JSON")
 

@@ -23,7 +23,7 @@ def _run_config_from_args(args):
             raise LatentloopError(f"--stage {args.stage} keeps the base run's arch, shape and tokenizer: drop "
                                   f"--arch/--preset/--tokenizer")
         flags = {"train.steps": args.steps, "train.batch_size": args.batch_size, "train.lr": args.lr,
-                 "train.seed": args.seed, "train.device": args.device}
+                 "train.seed": args.seed, "train.device": args.device, "train.trackers": args.log}
         return stage_config(args.stage, args.init_from, args.overrides, data=args.data, flags=flags)
     if args.config:
         raw = load_yaml(args.config)
@@ -40,7 +40,8 @@ def _run_config_from_args(args):
         k: v for k, v in raw.items() if k not in ("model", "train", "data")}
     flags = {"model.arch": args.arch, "model.preset": args.preset, "data.source": args.data,
              "data.tokenizer": args.tokenizer, "train.steps": args.steps, "train.batch_size": args.batch_size,
-             "train.lr": args.lr, "train.seed": args.seed, "train.device": args.device, "train.stage": args.stage}
+             "train.lr": args.lr, "train.seed": args.seed, "train.device": args.device, "train.stage": args.stage,
+             "train.trackers": args.log}
     for key, value in flags.items():
         if value is not None:
             section, name = key.split(".")

@@ -26,6 +26,7 @@ from ..parallel import any_rank, grad_norm, gradient_sync, mean_across_ranks
 from ..runtime import autocast_for, resolve_dtype
 from .resume import save
 from .state import FlopsMemo, TrainState
+from .trackers import open_trackers
 
 
 def validate(state: TrainState, max_batches: int | None = None) -> dict[str, float]:
@@ -43,8 +44,8 @@ def validate(state: TrainState, max_batches: int | None = None) -> dict[str, flo
 
 
 def _log(state: TrainState, row: dict[str, Any]) -> None:
-    """Append a row to metrics.jsonl as strict JSON: a NaN or infinity is written as null. Only
-    rank 0 writes (every process keeps the rows in `state.history`)."""
+    """Append a row to metrics.jsonl as strict JSON: a NaN or infinity is written as null; and to
+    the run's trackers. Only rank 0 writes (every process keeps the rows in `state.history`)."""
     state.history.append(row)
     if not state.dist.is_main:
         return
@@ -53,6 +54,8 @@ def _log(state: TrainState, row: dict[str, Any]) -> None:
             f.write(json.dumps(json_safe(row), allow_nan=False) + "\n")
     except OSError as exc:
         raise OutputError(f"cannot write {state.run_dir / 'metrics.jsonl'}: {exc.strerror or exc}") from None
+    for tracker in state.trackers:
+        tracker.log(row)
 
 
 NO_STEP = -1  # the guard's "no non-finite step seen yet"
@@ -141,12 +144,17 @@ def fit(state: TrainState, progress: bool = True, max_seconds: float | None = No
             state.lock = RunLock(state.run_dir)
         state.lock.acquire()  # a no-op when setup's lock is still held
     try:
+        if state.dist.is_main and state.config.train.trackers:
+            state.trackers = open_trackers(state.config.train.trackers, state.run_dir, state.config)
         return _fit(state, progress and state.dist.is_main, max_seconds)
     except NonFiniteError as exc:
         if state.dist.world_size > 1:
             exc.shared = True  # every process stops at the same step with the same line: rank 0 prints it
         raise
     finally:
+        for tracker in state.trackers:
+            tracker.close()
+        state.trackers = []
         if state.lock is not None:
             state.lock.release()
 

@@ -31,6 +31,7 @@ from ..runtime import (
 from .resume import resume_run
 from .stages import check_stage
 from .state import SET_ON_SETUP, FlopsMemo, TrainState, note, rank_seed, warn
+from .trackers import check_trackers
 
 
 def _check_output_path(run_dir: Path) -> None:
@@ -82,6 +83,7 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
     if device.type == "cpu" and config.train.keep_freed_memory:
         keep_freed_memory()
     together(_check_output_path, run_dir)
+    together(check_trackers, config.train.trackers)  # a missing tracker package, before anything is written
     together(check_stage, config, resume, init_from)
     together(check_run_folder, run_dir, config, resume)
     if resume and list_checkpoints(run_dir):

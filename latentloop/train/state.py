@@ -48,6 +48,7 @@ class TrainState:
     init_report: dict[str, Any] | None = None  # what --init-from loaded (see latentloop.interop.upcycle)
     dist: DistEnv = field(default_factory=DistEnv)  # this process's rank in the job (a single process by default)
     flops: FlopsMemo | None = None  # the objective's FLOPs per token, counted once per kind of forward
+    trackers: list = field(default_factory=list)  # rank 0, while fit runs: TensorBoard / W&B (train.trackers)
 
     @property
     def global_batch(self) -> int:
