@@ -4,6 +4,7 @@ sft and extend stages end to end, and exactness at an extended context."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -150,6 +151,26 @@ def test_extend_stage_scales_rope_theta_and_stays_exact(tmp_path, capsys):
     torch.testing.assert_close(teacher_forced_logits(model, idx, prompt_len=40), model(idx).logits, rtol=0, atol=1e-5)
     assert main(["train", "--stage", "extend", "--init-from", str(base), "--set", "sequence_len=32",
                  "--out", str(tmp_path / "short"), "--no-progress"]) == 2
+    # eval --by-position draws the extended run beside the run it started from (recorded in its checkpoint):
+    # the same position ranges, the base's up to its own context, each equal to loss_by_position alone
+    capsys.readouterr()
+    assert main(["eval", str(out), "--by-position", "4", "--batches", "2", "--batch-size", "2", "--json",
+                 "--data", "task:addition:n=500"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["base"]["run"] == str(base.resolve()) and shown["base"]["sequence_len"] == 64
+    assert [(b["start"], b["end"]) for b in shown["by_position"]] == [(0, 32), (32, 64), (64, 96), (96, 128)]
+    assert [(b["start"], b["end"]) for b in shown["base"]["by_position"]] == [(0, 32), (32, 64)]
+    from latentloop.eval.loss import loss_by_position
+    from latentloop.runtime import eval_data
+
+    base_model, tokenizer, base_config, _ = load_run(base)
+    tokens = eval_data(base_config, tokenizer, "task:addition:n=500").val
+    alone = loss_by_position(base_model, tokens, 2, 64, 2, max_batches=2)
+    assert [b["loss"] for b in shown["base"]["by_position"]] == pytest.approx([b["loss"] for b in alone], rel=1e-6)
+    plot = Path(shown["plot"])
+    assert plot == out / "evals" / "loss_by_position.png" and plot.stat().st_size > 1000
+    assert main(["eval", str(out), "--by-position", "4", "--batches", "1", "--data", "task:addition:n=500",
+                 "--against", str(tmp_path / "nowhere")]) == 2
 
 
 def test_conversations_longer_than_the_row_name_a_sequence_len_that_fits(tmp_path, capsys):

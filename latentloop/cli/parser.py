@@ -173,7 +173,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "generation tasks, comma-separated; results go to RUN/evals/")
     e.add_argument("--by-position", type=_positive_int, default=None, metavar="BUCKETS",
                    help="the loss per position: mean loss of the targets in each of BUCKETS equal ranges of the "
-                        "context (does a model extended to a longer context use it?)")
+                        "context (does a model extended to a longer context use it?), beside the base run's "
+                        "(--against, default the run it started from) and drawn in RUN/evals/loss_by_position.png")
+    e.add_argument("--against", default=None, metavar="RUN",
+                   help="with --by-position: the run to draw beside it (default: the run this one was started "
+                        "from with --init-from, when it is on this machine)")
     e.add_argument("--limit", type=_positive_int, default=None, help="with --tasks: at most N examples per task")
     e.add_argument("--eval-dir", default=None, metavar="PATH",
                    help="with --tasks: folder of the task jsonl files (default: $LATENTLOOP_EVAL_DIR, else the "

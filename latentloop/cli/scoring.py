@@ -134,16 +134,93 @@ def _eval_by_position(args, model, tokens, config, checkpoint, options) -> int:
 
     model_options(model, options)  # a bad option fails before any batch
     logits_fn = decoding_logits(options) if options else plain_logits
-    buckets = loss_by_position(model, tokens, args.batch_size or 16, config.model.sequence_len, args.by_position,
+    batch_size = args.batch_size or 16
+    base = _position_base(args, checkpoint, model)  # (path, model, context) or None, checked before any batch
+    buckets = loss_by_position(model, tokens, batch_size, config.model.sequence_len, args.by_position,
                                args.batches or None, logits_fn)
+    result = {"run": str(args.run), "checkpoint": str(checkpoint), "split": args.split,
+              "sequence_len": config.model.sequence_len, "by_position": buckets}
+    if base is not None:
+        path, base_model, context = base
+        edges = [b["start"] for b in buckets] + [buckets[-1]["end"]]  # the same position ranges, up to its context
+        result["base"] = {"run": str(path), "sequence_len": context, "by_position": loss_by_position(
+            base_model, tokens, batch_size, context, max_batches=args.batches or None, edges=edges)}
+    plot = _plot_by_position(result, args, checkpoint)
+    if plot is not None:
+        result["plot"] = str(plot)
     if args.json:
-        print(json.dumps({"run": str(args.run), "checkpoint": str(checkpoint), "split": args.split,
-                          "sequence_len": config.model.sequence_len, "by_position": buckets}, indent=2))
+        print(json.dumps(result, indent=2))
         return 0
-    print(f"loss by position ({args.split}, context {config.model.sequence_len}):")
+    base_rows = {b["start"]: b["loss"] for b in result.get("base", {}).get("by_position", [])}
+    base_name = f"  {'base':>8}" if base is not None else ""
+    print(f"loss by position ({args.split}, context {config.model.sequence_len}"
+          + (f"; base {result['base']['run']}, context {result['base']['sequence_len']}" if base else "") + "):")
+    print(f"  {'positions':<13} {'this run':>8}{base_name}")
     for bucket in buckets:
-        print(f"  {bucket['start']:>6}-{bucket['end'] - 1:<6} {bucket['loss']:.4f}")
+        beside = (f"  {base_rows[bucket['start']]:>8.4f}" if bucket["start"] in base_rows else f"  {'–':>8}") if base \
+            else ""
+        print(f"  {bucket['start']:>6}-{bucket['end'] - 1:<6} {bucket['loss']:>8.4f}{beside}")
+    if plot is not None:
+        print(f"plot: {plot}")
     return 0
+
+
+def _position_base(args, checkpoint, model):
+    """The base run to draw beside --by-position: --against, else the run this one started from
+    (recorded in its checkpoint) when it is on this machine; None when there is none. Its tokenizer
+    must read the tokens as this run's does."""
+    from ..runtime import load_run, resolve_device
+
+    path = args.against
+    if path is None:
+        try:
+            path = json.loads((checkpoint / "state.json").read_text()).get("init_from")
+        except (OSError, ValueError, AttributeError):
+            path = None
+        if not isinstance(path, str) or not Path(path).exists():
+            return None
+    base_model, base_tokenizer, base_config, _ = load_run(path, resolve_device(args.device))
+    if base_config.model.vocab_size > model.config.vocab_size:
+        raise LatentloopError(f"--against {path}: its vocabulary ({base_config.model.vocab_size} tokens) is not this "
+                              f"run's ({model.config.vocab_size})")
+    return path, base_model, base_config.model.sequence_len
+
+
+def _plot_by_position(result: dict, args, checkpoint) -> Path | None:
+    """RUN/evals/loss_by_position.png: the loss per position range of the run and of its base; None
+    without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    from ..eval.suite import EVALS_DIR, run_folder
+
+    folder = run_folder(args.run, checkpoint) / EVALS_DIR
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"cannot write into {folder}: {exc.strerror or exc}") from None
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for label, curve in (("this run", result), ("base", result.get("base"))):
+        if curve:
+            rows = curve["by_position"]
+            ax.plot([(b["start"] + b["end"] - 1) / 2 for b in rows], [b["loss"] for b in rows], marker="o",
+                    label=f"{label} (context {curve['sequence_len']})")
+    if result.get("base"):
+        ax.axvline(result["base"]["sequence_len"], color="grey", linestyle="--", linewidth=1)
+    ax.set_xlabel("position in the context")
+    ax.set_ylabel("mean loss (nats / token)")
+    ax.set_title(f"loss by position ({result['split']})")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = folder / "loss_by_position.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def cmd_compare(args) -> int:

@@ -120,14 +120,25 @@ def document_intervals(per_document: dict[str, np.ndarray], resamples: int = BOO
 
 
 @torch.no_grad()
-def loss_by_position(model: nn.Module, tokens: np.ndarray, batch_size: int, seq_len: int, buckets: int = 8,
-                     max_batches: int | None = None, logits_fn: LogitsFn = plain_logits) -> list[dict]:
-    """Mean loss of the targets at each position bucket of the context: `buckets` equal ranges of
-    [0, seq_len). Whether a model uses a long context shows as loss that keeps falling with the
-    position (more context, better predictions) instead of flattening or rising past the length
-    it was trained at. Returns [{"start", "end", "loss", "tokens"}] per bucket."""
+def position_edges(seq_len: int, buckets: int) -> list[int]:
+    """`buckets` equal ranges of [0, seq_len) as their edges."""
     buckets = max(1, min(buckets, seq_len))
-    edges = [round(i * seq_len / buckets) for i in range(buckets + 1)]
+    return [round(i * seq_len / buckets) for i in range(buckets + 1)]
+
+
+@torch.no_grad()
+def loss_by_position(model: nn.Module, tokens: np.ndarray, batch_size: int, seq_len: int, buckets: int = 8,
+                     max_batches: int | None = None, logits_fn: LogitsFn = plain_logits,
+                     edges: list[int] | None = None) -> list[dict]:
+    """Mean loss of the targets at each position bucket of the context: `buckets` equal ranges of
+    [0, seq_len), or the ranges between `edges` (those within seq_len: another model's buckets,
+    to compare the two). Whether a model uses a long context shows as loss that keeps falling with
+    the position (more context, better predictions) instead of flattening or rising past the length
+    it was trained at. Returns [{"start", "end", "loss", "tokens"}] per bucket."""
+    if edges is None:
+        edges = position_edges(seq_len, buckets)
+    else:
+        edges = [e for e in edges if e < seq_len] + [seq_len]
     sums = torch.zeros(seq_len, dtype=torch.float64)
     count = 0
     was_training = model.training

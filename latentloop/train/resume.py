@@ -148,6 +148,7 @@ def _restore_counters(state: TrainState, checkpoint: Path, meta: dict, trainer: 
         state.loader.load_state_dict(meta["loader"])
         state.step, state.tokens_seen = int(meta["step"]), int(meta["tokens_seen"])
         state.flops_seen, state.elapsed = meta.get("flops_seen", 0.0), meta.get("elapsed", 0.0)
+        state.init_from = meta.get("init_from") if isinstance(meta.get("init_from"), str) else None
     except (KeyError, TypeError, ValueError, RuntimeError) as exc:
         raise CheckpointError(f"cannot resume from {checkpoint}: {first_line(exc)}") from None
     return saved_world
@@ -225,6 +226,7 @@ def save(state: TrainState) -> Path:
     meta = {"step": state.step, "tokens_seen": state.tokens_seen, "flops_seen": state.flops_seen,
             "elapsed": state.elapsed, "loader": state.loader.state_dict(), "data": _data_checksums(state.data),
             "data_source": absolute_source(state.config.data.source),  # eval finds the file from any folder
+            "init_from": state.init_from,  # the base run (eval --by-position draws its curve beside this one)
             "world_size": env.world_size, "strategy": train.strategy, "global_batch": state.global_batch}
     if train.strategy == "fsdp2":
         return _save_sharded(state, rng, rng_ranks, meta)

@@ -123,7 +123,8 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
     forward_model = wrap_model(model, config.train, device)
     optimizers = build_optimizers(model, config.train)  # after fsdp2 sharded the parameters
     state = TrainState(config, run_dir, model, tokenizer, data, loader, objective, optimizers, device,
-                       init_report=init_report, dist=env, flops=flops)
+                       init_report=init_report, dist=env, flops=flops,
+                       init_from=None if init_from is None else str(Path(init_from).resolve()))
     state.forward_model = forward_model
 
     on_main(_claim_run_folder, state, resume)

@@ -46,6 +46,7 @@ class TrainState:
     lock: RunLock | None = None  # held (by rank 0) from setup to the end of fit: one writer per run folder
     guard: FiniteGuard | None = None  # fit's divergence check, consulted again before every save
     init_report: dict[str, Any] | None = None  # what --init-from loaded (see latentloop.interop.upcycle)
+    init_from: str | None = None  # the run it started from (absolute), kept in every checkpoint's state.json
     dist: DistEnv = field(default_factory=DistEnv)  # this process's rank in the job (a single process by default)
     flops: FlopsMemo | None = None  # the objective's FLOPs per token, counted once per kind of forward
     trackers: list = field(default_factory=list)  # rank 0, while fit runs: TensorBoard / W&B (train.trackers)
