@@ -30,6 +30,7 @@ from .eval.loss import PASSES_CURVE
 from .models.criteria import KLDivergence, RelativeChange
 from .objectives import token_cross_entropy
 from .runtime import load_run, output_folder, prepare_data
+from .util import progress
 
 PROBE_CLASSES = 5  # nesting depth 0..3, and 4 for "4 or deeper"
 PROBE_TRAIN_FRACTION = 0.7
@@ -88,11 +89,12 @@ def _save(checkpoint: Path, out: Path | None, name: str, result: dict[str, Any],
 
 @torch.no_grad()
 def contraction(run: str | Path, passes: int = 1000, batches: int = 1, batch_size: int = 4,
-                out: Path | None = None) -> dict[str, Any]:
+                out: Path | None = None, show_progress: bool = False) -> dict[str, Any]:
     model, _, config, checkpoint, x, y = _val_batch(run, batches, batch_size)
     _require_analysis(config, "contraction")
     changes, losses, h = [], [], None
-    for _, (h_next, _) in zip(range(passes), model.pass_states(x, model.context(x, None, None))):
+    states = zip(range(passes), model.pass_states(x, model.context(x, None, None)))
+    for _, (h_next, _) in progress(states, total=passes, desc="passes", enabled=show_progress):
         changes.append(float("nan") if h is None else float(RelativeChange(0.0).value(h_next, h).mean()))
         losses.append(float(token_cross_entropy(model.readout(h_next), y)))
         h = h_next
@@ -223,7 +225,7 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float:
 @torch.no_grad()
 def depth(run: str | Path, max_steps: int | None = None, batches: int = 2, batch_size: int = 8,
           exit_threshold: float = 0.01, min_steps: int = 1, task_limit: int = 50,
-          out: Path | None = None) -> dict[str, Any]:
+          out: Path | None = None, show_progress: bool = False) -> dict[str, Any]:
     """Also the task accuracy per depth when the run was trained on a built-in task (`task:NAME`),
     on `task_limit` examples of its (harder) test split."""
     model, tokenizer, config, checkpoint, x, y = _val_batch(run, batches, batch_size)
@@ -255,7 +257,8 @@ def depth(run: str | Path, max_steps: int | None = None, batches: int = 2, batch
         result["task"] = task
         result["task_accuracy"] = [run_generation_tasks(model, tokenizer, [task], options={"steps": r},
                                                         limit=task_limit, progress=False)[task]["accuracy"]
-                                   for r in result["steps"]]
+                                   for r in progress(result["steps"], desc="task accuracy per depth",
+                                                     enabled=show_progress)]
 
     def plot(plt, r):
         fig, (a, b, c) = plt.subplots(1, 3, figsize=(13, 4))

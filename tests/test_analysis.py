@@ -24,6 +24,11 @@ def test_contraction_and_probe(tiny_run_copy, capsys):
     # the Jacobi iteration is exact after sequence_len passes: from then on nothing moves
     assert max(result["relative_change"][TINY_RUN_CONTEXT + 1:]) < 1e-6 < max(result["relative_change"][1:8])
     assert (run / "analysis" / "contraction.json").is_file()
+    assert main(["analyze", "contraction", str(run), "--passes", "3"]) == 0  # without --json: a progress bar
+    shown = capsys.readouterr()
+    assert "passes" in shown.err and "final relative change" in shown.out
+    assert main(["analyze", "contraction", str(run), "--passes", "3", "--no-progress"]) == 0
+    assert "passes:" not in capsys.readouterr().err
     assert main(["analyze", "probe", str(run), "--passes", "3", "--batches", "2", "--json"]) == 0
     probes = json.loads(capsys.readouterr().out)["probes"]
     assert set(probes) == {"standard/block0_in", "standard/block0_out", "recurrent/block0_in",

@@ -238,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--batches", type=_positive_int, default=None, help="validation batches to use")
         sp.add_argument("--out", default=None, help="output folder (default: RUN/analysis)")
         sp.add_argument("--json", action="store_true", help="print the result as JSON")
+        sp.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     i = sub.add_parser("import-hf", help="import a Hugging Face Llama-family checkpoint (llama, mistral, qwen2) "
                                          "as a gpt run")

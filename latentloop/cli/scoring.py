@@ -247,10 +247,11 @@ def cmd_analyze(args) -> int:
     if args.out:  # before the analysis runs, not after
         output_folder(args.out, "--out")
     common = dict(out=Path(args.out) if args.out else None)
+    show = not (args.no_progress or args.json)  # the long ones: 1000 passes, or task accuracy at every depth
     if args.batches:
         common["batches"] = args.batches
     if args.analysis == "contraction":
-        result = analysis.contraction(args.run, passes=args.passes, **common)
+        result = analysis.contraction(args.run, passes=args.passes, show_progress=show, **common)
         summary = (f"passes {result['passes']}: final relative change {result['final_relative_change']:.2e}, "
                    f"loss pass 1 {result['loss_pass1']:.4f}, best {result['loss_best']:.4f}, "
                    f"final {result['loss_final']:.4f}")
@@ -262,7 +263,7 @@ def cmd_analyze(args) -> int:
         if args.exit_threshold < 0:
             raise LatentloopError(f"--exit-threshold must be >= 0, got {args.exit_threshold}")
         result = analysis.depth(args.run, max_steps=args.max_steps, exit_threshold=args.exit_threshold,
-                                min_steps=args.min_steps, task_limit=args.task_limit, **common)
+                                min_steps=args.min_steps, task_limit=args.task_limit, show_progress=show, **common)
         summary = ", ".join(f"r={r}: {loss:.4f}" for r, loss in zip(result["steps"], result["loss"]))
         summary += (f"; mean exit depth {result['mean_exit_depth']:.2f}, Spearman(exit depth, loss) "
                     f"{result['spearman_exit_depth_vs_token_loss']:.3f}")
