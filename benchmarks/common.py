@@ -39,6 +39,13 @@ BYTE_VOCAB = ByteTokenizer.vocab_size  # 259: bytes + BOS/EOS/PAD; prompts use b
 MiB = 2 ** 20
 
 
+def add_decode_shape_arguments(parser: argparse.ArgumentParser, shapes: Sequence[str], default: str) -> None:
+    """The model shape and the prompt / generation lengths of a batch-1 decode benchmark."""
+    parser.add_argument("--shape", choices=list(shapes), default=default)
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=200)
+
+
 def require_at_least_one(parser: argparse.ArgumentParser, args: argparse.Namespace, names: Sequence[str]) -> None:
     """parser.error for the first of the named integer arguments that is below 1."""
     for name in names:

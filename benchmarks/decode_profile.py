@@ -22,7 +22,14 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import benchmark_main, render_table, require_at_least_one, spread, start_run
+from benchmarks.common import (
+    add_decode_shape_arguments,
+    benchmark_main,
+    render_table,
+    require_at_least_one,
+    spread,
+    start_run,
+)
 
 SHAPES = {"small": dict(n_layer=4, n_embd=256, n_head=4, vocab_size=256, bos_id=1),
           "large": dict(n_layer=12, n_embd=768, n_head=12, vocab_size=32000, bos_id=1)}
@@ -120,9 +127,7 @@ def markdown_table(results: dict[str, Any]) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--shape", choices=list(SHAPES), default="small")
-    p.add_argument("--prompt-len", type=int, default=16)
-    p.add_argument("--new-tokens", type=int, default=200)
+    add_decode_shape_arguments(p, SHAPES, "small")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     p.add_argument("--repeats", type=int, default=5, help="interleaved rounds (median and range reported)")
     p.add_argument("--top", type=int, default=12, help="ops / kernels listed")

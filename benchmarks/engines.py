@@ -32,7 +32,14 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import benchmark_main, render_table, require_at_least_one, spread, start_run
+from benchmarks.common import (
+    add_decode_shape_arguments,
+    benchmark_main,
+    render_table,
+    require_at_least_one,
+    spread,
+    start_run,
+)
 
 SHAPES = {  # the two shapes (with the byte vocabulary, see the docstring)
     "small": dict(n_layer=4, n_embd=256, n_head=4),
@@ -214,9 +221,7 @@ def markdown_table(results: dict[str, Any]) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--shape", choices=list(SHAPES), default="small")
-    p.add_argument("--prompt-len", type=int, default=16)
-    p.add_argument("--new-tokens", type=int, default=200)
+    add_decode_shape_arguments(p, SHAPES, "small")
     p.add_argument("--threads", default="1", help="comma-separated thread counts, each measured in turn")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds (median and range reported)")
     p.add_argument("--engines", default="all", help=f"comma-separated, from: {', '.join(ENGINES)}")

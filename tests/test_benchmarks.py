@@ -191,3 +191,20 @@ def test_engines_benchmark_refuses_an_unknown_engine(capsys):
     with pytest.raises(SystemExit) as exc:
         engines.parse_args(["--engines", "vllm"])
     assert exc.value.code == 2 and "unknown engine 'vllm'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_decode_profile_times_every_variant_and_lists_kernels(tmp_path, capsys):
+    """`python -m benchmarks.decode_profile` at a tiny length: each A/B variant timed in every round,
+    and the compiled step's kernels and the eager step's ops listed (the top N by self time)."""
+    from benchmarks import decode_profile
+
+    out = tmp_path / "profile.json"
+    assert decode_profile.main(["--prompt-len", "4", "--new-tokens", "6", "--repeats", "2", "--top", "3",
+                                "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["ms_per_step"]) == {"compiled (window, guards skipped)", "compiled, attention over the whole "
+                                          "buffer", "compiled, guards checked every step", "eager (static cache)"}
+    assert all(len(v) == 2 and min(v) > 0 for v in result["ms_per_step"].values())
+    assert len(result["compiled_ops"]) == 3 and len(result["eager_ops"]) == 3
+    assert "over the default compiled step" in capsys.readouterr().out

@@ -63,7 +63,7 @@ from .backbone import GPT, ForwardContext, ModelOutput, norm
 from .cache import AttentionPlan, KVCache, attention_mask
 from .flops import count_flops_per_token
 from .options import DecodeOption
-from .rgpt import rgpt_shape_from_dense
+from .rgpt import RGPT, rgpt_shape_from_dense
 
 # -- config ----------------------------------------------------------------------------------------
 
@@ -202,17 +202,8 @@ class MoR(GPT):
         nn.init.normal_(self.router.weight, std=config.n_embd ** -0.5)
         nn.init.zeros_(self.router.bias)
 
-    @property
-    def prelude(self) -> nn.ModuleList:
-        return self.blocks[:self.config.n_pre]
-
-    @property
-    def core(self) -> nn.ModuleList:
-        return self.blocks[self.config.n_pre:self.config.n_pre + self.config.n_rec]
-
-    @property
-    def coda(self) -> nn.ModuleList:
-        return self.blocks[self.config.n_pre + self.config.n_rec:]
+    # the middle-cycle split's three parts, as rgpt reads them from the same config fields
+    prelude, core, coda = RGPT.prelude, RGPT.core, RGPT.coda
 
     # -- routing ------------------------------------------------------------------------------
     def token_depths(self, h_pre: Tensor, steps: int) -> tuple[Tensor, Tensor, Tensor]:
