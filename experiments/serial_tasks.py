@@ -11,12 +11,19 @@ lengths 1..2x the training maximum:
 - add      multi-digit addition, 1-3 digits per operand; test 1-5
 
 Models: one shape for all (4 blocks x 64, 4 heads, T = 64), trained on the task's text
-(`--data task:...`) for `--steps` steps of 32 rows: gpt; fbt (default recipe) decoded standard and
-soft; rgpt isoparams 1 + 2x4 + 1 (R = 4) decoded at r = 4 and r = 8 (test-time depth above
-training); lrt (default: source block 3 of 4, interleaved S = 2 training) decoded with exact
-sequential memory. Greedy decoding, `--limit` test examples per task, uniform over lengths.
-Resumable: finished (task, arch, seed) are kept in results.json. Writes results.md and
-accuracy-by-length plots (serial_TASK.png) into --out.
+(`--data task:...`) for `--steps` steps of 32 rows: gpt; gpt-deep (8 blocks: about fbt's training
+FLOPs, the matched-compute baseline); fbt (default recipe) decoded standard and soft; rgpt isoparams
+1 + 2x4 + 1 (R = 4) decoded at every depth r = 1..8 (test-time depth up to twice the trained); lrt
+(default: source block 3 of 4, interleaved S = 2 training) decoded with exact sequential memory.
+Greedy decoding, `--limit` test examples per task, uniform over lengths.
+
+Every test item is held out from training by construction (the tasks split problems by a hash:
+a quarter of each in-range length is never trained on, and the lengths beyond the range never
+are), so in-range accuracy measures state tracking, not recall. The report gives, per length, the
+accuracy beside chance, copying the input and the majority training answer on the same items,
+and each model's held-out accuracy in and beyond the range minus gpt's, paired by seed with its
+95% t-interval. Resumable: finished (task, arch, seed) are kept in results.json. Writes results.md
+and accuracy-by-length plots (serial_TASK.png) into --out.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ sys.path.insert(0, str(REPO))
 
 from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config  # noqa: E402
 from latentloop.eval.generation import run_generation_tasks  # noqa: E402
+from latentloop.eval.stats import format_comparison, paired_comparison, verdict  # noqa: E402
 from latentloop.models.rgpt import rgpt_shape_from_dense  # noqa: E402
 from latentloop.train import fit, setup  # noqa: E402
 
@@ -45,11 +53,16 @@ SHAPE = dict(n_layer=4, n_embd=64, n_head=4, sequence_len=64)
 RECURRENCE = 4  # rgpt's trained depth R; it is also decoded at 2R
 ARCHS = {  # name -> (model fields, {label: decoding options})
     "gpt": ({"arch": "gpt"}, {"gpt": {}}),
+    # twice the blocks: about fbt's training FLOPs per token (its default recipe runs ~2.1 passes), the
+    # matched-compute baseline of a data-efficiency claim
+    "gpt-deep": ({"arch": "gpt", "n_layer": 2 * SHAPE["n_layer"]}, {"gpt-deep": {}}),
     "fbt": ({"arch": "fbt"}, {"fbt standard": {"regime": "standard"}, "fbt soft": {"regime": "soft"}}),
+    # test-time depth: decoded at every depth 1..2R (R trained, depth drawn from Uniform{1..R})
     "rgpt": ({"arch": "rgpt", **rgpt_shape_from_dense(SHAPE["n_layer"], "params", RECURRENCE)},
-             {f"rgpt r={RECURRENCE}": {"steps": RECURRENCE}, f"rgpt r={2 * RECURRENCE}": {"steps": 2 * RECURRENCE}}),
+             {f"rgpt r={r}": {"steps": r} for r in range(1, 2 * RECURRENCE + 1)}),
     "lrt": ({"arch": "lrt"}, {"lrt": {}}),
 }
+BASELINE = "gpt"  # each label's per-seed accuracy is paired against this one's
 
 
 def run_one(out: Path, task: str, arch: str, seed: int, steps: int, limit: int) -> dict:
@@ -71,7 +84,8 @@ def run_one(out: Path, task: str, arch: str, seed: int, steps: int, limit: int) 
         result = run_generation_tasks(model, state.tokenizer, [eval_name], None, options, limit=limit,
                                       progress=False)[eval_name]
         scores[label] = {"accuracy": result["accuracy"], "n": result["n"],
-                         "by_length": {str(k): v for k, v in result["accuracy_by_steps"].items()}}
+                         "by_length": {str(k): v for k, v in result["accuracy_by_steps"].items()},
+                         "per_length": result.get("by_length", {})}  # n, accuracy, its interval, baselines
     return {"task": task, "arch": arch, "seed": seed, "steps": steps, "params": model.num_params(),
             "train_flops": summary["flops"], "seconds": time.time() - started, "scores": scores}
 
@@ -111,8 +125,54 @@ def summarise(results: list[dict]) -> str:
                                       if int(k) > train_high) for r in with_label]
             lines.append(f"| {label} | {len(with_label)} | " + " | ".join(cells) +
                          f" | {_mean_sd(inside)} | {_mean_sd(beyond)} |")
-        lines.append("")
+        lines += baseline_lines(rows, lengths) + paired_lines(rows, train_high) + [""]
     return "\n".join(lines)
+
+
+def _range_accuracy(score: dict, train_high: int, inside: bool) -> float:
+    """Accuracy over the test items in (or beyond) the training range: items pooled over lengths."""
+    rows = [(v["n"], v["accuracy"]) for k, v in score["per_length"].items() if (int(k) <= train_high) == inside]
+    count = sum(n for n, _ in rows)
+    return sum(n * a for n, a in rows) / count if count else float("nan")
+
+
+def baseline_lines(rows: list[dict], lengths: list[int]) -> list[str]:
+    """What a model gets for nothing on the same test items, per length (the first run's items: every
+    seed draws the same held-out test problems)."""
+    first = next((score for r in rows for score in r["scores"].values() if score.get("per_length")), None)
+    if first is None:
+        return []
+    cell = (lambda v: "n/a" if v is None else f"{v:.2f}")  # noqa: E731
+    lines = ["", "| baseline | " + " | ".join(f"len {n}" for n in lengths) + " |", "|---|" + "---:|" * len(lengths)]
+    for kind in ("chance", "copy", "majority"):
+        lines.append(f"| {kind} | " + " | ".join(cell(first["per_length"].get(str(n), {}).get(kind)) for n in lengths)
+                     + " |")
+    lines.append("| test items (n) | " + " | ".join(str(first["per_length"].get(str(n), {}).get("n", ""))
+                                                      for n in lengths) + " |")
+    return lines
+
+
+def paired_lines(rows: list[dict], train_high: int) -> list[str]:
+    """Each label's held-out accuracy in and beyond the training range minus the baseline's, paired by
+    seed: mean [95% t-interval] and whether it excludes 0."""
+    labels = {label: None for r in rows for label in r["scores"]}
+    if BASELINE not in labels:
+        return []
+    lines = ["", f"Accuracy minus {BASELINE}'s, paired by seed, mean [95% t-interval]:", "",
+             "| model | in range (held-out items) | beyond the range |", "|---|---:|---:|"]
+    for label in labels:
+        if label == BASELINE:
+            continue
+        cells = []
+        for inside in (True, False):
+            values = {r["seed"]: _range_accuracy(r["scores"][label], train_high, inside) for r in rows
+                      if label in r["scores"] and r["scores"][label].get("per_length")}
+            base = {r["seed"]: _range_accuracy(r["scores"][BASELINE], train_high, inside) for r in rows
+                    if BASELINE in r["scores"] and r["scores"][BASELINE].get("per_length")}
+            comparison = paired_comparison(values, base, "difference")
+            cells.append(f"{format_comparison(comparison, 3)} ({verdict(comparison)})")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _train_max(data_spec: str) -> int:
