@@ -164,16 +164,16 @@ class RecursionContext(ForwardContext):
 
 
 class RecursionKVCache(KVCache):
-    """One slot per prelude layer, per (recursion, core layer) and per coda layer, then `ROUTE_SLOT`:
-    key element [0, t, r - 1] of that slot is 1 where token t took recursion r (kept in the key
-    tensor so that it moves with the token's keys)."""
+    """One slot per prelude layer, per (recursion, core layer) and per coda layer, then the route
+    slot (`route_slot`): its key element [head, t, column] with head * head_dim + column = r - 1 is
+    1 where token t took recursion r, else 0 (kept in the key tensor so that it moves with the
+    token's keys)."""
 
     def __init__(self, batch_size: int, max_len: int, config: MoRConfig, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32):
         c = config
         self.route_slot = c.n_pre + c.n_rec * c.recursions + c.n_coda
         super().__init__(batch_size, max_len, self.route_slot + 1, c.n_kv_head, c.head_dim, device=device, dtype=dtype)
-        self.flags_per_row = c.n_kv_head * c.head_dim
 
     def mark(self, recursion: int, took: Tensor) -> None:
         """The tokens this forward adds (B, T): which took `recursion`."""
@@ -184,7 +184,7 @@ class RecursionKVCache(KVCache):
     def key_positions(self, recursion: int, end: int) -> Tensor:
         """(B, end) positions of the stored tokens that took `recursion`, -1 elsewhere."""
         head, column = divmod(recursion - 1, self.k.shape[-1])
-        took = self.k[self.route_slot, :, head, :end, column] > 0.5
+        took = self.k[self.route_slot, :, head, :end, column] > 0.5  # the flags are exactly 0 or 1
         return torch.where(took, self.key_pos[:, :end], torch.full_like(self.key_pos[:, :end], -1))
 
 
