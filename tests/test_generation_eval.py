@@ -175,9 +175,17 @@ def test_reasoning_task_report_puts_baselines_beside_accuracy_per_length():
                                               for ex in examples if ex.prompt == prompt))
     report = run_generation_tasks(model, TOKENIZER, spec, None, {}, 30, False)[spec]
     json.dumps(report)  # what `eval --json` prints
-    train = Counter(ex.answer for ex in task.examples("train", 500, 0))
-    majority = sorted(train, key=lambda answer: (-train[answer], answer))[0]
+    training = task.examples("train", 500, 0)
+
+    def most_frequent(answers):
+        counts = Counter(answers)
+        return sorted(counts, key=lambda answer: (-counts[answer], answer))[0]
+
+    majority = most_frequent(ex.answer for ex in training)
+    lengths = {ex.steps for ex in training}
+    at_length = {str(k): most_frequent(ex.answer for ex in training if ex.steps == k) for k in lengths}
     assert report["baselines"]["majority_answer"] == majority
+    assert report["baselines"]["majority_by_length"] == at_length
     assert set(report["by_length"]) == {str(ex.steps) for ex in examples} == set(report["accuracy_by_steps"])
     for length, row in report["by_length"].items():
         items = [ex for ex in examples if str(ex.steps) == length]
@@ -187,7 +195,8 @@ def test_reasoning_task_report_puts_baselines_beside_accuracy_per_length():
         assert row["accuracy"] == report["accuracy_by_steps"][length]
         assert row["chance"] == pytest.approx(1 / 10)
         assert row["copy"] == pytest.approx(sum(v == ex.answer for v, ex in zip(x, items)) / len(items))
-        assert row["majority"] == pytest.approx(sum(ex.answer == majority for ex in items) / len(items))
+        answer = at_length.get(length, majority)  # the length's own majority; the overall one beyond the range
+        assert row["majority"] == pytest.approx(sum(ex.answer == answer for ex in items) / len(items))
         correct = round(row["accuracy"] * row["n"])
         assert row["accuracy_ci"] == pytest.approx(list(wilson_interval(correct, row["n"])))
         assert row["accuracy_ci"][0] <= row["accuracy"] <= row["accuracy_ci"][1]

@@ -213,6 +213,12 @@ def test_chance_is_one_over_the_answers_a_length_can_have():
     assert report["by_length"]["2"]["chance"] == pytest.approx(1 / 189)  # sums 10..198
     assert report["overall"]["chance"] == pytest.approx((2 / 19 + 1 / 189) / 3)
     multiplication = task_baselines(TASKS["multiplication"], [Example("2*3=", "6", 1)], ["6"])
+    # the majority answer is the test item's own length's, the overall one where training has none
+    train = [Example("1+1=", "2", 1)] * 2 + [Example("10+5=", "15", 2)] * 3
+    by_length = task_baselines(addition, [Example("1+1=", "2", 1), Example("11+4=", "15", 2),
+                                          Example("100+1=", "101", 3)], train)
+    assert by_length["majority_by_length"] == {"1": "2", "2": "15"} and by_length["majority_answer"] == "15"
+    assert [by_length["by_length"][k]["majority"] for k in ("1", "2", "3")] == [1.0, 1.0, 0.0]
     assert multiplication["by_length"]["1"]["chance"] is None and "closed form" in multiplication["undefined"]["chance"]
 
 

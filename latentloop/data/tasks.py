@@ -627,15 +627,25 @@ def majority_answer(answers: Iterable[str]) -> tuple[str, int]:
     return min(counts, key=lambda answer: (-counts[answer], answer)), sum(counts.values())
 
 
-def task_baselines(task: TaskGenerator, test: Sequence[Example], train_answers: Iterable[str]) -> dict:
+def task_baselines(task: TaskGenerator, test: Sequence[Example], train: Iterable[Example | str]) -> dict:
     """Chance, copy and majority accuracy on the given test items, per length and over all of them.
 
+    `train`: training examples (or their bare answers). The majority baseline answers each test
+    item with the most frequent training answer of its own length, and with the most frequent of
+    all training answers at a length training has none of (beyond the range, or bare answers).
     Returns {"by_length": {length: {"n", "distinct", "chance", "copy", "majority"}}, "overall": {...},
     "rules": {kind: what it scores}, "undefined": {kind: why it is None}, "majority_answer",
-    "majority_train_examples"}; a kind the task does not define is None (its reason under
-    "undefined"). `distinct` counts distinct problems (a length with few held-out problems repeats them).
+    "majority_by_length", "majority_train_examples"}; a kind the task does not define is None (its
+    reason under "undefined"). `distinct` counts distinct problems (a length with few held-out
+    problems repeats them).
     """
-    majority, read = majority_answer(train_answers)
+    train = [(None, item) if isinstance(item, str) else (item.steps or 0, item.answer) for item in train]
+    majority, read = majority_answer(answer for _, answer in train)
+    by_length_answers: dict[int, list[str]] = {}
+    for length, answer in train:
+        if length is not None:
+            by_length_answers.setdefault(length, []).append(answer)
+    majority_at = {length: majority_answer(answers)[0] for length, answers in by_length_answers.items()}
     copies = [task.copy_answer(example) for example in test]
     spaces = [task.answer_space(example.steps or 0) for example in test]
     undefined = {}
@@ -651,23 +661,25 @@ def task_baselines(task: TaskGenerator, test: Sequence[Example], train_answers: 
         return {"n": len(indices), "distinct": len({task.problem_key(test[i].prompt) for i in indices}),
                 "chance": None if "chance" in undefined else mean([1 / spaces[i] for i in indices]),
                 "copy": None if "copy" in undefined else mean([copies[i] == test[i].answer for i in indices]),
-                "majority": mean([test[i].answer == majority for i in indices])}
+                "majority": mean([test[i].answer == majority_at.get(test[i].steps or 0, majority) for i in indices])}
 
     lengths: dict[int, list[int]] = {}
     for index, example in enumerate(test):
         lengths.setdefault(example.steps or 0, []).append(index)
     rules = {"chance": task.chance_rule or None, "copy": task.copy_rule or None,
-             "majority": f"the most frequent answer of the first {read} training examples, {majority!r}"}
+             "majority": f"the most frequent answer of the first {read} training examples at the item's length "
+                         f"(at a length they have none of: of them all, {majority!r})"}
     return {"by_length": {str(length): scores(indices) for length, indices in sorted(lengths.items())},
             "overall": scores(list(range(len(test)))) if test else {}, "rules": rules, "undefined": undefined,
-            "majority_answer": majority, "majority_train_examples": read}
+            "majority_answer": majority, "majority_by_length": {str(k): v for k, v in sorted(majority_at.items())},
+            "majority_train_examples": read}
 
 
 def spec_baselines(parsed: TaskSpec, test: Sequence[Example]) -> dict:
     """`task_baselines` with the majority taken over the spec's own training stream (its first
     BASELINE_TRAIN_EXAMPLES examples: the stream's prefix does not depend on `n`)."""
     train = parsed.task.iter_examples("train", min(parsed.n, BASELINE_TRAIN_EXAMPLES), parsed.seed)
-    return task_baselines(parsed.task, test, (example.answer for example in train))
+    return task_baselines(parsed.task, test, train)
 
 
 def get_task_source(name: str, val_fraction: float = 0.05) -> TaskSource:
