@@ -51,9 +51,21 @@ def _compilable(arch: str, given: dict) -> bool:
     return fallback_reason(model, model_options(model, given)) is None
 
 
-# Every registered arch under each declared option set its fast path takes (the contract suite's grid)
-CASES = [(arch, given) for arch, spec in ll.archs.ARCHS.items() for given in option_sets(spec.options).values()
-         if _compilable(arch, given)]
+def _fast_cases() -> list[tuple[str, dict]]:
+    """Every registered arch under each declared option set its fast path takes (the contract
+    suite's grid), each distinct set of filled-in options once (a choice equal to the default is
+    the defaults' case: its compiled step would be the one already compiled)."""
+    cases, seen = [], set()
+    for arch, spec in ll.archs.ARCHS.items():
+        for given in option_sets(spec.options).values():
+            filled = (arch, tuple(sorted(model_options(model_for(arch), given).items())))
+            if _compilable(arch, given) and filled not in seen:
+                seen.add(filled)
+                cases.append((arch, given))
+    return cases
+
+
+CASES = _fast_cases()
 IDS = [f"{arch}-{'-'.join(f'{k}={v}' for k, v in opts.items()) or 'default'}" for arch, opts in CASES]
 
 
@@ -236,6 +248,10 @@ def test_engine_compile_gives_the_eager_tokens(arch):
     assert all(len(row) == STEPS for row in compiled)
     sampled = dict(temperature=0.9, top_k=20, seed=3)  # sampling stays outside the compiled step
     assert ll.generate(model, prompts, STEPS, compile=True, **sampled) == ll.generate(model, prompts, STEPS, **sampled)
+    # up to the end of the context: the window reaches the whole buffer (a graph of its own, with guards)
+    to_the_end = model.config.sequence_len - len(prompts[0])
+    assert ll.generate(model, prompts, to_the_end, temperature=0.0, compile=True) == \
+        ll.generate(model, prompts, to_the_end, temperature=0.0, compile=False)
 
 
 # --------------------------------------------------------------------------------------------

@@ -28,7 +28,8 @@ decode step has static shapes:
   built on, and one attention kernel call per layer cost more than the fused loops.
 - After a decoder's first call, dynamo's guards are evaluated only where they tell this step's graphs
   apart (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`): the full check cost 80-380 us a
-  step at batch 1 (issue 26).
+  step at batch 1 (issue 26). Not once the window is the whole buffer: dynamo specialises that
+  size, a second graph compiled with its guards checked.
 - The compiled code is cached on disk across processes (inductor's FX graph and AOT autograd caches,
   under `compile_cache_dir()`), and each first call's time is recorded (`CompileRecord`), which the
   engine's automatic mode (`AutoCompile`) reads as the cost of compiling.
@@ -293,7 +294,12 @@ class FastDecoder:
         if cache.filled + 1 > cache.max_len:
             raise ValueError(f"cache overflow: {cache.filled} + 1 tokens > max_len {cache.max_len}")
         cache.set_window()
-        if not self.compiled or (self._ran and not self.skip_guards):
+        # A window as long as the whole buffer slices every key: dynamo specialises that size (a graph
+        # of its own, compiled once when a generation reaches the end of the buffer), so those steps
+        # keep their guards; skipping them there raised "Recompilation triggered" (found generating up
+        # to the context's end)
+        inside = self.window_inside_buffer(cache)
+        if not self.compiled or (self._ran and not (self.skip_guards and inside)):
             logits, greedy, info = self._step(self.model, token, cache, self.options)
         elif self._ran:
             # Dynamo checks its guards before every call (80-380 us a step measured at batch 1, issue 26).
@@ -306,6 +312,11 @@ class FastDecoder:
             logits, greedy, info = self._first_compiled_step(token)
         cache.filled += 1
         return logits, greedy, info
+
+    @staticmethod
+    def window_inside_buffer(cache: KVCache) -> bool:
+        """The attended window is shorter than the buffer (the one size the first graph covers)."""
+        return cache.window.shape[0] < cache.max_len
 
     def _first_compiled_step(self, token: Tensor) -> tuple[Tensor, Tensor, dict]:
         """The first call: dynamo traces, inductor compiles or loads from its cache; timed, announced
