@@ -70,7 +70,7 @@ def run_one(out: Path, task: str, arch: str, seed: int, steps: int, limit: int) 
     fields = dict(fields)
     name = fields.pop("arch")
     data_spec, eval_name = TASKS[task]
-    config = RunConfig(model=model_config(name, None, **SHAPE, **fields),
+    config = RunConfig(model=model_config(name, None, **{**SHAPE, **fields}),
                        train=TrainConfig(steps=steps, batch_size=32, lr=3e-3, warmup_steps=max(1, steps // 20),
                                          eval_every=0, eval_batches=2, seed=seed, log_every=50),
                        data=DataConfig(source=data_spec))
