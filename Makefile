@@ -9,9 +9,12 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev,plot,hf,lm-eval,serve,tensorboard,wandb
+# the demo needs the package and its loss plot only: a first `make demo` installs no more
+DEMO_EXTRAS ?= plot
 PYTEST_ARGS ?= -m "not slow"
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell echo '$(EXTRAS)' | tr ',' '-')
+DEMO_STAMP := $(VENV)/.installed-$(shell echo '$(DEMO_EXTRAS)' | tr ',' '-')
 
 .PHONY: demo test test-all bench lint clean sandbox-tools
 
@@ -27,6 +30,12 @@ $(STAMP): pyproject.toml $(BIN)/.torch
 	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
 	touch $@
 
+ifneq ($(DEMO_STAMP),$(STAMP))
+$(DEMO_STAMP): pyproject.toml $(BIN)/.torch
+	$(BIN)/python -m pip install -q -e ".[$(DEMO_EXTRAS)]"
+	touch $@
+endif
+
 # The code sandbox (HumanEval candidates, latentloop.eval.sandbox) runs under bubblewrap. As root with
 # apt-get, install it when missing (quiet; nothing to do when present); otherwise say so: the sandbox
 # then refuses to run code and its tests are skipped.
@@ -39,7 +48,7 @@ sandbox-tools:
 	@command -v bwrap >/dev/null 2>&1 || \
 	  echo "note: bubblewrap (bwrap) is not installed, so the code sandbox is unavailable (apt-get install bubblewrap, as root)" >&2
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/latentloop demo
 
 test: $(STAMP) sandbox-tools

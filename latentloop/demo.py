@@ -164,8 +164,9 @@ def _write_report(out: Path, results: list[dict[str, Any]], data: str, preset: s
              f"per architecture, device {device}, {seconds:.0f} s in all\n", CAVEAT, "",
              table, "", f"_val loss and BPB: {EVAL_BATCHES} validation batches of windows spread over the whole split; "
              "in brackets, the 95% bootstrap interval of BPB over the documents they cover._", ""]
-    for arch in dict.fromkeys(r["arch"] for r in results):  # each arch's caveats once (e.g. fbt's soft BPB)
-        parts += [line for note in ARCHS[arch].model_class.SCORING_NOTES.values() for line in (f"_{note}._", "")]
+    notes = dict.fromkeys(note for arch in dict.fromkeys(r["arch"] for r in results)
+                          for note in ARCHS[arch].model_class.SCORING_NOTES.values())
+    parts += [line for note in notes for line in (f"_{note}._", "")]  # each caveat once (fbt's and rfbt's soft)
     for r in results:
         if r.get("gates"):
             parts += [f"{r['arch']} gates (R = {r.get('recurrence_steps')}), each step r at the last logged step that "
