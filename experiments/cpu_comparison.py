@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import statistics
 import sys
 import time
@@ -42,6 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from latentloop.archs import get_arch  # noqa: E402
+from latentloop.checkpoint import checkpoint_candidates  # noqa: E402
 from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config  # noqa: E402
 from latentloop.eval.loss import passes_curve, score_run, text_batches  # noqa: E402
 from latentloop.eval.stats import format_comparison, mean_sd, seed_rows, t_interval  # noqa: E402
@@ -108,7 +110,9 @@ def run_one(out: Path, name: str, fields: dict, steps: int, seed: int, preset: s
                                          eval_every=0, eval_batches=eval_batches, seed=seed, log_every=10),
                        data=DataConfig(source=data))
     run_dir = out / f"{name}-s{seed}"
-    state = setup(config, run_dir, resume=(run_dir / "config.json").exists(), progress=False)
+    if run_dir.exists() and not checkpoint_candidates(run_dir):  # stopped before its first checkpoint
+        shutil.rmtree(run_dir)
+    state = setup(config, run_dir, resume=run_dir.exists(), progress=False)
     start = time.time()
     summary = fit(state, progress=False)
     model = state.model.eval()

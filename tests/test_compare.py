@@ -156,3 +156,23 @@ def test_group_curves_are_the_mean_and_sd_over_seeds(tmp_path):
     assert mean == pytest.approx([(4.1) / 0.69, (3.1) / 0.69]) and sd == pytest.approx([1 / 0.69, 1 / 0.69])
     pytest.importorskip("matplotlib")
     assert compare.plot_losses(runs, tmp_path, {"r": members})[0] == ["loss_vs_tokens.png", "loss_vs_flops.png"]
+
+
+def test_seeds_share_one_flops_count_and_variants_one_note(tmp_path, monkeypatch, capsys):
+    """Counting FLOPs builds and runs the model (about a second a run): seeds of one recipe count it
+    once. A variant with its parent's caveat (rfbt shares fbt's soft-BPB note) prints it once, and the
+    progress bar goes to stderr only when asked for."""
+    compare._model_facts.cache_clear()
+    counted = []
+    real = compare._model_facts.__wrapped__
+    monkeypatch.setattr(compare, "_model_facts", compare.functools.cache(lambda r: counted.append(r) or real(r)))
+    paths = [make_run(tmp_path / f"fbt-s{seed}", "fbt", [2.9, 2.2], seed=seed) for seed in (0, 1, 2)]
+    paths.append(make_run(tmp_path / "rfbt", "rfbt", [2.8, 2.3]))
+    report = compare.compare_runs(paths, tmp_path / "out", show_progress=True)
+    assert len(counted) == 2  # fbt once for three seeds, rfbt once
+    assert len({r["flops_per_token"] for r in report["runs"][:3]}) == 1
+    assert len(report["notes"]) == len(set(report["notes"]))
+    assert sum("fbt soft" in n for n in report["notes"]) == 1
+    assert "reading runs" in capsys.readouterr().err
+    compare.compare_runs(paths[:1], tmp_path / "quiet")
+    assert "reading runs" not in capsys.readouterr().err

@@ -239,6 +239,8 @@ def test_plain_export_round_trip(options, family, tmp_path, capsys):
     transformers' own logger (which does not propagate to the root logger) are both recorded."""
     model = _run(tmp_path / "run", **options)
     assert main(["export", str(tmp_path / "run"), "--format", "hf", "--out", str(tmp_path / "hf"), "--plain"]) == 0
+    stages = [line for line in capsys.readouterr().err.splitlines() if line.startswith("export: ")]
+    assert [line.split()[1] for line in stages] == ["loading", "writing"] and "MiB" in stages[1]
     assert not any((tmp_path / "hf" / name).exists() for name in REMOTE_FILES)
     with _transformers_warnings() as logged, warnings.catch_warnings(record=True) as warned:
         warnings.simplefilter("always")

@@ -259,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     kind.add_argument("--remote-code", action="store_true",
                       help="always ship latentloop's own modeling code (trust_remote_code=True)")
     x.add_argument("--json", action="store_true", help="print the summary as JSON")
+    x.add_argument("--no-progress", action="store_true", help="do not name each stage on stderr")
 
     d = sub.add_parser("demo", help="train every architecture briefly, compare, sample, write a report")
     d.add_argument("--steps", type=int, default=None,
@@ -284,6 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--baseline", default=None, metavar="NAME",
                    help="the group (runs differing only in seed) or run the paired differences are taken against "
                         "(default: the first)")
+    c.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
 

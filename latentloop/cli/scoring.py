@@ -229,7 +229,7 @@ def cmd_compare(args) -> int:
 
     output_folder(args.out, "--out")
     try:
-        report = compare_runs(args.runs, args.out, args.baseline)
+        report = compare_runs(args.runs, args.out, args.baseline, show_progress=not args.no_progress)
     except OSError as exc:  # the folder was writable a moment ago: a full disk, a file dropped in the way
         raise OutputError(f"cannot write the report into {args.out}: {exc.strerror or exc}") from None
     print(report["markdown"])

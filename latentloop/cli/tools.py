@@ -86,7 +86,8 @@ def cmd_import_hf(args) -> int:
 def cmd_export(args) -> int:
     from ..interop import export_hf
 
-    summary = export_hf(args.run, args.out, plain=True if args.plain else (False if args.remote_code else None))
+    summary = export_hf(args.run, args.out, plain=True if args.plain else (False if args.remote_code else None),
+                        show_progress=not (args.no_progress or args.json))
     if args.json:
         print(json.dumps(summary, indent=2))
     else:

@@ -28,6 +28,7 @@ token (the objective's run average: multi-pass K, recurrence depth, ...) times t
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -40,6 +41,7 @@ import torch
 from ..archs import ARCHS
 from ..config import RunConfig
 from ..errors import CheckpointError, ConfigError, LatentloopError
+from ..util import progress
 from .core import CORE_TASKS
 from .stats import format_comparison, seed_rows
 
@@ -60,10 +62,14 @@ def _read_jsonl(path: Path) -> list[dict]:
     return rows
 
 
-def _model_facts(config: RunConfig) -> tuple[int | None, float | None]:
-    """(parameters, training FLOPs per token) from the config, building the model on `meta`."""
+@functools.cache
+def _model_facts(recipe: str) -> tuple[int | None, float | None]:
+    """(parameters, training FLOPs per token) of a run's config without its seed (`recipe`, JSON),
+    building the model on `meta`; remembered, as counting takes about a second and the seeds of one
+    group share their answer."""
     from ..archs import build_model, build_objective
 
+    config = RunConfig.from_dict(json.loads(recipe))
     try:
         with torch.device("meta"):
             model = build_model(config.model)
@@ -94,12 +100,17 @@ def read_evals(run_dir: Path) -> list[dict]:
     return results
 
 
-def read_run(path: str | Path) -> dict[str, Any]:
-    """Everything compare needs from one run folder."""
-    run_dir = Path(path)
+def _config_file(run_dir: Path) -> Path:
     config_file = run_dir / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{run_dir} is not a run folder (no config.json)")
+    return config_file
+
+
+def read_run(path: str | Path) -> dict[str, Any]:
+    """Everything compare needs from one run folder."""
+    run_dir = Path(path)
+    config_file = _config_file(run_dir)
     try:
         config = RunConfig.from_dict(json.loads(config_file.read_text()))
     except json.JSONDecodeError as exc:
@@ -109,17 +120,18 @@ def read_run(path: str | Path) -> dict[str, Any]:
     rows = _read_jsonl(run_dir / "metrics.jsonl")
     train = [r for r in rows if "loss" in r and "step" in r]
     val = [r for r in rows if "val_loss" in r and "step" in r]
-    params, flops_per_token = _model_facts(config)
+    recipe = config.to_dict()
+    recipe["train"].pop("seed", None)  # what makes runs seeds of one group: everything but the seed
+    recipe = json.dumps(recipe, sort_keys=True, default=str)
+    params, flops_per_token = _model_facts(recipe)
     last = train[-1] if train else {}
     tokens = last.get("tokens")
     flops = last.get("flops")
     if flops is None and tokens is not None and flops_per_token is not None:
         flops = flops_per_token * tokens
     final_val = val[-1] if val else {}
-    recipe = config.to_dict()
-    recipe["train"].pop("seed", None)  # what makes runs seeds of one group: everything but the seed
     return {"run": str(run_dir), "name": run_dir.resolve().name, "arch": config.model.arch, "params": params,
-            "seed": config.train.seed, "recipe": json.dumps(recipe, sort_keys=True, default=str),
+            "seed": config.train.seed, "recipe": recipe,
             "eval_batches": config.train.eval_batches,
             "steps": last.get("step"), "tokens": tokens, "flops": flops, "flops_per_token": flops_per_token,
             "val_loss": final_val.get("val_loss"), "val_bpb": final_val.get("val_bpb"), "train": train,
@@ -369,13 +381,16 @@ def _labels(runs: list[dict]) -> None:
         r["label"] = r["name"] if names.count(r["name"]) == 1 else r["run"]
 
 
-def compare_runs(paths: list[str | Path], out: str | Path = "compare", baseline: str | None = None) -> dict[str, Any]:
+def compare_runs(paths: list[str | Path], out: str | Path = "compare", baseline: str | None = None,
+                 show_progress: bool = False) -> dict[str, Any]:
     """Read the runs, write DIR/compare.md (+ PNG plots, compare.json); returns the report.
     `baseline`: the group (or run) the others' paired differences are taken against (default: the
     first group)."""
     if not paths:
         raise ConfigError("give at least one run folder")
-    runs = [read_run(p) for p in paths]
+    for path in paths:  # a wrong folder is named before the progress bar starts
+        _config_file(Path(path))
+    runs = [read_run(p) for p in progress(paths, desc="reading runs", enabled=show_progress)]
     _labels(runs)
     groups = seed_groups(runs)
     if baseline is None:
@@ -408,6 +423,7 @@ def compare_runs(paths: list[str | Path], out: str | Path = "compare", baseline:
     for arch in dict.fromkeys(r.get("arch") for r in runs):  # each arch's caveats once (e.g. fbt's soft BPB)
         spec = ARCHS.get(arch)
         notes += [] if spec is None else list(spec.model_class.SCORING_NOTES.values())
+    notes = list(dict.fromkeys(notes))  # a variant shares its parent's caveats (rfbt, fbt)
     parts += [f"_{note}_" for note in notes]
     markdown = "\n".join(parts).rstrip() + "\n"
     report = out / "compare.md"

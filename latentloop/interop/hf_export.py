@@ -31,6 +31,7 @@ import importlib
 import json
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -148,10 +149,16 @@ def _special_ids(tokenizer) -> dict[str, int]:
     return {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
 
 
-def export_hf(run: str | Path, out: str | Path, plain: bool | None = None) -> dict[str, Any]:
+def export_hf(run: str | Path, out: str | Path, plain: bool | None = None, show_progress: bool = False
+              ) -> dict[str, Any]:
     """Write `run` (its latest checkpoint) as a Hugging Face folder. plain=None: plain when the
     options allow it, else custom code; True: plain or a one-line error naming what blocks it;
-    False: always custom code. Returns a summary."""
+    False: always custom code. `show_progress`: each stage named on stderr as it starts (loading
+    and writing a large model take a while, and each is one call). Returns a summary."""
+    def stage(text: str) -> None:
+        if show_progress:
+            print(f"export: {text}", file=sys.stderr, flush=True)
+
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise InteropError(f"{out} exists and is not an empty folder; choose another output folder")
@@ -163,6 +170,7 @@ def export_hf(run: str | Path, out: str | Path, plain: bool | None = None) -> di
         raise InteropError(f"cannot export as a plain Llama model: {', '.join(blockers)} (these are not Llama "
                            f"options; export without --plain to ship latentloop's modeling code)")
     as_plain = not blockers if plain is None else plain
+    stage(f"loading {checkpoint}")
     model = build_model(config)
     load_weights(model, checkpoint)
     state = {name: tensor.detach().float() for name, tensor in model.state_dict().items()}
@@ -198,6 +206,8 @@ def export_hf(run: str | Path, out: str | Path, plain: bool | None = None) -> di
         for name, text in package_sources(spec.model_class, spec.config_class).items():
             (out / name).write_text(text)
         kind = "LatentloopForCausalLM (trust_remote_code)"
+    size_mb = sum(t.numel() * t.element_size() for t in weights.values()) / 2**20
+    stage(f"writing {out / 'model.safetensors'} ({size_mb:,.1f} MiB) and the tokenizer")
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(_special_ids(tokenizer), indent=2) + "\n")
