@@ -24,8 +24,9 @@ from .errors import ConfigError, LatentloopError, OutputError
 
 DEMO_MARKER = "demo.json"  # a folder holding this file was written by the demo and may be replaced
 # Steps per architecture (the same for all, so every arch sees the same tokens). Sized for about
-# four minutes of training for the five architectures together on a quiet 2-core CPU at the `tiny`
-# preset with DEMO_BATCH_SIZE rows of 256 tokens; not yet timed on a quiet machine (see the report).
+# four minutes of training for every architecture together on a quiet 2-core CPU at the `tiny`
+# preset with DEMO_BATCH_SIZE rows of 256 tokens: the whole demo of six took 295 s there on
+# 2026-12-01 (experiments/RESULTS.md, "First hour"); a new architecture adds its own share.
 DEMO_STEPS = 120
 DEMO_BATCH_SIZE = 8
 CURVE_POINTS = 24  # logged training-loss points per curve (at least 20, as the report promises)
