@@ -75,6 +75,13 @@ class ArchSpec:
 ARCHS: dict[str, ArchSpec] = {}
 
 
+def scoring_notes(arch_names) -> list[str]:
+    """The caveats of every scoring mode of the registered archs among `arch_names`, each once (a
+    variant shares its parent's: rfbt's soft BPB is fbt's), in the order the archs come."""
+    return list(dict.fromkeys(note for name in dict.fromkeys(arch_names) if name in ARCHS
+                              for note in ARCHS[name].model_class.SCORING_NOTES.values()))
+
+
 def register(spec: ArchSpec) -> ArchSpec:
     if spec.config_class.arch != spec.name:
         raise ValueError(f"spec {spec.name!r} names a config class of arch {spec.config_class.arch!r}")

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .archs import ARCHS
+from .archs import ARCHS, scoring_notes
 from .config import DataConfig, RunConfig, TrainConfig, model_config
 from .engine import generate
 from .errors import ConfigError, LatentloopError, OutputError
@@ -165,9 +165,7 @@ def _write_report(out: Path, results: list[dict[str, Any]], data: str, preset: s
              f"per architecture, device {device}, {seconds:.0f} s in all\n", CAVEAT, "",
              table, "", f"_val loss and BPB: {EVAL_BATCHES} validation batches of windows spread over the whole split; "
              "in brackets, the 95% bootstrap interval of BPB over the documents they cover._", ""]
-    notes = dict.fromkeys(note for arch in dict.fromkeys(r["arch"] for r in results)
-                          for note in ARCHS[arch].model_class.SCORING_NOTES.values())
-    parts += [line for note in notes for line in (f"_{note}._", "")]  # each caveat once (fbt's and rfbt's soft)
+    parts += [line for note in scoring_notes(r["arch"] for r in results) for line in (f"_{note}._", "")]
     for r in results:
         if r.get("gates"):
             parts += [f"{r['arch']} gates (R = {r.get('recurrence_steps')}), each step r at the last logged step that "

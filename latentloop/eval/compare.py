@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..archs import ARCHS
+from ..archs import scoring_notes
 from ..config import RunConfig
 from ..errors import CheckpointError, ConfigError, LatentloopError
 from ..util import progress
@@ -420,10 +420,7 @@ def compare_runs(paths: list[str | Path], out: str | Path = "compare", baseline:
         notes.append("no task results in RUN/evals/ (run `latentloop eval RUN --tasks core` first)")
     for plot in plots:
         parts += [f"![{plot[:-4].replace('_', ' ')}]({plot})", ""]
-    for arch in dict.fromkeys(r.get("arch") for r in runs):  # each arch's caveats once (e.g. fbt's soft BPB)
-        spec = ARCHS.get(arch)
-        notes += [] if spec is None else list(spec.model_class.SCORING_NOTES.values())
-    notes = list(dict.fromkeys(notes))  # a variant shares its parent's caveats (rfbt, fbt)
+    notes = list(dict.fromkeys(notes + scoring_notes(r.get("arch") for r in runs)))
     parts += [f"_{note}_" for note in notes]
     markdown = "\n".join(parts).rstrip() + "\n"
     report = out / "compare.md"
