@@ -58,7 +58,7 @@ from .checkpoint import (
 )
 from .config import TrainConfig
 from .errors import CheckpointError, OutputError
-from .runtime import agree, current_dist
+from .runtime import agree, current_dist, in_process_group
 
 __all__ = ["SHARDED_DIR", "any_rank", "apply_activation_checkpointing", "compiles_whole_model", "full_weights",
            "gather_objects", "grad_norm", "gradient_sync", "load_full_optimizer_states", "load_full_weights",
@@ -274,7 +274,7 @@ def load_sharded(folder: Path, model: nn.Module, optimizers: list[torch.optim.Op
     keep = set(with_state)
     optim_state["state"] = {name: s for name, s in optim_state.get("state", {}).items() if name in keep}
     wanted = {"model": model_state, "optim": optim_state}
-    load_sharded_state(wanted, folder, metadata, no_dist=not (dist.is_available() and dist.is_initialized()))
+    load_sharded_state(wanted, folder, metadata, no_dist=not in_process_group())
     # not strict: parameters never updated when it was saved have no optimizer state in the file (dcp.load
     # has already checked that every weight and every state asked for was there)
     set_state_dict(model, optimizers, model_state_dict=wanted["model"], optim_state_dict=wanted["optim"],

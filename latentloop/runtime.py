@@ -155,9 +155,14 @@ def launch_env() -> tuple[int, int, int]:
     return rank, local_rank, world_size
 
 
+def in_process_group() -> bool:
+    """Whether this process has joined a process group (and not left it)."""
+    return dist.is_available() and dist.is_initialized()
+
+
 def current_dist() -> DistEnv:
     """This process's place in the process group that is up (a single process without one)."""
-    if dist.is_available() and dist.is_initialized():
+    if in_process_group():
         local_rank = int(os.environ.get("LOCAL_RANK") or 0)
         return DistEnv(dist.get_rank(), local_rank, dist.get_world_size(), dist.get_backend())
     return DistEnv()
@@ -237,7 +242,7 @@ def destroy_distributed() -> bool:
     while rank 0 still writes its last files can take rank 0 down with it. Returns whether a group
     was left: a process that runs its own command line then ends with `exit_without_finalizing`,
     because leaving the group does not stop its threads (see there)."""
-    if dist.is_available() and dist.is_initialized():
+    if in_process_group():
         dist.barrier()
         dist.destroy_process_group()
         return True

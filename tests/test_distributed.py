@@ -320,6 +320,44 @@ def test_an_error_before_the_processes_connect_is_printed_by_rank_0_only(corpus,
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("fails", [False, True], ids=["after success", "after a user error"])
+def test_a_process_in_a_group_skips_the_interpreters_teardown(corpus, tmp_path, monkeypatch, fails):
+    """A gloo group's threads outlive it and can abort the interpreter's teardown (SIGABRT after
+    the work is done: torchrun then reports a failed job, and a user error's exit code 2 is lost),
+    so the process's own command line ends every command in a group through
+    `exit_without_finalizing`, with the command's code; called with argv it returns the code."""
+    import latentloop.cli as cli
+    import latentloop.runtime as runtime
+
+    class Exited(Exception):
+        pass
+
+    def record(code):
+        raise Exited(code)
+
+    monkeypatch.setattr(runtime, "exit_without_finalizing", record)
+    data = tmp_path / "missing.txt" if fails else corpus  # a data error: raised by the command, not argparse
+    argv = ["train", "--arch", "gpt", "--preset", "test", "--data", f"text:{data}", "--steps", "1",
+            "--batch-size", "2", "--set", "sequence_len=16", "--set", "train.eval_every=0",
+            "--out", str(tmp_path / "run"), "--no-progress"]
+    monkeypatch.setattr(sys, "argv", ["latentloop", *argv])
+    try:
+        for own_command_line in (True, False):
+            torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+            if own_command_line:
+                with pytest.raises(Exited) as exited:
+                    cli.main()
+                assert exited.value.args == (2 if fails else 0,)
+            else:
+                assert cli.main([*argv[:-3], "--out", str(tmp_path / "again"), "--no-progress"]) == (2 if fails else 0)
+            assert runtime.in_process_group() == fails  # a success leaves the group; a failure does not wait to
+            if fails:
+                torch.distributed.destroy_process_group()
+    finally:
+        if runtime.in_process_group():
+            torch.distributed.destroy_process_group()
+
+
 @pytest.mark.parametrize("damage", ["planted metadata pickle", "flipped bit in rank 1's share"])
 def test_a_damaged_sharded_checkpoint_ends_a_torchrun_resume_with_one_line(corpus, tmp_path, damage):
     """Every process checks its share of the checksums and reads DCP's metadata without unpickling

@@ -52,6 +52,12 @@ def main(argv: list[str] | None = None) -> int:
         code = COMMANDS[args.command](args)
     except LatentloopError as exc:
         _report(exc)
+        from ..runtime import exit_without_finalizing, in_process_group
+
+        # the group is not left (a peer may wait in a collective; torchrun ends it), but its threads
+        # still outlive the command and can abort the interpreter's teardown: see exit_without_finalizing
+        if in_process_group() and argv is None:
+            exit_without_finalizing(EXIT_USAGE)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("latentloop: interrupted", file=sys.stderr)
