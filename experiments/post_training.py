@@ -37,8 +37,9 @@ from latentloop.cli import main
 from latentloop.data.chat import iter_conversations
 from latentloop.data.loader import eval_batches
 from latentloop.data.tasks import TASKS_VERSION, parse_task_spec
-from latentloop.eval.generation import run_generation_tasks
+from latentloop.eval.generation import BASELINE_KINDS, run_generation_tasks
 from latentloop.eval.loss import loss_by_position
+from latentloop.eval.stats import format_comparison, paired_comparison, t_interval, verdict
 from latentloop.objectives.base import token_cross_entropy
 from latentloop.runtime import eval_data, load_run
 
@@ -49,7 +50,10 @@ SHAPE = ["--preset", "test", "--set", "n_layer=4"]
 REGIMES = {"gpt": {"plain": {}},
            "fbt": {"standard": {"regime": "standard"}, "soft": {"regime": "soft"}, "fused": {"regime": "fused"}},
            "rgpt": {f"depth {r}": {"steps": r} for r in (1, 2, 4, 8)}}
-MEASURES = ("accuracy", "n", "mean_trace_tokens", "mean_reasoning_tokens")
+MEASURES = ("accuracy", "n", "mean_trace_tokens", "mean_reasoning_tokens", "by_length")
+BASELINE = "gpt"  # each regime's accuracy after SFT is paired by seed against this one's
+TRACE_PAIRS = [("fbt", "soft", "standard"), ("fbt", "fused", "standard")]  # trace length: a regime minus another
+DEPTH_PAIR = ("rgpt", "depth 8", "depth 4")  # test-time depth: twice the trained R minus R
 POSITION_BUCKET = 64  # positions per bucket of the by-position loss: the base runs' whole context
 
 
@@ -78,7 +82,7 @@ def _evaluate(run: Path, arch: str, task: str, limit: int, data_dir: str | None 
     rows = {}
     for label, options in REGIMES[arch].items():
         result = run_generation_tasks(model, tokenizer, [task], data_dir, options, limit=limit, progress=False)[task]
-        rows[label] = {k: result[k] for k in MEASURES}
+        rows[label] = {k: result[k] for k in MEASURES if k in result}  # by_length: accuracy and baselines per length
     return rows
 
 
@@ -163,28 +167,78 @@ def gsm8k_arm(out: Path, report: dict, arch: str, args) -> None:
     _cached(gsm, arch, lambda: _evaluate(sft, arch, "chat:gsm8k", args.limit, f"{args.gsm8k}/eval"))
 
 
-def _mean_sd(values: list[float], digits: int = 2) -> str:
-    sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.mean(values):.{digits}f} ± {sd:.{digits}f}"
+def _mean_interval(values: list[float], digits: int = 2) -> str:
+    """'mean [95% t-interval over seeds]' (the mean alone with one seed)."""
+    interval = t_interval(values)
+    mean = f"{statistics.mean(values):.{digits}f}"
+    return mean if interval is None else f"{mean} [{interval[0]:.{digits}f}, {interval[1]:.{digits}f}]"
+
+
+def _per_seed(report: dict, arch: str, label: str, phase: str, measure: str) -> dict[int, float]:
+    return {int(key.split("/")[1]): entry[phase][label][measure] for key, entry in report.get("task", {}).items()
+            if key.split("/")[0] == arch and phase in entry and label in entry[phase]}
+
+
+def _name(arch: str, label: str) -> str:
+    return arch if arch == "gpt" else f"{arch} {label}"
+
+
+def task_lines(report: dict) -> list[str]:
+    """The SFT table (accuracy with its interval over seeds, trace lengths), the baselines on the same
+    items, and the decision rules' paired comparisons."""
+    lines = ["## SFT on addition_steps (2 digits): accuracy and trace length on held-out problems of the "
+             "training range", "",
+             "| arch / regime | seeds | before: acc | after SFT: acc [95% t] | trace | reasoning |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for arch in REGIMES:
+        for label in REGIMES[arch]:
+            after = _per_seed(report, arch, label, "after", "accuracy")
+            if not after:
+                continue
+            before = list(_per_seed(report, arch, label, "before", "accuracy").values())
+            cells = [_mean_interval(before) if before else "", _mean_interval(list(after.values())),
+                     _mean_interval(list(_per_seed(report, arch, label, "after", "mean_trace_tokens").values()), 1),
+                     _mean_interval(list(_per_seed(report, arch, label, "after", "mean_reasoning_tokens").values()),
+                                    1)]
+            lines.append(f"| {_name(arch, label)} | {len(after)} | " + " | ".join(cells) + " |")
+    first = next((rows[label] for entry in report.get("task", {}).values() for rows in [entry.get("after", {})]
+                  for label in rows if rows[label].get("by_length")), None)
+    if first is not None:  # every seed draws the same held-out problems
+        lengths = sorted(first["by_length"], key=int)
+        cell = (lambda v: "n/a" if v is None else f"{v:.2f}")  # noqa: E731
+        lines += ["", "Baselines on the same items (per operand length in digits):", "",
+                  "| baseline | " + " | ".join(f"{n} digits" for n in lengths) + " |", "|---|" + "---:|" * len(lengths)]
+        for kind in BASELINE_KINDS:
+            lines.append(f"| {kind} | " + " | ".join(cell(first["by_length"][n].get(kind)) for n in lengths) + " |")
+        lines.append("| items (n) | " + " | ".join(str(first["by_length"][n].get("n", "")) for n in lengths) + " |")
+    comparisons = []  # (what, per-seed values, per-seed baseline, lower word, higher word)
+    base = _per_seed(report, BASELINE, "plain", "after", "accuracy")
+    for arch in REGIMES:
+        for label in REGIMES[arch]:
+            if arch != BASELINE:
+                comparisons.append((f"accuracy after SFT, {_name(arch, label)} - {BASELINE}",
+                                    _per_seed(report, arch, label, "after", "accuracy"), base, "worse", "better"))
+    for arch, label, other in TRACE_PAIRS:
+        comparisons.append((f"trace tokens after SFT, {arch} {label} - {arch} {other}",
+                            _per_seed(report, arch, label, "after", "mean_trace_tokens"),
+                            _per_seed(report, arch, other, "after", "mean_trace_tokens"), "shorter", "longer"))
+    arch, deep, trained = DEPTH_PAIR
+    comparisons.append((f"accuracy after SFT, {arch} {deep} - {arch} {trained}",
+                        _per_seed(report, arch, deep, "after", "accuracy"),
+                        _per_seed(report, arch, trained, "after", "accuracy"), "hurts", "helps"))
+    rows = []
+    for what, values, baseline, lower, higher in comparisons:
+        comparison = paired_comparison(values, baseline, "difference")
+        if comparison["seeds"]:
+            rows.append(f"| {what} | {format_comparison(comparison, 3)} | {verdict(comparison, lower, higher)} |")
+    if rows:
+        lines += ["", "Paired by seed, mean [95% t-interval]:", "", "| comparison | difference | verdict |",
+                  "|---|---:|---|", *rows]
+    return lines
 
 
 def summarise(report: dict) -> str:
-    lines = ["## SFT on addition_steps (2 digits): accuracy and trace length on the training range", "",
-             "| arch / regime | seeds | before: acc | trace | reasoning | after SFT: acc | trace | reasoning |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for arch in REGIMES:
-        runs = [v for k, v in report.get("task", {}).items() if k.split("/")[0] == arch and "after" in v]
-        if not runs:
-            continue
-        for label in REGIMES[arch]:
-            cells = []
-            for phase in ("before", "after"):
-                rows = [r[phase][label] for r in runs]
-                cells += [_mean_sd([row["accuracy"] for row in rows]),
-                          _mean_sd([row["mean_trace_tokens"] for row in rows], 1),
-                          _mean_sd([row["mean_reasoning_tokens"] for row in rows], 1)]
-            name = arch if arch == "gpt" else f"{arch} {label}"
-            lines.append(f"| {name} | {len(runs)} | " + " | ".join(cells) + " |")
+    lines = task_lines(report)
     if report.get("long"):
         lines += ["", "## Long-context extension: validation loss (nats) by position bucket", ""]
         for arch, entry in report["long"].items():

@@ -36,3 +36,26 @@ def test_post_training_refuses_to_resume_numbers_from_before_the_split(tmp_path)
     (tmp_path / "post_training.json").write_text('{"task": {"gpt/0": {}}}')  # an old report: no tasks_version
     with pytest.raises(SystemExit, match="not held out"):
         script.run(SimpleNamespace(out=str(tmp_path)))
+
+
+def test_post_training_report_pairs_each_regime_by_seed_beside_the_baselines():
+    script = _script()
+
+    def row(accuracy, trace):
+        return {"accuracy": accuracy, "n": 10, "mean_trace_tokens": trace, "mean_reasoning_tokens": trace - 1,
+                "by_length": {"1": {"n": 4, "accuracy": accuracy, "chance": 0.05, "copy": 0.0, "majority": 0.25},
+                              "2": {"n": 6, "accuracy": accuracy, "chance": 0.01, "copy": None, "majority": 0.02}}}
+
+    report = {"task": {}}
+    for seed, shift in enumerate((0.0, 0.01, 0.02)):
+        report["task"][f"gpt/{seed}"] = {"before": {"plain": row(0.0, 9)}, "after": {"plain": row(0.10 + shift, 9)}}
+        report["task"][f"fbt/{seed}"] = {"after": {"standard": row(0.30 + 2 * shift, 9), "soft": row(0.30, 7 - seed),
+                                                   "fused": row(0.0, 9 + seed)}}
+    text = script.summarise(report)
+    # fbt standard - gpt per seed: 0.20, 0.21, 0.22 -> mean 0.21, sd 0.01, t(0.975, 2) = 4.303
+    assert "| accuracy after SFT, fbt standard - gpt | 0.210 [0.185, 0.235] | better |" in text
+    assert "| trace tokens after SFT, fbt soft - fbt standard | -3.000 [-5.484, -0.516] | shorter |" in text
+    assert "| trace tokens after SFT, fbt fused - fbt standard | 1.000 [-1.484, 3.484] | undecided |" in text
+    assert "| chance | 0.05 | 0.01 |" in text and "| copy | 0.00 | n/a |" in text and "| items (n) | 4 | 6 |" in text
+    assert "| gpt | 3 | 0.00 [0.00, 0.00] | 0.11 [0.09, 0.13] |" in text
+    assert "rgpt" not in text  # no runs, no rows or comparisons
