@@ -23,7 +23,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -548,47 +547,37 @@ def test_the_trainer_logs_the_flops_the_objective_reports(kind, straight_runs):
 
 
 # -- two processes (torchrun, DDP), then one process loads the run ------------------------------------
-# Not marked slow: every arch's job at once takes ~20 s here on 2 busy cores, within the file's budget
+# Not marked slow: one torchrun job trains every arch in turn (each process imports torch once: one
+# job per arch spent ~50 s of the suite's 2 cores importing it 21 times)
 DDP_WORLD = 2
 DDP_STEPS = 3
-TORCHRUN_TIMEOUT_S = 300  # every arch's job at once on 2 cores
+TORCHRUN_TIMEOUT_S = 300  # every arch's training in one job on 2 cores
 
 
 @pytest.fixture(scope="module")
-def ddp_runs(text_corpus, tmp_path_factory) -> dict[str, tuple[Path, int, str]]:
-    """kind -> (run, exit code, output) of `torchrun --standalone --nproc_per_node 2 -m latentloop train
-    ...` with no strategy flag (auto: ddp under torchrun, as nanoGPT / torchtitan do); every arch's job
-    started at once, all bounded in time."""
+def ddp_runs(text_corpus, tmp_path_factory) -> dict[str, tuple[Path, int | None, str]]:
+    """kind -> (run, exit code, the job's output) of `latentloop train ...` with no strategy flag
+    (auto: ddp under torchrun, as nanoGPT / torchtitan do) in a two-process torchrun job that runs
+    every kind's command line in turn (tests/cli_in_turn.py), bounded in time; a kind after a
+    failed one has no exit code (None)."""
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("this torch build has no gloo backend")
     folder = tmp_path_factory.mktemp("ddp")
     env = {**os.environ, **ONE_THREAD_ENV,
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    jobs = {}
-    for kind in KINDS:
-        argv = _train_argv(kind, text_corpus, folder / kind, DDP_STEPS)
-        # --standalone: a rendezvous on localhost at a port of its own choosing, so the jobs never collide
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(DDP_WORLD),
-                   "-m", "latentloop", *argv]
-        log = open(folder / f"{kind}.log", "w")
-        jobs[kind] = (subprocess.Popen(command, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT), log)
-    deadline = time.monotonic() + TORCHRUN_TIMEOUT_S
-    results = {}
+    commands = {kind: _train_argv(kind, text_corpus, folder / kind, DDP_STEPS) for kind in KINDS}
+    (folder / "commands.json").write_text(json.dumps(commands))
+    # --standalone: a rendezvous on localhost at a port of its own choosing, so the job never collides
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(DDP_WORLD),
+               str(Path(__file__).with_name("cli_in_turn.py")), str(folder / "commands.json"),
+               str(folder / "codes.json")]
     try:
-        for kind, (proc, log) in jobs.items():
-            try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"{kind}: torchrun did not finish within {TORCHRUN_TIMEOUT_S} s")
-            log.close()
-            results[kind] = (folder / kind, proc.returncode, (folder / f"{kind}.log").read_text())
-    finally:
-        for proc, log in jobs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            log.close()
-    return results
+        job = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"torchrun did not finish within {TORCHRUN_TIMEOUT_S} s")
+    codes = json.loads((folder / "codes.json").read_text()) if (folder / "codes.json").exists() else {}
+    output = job.stdout + job.stderr  # every command's, each after its MARKER line
+    return {kind: (folder / kind, codes.get(kind), output) for kind in KINDS}
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
