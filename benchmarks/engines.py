@@ -5,9 +5,10 @@ exported with `latentloop export --plain`, and decoded greedily at batch 1 by
 - latentloop: eager (`compile=False`), compiled (`compile=True`), compiled int8 (`quantize_int8`);
 - Hugging Face `generate` on the exported folder (needs transformers);
 - CTranslate2 fp32 and int8 (`pip install ctranslate2`), converted from the exported folder;
-- llama.cpp: not run. PyPI has no llama-cpp-python wheel for this platform (`pip download
-  --only-binary :all:` finds none), the source build takes ~17 min on 2 cores, and the export would
-  need a GGUF conversion (llama.cpp's own script). The row says so.
+- llama.cpp through llama-cpp-python (`pip install llama-cpp-python gguf`: PyPI has only its source
+  for this platform, a ~17 min build on 2 cores; `CMAKE_ARGS=-DGGML_NATIVE=ON` builds for this CPU),
+  on the exported folder written as an fp32 GGUF file by `write_gguf` (no tokenizer: llama.cpp's
+  "none" vocabulary takes and gives token ids, as every other engine here is given them).
 
 Every engine decodes the same prompt for the same number of new tokens, no stop token; the figure is
 the whole call (prefill included) over the new tokens, median over interleaved rounds; the compiled
@@ -50,9 +51,13 @@ LLAMA_COMPATIBLE = dict(qk_norm=False, embed_norm=False, mlp="swiglu")  # what `
 ENGINES = ("latentloop eager", "latentloop compiled", "latentloop compiled int8", "hf generate",
            "ctranslate2 fp32", "ctranslate2 int8", "llama.cpp")
 REFERENCE = "latentloop eager"  # every engine's tokens are compared with these
-LLAMA_CPP_NOTE = ("not run: PyPI has no llama-cpp-python wheel for this platform (pip download "
-                  "--only-binary :all: finds none); it builds from source (~17 min on 2 cores) and needs a GGUF "
-                  "conversion of the export")
+# Hugging Face's plain-Llama tensor names -> GGUF's (llama.cpp's LLM_ARCH_LLAMA); {i} the layer
+GGUF_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+              "lm_head.weight": "output.weight"}
+GGUF_LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                    "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                    "mlp.down_proj": "ffn_down"}
 
 
 def build_export(shape: dict, context: int, seed: int, folder: Path):
@@ -116,16 +121,88 @@ def ctranslate2_call(hf_dir: Path, folder: Path, prompt: list[int], new_tokens: 
     return call
 
 
+def interleave_rotary_halves(weight, heads: int):
+    """A q or k projection's output rows reordered, head by head, from Hugging Face's rotary layout
+    to llama.cpp's: HF rotates row j of a head with row j + head_dim / 2 (`rotate_half`), llama.cpp
+    rotates rows 2j and 2j + 1, so row j goes to 2j and row j + head_dim / 2 to 2j + 1."""
+    rows, cols = weight.shape
+    half = rows // heads // 2
+    return weight.reshape(heads, 2, half, cols).transpose(0, 2, 1, 3).reshape(rows, cols)  # (rows, cols)
+
+
+def write_gguf(hf_dir: Path, path: Path) -> None:
+    """An exported plain-Llama folder (config.json, model.safetensors) as an fp32 GGUF file for
+    llama.cpp, with no tokenizer (the "none" vocabulary of `vocab_size` ids)."""
+    import json
+
+    import gguf
+    from safetensors.numpy import load_file
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(config["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_tokenizer_model("none")
+    for name, tensor in load_file(str(hf_dir / "model.safetensors")).items():
+        if name in GGUF_NAMES:
+            writer.add_tensor(GGUF_NAMES[name], tensor)
+            continue
+        _, _, layer, rest = name.split(".", 3)  # model.layers.{i}.{rest}.weight
+        part = rest.removesuffix(".weight")
+        if part == "self_attn.q_proj":
+            tensor = interleave_rotary_halves(tensor, heads)
+        elif part == "self_attn.k_proj":
+            tensor = interleave_rotary_halves(tensor, kv_heads)
+        writer.add_tensor(f"blk.{layer}.{GGUF_LAYER_NAMES[part]}.weight", tensor)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def llama_cpp_call(hf_dir: Path, folder: Path, prompt: list[int], new_tokens: int, threads: int):
+    from llama_cpp import Llama
+
+    path = folder / "model-f32.gguf"
+    if not path.exists():
+        write_gguf(hf_dir, path)
+    llm = Llama(model_path=str(path), n_ctx=len(prompt) + new_tokens, n_batch=len(prompt), n_threads=threads,
+                n_threads_batch=threads, verbose=False)
+
+    def call() -> list[int]:
+        tokens = []
+        for token in llm.generate(prompt, top_k=1, temp=0.0, reset=True):  # greedy: its argmax sampler
+            tokens.append(token)
+            if len(tokens) == new_tokens:
+                break
+        return tokens
+
+    return call
+
+
 def unavailable(engine: str) -> str | None:
     """Why an engine cannot run here, or None."""
-    if engine == "llama.cpp":
-        return LLAMA_CPP_NOTE
-    module = {"hf generate": "transformers", "ctranslate2 fp32": "ctranslate2", "ctranslate2 int8": "ctranslate2"}
-    if engine in module:
+    module = {"hf generate": ("transformers",), "ctranslate2 fp32": ("ctranslate2",),
+              "ctranslate2 int8": ("ctranslate2",), "llama.cpp": ("llama_cpp", "gguf")}
+    install = {"llama_cpp": "llama-cpp-python"}
+    for name in module.get(engine, ()):
         try:
-            __import__(module[engine])
+            __import__(name)
         except ImportError:
-            return f"not installed (pip install {module[engine]})"
+            return f"not installed (pip install {install.get(name, name)})"
     return None
 
 
@@ -148,6 +225,8 @@ def make_calls(engines: list[str], model, hf_dir: Path, folder: Path, prompt: li
         elif engine.startswith("ctranslate2"):
             calls[engine] = ctranslate2_call(hf_dir, folder, prompt, new_tokens, threads,
                                              "int8" if engine.endswith("int8") else None)
+        elif engine == "llama.cpp":
+            calls[engine] = llama_cpp_call(hf_dir, folder, prompt, new_tokens, threads)
     return calls
 
 

@@ -167,14 +167,59 @@ def _engines_smoke(tmp_path, capsys, chosen: list[str]) -> None:
                          "--engines", ",".join(chosen), "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["threads"]["1"]
     assert list(rows) == chosen
-    assert "llama-cpp-python" in rows["llama.cpp"]["note"]
-    for engine in chosen[:-1]:
+    for engine in chosen:
         if engines.unavailable(engine) is not None:
-            assert "not installed" in rows[engine]["note"]
+            assert "not installed (pip install" in rows[engine]["note"]
             continue
         assert rows[engine]["ms_per_token"] > 0
         assert rows[engine]["agree"] == 6, (engine, rows[engine])
-    assert f"| {chosen[-2]}" in capsys.readouterr().out
+    assert f"| {chosen[-1]}" in capsys.readouterr().out
+
+
+def _rope(x, positions, pairs):
+    """Rotary embedding of x (T, heads, head_dim) where `pairs` names each rotated pair's two dims:
+    "halves" (j, j + head_dim / 2), Hugging Face's; "adjacent" (2j, 2j + 1), llama.cpp's."""
+    half = x.shape[-1] // 2
+    angle = positions[:, None, None] / 10000.0 ** (torch.arange(half) / half)  # (T, 1, half)
+    a, b = (x[..., :half], x[..., half:]) if pairs == "halves" else (x[..., 0::2], x[..., 1::2])
+    a, b = a * angle.cos() - b * angle.sin(), a * angle.sin() + b * angle.cos()
+    return torch.cat([a, b], -1) if pairs == "halves" else torch.stack([a, b], -1).flatten(-2)
+
+
+def test_the_gguf_layout_gives_llama_cpp_the_same_attention_scores():
+    """Reordered q / k rows under llama.cpp's adjacent-pair rotation give the attention scores the
+    original rows give under Hugging Face's half-split rotation."""
+    engines = _engines_module()
+    torch.manual_seed(0)
+    heads, head_dim, d, T = 3, 8, 12, 5
+    wq, wk, x = torch.randn(heads * head_dim, d), torch.randn(heads * head_dim, d), torch.randn(T, d)
+    positions = torch.arange(T, dtype=torch.float64).float()
+
+    def scores(wq, wk, pairs):
+        q = _rope((x @ wq.T).view(T, heads, head_dim), positions, pairs)
+        k = _rope((x @ wk.T).view(T, heads, head_dim), positions, pairs)
+        return torch.einsum("qhd,khd->hqk", q, k)  # (heads, T, T)
+
+    moved = [torch.from_numpy(engines.interleave_rotary_halves(w.numpy(), heads)) for w in (wq, wk)]
+    torch.testing.assert_close(scores(*moved, "adjacent"), scores(wq, wk, "halves"), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(scores(wq, wk, "adjacent"), scores(wq, wk, "halves"), atol=1e-2)  # order matters
+
+
+def test_write_gguf_holds_every_tensor_and_the_shape(tmp_path):
+    pytest.importorskip("gguf")
+    import gguf
+
+    engines = _engines_module()
+    model, _, hf_dir = engines.build_export(engines.SHAPES["smoke"], 16, 0, tmp_path)
+    engines.write_gguf(hf_dir, tmp_path / "m.gguf")
+    reader = gguf.GGUFReader(str(tmp_path / "m.gguf"))
+    tensors = {t.name: t for t in reader.tensors}
+    layers = engines.SHAPES["smoke"]["n_layer"]
+    assert len(tensors) == 3 + 9 * layers and {f"blk.{layers - 1}.ffn_down.weight", "output.weight"} <= set(tensors)
+    assert tensors["token_embd.weight"].data.tobytes() == model.state_dict()["wte.weight"].numpy().tobytes()
+    field = reader.fields["tokenizer.ggml.model"]
+    assert bytes(field.parts[field.data[0]]).decode() == "none"
+    assert int(reader.fields["llama.block_count"].parts[-1][0]) == layers
 
 
 def test_engines_benchmark_smoke(tmp_path, capsys):
