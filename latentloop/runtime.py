@@ -480,10 +480,31 @@ def eval_data(config: RunConfig, tokenizer, data: str | None = None, progress: b
     return prepared
 
 
+# torch.nn.init's random initialisers: on the meta device they run as Python decompositions whose
+# first call imports torch._dynamo (1.5-3.5 s of a core before a command that loads a run can go on;
+# rope_frequencies avoids the same for its arithmetic), and a shape needs none of them
+RANDOM_INITS = ("normal_", "uniform_", "trunc_normal_", "kaiming_normal_", "kaiming_uniform_", "xavier_normal_",
+                "xavier_uniform_", "orthogonal_", "sparse_")
+
+
+@contextlib.contextmanager
+def _random_inits_skipped():
+    """torch.nn.init's random initialisers leave their tensor as it is inside the block (the model
+    files call them through `nn.init`, as torch's own layers do)."""
+    saved = {name: getattr(nn.init, name) for name in RANDOM_INITS}
+    try:
+        for name in RANDOM_INITS:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, initialiser in saved.items():
+            setattr(nn.init, name, initialiser)
+
+
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """{name: shape} of the weights a config describes, from a model built on the meta device
-    (shapes only: nothing is allocated, however large the config)."""
-    with torch.device("meta"):
+    (shapes only: nothing is allocated or initialised, however large the config)."""
+    with torch.device("meta"), _random_inits_skipped():
         model = build_model(config)
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 

@@ -82,3 +82,28 @@ def test_bpe_tokenizer_train_then_train_a_model(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["completion"] is not None
     assert main(["tokenizer", "train", "--data", f"text:{corpus}", "--vocab-size", "100",
                  "--out", str(tmp_path / "tok2")]) == 2
+
+
+def test_loading_a_run_of_any_arch_imports_no_compiler(tiny_run):
+    """A command that loads a run (generate, eval, serve, ...) checks its weights' shapes against a
+    model built on the meta device first; meta-device arithmetic and random initialisers run as
+    Python decompositions that import torch._dynamo (1.5-3.5 s of a core before the command goes
+    on). The load must import none of it and leave torch's initialisers as they were (the shape
+    check itself: test_robustness's checkpoint cases)."""
+    from pathlib import Path
+
+    from latentloop.archs import ARCHS
+
+    runs = [str(tiny_run(arch)) for arch in ARCHS]
+    script = ("import sys, torch\n"
+              "from latentloop.runtime import load_run\n"
+              "normal = torch.nn.init.normal_\n"
+              "for run in sys.argv[1:]:\n"
+              "    load_run(run)\n"
+              "assert torch.nn.init.normal_ is normal\n"
+              "print(sorted(name for name in sys.modules if name.startswith('torch._dynamo')))\n")
+    repo = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", script, *runs], capture_output=True, text=True, cwd=repo,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"

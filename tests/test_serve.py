@@ -228,7 +228,9 @@ def servers(runs, tmp_path_factory):
     specs["chat"] = (runs["chat"],)
     if HAS_JINJA:  # chat templates render with jinja2 (the hf extra); stopped by its test
         specs["template"] = (runs["template"], "--request-timeout", str(TEMPLATE_TIMEOUT_S))
-    with serving({name: Server(run, logs / f"{name}.log", *flags) for name, (run, *flags) in specs.items()}) as started:
+    # the one that SIGTERM stops starts as a user starts it (python -m latentloop serve); the rest are forked
+    with serving({name: Server(run, logs / f"{name}.log", *flags, entry_point=name == "doomed")
+                  for name, (run, *flags) in specs.items()}) as started:
         yield started
 
 

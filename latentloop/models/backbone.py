@@ -147,11 +147,17 @@ def shift_right(s: Tensor) -> Tensor:
 # --------------------------------------------------------------------------------------------
 
 
+def plain_rope_frequencies(head_dim: int, theta: float) -> Tensor:
+    """theta^(-2i / head_dim) for i < head_dim / 2, (head_dim / 2,). Like the tables, computed on the
+    CPU whatever the default device: a model built on the meta device for its shapes would otherwise
+    run this as Python decompositions, whose first call imports torch._dynamo (seconds)."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim))
+
+
 def rope_frequencies(config: ModelConfig) -> Tensor:
     """The (head_dim / 2,) rotation frequencies, scaled as `config.rope_scaling` says (the same
     arithmetic as Hugging Face's `linear` and `llama3` RoPE types, so imported models match)."""
-    hd = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+    inv_freq = plain_rope_frequencies(config.head_dim, config.rope_theta)
     if config.rope_scaling == "linear":
         return inv_freq / config.rope_factor
     if config.rope_scaling == "llama3":  # long wavelengths / factor, short ones kept, a smooth blend between
@@ -171,8 +177,9 @@ def rope_tables(max_positions: int, head_dim: int, theta: float,
     """cos and signed-sin tables (max_positions, head_dim) laid out for `apply_rope`; `inv_freq`
     overrides the plain frequencies of `theta` (see `rope_frequencies`)."""
     if inv_freq is None:
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # (P, hd/2)
+        inv_freq = plain_rope_frequencies(head_dim, theta)
+    positions = torch.arange(max_positions, dtype=torch.float32, device=inv_freq.device)  # (P,)
+    angles = torch.outer(positions, inv_freq)  # (P, hd/2)
     return torch.cat([angles.cos(), angles.cos()], dim=-1), torch.cat([angles.sin(), -angles.sin()], dim=-1)
 
 
