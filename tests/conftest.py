@@ -177,8 +177,8 @@ def serving(servers: dict):
             server.stop()
 
 
-# What a forked server has imported before it starts: torch, latentloop's command line and its server
-SERVE_PRELOAD = ["torch", "latentloop.cli", "latentloop.serve.app", "uvicorn"]
+# What a process forked for a test (a server, a distributed worker) has imported before it starts
+FORK_PRELOAD = ["torch", "torch.distributed", "latentloop.cli", "latentloop.train", "latentloop.serve.app", "uvicorn"]
 
 
 def _serve_forked(argv: list[str], log: str, env: dict) -> None:
@@ -200,16 +200,17 @@ def _serve_forked(argv: list[str], log: str, env: dict) -> None:
 _forks = None
 
 
-def _fork_context():
-    """multiprocessing's fork server with `SERVE_PRELOAD` imported once: each server forked from it
-    starts in well under a second instead of importing torch again (~3 s of a core each; the suite
-    starts ~20 servers)."""
+def fork_context():
+    """multiprocessing's fork server, `FORK_PRELOAD` imported once: a process forked from it starts
+    in well under a second instead of importing torch again (~3 s of a core each; the suite starts
+    ~20 servers and a few distributed workers this way). Its children inherit the environment the
+    fork server started with: pass what differs explicitly (as ServeProcess's `env` does)."""
     global _forks
     if _forks is None:
         import multiprocessing
 
         _forks = multiprocessing.get_context("forkserver")
-        _forks.set_forkserver_preload(SERVE_PRELOAD)
+        _forks.set_forkserver_preload(FORK_PRELOAD)
     return _forks
 
 
@@ -250,7 +251,7 @@ class ServeProcess:
         argv = ["serve", str(run), "--host", "127.0.0.1", "--port", "0", "--device", "cpu", *flags]
         log.write_text("")
         if not entry_point:
-            process = _fork_context().Process(target=_serve_forked, args=(argv, str(log), env or {}), daemon=False)
+            process = fork_context().Process(target=_serve_forked, args=(argv, str(log), env or {}), daemon=False)
             process.start()
             self.proc = _ForkedProcess(process)
             return

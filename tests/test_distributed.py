@@ -3,7 +3,8 @@ much gradient accumulation, sharded checkpoints resume exactly and export to the
 format, every random draw agrees across ranks, and an error on one rank ends the job.
 
 Processes are started with `torch.multiprocessing` (what torchrun's workers do, without its
-agent) or with torchrun itself for the command line; every start is bounded in time.
+agent), forked from the tests' fork server, or with torchrun itself for the command line; every
+start is bounded in time.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import dist_workers
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import write_corpus
+from conftest import fork_context, write_corpus
 from safetensors.torch import load_file
 
 import latentloop as ll
@@ -60,9 +61,11 @@ def _free_port() -> int:
 
 
 def _start(fn, *args, nprocs: int = WORLD):
-    """`fn(rank, nprocs, port, *args)` in `nprocs` fresh processes (not waited for)."""
+    """`fn(rank, nprocs, port, *args)` in `nprocs` new processes (not waited for), forked from the
+    tests' fork server (conftest.fork_context: torch imported once, not once per process)."""
+    fork_context()  # the fork server torch.multiprocessing's "forkserver" start uses, with its preload set
     return mp.start_processes(fn, args=(nprocs, _free_port(), *args), nprocs=nprocs, join=False,
-                              start_method="spawn")
+                              start_method="forkserver")
 
 
 def _join(context, timeout: float = SPAWN_TIMEOUT_S) -> None:
