@@ -253,3 +253,34 @@ def test_decode_profile_times_every_variant_and_lists_kernels(tmp_path, capsys):
     assert all(len(v) == 2 and min(v) > 0 for v in result["ms_per_step"].values())
     assert len(result["compiled_ops"]) == 3 and len(result["eager_ops"]) == 3
     assert "over the default compiled step" in capsys.readouterr().out
+
+
+def _first_token_module():
+    sys.path.insert(0, str(ROOT))
+    try:
+        from benchmarks import first_token
+    finally:
+        sys.path.remove(str(ROOT))
+    return first_token
+
+
+@pytest.mark.slow  # four `latentloop generate` processes: ~20 s on the shared 2 cores
+def test_first_token_benchmark_times_whole_processes_cold_then_warm(tmp_path):
+    import json
+
+    first_token = _first_token_module()
+    out = tmp_path / "first.json"
+    assert first_token.main(["--shape", "smoke", "--modes", "eager,auto", "--warm", "1", "--new-tokens", "6",
+                             "--json", str(out)]) == 0
+    modes = json.loads(out.read_text())["modes"]
+    assert list(modes) == ["eager", "auto"]
+    for entry in modes.values():
+        for timing in [entry["cold"], *entry["warm"]]:
+            assert 0 < timing["first_token_s"] <= timing["process_s"]
+
+
+def test_first_token_benchmark_refuses_an_unknown_mode(capsys):
+    first_token = _first_token_module()
+    with pytest.raises(SystemExit) as exc:
+        first_token.parse_args(["--modes", "jit"])
+    assert exc.value.code == 2 and "unknown mode 'jit'" in capsys.readouterr().err

@@ -2,6 +2,8 @@
 ordinary cache (default suite), and the compiled step against the eager one (slow: CPU inductor
 compiles take tens of seconds per architecture and option set)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -281,6 +283,31 @@ def test_compile_record_expects_the_cold_cost_then_the_fastest_first_call(compil
     assert again.seen() and again.expected_seconds() == 4.0
     other = CompileRecord(model, {}, fast.new_cache(3, 8))  # another batch size is another graph
     assert not other.seen()
+
+
+def test_compile_cache_dir_counts_inductors_default_as_unset_without_importing_inductor(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+    import tempfile
+
+    from latentloop.models.fast import compile_cache_dir
+
+    monkeypatch.setenv("LATENTLOOP_CACHE", str(tmp_path / "ll"))
+    ours = tmp_path / "ll" / "inductor"
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert compile_cache_dir() == ours
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir as inductor_default
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", inductor_default())  # what importing dynamo writes
+    assert compile_cache_dir() == ours
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / "torchinductor_someone"))
+    assert compile_cache_dir() == ours  # inherited from a parent process run by another user
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # the user's choice
+    assert compile_cache_dir() == tmp_path / "mine"
+    script = ("import sys\nfrom latentloop.models.fast import compile_cache_dir\ncompile_cache_dir()\n"
+              "print('torch._inductor' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "False", result.stderr[-2000:]  # the automatic mode's check costs no import
 
 
 def test_auto_rule_banks_the_saving_of_eager_calls_until_it_pays_the_compile(compile_dir):

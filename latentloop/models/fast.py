@@ -55,6 +55,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import tempfile
 import time
 import types
 import weakref
@@ -349,17 +350,23 @@ class FastDecoder:
 INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"  # inductor's own cache root (FX graph and AOT autograd caches)
 
 
+INDUCTOR_DEFAULT_PREFIX = "torchinductor_"  # inductor's default cache: <temp dir>/torchinductor_<user>
+
+
 def compile_cache_dir() -> Path:
     """Where compiled decode steps are kept across processes: $TORCHINDUCTOR_CACHE_DIR when the user
     set it, else the latentloop cache's `inductor/` (so `LATENTLOOP_CACHE` moves it with the other
-    caches). Importing dynamo writes inductor's default (a folder in /tmp, lost at reboot) into the
-    variable, so that value counts as unset."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir as inductor_default
-
+    caches). Importing dynamo writes inductor's default (a folder in the temp dir, lost at reboot)
+    into the variable, and child processes inherit it, so a folder of that name counts as unset. It
+    is recognised by its name, not by asking inductor: importing torch._inductor costs seconds, and
+    the automatic mode reads its compile records here on every decision, compiling or not."""
     chosen = os.environ.get(INDUCTOR_CACHE_ENV)
-    if not chosen or os.path.abspath(chosen) == os.path.abspath(inductor_default()):
+    if not chosen:
         return default_cache_dir() / "inductor"
-    return Path(chosen)
+    path = Path(os.path.abspath(chosen))
+    if path.parent == Path(os.path.abspath(tempfile.gettempdir())) and path.name.startswith(INDUCTOR_DEFAULT_PREFIX):
+        return default_cache_dir() / "inductor"
+    return path
 
 
 def use_compile_cache() -> None:
