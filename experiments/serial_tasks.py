@@ -63,6 +63,7 @@ ARCHS = {  # name -> (model fields, {label: decoding options})
     "lrt": ({"arch": "lrt"}, {"lrt": {}}),
 }
 BASELINE = "gpt"  # each label's per-seed accuracy is paired against this one's
+PLOTTED_DEPTHS = (f"rgpt r={RECURRENCE}", f"rgpt r={2 * RECURRENCE}")  # rgpt's depths on the plot
 
 
 def run_one(out: Path, task: str, arch: str, seed: int, steps: int, limit: int) -> dict:
@@ -193,16 +194,27 @@ def plot(results: list[dict], out: Path) -> None:
         rows = [r for r in results if r["task"] == task]
         if not rows:
             continue
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig, ax = plt.subplots(figsize=(6.5, 4.2))
         for label in {label: None for r in rows for label in r["scores"]}:
+            if label not in PLOTTED_DEPTHS and label.startswith("rgpt r="):
+                continue  # every depth is in results.md; the plot keeps R and 2R legible
             with_label = [r for r in rows if label in r["scores"]]
             lengths = sorted({int(k) for r in with_label for k in r["scores"][label]["by_length"]})
-            means = [statistics.mean(_accuracy(r["scores"][label]["by_length"][str(n)]) for r in with_label
-                                     if str(n) in r["scores"][label]["by_length"]) for n in lengths]
-            ax.plot(lengths, means, marker="o", label=label)
+            per_length = [[_accuracy(r["scores"][label]["by_length"][str(n)]) for r in with_label
+                           if str(n) in r["scores"][label]["by_length"]] for n in lengths]
+            line, = ax.plot(lengths, [statistics.mean(v) for v in per_length], marker="o", label=label)
+            ax.fill_between(lengths, [min(v) for v in per_length], [max(v) for v in per_length],
+                            color=line.get_color(), alpha=0.12, linewidth=0)  # the seeds' range
+        first = next((s["per_length"] for r in rows for s in r["scores"].values() if s.get("per_length")), {})
+        lengths = sorted(first, key=int)
+        for kind, style in (("copy", ":"), ("majority", "-.")):  # what a model gets for nothing, same items
+            points = [(int(n), first[n][kind]) for n in lengths if first[n].get(kind) is not None]
+            if points:
+                ax.plot(*zip(*points), color="black", linestyle=style, linewidth=1.2, label=f"baseline: {kind}")
         ax.axvline(_train_max(data_spec) + 0.5, color="grey", linestyle="--", linewidth=1)
-        ax.set(xlabel="problem length (serial steps)", ylabel="accuracy (greedy)", ylim=(-0.02, 1.02),
-               title=f"{task}: mean over seeds; dashed = end of training range")
+        ax.set_xticks([int(n) for n in lengths])
+        ax.set(xlabel="problem length (serial steps)", ylabel="accuracy (greedy, held-out items)", ylim=(-0.02, 1.02))
+        ax.set_title(f"{task}: mean over seeds (band: their range); dashed: end of training range", fontsize=9)
         ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(out / f"serial_{task}.png", dpi=120)
