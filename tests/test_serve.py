@@ -324,8 +324,12 @@ SAMPLED = [("import", 5, {"temperature": 0.9, "top_k": 20, "seed": 1}, 1),
            ("x", 4, {"temperature": 0.7, "seed": 3}, 1),
            ("return state", 6, {"temperature": 0}, 1),
            ("for i in", 5, {"temperature": 0.8, "top_k": 5, "top_p": 0.9, "seed": 4}, 1)]
-LONG_TOKENS = 20  # the request already decoding when the others arrive (greedy; more of them outlast
-# the rgpt server's --request-timeout on a loaded machine)
+# The request already decoding when the others arrive (greedy): long enough to still be decoding when
+# they do (20 steps of a tiny gpt end within milliseconds on a quiet machine, before any joined);
+# rgpt's slower steps overlap at 20, and more of them outlast its server's --request-timeout on a
+# loaded machine
+LONG_TOKENS = {"rgpt": 20}
+LONG_TOKENS_DEFAULT = 96  # with PROMPT and BOS, within CONTEXT
 SCHEDULERS = {**{arch: arch for arch in ARCHS}, "rounds": "fbt"}  # server -> its model's arch
 
 
@@ -335,6 +339,7 @@ def test_concurrent_requests_with_different_sampling_each_equal_alone(servers, m
     seeds and n arrive together: each gets exactly what the engine gives it alone (the continuous
     scheduler joins them to the running batch; the round scheduler runs them in the next round)."""
     server, model = servers[server_name], models[SCHEDULERS[server_name]]
+    long_tokens_wanted = LONG_TOKENS.get(SCHEDULERS[server_name], LONG_TOKENS_DEFAULT)
     before = server.stats()
 
     def expected(prompt: str, max_tokens: int, sampling: dict, n: int) -> list[list[int]]:
@@ -346,7 +351,7 @@ def test_concurrent_requests_with_different_sampling_each_equal_alone(servers, m
         return httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "n": n,
                                                                 "logprobs": 0, **sampling}, timeout=CALL_TIMEOUT_S)
 
-    long_body = {"prompt": PROMPT, "max_tokens": LONG_TOKENS, "temperature": 0, "logprobs": 0, "stream": True}
+    long_body = {"prompt": PROMPT, "max_tokens": long_tokens_wanted, "temperature": 0, "logprobs": 0, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=long_body, timeout=CALL_TIMEOUT_S) as reply:
         lines = reply.iter_lines()
         chunks = [json.loads(next(line for line in lines if line.startswith("data: "))[len("data: "):])]
@@ -356,7 +361,7 @@ def test_concurrent_requests_with_different_sampling_each_equal_alone(servers, m
                    if line.startswith("data: ") and line != "data: [DONE]"]
     assert all("choices" in c for c in chunks), chunks[-1]
     long_tokens = [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]]
-    assert long_tokens == strings(expected(PROMPT, LONG_TOKENS, {"temperature": 0}, 1)[0])
+    assert long_tokens == strings(expected(PROMPT, long_tokens_wanted, {"temperature": 0}, 1)[0])
     for case, reply in zip(SAMPLED, replies):
         assert reply.status_code == 200, reply.text
         choices = reply.json()["choices"]
