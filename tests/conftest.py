@@ -183,7 +183,9 @@ FORK_PRELOAD = ["torch", "torch.distributed", "latentloop.cli", "latentloop.trai
 
 def _serve_forked(argv: list[str], log: str, env: dict) -> None:
     """A forked server's body: `latentloop serve ...` as its command line would run it, output to
-    `log`, `env` set first (a thread count is applied: torch read the variables at import)."""
+    `log`, in the environment `env` (the starting test's, as a subprocess would inherit it, not the
+    fork server's; a thread count is applied: torch read the variables at its import)."""
+    os.environ.clear()
     os.environ.update(env)
     os.chdir(REPO)
     fd = os.open(log, os.O_WRONLY | os.O_APPEND)
@@ -204,7 +206,8 @@ def fork_context():
     """multiprocessing's fork server, `FORK_PRELOAD` imported once: a process forked from it starts
     in well under a second instead of importing torch again (~3 s of a core each; the suite starts
     ~20 servers and a few distributed workers this way). Its children inherit the environment the
-    fork server started with: pass what differs explicitly (as ServeProcess's `env` does)."""
+    fork server started with: ServeProcess hands its server the starting test's; a distributed
+    worker sets the variables it reads itself (dist_workers.join)."""
     global _forks
     if _forks is None:
         import multiprocessing
@@ -243,7 +246,7 @@ class _ForkedProcess:
 class ServeProcess:
     """`latentloop serve RUN --port 0 FLAGS` in a process of its own on the loopback interface; `url`
     and `port` are known once `wait_ready` returns. `env`: variables added to ours. Forked from a
-    process that has imported the server already (`_fork_context`), or with `entry_point=True`
+    process that has imported the server already (`fork_context`), or with `entry_point=True`
     started as `python -m latentloop serve ...`, the way a user starts it."""
 
     def __init__(self, run: Path, log: Path, *flags: str, env: dict | None = None, entry_point: bool = False):
@@ -251,7 +254,8 @@ class ServeProcess:
         argv = ["serve", str(run), "--host", "127.0.0.1", "--port", "0", "--device", "cpu", *flags]
         log.write_text("")
         if not entry_point:
-            process = fork_context().Process(target=_serve_forked, args=(argv, str(log), env or {}), daemon=False)
+            process = fork_context().Process(target=_serve_forked, args=(argv, str(log), {**os.environ, **(env or {})}),
+                                             daemon=False)
             process.start()
             self.proc = _ForkedProcess(process)
             return
