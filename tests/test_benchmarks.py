@@ -84,17 +84,19 @@ def test_the_training_floor_runs_the_products_and_attention_of_a_training_step()
 
 
 
-def _time_to_quality():
+def _benchmark(name: str):
+    """The module `benchmarks.NAME` of this checkout (the folder is not an installed package)."""
+    import importlib
+
     sys.path.insert(0, str(ROOT))
     try:
-        from benchmarks import time_to_quality
+        return importlib.import_module(f"benchmarks.{name}")
     finally:
         sys.path.remove(str(ROOT))
-    return time_to_quality
 
 
 def test_time_to_quality_finds_the_first_kept_state_at_the_target_by_bisection():
-    ttq = _time_to_quality()
+    ttq = _benchmark("time_to_quality")
     values = [5.0, 4.0, 3.5, 3.0, 2.875, 2.5, 2.375, 2.0]  # val BPB of each kept state, falling (exact in fp32)
 
     class Bench:  # evaluates a state as its one weight's value, counting the evaluations
@@ -117,7 +119,7 @@ def test_time_to_quality_runs_every_registered_arch_against_nanogpt(tmp_path):
     figure is nanoGPT's time over the time of the first kept state at or below it."""
     from latentloop.archs import ARCHS
 
-    ttq = _time_to_quality()
+    ttq = _benchmark("time_to_quality")
     if ttq.load_nanogpt() is None:
         pytest.skip("../shared/anchors/nanogpt_model.py is absent")
     corpus = tmp_path / "corpus.txt"
@@ -146,22 +148,13 @@ def test_time_to_quality_runs_every_registered_arch_against_nanogpt(tmp_path):
             assert row["speedup"] == pytest.approx(nano["train_s"] / row["time_s"])
 
 
-def _engines_module():
-    sys.path.insert(0, str(ROOT))
-    try:
-        from benchmarks import engines
-    finally:
-        sys.path.remove(str(ROOT))
-    return engines
-
-
 def _engines_smoke(tmp_path, capsys, chosen: list[str]) -> None:
     """`python -m benchmarks.engines` at a tiny shape: every row it can run is timed and its greedy
     tokens agree with latentloop eager's (fp32 engines, the same exported weights); the engines it
     cannot run are rows with a note, not errors."""
     import json
 
-    engines = _engines_module()
+    engines = _benchmark("engines")
     out = tmp_path / "engines.json"
     assert engines.main(["--shape", "smoke", "--prompt-len", "4", "--new-tokens", "6", "--repeats", "1",
                          "--engines", ",".join(chosen), "--json", str(out)]) == 0
@@ -189,11 +182,11 @@ def _rope(x, positions, pairs):
 def test_the_gguf_layout_gives_llama_cpp_the_same_attention_scores():
     """Reordered q / k rows under llama.cpp's adjacent-pair rotation give the attention scores the
     original rows give under Hugging Face's half-split rotation."""
-    engines = _engines_module()
+    engines = _benchmark("engines")
     torch.manual_seed(0)
     heads, head_dim, d, T = 3, 8, 12, 5
     wq, wk, x = torch.randn(heads * head_dim, d), torch.randn(heads * head_dim, d), torch.randn(T, d)
-    positions = torch.arange(T, dtype=torch.float64).float()
+    positions = torch.arange(T, dtype=torch.float32)
 
     def scores(wq, wk, pairs):
         q = _rope((x @ wq.T).view(T, heads, head_dim), positions, pairs)
@@ -206,10 +199,8 @@ def test_the_gguf_layout_gives_llama_cpp_the_same_attention_scores():
 
 
 def test_write_gguf_holds_every_tensor_and_the_shape(tmp_path):
-    pytest.importorskip("gguf")
-    import gguf
-
-    engines = _engines_module()
+    gguf = pytest.importorskip("gguf")
+    engines = _benchmark("engines")
     model, _, hf_dir = engines.build_export(engines.SHAPES["smoke"], 16, 0, tmp_path)
     engines.write_gguf(hf_dir, tmp_path / "m.gguf")
     reader = gguf.GGUFReader(str(tmp_path / "m.gguf"))
@@ -232,7 +223,7 @@ def test_engines_benchmark_smoke_against_hf_and_ctranslate2(tmp_path, capsys):
 
 
 def test_engines_benchmark_refuses_an_unknown_engine(capsys):
-    engines = _engines_module()
+    engines = _benchmark("engines")
     with pytest.raises(SystemExit) as exc:
         engines.parse_args(["--engines", "vllm"])
     assert exc.value.code == 2 and "unknown engine 'vllm'" in capsys.readouterr().err
@@ -242,8 +233,7 @@ def test_engines_benchmark_refuses_an_unknown_engine(capsys):
 def test_decode_profile_times_every_variant_and_lists_kernels(tmp_path, capsys):
     """`python -m benchmarks.decode_profile` at a tiny length: each A/B variant timed in every round,
     and the compiled step's kernels and the eager step's ops listed (the top N by self time)."""
-    from benchmarks import decode_profile
-
+    decode_profile = _benchmark("decode_profile")
     out = tmp_path / "profile.json"
     assert decode_profile.main(["--prompt-len", "4", "--new-tokens", "6", "--repeats", "2", "--top", "3",
                                 "--json", str(out)]) == 0
@@ -255,20 +245,11 @@ def test_decode_profile_times_every_variant_and_lists_kernels(tmp_path, capsys):
     assert "over the default compiled step" in capsys.readouterr().out
 
 
-def _first_token_module():
-    sys.path.insert(0, str(ROOT))
-    try:
-        from benchmarks import first_token
-    finally:
-        sys.path.remove(str(ROOT))
-    return first_token
-
-
 @pytest.mark.slow  # four `latentloop generate` processes: ~20 s on the shared 2 cores
 def test_first_token_benchmark_times_whole_processes_cold_then_warm(tmp_path):
     import json
 
-    first_token = _first_token_module()
+    first_token = _benchmark("first_token")
     out = tmp_path / "first.json"
     assert first_token.main(["--shape", "smoke", "--modes", "eager,auto", "--warm", "1", "--new-tokens", "6",
                              "--json", str(out)]) == 0
@@ -280,7 +261,7 @@ def test_first_token_benchmark_times_whole_processes_cold_then_warm(tmp_path):
 
 
 def test_first_token_benchmark_refuses_an_unknown_mode(capsys):
-    first_token = _first_token_module()
+    first_token = _benchmark("first_token")
     with pytest.raises(SystemExit) as exc:
         first_token.parse_args(["--modes", "jit"])
     assert exc.value.code == 2 and "unknown mode 'jit'" in capsys.readouterr().err
