@@ -37,7 +37,7 @@ from latentloop.cli import main
 from latentloop.data.chat import iter_conversations
 from latentloop.data.loader import eval_batches
 from latentloop.data.tasks import TASKS_VERSION, parse_task_spec
-from latentloop.eval.generation import BASELINE_KINDS, run_generation_tasks
+from latentloop.eval.generation import baseline_markdown, run_generation_tasks
 from latentloop.eval.loss import loss_by_position
 from latentloop.eval.stats import format_comparison, paired_comparison, t_interval, verdict
 from latentloop.objectives.base import token_cross_entropy
@@ -204,13 +204,8 @@ def task_lines(report: dict) -> list[str]:
     first = next((rows[label] for entry in report.get("task", {}).values() for rows in [entry.get("after", {})]
                   for label in rows if rows[label].get("by_length")), None)
     if first is not None:  # every seed draws the same held-out problems
-        lengths = sorted(first["by_length"], key=int)
-        cell = (lambda v: "n/a" if v is None else f"{v:.2f}")  # noqa: E731
         lines += ["", "Baselines on the same items (per operand length in digits):", "",
-                  "| baseline | " + " | ".join(f"{n} digits" for n in lengths) + " |", "|---|" + "---:|" * len(lengths)]
-        for kind in BASELINE_KINDS:
-            lines.append(f"| {kind} | " + " | ".join(cell(first["by_length"][n].get(kind)) for n in lengths) + " |")
-        lines.append("| items (n) | " + " | ".join(str(first["by_length"][n].get("n", "")) for n in lengths) + " |")
+                  *baseline_markdown(first["by_length"], column="{} digits".format)]
     comparisons = []  # (what, per-seed values, per-seed baseline, lower word, higher word)
     base = _per_seed(report, BASELINE, "plain", "after", "accuracy")
     for arch in REGIMES:

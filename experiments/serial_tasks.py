@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config  # noqa: E402
-from latentloop.eval.generation import run_generation_tasks  # noqa: E402
+from latentloop.eval.generation import baseline_markdown, run_generation_tasks  # noqa: E402
 from latentloop.eval.stats import format_comparison, paired_comparison, verdict  # noqa: E402
 from latentloop.models.rgpt import rgpt_shape_from_dense  # noqa: E402
 from latentloop.train import fit, setup  # noqa: E402
@@ -143,14 +143,7 @@ def baseline_lines(rows: list[dict], lengths: list[int]) -> list[str]:
     first = next((score for r in rows for score in r["scores"].values() if score.get("per_length")), None)
     if first is None:
         return []
-    cell = (lambda v: "n/a" if v is None else f"{v:.2f}")  # noqa: E731
-    lines = ["", "| baseline | " + " | ".join(f"len {n}" for n in lengths) + " |", "|---|" + "---:|" * len(lengths)]
-    for kind in ("chance", "copy", "majority"):
-        lines.append(f"| {kind} | " + " | ".join(cell(first["per_length"].get(str(n), {}).get(kind)) for n in lengths)
-                     + " |")
-    lines.append("| test items (n) | " + " | ".join(str(first["per_length"].get(str(n), {}).get("n", ""))
-                                                      for n in lengths) + " |")
-    return lines
+    return ["", *baseline_markdown(first["per_length"], lengths)]
 
 
 def paired_lines(rows: list[dict], train_high: int) -> list[str]:

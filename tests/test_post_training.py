@@ -56,6 +56,7 @@ def test_post_training_report_pairs_each_regime_by_seed_beside_the_baselines():
     assert "| accuracy after SFT, fbt standard - gpt | 0.210 [0.185, 0.235] | better |" in text
     assert "| trace tokens after SFT, fbt soft - fbt standard | -3.000 [-5.484, -0.516] | shorter |" in text
     assert "| trace tokens after SFT, fbt fused - fbt standard | 1.000 [-1.484, 3.484] | undecided |" in text
-    assert "| chance | 0.05 | 0.01 |" in text and "| copy | 0.00 | n/a |" in text and "| items (n) | 4 | 6 |" in text
+    assert "| chance | 0.05 | 0.01 |" in text and "| copy | 0.00 | n/a |" in text
+    assert "| baseline | 1 digits | 2 digits |" in text and "| test items (n) | 4 | 6 |" in text
     assert "| gpt | 3 | 0.00 [0.00, 0.00] | 0.11 [0.09, 0.13] |" in text
     assert "rgpt" not in text  # no runs, no rows or comparisons

@@ -470,6 +470,24 @@ def format_by_length(result: dict) -> list[str]:
             lines.append(f"  {kind}: " + (f"n/a, {reason}" if reason else rule))
     return lines
 
+def baseline_markdown(by_length: dict, lengths: Sequence[int] | None = None,
+                      column: Callable[[int], str] = "len {}".format) -> list[str]:
+    """A Markdown table of a built-in task's baselines per length (a report's `by_length`: what a
+    model gets for nothing on those items) and the items' count; `lengths` (default: the report's)
+    are the columns, `column` names one. n/a where a baseline is undefined or a length is missing."""
+    lengths = sorted(int(n) for n in by_length) if lengths is None else list(lengths)
+
+    def cell(value) -> str:
+        return "n/a" if value is None else f"{value:.2f}"
+
+    lines = ["| baseline | " + " | ".join(column(n) for n in lengths) + " |", "|---|" + "---:|" * len(lengths)]
+    for kind in BASELINE_KINDS:
+        lines.append(f"| {kind} | " + " | ".join(cell(by_length.get(str(n), {}).get(kind)) for n in lengths) + " |")
+    lines.append("| test items (n) | " + " | ".join(str(by_length.get(str(n), {}).get("n", "")) for n in lengths)
+                 + " |")
+    return lines
+
+
 def eval_reasoning_task(model, tokenizer, data_dir, options, limit, progress, *, spec: str,
                         max_new_tokens: int | None = None, batch_size: int = DEFAULT_BATCH_SIZE) -> dict:
     """Accuracy on the test split of a built-in task (`spec`: a name, optionally with knobs)."""
@@ -666,7 +684,7 @@ def run_generation_tasks(model, tokenizer, names: Sequence[str] | str, data_dir:
     return {name: fn(model, tokenizer, data, dict(options or {}), limit, progress) for name, fn in functions.items()}
 
 
-__all__ = ["GENERATION_TASKS", "Generation", "eval_chat_gsm8k", "eval_chat_task", "eval_gsm8k",
+__all__ = ["GENERATION_TASKS", "Generation", "baseline_markdown", "eval_chat_gsm8k", "eval_chat_task", "eval_gsm8k",
             "eval_humaneval", "eval_reasoning_task", "format_by_length",
            "eval_simple_arithmetic", "eval_svamp", "extract_number", "generate_texts", "humaneval_program",
            "numbers_match", "pass_at_k", "resolve_generation_task", "run_generation_tasks", "split_task_names"]
