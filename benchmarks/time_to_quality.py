@@ -7,7 +7,7 @@ BPB that nanoGPT's `model.py` reaches in N steps, on this CPU, in the same run.
    whole validation split is the target.
 2. Each registered architecture (or `--archs`), built at the same preset, trained by latentloop's
    default recipe (`TrainConfig()`'s optimizer, lr, schedule, precision, with `steps` = N) and by
-   each of `--recipes` (changes to it: bf16, muon), through the trainer's own step
+   each of `--recipes` (changes to it: adamw, bf16), through the trainer's own step
    (`latentloop.train.train_step`). Its weights are kept every `--check-every` steps; after the run
    the first kept state whose whole-split validation BPB is at or below the target is found by
    bisection (validation BPB falls with training here: the search assumes it), and its time is the
@@ -32,7 +32,7 @@ bfloat16) with everything else equal and reports both validation BPBs (whole spl
 time: the measurement that decides whether bf16 may be the CPU default (within 1% BPB).
 
     .venv/bin/python -m benchmarks.time_to_quality [--preset tiny] [--steps 300] [--repeats 3] \
-        [--archs gpt fbt] [--recipes default bf16 muon]
+        [--archs gpt fbt] [--recipes default adamw bf16]
     .venv/bin/python -m benchmarks.time_to_quality --precision-check --preset small --steps 100
 """
 
@@ -71,8 +71,8 @@ NANOGPT_WARMUP_SHARE = 0.1  # short runs: warmup at most this share of the steps
 NANOGPT_GRAD_CLIP = 1.0
 PRECISIONS = ("float32", "bfloat16")
 # latentloop recipes a run can compare: the default, and changes to it (TrainConfig fields)
-RECIPES: dict[str, dict[str, Any]] = {"default": {}, "bf16": {"dtype": "bfloat16"}, "muon": {"optimizer": "muon"},
-                                      "bf16+muon": {"dtype": "bfloat16", "optimizer": "muon"}}
+RECIPES: dict[str, dict[str, Any]] = {"default": {}, "adamw": {"optimizer": "adamw"}, "bf16": {"dtype": "bfloat16"},
+                                      "bf16+adamw": {"dtype": "bfloat16", "optimizer": "adamw"}}
 
 
 def nanogpt_lr(step: int, steps: int) -> float:

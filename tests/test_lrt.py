@@ -194,16 +194,17 @@ def test_source_layer_defaults_to_the_upper_middle():
     assert model_config("lrt", "tiny", source_layer=-1).source_layer == -1  # the released code's top state
 
 
-def test_residual_scalars_get_their_own_learning_rate():
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_residual_scalars_get_their_own_learning_rate(optimizer):
     model = ll.build("lrt", preset="test", residual_lr=0.05)
-    (opt,) = build_optimizers(model, TrainConfig(lr=1e-3))
+    opt = build_optimizers(model, TrainConfig(lr=1e-3, optimizer=optimizer))[0]  # AdamW: first under both
     scalars = {id(b.mem_alpha) for b in model.blocks} | {id(b.mem_gamma) for b in model.blocks}
     groups = [g for g in opt.param_groups if {id(p) for p in g["params"]} & scalars]
     assert len(groups) == 1 and {id(p) for p in groups[0]["params"]} == scalars
     assert groups[0]["initial_lr"] == 0.05 and groups[0]["weight_decay"] == 0.0
     set_lr([opt], 0.5)
     assert groups[0]["lr"] == pytest.approx(0.025)  # scheduled like every other group
-    (plain_opt,) = build_optimizers(ll.build("lrt", preset="test"), TrainConfig(lr=1e-3))
+    plain_opt = build_optimizers(ll.build("lrt", preset="test"), TrainConfig(lr=1e-3, optimizer=optimizer))[0]
     assert all(g["initial_lr"] == 1e-3 for g in plain_opt.param_groups)  # residual_lr 0: the run's lr
     ve = ll.build("lrt", preset="test", value_embeds=True)
     muon_opts = build_optimizers(ve, TrainConfig(optimizer="muon"))

@@ -25,6 +25,7 @@ from latentloop.data.chat import (
 from latentloop.engine import teacher_forced_logits
 from latentloop.objectives.fbt import sft_fuse_mask
 from latentloop.runtime import load_run, save_run
+from latentloop.train.stages import EXTEND_LR_SHARE, SFT_LR_SHARE
 
 CHAT = ByteTokenizer(chat=True)
 
@@ -123,6 +124,10 @@ def test_sft_stage_grows_the_vocabulary_trains_and_resumes(tmp_path, capsys, arc
     assert summary["step"] == 3 and summary["val_loss"] == summary["val_loss"]  # finite, masked val loss
     model, tokenizer, config, _ = load_run(out)
     assert tokenizer.chat_tokens is not None and config.model.vocab_size == 263 and config.train.stage == "sft"
+    pretraining = TrainConfig()  # both optimizers' peak lrs a fifth of pretraining's (Muon's too, not 0.02)
+    assert config.train.optimizer == pretraining.optimizer
+    assert (config.train.lr, config.train.muon_lr) == pytest.approx(
+        (pretraining.lr * SFT_LR_SHARE, pretraining.muon_lr * SFT_LR_SHARE))
     base_model, _, _, _ = load_run(base)
     # old ids kept their rows until training moved them a little; the new ones started at the mean
     assert model.wte.weight.shape[0] == base_model.wte.weight.shape[0] + 4
@@ -141,6 +146,8 @@ def test_extend_stage_scales_rope_theta_and_stays_exact(tmp_path, capsys):
     head_dim = config.model.head_dim
     assert f"extend: context 64 -> 128, RoPE base (rope_theta) 10000 -> {config.model.rope_theta:g}" in err
     assert config.model.sequence_len == 128
+    assert (config.train.lr, config.train.muon_lr) == pytest.approx(
+        (TrainConfig().lr * EXTEND_LR_SHARE, TrainConfig().muon_lr * EXTEND_LR_SHARE))
     assert config.model.rope_theta == pytest.approx(10000.0 * 2 ** (head_dim / (head_dim - 2)))
     # the slowest rotary pair turns at position 2p by the angle it had at p before the extension
     slow_old = 10000.0 ** (-(head_dim - 2) / head_dim)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint import find_tokenizer_file, read_run_config, resolve_checkpoint
-from ..config import RunConfig, apply_overrides, extended_rope_theta
+from ..config import RunConfig, TrainConfig, apply_overrides, extended_rope_theta
 from ..data.chat import is_chat_source
 from ..errors import ConfigError
 
@@ -24,15 +24,28 @@ def check_stage(config: RunConfig, resume: bool, init_from: str | Path | None) -
         raise ConfigError(f"stage {stage} continues a trained run: give --init-from RUN")
 
 
+# Each stage's peak learning rates as a share of pretraining's defaults, for both optimizers' groups
+# (AdamW's lr and Muon's muon_lr), so that neither optimizer's half of a muon run keeps pretraining's
+# step size
+SFT_LR_SHARE = 1 / 5  # nanochat's SFT uses a small lr too
+EXTEND_LR_SHARE = 1 / 3
+
+
+def _peak_lrs(share: float) -> dict[str, float]:
+    pretraining = TrainConfig()
+    return {"train.lr": pretraining.lr * share, "train.muon_lr": pretraining.muon_lr * share}
+
+
 # What each stage changes in the base run's config unless the user says otherwise (why, each):
 STAGE_DEFAULTS: dict[str, dict[str, Any]] = {
-    # A short run on few tokens: a fifth of pretraining's peak lr (nanochat's SFT uses a small lr too)
-    # decaying to zero, no warm start from a stable phase.
-    "sft": {"train.lr": 6e-4, "train.warmup_steps": 10, "train.min_lr_ratio": 0.0, "train.schedule": "cosine",
-            "train.eval_every": 50},
-    # Continued pretraining at the new length: a third of the peak lr with a short re-warmup (the
+    # A short run on few tokens: a fifth of pretraining's peak lrs decaying to zero, no warm start
+    # from a stable phase.
+    "sft": {**_peak_lrs(SFT_LR_SHARE), "train.warmup_steps": 10, "train.min_lr_ratio": 0.0,
+            "train.schedule": "cosine", "train.eval_every": 50},
+    # Continued pretraining at the new length: a third of the peak lrs with a short re-warmup (the
     # optimizer state starts afresh), cosine to 10%.
-    "extend": {"train.lr": 1e-3, "train.warmup_steps": 20, "train.min_lr_ratio": 0.1, "train.schedule": "cosine"},
+    "extend": {**_peak_lrs(EXTEND_LR_SHARE), "train.warmup_steps": 20, "train.min_lr_ratio": 0.1,
+               "train.schedule": "cosine"},
 }
 
 
