@@ -2,7 +2,7 @@
 (issue 26): one gpt of a Llama-compatible shape (SwiGLU, no qk/embedding norm) saved as a run,
 exported with `latentloop export --plain`, and decoded greedily at batch 1 by
 
-- latentloop: eager (`compile=False`), compiled (`compile=True`), compiled int8 (`quantize_int8`);
+- latentloop: eager (`compile=False`), compiled (`compile=True`), eager and compiled int8 (`quantize_int8`);
 - Hugging Face `generate` on the exported folder (needs transformers);
 - CTranslate2 fp32 and int8 (`pip install ctranslate2`), converted from the exported folder;
 - llama.cpp through llama-cpp-python (`pip install llama-cpp-python gguf`: PyPI has only its source
@@ -48,7 +48,7 @@ SHAPES = {  # the issue's two shapes (with the byte vocabulary, see the docstrin
     "smoke": dict(n_layer=2, n_embd=64, n_head=2),  # for the test: seconds, not minutes
 }
 LLAMA_COMPATIBLE = dict(qk_norm=False, embed_norm=False, mlp="swiglu")  # what `export --plain` requires
-ENGINES = ("latentloop eager", "latentloop compiled", "latentloop compiled int8", "hf generate",
+ENGINES = ("latentloop eager", "latentloop compiled", "latentloop eager int8", "latentloop compiled int8", "hf generate",
            "ctranslate2 fp32", "ctranslate2 int8", "llama.cpp")
 REFERENCE = "latentloop eager"  # every engine's tokens are compared with these
 # Hugging Face's plain-Llama tensor names -> GGUF's (llama.cpp's LLM_ARCH_LLAMA); {i} the layer
@@ -216,10 +216,11 @@ def make_calls(engines: list[str], model, hf_dir: Path, folder: Path, prompt: li
             calls[engine] = latentloop_call(model, prompt, new_tokens, compile=False)
         elif engine == "latentloop compiled":
             calls[engine] = latentloop_call(model, prompt, new_tokens, compile=True)
-        elif engine == "latentloop compiled int8":
+        elif engine.startswith("latentloop") and engine.endswith("int8"):
             import copy
 
-            calls[engine] = latentloop_call(quantize_int8(copy.deepcopy(model)), prompt, new_tokens, compile=True)
+            calls[engine] = latentloop_call(quantize_int8(copy.deepcopy(model)), prompt, new_tokens,
+                                            compile=engine == "latentloop compiled int8")
         elif engine == "hf generate":
             calls[engine] = hf_call(hf_dir, prompt, new_tokens)
         elif engine.startswith("ctranslate2"):

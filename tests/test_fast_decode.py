@@ -378,6 +378,71 @@ def test_int8_rows_round_to_within_half_a_step():
     assert bool((q[3] == 0).all())
 
 
+# (rows, out, in): one row and a decode batch; widths that are and are not multiples of the kernel's
+# 32- and 8-wide steps; more rows than the kernel takes (the converted product then)
+INT8_SHAPES = [(1, 96, 64), (3, 40, 37), (8, 130, 200), (1, 7, 5), (2, 256, 1024), (9, 33, 70)]
+
+
+@pytest.mark.parametrize("rows,out,width", INT8_SHAPES)
+def test_native_int8_kernel_equals_the_dequantised_product(rows, out, width, monkeypatch):
+    """The native kernel (float32 products of the widened int8 weights) equals the float product of
+    the dequantised weight up to float32 rounding, on one thread and on several (each output is one
+    thread's sum, so the two are bit-identical), and it is the kernel that ran."""
+    from latentloop.models import quant
+    from latentloop.models.native import native_status
+
+    if native_status(quant.KERNEL) != "native":
+        pytest.skip(f"no native int8 kernel here: {native_status(quant.KERNEL)}")
+    torch.manual_seed(rows * out + width)
+    q, scale = quant.quantize_rows(torch.randn(out, width))
+    x = torch.randn(rows, width) * 3
+    reference = x.double() @ (q.double() * scale.double()[:, None]).T
+    if rows <= quant.KERNEL_MAX_ROWS:  # the torch path must not run where the kernel applies
+        monkeypatch.setattr(quant, "_converted_product", lambda *a: pytest.fail("the torch path ran"))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = quant.int8_product(x, q, scale)
+        torch.set_num_threads(2)
+        monkeypatch.setattr(quant, "PARALLEL_MIN_MACS", 0)  # every shape split over the threads
+        split = quant.int8_product(x, q, scale)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(one.double(), reference, rtol=1e-5, atol=1e-5 * float(reference.abs().max()))
+    if rows <= quant.KERNEL_MAX_ROWS:
+        assert torch.equal(split, one)
+    else:  # torch's matrix product may sum in another order on two threads
+        torch.testing.assert_close(split, one, rtol=1e-5, atol=1e-5 * float(reference.abs().max()))
+    # leading dimensions pass through, as F.linear's do
+    assert quant.int8_product(x.reshape(1, rows, width), q, scale).shape == (1, rows, out)
+
+
+def test_native_kernels_can_be_turned_off_and_a_failed_build_falls_back(monkeypatch, tmp_path):
+    """LATENTLOOP_NATIVE=0, or a compiler that fails: the status says why in one line and int8
+    layers compute the same products through torch."""
+    from latentloop.models import native, quant
+
+    q, scale = quant.quantize_rows(torch.randn(24, 40))
+    x = torch.randn(1, 40)
+    expected = F.linear(x, q.float()) * scale
+    monkeypatch.setenv("LATENTLOOP_CACHE", str(tmp_path))  # no build of this machine's cache is reused
+    for env, status in [({"LATENTLOOP_NATIVE": "0"}, "turned off (LATENTLOOP_NATIVE=0)"),
+                        ({"CC": "false"}, "int8_linear.c did not build with false")]:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        native.native_library.cache_clear()
+        quant._kernel.cache_clear()
+        try:
+            assert native.native_status(quant.KERNEL).startswith(status)
+            torch.testing.assert_close(quant.int8_product(x, q, scale), expected, rtol=1e-6, atol=1e-6)
+        finally:
+            for name in env:
+                monkeypatch.delenv(name)
+            native.native_library.cache_clear()
+            quant._kernel.cache_clear()
+    assert not list(tmp_path.glob("kernels/*.partial"))  # a failed build leaves no half-written file
+
+
 @pytest.mark.parametrize("arch", ll.archs.ARCHS)
 def test_int8_replaces_every_linear_and_decodes(arch):
     """Every registered arch quantises: no float `nn.Linear` left, the logits near the float model's

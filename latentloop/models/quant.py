@@ -5,14 +5,16 @@ per output channel (symmetric: w ~= q * scale, q in [-127, 127], scale = max |w|
 
 Decoding streams the weights once per token, so a quarter of the bytes is up to four times less
 memory traffic for the linear layers. How each product runs:
-- compiled (the fast decode path, `models/fast.py`): `F.linear(x, q.to(x.dtype)) * scale`. On CPU the
-  decode backend turns the product into a reduction, and inductor fuses the int8 -> float
-  conversion into its loop: each weight is read as one byte, never materialised as float.
-- eager: the same expression, the weight converted for the product (1.5x the float layer's time:
-  2.4 vs 1.6 ms for 768 -> 3072 at one row, one thread). torch's weight-only int8 kernel
-  (`torch._weight_int8pack_mm`) was slower still with float32 activations (12 ms; 0.87 ms with
-  bfloat16 activations, which would round every layer's input): eager int8 saves memory, the
-  compiled step saves time.
+- float32 on the CPU, at most `KERNEL_MAX_ROWS` rows (decoding): the native kernel
+  (`int8_linear.c`, built by `models/native.py`), eager and compiled alike (to torch.compile it is
+  the opaque op `latentloop::int8_linear`): each weight read as one byte and widened in registers,
+  float32 products and sums, the rows split over torch's threads. It replaced the two torch paths
+  below for decoding because both were slower than the float layer: inductor's fused int8 reduction
+  (7.3 ms vs 1.3 ms a token for the compiled small shape, `benchmarks.engines`) and the eager
+  conversion (2.4 vs 1.6 ms for 768 -> 3072 at one row); torch's `_weight_int8pack_mm` was slower
+  still with float32 activations (12 ms).
+- anything else (a prefill of many rows, another dtype or device, no C compiler):
+  `F.linear(x, q.to(x.dtype)) * scale`, the weight converted for the product.
 
 What is not quantised: the token embedding, and so a tied head (it is the embedding's matrix, read
 by `F.linear` in `GPT.head`), norms, biases, and parameters that are not `nn.Linear` weights.
@@ -22,14 +24,67 @@ copy dequantised once, on first read.
 
 from __future__ import annotations
 
+import ctypes
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from .native import native_library
 
 INT8_MAX = 127  # symmetric: -128 is never used, so q and -q are both representable
 # A row of zeros would get scale 0 and divide by zero when quantised: its scale is at least this
 # (any positive value works: the row quantises to zeros either way).
 MIN_SCALE = 1e-12
+# Rows of activations the native kernel takes: it reads each weight row once for all of them but
+# does not block for cache reuse as a matrix product does, so a prefill of many rows is faster as
+# one float matrix product over the converted weight.
+KERNEL_MAX_ROWS = 8
+# Below this many multiply-adds a layer runs on one thread: waking the others costs more than it saves.
+PARALLEL_MIN_MACS = 1 << 16
+KERNEL = "int8_linear"
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel() -> ctypes.CDLL | None:
+    lib = native_library(KERNEL)
+    if lib is not None:
+        lib.latentloop_int8_linear.restype = None
+        lib.latentloop_int8_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    return lib
+
+
+def _converted_product(x: Tensor, weight_int8: Tensor, scale: Tensor) -> Tensor:
+    return F.linear(x, weight_int8.to(x.dtype)) * scale.to(x.dtype)
+
+
+def int8_product(x: Tensor, weight_int8: Tensor, scale: Tensor) -> Tensor:
+    """x (..., K) float32 @ (weight_int8 (N, K) * scale (N,)[:, None]).T -> (..., N), through the native
+    kernel when it applies (see the module doc), else the converted product."""
+    n, k = weight_int8.shape
+    rows = x.numel() // k
+    lib = _kernel()
+    if (lib is None or rows > KERNEL_MAX_ROWS or x.device.type != "cpu" or x.dtype != torch.float32
+            or scale.dtype != torch.float32):
+        return _converted_product(x, weight_int8, scale)
+    flat = x.reshape(rows, k).contiguous()
+    q, s = weight_int8.contiguous(), scale.contiguous()
+    y = torch.empty(rows, n, dtype=torch.float32)
+    threads = torch.get_num_threads() if rows * n * k >= PARALLEL_MIN_MACS else 1
+    lib.latentloop_int8_linear(flat.data_ptr(), q.data_ptr(), s.data_ptr(), y.data_ptr(), rows, n, k, threads)
+    return y.reshape(*x.shape[:-1], n)
+
+
+# The same function as an operator torch.compile keeps opaque (dynamo cannot trace ctypes). Eager
+# callers call `int8_product` itself: the operator's dispatch costs tens of microseconds a call,
+# more than a small layer's product.
+int8_linear = torch.library.custom_op("latentloop::int8_linear", mutates_args=())(int8_product)
+
+
+@int8_linear.register_fake
+def _(x: Tensor, weight_int8: Tensor, scale: Tensor) -> Tensor:
+    return x.new_empty((*x.shape[:-1], weight_int8.shape[0]))
 
 
 def quantize_rows(weight: Tensor) -> tuple[Tensor, Tensor]:
@@ -64,8 +119,11 @@ class Int8Linear(nn.Module):
         return self._dequantised
 
     def forward(self, x: Tensor) -> Tensor:  # x (..., in) -> (..., out)
-        # compiled: one fused loop that reads int8 (see the module doc); eager: a converted copy per call
-        y = F.linear(x, self.weight_int8.to(x.dtype)) * self.scale.to(x.dtype)
+        if x.device.type == "cpu" and x.dtype == torch.float32:  # the native kernel or its fallback
+            product = int8_linear if torch.compiler.is_compiling() else int8_product
+            y = product(x, self.weight_int8, self.scale)
+        else:
+            y = _converted_product(x, self.weight_int8, self.scale)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

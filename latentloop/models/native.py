@@ -1,0 +1,120 @@
+"""Native CPU kernels: small C files beside this module, compiled for the host on first use and kept
+in the latentloop cache (`kernels/`), loaded with ctypes.
+
+    lib = native_library("int8_linear")   # a ctypes.CDLL, or None (then the caller's torch path runs)
+
+Why C and ctypes rather than a torch C++ extension: a plain C file builds in well under a second with
+the system's `cc` and needs neither ninja nor torch's headers; inductor, the compiled decode path's
+backend, needs the same compiler on the CPU anyway. The build uses `-march=native` (AVX2 / FMA where
+the CPU has them) and OpenMP; the library's name holds a hash of the source, the flags, the compiler's
+version and the CPU's feature flags, so a cache shared between machines never loads a build for
+another CPU. A build that fails is retried without OpenMP, then without -march=native; one that
+never builds (no compiler) is remembered for the process and reported by `native_status`, and the
+callers' torch paths run; `LATENTLOOP_NATIVE=0` turns the kernels off.
+
+OpenMP: torch's CPU wheel ships its own `libgomp.so.1`, loaded before this library, which the
+dynamic loader then reuses (same soname): the kernels run on torch's thread pool, not a second one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from ..util import default_cache_dir
+
+NATIVE_ENV = "LATENTLOOP_NATIVE"  # "0" turns the native kernels off (the torch paths run instead)
+LIBRARY_FLAGS = ("-O3", "-shared", "-fPIC")
+# Tried in turn until one builds: the host's vector instructions and OpenMP; without OpenMP (Apple's
+# clang has none: one thread, still vectorised); without -march=native (compilers that refuse it)
+FLAG_CHOICES = (("-march=native", "-fopenmp"), ("-march=native",), ())
+BUILD_TIMEOUT_S = 120  # one small C file: seconds at most, even on a busy machine
+
+_failures: dict[str, str] = {}
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the CPU's feature flags (Linux), else the platform's name."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()}"
+
+
+def _compiler_version(cc: str) -> str:
+    try:
+        return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _build(cc: str, source: Path, target: Path, flags: tuple[str, ...]) -> str | None:
+    """Compile `source` into `target` atomically; None on success, else the compiler's complaint."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
+        os.close(fd)
+    except OSError as exc:
+        return f"cannot write {target.parent}: {exc.strerror or exc}"
+    try:
+        done = subprocess.run([cc, *flags, str(source), "-o", partial], capture_output=True, text=True,
+                              timeout=BUILD_TIMEOUT_S)
+        if done.returncode != 0:
+            return (done.stderr.strip().splitlines() or [f"{cc} exited with {done.returncode}"])[-1]
+        os.replace(partial, target)
+        return None
+    except (OSError, subprocess.SubprocessError) as exc:
+        return str(exc)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+
+
+@functools.lru_cache(maxsize=None)
+def native_library(name: str) -> ctypes.CDLL | None:
+    """The kernel library `name` (`name`.c beside this module), built on first use; None when the
+    kernels are off or it cannot be built (the reason: `native_status(name)`)."""
+    if os.environ.get(NATIVE_ENV, "1") == "0":
+        _failures[name] = f"turned off ({NATIVE_ENV}=0)"
+        return None
+    cc = _compiler()
+    if cc is None:
+        _failures[name] = "no C compiler (cc, gcc or clang; or set CC)"
+        return None
+    source = Path(__file__).with_name(f"{name}.c")
+    code = source.read_bytes()
+    version = _compiler_version(cc)
+    reasons = []
+    for choice in FLAG_CHOICES:
+        flags = LIBRARY_FLAGS + choice
+        key = hashlib.sha256(b"\0".join([code, " ".join(flags).encode(), version.encode(),
+                                         _cpu_signature().encode()])).hexdigest()[:16]
+        target = default_cache_dir() / "kernels" / f"{name}-{key}.so"
+        problem = None if target.is_file() else _build(cc, source, target, flags)
+        if problem is None:
+            try:
+                return ctypes.CDLL(str(target))
+            except OSError as exc:
+                problem = str(exc)
+        reasons.append(problem)
+    _failures[name] = f"{name}.c did not build with {cc}: {reasons[-1]}"
+    return None
+
+
+def native_status(name: str) -> str:
+    """'native' when the kernel library `name` loads, else why not (one line)."""
+    return "native" if native_library(name) is not None else _failures.get(name, "unavailable")
