@@ -48,8 +48,8 @@ SHAPES = {  # the issue's two shapes (with the byte vocabulary, see the docstrin
     "smoke": dict(n_layer=2, n_embd=64, n_head=2),  # for the test: seconds, not minutes
 }
 LLAMA_COMPATIBLE = dict(qk_norm=False, embed_norm=False, mlp="swiglu")  # what `export --plain` requires
-ENGINES = ("latentloop eager", "latentloop compiled", "latentloop eager int8", "latentloop compiled int8", "hf generate",
-           "ctranslate2 fp32", "ctranslate2 int8", "llama.cpp")
+ENGINES = ("latentloop eager", "latentloop compiled", "latentloop eager int8", "latentloop compiled int8",
+           "hf generate", "ctranslate2 fp32", "ctranslate2 int8", "llama.cpp")
 REFERENCE = "latentloop eager"  # every engine's tokens are compared with these
 # Hugging Face's plain-Llama tensor names -> GGUF's (llama.cpp's LLM_ARCH_LLAMA); {i} the layer
 GGUF_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",

@@ -380,9 +380,10 @@ def cpu_bf16_support() -> str | None:
 
 def resolve_dtype(device: torch.device, dtype: str) -> str:
     """The autocast dtype a run takes: "bfloat16" or "float32". "auto" is bf16 on CUDA and fp32
-    elsewhere: on the CPU bf16 reaches fp32's validation BPB at equal steps only within a few
-    percent in our measurements (experiments/logs/2026-12-01-time-to-quality.md), short of the
-    1% a default must meet, so it stays an option (`train.dtype=bfloat16`)."""
+    elsewhere. bf16 on the CPU must first be shown to reach fp32's validation BPB within 1% at equal
+    steps, on a CPU with bf16 instructions (`python -m benchmarks.time_to_quality --precision-check`).
+    The machine this was built on has none, and no such measurement is recorded, so on the CPU bf16
+    stays an option (`train.dtype=bfloat16`)."""
     if dtype != "auto":
         return dtype
     return "bfloat16" if device.type == "cuda" else "float32"

@@ -84,7 +84,7 @@ def _build(cc: str, source: Path, target: Path, flags: tuple[str, ...]) -> str |
             os.unlink(partial)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def native_library(name: str) -> ctypes.CDLL | None:
     """The kernel library `name` (`name`.c beside this module), built on first use; None when the
     kernels are off or it cannot be built (the reason: `native_status(name)`)."""

@@ -46,7 +46,7 @@ PARALLEL_MIN_MACS = 1 << 16
 KERNEL = "int8_linear"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _kernel() -> ctypes.CDLL | None:
     lib = native_library(KERNEL)
     if lib is not None:
