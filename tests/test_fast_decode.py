@@ -415,6 +415,11 @@ def test_native_int8_kernel_equals_the_dequantised_product(rows, out, width, mon
         torch.testing.assert_close(split, one, rtol=1e-5, atol=1e-5 * float(reference.abs().max()))
     # leading dimensions pass through, as F.linear's do
     assert quant.int8_product(x.reshape(1, rows, width), q, scale).shape == (1, rows, out)
+    monkeypatch.undo()  # an input that wants its gradient takes torch's path, which has a backward
+    wanting = x.clone().requires_grad_()
+    quant.int8_product(wanting, q, scale).sum().backward()
+    expected_grad = (q.double() * scale.double()[:, None]).sum(0).expand(rows, width)
+    torch.testing.assert_close(wanting.grad.double(), expected_grad, rtol=1e-5, atol=1e-6 * out)
 
 
 def test_native_kernels_can_be_turned_off_and_a_failed_build_falls_back(monkeypatch, tmp_path):

@@ -66,7 +66,7 @@ def int8_product(x: Tensor, weight_int8: Tensor, scale: Tensor) -> Tensor:
     rows = x.numel() // k
     lib = _kernel()
     if (lib is None or rows > KERNEL_MAX_ROWS or x.device.type != "cpu" or x.dtype != torch.float32
-            or scale.dtype != torch.float32):
+            or scale.dtype != torch.float32 or x.requires_grad):  # the kernel has no backward: torch's path
         return _converted_product(x, weight_int8, scale)
     flat = x.reshape(rows, k).contiguous()
     q, s = weight_int8.contiguous(), scale.contiguous()
