@@ -48,14 +48,6 @@ static inline float dot(const float *x, const int8_t *q, int64_t K) {
 }
 #endif
 
-int latentloop_int8_linear_has_simd(void) {
-#if defined(__AVX2__) && defined(__FMA__)
-    return 1;
-#else
-    return 0;
-#endif
-}
-
 void latentloop_int8_linear(const float *x, const int8_t *q, const float *scale, float *y, int64_t M, int64_t N,
                             int64_t K, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)

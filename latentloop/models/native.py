@@ -97,12 +97,11 @@ def native_library(name: str) -> ctypes.CDLL | None:
         return None
     source = Path(__file__).with_name(f"{name}.c")
     code = source.read_bytes()
-    version = _compiler_version(cc)
+    host = [_compiler_version(cc).encode(), _cpu_signature().encode()]
     reasons = []
     for choice in FLAG_CHOICES:
         flags = LIBRARY_FLAGS + choice
-        key = hashlib.sha256(b"\0".join([code, " ".join(flags).encode(), version.encode(),
-                                         _cpu_signature().encode()])).hexdigest()[:16]
+        key = hashlib.sha256(b"\0".join([code, " ".join(flags).encode(), *host])).hexdigest()[:16]
         target = default_cache_dir() / "kernels" / f"{name}-{key}.so"
         problem = None if target.is_file() else _build(cc, source, target, flags)
         if problem is None:
