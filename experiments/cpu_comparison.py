@@ -59,6 +59,10 @@ def variants(preset: str, seq_len: int, steps: int) -> dict[str, tuple[dict, int
         "gpt": (dict(arch="gpt", **base), steps),
         "fbt": (dict(arch="fbt", **base), steps),
         "fbt-paper": (dict(arch="fbt", recipe="paper", **base), steps),
+        # fbt's recipe under Muon (issue 25: soft / standard grew from 1.07 to 1.11 when Muon became the default)
+        "fbt-mix73": (dict(arch="fbt", pass_mix=(0.0, 0.7, 0.3), **base), steps),
+        "fbt-muon01": (dict(arch="fbt", train=dict(muon_lr=0.01), **base), steps),
+        "fbt-fuse-adamw": (dict(arch="fbt", train=dict(muon_exclude=("fuse_",)), **base), steps),
         "gpt-2x": (dict(arch="gpt", **base), 2 * steps),
         "lrt": (dict(arch="lrt", **base), steps),
         "lrt-top": (dict(arch="lrt", source_layer=-1, **base), steps),
@@ -105,9 +109,11 @@ def run_one(out: Path, name: str, fields: dict, steps: int, seed: int, preset: s
             eval_batches: int, data: str = "stdlib") -> dict:
     fields = dict(fields)
     arch = fields.pop("arch")
+    train_fields = fields.pop("train", {})  # a variant's own training settings
     config = RunConfig(model=model_config(arch, preset, **fields),
                        train=TrainConfig(steps=steps, batch_size=batch_size, lr=3e-3, warmup_steps=max(1, steps // 20),
-                                         eval_every=0, eval_batches=eval_batches, seed=seed, log_every=10),
+                                         eval_every=0, eval_batches=eval_batches, seed=seed, log_every=10,
+                                         **train_fields),
                        data=DataConfig(source=data))
     run_dir = out / f"{name}-s{seed}"
     if run_dir.exists() and not checkpoint_candidates(run_dir):  # stopped before its first checkpoint

@@ -263,6 +263,9 @@ class TrainConfig:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
     muon_lr: float = 0.02
+    # muon: the matrices whose parameter names contain one of these go to AdamW instead (e.g. "fuse_":
+    # fbt's feedback fusion, a map applied again at every recurrence step rather than a block's matrix)
+    muon_exclude: tuple[str, ...] = ()
     grad_clip: float = 1.0  # 0 disables
     seed: int = 1337
     eval_every: int = 100  # 0: only at the end
@@ -286,6 +289,7 @@ class TrainConfig:
                 f"trackers must be among {', '.join(TRACKERS)}, got {', '.join(self.trackers)}")
         require(self.stage in STAGES, f"stage must be one of {', '.join(STAGES)}, got {self.stage!r}")
         self.betas = tuple(float(b) for b in self.betas)
+        self.muon_exclude = tuple(str(name) for name in self.muon_exclude)
         require_finite(self)
         require(isinstance(self.seed, int) and 0 <= self.seed < SEED_LIMIT,
                  f"seed must be an integer in [0, 2**63), got {self.seed!r}")

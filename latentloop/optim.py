@@ -91,6 +91,8 @@ def build_optimizers(model: nn.Module, config: TrainConfig) -> list[torch.optim.
     # lookup tables (the token embedding, lrt's per-layer value embeddings) and the head: AdamW, never Muon
     embed_ids = {id(p) for name, p in model.named_parameters()
                  if name.startswith(("wte", "lm_head")) or ".value_embed." in name}
+    # matrices the config keeps off Muon (`muon_exclude`): AdamW, with the embeddings' group
+    embed_ids |= {id(p) for name, p in model.named_parameters() if any(part in name for part in config.muon_exclude)}
     # lrt's residual scalars alpha_l, gamma_l: their own lr when the config sets one (residual_lr > 0)
     residual_lr = float(getattr(getattr(model, "config", None), "residual_lr", 0.0) or 0.0)
     residual_ids = {id(p) for name, p in model.named_parameters()

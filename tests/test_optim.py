@@ -52,3 +52,22 @@ def test_orthogonalize_keeps_the_dtype_and_shape():
     G = torch.randn(16, 24).bfloat16()
     out = orthogonalize(G)
     assert out.dtype == torch.bfloat16 and out.shape == G.shape
+
+
+def test_muon_exclude_sends_the_named_matrices_to_adamw():
+    """`train.muon_exclude`: matrices whose names contain a given part go to AdamW (no weight decay,
+    as the embeddings); every other matrix stays on Muon, and no parameter is in both or neither."""
+    import latentloop as ll
+    from latentloop.config import TrainConfig
+    from latentloop.optim import build_optimizers
+
+    model = ll.build("fbt", preset="test")
+    adamw, muon = build_optimizers(model, TrainConfig(optimizer="muon", muon_exclude=("fuse_",)))
+    on_muon = {id(p) for g in muon.param_groups for p in g["params"]}
+    on_adamw = {id(p) for g in adamw.param_groups for p in g["params"]}
+    fusion = {id(model.fuse_value.weight), id(model.fuse_gate.weight)}
+    assert fusion <= on_adamw and not fusion & on_muon
+    assert not on_muon & on_adamw and len(on_muon | on_adamw) == sum(1 for _ in model.parameters())
+    _, default_muon = build_optimizers(model, TrainConfig(optimizer="muon"))
+    assert fusion <= {id(p) for g in default_muon.param_groups for p in g["params"]}  # by default, Muon's
+    assert TrainConfig(muon_exclude=["fuse_"]).muon_exclude == ("fuse_",)  # a list from a config file too

@@ -8,9 +8,8 @@ decode step has static shapes:
 - `static_cache(cache)` turns the cache a model made (`new_cache`, any subclass: rgpt's
   `RecurrentKVCache` too) into a `Static…` subclass of its own class. Prefill runs eagerly and
   unchanged (the parent's slicing by Python ints). Then `freeze()` switches it to the static
-  mode: each slot's keys/values get a tensor of their own, a new token is written at the
-  position held in the tensor `write_index` (`index_put_` on the time axis, in place when
-  compiled), attention runs over the filled window (the first W slots, W the filled length
+  mode: each slot's keys/values get a tensor of their own, each row's new token is written at
+  its own time slot, held in the tensor `write_index` (`index_put_`, in place when compiled), attention runs over the filled window (the first W slots, W the filled length
   rounded up to `WINDOW_BUCKET`) with a mask built from the `key_pos` tensor, RoPE reads its rows
   at the position tensor, and `advance` bumps the tensors in place. W reaches the compiled step as
   the size of a marker tensor whose dimension is marked dynamic, and nothing else it reads is a
@@ -67,7 +66,7 @@ from torch import Tensor
 
 from ..util import default_cache_dir
 from .backbone import GPT
-from .cache import AttentionPlan, KVCache
+from .cache import AttentionPlan, KVCache, row_span
 
 # The static cache's length is rounded up to a multiple of this when a whole context's buffer would be
 # too large (`FULL_CONTEXT_CACHE_BYTES`), so prompts of nearby lengths share one compiled step (a new
@@ -103,8 +102,9 @@ class StaticCacheMixin:
     """The static decode mode, mixed in front of a `KVCache` class (see the module docstring)."""
 
     static: bool
-    write_index: Tensor  # (1,) long: the time slot the next decoded token is written to
-    filled: int  # tokens stored (the real length while frozen; checked outside compiled code)
+    write_index: Tensor  # (B,) long: the time slot each row's next decoded token is written to
+    rows: Tensor  # (B,) long: 0..B-1, the row index that goes with `write_index`
+    filled: int  # slots stored in the fullest row (the real length while frozen; checked outside compiled code)
     window: Tensor  # (W,) uninitialised: its size is the attended length W (a dynamic dimension)
 
     @property
@@ -122,7 +122,8 @@ class StaticCacheMixin:
         copied twice per step), while a write into an input tensor of its own stays in place.
         State tensors become fixed buffers. `k` / `v` are dropped: the slots hold the data now."""
         self.filled = self._length
-        self.write_index = torch.full((1,), self._length, dtype=torch.long, device=self.key_pos.device)
+        self.rows = torch.arange(self.batch_size, device=self.key_pos.device)
+        self.write_index = torch.full((self.batch_size,), self._length, dtype=torch.long, device=self.key_pos.device)
         self.k_slots = [t.clone() for t in self.k.unbind(0)]  # S x (B, H, L, hd)
         self.v_slots = [t.clone() for t in self.v.unbind(0)]
         self.k = self.v = None
@@ -142,6 +143,52 @@ class StaticCacheMixin:
         self.window = torch.empty(W, device=self.key_pos.device)
         torch._dynamo.maybe_mark_dynamic(self.window, 0)
 
+    # -- rows that come and go (continuous batching, `serve.batch.SlotBatch`), outside compiled code --
+    def place(self, row: int, source: KVCache, source_row: int) -> int:
+        """Put row `source_row` of an ordinary cache (a prefill's) into row `row` of this frozen one,
+        its stored slots from slot 0 on, with its positions and state: it decodes on exactly as it
+        would have in its own cache. Returns the slots it fills."""
+        index = torch.tensor([source_row], device=source.key_pos.device)
+        span = row_span(source, index)
+        if span >= self.max_len:
+            raise ValueError(f"place: {span} slots do not fit a static cache of max_len {self.max_len}")
+        stored = slice(source.length - span, source.length)
+        for slot in range(len(self.k_slots)):
+            self.k_slots[slot][row, :, :span] = source.k[slot, source_row, :, stored]
+            self.v_slots[slot][row, :, :span] = source.v[slot, source_row, :, stored]
+        self.key_pos[row] = -1
+        self.key_pos[row, :span] = source.key_pos[source_row, stored]
+        self.next_pos[row] = source.next_pos[source_row]
+        self.write_index[row] = span
+        for name, value in source.state.items():
+            if name not in self.state:  # the first row placed brings the state's shape
+                self.state[name] = value.new_zeros((self.batch_size, *value.shape[1:]))
+            self.state[name][row] = value[source_row]
+        return span
+
+    def vacate(self, rows: Tensor) -> None:
+        """Rows no request uses: back to an empty row at position 0, so a free row that decodes on
+        (unseen) never writes past its first slot."""
+        self.key_pos[rows] = -1
+        self.next_pos[rows] = 0
+        self.write_index[rows] = 0
+
+    def resize(self, keep: Tensor, batch_size: int) -> None:
+        """Rows `keep` (in that order) become rows 0.. of a cache of `batch_size` rows; the rest are
+        free. Replaces the tensors (a new shape for the compiled step)."""
+        def moved(tensor: Tensor, fill) -> Tensor:
+            out = tensor.new_full((batch_size, *tensor.shape[1:]), fill)
+            out[:len(keep)] = tensor[keep]
+            return out
+
+        self.k_slots = [moved(t, 0) for t in self.k_slots]
+        self.v_slots = [moved(t, 0) for t in self.v_slots]
+        self.key_pos, self.next_pos = moved(self.key_pos, -1), moved(self.next_pos, 0)
+        self.write_index = moved(self.write_index, 0)
+        self.state = {name: moved(value, 0) for name, value in self.state.items()}
+        self.rows = torch.arange(batch_size, device=self.key_pos.device)
+        self.k = self.v = None
+
     def memory_bytes(self) -> int:
         if not self.static:
             return super().memory_bytes()
@@ -154,7 +201,7 @@ class StaticCacheMixin:
         if T != 1 or pad_mask is not None:
             raise ValueError("a frozen static cache decodes one unpadded token per row per step")
         positions = self.next_pos[:, None].clone()  # (B, 1); a copy, as next_pos moves on below
-        self.key_pos[:, self.write_index] = positions  # index_put_: inductor keeps it in place
+        self.key_pos[self.rows, self.write_index] = positions[:, 0]  # index_put_: inductor keeps it in place
         self.next_pos.add_(1)
         self.pending = 1
         key_pos = self.key_pos[:, :self.window.shape[0]]  # (B, W): the filled part (and a few empty slots)
@@ -165,14 +212,15 @@ class StaticCacheMixin:
         if not self.static:
             return super().update(slot, k, v)
         k_slot, v_slot = self.k_slots[slot], self.v_slots[slot]
-        k_slot[:, :, self.write_index] = k  # index_put_ at the tensor position: in place when compiled
-        v_slot[:, :, self.write_index] = v
+        k_slot[self.rows, :, self.write_index] = k[:, :, 0]  # index_put_ at each row's slot: in place when compiled
+        v_slot[self.rows, :, self.write_index] = v[:, :, 0]
         W = self.window.shape[0]
         return k_slot[:, :, :W], v_slot[:, :, :W]  # (B, H, W, hd): attention over the window only
 
     def read(self, slot: int) -> tuple[Tensor, Tensor]:
         """The keys/values (B, H, 1, hd) of the token being decoded in `slot` (as written so far)."""
-        return self.k_slots[slot][:, :, self.write_index], self.v_slots[slot][:, :, self.write_index]
+        return (self.k_slots[slot][self.rows, :, self.write_index][:, :, None],
+                self.v_slots[slot][self.rows, :, self.write_index][:, :, None])
 
     def advance(self) -> None:
         if not self.static:
@@ -195,8 +243,8 @@ class StaticCacheMixin:
             for j in range(self.n_rec):
                 src, dst = first + (last_step - 1) * self.n_rec + j, first + (step - 1) * self.n_rec + j
                 k, v = self.read(src)
-                self.k_slots[dst][:, :, self.write_index] = k
-                self.v_slots[dst][:, :, self.write_index] = v
+                self.k_slots[dst][self.rows, :, self.write_index] = k[:, :, 0]
+                self.v_slots[dst][self.rows, :, self.write_index] = v[:, :, 0]
 
 
 @dataclass
@@ -256,7 +304,6 @@ class FastDecoder:
         device = model.wte.weight.device
         self.cuda = device.type == "cuda"
         self._step = self._eager_step
-        self._ran = False  # this decoder's step has run once (so its graph exists for these shapes)
         self.skip_guards = True  # after the first call (see `step`); False checks them every call (benchmarks)
         if compile and self.reason is None:
             use_compile_cache()
@@ -282,6 +329,10 @@ class FastDecoder:
     def begin_decoding(self, cache: KVCache) -> None:
         """After the prefill: freeze the cache (static buffers, tensor positions)."""
         cache.freeze()
+        self.attach(cache)
+
+    def attach(self, cache: KVCache) -> None:
+        """Decode a frozen static cache from now on (again after its `resize`: new tensors)."""
         self.model.prepare_fast_decoding()  # e.g. fbt's gate table: computed here, read as is when compiled
         if self.cuda and self.compiled:  # CUDA graphs may mutate these only as static inputs
             for tensor in (*cache.k_slots, *cache.v_slots, cache.key_pos, cache.next_pos, cache.write_index,
@@ -300,9 +351,10 @@ class FastDecoder:
         # keep their guards; skipping them there raised "Recompilation triggered" (found generating up
         # to the context's end)
         inside = self.window_inside_buffer(cache)
-        if not self.compiled or (self._ran and not (self.skip_guards and inside)):
+        ran = self.compiled and self._shape(cache) in _RAN_SHAPES.get(self.model, ())
+        if not self.compiled or (ran and not (self.skip_guards and inside)):
             logits, greedy, info = self._step(self.model, token, cache, self.options)
-        elif self._ran:
+        elif ran:
             # Dynamo checks its guards before every call (80-380 us a step measured at batch 1, issue 26).
             # This decoder's graph exists for these shapes and the window is a dynamic dimension, so the
             # only guards that matter are those telling this graph from others of the same step (other
@@ -313,6 +365,10 @@ class FastDecoder:
             logits, greedy, info = self._first_compiled_step(token)
         cache.filled += 1
         return logits, greedy, info
+
+    def _shape(self, cache: KVCache) -> tuple:
+        """What tells this step's compiled graphs apart (`_RAN_SHAPES`): options, rows, buffer length."""
+        return self._key, cache.batch_size, cache.max_len
 
     @staticmethod
     def window_inside_buffer(cache: KVCache) -> bool:
@@ -331,8 +387,7 @@ class FastDecoder:
         start = time.perf_counter()
         result = self._step(self.model, token, self.cache, self.options)
         seconds = time.perf_counter() - start
-        self._ran = True
-        _RAN_SHAPES.setdefault(self.model, set()).add((self._key, self.cache.batch_size, self.cache.max_len))
+        _RAN_SHAPES.setdefault(self.model, set()).add(self._shape(self.cache))
         record.add(seconds)
         if self.on_compile is not None:
             self.on_compile(f"decode step compiled in {seconds:.1f} s")
