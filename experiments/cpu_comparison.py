@@ -61,6 +61,7 @@ def variants(preset: str, seq_len: int, steps: int) -> dict[str, tuple[dict, int
         "fbt-paper": (dict(arch="fbt", recipe="paper", **base), steps),
         # fbt's recipe under Muon (issue 25: soft / standard grew from 1.07 to 1.11 when Muon became the default)
         "fbt-mix73": (dict(arch="fbt", pass_mix=(0.0, 0.7, 0.3), **base), steps),
+        "fbt-mix55": (dict(arch="fbt", pass_mix=(0.0, 0.5, 0.5), **base), steps),
         "fbt-muon01": (dict(arch="fbt", train=dict(muon_lr=0.01), **base), steps),
         "fbt-fuse-adamw": (dict(arch="fbt", train=dict(muon_exclude=("fuse_",)), **base), steps),
         "gpt-2x": (dict(arch="gpt", **base), 2 * steps),
