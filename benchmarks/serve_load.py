@@ -2,12 +2,14 @@
 concurrency 1, 8 and 32, for each batching mode measured in the same run: `continuous` (rows join
 the running batch at its next step and leave when done; the default), `rounds` (the scheduler
 before it: a batch of the requests waiting, run to its end while new ones wait), both with
-`--max-batch-size 32`, and `unbatched` (`--max-batch-size 1`: one row per engine call, requests
+`--max-batch-size 32`, `compiled` (continuous batching with `--decode compiled`: its steps on the
+compiled path), and `unbatched` (`--max-batch-size 1`: one row per engine call, requests
 served one after another); for random-init `tiny` and `small` gpt models saved as run folders
 (speed does not depend on the weights).
 
-Bounded: the servers start together, then every cell (preset x mode x concurrency) gets an equal
-share of what is left of `--budget` seconds (default 55: about a minute with the imports).
+Bounded: the servers start together (a compiled server compiles its step for every batch size
+before it answers; the time to ready is printed), then every cell (preset x mode x concurrency)
+gets an equal share of `--budget` seconds (default 55).
 In a cell, C client tasks (asyncio + httpx, in this process) send greedy /v1/completions requests
 back to back (prompts of 12-40 characters, max_tokens 32, or 8-64 cycling with
 `--varied-lengths`); requests still running when the cell's time is up are abandoned (their
@@ -54,13 +56,16 @@ NEW_TOKENS = 32  # max_tokens of every request
 TEXT = "import os\nclass Loop:\n    def step(self, state, token):\n        return self.cell(state, token)\n"
 PROMPT_LENGTHS = (12, 20, 28, 40)  # characters; requests cycle through them
 VARIED_TOKENS = (8, 64, 16, 32, 48, 24)  # max_tokens cycled through with --varied-lengths
-MODES = {"continuous": ("continuous", BATCHED_ROWS), "rounds": ("rounds", BATCHED_ROWS),
-         "unbatched": ("continuous", 1)}  # mode -> (--batching, --max-batch-size)
-START_TIMEOUT_S = 120  # for the servers to answer /health
+MODES = {"continuous": ("continuous", BATCHED_ROWS, "eager"), "rounds": ("rounds", BATCHED_ROWS, "eager"),
+         "compiled": ("continuous", BATCHED_ROWS, "compiled"),
+         "unbatched": ("continuous", 1, "eager")}  # mode -> (--batching, --max-batch-size, --decode)
+# for the servers to answer /health: a compiled server first compiles its step for 1, 2, 4, ... 32
+# rows (cold: tens of seconds each on 2 busy cores; warm: loaded from the on-disk cache)
+START_TIMEOUT_S = 900
 DRAIN_TIMEOUT_S = 10  # after a cell, for the server to drop the abandoned requests
 MIN_CELL_S = 1.0  # below this a cell measures nothing useful: refuse the budget instead
 POLL_S = 0.05
-DEFAULT_BUDGET_S = 55.0  # with the imports before it, about a minute in all
+DEFAULT_BUDGET_S = 55.0  # the cells' seconds: with the imports and an eager server's start, about a minute
 
 
 def free_port() -> int:
@@ -70,14 +75,15 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, run: Path, batching: str, max_rows: int, log: Path):
+    def __init__(self, run: Path, batching: str, max_rows: int, decode: str, log: Path):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
         with open(log, "w") as out:
             self.proc = subprocess.Popen([sys.executable, "-m", "latentloop", "serve", str(run), "--port",
                                           str(self.port), "--device", "cpu", "--max-batch-size", str(max_rows),
-                                          "--batching", batching, "--max-queue", "1024"], cwd=REPO_ROOT, env=env,
+                                          "--batching", batching, "--decode", decode,
+                                          "--max-queue", "1024"], cwd=REPO_ROOT, env=env,
                                          stdout=out, stderr=subprocess.STDOUT)
         self.log = log
 
@@ -156,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--presets", nargs="+", default=["tiny", "small"])
     p.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32])
     p.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S,
-                   help="seconds for everything after the imports, server start included")
+                   help="seconds for the cells, once the servers are ready")
     p.add_argument("--batching", nargs="+", choices=list(MODES), default=["continuous", "rounds"],
                    help="the modes to compare (default: continuous rounds; unbatched: --max-batch-size 1)")
     p.add_argument("--varied-lengths", action="store_true",
@@ -174,17 +180,16 @@ def main(argv: list[str] | None = None) -> int:
                 torch.manual_seed(0)
                 run = save_run(ll.build("gpt", preset=preset), ByteTokenizer(), Path(folder) / preset).parents[1]
                 for mode in args.batching:
-                    batching, rows = MODES[mode]
-                    servers[preset, mode] = Server(run, batching, rows, Path(folder) / f"{preset}-{mode}.log")
+                    batching, rows, decode = MODES[mode]
+                    servers[preset, mode] = Server(run, batching, rows, decode, Path(folder) / f"{preset}-{mode}.log")
             for server in servers.values():
                 server.wait_ready(time.monotonic() + START_TIMEOUT_S)
             for server in servers.values():  # first calls pay one-off costs: not measured
                 httpx.post(server.url + "/v1/completions", json=body(0), timeout=START_TIMEOUT_S).raise_for_status()
             cells = [(preset, mode, c) for preset in args.presets for c in args.concurrency for mode in args.batching]
-            left = args.budget - (time.monotonic() - began)
-            seconds = left / len(cells) * 0.8  # the rest: draining between cells
+            seconds = args.budget / len(cells) * 0.8  # the rest: draining between cells
             if seconds < MIN_CELL_S:
-                raise SystemExit(f"the budget leaves {seconds:.1f} s per cell after the servers started; "
+                raise SystemExit(f"the budget leaves {seconds:.1f} s per cell; "
                                  f"raise --budget or measure fewer cells")
             print(f"servers ready after {time.monotonic() - began:.0f} s; {len(cells)} cells of {seconds:.1f} s",
                   flush=True)

@@ -165,12 +165,13 @@ def code_sandbox():
 
 
 @contextlib.contextmanager
-def serving(servers: dict):
+def serving(servers: dict, start_timeout: float | None = None):
     """Wait until every server of {name: ServeProcess} (started together: their imports overlap) is
-    ready, yield them, and stop them all, whatever happened."""
+    ready (each within `start_timeout` s, default SERVER_START_S), yield them, and stop them all,
+    whatever happened."""
     try:
         for server in servers.values():
-            server.wait_ready()
+            server.wait_ready(start_timeout)
         yield servers
     finally:
         for server in servers.values():
@@ -265,8 +266,8 @@ class ServeProcess:
             self.proc = subprocess.Popen([sys.executable, "-m", "latentloop", *argv],
                                          cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
 
-    def wait_ready(self) -> ServeProcess:
-        deadline = time.monotonic() + SERVER_START_S
+    def wait_ready(self, timeout: float | None = None) -> ServeProcess:
+        deadline = time.monotonic() + (SERVER_START_S if timeout is None else timeout)
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 pytest.fail(f"the server exited ({self.proc.returncode}): {self.log.read_text()[-2000:]}")

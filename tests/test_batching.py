@@ -14,7 +14,7 @@ import latentloop as ll
 from latentloop.archs import ARCHS, get_arch
 from latentloop.engine import model_options, row_info, stream
 from latentloop.models.cache import regroup, row_span
-from latentloop.serve.batch import DecodeBatch, Member, Sampling, couples_rows
+from latentloop.serve.batch import DecodeBatch, Member, Sampling, SlotBatch, compiles, couples_rows, slot_rows
 
 # fp32: a row in a batch vs alone, absolute and relative (log-probabilities of ~-5 after many
 # recurrent steps differ by ~1e-5 between batch shapes: summation order, not a different function)
@@ -71,10 +71,10 @@ def alone(model, prompts, new_tokens, sampling, given):
     return rows
 
 
-def run_batch(model, given):
-    """The requests through one DecodeBatch, each joining at its step; per row as `alone` gives it."""
-    batch = DecodeBatch(model, model_options(model, given), STOPS, keep_logits=True,
-                        coupled=couples_rows(model, model_options(model, given)))
+def run_batch(model, given, kind=DecodeBatch, **extra):
+    """The requests through one batch (`kind`), each joining at its step; per row as `alone` gives it."""
+    options = model_options(model, given)
+    batch = kind(model, options, STOPS, keep_logits=True, coupled=couples_rows(model, options), **extra)
     members: list[list[Member]] = []
     seen: dict[int, tuple[list, list]] = {}
     step = 0
@@ -96,6 +96,8 @@ def run_batch(model, given):
                 batch.drop(out.member)
         step += 1
         assert step < 100, "the batch never emptied"
+        if isinstance(batch, SlotBatch) and batch.cache is not None:
+            sizes.add(batch.cache.batch_size)
     return [[(seen[id(m)][0], torch.stack(seen[id(m)][1]) if seen[id(m)][1] else torch.empty(0), m.info)
              for m in request] for request in members], batch
 
@@ -105,6 +107,29 @@ def test_rows_joining_a_running_batch_decode_as_alone(arch, label, given, models
     model = models[arch]
     together, batch = run_batch(model, given)
     assert batch.regroups >= 4  # rows joined at four steps and left at others: the cache was rebuilt
+    assert_as_alone(model, given, together)
+
+
+@pytest.mark.parametrize("arch, label, given", CASES, ids=[f"{a}-{label}" for a, label, _ in CASES])
+def test_rows_joining_a_batch_on_the_compiled_path_decode_as_alone(arch, label, given, models):
+    """The compiled path's batch (static cache, a row per request slot, each row at its own write
+    position), its step run eagerly: every row exactly as alone, for every option set whose step
+    compiles; the others stay on the eager path (`compiles` is False)."""
+    model = models[arch]
+    if not compiles(model, model_options(model, given), 8):
+        assert arch == "mor" or given.get("exit_threshold"), "only options the fast path refuses stay eager"
+        return
+    sizes.clear()
+    together, batch = run_batch(model, given, SlotBatch, compile=False)
+    assert batch.regroups >= 4
+    assert {1, 2, 4} <= sizes and all(size == slot_rows(size) for size in sizes), sizes  # grew, and shrank back
+    assert_as_alone(model, given, together)
+
+
+sizes: set[int] = set()  # the batch sizes a SlotBatch ran at in `run_batch`
+
+
+def assert_as_alone(model, given, together):
     for r, ((prompts, new_tokens, sampling, _), rows) in enumerate(zip(REQUESTS, together)):
         for row, ((tokens, logp, info), (want_tokens, want_logp, want_info)) in enumerate(
                 zip(rows, alone(model, prompts, new_tokens, sampling, given))):
@@ -143,3 +168,86 @@ def test_regroup_right_aligns_rows_and_keeps_their_positions():
         torch.testing.assert_close(target.state[name], torch.cat([a.state[name][1:], b.state[name]]), rtol=0, atol=0)
     with pytest.raises(ValueError, match="do not fit"):
         regroup(model.new_cache(2, 2), [(a, torch.tensor([0])), (b, torch.tensor([0]))])
+
+
+def test_a_free_row_of_the_compiled_path_never_writes_past_its_buffer(models):
+    """A row that left decodes on unseen until a joiner takes it: it is vacated every step, so a
+    neighbour that runs to the end of the context never pushes it past the buffer (the eager step
+    would raise IndexError; the compiled one would write out of bounds)."""
+    model = models["gpt"]
+    context = model.config.sequence_len
+    batch = SlotBatch(model, model_options(model, {}), (), compile=False)
+    runners = [Member([BOS, token], context - 2, Sampling()) for token in (5, 6, 7)]
+    short = Member([BOS, *range(1, context - 12)], 2, Sampling())
+    batch.add([*runners, short])  # 4 rows; 3 live after `short` leaves: no smaller batch holds them
+    produced = 0
+    while len(batch):
+        produced += sum(step.token is not None and step.member is runners[0] for step in batch.step())
+        assert batch.cache is None or batch.cache.batch_size == 4
+    assert produced == context - 2
+
+
+# -- the scheduler on the compiled path (in process, no HTTP) ----------------------------------
+
+SERVED = [  # (request body, arrival delay in scheduler steps is not controlled: they arrive together)
+    {"prompt": "def f(x):", "max_tokens": 7, "temperature": 0},
+    {"prompt": "hi", "max_tokens": 5, "temperature": 0.9, "top_k": 20, "seed": 11},
+    {"prompt": "a longer prompt", "max_tokens": 6, "temperature": 0, "n": 2},
+    {"prompt": "x", "max_tokens": 9, "temperature": 1.2, "top_p": 0.8, "seed": 5},
+    {"prompt": "last", "max_tokens": 3, "temperature": 0},
+]
+SCHEDULER_TIMEOUT_S = 60  # all requests of one scheduler run
+
+
+def serve_in_process(model, compiled: bool) -> list[list[str]]:
+    """SERVED through a ContinuousScheduler (the compiled path's step run eagerly): each request's
+    choices' texts."""
+    import threading
+
+    from latentloop.data import ByteTokenizer
+    from latentloop.serve.protocol import Limits, parse_completion
+    from latentloop.serve.scheduler import ContinuousScheduler, Delta, Done, Failed, Job
+
+    tokenizer = ByteTokenizer()
+    limits = Limits(model.config.sequence_len, 64, 8)
+    scheduler = ContinuousScheduler(model, tokenizer, 8, 16, 0.05, compiled=compiled, compile_steps=False)
+    texts, finished = [], []
+    for body in SERVED:
+        request = parse_completion(body, model, tokenizer, limits, "m")
+        texts.append([""] * len(request.prompts) * request.n)
+        finished.append(threading.Event())
+
+        def post(event, i: int = len(texts) - 1):  # noqa: B008 - binds this request's index
+            if isinstance(event, Delta):
+                texts[i][event.choice] += event.text
+            elif isinstance(event, (Done, Failed)):
+                texts[i].append(event)
+                finished[i].set()
+
+        scheduler.submit(Job(request, post, tokenizer))
+    options = model_options(model, {})
+    assert isinstance(scheduler._new_batch(options), SlotBatch) == (compiled and compiles(model, options, 8))
+    scheduler.start()
+    try:
+        for event in finished:
+            assert event.wait(SCHEDULER_TIMEOUT_S), "a request did not finish"
+    finally:
+        scheduler.join(SCHEDULER_TIMEOUT_S)
+    assert all(isinstance(t[-1], Done) for t in texts), [t[-1] for t in texts]
+    return [t[:-1] for t in texts]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_scheduler_on_the_compiled_path_gives_what_the_engine_gives_alone(arch, models):
+    """Every registered architecture, with its default options: the continuous scheduler with
+    `compiled=True` (a `SlotBatch` where the options compile, the eager batch where not) answers
+    each request, greedy or seeded, with the engine's own text for it alone."""
+    from latentloop.data import ByteTokenizer
+
+    model, tokenizer = models[arch], ByteTokenizer()
+    got = serve_in_process(model, compiled=True)
+    for body, choices in zip(SERVED, got):
+        ids = [BOS, *tokenizer.encode(body["prompt"])]
+        want = ll.generate(model, [ids] * body.get("n", 1), body["max_tokens"], temperature=body["temperature"],
+                           top_k=body.get("top_k"), top_p=body.get("top_p"), seed=body.get("seed"), stop_tokens=STOPS)
+        assert choices == [tokenizer.decode(row) for row in want], body

@@ -35,6 +35,7 @@ REPO = Path(ll.__file__).resolve().parents[1]
 ARCHS = tuple(REGISTERED)  # every registered architecture gets a server here
 CONTEXT = 128  # room for the lm-eval COPA rows (at most ~85 tokens with BOS)
 CALL_TIMEOUT_S = 60  # any one client call
+SERVER_START_COMPILED_S = 600  # a compiled server compiles 3 graphs before it answers (cold, on 2 busy cores)
 EXIT_TIMEOUT_S = SERVER_EXIT_S  # from SIGTERM to the process's end
 POLL_S = 0.05
 PROMPT = "def fibonacci(n):\n    "
@@ -567,6 +568,42 @@ def test_cli_refuses_an_open_host_without_a_key(runs, capsys, monkeypatch):
     monkeypatch.delenv("LATENTLOOP_API_KEY", raising=False)
     assert main(["serve", str(runs["gpt"]), "--host", "0.0.0.0"]) == 2
     assert "--api-key" in capsys.readouterr().err
+
+
+def test_cli_refuses_the_compiled_path_with_rounds(runs, capsys):
+    assert main(["serve", str(runs["gpt"]), "--decode", "compiled", "--batching", "rounds"]) == 2
+    err = capsys.readouterr().err
+    assert "--batching continuous" in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_compiled_server_gives_the_engines_tokens(arch, runs, tmp_path):
+    """`serve --decode compiled` for every registered architecture: its step for 1, 2 and 4 rows
+    compiles before the server answers (MoR's stays eager), and concurrent greedy and seeded
+    requests get the engine's tokens (compiled and eager steps sum in another order: greedy ties
+    on random weights could flip, so the prompts are few and short)."""
+    model = ll.load(runs[arch])[0]
+    with serving({arch: Server(runs[arch], tmp_path / "log", "--decode", "compiled", "--max-batch-size", "4")},
+                 start_timeout=SERVER_START_COMPILED_S) as started:
+        server = started[arch]
+        cases = [(PROMPT, 8, {"temperature": 0}), ("x = ", 5, {"temperature": 0.9, "seed": 3}),
+                 ("class", 6, {"temperature": 0})]
+
+        def send(case):
+            prompt, max_tokens, sampling = case
+            return httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens,
+                                                                    "logprobs": 0, **sampling}, timeout=CALL_TIMEOUT_S)
+
+        with ThreadPoolExecutor(len(cases)) as pool:
+            replies = list(pool.map(send, cases))
+        for (prompt, max_tokens, sampling), reply in zip(cases, replies):
+            assert reply.status_code == 200, reply.text
+            ids = [TOK.bos_id] + TOK.encode(prompt)
+            want = ll.generate(model, ids, max_tokens, stop_tokens=STOPS, **sampling)
+            assert reply.json()["choices"][0]["logprobs"]["tokens"] == strings(want), (prompt, sampling)
+    log = (tmp_path / "log").read_text()
+    assert ("4 rows: decode step compiled" in log) == (arch != "mor"), log[-2000:]
 
 
 def test_chat_completions_render_the_sft_format_and_match_the_engine(servers, runs):

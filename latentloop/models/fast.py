@@ -8,13 +8,15 @@ decode step has static shapes:
 - `static_cache(cache)` turns the cache a model made (`new_cache`, any subclass: rgpt's
   `RecurrentKVCache` too) into a `Static…` subclass of its own class. Prefill runs eagerly and
   unchanged (the parent's slicing by Python ints). Then `freeze()` switches it to the static
-  mode: each slot's keys/values get a tensor of their own, each row's new token is written at
-  its own time slot, held in the tensor `write_index` (`index_put_`, in place when compiled), attention runs over the filled window (the first W slots, W the filled length
-  rounded up to `WINDOW_BUCKET`) with a mask built from the `key_pos` tensor, RoPE reads its rows
-  at the position tensor, and `advance` bumps the tensors in place. W reaches the compiled step as
-  the size of a marker tensor whose dimension is marked dynamic, and nothing else it reads is a
-  Python int that changes from step to step, so it compiles once per (batch, buffer length,
-  options) and never recompiles as the sequence grows. The buffer is the whole context when that
+  mode: each slot's keys/values get a tensor of their own, a new token is written at the time
+  slot held in the tensor `write_index` (`index_put_`, in place when compiled; one slot for all
+  rows, or with `freeze(per_row=True)` one per row, for continuous batching), attention runs
+  over the filled window (the first W slots, W the filled length rounded up to `WINDOW_BUCKET`)
+  with a mask built from the `key_pos` tensor, RoPE reads its rows at the position tensor, and
+  `advance` bumps the tensors in place. W reaches the compiled step as the size of a marker
+  tensor whose dimension is marked dynamic, and nothing else it reads is a Python int that
+  changes from step to step, so it compiles once per (batch, buffer length, options) and never
+  recompiles as the sequence grows. The buffer is the whole context when that
   fits `FULL_CONTEXT_CACHE_BYTES` (one shape whatever the prompt), else the need bucketed.
 - While frozen, `length` reads 0: the decode window is the whole buffer from slot 0 (masked by
   `key_pos`), so the models' "tokens seen + new <= context" checks, which read `length`, pass
@@ -102,8 +104,9 @@ class StaticCacheMixin:
     """The static decode mode, mixed in front of a `KVCache` class (see the module docstring)."""
 
     static: bool
-    write_index: Tensor  # (B,) long: the time slot each row's next decoded token is written to
-    rows: Tensor  # (B,) long: 0..B-1, the row index that goes with `write_index`
+    write_index: Tensor  # (1,) long, or (B,) per row: the time slot the next decoded token is written to
+    per_row: bool  # each row writes at its own slot (rows join and leave: `place`, `vacate`, `resize`)
+    rows: Tensor  # (B,) long: 0..B-1, the row index that goes with a per-row `write_index`
     filled: int  # slots stored in the fullest row (the real length while frozen; checked outside compiled code)
     window: Tensor  # (W,) uninitialised: its size is the attended length W (a dynamic dimension)
 
@@ -115,15 +118,19 @@ class StaticCacheMixin:
     def length(self, value: int) -> None:
         self._length = value
 
-    def freeze(self) -> None:
+    def freeze(self, per_row: bool = False) -> None:
         """Switch to the static decode mode (after prefill). Each slot's keys/values move into a
         tensor of its own: a compiled step that writes into a view of one (S, ...) tensor is
         functionalised into a copy of the whole tensor per write (measured: every slot's cache
         copied twice per step), while a write into an input tensor of its own stays in place.
-        State tensors become fixed buffers. `k` / `v` are dropped: the slots hold the data now."""
+        State tensors become fixed buffers. `k` / `v` are dropped: the slots hold the data now.
+        `per_row`: a write position per row (a scatter per write, which cost about a fifth of the
+        compiled step at batch 1 on the project's machine, so a generation's rows share one)."""
         self.filled = self._length
+        self.per_row = per_row
         self.rows = torch.arange(self.batch_size, device=self.key_pos.device)
-        self.write_index = torch.full((self.batch_size,), self._length, dtype=torch.long, device=self.key_pos.device)
+        self.write_index = torch.full((self.batch_size if per_row else 1,), self._length, dtype=torch.long,
+                                      device=self.key_pos.device)
         self.k_slots = [t.clone() for t in self.k.unbind(0)]  # S x (B, H, L, hd)
         self.v_slots = [t.clone() for t in self.v.unbind(0)]
         self.k = self.v = None
@@ -147,7 +154,9 @@ class StaticCacheMixin:
     def place(self, row: int, source: KVCache, source_row: int) -> int:
         """Put row `source_row` of an ordinary cache (a prefill's) into row `row` of this frozen one,
         its stored slots from slot 0 on, with its positions and state: it decodes on exactly as it
-        would have in its own cache. Returns the slots it fills."""
+        would have in its own cache. Returns the slots it fills. Needs `freeze(per_row=True)`."""
+        if not self.per_row:
+            raise ValueError("place needs a write position per row: freeze(per_row=True)")
         index = torch.tensor([source_row], device=source.key_pos.device)
         span = row_span(source, index)
         if span >= self.max_len:
@@ -201,7 +210,10 @@ class StaticCacheMixin:
         if T != 1 or pad_mask is not None:
             raise ValueError("a frozen static cache decodes one unpadded token per row per step")
         positions = self.next_pos[:, None].clone()  # (B, 1); a copy, as next_pos moves on below
-        self.key_pos[self.rows, self.write_index] = positions[:, 0]  # index_put_: inductor keeps it in place
+        if self.per_row:
+            self.key_pos[self.rows, self.write_index] = positions[:, 0]  # index_put_: inductor keeps it in place
+        else:
+            self.key_pos[:, self.write_index] = positions
         self.next_pos.add_(1)
         self.pending = 1
         key_pos = self.key_pos[:, :self.window.shape[0]]  # (B, W): the filled part (and a few empty slots)
@@ -211,16 +223,27 @@ class StaticCacheMixin:
     def update(self, slot: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         if not self.static:
             return super().update(slot, k, v)
+        self._write(self.k_slots[slot], self.v_slots[slot], k, v)
         k_slot, v_slot = self.k_slots[slot], self.v_slots[slot]
-        k_slot[self.rows, :, self.write_index] = k[:, :, 0]  # index_put_ at each row's slot: in place when compiled
-        v_slot[self.rows, :, self.write_index] = v[:, :, 0]
         W = self.window.shape[0]
         return k_slot[:, :, :W], v_slot[:, :, :W]  # (B, H, W, hd): attention over the window only
 
+    def _write(self, k_slot: Tensor, v_slot: Tensor, k: Tensor, v: Tensor) -> None:
+        """k, v (B, H, 1, hd) into the slot's buffers at the write position (index_put_: in place
+        when compiled)."""
+        if self.per_row:
+            k_slot[self.rows, :, self.write_index] = k[:, :, 0]
+            v_slot[self.rows, :, self.write_index] = v[:, :, 0]
+        else:
+            k_slot[:, :, self.write_index] = k
+            v_slot[:, :, self.write_index] = v
+
     def read(self, slot: int) -> tuple[Tensor, Tensor]:
         """The keys/values (B, H, 1, hd) of the token being decoded in `slot` (as written so far)."""
-        return (self.k_slots[slot][self.rows, :, self.write_index][:, :, None],
-                self.v_slots[slot][self.rows, :, self.write_index][:, :, None])
+        if self.per_row:
+            return (self.k_slots[slot][self.rows, :, self.write_index][:, :, None],
+                    self.v_slots[slot][self.rows, :, self.write_index][:, :, None])
+        return self.k_slots[slot][:, :, self.write_index], self.v_slots[slot][:, :, self.write_index]
 
     def advance(self) -> None:
         if not self.static:
@@ -242,9 +265,7 @@ class StaticCacheMixin:
         for step in range(last_step + 1, self.max_steps + 1):
             for j in range(self.n_rec):
                 src, dst = first + (last_step - 1) * self.n_rec + j, first + (step - 1) * self.n_rec + j
-                k, v = self.read(src)
-                self.k_slots[dst][self.rows, :, self.write_index] = k[:, :, 0]
-                self.v_slots[dst][self.rows, :, self.write_index] = v[:, :, 0]
+                self._write(self.k_slots[dst], self.v_slots[dst], *self.read(src))
 
 
 @dataclass
@@ -367,8 +388,9 @@ class FastDecoder:
         return logits, greedy, info
 
     def _shape(self, cache: KVCache) -> tuple:
-        """What tells this step's compiled graphs apart (`_RAN_SHAPES`): options, rows, buffer length."""
-        return self._key, cache.batch_size, cache.max_len
+        """What tells this step's compiled graphs apart (`_RAN_SHAPES`): options, rows, buffer length,
+        one write position or one per row."""
+        return self._key, cache.batch_size, cache.max_len, cache.per_row
 
     @staticmethod
     def window_inside_buffer(cache: KVCache) -> bool:
@@ -453,7 +475,8 @@ class CompileRecord:
         fields = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else vars(config)
         quantized = sorted({type(m).__name__ for m in model.modules() if getattr(m, "QUANTIZED", False)})
         key = json.dumps([torch.__version__, type(model).__qualname__, fields, sorted(options.items()), quantized,
-                          cache.batch_size, cache.max_len, str(cache.key_pos.device.type)], default=str)
+                          cache.batch_size, cache.max_len, str(cache.key_pos.device.type)]
+                         + (["per_row"] if getattr(cache, "per_row", False) else []), default=str)
         self.path = compile_cache_dir() / "latentloop" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
 
     def _seconds(self) -> list[float]:
@@ -516,7 +539,7 @@ class AutoCompile:
 
     def compiled_already(self, cache: KVCache) -> bool:
         """This process compiled (and ran) the step for this model, options and cache shape: free."""
-        return (self.key, cache.batch_size, cache.max_len) in _RAN_SHAPES.get(self.model, set())
+        return (self.key, cache.batch_size, cache.max_len, False) in _RAN_SHAPES.get(self.model, set())
 
     def decide(self, eager_step_s: float, remaining_steps: int, cache: KVCache) -> bool:
         """After the probe steps: True to compile the rest of this call. Without compiling, the
@@ -534,7 +557,7 @@ class AutoCompile:
 
 # model -> {(device type, options): seconds of eager decode that compiling would have saved so far}
 _BANKED_SAVING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# model -> {((device type, options), batch size, max_len)}: compiled steps that have run in this process
+# model -> {((device type, options), batch size, max_len, per_row)}: compiled steps that have run in this process
 _RAN_SHAPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 

@@ -162,7 +162,8 @@ class _Threads:
 def create_app(model, tokenizer, name: str, settings: ServeSettings) -> FastAPI:
     """The FastAPI app over a loaded model; its lifespan starts and stops the scheduler thread."""
     scheduler = make_scheduler(settings.batching, model, tokenizer, settings.max_batch_size, settings.max_queue,
-                               settings.batch_window_ms / 1000)
+                               settings.batch_window_ms / 1000, compiled=settings.decode == "compiled",
+                               announce=lambda message: print(f"latentloop: {message}", file=sys.stderr, flush=True))
     context = int(model.config.sequence_len)
     limits = Limits(context, settings.max_tokens_cap, settings.max_batch_size)
     arch = model.config.arch
@@ -441,6 +442,7 @@ def serve(settings: ServeSettings) -> None:
         name = settings.model_name or run_dir.resolve().name  # the run's name, also when given a checkpoint folder
         _probe_chat_format(tokenizer, CHAT_PROBE_TIMEOUT_S)
         app = create_app(model, tokenizer, name, settings)
+        app.state.scheduler.warm()  # --decode compiled: before anyone can connect
 
         class Server(uvicorn.Server):
             def handle_exit(self, sig, frame) -> None:

@@ -36,7 +36,9 @@ import torch
 from torch import Tensor
 
 from ..engine import left_pad, row_info, sample_next
+from ..models.backbone import GPT
 from ..models.cache import regroup, row_span
+from ..models.fast import WINDOW_BUCKET, FastDecoder, fallback_reason, static_cache
 
 
 @dataclass(eq=False)
@@ -164,25 +166,33 @@ class DecodeBatch:
         for i, member in enumerate(self.members):
             member.info.update(row_info(out.info, i))
 
-    def _join_waiting(self) -> None:
-        if not self.waiting:
-            return
+    def _prefill_waiting(self) -> list[tuple[list[Member], object, Tensor]]:
+        """The waiting members prefilled, each group in a left-padded cache of its own (together,
+        or each request alone when the options couple rows): (members, cache, last logits (n, V))."""
         groups = self.waiting if self.coupled else [[m for group in self.waiting for m in group]]
         self.waiting = []
-        parts, logits, members = [], [], []
-        if self.cache is not None:  # the running rows, without those that left
-            live = [i for i, m in enumerate(self.members) if not m.done]
-            parts.append((self.cache, torch.tensor(live, dtype=torch.long, device=self.device)))
-            logits.append(self.last[live])
-            members.extend(self.members[i] for i in live)
+        prefilled = []
         for group in groups:
             idx, pad_mask = left_pad([m.prompt for m in group], self.pad_id, self.device)
             cache = self.model.new_cache(len(group), idx.shape[1], **self.options)
             out = self.model.prefill(idx, cache, pad_mask, **self.options)
             for j, member in enumerate(group):
                 member.info = row_info(out.info, j)
+            prefilled.append((group, cache, out.logits[:, -1]))
+        return prefilled
+
+    def _join_waiting(self) -> None:
+        if not self.waiting:
+            return
+        parts, logits, members = [], [], []
+        if self.cache is not None:  # the running rows, without those that left
+            live = [i for i, m in enumerate(self.members) if not m.done]
+            parts.append((self.cache, torch.tensor(live, dtype=torch.long, device=self.device)))
+            logits.append(self.last[live])
+            members.extend(self.members[i] for i in live)
+        for group, cache, last in self._prefill_waiting():
             parts.append((cache, torch.arange(len(group), device=self.device)))
-            logits.append(out.logits[:, -1])
+            logits.append(last)
             members.extend(group)
         length = max(row_span(cache, index) for cache, index in parts)
         cache = self.model.new_cache(len(members), self._capacity(length, members), **self.options)
@@ -235,3 +245,157 @@ def couples_rows(model, options: dict) -> bool:
     request is then prefilled alone)."""
     return any(option.couples_rows is not None and option.couples_rows(options.get(option.name))
                for option in model.OPTIONS)
+
+
+# -- on the compiled path ----------------------------------------------------------------------
+
+# A batch of the compiled path holds a power of two rows at most (1, 2, 4, ...): each size is one
+# compiled graph, and a batch grows to the next size when joiners do not fit its free rows, so a
+# server compiles at most log2(max rows) + 1 graphs per set of options.
+def slot_rows(rows: int) -> int:
+    """The batch size (a power of two) that holds `rows` rows."""
+    return 1 << max(0, rows - 1).bit_length()
+
+
+# Past this many bytes of keys/values (rows x the whole context), a batch stays on the eager path:
+# the compiled path holds every row's whole context. 2 GiB: 32 rows of a 12-layer d=768 model at
+# 1024 tokens take 2.4 GiB, 32 of the `small` preset 0.3 GiB.
+SLOT_CACHE_BYTES = 2 * 2**30
+
+
+# A batch on the compiled path shrinks once its live rows fit a batch this many times smaller: not at
+# half, so that a load hovering around a power of two does not copy the rows back and forth.
+SHRINK_FACTOR = 4
+
+
+def slot_length(model) -> int:
+    """The slots of a row: the whole context, plus one window bucket so that the attended window
+    never spans the whole buffer (a graph of its own, see `FastDecoder.step`)."""
+    context = model.config.sequence_len
+    return -(-context // WINDOW_BUCKET) * WINDOW_BUCKET + WINDOW_BUCKET
+
+
+def compiles(model, options: dict, rows: int) -> bool:
+    """Whether a batch of up to `rows` rows with these options can run on the compiled path: the
+    backbone's static cache, options whose step compiles, and every row's context within
+    `SLOT_CACHE_BYTES`."""
+    if not isinstance(model, GPT) or fallback_reason(model, options) is not None:
+        return False
+    per_row = model.new_cache(1, 1, **options).memory_bytes() * slot_length(model)
+    return slot_rows(rows) * per_row <= SLOT_CACHE_BYTES
+
+
+class SlotBatch(DecodeBatch):
+    """`DecodeBatch` on the compiled path (`models.fast`): the cache is a frozen static cache of
+    `slot_rows(n)` rows, each holding a whole context, and each decode step is the compiled step of
+    `FastDecoder`. Rows do not share a write position: each row writes at its own slot
+    (`write_index`), so a joining row is copied into a free row (`place`) with no copy of the
+    others, and a row that leaves frees its row for the next joiner (`vacate`). The batch grows to
+    the next power of two when joiners do not fit, and shrinks to the smallest that holds its live
+    rows once that is at most a `SHRINK_FACTOR`th of its size and nobody waits (`resize`: both copy
+    the live rows once). Each row decodes exactly as it would alone, as in `DecodeBatch` (up to
+    the compiled step's summation order, as with `generate(compile=True)`).
+
+    `compile=False` runs the same static-cache step eagerly (what the tests check exactly);
+    `on_compile(message)` hears when a first call for a batch size compiles."""
+
+    def __init__(self, model, options: dict, stop_tokens: Sequence[int] = (), pad_id: int = 0,
+                 coupled: bool = False, keep_logits: bool = False, compile: bool = True, on_compile=None):
+        super().__init__(model, options, stop_tokens, pad_id, coupled, keep_logits)
+        self.on_compile = on_compile
+        self.decoder = FastDecoder(model, compile=compile, on_compile=on_compile and self._announce, **self.options)
+        self.filled: list[int] = []  # slots each row of the cache holds
+        self._free = Member([], 0, Sampling())  # the placeholder of every free row
+        self._free.done = True
+
+    def _announce(self, message: str) -> None:
+        self.on_compile(f"{self.decoder.cache.batch_size} rows: {message}")
+
+    def warm(self, rows: int) -> None:
+        """Run (so compile, or load from the on-disk cache) the step for every batch size up to
+        `rows`, on placeholder rows, before serving: no request then waits for a compile."""
+        was_training = self.model.training
+        self.model.eval()
+        with torch.inference_mode():  # as `step` runs: a graph compiled outside it would not be reused
+            for size in sorted({slot_rows(n) for n in range(1, rows + 1)}):
+                self._warm(size)
+        self.model.train(was_training)
+        self.cache, self.members, self.last, self.filled = None, [], None, []
+
+    def _warm(self, size: int) -> None:
+        cache = self._new_cache(size)
+        source = self.model.new_cache(1, 1, **self.options)
+        self.model.prefill(torch.full((1, 1), self.pad_id, device=self.device), source, **self.options)
+        for row in range(size):
+            cache.place(row, source, 0)
+        self.decoder.attach(cache)
+        self.decoder.step(torch.full((size,), self.pad_id, device=self.device))
+
+    def _new_cache(self, rows: int):
+        cache = static_cache(self.model.new_cache(rows, slot_length(self.model), **self.options))
+        cache.freeze(per_row=True)
+        return cache
+
+    def _resize(self, keep: list[int], rows: int) -> None:
+        self.cache.resize(torch.tensor(keep, dtype=torch.long, device=self.device), rows)
+        self.decoder.attach(self.cache)
+        free = rows - len(keep)
+        self.members = [self.members[i] for i in keep] + [self._free] * free
+        self.filled = [self.filled[i] for i in keep] + [0] * free
+        if self.last is not None:
+            last = self.last.new_zeros((rows, self.last.shape[1]))
+            last[:len(keep)] = self.last[keep]
+            self.last = last
+        self.regroups += 1
+
+    def _decode_running(self) -> None:
+        if self.cache is None:
+            return
+        live = [i for i, m in enumerate(self.members) if not m.done]
+        if not live:
+            self.cache, self.members, self.last, self.filled = None, [], None, []
+            return
+        if not self.waiting and slot_rows(len(live)) * SHRINK_FACTOR <= len(self.members):
+            self._resize(live, slot_rows(len(live)))
+            self._pending_tokens = self._pending_tokens[live]
+            live = list(range(len(live)))
+        tokens = self._pending_tokens  # (B,): each row's last draw (`_sample`), free rows' included
+        free = [i for i, m in enumerate(self.members) if m.done]
+        if free:
+            self.cache.vacate(torch.tensor(free, dtype=torch.long, device=self.device))
+        self.cache.filled = max(self.filled[i] for i in live)
+        logits, _, info = self.decoder.step(tokens)
+        self.last = logits  # (B, V)
+        for i in live:
+            self.filled[i] += 1
+            self.members[i].info.update(row_info(info, i))
+        for i in free:
+            self.filled[i] = 0
+
+    def _join_waiting(self) -> None:
+        if not self.waiting:
+            return
+        prefilled = self._prefill_waiting()
+        joining = sum(len(group) for group, _, _ in prefilled)
+        free = [i for i, m in enumerate(self.members) if m.done]
+        if self.cache is None:
+            self.cache = self._new_cache(slot_rows(joining))
+            self.decoder.attach(self.cache)
+            self.members = [self._free] * self.cache.batch_size
+            self.filled = [0] * self.cache.batch_size
+            self.last = None
+            free = list(range(self.cache.batch_size))
+        elif joining > len(free):  # the live rows first, then room for the joiners
+            live = [i for i, m in enumerate(self.members) if not m.done]
+            self._resize(live, slot_rows(len(live) + joining))
+            free = list(range(len(live), len(self.members)))
+        if self.last is None:
+            self.last = prefilled[0][2].new_zeros((len(self.members), prefilled[0][2].shape[1]))
+        rows = iter(free)
+        for group, cache, last in prefilled:
+            for j, member in enumerate(group):
+                row = next(rows)
+                self.filled[row] = self.cache.place(row, cache, j)
+                self.members[row] = member
+                self.last[row] = last[j]
+        self.regroups += 1

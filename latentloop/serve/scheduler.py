@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from ..engine import model_options, row_info, stream, teacher_forced_logits
-from .batch import DecodeBatch, Member, Sampling, couples_rows
+from .batch import DecodeBatch, Member, Sampling, SlotBatch, compiles, couples_rows
 from .protocol import APIError, CompletionRequest, decode_with_offsets, special_names, token_string
 from .settings import BATCHING
 from .text import RowText, TokenEntry, top_dict
@@ -204,6 +204,9 @@ class Scheduler:
             self._pending.append(job)
             self.stats.requests += 1
             self._cond.notify()
+
+    def warm(self) -> None:
+        """Before serving: compile what the scheduler will run (nothing, unless a subclass says)."""
 
     def stop(self) -> None:
         """Ask the thread to end every request with an error and exit (safe from a signal handler:
@@ -507,10 +510,14 @@ class RoundScheduler(Scheduler):
 
 
 class ContinuousScheduler(Scheduler):
-    """Continuous batching: see the module docstring."""
+    """Continuous batching: see the module docstring. `compiled`: a batch whose options compile
+    decodes on the compiled path (`SlotBatch`); `announce(message)` hears of its compiles."""
 
-    def __init__(self, model, tokenizer, max_rows: int, max_queue: int, batch_window: float):
+    def __init__(self, model, tokenizer, max_rows: int, max_queue: int, batch_window: float,
+                 compiled: bool = False, announce: Callable[[str], None] | None = None, compile_steps: bool = True):
         super().__init__(model, tokenizer, max_rows, max_queue, batch_window)
+        self.compiled, self.announce = compiled, announce
+        self.compile_steps = compile_steps  # False: the compiled path's step run eagerly (tests)
         self.device = next(model.parameters()).device
         self._batches: dict[tuple, DecodeBatch] = {}  # by the options every row of the batch runs with
         self._jobs: list[Job] = []  # admitted and not finished
@@ -553,6 +560,20 @@ class ContinuousScheduler(Scheduler):
                     self.stats.failed += 1
         self._jobs, self._batches, self._active_rows = [], {}, 0
 
+    def warm(self) -> None:
+        """Before serving: compile (or load from the on-disk cache) the compiled path's step for the
+        default options at every batch size up to `max_rows`; other options compile at first use."""
+        options = model_options(self.model, {})
+        if self.compiled and compiles(self.model, options, self.max_rows):
+            self._new_batch(options).warm(self.max_rows)
+
+    def _new_batch(self, options: dict) -> DecodeBatch:
+        coupled = couples_rows(self.model, options)
+        if self.compiled and compiles(self.model, options, self.max_rows):
+            return SlotBatch(self.model, options, self.stop_tokens, self.tokenizer.pad_id, coupled=coupled,
+                             compile=self.compile_steps, on_compile=self.announce)
+        return DecodeBatch(self.model, options, self.stop_tokens, self.tokenizer.pad_id, coupled=coupled)
+
     # -- joining ------------------------------------------------------------------------------
     def _admit(self, job: Job) -> None:
         """A new request: its echo, then its rows into the batch of its options (prefilled and
@@ -571,8 +592,7 @@ class ContinuousScheduler(Scheduler):
             key = tuple(sorted(request.resolved.items()))  # {} and {"regime": "soft"} decode alike
             batch = self._batches.get(key)
             if batch is None:
-                batch = self._batches[key] = DecodeBatch(self.model, options, self.stop_tokens, self.tokenizer.pad_id,
-                                                         coupled=couples_rows(self.model, options))
+                batch = self._batches[key] = self._new_batch(options)
                 self.stats.batches += 1
             generator = None
             if not request.greedy:  # the request's own draws: seeded as asked, else from fresh entropy
@@ -629,12 +649,15 @@ class ContinuousScheduler(Scheduler):
                 batch.drop(step.member)
 
 
-def make_scheduler(batching: str, model, tokenizer, max_rows: int, max_queue: int, batch_window: float) -> Scheduler:
-    """The scheduler `--batching` names (BATCHING)."""
-    kinds = {"continuous": ContinuousScheduler, "rounds": RoundScheduler}
-    if batching not in kinds:
-        raise ValueError(f"batching must be one of {', '.join(BATCHING)}, got {batching!r}")
-    return kinds[batching](model, tokenizer, max_rows, max_queue, batch_window)
+def make_scheduler(batching: str, model, tokenizer, max_rows: int, max_queue: int, batch_window: float,
+                   compiled: bool = False, announce: Callable[[str], None] | None = None) -> Scheduler:
+    """The scheduler `--batching` names (BATCHING); `compiled` (continuous only): the compiled path."""
+    if batching == "continuous":
+        return ContinuousScheduler(model, tokenizer, max_rows, max_queue, batch_window, compiled, announce)
+    if batching == "rounds" and not compiled:
+        return RoundScheduler(model, tokenizer, max_rows, max_queue, batch_window)
+    raise ValueError(f"batching must be one of {', '.join(BATCHING)} (the compiled path: continuous), "
+                     f"got {batching!r}")
 
 
 class _BatchRun:

@@ -13,6 +13,9 @@ DEFAULT_MAX_QUEUE = 256  # requests waiting for a round before 429
 DEFAULT_BATCH_WINDOW_MS = 5.0  # how long an idle server waits for more requests before a round
 DEFAULT_REQUEST_TIMEOUT_S = 300.0  # a request (queue wait included) running longer ends with 504
 BATCHING = ("continuous", "rounds")  # --batching: the schedulers of serve/scheduler.py, the default first
+# --decode: each step eagerly (the default), or continuous batching's steps on the compiled path
+# (`serve.batch.SlotBatch`; every batch size compiled before the server starts listening)
+SERVE_DECODE = ("eager", "compiled")
 API_KEY_ENV = "LATENTLOOP_API_KEY"
 MAX_PORT = 2**16 - 1  # TCP ports are 16 bits (0: any free port)
 
@@ -30,6 +33,7 @@ class ServeSettings:
     max_queue: int = DEFAULT_MAX_QUEUE
     batch_window_ms: float = DEFAULT_BATCH_WINDOW_MS
     batching: str = BATCHING[0]
+    decode: str = SERVE_DECODE[0]
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S
     access_log: bool = False
 
@@ -57,5 +61,9 @@ def check_settings(settings: ServeSettings) -> None:
         raise LatentloopError(f"--port must be in [0, {MAX_PORT}] (0: any free port), got {settings.port}")
     if settings.batching not in BATCHING:
         raise LatentloopError(f"--batching must be one of {', '.join(BATCHING)}, got {settings.batching!r}")
+    if settings.decode not in SERVE_DECODE:
+        raise LatentloopError(f"--decode must be one of {', '.join(SERVE_DECODE)}, got {settings.decode!r}")
+    if settings.decode == "compiled" and settings.batching != "continuous":
+        raise LatentloopError("--decode compiled runs continuous batching's steps: use it with --batching continuous")
     if settings.batch_window_ms < 0 or settings.request_timeout <= 0:
         raise LatentloopError("--batch-window-ms must be >= 0 and --request-timeout > 0")
