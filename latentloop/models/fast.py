@@ -124,8 +124,9 @@ class StaticCacheMixin:
         functionalised into a copy of the whole tensor per write (measured: every slot's cache
         copied twice per step), while a write into an input tensor of its own stays in place.
         State tensors become fixed buffers. `k` / `v` are dropped: the slots hold the data now.
-        `per_row`: a write position per row (a scatter per write, which cost about a fifth of the
-        compiled step at batch 1 on the project's machine, so a generation's rows share one)."""
+        `per_row`: a write position per row (a scatter per write, which looked about a fifth slower
+        for the compiled step at batch 1, timed under load on the project's machine, so a
+        generation's rows share one)."""
         self.filled = self._length
         self.per_row = per_row
         self.rows = torch.arange(self.batch_size, device=self.key_pos.device)
@@ -196,7 +197,6 @@ class StaticCacheMixin:
         self.write_index = moved(self.write_index, 0)
         self.state = {name: moved(value, 0) for name, value in self.state.items()}
         self.rows = torch.arange(batch_size, device=self.key_pos.device)
-        self.k = self.v = None
 
     def memory_bytes(self) -> int:
         if not self.static:
@@ -390,7 +390,7 @@ class FastDecoder:
     def _shape(self, cache: KVCache) -> tuple:
         """What tells this step's compiled graphs apart (`_RAN_SHAPES`): options, rows, buffer length,
         one write position or one per row."""
-        return self._key, cache.batch_size, cache.max_len, cache.per_row
+        return ran_shape(self._key, cache.batch_size, cache.max_len, cache.per_row)
 
     @staticmethod
     def window_inside_buffer(cache: KVCache) -> bool:
@@ -539,7 +539,7 @@ class AutoCompile:
 
     def compiled_already(self, cache: KVCache) -> bool:
         """This process compiled (and ran) the step for this model, options and cache shape: free."""
-        return (self.key, cache.batch_size, cache.max_len, False) in _RAN_SHAPES.get(self.model, set())
+        return ran_shape(self.key, cache.batch_size, cache.max_len, False) in _RAN_SHAPES.get(self.model, set())
 
     def decide(self, eager_step_s: float, remaining_steps: int, cache: KVCache) -> bool:
         """After the probe steps: True to compile the rest of this call. Without compiling, the
@@ -557,8 +557,14 @@ class AutoCompile:
 
 # model -> {(device type, options): seconds of eager decode that compiling would have saved so far}
 _BANKED_SAVING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# model -> {((device type, options), batch size, max_len, per_row)}: compiled steps that have run in this process
+# model -> {ran_shape(...)}: compiled steps that have run in this process
 _RAN_SHAPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def ran_shape(key: tuple, batch_size: int, max_len: int, per_row: bool) -> tuple:
+    """The entry of `_RAN_SHAPES` for a step: (device type, options), rows, buffer length, one
+    write position or one per row (each a graph of its own)."""
+    return key, batch_size, max_len, per_row
 
 
 def _decode_step(model, token: Tensor, cache: KVCache, options: dict) -> tuple[Tensor, Tensor, dict]:
