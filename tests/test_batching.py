@@ -187,6 +187,28 @@ def test_a_free_row_of_the_compiled_path_never_writes_past_its_buffer(models):
     assert produced == context - 2
 
 
+def test_the_compiled_path_shrinks_to_a_batch_its_live_rows_do_not_fill(models):
+    """16 rows, of which 3 live on: the batch shrinks to 4 rows, one of them free, and every row
+    still decodes as alone (each step's tokens are one per row of the new batch: a shrink that kept
+    only the live rows' tokens handed the compiled step 3 tokens for 4 rows, found under load)."""
+    model = models["gpt"]
+    batch = SlotBatch(model, model_options(model, {}), (), compile=False)
+    stayers = [Member([BOS, token], 8, Sampling()) for token in (5, 6, 7)]
+    leavers = [Member([BOS, token], 2, Sampling()) for token in range(10, 16)]
+    batch.add([*stayers, *leavers])  # 9 rows: a batch of 16
+    got: dict[int, list[int]] = {id(m): [] for m in stayers}
+    seen_sizes = []
+    while len(batch):
+        for step in batch.step():
+            if step.token is not None and id(step.member) in got:
+                got[id(step.member)].append(step.token)
+        if batch.cache is not None:
+            seen_sizes.append(batch.cache.batch_size)
+    assert seen_sizes[0] == 16 and 4 in seen_sizes, seen_sizes
+    for member in stayers:
+        assert got[id(member)] == [s.tokens[0] for s in stream(model, [member.prompt], 8, temperature=0.0)]
+
+
 # -- the scheduler on the compiled path (in process, no HTTP) ----------------------------------
 
 SERVED = [  # (request body, arrival delay in scheduler steps is not controlled: they arrive together)

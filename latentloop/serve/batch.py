@@ -98,6 +98,7 @@ class DecodeBatch:
         self.members: list[Member] = []  # the rows of `cache`, in order
         self.cache = None
         self.last: Tensor | None = None  # (B, V) logits of each member's next token, None once decoded past
+        self._pending_tokens: Tensor | None = None  # (B,) each row's last draw, fed to the next decode step
         self.waiting: list[list[Member]] = []  # joiners, by the `add` call that brought them
         self.regroups = 0  # times the cache was rebuilt (rows joined or left)
 
@@ -346,6 +347,10 @@ class SlotBatch(DecodeBatch):
             last = self.last.new_zeros((rows, self.last.shape[1]))
             last[:len(keep)] = self.last[keep]
             self.last = last
+        if self._pending_tokens is not None:  # one token per row, free rows' too
+            tokens = self._pending_tokens.new_full((rows,), self.pad_id)
+            tokens[:len(keep)] = self._pending_tokens[keep]
+            self._pending_tokens = tokens
         self.regroups += 1
 
     def _decode_running(self) -> None:
@@ -357,7 +362,6 @@ class SlotBatch(DecodeBatch):
             return
         if not self.waiting and slot_rows(len(live)) * SHRINK_FACTOR <= len(self.members):
             self._resize(live, slot_rows(len(live)))
-            self._pending_tokens = self._pending_tokens[live]
             live = list(range(len(live)))
         tokens = self._pending_tokens  # (B,): each row's last draw (`_sample`), free rows' included
         free = [i for i, m in enumerate(self.members) if m.done]
