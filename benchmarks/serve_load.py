@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import signal
 import socket
 import statistics
@@ -75,16 +76,16 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, run: Path, batching: str, max_rows: int, decode: str, log: Path):
+    def __init__(self, run: Path, batching: str, max_rows: int, decode: str, log: Path, threads: int | None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
         with open(log, "w") as out:
             self.proc = subprocess.Popen([sys.executable, "-m", "latentloop", "serve", str(run), "--port",
                                           str(self.port), "--device", "cpu", "--max-batch-size", str(max_rows),
-                                          "--batching", batching, "--decode", decode,
-                                          "--max-queue", "1024"], cwd=REPO_ROOT, env=env,
-                                         stdout=out, stderr=subprocess.STDOUT)
+                                          "--batching", batching, "--decode", decode, "--max-queue", "1024",
+                                          *(["--threads", str(threads)] if threads else [])],
+                                         cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
         self.log = log
 
     def wait_ready(self, deadline: float) -> None:
@@ -152,6 +153,29 @@ async def load(url: str, concurrency: int, seconds: float, varied: bool) -> tupl
     return latencies, tokens, time.perf_counter() - start
 
 
+def measure(server: Server, concurrency: int, seconds: float, varied: bool) -> dict:
+    """One cell: `concurrency` clients for `seconds`, then the server drained."""
+    before = server.stats()
+    latencies, tokens, wall = asyncio.run(load(server.url, concurrency, seconds, varied))
+    server.drain()
+    after = server.stats()
+    steps = after["steps"] - before["steps"]
+    nan = float("nan")  # no completed request: no latency (shown as "-")
+    return {"requests": len(latencies), "req/s": len(latencies) / wall, "tokens/s": tokens / wall,
+            "p50": statistics.median(latencies) if latencies else nan,
+            "p99": percentile(latencies, 0.99) if latencies else nan,
+            "rows per step": (after["row_steps"] - before["row_steps"]) / steps if steps else 0.0}
+
+
+def spread(values: list[float], digits: int) -> str:
+    """The median, and with several values their range: `12.3 (11.0-14.1)`."""
+    values = [v for v in values if v == v]  # drop the NaNs
+    if not values:
+        return "-"
+    text = f"{statistics.median(values):.{digits}f}"
+    return text if len(values) == 1 else f"{text} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
@@ -165,11 +189,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds for the cells, once the servers are ready")
     p.add_argument("--batching", nargs="+", choices=list(MODES), default=["continuous", "rounds"],
                    help="the modes to compare (default: continuous rounds; unbatched: --max-batch-size 1)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="every server's --threads (default: torch's choice, one per core)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="measure every cell this many times, the cells in a new order each time (the budget is "
+                        "shared by all); the table gives each cell's median and, with 2 or more, its range")
     p.add_argument("--varied-lengths", action="store_true",
                    help=f"max_tokens cycles through {VARIED_TOKENS} instead of {NEW_TOKENS} for every request")
     args = p.parse_args(argv)
     if max(args.concurrency) > BATCHED_ROWS or min(args.concurrency) < 1:
         p.error(f"concurrency must be in [1, {BATCHED_ROWS}]")
+    if args.repeats < 1 or (args.threads is not None and args.threads < 1):
+        p.error("--repeats and --threads must be >= 1")
     began = time.monotonic()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, load average "
           f"{os.getloadavg()[0]:.1f} at start", flush=True)
@@ -181,38 +212,47 @@ def main(argv: list[str] | None = None) -> int:
                 run = save_run(ll.build("gpt", preset=preset), ByteTokenizer(), Path(folder) / preset).parents[1]
                 for mode in args.batching:
                     batching, rows, decode = MODES[mode]
-                    servers[preset, mode] = Server(run, batching, rows, decode, Path(folder) / f"{preset}-{mode}.log")
+                    servers[preset, mode] = Server(run, batching, rows, decode, Path(folder) / f"{preset}-{mode}.log",
+                                                     args.threads)
             for server in servers.values():
                 server.wait_ready(time.monotonic() + START_TIMEOUT_S)
             for server in servers.values():  # first calls pay one-off costs: not measured
                 httpx.post(server.url + "/v1/completions", json=body(0), timeout=START_TIMEOUT_S).raise_for_status()
             cells = [(preset, mode, c) for preset in args.presets for c in args.concurrency for mode in args.batching]
-            seconds = args.budget / len(cells) * 0.8  # the rest: draining between cells
+            seconds = args.budget / (len(cells) * args.repeats) * 0.8  # the rest: draining between cells
             if seconds < MIN_CELL_S:
                 raise SystemExit(f"the budget leaves {seconds:.1f} s per cell; "
                                  f"raise --budget or measure fewer cells")
-            print(f"servers ready after {time.monotonic() - began:.0f} s; {len(cells)} cells of {seconds:.1f} s",
-                  flush=True)
+            print(f"servers ready after {time.monotonic() - began:.0f} s; {len(cells)} cells x {args.repeats} "
+                  f"of {seconds:.1f} s", flush=True)
+            measured: dict[tuple, list[dict]] = {cell: [] for cell in cells}
+            order = random.Random(0)
+            for repeat in range(args.repeats):
+                # a new order each time: a slow spell of the machine does not always hit the same cell
+                for preset, mode, c in cells if repeat == 0 else order.sample(cells, len(cells)):
+                    cell = measure(servers[preset, mode], c, seconds, args.varied_lengths)
+                    measured[preset, mode, c].append(cell)
+                    print(preset, mode, c, " ".join(f"{k} {v:.2f}" for k, v in cell.items()), flush=True)
             rows = [["preset", "server", "concurrency", "requests", "req/s", "tokens/s", "p50 latency s",
                      "p99 latency s", "rows per step"]]
-            for preset, mode, c in cells:
-                server = servers[preset, mode]
-                before = server.stats()
-                latencies, tokens, wall = asyncio.run(load(server.url, c, seconds, args.varied_lengths))
-                server.drain()
-                after = server.stats()
-                steps = after["steps"] - before["steps"]
-                per_step = (after["row_steps"] - before["row_steps"]) / steps if steps else 0.0
-                done = len(latencies)
-                rows.append([preset, mode, c, done, f"{done / wall:.1f}", f"{tokens / wall:.0f}",
-                             f"{statistics.median(latencies):.2f}" if latencies else "-",
-                             f"{percentile(latencies, 0.99):.2f}" if latencies else "-", f"{per_step:.1f}"])
-                print(" ".join(str(v) for v in rows[-1]), flush=True)
+            for (preset, mode, c), repeats in measured.items():
+                rows.append([preset, mode, c, sum(r["requests"] for r in repeats),
+                             *(spread([r[key] for r in repeats], digits) for key, digits in
+                               (("req/s", 1), ("tokens/s", 0), ("p50", 2), ("p99", 2), ("rows per step", 1)))])
         finally:
             for server in servers.values():
                 server.stop()
     print()
     print(render_table(rows))
+    if "rounds" in args.batching and len(args.batching) > 1:
+        print("\nagainst rounds, repeat by repeat (median, range): the issue's bar is req/s >= 2x with p99 <= 1x")
+        ratios = [["preset", "server", "concurrency", "req/s / rounds", "p99 / rounds"]]
+        for preset, mode, c in cells:
+            if mode != "rounds":
+                pairs = list(zip(measured[preset, mode, c], measured[preset, "rounds", c]))
+                ratios.append([preset, mode, c, *(spread([a[key] / b[key] for a, b in pairs if b[key]], 2)
+                                                  for key in ("req/s", "p99"))])
+        print(render_table(ratios))
     print(f"\ntotal {time.monotonic() - began:.0f} s; load average {os.getloadavg()[0]:.1f} at the end "
           f"(client and servers share the cores)")
     return 0

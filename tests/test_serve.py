@@ -212,6 +212,7 @@ def models(runs):
 
 
 API_KEY = "test-key"
+LIMITS_THREADS = 3  # the limits server's --threads: neither torch's choice here (2) nor a test env's 1
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +224,8 @@ def servers(runs, tmp_path_factory):
     specs["fbt"] += ("--batch-window-ms", "300")  # the concurrency test's requests meet in one round
     specs["rgpt"] += ("--request-timeout", str(RGPT_TIMEOUT_S))
     specs["limits"] = (runs["gpt"], "--max-queue", "1", "--max-tokens-cap", "32", "--max-batch-size", "4",
-                       "--batch-window-ms", "1500", "--api-key", API_KEY)
+                       "--batch-window-ms", "1500", "--api-key", API_KEY,
+                       "--threads", str(LIMITS_THREADS))
     specs["doomed"] = (runs["rgpt"],)
     specs["rounds"] = (runs["fbt"], "--batching", "rounds", "--batch-window-ms", "300")  # the round scheduler
     specs["chat"] = (runs["chat"],)
@@ -570,6 +572,23 @@ def test_cli_refuses_an_open_host_without_a_key(runs, capsys, monkeypatch):
     assert "--api-key" in capsys.readouterr().err
 
 
+def test_threads_sets_the_servers_cpu_threads(servers):
+    """--threads reaches torch before the model loads, and the banner says the count (the other
+    servers keep torch's choice)."""
+    assert f"on cpu, {LIMITS_THREADS} threads;" in servers["limits"].log.read_text()
+    assert f"on cpu, {LIMITS_THREADS} threads;" not in servers["gpt"].log.read_text()
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "chat"])
+def test_threads_must_be_positive(command, runs, capsys):
+    extra = ["--prompt", "x"] if command == "generate" else []
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, str(runs["gpt"]), *extra, "--threads", "0"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--threads" in err and "Traceback" not in err
+
+
 def test_cli_refuses_the_compiled_path_with_rounds(runs, capsys):
     assert main(["serve", str(runs["gpt"]), "--decode", "compiled", "--batching", "rounds"]) == 2
     err = capsys.readouterr().err
@@ -734,6 +753,22 @@ def test_a_body_that_does_not_arrive_in_time_gets_408(servers):
                                  b"\r\nContent-Length: 100\r\n\r\n", [b'{"prompt": "x", '])
     assert reply.startswith(b"HTTP/1.1 408") and b"--request-timeout" in reply
     assert RGPT_TIMEOUT_S <= time.monotonic() - start < CALL_TIMEOUT_S
+
+
+def test_a_client_that_leaves_mid_body_is_no_server_error(servers):
+    """A client that closes its connection before its body ends (a load test's client stopping) is
+    counted as a disconnect: no traceback in the server's log (it was logged as an ASGI exception)."""
+    server = servers["gpt"]
+    before = server.stats()["disconnects"]
+    with socket.create_connection(("127.0.0.1", server.port), timeout=CALL_TIMEOUT_S) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n" + b'{"prompt": "x", ')
+    deadline = time.monotonic() + CALL_TIMEOUT_S
+    while server.stats()["disconnects"] == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.stats()["disconnects"] == before + 1
+    assert "Traceback" not in server.log.read_text()
+    assert httpx.get(server.url + "/health", timeout=CALL_TIMEOUT_S).status_code == 200
 
 
 @pytest.mark.parametrize("body", [b"[" * 100_000 + b"]" * 100_000,  # past the decoder's recursion (was 500)

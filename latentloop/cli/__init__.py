@@ -48,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     command line, and after a command that joined a process group it ends the process itself
     (`runtime.exit_without_finalizing`); with `argv` (tests, other Python code) it always returns."""
     args = build_parser().parse_args(argv)
+    if getattr(args, "threads", None) is not None:  # generate, chat, serve: before anything is built or compiled
+        import torch
+
+        torch.set_num_threads(args.threads)
     try:
         code = COMMANDS[args.command](args)
     except LatentloopError as exc:

@@ -42,6 +42,14 @@ _positive_int = _int_at_least(1, "a positive integer")
 _non_negative_int = _int_at_least(0, "an integer >= 0")
 
 
+def _add_threads_option(p: argparse.ArgumentParser) -> None:
+    """The CPU's intra-op threads for commands that decode (applied in `cli.main`, before the model loads):
+    where a client or other processes share the cores, fewer threads than cores can decode faster."""
+    p.add_argument("--threads", type=_positive_int, default=None,
+                   help="CPU threads for the model's operations (torch.set_num_threads; default: torch's "
+                        "choice, one per core); compiled steps are built for this count")
+
+
 def _add_decode_options(p: argparse.ArgumentParser) -> None:
     """How generate and chat decode: the compiled static-cache step where it pays (default), always, or never."""
     p.add_argument("--decode", choices=["auto", "compiled", "eager"], default="auto",
@@ -118,6 +126,7 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"seconds a request may take, waiting included, before it ends with 504 (default "
                         f"{defaults.DEFAULT_REQUEST_TIMEOUT_S:g})")
     p.add_argument("--access-log", action="store_true", help="log every request")
+    _add_threads_option(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -201,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_options(g, temperature=0.8)
     g.add_argument("--no-cache", action="store_true", help="use the naive uncached reference path")
     _add_decode_options(g)
+    _add_threads_option(g)
     g.add_argument("--json", action="store_true", help="print prompt, completion and token ids as JSON")
     g.add_argument("--device", default="cpu", help="cpu, cuda[:N], mps")
     _addgeneration_options(g)
@@ -213,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"reply budget (default: {DEFAULT_NEW_TOKENS}, at most half the model's context)")
     _add_sampling_options(ch, temperature=0.0)
     _add_decode_options(ch)
+    _add_threads_option(ch)
     ch.add_argument("--device", default="cpu", help="cpu, cuda[:N], mps")
     _addgeneration_options(ch)
 

@@ -33,6 +33,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..errors import LatentloopError
 from .protocol import (
@@ -240,7 +241,11 @@ def create_app(model, tokenizer, name: str, settings: ServeSettings) -> FastAPI:
             task.cancel()  # a no-op once done
 
     async def read_json(request: Request, deadline: float) -> Any:
-        raw = await bounded(_read_body(request), deadline, body_timed_out)
+        try:
+            raw = await bounded(_read_body(request), deadline, body_timed_out)
+        except ClientDisconnect:  # gone before its body ended: nobody reads a reply, and no server error to log
+            counters["disconnects"] += 1
+            raise APIError(400, "the client disconnected before its request body arrived") from None
         return await bounded(prepares.run(_decode_json, raw), deadline, timed_out)
 
     @app.get("/health")
@@ -455,8 +460,11 @@ def serve(settings: ServeSettings) -> None:
                                 access_log=settings.access_log, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
         host = f"[{settings.host}]" if ":" in settings.host else settings.host
         port = sock.getsockname()[1]
+        import torch
+
+        where = f"cpu, {torch.get_num_threads()} threads" if device.type == "cpu" else str(device)
         print(f"latentloop: serving {name!r} ({model.config.arch}, {checkpoint}) at http://{host}:{port}/v1 "
-              f"on {device}; Ctrl+C stops", file=sys.stderr, flush=True)
+              f"on {where}; Ctrl+C stops", file=sys.stderr, flush=True)
         Server(config).run(sockets=[sock])
     finally:
         sock.close()
