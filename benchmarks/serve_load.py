@@ -125,22 +125,25 @@ def body(i: int, varied: bool = False) -> dict:
     return {"prompt": TEXT[:PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)]], "max_tokens": tokens, "temperature": 0}
 
 
-async def load(url: str, concurrency: int, seconds: float, varied: bool) -> tuple[list[float], int, float]:
-    """(latencies of completed requests, their completion tokens, measured seconds)."""
+async def load(url: str, concurrency: int, seconds: float, varied: bool) -> tuple[list[float], int, int, float]:
+    """(latencies of completed requests, their completion tokens, failed requests, measured seconds).
+    A failed request (not 200) is counted and its client goes on: a client that stopped would
+    lower the concurrency of the rest of the cell."""
     latencies: list[float] = []
-    tokens = 0
+    tokens = failed = 0
     start = time.perf_counter()
     stop_at = start + seconds
     async with httpx.AsyncClient(base_url=url, timeout=None,
                                  limits=httpx.Limits(max_connections=concurrency)) as client:
         async def worker(k: int) -> None:
-            nonlocal tokens
+            nonlocal tokens, failed
             i = k
             while time.perf_counter() < stop_at:
                 sent = time.perf_counter()
                 reply = await client.post("/v1/completions", json=body(i, varied))
-                reply.raise_for_status()
-                if time.perf_counter() <= stop_at:
+                if reply.status_code != 200:
+                    failed += 1
+                elif time.perf_counter() <= stop_at:
                     latencies.append(time.perf_counter() - sent)
                     tokens += reply.json()["usage"]["completion_tokens"]
                 i += concurrency
@@ -150,18 +153,18 @@ async def load(url: str, concurrency: int, seconds: float, varied: bool) -> tupl
         for task in tasks:  # abandon what still runs: closing its connection frees its row
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    return latencies, tokens, time.perf_counter() - start
+    return latencies, tokens, failed, time.perf_counter() - start
 
 
 def measure(server: Server, concurrency: int, seconds: float, varied: bool) -> dict:
     """One cell: `concurrency` clients for `seconds`, then the server drained."""
     before = server.stats()
-    latencies, tokens, wall = asyncio.run(load(server.url, concurrency, seconds, varied))
+    latencies, tokens, failed, wall = asyncio.run(load(server.url, concurrency, seconds, varied))
     server.drain()
     after = server.stats()
     steps = after["steps"] - before["steps"]
     nan = float("nan")  # no completed request: no latency (shown as "-")
-    return {"requests": len(latencies), "req/s": len(latencies) / wall, "tokens/s": tokens / wall,
+    return {"requests": len(latencies), "failed": failed, "req/s": len(latencies) / wall, "tokens/s": tokens / wall,
             "p50": statistics.median(latencies) if latencies else nan,
             "p99": percentile(latencies, 0.99) if latencies else nan,
             "rows per step": (after["row_steps"] - before["row_steps"]) / steps if steps else 0.0}
@@ -233,10 +236,10 @@ def main(argv: list[str] | None = None) -> int:
                     cell = measure(servers[preset, mode], c, seconds, args.varied_lengths)
                     measured[preset, mode, c].append(cell)
                     print(preset, mode, c, " ".join(f"{k} {v:.2f}" for k, v in cell.items()), flush=True)
-            rows = [["preset", "server", "concurrency", "requests", "req/s", "tokens/s", "p50 latency s",
+            rows = [["preset", "server", "concurrency", "requests", "failed", "req/s", "tokens/s", "p50 latency s",
                      "p99 latency s", "rows per step"]]
             for (preset, mode, c), repeats in measured.items():
-                rows.append([preset, mode, c, sum(r["requests"] for r in repeats),
+                rows.append([preset, mode, c, sum(r["requests"] for r in repeats), sum(r["failed"] for r in repeats),
                              *(spread([r[key] for r in repeats], digits) for key, digits in
                                (("req/s", 1), ("tokens/s", 0), ("p50", 2), ("p99", 2), ("rows per step", 1)))])
         finally:

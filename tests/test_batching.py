@@ -188,25 +188,31 @@ def test_a_free_row_of_the_compiled_path_never_writes_past_its_buffer(models):
 
 
 def test_the_compiled_path_shrinks_to_a_batch_its_live_rows_do_not_fill(models):
-    """16 rows, of which 3 live on: the batch shrinks to 4 rows, one of them free, and every row
-    still decodes as alone (each step's tokens are one per row of the new batch: a shrink that kept
-    only the live rows' tokens handed the compiled step 3 tokens for 4 rows, found under load)."""
+    """16 rows, of which 3 live on in rows 6-8: the batch shrinks to 4 rows, one of them free, the
+    live rows moved below the new size (`move_row`), and every row still decodes as alone (each
+    step's tokens are one per row of the new batch: a shrink that kept only the live rows' tokens
+    handed the compiled step 3 tokens for 4 rows, found under load)."""
     model = models["gpt"]
-    batch = SlotBatch(model, model_options(model, {}), (), compile=False)
-    stayers = [Member([BOS, token], 8, Sampling()) for token in (5, 6, 7)]
+    batch = SlotBatch(model, model_options(model, {}), STOPS, keep_logits=True, compile=False)
+    # prompts of other lengths than the leavers' whose rows they move into: their positions differ
+    stayers = [Member([BOS, token, token + 1, token + 2], 8, Sampling()) for token in (5, 6, 7)]
     leavers = [Member([BOS, token], 2, Sampling()) for token in range(10, 16)]
-    batch.add([*stayers, *leavers])  # 9 rows: a batch of 16
-    got: dict[int, list[int]] = {id(m): [] for m in stayers}
+    batch.add([*leavers, *stayers])  # 9 rows: a batch of 16
+    got: dict[int, tuple[list, list]] = {id(m): ([], []) for m in stayers}
     seen_sizes = []
     while len(batch):
         for step in batch.step():
             if step.token is not None and id(step.member) in got:
-                got[id(step.member)].append(step.token)
+                got[id(step.member)][0].append(step.token)
+                got[id(step.member)][1].append(step.logits.float().log_softmax(-1))
         if batch.cache is not None:
             seen_sizes.append(batch.cache.batch_size)
     assert seen_sizes[0] == 16 and 4 in seen_sizes, seen_sizes
     for member in stayers:
-        assert got[id(member)] == [s.tokens[0] for s in stream(model, [member.prompt], 8, temperature=0.0)]
+        [(want_tokens, want_logp, _)] = alone(model, [member.prompt], 8, {"temperature": 0.0}, {})
+        tokens, logp = got[id(member)]
+        assert tokens == want_tokens
+        torch.testing.assert_close(torch.stack(logp), want_logp, rtol=TOL, atol=TOL)
 
 
 # -- the scheduler on the compiled path (in process, no HTTP) ----------------------------------
@@ -257,6 +263,26 @@ def serve_in_process(model, compiled: bool) -> list[list[str]]:
         scheduler.join(SCHEDULER_TIMEOUT_S)
     assert all(isinstance(t[-1], Done) for t in texts), [t[-1] for t in texts]
     return [t[:-1] for t in texts]
+
+
+def test_the_warmed_batch_and_its_storage_serve_every_later_join(models):
+    """`warm` reserves the storage of max_rows rows once; the default options' batch is that one
+    again whenever a batch is made (it is dropped from the scheduler when it empties): allocating
+    and freezing a new storage per join was a quarter of a loaded server's time."""
+    from latentloop.data import ByteTokenizer
+    from latentloop.serve.scheduler import ContinuousScheduler
+
+    model = models["gpt"]
+    scheduler = ContinuousScheduler(model, ByteTokenizer(), 8, 16, 0.05, compiled=True, compile_steps=False)
+    scheduler.warm()
+    options = model_options(model, {})
+    batch = scheduler._new_batch(options)
+    storage = batch.storage
+    assert storage.batch_size == 8 and batch.cache is None
+    batch.add([Member([BOS, 5], 3, Sampling())])
+    while len(batch):
+        batch.step()
+    assert scheduler._new_batch(options) is batch and batch.storage is storage
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -52,6 +52,7 @@ What does not compile, and falls back to eager (`FastDecoder.supports` says why)
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -105,7 +106,8 @@ class StaticCacheMixin:
 
     static: bool
     write_index: Tensor  # (1,) long, or (B,) per row: the time slot the next decoded token is written to
-    per_row: bool  # each row writes at its own slot (rows join and leave: `place`, `vacate`, `resize`)
+    per_row: bool  # each row writes at its own slot (rows join and leave: `place`, `vacate`, `rows_view`)
+    is_view: bool  # `rows_view` made it: its tensors are views of another cache's
     rows: Tensor  # (B,) long: 0..B-1, the row index that goes with a per-row `write_index`
     filled: int  # slots stored in the fullest row (the real length while frozen; checked outside compiled code)
     window: Tensor  # (W,) uninitialised: its size is the attended length W (a dynamic dimension)
@@ -129,6 +131,7 @@ class StaticCacheMixin:
         generation's rows share one)."""
         self.filled = self._length
         self.per_row = per_row
+        self.is_view = False
         self.rows = torch.arange(self.batch_size, device=self.key_pos.device)
         self.write_index = torch.full((self.batch_size if per_row else 1,), self._length, dtype=torch.long,
                                       device=self.key_pos.device)
@@ -151,7 +154,8 @@ class StaticCacheMixin:
         self.window = torch.empty(W, device=self.key_pos.device)
         torch._dynamo.maybe_mark_dynamic(self.window, 0)
 
-    # -- rows that come and go (continuous batching, `serve.batch.SlotBatch`), outside compiled code --
+    # -- rows that come and go (continuous batching, `serve.batch.SlotBatch`), outside compiled code:
+    # `place` a prefilled row, `vacate` a row that left, `rows_view` / `move_row` to grow or shrink --
     def place(self, row: int, source: KVCache, source_row: int) -> int:
         """Put row `source_row` of an ordinary cache (a prefill's) into row `row` of this frozen one,
         its stored slots from slot 0 on, with its positions and state: it decodes on exactly as it
@@ -172,6 +176,9 @@ class StaticCacheMixin:
         self.write_index[row] = span
         for name, value in source.state.items():
             if name not in self.state:  # the first row placed brings the state's shape
+                if self.is_view:  # a state of its own would not be its storage's
+                    raise ValueError(f"place: the state {name!r} is not in the cache this one views: place a "
+                                     f"row into that cache first")
                 self.state[name] = value.new_zeros((self.batch_size, *value.shape[1:]))
             self.state[name][row] = value[source_row]
         return span
@@ -183,20 +190,34 @@ class StaticCacheMixin:
         self.next_pos[rows] = 0
         self.write_index[rows] = 0
 
-    def resize(self, keep: Tensor, batch_size: int) -> None:
-        """Rows `keep` (in that order) become rows 0.. of a cache of `batch_size` rows; the rest are
-        free. Replaces the tensors (a new shape for the compiled step)."""
-        def moved(tensor: Tensor, fill) -> Tensor:
-            out = tensor.new_full((batch_size, *tensor.shape[1:]), fill)
-            out[:len(keep)] = tensor[keep]
-            return out
+    def rows_view(self, batch_size: int) -> KVCache:
+        """The first `batch_size` rows of this frozen per-row cache as a cache of their own that shares
+        its storage (views: what either writes, both see). Continuous batching keeps one cache of
+        the most rows it has held and decodes a view of a power-of-two prefix of it, so the batch
+        grows and shrinks without copying the rows that stay (a copy of every row's whole buffer was
+        a fifth of a loaded server's time). The view's window starts empty: set by the next step."""
+        if not self.per_row or batch_size > self.batch_size:
+            raise ValueError(f"rows_view needs a per-row frozen cache of at least {batch_size} rows")
+        view = copy.copy(self)
+        view.k_slots = [t[:batch_size] for t in self.k_slots]
+        view.v_slots = [t[:batch_size] for t in self.v_slots]
+        view.key_pos, view.next_pos = self.key_pos[:batch_size], self.next_pos[:batch_size]
+        view.write_index, view.rows = self.write_index[:batch_size], self.rows[:batch_size]
+        view.state = {name: value[:batch_size] for name, value in self.state.items()}
+        view.stats = {name: list(values) for name, values in self.stats.items()}
+        view.window = self.window.new_empty(0)
+        view.is_view = True
+        return view
 
-        self.k_slots = [moved(t, 0) for t in self.k_slots]
-        self.v_slots = [moved(t, 0) for t in self.v_slots]
-        self.key_pos, self.next_pos = moved(self.key_pos, -1), moved(self.next_pos, 0)
-        self.write_index = moved(self.write_index, 0)
-        self.state = {name: moved(value, 0) for name, value in self.state.items()}
-        self.rows = torch.arange(batch_size, device=self.key_pos.device)
+    def move_row(self, source: int, target: int, span: int) -> None:
+        """Row `source`'s first `span` slots, its positions, write position and state into row
+        `target` (the source row is left as it was). Slots past `span` are not copied: `key_pos`
+        marks them empty."""
+        for k_slot, v_slot in zip(self.k_slots, self.v_slots):
+            k_slot[target, :, :span] = k_slot[source, :, :span]
+            v_slot[target, :, :span] = v_slot[source, :, :span]
+        for tensor in (self.key_pos, self.next_pos, self.write_index, *self.state.values()):
+            tensor[target] = tensor[source]
 
     def memory_bytes(self) -> int:
         if not self.static:

@@ -287,15 +287,18 @@ def compiles(model, options: dict, rows: int) -> bool:
 
 
 class SlotBatch(DecodeBatch):
-    """`DecodeBatch` on the compiled path (`models.fast`): the cache is a frozen static cache of
-    `slot_rows(n)` rows, each holding a whole context, and each decode step is the compiled step of
-    `FastDecoder`. Rows do not share a write position: each row writes at its own slot
-    (`write_index`), so a joining row is copied into a free row (`place`) with no copy of the
-    others, and a row that leaves frees its row for the next joiner (`vacate`). The batch grows to
-    the next power of two when joiners do not fit, and shrinks to the smallest that holds its live
-    rows once that is at most a `SHRINK_FACTOR`th of its size and nobody waits (`resize`: both copy
-    the live rows once). Each row decodes exactly as it would alone, as in `DecodeBatch` (up to
-    the compiled step's summation order, as with `generate(compile=True)`).
+    """`DecodeBatch` on the compiled path (`models.fast`): each decode step is the compiled step of
+    `FastDecoder` over a frozen static cache of `slot_rows(n)` rows, each row holding a whole
+    context. Rows do not share a write position: each row writes at its own slot (`write_index`),
+    so a joining row is copied into a free row (`place`) with no copy of the others, and a row that
+    leaves frees its row for the next joiner (`vacate`).
+
+    The batch's cache is a view of the first rows of one larger cache (`storage`: as many rows as
+    the batch has ever held, `rows_view`), so the batch grows to the next power of two when joiners
+    do not fit without copying anything, and shrinks, once its live rows fit a batch
+    `SHRINK_FACTOR` times smaller and nobody waits, by moving only the live rows past the new size
+    into its free rows (`move_row`). Each row decodes exactly as it would alone, as in `DecodeBatch`
+    (up to the compiled step's summation order, as with `generate(compile=True)`).
 
     `compile=False` runs the same static-cache step eagerly (what the tests check exactly);
     `on_compile(message)` hears when a first call for a batch size compiles."""
@@ -305,6 +308,7 @@ class SlotBatch(DecodeBatch):
         super().__init__(model, options, stop_tokens, pad_id, coupled, keep_logits)
         self.on_compile = on_compile
         self.decoder = FastDecoder(model, compile=compile, on_compile=on_compile and self._announce, **self.options)
+        self.storage = None  # the frozen cache whose first rows `cache` views (None until the first join)
         self.filled: list[int] = []  # slots each row of the cache holds
         self._free = Member([], 0, Sampling())  # the placeholder of every free row
         self._free.done = True
@@ -314,42 +318,80 @@ class SlotBatch(DecodeBatch):
 
     def warm(self, rows: int) -> None:
         """Run (so compile, or load from the on-disk cache) the step for every batch size up to
-        `rows`, on placeholder rows, before serving: no request then waits for a compile."""
+        `rows`, on placeholder rows, before serving: no request then waits for a compile, and the
+        storage for `rows` rows is allocated now, not while serving."""
         was_training = self.model.training
         self.model.eval()
+        sizes = sorted({slot_rows(n) for n in range(1, rows + 1)})
         with torch.inference_mode():  # as `step` runs: a graph compiled outside it would not be reused
-            for size in sorted({slot_rows(n) for n in range(1, rows + 1)}):
+            self._reserve(sizes[-1])
+            for size in sizes:
                 self._warm(size)
         self.model.train(was_training)
-        self.cache, self.members, self.last, self.filled = None, [], None, []
+        self.cache, self.members, self.last, self.filled, self._pending_tokens = None, [], None, [], None
 
-    def _warm(self, size: int) -> None:
-        cache = self._new_cache(size)
+    def _placeholder(self):
+        """A one-token prefill's cache: what warming decodes, and what brings the state's shapes."""
         source = self.model.new_cache(1, 1, **self.options)
         self.model.prefill(torch.full((1, 1), self.pad_id, device=self.device), source, **self.options)
+        return source
+
+    def _warm(self, size: int) -> None:
+        cache = self.storage.rows_view(size)
+        source = self._placeholder()
         for row in range(size):
             cache.place(row, source, 0)
         self.decoder.attach(cache)
         self.decoder.step(torch.full((size,), self.pad_id, device=self.device))
 
-    def _new_cache(self, rows: int):
-        cache = static_cache(self.model.new_cache(rows, slot_length(self.model), **self.options))
-        cache.freeze(per_row=True)
-        return cache
+    def _reserve(self, rows: int) -> None:
+        """A storage of at least `rows` rows; the rows of the current batch are copied into a new
+        one (at most once per power of two in a server's life: `warm` reserves them all at once)."""
+        if self.storage is not None and self.storage.batch_size >= rows:
+            return
+        storage = static_cache(self.model.new_cache(rows, slot_length(self.model), **self.options))
+        storage.freeze(per_row=True)
+        storage.place(0, self._placeholder(), 0)  # every state tensor exists in the storage, for its views
+        storage.vacate(torch.zeros(1, dtype=torch.long, device=self.device))
+        if self.cache is not None:
+            span = max(self.filled, default=0)
+            n = self.cache.batch_size
+            for old, new in ((self.cache.k_slots, storage.k_slots), (self.cache.v_slots, storage.v_slots)):
+                for a, b in zip(old, new):
+                    b[:n, :, :span] = a[:, :, :span]
+            for name in ("key_pos", "next_pos", "write_index"):
+                getattr(storage, name)[:n] = getattr(self.cache, name)
+            for name, value in self.cache.state.items():
+                storage.state[name][:n] = value
+        self.storage = storage
 
-    def _resize(self, keep: list[int], rows: int) -> None:
-        self.cache.resize(torch.tensor(keep, dtype=torch.long, device=self.device), rows)
+    def _regrow(self, rows: int) -> None:
+        """The batch becomes the first `rows` rows of the storage: more rows are vacated and added
+        free; fewer (the live rows fit them) move the live rows past `rows` into free rows below."""
+        n = len(self.members)
+        self._reserve(rows)
+        order = list(range(min(n, rows)))  # row i of the new batch holds row order[i] of the old one
+        if rows < n:
+            outside = [i for i in range(rows, n) if not self.members[i].done]
+            free_inside = [i for i in range(rows) if self.members[i].done]
+            for source, target in zip(outside, free_inside):
+                self.storage.move_row(source, target, self.filled[source])
+                order[target] = source
+        self.cache = self.storage.rows_view(rows)
+        if rows > n:
+            self.cache.vacate(torch.arange(n, rows, device=self.device))
         self.decoder.attach(self.cache)
-        free = rows - len(keep)
-        self.members = [self.members[i] for i in keep] + [self._free] * free
-        self.filled = [self.filled[i] for i in keep] + [0] * free
+        added = rows - len(order)
+        self.members = [self.members[i] for i in order] + [self._free] * added
+        self.filled = [self.filled[i] for i in order] + [0] * added
+        index = torch.tensor(order, dtype=torch.long, device=self.device)
         if self.last is not None:
             last = self.last.new_zeros((rows, self.last.shape[1]))
-            last[:len(keep)] = self.last[keep]
+            last[:len(order)] = self.last[index]
             self.last = last
         if self._pending_tokens is not None:  # one token per row, free rows' too
             tokens = self._pending_tokens.new_full((rows,), self.pad_id)
-            tokens[:len(keep)] = self._pending_tokens[keep]
+            tokens[:len(order)] = self._pending_tokens[index]
             self._pending_tokens = tokens
         self.regroups += 1
 
@@ -357,12 +399,12 @@ class SlotBatch(DecodeBatch):
         if self.cache is None:
             return
         live = [i for i, m in enumerate(self.members) if not m.done]
-        if not live:
-            self.cache, self.members, self.last, self.filled = None, [], None, []
+        if not live:  # the storage stays for the next join
+            self.cache, self.members, self.last, self.filled, self._pending_tokens = None, [], None, [], None
             return
         if not self.waiting and slot_rows(len(live)) * SHRINK_FACTOR <= len(self.members):
-            self._resize(live, slot_rows(len(live)))
-            live = list(range(len(live)))
+            self._regrow(slot_rows(len(live)))
+            live = [i for i, m in enumerate(self.members) if not m.done]
         tokens = self._pending_tokens  # (B,): each row's last draw (`_sample`), free rows' included
         free = [i for i, m in enumerate(self.members) if m.done]
         if free:
@@ -381,21 +423,12 @@ class SlotBatch(DecodeBatch):
             return
         prefilled = self._prefill_waiting()
         joining = sum(len(group) for group, _, _ in prefilled)
-        free = [i for i, m in enumerate(self.members) if m.done]
-        if self.cache is None:
-            self.cache = self._new_cache(slot_rows(joining))
-            self.decoder.attach(self.cache)
-            self.members = [self._free] * self.cache.batch_size
-            self.filled = [0] * self.cache.batch_size
-            self.last = None
-            free = list(range(self.cache.batch_size))
-        elif joining > len(free):  # the live rows first, then room for the joiners
-            live = [i for i, m in enumerate(self.members) if not m.done]
-            self._resize(live, slot_rows(len(live) + joining))
-            free = list(range(len(live), len(self.members)))
+        live = sum(not m.done for m in self.members)
+        if live + joining > len(self.members):  # grow: the live rows stay where they are
+            self._regrow(slot_rows(live + joining))
         if self.last is None:
             self.last = prefilled[0][2].new_zeros((len(self.members), prefilled[0][2].shape[1]))
-        rows = iter(free)
+        rows = iter([i for i, m in enumerate(self.members) if m.done])
         for group, cache, last in prefilled:
             for j, member in enumerate(group):
                 row = next(rows)

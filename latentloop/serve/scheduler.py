@@ -521,6 +521,7 @@ class ContinuousScheduler(Scheduler):
         self.device = next(model.parameters()).device
         self._batches: dict[tuple, DecodeBatch] = {}  # by the options every row of the batch runs with
         self._jobs: list[Job] = []  # admitted and not finished
+        self._warmed: tuple[dict, SlotBatch] | None = None  # the default options' batch, kept by `warm`
 
     # -- the thread ---------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -565,9 +566,14 @@ class ContinuousScheduler(Scheduler):
         default options at every batch size up to `max_rows`; other options compile at first use."""
         options = model_options(self.model, {})
         if self.compiled and compiles(self.model, options, self.max_rows):
-            self._new_batch(options).warm(self.max_rows)
+            batch = self._new_batch(options)
+            batch.warm(self.max_rows)
+            self._warmed = (options, batch)
 
     def _new_batch(self, options: dict) -> DecodeBatch:
+        if self._warmed is not None and self._warmed[0] == options:
+            # the warmed batch, again after it emptied: its storage for max_rows rows is allocated once
+            return self._warmed[1]
         coupled = couples_rows(self.model, options)
         if self.compiled and compiles(self.model, options, self.max_rows):
             return SlotBatch(self.model, options, self.stop_tokens, self.tokenizer.pad_id, coupled=coupled,
