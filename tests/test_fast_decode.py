@@ -211,6 +211,24 @@ def test_the_cpu_decode_backend_rewrites_every_product_of_the_step():
     assert targets.count(_attention_by_reduction) == model.config.n_layer
     assert not {F.linear, F.scaled_dot_product_attention} & set(targets)
     torch.testing.assert_close(logits["rewritten"], logits["eager"], rtol=0, atol=REDUCTION_TOL)
+    assert_cacheable_on_disk(graphs)
+
+
+def assert_cacheable_on_disk(graphs) -> None:
+    """AOT autograd's on-disk cache takes the rewritten graphs with the backend's marks (without
+    them it refused the reductions' calls, and every process traced the step again), and refuses
+    them without: the check can fail."""
+    from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache, check_node_safe
+
+    from latentloop.models.fast import _reduction_cache_keys
+
+    nodes = [node for gm in graphs for node in gm.graph.nodes]
+    with torch._inductor.config.patch(unsafe_marked_cacheable_functions=_reduction_cache_keys()):
+        for node in nodes:
+            check_node_safe(node)
+    with pytest.raises(BypassAOTAutogradCache, match="_linear_by_reduction|_attention_by_reduction"):
+        for node in nodes:
+            check_node_safe(node)
 
 
 def test_engine_compile_needs_the_cache():
