@@ -2,7 +2,9 @@
 step (the arch's registered objective, backward, grad clip, AdamW) with the model as the trainer
 runs it, plain and under `train.compile`. Within each mode the archs are measured interleaved,
 round by round; the eager rounds run before the compiled ones, so "compiled over eager" pairs
-rounds taken minutes apart (read it as a rough figure; the ratios over gpt are same-time).
+rounds taken minutes apart (read it as a rough figure; the ratios over gpt are same-time). Compiled,
+every arch runs twice, interleaved with the rest: its whole forward compiled, and each block
+(`train.compile_scope` whole / blocks), and "whole over blocks" pairs their rounds.
 
 Shape: the baseline's (4 layers, d=256, 4 heads, vocab 256, fp32; T=256, batch 16, random tokens).
 fbt with K=2 passes every step (its default mix is 88% K=2; a fixed K keeps rounds comparable);
@@ -43,47 +45,57 @@ VARIANTS = {"gpt": ("gpt", {}, None),
             "lrt": ("lrt", {}, None),
             "rgpt": ("rgpt", RGPT_EQUAL_DEPTH, None)}
 MODES = ("eager", "compiled")
+SCOPES = ("whole", "blocks")  # train.compile_scope: the compiled mode runs every arch both ways, interleaved
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     env = start_run(args)
     device = torch.device("cpu")
-    variants = {name: (arch, {**SHAPE, "sequence_len": args.train_seq_len}, overrides, passes)
-                for name, (arch, overrides, passes) in VARIANTS.items()}
+    shaped = {name: (arch, {**SHAPE, "sequence_len": args.train_seq_len}, overrides, passes)
+              for name, (arch, overrides, passes) in VARIANTS.items()}
     results: dict[str, Any] = {"env": env, "args": {k: (str(v) if isinstance(v, Path) else v)
                                                     for k, v in vars(args).items()}, "modes": {}}
     for mode in MODES:
         print(f"training ({mode}): {args.train_warmup} warmup steps (the compile happens there) and "
               f"{args.train_steps} interleaved rounds per arch ...", flush=True)
-        raw = training_comparison(variants, args, device, compile=mode == "compiled")
-        base = raw["gpt"]
+        variants, scopes = shaped, None
+        if mode == "compiled":  # each arch compiled both ways, the two interleaved with the rest
+            variants = {f"{name} [{scope}]": spec for name, spec in shaped.items() for scope in SCOPES}
+            scopes = {f"{name} [{scope}]": scope for name in shaped for scope in SCOPES}
+        raw = training_comparison(variants, args, device, compile=mode == "compiled", scopes=scopes)
         per_token = {name: [s / r["tokens_per_step"] for s in r["step_s_all"]] for name, r in raw.items()}
         per_flop = {name: [t / f for t, f in zip(per_token[name], r["flops_per_token_all"])]
                     for name, r in raw.items()}
+        # each row over gpt compiled the same way ("fbt K=2 [blocks]" over "gpt [blocks]")
+        base = {name: "gpt" if mode == "eager" else f"gpt [{name.rsplit('[', 1)[1]}" for name in raw}
         results["modes"][mode] = {name: {
             "tok_s_all": [1 / t for t in per_token[name]],
-            "over_gpt_all": [t / b for t, b in zip(per_token[name], per_token["gpt"])],
+            "over_gpt_all": [t / b for t, b in zip(per_token[name], per_token[base[name]])],
             "flops_over_gpt": statistics.median(r["flops_per_token_all"]) / statistics.median(
-                base["flops_per_token_all"]),
-            "over_gpt_per_flop_all": [t / b for t, b in zip(per_flop[name], per_flop["gpt"])],
+                raw[base[name]]["flops_per_token_all"]),
+            "over_gpt_per_flop_all": [t / b for t, b in zip(per_flop[name], per_flop[base[name]])],
             "final_loss": r["final_loss"]} for name, r in raw.items()}
     eager, compiled = results["modes"]["eager"], results["modes"]["compiled"]
     for name in VARIANTS:
-        compiled[name]["speedup_over_eager_all"] = [c / e for c, e in zip(compiled[name]["tok_s_all"],
-                                                                          eager[name]["tok_s_all"])]
+        for scope in SCOPES:
+            entry = compiled[f"{name} [{scope}]"]
+            entry["speedup_over_eager_all"] = [c / e for c, e in zip(entry["tok_s_all"], eager[name]["tok_s_all"])]
+        whole, blocks = (compiled[f"{name} [{scope}]"]["tok_s_all"] for scope in SCOPES)
+        compiled[f"{name} [{SCOPES[0]}]"]["whole_over_blocks_all"] = [w / b for w, b in zip(whole, blocks)]
     return results
 
 
 def markdown_table(results: dict[str, Any]) -> str:
     args = results["args"]
     rows = [(f"Arch (T={args['train_seq_len']}, batch {args['train_batch']})", "mode", "tok/s",
-             "over gpt (time per token)", "FLOPs over gpt", "over gpt per FLOP", "compiled over eager (tok/s)")]
+             "over gpt (time per token)", "FLOPs over gpt", "over gpt per FLOP", "compiled over eager (tok/s)",
+             "whole over blocks (paired rounds)")]
     for mode, entries in results["modes"].items():
         for name, entry in entries.items():
-            speedup = entry.get("speedup_over_eager_all")
+            speedup, whole = entry.get("speedup_over_eager_all"), entry.get("whole_over_blocks_all")
             rows.append((name, mode, spread(entry["tok_s_all"], "{:,.0f}"), spread(entry["over_gpt_all"], "{:.3f}x"),
                          f"{entry['flops_over_gpt']:.3f}x", spread(entry["over_gpt_per_flop_all"], "{:.3f}x"),
-                         spread(speedup, "{:.2f}x") if speedup else "—"))
+                         spread(speedup, "{:.2f}x") if speedup else "—", spread(whole, "{:.3f}x") if whole else "—"))
     return render_table(rows)
 
 

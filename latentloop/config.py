@@ -243,6 +243,7 @@ SEED_LIMIT = 2**63
 # nanochat and torchtitan do: ddp when torchrun started more than one process, else none; training
 # resolves it when it starts (runtime.resolve_strategy) and records the strategy it ran.
 STRATEGIES = ("auto", "none", "ddp", "fsdp2")
+COMPILE_SCOPES = ("auto", "whole", "blocks")  # TrainConfig.compile_scope
 TRACKERS = ("tensorboard", "wandb")  # where training metrics go besides metrics.jsonl (latentloop.train.trackers)
 
 
@@ -274,6 +275,9 @@ class TrainConfig:
     keep_last: int = 2  # checkpoints kept on disk
     log_every: int = 10
     compile: bool = False
+    # with compile: "auto" compiles the whole forward where the arch declares it (COMPILES_WHOLE), else
+    # each block; "whole" / "blocks" choose (blocks compile sooner; the whole forward fuses across them)
+    compile_scope: str = "auto"
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", "mps"
     dtype: str = "auto"  # autocast dtype: "auto" (bf16 on cuda, fp32 on cpu), "float32", "bfloat16"
     stage: str = "pretrain"  # see STAGES: sft trains on chat data with the assistant-only loss
@@ -288,6 +292,8 @@ class TrainConfig:
         require(all(name in TRACKERS for name in self.trackers),
                 f"trackers must be among {', '.join(TRACKERS)}, got {', '.join(self.trackers)}")
         require(self.stage in STAGES, f"stage must be one of {', '.join(STAGES)}, got {self.stage!r}")
+        require(self.compile_scope in COMPILE_SCOPES,
+                f"compile_scope must be one of {', '.join(COMPILE_SCOPES)}, got {self.compile_scope!r}")
         self.betas = tuple(float(b) for b in self.betas)
         self.muon_exclude = tuple(str(name) for name in self.muon_exclude)
         require_finite(self)

@@ -76,10 +76,13 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         _checkpointed(module)
 
 
-def compiles_whole_model(model: nn.Module, strategy: str) -> bool:
-    """Whether `train.compile` compiles the whole forward (an arch whose forward is one straight line,
-    `COMPILES_WHOLE`, not under fsdp2) or each block."""
-    return type(model).COMPILES_WHOLE and strategy != "fsdp2"
+def compiles_whole_model(model: nn.Module, strategy: str, scope: str = "auto") -> bool:
+    """Whether `train.compile` compiles the whole forward or each block: as `scope` says
+    (`train.compile_scope`), "auto" meaning where the arch declares `COMPILES_WHOLE`; never under
+    fsdp2, whose units are the blocks."""
+    if strategy == "fsdp2":
+        return False
+    return scope == "whole" or (scope == "auto" and type(model).COMPILES_WHOLE)
 
 
 # Graphs one compiled block function may keep: its blocks (layer attributes such as lrt's injection
@@ -106,7 +109,7 @@ def wrap_model(model: nn.Module, config: TrainConfig, device: torch.device) -> n
     state dict and parameters the optimizer, validation and checkpoints use."""
     if config.activation_checkpointing:
         apply_activation_checkpointing(model)
-    whole = config.compile and compiles_whole_model(model, config.strategy)
+    whole = config.compile and compiles_whole_model(model, config.strategy, config.compile_scope)
     if config.compile and not whole:
         _allow_recompiles(len(model.blocks))
         for block in model.blocks:

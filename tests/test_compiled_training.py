@@ -69,7 +69,7 @@ def _check_compiled_training(arch):
         eager.append(loss_and_grads(model, model, objective, x, y, step))
     # wrapped only now: compiling block by block changes `model`'s own blocks in place
     compiled = wrap_model(model, train, torch.device("cpu"))  # what `fit` calls the objective with
-    if compiles_whole_model(model, train.strategy):
+    if compiles_whole_model(model, train.strategy, train.compile_scope):
         assert isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule)
     else:  # each block compiled in place: the parameter names stay
         assert compiled is model and all(block._compiled_call_impl is not None for block in model.blocks)
@@ -85,3 +85,14 @@ def _check_compiled_training(arch):
     assert optimizer.defaults["fused"]  # the fused kernel on CPU
     optimizer.step()
     assert any(not torch.equal(before[name], p) for name, p in model.named_parameters())
+
+
+def test_compile_scope_chooses_whole_or_blocks_and_fsdp2_keeps_blocks():
+    from latentloop.errors import ConfigError
+
+    gpt, rgpt = ll.build("gpt", preset="test"), ll.build("rgpt", preset="test")
+    assert compiles_whole_model(gpt, "none") and not compiles_whole_model(rgpt, "none")  # "auto": the declaration
+    assert not compiles_whole_model(gpt, "none", "blocks") and compiles_whole_model(rgpt, "ddp", "whole")
+    assert not compiles_whole_model(gpt, "fsdp2", "whole")
+    with pytest.raises(ConfigError, match="compile_scope must be one of auto, whole, blocks"):
+        TrainConfig(compile_scope="layers")
