@@ -311,7 +311,7 @@ class ModelOutput:
 # forgot to think about it gets the safe answer (False).
 OPT_IN_FLAGS = (
     "STEP_USES_EVERY_PARAMETER",  # every parameter gets a gradient in every training step (DDP need not search)
-    "COMPILES_WHOLE",  # one straight-line forward: `train.compile` compiles it whole, not block by block
+    "COMPILES_WHOLE",  # `train.compile` compiles the whole forward, not block by block (measured faster)
     "EXPORTS_AS_LLAMA",  # with the Llama family's options, the weights are a plain Llama / Qwen2 model
 )
 

@@ -217,6 +217,9 @@ class FBT(GPT):
     OPTIONS = OPTIONS
     ANALYSES = frozenset({"contraction", "probe", "passes_curve"})  # latentloop.analysis, eval --passes-curve
     SCORING_NOTES = {"soft": SOFT_BPB_NOTE}
+    # train.compile: the whole multi-pass forward (one graph per pass count), measured 1.048x the
+    # tok/s of compiling each block (experiments/logs/2026-12-02-compile-scope.md)
+    COMPILES_WHOLE = True
 
     def __init__(self, config: FBTConfig):
         super().__init__(config)

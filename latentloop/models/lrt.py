@@ -205,6 +205,9 @@ class LRTBlock(Block):
 
 class LRT(GPT):
     OPTIONS = OPTIONS
+    # train.compile: the whole interleaved forward (one graph break, at the buffer's full-causal
+    # check), measured 1.059x the tok/s of compiling each block (experiments/logs/2026-12-02-compile-scope.md)
+    COMPILES_WHOLE = True
 
     def __init__(self, config: LRTConfig):
         super().__init__(config)
