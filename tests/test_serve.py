@@ -337,6 +337,9 @@ LONG_TOKENS_DEFAULT = 96  # with PROMPT and BOS, within CONTEXT
 # its 20 steps last: at its default depth the long request could stop early at a stop token and end
 # within ~60 ms on a quiet machine, before any request joined (a failure seen once in three runs)
 JOIN_OPTIONS = {"rgpt": {"steps": SLOW_STEPS}}
+# The whole exchange is tried again (each time exact) when the long request ended before any other
+# joined it: how soon the others arrive depends on the machine's load (a whole suite beside them)
+JOIN_ATTEMPTS = 3
 LONG_PROMPTS = (PROMPT, "class Loop:\n    ", "import os\n", "x = [1, ", "while True:\n    ", "# a note\n")
 SCHEDULERS = {**{arch: arch for arch in ARCHS}, "rounds": "fbt"}  # server -> its model's arch
 
@@ -375,27 +378,36 @@ def test_concurrent_requests_with_different_sampling_each_equal_alone(servers, m
     long_prompt = (runs_its_budget or LONG_PROMPTS)[0]
     long_body = {"prompt": long_prompt, "max_tokens": long_tokens_wanted, "temperature": 0, "logprobs": 0,
                  "stream": True, **options}
-    try:
+
+    def exchange() -> tuple[list[dict], list[httpx.Response]]:
+        """The long request's stream, and the others sent once its first token came."""
         with ThreadPoolExecutor(len(cases)) as pool, \
                 httpx.stream("POST", server.url + "/v1/completions", json=long_body, timeout=CALL_TIMEOUT_S) as reply:
             lines = reply.iter_lines()
             chunks = [json.loads(next(line for line in lines if line.startswith("data: "))[len("data: "):])]
-            replies = list(pool.map(send, zip(clients, cases)))  # the long request is decoding: its first token came
+            replies = list(pool.map(send, zip(clients, cases)))
             chunks += [json.loads(line[len("data: "):]) for line in lines
                        if line.startswith("data: ") and line != "data: [DONE]"]
+        return chunks, replies
+
+    try:
+        for _ in range(JOIN_ATTEMPTS):
+            chunks, replies = exchange()
+            assert all("choices" in c for c in chunks), chunks[-1]
+            long_tokens = [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]]
+            assert long_tokens == strings(expected(long_prompt, long_tokens_wanted, greedy, 1)[0]), "the long request"
+            for case, reply in zip(cases, replies):
+                assert reply.status_code == 200, reply.text
+                choices = reply.json()["choices"]
+                assert [c["logprobs"]["tokens"] for c in choices] == [strings(ids) for ids in expected(*case)], case
+            stats = server.stats()
+            assert stats["active_rows"] == 0 and stats["queued"] == 0, stats
+            if server_name == "rounds" or stats["rows_joined_running"] > before["rows_joined_running"]:
+                break
     finally:
         for client in clients:
             client.close()
-    assert all("choices" in c for c in chunks), chunks[-1]
-    long_tokens = [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]]
-    assert long_tokens == strings(expected(long_prompt, long_tokens_wanted, greedy, 1)[0]), "the long request"
-    for case, reply in zip(cases, replies):
-        assert reply.status_code == 200, reply.text
-        choices = reply.json()["choices"]
-        assert [c["logprobs"]["tokens"] for c in choices] == [strings(ids) for ids in expected(*case)], case
-    stats = server.stats()
-    assert stats["active_rows"] == 0 and stats["queued"] == 0, stats
-    if server_name != "rounds":  # (a failure here: the long request ended before the others arrived)
+    if server_name != "rounds":  # (a failure here: in every attempt the long request ended before the others arrived)
         assert stats["rows_joined_running"] > before["rows_joined_running"], (before, stats, len(long_tokens))
 
 
