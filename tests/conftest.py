@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -52,6 +53,10 @@ def option_sets(options) -> dict[str, dict]:
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 REPO = Path(__file__).resolve().parents[1]
 SERVER_START_S = 120  # a server's start: importing torch and FastAPI on 2 busy cores
+# A server started without --decode decodes as `--decode auto` chooses: compiled when this machine's
+# compile cache holds the steps. The tests' servers get an empty compile cache instead, so they
+# decode eagerly wherever they run (a machine that ran the slow compiled tests has some of them).
+NO_COMPILED_STEPS = {"TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="latentloop-tests-empty-compile-cache-")}
 SERVER_EXIT_S = 20  # from SIGTERM to the process's end
 SERVER_POLL_S = 0.05
 # serve's start line names the address it bound: started with --port 0, each server takes a free port itself
@@ -253,6 +258,8 @@ class ServeProcess:
     def __init__(self, run: Path, log: Path, *flags: str, env: dict | None = None, entry_point: bool = False):
         self.log, self.url, self.port = log, None, None
         argv = ["serve", str(run), "--host", "127.0.0.1", "--port", "0", "--device", "cpu", *flags]
+        if "--decode" not in flags:
+            env = {**NO_COMPILED_STEPS, **(env or {})}
         log.write_text("")
         if not entry_point:
             process = fork_context().Process(target=_serve_forked, args=(argv, str(log), {**os.environ, **(env or {})}),

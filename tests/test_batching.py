@@ -299,3 +299,38 @@ def test_the_scheduler_on_the_compiled_path_gives_what_the_engine_gives_alone(ar
         want = ll.generate(model, [ids] * body.get("n", 1), body["max_tokens"], temperature=body["temperature"],
                            top_k=body.get("top_k"), top_p=body.get("top_p"), seed=body.get("seed"), stop_tokens=STOPS)
         assert choices == [tokenizer.decode(row) for row in want], body
+
+
+def test_auto_takes_the_compiled_path_only_when_every_size_is_in_the_compile_cache(models, tmp_path, monkeypatch):
+    """`serve --decode auto`: eager with an empty compile cache (saying how to compile once); the
+    compiled path once every batch size's step has a record of a fast first call; eager again when
+    loading them is expected past the start budget (a record of slow first calls, a compile)."""
+    from latentloop.data import ByteTokenizer
+    from latentloop.models.fast import CompileRecord
+    from latentloop.serve.batch import AUTO_START_BUDGET_S, _CacheShape, slot_length
+    from latentloop.serve.scheduler import ContinuousScheduler
+
+    model = models["gpt"]
+    options = model_options(model, {})
+    heard: list[str] = []
+
+    def scheduler() -> ContinuousScheduler:
+        return ContinuousScheduler(model, ByteTokenizer(), 4, 16, 0.05, compiled="auto", announce=heard.append,
+                                   compile_steps=False)
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    assert not scheduler().compiled and "decoding eagerly" in heard[-1] and "--decode compiled" in heard[-1]
+
+    def record(sizes, seconds: float) -> None:
+        for size in sizes:
+            CompileRecord(model, options, _CacheShape(size, slot_length(model), torch.empty(0))).add(seconds)
+
+    record([1, 2], 0.5)  # 4 rows not yet
+    assert not scheduler().compiled
+    record([4], 0.5)
+    auto = scheduler()
+    assert auto.compiled and "in the on-disk cache" in heard[-1]
+    assert isinstance(auto._new_batch(options), SlotBatch)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "slow"))
+    record([1, 2, 4], AUTO_START_BUDGET_S)  # three sizes: past the budget
+    assert not scheduler().compiled

@@ -115,10 +115,11 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "rounds: a batch of the requests waiting, run to its end while new ones wait (default "
                         f"{defaults.BATCHING[0]})")
     p.add_argument("--decode", choices=defaults.SERVE_DECODE, default=defaults.SERVE_DECODE[0],
-                   help="eager: every decode step eagerly; compiled: continuous batching's steps compiled (a static "
-                        "cache, one graph per batch size 1, 2, 4, ... up to --max-batch-size, compiled before the "
-                        "server listens and cached on disk; options that do not compile stay eager) (default "
-                        f"{defaults.SERVE_DECODE[0]})")
+                   help="compiled: continuous batching's steps compiled (a static cache, one graph per batch size "
+                        "1, 2, 4, ... up to --max-batch-size, compiled before the server listens and cached on disk; "
+                        "options that do not compile stay eager); eager: every decode step eagerly; auto: compiled "
+                        "when every size's step is already in the on-disk cache (a start of seconds, not a compile "
+                        f"of minutes), else eager (default {defaults.SERVE_DECODE[0]})")
     p.add_argument("--batch-window-ms", type=float, default=defaults.DEFAULT_BATCH_WINDOW_MS,
                    help=f"how long an idle server waits for more requests before it starts a batch (default "
                         f"{defaults.DEFAULT_BATCH_WINDOW_MS:g})")

@@ -163,7 +163,8 @@ class _Threads:
 def create_app(model, tokenizer, name: str, settings: ServeSettings) -> FastAPI:
     """The FastAPI app over a loaded model; its lifespan starts and stops the scheduler thread."""
     scheduler = make_scheduler(settings.batching, model, tokenizer, settings.max_batch_size, settings.max_queue,
-                               settings.batch_window_ms / 1000, compiled=settings.decode == "compiled",
+                               settings.batch_window_ms / 1000,
+                               compiled={"eager": False, "compiled": True, "auto": "auto"}[settings.decode],
                                announce=lambda message: print(f"latentloop: {message}", file=sys.stderr, flush=True))
     context = int(model.config.sequence_len)
     limits = Limits(context, settings.max_tokens_cap, settings.max_batch_size)

@@ -38,7 +38,7 @@ from torch import Tensor
 from ..engine import left_pad, row_info, sample_next
 from ..models.backbone import GPT
 from ..models.cache import regroup, row_span
-from ..models.fast import WINDOW_BUCKET, FastDecoder, fallback_reason, static_cache
+from ..models.fast import WINDOW_BUCKET, CompileRecord, FastDecoder, fallback_reason, static_cache
 
 
 @dataclass(eq=False)
@@ -274,6 +274,36 @@ def slot_length(model) -> int:
     never spans the whole buffer (a graph of its own, see `FastDecoder.step`)."""
     context = model.config.sequence_len
     return -(-context // WINDOW_BUCKET) * WINDOW_BUCKET + WINDOW_BUCKET
+
+
+# `serve --decode auto` takes the compiled path when loading every batch size's step from the on-disk
+# caches is expected to take at most this long (the compile records' fastest first calls). Measured on
+# the project's 2-core machine: a warm start of 1 to 32 rows of `tiny` in 6.9 s, a cold one in minutes.
+AUTO_START_BUDGET_S = 30.0
+
+
+@dataclass
+class _CacheShape:
+    """What `CompileRecord` reads of a cache: the shapes that tell compiled steps apart."""
+
+    batch_size: int
+    max_len: int
+    key_pos: Tensor  # only its device is read
+    per_row: bool = True
+
+
+def cached_start_seconds(model, options: dict, rows: int) -> float | None:
+    """What loading the compiled path's step for every batch size up to `rows` is expected to cost,
+    by the compile records (`CompileRecord`: the fastest first call recorded per shape); None when
+    some size was never compiled on this machine (its first start would compile it)."""
+    marker = torch.empty(0, device=next(model.parameters()).device)
+    total = 0.0
+    for size in sorted({slot_rows(n) for n in range(1, rows + 1)}):
+        record = CompileRecord(model, options, _CacheShape(size, slot_length(model), marker))
+        if not record.seen():
+            return None
+        total += record.expected_seconds()
+    return total
 
 
 def compiles(model, options: dict, rows: int) -> bool:

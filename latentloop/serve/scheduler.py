@@ -49,7 +49,16 @@ from typing import Any
 import torch
 
 from ..engine import model_options, row_info, stream, teacher_forced_logits
-from .batch import DecodeBatch, Member, Sampling, SlotBatch, compiles, couples_rows
+from .batch import (
+    AUTO_START_BUDGET_S,
+    DecodeBatch,
+    Member,
+    Sampling,
+    SlotBatch,
+    cached_start_seconds,
+    compiles,
+    couples_rows,
+)
 from .protocol import APIError, CompletionRequest, decode_with_offsets, special_names, token_string
 from .settings import BATCHING
 from .text import RowText, TokenEntry, top_dict
@@ -204,6 +213,23 @@ class Scheduler:
             self._pending.append(job)
             self.stats.requests += 1
             self._cond.notify()
+
+    def auto_compiled(self) -> bool:
+        """`--decode auto`: the compiled path when the default options' step compiles and loading it
+        for every batch size is expected within AUTO_START_BUDGET_S (it was compiled on this machine
+        before); else eager, saying how to compile it once."""
+        options = model_options(self.model, {})
+        if not compiles(self.model, options, self.max_rows):
+            return False
+        seconds = cached_start_seconds(self.model, options, self.max_rows)
+        chosen = seconds is not None and seconds <= AUTO_START_BUDGET_S
+        if self.announce is not None:
+            self.announce(f"--decode auto: the compiled path (its steps for 1 to {self.max_rows} rows are in the "
+                          f"on-disk cache: ~{seconds:.0f} s to load)" if chosen else
+                          f"--decode auto: decoding eagerly; the compiled path's steps for 1 to {self.max_rows} rows "
+                          f"are not all in the on-disk cache (one start with --decode compiled compiles them, "
+                          f"minutes on a small CPU; later starts load them in seconds)")
+        return chosen
 
     def warm(self) -> None:
         """Before serving: compile what the scheduler will run (nothing, unless a subclass says)."""
@@ -511,12 +537,15 @@ class RoundScheduler(Scheduler):
 
 class ContinuousScheduler(Scheduler):
     """Continuous batching: see the module docstring. `compiled`: a batch whose options compile
-    decodes on the compiled path (`SlotBatch`); `announce(message)` hears of its compiles."""
+    decodes on the compiled path (`SlotBatch`); "auto": so where the on-disk cache holds the steps
+    (`auto_compiled`); `announce(message)` hears of its compiles and of what "auto" chose."""
 
     def __init__(self, model, tokenizer, max_rows: int, max_queue: int, batch_window: float,
-                 compiled: bool = False, announce: Callable[[str], None] | None = None, compile_steps: bool = True):
+                 compiled: bool | str = False, announce: Callable[[str], None] | None = None,
+                 compile_steps: bool = True):
         super().__init__(model, tokenizer, max_rows, max_queue, batch_window)
-        self.compiled, self.announce = compiled, announce
+        self.announce = announce
+        self.compiled = self.auto_compiled() if compiled == "auto" else bool(compiled)
         self.compile_steps = compile_steps  # False: the compiled path's step run eagerly (tests)
         self.device = next(model.parameters()).device
         self._batches: dict[tuple, DecodeBatch] = {}  # by the options every row of the batch runs with
@@ -656,11 +685,12 @@ class ContinuousScheduler(Scheduler):
 
 
 def make_scheduler(batching: str, model, tokenizer, max_rows: int, max_queue: int, batch_window: float,
-                   compiled: bool = False, announce: Callable[[str], None] | None = None) -> Scheduler:
-    """The scheduler `--batching` names (BATCHING); `compiled` (continuous only): the compiled path."""
+                   compiled: bool | str = False, announce: Callable[[str], None] | None = None) -> Scheduler:
+    """The scheduler `--batching` names (BATCHING); `compiled` (continuous only): the compiled path,
+    or "auto" (see `ContinuousScheduler.auto_compiled`; with rounds: eager)."""
     if batching == "continuous":
         return ContinuousScheduler(model, tokenizer, max_rows, max_queue, batch_window, compiled, announce)
-    if batching == "rounds" and not compiled:
+    if batching == "rounds" and compiled is not True:
         return RoundScheduler(model, tokenizer, max_rows, max_queue, batch_window)
     raise ValueError(f"batching must be one of {', '.join(BATCHING)} (the compiled path: continuous), "
                      f"got {batching!r}")

@@ -13,9 +13,11 @@ DEFAULT_MAX_QUEUE = 256  # requests waiting for a round before 429
 DEFAULT_BATCH_WINDOW_MS = 5.0  # how long an idle server waits for more requests before a round
 DEFAULT_REQUEST_TIMEOUT_S = 300.0  # a request (queue wait included) running longer ends with 504
 BATCHING = ("continuous", "rounds")  # --batching: the schedulers of serve/scheduler.py, the default first
-# --decode: each step eagerly (the default), or continuous batching's steps on the compiled path
-# (`serve.batch.SlotBatch`; every batch size compiled before the server starts listening)
-SERVE_DECODE = ("eager", "compiled")
+# --decode: continuous batching's steps on the compiled path (`serve.batch.SlotBatch`; every batch
+# size compiled, or loaded from the on-disk cache, before the server starts listening) or each step
+# eagerly; "auto" (the default) takes the compiled path when the on-disk cache holds every size's
+# step (`serve.batch.cached_start_seconds`), so a start costs seconds, not the minutes of a compile
+SERVE_DECODE = ("auto", "eager", "compiled")
 API_KEY_ENV = "LATENTLOOP_API_KEY"
 MAX_PORT = 2**16 - 1  # TCP ports are 16 bits (0: any free port)
 
