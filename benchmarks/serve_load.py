@@ -46,7 +46,7 @@ for _path in (str(REPO_ROOT), str(BENCH_DIR)):  # this checkout's code, and `com
 
 import httpx  # noqa: E402
 import torch  # noqa: E402
-from common import render_table  # noqa: E402
+from common import render_table, spread  # noqa: E402
 
 import latentloop as ll  # noqa: E402
 from latentloop.data import ByteTokenizer  # noqa: E402
@@ -170,13 +170,14 @@ def measure(server: Server, concurrency: int, seconds: float, varied: bool) -> d
             "rows per step": (after["row_steps"] - before["row_steps"]) / steps if steps else 0.0}
 
 
-def spread(values: list[float], digits: int) -> str:
-    """The median, and with several values their range: `12.3 (11.0-14.1)`."""
-    values = [v for v in values if v == v]  # drop the NaNs
+def cell_spread(values: list[float], digits: int) -> str:
+    """A cell's figure over its repeats: the value alone for one, else `common.spread`'s median
+    [min–max]; NaNs (no completed request) dropped, "-" when nothing is left."""
+    values = [v for v in values if v == v]
+    fmt = f"{{:.{digits}f}}"
     if not values:
         return "-"
-    text = f"{statistics.median(values):.{digits}f}"
-    return text if len(values) == 1 else f"{text} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+    return fmt.format(values[0]) if len(values) == 1 else spread(values, fmt)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -240,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                      "p99 latency s", "rows per step"]]
             for (preset, mode, c), repeats in measured.items():
                 rows.append([preset, mode, c, sum(r["requests"] for r in repeats), sum(r["failed"] for r in repeats),
-                             *(spread([r[key] for r in repeats], digits) for key, digits in
+                             *(cell_spread([r[key] for r in repeats], digits) for key, digits in
                                (("req/s", 1), ("tokens/s", 0), ("p50", 2), ("p99", 2), ("rows per step", 1)))])
         finally:
             for server in servers.values():
@@ -248,12 +249,12 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(render_table(rows))
     if "rounds" in args.batching and len(args.batching) > 1:
-        print("\nagainst rounds, repeat by repeat (median, range): the issue's bar is req/s >= 2x with p99 <= 1x")
+        print("\nagainst rounds, repeat by repeat (median [min–max]): the issue's bar is req/s >= 2x with p99 <= 1x")
         ratios = [["preset", "server", "concurrency", "req/s / rounds", "p99 / rounds"]]
         for preset, mode, c in cells:
             if mode != "rounds":
                 pairs = list(zip(measured[preset, mode, c], measured[preset, "rounds", c]))
-                ratios.append([preset, mode, c, *(spread([a[key] / b[key] for a, b in pairs if b[key]], 2)
+                ratios.append([preset, mode, c, *(cell_spread([a[key] / b[key] for a, b in pairs if b[key]], 2)
                                                   for key in ("req/s", "p99"))])
         print(render_table(ratios))
     print(f"\ntotal {time.monotonic() - began:.0f} s; load average {os.getloadavg()[0]:.1f} at the end "

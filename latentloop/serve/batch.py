@@ -269,6 +269,11 @@ SLOT_CACHE_BYTES = 2 * 2**30
 SHRINK_FACTOR = 4
 
 
+def slot_sizes(rows: int) -> list[int]:
+    """Every batch size a batch of up to `rows` rows may take (1, 2, 4, ... slot_rows(rows))."""
+    return sorted({slot_rows(n) for n in range(1, rows + 1)})
+
+
 def slot_length(model) -> int:
     """The slots of a row: the whole context, plus one window bucket so that the attended window
     never spans the whole buffer (a graph of its own, see `FastDecoder.step`)."""
@@ -298,7 +303,7 @@ def cached_start_seconds(model, options: dict, rows: int) -> float | None:
     some size was never compiled on this machine (its first start would compile it)."""
     marker = torch.empty(0, device=next(model.parameters()).device)
     total = 0.0
-    for size in sorted({slot_rows(n) for n in range(1, rows + 1)}):
+    for size in slot_sizes(rows):
         record = CompileRecord(model, options, _CacheShape(size, slot_length(model), marker))
         if not record.seen():
             return None
@@ -352,7 +357,7 @@ class SlotBatch(DecodeBatch):
         storage for `rows` rows is allocated now, not while serving."""
         was_training = self.model.training
         self.model.eval()
-        sizes = sorted({slot_rows(n) for n in range(1, rows + 1)})
+        sizes = slot_sizes(rows)
         with torch.inference_mode():  # as `step` runs: a graph compiled outside it would not be reused
             self._reserve(sizes[-1])
             for size in sizes:

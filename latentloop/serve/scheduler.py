@@ -214,23 +214,6 @@ class Scheduler:
             self.stats.requests += 1
             self._cond.notify()
 
-    def auto_compiled(self) -> bool:
-        """`--decode auto`: the compiled path when the default options' step compiles and loading it
-        for every batch size is expected within AUTO_START_BUDGET_S (it was compiled on this machine
-        before); else eager, saying how to compile it once."""
-        options = model_options(self.model, {})
-        if not compiles(self.model, options, self.max_rows):
-            return False
-        seconds = cached_start_seconds(self.model, options, self.max_rows)
-        chosen = seconds is not None and seconds <= AUTO_START_BUDGET_S
-        if self.announce is not None:
-            self.announce(f"--decode auto: the compiled path (its steps for 1 to {self.max_rows} rows are in the "
-                          f"on-disk cache: ~{seconds:.0f} s to load)" if chosen else
-                          f"--decode auto: decoding eagerly; the compiled path's steps for 1 to {self.max_rows} rows "
-                          f"are not all in the on-disk cache (one start with --decode compiled compiles them, "
-                          f"minutes on a small CPU; later starts load them in seconds)")
-        return chosen
-
     def warm(self) -> None:
         """Before serving: compile what the scheduler will run (nothing, unless a subclass says)."""
 
@@ -551,6 +534,23 @@ class ContinuousScheduler(Scheduler):
         self._batches: dict[tuple, DecodeBatch] = {}  # by the options every row of the batch runs with
         self._jobs: list[Job] = []  # admitted and not finished
         self._warmed: tuple[dict, SlotBatch] | None = None  # the default options' batch, kept by `warm`
+
+    def auto_compiled(self) -> bool:
+        """`--decode auto`: the compiled path when the default options' step compiles and loading it
+        for every batch size is expected within AUTO_START_BUDGET_S (it was compiled on this machine
+        before); else eager, saying how to compile it once."""
+        options = model_options(self.model, {})
+        if not compiles(self.model, options, self.max_rows):
+            return False
+        seconds = cached_start_seconds(self.model, options, self.max_rows)
+        chosen = seconds is not None and seconds <= AUTO_START_BUDGET_S
+        if self.announce is not None:
+            self.announce(f"--decode auto: the compiled path (its steps for 1 to {self.max_rows} rows are in the "
+                          f"on-disk cache: ~{seconds:.0f} s to load)" if chosen else
+                          f"--decode auto: decoding eagerly; the compiled path's steps for 1 to {self.max_rows} rows "
+                          f"are not all in the on-disk cache (one start with --decode compiled compiles them, "
+                          f"minutes on a small CPU; later starts load them in seconds)")
+        return chosen
 
     # -- the thread ---------------------------------------------------------------------------
     def _loop(self) -> None:
