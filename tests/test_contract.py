@@ -19,6 +19,7 @@ import dataclasses
 import inspect
 import io
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -45,6 +46,7 @@ from latentloop.errors import CheckpointError, ConfigError
 from latentloop.interop import initialise_from, upcycle_config
 from latentloop.models.backbone import GPT
 from latentloop.models.flops import BACKWARD_FACTOR
+from latentloop.optim import build_optimizers
 from latentloop.runtime import load_run, save_run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -601,3 +603,38 @@ def test_a_two_process_run_loads_in_one_process(kind, ddp_runs, text_corpus):
     # the weights that load are the trained ones: their loss is below the loss of step 1 (at init)
     loss = torch.nn.functional.cross_entropy(logits[0, :-1], x[0, 1:]).item()
     assert loss < _losses(run)[1]
+
+
+# bf16 autocast against fp32 on the first step's loss, same weights and batch: bf16 keeps ~3
+# significant digits in the products, and the objective's loss is a mean over every target
+BF16_LOSS_RTOL = 2e-2
+BF16_STEPS = 2
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_bf16_autocast_trains_with_an_fp32_residual_stream(kind):
+    """Every arch trains under `train.dtype=bfloat16` (the default on a CPU with bf16 instructions):
+    the steps run and stay finite, each block's output (the residual stream) stays fp32, the
+    first loss is fp32's within BF16_LOSS_RTOL and the weights stay fp32 (autocast's products are
+    bf16 copies)."""
+    from latentloop.train import FiniteGuard, train_step
+
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    losses = {}
+    for dtype in ("float32", "bfloat16"):
+        torch.manual_seed(0)
+        model = _build(kind).train()
+        train = TrainConfig(steps=BF16_STEPS, batch_size=2, device="cpu", dtype=dtype)
+        objective, optimizers = build_objective(model.config, train), build_optimizers(model, train)
+        stream_dtypes: set[torch.dtype] = set()
+        hooks = [block.register_forward_hook(lambda _m, _i, out: stream_dtypes.add(
+            (out[0] if isinstance(out, tuple) else out).dtype)) for block in model.blocks]
+        cpu = torch.device("cpu")
+        losses[dtype] = [train_step(model, model, objective, lambda: (x, x.roll(-1, dims=1)), step, optimizers,
+                                    train, cpu, FiniteGuard(cpu)).loss for step in range(BF16_STEPS)]
+        for hook in hooks:
+            hook.remove()
+        assert stream_dtypes == {torch.float32}, (dtype, stream_dtypes)
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(map(math.isfinite, losses["bfloat16"]))
+    assert losses["bfloat16"][0] == pytest.approx(losses["float32"][0], rel=BF16_LOSS_RTOL)

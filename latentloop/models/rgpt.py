@@ -318,12 +318,13 @@ class RGPT(GPT):
         """One step: (h^(r-1), h_pre) -> (h^(r), g, o)."""
         noisy = self.training and self.config.noise_std > 0
         h_in = h + self.config.noise_std * torch.randn_like(h) if noisy else h
-        o = self.run_blocks(self.proj(torch.cat([h_in, h_pre], dim=-1)), ctx, self.core)  # core(h̃)
+        # under autocast the projection comes out in bf16: the core's residual stream stays in h's dtype
+        o = self.run_blocks(self.proj(torch.cat([h_in, h_pre], dim=-1)).type_as(h), ctx, self.core)  # core(h̃)
         gate_logits = self.gate_out(F.silu(self.gate_in(torch.cat([norm(h), norm(h_pre)], dim=-1))))
         gate_logits = gate_logits / self.config.gate_temperature
         if noisy:
             gate_logits = gate_logits + self.config.noise_std * torch.randn_like(gate_logits)
-        g = torch.sigmoid(gate_logits)
+        g = torch.sigmoid(gate_logits).type_as(h)
         return torch.lerp(o, h, g), g, o  # g * h + (1 - g) * o
 
     def _step_ctx(self, ctx: ForwardContext, step: int, active: Tensor | None = None) -> ForwardContext:
