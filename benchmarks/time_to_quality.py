@@ -7,7 +7,7 @@ BPB that nanoGPT's `model.py` reaches in N steps, on this CPU, in the same run.
    whole validation split is the target.
 2. Each registered architecture (or `--archs`), built at the same preset, trained by latentloop's
    default recipe (`TrainConfig()`'s optimizer, lr, schedule, precision, with `steps` = N) and by
-   each of `--recipes` (changes to it: adamw, bf16), through the trainer's own step
+   each of `--recipes` (changes to it: adamw, bf16, fp32), through the trainer's own step
    (`latentloop.train.train_step`). Its weights are kept every `--check-every` steps; after the run
    the first kept state whose whole-split validation BPB is at or below the target is found by
    bisection (validation BPB falls with training here: the search assumes it), and its time is the
@@ -32,7 +32,7 @@ bfloat16) with everything else equal and reports both validation BPBs (whole spl
 time: the measurement that decides whether bf16 may be the CPU default (within 1% BPB).
 
     .venv/bin/python -m benchmarks.time_to_quality [--preset tiny] [--steps 300] [--repeats 3] \
-        [--archs gpt fbt] [--recipes default adamw bf16]
+        [--archs gpt fbt] [--recipes default adamw bf16 fp32]
     .venv/bin/python -m benchmarks.time_to_quality --precision-check --preset small --steps 100
 """
 
@@ -72,6 +72,7 @@ NANOGPT_GRAD_CLIP = 1.0
 PRECISIONS = ("float32", "bfloat16")
 # latentloop recipes a run can compare: the default, and changes to it (TrainConfig fields)
 RECIPES: dict[str, dict[str, Any]] = {"default": {}, "adamw": {"optimizer": "adamw"}, "bf16": {"dtype": "bfloat16"},
+                                      "fp32": {"dtype": "float32"},
                                       "bf16+adamw": {"dtype": "bfloat16", "optimizer": "adamw"}}
 
 

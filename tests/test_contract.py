@@ -627,7 +627,7 @@ def test_bf16_autocast_trains_with_an_fp32_residual_stream(kind):
         train = TrainConfig(steps=BF16_STEPS, batch_size=2, device="cpu", dtype=dtype)
         objective, optimizers = build_objective(model.config, train), build_optimizers(model, train)
         stream_dtypes: set[torch.dtype] = set()
-        hooks = [block.register_forward_hook(lambda _m, _i, out: stream_dtypes.add(
+        hooks = [block.register_forward_hook(lambda _m, _i, out, seen=stream_dtypes: seen.add(
             (out[0] if isinstance(out, tuple) else out).dtype)) for block in model.blocks]
         cpu = torch.device("cpu")
         losses[dtype] = [train_step(model, model, objective, lambda: (x, x.roll(-1, dims=1)), step, optimizers,

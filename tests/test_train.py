@@ -29,7 +29,8 @@ def _weights(run_dir):
     return load_file(str(sorted((run_dir / "checkpoints").iterdir())[-1] / "model.safetensors"))
 
 
-@pytest.mark.parametrize("optimizer,dtype", [("adamw", "float32"), ("muon", "float32"), ("adamw", "bfloat16")])
+@pytest.mark.parametrize("optimizer,dtype", [("adamw", "float32"), ("muon", "float32"), ("adamw", "bfloat16"),
+                                             ("muon", "bfloat16")])
 def test_resume_is_bit_identical(corpus, tmp_path, optimizer, dtype):
     train = dict(optimizer=optimizer, grad_accum=2, dtype=dtype)
     straight = setup(_config(corpus, **train), tmp_path / "a", progress=False)
