@@ -613,14 +613,13 @@ BF16_STEPS = 2
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_bf16_autocast_trains_with_an_fp32_residual_stream(kind):
-    """Every arch trains under `train.dtype=bfloat16` (the default on a CPU with bf16 instructions):
-    the steps run and stay finite, each block's output (the residual stream) stays fp32, the
-    first loss is fp32's within BF16_LOSS_RTOL and the weights stay fp32 (autocast's products are
-    bf16 copies)."""
+    """Every arch trains under `train.dtype=bfloat16` (bf16 autocast; the default on CUDA): the steps
+    run and stay finite, each block's output (the residual stream) stays fp32, the first loss is
+    fp32's within BF16_LOSS_RTOL and the weights stay fp32 (autocast's products are bf16 copies)."""
     from latentloop.train import FiniteGuard, train_step
 
     x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
-    losses = {}
+    losses, cpu = {}, torch.device("cpu")
     for dtype in ("float32", "bfloat16"):
         torch.manual_seed(0)
         model = _build(kind).train()
@@ -629,7 +628,6 @@ def test_bf16_autocast_trains_with_an_fp32_residual_stream(kind):
         stream_dtypes: set[torch.dtype] = set()
         hooks = [block.register_forward_hook(lambda _m, _i, out, seen=stream_dtypes: seen.add(
             (out[0] if isinstance(out, tuple) else out).dtype)) for block in model.blocks]
-        cpu = torch.device("cpu")
         losses[dtype] = [train_step(model, model, objective, lambda: (x, x.roll(-1, dims=1)), step, optimizers,
                                     train, cpu, FiniteGuard(cpu)).loss for step in range(BF16_STEPS)]
         for hook in hooks:
