@@ -279,7 +279,8 @@ class TrainConfig:
     # each block; "whole" / "blocks" choose (blocks compile sooner; the whole forward fuses across them)
     compile_scope: str = "auto"
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", "mps"
-    dtype: str = "auto"  # autocast dtype: "auto" (bf16 on cuda, fp32 on cpu), "float32", "bfloat16"
+    # autocast dtype: "auto" (bf16 on cuda and on a cpu with bf16 instructions), "float32", "bfloat16"
+    dtype: str = "auto"
     stage: str = "pretrain"  # see STAGES: sft trains on chat data with the assistant-only loss
     strategy: str = "auto"  # auto | none | ddp | fsdp2 (see STRATEGIES); launch with torchrun for more than one process
     activation_checkpointing: bool = False  # recompute each block's activations in the backward (less memory)

@@ -2,9 +2,10 @@
 print a comparison table and write a report (Markdown + loss plot) into the demo folder.
 
 Measured in steps, not seconds: every architecture trains for the same fixed number of steps
-(`DEMO_STEPS`, or `--steps`), so the figures are the same on every machine (deterministic on the
-CPU) and only the time they take differs; a progress bar shows each run's ETA. The loss is logged
-often enough for `CURVE_POINTS` points per curve.
+(`DEMO_STEPS`, or `--steps`), so the figures are the same on every machine that trains in the same
+precision (deterministic on the CPU: fp32, or bf16 autocast where the CPU has bf16 instructions, see
+`runtime.resolve_dtype`) and only the time they take differs; a progress bar shows each run's ETA.
+The loss is logged often enough for `CURVE_POINTS` points per curve.
 """
 
 from __future__ import annotations

@@ -366,10 +366,17 @@ def in_turns(fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
 CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
+# Set to "0" to treat this CPU as one without bf16 instructions: `train.dtype=auto` then trains in
+# fp32 (the test suite sets it, so that its exactness and resume checks run in fp32 everywhere).
+CPU_BF16_ENV = "LATENTLOOP_CPU_BF16"
+
+
 def cpu_bf16_support() -> str | None:
     """The first of `CPU_BF16_FLAGS` this CPU has, or None (also off Linux, where the flags cannot
-    be read; torch's own view is `torch.backends.cpu.get_cpu_capability()`, which names the vector
-    width only)."""
+    be read, and when `CPU_BF16_ENV` is "0"; torch's own view is
+    `torch.backends.cpu.get_cpu_capability()`, which names the vector width only)."""
+    if os.environ.get(CPU_BF16_ENV) == "0":
+        return None
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
@@ -379,14 +386,16 @@ def cpu_bf16_support() -> str | None:
 
 
 def resolve_dtype(device: torch.device, dtype: str) -> str:
-    """The autocast dtype a run takes: "bfloat16" or "float32". "auto" is bf16 on CUDA and fp32
-    elsewhere. bf16 on the CPU must first be shown to reach fp32's validation BPB within 1% at equal
-    steps, on a CPU with bf16 instructions (`python -m benchmarks.time_to_quality --precision-check`).
-    The machine this was built on has none, and no such measurement is recorded, so on the CPU bf16
-    stays an option (`train.dtype=bfloat16`)."""
+    """The autocast dtype a run takes: "bfloat16" or "float32". "auto" is bf16 on CUDA and on a CPU
+    with bf16 instructions (`cpu_bf16_support`), fp32 elsewhere: there bf16 is emulated and slower
+    than fp32. On the CPU, bf16 reached fp32's validation BPB within 1% at equal steps for every
+    arch on the `tiny` and `small` presets (`python -m benchmarks.time_to_quality --precision-check`;
+    experiments/RESULTS.md), the condition for making it the default."""
     if dtype != "auto":
         return dtype
-    return "bfloat16" if device.type == "cuda" else "float32"
+    if device.type == "cuda" or (device.type == "cpu" and cpu_bf16_support()):
+        return "bfloat16"
+    return "float32"
 
 
 def precision_note(device: torch.device, dtype: str) -> str:

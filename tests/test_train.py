@@ -1,5 +1,6 @@
 """Trainer: exact resume, checkpoints, run-folder safety, BPB arithmetic, Muon and schedules."""
 
+import io
 import json
 import math
 import subprocess
@@ -149,16 +150,38 @@ def test_precision_is_resolved_and_noted(monkeypatch):
     from latentloop import runtime
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert runtime.resolve_dtype(cpu, "auto") == "float32" and runtime.resolve_dtype(cuda, "auto") == "bfloat16"
+    assert runtime.resolve_dtype(cuda, "auto") == "bfloat16"
     assert runtime.resolve_dtype(cpu, "bfloat16") == "bfloat16"
+    # a CPU with bf16 instructions: auto is bf16, and float32 still means fp32
     monkeypatch.setattr(runtime, "cpu_bf16_support", lambda: "avx512_bf16")
-    assert "bf16 autocast" in runtime.precision_note(cpu, "bfloat16") and "avx512_bf16" in runtime.precision_note(
-        cpu, "bfloat16")
-    assert "fp32 throughout" in runtime.precision_note(cpu, "auto")
+    assert runtime.resolve_dtype(cpu, "auto") == "bfloat16" and runtime.resolve_dtype(cpu, "float32") == "float32"
+    assert "bf16 autocast" in runtime.precision_note(cpu, "auto") and "avx512_bf16" in runtime.precision_note(
+        cpu, "auto")
+    assert "fp32 throughout" in runtime.precision_note(cpu, "float32")
+    with runtime.autocast_for(cpu, "auto"):
+        assert torch.nn.functional.linear(torch.ones(2, 3), torch.ones(4, 3)).dtype == torch.bfloat16
+    # one without: auto is fp32, and an explicit bf16 is named as emulated
     monkeypatch.setattr(runtime, "cpu_bf16_support", lambda: None)
+    assert runtime.resolve_dtype(cpu, "auto") == "float32"
+    assert "fp32 throughout" in runtime.precision_note(cpu, "auto")
     assert "emulated" in runtime.precision_note(cpu, "bfloat16")
     assert "emulated" not in runtime.precision_note(cpu, "float32")
     with runtime.autocast_for(cpu, "bfloat16"):
         assert torch.nn.functional.linear(torch.ones(2, 3), torch.ones(4, 3)).dtype == torch.bfloat16
     with runtime.autocast_for(cpu, "auto"):
         assert torch.nn.functional.linear(torch.ones(2, 3), torch.ones(4, 3)).dtype == torch.float32
+
+
+def test_cpu_bf16_switch_reads_the_environment(monkeypatch):
+    """LATENTLOOP_CPU_BF16=0 hides the CPU's bf16 instructions (auto trains in fp32); any other value
+    leaves the detection to /proc/cpuinfo."""
+    from latentloop import runtime
+
+    monkeypatch.setenv(runtime.CPU_BF16_ENV, "0")
+    assert runtime.cpu_bf16_support() is None and runtime.resolve_dtype(torch.device("cpu"), "auto") == "float32"
+    monkeypatch.setenv(runtime.CPU_BF16_ENV, "1")
+    monkeypatch.setattr(runtime, "open", lambda *a, **k: io.StringIO("processor: 0\nflags\t: fpu avx2 avx512_bf16\n"),
+                        raising=False)
+    assert runtime.cpu_bf16_support() == "avx512_bf16"
+    monkeypatch.setattr(runtime, "open", lambda *a, **k: io.StringIO("processor: 0\nflags\t: fpu avx2\n"))
+    assert runtime.cpu_bf16_support() is None
