@@ -2,7 +2,9 @@
 (issue 26): one gpt of a Llama-compatible shape (SwiGLU, no qk/embedding norm) saved as a run,
 exported with `latentloop export --plain`, and decoded greedily at batch 1 by
 
-- latentloop: eager (`compile=False`), compiled (`compile=True`), eager and compiled int8 (`quantize_int8`);
+- latentloop: eager (`compile=False`), compiled (`compile=True`: the ahead-of-time package on CPU),
+  compiled through dynamo (`LATENTLOOP_AOT=0`, the compiled path before it), eager and compiled int8
+  (`quantize_int8`);
 - Hugging Face `generate` on the exported folder (needs transformers);
 - CTranslate2 fp32 and int8 (`pip install ctranslate2`), converted from the exported folder;
 - llama.cpp through llama-cpp-python (`pip install llama-cpp-python gguf`: PyPI has only its source
@@ -48,7 +50,8 @@ SHAPES = {  # the issue's two shapes (with the byte vocabulary, see the docstrin
     "smoke": dict(n_layer=2, n_embd=64, n_head=2),  # for the test: seconds, not minutes
 }
 LLAMA_COMPATIBLE = dict(qk_norm=False, embed_norm=False, mlp="swiglu")  # what `export --plain` requires
-ENGINES = ("latentloop eager", "latentloop compiled", "latentloop eager int8", "latentloop compiled int8",
+ENGINES = ("latentloop eager", "latentloop compiled", "latentloop compiled dynamo", "latentloop eager int8",
+           "latentloop compiled int8",
            "hf generate", "ctranslate2 fp32", "ctranslate2 int8", "llama.cpp")
 REFERENCE = "latentloop eager"  # every engine's tokens are compared with these
 # Hugging Face's plain-Llama tensor names -> GGUF's (llama.cpp's LLM_ARCH_LLAMA); {i} the layer
@@ -76,11 +79,19 @@ def build_export(shape: dict, context: int, seed: int, folder: Path):
     return model, tokenizer, folder / "hf"
 
 
-def latentloop_call(model, prompt: list[int], new_tokens: int, compile: bool):
+def latentloop_call(model, prompt: list[int], new_tokens: int, compile: bool, aot: bool = True):
+    import os
+
     import latentloop
+    from latentloop.models.aot import AOT_ENV
 
     def call() -> list[int]:
-        return latentloop.generate(model, prompt, new_tokens, temperature=0.0, compile=compile)
+        saved = os.environ.get(AOT_ENV)
+        os.environ[AOT_ENV] = "1" if aot else "0"  # read when the call makes its decoder
+        try:
+            return latentloop.generate(model, prompt, new_tokens, temperature=0.0, compile=compile)
+        finally:
+            os.environ.pop(AOT_ENV) if saved is None else os.environ.__setitem__(AOT_ENV, saved)
 
     return call
 
@@ -216,6 +227,8 @@ def make_calls(engines: list[str], model, hf_dir: Path, folder: Path, prompt: li
             calls[engine] = latentloop_call(model, prompt, new_tokens, compile=False)
         elif engine == "latentloop compiled":
             calls[engine] = latentloop_call(model, prompt, new_tokens, compile=True)
+        elif engine == "latentloop compiled dynamo":
+            calls[engine] = latentloop_call(model, prompt, new_tokens, compile=True, aot=False)
         elif engine.startswith("latentloop") and engine.endswith("int8"):
             import copy
 

@@ -71,6 +71,9 @@ CASES = _fast_cases()
 IDS = [f"{arch}-{'-'.join(f'{k}={v}' for k, v in opts.items()) or 'default'}" for arch, opts in CASES]
 
 
+LAST_DECODER: dict[str, FastDecoder] = {}  # the decoder of the last `decode_both`, for what it ran
+
+
 def decode_both(arch: str, options: dict, compile: bool):
     """Greedy decode with the ordinary cache and with the FastDecoder; logits per step of each."""
     model = model_for(arch)  # built outside inference mode, as users build models
@@ -84,6 +87,7 @@ def _decode_both(model, options: dict, compile: bool):
     cache = model.new_cache(2, needed, **options)
     out = model.prefill(PROMPTS, cache, PAD_MASK, **options)
     fast = FastDecoder(model, compile=compile, **options)
+    LAST_DECODER["fast"] = fast
     assert fast.compiled == compile
     static = fast.new_cache(2, needed)
     fast_out = model.prefill(PROMPTS, static, PAD_MASK, **options)
@@ -246,14 +250,23 @@ def test_rgpt_adaptive_exit_falls_back_to_eager_with_the_same_tokens():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", ["aot", "dynamo"])
 @pytest.mark.parametrize(("arch", "options"), CASES, ids=IDS)
-def test_compiled_step_matches_the_eager_step(arch, options):
+def test_compiled_step_matches_the_eager_step(arch, options, backend, monkeypatch):
+    """Both CPU compiled steps: the ahead-of-time package (the default) and dynamo's (its fallback)."""
     from torch._dynamo.utils import counters
 
+    from latentloop.models.aot import AOT_ENV
+
+    monkeypatch.setenv(AOT_ENV, "1" if backend == "aot" else "0")
     counters.clear()
     eager, fast = decode_both(arch, options, compile=True)
-    assert not counters["graph_break"], dict(counters["graph_break"])  # the whole step is one graph
-    assert counters["stats"]["unique_graphs"] == 1  # one graph as the window grows (a dynamic dimension)
+    if backend == "aot":  # the package ran every step: nothing fell back to dynamo
+        assert not counters["stats"]["unique_graphs"]
+        assert LAST_DECODER["fast"].aot is not None and LAST_DECODER["fast"].aot_reason is None
+    else:
+        assert not counters["graph_break"], dict(counters["graph_break"])  # the whole step is one graph
+        assert counters["stats"]["unique_graphs"] == 1  # one graph as the window grows (a dynamic dimension)
     torch.testing.assert_close(fast, eager, rtol=0, atol=FAST_TOL)
     assert torch.equal(fast.argmax(-1), eager.argmax(-1))
 

@@ -27,6 +27,11 @@ decode step has static shapes:
   are rewritten as reductions that inductor generates and fuses itself (`_cpu_decode_backend`):
   torch's matmul runs a one-row product far below the memory bandwidth on the machine this was
   built on, and one attention kernel call per layer cost more than the fused loops.
+- On CPU the step runs from an AOTInductor package (`models/aot.py`: `torch.export` of the same
+  rewritten step, a shared library on disk bound to the model's own weights), called from C++ with
+  no dynamo frame, guards or AOT autograd wrappers in between (about as much time as the kernels
+  themselves at batch 1 of a small model), and loaded by a later process in milliseconds without
+  importing dynamo. A step that does not export falls back to dynamo's compiled step below.
 - After a decoder's first call, dynamo's guards are evaluated only where they tell this step's graphs
   apart (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`): the full check cost 80-380 us a
   step at batch 1 (issue 26). Not once the window is the whole buffer: dynamo specialises that
@@ -57,6 +62,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import sys
 import tempfile
 import time
 import types
@@ -68,6 +74,7 @@ import torch
 from torch import Tensor
 
 from ..util import default_cache_dir
+from .aot import AotDecodeStep, AotUnavailable, aot_enabled
 from .backbone import GPT
 from .cache import AttentionPlan, KVCache, row_span
 
@@ -152,7 +159,8 @@ class StaticCacheMixin:
             return
         W = min(self.max_len, -(-(self.filled + 1) // WINDOW_BUCKET) * WINDOW_BUCKET)
         self.window = torch.empty(W, device=self.key_pos.device)
-        torch._dynamo.maybe_mark_dynamic(self.window, 0)
+        if "torch._dynamo" in sys.modules:  # else no dynamo step reads the mark, and importing it costs seconds
+            torch._dynamo.maybe_mark_dynamic(self.window, 0)
 
     # -- rows that come and go (continuous batching, `serve.batch.SlotBatch`), outside compiled code:
     # `place` a prefilled row, `vacate` a row that left, `rows_view` / `move_row` to grow or shrink --
@@ -345,20 +353,35 @@ class FastDecoder:
         self.reason = fallback_reason(model, options)
         device = model.wte.weight.device
         self.cuda = device.type == "cuda"
+        self._compiled = bool(compile) and self.reason is None
         self._step = self._eager_step
         self.skip_guards = True  # after the first call (see `step`); False checks them every call (benchmarks)
-        if compile and self.reason is None:
+        self.aot: AotDecodeStep | None = None  # the ahead-of-time step (CPU), tried before dynamo's
+        self.aot_reason: str | None = None  # why this decoder runs dynamo's step instead, once known
+        self._key = (device.type, tuple(sorted(options.items())))
+        if self._compiled:
             use_compile_cache()
-            per_model = _COMPILED_STEPS.setdefault(model, {})
-            self._key = (device.type, tuple(sorted(options.items())))
-            if self._key not in per_model:
-                per_model[self._key] = _compiled_step(device.type)
-            self._step = per_model[self._key]
+            if device.type == "cpu" and aot_enabled():
+                self.aot_reason = AotDecodeStep.refuses(model)
+                if self.aot_reason is None:  # one per model and options: its packages load once a process
+                    per_model = _COMPILED_STEPS.setdefault(model, {})
+                    self.aot = per_model.setdefault((*self._key, AOT_BACKEND),
+                                                    AotDecodeStep(model, options, _decode_step))
+            if self.aot is None:
+                self._step = self._dynamo_step()
         self.cache: KVCache | None = None
+
+    def _dynamo_step(self):
+        """Dynamo's compiled step, one per model and options (made on first need: `torch.compile`
+        imports dynamo, seconds that a decoder running an ahead-of-time package never pays)."""
+        per_model = _COMPILED_STEPS.setdefault(self.model, {})
+        if self._key not in per_model:
+            per_model[self._key] = _compiled_step(self._key[0])
+        return per_model[self._key]
 
     @property
     def compiled(self) -> bool:
-        return self._step is not self._eager_step
+        return self._compiled
 
     def new_cache(self, batch_size: int, needed: int) -> KVCache:
         max_len = static_length(self.model, batch_size, needed, **self.options)
@@ -376,6 +399,8 @@ class FastDecoder:
     def attach(self, cache: KVCache) -> None:
         """Decode a frozen static cache from now on (again after its `resize`: new tensors)."""
         self.model.prepare_fast_decoding()  # e.g. fbt's gate table: computed here, read as is when compiled
+        if self.aot is not None:
+            self.aot.forget()
         if self.cuda and self.compiled:  # CUDA graphs may mutate these only as static inputs
             for tensor in (*cache.k_slots, *cache.v_slots, cache.key_pos, cache.next_pos, cache.write_index,
                            *cache.state.values()):
@@ -392,9 +417,14 @@ class FastDecoder:
         # of its own, compiled once when a generation reaches the end of the buffer), so those steps
         # keep their guards; skipping them there raised "Recompilation triggered" (found generating up
         # to the context's end)
-        inside = self.window_inside_buffer(cache)
         ran = self.compiled and self._shape(cache) in _RAN_SHAPES.get(self.model, ())
-        if not self.compiled or (ran and not (self.skip_guards and inside)):
+        if ran and self.aot is not None:  # a package: no guards, any window
+            try:
+                logits, greedy, info = self.aot(self.model, token, cache, self.options)
+            except AotUnavailable as error:  # this shape ran on dynamo's step in an earlier decoder
+                self.aot, self.aot_reason, self._step = None, str(error), self._dynamo_step()
+                logits, greedy, info = self._step(self.model, token, cache, self.options)
+        elif not self.compiled or (ran and not (self.skip_guards and self.window_inside_buffer(cache))):
             logits, greedy, info = self._step(self.model, token, cache, self.options)
         elif ran:
             # Dynamo checks its guards before every call (80-380 us a step measured at batch 1, issue 26).
@@ -409,9 +439,10 @@ class FastDecoder:
         return logits, greedy, info
 
     def _shape(self, cache: KVCache) -> tuple:
-        """What tells this step's compiled graphs apart (`_RAN_SHAPES`): options, rows, buffer length,
-        one write position or one per row."""
-        return ran_shape(self._key, cache.batch_size, cache.max_len, cache.per_row)
+        """What tells this step's compiled graphs apart (`_RAN_SHAPES`): the package or dynamo's graph,
+        options, rows, buffer length, one write position or one per row."""
+        key = (*self._key, AOT_BACKEND) if self.aot is not None else self._key
+        return ran_shape(key, cache.batch_size, cache.max_len, cache.per_row)
 
     @staticmethod
     def window_inside_buffer(cache: KVCache) -> bool:
@@ -428,12 +459,25 @@ class FastDecoder:
                      f"the first time for this model and shape: ~{expected:.0f} s or more")
             self.on_compile(f"compiling the decode step ({known}; cached in {compile_cache_dir()}) ...")
         start = time.perf_counter()
-        result = self._step(self.model, token, self.cache, self.options)
+        if self.aot is not None:
+            try:
+                self.aot.prepare(self.cache)  # load this shape's package, or export and compile it
+            except AotUnavailable as error:
+                self.aot, self.aot_reason = None, str(error)
+                self._step = self._dynamo_step()
+                if self.on_compile is not None:
+                    self.on_compile(f"no ahead-of-time step ({error}); compiling with dynamo instead ...")
+        if self.aot is not None:
+            result = self.aot(self.model, token, self.cache, self.options)
+        else:
+            result = self._step(self.model, token, self.cache, self.options)
         seconds = time.perf_counter() - start
         _RAN_SHAPES.setdefault(self.model, set()).add(self._shape(self.cache))
         record.add(seconds)
         if self.on_compile is not None:
-            self.on_compile(f"decode step compiled in {seconds:.1f} s")
+            loaded = self.aot is not None and not self.aot.compiled_now
+            self.on_compile(f"decode step {'loaded, compiled ahead of time,' if loaded else 'compiled'} in "
+                            f"{seconds:.1f} s")
         return result
 
     @staticmethod
@@ -560,7 +604,9 @@ class AutoCompile:
 
     def compiled_already(self, cache: KVCache) -> bool:
         """This process compiled (and ran) the step for this model, options and cache shape: free."""
-        return ran_shape(self.key, cache.batch_size, cache.max_len, False) in _RAN_SHAPES.get(self.model, set())
+        ran = _RAN_SHAPES.get(self.model, set())
+        return any(ran_shape(key, cache.batch_size, cache.max_len, False) in ran
+                   for key in (self.key, (*self.key, AOT_BACKEND)))
 
     def decide(self, eager_step_s: float, remaining_steps: int, cache: KVCache) -> bool:
         """After the probe steps: True to compile the rest of this call. Without compiling, the
@@ -637,8 +683,8 @@ def _linear_by_reduction(input: Tensor, weight: Tensor, bias: Tensor | None = No
     memory bandwidth. Rows past `REDUCTION_MAX_ROWS` keep the library's product. Same products,
     another summation order (rounding differs in the last bits)."""
     rows = input.numel() // input.shape[-1]
-    if rows > REDUCTION_MAX_ROWS:
-        return torch.nn.functional.linear(input, weight, bias)
+    if rows > REDUCTION_MAX_ROWS:  # torch's own op: `F.linear` is this function while a package is exported
+        return torch._C._nn.linear(input, weight, bias)
     y = (input[..., None, :] * weight).sum(-1)  # (..., out, in) -> (..., out): one fused loop, never materialised
     return y if bias is None else y + bias
 
@@ -658,8 +704,8 @@ def _attention_by_reduction(query: Tensor, key: Tensor, value: Tensor, attn_mask
             and dropout_p == 0 and (Hkv == H or (enable_gqa and Hkv and H % Hkv == 0))
             and (attn_mask is None or (attn_mask.dim() == 4 and attn_mask.shape[1] in (1, H)
                                        and attn_mask.shape[2] == 1)))
-    if not fits:
-        return torch.nn.functional.scaled_dot_product_attention(
+    if not fits:  # torch's own op, as in `_linear_by_reduction`
+        return torch._C._nn.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
             enable_gqa=enable_gqa)
     hd = query.shape[-1]
@@ -720,5 +766,6 @@ def rewrite_as_reductions(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 _COPIES = 0
+AOT_BACKEND = "aot"  # in a key of `_COMPILED_STEPS` / `_RAN_SHAPES`: the ahead-of-time package, not dynamo's graph
 # model -> {(device type, options): compiled step}: one compile per model and options, reused by every call
 _COMPILED_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

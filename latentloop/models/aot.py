@@ -1,0 +1,385 @@
+"""The CPU decode step compiled ahead of time: `torch.export` + AOTInductor, a shared library on disk.
+
+`FastDecoder` on CPU runs its step through this module. Dynamo's compiled step is exact and fast
+inside, but every call passes through dynamo's frame hook, its guards and AOT autograd's runtime
+wrappers: at the engines benchmark's small shape (4 layers, d=256, batch 1, 1 thread) those cost
+about as much as the step's kernels themselves (issue 26). An AOTInductor package is called straight
+from C++ (`AOTIModelPackageLoader.run`), and loading one takes milliseconds without importing
+`torch._dynamo` or `torch._inductor`, so a second process decodes compiled from its first step.
+
+How a step becomes a package (`AotDecodeStep`, one per model and options):
+- The cache's tensors (keys/values per slot, positions, write index, window marker, the
+  architecture's state) are the exported function's inputs, flattened in a fixed order
+  (`cache_fields`); the step writes into them in place (export records the input mutations and the
+  package applies them). The window's length is the one dynamic dimension, as in dynamo's graph.
+- The weights are not copied into the package (`package_constants_in_so=False`): after loading,
+  the package is pointed at the model's own parameters and buffers (`load_constants(...,
+  user_managed=True)`). So a package depends on the model's code, config, options and shapes, not
+  its weights: another checkpoint of the same config reuses it, and nothing stale is ever read.
+- The traced step is the same rewritten one as dynamo's (`_cpu_decode_backend`): one-row products
+  and one-query attention as reductions, by swapping `F.linear` / SDPA while exporting.
+- Packages live in `compile_cache_dir()/aot/`, named by a hash of everything they depend on
+  (`package_key`): torch's version, this package's model code, the CPU's instruction set flags,
+  the config, the options and each input's shape and dtype. A write is atomic (temp file, rename).
+- What the model reports (`ModelOutput.info`) is Python data fixed by the options; it is kept in
+  the package's metadata.
+
+What does not export falls back: `AotDecodeStep.prepare` raises `AotUnavailable` with the reason,
+and `FastDecoder` keeps dynamo's compiled step for that decoder (int8 weights, whose product is a
+ctypes call no package can hold, are refused before trying). `LATENTLOOP_AOT=0` turns this module
+off (dynamo's step everywhere), e.g. to compare the two.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+AOT_ENV = "LATENTLOOP_AOT"  # "0": no ahead-of-time packages, dynamo's compiled step everywhere
+AOT_SUBDIR = "aot"  # under compile_cache_dir()
+PACKAGE_FORMAT = 1  # bump when the inputs' order or the metadata's meaning changes
+INFO_KEY = "latentloop_info"  # the package metadata's entry holding the step's `info` (JSON)
+# The model code a package is built from: any change to these files misses the cache.
+MODEL_SOURCES = Path(__file__).resolve().parent
+
+
+def aot_enabled() -> bool:
+    return os.environ.get(AOT_ENV, "1") != "0"
+
+
+class AotUnavailable(RuntimeError):
+    """This step cannot be compiled ahead of time; the message says why (dynamo's step is used)."""
+
+
+# --------------------------------------------------------------------------------------------
+# The cache's tensors as a flat list of inputs
+# --------------------------------------------------------------------------------------------
+
+
+def cache_fields(cache) -> list[tuple[str, str, object]]:
+    """The cache's tensor-valued attributes in a fixed order: (name, kind, keys) with kind "tensor",
+    "list" (of tensors; keys = its length) or "dict" (str -> tensor; keys = sorted names). The
+    exported step takes them as inputs in this order (`flatten`) and puts them back (`restore`)."""
+    fields = []
+    for name in sorted(vars(cache)):
+        value = getattr(cache, name)
+        if isinstance(value, Tensor):
+            fields.append((name, "tensor", None))
+        elif isinstance(value, list) and value and all(isinstance(t, Tensor) for t in value):
+            fields.append((name, "list", len(value)))
+        elif isinstance(value, dict) and value and all(isinstance(t, Tensor) for t in value.values()):
+            fields.append((name, "dict", tuple(sorted(value))))
+    return fields
+
+
+def window_is_dynamic(window: Tensor, max_len: int) -> bool:
+    """A window shorter than the buffer is the package's dynamic dimension; one as long as the buffer
+    slices nothing, which export can only trace as a size of its own (as dynamo specialises it)."""
+    return window.shape[0] < max_len
+
+
+def flatten(cache, fields) -> list[Tensor]:
+    flat: list[Tensor] = []
+    for name, kind, keys in fields:
+        value = getattr(cache, name)
+        if kind == "tensor":
+            flat.append(value)
+        elif kind == "list":
+            flat.extend(value)
+        else:
+            flat.extend(value[key] for key in keys)
+    return flat
+
+
+def restore(cache, fields, flat: list[Tensor]) -> None:
+    """Set the cache's tensor attributes from `flat` (the inverse of `flatten`)."""
+    at = 0
+    for name, kind, keys in fields:
+        if kind == "tensor":
+            setattr(cache, name, flat[at])
+            at += 1
+        elif kind == "list":
+            setattr(cache, name, list(flat[at:at + keys]))
+            at += keys
+        else:
+            setattr(cache, name, dict(zip(keys, flat[at:at + len(keys)])))
+            at += len(keys)
+
+
+class _ExportedStep(nn.Module):
+    """The decode step as a module export can trace: (token (B,), *cache tensors) -> (logits (B, V),
+    greedy ids (B,)). The cache object is only the step's scaffolding: its tensors are the inputs."""
+
+    def __init__(self, model, options: dict, step_fn):
+        super().__init__()
+        self.model = model
+        self.options, self.step_fn = options, step_fn
+        self.cache, self.fields = None, []  # set while one cache's step is exported
+        self.info: dict = {}
+
+    def forward(self, token: Tensor, flat: list[Tensor]) -> tuple[Tensor, Tensor]:
+        restore(self.cache, self.fields, flat)
+        logits, greedy, self.info = self.step_fn(self.model, token, self.cache, self.options)
+        return logits, greedy
+
+
+@contextlib.contextmanager
+def _products_as_reductions():
+    """`F.linear` and SDPA swapped for fast.py's reductions while a step is traced (the module-level
+    functions are what `nn.Linear` and the backbone call)."""
+    from . import fast
+
+    functional = torch.nn.functional
+    saved = functional.linear, functional.scaled_dot_product_attention
+    functional.linear = fast._linear_by_reduction
+    functional.scaled_dot_product_attention = fast._attention_by_reduction
+    try:
+        yield
+    finally:
+        functional.linear, functional.scaled_dot_product_attention = saved
+
+
+@contextlib.contextmanager
+def _attributes_as_buffers(holder: nn.Module):
+    """Plain tensor attributes of the model's modules (e.g. fbt's gate table, `token_gates`)
+    registered as buffers while the step is exported: a package names a buffer by its path (the
+    loader points it at the attribute again), but an attribute by a number of its own."""
+    moved = []
+    for module in holder.modules():
+        for name, value in list(vars(module).items()):
+            if isinstance(value, Tensor) and not isinstance(value, nn.Parameter):
+                del module.__dict__[name]
+                module.register_buffer(name, value, persistent=False)
+                moved.append((module, name, value))
+    try:
+        yield
+    finally:
+        for module, name, value in moved:
+            del module._buffers[name]
+            module.__dict__[name] = value
+
+
+# --------------------------------------------------------------------------------------------
+# Packages on disk
+# --------------------------------------------------------------------------------------------
+
+
+def _source_digest() -> str:
+    digest = hashlib.sha256()
+    for path in sorted(MODEL_SOURCES.glob("*.py")) + sorted(MODEL_SOURCES.glob("*.c")):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()
+
+
+def _cpu_flags() -> str:
+    """The instruction set the package's kernels were vectorised for (inductor picks it at compile time)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+_DIGESTS: dict[str, str] = {}
+
+
+def package_key(model, options: dict, cache, fields) -> str:
+    """A name for the package of this step: what it depends on, hashed (see the module docstring)."""
+    if not _DIGESTS:
+        _DIGESTS["source"] = _source_digest()
+        _DIGESTS["cpu"] = hashlib.sha256(_cpu_flags().encode()).hexdigest()
+    config = model.config
+    config = asdict(config) if is_dataclass(config) else vars(config)
+    flat = flatten(cache, fields)
+    dynamic = cache.window if window_is_dynamic(cache.window, cache.max_len) else None
+    inputs = [(list(t.shape) if t is not dynamic else [-1], str(t.dtype), list(t.stride()) if t is not dynamic else [])
+              for t in flat]
+    constants = [(name, list(t.shape), str(t.dtype)) for name, t in
+                 [*model.named_parameters(), *model.named_buffers()]]
+    blob = json.dumps({"format": PACKAGE_FORMAT, "torch": torch.__version__, "source": _DIGESTS["source"],
+                       "cpu": _DIGESTS["cpu"], "threads": torch.get_num_threads() > 1,
+                       "class": type(model).__qualname__, "cache": type(cache).__qualname__,
+                       "config": config, "options": sorted((k, repr(v)) for k, v in options.items()),
+                       "fields": fields, "inputs": inputs, "constants": constants},
+                      sort_keys=True, default=repr)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+# What export writes on its input tensors to mark their dimensions (and deletes only when it succeeds)
+_DYNAMO_MARKS = ("_dynamo_weak_dynamic_indices", "_dynamo_dynamic_indices", "_dynamo_dynamic_range",
+                 "_dynamo_static_indices", "_dynamo_unbacked_indices", "_dynamo_propagated_dynamic_indices",
+                 "_has_dynamo_dim_marking")
+
+
+def _reset_dynamic_marks(inputs: list[Tensor], window: Tensor) -> None:
+    """The inputs as dynamo expects them after an export, failed or not: unmarked, but for the window's
+    length, which `set_window` marks dynamic for dynamo's step (a failed export left it static, so the
+    fallback's graph recompiled when the window grew)."""
+    for tensor in inputs:
+        for mark in _DYNAMO_MARKS:
+            if hasattr(tensor, mark):
+                delattr(tensor, mark)
+    torch._dynamo.maybe_mark_dynamic(window, 0)
+
+
+def _resolve(module: nn.Module, path: str) -> Tensor:
+    value = module
+    for part in path.split("."):
+        value = getattr(value, part, None)
+    if not isinstance(value, Tensor):
+        raise AotUnavailable(f"the package's constant {path} is not a tensor of the model")
+    return value
+
+
+class _Package:
+    """A loaded package bound to the model's weights (and to the attributes it reads)."""
+
+    def __init__(self, path: Path, holder: nn.Module):
+        try:
+            self.loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+            self.info = json.loads(self.loader.get_metadata().get(INFO_KEY, "{}"))
+            self.paths = self.loader.get_constant_fqns()
+            self.bound: list | None = None
+            self.bind(holder)
+        except AotUnavailable:
+            raise
+        except Exception as error:  # noqa: BLE001 - a broken file, or one this torch cannot load
+            raise AotUnavailable(f"{path.name} does not load: {type(error).__name__}: {error}") from error
+
+    def bind(self, holder: nn.Module) -> None:
+        """Point the package at the model's tensors, again whenever one was replaced (a recomputed
+        gate table is a new tensor; `model.to(...)` moves a parameter's data)."""
+        tensors = {fqn: _resolve(holder, fqn) for fqn in self.paths}
+        bound = [(fqn, id(t), t.data_ptr()) for fqn, t in tensors.items()]
+        if bound != self.bound:
+            self.loader.load_constants(tensors, False, True, False)  # check_full_update, user_managed, h2d
+            self.bound = bound
+
+
+class AotDecodeStep:
+    """`step(model, token, cache, options) -> (logits, greedy, info)`, run from an AOTInductor package
+    per shape of the cache; `prepare(cache)` finds, compiles or loads the package for the cache's
+    current shape and must succeed before `__call__` (it raises `AotUnavailable` otherwise)."""
+
+    def __init__(self, model, options: dict, step_fn):
+        self.model, self.options, self.step_fn = model, options, step_fn
+        self.packages: dict[tuple, _Package] = {}
+        self.compiled_now = False  # the last `prepare` compiled (as opposed to loading from disk)
+        self.unavailable: dict[tuple, str] = {}  # shape -> why it did not compile
+        self._bound: tuple | None = None  # (cache, its window, its tensors flattened, their package)
+        self.holder = _ExportedStep(model, options, step_fn)  # what packages resolve their constants from
+
+    @staticmethod
+    def refuses(model) -> str | None:
+        from .quant import Int8Linear
+
+        if any(isinstance(m, Int8Linear) for m in model.modules()):
+            return "int8 weights (their product is a ctypes call, which no package can hold)"
+        if next(model.parameters()).device.type != "cpu":
+            return "not on CPU"
+        return None
+
+    @staticmethod
+    def _shape(flat: list[Tensor], window: Tensor, max_len: int) -> tuple:
+        """What tells the packages of one decoder apart: each input's shape; the window's length is
+        dynamic below the buffer's length, and a package of its own at it (`window_is_dynamic`)."""
+        dynamic = window_is_dynamic(window, max_len)
+        return tuple((t.shape if t is not window or not dynamic else None, t.dtype) for t in flat)
+
+    def forget(self) -> None:
+        """Before a decode (`FastDecoder.attach`): the cache's tensors may be new, and the model's
+        (weights, tables `prepare_fast_decoding` recomputed): look both up again."""
+        self._bound = None
+        for package in self.packages.values():
+            package.bind(self.holder)
+
+    def prepare(self, cache) -> None:
+        fields = cache_fields(cache)
+        shape = self._shape(flatten(cache, fields), cache.window, cache.max_len)
+        self.compiled_now = False
+        if shape in self.packages:
+            return
+        reason = self.unavailable.get(shape) or self.refuses(self.model)
+        if reason is not None:
+            raise AotUnavailable(reason)
+        from .fast import compile_cache_dir
+
+        path = compile_cache_dir() / AOT_SUBDIR / f"{package_key(self.model, self.options, cache, fields)}.pt2"
+        holder = self.holder
+        if path.exists():
+            try:
+                self.packages[shape] = _Package(path, holder)
+                return
+            except AotUnavailable:  # a broken or foreign file: built again below
+                path.unlink(missing_ok=True)
+        try:
+            self._compile(cache, fields, holder, path)
+            self.packages[shape] = _Package(path, holder)
+        except AotUnavailable as error:  # not tried again for this shape in this process
+            self.unavailable[shape] = str(error)
+            raise
+        self.compiled_now = True
+
+    def _compile(self, cache, fields, holder: _ExportedStep, path: Path) -> None:
+        saved = flatten(cache, fields)
+        state = dict(getattr(cache, "state", {}) or {})
+        python_state = {k: v for k, v in vars(cache).items() if isinstance(v, (int, float, bool))}
+        token = torch.zeros(cache.batch_size, dtype=torch.long, device=cache.key_pos.device)
+        dynamic = window_is_dynamic(cache.window, cache.max_len)
+        window = torch.export.Dim("window", min=1, max=cache.max_len - 1) if dynamic else None
+        flat_shapes = [({0: window} if t is cache.window and dynamic else None) for t in saved]
+        holder.cache, holder.fields = cache, fields
+        try:
+            with _products_as_reductions(), _attributes_as_buffers(holder):
+                program = torch.export.export(holder, (token, saved), dynamic_shapes=(None, flat_shapes),
+                                              strict=False)
+            info = dict(holder.info)
+            from torch._inductor import aoti_compile_and_package
+
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, temp = tempfile.mkstemp(suffix=".pt2", dir=path.parent)
+            os.close(fd)
+            try:
+                aoti_compile_and_package(program, package_path=temp, inductor_configs={
+                    "aot_inductor.package_constants_in_so": False,
+                    "aot_inductor.metadata": {INFO_KEY: json.dumps(info)}})
+                os.replace(temp, path)
+            finally:
+                Path(temp).unlink(missing_ok=True)
+        except AotUnavailable:
+            raise
+        except Exception as error:  # noqa: BLE001 - whatever export/inductor refuse: dynamo's step instead
+            raise AotUnavailable(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}") \
+                from error
+        finally:  # tracing rebound the cache's attributes to traced values: put the real ones back
+            holder.cache, holder.fields = None, []
+            restore(cache, fields, saved)
+            _reset_dynamic_marks(saved, cache.window)
+            if state:
+                cache.state = state
+            for name, value in python_state.items():
+                setattr(cache, name, value)
+
+    def __call__(self, model, token: Tensor, cache, options: dict) -> tuple[Tensor, Tensor, dict]:
+        bound = self._bound
+        if bound is None or bound[0] is not cache or bound[1] is not cache.window:  # a new window every 16 steps
+            flat = flatten(cache, cache_fields(cache))
+            shape = self._shape(flat, cache.window, cache.max_len)
+            if shape not in self.packages:
+                self.prepare(cache)  # loads it, or raises AotUnavailable
+            bound = self._bound = (cache, cache.window, flat, self.packages[shape])
+        _, _, flat, package = bound
+        logits, greedy = package.loader.run([token, *flat])
+        return logits, greedy, package.info

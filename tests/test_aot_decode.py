@@ -1,0 +1,174 @@
+"""The ahead-of-time CPU decode step (`latentloop.models.aot`): what a package is made of and named by
+(default suite, no compile), and packages compiled, reused and rebound to weights (slow: each
+AOTInductor compile takes tens of seconds on two cores)."""
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import latentloop as ll
+from latentloop.engine import model_options
+from latentloop.models import aot
+from latentloop.models.aot import AOT_ENV, AOT_SUBDIR, _attributes_as_buffers, cache_fields, flatten, package_key
+from latentloop.models.fast import FastDecoder, _decode_step
+
+BOS = 256
+PROMPT = torch.tensor([[BOS, 5, 9, 12, 40, 41]])
+REPO = Path(__file__).resolve().parents[1]
+
+
+def frozen(model, options=None, rows=1, needed=24):
+    """A static cache after the prefill, frozen, its window set, as the first compiled step sees it."""
+    options = model_options(model, options or {})
+    fast = FastDecoder(model, compile=False, **options)
+    cache = fast.new_cache(rows, needed)
+    with torch.inference_mode():
+        model.prefill(PROMPT.expand(rows, -1), cache, **options)
+    fast.begin_decoding(cache)
+    cache.set_window()
+    return cache, options
+
+
+def built(arch: str, seed: int = 0):
+    torch.manual_seed(seed)
+    return ll.build(arch, preset="test").eval()
+
+
+@pytest.mark.parametrize("arch", ll.archs.ARCHS)
+def test_cache_fields_flatten_and_restore_every_tensor_of_the_frozen_cache(arch):
+    cache, _ = frozen(built(arch))
+    fields = cache_fields(cache)
+    names = {name for name, _, _ in fields}
+    assert {"k_slots", "v_slots", "key_pos", "next_pos", "write_index", "window"} <= names
+    if cache.state:
+        assert "state" in names
+    flat = flatten(cache, fields)
+    assert all(isinstance(t, torch.Tensor) for t in flat)
+    other = copy.copy(cache)
+    aot.restore(other, fields, [t.clone() for t in flat])
+    for mine, theirs in zip(flat, flatten(other, fields)):
+        assert torch.equal(mine, theirs) and mine is not theirs  # every tensor went back where it came from
+
+
+def test_package_key_names_code_shapes_and_options_but_not_weight_values():
+    first, second = built("gpt", seed=0), built("gpt", seed=1)
+    cache, options = frozen(first)
+    key = package_key(first, options, cache, cache_fields(cache))
+    other_cache, _ = frozen(second)
+    assert package_key(second, options, other_cache, cache_fields(other_cache)) == key  # another checkpoint
+    two_rows, _ = frozen(first, rows=2)
+    assert package_key(first, options, two_rows, cache_fields(two_rows)) != key
+    cache.filled += 20  # a longer window below the buffer's length: the same package (a dynamic dimension)
+    cache.set_window()
+    assert package_key(first, options, cache, cache_fields(cache)) == key
+    cache.filled = cache.max_len - 1  # the whole buffer: a package of its own
+    cache.set_window()
+    assert package_key(first, options, cache, cache_fields(cache)) != key
+    fbt = built("fbt")
+    fbt_cache, fbt_options = frozen(fbt)
+    fused, fused_options = frozen(fbt, {"regime": "fused"})
+    assert package_key(fbt, fbt_options, fbt_cache, cache_fields(fbt_cache)) != \
+        package_key(fbt, fused_options, fused, cache_fields(fused))
+
+
+def test_attributes_are_buffers_only_while_exported():
+    model = built("fbt")
+    model.prepare_fast_decoding()
+    table = model._gate_table
+    holder = aot._ExportedStep(model, {}, _decode_step)
+    with _attributes_as_buffers(holder):
+        assert dict(holder.named_buffers())["model._gate_table"] is table
+    assert "_gate_table" not in dict(model.named_buffers()) and model._gate_table is table
+    assert "_gate_table" not in model.state_dict()
+
+
+def test_int8_weights_and_the_off_switch_keep_dynamos_step(monkeypatch):
+    from latentloop.models.quant import quantize_int8
+
+    model = built("gpt")
+    assert FastDecoder(model).aot is not None
+    monkeypatch.setenv(AOT_ENV, "0")
+    assert FastDecoder(model).aot is None
+    monkeypatch.delenv(AOT_ENV)
+    quantize_int8(model)
+    fast = FastDecoder(model)
+    assert fast.aot is None and "int8" in fast.aot_reason
+
+
+# --------------------------------------------------------------------------------------------
+# Compiled packages (slow)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def compile_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv(AOT_ENV, "1")
+    return tmp_path / "inductor"
+
+
+def compiled_and_eager(model, prompt, steps: int, **options):
+    eager = ll.generate(model, prompt, steps, temperature=0.0, compile=False, **options)
+    return ll.generate(model, prompt, steps, temperature=0.0, compile=True, **options), eager
+
+
+@pytest.mark.slow
+def test_a_package_reads_the_weights_of_the_model_it_runs_for(compile_dir):
+    """One package for every checkpoint of a config: it must read the live weights, never those it
+    was compiled beside (fbt: its gate table too, recomputed from the embeddings)."""
+    first, second = built("fbt", seed=0), built("fbt", seed=1)
+    prompt, steps = [BOS, 5, 9, 12, 40, 41], 24
+    compiled, eager = compiled_and_eager(first, prompt, steps)
+    assert compiled == eager
+    packages = sorted((compile_dir / AOT_SUBDIR).glob("*.pt2"))
+    assert len(packages) == 1
+    compiled, eager = compiled_and_eager(second, prompt, steps)  # loads the first model's package
+    assert compiled == eager and sorted((compile_dir / AOT_SUBDIR).glob("*.pt2")) == packages
+    with torch.no_grad():  # weights changed in place after loading: the next decode reads them
+        first.wte.weight.mul_(-1.5)
+        first.lm_head.weight.copy_(second.lm_head.weight) if first.lm_head is not None else None
+    compiled, eager = compiled_and_eager(first, prompt, steps)
+    assert compiled == eager
+
+
+@pytest.mark.slow
+def test_a_second_process_decodes_from_the_package_without_importing_dynamo(compile_dir, tmp_path):
+    model = built("gpt")
+    path = tmp_path / "model.pt"
+    torch.save(model.state_dict(), path)
+    script = (
+        "import json, sys, torch, latentloop as ll\n"
+        "torch.manual_seed(0)\n"
+        "model = ll.build('gpt', preset='test').eval()\n"
+        f"model.load_state_dict(torch.load({str(path)!r}))\n"
+        f"tokens = ll.generate(model, {[BOS, 5, 9, 12]}, 30, temperature=0.0, compile=True)\n"
+        "print(json.dumps({'tokens': tokens, 'dynamo': 'torch._dynamo' in sys.modules}))\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    runs = [json.loads(subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                                      check=True, timeout=900).stdout.splitlines()[-1]) for _ in range(2)]
+    eager = ll.generate(model, [BOS, 5, 9, 12], 30, temperature=0.0, compile=False)
+    assert runs[0]["tokens"] == runs[1]["tokens"] == eager
+    assert runs[0]["dynamo"] and not runs[1]["dynamo"]  # compiling imports it; loading the package does not
+
+
+@pytest.mark.slow
+def test_a_step_that_does_not_export_falls_back_to_dynamo(compile_dir, monkeypatch):
+    real_export = torch.export.export
+
+    def export_then_fail(*args, **kwargs):  # traced (and the inputs marked), then refused
+        real_export(*args, **kwargs)
+        raise RuntimeError("planted export failure")
+
+    monkeypatch.setattr(torch.export, "export", export_then_fail)
+    model = built("gpt", seed=2)
+    heard: list[str] = []
+    fast_tokens = ll.generate(model, [BOS, 5, 9, 12], 40, temperature=0.0, compile=True, on_compile=heard.append)
+    assert fast_tokens == ll.generate(model, [BOS, 5, 9, 12], 40, temperature=0.0, compile=False)
+    assert any("no ahead-of-time step" in line and "planted export failure" in line for line in heard), heard
+    assert not list((compile_dir / AOT_SUBDIR).glob("*.pt2"))
