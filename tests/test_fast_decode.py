@@ -287,6 +287,27 @@ def test_engine_compile_gives_the_eager_tokens(arch):
         ll.generate(model, prompts, to_the_end, temperature=0.0, compile=False)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["aot", "dynamo"])
+def test_a_compiled_step_survives_a_change_of_threads(backend, monkeypatch):
+    """The same model decoded compiled at 1 then 2 CPU threads (as `benchmarks.engines --threads
+    1,2` does): dynamo recompiles for a new thread count, which its skipped guards once refused
+    ("Recompilation triggered"); a package is compiled per thread count."""
+    from latentloop.models.aot import AOT_ENV
+
+    monkeypatch.setenv(AOT_ENV, "1" if backend == "aot" else "0")
+    model = model_for("gpt")
+    prompt = [BOS, 5, 9, 12]
+    eager = ll.generate(model, prompt, STEPS, temperature=0.0, compile=False)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            assert ll.generate(model, prompt, STEPS, temperature=0.0, compile=True) == eager
+    finally:
+        torch.set_num_threads(threads)
+
+
 # --------------------------------------------------------------------------------------------
 # The automatic mode (engine `compile="auto"`, the default) and the compile records
 # --------------------------------------------------------------------------------------------

@@ -209,7 +209,7 @@ def package_key(model, options: dict, cache, fields) -> str:
     constants = [(name, list(t.shape), str(t.dtype)) for name, t in
                  [*model.named_parameters(), *model.named_buffers()]]
     blob = json.dumps({"format": PACKAGE_FORMAT, "torch": torch.__version__, "source": _DIGESTS["source"],
-                       "cpu": _DIGESTS["cpu"], "threads": torch.get_num_threads() > 1,
+                       "cpu": _DIGESTS["cpu"], "threads": torch.get_num_threads(),
                        "class": type(model).__qualname__, "cache": type(cache).__qualname__,
                        "config": config, "options": sorted((k, repr(v)) for k, v in options.items()),
                        "fields": fields, "inputs": inputs, "constants": constants},
@@ -293,10 +293,12 @@ class AotDecodeStep:
 
     @staticmethod
     def _shape(flat: list[Tensor], window: Tensor, max_len: int) -> tuple:
-        """What tells the packages of one decoder apart: each input's shape; the window's length is
-        dynamic below the buffer's length, and a package of its own at it (`window_is_dynamic`)."""
+        """What tells the packages of one decoder apart: torch's CPU threads and each input's shape;
+        the window's length is dynamic below the buffer's length, and a package of its own at it
+        (`window_is_dynamic`)."""
         dynamic = window_is_dynamic(window, max_len)
-        return tuple((t.shape if t is not window or not dynamic else None, t.dtype) for t in flat)
+        return (torch.get_num_threads(),  # inductor's loops are parallelised for the threads at compile time
+                *((t.shape if t is not window or not dynamic else None, t.dtype) for t in flat))
 
     def forget(self) -> None:
         """Before a decode (`FastDecoder.attach`): the cache's tensors may be new, and the model's

@@ -630,8 +630,10 @@ _RAN_SHAPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def ran_shape(key: tuple, batch_size: int, max_len: int, per_row: bool) -> tuple:
     """The entry of `_RAN_SHAPES` for a step: (device type, options), rows, buffer length, one
-    write position or one per row (each a graph of its own)."""
-    return key, batch_size, max_len, per_row
+    write position or one per row, and torch's CPU threads (each a graph of its own: dynamo
+    recompiles when the thread count changes, which under `skip_guard_eval_unsafe` raised
+    "Recompilation triggered" in `benchmarks.engines --threads 1,2`)."""
+    return key, batch_size, max_len, per_row, torch.get_num_threads()
 
 
 def _decode_step(model, token: Tensor, cache: KVCache, options: dict) -> tuple[Tensor, Tensor, dict]:
