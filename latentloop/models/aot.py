@@ -36,7 +36,9 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import tempfile
+import time
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
@@ -195,10 +197,16 @@ def _cpu_flags() -> str:
 _DIGESTS: dict[str, str] = {}
 
 
+def model_code_digest() -> str:
+    """A hash of this package's model code (read once a process): what a compiled step is built from."""
+    if "source" not in _DIGESTS:
+        _DIGESTS["source"] = _source_digest()
+    return _DIGESTS["source"]
+
+
 def package_key(model, options: dict, cache, fields) -> str:
     """A name for the package of this step: what it depends on, hashed (see the module docstring)."""
-    if not _DIGESTS:
-        _DIGESTS["source"] = _source_digest()
+    if "cpu" not in _DIGESTS:
         _DIGESTS["cpu"] = hashlib.sha256(_cpu_flags().encode()).hexdigest()
     config = model.config
     config = asdict(config) if is_dataclass(config) else vars(config)
@@ -208,7 +216,7 @@ def package_key(model, options: dict, cache, fields) -> str:
               for t in flat]
     constants = [(name, list(t.shape), str(t.dtype)) for name, t in
                  [*model.named_parameters(), *model.named_buffers()]]
-    blob = json.dumps({"format": PACKAGE_FORMAT, "torch": torch.__version__, "source": _DIGESTS["source"],
+    blob = json.dumps({"format": PACKAGE_FORMAT, "torch": torch.__version__, "source": model_code_digest(),
                        "cpu": _DIGESTS["cpu"], "threads": torch.get_num_threads(),
                        "class": type(model).__qualname__, "cache": type(cache).__qualname__,
                        "config": config, "options": sorted((k, repr(v)) for k, v in options.items()),
@@ -243,12 +251,29 @@ def _resolve(module: nn.Module, path: str) -> Tensor:
     return value
 
 
+def _open_package(path: Path):
+    """The package's C++ loader. It unpacks the package's library into a fresh folder of the temp dir
+    and never removes it (3 MB a load, left behind by every process): unpacked here into a private
+    folder, removed once the library is loaded (the process keeps its mapping)."""
+    private = tempfile.mkdtemp(prefix="latentloop-aot-")
+    saved = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = private  # where the loader unpacks (std::filesystem::temp_directory_path)
+    try:
+        return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+    finally:
+        if saved is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = saved
+        shutil.rmtree(private, ignore_errors=True)
+
+
 class _Package:
     """A loaded package bound to the model's weights (and to the attributes it reads)."""
 
     def __init__(self, path: Path, holder: nn.Module):
         try:
-            self.loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+            self.loader = _open_package(path)
             self.info = json.loads(self.loader.get_metadata().get(INFO_KEY, "{}"))
             self.paths = self.loader.get_constant_fqns()
             self.bound: list | None = None
@@ -277,6 +302,7 @@ class AotDecodeStep:
         self.model, self.options, self.step_fn = model, options, step_fn
         self.packages: dict[tuple, _Package] = {}
         self.compiled_now = False  # the last `prepare` compiled (as opposed to loading from disk)
+        self.load_seconds = 0.0  # what loading the last package took (all a later process pays for it)
         self.unavailable: dict[tuple, str] = {}  # shape -> why it did not compile
         self._bound: tuple | None = None  # (cache, its window, its tensors flattened, their package)
         self.holder = _ExportedStep(model, options, step_fn)  # what packages resolve their constants from
@@ -322,17 +348,22 @@ class AotDecodeStep:
         holder = self.holder
         if path.exists():
             try:
-                self.packages[shape] = _Package(path, holder)
+                self._load(shape, path)
                 return
             except AotUnavailable:  # a broken or foreign file: built again below
                 path.unlink(missing_ok=True)
         try:
             self._compile(cache, fields, holder, path)
-            self.packages[shape] = _Package(path, holder)
+            self._load(shape, path)
         except AotUnavailable as error:  # not tried again for this shape in this process
             self.unavailable[shape] = str(error)
             raise
         self.compiled_now = True
+
+    def _load(self, shape: tuple, path: Path) -> None:
+        start = time.perf_counter()
+        self.packages[shape] = _Package(path, self.holder)
+        self.load_seconds = time.perf_counter() - start
 
     def _compile(self, cache, fields, holder: _ExportedStep, path: Path) -> None:
         saved = flatten(cache, fields)

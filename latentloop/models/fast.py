@@ -74,7 +74,7 @@ import torch
 from torch import Tensor
 
 from ..util import default_cache_dir
-from .aot import AotDecodeStep, AotUnavailable, aot_enabled
+from .aot import AotDecodeStep, AotUnavailable, aot_enabled, model_code_digest
 from .backbone import GPT
 from .cache import AttentionPlan, KVCache, row_span
 
@@ -467,13 +467,17 @@ class FastDecoder:
                 self._step = self._dynamo_step()
                 if self.on_compile is not None:
                     self.on_compile(f"no ahead-of-time step ({error}); compiling with dynamo instead ...")
+        prepared = time.perf_counter()
         if self.aot is not None:
             result = self.aot(self.model, token, self.cache, self.options)
         else:
             result = self._step(self.model, token, self.cache, self.options)
         seconds = time.perf_counter() - start
         _RAN_SHAPES.setdefault(self.model, set()).add(self._shape(self.cache))
-        record.add(seconds)
+        if self.aot is not None and self.aot.compiled_now:  # the next process only loads the package
+            record.add(self.aot.load_seconds + time.perf_counter() - prepared)
+        else:
+            record.add(seconds)
         if self.on_compile is not None:
             loaded = self.aot is not None and not self.aot.compiled_now
             self.on_compile(f"decode step {'loaded, compiled ahead of time,' if loaded else 'compiled'} in "
@@ -530,16 +534,18 @@ RECORDS_KEPT = 8  # first-call times kept per key (the minimum is the estimate: 
 
 
 class CompileRecord:
-    """What the first call of a compiled step cost for one (torch version, model class and config,
-    options, cache shape), kept as a small JSON file under `compile_cache_dir()/latentloop/`. The
-    minimum over the recorded calls is what the next process expects to pay (a warm load, once one
-    process compiled)."""
+    """What the first call of a compiled step cost for one (torch version, model code, class and
+    config, options, cache shape, CPU threads), kept as a small JSON file under
+    `compile_cache_dir()/latentloop/`. The minimum over the recorded calls is what the next process
+    expects to pay (a warm load, once one process compiled; for an ahead-of-time package the process
+    that compiled it records what loading it cost, since that is all a later process pays)."""
 
     def __init__(self, model, options: dict, cache: KVCache):
         config = model.config
         fields = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else vars(config)
         quantized = sorted({type(m).__name__ for m in model.modules() if getattr(m, "QUANTIZED", False)})
-        key = json.dumps([torch.__version__, type(model).__qualname__, fields, sorted(options.items()), quantized,
+        key = json.dumps([torch.__version__, model_code_digest(), torch.get_num_threads(), type(model).__qualname__,
+                          fields, sorted(options.items()), quantized,
                           cache.batch_size, cache.max_len, str(cache.key_pos.device.type)]
                          + (["per_row"] if getattr(cache, "per_row", False) else []), default=str)
         self.path = compile_cache_dir() / "latentloop" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
