@@ -130,9 +130,9 @@ def test_a_package_reads_the_weights_of_the_model_it_runs_for(compile_dir):
     assert len(packages) == 1
     compiled, eager = compiled_and_eager(second, prompt, steps)  # loads the first model's package
     assert compiled == eager and sorted((compile_dir / AOT_SUBDIR).glob("*.pt2")) == packages
+    assert first.lm_head is None  # tied: scaling the embeddings changes the head and the gate table too
     with torch.no_grad():  # weights changed in place after loading: the next decode reads them
         first.wte.weight.mul_(-1.5)
-        first.lm_head.weight.copy_(second.lm_head.weight) if first.lm_head is not None else None
     compiled, eager = compiled_and_eager(first, prompt, steps)
     assert compiled == eager
 

@@ -135,18 +135,20 @@ class _ExportedStep(nn.Module):
 
 @contextlib.contextmanager
 def _products_as_reductions():
-    """`F.linear` and SDPA swapped for fast.py's reductions while a step is traced (the module-level
-    functions are what `nn.Linear` and the backbone call)."""
-    from . import fast
+    """`F.linear` and SDPA swapped for fast.py's reductions (`_BY_REDUCTION`, what dynamo's backend
+    rewrites) while a step is traced: the module-level functions are what `nn.Linear` and the
+    backbone call."""
+    from .fast import _BY_REDUCTION
 
     functional = torch.nn.functional
-    saved = functional.linear, functional.scaled_dot_product_attention
-    functional.linear = fast._linear_by_reduction
-    functional.scaled_dot_product_attention = fast._attention_by_reduction
+    saved = {original.__name__: original for original in _BY_REDUCTION}
+    for original, reduction in _BY_REDUCTION.items():
+        setattr(functional, original.__name__, reduction)
     try:
         yield
     finally:
-        functional.linear, functional.scaled_dot_product_attention = saved
+        for name, original in saved.items():
+            setattr(functional, name, original)
 
 
 @contextlib.contextmanager
@@ -345,7 +347,6 @@ class AotDecodeStep:
         from .fast import compile_cache_dir
 
         path = compile_cache_dir() / AOT_SUBDIR / f"{package_key(self.model, self.options, cache, fields)}.pt2"
-        holder = self.holder
         if path.exists():
             try:
                 self._load(shape, path)
@@ -353,7 +354,7 @@ class AotDecodeStep:
             except AotUnavailable:  # a broken or foreign file: built again below
                 path.unlink(missing_ok=True)
         try:
-            self._compile(cache, fields, holder, path)
+            self._compile(cache, fields, path)
             self._load(shape, path)
         except AotUnavailable as error:  # not tried again for this shape in this process
             self.unavailable[shape] = str(error)
@@ -365,7 +366,8 @@ class AotDecodeStep:
         self.packages[shape] = _Package(path, self.holder)
         self.load_seconds = time.perf_counter() - start
 
-    def _compile(self, cache, fields, holder: _ExportedStep, path: Path) -> None:
+    def _compile(self, cache, fields, path: Path) -> None:
+        holder = self.holder
         saved = flatten(cache, fields)
         state = dict(getattr(cache, "state", {}) or {})
         python_state = {k: v for k, v in vars(cache).items() if isinstance(v, (int, float, bool))}

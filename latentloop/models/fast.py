@@ -365,8 +365,10 @@ class FastDecoder:
                 self.aot_reason = AotDecodeStep.refuses(model)
                 if self.aot_reason is None:  # one per model and options: its packages load once a process
                     per_model = _COMPILED_STEPS.setdefault(model, {})
-                    self.aot = per_model.setdefault((*self._key, AOT_BACKEND),
-                                                    AotDecodeStep(model, options, _decode_step))
+                    key = (*self._key, AOT_BACKEND)
+                    if key not in per_model:
+                        per_model[key] = AotDecodeStep(model, options, _decode_step)
+                    self.aot = per_model[key]
             if self.aot is None:
                 self._step = self._dynamo_step()
         self.cache: KVCache | None = None
@@ -378,6 +380,10 @@ class FastDecoder:
         if self._key not in per_model:
             per_model[self._key] = _compiled_step(self._key[0])
         return per_model[self._key]
+
+    def _fall_back_to_dynamo(self, error: AotUnavailable) -> None:
+        """This decoder's step has no package (`error` says why): dynamo's compiled step from now on."""
+        self.aot, self.aot_reason, self._step = None, str(error), self._dynamo_step()
 
     @property
     def compiled(self) -> bool:
@@ -422,7 +428,7 @@ class FastDecoder:
             try:
                 logits, greedy, info = self.aot(self.model, token, cache, self.options)
             except AotUnavailable as error:  # this shape ran on dynamo's step in an earlier decoder
-                self.aot, self.aot_reason, self._step = None, str(error), self._dynamo_step()
+                self._fall_back_to_dynamo(error)
                 logits, greedy, info = self._step(self.model, token, cache, self.options)
         elif not self.compiled or (ran and not (self.skip_guards and self.window_inside_buffer(cache))):
             logits, greedy, info = self._step(self.model, token, cache, self.options)
@@ -463,8 +469,7 @@ class FastDecoder:
             try:
                 self.aot.prepare(self.cache)  # load this shape's package, or export and compile it
             except AotUnavailable as error:
-                self.aot, self.aot_reason = None, str(error)
-                self._step = self._dynamo_step()
+                self._fall_back_to_dynamo(error)
                 if self.on_compile is not None:
                     self.on_compile(f"no ahead-of-time step ({error}); compiling with dynamo instead ...")
         prepared = time.perf_counter()
