@@ -88,7 +88,7 @@ def test_attributes_are_buffers_only_while_exported():
     assert "_gate_table" not in model.state_dict()
 
 
-def test_int8_weights_and_the_off_switch_keep_dynamos_step(monkeypatch):
+def test_the_off_switch_keeps_dynamos_step_and_int8_weights_take_a_package(monkeypatch):
     from latentloop.models.quant import quantize_int8
 
     model = built("gpt")
@@ -97,8 +97,23 @@ def test_int8_weights_and_the_off_switch_keep_dynamos_step(monkeypatch):
     assert FastDecoder(model).aot is None
     monkeypatch.delenv(AOT_ENV)
     quantize_int8(model)
-    fast = FastDecoder(model)
-    assert fast.aot is None and "int8" in fast.aot_reason
+    assert FastDecoder(model).aot is not None  # the int8 product is an inductor reduction in the package
+
+
+def test_export_swaps_every_product_the_dynamo_backend_rewrites_and_restores_them():
+    """What `torch.export` traces and what dynamo's backend rewrites must be the same step: every
+    rewritten call has its module attribute swapped while exporting (and the int8 product, which
+    dynamo keeps as the native kernel's operator), and put back after."""
+    from latentloop.models import fast, quant
+
+    swapped = {reduction for _, _, reduction in fast.EXPORT_SWAPS}
+    assert set(fast._BY_REDUCTION.values()) <= swapped and fast._int8_linear_by_reduction in swapped
+    before = [getattr(module, name) for module, name, _ in fast.EXPORT_SWAPS]
+    with aot._products_as_reductions():
+        assert [getattr(module, name) for module, name, _ in fast.EXPORT_SWAPS] == \
+            [reduction for _, _, reduction in fast.EXPORT_SWAPS]
+        assert quant.int8_linear is fast._int8_linear_by_reduction
+    assert [getattr(module, name) for module, name, _ in fast.EXPORT_SWAPS] == before
 
 
 # --------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from latentloop.models.fast import (
     WINDOW_BUCKET,
     FastDecoder,
     _attention_by_reduction,
+    _int8_linear_by_reduction,
     _linear_by_reduction,
     bucketed_length,
     fallback_reason,
@@ -147,6 +148,19 @@ def test_linear_by_reduction_keeps_the_library_product_past_its_row_limit():
     torch.manual_seed(0)
     x, weight = torch.randn(REDUCTION_MAX_ROWS + 1, 1024), torch.randn(96, 1024)
     assert torch.equal(_linear_by_reduction(x, weight), F.linear(x, weight))
+
+
+@pytest.mark.parametrize("rows", [1, 3, REDUCTION_MAX_ROWS, REDUCTION_MAX_ROWS + 1])
+def test_int8_linear_by_reduction_is_the_dequantised_product(rows):
+    """The compiled step's int8 product (a reduction up to its row limit, the converted weight's
+    product past it) is the float product of the dequantised weight."""
+    from latentloop.models.quant import quantize_rows
+
+    torch.manual_seed(0)
+    q, scale = quantize_rows(torch.randn(96, 1024))
+    x = torch.randn(rows, 1, 1024)
+    expected = F.linear(x, q.float() * scale[:, None])
+    torch.testing.assert_close(_int8_linear_by_reduction(x, q, scale), expected, rtol=0, atol=REDUCTION_TOL)
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "mask_kind", "scale"),
@@ -522,16 +536,23 @@ def test_int8_replaces_every_linear_and_decodes(arch):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", ["aot", "dynamo"])
 @pytest.mark.parametrize("arch", ll.archs.ARCHS)
-def test_int8_compiled_step_matches_the_int8_eager_step(arch):
+def test_int8_compiled_step_matches_the_int8_eager_step(arch, backend, monkeypatch):
+    """int8 weights through both compiled steps, the package's inductor reduction over the int8
+    weights and dynamo's graph around the native kernel, against eager decoding's native kernel."""
+    from latentloop.models.aot import AOT_ENV
     from latentloop.models.quant import quantize_int8
 
+    monkeypatch.setenv(AOT_ENV, "1" if backend == "aot" else "0")
     torch.manual_seed(0)
     model = quantize_int8(ll.build(arch, preset="test").eval())
     if not _compilable(arch, {}):
         pytest.skip(f"{arch}'s decode step does not compile: {fallback_reason(model, model_options(model, {}))}")
     with torch.inference_mode():
         eager, fast = _decode_both(model, {}, compile=True)  # the options as a caller gives them
+    if backend == "aot":  # the package ran every step: nothing fell back to dynamo
+        assert LAST_DECODER["fast"].aot is not None and LAST_DECODER["fast"].aot_reason is None
     torch.testing.assert_close(fast, eager, rtol=0, atol=FAST_TOL)
     assert torch.equal(fast.argmax(-1), eager.argmax(-1))
 

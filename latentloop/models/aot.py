@@ -17,7 +17,8 @@ How a step becomes a package (`AotDecodeStep`, one per model and options):
   user_managed=True)`). So a package depends on the model's code, config, options and shapes, not
   its weights: another checkpoint of the same config reuses it, and nothing stale is ever read.
 - The traced step is the same rewritten one as dynamo's (`_cpu_decode_backend`): one-row products
-  and one-query attention as reductions, by swapping `F.linear` / SDPA while exporting.
+  (int8 weights' too) and one-query attention as reductions, by swapping `F.linear`, SDPA and
+  `quant.int8_linear` while exporting (`EXPORT_SWAPS`).
 - Packages live in `compile_cache_dir()/aot/`, named by a hash of everything they depend on
   (`package_key`): torch's version, this package's model code, the CPU's instruction set flags,
   the config, the options and each input's shape and dtype. A write is atomic (temp file, rename).
@@ -25,9 +26,9 @@ How a step becomes a package (`AotDecodeStep`, one per model and options):
   the package's metadata.
 
 What does not export falls back: `AotDecodeStep.prepare` raises `AotUnavailable` with the reason,
-and `FastDecoder` keeps dynamo's compiled step for that decoder (int8 weights, whose product is a
-ctypes call no package can hold, are refused before trying). `LATENTLOOP_AOT=0` turns this module
-off (dynamo's step everywhere), e.g. to compare the two.
+and `FastDecoder` keeps dynamo's compiled step for that decoder (a model off the CPU is refused
+before trying). `LATENTLOOP_AOT=0` turns this module off (dynamo's step everywhere), e.g. to
+compare the two.
 """
 
 from __future__ import annotations
@@ -135,20 +136,18 @@ class _ExportedStep(nn.Module):
 
 @contextlib.contextmanager
 def _products_as_reductions():
-    """`F.linear` and SDPA swapped for fast.py's reductions (`_BY_REDUCTION`, what dynamo's backend
-    rewrites) while a step is traced: the module-level functions are what `nn.Linear` and the
-    backbone call."""
-    from .fast import _BY_REDUCTION
+    """The products swapped for fast.py's reductions (`EXPORT_SWAPS`: what dynamo's backend rewrites
+    in its graph) while a step is traced."""
+    from .fast import EXPORT_SWAPS
 
-    functional = torch.nn.functional
-    saved = {original.__name__: original for original in _BY_REDUCTION}
-    for original, reduction in _BY_REDUCTION.items():
-        setattr(functional, original.__name__, reduction)
+    saved = [(module, name, getattr(module, name)) for module, name, _ in EXPORT_SWAPS]
+    for module, name, reduction in EXPORT_SWAPS:
+        setattr(module, name, reduction)
     try:
         yield
     finally:
-        for name, original in saved.items():
-            setattr(functional, name, original)
+        for module, name, original in saved:
+            setattr(module, name, original)
 
 
 @contextlib.contextmanager
@@ -311,10 +310,6 @@ class AotDecodeStep:
 
     @staticmethod
     def refuses(model) -> str | None:
-        from .quant import Int8Linear
-
-        if any(isinstance(m, Int8Linear) for m in model.modules()):
-            return "int8 weights (their product is a ctypes call, which no package can hold)"
         if next(model.parameters()).device.type != "cpu":
             return "not on CPU"
         return None

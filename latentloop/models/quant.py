@@ -5,14 +5,17 @@ per output channel (symmetric: w ~= q * scale, q in [-127, 127], scale = max |w|
 
 Decoding streams the weights once per token, so a quarter of the bytes is up to four times less
 memory traffic for the linear layers. How each product runs:
-- float32 on the CPU, at most `KERNEL_MAX_ROWS` rows (decoding): the native kernel
-  (`int8_linear.c`, built by `models/native.py`), eager and compiled alike (to torch.compile it is
-  the opaque op `latentloop::int8_linear`): each weight read as one byte and widened in registers,
-  float32 products and sums, the rows split over torch's threads. It replaced the two torch paths
-  below for decoding because both were slower than the float layer: inductor's fused int8 reduction
-  (7.3 ms vs 1.3 ms a token for the compiled small shape, `benchmarks.engines`) and the eager
-  conversion (2.4 vs 1.6 ms for 768 -> 3072 at one row); torch's `_weight_int8pack_mm` was slower
-  still with float32 activations (12 ms).
+- float32 on the CPU, at most `KERNEL_MAX_ROWS` rows (decoding), eager and in dynamo's compiled
+  step: the native kernel (`int8_linear.c`, built by `models/native.py`; to torch.compile it is the
+  opaque op `latentloop::int8_linear`): each weight read as one byte and widened in registers,
+  float32 products and sums, the rows split over torch's threads. For eager decoding it beat the
+  float layer where the conversion did not (2.4 vs 1.6 ms for 768 -> 3072 at one row); torch's
+  `_weight_int8pack_mm` was slower still with float32 activations (12 ms).
+- in the ahead-of-time compiled step (`aot.py`, the CPU default): a ctypes call cannot be held in a
+  package, so the product is an inductor reduction over the int8 weights
+  (`fast._int8_linear_by_reduction`), widened in registers too, fused with the step's other loops.
+  `benchmarks.engines`, one run: 10.9 ms a token at 12 layers x 768, 2 threads (dynamo's step with
+  the native kernel 18.5, the float package 20.3) and 0.58 ms at 4 x 256, 1 thread (dynamo's 0.96).
 - anything else (a prefill of many rows, another dtype or device, no C compiler):
   `F.linear(x, q.to(x.dtype)) * scale`, the weight converted for the product.
 
