@@ -289,12 +289,13 @@ def training_call(arch: str, shape: dict[str, Any], overrides: dict[str, Any], a
                   compile: bool = False, compile_scope: str = "auto") -> tuple[Callable, dict[str, Any]]:
     """A fresh model, optimizer and objective; returns a call that times one optimizer step. With
     `compile`, the objective calls the model as the trainer wraps it for `train.compile` (and
-    `train.compile_scope`)."""
+    `train.compile_scope`). AdamW in float32 unless `args` names `optimizer` / `dtype`."""
     torch.manual_seed(args.seed)
     model = latentloop.build(arch, preset=None, **shape, **overrides).to(device)
     model.train()
-    train_cfg = TrainConfig(batch_size=data.shape[0], optimizer="adamw", grad_clip=args.grad_clip,
-                            dtype="float32", device=device.type, compile=compile, compile_scope=compile_scope)
+    train_cfg = TrainConfig(batch_size=data.shape[0], optimizer=getattr(args, "optimizer", "adamw"),
+                            grad_clip=args.grad_clip, dtype=getattr(args, "dtype", "float32"), device=device.type,
+                            compile=compile, compile_scope=compile_scope)
     objective = build_objective(model.config, train_cfg)
     if passes is not None and any(objective.passes_for_step(i) != passes for i in range(64)):
         raise RuntimeError(f"the fbt objective did not fix K={passes}")
@@ -320,14 +321,17 @@ def training_call(arch: str, shape: dict[str, Any], overrides: dict[str, Any], a
 
 def training_comparison(variants: dict[str, tuple[str, dict, dict, int | None]], args: argparse.Namespace,
                         device: torch.device, compile: bool = False,
-                        scopes: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
+                        scopes: dict[str, str] | None = None,
+                        compiled: dict[str, bool] | None = None) -> dict[str, dict[str, Any]]:
     """Each variant's optimizer step, interleaved round by round; `scopes`: a variant's
-    `train.compile_scope` (default "auto")."""
+    `train.compile_scope` (default "auto"); `compiled`: whether a variant runs under `train.compile`
+    (default `compile`), so eager and compiled steps can share the rounds."""
     gen = torch.Generator().manual_seed(args.seed)
     data = torch.randint(0, 256, (args.train_batch, args.train_seq_len + 1), generator=gen)
     calls, infos = {}, {}
     for name, (arch, shape, overrides, passes) in variants.items():
-        calls[name], infos[name] = training_call(arch, shape, overrides, args, device, data, passes, compile,
+        calls[name], infos[name] = training_call(arch, shape, overrides, args, device, data, passes,
+                                                 (compiled or {}).get(name, compile),
                                                  (scopes or {}).get(name, "auto"))
     raw = run_interleaved(calls, args.train_warmup, args.train_steps)
     return {name: {**infos[name], "step_s": raw[name]["step_s"], "step_s_all": raw[name]["step_s_all"],

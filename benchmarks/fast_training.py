@@ -1,13 +1,14 @@
 """The variants' training steps over gpt's, eager and compiled (issue 16): the trainer's optimizer
-step (the arch's registered objective, backward, grad clip, AdamW) with the model as the trainer
-runs it, plain and under `train.compile`. Within each mode the archs are measured interleaved,
-round by round; the eager rounds run before the compiled ones, so "compiled over eager" pairs
-rounds taken minutes apart (read it as a rough figure; the ratios over gpt are same-time). Compiled,
-every arch runs twice, interleaved with the rest: its whole forward compiled, and each block
-(`train.compile_scope` whole / blocks), and "whole over blocks" pairs their rounds.
+step (the arch's registered objective, backward, grad clip, the optimizer) with the model as the trainer
+runs it, plain and under `train.compile`. Every arch runs three ways, all interleaved round by
+round in one process: eager, its whole forward compiled, and each block compiled
+(`train.compile_scope` whole / blocks). "Compiled over eager" and "whole over blocks" pair the
+steps of the same round (before 2026-12-03 the eager rounds ran minutes before the compiled ones).
 
-Shape: the baseline's (4 layers, d=256, 4 heads, vocab 256, fp32; T=256, batch 16, random tokens).
-fbt with K=2 passes every step (its default mix is 88% K=2; a fixed K keeps rounds comparable);
+Shape: the baseline's (4 layers, d=256, 4 heads, vocab 256; T=256, batch 16, random tokens), with the
+trainer's default optimizer and precision (`--optimizer`, `--dtype`: Muon, bf16 autocast where the CPU
+has bf16 instructions; runs before 2026-12-03 used AdamW in float32).
+fbt with K=2 passes every step (its recipe mixes K=2 and K=3; a fixed K keeps rounds comparable);
 lrt with its default objective (interleaved, S=2); rgpt at equal depth (prelude 1, core 1, coda 1,
 R=2: its objective draws the depth r in {1, 2} per step, and each step is charged for the depth it
 ran). "Per FLOP" divides a round's time per token by the FLOPs per token the objective charged for
@@ -37,6 +38,7 @@ from benchmarks.common import (
     training_comparison,
 )
 from benchmarks.fast_decode import RGPT_EQUAL_DEPTH, SHAPE
+from latentloop.config import DTYPES, OPTIMIZERS, TrainConfig
 
 FBT_PASSES = 2
 # name -> (arch, overrides, fixed fbt passes or None), as `training_comparison` takes them
@@ -55,29 +57,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               for name, (arch, overrides, passes) in VARIANTS.items()}
     results: dict[str, Any] = {"env": env, "args": {k: (str(v) if isinstance(v, Path) else v)
                                                     for k, v in vars(args).items()}, "modes": {}}
-    for mode in MODES:
-        print(f"training ({mode}): {args.train_warmup} warmup steps (the compile happens there) and "
-              f"{args.train_steps} interleaved rounds per arch ...", flush=True)
-        variants, scopes = shaped, None
-        if mode == "compiled":  # each arch compiled both ways, the two interleaved with the rest
-            variants = {f"{name} [{scope}]": spec for name, spec in shaped.items() for scope in SCOPES}
-            scopes = {f"{name} [{scope}]": scope for name in shaped for scope in SCOPES}
-        raw = training_comparison(variants, args, device, compile=mode == "compiled", scopes=scopes)
-        per_token = {name: [s / r["tokens_per_step"] for s in r["step_s_all"]] for name, r in raw.items()}
-        per_flop = {name: [t / f for t, f in zip(per_token[name], r["flops_per_token_all"])]
-                    for name, r in raw.items()}
-        # each row over gpt compiled the same way ("fbt K=2 [blocks]" over "gpt [blocks]")
-        base = {name: "gpt" if mode == "eager" else f"gpt [{name.rsplit('[', 1)[1]}" for name in raw}
+    # every arch eager, and compiled both ways (train.compile_scope whole / blocks), in the same rounds
+    compiled_names = {f"{name} [{scope}]": (name, scope) for name in shaped for scope in SCOPES}
+    variants = {**shaped, **{key: shaped[name] for key, (name, _) in compiled_names.items()}}
+    print(f"training: {args.train_warmup} warmup steps per arch and way (the compiles happen there), then "
+          f"{args.train_steps} interleaved rounds of {len(variants)} steps ...", flush=True)
+    raw = training_comparison(variants, args, device, scopes={key: scope for key, (_, scope) in compiled_names.items()},
+                              compiled={key: key in compiled_names for key in variants})
+    per_token = {name: [s / r["tokens_per_step"] for s in r["step_s_all"]] for name, r in raw.items()}
+    per_flop = {name: [t / f for t, f in zip(per_token[name], r["flops_per_token_all"])]
+                for name, r in raw.items()}
+    # each row over gpt run the same way ("fbt K=2 [blocks]" over "gpt [blocks]")
+    base = {name: f"gpt [{compiled_names[name][1]}]" if name in compiled_names else "gpt" for name in raw}
+    for mode, names in (("eager", list(shaped)), ("compiled", list(compiled_names))):
         results["modes"][mode] = {name: {
             "tok_s_all": [1 / t for t in per_token[name]],
             "over_gpt_all": [t / b for t, b in zip(per_token[name], per_token[base[name]])],
-            "flops_over_gpt": statistics.median(r["flops_per_token_all"]) / statistics.median(
+            "flops_over_gpt": statistics.median(raw[name]["flops_per_token_all"]) / statistics.median(
                 raw[base[name]]["flops_per_token_all"]),
             "over_gpt_per_flop_all": [t / b for t, b in zip(per_flop[name], per_flop[base[name]])],
-            "final_loss": r["final_loss"]} for name, r in raw.items()}
+            "final_loss": raw[name]["final_loss"]} for name in names}
     eager, compiled = results["modes"]["eager"], results["modes"]["compiled"]
     for name in VARIANTS:
-        for scope in SCOPES:
+        for scope in SCOPES:  # paired by round: the two ran in the same round
             entry = compiled[f"{name} [{scope}]"]
             entry["speedup_over_eager_all"] = [c / e for c, e in zip(entry["tok_s_all"], eager[name]["tok_s_all"])]
         whole, blocks = (compiled[f"{name} [{scope}]"]["tok_s_all"] for scope in SCOPES)
@@ -109,6 +111,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", dest="train_steps", type=int, default=5,
                    help="interleaved rounds of one step per arch (median and range reported)")
     p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default=TrainConfig.optimizer,
+                   help="train.optimizer (the trainer's default; adamw for the runs before Muon)")
+    p.add_argument("--dtype", choices=DTYPES, default=TrainConfig.dtype,
+                   help="train.dtype: auto is bf16 autocast where the CPU has bf16 instructions")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write all results as JSON")

@@ -244,6 +244,8 @@ SEED_LIMIT = 2**63
 # resolves it when it starts (runtime.resolve_strategy) and records the strategy it ran.
 STRATEGIES = ("auto", "none", "ddp", "fsdp2")
 COMPILE_SCOPES = ("auto", "whole", "blocks")  # TrainConfig.compile_scope
+OPTIMIZERS = ("adamw", "muon")  # TrainConfig.optimizer
+DTYPES = ("auto", "float32", "bfloat16")  # TrainConfig.dtype
 TRACKERS = ("tensorboard", "wandb")  # where training metrics go besides metrics.jsonl (latentloop.train.trackers)
 
 
@@ -305,7 +307,7 @@ class TrainConfig:
         for name in ("warmup_steps", "eval_every", "save_every", "eval_batches"):
             require(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
         require(self.keep_last >= 1, f"keep_last must be >= 1, got {self.keep_last}")
-        require(self.optimizer in ("adamw", "muon"), f"optimizer must be 'adamw' or 'muon', got {self.optimizer!r}")
+        require(self.optimizer in OPTIMIZERS, f"optimizer must be 'adamw' or 'muon', got {self.optimizer!r}")
         require(self.schedule in ("cosine", "wsd"), f"schedule must be 'cosine' or 'wsd', got {self.schedule!r}")
         require(self.lr > 0 and self.muon_lr > 0, "lr and muon_lr must be > 0")
         require(0.0 <= self.min_lr_ratio <= 1.0, f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
@@ -314,8 +316,7 @@ class TrainConfig:
         require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
                  f"betas must be two values in [0, 1), got {self.betas}")
         require(self.grad_clip >= 0, f"grad_clip must be >= 0, got {self.grad_clip}")
-        require(self.dtype in ("auto", "float32", "bfloat16"),
-                 f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+        require(self.dtype in DTYPES, f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         require(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda", "mps"),
                  f"device must be auto, cpu, cuda[:N] or mps, got {self.device!r}")
         require(self.strategy in STRATEGIES, f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")

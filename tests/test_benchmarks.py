@@ -165,7 +165,10 @@ def _engines_smoke(tmp_path, capsys, chosen: list[str]) -> None:
             assert "not installed (pip install" in rows[engine]["note"]
             continue
         assert rows[engine]["ms_per_token"] > 0
-        assert rows[engine]["agree"] == 6, (engine, rows[engine])
+        if "int8" in engine:  # int8 follows latentloop's eager int8 decode (the float one it may leave)
+            assert rows[engine]["agree_int8"] == 6, (engine, rows[engine])
+        else:
+            assert rows[engine]["agree"] == 6 and "agree_int8" not in rows[engine], (engine, rows[engine])
     assert f"| {chosen[-1]}" in capsys.readouterr().out
 
 
@@ -214,7 +217,14 @@ def test_write_gguf_holds_every_tensor_and_the_shape(tmp_path):
 
 
 def test_engines_benchmark_smoke(tmp_path, capsys):
-    _engines_smoke(tmp_path, capsys, ["latentloop eager", "llama.cpp"])
+    _engines_smoke(tmp_path, capsys, ["latentloop eager", "latentloop eager int8", "llama.cpp"])
+
+
+@pytest.mark.slow  # compiles the int8 step twice (a package and dynamo's graph): ~1 min on 2 cores
+def test_engines_benchmark_smoke_compiled_int8(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    _engines_smoke(tmp_path, capsys, ["latentloop eager int8", "latentloop compiled int8",
+                                      "latentloop compiled int8 dynamo"])
 
 
 @pytest.mark.slow  # imports transformers and converts for CTranslate2: ~40 s on the shared 2 cores
@@ -243,6 +253,28 @@ def test_decode_profile_times_every_variant_and_lists_kernels(tmp_path, capsys):
     assert all(len(v) == 2 and min(v) > 0 for v in result["ms_per_step"].values())
     assert len(result["compiled_ops"]) == 3 and len(result["eager_ops"]) == 3
     assert "over the default compiled step" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # compiles every arch's training step twice (whole and by blocks)
+def test_fast_training_runs_the_trainers_recipe_eager_and_compiled(tmp_path, monkeypatch):
+    """`python -m benchmarks.fast_training` at a tiny shape with the trainer's optimizer and precision
+    given by flag: every arch eager and compiled both ways, the ratios paired per round."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    fast_training = _benchmark("fast_training")
+    out = tmp_path / "fast_training.json"
+    assert fast_training.main(["--train-seq-len", "16", "--train-batch", "2", "--rounds", "2", "--train-warmup", "2",
+                               "--threads", "1", "--optimizer", "muon", "--dtype", "bfloat16",
+                               "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["args"]["optimizer"] == "muon" and result["args"]["dtype"] == "bfloat16"
+    names = list(fast_training.VARIANTS)
+    assert set(result["modes"]["eager"]) == set(names)
+    compiled = result["modes"]["compiled"]
+    assert set(compiled) == {f"{name} [{scope}]" for name in names for scope in fast_training.SCOPES}
+    for name in names:
+        whole = compiled[f"{name} [whole]"]
+        assert len(whole["whole_over_blocks_all"]) == 2 and len(whole["speedup_over_eager_all"]) == 2
+        assert all(math.isfinite(entry["final_loss"]) for entry in (whole, result["modes"]["eager"][name]))
 
 
 @pytest.mark.slow  # four `latentloop generate` processes: ~20 s on the shared 2 cores

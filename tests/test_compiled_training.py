@@ -73,6 +73,9 @@ def _check_compiled_training(arch):
         assert isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule)
     else:  # each block compiled in place: the parameter names stay
         assert compiled is model and all(block._compiled_call_impl is not None for block in model.blocks)
+    from torch._dynamo.utils import counters
+
+    counters.clear()
     for step, (eager_loss, eager_grads) in enumerate(eager):
         torch.manual_seed(step)
         compiled_loss, compiled_grads = loss_and_grads(compiled, model, objective, x, y, step)
@@ -80,6 +83,8 @@ def _check_compiled_training(arch):
         assert compiled_grads.keys() == eager_grads.keys() and eager_grads
         for name, grad in eager_grads.items():
             torch.testing.assert_close(compiled_grads[name], grad, rtol=0, atol=GRAD_TOL, msg=name)
+    if compiles_whole_model(model, train.strategy, train.compile_scope):  # one graph, not pieces between breaks
+        assert not counters["graph_break"], dict(counters["graph_break"])
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     optimizers = build_optimizers(model, train)  # Muon for the matrices and AdamW for the rest (the default)
     adamw = [opt for opt in optimizers if isinstance(opt, torch.optim.AdamW)]

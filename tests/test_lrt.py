@@ -135,6 +135,27 @@ def test_without_feedback_lrt_is_gpt(recurrence):
     torch.testing.assert_close(lrt(idx, recurrence=recurrence).logits, gpt(idx).logits, rtol=0, atol=TOL)
 
 
+def test_an_unpadded_buffer_plans_its_full_pass_without_reading_positions():
+    """Without a pad mask no column is padding, known from the call: the full pass is plainly causal
+    with no read of `key_pos` (a data-dependent branch that split the compiled training step in two).
+    A buffer that may hold padding still reads it."""
+    from latentloop.models.cache import KVBuffer
+
+    positions = torch.arange(6)[None]
+    everything = torch.arange(6)
+    plan = KVBuffer(2, positions, padded=False).begin_columns(everything)
+    assert plan.is_causal and plan.mask is None
+    padded = positions.masked_fill(positions < 2, -1)  # two left-padding columns
+    plan = KVBuffer(2, padded, padded=True).begin_columns(everything)
+    assert not plan.is_causal
+    compiled = torch.compile(lambda pos: KVBuffer(2, pos, padded=False).begin_columns(everything).positions,
+                             fullgraph=True, backend="eager")  # fullgraph: a graph break raises
+    assert torch.equal(compiled(positions), positions)
+    model = ll.build("lrt", preset="test")  # training builds its buffer without a pad mask: unpadded
+    idx = torch.randint(0, model.config.vocab_size, (2, 6))
+    assert not model._buffer(idx, None).padded and model._buffer(idx, torch.ones(2, 6, dtype=torch.bool)).padded
+
+
 def test_gradients_flow_through_the_buffer():
     """Subset 1 (odd columns) sees even columns only through the init pass's buffer: its loss
     must still reach the embeddings of tokens that occur only at even columns."""

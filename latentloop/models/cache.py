@@ -148,8 +148,11 @@ class KVBuffer:
     own. Columns never written hold zeros and sit at later positions, so causality hides them.
     """
 
-    def __init__(self, n_slots: int, key_pos: Tensor):
+    def __init__(self, n_slots: int, key_pos: Tensor, padded: bool = True):
         self.key_pos = key_pos  # (B|1, T) position of each column, -1 for padding
+        # False: no column is padding, known without reading `key_pos` (reading it is a data-dependent
+        # branch, which splits a compiled training step's graph in two)
+        self.padded = padded
         self.k: list[Tensor | None] = [None] * n_slots
         self.v: list[Tensor | None] = [None] * n_slots
         self._index: Tensor | None = None
@@ -162,7 +165,8 @@ class KVBuffer:
         self._index = index
         device = self.key_pos.device
         query_pos = self.key_pos[:, index].clamp(min=0)  # (B|1, n)
-        if len(index) == self.columns and bool((self.key_pos >= 0).all()):  # a plain full causal pass
+        full = len(index) == self.columns and (not self.padded or bool((self.key_pos >= 0).all()))
+        if full:  # a plain full causal pass
             return AttentionPlan(query_pos, None, True)
         if flex.available(device):  # a subset of the columns: let the kernel skip what no query sees
             return AttentionPlan(query_pos, None, False, block_mask=flex.block_mask(query_pos, self.key_pos, index))

@@ -205,8 +205,9 @@ class LRTBlock(Block):
 
 class LRT(GPT):
     OPTIONS = OPTIONS
-    # train.compile: the whole interleaved forward (one graph break, at the buffer's full-causal
-    # check), measured 1.059x the tok/s of compiling each block (experiments/logs/2026-12-02-compile-scope.md)
+    # train.compile: the whole interleaved forward, one graph (a buffer built without a pad mask
+    # plans its full pass without reading its positions), measured 1.18x the tok/s of compiling each
+    # block under Muon + bf16 (experiments/logs/2026-12-03-compile-scope-defaults.md)
     COMPILES_WHOLE = True
 
     def __init__(self, config: LRTConfig):
@@ -286,7 +287,7 @@ class LRT(GPT):
     def _buffer(self, idx: Tensor, pad_mask: Tensor | None) -> KVBuffer:
         plan = plan_attention(pad_mask, idx.shape[1], idx.device)
         key_pos = plan.positions if pad_mask is None else plan.positions.masked_fill(~pad_mask, -1)
-        return KVBuffer(self.cache_slots(), key_pos)
+        return KVBuffer(self.cache_slots(), key_pos, padded=pad_mask is not None)
 
     def _buffered_pass(self, idx: Tensor, buffer: KVBuffer, columns: Tensor, memory: Tensor) -> tuple[Tensor, Tensor]:
         ctx = self.context_from_plan(buffer.begin_columns(columns), buffer)
