@@ -46,8 +46,7 @@ VARIANTS = {"gpt": ("gpt", {}, None),
             f"fbt K={FBT_PASSES}": ("fbt", dict(feedback_start=0.0, pass_mix=(0.0, 1.0)), FBT_PASSES),
             "lrt": ("lrt", {}, None),
             "rgpt": ("rgpt", RGPT_EQUAL_DEPTH, None)}
-MODES = ("eager", "compiled")
-SCOPES = ("whole", "blocks")  # train.compile_scope: the compiled mode runs every arch both ways, interleaved
+SCOPES = ("whole", "blocks")  # train.compile_scope: every arch runs compiled both ways, beside eager
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -69,7 +68,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for name, r in raw.items()}
     # each row over gpt run the same way ("fbt K=2 [blocks]" over "gpt [blocks]")
     base = {name: f"gpt [{compiled_names[name][1]}]" if name in compiled_names else "gpt" for name in raw}
-    for mode, names in (("eager", list(shaped)), ("compiled", list(compiled_names))):
+    for mode, names in (("eager", list(shaped)), ("compiled", list(compiled_names))):  # results by mode, as before
         results["modes"][mode] = {name: {
             "tok_s_all": [1 / t for t in per_token[name]],
             "over_gpt_all": [t / b for t, b in zip(per_token[name], per_token[base[name]])],

@@ -754,8 +754,9 @@ _BY_REDUCTION = {torch.nn.functional.linear: _linear_by_reduction,
 # What the ahead-of-time step swaps while `torch.export` traces the model's code: the module
 # attributes `nn.Linear`, the backbone and `Int8Linear` call (the latter `quant.int8_linear` while
 # compiling). Dynamo's graph keeps the native int8 kernel (an opaque operator, 10% faster than the
-# reduction there: 0.61 vs 0.68 ms a step at the engines' small shape, 1 thread; 7.1 vs 7.9 ms at
-# 12 x 768, 2 threads); a package cannot call it.
+# reduction there, A/B in one process at `benchmarks.decode_profile`'s shapes: 0.61 vs 0.68 ms a step
+# at 4 x 256, 1 thread; 7.1 vs 7.9 ms at 12 x 768 with a 32000-token head, 2 threads); a package
+# cannot call it.
 EXPORT_SWAPS = ((torch.nn.functional, "linear", _linear_by_reduction),
                 (torch.nn.functional, "scaled_dot_product_attention", _attention_by_reduction),
                 (quant, "int8_linear", _int8_linear_by_reduction))
