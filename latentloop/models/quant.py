@@ -8,9 +8,9 @@ memory traffic for the linear layers. How each product runs:
 - float32 on the CPU, at most `KERNEL_MAX_ROWS` rows (decoding), eager and in dynamo's compiled
   step: the native kernel (`int8_linear.c`, built by `models/native.py`; to torch.compile it is the
   opaque op `latentloop::int8_linear`): each weight read as one byte and widened in registers,
-  float32 products and sums, the rows split over torch's threads. For eager decoding it beat the
-  float layer where the conversion did not (2.4 vs 1.6 ms for 768 -> 3072 at one row); torch's
-  `_weight_int8pack_mm` was slower still with float32 activations (12 ms).
+  float32 products and sums, the rows split over torch's threads. It replaced the eager conversion
+  below for decoding, which was slower than the float layer (2.4 against 1.6 ms for 768 -> 3072 at
+  one row); torch's `_weight_int8pack_mm` was slower still with float32 activations (12 ms).
 - in the ahead-of-time compiled step (`aot.py`, the CPU default): a ctypes call cannot be held in a
   package, so the product is an inductor reduction over the int8 weights
   (`fast._int8_linear_by_reduction`), widened in registers too, fused with the step's other loops.
