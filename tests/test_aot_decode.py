@@ -106,8 +106,8 @@ def test_export_swaps_every_product_the_dynamo_backend_rewrites_and_restores_the
     dynamo keeps as the native kernel's operator), and put back after."""
     from latentloop.models import fast, quant
 
-    swapped = {reduction for _, _, reduction in fast.EXPORT_SWAPS}
-    assert set(fast._BY_REDUCTION.values()) <= swapped and fast._int8_linear_by_reduction in swapped
+    assert {(module, name) for module, name, _ in fast.EXPORT_SWAPS} == {
+        (torch.nn.functional, "linear"), (torch.nn.functional, "scaled_dot_product_attention"), (quant, "int8_linear")}
     before = [getattr(module, name) for module, name, _ in fast.EXPORT_SWAPS]
     with aot._products_as_reductions():
         assert [getattr(module, name) for module, name, _ in fast.EXPORT_SWAPS] == \

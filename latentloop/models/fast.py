@@ -742,8 +742,8 @@ def _int8_linear_by_reduction(x: Tensor, weight_int8: Tensor, scale: Tensor) -> 
     eager decoding calls is a ctypes call, which an ahead-of-time package cannot hold. Rows past
     `REDUCTION_MAX_ROWS` take the product over the converted weight, as eager decoding does."""
     rows = x.numel() // x.shape[-1]
-    if rows > REDUCTION_MAX_ROWS:
-        return torch._C._nn.linear(x, weight_int8.to(x.dtype)) * scale.to(x.dtype)
+    if rows > REDUCTION_MAX_ROWS:  # its `F.linear` is the library's product here (`_linear_by_reduction`)
+        return quant._converted_product(x, weight_int8, scale)
     return (x[..., None, :] * weight_int8).sum(-1) * scale  # (..., N, K) -> (..., N), never materialised
 
 
@@ -757,8 +757,7 @@ _BY_REDUCTION = {torch.nn.functional.linear: _linear_by_reduction,
 # reduction there, A/B in one process at `benchmarks.decode_profile`'s shapes: 0.61 vs 0.68 ms a step
 # at 4 x 256, 1 thread; 7.1 vs 7.9 ms at 12 x 768 with a 32000-token head, 2 threads); a package
 # cannot call it.
-EXPORT_SWAPS = ((torch.nn.functional, "linear", _linear_by_reduction),
-                (torch.nn.functional, "scaled_dot_product_attention", _attention_by_reduction),
+EXPORT_SWAPS = (*((torch.nn.functional, original.__name__, reduction) for original, reduction in _BY_REDUCTION.items()),
                 (quant, "int8_linear", _int8_linear_by_reduction))
 
 
