@@ -2,6 +2,7 @@
 ordinary cache (default suite), and the compiled step against the eager one (slow: CPU inductor
 compiles take tens of seconds per architecture and option set)."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -199,6 +200,39 @@ def test_attention_by_reduction_keeps_sdpa_for_several_queries_or_other_masks():
     mask[:, 0] = True
     assert torch.equal(_attention_by_reduction(q1, k, v, attn_mask=mask),
                        F.scaled_dot_product_attention(q1, k, v, attn_mask=mask))
+
+
+def loops_over(code: str, bound: int) -> list[str]:
+    """The bodies of the C++ loops in inductor's `code` that run up to the constant `bound`."""
+    bodies = []
+    header = r"for\([^;]*;[^;]*<\s*static_cast<int64_t>\(" + str(bound) + r"L\)[^)]*\)[^{]*\{"
+    for loop in re.finditer(header, code):
+        depth, end = 1, loop.end()
+        while depth:
+            depth += {"{": 1, "}": -1}.get(code[end], 0)
+            end += 1
+        bodies.append(code[loop.end():end])
+    return bodies
+
+
+def test_the_attention_reduction_computes_its_query_once_not_per_key():
+    """Compiled by inductor, the one-query attention reads its query from a buffer: the query's
+    producer (here `sin`, in the model RoPE) stays out of the loops over the keys, where inductor
+    would otherwise inline it and compute it again for every key."""
+    from torch._inductor.utils import run_and_get_code
+
+    keys = 50  # a loop bound that nothing else in the step has
+
+    def attend(q_raw, k, v):
+        return _attention_by_reduction(q_raw.sin(), k, v)
+
+    args = (torch.randn(1, 3, 1, 24), torch.randn(1, 3, keys, 24), torch.randn(1, 3, keys, 24))
+    got, (code, *_) = run_and_get_code(torch.compile(attend, backend="inductor", dynamic=False), *args)
+    torch.testing.assert_close(got, F.scaled_dot_product_attention(args[0].sin(), *args[1:]), rtol=0,
+                               atol=REDUCTION_TOL)
+    over_keys = loops_over(code, keys)
+    assert over_keys and "sin" in code
+    assert not any("sin" in body for body in over_keys)
 
 
 def test_the_cpu_decode_backend_rewrites_every_product_of_the_step():
