@@ -41,19 +41,26 @@ from benchmarks.fast_decode import RGPT_EQUAL_DEPTH, SHAPE
 from latentloop.config import DTYPES, OPTIMIZERS, TrainConfig
 
 FBT_PASSES = 2
+FIXED_PASSES = dict(feedback_start=0.0, pass_mix=(0.0, 1.0))  # fbt's recipe at K=2 on every step
+# mor at rgpt's depth: one prelude, one shared core block applied up to twice, one coda
+MOR_EQUAL_DEPTH = dict(n_pre=1, n_rec=1, n_coda=1, recursions=2)
 # name -> (arch, overrides, fixed fbt passes or None), as `training_comparison` takes them
 VARIANTS = {"gpt": ("gpt", {}, None),
-            f"fbt K={FBT_PASSES}": ("fbt", dict(feedback_start=0.0, pass_mix=(0.0, 1.0)), FBT_PASSES),
+            f"fbt K={FBT_PASSES}": ("fbt", FIXED_PASSES, FBT_PASSES),
             "lrt": ("lrt", {}, None),
-            "rgpt": ("rgpt", RGPT_EQUAL_DEPTH, None)}
+            "rgpt": ("rgpt", RGPT_EQUAL_DEPTH, None),
+            f"rfbt K={FBT_PASSES}": ("rfbt", {**RGPT_EQUAL_DEPTH, **FIXED_PASSES}, FBT_PASSES),
+            "mor": ("mor", MOR_EQUAL_DEPTH, None)}
+BASE = "gpt"  # every row is also shown over gpt run the same way, so gpt always runs
 SCOPES = ("whole", "blocks")  # train.compile_scope: every arch runs compiled both ways, beside eager
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     env = start_run(args)
     device = torch.device("cpu")
+    chosen = selected(args.archs)
     shaped = {name: (arch, {**SHAPE, "sequence_len": args.train_seq_len}, overrides, passes)
-              for name, (arch, overrides, passes) in VARIANTS.items()}
+              for name, (arch, overrides, passes) in VARIANTS.items() if name in chosen}
     results: dict[str, Any] = {"env": env, "args": {k: (str(v) if isinstance(v, Path) else v)
                                                     for k, v in vars(args).items()}, "modes": {}}
     # every arch eager, and compiled both ways (train.compile_scope whole / blocks), in the same rounds
@@ -77,13 +84,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "over_gpt_per_flop_all": [t / b for t, b in zip(per_flop[name], per_flop[base[name]])],
             "final_loss": raw[name]["final_loss"]} for name in names}
     eager, compiled = results["modes"]["eager"], results["modes"]["compiled"]
-    for name in VARIANTS:
+    for name in shaped:
         for scope in SCOPES:  # paired by round: the two ran in the same round
             entry = compiled[f"{name} [{scope}]"]
             entry["speedup_over_eager_all"] = [c / e for c, e in zip(entry["tok_s_all"], eager[name]["tok_s_all"])]
         whole, blocks = (compiled[f"{name} [{scope}]"]["tok_s_all"] for scope in SCOPES)
         compiled[f"{name} [{SCOPES[0]}]"]["whole_over_blocks_all"] = [w / b for w, b in zip(whole, blocks)]
     return results
+
+
+def selected(archs: str | None) -> list[str]:
+    """The VARIANTS rows whose arch is in the comma-separated `archs` (all when None), gpt always."""
+    wanted = set(VARIANTS[name][0] for name in VARIANTS) if archs is None else {a.strip() for a in archs.split(",")}
+    return [name for name, (arch, _, _) in VARIANTS.items() if arch in wanted or name == BASE]
 
 
 def markdown_table(results: dict[str, Any]) -> str:
@@ -115,11 +128,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=DTYPES, default=TrainConfig.dtype,
                    help="train.dtype: auto is bf16 autocast where the CPU has bf16 instructions")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    known = dict.fromkeys(arch for arch, _, _ in VARIANTS.values())
+    p.add_argument("--archs", default=None, help=f"comma-separated archs to run, from: {', '.join(known)} "
+                                                 f"(default: all; gpt always runs, the rows' base)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write all results as JSON")
     add_allocator_flag(p)
     args = p.parse_args(argv)
     require_at_least_one(p, args, ("train_seq_len", "train_batch", "train_steps"))
+    unknown = set() if args.archs is None else {a.strip() for a in args.archs.split(",")} - set(known)
+    if unknown:
+        p.error(f"--archs: unknown {', '.join(sorted(unknown))}; known: {', '.join(known)}")
     if args.train_warmup < 1:
         p.error("--train-warmup must be >= 1: the first compiled step compiles")
     return args

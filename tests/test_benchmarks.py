@@ -255,6 +255,20 @@ def test_decode_profile_times_every_variant_and_lists_kernels(tmp_path, capsys):
     assert "over the default compiled step" in capsys.readouterr().out
 
 
+def test_fast_training_covers_every_registered_arch_and_selects_some(capsys):
+    """Every arch of the registry has a row (rfbt and mor included); `--archs` picks rows, gpt (every
+    row's base) always among them, and an unknown arch is refused by name."""
+    from latentloop.archs import ARCHS
+
+    fast_training = _benchmark("fast_training")
+    assert {arch for arch, _, _ in fast_training.VARIANTS.values()} == set(ARCHS)
+    assert fast_training.selected("rfbt, mor") == ["gpt", "rfbt K=2", "mor"]
+    assert fast_training.selected(None) == list(fast_training.VARIANTS)
+    with pytest.raises(SystemExit) as exit_info:
+        fast_training.parse_args(["--archs", "rgpt,gtp"])
+    assert exit_info.value.code == 2 and "gtp" in capsys.readouterr().err
+
+
 @pytest.mark.slow  # compiles every arch's training step twice (whole and by blocks)
 def test_fast_training_runs_the_trainers_recipe_eager_and_compiled(tmp_path, monkeypatch):
     """`python -m benchmarks.fast_training` at a tiny shape with the trainer's optimizer and precision
