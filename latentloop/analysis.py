@@ -245,8 +245,9 @@ def depth(run: str | Path, max_steps: int | None = None, batches: int = 2, batch
         decided |= stop
     exit_flat = exit_depth.flatten().numpy()
     result = {"run": str(run), "trained_steps": trained, "steps": list(range(1, R + 1)), "loss": losses,
-              "loss_at_half_depth": losses[max(0, R // 2 - 1)], "gate_mean_per_step": out_all.gate_means,
-              "openness_per_step": out_all.openness,
+              "loss_at_half_depth": losses[max(0, R // 2 - 1)],
+              "gate_mean_per_step": [float(v) for v in out_all.gate_means],
+              "openness_per_step": [float(v) for v in out_all.openness],
               "exit_threshold": exit_threshold, "mean_exit_depth": float(exit_flat.mean()),
               "exit_depth_histogram": np.bincount(exit_flat, minlength=R + 1)[1:].tolist(),
               "spearman_exit_depth_vs_token_loss": spearman(exit_flat, token_loss)}

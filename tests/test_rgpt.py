@@ -232,3 +232,21 @@ def test_openness_is_logged_on_log_steps_only(corpus, tmp_path):
         steps = row["steps"]
         assert all(f"openness_r{r}" in row and f"gate_mean_r{r}" in row for r in range(1, steps + 1))
         assert all(0 < row[f"gate_mean_r{r}"] < 1 and row[f"openness_r{r}"] > 0 for r in range(1, steps + 1))
+
+
+def test_recording_the_gates_keeps_a_compiled_forward_one_graph():
+    """A logging step's forward (`record_gates`) traces as one graph (`fullgraph`: a break raises),
+    as `train.compile_scope=whole` compiles it, and records what the eager forward records. Reading
+    a gate as a float inside the forward broke the graph at every recurrence step."""
+    torch.manual_seed(0)
+    model = ll.build("rgpt", preset="test", sequence_len=16, recurrence_steps=3).train()
+    x = torch.randint(0, model.config.vocab_size, (2, 16))
+    torch.manual_seed(1)  # training noise drawn the same on both paths
+    eager = model(x, steps=3, no_grad_steps=1, record_gates=True)
+    torch.manual_seed(1)
+    traced = torch.compile(model, fullgraph=True, backend="eager")(x, steps=3, no_grad_steps=1, record_gates=True)
+    assert len(eager.gate_means) == len(eager.openness) == 3
+    for name in ("gate_means", "openness"):
+        torch.testing.assert_close(torch.stack(getattr(traced, name)), torch.stack(getattr(eager, name)),
+                                   rtol=0, atol=TOL)
+    torch.testing.assert_close(traced.logits, eager.logits, rtol=0, atol=TOL)

@@ -214,8 +214,10 @@ def make_exit_criterion(name: str, threshold: float) -> KLDivergence | RelativeC
 class RGPTOutput(ModelOutput):
     steps: int = 0
     step_logits: list[Tensor] = field(default_factory=list)  # (B, T, V) after each step, when requested
-    gate_means: list[float] = field(default_factory=list)  # mean gate value of each step, when requested
-    openness: list[float] = field(default_factory=list)  # ||h^(r) - h^(r-1)|| / ||o|| per step, when requested
+    # per step, when requested, as 0-d tensors: whoever reports them reads them (`float`, a device sync),
+    # so a compiled forward records them inside its graph instead of breaking it at every step
+    gate_means: list[Tensor] = field(default_factory=list)  # mean gate value
+    openness: list[Tensor] = field(default_factory=list)  # ||h^(r) - h^(r-1)|| / ||o||
 
 
 @dataclass
@@ -370,9 +372,9 @@ class RGPT(GPT):
         for r in range(1, steps + 1):
             with torch.set_grad_enabled(torch.is_grad_enabled() and r > ctx.no_grad_steps):
                 h_new, g, o = self.recur(h, h_pre, self._step_ctx(ctx, r))
-            if record is not None:  # reading these syncs with the device: only when asked
-                record.gate_means.append(float(g.detach().mean()))
-                record.openness.append(float((h_new - h).detach().norm() / o.detach().norm().clamp_min(1e-12)))
+            if record is not None:  # only when asked: two reductions over the step's states
+                record.gate_means.append(g.detach().mean())
+                record.openness.append((h_new - h).detach().norm() / o.detach().norm().clamp_min(1e-12))
             h = h_new
             if ctx.return_steps and r < steps:
                 record.step_logits.append(self.readout(self.run_blocks(h, self._coda_ctx(ctx), self.coda)))

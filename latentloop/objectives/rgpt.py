@@ -76,9 +76,9 @@ class RecurrentDepthObjective(Objective):
         record = self.logs_after(step)
         out = model(x, steps=steps, no_grad_steps=self.no_grad_steps(steps), record_gates=record)
         metrics: dict[str, float] = {"steps": steps}
-        if record:  # effective openness ||h^(r) - h^(r-1)|| / ||o^(r)|| and the mean gate, per step r
-            metrics |= {f"openness_r{r}": v for r, v in enumerate(out.openness, start=1)}
-            metrics |= {f"gate_mean_r{r}": v for r, v in enumerate(out.gate_means, start=1)}
+        if record:  # effective openness ||h^(r) - h^(r-1)|| / ||o^(r)|| and the mean gate, per step r (a sync)
+            metrics |= {f"openness_r{r}": float(v) for r, v in enumerate(out.openness, start=1)}
+            metrics |= {f"gate_mean_r{r}": float(v) for r, v in enumerate(out.gate_means, start=1)}
         return LossResult(token_cross_entropy(out.logits, y, mask=loss_mask), metrics)
 
     def depth_mix(self, steps: int) -> list[tuple[float, dict]]:
