@@ -235,6 +235,32 @@ def test_the_attention_reduction_computes_its_query_once_not_per_key():
     assert not any("sin" in body for body in over_keys)
 
 
+@pytest.mark.parametrize("weights", ["float32", "int8"])
+def test_a_product_reduction_computes_its_input_once_not_per_output_row(weights):
+    """The one-row products read their input from a buffer: its producer (here `sin`; in the model
+    the residual sum and its RMSNorm) stays out of the loop over the output rows, where inductor
+    would otherwise compute it again for every row."""
+    from torch._inductor.utils import run_and_get_code
+
+    from latentloop.models.quant import quantize_rows
+
+    rows_out = 50  # a loop bound that nothing else here has
+    q, scale = quantize_rows(torch.randn(rows_out, 32))
+    weight = q.float() * scale[:, None]
+
+    def product(x):
+        if weights == "int8":
+            return _int8_linear_by_reduction(x.sin(), q, scale)
+        return _linear_by_reduction(x.sin(), weight)
+
+    x = torch.randn(1, 32)
+    got, (code, *_) = run_and_get_code(torch.compile(product, backend="inductor", dynamic=False), x)
+    torch.testing.assert_close(got, F.linear(x.sin(), weight), rtol=0, atol=REDUCTION_TOL)
+    over_rows = loops_over(code, rows_out)
+    assert over_rows and "sin" in code
+    assert not any("sin" in body for body in over_rows)
+
+
 def test_the_cpu_decode_backend_rewrites_every_product_of_the_step():
     """The static cache's decode step traced by dynamo and run as rewritten (without inductor, so
     the reductions themselves run, over the step's real mask): modules' and functional linears

@@ -699,6 +699,7 @@ def _linear_by_reduction(input: Tensor, weight: Tensor, bias: Tensor | None = No
     rows = input.numel() // input.shape[-1]
     if rows > REDUCTION_MAX_ROWS:  # torch's own op: `F.linear` is this function while a package is exported
         return torch._C._nn.linear(input, weight, bias)
+    input = _stored(input)  # computed once, not in every output row's loop (`_stored`)
     y = (input[..., None, :] * weight).sum(-1)  # (..., out, in) -> (..., out): one fused loop, never materialised
     return y if bias is None else y + bias
 
@@ -739,10 +740,14 @@ def _attention_by_reduction(query: Tensor, key: Tensor, value: Tensor, attn_mask
 def _stored(tensor: Tensor) -> Tensor:
     """`tensor`, contiguous, as a buffer of its own in inductor's code (`prims.inductor_force_stride_order`
     makes inductor store its input; eagerly it is `contiguous()`). Without it inductor inlines a cheap
-    pointwise producer into its consumer: the query's RoPE (a gather of the other half, scalar by
-    scalar) ran again for every key of the attention's loop over the window, once per 16 lanes of
-    every key. Stored once per step, the decode step took 0.83x the time (median of 15 rounds paired
-    in one process, 14 below 1: 4 layers x d 256, 1 thread, tokens 200/200 the same)."""
+    pointwise producer into each consumer's loop and computes it again at every iteration:
+    - the query's RoPE (a gather of the other half, scalar by scalar) ran again for every key of the
+      attention's loop over the window; stored, the step took 0.83x the time;
+    - a product's input (the residual sum and its RMSNorm, whose square root and division compilers
+      keep inside the loop) ran again for every 16 inputs of every output row; stored, the step took
+      0.93x the time with float32 weights and 0.76x with int8 ones, whose widening loop it had bound.
+    (Medians of 15 rounds paired in one process, 14 or 15 below 1: 4 layers x d 256, 1 thread; tokens
+    200/200 the same.)"""
     from torch._inductor import inductor_prims  # noqa: F401 - registers the prim (imported already when compiling)
 
     tensor = tensor.contiguous()
@@ -758,6 +763,7 @@ def _int8_linear_by_reduction(x: Tensor, weight_int8: Tensor, scale: Tensor) -> 
     rows = x.numel() // x.shape[-1]
     if rows > REDUCTION_MAX_ROWS:  # its `F.linear` is the library's product here (`_linear_by_reduction`)
         return quant._converted_product(x, weight_int8, scale)
+    x = _stored(x)  # as in `_linear_by_reduction`
     return (x[..., None, :] * weight_int8).sum(-1) * scale  # (..., N, K) -> (..., N), never materialised
 
 
