@@ -748,9 +748,11 @@ def _stored(tensor: Tensor) -> Tensor:
       0.93x the time with float32 weights and 0.76x with int8 ones, whose widening loop it had bound.
     (Medians of 15 rounds paired in one process, 14 or 15 below 1: 4 layers x d 256, 1 thread; tokens
     200/200 the same.)"""
-    from torch._inductor import inductor_prims  # noqa: F401 - registers the prim (imported already when compiling)
-
     tensor = tensor.contiguous()
+    try:  # registers the prim (imported already when compiling); a private module of torch's
+        from torch._inductor import inductor_prims  # noqa: F401
+    except ImportError:  # a torch without it: the same values, computed where inductor chooses
+        return tensor
     return torch.ops.prims.inductor_force_stride_order(tensor, tensor.stride())
 
 
