@@ -14,19 +14,26 @@ exported with `latentloop export --plain`, and decoded greedily at batch 1 by
 
 Every engine decodes the same prompt for the same number of new tokens, no stop token; the figure is
 the whole call (prefill included) over the new tokens, median over interleaved rounds; the compiled
-rows are warmed up (compiled) before timing. Greedy agreement: each engine's tokens against
-latentloop eager's, token by token (fp32 engines should agree on all; int8 may drift). The
-vocabulary is the byte tokenizer's 259 (the export carries the run's tokenizer, which CTranslate2
-reads for its vocabulary), so the large shape's head is smaller than the issue's 32000-token one.
+rows are warmed up (compiled) before timing. Each engine runs in a process of its own (`EngineWorker`),
+started and warmed up one after another, then called in turn, one call at a time: in one process
+CTranslate2's OpenMP runtime (a second copy, beside torch's) and the pools' spinning workers took the
+cores from whichever engine ran next whenever more than one thread was asked for (see `SETTLE_S`).
+Greedy agreement: each engine's tokens against latentloop eager's, token by token (fp32 engines
+should agree on all; int8 may drift). The vocabulary is the byte tokenizer's 259 (the export carries
+the run's tokenizer, which CTranslate2 reads for its vocabulary), so the large shape's head is
+smaller than the issue's 32000-token one.
 
     .venv/bin/python -m benchmarks.engines [--shape small|large] [--threads 1,2] [--prompt-len 16]
-        [--new-tokens 200] [--repeats 3] [--engines all|NAME,...] [--json out.json]
+        [--new-tokens 200] [--repeats 3] [--engines all|NAME,...] [--settle 0.5] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -57,6 +64,14 @@ REFERENCE = "latentloop eager"  # every engine's tokens are compared with these
 # int8 engines' tokens drift from the float model's within a few tokens (a random model's logits are
 # close together): they are compared with latentloop's eager int8 decode too, which they should follow
 INT8_REFERENCE = "latentloop eager int8"
+# Seconds each timed call waits first, so the threads of the engine that ran before it (in its own
+# process) have stopped spinning: OpenMP and ggml pools spin for a while after their work. With all
+# engines in one process and 2 threads on the project's 2-core machine, latentloop compiled took 2.54
+# ms a token and llama.cpp 2.07 at the small shape, against 0.305 and 0.272 each alone; with only
+# CTranslate2 beside it, latentloop compiled still took 2.4 ms (CTranslate2 brings its own libgomp).
+SETTLE_S = 0.5
+REPO_ROOT = Path(__file__).resolve().parent.parent  # `python -m benchmarks.engines` runs from here
+WORKER_EXIT_S = 30  # how long a worker may take to exit once told to
 # Hugging Face's plain-Llama tensor names -> GGUF's (llama.cpp's LLM_ARCH_LLAMA); {i} the layer
 GGUF_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
               "lm_head.weight": "output.weight"}
@@ -257,6 +272,69 @@ def agreement(tokens: list[int], reference: list[int]) -> int:
     return same
 
 
+def worker(spec: dict[str, Any]) -> int:
+    """One engine in a process of its own (`--worker SPEC`, started by `EngineWorker`): loads the
+    exported model, warms the engine up and answers with its greedy tokens, then times one call for
+    every line it reads until its input closes. Answers go to the original stdout, one JSON line each;
+    anything a library prints goes to stderr."""
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # the libraries' own prints (llama.cpp, transformers) stay out of the answers
+    torch.set_num_threads(spec["threads"])
+    folder, engine = Path(spec["folder"]), spec["engine"]
+    model = None
+    if engine.startswith("latentloop"):
+        import latentloop
+
+        model, _ = latentloop.load(folder / "run")
+        model.eval()
+    call = make_calls([engine], model, folder / "hf", folder, spec["prompt"], spec["new_tokens"],
+                      spec["threads"])[engine]
+    answers.write(json.dumps({"tokens": call()}) + "\n")  # the warm-up (compiles), and the tokens
+    answers.flush()
+    for _ in sys.stdin:
+        start = time.perf_counter()
+        call()
+        answers.write(json.dumps({"seconds": time.perf_counter() - start}) + "\n")
+        answers.flush()
+    return 0
+
+
+class EngineWorker:
+    """The parent's handle on one engine's process: started and warmed up on construction (its greedy
+    tokens in `tokens`), then `time_call()` per timed call; `close()` ends it."""
+
+    def __init__(self, engine: str, folder: Path, prompt: list[int], new_tokens: int, threads: int):
+        self.engine = engine
+        spec = {"engine": engine, "folder": str(folder), "prompt": prompt, "new_tokens": new_tokens,
+                "threads": threads}
+        environment = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+        self.process = subprocess.Popen([sys.executable, "-m", "benchmarks.engines", "--worker", json.dumps(spec)],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT,
+                                        env=environment)
+        self.tokens: list[int] = self._answer()["tokens"]
+
+    def _answer(self) -> dict[str, Any]:
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the {self.engine} worker exited with code {self.process.wait()} (its stderr is above)")
+        return json.loads(line)
+
+    def time_call(self) -> float:
+        self.process.stdin.write("run\n")
+        self.process.stdin.flush()
+        return self._answer()["seconds"]
+
+    def close(self) -> None:
+        if self.process.stdin and not self.process.stdin.closed:
+            self.process.stdin.close()
+        try:
+            self.process.wait(timeout=WORKER_EXIT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     env = start_run(argparse.Namespace(threads=args.threads[0]))  # each thread count is set again below
     shape = SHAPES[args.shape]
@@ -264,7 +342,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                     for k, v in vars(args).items()}, "threads": {}}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        model, tokenizer, hf_dir = build_export(shape, args.prompt_len + args.new_tokens, args.seed, folder)
+        model, tokenizer, _ = build_export(shape, args.prompt_len + args.new_tokens, args.seed, folder)
         byte_ids = torch.randint(0, 256, (args.prompt_len - 1,), generator=torch.Generator().manual_seed(args.seed))
         prompt = [tokenizer.bos_id] + byte_ids.tolist()  # BOS, then random bytes
         results["params"] = model.num_params()
@@ -272,17 +350,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             torch.set_num_threads(threads)
             notes = {engine: unavailable(engine) for engine in args.engines}
             runnable = [e for e in args.engines if notes[e] is None]
-            print(f"{threads} thread(s): preparing {', '.join(runnable)} ...", flush=True)
-            calls = make_calls(runnable, model, hf_dir, folder, prompt, args.new_tokens, threads)
-            tokens = {name: call() for name, call in calls.items()}  # warm-up (compiles) and the tokens
-            samples: dict[str, list[float]] = {name: [] for name in calls}
-            names = list(calls)
-            for r in range(args.repeats):  # interleaved, order rotating
-                shift = r % len(names)
-                for name in names[shift:] + names[:shift]:
-                    start = time.perf_counter()
-                    calls[name]()
-                    samples[name].append((time.perf_counter() - start) / args.new_tokens)
+            print(f"{threads} thread(s): preparing {', '.join(runnable)}, a process each ...", flush=True)
+            workers: dict[str, EngineWorker] = {}
+            try:
+                for name in runnable:  # one after another: a warm-up (a compile) has the machine to itself
+                    workers[name] = EngineWorker(name, folder, prompt, args.new_tokens, threads)
+                tokens = {name: w.tokens for name, w in workers.items()}
+                samples: dict[str, list[float]] = {name: [] for name in workers}
+                names = list(workers)
+                for r in range(args.repeats):  # interleaved, order rotating
+                    shift = r % len(names)
+                    for name in names[shift:] + names[:shift]:
+                        time.sleep(args.settle)
+                        samples[name].append(workers[name].time_call() / args.new_tokens)
+            finally:
+                for w in workers.values():
+                    w.close()
             reference = tokens.get(REFERENCE)
             rows = {}
             for engine in args.engines:
@@ -325,9 +408,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", default="1", help="comma-separated thread counts, each measured in turn")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds (median and range reported)")
     p.add_argument("--engines", default="all", help=f"comma-separated, from: {', '.join(ENGINES)}")
+    p.add_argument("--settle", type=float, default=SETTLE_S,
+                   help="seconds each timed call waits first, for the previous engine's threads to stop spinning")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write all results as JSON")
     args = p.parse_args(argv)
+    if args.settle < 0:
+        p.error(f"--settle must be >= 0, got {args.settle}")
     try:
         args.threads = [int(t) for t in args.threads.split(",")]
     except ValueError:
@@ -343,6 +430,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"] and len(argv) == 2:  # one engine's process (`EngineWorker`)
+        return worker(json.loads(argv[1]))
     return benchmark_main(parse_args(argv), run, markdown_table)
 
 

@@ -157,7 +157,7 @@ def _engines_smoke(tmp_path, capsys, chosen: list[str]) -> None:
     engines = _benchmark("engines")
     out = tmp_path / "engines.json"
     assert engines.main(["--shape", "smoke", "--prompt-len", "4", "--new-tokens", "6", "--repeats", "1",
-                         "--engines", ",".join(chosen), "--json", str(out)]) == 0
+                         "--settle", "0", "--engines", ",".join(chosen), "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["threads"]["1"]
     assert list(rows) == chosen
     for engine in chosen:
@@ -218,6 +218,14 @@ def test_write_gguf_holds_every_tensor_and_the_shape(tmp_path):
 
 def test_engines_benchmark_smoke(tmp_path, capsys):
     _engines_smoke(tmp_path, capsys, ["latentloop eager", "latentloop eager int8", "llama.cpp"])
+
+
+def test_an_engine_worker_that_fails_is_reported_by_name(tmp_path):
+    """Each engine runs in a process of its own; one that cannot start (here: no exported run in its
+    folder) raises in the parent naming the engine and its exit code, instead of hanging or passing."""
+    engines = _benchmark("engines")
+    with pytest.raises(RuntimeError, match=r"the latentloop eager worker exited with code [1-9]"):
+        engines.EngineWorker("latentloop eager", tmp_path, [1, 2, 3], 2, 1)
 
 
 @pytest.mark.slow  # compiles the int8 step twice (a package and dynamo's graph): ~1 min on 2 cores
