@@ -65,10 +65,12 @@ REFERENCE = "latentloop eager"  # every engine's tokens are compared with these
 # close together): they are compared with latentloop's eager int8 decode too, which they should follow
 INT8_REFERENCE = "latentloop eager int8"
 # Seconds each timed call waits first, so the threads of the engine that ran before it (in its own
-# process) have stopped spinning: OpenMP and ggml pools spin for a while after their work. With all
-# engines in one process and 2 threads on the project's 2-core machine, latentloop compiled took 2.54
-# ms a token and llama.cpp 2.07 at the small shape, against 0.305 and 0.272 each alone; with only
-# CTranslate2 beside it, latentloop compiled still took 2.4 ms (CTranslate2 brings its own libgomp).
+# process) have stopped spinning: OpenMP and ggml pools spin for a while after their work. A
+# precaution whose effect was not measured apart: what mattered was the processes. With all engines
+# in one process and 2 threads on the project's 2-core machine, latentloop compiled took 2.54 ms a
+# token and llama.cpp 2.07 at the small shape, against 0.305 and 0.272 each alone; with only
+# CTranslate2 beside it, latentloop compiled still took 2.4 ms (CTranslate2 brings its own libgomp),
+# and this pause alone did not help there (2.00 ms).
 SETTLE_S = 0.5
 REPO_ROOT = Path(__file__).resolve().parent.parent  # `python -m benchmarks.engines` runs from here
 WORKER_EXIT_S = 30  # how long a worker may take to exit once told to

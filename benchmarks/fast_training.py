@@ -93,10 +93,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
+def arch_names(archs: str | None) -> set[str] | None:
+    """The arch names of `--archs` (comma-separated), or None for all."""
+    return None if archs is None else {a.strip() for a in archs.split(",")}
+
+
 def selected(archs: str | None) -> list[str]:
     """The VARIANTS rows whose arch is in the comma-separated `archs` (all when None), gpt always."""
-    wanted = set(VARIANTS[name][0] for name in VARIANTS) if archs is None else {a.strip() for a in archs.split(",")}
-    return [name for name, (arch, _, _) in VARIANTS.items() if arch in wanted or name == BASE]
+    wanted = arch_names(archs)
+    return [name for name, (arch, _, _) in VARIANTS.items() if wanted is None or arch in wanted or name == BASE]
 
 
 def markdown_table(results: dict[str, Any]) -> str:
@@ -136,7 +141,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_allocator_flag(p)
     args = p.parse_args(argv)
     require_at_least_one(p, args, ("train_seq_len", "train_batch", "train_steps"))
-    unknown = set() if args.archs is None else {a.strip() for a in args.archs.split(",")} - set(known)
+    unknown = (arch_names(args.archs) or set()) - set(known)
     if unknown:
         p.error(f"--archs: unknown {', '.join(sorted(unknown))}; known: {', '.join(known)}")
     if args.train_warmup < 1:

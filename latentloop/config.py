@@ -307,7 +307,8 @@ class TrainConfig:
         for name in ("warmup_steps", "eval_every", "save_every", "eval_batches"):
             require(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
         require(self.keep_last >= 1, f"keep_last must be >= 1, got {self.keep_last}")
-        require(self.optimizer in OPTIMIZERS, f"optimizer must be 'adamw' or 'muon', got {self.optimizer!r}")
+        require(self.optimizer in OPTIMIZERS,
+                f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         require(self.schedule in ("cosine", "wsd"), f"schedule must be 'cosine' or 'wsd', got {self.schedule!r}")
         require(self.lr > 0 and self.muon_lr > 0, "lr and muon_lr must be > 0")
         require(0.0 <= self.min_lr_ratio <= 1.0, f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
@@ -316,7 +317,7 @@ class TrainConfig:
         require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
                  f"betas must be two values in [0, 1), got {self.betas}")
         require(self.grad_clip >= 0, f"grad_clip must be >= 0, got {self.grad_clip}")
-        require(self.dtype in DTYPES, f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+        require(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         require(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda", "mps"),
                  f"device must be auto, cpu, cuda[:N] or mps, got {self.device!r}")
         require(self.strategy in STRATEGIES, f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
