@@ -12,8 +12,11 @@ exported with `latentloop export --plain`, and decoded greedily at batch 1 by
   on the exported folder written as an fp32 GGUF file by `write_gguf` (no tokenizer: llama.cpp's
   "none" vocabulary takes and gives token ids, as every other engine here is given them).
 
-Every engine decodes the same prompt for the same number of new tokens, no stop token; the figure is
-the whole call (prefill included) over the new tokens, median over interleaved rounds; the compiled
+Every engine decodes the same prompt for the same number of new tokens, no stop token, from a fresh
+state (llama.cpp's prompt cache is reset: `llama_greedy`); the figure is the whole call (prefill
+included) over the new tokens, median over interleaved rounds; each round also times a call for the
+first token alone, so the table splits the call into the first token (prefill included) and the
+decode after it, and gives each engine's whole call over llama.cpp's in the same round. The compiled
 rows are warmed up (compiled) before timing. Each engine runs in a process of its own (`EngineWorker`),
 started and warmed up one after another, then called in turn, one call at a time: in one process
 CTranslate2's OpenMP runtime (a second copy, beside torch's) and the pools' spinning workers took the
@@ -64,6 +67,7 @@ REFERENCE = "latentloop eager"  # every engine's tokens are compared with these
 # int8 engines' tokens drift from the float model's within a few tokens (a random model's logits are
 # close together): they are compared with latentloop's eager int8 decode too, which they should follow
 INT8_REFERENCE = "latentloop eager int8"
+PAIRED_WITH = "llama.cpp"  # every engine's whole call is also given over this engine's, round by round
 # Seconds each timed call waits first, so the threads of the engine that ran before it (in its own
 # process) have stopped spinning: OpenMP and ggml pools spin for a while after their work. A
 # precaution whose effect was not measured apart: what mattered was the processes. With all engines
@@ -99,13 +103,13 @@ def build_export(shape: dict, context: int, seed: int, folder: Path):
     return model, tokenizer, folder / "hf"
 
 
-def latentloop_call(model, prompt: list[int], new_tokens: int, compile: bool, aot: bool = True):
+def latentloop_call(model, prompt: list[int], compile: bool, aot: bool = True):
     import os
 
     import latentloop
     from latentloop.models.aot import AOT_ENV
 
-    def call() -> list[int]:
+    def call(new_tokens: int) -> list[int]:
         saved = os.environ.get(AOT_ENV)
         os.environ[AOT_ENV] = "1" if aot else "0"  # read when the call makes its decoder
         try:
@@ -116,7 +120,7 @@ def latentloop_call(model, prompt: list[int], new_tokens: int, compile: bool, ao
     return call
 
 
-def hf_call(hf_dir: Path, prompt: list[int], new_tokens: int):
+def hf_call(hf_dir: Path, prompt: list[int]):
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -124,15 +128,14 @@ def hf_call(hf_dir: Path, prompt: list[int], new_tokens: int):
     ids = torch.tensor([prompt])
 
     @torch.inference_mode()
-    def call() -> list[int]:
+    def call(new_tokens: int) -> list[int]:
         out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
         return out[0, len(prompt):].tolist()
 
     return call
 
 
-def ctranslate2_call(hf_dir: Path, folder: Path, prompt: list[int], new_tokens: int, threads: int,
-                     quantization: str | None):
+def ctranslate2_call(hf_dir: Path, folder: Path, prompt: list[int], threads: int, quantization: str | None):
     import ctranslate2
     import transformers
     from ctranslate2.converters import TransformersConverter
@@ -144,7 +147,7 @@ def ctranslate2_call(hf_dir: Path, folder: Path, prompt: list[int], new_tokens: 
                                       "float32")
     tokens = transformers.AutoTokenizer.from_pretrained(hf_dir).convert_ids_to_tokens(prompt)
 
-    def call() -> list[int]:
+    def call(new_tokens: int) -> list[int]:
         result = generator.generate_batch([tokens], max_length=new_tokens, sampling_topk=1,
                                           include_prompt_in_result=False, end_token=[])
         return list(result[0].sequences_ids[0])
@@ -204,24 +207,30 @@ def write_gguf(hf_dir: Path, path: Path) -> None:
     writer.close()
 
 
-def llama_cpp_call(hf_dir: Path, folder: Path, prompt: list[int], new_tokens: int, threads: int):
+def llama_cpp_call(hf_dir: Path, folder: Path, prompt: list[int], context: int, threads: int):
     from llama_cpp import Llama
 
     path = folder / "model-f32.gguf"
     if not path.exists():
         write_gguf(hf_dir, path)
-    llm = Llama(model_path=str(path), n_ctx=len(prompt) + new_tokens, n_batch=len(prompt), n_threads=threads,
+    llm = Llama(model_path=str(path), n_ctx=context, n_batch=len(prompt), n_threads=threads,
                 n_threads_batch=threads, verbose=False)
+    return lambda new_tokens: llama_greedy(llm, prompt, new_tokens)
 
-    def call() -> list[int]:
-        tokens = []
-        for token in llm.generate(prompt, top_k=1, temp=0.0, reset=True):  # greedy: its argmax sampler
-            tokens.append(token)
-            if len(tokens) == new_tokens:
-                break
-        return tokens
 
-    return call
+def llama_greedy(llm, prompt: list[int], new_tokens: int) -> list[int]:
+    """llama-cpp-python's greedy tokens for `prompt`, its state reset first. Its `generate` keeps the
+    last call's tokens and evaluates only what follows their longest common prefix: called again with
+    the same prompt it skipped the prefill (one token evaluated instead of 16), a call's worth of work
+    the other engines do every time (found 2026-12-03: its first token took 0.02 ms against 3.6-4.7 ms
+    after a reset, at the small shape)."""
+    llm.reset()
+    tokens = []
+    for token in llm.generate(prompt, top_k=1, temp=0.0, reset=True):  # greedy: its argmax sampler
+        tokens.append(token)
+        if len(tokens) == new_tokens:
+            break
+    return tokens
 
 
 def unavailable(engine: str) -> str | None:
@@ -237,30 +246,31 @@ def unavailable(engine: str) -> str | None:
     return None
 
 
-def make_calls(engines: list[str], model, hf_dir: Path, folder: Path, prompt: list[int], new_tokens: int,
+def make_calls(engines: list[str], model, hf_dir: Path, folder: Path, prompt: list[int], context: int,
                threads: int) -> dict:
+    """engine -> call(new_tokens) -> greedy token ids, for prompts of up to `context` tokens in all."""
     from latentloop.models.quant import quantize_int8
 
     calls = {}
     for engine in engines:
         if engine == "latentloop eager":
-            calls[engine] = latentloop_call(model, prompt, new_tokens, compile=False)
+            calls[engine] = latentloop_call(model, prompt, compile=False)
         elif engine == "latentloop compiled":
-            calls[engine] = latentloop_call(model, prompt, new_tokens, compile=True)
+            calls[engine] = latentloop_call(model, prompt, compile=True)
         elif engine == "latentloop compiled dynamo":
-            calls[engine] = latentloop_call(model, prompt, new_tokens, compile=True, aot=False)
+            calls[engine] = latentloop_call(model, prompt, compile=True, aot=False)
         elif engine.startswith("latentloop") and "int8" in engine:
             import copy
 
-            calls[engine] = latentloop_call(quantize_int8(copy.deepcopy(model)), prompt, new_tokens,
+            calls[engine] = latentloop_call(quantize_int8(copy.deepcopy(model)), prompt,
                                             compile="compiled" in engine, aot=not engine.endswith("dynamo"))
         elif engine == "hf generate":
-            calls[engine] = hf_call(hf_dir, prompt, new_tokens)
+            calls[engine] = hf_call(hf_dir, prompt)
         elif engine.startswith("ctranslate2"):
-            calls[engine] = ctranslate2_call(hf_dir, folder, prompt, new_tokens, threads,
-                                             "int8" if engine.endswith("int8") else None)
+            quantization = "int8" if engine.endswith("int8") else None
+            calls[engine] = ctranslate2_call(hf_dir, folder, prompt, threads, quantization)
         elif engine == "llama.cpp":
-            calls[engine] = llama_cpp_call(hf_dir, folder, prompt, new_tokens, threads)
+            calls[engine] = llama_cpp_call(hf_dir, folder, prompt, context, threads)
     return calls
 
 
@@ -276,8 +286,9 @@ def agreement(tokens: list[int], reference: list[int]) -> int:
 
 def worker(spec: dict[str, Any]) -> int:
     """One engine in a process of its own (`--worker SPEC`, started by `EngineWorker`): loads the
-    exported model, warms the engine up and answers with its greedy tokens, then times one call for
-    every line it reads until its input closes. Answers go to the original stdout, one JSON line each;
+    exported model, warms the engine up and answers with its greedy tokens, then, for every line it
+    reads until its input closes, times a call for one new token (the prompt's prefill and the first
+    token) and one for all of them. Answers go to the original stdout, one JSON line each;
     anything a library prints goes to stderr."""
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # the libraries' own prints (llama.cpp, transformers) stay out of the answers
@@ -289,14 +300,20 @@ def worker(spec: dict[str, Any]) -> int:
 
         model, _ = latentloop.load(folder / "run")
         model.eval()
-    call = make_calls([engine], model, folder / "hf", folder, spec["prompt"], spec["new_tokens"],
+    new_tokens = spec["new_tokens"]
+    call = make_calls([engine], model, folder / "hf", folder, spec["prompt"], len(spec["prompt"]) + new_tokens,
                       spec["threads"])[engine]
-    answers.write(json.dumps({"tokens": call()}) + "\n")  # the warm-up (compiles), and the tokens
+    tokens = call(new_tokens)  # the warm-up (compiles), and the tokens
+    call(1)
+    answers.write(json.dumps({"tokens": tokens}) + "\n")
     answers.flush()
     for _ in sys.stdin:
         start = time.perf_counter()
-        call()
-        answers.write(json.dumps({"seconds": time.perf_counter() - start}) + "\n")
+        call(1)
+        first = time.perf_counter() - start
+        start = time.perf_counter()
+        call(new_tokens)
+        answers.write(json.dumps({"seconds": time.perf_counter() - start, "first_seconds": first}) + "\n")
         answers.flush()
     return 0
 
@@ -322,10 +339,12 @@ class EngineWorker:
             raise RuntimeError(f"the {self.engine} worker exited with code {self.process.wait()} (its stderr is above)")
         return json.loads(line)
 
-    def time_call(self) -> float:
+    def time_call(self) -> tuple[float, float]:
+        """Seconds of (a call for all the new tokens, one for the first new token only)."""
         self.process.stdin.write("run\n")
         self.process.stdin.flush()
-        return self._answer()["seconds"]
+        answer = self._answer()
+        return answer["seconds"], answer["first_seconds"]
 
     def close(self) -> None:
         if self.process.stdin and not self.process.stdin.closed:
@@ -358,13 +377,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for name in runnable:  # one after another: a warm-up (a compile) has the machine to itself
                     workers[name] = EngineWorker(name, folder, prompt, args.new_tokens, threads)
                 tokens = {name: w.tokens for name, w in workers.items()}
-                samples: dict[str, list[float]] = {name: [] for name in workers}
+                timed: dict[str, list[tuple[float, float]]] = {name: [] for name in workers}
                 names = list(workers)
                 for r in range(args.repeats):  # interleaved, order rotating
                     shift = r % len(names)
                     for name in names[shift:] + names[:shift]:
                         time.sleep(args.settle)
-                        samples[name].append(workers[name].time_call() / args.new_tokens)
+                        timed[name].append(workers[name].time_call())
             finally:
                 for w in workers.values():
                     w.close()
@@ -374,32 +393,52 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if notes[engine] is not None:
                     rows[engine] = {"note": notes[engine]}
                     continue
-                entry = {"ms_per_token_all": [s * 1e3 for s in samples[engine]],
-                         "ms_per_token": statistics.median(samples[engine]) * 1e3}
+                entry = timing_entry(timed[engine], args.new_tokens)
                 if reference is not None:
                     entry["agree"] = agreement(tokens[engine], reference)
                 if "int8" in engine and INT8_REFERENCE in tokens:
                     entry["agree_int8"] = agreement(tokens[engine], tokens[INT8_REFERENCE])
                 rows[engine] = entry
+            if PAIRED_WITH in timed:  # each engine's rounds over llama.cpp's in the same round
+                for engine in timed:
+                    rows[engine]["over_llama_cpp_all"] = [whole / paired for (whole, _), (paired, _) in
+                                                          zip(timed[engine], timed[PAIRED_WITH])]
             results["threads"][str(threads)] = rows
     return results
+
+
+def timing_entry(rounds: list[tuple[float, float]], new_tokens: int) -> dict[str, Any]:
+    """One engine's figures from its rounds of (seconds for all new tokens, seconds for the first):
+    the whole call per new token, the first token's time (prefill included), and the decode alone,
+    per token after the first (the difference of the two calls of the same round)."""
+    per_token = [whole / new_tokens * 1e3 for whole, _ in rounds]
+    entry = {"ms_per_token_all": per_token, "ms_per_token": statistics.median(per_token),
+             "first_token_ms_all": [first * 1e3 for _, first in rounds]}
+    if new_tokens > 1:
+        entry["decode_ms_per_token_all"] = [(whole - first) / (new_tokens - 1) * 1e3 for whole, first in rounds]
+    return entry
 
 
 def markdown_table(results: dict[str, Any]) -> str:
     args = results["args"]
     header = (f"Engine ({args['shape']}: {results['params']:,} params; prompt {args['prompt_len']} + "
               f"{args['new_tokens']} new, batch 1, greedy)", "threads", "ms / new token (prefill included)",
+              "first token, ms (prefill included)", "decode, ms / token after the first",
+              f"whole call over {PAIRED_WITH}'s, paired by round",
               f"greedy tokens agreeing with {REFERENCE} (int8 rows: and with {INT8_REFERENCE})")
     rows = [header]
     for threads, engines in results["threads"].items():
         for engine, entry in engines.items():
             if "note" in entry:
-                rows.append((engine, threads, "—", entry["note"]))
+                rows.append((engine, threads, "—", "—", "—", "—", entry["note"]))
                 continue
             agree = f"{entry['agree']}/{args['new_tokens']}" if "agree" in entry else "—"
             if "agree_int8" in entry:
                 agree += f" ({entry['agree_int8']}/{args['new_tokens']})"
-            rows.append((engine, threads, spread(entry["ms_per_token_all"], "{:.3f}"), agree))
+            optional = [spread(entry[key], fmt) if key in entry else "—" for key, fmt in (
+                ("first_token_ms_all", "{:.2f}"), ("decode_ms_per_token_all", "{:.3f}"),
+                ("over_llama_cpp_all", "{:.3f}x"))]
+            rows.append((engine, threads, spread(entry["ms_per_token_all"], "{:.3f}"), *optional, agree))
     return render_table(rows)
 
 

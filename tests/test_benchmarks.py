@@ -165,6 +165,9 @@ def _engines_smoke(tmp_path, capsys, chosen: list[str]) -> None:
             assert "not installed (pip install" in rows[engine]["note"]
             continue
         assert rows[engine]["ms_per_token"] > 0
+        assert len(rows[engine]["first_token_ms_all"]) == len(rows[engine]["decode_ms_per_token_all"]) == 1
+        if "llama.cpp" in rows:  # every row, llama.cpp's own included (1.0), paired with llama.cpp's round
+            assert len(rows[engine]["over_llama_cpp_all"]) == 1
         if "int8" in engine:  # int8 follows latentloop's eager int8 decode (the float one it may leave)
             assert rows[engine]["agree_int8"] == 6, (engine, rows[engine])
         else:
@@ -218,6 +221,53 @@ def test_write_gguf_holds_every_tensor_and_the_shape(tmp_path):
 
 def test_engines_benchmark_smoke(tmp_path, capsys):
     _engines_smoke(tmp_path, capsys, ["latentloop eager", "latentloop eager int8", "llama.cpp"])
+
+
+def test_llama_cpp_evaluates_the_whole_prompt_on_every_call():
+    """llama-cpp-python's `generate` reuses the previous call's tokens (its longest common prefix with
+    the new prompt is not evaluated again): the benchmark's call resets it first, so each timed call
+    prefills the whole prompt as every other engine does. A fake that behaves as llama-cpp-python
+    does counts the prompt tokens each call evaluates."""
+    engines = _benchmark("engines")
+
+    class PrefixCachingLlama:
+        def __init__(self):
+            self.kept: list[int] = []
+            self.evaluated: list[int] = []
+
+        def reset(self):
+            self.kept = []
+
+        def generate(self, tokens, top_k, temp, reset):
+            assert top_k == 1 and temp == 0.0
+            common = 0
+            for a, b in zip(self.kept, tokens[:-1]):  # its prefix match leaves at least the last token
+                if a != b:
+                    break
+                common += 1
+            self.evaluated.append(len(tokens) - common)
+            self.kept = list(tokens)
+            token = 7
+            while True:
+                yield token
+                self.kept.append(token)
+                token += 1
+
+    llm, prompt = PrefixCachingLlama(), [1, 5, 6, 9]
+    assert engines.llama_greedy(llm, prompt, 3) == [7, 8, 9]
+    assert engines.llama_greedy(llm, prompt, 1) == [7]
+    assert llm.evaluated == [4, 4]  # without the reset, the second call evaluates 1 token
+
+
+def test_the_engines_timing_splits_the_first_token_from_the_decode():
+    """Rounds of (seconds for N new tokens, seconds for the first only): per token of the whole call,
+    the first token in ms, and the decode after it per token."""
+    engines = _benchmark("engines")
+    entry = engines.timing_entry([(0.021, 0.003), (0.030, 0.012)], new_tokens=10)
+    assert entry["ms_per_token_all"] == pytest.approx([2.1, 3.0]) and entry["ms_per_token"] == pytest.approx(2.55)
+    assert entry["first_token_ms_all"] == pytest.approx([3.0, 12.0])
+    assert entry["decode_ms_per_token_all"] == pytest.approx([2.0, 2.0])
+    assert "decode_ms_per_token_all" not in engines.timing_entry([(0.01, 0.01)], new_tokens=1)
 
 
 def test_an_engine_worker_that_fails_is_reported_by_name(tmp_path):
