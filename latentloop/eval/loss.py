@@ -26,6 +26,7 @@ from ..data import eval_batches
 from ..data.loader import eval_window_ids
 from ..engine import model_options, teacher_forced_logits
 from ..objectives import token_cross_entropy
+from ..util import evaluating
 from .stats import BOOTSTRAP_RESAMPLES, CONFIDENCE, bootstrap_ratio
 
 LogitsFn = Callable[[nn.Module, Tensor], Tensor]  # (model, x (B, T)) -> logits (B, T, V)
@@ -55,15 +56,13 @@ def evaluate_batches(model: nn.Module, batches: Iterable[tuple], token_bytes: np
     `documents` ((B, T) int64, the document of each target) the result also holds "per_document":
     {"nats", "nats_bpb", "tokens", "bytes"}, float64 arrays of the sums per document (in document
     order; documents without a counted target left out), whose totals are the figures' own."""
-    was_training = model.training
-    model.eval()
     device = device or next(model.parameters()).device
     byte_table = torch.as_tensor(np.asarray(token_bytes), dtype=torch.long, device=device)
     nats = nats_bpb = 0.0
     n_tokens = n_bytes = 0
     pieces: list[tuple[np.ndarray, np.ndarray]] = []  # per batch: (its documents, their sums (D, 4))
     keep_documents = False
-    try:
+    with evaluating(model):
         for x, y, *rest in batches:
             x, y = x.to(device), y.to(device)
             mask = rest[0] if rest else None
@@ -83,8 +82,6 @@ def evaluate_batches(model: nn.Module, batches: Iterable[tuple], token_bytes: np
                 documents, where = torch.unique(rest[1].flatten().cpu(), return_inverse=True)
                 pieces.append((documents.numpy(), torch.zeros(len(documents), 4, dtype=torch.float64)
                                .index_add_(0, where, sums).numpy()))
-    finally:
-        model.train(was_training)
     if n_tokens == 0:
         result = {"loss": float("nan"), "ppl": float("nan"), "bpb": float("nan"), "tokens": 0}
     else:
@@ -141,17 +138,13 @@ def loss_by_position(model: nn.Module, tokens: np.ndarray, batch_size: int, seq_
         edges = [e for e in edges if e < seq_len] + [seq_len]
     sums = torch.zeros(seq_len, dtype=torch.float64)
     count = 0
-    was_training = model.training
-    model.eval()
     device = next(model.parameters()).device
-    try:
+    with evaluating(model):
         for x, y in eval_batches(tokens, batch_size, seq_len, max_batches):
             x, y = x.to(device), y.to(device)
             losses = token_cross_entropy(logits_fn(model, x), y, reduction="none").view(y.shape)  # (B, T)
             sums += losses.double().sum(dim=0).cpu()
             count += y.shape[0]
-    finally:
-        model.train(was_training)
     return [{"start": a, "end": b, "loss": float(sums[a:b].sum() / max(count * (b - a), 1)), "tokens": count * (b - a)}
             for a, b in zip(edges[:-1], edges[1:])]
 

@@ -278,6 +278,7 @@ class _Package:
             self.info = json.loads(self.loader.get_metadata().get(INFO_KEY, "{}"))
             self.paths = self.loader.get_constant_fqns()
             self.bound: list | None = None
+            self.checked = False  # bound to the holder's tensors since the decoder's last `forget`
             self.bind(holder)
         except AotUnavailable:
             raise
@@ -287,6 +288,7 @@ class _Package:
     def bind(self, holder: nn.Module) -> None:
         """Point the package at the model's tensors, again whenever one was replaced (a recomputed
         gate table is a new tensor; `model.to(...)` moves a parameter's data)."""
+        self.checked = True
         tensors = {fqn: _resolve(holder, fqn) for fqn in self.paths}
         bound = [(fqn, id(t), t.data_ptr()) for fqn, t in tensors.items()]
         if bound != self.bound:
@@ -325,10 +327,12 @@ class AotDecodeStep:
 
     def forget(self) -> None:
         """Before a decode (`FastDecoder.attach`): the cache's tensors may be new, and the model's
-        (weights, tables `prepare_fast_decoding` recomputed): look both up again."""
+        (weights, tables `prepare_fast_decoding` recomputed): look both up again, each package's
+        when it is next called (a decode uses one or two of them; looking up every constant of
+        every package took a third of a millisecond a call at the small shape)."""
         self._bound = None
         for package in self.packages.values():
-            package.bind(self.holder)
+            package.checked = False
 
     def prepare(self, cache) -> None:
         fields = cache_fields(cache)
@@ -410,6 +414,8 @@ class AotDecodeStep:
             if shape not in self.packages:
                 self.prepare(cache)  # loads it, or raises AotUnavailable
             bound = self._bound = (cache, cache.window, flat, self.packages[shape])
+            if not bound[3].checked:
+                bound[3].bind(self.holder)
         _, _, flat, package = bound
         logits, greedy = package.loader.run([token, *flat])
         return logits, greedy, package.info

@@ -19,6 +19,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from ..util import evaluating
+
 PROBE_TOKENS = 16  # matmul FLOPs per token do not depend on the length; attention is added per seq_len
 MATMUL_OPS = ("mm", "addmm")  # linear layers; batched matmuls (bmm) belong to attention, counted apart
 BACKWARD_FACTOR = 3  # forward + backward (twice the forward)
@@ -49,15 +51,12 @@ def count_flops_per_token(model: nn.Module, run: Callable[[Tensor], Any], seq_le
         pairs[0] += x.shape[0] * x.shape[1] * (keys * seq_len / probe) / 2
 
     hooks = [m.register_forward_pre_hook(count_pairs) for m in model.modules() if isinstance(m, Attention)]
-    was_training = model.training
-    model.eval()  # no training noise; the FLOPs are the same
     try:
-        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        with evaluating(model), torch.no_grad(), FlopCounterMode(display=False) as counter:  # no training noise
             run(idx)
     finally:
         for hook in hooks:
             hook.remove()
-        model.train(was_training)
     counts = counter.get_flop_counts().get("Global", {})
     matmul = sum(v for op, v in counts.items() if str(op).removeprefix("aten.").split(".")[0] in MATMUL_OPS)
     c = model.config

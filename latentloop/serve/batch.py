@@ -39,6 +39,7 @@ from ..engine import left_pad, row_info, sample_next
 from ..models.backbone import GPT
 from ..models.cache import regroup, row_span
 from ..models.fast import WINDOW_BUCKET, CompileRecord, FastDecoder, fallback_reason, static_cache
+from ..util import evaluating
 
 
 @dataclass(eq=False)
@@ -355,14 +356,12 @@ class SlotBatch(DecodeBatch):
         """Run (so compile, or load from the on-disk cache) the step for every batch size up to
         `rows`, on placeholder rows, before serving: no request then waits for a compile, and the
         storage for `rows` rows is allocated now, not while serving."""
-        was_training = self.model.training
-        self.model.eval()
         sizes = slot_sizes(rows)
-        with torch.inference_mode():  # as `step` runs: a graph compiled outside it would not be reused
+        # inference mode as `step` runs: a graph compiled outside it would not be reused
+        with evaluating(self.model), torch.inference_mode():
             self._reserve(sizes[-1])
             for size in sizes:
                 self._warm(size)
-        self.model.train(was_training)
         self.cache, self.members, self.last, self.filled, self._pending_tokens = None, [], None, [], None
 
     def _placeholder(self):
