@@ -80,3 +80,57 @@ def test_flops_per_token_matches_hand_count():
     # attention: QK^T and AV over an average causal context of 2 -> 2 * 8 * 2 = 32 multiply-adds
     forward = 2 * (848 + 32)
     assert model.flops_per_token(4) == 3 * forward
+
+
+# --- products through oneDNN (backbone.linear) -------------------------------------------------
+
+needs_onednn = pytest.mark.skipif(not __import__("latentloop.models.backbone", fromlist=["_ONEDNN"])._ONEDNN,
+                                  reason="oneDNN's linear op is not in this torch build, or not an x86 CPU")
+
+
+def _ops_run(fn) -> set[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {event.name for event in prof.events()}
+
+
+@needs_onednn
+def test_a_large_product_without_autograd_runs_through_onednn_and_agrees_with_blas():
+    """Rows >= ONEDNN_MIN_ROWS by a weight of >= ONEDNN_MIN_WEIGHT elements, no autograd: oneDNN's
+    op, with F.linear's result to float32 rounding (the sums run in another order); a grad-recording
+    call, too few rows or a small weight keep torch's own product."""
+    from latentloop.models.backbone import ONEDNN_MIN_ROWS, ONEDNN_MIN_WEIGHT, linear
+
+    torch.manual_seed(0)
+    fan_in = 512
+    weight, bias = torch.randn(ONEDNN_MIN_WEIGHT // fan_in, fan_in), torch.randn(ONEDNN_MIN_WEIGHT // fan_in)
+    x = torch.randn(2, ONEDNN_MIN_ROWS // 2, fan_in)  # (B, T, D): B * T rows
+    onednn = "mkldnn::_linear_pointwise"
+    with torch.no_grad():
+        assert onednn in _ops_run(lambda: linear(x, weight, bias))
+        out = linear(x, weight, bias)
+        assert out.shape == (2, ONEDNN_MIN_ROWS // 2, weight.shape[0])
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+        assert onednn not in _ops_run(lambda: linear(x[:, :1], weight, bias))  # 2 rows: BLAS
+        assert onednn not in _ops_run(lambda: linear(x, weight[:8], bias[:8]))  # a small weight
+    leaf = weight.clone().requires_grad_()
+    assert onednn not in _ops_run(lambda: linear(x, leaf).sum().backward())  # autograd: F.linear
+    assert leaf.grad is not None
+
+
+@needs_onednn
+def test_a_prefill_through_onednn_gives_the_training_forwards_logits():
+    """A model whose MLP weights take the oneDNN path in a prefill (no autograd) and torch's product
+    in a training forward: the logits agree within this file's bar for two paths of one function."""
+    from latentloop.models.backbone import ONEDNN_MIN_WEIGHT
+
+    torch.manual_seed(0)
+    model = ll.build("gpt", preset=None, n_layer=1, n_embd=512, n_head=4, vocab_size=64, bos_id=1,
+                     sequence_len=32)
+    assert model.blocks[0].mlp.c_fc.weight.numel() >= ONEDNN_MIN_WEIGHT
+    idx = torch.randint(0, 64, (1, 16))
+    logits = model(idx).logits  # grad recorded: torch's product
+    with torch.no_grad():
+        assert "mkldnn::_linear_pointwise" in _ops_run(lambda: model.prefill(idx, model.new_cache(1, 16)))
+        prefilled = model.prefill(idx, model.new_cache(1, 16)).logits
+    torch.testing.assert_close(prefilled, logits.detach(), rtol=0, atol=TOL)

@@ -47,7 +47,7 @@ from torch import Tensor, nn
 
 from ..config import ModelConfig, require
 from ..errors import ConfigError
-from .backbone import GPT, ForwardContext, ModelOutput, norm, shift_right
+from .backbone import GPT, ForwardContext, Linear, ModelOutput, norm, shift_right
 from .cache import KVCache
 from .criteria import RelativeChange
 from .options import DecodeOption
@@ -227,8 +227,8 @@ class FBT(GPT):
     def __init__(self, config: FBTConfig):
         super().__init__(config)
         D = config.n_embd
-        self.fuse_value = nn.Linear(D, D, bias=False)  # W_U: the carried state, on the value path
-        self.fuse_gate = nn.Linear(D, D, bias=False)  # W_G: the token embedding, on the gate
+        self.fuse_value = Linear(D, D, bias=False)  # W_U: the carried state, on the value path
+        self.fuse_gate = Linear(D, D, bias=False)  # W_G: the token embedding, on the gate
         for linear in (self.fuse_value, self.fuse_gate):
             nn.init.normal_(linear.weight, std=D ** -0.5)
         self.fuse_scale = None  # only without the embedding norm (see the module docstring)

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .backbone import Linear
 from .native import native_library
 
 INT8_MAX = 127  # symmetric: -128 is never used, so q and -q are both representable
@@ -138,7 +139,7 @@ def quantize_int8(model: nn.Module) -> nn.Module:
     inference: the int8 weights take no gradients."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
+            if type(child) in (nn.Linear, Linear):
                 setattr(parent, name, Int8Linear(child))
     return model
 
