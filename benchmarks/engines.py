@@ -401,10 +401,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 rows[engine] = entry
             if PAIRED_WITH in timed:  # each engine's rounds over llama.cpp's in the same round
                 for engine in timed:
-                    rows[engine]["over_llama_cpp_all"] = [whole / paired for (whole, _), (paired, _) in
-                                                          zip(timed[engine], timed[PAIRED_WITH])]
+                    rows[engine].update(paired_with(timed[engine], timed[PAIRED_WITH]))
             results["threads"][str(threads)] = rows
     return results
+
+
+def paired_with(rounds: list[tuple[float, float]], reference: list[tuple[float, float]]) -> dict[str, Any]:
+    """An engine's whole calls over the reference engine's of the same rounds: every round's ratio,
+    their mean with its t interval over rounds, and the verdict ("faster" when the interval lies
+    below 1, "slower" above it, "undecided" when it holds 1)."""
+    from latentloop.eval.stats import paired_comparison, verdict
+
+    comparison = paired_comparison({r: whole for r, (whole, _) in enumerate(rounds)},
+                                   {r: whole for r, (whole, _) in enumerate(reference)}, kind="ratio")
+    return {"over_llama_cpp_all": [whole / paired for (whole, _), (paired, _) in zip(rounds, reference)],
+            "over_llama_cpp": comparison,
+            "verdict": verdict(comparison, "faster", "slower").replace("seed", "round")}  # rounds pair here
 
 
 def timing_entry(rounds: list[tuple[float, float]], new_tokens: int) -> dict[str, Any]:
@@ -420,11 +432,13 @@ def timing_entry(rounds: list[tuple[float, float]], new_tokens: int) -> dict[str
 
 
 def markdown_table(results: dict[str, Any]) -> str:
+    from latentloop.eval.stats import format_comparison
+
     args = results["args"]
     header = (f"Engine ({args['shape']}: {results['params']:,} params; prompt {args['prompt_len']} + "
               f"{args['new_tokens']} new, batch 1, greedy)", "threads", "ms / new token (prefill included)",
               "first token, ms (prefill included)", "decode, ms / token after the first",
-              f"whole call over {PAIRED_WITH}'s, paired by round",
+              f"whole call over {PAIRED_WITH}'s, paired by round: mean [95% t-interval], verdict",
               f"greedy tokens agreeing with {REFERENCE} (int8 rows: and with {INT8_REFERENCE})")
     rows = [header]
     for threads, engines in results["threads"].items():
@@ -436,9 +450,11 @@ def markdown_table(results: dict[str, Any]) -> str:
             if "agree_int8" in entry:
                 agree += f" ({entry['agree_int8']}/{args['new_tokens']})"
             optional = [spread(entry[key], fmt) if key in entry else "—" for key, fmt in (
-                ("first_token_ms_all", "{:.2f}"), ("decode_ms_per_token_all", "{:.3f}"),
-                ("over_llama_cpp_all", "{:.3f}x"))]
-            rows.append((engine, threads, spread(entry["ms_per_token_all"], "{:.3f}"), *optional, agree))
+                ("first_token_ms_all", "{:.2f}"), ("decode_ms_per_token_all", "{:.3f}"))]
+            paired = "—"
+            if "over_llama_cpp" in entry and engine != PAIRED_WITH:
+                paired = f"{format_comparison(entry['over_llama_cpp'], 3)}, {entry['verdict']}"
+            rows.append((engine, threads, spread(entry["ms_per_token_all"], "{:.3f}"), *optional, paired, agree))
     return render_table(rows)
 
 

@@ -167,7 +167,7 @@ def _engines_smoke(tmp_path, capsys, chosen: list[str]) -> None:
         assert rows[engine]["ms_per_token"] > 0
         assert len(rows[engine]["first_token_ms_all"]) == len(rows[engine]["decode_ms_per_token_all"]) == 1
         if "llama.cpp" in rows:  # every row, llama.cpp's own included (1.0), paired with llama.cpp's round
-            assert len(rows[engine]["over_llama_cpp_all"]) == 1
+            assert len(rows[engine]["over_llama_cpp_all"]) == 1 and rows[engine]["verdict"] == "one round"
         if "int8" in engine:  # int8 follows latentloop's eager int8 decode (the float one it may leave)
             assert rows[engine]["agree_int8"] == 6, (engine, rows[engine])
         else:
@@ -268,6 +268,19 @@ def test_the_engines_timing_splits_the_first_token_from_the_decode():
     assert entry["first_token_ms_all"] == pytest.approx([3.0, 12.0])
     assert entry["decode_ms_per_token_all"] == pytest.approx([2.0, 2.0])
     assert "decode_ms_per_token_all" not in engines.timing_entry([(0.01, 0.01)], new_tokens=1)
+
+
+def test_an_engine_is_called_faster_than_llama_cpp_only_when_its_interval_says_so():
+    """Whole calls paired by round with llama.cpp's: the mean ratio's t interval decides; rounds that
+    go both ways leave it undecided."""
+    engines = _benchmark("engines")
+    llama = [(1.0, 0.1), (2.0, 0.1), (1.5, 0.1), (1.2, 0.1)]
+    faster = engines.paired_with([(0.8 * w + 0.01 * i, f) for i, (w, f) in enumerate(llama)], llama)
+    assert faster["verdict"] == "faster" and faster["over_llama_cpp"]["high"] < 1
+    assert faster["over_llama_cpp_all"] == pytest.approx([0.8, 0.805, 0.81333, 0.825], rel=1e-4)
+    mixed = engines.paired_with([(w * s, f) for (w, f), s in zip(llama, (0.8, 1.2, 0.9, 1.1))], llama)
+    assert mixed["verdict"] == "undecided"
+    assert engines.paired_with([(1.1 * w, f) for w, f in llama], llama)["verdict"] == "slower"
 
 
 def test_an_engine_worker_that_fails_is_reported_by_name(tmp_path):
