@@ -61,6 +61,7 @@ from .options import DecodeOption
 # In `ModelOutput.info`, the key whose value maps names to lists with one entry per batch row: the
 # row's own value of a fact that is otherwise reported for the whole batch (rgpt's mean exit depth)
 PER_ROW_INFO = "per_row"
+UNTIED_HEAD_INIT_STD = 0.001  # small enough that the initial next-token distribution is ~uniform
 
 # --------------------------------------------------------------------------------------------
 # Products
@@ -96,8 +97,6 @@ class Linear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         return linear(x, self.weight, self.bias)
-
-UNTIED_HEAD_INIT_STD = 0.001  # small enough that the initial next-token distribution is ~uniform
 
 
 class _RMSNormFunction(torch.autograd.Function):
