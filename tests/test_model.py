@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import latentloop as ll
+from latentloop.models import backbone
 
 TOL = 1e-5  # fp32 max abs logit difference between two paths that compute the same function
 
@@ -84,7 +85,7 @@ def test_flops_per_token_matches_hand_count():
 
 # --- products through oneDNN (backbone.linear) -------------------------------------------------
 
-needs_onednn = pytest.mark.skipif(not __import__("latentloop.models.backbone", fromlist=["_ONEDNN"])._ONEDNN,
+needs_onednn = pytest.mark.skipif(not backbone._ONEDNN,
                                   reason="oneDNN's linear op is not in this torch build, or not an x86 CPU")
 
 
@@ -102,7 +103,7 @@ def test_a_large_product_without_autograd_runs_through_onednn_and_agrees_with_bl
     from latentloop.models.backbone import ONEDNN_MIN_ROWS, ONEDNN_MIN_WEIGHT, linear
 
     torch.manual_seed(0)
-    fan_in = 512
+    fan_in = 512  # a weight of exactly ONEDNN_MIN_WEIGHT elements
     weight, bias = torch.randn(ONEDNN_MIN_WEIGHT // fan_in, fan_in), torch.randn(ONEDNN_MIN_WEIGHT // fan_in)
     x = torch.randn(2, ONEDNN_MIN_ROWS // 2, fan_in)  # (B, T, D): B * T rows
     onednn = "mkldnn::_linear_pointwise"
