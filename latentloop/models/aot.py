@@ -413,9 +413,10 @@ class AotDecodeStep:
             shape = self._shape(flat, cache.window, cache.max_len)
             if shape not in self.packages:
                 self.prepare(cache)  # loads it, or raises AotUnavailable
-            bound = self._bound = (cache, cache.window, flat, self.packages[shape])
-            if not bound[3].checked:
-                bound[3].bind(self.holder)
+            package = self.packages[shape]
+            if not package.checked:
+                package.bind(self.holder)
+            bound = self._bound = (cache, cache.window, flat, package)
         _, _, flat, package = bound
         logits, greedy = package.loader.run([token, *flat])
         return logits, greedy, package.info

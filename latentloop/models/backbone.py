@@ -83,10 +83,12 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     float32, with no gradient to record, outside compiled code (which keeps `F.linear` for inductor
     to lower), for big enough weights and inputs of at least `ONEDNN_MIN_ROWS` rows. The two
     libraries sum in different orders: the results agree to float32 rounding, not bit for bit."""
-    if (_ONEDNN and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
+    # compiled code is ruled out first: dynamo then traces none of the other tests (no guard on sizes)
+    if (_ONEDNN and not torch.compiler.is_compiling() and x.device.type == "cpu"
+            and x.dtype == weight.dtype == torch.float32
             and weight.numel() >= ONEDNN_MIN_WEIGHT and x.numel() >= ONEDNN_MIN_ROWS * x.shape[-1]
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-            and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()):
+            and not torch.is_autocast_enabled("cpu")):
         out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), weight, bias, "none", [], "")
         return out.view(*x.shape[:-1], weight.shape[0])  # (..., out)
     return F.linear(x, weight, bias)
