@@ -160,18 +160,20 @@ def _engines_smoke(tmp_path, capsys, chosen: list[str]) -> None:
                          "--settle", "0", "--engines", ",".join(chosen), "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["threads"]["1"]
     assert list(rows) == chosen
+    paired = "llama.cpp" in chosen and engines.unavailable("llama.cpp") is None
     for engine in chosen:
         if engines.unavailable(engine) is not None:
             assert "not installed (pip install" in rows[engine]["note"]
             continue
         assert rows[engine]["ms_per_token"] > 0
         assert len(rows[engine]["first_token_ms_all"]) == len(rows[engine]["decode_ms_per_token_all"]) == 1
-        if "llama.cpp" in rows:  # every row, llama.cpp's own included (1.0), paired with llama.cpp's round
+        if paired:  # every row, llama.cpp's own included (1.0), paired with llama.cpp's round
             assert len(rows[engine]["over_llama_cpp_all"]) == 1 and rows[engine]["verdict"] == "one round"
         if "int8" in engine:  # int8 follows latentloop's eager int8 decode (the float one it may leave)
             assert rows[engine]["agree_int8"] == 6, (engine, rows[engine])
         else:
             assert rows[engine]["agree"] == 6 and "agree_int8" not in rows[engine], (engine, rows[engine])
+        assert paired or "over_llama_cpp_all" not in rows[engine]  # nothing to pair with
     assert f"| {chosen[-1]}" in capsys.readouterr().out
 
 
