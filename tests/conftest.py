@@ -75,6 +75,17 @@ def _private_cache(tmp_path_factory):
     yield
 
 
+@pytest.fixture
+def torch_products(monkeypatch):
+    """The package's short products through torch's op, as an exported model's remote code computes
+    them (it runs without latentloop's C files, which transformers does not copy): a comparison with
+    an export then sees what the export changed, not the rows kernel's rounding against BLAS (the
+    kernel against torch's op: tests/test_model.py; both are equally far from a float64 reference)."""
+    from latentloop.models import backbone
+
+    monkeypatch.setattr(backbone, "rows_linear", lambda *args: None)
+
+
 def write_corpus(folder: Path, documents: int = 40) -> Path:
     """A small text corpus in `folder` (created): `documents` .txt files of about 200 words each."""
     folder.mkdir(parents=True, exist_ok=True)

@@ -340,9 +340,9 @@ def _named_parameters(fn) -> set[str]:
 
 
 @pytest.mark.parametrize("kind, label, given", CASES, ids=[f"{k}-{label}" for k, label, _ in CASES])
-def test_export_loads_in_transformers_with_the_same_logits(kind, label, given, runs, exported):
+def test_export_loads_in_transformers_with_the_same_logits(kind, label, given, runs, exported, torch_products):
     """The exported forward scores a text as the package's teacher-forced scoring does, with the
-    option set's values as forward arguments."""
+    option set's values as forward arguments (the same products on both sides: `torch_products`)."""
     hf = exported(kind)
     missing = sorted(set(given) - _named_parameters(hf.forward))
     if missing:

@@ -267,9 +267,10 @@ def test_plain_export_round_trip(options, family, tmp_path, capsys):
     ("lrt", dict(LLAMA_OPTIONS, kv_projection="layerwise"), [{}]),
     ("rgpt", dict(n_layer=3, recurrence_steps=2), [{"steps": 2}, {"steps": 3}]),
 ])
-def test_remote_code_export_matches_the_package(arch, overrides, options, tmp_path):
+def test_remote_code_export_matches_the_package(arch, overrides, options, tmp_path, torch_products):
     """fbt / lrt / rgpt (and non-Llama gpt) -> trust_remote_code folder: forward logits (scored as
-    decoding produces them) and transformers' generate() give what the package gives."""
+    decoding produces them) and transformers' generate() give what the package gives (the same
+    products on both sides: `torch_products`)."""
     model = _run(tmp_path / "run", arch, **overrides)
     summary = export_hf(tmp_path / "run", tmp_path / "hf")
     assert summary["format"].startswith("LatentloopForCausalLM") and summary["plain_blockers"]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import latentloop as ll
-from latentloop.models import backbone
+from latentloop.models import backbone, native
 
 TOL = 1e-5  # fp32 max abs logit difference between two paths that compute the same function
 
@@ -83,10 +83,12 @@ def test_flops_per_token_matches_hand_count():
     assert model.flops_per_token(4) == 3 * forward
 
 
-# --- products through oneDNN (backbone.linear) -------------------------------------------------
+# --- products through the rows kernel and oneDNN (backbone.linear) ------------------------------
 
 needs_onednn = pytest.mark.skipif(not backbone._ONEDNN,
                                   reason="oneDNN's linear op is not in this torch build, or not an x86 CPU")
+needs_rows_kernel = pytest.mark.skipif(native.rows_linear_status() != "native",
+                                       reason=f"no rows kernel here: {native.rows_linear_status()}")
 
 
 def _ops_run(fn) -> set[str]:
@@ -95,43 +97,105 @@ def _ops_run(fn) -> set[str]:
     return {event.name for event in prof.events()}
 
 
+# (rows, out, in): one vector of rows, a partial one, several; outputs that are and are not whole
+# tiles of the kernel (12); widths of one, odd and long
+ROWS_SHAPES = [(1, 12, 16), (2, 7, 1), (5, 13, 37), (16, 24, 256), (17, 100, 33), (64, 25, 683), (70, 12, 8)]
+
+
+@needs_rows_kernel
+@pytest.mark.parametrize("rows,out,width", ROWS_SHAPES)
+def test_the_rows_kernel_equals_blas(rows, out, width, monkeypatch):
+    """rows_linear.c's float32 product equals F.linear's to float32 rounding (sums in another order),
+    and is the same bit for bit on one thread and two (each output is one thread's sum)."""
+    torch.manual_seed(rows * out + width)
+    x, weight = torch.randn(rows, width), torch.randn(out, width)
+    expected = torch.nn.functional.linear(x.double(), weight.double())
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.rows_linear(x, weight)
+        torch.set_num_threads(2)
+        monkeypatch.setattr(native, "PARALLEL_MIN_MACS", 0)  # every shape split over the threads
+        split = native.rows_linear(x, weight)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(one.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+    assert torch.equal(split, one)
+    strided = torch.randn(width, out).T  # a transposed view: made contiguous first, same product
+    torch.testing.assert_close(native.rows_linear(x, strided).double(), torch.nn.functional.linear(
+        x.double(), strided.double()), rtol=1e-5, atol=1e-5 * float(expected.abs().max() + 1))
+    with pytest.raises(TypeError, match="float32 weight"):
+        native.rows_linear(x, weight.double())
+
+
+@needs_rows_kernel
+def test_linear_picks_the_rows_kernel_by_rows_and_keeps_torch_for_autograd(monkeypatch):
+    """`linear`'s rule: 2 to ROWS_KERNEL_MAX_ROWS rows without autograd go through the rows kernel
+    (leading dimensions and bias as F.linear's); one row, more rows, a grad-recording call or bf16
+    autocast keep torch's product."""
+    from latentloop.models.backbone import ROWS_KERNEL_MAX_ROWS, ROWS_KERNEL_MIN_ROWS, linear
+
+    calls = []
+    monkeypatch.setattr(backbone, "rows_linear", lambda *a: calls.append(a[0].shape) or native.rows_linear(*a))
+    torch.manual_seed(0)
+    weight, bias = torch.randn(30, 20), torch.randn(30)
+    for rows, used in [(1, False), (ROWS_KERNEL_MIN_ROWS, True), (ROWS_KERNEL_MAX_ROWS, True),
+                       (ROWS_KERNEL_MAX_ROWS + 1, False)]:
+        x = torch.randn(rows, 1, 20)  # (B, T, D): B * T rows
+        calls.clear()
+        with torch.no_grad():
+            out = linear(x, weight, bias)
+        assert bool(calls) == used, rows
+        assert out.shape == (rows, 1, 30)
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    calls.clear()
+    x = torch.randn(4, 20)
+    leaf = weight.clone().requires_grad_()
+    linear(x, leaf).sum().backward()  # autograd: F.linear, which has a backward
+    assert leaf.grad is not None and not calls
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert linear(x, weight).dtype == torch.bfloat16 and not calls
+
+
 @needs_onednn
 def test_a_large_product_without_autograd_runs_through_onednn_and_agrees_with_blas():
-    """Rows >= ONEDNN_MIN_ROWS by a weight of >= ONEDNN_MIN_WEIGHT elements, no autograd: oneDNN's
-    op, with F.linear's result to float32 rounding (the sums run in another order); a grad-recording
-    call, too few rows or a small weight keep torch's own product."""
-    from latentloop.models.backbone import ONEDNN_MIN_ROWS, ONEDNN_MIN_WEIGHT, linear
+    """More rows than the rows kernel takes by a weight of >= ONEDNN_MIN_WEIGHT elements, no
+    autograd: oneDNN's op, with F.linear's result to float32 rounding (the sums run in another
+    order); a grad-recording call or a small weight keep torch's own product."""
+    from latentloop.models.backbone import ONEDNN_MIN_WEIGHT, ROWS_KERNEL_MAX_ROWS, linear
 
     torch.manual_seed(0)
     fan_in = 512  # a weight of exactly ONEDNN_MIN_WEIGHT elements
     weight, bias = torch.randn(ONEDNN_MIN_WEIGHT // fan_in, fan_in), torch.randn(ONEDNN_MIN_WEIGHT // fan_in)
-    x = torch.randn(2, ONEDNN_MIN_ROWS // 2, fan_in)  # (B, T, D): B * T rows
+    x = torch.randn(2, ROWS_KERNEL_MAX_ROWS // 2 + 1, fan_in)  # (B, T, D): B * T rows
     onednn = "mkldnn::_linear_pointwise"
     with torch.no_grad():
         assert onednn in _ops_run(lambda: linear(x, weight, bias))
         out = linear(x, weight, bias)
-        assert out.shape == (2, ONEDNN_MIN_ROWS // 2, weight.shape[0])
+        assert out.shape == (*x.shape[:2], weight.shape[0])
         torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
-        assert onednn not in _ops_run(lambda: linear(x[:, :1], weight, bias))  # 2 rows: BLAS
+        assert onednn not in _ops_run(lambda: linear(x[:, :1], weight, bias))  # 2 rows: not oneDNN
         assert onednn not in _ops_run(lambda: linear(x, weight[:8], bias[:8]))  # a small weight
     leaf = weight.clone().requires_grad_()
     assert onednn not in _ops_run(lambda: linear(x, leaf).sum().backward())  # autograd: F.linear
     assert leaf.grad is not None
 
 
-@needs_onednn
-def test_a_prefill_through_onednn_gives_the_training_forwards_logits():
-    """A model whose MLP weights take the oneDNN path in a prefill (no autograd) and torch's product
-    in a training forward: the logits agree within this file's bar for two paths of one function."""
-    from latentloop.models.backbone import ONEDNN_MIN_WEIGHT
+@pytest.mark.parametrize("prompt_len", [16, backbone.ROWS_KERNEL_MAX_ROWS + 8])
+def test_a_prefill_through_the_no_autograd_kernels_gives_the_training_forwards_logits(prompt_len):
+    """A prefill (no autograd: the rows kernel for a short prompt, oneDNN for the MLP's large weights
+    in a long one, where this machine has them) and a training forward (torch's product): the
+    logits agree within this file's bar for two paths of one function."""
+    from latentloop.models.backbone import ONEDNN_MIN_WEIGHT, ROWS_KERNEL_MAX_ROWS
 
     torch.manual_seed(0)
     model = ll.build("gpt", preset=None, n_layer=1, n_embd=512, n_head=4, vocab_size=64, bos_id=1,
-                     sequence_len=32)
+                     sequence_len=2 * ROWS_KERNEL_MAX_ROWS)
     assert model.blocks[0].mlp.c_fc.weight.numel() >= ONEDNN_MIN_WEIGHT
-    idx = torch.randint(0, 64, (1, 16))
+    idx = torch.randint(0, 64, (1, prompt_len))
     logits = model(idx).logits  # grad recorded: torch's product
     with torch.no_grad():
-        assert "mkldnn::_linear_pointwise" in _ops_run(lambda: model.prefill(idx, model.new_cache(1, 16)))
-        prefilled = model.prefill(idx, model.new_cache(1, 16)).logits
+        if backbone._ONEDNN and prompt_len > ROWS_KERNEL_MAX_ROWS:
+            assert "mkldnn::_linear_pointwise" in _ops_run(lambda: model.prefill(idx, model.new_cache(1, prompt_len)))
+        prefilled = model.prefill(idx, model.new_cache(1, prompt_len)).logits
     torch.testing.assert_close(prefilled, logits.detach(), rtol=0, atol=TOL)

@@ -51,11 +51,13 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ..config import ModelConfig
 from . import flex
 from .cache import AttentionPlan, KVCache, KVStore, plan_attention
 from .flops import count_flops_per_token
+from .native import rows_linear
 from .options import DecodeOption
 
 # In `ModelOutput.info`, the key whose value maps names to lists with one entry per batch row: the
@@ -67,11 +69,17 @@ UNTIED_HEAD_INIT_STD = 0.001  # small enough that the initial next-token distrib
 # Products
 # --------------------------------------------------------------------------------------------
 
-# Where `linear` hands a float32 product without autograd to oneDNN rather than torch's BLAS (MKL in
-# the x86 wheels). Measured with torch 2.13 on a 2-core AMD EPYC (Zen 4), MKL's time over oneDNN's:
-# weights of 1.5M elements and more (768x2048, 2304x768, 32000x768) 1.06-1.6x at 1 thread and
-# 1.3-3.3x at 2 threads for 8 to 256 rows; smaller weights (768x256, 256x683) 0.68-1.3x, mixed;
-# 1 or 2 rows mixed at 1 thread (0.8-1.65x), so single-token decode keeps BLAS.
+# Where `linear` hands a float32 product without autograd to another kernel than torch's BLAS (MKL
+# in the x86 wheels). Measured with torch 2.13 on a 2-core AMD EPYC (Zen 4), a model's products in
+# turn (each weight read cold, as a prefill reads them), paired rounds, median ratio of times:
+# - 2 to 64 rows: `native.rows_linear` (rows_linear.c), against MKL 1.4-1.8x at 1 thread and
+#   1.6-2.6x at 2 (4 x 256 shapes), 1.1-1.45x against oneDNN at 12 x 768 (8 to 64 rows); at 128 rows
+#   it was 0.88-0.96x oneDNN at 12 x 768, so longer prompts keep the libraries;
+# - more rows by a weight of 1.5M elements and more (768x2048, 2304x768, 32000x768): oneDNN, against
+#   MKL 1.06-1.6x at 1 thread and 1.3-3.3x at 2 (8 to 256 rows); smaller weights were mixed
+#   (0.68-1.3x), and so keep BLAS, as does a single row (decoding).
+ROWS_KERNEL_MIN_ROWS = 2
+ROWS_KERNEL_MAX_ROWS = 64
 ONEDNN_MIN_WEIGHT = 1 << 20  # elements of the weight
 ONEDNN_MIN_ROWS = 8  # rows of the input (tokens x batch)
 _ONEDNN = (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -79,19 +87,28 @@ _ONEDNN = (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """`F.linear`, through oneDNN where that was measured faster (see `ONEDNN_MIN_WEIGHT`): on CPU, in
-    float32, with no gradient to record, outside compiled code (which keeps `F.linear` for inductor
-    to lower), for big enough weights and inputs of at least `ONEDNN_MIN_ROWS` rows. The two
-    libraries sum in different orders: the results agree to float32 rounding, not bit for bit."""
+    """`F.linear`, through a faster kernel where one was measured faster (see `ROWS_KERNEL_MAX_ROWS`):
+    on CPU, in float32, with no gradient to record, outside compiled code (which keeps `F.linear` for
+    inductor to lower). The kernels sum in other orders than BLAS: the results agree to float32
+    rounding, not bit for bit."""
     # compiled code is ruled out first: dynamo then traces none of the other tests (no guard on sizes)
-    if (_ONEDNN and not torch.compiler.is_compiling() and x.device.type == "cpu"
-            and x.dtype == weight.dtype == torch.float32
-            and weight.numel() >= ONEDNN_MIN_WEIGHT and x.numel() >= ONEDNN_MIN_ROWS * x.shape[-1]
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-            and not torch.is_autocast_enabled("cpu")):
-        out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), weight, bias, "none", [], "")
-        return out.view(*x.shape[:-1], weight.shape[0])  # (..., out)
-    return F.linear(x, weight, bias)
+    if (torch.compiler.is_compiling() or x.device.type != "cpu" or not x.dtype == weight.dtype == torch.float32
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            or torch.is_autocast_enabled("cpu") or x.shape[-1] == 0
+            or type(weight) not in (Tensor, nn.Parameter)  # a subclass (FSDP's DTensor) has no plain storage
+            or _get_current_dispatch_mode() is not None):  # a mode that watches ops (the FLOP counter) sees torch's
+        return F.linear(x, weight, bias)
+    rows = x.numel() // x.shape[-1]
+    out = None
+    if ROWS_KERNEL_MIN_ROWS <= rows <= ROWS_KERNEL_MAX_ROWS:
+        out = rows_linear(x.reshape(rows, x.shape[-1]), weight)  # None where the kernel is not built
+        if out is not None and bias is not None:
+            out += bias
+    if out is None and _ONEDNN and weight.numel() >= ONEDNN_MIN_WEIGHT and rows >= ONEDNN_MIN_ROWS:
+        out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), weight, bias, "none", [], "")
+    if out is None:
+        return F.linear(x, weight, bias)
+    return out.view(*x.shape[:-1], weight.shape[0])  # (..., out)
 
 
 class Linear(nn.Linear):

@@ -2,6 +2,7 @@
 in the latentloop cache (`kernels/`), loaded with ctypes.
 
     lib = native_library("int8_linear")   # a ctypes.CDLL, or None (then the caller's torch path runs)
+    y = rows_linear(x, weight)            # rows_linear.c's product, or None (see its doc)
 
 Why C and ctypes rather than a torch C++ extension: a plain C file builds in well under a second with
 the system's `cc` and needs neither ninja nor torch's headers; inductor, the compiled decode path's
@@ -28,6 +29,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
+from torch import Tensor
+
 from ..util import default_cache_dir
 
 NATIVE_ENV = "LATENTLOOP_NATIVE"  # "0" turns the native kernels off (the torch paths run instead)
@@ -36,6 +40,12 @@ LIBRARY_FLAGS = ("-O3", "-shared", "-fPIC")
 # clang has none: one thread, still vectorised); without -march=native (compilers that refuse it)
 FLAG_CHOICES = (("-march=native", "-fopenmp"), ("-march=native",), ())
 BUILD_TIMEOUT_S = 120  # one small C file: seconds at most, even on a busy machine
+# Below this many multiply-adds a product runs on one thread: waking the others costs more than it saves.
+PARALLEL_MIN_MACS = 1 << 16
+ROWS_KERNEL = "rows_linear"
+# The rows kernel computes one vector of rows per weight element: with fewer lanes than an AVX2
+# register (a build without AVX2 + FMA, or not x86) it is a plain loop, slower than any BLAS.
+ROWS_MIN_LANES = 8
 
 _failures: dict[str, str] = {}
 
@@ -96,6 +106,9 @@ def native_library(name: str) -> ctypes.CDLL | None:
         _failures[name] = "no C compiler (cc, gcc or clang; or set CC)"
         return None
     source = Path(__file__).with_name(f"{name}.c")
+    if not source.is_file():  # a copy of the modules without their C files (an exported model's remote code)
+        _failures[name] = f"{source.name} is not beside {Path(__file__).name}"
+        return None
     code = source.read_bytes()
     host = [_compiler_version(cc).encode(), _cpu_signature().encode()]
     reasons = []
@@ -117,3 +130,55 @@ def native_library(name: str) -> ctypes.CDLL | None:
 def native_status(name: str) -> str:
     """'native' when the kernel library `name` loads, else why not (one line)."""
     return "native" if native_library(name) is not None else _failures.get(name, "unavailable")
+
+
+def threads_for(macs: int) -> int:
+    """Threads for a product of `macs` multiply-adds: torch's, or one for a small product."""
+    return torch.get_num_threads() if macs >= PARALLEL_MIN_MACS else 1
+
+
+@functools.cache
+def _rows_library() -> ctypes.CDLL | None:
+    lib = native_library(ROWS_KERNEL)
+    if lib is None:
+        return None
+    lib.latentloop_rows_linear_lanes.restype = ctypes.c_int
+    lib.latentloop_rows_linear_lanes.argtypes = []
+    lanes = lib.latentloop_rows_linear_lanes()
+    if lanes < ROWS_MIN_LANES or platform.machine().lower() not in ("x86_64", "amd64"):
+        _failures[ROWS_KERNEL] = (f"{ROWS_KERNEL}.c built with {lanes} lane(s) on {platform.machine()}: it is "
+                                  f"used with at least {ROWS_MIN_LANES} (AVX2 + FMA or AVX-512), on x86, where it "
+                                  "was measured")
+        return None
+    for function, pointers in ((lib.latentloop_rows_linear_f32, 3), (lib.latentloop_rows_linear_i8, 4)):
+        function.restype = ctypes.c_int
+        function.argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    return lib
+
+
+def rows_linear_status() -> str:
+    """'native' when `rows_linear` runs its kernel, else why not (one line)."""
+    return "native" if _rows_library() is not None else _failures.get(ROWS_KERNEL, "unavailable")
+
+
+def rows_linear(x: Tensor, weight: Tensor, scale: Tensor | None = None) -> Tensor | None:
+    """x (rows, K) float32 @ weight (N, K).T -> (rows, N), through `rows_linear.c`: weight float32, or
+    int8 with `scale` (N,) float32 (y = x @ (weight * scale[:, None]).T). None where the kernel is not
+    here (the caller's torch path runs); the caller checks device (CPU), dtypes and autograd."""
+    lib = _rows_library()
+    if lib is None:
+        return None
+    if weight.dtype != (torch.float32 if scale is None else torch.int8):
+        raise TypeError(f"rows_linear takes a float32 weight, or an int8 one with a scale; got {weight.dtype}")
+    rows, k = x.shape
+    n = weight.shape[0]
+    x, weight = x.contiguous(), weight.contiguous()
+    y = torch.empty(rows, n, dtype=torch.float32)
+    threads = threads_for(rows * n * k)
+    if scale is None:
+        failed = lib.latentloop_rows_linear_f32(x.data_ptr(), weight.data_ptr(), y.data_ptr(), rows, n, k, threads)
+    else:
+        scale = scale.contiguous()
+        failed = lib.latentloop_rows_linear_i8(x.data_ptr(), weight.data_ptr(), scale.data_ptr(), y.data_ptr(),
+                                               rows, n, k, threads)
+    return None if failed else y

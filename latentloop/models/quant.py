@@ -16,6 +16,11 @@ memory traffic for the linear layers. How each product runs:
   (`fast._int8_linear_by_reduction`), widened in registers too, fused with the step's other loops.
   `benchmarks.engines`, one run: 10.9 ms a token at 12 layers x 768, 2 threads (dynamo's step with
   the native kernel 18.5, the float package 20.3) and 0.58 ms at 4 x 256, 1 thread (dynamo's 0.96).
+- float32 on the CPU, more rows up to `ROWS_KERNEL_MAX_ROWS` (a short prefill), eager:
+  `native.rows_linear` (`rows_linear.c`): each weight tile widened once into the thread's buffer and
+  used for every row. Against the conversion below, paired rounds on the 2-core Zen 4: 1.8-2.4x at
+  9 to 32 rows and 1.3x at 128 (4 x 256, 1 thread), 2.4-3.8x at 9 to 64 rows (12 x 768, 2 threads);
+  0.9x at 512 rows, so longer prompts keep the conversion.
 - anything else (a prefill of many rows, another dtype or device, no C compiler):
   `F.linear(x, q.to(x.dtype)) * scale`, the weight converted for the product.
 
@@ -35,7 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .backbone import Linear
-from .native import native_library
+from .native import native_library, rows_linear, threads_for
 
 INT8_MAX = 127  # symmetric: -128 is never used, so q and -q are both representable
 # A row of zeros would get scale 0 and divide by zero when quantised: its scale is at least this
@@ -45,8 +50,7 @@ MIN_SCALE = 1e-12
 # does not block for cache reuse as a matrix product does, so a prefill of many rows is faster as
 # one float matrix product over the converted weight.
 KERNEL_MAX_ROWS = 8
-# Below this many multiply-adds a layer runs on one thread: waking the others costs more than it saves.
-PARALLEL_MIN_MACS = 1 << 16
+ROWS_KERNEL_MAX_ROWS = 128  # rows the rows kernel takes (past KERNEL_MAX_ROWS; see the module doc)
 KERNEL = "int8_linear"
 
 
@@ -68,15 +72,20 @@ def int8_product(x: Tensor, weight_int8: Tensor, scale: Tensor) -> Tensor:
     kernel when it applies (see the module doc), else the converted product."""
     n, k = weight_int8.shape
     rows = x.numel() // k
-    lib = _kernel()
-    if (lib is None or rows > KERNEL_MAX_ROWS or x.device.type != "cpu" or x.dtype != torch.float32
-            or scale.dtype != torch.float32 or x.requires_grad):  # the kernel has no backward: torch's path
+    if (x.device.type != "cpu" or x.dtype != torch.float32 or scale.dtype != torch.float32
+            or x.requires_grad):  # the kernels have no backward: torch's path
         return _converted_product(x, weight_int8, scale)
     flat = x.reshape(rows, k).contiguous()
-    q, s = weight_int8.contiguous(), scale.contiguous()
-    y = torch.empty(rows, n, dtype=torch.float32)
-    threads = torch.get_num_threads() if rows * n * k >= PARALLEL_MIN_MACS else 1
-    lib.latentloop_int8_linear(flat.data_ptr(), q.data_ptr(), s.data_ptr(), y.data_ptr(), rows, n, k, threads)
+    lib = _kernel() if rows <= KERNEL_MAX_ROWS else None
+    if lib is not None:
+        q, s = weight_int8.contiguous(), scale.contiguous()
+        y = torch.empty(rows, n, dtype=torch.float32)
+        lib.latentloop_int8_linear(flat.data_ptr(), q.data_ptr(), s.data_ptr(), y.data_ptr(), rows, n, k,
+                                   threads_for(rows * n * k))
+        return y.reshape(*x.shape[:-1], n)
+    y = rows_linear(flat, weight_int8, scale) if KERNEL_MAX_ROWS < rows <= ROWS_KERNEL_MAX_ROWS else None
+    if y is None:  # no kernel for these rows, or none built
+        return _converted_product(x, weight_int8, scale)
     return y.reshape(*x.shape[:-1], n)
 
 

@@ -1,0 +1,155 @@
+/* A linear layer for a block of rows (a short prefill), float32 or int8 weights:
+ *
+ *     y[m, n] = scale[n] * sum_k x[m, k] * w[n, k]          (scale = 1 for float32 weights)
+ *
+ * x (M, K) float32, w (N, K) float32 or int8, scale (N,) float32, y (M, N) float32, all contiguous.
+ *
+ * Why not BLAS: for a few rows the product's cost is streaming the weight, which a prefill reads
+ * cold (the layers before evicted it). MKL's sgemm reads a cold weight with 16 rows at a few GB/s
+ * (its time for one 4 x 256 model's products doubles against the same products on a weight in
+ * cache); here every weight row is read once, in order, for all the rows of x. The rows of x are
+ * the vector lanes (an outer product): x is transposed once to (K, rows), each weight element is
+ * broadcast against one vector of rows, and TILE weight rows accumulate side by side in registers.
+ * The sums run over k in order, float32, like a dot product's: the result agrees with BLAS to
+ * float32 rounding, not bit for bit.
+ *
+ * int8: each tile's rows are widened to float once into a buffer of the thread's (L1/L2), then the
+ * same loop runs; the scale is applied at the end, as `int8_linear.c` does.
+ *
+ * The weight tiles are split over `threads` OpenMP threads (torch's pool, see native.py). Built with
+ * the host's -march=native: 16 lanes with AVX-512, 8 with AVX2 + FMA, a plain loop otherwise.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TILE 12 /* weight rows accumulated at once: 12 vectors + the row vector fit 16 registers */
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define LANES 16
+typedef __m512 vec;
+#define vzero() _mm512_setzero_ps()
+#define vload(p) _mm512_load_ps(p)
+#define vfma_scalar(s, v, acc) _mm512_fmadd_ps(_mm512_set1_ps(s), v, acc)
+#define vstore(p, v) _mm512_storeu_ps(p, v)
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define LANES 8
+typedef __m256 vec;
+#define vzero() _mm256_setzero_ps()
+#define vload(p) _mm256_load_ps(p)
+#define vfma_scalar(s, v, acc) _mm256_fmadd_ps(_mm256_set1_ps(s), v, acc)
+#define vstore(p, v) _mm256_storeu_ps(p, v)
+#else
+#define LANES 1
+typedef float vec;
+#define vzero() 0.0f
+#define vload(p) (*(p))
+#define vfma_scalar(s, v, acc) ((acc) + (s) * (v))
+#define vstore(p, v) (*(p) = (v))
+#endif
+
+#define ALIGN 64
+
+#define LINE 64 /* bytes in a cache line */
+
+/* y[:, n0:n0 + rows] for TILE weight rows `w` (float, K apart; rows past `rows` repeat the last and
+ * are not stored) against the transposed, lane-padded x `xt` (K, padded). `ahead` (`ahead_bytes`
+ * long, may be empty) is the next tile's weight, prefetched a line per step of k while this one
+ * computes: without it the TILE streams of a cold weight wait on memory (the loop ran at half its
+ * speed on a weight in cache). */
+static void tile(const float *xt, const float *w, const float *scale, float *y, int64_t M, int64_t N, int64_t K,
+                 int64_t padded, int64_t n0, int64_t rows, const char *ahead, int64_t ahead_bytes) {
+    const float *r[TILE];
+    for (int j = 0; j < TILE; ++j)
+        r[j] = w + (j < rows ? j : rows - 1) * K;
+    for (int64_t m0 = 0; m0 < padded; m0 += LANES) {
+        vec acc[TILE];
+        for (int j = 0; j < TILE; ++j)
+            acc[j] = vzero();
+        for (int64_t k = 0; k < K; ++k) {
+            if (m0 == 0 && k * LINE < ahead_bytes)
+                __builtin_prefetch(ahead + k * LINE);
+            vec xv = vload(xt + k * padded + m0);
+            for (int j = 0; j < TILE; ++j)
+                acc[j] = vfma_scalar(r[j][k], xv, acc[j]);
+        }
+        float out[LANES];
+        int64_t lanes = M - m0 < LANES ? M - m0 : LANES;
+        for (int64_t j = 0; j < rows; ++j) {
+            vstore(out, acc[j]);
+            float s = scale ? scale[n0 + j] : 1.0f;
+            for (int64_t m = 0; m < lanes; ++m)
+                y[(m0 + m) * N + n0 + j] = out[m] * s;
+        }
+    }
+}
+
+/* x (M, K) -> (K, padded) with the rows past M zero; NULL when out of memory. */
+static float *transposed(const float *x, int64_t M, int64_t K, int64_t padded) {
+    float *xt = aligned_alloc(ALIGN, (size_t)((K * padded * sizeof(float) + ALIGN - 1) / ALIGN * ALIGN));
+    if (!xt)
+        return NULL;
+    for (int64_t k = 0; k < K; ++k) {
+        float *row = xt + k * padded;
+        for (int64_t m = 0; m < M; ++m)
+            row[m] = x[m * K + k];
+        for (int64_t m = M; m < padded; ++m)
+            row[m] = 0.0f;
+    }
+    return xt;
+}
+
+/* The rows one vector holds (1: a plain loop, see native.py's ROWS_MIN_LANES). */
+int latentloop_rows_linear_lanes(void) { return LANES; }
+
+/* Both return 0, or -1 when a buffer could not be allocated (y is then not written). */
+int latentloop_rows_linear_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K,
+                               int threads) {
+    int64_t padded = (M + LANES - 1) / LANES * LANES;
+    float *xt = transposed(x, M, K, padded);
+    if (!xt)
+        return -1;
+    int64_t tiles = (N + TILE - 1) / TILE;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < tiles; ++t) {
+        int64_t n0 = t * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
+        int64_t next = N - n0 - rows < TILE ? N - n0 - rows : TILE; /* rows of the next tile */
+        tile(xt, w + n0 * K, NULL, y, M, N, K, padded, n0, rows, (const char *)(w + (n0 + rows) * K),
+             next * K * (int64_t)sizeof(float));
+    }
+    free(xt);
+    return 0;
+}
+
+int latentloop_rows_linear_i8(const float *x, const int8_t *q, const float *scale, float *y, int64_t M, int64_t N,
+                              int64_t K, int threads) {
+    int64_t padded = (M + LANES - 1) / LANES * LANES;
+    float *xt = transposed(x, M, K, padded);
+    if (!xt)
+        return -1;
+    int64_t tiles = (N + TILE - 1) / TILE;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *wide = malloc((size_t)(TILE * K) * sizeof(float)); /* this thread's widened tile */
+        if (!wide) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; ++t) {
+            if (!wide)
+                continue;
+            int64_t n0 = t * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
+            const int8_t *src = q + n0 * K;
+            for (int64_t i = 0; i < rows * K; ++i)
+                wide[i] = (float)src[i];
+            tile(xt, wide, scale, y, M, N, K, padded, n0, rows, NULL, 0); /* int8 is read in order */
+        }
+        free(wide);
+    }
+    free(xt);
+    return failed ? -1 : 0;
+}
