@@ -384,3 +384,36 @@ def test_first_token_benchmark_refuses_an_unknown_mode(capsys):
     with pytest.raises(SystemExit) as exc:
         first_token.parse_args(["--modes", "jit"])
     assert exc.value.code == 2 and "unknown mode 'jit'" in capsys.readouterr().err
+
+
+def test_prefill_products_pairs_the_rows_kernel_with_torchs_products(tmp_path, capsys, monkeypatch):
+    """`python -m benchmarks.prefill_products` at a tiny shape: every row count's float32 and int8
+    products and the one-token generate are timed in every round for each variant, each paired with
+    the kernel's round; without the kernel the table says why."""
+    from latentloop.models import native
+
+    products = _benchmark("prefill_products")
+    out = tmp_path / "products.json"
+    argv = ["--shape", "smoke", "--rows", "3,9", "--prompt-len", "4", "--repeats", "2", "--json", str(out)]
+    with monkeypatch.context() as patch:
+        patch.setattr(native, "_rows_library", lambda: None)
+        assert products.main(argv) == 0
+        assert json.loads(out.read_text())["first_token"] is None
+        assert "no rows kernel here" in capsys.readouterr().out
+    if native.rows_linear_status() != "native":
+        pytest.skip(f"no rows kernel here: {native.rows_linear_status()}")
+    assert products.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert set(result["products"]) == {"float32, 3 rows", "int8, 3 rows", "float32, 9 rows", "int8, 9 rows"}
+    for entry in [*result["products"].values(), result["first_token"], result["first_token_cold"]]:
+        assert all(len(s) == 2 and min(s) > 0 for s in entry["seconds"].values())
+        assert set(entry["over_kernel"]) == set(entry["seconds"]) - {products.KERNEL}
+    assert "time over the kernel's" in capsys.readouterr().out
+
+
+def test_prefill_products_refuses_bad_rows(capsys):
+    products = _benchmark("prefill_products")
+    for rows, message in [("2,x", "comma-separated integers"), ("0,4", ">= 1")]:
+        with pytest.raises(SystemExit) as exc:
+            products.parse_args(["--rows", rows])
+        assert exc.value.code == 2 and message in capsys.readouterr().err

@@ -1,0 +1,179 @@
+"""A short prompt's products, latentloop's rows kernel against torch's (issue 26, the first token),
+paired in one process:
+
+1. every linear layer of a model in turn, as a prefill reads them (each weight cold: the layers
+   before evicted it), for each row count: `native.rows_linear` (`models/rows_linear.c`) against
+   torch's product for the same rows (`F.linear`, MKL in the x86 wheels; oneDNN's op beside them
+   where `backbone.linear` would pick it for more rows), and the int8 kernel against the converted
+   product (`quant._converted_product`) on the same model quantised;
+2. a one-token `generate` (the prompt's prefill and the first token) on the compiled path, with the
+   kernel and with `backbone.linear`'s torch products, alternating call by call: warm (the calls
+   back to back), and cold (`FLUSH_MIB` written before each call, untimed, as a process meets its
+   weights after other processes ran: `benchmarks.engines` runs each engine in its own).
+
+Each round times every variant once, in turn; the table gives each one's median [range] and the
+median of the per-round ratio against the kernel, with its quartiles.
+
+    .venv/bin/python -m benchmarks.prefill_products [--shape small] [--rows 2,16,64] [--prompt-len 16]
+        [--threads 1] [--repeats 100] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import benchmark_main, render_table, require_at_least_one, spread, start_run
+from benchmarks.engines import SHAPES, build_export
+
+KERNEL = "rows kernel"
+FLUSH_MIB = 64  # written before each cold call: twice this machine's 32 MiB L3, so no weight stays cached
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def paired(variants: dict[str, Callable[[], object]], repeats: int,
+           before: Callable[[], object] | None = None) -> dict[str, Any]:
+    """Every variant once per round, in turn (two rounds of warm-up first), `before` each call
+    untimed: the seconds of each, and each one's time over the kernel's of the same round."""
+    for _ in range(2):
+        for fn in variants.values():
+            fn()
+    seconds: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, fn in variants.items():
+            if before is not None:
+                before()
+            seconds[name].append(timed(fn))
+    over = {name: [a / b for a, b in zip(times, seconds[KERNEL])] for name, times in seconds.items()
+            if name != KERNEL}
+    return {"seconds": seconds, "over_kernel": over}
+
+
+def product_variants(model, rows: int) -> dict[str, dict[str, Callable[[], object]]]:
+    """(float32 | int8) -> variant -> a call running every linear layer of `model` once, in order."""
+    from latentloop.models import backbone, native
+    from latentloop.models.quant import Int8Linear, _converted_product, quantize_int8
+
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = {m.in_features: torch.randn(rows, m.in_features) for m in linears}
+    weights = [(inputs[m.in_features], m.weight.detach()) for m in linears]
+    layers = {"float32": {
+        KERNEL: lambda: [native.rows_linear(x, w) for x, w in weights],
+        "torch (F.linear)": lambda: [F.linear(x, w) for x, w in weights]}}
+    if backbone._ONEDNN:
+        layers["float32"]["oneDNN"] = lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+                                               for x, w in weights]
+    quantised = [m for m in quantize_int8(copy.deepcopy(model)).modules() if isinstance(m, Int8Linear)]
+    int8 = [(inputs[m.in_features], m.weight_int8, m.scale) for m in quantised]
+    layers["int8"] = {KERNEL: lambda: [native.rows_linear(x, q, s) for x, q, s in int8],
+                      "torch (converted weight)": lambda: [_converted_product(x, q, s) for x, q, s in int8]}
+    return layers
+
+
+def first_token_variants(model, prompt: list[int]) -> dict[str, Callable[[], object]]:
+    """A one-token compiled `generate`, through the kernel and through torch's products."""
+    import latentloop
+    from latentloop.models import backbone, native
+
+    def call(rows_linear) -> Callable[[], object]:
+        def run() -> object:
+            backbone.rows_linear = rows_linear
+            try:
+                return latentloop.generate(model, prompt, 1, temperature=0.0, compile=True)
+            finally:
+                backbone.rows_linear = native.rows_linear
+
+        return run
+
+    return {KERNEL: call(native.rows_linear), "torch's products": call(lambda *args: None)}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from latentloop.models.native import rows_linear_status
+
+    env = start_run(args)
+    status = rows_linear_status()
+    results: dict[str, Any] = {"env": env, "args": {k: (str(v) if isinstance(v, Path) else v)
+                                                    for k, v in vars(args).items()},
+                               "kernel": status, "products": {}, "first_token": None, "first_token_cold": None}
+    if status != "native":
+        print(f"no rows kernel here: {status}", file=sys.stderr)
+        return results
+    with tempfile.TemporaryDirectory() as tmp:
+        model, _, _ = build_export(SHAPES[args.shape], args.prompt_len + 1, args.seed, Path(tmp))
+    with torch.inference_mode():
+        for rows in args.rows:
+            print(f"{rows} rows ...", file=sys.stderr, flush=True)
+            for dtype, variants in product_variants(model, rows).items():
+                results["products"][f"{dtype}, {rows} rows"] = paired(variants, args.repeats)
+    prompt = [1 + i % 250 for i in range(args.prompt_len)]
+    print(f"one-token generate, {args.prompt_len}-token prompt ...", file=sys.stderr, flush=True)
+    results["first_token"] = paired(first_token_variants(model, prompt), args.repeats)
+    flush = torch.ones(FLUSH_MIB << 18)  # float32: 4 bytes each
+    results["first_token_cold"] = paired(first_token_variants(model, prompt), args.repeats,
+                                         before=lambda: flush.add_(1.0))
+    return results
+
+
+def markdown_table(results: dict[str, Any]) -> str:
+    args = results["args"]
+    if results["first_token"] is None:
+        return f"no rows kernel here: {results['kernel']}"
+    rows = [(f"{args['shape']} shape, {args['threads']} thread(s): what", "variant", "ms: median [range]",
+             "time over the kernel's, same round: median [quartiles]")]
+    entries = {**{f"the model's products, {name}": e for name, e in results["products"].items()},
+               f"one-token generate, {args['prompt_len']}-token prompt, warm": results["first_token"],
+               f"the same, cold ({FLUSH_MIB} MiB written before each call)": results["first_token_cold"]}
+    for what, entry in entries.items():
+        for variant, seconds in entry["seconds"].items():
+            over = entry["over_kernel"].get(variant)
+            quartiles = statistics.quantiles(over, n=4) if over and len(over) > 1 else None
+            rows.append((what, variant, spread([s * 1e3 for s in seconds], "{:.3f}"),
+                         "—" if over is None else f"{statistics.median(over):.2f}"
+                         + ("" if quartiles is None else f" [{quartiles[0]:.2f}, {quartiles[2]:.2f}]")))
+            what = ""
+    return render_table(rows)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--shape", choices=list(SHAPES), default="small")
+    p.add_argument("--rows", default="2,16,64", help="comma-separated row counts of the products")
+    p.add_argument("--prompt-len", type=int, default=16, help="the one-token generate's prompt")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=100, help="paired rounds")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write all results as JSON")
+    args = p.parse_args(argv)
+    try:
+        args.rows = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        p.error(f"--rows takes comma-separated integers, got {args.rows!r}")
+    if min(args.rows) < 1:
+        p.error("--rows must all be >= 1")
+    require_at_least_one(p, args, ("prompt_len", "threads", "repeats"))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    return benchmark_main(parse_args(argv), run, markdown_table)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
