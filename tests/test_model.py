@@ -130,7 +130,7 @@ def test_the_rows_kernel_equals_blas(rows, out, width, monkeypatch):
 
 @needs_rows_kernel
 def test_linear_picks_the_rows_kernel_by_rows_and_keeps_torch_for_autograd(monkeypatch):
-    """`linear`'s rule: 2 to ROWS_KERNEL_MAX_ROWS rows without autograd go through the rows kernel
+    """`linear`'s rule: ROWS_KERNEL_MIN_ROWS to ROWS_KERNEL_MAX_ROWS rows without autograd go through the rows kernel
     (leading dimensions and bias as F.linear's); one row, more rows, a grad-recording call or bf16
     autocast keep torch's product."""
     from latentloop.models.backbone import ROWS_KERNEL_MAX_ROWS, ROWS_KERNEL_MIN_ROWS, linear
@@ -139,7 +139,8 @@ def test_linear_picks_the_rows_kernel_by_rows_and_keeps_torch_for_autograd(monke
     monkeypatch.setattr(backbone, "rows_linear", lambda *a: calls.append(a[0].shape) or native.rows_linear(*a))
     torch.manual_seed(0)
     weight, bias = torch.randn(30, 20), torch.randn(30)
-    for rows, used in [(1, False), (ROWS_KERNEL_MIN_ROWS, True), (ROWS_KERNEL_MAX_ROWS, True),
+    for rows, used in [(1, False), (ROWS_KERNEL_MIN_ROWS - 1, False), (ROWS_KERNEL_MIN_ROWS, True),
+                       (ROWS_KERNEL_MAX_ROWS, True),
                        (ROWS_KERNEL_MAX_ROWS + 1, False)]:
         x = torch.randn(rows, 1, 20)  # (B, T, D): B * T rows
         calls.clear()
@@ -149,7 +150,7 @@ def test_linear_picks_the_rows_kernel_by_rows_and_keeps_torch_for_autograd(monke
         assert out.shape == (rows, 1, 30)
         torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
     calls.clear()
-    x = torch.randn(4, 20)
+    x = torch.randn(ROWS_KERNEL_MIN_ROWS, 20)
     leaf = weight.clone().requires_grad_()
     linear(x, leaf).sum().backward()  # autograd: F.linear, which has a backward
     assert leaf.grad is not None and not calls

@@ -71,14 +71,16 @@ UNTIED_HEAD_INIT_STD = 0.001  # small enough that the initial next-token distrib
 
 # Where `linear` hands a float32 product without autograd to another kernel than torch's BLAS (MKL
 # in the x86 wheels). Measured with torch 2.13 on a 2-core AMD EPYC (Zen 4), a model's products in
-# turn (each weight read cold, as a prefill reads them), paired rounds, median ratio of times:
-# - 2 to 64 rows: `native.rows_linear` (rows_linear.c), against MKL 1.4-1.8x at 1 thread and
-#   1.6-2.6x at 2 (4 x 256 shapes), 1.1-1.45x against oneDNN at 12 x 768 (8 to 64 rows); at 128 rows
-#   it was 0.88-0.96x oneDNN at 12 x 768, so longer prompts keep the libraries;
+# turn as a prefill reads them (`python -m benchmarks.prefill_products`), median of paired rounds:
+# - 6 to 64 rows: `native.rows_linear` (rows_linear.c). MKL's time over the kernel's at 4 x 256:
+#   1.31-1.8x (6 to 16 rows) and 1.13x (64) at 1 thread, 1.18-1.79x and 1.22x at 2 threads; at
+#   12 x 768, 2 threads, 1.56x at 8 rows, where oneDNN took 1.12x. Fewer rows keep the libraries
+#   (2 rows at 1 thread: MKL 0.65x the kernel's time; 4 rows level; at 12 x 768 oneDNN 0.83-0.93x at
+#   2-4 rows); 128 rows at 12 x 768 were 0.88-0.94x oneDNN's, so longer prompts keep the libraries too;
 # - more rows by a weight of 1.5M elements and more (768x2048, 2304x768, 32000x768): oneDNN, against
 #   MKL 1.06-1.6x at 1 thread and 1.3-3.3x at 2 (8 to 256 rows); smaller weights were mixed
 #   (0.68-1.3x), and so keep BLAS, as does a single row (decoding).
-ROWS_KERNEL_MIN_ROWS = 2
+ROWS_KERNEL_MIN_ROWS = 6
 ROWS_KERNEL_MAX_ROWS = 64
 ONEDNN_MIN_WEIGHT = 1 << 20  # elements of the weight
 ONEDNN_MIN_ROWS = 8  # rows of the input (tokens x batch)
