@@ -86,6 +86,7 @@ ONEDNN_MIN_WEIGHT = 1 << 20  # elements of the weight
 ONEDNN_MIN_ROWS = 8  # rows of the input (tokens x batch)
 _ONEDNN = (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
            and platform.machine().lower() in ("x86_64", "amd64"))  # the rule was measured on x86 only
+_FEWEST_ROWS = min(ROWS_KERNEL_MIN_ROWS, ONEDNN_MIN_ROWS)  # below this, every product is torch's own
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -94,13 +95,16 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     inductor to lower). The kernels sum in other orders than BLAS: the results agree to float32
     rounding, not bit for bit."""
     # compiled code is ruled out first: dynamo then traces none of the other tests (no guard on sizes)
-    if (torch.compiler.is_compiling() or x.device.type != "cpu" or not x.dtype == weight.dtype == torch.float32
+    if torch.compiler.is_compiling() or x.device.type != "cpu" or x.shape[-1] == 0:
+        return F.linear(x, weight, bias)
+    rows = x.numel() // x.shape[-1]
+    # the row count first: a decode step's single rows leave after the fewest tests
+    if (rows < _FEWEST_ROWS or not x.dtype == weight.dtype == torch.float32
             or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-            or torch.is_autocast_enabled("cpu") or x.shape[-1] == 0
+            or torch.is_autocast_enabled("cpu")
             or type(weight) not in (Tensor, nn.Parameter)  # a subclass (FSDP's DTensor) has no plain storage
             or _get_current_dispatch_mode() is not None):  # a mode that watches ops (the FLOP counter) sees torch's
         return F.linear(x, weight, bias)
-    rows = x.numel() // x.shape[-1]
     out = None
     if ROWS_KERNEL_MIN_ROWS <= rows <= ROWS_KERNEL_MAX_ROWS:
         out = rows_linear(x.reshape(rows, x.shape[-1]), weight)  # None where the kernel is not built
