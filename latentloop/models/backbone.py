@@ -15,8 +15,9 @@ Notable features:
   `prefill` / `decode` / `reference` with an explicit `KVCache`; per-row positions so that
   left-padded batches of prompts of different lengths give exactly the logits of each prompt alone
 - `forward` returns logits *and* the top-layer states; losses live in `latentloop.objectives`
-- on an x86 CPU, a product without autograd (prefill, scoring, eager decode of several rows) by a
-  large weight runs through oneDNN instead of torch's default BLAS (`linear`: 1.1-3x faster measured)
+- on an x86 CPU, a product without autograd (prefill, scoring, eager decode of several rows) of 6 to
+  64 rows runs through latentloop's rows kernel (`native.rows_linear`), and more rows by a large
+  weight through oneDNN, instead of torch's default BLAS (`linear`, with the measurements)
 
 Init (documented because the variants rely on it):
 - embedding ~ N(0, 1/D): its input use is normed anyway, and with a tied head the initial logits

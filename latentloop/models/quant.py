@@ -18,9 +18,11 @@ memory traffic for the linear layers. How each product runs:
   the native kernel 18.5, the float package 20.3) and 0.58 ms at 4 x 256, 1 thread (dynamo's 0.96).
 - float32 on the CPU, more rows up to `ROWS_KERNEL_MAX_ROWS` (a short prefill), eager:
   `native.rows_linear` (`rows_linear.c`): each weight tile widened once into the thread's buffer and
-  used for every row. Against the conversion below, paired rounds on the 2-core Zen 4: 1.8-2.4x at
-  9 to 32 rows and 1.3x at 128 (4 x 256, 1 thread), 2.4-3.8x at 9 to 64 rows (12 x 768, 2 threads);
-  0.9x at 512 rows, so longer prompts keep the conversion.
+  used for every row. The conversion's time over the kernel's, paired rounds on the 2-core Zen 4
+  with the machine quiet (`python -m benchmarks.prefill_products`, 4 x 256): 1.24x at 16 rows and
+  0.97x at 64 with 1 thread, 2.23x and 1.24x with 2 threads. The bound of 128 rows comes from an
+  earlier run on a busy machine (1.3x at 128 rows, 1 thread; 2.4-3.8x at 9 to 64 rows at 12 x 768,
+  2 threads; 0.9x at 512), not re-measured quiet.
 - anything else (a prefill of many rows, another dtype or device, no C compiler):
   `F.linear(x, q.to(x.dtype)) * scale`, the weight converted for the product.
 
