@@ -14,7 +14,7 @@ import torch
 
 import latentloop as ll
 from latentloop.engine import model_options
-from latentloop.models import aot
+from latentloop.models import aot, native
 from latentloop.models.aot import AOT_ENV, AOT_SUBDIR, _attributes_as_buffers, cache_fields, flatten, package_key
 from latentloop.models.fast import FastDecoder, _decode_step
 
@@ -100,20 +100,28 @@ def test_the_off_switch_keeps_dynamos_step_and_int8_weights_take_a_package(monke
     assert FastDecoder(model).aot is not None  # the int8 product is an inductor reduction in the package
 
 
-def test_export_swaps_every_product_the_dynamo_backend_rewrites_and_restores_them():
+@pytest.mark.parametrize("kernel", [True, False], ids=["int8 kernel", "no int8 kernel"])
+def test_export_swaps_every_product_the_dynamo_backend_rewrites_and_restores_them(kernel, monkeypatch):
     """What `torch.export` traces and what dynamo's backend rewrites must be the same step: every
-    rewritten call has its module attribute swapped while exporting (and the int8 product, which
-    dynamo keeps as the native kernel's operator), and put back after."""
+    rewritten call has its module attribute swapped while exporting, and put back after. The int8
+    product stays the operator where the package can call its kernel, and is a reduction elsewhere."""
     from latentloop.models import fast, quant
 
+    if not kernel:
+        monkeypatch.setattr(quant, "package_kernel", lambda: None)
+    elif quant.package_kernel() is None:
+        pytest.skip(f"no int8 kernel for packages here: {native.native_status(quant.KERNEL, for_packages=True)}")
     assert {(module, name) for module, name, _ in fast.EXPORT_SWAPS} == {
         (torch.nn.functional, "linear"), (torch.nn.functional, "scaled_dot_product_attention"), (quant, "int8_linear")}
     before = [getattr(module, name) for module, name, _ in fast.EXPORT_SWAPS]
+    originals = {(module, name): original for (module, name, _), original in zip(fast.EXPORT_SWAPS, before)}
     with aot._products_as_reductions():
-        assert [getattr(module, name) for module, name, _ in fast.EXPORT_SWAPS] == \
-            [reduction for _, _, reduction in fast.EXPORT_SWAPS]
-        assert quant.int8_linear is fast._int8_linear_by_reduction
+        for module, name, reduction in fast.EXPORT_SWAPS:
+            kept = kernel and module is quant
+            assert getattr(module, name) is (originals[(module, name)] if kept else reduction)
+        assert (quant.int8_linear is fast._int8_linear_by_reduction) is not kernel
     assert [getattr(module, name) for module, name, _ in fast.EXPORT_SWAPS] == before
+    assert bool(aot._int8_kernel_config()) is kernel
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import option_sets
+from torch import nn
 
 import latentloop as ll
 from latentloop.engine import PromptError, model_options
@@ -512,16 +513,20 @@ INT8_SHAPES = [(1, 96, 64), (3, 40, 37), (8, 130, 200), (1, 7, 5), (2, 256, 1024
                (40, 130, 96), (129, 12, 16)]
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["widened", "packed"])
 @pytest.mark.parametrize("rows,out,width", INT8_SHAPES)
-def test_native_int8_kernel_equals_the_dequantised_product(rows, out, width, monkeypatch):
-    """The native kernels (float32 products of the widened int8 weights: the decode kernel up to
-    KERNEL_MAX_ROWS rows, the rows kernel past it) equal the float product of the dequantised weight
-    up to float32 rounding, on one thread and on several (each output is one thread's sum, so the
-    two are bit-identical), and it is a kernel that ran."""
+def test_native_int8_kernel_equals_the_dequantised_product(rows, out, width, packed, monkeypatch):
+    """The native kernels (the decode kernel up to KERNEL_MAX_ROWS rows: float32 products of the
+    widened int8 weights, or with a packed weight VNNI's integer products of the activations' digits;
+    the rows kernel past it) equal the float product of the dequantised weight up to float32
+    rounding, on one thread and on several (each output is one thread's sum, so the two are
+    bit-identical), and it is a kernel that ran."""
     from latentloop.models import native, quant
 
     if native.native_status(quant.KERNEL) != "native":
         pytest.skip(f"no native int8 kernel here: {native.native_status(quant.KERNEL)}")
+    if packed and not quant.packs_weights():
+        pytest.skip("the int8 kernel here does not read a packed weight (no AVX-512 VNNI)")
     by_kernel = rows <= quant.KERNEL_MAX_ROWS or (rows <= quant.ROWS_KERNEL_MAX_ROWS
                                                   and native.rows_linear_status() == "native")
     torch.manual_seed(rows * out + width)
@@ -530,13 +535,14 @@ def test_native_int8_kernel_equals_the_dequantised_product(rows, out, width, mon
     reference = x.double() @ (q.double() * scale.double()[:, None]).T
     if by_kernel:  # the torch path must not run where a kernel applies
         monkeypatch.setattr(quant, "_converted_product", lambda *a: pytest.fail("the torch path ran"))
+    copy = quant.pack_weight(q) if packed else None
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = quant.int8_product(x, q, scale)
+        one = quant.int8_product(x, q, scale, copy)
         torch.set_num_threads(2)
         monkeypatch.setattr(native, "PARALLEL_MIN_MACS", 0)  # every shape split over the threads
-        split = quant.int8_product(x, q, scale)
+        split = quant.int8_product(x, q, scale, copy)
     finally:
         torch.set_num_threads(threads)
     torch.testing.assert_close(one.double(), reference, rtol=1e-5, atol=1e-5 * float(reference.abs().max()))
@@ -544,8 +550,13 @@ def test_native_int8_kernel_equals_the_dequantised_product(rows, out, width, mon
         assert torch.equal(split, one)
     else:  # torch's matrix product may sum in another order on two threads
         torch.testing.assert_close(split, one, rtol=1e-5, atol=1e-5 * float(reference.abs().max()))
+    if packed and rows <= quant.KERNEL_MAX_ROWS:  # the packed copy is what the kernel read: another weight's
+        other_q, _ = quant.quantize_rows(torch.randn(out, width))
+        other = x.double() @ (other_q.double() * scale.double()[:, None]).T
+        torch.testing.assert_close(quant.int8_product(x, q, scale, quant.pack_weight(other_q)).double(), other,
+                                   rtol=1e-5, atol=1e-5 * float(other.abs().max()))
     # leading dimensions pass through, as F.linear's do
-    assert quant.int8_product(x.reshape(1, rows, width), q, scale).shape == (1, rows, out)
+    assert quant.int8_product(x.reshape(1, rows, width), q, scale, copy).shape == (1, rows, out)
     monkeypatch.undo()  # an input that wants its gradient takes torch's path, which has a backward
     wanting = x.clone().requires_grad_()
     quant.int8_product(wanting, q, scale).sum().backward()
@@ -571,6 +582,8 @@ def test_native_kernels_can_be_turned_off_and_a_failed_build_falls_back(monkeypa
             cache.cache_clear()
         try:
             assert native.native_status(quant.KERNEL).startswith(status)
+            assert native.native_status(quant.KERNEL, for_packages=True).startswith(status)
+            assert quant.package_kernel() is None and not quant.packs_weights()
             assert native.rows_linear_status().startswith(status.replace("int8_linear.c", "rows_linear.c"))
             torch.testing.assert_close(quant.int8_product(x, q, scale), expected, rtol=1e-6, atol=1e-6)
             many = x.expand(quant.KERNEL_MAX_ROWS + 1, -1)  # the rows kernel's rows, torch's product instead
@@ -582,6 +595,38 @@ def test_native_kernels_can_be_turned_off_and_a_failed_build_falls_back(monkeypa
             for cache in caches:
                 cache.cache_clear()
     assert not list(tmp_path.glob("kernels/*.partial"))  # a failed build leaves no half-written file
+
+
+def test_packed_weight_layout_and_kernel_constants():
+    """`pack_weight` lays q + 128 out as int8_linear.c reads it ([N/16][K/4][16][4], zero weights in
+    the padding), of the size the kernel expects; the kernel's thread threshold is native.py's."""
+    from latentloop.models import native, quant
+
+    if native.native_status(quant.KERNEL) != "native":
+        pytest.skip(f"no native int8 kernel here: {native.native_status(quant.KERNEL)}")
+    q, _ = quant.quantize_rows(torch.randn(37, 10))
+    packed = quant.pack_weight(q)
+    lib = quant._kernel()
+    assert packed.dtype == torch.uint8 and packed.numel() == lib.latentloop_int8_packed_bytes(37, 10) == 48 * 12
+    for n, k in [(0, 0), (5, 9), (36, 3), (16, 4)]:
+        assert int(packed[n // 16, k // 4, n % 16, k % 4]) == int(q[n, k]) + quant.WEIGHT_OFFSET
+    assert int(packed[2, 2, 10, 3]) == quant.WEIGHT_OFFSET  # row 42 > 36, k 11 > 9: a zero weight
+    assert lib.latentloop_parallel_min_macs() == native.PARALLEL_MIN_MACS
+
+
+def test_an_int8_layer_repacks_when_its_weight_is_loaded():
+    """The packed copy is not saved; loading a state dict makes it again from the loaded weight (a
+    stale copy would be what the kernel reads)."""
+    from latentloop.models import quant
+
+    first, second = quant.Int8Linear(nn.Linear(40, 24)), quant.Int8Linear(nn.Linear(40, 24))
+    assert "weight_packed" not in first.state_dict()
+    first.load_state_dict(second.state_dict())
+    assert torch.equal(first.weight_packed, second.weight_packed)
+    x = torch.randn(1, 40)
+    torch.testing.assert_close(first(x), second(x), rtol=0, atol=0)
+    if quant.packs_weights():
+        assert first.weight_packed.numel() > 0
 
 
 @pytest.mark.parametrize("arch", ll.archs.ARCHS)

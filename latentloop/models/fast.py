@@ -756,12 +756,13 @@ def _stored(tensor: Tensor) -> Tensor:
     return torch.ops.prims.inductor_force_stride_order(tensor, tensor.stride())
 
 
-def _int8_linear_by_reduction(x: Tensor, weight_int8: Tensor, scale: Tensor) -> Tensor:
+def _int8_linear_by_reduction(x: Tensor, weight_int8: Tensor, scale: Tensor, packed: Tensor | None = None) -> Tensor:
     """`quant.int8_linear` (x (..., K) float @ (weight_int8 (N, K) * scale (N,)[:, None]).T) for a few
     rows as a multiply-and-sum that inductor writes itself: each weight read as one byte and widened
-    in registers, so the step streams a quarter of the float weights' bytes. The native kernel that
-    eager decoding calls is a ctypes call, which an ahead-of-time package cannot hold. Rows past
-    `REDUCTION_MAX_ROWS` take the product over the converted weight, as eager decoding does."""
+    in registers, so the step streams a quarter of the float weights' bytes. An ahead-of-time package
+    calls the native kernel instead where its build for packages loads (`quant.package_kernel`); this
+    is the package's product elsewhere. Rows past `REDUCTION_MAX_ROWS` take the product over the
+    converted weight, as eager decoding does. `packed` (the kernel's copy) is not read."""
     rows = x.numel() // x.shape[-1]
     if rows > REDUCTION_MAX_ROWS:  # its `F.linear` is the library's product here (`_linear_by_reduction`)
         return quant._converted_product(x, weight_int8, scale)

@@ -13,6 +13,12 @@ another CPU. A build that fails is retried without OpenMP, then without -march=n
 never builds (no compiler) is remembered for the process and reported by `native_status`, and the
 callers' torch paths run; `LATENTLOOP_NATIVE=0` turns the kernels off.
 
+`native_library(name, for_packages=True)` is a second build of the same file, for an ahead-of-time
+compiled step (aot.py) to call: with `LATENTLOOP_AOTI` defined (the file's functions that take
+libtorch's C tensor handles), linked with libtorch, and loaded with RTLD_GLOBAL so that a package's
+library, loaded after it, finds those functions by name. Linux only (the library file's name and
+the loader's global scope are what was tested).
+
 OpenMP: torch's CPU wheel ships its own `libgomp.so.1`, loaded before this library, which the
 dynamic loader then reuses (same soname): the kernels run on torch's thread pool, not a second one.
 """
@@ -26,6 +32,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -41,7 +48,7 @@ LIBRARY_FLAGS = ("-O3", "-shared", "-fPIC")
 FLAG_CHOICES = (("-march=native", "-fopenmp"), ("-march=native",), ())
 BUILD_TIMEOUT_S = 120  # one small C file: seconds at most, even on a busy machine
 # Below this many multiply-adds a product runs on one thread: waking the others costs more than it saves.
-PARALLEL_MIN_MACS = 1 << 16
+PARALLEL_MIN_MACS = 1 << 16  # int8_linear.c has the same (its package function counts threads itself)
 ROWS_KERNEL = "rows_linear"
 # The rows kernel computes one vector of rows per weight element: with fewer lanes than an AVX2
 # register (a build without AVX2 + FMA, or not x86) it is a plain loop, slower than any BLAS.
@@ -72,7 +79,17 @@ def _compiler_version(cc: str) -> str:
         return ""
 
 
-def _build(cc: str, source: Path, target: Path, flags: tuple[str, ...]) -> str | None:
+# The build for packages: the C interface's functions compiled in, libtorch (which defines the
+# `aoti_torch_*` functions they call) linked after the source.
+PACKAGE_DEFINE = "-DLATENTLOOP_AOTI"
+
+
+def _torch_link_flags() -> tuple[str, ...]:
+    library_dir = Path(torch.__file__).resolve().parent / "lib"
+    return (f"-L{library_dir}", f"-Wl,-rpath,{library_dir}", "-ltorch_cpu")
+
+
+def _build(cc: str, source: Path, target: Path, flags: tuple[str, ...], libraries: tuple[str, ...] = ()) -> str | None:
     """Compile `source` into `target` atomically; None on success, else the compiler's complaint."""
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -81,7 +98,7 @@ def _build(cc: str, source: Path, target: Path, flags: tuple[str, ...]) -> str |
     except OSError as exc:
         return f"cannot write {target.parent}: {exc.strerror or exc}"
     try:
-        done = subprocess.run([cc, *flags, str(source), "-o", partial], capture_output=True, text=True,
+        done = subprocess.run([cc, *flags, str(source), *libraries, "-o", partial], capture_output=True, text=True,
                               timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:
             return (done.stderr.strip().splitlines() or [f"{cc} exited with {done.returncode}"])[-1]
@@ -94,42 +111,55 @@ def _build(cc: str, source: Path, target: Path, flags: tuple[str, ...]) -> str |
             os.unlink(partial)
 
 
+def _failure_key(name: str, for_packages: bool) -> str:
+    return f"{name} for packages" if for_packages else name
+
+
 @functools.cache
-def native_library(name: str) -> ctypes.CDLL | None:
+def native_library(name: str, for_packages: bool = False) -> ctypes.CDLL | None:
     """The kernel library `name` (`name`.c beside this module), built on first use; None when the
-    kernels are off or it cannot be built (the reason: `native_status(name)`)."""
+    kernels are off or it cannot be built (the reason: `native_status(name)`). `for_packages`: the
+    build an ahead-of-time package calls (see the module doc)."""
+    failure = _failure_key(name, for_packages)
     if os.environ.get(NATIVE_ENV, "1") == "0":
-        _failures[name] = f"turned off ({NATIVE_ENV}=0)"
+        _failures[failure] = f"turned off ({NATIVE_ENV}=0)"
+        return None
+    if for_packages and not sys.platform.startswith("linux"):
+        _failures[failure] = f"a package calls the kernels on Linux only (this is {sys.platform})"
         return None
     cc = _compiler()
     if cc is None:
-        _failures[name] = "no C compiler (cc, gcc or clang; or set CC)"
+        _failures[failure] = "no C compiler (cc, gcc or clang; or set CC)"
         return None
     source = Path(__file__).with_name(f"{name}.c")
     if not source.is_file():  # a copy of the modules without their C files (an exported model's remote code)
-        _failures[name] = f"{source.name} is not beside {Path(__file__).name}"
+        _failures[failure] = f"{source.name} is not beside {Path(__file__).name}"
         return None
     code = source.read_bytes()
     host = [_compiler_version(cc).encode(), _cpu_signature().encode()]
+    defines, libraries = ((PACKAGE_DEFINE,), _torch_link_flags()) if for_packages else ((), ())
     reasons = []
     for choice in FLAG_CHOICES:
-        flags = LIBRARY_FLAGS + choice
-        key = hashlib.sha256(b"\0".join([code, " ".join(flags).encode(), *host])).hexdigest()[:16]
-        target = default_cache_dir() / "kernels" / f"{name}-{key}.so"
-        problem = None if target.is_file() else _build(cc, source, target, flags)
+        flags = LIBRARY_FLAGS + defines + choice
+        key = hashlib.sha256(b"\0".join([code, " ".join(flags + libraries).encode(), *host])).hexdigest()[:16]
+        suffix = "-packages" if for_packages else ""
+        target = default_cache_dir() / "kernels" / f"{name}{suffix}-{key}.so"
+        problem = None if target.is_file() else _build(cc, source, target, flags, libraries)
         if problem is None:
             try:
-                return ctypes.CDLL(str(target))
+                return ctypes.CDLL(str(target), mode=os.RTLD_GLOBAL if for_packages else ctypes.DEFAULT_MODE)
             except OSError as exc:
                 problem = str(exc)
         reasons.append(problem)
-    _failures[name] = f"{name}.c did not build with {cc}: {reasons[-1]}"
+    _failures[failure] = f"{name}.c did not build with {cc}: {reasons[-1]}"
     return None
 
 
-def native_status(name: str) -> str:
+def native_status(name: str, for_packages: bool = False) -> str:
     """'native' when the kernel library `name` loads, else why not (one line)."""
-    return "native" if native_library(name) is not None else _failures.get(name, "unavailable")
+    if native_library(name, for_packages) is not None:
+        return "native"
+    return _failures.get(_failure_key(name, for_packages), "unavailable")
 
 
 def threads_for(macs: int) -> int:

@@ -5,17 +5,20 @@ per output channel (symmetric: w ~= q * scale, q in [-127, 127], scale = max |w|
 
 Decoding streams the weights once per token, so a quarter of the bytes is up to four times less
 memory traffic for the linear layers. How each product runs:
-- float32 on the CPU, at most `KERNEL_MAX_ROWS` rows (decoding), eager and in dynamo's compiled
-  step: the native kernel (`int8_linear.c`, built by `models/native.py`; to torch.compile it is the
-  opaque op `latentloop::int8_linear`): each weight read as one byte and widened in registers,
-  float32 products and sums, the rows split over torch's threads. It replaced the eager conversion
-  below for decoding, which was slower than the float layer (2.4 against 1.6 ms for 768 -> 3072 at
-  one row); torch's `_weight_int8pack_mm` was slower still with float32 activations (12 ms).
-- in the ahead-of-time compiled step (`aot.py`, the CPU default): a ctypes call cannot be held in a
-  package, so the product is an inductor reduction over the int8 weights
-  (`fast._int8_linear_by_reduction`), widened in registers too, fused with the step's other loops.
-  `benchmarks.engines`, one run: 10.9 ms a token at 12 layers x 768, 2 threads (dynamo's step with
-  the native kernel 18.5, the float package 20.3) and 0.58 ms at 4 x 256, 1 thread (dynamo's 0.96).
+- float32 on the CPU, at most `KERNEL_MAX_ROWS` rows (decoding), eager, in dynamo's compiled step
+  and in the ahead-of-time one: the native kernel (`int8_linear.c`, built by `models/native.py`).
+  With AVX-512 VNNI its products are integer (`vpdpbusd`, 64 byte products an instruction): each
+  row of activations is written as three base-254 digits (about float32's precision, not int8's;
+  the file's doc says how), so it agrees with the float products to float32 rounding. Without VNNI
+  each weight is widened to float in registers (AVX2), float32 products and sums. To
+  torch.compile it is the opaque op `latentloop::int8_linear`; an ahead-of-time package calls it
+  as a C function (`PACKAGE_FUNCTION`, the library's build for packages, see `package_kernel`).
+  It replaced an eager conversion that was slower than the float layer (2.4 against 1.6 ms for
+  768 -> 3072 at one row); torch's `_weight_int8pack_mm` was slower still with float32 activations.
+- in the ahead-of-time step where that build is missing (not Linux, no compiler): the product is an
+  inductor reduction over the int8 weights (`fast._int8_linear_by_reduction`), widened in registers
+  too, fused with the step's other loops; it spent about half of a 4 x 256 step in its latency-bound
+  sums (one accumulator a row, `perf`), the reason the package calls the kernel now.
 - float32 on the CPU, more rows up to `ROWS_KERNEL_MAX_ROWS` (a short prefill), eager:
   `native.rows_linear` (`rows_linear.c`): each weight tile widened once into the thread's buffer and
   used for every row. The conversion's time over the kernel's, paired rounds on the 2-core Zen 4
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +58,10 @@ MIN_SCALE = 1e-12
 KERNEL_MAX_ROWS = 8
 ROWS_KERNEL_MAX_ROWS = 128  # rows the rows kernel takes (past KERNEL_MAX_ROWS; see the module doc)
 KERNEL = "int8_linear"
+# What an ahead-of-time package calls for `latentloop::int8_linear`: AOTInductor names an operator's C
+# function aoti_torch_<device>_<name> and declares it as given here (int8_linear.c defines it).
+PACKAGE_FUNCTION = ("AOTITorchError aoti_torch_cpu_int8_linear(AtenTensorHandle x, AtenTensorHandle weight_int8, "
+                    "AtenTensorHandle scale, AtenTensorHandle packed, AtenTensorHandle* out)")
 
 
 @functools.cache
@@ -61,17 +69,50 @@ def _kernel() -> ctypes.CDLL | None:
     lib = native_library(KERNEL)
     if lib is not None:
         lib.latentloop_int8_linear.restype = None
-        lib.latentloop_int8_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        lib.latentloop_int8_linear.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        lib.latentloop_int8_linear_path.restype = ctypes.c_int
+        lib.latentloop_int8_packed_bytes.restype = ctypes.c_int64
+        lib.latentloop_int8_packed_bytes.argtypes = [ctypes.c_int64] * 2
     return lib
+
+
+VNNI_PATH = 2  # `latentloop_int8_linear_path()` of a build that sums a packed weight with VNNI
+# The packed layout (int8_linear.c): blocks of this many output rows, this many k's per lane
+LANE_ROWS, GROUP = 16, 4
+WEIGHT_OFFSET = 128  # the packed weight is q + 128, unsigned: VNNI's unsigned operand
+
+
+def packs_weights() -> bool:
+    """Whether the kernel here sums a packed weight (AVX-512 VNNI): `Int8Linear` packs only then."""
+    lib = _kernel()
+    return lib is not None and lib.latentloop_int8_linear_path() == VNNI_PATH
+
+
+def pack_weight(weight_int8: Tensor) -> Tensor:
+    """q (N, K) int8 -> the kernel's packed copy (N/16, K/4, 16, 4) uint8 of q + 128, N and K padded
+    with zero weights (see int8_linear.c)."""
+    n, k = weight_int8.shape
+    rows, cols = -(-n // LANE_ROWS) * LANE_ROWS, -(-k // GROUP) * GROUP
+    padded = F.pad(weight_int8.detach().cpu().to(torch.int16), (0, cols - k, 0, rows - n)) + WEIGHT_OFFSET
+    return (padded.to(torch.uint8).view(rows // LANE_ROWS, LANE_ROWS, cols // GROUP, GROUP)
+            .permute(0, 2, 1, 3).contiguous())
+
+
+def package_kernel() -> str | None:
+    """The kernel library's build for packages when it loads (its file name, for a package's key),
+    else None: a package then sums the int8 products itself (see the module doc)."""
+    lib = native_library(KERNEL, for_packages=True)
+    return None if lib is None else Path(lib._name).name
 
 
 def _converted_product(x: Tensor, weight_int8: Tensor, scale: Tensor) -> Tensor:
     return F.linear(x, weight_int8.to(x.dtype)) * scale.to(x.dtype)
 
 
-def int8_product(x: Tensor, weight_int8: Tensor, scale: Tensor) -> Tensor:
+def int8_product(x: Tensor, weight_int8: Tensor, scale: Tensor, packed: Tensor | None = None) -> Tensor:
     """x (..., K) float32 @ (weight_int8 (N, K) * scale (N,)[:, None]).T -> (..., N), through the native
-    kernel when it applies (see the module doc), else the converted product."""
+    kernel when it applies (see the module doc), else the converted product. `packed`: the weight's
+    `pack_weight` copy, which the VNNI kernel reads (ignored where it is empty or not the kernel's)."""
     n, k = weight_int8.shape
     rows = x.numel() // k
     if (x.device.type != "cpu" or x.dtype != torch.float32 or scale.dtype != torch.float32
@@ -81,9 +122,11 @@ def int8_product(x: Tensor, weight_int8: Tensor, scale: Tensor) -> Tensor:
     lib = _kernel() if rows <= KERNEL_MAX_ROWS else None
     if lib is not None:
         q, s = weight_int8.contiguous(), scale.contiguous()
+        ready = (packed is not None and packed.dtype == torch.uint8 and packed.is_contiguous()
+                 and packed.numel() == lib.latentloop_int8_packed_bytes(n, k) > 0)
         y = torch.empty(rows, n, dtype=torch.float32)
-        lib.latentloop_int8_linear(flat.data_ptr(), q.data_ptr(), s.data_ptr(), y.data_ptr(), rows, n, k,
-                                   threads_for(rows * n * k))
+        lib.latentloop_int8_linear(flat.data_ptr(), q.data_ptr(), packed.data_ptr() if ready else None, s.data_ptr(),
+                                   y.data_ptr(), rows, n, k, threads_for(rows * n * k))
         return y.reshape(*x.shape[:-1], n)
     y = rows_linear(flat, weight_int8, scale) if KERNEL_MAX_ROWS < rows <= ROWS_KERNEL_MAX_ROWS else None
     if y is None:  # no kernel for these rows, or none built
@@ -91,14 +134,17 @@ def int8_product(x: Tensor, weight_int8: Tensor, scale: Tensor) -> Tensor:
     return y.reshape(*x.shape[:-1], n)
 
 
-# The same function as an operator torch.compile keeps opaque (dynamo cannot trace ctypes). Eager
-# callers call `int8_product` itself: the operator's dispatch costs tens of microseconds a call,
-# more than a small layer's product.
-int8_linear = torch.library.custom_op("latentloop::int8_linear", mutates_args=())(int8_product)
+# The same function as an operator torch.compile keeps opaque (dynamo cannot trace ctypes), and an
+# ahead-of-time package calls as `PACKAGE_FUNCTION`; `packed` always a tensor there (empty when the
+# weight is not packed). Eager callers call `int8_product` itself: the operator's dispatch costs
+# tens of microseconds a call, more than a small layer's product.
+@torch.library.custom_op("latentloop::int8_linear", mutates_args=())
+def int8_linear(x: Tensor, weight_int8: Tensor, scale: Tensor, packed: Tensor) -> Tensor:
+    return int8_product(x, weight_int8, scale, packed)
 
 
 @int8_linear.register_fake
-def _(x: Tensor, weight_int8: Tensor, scale: Tensor) -> Tensor:
+def _(x: Tensor, weight_int8: Tensor, scale: Tensor, packed: Tensor) -> Tensor:
     return x.new_empty((*x.shape[:-1], weight_int8.shape[0]))
 
 
@@ -122,6 +168,9 @@ class Int8Linear(nn.Module):
         dtype = linear.weight.dtype
         self.register_buffer("weight_int8", q)  # (out, in)
         self.register_buffer("scale", scale.to(dtype))  # (out,), the activations' dtype (the int8 kernel's rule)
+        # The VNNI kernel's copy (`pack_weight`), made from the int8 weight whenever that is loaded;
+        # empty where the kernel does not read one. Not saved: a checkpoint holds `weight_int8`.
+        self.register_buffer("weight_packed", self._packed(q), persistent=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         self._dequantised: Tensor | None = None
 
@@ -133,10 +182,21 @@ class Int8Linear(nn.Module):
                 self._dequantised = self.weight_int8.to(self.scale.dtype) * self.scale[:, None]
         return self._dequantised
 
+    @staticmethod
+    def _packed(weight_int8: Tensor) -> Tensor:
+        if weight_int8.device.type == "cpu" and packs_weights():
+            return pack_weight(weight_int8)
+        return torch.empty(0, dtype=torch.uint8, device=weight_int8.device)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self.weight_packed = self._packed(self.weight_int8)  # a packed copy of the old weight would be read
+        self._dequantised = None
+
     def forward(self, x: Tensor) -> Tensor:  # x (..., in) -> (..., out)
         if x.device.type == "cpu" and x.dtype == torch.float32:  # the native kernel or its fallback
             product = int8_linear if torch.compiler.is_compiling() else int8_product
-            y = product(x, self.weight_int8, self.scale)
+            y = product(x, self.weight_int8, self.scale, self.weight_packed)
         else:
             y = _converted_product(x, self.weight_int8, self.scale)
         return y if self.bias is None else y + self.bias
