@@ -637,8 +637,7 @@ def test_float_decode_kernel_equals_torchs_product(rows, out, width, monkeypatch
 
     def kernel(threads: int) -> Tensor:
         y = torch.full((rows, out), float("nan"))
-        failed = lib.latentloop_float_linear(x.data_ptr(), weight.data_ptr(), y.data_ptr(), rows, out, width, threads)
-        assert failed == 0
+        assert lib.latentloop_float_linear(x.data_ptr(), weight.data_ptr(), y.data_ptr(), rows, out, width, threads) == 0
         return y
 
     one, two = kernel(1), kernel(2)
