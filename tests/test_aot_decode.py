@@ -102,16 +102,15 @@ def test_the_off_switch_keeps_dynamos_step_and_int8_weights_take_a_package(monke
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["int8 kernel", "no int8 kernel"])
 def test_export_swaps_every_product_the_dynamo_backend_rewrites_and_restores_them(kernel, monkeypatch):
-    """What `torch.export` traces and what dynamo's backend rewrites must be the same step but for the
-    products a package calls as C functions: every rewritten call has its module attribute swapped
-    while exporting, and put back after. The int8 product stays the operator where the package can
-    call its kernel, and is a reduction elsewhere."""
+    """What `torch.export` traces and what dynamo's backend rewrites must be the same step: every
+    rewritten call has its module attribute swapped while exporting, and put back after. The int8
+    product stays the operator where the package can call its kernel, and is a reduction elsewhere."""
     from latentloop.models import fast, quant
 
     if not kernel:
-        monkeypatch.setattr(native, "package_kernels", lambda: None)
-    elif native.package_kernels() is None:
-        pytest.skip(f"no kernels for packages here: {native.native_status(quant.KERNEL, for_packages=True)}")
+        monkeypatch.setattr(quant, "package_kernel", lambda: None)
+    elif quant.package_kernel() is None:
+        pytest.skip(f"no int8 kernel for packages here: {native.native_status(quant.KERNEL, for_packages=True)}")
     assert {(module, name) for module, name, _ in fast.EXPORT_SWAPS} == {
         (torch.nn.functional, "linear"), (torch.nn.functional, "scaled_dot_product_attention"), (quant, "int8_linear")}
     before = [getattr(module, name) for module, name, _ in fast.EXPORT_SWAPS]
@@ -122,7 +121,7 @@ def test_export_swaps_every_product_the_dynamo_backend_rewrites_and_restores_the
             assert getattr(module, name) is (originals[(module, name)] if kept else reduction)
         assert (quant.int8_linear is fast._int8_linear_by_reduction) is not kernel
     assert [getattr(module, name) for module, name, _ in fast.EXPORT_SWAPS] == before
-    assert bool(aot._package_kernel_config()) is kernel
+    assert bool(aot._int8_kernel_config()) is kernel
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import option_sets
-from torch import Tensor, nn
+from torch import nn
 
 import latentloop as ll
 from latentloop.engine import PromptError, model_options
@@ -574,7 +574,7 @@ def test_native_kernels_can_be_turned_off_and_a_failed_build_falls_back(monkeypa
     expected = F.linear(x, q.float()) * scale
     monkeypatch.setenv("LATENTLOOP_CACHE", str(tmp_path))  # no build of this machine's cache is reused
     for env, status in [({"LATENTLOOP_NATIVE": "0"}, "turned off (LATENTLOOP_NATIVE=0)"),
-                        ({"CC": "false"}, "decode_linear.c did not build with false")]:
+                        ({"CC": "false"}, "int8_linear.c did not build with false")]:
         for name, value in env.items():
             monkeypatch.setenv(name, value)
         caches = (native.native_library, native._rows_library, quant._kernel)
@@ -583,8 +583,8 @@ def test_native_kernels_can_be_turned_off_and_a_failed_build_falls_back(monkeypa
         try:
             assert native.native_status(quant.KERNEL).startswith(status)
             assert native.native_status(quant.KERNEL, for_packages=True).startswith(status)
-            assert native.package_kernels() is None and not quant.packs_weights()
-            assert native.rows_linear_status().startswith(status.replace("decode_linear.c", "rows_linear.c"))
+            assert quant.package_kernel() is None and not quant.packs_weights()
+            assert native.rows_linear_status().startswith(status.replace("int8_linear.c", "rows_linear.c"))
             torch.testing.assert_close(quant.int8_product(x, q, scale), expected, rtol=1e-6, atol=1e-6)
             many = x.expand(quant.KERNEL_MAX_ROWS + 1, -1)  # the rows kernel's rows, torch's product instead
             torch.testing.assert_close(quant.int8_product(many, q, scale), expected.expand(len(many), -1),
@@ -598,7 +598,7 @@ def test_native_kernels_can_be_turned_off_and_a_failed_build_falls_back(monkeypa
 
 
 def test_packed_weight_layout_and_kernel_constants():
-    """`pack_weight` lays q + 128 out as decode_linear.c reads it ([N/16][K/4][16][4], zero weights in
+    """`pack_weight` lays q + 128 out as int8_linear.c reads it ([N/16][K/4][16][4], zero weights in
     the padding), of the size the kernel expects; the kernel's thread threshold is native.py's."""
     from latentloop.models import native, quant
 
@@ -611,39 +611,6 @@ def test_packed_weight_layout_and_kernel_constants():
     for n, k in [(0, 0), (5, 9), (36, 3), (16, 4)]:
         assert int(packed[n // 16, k // 4, n % 16, k % 4]) == int(q[n, k]) + quant.WEIGHT_OFFSET
     assert int(packed[2, 2, 10, 3]) == quant.WEIGHT_OFFSET  # row 42 > 36, k 11 > 9: a zero weight
-    assert lib.latentloop_parallel_min_macs() == native.PARALLEL_MIN_MACS
-
-
-# (rows, out, in): one row to REDUCTION_MAX_ROWS; outputs that are and are not whole blocks of 4, inputs
-# that are and are not whole vectors of 16
-FLOAT_KERNEL_SHAPES = [(1, 96, 64), (1, 7, 5), (2, 130, 200), (4, 259, 683), (3, 1, 17)]
-
-
-@pytest.mark.parametrize("rows,out,width", FLOAT_KERNEL_SHAPES)
-def test_float_decode_kernel_equals_torchs_product(rows, out, width, monkeypatch):
-    """decode_linear.c's float32 kernel (what a package calls for a decode step's products) equals
-    F.linear to float32 rounding, bit for bit on 1 and 2 threads."""
-    import ctypes
-
-    from latentloop.models import fast, native, quant
-
-    lib = quant._kernel()
-    if lib is None or lib.latentloop_float_kernel() != 1:
-        pytest.skip("no float32 decode kernel here (it needs AVX-512)")
-    assert rows <= fast.REDUCTION_MAX_ROWS
-    torch.manual_seed(rows + out + width)
-    x, weight = torch.randn(rows, width), torch.randn(out, width)
-    lib.latentloop_float_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-
-    def kernel(threads: int) -> Tensor:
-        y = torch.full((rows, out), float("nan"))
-        assert lib.latentloop_float_linear(x.data_ptr(), weight.data_ptr(), y.data_ptr(), rows, out, width, threads) == 0
-        return y
-
-    one, two = kernel(1), kernel(2)
-    expected = x.double() @ weight.double().T
-    torch.testing.assert_close(one.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
-    assert torch.equal(one, two)
     assert lib.latentloop_parallel_min_macs() == native.PARALLEL_MIN_MACS
 
 

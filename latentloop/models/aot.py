@@ -16,13 +16,11 @@ How a step becomes a package (`AotDecodeStep`, one per model and options):
   the package is pointed at the model's own parameters and buffers (`load_constants(...,
   user_managed=True)`). So a package depends on the model's code, config, options and shapes, not
   its weights: another checkpoint of the same config reuses it, and nothing stale is ever read.
-- The traced step is dynamo's (`_cpu_decode_backend`) with its products called as C functions:
-  `F.linear`, SDPA and `quant.int8_linear` are swapped while exporting (`EXPORT_SWAPS`). A product of
-  a few float32 rows becomes the operator `latentloop::decode_linear` and an int8 product stays
-  `latentloop::int8_linear`; the package calls both as functions of `decode_linear.c`'s build for
-  packages (`native.package_kernels`, loaded into the process before any package), where inductor's
-  own loop for a product (one accumulator a row) spent most of a small model's step. Where that
-  build is missing, the products are reductions as in dynamo's step; attention is one in both.
+- The traced step is the same rewritten one as dynamo's (`_cpu_decode_backend`): one-row products
+  and one-query attention as reductions, by swapping `F.linear` and SDPA while exporting
+  (`EXPORT_SWAPS`). An int8 product stays the operator `latentloop::int8_linear`, which the package
+  calls as the C function of `int8_linear.c`'s build for packages (`quant.package_kernel`, loaded
+  into the process before any package); where that build is missing it is swapped for a reduction too.
 - Packages live in `compile_cache_dir()/aot/`, named by a hash of everything they depend on
   (`package_key`): torch's version, this package's model code, the CPU's instruction set flags,
   the config, the options and each input's shape and dtype. A write is atomic (temp file, rename).
@@ -50,7 +48,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from . import native, quant
+from . import quant
 
 AOT_ENV = "LATENTLOOP_AOT"  # "0": no ahead-of-time packages, dynamo's compiled step everywhere
 AOT_SUBDIR = "aot"  # under compile_cache_dir()
@@ -140,16 +138,11 @@ class _ExportedStep(nn.Module):
         return logits, greedy
 
 
-def _package_kernel_config() -> dict:
-    """Inductor's settings for a package to call the decode kernels' C functions; none without them."""
-    from .fast import PACKAGE_FLOAT_FUNCTION, float_package_kernel
-
-    if native.package_kernels() is None:
+def _int8_kernel_config() -> dict:
+    """Inductor's settings for a package to call the int8 kernel's C function; none without it."""
+    if quant.package_kernel() is None:
         return {}
-    functions = {torch.ops.latentloop.int8_linear.default: [quant.PACKAGE_FUNCTION]}
-    if float_package_kernel():
-        functions[torch.ops.latentloop.decode_linear.default] = [PACKAGE_FLOAT_FUNCTION]
-    return {"aot_inductor.custom_ops_to_c_shims": functions}
+    return {"aot_inductor.custom_ops_to_c_shims": {torch.ops.latentloop.int8_linear.default: [quant.PACKAGE_FUNCTION]}}
 
 
 @contextlib.contextmanager
@@ -159,7 +152,7 @@ def _products_as_reductions():
     from .fast import EXPORT_SWAPS
 
     swaps = [(module, name, reduction) for module, name, reduction in EXPORT_SWAPS
-             if not (module is quant and native.package_kernels() is not None)]
+             if not (module is quant and quant.package_kernel() is not None)]
     saved = [(module, name, getattr(module, name)) for module, name, _ in swaps]
     for module, name, reduction in swaps:
         setattr(module, name, reduction)
@@ -239,7 +232,7 @@ def package_key(model, options: dict, cache, fields) -> str:
                  [*model.named_parameters(), *model.named_buffers()]]
     blob = json.dumps({"format": PACKAGE_FORMAT, "torch": torch.__version__, "source": model_code_digest(),
                        "cpu": _DIGESTS["cpu"], "threads": torch.get_num_threads(),
-                       "kernels": native.package_kernels_name(),
+                       "int8_kernel": quant.package_kernel(),
                        "class": type(model).__qualname__, "cache": type(cache).__qualname__,
                        "config": config, "options": sorted((k, repr(v)) for k, v in options.items()),
                        "fields": fields, "inputs": inputs, "constants": constants},
@@ -409,7 +402,7 @@ class AotDecodeStep:
             try:
                 aoti_compile_and_package(program, package_path=temp, inductor_configs={
                     "aot_inductor.package_constants_in_so": False,
-                    "aot_inductor.metadata": {INFO_KEY: json.dumps(info)}, **_package_kernel_config()})
+                    "aot_inductor.metadata": {INFO_KEY: json.dumps(info)}, **_int8_kernel_config()})
                 os.replace(temp, path)
             finally:
                 Path(temp).unlink(missing_ok=True)

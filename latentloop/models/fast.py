@@ -74,7 +74,7 @@ import torch
 from torch import Tensor
 
 from ..util import default_cache_dir
-from . import native, quant
+from . import quant
 from .aot import AotDecodeStep, AotUnavailable, aot_enabled, model_code_digest
 from .backbone import GPT
 from .cache import AttentionPlan, KVCache, row_span
@@ -770,54 +770,17 @@ def _int8_linear_by_reduction(x: Tensor, weight_int8: Tensor, scale: Tensor, pac
     return (x[..., None, :] * weight_int8).sum(-1) * scale  # (..., N, K) -> (..., N), never materialised
 
 
-# What an ahead-of-time package calls for `latentloop::decode_linear` (see `quant.PACKAGE_FUNCTION`)
-PACKAGE_FLOAT_FUNCTION = ("AOTITorchError aoti_torch_cpu_decode_linear(AtenTensorHandle x, AtenTensorHandle weight, "
-                          "AtenTensorHandle* out)")
-
-
-@torch.library.custom_op("latentloop::decode_linear", mutates_args=())
-def decode_linear(x: Tensor, weight: Tensor) -> Tensor:
-    """x (..., K) @ weight (N, K).T in float32, a decode step's few rows: inside a package,
-    `decode_linear.c`'s float kernel (`PACKAGE_FLOAT_FUNCTION`); called from Python, torch's product."""
-    return torch._C._nn.linear(x, weight)
-
-
-@decode_linear.register_fake
-def _(x: Tensor, weight: Tensor) -> Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-
-def float_package_kernel() -> bool:
-    """Whether a package can call the float32 kernel (`decode_linear.c` built for packages, AVX-512)."""
-    lib = native.package_kernels()
-    return lib is not None and lib.latentloop_float_kernel() == 1
-
-
-def _linear_for_package(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """`F.linear` while a step is exported for a package: the float kernel's operator for a product
-    of up to `REDUCTION_MAX_ROWS` float32 rows (its input stored once, contiguous, as the kernel reads
-    it), else what dynamo's step computes (`_linear_by_reduction`)."""
-    rows = input.numel() // input.shape[-1]
-    if (rows <= REDUCTION_MAX_ROWS and input.dtype == weight.dtype == torch.float32 and input.device.type == "cpu"
-            and weight.dim() == 2 and weight.is_contiguous() and float_package_kernel()):
-        y = decode_linear(_stored(input), weight)
-        return y if bias is None else y + bias
-    return _linear_by_reduction(input, weight, bias)
-
-
 # the dynamo graph's call -> what the CPU decode step computes instead (`F.linear` is
 # `torch._C._nn.linear`, and the same for SDPA)
 _BY_REDUCTION = {torch.nn.functional.linear: _linear_by_reduction,
                  torch.nn.functional.scaled_dot_product_attention: _attention_by_reduction}
 # What the ahead-of-time step swaps while `torch.export` traces the model's code: the module
 # attributes `nn.Linear`, the backbone and `Int8Linear` call (the latter `quant.int8_linear` while
-# compiling), for what the package computes instead (see aot.py: the int8 product is swapped only
-# where the package cannot call its kernel). Dynamo's graph keeps the native int8 kernel (an opaque
-# operator, 10% faster than the reduction there, A/B in one process at `benchmarks.decode_profile`'s
-# shapes: 0.61 vs 0.68 ms a step at 4 x 256, 1 thread; 7.1 vs 7.9 ms at 12 x 768 with a 32000-token
-# head, 2 threads).
-EXPORT_SWAPS = ((torch.nn.functional, "linear", _linear_for_package),
-                (torch.nn.functional, "scaled_dot_product_attention", _attention_by_reduction),
+# compiling). Dynamo's graph keeps the native int8 kernel (an opaque operator, 10% faster than the
+# reduction there, A/B in one process at `benchmarks.decode_profile`'s shapes: 0.61 vs 0.68 ms a step
+# at 4 x 256, 1 thread; 7.1 vs 7.9 ms at 12 x 768 with a 32000-token head, 2 threads); a package
+# cannot call it.
+EXPORT_SWAPS = (*((torch.nn.functional, original.__name__, reduction) for original, reduction in _BY_REDUCTION.items()),
                 (quant, "int8_linear", _int8_linear_by_reduction))
 
 

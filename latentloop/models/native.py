@@ -1,7 +1,7 @@
 """Native CPU kernels: small C files beside this module, compiled for the host on first use and kept
 in the latentloop cache (`kernels/`), loaded with ctypes.
 
-    lib = native_library("decode_linear")  # a ctypes.CDLL, or None (then the caller's torch path runs)
+    lib = native_library("int8_linear")   # a ctypes.CDLL, or None (then the caller's torch path runs)
     y = rows_linear(x, weight)            # rows_linear.c's product, or None (see its doc)
 
 Why C and ctypes rather than a torch C++ extension: a plain C file builds in well under a second with
@@ -48,9 +48,8 @@ LIBRARY_FLAGS = ("-O3", "-shared", "-fPIC")
 FLAG_CHOICES = (("-march=native", "-fopenmp"), ("-march=native",), ())
 BUILD_TIMEOUT_S = 120  # one small C file: seconds at most, even on a busy machine
 # Below this many multiply-adds a product runs on one thread: waking the others costs more than it saves.
-PARALLEL_MIN_MACS = 1 << 16  # decode_linear.c has the same (its package functions count threads themselves)
+PARALLEL_MIN_MACS = 1 << 16  # int8_linear.c has the same (its package function counts threads itself)
 ROWS_KERNEL = "rows_linear"
-DECODE_KERNEL = "decode_linear"  # a decode step's products: int8 (eager, compiled, packages) and float32 (packages)
 # The rows kernel computes one vector of rows per weight element: with fewer lanes than an AVX2
 # register (a build without AVX2 + FMA, or not x86) it is a plain loop, slower than any BLAS.
 ROWS_MIN_LANES = 8
@@ -161,21 +160,6 @@ def native_status(name: str, for_packages: bool = False) -> str:
     if native_library(name, for_packages) is not None:
         return "native"
     return _failures.get(_failure_key(name, for_packages), "unavailable")
-
-
-def package_kernels() -> ctypes.CDLL | None:
-    """`decode_linear.c`'s build for packages (loaded, so a package's library finds its functions), or
-    None: a package then sums its products in inductor's own loops."""
-    lib = native_library(DECODE_KERNEL, for_packages=True)
-    if lib is not None:
-        lib.latentloop_float_kernel.restype = ctypes.c_int
-    return lib
-
-
-def package_kernels_name() -> str | None:
-    """The build for packages' file name (its hash names the source, flags and host), for a package's key."""
-    lib = package_kernels()
-    return None if lib is None else Path(lib._name).name
 
 
 def threads_for(macs: int) -> int:

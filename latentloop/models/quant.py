@@ -6,13 +6,13 @@ per output channel (symmetric: w ~= q * scale, q in [-127, 127], scale = max |w|
 Decoding streams the weights once per token, so a quarter of the bytes is up to four times less
 memory traffic for the linear layers. How each product runs:
 - float32 on the CPU, at most `KERNEL_MAX_ROWS` rows (decoding), eager, in dynamo's compiled step
-  and in the ahead-of-time one: the native kernel (`decode_linear.c`, built by `models/native.py`).
+  and in the ahead-of-time one: the native kernel (`int8_linear.c`, built by `models/native.py`).
   With AVX-512 VNNI its products are integer (`vpdpbusd`, 64 byte products an instruction): each
   row of activations is written as three base-254 digits (about float32's precision, not int8's;
   the file's doc says how), so it agrees with the float products to float32 rounding. Without VNNI
   each weight is widened to float in registers (AVX2), float32 products and sums. To
   torch.compile it is the opaque op `latentloop::int8_linear`; an ahead-of-time package calls it
-  as a C function (`PACKAGE_FUNCTION`, in the library's build for packages: `native.package_kernels`).
+  as a C function (`PACKAGE_FUNCTION`, the library's build for packages, see `package_kernel`).
   It replaced an eager conversion that was slower than the float layer (2.4 against 1.6 ms for
   768 -> 3072 at one row); torch's `_weight_int8pack_mm` was slower still with float32 activations.
 - in the ahead-of-time step where that build is missing (not Linux, no compiler): the product is an
@@ -39,13 +39,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .backbone import Linear
-from .native import DECODE_KERNEL, native_library, rows_linear, threads_for
+from .native import native_library, rows_linear, threads_for
 
 INT8_MAX = 127  # symmetric: -128 is never used, so q and -q are both representable
 # A row of zeros would get scale 0 and divide by zero when quantised: its scale is at least this
@@ -56,9 +57,9 @@ MIN_SCALE = 1e-12
 # once for a vector of rows (at 8 rows the two were level: 0.98x, paired).
 KERNEL_MAX_ROWS = 8
 ROWS_KERNEL_MAX_ROWS = 128  # rows the rows kernel takes (past KERNEL_MAX_ROWS; see the module doc)
-KERNEL = DECODE_KERNEL
+KERNEL = "int8_linear"
 # What an ahead-of-time package calls for `latentloop::int8_linear`: AOTInductor names an operator's C
-# function aoti_torch_<device>_<name> and declares it as given here (decode_linear.c defines it).
+# function aoti_torch_<device>_<name> and declares it as given here (int8_linear.c defines it).
 PACKAGE_FUNCTION = ("AOTITorchError aoti_torch_cpu_int8_linear(AtenTensorHandle x, AtenTensorHandle weight_int8, "
                     "AtenTensorHandle scale, AtenTensorHandle packed, AtenTensorHandle* out)")
 
@@ -76,7 +77,7 @@ def _kernel() -> ctypes.CDLL | None:
 
 
 VNNI_PATH = 2  # `latentloop_int8_linear_path()` of a build that sums a packed weight with VNNI
-# The packed layout (decode_linear.c): blocks of this many output rows, this many k's per lane
+# The packed layout (int8_linear.c): blocks of this many output rows, this many k's per lane
 LANE_ROWS, GROUP = 16, 4
 WEIGHT_OFFSET = 128  # the packed weight is q + 128, unsigned: VNNI's unsigned operand
 
@@ -89,12 +90,19 @@ def packs_weights() -> bool:
 
 def pack_weight(weight_int8: Tensor) -> Tensor:
     """q (N, K) int8 -> the kernel's packed copy (N/16, K/4, 16, 4) uint8 of q + 128, N and K padded
-    with zero weights (see decode_linear.c)."""
+    with zero weights (see int8_linear.c)."""
     n, k = weight_int8.shape
     rows, cols = -(-n // LANE_ROWS) * LANE_ROWS, -(-k // GROUP) * GROUP
     padded = F.pad(weight_int8.detach().cpu().to(torch.int16), (0, cols - k, 0, rows - n)) + WEIGHT_OFFSET
     return (padded.to(torch.uint8).view(rows // LANE_ROWS, LANE_ROWS, cols // GROUP, GROUP)
             .permute(0, 2, 1, 3).contiguous())
+
+
+def package_kernel() -> str | None:
+    """The kernel library's build for packages when it loads (its file name, for a package's key),
+    else None: a package then sums the int8 products itself (see the module doc)."""
+    lib = native_library(KERNEL, for_packages=True)
+    return None if lib is None else Path(lib._name).name
 
 
 def _converted_product(x: Tensor, weight_int8: Tensor, scale: Tensor) -> Tensor:

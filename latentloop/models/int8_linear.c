@@ -1,13 +1,12 @@
-/* The weight products of a decode step (a few rows of float32 activations), on the CPU:
+/* Weight-only int8 linear layer for a few rows of float32 activations (decoding):
  *
- *     int8 weights:     y[m, n] = scale[n] * sum_k x[m, k] * q[n, k]   (latentloop_int8_linear)
- *     float32 weights:  y[m, n] = sum_k x[m, k] * w[n, k]              (the packages' float product)
+ *     y[m, n] = scale[n] * sum_k x[m, k] * q[n, k]
  *
- * x (M, K) float32, q (N, K) int8, w (N, K) float32, scale (N,) float32, y (M, N) float32, all
- * contiguous. A decode step streams each weight once; these loops are what it streams them with.
+ * x (M, K) float32, q (N, K) int8, scale (N,) float32, y (M, N) float32, all contiguous. A decode
+ * step streams each weight once as bytes: a quarter of the float layer's traffic.
  *
- * int8. With AVX-512 VNNI and the weight packed for it (`packed`, made by quant.pack_weight: q + 128
- * as unsigned bytes, laid out [N / 16][K / 4][16][4]) the products are integer: one `vpdpbusd` sums
+ * With AVX-512 VNNI and the weight packed for it (`packed`, made by quant.pack_weight: q + 128 as
+ * unsigned bytes, laid out [N / 16][K / 4][16][4]) the products are integer: one `vpdpbusd` sums
  * 4 k's of 16 output rows (64 byte products) into the 16 int32 lanes of those rows, so a block of 16
  * outputs needs no horizontal sum. The activations are not rounded to int8 as an int8 x int8
  * engine does (CTranslate2's int8): each row of x is written in base 254 with DIGITS signed digits,
@@ -17,32 +16,24 @@
  * which keeps ~23 bits relative to the row's largest element (float32 has 24); each digit's sum is
  * exact in int32, and the three are combined in float at the end. The weights' + 128 is taken off
  * as 128 * (sum of the row's digits). The result agrees with the float path and with `F.linear`
- * over the dequantised weight to float32 rounding (the tests hold all to one tolerance). Without
- * VNNI, or without a packed weight: each weight widened to float in registers (AVX2 + FMA, 8
- * lanes), float32 products and sums; without AVX2 the plain loop.
+ * over the dequantised weight to float32 rounding (the tests hold all to one tolerance).
  *
- * float32 (for packages only: eagerly torch's product is as fast, without a ctypes call per
- * layer). Four weight rows at a time, each against the same vector of x, their sums in four
- * registers and their horizontal sums done together: inductor's own loop for this (a reduction per
- * output row, one accumulator, a multiply and an add in turn) waited on its additions and spent
- * most of a small model's step there (`perf`).
+ * Otherwise (no VNNI, or no packed weight): each weight widened to float in registers (AVX2 + FMA,
+ * 8 lanes), float32 products and sums; without AVX2 the plain loop.
  *
  * The output rows are split over `threads` OpenMP threads (torch's pool: see native.py), so that
  * every output is summed by one thread in one order whatever the thread count. Built by
  * latentloop/models/native.py with the host's -march=native.
  *
- * LATENTLOOP_AOTI (the library's second build, linked with libtorch): `aoti_torch_cpu_int8_linear`
- * and `aoti_torch_cpu_decode_linear`, the C functions an ahead-of-time compiled decode step
- * (aot.py) calls for the operators `latentloop::int8_linear` and `latentloop::decode_linear`.
+ * LATENTLOOP_AOTI (the library's second build, linked with libtorch): `aoti_torch_cpu_int8_linear`,
+ * the C function an ahead-of-time compiled decode step (aot.py) calls for `latentloop::int8_linear`
+ * in place of a reduction inductor writes itself.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
-#endif
-#if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
 #endif
 
 /* Below this many multiply-adds a product runs on one thread; native.py's PARALLEL_MIN_MACS (a test
@@ -55,80 +46,9 @@ int64_t latentloop_int8_packed_bytes(int64_t N, int64_t K) {
     return (N + LANE_ROWS - 1) / LANE_ROWS * LANE_ROWS * ((K + GROUP - 1) / GROUP * GROUP);
 }
 
-
-/* ---- float32 weights ------------------------------------------------------------------------ */
-
-#define ROW_BLOCK 4 /* weight rows summed side by side against one vector of x */
-
-#if defined(__AVX512F__)
-#define FLOAT_LANES 16
-static inline __mmask16 live16(int64_t left) {
-    return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
-}
-
-/* The 16 lanes of each of four vectors summed: (sum a, sum b, sum c, sum d). */
-static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-    __m256 a8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
-    __m256 b8 = _mm256_add_ps(_mm512_castps512_ps256(b), _mm512_extractf32x8_ps(b, 1));
-    __m256 c8 = _mm256_add_ps(_mm512_castps512_ps256(c), _mm512_extractf32x8_ps(c, 1));
-    __m256 d8 = _mm256_add_ps(_mm512_castps512_ps256(d), _mm512_extractf32x8_ps(d, 1));
-    __m256 ab = _mm256_hadd_ps(a8, b8), cd = _mm256_hadd_ps(c8, d8); /* per 128-bit half: a a b b, c c d d */
-    __m256 abcd = _mm256_hadd_ps(ab, cd);                            /* per half: a b c d */
-    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
-}
-
-/* y[n0 .. n0 + 4) for one row x; rows past N are computed on row N - 1 and not stored. */
-static void float_block(const float *x, const float *w, float *y, int64_t n0, int64_t N, int64_t K) {
-    const float *w0 = w + n0 * K, *w1 = w + (n0 + 1 < N ? n0 + 1 : N - 1) * K,
-                *w2 = w + (n0 + 2 < N ? n0 + 2 : N - 1) * K, *w3 = w + (n0 + 3 < N ? n0 + 3 : N - 1) * K;
-    /* the next block's rows, fetched a line of each per step while this block computes: the rows
-     * are one contiguous stream, which the hardware prefetcher alone left waiting on L3 */
-    const char *ahead = (const char *)(w + (n0 + ROW_BLOCK) * K), *end = (const char *)(w + N * K);
-    const int64_t row_bytes = K * (int64_t)sizeof(float);
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t k = 0; k < K; k += FLOAT_LANES) {
-        __mmask16 live = live16(K - k);
-        const char *line = ahead + k * (int64_t)sizeof(float);
-        for (int r = 0; r < ROW_BLOCK; ++r)
-            if (line + r * row_bytes < end)
-                _mm_prefetch(line + r * row_bytes, _MM_HINT_T0);
-        __m512 xv = _mm512_maskz_loadu_ps(live, x + k);
-        a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(live, w0 + k), xv, a0);
-        a1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(live, w1 + k), xv, a1);
-        a2 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(live, w2 + k), xv, a2);
-        a3 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(live, w3 + k), xv, a3);
-    }
-    float sums[ROW_BLOCK];
-    _mm_storeu_ps(sums, sum4(a0, a1, a2, a3));
-    for (int r = 0; r < ROW_BLOCK && n0 + r < N; ++r)
-        y[n0 + r] = sums[r];
-}
-#define FLOAT_KERNEL 1
-#else
-#define FLOAT_KERNEL 0 /* without AVX-512 a package keeps inductor's loop */
-#endif
-
-/* 1 where this build has the float32 kernel (AVX-512), else 0: a package keeps inductor's loop. */
-int latentloop_float_kernel(void) { return FLOAT_KERNEL; }
-
-/* Returns 1 (and computes nothing) in a build without the kernel. */
-int latentloop_float_linear(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K, int threads) {
-#if FLOAT_KERNEL
-    const int64_t blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t b = 0; b < blocks; ++b)
-        for (int64_t m = 0; m < M; ++m) /* the block's rows stay in L1 between the rows of x */
-            float_block(x + m * K, w, y + m * N, b * ROW_BLOCK, N, K);
-    return 0;
-#else
-    (void)x, (void)w, (void)y, (void)M, (void)N, (void)K, (void)threads;
-    return 1;
-#endif
-}
-
-/* ---- int8 weights --------------------------------------------------------------------------- */
-
 #if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
 static inline __m256 widen8(const int8_t *q) { /* 8 int8 -> 8 float */
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
 }
@@ -179,6 +99,10 @@ static void float_product(const float *x, const int8_t *q, const float *scale, f
 #define DIGIT_BASE 254.0f /* a remainder in [-0.5, 0.5] times this is a digit in [-127, 127] */
 #define DIGIT_MAX 127.0f
 #define WEIGHT_OFFSET 128 /* the packed weight is q + 128: vpdpbusd's unsigned operand */
+
+static inline __mmask16 live16(int64_t left) {
+    return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+}
 
 /* The digits of one row x (K) into `digits` (DIGITS rows of `padded` signed bytes, a multiple of 16
  * and at least the packed weight's K, zero past K) and
@@ -325,33 +249,6 @@ extern int32_t aoti_torch_device_type_cpu(void);
 #define MAX_DIMS 8
 #define FAILED 1 /* AOTI_TORCH_FAILURE: the package raises */
 
-/* A new float32 tensor shaped like x (sizes, dim of them) with N for the last, contiguous, into *out;
- * M: the rows of x. */
-static int new_output(int64_t dim, const int64_t *x_sizes, int64_t N, AtenTensorHandle *out,
-                      int64_t *M) {
-    int64_t sizes[MAX_DIMS], strides[MAX_DIMS], stride = 1;
-    for (int64_t d = 0; d < dim; ++d)
-        sizes[d] = d == dim - 1 ? N : x_sizes[d];
-    for (int64_t d = dim - 1; d >= 0; --d) {
-        strides[d] = stride;
-        stride *= sizes[d];
-    }
-    *M = 1;
-    for (int64_t d = 0; d < dim - 1; ++d)
-        *M *= x_sizes[d];
-    return aoti_torch_empty_strided(dim, sizes, strides, aoti_torch_dtype_float32(), aoti_torch_device_type_cpu(),
-                                    0, out) == 0;
-}
-
-static int threads_for(int64_t macs) {
-#ifdef _OPENMP
-    if (macs >= PARALLEL_MIN_MACS)
-        return omp_get_max_threads(); /* torch's thread count: it sets OpenMP's */
-#endif
-    (void)macs;
-    return 1;
-}
-
 static int contiguous(AtenTensorHandle t, int64_t dim) {
     int64_t *sizes, *strides, expected = 1;
     if (aoti_torch_get_sizes(t, &sizes) || aoti_torch_get_strides(t, &strides))
@@ -377,44 +274,37 @@ AOTITorchError aoti_torch_cpu_int8_linear(AtenTensorHandle x, AtenTensorHandle w
         aoti_torch_get_dtype(scale, &s_type) || aoti_torch_get_dim(packed, &packed_dim) ||
         aoti_torch_get_sizes(packed, &p_sizes))
         return FAILED;
-    int64_t N = w_sizes[0], K = w_sizes[1], M, packed_bytes = 1;
+    int64_t N = w_sizes[0], K = w_sizes[1], M = 1, packed_bytes = 1;
     for (int64_t d = 0; d < packed_dim; ++d)
         packed_bytes *= p_sizes[d];
     if (x_sizes[dim - 1] != K || x_type != aoti_torch_dtype_float32() || w_type != aoti_torch_dtype_int8() ||
         s_type != aoti_torch_dtype_float32() || !contiguous(x, dim) || !contiguous(weight, 2) ||
         !contiguous(scale, 1) || !contiguous(packed, packed_dim))
         return FAILED;
+    int64_t sizes[MAX_DIMS], strides[MAX_DIMS], stride = 1;
+    for (int64_t d = 0; d < dim; ++d)
+        sizes[d] = d == dim - 1 ? N : x_sizes[d];
+    for (int64_t d = dim - 1; d >= 0; --d) {
+        strides[d] = stride;
+        stride *= sizes[d];
+    }
+    for (int64_t d = 0; d < dim - 1; ++d)
+        M *= x_sizes[d];
     void *x_data, *w_data, *s_data, *p_data, *y_data;
-    if (!new_output(dim, x_sizes, N, out, &M) || aoti_torch_get_data_ptr(x, &x_data) ||
-        aoti_torch_get_data_ptr(weight, &w_data) || aoti_torch_get_data_ptr(scale, &s_data) ||
-        aoti_torch_get_data_ptr(packed, &p_data) || aoti_torch_get_data_ptr(*out, &y_data))
+    if (aoti_torch_empty_strided(dim, sizes, strides, aoti_torch_dtype_float32(), aoti_torch_device_type_cpu(), 0,
+                                 out) ||
+        aoti_torch_get_data_ptr(x, &x_data) || aoti_torch_get_data_ptr(weight, &w_data) ||
+        aoti_torch_get_data_ptr(scale, &s_data) || aoti_torch_get_data_ptr(packed, &p_data) ||
+        aoti_torch_get_data_ptr(*out, &y_data))
         return FAILED;
+    int threads = 1;
+#ifdef _OPENMP
+    if (M * N * K >= PARALLEL_MIN_MACS)
+        threads = omp_get_max_threads(); /* torch's thread count: it sets OpenMP's */
+#endif
     if (M > 0 && N > 0)
         product(x_data, w_data, packed_bytes == latentloop_int8_packed_bytes(N, K) ? p_data : NULL, s_data, y_data,
-                M, N, K, threads_for(M * N * K));
+                M, N, K, threads);
     return 0;
 }
-
-#if FLOAT_KERNEL
-/* latentloop::decode_linear(x (..., K) float32, weight (N, K) float32) -> (..., N). */
-AOTITorchError aoti_torch_cpu_decode_linear(AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle *out) {
-    int64_t dim, weight_dim, *x_sizes, *w_sizes, M;
-    int32_t x_type, w_type;
-    if (aoti_torch_get_dim(x, &dim) || aoti_torch_get_dim(weight, &weight_dim) || dim < 1 || dim > MAX_DIMS ||
-        weight_dim != 2 || aoti_torch_get_sizes(x, &x_sizes) || aoti_torch_get_sizes(weight, &w_sizes) ||
-        aoti_torch_get_dtype(x, &x_type) || aoti_torch_get_dtype(weight, &w_type))
-        return FAILED;
-    int64_t N = w_sizes[0], K = w_sizes[1];
-    if (x_sizes[dim - 1] != K || x_type != aoti_torch_dtype_float32() || w_type != aoti_torch_dtype_float32() ||
-        !contiguous(x, dim) || !contiguous(weight, 2))
-        return FAILED;
-    void *x_data, *w_data, *y_data;
-    if (!new_output(dim, x_sizes, N, out, &M) || aoti_torch_get_data_ptr(x, &x_data) ||
-        aoti_torch_get_data_ptr(weight, &w_data) || aoti_torch_get_data_ptr(*out, &y_data))
-        return FAILED;
-    if (M > 0 && N > 0)
-        latentloop_float_linear(x_data, w_data, y_data, M, N, K, threads_for(M * N * K));
-    return 0;
-}
-#endif
 #endif
