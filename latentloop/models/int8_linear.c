@@ -175,12 +175,19 @@ static void lanes(const int8_t *digits, int64_t groups, int64_t padded, const in
     _mm512_mask_storeu_ps(y + n0, live, scaled);
 }
 
-static void packed_product(const float *x, const uint8_t *packed, const float *scale, float *y, int64_t M,
-                           int64_t N, int64_t K, int threads) {
+/* Returns 1 (and computes nothing) when its buffers cannot be allocated: the caller's float path runs. */
+static int packed_product(const float *x, const uint8_t *packed, const float *scale, float *y, int64_t M,
+                          int64_t N, int64_t K, int threads) {
     const int64_t groups = (K + GROUP - 1) / GROUP, padded = (groups * GROUP + 15) / 16 * 16;
     int8_t *digits = malloc((size_t)(M * DIGITS * padded) + 1);
-    int32_t *sums = malloc((size_t)(M * DIGITS) * sizeof(int32_t));
+    int32_t *sums = malloc((size_t)(M * DIGITS) * sizeof(int32_t) + 1);
     float *s = malloc((size_t)M * sizeof(float) + 1);
+    if (digits == NULL || sums == NULL || s == NULL) {
+        free(digits);
+        free(sums);
+        free(s);
+        return 1;
+    }
     for (int64_t m = 0; m < M; ++m)
         s[m] = split_row(x + m * K, K, padded, digits + m * DIGITS * padded, sums + m * DIGITS);
     const int64_t blocks = (N + LANE_ROWS - 1) / LANE_ROWS;
@@ -192,6 +199,7 @@ static void packed_product(const float *x, const uint8_t *packed, const float *s
     free(digits);
     free(sums);
     free(s);
+    return 0;
 }
 #else
 #define VNNI 0
@@ -215,10 +223,8 @@ int latentloop_parallel_min_macs(void) { return PARALLEL_MIN_MACS; }
 static void product(const float *x, const int8_t *q, const uint8_t *packed, const float *scale, float *y, int64_t M,
                     int64_t N, int64_t K, int threads) {
 #if VNNI
-    if (packed != NULL) {
-        packed_product(x, packed, scale, y, M, N, K, threads);
+    if (packed != NULL && packed_product(x, packed, scale, y, M, N, K, threads) == 0)
         return;
-    }
 #endif
     (void)packed;
     float_product(x, q, scale, y, M, N, K, threads);
