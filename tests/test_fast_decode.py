@@ -2,6 +2,7 @@
 ordinary cache (default suite), and the compiled step against the eager one (slow: CPU inductor
 compiles take tens of seconds per architecture and option set)."""
 
+import math
 import re
 from pathlib import Path
 
@@ -600,6 +601,8 @@ def test_native_kernels_can_be_turned_off_and_a_failed_build_falls_back(monkeypa
 def test_packed_weight_layout_and_kernel_constants():
     """`pack_weight` lays q + 128 out as int8_linear.c reads it ([N/16][K/4][16][4], zero weights in
     the padding), of the size the kernel expects; the kernel's thread threshold is native.py's."""
+    import ctypes
+
     from latentloop.models import native, quant
 
     if native.native_status(quant.KERNEL) != "native":
@@ -607,7 +610,11 @@ def test_packed_weight_layout_and_kernel_constants():
     q, _ = quant.quantize_rows(torch.randn(37, 10))
     packed = quant.pack_weight(q)
     lib = quant._kernel()
+    lib.latentloop_int8_packed_bytes.restype = ctypes.c_int64
+    lib.latentloop_int8_packed_bytes.argtypes = [ctypes.c_int64] * 2
     assert packed.dtype == torch.uint8 and packed.numel() == lib.latentloop_int8_packed_bytes(37, 10) == 48 * 12
+    for n, k in [(1, 1), (16, 4), (17, 5), (683, 256), (256, 683)]:  # the size int8_product checks, as C counts it
+        assert math.prod(quant._packed_shape(n, k)) == lib.latentloop_int8_packed_bytes(n, k)
     for n, k in [(0, 0), (5, 9), (36, 3), (16, 4)]:
         assert int(packed[n // 16, k // 4, n % 16, k % 4]) == int(q[n, k]) + quant.WEIGHT_OFFSET
     assert int(packed[2, 2, 10, 3]) == quant.WEIGHT_OFFSET  # row 42 > 36, k 11 > 9: a zero weight

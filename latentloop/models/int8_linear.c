@@ -41,6 +41,7 @@
 #define PARALLEL_MIN_MACS (1 << 16)
 #define LANE_ROWS 16 /* output rows in one vector of int32 lanes (the packed layout's blocks) */
 #define GROUP 4      /* k's a lane sums per vpdpbusd (the packed layout's inner dimension) */
+#define GROUP_BYTES (LANE_ROWS * GROUP) /* one group of a block: a vpdpbusd's weight operand */
 
 int64_t latentloop_int8_packed_bytes(int64_t N, int64_t K) {
     return (N + LANE_ROWS - 1) / LANE_ROWS * LANE_ROWS * ((K + GROUP - 1) / GROUP * GROUP);
@@ -145,7 +146,7 @@ static inline __m512 unbiased(__m512i even, __m512i odd, int32_t digit_sum) {
 }
 
 /* Outputs n0 .. n0 + 16 of one row of x (its digits, their sums, scale s) from the packed block
- * `w` (groups x 64 bytes). Even and odd groups go to separate accumulators: six chains of
+ * `w` (groups x GROUP_BYTES). Even and odd groups go to separate accumulators: six chains of
  * vpdpbusd, so that the instruction's latency is hidden. */
 static void lanes(const int8_t *digits, int64_t groups, int64_t padded, const int32_t *sums, float s,
                   const uint8_t *w, const float *scale, float *y, int64_t n0, int64_t N) {
@@ -153,7 +154,7 @@ static void lanes(const int8_t *digits, int64_t groups, int64_t padded, const in
     __m512i e0 = _mm512_setzero_si512(), e1 = e0, e2 = e0, o0 = e0, o1 = e0, o2 = e0;
     int64_t g = 0;
     for (; g + 2 <= groups; g += 2) {
-        __m512i we = _mm512_loadu_si512(w + g * 64), wo = _mm512_loadu_si512(w + g * 64 + 64);
+        __m512i we = _mm512_loadu_si512(w + g * GROUP_BYTES), wo = _mm512_loadu_si512(w + (g + 1) * GROUP_BYTES);
         e0 = _mm512_dpbusd_epi32(e0, we, broadcast4(d0 + g * GROUP));
         e1 = _mm512_dpbusd_epi32(e1, we, broadcast4(d1 + g * GROUP));
         e2 = _mm512_dpbusd_epi32(e2, we, broadcast4(d2 + g * GROUP));
@@ -162,7 +163,7 @@ static void lanes(const int8_t *digits, int64_t groups, int64_t padded, const in
         o2 = _mm512_dpbusd_epi32(o2, wo, broadcast4(d2 + g * GROUP + GROUP));
     }
     if (g < groups) {
-        __m512i we = _mm512_loadu_si512(w + g * 64);
+        __m512i we = _mm512_loadu_si512(w + g * GROUP_BYTES);
         e0 = _mm512_dpbusd_epi32(e0, we, broadcast4(d0 + g * GROUP));
         e1 = _mm512_dpbusd_epi32(e1, we, broadcast4(d1 + g * GROUP));
         e2 = _mm512_dpbusd_epi32(e2, we, broadcast4(d2 + g * GROUP));
@@ -194,7 +195,7 @@ static int packed_product(const float *x, const uint8_t *packed, const float *sc
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < blocks; ++b)
         for (int64_t m = 0; m < M; ++m) /* the block stays in L1 between the rows of x */
-            lanes(digits + m * DIGITS * padded, groups, padded, sums + m * DIGITS, s[m], packed + b * groups * 64,
+            lanes(digits + m * DIGITS * padded, groups, padded, sums + m * DIGITS, s[m], packed + b * groups * GROUP_BYTES,
                   scale, y + m * N, b * LANE_ROWS, N);
     free(digits);
     free(sums);

@@ -138,11 +138,11 @@ def native_library(name: str, for_packages: bool = False) -> ctypes.CDLL | None:
     code = source.read_bytes()
     host = [_compiler_version(cc).encode(), _cpu_signature().encode()]
     defines, libraries = ((PACKAGE_DEFINE,), _torch_link_flags()) if for_packages else ((), ())
+    suffix = "-packages" if for_packages else ""
     reasons = []
     for choice in FLAG_CHOICES:
         flags = LIBRARY_FLAGS + defines + choice
         key = hashlib.sha256(b"\0".join([code, " ".join(flags + libraries).encode(), *host])).hexdigest()[:16]
-        suffix = "-packages" if for_packages else ""
         target = default_cache_dir() / "kernels" / f"{name}{suffix}-{key}.so"
         problem = None if target.is_file() else _build(cc, source, target, flags, libraries)
         if problem is None:

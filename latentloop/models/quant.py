@@ -71,8 +71,6 @@ def _kernel() -> ctypes.CDLL | None:
         lib.latentloop_int8_linear.restype = None
         lib.latentloop_int8_linear.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         lib.latentloop_int8_linear_path.restype = ctypes.c_int
-        lib.latentloop_int8_packed_bytes.restype = ctypes.c_int64
-        lib.latentloop_int8_packed_bytes.argtypes = [ctypes.c_int64] * 2
     return lib
 
 
@@ -88,11 +86,16 @@ def packs_weights() -> bool:
     return lib is not None and lib.latentloop_int8_linear_path() == VNNI_PATH
 
 
+def _packed_shape(n: int, k: int) -> tuple[int, int]:
+    """(rows, cols) of an (n, k) weight padded for the packed layout (`latentloop_int8_packed_bytes`)."""
+    return -(-n // LANE_ROWS) * LANE_ROWS, -(-k // GROUP) * GROUP
+
+
 def pack_weight(weight_int8: Tensor) -> Tensor:
     """q (N, K) int8 -> the kernel's packed copy (N/16, K/4, 16, 4) uint8 of q + 128, N and K padded
     with zero weights (see int8_linear.c)."""
+    rows, cols = _packed_shape(*weight_int8.shape)
     n, k = weight_int8.shape
-    rows, cols = -(-n // LANE_ROWS) * LANE_ROWS, -(-k // GROUP) * GROUP
     padded = F.pad(weight_int8.detach().cpu().to(torch.int16), (0, cols - k, 0, rows - n)) + WEIGHT_OFFSET
     return (padded.to(torch.uint8).view(rows // LANE_ROWS, LANE_ROWS, cols // GROUP, GROUP)
             .permute(0, 2, 1, 3).contiguous())
@@ -122,8 +125,9 @@ def int8_product(x: Tensor, weight_int8: Tensor, scale: Tensor, packed: Tensor |
     lib = _kernel() if rows <= KERNEL_MAX_ROWS else None
     if lib is not None:
         q, s = weight_int8.contiguous(), scale.contiguous()
+        rows_padded, cols_padded = _packed_shape(n, k)  # in Python: no ctypes call on the decode path
         ready = (packed is not None and packed.dtype == torch.uint8 and packed.is_contiguous()
-                 and packed.numel() == lib.latentloop_int8_packed_bytes(n, k) > 0)
+                 and packed.numel() == rows_padded * cols_padded > 0)
         y = torch.empty(rows, n, dtype=torch.float32)
         lib.latentloop_int8_linear(flat.data_ptr(), q.data_ptr(), packed.data_ptr() if ready else None, s.data_ptr(),
                                    y.data_ptr(), rows, n, k, threads_for(rows * n * k))
