@@ -32,7 +32,7 @@ from latentloop.data.tokenizers import ByteTokenizer
 from latentloop.engine import model_options
 from latentloop.optim import build_optimizers
 from latentloop.parallel import wrap_model
-from latentloop.runtime import keep_freed_memory
+from latentloop.runtime import keep_freed_memory, resolve_dtype
 from latentloop.train import FiniteGuard, FlopsMemo, train_step
 
 BYTE_VOCAB = ByteTokenizer.vocab_size  # 259: bytes + BOS/EOS/PAD; prompts use bytes only (never BOS)
@@ -301,7 +301,8 @@ def training_call(arch: str, shape: dict[str, Any], overrides: dict[str, Any], a
         raise RuntimeError(f"the fbt objective did not fix K={passes}")
     x, y = data[:, :-1].contiguous().to(device), data[:, 1:].contiguous().to(device)
     forward_model = wrap_model(model, train_cfg, device)
-    step = make_train_step(model, forward_model, objective, x, y, build_optimizers(model, train_cfg), train_cfg, device)
+    optimizers = build_optimizers(model, train_cfg, resolve_dtype(device, train_cfg.dtype))
+    step = make_train_step(model, forward_model, objective, x, y, optimizers, train_cfg, device)
     counter = itertools.count()
     sync = make_sync(device)
     flops = FlopsMemo(model)  # counted once per kind of forward (rgpt's depth changes from step to step)

@@ -17,7 +17,6 @@ import torch
 from torch import Tensor, nn
 
 from .config import TrainConfig
-from .runtime import resolve_dtype
 
 # Coefficients of the quintic Newton-Schulz iteration that drives singular values towards 1
 # quickly (Keller Jordan's Muon); exactness is not needed, only speed and stability in bf16.
@@ -89,19 +88,19 @@ class Muon(torch.optim.Optimizer):
                 p.add_(update, alpha=-group["lr"] * aspect)
 
 
-def newton_schulz_dtype(device: torch.device, config: TrainConfig) -> torch.dtype:
-    """Muon's Newton-Schulz products in bf16 where the run's own products are: on CUDA (Keller Jordan's
-    Muon; whatever `train.dtype`), and on a CPU whose run takes bf16 autocast (`resolve_dtype`: a CPU
-    with bf16 instructions), where rgpt's 15 matrices took 83-91 ms against 149-179 ms in float32
-    (2 threads; 18% of its training step was Muon's). float32 elsewhere: bf16 is emulated there, and a
-    float32 run keeps float32 throughout."""
-    if device.type == "cuda" or resolve_dtype(device, config.dtype) == "bfloat16":
-        return torch.bfloat16
-    return torch.float32
+def newton_schulz_dtype(device: torch.device, products_dtype: str) -> torch.dtype:
+    """Muon's Newton-Schulz products in bf16 where the run's own products are (`products_dtype`: the
+    run's autocast dtype, `runtime.resolve_dtype`'s answer): always on CUDA (Keller Jordan's Muon),
+    and on a CPU run under bf16 autocast (a CPU with bf16 instructions), where rgpt's 15 matrices took
+    83-91 ms against 149-179 ms in float32 (2 threads; 18% of its training step was Muon's). float32
+    elsewhere: bf16 is emulated there, and a float32 run keeps float32 throughout."""
+    return torch.bfloat16 if device.type == "cuda" or products_dtype == "bfloat16" else torch.float32
 
 
-def build_optimizers(model: nn.Module, config: TrainConfig) -> list[torch.optim.Optimizer]:
-    """One or two optimizers; each param group remembers its base lr as `initial_lr`."""
+def build_optimizers(model: nn.Module, config: TrainConfig,
+                     products_dtype: str = "float32") -> list[torch.optim.Optimizer]:
+    """One or two optimizers; each param group remembers its base lr as `initial_lr`. `products_dtype`:
+    the dtype the run's products take (`runtime.resolve_dtype`), which Muon's iteration follows."""
     # lookup tables (the token embedding, lrt's per-layer value embeddings) and the head: AdamW, never Muon
     embed_ids = {id(p) for name, p in model.named_parameters()
                  if name.startswith(("wte", "lm_head")) or ".value_embed." in name}
@@ -132,7 +131,7 @@ def build_optimizers(model: nn.Module, config: TrainConfig) -> list[torch.optim.
         groups = [dict(params=embeddings, weight_decay=0.0), dict(params=vectors, weight_decay=0.0)] + residual_group
         optimizers = [torch.optim.AdamW([g for g in groups if g["params"]], **adam_kwargs),
                       Muon(matrices, lr=config.muon_lr, weight_decay=config.weight_decay,
-                           ns_dtype=newton_schulz_dtype(matrices[0].device, config) if matrices else None)]
+                           ns_dtype=newton_schulz_dtype(matrices[0].device, products_dtype) if matrices else None)]
     else:
         groups = [dict(params=matrices + embeddings, weight_decay=config.weight_decay),
                   dict(params=vectors, weight_decay=0.0)] + residual_group

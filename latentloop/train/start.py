@@ -25,6 +25,7 @@ from ..runtime import (
     on_main,
     precision_note,
     prepare_data,
+    resolve_dtype,
     resolve_strategy,
     together,
 )
@@ -121,7 +122,8 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
     if env.rank > 0:  # training noise: each rank its own stream (rank 0 continues the single-process one)
         torch.manual_seed(rank_seed(config.train.seed, env.rank))
     forward_model = wrap_model(model, config.train, device)
-    optimizers = build_optimizers(model, config.train)  # after fsdp2 sharded the parameters
+    # after fsdp2 sharded the parameters; Muon's iteration in the dtype of the run's products
+    optimizers = build_optimizers(model, config.train, resolve_dtype(device, config.train.dtype))
     state = TrainState(config, run_dir, model, tokenizer, data, loader, objective, optimizers, device,
                        init_report=init_report, dist=env, flops=flops,
                        init_from=None if init_from is None else str(Path(init_from).resolve()))
