@@ -150,8 +150,8 @@ def train_latentloop(bench: Bench, arch: str, steps: int, check_every: int, stop
                              bos_id=bench.tokenizer.bos_id).train()
     cfg = TrainConfig(steps=steps, batch_size=bench.args.batch_size, seed=bench.args.seed, device="cpu", **train)
     objective = build_objective(model.config, cfg)
-    optimizers = build_optimizers(model, cfg, resolve_dtype(torch.device("cpu"), cfg.dtype))
     loader, guard, device = bench.loader(), FiniteGuard(torch.device("cpu")), torch.device("cpu")
+    optimizers = build_optimizers(model, cfg, resolve_dtype(device, cfg.dtype))
     kept: list[tuple[int, float, dict]] = []
     meter, seconds = ContentionMeter().start(), 0.0
     last = steps if stop_at is None else stop_at

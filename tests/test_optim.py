@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from latentloop.optim import NEWTON_SCHULZ_COEFFS, orthogonalize
+from latentloop.optim import NEWTON_SCHULZ_COEFFS, Muon, orthogonalize
 
 NS_STEPS = 5
 # The quintic iteration is tuned for speed, not convergence: after 5 steps it leaves each singular
@@ -76,6 +76,8 @@ def test_muon_exclude_sends_the_named_matrices_to_adamw():
 # bf16 keeps 8 bits of each entry: five iterations of bf16 products leave the result a few percent
 # (Frobenius, relative) from the float64 iteration's; measured 2.5% at 256 x 1024
 BF16_ITERATION_RTOL = 0.05
+# ... and far more than float32 products would (~1e-6): a result this close did not come from bf16
+BF16_ITERATION_MIN_DISTANCE = 1e-3
 
 
 @pytest.mark.parametrize("shape", [(48, 48), (32, 80), (96, 40)])
@@ -88,7 +90,7 @@ def test_orthogonalize_in_bf16_stays_near_the_exact_iteration_and_in_the_band(sh
     result = orthogonalize(G.float(), NS_STEPS, torch.bfloat16)
     assert result.dtype == torch.float32 and result.shape == G.shape
     relative = torch.linalg.matrix_norm(result.double() - exact) / torch.linalg.matrix_norm(exact)
-    assert 0 < float(relative) <= BF16_ITERATION_RTOL  # above 0: the products did run in bf16
+    assert BF16_ITERATION_MIN_DISTANCE <= float(relative) <= BF16_ITERATION_RTOL
     singular = torch.linalg.svdvals(result.double())
     assert POLAR_BAND[0] <= float(singular.min()) and float(singular.max()) <= POLAR_BAND[1], singular
 
@@ -100,6 +102,21 @@ def test_newton_schulz_runs_in_bf16_where_the_runs_products_do():
     assert newton_schulz_dtype(cpu, "float32") == torch.float32
     assert newton_schulz_dtype(cpu, "bfloat16") == torch.bfloat16
     assert newton_schulz_dtype(cuda, "float32") == torch.bfloat16  # as Muon on GPUs always did
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_trainers_muon_iterates_in_the_runs_products_dtype(dtype, corpus, tmp_path):
+    """`train.setup` hands Muon the run's resolved dtype (an explicit one here; auto follows the CPU)."""
+    from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config
+    from latentloop.train import setup
+
+    config = RunConfig(model=model_config("gpt", "test", sequence_len=32),
+                       train=TrainConfig(steps=1, batch_size=2, optimizer="muon", dtype=dtype, device="cpu",
+                                         eval_every=0),
+                       data=DataConfig(source=f"text:{corpus}"))
+    state = setup(config, tmp_path / "run", progress=False)
+    muon = next(opt for opt in state.optimizers if isinstance(opt, Muon))
+    assert muon.ns_dtype == getattr(torch, dtype)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -121,6 +138,7 @@ def test_muon_steps_with_the_runs_newton_schulz_dtype(dtype):
     nesterov = p.grad.lerp(momentum, MUON_MOMENTUM)
     aspect = max(1.0, p.size(0) / p.size(1)) ** 0.5
     ns, other = (torch.bfloat16, torch.float32) if dtype == "bfloat16" else (torch.float32, torch.bfloat16)
+
     def stepped(ns_dtype):  # the update applied as Muon applies it (`add_` with alpha: one rounding)
         return before.clone().add_(orthogonalize(nesterov, NS_STEPS, ns_dtype), alpha=-config.muon_lr * aspect)
 
