@@ -103,3 +103,36 @@ def test_compile_scope_chooses_whole_or_blocks_and_fsdp2_keeps_blocks():
     assert not compiles_whole_model(gpt, "fsdp2", "whole")
     with pytest.raises(ConfigError, match="compile_scope must be one of auto, whole, blocks"):
         TrainConfig(compile_scope="layers")
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_counting_flops_leaves_blocks_compiled(arch):
+    """A FLOP count over blocks compiled in place (train.compile block by block) must not stop them
+    compiling: under the counter (a dispatch mode) dynamo marks the code it reaches "skip" for good,
+    and every later step ran the blocks eagerly. The backend here only records each graph dynamo
+    hands it (no inductor), so the test sees what would have been compiled."""
+    from latentloop.train.state import FlopsMemo
+
+    graphs = []
+
+    def recording_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()  # no skip marks or graphs left from other tests
+    try:
+        torch.manual_seed(0)
+        model = ll.build(arch, preset="test", sequence_len=SEQ_LEN).train()
+        train = TrainConfig(batch_size=BATCH, device="cpu", dtype="float32")
+        objective = build_objective(model.config, train)
+        for block in model.blocks:
+            block.compile(backend=recording_backend)  # as wrap_model does, with the recording backend
+        objective.flops_per_token(FlopsMemo(model))  # as the trainer and the benchmarks count, compiled or not
+        x = torch.randint(0, model.config.vocab_size, (BATCH, SEQ_LEN))
+        objective(model, x, x, 0).loss.backward()
+    finally:
+        torch._dynamo.reset()
+    # a block's graph holds its attention's and MLP's linear layers; the skipped blocks' leftovers
+    # (the norm's and ReLU²'s own forwards) hold none
+    linears = [sum("linear" in str(node.target) for node in gm.graph.nodes) for gm in graphs]
+    assert linears and max(linears) >= 4, linears

@@ -52,7 +52,11 @@ def count_flops_per_token(model: nn.Module, run: Callable[[Tensor], Any], seq_le
 
     hooks = [m.register_forward_pre_hook(count_pairs) for m in model.modules() if isinstance(m, Attention)]
     try:
-        with evaluating(model), torch.no_grad(), FlopCounterMode(display=False) as counter:  # no training noise
+        # force_eager: blocks compiled in place (`train.compile` block by block) run their eager code
+        # here. Reached by dynamo under the counter (a dispatch mode), a block's code is marked "skip"
+        # for good, and every later step runs it eagerly (tests/test_compiled_training.py).
+        with (torch.compiler.set_stance("force_eager"), evaluating(model), torch.no_grad(),
+              FlopCounterMode(display=False) as counter):  # no training noise
             run(idx)
     finally:
         for hook in hooks:
