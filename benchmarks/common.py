@@ -300,12 +300,15 @@ def training_call(arch: str, shape: dict[str, Any], overrides: dict[str, Any], a
     if passes is not None and any(objective.passes_for_step(i) != passes for i in range(64)):
         raise RuntimeError(f"the fbt objective did not fix K={passes}")
     x, y = data[:, :-1].contiguous().to(device), data[:, 1:].contiguous().to(device)
+    # counted once per kind of forward (rgpt's depth changes from step to step), before compiling, as
+    # train.setup counts: the probe forward must not be the first call of blocks compiled in place
+    flops = FlopsMemo(model)
+    objective.flops_per_token(flops)
     forward_model = wrap_model(model, train_cfg, device)
     optimizers = build_optimizers(model, train_cfg, resolve_dtype(device, train_cfg.dtype))
     step = make_train_step(model, forward_model, objective, x, y, optimizers, train_cfg, device)
     counter = itertools.count()
     sync = make_sync(device)
-    flops = FlopsMemo(model)  # counted once per kind of forward (rgpt's depth changes from step to step)
 
     def call() -> dict[str, float]:
         i = next(counter)

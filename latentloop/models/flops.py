@@ -12,6 +12,7 @@ A new architecture needs no formula: whatever its forward runs is counted.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,13 @@ from ..util import evaluating
 PROBE_TOKENS = 16  # matmul FLOPs per token do not depend on the length; attention is added per seq_len
 MATMUL_OPS = ("mm", "addmm")  # linear layers; batched matmuls (bmm) belong to attention, counted apart
 BACKWARD_FACTOR = 3  # forward + backward (twice the forward)
+
+
+def _eager_stance() -> contextlib.AbstractContextManager:
+    """Compiled code runs its eager Python inside (torch >= 2.6; before it, nothing to do: the
+    package's lower bound is 2.4)."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
 
 
 def count_flops_per_token(model: nn.Module, run: Callable[[Tensor], Any], seq_len: int,
@@ -55,7 +63,7 @@ def count_flops_per_token(model: nn.Module, run: Callable[[Tensor], Any], seq_le
         # force_eager: blocks compiled in place (`train.compile` block by block) run their eager code
         # here. Reached by dynamo under the counter (a dispatch mode), a block's code is marked "skip"
         # for good, and every later step runs it eagerly (tests/test_compiled_training.py).
-        with (torch.compiler.set_stance("force_eager"), evaluating(model), torch.no_grad(),
+        with (_eager_stance(), evaluating(model), torch.no_grad(),
               FlopCounterMode(display=False) as counter):  # no training noise
             run(idx)
     finally:
