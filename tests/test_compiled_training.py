@@ -105,6 +105,13 @@ def test_compile_scope_chooses_whole_or_blocks_and_fsdp2_keeps_blocks():
         TrainConfig(compile_scope="layers")
 
 
+# the fewest linear layers one block's graph holds: the attention's input and output projections and
+# the MLP's two (more where q, k, v are separate or a variant adds its own)
+BLOCK_LINEARS = 4
+
+
+@pytest.mark.skipif(not hasattr(torch.compiler, "set_stance"), reason="torch before 2.6: the count cannot "
+                    "run compiled blocks eagerly, so only counting before compiling (train.setup) avoids it")
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_counting_flops_leaves_blocks_compiled(arch):
     """A FLOP count over blocks compiled in place (train.compile block by block) must not stop them
@@ -135,4 +142,4 @@ def test_counting_flops_leaves_blocks_compiled(arch):
     # a block's graph holds its attention's and MLP's linear layers; the skipped blocks' leftovers
     # (the norm's and ReLU²'s own forwards) hold none
     linears = [sum("linear" in str(node.target) for node in gm.graph.nodes) for gm in graphs]
-    assert linears and max(linears) >= 4, linears
+    assert linears and max(linears) >= BLOCK_LINEARS, linears
