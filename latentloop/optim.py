@@ -28,10 +28,10 @@ FUSED_ADAMW_DEVICES = ("cpu", "cuda")
 
 
 def orthogonalize(G: Tensor, steps: int = 5, dtype: torch.dtype | None = None) -> Tensor:
-    """Approximately replace G = U S V^T by U V^T, the products in `dtype` (None: bf16 on CUDA,
-    float32 elsewhere)."""
+    """Approximately replace G = U S V^T by U V^T, the products in `dtype` (None: as
+    `newton_schulz_dtype` sets it for a float32 run, bf16 on CUDA and float32 elsewhere)."""
     a, b, c = NEWTON_SCHULZ_COEFFS
-    X = G.to(dtype or (torch.bfloat16 if G.is_cuda else torch.float32))
+    X = G.to(dtype or newton_schulz_dtype(G.device, "float32"))
     transposed = X.size(0) > X.size(1)
     if transposed:
         X = X.mT
