@@ -4,9 +4,11 @@
 
 Runs (each seed):
 - gpt           tied baseline, `--steps` steps
-- fbt           the default recipe ("short": feedback from step 0, 50/50 two-/three-pass batches since 2026-12-03; 88/12 before),
+- fbt           the default recipe ("short": feedback from step 0, 50/50 two-/three-pass batches since
+                2026-12-03, 88/12 before; the deeper passes' loss weighted 1.5 since 2026-12-04, 1.0 before),
                 the same tokens as gpt
 - fbt-mix55, fbt-mix88   the short recipe's mix pinned: 50/50 (today's) or 88/12 (before 2026-12-03)
+- fbt-lambda15, fbt-lambda2   loss_lambda pinned to 1.5 (the default since 2026-12-04) or 2
 - fbt-paper     the paper's recipe (single-pass for 75% of the run, 75/22/3 over the whole run)
 - gpt-2x        the baseline with twice the steps: matched training compute for lrt
 - lrt           interleaved S=2 (about 2x the baseline's FLOPs per token), the same steps as gpt
@@ -64,6 +66,9 @@ def variants(preset: str, seq_len: int, steps: int) -> dict[str, tuple[dict, int
         "fbt-mix73": (dict(arch="fbt", pass_mix=(0.0, 0.7, 0.3), **base), steps),
         "fbt-mix55": (dict(arch="fbt", pass_mix=(0.0, 0.5, 0.5), **base), steps),  # the default since 2026-12-03
         "fbt-mix88": (dict(arch="fbt", pass_mix=(0.0, 0.88, 0.12), **base), steps),  # the default before it
+        # the deeper passes weighted up (issue 25: fused / standard 1.0178 on seed 0 against 1.0177)
+        "fbt-lambda15": (dict(arch="fbt", loss_lambda=1.5, **base), steps),
+        "fbt-lambda2": (dict(arch="fbt", loss_lambda=2.0, **base), steps),
         "fbt-muon01": (dict(arch="fbt", train=dict(muon_lr=0.01), **base), steps),
         "fbt-fuse-adamw": (dict(arch="fbt", train=dict(muon_exclude=("fuse_",)), **base), steps),
         "gpt-2x": (dict(arch="gpt", **base), 2 * steps),

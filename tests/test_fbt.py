@@ -149,6 +149,17 @@ def test_paper_recipe_gives_the_whole_run_mix():
     assert objective.expected_passes() == pytest.approx(0.75 + 2 * 0.22 + 3 * 0.03)  # the paper's 1.28x
 
 
+def test_loss_lambda_comes_from_the_recipe_unless_given():
+    # short: the deeper passes weighted 1.5 (issue 25's fused bound); paper: 1.0; a saved config's
+    # explicit value (older runs wrote 1.0) is kept, so they train as before
+    assert model_config("fbt", "test").loss_lambda == 1.5
+    assert model_config("rfbt", "test").loss_lambda == 1.5
+    assert model_config("fbt", "test", recipe="paper").loss_lambda == 1.0
+    assert model_config("fbt", "test", loss_lambda=1.0).loss_lambda == 1.0
+    with pytest.raises(ll.ConfigError, match="loss_lambda"):
+        model_config("fbt", "test", loss_lambda=-1.0)
+
+
 def test_schedule_follows_the_run_length_set_after_building_the_objective():
     train = TrainConfig(steps=1_000_000)
     objective = build_objective(model_config("fbt", "test", recipe="paper"), train)
