@@ -79,3 +79,33 @@ def test_logprobs_and_top_logprobs(model):
             assert [v for _, v in top] == sorted((v for _, v in top), reverse=True)
     with pytest.raises(PromptError, match="top_logprobs"):
         ll.stream(model, PROMPTS, 4, top_logprobs=-1)
+
+
+def test_stream_leaves_the_callers_mode_between_steps_and_generate_matches_it(model):
+    """`stream` runs each step in inference mode and gives the caller its own mode back between steps
+    (a caller may train or build autograd graphs there); `generate`, which runs no caller code between
+    steps, decodes under one inference mode, to the same tokens."""
+    modes = []
+    tokens = []
+    for step in ll.stream(model, PROMPTS, 6, temperature=0.0):
+        modes.append(torch.is_inference_mode_enabled())
+        tokens.append(step.tokens)
+        weight = torch.ones(2, requires_grad=True)
+        assert (weight * 2).sum().requires_grad  # autograd records here as outside any decode
+    assert modes == [False] * 6
+    assert ll.generate(model, PROMPTS, 6, temperature=0.0) == [list(row) for row in zip(*tokens)]
+    assert not torch.is_inference_mode_enabled()
+
+
+def test_one_new_token_makes_no_decoder(model, monkeypatch):
+    """The first new token comes from the prefill: with `compile=True` and one new token no decoder
+    (nor its static cache) is made, and the token is the eager decode's."""
+    import latentloop.engine as engine
+
+    def no_decoder(*args, **kwargs):
+        raise AssertionError("a FastDecoder was made for one new token")
+
+    expected = ll.generate(model, PROMPTS, 1, temperature=0.0, compile=False)
+    monkeypatch.setattr(engine, "FastDecoder", no_decoder)
+    assert ll.generate(model, PROMPTS, 1, temperature=0.0, compile=True) == expected
+    assert [len(row) for row in expected] == [1, 1, 1]
