@@ -28,6 +28,7 @@ smaller than the issue's 32000-token one.
 
     .venv/bin/python -m benchmarks.engines [--shape small|large] [--threads 1,2] [--prompt-len 16]
         [--new-tokens 200] [--repeats 3] [--engines all|NAME,...] [--settle 0.5] [--json out.json]
+    .venv/bin/python -m benchmarks.engines --pool run1.json run2.json   # the runs' rounds pooled
 """
 
 from __future__ import annotations
@@ -458,6 +459,40 @@ def markdown_table(results: dict[str, Any]) -> str:
     return render_table(rows)
 
 
+# The issue's "at or above llama.cpp": latentloop's whole call at most this many times llama.cpp's,
+# with 95% confidence (the upper end of the mean ratio's t-interval over the pooled rounds of several
+# runs, `pool`). Fixed before the runs it was first applied to (2026-12-04): 5% slower is below what a
+# user notices and below llama.cpp's own change between runs of one command on the project's machine.
+AT_MARGIN = 1.05
+
+
+def pool(paths: list[Path]) -> str:
+    """Several runs' JSON (`--json`) of one command, their rounds pooled: per thread count and engine,
+    the rounds, the mean whole-call ratio over llama.cpp's with its 95% t-interval, and whether that
+    shows the engine ahead of llama.cpp (upper end below 1) or at its speed (upper end at most
+    `AT_MARGIN`)."""
+    from latentloop.eval.stats import format_comparison, paired_comparison
+
+    runs = [json.loads(path.read_text()) for path in paths]
+    keys = ("shape", "prompt_len", "new_tokens")
+    if any({k: run["args"][k] for k in keys} != {k: runs[0]["args"][k] for k in keys} for run in runs):
+        raise SystemExit(f"--pool: the runs differ in {', '.join(keys)}; pool runs of one command")
+    rows = [("engine", "threads", "runs", "rounds", f"whole call over {PAIRED_WITH}'s, pooled: mean [95% t-interval]",
+             f"ahead (< 1) / at its speed (<= {AT_MARGIN})")]
+    for threads in runs[0]["threads"]:
+        for engine, entry in runs[0]["threads"][threads].items():
+            if engine == PAIRED_WITH or "over_llama_cpp_all" not in entry:
+                continue
+            ratios = [ratio for run in runs for ratio in
+                      run["threads"].get(threads, {}).get(engine, {}).get("over_llama_cpp_all", [])]
+            comparison = paired_comparison(dict(enumerate(ratios)), dict.fromkeys(range(len(ratios)), 1.0),
+                                           kind="ratio")
+            high = comparison["high"]
+            shown = "—" if high is None else ("ahead" if high < 1 else "at" if high <= AT_MARGIN else "not shown")
+            rows.append((engine, threads, str(len(runs)), str(len(ratios)), format_comparison(comparison, 3), shown))
+    return render_table(rows)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -490,6 +525,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"] and len(argv) == 2:  # one engine's process (`EngineWorker`)
         return worker(json.loads(argv[1]))
+    if argv[:1] == ["--pool"]:  # earlier runs' JSON, pooled (`pool`)
+        if len(argv) < 2 or not all(Path(path).is_file() for path in argv[1:]):
+            print("--pool needs the JSON files of earlier runs (--json PATH)", file=sys.stderr)
+            return 2
+        print(pool([Path(path) for path in argv[1:]]))
+        return 0
     return benchmark_main(parse_args(argv), run, markdown_table)
 
 

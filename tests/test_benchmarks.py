@@ -417,3 +417,35 @@ def test_prefill_products_refuses_bad_rows(capsys):
         with pytest.raises(SystemExit) as exc:
             products.parse_args(["--rows", rows])
         assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_engines_pool_pools_the_rounds_of_several_runs(tmp_path, capsys):
+    """`--pool`: the runs' per-round ratios over llama.cpp's pooled into one mean and interval, judged
+    ahead (upper end < 1), at llama.cpp's speed (upper end <= AT_MARGIN) or not shown."""
+    import json
+    import statistics
+
+    engines = _benchmark("engines")
+    per_run = {"fast": ([0.80, 0.82, 0.81], [0.79, 0.80, 0.83]), "level": ([1.00, 1.01, 0.99], [1.00, 0.98, 1.02]),
+               "slow": ([1.10, 1.12, 1.09], [1.11, 1.10, 1.12]), "one-sided": ([0.99, 1.00, 1.01], [])}
+    paths = []
+    for run in range(2):
+        rows = {engine: {"over_llama_cpp_all": ratios[run]} for engine, ratios in per_run.items()}
+        rows["llama.cpp"] = {"over_llama_cpp_all": [1.0, 1.0, 1.0]}
+        paths.append(tmp_path / f"run{run}.json")
+        paths[-1].write_text(json.dumps({"args": {"shape": "small", "prompt_len": 16, "new_tokens": 200},
+                                         "threads": {"1": rows}}))
+    assert engines.main(["--pool", *map(str, paths)]) == 0
+    table = {line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")[2:-1]]
+             for line in capsys.readouterr().out.splitlines() if line.startswith("| ")}
+    assert "llama.cpp" not in table
+    for engine, shown in (("fast", "ahead"), ("level", "at"), ("slow", "not shown"), ("one-sided", "at")):
+        threads, runs, rounds, interval, verdict = table[engine]
+        pooled = per_run[engine][0] + per_run[engine][1]
+        assert (runs, rounds, verdict) == ("2", str(len(pooled)), shown), (engine, table[engine])
+        assert interval.startswith(f"{statistics.mean(pooled):.3f} [")
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"args": {"shape": "large", "prompt_len": 32, "new_tokens": 128}, "threads": {}}))
+    with pytest.raises(SystemExit, match="differ"):
+        engines.main(["--pool", str(paths[0]), str(other)])
+    assert engines.main(["--pool", str(tmp_path / "missing.json")]) == 2
