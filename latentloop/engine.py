@@ -196,7 +196,8 @@ def stream(model, prompts, max_new_tokens: int, temperature: float = 1.0, top_k:
     loads it from the on-disk cache a previous process filled. "auto" (the default) decodes the first
     `PROBE_STEPS` steps eagerly, timing them, and moves the rest onto the compiled step when the
     saving reaches the expected compile cost (`AutoCompile`: batch <= 4; a ski-rental rule that also
-    counts this process's earlier calls); otherwise, and with False, it stays eager. Options whose
+    counts the earlier eager calls of the same shape, in this process and earlier ones); otherwise,
+    and with False, it stays eager. Options whose
     step cannot be captured (rgpt's adaptive exit) decode eagerly. on_compile(message): told when a
     compile starts and ends (the CLI prints it).
     """

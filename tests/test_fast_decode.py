@@ -442,7 +442,7 @@ def test_auto_rule_banks_the_saving_of_eager_calls_until_it_pays_the_compile(com
     from latentloop.models.fast import COMPILED_OVER_EAGER, PROBE_STEPS, AutoCompile, CompileRecord
 
     torch.manual_seed(0)
-    model = ll.build("gpt", preset="test").eval()  # a model of its own: the bank is per model
+    model = ll.build("gpt", preset="test").eval()
     cache = FastDecoder(model, compile=False).new_cache(1, 8)
     CompileRecord(model, {}, cache).add(1.0)  # the next process expects to pay 1 s
     rule = AutoCompile(model, {})
@@ -451,6 +451,57 @@ def test_auto_rule_banks_the_saving_of_eager_calls_until_it_pays_the_compile(com
     assert not rule.decide(step_s, steps, cache)  # 0.6 s < 1 s: stay eager, bank it
     assert rule.decide(step_s, steps, cache)  # 1.2 s banked and expected >= 1 s: compile
     assert rule.applies(1) and not rule.applies(64)
+
+
+def test_auto_rule_banks_across_processes(compile_dir):
+    """The saving an eager call banks is kept beside the compile record, so short calls in separate
+    processes (a command-line user's `generate`s) add up to a compile as one process's calls do;
+    the bank is per shape, and a folder it cannot write keeps this process's bank in memory."""
+    import json
+    import subprocess
+    import sys
+
+    from latentloop.models import fast
+
+    torch.manual_seed(0)
+    model = ll.build("gpt", preset="test").eval()
+    cache = FastDecoder(model, compile=False).new_cache(1, 8)
+    record = fast.CompileRecord(model, {}, cache)
+    record.add(1.0)
+    step_s = 0.01
+    steps = int(0.4 / (step_s * (1 - fast.COMPILED_OVER_EAGER))) - fast.PROBE_STEPS  # a call that saves ~0.4 s
+    script = f"""
+import json, sys, torch
+import latentloop as ll
+from latentloop.models.fast import AutoCompile, FastDecoder
+torch.set_num_threads({torch.get_num_threads()})  # the record's key holds the thread count
+torch.manual_seed(0)
+model = ll.build("gpt", preset="test").eval()
+cache = FastDecoder(model, compile=False).new_cache(1, 8)
+print(json.dumps(AutoCompile(model, {{}}).decide({step_s}, {steps}, cache)))
+"""
+    decisions = []
+    for _ in range(3):  # each a process of its own: ~0.4 s, ~0.8 s, ~1.2 s banked
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr[-2000:]
+        decisions.append(json.loads(result.stdout.strip().splitlines()[-1]))
+    assert decisions == [False, False, True]
+    assert 0.75 < json.loads(record.path.read_text())["banked_s"] < 0.85
+    assert json.loads(record.path.read_text())["first_call_s"] == [1.0]  # banking keeps the timings
+    other = fast.CompileRecord(model, {}, FastDecoder(model, compile=False).new_cache(2, 8))
+    assert other.banked_seconds() == 0.0  # another batch size is another compile
+
+    fast._BANKED_SAVING.clear()
+    record.path.write_text("not json")  # a broken record: nothing banked, the cold estimate
+    assert record.banked_seconds() == 0.0 and record.expected_seconds() == fast.COLD_COMPILE_S
+    import shutil
+
+    shutil.rmtree(record.path.parent)
+    record.path.parent.write_text("")  # a file where the records' folder would be: nothing can be written
+    rule = fast.AutoCompile(model, {})
+    long_steps = int(12.0 / (step_s * (1 - fast.COMPILED_OVER_EAGER))) - fast.PROBE_STEPS  # ~12 s a call
+    assert not rule.decide(step_s, long_steps, cache) and record.path.parent.is_file()
+    assert rule.decide(step_s, long_steps, cache)  # ~24 s banked in memory >= the cold 20 s
 
 
 @pytest.mark.parametrize("arch", ll.archs.ARCHS)

@@ -61,6 +61,7 @@ import copy
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import sys
 import tempfile
@@ -544,7 +545,10 @@ class CompileRecord:
     config, options, cache shape, CPU threads), kept as a small JSON file under
     `compile_cache_dir()/latentloop/`. The minimum over the recorded calls is what the next process
     expects to pay (a warm load, once one process compiled; for an ahead-of-time package the process
-    that compiled it records what loading it cost, since that is all a later process pays)."""
+    that compiled it records what loading it cost, since that is all a later process pays). Beside it,
+    the automatic mode banks the decode time that compiling would have saved in the calls that stayed
+    eager (`banked_seconds`), in every process: a command-line user's many short `generate`
+    processes add up to a compile as one long process's calls do."""
 
     def __init__(self, model, options: dict, cache: KVCache):
         config = model.config
@@ -556,11 +560,31 @@ class CompileRecord:
                          + (["per_row"] if getattr(cache, "per_row", False) else []), default=str)
         self.path = compile_cache_dir() / "latentloop" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
 
+    def _read(self) -> dict:
+        try:
+            data = json.loads(self.path.read_text())
+            return data if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
     def _seconds(self) -> list[float]:
         try:
-            return [float(s) for s in json.loads(self.path.read_text())["first_call_s"]]
-        except (OSError, ValueError, KeyError, TypeError):
+            return [float(s) for s in self._read().get("first_call_s", [])]
+        except (ValueError, TypeError):
             return []
+
+    def _write(self, **fields) -> None:
+        """The record with `fields` replaced, written whole (a reader in another process sees the old
+        file or the new one); a read-only cache folder keeps nothing."""
+        data = {**self._read(), **fields}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, temp = tempfile.mkstemp(suffix=".json", dir=self.path.parent)
+            with os.fdopen(fd, "w") as handle:
+                handle.write(json.dumps(data) + "\n")
+            os.replace(temp, self.path)
+        except OSError:
+            pass
 
     def seen(self) -> bool:
         return bool(self._seconds())
@@ -570,22 +594,32 @@ class CompileRecord:
         return min(seconds) if seconds else COLD_COMPILE_S
 
     def add(self, seconds: float) -> None:
+        self._write(first_call_s=(self._seconds() + [round(seconds, 3)])[-RECORDS_KEPT:])
+
+    def banked_seconds(self) -> float:
+        """The saving banked so far by eager calls of this shape, in this and earlier processes (this
+        process's also in memory, for a cache folder it cannot write)."""
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            kept = (self._seconds() + [round(seconds, 3)])[-RECORDS_KEPT:]
-            self.path.write_text(json.dumps({"first_call_s": kept}) + "\n")
-        except OSError:  # a read-only cache folder: the estimate stays the default
-            pass
+            on_disk = float(self._read().get("banked_s", 0.0))
+        except (ValueError, TypeError):
+            on_disk = 0.0
+        return max(on_disk if math.isfinite(on_disk) else 0.0, _BANKED_SAVING.get(self.path, 0.0))
+
+    def bank(self, seconds: float) -> None:
+        _BANKED_SAVING[self.path] = seconds
+        self._write(banked_s=round(seconds, 6))
 
 
 # --------------------------------------------------------------------------------------------
 # When compiling pays: the automatic mode's rule
 # --------------------------------------------------------------------------------------------
 
-# The compiled step's time over the eager step's, measured at batch 1 (issue 26, same run): 0.63 / 1.5 ms
-# (4 layers, d=256, vocab 256) and 20.1 / 36 ms (12 layers, d=768, vocab 32000). The larger of the two
-# (the smaller saving) is used: compiling saves `1 - COMPILED_OVER_EAGER` of each eager step.
-COMPILED_OVER_EAGER = 0.56
+# The compiled step's decode time over the eager step's at batch 1, the larger (the smaller saving) of
+# `benchmarks.engines`' two shapes in the runs of 2026-12-04 12:32-12:58 (experiments/logs/
+# 2026-12-04-engines-one-inference-mode-*): 0.41-0.44 / 3.2-3.4 ms a token (4 layers, d=256, 1 thread)
+# and 10.6-12.5 / 33.1-35.6 ms (12 layers, d=768, 2 threads; at most 0.38). Compiling saves
+# `1 - COMPILED_OVER_EAGER` of each eager step. (Before the ahead-of-time package: 0.56.)
+COMPILED_OVER_EAGER = 0.38
 # Eager steps timed before deciding: the first decode step of a call runs cold (allocator, caches),
 # so the decision reads the fastest of these.
 PROBE_STEPS = 4
@@ -596,8 +630,9 @@ AUTO_MAX_BATCH = 4  # = REDUCTION_MAX_ROWS
 
 class AutoCompile:
     """The rule of the engine's automatic mode (`stream(compile="auto")`), a ski-rental rule: compile a
-    model's step once the decode time that compiling would have saved, in this process's earlier
-    calls with the same model and options plus this call's remaining steps, reaches what the first
+    model's step once the decode time that compiling would have saved, in the earlier eager calls of
+    this shape (in this process and in earlier ones: `CompileRecord.bank`) plus this call's
+    remaining steps, reaches what the first
     compiled call is expected to cost (`CompileRecord`: the last warm load when recorded, else
     `COLD_COMPILE_S`; zero once compiled in this process). The saving per step is measured, not
     assumed: the fastest of the call's first `PROBE_STEPS` eager steps times
@@ -622,20 +657,22 @@ class AutoCompile:
 
     def decide(self, eager_step_s: float, remaining_steps: int, cache: KVCache) -> bool:
         """After the probe steps: True to compile the rest of this call. Without compiling, the
-        call's estimated saving is banked for the next decision."""
+        call's estimated saving is banked (`CompileRecord.bank`) for the next decision, in this
+        process or a later one."""
         if self.compiled_already(cache):
             return True
         saving = eager_step_s * (1 - COMPILED_OVER_EAGER)
-        banked = _BANKED_SAVING.setdefault(self.model, {})
-        total = banked.get(self.key, 0.0) + (remaining_steps + PROBE_STEPS) * saving
-        if total >= CompileRecord(self.model, self.options, cache).expected_seconds():
+        record = CompileRecord(self.model, self.options, cache)
+        total = record.banked_seconds() + (remaining_steps + PROBE_STEPS) * saving
+        if total >= record.expected_seconds():
             return True
-        banked[self.key] = total
+        record.bank(total)
         return False
 
 
-# model -> {(device type, options): seconds of eager decode that compiling would have saved so far}
-_BANKED_SAVING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# record path -> seconds of eager decode that compiling would have saved so far, in this process
+# (what `CompileRecord.bank` also writes to disk; kept here for a cache folder it cannot write)
+_BANKED_SAVING: dict[Path, float] = {}
 # model -> {ran_shape(...)}: compiled steps that have run in this process
 _RAN_SHAPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
