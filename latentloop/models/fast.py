@@ -577,6 +577,7 @@ class CompileRecord:
         """The record with `fields` replaced, written whole (a reader in another process sees the old
         file or the new one); a read-only cache folder keeps nothing."""
         data = {**self._read(), **fields}
+        temp = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd, temp = tempfile.mkstemp(suffix=".json", dir=self.path.parent)
@@ -584,7 +585,8 @@ class CompileRecord:
                 handle.write(json.dumps(data) + "\n")
             os.replace(temp, self.path)
         except OSError:
-            pass
+            if temp is not None:  # written part way (a full disk): no stray file left behind
+                Path(temp).unlink(missing_ok=True)
 
     def seen(self) -> bool:
         return bool(self._seconds())
