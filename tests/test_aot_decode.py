@@ -121,7 +121,10 @@ def test_export_swaps_every_product_the_dynamo_backend_rewrites_and_restores_the
             assert getattr(module, name) is (originals[(module, name)] if kept else reduction)
         assert (quant.int8_linear is fast._int8_linear_by_reduction) is not kernel
     assert [getattr(module, name) for module, name, _ in fast.EXPORT_SWAPS] == before
-    assert bool(aot._int8_kernel_config()) is kernel
+    shims = aot._kernel_config().get("aot_inductor.custom_ops_to_c_shims", {})
+    assert (torch.ops.latentloop.int8_linear.default in shims) is kernel
+    # a batch's float32 products call the rows kernel's C function wherever its package build loads
+    assert (torch.ops.latentloop.rows_linear.default in shims) is (native.rows_package_kernel() is not None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -211,3 +214,25 @@ def test_a_step_that_does_not_export_falls_back_to_dynamo(compile_dir, monkeypat
     assert fast_tokens == ll.generate(model, [BOS, 5, 9, 12], 40, temperature=0.0, compile=False)
     assert any("no ahead-of-time step" in line and "planted export failure" in line for line in heard), heard
     assert not list((compile_dir / AOT_SUBDIR).glob("*.pt2"))
+
+
+@pytest.mark.slow
+def test_a_batchs_package_calls_the_rows_kernel_and_decodes_the_eager_tokens(compile_dir):
+    """At 8 rows (past the reductions' 4) the package's float32 products call the rows kernel's C
+    function (as continuous batching's steps do), and the tokens are the eager decode's, whose
+    products of 8 rows run through the same kernel."""
+    import zipfile
+
+    from latentloop.models import native
+
+    if native.rows_package_kernel() is None:
+        pytest.skip(f"no rows kernel for packages here: {native.native_status(native.ROWS_KERNEL, for_packages=True)}")
+    model = built("gpt")
+    prompts = [[BOS, 5 + row, 9, 12, 40 + row] for row in range(8)]
+    compiled, eager = compiled_and_eager(model, prompts, 24)
+    assert compiled == eager
+    (package,) = (compile_dir / AOT_SUBDIR).glob("*.pt2")
+    with zipfile.ZipFile(package) as archive:
+        code = "".join(archive.read(name).decode(errors="replace") for name in archive.namelist()
+                       if name.endswith(".cpp"))
+    assert "aoti_torch_cpu_rows_linear(" in code

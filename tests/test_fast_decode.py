@@ -153,6 +153,30 @@ def test_linear_by_reduction_keeps_the_library_product_past_its_row_limit():
     assert torch.equal(_linear_by_reduction(x, weight), F.linear(x, weight))
 
 
+@pytest.mark.parametrize("rows", [6, 16, 64])
+def test_a_batchs_rows_go_through_the_rows_kernel_operator(rows, monkeypatch):
+    """6 to 64 rows of float32 without a bias: the compiled step's product is the rows kernel's
+    operator (the C function a package calls), equal to `F.linear` to float32 rounding; with a bias,
+    past 64 rows, or without the kernel's package build, torch's own product."""
+    from latentloop.models import native
+
+    if native.rows_package_kernel() is None:
+        pytest.skip(f"no rows kernel for packages here: {native.native_status(native.ROWS_KERNEL, for_packages=True)}")
+    torch.manual_seed(0)
+    x, weight = torch.randn(2, rows // 2, 256), torch.randn(96, 256)
+    calls = []
+    operator = torch.ops.latentloop.rows_linear
+    monkeypatch.setattr(torch.ops.latentloop, "rows_linear", lambda *a: calls.append(a) or operator(*a))
+    y = _linear_by_reduction(x, weight)
+    assert len(calls) == 1 and y.shape == (2, rows // 2, 96)
+    torch.testing.assert_close(y, F.linear(x, weight), rtol=1e-5, atol=1e-4)  # another summation order
+    _linear_by_reduction(x, weight, torch.zeros(96))
+    _linear_by_reduction(torch.randn(65, 256), weight)
+    monkeypatch.setattr(native, "rows_package_kernel", lambda: None)
+    _linear_by_reduction(x, weight)
+    assert len(calls) == 1
+
+
 @pytest.mark.parametrize("rows", [1, 3, REDUCTION_MAX_ROWS, REDUCTION_MAX_ROWS + 1])
 def test_int8_linear_by_reduction_is_the_dequantised_product(rows):
     """The compiled step's int8 product (a reduction up to its row limit, the converted weight's

@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from . import quant
+from . import native, quant
 
 AOT_ENV = "LATENTLOOP_AOT"  # "0": no ahead-of-time packages, dynamo's compiled step everywhere
 AOT_SUBDIR = "aot"  # under compile_cache_dir()
@@ -138,11 +138,15 @@ class _ExportedStep(nn.Module):
         return logits, greedy
 
 
-def _int8_kernel_config() -> dict:
-    """Inductor's settings for a package to call the int8 kernel's C function; none without it."""
-    if quant.package_kernel() is None:
-        return {}
-    return {"aot_inductor.custom_ops_to_c_shims": {torch.ops.latentloop.int8_linear.default: [quant.PACKAGE_FUNCTION]}}
+def _kernel_config() -> dict:
+    """Inductor's settings for a package to call the kernels' C functions (int8 products; float32
+    products of a batch's rows), those whose package build loads here."""
+    shims = {}
+    if quant.package_kernel() is not None:
+        shims[torch.ops.latentloop.int8_linear.default] = [quant.PACKAGE_FUNCTION]
+    if native.rows_package_kernel() is not None:
+        shims[torch.ops.latentloop.rows_linear.default] = [native.ROWS_PACKAGE_FUNCTION]
+    return {"aot_inductor.custom_ops_to_c_shims": shims} if shims else {}
 
 
 @contextlib.contextmanager
@@ -232,7 +236,7 @@ def package_key(model, options: dict, cache, fields) -> str:
                  [*model.named_parameters(), *model.named_buffers()]]
     blob = json.dumps({"format": PACKAGE_FORMAT, "torch": torch.__version__, "source": model_code_digest(),
                        "cpu": _DIGESTS["cpu"], "threads": torch.get_num_threads(),
-                       "int8_kernel": quant.package_kernel(),
+                       "int8_kernel": quant.package_kernel(), "rows_kernel": native.rows_package_kernel(),
                        "class": type(model).__qualname__, "cache": type(cache).__qualname__,
                        "config": config, "options": sorted((k, repr(v)) for k, v in options.items()),
                        "fields": fields, "inputs": inputs, "constants": constants},
@@ -402,7 +406,7 @@ class AotDecodeStep:
             try:
                 aoti_compile_and_package(program, package_path=temp, inductor_configs={
                     "aot_inductor.package_constants_in_so": False,
-                    "aot_inductor.metadata": {INFO_KEY: json.dumps(info)}, **_int8_kernel_config()})
+                    "aot_inductor.metadata": {INFO_KEY: json.dumps(info)}, **_kernel_config()})
                 os.replace(temp, path)
             finally:
                 Path(temp).unlink(missing_ok=True)

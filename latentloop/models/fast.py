@@ -75,9 +75,9 @@ import torch
 from torch import Tensor
 
 from ..util import default_cache_dir
-from . import quant
+from . import native, quant
 from .aot import AotDecodeStep, AotUnavailable, aot_enabled, model_code_digest
-from .backbone import GPT
+from .backbone import GPT, ROWS_KERNEL_MAX_ROWS, ROWS_KERNEL_MIN_ROWS
 from .cache import AttentionPlan, KVCache, row_span
 
 # The static cache's length is rounded up to a multiple of this when a whole context's buffer would be
@@ -733,11 +733,17 @@ def _linear_by_reduction(input: Tensor, weight: Tensor, bias: Tensor | None = No
     """`F.linear` (its parameter names, so keyword calls map too) for a few rows as a multiply-and-sum
     over the input dimension: inductor emits one vectorised loop that streams each weight row once
     per input row, where torch's CPU matmul runs a (1, in) x (in, out) product at a fraction of the
-    memory bandwidth. Rows past `REDUCTION_MAX_ROWS` keep the library's product. Same products,
+    memory bandwidth. Rows past `REDUCTION_MAX_ROWS` keep the library's product, or, for 6 to 64
+    rows of float32 without a bias, the rows kernel's (`native.rows_linear_op`). Same products,
     another summation order (rounding differs in the last bits)."""
     rows = input.numel() // input.shape[-1]
-    if rows > REDUCTION_MAX_ROWS:  # torch's own op: `F.linear` is this function while a package is exported
-        return torch._C._nn.linear(input, weight, bias)
+    if rows > REDUCTION_MAX_ROWS:
+        if (ROWS_KERNEL_MIN_ROWS <= rows <= ROWS_KERNEL_MAX_ROWS and bias is None
+                and input.dtype == weight.dtype == torch.float32 and native.rows_package_kernel() is not None):
+            # a batch's rows (continuous batching's 8 to 32) through the rows kernel, as an eager batch's
+            # products run (`backbone.linear`): a package calls its C function
+            return torch.ops.latentloop.rows_linear(input.contiguous(), weight)
+        return torch._C._nn.linear(input, weight, bias)  # torch's own op: `F.linear` is this function in an export
     input = _stored(input)  # computed once, not in every output row's loop (`_stored`)
     y = (input[..., None, :] * weight).sum(-1)  # (..., out, in) -> (..., out): one fused loop, never materialised
     return y if bias is None else y + bias

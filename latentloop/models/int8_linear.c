@@ -237,36 +237,7 @@ void latentloop_int8_linear(const float *x, const int8_t *q, const uint8_t *pack
 }
 
 #ifdef LATENTLOOP_AOTI
-/* The few functions of libtorch's stable C interface (torch/csrc/inductor/aoti_torch/c/shim.h) this
- * needs, declared here so that the build needs no torch headers. */
-typedef struct AtenTensorOpaque *AtenTensorHandle;
-typedef int32_t AOTITorchError;
-extern AOTITorchError aoti_torch_get_data_ptr(AtenTensorHandle tensor, void **data);
-extern AOTITorchError aoti_torch_get_dim(AtenTensorHandle tensor, int64_t *dim);
-extern AOTITorchError aoti_torch_get_sizes(AtenTensorHandle tensor, int64_t **sizes);
-extern AOTITorchError aoti_torch_get_strides(AtenTensorHandle tensor, int64_t **strides);
-extern AOTITorchError aoti_torch_get_dtype(AtenTensorHandle tensor, int32_t *dtype);
-extern AOTITorchError aoti_torch_empty_strided(int64_t dim, const int64_t *sizes, const int64_t *strides,
-                                               int32_t dtype, int32_t device_type, int32_t device_index,
-                                               AtenTensorHandle *out);
-extern int32_t aoti_torch_dtype_float32(void);
-extern int32_t aoti_torch_dtype_int8(void);
-extern int32_t aoti_torch_device_type_cpu(void);
-
-#define MAX_DIMS 8
-#define FAILED 1 /* AOTI_TORCH_FAILURE: the package raises */
-
-static int contiguous(AtenTensorHandle t, int64_t dim) {
-    int64_t *sizes, *strides, expected = 1;
-    if (aoti_torch_get_sizes(t, &sizes) || aoti_torch_get_strides(t, &strides))
-        return 0;
-    for (int64_t d = dim - 1; d >= 0; --d) {
-        if (sizes[d] != 1 && strides[d] != expected)
-            return 0;
-        expected *= sizes[d];
-    }
-    return 1;
-}
+#include "aoti_shim.h"
 
 /* latentloop::int8_linear(x (..., K) float32, weight_int8 (N, K) int8, scale (N,) float32, packed uint8
  * (quant.pack_weight's, or empty)) -> (..., N), as AOTInductor calls an operator listed in
@@ -288,20 +259,11 @@ AOTITorchError aoti_torch_cpu_int8_linear(AtenTensorHandle x, AtenTensorHandle w
         s_type != aoti_torch_dtype_float32() || !contiguous(x, dim) || !contiguous(weight, 2) ||
         !contiguous(scale, 1) || !contiguous(packed, packed_dim))
         return FAILED;
-    int64_t sizes[MAX_DIMS], strides[MAX_DIMS], stride = 1;
-    for (int64_t d = 0; d < dim; ++d)
-        sizes[d] = d == dim - 1 ? N : x_sizes[d];
-    for (int64_t d = dim - 1; d >= 0; --d) {
-        strides[d] = stride;
-        stride *= sizes[d];
-    }
     for (int64_t d = 0; d < dim - 1; ++d)
         M *= x_sizes[d];
     void *x_data, *w_data, *s_data, *p_data, *y_data;
-    if (aoti_torch_empty_strided(dim, sizes, strides, aoti_torch_dtype_float32(), aoti_torch_device_type_cpu(), 0,
-                                 out) ||
-        aoti_torch_get_data_ptr(x, &x_data) || aoti_torch_get_data_ptr(weight, &w_data) ||
-        aoti_torch_get_data_ptr(scale, &s_data) || aoti_torch_get_data_ptr(packed, &p_data) ||
+    if (empty_like_rows(dim, x_sizes, N, out) || aoti_torch_get_data_ptr(x, &x_data) ||
+        aoti_torch_get_data_ptr(weight, &w_data) || aoti_torch_get_data_ptr(scale, &s_data) || aoti_torch_get_data_ptr(packed, &p_data) ||
         aoti_torch_get_data_ptr(*out, &y_data))
         return FAILED;
     int threads = 1;

@@ -135,7 +135,8 @@ def native_library(name: str, for_packages: bool = False) -> ctypes.CDLL | None:
     if not source.is_file():  # a copy of the modules without their C files (an exported model's remote code)
         _failures[failure] = f"{source.name} is not beside {Path(__file__).name}"
         return None
-    code = source.read_bytes()
+    # the source and the headers beside it (a change to a header it includes builds it again)
+    code = b"\0".join([source.read_bytes(), *(h.read_bytes() for h in sorted(source.parent.glob("*.h")))])
     host = [_compiler_version(cc).encode(), _cpu_signature().encode()]
     defines, libraries = ((PACKAGE_DEFINE,), _torch_link_flags()) if for_packages else ((), ())
     suffix = "-packages" if for_packages else ""
@@ -212,3 +213,35 @@ def rows_linear(x: Tensor, weight: Tensor, scale: Tensor | None = None) -> Tenso
         failed = lib.latentloop_rows_linear_i8(x.data_ptr(), weight.data_ptr(), scale.data_ptr(), y.data_ptr(),
                                                rows, n, k, threads)
     return None if failed else y
+
+
+# What an ahead-of-time package calls for `latentloop::rows_linear`: AOTInductor names an operator's C
+# function aoti_torch_<device>_<name> and declares it as given here (rows_linear.c defines it).
+ROWS_PACKAGE_FUNCTION = ("AOTITorchError aoti_torch_cpu_rows_linear(AtenTensorHandle x, AtenTensorHandle weight, "
+                         "AtenTensorHandle* out)")
+
+
+def rows_package_kernel() -> str | None:
+    """The rows kernel's build for packages (its file name, for a package's key) where the kernel is
+    used here at all (`rows_linear_status`), else None: a package then runs torch's product."""
+    if _rows_library() is None:
+        return None
+    lib = native_library(ROWS_KERNEL, for_packages=True)
+    return None if lib is None else Path(lib._name).name
+
+
+# `rows_linear` as an operator torch.compile keeps opaque (dynamo cannot trace ctypes) and an
+# ahead-of-time package calls as `ROWS_PACKAGE_FUNCTION`: a compiled step's products of a batch's rows
+# (fast._linear_by_reduction). Eager callers call `rows_linear` itself (`backbone.linear`): the
+# operator's dispatch costs more than a small product.
+@torch.library.custom_op("latentloop::rows_linear", mutates_args=())
+def rows_linear_op(x: Tensor, weight: Tensor) -> Tensor:
+    y = rows_linear(x.reshape(-1, x.shape[-1]), weight)
+    if y is None:  # no kernel here: torch's own product (`F.linear` may be swapped while a step is exported)
+        return torch._C._nn.linear(x, weight)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+@rows_linear_op.register_fake
+def _(x: Tensor, weight: Tensor) -> Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))

@@ -18,6 +18,10 @@
  *
  * The weight tiles are split over `threads` OpenMP threads (torch's pool, see native.py). Built with
  * the host's -march=native: 16 lanes with AVX-512, 8 with AVX2 + FMA, a plain loop otherwise.
+ *
+ * LATENTLOOP_AOTI (the library's second build, linked with libtorch): `aoti_torch_cpu_rows_linear`,
+ * the C function an ahead-of-time compiled decode step (aot.py) calls for `latentloop::rows_linear`
+ * (a batch's products of 6 to 64 rows) in place of torch's matrix product.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -153,3 +157,43 @@ int latentloop_rows_linear_i8(const float *x, const int8_t *q, const float *scal
     free(xt);
     return failed ? -1 : 0;
 }
+
+#ifdef LATENTLOOP_AOTI
+#include "aoti_shim.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* Below this many multiply-adds a product runs on one thread: native.py's PARALLEL_MIN_MACS (a test
+ * checks the two agree, through int8_linear.c's copy). */
+#define PARALLEL_MIN_MACS (1 << 16)
+
+/* latentloop::rows_linear(x (..., K) float32, weight (N, K) float32) -> (..., N), as AOTInductor calls
+ * an operator listed in `aot_inductor.custom_ops_to_c_shims`. */
+AOTITorchError aoti_torch_cpu_rows_linear(AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle *out) {
+    int64_t dim, weight_dim, *x_sizes, *w_sizes;
+    int32_t x_type, w_type;
+    if (aoti_torch_get_dim(x, &dim) || aoti_torch_get_dim(weight, &weight_dim) || dim < 1 || dim > MAX_DIMS ||
+        weight_dim != 2 || aoti_torch_get_sizes(x, &x_sizes) || aoti_torch_get_sizes(weight, &w_sizes) ||
+        aoti_torch_get_dtype(x, &x_type) || aoti_torch_get_dtype(weight, &w_type))
+        return FAILED;
+    int64_t N = w_sizes[0], K = w_sizes[1], M = 1;
+    if (x_sizes[dim - 1] != K || x_type != aoti_torch_dtype_float32() || w_type != aoti_torch_dtype_float32() ||
+        !contiguous(x, dim) || !contiguous(weight, 2))
+        return FAILED;
+    for (int64_t d = 0; d < dim - 1; ++d)
+        M *= x_sizes[d];
+    void *x_data, *w_data, *y_data;
+    if (empty_like_rows(dim, x_sizes, N, out) || aoti_torch_get_data_ptr(x, &x_data) ||
+        aoti_torch_get_data_ptr(weight, &w_data) || aoti_torch_get_data_ptr(*out, &y_data))
+        return FAILED;
+    int threads = 1;
+#ifdef _OPENMP
+    if (M * N * K >= PARALLEL_MIN_MACS)
+        threads = omp_get_max_threads(); /* torch's thread count: it sets OpenMP's */
+#endif
+    if (M > 0 && N > 0 && latentloop_rows_linear_f32(x_data, w_data, y_data, M, N, K, threads))
+        return FAILED;
+    return 0;
+}
+#endif
