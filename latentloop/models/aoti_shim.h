@@ -2,10 +2,14 @@
  * to be called by an ahead-of-time compiled decode step (aot.py) in place of an operator listed in
  * `aot_inductor.custom_ops_to_c_shims`: the few functions of libtorch's stable C interface
  * (torch/csrc/inductor/aoti_torch/c/shim.h) they use, declared here so that the build needs no torch
- * headers, and a contiguity check. Included by int8_linear.c and rows_linear.c. */
+ * headers, a contiguity check, the result's allocation and the thread count. Included by
+ * int8_linear.c and rows_linear.c, after their PARALLEL_MIN_MACS. */
 #ifndef LATENTLOOP_AOTI_SHIM_H
 #define LATENTLOOP_AOTI_SHIM_H
 #include <stdint.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 typedef struct AtenTensorOpaque *AtenTensorHandle;
 typedef int32_t AOTITorchError;
@@ -47,5 +51,15 @@ static AOTITorchError empty_like_rows(int64_t dim, const int64_t *x_sizes, int64
     }
     return aoti_torch_empty_strided(dim, sizes, strides, aoti_torch_dtype_float32(), aoti_torch_device_type_cpu(), 0,
                                     out);
+}
+
+/* Threads for a product of `macs` multiply-adds: torch's (it sets OpenMP's) from PARALLEL_MIN_MACS on. */
+static int package_threads(int64_t macs) {
+#ifdef _OPENMP
+    if (macs >= PARALLEL_MIN_MACS)
+        return omp_get_max_threads();
+#endif
+    (void)macs;
+    return 1;
 }
 #endif

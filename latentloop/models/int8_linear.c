@@ -266,11 +266,7 @@ AOTITorchError aoti_torch_cpu_int8_linear(AtenTensorHandle x, AtenTensorHandle w
         aoti_torch_get_data_ptr(weight, &w_data) || aoti_torch_get_data_ptr(scale, &s_data) || aoti_torch_get_data_ptr(packed, &p_data) ||
         aoti_torch_get_data_ptr(*out, &y_data))
         return FAILED;
-    int threads = 1;
-#ifdef _OPENMP
-    if (M * N * K >= PARALLEL_MIN_MACS)
-        threads = omp_get_max_threads(); /* torch's thread count: it sets OpenMP's */
-#endif
+    int threads = package_threads(M * N * K);
     if (M > 0 && N > 0)
         product(x_data, w_data, packed_bytes == latentloop_int8_packed_bytes(N, K) ? p_data : NULL, s_data, y_data,
                 M, N, K, threads);

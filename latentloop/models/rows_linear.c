@@ -159,14 +159,10 @@ int latentloop_rows_linear_i8(const float *x, const int8_t *q, const float *scal
 }
 
 #ifdef LATENTLOOP_AOTI
-#include "aoti_shim.h"
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 /* Below this many multiply-adds a product runs on one thread: native.py's PARALLEL_MIN_MACS (a test
  * checks the two agree, through int8_linear.c's copy). */
 #define PARALLEL_MIN_MACS (1 << 16)
+#include "aoti_shim.h"
 
 /* latentloop::rows_linear(x (..., K) float32, weight (N, K) float32) -> (..., N), as AOTInductor calls
  * an operator listed in `aot_inductor.custom_ops_to_c_shims`. */
@@ -187,11 +183,7 @@ AOTITorchError aoti_torch_cpu_rows_linear(AtenTensorHandle x, AtenTensorHandle w
     if (empty_like_rows(dim, x_sizes, N, out) || aoti_torch_get_data_ptr(x, &x_data) ||
         aoti_torch_get_data_ptr(weight, &w_data) || aoti_torch_get_data_ptr(*out, &y_data))
         return FAILED;
-    int threads = 1;
-#ifdef _OPENMP
-    if (M * N * K >= PARALLEL_MIN_MACS)
-        threads = omp_get_max_threads(); /* torch's thread count: it sets OpenMP's */
-#endif
+    int threads = package_threads(M * N * K);
     if (M > 0 && N > 0 && latentloop_rows_linear_f32(x_data, w_data, y_data, M, N, K, threads))
         return FAILED;
     return 0;
