@@ -26,7 +26,9 @@ decode step has static shapes:
 - On CPU the step's weight products (up to `REDUCTION_MAX_ROWS` rows) and its one-query attention
   are rewritten as reductions that inductor generates and fuses itself (`_cpu_decode_backend`):
   torch's matmul runs a one-row product far below the memory bandwidth on the machine this was
-  built on, and one attention kernel call per layer cost more than the fused loops.
+  built on, and one attention kernel call per layer cost more than the fused loops. A batch's
+  products of 6 to 64 rows (continuous batching) call the rows kernel (`native.rows_linear_op`),
+  as the eager path's do.
 - On CPU the step runs from an AOTInductor package (`models/aot.py`: `torch.export` of the same
   rewritten step, a shared library on disk bound to the model's own weights), called from C++ with
   no dynamo frame, guards or AOT autograd wrappers in between (about as much time as the kernels
