@@ -160,10 +160,11 @@ def test_linear_picks_the_rows_kernel_by_rows_and_keeps_torch_for_autograd(monke
 
 @needs_onednn
 def test_a_large_product_without_autograd_runs_through_onednn_and_agrees_with_blas():
-    """More rows than the rows kernel takes by a weight of >= ONEDNN_MIN_WEIGHT elements, no
-    autograd: oneDNN's op, with F.linear's result to float32 rounding (the sums run in another
-    order); a grad-recording call or a small weight keep torch's own product."""
-    from latentloop.models.backbone import ONEDNN_MIN_WEIGHT, ROWS_KERNEL_MAX_ROWS, linear
+    """More rows than the rows kernel takes by a weight of >= ONEDNN_MIN_WEIGHT elements, or
+    ONEDNN_ANY_WEIGHT_ROWS rows by any weight, no autograd: oneDNN's op, with F.linear's result to
+    float32 rounding (the sums run in another order); a grad-recording call, or a small weight
+    below that many rows, keep torch's own product."""
+    from latentloop.models.backbone import ONEDNN_ANY_WEIGHT_ROWS, ONEDNN_MIN_WEIGHT, ROWS_KERNEL_MAX_ROWS, linear
 
     torch.manual_seed(0)
     fan_in = 512  # a weight of exactly ONEDNN_MIN_WEIGHT elements
@@ -177,6 +178,11 @@ def test_a_large_product_without_autograd_runs_through_onednn_and_agrees_with_bl
         torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
         assert onednn not in _ops_run(lambda: linear(x[:, :1], weight, bias))  # 2 rows: not oneDNN
         assert onednn not in _ops_run(lambda: linear(x, weight[:8], bias[:8]))  # a small weight
+        many = torch.randn(ONEDNN_ANY_WEIGHT_ROWS, fan_in)  # from this many rows, a small weight too
+        assert onednn in _ops_run(lambda: linear(many, weight[:8], bias[:8]))
+        torch.testing.assert_close(linear(many, weight[:8], bias[:8]),
+                                   torch.nn.functional.linear(many, weight[:8], bias[:8]), rtol=1e-5, atol=1e-4)
+        assert onednn not in _ops_run(lambda: linear(many[:-1], weight[:8], bias[:8]))
     leaf = weight.clone().requires_grad_()
     assert onednn not in _ops_run(lambda: linear(x, leaf).sum().backward())  # autograd: F.linear
     assert leaf.grad is not None

@@ -80,11 +80,16 @@ UNTIED_HEAD_INIT_STD = 0.001  # small enough that the initial next-token distrib
 #   2-4 rows); 128 rows at 12 x 768 were 0.88-0.94x oneDNN's, so longer prompts keep the libraries too;
 # - more rows by a weight of 1.5M elements and more (768x2048, 2304x768, 32000x768): oneDNN, against
 #   MKL 1.06-1.6x at 1 thread and 1.3-3.3x at 2 (8 to 256 rows); smaller weights were mixed
-#   (0.68-1.3x), and so keep BLAS, as does a single row (decoding).
+#   (0.68-1.3x), and so keep BLAS below `ONEDNN_ANY_WEIGHT_ROWS` rows, as does a single row (decoding);
+# - from 128 rows every weight's product: oneDNN (2026-12-04, `--rows 128,256,512 --repeats 30`). At
+#   4 x 256 (every weight under 1M elements) oneDNN took 0.84-0.88x MKL's time at 1 and at 2 threads
+#   (128, 256 and 512 rows), and at 12 x 768, 2 threads, all-oneDNN products 0.67-0.71x all-MKL's
+#   (128 and 512 rows). Such products are a padded batch's prefill: a server's joining requests.
 ROWS_KERNEL_MIN_ROWS = 6
 ROWS_KERNEL_MAX_ROWS = 64
 ONEDNN_MIN_WEIGHT = 1 << 20  # elements of the weight
 ONEDNN_MIN_ROWS = 8  # rows of the input (tokens x batch)
+ONEDNN_ANY_WEIGHT_ROWS = 128  # from this many rows oneDNN takes every weight, small ones too
 _ONEDNN = (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
            and platform.machine().lower() in ("x86_64", "amd64"))  # the rule was measured on x86 only
 _FEWEST_ROWS = min(ROWS_KERNEL_MIN_ROWS, ONEDNN_MIN_ROWS)  # below this, every product is torch's own
@@ -111,7 +116,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         out = rows_linear(x.reshape(rows, x.shape[-1]), weight)  # None where the kernel is not built
         if out is not None and bias is not None:
             out += bias
-    if out is None and _ONEDNN and weight.numel() >= ONEDNN_MIN_WEIGHT and rows >= ONEDNN_MIN_ROWS:
+    if out is None and _ONEDNN and rows >= ONEDNN_MIN_ROWS and (weight.numel() >= ONEDNN_MIN_WEIGHT
+                                                                or rows >= ONEDNN_ANY_WEIGHT_ROWS):
         out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), weight, bias, "none", [], "")
     if out is None:
         return F.linear(x, weight, bias)
