@@ -17,7 +17,8 @@ Notable features:
 - `forward` returns logits *and* the top-layer states; losses live in `latentloop.objectives`
 - on an x86 CPU, a product without autograd (prefill, scoring, eager decode of several rows) of 6 to
   64 rows runs through latentloop's rows kernel (`native.rows_linear`), and more rows by a large
-  weight through oneDNN, instead of torch's default BLAS (`linear`, with the measurements)
+  weight (any weight from 128 rows) through oneDNN, instead of torch's default BLAS (`linear`, with
+  the measurements)
 
 Init (documented because the variants rely on it):
 - embedding ~ N(0, 1/D): its input use is normed anyway, and with a tied head the initial logits
