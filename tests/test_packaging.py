@@ -59,3 +59,15 @@ def test_every_install_instruction_names_a_declared_extra():
     assert {"hf", "lm-eval", "serve", "plot"} <= set(mentioned), mentioned  # the pattern finds the mentions
     unknown = {name: files for name, files in mentioned.items() if name not in declared}
     assert not unknown, f"install instructions name extras that pip will not find: {unknown}"
+
+
+def test_the_package_data_ships_every_file_the_native_kernels_build_from():
+    """`native.py` builds each kernel from its C file and the headers beside it (and hashes them all
+    into the build's key): an installed wheel must carry every one, or the kernels fail to build there."""
+    from fnmatch import fnmatch
+
+    patterns = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
+        "latentloop.models"]
+    sources = [path.name for pattern in ("*.c", "*.h") for path in (REPO / "latentloop" / "models").glob(pattern)]
+    assert any(name.endswith(".h") for name in sources)  # the kernels include headers of their own
+    assert [name for name in sources if not any(fnmatch(name, pattern) for pattern in patterns)] == []

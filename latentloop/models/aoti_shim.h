@@ -3,10 +3,11 @@
  * `aot_inductor.custom_ops_to_c_shims`: the few functions of libtorch's stable C interface
  * (torch/csrc/inductor/aoti_torch/c/shim.h) they use, declared here so that the build needs no torch
  * headers, a contiguity check, the result's allocation and the thread count. Included by
- * int8_linear.c and rows_linear.c, after their PARALLEL_MIN_MACS. */
+ * int8_linear.c and rows_linear.c. */
 #ifndef LATENTLOOP_AOTI_SHIM_H
 #define LATENTLOOP_AOTI_SHIM_H
 #include <stdint.h>
+#include "parallel.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif

@@ -36,9 +36,7 @@
 #include <omp.h>
 #endif
 
-/* Below this many multiply-adds a product runs on one thread; native.py's PARALLEL_MIN_MACS (a test
- * checks the two agree). */
-#define PARALLEL_MIN_MACS (1 << 16)
+#include "parallel.h" /* PARALLEL_MIN_MACS */
 #define LANE_ROWS 16 /* output rows in one vector of int32 lanes (the packed layout's blocks) */
 #define GROUP 4      /* k's a lane sums per vpdpbusd (the packed layout's inner dimension) */
 #define GROUP_BYTES (LANE_ROWS * GROUP) /* one group of a block: a vpdpbusd's weight operand */

@@ -48,7 +48,7 @@ LIBRARY_FLAGS = ("-O3", "-shared", "-fPIC")
 FLAG_CHOICES = (("-march=native", "-fopenmp"), ("-march=native",), ())
 BUILD_TIMEOUT_S = 120  # one small C file: seconds at most, even on a busy machine
 # Below this many multiply-adds a product runs on one thread: waking the others costs more than it saves.
-PARALLEL_MIN_MACS = 1 << 16  # int8_linear.c has the same (its package function counts threads itself)
+PARALLEL_MIN_MACS = 1 << 16  # parallel.h has the same (the kernels' package functions count threads themselves)
 ROWS_KERNEL = "rows_linear"
 # The rows kernel computes one vector of rows per weight element: with fewer lanes than an AVX2
 # register (a build without AVX2 + FMA, or not x86) it is a plain loop, slower than any BLAS.

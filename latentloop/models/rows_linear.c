@@ -159,9 +159,6 @@ int latentloop_rows_linear_i8(const float *x, const int8_t *q, const float *scal
 }
 
 #ifdef LATENTLOOP_AOTI
-/* Below this many multiply-adds a product runs on one thread: native.py's PARALLEL_MIN_MACS (a test
- * checks the two agree, through int8_linear.c's copy). */
-#define PARALLEL_MIN_MACS (1 << 16)
 #include "aoti_shim.h"
 
 /* latentloop::rows_linear(x (..., K) float32, weight (N, K) float32) -> (..., N), as AOTInductor calls
