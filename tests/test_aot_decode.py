@@ -236,3 +236,68 @@ def test_a_batchs_package_calls_the_rows_kernel_and_decodes_the_eager_tokens(com
         code = "".join(archive.read(name).decode(errors="replace") for name in archive.namelist()
                        if name.endswith(".cpp"))
     assert "aoti_torch_cpu_rows_linear(" in code
+
+
+@pytest.mark.parametrize("extra", ["model/data/aotinductor/model/extern_kernels.json",
+                                   "model/data/aotinductor/model/second.wrapper.so"])
+def test_a_package_the_library_loader_cannot_run_is_refused_before_loading_anything(tmp_path, extra):
+    """Operators run through torch's proxy executor (a JSON file), or a second model library: not
+    loaded through ctypes (the step would call a proxy executor it was never given), but refused,
+    so that dynamo's step is used instead."""
+    import zipfile
+
+    path = tmp_path / "package.pt2"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("model/data/aotinductor/model/abc.wrapper.so", b"not a library")
+        archive.writestr("model/data/aotinductor/model/abc.wrapper_metadata.json", "{}")
+        archive.writestr(extra, b"")
+    with pytest.raises(aot.AotUnavailable, match=extra.rsplit("/", 1)[1].replace(".", r"\.")):
+        aot._Library(path)
+
+
+@pytest.mark.slow
+def test_a_loaded_package_reads_weights_changed_in_place_and_lets_other_threads_run(compile_dir):
+    """The package points at the model's own tensors (nothing copied): a decoder kept across a change
+    made in place (`load_state_dict`, an optimizer step) decodes with the new weights. And its step
+    releases the GIL: a server's HTTP thread runs while the step does."""
+    import threading
+
+    model = built("gpt")
+    cache, options = frozen(model, rows=8)
+    reference = copy.deepcopy(cache)
+    fast, eager = FastDecoder(model, compile=True, **options), FastDecoder(model, compile=False, **options)
+    fast.attach(cache)
+    eager.attach(reference)
+    token = torch.arange(8) + 5
+    with torch.inference_mode():
+        for change in (None, 1.0, -1.5):
+            if change is not None:
+                with torch.no_grad():
+                    model.blocks[0].mlp.c_fc.weight.mul_(change)
+            logits, _, _ = fast.step(token)
+            expected, _, _ = eager.step(token)
+            torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)  # summation order only
+    (package,) = fast.aot.packages.values()
+    inputs = [token, *flatten(cache, cache_fields(cache))]
+    calls, seen = 50, []
+    saved = sys.getswitchinterval()
+    sys.setswitchinterval(60.0)  # the GIL changes hands only where a thread gives it up
+    try:
+        started = threading.Event()
+        done = [0]
+
+        def steps() -> None:
+            started.set()
+            for _ in range(calls):
+                with torch.inference_mode():
+                    package.library.run(inputs)
+                done[0] += 1
+
+        worker = threading.Thread(target=steps)
+        worker.start()
+        started.wait()
+        seen.append(done[0])  # runs as soon as the worker gives the GIL up
+        worker.join()
+    finally:
+        sys.setswitchinterval(saved)
+    assert seen[0] < calls, "the main thread ran only once every step was over: the step holds the GIL"

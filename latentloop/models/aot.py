@@ -3,9 +3,11 @@
 `FastDecoder` on CPU runs its step through this module. Dynamo's compiled step is exact and fast
 inside, but every call passes through dynamo's frame hook, its guards and AOT autograd's runtime
 wrappers: at the engines benchmark's small shape (4 layers, d=256, batch 1, 1 thread) those cost
-about as much as the step's kernels themselves (issue 26). An AOTInductor package is called straight
-from C++ (`AOTIModelPackageLoader.run`), and loading one takes milliseconds without importing
-`torch._dynamo` or `torch._inductor`, so a second process decodes compiled from its first step.
+about as much as the step's kernels themselves (issue 26). An AOTInductor package's library is called
+straight through its C interface (`_Library`, with ctypes, which releases the GIL while the step runs:
+torch's `AOTIModelPackageLoader.run` holds it, so a server's HTTP thread stood still during every
+step), and loading one takes milliseconds without importing `torch._dynamo` or `torch._inductor`, so
+a second process decodes compiled from its first step.
 
 How a step becomes a package (`AotDecodeStep`, one per model and options):
 - The cache's tensors (keys/values per slot, positions, write index, window marker, the
@@ -13,9 +15,10 @@ How a step becomes a package (`AotDecodeStep`, one per model and options):
   (`cache_fields`); the step writes into them in place (export records the input mutations and the
   package applies them). The window's length is the one dynamic dimension, as in dynamo's graph.
 - The weights are not copied into the package (`package_constants_in_so=False`): after loading,
-  the package is pointed at the model's own parameters and buffers (`load_constants(...,
-  user_managed=True)`). So a package depends on the model's code, config, options and shapes, not
-  its weights: another checkpoint of the same config reuses it, and nothing stale is ever read.
+  the package is pointed at the model's own parameters and buffers (user-managed constants: not
+  copied either, so a change made in place is read by the next step, and N batch sizes' packages do
+  not hold N copies). So a package depends on the model's code, config, options and shapes, not its
+  weights: another checkpoint of the same config reuses it, and nothing stale is ever read.
 - The traced step is the same rewritten one as dynamo's (`_cpu_decode_backend`): one-row products
   and one-query attention as reductions, by swapping `F.linear` and SDPA while exporting
   (`EXPORT_SWAPS`). An int8 product stays the operator `latentloop::int8_linear`, which the package
@@ -36,12 +39,14 @@ compare the two.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import json
 import os
 import shutil
 import tempfile
 import time
+import zipfile
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
@@ -270,21 +275,145 @@ def _resolve(module: nn.Module, path: str) -> Tensor:
     return value
 
 
-def _open_package(path: Path):
-    """The package's C++ loader. It unpacks the package's library into a fresh folder of the temp dir
-    and never removes it (3 MB a load, left behind by every process): unpacked here into a private
-    folder, removed once the library is loaded (the process keeps its mapping)."""
-    private = tempfile.mkdtemp(prefix="latentloop-aot-")
-    saved = os.environ.get("TMPDIR")
-    os.environ["TMPDIR"] = private  # where the loader unpacks (std::filesystem::temp_directory_path)
-    try:
-        return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
-    finally:
-        if saved is None:
-            os.environ.pop("TMPDIR", None)
-        else:
-            os.environ["TMPDIR"] = saved
-        shutil.rmtree(private, ignore_errors=True)
+# The entry points of a package's model library (AOTInductor's C interface, `aoti_runtime/interface.h`)
+# and their argument types; each returns an AOTIRuntimeError, 0 on success.
+_VOIDP, _SIZE, _CHARP = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p
+
+
+class _ConstantEntry(ctypes.Structure):  # AOTInductorConstantMapEntry: a constant's name and tensor
+    _fields_ = [("name", _CHARP), ("handle", _VOIDP)]
+
+
+_ENTRY_POINTS = {
+    "AOTInductorModelContainerCreateWithDevice": (ctypes.POINTER(_VOIDP), _SIZE, _CHARP, _CHARP),
+    "AOTInductorModelContainerDelete": (_VOIDP,),
+    "AOTInductorModelContainerGetNumConstants": (_VOIDP, ctypes.POINTER(_SIZE)),
+    "AOTInductorModelContainerGetConstantName": (_VOIDP, _SIZE, ctypes.POINTER(_CHARP)),
+    "AOTInductorModelContainerGetConstantOriginalFQN": (_VOIDP, _SIZE, ctypes.POINTER(_CHARP)),
+    "AOTInductorModelContainerGetConstantFromFolded": (_VOIDP, _SIZE, ctypes.POINTER(ctypes.c_bool)),
+    "AOTInductorModelContainerGetNumOutputs": (_VOIDP, ctypes.POINTER(_SIZE)),
+    "AOTInductorModelContainerUpdateUserManagedConstantBufferPairs":
+        (_VOIDP, ctypes.POINTER(_ConstantEntry), _SIZE, ctypes.c_bool, ctypes.c_bool),
+    "AOTInductorModelContainerRun": (_VOIDP, _VOIDP, _SIZE, _VOIDP, _SIZE, _VOIDP, _VOIDP),
+    "AOTInductorGetLastError": (ctypes.POINTER(_CHARP),),
+}
+# torch hands tensor handles (`at::Tensor*`) over as nameless capsules; the library takes raw pointers
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.argtypes, _capsule_pointer.restype = (ctypes.py_object, _CHARP), _VOIDP
+_new_capsule = ctypes.pythonapi.PyCapsule_New
+_new_capsule.argtypes, _new_capsule.restype = (_VOIDP, _CHARP, _VOIDP), ctypes.py_object
+
+
+# Where a capsule keeps its pointer: right after the object's header (CPython's PyCapsule), read in
+# place of a PyCapsule_GetPointer call per handle (a third of the wrapper's cost at 14 inputs). Checked
+# against PyCapsule_GetPointer once; where it differs, every handle goes through the call.
+_CAPSULE_POINTER_OFFSET = object.__basicsize__
+
+
+def _capsule_pointer_reader():
+    probe = _new_capsule(0x5A5A5A5A, None, None)
+    if ctypes.c_void_p.from_address(id(probe) + _CAPSULE_POINTER_OFFSET).value == _capsule_pointer(probe, None):
+        return lambda capsule: ctypes.c_void_p.from_address(id(capsule) + _CAPSULE_POINTER_OFFSET).value
+    return lambda capsule: _capsule_pointer(capsule, None)
+
+
+_read_pointer = _capsule_pointer_reader()
+
+
+def _handles(tensors: list[Tensor]) -> list[int]:
+    """New handles (`at::Tensor*`) of these tensors, as raw pointers (a handle is freed by whoever it
+    is handed to, or by `_tensors`)."""
+    return [_read_pointer(capsule) for capsule in torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors(tensors)]
+
+
+def _tensors(handles) -> list[Tensor]:
+    """The tensors of these handles, which are freed (the tensors keep what they point at)."""
+    return torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs([_new_capsule(h, None, None) for h in handles])
+
+
+_LIBRARY_SUFFIX = ".wrapper.so"  # the model library in a package's archive
+# The other files a package of ours may hold. Anything else (e.g. the JSON of operators run through
+# torch's proxy executor, which only torch's own loader provides) makes the package load refuse.
+_KNOWN_SUFFIXES = (_LIBRARY_SUFFIX, ".wrapper.cpp", ".kernel.cpp", "_metadata.json", "archive_format",
+                   "archive_version", "version", "byteorder", "serialization_id")
+
+
+class _Library:
+    """A package's model library, called through ctypes. torch's loader (`AOTIModelPackageLoader`)
+    holds the GIL while a step runs, so a server's HTTP thread (or any other Python thread) stood
+    still for the whole step; a ctypes call releases it. The weights are the model's own tensors
+    (user-managed constants: nothing copied, an in-place change is seen by the next step)."""
+
+    def __init__(self, path: Path):
+        with zipfile.ZipFile(path) as archive:
+            names = [n for n in archive.namelist() if not n.endswith("/")]
+            unknown = [n for n in names if not n.endswith(_KNOWN_SUFFIXES)]
+            libraries = [n for n in names if n.endswith(_LIBRARY_SUFFIX)]
+            if unknown or len(libraries) != 1:
+                raise AotUnavailable(f"{path.name} is not a package this loader runs (one model library, no "
+                                     f"operators for torch's proxy executor): {unknown or libraries}")
+            self.metadata = torch._C._aoti.AOTIModelPackageLoader.load_metadata_from_package(str(path), "model")
+            private = tempfile.mkdtemp(prefix="latentloop-aot-")
+            try:  # loaded from a private copy, removed once mapped (the process keeps its mapping)
+                so_path = Path(private) / "model.so"
+                so_path.write_bytes(archive.read(libraries[0]))
+                self._lib = ctypes.CDLL(str(so_path))
+            finally:
+                shutil.rmtree(private, ignore_errors=True)
+        for name, argtypes in _ENTRY_POINTS.items():
+            function = getattr(self._lib, name)
+            function.argtypes, function.restype = argtypes, ctypes.c_int32
+        self._handle = _VOIDP()
+        self._call("AOTInductorModelContainerCreateWithDevice", ctypes.byref(self._handle), 1, b"cpu", None)
+        count, outputs = _SIZE(), _SIZE()
+        self._call("AOTInductorModelContainerGetNumConstants", self._handle, ctypes.byref(count))
+        self._call("AOTInductorModelContainerGetNumOutputs", self._handle, ctypes.byref(outputs))
+        self.outputs = outputs.value
+        self.constants: list[tuple[bytes, str]] = []  # (the library's name, the model's path) of each
+        for i in range(count.value):
+            folded, name, fqn = ctypes.c_bool(), _CHARP(), _CHARP()
+            self._call("AOTInductorModelContainerGetConstantFromFolded", self._handle, i, ctypes.byref(folded))
+            if folded.value:  # computed inside the package from the others
+                continue
+            self._call("AOTInductorModelContainerGetConstantName", self._handle, i, ctypes.byref(name))
+            self._call("AOTInductorModelContainerGetConstantOriginalFQN", self._handle, i, ctypes.byref(fqn))
+            self.constants.append((name.value, fqn.value.decode()))
+
+    def _call(self, name: str, *args) -> None:
+        if getattr(self._lib, name)(*args) != 0:
+            self._fail(name)
+
+    def _fail(self, name: str) -> None:
+        message = _CHARP()
+        self._lib.AOTInductorGetLastError(ctypes.byref(message))
+        raise RuntimeError(f"{name} failed: {(message.value or b'').decode(errors='replace') or 'no message'}")
+
+    def bind(self, tensors: list[Tensor]) -> None:
+        """The constants, in `self.constants`' order, pointed at these tensors (which the library
+        keeps alive through handles of its own)."""
+        handles = _handles(tensors)
+        try:
+            pairs = (_ConstantEntry * len(handles))(*((name, handle) for (name, _), handle
+                                                      in zip(self.constants, handles)))
+            self._call("AOTInductorModelContainerUpdateUserManagedConstantBufferPairs", self._handle, pairs,
+                       len(handles), False, True)  # use_inactive, validate_full_update
+        finally:  # the library made handles of its own: ours are freed
+            _tensors(handles)
+
+    def run(self, inputs: list[Tensor]) -> list[Tensor]:
+        """One call of the step: the GIL is released while it runs (a ctypes call)."""
+        handles = (_VOIDP * len(inputs))(*_handles(inputs))  # the library takes them over (and frees them)
+        outputs = (_VOIDP * self.outputs)()
+        # no stream (CPU), no proxy executor (refused at load)
+        if self._lib.AOTInductorModelContainerRun(self._handle, handles, len(inputs), outputs, self.outputs,
+                                                  None, None) != 0:
+            self._fail("AOTInductorModelContainerRun")
+        return _tensors(outputs)
+
+    def __del__(self) -> None:
+        handle = getattr(self, "_handle", None)
+        if handle is not None and handle.value:
+            self._lib.AOTInductorModelContainerDelete(handle)
 
 
 class _Package:
@@ -292,9 +421,8 @@ class _Package:
 
     def __init__(self, path: Path, holder: nn.Module):
         try:
-            self.loader = _open_package(path)
-            self.info = json.loads(self.loader.get_metadata().get(INFO_KEY, "{}"))
-            self.paths = self.loader.get_constant_fqns()
+            self.library = _Library(path)
+            self.info = json.loads(self.library.metadata.get(INFO_KEY, "{}"))
             self.bound: list | None = None
             self.checked = False  # bound to the holder's tensors since the decoder's last `forget`
             self.bind(holder)
@@ -307,10 +435,10 @@ class _Package:
         """Point the package at the model's tensors, again whenever one was replaced (a recomputed
         gate table is a new tensor; `model.to(...)` moves a parameter's data)."""
         self.checked = True
-        tensors = {fqn: _resolve(holder, fqn) for fqn in self.paths}
-        bound = [(fqn, id(t), t.data_ptr()) for fqn, t in tensors.items()]
+        tensors = [_resolve(holder, fqn) for _, fqn in self.library.constants]
+        bound = [(id(t), t.data_ptr()) for t in tensors]
         if bound != self.bound:
-            self.loader.load_constants(tensors, False, True, False)  # check_full_update, user_managed, h2d
+            self.library.bind(tensors)
             self.bound = bound
 
 
@@ -436,5 +564,5 @@ class AotDecodeStep:
                 package.bind(self.holder)
             bound = self._bound = (cache, cache.window, flat, package)
         _, _, flat, package = bound
-        logits, greedy = package.loader.run([token, *flat])
+        logits, greedy = package.library.run([token, *flat])
         return logits, greedy, package.info
