@@ -855,3 +855,39 @@ def test_a_template_that_fails_the_startup_probe_stops_serve_with_one_line(tmp_p
     assert main(["serve", str(run), "--port", "0", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "chat template" in err
+
+
+def test_a_handlers_inbox_wakes_its_loop_once_per_burst_and_a_whole_response_only_at_its_end():
+    """The scheduler thread posts; the handler reads on the loop. A streamed response is woken for
+    its first pending event (a burst of events shares one wake-up, and a wake-up whose events were
+    already read wakes nobody into an empty inbox); a response sent whole only by Done or Failed."""
+    import asyncio
+
+    from latentloop.serve.app import _Inbox
+    from latentloop.serve.scheduler import Delta, Done
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        first, second, done = Delta(0, "a", []), Delta(0, "b", []), Done(3, 2, 1)
+        streamed = _Inbox(loop, whole=False)
+        wakes = []
+        real_wake = streamed._wake
+        streamed._wake = lambda: (wakes.append(1), real_wake())
+        # posted from this thread, the wake-up cannot run before the loop gets control back: deterministic
+        streamed.post(first)
+        streamed.post(second)  # the first's wake-up has not run yet: no second one
+        assert await streamed.get(1.0) is first and await streamed.get(1.0) is second
+        with pytest.raises(asyncio.TimeoutError):  # its wake-up comes now, and wakes nobody into an empty inbox
+            await streamed.get(0.05)
+        assert wakes == [1]
+
+        whole = _Inbox(loop, whole=True)
+        waiter = asyncio.create_task(whole.get(1.0))
+        await asyncio.sleep(0.01)  # waiting on an empty inbox
+        await asyncio.to_thread(whole.post, first)
+        await asyncio.sleep(0.05)
+        assert not waiter.done()  # a delta of a whole response wakes nobody
+        await asyncio.to_thread(whole.post, done)
+        assert await waiter is first and await whole.get(1.0) is done
+
+    asyncio.run(scenario())
