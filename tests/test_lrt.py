@@ -265,3 +265,23 @@ def test_eval_generate_cli(tiny_run, tiny_corpus, capsys):
     assert main(["generate", str(run), "--prompt", "ab", "--max-new-tokens", "3", "--prefill", "interleaved",
                  "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["new_tokens"] <= 3
+
+
+def test_the_flop_count_of_flex_attention_subset_passes_equals_the_dense_masks(monkeypatch):
+    """On a GPU the interleaved subset passes run flex_attention; under torch's FLOP counter that
+    raised (an H200 with torch 2.11: lrt's training stopped at its setup). The counter takes the
+    dense mask instead, with the same shapes, so the count is the dense path's."""
+    from latentloop.models import flex
+
+    flex_attend = flex.attend
+    cfg = model_config("lrt", "test", subsets=3)
+    objective = build_objective(cfg, TrainConfig(steps=2))
+    model = _model(subsets=3)
+    dense = objective.flops_per_token(model)
+    monkeypatch.setattr(flex, "FORCE", True)  # flex_attention on the CPU too, as on CUDA
+    assert objective.flops_per_token(model) == dense
+    plans = []
+    monkeypatch.setattr(flex, "attend", lambda *args, **kwargs: plans.append(1) or flex_attend(*args, **kwargs))
+    with torch.no_grad():  # (torch has no flex_attention backward on the CPU)
+        model(torch.randint(0, 256, (2, 12)), recurrence="interleaved", subsets=3)
+    assert plans  # outside the count the subset passes still take flex_attention

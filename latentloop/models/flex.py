@@ -13,6 +13,8 @@ length and the subset's columns, so they are built once and kept.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -22,11 +24,25 @@ FORCE = False  # use the flex path on any device (tests); otherwise CUDA only
 MAX_CACHED_MASKS = 64  # distinct (device, T, columns) masks kept: S subsets x a few sequence lengths
 _masks: dict[tuple, Any] = {}
 _compiled: dict[str, Any] = {}
+_suspended = [0]  # blocks of `suspended` open
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """Dense masks inside the block, on every device. For torch's FlopCounterMode (the structural
+    FLOP count): flex_attention, a higher-order operator, has no rule under it and raises (seen on
+    an H200 with torch 2.11: lrt's training stopped at its setup), and the count needs the shapes
+    only. Not thread-safe: for setup code."""
+    _suspended[0] += 1
+    try:
+        yield
+    finally:
+        _suspended[0] -= 1
 
 
 def available(device: torch.device) -> bool:
     """Whether subset passes on `device` use flex_attention."""
-    if not (device.type == "cuda" or FORCE):
+    if _suspended[0] or not (device.type == "cuda" or FORCE):
         return False
     try:
         from torch.nn.attention.flex_attention import create_block_mask  # noqa: F401

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..util import evaluating
+from . import flex
 
 PROBE_TOKENS = 16  # matmul FLOPs per token do not depend on the length; attention is added per seq_len
 MATMUL_OPS = ("mm", "addmm")  # linear layers; batched matmuls (bmm) belong to attention, counted apart
@@ -63,7 +64,8 @@ def count_flops_per_token(model: nn.Module, run: Callable[[Tensor], Any], seq_le
         # force_eager: blocks compiled in place (`train.compile` block by block) run their eager code
         # here. Reached by dynamo under the counter (a dispatch mode), a block's code is marked "skip"
         # for good, and every later step runs it eagerly (tests/test_compiled_training.py).
-        with (_eager_stance(), evaluating(model), torch.no_grad(),
+        # flex.suspended: flex_attention raises under the counter; the dense mask has the same shapes
+        with (flex.suspended(), _eager_stance(), evaluating(model), torch.no_grad(),
               FlopCounterMode(display=False) as counter):  # no training noise
             run(idx)
     finally:
