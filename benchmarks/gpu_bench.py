@@ -177,11 +177,13 @@ def bench_decode(name: str, arch: str, options: dict, shape: Shape, device: torc
     for batch in shape.decode_batches:
         prompts = torch.randint(0, min(model.config.vocab_size, 256), (batch, shape.prompt), generator=generator)
         prompts = prompts.tolist()
-        ll.generate(model, prompts, 2, temperature=0.0, **options)  # warm up this batch size's kernels
+        # compile=False: the eager decode, as the docstring says. The default ("auto") compiled gpt's step
+        # in the middle of the timed stream on an H200 (2026-12-04: 15 tokens/s at batch 1, fbt's 141)
+        ll.generate(model, prompts, 2, temperature=0.0, compile=False, **options)  # warm up this batch size's kernels
         _sync(device)
         stamps = []
         start = time.perf_counter()
-        for _ in ll.stream(model, prompts, shape.new_tokens, temperature=0.0, **options):
+        for _ in ll.stream(model, prompts, shape.new_tokens, temperature=0.0, compile=False, **options):
             stamps.append(time.perf_counter())  # the engine has read the token back: the step is done
         decode_s = stamps[-1] - stamps[0]
         rows.append({"case": name, "arch": arch, "options": options, "batch": batch, "prompt": shape.prompt,
