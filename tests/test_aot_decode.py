@@ -3,6 +3,7 @@
 AOTInductor compile takes tens of seconds on two cores)."""
 
 import copy
+import ctypes
 import json
 import os
 import subprocess
@@ -260,8 +261,6 @@ def test_a_loaded_package_reads_weights_changed_in_place_and_lets_other_threads_
     """The package points at the model's own tensors (nothing copied): a decoder kept across a change
     made in place (`load_state_dict`, an optimizer step) decodes with the new weights. And its step
     releases the GIL: a server's HTTP thread runs while the step does."""
-    import threading
-
     model = built("gpt")
     cache, options = frozen(model, rows=8)
     reference = copy.deepcopy(cache)
@@ -279,25 +278,131 @@ def test_a_loaded_package_reads_weights_changed_in_place_and_lets_other_threads_
             torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)  # summation order only
     (package,) = fast.aot.packages.values()
     inputs = [token, *flatten(cache, cache_fields(cache))]
-    calls, seen = 50, []
+    prepared = fast.aot._bound.prepared
+    assert prepared is not None, native.native_status(aot.RUNNER, for_packages=True)
+    calls = 25  # each writes a slot: 2 x 25 after the prompt's and the steps' above fit the 64 slots
+    # both ways of calling a step: handles made per call (`_Library.run`), and made once (aot_run.c)
+    for name, run in (("the library's run", lambda: package.library.run(inputs)), ("the prepared run", prepared.run)):
+        done_when_seen = steps_done_when_the_main_thread_runs(run, calls)
+        assert done_when_seen < calls, f"the main thread ran only once every step was over: {name} holds the GIL"
+
+
+def steps_done_when_the_main_thread_runs(run, calls: int) -> int:
+    """How many of `calls` calls of `run` on a second thread were over when this thread first ran again."""
+    import threading
+
     saved = sys.getswitchinterval()
     sys.setswitchinterval(60.0)  # the GIL changes hands only where a thread gives it up
+    started, done = threading.Event(), [0]
+
+    def steps() -> None:
+        started.set()
+        for _ in range(calls):
+            with torch.inference_mode():
+                run()
+            done[0] += 1
+
     try:
-        started = threading.Event()
-        done = [0]
-
-        def steps() -> None:
-            started.set()
-            for _ in range(calls):
-                with torch.inference_mode():
-                    package.library.run(inputs)
-                done[0] += 1
-
         worker = threading.Thread(target=steps)
         worker.start()
         started.wait()
-        seen.append(done[0])  # runs as soon as the worker gives the GIL up
+        seen = done[0]  # runs as soon as the worker gives the GIL up
         worker.join()
     finally:
         sys.setswitchinterval(saved)
-    assert seen[0] < calls, "the main thread ran only once every step was over: the step holds the GIL"
+    return seen
+
+
+@pytest.mark.slow
+def test_prepared_steps_decode_as_steps_that_make_their_handles_each_call(compile_dir, monkeypatch):
+    """aot_run.c's prepared run (handles made once, outputs copied into the last step's tensors) against
+    `_Library.run` (everything made per call), step by step over the same package: the same logits to
+    the bit, across windows (a new binding every 16 steps) and with tokens that are not the last
+    step's greedy ids (copied into the token's tensor)."""
+    prepared_model = built("gpt")
+    per_call_model = copy.deepcopy(prepared_model)  # a decoder of its own (one binding per model's step)
+    runner = aot._runner
+    decoders = []
+    for model, use_runner in ((prepared_model, True), (per_call_model, False)):
+        monkeypatch.setattr(aot, "_runner", runner if use_runner else lambda: None)
+        cache, options = frozen(model, rows=2, needed=48)
+        fast = FastDecoder(model, compile=True, **options)
+        fast.attach(cache)
+        decoders.append(fast)
+    prepared, per_call = decoders
+    runs = [0]
+    prepared_run = aot._PreparedRun.run
+
+    def counted(self) -> None:
+        runs[0] += 1
+        prepared_run(self)
+
+    monkeypatch.setattr(aot._PreparedRun, "run", counted)
+    prepared_token = per_call_token = torch.tensor([5, 9])
+    steps = 40
+    with torch.inference_mode():
+        for step in range(steps):
+            monkeypatch.setattr(aot, "_runner", runner)
+            logits, greedy, _ = prepared.step(prepared_token)
+            monkeypatch.setattr(aot, "_runner", lambda: None)
+            expected, expected_greedy, _ = per_call.step(per_call_token)
+            torch.testing.assert_close(logits, expected, rtol=0, atol=0)  # one package, the same inputs
+            assert torch.equal(greedy, expected_greedy)
+            if step % 3 == 2:  # a token of its own, as sampling gives
+                prepared_token = (expected_greedy + 7) % 256
+                per_call_token = prepared_token.clone()
+            else:  # the greedy ids passed back: the prepared run's own tensor
+                prepared_token, per_call_token = greedy, expected_greedy
+    assert per_call.aot._bound.prepared is None
+    # every step but the first of each window (16 slots) ran prepared
+    assert runs[0] >= steps - 4, native.native_status(aot.RUNNER, for_packages=True)
+
+
+class _FakeLibrary:
+    """What `_PreparedRun` reads of a `_Library`, its run a Python function (see the test below)."""
+
+    def __init__(self, run):
+        self._lib = type("Lib", (), {"AOTInductorModelContainerRun": run})()
+        self._handle = ctypes.c_void_p(0)
+
+    def _fail(self, name: str) -> None:
+        raise RuntimeError(f"{name} failed: the fake run said so")
+
+
+def test_a_prepared_run_hands_its_inputs_over_and_copies_each_output_into_its_tensor():
+    """aot_run.c without a package: the container's run is a Python function with its C signature,
+    which takes the input handles over and hands back outputs, as a package's library does."""
+    function = aot._runner()
+    if function is None:
+        pytest.skip(native.native_status(aot.RUNNER, for_packages=True))
+    handle_array = ctypes.POINTER(ctypes.c_void_p)
+    signature = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, handle_array, ctypes.c_size_t, handle_array,
+                                 ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p)
+    behaviour = {"wrong shape": False, "fail": False}
+
+    def run(container, inputs, n_inputs, outputs, n_outputs, stream, proxy):
+        x, ids = aot._tensors([inputs[i] for i in range(n_inputs)])  # the inputs' handles, taken over
+        if behaviour["fail"]:
+            return 1
+        logits = x * 2 + ids[:, None]  # (B, V)
+        if behaviour["wrong shape"]:
+            logits = torch.cat([logits, logits], dim=1)
+        for j, handle in enumerate(aot._handles([logits, logits.argmax(-1)])):
+            outputs[j] = handle
+        return 0
+
+    callback = signature(run)
+    x, ids = torch.randn(2, 5), torch.tensor([1, 3])
+    logits, greedy = torch.empty(2, 5), torch.empty(2, dtype=torch.long)
+    prepared = aot._PreparedRun(_FakeLibrary(callback), function, [x, ids], [logits, greedy])
+    for change in (0.0, 1.5):  # the held handles are the live tensors: a change in place is read
+        x.add_(change)
+        prepared.run()
+        torch.testing.assert_close(logits, x * 2 + ids[:, None], rtol=0, atol=0)
+        assert torch.equal(greedy, logits.argmax(-1))
+    behaviour["wrong shape"] = True
+    with pytest.raises(RuntimeError, match="differs from the tensor prepared for it"):
+        prepared.run()
+    behaviour.update({"wrong shape": False, "fail": True})
+    with pytest.raises(RuntimeError, match="the fake run said so"):
+        prepared.run()

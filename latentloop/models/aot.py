@@ -7,7 +7,9 @@ about as much as the step's kernels themselves (issue 26). An AOTInductor packag
 straight through its C interface (`_Library`, with ctypes, which releases the GIL while the step runs:
 torch's `AOTIModelPackageLoader.run` holds it, so a server's HTTP thread stood still during every
 step), and loading one takes milliseconds without importing `torch._dynamo` or `torch._inductor`, so
-a second process decodes compiled from its first step.
+a second process decodes compiled from its first step. Between two changes of the cache's window (every
+16 steps) a step is one foreign call of `aot_run.c` (`_PreparedRun`): the inputs' handles are made once
+and the outputs copied into the last step's tensors, which the caller passes back as the next token.
 
 How a step becomes a package (`AotDecodeStep`, one per model and options):
 - The cache's tensors (keys/values per slot, positions, write index, window marker, the
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
 import json
 import os
@@ -47,7 +50,7 @@ import shutil
 import tempfile
 import time
 import zipfile
-from dataclasses import asdict, is_dataclass
+from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 
 import torch
@@ -402,7 +405,8 @@ class _Library:
             _tensors(handles)
 
     def run(self, inputs: list[Tensor]) -> list[Tensor]:
-        """One call of the step: the GIL is released while it runs (a ctypes call)."""
+        """One call of the step: the GIL is released while it runs (a ctypes call). Each call makes
+        a handle of every input and a tensor of every output (`_PreparedRun` makes them once)."""
         handles = (_VOIDP * len(inputs))(*_handles(inputs))  # the library takes them over (and frees them)
         outputs = (_VOIDP * self.outputs)()
         # no stream (CPU), no proxy executor (refused at load)
@@ -415,6 +419,51 @@ class _Library:
         handle = getattr(self, "_handle", None)
         if handle is not None and handle.value:
             self._lib.AOTInductorModelContainerDelete(handle)
+
+
+RUNNER = "aot_run"  # aot_run.c: a prepared step in one foreign call
+# aot_run.c's return codes but 0 (RUN_FAILED: the library's own last error says more)
+_RUNNER_FAILURES = {1: "could not make a handle of an input", 2: None,
+                    3: "an output differs from the tensor prepared for it (count, dtype or layout)",
+                    4: "too many inputs or outputs"}
+
+
+@functools.cache
+def _runner():
+    """aot_run.c's `latentloop_aot_run`, or None where it does not build (`_Library.run` serves then)."""
+    library = native.native_library(RUNNER, for_packages=True)
+    if library is None:
+        return None
+    function = library.latentloop_aot_run
+    function.argtypes, function.restype = None, ctypes.c_int  # called with ctypes objects made once
+    return function
+
+
+class _PreparedRun:
+    """`run()`: the library's step over the same input tensors every call, its outputs copied into the
+    same output tensors (aot_run.c: the handles are made once, where `_Library.run` made 14 and two
+    result tensors a call, 20-40 us of a ~350 us step at the engines' small shape). The GIL is released
+    while it runs. The handles keep the tensors alive until this object goes."""
+
+    def __init__(self, library: _Library, function, inputs: list[Tensor], outputs: list[Tensor]):
+        self.library, self._function = library, function
+        self._held = (_VOIDP * len(inputs))(*_handles(inputs))
+        self._into = (_VOIDP * len(outputs))(*_handles(outputs))
+        nbytes = (ctypes.c_int64 * len(outputs))(*(t.numel() * t.element_size() for t in outputs))
+        self._arguments = (ctypes.cast(library._lib.AOTInductorModelContainerRun, _VOIDP), library._handle,
+                           self._held, _SIZE(len(inputs)), self._into, nbytes, _SIZE(len(outputs)))
+
+    def run(self) -> None:
+        status = self._function(*self._arguments)
+        if status:
+            if _RUNNER_FAILURES.get(status) is None:
+                self.library._fail("AOTInductorModelContainerRun")
+            raise RuntimeError(f"{RUNNER}: {_RUNNER_FAILURES[status]}")
+
+    def __del__(self) -> None:
+        for handles in (getattr(self, "_held", ()), getattr(self, "_into", ())):
+            if len(handles):
+                _tensors(list(handles))  # frees the handles (the tensors they made go at once)
 
 
 class _Package:
@@ -454,7 +503,7 @@ class AotDecodeStep:
         self.compiled_now = False  # the last `prepare` compiled (as opposed to loading from disk)
         self.load_seconds = 0.0  # what loading the last package took (all a later process pays for it)
         self.unavailable: dict[tuple, str] = {}  # shape -> why it did not compile
-        self._bound: tuple | None = None  # (cache, its window, its tensors flattened, their package)
+        self._bound: _Bound | None = None  # what the steps run with until the cache or its window changes
         self.holder = _ExportedStep(model, options, step_fn)  # what packages resolve their constants from
 
     @staticmethod
@@ -554,16 +603,51 @@ class AotDecodeStep:
                 setattr(cache, name, value)
 
     def __call__(self, model, token: Tensor, cache, options: dict) -> tuple[Tensor, Tensor, dict]:
+        """A step. Its logits and greedy ids are tensors the next step writes again (with a prepared
+        run), and the greedy ids are that step's input when passed back as its token: no copy."""
         bound = self._bound
-        if bound is None or bound[0] is not cache or bound[1] is not cache.window:  # a new window every 16 steps
-            flat = flatten(cache, cache_fields(cache))
-            shape = self._shape(flat, cache.window, cache.max_len)
-            if shape not in self.packages:
-                self.prepare(cache)  # loads it, or raises AotUnavailable
-            package = self.packages[shape]
-            if not package.checked:
-                package.bind(self.holder)
-            bound = self._bound = (cache, cache.window, flat, package)
-        _, _, flat, package = bound
+        if bound is None or bound.cache is not cache or bound.window is not cache.window:
+            return self._bind(token, cache)  # a new window every 16 steps
+        if bound.prepared is None:
+            logits, greedy = bound.package.library.run([token, *bound.flat])
+            return logits, greedy, bound.package.info
+        if token is not bound.greedy:  # e.g. sampled ids: into the token's tensor
+            if token.shape != bound.greedy.shape or token.dtype != bound.greedy.dtype:
+                raise ValueError(f"token {tuple(token.shape)} {token.dtype}: this step takes "
+                                 f"{tuple(bound.greedy.shape)} {bound.greedy.dtype}")
+            bound.greedy.copy_(token)
+        bound.prepared.run()
+        return bound.logits, bound.greedy, bound.package.info
+
+    def _bind(self, token: Tensor, cache) -> tuple[Tensor, Tensor, dict]:
+        """The first step with this cache and window: its package found (and bound to the model's
+        tensors when it was not yet since the last `forget`), run with handles made for this call, and
+        its outputs kept as the tensors the next steps' prepared run writes (`_Bound`)."""
+        self._bound = None  # the last bound's handles go first
+        flat = flatten(cache, cache_fields(cache))
+        shape = self._shape(flat, cache.window, cache.max_len)
+        if shape not in self.packages:
+            self.prepare(cache)  # loads it, or raises AotUnavailable
+        package = self.packages[shape]
+        if not package.checked:
+            package.bind(self.holder)
         logits, greedy = package.library.run([token, *flat])
+        function = _runner()
+        prepared = None
+        if function is not None and logits.is_contiguous() and greedy.is_contiguous():
+            prepared = _PreparedRun(package.library, function, [greedy, *flat], [logits, greedy])
+        self._bound = _Bound(cache, cache.window, flat, package, prepared, logits, greedy)
         return logits, greedy, package.info
+
+
+@dataclass
+class _Bound:
+    """What an `AotDecodeStep` steps with until the cache or its window changes."""
+
+    cache: object
+    window: Tensor
+    flat: list[Tensor]  # the cache's tensors, the package's inputs after the token
+    package: _Package
+    prepared: _PreparedRun | None  # None where aot_run.c does not build: `_Library.run` each step
+    logits: Tensor  # (B, V): the last step's, written again by the next prepared run
+    greedy: Tensor  # (B,): the last step's greedy ids, and the next step's token when passed back

@@ -3,7 +3,7 @@
  * `aot_inductor.custom_ops_to_c_shims`: the few functions of libtorch's stable C interface
  * (torch/csrc/inductor/aoti_torch/c/shim.h) they use, declared here so that the build needs no torch
  * headers, a contiguity check, the result's allocation and the thread count. Included by
- * int8_linear.c and rows_linear.c. */
+ * int8_linear.c, rows_linear.c and aot_run.c. */
 #ifndef LATENTLOOP_AOTI_SHIM_H
 #define LATENTLOOP_AOTI_SHIM_H
 #include <stdint.h>
@@ -19,6 +19,9 @@ extern AOTITorchError aoti_torch_get_dim(AtenTensorHandle tensor, int64_t *dim);
 extern AOTITorchError aoti_torch_get_sizes(AtenTensorHandle tensor, int64_t **sizes);
 extern AOTITorchError aoti_torch_get_strides(AtenTensorHandle tensor, int64_t **strides);
 extern AOTITorchError aoti_torch_get_dtype(AtenTensorHandle tensor, int32_t *dtype);
+extern AOTITorchError aoti_torch_get_numel(AtenTensorHandle tensor, int64_t *numel);
+extern AOTITorchError aoti_torch_new_tensor_handle(AtenTensorHandle tensor, AtenTensorHandle *new_handle);
+extern AOTITorchError aoti_torch_delete_tensor_object(AtenTensorHandle tensor);
 extern AOTITorchError aoti_torch_empty_strided(int64_t dim, const int64_t *sizes, const int64_t *strides,
                                                int32_t dtype, int32_t device_type, int32_t device_index,
                                                AtenTensorHandle *out);

@@ -418,7 +418,9 @@ class FastDecoder:
         self.cache = cache
 
     def step(self, token: Tensor) -> tuple[Tensor, Tensor, dict]:
-        """token (B,) -> logits (B, V), greedy next ids (B,), what the model reported."""
+        """token (B,) -> logits (B, V), greedy next ids (B,), what the model reported. The logits and
+        ids may be tensors the next step writes again (a CPU package's, as CUDA graphs' outputs are):
+        copy what is kept past it. Passing the ids back as the next token costs no copy."""
         cache = self.cache
         if cache.filled + 1 > cache.max_len:
             raise ValueError(f"cache overflow: {cache.filled} + 1 tokens > max_len {cache.max_len}")
