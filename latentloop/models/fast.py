@@ -376,6 +376,9 @@ class FastDecoder:
             if self.aot is None:
                 self._step = self._dynamo_step()
         self.cache: KVCache | None = None
+        # (cache, its key_pos, torch's threads) of the last step, when its shape had run before (`step`):
+        # a resize (new key_pos), another cache or thread count looks the shape up again
+        self._ran_with: tuple | None = None
 
     def _dynamo_step(self):
         """Dynamo's compiled step, one per model and options (made on first need: `torch.compile`
@@ -388,6 +391,7 @@ class FastDecoder:
     def _fall_back_to_dynamo(self, error: AotUnavailable) -> None:
         """This decoder's step has no package (`error` says why): dynamo's compiled step from now on."""
         self.aot, self.aot_reason, self._step = None, str(error), self._dynamo_step()
+        self._ran_with = None  # dynamo's graph is a shape of its own
 
     @property
     def compiled(self) -> bool:
@@ -429,7 +433,12 @@ class FastDecoder:
         # of its own, compiled once when a generation reaches the end of the buffer), so those steps
         # keep their guards; skipping them there raised "Recompilation triggered" (found generating up
         # to the context's end)
-        ran = self.compiled and self._shape(cache) in _RAN_SHAPES.get(self.model, ())
+        threads, last = torch.get_num_threads(), self._ran_with
+        # as the last step: no key to build and look up (identities: `==` would compare tensors)
+        ran = last is not None and last[0] is cache and last[1] is cache.key_pos and last[2] == threads
+        if not ran:
+            ran = self.compiled and self._shape(cache) in _RAN_SHAPES.get(self.model, ())
+            self._ran_with = (cache, cache.key_pos, threads) if ran else None
         if ran and self.aot is not None:  # a package: no guards, any window
             try:
                 logits, greedy, info = self.aot(self.model, token, cache, self.options)
