@@ -85,9 +85,13 @@ def compiles_whole_model(model: nn.Module, strategy: str, scope: str = "auto") -
     return scope == "whole" or (scope == "auto" and type(model).COMPILES_WHOLE)
 
 
-# Graphs one compiled block function may keep: its blocks (layer attributes such as lrt's injection
-# flags are guarded) x the kinds of pass it runs in (full causal, subset with a mask, evaluation).
-GRAPHS_PER_BLOCK = 4
+# Graphs one compiled block function may keep: its blocks (layer attributes such as the layer's index
+# and lrt's injection flags are guarded) x the kinds of pass it runs in. lrt's interleaved training
+# runs six kinds with its validation (training and evaluation of its full and subset passes), counted
+# on the CPU: with 4 a block, six layers filled the limit and the rest fell back to eager for good
+# (the same happened on an H200 under fsdp2). flex_attention's masks on a GPU may add kinds: twice
+# the count seen.
+GRAPHS_PER_BLOCK = 12
 
 
 def _allow_recompiles(blocks: int) -> None:

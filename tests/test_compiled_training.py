@@ -143,3 +143,29 @@ def test_counting_flops_leaves_blocks_compiled(arch):
     # (the norm's and ReLU²'s own forwards) hold none
     linears = [sum("linear" in str(node.target) for node in gm.graph.nodes) for gm in graphs]
     assert linears and max(linears) >= BLOCK_LINEARS, linears
+
+
+@pytest.mark.slow
+def test_blocks_compiled_one_by_one_never_fall_back_to_eager_through_training_and_validation():
+    """lrt's interleaved training, compiled block by block (as under fsdp2) with its MLPs recomputed:
+    every layer and kind of pass, validation's too, is a graph of its own; none may pass dynamo's
+    recompile limit, past which the block runs eagerly for good (an H200 run did, under fsdp2)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = ll.build("lrt", preset="test", sequence_len=SEQ_LEN, n_layer=6, recurrence="interleaved",
+                     subsets=2).train()
+    train = TrainConfig(batch_size=BATCH, device="cpu", dtype="float32", compile=True, compile_scope="blocks",
+                        activation_checkpointing=True)
+    objective = build_objective(model.config, train)
+    compiled = wrap_model(model, train, torch.device("cpu"))
+    data = torch.randint(0, model.config.vocab_size, (BATCH, SEQ_LEN + 1), generator=torch.Generator().manual_seed(1))
+    counters.clear()
+    for step in range(2):
+        objective(compiled, data[:, :-1], data[:, 1:], step).loss.backward()
+        model.eval()  # validation, as `fit` runs it
+        with torch.no_grad():
+            objective(compiled, data[:, :-1], data[:, 1:], step)
+        model.train()
+    assert counters["frames"]["total"] == counters["frames"]["ok"] > 0, dict(counters["frames"])

@@ -125,6 +125,28 @@ def test_flex_attention_subsets_match_the_dense_mask_on_cpu(monkeypatch):
     torch.testing.assert_close(sparse_padded.logits[pad], dense_padded.logits[pad], rtol=1e-5, atol=1e-5)
 
 
+
+def test_a_whole_model_compile_gives_the_eager_flex_paths_numbers(monkeypatch):
+    """lrt's subset passes with flex_attention, the whole forward compiled (lrt's default scope). The
+    mask lookup (`.any()`, `.tolist()`) breaks the graph, which an H200 run showed; building the mask
+    inside the graph instead gave the second subset the first one's mask (dynamo, torch 2.13:
+    logits off by 0.0126), which this catches. Traced by dynamo without inductor, whose CPU
+    flex_attention template does not take this mask."""
+    pytest.importorskip("torch.nn.attention.flex_attention", reason="this torch has no flex_attention")
+    torch.manual_seed(0)
+    model = ll.build("lrt", preset="test", sequence_len=32, subsets=2, recurrence="interleaved").eval()
+    x = torch.randint(0, 256, (2, 32))
+    monkeypatch.setattr(flex, "FORCE", True)
+    monkeypatch.setattr(flex, "_masks", {})
+    torch._dynamo.reset()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager flex_attention on the CPU warns that it is unfused
+        eager = model(x)
+        traced = torch.compile(model, backend="eager")(x)
+    for a, b in zip(eager.pass_logits, traced.pass_logits, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
 def test_strategy_is_validated_and_a_multi_process_launch_needs_one(monkeypatch):
     with pytest.raises(ConfigError, match="strategy must be one of auto, none, ddp, fsdp2"):
         TrainConfig(strategy="zero3")
