@@ -640,7 +640,7 @@ class AotDecodeStep:
         return logits, greedy, package.info
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: its fields are tensors
 class _Bound:
     """What an `AotDecodeStep` steps with until the cache or its window changes."""
 
