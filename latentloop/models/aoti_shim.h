@@ -32,7 +32,7 @@ extern int32_t aoti_torch_device_type_cpu(void);
 #define MAX_DIMS 8
 #define FAILED 1 /* AOTI_TORCH_FAILURE: the package raises */
 
-static int contiguous(AtenTensorHandle t, int64_t dim) {
+static inline int contiguous(AtenTensorHandle t, int64_t dim) {
     int64_t *sizes, *strides, expected = 1;
     if (aoti_torch_get_sizes(t, &sizes) || aoti_torch_get_strides(t, &strides))
         return 0;
@@ -45,7 +45,7 @@ static int contiguous(AtenTensorHandle t, int64_t dim) {
 }
 
 /* The result of an operator with x's sizes but the last, which is `last`: (..., last) float32, contiguous. */
-static AOTITorchError empty_like_rows(int64_t dim, const int64_t *x_sizes, int64_t last, AtenTensorHandle *out) {
+static inline AOTITorchError empty_like_rows(int64_t dim, const int64_t *x_sizes, int64_t last, AtenTensorHandle *out) {
     int64_t sizes[MAX_DIMS], strides[MAX_DIMS], stride = 1;
     for (int64_t d = 0; d < dim; ++d)
         sizes[d] = d == dim - 1 ? last : x_sizes[d];
@@ -58,7 +58,7 @@ static AOTITorchError empty_like_rows(int64_t dim, const int64_t *x_sizes, int64
 }
 
 /* Threads for a product of `macs` multiply-adds: torch's (it sets OpenMP's) from PARALLEL_MIN_MACS on. */
-static int package_threads(int64_t macs) {
+static inline int package_threads(int64_t macs) {
 #ifdef _OPENMP
     if (macs >= PARALLEL_MIN_MACS)
         return omp_get_max_threads();
