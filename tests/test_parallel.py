@@ -129,8 +129,8 @@ def test_flex_attention_subsets_match_the_dense_mask_on_cpu(monkeypatch):
 def test_a_whole_model_compile_gives_the_eager_flex_paths_numbers(monkeypatch):
     """lrt's subset passes with flex_attention, the whole forward compiled (lrt's default scope). The
     mask lookup (`.any()`, `.tolist()`) breaks the graph, which an H200 run showed; building the mask
-    inside the graph instead gave the second subset the first one's mask (dynamo, torch 2.13:
-    logits off by 0.0126), which this catches. Traced by dynamo without inductor, whose CPU
+    inside the graph instead gave the second subset pass wrong logits (dynamo, torch 2.13: off by
+    0.0126; the first pass's were exact), which this catches. Traced by dynamo without inductor, whose CPU
     flex_attention template does not take this mask."""
     pytest.importorskip("torch.nn.attention.flex_attention", reason="this torch has no flex_attention")
     torch.manual_seed(0)
