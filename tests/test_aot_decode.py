@@ -49,12 +49,15 @@ def test_cache_fields_flatten_and_restore_every_tensor_of_the_frozen_cache(arch)
     assert {"k_slots", "v_slots", "key_pos", "next_pos", "write_index", "window"} <= names
     if cache.state:
         assert "state" in names
+    cache.window.fill_(float("nan"))  # uninitialised bytes may be NaNs (a CI run's were): always so here
     flat = flatten(cache, fields)
     assert all(isinstance(t, torch.Tensor) for t in flat)
     other = copy.copy(cache)
     aot.restore(other, fields, [t.clone() for t in flat])
     for mine, theirs in zip(flat, flatten(other, fields)):
-        assert torch.equal(mine, theirs) and mine is not theirs  # every tensor went back where it came from
+        assert mine is not theirs  # every tensor went back where it came from: a clone, bit for bit
+        # `window` is uninitialised (only its size is read): NaN equals NaN here.
+        torch.testing.assert_close(theirs, mine, rtol=0, atol=0, equal_nan=True)
 
 
 def test_package_key_names_code_shapes_and_options_but_not_weight_values():
