@@ -333,20 +333,27 @@ def test_prepared_steps_decode_as_steps_that_make_their_handles_each_call(compil
         fast.attach(cache)
         decoders.append(fast)
     prepared, per_call = decoders
-    runs = [0]
-    prepared_run = aot._PreparedRun.run
+    runs, binds = [0], [0]
+    prepared_run, bind = aot._PreparedRun.run, aot.AotDecodeStep._bind
 
     def counted(self) -> None:
         runs[0] += 1
         prepared_run(self)
 
+    def counted_bind(self, token, cache):
+        binds[0] += self is prepared.aot
+        return bind(self, token, cache)
+
     monkeypatch.setattr(aot._PreparedRun, "run", counted)
+    monkeypatch.setattr(aot.AotDecodeStep, "_bind", counted_bind)
+    windows = set()
     prepared_token = per_call_token = torch.tensor([5, 9])
     steps = 40
     with torch.inference_mode():
         for step in range(steps):
             monkeypatch.setattr(aot, "_runner", runner)
             logits, greedy, _ = prepared.step(prepared_token)
+            windows.add(prepared.cache.window.shape[0])
             monkeypatch.setattr(aot, "_runner", lambda: None)
             expected, expected_greedy, _ = per_call.step(per_call_token)
             torch.testing.assert_close(logits, expected, rtol=0, atol=0)  # one package, the same inputs
@@ -357,8 +364,9 @@ def test_prepared_steps_decode_as_steps_that_make_their_handles_each_call(compil
             else:  # the greedy ids passed back: the prepared run's own tensor
                 prepared_token, per_call_token = greedy, expected_greedy
     assert per_call.aot._bound.prepared is None
-    # every step but the first of each window (16 slots) ran prepared
-    assert runs[0] >= steps - 4, native.native_status(aot.RUNNER, for_packages=True)
+    assert len(windows) >= 3 and max(windows) < prepared.cache.max_len  # windows of one dynamic package
+    # every step but the first ran prepared: a new window swaps its input's handle (`_slide`), not a `_bind`
+    assert (runs[0], binds[0]) == (steps - 1, 1), native.native_status(aot.RUNNER, for_packages=True)
 
 
 class _FakeLibrary:
@@ -403,6 +411,13 @@ def test_a_prepared_run_hands_its_inputs_over_and_copies_each_output_into_its_te
         prepared.run()
         torch.testing.assert_close(logits, x * 2 + ids[:, None], rtol=0, atol=0)
         assert torch.equal(greedy, logits.argmax(-1))
+    other = torch.randn(2, 5)  # a new window's tensor: only its input's handle is made again
+    prepared.replace_input(0, other)
+    prepared.run()
+    torch.testing.assert_close(logits, other * 2 + ids[:, None], rtol=0, atol=0)
+    x.add_(1.0)  # the old tensor is no longer read
+    prepared.run()
+    torch.testing.assert_close(logits, other * 2 + ids[:, None], rtol=0, atol=0)
     behaviour["wrong shape"] = True
     with pytest.raises(RuntimeError, match="differs from the tensor prepared for it"):
         prepared.run()
