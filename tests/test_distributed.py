@@ -280,8 +280,9 @@ def _torchrun(args: list[str], tmp_path: Path, script: str | None = None) -> sub
     here = Path(__file__).resolve().parent  # this checkout's package and the test helpers, not an installed copy
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent), str(here), os.environ.get("PYTHONPATH", "")])}
     target = [script] if script else ["-m", "latentloop"]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD), "--master-addr",
-               "127.0.0.1", "--master-port", str(_free_port()), *target, *args]
+    # --standalone: torchrun binds a free port itself (a port found free here could be taken before it binds)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(WORLD),
+               *target, *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT_S, env=env, cwd=tmp_path)
 
 
