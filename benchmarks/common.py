@@ -5,6 +5,7 @@
   engine's generator, per-token latency), `decode_steps` (the model's own prefill/decode),
   `decode_comparison`, `training_call` / `training_comparison` (one full optimizer step of the
   trainer through the arch's objective), `make_train_step`;
+- paired A/B in one process: `paired_ratios`, `describe_ratios`;
 - formatting: `render_table`, `ms`, `ratio_vs`, `change`, ...
 """
 
@@ -15,6 +16,7 @@ import itertools
 import json
 import os
 import platform
+import random
 import resource
 import statistics
 import time
@@ -347,6 +349,30 @@ def training_comparison(variants: dict[str, tuple[str, dict, dict, int | None]],
 # --------------------------------------------------------------------------------------------
 # Formatting
 # --------------------------------------------------------------------------------------------
+
+
+def paired_ratios(before: Callable[[], object], after: Callable[[], object], rounds: int) -> list[float]:
+    """`after`'s seconds over `before`'s, one ratio a round, the two called in random order each round:
+    a change against the code without it in one process, so the machine's drift cancels in each ratio."""
+    ratios = []
+    for _ in range(rounds):
+        order = [("before", before), ("after", after)]
+        random.shuffle(order)
+        seconds = {}
+        for name, call in order:
+            start = time.perf_counter()
+            call()
+            seconds[name] = time.perf_counter() - start
+        ratios.append(seconds["after"] / seconds["before"])
+    return ratios
+
+
+def describe_ratios(ratios: Sequence[float]) -> str:
+    """median, quartiles, mean [95% normal interval] and the rounds below 1 of `paired_ratios`."""
+    first, _, third = statistics.quantiles(ratios, n=4)
+    mean, half = statistics.mean(ratios), 1.96 * statistics.stdev(ratios) / len(ratios) ** 0.5
+    return (f"median {statistics.median(ratios):.3f}, quartiles {first:.3f} {third:.3f}, mean {mean:.3f} "
+            f"[{mean - half:.3f}, {mean + half:.3f}], below 1 in {sum(r < 1 for r in ratios)}/{len(ratios)} rounds")
 
 
 def spread(values: Sequence[float], fmt: str = "{:,.0f}") -> str:

@@ -121,6 +121,25 @@ def latentloop_call(model, prompt: list[int], compile: bool, aot: bool = True):
     return call
 
 
+def switched_calls(shape: dict, switch: dict, prompt: list[int], new_tokens: int):
+    """(off, on): a whole greedy generation each, on two copies of the engines' model (a decoder of
+    its own each), with `switch["on"]` set False / True around the call: for an A/B of a change that
+    reads the switch, in one process (`common.paired_ratios`)."""
+    import copy
+    import tempfile
+
+    model_off, _, _ = build_export(shape, 256, 0, Path(tempfile.mkdtemp()))
+    model_on = copy.deepcopy(model_off)
+    calls = {False: latentloop_call(model_off, prompt, compile=True),
+             True: latentloop_call(model_on, prompt, compile=True)}
+
+    def call(on: bool) -> list[int]:
+        switch["on"] = on
+        return calls[on](new_tokens)
+
+    return (lambda: call(False)), (lambda: call(True))
+
+
 def hf_call(hf_dir: Path, prompt: list[int]):
     import transformers
 

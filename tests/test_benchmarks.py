@@ -285,6 +285,29 @@ def test_an_engine_is_called_faster_than_llama_cpp_only_when_its_interval_says_s
     assert engines.paired_with([(1.1 * w, f) for w, f in llama], llama)["verdict"] == "slower"
 
 
+def test_paired_ratios_time_both_calls_each_round_in_random_order(monkeypatch):
+    """A change against the code without it, in one process: one ratio a round (after over before),
+    the order drawn each round, both calls timed; the summary's figures from the ratios."""
+    common = _benchmark("common")
+    clock, order = [0.0], []
+
+    def call(name: str, seconds: float):
+        def run() -> None:
+            order.append(name)
+            clock[0] += seconds
+        return run
+
+    monkeypatch.setattr(common.time, "perf_counter", lambda: clock[0])
+    common.random.seed(0)
+    ratios = common.paired_ratios(call("before", 2.0), call("after", 1.5), rounds=20)
+    assert ratios == [0.75] * 20 and len(order) == 40
+    rounds = [order[i:i + 2] for i in range(0, 40, 2)]
+    assert all(sorted(pair) == ["after", "before"] for pair in rounds)
+    assert {first for first, _ in rounds} == {"before", "after"}  # each order drawn in some round
+    text = common.describe_ratios([0.9, 1.1, 0.8, 1.0])
+    assert "median 0.950" in text and "mean 0.950 [0.823, 1.077]" in text and "below 1 in 2/4 rounds" in text
+
+
 def test_an_engine_worker_that_fails_is_reported_by_name(tmp_path):
     """Each engine runs in a process of its own; one that cannot start (here: no exported run in its
     folder) raises in the parent naming the engine and its exit code, instead of hanging or passing."""
