@@ -7,9 +7,10 @@ about as much as the step's kernels themselves (issue 26). An AOTInductor packag
 straight through its C interface (`_Library`, with ctypes, which releases the GIL while the step runs:
 torch's `AOTIModelPackageLoader.run` holds it, so a server's HTTP thread stood still during every
 step), and loading one takes milliseconds without importing `torch._dynamo` or `torch._inductor`, so
-a second process decodes compiled from its first step. Between two changes of the cache's window (every
-16 steps) a step is one foreign call of `aot_run.c` (`_PreparedRun`): the inputs' handles are made once
-and the outputs copied into the last step's tensors, which the caller passes back as the next token.
+a second process decodes compiled from its first step. After a decode's first step, a step is one
+foreign call of `aot_run.c` (`_PreparedRun`): the inputs' handles are made once and the outputs copied
+into the last step's tensors, which the caller passes back as the next token; a new window of the same
+cache (every 16 steps) swaps the window's handle only (`AotDecodeStep._slide`).
 
 How a step becomes a package (`AotDecodeStep`, one per model and options):
 - The cache's tensors (keys/values per slot, positions, write index, window marker, the
