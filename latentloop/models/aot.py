@@ -640,6 +640,8 @@ class AotDecodeStep:
         if (bound.prepared is None or bound.window_index is None or bound.threads != torch.get_num_threads()
                 or not window_is_dynamic(cache.window, cache.max_len)):
             return False
+        if cache_fields(cache) != bound.fields:  # an attribute came or went: the package's inputs differ
+            return False
         flat = flatten(cache, bound.fields)
         if len(flat) != len(bound.flat) or not all(
                 new is old for i, (new, old) in enumerate(zip(flat, bound.flat)) if i != bound.window_index):
