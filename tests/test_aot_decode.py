@@ -320,8 +320,8 @@ def steps_done_when_the_main_thread_runs(run, calls: int) -> int:
 def test_prepared_steps_decode_as_steps_that_make_their_handles_each_call(compile_dir, monkeypatch):
     """aot_run.c's prepared run (handles made once, outputs copied into the last step's tensors) against
     `_Library.run` (everything made per call), step by step over the same package: the same logits to
-    the bit, across windows (a new binding every 16 steps) and with tokens that are not the last
-    step's greedy ids (copied into the token's tensor)."""
+    the bit, across windows (every 16 steps: the window's handle swapped, no new binding) and with
+    tokens that are not the last step's greedy ids (copied into the token's tensor)."""
     prepared_model = built("gpt")
     per_call_model = copy.deepcopy(prepared_model)  # a decoder of its own (one binding per model's step)
     runner = aot._runner

@@ -125,7 +125,6 @@ def test_flex_attention_subsets_match_the_dense_mask_on_cpu(monkeypatch):
     torch.testing.assert_close(sparse_padded.logits[pad], dense_padded.logits[pad], rtol=1e-5, atol=1e-5)
 
 
-
 def test_a_whole_model_compile_gives_the_eager_flex_paths_numbers(monkeypatch):
     """lrt's subset passes with flex_attention, the whole forward compiled (lrt's default scope). The
     mask lookup (`.any()`, `.tolist()`) breaks the graph, which an H200 run showed; building the mask

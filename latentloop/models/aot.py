@@ -642,9 +642,8 @@ class AotDecodeStep:
             return False
         if cache_fields(cache) != bound.fields:  # an attribute came or went: the package's inputs differ
             return False
-        flat = flatten(cache, bound.fields)
-        if len(flat) != len(bound.flat) or not all(
-                new is old for i, (new, old) in enumerate(zip(flat, bound.flat)) if i != bound.window_index):
+        flat = flatten(cache, bound.fields)  # as long as `bound.flat`: the same fields
+        if not all(new is old for i, (new, old) in enumerate(zip(flat, bound.flat)) if i != bound.window_index):
             return False
         bound.prepared.replace_input(1 + bound.window_index, cache.window)  # after the token's input
         bound.flat, bound.window = flat, cache.window
