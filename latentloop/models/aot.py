@@ -29,7 +29,10 @@ How a step becomes a package (`AotDecodeStep`, one per model and options):
   into the process before any package); where that build is missing it is swapped for a reduction too.
 - Packages live in `compile_cache_dir()/aot/`, named by a hash of everything they depend on
   (`package_key`): torch's version, this package's model code, the CPU's instruction set flags,
-  the config, the options and each input's shape and dtype. A write is atomic (temp file, rename).
+  the config, the options and each input's shape and dtype. A write is atomic (temp file, rename),
+  and its sha256 is recorded beside it: a package is loaded only from a folder that is this user's
+  alone (`fast.compile_cache_dir`) and only when it matches its digest (`cache_trust`), else it is
+  compiled again.
 - What the model reports (`ModelOutput.info`) is Python data fixed by the options; it is kept in
   the package's metadata.
 
@@ -59,6 +62,7 @@ import torch
 from torch import Tensor, nn
 
 from . import native, quant
+from .cache_trust import private_folder, record_digest, remove_artifact, unverified_file
 
 AOT_ENV = "LATENTLOOP_AOT"  # "0": no ahead-of-time packages, dynamo's compiled step everywhere
 AOT_SUBDIR = "aot"  # under compile_cache_dir()
@@ -554,10 +558,12 @@ class AotDecodeStep:
         path = compile_cache_dir() / AOT_SUBDIR / f"{package_key(self.model, self.options, cache, fields)}.pt2"
         if path.exists():
             try:
+                if unverified_file(path) is not None:  # damaged, replaced, or from before digests
+                    raise AotUnavailable("unverified")
                 self._load(shape, path)
                 return
             except AotUnavailable:  # a broken or foreign file: built again below
-                path.unlink(missing_ok=True)
+                remove_artifact(path)
         try:
             self._compile(cache, fields, path)
             self._load(shape, path)
@@ -588,13 +594,14 @@ class AotDecodeStep:
             info = dict(holder.info)
             from torch._inductor import aoti_compile_and_package
 
-            path.parent.mkdir(parents=True, exist_ok=True)
+            private_folder(path.parent)
             fd, temp = tempfile.mkstemp(suffix=".pt2", dir=path.parent)
             os.close(fd)
             try:
                 aoti_compile_and_package(program, package_path=temp, inductor_configs={
                     "aot_inductor.package_constants_in_so": False,
                     "aot_inductor.metadata": {INFO_KEY: json.dumps(info)}, **_kernel_config()})
+                record_digest(Path(temp), final=path)  # checked before the package is ever loaded
                 os.replace(temp, path)
             finally:
                 Path(temp).unlink(missing_ok=True)

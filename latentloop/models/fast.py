@@ -76,11 +76,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from ..util import default_cache_dir
+from ..util import CACHE_ENV, default_cache_dir
 from . import native, quant
 from .aot import AotDecodeStep, AotUnavailable, aot_enabled, model_code_digest
 from .backbone import GPT, ROWS_KERNEL_MAX_ROWS, ROWS_KERNEL_MIN_ROWS
 from .cache import AttentionPlan, KVCache, row_span
+from .cache_trust import private_folder, untrusted_folder, warn_once
 
 # The static cache's length is rounded up to a multiple of this when a whole context's buffer would be
 # too large (`FULL_CONTEXT_CACHE_BYTES`), so prompts of nearby lengths share one compiled step (a new
@@ -519,10 +520,10 @@ INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"  # inductor's own cache root (FX 
 INDUCTOR_DEFAULT_PREFIX = "torchinductor_"  # inductor's default cache: <temp dir>/torchinductor_<user>
 
 
-def compile_cache_dir() -> Path:
-    """Where compiled decode steps are kept across processes: $TORCHINDUCTOR_CACHE_DIR when the user
-    set it, else the latentloop cache's `inductor/` (so `LATENTLOOP_CACHE` moves it with the other
-    caches). Importing dynamo writes inductor's default (a folder in the temp dir, lost at reboot)
+def configured_compile_cache_dir() -> Path:
+    """Where compiled decode steps are asked to be kept across processes: $TORCHINDUCTOR_CACHE_DIR when
+    the user set it, else the latentloop cache's `inductor/` (so `LATENTLOOP_CACHE` moves it with the
+    other caches). Importing dynamo writes inductor's default (a folder in the temp dir, lost at reboot)
     into the variable, and child processes inherit it, so a folder of that name counts as unset. It
     is recognised by its name, not by asking inductor: importing torch._inductor costs seconds, and
     the automatic mode reads its compile records here on every decision, compiling or not."""
@@ -535,6 +536,29 @@ def compile_cache_dir() -> Path:
     return path
 
 
+_private_compile_dirs: dict[str, Path] = {}
+
+
+def compile_cache_dir() -> Path:
+    """`configured_compile_cache_dir()` where only this user can have written it (`cache_trust`:
+    inductor and the ahead-of-time packages load compiled libraries from it). Elsewhere (a folder
+    another user owns, or one group or others may write) nothing is read from it: this process
+    compiles into a private temporary folder of its own, said once on stderr."""
+    chosen = configured_compile_cache_dir()
+    root = default_cache_dir()
+    inside = os.path.abspath(chosen) == os.path.abspath(root) or Path(os.path.abspath(root)) in Path(
+        os.path.abspath(chosen)).parents
+    reason = untrusted_folder(chosen, root if inside else chosen)
+    if reason is None:
+        return chosen
+    key = str(chosen)
+    if key not in _private_compile_dirs:
+        _private_compile_dirs[key] = Path(tempfile.mkdtemp(prefix="latentloop-compiled-"))  # mode 0700
+        warn_once(f"not loading compiled code from {chosen}: {reason}; compiling into "
+                  f"{_private_compile_dirs[key]} for this process (set {CACHE_ENV} to a folder of your own)")
+    return _private_compile_dirs[key]
+
+
 def use_compile_cache() -> None:
     """Point inductor's on-disk caches at `compile_cache_dir()` before a compile (inductor reads the
     variable at each use, so this holds for every later compile of the process, training's too). Both
@@ -542,7 +566,7 @@ def use_compile_cache() -> None:
     `autograd_cache`: AOT autograd's traced graph), keyed by the graph and torch's version, so a second
     process with the same model shape and options skips inductor's work and pays only dynamo's trace
     and the load."""
-    os.environ[INDUCTOR_CACHE_ENV] = str(compile_cache_dir())
+    os.environ[INDUCTOR_CACHE_ENV] = str(private_folder(compile_cache_dir()))
 
 
 # A first call's cost when nothing is recorded for its (model shape, options, cache shape): the cold

@@ -13,6 +13,11 @@ another CPU. A build that fails is retried without OpenMP, then without -march=n
 never builds (no compiler) is remembered for the process and reported by `native_status`, and the
 callers' torch paths run; `LATENTLOOP_NATIVE=0` turns the kernels off.
 
+A library is mapped only when `cache_trust` vouches for it: the `kernels/` folder and the cache above
+it are this user's and writable by nobody else (else no kernel is loaded, with one warning naming the
+folder), and the file matches the sha256 recorded beside it when it was built (else it is built
+again: a library cut short, an empty file or a foreign one under a kernel's name is never mapped).
+
 `native_library(name, for_packages=True)` is a second build of the same file, for an ahead-of-time
 compiled step (aot.py) to call: with `LATENTLOOP_AOTI` defined (the file's functions that take
 libtorch's C tensor handles), linked with libtorch, and loaded with RTLD_GLOBAL so that a package's
@@ -39,7 +44,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from ..util import default_cache_dir
+from ..util import CACHE_ENV, default_cache_dir
+from .cache_trust import private_folder, record_digest, remove_artifact, untrusted_folder, unverified_file, warn_once
 
 NATIVE_ENV = "LATENTLOOP_NATIVE"  # "0" turns the native kernels off (the torch paths run instead)
 LIBRARY_FLAGS = ("-O3", "-shared", "-fPIC")
@@ -50,6 +56,7 @@ BUILD_TIMEOUT_S = 120  # one small C file: seconds at most, even on a busy machi
 # Below this many multiply-adds a product runs on one thread: waking the others costs more than it saves.
 PARALLEL_MIN_MACS = 1 << 16  # parallel.h has the same (the kernels' package functions count threads themselves)
 ROWS_KERNEL = "rows_linear"
+KERNELS_SUBDIR = "kernels"  # under the cache's root
 # The rows kernel computes one vector of rows per weight element: with fewer lanes than an AVX2
 # register (a build without AVX2 + FMA, or not x86) it is a plain loop, slower than any BLAS.
 ROWS_MIN_LANES = 8
@@ -92,7 +99,7 @@ def _torch_link_flags() -> tuple[str, ...]:
 def _build(cc: str, source: Path, target: Path, flags: tuple[str, ...], libraries: tuple[str, ...] = ()) -> str | None:
     """Compile `source` into `target` atomically; None on success, else the compiler's complaint."""
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
+        private_folder(target.parent)
         fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
         os.close(fd)
     except OSError as exc:
@@ -102,6 +109,7 @@ def _build(cc: str, source: Path, target: Path, flags: tuple[str, ...], librarie
                               timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:
             return (done.stderr.strip().splitlines() or [f"{cc} exited with {done.returncode}"])[-1]
+        record_digest(Path(partial), final=target)  # before the rename: a reader finding it finds its digest
         os.replace(partial, target)
         return None
     except (OSError, subprocess.SubprocessError) as exc:
@@ -109,6 +117,11 @@ def _build(cc: str, source: Path, target: Path, flags: tuple[str, ...], librarie
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
+
+
+def kernels_dir() -> Path:
+    """Where the kernel libraries are built and kept: the cache's `kernels/`."""
+    return default_cache_dir() / KERNELS_SUBDIR
 
 
 def _failure_key(name: str, for_packages: bool) -> str:
@@ -140,11 +153,19 @@ def native_library(name: str, for_packages: bool = False) -> ctypes.CDLL | None:
     host = [_compiler_version(cc).encode(), _cpu_signature().encode()]
     defines, libraries = ((PACKAGE_DEFINE,), _torch_link_flags()) if for_packages else ((), ())
     suffix = "-packages" if for_packages else ""
+    folder = kernels_dir()
+    distrusted = untrusted_folder(folder)
+    if distrusted is not None:  # someone else could have put a library there: none is loaded from it
+        _failures[failure] = f"not loading kernels from {folder}: {distrusted}"
+        warn_once(f"{_failures[failure]}; the slower torch path runs (set {CACHE_ENV} to a folder of your own)")
+        return None
     reasons = []
     for choice in FLAG_CHOICES:
         flags = LIBRARY_FLAGS + defines + choice
         key = hashlib.sha256(b"\0".join([code, " ".join(flags + libraries).encode(), *host])).hexdigest()[:16]
-        target = default_cache_dir() / "kernels" / f"{name}{suffix}-{key}.so"
+        target = folder / f"{name}{suffix}-{key}.so"
+        if target.exists() and unverified_file(target) is not None:  # damaged, foreign, or from before digests
+            remove_artifact(target)
         problem = None if target.is_file() else _build(cc, source, target, flags, libraries)
         if problem is None:
             try:

@@ -1,0 +1,180 @@
+"""Code loaded from the latentloop cache is trusted only when it is the user's own.
+
+The cache (`util.default_cache_dir()`, moved by `LATENTLOOP_CACHE`) holds native kernel libraries,
+ahead-of-time decode packages and inductor's compiled graphs: files a process maps and runs. Where the
+cache sits in a folder someone else can write (a shared `/tmp/cache` made by another user, say), a
+library planted there would run as whoever calls `latentloop generate`. So, as ssh treats its keys:
+
+- `untrusted_folder(folder)`: the folder, and every folder from it up to the cache's root, must be
+  owned by this user and not writable by group or others; the folders above the root must be owned
+  by this user or by root and, where others may write them, sticky (as /tmp is: nobody can rename a
+  folder of ours away there). Anything else is a one-line reason naming the folder, and the caller
+  loads nothing from it (the torch path runs, or a private temporary folder serves this process).
+- `unverified_file(path)`: a file is loaded only when it is this user's, not writable by group or
+  others, and its sha256 equals the one recorded beside it when it was built (`record_digest`, a
+  `<name>.sha256` file written before the artifact is renamed into place). A damaged file (a library
+  cut short maps and then dies of SIGBUS; an empty or foreign file under a kernel's name) or one
+  without its digest is built again, never mapped.
+- `private_folder(folder)`: make the cache's folders with mode 0700 whatever the umask (a umask of
+  002, Debian's default for user groups, would make them group-writable and so untrusted).
+
+The digests catch damage, not an attacker (who could rewrite them too): the ownership and mode
+checks are what keep another user's file from running. Data in the cache (token shards) is not code
+and carries checksums of its own (`data/shards.py`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import sys
+import tempfile
+from pathlib import Path
+
+from ..util import default_cache_dir
+
+DIGEST_SUFFIX = ".sha256"  # beside each artifact: its hex sha256, written when it was built
+PRIVATE_MODE = 0o700  # the cache's folders: only their owner reads, writes or lists them
+FILE_MODE = 0o600  # an artifact: its owner reads and writes it (mapping a library needs no exec bit)
+_READ_CHUNK = 1 << 20
+_ROOT_UID = 0
+
+
+def _owner_ok(info: os.stat_result, allow_root: bool) -> bool:
+    uid = os.getuid()
+    return info.st_uid == uid or (allow_root and info.st_uid == _ROOT_UID)
+
+
+def _writable_by_others(info: os.stat_result) -> bool:
+    return bool(info.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
+
+
+def _ancestors_reason(root: Path) -> str | None:
+    """Why the folders above the cache's root let someone else replace it, or None."""
+    for folder in root.parents:
+        try:
+            info = folder.stat()
+        except OSError as exc:
+            return f"{folder} cannot be read ({exc.strerror or exc})"
+        if not _owner_ok(info, allow_root=True):
+            return f"{folder} is owned by uid {info.st_uid}, not by you (uid {os.getuid()}) or root"
+        if _writable_by_others(info) and not info.st_mode & stat.S_ISVTX:
+            return f"{folder} is writable by others and not sticky"
+    return None
+
+
+def untrusted_folder(folder: Path, root: Path | None = None) -> str | None:
+    """None when code in `folder` (inside the cache's `root`) can only have been written by this user,
+    else one line saying which folder is not and why. A folder that does not exist yet is judged by
+    the nearest one that does (it will be made private: `private_folder`)."""
+    if sys.platform == "win32" or not hasattr(os, "getuid"):  # no POSIX owners: nothing to compare
+        return None
+    root = Path(os.path.abspath(root if root is not None else default_cache_dir()))
+    folder = Path(os.path.abspath(folder))
+    if folder != root and root not in folder.parents:
+        raise ValueError(f"{folder} is not inside the cache {root}")
+    chain = [folder, *(p for p in folder.parents if p == root or root in p.parents)]
+    for path in chain:
+        try:
+            info = path.stat()
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            return f"{path} cannot be read ({exc.strerror or exc})"
+        if not stat.S_ISDIR(info.st_mode):
+            return f"{path} is not a folder"
+        if not _owner_ok(info, allow_root=False):
+            return f"{path} is owned by uid {info.st_uid}, not by you (uid {os.getuid()})"
+        if _writable_by_others(info):
+            return f"{path} is writable by group or others (chmod go-w {path})"
+    return _ancestors_reason(root)
+
+
+def private_folder(folder: Path) -> Path:
+    """`folder` made (with its missing parents) with mode 0700, whatever the umask."""
+    folder = Path(folder)
+    missing = []
+    for path in [folder, *folder.parents]:
+        if path.exists():
+            break
+        missing.append(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    for path in missing:
+        try:
+            os.chmod(path, PRIVATE_MODE)
+        except OSError:
+            pass  # made by another process of ours meanwhile: judged by `untrusted_folder` when read
+    return folder
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_READ_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def digest_path(path: Path) -> Path:
+    return path.with_name(path.name + DIGEST_SUFFIX)
+
+
+def record_digest(artifact: Path, final: Path | None = None) -> None:
+    """Record `artifact`'s sha256 beside `final` (where it will be renamed to; itself by default),
+    atomically, and make the artifact readable by its owner only. Call it before the rename: a reader
+    that finds the artifact then finds its digest."""
+    final = final or artifact
+    os.chmod(artifact, FILE_MODE)
+    fd, temp = tempfile.mkstemp(dir=final.parent, suffix=DIGEST_SUFFIX + ".partial")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(sha256_of(artifact) + "\n")
+        os.replace(temp, digest_path(final))
+    finally:
+        Path(temp).unlink(missing_ok=True)
+
+
+def unverified_file(path: Path) -> str | None:
+    """None when `path` is this user's own file, not writable by others, and matches its recorded
+    digest; else why not (one line: the caller builds it again or loads nothing)."""
+    try:
+        info = os.lstat(path)
+    except OSError as exc:
+        return f"{path} cannot be read ({exc.strerror or exc})"
+    if not stat.S_ISREG(info.st_mode):
+        return f"{path} is not a plain file"
+    if hasattr(os, "getuid") and not _owner_ok(info, allow_root=False):
+        return f"{path} is owned by uid {info.st_uid}, not by you (uid {os.getuid()})"
+    if _writable_by_others(info):
+        return f"{path} is writable by group or others"
+    try:
+        recorded = digest_path(path).read_text().strip()
+    except OSError:
+        return f"{path} has no recorded digest ({digest_path(path).name})"
+    try:
+        found = sha256_of(path)
+    except OSError as exc:
+        return f"{path} cannot be read ({exc.strerror or exc})"
+    if found != recorded:
+        return f"{path} differs from the digest recorded when it was built (damaged or replaced)"
+    return None
+
+
+def remove_artifact(path: Path) -> None:
+    """An artifact that failed its check, and its digest, removed (to be built again)."""
+    for stale in (path, digest_path(path)):
+        try:
+            stale.unlink()
+        except FileNotFoundError:
+            pass
+
+
+_warned: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    """One line on stderr per distinct message and process (a refused cache is said once, not per call)."""
+    if message not in _warned:
+        _warned.add(message)
+        print(f"latentloop: warning: {message}", file=sys.stderr)

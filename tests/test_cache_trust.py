@@ -1,0 +1,248 @@
+"""Code in the cache is loaded only when it is the user's own (`latentloop.cache_trust`): a library
+planted in a folder someone else can write never runs, and a damaged one is built again, never mapped."""
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from latentloop.models import cache_trust
+from latentloop.models.cache_trust import record_digest, untrusted_folder, unverified_file
+
+REPO = Path(__file__).resolve().parents[1]
+needs_cc = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
+IS_ROOT = hasattr(os, "getuid") and os.getuid() == 0
+OTHER_UID = 12345  # a user who is not us
+
+
+def private(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    path.chmod(0o700)
+    return path
+
+
+def test_a_private_folder_is_trusted_and_one_others_may_write_is_not(tmp_path):
+    root = private(tmp_path / "cache")
+    kernels = private(root / "kernels")
+    assert untrusted_folder(kernels, root) is None
+    kernels.chmod(0o777)
+    assert "writable by group or others" in untrusted_folder(kernels, root)
+    kernels.chmod(0o700)
+    root.chmod(0o770)  # the root itself, group-writable: a group member could swap kernels/ for theirs
+    assert str(root) in untrusted_folder(kernels, root)
+    root.chmod(0o700)
+    assert untrusted_folder(root / "not" / "made" / "yet", root) is None  # judged by the nearest folder
+
+
+def test_a_folder_owned_by_someone_else_is_not_trusted(tmp_path, monkeypatch):
+    root = private(tmp_path / "cache")
+    me = os.getuid()
+    monkeypatch.setattr(os, "getuid", lambda: me + 1)  # every file here now belongs to "someone else"
+    assert f"owned by uid {me}" in untrusted_folder(root, root)
+
+
+def test_folders_above_the_root_must_not_let_others_replace_it(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    root = private(shared / "cache")
+    shared.chmod(0o777)  # anyone may rename cache/ away and put their own in its place
+    assert "writable by others and not sticky" in untrusted_folder(root, root)
+    shared.chmod(0o1777)  # as /tmp: sticky, so only the owner of cache/ may rename it
+    assert untrusted_folder(root, root) is None
+
+
+def test_a_file_is_verified_by_owner_mode_and_the_digest_recorded_when_built(tmp_path):
+    folder = private(tmp_path / "kernels")
+    artifact = folder / "lib.so"
+    artifact.write_bytes(b"\x7fELF" + bytes(range(256)) * 4)
+    assert "no recorded digest" in unverified_file(artifact)
+    record_digest(artifact)
+    assert unverified_file(artifact) is None
+    assert stat.S_IMODE(artifact.stat().st_mode) == cache_trust.FILE_MODE
+    with open(artifact, "r+b") as handle:  # one flipped bit
+        handle.seek(100)
+        byte = handle.read(1)[0]
+        handle.seek(100)
+        handle.write(bytes([byte ^ 1]))
+    assert "differs from the digest" in unverified_file(artifact)
+    record_digest(artifact)
+    artifact.chmod(0o666)
+    assert "writable by group or others" in unverified_file(artifact)
+
+
+def test_private_folders_are_made_0700_whatever_the_umask(tmp_path):
+    old = os.umask(0o002)  # Debian's umask for user-private groups: folders would be group-writable
+    try:
+        made = cache_trust.private_folder(tmp_path / "a" / "b")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(made.stat().st_mode) == 0o700
+    assert stat.S_IMODE(made.parent.stat().st_mode) == 0o700
+
+
+# ---- the kernels, in a child process with its own cache ----------------------------------------------
+
+PLANTED_C = textwrap.dedent("""
+    #include <stdio.h>
+    __attribute__((constructor)) static void planted(void) {
+        FILE *f = fopen(MARKER, "w");
+        if (f) { fputs("ran", f); fclose(f); }
+    }
+    int latentloop_rows_linear_lanes(void) { return 16; }
+""")
+
+
+def child(cache: Path, code: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "LATENTLOOP_CACHE": str(cache), "LATENTLOOP_NATIVE": "1", **(env_extra or {})}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO,
+                          timeout=300)
+
+
+LOAD_KERNELS = textwrap.dedent("""
+    from pathlib import Path
+    from latentloop.models import native
+    for name in ("rows_linear", "int8_linear"):
+        lib = native.native_library(name)
+        print(name, Path(lib._name).name if lib is not None else "none", native.native_status(name))
+""")
+
+
+def built_kernels(cache: Path) -> dict[str, str]:
+    done = child(cache, LOAD_KERNELS)
+    assert done.returncode == 0, done.stderr
+    names = dict(line.split(" ", 2)[:2] for line in done.stdout.splitlines())
+    assert all(name != "none" for name in names.values()), done.stdout
+    return names
+
+
+@pytest.fixture(scope="module")
+def kernel_names(tmp_path_factory):
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler")
+    return built_kernels(private(tmp_path_factory.mktemp("names") / "cache"))
+
+
+def planted_library(tmp_path: Path, marker: Path) -> bytes:
+    source = tmp_path / "planted.c"
+    source.write_text(PLANTED_C)
+    target = tmp_path / "planted.so"
+    subprocess.run([shutil.which("cc") or "gcc", "-shared", "-fPIC", f'-DMARKER="{marker}"', str(source), "-o",
+                    str(target)], check=True, capture_output=True)
+    return target.read_bytes()
+
+
+@needs_cc
+@pytest.mark.parametrize("how", ["writable by others", "owned by someone else"])
+def test_a_library_planted_in_a_cache_someone_else_controls_never_runs(tmp_path, kernel_names, how):
+    if how == "owned by someone else" and not IS_ROOT:
+        pytest.skip("giving a folder to another user needs root")
+    marker = tmp_path / "planted-ran"
+    cache = tmp_path / "shared-cache"
+    (cache / "kernels").mkdir(parents=True)
+    planted = planted_library(tmp_path, marker)
+    for file_name in kernel_names.values():  # the names this machine's kernels are built under, with digests
+        (cache / "kernels" / file_name).write_bytes(planted)
+        record_digest(cache / "kernels" / file_name)
+    if how == "owned by someone else":
+        for path in [cache, cache / "kernels", *(cache / "kernels").iterdir()]:
+            os.chown(path, OTHER_UID, OTHER_UID)
+        cache.chmod(0o1777)
+        (cache / "kernels").chmod(0o755)
+    else:
+        cache.chmod(0o1777)
+        (cache / "kernels").chmod(0o777)
+    done = child(cache, LOAD_KERNELS)
+    assert done.returncode == 0, done.stderr
+    assert not marker.exists(), "the planted library's constructor ran"
+    assert "rows_linear none not loading kernels from" in done.stdout
+    warnings = [line for line in done.stderr.splitlines() if "not loading kernels from" in line]
+    assert len(warnings) == 1 and str(cache / "kernels") in warnings[0], done.stderr  # said once, naming it
+
+
+@needs_cc
+@pytest.mark.parametrize("damage", ["truncated", "empty", "text", "foreign ELF", "no digest"])
+def test_a_damaged_library_in_the_cache_is_built_again_never_mapped(tmp_path, kernel_names, damage):
+    cache = private(tmp_path / "cache")
+    names = built_kernels(cache)
+    target = cache / "kernels" / names["rows_linear"]
+    good = target.read_bytes()
+    if damage == "truncated":  # mapped as it is, this ended every generate with SIGBUS
+        target.write_bytes(good[: len(good) // 3])
+    elif damage == "empty":
+        target.write_bytes(b"")
+    elif damage == "text":
+        target.write_text("not a library\n")
+    elif damage == "foreign ELF":
+        target.write_bytes((cache / "kernels" / names["int8_linear"]).read_bytes())
+    else:
+        cache_trust.digest_path(target).unlink()
+    done = child(cache, LOAD_KERNELS)
+    assert done.returncode == 0, done.stderr  # no SIGBUS (-7), no traceback
+    assert "rows_linear " + names["rows_linear"] + " native" in done.stdout, done.stdout + done.stderr
+    assert target.read_bytes() == good  # the same build as before, made again
+    assert unverified_file(target) is None
+
+
+def test_an_untrusted_compile_cache_is_replaced_by_a_private_folder_for_the_process(tmp_path, monkeypatch, capsys):
+    from latentloop.models import fast
+
+    shared = tmp_path / "shared-inductor"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(shared))
+    monkeypatch.setattr(fast, "_private_compile_dirs", {})
+    monkeypatch.setattr(cache_trust, "_warned", set())
+    chosen = fast.compile_cache_dir()
+    assert chosen != shared and shared not in chosen.parents
+    assert stat.S_IMODE(chosen.stat().st_mode) == 0o700 and chosen.stat().st_uid == os.getuid()
+    assert fast.compile_cache_dir() == chosen  # one private folder a process
+    err = capsys.readouterr().err
+    assert err.count("not loading compiled code from") == 1 and str(shared) in err
+    shutil.rmtree(chosen)
+    shared.chmod(0o700)
+    assert fast.compile_cache_dir() == shared  # the user's own folder is used as it is
+
+
+def test_a_package_that_fails_its_check_is_compiled_again_not_loaded(tmp_path, monkeypatch):
+    """A `.pt2` without its digest (or damaged, or replaced) is never handed to the loader."""
+    import latentloop as ll
+    from latentloop.engine import model_options
+    from latentloop.models import aot
+    from latentloop.models.fast import FastDecoder
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(private(tmp_path / "inductor")))
+    model = ll.build("gpt", preset="test").eval()
+    options = model_options(model, {})
+    fast = FastDecoder(model, compile=False, **options)
+    cache = fast.new_cache(1, 24)
+    with torch.inference_mode():
+        model.prefill(torch.tensor([[256, 5, 9]]), cache, **options)
+    fast.begin_decoding(cache)
+    cache.set_window()
+    step = aot.AotDecodeStep(model, options, None)
+    path = (tmp_path / "inductor" / aot.AOT_SUBDIR /
+            f"{aot.package_key(model, options, cache, aot.cache_fields(cache))}.pt2")
+    private(path.parent)
+    path.write_bytes(b"planted")  # no digest: not ours
+    loaded, compiled = [], []
+    monkeypatch.setattr(step, "_load", lambda shape, where: loaded.append(where.read_bytes()))
+
+    def compile_(cache, fields, where):
+        compiled.append(where)
+        where.write_bytes(b"package")
+        record_digest(where)
+
+    monkeypatch.setattr(step, "_compile", compile_)
+    step.prepare(cache)
+    assert compiled == [path] and loaded == [b"package"]  # the planted bytes were never loaded
+    step.packages.clear()
+    compiled.clear()
+    loaded.clear()
+    step.prepare(cache)  # now verified: loaded as it is
+    assert compiled == [] and loaded == [b"package"]
