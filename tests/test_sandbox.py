@@ -341,20 +341,39 @@ def test_failing_tests_stay_failing_whatever_the_code_does():
         "forged report, then leave": WRONG + FORGE_EVERY_PIPE + "os._exit(0)\n",
         "frames during the call": "def add_one(x):\n" + "".join(f"    {line}\n" for line in
                                   (REWRITE_THE_FRAMES + FORGE_EVERY_PIPE).splitlines()) + "    return x\n",
-        "an answer that equals anything": "class Yes:\n    def __eq__(self, other):\n        return True\n"
-                                          "def add_one(x):\n    return Yes()\n",
-        "a str that equals anything": "class S(str):\n    def __eq__(self, other):\n        return True\n"
-                                      "def add_one(x):\n    return S('1')\n",
-        "exit during the call": "import os\ndef add_one(x):\n    os._exit(0)\n",
-        "the tests' own names replaced": "import builtins\nbuiltins.AssertionError = None\n" + WRONG,
     }
-    for name, code in attacks.items():
+    for name, code in attacks.items():  # what a walk of the frames breaks first decides between the two
         result = run_untrusted(code, tests=TESTS)
         assert not result.passed and result.status in ("failed", "error"), (name, result)
-    exits = run_untrusted(attacks["exit during the call"], tests=TESTS)
-    assert "ended during a call from its tests" in exits.output, exits.output
-    equal = run_untrusted(attacks["an answer that equals anything"], tests=TESTS)
-    assert "type Yes cannot pass between the code and its tests" in equal.output, equal.output
+    exact = {  # (code, verdict, words of the output)
+        "an answer that equals anything": ("class Yes:\n    def __eq__(self, other):\n        return True\n"
+                                           "def add_one(x):\n    return Yes()\n", "error",
+                                           "type Yes cannot pass between the code and its tests"),
+        "exit during the call": ("import os\ndef add_one(x):\n    os._exit(0)\n", "error",
+                                 "ended during a call from its tests"),
+        "the tests' own names replaced": ("import builtins\nbuiltins.AssertionError = None\n" + WRONG, "failed",
+                                          "AssertionError"),
+    }
+    for name, (code, status, words) in exact.items():
+        result = run_untrusted(code, tests=TESTS)
+        assert result.status == status and words in result.output, (name, result)
+
+
+# A subclass of each type that crosses, claiming to equal anything, holding a wrong answer: refused
+# ("error"), never converted to its plain value (which would compare honestly but let a subclass by).
+SUBCLASSED = {"str": "'1'", "int": "1", "float": "1.0", "complex": "1j", "bytes": "b'1'", "list": "[1]",
+              "tuple": "(1,)", "dict": "{1: 1}", "set": "{1}", "frozenset": "frozenset({1})"}
+
+
+@needs_sandbox
+@pytest.mark.parametrize("base", sorted(SUBCLASSED))
+def test_a_subclass_of_a_built_in_type_cannot_cross(base):
+    code = (f"class Forged({base}):\n    def __eq__(self, other):\n        return True\n"
+            f"    __hash__ = {base}.__hash__\n"
+            f"def add_one(x):\n    return Forged({SUBCLASSED[base]})\n")
+    result = run_untrusted(code, tests=TESTS)
+    assert result.status == "error", result
+    assert "type Forged cannot pass between the code and its tests" in result.output, result.output
 
 
 @needs_sandbox
@@ -378,16 +397,92 @@ def test_values_cross_between_the_code_and_its_tests_exactly():
     assert raised.passed, raised.output
 
 
+# -- what the tests take from the code -------------------------------------------------------------
+# The review's forgeries: a wrong candidate that defines the builtin its tests' assertion calls, so
+# that the assertion agrees with it. name: (prompt, the tests' assertion, wrong body, the forgery)
+HALVE = 'def halve(x: float) -> float:\n    """Half of x."""\n'
+EVENS = 'def evens(xs: list) -> list:\n    """The even numbers of xs, in order."""\n'
+RIGHT = {HALVE: "    return x / 2\n", EVENS: "    return [x for x in xs if x % 2 == 0]\n"}
+SHADOWING = {
+    "def abs": (HALVE, "assert abs(candidate(3.0) - 1.5) < 1e-6", "    return 0.0\n", "def abs(x):\n    return 0\n"),
+    "abs = lambda": (HALVE, "assert abs(candidate(3.0) - 1.5) < 1e-6", "    return 0.0\n", "abs = lambda x: 0\n"),
+    "def set": (EVENS, "assert set(candidate([1, 2, 4])) == set([2, 4])", "    return []\n",
+                "def set(xs=()):\n    return 1\n"),
+    "def len": (EVENS, "assert len(candidate([1, 2, 4])) == 2", "    return []\n", "def len(xs):\n    return 2\n"),
+    "def sorted": (EVENS, "assert sorted(candidate([4, 1, 2])) == [2, 4]", "    return []\n",
+                   "def sorted(xs):\n    return [2, 4]\n"),
+}
+
+
+def _problem(prompt: str, test: str) -> dict:
+    entry = prompt.rpartition("def ")[2].partition("(")[0]  # the last function: the one to write
+    return {"task_id": f"forged/{entry}", "prompt": prompt, "entry_point": entry, "test": test}
+
+
+@needs_sandbox
+@pytest.mark.parametrize("forgery", sorted(SHADOWING))
+def test_a_candidate_that_shadows_a_builtin_stays_failing(forgery):
+    prompt, assertion, wrong, shadow = SHADOWING[forgery]
+    problem = _problem(prompt, f"def check(candidate):\n    {assertion}\n")
+    program, tests, exports = humaneval_program(problem, wrong + shadow)
+    assert exports == (problem["entry_point"],)
+    result = run_untrusted(program, tests=tests, exports=exports)
+    assert result.status == "failed" and "AssertionError" in result.output, result
+    # the judge's own rule, for a caller that names no exports: never a builtin's name
+    assert run_untrusted(program, tests=tests).status == "failed"
+    # the candidate's names stay its own: the right answer beside the same definition passes
+    program, tests, exports = humaneval_program(problem, RIGHT[prompt] + shadow)
+    assert run_untrusted(program, tests=tests, exports=exports).passed
+    assert run_untrusted(program, tests=tests).passed
+
+
+# A prompt with a helper its tests call (as HumanEval/38's encode_cyclic): the helper the tests call is
+# the prompt's, which the candidate can redefine only for itself.
+ROTATE = ('def rotate(s: str) -> str:\n    return s[1:] + s[:1]\n\n\n'
+          'def unrotate(s: str) -> str:\n    """Undo rotate."""\n')
+ROTATE_TESTS = ("def check(candidate):\n    for word in ('loop', 'state'):\n"
+                "        assert candidate(rotate(word)) == word\n")
+
+
+@needs_sandbox
+def test_the_prompts_helpers_are_the_prompts_and_honest_helpers_keep_passing():
+    problem = _problem(ROTATE, ROTATE_TESTS)
+    honest = {
+        "plain": "    return s[-1:] + s[:-1]\n",
+        "its own helper": "    return _back(s)\n\n\ndef _back(s):\n    return s[-1:] + s[:-1]\n",
+        "the prompt's helper": "    for _ in range(len(s) - 1):\n        s = rotate(s)\n    return s\n",
+        "a builtin of its own": "    return s[-len(s[:1]):] + s[:-1]\n\n\ndef len(s):\n    return 1\n",
+    }
+    for name, completion in honest.items():
+        program, tests, exports = humaneval_program(problem, completion)
+        result = run_untrusted(program, tests=tests, exports=exports)
+        assert result.passed, (name, result.output)
+    # the forgery: rotate redefined as the identity, and unrotate as the identity too
+    program, tests, exports = humaneval_program(problem, "    return s\n\n\ndef rotate(s):\n    return s\n")
+    assert exports == ("unrotate",)
+    assert run_untrusted(program, tests=tests, exports=exports).status == "failed"
+
+
+def test_exports_name_code_the_tests_may_call():
+    for exports in (["abs"], ["len", "add_one"], ["not an identifier"], ["__import__"]):
+        with pytest.raises(ValueError, match="cannot export"):
+            run_untrusted(WRONG, tests=TESTS, exports=exports)
+    with pytest.raises(ValueError, match="give tests too"):
+        run_untrusted(WRONG, exports=["add_one"])
+    with pytest.raises(LatentloopError, match="entry_point 'sorted'"):
+        humaneval_program({"task_id": "t", "prompt": "", "entry_point": "sorted", "test": ""}, "")
+
+
 @needs_sandbox
 def test_real_humaneval_solutions_pass_and_wrong_ones_fail():
     path = shared_data("eval") / "human_eval.jsonl"  # skips when the shared data is not beside the checkout
     problems = [json.loads(line) for line in path.read_text().splitlines() if line.strip()][::16]
     for problem in problems:
-        program, tests = humaneval_program(problem, problem["canonical_solution"])
-        result = run_untrusted(program, tests=tests, timeout=10.0)
+        program, tests, exports = humaneval_program(problem, problem["canonical_solution"])
+        result = run_untrusted(program, tests=tests, exports=exports, timeout=10.0)
         assert result.passed, (problem["task_id"], result.output)
-        program, tests = humaneval_program(problem, "    return None\n")
-        assert not run_untrusted(program, tests=tests, timeout=10.0).passed, problem["task_id"]
+        program, tests, exports = humaneval_program(problem, "    return None\n")
+        assert not run_untrusted(program, tests=tests, exports=exports, timeout=10.0).passed, problem["task_id"]
 
 
 @needs_sandbox

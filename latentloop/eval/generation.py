@@ -17,8 +17,9 @@ Tasks (`GENERATION_TASKS`, each `fn(model, tokenizer, data_dir, options, limit, 
 - `humaneval` (`human_eval.jsonl`): the prompt is completed until a new top-level statement; the
   function with its tests runs in `latentloop.eval.sandbox` (bubblewrap namespaces, a throwaway uid,
   a read-only view but for a size-limited work folder, no network, timeout and memory limit; it
-  raises `SandboxUnavailable` before generating anything where that isolation is missing); pass@k
-  by the unbiased estimator over `samples` per problem.
+  raises `SandboxUnavailable` before generating anything where that isolation is missing); the
+  tests, after the prompt's own helpers, take only the entry point from the candidate and call the
+  real builtins (`humaneval_program`); pass@k by the unbiased estimator over `samples` per problem.
 
 Files are read from `data_dir` (or its `eval/` subfolder). Every prompt starts with BOS, as the
 training documents do. A prompt longer than the model's context minus the generation budget first
@@ -56,6 +57,7 @@ most half the model's context) and `batch_size` (32) for all; humaneval also `sa
 
 from __future__ import annotations
 
+import ast
 import random
 import re
 import time
@@ -80,7 +82,7 @@ from latentloop.data.tasks import (
 )
 from latentloop.engine import fit_prompt, stream
 from latentloop.errors import ConfigError, DataError
-from latentloop.eval.sandbox import require_sandbox, run_untrusted
+from latentloop.eval.sandbox import BUILTIN_NAMES, require_sandbox, run_untrusted
 from latentloop.eval.stats import wilson_interval
 
 DEFAULT_BATCH_SIZE = 32
@@ -89,6 +91,7 @@ GSM8K_SHOTS = 8
 SVAMP_SHOTS = 5
 ARITHMETIC_SHOTS = 5
 HUMANEVAL_STOPS = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
+PROMPT_DEF = re.compile(r"^(?:async[ \t]+)?def[ \t]+([A-Za-z_]\w*)", re.MULTILINE)  # a top-level function's name
 WORD_PROBLEM_STOPS = ("\n\n", "Question:")
 NUMBER = re.compile(r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)")
 EXAMPLES_REPORTED = 3
@@ -577,12 +580,39 @@ def eval_chat_task(model, tokenizer, data_dir, options, limit, progress, *, spec
 
 
 # -- HumanEval -------------------------------------------------------------------------------------
-def humaneval_program(problem: dict, completion: str) -> tuple[str, str]:
-    """The candidate's program (the prompt and its body) and the tests with the call that runs them.
+def humaneval_program(problem: dict, completion: str) -> tuple[str, str, tuple[str, ...]]:
+    """The candidate's program (the prompt and its body), the tests with the call that runs them, and
+    the names the tests take from the program.
 
-    They run in two processes (`run_untrusted(program, tests=tests)`): the tests' assertions are decided
-    where the candidate's code cannot reach them."""
-    return f"{problem['prompt']}{completion}\n", f"{problem['test']}\n\ncheck({problem['entry_point']})\n"
+    They run in two processes (`run_untrusted(program, tests=tests, exports=exports)`): the tests'
+    assertions are decided where the candidate's code cannot reach them, with the real builtins. The
+    tests take only the entry point from the candidate; the prompt's other definitions (its imports and
+    helpers, such as HumanEval/38's `encode_cyclic`, which the tests call) are the data set's, as the
+    tests are, and run before them in the judge: a candidate's own `abs`, `len` or `encode_cyclic`
+    changes only what its own code calls."""
+    entry = problem["entry_point"]
+    if not (isinstance(entry, str) and entry.isidentifier()) or entry in BUILTIN_NAMES:
+        raise DataError(f"{problem.get('task_id', 'a HumanEval problem')}: entry_point {entry!r} is not a name the "
+                        f"tests can take from the candidate (an identifier that is no builtin's)")
+    prompt = problem["prompt"]
+    context, exports = _prompt_context(prompt, entry)
+    return f"{prompt}{completion}\n", f"{context}{problem['test']}\n\ncheck({entry})\n", exports
+
+
+def _prompt_context(prompt: str, entry: str) -> tuple[str, tuple[str, ...]]:
+    """The prompt's definitions but the entry point, as source for the tests to run first, and the
+    names the tests take from the candidate. A prompt that does not parse alone (none of HumanEval's)
+    gives no source: its top-level functions are then taken from the candidate, builtins' names never."""
+    try:
+        tree = ast.parse(prompt)
+    except (SyntaxError, ValueError):
+        helpers = [name for name in PROMPT_DEF.findall(prompt)
+                   if name != entry and name not in BUILTIN_NAMES and not name.startswith("__")]
+        return "", (entry, *dict.fromkeys(helpers))
+    kept = [node for node in tree.body
+            if not (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == entry)]
+    source = ast.unparse(ast.Module(body=kept, type_ignores=[]))
+    return (source + "\n\n\n" if source else ""), (entry,)
 
 
 def eval_humaneval(model, tokenizer, data_dir, options, limit, progress, *, samples: int = 1,
@@ -613,9 +643,9 @@ def eval_humaneval(model, tokenizer, data_dir, options, limit, progress, *, samp
                                      batch_size=batch_size, bar=bar)
         bar.set_postfix_str("running tests")
         programs = [humaneval_program(problems[owner], g.text) for owner, g in zip(owners, generations)]
-        def run(program_and_tests: tuple[str, str]):
-            program, tests = program_and_tests
-            return run_untrusted(program, timeout=timeout, memory_mb=memory_mb, tests=tests)
+        def run(program_tests_exports: tuple[str, str, tuple[str, ...]]):
+            program, tests, exports = program_tests_exports
+            return run_untrusted(program, timeout=timeout, memory_mb=memory_mb, tests=tests, exports=exports)
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
             outcomes = list(pool.map(run, programs))
     passed_per_problem = [0] * len(problems)

@@ -37,10 +37,13 @@ interpreter under bubblewrap (`bwrap`, Debian package `bubblewrap`), as root, wi
 Verdict. It is decided by a process that never runs the code: the bootstrap forks, the child drops
 to the code's uid and runs the code, and the parent — the judge — drops to a second throwaway uid
 (so the code can neither signal nor trace it; there is no `/proc`) and is the only process that
-holds the verdict pipe to us. With `tests` (HumanEval's `check(candidate)`), the judge runs them;
-each name the code defined at its top level is, in the judge, a call into the code's process, and
-arguments and results cross as plain data of the exact built-in types (JSON with tags; an object
-of the code's own class, or a `str` subclass with its own `__eq__`, cannot cross: "error"). So the
+holds the verdict pipe to us. With `tests` (HumanEval's `check(candidate)`), the judge runs them
+with the real builtins; each name the tests may take from the code (`exports`: HumanEval's entry
+point and the helpers its prompt defines; by default every name the code defined at its top level),
+but never a builtin's name, is in the judge a call into the code's process (so a candidate's own
+`abs` or `len` changes nothing the tests compute), and arguments and results cross as plain data
+of the exact built-in types (JSON with tags; an object of the code's own class, or a subclass of a
+built-in type such as a `str` with its own `__eq__`, cannot cross, even by value: "error"). So the
 tests' assertions are evaluated where the code cannot reach them, and walking the code's frames,
 rewriting its interpreter or writing to any descriptor it holds changes no verdict: at most it
 answers the judge's calls. "passed": the tests ran to their end; "failed": an AssertionError escaped
@@ -62,6 +65,7 @@ up front. Install the tool with `apt-get install bubblewrap` (`make test` does, 
 
 from __future__ import annotations
 
+import builtins
 import functools
 import os
 import re
@@ -72,6 +76,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,6 +93,7 @@ NESTING_LIMIT = 100  # levels of lists, tuples, dicts... in one value passed bet
 WORKDIR = "/sandbox"
 CODE_FILE = "candidate.py"
 ID_RANGE = (1 << 30, (1 << 31) - 1)  # throwaway uids/gids: far above any real account
+BUILTIN_NAMES = frozenset(vars(builtins))  # never a name the tests take from the code (the judge checks too)
 
 # Runs first, as root inside bwrap, with ctypes (which must never be loaded where the code runs: its
 # types would stay reachable). argv: work folder, disk bytes, files, uid, then the bootstrap's source
@@ -116,7 +122,8 @@ os.execv(sys.executable, [sys.executable, "-I", "-S", "-c", *sys.argv[5:]])
 
 # Runs as root inside bwrap, after _PREPARE. argv: the code's uid, the judge's uid, address space bytes,
 # cpu seconds, file size, processes, open files, verdict fd, work folder, code file name. stdin: a line
-# "<code bytes> <tests bytes or -1>", then the code, then the tests. Exit 70: the setup failed.
+# "<code bytes> <tests bytes or -1> <exports bytes or -1>", then the code, then the tests, then the
+# names the tests may take from the code (separated by spaces). Exit 70: the setup failed.
 # Forks: the child runs the code (uid A); this process becomes the judge (uid B), which never runs it.
 _BOOTSTRAP = r'''
 import os, sys
@@ -317,10 +324,10 @@ def _proxy(ask, name):
     call.__name__ = call.__qualname__ = name
     return call
 
-def _judge(child, tests, verdict_fd, requests, replies):
+def _judge(child, tests, exports, verdict_fd, requests, replies):
     """The judge's process: it never runs the code. It decides the verdict, from the code's report when
-    there are no tests, else by running the tests against the code's names (each a call into the code's
-    process), and is the only process that holds the verdict pipe."""
+    there are no tests, else by running the tests against the code's names that they may take (each a
+    call into the code's process), and is the only process that holds the verdict pipe."""
     import signal, traceback
 
     def verdict(status, note=""):
@@ -361,9 +368,13 @@ def _judge(child, tests, verdict_fd, requests, replies):
     if ended != "passed" or tests is None:
         verdict(ended)
     ask = _remote(requests, replies)
-    namespace = {"__name__": "__main__", "__builtins__": __builtins__}
-    for name in report.get("names", []):
-        if type(name) is str and name.isidentifier():
+    import builtins
+    # The tests see the real builtins and, of the code, only the names they may take from it (the
+    # caller's `exports`, else what the code defined): never a builtin's name, so that a candidate's
+    # own `abs` or `len` cannot stand in for the one the tests' assertions call.
+    namespace = {"__name__": "__main__", "__builtins__": builtins}
+    for name in report.get("names", []) if exports is None else exports:
+        if type(name) is str and name.isidentifier() and not name.startswith("__") and name not in vars(builtins):
             namespace[name] = _proxy(ask, name)
     import linecache
     linecache.cache[TESTS_FILE] = (len(tests), None, tests.splitlines(True), TESTS_FILE)  # for tracebacks
@@ -389,9 +400,10 @@ def _main():
             if not byte:
                 _fail("no input")
             header += byte
-        code_size, tests_size = (int(v) for v in header.split())
+        code_size, tests_size, exports_size = (int(v) for v in header.split())
         source = _read_exactly(0, code_size)
         tests = _read_exactly(0, tests_size).decode("utf-8", "replace") if tests_size >= 0 else None
+        exports = _read_exactly(0, exports_size).decode("utf-8").split() if exports_size >= 0 else None
         null = os.open("/dev/null", os.O_RDONLY)
         os.dup2(null, 0)
         os.close(null)
@@ -437,7 +449,7 @@ def _main():
         del source
         _serve_calls(namespace, requests, replies)
     else:
-        _judge(child, tests, verdict_fd, request_end, reply_end)
+        _judge(child, tests, exports, verdict_fd, request_end, reply_end)
 
 _main()
 '''.replace("@MESSAGE_LIMIT@", str(MESSAGE_LIMIT)).replace("@NESTING_LIMIT@", str(NESTING_LIMIT))
@@ -570,17 +582,27 @@ def _end_namespace(process: subprocess.Popen, info: int) -> None:
     _kill_group(process)
 
 
-def run_untrusted(code: str, timeout: float = 5.0, memory_mb: int = 512, tests: str | None = None) -> SandboxResult:
+def run_untrusted(code: str, timeout: float = 5.0, memory_mb: int = 512, tests: str | None = None,
+                  exports: Sequence[str] | None = None) -> SandboxResult:
     """Run `code` in the sandbox (see the module docstring) and report how it ended.
 
-    With `tests`, the verdict is the tests': they run in the judge's process, each name the code defined
-    at its top level standing for a call into the code's process. Without them, the verdict is the code's
+    With `tests`, the verdict is the tests': they run in the judge's process, with the real builtins,
+    each name of `exports` (default: every name the code defined at its top level that is not a
+    builtin's) standing for a call into the code's process. Without them, the verdict is the code's
     own account of how it ended. Raises SandboxUnavailable (one line) when the isolation cannot be set
     up on this machine."""
     if timeout <= 0:
         raise ValueError(f"timeout must be > 0, got {timeout}")
     if memory_mb < 32:
         raise ValueError(f"memory_mb must be at least 32, got {memory_mb}")
+    if exports is not None:
+        if tests is None:
+            raise ValueError("exports name what tests take from the code: give tests too")
+        exports = list(exports)
+        for name in exports:
+            if not (isinstance(name, str) and name.isidentifier()) or name.startswith("__") or name in BUILTIN_NAMES:
+                raise ValueError(f"cannot export {name!r} to the tests: an identifier that is no builtin's name "
+                                 f"is needed")
     bwrap = _bwrap()
     code_uid = _throwaway_id()
     judge_uid = _throwaway_id()
@@ -589,11 +611,13 @@ def run_untrusted(code: str, timeout: float = 5.0, memory_mb: int = 512, tests: 
     cpu_seconds = max(1, int(timeout) + 1)
     code_bytes = code.encode("utf-8", "surrogatepass")
     tests_bytes = None if tests is None else tests.encode("utf-8", "surrogatepass")
+    exports_bytes = None if exports is None else " ".join(exports).encode("utf-8")
     with tempfile.TemporaryDirectory(prefix="latentloop-sandbox-") as host:
         folder = Path(host)
         input_file, output_file = folder / "input", folder / "output"
-        header = f"{len(code_bytes)} {-1 if tests_bytes is None else len(tests_bytes)}\n".encode()
-        input_file.write_bytes(header + code_bytes + (tests_bytes or b""))
+        sizes = [len(code_bytes), *(-1 if part is None else len(part) for part in (tests_bytes, exports_bytes))]
+        header = (" ".join(str(size) for size in sizes) + "\n").encode()
+        input_file.write_bytes(header + code_bytes + (tests_bytes or b"") + (exports_bytes or b""))
         # Pipes, not files: only the judge holds the verdict's write end, and nobody can truncate it.
         (verdict, verdict_write), (info, info_write) = os.pipe(), os.pipe()
         try:
