@@ -453,9 +453,32 @@ def sandbox_cases() -> list[dict]:
     walked = run_untrusted(WRONG_ADD_ONE + FRAME_WALK, tests=CHECK_ADD_ONE)
     equal = run_untrusted("class Yes:\n    def __eq__(self, other):\n        return True\n"
                           "def add_one(x):\n    return Yes()\n", tests=CHECK_ADD_ONE)
-    return [{"case": "sandbox: frame walking keeps a failing verdict", "ok": walked.status in ("failed", "error"),
-             "detail": walked.status},
-            {"case": "sandbox: an answer equal to anything is no pass", "ok": not equal.passed, "detail": equal.status}]
+    cases = [{"case": "sandbox: frame walking keeps a failing verdict", "ok": walked.status in ("failed", "error"),
+              "detail": walked.status},
+             {"case": "sandbox: an answer equal to anything is no pass", "ok": not equal.passed,
+              "detail": equal.status}]
+    # issue 49: a str subclass equal to anything is refused ("error"), and a wrong candidate's own
+    # builtin (or a prompt helper it redefines) does not answer the tests' assertions
+    text = run_untrusted("class S(str):\n    def __eq__(self, other):\n        return True\n"
+                         "def add_one(x):\n    return S('1')\n", tests=CHECK_ADD_ONE)
+    cases.append({"case": "sandbox: a str subclass equal to anything is refused", "ok": text.status == "error",
+                  "detail": text.status})
+    from latentloop.eval.generation import humaneval_program
+
+    halve = {"task_id": "forged/halve", "prompt": 'def halve(x):\n    """Half of x."""\n', "entry_point": "halve",
+             "test": "def check(candidate):\n    assert abs(candidate(3.0) - 1.5) < 1e-6\n"}
+    rotate = {"task_id": "forged/unrotate", "entry_point": "unrotate",
+              "prompt": 'def rotate(s):\n    return s[1:] + s[:1]\n\n\ndef unrotate(s):\n    """Undo rotate."""\n',
+              "test": "def check(candidate):\n    assert candidate(rotate('loop')) == 'loop'\n"}
+    for name, problem, completion in (
+            ("def abs", halve, "    return 0.0\n\n\ndef abs(x):\n    return 0\n"),
+            ("abs = lambda", halve, "    return 0.0\n\n\nabs = lambda x: 0\n"),
+            ("a prompt helper redefined", rotate, "    return s\n\n\ndef rotate(s):\n    return s\n")):
+        program, tests, exports = humaneval_program(problem, completion)
+        forged = run_untrusted(program, tests=tests, exports=exports)
+        cases.append({"case": f"sandbox: a wrong candidate with {name} is no pass", "ok": forged.status == "failed",
+                      "detail": forged.status})
+    return cases
 
 
 HEALTH_WHILE_RENDERING_S = 4.0  # how long /health is asked while the looping render runs (its limit: 5 s)
