@@ -237,3 +237,20 @@ def test_a_looping_template_ends_chat_and_sft_with_one_line(tmp_path, short_limi
                  "--no-progress"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("latentloop: error")]
     assert len(err) == 2 and all("chat template: rendering took longer than 1 s" in line for line in err)
+
+
+@pytest.mark.parametrize("render", ["text", "spans"])
+def test_the_worker_stops_a_template_by_the_characters_it_writes(render):
+    """A few very long pieces (each `{{ text }}` is one) pass the limit at once: the worker stops the
+    template after the first piece past it, not the caller's check on a text already built."""
+    limits = TemplateLimits(time_s=5.0, output_chars=1_000, memory_bytes=256 * 2**20)
+    source = "{% for i in range(3) %}{{ messages[0]['content'] }}{% endfor %}"
+    context = {"messages": [{"role": "user", "content": "a" * 4_000}, {"role": "assistant", "content": "b"}],
+               "add_generation_prompt": False}
+    with pytest.raises(ChatTemplateLimitError) as error:
+        if render == "text":
+            render_template(source, context, limits)
+        else:
+            chat_data.template_spans(source, context, limits)
+    assert str(error.value) == ("chat template: output over 1,000 characters (limit): the renderer stopped it at "
+                                "4,000 characters")

@@ -21,7 +21,8 @@ for every assistant message, the prompt before it and the conversation through i
 with the whole text and the offsets where its trained spans start and end (see `_spans`).
 KIND is "compile" (the template does not compile), "refused" (it called raise_exception),
 "failed" (any other error of the template), "output" (a text passed max_output characters; the
-message says how when a check found it early), "memory" (it ran out of the address space) or
+message says where the worker stopped it, or which check found it before it was built), "memory"
+(it ran out of the address space) or
 "prefix" (the conversation does not render as a growing prefix at message "index").
 """
 
@@ -151,12 +152,13 @@ def _environment():
 
 
 def _text(template, context: dict) -> str:
-    """The template's text, stopped as soon as it passes the output limit."""
+    """The template's text, stopped as soon as it passes the output limit: counted in characters,
+    as written (a template's pieces can be of any length)."""
     pieces, size = [], 0
     for piece in template.generate(**context):
         size += len(piece)
         if size > _Limits.max_output:  # stop here: what it would write next is not needed
-            raise LimitBroken("")
+            raise LimitBroken(f"the renderer stopped it at {size:,} characters")
         pieces.append(piece)
     return "".join(pieces)
 
