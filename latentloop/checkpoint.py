@@ -10,6 +10,8 @@
         trainer.safetensors    every tensor of the optimizer states (not in imported checkpoints)
         trainer.json           everything else of the optimizer states, and the RNG states (every rank's)
         state.json             step, tokens seen, loader state, checksums of the token data, world size
+        checksums.json         the sha256 of every other file of the folder (not of dcp/, which has its own),
+                               written before the folder is renamed into place and checked as each file is read
         dcp/                   an fsdp2 run's shards of weights and optimizer states, written by every
                                process (torch.distributed.checkpoint); model.safetensors is then the
                                copy gathered on rank 0 (train.full_weights) or `latentloop export-dcp`'s
@@ -20,6 +22,12 @@ checkpoint of an older version (`trainer.pt`) is read with `torch.load(weights_o
 refused. DCP's own files are pickles (`dcp/.metadata`, and its non-tensor entries); they are read
 only through `load_sharded_state`, which admits nothing but DCP's metadata classes and plain data
 (see "Sharded checkpoints" below).
+
+Every file of a checkpoint is checked against `checksums.json` when it is read (`verify_file`): a
+flipped bit, a copy cut short or a hand edit is one `CheckpointError` naming the file, never a
+silently different model or a silently different resume. A checkpoint saved before checksums loads
+with one warning. The checksums catch damage, not an attacker who rewrites them too; weights that
+hold NaN or inf are refused on load whatever the checksums say.
 
 A checkpoint is written into `.tmp-step_N/`, every file and the folder fsynced, and renamed into
 place, so an interrupted save never leaves a half-written checkpoint. Re-saving a step first renames
@@ -38,6 +46,7 @@ import math
 import os
 import pickle
 import shutil
+import sys
 import warnings
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
@@ -281,6 +290,7 @@ def write_checkpoint_files(tmp: Path, run_dir: Path, step: int, weights: dict[st
         for name in ("config.json", "tokenizer.json"):
             if (Path(run_dir) / name).exists():
                 shutil.copy2(Path(run_dir) / name, tmp / name)
+        write_checksums(tmp)  # last: it covers every file above
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise OutputError(f"cannot write checkpoint {checkpoint_folder(run_dir, step)}: "
@@ -361,9 +371,12 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def find_tokenizer_file(checkpoint: Path) -> Path:
-    """The tokenizer.json of a checkpoint: its own copy, else its run folder's."""
+    """The tokenizer.json of a checkpoint (its own copy, checked against its checksums), else its run
+    folder's."""
     for candidate in (checkpoint / "tokenizer.json", checkpoint.parent.parent / "tokenizer.json"):
         if candidate.is_file():
+            if candidate.parent == checkpoint:
+                verify_file(checkpoint, candidate.name)
             return candidate
     raise CheckpointError(f"no tokenizer.json found for checkpoint {checkpoint}")
 
@@ -371,6 +384,8 @@ def find_tokenizer_file(checkpoint: Path) -> Path:
 def read_run_config(checkpoint: Path) -> RunConfig:
     for candidate in (checkpoint / "config.json", checkpoint.parent.parent / "config.json"):
         if candidate.is_file():
+            if candidate.parent == checkpoint:
+                verify_file(checkpoint, candidate.name)
             try:
                 return RunConfig.from_dict(json.loads(candidate.read_text()))
             except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -381,7 +396,8 @@ def read_run_config(checkpoint: Path) -> RunConfig:
 
 
 def weight_shapes(checkpoint: Path) -> dict[str, tuple[int, ...]]:
-    """{name: shape} of the weights, read from the safetensors header without loading any tensor."""
+    """{name: shape} of the weights, read from the safetensors header without loading any tensor (nor
+    checking the file against its checksum: `read_weights` does)."""
     file = checkpoint / "model.safetensors"
     try:
         with safe_open(str(file), framework="pt") as f:
@@ -393,6 +409,7 @@ def weight_shapes(checkpoint: Path) -> dict[str, tuple[int, ...]]:
 def read_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     """The weights of a checkpoint; unreadable or non-finite weights are a `CheckpointError`."""
     file = checkpoint / "model.safetensors"
+    verify_file(checkpoint, file.name)
     try:
         weights = load_file(str(file))
     except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
@@ -403,9 +420,11 @@ def read_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-def load_weights(model: torch.nn.Module, checkpoint: Path) -> None:
+def load_weights(model: torch.nn.Module, checkpoint: Path, weights: dict[str, torch.Tensor] | None = None) -> None:
+    """The checkpoint's weights (or `weights`, read from it already) into `model`, every name and shape
+    fitting."""
     file = checkpoint / "model.safetensors"
-    weights = read_weights(checkpoint)
+    weights = read_weights(checkpoint) if weights is None else weights
     missing, unexpected = set(model.state_dict()) - set(weights), set(weights) - set(model.state_dict())
     if missing or unexpected:
         raise CheckpointError(f"weights {file} do not fit the model: missing {sorted(missing)[:3]}, "
@@ -481,6 +500,7 @@ def _read_legacy_trainer(checkpoint: Path) -> dict[str, Any]:
 def read_trainer_state(checkpoint: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(state.json, trainer state {"optimizers": [...], "rng": {...}}) of a checkpoint."""
     check_resumable(checkpoint)
+    verify_checkpoint(checkpoint)  # every file, those a resume does not read too (a run continues from it)
     try:
         meta = json.loads((checkpoint / "state.json").read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -499,7 +519,17 @@ def read_trainer_state(checkpoint: Path) -> tuple[dict[str, Any], dict[str, Any]
             raise CheckpointError(f"cannot resume from {checkpoint}: trainer state: {first_line(exc)}") from None
     if not isinstance(meta, dict) or not isinstance(trainer, dict) or not {"optimizers", "rng"} <= set(trainer):
         raise CheckpointError(f"cannot resume from {checkpoint}: its trainer state is incomplete")
+    check_saved_step(checkpoint, meta)
     return meta, trainer
+
+
+def check_saved_step(checkpoint: Path, meta: dict[str, Any]) -> None:
+    """state.json's `step` is the step in the checkpoint folder's name (a hand-edited -1 or 999999
+    would restart the schedule, the loader and the counters somewhere else)."""
+    step, named = meta.get("step"), _step_of(checkpoint.name.removeprefix(ASIDE_PREFIX), CHECKPOINT_PREFIX)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0 or (named is not None and step != named):
+        raise CheckpointError(f"cannot resume from {checkpoint}: its state.json says step {step!r}, but the "
+                              f"checkpoint is of step {named if named is not None else 'unknown'}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -606,6 +636,68 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+CHECKSUMS = "checksums.json"  # beside a checkpoint's files: the sha256 of every other file of its folder
+CHECKSUMS_FORMAT = 1  # bump when the layout of checksums.json changes
+
+
+def write_checksums(folder: Path) -> None:
+    """Record the sha256 of every file of a checkpoint folder (not its subfolders: `dcp/` keeps its
+    own) in `checksums.json`, before the folder is renamed into place."""
+    files = {p.name: sha256_file(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != CHECKSUMS}
+    _write_json_file(folder / CHECKSUMS, {"format": CHECKSUMS_FORMAT, "sha256": files})
+
+
+def add_checksum(folder: Path, name: str) -> None:
+    """Record the sha256 of a file written into a finished checkpoint (`export-dcp`'s weights)."""
+    manifest = folder / CHECKSUMS
+    if not manifest.is_file():
+        return  # a checkpoint from before checksums stays without them
+    files = dict(_recorded_checksums(manifest))
+    files[name] = sha256_file(folder / name)
+    tmp = manifest.with_name(f".{CHECKSUMS}.tmp")
+    _write_json_file(tmp, {"format": CHECKSUMS_FORMAT, "sha256": files})
+    os.replace(tmp, manifest)
+    fsync_dir(folder)
+
+
+_unchecked_warned: set[str] = set()  # checkpoints without checksums, warned of once a process
+
+
+def verify_file(checkpoint: Path, name: str) -> None:
+    """`checkpoint/name` against the sha256 `checksums.json` recorded when it was saved: a file that
+    differs is a `CheckpointError` naming it. A checkpoint without checksums (saved by an older
+    version) is read unchecked, with one warning per process."""
+    manifest = checkpoint / CHECKSUMS
+    if not manifest.is_file():
+        key = str(checkpoint)
+        if key not in _unchecked_warned:
+            _unchecked_warned.add(key)
+            print(f"latentloop: warning: checkpoint {checkpoint} has no {CHECKSUMS} (saved by an older version): "
+                  f"its files are loaded without a check", file=sys.stderr)
+        return
+    recorded = _recorded_checksums(manifest)
+    if name not in recorded:
+        raise CheckpointError(f"{checkpoint / name} is not among the files {manifest} recorded when the "
+                              f"checkpoint was saved")
+    path = checkpoint / name
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing: {manifest} recorded it when the checkpoint was saved")
+    try:
+        found = sha256_file(path)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if found != recorded[name]:
+        raise CheckpointError(f"{path} is corrupt: its sha256 differs from the one recorded when it was saved "
+                              f"(a damaged copy or an edit); restore it from a good copy")
+
+
+def verify_checkpoint(checkpoint: Path) -> None:
+    """Every file `checksums.json` names, checked as `verify_file` checks one."""
+    manifest = checkpoint / CHECKSUMS
+    for name in sorted(_recorded_checksums(manifest)) if manifest.is_file() else ["model.safetensors"]:
+        verify_file(checkpoint, name)
+
+
 def write_sharded_checksums(folder: Path) -> None:
     """Record the sha256 of every file of a sharded checkpoint folder in its `checksums.json`.
 
@@ -623,7 +715,8 @@ def write_sharded_checksums(folder: Path) -> None:
         raise OutputError(f"cannot write {folder / DCP_CHECKSUMS}: {exc.strerror or exc}") from None
 
 
-def _recorded_checksums(manifest: Path) -> dict[str, str]:
+def _recorded_checksums(manifest: Path, required: tuple[str, ...] = ()) -> dict[str, str]:
+    """The {file name: sha256} a `checksums.json` holds (one that lacks any of `required` is refused)."""
     try:
         recorded = json.loads(manifest.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -633,7 +726,7 @@ def _recorded_checksums(manifest: Path) -> dict[str, str]:
         found = recorded.get("format") if isinstance(recorded, dict) else None
         raise CheckpointError(f"{manifest} has an unknown format ({found!r}; this version writes "
                               f"{DCP_CHECKSUMS_FORMAT})")
-    if not isinstance(files, dict) or DCP_METADATA not in files \
+    if not isinstance(files, dict) or not set(required) <= set(files) \
             or not all(isinstance(v, str) and _plain_file_name(k) for k, v in files.items()):
         raise CheckpointError(f"{manifest} does not hold a sha256 for each file of its folder")
     return files
@@ -654,7 +747,7 @@ def verify_sharded_checksums(folder: Path, rank: int = 0, world: int = 1) -> boo
     manifest = folder / DCP_CHECKSUMS
     if not manifest.is_file():
         return False
-    files = _recorded_checksums(manifest)
+    files = _recorded_checksums(manifest, required=(DCP_METADATA,))
     for name in sorted(set(sorted(files)[rank::world]) | {DCP_METADATA}):
         path = folder / name
         try:

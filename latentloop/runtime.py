@@ -41,6 +41,7 @@ from . import errors
 from .archs import build_model
 from .checkpoint import (
     SHARDED_DIR,
+    add_checksum,
     check_sharded,
     check_weights_finite,
     find_tokenizer_file,
@@ -48,6 +49,7 @@ from .checkpoint import (
     load_sharded_state,
     load_weights,
     read_run_config,
+    read_weights,
     resolve_checkpoint,
     save_checkpoint,
     weight_shapes,
@@ -519,10 +521,12 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
-def check_weights_fit(config: ModelConfig, checkpoint: Path) -> None:
-    """The checkpoint's weights (their safetensors header) have exactly the names and shapes the
-    config describes, checked before a model of that config is allocated."""
-    found, expected = weight_shapes(checkpoint), expected_shapes(config)
+def check_weights_fit(config: ModelConfig, checkpoint: Path, found: dict[str, tuple[int, ...]] | None = None) -> None:
+    """The checkpoint's weights (`found`: their shapes, else read from the safetensors header) have
+    exactly the names and shapes the config describes, checked before a model of that config is
+    allocated."""
+    found = weight_shapes(checkpoint) if found is None else found
+    expected = expected_shapes(config)
     file = checkpoint / "model.safetensors"
     missing, unexpected = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
     if missing or unexpected:
@@ -561,9 +565,10 @@ def load_run(path: str | Path, device: str | torch.device = "cpu") -> tuple[nn.M
     tokenizer_file = find_tokenizer_file(checkpoint)
     tokenizer = load_tokenizer(str(tokenizer_file))
     check_tokenizer_fits(tokenizer, config.model, tokenizer_file)
-    check_weights_fit(config.model, checkpoint)
+    weights = read_weights(checkpoint)  # checked against its checksum and for NaN / inf: the file's size, once
+    check_weights_fit(config.model, checkpoint, {name: tuple(t.shape) for name, t in weights.items()})
     model = build_model(config.model)
-    load_weights(model, checkpoint)
+    load_weights(model, checkpoint, weights)
     return model.to(device).eval(), tokenizer, config, checkpoint
 
 
@@ -629,6 +634,7 @@ def export_full_weights(path: str | Path, force: bool = False) -> Path:
             os.fsync(f.fileno())
         os.replace(tmp, target)
         fsync_dir(checkpoint)
+        add_checksum(checkpoint, target.name)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise OutputError(f"cannot write {target}: {exc.strerror or exc}") from None

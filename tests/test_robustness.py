@@ -85,6 +85,7 @@ def test_a_planted_pickle_in_a_checkpoint_never_runs(corpus, tmp_path):
     resumed.lock.release()
 
     (checkpoint / ckpt.TRAINER_JSON).unlink()  # now only the planted pickle holds the trainer state
+    (checkpoint / ckpt.CHECKSUMS).unlink()  # as in a checkpoint of the version that wrote trainer.pt
     with pytest.raises(CheckpointError, match="trainer.pt is an older pickle format"):
         setup(_config(corpus, 2), run, resume=True, progress=False)
     assert not marker.exists()
@@ -97,6 +98,7 @@ def test_a_legacy_trainer_pt_of_plain_tensors_is_read_with_weights_only(corpus, 
     torch.save(trainer, checkpoint / ckpt.LEGACY_TRAINER)
     (checkpoint / ckpt.TRAINER_JSON).unlink()
     (checkpoint / ckpt.TRAINER_TENSORS).unlink()
+    (checkpoint / ckpt.CHECKSUMS).unlink()  # that version recorded none
     state = setup(_config(corpus, 2), run, resume=True, progress=False)
     assert state.step == 2
     saved = trainer["optimizers"][0]["state"]
@@ -228,6 +230,7 @@ def test_loading_non_finite_weights_is_a_one_line_error(tiny_run_copy, capsys):
     weights = load_file(str(file))
     weights["wte.weight"][3, 3] = float("inf")
     save_file(weights, str(file))
+    ckpt.write_checksums(file.parent)  # checksums that agree: non-finite weights are refused all the same
     with pytest.raises(CheckpointError, match="NaN or inf"):
         ll.load(run)
     err = _one_line_exit_2(["generate", run, "--prompt", "a"], capsys)
@@ -384,6 +387,7 @@ def test_a_tokenizer_that_does_not_fit_the_model_is_refused(corpus, tmp_path, bp
     # the other tokenizer: larger than the model's vocabulary (IndexError) or smaller (garbage text)
     other = bpe_file.read_text() if trained_with == "byte" else ByteTokenizer().to_json()
     (ckpt.resolve_checkpoint(tmp_path / "run") / "tokenizer.json").write_text(other)
+    ckpt.write_checksums(ckpt.resolve_checkpoint(tmp_path / "run"))  # saved so: the checksums agree
     with pytest.raises(CheckpointError, match="vocab_size"):
         ll.load(tmp_path / "run")
     _one_line_exit_2(["generate", tmp_path / "run", "--prompt", "the"], capsys)
@@ -482,6 +486,7 @@ def test_config_is_checked_against_the_weights_header_before_allocating(tiny_run
         raw = json.loads(file.read_text())
         raw["model"].update(n_embd=2048, n_head=16)  # ~0.4 GB of weights, were it built
         file.write_text(json.dumps(raw))
+    ckpt.write_checksums(ckpt.resolve_checkpoint(run))  # saved so: the checksums agree
     built_on = []
     real_build = runtime.build_model
 
@@ -503,6 +508,7 @@ def test_eval_never_follows_the_cache_dir_a_run_names(corpus, tmp_path, capsys):
     raw["data"]["cache_dir"] = str(trap)
     for file in (run / "config.json", ckpt.resolve_checkpoint(run) / "config.json"):
         file.write_text(json.dumps(raw))
+    ckpt.write_checksums(ckpt.resolve_checkpoint(run))  # saved so: the checksums agree
     # without --data eval reads the recorded text source itself (checked against its recorded checksums)
     assert main(["eval", str(run), "--batches", "1", "--json", "--no-progress"]) == 0
     recorded = json.loads(capsys.readouterr().out)["loss"]

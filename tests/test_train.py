@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 import latentloop as ll
+from latentloop import checkpoint as ckpt
 from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config
 from latentloop.eval import evaluate_loss
 from latentloop.optim import lr_multiplier
@@ -86,6 +87,9 @@ def test_corrupt_checkpoint_is_a_clear_error(corpus, tmp_path):
     fit(setup(_config(corpus, steps=2), tmp_path / "run", progress=False), progress=False)
     weights = next((tmp_path / "run" / "checkpoints").iterdir()) / "model.safetensors"
     weights.write_bytes(b"not a safetensors file")
+    with pytest.raises(ll.CheckpointError, match="model.safetensors is corrupt: its sha256 differs"):
+        ll.load(tmp_path / "run")
+    ckpt.write_checksums(weights.parent)  # a checkpoint saved so (checksums that agree): safetensors refuses it
     with pytest.raises(ll.CheckpointError, match="cannot read weights"):
         ll.load(tmp_path / "run")
 
