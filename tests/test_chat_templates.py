@@ -254,3 +254,78 @@ def test_the_worker_stops_a_template_by_the_characters_it_writes(render):
             chat_data.template_spans(source, context, limits)
     assert str(error.value) == ("chat template: output over 1,000 characters (limit): the renderer stopped it at "
                                 "4,000 characters")
+
+
+# -- templates that render no reply or an empty prompt ----------------------------------------------
+# name: (template, words of the one-line error SFT and chat give, words import-hf gives)
+NO_REPLY = "renders no assistant reply"
+EMPTY_PROMPT = "renders the prompt as nothing"
+EMPTY_TEMPLATES = {
+    "nothing": ("{# nothing #}", NO_REPLY, NO_REPLY),
+    "only newlines": ("{% for m in messages %}{{ '\n' }}{% endfor %}", NO_REPLY, NO_REPLY),
+    "only the replies": ("{% for m in messages %}{% if m.role == 'assistant' %}{{ m.content + '<|im_end|>' }}"
+                         "{% endif %}{% endfor %}", EMPTY_PROMPT, EMPTY_PROMPT),
+}
+
+
+def _errors(capsys) -> list[str]:
+    """stderr's lines, checked to hold no traceback."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    return [line for line in err.splitlines() if line.startswith("latentloop: error")]
+
+
+@pytest.mark.parametrize("name", sorted(EMPTY_TEMPLATES))
+def test_a_template_that_renders_no_reply_or_prompt_is_refused_by_import_sft_and_chat(tmp_path, name, capsys,
+                                                                                         monkeypatch):
+    import io
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from latentloop.api import build
+    from latentloop.runtime import save_run
+
+    template, words, import_words = EMPTY_TEMPLATES[name]
+    named = chat_data.template_name(template)
+    folder = _chatml_folder(tmp_path / "hf", template)
+    tok = HFTokenizer.from_pretrained_folder(folder)
+    config = LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                         bos_token_id=tok.bos_id, eos_token_id=tok.eos_id)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    assert main(["import-hf", str(folder), "--out", str(tmp_path / "base")]) == 2
+    assert not (tmp_path / "base").exists()
+    [line] = _errors(capsys)
+    assert import_words in line and named in line and str(folder) in line, line
+
+    # a run folder that holds such a template anyway (written before the check, or by hand)
+    save_run(build("gpt", preset="test", vocab_size=tok.vocab_size, bos_id=tok.bos_id), tok, tmp_path / "run")
+    kept = sorted(p.relative_to(tmp_path / "run") for p in (tmp_path / "run").rglob("*"))
+    if words == NO_REPLY:  # nothing to train on: SFT stops before writing anything
+        assert main(["train", "--stage", "sft", "--init-from", str(tmp_path / "run"), "--data",
+                     "chat:task:addition_steps:n=8", "--steps", "1", "--batch-size", "2", "--out",
+                     str(tmp_path / "sft"), "--no-progress"]) == 2
+        assert not (tmp_path / "sft").exists()
+        [line] = _errors(capsys)
+        assert words in line and named in line, line
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+    assert main(["chat", str(tmp_path / "run")]) == 2
+    [line] = _errors(capsys)
+    assert words in line and named in line, line
+    assert sorted(p.relative_to(tmp_path / "run") for p in (tmp_path / "run").rglob("*")) == kept
+
+
+def test_the_tokenizer_refuses_an_empty_render_with_one_line(tmp_path):
+    tok = HFTokenizer.from_pretrained_folder(_chatml_folder(tmp_path / "nothing", "{# nothing #}"))
+    with pytest.raises(chat_data.EmptyChatTemplateError, match=f"^the tokenizer's chat template '{{# nothing #}}' "
+                                                                f"{NO_REPLY}"):
+        tok.render(CONVERSATION)
+    replies_only = EMPTY_TEMPLATES["only the replies"][0]
+    tok = HFTokenizer.from_pretrained_folder(_chatml_folder(tmp_path / "replies", replies_only))
+    ids, mask = tok.render(CONVERSATION)  # the replies alone can be trained on ...
+    trained = [i for i, m in zip(ids, mask) if m]
+    assert trained == tok.encode_markup("the loop<|im_end|>") + tok.encode_markup("carried forward<|im_end|>")
+    with pytest.raises(chat_data.EmptyChatTemplateError, match=EMPTY_PROMPT):  # ... but there is no prompt to answer
+        tok.render_prompt(CONVERSATION[:2])
+    long = "{# " + "x" * 200 + " #}"
+    assert chat_data.template_name(long) == repr(long[:chat_data.TEMPLATE_NAME_CHARS] + "...")

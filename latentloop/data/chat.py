@@ -29,7 +29,10 @@ the text the template adds between the prompt rendered for that turn (`add_gener
 and the conversation rendered through that turn: the reply and whatever closes it (`<|im_end|>`,
 `<|eot_id|>`, ...). Each such span is tokenized on its own, so that the ids before it are exactly
 the prompt the model reads at inference. A template that does not render a conversation as a
-growing prefix (some drop earlier turns' reasoning) cannot be trained on: one-line error.
+growing prefix (some drop earlier turns' reasoning) cannot be trained on: one-line error. Nor can
+one that writes no assistant reply (every token would be masked: a loss of 0 that trains nothing),
+and a prompt it renders as nothing cannot be answered: `EmptyChatTemplateError`, naming the template
+(`import-hf` refuses such a template up front, `check_template_renders`).
 
 A template is a program that comes with a model, so it renders in a worker process
 (`chat_template_worker.py`, kept for the next conversation) under `TemplateLimits`: at most
@@ -183,7 +186,11 @@ def render_prompt(tokenizer, messages, where: str = "conversation") -> list[int]
     if isinstance(tokens, ChatTemplate):
         context = _template_context(tokenizer, check_messages(messages, where, for_training=False), True)
         text = render_template(tokenizer.chat_template, context)
-        return _starting_with_bos(tokenizer, tokenizer.encode_markup(text), [])[0]
+        ids = _starting_with_bos(tokenizer, tokenizer.encode_markup(text), [])[0]
+        if not text.strip() or ids == [tokenizer.bos_id]:  # a model would answer nothing
+            raise EmptyChatTemplateError(f"the tokenizer's chat template {template_name(tokenizer.chat_template)} "
+                                         f"renders the prompt as nothing ({where}): there is nothing to answer")
+        return ids
     ids = [tokenizer.bos_id]
     for message in check_messages(messages, where, for_training=False):
         ids += [tokens.role(message["role"]), *tokenizer.encode(message["content"]), tokens.end]
@@ -228,6 +235,22 @@ TEMPLATE_LIMITS = TemplateLimits()
 class ChatTemplateLimitError(ChatFormatError):
     """A chat template that broke a rendering limit: it ran too long, wrote too much, ran out of
     memory or crashed its worker."""
+
+
+class EmptyChatTemplateError(ChatFormatError):
+    """A chat template that renders no assistant reply (nothing to train on: SFT's loss would be 0
+    on every token) or a prompt of nothing (nothing for a model to answer)."""
+
+
+TEMPLATE_NAME_CHARS = 60  # of a template's source, quoted in an error to name it
+# The exchange that tells whether a template renders replies at all, and which token ends one.
+PROBE_CONVERSATION = ({"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"})
+
+
+def template_name(source: str) -> str:
+    """A chat template as an error names it: its source on one line, cut to TEMPLATE_NAME_CHARS."""
+    text = " ".join(source.split())
+    return repr(text if len(text) <= TEMPLATE_NAME_CHARS else text[:TEMPLATE_NAME_CHARS] + "...")
 
 
 def render_template(source: str, context: dict, limits: TemplateLimits | None = None) -> str:
@@ -448,14 +471,25 @@ def _render_with_template(tokenizer, messages: list[Message]) -> tuple[list[int]
         piece = tokenizer.encode_markup(full[start:end]) if end > start else []
         ids += piece
         mask += [span % 2 == 1] * len(piece)
+    replies = "".join(full[start:end] for start, end in zip(cuts[1::2], cuts[2::2]))
+    if not replies.strip() or not any(mask):  # every reply has content: a template that writes none ignores them
+        raise EmptyChatTemplateError(f"the tokenizer's chat template {template_name(tokenizer.chat_template)} "
+                                     f"renders no assistant reply: there is nothing to train on and no turn to chat in")
     return _starting_with_bos(tokenizer, ids, mask)
+
+
+def check_template_renders(tokenizer) -> None:
+    """Raise EmptyChatTemplateError when the tokenizer's chat template renders `PROBE_CONVERSATION`
+    without its reply, or its prompt as nothing: a template no one can fine-tune or chat with.
+    Other problems of the template are raised as rendering raises them."""
+    template_end_id(tokenizer)
+    render_prompt(tokenizer, list(PROBE_CONVERSATION[:1]), "a one-message conversation")
 
 
 def template_end_id(tokenizer) -> int:
     """The id that ends an assistant turn in the tokenizer's chat template: the first special
     token it writes after a reply (EOS when it writes none)."""
-    probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
-    ids, mask = _render_with_template(tokenizer, probe)
+    ids, mask = _render_with_template(tokenizer, list(PROBE_CONVERSATION))
     trained = [token for token, m in zip(ids, mask) if m]
     return next((token for token in trained if token in tokenizer.special_ids), tokenizer.eos_id)
 

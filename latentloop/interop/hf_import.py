@@ -43,8 +43,10 @@ from safetensors.torch import load_file
 from ..archs import build_model
 from ..checkpoint import fsync_dir, save_weights_checkpoint
 from ..config import DataConfig, ModelConfig, RunConfig, TrainConfig, model_config
+from ..data.chat import EmptyChatTemplateError, check_template_renders
 from ..data.tokenizers import CHAT_TEMPLATE_FILE, TOKENIZER_FILE, HFTokenizer
-from ..errors import ConfigError, DataError, InteropError
+from ..errors import ConfigError, DataError, InteropError, LatentloopError
+from ..util import first_line
 from .hf_checks import (
     MAX_METADATA_BYTES,
     HFFields,
@@ -110,7 +112,7 @@ def resolve_source(source: str | Path) -> Path:
     except RepositoryNotFoundError:
         raise InteropError(f"{source} is not a model on the Hugging Face Hub (or it is gated/private)") from None
     except (HfHubHTTPError, OSError, ValueError) as exc:
-        raise InteropError(f"cannot fetch {source} from the Hugging Face Hub: {str(exc).splitlines()[0]}") from None
+        raise InteropError(f"cannot fetch {source} from the Hugging Face Hub: {first_line(exc)}") from None
 
 
 def read_hf_config(folder: Path) -> dict[str, Any]:
@@ -128,7 +130,7 @@ def read_hf_weights(headers: dict[str, TensorHeader]) -> dict[str, torch.Tensor]
         try:
             tensors = load_file(str(file))
         except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
-            raise InteropError(f"cannot read weights {file}: {str(exc).splitlines()[0]}") from None
+            raise InteropError(f"cannot read weights {file}: {first_line(exc)}") from None
         for name, tensor in tensors.items():
             if not bool(torch.isfinite(tensor).all()):
                 raise InteropError(f"{file}: tensor {name} holds NaN or inf; a checkpoint with non-finite weights "
@@ -308,7 +310,8 @@ def check_out_folder(out: Path) -> None:
 
 def read_hf_tokenizer(folder: Path, config: ModelConfig, hf: dict[str, Any]) -> HFTokenizer:
     """The folder's tokenizer.json with the special tokens its config names; the files are checked
-    to be UTF-8 JSON objects first, so a binary file is one line naming it."""
+    to be UTF-8 JSON objects first, so a binary file is one line naming it. A chat template that
+    renders no reply or an empty prompt is refused (`check_template_renders`)."""
     for name, max_bytes in ((TOKENIZER_FILE, None), ("tokenizer_config.json", MAX_METADATA_BYTES)):
         if (folder / name).is_file():  # a vocabulary's tokenizer.json may be large: no cap on it
             read_json_object(folder / name, max_bytes)
@@ -324,6 +327,13 @@ def read_hf_tokenizer(folder: Path, config: ModelConfig, hf: dict[str, Any]) -> 
     if tokenizer.vocab_size > config.vocab_size:
         raise InteropError(f"the tokenizer has {tokenizer.vocab_size} ids but the model only {config.vocab_size} "
                            f"embedding rows")
+    if tokenizer.chat_template is not None:
+        try:
+            check_template_renders(tokenizer)
+        except EmptyChatTemplateError as exc:  # SFT would train on nothing, chat answer an empty prompt
+            raise InteropError(f"{folder}: {exc}") from None
+        except LatentloopError:
+            pass  # any other problem of the template shows where it is used (SFT, chat), not for base use
     return tokenizer
 
 
