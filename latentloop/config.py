@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 import yaml
 
 from .errors import ConfigError
-from .util import write_json_atomic
+from .util import first_line, write_json_atomic
 
 
 def require(condition: bool, message: str) -> None:
@@ -438,9 +438,16 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        raw = yaml.safe_load(path.read_text())
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {exc.start} is {exc.object[exc.start]:#04x}): "
+                          f"save it as UTF-8") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    try:
+        raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        raise ConfigError(f"config file {path} is not valid YAML: {first_line(exc)}") from None
     if raw is None:
         return {}
     require(isinstance(raw, dict), f"config file {path} must hold a mapping with sections model/train/data")

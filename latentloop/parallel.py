@@ -59,6 +59,7 @@ from .checkpoint import (
 from .config import TrainConfig
 from .errors import CheckpointError, OutputError
 from .runtime import agree, current_dist, in_process_group
+from .util import first_line
 
 __all__ = ["SHARDED_DIR", "any_rank", "apply_activation_checkpointing", "compiles_whole_model", "full_weights",
            "gather_objects", "grad_norm", "gradient_sync", "load_full_optimizer_states", "load_full_weights",
@@ -251,9 +252,7 @@ def save_sharded(folder: Path, model: nn.Module, optimizers: list[torch.optim.Op
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(folder))
     except (Exception, CheckpointException) as exc:  # CheckpointException: a BaseException, raised on every rank
         cause = dcp_cause(exc)
-        text = str(cause).strip()
-        raise OutputError(f"cannot write the sharded checkpoint {folder}: "
-                          f"{text.splitlines()[0] if text else type(cause).__name__}") from None
+        raise OutputError(f"cannot write the sharded checkpoint {folder}: {first_line(cause)}") from None
     if current_dist().is_main:  # dcp.save has returned: every process's files are complete
         write_sharded_checksums(folder)
     return sorted(optim_state.get("state", {}))

@@ -76,3 +76,32 @@ def test_yaml_errors_are_one_line(tmp_path):
     (tmp_path / "sec.yaml").write_text(yaml.safe_dump({"modle": {}}))
     with pytest.raises(ll.ConfigError, match="modle"):
         RunConfig.from_dict(load_yaml(tmp_path / "sec.yaml"))
+
+
+def test_a_config_file_that_is_not_utf8_is_one_line_and_exit_2(tmp_path, capsys):
+    from latentloop.cli import main
+
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes("model:\n  arch: gpt\n# caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(ll.ConfigError, match="not UTF-8 text"):
+        load_yaml(latin1)
+    capsys.readouterr()
+    assert main(["train", "--config", str(latin1), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "not UTF-8" in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_every_user_error_line_survives_an_exception_without_a_message():
+    """`first_line` is the one way an error becomes a line: an empty message gives the class's name
+    (`str(exc).splitlines()[0]` raised IndexError on it), and no module writes the other way."""
+    from pathlib import Path
+
+    from latentloop.util import first_line
+
+    assert first_line(ValueError()) == "ValueError" and first_line(ValueError("  \n")) == "ValueError"
+    assert first_line(ValueError("one\ntwo")) == "one"
+    package = Path(ll.__file__).parent
+    offenders = [str(p.relative_to(package)) for p in package.rglob("*.py")
+                 if "splitlines()[0]" in p.read_text() and p.name != "util.py"]
+    assert not offenders, f"write first_line(exc) instead of str(exc).splitlines()[0] in {offenders}"

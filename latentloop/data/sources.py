@@ -30,6 +30,7 @@ from typing import Any
 from latentloop.data.base import Source
 from latentloop.data.tasks import get_task_source
 from latentloop.errors import ConfigError, DataError
+from latentloop.util import first_line
 
 SPLITS = ("train", "val")
 
@@ -348,8 +349,7 @@ class HFSource(Source):
         try:
             return datasets.load_dataset(self.name, self.config, split="train", streaming=True)
         except Exception as exc:  # network, missing dataset, bad config...: all user-facing here
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise DataError(f"cannot load Hugging Face dataset '{self.spec}': {reason}") from exc
+            raise DataError(f"cannot load Hugging Face dataset '{self.spec}': {first_line(exc)}") from exc
 
     def iter_documents(self, split: str) -> Iterator[str]:
         _check_split(split)

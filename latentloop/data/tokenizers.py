@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from latentloop.errors import ConfigError, DataError, OutputError
+from latentloop.util import first_line
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -251,8 +252,7 @@ class BPETokenizer(_ChatInterface):
         try:
             hf_tokenizer = Tokenizer.from_file(str(path))
         except Exception as exc:  # the Rust side raises plain Exception for any parse problem
-            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise DataError(f"cannot read tokenizer {path}: {reason}") from exc
+            raise DataError(f"cannot read tokenizer {path}: {first_line(exc)}") from exc
         return cls(hf_tokenizer, source=str(path))
 
     def encode(self, text: str) -> list[int]:
@@ -393,7 +393,7 @@ class HFTokenizer(_ChatInterface):
         try:
             self._tokenizer = Tokenizer.from_str(tokenizer_json)
         except Exception as exc:  # the Rust side raises plain Exception for any parse problem
-            raise DataError(f"cannot read tokenizer {source}: {str(exc).splitlines()[0]}") from None
+            raise DataError(f"cannot read tokenizer {source}: {first_line(exc)}") from None
         self._json = tokenizer_json
         # as for BPETokenizer: text that spells a special token is encoded as ordinary text
         self._tokenizer.encode_special_tokens = True
@@ -493,7 +493,7 @@ class HFTokenizer(_ChatInterface):
         try:
             return Tokenizer.from_str(text)
         except Exception as exc:  # the Rust side raises plain Exception for any parse problem
-            raise DataError(f"cannot read tokenizer {source}: {str(exc).splitlines()[0]}") from None
+            raise DataError(f"cannot read tokenizer {source}: {first_line(exc)}") from None
 
     @classmethod
     def from_saved(cls, content: dict, source: str) -> HFTokenizer:

@@ -28,6 +28,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..config import ModelConfig
 from ..errors import InteropError
+from ..util import first_line
 
 # Bytes per element of the safetensors dtypes a full-precision checkpoint may use; any other dtype
 # (integers, float8) means a quantized or foreign checkpoint, which the import cannot express.
@@ -71,7 +72,7 @@ def read_json_object(file: Path, max_bytes: int | None = MAX_METADATA_BYTES) -> 
     except UnicodeDecodeError:
         raise InteropError(f"cannot read {file}: not UTF-8 text") from None
     except ValueError as exc:  # not JSON, or an integer literal of thousands of digits
-        raise InteropError(f"cannot read {file}: not JSON ({str(exc).splitlines()[0]})") from None
+        raise InteropError(f"cannot read {file}: not JSON ({first_line(exc)})") from None
     except RecursionError:
         raise InteropError(f"cannot read {file}: not JSON (nested too deeply)") from None
     except OSError as exc:
@@ -243,7 +244,7 @@ def read_tensor_headers(folder: Path) -> dict[str, TensorHeader]:
                                            f"{file.name}")
                     headers[name] = header
         except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
-            raise InteropError(f"cannot read weights {file}: {str(exc).splitlines()[0]}") from None
+            raise InteropError(f"cannot read weights {file}: {first_line(exc)}") from None
     if weight_map is not None:
         index = folder / "model.safetensors.index.json"
         for name, header in headers.items():

@@ -61,6 +61,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from ..util import first_line
 from . import native, quant
 from .cache_trust import private_folder, record_digest, remove_artifact, unverified_file
 
@@ -608,8 +609,7 @@ class AotDecodeStep:
         except AotUnavailable:
             raise
         except Exception as error:  # noqa: BLE001 - whatever export/inductor refuse: dynamo's step instead
-            raise AotUnavailable(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}") \
-                from error
+            raise AotUnavailable(f"{type(error).__name__}: {first_line(error)}") from error
         finally:  # tracing rebound the cache's attributes to traced values: put the real ones back
             holder.cache, holder.fields = None, []
             restore(cache, fields, saved)
