@@ -118,6 +118,7 @@ TEMPLATES = {
                 "{% for j in range(100000) %}{% endfor %}{% endfor %}{% endif %}"
                 "{{ m['role'] + ': ' + m['content'] + '\n' }}"
                 "{% endfor %}{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}",
+    "tpl_nothing": "{# nothing #}",  # renders nothing: no reply to train on, no prompt to answer (issue 49)
     # and one that works, for the cases about something else
     "tpl_plain": "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
                  "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}",
@@ -194,7 +195,8 @@ def _hf_fixtures(root: Path, tok: Path) -> dict[str, str]:
             "hfvocab": _hf_llama(root, tok, "hf_vocab", {"vocab_size": 2e9}),
             "hfbintok": _hf_llama(root, tok, "hf_bintok", tokenizer_bytes=b"\x89PNG\r\n\x1a\n\x00\xff"),
             "hfnan": _hf_llama(root, tok, "hf_nan", poison=True),
-            "hfindex": _hf_llama(root, tok, "hf_index", index_lists=True)}
+            "hfindex": _hf_llama(root, tok, "hf_index", index_lists=True),
+            "hfnothing": _hf_empty_template(root, tok)}
 
 
 class _Payload:
@@ -387,6 +389,23 @@ CASES: list[tuple[str, list[str]]] = [
 
 # Cases that must leave no folder behind (nothing written on a refusal).
 NOTHING_WRITTEN = ["i3", "i4", "i5", "i6", "i7", "i8", "i9", "s1", "s2"]
+
+# reliability, round 3 (issue 49): a chat template that renders nothing is refused by import, SFT and chat
+CASES += [
+    ("import-hf template renders nothing", ["import-hf", "{hfnothing}", "--out", "{root}/i10"]),
+    ("sft template renders nothing", ["train", "--stage", "sft", "--init-from", "{tpl_nothing}", "--data",
+                                      "chat:task:addition_steps:n=8", "--steps", "1", "--batch-size", "2",
+                                      "--out", "{root}/s3", "--no-progress"]),
+    ("chat template renders nothing", ["chat", "{tpl_nothing}"]),
+]
+NOTHING_WRITTEN += ["i10", "s3"]
+
+
+def _hf_empty_template(root: Path, tok: Path) -> str:
+    """A tiny Llama folder whose tokenizer's chat template renders nothing."""
+    folder = Path(_hf_llama(root, tok, "hf_nothing"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATES["tpl_nothing"]}))
+    return str(folder)
 
 
 def run_cases(fixtures: dict[str, str], verbose: bool) -> list[dict]:
