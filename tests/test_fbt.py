@@ -13,6 +13,7 @@ from latentloop.cli import main
 from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config
 from latentloop.engine import teacher_forced_logits
 from latentloop.eval.loss import passes_curve
+from latentloop.models.backbone import shift_right
 from latentloop.models.fbt import per_batch_mix
 from latentloop.objectives import token_cross_entropy
 from latentloop.objectives.fbt import document_prefix_mask
@@ -340,3 +341,24 @@ def test_cli_regimes(tiny_run, tiny_corpus, capsys):
     assert out["new_tokens"] <= 4 and 1 <= out["prefill_passes"] <= 16
     assert main(["generate", str(run), "--prompt", "ab", "--passes", "0", "--regime", "fused"]) == 2
     assert "passes" in capsys.readouterr().err
+
+
+@torch.no_grad()
+def test_a_position_fused_in_one_pass_and_not_the_next_goes_back_to_its_plain_input(model):
+    """Per-pass masks differ in training (a fresh prefix per pass): pass k + 1's input at a position
+    the mask of that pass leaves unfused is the plain embedding, whatever the pass before fused."""
+    torch.manual_seed(3)
+    idx = torch.randint(0, 256, (2, 12))
+    fused_in_2 = torch.ones(2, 12, dtype=torch.bool)
+    fused_in_3 = torch.rand(2, 12) > 0.5
+    fused_in_3[:, 0] = False
+    fused_in_3[0, 5] = False  # certainly a position fused in pass 2 and not in pass 3
+    ctx = model.context(idx, None, None)
+    e = model.embed(idx)
+    passes = model.pass_states(idx, ctx, [fused_in_2, fused_in_3])
+    (h1, x1), (h2, x2), (h3, x3) = (next(passes) for _ in range(3))
+    torch.testing.assert_close(x1, e, rtol=0, atol=0)
+    expected_3 = torch.where(fused_in_3[..., None], model.fuse(e, shift_right(model.carried_state(h2))), e)
+    torch.testing.assert_close(x3, expected_3, rtol=0, atol=0)  # the same ops: bit for bit
+    torch.testing.assert_close(x3[0, 5], e[0, 5], rtol=0, atol=0)
+    assert (x2[0, 5] - e[0, 5]).abs().max() > 1e-3  # pass 2 did fuse it

@@ -218,3 +218,15 @@ def test_trains_resumes_and_generates_through_the_cli(routing, tmp_path, tiny_co
     assert main(["generate", str(run), "--prompt", "the ", "--max-new-tokens", "4", "--steps", "2"]) == 0
     assert main(["generate", str(run), "--prompt", "the ", "--steps", "9"]) == 2
     assert "steps must be in [1, 3]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("length", [7, 10, 13])
+def test_expert_choice_keeps_the_ceiling_of_capacity_times_T_in_each_row(length):
+    """k_r = ceil(capacity_r · T) (the paper's rounding): at lengths where floor and ceil differ, a
+    route that kept floor(capacity_r · T) tokens keeps one fewer at some recursion."""
+    model = _model().train()
+    capacities = model.config.capacities
+    assert any(math.floor(c * length) != math.ceil(c * length) for c in capacities)  # the case this is about
+    out = model(_idx(length=length), route="topk")
+    kept = [took.sum(dim=1).tolist() for took in out.taken]
+    assert kept == [[math.ceil(c * length)] * 2 for c in capacities]

@@ -144,3 +144,26 @@ def test_muon_steps_with_the_runs_newton_schulz_dtype(dtype):
 
     torch.testing.assert_close(p.detach(), stepped(ns), rtol=0, atol=0)
     assert not torch.equal(p.detach(), stepped(other))
+
+
+@pytest.mark.parametrize("arch", __import__("latentloop").archs.ARCHS)
+def test_the_head_and_the_embeddings_are_adamws_and_every_other_matrix_is_muons(arch):
+    """Which optimizer owns each parameter under Muon, for every registered architecture: the token
+    embedding, an untied lm_head and lookup tables on AdamW without weight decay (Muon's
+    orthogonalised update is meant for hidden matrices, and the head diverged under it), every other
+    matrix on Muon, every parameter on exactly one."""
+    import latentloop as ll
+    from latentloop.config import TrainConfig
+    from latentloop.optim import build_optimizers
+
+    model = ll.build(arch, preset="test", tie_embeddings=False)  # the head a matrix of its own (fbt ties by default)
+    adamw, muon = build_optimizers(model, TrainConfig(optimizer="muon", weight_decay=0.1))
+    on_muon = {id(p) for g in muon.param_groups for p in g["params"]}
+    decay = {id(p): g["weight_decay"] for g in adamw.param_groups for p in g["params"]}
+    names = dict(model.named_parameters())
+    for name in ("lm_head.weight", "wte.weight"):
+        assert id(names[name]) in decay and decay[id(names[name])] == 0.0 and id(names[name]) not in on_muon, name
+    for name, p in names.items():
+        lookup = name.startswith(("wte", "lm_head")) or ".value_embed." in name
+        assert (id(p) in on_muon) == (p.dim() >= 2 and not lookup), name
+        assert (id(p) in on_muon) != (id(p) in decay), name

@@ -279,3 +279,24 @@ def test_a_distributed_command_line_ends_without_the_interpreter_teardown(saved_
     assert result.returncode == 0, result.stderr
     assert "atexit handlers ran" in result.stdout and "the interpreter was torn down" not in result.stdout
     assert "trained gpt" in result.stdout  # what the command printed last still came out
+
+
+# Globals of torch that are not checkpoint metadata: each callable by a pickle's REDUCE, several of them
+# writing files (torch.save) or reading and running them (torch.load, torch.hub's loaders)
+TORCH_GLOBALS_REFUSED = [("torch", "save"), ("torch.serialization", "save"), ("torch", "load"),
+                         ("torch.hub", "load"), ("torch", "compile"), ("torch.distributed.checkpoint.metadata", "os")]
+
+
+@pytest.mark.parametrize("module, name", TORCH_GLOBALS_REFUSED)
+def test_a_metadata_pickle_calling_a_torch_global_is_refused_before_it_runs(tmp_path, module, name):
+    """Only DCP's metadata classes, torch.Size, the dtypes and two layout helpers pass the unpickler: a
+    `torch.*` global such as torch.save (which would write anywhere) is refused by name, as os.system is."""
+    folder = tmp_path / "dcp"
+    folder.mkdir()
+    target = tmp_path / "written-by-the-pickle"
+    # protocol 0, by hand: GLOBAL module name, MARK, {}, "path", TUPLE, REDUCE -> module.name({}, "path")
+    planted = f"c{module}\n{name}\n(}}V{target}\ntR.".encode()
+    (folder / DCP_METADATA).write_bytes(planted)
+    with pytest.raises(CheckpointError, match=rf"not checkpoint metadata \({module}\.{name}\)"):
+        read_sharded_metadata(folder)
+    assert not target.exists()

@@ -189,3 +189,19 @@ def test_cpu_bf16_switch_reads_the_environment(monkeypatch):
     assert runtime.cpu_bf16_support() == "avx512_bf16"
     monkeypatch.setattr(runtime, "open", lambda *a, **k: io.StringIO("processor: 0\nflags\t: fpu avx2\n"))
     assert runtime.cpu_bf16_support() is None
+
+
+def test_every_rank_draws_training_noise_from_a_stream_of_its_own():
+    """rank_seed(seed, rank): distinct for every rank and every seed (with 3+ processes, ranks 1 and up
+    shared one stream when the rank was ignored; rank 0 never calls it), and the same on every call."""
+    from latentloop.train import rank_seed
+
+    seeds = {(seed, rank): rank_seed(seed, rank) for seed in (0, 1, 1234) for rank in range(8)}
+    assert len(set(seeds.values())) == len(seeds)
+    assert all(0 <= value < 2**63 for value in seeds.values())  # a valid torch seed
+    assert rank_seed(1234, 3) == seeds[(1234, 3)]
+    streams = []
+    for rank in (1, 2, 3):
+        torch.manual_seed(rank_seed(0, rank))
+        streams.append(torch.rand(4))
+    assert not torch.equal(streams[0], streams[1]) and not torch.equal(streams[1], streams[2])
