@@ -424,3 +424,66 @@ def test_a_prepared_run_hands_its_inputs_over_and_copies_each_output_into_its_te
     behaviour.update({"wrong shape": False, "fail": True})
     with pytest.raises(RuntimeError, match="the fake run said so"):
         prepared.run()
+
+
+class _FakeCache:
+    """The fields of a cache `AotDecodeStep` reads: tensors (flattened by name: `keys`, then `window`),
+    the buffer's length, and a window whose length is all a step reads of it."""
+
+    def __init__(self, window_len: int, max_len: int = 64):
+        self.keys = torch.arange(6.0).reshape(2, 3)
+        self.window = torch.empty(window_len)
+        self.max_len = max_len
+
+
+def _fake_outputs(token, keys, window):
+    """The fake step: logits (B, 4) that depend on the token, the keys and the window's length."""
+    logits = keys.sum() + window.shape[0] + token.float()[:, None] * torch.arange(1.0, 5.0)
+    return logits, logits.argmax(-1)
+
+
+def test_a_new_window_of_the_same_cache_swaps_only_the_windows_handle(monkeypatch):
+    """`AotDecodeStep` without a package (a Python step behind aot_run.c): a new window of the same cache
+    is taken by `_slide` (its handle swapped in the prepared run, the outputs the same tensors), never a
+    new `_bind`, and the step reads the new window, not the old one."""
+    function = aot._runner()
+    if function is None:
+        pytest.skip(native.native_status(aot.RUNNER, for_packages=True))
+    handle_array = ctypes.POINTER(ctypes.c_void_p)
+    signature = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, handle_array, ctypes.c_size_t, handle_array,
+                                 ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p)
+
+    def prepared_run(container, inputs, n_inputs, outputs, n_outputs, stream, proxy):
+        for j, handle in enumerate(aot._handles(list(_fake_outputs(*aot._tensors([inputs[i]
+                                                                                  for i in range(n_inputs)]))))):
+            outputs[j] = handle
+        return 0
+
+    callback = signature(prepared_run)
+    library = _FakeLibrary(callback)
+    library.run = lambda inputs: list(_fake_outputs(*inputs))  # the first step's per-call run
+    package = type("Package", (), {"library": library, "info": {"fake": True}, "checked": True})()
+    step = aot.AotDecodeStep.__new__(aot.AotDecodeStep)
+    step.packages, step._bound = {}, None
+    cache = _FakeCache(window_len=16)
+    step.packages[step._shape([cache.keys, cache.window], cache.window, cache.max_len)] = package
+    binds = []
+    bind = aot.AotDecodeStep._bind
+    monkeypatch.setattr(aot.AotDecodeStep, "_bind", lambda self, token, c: binds.append(1) or bind(self, token, c))
+    token = torch.tensor([1, 2])
+    logits, greedy, info = step(None, token, cache, {})
+    assert info == {"fake": True} and len(binds) == 1
+    outputs = (logits, greedy)
+    for window_len in (16, 32, 48):  # the same window, then two new ones (a step every 16 slots)
+        if window_len != cache.window.shape[0]:
+            cache.window = torch.empty(window_len)
+        expected_logits, expected_greedy = _fake_outputs(greedy.clone(), cache.keys, cache.window)
+        logits, greedy, _ = step(None, greedy, cache, {})  # the greedy ids passed back as the token
+        assert logits is outputs[0] and greedy is outputs[1]  # the prepared run's own tensors, written again
+        torch.testing.assert_close(logits, expected_logits, rtol=0, atol=0)  # the new window is read
+        assert torch.equal(greedy, expected_greedy)
+    assert len(binds) == 1  # windows slid, never bound again
+    cache.keys, cache.window = cache.keys.clone(), torch.empty(16)  # a resize: new tensors, bound again
+    logits, _, _ = step(None, greedy, cache, {})
+    assert len(binds) == 2
+    torch.testing.assert_close(logits, _fake_outputs(greedy, cache.keys, cache.window)[0], rtol=0, atol=0)
