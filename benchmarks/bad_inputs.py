@@ -104,8 +104,52 @@ def build_fixtures(root: Path) -> dict[str, str]:
             "file": str(root / "a_file"), "badyaml": str(root / "bad.yaml"), "listyaml": str(root / "list.yaml"),
             "corrupt": str(corrupt), "badconfig": str(badconfig), "tok": str(tok), "hf": str(hf),
             **{arch: str(path) for arch, path in runs.items()}, **_hf_fixtures(root, tok),
-            **_sharded_fixtures(root, corpus), "busy_port": str(_busy_port()), **_template_fixtures(root)}
+            **_sharded_fixtures(root, corpus), "busy_port": str(_busy_port()), **_template_fixtures(root),
+            **_checkpoint_fixtures(root, runs["gpt"])}
 
+
+# The files of a plain checkpoint, and those `generate` reads (the others a resume reads)
+CHECKPOINT_FILES = ("model.safetensors", "config.json", "tokenizer.json", "state.json", "trainer.json",
+                    "trainer.safetensors")
+LOADED = ("model.safetensors", "config.json", "tokenizer.json")
+
+
+def _flipped(name: str) -> str:
+    """The fixture key (and folder) of a run with a bit flipped in its checkpoint's file `name`."""
+    return "flip_" + name.replace(".", "_")
+
+
+def _checkpoint_fixtures(root: Path, run: Path) -> dict[str, str]:
+    """Copies of a trained run with one thing wrong in its checkpoint each: a bit flipped in one file, a
+    hand-edited step (checksums rewritten to agree), NaN weights (likewise); and a config in Latin-1."""
+    from safetensors.torch import load_file, save_file
+
+    from latentloop import checkpoint as ckpt
+
+    (root / "latin1.yaml").write_bytes("model:\n  arch: gpt\n# caf\u00e9\n".encode("latin-1"))
+    made = {"latin1yaml": str(root / "latin1.yaml")}
+    for name in CHECKPOINT_FILES:
+        copy = Path(shutil.copytree(run, root / _flipped(name)))
+        target = ckpt.resolve_checkpoint(copy) / name
+        raw = bytearray(target.read_bytes())
+        raw[len(raw) * 2 // 3] ^= 0x01
+        target.write_bytes(bytes(raw))
+        made[_flipped(name)] = str(copy)
+    for key, step in (("step_minus", -1), ("step_huge", 999999)):
+        copy = Path(shutil.copytree(run, root / key))
+        checkpoint = ckpt.resolve_checkpoint(copy)
+        state = json.loads((checkpoint / "state.json").read_text())
+        (checkpoint / "state.json").write_text(json.dumps({**state, "step": step}))
+        ckpt.write_checksums(checkpoint)
+        made[key] = str(copy)
+    copy = Path(shutil.copytree(run, root / "nan_weights"))
+    checkpoint = ckpt.resolve_checkpoint(copy)
+    weights = load_file(str(checkpoint / "model.safetensors"))
+    weights["wte.weight"][0, 0] = float("nan")
+    save_file(weights, str(checkpoint / "model.safetensors"))
+    ckpt.write_checksums(checkpoint)
+    made["nan_weights"] = str(copy)
+    return made
 
 # Chat templates that would hang or exhaust the process that renders them.
 TEMPLATES = {
@@ -401,6 +445,18 @@ CASES += [
 NOTHING_WRITTEN += ["i10", "s3"]
 
 
+# reliability, round 3 (issue 49): checkpoints verified on load, a config that is not UTF-8
+CASES += [
+    ("config not UTF-8", ["train", "--config", "{latin1yaml}", "--out", "{root}/o40"]),
+    ("resume state.json step -1", ["train", "--resume", "--steps", "3", "--out", "{step_minus}", "--no-progress"]),
+    ("resume state.json step 999999", ["train", "--resume", "--steps", "3", "--out", "{step_huge}",
+                                       "--no-progress"]),
+    ("NaN weights (checksums agree)", ["generate", "{nan_weights}", "--prompt", "x"]),
+] + [(f"flipped bit in {name}: {'generate' if name in LOADED else 'resume'}",
+      ["generate", f"{{{_flipped(name)}}}", "--prompt", "x"] if name in LOADED else
+      ["train", "--resume", "--steps", "3", "--out", f"{{{_flipped(name)}}}", "--no-progress"]) for name in CHECKPOINT_FILES]
+NOTHING_WRITTEN += ["o40"]
+
 def _hf_empty_template(root: Path, tok: Path) -> str:
     """A tiny Llama folder whose tokenizer's chat template renders nothing."""
     folder = Path(_hf_llama(root, tok, "hf_nothing"))
@@ -581,6 +637,70 @@ def server_cases(fixtures: dict[str, str]) -> list[dict]:
     return results
 
 
+# -- code in the cache: a planted library never runs, a damaged one is built again (issue 49) ---------
+PLANTED_LIBRARY = ('#include <stdio.h>\n__attribute__((constructor)) static void planted(void) {\n'
+                   '  FILE *f = fopen(MARKER, "w"); if (f) { fputs("ran", f); fclose(f); }\n}\n')
+LOAD_KERNELS = ("from pathlib import Path\nfrom latentloop.models import native\n"
+                "lib = native.native_library('rows_linear')\n"
+                "print(Path(lib._name).name if lib is not None else 'none', native.native_status('rows_linear'))\n")
+
+
+def _load_kernels(cache: Path) -> tuple[int, str, str]:
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", LOAD_KERNELS], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "LATENTLOOP_CACHE": str(cache), "LATENTLOOP_NATIVE": "1"})
+    return done.returncode, done.stdout.strip(), done.stderr.strip()
+
+
+def kernel_cases(root: Path) -> list[dict]:
+    """A library planted in a cache others may write (kernels/ mode 777, and owned by another user where
+    this runs as root) never runs; a truncated, empty, text or foreign file under a kernel's name is built
+    again (no SIGBUS, no traceback). Skipped without a C compiler."""
+    import subprocess
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return [{"case": "kernels in the cache", "ok": None, "detail": "no C compiler"}]
+    good = root / "kernel-cache"
+    good.mkdir(mode=0o700)
+    code, out, err = _load_kernels(good)
+    name = out.split()[0]
+    if code != 0 or name == "none":
+        return [{"case": "kernels in the cache", "ok": False, "detail": f"no kernel builds here: {out} {err}"}]
+    results = []
+    marker = root / "planted-ran"
+    (root / "planted.c").write_text(PLANTED_LIBRARY)
+    subprocess.run([cc, "-shared", "-fPIC", f'-DMARKER="{marker}"', str(root / "planted.c"), "-o",
+                    str(root / "planted.so")], check=True, capture_output=True)
+    owners = ["writable by others"] + (["owned by another user"] if os.getuid() == 0 else [])
+    for owner in owners:
+        shared = root / f"shared-cache-{owner.split()[0]}"
+        (shared / "kernels").mkdir(parents=True)
+        shutil.copy(root / "planted.so", shared / "kernels" / name)
+        from latentloop.models.cache_trust import record_digest
+
+        record_digest(shared / "kernels" / name)
+        if owner == "owned by another user":
+            for path in (shared, shared / "kernels", shared / "kernels" / name):
+                os.chown(path, 12345, 12345)
+        shared.chmod(0o1777)
+        (shared / "kernels").chmod(0o777 if owner == "writable by others" else 0o755)
+        code, out, err = _load_kernels(shared)
+        results.append({"case": f"cache: a library planted in a cache {owner} never runs",
+                        "ok": code == 0 and not marker.exists() and out.startswith("none")
+                        and len(screen_lines(err)) == 1, "detail": f"exit {code}: {err[-160:]}"})
+    library = good / "kernels" / name
+    built = library.read_bytes()
+    for damage, content in (("cut short", built[: len(built) // 3]), ("empty", b""), ("text", b"not a library\n"),
+                            ("foreign ELF", (root / "planted.so").read_bytes())):
+        library.write_bytes(content)
+        code, out, err = _load_kernels(good)
+        results.append({"case": f"cache: a kernel library {damage} is built again",
+                        "ok": code == 0 and out.split()[-1] == "native" and library.read_bytes() == built
+                        and not marker.exists(), "detail": f"exit {code}: {out} {err[-160:]}"})
+    return results
+
 def main_cli(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", type=Path, default=None, help="also write every case's result as JSON")
@@ -590,7 +710,7 @@ def main_cli(argv: list[str] | None = None) -> int:
         os.environ["LATENTLOOP_CACHE"] = str(Path(tmp) / "cache")
         fixtures = build_fixtures(Path(tmp))
         results = run_cases(fixtures, args.verbose)
-        beyond = sandbox_cases() + server_cases(fixtures)
+        beyond = sandbox_cases() + kernel_cases(Path(tmp)) + server_cases(fixtures)
     for result in beyond:
         if args.verbose or not result["ok"]:
             print(f"{'ok ' if result['ok'] else 'BAD' if result['ok'] is False else '-- '} {result['case']}: "
