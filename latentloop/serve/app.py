@@ -1,5 +1,5 @@
 """The HTTP face of the server: FastAPI routes, server-sent events, the API key, limits and status
-codes, and a uvicorn runner whose shutdown first ends the running requests with an error. What a
+codes, and a uvicorn runner whose shutdown answers every request with 503 before it stops. What a
 response says is built in `responses.py`; which rows decode together is the scheduler's.
 
 Endpoints: GET /health (no key needed), GET /v1/models, POST /v1/completions, POST
@@ -13,7 +13,13 @@ template run in daemon threads (`_Threads`), so that one slow request (a chat te
 a 16 MB prompt) never holds up /health or the other requests. Every request is bounded by
 `--request-timeout` from its first byte: a body that does not arrive in time gets 408 (the client
 was too slow to send it), work of the server's own that does not end in time gets 504 (as a
-generation past its time always did).
+generation past its time always did). A body past MAX_BODY_BYTES gets 413 once the rest of it is
+read and dropped (bounded): a client that sends its whole body before it reads would see a reset
+connection instead.
+
+SIGTERM: the requests running end with 503 at once (their handlers do not wait for the scheduler's
+step to end), and requests that arrive while the server drains get 503 too, until none has been in
+flight for SHUTDOWN_QUIET_S; only then does the server close its socket.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import collections
 import contextlib
 import hmac
 import json
+import math
 import socket
 import sys
 import threading
@@ -50,7 +57,11 @@ from .scheduler import Done, Failed, Job, make_scheduler
 from .settings import ServeSettings, check_settings
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks whether its client went away or the server stops
-MAX_BODY_BYTES = 16 * 2**20  # larger request bodies are refused (413), reading no more than this
+MAX_BODY_BYTES = 16 * 2**20  # larger request bodies are refused (413), holding no more than this
+# A refused body is read and dropped (`_drain_body`) until it ends, its client pauses this long, or this
+# many bytes are dropped: 1 GiB drains in about a second on loopback; a client that sends more is cut off
+DRAIN_IDLE_S = 1.0
+DRAIN_MAX_BYTES = 2**30
 # JSON nesting a request may have: OpenAI's bodies nest 5 deep at most (body, messages, message, content
 # parts, part); the limit keeps deep bodies from the recursion of the decoder and of the checks after it
 MAX_JSON_DEPTH = 64
@@ -65,6 +76,12 @@ PREPARE_THREADS = 4
 # loaded machine) and says so more precisely; this must stay above the sum of those limits.
 CHAT_PROBE_TIMEOUT_S = 120.0
 SHUTDOWN_GRACE_S = 5.0  # after a signal, uvicorn waits this long for open connections, then cancels them
+# After SIGTERM the server goes on answering, every request with 503, until none has been in flight for
+# SHUTDOWN_QUIET_S (at most SHUTDOWN_DRAIN_MAX_S): a client whose request crossed the signal reads a 503,
+# not a refused or reset connection. A server with no connection open at the signal stops at once.
+SHUTDOWN_QUIET_S = 0.5
+SHUTDOWN_DRAIN_MAX_S = 5.0
+SHUTTING_DOWN = "the server is shutting down"
 # --------------------------------------------------------------------------------------------
 # The application
 # --------------------------------------------------------------------------------------------
@@ -76,21 +93,49 @@ def _declared(option) -> dict:
             "keywords": list(option.keywords) or None}
 
 
+class _BodyTooLarge(Exception):
+    """The body passed MAX_BODY_BYTES (by its Content-Length, or by the bytes read)."""
+
+
 async def _read_body(request: Request) -> bytes:
-    """The request body, refused (413) as soon as it is known to exceed MAX_BODY_BYTES: by its
-    Content-Length before any of it is read, else (a chunked body) once the bytes read pass the
-    limit, so that no more than the limit is ever held."""
-    too_large = APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+    """The request body, refused (`_BodyTooLarge`) as soon as it is known to exceed MAX_BODY_BYTES:
+    by its Content-Length before any of it is read, else (a chunked body) once the bytes read pass
+    the limit, so that no more than the limit is ever held."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-        raise too_large
+        raise _BodyTooLarge
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > MAX_BODY_BYTES:
-            raise too_large
+            raise _BodyTooLarge
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+async def _drain_body(request: Request, deadline: float) -> None:
+    """Read and drop the rest of a body that is refused, so that its client reads the refusal:
+    most clients send their whole body before they read a reply, and a server that closes its end
+    while a body still arrives makes the kernel reset the connection (the client sees "connection
+    reset", never the 413). Bounded: it ends when the body does, when the client pauses DRAIN_IDLE_S
+    (it waits for the reply, having sent what it meant to), past DRAIN_MAX_BYTES, or at the request's
+    deadline. A client that asked `Expect: 100-continue` sends nothing until told to: nothing to drain."""
+    if request.headers.get("expect", "").lower() == "100-continue":
+        return
+    drained = 0
+    while drained <= DRAIN_MAX_BYTES:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        try:
+            message = await asyncio.wait_for(request.receive(), min(left, DRAIN_IDLE_S))
+        except asyncio.TimeoutError:
+            return
+        if message["type"] != "http.request":  # the client went away
+            return
+        drained += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
 
 
 def _nested_deeper(value: Any, limit: int) -> bool:
@@ -161,6 +206,55 @@ class _Threads:
         return await future
 
 
+class _Traffic:
+    """The requests in flight, for the shutdown: `_TrafficGate` counts them, and the uvicorn server
+    asks `drained` before it closes its socket."""
+
+    def __init__(self):
+        self.in_flight = 0
+        self.last = -math.inf  # when a request last began or ended (time.monotonic)
+        self.stopped_at: float | None = None
+
+    def stop(self, connections_open: bool) -> None:
+        """The signal came: the drain starts now."""
+        now = time.monotonic()
+        self.stopped_at = now
+        if connections_open:  # a request may be on its way on one of them
+            self.last = now
+
+    def drained(self) -> bool:
+        """Whether the server may close its socket: no request in flight for SHUTDOWN_QUIET_S, or
+        SHUTDOWN_DRAIN_MAX_S after the signal."""
+        now = time.monotonic()
+        if self.stopped_at is None or now - self.stopped_at >= SHUTDOWN_DRAIN_MAX_S:
+            return True
+        return self.in_flight == 0 and now - self.last >= SHUTDOWN_QUIET_S
+
+
+class _TrafficGate:
+    """ASGI middleware: counts the requests in flight (`_Traffic`) and, once the server stops,
+    answers every new one with 503 (its body drained first, see `_drain_body`)."""
+
+    def __init__(self, app, traffic: _Traffic, scheduler):
+        self.app, self.traffic, self.scheduler = app, traffic, scheduler
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        self.traffic.in_flight += 1
+        self.traffic.last = time.monotonic()
+        try:
+            if self.scheduler.stopping:
+                await _drain_body(Request(scope, receive), time.monotonic() + SHUTDOWN_QUIET_S)
+                error = APIError(503, SHUTTING_DOWN, type="server_error", code="shutting_down")
+                await JSONResponse(error.body(), status_code=503, headers={"Connection": "close"})(scope, receive, send)
+            else:
+                await self.app(scope, receive, send)
+        finally:
+            self.traffic.in_flight -= 1
+            self.traffic.last = time.monotonic()
+
+
 class _Inbox:
     """A job's events, posted by the scheduler thread and read by its handler on the loop. Waking the
     loop costs both threads (a write to the loop's pipe, a callback, a task switch): the loop is woken
@@ -210,7 +304,7 @@ def create_app(model, tokenizer, name: str, settings: ServeSettings) -> FastAPI:
                                compiled={"eager": False, "compiled": True, "auto": "auto"}[settings.decode],
                                announce=lambda message: print(f"latentloop: {message}", file=sys.stderr, flush=True))
     context = int(model.config.sequence_len)
-    limits = Limits(context, settings.max_tokens_cap, settings.max_batch_size)
+    limits = Limits.for_model(context, settings.max_tokens_cap, settings.max_batch_size, tokenizer)
     arch = model.config.arch
     created = int(time.time())
     counters = {"timeouts": 0, "disconnects": 0}
@@ -225,11 +319,13 @@ def create_app(model, tokenizer, name: str, settings: ServeSettings) -> FastAPI:
 
     app = FastAPI(title="latentloop", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.scheduler = scheduler
+    app.state.traffic = _Traffic()
+    app.add_middleware(_TrafficGate, traffic=app.state.traffic, scheduler=scheduler)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        # a body refused before its end (413, 408) is left unread: closing the connection stops the
-        # client sending the rest, where keeping it open would read (and drop) all of it first
+        # a body refused before its end (413 once its bounded drain ends, 408) may still be arriving:
+        # the connection closes rather than reading on for a next request
         headers = {"Connection": "close"} if exc.status in (408, 413) else None
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
@@ -290,6 +386,9 @@ def create_app(model, tokenizer, name: str, settings: ServeSettings) -> FastAPI:
         except ClientDisconnect:  # gone before its body ended: nobody reads a reply, and no server error to log
             counters["disconnects"] += 1
             raise APIError(400, "the client disconnected before its request body arrived") from None
+        except _BodyTooLarge:
+            await _drain_body(request, deadline)
+            raise APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes") from None
         return await bounded(prepares.run(_decode_json, raw), deadline, timed_out)
 
     @app.get("/health")
@@ -312,21 +411,22 @@ def create_app(model, tokenizer, name: str, settings: ServeSettings) -> FastAPI:
     async def get_tokenizer_info() -> dict:
         return tokenizer_info(tokenizer, context)
 
-    @router.post("/tokenize")
-    async def tokenize(request: Request) -> dict:
-        deadline = time.monotonic() + settings.request_timeout
-        body = await read_json(request, deadline)
+    def tokenize_reply(body: Any) -> bytes:  # blocking: tokenizes, and writes the JSON of up to a text's ids
         text = body.get("prompt") if isinstance(body, dict) else None
         if not isinstance(text, str):
             raise bad_request("tokenize takes {\"prompt\": TEXT, \"add_special_tokens\": true|false}", "prompt")
         add = body.get("add_special_tokens", True)
         if not isinstance(add, bool):
             raise bad_request(f"add_special_tokens must be true or false, got {add!r}", "add_special_tokens")
-        try:
-            ids = await bounded(prepares.run(tokenize_text, tokenizer, text, add), deadline, timed_out)
-        except UnicodeEncodeError:
-            raise bad_request("prompt is not valid UTF-8 text", "prompt") from None
-        return {"tokens": ids, "count": len(ids), "max_model_len": context}
+        ids = tokenize_text(tokenizer, text, add)
+        return json.dumps({"tokens": ids, "count": len(ids), "max_model_len": context}).encode()
+
+    @router.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        deadline = time.monotonic() + settings.request_timeout
+        body = await read_json(request, deadline)
+        reply = await bounded(prepares.run(tokenize_reply, body), deadline, timed_out)
+        return Response(reply, media_type="application/json")
 
     def detokenize_ids(body: Any) -> str:  # blocking: checks and decodes up to a body's worth of ids
         ids = body.get("tokens") if isinstance(body, dict) else None
@@ -352,6 +452,10 @@ def create_app(model, tokenizer, name: str, settings: ServeSettings) -> FastAPI:
             try:
                 return await inbox.get(min(left, DISCONNECT_POLL_S))
             except asyncio.TimeoutError:
+                if scheduler.stopping:  # at once, not at the scheduler's next step (which may be long)
+                    job.cancel()
+                    raise APIError(503, f"{SHUTTING_DOWN}: the request was stopped", type="server_error",
+                                   code="shutting_down") from None
                 if await request.is_disconnected():
                     job.cancel()
                     counters["disconnects"] += 1
@@ -489,10 +593,15 @@ def serve(settings: ServeSettings) -> None:
 
         class Server(uvicorn.Server):
             def handle_exit(self, sig, frame) -> None:
-                # running requests end with an error now (those decoding, rendering or reading a
-                # body alike), so their connections close and the shutdown waits for none of them
+                # running requests end with 503 now (those decoding, rendering or reading a body
+                # alike), and new ones get 503 until the traffic is drained (`_Traffic`)
                 app.state.scheduler.stop()
+                app.state.traffic.stop(connections_open=bool(self.server_state.connections))
                 super().handle_exit(sig, frame)
+
+            async def on_tick(self, counter: int) -> bool:
+                should_exit = await super().on_tick(counter)
+                return should_exit and (self.force_exit or app.state.traffic.drained())
 
         config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
                                 access_log=settings.access_log, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)

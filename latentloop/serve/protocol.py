@@ -27,6 +27,7 @@ from ..data.tokenizers import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN
 from ..engine import MAX_SEED, model_options
 from ..errors import ConfigError, LatentloopError
 from ..util import TokenText, is_int
+from .limits import MAX_TEXT_BYTES, Limits, size_over
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions when max_tokens is not given
 MAX_LOGPROBS = 5  # OpenAI's limit on `logprobs` (alternatives reported per token) for completions
@@ -53,15 +54,6 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What one request may ask of the server."""
-
-    context: int  # the model's context: prompt + max_tokens must fit
-    max_tokens_cap: int  # --max-tokens-cap
-    max_rows: int  # --max-batch-size: a request's prompts x n must fit one batch
 
 
 @dataclass
@@ -201,11 +193,32 @@ def _applicable(model, resolved: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 
 
-def completion_prompts(prompt: Any, tokenizer, vocab_size: int) -> tuple[list[list[int]], list[bool]]:
+def encode_text(tokenizer, text: str) -> list[int]:
+    """The text's ids, through `encode_batch`: a Hugging Face tokenizer's one-text `encode` holds the
+    GIL for its whole run (the event loop and every other thread of the server stop meanwhile), while
+    its batch call releases it, so a long tokenization in a server thread holds up nobody else."""
+    return tokenizer.encode_batch([text])[0]
+
+
+def _checked_text(text: str, limits: Limits, param: str, what: str) -> str:
+    """The text, or a 400 before it is tokenized: one that can never fit (by its size), or not UTF-8."""
+    problem = limits.text_problem(text, what)
+    if problem is not None:
+        raise bad_request(problem, param)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad_request(f"{what} is not valid UTF-8 text (it holds a lone surrogate)", param) from None
+    return text
+
+
+def completion_prompts(prompt: Any, tokenizer, vocab_size: int, limits: Limits,
+                       n: int = 1) -> tuple[list[list[int]], list[bool]]:
     """The prompt ids of a completions request (what the model reads) and, per prompt, whether
     BOS was added in front. `prompt`: a string, a list of strings, a list of token ids, or a list
-    of token-id lists (as OpenAI accepts). A chat endpoint would add its own function from
-    messages to ids here (a chat format), and share everything after it."""
+    of token-id lists (as OpenAI accepts). Everything that can be refused without tokenizing is
+    refused first: more prompts x `n` than a batch holds, a text too large for the context, an id
+    list longer than the context."""
     if isinstance(prompt, str):
         texts: list[str] | None = [prompt]
         id_lists: list[Any] = []
@@ -221,15 +234,17 @@ def completion_prompts(prompt: Any, tokenizer, vocab_size: int) -> tuple[list[li
                               "token-id lists (not a mix)", "prompt")
     else:
         raise bad_request(f"prompt must be a non-empty string or list, got {_describe(prompt)}", "prompt")
+    _check_rows(len(texts or id_lists), n, limits)
     bos = tokenizer.bos_id
+    for ids in id_lists:
+        if len(ids) > limits.context:  # with BOS added, longer still
+            raise bad_request(f"the prompt is {len(ids)} tokens; the model's context is {limits.context} tokens",
+                              "prompt")
+    texts = [_checked_text(text, limits, "prompt", "the prompt") for text in texts or []]
     prompts: list[list[int]] = []
     added: list[bool] = []
-    for text in texts or []:
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            raise bad_request("prompt is not valid UTF-8 text (it holds a lone surrogate)", "prompt") from None
-        prompts.append([bos] + tokenizer.encode(text))
+    for text in texts:
+        prompts.append([bos] + encode_text(tokenizer, text))
         added.append(True)
     for ids in id_lists:
         if not ids:
@@ -242,14 +257,29 @@ def completion_prompts(prompt: Any, tokenizer, vocab_size: int) -> tuple[list[li
     return prompts, added
 
 
-def chat_prompts(messages: Any, tokenizer) -> tuple[list[list[int]], list[bool]]:
-    """The prompt ids of a chat request: the conversation rendered in the chat format of
-    `latentloop.data.chat` (the one SFT trains on), ending with `<|assistant|>`."""
-    from ..data.chat import ChatFormatError, render_prompt
+def _check_rows(prompts: int, n: int, limits: Limits) -> None:
+    if prompts * n > limits.max_rows:
+        raise bad_request(f"this request asks for {prompts * n} rows (prompts x n); the server decodes at "
+                          f"most {limits.max_rows} together (--max-batch-size)", "n")
 
-    if getattr(tokenizer, "chat_tokens", None) is None:
+
+def chat_prompts(messages: Any, tokenizer, limits: Limits) -> tuple[list[list[int]], list[bool]]:
+    """The prompt ids of a chat request: the conversation rendered in the chat format of
+    `latentloop.data.chat` (the one SFT trains on), ending with `<|assistant|>`. In latentloop's
+    own format every message's content is in the prompt, so contents too large for the context
+    together are refused before anything is rendered; a model's own template may leave text out
+    (its output is bounded by the template's limits instead)."""
+    from ..data.chat import ChatFormatError, render_prompt
+    from ..data.tokenizers import ChatTemplate
+
+    chat_format = getattr(tokenizer, "chat_tokens", None)
+    if chat_format is None:
         raise bad_request("this model has no chat format (its tokenizer has no chat tokens): fine-tune it with "
                           "`latentloop train --stage sft`, or use /v1/completions", "messages")
+    if not isinstance(chat_format, ChatTemplate) and isinstance(messages, list):
+        contents = [m.get("content") for m in messages if isinstance(m, dict)]
+        if all(isinstance(c, str) for c in contents):
+            _checked_text("".join(contents), limits, "messages", "the messages' content")
     try:
         return [render_prompt(tokenizer, messages, "messages")], [False]
     except ChatFormatError as error:  # this conversation: the client can send another
@@ -290,22 +320,20 @@ def parse_completion(body: Any, model, tokenizer, limits: Limits, served_name: s
         body = {key: value for key, value in body.items() if key not in CHAT_FIELDS}
     options, resolved = _options(body, model)
     _unsupported(body)
-    if chat:
-        if messages is None:
-            raise bad_request("messages is required", "messages")
-        prompts, added = chat_prompts(messages, tokenizer)
-    elif "prompt" not in body:
-        raise bad_request("prompt is required", "prompt")
-    else:
-        prompts, added = completion_prompts(body["prompt"], tokenizer, model.config.vocab_size)
+    # the fields that cost nothing to check come before the prompt's, which tokenize or render
     temperature, top_p, top_k, seed = _sampling(body)
     n = _int_field(body, "n", 1, 1, limits.max_rows)
     best_of = body.get("best_of")
     if best_of is not None and best_of != n:
         raise bad_request(f"best_of is not supported (only best_of = n), got {best_of!r}", "best_of")
-    if len(prompts) * n > limits.max_rows:
-        raise bad_request(f"this request asks for {len(prompts) * n} rows (prompts x n); the server decodes at "
-                          f"most {limits.max_rows} together (--max-batch-size)", "n")
+    if chat:
+        if messages is None:
+            raise bad_request("messages is required", "messages")
+        prompts, added = chat_prompts(messages, tokenizer, limits)
+    elif "prompt" not in body:
+        raise bad_request("prompt is required", "prompt")
+    else:
+        prompts, added = completion_prompts(body["prompt"], tokenizer, model.config.vocab_size, limits, n)
     logprobs = _int_field(body, "logprobs", None, 0, MAX_LOGPROBS)
     echo = _bool_field(body, "echo")
     stream = _bool_field(body, "stream")
@@ -371,9 +399,16 @@ def tokenize_text(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
     """/tokenize: the text's ids as a completions prompt would hold them; with add_special_tokens,
     BOS in front. A text that is exactly one special token's name gives that token's id (clients
     such as lm-eval learn the special ids this way); special names inside a longer text stay text,
-    as in prompts."""
+    as in prompts. A text past MAX_TEXT_BYTES is refused before it is tokenized."""
+    over = size_over(text, MAX_TEXT_BYTES)
+    if over is not None:
+        raise bad_request(f"prompt is {over} of text, over the {MAX_TEXT_BYTES:,} bytes /tokenize takes", "prompt")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad_request("prompt is not valid UTF-8 text", "prompt") from None
     by_name = {name: token_id for token_id, name in special_names(tokenizer).items()}
-    ids = [by_name[text]] if text in by_name else tokenizer.encode(text)
+    ids = [by_name[text]] if text in by_name else encode_text(tokenizer, text)
     return [tokenizer.bos_id] + ids if add_special_tokens else ids
 
 

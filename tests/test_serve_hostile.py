@@ -1,0 +1,442 @@
+"""`latentloop serve` against what a hostile or unlucky client sends (issue 49): a prompt far larger
+than the context, a chunked body past the body cap that goes on arriving, requests in flight when
+SIGTERM comes, and the schedulers' per-request sampling settings.
+
+The prompt bound is checked without HTTP (a tokenizer that fails the test if it is called) and over
+HTTP against a server whose BPE tokenizer took seconds to minutes on such prompts. Servers run as in
+test_serve.py: `latentloop serve` processes on free loopback ports, every wait bounded in time; the
+shutdown's handler check runs an app in this process over a model whose decode step is slowed.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import SERVER_EXIT_S, ServeProcess, serving
+
+import latentloop as ll
+from latentloop.data import BPETokenizer, ByteTokenizer
+from latentloop.runtime import save_run
+from latentloop.serve.limits import MAX_TEXT_BYTES, Limits, prompt_text_limit, spells_its_text
+from latentloop.serve.protocol import APIError, encode_text, parse_completion
+
+httpx = pytest.importorskip("httpx")
+
+CONTEXT = 128
+CALL_TIMEOUT_S = 60
+TOK = ByteTokenizer()
+CORPUS = "def add(a, b):\n    return a + b\n" * 50
+HOSTILE_CHARS = 4_000_000  # a one-word prompt: seconds of a BPE tokenizer's time before, refused unread now
+HOSTILE_REFUSED_S = 10  # the most a hostile prompt's 400 may take (it was a 4 s tokenization each, GIL held)
+NORMAL = {"prompt": "def add(a, b):\n    return", "max_tokens": 4, "temperature": 0}
+
+
+def bpe() -> BPETokenizer:
+    return BPETokenizer.train([CORPUS], 300)
+
+
+# --------------------------------------------------------------------------------------------
+# The prompt bound, without HTTP
+# --------------------------------------------------------------------------------------------
+
+
+class NoTokenizing:
+    """A tokenizer that fails the test when a text reaches it."""
+
+    def __init__(self, tokenizer):
+        self.inner = tokenizer
+
+    def __getattr__(self, name):
+        if name in ("encode", "encode_batch"):
+            pytest.fail("a text that can never fit the context was tokenized")
+        return getattr(self.inner, name)
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    torch.manual_seed(0)
+    return ll.build("gpt", preset="test", sequence_len=64).eval()
+
+
+def test_a_prompt_larger_than_the_context_can_hold_is_refused_before_tokenizing(gpt):
+    """context x longest token bytes is the most text that can fit: one byte more is refused with one
+    line naming the bound, and the tokenizer never sees it; a list of prompts is refused by its
+    longest one before any is tokenized; an id list longer than the context is refused unscanned."""
+    tokenizer = bpe()
+    longest = int(tokenizer.token_byte_lengths().max())
+    limits = Limits.for_model(64, 32, 4, tokenizer)
+    assert limits.prompt_bytes == 64 * longest
+    quiet = NoTokenizing(tokenizer)
+    for prompt in ("x" * (64 * longest + 1), ["ok", "é" * (32 * longest + 1)], "a" * 16_000_000):
+        with pytest.raises(APIError) as caught:
+            parse_completion({"prompt": prompt}, gpt, quiet, limits, "m")
+        message = caught.value.message
+        assert caught.value.status == 400 and "\n" not in message
+        assert "more than the model's context of 64 tokens can hold" in message and f"x {longest} bytes" in message
+    with pytest.raises(APIError, match="the prompt is 65 tokens"):
+        parse_completion({"prompt": [[1] * 65]}, gpt, quiet, limits, "m")
+    # at the bound, the prompt is tokenized (and refused, or not, by its tokens)
+    fits = parse_completion({"prompt": "def add", "max_tokens": 2}, gpt, tokenizer, limits, "m")
+    assert fits.prompts == [[tokenizer.bos_id] + tokenizer.encode("def add")]
+
+
+def test_the_bound_never_refuses_a_text_that_fits():
+    """The bound's premise: a text of B bytes is at least B / (longest token) tokens, for texts that
+    a BPE merges as far as it can (its training corpus, its longest token repeated) and for bytes."""
+    tokenizer = bpe()
+    longest = int(tokenizer.token_byte_lengths().max())
+    longest_token = max(range(tokenizer.vocab_size), key=lambda i: len(tokenizer.token_to_bytes(i)))
+    text = tokenizer.token_to_bytes(longest_token).decode("utf-8", "replace")
+    for sample in (CORPUS, text * 40, "é€😀 mixed " * 20):
+        assert len(tokenizer.encode(sample)) * longest >= len(sample.encode("utf-8"))
+    assert prompt_text_limit(TOK, 100)[0] == 100  # one byte per token
+
+
+def test_only_tokenizers_that_spell_their_text_get_the_context_bound():
+    """A normalizer may shrink text, a pre-tokenizer may drop it, an unknown token may stand for a
+    whole word: those tokenizers get only MAX_TEXT_BYTES."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
+    from latentloop.data import HFTokenizer
+
+    assert spells_its_text(TOK) and spells_its_text(bpe())
+
+    def hf(model, normalizer=None, pre_tokenizer=None) -> HFTokenizer:
+        inner = Tokenizer(model)
+        if normalizer is not None:
+            inner.normalizer = normalizer
+        if pre_tokenizer is not None:
+            inner.pre_tokenizer = pre_tokenizer
+        return HFTokenizer(inner.to_str(), 0, 0, 0)
+
+    vocab = {"<unk>": 0, "a": 1}
+    assert spells_its_text(hf(models.BPE(vocab, [], byte_fallback=True), pre_tokenizer=pre_tokenizers.ByteLevel()))
+    assert spells_its_text(hf(models.BPE(vocab, [], byte_fallback=True),
+                              normalizer=normalizers.Sequence([normalizers.Prepend("▁"),
+                                                               normalizers.Replace(" ", "▁")])))
+    shrinking = [hf(models.BPE(vocab, [], byte_fallback=True), normalizer=normalizers.NFC()),
+                 hf(models.BPE(vocab, [], byte_fallback=True), normalizer=normalizers.Replace(" ", "")),
+                 hf(models.BPE(vocab, [], byte_fallback=True), pre_tokenizer=pre_tokenizers.Whitespace()),
+                 hf(models.BPE(vocab, [], unk_token="<unk>")),
+                 hf(models.WordPiece(vocab, unk_token="<unk>"))]
+    for tokenizer in shrinking:
+        assert not spells_its_text(tokenizer)
+        limits = Limits.for_model(64, 32, 4, tokenizer)
+        assert limits.prompt_bytes is None
+        assert limits.text_problem("a" * MAX_TEXT_BYTES) is None
+        assert "one text may have" in limits.text_problem("a" * (MAX_TEXT_BYTES + 1))
+
+
+def test_tokenizing_releases_the_gil():
+    """A long tokenization in a server thread leaves the event loop running: the tokenizer's batch
+    call releases the GIL, where its one-text encode held it (~1 s here: the loop stood still)."""
+    tokenizer = bpe()
+    text = "a" * 2_000_000
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (encode_text(tokenizer, text), done.set()))
+    start = time.perf_counter()
+    ticks = [start]  # (a thread that holds the GIL from its start keeps the first tick from coming)
+    worker.start()
+    while not done.is_set() and time.perf_counter() - start < CALL_TIMEOUT_S:
+        ticks.append(time.perf_counter())
+        time.sleep(0.005)
+    ticks.append(time.perf_counter())  # a sleep that could not end while the GIL was held ends here
+    worker.join(CALL_TIMEOUT_S)
+    gaps = [b - a for a, b in zip(ticks, ticks[1:])]
+    took = time.perf_counter() - start
+    assert took > 0.2, "the tokenization was too quick to tell"  # else the text is too short for the machine
+    assert max(gaps) < took / 2, (max(gaps), took)
+
+
+# --------------------------------------------------------------------------------------------
+# Over HTTP
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("hostile_runs")
+    tokenizer = bpe()
+    torch.manual_seed(0)
+    model = ll.build("gpt", preset="test", sequence_len=CONTEXT, vocab_size=tokenizer.vocab_size,
+                     bos_id=tokenizer.bos_id)
+    torch.manual_seed(1)
+    rgpt = ll.build("rgpt", preset="test", sequence_len=CONTEXT)
+    return {"bpe": save_run(model, tokenizer, folder / "bpe").parents[1],
+            "rgpt": save_run(rgpt, TOK, folder / "rgpt").parents[1]}
+
+
+@pytest.fixture(scope="module")
+def server(runs, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("hostile_logs")
+    with serving({"bpe": ServeProcess(runs["bpe"], logs / "bpe.log")}) as started:
+        yield started["bpe"]
+
+
+def post(url: str, body: bytes | dict, path: str = "/v1/completions") -> tuple[int, dict, float]:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    start = time.monotonic()
+    reply = httpx.post(url + path, content=content, headers={"Content-Type": "application/json"},
+                       timeout=CALL_TIMEOUT_S)
+    return reply.status_code, reply.json(), time.monotonic() - start
+
+
+def test_huge_prompts_are_refused_quickly_and_a_normal_request_goes_through(server, runs):
+    """Four one-word prompts of millions of characters and a normal request at once: the four get
+    400 naming the context's bound (they were tokenized, a tokenizer thread each, GIL held); the
+    normal one gets the engine's tokens. /tokenize refuses a text past MAX_TEXT_BYTES alike."""
+    tokenizer = BPETokenizer.load(runs["bpe"] / "tokenizer.json")
+    hostile = json.dumps({"prompt": "a" * HOSTILE_CHARS, "max_tokens": 4}).encode()
+    with ThreadPoolExecutor(5) as pool:
+        refused = [pool.submit(post, server.url, hostile) for _ in range(4)]
+        normal = pool.submit(post, server.url, NORMAL)
+        replies = [future.result() for future in refused]
+        status, body, _ = normal.result()
+    for code, reply, seconds in replies:
+        assert code == 400, reply
+        assert f"the prompt is {HOSTILE_CHARS:,} characters of text" in reply["error"]["message"]
+        assert seconds < HOSTILE_REFUSED_S
+    assert status == 200, body
+    model = ll.load(runs["bpe"])[0]
+    ids = [tokenizer.bos_id] + tokenizer.encode(NORMAL["prompt"])
+    expected = ll.generate(model, ids, 4, temperature=0.0, stop_tokens=[tokenizer.eos_id, tokenizer.bos_id])
+    assert body["choices"][0]["text"] == tokenizer.decode(expected)
+    code, reply, _ = post(server.url, json.dumps({"prompt": "a" * (MAX_TEXT_BYTES + 1)}).encode(), "/tokenize")
+    assert code == 400 and "/tokenize takes" in reply["error"]["message"]
+    code, reply, _ = post(server.url, {"prompt": "def add"}, "/tokenize")
+    assert code == 200 and reply["tokens"] == [tokenizer.bos_id] + tokenizer.encode("def add")
+
+
+def test_a_chunked_body_past_the_cap_that_goes_on_arriving_gets_413(server):
+    """A chunked body of 48 MiB with no Content-Length, sent whole before the reply is read (as
+    http.client sends): the server drops what passes the cap and answers 413 (the connection was
+    reset at ~21 MiB: the server closed while the body arrived)."""
+    from latentloop.serve.app import MAX_BODY_BYTES
+
+    piece = 2**20
+
+    def body():
+        for _ in range(3 * MAX_BODY_BYTES // piece):
+            yield b"[" * piece
+
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=CALL_TIMEOUT_S)
+    try:
+        connection.request("POST", "/v1/completions", body=body(), encode_chunked=True,
+                           headers={"Content-Type": "application/json"})
+        reply = connection.getresponse()
+        status, payload = reply.status, json.loads(reply.read())
+    finally:
+        connection.close()
+    assert status == 413 and payload["error"]["message"] == f"the request body is larger than {MAX_BODY_BYTES} bytes"
+    assert httpx.get(server.url + "/health", timeout=CALL_TIMEOUT_S).status_code == 200
+
+
+# --------------------------------------------------------------------------------------------
+# SIGTERM
+# --------------------------------------------------------------------------------------------
+
+
+SHUTDOWN_STEPS = 32  # rgpt recurrence steps: each request decodes for seconds, still running at SIGTERM
+IN_FLIGHT = 8
+AFTER_SIGNAL_S = 1.0  # how long new requests are sent after SIGTERM (the server drains up to 5 s)
+
+
+def test_sigterm_answers_requests_in_flight_and_new_ones_with_503(runs, tmp_path):
+    """8 requests decoding at SIGTERM each get a 503 with one message (or their completion), never a
+    dropped connection; requests sent after the signal get 503 while the server drains (they were
+    refused at once: the socket closed with the signal)."""
+    with serving({"rgpt": ServeProcess(runs["rgpt"], tmp_path / "log")}) as started:
+        server = started["rgpt"]
+        results: list[tuple] = []
+        body = {"prompt": "x", "max_tokens": 100, "temperature": 0, "steps": SHUTDOWN_STEPS}
+
+        def send(_: int) -> tuple:
+            try:
+                reply = httpx.post(server.url + "/v1/completions", json=body, timeout=CALL_TIMEOUT_S)
+                return reply.status_code, reply.json()
+            except httpx.TransportError as error:
+                return "dropped", repr(error)
+
+        with ThreadPoolExecutor(IN_FLIGHT) as pool:
+            in_flight = [pool.submit(send, i) for i in range(IN_FLIGHT)]
+            deadline = time.monotonic() + CALL_TIMEOUT_S
+            while time.monotonic() < deadline:  # every request is decoding or queued
+                stats = httpx.get(server.url + "/v1/stats", timeout=CALL_TIMEOUT_S).json()
+                if stats["active_rows"] + stats["queued"] >= IN_FLIGHT:
+                    break
+                time.sleep(0.02)
+            server.proc.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            after = []
+            # new requests for a while (the drain goes on while they come), or until the server stops
+            # listening (a stall of this test's past SHUTDOWN_QUIET_S lets it)
+            while time.monotonic() - signalled < AFTER_SIGNAL_S:
+                try:
+                    reply = httpx.post(server.url + "/v1/completions", json=body, timeout=CALL_TIMEOUT_S)
+                except httpx.TransportError:
+                    break
+                after.append((reply.status_code, reply.json()))
+            results = [future.result(CALL_TIMEOUT_S) for future in in_flight]
+        server.proc.wait(SERVER_EXIT_S)
+    for status, reply in results:
+        assert status in (200, 503), reply
+        if status == 503:
+            assert reply["error"]["message"].startswith("the server is shutting down"), reply
+    assert after, "no request was answered after the signal"
+    assert all(status == 503 and reply["error"]["code"] == "shutting_down" for status, reply in after), after
+
+
+def test_a_request_gets_its_503_at_once_while_a_long_decode_step_runs(monkeypatch):
+    """The scheduler reads the stop between steps: a handler waiting on it answers 503 within a poll
+    of the stop, not when a step of many seconds ends (a step past uvicorn's grace had its
+    connection cut, no reply)."""
+    import asyncio
+
+    import uvicorn
+
+    from latentloop.serve.app import DISCONNECT_POLL_S, create_app
+    from latentloop.serve.settings import ServeSettings
+
+    torch.manual_seed(0)
+    model = ll.build("gpt", preset="test", sequence_len=CONTEXT).eval()
+    step_started, release = threading.Event(), threading.Event()
+    real_decode = model.decode
+
+    def slow_decode(*args, **kwargs):
+        step_started.set()
+        release.wait(CALL_TIMEOUT_S)  # a step that lasts until the test ends it
+        return real_decode(*args, **kwargs)
+
+    monkeypatch.setattr(model, "decode", slow_decode)
+    app = create_app(model, TOK, "m", ServeSettings("unused", batching="continuous", decode="eager",
+                                                    batch_window_ms=0))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=asyncio.run, args=(server.serve(),), daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + CALL_TIMEOUT_S
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with ThreadPoolExecutor(1) as pool:
+            reply = pool.submit(httpx.post, f"http://127.0.0.1:{port}/v1/completions", timeout=CALL_TIMEOUT_S,
+                                json={"prompt": "x", "max_tokens": 8, "temperature": 0})
+            assert step_started.wait(CALL_TIMEOUT_S)
+            stopped = time.monotonic()
+            app.state.scheduler.stop()
+            answer = reply.result(CALL_TIMEOUT_S)
+            answered = time.monotonic() - stopped
+        assert answer.status_code == 503 and "shutting down" in answer.json()["error"]["message"]
+        assert answered < DISCONNECT_POLL_S + 2.0, answered
+    finally:
+        release.set()
+        server.should_exit = True
+        thread.join(CALL_TIMEOUT_S)
+
+
+# --------------------------------------------------------------------------------------------
+# Per-request sampling settings in a batch
+# --------------------------------------------------------------------------------------------
+
+
+# Unseeded sampled requests that differ in one setting each, seeded ones, and greedy ones
+SAMPLING = [{"temperature": 0.8, "top_p": 0.5}, {"temperature": 0.8, "top_p": 0.9}, {"temperature": 0.8},
+            {"temperature": 0.8, "top_k": 3}, {"temperature": 0.8, "top_k": 7}, {"temperature": 1.3},
+            {"temperature": 0.8, "top_p": 0.9, "seed": 5}, {"temperature": 0.8, "top_p": 0.5, "seed": 5},
+            {"temperature": 0}, {"temperature": 0, "top_p": 0.5}]
+
+
+def sampled_jobs(model, scheduler_module):
+    """One Job per SAMPLING entry (prompts that tell the requests apart), and their events."""
+    events: dict[int, list] = {}
+    jobs = []
+    for i, sampling in enumerate(SAMPLING):
+        request = parse_completion({"prompt": f"{i:02d}:", "max_tokens": 3, **sampling}, model, TOK,
+                                   Limits(CONTEXT, 16, 16), "m")
+        events[i] = []
+        jobs.append(scheduler_module.Job(request, events[i].append, TOK))
+    return jobs, events
+
+
+def test_the_round_scheduler_calls_the_engine_with_each_rows_own_sampling(monkeypatch):
+    """Every engine call of a round samples with the settings of each of its rows' requests: rows of
+    requests that differ in temperature, top_k, top_p or seed never share a call (a call takes one
+    setting: a grouping that left top_p out sampled some requests with another's top_p, unseen by
+    tests that compare only seeded or greedy requests with their result alone)."""
+    from latentloop.serve import scheduler as scheduler_module
+
+    torch.manual_seed(0)
+    model = ll.build("gpt", preset="test", sequence_len=CONTEXT).eval()
+    scheduler = scheduler_module.RoundScheduler(model, TOK, max_rows=16, max_queue=16, batch_window=0)
+    calls = []
+    real_stream = scheduler_module.stream
+
+    def recording(model, prompts, max_new_tokens, **kwargs):
+        calls.append(([list(p) for p in prompts], kwargs))
+        return real_stream(model, prompts, max_new_tokens, **kwargs)
+
+    monkeypatch.setattr(scheduler_module, "stream", recording)
+    jobs, events = sampled_jobs(model, scheduler_module)
+    scheduler._run_round(jobs)
+    by_prompt = {tuple(job.request.prompts[0]): job.request for job in jobs}
+    assert sum(len(prompts) for prompts, _ in calls) == len(jobs)
+    for prompts, kwargs in calls:
+        for prompt in prompts:
+            request = by_prompt[tuple(prompt)]
+            if request.greedy:
+                assert kwargs["temperature"] == 0
+                continue
+            assert (kwargs["temperature"], kwargs["top_k"], kwargs["top_p"], kwargs["seed"]) == \
+                (request.temperature, request.top_k, request.top_p, request.seed), (request, kwargs)
+    assert len(calls) < len(jobs)  # the greedy rows share a call: the test sees batching at all
+    for i, job_events in events.items():
+        assert type(job_events[-1]).__name__ == "Done", (SAMPLING[i], job_events[-1])
+
+
+def test_the_continuous_scheduler_draws_each_request_with_its_own_sampling(monkeypatch):
+    """The same for continuous batching: each draw of a batch step uses the settings and the
+    generator of the request whose rows it draws."""
+    from latentloop.serve import batch as batch_module
+    from latentloop.serve import scheduler as scheduler_module
+
+    torch.manual_seed(0)
+    model = ll.build("gpt", preset="test", sequence_len=CONTEXT).eval()
+    scheduler = scheduler_module.ContinuousScheduler(model, TOK, max_rows=16, max_queue=16, batch_window=0)
+    draws = []
+    real_sample = batch_module.sample_next
+
+    def recording(logits, temperature, top_k, top_p, generator):
+        draws.append((temperature, top_k, top_p, generator))
+        return real_sample(logits, temperature, top_k, top_p, generator)
+
+    monkeypatch.setattr(batch_module, "sample_next", recording)
+    jobs, events = sampled_jobs(model, scheduler_module)
+    for job in jobs:
+        scheduler._admit(job)
+    by_generator = {}
+    for batch in scheduler._batches.values():
+        for group in batch.waiting:
+            for member in group:
+                by_generator[id(member.sampling.generator)] = member.owner.job.request
+    for _ in range(8):
+        for batch in list(scheduler._batches.values()):
+            scheduler._step(batch)
+    sampled = [job.request for job in jobs if not job.request.greedy]
+    assert len(by_generator) == len(sampled) + 1  # a generator per sampled request; the greedy ones: None
+    assert {id(generator) for *_, generator in draws} == set(by_generator) - {id(None)}  # each drew
+    for temperature, top_k, top_p, generator in draws:
+        request = by_generator[id(generator)]
+        assert (temperature, top_k, top_p) == (request.temperature, request.top_k, request.top_p), request
+    for i, job_events in events.items():
+        assert type(job_events[-1]).__name__ == "Done", (SAMPLING[i], job_events[-1])
