@@ -454,7 +454,8 @@ CASES += [
     ("NaN weights (checksums agree)", ["generate", "{nan_weights}", "--prompt", "x"]),
 ] + [(f"flipped bit in {name}: {'generate' if name in LOADED else 'resume'}",
       ["generate", f"{{{_flipped(name)}}}", "--prompt", "x"] if name in LOADED else
-      ["train", "--resume", "--steps", "3", "--out", f"{{{_flipped(name)}}}", "--no-progress"]) for name in CHECKPOINT_FILES]
+      ["train", "--resume", "--steps", "3", "--out", f"{{{_flipped(name)}}}", "--no-progress"])
+     for name in CHECKPOINT_FILES]
 NOTHING_WRITTEN += ["o40"]
 
 def _hf_empty_template(root: Path, tok: Path) -> str:
@@ -640,7 +641,7 @@ def server_cases(fixtures: dict[str, str]) -> list[dict]:
 # -- code in the cache: a planted library never runs, a damaged one is built again (issue 49) ---------
 PLANTED_LIBRARY = ('#include <stdio.h>\n__attribute__((constructor)) static void planted(void) {\n'
                    '  FILE *f = fopen(MARKER, "w"); if (f) { fputs("ran", f); fclose(f); }\n}\n')
-LOAD_KERNELS = ("from pathlib import Path\nfrom latentloop.models import native\n"
+LOAD_KERNELS = ("from pathlib import Path\nfrom latentloop.inference import native\n"
                 "lib = native.native_library('rows_linear')\n"
                 "print(Path(lib._name).name if lib is not None else 'none', native.native_status('rows_linear'))\n")
 
@@ -678,7 +679,7 @@ def kernel_cases(root: Path) -> list[dict]:
         shared = root / f"shared-cache-{owner.split()[0]}"
         (shared / "kernels").mkdir(parents=True)
         shutil.copy(root / "planted.so", shared / "kernels" / name)
-        from latentloop.models.cache_trust import record_digest
+        from latentloop.inference.cache_trust import record_digest
 
         record_digest(shared / "kernels" / name)
         if owner == "owned by another user":

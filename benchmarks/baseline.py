@@ -27,7 +27,7 @@ The decode rounds also time a *floor*: per new token, the batch-1 matrix product
 a decode step must read (each Linear and the head on a (1, 1, in) vector, nothing else), i.e. what
 streaming the fp32 weights through the cores costs on this machine, done two ways: `F.linear` (the
 matmul library, what an eager decoder calls) and, with `--compile`, the same products compiled as
-vectorised reductions (what the fast path's step does, `latentloop.models.fast`). The floor is the
+vectorised reductions (what the fast path's step does, `latentloop.inference.fast`). The floor is the
 faster of the two in each round. A decoder's time over the floor is what it spends on everything else
 (attention, norms, RoPE, dispatch); HF's time over the floor bounds the ratio over HF that any
 exact fp32 decoder streaming its weights no faster than this could reach.
@@ -292,7 +292,7 @@ def matmul_floor_calls(model: torch.nn.Module, new_tokens: int, compiled: bool):
     """Calls, each `new_tokens` x the batch-1 products with every weight one decode step reads
     (see the docstring): through `F.linear`, and (`compiled`) compiled as the fast path compiles
     them; and the bytes of those weights."""
-    from latentloop.models.fast import compile_cpu_decode
+    from latentloop.inference.fast import compile_cpu_decode
 
     weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
     if not any(w.shape[0] == VOCAB for w in weights):  # a tied head reads the embedding

@@ -60,7 +60,7 @@ def profile_ops(fn, top: int, steps: int) -> list[tuple[str, float, int]]:
 @torch.inference_mode()
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import latentloop
-    from latentloop.models import fast as fast_module
+    from latentloop.inference import fast as fast_module
 
     env = start_run(args)
     torch.manual_seed(args.seed)

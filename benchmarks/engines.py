@@ -108,7 +108,7 @@ def latentloop_call(model, prompt: list[int], compile: bool, aot: bool = True):
     import os
 
     import latentloop
-    from latentloop.models.aot import AOT_ENV
+    from latentloop.inference.aot import AOT_ENV
 
     def call(new_tokens: int) -> list[int]:
         saved = os.environ.get(AOT_ENV)
@@ -269,7 +269,7 @@ def unavailable(engine: str) -> str | None:
 def make_calls(engines: list[str], model, hf_dir: Path, folder: Path, prompt: list[int], context: int,
                threads: int) -> dict:
     """engine -> call(new_tokens) -> greedy token ids, for prompts of up to `context` tokens in all."""
-    from latentloop.models.quant import quantize_int8
+    from latentloop.inference.quant import quantize_int8
 
     calls = {}
     for engine in engines:

@@ -1,5 +1,5 @@
 """The variants on the fast decode path (issue 16): batch-1 greedy decode latency per token through
-the engine with `compile=True` (`latentloop.models.fast`), fbt soft, lrt and rgpt over gpt, all
+the engine with `compile=True` (`latentloop.inference.fast`), fbt soft, lrt and rgpt over gpt, all
 measured interleaved in one run; the eager path of each alongside, and compiled over eager.
 
 Shape: the baseline's (4 layers, d=256, 4 heads, vocab 256, fp32). rgpt at equal depth: prelude 1,

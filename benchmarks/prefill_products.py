@@ -4,10 +4,10 @@ paired in one process:
 1. every linear layer of a model in turn, as a prefill reads them (each weight cold: the layers
    before evicted it), for each row count: `native.rows_linear` (`models/rows_linear.c`) against
    torch's product for the same rows (`F.linear`, MKL in the x86 wheels; oneDNN's op beside them
-   where `backbone.linear` would pick it for more rows), and the int8 kernel against the converted
+   where `products.accelerated_linear` would pick it for more rows), and the int8 kernel against the converted
    product (`quant._converted_product`) on the same model quantised;
 2. a one-token `generate` (the prompt's prefill and the first token) on the compiled path, with the
-   kernel and with `backbone.linear`'s torch products, alternating call by call: warm (the calls
+   kernel and with `products.accelerated_linear`'s torch products, alternating call by call: warm (the calls
    back to back), and cold (`FLUSH_MIB` written before each call, untimed, as a process meets its
    weights after other processes ran: `benchmarks.engines` runs each engine in its own).
 
@@ -66,8 +66,8 @@ def paired(variants: dict[str, Callable[[], object]], repeats: int,
 
 def product_variants(model, rows: int) -> dict[str, dict[str, Callable[[], object]]]:
     """(float32 | int8) -> variant -> a call running every linear layer of `model` once, in order."""
-    from latentloop.models import backbone, native
-    from latentloop.models.quant import Int8Linear, _converted_product, quantize_int8
+    from latentloop.inference import native, torch_internals
+    from latentloop.inference.quant import Int8Linear, _converted_product, quantize_int8
 
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     inputs = {m.in_features: torch.randn(rows, m.in_features) for m in linears}
@@ -75,9 +75,8 @@ def product_variants(model, rows: int) -> dict[str, dict[str, Callable[[], objec
     layers = {"float32": {
         KERNEL: lambda: [native.rows_linear(x, w) for x, w in weights],
         "torch (F.linear)": lambda: [F.linear(x, w) for x, w in weights]}}
-    if backbone._ONEDNN:
-        layers["float32"]["oneDNN"] = lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-                                               for x, w in weights]
+    if torch_internals.onednn_linear(*weights[0], None) is not None:
+        layers["float32"]["oneDNN"] = lambda: [torch_internals.onednn_linear(x, w, None) for x, w in weights]
     quantised = [m for m in quantize_int8(copy.deepcopy(model)).modules() if isinstance(m, Int8Linear)]
     int8 = [(inputs[m.in_features], m.weight_int8, m.scale) for m in quantised]
     layers["int8"] = {KERNEL: lambda: [native.rows_linear(x, q, s) for x, q, s in int8],
@@ -88,15 +87,17 @@ def product_variants(model, rows: int) -> dict[str, dict[str, Callable[[], objec
 def first_token_variants(model, prompt: list[int]) -> dict[str, Callable[[], object]]:
     """A one-token compiled `generate`, through the kernel and through torch's products."""
     import latentloop
-    from latentloop.models import backbone, native
+    from latentloop.inference import accelerate, native, products
+
+    accelerate(model)  # the products a loaded run's prefill takes
 
     def call(rows_linear) -> Callable[[], object]:
         def run() -> object:
-            backbone.rows_linear = rows_linear
+            products.rows_linear = rows_linear
             try:
                 return latentloop.generate(model, prompt, 1, temperature=0.0, compile=True)
             finally:
-                backbone.rows_linear = native.rows_linear
+                products.rows_linear = native.rows_linear
 
         return run
 
@@ -104,7 +105,7 @@ def first_token_variants(model, prompt: list[int]) -> dict[str, Callable[[], obj
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from latentloop.models.native import rows_linear_status
+    from latentloop.inference.native import rows_linear_status
 
     env = start_run(args)
     status = rows_linear_status()

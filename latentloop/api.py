@@ -18,9 +18,11 @@ def build(arch: str = "gpt", preset: str | None = None, **overrides) -> nn.Modul
     return build_model(model_config(arch, preset, **overrides))
 
 
-def load(path: str | Path, device: str | torch.device = "cpu") -> tuple[nn.Module, object]:
-    """(model, tokenizer) from a run folder (its latest checkpoint) or a checkpoint folder."""
-    model, tokenizer, _, _ = load_run(path, device)
+def load(path: str | Path, device: str | torch.device = "cpu", accelerate: bool = True) -> tuple[nn.Module, object]:
+    """(model, tokenizer) from a run folder (its latest checkpoint) or a checkpoint folder. On the CPU
+    the model gets latentloop's faster products (`latentloop.inference.accelerate`) unless
+    `accelerate=False`."""
+    model, tokenizer, _, _ = load_run(path, device, accelerate=accelerate)
     return model, tokenizer
 
 

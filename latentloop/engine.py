@@ -33,10 +33,10 @@ import torch
 from torch import Tensor
 
 from .errors import LatentloopError
+from .inference.fast import PROBE_STEPS, AutoCompile, FastDecoder, static_length
+from .inference.quant import quantize_int8  # noqa: F401 (the engine's callers quantise through it: cli, api)
 from .models.backbone import PER_ROW_INFO
-from .models.fast import PROBE_STEPS, AutoCompile, FastDecoder, static_length
 from .models.options import check_options
-from .models.quant import quantize_int8  # noqa: F401 (the engine's callers quantise through it: cli, api)
 from .util import evaluating, is_int
 
 MAX_SEED = 2**63  # torch.Generator seeds are 64-bit
@@ -190,7 +190,7 @@ def stream(model, prompts, max_new_tokens: int, temperature: float = 1.0, top_k:
     prompts: one list of ids, a list of lists, or a 1-D / 2-D tensor. Everything is checked here,
     before any work: a bad argument raises at the call, not at the first step.
 
-    compile: True decodes through `latentloop.models.fast.FastDecoder` (a static cache and the
+    compile: True decodes through `latentloop.inference.fast.FastDecoder` (a static cache and the
     model's decode step under `torch.compile`; greedy argmax inside the compiled step); outputs equal
     the eager path's (tested). The first call per model, options and batch size pays the compile, or
     loads it from the on-disk cache a previous process filled. "auto" (the default) decodes the first

@@ -549,8 +549,11 @@ def check_tokenizer_fits(tokenizer, config: ModelConfig, tokenizer_file: Path) -
                               f"with {config.bos_id}: it is not the tokenizer this model was trained with")
 
 
-def load_run(path: str | Path, device: str | torch.device = "cpu") -> tuple[nn.Module, object, RunConfig, Path]:
+def load_run(path: str | Path, device: str | torch.device = "cpu",
+             accelerate: bool = True) -> tuple[nn.Module, object, RunConfig, Path]:
     """Model (eval mode), tokenizer, run config and checkpoint folder from a run or checkpoint folder.
+    A model on the CPU gets the faster products (`inference.accelerate`, a module swap) unless
+    `accelerate=False`: every command that decodes or scores a run reads it through here.
 
     The config is checked against the weights' header and the tokenizer against the config before
     the model is built; the returned config's `data.cache_dir` is cleared (the default cache is used).
@@ -569,7 +572,12 @@ def load_run(path: str | Path, device: str | torch.device = "cpu") -> tuple[nn.M
     check_weights_fit(config.model, checkpoint, {name: tuple(t.shape) for name, t in weights.items()})
     model = build_model(config.model)
     load_weights(model, checkpoint, weights)
-    return model.to(device).eval(), tokenizer, config, checkpoint
+    model = model.to(device).eval()
+    if accelerate and next(model.parameters()).device.type == "cpu":
+        from .inference import accelerate as accelerate_products
+
+        accelerate_products(model)
+    return model, tokenizer, config, checkpoint
 
 
 def output_folder(path: str | Path, what: str = "output folder") -> Path:

@@ -77,13 +77,13 @@ def _private_cache(tmp_path_factory):
 
 @pytest.fixture
 def torch_products(monkeypatch):
-    """The package's short products through torch's op, as an exported model's remote code computes
-    them (it runs without latentloop's C files, which transformers does not copy): a comparison with
-    an export then sees what the export changed, not the rows kernel's rounding against BLAS (the
-    kernel against torch's op: tests/test_model.py; both are equally far from a float64 reference)."""
-    from latentloop.models import backbone
+    """An accelerated model's products through torch's op, as an exported model computes them (an
+    export carries no inference code): a comparison with an export then sees what the export changed,
+    not the kernels' rounding against BLAS (the kernels against torch's op: tests/test_products.py;
+    both are equally far from a float64 reference)."""
+    from latentloop.inference import products
 
-    monkeypatch.setattr(backbone, "rows_linear", lambda *args: None)
+    monkeypatch.setattr(products, "measured_here", lambda: False)
 
 
 def write_corpus(folder: Path, documents: int = 40) -> Path:

@@ -1,4 +1,4 @@
-"""The ahead-of-time CPU decode step (`latentloop.models.aot`): what a package is made of and named by
+"""The ahead-of-time CPU decode step (`latentloop.inference.aot`): what a package is made of and named by
 (default suite, no compile), and packages compiled, reused and rebound to weights (slow: each
 AOTInductor compile takes tens of seconds on two cores)."""
 
@@ -15,9 +15,9 @@ import torch
 
 import latentloop as ll
 from latentloop.engine import model_options
-from latentloop.models import aot, native
-from latentloop.models.aot import AOT_ENV, AOT_SUBDIR, _attributes_as_buffers, cache_fields, flatten, package_key
-from latentloop.models.fast import FastDecoder, _decode_step
+from latentloop.inference import aot, native
+from latentloop.inference.aot import AOT_ENV, AOT_SUBDIR, _attributes_as_buffers, cache_fields, flatten, package_key
+from latentloop.inference.fast import FastDecoder, _decode_step
 
 BOS = 256
 PROMPT = torch.tensor([[BOS, 5, 9, 12, 40, 41]])
@@ -93,7 +93,7 @@ def test_attributes_are_buffers_only_while_exported():
 
 
 def test_the_off_switch_keeps_dynamos_step_and_int8_weights_take_a_package(monkeypatch):
-    from latentloop.models.quant import quantize_int8
+    from latentloop.inference.quant import quantize_int8
 
     model = built("gpt")
     assert FastDecoder(model).aot is not None
@@ -109,7 +109,7 @@ def test_export_swaps_every_product_the_dynamo_backend_rewrites_and_restores_the
     """What `torch.export` traces and what dynamo's backend rewrites must be the same step: every
     rewritten call has its module attribute swapped while exporting, and put back after. The int8
     product stays the operator where the package can call its kernel, and is a reduction elsewhere."""
-    from latentloop.models import fast, quant
+    from latentloop.inference import fast, quant
 
     if not kernel:
         monkeypatch.setattr(quant, "package_kernel", lambda: None)
@@ -178,7 +178,7 @@ def test_a_second_process_decodes_from_the_package_without_importing_dynamo(comp
     torch.save(model.state_dict(), path)
     script = (
         "import json, sys, torch, latentloop as ll\n"
-        "from latentloop.models import fast\n"
+        "from latentloop.inference import fast\n"
         "torch.manual_seed(0)\n"
         "model = ll.build('gpt', preset='test').eval()\n"
         f"model.load_state_dict(torch.load({str(path)!r}))\n"
@@ -227,7 +227,7 @@ def test_a_batchs_package_calls_the_rows_kernel_and_decodes_the_eager_tokens(com
     products of 8 rows run through the same kernel."""
     import zipfile
 
-    from latentloop.models import native
+    from latentloop.inference import native
 
     if native.rows_package_kernel() is None:
         pytest.skip(f"no rows kernel for packages here: {native.native_status(native.ROWS_KERNEL, for_packages=True)}")

@@ -306,7 +306,7 @@ def test_auto_takes_the_compiled_path_only_when_every_size_is_in_the_compile_cac
     compiled path once every batch size's step has a record of a fast first call; eager again when
     loading them is expected past the start budget (a record of slow first calls, a compile)."""
     from latentloop.data import ByteTokenizer
-    from latentloop.models.fast import CompileRecord
+    from latentloop.inference.fast import CompileRecord
     from latentloop.serve.batch import AUTO_START_BUDGET_S, _CacheShape, slot_length
     from latentloop.serve.scheduler import ContinuousScheduler
 

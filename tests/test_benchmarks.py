@@ -413,7 +413,7 @@ def test_prefill_products_pairs_the_rows_kernel_with_torchs_products(tmp_path, c
     """`python -m benchmarks.prefill_products` at a tiny shape: every row count's float32 and int8
     products and the one-token generate are timed in every round for each variant, each paired with
     the kernel's round; without the kernel the table says why."""
-    from latentloop.models import native
+    from latentloop.inference import native
 
     products = _benchmark("prefill_products")
     out = tmp_path / "products.json"

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from latentloop.models import cache_trust
-from latentloop.models.cache_trust import record_digest, untrusted_folder, unverified_file
+from latentloop.inference import cache_trust
+from latentloop.inference.cache_trust import record_digest, untrusted_folder, unverified_file
 
 REPO = Path(__file__).resolve().parents[1]
 needs_cc = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
@@ -106,7 +106,7 @@ def child(cache: Path, code: str, env_extra: dict | None = None) -> subprocess.C
 
 LOAD_KERNELS = textwrap.dedent("""
     from pathlib import Path
-    from latentloop.models import native
+    from latentloop.inference import native
     for name in ("rows_linear", "int8_linear"):
         lib = native.native_library(name)
         print(name, Path(lib._name).name if lib is not None else "none", native.native_status(name))
@@ -190,7 +190,7 @@ def test_a_damaged_library_in_the_cache_is_built_again_never_mapped(tmp_path, ke
 
 
 def test_an_untrusted_compile_cache_is_replaced_by_a_private_folder_for_the_process(tmp_path, monkeypatch, capsys):
-    from latentloop.models import fast
+    from latentloop.inference import fast
 
     shared = tmp_path / "shared-inductor"
     shared.mkdir()
@@ -213,8 +213,8 @@ def test_a_package_that_fails_its_check_is_compiled_again_not_loaded(tmp_path, m
     """A `.pt2` without its digest (or damaged, or replaced) is never handed to the loader."""
     import latentloop as ll
     from latentloop.engine import model_options
-    from latentloop.models import aot
-    from latentloop.models.fast import FastDecoder
+    from latentloop.inference import aot
+    from latentloop.inference.fast import FastDecoder
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(private(tmp_path / "inductor")))
     model = ll.build("gpt", preset="test").eval()

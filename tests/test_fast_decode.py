@@ -1,4 +1,4 @@
-"""The fast decode path (`latentloop.models.fast`): the static cache's eager step against the
+"""The fast decode path (`latentloop.inference.fast`): the static cache's eager step against the
 ordinary cache (default suite), and the compiled step against the eager one (slow: CPU inductor
 compiles take tens of seconds per architecture and option set)."""
 
@@ -14,7 +14,7 @@ from torch import nn
 
 import latentloop as ll
 from latentloop.engine import PromptError, model_options
-from latentloop.models.fast import (
+from latentloop.inference.fast import (
     LENGTH_BUCKET,
     REDUCTION_MAX_ROWS,
     WINDOW_BUCKET,
@@ -158,7 +158,7 @@ def test_a_batchs_rows_go_through_the_rows_kernel_operator(rows, monkeypatch):
     """6 to 64 rows of float32 without a bias: the compiled step's product is the rows kernel's
     operator (the C function a package calls), equal to `F.linear` to float32 rounding; with a bias,
     past 64 rows, or without the kernel's package build, torch's own product."""
-    from latentloop.models import native
+    from latentloop.inference import native
 
     if native.rows_package_kernel() is None:
         pytest.skip(f"no rows kernel for packages here: {native.native_status(native.ROWS_KERNEL, for_packages=True)}")
@@ -181,7 +181,7 @@ def test_a_batchs_rows_go_through_the_rows_kernel_operator(rows, monkeypatch):
 def test_int8_linear_by_reduction_is_the_dequantised_product(rows):
     """The compiled step's int8 product (a reduction up to its row limit, the converted weight's
     product past it) is the float product of the dequantised weight."""
-    from latentloop.models.quant import quantize_rows
+    from latentloop.inference.quant import quantize_rows
 
     torch.manual_seed(0)
     q, scale = quantize_rows(torch.randn(96, 1024))
@@ -268,7 +268,7 @@ def test_a_product_reduction_computes_its_input_once_not_per_output_row(weights)
     would otherwise compute it again for every row."""
     from torch._inductor.utils import run_and_get_code
 
-    from latentloop.models.quant import quantize_rows
+    from latentloop.inference.quant import quantize_rows
 
     rows_out = 50  # a loop bound that nothing else here has
     q, scale = quantize_rows(torch.randn(rows_out, 32))
@@ -292,7 +292,7 @@ def test_the_cpu_decode_backend_rewrites_every_product_of_the_step():
     the reductions themselves run, over the step's real mask): modules' and functional linears
     alike (the head is `F.linear` on the tied embedding), and every layer's attention; the logits
     those give are the eager step's."""
-    from latentloop.models.fast import _decode_step
+    from latentloop.inference.fast import _decode_step
 
     model = model_for("gpt")
     graphs = []
@@ -324,7 +324,7 @@ def assert_cacheable_on_disk(graphs) -> None:
     them without: the check can fail."""
     from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache, check_node_safe
 
-    from latentloop.models.fast import _reduction_cache_keys
+    from latentloop.inference.fast import _reduction_cache_keys
 
     nodes = [node for gm in graphs for node in gm.graph.nodes]
     with torch._inductor.config.patch(unsafe_marked_cacheable_functions=_reduction_cache_keys()):
@@ -356,7 +356,7 @@ def test_compiled_step_matches_the_eager_step(arch, options, backend, monkeypatc
     """Both CPU compiled steps: the ahead-of-time package (the default) and dynamo's (its fallback)."""
     from torch._dynamo.utils import counters
 
-    from latentloop.models.aot import AOT_ENV
+    from latentloop.inference.aot import AOT_ENV
 
     monkeypatch.setenv(AOT_ENV, "1" if backend == "aot" else "0")
     counters.clear()
@@ -393,7 +393,7 @@ def test_a_compiled_step_survives_a_change_of_threads(backend, monkeypatch):
     """The same model decoded compiled at 1 then 2 CPU threads (as `benchmarks.engines --threads
     1,2` does): dynamo recompiles for a new thread count, which its skipped guards once refused
     ("Recompilation triggered"); a package is compiled per thread count."""
-    from latentloop.models.aot import AOT_ENV
+    from latentloop.inference.aot import AOT_ENV
 
     monkeypatch.setenv(AOT_ENV, "1" if backend == "aot" else "0")
     model = model_for("gpt")
@@ -421,7 +421,7 @@ def compile_dir(tmp_path, monkeypatch):
 
 
 def test_compile_record_expects_the_cold_cost_then_the_fastest_first_call(compile_dir):
-    from latentloop.models.fast import COLD_COMPILE_S, CompileRecord, compile_cache_dir
+    from latentloop.inference.fast import COLD_COMPILE_S, CompileRecord, compile_cache_dir
 
     model = model_for("gpt")
     fast = FastDecoder(model, compile=False)
@@ -442,7 +442,7 @@ def test_compile_cache_dir_counts_inductors_default_as_unset_without_importing_i
     import sys
     import tempfile
 
-    from latentloop.models.fast import compile_cache_dir
+    from latentloop.inference.fast import compile_cache_dir
 
     monkeypatch.setenv("LATENTLOOP_CACHE", str(tmp_path / "ll"))
     ours = tmp_path / "ll" / "inductor"
@@ -456,14 +456,14 @@ def test_compile_cache_dir_counts_inductors_default_as_unset_without_importing_i
     assert compile_cache_dir() == ours  # inherited from a parent process run by another user
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # the user's choice
     assert compile_cache_dir() == tmp_path / "mine"
-    script = ("import sys\nfrom latentloop.models.fast import compile_cache_dir\ncompile_cache_dir()\n"
+    script = ("import sys\nfrom latentloop.inference.fast import compile_cache_dir\ncompile_cache_dir()\n"
               "print('torch._inductor' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == "False", result.stderr[-2000:]  # the automatic mode's check costs no import
 
 
 def test_auto_rule_banks_the_saving_of_eager_calls_until_it_pays_the_compile(compile_dir):
-    from latentloop.models.fast import COMPILED_OVER_EAGER, PROBE_STEPS, AutoCompile, CompileRecord
+    from latentloop.inference.fast import COMPILED_OVER_EAGER, PROBE_STEPS, AutoCompile, CompileRecord
 
     torch.manual_seed(0)
     model = ll.build("gpt", preset="test").eval()
@@ -485,7 +485,7 @@ def test_auto_rule_banks_across_processes(compile_dir):
     import subprocess
     import sys
 
-    from latentloop.models import fast
+    from latentloop.inference import fast
 
     torch.manual_seed(0)
     model = ll.build("gpt", preset="test").eval()
@@ -497,7 +497,7 @@ def test_auto_rule_banks_across_processes(compile_dir):
     script = f"""
 import json, sys, torch
 import latentloop as ll
-from latentloop.models.fast import AutoCompile, FastDecoder
+from latentloop.inference.fast import AutoCompile, FastDecoder
 torch.set_num_threads({torch.get_num_threads()})  # the record's key holds the thread count
 torch.manual_seed(0)
 model = ll.build("gpt", preset="test").eval()
@@ -549,7 +549,7 @@ def test_engine_refuses_an_unknown_decode_mode():
 def test_auto_mode_compiles_when_it_pays_and_gives_the_eager_tokens(compile_dir):
     """With a recorded cost of zero, the auto mode moves onto the compiled step after its probe steps
     (the cache adopted mid-call), announces the compile, and gives the eager tokens."""
-    from latentloop.models.fast import CompileRecord
+    from latentloop.inference.fast import CompileRecord
 
     torch.manual_seed(0)
     model = ll.build("fbt", preset="test").eval()
@@ -569,7 +569,7 @@ def test_auto_mode_compiles_when_it_pays_and_gives_the_eager_tokens(compile_dir)
 
 
 def test_int8_rows_round_to_within_half_a_step():
-    from latentloop.models.quant import INT8_MAX, quantize_rows
+    from latentloop.inference.quant import INT8_MAX, quantize_rows
 
     torch.manual_seed(0)
     weight = torch.randn(64, 96) * torch.rand(64, 1)  # rows of different scales
@@ -597,7 +597,7 @@ def test_native_int8_kernel_equals_the_dequantised_product(rows, out, width, pac
     the rows kernel past it) equal the float product of the dequantised weight up to float32
     rounding, on one thread and on several (each output is one thread's sum, so the two are
     bit-identical), and it is a kernel that ran."""
-    from latentloop.models import native, quant
+    from latentloop.inference import native, quant
 
     if native.native_status(quant.KERNEL) != "native":
         pytest.skip(f"no native int8 kernel here: {native.native_status(quant.KERNEL)}")
@@ -643,7 +643,7 @@ def test_native_int8_kernel_equals_the_dequantised_product(rows, out, width, pac
 def test_native_kernels_can_be_turned_off_and_a_failed_build_falls_back(monkeypatch, tmp_path):
     """LATENTLOOP_NATIVE=0, or a compiler that fails: the statuses say why in one line and int8
     layers compute the same products through torch, for a decode's rows and a prefill's."""
-    from latentloop.models import native, quant
+    from latentloop.inference import native, quant
 
     torch.manual_seed(0)  # the draws must not depend on what the tests before used of the generator
     q, scale = quant.quantize_rows(torch.randn(24, 40))
@@ -679,7 +679,7 @@ def test_packed_weight_layout_and_kernel_constants():
     the padding), of the size the kernel expects; the kernel's thread threshold is native.py's."""
     import ctypes
 
-    from latentloop.models import native, quant
+    from latentloop.inference import native, quant
 
     if native.native_status(quant.KERNEL) != "native":
         pytest.skip(f"no native int8 kernel here: {native.native_status(quant.KERNEL)}")
@@ -700,7 +700,7 @@ def test_packed_weight_layout_and_kernel_constants():
 def test_an_int8_layer_repacks_when_its_weight_is_loaded():
     """The packed copy is not saved; loading a state dict makes it again from the loaded weight (a
     stale copy would be what the kernel reads)."""
-    from latentloop.models import quant
+    from latentloop.inference import quant
 
     first, second = quant.Int8Linear(nn.Linear(40, 24)), quant.Int8Linear(nn.Linear(40, 24))
     assert "weight_packed" not in first.state_dict()
@@ -716,7 +716,7 @@ def test_an_int8_layer_repacks_when_its_weight_is_loaded():
 def test_int8_replaces_every_linear_and_decodes(arch):
     """Every registered arch quantises: no float `nn.Linear` left, the logits near the float model's
     (per-channel int8 of the test preset's weights), and generation runs."""
-    from latentloop.models.quant import Int8Linear, quantize_int8
+    from latentloop.inference.quant import Int8Linear, quantize_int8
 
     torch.manual_seed(0)
     model = ll.build(arch, preset="test").eval()
@@ -739,8 +739,8 @@ def test_int8_replaces_every_linear_and_decodes(arch):
 def test_int8_compiled_step_matches_the_int8_eager_step(arch, backend, monkeypatch):
     """int8 weights through both compiled steps, the package's inductor reduction over the int8
     weights and dynamo's graph around the native kernel, against eager decoding's native kernel."""
-    from latentloop.models.aot import AOT_ENV
-    from latentloop.models.quant import quantize_int8
+    from latentloop.inference.aot import AOT_ENV
+    from latentloop.inference.quant import quantize_int8
 
     monkeypatch.setenv(AOT_ENV, "1" if backend == "aot" else "0")
     torch.manual_seed(0)

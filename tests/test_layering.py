@@ -31,15 +31,16 @@ ALLOWED: dict[str, frozenset[str]] = {
     "checkpoint": frozenset(),
     "data": frozenset(),
     "models": frozenset(),
+    "inference": frozenset({"models"}),  # acceleration applied to built models from outside; models never import it
     "objectives": frozenset({"models"}),  # models: rgpt charges FLOPs with the counter's BACKWARD_FACTOR
     "optim": frozenset(),
     "archs": frozenset({"models", "objectives"}),
-    "engine": frozenset({"models"}),
-    "runtime": frozenset({"archs", "checkpoint", "data", "models"}),  # models: unused today
+    "engine": frozenset({"inference", "models"}),
+    "runtime": frozenset({"archs", "checkpoint", "data", "inference", "models"}),  # models: unused today
     "parallel": frozenset({"checkpoint", "runtime"}),
     "interop": frozenset({"archs", "checkpoint", "data", "models"}),  # models: unused today
     "eval": frozenset({"archs", "checkpoint", "data", "engine", "models", "objectives", "runtime"}),
-    "serve": frozenset({"archs", "data", "engine", "models", "runtime"}),  # models: unused today
+    "serve": frozenset({"archs", "data", "engine", "inference", "models", "runtime"}),  # models: unused today
     "chat": frozenset({"data", "engine"}),
     "api": frozenset({"archs", "engine", "runtime"}),
     "train": frozenset({"archs", "checkpoint", "data", "eval", "interop", "models", "objectives", "optim",
@@ -199,12 +200,16 @@ def test_hf_remote_is_standalone(edges):
     assert not bad, "\n".join(bad)
 
 
-def test_variants_know_nothing_of_the_fast_path(edges):
+def test_models_know_nothing_of_the_inference_package(edges):
+    """Models stay plain: no model file (shared or an architecture's) imports `latentloop.inference`,
+    and no C file lives beside them (the kernels are the inference package's)."""
     from latentloop.archs import ARCHS
 
     model_files = {spec.model_class.__module__.replace(".", "/") + ".py" for spec in ARCHS.values()}
-    bad = [str(e) for e in edges if e.file in model_files and e.module == "latentloop.models.fast"]
+    bad = [str(e) for e in edges if (e.file in model_files or e.file.startswith("latentloop/models/"))
+           and e.target == "inference"]
     assert not bad, "\n".join(bad)
+    assert not list((PACKAGE / "models").rglob("*.[ch]")), "C files belong to latentloop/inference/"
 
 
 def test_tasks_do_not_import_sources(edges):

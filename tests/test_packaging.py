@@ -67,7 +67,7 @@ def test_the_package_data_ships_every_file_the_native_kernels_build_from():
     from fnmatch import fnmatch
 
     patterns = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
-        "latentloop.models"]
-    sources = [path.name for pattern in ("*.c", "*.h") for path in (REPO / "latentloop" / "models").glob(pattern)]
+        "latentloop.inference"]
+    sources = [path.name for pattern in ("*.c", "*.h") for path in (REPO / "latentloop" / "inference").glob(pattern)]
     assert any(name.endswith(".h") for name in sources)  # the kernels include headers of their own
     assert [name for name in sources if not any(fnmatch(name, pattern) for pattern in patterns)] == []

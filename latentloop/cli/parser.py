@@ -54,7 +54,7 @@ def _add_decode_options(p: argparse.ArgumentParser) -> None:
     """How generate and chat decode: the compiled static-cache step where it pays (default), always, or never."""
     p.add_argument("--decode", choices=["auto", "compiled", "eager"], default="auto",
                    help="auto: decode the first steps eagerly, timing them, and compile the step when the saving "
-                        "over the budget reaches the compile's expected cost (latentloop.models.fast.AutoCompile; "
+                        "over the budget reaches the compile's expected cost (latentloop.inference.fast.AutoCompile; "
                         "compiled steps are cached on disk for later processes); compiled: always; eager: never")
     p.add_argument("--compile", dest="decode", action="store_const", const="compiled",
                    help="the same as --decode compiled")

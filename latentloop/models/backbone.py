@@ -15,10 +15,8 @@ Notable features:
   `prefill` / `decode` / `reference` with an explicit `KVCache`; per-row positions so that
   left-padded batches of prompts of different lengths give exactly the logits of each prompt alone
 - `forward` returns logits *and* the top-layer states; losses live in `latentloop.objectives`
-- on an x86 CPU, a product without autograd (prefill, scoring, eager decode of several rows) of 6 to
-  64 rows runs through latentloop's rows kernel (`native.rows_linear`), and more rows by a large
-  weight (any weight from 128 rows) through oneDNN, instead of torch's default BLAS (`linear`, with
-  the measurements)
+- every product is torch's own (`nn.Linear`, `F.linear`): faster CPU kernels are applied to a built
+  model from outside, as a module swap (`latentloop.inference.accelerate`), and never travel with it
 
 Init (documented because the variants rely on it):
 - embedding ~ N(0, 1/D): its input use is normed anyway, and with a tied head the initial logits
@@ -45,7 +43,6 @@ Extension points for the variants (each a thin subclass in its own file):
 from __future__ import annotations
 
 import math
-import platform
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -53,84 +50,17 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ..config import ModelConfig
 from . import flex
 from .cache import AttentionPlan, KVCache, KVStore, plan_attention
 from .flops import count_flops_per_token
-from .native import rows_linear
 from .options import DecodeOption
 
 # In `ModelOutput.info`, the key whose value maps names to lists with one entry per batch row: the
 # row's own value of a fact that is otherwise reported for the whole batch (rgpt's mean exit depth)
 PER_ROW_INFO = "per_row"
 UNTIED_HEAD_INIT_STD = 0.001  # small enough that the initial next-token distribution is ~uniform
-
-# --------------------------------------------------------------------------------------------
-# Products
-# --------------------------------------------------------------------------------------------
-
-# Where `linear` hands a float32 product without autograd to another kernel than torch's BLAS (MKL
-# in the x86 wheels). Measured with torch 2.13 on a 2-core AMD EPYC (Zen 4), a model's products in
-# turn as a prefill reads them (`python -m benchmarks.prefill_products`), median of paired rounds:
-# - 6 to 64 rows: `native.rows_linear` (rows_linear.c). MKL's time over the kernel's at 4 x 256:
-#   1.31-1.8x (6 to 16 rows) and 1.13x (64) at 1 thread, 1.18-1.79x and 1.22x at 2 threads; at
-#   12 x 768, 2 threads, 1.56x at 8 rows, where oneDNN took 1.12x. Fewer rows keep the libraries
-#   (2 rows at 1 thread: MKL 0.65x the kernel's time; 4 rows level; at 12 x 768 oneDNN 0.83-0.93x at
-#   2-4 rows); 128 rows at 12 x 768 were 0.88-0.94x oneDNN's, so longer prompts keep the libraries too;
-# - more rows by a weight of 1.5M elements and more (768x2048, 2304x768, 32000x768): oneDNN, against
-#   MKL 1.06-1.6x at 1 thread and 1.3-3.3x at 2 (8 to 256 rows); smaller weights were mixed
-#   (0.68-1.3x), and so keep BLAS below `ONEDNN_ANY_WEIGHT_ROWS` rows, as does a single row (decoding);
-# - from 128 rows every weight's product: oneDNN (2026-12-04, `--rows 128,256,512 --repeats 30`). At
-#   4 x 256 (every weight under 1M elements) oneDNN took 0.84-0.88x MKL's time at 1 and at 2 threads
-#   (128, 256 and 512 rows), and at 12 x 768, 2 threads, all-oneDNN products 0.67-0.71x all-MKL's
-#   (128 and 512 rows). Such products are a padded batch's prefill: a server's joining requests.
-ROWS_KERNEL_MIN_ROWS = 6
-ROWS_KERNEL_MAX_ROWS = 64
-ONEDNN_MIN_WEIGHT = 1 << 20  # elements of the weight
-ONEDNN_MIN_ROWS = 8  # rows of the input (tokens x batch)
-ONEDNN_ANY_WEIGHT_ROWS = 128  # from this many rows oneDNN takes every weight, small ones too
-_ONEDNN = (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-           and platform.machine().lower() in ("x86_64", "amd64"))  # the rule was measured on x86 only
-_FEWEST_ROWS = min(ROWS_KERNEL_MIN_ROWS, ONEDNN_MIN_ROWS)  # below this, every product is torch's own
-
-
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """`F.linear`, through a faster kernel where one was measured faster (see `ROWS_KERNEL_MAX_ROWS`):
-    on CPU, in float32, with no gradient to record, outside compiled code (which keeps `F.linear` for
-    inductor to lower). The kernels sum in other orders than BLAS: the results agree to float32
-    rounding, not bit for bit."""
-    # compiled code is ruled out first: dynamo then traces none of the other tests (no guard on sizes)
-    if torch.compiler.is_compiling() or x.device.type != "cpu" or x.shape[-1] == 0:
-        return F.linear(x, weight, bias)
-    rows = x.numel() // x.shape[-1]
-    # the row count first: a decode step's single rows leave after the fewest tests
-    if (rows < _FEWEST_ROWS or not x.dtype == weight.dtype == torch.float32
-            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-            or torch.is_autocast_enabled("cpu")
-            or type(weight) not in (Tensor, nn.Parameter)  # a subclass (FSDP's DTensor) has no plain storage
-            or _get_current_dispatch_mode() is not None):  # a mode that watches ops (the FLOP counter) sees torch's
-        return F.linear(x, weight, bias)
-    out = None
-    if ROWS_KERNEL_MIN_ROWS <= rows <= ROWS_KERNEL_MAX_ROWS:
-        out = rows_linear(x.reshape(rows, x.shape[-1]), weight)  # None where the kernel is not built
-        if out is not None and bias is not None:
-            out += bias
-    if out is None and _ONEDNN and rows >= ONEDNN_MIN_ROWS and (weight.numel() >= ONEDNN_MIN_WEIGHT
-                                                                or rows >= ONEDNN_ANY_WEIGHT_ROWS):
-        out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), weight, bias, "none", [], "")
-    if out is None:
-        return F.linear(x, weight, bias)
-    return out.view(*x.shape[:-1], weight.shape[0])  # (..., out)
-
-
-class Linear(nn.Linear):
-    """`nn.Linear` (the same parameters and state-dict keys) whose product is `linear`'s."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.bias)
-
 
 class _RMSNormFunction(torch.autograd.Function):
     """Parameter-free RMSNorm with a hand-written backward, for eager training.
@@ -286,8 +216,8 @@ class Attention(nn.Module):
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
         D = config.n_embd
         qkv_width = (self.n_head + 2 * self.n_kv_head) * self.head_dim
-        self.c_qkv = Linear(D, qkv_width, bias=config.qkv_bias)  # q, k and v in one matmul
-        self.c_proj = Linear(D, D, bias=False)
+        self.c_qkv = nn.Linear(D, qkv_width, bias=config.qkv_bias)  # q, k and v in one matmul
+        self.c_proj = nn.Linear(D, D, bias=False)
         self.qk_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
 
     def project_q_kv(self, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -336,9 +266,9 @@ class MLP(nn.Module):
         super().__init__()
         self.swiglu = config.mlp == "swiglu"
         hidden = config.mlp_hidden
-        self.c_fc = Linear(config.n_embd, hidden, bias=False)
-        self.c_gate = Linear(config.n_embd, hidden, bias=False) if self.swiglu else None
-        self.c_proj = Linear(hidden, config.n_embd, bias=False)
+        self.c_fc = nn.Linear(config.n_embd, hidden, bias=False)
+        self.c_gate = nn.Linear(config.n_embd, hidden, bias=False) if self.swiglu else None
+        self.c_proj = nn.Linear(hidden, config.n_embd, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.swiglu:
@@ -397,6 +327,10 @@ class GPT(nn.Module):
     COMPILES_WHOLE: ClassVar[bool] = True
     EXPORTS_AS_LLAMA: ClassVar[bool] = True
 
+    # The tied head's product (no module holds it: its weight is the embedding's). A model computes
+    # `F.linear`; `inference.accelerate` gives an instance the kernels' product, as it swaps the modules.
+    tied_head_product = staticmethod(F.linear)
+
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
         for flag in OPT_IN_FLAGS:
@@ -408,7 +342,7 @@ class GPT(nn.Module):
         D, V = config.n_embd, config.vocab_size
         self.wte = nn.Embedding(V, D)
         self.blocks = nn.ModuleList([self.make_block(i) for i in range(config.n_layer)])
-        self.lm_head = None if config.tie_embeddings else Linear(D, V, bias=False)
+        self.lm_head = None if config.tie_embeddings else nn.Linear(D, V, bias=False)
         self.embed_norm = RMSNorm(D, config.norm_eps) if config.embed_norm else nn.Identity()
         self.ln_f = RMSNorm(D, config.norm_eps, config.learned_norms)  # the final norm, where the head reads
         self.reset_rope()
@@ -479,7 +413,7 @@ class GPT(nn.Module):
 
     def head(self, h_normed: Tensor) -> Tensor:
         """Head and soft-cap of an already normed top state."""
-        logits = linear(h_normed, self.wte.weight) if self.lm_head is None else self.lm_head(h_normed)
+        logits = self.tied_head_product(h_normed, self.wte.weight) if self.lm_head is None else self.lm_head(h_normed)
         cap = self.config.logit_softcap
         if cap > 0:
             logits = cap * torch.tanh(logits / cap)
@@ -537,7 +471,7 @@ class GPT(nn.Module):
 
     # -- what the rest of the system asks of an architecture -----------------------------------
     def fast_path_blocker(self, options: dict) -> str | None:
-        """Why decoding with `options` cannot run as one compiled static-shape step (models/fast.py),
+        """Why decoding with `options` cannot run as one compiled static-shape step (inference/fast.py),
         or None when it can."""
         return None
 

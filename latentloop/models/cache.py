@@ -90,7 +90,7 @@ class KVCache:
 
     @property
     def batch_size(self) -> int:
-        return self.key_pos.shape[0]  # key_pos, not k: a frozen static cache (models/fast.py) drops k
+        return self.key_pos.shape[0]  # key_pos, not k: a frozen static cache (inference/fast.py) drops k
 
     @property
     def max_len(self) -> int:

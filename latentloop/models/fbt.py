@@ -47,7 +47,7 @@ from torch import Tensor, nn
 
 from ..config import ModelConfig, require
 from ..errors import ConfigError
-from .backbone import GPT, ForwardContext, Linear, ModelOutput, norm, shift_right
+from .backbone import GPT, ForwardContext, ModelOutput, norm, shift_right
 from .cache import KVCache
 from .criteria import RelativeChange
 from .options import DecodeOption
@@ -234,8 +234,8 @@ class FBT(GPT):
     def __init__(self, config: FBTConfig):
         super().__init__(config)
         D = config.n_embd
-        self.fuse_value = Linear(D, D, bias=False)  # W_U: the carried state, on the value path
-        self.fuse_gate = Linear(D, D, bias=False)  # W_G: the token embedding, on the gate
+        self.fuse_value = nn.Linear(D, D, bias=False)  # W_U: the carried state, on the value path
+        self.fuse_gate = nn.Linear(D, D, bias=False)  # W_G: the token embedding, on the gate
         for linear in (self.fuse_value, self.fuse_gate):
             nn.init.normal_(linear.weight, std=D ** -0.5)
         self.fuse_scale = None  # only without the embedding norm (see the module docstring)
@@ -268,7 +268,7 @@ class FBT(GPT):
         """σ(W_G e) for every token id (V, D), e the embedding as `embed` gives it. The gate
         depends on the token alone, so decoding looks it up instead of paying a D×D matmul per
         token; recomputed whenever the weights change (their version counters move)."""
-        if torch.compiler.is_compiling():  # compiled decode (models.fast) refreshes the table eagerly first
+        if torch.compiler.is_compiling():  # compiled decode (inference.fast) refreshes the table eagerly first
             return self._gate_table
         key = (self.wte.weight._version, self.fuse_gate.weight._version, self.wte.weight.data_ptr(),
                self.fuse_gate.weight.data_ptr())

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from ..config import ModelConfig, require
 from ..errors import ConfigError
-from .backbone import GPT, Attention, Block, ForwardContext, Linear, ModelOutput, norm, shift_right
+from .backbone import GPT, Attention, Block, ForwardContext, ModelOutput, norm, shift_right
 from .cache import KVBuffer, KVCache, plan_attention
 from .options import DecodeOption
 
@@ -163,12 +163,12 @@ class LRTAttention(Attention):
         self.value_embeds = self.inject and config.value_embeds
         if self.inject:  # (g_loc, g_fb[, g_ve]) per kv head
             gates = 3 if self.value_embeds else 2
-            self.c_gate = Linear(self.gate_channels, gates * self.n_kv_head, bias=False)
+            self.c_gate = nn.Linear(self.gate_channels, gates * self.n_kv_head, bias=False)
             if self.value_embeds:  # zeros: at init the option changes nothing
                 self.value_embed = nn.Embedding(config.vocab_size, self.n_kv_head * self.head_dim)
                 nn.init.zeros_(self.value_embed.weight)
             if self.layerwise:
-                self.c_mem_kv = Linear(config.n_embd, 2 * self.n_kv_head * self.head_dim, bias=False)
+                self.c_mem_kv = nn.Linear(config.n_embd, 2 * self.n_kv_head * self.head_dim, bias=False)
 
     def project_qkv(self, x: Tensor, ctx: LRTContext) -> tuple[Tensor, Tensor, Tensor]:
         q, kv = self.project_q_kv(x)  # kv (B, T, 2 Hkv, hd): keys and values are gated in one go
@@ -215,7 +215,7 @@ class LRT(GPT):
         uses_kv = config.injection in ("kv", "both")
         self.mem_kv = None
         if uses_kv and config.kv_projection == "shared":  # W_k and W_v, applied once per token
-            self.mem_kv = Linear(config.n_embd, 2 * config.n_kv_head * config.head_dim, bias=False)
+            self.mem_kv = nn.Linear(config.n_embd, 2 * config.n_kv_head * config.head_dim, bias=False)
             nn.init.normal_(self.mem_kv.weight, std=config.n_embd ** -0.5)
         for block in self.blocks:
             if block.attn.inject:

@@ -59,7 +59,7 @@ from torch import Tensor, nn
 
 from ..config import ModelConfig, require
 from ..errors import ConfigError
-from .backbone import GPT, ForwardContext, Linear, ModelOutput, norm
+from .backbone import GPT, ForwardContext, ModelOutput, norm
 from .cache import AttentionPlan, KVCache, attention_mask
 from .flops import count_flops_per_token
 from .options import DecodeOption
@@ -198,7 +198,7 @@ class MoR(GPT):
     def __init__(self, config: MoRConfig):
         super().__init__(config)
         # expert: column r - 1 scores recursion r; token: the logits over depths 1..N_r
-        self.router = Linear(config.n_embd, config.recursions)
+        self.router = nn.Linear(config.n_embd, config.recursions)
         nn.init.normal_(self.router.weight, std=config.n_embd ** -0.5)
         nn.init.zeros_(self.router.bias)
 

@@ -44,7 +44,7 @@ from torch import Tensor, nn
 
 from ..config import ModelConfig, require
 from ..errors import CheckpointError, ConfigError
-from .backbone import GPT, PER_ROW_INFO, ForwardContext, Linear, ModelOutput, norm
+from .backbone import GPT, PER_ROW_INFO, ForwardContext, ModelOutput, norm
 from .cache import KVCache
 from .criteria import KLDivergence, RelativeChange
 from .options import DecodeOption
@@ -295,9 +295,9 @@ class RGPT(GPT):
     def __init__(self, config: RGPTConfig):
         super().__init__(config)
         D = config.n_embd
-        self.proj = Linear(2 * D, D, bias=False)  # W_proj [h + eps_x, h_pre]
-        self.gate_in = Linear(2 * D, D)  # f_gate, first layer
-        self.gate_out = Linear(D, D)  # f_gate, last layer
+        self.proj = nn.Linear(2 * D, D, bias=False)  # W_proj [h + eps_x, h_pre]
+        self.gate_in = nn.Linear(2 * D, D)  # f_gate, first layer
+        self.gate_out = nn.Linear(D, D)  # f_gate, last layer
         for linear in (self.proj, self.gate_in, self.gate_out):
             nn.init.normal_(linear.weight, std=linear.in_features ** -0.5)
         nn.init.zeros_(self.gate_in.bias)

@@ -36,9 +36,9 @@ import torch
 from torch import Tensor
 
 from ..engine import left_pad, row_info, sample_next
+from ..inference.fast import WINDOW_BUCKET, CompileRecord, FastDecoder, fallback_reason, static_cache
 from ..models.backbone import GPT
 from ..models.cache import regroup, row_span
-from ..models.fast import WINDOW_BUCKET, CompileRecord, FastDecoder, fallback_reason, static_cache
 from ..util import evaluating
 
 
@@ -323,7 +323,7 @@ def compiles(model, options: dict, rows: int) -> bool:
 
 
 class SlotBatch(DecodeBatch):
-    """`DecodeBatch` on the compiled path (`models.fast`): each decode step is the compiled step of
+    """`DecodeBatch` on the compiled path (`inference.fast`): each decode step is the compiled step of
     `FastDecoder` over a frozen static cache of `slot_rows(n)` rows, each row holding a whole
     context. Rows do not share a write position: each row writes at its own slot (`write_index`),
     so a joining row is copied into a free row (`place`) with no copy of the others, and a row that

@@ -6,7 +6,7 @@ per output channel (symmetric: w ~= q * scale, q in [-127, 127], scale = max |w|
 Decoding streams the weights once per token, so a quarter of the bytes is up to four times less
 memory traffic for the linear layers. How each product runs:
 - float32 on the CPU, at most `KERNEL_MAX_ROWS` rows (decoding), eager, in dynamo's compiled step
-  and in the ahead-of-time one: the native kernel (`int8_linear.c`, built by `models/native.py`).
+  and in the ahead-of-time one: the native kernel (`int8_linear.c`, built by `inference/native.py`).
   With AVX-512 VNNI its products are integer (`vpdpbusd`, 64 byte products an instruction): each
   row of activations is written as three base-254 digits (about float32's precision, not int8's;
   the file's doc says how), so it agrees with the float products to float32 rounding. Without VNNI
@@ -45,8 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .backbone import Linear
-from .native import native_library, rows_linear, threads_for
+from .native import measured_here, native_library, rows_linear, threads_for
 
 INT8_MAX = 127  # symmetric: -128 is never used, so q and -q are both representable
 # A row of zeros would get scale 0 and divide by zero when quantised: its scale is at least this
@@ -66,6 +65,8 @@ PACKAGE_FUNCTION = ("AOTITorchError aoti_torch_cpu_int8_linear(AtenTensorHandle 
 
 @functools.cache
 def _kernel() -> ctypes.CDLL | None:
+    if not measured_here():  # measured on x86 with AVX2 only: the converted product elsewhere
+        return None
     lib = native_library(KERNEL)
     if lib is not None:
         lib.latentloop_int8_linear.restype = None
@@ -104,7 +105,7 @@ def pack_weight(weight_int8: Tensor) -> Tensor:
 def package_kernel() -> str | None:
     """The kernel library's build for packages when it loads (its file name, for a package's key),
     else None: a package then sums the int8 products itself (see the module doc)."""
-    lib = native_library(KERNEL, for_packages=True)
+    lib = native_library(KERNEL, for_packages=True) if measured_here() else None
     return None if lib is None else Path(lib._name).name
 
 
@@ -214,7 +215,7 @@ def quantize_int8(model: nn.Module) -> nn.Module:
     inference: the int8 weights take no gradients."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) in (nn.Linear, Linear):
+            if isinstance(child, nn.Linear):  # an AcceleratedLinear too
                 setattr(parent, name, Int8Linear(child))
     return model
 

@@ -23,7 +23,7 @@
  *
  * The output rows are split over `threads` OpenMP threads (torch's pool: see native.py), so that
  * every output is summed by one thread in one order whatever the thread count. Built by
- * latentloop/models/native.py with the host's -march=native.
+ * latentloop/inference/native.py with the host's -march=native.
  *
  * LATENTLOOP_AOTI (the library's second build, linked with libtorch): `aoti_torch_cpu_int8_linear`,
  * the C function an ahead-of-time compiled decode step (aot.py) calls for `latentloop::int8_linear`

@@ -184,6 +184,23 @@ def native_status(name: str, for_packages: bool = False) -> str:
     return _failures.get(_failure_key(name, for_packages), "unavailable")
 
 
+# What the kernels were measured on: x86 with AVX2 and FMA (AVX-512 used where present). On anything
+# else (an ARM CPU, an x86 one without AVX2) a kernel would run its scalar loop, never measured
+# against torch's products: there every caller takes torch's path.
+MEASURED_ARCHITECTURES = ("x86_64", "amd64")
+MEASURED_FLAGS = ("avx2", "fma")
+
+
+@functools.cache
+def measured_here() -> bool:
+    """Whether this CPU is one the native kernels were measured on (see `MEASURED_FLAGS`); the callers
+    (products, int8 decoding, the compiled step's rows products) take torch's path where it is not."""
+    if platform.machine().lower() not in MEASURED_ARCHITECTURES:
+        return False
+    flags = set(_cpu_signature().split())
+    return all(flag in flags for flag in MEASURED_FLAGS)
+
+
 def threads_for(macs: int) -> int:
     """Threads for a product of `macs` multiply-adds: torch's, or one for a small product."""
     return torch.get_num_threads() if macs >= PARALLEL_MIN_MACS else 1
@@ -191,6 +208,10 @@ def threads_for(macs: int) -> int:
 
 @functools.cache
 def _rows_library() -> ctypes.CDLL | None:
+    if not measured_here():
+        _failures[ROWS_KERNEL] = (f"this CPU ({platform.machine()}) is not one the kernels were measured on "
+                                  f"(x86 with {' and '.join(MEASURED_FLAGS).upper()})")
+        return None
     lib = native_library(ROWS_KERNEL)
     if lib is None:
         return None
@@ -253,13 +274,13 @@ def rows_package_kernel() -> str | None:
 
 # `rows_linear` as an operator torch.compile keeps opaque (dynamo cannot trace ctypes) and an
 # ahead-of-time package calls as `ROWS_PACKAGE_FUNCTION`: a compiled step's products of a batch's rows
-# (fast._linear_by_reduction). Eager callers call `rows_linear` itself (`backbone.linear`): the
+# (fast._linear_by_reduction). Eager callers call `rows_linear` itself (`products.accelerated_linear`): the
 # operator's dispatch costs more than a small product.
 @torch.library.custom_op("latentloop::rows_linear", mutates_args=())
 def rows_linear_op(x: Tensor, weight: Tensor) -> Tensor:
     y = rows_linear(x.reshape(-1, x.shape[-1]), weight)
     if y is None:  # no kernel here: torch's own product (`F.linear` may be swapped while a step is exported)
-        return torch._C._nn.linear(x, weight)
+        return torch.ops.aten.linear.default(x, weight)
     return y.view(*x.shape[:-1], weight.shape[0])
 
 

@@ -29,7 +29,7 @@ decode step has static shapes:
   built on, and one attention kernel call per layer cost more than the fused loops. A batch's
   products of 6 to 64 rows (continuous batching) call the rows kernel (`native.rows_linear_op`),
   as the eager path's do.
-- On CPU the step runs from an AOTInductor package (`models/aot.py`: `torch.export` of the same
+- On CPU the step runs from an AOTInductor package (`inference/aot.py`: `torch.export` of the same
   rewritten step, a shared library on disk bound to the model's own weights), called from C++ with
   no dynamo frame, guards or AOT autograd wrappers in between (about as much time as the kernels
   themselves at batch 1 of a small model), and loaded by a later process in milliseconds without
@@ -76,12 +76,13 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from ..models.backbone import GPT
+from ..models.cache import AttentionPlan, KVCache, row_span
 from ..util import CACHE_ENV, default_cache_dir
-from . import native, quant
+from . import native, quant, torch_internals
 from .aot import AotDecodeStep, AotUnavailable, aot_enabled, model_code_digest
-from .backbone import GPT, ROWS_KERNEL_MAX_ROWS, ROWS_KERNEL_MIN_ROWS
-from .cache import AttentionPlan, KVCache, row_span
 from .cache_trust import private_folder, untrusted_folder, warn_once
+from .products import ROWS_KERNEL_MAX_ROWS, ROWS_KERNEL_MIN_ROWS
 
 # The static cache's length is rounded up to a multiple of this when a whole context's buffer would be
 # too large (`FULL_CONTEXT_CACHE_BYTES`), so prompts of nearby lengths share one compiled step (a new
@@ -752,8 +753,9 @@ def _compiled_step(device_type: str):
 
 
 def compile_cpu_decode(fn):
-    """`fn` compiled for decoding on CPU: static shapes, `_cpu_decode_backend`."""
-    return torch.compile(fn, backend=_cpu_decode_backend, dynamic=False)
+    """`fn` compiled for decoding on CPU: static shapes, `_cpu_decode_backend` (stock inductor on a torch
+    whose internals it was not tested with: `torch_internals`)."""
+    return torch.compile(fn, backend=_cpu_decode_backend if torch_internals.tested() else "inductor", dynamic=False)
 
 
 # Up to this many rows (batch size x new tokens), a decode step's weight products are rewritten as
@@ -778,9 +780,9 @@ def _linear_by_reduction(input: Tensor, weight: Tensor, bias: Tensor | None = No
         if (ROWS_KERNEL_MIN_ROWS <= rows <= ROWS_KERNEL_MAX_ROWS and bias is None
                 and input.dtype == weight.dtype == torch.float32 and native.rows_package_kernel() is not None):
             # a batch's rows (continuous batching's 8 to 32) through the rows kernel, as an eager batch's
-            # products run (`backbone.linear`): a package calls its C function
+            # products run (`products.accelerated_linear`): a package calls its C function
             return torch.ops.latentloop.rows_linear(input.contiguous(), weight)
-        return torch._C._nn.linear(input, weight, bias)  # torch's own op: `F.linear` is this function in an export
+        return torch.ops.aten.linear.default(input, weight, bias)  # torch's own op: `F.linear` is this function
     input = _stored(input)  # computed once, not in every output row's loop (`_stored`)
     y = (input[..., None, :] * weight).sum(-1)  # (..., out, in) -> (..., out): one fused loop, never materialised
     return y if bias is None else y + bias
@@ -803,7 +805,7 @@ def _attention_by_reduction(query: Tensor, key: Tensor, value: Tensor, attn_mask
             and (attn_mask is None or (attn_mask.dim() == 4 and attn_mask.shape[1] in (1, H)
                                        and attn_mask.shape[2] == 1)))
     if not fits:  # torch's own op, as in `_linear_by_reduction`
-        return torch._C._nn.scaled_dot_product_attention(
+        return torch.ops.aten.scaled_dot_product_attention.default(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
             enable_gqa=enable_gqa)
     hd = query.shape[-1]
@@ -836,12 +838,7 @@ def _stored(tensor: Tensor) -> Tensor:
       0.93x the time with float32 weights and 0.76x with int8 ones, whose widening loop it had bound.
     (Medians of 15 rounds paired in one process, 14 or 15 below 1: 4 layers x d 256, 1 thread; tokens
     200/200 the same.)"""
-    tensor = tensor.contiguous()
-    try:  # registers the prim (imported already when compiling); a private module of torch's
-        from torch._inductor import inductor_prims  # noqa: F401
-    except ImportError:  # a torch without it: the same values, computed where inductor chooses
-        return tensor
-    return torch.ops.prims.inductor_force_stride_order(tensor, tensor.stride())
+    return torch_internals.force_stride_order(tensor.contiguous())  # where that is not here: the values as they are
 
 
 def _int8_linear_by_reduction(x: Tensor, weight_int8: Tensor, scale: Tensor, packed: Tensor | None = None) -> Tensor:
@@ -880,10 +877,8 @@ def _cpu_decode_backend(gm: torch.fx.GraphModule, example_inputs):
     Python (`cpp_wrapper`: the Python wrapper was a fifth of the step; 1.21 -> 0.83 ms before the
     reductions), for a longer first compile (~4 s with inductor's defaults; ~16 s now, measured with
     an empty inductor cache)."""
-    from torch._inductor.compile_fx import compile_fx
-
     patches = {"cpp_wrapper": True, "unsafe_marked_cacheable_functions": _reduction_cache_keys()}
-    return compile_fx(rewrite_as_reductions(gm), example_inputs, config_patches=patches)
+    return torch_internals.compile_fx(rewrite_as_reductions(gm), example_inputs, patches)
 
 
 def _reduction_cache_keys() -> dict[str, str]:

@@ -62,7 +62,7 @@ import torch
 from torch import Tensor, nn
 
 from ..util import first_line
-from . import native, quant
+from . import native, quant, torch_internals
 from .cache_trust import private_folder, record_digest, remove_artifact, unverified_file
 
 AOT_ENV = "LATENTLOOP_AOT"  # "0": no ahead-of-time packages, dynamo's compiled step everywhere
@@ -70,7 +70,9 @@ AOT_SUBDIR = "aot"  # under compile_cache_dir()
 PACKAGE_FORMAT = 1  # bump when the inputs' order or the metadata's meaning changes
 INFO_KEY = "latentloop_info"  # the package metadata's entry holding the step's `info` (JSON)
 # The model code a package is built from: any change to these files misses the cache.
-MODEL_SOURCES = Path(__file__).resolve().parent
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # latentloop/
+# The code a step runs: the models, every architecture's package and this one (its C files too)
+MODEL_SOURCES = tuple(PACKAGE_ROOT / part for part in ("models", "archs", "inference"))
 
 
 def aot_enabled() -> bool:
@@ -209,8 +211,9 @@ def _attributes_as_buffers(holder: nn.Module):
 
 def _source_digest() -> str:
     digest = hashlib.sha256()
-    for path in sorted(MODEL_SOURCES.glob("*.py")) + sorted(MODEL_SOURCES.glob("*.c")):
-        digest.update(path.name.encode() + path.read_bytes())
+    sources = (path for folder in MODEL_SOURCES for suffix in ("*.py", "*.c", "*.h") for path in folder.rglob(suffix))
+    for path in sorted(sources):
+        digest.update(path.relative_to(PACKAGE_ROOT).as_posix().encode() + path.read_bytes())
     return digest.hexdigest()
 
 
@@ -334,12 +337,12 @@ _read_pointer = _capsule_pointer_reader()
 def _handles(tensors: list[Tensor]) -> list[int]:
     """New handles (`at::Tensor*`) of these tensors, as raw pointers (a handle is freed by whoever it
     is handed to, or by `_tensors`)."""
-    return [_read_pointer(capsule) for capsule in torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors(tensors)]
+    return [_read_pointer(capsule) for capsule in torch_internals.tensor_handles(tensors)]
 
 
 def _tensors(handles) -> list[Tensor]:
     """The tensors of these handles, which are freed (the tensors keep what they point at)."""
-    return torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs([_new_capsule(h, None, None) for h in handles])
+    return torch_internals.tensors_from_handles([_new_capsule(h, None, None) for h in handles])
 
 
 _LIBRARY_SUFFIX = ".wrapper.so"  # the model library in a package's archive
@@ -347,6 +350,19 @@ _LIBRARY_SUFFIX = ".wrapper.so"  # the model library in a package's archive
 # torch's proxy executor, which only torch's own loader provides) makes the package load refuse.
 _KNOWN_SUFFIXES = (_LIBRARY_SUFFIX, ".wrapper.cpp", ".kernel.cpp", "_metadata.json", "archive_format",
                    "archive_version", "version", "byteorder", "serialization_id")
+
+
+def _package_metadata(archive: zipfile.ZipFile, library: str) -> dict[str, str]:
+    """The metadata AOTInductor keeps in a package (`aot_inductor.metadata` and the device it was built
+    for): the JSON file written beside the model library, `<library's stem>_metadata.json`."""
+    name = library[: -len(_LIBRARY_SUFFIX)] + "_metadata.json"
+    try:
+        metadata = json.loads(archive.read(name))
+    except (KeyError, ValueError) as error:
+        raise AotUnavailable(f"the package's metadata {name} is missing or not JSON: {error}") from None
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise AotUnavailable(f"the package's metadata {name} is not a mapping of strings")
+    return metadata
 
 
 class _Library:
@@ -363,7 +379,7 @@ class _Library:
             if unknown or len(libraries) != 1:
                 raise AotUnavailable(f"{path.name} is not a package this loader runs (one model library, no "
                                      f"operators for torch's proxy executor): {unknown or libraries}")
-            self.metadata = torch._C._aoti.AOTIModelPackageLoader.load_metadata_from_package(str(path), "model")
+            self.metadata = _package_metadata(archive, libraries[0])
             private = tempfile.mkdtemp(prefix="latentloop-aot-")
             try:  # loaded from a private copy, removed once mapped (the process keeps its mapping)
                 so_path = Path(private) / "model.so"
@@ -525,6 +541,8 @@ class AotDecodeStep:
     def refuses(model) -> str | None:
         if next(model.parameters()).device.type != "cpu":
             return "not on CPU"
+        if not torch_internals.has_tensor_handles():  # the package's library is called with torch's handles
+            return torch_internals.untested_reason()
         return None
 
     @staticmethod
