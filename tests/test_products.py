@@ -67,8 +67,8 @@ def test_the_rows_kernel_equals_blas(rows, out, width, monkeypatch):
 @needs_rows_kernel
 def test_linear_picks_the_rows_kernel_by_rows_and_keeps_torch_for_autograd(monkeypatch):
     """`accelerated_linear`'s rule: ROWS_KERNEL_MIN_ROWS to ROWS_KERNEL_MAX_ROWS rows without autograd go
-    through the rows kernel (leading dimensions and bias as F.linear's); one row, more rows, a grad-recording call or bf16
-    autocast keep torch's product."""
+    through the rows kernel (leading dimensions and bias as F.linear's); one row, more rows, a
+    grad-recording call or bf16 autocast keep torch's product."""
 
     calls = []
     monkeypatch.setattr(products, "rows_linear", lambda *a: calls.append(a[0].shape) or native.rows_linear(*a))
