@@ -3,9 +3,10 @@ in-process through `latentloop.cli.main`; a case passes when it ends with exit c
 one line on stderr (no traceback) naming the problem, and nothing already written was changed.
 Then what lies beyond the command line: the sandbox's verdict against a program that walks its
 frames (where the sandbox can run), and `latentloop serve` answering hostile requests (deeply nested
-JSON, a body too large to buffer) and staying healthy.
+JSON, bodies too large to buffer, declared or chunked, prompts of 15 MB beside a normal request whose
+slowdown is tallied, SIGTERM with requests in flight) and staying healthy.
 
-    python -m benchmarks.bad_inputs [--json tally.json] [--verbose]
+    python -m benchmarks.bad_inputs [--json tally.json] [--verbose] [--only server]
 
 It builds what the cases need in a temporary folder first (a corpus, three tiny trained runs, a
 corrupt run, files where folders are expected, Hugging Face folders with one thing wrong, an fsdp2
@@ -105,7 +106,36 @@ def build_fixtures(root: Path) -> dict[str, str]:
             "corrupt": str(corrupt), "badconfig": str(badconfig), "tok": str(tok), "hf": str(hf),
             **{arch: str(path) for arch, path in runs.items()}, **_hf_fixtures(root, tok),
             **_sharded_fixtures(root, corpus), "busy_port": str(_busy_port()), **_template_fixtures(root),
-            **_checkpoint_fixtures(root, runs["gpt"])}
+            **_checkpoint_fixtures(root, runs["gpt"]), "serve_small": _serve_small_run(root, tok)}
+
+
+def server_fixtures(root: Path) -> dict[str, str]:
+    """What `server_cases` alone needs (`--only server`): the template runs and the small BPE run."""
+    corpus = root / "corpus.txt"
+    corpus.write_text("def add(a, b):\n    return a + b\n" * 400)
+    tok = root / "tok"
+    tok.mkdir()
+    code, err = _run(["tokenizer", "train", "--data", f"text:{corpus}", "--vocab-size", "300", "--out", str(tok)])
+    if code != 0:
+        raise SystemExit(f"fixture tokenizer failed: {err}")
+    return {"root": str(root), **_template_fixtures(root), "serve_small": _serve_small_run(root, tok)}
+
+
+def _serve_small_run(root: Path, tok: Path) -> str:
+    """A random-init gpt of the `small` preset (512 tokens of context) with the fixtures' BPE tokenizer:
+    a normal request takes tens of milliseconds, and a 15 MB one-word prompt took a tokenizer thread
+    for seconds."""
+    import torch
+
+    from latentloop.api import build
+    from latentloop.data.tokenizers import BPETokenizer
+    from latentloop.runtime import save_run
+
+    tokenizer = BPETokenizer.load(tok)
+    torch.manual_seed(0)
+    save_run(build("gpt", preset="small", vocab_size=tokenizer.vocab_size, bos_id=tokenizer.bos_id), tokenizer,
+             root / "serve_small")
+    return str(root / "serve_small")
 
 
 # The files of a plain checkpoint, and those `generate` reads (the others a resume reads)
@@ -559,83 +589,239 @@ def sandbox_cases() -> list[dict]:
 
 HEALTH_WHILE_RENDERING_S = 4.0  # how long /health is asked while the looping render runs (its limit: 5 s)
 HEALTH_ANSWER_S = 1.0  # an answer slower than this counts as the server being held up
+HOSTILE_PROMPT_CHARS = 15_000_000  # a one-word prompt under the 16 MiB body cap (issue 49: 130 s of a tokenizer)
+HOSTILE_TOKENIZE_CHARS = 10_000_000  # /tokenize's (issue 49: 111 s)
+LONG_PROMPT_CHARS = 500_000  # within what a completions body may need, past what the context holds
+HOSTILE_REQUESTS = 4  # as many as the server's tokenizer threads
+HOSTILE_REFUSED_S = 5.0  # each must be refused within this (it took minutes)
+NORMAL_RUNS = 5  # the normal request alone, for its median
+HOSTILE_TRIALS = 3  # the normal request beside the hostile ones, for its median
+NORMAL_SLOWDOWN = 2.0  # the most the hostile ones may slow the normal request (median beside / median alone)
+NORMAL_REQUEST = {"prompt": "def add(a, b):\n    return a + b\n" * 8, "max_tokens": 4, "temperature": 0}
+CHUNKED_BODY_MB = 300  # a chunked body without Content-Length (issue 49: reset at ~21 MiB)
+IN_FLIGHT = 8  # requests decoding when SIGTERM comes (issue 49: 3-6 of 8 saw a dropped connection)
+IN_FLIGHT_REQUEST = {"prompt": "def add", "max_tokens": 400, "temperature": 0}  # seconds on the small model
+AFTER_SIGNAL_S = 1.0  # how long new requests are sent after SIGTERM
+SERVER_START_S = 120.0
 
 
-def server_cases(fixtures: dict[str, str]) -> list[dict]:
-    """`latentloop serve` in a child process on a free loopback port, each request bounded in time."""
-    import http.client
+def _start_server(run: str, *flags: str):
+    """`latentloop serve RUN` in a child process on a free loopback port, once /health answers:
+    (process, port), or (process, None) when it did not start."""
     import socket
     import subprocess
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "latentloop", "serve", fixtures["tpl_cond"], "--port", str(port),
-                               "--request-timeout", "30"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    results = []
+    server = subprocess.Popen([sys.executable, "-m", "latentloop", "serve", run, "--port", str(port), *flags],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + SERVER_START_S
+    while _call(port, "GET", "/health")[0] != 200:
+        if server.poll() is not None or time.monotonic() > deadline:
+            return server, None
+        time.sleep(0.5)
+    return server, port
 
-    def request(method: str, path: str, body: bytes | None = None, headers: dict | None = None) -> int:
-        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
-        try:
-            connection.request(method, path, body=body, headers=headers or {})
-            return connection.getresponse().status
-        except OSError:
-            return -1
-        finally:
-            connection.close()
 
-    def while_a_template_loops() -> list[dict]:
-        """A chat request whose rendering loops; /health is asked meanwhile and must answer at once."""
-        import threading
+def _stop_server(server) -> None:
+    import subprocess
 
-        chat = json.dumps({"model": Path(fixtures["tpl_cond"]).name, "max_tokens": 2,
-                           "messages": [{"role": "user", "content": "loop"}]}).encode()
-        outcome = {}
-        worker = threading.Thread(target=lambda: outcome.update(status=request(
-            "POST", "/v1/chat/completions", chat, {"Content-Type": "application/json"})))
-        started = time.monotonic()
-        worker.start()
-        waits = []
-        while worker.is_alive() and time.monotonic() - started < HEALTH_WHILE_RENDERING_S:
-            asked = time.monotonic()
-            ok = request("GET", "/health") == 200
-            waits.append(time.monotonic() - asked if ok else float("inf"))
-            time.sleep(0.2)
-        worker.join(timeout=60)
-        slowest = max(waits, default=float("inf"))
-        return [{"case": "serve: /health answers while a chat template loops",
-                 "ok": bool(waits) and slowest < HEALTH_ANSWER_S,
-                 "detail": f"{len(waits)} asked, slowest {slowest:.2f} s"},
-                {"case": "serve: the looping render ends in an error, not a hang",
-                 "ok": 400 <= outcome.get("status", 0) < 600, "detail": outcome.get("status")}]
-
-    try:
-        deadline = time.monotonic() + 120
-        while request("GET", "/health") != 200:
-            if server.poll() is not None or time.monotonic() > deadline:
-                return [{"case": "serve: started", "ok": False, "detail": server.stderr.read().decode()[-300:]}]
-            time.sleep(0.5)
-        nested = b"[" * 100_000 + b"]" * 100_000
-        results.append({"case": "serve: JSON nested 100k deep is a 400",
-                        "ok": (status := request("POST", "/v1/completions", nested,
-                                                 {"Content-Type": "application/json"})) == 400, "detail": status})
-        with socket.create_connection(("127.0.0.1", port), timeout=20) as raw:  # a body never sent
-            raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                        b"Content-Length: 300000000\r\n\r\n")
-            reply = raw.recv(200)
-        results.append({"case": "serve: a 300 MB body is refused before it arrives (413)",
-                        "ok": reply.startswith(b"HTTP/1.1 413"),
-                        "detail": reply.split(b"\r\n")[0].decode(errors="replace")})
-        results += while_a_template_loops()
-        results.append({"case": "serve: still healthy after all", "ok": request("GET", "/health") == 200})
-    finally:
+    if server.poll() is None:
         server.terminate()
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+    try:
+        server.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+
+
+def _call(port: int, method: str, path: str, body=None, headers: dict | None = None,
+          timeout: float = 20) -> tuple[int | str, bytes, float]:
+    """(status, reply body, seconds) of one request on a connection of its own; status "dropped"
+    when the connection broke (refused, reset, closed) before a reply."""
+    import http.client
+
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    start = time.monotonic()
+    try:
+        connection.request(method, path, body=body, headers=headers or {},
+                           encode_chunked=body is not None and not isinstance(body, bytes))
+        reply = connection.getresponse()
+        return reply.status, reply.read(), time.monotonic() - start
+    except OSError as error:
+        return "dropped", repr(error).encode(), time.monotonic() - start
+    finally:
+        connection.close()
+
+
+def _message(reply: bytes) -> str:
+    try:
+        return json.loads(reply)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return reply[:120].decode(errors="replace")
+
+
+JSON = {"Content-Type": "application/json"}
+
+
+def server_cases(fixtures: dict[str, str]) -> list[dict]:
+    """`latentloop serve` in child processes on free loopback ports, each request bounded in time:
+    hostile bodies and a looping chat template against the template run; huge prompts beside a
+    normal request, and SIGTERM with requests in flight, against the small BPE run."""
+    server, port = _start_server(fixtures["tpl_cond"], "--request-timeout", "30")
+    try:
+        if port is None:
+            return [{"case": "serve: started", "ok": False, "detail": server.stderr.read().decode()[-300:]}]
+        results = _body_cases(port) + _template_loop_cases(port, Path(fixtures["tpl_cond"]).name)
+        results.append({"case": "serve: still healthy after all", "ok": _call(port, "GET", "/health")[0] == 200})
+    finally:
+        _stop_server(server)
+    server, port = _start_server(fixtures["serve_small"], "--request-timeout", "60")
+    try:
+        if port is None:
+            return results + [{"case": "serve: the small run started", "ok": False,
+                               "detail": server.stderr.read().decode()[-300:]}]
+        results += _huge_prompt_cases(port)
+        results += _sigterm_cases(server, port)
+    finally:
+        _stop_server(server)
     return results
+
+
+def _body_cases(port: int) -> list[dict]:
+    import socket
+
+    nested = b"[" * 100_000 + b"]" * 100_000
+    status = _call(port, "POST", "/v1/completions", nested, JSON)[0]
+    results = [{"case": "serve: JSON nested 100k deep is a 400", "ok": status == 400, "detail": status}]
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as raw:  # a body never sent
+        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 300000000\r\n\r\n")
+        reply = raw.recv(200)
+    results.append({"case": "serve: a 300 MB body is refused before it arrives (413)",
+                    "ok": reply.startswith(b"HTTP/1.1 413"),
+                    "detail": reply.split(b"\r\n")[0].decode(errors="replace")})
+
+    def chunks():  # sent whole before the reply is read, as http.client sends
+        for _ in range(CHUNKED_BODY_MB):
+            yield b"[" * 2**20
+
+    status, reply, seconds = _call(port, "POST", "/v1/completions", chunks(), JSON, timeout=60)
+    results.append({"case": f"serve: a {CHUNKED_BODY_MB} MB chunked body without Content-Length is a 413",
+                    "ok": status == 413 and "larger than" in _message(reply),
+                    "detail": f"{status} in {seconds:.2f} s: {_message(reply)}"})
+    return results
+
+
+def _template_loop_cases(port: int, model: str) -> list[dict]:
+    """A chat request whose rendering loops; /health is asked meanwhile and must answer at once."""
+    import threading
+
+    chat = json.dumps({"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "loop"}]}).encode()
+    outcome = {}
+    worker = threading.Thread(target=lambda: outcome.update(status=_call(port, "POST", "/v1/chat/completions",
+                                                                         chat, JSON, timeout=60)[0]))
+    started = time.monotonic()
+    worker.start()
+    waits = []
+    while worker.is_alive() and time.monotonic() - started < HEALTH_WHILE_RENDERING_S:
+        status, _, seconds = _call(port, "GET", "/health")
+        waits.append(seconds if status == 200 else float("inf"))
+        time.sleep(0.2)
+    worker.join(timeout=60)
+    slowest = max(waits, default=float("inf"))
+    status = outcome.get("status")
+    return [{"case": "serve: /health answers while a chat template loops",
+             "ok": bool(waits) and slowest < HEALTH_ANSWER_S, "detail": f"{len(waits)} asked, slowest {slowest:.2f} s"},
+            {"case": "serve: the looping render ends in an error, not a hang",
+             "ok": isinstance(status, int) and 400 <= status < 600, "detail": status}]
+
+
+def _huge_prompt_cases(port: int) -> list[dict]:
+    """Four 15 MB one-word prompts (every tokenizer thread of the server) and a normal request at
+    once: the four get 400 within seconds, and the normal request's time is compared with its time
+    alone in this run (medians); a prompt within the body's bound but past the context's gets 400
+    before it is tokenized; /tokenize of 10 MB gets 400 at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    normal = json.dumps(NORMAL_REQUEST).encode()
+    hostile = json.dumps({"prompt": "a" * HOSTILE_PROMPT_CHARS, "max_tokens": 4}).encode()
+    _call(port, "POST", "/v1/completions", normal, JSON)  # warm: the first request's one-off costs
+    alone = sorted(_call(port, "POST", "/v1/completions", normal, JSON)[2] for _ in range(NORMAL_RUNS))
+    beside, refused = [], []
+    with ThreadPoolExecutor(HOSTILE_REQUESTS + 1) as pool:
+        for _ in range(HOSTILE_TRIALS):
+            attacks = [pool.submit(_call, port, "POST", "/v1/completions", hostile, JSON, 120)
+                       for _ in range(HOSTILE_REQUESTS)]
+            time.sleep(0.05)  # the hostile bodies are on their way (as in the issue's measurement)
+            status, reply, seconds = pool.submit(_call, port, "POST", "/v1/completions", normal, JSON, 120).result()
+            beside.append(seconds if status == 200 else float("inf"))
+            refused += [future.result() for future in attacks]
+    median_alone, median_beside = alone[len(alone) // 2], sorted(beside)[len(beside) // 2]
+    ratio = median_beside / median_alone
+    slowest = max(seconds for _, _, seconds in refused)
+    all_refused = all(status == 413 and "can need" in _message(reply) for status, reply, _ in refused)
+    long_prompt = json.dumps({"prompt": "a" * LONG_PROMPT_CHARS}).encode()
+    long_status, long_reply, long_seconds = _call(port, "POST", "/v1/completions", long_prompt, JSON)
+    long_text = json.dumps({"prompt": "a" * HOSTILE_TOKENIZE_CHARS}).encode()
+    status, reply, seconds = _call(port, "POST", "/tokenize", long_text, JSON, timeout=120)
+    return [{"case": f"serve: {HOSTILE_REQUESTS} one-word prompts of 15 MB are refused (413) by their size, unread",
+             "ok": all_refused and slowest < HOSTILE_REFUSED_S,
+             "detail": f"{len(refused)} refused, slowest {slowest:.2f} s: {_message(refused[0][1])}"},
+            {"case": f"serve: a normal request beside them takes at most {NORMAL_SLOWDOWN:g}x its time alone",
+             "ok": ratio <= NORMAL_SLOWDOWN,
+             "detail": f"{ratio:.2f}x: median {median_beside * 1000:.0f} ms beside ({HOSTILE_TRIALS} trials), "
+                       f"{median_alone * 1000:.0f} ms alone ({NORMAL_RUNS} runs)"},
+            {"case": "serve: a 500 KB prompt, past the context, is refused (400) before tokenizing",
+             "ok": long_status == 400 and "can hold" in _message(long_reply) and long_seconds < HOSTILE_REFUSED_S,
+             "detail": f"{long_status} in {long_seconds:.2f} s: {_message(long_reply)}"},
+            {"case": "serve: /tokenize of 10 MB is refused (400) before tokenizing",
+             "ok": status == 400 and seconds < HOSTILE_REFUSED_S,
+             "detail": f"{status} in {seconds:.2f} s: {_message(reply)}"}]
+
+
+def _sigterm_cases(server, port: int) -> list[dict]:
+    """SIGTERM while IN_FLIGHT requests decode: each gets its completion or a 503 with one message
+    (never a dropped connection), and requests sent after the signal get 503 while the server drains."""
+    import signal
+    from concurrent.futures import ThreadPoolExecutor
+
+    body = json.dumps(IN_FLIGHT_REQUEST).encode()
+    with ThreadPoolExecutor(IN_FLIGHT) as pool:
+        in_flight = [pool.submit(_call, port, "POST", "/v1/completions", body, JSON, 120) for _ in range(IN_FLIGHT)]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # every request is decoding or queued
+            status, reply, _ = _call(port, "GET", "/v1/stats")
+            stats = json.loads(reply) if status == 200 else {}
+            if stats.get("active_rows", 0) + stats.get("queued", 0) >= IN_FLIGHT:
+                break
+            time.sleep(0.02)
+        server.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        after = []
+        while time.monotonic() - signalled < AFTER_SIGNAL_S:
+            status, reply, _ = _call(port, "POST", "/v1/completions", body, JSON)
+            if status == "dropped":  # the server has stopped listening
+                break
+            after.append((status, reply))
+        replies = [future.result()[:2] for future in in_flight]
+    try:
+        server.wait(timeout=30)
+        exited = True
+    except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired: stopped by the caller
+        exited = False
+
+    def answered(status, reply) -> bool:
+        return status == 200 or (status == 503 and _message(reply).startswith("the server is shutting down"))
+
+    counts = {str(status): sum(s == status for s, _ in replies) for status in {s for s, _ in replies}}
+    return [{"case": f"serve: SIGTERM with {IN_FLIGHT} requests in flight: each completes or gets a 503",
+             "ok": all(answered(status, reply) for status, reply in replies), "detail": counts},
+            {"case": "serve: requests after SIGTERM get 503 while the server drains, then it exits",
+             "ok": bool(after) and all(status == 503 for status, _ in after) and exited,
+             "detail": f"{len(after)} sent in {AFTER_SIGNAL_S:g} s: {sorted({str(s) for s, _ in after})}; "
+                       f"exited {exited}"}]
 
 
 # -- code in the cache: a planted library never runs, a damaged one is built again (issue 49) ---------
@@ -706,12 +892,17 @@ def main_cli(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", type=Path, default=None, help="also write every case's result as JSON")
     p.add_argument("--verbose", action="store_true", help="print every case, not only the failing ones")
+    p.add_argument("--only", choices=("server",), default=None,
+                   help="run one group of cases, building only its fixtures (server: `latentloop serve`'s)")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["LATENTLOOP_CACHE"] = str(Path(tmp) / "cache")
-        fixtures = build_fixtures(Path(tmp))
-        results = run_cases(fixtures, args.verbose)
-        beyond = sandbox_cases() + kernel_cases(Path(tmp)) + server_cases(fixtures)
+        if args.only == "server":
+            results, beyond = [], server_cases(server_fixtures(Path(tmp)))
+        else:
+            fixtures = build_fixtures(Path(tmp))
+            results = run_cases(fixtures, args.verbose)
+            beyond = sandbox_cases() + kernel_cases(Path(tmp)) + server_cases(fixtures)
     for result in beyond:
         if args.verbose or not result["ok"]:
             print(f"{'ok ' if result['ok'] else 'BAD' if result['ok'] is False else '-- '} {result['case']}: "

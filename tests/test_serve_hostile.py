@@ -26,7 +26,7 @@ from conftest import SERVER_EXIT_S, ServeProcess, serving
 import latentloop as ll
 from latentloop.data import BPETokenizer, ByteTokenizer
 from latentloop.runtime import save_run
-from latentloop.serve.limits import MAX_TEXT_BYTES, Limits, prompt_text_limit, spells_its_text
+from latentloop.serve.limits import BODY_FIELDS_BYTES, MAX_TEXT_BYTES, Limits, prompt_text_limit, spells_its_text
 from latentloop.serve.protocol import APIError, encode_text, parse_completion
 
 httpx = pytest.importorskip("httpx")
@@ -36,6 +36,7 @@ CALL_TIMEOUT_S = 60
 TOK = ByteTokenizer()
 CORPUS = "def add(a, b):\n    return a + b\n" * 50
 HOSTILE_CHARS = 4_000_000  # a one-word prompt: seconds of a BPE tokenizer's time before, refused unread now
+LONG_PROMPT_CHARS = 100_000  # within the body's bound, past the context's: refused before tokenizing
 HOSTILE_REFUSED_S = 10  # the most a hostile prompt's 400 may take (it was a 4 s tokenization each, GIL held)
 NORMAL = {"prompt": "def add(a, b):\n    return", "max_tokens": 4, "temperature": 0}
 
@@ -99,6 +100,14 @@ def test_the_bound_never_refuses_a_text_that_fits():
     for sample in (CORPUS, text * 40, "é€😀 mixed " * 20):
         assert len(tokenizer.encode(sample)) * longest >= len(sample.encode("utf-8"))
     assert prompt_text_limit(TOK, 100)[0] == 100  # one byte per token
+    # the largest body a completions request can need fits the body's bound: as many prompts as rows,
+    # each the most text the context holds in control characters (6 bytes each, JSON-escaped), or as
+    # many ids as the context holds, pretty-printed
+    for tokenizer in (TOK, bpe()):
+        limits = Limits.for_model(CONTEXT, 16, 4, tokenizer)
+        texts = json.dumps({"prompt": ["\x01" * limits.prompt_bytes] * 4, "max_tokens": 16, "stop": ["x"] * 4})
+        ids = json.dumps({"prompt": [[tokenizer.vocab_size - 1] * CONTEXT] * 4}, indent=8)
+        assert max(len(texts), len(ids)) <= limits.completion_body_bytes - BODY_FIELDS_BYTES // 2
 
 
 def test_only_tokenizers_that_spell_their_text_get_the_context_bound():
@@ -192,19 +201,25 @@ def post(url: str, body: bytes | dict, path: str = "/v1/completions") -> tuple[i
 
 def test_huge_prompts_are_refused_quickly_and_a_normal_request_goes_through(server, runs):
     """Four one-word prompts of millions of characters and a normal request at once: the four get
-    400 naming the context's bound (they were tokenized, a tokenizer thread each, GIL held); the
-    normal one gets the engine's tokens. /tokenize refuses a text past MAX_TEXT_BYTES alike."""
+    413 by their body's size, past what any completions request of this context can need (each was
+    tokenized, a tokenizer thread each, GIL held); a prompt within that size but past what the
+    context holds gets 400 before it is tokenized; the normal one gets the engine's tokens.
+    /tokenize refuses a text past MAX_TEXT_BYTES alike."""
     tokenizer = BPETokenizer.load(runs["bpe"] / "tokenizer.json")
     hostile = json.dumps({"prompt": "a" * HOSTILE_CHARS, "max_tokens": 4}).encode()
-    with ThreadPoolExecutor(5) as pool:
+    with ThreadPoolExecutor(6) as pool:
         refused = [pool.submit(post, server.url, hostile) for _ in range(4)]
+        too_long = pool.submit(post, server.url, {"prompt": "a" * LONG_PROMPT_CHARS})
         normal = pool.submit(post, server.url, NORMAL)
         replies = [future.result() for future in refused]
         status, body, _ = normal.result()
     for code, reply, seconds in replies:
-        assert code == 400, reply
-        assert f"the prompt is {HOSTILE_CHARS:,} characters of text" in reply["error"]["message"]
+        assert code == 413, reply
+        assert "the most a completions request to this model can need" in reply["error"]["message"]
         assert seconds < HOSTILE_REFUSED_S
+    code, reply, _ = too_long.result()
+    assert code == 400 and f"the prompt is {LONG_PROMPT_CHARS:,} characters of text: more than the model's " \
+                           f"context of {CONTEXT} tokens can hold" in reply["error"]["message"], reply
     assert status == 200, body
     model = ll.load(runs["bpe"])[0]
     ids = [tokenizer.bos_id] + tokenizer.encode(NORMAL["prompt"])
@@ -220,7 +235,7 @@ def test_a_chunked_body_past_the_cap_that_goes_on_arriving_gets_413(server):
     """A chunked body of 48 MiB with no Content-Length, sent whole before the reply is read (as
     http.client sends): the server drops what passes the cap and answers 413 (the connection was
     reset at ~21 MiB: the server closed while the body arrived)."""
-    from latentloop.serve.app import MAX_BODY_BYTES
+    from latentloop.serve.limits import MAX_BODY_BYTES
 
     piece = 2**20
 
@@ -236,7 +251,7 @@ def test_a_chunked_body_past_the_cap_that_goes_on_arriving_gets_413(server):
         status, payload = reply.status, json.loads(reply.read())
     finally:
         connection.close()
-    assert status == 413 and payload["error"]["message"] == f"the request body is larger than {MAX_BODY_BYTES} bytes"
+    assert status == 413 and payload["error"]["message"].startswith("the request body is larger than")
     assert httpx.get(server.url + "/health", timeout=CALL_TIMEOUT_S).status_code == 200
 
 

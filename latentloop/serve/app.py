@@ -44,6 +44,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..errors import LatentloopError
+from .limits import MAX_BODY_BYTES
 from .protocol import (
     APIError,
     Limits,
@@ -57,7 +58,6 @@ from .scheduler import Done, Failed, Job, make_scheduler
 from .settings import ServeSettings, check_settings
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks whether its client went away or the server stops
-MAX_BODY_BYTES = 16 * 2**20  # larger request bodies are refused (413), holding no more than this
 # A refused body is read and dropped (`_drain_body`) until it ends, its client pauses this long, or this
 # many bytes are dropped: 1 GiB drains in about a second on loopback; a client that sends more is cut off
 DRAIN_IDLE_S = 1.0
@@ -94,20 +94,20 @@ def _declared(option) -> dict:
 
 
 class _BodyTooLarge(Exception):
-    """The body passed MAX_BODY_BYTES (by its Content-Length, or by the bytes read)."""
+    """The body passed its limit (by its Content-Length, or by the bytes read)."""
 
 
-async def _read_body(request: Request) -> bytes:
-    """The request body, refused (`_BodyTooLarge`) as soon as it is known to exceed MAX_BODY_BYTES:
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused (`_BodyTooLarge`) as soon as it is known to exceed `limit` bytes:
     by its Content-Length before any of it is read, else (a chunked body) once the bytes read pass
     the limit, so that no more than the limit is ever held."""
     length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+    if length is not None and length.isdigit() and int(length) > limit:
         raise _BodyTooLarge
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
-        if size > MAX_BODY_BYTES:
+        if size > limit:
             raise _BodyTooLarge
         chunks.append(chunk)
     return b"".join(chunks)
@@ -380,15 +380,16 @@ def create_app(model, tokenizer, name: str, settings: ServeSettings) -> FastAPI:
         finally:
             task.cancel()  # a no-op once done
 
-    async def read_json(request: Request, deadline: float) -> Any:
+    async def read_json(request: Request, deadline: float, limit: int = MAX_BODY_BYTES,
+                        why: str = "the most any request may have") -> Any:
         try:
-            raw = await bounded(_read_body(request), deadline, body_timed_out)
+            raw = await bounded(_read_body(request, limit), deadline, body_timed_out)
         except ClientDisconnect:  # gone before its body ended: nobody reads a reply, and no server error to log
             counters["disconnects"] += 1
             raise APIError(400, "the client disconnected before its request body arrived") from None
         except _BodyTooLarge:
             await _drain_body(request, deadline)
-            raise APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes") from None
+            raise APIError(413, f"the request body is larger than {limit:,} bytes, {why}") from None
         return await bounded(prepares.run(_decode_json, raw), deadline, timed_out)
 
     @app.get("/health")
@@ -473,7 +474,9 @@ def create_app(model, tokenizer, name: str, settings: ServeSettings) -> FastAPI:
         """One completions or chat-completions request, plain or streamed: the same parsing,
         scheduling and events; only the shape of a choice differs (`text` vs `message` / `delta`)."""
         deadline = time.monotonic() + settings.request_timeout  # the whole request, from its first byte
-        body = await read_json(request, deadline)
+        # a completions body larger than any prompt the context can hold is refused by its size, unread
+        body = await (read_json(request, deadline) if chat else
+                      read_json(request, deadline, limits.completion_body_bytes, limits.completion_body_why()))
         # the checks tokenize the prompt, or render the conversation with the model's chat template
         parsed = await bounded((renders if chat else prepares).run(parse_completion, body, model, tokenizer, limits,
                                                                    name, chat), deadline, timed_out)

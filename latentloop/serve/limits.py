@@ -21,6 +21,13 @@ from dataclasses import dataclass
 # 16 MiB a body may carry would hold a tokenizer thread for seconds to minutes.
 MAX_TEXT_BYTES = 2**20
 MAX_UTF8_BYTES = 4  # the most bytes one character takes in UTF-8
+MAX_BODY_BYTES = 16 * 2**20  # the most bytes any request body may have (413 past it, holding no more)
+# What a completions body can need, to refuse a larger one by its size (413) before decoding it: each
+# prompt's text JSON-escaped (at most 6 bytes per byte: "\u0000" for a control byte), or its token ids
+# (digits, separators and a pretty-printer's indentation), and room for every other field
+JSON_ESCAPED_BYTES = 6
+JSON_ID_BYTES = 16
+BODY_FIELDS_BYTES = 2**20
 
 # Pre-tokenizers that keep every byte of the text in some piece (ByteLevel maps bytes into its alphabet,
 # Metaspace spaces to "▁", and a token's bytes map them back); the others may drop what they split on
@@ -46,6 +53,23 @@ class Limits:
     def for_model(cls, context: int, max_tokens_cap: int, max_rows: int, tokenizer) -> Limits:
         """The limits of a server of this context and tokenizer (the text bound computed once)."""
         return cls(context, max_tokens_cap, max_rows, *prompt_text_limit(tokenizer, context))
+
+    @property
+    def completion_body_bytes(self) -> int:
+        """The most bytes a /v1/completions body can need: max_rows prompts, each the most text that
+        fits the context (JSON-escaped) or a context of token ids, and BODY_FIELDS_BYTES for the
+        rest; at most MAX_BODY_BYTES."""
+        text = MAX_TEXT_BYTES if self.prompt_bytes is None else min(self.prompt_bytes, MAX_TEXT_BYTES)
+        prompt = max(text * JSON_ESCAPED_BYTES, self.context * JSON_ID_BYTES)
+        return min(MAX_BODY_BYTES, self.max_rows * prompt + BODY_FIELDS_BYTES)
+
+    def completion_body_why(self) -> str:
+        """How `completion_body_bytes` follows (for the 413's message)."""
+        if self.completion_body_bytes == MAX_BODY_BYTES:
+            return "the most any request may have"
+        return (f"the most a completions request to this model can need: {self.max_rows} prompts (--max-batch-size) "
+                f"of a context's text or token ids, JSON-escaped, and {BODY_FIELDS_BYTES // 2**20} MiB for the other "
+                f"fields")
 
     def text_problem(self, text: str, what: str = "the prompt") -> str | None:
         """Why a prompt's text can never be served, by its size alone (None: it may fit)."""
