@@ -79,7 +79,9 @@ def build_fixtures(root: Path) -> dict[str, str]:
     (root / "bad.yaml").write_text("model: [unclosed\n")
     (root / "list.yaml").write_text("- 1\n- 2\n")
     runs = {}
-    for arch in ("gpt", "fbt", "rgpt", "lrt"):
+    from latentloop.archs import ARCHS
+
+    for arch in ARCHS:  # a tiny trained run of every registered architecture
         runs[arch] = root / arch
         code, err = _run(["train", "--arch", arch, "--preset", "test", "--data", f"text:{corpus}", "--steps", "2",
                           "--set", "batch_size=2", "--out", str(runs[arch]), "--no-progress"])
@@ -487,6 +489,28 @@ CASES += [
       ["train", "--resume", "--steps", "3", "--out", f"{{{_flipped(name)}}}", "--no-progress"])
      for name in CHECKPOINT_FILES]
 NOTHING_WRITTEN += ["o40"]
+
+
+def _option_cases() -> list[tuple[str, list[str]]]:
+    """From the registry: for every architecture, each declared decoding option given a value outside
+    what it declares (a choice it does not offer, a number under its minimum), on `generate`."""
+    from latentloop.archs import ARCHS
+
+    cases = []
+    for arch, spec in ARCHS.items():
+        for option in spec.options:
+            if option.choices:
+                bad = f"not-a-{option.name}"
+            elif option.minimum is not None:
+                bad = str(option.kind(option.minimum) - 1)
+            else:
+                continue
+            argv = ["generate", f"{{{arch}}}", "--prompt", "x", option.flag, bad]
+            cases.append((f"{arch} {option.flag} {bad}", argv))
+    return cases
+
+
+CASES += _option_cases()
 
 def _hf_empty_template(root: Path, tok: Path) -> str:
     """A tiny Llama folder whose tokenizer's chat template renders nothing."""

@@ -71,26 +71,20 @@ TINY = Shape("test", batch=4, steps=3, warmup=1, prompt=8, new_tokens=8, decode_
              extra={"sequence_len": 64})
 
 WHOLE_STEP = "gpt, loss compiled too"  # the headroom case: model and cross-entropy in one graph
-TRAIN_CASES: list[tuple[str, str, dict]] = [
-    ("gpt", "gpt", {}),
-    (WHOLE_STEP, "gpt", {}),
-    ("fbt K=1", "fbt", {"feedback_start": 0.0, "pass_mix": (1.0,)}),
-    ("fbt K=2", "fbt", {"feedback_start": 0.0, "pass_mix": (0.0, 1.0)}),
-    ("fbt K=3", "fbt", {"feedback_start": 0.0, "pass_mix": (0.0, 0.0, 1.0)}),
-    ("lrt interleaved S=2", "lrt", {"recurrence": "interleaved", "subsets": 2}),
-    ("rgpt", "rgpt", {}),
-]
-DECODE_CASES: list[tuple[str, str, dict]] = [
-    ("gpt", "gpt", {}),
-    ("fbt standard", "fbt", {"regime": "standard"}),
-    ("fbt soft", "fbt", {"regime": "soft"}),
-    ("fbt fused K=2", "fbt", {"regime": "fused", "passes": 2}),
-    ("lrt sequential prefill", "lrt", {"prefill": "sequential"}),
-    ("lrt interleaved prefill", "lrt", {"prefill": "interleaved"}),
-    ("rgpt full cache", "rgpt", {"cache_mode": "full"}),
-    ("rgpt mean cache", "rgpt", {"cache_mode": "mean"}),
-    ("rgpt last cache", "rgpt", {"cache_mode": "last"}),
-]
+
+
+def _cases(field: str) -> list[tuple[str, str, dict]]:
+    """(label, arch, overrides) of every registered architecture's benchmark cases (its spec's
+    `train_cases` or `decode_cases`: config overrides, or decoding options)."""
+    from latentloop.archs import ARCHS
+
+    return [(f"{name} {label}".strip(), name, dict(given)) for name, spec in ARCHS.items()
+            for label, given in getattr(spec, field).items()]
+
+
+TRAIN_CASES: list[tuple[str, str, dict]] = _cases("train_cases")
+TRAIN_CASES.insert(1, (WHOLE_STEP, "gpt", {}))
+DECODE_CASES: list[tuple[str, str, dict]] = _cases("decode_cases")
 
 
 def _sync(device: torch.device) -> None:

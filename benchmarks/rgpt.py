@@ -35,7 +35,7 @@ from benchmarks.common import (
     param_bytes,
     render_table,
 )
-from latentloop.models.rgpt import CACHE_MODES, rgpt_shape_from_dense
+from latentloop.archs.rgpt.model import CACHE_MODES, rgpt_shape_from_dense
 
 PAPER_RGPT = {"decode_eager": "+23% (GPU eager)", "decode_compiled": "+10% (GPU compiled)",
               "params": "−63%", "memory": "−59%"}

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .archs import ARCHS, scoring_notes
+from .archs import ARCHS, get_arch, scoring_notes
 from .config import DataConfig, RunConfig, TrainConfig, model_config
 from .engine import generate
 from .errors import ConfigError, LatentloopError, OutputError
@@ -79,12 +79,9 @@ def run_demo(out: Path, steps: int = DEMO_STEPS, data: str = "stdlib", preset: s
         room = config.model.sequence_len - len(prompt)
         ids = generate(state.model, prompt, min(SAMPLE_TOKENS, room), temperature=0.8, top_k=50, seed=0,
                        stop_tokens=[state.tokenizer.bos_id, state.tokenizer.eos_id])
-        gates: dict[str, float] = {}
-        for row in state.history:  # rgpt: each recurrence step's latest logged mean gate and openness
-            gates |= {k: v for k, v in row.items() if k.startswith(("openness_r", "gate_mean_r"))}
-        if gates:  # (a logged step ran its drawn depth r only, so deeper steps come from earlier rows)
-            summary["gates"] = gates
-            summary["recurrence_steps"] = getattr(config.model, "recurrence_steps", None)
+        notes = get_arch(arch).demo_lines(state.history, config.model)  # what the arch reports of its run
+        if notes:
+            summary["notes"] = notes
         summary.update(arch=arch, sample=SAMPLE_PROMPT + state.tokenizer.decode(ids),
                        history=[row for row in state.history if "loss" in row or "val_loss" in row])
         results.append(summary)
@@ -101,13 +98,6 @@ def score_options(state) -> dict[str, dict[str, float]]:
     batches = text_batches(state.data.val, cfg.train.batch_size, cfg.model.sequence_len, EVAL_BATCHES, spread=True,
                            bos_id=state.tokenizer.bos_id)
     return score_run(state.model, batches, state.tokenizer.token_byte_lengths())
-
-
-def gates_line(gates: dict[str, float]) -> str:
-    """'r=1: gate 0.52, openness 0.41; r=2: ...' from openness_rN / gate_mean_rN readings."""
-    steps = sorted(int(k[len("openness_r"):]) for k in gates if k.startswith("openness_r"))
-    return "; ".join(f"r={r}: mean gate {gates.get(f'gate_mean_r{r}', float('nan')):.3f}, effective openness "
-                     f"‖Δh‖/‖o‖ {gates[f'openness_r{r}']:.3f}" for r in steps)
 
 
 def _interval(interval) -> str:
@@ -168,9 +158,7 @@ def _write_report(out: Path, results: list[dict[str, Any]], data: str, preset: s
              "in brackets, the 95% bootstrap interval of BPB over the documents they cover._", ""]
     parts += [line for note in scoring_notes(r["arch"] for r in results) for line in (f"_{note}._", "")]
     for r in results:
-        if r.get("gates"):
-            parts += [f"{r['arch']} gates (R = {r.get('recurrence_steps')}), each step r at the last logged step that "
-                      f"ran it: " + gates_line(r["gates"]), ""]
+        parts += [line for note in r.get("notes", []) for line in (f"{r['arch']} {note}", "")]
     parts.append(f"![loss]({plot})\n" if plot else "(install the `plot` extra for a loss plot)\n")
     for r in results:
         parts += [f"## {r['arch']} sample\n", "```", r["sample"], "```", ""]

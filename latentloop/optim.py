@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -97,44 +98,43 @@ def newton_schulz_dtype(device: torch.device, products_dtype: str) -> torch.dtyp
     return torch.bfloat16 if device.type == "cuda" or products_dtype == "bfloat16" else torch.float32
 
 
-def build_optimizers(model: nn.Module, config: TrainConfig,
-                     products_dtype: str = "float32") -> list[torch.optim.Optimizer]:
+def build_optimizers(model: nn.Module, config: TrainConfig, products_dtype: str = "float32",
+                     own_groups: Sequence[dict] = ()) -> list[torch.optim.Optimizer]:
     """One or two optimizers; each param group remembers its base lr as `initial_lr`. `products_dtype`:
-    the dtype the run's products take (`runtime.resolve_dtype`), which Muon's iteration follows."""
+    the dtype the run's products take (`runtime.resolve_dtype`), which Muon's iteration follows.
+    `own_groups`: torch-style groups (`params`, and `lr` / `weight_decay` where they differ from the
+    run's) of parameters an architecture trains with settings of their own (its spec's `param_groups`,
+    e.g. lrt's residual scalars): AdamW's, never Muon's, taken out of the groups below."""
     # lookup tables (the token embedding, lrt's per-layer value embeddings) and the head: AdamW, never Muon
     embed_ids = {id(p) for name, p in model.named_parameters()
                  if name.startswith(("wte", "lm_head")) or ".value_embed." in name}
     # matrices the config keeps off Muon (`muon_exclude`): AdamW, with the embeddings' group
     embed_ids |= {id(p) for name, p in model.named_parameters() if any(part in name for part in config.muon_exclude)}
-    # lrt's residual scalars alpha_l, gamma_l: their own lr when the config sets one (residual_lr > 0)
-    residual_lr = float(getattr(getattr(model, "config", None), "residual_lr", 0.0) or 0.0)
-    residual_ids = {id(p) for name, p in model.named_parameters()
-                    if residual_lr > 0 and name.endswith((".mem_alpha", ".mem_gamma"))}
-    matrices, vectors, embeddings, residuals = [], [], [], []
+    own_ids = {id(p) for group in own_groups for p in group["params"]}
+    matrices, vectors, embeddings = [], [], []
     for p in model.parameters():
-        if not p.requires_grad:
+        if not p.requires_grad or id(p) in own_ids:
             continue
-        if id(p) in residual_ids:
-            residuals.append(p)
-        elif id(p) in embed_ids:
+        if id(p) in embed_ids:
             embeddings.append(p)
         elif p.dim() >= 2:
             matrices.append(p)
         else:
             vectors.append(p)
     adam_kwargs = dict(lr=config.lr, betas=config.betas, eps=1e-8)
-    residual_group = [dict(params=residuals, weight_decay=0.0, lr=residual_lr)]  # scheduled like the rest
-    params = matrices + vectors + embeddings + residuals
+    own = [{"weight_decay": 0.0, **{k: v for k, v in group.items() if v is not None}, "params": list(group["params"])}
+           for group in own_groups]  # scheduled like the rest
+    params = matrices + vectors + embeddings + [p for group in own for p in group["params"]]
     if params and all(p.device.type in FUSED_ADAMW_DEVICES and p.is_floating_point() for p in params):
         adam_kwargs["fused"] = True
     if config.optimizer == "muon":
-        groups = [dict(params=embeddings, weight_decay=0.0), dict(params=vectors, weight_decay=0.0)] + residual_group
+        groups = [dict(params=embeddings, weight_decay=0.0), dict(params=vectors, weight_decay=0.0)] + own
         optimizers = [torch.optim.AdamW([g for g in groups if g["params"]], **adam_kwargs),
                       Muon(matrices, lr=config.muon_lr, weight_decay=config.weight_decay,
                            ns_dtype=newton_schulz_dtype(matrices[0].device, products_dtype) if matrices else None)]
     else:
         groups = [dict(params=matrices + embeddings, weight_decay=config.weight_decay),
-                  dict(params=vectors, weight_decay=0.0)] + residual_group
+                  dict(params=vectors, weight_decay=0.0)] + own
         optimizers = [torch.optim.AdamW([g for g in groups if g["params"]], **adam_kwargs)]
     for opt in optimizers:
         for group in opt.param_groups:

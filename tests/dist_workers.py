@@ -55,7 +55,7 @@ def record_draws(objective, model) -> list[dict]:
     the uniform field that places the prefix boundaries; rgpt: depth; lrt: the subsets' columns),
     which every rank must draw alike, and under "own" what each rank must have to itself: its batch
     and the next numbers of its torch stream (read from a copy: the run draws them unchanged)."""
-    from latentloop.objectives import fbt as fbt_objective
+    from latentloop.archs.fbt import objective as fbt_objective
 
     draws: list[dict] = []
     real_mask = fbt_objective.document_prefix_mask

@@ -7,7 +7,8 @@ import pytest
 import torch
 from conftest import TINY_RUN_CONTEXT
 
-from latentloop.analysis import bracket_depth_labels, fit_linear_probe, spearman
+from latentloop.archs.fbt.analyses import bracket_depth_labels, fit_linear_probe
+from latentloop.archs.rgpt.analyses import spearman
 from latentloop.cli import main
 from latentloop.data import ByteTokenizer
 

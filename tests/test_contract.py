@@ -46,7 +46,6 @@ from latentloop.errors import CheckpointError, ConfigError
 from latentloop.interop import initialise_from, upcycle_config
 from latentloop.models.backbone import GPT
 from latentloop.models.flops import BACKWARD_FACTOR
-from latentloop.optim import build_optimizers
 from latentloop.runtime import load_run, save_run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -624,7 +623,8 @@ def test_bf16_autocast_trains_with_an_fp32_residual_stream(kind):
         torch.manual_seed(0)
         model = _build(kind).train()
         train = TrainConfig(steps=BF16_STEPS, batch_size=2, device="cpu", dtype=dtype)
-        objective, optimizers = build_objective(model.config, train), build_optimizers(model, train)
+        objective = build_objective(model.config, train)
+        optimizers = get_arch(model.config.arch).build_optimizers(model, train)
         stream_dtypes: set[torch.dtype] = set()
         hooks = [block.register_forward_hook(lambda _m, _i, out, seen=stream_dtypes: seen.add(
             (out[0] if isinstance(out, tuple) else out).dtype)) for block in model.blocks]

@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 import latentloop as ll
 from latentloop.archs import ARCHS, get_arch
+from latentloop.archs.fbt import model as fbt_module
+from latentloop.archs.rgpt import model as rgpt_module
 from latentloop.engine import PromptError, sample_next, teacher_forced_logits
-from latentloop.models import fbt as fbt_module
-from latentloop.models import rgpt as rgpt_module
 from latentloop.models.criteria import KLDivergence, RelativeChange
 from latentloop.models.options import DecodeOption, check_options
 

@@ -42,7 +42,7 @@ def test_demo_rejects_a_step_count_that_is_not_a_positive_integer(steps, tmp_pat
 
 
 def test_gates_line_lists_every_recurrence_step():
-    from latentloop.demo import gates_line
+    from latentloop.archs.rgpt import gates_line
 
     line = gates_line({"openness_r2": 0.1, "gate_mean_r2": 0.9, "openness_r1": 0.5, "gate_mean_r1": 0.6})
     assert line.index("r=1") < line.index("r=2")

@@ -13,12 +13,12 @@ from safetensors.torch import load_file
 
 import latentloop as ll
 from latentloop.archs import build_model, build_objective
+from latentloop.archs.rgpt.model import HUGINN_DEPTH_SIGMA, MAX_RECURRENCE_STEPS
+from latentloop.archs.rgpt.objective import draw_depth
 from latentloop.checkpoint import list_checkpoints
 from latentloop.cli import main
 from latentloop.config import RunConfig, TrainConfig, model_config
-from latentloop.models.rgpt import HUGINN_DEPTH_SIGMA, MAX_RECURRENCE_STEPS
 from latentloop.objectives import token_cross_entropy
-from latentloop.objectives.rgpt import draw_depth
 
 DRAWS = 20_000  # optimizer steps sampled for the distribution checks (~15 µs each)
 MEAN_SDS = 5  # the sample mean of r - 1 is within this many of its standard errors of r̄

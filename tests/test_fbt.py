@@ -9,14 +9,14 @@ from safetensors.torch import load_file
 
 import latentloop as ll
 from latentloop.archs import build_objective
+from latentloop.archs.fbt.model import per_batch_mix
+from latentloop.archs.fbt.objective import document_prefix_mask
 from latentloop.cli import main
 from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config
 from latentloop.engine import teacher_forced_logits
 from latentloop.eval.loss import passes_curve
 from latentloop.models.backbone import shift_right
-from latentloop.models.fbt import per_batch_mix
 from latentloop.objectives import token_cross_entropy
-from latentloop.objectives.fbt import document_prefix_mask
 from latentloop.train import fit, setup
 
 TOL = 1e-5  # fp32 max abs logit difference between two exact paths

@@ -34,7 +34,9 @@ ALLOWED: dict[str, frozenset[str]] = {
     "inference": frozenset({"models"}),  # acceleration applied to built models from outside; models never import it
     "objectives": frozenset({"models"}),  # models: rgpt charges FLOPs with the counter's BACKWARD_FACTOR
     "optim": frozenset(),
-    "archs": frozenset({"models", "objectives"}),
+    # one package per architecture: its model (models only: see test_an_architectures_model_imports_only_models),
+    # its objective, its spec; optim for its parameter groups, inference for its fast-path cache mixin
+    "archs": frozenset({"inference", "models", "objectives", "optim"}),
     "engine": frozenset({"inference", "models"}),
     "runtime": frozenset({"archs", "checkpoint", "data", "inference", "models"}),  # models: unused today
     "parallel": frozenset({"checkpoint", "runtime"}),
@@ -210,6 +212,18 @@ def test_models_know_nothing_of_the_inference_package(edges):
            and e.target == "inference"]
     assert not bad, "\n".join(bad)
     assert not list((PACKAGE / "models").rglob("*.[ch]")), "C files belong to latentloop/inference/"
+
+
+def test_an_architectures_model_imports_only_models(edges):
+    """`archs/<arch>/model.py` is a model like the backbone: it imports the config, errors, util, the shared
+    models and other architectures' model files only (an export ships it with exactly those), never its
+    spec, objective, the optimizer or the inference package."""
+    model_files = {f"latentloop/archs/{path.parent.name}/model.py" for path in (PACKAGE / "archs").glob("*/model.py")}
+    assert model_files, "no architecture model files found"
+    bad = [str(e) for e in edges if e.file in model_files
+           and not (e.target in BASE or e.target == "models"
+                    or (e.module.startswith("latentloop.archs.") and e.module.endswith(".model")))]
+    assert not bad, "\n".join(bad)
 
 
 def test_tasks_do_not_import_sources(edges):

@@ -8,12 +8,12 @@ import torch
 
 import latentloop as ll
 from latentloop.archs import build_objective
+from latentloop.archs.lrt.model import upper_middle_layer
 from latentloop.cli import main
 from latentloop.config import TrainConfig, model_config
 from latentloop.engine import left_pad
-from latentloop.models.lrt import upper_middle_layer
 from latentloop.objectives import token_cross_entropy
-from latentloop.optim import build_optimizers, set_lr
+from latentloop.optim import set_lr
 
 TOL = 1e-5  # fp32 max abs logit difference between two exact paths
 
@@ -218,17 +218,18 @@ def test_source_layer_defaults_to_the_upper_middle():
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_residual_scalars_get_their_own_learning_rate(optimizer):
     model = ll.build("lrt", preset="test", residual_lr=0.05)
-    opt = build_optimizers(model, TrainConfig(lr=1e-3, optimizer=optimizer))[0]  # AdamW: first under both
+    spec = ll.archs.get_arch("lrt")  # the spec owns the group (`param_groups`), as the trainer builds it
+    opt = spec.build_optimizers(model, TrainConfig(lr=1e-3, optimizer=optimizer))[0]  # AdamW: first under both
     scalars = {id(b.mem_alpha) for b in model.blocks} | {id(b.mem_gamma) for b in model.blocks}
     groups = [g for g in opt.param_groups if {id(p) for p in g["params"]} & scalars]
     assert len(groups) == 1 and {id(p) for p in groups[0]["params"]} == scalars
     assert groups[0]["initial_lr"] == 0.05 and groups[0]["weight_decay"] == 0.0
     set_lr([opt], 0.5)
     assert groups[0]["lr"] == pytest.approx(0.025)  # scheduled like every other group
-    plain_opt = build_optimizers(ll.build("lrt", preset="test"), TrainConfig(lr=1e-3, optimizer=optimizer))[0]
+    plain_opt = spec.build_optimizers(ll.build("lrt", preset="test"), TrainConfig(lr=1e-3, optimizer=optimizer))[0]
     assert all(g["initial_lr"] == 1e-3 for g in plain_opt.param_groups)  # residual_lr 0: the run's lr
     ve = ll.build("lrt", preset="test", value_embeds=True)
-    muon_opts = build_optimizers(ve, TrainConfig(optimizer="muon"))
+    muon_opts = spec.build_optimizers(ve, TrainConfig(optimizer="muon"))
     muon_ids = {id(p) for g in muon_opts[1].param_groups for p in g["params"]}
     assert all(id(b.attn.value_embed.weight) not in muon_ids for b in ve.blocks)  # lookup tables stay on AdamW
 

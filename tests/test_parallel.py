@@ -24,10 +24,10 @@ from latentloop.parallel import _checkpointed, apply_activation_checkpointing
 from latentloop.runtime import current_dist, init_distributed, resolve_strategy
 from latentloop.train import fit, setup
 
-# Per-arch settings whose training forward draws nothing from the global RNG in the step tested
-# (fbt: multi-pass forced, no jitter; rgpt: no noise), so two forwards can be compared exactly.
-QUIET = {"gpt": {}, "fbt": {"plain_fraction": 0.0, "pass_mix": (0.0, 1.0), "jitter": 0.0}, "lrt": {},
-         "rgpt": {"noise_std": 0.0}}
+# Every registered architecture, with its spec's settings under which a training forward draws nothing
+# from the global RNG in the step tested (fbt: multi-pass forced, no jitter; rgpt: no noise), so two
+# forwards can be compared exactly.
+QUIET = {name: dict(spec.deterministic) for name, spec in ll.archs.ARCHS.items()}
 
 
 def _loss_and_grads(model, objective, x, y, step=3, forward=None):

@@ -9,10 +9,10 @@ import torch
 
 import latentloop as ll
 from latentloop.archs import build_objective
+from latentloop.archs.rgpt.model import rgpt_shape_from_dense
 from latentloop.cli import main
 from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config
 from latentloop.engine import row_info
-from latentloop.models.rgpt import rgpt_shape_from_dense
 from latentloop.objectives import token_cross_entropy
 from latentloop.train import fit, setup
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from latentloop.api import build
 from latentloop.archs import build_objective
+from latentloop.archs.fbt.objective import sft_fuse_mask
 from latentloop.cli import main
 from latentloop.config import TrainConfig, extended_rope_theta
 from latentloop.data import ByteTokenizer
@@ -23,7 +24,6 @@ from latentloop.data.chat import (
     sequence_len_that_fits,
 )
 from latentloop.engine import teacher_forced_logits
-from latentloop.objectives.fbt import sft_fuse_mask
 from latentloop.runtime import load_run, save_run
 from latentloop.train.stages import EXTEND_LR_SHARE, SFT_LR_SHARE
 

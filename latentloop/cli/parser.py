@@ -66,6 +66,47 @@ def _add_decode_options(p: argparse.ArgumentParser) -> None:
 
 
 
+def _analysis_type(option):
+    """An analysis option's argument type: its type, at least its minimum (one-line usage errors)."""
+    if option.minimum is None:
+        return option.type
+
+    def parse(text: str):
+        try:
+            value = option.type(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {option.type.__name__}, got {text!r}") from None
+        if value < option.minimum:
+            raise argparse.ArgumentTypeError(f"expected at least {option.minimum}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _add_analyses(sub) -> None:
+    """`analyze KIND`: one subcommand per analysis a registered architecture offers (its spec's
+    `analyses`), with that analysis's options as flags."""
+    from ..archs import ARCHS
+
+    by_kind: dict[str, tuple[object, list[str]]] = {}
+    for spec in ARCHS.values():
+        for kind, analysis in spec.analyses.items():
+            by_kind.setdefault(kind, (analysis, []))[1].append(spec.name)
+    kinds = "; ".join(f"{kind} ({', '.join(archs)})" for kind, (_, archs) in by_kind.items())
+    a = sub.add_parser("analyze", help=f"look inside a trained run: {kinds}")
+    asub = a.add_subparsers(dest="analysis", required=True, parser_class=_Parser)
+    for kind, (analysis, archs) in by_kind.items():
+        sp = asub.add_parser(kind, help=f"{'/'.join(archs)}: {analysis.help}")
+        for option in analysis.options:
+            sp.add_argument("--" + option.name.replace("_", "-"), dest=f"analysis_{option.name}",
+                            type=_analysis_type(option), default=option.default, help=option.help)
+        sp.add_argument("run", help="run folder or checkpoint folder")
+        sp.add_argument("--batches", type=_positive_int, default=None, help="validation batches to use")
+        sp.add_argument("--out", default=None, help="output folder (default: RUN/analysis)")
+        sp.add_argument("--json", action="store_true", help="print the result as JSON")
+        sp.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
 def _addgeneration_options(p: argparse.ArgumentParser) -> None:
     """One flag per inference option any architecture declares (its `ArchSpec`); the value is
     parsed and checked against the loaded model's arch later, so a flag of another arch is a
@@ -150,9 +191,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--device", help="auto, cpu, cuda[:N], mps")
     t.add_argument("--out", required=True, help="run folder to create (or continue with --resume)")
     t.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    from ..archs import ARCHS
+
     t.add_argument("--init-from", metavar="RUN",
                    help="start from another run's weights; from a gpt run (e.g. imported with import-hf) "
-                        "--arch fbt / lrt / rgpt upcycles it; the model shape and the tokenizer come from RUN")
+                        f"--arch {' / '.join(name for name in ARCHS if name != 'gpt')} upcycles it; the model shape "
+                        "and the tokenizer come from RUN")
     t.add_argument("--stage", choices=["pretrain", "sft", "extend"], default=None,
                    help="sft: fine-tune --init-from RUN on conversations (--data chat:FILE[:field=role,...] or "
                         "chat:task:NAME), loss on the assistant's tokens only; extend: continue --init-from RUN at a "
@@ -238,24 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     kt.add_argument("--max-bytes", type=_non_negative_int, default=20_000_000,
                     help="read at most this many bytes of training text (0: all)")
 
-    a = sub.add_parser("analyze", help="look inside a trained run (fbt contraction and probes, rgpt depth)")
-    asub = a.add_subparsers(dest="analysis", required=True, parser_class=_Parser)
-    ac = asub.add_parser("contraction", help="fbt: iterate the multi-pass map; relative change and loss per pass")
-    ac.add_argument("--passes", type=_positive_int, default=1000, help="passes to iterate")
-    ap = asub.add_parser("probe", help="fbt: linear probes of nesting depth from layer 0, standard vs recurrent")
-    ap.add_argument("--passes", type=_positive_int, default=4, help="passes of the recurrent prefill")
-    ad = asub.add_parser("depth", help="rgpt: early-exit curve, gate per step, exit depth vs token loss")
-    ad.add_argument("--max-steps", type=_positive_int, default=None, help="evaluate r = 1..this (default: trained R)")
-    ad.add_argument("--exit-threshold", type=float, default=0.01, help="KL threshold of the adaptive exit")
-    ad.add_argument("--min-steps", type=_positive_int, default=1, help="steps before any exit")
-    ad.add_argument("--task-limit", type=_positive_int, default=50,
-                    help="for runs trained on task:NAME, test examples scored at each depth")
-    for sp in (ac, ap, ad):
-        sp.add_argument("run", help="run folder or checkpoint folder")
-        sp.add_argument("--batches", type=_positive_int, default=None, help="validation batches to use")
-        sp.add_argument("--out", default=None, help="output folder (default: RUN/analysis)")
-        sp.add_argument("--json", action="store_true", help="print the result as JSON")
-        sp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_analyses(sub)
 
     i = sub.add_parser("import-hf", help="import a Hugging Face Llama-family checkpoint (llama, mistral, qwen2) "
                                          "as a gpt run")

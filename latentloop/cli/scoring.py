@@ -42,7 +42,7 @@ def cmd_eval(args) -> int:
             print(format_suite(result))
             print(f"results: {run_dir / 'evals'}")
         return 0
-    if args.passes_curve and "passes_curve" not in get_arch(config.model.arch).analyses:
+    if args.passes_curve and not get_arch(config.model.arch).offers("passes_curve"):
         from ..archs import offering
 
         raise ConfigError(f"--passes-curve needs a run of {' or '.join(offering('passes_curve'))}; "
@@ -241,32 +241,16 @@ def cmd_compare(args) -> int:
 
 
 def cmd_analyze(args) -> int:
-    from .. import analysis
+    from ..analysis import available, run_analysis
     from ..runtime import output_folder
 
     if args.out:  # before the analysis runs, not after
         output_folder(args.out, "--out")
-    common = dict(out=Path(args.out) if args.out else None)
+    options = {k[len("analysis_"):]: v for k, v in vars(args).items() if k.startswith("analysis_")}
     show = not (args.no_progress or args.json)  # the long ones: 1000 passes, or task accuracy at every depth
-    if args.batches:
-        common["batches"] = args.batches
-    if args.analysis == "contraction":
-        result = analysis.contraction(args.run, passes=args.passes, show_progress=show, **common)
-        summary = (f"passes {result['passes']}: final relative change {result['final_relative_change']:.2e}, "
-                   f"loss pass 1 {result['loss_pass1']:.4f}, best {result['loss_best']:.4f}, "
-                   f"final {result['loss_final']:.4f}")
-    elif args.analysis == "probe":
-        result = analysis.probe(args.run, passes=args.passes, **common)
-        summary = "; ".join(f"{name} {r['test_accuracy']:.3f}" for name, r in result["probes"].items())
-        summary += f" (majority {next(iter(result['probes'].values()))['majority_baseline']:.3f})"
-    else:
-        if args.exit_threshold < 0:
-            raise LatentloopError(f"--exit-threshold must be >= 0, got {args.exit_threshold}")
-        result = analysis.depth(args.run, max_steps=args.max_steps, exit_threshold=args.exit_threshold,
-                                min_steps=args.min_steps, task_limit=args.task_limit, show_progress=show, **common)
-        summary = ", ".join(f"r={r}: {loss:.4f}" for r, loss in zip(result["steps"], result["loss"]))
-        summary += (f"; mean exit depth {result['mean_exit_depth']:.2f}, Spearman(exit depth, loss) "
-                    f"{result['spearman_exit_depth_vs_token_loss']:.3f}")
+    result = run_analysis(args.analysis, args.run, batches=args.batches, out=Path(args.out) if args.out else None,
+                          show_progress=show, **options)
+    summary = available()[args.analysis].summary(result)
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -41,14 +41,17 @@ def _generation_module():
 
 
 def options_tag(options: dict | None) -> str:
-    """`soft`, `fused-passes4`, `default-steps8`, ...: the decoding options in a file name."""
+    """`soft`, `fused-passes4`, `default-steps8`, ...: the decoding options in a file name, in the order
+    the registered architectures declare them: a named mode's value as it is (the first one leads, else
+    `default`), any other option as its name and value."""
+    from ..archs import option_union
+
     options = {k: v for k, v in (options or {}).items() if v is not None}
-    parts = [str(options.get("regime") or "default")]
-    for key in ("passes", "steps", "prefill"):
-        if key in options:
-            parts.append(f"{key}{options[key]}" if key != "prefill" else str(options[key]))
-    for key in sorted(set(options) - {"regime", "passes", "steps", "prefill"}):
-        parts.append(f"{key}{options[key]}")
+    declared = option_union()
+    order = [name for name in declared if name in options] + sorted(set(options) - set(declared))
+    is_mode = {name: bool(declared[name][0].choices) if name in declared else False for name in order}
+    parts = [] if order and is_mode[order[0]] else ["default"]
+    parts += [str(options[name]) if is_mode[name] else f"{name}{options[name]}" for name in order]
     return "-".join(parts)
 
 

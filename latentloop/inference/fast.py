@@ -6,9 +6,9 @@ removes it without a second copy of any model: the model's own eager decode (`de
 decode step has static shapes:
 
 - `static_cache(cache)` turns the cache a model made (`new_cache`, any subclass: rgpt's
-  `RecurrentKVCache` too) into a `Static…` subclass of its own class. Prefill runs eagerly and
-  unchanged (the parent's slicing by Python ints). Then `freeze()` switches it to the static
-  mode: each slot's keys/values get a tensor of their own, a new token is written at the time
+  `RecurrentKVCache` too, with the mixin its spec registers) into a `Static…` subclass of its own
+  class. Prefill runs eagerly and unchanged (the parent's slicing by Python ints). Then `freeze()`
+  switches it to the static mode: each slot's keys/values get a tensor of their own, a new token is written at the time
   slot held in the tensor `write_index` (`index_put_`, in place when compiled; one slot for all
   rows, or with `freeze(per_row=True)` one per row, for continuous batching), attention runs
   over the filled window (the first W slots, W the filled length rounded up to `WINDOW_BUCKET`)
@@ -70,7 +70,6 @@ import tempfile
 import time
 import types
 import weakref
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -286,51 +285,26 @@ class StaticCacheMixin:
         self.write_index.add_(1)
         self.pending = 0
 
-    # rgpt's RecurrentKVCache: the core steps' view and the full mode's "later steps" rule
-    def step_view(self, step: int, active: Tensor | None = None):
-        view = super().step_view(step, active)
-        return StaticCoreStepView(view.cache, view.step, view.active) if self.static else view
-
-    def fill_later_steps(self, last_step: int) -> None:
-        if not self.static:
-            return super().fill_later_steps(last_step)
-        if self.mode != "full":
-            return
-        first = self.first_core_slot
-        for step in range(last_step + 1, self.max_steps + 1):
-            for j in range(self.n_rec):
-                src, dst = first + (last_step - 1) * self.n_rec + j, first + (step - 1) * self.n_rec + j
-                self._write(self.k_slots[dst], self.v_slots[dst], *self.read(src))
-
-
-@dataclass
-class StaticCoreStepView:
-    """rgpt's `CoreStepView` for a frozen static cache (fixed depth: every row recurs, so no
-    `active` rows to keep): `mean` mode's running mean reads this token's entry at the tensor
-    write position instead of a Python slice."""
-
-    cache: KVCache
-    step: int
-    active: Tensor | None = None
-
-    def update(self, slot: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        if self.active is not None:
-            raise ValueError("the static cache runs fixed-depth steps only (adaptive exit decodes eagerly)")
-        if self.cache.mode == "mean" and self.step > 1:  # running mean over this token's steps
-            k_old, v_old = self.cache.read(slot)
-            k = k_old + (k - k_old) / self.step
-            v = v_old + (v - v_old) / self.step
-        return self.cache.update(slot, k, v)
-
 
 _STATIC_CLASSES: dict[type, type] = {}
+# cache class -> the mixin an architecture adds before `StaticCacheMixin` for its caches (its spec's
+# `static_cache_mixins`, installed when the spec is registered): what its cache does besides storing
+# keys and values (rgpt's core-step views), in the static mode
+_STATIC_MIXINS: dict[type, type] = {}
+
+
+def register_static_mixin(cache_class: type, mixin: type) -> None:
+    """Caches of `cache_class` (and its subclasses) get `mixin` before the static mode's own methods."""
+    _STATIC_MIXINS[cache_class] = mixin
+    _STATIC_CLASSES.clear()  # made again with the mixin
 
 
 def static_cache(cache: KVCache) -> KVCache:
     """`cache` (empty, as `model.new_cache` made it) given the static decode mode, not yet frozen."""
     cls = type(cache)
     if cls not in _STATIC_CLASSES:
-        _STATIC_CLASSES[cls] = type(f"Static{cls.__name__}", (StaticCacheMixin, cls), {})
+        mixins = tuple(dict.fromkeys(_STATIC_MIXINS[base] for base in cls.__mro__ if base in _STATIC_MIXINS))
+        _STATIC_CLASSES[cls] = type(f"Static{cls.__name__}", (*mixins, StaticCacheMixin, cls), {})
     length = cache.__dict__.pop("length")
     cache.__class__ = _STATIC_CLASSES[cls]
     cache.static = False

@@ -29,7 +29,6 @@ from __future__ import annotations
 import ast
 import importlib
 import json
-import re
 import shutil
 import sys
 from pathlib import Path
@@ -52,16 +51,55 @@ AUTO_MAP = {"AutoConfig": "configuration_latentloop.LatentloopConfig",
 DEFAULT_NORM_EPS = torch.finfo(torch.float32).eps  # what F.rms_norm uses on float32 when given no epsilon
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # latentloop/
 ARCH_MODULE = "latentloop_arch.py"  # generated: the exported architecture's classes
-# `from ..config import X` in a model file -> `from .config import X`: the folder is flat
-PARENT_IMPORT = re.compile(r"^(\s*)from \.\.(\w+) import", re.MULTILINE)
+
+
+def flat_name(module: str) -> str:
+    """The file a package module becomes in the flat export folder, without `.py`: `latentloop.config`
+    -> `config`, `latentloop.models.backbone` -> `backbone`, `latentloop.archs.fbt.model` -> `fbt_model`
+    (an architecture's files are named by their package: every one has a `model.py`)."""
+    if module.split(".")[0] != "latentloop":  # an architecture registered from outside the package
+        return module.replace(".", "_")
+    parts = module.split(".")[1:]
+    return "_".join(parts[1:]) if parts[0] == "archs" else parts[-1]
+
+
+def _imported_modules(node: ast.ImportFrom, package: str) -> list[str]:
+    """The modules to copy that a `from ... import` in a module of `package` loads: latentloop's, and
+    any relative import (a module of the same package); for `from . import a`, the names are the modules."""
+    if node.level:
+        parts = package.split(".")
+        base = ".".join(parts[:len(parts) - (node.level - 1)])
+        module = f"{base}.{node.module}" if node.module else base
+    else:
+        module = node.module or ""
+        if module.split(".")[0] != "latentloop":  # another library's (torch, ...): not copied
+            return []
+    return [f"{module}.{alias.name}" for alias in node.names] if node.module is None else [module]
+
+
+def _flattened(text: str, package: str) -> str:
+    """`text` (a module of `package`) with each latentloop import rewritten to the flat folder's names."""
+    tree = ast.parse(text)
+    lines = text.splitlines(keepends=True)
+    imports = [node for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and _imported_modules(node, package)]
+    for node in sorted(imports, key=lambda n: n.lineno, reverse=True):
+        indent = lines[node.lineno - 1][:node.col_offset]
+        if node.module is None and node.level:  # `from . import a as b`: modules
+            statement = "; ".join(f"from . import {flat_name(m)} as {alias.asname or alias.name}"
+                                  for m, alias in zip(_imported_modules(node, package), node.names))
+        else:
+            names = ", ".join(alias.name + (f" as {alias.asname}" if alias.asname else "") for alias in node.names)
+            statement = f"from .{flat_name(_imported_modules(node, package)[0])} import {names}"
+        lines[node.lineno - 1:node.end_lineno] = [indent + statement + "\n"]
+    return "".join(lines)
 
 
 def package_sources(model_class: type, config_class: type) -> dict[str, str]:
     """File name -> text of the package modules an exported model runs on: the modules of
     `model_class` and `config_class`, the options checker, and every latentloop module they import
-    (relative imports, lazy ones included), flattened into one folder with parent imports made
-    local; plus the generated `latentloop_arch.py`, which names the two classes and imports every
-    module by name, so that transformers' loader (which copies the files a module imports with
+    (relative imports, lazy ones included), flattened into one folder (`flat_name`) with their imports
+    rewritten to it; plus the generated `latentloop_arch.py`, which names the two classes and imports
+    every module by name, so that transformers' loader (which copies the files a module imports with
     `from .name import`) copies them all."""
     wanted = [model_class.__module__, config_class.__module__, "latentloop.models.options"]
     found: dict[str, Path] = {}
@@ -71,26 +109,23 @@ def package_sources(model_class: type, config_class: type) -> dict[str, str]:
             continue
         path = Path(importlib.import_module(module).__file__)
         found[module] = path
-        package = module.rsplit(".", 1)[0] if path.name != "__init__.py" else module
+        package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
         for node in ast.walk(ast.parse(path.read_text())):
-            if not isinstance(node, ast.ImportFrom) or node.level == 0:
-                continue
-            base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-            if node.module:
-                wanted.append(f"{base}.{node.module}")
-            else:  # `from . import name`: the names are modules
-                wanted.extend(f"{base}.{alias.name}" for alias in node.names)
+            if isinstance(node, ast.ImportFrom):
+                wanted.extend(_imported_modules(node, package))
     files: dict[str, str] = {}
-    for path in found.values():
-        if path.name in files or path.name in REMOTE_FILES + (ARCH_MODULE,):
-            raise InteropError(f"cannot export: two package modules named {path.name} (flattening needs unique names)")
-        files[path.name] = PARENT_IMPORT.sub(r"\1from .\2 import", path.read_text())
+    for module, path in found.items():
+        name = flat_name(module) + ".py"
+        if name in files or name in REMOTE_FILES + (ARCH_MODULE,):
+            raise InteropError(f"cannot export: two package modules flatten to {name}")
+        package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+        files[name] = _flattened(path.read_text(), package)
     modules = sorted(name.removesuffix(".py") for name in files)
     files[ARCH_MODULE] = "\n".join([
         '"""Generated by `latentloop export`: the architecture of this folder, and every package file it runs on."""',
         "",
-        f"from .{Path(found[model_class.__module__]).stem} import {model_class.__name__} as MODEL_CLASS",
-        f"from .{Path(found[config_class.__module__]).stem} import {config_class.__name__} as CONFIG_CLASS",
+        f"from .{flat_name(model_class.__module__)} import {model_class.__name__} as MODEL_CLASS",
+        f"from .{flat_name(config_class.__module__)} import {config_class.__name__} as CONFIG_CLASS",
         "",
         "# imported by name so that transformers copies each file along (it follows `from .name import`)",
         *[f"from .{name} import __name__ as _{name}_module  # noqa: F401" for name in modules],

@@ -321,7 +321,6 @@ class GPT(nn.Module):
     OPTIONS: ClassVar[tuple[DecodeOption, ...]] = ()  # the baseline decodes one way
     context_class: ClassVar[type[ForwardContext]] = ForwardContext  # a variant's may carry more (its depth)
     # What the rest of the system asks of an architecture (defaults here; a variant overrides):
-    ANALYSES: ClassVar[frozenset[str]] = frozenset()  # `latentloop analyze` kinds and eval curves it offers
     SCORING_NOTES: ClassVar[dict[str, str]] = {}  # scoring-mode label -> a caveat printed beside its figure
     STEP_USES_EVERY_PARAMETER: ClassVar[bool] = True  # see OPT_IN_FLAGS
     COMPILES_WHOLE: ClassVar[bool] = True

@@ -9,14 +9,13 @@ from pathlib import Path
 
 import torch
 
-from ..archs import build_model, build_objective
+from ..archs import build_model, build_objective, get_arch
 from ..checkpoint import LOCK_FILE, RunLock, check_resumable, list_checkpoints, resolve_checkpoint
 from ..config import RunConfig
 from ..data import TokenLoader, load_tokenizer
 from ..data.chat import ChatLoader, prepare_chat
 from ..errors import CheckpointError, OutputError
 from ..interop.upcycle import initialise_from
-from ..optim import build_optimizers
 from ..parallel import wrap_model
 from ..runtime import (
     in_turns,
@@ -123,7 +122,8 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
         torch.manual_seed(rank_seed(config.train.seed, env.rank))
     forward_model = wrap_model(model, config.train, device)
     # after fsdp2 sharded the parameters; Muon's iteration in the dtype of the run's products
-    optimizers = build_optimizers(model, config.train, resolve_dtype(device, config.train.dtype))
+    optimizers = get_arch(config.model.arch).build_optimizers(model, config.train,
+                                                              resolve_dtype(device, config.train.dtype))
     state = TrainState(config, run_dir, model, tokenizer, data, loader, objective, optimizers, device,
                        init_report=init_report, dist=env, flops=flops,
                        init_from=None if init_from is None else str(Path(init_from).resolve()))

@@ -36,11 +36,11 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from ..config import ModelConfig, require
-from ..errors import ConfigError
-from .backbone import GPT, Attention, Block, ForwardContext, ModelOutput, norm, shift_right
-from .cache import KVBuffer, KVCache, plan_attention
-from .options import DecodeOption
+from ...config import ModelConfig, require
+from ...errors import ConfigError
+from ...models.backbone import GPT, Attention, Block, ForwardContext, ModelOutput, norm, shift_right
+from ...models.cache import KVBuffer, KVCache, plan_attention
+from ...models.options import DecodeOption
 
 # -- config ----------------------------------------------------------------------------------------
 

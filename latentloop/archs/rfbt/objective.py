@@ -14,8 +14,8 @@
 
 from __future__ import annotations
 
-from .fbt import MultiPassObjective
-from .rgpt import RecurrentDepthObjective
+from ..fbt.objective import MultiPassObjective
+from ..rgpt.objective import RecurrentDepthObjective
 
 
 class RecurrentMultiPassObjective(MultiPassObjective, RecurrentDepthObjective):

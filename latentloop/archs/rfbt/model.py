@@ -35,10 +35,10 @@ from typing import ClassVar
 
 from torch import Tensor
 
-from .cache import KVCache
-from .fbt import DEFAULT_FUSED_PASSES, FBT, FBTConfig, FBTOutput
-from .fbt import OPTIONS as FBT_OPTIONS
-from .rgpt import RGPT, RGPTConfig
+from ...models.cache import KVCache
+from ..fbt.model import DEFAULT_FUSED_PASSES, FBT, FBTConfig, FBTOutput
+from ..fbt.model import OPTIONS as FBT_OPTIONS
+from ..rgpt.model import RGPT, RGPTConfig
 
 # -- config ----------------------------------------------------------------------------------------
 
@@ -61,7 +61,6 @@ class RFBT(FBT, RGPT):
     stack, its context and its cache come from RGPT)."""
 
     OPTIONS = OPTIONS
-    ANALYSES = FBT.ANALYSES  # contraction, probe and the passes curve run on any stack
 
     def __init__(self, config: RFBTConfig):
         super().__init__(config)  # FBT, then RGPT, then the backbone

@@ -42,12 +42,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..config import ModelConfig, require
-from ..errors import CheckpointError, ConfigError
-from .backbone import GPT, PER_ROW_INFO, ForwardContext, ModelOutput, norm
-from .cache import KVCache
-from .criteria import KLDivergence, RelativeChange
-from .options import DecodeOption
+from ...config import ModelConfig, require
+from ...errors import CheckpointError, ConfigError
+from ...models.backbone import GPT, PER_ROW_INFO, ForwardContext, ModelOutput, norm
+from ...models.cache import KVCache
+from ...models.criteria import KLDivergence, RelativeChange
+from ...models.options import DecodeOption
 
 # -- config ----------------------------------------------------------------------------------------
 
@@ -290,7 +290,6 @@ class CoreStepView:
 class RGPT(GPT):
     OPTIONS = OPTIONS
     context_class = DepthContext
-    ANALYSES = frozenset({"depth"})  # loss and exits per recurrence step (latentloop.analysis)
 
     def __init__(self, config: RGPTConfig):
         super().__init__(config)

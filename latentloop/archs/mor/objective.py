@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from .base import LossResult, Objective, token_cross_entropy
+from ...objectives.base import LossResult, Objective, token_cross_entropy
 
 
 class RoutedRecursionObjective(Objective):

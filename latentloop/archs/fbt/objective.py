@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from .base import LossResult, Objective, token_cross_entropy
+from ...objectives.base import LossResult, Objective, token_cross_entropy
 
 
 def document_prefix_mask(idx: Tensor, bos_id: int, generator: torch.Generator) -> Tensor:

@@ -57,13 +57,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..config import ModelConfig, require
-from ..errors import ConfigError
-from .backbone import GPT, ForwardContext, ModelOutput, norm
-from .cache import AttentionPlan, KVCache, attention_mask
-from .flops import count_flops_per_token
-from .options import DecodeOption
-from .rgpt import RGPT, rgpt_shape_from_dense
+from ...config import ModelConfig, require
+from ...errors import ConfigError
+from ...models.backbone import GPT, ForwardContext, ModelOutput, norm
+from ...models.cache import AttentionPlan, KVCache, attention_mask
+from ...models.flops import count_flops_per_token
+from ...models.options import DecodeOption
+from ..rgpt.model import RGPT, rgpt_shape_from_dense
 
 # -- config ----------------------------------------------------------------------------------------
 

@@ -45,12 +45,12 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from ..config import ModelConfig, require
-from ..errors import ConfigError
-from .backbone import GPT, ForwardContext, ModelOutput, norm, shift_right
-from .cache import KVCache
-from .criteria import RelativeChange
-from .options import DecodeOption
+from ...config import ModelConfig, require
+from ...errors import ConfigError
+from ...models.backbone import GPT, ForwardContext, ModelOutput, norm, shift_right
+from ...models.cache import KVCache
+from ...models.criteria import RelativeChange
+from ...models.options import DecodeOption
 
 # -- config ----------------------------------------------------------------------------------------
 
@@ -225,7 +225,6 @@ class FBTOutput(ModelOutput):
 
 class FBT(GPT):
     OPTIONS = OPTIONS
-    ANALYSES = frozenset({"contraction", "probe", "passes_curve"})  # latentloop.analysis, eval --passes-curve
     SCORING_NOTES = {"soft": SOFT_BPB_NOTE}
     # train.compile: the whole multi-pass forward (one graph per pass count), measured 1.048x the
     # tok/s of compiling each block (experiments/logs/2026-12-02-compile-scope.md)

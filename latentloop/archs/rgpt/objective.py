@@ -1,6 +1,6 @@
 """RecurrentGPT's objective: a random depth per optimizer step, one cross-entropy at the end.
 
-The depth r of an optimizer step follows `depth_sampling` (models.rgpt.DEPTH_SAMPLINGS):
+The depth r of an optimizer step follows `depth_sampling` (model.DEPTH_SAMPLINGS):
 - uniform (the RecurrentGPT paper): r ~ Uniform{1..R};
 - heavy_tail (Huginn's log-normal Poisson, the baseline the paper compares against):
   tau ~ N(log r̄ - σ²/2, σ), r = Poisson(e^tau) + 1, capped at MAX_RECURRENCE_STEPS (the tail is
@@ -27,9 +27,9 @@ from functools import cached_property
 import numpy as np
 from torch import Tensor, nn
 
-from ..models.flops import BACKWARD_FACTOR
-from ..models.rgpt import MAX_RECURRENCE_STEPS, RGPTConfig
-from .base import LossResult, Objective, token_cross_entropy
+from ...models.flops import BACKWARD_FACTOR
+from ...objectives.base import LossResult, Objective, token_cross_entropy
+from .model import MAX_RECURRENCE_STEPS, RGPTConfig
 
 # A log-normal rate above this many times the cap is clamped to it before the Poisson draw: numpy
 # refuses rates near 1e19 (σ is unbounded), and a Poisson of 4 x the cap falls below the cap with

@@ -1,0 +1,116 @@
+"""Adding an architecture touches its own folder and one registry line: a throwaway architecture in a
+temporary package (a model, an objective, a spec) registered through `LATENTLOOP_ARCHS`, with no other
+file edited, is seen by every front-end and passes the contract suite."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+MODEL = textwrap.dedent('''
+    """A throwaway architecture: gpt with a learned gain on each embedding channel."""
+
+    from dataclasses import dataclass
+    from typing import ClassVar
+
+    import torch
+    from torch import Tensor, nn
+
+    from latentloop.config import ModelConfig
+    from latentloop.models.backbone import GPT
+
+
+    @dataclass
+    class ToyConfig(ModelConfig):
+        arch: ClassVar[str] = "toy"
+
+
+    class Toy(GPT):
+        def __init__(self, config: ToyConfig):
+            super().__init__(config)
+            self.embed_gain = nn.Parameter(torch.ones(config.n_embd))
+
+        def embed(self, idx: Tensor) -> Tensor:
+            return super().embed(idx) * self.embed_gain  # (B, T, D)
+''')
+
+SPEC = textwrap.dedent('''
+    from latentloop.archs import ArchSpec, register
+    from latentloop.objectives.base import NextTokenObjective
+
+    from .model import Toy, ToyConfig
+
+    SPEC = register(ArchSpec("toy", "a throwaway: gpt with a learned embedding gain", ToyConfig, Toy,
+                             NextTokenObjective))
+''')
+
+
+@pytest.fixture
+def toy_package(tmp_path) -> dict[str, str]:
+    package = tmp_path / "plugins" / "toyarch"
+    package.mkdir(parents=True)
+    (package / "model.py").write_text(MODEL)
+    (package / "__init__.py").write_text(SPEC)
+    path = os.pathsep.join([str(tmp_path / "plugins"), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "PYTHONPATH": path, "LATENTLOOP_ARCHS": "toyarch"}
+
+
+def run(code: str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO,
+                          timeout=timeout)
+
+
+def test_a_plugin_architecture_is_registered_for_every_front_end(toy_package, tmp_path):
+    code = textwrap.dedent(f'''
+        import latentloop as ll
+        from latentloop.archs import ARCHS
+        from latentloop.cli import main
+        assert "toy" in ARCHS, list(ARCHS)
+        model = ll.build("toy", preset="test")
+        assert model.embed_gain.shape == (64,)
+        assert main(["train", "--arch", "toy", "--preset", "test", "--data", "stdlib", "--steps", "2",
+                     "--batch-size", "2", "--set", "sequence_len=32", "--out", {str(tmp_path / "run")!r},
+                     "--no-progress"]) == 0
+        assert main(["generate", {str(tmp_path / "run")!r}, "--prompt", "hi", "--max-new-tokens", "3"]) == 0
+        print("OK")
+    ''')
+    done = run(code, toy_package)
+    assert done.returncode == 0 and "OK" in done.stdout, done.stderr[-2000:]
+
+
+def test_a_second_architecture_under_a_registered_name_is_refused(toy_package):
+    code = textwrap.dedent('''
+        from latentloop.archs import ARCHS, register
+        try:
+            register(ARCHS["toy"])
+        except ValueError as error:
+            print("refused:", error)
+    ''')
+    done = run(code, toy_package)
+    assert "refused: an architecture named 'toy' is registered already" in done.stdout, done.stderr[-2000:]
+
+
+def test_a_plugin_that_does_not_import_is_one_warning_and_the_rest_works(tmp_path):
+    env = {**os.environ, "LATENTLOOP_ARCHS": "no_such_arch_module"}
+    done = subprocess.run([sys.executable, "-m", "latentloop", "train", "--arch", "gpt", "--preset", "test",
+                           "--data", "stdlib", "--steps", "1", "--batch-size", "2", "--out", str(tmp_path / "run"),
+                           "--no-progress"], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    warned = [line for line in done.stderr.splitlines() if "no_such_arch_module" in line]
+    assert len(warned) == 1 and "left out" in warned[0] and "Traceback" not in done.stderr
+
+
+@pytest.mark.slow  # the whole contract suite for one more architecture: a few minutes on 2 cores
+def test_a_plugin_architecture_passes_the_contract_suite(toy_package):
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                           "tests/test_contract.py", "-k", "toy"],
+                          capture_output=True, text=True, env=toy_package, cwd=REPO, timeout=1800)
+    tail = done.stdout[-3000:]
+    assert done.returncode == 0, tail + done.stderr[-2000:]
+    passed = int(tail.split(" passed")[0].split()[-1])
+    assert passed >= 20, tail  # every front-end's cases ran for it, not a handful
