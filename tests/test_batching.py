@@ -233,7 +233,8 @@ def serve_in_process(model, compiled: bool) -> list[list[str]]:
     import threading
 
     from latentloop.data import ByteTokenizer
-    from latentloop.serve.protocol import Limits, parse_completion
+    from latentloop.serve.limits import Limits
+    from latentloop.serve.requests import parse_completion
     from latentloop.serve.scheduler import ContinuousScheduler, Delta, Done, Failed, Job
 
     tokenizer = ByteTokenizer()

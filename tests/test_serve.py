@@ -28,7 +28,9 @@ from latentloop.cli import main
 from latentloop.data import ByteTokenizer
 from latentloop.engine import row_info
 from latentloop.runtime import save_run
-from latentloop.serve.protocol import APIError, Limits, parse_completion, special_names, token_string
+from latentloop.serve.limits import Limits
+from latentloop.serve.protocol import APIError, special_names, token_string
+from latentloop.serve.requests import parse_completion
 from latentloop.serve.text import RowText
 
 REPO = Path(ll.__file__).resolve().parents[1]
@@ -123,6 +125,14 @@ def test_parse_completion_fields(fbt_model):
     ({"prompt": "x", "logprobs": 6}, 400, "logprobs"),
     ({"prompt": "x", "suffix": "y"}, 400, "suffix"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream=true"),
+    ({"prompt": "x", "stream": True, "stream_options": {"usage": True}}, 400, 'stream_options must be {"include_'),
+    ({"prompt": "x", "seed": 2**64}, 400, "seed must be an integer in [0, 9223372036854775807], got 1844674407"),
+    ({"prompt": "x", "max_tokens": "9" * 10**6}, 400, "max_tokens must be an integer in [0, 32] (--max-tokens-cap)"),
+    ({"prompt": "x", "max_tokens": 2, "stop": ["a"] * 5}, 400, "stop takes at most 4 sequences, got 5"),
+    ({"prompt": "x", "best_of": 2}, 400, "best_of is not supported (only best_of = n), got 2"),
+    ({"prompt": "x", "top_k": True}, 400, "top_k must be an integer >= 1, got True"),
+    ({"prompt": "x", "temperature": float("nan")}, 400, "temperature must be a finite number >= 0, got nan"),
+    ({"prompt": ["x"] * 3, "n": 2}, 400, "this request asks for 6 rows (prompts x n)"),
     ({"max_tokens": 1}, 400, "prompt is required"),
     ({"prompt": "x", "model": "other"}, 404, "does not exist"),
     ([1, 2], 400, "JSON object"),
@@ -131,6 +141,7 @@ def test_parse_completion_refuses(fbt_model, body, status, words):
     with pytest.raises(APIError) as caught:
         parse(body, fbt_model)
     assert caught.value.status == status and words in caught.value.message
+    assert "\n" not in caught.value.message and len(caught.value.message) < 300  # one line, the value cut short
     assert set(caught.value.body()["error"]) == {"message", "type", "param", "code"}
 
 
@@ -780,7 +791,7 @@ def test_a_body_past_the_limit_is_refused_as_it_arrives(servers):
     """413 for an authenticated body over the limit, reading no more of it than the limit: a
     Content-Length past it is refused before any byte of the body; a chunked body gets its 413
     as soon as its bytes pass the limit, although it never ends; either way the connection closes."""
-    from latentloop.serve.app import MAX_BODY_BYTES
+    from latentloop.serve.limits import MAX_BODY_BYTES
 
     server = servers["limits"]
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {API_KEY}\r\n"
@@ -876,13 +887,13 @@ def test_a_handlers_inbox_wakes_its_loop_once_per_burst_and_a_whole_response_onl
     already read wakes nobody into an empty inbox); a response sent whole only by Done or Failed."""
     import asyncio
 
-    from latentloop.serve.app import _Inbox
     from latentloop.serve.scheduler import Delta, Done
+    from latentloop.serve.transport import Inbox
 
     async def scenario() -> None:
         loop = asyncio.get_running_loop()
         first, second, done = Delta(0, "a", []), Delta(0, "b", []), Done(3, 2, 1)
-        streamed = _Inbox(loop, whole=False)
+        streamed = Inbox(loop, whole=False)
         wakes = []
         real_wake = streamed._wake
         streamed._wake = lambda: (wakes.append(1), real_wake())
@@ -894,7 +905,7 @@ def test_a_handlers_inbox_wakes_its_loop_once_per_burst_and_a_whole_response_onl
             await streamed.get(0.05)
         assert wakes == [1]
 
-        whole = _Inbox(loop, whole=True)
+        whole = Inbox(loop, whole=True)
         waiter = asyncio.create_task(whole.get(CALL_TIMEOUT_S))  # outlives the sleeps and threads below
         await asyncio.sleep(0.01)  # waiting on an empty inbox
         await asyncio.to_thread(whole.post, first)

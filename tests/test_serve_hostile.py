@@ -27,7 +27,8 @@ import latentloop as ll
 from latentloop.data import BPETokenizer, ByteTokenizer
 from latentloop.runtime import save_run
 from latentloop.serve.limits import BODY_FIELDS_BYTES, MAX_TEXT_BYTES, Limits, prompt_text_limit, spells_its_text
-from latentloop.serve.protocol import APIError, encode_text, parse_completion
+from latentloop.serve.protocol import APIError, encode_text
+from latentloop.serve.requests import parse_completion
 
 httpx = pytest.importorskip("httpx")
 
@@ -318,7 +319,8 @@ def test_a_request_gets_its_503_at_once_while_a_long_decode_step_runs(monkeypatc
 
     import uvicorn
 
-    from latentloop.serve.app import DISCONNECT_POLL_S, create_app
+    from latentloop.serve.app import create_app
+    from latentloop.serve.serving import DISCONNECT_POLL_S
     from latentloop.serve.settings import ServeSettings
 
     torch.manual_seed(0)

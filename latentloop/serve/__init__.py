@@ -4,12 +4,16 @@ per-request decoding regimes (`pip install 'latentloop[serve]'` for FastAPI and 
     from latentloop.serve import ServeSettings, serve
     serve(ServeSettings("runs/fbt", port=8000))
 
-Layers: `protocol` (request checks; no HTTP), `text` (incremental text and stop strings), `batch`
-(continuous batching: rows join and leave a running batch over the model's cache), `scheduler` (the
-batching thread: continuous over `batch`, or rounds over `engine.stream`), `responses` (OpenAI's
-response and streaming-chunk shapes, built from the scheduler's events), `app` (HTTP only: FastAPI
-routes, limits, status codes, and the uvicorn runner). This package imports engine, models, archs
-and runtime, never train or the CLI.
+Layers, HTTP-free first: `limits` (what a request may ask, and how much text a context can hold),
+`protocol` (errors, the `CompletionRequest` the scheduler decodes, prompts as token ids, token
+strings), `requests` (the request bodies as pydantic models and their one-line refusals), `text`
+(incremental text and stop strings), `batch` (continuous batching: rows join and leave a running
+batch over the model's cache), `scheduler` (the batching thread: continuous over `batch`, or rounds
+over `engine.stream`), `responses` (OpenAI's response and streaming-chunk shapes, built from the
+scheduler's events); then `transport` (bodies read within limits, worker threads, the scheduler's
+events to the event loop, the shutdown's drain), `serving` (one class per endpoint family) and `app`
+(thin FastAPI routes, error bodies, and the uvicorn runner). This package imports engine, models,
+archs, data and runtime, never train or the CLI.
 """
 
 from __future__ import annotations

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from ..engine import model_options, row_info, stream, teacher_forced_logits
+from ..util import first_line
 from .batch import (
     AUTO_START_BUDGET_S,
     DecodeBatch,
@@ -315,7 +316,7 @@ class Scheduler:
         for job in jobs:
             if not job.finished:
                 self.stats.failed += 1
-                job.fail(APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"))
+                job.fail(APIError(500, f"internal error: {type(exc).__name__}: {first_line(exc)}", type="server_error"))
 
     def _finish_row(self, row: Row, reason: str) -> None:
         job = row.job

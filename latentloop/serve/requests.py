@@ -1,0 +1,349 @@
+"""The request bodies as pydantic models, and their refusals in one line: what /v1/completions,
+/v1/chat/completions, /tokenize and /detokenize take, checked before any work is done for them.
+
+Bodies are validated strictly (JSON's own types: no "3" for 3, no true for 1) with the server's
+limits in the validation context (`body_context`). A refused body is one `APIError` (`refusal`): a
+field of the wrong type or out of range is "<field> must be <what it takes>, got <value>", from the
+field's description; the checks that say something else raise `refuse(...)` with their own line.
+The server validates in a worker thread, after reading the body with its own limits (`serving.py`).
+
+The architecture's inference options (fbt's `regime`, rgpt's `steps`, ...) are fields of every
+completions and chat body, one per option of any registered architecture (`latentloop.archs.
+option_union`, the declarations behind the CLI's flags): an option of another architecture than the
+served model's is refused with the architecture's own message, any other unknown field by its name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Annotated, Any
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    create_model,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from ..archs import option_union
+from ..engine import MAX_SEED, model_options
+from ..errors import ConfigError
+from .limits import Limits
+from .protocol import DEFAULT_MAX_TOKENS, APIError, CompletionRequest, bad_request, chat_prompts, completion_prompts
+
+MAX_LOGPROBS = 5  # OpenAI's limit on `logprobs` (alternatives reported per token) for completions
+MAX_STOP_SEQUENCES = 4  # OpenAI's limit on `stop`
+SHOWN_CHARS = 80  # the most characters of a refused value an error message repeats
+REFUSED = "latentloop_refused"  # the pydantic error type of a check that says its own line (`refuse`)
+
+
+
+
+def refuse(message: str, param: str | None = None, status: int = 400, code: str | None = None) -> PydanticCustomError:
+    """A check's own one-line refusal, raised inside a validator (`refusal` turns it into an APIError)."""
+    return PydanticCustomError(REFUSED, "{message}", {"message": message, "param": param, "status": status,
+                                                      "code": code})
+
+
+def body_context(model, tokenizer, limits: Limits, served_name: str) -> dict:
+    """What a body's validators read: the served model (its architecture's options), the limits,
+    the vocabulary and the name clients send."""
+    return {"model": model, "limits": limits, "vocab_size": int(model.config.vocab_size), "served_name": served_name,
+            "tokenizer": tokenizer}
+
+
+class _Body(BaseModel):
+    """A JSON request body: JSON's own types, strictly; fields it does not declare are refused."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", protected_namespaces=())
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = None
+
+
+NonEmptyText = Annotated[list[str], Field(min_length=1)]
+TokenIds = Annotated[list[int], Field(min_length=1)]
+TokenIdLists = Annotated[list[TokenIds], Field(min_length=1)]
+
+
+class _GenerationFields(_Body):
+    """The fields /v1/completions and /v1/chat/completions share, in the order they are checked."""
+
+    model: str | None = Field(None, description="a string")
+    user: str | None = Field(None, description="a string")
+    presence_penalty: Any = None  # OpenAI's, accepted at their neutral value only
+    frequency_penalty: Any = None
+    logit_bias: Any = None
+    temperature: float | None = Field(None, ge=0, allow_inf_nan=False, description="a finite number >= 0")
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False, description="a number in (0, 1]")
+    top_k: int | None = Field(None, ge=1, description="an integer >= 1")  # beyond OpenAI's, as vLLM takes it
+    seed: int | None = Field(None, ge=0, le=MAX_SEED - 1, description=f"an integer in [0, {MAX_SEED - 1}]")
+    n: int | None = Field(None, ge=1, description="an integer in [1, {max_rows}]")
+    best_of: Any = None
+    stream: bool | None = Field(None, description="true or false")
+    stream_options: StreamOptions | None = Field(None, description='{{"include_usage": true|false}}')
+    max_tokens: int | None = Field(None, ge=0, description="an integer in [0, {max_tokens_cap}] (--max-tokens-cap)")
+    stop: str | list[str] | None = Field(None, description="a string or a list of strings")
+    _options: dict[str, Any] = PrivateAttr(default_factory=dict)  # set by `_together`
+    _resolved: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    @field_validator("model")
+    @classmethod
+    def _served(cls, name: str | None, info: ValidationInfo) -> str | None:
+        served = info.context["served_name"]
+        if name is not None and name != served:
+            raise refuse(f"the model {name!r} does not exist: this server serves {served!r}", "model", 404,
+                         "model_not_found")
+        return name
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, value: Any, info: ValidationInfo) -> Any:
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if value is not None and (not number or value != 0):
+            raise refuse(f"{info.field_name} is not supported (only 0)", info.field_name)
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, value: Any) -> Any:
+        if value not in (None, {}):
+            raise refuse("logit_bias is not supported", "logit_bias")
+        return value
+
+    @field_validator("n")
+    @classmethod
+    def _fits_a_batch(cls, n: int | None, info: ValidationInfo) -> int | None:
+        if n is not None and n > info.context["limits"].max_rows:
+            raise ValueError("n")  # described by the field
+        return n
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _within_the_cap(cls, max_tokens: int | None, info: ValidationInfo) -> int | None:
+        if max_tokens is not None and max_tokens > info.context["limits"].max_tokens_cap:
+            raise ValueError("max_tokens")  # described by the field
+        return max_tokens
+
+    @field_validator("stop")
+    @classmethod
+    def _few_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(stop, list) and len(stop) > MAX_STOP_SEQUENCES:
+            raise refuse(f"stop takes at most {MAX_STOP_SEQUENCES} sequences, got {len(stop)}", "stop")
+        return stop
+
+    @model_validator(mode="after")
+    def _together(self, info: ValidationInfo) -> _GenerationFields:
+        if self.best_of is not None and self.best_of != (1 if self.n is None else self.n):
+            raise refuse(f"best_of is not supported (only best_of = n), got {_shown(self.best_of)}", "best_of")
+        if self.stream_options is not None and not self.stream:
+            raise refuse("stream_options applies to stream=true only", "stream_options")
+        model = info.context["model"]
+        given = {name: value for name in option_union() if (value := getattr(self, name)) is not None}
+        declared = {option.name: option for option in model.OPTIONS}
+        try:
+            for name, value in given.items():  # one option at a time first, so the error names it
+                if name in declared:
+                    declared[name].check(value)
+            resolved = _applicable(model, model_options(model, given))
+        except ConfigError as exc:
+            raise refuse(str(exc), next((name for name in given if name in str(exc)), None)) from None
+        self._options, self._resolved = given, resolved
+        return self
+
+    def arch_options(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(the architecture's options given, every option that applies with defaults filled in)."""
+        return self._options, self._resolved
+
+
+def _applicable(model, resolved: dict[str, Any]) -> dict[str, Any]:
+    """The resolved options without those that do not apply (fbt's passes outside regime fused)."""
+    out = {}
+    for option in model.OPTIONS:
+        if option.applies_if is not None and resolved.get(option.applies_if[0]) not in option.applies_if[1]:
+            continue
+        out[option.name] = resolved[option.name]
+    return out
+
+
+class _CompletionFields(_GenerationFields):
+    suffix: Any = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=f"an integer in [0, {MAX_LOGPROBS}]")
+    echo: bool | None = Field(None, description="true or false")
+    prompt: str | NonEmptyText | TokenIds | TokenIdLists = Field(
+        description="a string, a list of strings, a list of token ids or a list of token-id lists (not a mix, "
+                    "none empty)")
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: Any) -> Any:
+        if value not in (None, ""):
+            raise refuse("suffix is not supported (this server only continues prompts)", "suffix")
+        return value
+
+
+class _ChatFields(_GenerationFields):
+    prompt: Any = None  # /v1/completions' fields, refused by name
+    echo: Any = None
+    suffix: Any = None
+    logprobs: Any = None  # OpenAI's chat logprobs: not supported
+    top_logprobs: Any = None
+    messages: Any  # checked by latentloop.data.chat as it renders them
+
+    @field_validator("prompt", "echo", "suffix")
+    @classmethod
+    def _completions_only(cls, value: Any, info: ValidationInfo) -> Any:
+        if value not in (None, False):
+            raise refuse(f"{info.field_name} is a /v1/completions field; a chat request sends messages",
+                         info.field_name)
+        return value
+
+    @field_validator("logprobs", "top_logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: Any, info: ValidationInfo) -> Any:
+        if value not in (None, False) or (info.field_name == "top_logprobs" and value is not None):
+            raise refuse("logprobs are not supported on /v1/chat/completions (use /v1/completions)", "logprobs")
+        return value
+
+
+@functools.cache
+def _with_arch_options(base: type[_GenerationFields]) -> type[_GenerationFields]:
+    """`base` with one field per option of every registered architecture (checked together against
+    the served model's declarations by `_GenerationFields._together`). Built at first use, from the
+    architectures registered by then."""
+    fields = {name: (Any, Field(None, description=option.help)) for name, (option, _) in option_union().items()}
+    return create_model(base.__name__.strip("_").replace("Fields", "Body"), __base__=base, **fields)
+
+
+def completion_body() -> type[_CompletionFields]:
+    """The /v1/completions body's model."""
+    return _with_arch_options(_CompletionFields)
+
+
+def chat_body() -> type[_ChatFields]:
+    """The /v1/chat/completions body's model."""
+    return _with_arch_options(_ChatFields)
+
+
+class TokenizeBody(BaseModel):
+    """/tokenize (vLLM's; lm-eval's remote tokenizer sends prompt and add_special_tokens, others
+    send more, which is ignored)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    prompt: str = Field(description="a string")
+    add_special_tokens: bool = Field(True, description="true or false")
+
+
+class DetokenizeBody(BaseModel):
+    """/detokenize (vLLM's)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    tokens: list[int] = Field(description="a list of token ids in [0, {vocab_size})")
+
+    @field_validator("tokens")
+    @classmethod
+    def _in_the_vocabulary(cls, tokens: list[int], info: ValidationInfo) -> list[int]:
+        vocab = info.context["vocab_size"]
+        if any(not 0 <= token < vocab for token in tokens):
+            raise ValueError("tokens")  # described by the field
+        return tokens
+
+
+def _shown(value: Any) -> str:
+    """A value as an error message repeats it: its repr, cut at SHOWN_CHARS characters."""
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS - 3] + "..."
+
+
+def refusal(error: ValidationError, model_class: type[BaseModel], body: Any, context: dict) -> APIError:
+    """The one line a refused body gets: the refused model first (404), then the unknown fields,
+    then the first field checked (the order of the model's fields)."""
+    errors = error.errors(include_url=False)
+    if not isinstance(body, dict):
+        return bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+    own = [e for e in errors if e["type"] == REFUSED]
+    unknown = [e["loc"][0] for e in errors if e["type"] == "extra_forbidden" and len(e["loc"]) == 1]
+    if own and own[0]["ctx"]["status"] != 400:
+        return _own(own[0])
+    if unknown:
+        model = context["model"]
+        supported = ", ".join(option.name for option in model.OPTIONS) or "none"
+        return bad_request(f"unknown field(s): {', '.join(sorted(unknown))} (options of this model's arch "
+                           f"{model.config.arch!r}: {supported})", sorted(unknown)[0])
+    first = errors[0]
+    if first["type"] == REFUSED:
+        return _own(first)
+    name = first["loc"][0]
+    if first["type"] == "missing":
+        return bad_request(f"{name} is required", name)
+    values = {**dataclasses.asdict(context["limits"]), "vocab_size": context["vocab_size"]}
+    what = model_class.model_fields[name].description.format(**values)
+    return bad_request(f"{name} must be {what}, got {_shown(body.get(name))}", name)
+
+
+def _own(error: dict) -> APIError:
+    ctx = error["ctx"]
+    return APIError(ctx["status"], ctx["message"], param=ctx["param"], code=ctx["code"])
+
+
+def validate(model_class: type[BaseModel], body: Any, context: dict) -> Any:
+    """The body as `model_class`, or the APIError of its first problem (`refusal`)."""
+    try:
+        return model_class.model_validate(body, context=context)
+    except ValidationError as error:
+        raise refusal(error, model_class, body, context) from None
+
+
+
+
+def completion_request(body: _GenerationFields, model, tokenizer, limits: Limits) -> CompletionRequest:
+    """The `CompletionRequest` of a validated completions or chat body: its prompts tokenized (or
+    its conversation rendered), the defaults filled in, and what needs the prompts' lengths checked."""
+    n = 1 if body.n is None else body.n
+    if isinstance(body, _ChatFields):
+        prompts, added = chat_prompts(body.messages, tokenizer, limits)
+        logprobs, echo = None, False
+    else:
+        prompts, added = completion_prompts(body.prompt, tokenizer, int(model.config.vocab_size), limits, n)
+        logprobs, echo = body.logprobs, bool(body.echo)
+    longest = max(len(p) for p in prompts)
+    if longest > limits.context:
+        raise bad_request(f"the prompt is {longest} tokens (with BOS); the model's context is {limits.context} tokens",
+                          "prompt")
+    if body.max_tokens is None:  # OpenAI's default, shortened to what the context leaves
+        max_tokens = min(DEFAULT_MAX_TOKENS, limits.max_tokens_cap, limits.context - longest)
+    else:
+        max_tokens = body.max_tokens
+        if longest + max_tokens > limits.context:
+            raise bad_request(f"the prompt ({longest} tokens, with BOS) + max_tokens ({max_tokens}) exceeds the "
+                              f"model's context of {limits.context} tokens", "max_tokens")
+    stop = [] if body.stop is None else [body.stop] if isinstance(body.stop, str) else body.stop
+    options, resolved = body.arch_options()
+    return CompletionRequest(
+        prompts=prompts, added_bos=added, max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,  # OpenAI's default
+        top_p=None if body.top_p in (None, 1) else body.top_p, top_k=body.top_k, n=n, seed=body.seed,
+        stop=tuple(s for s in stop if s),  # an empty stop string would stop before any text
+        logprobs=logprobs, echo=echo, stream=bool(body.stream),
+        include_usage=bool(body.stream_options is not None and body.stream_options.include_usage),
+        options=options, resolved=resolved)
+
+
+def parse_completion(body: Any, model, tokenizer, limits: Limits, served_name: str,
+                     chat: bool = False) -> CompletionRequest:
+    """A checked `CompletionRequest` from a decoded JSON body, or an APIError naming the problem.
+    `chat`: a /v1/chat/completions body (`messages` instead of `prompt`; no echo, no logprobs)."""
+    body_class = chat_body() if chat else completion_body()
+    validated = validate(body_class, body, body_context(model, tokenizer, limits, served_name))
+    return completion_request(validated, model, tokenizer, limits)
+
+
