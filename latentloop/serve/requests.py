@@ -45,6 +45,9 @@ SHOWN_CHARS = 80  # the most characters of a refused value an error message repe
 REFUSED = "latentloop_refused"  # the pydantic error type of a check that says its own line (`refuse`)
 
 
+# --------------------------------------------------------------------------------------------
+# Request bodies
+# --------------------------------------------------------------------------------------------
 
 
 def refuse(message: str, param: str | None = None, status: int = 400, code: str | None = None) -> PydanticCustomError:
@@ -53,11 +56,10 @@ def refuse(message: str, param: str | None = None, status: int = 400, code: str 
                                                       "code": code})
 
 
-def body_context(model, tokenizer, limits: Limits, served_name: str) -> dict:
+def body_context(model, limits: Limits, served_name: str) -> dict:
     """What a body's validators read: the served model (its architecture's options), the limits,
     the vocabulary and the name clients send."""
-    return {"model": model, "limits": limits, "vocab_size": int(model.config.vocab_size), "served_name": served_name,
-            "tokenizer": tokenizer}
+    return {"model": model, "limits": limits, "vocab_size": int(model.config.vocab_size), "served_name": served_name}
 
 
 class _Body(BaseModel):
@@ -303,6 +305,9 @@ def validate(model_class: type[BaseModel], body: Any, context: dict) -> Any:
         raise refusal(error, model_class, body, context) from None
 
 
+# --------------------------------------------------------------------------------------------
+# A validated body into the scheduler's CompletionRequest
+# --------------------------------------------------------------------------------------------
 
 
 def completion_request(body: _GenerationFields, model, tokenizer, limits: Limits) -> CompletionRequest:
@@ -343,7 +348,5 @@ def parse_completion(body: Any, model, tokenizer, limits: Limits, served_name: s
     """A checked `CompletionRequest` from a decoded JSON body, or an APIError naming the problem.
     `chat`: a /v1/chat/completions body (`messages` instead of `prompt`; no echo, no logprobs)."""
     body_class = chat_body() if chat else completion_body()
-    validated = validate(body_class, body, body_context(model, tokenizer, limits, served_name))
+    validated = validate(body_class, body, body_context(model, limits, served_name))
     return completion_request(validated, model, tokenizer, limits)
-
-

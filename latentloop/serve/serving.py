@@ -127,7 +127,7 @@ class ServerState:
         except BodyTooLarge:
             await drain_body(request, deadline)
             raise APIError(413, f"the request body is larger than {limit:,} bytes, {why}") from None
-        context = body_context(self.model, self.tokenizer, self.limits, self.name)
+        context = body_context(self.model, self.limits, self.name)
         return await self.bounded(self.prepares.run(_decoded_as, body_class, raw, context), deadline)
 
 
