@@ -131,7 +131,7 @@ def _serve_small_run(root: Path, tok: Path) -> str:
 
     from latentloop.api import build
     from latentloop.data.tokenizers import BPETokenizer
-    from latentloop.runtime import save_run
+    from latentloop.runs import save_run
 
     tokenizer = BPETokenizer.load(tok)
     torch.manual_seed(0)
@@ -207,7 +207,7 @@ def _template_fixtures(root: Path) -> dict[str, str]:
 
     from latentloop.api import build
     from latentloop.data.tokenizers import HFTokenizer
-    from latentloop.runtime import save_run
+    from latentloop.runs import save_run
 
     made = {}
     for name, template in TEMPLATES.items():

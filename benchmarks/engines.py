@@ -93,7 +93,7 @@ def build_export(shape: dict, context: int, seed: int, folder: Path):
     import latentloop
     from latentloop.data.tokenizers import ByteTokenizer
     from latentloop.interop import export_hf
-    from latentloop.runtime import save_run
+    from latentloop.runs import save_run
 
     tokenizer = ByteTokenizer()
     torch.manual_seed(seed)

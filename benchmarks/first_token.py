@@ -40,7 +40,7 @@ def save_random_run(shape: dict, context: int, folder: Path) -> Path:
 
     import latentloop
     from latentloop.data.tokenizers import ByteTokenizer
-    from latentloop.runtime import save_run
+    from latentloop.runs import save_run
 
     tokenizer = ByteTokenizer()
     torch.manual_seed(0)

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from latentloop.checkpoint import read_trainer_state, resolve_checkpoint  # noqa: E402
-from latentloop.runtime import load_run  # noqa: E402
+from latentloop.runs import load_run  # noqa: E402
 
 MODES = ("write", "resave", "random")
 POLL_SECONDS = 0.0005  # how often the checkpoint folder is listed while waiting for a write to start

@@ -50,7 +50,7 @@ from common import render_table, spread  # noqa: E402
 
 import latentloop as ll  # noqa: E402
 from latentloop.data import ByteTokenizer  # noqa: E402
-from latentloop.runtime import save_run  # noqa: E402
+from latentloop.runs import save_run  # noqa: E402
 
 BATCHED_ROWS = 32  # --max-batch-size of the batching server (>= the highest concurrency)
 NEW_TOKENS = 32  # max_tokens of every request

@@ -46,11 +46,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from latentloop.archs import get_arch  # noqa: E402
+from latentloop.archs.rgpt.model import rgpt_shape_from_dense  # noqa: E402
 from latentloop.checkpoint import checkpoint_candidates  # noqa: E402
 from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config  # noqa: E402
 from latentloop.eval.loss import passes_curve, score_run, text_batches  # noqa: E402
 from latentloop.eval.stats import format_comparison, mean_sd, seed_rows, t_interval  # noqa: E402
-from latentloop.archs.rgpt.model import rgpt_shape_from_dense  # noqa: E402
 from latentloop.train import fit, setup  # noqa: E402
 
 

@@ -41,7 +41,8 @@ from latentloop.eval.generation import baseline_markdown, run_generation_tasks
 from latentloop.eval.loss import loss_by_position
 from latentloop.eval.stats import format_comparison, paired_comparison, t_interval, verdict
 from latentloop.objectives.base import token_cross_entropy
-from latentloop.runtime import eval_data, load_run
+from latentloop.runs import load_run
+from latentloop.runtime import eval_data
 
 TASK = "addition_steps:digits=2,n=4000"
 EVAL_TASK = "addition_steps:digits=2,test=1-2"  # the training range (see the docstring)

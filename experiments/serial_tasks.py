@@ -38,10 +38,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from latentloop.archs.rgpt.model import rgpt_shape_from_dense  # noqa: E402
 from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config  # noqa: E402
 from latentloop.eval.generation import baseline_markdown, run_generation_tasks  # noqa: E402
 from latentloop.eval.stats import format_comparison, paired_comparison, verdict  # noqa: E402
-from latentloop.archs.rgpt.model import rgpt_shape_from_dense  # noqa: E402
 from latentloop.train import fit, setup  # noqa: E402
 
 TASKS = {  # name -> (training data spec, evaluation task name)

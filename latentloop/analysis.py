@@ -17,7 +17,8 @@ import torch
 from .archs import ARCHS, Analysis, AnalysisContext, get_arch, offering
 from .data import eval_batches
 from .errors import ConfigError, OutputError
-from .runtime import load_run, output_folder, prepare_data
+from .runs import load_run
+from .runtime import output_folder, prepare_data
 from .util import progress
 
 

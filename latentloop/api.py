@@ -10,7 +10,7 @@ from torch import nn
 from .archs import build_model
 from .config import model_config
 from .engine import generate, quantize_int8, stream, teacher_forced_logits
-from .runtime import load_run
+from .runs import load_run
 
 
 def build(arch: str = "gpt", preset: str | None = None, **overrides) -> nn.Module:

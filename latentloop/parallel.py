@@ -57,8 +57,8 @@ from .checkpoint import (
     write_sharded_checksums,
 )
 from .config import TrainConfig
+from .distributed import agree, current_dist, in_process_group
 from .errors import CheckpointError, OutputError
-from .runtime import agree, current_dist, in_process_group
 from .util import first_line
 
 __all__ = ["SHARDED_DIR", "any_rank", "apply_activation_checkpointing", "compiles_whole_model", "full_weights",

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-import latentloop.runtime
+import latentloop.distributed
 from latentloop.cli import main
 
 MARKER = "=== {} ==="
@@ -32,7 +32,7 @@ def _barrier_only() -> bool:
 
 def run_in_turn(commands: dict[str, list[str]], results: Path) -> int:
     dist.init_process_group("gloo")  # torchrun's env:// rendezvous
-    latentloop.runtime.destroy_distributed = _barrier_only
+    latentloop.distributed.destroy_distributed = _barrier_only
     codes = {}
     for name, argv in commands.items():
         print(MARKER.format(name), flush=True)

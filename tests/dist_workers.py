@@ -129,7 +129,7 @@ NOISY_RGPT = {"noise_std": 0.1}  # rgpt's training noise on: each rank's own RNG
 
 def equivalence(rank: int, world: int, port: int, corpus: str, out: str, strategy: str, cases: list[str]) -> None:
     """`_runs`, then (ddp) a noisy rgpt run interrupted after step 2 and resumed (`interrupted`)."""
-    from latentloop.runtime import destroy_distributed
+    from latentloop.distributed import destroy_distributed
 
     join(rank, world, port)
     _runs(rank, corpus, out, strategy, cases)
@@ -166,7 +166,7 @@ def interrupted(rank: int, corpus: str, out: str, name: str, arch: str, strategy
 
 def sharded(rank: int, world: int, port: int, corpus: str, out: str, cases: list[str]) -> None:
     """fsdp2 runs of `cases` (as `equivalence`), then `sharded_checkpoints`, in one process group."""
-    from latentloop.runtime import destroy_distributed
+    from latentloop.distributed import destroy_distributed
 
     join(rank, world, port)
     _runs(rank, corpus, out, "fsdp2", cases)
@@ -243,7 +243,7 @@ def sft_config(base: str, strategy: str, grad_accum: int = 1) -> RunConfig:
 
 def sft(rank: int, world: int, port: int, base: str, out: str) -> None:
     """The SFT stage on `world` processes (each rank its own rows of the packed conversations)."""
-    from latentloop.runtime import destroy_distributed
+    from latentloop.distributed import destroy_distributed
     from latentloop.train import fit, setup
 
     join(rank, world, port)

@@ -159,7 +159,7 @@ def test_bad_chat_files_are_one_line_errors(tmp_path, capsys, line, message):
     # through the CLI: one line, exit 2 (a base run is not even needed to find out)
     base = tmp_path / "base"
     from latentloop.api import build
-    from latentloop.runtime import save_run
+    from latentloop.runs import save_run
 
     save_run(build("gpt", preset="test"), ByteTokenizer(), base)
     code = main(["train", "--stage", "sft", "--init-from", str(base), "--data", f"chat:{path}", "--steps", "1",
@@ -190,7 +190,7 @@ def test_grown_vocabulary_rows_start_at_the_mean_and_old_rows_keep_their_ids():
 @pytest.fixture
 def chat_run(tmp_path):
     from latentloop.api import build
-    from latentloop.runtime import save_run
+    from latentloop.runs import save_run
 
     torch.manual_seed(0)
     save_run(build("fbt", preset="test", vocab_size=CHAT.vocab_size), CHAT, tmp_path / "chat")
@@ -200,7 +200,7 @@ def chat_run(tmp_path):
 def test_stream_reply_is_the_engine_continuation_of_the_rendered_prompt(chat_run):
     from latentloop import generate
     from latentloop.chat import chat_prompt, stream_reply
-    from latentloop.runtime import load_run
+    from latentloop.runs import load_run
 
     model, tokenizer, _, _ = load_run(chat_run)
     messages = [{"role": "user", "content": "2+2="}]
@@ -230,7 +230,7 @@ def test_scripted_chat_session(chat_run, monkeypatch, capsys):
 
 def test_chat_mistakes_are_one_line(chat_run, tmp_path, capsys):
     from latentloop.api import build
-    from latentloop.runtime import save_run
+    from latentloop.runs import save_run
 
     save_run(build("gpt", preset="test"), ByteTokenizer(), tmp_path / "base")
     assert main(["chat", str(tmp_path / "base")]) == 2  # no chat tokens

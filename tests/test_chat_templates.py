@@ -18,7 +18,7 @@ from latentloop.data import chat as chat_data
 from latentloop.data.chat import ChatFormatError, ChatTemplateLimitError, TemplateLimits, render_template
 from latentloop.data.tokenizers import ChatTemplate, write_hf_tokenizer
 from latentloop.errors import DataError
-from latentloop.runtime import load_run
+from latentloop.runs import load_run
 
 transformers = pytest.importorskip("transformers")
 
@@ -226,7 +226,7 @@ def test_a_looping_template_ends_chat_and_sft_with_one_line(tmp_path, short_limi
     import io
 
     from latentloop.api import build
-    from latentloop.runtime import save_run
+    from latentloop.runs import save_run
 
     tok = HFTokenizer.from_pretrained_folder(_chatml_folder(tmp_path / "hf", NESTED_LOOPS.replace("BODY", "")))
     save_run(build("gpt", preset="test", vocab_size=tok.vocab_size, bos_id=tok.bos_id), tok, tmp_path / "run")
@@ -283,7 +283,7 @@ def test_a_template_that_renders_no_reply_or_prompt_is_refused_by_import_sft_and
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from latentloop.api import build
-    from latentloop.runtime import save_run
+    from latentloop.runs import save_run
 
     template, words, import_words = EMPTY_TEMPLATES[name]
     named = chat_data.template_name(template)

@@ -96,7 +96,7 @@ def test_loading_a_run_of_any_arch_imports_no_compiler(tiny_run):
 
     runs = [str(tiny_run(arch)) for arch in ARCHS]
     script = ("import sys, torch\n"
-              "from latentloop.runtime import load_run\n"
+              "from latentloop.runs import load_run\n"
               "normal = torch.nn.init.normal_\n"
               "for run in sys.argv[1:]:\n"
               "    load_run(run)\n"

@@ -46,7 +46,7 @@ from latentloop.errors import CheckpointError, ConfigError
 from latentloop.interop import initialise_from, upcycle_config
 from latentloop.models.backbone import GPT
 from latentloop.models.flops import BACKWARD_FACTOR
-from latentloop.runtime import load_run, save_run
+from latentloop.runs import load_run, save_run
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -331,7 +331,7 @@ def test_a_process_in_a_group_skips_the_interpreters_teardown(corpus, tmp_path, 
     so the process's own command line ends every command in a group through
     `exit_without_finalizing`, with the command's code; called with argv it returns the code."""
     import latentloop.cli as cli
-    import latentloop.runtime as runtime
+    import latentloop.distributed as distributed
 
     class Exited(Exception):
         pass
@@ -339,7 +339,7 @@ def test_a_process_in_a_group_skips_the_interpreters_teardown(corpus, tmp_path, 
     def record(code):
         raise Exited(code)
 
-    monkeypatch.setattr(runtime, "exit_without_finalizing", record)
+    monkeypatch.setattr(distributed, "exit_without_finalizing", record)
     data = tmp_path / "missing.txt" if fails else corpus  # a data error: raised by the command, not argparse
     argv = ["train", "--arch", "gpt", "--preset", "test", "--data", f"text:{data}", "--steps", "1",
             "--batch-size", "2", "--set", "sequence_len=16", "--set", "train.eval_every=0",
@@ -354,11 +354,11 @@ def test_a_process_in_a_group_skips_the_interpreters_teardown(corpus, tmp_path, 
                 assert exited.value.args == (2 if fails else 0,)
             else:
                 assert cli.main([*argv[:-3], "--out", str(tmp_path / "again"), "--no-progress"]) == (2 if fails else 0)
-            assert runtime.in_process_group() == fails  # a failure stays in the group: a peer may wait
+            assert distributed.in_process_group() == fails  # a failure stays in the group: a peer may wait
             if fails:
                 torch.distributed.destroy_process_group()
     finally:
-        if runtime.in_process_group():
+        if distributed.in_process_group():
             torch.distributed.destroy_process_group()
 
 

@@ -38,19 +38,21 @@ ALLOWED: dict[str, frozenset[str]] = {
     # its objective, its spec; optim for its parameter groups, inference for its fast-path cache mixin
     "archs": frozenset({"inference", "models", "objectives", "optim"}),
     "engine": frozenset({"inference", "models"}),
-    "runtime": frozenset({"archs", "checkpoint", "data", "inference", "models"}),  # models: unused today
-    "parallel": frozenset({"checkpoint", "runtime"}),
-    "interop": frozenset({"archs", "checkpoint", "data", "models"}),  # models: unused today
-    "eval": frozenset({"archs", "checkpoint", "data", "engine", "models", "objectives", "runtime"}),
-    "serve": frozenset({"archs", "data", "engine", "inference", "models", "runtime"}),  # models: unused today
+    "runtime": frozenset({"data"}),  # devices, precision, data preparation: below the run folders and the group
+    "distributed": frozenset({"runtime"}),  # the process group and its collectives; knows no model
+    "runs": frozenset({"archs", "checkpoint", "data", "inference"}),  # run folders: one pass down the floors
+    "parallel": frozenset({"checkpoint", "distributed"}),
+    "interop": frozenset({"archs", "checkpoint", "data"}),
+    "eval": frozenset({"archs", "data", "engine", "objectives", "runs", "runtime"}),
+    "serve": frozenset({"archs", "data", "engine", "inference", "models", "runs", "runtime"}),
     "chat": frozenset({"data", "engine"}),
-    "api": frozenset({"archs", "engine", "runtime"}),
-    "train": frozenset({"archs", "checkpoint", "data", "eval", "interop", "models", "objectives", "optim",
-                        "parallel", "runtime"}),  # models: unused today
-    "analysis": frozenset({"archs", "data", "eval", "models", "objectives", "runtime"}),
+    "api": frozenset({"archs", "engine", "runs"}),
+    "train": frozenset({"archs", "checkpoint", "data", "distributed", "eval", "interop", "objectives", "optim",
+                        "parallel", "runtime"}),
+    "analysis": frozenset({"archs", "data", "eval", "runs", "runtime"}),
     "demo": frozenset({"archs", "engine", "eval", "train"}),
-    "cli": frozenset({"analysis", "archs", "chat", "checkpoint", "data", "demo", "engine", "eval", "interop",
-                      "runtime", "serve", "train"}),
+    "cli": frozenset({"analysis", "archs", "chat", "checkpoint", "data", "demo", "distributed", "engine", "eval",
+                      "interop", "runs", "runtime", "serve", "train"}),
     "__init__": frozenset({"api"}),
     "__main__": frozenset({"cli"}),
 }

@@ -17,7 +17,7 @@ from latentloop.engine import fit_prompt, generate, teacher_forced_logits
 from latentloop.eval import lm_eval_adapter
 from latentloop.eval.core import fit_row
 from latentloop.eval.lm_eval_adapter import LatentloopLM
-from latentloop.runtime import load_run
+from latentloop.runs import load_run
 
 BOS = ByteTokenizer.bos_id
 

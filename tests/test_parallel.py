@@ -18,10 +18,10 @@ from latentloop.archs import build_objective
 from latentloop.cli import main
 from latentloop.config import STRATEGIES, DataConfig, RunConfig, TrainConfig, model_config
 from latentloop.data import TokenLoader
+from latentloop.distributed import current_dist, init_distributed, resolve_strategy
 from latentloop.errors import ConfigError
 from latentloop.models import flex
 from latentloop.parallel import _checkpointed, apply_activation_checkpointing
-from latentloop.runtime import current_dist, init_distributed, resolve_strategy
 from latentloop.train import fit, setup
 
 # Every registered architecture, with its spec's settings under which a training forward draws nothing

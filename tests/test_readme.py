@@ -52,7 +52,7 @@ import latentloop as ll
 from latentloop.cli import main
 from latentloop.data import ByteTokenizer
 from latentloop.interop import export_hf
-from latentloop.runtime import save_run
+from latentloop.runs import save_run
 
 README = REPO / "README.md"
 DOCS = REPO / "docs"

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 import latentloop as ll
 from latentloop import checkpoint as ckpt
-from latentloop import runtime
+from latentloop import runs, runtime
 from latentloop.cli import main
 from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config
 from latentloop.data import ByteTokenizer, load_tokenizer, parse_source, prepare_tokens
@@ -488,14 +488,14 @@ def test_config_is_checked_against_the_weights_header_before_allocating(tiny_run
         file.write_text(json.dumps(raw))
     ckpt.write_checksums(ckpt.resolve_checkpoint(run))  # saved so: the checksums agree
     built_on = []
-    real_build = runtime.build_model
+    real_build = runs.build_model
 
     def recording_build(config):
         model = real_build(config)
         built_on.append(next(model.parameters()).device.type)
         return model
 
-    monkeypatch.setattr(runtime, "build_model", recording_build)
+    monkeypatch.setattr(runs, "build_model", recording_build)
     with pytest.raises(CheckpointError, match=r"is \[259, 64\] in the file but \[259, 2048\] by the config"):
         ll.load(run)
     assert built_on and set(built_on) == {"meta"}  # shapes only: nothing was allocated

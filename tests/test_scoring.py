@@ -19,7 +19,8 @@ from latentloop.data import eval_batches
 from latentloop.engine import teacher_forced_logits
 from latentloop.errors import ConfigError
 from latentloop.eval import score_run, text_batches
-from latentloop.runtime import eval_data, load_run
+from latentloop.runs import load_run
+from latentloop.runtime import eval_data
 
 BATCH, BATCHES = 2, 1
 

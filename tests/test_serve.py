@@ -27,7 +27,7 @@ from latentloop.archs import ARCHS as REGISTERED
 from latentloop.cli import main
 from latentloop.data import ByteTokenizer
 from latentloop.engine import row_info
-from latentloop.runtime import save_run
+from latentloop.runs import save_run
 from latentloop.serve.limits import Limits
 from latentloop.serve.protocol import APIError, special_names, token_string
 from latentloop.serve.requests import parse_completion

@@ -24,7 +24,7 @@ from latentloop.data.chat import (
     sequence_len_that_fits,
 )
 from latentloop.engine import teacher_forced_logits
-from latentloop.runtime import load_run, save_run
+from latentloop.runs import load_run, save_run
 from latentloop.train.stages import EXTEND_LR_SHARE, SFT_LR_SHARE
 
 CHAT = ByteTokenizer(chat=True)

@@ -29,7 +29,7 @@ from latentloop.checkpoint import (
 from latentloop.cli import main
 from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config
 from latentloop.errors import CheckpointError
-from latentloop.runtime import export_full_weights
+from latentloop.runs import export_full_weights
 from latentloop.train import fit, setup
 
 REFUSED = f"{os.system.__module__}.system"  # how a pickle names os.system (posix.system here)

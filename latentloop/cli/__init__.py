@@ -31,7 +31,7 @@ def _report(exc: LatentloopError) -> None:
     """Print a user error's line, once per job (see the module docstring)."""
     import os
 
-    from ..runtime import current_dist
+    from ..distributed import current_dist
 
     env = current_dist()
     shared, own = getattr(exc, "shared", False), getattr(exc, "rank_specific", False)
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         code = COMMANDS[args.command](args)
     except LatentloopError as exc:
         _report(exc)
-        from ..runtime import exit_without_finalizing, in_process_group
+        from ..distributed import exit_without_finalizing, in_process_group
 
         # the group is not left (a peer may wait in a collective; torchrun ends it), but its threads
         # still outlive the command and can abort the interpreter's teardown: see exit_without_finalizing
@@ -67,14 +67,14 @@ def main(argv: list[str] | None = None) -> int:
         print("latentloop: interrupted", file=sys.stderr)
         return 130
     except RuntimeError:
-        from ..runtime import current_dist
+        from ..distributed import current_dist
 
         if current_dist().world_size > 1:  # most likely a peer failed first: let torchrun end this process
             import time
 
             time.sleep(PEER_GRACE_S)
         raise
-    from ..runtime import destroy_distributed, exit_without_finalizing
+    from ..distributed import destroy_distributed, exit_without_finalizing
 
     # after a failure the process exits instead: leaving a group can wait on its peers
     if destroy_distributed() and argv is None:  # this process's own command line (the script, python -m)

@@ -20,7 +20,8 @@ def _say_compiling(message: str) -> None:
 
 def cmd_generate(args) -> int:
     from ..engine import model_options, quantize_int8, row_info, stream
-    from ..runtime import load_run, resolve_device
+    from ..runs import load_run
+    from ..runtime import resolve_device
     from ..util import TokenText
 
     device = resolve_device(args.device)
@@ -96,7 +97,8 @@ def _read_message_line() -> tuple[str, bool]:
 def cmd_chat(args) -> int:
     from ..chat import stream_reply
     from ..engine import PromptError, check_sampling, model_options, quantize_int8
-    from ..runtime import load_run, resolve_device
+    from ..runs import load_run
+    from ..runtime import resolve_device
 
     device = resolve_device(args.device)
     model, tokenizer, _, _ = load_run(args.run, device)

@@ -15,7 +15,8 @@ from .training import first_batches
 def cmd_eval(args) -> int:
     from ..archs import get_arch
     from ..eval.loss import row_documents, score_run, text_batches
-    from ..runtime import eval_data, load_run, resolve_device
+    from ..runs import load_run
+    from ..runtime import eval_data, resolve_device
 
     if args.tasks is None and (args.limit is not None or args.eval_dir is not None):
         raise LatentloopError("--limit and --eval-dir apply to --tasks only")
@@ -169,7 +170,8 @@ def _position_base(args, checkpoint, model):
     """The base run to draw beside --by-position: --against, else the run this one started from
     (recorded in its checkpoint) when it is on this machine; None when there is none. Its tokenizer
     must read the tokens as this run's does."""
-    from ..runtime import load_run, resolve_device
+    from ..runs import load_run
+    from ..runtime import resolve_device
 
     path = args.against
     if path is None:

@@ -49,7 +49,7 @@ def cmd_demo(args) -> int:
 
 
 def cmd_export_dcp(args) -> int:
-    from ..runtime import export_full_weights
+    from ..runs import export_full_weights
 
     path = export_full_weights(args.run, force=args.force)
     print(f"wrote {path}")

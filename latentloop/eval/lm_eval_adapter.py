@@ -80,7 +80,7 @@ class LatentloopLM(_LMBase):
         if model is None:
             if pretrained is None:
                 raise ConfigError("model_args needs pretrained=RUN (a latentloop run or checkpoint folder)")
-            from ..runtime import load_run
+            from ..runs import load_run
 
             model, tokenizer, _, _ = load_run(pretrained, _available_device(device))
         elif tokenizer is None:

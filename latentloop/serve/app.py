@@ -232,7 +232,8 @@ def serve(settings: ServeSettings) -> None:
     """Load the run and serve it until SIGINT / SIGTERM."""
     import uvicorn
 
-    from ..runtime import load_run, resolve_device
+    from ..runs import load_run
+    from ..runtime import resolve_device
 
     check_settings(settings)
     sock = _bind(settings.host, settings.port)

@@ -30,6 +30,7 @@ from ..checkpoint import (
     write_checkpoint_files,
 )
 from ..data import TokenData
+from ..distributed import agree, on_main, together
 from ..errors import CheckpointError, DataError, OutputError
 from ..parallel import (
     SHARDED_DIR,
@@ -40,7 +41,7 @@ from ..parallel import (
     load_sharded,
     save_sharded,
 )
-from ..runtime import absolute_source, agree, on_main, together
+from ..runtime import absolute_source
 from ..util import first_line
 from .state import TrainState, note, rank_seed, warn
 

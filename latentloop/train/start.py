@@ -14,20 +14,11 @@ from ..checkpoint import LOCK_FILE, RunLock, check_resumable, list_checkpoints, 
 from ..config import RunConfig
 from ..data import TokenLoader, load_tokenizer
 from ..data.chat import ChatLoader, prepare_chat
+from ..distributed import in_turns, init_distributed, on_main, resolve_strategy, together
 from ..errors import CheckpointError, OutputError
 from ..interop.upcycle import initialise_from
 from ..parallel import wrap_model
-from ..runtime import (
-    in_turns,
-    init_distributed,
-    keep_freed_memory,
-    on_main,
-    precision_note,
-    prepare_data,
-    resolve_dtype,
-    resolve_strategy,
-    together,
-)
+from ..runtime import keep_freed_memory, precision_note, prepare_data, resolve_dtype
 from .resume import resume_run
 from .stages import check_stage
 from .state import SET_ON_SETUP, FlopsMemo, TrainState, note, rank_seed, warn

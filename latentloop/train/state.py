@@ -16,8 +16,8 @@ from ..checkpoint import RunLock
 from ..config import RunConfig
 from ..data import TokenData, TokenLoader
 from ..data.chat import ChatData
+from ..distributed import DistEnv
 from ..objectives import Objective
-from ..runtime import DistEnv
 
 if TYPE_CHECKING:  # the loop's guard (the loop imports this module)
     from .loop import FiniteGuard

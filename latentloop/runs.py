@@ -1,0 +1,183 @@
+"""Run folders as a whole: a model, its tokenizer and config in, a loadable run out.
+
+    model, tokenizer, config, checkpoint = load_run("runs/gpt", device)
+    save_run(model, tokenizer, "runs/untrained")    # a loadable run folder from any model
+    export_full_weights("runs/big")                 # model.safetensors from an fsdp2 checkpoint's shards
+
+A run folder may come from anyone: `load_run` checks its config against the weights (read once:
+checksum, NaN / inf, shapes) before a model of that config is allocated, and the tokenizer against
+the config; on the CPU it gives the model the faster products (`inference.accelerate`). Loading is
+one pass down the floors: this module -> checkpoint (files, checksums) -> config, then archs for the
+model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .archs import build_model
+from .checkpoint import (
+    SHARDED_DIR,
+    add_checksum,
+    check_sharded,
+    check_weights_finite,
+    find_tokenizer_file,
+    fsync_dir,
+    load_sharded_state,
+    load_weights,
+    read_run_config,
+    read_weights,
+    resolve_checkpoint,
+    save_checkpoint,
+    weight_shapes,
+)
+from .config import ModelConfig, RunConfig
+from .data import load_tokenizer
+from .errors import CheckpointError, ConfigError, OutputError
+
+# torch.nn.init's random initialisers: on the meta device they run as Python decompositions whose
+# first call imports torch._dynamo (1.5-3.5 s of a core before a command that loads a run can go on;
+# rope_frequencies avoids the same for its arithmetic), and a shape needs none of them
+RANDOM_INITS = ("normal_", "uniform_", "trunc_normal_", "kaiming_normal_", "kaiming_uniform_", "xavier_normal_",
+                "xavier_uniform_", "orthogonal_", "sparse_")
+
+
+@contextlib.contextmanager
+def _random_inits_skipped():
+    """torch.nn.init's random initialisers leave their tensor as it is inside the block (the model
+    files call them through `nn.init`, as torch's own layers do)."""
+    saved = {name: getattr(nn.init, name) for name in RANDOM_INITS}
+    try:
+        for name in RANDOM_INITS:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, initialiser in saved.items():
+            setattr(nn.init, name, initialiser)
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of the weights a config describes, from a model built on the meta device
+    (shapes only: nothing is allocated or initialised, however large the config)."""
+    with torch.device("meta"), _random_inits_skipped():
+        model = build_model(config)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def check_weights_fit(config: ModelConfig, checkpoint: Path, found: dict[str, tuple[int, ...]] | None = None) -> None:
+    """The checkpoint's weights (`found`: their shapes, else read from the safetensors header) have
+    exactly the names and shapes the config describes, checked before a model of that config is
+    allocated."""
+    found = weight_shapes(checkpoint) if found is None else found
+    expected = expected_shapes(config)
+    file = checkpoint / "model.safetensors"
+    missing, unexpected = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(f"weights {file} do not fit the run's config.json: missing {missing[:3]}, "
+                              f"unexpected {unexpected[:3]}")
+    for name, shape in expected.items():
+        if found[name] != shape:
+            raise CheckpointError(f"weights {file} do not fit the run's config.json: {name} is {list(found[name])} "
+                                  f"in the file but {list(shape)} by the config")
+
+
+def check_tokenizer_fits(tokenizer, config: ModelConfig, tokenizer_file: Path) -> None:
+    """A tokenizer with more ids than the model would index out of its embedding; one with fewer (or
+    other special ids) would decode the model's ids as the wrong text."""
+    if tokenizer.vocab_size != config.vocab_size:
+        raise CheckpointError(f"tokenizer {tokenizer_file} has {tokenizer.vocab_size} tokens but the model has "
+                              f"vocab_size {config.vocab_size}: it is not the tokenizer this model was trained with")
+    if tokenizer.bos_id != config.bos_id:
+        raise CheckpointError(f"tokenizer {tokenizer_file} has BOS id {tokenizer.bos_id} but the model was trained "
+                              f"with {config.bos_id}: it is not the tokenizer this model was trained with")
+
+
+def load_run(path: str | Path, device: str | torch.device = "cpu",
+             accelerate: bool = True) -> tuple[nn.Module, object, RunConfig, Path]:
+    """Model (eval mode), tokenizer, run config and checkpoint folder from a run or checkpoint folder.
+    A model on the CPU gets the faster products (`inference.accelerate`, a module swap) unless
+    `accelerate=False`: every command that decodes or scores a run reads it through here.
+
+    The config is checked against the weights' header and the tokenizer against the config before
+    the model is built; the returned config's `data.cache_dir` is cleared (the default cache is used).
+    """
+    checkpoint = resolve_checkpoint(path)
+    if not (checkpoint / "model.safetensors").is_file() and (checkpoint / SHARDED_DIR).is_dir():
+        raise CheckpointError(f"checkpoint {checkpoint} holds sharded weights only (an fsdp2 run saved with "
+                              f"train.full_weights=false): write model.safetensors with `latentloop export-dcp "
+                              f"{checkpoint}`")
+    config = read_run_config(checkpoint)
+    config.data.cache_dir = ""  # a folder on the machine that trained the run, not one to write into here
+    tokenizer_file = find_tokenizer_file(checkpoint)
+    tokenizer = load_tokenizer(str(tokenizer_file))
+    check_tokenizer_fits(tokenizer, config.model, tokenizer_file)
+    weights = read_weights(checkpoint)  # checked against its checksum and for NaN / inf: the file's size, once
+    check_weights_fit(config.model, checkpoint, {name: tuple(t.shape) for name, t in weights.items()})
+    model = build_model(config.model)
+    load_weights(model, checkpoint, weights)
+    model = model.to(device).eval()
+    if accelerate and next(model.parameters()).device.type == "cpu":
+        from .inference import accelerate as accelerate_products
+
+        accelerate_products(model)
+    return model, tokenizer, config, checkpoint
+
+
+def save_run(model: nn.Module, tokenizer, run_dir: str | Path, config: RunConfig | None = None) -> Path:
+    """A run folder that `load_run` (and so `generate`, `eval`, `serve`) reads, from a model as it
+    is, e.g. freshly initialised for tests and load tests: config, tokenizer and one checkpoint at
+    step 0. It holds no optimizer or loader state, so training cannot resume from it."""
+    run_dir = Path(run_dir)
+    config = config or RunConfig(model=model.config)
+    if config.model.vocab_size != tokenizer.vocab_size or config.model.bos_id != tokenizer.bos_id:
+        raise ConfigError(f"the model's vocab_size/bos_id ({config.model.vocab_size}/{config.model.bos_id}) do not "
+                          f"match the tokenizer's ({tokenizer.vocab_size}/{tokenizer.bos_id})")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config.save_json(run_dir / "config.json")
+    tokenizer.save(run_dir)
+    return save_checkpoint(run_dir, 0, model, trainer_state={}, state={"step": 0}, keep_last=1)
+
+
+def export_full_weights(path: str | Path, force: bool = False) -> Path:
+    """Write `model.safetensors` into a checkpoint that holds sharded weights only (`dcp/`, an fsdp2
+    run's), in this one process: the model is built on the CPU and the shards are read into it
+    (torch.distributed.checkpoint, without a process group). Needs one full fp32 copy of the
+    weights in CPU memory; no GPU. The file is written atomically. The shards are checked against
+    their checksums and DCP's pickles read through allow-lists first (`checkpoint.check_sharded`):
+    a corrupt or planted file is one `CheckpointError` line, and nothing of it runs."""
+    from safetensors.torch import save_file
+
+    checkpoint = resolve_checkpoint(path)
+    target, sharded = checkpoint / "model.safetensors", checkpoint / SHARDED_DIR
+    if not sharded.is_dir():
+        raise CheckpointError(f"{checkpoint} holds no sharded weights ({SHARDED_DIR}/): it needs no export")
+    if target.exists() and not force:
+        raise OutputError(f"{target} exists already (pass --force to write it again)")
+    config = read_run_config(checkpoint)
+    metadata, note = check_sharded(sharded)
+    if note is not None:
+        print(f"latentloop: warning: {note}", file=sys.stderr)
+    model = build_model(config.model)
+    weights = model.state_dict()
+    load_sharded_state({"model": weights}, sharded, metadata, no_dist=True)  # one line on missing / foreign shards
+    weights = {name: t.detach().contiguous() for name, t in weights.items()}
+    step = int(checkpoint.name.rsplit("_", 1)[-1]) if checkpoint.name.rsplit("_", 1)[-1].isdigit() else 0
+    check_weights_finite(weights, step)
+    tmp = target.with_name(f".{target.name}.tmp")
+    try:
+        save_file(weights, str(tmp), metadata={"step": str(step)})
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+        fsync_dir(checkpoint)
+        add_checksum(checkpoint, target.name)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise OutputError(f"cannot write {target}: {exc.strerror or exc}") from None
+    return target
