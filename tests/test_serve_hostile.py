@@ -10,6 +10,7 @@ shutdown's handler check runs an app in this process over a model whose decode s
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import signal
@@ -25,7 +26,7 @@ from conftest import SERVER_EXIT_S, ServeProcess, serving
 
 import latentloop as ll
 from latentloop.data import BPETokenizer, ByteTokenizer
-from latentloop.runs import save_run
+from latentloop.runtime import save_run
 from latentloop.serve.limits import BODY_FIELDS_BYTES, MAX_TEXT_BYTES, Limits, prompt_text_limit, spells_its_text
 from latentloop.serve.protocol import APIError, encode_text
 from latentloop.serve.requests import parse_completion
@@ -311,17 +312,39 @@ def test_sigterm_answers_requests_in_flight_and_new_ones_with_503(runs, tmp_path
     assert all(status == 503 and reply["error"]["code"] == "shutting_down" for status, reply in after), after
 
 
-def test_a_request_gets_its_503_at_once_while_a_long_decode_step_runs(monkeypatch):
-    """The scheduler reads the stop between steps: a handler waiting on it answers 503 within a poll
-    of the stop, not when a step of many seconds ends (a step past uvicorn's grace had its
-    connection cut, no reply)."""
+@contextlib.contextmanager
+def in_process(model, tokenizer, **settings):
+    """An app over `model` served by uvicorn in a thread of this process on a free loopback port:
+    (app, url); stopped on leaving."""
     import asyncio
 
     import uvicorn
 
     from latentloop.serve.app import create_app
-    from latentloop.serve.serving import DISCONNECT_POLL_S
     from latentloop.serve.settings import ServeSettings
+
+    app = create_app(model, tokenizer, "m", ServeSettings("unused", decode="eager", batch_window_ms=0, **settings))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=asyncio.run, args=(server.serve(),), daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + CALL_TIMEOUT_S
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        yield app, f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(CALL_TIMEOUT_S)
+
+
+def test_a_request_gets_its_503_at_once_while_a_long_decode_step_runs(monkeypatch):
+    """The scheduler reads the stop between steps: a handler waiting on it answers 503 within a poll
+    of the stop, not when a step of many seconds ends (a step past uvicorn's grace had its
+    connection cut, no reply)."""
+    from latentloop.serve.serving import DISCONNECT_POLL_S
 
     torch.manual_seed(0)
     model = ll.build("gpt", preset="test", sequence_len=CONTEXT).eval()
@@ -334,32 +357,64 @@ def test_a_request_gets_its_503_at_once_while_a_long_decode_step_runs(monkeypatc
         return real_decode(*args, **kwargs)
 
     monkeypatch.setattr(model, "decode", slow_decode)
-    app = create_app(model, TOK, "m", ServeSettings("unused", batching="continuous", decode="eager",
-                                                    batch_window_ms=0))
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=asyncio.run, args=(server.serve(),), daemon=True)
-    thread.start()
     try:
-        deadline = time.monotonic() + CALL_TIMEOUT_S
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.02)
-        with ThreadPoolExecutor(1) as pool:
-            reply = pool.submit(httpx.post, f"http://127.0.0.1:{port}/v1/completions", timeout=CALL_TIMEOUT_S,
+        with in_process(model, TOK) as (app, url), ThreadPoolExecutor(1) as pool:
+            reply = pool.submit(httpx.post, url + "/v1/completions", timeout=CALL_TIMEOUT_S,
                                 json={"prompt": "x", "max_tokens": 8, "temperature": 0})
             assert step_started.wait(CALL_TIMEOUT_S)
             stopped = time.monotonic()
             app.state.scheduler.stop()
             answer = reply.result(CALL_TIMEOUT_S)
             answered = time.monotonic() - stopped
-        assert answer.status_code == 503 and "shutting down" in answer.json()["error"]["message"]
-        assert answered < DISCONNECT_POLL_S + 2.0, answered
+            release.set()  # the step ends, so that the scheduler thread ends with the server
     finally:
         release.set()
-        server.should_exit = True
-        thread.join(CALL_TIMEOUT_S)
+    assert answer.status_code == 503 and "shutting down" in answer.json()["error"]["message"]
+    assert answered < DISCONNECT_POLL_S + 2.0, answered
+
+
+SLOW_TOKENIZER_S = 30.0  # a tokenization that would outlast the request's timeout many times
+SHORT_TIMEOUT_S = 1.0
+
+
+class SlowTokenizer:
+    """The byte tokenizer, whose batch encoding takes SLOW_TOKENIZER_S (releasing the GIL, as the
+    Hugging Face tokenizers' batch call does) or until released."""
+
+    def __init__(self):
+        self.inner, self.release = ByteTokenizer(), threading.Event()
+
+    def encode_batch(self, texts):
+        self.release.wait(SLOW_TOKENIZER_S)
+        return self.inner.encode_batch(texts)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_tokenization_past_the_request_timeout_ends_the_request_with_504():
+    """--request-timeout bounds tokenizing too: the request gets 504 at its timeout, not when the
+    tokenizer returns (the worker thread is left to finish), and /health answers meanwhile."""
+    torch.manual_seed(0)
+    model = ll.build("gpt", preset="test", sequence_len=CONTEXT).eval()
+    tokenizer = SlowTokenizer()
+    try:
+        with in_process(model, tokenizer, request_timeout=SHORT_TIMEOUT_S) as (_, url), \
+                ThreadPoolExecutor(1) as pool:
+            start = time.monotonic()
+            reply = pool.submit(httpx.post, url + "/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                                timeout=CALL_TIMEOUT_S)
+            time.sleep(SHORT_TIMEOUT_S / 4)
+            assert httpx.get(url + "/health", timeout=SHORT_TIMEOUT_S).status_code == 200
+            answer = reply.result(CALL_TIMEOUT_S)
+            took = time.monotonic() - start
+            preparing = httpx.get(url + "/v1/stats", timeout=CALL_TIMEOUT_S).json()["preparing"]
+            tokenizer.release.set()
+    finally:
+        tokenizer.release.set()
+    assert answer.status_code == 504 and "--request-timeout" in answer.json()["error"]["message"]
+    assert SHORT_TIMEOUT_S <= took < SHORT_TIMEOUT_S + 5, took
+    assert preparing == 1  # the abandoned tokenization still holds its thread's slot, until it returns
 
 
 # --------------------------------------------------------------------------------------------
