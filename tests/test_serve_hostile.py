@@ -26,7 +26,7 @@ from conftest import SERVER_EXIT_S, ServeProcess, serving
 
 import latentloop as ll
 from latentloop.data import BPETokenizer, ByteTokenizer
-from latentloop.runtime import save_run
+from latentloop.runs import save_run
 from latentloop.serve.limits import BODY_FIELDS_BYTES, MAX_TEXT_BYTES, Limits, prompt_text_limit, spells_its_text
 from latentloop.serve.protocol import APIError, encode_text
 from latentloop.serve.requests import parse_completion
