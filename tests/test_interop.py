@@ -10,6 +10,7 @@ import logging
 import re
 import shutil
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -302,6 +303,10 @@ def test_remote_code_is_self_contained(arch):
         assert not re.search(r"^\s*from\s+\.\.", source, re.MULTILINE), name
         for local in re.findall(r"^\s*from\s+\.(\w+)\s+import", source, re.MULTILINE):
             assert f"{local}.py" in files, f"{name} imports .{local}, which the export does not ship"
+    # an export never carries the inference package: the models compute with torch's own ops
+    inference = {path.name for path in (Path(ll.__file__).parent / "inference").iterdir()}
+    assert not inference & set(files), sorted(inference & set(files))
+    assert not any(re.search(r"torch\._C|ctypes|mkldnn", source) for source in files.values())
 
 
 def test_export_errors_are_one_line(tmp_path, capsys):

@@ -219,3 +219,29 @@ def test_off_a_measured_cpu_every_product_is_torchs(monkeypatch):
     finally:
         native._rows_library.cache_clear()
         quant._kernel.cache_clear()
+
+
+def test_without_a_c_compiler_every_path_runs_on_torch(monkeypatch, tmp_path):
+    """No compiler (or one that cannot build): no kernel library loads, the status says why in one line,
+    and prefill, eager decoding and int8 decoding give torch's numbers."""
+    monkeypatch.setenv("LATENTLOOP_CACHE", str(tmp_path / "empty-cache"))  # nothing built already
+    monkeypatch.setattr(native, "_compiler", lambda: None)
+    for cached in (native.native_library, native._rows_library, quant._kernel):
+        cached.cache_clear()
+    try:
+        assert native.native_library("rows_linear") is None
+        assert native.native_status("rows_linear") == "no C compiler (cc, gcc or clang; or set CC)"
+        assert native.rows_linear(torch.randn(8, 16), torch.randn(4, 16)) is None
+        torch.manual_seed(0)
+        model = ll.build("gpt", preset="test").eval()
+        prompt = torch.randint(0, 256, (1, 12))
+        with torch.no_grad():
+            plain = model.prefill(prompt, model.new_cache(1, 20)).logits
+            accelerate(model)
+            torch.testing.assert_close(model.prefill(prompt, model.new_cache(1, 20)).logits, plain, rtol=0, atol=TOL)
+        tokens = ll.generate(model, prompt, 6, temperature=0.0, compile=False)
+        quant.quantize_int8(model)
+        assert len(ll.generate(model, prompt, 6, temperature=0.0, compile=False)[0]) == 6 and len(tokens[0]) == 6
+    finally:
+        for cached in (native.native_library, native._rows_library, quant._kernel):
+            cached.cache_clear()
