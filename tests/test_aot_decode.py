@@ -380,15 +380,22 @@ class _FakeLibrary:
         raise RuntimeError(f"{name} failed: the fake run said so")
 
 
-def test_a_prepared_run_hands_its_inputs_over_and_copies_each_output_into_its_tensor():
-    """aot_run.c without a package: the container's run is a Python function with its C signature,
-    which takes the input handles over and hands back outputs, as a package's library does."""
+def _runner_and_run_signature():
+    """aot_run.c's function (the test skips where it does not build) and the C signature of a package's
+    `AOTInductorModelContainerRun`, for a Python function to stand in for a package's library."""
     function = aot._runner()
     if function is None:
         pytest.skip(native.native_status(aot.RUNNER, for_packages=True))
     handle_array = ctypes.POINTER(ctypes.c_void_p)
     signature = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, handle_array, ctypes.c_size_t, handle_array,
                                  ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p)
+    return function, signature
+
+
+def test_a_prepared_run_hands_its_inputs_over_and_copies_each_output_into_its_tensor():
+    """aot_run.c without a package: the container's run is a Python function with its C signature,
+    which takes the input handles over and hands back outputs, as a package's library does."""
+    function, signature = _runner_and_run_signature()
     behaviour = {"wrong shape": False, "fail": False}
 
     def run(container, inputs, n_inputs, outputs, n_outputs, stream, proxy):
@@ -446,12 +453,7 @@ def test_a_new_window_of_the_same_cache_swaps_only_the_windows_handle(monkeypatc
     """`AotDecodeStep` without a package (a Python step behind aot_run.c): a new window of the same cache
     is taken by `_slide` (its handle swapped in the prepared run, the outputs the same tensors), never a
     new `_bind`, and the step reads the new window, not the old one."""
-    function = aot._runner()
-    if function is None:
-        pytest.skip(native.native_status(aot.RUNNER, for_packages=True))
-    handle_array = ctypes.POINTER(ctypes.c_void_p)
-    signature = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, handle_array, ctypes.c_size_t, handle_array,
-                                 ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p)
+    function, signature = _runner_and_run_signature()
 
     def prepared_run(container, inputs, n_inputs, outputs, n_outputs, stream, proxy):
         for j, handle in enumerate(aot._handles(list(_fake_outputs(*aot._tensors([inputs[i]
