@@ -221,11 +221,12 @@ def test_off_a_measured_cpu_every_product_is_torchs(monkeypatch):
         quant._kernel.cache_clear()
 
 
-def test_without_a_c_compiler_every_path_runs_on_torch(monkeypatch, tmp_path):
+def test_without_a_compiler_every_path_runs_on_torch_and_decoding_stays_eager(monkeypatch, tmp_path):
     """No compiler (or one that cannot build): no kernel library loads, the status says why in one line,
     and prefill, eager decoding and int8 decoding give torch's numbers."""
     monkeypatch.setenv("LATENTLOOP_CACHE", str(tmp_path / "empty-cache"))  # nothing built already
     monkeypatch.setattr(native, "_compiler", lambda: None)
+    monkeypatch.setattr(native, "cxx_compiler", lambda: None)  # no C++ either: inductor cannot compile
     for cached in (native.native_library, native._rows_library, quant._kernel):
         cached.cache_clear()
     try:
@@ -240,6 +241,10 @@ def test_without_a_c_compiler_every_path_runs_on_torch(monkeypatch, tmp_path):
             accelerate(model)
             torch.testing.assert_close(model.prefill(prompt, model.new_cache(1, 20)).logits, plain, rtol=0, atol=TOL)
         tokens = ll.generate(model, prompt, 6, temperature=0.0, compile=False)
+        from latentloop.inference.fast import FastDecoder
+
+        assert FastDecoder(model).reason == native.NO_CXX  # compiled decoding falls back to the eager step
+        assert ll.generate(model, prompt, 6, temperature=0.0, compile=True) == tokens
         quant.quantize_int8(model)
         assert len(ll.generate(model, prompt, 6, temperature=0.0, compile=False)[0]) == 6 and len(tokens[0]) == 6
     finally:

@@ -315,7 +315,10 @@ def static_cache(cache: KVCache) -> KVCache:
 def fallback_reason(model, options: dict) -> str | None:
     """Why this model with these options decodes eagerly, or None when its step compiles."""
     blocker = getattr(model, "fast_path_blocker", None)
-    return None if blocker is None else blocker(options)
+    reason = None if blocker is None else blocker(options)
+    if reason is None and model.wte.weight.device.type == "cpu" and native.cxx_compiler() is None:
+        return native.NO_CXX
+    return reason
 
 
 class FastDecoder:

@@ -68,6 +68,18 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
+def cxx_compiler() -> str | None:
+    """The C++ compiler inductor would use on the CPU (`CXX`, else c++, g++ or clang++), or None: without
+    one, nothing compiles on the CPU (compiled decoding and training need inductor's C++ code)."""
+    chosen = os.environ.get("CXX")
+    if chosen:
+        return shutil.which(chosen) or (chosen if os.path.isfile(chosen) else None)
+    return shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+
+
+NO_CXX = "no C++ compiler (c++, g++ or clang++; or set CXX), which inductor needs to compile on the CPU"
+
+
 def _cpu_signature() -> str:
     """What -march=native depends on: the CPU's feature flags (Linux), else the platform's name."""
     try:
