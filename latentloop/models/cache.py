@@ -142,10 +142,16 @@ class KVBuffer:
     """A differentiable stand-in for `KVCache`, for training procedures that recompute subsets of
     one sequence against the keys/values of the rest (interleaved and chunked recurrence).
 
-    Column t of the buffer always holds token t. `begin_columns(index)` plans a pass over the columns
-    `index`; during it `update` writes their fresh keys/values *out of place* (gradients flow through
-    the buffer) and returns the whole buffer; each query sees every column whose position is <= its
-    own. Columns never written hold zeros and sit at later positions, so causality hides them.
+    Column t of the buffer always holds token t. A pass over the columns `index` takes its plan from
+    `begin_columns(index)` and writes through `writer(index)`: its fresh keys/values go into the
+    buffer *out of place* (gradients flow through the buffer) and every layer gets the whole buffer
+    back; each query sees every column whose position is <= its own. Columns never written hold
+    zeros and sit at later positions, so causality hides them.
+
+    The buffer keeps no per-pass state in its attributes (the columns live in the pass's writer):
+    inside a compiled graph, dynamo (torch 2.13) drops attribute writes made after a flex_attention
+    call to objects that existed before it (see `models/flex.py`), so a `self._index = index` for the
+    second subset pass was lost and that pass wrote its keys into the first subset's columns.
     """
 
     def __init__(self, n_slots: int, key_pos: Tensor, padded: bool = True):
@@ -153,39 +159,29 @@ class KVBuffer:
         # False: no column is padding, known without reading `key_pos` (reading it is a data-dependent
         # branch, which splits a compiled training step's graph in two)
         self.padded = padded
-        self.k: list[Tensor | None] = [None] * n_slots
+        self.k: list[Tensor | None] = [None] * n_slots  # replaced item by item (a list's writes survive)
         self.v: list[Tensor | None] = [None] * n_slots
-        self._index: Tensor | None = None
 
     @property
     def columns(self) -> int:
         return self.key_pos.shape[1]
 
     def begin_columns(self, index: Tensor) -> AttentionPlan:
-        self._index = index
+        """The plan of a pass over the columns `index` (a long tensor, in order)."""
         device = self.key_pos.device
         query_pos = self.key_pos[:, index].clamp(min=0)  # (B|1, n)
         full = len(index) == self.columns and (not self.padded or bool((self.key_pos >= 0).all()))
         if full:  # a plain full causal pass
             return AttentionPlan(query_pos, None, True)
         if flex.available(device):  # a subset of the columns: let the kernel skip what no query sees
-            return AttentionPlan(query_pos, None, False, block_mask=flex.block_mask(query_pos, self.key_pos, index))
+            return AttentionPlan(query_pos, None, False,
+                                 block_mask=flex.block_mask(query_pos, self.key_pos, index, self.padded))
         mask = attention_mask(query_pos, self.key_pos, index, torch.arange(self.columns, device=device))
         return AttentionPlan(query_pos, mask, False)
 
-    def update(self, slot: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        if len(self._index) == self.columns:
-            self.k[slot], self.v[slot] = k, v
-        else:
-            if self.k[slot] is None:
-                shape = (*k.shape[:2], self.columns, k.shape[3])
-                self.k[slot], self.v[slot] = k.new_zeros(shape), v.new_zeros(shape)
-            self.k[slot] = self.k[slot].index_copy(2, self._index, k)
-            self.v[slot] = self.v[slot].index_copy(2, self._index, v)
-        return self.k[slot], self.v[slot]
-
-    def advance(self) -> None:
-        self._index = None
+    def writer(self, index: Tensor) -> BufferColumns:
+        """The `KVStore` through which a pass over the columns `index` writes into this buffer."""
+        return BufferColumns(self, index)
 
     def write_rows(self, cache: KVCache, rows: Tensor) -> None:
         """Copy this buffer (computed for `rows` of a batch) into the first columns of an inference
@@ -194,6 +190,26 @@ class KVBuffer:
         for slot, (k, v) in enumerate(zip(self.k, self.v)):
             cache.k[slot, rows, :, :T] = k
             cache.v[slot, rows, :, :T] = v
+
+
+@dataclass(frozen=True)
+class BufferColumns:
+    """One pass's writes into a `KVBuffer`: the keys/values of the columns `index`."""
+
+    buffer: KVBuffer
+    index: Tensor
+
+    def update(self, slot: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        buffer = self.buffer
+        if len(self.index) == buffer.columns:
+            buffer.k[slot], buffer.v[slot] = k, v
+        else:
+            if buffer.k[slot] is None:
+                shape = (*k.shape[:2], buffer.columns, k.shape[3])
+                buffer.k[slot], buffer.v[slot] = k.new_zeros(shape), v.new_zeros(shape)
+            buffer.k[slot] = buffer.k[slot].index_copy(2, self.index, k)
+            buffer.v[slot] = buffer.v[slot].index_copy(2, self.index, v)
+        return buffer.k[slot], buffer.v[slot]
 
 
 def row_span(cache: KVCache, index: Tensor) -> int:

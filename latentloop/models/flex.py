@@ -7,8 +7,17 @@ lets the kernel skip every (query block, key block) tile that no query of the ti
 
 Used on CUDA only (compiled flex_attention, which is what makes it fast); on the CPU the dense mask
 stays, unless `FORCE` is set (the tests compare both paths' numbers on the CPU, where torch 2.13
-runs flex_attention too). Masks of unpadded sequences (training) depend only on the sequence
-length and the subset's columns, so they are built once and kept.
+runs flex_attention too). Eagerly, masks of unpadded sequences (training) depend only on the
+sequence length and the subset's columns, so they are built once and kept; inside a compiled
+training step the mask is built in the graph (`block_mask`), so the step has no graph break.
+
+A trap of torch 2.13's dynamo, found through lrt's second subset pass (its logits were 0.0126 off
+the eager flex path's, 2026-12-04): in a compiled graph, an attribute written after a
+flex_attention call to an object that existed before the call is lost, the later reads seeing the
+old value (list items and dict entries are kept; torch.cond does the same, checkpoint does not).
+Code that a compiled step traces through a flex pass therefore keeps what a pass changes in locals,
+lists or new objects (`KVBuffer.writer`, `LRT.interleaved`), never in attributes rewritten from
+pass to pass. `tests/test_parallel.py` compares a compiled step's numbers with the eager ones.
 """
 
 from __future__ import annotations
@@ -51,15 +60,22 @@ def available(device: torch.device) -> bool:
     return True
 
 
-def block_mask(query_pos: Tensor, key_pos: Tensor, index: Tensor) -> Any:
+def block_mask(query_pos: Tensor, key_pos: Tensor, index: Tensor, padded: bool = True) -> Any:
     """The `attention_mask(query_pos, key_pos, index, arange)` of `models.cache` as a BlockMask:
     query q (at column index[q]) sees key column k when 0 <= key_pos[k] <= query_pos[q], and
-    always its own column. query_pos (B|1, n), key_pos (B|1, T) with -1 for padding."""
+    always its own column. query_pos (B|1, n), key_pos (B|1, T) with -1 for padding; `padded`
+    False: the caller knows no column is padding (training's buffers), so nothing reads key_pos.
+
+    Eagerly, a mask of unpadded sequences is built once per (device, T, columns) and kept. Inside a
+    compiled graph it is built in the graph every time: the lookup reads tensors on the host (the
+    columns as a key), which would break the graph at every subset pass."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     n, T, device = index.shape[0], key_pos.shape[1], key_pos.device
-    padded = key_pos.shape[0] > 1 or bool((key_pos < 0).any())
-    key = None if padded else (str(device), T, tuple(index.tolist()))
+    key = None
+    if not torch.compiler.is_compiling():
+        padded = padded and (key_pos.shape[0] > 1 or bool((key_pos < 0).any()))
+        key = None if padded else (str(device), T, tuple(index.tolist()))
     if key is not None and key in _masks:
         return _masks[key]
     batched = key_pos.shape[0] > 1 or query_pos.shape[0] > 1

@@ -243,9 +243,9 @@ class LRT(GPT):
 
     def run_pass(self, idx: Tensor, ctx: ForwardContext, memory: Tensor) -> tuple[Tensor, Tensor]:
         """Blocks over idx with the given memory; returns top states and source states (B, T, D)."""
-        lctx = LRTContext(**vars(ctx), memory=memory, idx=idx)
-        if self.mem_kv is not None:
-            lctx.memory_kv = self.mem_kv(memory)  # (B, T, 2 Hkv hd); viewed per head by each layer
+        # shared [W_k m, W_v m] (B, T, 2 Hkv hd), viewed per head by each layer
+        memory_kv = self.mem_kv(memory) if self.mem_kv is not None else None
+        lctx = LRTContext(**vars(ctx), memory=memory, memory_kv=memory_kv, idx=idx)
         # the source block's output is read here, not written into the context by the block: a
         # wrapped block (FSDP2, activation checkpointing, compile) may see a copy of its arguments
         source_layer = self.config.source_layer
@@ -290,10 +290,8 @@ class LRT(GPT):
         return KVBuffer(self.cache_slots(), key_pos, padded=pad_mask is not None)
 
     def _buffered_pass(self, idx: Tensor, buffer: KVBuffer, columns: Tensor, memory: Tensor) -> tuple[Tensor, Tensor]:
-        ctx = self.context_from_plan(buffer.begin_columns(columns), buffer)
-        h, source = self.run_pass(idx[:, columns], ctx, memory)
-        buffer.advance()
-        return h, source
+        ctx = self.context_from_plan(buffer.begin_columns(columns), buffer.writer(columns))
+        return self.run_pass(idx[:, columns], ctx, memory)
 
     def interleaved(self, idx: Tensor, subsets: int, pad_mask: Tensor | None = None,
                     pad_shift: int = 0) -> tuple[LRTOutput, KVBuffer]:
@@ -304,20 +302,23 @@ class LRT(GPT):
         buffer = self._buffer(idx, pad_mask)
         positions = buffer.key_pos.clamp(min=0).expand(B, T)
         everything = torch.arange(T, device=idx.device)
-        h, source = self._buffered_pass(idx, buffer, everything, self.zero_memory(B, T))
-        logits = self.readout(h)
-        out = LRTOutput(logits=logits, hidden=h, source=source, pass_logits=[logits], pass_columns=[everything])
+        hidden, source = self._buffered_pass(idx, buffer, everything, self.zero_memory(B, T))
+        logits = self.readout(hidden)
+        pass_logits, pass_columns = [logits], [everything]
+        # the merged estimates are locals until the end, never an output's attributes rewritten pass by
+        # pass: a compiled graph lost those writes once a flex_attention call had run (models/flex.py)
         for i in range(min(subsets, T)):
             columns = everything[(i + pad_shift) % subsets::subsets]
-            memory = self.memory_for(idx, positions, shift_right(out.source))[:, columns]
+            memory = self.memory_for(idx, positions, shift_right(source))[:, columns]
             h_sub, source_sub = self._buffered_pass(idx, buffer, columns, memory)
             logits_sub = self.readout(h_sub)
-            out.source = out.source.index_copy(1, columns, source_sub)
-            out.hidden = out.hidden.index_copy(1, columns, h_sub)
-            out.logits = out.logits.index_copy(1, columns, logits_sub)  # the merged estimate
-            out.pass_logits.append(logits_sub)
-            out.pass_columns.append(columns)
-        return out, buffer
+            source = source.index_copy(1, columns, source_sub)
+            hidden = hidden.index_copy(1, columns, h_sub)
+            logits = logits.index_copy(1, columns, logits_sub)  # the merged estimate
+            pass_logits.append(logits_sub)
+            pass_columns.append(columns)
+        return LRTOutput(logits=logits, hidden=hidden, source=source, pass_logits=pass_logits,
+                         pass_columns=pass_columns), buffer
 
     def chunked(self, idx: Tensor, chunk_size: int) -> LRTOutput:
         """Chunks in order; inside a chunk the memory is zero except at its first token, which
