@@ -1,5 +1,5 @@
 """The `latentloop` command line: train, eval, generate, tokenizer, analyze, compare, demo, serve,
-import-hf, export, export-dcp.
+import-hf, export, export-dcp, plan.
 
 Every user mistake ends in one line on stderr (`latentloop: error: ...`) and exit code 2, with no
 traceback; anything else is a bug and keeps its traceback. Under torchrun the line is printed once:
@@ -14,6 +14,7 @@ import sys
 from ..errors import LatentloopError
 from .decoding import cmd_chat, cmd_generate
 from .parser import EXIT_USAGE, build_parser
+from .planning import cmd_plan
 from .scoring import cmd_analyze, cmd_compare, cmd_eval
 from .tools import cmd_demo, cmd_export, cmd_export_dcp, cmd_import_hf, cmd_serve, cmd_tokenizer
 from .training import cmd_train
@@ -24,7 +25,7 @@ PEER_GRACE_S = 10.0
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "generate": cmd_generate, "tokenizer": cmd_tokenizer,
             "chat": cmd_chat, "demo": cmd_demo, "compare": cmd_compare, "analyze": cmd_analyze, "serve": cmd_serve,
-            "import-hf": cmd_import_hf, "export": cmd_export, "export-dcp": cmd_export_dcp}
+            "import-hf": cmd_import_hf, "export": cmd_export, "export-dcp": cmd_export_dcp, "plan": cmd_plan}
 
 
 def _report(exc: LatentloopError) -> None:

@@ -172,9 +172,12 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .. import __version__
     from ..archs import ARCHS
+    from .planning import add_plan_arguments
 
     parser = _Parser(prog="latentloop", description="Train, evaluate and sample latent-state language models.")
+    parser.add_argument("--version", action="version", version=f"latentloop {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     t = sub.add_parser("train", help="train a model into a run folder")
@@ -322,6 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
                                           "(an fsdp2 run saved with train.full_weights=false)")
     x.add_argument("run", help="run folder (its latest checkpoint) or checkpoint folder")
     x.add_argument("--force", action="store_true", help="write it again even if the checkpoint has one")
+
+    add_plan_arguments(sub.add_parser("plan", help="size a training run before starting it: FLOPs, memory per device "
+                                                   "and wall-clock at a stated MFU"))
 
     c = sub.add_parser("compare", help="compare runs: params, tokens, FLOPs, loss, BPB, CORE and task accuracy")
     c.add_argument("runs", nargs="+", metavar="RUN", help="run folders")

@@ -1,0 +1,431 @@
+"""Sizing a training run before it starts (`latentloop plan`): its FLOPs, its memory per device and
+its wall-clock at a stated MFU, from the registry's model and objective, measured structurally.
+
+- FLOPs: the trainer's own count. `fit` charges every optimizer step `objective.flops_per_token(memo,
+  step) x tokens per step` (`latentloop.train`), with the model's structural `flops_per_token` behind
+  the objective's `forward_mix` (fbt's drawn passes, rgpt's drawn depth, lrt's subsets); the plan
+  takes the same sum over the run's steps, in the same order, so it equals the `flops` the run logs.
+  Past `EXACT_STEPS` steps it charges the objective's run average per step instead (said so).
+- Memory, per device: the weights and gradients (fp32: autocast keeps the weights in fp32), the
+  optimizer's states as the run's own optimizers allocate them (one step taken on a model that
+  holds no data, on torch's meta device), the activations as the tensors the objective saves for
+  the backward (counted, each storage once, during one forward of a micro-batch; with activation
+  checkpointing, what stays: the recomputable modules' inputs, the rest of the graph, and the
+  largest module's own activations while it is recomputed), and the KV cache of one sequence at
+  the full context for decoding. The peak is weights + optimizer states + the larger of the
+  activations and the gradients: the backward creates the gradients as it frees the activations,
+  and `zero_grad(set_to_none=True)` drops them before the next forward.
+- The probes run on the meta device (shapes only, no memory, no time), where bf16 autocast is
+  emulated (`_MetaProbe`: the matrix products in bf16, as autocast runs them); an architecture
+  whose forward needs data (a token router's `nonzero`) is probed on the CPU instead, one sequence
+  at a time.
+- Wall-clock: FLOPs / (devices x peak x MFU), the MFU measured by `benchmarks/gpu_bench.py` where it
+  measured this architecture on this GPU (`measured_mfu.json`, which names its log), else assumed
+  (`ASSUMED_MFU`), and said which.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from .archs import build_model, build_objective, get_arch
+from .config import PRESETS, RunConfig, model_config
+from .errors import ConfigError
+from .runtime import autocast_for, resolve_dtype
+from .train.state import FlopsMemo
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    name: str
+    peak_flops: float | None  # dense bf16 FLOP/s, no sparsity (None: measured on this machine, the CPU)
+    memory_bytes: float | None  # per device (None: this machine's memory)
+
+
+# Vendors' data sheets: dense bf16 tensor-core peaks (SXM parts) and memory per GPU.
+ACCELERATORS: dict[str, Accelerator] = {
+    "h200": Accelerator("NVIDIA H200", 989e12, 141e9),
+    "h100": Accelerator("NVIDIA H100 SXM", 989e12, 80e9),
+    "a100": Accelerator("NVIDIA A100 SXM 80GB", 312e12, 80e9),
+    "cpu": Accelerator("this machine's CPU", None, None),
+}
+STRATEGIES = ("none", "ddp", "fsdp2")
+ASSUMED_MFU = 0.30  # where gpu_bench measured nothing: about what it measured for the gpt2 shape on an H200
+ASSUMED_CPU_MFU = 0.5  # of the matrix-product rate measured on this CPU (`cpu_matmul_flops`)
+EXACT_STEPS = 200_000  # up to this many steps the FLOPs are summed step by step, as the trainer does
+MEASURED_MFU_FILE = "measured_mfu.json"
+BYTES = {"float32": 4, "bfloat16": 2}
+# Lower-precision ops of bf16 autocast (the matrix products): what the meta probe runs in bf16.
+AUTOCAST_LOWERED = frozenset({F.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm,
+                              torch.Tensor.matmul, torch.Tensor.__matmul__, F.scaled_dot_product_attention})
+# A --params shape: width 64 per layer and heads of 64 channels (nanochat's aspect ratio, gpt2's head
+# size), on the gpt2 preset's vocabulary and context.
+PARAMS_BASE = "gpt2"
+WIDTH_PER_LAYER = 64
+HEAD_DIM = 64
+MAX_LAYERS = 96
+
+
+class _MetaProbe(TorchFunctionMode):
+    """Runs a training forward on meta tensors: a value read off a tensor (a metric logged as a
+    float) reads 0, and with `bf16` the matrix products run in bf16 as autocast runs them (the
+    weights cast once per forward, as autocast caches them)."""
+
+    def __init__(self, bf16: bool):
+        super().__init__()
+        self.bf16 = bf16
+        self.casts: dict[int, Tensor] = {}
+
+    def _lowered(self, value):
+        if not (isinstance(value, Tensor) and value.is_floating_point() and value.dtype != torch.bfloat16):
+            return value
+        if isinstance(value, nn.Parameter):
+            if id(value) not in self.casts:
+                self.casts[id(value)] = value.to(torch.bfloat16)
+            return self.casts[id(value)]
+        return value.to(torch.bfloat16)
+
+    def _attention_inputs(self, args, kwargs) -> tuple:
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+        bound = dict(zip(names, args)) | kwargs
+        q, k, v = (self._lowered(bound[n]) if self.bf16 else bound[n] for n in names[:3])
+        return q, k, v, bound.get("attn_mask"), bound.get("is_causal", False), bound.get("enable_gqa", False)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        reads = (torch.Tensor.item, torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__bool__,
+                 torch.Tensor.tolist)
+        if func in reads and isinstance(args[0], Tensor) and args[0].device.type == "meta":
+            return 0.0 if func is torch.Tensor.__float__ else 0
+        if func is F.scaled_dot_product_attention:
+            return _FlashSaves.apply(*self._attention_inputs(args, kwargs))
+        if self.bf16 and func in AUTOCAST_LOWERED:
+            args = tuple(self._lowered(a) for a in args)
+            kwargs = {k: self._lowered(v) for k, v in kwargs.items()}
+        return func(*args, **kwargs)
+
+
+class _FlashSaves(torch.autograd.Function):
+    """Attention on the meta device as a fused kernel runs it (flash or memory-efficient attention,
+    on the GPU and the CPU): the output, computed without keeping the (T, T) weights that the meta
+    device's reference attention would save, and saved as those kernels save it: the query, key,
+    value, mask, output and the fp32 log-sum-exp of each query's row."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, is_causal, gqa):
+        with torch.no_grad():
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=gqa)
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(*(t for t in (q, k, v, mask, out, lse) if t is not None))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # the probe never runs a backward
+        raise NotImplementedError
+
+
+@dataclass
+class SavedTensors:
+    """What one forward saves for its backward, each storage counted once (parameters excluded),
+    with the share saved inside each call of a recomputable module and those calls' inputs."""
+
+    total: int = 0
+    inside: list[int] = field(default_factory=list)  # bytes saved within each recomputable call
+    inputs: int = 0  # bytes of the recomputable calls' tensor inputs (what checkpointing keeps)
+
+    def checkpointed(self) -> int:
+        """With activation checkpointing: the graph outside the recomputed modules, their inputs,
+        and the largest module's own activations while the backward recomputes it."""
+        return self.total - sum(self.inside) + self.inputs + max(self.inside, default=0)
+
+
+def count_saved(model: nn.Module, run) -> SavedTensors:
+    """Run `run()` (a training forward) counting the tensors autograd saves for the backward."""
+    keep = [p.untyped_storage() for p in model.parameters()]
+    params = {id(s) for s in keep}
+    seen: dict[int, Any] = {}  # id(storage) -> storage (kept alive, so the id stays its own)
+    result = SavedTensors()
+    depth = [0]
+
+    def storage_bytes(t: Tensor) -> int:
+        storage = t.untyped_storage()
+        if id(storage) in params or id(storage) in seen:
+            return 0
+        seen[id(storage)] = storage
+        return storage.nbytes()
+
+    def pack(t: Tensor) -> Tensor:
+        added = storage_bytes(t)
+        result.total += added
+        if depth[0] and result.inside:
+            result.inside[-1] += added
+        return t
+
+    def before(module, args):
+        if depth[0] == 0 and torch.is_grad_enabled():  # a call without gradient keeps nothing
+            result.inside.append(0)
+            result.inputs += sum(storage_bytes(a) for a in args if isinstance(a, Tensor) and a.requires_grad)
+        depth[0] += 1
+
+    def after(module, args, output):
+        depth[0] -= 1
+
+    hooks = [h for m in model.recomputable_modules()
+             for h in (m.register_forward_pre_hook(before), m.register_forward_hook(after))]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            run()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return result
+
+
+def _meta_model(config) -> nn.Module:
+    with torch.device("meta"):
+        return build_model(config)
+
+
+def _tensor_bytes(value, seen: set[int] | None = None) -> int:
+    """Bytes of every tensor reachable from `value` (a cache: its attributes, dicts and lists)."""
+    seen = set() if seen is None else seen
+    if id(value) in seen:
+        return 0
+    seen.add(id(value))
+    if isinstance(value, Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v, seen) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v, seen) for v in value)
+    if hasattr(value, "__dict__") and not isinstance(value, type):
+        return sum(_tensor_bytes(v, seen) for v in vars(value).values())
+    return 0
+
+
+def optimizer_state_bytes(model: nn.Module, config: RunConfig, products_dtype: str) -> int:
+    """The states the run's optimizers keep, as they allocate them in their first step (on a meta
+    model: shapes only)."""
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizers = get_arch(config.model.arch).build_optimizers(model, config.train, products_dtype)
+    with _MetaProbe(bf16=False):
+        for opt in optimizers:
+            opt.step()
+    total = sum(_tensor_bytes(state) for opt in optimizers for state in opt.state.values())
+    for p in model.parameters():
+        p.grad = None
+    return total
+
+
+def measured_mfu(arch: str, gpu: str) -> tuple[float, str] | None:
+    """(MFU, where it was measured) when gpu_bench measured `arch`'s own training on `gpu`."""
+    try:
+        table = json.loads(resources.files("latentloop").joinpath(MEASURED_MFU_FILE).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    entry = table.get(gpu)
+    if not entry or arch not in entry.get("mfu", {}):
+        return None
+    return float(entry["mfu"][arch]), f"measured by benchmarks/gpu_bench.py ({entry['shape']}; {entry['source']})"
+
+
+def cpu_matmul_flops(dtype: str, seconds: float = 0.3) -> float:
+    """This CPU's rate of large matrix products in `dtype` (FLOP/s), timed for about `seconds`."""
+    n = 1024
+    a = torch.randn(n, n, dtype=getattr(torch, dtype))
+    b = torch.randn(n, n, dtype=getattr(torch, dtype))
+    a @ b  # the first product loads the kernels
+    done, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        done += 1
+    return done * 2 * n ** 3 / (time.perf_counter() - start)
+
+
+def machine_memory_bytes() -> float | None:
+    import os
+
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def config_for_params(arch: str, params: int, **fields) -> Any:
+    """The model config whose parameter count is nearest `params`, over depths 1..MAX_LAYERS at
+    WIDTH_PER_LAYER channels per layer (the registry's model counts its own parameters)."""
+    base = {k: v for k, v in PRESETS[PARAMS_BASE].items() if k not in ("n_layer", "n_embd", "n_head")}
+    best = None
+    for layers in range(1, MAX_LAYERS + 1):
+        width = WIDTH_PER_LAYER * layers
+        config = model_config(arch, None, **{**base, **fields, "n_layer": layers, "n_embd": width,
+                                             "n_head": max(1, width // HEAD_DIM)})
+        count = sum(p.numel() for p in _meta_model(config).parameters())
+        if best is None or abs(math.log(count / params)) < abs(math.log(best[1] / params)):
+            best = (config, count)
+        if count > params:
+            break
+    return best[0]
+
+
+@dataclass
+class Plan:
+    arch: str
+    shape: dict[str, Any]
+    params: int
+    tokens: int
+    steps: int
+    tokens_per_step: int
+    devices: int
+    gpu: str
+    strategy: str
+    precision: str
+    flops: float
+    flops_method: str
+    flops_per_token: float  # the run's average, training (forward + backward)
+    memory: dict[str, float]  # bytes per device
+    activation_checkpointing: bool
+    capacity_bytes: float | None
+    fits: bool | None
+    mfu: float
+    mfu_source: str
+    peak_flops: float
+    seconds: float
+    probe: str  # where the memory was probed: meta or cpu
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _probe_forward(config: RunConfig, model: nn.Module, objective, forward_steps: list[int], batch: int,
+                   bf16: bool, device: str) -> SavedTensors:
+    """The largest saving over the objective's forwards of the given steps (each distinct kind once)."""
+    T = config.model.sequence_len
+    best = None
+    seen_kinds = set()
+    for step in forward_steps:
+        kind = repr(objective.forward_mix(step))
+        if kind in seen_kinds:
+            continue
+        seen_kinds.add(kind)
+        x = torch.zeros(batch, T, dtype=torch.long, device=device)
+        if device == "meta":
+            def run(step=step, x=x):
+                with _MetaProbe(bf16):
+                    objective(model, x, x, step)
+        else:
+            def run(step=step, x=x):
+                with autocast_for(torch.device("cpu"), "bfloat16" if bf16 else "float32"):
+                    objective(model, x, x, step)
+        model.train()
+        saved = count_saved(model, run)
+        if best is None or saved.total > best.total:
+            best = saved
+    return best
+
+
+def plan_run(config: RunConfig, tokens: int, devices: int = 1, gpu: str = "h100", strategy: str | None = None,
+             mfu: float | None = None) -> Plan:
+    """Size `config`'s training for `tokens` tokens on `devices` x `gpu` (see the module docstring)."""
+    if gpu not in ACCELERATORS:
+        raise ConfigError(f"unknown --gpu {gpu!r}: choose from {', '.join(ACCELERATORS)}")
+    strategy = strategy or ("ddp" if devices > 1 else "none")
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"unknown strategy {strategy!r}: choose from {', '.join(STRATEGIES)}")
+    if tokens < 1:
+        raise ConfigError(f"--tokens must be at least 1, got {tokens}")
+    if mfu is not None and not 0 < mfu <= 1:
+        raise ConfigError(f"--mfu must be in (0, 1], got {mfu}")
+    train = config.train
+    T = config.model.sequence_len
+    tokens_per_step = train.batch_size * train.grad_accum * devices * T
+    steps = max(1, math.ceil(tokens / tokens_per_step))
+    config.train.steps = steps  # objectives read the run's length (fbt's schedule, rgpt's draws)
+    precision = resolve_dtype(torch.device("cuda" if gpu != "cpu" else "cpu"), train.dtype)
+    objective = build_objective(config.model, config.train)
+
+    # FLOPs: as `fit` sums them. The count is structural (shapes only), so the meta model gives the
+    # trainer's numbers; a forward that needs data is counted on a model built on the CPU.
+    model, probe = _meta_model(config.model), "meta"
+    try:
+        memo = FlopsMemo(model)
+        objective.flops_per_token(memo)
+    except (RuntimeError, NotImplementedError):
+        model, probe = build_model(config.model), "cpu"
+        memo = FlopsMemo(model)
+        objective.flops_per_token(memo)
+    if steps <= EXACT_STEPS:
+        flops = 0.0
+        for step in range(steps):
+            flops += objective.flops_per_token(memo, step) * tokens_per_step
+        method = "the trainer's count, step by step"
+        forward_steps = list(range(steps))
+    else:
+        flops = objective.flops_per_token(memo) * tokens_per_step * steps
+        method = f"the objective's run average x {steps:,} steps (over {EXACT_STEPS:,} steps)"
+        forward_steps = list(range(EXACT_STEPS))  # the kinds of forward a long run draws
+    params = sum(p.numel() for p in model.parameters())
+
+    # Memory per device.
+    shard = devices if strategy == "fsdp2" else 1
+    weights = sum(p.numel() * p.element_size() for p in model.parameters()) / shard
+    states = optimizer_state_bytes(_meta_model(config.model), config, precision) / shard
+    bf16 = precision == "bfloat16"
+    if probe == "meta":
+        try:
+            saved = _probe_forward(config, model, objective, forward_steps, train.batch_size, bf16, "meta")
+        except (RuntimeError, NotImplementedError):
+            model, probe = build_model(config.model), "cpu"
+    if probe == "cpu":  # one sequence, scaled to the micro-batch
+        one = _probe_forward(config, model, objective, forward_steps, 1, bf16, "cpu")
+        saved = SavedTensors(one.total * train.batch_size, [b * train.batch_size for b in one.inside],
+                             one.inputs * train.batch_size)
+    activations = float(saved.total)
+    checkpointed = float(saved.checkpointed())
+    gathered = 0.0
+    if strategy == "fsdp2":  # the block being computed is gathered whole (bf16 under mixed precision), and the next
+        block = max((sum(p.numel() for p in b.parameters()) for b in model.blocks), default=0)
+        gathered = 2 * block * (BYTES["bfloat16"] if bf16 else BYTES["float32"])
+    used_activations = checkpointed if train.activation_checkpointing else activations
+    peak = weights + states + max(used_activations, weights) + gathered
+    cache = _tensor_bytes(_meta_model(config.model).new_cache(1, T))
+    memory = {"weights": weights, "gradients": weights, "optimizer_states": states, "activations": activations,
+              "activations_checkpointed": checkpointed, "fsdp2_gathered_blocks": gathered, "peak": peak,
+              "kv_cache_per_sequence": float(cache)}
+
+    accelerator = ACCELERATORS[gpu]
+    capacity = accelerator.memory_bytes if gpu != "cpu" else machine_memory_bytes()
+    if gpu == "cpu":
+        peak_flops = cpu_matmul_flops(precision)
+        chosen = (mfu, "given (--mfu)") if mfu is not None else (
+            ASSUMED_CPU_MFU, f"assumed, of this CPU's measured {precision} matrix-product rate")
+    else:
+        peak_flops = accelerator.peak_flops
+        chosen = (mfu, "given (--mfu)") if mfu is not None else (
+            measured_mfu(config.model.arch, gpu) or (ASSUMED_MFU, "assumed (gpu_bench measured no run of this "
+                                                                  "arch on this GPU)"))
+    seconds = flops / (devices * peak_flops * chosen[0])
+    shape = {k: getattr(config.model, k) for k in ("n_layer", "n_embd", "n_head", "n_kv_head", "sequence_len",
+                                                    "vocab_size")}
+    return Plan(arch=config.model.arch, shape=shape, params=params, tokens=steps * tokens_per_step, steps=steps,
+                tokens_per_step=tokens_per_step, devices=devices, gpu=gpu, strategy=strategy, precision=precision,
+                flops=flops, flops_method=method, flops_per_token=objective.flops_per_token(memo),
+                memory=memory, activation_checkpointing=train.activation_checkpointing, capacity_bytes=capacity,
+                fits=None if capacity is None else peak <= capacity, mfu=chosen[0], mfu_source=chosen[1],
+                peak_flops=peak_flops, seconds=seconds, probe=probe)
+
+
+__all__ = ["ACCELERATORS", "ASSUMED_MFU", "Plan", "SavedTensors", "config_for_params", "count_saved", "measured_mfu",
+           "optimizer_state_bytes", "plan_run"]
