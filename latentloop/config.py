@@ -244,6 +244,7 @@ SEED_LIMIT = 2**63
 # resolves it when it starts (runtime.resolve_strategy) and records the strategy it ran.
 STRATEGIES = ("auto", "none", "ddp", "fsdp2")
 COMPILE_SCOPES = ("auto", "whole", "blocks")  # TrainConfig.compile_scope
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")  # TrainConfig.compile_backend
 OPTIMIZERS = ("adamw", "muon")  # TrainConfig.optimizer
 DTYPES = ("auto", "float32", "bfloat16")  # TrainConfig.dtype
 TRACKERS = ("tensorboard", "wandb")  # where training metrics go besides metrics.jsonl (latentloop.train.trackers)
@@ -254,6 +255,9 @@ class TrainConfig:
     steps: int = 200
     batch_size: int = 16  # sequences per micro-batch
     grad_accum: int = 1  # micro-batches per optimizer step
+    # the global batch in tokens (0: batch_size x grad_accum x processes sequences): the accumulation is
+    # then batch_tokens / (batch_size x sequence_len x processes), exactly (nanoGPT's total_batch_size)
+    batch_tokens: int = 0
     # "muon" (Muon for the block matrices, AdamW for embeddings, head and vectors) or "adamw" (AdamW for
     # all). Muon is the default because it reached nanoGPT's 300-step validation BPB in fewer steps and
     # less time than AdamW on every arch (benchmarks/time_to_quality.py; experiments/RESULTS.md, issue 25).
@@ -280,6 +284,10 @@ class TrainConfig:
     # with compile: "auto" compiles the whole forward where the arch declares it (COMPILES_WHOLE), else
     # each block; "whole" / "blocks" choose (blocks compile sooner; the whole forward fuses across them)
     compile_scope: str = "auto"
+    # torch.compile's backend: inductor (kernels), or aot_eager / eager (dynamo's graphs run by eager
+    # kernels: the same graph breaks and recompiles in seconds, to check a step's graphs)
+    compile_backend: str = "inductor"
+    profile_steps: int = 0  # > 0: torch.profiler records this many steps after the warm-up (train --profile)
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", "mps"
     # autocast dtype: "auto" (bf16 on cuda and on a cpu with bf16 instructions), "float32", "bfloat16"
     dtype: str = "auto"
@@ -295,6 +303,8 @@ class TrainConfig:
         require(all(name in TRACKERS for name in self.trackers),
                 f"trackers must be among {', '.join(TRACKERS)}, got {', '.join(self.trackers)}")
         require(self.stage in STAGES, f"stage must be one of {', '.join(STAGES)}, got {self.stage!r}")
+        require(self.compile_backend in COMPILE_BACKENDS,
+                f"compile_backend must be one of {', '.join(COMPILE_BACKENDS)}, got {self.compile_backend!r}")
         require(self.compile_scope in COMPILE_SCOPES,
                 f"compile_scope must be one of {', '.join(COMPILE_SCOPES)}, got {self.compile_scope!r}")
         self.betas = tuple(float(b) for b in self.betas)
@@ -304,7 +314,7 @@ class TrainConfig:
                  f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         for name in ("steps", "batch_size", "grad_accum", "log_every"):
             require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup_steps", "eval_every", "save_every", "eval_batches"):
+        for name in ("warmup_steps", "eval_every", "save_every", "eval_batches", "batch_tokens", "profile_steps"):
             require(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
         require(self.keep_last >= 1, f"keep_last must be >= 1, got {self.keep_last}")
         require(self.optimizer in OPTIMIZERS,

@@ -213,6 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--log", type=_tracker_list, default=None, metavar="TRACKER[,TRACKER]",
                    help="also log the metrics to tensorboard (RUN/tensorboard) and/or wandb (RUN/wandb, offline "
                         "unless WANDB_MODE or WANDB_API_KEY is set); metrics.jsonl is always written")
+    t.add_argument("--profile", type=_positive_int, default=None, metavar="STEPS",
+                   help="record STEPS optimizer steps with torch.profiler (after the first steps, which compile): "
+                        "a trace for TensorBoard / Perfetto and summary.json (time by kind of kernel, idle gaps) "
+                        "in RUN/profile")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.add_argument("--json", action="store_true", help="print the final summary as JSON")
 

@@ -23,7 +23,8 @@ def _run_config_from_args(args):
             raise LatentloopError(f"--stage {args.stage} keeps the base run's arch, shape and tokenizer: drop "
                                   f"--arch/--preset/--tokenizer")
         flags = {"train.steps": args.steps, "train.batch_size": args.batch_size, "train.lr": args.lr,
-                 "train.seed": args.seed, "train.device": args.device, "train.trackers": args.log}
+                 "train.seed": args.seed, "train.device": args.device, "train.trackers": args.log,
+                 "train.profile_steps": args.profile}
         return stage_config(args.stage, args.init_from, args.overrides, data=args.data, flags=flags)
     if args.config:
         raw = load_yaml(args.config)
@@ -41,7 +42,7 @@ def _run_config_from_args(args):
     flags = {"model.arch": args.arch, "model.preset": args.preset, "data.source": args.data,
              "data.tokenizer": args.tokenizer, "train.steps": args.steps, "train.batch_size": args.batch_size,
              "train.lr": args.lr, "train.seed": args.seed, "train.device": args.device, "train.stage": args.stage,
-             "train.trackers": args.log}
+             "train.trackers": args.log, "train.profile_steps": args.profile}
     for key, value in flags.items():
         if value is not None:
             section, name = key.split(".")
