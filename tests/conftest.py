@@ -68,6 +68,18 @@ SERVER_POLL_S = 0.05
 LISTENING = re.compile(r" at (http://127\.0\.0\.1:(\d+))/v1 ")
 
 
+def _no_cxx_reason() -> str | None:
+    from latentloop.inference import native
+
+    return native.NO_CXX if native.cxx_compiler() is None else None
+
+
+# Tests of what inductor compiles (the compiled decode step, its reductions, a package) need a C++
+# compiler on the CPU; without one (a machine the suite is run on to check exactly that) they skip,
+# and everything else runs on the eager paths.
+needs_cxx = pytest.mark.skipif(_no_cxx_reason() is not None, reason=str(_no_cxx_reason()))
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _private_cache(tmp_path_factory):
     os.environ["LATENTLOOP_CACHE"] = str(tmp_path_factory.mktemp("llcache"))

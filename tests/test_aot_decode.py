@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import needs_cxx
 
 import latentloop as ll
 from latentloop.engine import model_options
@@ -92,6 +93,7 @@ def test_attributes_are_buffers_only_while_exported():
     assert "_gate_table" not in model.state_dict()
 
 
+@needs_cxx
 def test_the_off_switch_keeps_dynamos_step_and_int8_weights_take_a_package(monkeypatch):
     from latentloop.inference.quant import quantize_int8
 

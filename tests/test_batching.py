@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import option_sets
+from conftest import needs_cxx, option_sets
 
 import latentloop as ll
 from latentloop.archs import ARCHS, get_arch
@@ -110,6 +110,7 @@ def test_rows_joining_a_running_batch_decode_as_alone(arch, label, given, models
     assert_as_alone(model, given, together)
 
 
+@needs_cxx
 @pytest.mark.parametrize("arch, label, given", CASES, ids=[f"{a}-{label}" for a, label, _ in CASES])
 def test_rows_joining_a_batch_on_the_compiled_path_decode_as_alone(arch, label, given, models):
     """The compiled path's batch (static cache, a row per request slot, each row at its own write
@@ -266,6 +267,7 @@ def serve_in_process(model, compiled: bool) -> list[list[str]]:
     return [t[:-1] for t in texts]
 
 
+@needs_cxx
 def test_the_warmed_batch_and_its_storage_serve_every_later_join(models):
     """`warm` reserves the storage of max_rows rows once; the default options' batch is that one
     again whenever a batch is made (it is dropped from the scheduler when it empties): allocating
@@ -302,6 +304,7 @@ def test_the_scheduler_on_the_compiled_path_gives_what_the_engine_gives_alone(ar
         assert choices == [tokenizer.decode(row) for row in want], body
 
 
+@needs_cxx
 def test_auto_takes_the_compiled_path_only_when_every_size_is_in_the_compile_cache(models, tmp_path, monkeypatch):
     """`serve --decode auto`: eager with an empty compile cache (saying how to compile once); the
     compiled path once every batch size's step has a record of a fast first call; eager again when

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import option_sets
+from conftest import needs_cxx, option_sets
 from torch import nn
 
 import latentloop as ll
@@ -241,6 +241,7 @@ def loops_over(code: str, bound: int) -> list[str]:
     return bodies
 
 
+@needs_cxx
 def test_the_attention_reduction_computes_its_query_once_not_per_key():
     """Compiled by inductor, the one-query attention reads its query from a buffer: the query's
     producer (here `sin`, in the model RoPE) stays out of the loops over the keys, where inductor
@@ -261,6 +262,7 @@ def test_the_attention_reduction_computes_its_query_once_not_per_key():
     assert not any("sin" in body for body in over_keys)
 
 
+@needs_cxx
 @pytest.mark.parametrize("weights", ["float32", "int8"])
 def test_a_product_reduction_computes_its_input_once_not_per_output_row(weights):
     """The one-row products read their input from a buffer: its producer (here `sin`; in the model
@@ -462,6 +464,7 @@ def test_compile_cache_dir_counts_inductors_default_as_unset_without_importing_i
     assert result.stdout.strip() == "False", result.stderr[-2000:]  # the automatic mode's check costs no import
 
 
+@needs_cxx
 def test_auto_rule_banks_the_saving_of_eager_calls_until_it_pays_the_compile(compile_dir):
     from latentloop.inference.fast import COMPILED_OVER_EAGER, PROBE_STEPS, AutoCompile, CompileRecord
 
@@ -477,6 +480,7 @@ def test_auto_rule_banks_the_saving_of_eager_calls_until_it_pays_the_compile(com
     assert rule.applies(1) and not rule.applies(64)
 
 
+@needs_cxx
 def test_auto_rule_banks_across_processes(compile_dir):
     """The saving an eager call banks is kept beside the compile record, so short calls in separate
     processes (a command-line user's `generate`s) add up to a compile as one process's calls do;
