@@ -18,6 +18,7 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -147,13 +148,22 @@ def test_only_tokenizers_that_spell_their_text_get_the_context_bound():
         assert "one text may have" in limits.text_problem("a" * (MAX_TEXT_BYTES + 1))
 
 
-def test_tokenizing_releases_the_gil():
+@pytest.mark.parametrize("path", ["text", "chat markup"])
+def test_tokenizing_releases_the_gil(path):
     """A long tokenization in a server thread leaves the event loop running: the tokenizer's batch
-    call releases the GIL, where its one-text encode held it (~1 s here: the loop stood still)."""
+    call releases the GIL, where its one-text encode held it (~1 s here: the loop stood still). The
+    same for a rendered chat template's text (`encode_markup`, a Hugging Face tokenizer's own)."""
+    from latentloop.data.tokenizers import HFTokenizer
+
     tokenizer = bpe()
     text = "a" * 2_000_000
+    if path == "chat markup":
+        markup = HFTokenizer(tokenizer.to_json(), tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id)
+        encode = markup.encode_markup
+    else:
+        encode = partial(encode_text, tokenizer)
     done = threading.Event()
-    worker = threading.Thread(target=lambda: (encode_text(tokenizer, text), done.set()))
+    worker = threading.Thread(target=lambda: (encode(text), done.set()))
     start = time.perf_counter()
     ticks = [start]  # (a thread that holds the GIL from its start keeps the first tick from coming)
     worker.start()

@@ -447,7 +447,9 @@ class HFTokenizer(_ChatInterface):
             from tokenizers import Tokenizer
 
             self._markup_tokenizer = Tokenizer.from_str(self._json)
-        return self._markup_tokenizer.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL while it runs (encode holds it): a long rendered conversation
+        # on a server's worker thread must not stop the event loop, nor the request timeout that ends it
+        return self._markup_tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
 
     @classmethod
     def from_pretrained_folder(cls, folder: str | Path, vocab_size: int | None = None,
