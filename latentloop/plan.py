@@ -77,6 +77,13 @@ HEAD_DIM = 64
 MAX_LAYERS = 96
 
 
+_GENERATOR = torch.Generator
+
+
+def _host_generator(device="cpu"):
+    return _GENERATOR("cpu" if torch.device(device).type == "meta" else device)
+
+
 class _MetaProbe(TorchFunctionMode):
     """Runs a training forward on meta tensors: a value read off a tensor (a metric logged as a
     float) reads 0, and with `bf16` the matrix products run in bf16 as autocast runs them (the
@@ -95,6 +102,17 @@ class _MetaProbe(TorchFunctionMode):
                 self.casts[id(value)] = value.to(torch.bfloat16)
             return self.casts[id(value)]
         return value.to(torch.bfloat16)
+
+    def __enter__(self):
+        # An objective's random draws (fbt's prefixes) made on a generator "of the input's device"
+        # come from the CPU's here: the meta device has none, and a draw's values never matter.
+        self._generator = torch.Generator
+        torch.Generator = _host_generator
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Generator = self._generator
+        return super().__exit__(*exc)
 
     def _attention_inputs(self, args, kwargs) -> tuple:
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -138,16 +156,47 @@ class _FlashSaves(torch.autograd.Function):
 @dataclass
 class SavedTensors:
     """What one forward saves for its backward, each storage counted once (parameters excluded),
-    with the share saved inside each call of a recomputable module and those calls' inputs."""
+    and per call of a recomputable module (in forward order): the bytes saved inside it, and, when
+    it ends, the bytes saved outside every such call so far and its and the earlier calls' inputs."""
 
     total: int = 0
-    inside: list[int] = field(default_factory=list)  # bytes saved within each recomputable call
-    inputs: int = 0  # bytes of the recomputable calls' tensor inputs (what checkpointing keeps)
+    inside: list[int] = field(default_factory=list)
+    outside_before: list[int] = field(default_factory=list)
+    inputs_upto: list[int] = field(default_factory=list)
+    outside: int = 0  # saved outside every recomputable call, over the whole forward
+    inputs: int = 0  # the recomputable calls' tensor inputs, which checkpointing keeps
+    gradients_after: list[int] = field(default_factory=list)  # per call: bytes of the gradients the
+    # backward has made by the time it reaches that call (parameters of later calls and outside them)
+    gradients: int = 0  # every trained parameter's gradient
 
     def checkpointed(self) -> int:
-        """With activation checkpointing: the graph outside the recomputed modules, their inputs,
-        and the largest module's own activations while the backward recomputes it."""
-        return self.total - sum(self.inside) + self.inputs + max(self.inside, default=0)
+        """The most activations held with activation checkpointing: at the end of the forward (what
+        was saved outside the recomputed modules, and their inputs), or while the backward
+        recomputes a module (its own activations, beside what was saved before it ended: the
+        backward has consumed everything saved after it)."""
+        recomputing = [before + inputs + own for before, inputs, own in
+                       zip(self.outside_before, self.inputs_upto, self.inside)]
+        return max([self.outside + self.inputs, *recomputing])
+
+    def held_with_gradients(self, checkpointing: bool, shards: int = 1) -> float:
+        """The most activations and gradients held at once in the backward: the gradients appear as
+        it goes back through the calls and frees (or, checkpointed, recomputes) their activations.
+        Without checkpointing, at call i everything saved up to its end is still held; with it,
+        the inputs and outside savings up to it and its own recomputed activations. `shards`: the
+        gradients are sharded over that many devices (fsdp2), the activations are not."""
+        held = [self.outside + self.inputs if checkpointing else self.total, self.gradients / shards]
+        inside_upto = 0
+        for i, own in enumerate(self.inside):
+            inside_upto += own
+            saved = self.inputs_upto[i] + own if checkpointing else inside_upto
+            held.append(self.outside_before[i] + saved + self.gradients_after[i] / shards)
+        return max(held)
+
+    def scaled(self, factor: int) -> SavedTensors:
+        """The saving of `factor` times the batch (a probe of one sequence scaled to the micro-batch)."""
+        return SavedTensors(self.total * factor, [b * factor for b in self.inside],
+                            [b * factor for b in self.outside_before], [b * factor for b in self.inputs_upto],
+                            self.outside * factor, self.inputs * factor, self.gradients_after, self.gradients)
 
 
 def count_saved(model: nn.Module, run) -> SavedTensors:
@@ -157,6 +206,8 @@ def count_saved(model: nn.Module, run) -> SavedTensors:
     seen: dict[int, Any] = {}  # id(storage) -> storage (kept alive, so the id stays its own)
     result = SavedTensors()
     depth = [0]
+    trained = {id(p): p.numel() * p.element_size() for p in model.parameters() if p.requires_grad}
+    last_call: dict[int, int] = {}  # parameter -> the last recomputable call that uses it
 
     def storage_bytes(t: Tensor) -> int:
         storage = t.untyped_storage()
@@ -170,16 +221,25 @@ def count_saved(model: nn.Module, run) -> SavedTensors:
         result.total += added
         if depth[0] and result.inside:
             result.inside[-1] += added
+        else:
+            result.outside += added
         return t
 
     def before(module, args):
         if depth[0] == 0 and torch.is_grad_enabled():  # a call without gradient keeps nothing
             result.inside.append(0)
             result.inputs += sum(storage_bytes(a) for a in args if isinstance(a, Tensor) and a.requires_grad)
-        depth[0] += 1
+            last_call.update({id(p): len(result.inside) - 1 for p in module.parameters() if id(p) in trained})
+            depth[0] += 1
+        elif depth[0]:
+            depth[0] += 1
 
     def after(module, args, output):
-        depth[0] -= 1
+        if depth[0]:
+            depth[0] -= 1
+            if depth[0] == 0:
+                result.outside_before.append(result.outside)
+                result.inputs_upto.append(result.inputs)
 
     hooks = [h for m in model.recomputable_modules()
              for h in (m.register_forward_pre_hook(before), m.register_forward_hook(after))]
@@ -189,6 +249,10 @@ def count_saved(model: nn.Module, run) -> SavedTensors:
     finally:
         for hook in hooks:
             hook.remove()
+    result.gradients = sum(trained.values())
+    # parameters outside the calls count as made first (the head's, used after the last block)
+    result.gradients_after = [sum(size for pid, size in trained.items() if last_call.get(pid, len(result.inside)) > i)
+                              for i in range(len(result.inside))]
     return result
 
 
@@ -309,17 +373,25 @@ class Plan:
         return dataclasses.asdict(self)
 
 
-def _probe_forward(config: RunConfig, model: nn.Module, objective, forward_steps: list[int], batch: int,
-                   bf16: bool, device: str) -> SavedTensors:
-    """The largest saving over the objective's forwards of the given steps (each distinct kind once)."""
+@dataclass
+class Forward:
+    """One kind of forward the run takes (the objective's `forward_mix` of a step), what it saves,
+    and whether a step after the first takes it (the optimizer's states exist from the first step on)."""
+
+    saved: SavedTensors
+    after_first_step: bool
+
+
+def _probe_forwards(config: RunConfig, model: nn.Module, objective, forward_steps: list[int], batch: int,
+                    bf16: bool, device: str) -> list[Forward]:
+    """Each distinct kind of forward among the given steps', probed once."""
     T = config.model.sequence_len
-    best = None
-    seen_kinds = set()
+    kinds: dict[str, Forward] = {}
     for step in forward_steps:
         kind = repr(objective.forward_mix(step))
-        if kind in seen_kinds:
+        if kind in kinds:
+            kinds[kind].after_first_step = True
             continue
-        seen_kinds.add(kind)
         x = torch.zeros(batch, T, dtype=torch.long, device=device)
         if device == "meta":
             def run(step=step, x=x):
@@ -330,10 +402,8 @@ def _probe_forward(config: RunConfig, model: nn.Module, objective, forward_steps
                 with autocast_for(torch.device("cpu"), "bfloat16" if bf16 else "float32"):
                     objective(model, x, x, step)
         model.train()
-        saved = count_saved(model, run)
-        if best is None or saved.total > best.total:
-            best = saved
-    return best
+        kinds[kind] = Forward(count_saved(model, run), after_first_step=step > 0)
+    return list(kinds.values())
 
 
 def plan_run(config: RunConfig, tokens: int, devices: int = 1, gpu: str = "h100", strategy: str | None = None,
@@ -381,29 +451,32 @@ def plan_run(config: RunConfig, tokens: int, devices: int = 1, gpu: str = "h100"
     # Memory per device.
     shard = devices if strategy == "fsdp2" else 1
     weights = sum(p.numel() * p.element_size() for p in model.parameters()) / shard
+    buffers = float(sum(b.numel() * b.element_size() for b in model.buffers()))  # RoPE tables: every device
     states = optimizer_state_bytes(_meta_model(config.model), config, precision) / shard
     bf16 = precision == "bfloat16"
     if probe == "meta":
         try:
-            saved = _probe_forward(config, model, objective, forward_steps, train.batch_size, bf16, "meta")
+            forwards = _probe_forwards(config, model, objective, forward_steps, train.batch_size, bf16, "meta")
         except (RuntimeError, NotImplementedError):
             model, probe = build_model(config.model), "cpu"
     if probe == "cpu":  # one sequence, scaled to the micro-batch
-        one = _probe_forward(config, model, objective, forward_steps, 1, bf16, "cpu")
-        saved = SavedTensors(one.total * train.batch_size, [b * train.batch_size for b in one.inside],
-                             one.inputs * train.batch_size)
-    activations = float(saved.total)
-    checkpointed = float(saved.checkpointed())
+        forwards = _probe_forwards(config, model, objective, forward_steps, 1, bf16, "cpu")
+        forwards = [Forward(f.saved.scaled(train.batch_size), f.after_first_step) for f in forwards]
+    activations = float(max(f.saved.total for f in forwards))
+    checkpointed = float(max(f.saved.checkpointed() for f in forwards))
     gathered = 0.0
     if strategy == "fsdp2":  # the block being computed is gathered whole (bf16 under mixed precision), and the next
         block = max((sum(p.numel() for p in b.parameters()) for b in model.blocks), default=0)
         gathered = 2 * block * (BYTES["bfloat16"] if bf16 else BYTES["float32"])
-    used_activations = checkpointed if train.activation_checkpointing else activations
-    peak = weights + states + max(used_activations, weights) + gathered
+    # the largest step: a forward's activations and the gradients its backward makes, beside the
+    # weights, and the optimizer's states after the first step
+    peak = weights + buffers + gathered + max(
+        (states if f.after_first_step else 0.0) + f.saved.held_with_gradients(train.activation_checkpointing, shard)
+        for f in forwards)
     cache = _tensor_bytes(_meta_model(config.model).new_cache(1, T))
-    memory = {"weights": weights, "gradients": weights, "optimizer_states": states, "activations": activations,
-              "activations_checkpointed": checkpointed, "fsdp2_gathered_blocks": gathered, "peak": peak,
-              "kv_cache_per_sequence": float(cache)}
+    memory = {"weights": weights, "buffers": buffers, "gradients": weights, "optimizer_states": states,
+              "activations": activations, "activations_checkpointed": checkpointed,
+              "fsdp2_gathered_blocks": gathered, "peak": peak, "kv_cache_per_sequence": float(cache)}
 
     accelerator = ACCELERATORS[gpu]
     capacity = accelerator.memory_bytes if gpu != "cpu" else machine_memory_bytes()
@@ -414,8 +487,8 @@ def plan_run(config: RunConfig, tokens: int, devices: int = 1, gpu: str = "h100"
     else:
         peak_flops = accelerator.peak_flops
         chosen = (mfu, "given (--mfu)") if mfu is not None else (
-            measured_mfu(config.model.arch, gpu) or (ASSUMED_MFU, "assumed (gpu_bench measured no run of this "
-                                                                  "arch on this GPU)"))
+            measured_mfu(config.model.arch, gpu) or (ASSUMED_MFU, "assumed: gpu_bench measured no run of this "
+                                                                  "arch on this GPU"))
     seconds = flops / (devices * peak_flops * chosen[0])
     shape = {k: getattr(config.model, k) for k in ("n_layer", "n_embd", "n_head", "n_kv_head", "sequence_len",
                                                     "vocab_size")}
