@@ -17,6 +17,10 @@ in every attention layer, `cache.advance()` once at the end. Attention layers se
 through the `KVStore` protocol (`update`), which `KVBuffer` (training's differentiable stand-in) and
 rgpt's per-step views implement too.
 
+`keep_recent(kept, n)` takes tokens back (self-speculative decoding's rejected drafts: the cache is
+left as if they had never been decoded, per row), `rewind(n)` for every row, `compact()` packs the
+holes a ragged `keep_recent` leaves.
+
 `regroup(target, parts)` fills an empty cache with rows of other caches, each row's tokens kept in
 order and right-aligned: the continuous batching of `latentloop.serve` lets rows at different
 positions share one decode step this way, each row decoding exactly as it would alone.
@@ -132,6 +136,62 @@ class KVCache:
         """Commit the tokens registered by `begin` (call once, after every layer ran)."""
         self.length += self.pending
         self.pending = 0
+
+    # -- taking tokens back (self-speculative decoding: drafts rejected by the full model) ---------
+    def keep_recent(self, kept: Tensor, n: int) -> None:
+        """Of the last `n` time slots (the tokens of the latest forwards), row b keeps its first
+        `kept[b]` (B,); the others leave the cache as if they had never been decoded: their
+        keys/values zeroed (a fresh cache's: an arch may keep flags in them, mor's route slot) and
+        their positions empty (-1), the row's next position moved back. Slots that no row keeps are
+        given back (`length` shrinks); a row that keeps fewer than another leaves a hole, which
+        every mask hides as it hides left padding, and decodes on exactly as alone (`compact`
+        reclaims holes). `state` is the caller's (what a model carries from token to token)."""
+        if not 0 <= n <= self.length or self.pending:
+            raise ValueError(f"keep_recent: {n} slots of {self.length} (pending {self.pending})")
+        if n == 0:
+            return
+        start, end = self.length - n, self.length
+        drop = torch.arange(n, device=kept.device)[None] >= kept[:, None]  # (B, n)
+        stored = self.key_pos[:, start:end]
+        self.next_pos = self.next_pos - (drop & (stored >= 0)).sum(dim=1)
+        self.key_pos[:, start:end] = stored.masked_fill(drop, -1)
+        gone = drop[None, :, None, :, None]  # (1, B, 1, n, 1) over (S, B, H, n, hd)
+        self.k[:, :, :, start:end].masked_fill_(gone, 0)
+        self.v[:, :, :, start:end].masked_fill_(gone, 0)
+        kept_slots = int(kept.max())
+        self.length = start + kept_slots
+        if bool(drop[:, :kept_slots].any()):  # a row keeps fewer than another: a hole before the end
+            self.has_padding = True
+
+    def rewind(self, n: int) -> None:
+        """Drop the last `n` time slots of every row (`keep_recent` keeping none)."""
+        self.keep_recent(torch.zeros(self.batch_size, dtype=torch.long, device=self.key_pos.device), n)
+
+    def compact(self) -> None:
+        """Pack each row's stored tokens to the end of the used slots, in order, so that the holes
+        `keep_recent` left (and left padding) come first and the slots no row needs are given back:
+        the layout `regroup` makes. Positions travel with the tokens, so each row decodes on as
+        before."""
+        L = self.length
+        if self.pending or L == 0:
+            return
+        stored = self.key_pos[:, :L] >= 0  # (B, L)
+        needed = int(stored.sum(dim=1).max())
+        if needed == L:
+            return
+        # a stable sort of "stored" puts each row's empty slots first and its tokens after them, in order
+        order = torch.sort(stored.to(torch.uint8), dim=1, stable=True).indices[:, L - needed:]  # (B, needed)
+        S, B, H, _, hd = self.k.shape
+        index = order[None, :, None, :, None].expand(S, B, H, needed, hd)
+        empty = ~stored.gather(1, order)[None, :, None, :, None]
+        for tensor in (self.k, self.v):
+            packed = tensor[:, :, :, :L].gather(3, index).masked_fill_(empty, 0)
+            tensor[:, :, :, :needed] = packed
+            tensor[:, :, :, needed:L] = 0
+        self.key_pos[:, :needed] = self.key_pos[:, :L].gather(1, order)
+        self.key_pos[:, needed:L] = -1
+        self.length = needed
+        self.has_padding = bool((self.key_pos[:, :needed] < 0).any())
 
     def memory_bytes(self) -> int:
         tensors = [self.k, self.v, self.key_pos, *self.state.values()]
