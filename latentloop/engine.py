@@ -20,12 +20,25 @@ are counted per row, so each row decodes exactly as it would alone.
 
 `teacher_forced_logits` is the one scoring path: the prefix prefilled, the rest decoded
 teacher-forced through the cache (loss/BPB and CORE scoring both use it).
+
+Self-speculative decoding: when the options ask a model for a cheaper draft of itself (rgpt's
+`draft_steps` / `draft_tokens`: the same weights and cache at fewer recurrence steps; the model's
+`draft_options`), each round drafts k tokens with the draft, verifies them with ONE pass of the full
+model over the k + 1 positions (the pending token and the drafts, teacher-forced through the cache),
+keeps the prefix the full model accepts and takes the rest back out of the cache (`keep_verified`).
+The acceptance is speculative sampling's (Leviathan et al. 2023, Chen et al. 2023): a drafted x is
+kept with probability min(1, p(x) / q(x)) (p the full model's sampling distribution, q the draft's),
+the first rejected position draws from normalize(max(0, p - q)), and a round whose drafts all pass
+draws one more token from p; so every token has exactly the full model's distribution, and greedy
+decoding (argmax agreement) gives the full model's tokens. Rows accept prefixes of their own
+lengths; the generator still yields one token per row per step.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -35,7 +48,7 @@ from torch import Tensor
 from .errors import LatentloopError
 from .inference.fast import PROBE_STEPS, AutoCompile, FastDecoder, static_length
 from .inference.quant import quantize_int8  # noqa: F401 (the engine's callers quantise through it: cli, api)
-from .models.backbone import PER_ROW_INFO
+from .models.backbone import PER_ROW_INFO, Draft
 from .models.options import check_options
 from .util import evaluating, is_int
 
@@ -134,16 +147,24 @@ def fit_prompt(ids: Sequence[int], budget: int, bos_id: int) -> tuple[list[int],
 
 def sample_next(logits: Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                 generator: torch.Generator | None = None) -> Tensor:
-    """Pick one token per row from logits (B, V). temperature 0 is greedy.
+    """Pick one token per row from logits (B, V). temperature 0 is greedy; otherwise a draw from
+    `sampling_probs`."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    return torch.multinomial(sampling_probs(logits, temperature, top_k, top_p), 1, generator=generator).squeeze(-1)
+
+
+def sampling_probs(logits: Tensor, temperature: float, top_k: int | None = None,
+                   top_p: float | None = None) -> Tensor:
+    """The distribution `sample_next` draws from (temperature > 0), over the last dimension of
+    logits (..., V), in float32.
 
     top_k keeps the k most likely tokens (ties at the k-th value all stay); top_p keeps the
     smallest set of most likely tokens whose probability reaches p (the token that crosses p
     stays)."""
-    if temperature == 0:
-        return logits.argmax(dim=-1)
     logits = logits.float() / temperature
     if top_k is not None and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # (..., 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and top_p < 1:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
@@ -152,8 +173,7 @@ def sample_next(logits: Tensor, temperature: float = 1.0, top_k: int | None = No
         drop_sorted = before >= top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return logits.softmax(dim=-1)
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor | None]:
@@ -173,8 +193,13 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device
 
 
 def model_options(model, options: dict, cached: bool = True) -> dict:
-    """The model's declared options with `options` applied, checked once (one-line errors)."""
-    return check_options(model.OPTIONS, options, model.config.arch, cached=cached)
+    """The model's declared options with `options` applied, checked once (one-line errors), the
+    draft they ask for included (`draft_options` refuses what it cannot draft)."""
+    options = check_options(model.OPTIONS, options, model.config.arch, cached=cached)
+    draft_options = getattr(model, "draft_options", None)
+    if draft_options is not None:
+        draft_options(options)
+    return options
 
 
 def stream(model, prompts, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
@@ -198,8 +223,12 @@ def stream(model, prompts, max_new_tokens: int, temperature: float = 1.0, top_k:
     saving reaches the expected compile cost (`AutoCompile`: batch <= 4; a ski-rental rule that also
     counts the earlier eager calls of the same shape, in this process and earlier ones); otherwise,
     and with False, it stays eager. Options whose
-    step cannot be captured (rgpt's adaptive exit) decode eagerly. on_compile(message): told when a
-    compile starts and ends (the CLI prints it).
+    step cannot be captured (rgpt's adaptive exit, self-speculative decoding) decode eagerly.
+    on_compile(message): told when a compile starts and ends (the CLI prints it).
+
+    Options that ask the model for a draft of itself (rgpt's `draft_steps` / `draft_tokens`) decode
+    self-speculatively (see the module docstring): the full model's tokens (greedy) or its
+    distribution (sampled), fewer full passes; a seeded sample differs from the plain path's draw.
     """
     return _decode_in_inference_mode(*_checked(model, prompts, max_new_tokens, temperature, top_k, top_p, seed,
                                                stop_tokens, use_cache, pad_id, logprobs, top_logprobs, compile,
@@ -244,6 +273,9 @@ def _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, sto
         finished = [False] * B
         # One new token comes from the prefill alone: no decode step, so no decoder and no static cache
         decodes = max_new_tokens > 1
+        draft = getattr(model, "draft_options", lambda options: None)(options) if use_cache and decodes else None
+        if draft is not None:  # the draft's rounds run eagerly through an ordinary cache
+            compile = False
         fast = FastDecoder(model, on_compile=on_compile, **options) if compile is True and decodes else None
         if fast is not None and fast.reason is not None:  # this step cannot be captured: decode eagerly
             fast = None
@@ -253,6 +285,8 @@ def _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, sto
         probe_times: list[float] = []  # seconds of the eager steps timed for the automatic mode
         if fast is not None:
             cache = fast.new_cache(B, P + max_new_tokens)
+        elif draft is not None:  # room for one round's verification past the generation (`_speculate`)
+            cache = model.new_cache(B, min(P + max_new_tokens + draft.tokens, model.config.sequence_len), **options)
         elif auto is not None:  # an ordinary cache of the static cache's length, so the decoder can adopt it
             cache = model.new_cache(B, static_length(model, B, P + max_new_tokens, **options), **options)
         else:
@@ -265,29 +299,23 @@ def _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, sto
             fast.begin_decoding(cache)
         info = dict(out.info)
         last, greedy = out.logits[:, -1], None  # (B, V); the compiled step's own argmax, once it runs
+        if draft is not None:
+            yield from _speculate(model, cache, last, options, draft, max_new_tokens, temperature, top_k, top_p,
+                                  generator, stop_tokens, logprobs, top_logprobs, info)
+            return
         sequence = idx
         for step in range(max_new_tokens):
             if temperature == 0 and greedy is not None:
                 next_ids = greedy  # (B,) argmax taken inside the compiled step: the same as sample_next's
             else:
                 next_ids = sample_next(last, temperature, top_k, top_p, generator)  # (B,)
-            logp = last.float().log_softmax(dim=-1) if logprobs or top_logprobs else None
-            chosen = logp.gather(-1, next_ids[:, None]).squeeze(-1) if logprobs else None
             tokens: list[int | None] = []
             for row, token in enumerate(next_ids.tolist()):
                 finished[row] = finished[row] or token in stop_tokens
                 tokens.append(None if finished[row] else token)
             if all(finished):
                 return
-            row_logprobs = None
-            if chosen is not None:
-                row_logprobs = [None if t is None else lp for t, lp in zip(tokens, chosen.tolist())]
-            row_top = None
-            if top_logprobs:
-                values, ids = logp.topk(top_logprobs, dim=-1)
-                row_top = [None if t is None else list(zip(i, v)) for t, i, v in zip(tokens, ids.tolist(),
-                                                                                      values.tolist())]
-            yield DecodeStep(tokens, row_logprobs, info, row_top)
+            yield _step(tokens, next_ids, last, logprobs, top_logprobs, info)
             if step == max_new_tokens - 1:
                 return
             if auto is not None and len(probe_times) == PROBE_STEPS:
@@ -316,6 +344,155 @@ def _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, sto
 
 
 _decode_in_inference_mode = torch.inference_mode()(_decode)
+
+
+def _step(tokens: list[int | None], ids: Tensor, logits: Tensor, logprobs: bool, top_logprobs: int,
+          info: dict) -> DecodeStep:
+    """The `DecodeStep` of new ids (B,) drawn from logits (B, V); `tokens`: each row's token, None
+    for rows that stopped (their log-probabilities are not reported)."""
+    logp = logits.float().log_softmax(dim=-1) if logprobs or top_logprobs else None
+    row_logprobs = None
+    if logprobs:
+        chosen = logp.gather(-1, ids[:, None]).squeeze(-1)
+        row_logprobs = [None if t is None else lp for t, lp in zip(tokens, chosen.tolist())]
+    row_top = None
+    if top_logprobs:
+        values, top_ids = logp.topk(top_logprobs, dim=-1)
+        row_top = [None if t is None else list(zip(i, v)) for t, i, v in zip(tokens, top_ids.tolist(),
+                                                                              values.tolist())]
+    return DecodeStep(tokens, row_logprobs, info, row_top)
+
+
+# --------------------------------------------------------------------------------------------
+# Self-speculative decoding (see the module docstring)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _SpeculativeRow:
+    """One row of a self-speculative decode: the tokens it made that were not yielded yet, each with
+    the full model's logits (V,) it was drawn from, and its draft statistics."""
+
+    queued: deque = field(default_factory=deque)  # (token, logits) in order
+    made: int = 0  # tokens made (queued or yielded)
+    open: bool = True  # makes more tokens: no stop token made, the budget not reached
+    drafted: int = 0
+    accepted: int = 0
+
+    def push(self, token: int, logits: Tensor, stop_tokens: frozenset, budget: int) -> None:
+        if self.open:
+            self.queued.append((token, logits))
+            self.made += 1
+            self.open = token not in stop_tokens and self.made < budget
+
+
+def accept_drafts(logits: Tensor, drafts: Tensor, draft_logits: Tensor, temperature: float,
+                  top_k: int | None = None, top_p: float | None = None,
+                  generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """Speculative sampling's acceptance over one verification: `logits` (B, k + 1, V), the full
+    model's after the pending token and after each of the k drafts (B, k), which were drawn from
+    `draft_logits` (B, k, V) (argmax at temperature 0). Returns the drafts each row accepts (B,),
+    a prefix, and the token that follows them (B,): greedy, the full model's argmax there; sampled,
+    a draw from normalize(max(0, p - q)) at the first rejected draft, from p after a full accept
+    (p, q: `sampling_probs` of the full and draft logits)."""
+    B, n, _ = logits.shape
+    k = n - 1
+    if k == 0:  # nothing drafted: the plain draw
+        return logits.new_zeros(B, dtype=torch.long), sample_next(logits[:, 0], temperature, top_k, top_p, generator)
+    if temperature == 0:
+        target = logits.argmax(dim=-1)  # (B, k + 1)
+        accepted = (target[:, :k] == drafts).long().cumprod(dim=1).sum(dim=1)
+        return accepted, target.gather(1, accepted[:, None]).squeeze(1)
+    p = sampling_probs(logits, temperature, top_k, top_p)  # (B, k + 1, V)
+    q = sampling_probs(draft_logits, temperature, top_k, top_p)  # (B, k, V)
+    p_drafted = p[:, :k].gather(-1, drafts[..., None]).squeeze(-1)  # (B, k)
+    q_drafted = q.gather(-1, drafts[..., None]).squeeze(-1)  # > 0: each draft was drawn from q
+    u = torch.rand((B, k), generator=generator, device=logits.device)
+    accepted = (u * q_drafted < p_drafted).long().cumprod(dim=1).sum(dim=1)  # u < p / q, drawn per draft
+    rows = torch.arange(B, device=logits.device)
+    target = p[rows, accepted]  # (B, V): p where each row stops
+    q_after = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)[rows, accepted]  # after a full accept: no q
+    residual = (target - q_after).clamp(min=0)
+    mass = residual.sum(dim=-1, keepdim=True)
+    # p == q up to rounding leaves no residual mass: p itself is then the distribution
+    following = torch.where(mass > 0, residual / mass.clamp(min=torch.finfo(mass.dtype).tiny), target)
+    return accepted, torch.multinomial(following, 1, generator=generator).squeeze(1)
+
+
+def _speculate(model, cache, last: Tensor, options: dict, draft: Draft, max_new_tokens: int, temperature: float,
+               top_k: int | None, top_p: float | None, generator: torch.Generator | None, stop_tokens: frozenset,
+               logprobs: bool, top_logprobs: int, info: dict) -> Iterator[DecodeStep]:
+    """`_decode`'s loop after the prefill when drafting: rounds of `_speculative_round` whenever a row
+    still decoding has nothing queued, one `DecodeStep` per token position as the plain loop yields."""
+    B = last.shape[0]
+    rows = [_SpeculativeRow() for _ in range(B)]
+    pending = sample_next(last, temperature, top_k, top_p, generator)  # (B,): made, not yet in the cache
+    for row, token, logits in zip(rows, pending.tolist(), last):
+        row.push(token, logits, stop_tokens, max_new_tokens)
+    finished = [False] * B
+    for _ in range(max_new_tokens):
+        while any(not done and not row.queued for row, done in zip(rows, finished)):
+            pending, round_info = _speculative_round(model, cache, pending, rows, options, draft, max_new_tokens,
+                                                     temperature, top_k, top_p, generator, stop_tokens)
+            info = {**info, **round_info}
+        tokens: list[int | None] = []
+        ids, logits = [0] * B, [last.new_zeros(last.shape[1:])] * B  # rows that stopped: placeholders
+        for b, row in enumerate(rows):
+            if not finished[b]:
+                ids[b], logits[b] = row.queued.popleft()
+                finished[b] = ids[b] in stop_tokens
+            tokens.append(None if finished[b] else ids[b])
+        if all(finished):
+            return
+        reported = torch.stack(logits) if logprobs or top_logprobs else last  # read only for log-probabilities
+        yield _step(tokens, torch.tensor(ids, device=last.device), reported, logprobs, top_logprobs, info)
+
+
+def _speculative_round(model, cache, pending: Tensor, rows: list[_SpeculativeRow], options: dict, draft: Draft,
+                       max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None,
+                       generator: torch.Generator | None, stop_tokens: frozenset) -> tuple[Tensor, dict]:
+    """One round for every row (rows that stopped run along and keep nothing): up to `draft.tokens`
+    drafts from the pending tokens (B,), taken back out of the cache, then one full pass over the
+    pending tokens and the drafts; each row keeps what the full model accepts (`accept_drafts`) and
+    queues it with the token that follows, which becomes its pending token (returned)."""
+    B, device = pending.shape[0], pending.device
+    left = [max_new_tokens - row.made for row in rows]  # tokens each row may still make (>= 1 while open)
+    k = min(draft.tokens, max(n for n, row in zip(left, rows) if row.open) - 1)  # drafts that could be used
+    if cache.length + k + 1 > cache.max_len:  # ragged rounds left holes: reclaim them
+        cache.compact()
+    k = max(0, min(k, cache.max_len - cache.length - 1))
+    before = {name: value.clone() for name, value in cache.state.items()}
+    drafts, draft_logits, token = [], [], pending
+    for _ in range(k):
+        q = model.decode(token[:, None], cache, **draft.options).logits[:, -1]  # (B, V)
+        token = sample_next(q, temperature, top_k, top_p, generator)
+        drafts.append(token)
+        draft_logits.append(q)
+    if k:
+        cache.rewind(k)
+        cache.state = {name: value.clone() for name, value in before.items()}
+    out = model.decode(torch.stack([pending, *drafts], dim=1), cache, **options)  # (B, k + 1, V): one full pass
+    drafted = torch.stack(drafts, dim=1) if k else pending.new_zeros((B, 0))
+    accepted, following = accept_drafts(out.logits, drafted,
+                                        torch.stack(draft_logits, dim=1) if k else out.logits[:, :0],
+                                        temperature, top_k, top_p, generator)
+    # the cache keeps the pending token and the accepted drafts, at most up to the row's budget (so
+    # that it never holds more than a plain decode's tokens); rows that stopped keep nothing
+    room = torch.tensor([max(n, 0) if row.open else 0 for n, row in zip(left, rows)], device=device)
+    model.keep_verified(cache, out, torch.minimum(accepted + 1, room), before, options)
+    counts, following_ids, drafted_ids = accepted.tolist(), following.tolist(), drafted.tolist()
+    for b, row in enumerate(rows):
+        if row.open:
+            row.drafted += k
+            row.accepted += counts[b]
+            for i in range(counts[b]):
+                row.push(drafted_ids[b][i], out.logits[b, i], stop_tokens, max_new_tokens)
+            row.push(following_ids[b], out.logits[b, counts[b]], stop_tokens, max_new_tokens)
+    drafted_total = sum(row.drafted for row in rows)
+    per_row = {**out.info.get(PER_ROW_INFO, {}),
+               "draft_acceptance": [row.accepted / row.drafted if row.drafted else None for row in rows]}
+    return following, {**out.info, "draft_acceptance": (sum(row.accepted for row in rows) / drafted_total
+                                                        if drafted_total else None), PER_ROW_INFO: per_row}
 
 
 def generate(model, prompts, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,

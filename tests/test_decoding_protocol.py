@@ -372,7 +372,7 @@ def test_every_arch_declares_its_options_and_the_engine_checks_them():
     assert {o.name for o in get_arch("fbt").options} == {"regime", "passes"}
     assert {o.name for o in get_arch("lrt").options} == {"prefill"}
     assert {o.name for o in get_arch("rgpt").options} == {"steps", "cache_mode", "exit_threshold", "exit_criterion",
-                                                          "min_steps"}
+                                                          "min_steps", "draft_steps", "draft_tokens"}
     assert get_arch("gpt").options == ()
     rgpt = get_arch("rgpt").options
     with pytest.raises(ll.ConfigError, match="exit_threshold"):

@@ -8,8 +8,10 @@ system knows of an architecture comes from its spec, which the architecture's ow
 A spec bundles the config class, the model class (which declares its inference options, scoring modes
 and the model-level hooks: `upcycle_from`, `fast_path_blocker`, `prepare_fast_decoding`, ...), the
 training objective, and the hooks the layers above call by name instead of knowing the architecture:
-optimizer parameter groups, analyses, demo report lines, the fast path's cache adapters, and the cases
-benchmarks and tests run it in. Front-ends, tests and benchmarks enumerate `ARCHS`.
+optimizer parameter groups, analyses, demo report lines, the fast path's cache adapters, the cases
+benchmarks and tests run it in, and the cheaper draft of itself it offers for self-speculative
+decoding (`draft`, from its model class, turned on by decoding options it declares). Front-ends, tests
+and benchmarks enumerate `ARCHS`.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from torch import nn
 
 from ..config import ModelConfig, TrainConfig
 from ..errors import ConfigError
-from ..models.backbone import GPT
+from ..models.backbone import GPT, Draft
 from ..models.options import DecodeOption, all_options
 from ..objectives.base import Objective
 from ..optim import build_optimizers
@@ -125,6 +127,16 @@ class ArchSpec:
     def options(self) -> tuple[DecodeOption, ...]:
         """The declared inference options (name, type, choices, default, help, cache need)."""
         return self.model_class.OPTIONS
+
+    @property
+    def draft(self) -> Callable[[GPT, dict], Draft | None] | None:
+        """A cheaper draft of the model (self-speculative decoding), or None when the arch offers
+        none: the model class's `draft_options(model, options)`, which maps complete decoding
+        options to the draft's (the same weights and cache at fewer recurrence steps) and the
+        tokens it drafts a round, and is turned on by options the arch declares (`draft_steps`,
+        `draft_tokens`), so every front-end gets them as it gets any option."""
+        hook = self.model_class.draft_options
+        return None if hook is GPT.draft_options else hook
 
     @property
     def scoring_modes(self) -> Callable[[ModelConfig], dict[str, dict]]:

@@ -307,6 +307,16 @@ class ModelOutput:
     # info[PER_ROW_INFO] (optional): {name: [value per row]} for facts that differ between rows
 
 
+@dataclass(frozen=True)
+class Draft:
+    """A cheaper draft of a model, for self-speculative decoding (`engine.stream`): the decoding
+    options that make it from the same weights and cache (fewer recurrence steps, say), and how
+    many tokens it drafts per round before one pass of the full model verifies them."""
+
+    options: dict
+    tokens: int
+
+
 # Class attributes a subclass must state for itself (not inherited): each says that the model's
 # forward is simple in a way that lets the system take a shortcut, and a new architecture that
 # forgot to think about it gets the safe answer (False).
@@ -473,6 +483,21 @@ class GPT(nn.Module):
         """Why decoding with `options` cannot run as one compiled static-shape step (inference/fast.py),
         or None when it can."""
         return None
+
+    def draft_options(self, options: dict) -> Draft | None:
+        """The cheaper draft of this model that `options` (complete, checked) ask for, or None: no
+        drafting (self-speculative decoding is off). An arch that offers a draft of itself declares
+        options that turn it on (rgpt's `draft_steps`, `draft_tokens`) and overrides this; it raises
+        a one-line ConfigError for options that cannot be drafted (`engine.model_options` asks)."""
+        return None
+
+    def keep_verified(self, cache: KVCache, out: ModelOutput, kept: Tensor, state_before: dict[str, Tensor],
+                      options: dict) -> None:
+        """Self-speculative decoding: of the tokens the last `decode(..., **options)` call added
+        (`out`), row b keeps its first kept[b] (B,) and the rest leave the cache as if never decoded
+        (`KVCache.keep_recent`). `state_before`: `cache.state` before that call; an arch that carries
+        state from token to token (fbt's top state) sets it to what the last kept token left."""
+        cache.keep_recent(kept, out.logits.shape[1])
 
     def prepare_fast_decoding(self) -> None:
         """Compute, eagerly, what the compiled decode step reads as a constant (before compiling)."""

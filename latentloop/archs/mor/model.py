@@ -39,6 +39,8 @@ Notable features:
   ragged left-padded batch == each row alone (padding takes no recursion)
 - `steps`: decode with at most that many recursions (early exit at a fixed depth; the routers exist
   for the trained N_r only)
+- self-speculative decoding (`draft_steps`, `draft_tokens`, rgpt's options): at most `draft_steps`
+  recursions draft, the full depth verifies in one pass; the output is the full depth's
 - FLOPs: expert-choice training is charged for the tokens the top-k keeps (the probe forward takes
   the training route); token-choice trains with every token computed at every recursion and the
   inactive ones masked, and is charged for that (what it runs, more than the tokens routed need)
@@ -59,11 +61,11 @@ from torch import Tensor, nn
 
 from ...config import ModelConfig, require
 from ...errors import ConfigError
-from ...models.backbone import GPT, ForwardContext, ModelOutput, norm
+from ...models.backbone import GPT, Draft, ForwardContext, ModelOutput, norm
 from ...models.cache import AttentionPlan, KVCache, attention_mask
 from ...models.flops import count_flops_per_token
 from ...models.options import DecodeOption
-from ..rgpt.model import RGPT, rgpt_shape_from_dense
+from ..rgpt.model import DRAFT_OPTIONS, RGPT, depth_draft, rgpt_shape_from_dense
 
 # -- config ----------------------------------------------------------------------------------------
 
@@ -133,6 +135,7 @@ class MoRConfig(ModelConfig):
 OPTIONS = (
     DecodeOption("steps", int, None, "recursions at most (default: all the trained ones; fewer: early exit at a "
                  "fixed depth)", minimum=1),
+    *DRAFT_OPTIONS,
 )
 
 
@@ -342,18 +345,25 @@ class MoR(GPT):
         return self._run(idx, None, pad_mask, steps, route, every_recursion)
 
     def prefill(self, idx: Tensor, cache: KVCache, pad_mask: Tensor | None = None,
-                steps: int | None = None) -> MoROutput:
+                steps: int | None = None, draft_steps: int | None = None, draft_tokens: int | None = None) -> MoROutput:
         return self._run(idx, cache, pad_mask, steps, "threshold")
 
-    def decode(self, idx: Tensor, cache: KVCache, steps: int | None = None) -> MoROutput:
+    def decode(self, idx: Tensor, cache: KVCache, steps: int | None = None, draft_steps: int | None = None,
+               draft_tokens: int | None = None) -> MoROutput:
         return self._run(idx, cache, None, steps, "threshold")
 
     def reference(self, idx: Tensor, pad_mask: Tensor | None = None, prompt_len: int = 0,
-                  steps: int | None = None) -> MoROutput:
+                  steps: int | None = None, draft_steps: int | None = None,
+                  draft_tokens: int | None = None) -> MoROutput:
         return self.forward(idx, pad_mask, steps=steps, route="threshold")
 
     def fast_path_blocker(self, options: dict) -> str | None:
         return "MoR's routers decide per token which recursions run"
+
+    def draft_options(self, options: dict) -> Draft | None:
+        """The same model at most `draft_steps` recursions (rgpt's `depth_draft`): a token's routing
+        at each recursion it takes is the full depth's, so the draft is the full model cut short."""
+        return depth_draft(options, options.get("steps") or self.config.recursions)
 
     def new_cache(self, batch_size: int, max_len: int | None = None, **options) -> KVCache:
         weight = self.wte.weight

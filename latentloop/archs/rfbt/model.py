@@ -21,6 +21,10 @@ Notable features:
   mode, or a running `mean` / the `last` step), which also carries fbt's state
 - exact as its parents: cached soft decoding == the multi-pass reference (the Jacobi fixed point at
   a fixed depth), cached == uncached at every depth, a ragged batch == each row alone
+- self-speculative decoding (`draft_steps`, `draft_tokens`), rgpt's: exact in every regime; in the
+  standard regime one full-depth pass verifies the drafts, in soft / fused each verified token needs
+  its predecessor's full-depth state, so the verification steps token by token (no faster than
+  plain decoding: the drafts are extra work there)
 - not offered: rgpt's adaptive per-token exit (a token's exit step would also choose the state the
   next token is fused with; that coupling is not designed here, so the option is not declared)
 - upcycling from a gpt run: rgpt's block mapping (prelude / core / coda from the pretrained blocks)
@@ -33,10 +37,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
 from torch import Tensor
 
+from ...models.backbone import ModelOutput
 from ...models.cache import KVCache
-from ..fbt.model import DEFAULT_FUSED_PASSES, FBT, FBTConfig, FBTOutput
+from ..fbt.model import DEFAULT_FUSED_PASSES, FBT, STATE_KEY, FBTConfig, FBTOutput
 from ..fbt.model import OPTIONS as FBT_OPTIONS
 from ..rgpt.model import RGPT, RGPTConfig
 
@@ -51,8 +57,9 @@ class RFBTConfig(FBTConfig, RGPTConfig):
     arch: ClassVar[str] = "rfbt"
 
 
-# rgpt's decoding options that apply: the depth and the cache layout (not its adaptive exit)
-DEPTH_OPTIONS = tuple(option for option in RGPT.OPTIONS if option.name in ("steps", "cache_mode"))
+# rgpt's decoding options that apply: the depth, the cache layout and its draft (not its adaptive exit)
+DEPTH_OPTIONS = tuple(option for option in RGPT.OPTIONS
+                      if option.name in ("steps", "cache_mode", "draft_steps", "draft_tokens"))
 OPTIONS = FBT_OPTIONS + DEPTH_OPTIONS
 
 
@@ -79,17 +86,30 @@ class RFBT(FBT, RGPT):
     # -- decoding protocol: fbt's regimes at rgpt's depth -------------------------------------
     def prefill(self, idx: Tensor, cache: KVCache, pad_mask: Tensor | None = None, regime: str = "soft",
                 passes: int | str = DEFAULT_FUSED_PASSES, steps: int | None = None,
-                cache_mode: str = "full") -> FBTOutput:
+                cache_mode: str = "full", draft_steps: int | None = None, draft_tokens: int | None = None) -> FBTOutput:
         return super().prefill(idx, cache, pad_mask, regime, passes, steps=steps)
 
     def decode(self, idx: Tensor, cache: KVCache, regime: str = "soft", passes: int | str = DEFAULT_FUSED_PASSES,
-               steps: int | None = None, cache_mode: str = "full") -> FBTOutput:
+               steps: int | None = None, cache_mode: str = "full", draft_steps: int | None = None,
+               draft_tokens: int | None = None) -> FBTOutput:
         return super().decode(idx, cache, regime, passes, steps=steps)
 
     def reference(self, idx: Tensor, pad_mask: Tensor | None = None, prompt_len: int = 0, regime: str = "soft",
                   passes: int | str = DEFAULT_FUSED_PASSES, steps: int | None = None,
-                  cache_mode: str = "full") -> FBTOutput:
+                  cache_mode: str = "full", draft_steps: int | None = None,
+                  draft_tokens: int | None = None) -> FBTOutput:
         return super().reference(idx, pad_mask, prompt_len, regime, passes, steps=steps)
+
+    def keep_verified(self, cache: KVCache, out: ModelOutput, kept: Tensor, state_before: dict[str, Tensor],
+                      options: dict) -> None:
+        """As rgpt, and fbt's carried state becomes the one the last kept token left (the state
+        before the verification where a row keeps none). The standard regime carries none."""
+        super().keep_verified(cache, out, kept, state_before, options)
+        if options.get("regime", "soft") == "standard":
+            return
+        rows = torch.arange(kept.shape[0], device=kept.device)
+        last = self.carried_state(out.hidden[rows, (kept - 1).clamp(min=0)][:, None])  # (B, 1, D)
+        cache.state[STATE_KEY] = torch.where((kept > 0)[:, None, None], last, state_before[STATE_KEY])
 
     def upcycle_from(self, weights: dict[str, Tensor], base_layers: int, load) -> dict:
         """rgpt's mapping of the pretrained blocks (see `RGPT.upcycle_from`), then fbt's fresh

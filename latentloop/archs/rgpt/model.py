@@ -29,6 +29,9 @@ Notable features:
   handed to the core blocks in their context: nothing depends on call order
 - a BOS inside a sequence needs no restart rule: rgpt carries no state from token to token, only
   depth (the recurrence is per token)
+- self-speculative decoding (`draft_steps`, `draft_tokens`; the engine runs it): the same weights and
+  cache at fewer steps draft tokens, one pass at the full depth verifies them, and the output is
+  the full depth's (greedy: token for token); as LayerSkip drafts with early layers
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from torch import Tensor, nn
 
 from ...config import ModelConfig, require
 from ...errors import CheckpointError, ConfigError
-from ...models.backbone import GPT, PER_ROW_INFO, ForwardContext, ModelOutput, norm
+from ...models.backbone import GPT, PER_ROW_INFO, Draft, ForwardContext, ModelOutput, norm
 from ...models.cache import KVCache
 from ...models.criteria import KLDivergence, RelativeChange
 from ...models.options import DecodeOption
@@ -190,6 +193,23 @@ EXIT_TOTAL_KEY = "rgpt.exit_step_total"  # cache.state: (B,) each row's exit ste
 EXIT_TOKENS_KEY = "rgpt.exit_tokens"  # cache.state: (B,) how many tokens each row decoded with adaptive exit
 EXIT_CRITERIA = ("kl", "state")
 MAX_STEPS = MAX_RECURRENCE_STEPS  # a bound on asked-for work: a full-mode cache grows by n_rec slots per step
+# Self-speculative decoding: tokens drafted per round when only draft_steps is given. Each round costs
+# this many shallow steps and one full-depth pass over one token more; measured on trained runs by
+# benchmarks/speculative.py, which sweeps it.
+DEFAULT_DRAFT_TOKENS = 4
+MAX_DRAFT_TOKENS = 32  # a bound on asked-for work: the cache holds this many slots beyond the generation
+
+# The options of self-speculative decoding, declared by every arch whose depth is a decoding option
+# (rgpt, rfbt, mor): `draft_steps` shallower than the decoding depth draft, the full depth verifies.
+DRAFT_OPTIONS = (
+    DecodeOption("draft_steps", int, None, "self-speculative decoding: draft tokens at this many recurrence steps "
+                 "(below the decoding depth) and keep what one full-depth pass agrees with, so the output is the "
+                 "full depth's (default with draft_tokens alone: half the depth; needs the cache)",
+                 minimum=1, maximum=MAX_STEPS, needs_cache=lambda value: value is not None),
+    DecodeOption("draft_tokens", int, None, "self-speculative decoding: tokens drafted per full-depth pass "
+                 f"(default with draft_steps alone: {DEFAULT_DRAFT_TOKENS}; needs the cache)",
+                 minimum=1, maximum=MAX_DRAFT_TOKENS, needs_cache=lambda value: value is not None),
+)
 
 OPTIONS = (
     DecodeOption("steps", int, None, "recurrence steps at inference (default: the trained R; early exit at a "
@@ -203,7 +223,28 @@ OPTIONS = (
     DecodeOption("exit_criterion", str, "kl", "exit criterion: KL between successive steps' next-token "
                  "distributions (kl), or the relative change of the state (state)", choices=EXIT_CRITERIA),
     DecodeOption("min_steps", int, 1, "recurrence steps before any exit", minimum=1, maximum=MAX_STEPS),
+    *DRAFT_OPTIONS,
 )
+
+
+def drafting(options: dict) -> bool:
+    """Whether the options ask for self-speculative decoding."""
+    return options.get("draft_steps") is not None or options.get("draft_tokens") is not None
+
+
+def depth_draft(options: dict, depth: int) -> Draft | None:
+    """The draft `options` ask for, of a model decoding at `depth` recurrence steps: the same options
+    at `draft_steps` (default: half the depth), `draft_tokens` a round; None when not drafting."""
+    if not drafting(options):
+        return None
+    if depth < 2:
+        raise ConfigError(f"self-speculative decoding drafts at fewer recurrence steps than the decoding depth, "
+                          f"which is {depth} here: there is no shallower draft")
+    steps = options.get("draft_steps") or max(1, depth // 2)
+    if steps >= depth:
+        raise ConfigError(f"draft_steps must be below the decoding depth ({depth} steps), got {steps}")
+    tokens = options.get("draft_tokens") or DEFAULT_DRAFT_TOKENS
+    return Draft({**options, "steps": steps}, tokens)
 
 
 def make_exit_criterion(name: str, threshold: float) -> KLDivergence | RelativeChange:
@@ -454,13 +495,16 @@ class RGPT(GPT):
 
     def prefill(self, idx: Tensor, cache: KVCache, pad_mask: Tensor | None = None, steps: int | None = None,
                 cache_mode: str = "full", exit_threshold: float = 0.0, exit_criterion: str = "kl",
-                min_steps: int = 1) -> RGPTOutput:
+                min_steps: int = 1, draft_steps: int | None = None, draft_tokens: int | None = None) -> RGPTOutput:
         """The prompt at a fixed depth (adaptive exit is per decoded token)."""
         steps = steps or self.config.recurrence_steps
         return self._depth_info(self._run_depth(idx, cache, pad_mask, steps), steps)
 
     def decode(self, idx: Tensor, cache: KVCache, steps: int | None = None, cache_mode: str = "full",
-               exit_threshold: float = 0.0, exit_criterion: str = "kl", min_steps: int = 1) -> ModelOutput:
+               exit_threshold: float = 0.0, exit_criterion: str = "kl", min_steps: int = 1,
+               draft_steps: int | None = None, draft_tokens: int | None = None) -> ModelOutput:
+        """New tokens at depth `steps`. The draft options are the engine's: it drafts (at draft_steps)
+        and verifies (at `steps`) through here."""
         steps = steps or self.config.recurrence_steps
         if exit_threshold > 0:
             criterion = make_exit_criterion(exit_criterion, exit_threshold)
@@ -473,11 +517,29 @@ class RGPT(GPT):
     def fast_path_blocker(self, options: dict) -> str | None:
         if options.get("exit_threshold", 0.0) > 0:
             return "rgpt's adaptive exit runs a data-dependent number of core steps (the exit test reads the device)"
+        if drafting(options):
+            return ("self-speculative decoding (draft_steps / draft_tokens) drafts, verifies several tokens in one "
+                    "pass and takes rejected ones back: it decodes through an eager cache")
         return None
+
+    def draft_options(self, options: dict) -> Draft | None:
+        """The same model at `draft_steps` (see `depth_draft`). Not with an adaptive exit (the full
+        depth must be fixed to be verified in one pass) nor a `mean` / `last` cache: there one pass
+        over several tokens computes another function than token-by-token decoding (a token's
+        predecessors in the same pass are seen at the current step, not their last)."""
+        if not drafting(options):
+            return None
+        if options.get("exit_threshold", 0.0) > 0:
+            raise ConfigError("self-speculative decoding (draft_steps / draft_tokens) verifies at a fixed depth: "
+                              "it does not combine with exit_threshold")
+        if options.get("cache_mode", "full") != "full":
+            raise ConfigError(f"self-speculative decoding (draft_steps / draft_tokens) needs cache_mode full: with "
+                              f"{options['cache_mode']!r} a pass over several tokens differs from one token at a time")
+        return depth_draft(options, options.get("steps") or self.config.recurrence_steps)
 
     def reference(self, idx: Tensor, pad_mask: Tensor | None = None, prompt_len: int = 0, steps: int | None = None,
                   cache_mode: str = "full", exit_threshold: float = 0.0, exit_criterion: str = "kl",
-                  min_steps: int = 1) -> RGPTOutput:
+                  min_steps: int = 1, draft_steps: int | None = None, draft_tokens: int | None = None) -> RGPTOutput:
         return self.forward(idx, pad_mask, steps=steps)  # the engine refuses an adaptive exit without a cache
 
     @torch.no_grad()

@@ -1,0 +1,358 @@
+"""Self-speculative decoding (`engine.stream` with an arch's `draft_steps` / `draft_tokens`): for every
+architecture whose spec declares a draft of itself, greedy output equals full-depth decoding token for
+token (one row, a ragged batch whose rows accept prefixes of different lengths, stop tokens, budgets),
+the cache after rejected drafts is the one plain decoding builds, sampled output has the full depth's
+distribution (a chi-square test against the exact joint of the first tokens, which catches a planted
+acceptance bug), and options that cannot be drafted are refused in one line.
+
+No architecture is named here: the kinds are those of the contract suite whose spec has a `draft`.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from conftest import contract_kinds
+
+import latentloop.engine as engine
+from latentloop import build
+from latentloop.archs import ARCHS, get_arch
+from latentloop.cli import main
+from latentloop.data.tokenizers import ByteTokenizer
+from latentloop.engine import generate, model_options, sampling_probs, stream, teacher_forced_logits
+from latentloop.errors import ConfigError
+from latentloop.models.backbone import PER_ROW_INFO
+from latentloop.runs import save_run
+
+KINDS = {kind: (arch, fields) for kind, (arch, fields) in contract_kinds().items() if get_arch(arch).draft is not None}
+BOS = 256  # the byte tokenizer's
+PROMPTS = ([BOS, *b"hello"], [BOS, *b"a latent"], [BOS, *b"hi"])  # of different lengths: a ragged batch
+NEW_TOKENS = 16
+# A one-step draft of the random test models: it agrees with the full depth often enough to accept some
+# drafts and disagrees often enough to reject some (measured: acceptance 0.06-0.7 across the kinds)
+DRAFTS = [{"draft_steps": 1, "draft_tokens": 3}, {"draft_steps": 1, "draft_tokens": 1}, {"draft_tokens": 5}]
+# fp32: the full depth over k + 1 tokens in one pass against k + 1 one-token passes (other product
+# shapes, the same function): log-probabilities differ by rounding, ~1e-6 (measured)
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """One torch thread: at these sizes a second buys nothing, and on busy cores OpenMP threads that
+    wait for each other made the 4000-row batches below 7x slower (measured)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _build(kind: str):
+    arch, fields = KINDS[kind]
+    torch.manual_seed(0)
+    return build(arch, preset="test", **fields).eval()
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {kind: _build(kind) for kind in KINDS}
+
+
+def test_the_drafting_archs_are_those_that_declare_the_draft_options():
+    assert KINDS, "no registered architecture declares a draft of itself"
+    for arch, spec in ARCHS.items():
+        declared = {option.name for option in spec.options}
+        assert (spec.draft is not None) == ({"draft_steps", "draft_tokens"} <= declared), arch
+
+
+class _Spy:
+    """Records what each verification kept per row (the `kept` of `keep_verified`)."""
+
+    def __init__(self, model, monkeypatch):
+        self.kept: list[list[int]] = []
+        keep = model.keep_verified
+
+        def spy(cache, out, kept, state_before, options):
+            self.kept.append(kept.tolist())
+            return keep(cache, out, kept, state_before, options)
+
+        monkeypatch.setattr(model, "keep_verified", spy)
+
+
+def _greedy(model, prompts, **options):
+    steps = list(stream(model, prompts, NEW_TOKENS, temperature=0.0, logprobs=True, compile=False, **options))
+    tokens = [[step.tokens[row] for step in steps] for row in range(len(prompts))]
+    logprobs = torch.tensor([[step.logprobs[row] or 0.0 for step in steps] for row in range(len(prompts))])
+    return tokens, logprobs, steps[-1].info
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_greedy_self_speculative_decoding_equals_the_full_depth(kind, models, monkeypatch):
+    """One row and a ragged batch, every draft setting: the tokens are the full depth's and so are their
+    log-probabilities; some drafts were accepted and some rejected, and in the batch rows kept
+    prefixes of different lengths in one verification (the ragged rollback ran)."""
+    model = models[kind]
+    acceptance, ragged = [], False
+    for options in DRAFTS:
+        for prompts in ([PROMPTS[0]], list(PROMPTS)):
+            spy = _Spy(model, monkeypatch)
+            tokens, logprobs, info = _greedy(model, prompts, **options)
+            monkeypatch.undo()
+            plain_tokens, plain_logprobs, _ = _greedy(model, prompts)
+            assert tokens == plain_tokens, options
+            torch.testing.assert_close(logprobs, plain_logprobs, rtol=TOL, atol=TOL)
+            acceptance.append(info["draft_acceptance"])
+            assert len(info[PER_ROW_INFO]["draft_acceptance"]) == len(prompts)
+            ragged = ragged or any(len(set(kept)) > 1 for kept in spy.kept)
+    assert min(acceptance) < 1 and max(acceptance) > 0, acceptance  # drafts were rejected, and accepted
+    assert ragged, "no verification kept prefixes of different lengths in a batch"
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_stop_tokens_budgets_and_beyond_the_trained_depth(kind, models):
+    """A stop token inside an accepted prefix ends its row there (the other rows go on); a budget that
+    ends inside a round yields exactly the budget; a decoding depth beyond the trained one drafts too."""
+    model = models[kind]
+    rows = list(PROMPTS)
+    plain = generate(model, rows, NEW_TOKENS, temperature=0.0, compile=False)
+    stop = plain[0][5]
+    expected = generate(model, rows, NEW_TOKENS, temperature=0.0, stop_tokens=[stop], compile=False)
+    assert generate(model, rows, NEW_TOKENS, temperature=0.0, stop_tokens=[stop], draft_steps=1,
+                    draft_tokens=4) == expected
+    for budget in (1, 2, 3, 7):
+        assert generate(model, rows, budget, temperature=0.0, draft_steps=1, draft_tokens=4) == \
+            [row[:budget] for row in plain]
+    trained = getattr(model.config, "recurrence_steps", None)
+    if trained is not None:  # a depth past the trained one is allowed (rgpt's)
+        deeper = trained + 2
+        assert generate(model, rows, NEW_TOKENS, temperature=0.0, steps=deeper, draft_steps=2) == \
+            generate(model, rows, NEW_TOKENS, temperature=0.0, steps=deeper, compile=False)
+
+
+def _capture_caches(model, monkeypatch) -> list:
+    made = []
+    new_cache = model.new_cache
+
+    def capture(*args, **kwargs):
+        made.append(new_cache(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(model, "new_cache", capture)
+    return made
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_the_cache_after_rejected_drafts_is_the_one_plain_decoding_builds(kind, models, monkeypatch):
+    """One row: after a speculative decode (drafts rejected on the way), the engine's cache holds the
+    positions plain decoding of the kept tokens gives, every slot past them as a fresh cache has it
+    (a draft's keys left behind, or mor's route flags, would show), the same carried state, and
+    decoding on through it gives the plain cache's logits token after token. (Keys and values of
+    the kept tokens are compared through those logits: an arch may leave invisible entries that
+    depend on how tokens were grouped into calls, mor's keys of recursions a token skipped.)"""
+    model = models[kind]
+    prompt = PROMPTS[0]
+    made = _capture_caches(model, monkeypatch)
+    spy = _Spy(model, monkeypatch)
+    tokens = generate(model, prompt, NEW_TOKENS, temperature=0.0, draft_steps=1, draft_tokens=3)
+    monkeypatch.undo()
+    assert any(kept[0] < 4 for kept in spy.kept), "no draft was rejected"
+    (cache,) = made
+    options = model_options(model, {})
+    plain = model.new_cache(1, cache.max_len, **options)
+    with torch.inference_mode():
+        model.prefill(torch.tensor([prompt]), plain, **options)
+        in_cache = cache.length - len(prompt)  # the generated tokens the speculative cache holds
+        for token in tokens[:in_cache]:
+            model.decode(torch.tensor([[token]]), plain, **options)
+        assert (plain.length, plain.next_pos.tolist()) == (cache.length, cache.next_pos.tolist())
+        assert torch.equal(plain.key_pos, cache.key_pos)
+        assert not cache.k[:, :, :, cache.length:].any() and not cache.v[:, :, :, cache.length:].any()
+        for name, value in plain.state.items():
+            torch.testing.assert_close(cache.state[name], value, rtol=TOL, atol=TOL)
+        onwards = (tokens[in_cache:] + [1, 2, 3])[:cache.max_len - cache.length]
+        assert len(onwards) >= 3
+        for token in onwards:
+            torch.testing.assert_close(model.decode(torch.tensor([[token]]), cache, **options).logits,
+                                       model.decode(torch.tensor([[token]]), plain, **options).logits,
+                                       rtol=TOL, atol=TOL)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_ragged_rollback_and_compaction_leave_each_row_decoding_as_alone(kind, models):
+    """Rows of a left-padded batch keep different numbers of the tokens of one decode call
+    (`keep_verified`), then the cache is compacted: each row's next logits are those of the row
+    decoded alone through a plain cache of its kept tokens."""
+    model = models[kind]
+    options = model_options(model, {})
+    rows = list(PROMPTS)
+    added = [[7, 8, 9, 10], [11, 12, 13, 14], [15, 16, 17, 18]]
+    kept = [1, 4, 2]
+    following = torch.tensor([[20], [21], [22]])
+    with torch.inference_mode():
+        idx, pad_mask = engine.left_pad(rows, 0, torch.device("cpu"))
+        cache = model.new_cache(len(rows), 24, **options)
+        model.prefill(idx, cache, pad_mask, **options)
+        before = {name: value.clone() for name, value in cache.state.items()}
+        out = model.decode(torch.tensor(added), cache, **options)
+        model.keep_verified(cache, out, torch.tensor(kept), before, options)
+        assert cache.length == idx.shape[1] + max(kept)
+        kept_state = {name: value.clone() for name, value in cache.state.items()}
+        together = model.decode(following, cache, **options).logits[:, -1]
+        cache.rewind(1)  # and the state that token left (an arch's carried state) goes with it
+        cache.state = kept_state
+        cache.compact()
+        assert cache.length == max(len(p) + n for p, n in zip(rows, kept))
+        compacted = model.decode(following, cache, **options).logits[:, -1]
+        for row, (prompt, extra, n) in enumerate(zip(rows, added, kept)):
+            alone = model.new_cache(1, 24, **options)
+            model.prefill(torch.tensor([prompt]), alone, **options)
+            for token in extra[:n]:
+                model.decode(torch.tensor([[token]]), alone, **options)
+            expected = model.decode(following[row:row + 1], alone, **options).logits[0, -1]
+            torch.testing.assert_close(together[row], expected, rtol=TOL, atol=TOL)
+            torch.testing.assert_close(compacted[row], expected, rtol=TOL, atol=TOL)
+
+
+# -- sampling: the full depth's distribution ---------------------------------------------------------
+STAT_VOCAB = 4  # a tiny vocabulary: the exact joint of the first tokens has STAT_VOCAB ** STAT_TOKENS cells
+STAT_TOKENS = 4  # the prefill's token, then one round: two drafts and the token after them
+STAT_DRAWS = 4000  # rows of one batch, each an independent draw
+STAT_PROMPT = [0, 3, 1]
+STAT_SHAPE = dict(n_embd=32, n_head=2)  # the test preset, narrower: 4000 rows decode in a second
+MIN_EXPECTED = 5  # the chi-square test's rule: cells expected fewer times are pooled into one
+FALSE_ALARM = 1e-3  # a correct sampler fails this test for one seed in a thousand
+PLANTED_P = 1e-9  # a planted acceptance bug must fail by far
+
+
+def _stat_model(kind: str):
+    arch, fields = KINDS[kind]
+    torch.manual_seed(0)
+    return build(arch, preset="test", vocab_size=STAT_VOCAB, bos_id=0, **STAT_SHAPE, **fields).eval()
+
+
+def _temperature(model) -> float:
+    """The spread of the full depth's next-token logits after the prompt: sampling at it gives
+    distributions neither flat nor one-hot, whatever the random model's logit scale."""
+    logits = teacher_forced_logits(model, torch.tensor([STAT_PROMPT]), prompt_len=len(STAT_PROMPT))[0, -1]
+    return float(logits.std())
+
+
+def _exact_joint(model, temperature: float, top_k: int | None) -> torch.Tensor:
+    """P(t_1 .. t_STAT_TOKENS) under full-depth sampling, (V ** n,) flattened in row-major order of
+    the tokens, from teacher-forced full-depth logits of every continuation."""
+    V, n = STAT_VOCAB, STAT_TOKENS
+    joint = torch.ones(1, dtype=torch.float64)
+    for length in range(n):
+        prefixes = torch.tensor(list(itertools.product(range(V), repeat=length)), dtype=torch.long)
+        prefixes = prefixes.reshape(V ** length, length)  # (1, 0) for the empty prefix
+        idx = torch.cat([torch.tensor(STAT_PROMPT).expand(prefixes.shape[0], -1), prefixes], dim=1)
+        # the prompt prefilled and the rest decoded through the cache, as generation runs them (fbt's
+        # soft regime scores a text otherwise by default)
+        logits = teacher_forced_logits(model, idx, prompt_len=len(STAT_PROMPT))[:, -1]  # (V ** length, V)
+        joint = (joint[:, None] * sampling_probs(logits, temperature, top_k).double()).reshape(-1)
+    return joint
+
+
+def _chi_square_p(draws: torch.Tensor, expected: torch.Tensor) -> float:
+    """p-value of the chi-square goodness-of-fit of draws (N, n) token ids to the joint `expected`
+    (cells expected fewer than MIN_EXPECTED times pooled into one)."""
+    N = draws.shape[0]
+    cells = (draws * STAT_VOCAB ** torch.arange(STAT_TOKENS - 1, -1, -1)).sum(dim=1)
+    observed = torch.bincount(cells, minlength=expected.numel()).double()
+    counts = expected * N
+    big = counts >= MIN_EXPECTED
+    observed = torch.cat([observed[big], observed[~big].sum()[None]])
+    counts = torch.cat([counts[big], counts[~big].sum()[None]])
+    statistic = ((observed - counts) ** 2 / counts.clamp(min=1e-12)).sum()
+    freedom = observed.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(freedom / 2, dtype=torch.float64), statistic / 2))
+
+
+def _speculative_draws(model, temperature: float, top_k: int | None, seed: int) -> torch.Tensor:
+    rows = generate(model, [STAT_PROMPT] * STAT_DRAWS, STAT_TOKENS, temperature=temperature, top_k=top_k, seed=seed,
+                    draft_steps=1, draft_tokens=STAT_TOKENS - 2)
+    return torch.tensor(rows)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_sampled_self_speculative_decoding_has_the_full_depths_distribution(kind):
+    """STAT_DRAWS independent rows of the first STAT_TOKENS tokens (the drafted and bonus positions
+    of one round) against the exact full-depth joint: a chi-square test at FALSE_ALARM, plain and
+    with top_k."""
+    model = _stat_model(kind)
+    temperature = _temperature(model)
+    for top_k, seed in ((None, 0), (3, 1)):
+        draws = _speculative_draws(model, temperature, top_k, seed)
+        p = _chi_square_p(draws, _exact_joint(model, temperature, top_k))
+        assert p > FALSE_ALARM, (top_k, p)
+
+
+def _always_accept(logits, drafts, draft_logits, temperature, top_k=None, top_p=None, generator=None):
+    k = drafts.shape[1]
+    accepted = torch.full((logits.shape[0],), k, dtype=torch.long)
+    return accepted, engine.sample_next(logits[:, k], temperature, top_k, top_p, generator)
+
+
+def _correct_from_p(logits, drafts, draft_logits, temperature, top_k=None, top_p=None, generator=None):
+    """The acceptance test, but a rejected draft is replaced by a draw from p, not from the residual."""
+    p = sampling_probs(logits, temperature, top_k, top_p)
+    q = sampling_probs(draft_logits, temperature, top_k, top_p)
+    ratio = p[:, :-1].gather(-1, drafts[..., None]) / q.gather(-1, drafts[..., None])
+    u = torch.rand(ratio.shape[:2], generator=generator)
+    accepted = (u < ratio[..., 0]).long().cumprod(dim=1).sum(dim=1)
+    at = p[torch.arange(p.shape[0]), accepted]
+    return accepted, torch.multinomial(at, 1, generator=generator).squeeze(1)
+
+
+@pytest.mark.parametrize("planted", [_always_accept, _correct_from_p], ids=["always-accept", "correct-from-p"])
+def test_the_distribution_test_catches_a_planted_acceptance_bug(planted, monkeypatch):
+    """The test above has power: on the drafting kind whose draft differs most from its full depth,
+    a sampler that keeps every draft, or that corrects a rejection from p instead of the residual,
+    fails it by far."""
+    def gap(kind: str) -> float:
+        model = _stat_model(kind)
+        idx = torch.tensor([STAT_PROMPT])
+        temperature = _temperature(model)
+        full = sampling_probs(teacher_forced_logits(model, idx, prompt_len=idx.shape[1])[0], temperature)
+        draft = sampling_probs(teacher_forced_logits(model, idx, prompt_len=idx.shape[1], steps=1)[0], temperature)
+        return float((full - draft).abs().sum(dim=-1).mean() / 2)  # mean total variation over the positions
+
+    kind = max(KINDS, key=gap)
+    assert gap(kind) > 0.2
+    model = _stat_model(kind)
+    temperature = _temperature(model)
+    monkeypatch.setattr(engine, "accept_drafts", planted)
+    draws = _speculative_draws(model, temperature, None, 0)
+    assert _chi_square_p(draws, _exact_joint(model, temperature, None)) < PLANTED_P
+
+
+# -- refusals ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_options_that_cannot_be_drafted_are_refused_in_one_line(kind, models):
+    model = models[kind]
+    with pytest.raises(ConfigError, match=r"draft_steps must be below the decoding depth \(\d+ steps\), got 64"):
+        generate(model, PROMPTS[0], 4, draft_steps=64)
+    with pytest.raises(ConfigError, match="no shallower draft"):
+        generate(model, PROMPTS[0], 4, steps=1, draft_tokens=2)
+    with pytest.raises(ConfigError, match="draft_tokens=2 needs the cache"):
+        generate(model, PROMPTS[0], 4, draft_tokens=2, use_cache=False)
+    with pytest.raises(ConfigError, match="draft_tokens must be an integer in"):
+        generate(model, PROMPTS[0], 4, draft_tokens=0)
+    names = {option.name for option in model.OPTIONS}
+    if "cache_mode" in names:
+        with pytest.raises(ConfigError, match="needs cache_mode full"):
+            generate(model, PROMPTS[0], 4, draft_tokens=2, cache_mode="mean")
+    if "exit_threshold" in names:
+        with pytest.raises(ConfigError, match="does not combine with exit_threshold"):
+            generate(model, PROMPTS[0], 4, draft_tokens=2, exit_threshold=0.1)
+
+
+def test_the_cli_refuses_an_impossible_draft_in_one_line(tmp_path, capsys):
+    kind = next(iter(KINDS))
+    run = tmp_path / "run"
+    save_run(_build(kind), ByteTokenizer(), run)
+    capsys.readouterr()
+    code = main(["generate", str(run), "--prompt", "hi", "--max-new-tokens", "2", "--draft-steps", "200"])
+    err = capsys.readouterr().err
+    assert code != 0 and "draft_steps" in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
