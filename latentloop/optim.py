@@ -30,13 +30,15 @@ FUSED_ADAMW_DEVICES = ("cpu", "cuda")
 
 def orthogonalize(G: Tensor, steps: int = 5, dtype: torch.dtype | None = None) -> Tensor:
     """Approximately replace G = U S V^T by U V^T, the products in `dtype` (None: as
-    `newton_schulz_dtype` sets it for a float32 run, bf16 on CUDA and float32 elsewhere)."""
+    `newton_schulz_dtype` sets it for a float32 run, bf16 on CUDA and float32 elsewhere). G: one
+    matrix (m, n), or a stack of matrices of one shape (N, m, n), each orthogonalised on its own
+    (batched products: one kernel per product for the whole stack)."""
     a, b, c = NEWTON_SCHULZ_COEFFS
     X = G.to(dtype or newton_schulz_dtype(G.device, "float32"))
-    transposed = X.size(0) > X.size(1)
+    transposed = X.size(-2) > X.size(-1)
     if transposed:
         X = X.mT
-    X = X / (X.norm() + 1e-7)
+    X = X / (torch.linalg.matrix_norm(X, keepdim=True) + 1e-7)  # the Frobenius norm of each matrix
     for _ in range(steps):
         A = X @ X.mT
         X = a * X + (b * A + c * A @ A) @ X
@@ -60,33 +62,66 @@ def _like(whole: Tensor, param: Tensor) -> Tensor:
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon for 2-D weights. Under DDP every process holds the whole, already all-reduced gradient
-    and takes the same step. Under FSDP2 the parameter, its gradient and the momentum buffer are
-    DTensors sharded by rows: the momentum is kept sharded (updated shard by shard), the Nesterov
+    """Muon for 2-D weights. The matrices of one shape are updated together: their momentum buffers
+    by foreach ops, their Newton-Schulz iterations as one batched iteration over the stack (one
+    kernel per product for all of them, not one per matrix; `compiled`: the iteration compiled,
+    once per shape), and the update applied by foreach ops.
+
+    Under DDP every process holds the whole, already all-reduced gradient and takes the same step.
+    Under FSDP2 the parameter, its gradient and the momentum buffer are DTensors sharded by rows,
+    each matrix on its own: the momentum is kept sharded (updated shard by shard), the Nesterov
     combination is gathered whole on every process (one all-gather per matrix), orthogonalised
     there (the same computation on every process: simple, at the cost of repeating the
     Newton-Schulz products on each), and each process applies its own rows of the update. The
     result equals one process's Muon on the whole matrices (tests/test_distributed.py)."""
 
     def __init__(self, params, lr: float = 0.02, momentum: float = MUON_MOMENTUM, weight_decay: float = 0.0,
-                 ns_steps: int = 5, ns_dtype: torch.dtype | None = None):
+                 ns_steps: int = 5, ns_dtype: torch.dtype | None = None, compiled: str | None = None):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, ns_steps=ns_steps))
         self.ns_dtype = ns_dtype  # the Newton-Schulz products' dtype (`orthogonalize`'s default when None)
+        # the iteration through torch.compile with this backend (train.compile), else eager
+        self._orthogonalize = (orthogonalize if compiled is None else
+                               torch.compile(orthogonalize, backend=compiled, dynamic=False, fullgraph=True))
 
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad))
-                buf.lerp_(p.grad, 1 - group["momentum"])
-                nesterov = _whole(p.grad.lerp(buf, group["momentum"]))
-                update = _like(orthogonalize(nesterov, group["ns_steps"], self.ns_dtype), p)
-                aspect = max(1.0, p.size(0) / p.size(1)) ** 0.5  # keeps the update's RMS comparable across shapes
-                if group["weight_decay"]:
-                    p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.add_(update, alpha=-group["lr"] * aspect)
+            params = [p for p in group["params"] if p.grad is not None]
+            sharded = [p for p in params if hasattr(p, "device_mesh")]
+            stacks: dict[tuple, list[Tensor]] = {}
+            for p in params:
+                if not hasattr(p, "device_mesh"):
+                    stacks.setdefault((tuple(p.shape), p.dtype, p.device), []).append(p)
+            for same in stacks.values():
+                self._step_stack(same, group)
+            for p in sharded:
+                self._step_sharded(p, group)
+
+    def _buffers(self, params: list[Tensor]) -> list[Tensor]:
+        return [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad)) for p in params]
+
+    def _step_stack(self, params: list[Tensor], group: dict) -> None:
+        """Matrices of one shape: one batched Newton-Schulz iteration for all of them."""
+        grads, buffers = [p.grad for p in params], self._buffers(params)
+        torch._foreach_lerp_(buffers, grads, 1 - group["momentum"])
+        nesterov = torch.stack(grads).lerp_(torch.stack(buffers), group["momentum"])  # (N, m, n)
+        update = self._orthogonalize(nesterov, group["ns_steps"], self.ns_dtype)
+        rows, columns = params[0].shape
+        aspect = max(1.0, rows / columns) ** 0.5  # keeps the update's RMS comparable across shapes
+        if group["weight_decay"]:
+            torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
+        torch._foreach_add_(params, list(update.unbind(0)), alpha=-group["lr"] * aspect)
+
+    def _step_sharded(self, p: Tensor, group: dict) -> None:
+        """One FSDP2-sharded matrix: gathered whole for the iteration, its own rows applied."""
+        buf = self._buffers([p])[0]
+        buf.lerp_(p.grad, 1 - group["momentum"])
+        nesterov = _whole(p.grad.lerp(buf, group["momentum"]))
+        update = _like(orthogonalize(nesterov, group["ns_steps"], self.ns_dtype), p)
+        aspect = max(1.0, p.size(0) / p.size(1)) ** 0.5
+        if group["weight_decay"]:
+            p.mul_(1 - group["lr"] * group["weight_decay"])
+        p.add_(update, alpha=-group["lr"] * aspect)
 
 
 def newton_schulz_dtype(device: torch.device, products_dtype: str) -> torch.dtype:
@@ -131,7 +166,8 @@ def build_optimizers(model: nn.Module, config: TrainConfig, products_dtype: str 
         groups = [dict(params=embeddings, weight_decay=0.0), dict(params=vectors, weight_decay=0.0)] + own
         optimizers = [torch.optim.AdamW([g for g in groups if g["params"]], **adam_kwargs),
                       Muon(matrices, lr=config.muon_lr, weight_decay=config.weight_decay,
-                           ns_dtype=newton_schulz_dtype(matrices[0].device, products_dtype) if matrices else None)]
+                           ns_dtype=newton_schulz_dtype(matrices[0].device, products_dtype) if matrices else None,
+                           compiled=config.compile_backend if config.compile else None)]
     else:
         groups = [dict(params=matrices + embeddings, weight_decay=config.weight_decay),
                   dict(params=vectors, weight_decay=0.0)] + own

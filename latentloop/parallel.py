@@ -95,31 +95,39 @@ def compiles_whole_model(model: nn.Module, strategy: str, scope: str = "auto") -
 GRAPHS_PER_BLOCK = 12
 
 
-def _allow_recompiles(blocks: int) -> None:
-    """Raise dynamo's per-function recompile limit (8 by default: past it, a block falls back to
-    eager for good) to what block-by-block compilation needs."""
+def _allow_recompiles(graphs: int) -> None:
+    """Raise dynamo's per-function recompile limit (8 by default: past it, the function falls back
+    to eager for good) to `graphs`, what the chosen compilation needs."""
     import torch._dynamo.config as dynamo
 
     name = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
-    setattr(dynamo, name, max(getattr(dynamo, name), GRAPHS_PER_BLOCK * blocks))
+    setattr(dynamo, name, max(getattr(dynamo, name), graphs))
 
 
 def _bf16_on_gpu(config: TrainConfig, device: torch.device) -> bool:
     return device.type == "cuda" and config.dtype in ("auto", "bfloat16")
 
 
-def wrap_model(model: nn.Module, config: TrainConfig, device: torch.device) -> nn.Module:
-    """Apply activation checkpointing, compilation and the strategy; returns the module the
-    objective calls. `model` stays the plain module (with fsdp2: sharded in place), whose
-    state dict and parameters the optimizer, validation and checkpoints use."""
+def wrap_model(model: nn.Module, config: TrainConfig, device: torch.device, root: nn.Module | None = None,
+               graphs: int = 0) -> nn.Module:
+    """Apply activation checkpointing, compilation and the strategy; returns the module to call.
+    `model` stays the plain module (with fsdp2: sharded in place), whose state dict and parameters
+    the optimizer, validation and checkpoints use.
+
+    `root`: the module the strategy wraps and a whole compile traces, when it is not the model
+    itself: the trainer's model-and-loss (`train.step.ModelAndLoss`), so that the loss is in the
+    model's graph and DDP's buckets see one forward. `graphs`: how many graphs a whole compile may
+    keep (one per kind of forward the objective runs: its pass counts, depths); each is compiled
+    once (`dynamic=False`: a pass count or depth is a constant of its graph, never a symbol)."""
     if config.activation_checkpointing:
         apply_activation_checkpointing(model)
+    root = model if root is None else root
     whole = config.compile and compiles_whole_model(model, config.strategy, config.compile_scope)
     if config.compile and not whole:
-        _allow_recompiles(len(model.blocks))
+        _allow_recompiles(GRAPHS_PER_BLOCK * len(model.blocks))
         for block in model.blocks:
-            block.compile()  # in place: the parameter names stay
-    forward_model = model
+            block.compile(backend=config.compile_backend)  # in place: the parameter names stay
+    forward_model = root
     if config.strategy == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -141,10 +149,11 @@ def wrap_model(model: nn.Module, config: TrainConfig, device: torch.device) -> n
         # DDP must then look for them, or it waits forever for their gradients. Only an arch that
         # states otherwise (`STEP_USES_EVERY_PARAMETER`, the plain gpt) skips the search.
         forward_model = DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True,
+            root, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True,
             find_unused_parameters=not type(model).STEP_USES_EVERY_PARAMETER, **no_buffer_sync)
     if whole:
-        forward_model = torch.compile(forward_model)
+        _allow_recompiles(graphs)
+        forward_model = torch.compile(forward_model, backend=config.compile_backend, dynamic=False)
     return forward_model
 
 
@@ -187,15 +196,16 @@ def grad_norm(model: nn.Module, clip: float) -> Tensor:
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.detach().float()) for p in params]))
 
 
-def mean_across_ranks(value: float, device: torch.device) -> float:
-    """The mean of a float over the processes (each step's loss: every process logs and checks the
-    same number)."""
+def mean_across_ranks(value: Tensor) -> Tensor:
+    """The mean of a 0-d tensor over the processes (each step's loss: every process logs and checks
+    the same number), on the device: nothing is read back."""
     env = current_dist()
     if env.world_size == 1:
         return value
-    t = torch.tensor([value], dtype=torch.float64 if device.type != "cuda" else torch.float32, device=device)
-    dist.all_reduce(t)
-    return float(t) / env.world_size
+    # float64 where the reduction is gloo's on the host (as exact as the single process's sum)
+    total = value.detach().to(torch.float64 if value.device.type != "cuda" else torch.float32).reshape(1)
+    dist.all_reduce(total)
+    return total[0] / env.world_size
 
 
 def any_rank(flag: bool, device: torch.device) -> bool:

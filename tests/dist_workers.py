@@ -66,17 +66,20 @@ def record_draws(objective, model) -> list[dict]:
         return real_mask(idx, bos_id, generator)
 
     fbt_objective.document_prefix_mask = mask
-    real_call = type(objective).__call__
+    real_plan, real_loss = type(objective).plan, type(objective).loss
 
-    def call(self, forward_model, x, y, step):
+    def plan(self, step, x, loss_mask=None):  # the trainer draws each micro-batch's plan, then runs its loss
         stream = torch.Generator().set_state(torch.get_rng_state())
         own = {"batch": x.tolist(), "noise": torch.rand(NOISE_PROBE, generator=stream).tolist()}
         draws.append({"step": step, "own": own})
-        result = real_call(self, forward_model, x, y, step)
+        return real_plan(self, step, x, loss_mask)
+
+    def loss(self, forward_model, x, y, loss_mask=None, **plan):
+        result = real_loss(self, forward_model, x, y, loss_mask, **plan)
         draws[-1].update({k: v for k, v in result.metrics.items() if k in ("passes", "steps")})
         return result
 
-    objective.__class__ = type("Recording", (type(objective),), {"__call__": call})
+    objective.__class__ = type("Recording", (type(objective),), {"plan": plan, "loss": loss})
     if model.config.arch == "lrt":
         real_interleaved = type(model).interleaved
 

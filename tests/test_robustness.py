@@ -171,18 +171,24 @@ def test_a_diverging_run_stops_naming_the_step_and_keeps_its_last_good_checkpoin
                                                                                    where, grad_clip):
     state = setup(_config(corpus, steps=6, grad_clip=grad_clip), tmp_path / "run", progress=False)
     objective_class = type(state.objective)
-    healthy = objective_class.__call__
+    healthy_plan, healthy_loss = objective_class.plan, objective_class.loss
     bad_step = 3  # the 1-based step that goes wrong; steps 1 and 2 are saved
+    drawn = []  # the steps whose plans were drawn: the trainer draws each step's plan, then runs its loss
 
-    def poisoned(self, model, x, y, step):
-        result = healthy(self, model, x, y, step)
-        if step + 1 == bad_step and where == "loss":
+    def plan(self, step, x, loss_mask=None):
+        drawn.append(step)
+        return healthy_plan(self, step, x, loss_mask)
+
+    def poisoned(self, model, x, y, loss_mask=None, **plan):
+        result = healthy_loss(self, model, x, y, loss_mask, **plan)
+        if drawn[-1] + 1 == bad_step and where == "loss":
             result.loss = result.loss * float("nan")
-        elif step + 1 == bad_step:
+        elif drawn[-1] + 1 == bad_step:
             model.lm_head.weight.register_hook(lambda grad: grad * float("inf"))
         return result
 
-    monkeypatch.setattr(objective_class, "__call__", poisoned)
+    monkeypatch.setattr(objective_class, "plan", plan)
+    monkeypatch.setattr(objective_class, "loss", poisoned)
     with pytest.raises(NonFiniteError, match=f"diverged at step {bad_step}: the {where}"):
         fit(state, progress=False)
     names = [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()]
@@ -205,12 +211,17 @@ def test_a_huge_learning_rate_ends_the_cli_run_with_one_line(corpus, tmp_path, c
 
 
 def test_the_deferred_guard_names_the_first_bad_step():
-    guard = FiniteGuard(torch.device("cpu"))
-    guard.deferred, guard.first_bad = True, torch.tensor(-1)  # as on an accelerator: no host read per step
+    guard = FiniteGuard(torch.device("cpu"), deferred=True)  # as on an accelerator: no host read per step
     guard.observe_grad_norm(torch.tensor(1.0), 1)
+    guard.observe_loss(torch.tensor(2.0), 2)
     guard.observe_grad_norm(torch.tensor(float("nan")), 2)  # no exception yet: nothing was read back
-    guard.observe_grad_norm(torch.tensor(float("inf")), 3)
-    with pytest.raises(NonFiniteError, match="at step 2"):
+    guard.observe_loss(torch.tensor(float("inf")), 3)
+    with pytest.raises(NonFiniteError, match="at step 2: the gradient norm"):
+        guard.check()
+    guard = FiniteGuard(torch.device("cpu"), deferred=True)
+    guard.observe_loss(torch.tensor(float("nan")), 4)  # the loss, too, stays on the device until checked
+    guard.observe_grad_norm(torch.tensor(float("nan")), 5)
+    with pytest.raises(NonFiniteError, match="at step 4: the loss"):
         guard.check()
 
 

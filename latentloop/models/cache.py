@@ -226,8 +226,9 @@ class KVBuffer:
     def columns(self) -> int:
         return self.key_pos.shape[1]
 
-    def begin_columns(self, index: Tensor) -> AttentionPlan:
-        """The plan of a pass over the columns `index` (a long tensor, in order)."""
+    def begin_columns(self, index: Tensor, key: tuple | None = None) -> AttentionPlan:
+        """The plan of a pass over the columns `index` (a long tensor, in order); `key` describes
+        them on the host (flex.block_mask's `columns_key`)."""
         device = self.key_pos.device
         query_pos = self.key_pos[:, index].clamp(min=0)  # (B|1, n)
         full = len(index) == self.columns and (not self.padded or bool((self.key_pos >= 0).all()))
@@ -235,7 +236,7 @@ class KVBuffer:
             return AttentionPlan(query_pos, None, True)
         if flex.available(device):  # a subset of the columns: let the kernel skip what no query sees
             return AttentionPlan(query_pos, None, False,
-                                 block_mask=flex.block_mask(query_pos, self.key_pos, index, self.padded))
+                                 block_mask=flex.block_mask(query_pos, self.key_pos, index, self.padded, key))
         mask = attention_mask(query_pos, self.key_pos, index, torch.arange(self.columns, device=device))
         return AttentionPlan(query_pos, mask, False)
 

@@ -60,11 +60,14 @@ def available(device: torch.device) -> bool:
     return True
 
 
-def block_mask(query_pos: Tensor, key_pos: Tensor, index: Tensor, padded: bool = True) -> Any:
+def block_mask(query_pos: Tensor, key_pos: Tensor, index: Tensor, padded: bool = True,
+               columns_key: tuple | None = None) -> Any:
     """The `attention_mask(query_pos, key_pos, index, arange)` of `models.cache` as a BlockMask:
     query q (at column index[q]) sees key column k when 0 <= key_pos[k] <= query_pos[q], and
     always its own column. query_pos (B|1, n), key_pos (B|1, T) with -1 for padding; `padded`
     False: the caller knows no column is padding (training's buffers), so nothing reads key_pos.
+    `columns_key`: the columns described on the host (e.g. ("stride", i, S)), which keys the kept
+    mask without reading `index` back from the device.
 
     Eagerly, a mask of unpadded sequences is built once per (device, T, columns) and kept. Inside a
     compiled graph it is built in the graph every time: the lookup reads tensors on the host (the
@@ -75,7 +78,7 @@ def block_mask(query_pos: Tensor, key_pos: Tensor, index: Tensor, padded: bool =
     key = None
     if not torch.compiler.is_compiling():
         padded = padded and (key_pos.shape[0] > 1 or bool((key_pos < 0).any()))
-        key = None if padded else (str(device), T, tuple(index.tolist()))
+        key = None if padded else (str(device), T, columns_key or tuple(index.tolist()))
     if key is not None and key in _masks:
         return _masks[key]
     batched = key_pos.shape[0] > 1 or query_pos.shape[0] > 1

@@ -24,8 +24,10 @@ from ..objectives import Objective
 from ..optim import lr_multiplier, set_lr
 from ..parallel import any_rank, grad_norm, gradient_sync, mean_across_ranks
 from ..runtime import autocast_for, resolve_dtype
+from .profile import OPTIMIZER_RANGE, open_profiler
 from .resume import save
 from .state import FlopsMemo, TrainState
+from .step import host_values, micro_batch_loss
 from .trackers import open_trackers
 
 
@@ -59,77 +61,103 @@ def _log(state: TrainState, row: dict[str, Any]) -> None:
 
 
 NO_STEP = -1  # the guard's "no non-finite step seen yet"
+LOSS, GRAD_NORM = 0, 1  # what the guard found not finite first (its `first_kind`)
 
 
 class FiniteGuard:
-    """Stops a diverged run: remembers the first step whose gradient norm was NaN or infinite.
+    """Stops a diverged run: remembers the first step whose loss or gradient norm was NaN or
+    infinite.
 
-    On an accelerator the flag stays on the device (reading it every step would stall the queue
-    of kernels) and is read at log intervals and before each save; on the CPU it is read every
-    step, before the optimizer touches the weights. The loss is a host float already and is
-    checked at once everywhere.
-    """
+    On an accelerator the flags stay on the device (reading them every step would stall the queue
+    of kernels) and are read at log intervals and before each save; on the CPU, which has no queue,
+    they are read every step, before the optimizer touches the weights."""
 
-    def __init__(self, device: torch.device):
-        self.deferred = device.type != "cpu"
+    def __init__(self, device: torch.device, deferred: bool | None = None):
+        self.deferred = device.type != "cpu" if deferred is None else deferred  # given: as on another device
         self.first_bad = torch.full((), NO_STEP, dtype=torch.long, device=device) if self.deferred else None
+        self.first_kind = torch.full((), LOSS, dtype=torch.long, device=device) if self.deferred else None
 
     @staticmethod
     def fail(step: int, what: str, value: float | str) -> NonFiniteError:
         return NonFiniteError(f"training diverged at step {step}: the {what} is {value}; stopped without saving "
                               f"it (the last checkpoint is kept); try a lower learning rate")
 
-    def observe_loss(self, loss: float, step: int) -> None:
-        if not math.isfinite(loss):
-            raise self.fail(step, "loss", loss)
+    def _observe(self, value: torch.Tensor | float, step: int, kind: int) -> None:
+        what = "loss" if kind == LOSS else "gradient norm"
+        if not self.deferred:
+            if not math.isfinite(float(value)):
+                raise self.fail(step, what, float(value))
+            return
+        if not isinstance(value, torch.Tensor):
+            value = torch.tensor(float(value), device=self.first_bad.device)
+        newly_bad = ~torch.isfinite(value.detach()) & (self.first_bad == NO_STEP)
+        self.first_bad = torch.where(newly_bad, torch.full_like(self.first_bad, step), self.first_bad)
+        self.first_kind = torch.where(newly_bad, torch.full_like(self.first_kind, kind), self.first_kind)
+
+    def observe_loss(self, loss: torch.Tensor | float, step: int) -> None:
+        self._observe(loss, step, LOSS)
 
     def observe_grad_norm(self, norm: torch.Tensor, step: int) -> None:
-        if not self.deferred:
-            if not math.isfinite(float(norm)):
-                raise self.fail(step, "gradient norm", float(norm))
-            return
-        newly_bad = ~torch.isfinite(norm) & (self.first_bad == NO_STEP)
-        self.first_bad = torch.where(newly_bad, torch.full_like(self.first_bad, step), self.first_bad)
+        self._observe(norm, step, GRAD_NORM)
 
     def check(self) -> None:
         if self.deferred and int(self.first_bad) != NO_STEP:
-            raise self.fail(int(self.first_bad), "gradient norm", "not finite")
+            what = "loss" if int(self.first_kind) == LOSS else "gradient norm"
+            raise self.fail(int(self.first_bad), what, "not finite")
 
 
 @dataclass
 class StepOutcome:
-    loss: float  # the reported loss, averaged over the micro-batches and the processes
-    metrics: dict[str, Any]  # what the objective reports of its last micro-batch (fbt's passes, rgpt's depth)
+    loss_on_device: torch.Tensor  # the reported loss, averaged over the micro-batches and the processes
+    metrics: dict[str, Any]  # what the objective reports of its last micro-batch (device values unread)
+
+    @property
+    def loss(self) -> float:
+        """The reported loss as a host float (a read: waits for the device to finish the step)."""
+        return float(self.loss_on_device)
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch onto the device without waiting for it: from pinned host memory to a GPU the copy is
+    queued behind the kernels (from pageable memory it would wait for them), as nanoGPT does."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device, non_blocking=True)
 
 
 def train_step(model: nn.Module, forward_model: nn.Module, objective: Objective,
                next_batch: Callable[[], tuple[torch.Tensor, ...]], step: int,
                optimizers: list[torch.optim.Optimizer], train: TrainConfig, device: torch.device,
-               guard: FiniteGuard) -> StepOutcome:
-    """One optimizer step, the one `fit` and the benchmarks take: `train.grad_accum` micro-batches
-    (each `next_batch()` -> x, y[, loss mask]) through the objective under the run's autocast, each
-    loss backward scaled by 1 / grad_accum (gradients are reduced across processes on the last one
-    only), the loss averaged over processes and checked, the gradient norm clipped and checked (a
-    non-finite one raises before the optimizer touches the weights, on the CPU), then every
-    optimizer's step. The learning rate is the caller's (`set_lr`). `step` is 0-based: the
-    objective's draws are seeded by it, and `guard` reports a failure as step + 1."""
-    loss_sum, metrics = 0.0, {}
-    for micro in range(train.grad_accum):
-        with gradient_sync(model, forward_model, sync=micro == train.grad_accum - 1):
+               guard: FiniteGuard, accumulate: int | None = None) -> StepOutcome:
+    """One optimizer step, the one `fit` and the benchmarks take: `accumulate` micro-batches
+    (default `train.grad_accum`; each `next_batch()` -> x, y[, loss mask]) through the objective
+    under the run's autocast (`forward_model`: the model, or the trainer's model-and-loss, compiled
+    or wrapped, see `train.step`), each loss backward scaled by 1 / accumulate (gradients are reduced
+    across processes on the last one only), the loss averaged over processes and checked, the
+    gradient norm clipped and checked (a non-finite one raises before the optimizer touches the
+    weights, on the CPU), then every optimizer's step. Nothing is read back from the device (on
+    an accelerator the guard's checks wait for `guard.check()`). The learning rate is the caller's
+    (`set_lr`). `step` is 0-based: the objective's draws are seeded by it, and `guard` reports a
+    failure as step + 1."""
+    accumulate = accumulate or train.grad_accum
+    loss_sum, metrics = None, {}
+    for micro in range(accumulate):
+        with gradient_sync(model, forward_model, sync=micro == accumulate - 1):
             x, y, *rest = next_batch()  # sft batches also carry the loss mask
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            masked = {"loss_mask": rest[0].to(device, non_blocking=True)} if rest else {}
+            x, y = _to_device(x, device), _to_device(y, device)
+            mask = _to_device(rest[0], device) if rest else None
             with autocast_for(device, train.dtype):
-                result = objective(forward_model, x, y, step, **masked)
-            (result.loss / train.grad_accum).backward()
-        loss_sum += result.reported_loss / train.grad_accum
-        metrics = result.metrics
-    loss_sum = mean_across_ranks(loss_sum, device)
+                loss, reported, metrics = micro_batch_loss(forward_model, objective, x, y, mask, step)
+            (loss / accumulate).backward()
+        reported = reported.float() / accumulate
+        loss_sum = reported if loss_sum is None else loss_sum + reported
+    loss_sum = mean_across_ranks(loss_sum)
     guard.observe_loss(loss_sum, step + 1)
-    guard.observe_grad_norm(grad_norm(model, train.grad_clip), step + 1)
-    for opt in optimizers:
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    with torch.profiler.record_function(OPTIMIZER_RANGE):  # the profile's optimizer share (train/profile.py)
+        guard.observe_grad_norm(grad_norm(model, train.grad_clip), step + 1)
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
     return StepOutcome(loss_sum, metrics)
 
 
@@ -174,23 +202,27 @@ def _fit(state: TrainState, progress: bool, max_seconds: float | None) -> dict[s
     def out_of_time() -> bool:  # one decision for every process, else some would wait for the others
         return max_seconds is not None and any_rank(time.perf_counter() >= deadline, state.device)
 
+    profiler = open_profiler(state) if cfg.profile_steps else None
     try:
         while state.step < cfg.steps and not out_of_time():
             step_start = time.perf_counter()
             multiplier = lr_multiplier(state.step, cfg)
             set_lr(state.optimizers, multiplier)
             outcome = train_step(model, forward_model, state.objective, state.loader.next_batch, state.step,
-                                 state.optimizers, cfg, state.device, guard)
-            loss_sum, extra = outcome.loss, outcome.metrics
+                                 state.optimizers, cfg, state.device, guard, state.accumulation)
             state.flops_seen += state.objective.flops_per_token(flops_model, state.step) * tokens_per_step
             state.step += 1
             state.tokens_seen += tokens_per_step
-            state.elapsed += time.perf_counter() - step_start
             window_tokens += tokens_per_step
-            train_loss = loss_sum
             stopping = out_of_time()
-            if state.step % cfg.log_every == 0 or state.step == cfg.steps or stopping:
+            logging = state.step % cfg.log_every == 0 or state.step == cfg.steps or stopping
+            if logging:  # the step's only reads of the device: they wait for its queue of kernels
                 guard.check()
+                train_loss, extra = outcome.loss, host_values(outcome.metrics)
+            state.elapsed += time.perf_counter() - step_start
+            if profiler is not None:
+                profiler.step()
+            if logging:
                 now = time.perf_counter()
                 tok_per_s = window_tokens / max(now - window_start, 1e-9)
                 window_start, window_tokens = now, 0
@@ -211,6 +243,8 @@ def _fit(state: TrainState, progress: bool, max_seconds: float | None) -> dict[s
                 break
     finally:  # also when the run stops (diverged, interrupted): the error starts a line of its own
         bar.close()
+        if profiler is not None:
+            profiler.close()
     final = validate(state)
     _log(state, {"step": state.step, **{f"val_{k}": v for k, v in final.items()}})
     checkpoint = save(state)

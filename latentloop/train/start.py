@@ -22,6 +22,7 @@ from ..runtime import keep_freed_memory, precision_note, prepare_data, resolve_d
 from .resume import resume_run
 from .stages import check_stage
 from .state import SET_ON_SETUP, FlopsMemo, TrainState, note, rank_seed, warn
+from .step import ModelAndLoss, accumulation, compiled_step_graphs
 from .trackers import check_trackers
 
 
@@ -76,6 +77,8 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
     together(_check_output_path, run_dir)
     together(check_trackers, config.train.trackers)  # a missing tracker package, before anything is written
     together(check_stage, config, resume, init_from)
+    # the token batch divides into micro-batches, before any data is prepared
+    together(accumulation, config.train, config.model.sequence_len, env.world_size)
     together(check_run_folder, run_dir, config, resume)
     if resume and list_checkpoints(run_dir):
         together(lambda: check_resumable(resolve_checkpoint(run_dir)))  # before any data is prepared
@@ -111,7 +114,9 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
     objective.flops_per_token(flops)  # every kind of forward the run takes, counted once on the plain model
     if env.rank > 0:  # training noise: each rank its own stream (rank 0 continues the single-process one)
         torch.manual_seed(rank_seed(config.train.seed, env.rank))
-    forward_model = wrap_model(model, config.train, device)
+    # the model and its loss as one module: compiled whole (train.compile), the loss is in the graph
+    forward_model = wrap_model(model, config.train, device, root=ModelAndLoss(model, objective),
+                               graphs=compiled_step_graphs(objective))
     # after fsdp2 sharded the parameters; Muon's iteration in the dtype of the run's products
     optimizers = get_arch(config.model.arch).build_optimizers(model, config.train,
                                                               resolve_dtype(device, config.train.dtype))
@@ -133,7 +138,7 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
     if env.world_size > 1 and env.is_main:
         train = config.train
         note(f"{env.world_size} processes ({train.strategy}, {env.backend}): global batch = {train.batch_size} "
-              f"x {train.grad_accum} accumulation x {env.world_size} processes = {state.global_batch} sequences "
+              f"x {state.accumulation} accumulation x {env.world_size} processes = {state.global_batch} sequences "
               f"({state.global_batch * config.model.sequence_len:,} tokens) per step")
     return state
 

@@ -18,6 +18,7 @@ from ..data import TokenData, TokenLoader
 from ..data.chat import ChatData
 from ..distributed import DistEnv
 from ..objectives import Objective
+from .step import accumulation
 
 if TYPE_CHECKING:  # the loop's guard (the loop imports this module)
     from .loop import FiniteGuard
@@ -52,10 +53,14 @@ class TrainState:
     trackers: list = field(default_factory=list)  # rank 0, while fit runs: TensorBoard / W&B (train.trackers)
 
     @property
+    def accumulation(self) -> int:
+        """Micro-batches per optimizer step (`train.grad_accum`, or what `train.batch_tokens` makes it)."""
+        return accumulation(self.config.train, self.config.model.sequence_len, self.dist.world_size)
+
+    @property
     def global_batch(self) -> int:
         """Sequences per optimizer step, over every process: micro-batch x accumulation x world size."""
-        train = self.config.train
-        return train.batch_size * train.grad_accum * self.dist.world_size
+        return self.config.train.batch_size * self.accumulation * self.dist.world_size
 
 
 class FlopsMemo:

@@ -41,7 +41,9 @@ def document_prefix_mask(idx: Tensor, bos_id: int, generator: torch.Generator) -
     doc_start = torch.zeros(B, T, dtype=torch.long, device=idx.device).scatter_reduce(
         1, doc_id, columns, reduce="amin", include_self=False)  # first column of each document
     doc_len = torch.zeros(B, T, dtype=torch.long, device=idx.device).scatter_add(1, doc_id, torch.ones_like(columns))
-    u = torch.rand(B, T, generator=generator).to(idx.device)  # one draw per (row, document)
+    # one draw per (row, document), on the generator's device: a draw made on the host and copied to
+    # a GPU would wait for the kernels queued before it
+    u = torch.rand(B, T, generator=generator, device=generator.device).to(idx.device)
     prefix = 1 + (u * doc_len.float()).floor().long()  # (B, T) per document
     offset = columns - doc_start.gather(1, doc_id)
     return offset >= prefix.gather(1, doc_id)
@@ -79,25 +81,35 @@ class MultiPassObjective(Objective):
             return 1
         return 1 + int(self._rng(step).choice(len(self.pass_mix), p=self.pass_mix))
 
-    def __call__(self, model: nn.Module, x: Tensor, y: Tensor, step: int, loss_mask: Tensor | None = None
-                 ) -> LossResult:
+    def plan(self, step: int, x: Tensor, loss_mask: Tensor | None = None) -> dict:
+        """The pass count K of step `step`, the forward options it adds (a recurrent depth) and, for
+        K > 1, the positions fused in each pass (`fuse_mask`: drawn here, on the host's generator, and
+        passed to the compiled step as inputs)."""
         K = self.passes_for_step(step)
-        extra = self.forward_options(step)
+        plan = {"passes": K, "options": self.forward_options(step)}
         if K == 1:
-            return LossResult(token_cross_entropy(model(x, **extra).logits, y, mask=loss_mask), {"passes": 1, **extra})
+            return plan
         masks = None
         not_bos = x != self.model_config.bos_id
         if loss_mask is not None:  # SFT: the assistant's tokens are fused, in every pass
             masks = sft_fuse_mask(loss_mask) & not_bos
         elif self.model_config.prefix_mixin:  # one fresh prefix per fused pass (passes 2..K)
-            generator = torch.Generator().manual_seed(int(self._rng(step).integers(2**62)))
+            # on x's device (the same draws on every rank; a CUDA generator's differ from the CPU's)
+            generator = torch.Generator(device=x.device).manual_seed(int(self._rng(step).integers(2**62)))
             masks = [document_prefix_mask(x, self.model_config.bos_id, generator) & not_bos for _ in range(K - 1)]
-        out = model(x, passes=K, fuse_mask=masks, return_passes=True, **extra)
+        return {**plan, "fuse_mask": masks}
+
+    def loss(self, model: nn.Module, x: Tensor, y: Tensor, loss_mask: Tensor | None = None, passes: int = 1,
+             options: dict | None = None, fuse_mask: Tensor | list[Tensor] | None = None) -> LossResult:
+        K, extra = passes, options or {}
+        if K == 1:
+            return LossResult(token_cross_entropy(model(x, **extra).logits, y, mask=loss_mask), {"passes": 1, **extra})
+        out = model(x, passes=K, fuse_mask=fuse_mask, return_passes=True, **extra)
         losses = [token_cross_entropy(logits, y, mask=loss_mask) for logits in out.pass_logits]
         loss = losses[0] + self.model_config.loss_lambda / (K - 1) * sum(losses[1:])
-        return LossResult(loss, {"passes": K, **extra, "objective": float(loss.detach()),
-                                 "loss_last_pass": float(losses[-1].detach())},
-                          next_token_loss=float(losses[0].detach()))  # pass 1 is the plain model
+        return LossResult(loss, {"passes": K, **extra, "objective": loss.detach(),
+                                 "loss_last_pass": losses[-1].detach()},
+                          next_token_loss=losses[0].detach())  # pass 1 is the plain model
 
     def plain_share(self) -> float:
         """The fraction of the run's steps before feedback starts."""

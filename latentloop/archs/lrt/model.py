@@ -289,8 +289,11 @@ class LRT(GPT):
         key_pos = plan.positions if pad_mask is None else plan.positions.masked_fill(~pad_mask, -1)
         return KVBuffer(self.cache_slots(), key_pos, padded=pad_mask is not None)
 
-    def _buffered_pass(self, idx: Tensor, buffer: KVBuffer, columns: Tensor, memory: Tensor) -> tuple[Tensor, Tensor]:
-        ctx = self.context_from_plan(buffer.begin_columns(columns), buffer.writer(columns))
+    def _buffered_pass(self, idx: Tensor, buffer: KVBuffer, columns: Tensor, memory: Tensor,
+                       key: tuple | None = None) -> tuple[Tensor, Tensor]:
+        """Blocks over the columns `columns` (described on the host by `key`, which keys their kept
+        flex mask) with the given memory, through the buffer."""
+        ctx = self.context_from_plan(buffer.begin_columns(columns, key), buffer.writer(columns))
         return self.run_pass(idx[:, columns], ctx, memory)
 
     def interleaved(self, idx: Tensor, subsets: int, pad_mask: Tensor | None = None,
@@ -308,9 +311,10 @@ class LRT(GPT):
         # the merged estimates are locals until the end, never an output's attributes rewritten pass by
         # pass: a compiled graph lost those writes once a flex_attention call had run (models/flex.py)
         for i in range(min(subsets, T)):
-            columns = everything[(i + pad_shift) % subsets::subsets]
+            first = (i + pad_shift) % subsets
+            columns = everything[first::subsets]
             memory = self.memory_for(idx, positions, shift_right(source))[:, columns]
-            h_sub, source_sub = self._buffered_pass(idx, buffer, columns, memory)
+            h_sub, source_sub = self._buffered_pass(idx, buffer, columns, memory, ("stride", first, subsets))
             logits_sub = self.readout(h_sub)
             source = source.index_copy(1, columns, source_sub)
             hidden = hidden.index_copy(1, columns, h_sub)
@@ -333,7 +337,7 @@ class LRT(GPT):
             if start > 0:
                 carried = torch.cat([sources[-1][:, -1:], memory[:, 1:]], dim=1)
                 memory = self.memory_for(idx[:, columns], positions[:, columns], carried)
-            h, source = self._buffered_pass(idx, buffer, columns, memory)
+            h, source = self._buffered_pass(idx, buffer, columns, memory, ("range", start, start + len(columns)))
             hidden.append(h)
             sources.append(source)
         return self._stitch(hidden, sources)

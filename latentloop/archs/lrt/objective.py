@@ -19,8 +19,7 @@ from ...objectives.base import LossResult, Objective, token_cross_entropy
 class LRTObjective(Objective):
     name = "lrt_recurrence"
 
-    def __call__(self, model: nn.Module, x: Tensor, y: Tensor, step: int, loss_mask: Tensor | None = None
-                 ) -> LossResult:
+    def loss(self, model: nn.Module, x: Tensor, y: Tensor, loss_mask: Tensor | None = None, **plan) -> LossResult:
         recurrence = self.model_config.recurrence
         out = model(x, recurrence=recurrence)
         if recurrence == "interleaved":  # each term over its own columns, masked by theirs
@@ -32,7 +31,7 @@ class LRTObjective(Objective):
         else:
             losses = [token_cross_entropy(out.logits, y, mask=loss_mask)]
         loss = sum(losses) / len(losses)
-        return LossResult(loss, {"loss_init": float(losses[0].detach()), "loss_final": float(losses[-1].detach())}
+        return LossResult(loss, {"loss_init": losses[0].detach(), "loss_final": losses[-1].detach()}
                           if len(losses) > 1 else {})
 
     def forward_mix(self, step: int | None = None) -> list[tuple[float, dict]]:

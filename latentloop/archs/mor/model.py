@@ -61,7 +61,7 @@ from torch import Tensor, nn
 
 from ...config import ModelConfig, require
 from ...errors import ConfigError
-from ...models.backbone import GPT, Draft, ForwardContext, ModelOutput, norm
+from ...models.backbone import GPT, PER_ROW_INFO, Draft, ForwardContext, ModelOutput, norm
 from ...models.cache import AttentionPlan, KVCache, attention_mask
 from ...models.flops import count_flops_per_token
 from ...models.options import DecodeOption
@@ -196,6 +196,8 @@ class RecursionKVCache(KVCache):
 
 class MoR(GPT):
     OPTIONS = OPTIONS
+    # train.compile: the whole step, model and loss, one graph (the top-k route has static shapes)
+    COMPILES_WHOLE = True
     context_class = RecursionContext
 
     def __init__(self, config: MoRConfig):
@@ -260,7 +262,11 @@ class MoR(GPT):
         top = torch.where(alive, scores, torch.full_like(scores, -torch.inf)).topk(k, dim=1).indices
         top = top.sort(dim=1).values  # (B, k) in position order
         selected = torch.zeros_like(alive).scatter(1, top, True)
-        aux = F.binary_cross_entropy_with_logits(scores[alive], selected[alive].float())
+        # the mean over the candidates, as a weighted sum: selecting them (`scores[alive]`) has a
+        # data-dependent shape, which breaks a compiled training step's graph
+        candidates = alive.to(scores.dtype)
+        aux = (F.binary_cross_entropy_with_logits(scores, selected.to(scores.dtype), weight=candidates,
+                                                  reduction="sum") / candidates.sum().clamp(min=1))
         where = top[..., None].expand(B, k, D)
         x = h.gather(1, where)  # (B, k, D)
         positions = ctx.plan.positions.expand(B, T).gather(1, top)
@@ -325,6 +331,9 @@ class MoR(GPT):
             cache.advance()
         out.logits, out.hidden = self.readout(top), top
         out.info["steps"] = steps or self.config.recursions
+        if cache is not None and out.taken and not torch.compiler.is_compiling():
+            # decoding: how many recursions each row's newest token took (its routing depth)
+            out.info[PER_ROW_INFO] = {"depth": torch.stack([took[:, -1] for took in out.taken]).sum(0).tolist()}
         return out
 
     def forward(self, idx: Tensor, pad_mask: Tensor | None = None, steps: int | None = None,

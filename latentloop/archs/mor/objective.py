@@ -28,21 +28,14 @@ class RoutedRecursionObjective(Objective):
         """Expert choice trains by its top-k route; token choice computes every recursion (masked)."""
         return {"route": "topk"} if self.model_config.routing == "expert" else {"every_recursion": True}
 
-    def logs_after(self, step: int) -> bool:
-        done = step + 1
-        return done % self.train_config.log_every == 0 or done == self.train_config.steps
-
-    def __call__(self, model: nn.Module, x: Tensor, y: Tensor, step: int, loss_mask: Tensor | None = None
-                 ) -> LossResult:
+    def loss(self, model: nn.Module, x: Tensor, y: Tensor, loss_mask: Tensor | None = None, **plan) -> LossResult:
         out = model(x, **self.forward_options())
         next_token = token_cross_entropy(out.logits, y, mask=loss_mask)
         loss = next_token if out.aux_loss is None else next_token + self.model_config.router_aux_weight * out.aux_loss
-        metrics: dict[str, float] = {}
-        if self.logs_after(step):  # reading these syncs with the device: on log steps only
-            if out.aux_loss is not None:
-                metrics["router_loss"] = float(out.aux_loss.detach())
-            metrics |= {f"active_r{r}": float(share) for r, share in enumerate(out.active_share(), start=1)}
-        return LossResult(loss, metrics, next_token_loss=float(next_token.detach()))
+        # on the device: the trainer reads them on the steps it logs
+        metrics: dict[str, Tensor] = {} if out.aux_loss is None else {"router_loss": out.aux_loss.detach()}
+        metrics |= {f"active_r{r}": share for r, share in enumerate(out.active_share(), start=1)}
+        return LossResult(loss, metrics, next_token_loss=next_token.detach())
 
     def forward_mix(self, step: int | None = None) -> list[tuple[float, dict]]:
         return [(1.0, self.forward_options())]

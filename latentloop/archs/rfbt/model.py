@@ -68,6 +68,8 @@ class RFBT(FBT, RGPT):
     stack, its context and its cache come from RGPT)."""
 
     OPTIONS = OPTIONS
+    # train.compile: the whole step, one graph per (passes, depth) drawn, compiled once each
+    COMPILES_WHOLE = True
 
     def __init__(self, config: RFBTConfig):
         super().__init__(config)  # FBT, then RGPT, then the backbone

@@ -330,6 +330,9 @@ class CoreStepView:
 
 class RGPT(GPT):
     OPTIONS = OPTIONS
+    # train.compile: the whole step, model and loss, one graph per depth drawn (compiled once each);
+    # compile_scope=blocks keeps one graph per block kind whatever the depth (issue 51)
+    COMPILES_WHOLE = True
     context_class = DepthContext
 
     def __init__(self, config: RGPTConfig):
@@ -391,7 +394,7 @@ class RGPT(GPT):
 
         return_steps: also the logits, mean gate and openness after every step (coda + head
         applied to each h^(r)). record_gates: only the mean gate and openness per step (no extra
-        readouts; training asks for them on log steps). no_grad_steps: the first n steps run
+        readouts; training records them every step, on the device). no_grad_steps: the first n steps run
         without gradient (truncated backprop).
         """
         return self._run_depth(idx, None, pad_mask, steps, return_steps, no_grad_steps, record_gates)
@@ -474,7 +477,8 @@ class RGPT(GPT):
         cache.state[EXIT_TOTAL_KEY], cache.state[EXIT_TOKENS_KEY] = totals, tokens
         return RGPTOutput(logits=self.readout(top), hidden=top, steps=r,
                           info={"mean_exit_steps": sum(exits) / len(exits),
-                                PER_ROW_INFO: {"mean_exit_steps": (totals.double() / tokens).tolist()}})
+                                PER_ROW_INFO: {"mean_exit_steps": (totals.double() / tokens).tolist(),
+                                               "exit_steps": exit_step.tolist()}})  # this token's own
 
     # -- decoding protocol --------------------------------------------------------------------
     def new_cache(self, batch_size: int, max_len: int | None = None, steps: int | None = None,

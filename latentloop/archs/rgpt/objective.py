@@ -64,21 +64,19 @@ class RecurrentDepthObjective(Objective):
             return max(steps - k, 0)
         return min(self.model_config.truncate_steps, steps - 1)
 
-    def logs_after(self, step: int) -> bool:
-        """Whether the trainer logs after optimizer step `step` (0-based): its metrics row is the
-        only place the per-step gate readings go, and reading them syncs with the device."""
-        done = step + 1
-        return done % self.train_config.log_every == 0 or done == self.train_config.steps
-
-    def __call__(self, model: nn.Module, x: Tensor, y: Tensor, step: int, loss_mask: Tensor | None = None
-                 ) -> LossResult:
+    def plan(self, step: int, x: Tensor, loss_mask: Tensor | None = None) -> dict:
         steps = self.depth_for_step(step)
-        record = self.logs_after(step)
-        out = model(x, steps=steps, no_grad_steps=self.no_grad_steps(steps), record_gates=record)
-        metrics: dict[str, float] = {"steps": steps}
-        if record:  # effective openness ||h^(r) - h^(r-1)|| / ||o^(r)|| and the mean gate, per step r (a sync)
-            metrics |= {f"openness_r{r}": float(v) for r, v in enumerate(out.openness, start=1)}
-            metrics |= {f"gate_mean_r{r}": float(v) for r, v in enumerate(out.gate_means, start=1)}
+        return {"steps": steps, "no_grad_steps": self.no_grad_steps(steps)}
+
+    def loss(self, model: nn.Module, x: Tensor, y: Tensor, loss_mask: Tensor | None = None, steps: int = 1,
+             no_grad_steps: int = 0) -> LossResult:
+        # every step records each recurrence step's effective openness ||h^(r) - h^(r-1)|| / ||o^(r)||
+        # and mean gate (two reductions, kept on the device): one graph per depth whether the trainer
+        # logs the step or not; it reads them on the steps it logs
+        out = model(x, steps=steps, no_grad_steps=no_grad_steps, record_gates=True)
+        metrics: dict[str, Tensor | int] = {"steps": steps}
+        metrics |= {f"openness_r{r}": v for r, v in enumerate(out.openness, start=1)}
+        metrics |= {f"gate_mean_r{r}": v for r, v in enumerate(out.gate_means, start=1)}
         return LossResult(token_cross_entropy(out.logits, y, mask=loss_mask), metrics)
 
     def depth_mix(self, steps: int) -> list[tuple[float, dict]]:

@@ -1,0 +1,195 @@
+"""A training step with nothing between the kernels, for every registered architecture (issue 51):
+
+- compiled (`train.compile`, the whole step: model and loss in one graph, `train.step.ModelAndLoss`),
+  several training steps with validation between them, twice over: no graph break, one graph per
+  kind of forward the objective runs (fbt's pass count, rgpt's depth) and no recompilation after
+  the first round (dynamo's counters; backend "eager", which traces exactly as inductor's front end
+  does and runs the graphs with eager kernels, in seconds). lrt takes its flex_attention path.
+- eager, no value read back from the device inside a step (every `.item()`, `float(t)`, `bool(t)`
+  is the operator `aten._local_scalar_dense`, counted by a dispatch mode), the trainer's included;
+- each check fails when a `.item()`, a branch on a tensor's value or a per-step Python number is
+  planted in an objective.
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import latentloop as ll
+from latentloop.archs import ARCHS, build_objective, get_arch
+from latentloop.config import TrainConfig
+from latentloop.models import flex
+from latentloop.objectives import NextTokenObjective
+from latentloop.optim import Muon
+from latentloop.parallel import wrap_model
+from latentloop.train import FiniteGuard, train_step
+from latentloop.train.step import ModelAndLoss, compiled_step_graphs
+
+SEQ_LEN, BATCH = 32, 2
+ROUNDS_OF_STEPS = 3  # optimizer steps per round, each followed by a validation forward
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def flex_on_cpu(monkeypatch):
+    """lrt's subset passes through flex_attention on the CPU, with gradients (torch 2.13's wrapper
+    refuses inputs that require grad on the CPU; the operator's dense backward runs anywhere)."""
+    import torch.nn.attention.flex_attention as flex_attention
+
+    monkeypatch.setattr(flex_attention, "_validate_device", lambda *args: None)
+    monkeypatch.setattr(flex, "FORCE", True)
+    monkeypatch.setattr(flex, "_masks", {})
+
+
+def _training(arch: str, compile_: bool, objective_class=None, **train):
+    torch.manual_seed(0)
+    model = ll.build(arch, preset="test", sequence_len=SEQ_LEN).train()
+    config = TrainConfig(steps=100, batch_size=BATCH, device="cpu", dtype="float32", compile=compile_,
+                         compile_backend="eager", warmup_steps=0, **train)
+    objective = (objective_class or type(build_objective(model.config, config)))(model.config, config)
+    forward = wrap_model(model, config, CPU, root=ModelAndLoss(model, objective),
+                         graphs=compiled_step_graphs(objective))
+    optimizers = get_arch(arch).build_optimizers(model, config)
+    generator = torch.Generator().manual_seed(1)
+
+    def batch():
+        data = torch.randint(0, model.config.vocab_size, (BATCH, SEQ_LEN + 1), generator=generator)
+        return data[:, :-1], data[:, 1:]
+
+    return model, forward, objective, optimizers, config, batch
+
+
+def _validate(model, batch) -> None:
+    """Validation as `train.validate` runs it: the plain model, evaluation mode, no gradient."""
+    model.eval()
+    with torch.no_grad():
+        model(batch()[0])
+    model.train()
+
+
+def step_graph_report(arch: str, objective_class=None) -> dict:
+    """Two rounds of the same optimizer steps, compiled, each step followed by validation: the
+    graph breaks, the frames dynamo compiled and the graphs it made in each round, and how many
+    kinds of forward (objective.forward_mix) the steps ran."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model, forward, objective, optimizers, config, batch = _training(arch, True, objective_class)
+    guard = FiniteGuard(CPU)
+    graphs, in_steps = [], 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager flex_attention on the CPU warns that it is unfused
+        for _ in range(2):
+            for step in range(ROUNDS_OF_STEPS):
+                before = counters["stats"]["unique_graphs"]
+                train_step(model, forward, objective, batch, step, optimizers, config, CPU, guard)
+                in_steps += counters["stats"]["unique_graphs"] - before
+                # eager, as train.validate runs it (torch's eager flex_attention compiles a graph of its own)
+                _validate(model, batch)
+            graphs.append(counters["stats"]["unique_graphs"])
+    kinds = {repr(objective.forward_mix(step)) for step in range(ROUNDS_OF_STEPS)}
+    # Muon's Newton-Schulz iteration, compiled too: one graph per shape of matrix it updates
+    shapes = {tuple(p.shape) for opt in optimizers if isinstance(opt, Muon) for g in opt.param_groups
+              for p in g["params"]}
+    return {"breaks": sum(counters["graph_break"].values()), "reasons": list(counters["graph_break"]),
+            "frames": dict(counters["frames"]), "graphs_per_round": graphs, "graphs_in_steps": in_steps,
+            "kinds": len(kinds),
+            "optimizer_graphs": len(shapes)}
+
+
+def _assert_one_graph_per_kind(report: dict) -> None:
+    assert report["breaks"] == 0, report["reasons"]
+    assert report["frames"]["total"] == report["frames"]["ok"], report
+    # the steps: one graph per kind of forward and per shape Muon updates, no graph for anything else
+    assert report["graphs_in_steps"] == report["kinds"] + report["optimizer_graphs"], report
+    first, second = report["graphs_per_round"]
+    assert second == first, report  # the second round, validation's included, compiled nothing
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_a_compiled_step_is_one_graph_per_kind_of_forward_and_never_recompiles(arch, flex_on_cpu):
+    report = step_graph_report(arch)
+    _assert_one_graph_per_kind(report)
+    if arch == "lrt":
+        assert flex.available(CPU)  # its subset passes took the flex path, masks built in the graph
+
+
+class _Reads(TorchDispatchMode):
+    """Counts the operator behind every read of a tensor's value on the host."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def _counting_reads():
+    mode = _Reads()
+    with mode:
+        yield mode
+
+
+def host_reads_per_step(arch: str, objective_class=None) -> int:
+    """Host reads of device values in an eager optimizer step after the first (which builds what it
+    keeps, e.g. lrt's flex masks), the guard deferred as on an accelerator."""
+    model, forward, objective, optimizers, config, batch = _training(arch, False, objective_class)
+    guard = FiniteGuard(CPU, deferred=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train_step(model, forward, objective, batch, 0, optimizers, config, CPU, guard)
+        with _counting_reads() as counted:
+            train_step(model, forward, objective, batch, 1, optimizers, config, CPU, guard)
+    return counted.reads
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_an_eager_step_reads_nothing_back_from_the_device(arch):
+    """lrt on its dense masks here: torch's eager flex_attention compiles a graph of its own, which
+    cannot run under a dispatch mode (the compiled step above has no graph break, so no read, on
+    the flex path)."""
+    assert host_reads_per_step(arch) == 0
+
+
+class _ReadsTheLoss(NextTokenObjective):
+    def loss(self, model, x, y, loss_mask=None, **plan):
+        result = super().loss(model, x, y, loss_mask)
+        result.metrics["loss_now"] = result.loss.item()  # a planted host read
+        return result
+
+
+class _BranchesOnAValue(NextTokenObjective):
+    def loss(self, model, x, y, loss_mask=None, **plan):
+        result = super().loss(model, x, y, loss_mask)
+        if result.loss > 100:  # a planted branch on a tensor's value
+            result.loss = result.loss / 2
+        return result
+
+
+class _NumberPerStep(NextTokenObjective):
+    def plan(self, step, x, loss_mask=None):
+        return {"scale": 1.0 + step}  # a planted Python number that changes every step: a graph each
+
+    def loss(self, model, x, y, loss_mask=None, scale=1.0):
+        result = super().loss(model, x, y, loss_mask)
+        result.loss = result.loss * scale
+        return result
+
+
+@pytest.mark.parametrize("planted", [_ReadsTheLoss, _BranchesOnAValue, _NumberPerStep])
+def test_the_checks_fail_when_a_read_a_value_branch_or_a_per_step_number_is_planted(planted):
+    report = step_graph_report("gpt", planted)
+    with pytest.raises(AssertionError):
+        _assert_one_graph_per_kind(report)
+    if planted is not _NumberPerStep:
+        assert host_reads_per_step("gpt", planted) > 0
