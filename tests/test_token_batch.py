@@ -1,0 +1,148 @@
+"""A token batch, not a micro-batch (issue 51): `train.batch_tokens` sets the accumulation so that a
+step sees that many tokens whatever micro-batch fills the device, and accumulating N micro-batches
+gives the gradients of one batch N times larger; Muon's batched Newton-Schulz iteration equals the
+matrix-by-matrix one; `train --profile` writes a trace and its summary."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import latentloop as ll
+from latentloop.archs import ARCHS, build_objective
+from latentloop.cli import main
+from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config
+from latentloop.errors import ConfigError
+from latentloop.optim import Muon, orthogonalize
+from latentloop.train import FiniteGuard, setup, train_step
+from latentloop.train.step import accumulation
+
+CPU = torch.device("cpu")
+SEQ_LEN = 32
+# fp32: the same sums taken in another order (two micro-batches' means halved and added, against one
+# mean), so the gradients agree to rounding
+ACCUMULATION_RTOL, ACCUMULATION_ATOL = 1e-5, 1e-7
+
+# Every arch with its spec's settings under which a training forward draws nothing from the global
+# RNG (fbt: multi-pass forced, no jitter; rgpt: no noise) and fbt's prefixes off: their uniform draws
+# are per (row, position) of a micro-batch, so two micro-batches of 2 rows draw other prefixes than
+# one of 4 rows.
+QUIET = {name: dict(spec.deterministic) for name, spec in ARCHS.items()}
+for name in ("fbt", "rfbt"):
+    QUIET[name] = {**QUIET[name], "prefix_mixin": False}
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_n_micro_batches_give_the_gradients_of_one_batch_n_times_larger(arch):
+    torch.manual_seed(0)
+    model = ll.build(arch, preset="test", sequence_len=SEQ_LEN, **QUIET[arch]).train()
+    data = torch.randint(0, model.config.vocab_size, (4, SEQ_LEN + 1), generator=torch.Generator().manual_seed(1))
+    x, y = data[:, :-1], data[:, 1:]
+
+    def gradients(micro_batches: int) -> dict[str, torch.Tensor]:
+        rows = len(x) // micro_batches
+        batches = iter([(x[i:i + rows], y[i:i + rows]) for i in range(0, len(x), rows)])
+        train = TrainConfig(batch_size=rows, grad_accum=micro_batches, grad_clip=0.0, device="cpu", dtype="float32")
+        objective = build_objective(model.config, train)
+        model.zero_grad(set_to_none=True)
+        train_step(model, model, objective, lambda: next(batches), 5, [], train, CPU, FiniteGuard(CPU))
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    whole, accumulated = gradients(1), gradients(2)
+    assert whole.keys() == accumulated.keys() and whole
+    for name, grad in whole.items():
+        torch.testing.assert_close(accumulated[name], grad, rtol=ACCUMULATION_RTOL, atol=ACCUMULATION_ATOL, msg=name)
+
+
+def test_batch_tokens_sets_the_accumulation_exactly_or_says_what_would():
+    train = TrainConfig(batch_size=4, batch_tokens=4 * 128 * 6)
+    assert accumulation(train, 128, 1) == 6 and accumulation(train, 128, 2) == 3 and accumulation(train, 128, 3) == 2
+    with pytest.raises(ConfigError, match=r"not a multiple of one micro-batch's tokens over the processes "
+                                          r"\(4 x 128 x 4 = 2,048\); try 4,096"):
+        accumulation(train, 128, 4)
+    with pytest.raises(ConfigError, match="give train.batch_tokens or train.grad_accum, not both"):
+        accumulation(TrainConfig(batch_size=4, grad_accum=2, batch_tokens=4096), 128, 1)
+    assert accumulation(TrainConfig(grad_accum=3), 128, 2) == 3  # unset: grad_accum as given
+    with pytest.raises(ConfigError, match="batch_tokens must be >= 0"):
+        TrainConfig(batch_tokens=-1)
+
+
+def test_a_run_with_batch_tokens_accumulates_to_them(corpus, tmp_path):
+    config = RunConfig(model=model_config("gpt", "test", sequence_len=SEQ_LEN),
+                       train=TrainConfig(steps=2, batch_size=2, batch_tokens=3 * 2 * SEQ_LEN, eval_every=0,
+                                         eval_batches=1, device="cpu"),
+                       data=DataConfig(source=f"text:{corpus}"))
+    state = setup(config, tmp_path / "run", progress=False)
+    assert state.accumulation == 3 and state.global_batch == 6
+    drawn = []
+    real = state.loader.next_batch
+    state.loader.next_batch = lambda: drawn.append(1) or real()
+    from latentloop.train import fit
+
+    summary = fit(state, progress=False)
+    assert len(drawn) == 2 * 3 and summary["tokens"] == 2 * 3 * 2 * SEQ_LEN
+
+
+def test_a_token_batch_that_does_not_divide_is_one_line(corpus, tmp_path, capsys):
+    code = main(["train", "--preset", "test", "--data", f"text:{corpus}", "--out", str(tmp_path / "run"),
+                 "--batch-size", "2", "--set", f"sequence_len={SEQ_LEN}", "--set", "train.batch_tokens=100",
+                 "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "batch_tokens=100 is not a multiple" in err, err
+    assert not (tmp_path / "run").exists()
+
+
+# fp32: one batched product against one product per matrix, the same sums (MKL may block them alike or
+# not), so the updates agree to rounding
+BATCHED_TOL = 1e-6
+
+
+@pytest.mark.parametrize("compiled", [None, "eager"])
+def test_muons_batched_iteration_is_each_matrixs_own(compiled):
+    """Three matrices of one shape and one of another, stepped together, against each stepped by a
+    Muon of its own (a stack of one). Compiled (as under train.compile), the same numbers."""
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(24, 16), (24, 16), (24, 16), (16, 40)]
+    params = [torch.nn.Parameter(torch.randn(s, generator=generator)) for s in shapes]
+    grads = [torch.randn(s, generator=generator) for s in shapes]
+    alone = [p.detach().clone().requires_grad_() for p in params]
+    together = Muon(params, lr=0.05, weight_decay=0.1, ns_dtype=torch.float32, compiled=compiled)
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    together.step()
+    for p, g, p0 in zip(params, grads, alone):
+        one = Muon([p0], lr=0.05, weight_decay=0.1, ns_dtype=torch.float32)
+        p0.grad = g.clone()
+        one.step()
+        torch.testing.assert_close(p.detach(), p0.detach(), rtol=0, atol=BATCHED_TOL)
+    stack = torch.stack(grads[:3])
+    torch.testing.assert_close(orthogonalize(stack, 5, torch.float32)[1], orthogonalize(grads[1], 5, torch.float32),
+                               rtol=0, atol=BATCHED_TOL)
+
+
+def test_train_profile_writes_a_trace_and_where_the_time_went(corpus, tmp_path, capsys):
+    run = tmp_path / "run"
+    code = main(["train", "--preset", "test", "--data", f"text:{corpus}", "--out", str(run), "--steps", "6",
+                 "--batch-size", "2", "--set", f"sequence_len={SEQ_LEN}", "--set", "eval_batches=1",
+                 "--set", "eval_every=0", "--profile", "2", "--no-progress"])
+    assert code == 0, capsys.readouterr().err
+    traces = list((run / "profile").glob("*.pt.trace.json"))
+    assert len(traces) == 1
+    events = json.loads(traces[0].read_text())["traceEvents"]  # Chrome trace format: Perfetto and TensorBoard
+    assert sum(1 for e in events if e.get("name", "").startswith("ProfilerStep#")) == 2  # the steps recorded
+    assert any(e.get("name") == "latentloop.optimizer" for e in events)
+    summary = json.loads((run / "profile" / "summary.json").read_text())
+    shares = summary["share_of_kernel_time"]
+    assert summary["steps"] == 2 and summary["step_ms"] > 0 and 0 <= summary["idle_share_of_window"] < 1
+    assert sum(shares.values()) == pytest.approx(1, abs=1e-3) and shares.get("matmul", 0) > 0
+    assert shares.get("optimizer", 0) > 0  # the kernels inside the optimizer's range
+
+
+def test_profile_steps_is_validated(capsys, tmp_path):
+    with pytest.raises(ConfigError, match="profile_steps must be >= 0"):
+        TrainConfig(profile_steps=-2)
+    with pytest.raises(SystemExit):  # argparse: a positive count
+        main(["train", "--out", str(tmp_path / "x"), "--profile", "0"])
+    assert "--profile" in capsys.readouterr().err
