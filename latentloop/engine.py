@@ -429,12 +429,13 @@ def _speculate(model, cache, last: Tensor, options: dict, draft: Draft, max_new_
     pending = sample_next(last, temperature, top_k, top_p, generator)  # (B,): made, not yet in the cache
     for row, token, logits in zip(rows, pending.tolist(), last):
         row.push(token, logits, stop_tokens, max_new_tokens)
-    finished = [False] * B
+    finished, passes = [False] * B, 0
     for _ in range(max_new_tokens):
         while any(not done and not row.queued for row, done in zip(rows, finished)):
             pending, round_info = _speculative_round(model, cache, pending, rows, options, draft, max_new_tokens,
                                                      temperature, top_k, top_p, generator, stop_tokens)
-            info = {**info, **round_info}
+            passes += 1
+            info = {**info, **round_info, "full_passes": passes}  # full-depth passes after the prefill
         tokens: list[int | None] = []
         ids, logits = [0] * B, [last.new_zeros(last.shape[1:])] * B  # rows that stopped: placeholders
         for b, row in enumerate(rows):

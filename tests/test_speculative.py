@@ -93,7 +93,7 @@ def test_greedy_self_speculative_decoding_equals_the_full_depth(kind, models, mo
     log-probabilities; some drafts were accepted and some rejected, and in the batch rows kept
     prefixes of different lengths in one verification (the ragged rollback ran)."""
     model = models[kind]
-    acceptance, ragged = [], False
+    acceptance, ragged, fewer_passes = [], False, False
     for options in DRAFTS:
         for prompts in ([PROMPTS[0]], list(PROMPTS)):
             spy = _Spy(model, monkeypatch)
@@ -105,8 +105,11 @@ def test_greedy_self_speculative_decoding_equals_the_full_depth(kind, models, mo
             acceptance.append(info["draft_acceptance"])
             assert len(info[PER_ROW_INFO]["draft_acceptance"]) == len(prompts)
             ragged = ragged or any(len(set(kept)) > 1 for kept in spy.kept)
+            assert info["full_passes"] == len(spy.kept)
+            fewer_passes = fewer_passes or info["full_passes"] < NEW_TOKENS - 1  # plain: a pass per token
     assert min(acceptance) < 1 and max(acceptance) > 0, acceptance  # drafts were rejected, and accepted
     assert ragged, "no verification kept prefixes of different lengths in a batch"
+    assert fewer_passes, "drafting never saved a full-depth pass"
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -356,3 +359,42 @@ def test_the_cli_refuses_an_impossible_draft_in_one_line(tmp_path, capsys):
     code = main(["generate", str(run), "--prompt", "hi", "--max-new-tokens", "2", "--draft-steps", "200"])
     err = capsys.readouterr().err
     assert code != 0 and "draft_steps" in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+# -- the benchmark -------------------------------------------------------------------------------------
+def test_the_speculative_benchmark_reports_every_drafting_arch_at_a_tiny_scale(tmp_path, corpus, capsys):
+    """`benchmarks.speculative` on a random run of each drafting arch (the real measurement trains
+    them first: its docstring): equal greedy tokens, an acceptance rate, tokens per full pass and a
+    paired speedup per round for each draft that fits under the depth; one that does not is skipped
+    with its reason; a run of an arch without a draft is one line."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    try:
+        from benchmarks.speculative import main as benchmark
+    finally:
+        sys.path.pop(0)
+    runs = []
+    for arch in dict.fromkeys(arch for arch, _ in KINDS.values()):
+        torch.manual_seed(0)
+        save_run(build(arch, preset="test"), ByteTokenizer(), tmp_path / arch)
+        runs.append(str(tmp_path / arch))
+    out = tmp_path / "speculative.json"
+    assert benchmark([*runs, "--data", f"text:{corpus}", "--prompts", "2", "--prompt-len", "8", "--new-tokens", "6",
+                      "--rounds", "2", "--draft-steps", "1,64", "--draft-tokens", "2", "--no-compiled",
+                      "--threads", "1", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())["runs"]
+    assert [entry["arch"] for entry in results.values()] == list(dict.fromkeys(a for a, _ in KINDS.values()))
+    for entry in results.values():
+        (draft,) = entry["drafts"].values()
+        assert draft["greedy_equal"] and 0 <= draft["acceptance"] <= 1 and draft["tokens_per_full_pass"] >= 1
+        assert len(draft["speedup_vs_eager_all"]) == 2 and "speedup_vs_compiled_all" not in draft
+        assert len(entry["skipped"]) == 1 and "draft_steps must be below the decoding depth" in entry["skipped"][0]
+    assert "speedup over eager full depth" in capsys.readouterr().out
+    gpt = tmp_path / "gpt"
+    save_run(build("gpt", preset="test"), ByteTokenizer(), gpt)
+    assert benchmark([str(gpt), "--data", f"text:{corpus}", "--rounds", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "declares no draft" in err and len(err.strip().splitlines()) == 1
