@@ -193,3 +193,38 @@ def test_the_checks_fail_when_a_read_a_value_branch_or_a_per_step_number_is_plan
         _assert_one_graph_per_kind(report)
     if planted is not _NumberPerStep:
         assert host_reads_per_step("gpt", planted) > 0
+
+
+def _block_graphs(arch: str, layers: int, recompute: bool) -> int:
+    """Graphs dynamo makes for three steps with validation, blocks compiled one by one (fsdp2's way),
+    activation checkpointing on or off."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = ll.build(arch, preset="test", sequence_len=SEQ_LEN, n_layer=layers).train()
+    config = TrainConfig(batch_size=BATCH, device="cpu", dtype="float32", compile=True, compile_backend="eager",
+                         compile_scope="blocks", activation_checkpointing=recompute, optimizer="adamw")
+    objective = build_objective(model.config, config)
+    forward = wrap_model(model, config, CPU, root=ModelAndLoss(model, objective))
+    optimizers = get_arch(arch).build_optimizers(model, config)
+    generator = torch.Generator().manual_seed(1)
+
+    def batch():
+        data = torch.randint(0, model.config.vocab_size, (BATCH, SEQ_LEN + 1), generator=generator)
+        return data[:, :-1], data[:, 1:]
+
+    for step in range(ROUNDS_OF_STEPS):
+        train_step(model, forward, objective, batch, step, optimizers, config, CPU, FiniteGuard(CPU))
+        _validate(model, batch)
+    assert counters["frames"]["total"] == counters["frames"]["ok"]
+    return counters["stats"]["unique_graphs"]
+
+
+def test_blocks_compiled_one_by_one_share_their_graphs_with_activation_checkpointing_on():
+    """Block by block (fsdp2), gpt's blocks share one training and one validation graph whatever the
+    depth, with activation checkpointing as without. A forward replaced by a `functools.partial`
+    (the checkpoint wrapper as it was) left every block uncompiled: 0 graphs."""
+    plain = _block_graphs("gpt", 2, recompute=False)
+    assert plain == 2 == _block_graphs("gpt", 2, recompute=True) == _block_graphs("gpt", 4, recompute=True)
