@@ -24,12 +24,14 @@ from latentloop.data.tokenizers import ByteTokenizer
 from latentloop.engine import generate, model_options, sampling_probs, stream, teacher_forced_logits
 from latentloop.errors import ConfigError
 from latentloop.models.backbone import PER_ROW_INFO
+from latentloop.models.cache import KVCache
 from latentloop.runs import save_run
 
 KINDS = {kind: (arch, fields) for kind, (arch, fields) in contract_kinds().items() if get_arch(arch).draft is not None}
 BOS = 256  # the byte tokenizer's
 PROMPTS = ([BOS, *b"hello"], [BOS, *b"a latent"], [BOS, *b"hi"])  # of different lengths: a ragged batch
 NEW_TOKENS = 16
+LONG_DECODE = 40  # long enough for the holes of ragged rounds to fill a cache (measured: every kind compacts)
 # A one-step draft of the random test models: it agrees with the full depth often enough to accept some
 # drafts and disagrees often enough to reject some (measured: acceptance 0.06-0.7 across the kinds)
 DRAFTS = [{"draft_steps": 1, "draft_tokens": 3}, {"draft_steps": 1, "draft_tokens": 1}, {"draft_tokens": 5}]
@@ -131,6 +133,26 @@ def test_stop_tokens_budgets_and_beyond_the_trained_depth(kind, models):
         deeper = trained + 2
         assert generate(model, rows, NEW_TOKENS, temperature=0.0, steps=deeper, draft_steps=2) == \
             generate(model, rows, NEW_TOKENS, temperature=0.0, steps=deeper, compile=False)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_long_ragged_decode_compacts_its_cache_and_stays_exact(kind, models, monkeypatch):
+    """Rows that keep prefixes of different lengths leave holes that grow the cache faster than the
+    rows grow; before the cache overflows the engine packs them away (`compact`), mid-decode, and the
+    tokens stay the full depth's."""
+    model = models[kind]
+    compactions = []
+    compact = KVCache.compact
+
+    def counting(cache):
+        compactions.append(cache.length)
+        return compact(cache)
+
+    monkeypatch.setattr(KVCache, "compact", counting)
+    plain = generate(model, list(PROMPTS), LONG_DECODE, temperature=0.0, compile=False)
+    for steps in (1, 2):
+        assert generate(model, list(PROMPTS), LONG_DECODE, temperature=0.0, draft_steps=steps, draft_tokens=6) == plain
+    assert compactions, "no decode needed its holes packed"
 
 
 def _capture_caches(model, monkeypatch) -> list:
