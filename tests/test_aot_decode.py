@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -491,3 +492,19 @@ def test_a_new_window_of_the_same_cache_swaps_only_the_windows_handle(monkeypatc
     logits, _, _ = step(None, greedy, cache, {})
     assert len(binds) == 2
     torch.testing.assert_close(logits, _fake_outputs(greedy, cache.keys, cache.window)[0], rtol=0, atol=0)
+
+
+def test_a_packages_metadata_is_read_from_its_archive_beside_its_library(tmp_path):
+    """The metadata (the step's `info`, the device) is the JSON inductor writes beside the model library
+    in the package's archive, read without torch's private loader; a package without it is refused."""
+    path = tmp_path / "package.pt2"
+    library = "tmpx/data/aotinductor/model/abc.wrapper.so"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr(library, b"")
+        archive.writestr("tmpx/data/aotinductor/model/abc.wrapper_metadata.json",
+                         json.dumps({aot.INFO_KEY: '{"passes": 2}', "AOTI_DEVICE_KEY": "cpu"}))
+        archive.writestr("tmpx/data/aotinductor/model/k.kernel_metadata.json", json.dumps({"other": "x"}))
+    with zipfile.ZipFile(path) as archive:
+        assert aot._package_metadata(archive, library) == {aot.INFO_KEY: '{"passes": 2}', "AOTI_DEVICE_KEY": "cpu"}
+        with pytest.raises(aot.AotUnavailable, match="metadata"):
+            aot._package_metadata(archive, "tmpx/data/aotinductor/model/missing.wrapper.so")

@@ -354,8 +354,9 @@ _KNOWN_SUFFIXES = (_LIBRARY_SUFFIX, ".wrapper.cpp", ".kernel.cpp", "_metadata.js
 
 def _package_metadata(archive: zipfile.ZipFile, library: str) -> dict[str, str]:
     """The metadata AOTInductor keeps in a package (`aot_inductor.metadata` and the device it was built
-    for): the JSON file written beside the model library, `<library's stem>_metadata.json`."""
-    name = library[: -len(_LIBRARY_SUFFIX)] + "_metadata.json"
+    for): the JSON file inductor writes beside the model library, `X.wrapper_metadata.json` for
+    `X.wrapper.so` (torch 2.13's `codecache`: the wrapper's path with `_metadata.json` for its suffix)."""
+    name = library.removesuffix(".so") + "_metadata.json"
     try:
         metadata = json.loads(archive.read(name))
     except (KeyError, ValueError) as error:
