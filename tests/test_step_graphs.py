@@ -31,7 +31,7 @@ from latentloop.train import FiniteGuard, train_step
 from latentloop.train.step import ModelAndLoss, compiled_step_graphs
 
 SEQ_LEN, BATCH = 32, 2
-ROUNDS_OF_STEPS = 3  # optimizer steps per round, each followed by a validation forward
+ROUNDS_OF_STEPS = 2  # optimizer steps per round, each followed by a validation forward
 CPU = torch.device("cpu")
 
 
@@ -49,8 +49,8 @@ def flex_on_cpu(monkeypatch):
 def _training(arch: str, compile_: bool, objective_class=None, **train):
     torch.manual_seed(0)
     model = ll.build(arch, preset="test", sequence_len=SEQ_LEN).train()
-    config = TrainConfig(steps=100, batch_size=BATCH, device="cpu", dtype="float32", compile=compile_,
-                         compile_backend="eager", warmup_steps=0, **train)
+    config = TrainConfig(**{"steps": 100, "batch_size": BATCH, "device": "cpu", "dtype": "float32", "compile": compile_,
+                            "compile_backend": "eager", "warmup_steps": 0, **train})
     objective = (objective_class or type(build_objective(model.config, config)))(model.config, config)
     forward = wrap_model(model, config, CPU, root=ModelAndLoss(model, objective),
                          graphs=compiled_step_graphs(objective))
@@ -72,7 +72,27 @@ def _validate(model, batch) -> None:
     model.train()
 
 
-def step_graph_report(arch: str, objective_class=None) -> dict:
+RECORDING = "latentloop_test_recording"  # dynamo's eager backend, keeping each graph it is handed
+_recorded: list = []
+
+
+@pytest.fixture
+def recording_backend(monkeypatch):
+    """`train.compile_backend` set to a backend that records the graphs (dynamo's "eager" otherwise)."""
+    import latentloop.config
+
+    if RECORDING not in torch._dynamo.list_backends():
+        @torch._dynamo.register_backend(name=RECORDING)
+        def _record(gm, example_inputs):
+            _recorded.append(gm)
+            return gm.forward
+
+    monkeypatch.setattr(latentloop.config, "COMPILE_BACKENDS", (*latentloop.config.COMPILE_BACKENDS, RECORDING))
+    _recorded.clear()
+    return _recorded
+
+
+def step_graph_report(arch: str, objective_class=None, backend: str = "eager", **train) -> dict:
     """Two rounds of the same optimizer steps, compiled, each step followed by validation: the
     graph breaks, the frames dynamo compiled and the graphs it made in each round, and how many
     kinds of forward (objective.forward_mix) the steps ran."""
@@ -80,7 +100,8 @@ def step_graph_report(arch: str, objective_class=None) -> dict:
 
     torch._dynamo.reset()
     counters.clear()
-    model, forward, objective, optimizers, config, batch = _training(arch, True, objective_class)
+    model, forward, objective, optimizers, config, batch = _training(arch, True, objective_class,
+                                                                     compile_backend=backend, **train)
     guard = FiniteGuard(CPU)
     graphs, in_steps = [], 0
     with warnings.catch_warnings():
@@ -113,11 +134,18 @@ def _assert_one_graph_per_kind(report: dict) -> None:
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_a_compiled_step_is_one_graph_per_kind_of_forward_and_never_recompiles(arch, flex_on_cpu):
-    report = step_graph_report(arch)
+def test_a_compiled_step_is_one_graph_per_kind_of_forward_and_never_recompiles(arch, flex_on_cpu, recording_backend):
+    """...and its attention is SDPA with `is_causal` and no mask (what lets a GPU take the flash /
+    cuDNN kernels; a dense boolean mask falls back to the math or memory-efficient ones), lrt's
+    subset passes flex_attention with the block mask built in the same graph."""
+    report = step_graph_report(arch, backend=RECORDING)
     _assert_one_graph_per_kind(report)
-    if arch == "lrt":
-        assert flex.available(CPU)  # its subset passes took the flex path, masks built in the graph
+    calls = [node for gm in recording_backend for node in gm.graph.nodes if node.op == "call_function"]
+    sdpa = [node for node in calls if "scaled_dot_product_attention" in str(node.target)]
+    assert sdpa
+    for node in sdpa:
+        assert node.kwargs.get("attn_mask") is None and node.kwargs.get("is_causal") is True, node.format_node()
+    assert any("flex_attention" in str(node.target) for node in calls) == (arch == "lrt")
 
 
 class _Reads(TorchDispatchMode):
@@ -188,7 +216,7 @@ class _NumberPerStep(NextTokenObjective):
 
 @pytest.mark.parametrize("planted", [_ReadsTheLoss, _BranchesOnAValue, _NumberPerStep])
 def test_the_checks_fail_when_a_read_a_value_branch_or_a_per_step_number_is_planted(planted):
-    report = step_graph_report("gpt", planted)
+    report = step_graph_report("gpt", planted, optimizer="adamw")
     with pytest.raises(AssertionError):
         _assert_one_graph_per_kind(report)
     if planted is not _NumberPerStep:
@@ -228,3 +256,4 @@ def test_blocks_compiled_one_by_one_share_their_graphs_with_activation_checkpoin
     (the checkpoint wrapper as it was) left every block uncompiled: 0 graphs."""
     plain = _block_graphs("gpt", 2, recompute=False)
     assert plain == 2 == _block_graphs("gpt", 2, recompute=True) == _block_graphs("gpt", 4, recompute=True)
+
