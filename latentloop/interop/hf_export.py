@@ -20,8 +20,10 @@ Two paths:
   `generate()` decodes with the architecture's latent state (see that module's docstring). A new
   architecture exports with no code here.
 
-Either way the folder holds config.json, model.safetensors, generation_config.json and the
-tokenizer (`tokenizer.json` + `tokenizer_config.json`, loadable by `AutoTokenizer`).
+Either way the folder holds config.json, model.safetensors, generation_config.json, the
+tokenizer (`tokenizer.json` + `tokenizer_config.json`, loadable by `AutoTokenizer`) and a model
+card, README.md (`model_card`): the architecture and its options, the training data and tokens, the
+final metrics of the run's log and how to load the folder.
 """
 
 from __future__ import annotations
@@ -247,5 +249,100 @@ def export_hf(run: str | Path, out: str | Path, plain: bool | None = None, show_
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(_special_ids(tokenizer), indent=2) + "\n")
     write_hf_tokenizer(tokenizer, out, model_max_length=config.sequence_len)
+    params = sum(t.numel() for t in state.values())
+    (out / "README.md").write_text(model_card(checkpoint, read_run_config(checkpoint), params, as_plain, kind))
     return {"run": str(run), "checkpoint": str(checkpoint), "out": str(out), "format": kind,
-            "plain_blockers": blockers}
+            "plain_blockers": blockers, "model_card": str(out / "README.md")}
+
+
+# --------------------------------------------------------------------------------------------
+# The model card
+# --------------------------------------------------------------------------------------------
+
+
+def _run_facts(checkpoint: Path) -> tuple[dict, list[dict]]:
+    """The checkpoint's state.json (step, tokens, FLOPs) and its run's metrics log (the rows up to
+    the checkpoint's step), each empty where the checkpoint has none (an imported model)."""
+    try:
+        state = json.loads((checkpoint / "state.json").read_text())
+    except (OSError, ValueError):
+        state = {}
+    log = checkpoint.parent.parent / "metrics.jsonl"
+    rows = []
+    if log.is_file():
+        for line in log.read_text(errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue  # a line cut short by a crash: the card reports the rows that are whole
+            if isinstance(row, dict) and row.get("step", 0) <= state.get("step", float("inf")):
+                rows.append(row)
+    return state, rows
+
+
+def _number(value) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    return f"{value:,}" if isinstance(value, int) else f"{value:.4g}"
+
+
+def model_card(checkpoint: Path, run_config, params: int, plain: bool, kind: str) -> str:
+    """README.md of an exported folder: the Hub's metadata block, then the architecture and its
+    options (the arch's own config fields and decoding options, from the registry), the training
+    data and tokens, the final metrics of the run's log and how to load the folder."""
+    config, train, data = run_config.model, run_config.train, run_config.data
+    spec = get_arch(config.arch)
+    state, rows = _run_facts(checkpoint)
+    base_fields = {f for f in ModelConfig.__dataclass_fields__}
+    own = {name: getattr(config, name) for name in type(config).__dataclass_fields__ if name not in base_fields}
+    shape = {name: getattr(config, name) for name in ("n_layer", "n_embd", "n_head", "n_kv_head", "sequence_len",
+                                                      "vocab_size", "mlp", "tie_embeddings")}
+    final_val = next((row for row in reversed(rows) if "val_loss" in row), None)
+    final_train = next((row for row in reversed(rows) if "loss" in row), None)
+    remote = "" if plain else ", trust_remote_code=True"
+    lines = ["---", "library_name: transformers", "pipeline_tag: text-generation",
+             f"tags: [latentloop, {config.arch}]", "---", "",
+             f"# {checkpoint.parent.parent.name if checkpoint.parent.name == 'checkpoints' else checkpoint.name}", "",
+             f"A latentloop **{config.arch}** model: {spec.summary.rstrip('.')}. Exported by `latentloop export --format hf` "
+             f"from `{checkpoint}` as {kind}.", "",
+             "## Architecture", "",
+             f"- parameters: {params:,}",
+             *(f"- {name}: {_number(value)}" for name, value in shape.items())]
+    if own:
+        lines += ["", f"{config.arch}'s own options (its config fields):", "",
+                  *(f"- {name}: {_number(value)}" for name, value in own.items())]
+    if spec.options:
+        lines += ["", "Decoding options (latentloop's `generate` / `serve` flags; `config.json`'s `decoding` holds the "
+                      "defaults the remote code uses):", "",
+                  *(f"- `{option.name}` (default {option.default!r}): {option.help}" for option in spec.options)]
+    lines += ["", "## Training", "",
+              f"- data: `{data.source}`, tokenizer `{data.tokenizer}` (vocabulary {config.vocab_size:,})",
+              f"- stage: {train.stage}" + (f", started from `{state['init_from']}`" if state.get("init_from") else ""),
+              f"- steps: {state.get('step', 'unknown')}, tokens: "
+              + (f"{state['tokens_seen']:,}" if "tokens_seen" in state else "unknown")
+              + (f", training FLOPs: {state['flops_seen']:.4g}" if state.get("flops_seen") else ""),
+              f"- optimizer {train.optimizer}, learning rate {train.lr:g}, batch {train.batch_size} x "
+              f"{train.grad_accum} accumulation x {state.get('world_size', 1)} processes of {config.sequence_len} "
+              f"tokens, precision {train.dtype}",
+              "", "## Final metrics", ""]
+    if final_val or final_train:
+        if final_train:
+            lines.append(f"- training loss at step {final_train['step']}: {_number(final_train['loss'])}")
+        if final_val:
+            lines += [f"- validation {name.removeprefix('val_')} at step {final_val['step']}: {_number(value)}"
+                      for name, value in final_val.items() if name.startswith("val_") and value is not None]
+    else:
+        lines.append("- none: the run has no metrics log beside this checkpoint (an imported model?)")
+    lines += ["", "## How to load it", "", "```python",
+              "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+              f'model = AutoModelForCausalLM.from_pretrained("PATH/TO/THIS/FOLDER"{remote})',
+              'tokenizer = AutoTokenizer.from_pretrained("PATH/TO/THIS/FOLDER")',
+              'ids = tokenizer("def main():", return_tensors="pt").input_ids',
+              "print(tokenizer.decode(model.generate(ids, max_new_tokens=32)[0]))", "```", ""]
+    if not plain:
+        lines += ["The folder carries latentloop's modeling code (`modeling_latentloop.py` and the files beside it), "
+                  "so it needs transformers, torch and pyyaml, not latentloop; `generate()` decodes with the "
+                  "architecture's latent state.", ""]
+    lines += ["The run itself, with latentloop: `latentloop generate RUN --prompt ...`, `latentloop serve RUN` "
+              "(an OpenAI-compatible server with a chat page), or `latentloop.load(RUN)` in Python.", ""]
+    return "\n".join(lines)

@@ -1,0 +1,46 @@
+"""`latentloop export --format hf` writes a model card (README.md): the architecture and its own
+options (from the registry), the training data and tokens (the checkpoint's state.json), the final
+metrics (the run's metrics.jsonl) and how to load the folder (trust_remote_code where it ships code)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from latentloop.archs import ARCHS
+from latentloop.cli import main
+from latentloop.config import ModelConfig
+
+CARD_ARCHS = [name for name in ARCHS if name != "gpt"][:1] + ["gpt"]  # a variant (remote code) and the baseline
+
+
+@pytest.mark.parametrize("arch", CARD_ARCHS)
+def test_export_writes_a_model_card_of_the_run(arch, tiny_run, tmp_path, capsys):
+    run = tiny_run(arch)
+    capsys.readouterr()  # what training the shared run printed
+    out = tmp_path / "hf"
+    assert main(["export", str(run), "--out", str(out), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    card = (out / "README.md").read_text()
+    assert summary["model_card"] == str(out / "README.md")
+    assert card.startswith("---\nlibrary_name: transformers\n") and f"tags: [latentloop, {arch}]" in card
+
+    config = json.loads((run / "config.json").read_text())
+    checkpoint = sorted((run / "checkpoints").iterdir())[-1]
+    state = json.loads((checkpoint / "state.json").read_text())
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    final = [row for row in rows if "val_loss" in row][-1]
+
+    assert f"**{arch}** model: {ARCHS[arch].summary.rstrip('.')}" in card
+    for name in config["model"]:  # the arch's own fields
+        if name not in ModelConfig.__dataclass_fields__ and name != "arch":
+            assert f"- {name}: " in card, name
+    for option in ARCHS[arch].options:
+        assert f"`{option.name}` (default {option.default!r})" in card
+    assert f"- data: `{config['data']['source']}`" in card
+    assert f"steps: {state['step']}, tokens: {state['tokens_seen']:,}" in card
+    assert f"validation loss at step {final['step']}: {final['val_loss']:.4g}" in card
+    assert f"validation bpb at step {final['step']}: {final['val_bpb']:.4g}" in card
+    remote = "trust_remote_code" in summary["format"]
+    assert ('from_pretrained("PATH/TO/THIS/FOLDER", trust_remote_code=True)' in card) == remote
