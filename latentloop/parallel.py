@@ -19,12 +19,11 @@ Per block, before the strategy wraps the model:
   passes write one key/value buffer that later passes read and extend, so recomputing attention in
   the backward would read the buffer as it is then, not as it was: there only the MLPs are
   recomputed.
-- `torch.compile` (`train.compile`): `gpt` compiles its whole forward (wrapped in DDP when asked;
-  under fsdp2 block by block, as torchtitan does). The recurrent variants compile each block and
-  keep their loops in Python: fbt's passes, lrt's stride subsets and rgpt's recurrence steps run
-  as eager loops around compiled blocks, since the loop counts change from step to step (each K or
-  r would be a graph of its own) and lrt's buffer and rgpt's cache views are Python objects that
-  the passes mutate.
+- `torch.compile` (`train.compile`): every arch compiles its whole step as one graph, the model
+  with its objective's loss (the trainer's `train.step.ModelAndLoss`, passed as `root`; wrapped in
+  DDP when asked), once per kind of forward the objective draws (fbt's K, rgpt's depth: constants
+  of their graphs, `dynamic=False`); under fsdp2 block by block, as torchtitan does, each block's
+  graph shared by the blocks that read nothing of their own (gpt's; lrt's read their buffer slot).
 
 Checkpoints of an fsdp2 run (`save_sharded` / `load_sharded`) go through
 `torch.distributed.checkpoint`: every process writes its own shards of the model and optimizer
@@ -116,7 +115,7 @@ def _bf16_on_gpu(config: TrainConfig, device: torch.device) -> bool:
 
 
 def wrap_model(model: nn.Module, config: TrainConfig, device: torch.device, root: nn.Module | None = None,
-               graphs: int = 0) -> nn.Module:
+               graphs: int = 16) -> nn.Module:
     """Apply activation checkpointing, compilation and the strategy; returns the module to call.
     `model` stays the plain module (with fsdp2: sharded in place), whose state dict and parameters
     the optimizer, validation and checkpoints use.
