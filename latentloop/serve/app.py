@@ -3,7 +3,8 @@ class (`serving.py`), the API key, error bodies and status codes, and a uvicorn 
 answers every request with 503 before it stops. What a response says is built in `responses.py`;
 which rows decode together is the scheduler's; the bytes and events in between are `transport.py`'s.
 
-Endpoints: GET /health (no key needed), GET /v1/models, POST /v1/completions, POST
+Endpoints: GET / (the chat page: static/, no key needed; GET /page/config, its model's options),
+GET /health (no key needed), GET /v1/models, POST /v1/completions, POST
 /v1/chat/completions (models with a chat format: the conversation rendered as SFT trained it), GET
 /v1/stats, and vLLM's tokenizer endpoints GET /tokenizer_info, POST /tokenize, POST /detokenize
 (lm-eval's `local-completions` model uses them as its tokenizer with `tokenizer_backend=remote`).
@@ -38,7 +39,7 @@ from ..errors import LatentloopError
 from ..util import first_line
 from .protocol import APIError
 from .requests import DetokenizeBody, TokenizeBody, chat_body, completion_body
-from .serving import ServerState, ServingChat, ServingCompletions, ServingModels, ServingTokenization
+from .serving import ServerState, ServingChat, ServingCompletions, ServingModels, ServingPage, ServingTokenization
 from .settings import ServeSettings, check_settings
 from .transport import Traffic, TrafficGate
 
@@ -48,7 +49,8 @@ from .transport import Traffic, TrafficGate
 # loaded machine) and says so more precisely; this must stay above the sum of those limits.
 CHAT_PROBE_TIMEOUT_S = 120.0
 SHUTDOWN_GRACE_S = 5.0  # after the drain, uvicorn waits this long for open connections, then cancels them
-ENDPOINTS = "GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /v1/stats, GET /health"
+ENDPOINTS = ("GET / (the chat page), GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /v1/stats, "
+             "GET /health")
 
 
 # --------------------------------------------------------------------------------------------
@@ -95,6 +97,26 @@ routes = APIRouter(dependencies=[Depends(_authorized)])
 @open_routes.get("/health")
 async def health(request: Request) -> dict:
     return request.app.state.models.health()
+
+
+@open_routes.get("/")
+async def chat_page(request: Request) -> Response:
+    return request.app.state.page.file("index.html")
+
+
+@open_routes.get("/page/chat.js")
+async def chat_page_script(request: Request) -> Response:
+    return request.app.state.page.file("chat.js")
+
+
+@open_routes.get("/page/chat.css")
+async def chat_page_style(request: Request) -> Response:
+    return request.app.state.page.file("chat.css")
+
+
+@routes.get("/page/config")
+async def chat_page_config(request: Request) -> dict:
+    return request.app.state.page.config()
 
 
 @routes.get("/v1/models")
@@ -171,6 +193,7 @@ def create_app(model, tokenizer, name: str, settings: ServeSettings) -> FastAPI:
     app.state.serving, app.state.scheduler = state, state.scheduler
     app.state.completions, app.state.chat = ServingCompletions(state), ServingChat(state)
     app.state.tokenization, app.state.models = ServingTokenization(state), ServingModels(state)
+    app.state.page = ServingPage(state)
     app.state.traffic = Traffic()
     app.add_middleware(TrafficGate, traffic=app.state.traffic, scheduler=state.scheduler)
     app.add_exception_handler(APIError, _api_error)

@@ -8,6 +8,11 @@ into an error event; otherwise it collects the deltas and builds the whole `text
 `chat.completion` object. Either way the last event of a choice carries the response's `latentloop`
 field: the architecture, the options resolved, the most rows decoded together with the request and
 what the regime did for each choice (fbt's prefill passes, rgpt's mean exit depth).
+
+Streamed, every chunk whose tokens the model reported on also carries `latentloop.tokens`: per
+token, the piece of the chunk's text it gave and the numbers the model reported for it
+(`scheduler.token_facts`: fbt's passes, rgpt's exit depth, mor's depth), which the chat page shades
+its reply by. An extension field: OpenAI's clients ignore fields they do not know.
 """
 
 from __future__ import annotations
@@ -74,8 +79,12 @@ class ResponseBuilder:
             choice = {"text": event.text, "index": event.choice, "logprobs": self.logprobs(event.tokens),
                       "finish_reason": event.finish_reason}
         chunk = {**self.head, "object": self.chunk_object, "choices": [choice]}
+        tokens = [{"text": t.text, "info": t.info} for t in event.tokens if t.info]
+        if tokens:  # what the model did for each token of this chunk (OpenAI's clients ignore the field)
+            chunk["latentloop"] = {"choice": event.choice, "tokens": tokens}
         if event.finish_reason is not None:
-            chunk["latentloop"] = self.extra(batch_rows, {event.choice: event.info or {}})
+            final = self.extra(batch_rows, {event.choice: event.info or {}})
+            chunk["latentloop"] = {**chunk.get("latentloop", {}), **final}
         return sse(chunk)
 
     def usage_chunk(self, done: Done) -> str | None:

@@ -72,6 +72,13 @@ IDLE_POLL_S = 0.1  # how often an idle scheduler looks for shutdown
 # --------------------------------------------------------------------------------------------
 
 
+def token_facts(info: dict) -> dict:
+    """What the model reported for one row's token that a client can shade it by: the numbers of its
+    row's info (fbt's passes, rgpt's exit depth, mor's depth), not flags or names."""
+    return {name: value for name, value in info.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value}
+
+
 @dataclass
 class Delta:
     """New text of one choice; `finish_reason` set on its last delta."""
@@ -295,7 +302,8 @@ class Scheduler:
         row.info = info
         row.generated += 1
         self.stats.tokens += 1
-        stopped = row.text.add(token, logprob, top[:row.job.request.logprobs] if row.job.request.logprobs else None)
+        stopped = row.text.add(token, logprob, top[:row.job.request.logprobs] if row.job.request.logprobs else None,
+                               token_facts(info))
         if stopped:
             self._finish_row(row, "stop")
         elif row.generated >= row.job.request.max_tokens:

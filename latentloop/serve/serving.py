@@ -2,7 +2,8 @@
 from its serving classes): `ServingCompletions` (/v1/completions) and `ServingChat`
 (/v1/chat/completions) turn a validated body into a scheduled job and its answer, plain or
 streamed; `ServingTokenization` answers /tokenize, /detokenize and /tokenizer_info;
-`ServingModels` answers /v1/models, /health and /v1/stats. The routes (`app.py`) only parse and
+`ServingModels` answers /v1/models, /health and /v1/stats; `ServingPage` serves the chat page
+and the options it builds its controls from. The routes (`app.py`) only parse and
 delegate: `ServerState.parse` reads a body within its limits and validates it (`requests.py`).
 
 Everything they share is a `ServerState`: the model and its tokenizer, the scheduler, the limits,
@@ -20,6 +21,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from importlib import resources
 from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
@@ -282,6 +284,30 @@ class ServingModels:
         state = self.state
         return {**state.scheduler.snapshot(), **state.counters, "rendering": state.renders.busy,
                 "preparing": state.prepares.busy}
+
+
+class ServingPage:
+    """The chat page (GET /, its script and style: files of the package, `static/`, fixed names only)
+    and the JSON it builds its controls from: the loaded model's declared decoding options."""
+
+    FILES = {"index.html": "text/html; charset=utf-8", "chat.js": "text/javascript; charset=utf-8",
+             "chat.css": "text/css; charset=utf-8"}
+
+    def __init__(self, state: ServerState):
+        self.state = state
+        self.files = {name: resources.files(__package__).joinpath("static", name).read_bytes() for name in self.FILES}
+
+    def file(self, name: str) -> Response:
+        if name not in self.FILES:
+            raise APIError(404, f"the page has no file {name!r}")
+        return Response(self.files[name], media_type=self.FILES[name], headers={"Cache-Control": "no-cache"})
+
+    def config(self) -> dict:
+        state = self.state
+        return {"model": state.name, "arch": state.arch, "context": state.context,
+                "max_tokens_cap": state.settings.max_tokens_cap,
+                "chat": getattr(state.tokenizer, "chat_tokens", None) is not None,
+                "options": [_declared(option) for option in state.model.OPTIONS]}
 
 
 def _declared(option) -> dict:

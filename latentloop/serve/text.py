@@ -24,6 +24,10 @@ class TokenEntry:
     logprob: float | None
     top: dict[str, float] | None  # the k most likely tokens of that position, by their strings
     offset: int  # character offset into the choice's text (echoed prompt included)
+    # the stream's extension (responses.py): the piece of the released text this token gave (the
+    # pieces of one release join to its text) and what the model reported for it (DecodeStep.info)
+    text: str = ""
+    info: dict | None = None
 
 
 def top_dict(tokenizer, specials: dict[int, str], pairs: Sequence[tuple[int, float]] | None) -> dict[str, float] | None:
@@ -45,17 +49,20 @@ class RowText:
         self.text = ""  # generated so far; cut before the stop string once one appeared
         self.stopped = False  # a stop string appeared
         self._released = 0  # characters of `text` already handed out
-        self._pending: list[tuple[int, int, float | None, list | None]] = []  # (start, id, logprob, top) not yet out
+        # (start, id, logprob, top, info) of the tokens not yet out
+        self._pending: list[tuple[int, int, float | None, list | None, dict | None]] = []
         # a stop string can begin this many characters before the newest text
         self._reach = max((len(s) for s in self.stops), default=1) - 1
 
-    def add(self, token_id: int, logprob: float | None = None, top: list | None = None) -> bool:
-        """One generated token; True once the text holds a stop string (the row is done)."""
+    def add(self, token_id: int, logprob: float | None = None, top: list | None = None,
+            info: dict | None = None) -> bool:
+        """One generated token (`info`: what the model reported for it); True once the text holds a
+        stop string (the row is done)."""
         if self.stopped:
             return True
         start = len(self.text)
         self.text += self._decoder.add(token_id)
-        self._pending.append((start, token_id, logprob, top))
+        self._pending.append((start, token_id, logprob, top, info))
         if self.stops:
             search_from = max(self._released, start - self._reach)
             found = [p for p in (self.text.find(stop, search_from) for stop in self.stops) if p >= 0]
@@ -75,13 +82,17 @@ class RowText:
         if final and not self.stopped:
             self.text += self._decoder.finish()
         end = len(self.text) if final or self.stopped else len(self.text) - self._held()
-        text = self.text[self._released:end]
+        begin = self._released
+        text = self.text[begin:end]
         self._released = max(self._released, end)
         if final and not self.stopped:
             out, self._pending = self._pending, []
         else:
             cut = next((i for i, (start, *_) in enumerate(self._pending) if start >= end), len(self._pending))
             out, self._pending = self._pending[:cut], ([] if self.stopped else self._pending[cut:])
+        # each token's piece of `text`: from its start (the first from the release's start) to the next's
+        bounds = [begin] + [min(max(start, begin), end) for start, *_ in out[1:]] + [max(end, begin)]
         return text, [TokenEntry(token_string(self.tokenizer, token_id, self.specials), logprob,
-                                 top_dict(self.tokenizer, self.specials, top), self.base_offset + start)
-                      for start, token_id, logprob, top in out]
+                                 top_dict(self.tokenizer, self.specials, top), self.base_offset + start,
+                                 self.text[bounds[k]:bounds[k + 1]], info)
+                      for k, (start, token_id, logprob, top, info) in enumerate(out)]

@@ -1,0 +1,266 @@
+// The chat page of `latentloop serve`: builds the decoding controls from the loaded model's declared
+// options (GET /page/config), sends the conversation to the server's own streaming API
+// (/v1/chat/completions, or /v1/completions for a model without a chat format) and shades each token
+// of the reply by the numbers the model reported for it (the stream's `latentloop.tokens` extension).
+"use strict";
+
+const page = {
+  config: null,
+  messages: [],      // the conversation so far (chat models)
+  lastBody: null,    // the body of the last request sent
+  busy: false,
+};
+
+const $ = (id) => document.getElementById(id);
+
+function headers() {
+  const h = { "Content-Type": "application/json" };
+  const key = $("api-key").value || localStorage.getItem("latentloop-api-key") || "";
+  if (key) h["Authorization"] = "Bearer " + key;
+  return h;
+}
+
+function setStatus(text) { $("status").textContent = text; }
+
+function setBusy(busy) {
+  page.busy = busy;
+  $("send").disabled = busy;
+  document.body.dataset.state = busy ? "streaming" : "idle";
+}
+
+// -- the controls, from the model's declared options ------------------------------------------------
+function optionControl(option) {
+  const label = document.createElement("label");
+  label.title = option.help || "";
+  label.append(option.name + " ");
+  let input;
+  const fallback = option.default === null ? "model's" : String(option.default);
+  if (option.choices) {
+    input = document.createElement("select");
+    input.append(new Option(`default (${fallback})`, ""));
+    for (const choice of option.choices) input.append(new Option(choice, choice));
+  } else if (option.type === "bool") {
+    input = document.createElement("select");
+    for (const [text, value] of [[`default (${fallback})`, ""], ["true", "true"], ["false", "false"]]) {
+      input.append(new Option(text, value));
+    }
+  } else {
+    input = document.createElement("input");
+    input.type = option.keywords ? "text" : "number";
+    if (option.type === "int") input.step = "1"; else input.step = "any";
+    if (option.minimum !== null && !option.keywords) input.min = option.minimum;
+    if (option.maximum !== null && !option.keywords) input.max = option.maximum;
+    input.placeholder = option.default === null ? "default" : `default ${fallback}`;
+  }
+  input.name = option.name;
+  input.id = "option-" + option.name;
+  input.dataset.type = option.type;
+  if (option.keywords) input.dataset.keywords = option.keywords.join(",");
+  label.append(input);
+  return label;
+}
+
+function optionValue(input) {
+  const raw = input.value.trim();
+  if (raw === "") return undefined;  // not sent: the model's default
+  const keywords = (input.dataset.keywords || "").split(",").filter(Boolean);
+  if (keywords.includes(raw)) return raw;
+  switch (input.dataset.type) {
+    case "int": return Number.isInteger(Number(raw)) ? Number(raw) : raw;  // the server names a bad value
+    case "float": return Number.isNaN(Number(raw)) ? raw : Number(raw);
+    case "bool": return raw === "true";
+    default: return raw;
+  }
+}
+
+function requestBody(text) {
+  const body = { model: page.config.model, stream: true };
+  const temperature = $("temperature").value.trim();
+  if (temperature !== "") body.temperature = Number(temperature);
+  const maxTokens = $("max_tokens").value.trim();
+  if (maxTokens !== "") body.max_tokens = Number(maxTokens);
+  for (const input of $("options").querySelectorAll("input, select")) {
+    const value = optionValue(input);
+    if (value !== undefined) body[input.name] = value;
+  }
+  if (page.config.chat) body.messages = [...page.messages, { role: "user", content: text }];
+  else body.prompt = text;
+  return body;
+}
+
+// -- the transcript -----------------------------------------------------------------------------------
+function addTurn(role, text) {
+  const turn = document.createElement("div");
+  turn.className = "turn " + role;
+  const who = document.createElement("span");
+  who.className = "who";
+  who.textContent = role === "user" ? "you" : role === "error" ? "error" : page.config.arch;
+  const content = document.createElement("span");
+  content.className = "content";
+  content.textContent = text || "";
+  turn.append(who, content);
+  $("transcript").append(turn);
+  turn.scrollIntoView({ block: "end" });
+  return content;
+}
+
+function appendPieces(content, text, tokens) {
+  // the tokens' pieces join to the chunk's text; where they do not (or none came), the text is plain
+  const pieces = tokens && tokens.map((t) => t.text).join("") === text ? tokens : null;
+  if (!pieces) {
+    if (text) content.append(document.createTextNode(text));
+    return;
+  }
+  for (const token of pieces) {
+    const span = document.createElement("span");
+    span.className = "tok";
+    span.textContent = token.text;
+    span.dataset.info = JSON.stringify(token.info || {});
+    span.title = Object.entries(token.info || {}).map(([k, v]) => `${k} ${v}`).join(" · ");
+    content.append(span);
+  }
+}
+
+// -- shading ------------------------------------------------------------------------------------------
+function tokenInfos() {
+  return [...document.querySelectorAll("#transcript .tok")].map((span) => [span, JSON.parse(span.dataset.info)]);
+}
+
+// The key to shade by unless one is chosen: a count of work (integer values) that varies the most.
+function autoKey(infos) {
+  const seen = new Map();
+  for (const [, info] of infos) {
+    for (const [key, value] of Object.entries(info)) {
+      if (typeof value !== "number") continue;
+      if (!seen.has(key)) seen.set(key, { values: new Set(), integer: true });
+      seen.get(key).values.add(value);
+      if (!Number.isInteger(value)) seen.get(key).integer = false;
+    }
+  }
+  // ties go to the key seen last: a row's own figures (rgpt's exit_steps, mor's depth) follow the
+  // figures its whole batch shares in what the server reports
+  let best = null;
+  for (const [key, s] of seen) {
+    const score = [s.integer ? 1 : 0, s.values.size];
+    if (!best || score[0] > best.score[0] || (score[0] === best.score[0] && score[1] >= best.score[1])) {
+      best = { key, score };
+    }
+  }
+  return { keys: [...seen.keys()], key: best ? best.key : "" };
+}
+
+// the stylesheet's accent colour as "r, g, b" (a custom property inside an inline colour would stay unresolved)
+function accent() { return getComputedStyle(document.documentElement).getPropertyValue("--accent").trim(); }
+
+function shade() {
+  const infos = tokenInfos();
+  const select = $("shade-key");
+  const { keys, key: auto } = autoKey(infos);
+  const chosen = select.dataset.chosen && keys.includes(select.dataset.chosen) ? select.dataset.chosen : auto;
+  const current = [...select.options].map((o) => o.value).join(",");
+  if (current !== keys.join(",") || !keys.length) {
+    select.replaceChildren(...(keys.length ? keys.map((k) => new Option(k, k)) : [new Option("(nothing reported yet)", "")]));
+  }
+  select.value = chosen;
+  const values = infos.map(([, info]) => info[chosen]).filter((v) => typeof v === "number");
+  const low = values.length ? Math.min(...values) : 0;
+  const high = values.length ? Math.max(...values) : 0;
+  $("scale-low").textContent = values.length ? String(+low.toFixed(2)) : "";
+  $("scale-high").textContent = values.length ? String(+high.toFixed(2)) : "";
+  for (const [span, info] of infos) {
+    const value = info[chosen];
+    if (typeof value !== "number") {
+      span.style.backgroundColor = "";
+      span.classList.remove("dark");
+      continue;
+    }
+    // one value throughout: a light shade (nothing to tell apart); else lightest at the least, darkest at the most
+    const alpha = high > low ? 0.16 + 0.64 * (value - low) / (high - low) : 0.25;
+    span.style.backgroundColor = `rgba(${accent()}, ${alpha.toFixed(3)})`;
+    span.classList.toggle("dark", alpha > 0.5);
+  }
+}
+
+// -- sending and streaming ----------------------------------------------------------------------------
+async function send(text) {
+  if (page.busy || !text.trim()) return;
+  const body = requestBody(text);
+  page.lastBody = body;
+  $("request").textContent = JSON.stringify(body, null, 2);
+  addTurn("user", text);
+  const content = addTurn("assistant", "");
+  setBusy(true);
+  setStatus("streaming…");
+  let reply = "";
+  let finish = null;
+  try {
+    const url = page.config.chat ? "/v1/chat/completions" : "/v1/completions";
+    const response = await fetch(url, { method: "POST", headers: headers(), body: JSON.stringify(body) });
+    if (!response.ok) {
+      const error = await response.json().catch(() => ({}));
+      throw new Error((error.error && error.error.message) || `HTTP ${response.status}`);
+    }
+    const reader = response.body.getReader();
+    const decoder = new TextDecoder();
+    let buffer = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      buffer += decoder.decode(value, { stream: true });
+      let cut;
+      while ((cut = buffer.indexOf("\n\n")) >= 0) {
+        const event = buffer.slice(0, cut);
+        buffer = buffer.slice(cut + 2);
+        for (const line of event.split("\n")) {
+          if (!line.startsWith("data: ")) continue;
+          const data = line.slice(6);
+          if (data === "[DONE]") continue;
+          const chunk = JSON.parse(data);
+          if (chunk.error) throw new Error(chunk.error.message);
+          const choice = chunk.choices && chunk.choices[0];
+          if (!choice) continue;
+          const piece = page.config.chat ? (choice.delta && choice.delta.content) || "" : choice.text || "";
+          reply += piece;
+          appendPieces(content, piece, chunk.latentloop && chunk.latentloop.tokens);
+          if (choice.finish_reason) finish = choice.finish_reason;
+          shade();
+        }
+      }
+    }
+    if (page.config.chat) page.messages.push({ role: "user", content: text }, { role: "assistant", content: reply });
+    content.dataset.final = reply;
+    setStatus(`done (${finish || "ended"})`);
+  } catch (error) {
+    content.parentElement.remove();
+    addTurn("error", String(error.message || error));
+    setStatus("failed");
+  } finally {
+    setBusy(false);
+  }
+}
+
+async function init() {
+  document.body.dataset.state = "loading";
+  const response = await fetch("/page/config", { headers: headers() });
+  if (response.status === 401) {
+    $("key-box").hidden = false;
+    setStatus("this server needs its API key: enter it on the right, then reload");
+    $("api-key").addEventListener("change", () => localStorage.setItem("latentloop-api-key", $("api-key").value));
+    return;
+  }
+  page.config = await response.json();
+  const c = page.config;
+  $("model").textContent = `${c.model} · ${c.arch} · context ${c.context} tokens` +
+    (c.chat ? "" : " · no chat format: the page continues your text");
+  $("max_tokens").max = c.max_tokens_cap;
+  $("options").replaceChildren(...c.options.map(optionControl));
+  $("shade-key").addEventListener("change", (e) => { e.target.dataset.chosen = e.target.value; shade(); });
+  $("composer").addEventListener("submit", (e) => { e.preventDefault(); const text = $("message").value; $("message").value = ""; send(text); });
+  $("message").addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); $("composer").requestSubmit(); }
+  });
+  $("reset").addEventListener("click", () => { page.messages = []; $("transcript").replaceChildren(); shade(); setStatus(""); });
+  setBusy(false);
+}
+
+init().catch((error) => setStatus("cannot load the model's options: " + error));
