@@ -168,6 +168,7 @@ class SavedTensors:
     gradients_after: list[int] = field(default_factory=list)  # per call: bytes of the gradients the
     # backward has made by the time it reaches that call (parameters of later calls and outside them)
     gradients: int = 0  # every trained parameter's gradient
+    largest: int = 0  # the largest tensor saved (with a large vocabulary, the loss's fp32 log-softmax)
 
     def checkpointed(self) -> int:
         """The most activations held with activation checkpointing: at the end of the forward (what
@@ -184,7 +185,10 @@ class SavedTensors:
         Without checkpointing, at call i everything saved up to its end is still held; with it,
         the inputs and outside savings up to it and its own recomputed activations. `shards`: the
         gradients are sharded over that many devices (fsdp2), the activations are not."""
-        held = [self.outside + self.inputs if checkpointing else self.total, self.gradients / shards]
+        # the backward's first op, beside everything saved: the gradient of the largest saved tensor and
+        # of its input (the loss's: the logits' gradient in fp32, then in the products' dtype)
+        first_op = 2 * self.largest
+        held = [(self.outside + self.inputs if checkpointing else self.total) + first_op, self.gradients / shards]
         inside_upto = 0
         for i, own in enumerate(self.inside):
             inside_upto += own
@@ -196,7 +200,8 @@ class SavedTensors:
         """The saving of `factor` times the batch (a probe of one sequence scaled to the micro-batch)."""
         return SavedTensors(self.total * factor, [b * factor for b in self.inside],
                             [b * factor for b in self.outside_before], [b * factor for b in self.inputs_upto],
-                            self.outside * factor, self.inputs * factor, self.gradients_after, self.gradients)
+                            self.outside * factor, self.inputs * factor, self.gradients_after, self.gradients,
+                            self.largest * factor)
 
 
 def count_saved(model: nn.Module, run) -> SavedTensors:
@@ -219,6 +224,7 @@ def count_saved(model: nn.Module, run) -> SavedTensors:
     def pack(t: Tensor) -> Tensor:
         added = storage_bytes(t)
         result.total += added
+        result.largest = max(result.largest, added)
         if depth[0] and result.inside:
             result.inside[-1] += added
         else:

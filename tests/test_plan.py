@@ -163,3 +163,31 @@ def test_plan_refuses_bad_input_in_one_line(argv, message):
 def test_plan_refuses_an_unknown_arch_in_one_line(capsys):
     code, out, err = _plan_cli(capsys, "--arch", "nope", "--preset", "tiny", "--tokens", "1M")
     assert code == 2 and err.strip().startswith("latentloop: error: unknown --arch 'nope'") and not out
+
+
+# What the process's resident memory adds to the tensors the plan counts: the allocator's slack
+# (freed blocks kept for reuse, fragmentation) and the math libraries' workspaces: 1.3-1.7x the tensors
+# in fp32 on the `small` preset here (2026-12-05), where the tensor-tracked peak is within 3%.
+RSS_SLACK = 2.5
+RSS_RUN = {"model": {"preset": "small", "sequence_len": 256}, "train": {"batch_size": 4}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_a_cpu_runs_resident_memory_holds_the_planned_peak(arch):
+    """The process's own measure, in a process of its own (tests/plan_memory_worker.py: the peak
+    resident memory's rise over a run's steps): at least the planned peak less the tolerance (the
+    plan leaves out nothing the process must hold), at most RSS_SLACK times it."""
+    from latentloop.plan import plan_run
+
+    raw = json.loads(json.dumps(RSS_RUN))
+    raw["model"]["arch"] = arch
+    tokens = MEMORY_STEPS * raw["train"]["batch_size"] * raw["model"]["sequence_len"]
+    planned = plan_run(RunConfig.from_dict(json.loads(json.dumps(raw))), tokens=tokens, gpu="cpu",
+                       mfu=0.5).memory["peak"]
+    result = subprocess.run([sys.executable, str(Path(__file__).parent / "plan_memory_worker.py"), json.dumps(raw),
+                             str(MEMORY_STEPS)], capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    measured = json.loads(result.stdout.strip().splitlines()[-1])["peak_rss_bytes"]
+    print(f"{arch}: resident {measured / 2**20:.0f} MiB, planned {planned / 2**20:.0f} MiB, {measured / planned:.2f}x")
+    assert (1 - MEMORY_TOLERANCE) * planned <= measured <= RSS_SLACK * planned, (planned, measured)
