@@ -12,9 +12,13 @@ its wall-clock at a stated MFU, from the registry's model and objective, measure
   the backward (counted, each storage once, during one forward of a micro-batch; with activation
   checkpointing, what stays: the recomputable modules' inputs, the rest of the graph, and the
   largest module's own activations while it is recomputed), and the KV cache of one sequence at
-  the full context for decoding. The peak is weights + optimizer states + the larger of the
-  activations and the gradients: the backward creates the gradients as it frees the activations,
-  and `zero_grad(set_to_none=True)` drops them before the next forward.
+  the full context for decoding. The peak, over the kinds of step the run takes: the weights, the
+  optimizer's states (from the second step on: they are made by the first) and the most activations
+  and gradients the backward holds at once (`SavedTensors.held_with_gradients`: it makes each
+  call's gradients as it frees that call's activations, beginning with the gradients of the largest
+  saved tensor; `zero_grad(set_to_none=True)` drops them before the next forward). This is what
+  the tensors hold, as a caching allocator's peak reports it; a CPU process's resident memory adds
+  its allocator's slack (tests/test_plan.py).
 - The probes run on the meta device (shapes only, no memory, no time), where bf16 autocast is
   emulated (`_MetaProbe`: the matrix products in bf16, as autocast runs them); an architecture
   whose forward needs data (a token router's `nonzero`) is probed on the CPU instead, one sequence
