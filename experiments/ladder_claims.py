@@ -1,0 +1,412 @@
+"""The claims table, generated from the compute ladder's records (issue 52), never typed by hand.
+
+    python experiments/ladder_claims.py --out runs/ladder --write experiments/LADDER.md
+
+Each paper's scaling claim is one row, tested as the paper states it, by the rules committed before
+any result (experiments/logs/2026-12-05-ladder-rules.md): the verdict per corpus and optimizer with the
+figures at every size, and the trend over size. Below it, every variant's compute and data multiplier
+over gpt at every size, and the plots. A row any of whose records ran under a config that differs
+from what the same plan entry builds today (`ladder.stale_fields`: a default changed since) reads
+"stale", with the fields that changed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import ladder  # noqa: E402
+import ladder_fit  # noqa: E402
+from ladder_fit import REFERENCE, Estimate, Point, load_records, plot_curves, points_of, select, trend  # noqa: E402
+
+RULES = "logs/2026-12-05-ladder-rules.md"
+MATCH_MARGIN = 1.01  # rule 4: "matches" = the ratio's upper end at most 1% above 1
+PAPER_DATA_FACTOR = 1.5  # rule 1: the abstract's "about 1.5x more tokens"
+COLUMNS = (("stdlib", "muon"), ("english", "muon"), ("stdlib", "adamw"), ("english", "adamw"))
+
+
+_CACHE: dict[tuple, Any] = {}  # one page's estimates: a row and the tables below ask for the same ones
+
+
+def _cached(function: Callable, points: Sequence[Point], *args: Any) -> Any:
+    key = (function.__name__, id(points), *args)
+    if key not in _CACHE:
+        _CACHE[key] = function(points, *args)
+    return _CACHE[key]
+
+
+def multiplier(points: Sequence[Point], corpus: str, optimizer: str, size: str, variant: str, axis: str) -> Any:
+    return _cached(ladder_fit.multiplier, points, corpus, optimizer, size, variant, axis)
+
+
+def parameter_multiplier(points: Sequence[Point], corpus: str, optimizer: str, size: str, variant: str) -> Any:
+    return _cached(ladder_fit.parameter_multiplier, points, corpus, optimizer, size, variant)
+
+
+def paired_ratio(points: Sequence[Point], corpus: str, optimizer: str, size: str, variant: str, baseline: str,
+                 budget: int) -> Any:
+    return _cached(ladder_fit.paired_ratio, points, corpus, optimizer, size, variant, baseline, budget)
+
+
+@dataclass
+class Cell:
+    verdict: str  # "holds", "does not hold", "undecided", "matches", "not run", "stale"
+    text: str  # the figures behind it
+    variants: tuple[str, ...]  # whose records the cell read (gpt's too)
+    trend: str = ""
+
+
+def sizes_of(points: Sequence[Point], corpus: str, optimizer: str) -> list[tuple[int, str, int]]:
+    """(index, name, gpt's non-embedding params) of every size gpt ran at in this column."""
+    found = {(p.size_index, p.size, p.params) for p in select(points, variant=REFERENCE, corpus=corpus,
+                                                              optimizer=optimizer)}
+    return sorted(found)
+
+
+def aggregate(per_size: Sequence[tuple[str, Estimate | None]]) -> str:
+    """Rules 1-3, 6: "holds" if every size is decided above 1 where it has an interval and its point
+    is above 1 where not; "does not hold" if any size is decided below 1; else "undecided"."""
+    present = [(s, e) for s, e in per_size if e is not None]
+    if not present:
+        return "not run"
+    if any(decided(e) == "< 1" for _, e in present):
+        return "does not hold"
+    if len(present) == len(per_size) and all(decided(e) == "> 1" or (e.interval is None and e.value > 1)
+                                             for _, e in present):
+        if any(e.interval is not None for _, e in present):
+            return "holds"
+    return "undecided"
+
+
+def decided(e: Estimate) -> str:
+    if e.interval is None:
+        return "undecided"
+    if e.interval[0] > 1 and e.censored_ends[0] != "below":
+        return "> 1"
+    if e.interval[1] < 1 and e.censored_ends[1] != "above":
+        return "< 1"
+    return "undecided"
+
+
+def _figures(per_size: Sequence[tuple[str, Estimate | None]]) -> str:
+    return "; ".join(f"{size} {'—' if e is None else e.text()}" for size, e in per_size)
+
+
+def _trend_text(points: Sequence[Point], corpus: str, optimizer: str, variant: str, axis: str) -> str:
+    sizes = sizes_of(points, corpus, optimizer)
+    pairs = [(n, multiplier(points, corpus, optimizer, name, variant, axis)) for _, name, n in sizes]
+    found = trend(pairs)
+    if found is None:
+        return ""
+    interval = "" if found["interval"] is None else f" [{found['interval'][0]:.2f}, {found['interval'][1]:.2f}]"
+    return f"{found['verdict']} (slope {found['slope']:.2f}{interval})"
+
+
+def multiplier_claim(variant: str, axis: str, extra: Callable[[list], str] | None = None,
+                     beside: tuple[str, str] | None = None) -> Callable[[Sequence[Point], str, str], Cell]:
+    """Rules 1, 2, 6: one multiplier of one variant at its largest token budget at every size."""
+    def evaluate(points: Sequence[Point], corpus: str, optimizer: str) -> Cell:
+        sizes = sizes_of(points, corpus, optimizer)
+        per_size = [(name, multiplier(points, corpus, optimizer, name, variant, axis)) for _, name, _ in sizes]
+        verdict = aggregate(per_size) if sizes else "not run"
+        name = {"tokens": "D", "flops": "C"}[axis]
+        text = f"{variant} {name}: {_figures(per_size)}"
+        if extra is not None:
+            text += extra(per_size)
+        if beside is not None:
+            other = [(s, multiplier(points, corpus, optimizer, s, beside[0], beside[1])) for _, s, _ in sizes]
+            text += f" (beside it: {beside[0]} {'D' if beside[1] == 'tokens' else 'C'}: {_figures(other)})"
+        return Cell(verdict, text, (REFERENCE, variant) + ((beside[0],) if beside else ()),
+                    _trend_text(points, corpus, optimizer, variant, axis))
+    return evaluate
+
+
+def _reaches_paper_factor(per_size: list) -> str:
+    present = [(s, e) for s, e in per_size if e is not None and e.interval is not None]
+    if not present:
+        return ""
+    size, e = present[-1]
+    reach = "reaches" if e.interval[1] >= PAPER_DATA_FACTOR else "does not reach"
+    return f"; at {size} the interval {reach} the paper's {PAPER_DATA_FACTOR}x"
+
+
+def rgpt_scaling(points: Sequence[Point], corpus: str, optimizer: str) -> Cell:
+    """Rule 3: both rgpt forms, C and P, at every size."""
+    sizes = sizes_of(points, corpus, optimizer)
+    parts, verdicts = [], []
+    for variant in ("rgpt-flops", "rgpt-params"):
+        c = [(s, multiplier(points, corpus, optimizer, s, variant, "flops")) for _, s, _ in sizes]
+        p = [(s, parameter_multiplier(points, corpus, optimizer, s, variant)) for _, s, _ in sizes]
+        verdicts += [aggregate(c), aggregate(p)]
+        parts.append(f"{variant} C: {_figures(c)}; P: {_figures(p)}")
+    if not sizes or all(v == "not run" for v in verdicts):
+        verdict = "not run"
+    elif "does not hold" in verdicts:
+        verdict = "does not hold"
+    elif all(v == "holds" for v in verdicts):
+        verdict = "holds"
+    else:
+        verdict = "undecided"
+    trends = "; ".join(f"{v} C {_trend_text(points, corpus, optimizer, v, 'flops')}"
+                       for v in ("rgpt-flops", "rgpt-params"))
+    return Cell(verdict, " / ".join(parts), (REFERENCE, "rgpt-flops", "rgpt-params"), trends)
+
+
+def _ratio_text(found: dict[str, Any] | None) -> str:
+    if found is None:
+        return "—"
+    if "mean" not in found:
+        return f"refused (FLOPs ratios {', '.join(f'{f:.3f}' for f in found['flops_ratios'])})"
+    interval = found["interval"]
+    body = f"{found['mean']:.4f}" + (f" [{interval[0]:.4f}, {interval[1]:.4f}]" if interval else " (1 seed)")
+    return body + f" (FLOPs {min(found['flops_ratios']):.3f}-{max(found['flops_ratios']):.3f}x)"
+
+
+def _largest_flops_budget(points: Sequence[Point], corpus: str, optimizer: str, size: str) -> int | None:
+    budgets = [p.budget for p in select(points, variant=REFERENCE, corpus=corpus, optimizer=optimizer, size=size)
+               if p.kind == "tokens"]
+    return max(budgets) if budgets else None
+
+
+def rgpt_isoflops_match(points: Sequence[Point], corpus: str, optimizer: str) -> Cell:
+    """Rule 4: rgpt-flops / gpt at the largest FLOP-matched budget, per seed, t-interval."""
+    sizes = sizes_of(points, corpus, optimizer)
+    texts, verdicts = [], []
+    for _, size, n in sizes:
+        budget = _largest_flops_budget(points, corpus, optimizer, size)
+        found = None if budget is None else paired_ratio(points, corpus, optimizer, size, "rgpt-flops", REFERENCE,
+                                                          budget)
+        share = [p.params for p in select(points, variant="rgpt-flops", corpus=corpus, optimizer=optimizer, size=size)]
+        share_text = f", {share[0] / n:.0%} of gpt's parameters" if share else ""
+        texts.append(f"{size} {_ratio_text(found)}{share_text}")
+        if found is None or "mean" not in found:
+            verdicts.append("not run" if found is None else "refused")
+        elif found["interval"] is None:
+            verdicts.append("point")
+        elif found["interval"][1] <= MATCH_MARGIN:
+            verdicts.append("matches")
+        elif found["interval"][0] > MATCH_MARGIN:
+            verdicts.append("does not hold")
+        else:
+            verdicts.append("undecided")
+    if not sizes or all(v == "not run" for v in verdicts):
+        verdict = "not run"
+    elif "does not hold" in verdicts:
+        verdict = "does not hold"
+    elif "matches" in verdicts and all(v in ("matches", "point") for v in verdicts):
+        verdict = "matches"
+    else:
+        verdict = "undecided"
+    return Cell(verdict, "rgpt-flops / gpt at matched training FLOPs: " + "; ".join(texts),
+                (REFERENCE, "rgpt-flops"), "C " + _trend_text(points, corpus, optimizer, "rgpt-flops", "flops"))
+
+
+def rgpt_beats_baselines(points: Sequence[Point], corpus: str, optimizer: str) -> Cell:
+    """Rule 5: in every size x FLOP-matched budget cell, rgpt-flops below both baselines."""
+    sizes = sizes_of(points, corpus, optimizer)
+    below = above = undecided = refused = 0
+    texts = []
+    for _, size, _ in sizes:
+        budgets = sorted({p.budget for p in select(points, variant=REFERENCE, corpus=corpus, optimizer=optimizer,
+                                                   size=size) if p.kind == "tokens"})
+        for baseline in ("mor-flops", "rgpt-flops-heavy"):
+            cells = []
+            for budget in budgets:
+                found = paired_ratio(points, corpus, optimizer, size, "rgpt-flops", baseline, budget)
+                if found is None:
+                    continue
+                cells.append(_ratio_text(found))
+                if "mean" not in found:
+                    refused += 1
+                elif found["interval"] is None:  # one seed: its point below 1 counts, above 1 decides nothing
+                    below, undecided = below + (found["mean"] < 1), undecided + (found["mean"] >= 1)
+                elif found["interval"][1] < 1:
+                    below += 1
+                elif found["interval"][0] > 1:
+                    above += 1
+                else:
+                    undecided += 1
+            if cells:
+                texts.append(f"{size} / {baseline}: {', '.join(cells)}")
+    total = below + above + undecided + refused
+    if total == 0:
+        verdict = "not run"
+    elif above:
+        verdict = "does not hold"
+    elif below == total:
+        verdict = "holds"
+    else:
+        verdict = "undecided"
+    summary = f"{total} comparisons (size x budget x baseline): {below} below 1, {above} above, {undecided} " \
+              f"undecided, {refused} refused (FLOPs apart by more than 5%)"
+    return Cell(verdict, summary + ". " + "; ".join(texts), (REFERENCE, "rgpt-flops", "mor-flops", "rgpt-flops-heavy"))
+
+
+@dataclass(frozen=True)
+class Claim:
+    paper: str  # the claim, as the paper states it
+    test: str  # what decides it here
+    evaluate: Callable[[Sequence[Point], str, str], Cell]
+
+
+CLAIMS = (
+    Claim("FBT: matches or approaches a standard transformer trained on about 1.5x (summary: 1.5-2x) more tokens",
+          "data multiplier D of fbt-paper (the paper's late-feedback schedule) at its largest budget, every size "
+          "(rule 1); latentloop's default fbt beside it",
+          multiplier_claim("fbt-paper", "tokens", _reaches_paper_factor, beside=("fbt", "tokens"))),
+    Claim("LRT: lower BPB at baseline-equivalent training compute (interleaved training's 2x counted)",
+          "compute multiplier C of lrt (rule 2; data multiplier beside it)",
+          multiplier_claim("lrt", "flops", beside=("lrt", "tokens"))),
+    Claim("RGPT: better loss-vs-parameters and loss-vs-training-FLOPs scaling",
+          "C and parameter multiplier P of rgpt-flops and rgpt-params, all above 1 (rule 3)", rgpt_scaling),
+    Claim("RGPT: at isoFLOPs matches the dense model with 36-37% of the parameters",
+          "rgpt-flops / gpt BPB at matched training FLOPs (within 5%), upper end <= 1.01 (rule 4)",
+          rgpt_isoflops_match),
+    Claim("RGPT: beats Mixture-of-Recursions and heavy-tailed depth sampling at isoFLOPs, in every budget-scale cell",
+          "rgpt-flops / mor-flops and / rgpt-flops-heavy at every FLOP-matched budget and size (rule 5)",
+          rgpt_beats_baselines),
+    Claim("RGPT: at isoPARAMs deeper recursion improves validation loss consistently (2.76 vs 2.84)",
+          "data multiplier D of rgpt-params (rule 6)", multiplier_claim("rgpt-params", "tokens")),
+)
+
+
+def stale_by_variant(records: Sequence[dict[str, Any]]) -> dict[tuple[str, str, str], list[str]]:
+    """(corpus, optimizer, variant) -> the changed fields of any of its records ([] when none)."""
+    found: dict[tuple[str, str, str], list[str]] = {}
+    for record in records:
+        plan = record["plan"]
+        key = (plan["corpus"], plan["optimizer"], plan["variant"]["name"])
+        changed = ladder.stale_fields(record)
+        found.setdefault(key, [])
+        found[key] += [c for c in changed if c not in found[key]]
+    return found
+
+
+def column_cell(claim: Claim, points: Sequence[Point], corpus: str, optimizer: str,
+                stale: dict[tuple[str, str, str], list[str]]) -> Cell:
+    cell = claim.evaluate(points, corpus, optimizer)
+    changed = [c for v in cell.variants for c in stale.get((corpus, optimizer, v), [])]
+    if changed and cell.verdict != "not run":
+        cell.text = f"ran under other defaults ({'; '.join(dict.fromkeys(changed))}). " + cell.text
+        cell.verdict = "stale"
+    return cell
+
+
+def epochs_marks(points: Sequence[Point]) -> list[str]:
+    repeated = sorted({(p.corpus, p.size, p.variant, p.label, round(p.epochs, 2)) for p in points
+                       if p.kind != "stable" and p.epochs > 1})
+    if not repeated:
+        return []
+    by_corpus: dict[str, list[str]] = {}
+    for corpus, size, variant, label, epochs in repeated:
+        by_corpus.setdefault(corpus, []).append(f"{size} {variant} {label} ({epochs:.2f})")
+    return ["", "Budgets past one epoch of the training split (they repeat data; epochs in brackets):"] + [
+        f"- {corpus}: {', '.join(items)}" for corpus, items in by_corpus.items()]
+
+
+def multipliers_table(points: Sequence[Point], corpus: str, optimizer: str) -> list[str]:
+    sizes = sizes_of(points, corpus, optimizer)
+    if not sizes:
+        return []
+    variants = [v for v in dict.fromkeys(p.variant for p in select(points, corpus=corpus, optimizer=optimizer))
+                if v != REFERENCE]
+    header = "| variant | " + " | ".join(f"{name} ({n:,} params)" for _, name, n in sizes) + " | trend of C / D |"
+    lines = ["", f"**{corpus}, {optimizer}**: compute multiplier C / data multiplier D at the variant's largest "
+             "token budget, [95% bootstrap interval]; the method of gpt's curve after each", "", header,
+             "|---|" + "---|" * len(sizes) + "---|"]
+    for variant in variants:
+        cells = []
+        for _, name, _ in sizes:
+            c = multiplier(points, corpus, optimizer, name, variant, "flops")
+            d = multiplier(points, corpus, optimizer, name, variant, "tokens")
+            if c is None and d is None:
+                cells.append("—")
+                continue
+            cells.append(f"C {c.text() if c else '—'} ({c.method if c else ''}); D {d.text() if d else '—'}")
+        trends = f"{_trend_text(points, corpus, optimizer, variant, 'flops')} / " \
+                 f"{_trend_text(points, corpus, optimizer, variant, 'tokens')}"
+        lines.append(f"| {variant} | " + " | ".join(cells) + f" | {trends} |")
+    return lines
+
+
+def generate(records: Sequence[dict[str, Any]], figures: Path | None = None, figures_link: str = "") -> str:
+    """The page: the claims (one row each), the multipliers, the plots."""
+    _CACHE.clear()
+    points = points_of(records)
+    stale = stale_by_variant(records)
+    commits = sorted({r.get("commit", "unknown")[:10] for r in records})
+    lines = ["# The compute ladder: the papers' scaling claims",
+             "",
+             "Generated by `python experiments/ladder_claims.py` from the ladder's records "
+             f"({len(records)} runs; commits {', '.join(commits) or 'none'}); never edited by hand. The "
+             f"rules were committed before any result: [ladder rules]({RULES}). `x [a, b]`: 95% bootstrap "
+             "interval over seeds and gpt's fit residuals (`>`/`<`: a bound past gpt's measured range); C = "
+             "FLOPs gpt needs to reach the variant's BPB / the variant's FLOPs, D = the same for tokens, "
+             "P = gpt's non-embedding parameters needed at the variant's tokens / the variant's."]
+    if not records:
+        lines += ["", "No ladder run has finished yet: every verdict reads \"not run\". The command: "
+                  "`python experiments/ladder.py --out runs/ladder`, then this script."]
+    lines += ["", "## Claims, one row each, as the papers state them", "",
+              "| the paper's claim | tested as | " + " | ".join(f"{c}, {o}" for c, o in COLUMNS) + " |",
+              "|---|---|" + "---|" * len(COLUMNS)]
+    details = []
+    for claim in CLAIMS:
+        cells = {column: column_cell(claim, points, *column, stale) for column in COLUMNS}
+        rendered = []
+        for (corpus, optimizer), cell in cells.items():
+            text = f"**{cell.verdict}**"
+            muon = cells.get((corpus, "muon"))
+            if optimizer == "adamw" and cell.verdict not in ("not run", "stale") and muon and \
+                    muon.verdict not in ("not run", "stale") and muon.verdict != cell.verdict:
+                text += " (depends on the optimizer)"
+            if cell.trend and optimizer == "muon" and cell.verdict != "not run":
+                text += f"; trend: {cell.trend}"
+            rendered.append(text)
+        lines.append(f"| {claim.paper} | {claim.test} | " + " | ".join(rendered) + " |")
+        details += ["", f"- **{claim.paper}**"] + [f"  - {c}, {o}: {cell.text}" for (c, o), cell in cells.items()
+                                                     if cell.verdict != "not run"]
+    if points:
+        lines += ["", "### The figures behind each verdict"] + details
+        lines += ["", "## Every variant's multipliers over gpt"]
+        for corpus, optimizer in COLUMNS:
+            lines += multipliers_table(points, corpus, optimizer)
+        lines += epochs_marks(points)
+        if figures is not None:
+            shown = []
+            for corpus, optimizer in COLUMNS:
+                name = f"{corpus}-{optimizer}.png"
+                if plot_curves(points, corpus, optimizer, figures / name):
+                    shown.append(f"![{corpus}, {optimizer}]({figures_link}{name})")
+            if shown:
+                lines += ["", "## Loss against training FLOPs and against tokens", ""] + shown
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path("runs/ladder"), help="the ladder's folder (its records/)")
+    p.add_argument("--write", type=Path, default=None,
+                   help="the page to write (default: OUT/ladder.md); its plots go to figures/ladder beside "
+                        "experiments/ when the page is in experiments/, else to OUT/figures")
+    args = p.parse_args(argv)
+    records = load_records(args.out)
+    page = args.write or args.out / "ladder.md"
+    if page.resolve().parent == HERE:
+        figures, link = HERE / "figures" / "ladder", "figures/ladder/"
+    else:
+        figures, link = page.parent / "figures", "figures/"
+    page.parent.mkdir(parents=True, exist_ok=True)
+    page.write_text(generate(records, figures, link))
+    print(f"wrote {page} from {len(records)} records")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
