@@ -214,6 +214,13 @@ def test_the_wheel_installs_and_runs_outside_the_checkout(built, tmp_path):
             url = found.group(1) if found else None
             assert line or server.poll() is None, "the server stopped before it listened"
         assert url, "the server did not say where it listens"
+        while True:  # the port is bound before the model loads; it answers once uvicorn runs
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=10):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline and server.poll() is None, "the server never answered"
+                time.sleep(0.2)
         with urllib.request.urlopen(url + "/", timeout=60) as reply:
             assert b"/page/chat.js" in reply.read()
         request = urllib.request.Request(url + "/v1/completions", method="POST",
