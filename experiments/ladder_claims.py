@@ -154,8 +154,8 @@ def rgpt_scaling(points: Sequence[Point], corpus: str, optimizer: str) -> Cell:
         verdict = "holds"
     else:
         verdict = "undecided"
-    trends = "; ".join(f"{v} C {_trend_text(points, corpus, optimizer, v, 'flops')}"
-                       for v in ("rgpt-flops", "rgpt-params"))
+    trends = "; ".join(f"{v} C {text}" for v in ("rgpt-flops", "rgpt-params")
+                       if (text := _trend_text(points, corpus, optimizer, v, "flops")))
     return Cell(verdict, " / ".join(parts), (REFERENCE, "rgpt-flops", "rgpt-params"), trends)
 
 

@@ -459,6 +459,7 @@ def plot_curves(points: Sequence[Point], corpus: str, optimizer: str, path: Path
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import NullFormatter, ScalarFormatter
     except ImportError:
         return False
     where = dict(corpus=corpus, optimizer=optimizer) | ({"spec": spec} if spec else {})
@@ -495,6 +496,9 @@ def plot_curves(points: Sequence[Point], corpus: str, optimizer: str, path: Path
                             marker=".", color=color, alpha=0.4)
             ax.set_xscale("log")
             ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(ScalarFormatter())  # BPB as plain numbers on the log axis
+            ax.yaxis.set_minor_formatter(ScalarFormatter())
+            ax.xaxis.set_minor_formatter(NullFormatter())  # the decades only: the minor labels collide
             ax.grid(alpha=0.3, which="both")
             ax.set_xlabel("training FLOPs" if axis == "flops" else "tokens")
             if column == 0:

@@ -1,0 +1,394 @@
+"""The compute ladder (experiments/ladder.py, ladder_fit.py, ladder_claims.py; issue 52): a decay
+branch from the stable trunk is the straight WSD run of its length (weights and the FLOPs the trainer
+logs, against the trainer's own `fit`), a stopped run resumes to the same figures and a finished one
+is skipped, records carry the commit and the resolved config, a changed default marks rows stale,
+the multipliers recover a known shift of gpt's curve, and the claims table reads synthetic records
+by the rules. The smoke ladders (CPU, and the GPU plan trained on the CPU) are slow tests."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "experiments"))
+
+import ladder  # noqa: E402
+import ladder_claims  # noqa: E402
+import ladder_fit  # noqa: E402
+from ladder import Branch, LadderSpec, RunPlan, Size, Variant  # noqa: E402
+from ladder_fit import Point  # noqa: E402
+
+from latentloop.archs import ARCHS  # noqa: E402
+from latentloop.train import FiniteGuard, fit, setup  # noqa: E402
+
+# Two tiny sizes, budgets of 10-40 steps of 2 x 16 tokens: seconds per run.
+TINY = LadderSpec("test-tiny", sizes=(Size("a", 4, 16, 2, 2), Size("b", 4, 24, 2, 2)), seq_len=16,
+                  budget_ratios=(0.026, 0.052), reference_extension=(0.104,), seeds=(0, 1), other_seeds=(0,),
+                  seeded_sizes=1, adamw_sizes=0, warmup_steps=1, eval_batch=8, val_tokens=512, corpora=("tiny",))
+
+
+@pytest.fixture
+def tiny_ladder(monkeypatch, tiny_corpus):
+    """TINY registered as a spec, its corpus the suite's tiny text folder."""
+    monkeypatch.setitem(ladder.SPECS, TINY.name, TINY)
+    monkeypatch.setitem(ladder.CORPORA, "tiny", f"text:{tiny_corpus}")
+    return TINY
+
+
+def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _entry(variant: Variant, steps: list[int], seed: int = 0) -> dict:
+    return RunPlan(TINY.name, "tiny", "muon", TINY.sizes[0], variant, seed,
+                   [Branch(f"t{i + 1}", s, "tokens", i) for i, s in enumerate(steps)]).describe()
+
+
+# gpt and rgpt (training noise and a drawn depth every step) in the default suite, the rest slow
+FAST_BRANCH_ARCHS = ("gpt", "rgpt")
+
+
+@pytest.mark.parametrize("arch", [arch if arch in FAST_BRANCH_ARCHS else pytest.param(arch, marks=pytest.mark.slow)
+                                  for arch in ARCHS])
+def test_a_decay_branch_from_the_stable_trunk_is_the_straight_wsd_run(arch, tiny_ladder, tmp_path):
+    """The trunk (a WSD run 16 steps long) forked at the 10-step run's decay start and decayed to step
+    10 ends with the weights and the FLOP count of the trainer's own `fit` of a 10-step WSD run, bit
+    for bit; restored, the trunk then ends as `fit` of 16 steps. Fails if the branch's schedule, the
+    loader's position, the RNG streams (training noise) or the optimizer state are not carried over
+    or not restored."""
+    variant = Variant(arch, arch)
+    short, long = 10, 16
+
+    def straight(steps: int) -> tuple[dict, float]:
+        state = setup(ladder.run_config(_entry(variant, [steps]), spec=TINY), tmp_path / f"straight{steps}",
+                      progress=False)
+        summary = fit(state, progress=False)
+        return _weights(state.model), summary["flops"]
+
+    state = setup(ladder.run_config(_entry(variant, [short, long]), spec=TINY), tmp_path / "trunk", progress=False)
+    try:
+        guard, memo = FiniteGuard(state.device), state.flops
+        train = state.config.train
+        assert train.steps == long and train.schedule == "wsd"
+        ladder.train_until(state, train, Branch("t1", short, "tokens", 0).decay_start, guard, memo)
+        snap = ladder._snapshot(state)
+        ladder.train_until(state, dataclasses.replace(train, steps=short), short, guard, memo)
+        branch, branch_flops = _weights(state.model), state.flops_seen
+        ladder._restore(state, snap)
+        ladder.train_until(state, train, long, guard, memo)
+        trunk, trunk_flops = _weights(state.model), state.flops_seen
+    finally:
+        state.lock.release()
+    for (got, got_flops), steps in (((branch, branch_flops), short), ((trunk, trunk_flops), long)):
+        want, want_flops = straight(steps)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=f"{arch} {steps} steps: {name}")
+        assert got_flops == want_flops
+
+
+def test_an_objective_that_depends_on_the_run_length_gets_straight_runs(tiny_ladder):
+    """fbt's paper schedule starts feedback at 75% of the run: a branch of a longer trunk would not
+    be its run, so each of its budgets is planned as a run of its own; its default recipe branches."""
+    size = TINY.sizes[0]
+    assert not ladder.branchable(Variant("fbt-paper", "fbt", settings=(("recipe", "paper"),)), size, TINY, 0, [10, 40])
+    assert ladder.branchable(Variant("fbt", "fbt"), size, TINY, 0, [10, 40])
+    runs = ladder.plan_ladder(TINY, ladder.ladder_variants(["gpt", "fbt-paper", "mor-flops"]), ("tiny",))
+    paper = [r for r in runs if r.variant.name == "fbt-paper" and r.size == size and r.seed == 0]
+    assert [len(r.branches) for r in paper] == [1, 1] and {r.part for r in paper} == {0, 1}
+    gpt = next(r for r in runs if r.variant.name == "gpt" and r.size == size and r.seed == 0)
+    assert [b.kind for b in gpt.branches] == ["tokens", "tokens", "reference"]
+    # MoR's isoFLOPs form costs 10% less per token here: it also ends branches at gpt's training FLOPs
+    mor = next(r for r in runs if r.variant.name == "mor-flops" and r.size == size and r.seed == 0)
+    flops_matched = [b for b in mor.branches if b.kind == "flops"]
+    assert len(flops_matched) == 2 and all(b.steps > gpt.branches[b.budget].steps for b in flops_matched)
+
+
+def test_the_isoflops_form_is_the_papers_shape_through_iso_fields():
+    """rgpt at isoFLOPs: a one-block core R = depth - 2 times between a prelude and a coda block (3 of 8
+    blocks, the paper's 36-37% of the parameters); at isoPARAMs gpt's 8 distinct blocks."""
+    size = ladder.CPU.sizes[0]
+    flops = ladder.model_fields(Variant("rgpt-flops", "rgpt", "flops"), size, 128)
+    assert (flops["n_pre"], flops["n_rec"], flops["n_coda"], flops["recurrence_steps"]) == (1, 1, 1, 6)
+    params = ladder.model_fields(Variant("rgpt-params", "rgpt", "params"), size, 128)
+    assert params["n_pre"] + params["n_rec"] + params["n_coda"] == 8
+    heavy = ladder.model_fields(ladder.CLAIM_BASELINES[1], size, 128)
+    assert heavy["depth_sampling"] == "heavy_tail" and heavy["depth_mean"] == 2.5  # uniform{1..6}'s mean - 1
+    names = [v.name for v in ladder.ladder_variants()]
+    for arch in ARCHS:  # every registered arch is a column
+        assert arch in names or {f"{arch}-flops", f"{arch}-params"} & set(names)
+
+
+def _run_tiny(out: Path, runs: list[RunPlan]) -> list[dict]:
+    return [ladder.execute(run, out, "cpu", TINY, progress=False) for run in runs]
+
+
+def test_records_carry_the_commit_and_the_resolved_config_and_a_rerun_skips_them(tiny_ladder, tmp_path, monkeypatch,
+                                                                                  capsys):
+    out = tmp_path / "ladder"
+    argv = ["--out", str(out), "--smoke", "--variants", "gpt", "--corpora", "tiny", "--no-probe", "--quiet"]
+    smoke = dataclasses.replace(TINY, name="smoke", sizes=TINY.sizes[:1], seeds=(0,))
+    monkeypatch.setattr(ladder, "SMOKE", smoke)
+    monkeypatch.setitem(ladder.SPECS, "smoke", smoke)
+    assert ladder.main(argv) == 0
+    records = ladder_fit.load_records(out)
+    assert len(records) == 1
+    record = records[0]
+    assert record["commit"] == "unknown" or len(record["commit"]) == 40
+    assert isinstance(record["modified"], list)
+    for config in (record["config_requested"], record["config_resolved"]):
+        assert set(config) == {"model", "train", "data"}
+        assert config["train"]["optimizer"] == "muon" and config["train"]["schedule"] == "wsd"
+    assert record["config_resolved"]["model"]["vocab_size"] == 259  # what setup resolved from the tokenizer
+    assert [p["label"] for p in record["points"] if p["kind"] != "stable"] == ["t1", "t2", "r1"]
+    assert all(p["step"] > 0 and p["flops"] > 0 for p in record["points"])
+    capsys.readouterr()
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a finished run was trained again")
+
+    monkeypatch.setattr(ladder, "execute", no_training)
+    assert ladder.main(argv) == 0
+    assert "1 of 1 runs finished already" in capsys.readouterr().out
+
+
+def test_a_stopped_run_resumes_from_its_trunk_to_the_same_figures(tiny_ladder, tmp_path, monkeypatch):
+    """Killed after its first branch point was saved, a run continues from trunk.pt and ends with the
+    uninterrupted run's points, bit for bit."""
+    run = ladder.plan_ladder(TINY, ladder.ladder_variants(["gpt"]), ("tiny",))[0]
+    whole = _run_tiny(tmp_path / "whole", [run])[0]
+    saves = []
+    original = ladder._atomic_save
+
+    def save_then_die(path, obj):
+        original(path, obj)
+        saves.append(path)
+        raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(ladder, "_atomic_save", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        _run_tiny(tmp_path / "stopped", [run])
+    monkeypatch.setattr(ladder, "_atomic_save", original)
+    assert len(saves) == 1 and not ladder.finished(tmp_path / "stopped", run)
+    resumed = _run_tiny(tmp_path / "stopped", [run])[0]
+    strip = [{k: v for k, v in p.items() if k != "train_loss"} for p in whole["points"]]
+    assert [{k: v for k, v in p.items() if k != "train_loss"} for p in resumed["points"]] == strip
+
+
+def test_a_changed_default_marks_the_records_and_their_rows_stale(tiny_ladder, tmp_path, monkeypatch):
+    run = ladder.plan_ladder(TINY, ladder.ladder_variants(["gpt"]), ("tiny",))[0]
+    record = _run_tiny(tmp_path, [run])[0]
+    assert ladder.stale_fields(record) == []
+    # a run made under another default (an older muon_lr) than today's
+    planted = json.loads(json.dumps(record))
+    planted["config_requested"]["train"]["muon_lr"] = 0.05
+    changed = ladder.stale_fields(planted)
+    assert len(changed) == 1 and changed[0].startswith("train.muon_lr: 0.05 then")
+    # today's code changed a default the plan resolves (the decay's share)
+    monkeypatch.setattr(ladder, "DECAY_FRACTION", 0.3)
+    assert [c.split(":")[0] for c in ladder.stale_fields(record)] == ["train.decay_fraction"]
+    monkeypatch.setattr(ladder, "DECAY_FRACTION", 0.2)
+    # the table: the LRT row reads gpt's records, so it reads "stale" when one of gpt's records is
+    spec = dataclasses.replace(TINY, name="stale-table", seeds=(0, 1, 2), corpora=("stdlib",))
+    monkeypatch.setitem(ladder.SPECS, spec.name, spec)
+    records = synthetic_records(spec, {"gpt": lambda t, f, g: t, "lrt": lambda t, f, g: t})
+    lrt = next(claim for claim in ladder_claims.CLAIMS if claim.paper.startswith("LRT"))
+    points = ladder_fit.points_of(records)
+    fresh = ladder_claims.column_cell(lrt, points, "stdlib", "muon", ladder_claims.stale_by_variant(records))
+    assert fresh.verdict not in ("stale", "not run")
+    gpt = next(i for i, r in enumerate(records) if r["plan"]["variant"]["name"] == "gpt")
+    records[gpt]["config_requested"]["train"]["muon_lr"] = 0.05
+    cell = ladder_claims.column_cell(lrt, points, "stdlib", "muon", ladder_claims.stale_by_variant(records))
+    assert cell.verdict == "stale" and "train.muon_lr" in cell.text
+    assert "**stale**" in ladder_claims.generate(records)
+
+
+# --------------------------------------------------------------------------------------------
+# Fits and multipliers on synthetic curves with a known answer
+# --------------------------------------------------------------------------------------------
+
+E, A, ALPHA = 0.8, 40.0, 0.3  # gpt's BPB = E + A tokens^-alpha
+GPT_FLOPS_PER_TOKEN = 6e5
+
+
+def gpt_bpb(tokens: float) -> float:
+    return E + A * tokens ** -ALPHA
+
+
+def synthetic_points(shift: float, cost: float, seeds=(0, 1, 2), noise: float = 0.002, size: str = "s",
+                     params: int = 10_000, size_index: int = 0) -> list[Point]:
+    """gpt at 5 budgets, and a variant whose BPB at T tokens is gpt's at shift x T (data multiplier
+    `shift`) at `cost` x gpt's FLOPs per token (compute multiplier shift / cost); seeded noise."""
+    rng = np.random.default_rng(7)
+    points = []
+    for seed in seeds:
+        for budget in range(5):
+            tokens = 1e5 * 2 ** budget
+            kinds = [("gpt", 1.0, 1.0, "tokens" if budget < 4 else "reference")]
+            if budget < 4:
+                kinds.append(("var", shift, cost, "tokens"))
+            for name, s, c, kind in kinds:
+                bpb = gpt_bpb(s * tokens) * (1 + noise * rng.standard_normal())
+                points.append(Point("x", "c", "muon", size, size_index, name, name, seed, kind, f"{kind}{budget}",
+                                    budget, tokens, c * GPT_FLOPS_PER_TOKEN * tokens, bpb, 0.5, params,
+                                    f"{name}{seed}"))
+    return points
+
+
+def test_a_variant_on_gpts_curve_shifted_by_a_known_factor_gets_that_factor():
+    points = synthetic_points(shift=1.6, cost=2.0)
+    data = ladder_fit.multiplier(points, "c", "muon", "s", "var", "tokens")
+    compute = ladder_fit.multiplier(points, "c", "muon", "s", "var", "flops")
+    assert data.method == compute.method == "power law"
+    assert data.interval[0] <= 1.6 <= data.interval[1] and abs(data.value / 1.6 - 1) < 0.05
+    assert compute.interval[0] <= 0.8 <= compute.interval[1] and abs(compute.value / 0.8 - 1) < 0.05
+    assert data.decided() == "> 1" and compute.decided() == "< 1"
+    # at its smallest budget too, and without noise exactly
+    exact = ladder_fit.multiplier(synthetic_points(1.6, 2.0, noise=0.0), "c", "muon", "s", "var", "tokens", budget=0)
+    assert exact.value == pytest.approx(1.6, rel=2e-3)
+
+
+def test_one_seed_gets_an_interval_from_the_fit_residuals_only():
+    estimate = ladder_fit.multiplier(synthetic_points(1.6, 2.0, seeds=(0,), noise=0.004), "c", "muon", "s", "var",
+                                     "tokens")
+    assert estimate.seeds == 1 and estimate.interval is not None and estimate.interval[0] < estimate.interval[1]
+
+
+def test_interpolation_inverts_exactly_and_gives_bounds_past_the_range():
+    x = np.array([1e5, 2e5, 4e5, 8e5])
+    y = 3.0 * x ** -0.2  # log-linear: the piecewise-linear interpolation is exact
+    curve = ladder_fit.ReferenceCurve.build(x, y, np.arange(4), method="interpolation")
+    assert curve.method == "interpolation"
+    target = 3.0 * 3e5 ** -0.2
+    assert curve.x_for(target)[0] == pytest.approx(3e5, rel=1e-9)
+    assert curve.x_for(3.0 * 1.5e6 ** -0.2)[0] == pytest.approx(1.5e6, rel=1e-9)  # extrapolated, within 2x
+    assert curve.x_for(3.0 * 1e7 ** -0.2) == (1.6e6, "above")  # past 2x: a bound
+    assert curve.x_for(3.0 * 1e4 ** -0.2) == (5e4, "below")
+    points = synthetic_points(shift=8.0, cost=1.0)  # far better than gpt's longest run: a lower bound
+    far = ladder_fit.multiplier(points, "c", "muon", "s", "var", "tokens")
+    assert far.censored == "above" and far.text().startswith(">")
+
+
+def test_the_trend_over_size_grows_when_the_multiplier_does():
+    estimates = []
+    for index, (params, shift) in enumerate(((10_000, 1.2), (40_000, 1.6), (160_000, 2.4))):
+        points = synthetic_points(shift, 1.0, size=f"s{index}", params=params, size_index=index)
+        estimates.append((params, ladder_fit.multiplier(points, "c", "muon", f"s{index}", "var", "tokens")))
+    found = ladder_fit.trend(estimates)
+    assert found["verdict"] == "grows" and found["interval"][0] > 0
+
+
+# --------------------------------------------------------------------------------------------
+# The claims table from synthetic records
+# --------------------------------------------------------------------------------------------
+
+
+def synthetic_records(spec: LadderSpec, equivalent: dict[str, callable]) -> list[dict]:
+    """Records of every run the plan holds, their BPB from gpt's curve at each variant's
+    gpt-equivalent tokens (`equivalent[variant](tokens, flops, gpt FLOPs per token)`), bigger sizes
+    lower; configs as today's plan builds them (nothing stale)."""
+    variants = ladder.ladder_variants(list(equivalent))
+    flops = ladder.FlopsTable(spec)
+    runs = ladder.plan_ladder(spec, variants, ("stdlib",), flops=flops)
+    rng = np.random.default_rng(3)
+    records = []
+    for run in runs:
+        config = ladder.run_config(run, spec=spec)
+        tokens_per_step = run.size.batch_size * spec.seq_len
+        cumulative = np.cumsum(flops.per_step(run.variant, run.size, run.seed, run.total_steps))
+        gpt_fpt = flops.mean_per_token(Variant("gpt", "gpt"), run.size, run.seed, run.total_steps)
+        params = ladder.build_model(config.model).num_params(exclude_embedding=True)
+        size_term = 0.5 * (ladder.gpt_params(run.size, spec.seq_len) / 1e4) ** -0.3  # the size, not the variant
+        points = []
+        for branch in run.branches:
+            tokens, spent = branch.steps * tokens_per_step, float(cumulative[branch.steps - 1])
+            bpb = gpt_bpb(equivalent[run.variant.name](tokens, spent, gpt_fpt)) + size_term
+            bpb *= 1 + 0.001 * rng.standard_normal()
+            points.append({"kind": branch.kind, "label": branch.label, "budget": branch.budget, "step": branch.steps,
+                           "tokens": tokens, "flops": spent, "epochs": 0.1, "primary": "p",
+                           "scores": {"p": {"bpb": bpb}}})
+        records.append({"key": run.key, "plan": run.describe(), "commit": "0" * 40, "modified": [],
+                        "config_requested": json.loads(json.dumps(config.to_dict())), "points": points,
+                        "params_non_embedding": params, "complete": True})
+    return records
+
+
+def test_the_claims_table_decides_synthetic_records_by_the_rules(monkeypatch):
+    spec = dataclasses.replace(TINY, name="claims", seeds=(0, 1, 2), seeded_sizes=2, budget_ratios=(0.2, 0.4, 0.8),
+                               reference_extension=(1.6,), corpora=("stdlib",))
+    monkeypatch.setitem(ladder.SPECS, spec.name, spec)
+    equivalent = {
+        "gpt": lambda t, f, g: t,
+        "fbt-paper": lambda t, f, g: 1.6 * t,  # data-efficient: holds
+        "fbt": lambda t, f, g: 1.1 * t,
+        "lrt": lambda t, f, g: t,  # as gpt at equal tokens, at twice the FLOPs: C ~ 0.5, does not hold
+        "rgpt-params": lambda t, f, g: 0.8 * t,  # worse at equal tokens: does not hold
+        "rgpt-flops": lambda t, f, g: f / g,  # gpt's curve at equal FLOPs: matches
+        "mor-flops": lambda t, f, g: 0.7 * f / g,  # both baselines worse at equal FLOPs: rgpt beats them
+        "rgpt-flops-heavy": lambda t, f, g: 0.7 * f / g,
+    }
+    records = synthetic_records(spec, equivalent)
+    page = ladder_claims.generate(records)
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in page.splitlines() if line.startswith("| ")}
+
+    def verdict(prefix: str) -> str:
+        row = next(text for claim, text in rows.items() if claim.startswith(prefix))
+        return row.split(" | ")[2].split("**")[1]  # the stdlib, Muon column
+
+    assert verdict("FBT: matches") == "holds"
+    assert verdict("LRT") == "does not hold"
+    assert verdict("RGPT: at isoPARAMs") == "does not hold"
+    assert verdict("RGPT: at isoFLOPs matches") == "matches"
+    assert verdict("RGPT: beats") == "holds"
+    assert "stale" not in page
+    assert "| fbt-paper |" in page  # the multipliers table lists every variant
+    # the English and AdamW columns have no runs
+    assert all(row.split(" | ")[3].startswith("**not run**") for row in rows.values() if "**" in row)
+
+
+def test_the_page_without_records_says_nothing_has_run():
+    page = ladder_claims.generate([])
+    assert "No ladder run has finished yet" in page
+    assert page.count("**not run**") == len(ladder_claims.CLAIMS) * len(ladder_claims.COLUMNS)
+
+
+# --------------------------------------------------------------------------------------------
+# The smoke ladders, end to end
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_smoke_ladder_runs_end_to_end_and_writes_the_claims_page(tmp_path, capsys):
+    out = tmp_path / "ladder"
+    argv = ["--out", str(out), "--smoke", "--variants", "gpt", "rgpt-flops", "--corpora", "stdlib", "--threads", "1",
+            "--quiet"]
+    assert ladder.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "estimated CPU time" in printed
+    plan = ladder.plan_ladder(ladder.SMOKE, ladder.ladder_variants(["gpt", "rgpt-flops"]), ("stdlib",))
+    assert all(ladder.finished(out, run) for run in plan)
+    assert ladder_claims.main(["--out", str(out)]) == 0
+    page = (out / "ladder.md").read_text()
+    assert "| rgpt-flops |" in page and "RGPT: at isoFLOPs matches" in page
+    assert (out / "figures" / "stdlib-muon.png").is_file() or "matplotlib" not in sys.modules
+
+
+@pytest.mark.slow
+def test_the_gpu_ladder_plans_for_an_h200_and_its_smoke_runs_on_the_cpu(tmp_path, capsys):
+    out = tmp_path / "ladder-gpu"
+    argv = ["--out", str(out), "--device", "cuda", "--train-device", "cpu", "--smoke", "--variants", "gpt",
+            "--corpora", "stdlib", "--threads", "1", "--quiet"]
+    assert ladder.main(argv) == 0
+    printed = capsys.readouterr().out
+    line = next(text for text in printed.splitlines() if text.startswith("H200 estimate:"))
+    seconds = float(line.split()[2])
+    assert 0 < seconds <= ladder.GPU_BUDGET_S  # sized to fit the 9-minute run
+    assert math.isfinite(seconds)
+    assert ladder_fit.load_records(out)
