@@ -13,9 +13,9 @@ What one invocation does:
 1. Plans: every variant (`ladder_variants`: each arch of `latentloop.archs.ARCHS`, an arch whose
    depth recurs in its isoFLOPs and isoPARAMs forms through its config's `iso_fields`, plus the
    claims' baselines) x size x seed x corpus x optimizer; per run its token budgets (multiples of
-   gpt's non-embedding parameters at that size; gpt one doubling further) and, for a variant whose
-   training FLOPs per token differ from gpt's by more than 5%, the budgets that match gpt's training
-   FLOPs (the trainer's structural count, summed step by step exactly as the trainer logs it).
+   gpt's non-embedding parameters at that size; gpt one doubling further) and, for an isoFLOPs form
+   whose training FLOPs per token differ from gpt's by more than 5%, the budgets that match gpt's
+   training FLOPs (the trainer's structural count, summed step by step exactly as the trainer logs it).
 2. Estimates: a short throughput probe per variant and size (`probe`: the training FLOP rate over
    `PROBE_STEPS` steps after `PROBE_WARMUP` unmeasured ones, and each scoring's tokens/s on
    `PROBE_EVAL_BATCHES` validation batches) turns the plan's FLOPs and scored tokens into time,
@@ -28,9 +28,10 @@ One run = one trunk under warmup-stable-decay: it trains at the stable learning 
 budget's decay start, forks a branch that decays over that budget's last `decay_fraction` (the lr
 schedule of a straight WSD run of that length: `optim.lr_multiplier` is a function of the step and
 the run's length only, so a branch is that run exactly; tests/test_ladder.py checks it against the
-trainer's own `fit`). Every branch end is scored (the decayed points the fits use), and so is the
-trunk at each decay start (its stable-phase curve, for the plots). An objective that changes with the
-run's length (fbt's paper schedule) cannot branch: each of its budgets is a straight run.
+trainer's own `fit`). Every branch end is scored on the whole split (the decayed points the fits
+use), and so is the trunk at each decay start, on a spread share of the split (its stable-phase
+curve, for the plots). An objective that changes with the run's length (fbt's paper schedule) cannot
+branch: each of its budgets is a straight run.
 
 Records (`records/<run>.json`) hold the plan entry, the git commit and the files modified beside it,
 the requested and the resolved config (model, train, data), every scored point (step, tokens,
@@ -159,17 +160,18 @@ class LadderSpec:
     warmup_steps: int = 20
     eval_batch: int = 32  # sequences per validation forward (the figures do not depend on it)
     val_tokens: int | None = None  # smoke: score only this many validation tokens (None: the whole split)
+    stable_eval_share: float = 0.25  # the trunk's stable-phase points: this share of the windows, spread
     corpora: tuple[str, ...] = ("stdlib", "english")
 
 
 # Depth 8 everywhere: rgpt's isoFLOPs form (1 + 1 x 6 + 1) then keeps the paper's 3/8 of gpt's blocks.
-# Budgets 0.5-4 tokens per parameter (gpt 8): the largest run (fbt at l) about an hour on the 2-core CPU.
-CPU = LadderSpec("cpu", sizes=(Size("xs", 8, 32, 2, 4), Size("s", 8, 48, 3, 8), Size("m", 8, 80, 5, 16),
-                               Size("l", 8, 128, 8, 16)),
+# Budgets 0.5-4 tokens per parameter (gpt 8): the largest run (lrt at l) under an hour on the 2-core CPU.
+CPU = LadderSpec("cpu", sizes=(Size("xs", 8, 32, 2, 4), Size("s", 8, 48, 3, 8), Size("m", 8, 72, 6, 16),
+                               Size("l", 8, 112, 7, 16)),
                  seq_len=128, budget_ratios=(0.5, 1.0, 2.0, 4.0), reference_extension=(8.0,))
 # 9.8M-127M non-embedding parameters; its budgets are scaled to fit --budget-s (see `fit_to_budget`)
-CUDA = LadderSpec("cuda", sizes=(Size("10m", 8, 320, 5, 32), Size("25m", 8, 512, 8, 32), Size("57m", 8, 768, 12, 32),
-                                 Size("127m", 8, 1152, 18, 32)),
+CUDA = LadderSpec("cuda", sizes=(Size("10m", 8, 320, 5, 16), Size("25m", 8, 512, 8, 16), Size("57m", 8, 768, 12, 16),
+                                 Size("127m", 8, 1152, 18, 16)),
                   seq_len=512, budget_ratios=(1.0, 2.0, 4.0, 8.0), reference_extension=(16.0,),
                   seeds=(0,), other_seeds=(0,), seeded_sizes=0)
 SMOKE = LadderSpec("smoke", sizes=(Size("t1", 4, 16, 2, 4), Size("t2", 4, 24, 2, 4)), seq_len=32,
@@ -209,7 +211,8 @@ class RunPlan:
     size_index: int = 0  # the size's place in the ladder, smallest first
     flops_per_token: float = 0.0  # the run's mean training FLOPs per token (structural)
     train_flops: float = 0.0  # planned training FLOPs, trunk and branches
-    scored_points: int = 0  # whole-split evaluations it makes (primary scoring)
+    scored_points: int = 0  # whole-split evaluations it makes (primary scoring, at the branches' ends)
+    stable_points: int = 0  # the trunk's stable-phase evaluations (a share of the split)
 
     @property
     def key(self) -> str:
@@ -366,7 +369,7 @@ def _variant_runs(spec: LadderSpec, corpus: str, optimizer: str, size: Size, var
         return runs
     ratio = flops.mean_per_token(variant, size, seed, max(budget_steps)) / flops.mean_per_token(
         Variant("gpt", "gpt"), size, seed, max(budget_steps))
-    if abs(ratio - 1) > FLOPS_MATCH_TOLERANCE:
+    if variant.iso == "flops" and abs(ratio - 1) > FLOPS_MATCH_TOLERANCE:
         guess = int(math.ceil(max(budget_steps) / ratio * 1.3)) + 8
         per_step = flops.per_step(variant, size, seed, guess)
         cumulative = np.cumsum(per_step)
@@ -393,7 +396,8 @@ def _account(run: RunPlan, per_step: np.ndarray) -> None:
     run.train_flops = float(cumulative[last] + sum(cumulative[b.steps] - cumulative[b.decay_start]
                                                     for b in run.branches))
     run.flops_per_token = float(per_step.mean()) / (run.size.batch_size * SPECS[run.spec].seq_len)
-    run.scored_points = len(run.branches) + len({b.decay_start for b in run.branches})
+    run.scored_points = len(run.branches)
+    run.stable_points = len({b.decay_start for b in run.branches})
 
 
 # --------------------------------------------------------------------------------------------
@@ -503,11 +507,20 @@ def train_until(state, train: TrainConfig, stop: int, guard: FiniteGuard, flops_
     return time.perf_counter() - start
 
 
-def score(state, labels: dict[str, dict], val: np.ndarray, eval_batch: int) -> tuple[dict, float]:
-    """BPB of the model under each scoring on the whole `val` (fp32), the training RNG untouched."""
+def stable_batches(val: np.ndarray, spec: LadderSpec) -> int:
+    """How many validation batches a stable-phase point scores: `stable_eval_share` of the split's."""
+    windows = (len(val) - 1) // spec.seq_len
+    return max(1, round(spec.stable_eval_share * math.ceil(windows / spec.eval_batch)))
+
+
+def score(state, labels: dict[str, dict], val: np.ndarray, eval_batch: int,
+          max_batches: int | None = None) -> tuple[dict, float]:
+    """BPB of the model under each scoring on the whole `val` (fp32; `max_batches`: that many batches
+    of windows spread evenly over it), the training RNG untouched."""
     rng = torch.get_rng_state()
     start = time.perf_counter()
-    batches = text_batches(val, eval_batch, state.config.model.sequence_len, None, bos_id=state.tokenizer.bos_id)
+    batches = text_batches(val, eval_batch, state.config.model.sequence_len, max_batches, spread=True,
+                           bos_id=state.tokenizer.bos_id)
     scores = score_run(state.model, batches, state.tokenizer.token_byte_lengths(), labels)
     torch.set_rng_state(rng)
     state.model.train()
@@ -547,8 +560,8 @@ def _execute(run, state, work: Path, record_path: Path, requested: dict, spec: L
         done = saved["done"]
     train_tokens = len(state.data.train)
 
-    def point(kind: str, label: str, budget: int, labels: dict[str, dict]) -> None:
-        scores, seconds = score(state, labels, val, spec.eval_batch)
+    def point(kind: str, label: str, budget: int, labels: dict[str, dict], max_batches: int | None = None) -> None:
+        scores, seconds = score(state, labels, val, spec.eval_batch, max_batches)
         done["seconds"]["eval"] += seconds
         done["points"].append({"kind": kind, "label": label, "budget": budget, "step": state.step,
                                "tokens": state.tokens_seen, "flops": state.flops_seen,
@@ -564,7 +577,7 @@ def _execute(run, state, work: Path, record_path: Path, requested: dict, spec: L
         if decay_start in {p["step"] for p in done["points"] if p["kind"] == "stable"}:
             continue  # resumed past it
         done["seconds"]["train"] += train_until(state, train_cfg, decay_start, guard, flops_model)
-        point("stable", f"stable@{decay_start}", -1, {primary: modes[primary]})
+        point("stable", f"stable@{decay_start}", -1, {primary: modes[primary]}, stable_batches(val, spec))
         for branch in [b for b in run.branches if b.decay_start == decay_start]:
             last = branch is final
             snap = None if last else _snapshot(state)
@@ -677,7 +690,8 @@ def estimate_seconds(run: RunPlan, probes: dict[str, dict], val_sizes: dict[str,
     train = run.train_flops / measured["train_flops_per_s"]
     rates = measured["eval_tokens_per_s"]
     tokens = val_sizes[run.corpus]
-    evaluation = run.scored_points * tokens / rates[measured["primary"]] + sum(
+    scored = run.scored_points + run.stable_points * SPECS[run.spec].stable_eval_share
+    evaluation = scored * tokens / rates[measured["primary"]] + sum(
         tokens / rate for label, rate in rates.items() if label != measured["primary"])
     return {"train": train, "eval": evaluation}
 
@@ -713,14 +727,17 @@ def gpu_rate(report_path: Path | None) -> tuple[dict[str, float], str]:
 def gpu_seconds(run: RunPlan, rates: dict[str, float], val_sizes: dict[str, int], params: dict[str, int]) -> float:
     rate = rates.get(run.variant.arch) or rates.get("gpt") or ASSUMED_GPU_FLOPS
     rate *= EAGER_SHARE * min(1.0, params[run.size.name] / GPU_BENCH_PARAMS) ** SMALL_SHAPE_EXPONENT
-    eval_flops = run.scored_points * val_sizes[run.corpus] * run.flops_per_token / GPU_EVAL_SPEEDUP
+    scored = run.scored_points + run.stable_points * SPECS[run.spec].stable_eval_share
+    eval_flops = scored * val_sizes[run.corpus] * run.flops_per_token / GPU_EVAL_SPEEDUP
     return (run.train_flops + eval_flops) / rate
 
 
 def fit_to_budget(spec: LadderSpec, variants: list[Variant], corpora: tuple[str, ...], budget_s: float,
-                  rates: dict[str, float], val_sizes: dict[str, int]) -> tuple[float, list[RunPlan]]:
+                  rates: dict[str, float], val_sizes: dict[str, int]) -> tuple[float, list[RunPlan], bool]:
     """The largest budget scale (tokens per parameter = ratio x scale) whose whole ladder fits
-    `budget_s` at the GPU rates, by bisection on the log scale."""
+    `budget_s` at the GPU rates, by bisection on the log scale; where even the shortest budgets that
+    still branch after the warmup do not fit, those (and False: the budget then stops the ladder
+    partway, smallest sizes first)."""
     params = {size.name: gpt_params(size, spec.seq_len) for size in spec.sizes}
     flops = FlopsTable(spec)
 
@@ -728,23 +745,27 @@ def fit_to_budget(spec: LadderSpec, variants: list[Variant], corpora: tuple[str,
         runs = plan_ladder(spec, variants, corpora, scale, flops)
         return sum(gpu_seconds(r, rates, val_sizes, params) for r in runs), runs
 
-    low, high = 1e-4, 1.0
-    best = None
-    for _ in range(14):
+    low, high = 1e-5, 1.0  # the smallest scale whose budgets branch after the warmup
+    for _ in range(20):
         mid = math.sqrt(low * high)
         try:
-            seconds, runs = total(mid)
-        except LatentloopError:  # budgets too short to branch: a larger scale
+            plan_ladder(spec, variants[:1], corpora[:1], mid, flops)
+            high = mid
+        except LatentloopError:
             low = mid
-            continue
+    seconds, runs = total(high)
+    if seconds > budget_s:
+        return high, runs, False
+    low, best = high, (high, runs)
+    high = 1.0
+    for _ in range(14):
+        mid = math.sqrt(low * high)
+        seconds, runs = total(mid)
         if seconds <= budget_s:
             low, best = mid, (mid, runs)
         else:
             high = mid
-    if best is None:
-        raise LatentloopError(f"no budget scale fits the ladder into {budget_s:.0f} s: name fewer --variants "
-                              f"or --corpora")
-    return best
+    return best[0], best[1], True
 
 
 # --------------------------------------------------------------------------------------------
@@ -868,15 +889,23 @@ def _main(args: argparse.Namespace) -> int:
     if args.device == "cuda":  # the whole GPU ladder sized to the budget (the smoke trains its own tiny plan)
         rates, source = gpu_rate(args.gpu_bench)
         budget_s = budget_s or GPU_BUDGET_S
-        scale, full = fit_to_budget(CUDA, variants, corpora, budget_s, rates, val_sizes) \
-            if args.budget_scale is None else (args.budget_scale, plan_ladder(CUDA, variants, corpora,
-                                                                              args.budget_scale))
+        if args.budget_scale is None:
+            scale, full, _ = fit_to_budget(CUDA, variants, corpora, budget_s, rates, val_sizes)
+        else:
+            scale, full = args.budget_scale, plan_ladder(CUDA, variants, corpora, args.budget_scale)
         params = {size.name: gpt_params(size, CUDA.seq_len) for size in CUDA.sizes}
-        h200 = sum(gpu_seconds(r, rates, val_sizes, params) for r in full)
+        seconds = [gpu_seconds(r, rates, val_sizes, params) for r in full]
+        h200 = sum(seconds)
         print(f"H200 estimate: {h200:.0f} s for the GPU ladder ({len(full)} runs, budgets x {scale:.4g}: "
               f"{CUDA.budget_ratios[0] * scale:.3g}-{CUDA.budget_ratios[-1] * scale:.3g} tokens per parameter); "
               f"rates from {source}, x {EAGER_SHARE} (eager) x (params / 124M) ** {SMALL_SHAPE_EXPONENT} below "
               f"124M; a scored token = 1/{GPU_EVAL_SPEEDUP:.0f} of a training token's FLOPs", flush=True)
+        if h200 > budget_s:
+            fitting = int(np.searchsorted(np.cumsum(seconds), budget_s, side="right"))
+            sizes = sorted({r.size.name for r in full[:fitting]}, key=[s.name for s in CUDA.sizes].index)
+            print(f"H200: does not fit {budget_s:.0f} s even at the shortest budgets that branch after the warmup; "
+                  f"the budget stops it after about {fitting} of {len(full)} runs (sizes started: "
+                  f"{', '.join(sizes) or 'none'}); name fewer --variants or --corpora for a whole ladder", flush=True)
         runs = plan_ladder(spec, variants, corpora, 1.0) if args.smoke else full
     else:
         runs = plan_ladder(spec, variants, corpora, args.budget_scale or 1.0)
