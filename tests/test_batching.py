@@ -131,6 +131,10 @@ sizes: set[int] = set()  # the batch sizes a SlotBatch ran at in `run_batch`
 
 
 def assert_as_alone(model, given, together):
+    # a batch decodes without the options declared speed-only (self-speculative drafts): the same output
+    # as alone with them (tests/test_speculative.py), and what the model reports is the plain decode's
+    given = {name: value for name, value in given.items()
+             if not next(o for o in model.OPTIONS if o.name == name).speed_only}
     for r, ((prompts, new_tokens, sampling, _), rows) in enumerate(zip(REQUESTS, together)):
         for row, ((tokens, logp, info), (want_tokens, want_logp, want_info)) in enumerate(
                 zip(rows, alone(model, prompts, new_tokens, sampling, given))):

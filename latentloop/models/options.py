@@ -35,6 +35,9 @@ class DecodeOption:
     # value -> the work is decided for the whole batch (e.g. "until every row settled"), so a row
     # in a batch may decode differently from the same row alone; servers then decode it alone
     couples_rows: Callable[[Any], bool] | None = None
+    # the option changes how fast the output comes, never what it is (self-speculative decoding's draft):
+    # a decoder that cannot use it (the server's continuous batching) may decode without it
+    speed_only: bool = False
 
     def exact_with_cache(self, value: Any) -> bool:
         """Whether cached decoding with this value computes what the uncached reference path computes."""

@@ -90,7 +90,7 @@ class DecodeBatch:
 
     def __init__(self, model, options: dict, stop_tokens: Sequence[int] = (), pad_id: int = 0,
                  coupled: bool = False, keep_logits: bool = False):
-        self.model, self.options = model, dict(options)
+        self.model, self.options = model, batch_options(model, options)
         self.stop_tokens = frozenset(stop_tokens)
         self.pad_id = pad_id
         self.coupled = coupled  # the options couple the rows of a prefill: each request prefills alone
@@ -166,7 +166,8 @@ class DecodeBatch:
         out = self.model.decode(tokens[:, None], self.cache, **self.options)
         self.last = out.logits[:, -1]  # (B, V)
         for i, member in enumerate(self.members):
-            member.info.update(row_info(out.info, i))
+            if not member.done:  # a row that left decodes on unseen: what it reports is not the row's
+                member.info.update(row_info(out.info, i))
 
     def _prefill_waiting(self) -> list[tuple[list[Member], object, Tensor]]:
         """The waiting members prefilled, each group in a left-padded cache of its own (together,
@@ -312,10 +313,19 @@ def cached_start_seconds(model, options: dict, rows: int) -> float | None:
     return total
 
 
+def batch_options(model, options: dict) -> dict:
+    """The options a batch decodes with: without those the architecture declares speed-only
+    (`DecodeOption.speed_only`, self-speculative decoding's draft), which a batch's one token a step
+    cannot use: the output is the same function without them."""
+    speed_only = {option.name for option in getattr(model, "OPTIONS", ()) if option.speed_only}
+    return {name: value for name, value in options.items() if name not in speed_only}
+
+
 def compiles(model, options: dict, rows: int) -> bool:
     """Whether a batch of up to `rows` rows with these options can run on the compiled path: the
     backbone's static cache, options whose step compiles, and every row's context within
     `SLOT_CACHE_BYTES`."""
+    options = batch_options(model, options)
     if not isinstance(model, GPT) or fallback_reason(model, options) is not None:
         return False
     per_row = model.new_cache(1, 1, **options).memory_bytes() * slot_length(model)

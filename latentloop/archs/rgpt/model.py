@@ -205,10 +205,11 @@ DRAFT_OPTIONS = (
     DecodeOption("draft_steps", int, None, "self-speculative decoding: draft tokens at this many recurrence steps "
                  "(below the decoding depth) and keep what one full-depth pass agrees with, so the output is the "
                  "full depth's (default with draft_tokens alone: half the depth; needs the cache)",
-                 minimum=1, maximum=MAX_STEPS, needs_cache=lambda value: value is not None),
+                 minimum=1, maximum=MAX_STEPS, needs_cache=lambda value: value is not None, speed_only=True),
     DecodeOption("draft_tokens", int, None, "self-speculative decoding: tokens drafted per full-depth pass "
                  f"(default with draft_steps alone: {DEFAULT_DRAFT_TOKENS}; needs the cache)",
-                 minimum=1, maximum=MAX_DRAFT_TOKENS, needs_cache=lambda value: value is not None),
+                 minimum=1, maximum=MAX_DRAFT_TOKENS, needs_cache=lambda value: value is not None,
+                 speed_only=True),
 )
 
 OPTIONS = (
