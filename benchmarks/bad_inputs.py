@@ -174,6 +174,14 @@ def _checkpoint_fixtures(root: Path, run: Path) -> dict[str, str]:
         (checkpoint / "state.json").write_text(json.dumps({**state, "step": step}))
         ckpt.write_checksums(checkpoint)
         made[key] = str(copy)
+    # a run whose state.json names another text file than it trained on (checksums rewritten to agree):
+    # eval without --data reads a run's own text only when its tokens are what training recorded
+    copy = Path(shutil.copytree(run, root / "redirected"))
+    checkpoint = ckpt.resolve_checkpoint(copy)
+    state = json.loads((checkpoint / "state.json").read_text())
+    (checkpoint / "state.json").write_text(json.dumps({**state, "data_source": f"text:{root / 'a_file'}"}))
+    ckpt.write_checksums(checkpoint)
+    made["redirected"] = str(copy)
     copy = Path(shutil.copytree(run, root / "nan_weights"))
     checkpoint = ckpt.resolve_checkpoint(copy)
     weights = load_file(str(checkpoint / "model.safetensors"))
@@ -383,7 +391,7 @@ CASES: list[tuple[str, list[str]]] = [
     ("eval cache mode", ["eval", "{rgpt}", "--cache-mode", "half", "--data", "text:{corpus}"]),
     ("eval batch 0", ["eval", "{gpt}", "--batch-size", "0"]),
     ("eval data missing", ["eval", "{gpt}", "--data", "text:{root}/missing.txt"]),
-    ("eval run's own text data", ["eval", "{gpt}"]),
+    ("eval a run pointing at other text", ["eval", "{redirected}"]),
     # generate
     ("prompt too long", ["generate", "{gpt}", "--prompt", "y" * 200]),
     ("top-p 1.5", ["generate", "{gpt}", "--prompt", "x", "--top-p", "1.5"]),
