@@ -303,8 +303,8 @@ def model_card(checkpoint: Path, run_config, params: int, plain: bool, kind: str
     lines = ["---", "library_name: transformers", "pipeline_tag: text-generation",
              f"tags: [latentloop, {config.arch}]", "---", "",
              f"# {checkpoint.parent.parent.name if checkpoint.parent.name == 'checkpoints' else checkpoint.name}", "",
-             f"A latentloop **{config.arch}** model: {spec.summary.rstrip('.')}. Exported by `latentloop export --format hf` "
-             f"from `{checkpoint}` as {kind}.", "",
+             f"A latentloop **{config.arch}** model: {spec.summary.rstrip('.')}. Exported by "
+             f"`latentloop export --format hf` from `{checkpoint}` as {kind}.", "",
              "## Architecture", "",
              f"- parameters: {params:,}",
              *(f"- {name}: {_number(value)}" for name, value in shape.items())]
