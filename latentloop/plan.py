@@ -48,6 +48,7 @@ from .config import PRESETS, RunConfig, model_config
 from .errors import ConfigError
 from .runtime import autocast_for, resolve_dtype
 from .train.state import FlopsMemo
+from .train.step import accumulation
 
 
 @dataclass(frozen=True)
@@ -430,7 +431,7 @@ def plan_run(config: RunConfig, tokens: int, devices: int = 1, gpu: str = "h100"
         raise ConfigError(f"--mfu must be in (0, 1], got {mfu}")
     train = config.train
     T = config.model.sequence_len
-    tokens_per_step = train.batch_size * train.grad_accum * devices * T
+    tokens_per_step = train.batch_size * accumulation(train, T, devices) * devices * T  # batch_tokens too
     steps = max(1, math.ceil(tokens / tokens_per_step))
     config.train.steps = steps  # objectives read the run's length (fbt's schedule, rgpt's draws)
     precision = resolve_dtype(torch.device("cuda" if gpu != "cpu" else "cpu"), train.dtype)

@@ -191,3 +191,12 @@ def test_a_cpu_runs_resident_memory_holds_the_planned_peak(arch):
     measured = json.loads(result.stdout.strip().splitlines()[-1])["peak_rss_bytes"]
     print(f"{arch}: resident {measured / 2**20:.0f} MiB, planned {planned / 2**20:.0f} MiB, {measured / planned:.2f}x")
     assert (1 - MEMORY_TOLERANCE) * planned <= measured <= RSS_SLACK * planned, (planned, measured)
+
+
+def test_a_token_batch_sets_the_planned_step_as_the_trainer_accumulates(capsys):
+    """`train.batch_tokens` (the global batch in tokens) sets the accumulation the trainer runs
+    (`train.step.accumulation`): the plan's tokens per step are that batch, not one micro-batch."""
+    arch = next(iter(ARCHS))
+    code, out, _ = _plan_cli(capsys, "--arch", arch, "--preset", "tiny", "--tokens", "1M", "--gpu", "h200",
+                             "--set", "train.batch_tokens=65536", "--json")
+    assert code == 0 and json.loads(out)["tokens_per_step"] == 65536
