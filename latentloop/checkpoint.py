@@ -544,8 +544,10 @@ def check_saved_step(checkpoint: Path, meta: dict[str, Any]) -> None:
 # both through allow-lists instead (`load_sharded_state`); tensors DCP already loads in weights-only
 # mode.
 DCP_METADATA = ".metadata"
-DCP_CHECKSUMS = "checksums.json"  # the sha256 of every other file of dcp/
-DCP_CHECKSUMS_FORMAT = 1  # bump when the layout of checksums.json changes
+# Beside a checkpoint's files, and beside dcp/'s: the sha256 of every other file of that folder
+CHECKSUMS = "checksums.json"
+CHECKSUMS_FORMAT = 1  # bump when the layout of checksums.json changes
+DCP_CHECKSUMS, DCP_CHECKSUMS_FORMAT = CHECKSUMS, CHECKSUMS_FORMAT  # dcp/'s manifest is the same kind
 HASH_BLOCK_BYTES = 1 << 20  # read size when hashing a shard: bounded memory, whatever its size
 
 # The globals DCP's `.metadata` refers to, listed from the metadata our own fsdp2 runs write (one
@@ -636,10 +638,6 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-CHECKSUMS = "checksums.json"  # beside a checkpoint's files: the sha256 of every other file of its folder
-CHECKSUMS_FORMAT = 1  # bump when the layout of checksums.json changes
-
-
 def write_checksums(folder: Path) -> None:
     """Record the sha256 of every file of a checkpoint folder (not its subfolders: `dcp/` keeps its
     own) in `checksums.json`, before the folder is renamed into place."""
@@ -652,12 +650,8 @@ def add_checksum(folder: Path, name: str) -> None:
     manifest = folder / CHECKSUMS
     if not manifest.is_file():
         return  # a checkpoint from before checksums stays without them
-    files = dict(_recorded_checksums(manifest))
-    files[name] = sha256_file(folder / name)
-    tmp = manifest.with_name(f".{CHECKSUMS}.tmp")
-    _write_json_file(tmp, {"format": CHECKSUMS_FORMAT, "sha256": files})
-    os.replace(tmp, manifest)
-    fsync_dir(folder)
+    files = {**_recorded_checksums(manifest), name: sha256_file(folder / name)}
+    write_json_atomic(manifest, {"format": CHECKSUMS_FORMAT, "sha256": files})
 
 
 _unchecked_warned: set[str] = set()  # checkpoints without checksums, warned of once a process
@@ -709,8 +703,7 @@ def write_sharded_checksums(folder: Path) -> None:
     every other file, so `commit_checkpoint` fsyncs it and renames it into place with the rest."""
     folder = Path(folder)
     try:
-        files = {p.name: sha256_file(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != DCP_CHECKSUMS}
-        _write_json_file(folder / DCP_CHECKSUMS, {"format": DCP_CHECKSUMS_FORMAT, "sha256": files})
+        write_checksums(folder)
     except OSError as exc:
         raise OutputError(f"cannot write {folder / DCP_CHECKSUMS}: {exc.strerror or exc}") from None
 

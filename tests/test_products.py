@@ -145,7 +145,7 @@ def test_a_prefill_through_the_no_autograd_kernels_gives_the_training_forwards_l
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_accelerate_swaps_every_linear_in_place_and_keeps_the_state_dict(tied):
+def test_accelerate_swaps_every_linear_in_place_and_keeps_the_state_dict(tied, monkeypatch):
     torch.manual_seed(0)
     model = ll.build("gpt", preset="test", tie_embeddings=tied).eval()
     plain = {k: v.clone() for k, v in model.state_dict().items()}
@@ -156,8 +156,16 @@ def test_accelerate_swaps_every_linear_in_place_and_keeps_the_state_dict(tied):
     assert products.is_accelerated(model)
     assert model.state_dict().keys() == plain.keys()
     assert all(torch.equal(model.state_dict()[k], v) for k, v in plain.items())
-    assert (model.tied_head_product is accelerated_linear) == tied or not tied
+    assert model.tied_head_product is accelerated_linear
     assert type(model).tied_head_product is torch.nn.functional.linear  # the class stays plain
+    # the head's product goes through the kernels' rule: with a tied head, the embedding's matrix
+    monkeypatch.setattr(products, "measured_here", lambda: True)
+    heads = []
+    monkeypatch.setattr(products, "rows_linear", lambda x, w: heads.append(w) or torch.nn.functional.linear(x, w))
+    with torch.no_grad():
+        model.head(torch.randn(ROWS_KERNEL_MIN_ROWS, model.config.n_embd))
+    head_weight = model.wte.weight if tied else model.lm_head.weight
+    assert len(heads) == 1 and heads[0] is head_weight
 
 
 @pytest.mark.parametrize("arch", ll.archs.ARCHS)

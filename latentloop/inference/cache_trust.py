@@ -72,9 +72,9 @@ def untrusted_folder(folder: Path, root: Path | None = None) -> str | None:
         return None
     root = Path(os.path.abspath(root if root is not None else default_cache_dir()))
     folder = Path(os.path.abspath(folder))
-    if folder != root and root not in folder.parents:
+    if not folder.is_relative_to(root):
         raise ValueError(f"{folder} is not inside the cache {root}")
-    chain = [folder, *(p for p in folder.parents if p == root or root in p.parents)]
+    chain = [folder, *(p for p in folder.parents if p.is_relative_to(root))]
     for path in chain:
         try:
             info = path.stat()

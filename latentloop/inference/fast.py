@@ -523,9 +523,8 @@ def compile_cache_dir() -> Path:
     another user owns, or one group or others may write) nothing is read from it: this process
     compiles into a private temporary folder of its own, said once on stderr."""
     chosen = configured_compile_cache_dir()
-    root = default_cache_dir()
-    inside = os.path.abspath(chosen) == os.path.abspath(root) or Path(os.path.abspath(root)) in Path(
-        os.path.abspath(chosen)).parents
+    root = default_cache_dir()  # a folder of its own (a user's $TORCHINDUCTOR_CACHE_DIR) is its own root
+    inside = Path(os.path.abspath(chosen)).is_relative_to(os.path.abspath(root))
     reason = untrusted_folder(chosen, root if inside else chosen)
     if reason is None:
         return chosen
