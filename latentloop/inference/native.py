@@ -70,11 +70,17 @@ def _compiler() -> str | None:
 
 def cxx_compiler() -> str | None:
     """The C++ compiler inductor would use on the CPU (`CXX`, else c++, g++ or clang++), or None: without
-    one, nothing compiles on the CPU (compiled decoding and training need inductor's C++ code)."""
-    chosen = os.environ.get("CXX")
+    one, nothing compiles on the CPU (compiled decoding and training need inductor's C++ code). Asked
+    at every decode's choice of path (`fast.fallback_reason`): the search of PATH is done once for
+    each value of CXX and PATH."""
+    return _find_cxx(os.environ.get("CXX"), os.environ.get("PATH"))
+
+
+@functools.cache
+def _find_cxx(chosen: str | None, path: str | None) -> str | None:
     if chosen:
-        return shutil.which(chosen) or (chosen if os.path.isfile(chosen) else None)
-    return shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+        return shutil.which(chosen, path=path) or (chosen if os.path.isfile(chosen) else None)
+    return shutil.which("c++", path=path) or shutil.which("g++", path=path) or shutil.which("clang++", path=path)
 
 
 NO_CXX = "no C++ compiler (c++, g++ or clang++; or set CXX), which inductor needs to compile on the CPU"
