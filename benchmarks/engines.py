@@ -1,33 +1,48 @@
 """latentloop's decode against the CPU engines users pick for local inference, same model, same run
-(issue 26): one gpt of a Llama-compatible shape (SwiGLU, no qk/embedding norm) saved as a run,
-exported with `latentloop export --plain`, and decoded greedily at batch 1 by
+(issues 26 and 54): one gpt of a Llama-compatible shape (SwiGLU, no qk/embedding norm) saved as a
+run, exported with `latentloop export --plain`, and decoded greedily at batch 1 by
 
-- latentloop: eager (`compile=False`), compiled (`compile=True`: the ahead-of-time package on CPU),
-  compiled through dynamo (`LATENTLOOP_AOT=0`, the compiled path before it), eager and compiled int8
-  (`quantize_int8`; compiled both ways too: the package's int8 reduction, dynamo's native kernel);
+- latentloop: its default path (`compile="auto"`, what `latentloop.generate` and the CLI do), eager
+  (`compile=False`), compiled (`compile=True`: the ahead-of-time package on CPU), compiled through
+  dynamo (`LATENTLOOP_AOT=0`, the compiled path before it), eager and compiled int8 (`quantize_int8`;
+  compiled both ways too: the package's int8 reduction, dynamo's native kernel);
 - Hugging Face `generate` on the exported folder (needs transformers);
 - CTranslate2 fp32 and int8 (`pip install ctranslate2`), converted from the exported folder;
-- llama.cpp through llama-cpp-python (`pip install llama-cpp-python gguf`: PyPI has only its source
-  for this platform, a ~17 min build on 2 cores; `CMAKE_ARGS=-DGGML_NATIVE=ON` builds for this CPU),
-  on the exported folder written as an fp32 GGUF file by `write_gguf` (no tokenizer: llama.cpp's
-  "none" vocabulary takes and gives token ids, as every other engine here is given them).
+- llama.cpp's own decode loop (`llama.cpp`, `LlamaCppLoop`): its C API through llama-cpp-python's
+  ctypes bindings, as llama-bench drives it: the prompt in one `llama_decode`, then one `llama_decode`
+  per token and an argmax over the last logits, no sampler; and llama-cpp-python's `Llama.generate`
+  (`llama-cpp-python generate`, the row of issue 26), which adds its Python sampler work to every
+  token. Both read the exported folder written as an fp32 GGUF file by `write_gguf` (no tokenizer:
+  llama.cpp's "none" vocabulary of `vocab_size` ids takes and gives token ids, as every other engine
+  here is given them). `pip install llama-cpp-python gguf`: PyPI has only its source for this
+  platform, a ~17 min build on 2 cores; `CMAKE_ARGS=-DGGML_NATIVE=ON` builds for this CPU.
 
-Every engine decodes the same prompt for the same number of new tokens, no stop token, from a fresh
-state (llama.cpp's prompt cache is reset: `llama_greedy`); the figure is the whole call (prefill
-included) over the new tokens, median over interleaved rounds; each round also times a call for the
-first token alone, so the table splits the call into the first token (prefill included) and the
-decode after it, and gives each engine's whole call over llama.cpp's in the same round. The compiled
-rows are warmed up (compiled) before timing. Each engine runs in a process of its own (`EngineWorker`),
-started and warmed up one after another, then called in turn, one call at a time: in one process
-CTranslate2's OpenMP runtime (a second copy, beside torch's) and the pools' spinning workers took the
-cores from whichever engine ran next whenever more than one thread was asked for (see `SETTLE_S`).
-Greedy agreement: each engine's tokens against latentloop eager's, token by token (fp32 engines
-should agree on all; int8 may drift). The vocabulary is the byte tokenizer's 259 (the export carries
-the run's tokenizer, which CTranslate2 reads for its vocabulary), so the large shape's head is
-smaller than the issue's 32000-token one.
+Shapes (`--shapes`): `small` (4 layers, d 256), `large` (12 layers, d 768) and `smoke` (a test's),
+with the byte tokenizer's 259-token vocabulary, and each of them with a real model's vocabulary:
+`-32k` (32,000 ids) or `-128k` (128,000), e.g. `large-32k`. The larger vocabularies pad the byte
+tokenizer (`HFTokenizer` with `vocab_size`: ids past the 259 never decode to text; CTranslate2 names
+them `<extra_id_N>`), so every engine reads the same ids. Each shape's context covers the longest
+prompt and the new tokens.
 
-    .venv/bin/python -m benchmarks.engines [--shape small|large] [--threads 1,2] [--prompt-len 16]
-        [--new-tokens 200] [--repeats 3] [--engines all|NAME,...] [--settle 0.5] [--json out.json]
+Prompts (`--prompt-len 16` or several, `512,2048,4096`): BOS, then a window of real text as bytes
+(the Python standard library's own sources, `text_prompt`), the same for every engine. Every engine
+decodes each prompt for the same number of new tokens, no stop token, from a fresh state (llama.cpp's
+cache is cleared: `LlamaCppLoop`, `llama_greedy`). Each round times, per engine and prompt, a call
+for the first token alone (time to first token: the prompt's prefill and one token) and a call for
+all of them (the whole call); the decode is their difference per token after the first. Each
+figure of each engine is also given over llama.cpp's in the same round, a ratio per round, and
+their mean with its 95% t-interval over the interleaved rounds (below 1: faster than llama.cpp).
+The compiled rows are warmed up (compiled) before timing; the default path is warmed up as a user's
+process that decoded this shape before (`worker`). Each engine runs in a process of its own
+(`EngineWorker`), started and warmed up one after another, then called in turn, one call at a time:
+in one process CTranslate2's OpenMP runtime (a second copy, beside torch's) and the pools' spinning
+workers took the cores from whichever engine ran next whenever more than one thread was asked for
+(see `SETTLE_S`). Greedy agreement: each engine's tokens against the first latentloop float row's
+(eager's when it runs), token by token (fp32 engines should agree on all; int8 may drift).
+
+    .venv/bin/python -m benchmarks.engines [--shapes small,large-32k] [--threads 1,2]
+        [--prompt-len 16|512,2048,4096] [--new-tokens 200] [--repeats 3] [--engines all|NAME,...]
+        [--settle 0.5] [--json out.json]
     .venv/bin/python -m benchmarks.engines --pool run1.json run2.json   # the runs' rounds pooled
 """
 
@@ -36,6 +51,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -46,29 +62,28 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import (
-    add_decode_shape_arguments,
-    benchmark_main,
-    render_table,
-    require_at_least_one,
-    spread,
-    start_run,
-)
+from benchmarks.common import benchmark_main, render_table, require_at_least_one, spread, start_run
 
-SHAPES = {  # the issue's two shapes (with the byte vocabulary, see the docstring)
+SHAPES = {  # the issue's two shapes, with the byte vocabulary (a vocabulary suffix: `resolve_shape`)
     "small": dict(n_layer=4, n_embd=256, n_head=4),
     "large": dict(n_layer=12, n_embd=768, n_head=12),
     "smoke": dict(n_layer=2, n_embd=64, n_head=2),  # for the test: seconds, not minutes
 }
+# A shape's name may end in one of these for a real model's vocabulary instead of the byte one
+VOCABULARIES = {"32k": 32_000, "128k": 128_000}
 LLAMA_COMPATIBLE = dict(qk_norm=False, embed_norm=False, mlp="swiglu")  # what `export --plain` requires
-ENGINES = ("latentloop eager", "latentloop compiled", "latentloop compiled dynamo", "latentloop eager int8",
-           "latentloop compiled int8", "latentloop compiled int8 dynamo",
-           "hf generate", "ctranslate2 fp32", "ctranslate2 int8", "llama.cpp")
-REFERENCE = "latentloop eager"  # every engine's tokens are compared with these
+ENGINES = ("latentloop default", "latentloop eager", "latentloop compiled", "latentloop compiled dynamo",
+           "latentloop eager int8", "latentloop compiled int8", "latentloop compiled int8 dynamo",
+           "hf generate", "ctranslate2 fp32", "ctranslate2 int8", "llama.cpp", "llama-cpp-python generate")
+# every engine's tokens are compared with the first of these that runs
+REFERENCES = ("latentloop eager", "latentloop default", "latentloop compiled", "latentloop compiled dynamo")
 # int8 engines' tokens drift from the float model's within a few tokens (a random model's logits are
 # close together): they are compared with latentloop's eager int8 decode too, which they should follow
 INT8_REFERENCE = "latentloop eager int8"
-PAIRED_WITH = "llama.cpp"  # every engine's whole call is also given over this engine's, round by round
+PAIRED_WITH = "llama.cpp"  # every engine's figures are also given over this engine's, round by round
+# (key of the per-round ratios, what the ratio is of) for the figures paired with llama.cpp's
+FIGURES = (("over_llama_cpp", "whole call"), ("first_over_llama_cpp", "time to first token"),
+           ("decode_over_llama_cpp", "decode per token"))
 # Seconds each timed call waits first, so the threads of the engine that ran before it (in its own
 # process) have stopped spinning: OpenMP and ggml pools spin for a while after their work. A
 # precaution whose effect was not measured apart: what mattered was the processes. With all engines
@@ -86,16 +101,55 @@ GGUF_LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q"
                     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
                     "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
                     "mlp.down_proj": "ffn_down"}
+# Bytes of the standard library's sources the prompts' windows are drawn from (`text_prompt`)
+PROMPT_TEXT_BYTES = 1 << 20
 
 
-def build_export(shape: dict, context: int, seed: int, folder: Path):
-    """(model, tokenizer, hf folder): a random-init gpt saved as a run and exported as plain Llama."""
+def shape_names() -> list[str]:
+    """Every name `--shapes` takes: each shape, with the byte vocabulary and with each of `VOCABULARIES`."""
+    return [f"{base}{suffix}" for base in SHAPES for suffix in ("", *(f"-{v}" for v in VOCABULARIES))]
+
+
+def resolve_shape(name: str) -> tuple[dict, int | None]:
+    """(the model's layers, its vocabulary size or None for the byte tokenizer's) of a shape's name:
+    `small`, `large-32k`, ... A ValueError names the choices."""
+    base, _, vocabulary = name.partition("-")
+    if base not in SHAPES or (vocabulary and vocabulary not in VOCABULARIES):
+        raise ValueError(f"unknown shape {name!r}; choose from {', '.join(SHAPES)}, each optionally with "
+                         f"{' or '.join('-' + v for v in VOCABULARIES)} (e.g. large-32k)")
+    return SHAPES[base], VOCABULARIES.get(vocabulary)
+
+
+def comma_integers(text: str, flag: str) -> list[int]:
+    """`--flag 1,2` as [1, 2]; a ValueError (its message one line, naming the flag) when a value is
+    not an integer >= 1."""
+    try:
+        values = [int(value) for value in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if any(value < 1 for value in values):
+        raise ValueError(f"{flag} must be >= 1, got {text!r}")
+    return values
+
+
+def padded_tokenizer(vocab_size: int, folder: Path):
+    """The byte tokenizer with its vocabulary padded to `vocab_size` ids (as models pad theirs): the
+    byte-level JSON `write_hf_tokenizer` gives it, read back as an `HFTokenizer` of that size."""
+    from latentloop.data.tokenizers import ByteTokenizer, HFTokenizer, write_hf_tokenizer
+
+    write_hf_tokenizer(ByteTokenizer(), folder / "byte-tokenizer")
+    return HFTokenizer.from_pretrained_folder(folder / "byte-tokenizer", vocab_size=vocab_size)
+
+
+def build_export(shape: dict, context: int, seed: int, folder: Path, vocab_size: int | None = None):
+    """(model, tokenizer, hf folder): a random-init gpt saved as a run and exported as plain Llama;
+    with the byte tokenizer's vocabulary, or `vocab_size` ids (`padded_tokenizer`)."""
     import latentloop
     from latentloop.data.tokenizers import ByteTokenizer
     from latentloop.interop import export_hf
     from latentloop.runs import save_run
 
-    tokenizer = ByteTokenizer()
+    tokenizer = ByteTokenizer() if vocab_size is None else padded_tokenizer(vocab_size, folder)
     torch.manual_seed(seed)
     model = latentloop.build("gpt", preset=None, vocab_size=tokenizer.vocab_size, bos_id=tokenizer.bos_id,
                              sequence_len=context, **shape, **LLAMA_COMPATIBLE).eval()
@@ -104,21 +158,48 @@ def build_export(shape: dict, context: int, seed: int, folder: Path):
     return model, tokenizer, folder / "hf"
 
 
-def latentloop_call(model, prompt: list[int], compile: bool, aot: bool = True):
-    import os
+def prompt_text() -> bytes:
+    """Up to `PROMPT_TEXT_BYTES` of real text: the Python standard library's own sources, file after
+    file in name order (the same bytes for every engine and round of a run)."""
+    text = bytearray()
+    for path in sorted(Path(os.__file__).parent.glob("*.py")):
+        try:
+            text += path.read_bytes()
+        except OSError:
+            continue
+        if len(text) >= PROMPT_TEXT_BYTES:
+            break
+    return bytes(text[:PROMPT_TEXT_BYTES])
 
+
+def text_prompt(length: int, bos_id: int, seed: int, text: bytes | None = None) -> list[int]:
+    """`length` ids: BOS, then a window of real text as bytes (ids below 256, an id of every
+    vocabulary here) at an offset the seed draws; deterministic random bytes where there is not
+    enough text."""
+    text = prompt_text() if text is None else text
+    draw = random.Random(seed)
+    if len(text) < length:
+        return [bos_id] + [draw.randrange(256) for _ in range(length - 1)]
+    start = draw.randrange(len(text) - length + 1)
+    return [bos_id] + list(text[start:start + length - 1])
+
+
+def latentloop_generate(model, prompt: list[int], new_tokens: int, compile: bool | str, aot: bool = True) -> list[int]:
+    """latentloop's greedy tokens through `latentloop.generate`, the ahead-of-time package on or off."""
     import latentloop
     from latentloop.inference.aot import AOT_ENV
 
-    def call(new_tokens: int) -> list[int]:
-        saved = os.environ.get(AOT_ENV)
-        os.environ[AOT_ENV] = "1" if aot else "0"  # read when the call makes its decoder
-        try:
-            return latentloop.generate(model, prompt, new_tokens, temperature=0.0, compile=compile)
-        finally:
-            os.environ.pop(AOT_ENV) if saved is None else os.environ.__setitem__(AOT_ENV, saved)
+    saved = os.environ.get(AOT_ENV)
+    os.environ[AOT_ENV] = "1" if aot else "0"  # read when the call makes its decoder
+    try:
+        return latentloop.generate(model, prompt, new_tokens, temperature=0.0, compile=compile)
+    finally:
+        os.environ.pop(AOT_ENV) if saved is None else os.environ.__setitem__(AOT_ENV, saved)
 
-    return call
+
+def latentloop_call(model, prompt: list[int], compile: bool | str, aot: bool = True):
+    """call(new_tokens) -> latentloop's greedy tokens for `prompt` (`latentloop_generate`)."""
+    return lambda new_tokens: latentloop_generate(model, prompt, new_tokens, compile, aot)
 
 
 def switched_calls(shape: dict, switch: dict, prompt: list[int], new_tokens: int):
@@ -140,24 +221,27 @@ def switched_calls(shape: dict, switch: dict, prompt: list[int], new_tokens: int
     return (lambda: call(False)), (lambda: call(True))
 
 
-def hf_call(hf_dir: Path, prompt: list[int]):
+def hf_call(hf_dir: Path):
+    """call(prompt, new_tokens) -> Hugging Face `generate`'s greedy tokens."""
     import transformers
 
     transformers.logging.set_verbosity_error()
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    ids = torch.tensor([prompt])
 
     @torch.inference_mode()
-    def call(new_tokens: int) -> list[int]:
-        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    def call(prompt: list[int], new_tokens: int) -> list[int]:
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
         return out[0, len(prompt):].tolist()
 
     return call
 
 
-def ctranslate2_call(hf_dir: Path, folder: Path, prompt: list[int], threads: int, quantization: str | None):
+def ctranslate2_call(hf_dir: Path, folder: Path, threads: int, quantization: str | None):
+    """call(prompt, new_tokens) -> CTranslate2's greedy tokens. It takes tokens as strings: each id's
+    entry of the converted model's own vocabulary (the tokenizer's, padded with `<extra_id_N>` up
+    to the model's vocabulary size)."""
     import ctranslate2
-    import transformers
     from ctranslate2.converters import TransformersConverter
 
     out = folder / f"ct2-{quantization or 'float32'}"
@@ -165,10 +249,10 @@ def ctranslate2_call(hf_dir: Path, folder: Path, prompt: list[int], threads: int
         TransformersConverter(str(hf_dir)).convert(str(out), quantization=quantization, force=True)
     generator = ctranslate2.Generator(str(out), device="cpu", intra_threads=threads, compute_type=quantization or
                                       "float32")
-    tokens = transformers.AutoTokenizer.from_pretrained(hf_dir).convert_ids_to_tokens(prompt)
+    vocabulary = json.loads((out / "vocabulary.json").read_text(encoding="utf-8"))
 
-    def call(new_tokens: int) -> list[int]:
-        result = generator.generate_batch([tokens], max_length=new_tokens, sampling_topk=1,
+    def call(prompt: list[int], new_tokens: int) -> list[int]:
+        result = generator.generate_batch([[vocabulary[i] for i in prompt]], max_length=new_tokens, sampling_topk=1,
                                           include_prompt_in_result=False, end_token=[])
         return list(result[0].sequences_ids[0])
 
@@ -227,15 +311,96 @@ def write_gguf(hf_dir: Path, path: Path) -> None:
     writer.close()
 
 
-def llama_cpp_call(hf_dir: Path, folder: Path, prompt: list[int], context: int, threads: int):
-    from llama_cpp import Llama
-
+def gguf_path(hf_dir: Path, folder: Path) -> Path:
+    """The exported folder as an fp32 GGUF file (`write_gguf`), written once per folder."""
     path = folder / "model-f32.gguf"
     if not path.exists():
         write_gguf(hf_dir, path)
-    llm = Llama(model_path=str(path), n_ctx=context, n_batch=len(prompt), n_threads=threads,
-                n_threads_batch=threads, verbose=False)
-    return lambda new_tokens: llama_greedy(llm, prompt, new_tokens)
+    return path
+
+
+class LlamaCppLoop:
+    """llama.cpp's own greedy decode, through its C API (llama-cpp-python's ctypes bindings, none of
+    its Python sampling): a call clears the cache, decodes the prompt in one batch
+    (`llama_batch_get_one`: only the last position's logits are computed), then takes the argmax of
+    the last logits (a numpy view of llama.cpp's float buffer) and decodes that token, one
+    `llama_decode` per token, as llama-bench times generation. Context settings are llama.cpp's
+    defaults (its f16 KV cache, flash attention where it chooses it, 512-token micro-batches inside
+    a batch) except the context, the batch (the longest prompt) and the threads."""
+
+    def __init__(self, path: Path, context: int, batch: int, threads: int):
+        import llama_cpp as ll
+
+        self.ll = ll
+        _quiet_llama_cpp()
+        ll.llama_backend_init()
+        self.model = ll.llama_model_load_from_file(str(path).encode(), ll.llama_model_default_params())
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {path}")
+        params = ll.llama_context_default_params()
+        params.n_ctx, params.n_batch = context, batch
+        params.n_threads = params.n_threads_batch = threads
+        self.context = ll.llama_init_from_model(self.model, params)
+        if not self.context:
+            raise RuntimeError(f"llama.cpp could not make a context of {context} tokens for {path}")
+        self.vocab_size = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(self.model))
+        self.memory = ll.llama_get_memory(self.context)
+        self.token = (ll.llama_token * 1)()  # the one-token batch's id, reused
+
+    def _decode(self, tokens, count: int) -> None:
+        status = self.ll.llama_decode(self.context, self.ll.llama_batch_get_one(tokens, count))
+        if status != 0:
+            raise RuntimeError(f"llama_decode returned {status} for {count} token(s)")
+
+    def _argmax(self) -> int:
+        import numpy as np
+
+        logits = np.ctypeslib.as_array(self.ll.llama_get_logits_ith(self.context, -1), shape=(self.vocab_size,))
+        return int(logits.argmax())
+
+    def __call__(self, prompt: list[int], new_tokens: int) -> list[int]:
+        self.ll.llama_memory_clear(self.memory, False)  # an empty cache: the whole prompt is decoded again
+        self._decode((self.ll.llama_token * len(prompt))(*prompt), len(prompt))
+        tokens = [self._argmax()]
+        while len(tokens) < new_tokens:
+            self.token[0] = tokens[-1]
+            self._decode(self.token, 1)
+            tokens.append(self._argmax())
+        return tokens
+
+    def close(self) -> None:
+        if self.context:
+            self.ll.llama_free(self.context)
+            self.context = None
+        if self.model:
+            self.ll.llama_model_free(self.model)
+            self.model = None
+
+
+_LOG_CALLBACK = None  # llama.cpp's log callback while it is set (ctypes must keep it alive)
+
+
+def _quiet_llama_cpp() -> None:
+    """llama.cpp's log on stderr with its errors only (llama-cpp-python prints every line by default)."""
+    global _LOG_CALLBACK
+    import llama_cpp as ll
+
+    if _LOG_CALLBACK is None:
+        def log(level: int, text: bytes, _data) -> None:
+            if level == 4:  # GGML_LOG_LEVEL_ERROR in ggml.h (llama-cpp-python's own comment has older numbers)
+                sys.stderr.write(text.decode("utf-8", errors="replace"))
+
+        _LOG_CALLBACK = ll.llama_log_callback(log)
+    ll.llama_log_set(_LOG_CALLBACK, None)
+
+
+def llama_cpp_python_call(path: Path, context: int, batch: int, threads: int):
+    """call(prompt, new_tokens) -> llama-cpp-python's `Llama.generate` greedy tokens (`llama_greedy`)."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(path), n_ctx=context, n_batch=batch, n_threads=threads, n_threads_batch=threads,
+                verbose=False)
+    return lambda prompt, new_tokens: llama_greedy(llm, prompt, new_tokens)
 
 
 def llama_greedy(llm, prompt: list[int], new_tokens: int) -> list[int]:
@@ -256,7 +421,8 @@ def llama_greedy(llm, prompt: list[int], new_tokens: int) -> list[int]:
 def unavailable(engine: str) -> str | None:
     """Why an engine cannot run here, or None."""
     module = {"hf generate": ("transformers",), "ctranslate2 fp32": ("ctranslate2",),
-              "ctranslate2 int8": ("ctranslate2",), "llama.cpp": ("llama_cpp", "gguf")}
+              "ctranslate2 int8": ("ctranslate2",), "llama.cpp": ("llama_cpp", "gguf"),
+              "llama-cpp-python generate": ("llama_cpp", "gguf")}
     install = {"llama_cpp": "llama-cpp-python"}
     for name in module.get(engine, ()):
         try:
@@ -266,32 +432,29 @@ def unavailable(engine: str) -> str | None:
     return None
 
 
-def make_calls(engines: list[str], model, hf_dir: Path, folder: Path, prompt: list[int], context: int,
-               threads: int) -> dict:
-    """engine -> call(new_tokens) -> greedy token ids, for prompts of up to `context` tokens in all."""
-    from latentloop.inference.quant import quantize_int8
-
-    calls = {}
-    for engine in engines:
-        if engine == "latentloop eager":
-            calls[engine] = latentloop_call(model, prompt, compile=False)
-        elif engine == "latentloop compiled":
-            calls[engine] = latentloop_call(model, prompt, compile=True)
-        elif engine == "latentloop compiled dynamo":
-            calls[engine] = latentloop_call(model, prompt, compile=True, aot=False)
-        elif engine.startswith("latentloop") and "int8" in engine:
+def make_call(engine: str, model, folder: Path, context: int, batch: int, threads: int):
+    """call(prompt, new_tokens) -> `engine`'s greedy token ids, for prompts of up to `batch` tokens
+    and `context` tokens in all; `model` is the run's (latentloop rows), `folder` holds its export."""
+    hf_dir = folder / "hf"
+    if engine.startswith("latentloop"):
+        if "int8" in engine:
             import copy
 
-            calls[engine] = latentloop_call(quantize_int8(copy.deepcopy(model)), prompt,
-                                            compile="compiled" in engine, aot=not engine.endswith("dynamo"))
-        elif engine == "hf generate":
-            calls[engine] = hf_call(hf_dir, prompt)
-        elif engine.startswith("ctranslate2"):
-            quantization = "int8" if engine.endswith("int8") else None
-            calls[engine] = ctranslate2_call(hf_dir, folder, prompt, threads, quantization)
-        elif engine == "llama.cpp":
-            calls[engine] = llama_cpp_call(hf_dir, folder, prompt, context, threads)
-    return calls
+            from latentloop.inference.quant import quantize_int8
+
+            model = quantize_int8(copy.deepcopy(model))
+        compile = {"default": "auto", "eager": False}.get(engine.split()[1], True)
+        aot = not engine.endswith("dynamo")
+        return lambda prompt, new_tokens: latentloop_generate(model, prompt, new_tokens, compile, aot)
+    if engine == "hf generate":
+        return hf_call(hf_dir)
+    if engine.startswith("ctranslate2"):
+        return ctranslate2_call(hf_dir, folder, threads, "int8" if engine.endswith("int8") else None)
+    if engine == "llama.cpp":
+        return LlamaCppLoop(gguf_path(hf_dir, folder), context, batch, threads)
+    if engine == "llama-cpp-python generate":
+        return llama_cpp_python_call(gguf_path(hf_dir, folder), context, batch, threads)
+    raise ValueError(f"unknown engine {engine!r}")
 
 
 def agreement(tokens: list[int], reference: list[int]) -> int:
@@ -306,52 +469,67 @@ def agreement(tokens: list[int], reference: list[int]) -> int:
 
 def worker(spec: dict[str, Any]) -> int:
     """One engine in a process of its own (`--worker SPEC`, started by `EngineWorker`): loads the
-    exported model, warms the engine up and answers with its greedy tokens, then, for every line it
-    reads until its input closes, times a call for one new token (the prompt's prefill and the first
-    token) and one for all of them. Answers go to the original stdout, one JSON line each;
-    anything a library prints goes to stderr."""
+    exported model, warms the engine up on every prompt and answers with its greedy tokens for each,
+    then, for every line it reads until its input closes (a prompt's index), times a call for one
+    new token (the prompt's prefill and the first token) and one for all of them. Answers go to the
+    original stdout, one JSON line each; anything a library prints goes to stderr.
+
+    The default path (`compile="auto"`) is warmed up as a process that decoded this shape before:
+    a compiled call first, so that its calls find the step compiled (`AutoCompile.compiled_already`)
+    and move onto it after their eager probe steps, as a user's do once the automatic rule has
+    compiled (a fresh process's first calls stay eager until the saving pays for the compile)."""
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # the libraries' own prints (llama.cpp, transformers) stay out of the answers
     torch.set_num_threads(spec["threads"])
-    folder, engine = Path(spec["folder"]), spec["engine"]
+    folder, engine, prompts, new_tokens = Path(spec["folder"]), spec["engine"], spec["prompts"], spec["new_tokens"]
     model = None
     if engine.startswith("latentloop"):
         import latentloop
 
         model, _ = latentloop.load(folder / "run")
         model.eval()
-    new_tokens = spec["new_tokens"]
-    call = make_calls([engine], model, folder / "hf", folder, spec["prompt"], len(spec["prompt"]) + new_tokens,
-                      spec["threads"])[engine]
-    tokens = call(new_tokens)  # the warm-up (compiles), and the tokens
-    call(1)
+    longest = max(len(prompt) for prompt in prompts)
+    call = make_call(engine, model, folder, longest + new_tokens, longest, spec["threads"])
+    tokens = []
+    for prompt in prompts:
+        if engine == "latentloop default":
+            latentloop_generate(model, prompt, new_tokens, compile=True)
+        tokens.append(call(prompt, new_tokens))  # the warm-up (compiles), and the tokens
+        call(prompt, 1)
     answers.write(json.dumps({"tokens": tokens}) + "\n")
     answers.flush()
-    for _ in sys.stdin:
-        start = time.perf_counter()
-        call(1)
-        first = time.perf_counter() - start
-        start = time.perf_counter()
-        call(new_tokens)
-        answers.write(json.dumps({"seconds": time.perf_counter() - start, "first_seconds": first}) + "\n")
+    for line in sys.stdin:
+        whole, first = time_prompt(call, prompts[int(line)], new_tokens)
+        answers.write(json.dumps({"seconds": whole, "first_seconds": first}) + "\n")
         answers.flush()
     return 0
 
 
+def time_prompt(call, prompt: list[int], new_tokens: int, clock=time.perf_counter) -> tuple[float, float]:
+    """Seconds of (a call for `new_tokens` new tokens, a call for the first new token alone: the
+    time to first token, the prompt's prefill included), the first-token call first."""
+    start = clock()
+    call(prompt, 1)
+    first = clock() - start
+    start = clock()
+    call(prompt, new_tokens)
+    return clock() - start, first
+
+
 class EngineWorker:
     """The parent's handle on one engine's process: started and warmed up on construction (its greedy
-    tokens in `tokens`), then `time_call()` per timed call; `close()` ends it."""
+    tokens for each prompt in `tokens`), then `time_call(index)` per timed call; `close()` ends it."""
 
-    def __init__(self, engine: str, folder: Path, prompt: list[int], new_tokens: int, threads: int):
+    def __init__(self, engine: str, folder: Path, prompts: list[list[int]], new_tokens: int, threads: int):
         self.engine = engine
-        spec = {"engine": engine, "folder": str(folder), "prompt": prompt, "new_tokens": new_tokens,
+        spec = {"engine": engine, "folder": str(folder), "prompts": prompts, "new_tokens": new_tokens,
                 "threads": threads}
         environment = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
         self.process = subprocess.Popen([sys.executable, "-m", "benchmarks.engines", "--worker", json.dumps(spec)],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT,
                                         env=environment)
-        self.tokens: list[int] = self._answer()["tokens"]
+        self.tokens: list[list[int]] = self._answer()["tokens"]
 
     def _answer(self) -> dict[str, Any]:
         line = self.process.stdout.readline()
@@ -359,9 +537,10 @@ class EngineWorker:
             raise RuntimeError(f"the {self.engine} worker exited with code {self.process.wait()} (its stderr is above)")
         return json.loads(line)
 
-    def time_call(self) -> tuple[float, float]:
-        """Seconds of (a call for all the new tokens, one for the first new token only)."""
-        self.process.stdin.write("run\n")
+    def time_call(self, prompt: int = 0) -> tuple[float, float]:
+        """Seconds of (a call for all the new tokens, one for the first new token only) for the
+        `prompt`-th prompt."""
+        self.process.stdin.write(f"{prompt}\n")
         self.process.stdin.flush()
         answer = self._answer()
         return answer["seconds"], answer["first_seconds"]
@@ -376,106 +555,164 @@ class EngineWorker:
             self.process.wait()
 
 
+def case_name(shape: str, prompt_len: int) -> str:
+    return f"{shape} / prompt {prompt_len}"
+
+
+Rounds = list[tuple[float, float]]  # (seconds of the whole call, seconds of the first token's call) per round
+
+
+def measure(engines: list[str], folder: Path, prompts: list[list[int]], new_tokens: int, threads: int,
+            repeats: int, settle: float) -> tuple[dict[str, list[list[int]]], dict[str, list[Rounds]]]:
+    """(engine -> its greedy tokens per prompt, engine -> its rounds per prompt): every engine in a
+    process of its own, started and warmed up one after another, then `repeats` rounds, each timing
+    every prompt on every engine, the engines' order rotating from round to round."""
+    workers: dict[str, EngineWorker] = {}
+    try:
+        for name in engines:  # one after another: a warm-up (a compile) has the machine to itself
+            workers[name] = EngineWorker(name, folder, prompts, new_tokens, threads)
+        timed = {name: [[] for _ in prompts] for name in workers}
+        for r in range(repeats):  # interleaved, order rotating
+            shift = r % len(engines)
+            for index in range(len(prompts)):
+                for name in engines[shift:] + engines[:shift]:
+                    time.sleep(settle)
+                    timed[name][index].append(workers[name].time_call(index))
+    finally:
+        for w in workers.values():
+            w.close()
+    return {name: w.tokens for name, w in workers.items()}, timed
+
+
+def case_rows(engines: list[str], notes: dict[str, str | None], tokens: dict[str, list[int]],
+              timed: dict[str, list[tuple[float, float]]], new_tokens: int) -> tuple[dict[str, Any], str | None]:
+    """(engine -> its figures, the reference engine) for one prompt at one thread count: the timing
+    (`timing_entry`), the greedy agreement with the reference row's tokens (and the int8 rows' with
+    latentloop eager int8's), and every figure over llama.cpp's of the same round (`paired_with`)."""
+    reference = next((name for name in REFERENCES if name in tokens), None)
+    rows: dict[str, Any] = {}
+    for engine in engines:
+        if notes.get(engine) is not None:
+            rows[engine] = {"note": notes[engine]}
+            continue
+        entry = timing_entry(timed[engine], new_tokens)
+        if reference is not None:
+            entry["agree"] = agreement(tokens[engine], tokens[reference])
+        if "int8" in engine and INT8_REFERENCE in tokens:
+            entry["agree_int8"] = agreement(tokens[engine], tokens[INT8_REFERENCE])
+        if PAIRED_WITH in timed:  # each engine's rounds over llama.cpp's in the same round
+            entry.update(paired_with(timed[engine], timed[PAIRED_WITH], new_tokens))
+        rows[engine] = entry
+    return rows, reference
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     env = start_run(argparse.Namespace(threads=args.threads[0]))  # each thread count is set again below
-    shape = SHAPES[args.shape]
     results: dict[str, Any] = {"env": env, "args": {k: (str(v) if isinstance(v, Path) else v)
-                                                    for k, v in vars(args).items()}, "threads": {}}
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp)
-        model, tokenizer, _ = build_export(shape, args.prompt_len + args.new_tokens, args.seed, folder)
-        byte_ids = torch.randint(0, 256, (args.prompt_len - 1,), generator=torch.Generator().manual_seed(args.seed))
-        prompt = [tokenizer.bos_id] + byte_ids.tolist()  # BOS, then random bytes
-        results["params"] = model.num_params()
-        for threads in args.threads:
-            torch.set_num_threads(threads)
-            notes = {engine: unavailable(engine) for engine in args.engines}
-            runnable = [e for e in args.engines if notes[e] is None]
-            print(f"{threads} thread(s): preparing {', '.join(runnable)}, a process each ...", flush=True)
-            workers: dict[str, EngineWorker] = {}
-            try:
-                for name in runnable:  # one after another: a warm-up (a compile) has the machine to itself
-                    workers[name] = EngineWorker(name, folder, prompt, args.new_tokens, threads)
-                tokens = {name: w.tokens for name, w in workers.items()}
-                timed: dict[str, list[tuple[float, float]]] = {name: [] for name in workers}
-                names = list(workers)
-                for r in range(args.repeats):  # interleaved, order rotating
-                    shift = r % len(names)
-                    for name in names[shift:] + names[:shift]:
-                        time.sleep(args.settle)
-                        timed[name].append(workers[name].time_call())
-            finally:
-                for w in workers.values():
-                    w.close()
-            reference = tokens.get(REFERENCE)
-            rows = {}
-            for engine in args.engines:
-                if notes[engine] is not None:
-                    rows[engine] = {"note": notes[engine]}
-                    continue
-                entry = timing_entry(timed[engine], args.new_tokens)
-                if reference is not None:
-                    entry["agree"] = agreement(tokens[engine], reference)
-                if "int8" in engine and INT8_REFERENCE in tokens:
-                    entry["agree_int8"] = agreement(tokens[engine], tokens[INT8_REFERENCE])
-                rows[engine] = entry
-            if PAIRED_WITH in timed:  # each engine's rounds over llama.cpp's in the same round
-                for engine in timed:
-                    rows[engine].update(paired_with(timed[engine], timed[PAIRED_WITH]))
-            results["threads"][str(threads)] = rows
+                                                    for k, v in vars(args).items()}, "cases": {}}
+    context = max(args.prompt_len) + args.new_tokens  # every shape's context covers the longest call
+    text = prompt_text()
+    for shape in args.shapes:
+        layers, vocab_size = resolve_shape(shape)
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = Path(tmp)
+            model, tokenizer, _ = build_export(layers, context, args.seed, folder, vocab_size)
+            prompts = [text_prompt(length, tokenizer.bos_id, args.seed, text) for length in args.prompt_len]
+            cases = {length: results["cases"].setdefault(case_name(shape, length), {
+                "shape": shape, "vocab_size": tokenizer.vocab_size, "params": model.num_params(),
+                "context": context, "prompt_len": length, "threads": {}}) for length in args.prompt_len}
+            del model
+            for threads in args.threads:
+                torch.set_num_threads(threads)
+                notes = {engine: unavailable(engine) for engine in args.engines}
+                runnable = [e for e in args.engines if notes[e] is None]
+                print(f"{shape}, {threads} thread(s): preparing {', '.join(runnable)}, a process each ...", flush=True)
+                tokens, timed = measure(runnable, folder, prompts, args.new_tokens, threads, args.repeats, args.settle)
+                for index, length in enumerate(args.prompt_len):
+                    rows, reference = case_rows(args.engines, notes, {e: t[index] for e, t in tokens.items()},
+                                                {e: t[index] for e, t in timed.items()}, args.new_tokens)
+                    cases[length]["threads"][str(threads)] = rows
+                    cases[length]["reference"] = reference
     return results
 
 
-def paired_with(rounds: list[tuple[float, float]], reference: list[tuple[float, float]]) -> dict[str, Any]:
-    """An engine's whole calls over the reference engine's of the same rounds: every round's ratio,
-    their mean with its t interval over rounds, and the verdict ("faster" when the interval lies
-    below 1, "slower" above it, "undecided" when it holds 1)."""
+def paired_with(rounds: list[tuple[float, float]], reference: list[tuple[float, float]],
+                new_tokens: int | None = None) -> dict[str, Any]:
+    """An engine's figures over the reference engine's of the same rounds: its whole calls
+    (`over_llama_cpp`), and with `new_tokens` its first tokens (`first_over_llama_cpp`) and its
+    decode after the first (`decode_over_llama_cpp`, when more than one token); per figure every
+    round's ratio (`..._all`), their mean with its t interval over rounds, and the verdict ("faster"
+    when the interval lies below 1, "slower" above it, "undecided" when it holds 1)."""
     from latentloop.eval.stats import paired_comparison, verdict
 
-    comparison = paired_comparison({r: whole for r, (whole, _) in enumerate(rounds)},
-                                   {r: whole for r, (whole, _) in enumerate(reference)}, kind="ratio")
-    return {"over_llama_cpp_all": [whole / paired for (whole, _), (paired, _) in zip(rounds, reference)],
-            "over_llama_cpp": comparison,
-            "verdict": verdict(comparison, "faster", "slower").replace("seed", "round")}  # rounds pair here
+    figures = {"over_llama_cpp": [whole for whole, _ in rounds]}
+    paired = {"over_llama_cpp": [whole for whole, _ in reference]}
+    if new_tokens is not None:
+        figures["first_over_llama_cpp"] = [first for _, first in rounds]
+        paired["first_over_llama_cpp"] = [first for _, first in reference]
+        if new_tokens > 1:  # the decode's time: the whole call less the first token's (per token: the same ratio)
+            figures["decode_over_llama_cpp"] = [whole - first for whole, first in rounds]
+            paired["decode_over_llama_cpp"] = [whole - first for whole, first in reference]
+    entry: dict[str, Any] = {}
+    for key, values in figures.items():
+        comparison = paired_comparison(dict(enumerate(values)), dict(enumerate(paired[key])), kind="ratio")
+        entry[f"{key}_all"] = [value / other for value, other in zip(values, paired[key])]
+        entry[key] = comparison
+        prefix = key.removesuffix("over_llama_cpp")
+        entry[f"{prefix}verdict"] = verdict(comparison, "faster", "slower").replace("seed", "round")  # rounds pair
+    return entry
 
 
 def timing_entry(rounds: list[tuple[float, float]], new_tokens: int) -> dict[str, Any]:
     """One engine's figures from its rounds of (seconds for all new tokens, seconds for the first):
     the whole call per new token, the first token's time (prefill included), and the decode alone,
-    per token after the first (the difference of the two calls of the same round)."""
+    per token after the first (the difference of the two calls of the same round) and as tokens per
+    second."""
     per_token = [whole / new_tokens * 1e3 for whole, _ in rounds]
     entry = {"ms_per_token_all": per_token, "ms_per_token": statistics.median(per_token),
              "first_token_ms_all": [first * 1e3 for _, first in rounds]}
     if new_tokens > 1:
-        entry["decode_ms_per_token_all"] = [(whole - first) / (new_tokens - 1) * 1e3 for whole, first in rounds]
+        decode = [(whole - first) / (new_tokens - 1) for whole, first in rounds]
+        entry["decode_ms_per_token_all"] = [seconds * 1e3 for seconds in decode]
+        entry["decode_tokens_per_s_all"] = [1 / seconds if seconds > 0 else float("inf") for seconds in decode]
     return entry
 
 
 def markdown_table(results: dict[str, Any]) -> str:
+    """A table per case (shape and prompt length): each engine's figures at each thread count."""
     from latentloop.eval.stats import format_comparison
 
     args = results["args"]
-    header = (f"Engine ({args['shape']}: {results['params']:,} params; prompt {args['prompt_len']} + "
-              f"{args['new_tokens']} new, batch 1, greedy)", "threads", "ms / new token (prefill included)",
-              "first token, ms (prefill included)", "decode, ms / token after the first",
-              f"whole call over {PAIRED_WITH}'s, paired by round: mean [95% t-interval], verdict",
-              f"greedy tokens agreeing with {REFERENCE} (int8 rows: and with {INT8_REFERENCE})")
-    rows = [header]
-    for threads, engines in results["threads"].items():
-        for engine, entry in engines.items():
-            if "note" in entry:
-                rows.append((engine, threads, "—", "—", "—", "—", entry["note"]))
-                continue
-            agree = f"{entry['agree']}/{args['new_tokens']}" if "agree" in entry else "—"
-            if "agree_int8" in entry:
-                agree += f" ({entry['agree_int8']}/{args['new_tokens']})"
-            optional = [spread(entry[key], fmt) if key in entry else "—" for key, fmt in (
-                ("first_token_ms_all", "{:.2f}"), ("decode_ms_per_token_all", "{:.3f}"))]
-            paired = "—"
-            if "over_llama_cpp" in entry and engine != PAIRED_WITH:
-                paired = f"{format_comparison(entry['over_llama_cpp'], 3)}, {entry['verdict']}"
-            rows.append((engine, threads, spread(entry["ms_per_token_all"], "{:.3f}"), *optional, paired, agree))
-    return render_table(rows)
+    tables = []
+    for name, case in results["cases"].items():
+        reference = case.get("reference") or "—"
+        header = (f"Engine ({name}: vocabulary {case['vocab_size']:,}, {case['params']:,} params; "
+                  f"{args['new_tokens']} new, batch 1, greedy)", "threads", "ms / new token (prefill included)",
+                  "first token, ms (prefill included)", "decode, ms / token after the first", "decode, tokens / s",
+                  *(f"{what} over {PAIRED_WITH}'s, by round: mean [95% t-interval], verdict" for _, what in FIGURES),
+                  f"greedy tokens agreeing with {reference} (int8 rows: and with {INT8_REFERENCE})")
+        rows = [header]
+        for threads, engines in case["threads"].items():
+            for engine, entry in engines.items():
+                if "note" in entry:
+                    rows.append((engine, threads, *["—"] * (len(header) - 3), entry["note"]))
+                    continue
+                agree = f"{entry['agree']}/{args['new_tokens']}" if "agree" in entry else "—"
+                if "agree_int8" in entry:
+                    agree += f" ({entry['agree_int8']}/{args['new_tokens']})"
+                optional = [spread(entry[key], fmt) if key in entry else "—" for key, fmt in (
+                    ("first_token_ms_all", "{:.2f}"), ("decode_ms_per_token_all", "{:.3f}"),
+                    ("decode_tokens_per_s_all", "{:.1f}"))]
+                paired = []
+                for key, _ in FIGURES:
+                    if key in entry and engine != PAIRED_WITH:
+                        paired.append(f"{format_comparison(entry[key], 3)}, "
+                                      f"{entry[key.removesuffix('over_llama_cpp') + 'verdict']}")
+                    else:
+                        paired.append("—")
+                rows.append((engine, threads, spread(entry["ms_per_token_all"], "{:.3f}"), *optional, *paired, agree))
+        tables.append(render_table(rows))
+    return "\n\n".join(tables)
 
 
 # The issue's "at or above llama.cpp": latentloop's whole call at most this many times llama.cpp's,
@@ -485,37 +722,61 @@ def markdown_table(results: dict[str, Any]) -> str:
 AT_MARGIN = 1.05
 
 
+def run_cases(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """A run's JSON as case name -> {"threads": ...}; a run written before the cases (one shape and
+    prompt length: `threads` at the top) is its one case."""
+    if "cases" in run:
+        return run["cases"]
+    return {case_name(run["args"]["shape"], run["args"]["prompt_len"]): {"threads": run["threads"]}}
+
+
 def pool(paths: list[Path]) -> str:
-    """Several runs' JSON (`--json`) of one command, their rounds pooled: per thread count and engine,
-    the rounds, the mean whole-call ratio over llama.cpp's with its 95% t-interval, and whether that
-    shows the engine ahead of llama.cpp (upper end below 1) or at its speed (upper end at most
-    `AT_MARGIN`)."""
+    """Several runs' JSON (`--json`) of one command, their rounds pooled: per case, figure, thread
+    count and engine, the rounds, the mean ratio over llama.cpp's with its 95% t-interval, and
+    whether that shows the engine ahead of llama.cpp (upper end below 1) or at its speed (upper end
+    at most `AT_MARGIN`)."""
     from latentloop.eval.stats import format_comparison, paired_comparison
 
     runs = [json.loads(path.read_text()) for path in paths]
-    keys = ("shape", "prompt_len", "new_tokens")
-    if any({k: run["args"][k] for k in keys} != {k: runs[0]["args"][k] for k in keys} for run in runs):
-        raise SystemExit(f"--pool: the runs differ in {', '.join(keys)}; pool runs of one command")
-    rows = [("engine", "threads", "runs", "rounds", f"whole call over {PAIRED_WITH}'s, pooled: mean [95% t-interval]",
-             f"ahead (< 1) / at its speed (<= {AT_MARGIN})")]
-    for threads in runs[0]["threads"]:
-        for engine, entry in runs[0]["threads"][threads].items():
-            if engine == PAIRED_WITH or "over_llama_cpp_all" not in entry:
-                continue
-            ratios = [ratio for run in runs for ratio in
-                      run["threads"].get(threads, {}).get(engine, {}).get("over_llama_cpp_all", [])]
-            comparison = paired_comparison(dict(enumerate(ratios)), dict.fromkeys(range(len(ratios)), 1.0),
-                                           kind="ratio")
-            high = comparison["high"]
-            shown = "—" if high is None else ("ahead" if high < 1 else "at" if high <= AT_MARGIN else "not shown")
-            rows.append((engine, threads, str(len(runs)), str(len(ratios)), format_comparison(comparison, 3), shown))
-    return render_table(rows)
+    cases = [run_cases(run) for run in runs]
+    if any(set(c) != set(cases[0]) or run["args"]["new_tokens"] != runs[0]["args"]["new_tokens"]
+           for c, run in zip(cases, runs)):
+        raise SystemExit("--pool: the runs differ in their shapes, prompt lengths or new tokens; pool runs of one "
+                         "command")
+    tables = []
+    for name in cases[0]:
+        for key, what in FIGURES:
+            rows = [("engine", "threads", "runs", "rounds",
+                     f"{what} over {PAIRED_WITH}'s, pooled: mean [95% t-interval]",
+                     f"ahead (< 1) / at its speed (<= {AT_MARGIN})")]
+            for threads, engines in cases[0][name]["threads"].items():
+                for engine in engines:
+                    if engine == PAIRED_WITH:
+                        continue
+                    ratios = [ratio for c in cases for ratio in
+                              c[name]["threads"].get(threads, {}).get(engine, {}).get(f"{key}_all", [])]
+                    if not ratios:
+                        continue
+                    comparison = paired_comparison(dict(enumerate(ratios)), dict.fromkeys(range(len(ratios)), 1.0),
+                                                   kind="ratio")
+                    high = comparison["high"]
+                    shown = ("—" if high is None else "ahead" if high < 1 else "at" if high <= AT_MARGIN
+                             else "not shown")
+                    rows.append((engine, threads, str(len(runs)), str(len(ratios)), format_comparison(comparison, 3),
+                                 shown))
+            if len(rows) > 1:
+                tables.append(f"{name}, {what}:\n\n{render_table(rows)}")
+    return "\n\n".join(tables)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_decode_shape_arguments(p, SHAPES, "small")
+    p.add_argument("--shapes", "--shape", default="small",
+                   help=f"comma-separated shapes, each measured in turn, from: {', '.join(shape_names())}")
+    p.add_argument("--prompt-len", default="16",
+                   help="comma-separated prompt lengths (BOS and real text), each timed in every round")
+    p.add_argument("--new-tokens", type=int, default=200)
     p.add_argument("--threads", default="1", help="comma-separated thread counts, each measured in turn")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds (median and range reported)")
     p.add_argument("--engines", default="all", help=f"comma-separated, from: {', '.join(ENGINES)}")
@@ -527,16 +788,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.settle < 0:
         p.error(f"--settle must be >= 0, got {args.settle}")
     try:
-        args.threads = [int(t) for t in args.threads.split(",")]
-    except ValueError:
-        p.error(f"--threads must be comma-separated integers, got {args.threads!r}")
-    if any(t < 1 for t in args.threads):
-        p.error("--threads must be >= 1")
+        args.threads = comma_integers(args.threads, "--threads")
+        args.prompt_len = comma_integers(args.prompt_len, "--prompt-len")
+        args.shapes = [shape.strip() for shape in args.shapes.split(",")]
+        for shape in args.shapes:
+            resolve_shape(shape)
+    except ValueError as exc:
+        p.error(str(exc))
+    if len(set(args.shapes)) < len(args.shapes) or len(set(args.prompt_len)) < len(args.prompt_len):
+        p.error("--shapes and --prompt-len must not name a value twice")
     args.engines = list(ENGINES) if args.engines == "all" else [e.strip() for e in args.engines.split(",")]
     unknown = [e for e in args.engines if e not in ENGINES]
     if unknown:
         p.error(f"unknown engine {unknown[0]!r}; choose from: {', '.join(ENGINES)}")
-    require_at_least_one(p, args, ("prompt_len", "new_tokens", "repeats"))
+    require_at_least_one(p, args, ("new_tokens", "repeats"))
     return args
 
 

@@ -158,7 +158,7 @@ def _engines_smoke(tmp_path, capsys, chosen: list[str]) -> None:
     out = tmp_path / "engines.json"
     assert engines.main(["--shape", "smoke", "--prompt-len", "4", "--new-tokens", "6", "--repeats", "1",
                          "--settle", "0", "--engines", ",".join(chosen), "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())["threads"]["1"]
+    rows = json.loads(out.read_text())["cases"]["smoke / prompt 4"]["threads"]["1"]
     assert list(rows) == chosen
     paired = "llama.cpp" in chosen and engines.unavailable("llama.cpp") is None
     for engine in chosen:
@@ -313,7 +313,7 @@ def test_an_engine_worker_that_fails_is_reported_by_name(tmp_path):
     folder) raises in the parent naming the engine and its exit code, instead of hanging or passing."""
     engines = _benchmark("engines")
     with pytest.raises(RuntimeError, match=r"the latentloop eager worker exited with code [1-9]"):
-        engines.EngineWorker("latentloop eager", tmp_path, [1, 2, 3], 2, 1)
+        engines.EngineWorker("latentloop eager", tmp_path, [[1, 2, 3]], 2, 1)
 
 
 @pytest.mark.slow  # compiles the int8 step twice (a package and dynamo's graph): ~1 min on 2 cores
