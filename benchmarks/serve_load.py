@@ -359,7 +359,8 @@ def token_ids_by_string(tokenizer, vocab_size: int) -> dict[str, int]:
 
 def spot_check(servers: list, mix: list[list[int]], new_tokens: int, ids_of: dict[str, int]) -> list[dict]:
     """The first SPOT_CHECKS prompts of the mix, one at a time to each server, greedy: per prompt its
-    length, each server's prompt tokens and generated count, and the tokens agreeing from the start."""
+    length, each server's prompt tokens, generated count and tokens, the tokens agreeing from the
+    start, and how many distinct ids latentloop's hold (a trained model's greedy tokens may repeat one)."""
     from benchmarks.engines import agreement
 
     checks = []
@@ -372,7 +373,7 @@ def spot_check(servers: list, mix: list[list[int]], new_tokens: int, ids_of: dic
             got[server.name] = (server.prompt_tokens(reply.json()), reply_tokens(server, reply.json(), ids_of))
         (prompt_a, a), (prompt_b, b) = got.values()
         checks.append({"prompt": len(ids), "prompt_tokens": [prompt_a, prompt_b], "generated": [len(a), len(b)],
-                       "agree": agreement(a, b), "equal": a == b})
+                       "agree": agreement(a, b), "equal": a == b, "distinct": len(set(a)), "tokens": [a, b]})
     return checks
 
 
@@ -383,6 +384,7 @@ async def load_mix(server, concurrency: int, seconds: float, mix: list[list[int]
     are abandoned and counted). Returns the raw figures: latencies, generated tokens, failures."""
     latencies: list[float] = []
     generated: list[int] = []
+    prompts: list[int] = []  # each completed request's prompt length
     finished: list[float] = []
     failed = 0
     start = time.perf_counter()
@@ -403,6 +405,7 @@ async def load_mix(server, concurrency: int, seconds: float, mix: list[list[int]
                 latencies.append(done - sent)
                 finished.append(done)
                 generated.append(server.generated(reply.json()))
+                prompts.append(len(ids))
 
         tasks = [asyncio.create_task(worker(k)) for k in range(concurrency)]
         _, running = await asyncio.wait(tasks, timeout=seconds + tail)
@@ -410,16 +413,22 @@ async def load_mix(server, concurrency: int, seconds: float, mix: list[list[int]
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     wall = (max(finished) if finished and not running else time.perf_counter()) - start
-    return {"latencies": latencies, "generated": generated, "failed": failed, "abandoned": len(running),
-            "wall": wall}
+    return {"latencies": latencies, "generated": generated, "prompts": prompts, "failed": failed,
+            "abandoned": len(running), "wall": wall}
 
 
 def summarize_cell(raw: dict, new_tokens: int) -> dict:
     """A cell's figures from `load_mix`'s raw ones: requests, req/s, tokens/s, p50 / p99 latency (s),
-    and "short": completed requests that generated fewer than `new_tokens` (a stop token)."""
+    "short": completed requests that generated fewer than `new_tokens` (a stop token), and the p50
+    latency of the requests with the shortest and with the longest prompt apart ("p50 short prompt",
+    "p50 long prompt"; with concurrency 1 they tell prefill from decode)."""
     latencies, wall = raw["latencies"], raw["wall"]
     nan = float("nan")
-    return {"requests": len(latencies), "failed": raw["failed"], "abandoned": raw["abandoned"],
+    lengths = raw.get("prompts", [])
+    by_kind = {f"p50 {kind} prompt": statistics.median(t for t, n in zip(latencies, lengths) if n == length)
+               if lengths else nan for kind, length in (("short", min(lengths, default=0)),
+                                                        ("long", max(lengths, default=0)))}
+    return {**by_kind, "requests": len(latencies), "failed": raw["failed"], "abandoned": raw["abandoned"],
             "short": sum(1 for g in raw["generated"] if g < new_tokens), "wall": wall,
             "req/s": len(latencies) / wall if wall > 0 else nan, "tokens/s": sum(raw["generated"]) / wall
             if wall > 0 else nan, "p50": statistics.median(latencies) if latencies else nan,
@@ -434,7 +443,7 @@ def against_summary(measured: dict, names: tuple[str, str]) -> tuple[list[list],
 
     ours, theirs = names
     table = [["concurrency", "server", "requests", "failed", "short", "req/s", "tokens/s", "p50 latency s",
-              "p99 latency s", "rows per step"]]
+              "p99 latency s", "p50 s, short prompt", "p50 s, long prompt", "rows per step"]]
     concurrencies = sorted({c for c, _ in measured})
     for c in concurrencies:
         for name in names:
@@ -443,6 +452,8 @@ def against_summary(measured: dict, names: tuple[str, str]) -> tuple[list[list],
                           sum(r["short"] for r in cells),
                           *(cell_spread([r[key] for r in cells], digits) for key, digits in
                             (("req/s", 2), ("tokens/s", 0), ("p50", 2), ("p99", 2))),
+                          *(cell_spread([r.get(f"p50 {kind} prompt", float("nan")) for r in cells], 2)
+                            for kind in ("short", "long")),
                           cell_spread([r.get("rows per step", float("nan")) for r in cells], 1)])
     ratio_table = [["concurrency", f"req/s {ours} / {theirs}", "p50 ratio", "p99 ratio"]]
     ratios: dict[str, dict] = {}
@@ -566,7 +577,7 @@ def against_llama_cpp(args: argparse.Namespace, binary: Path) -> int:
             for check in checks:
                 print(f"spot check, prompt of {check['prompt']} tokens: prompt tokens read {check['prompt_tokens']}, "
                       f"generated {check['generated']} (latentloop, llama.cpp), greedy tokens agreeing "
-                      f"{check['agree']}/{min(check['generated'])}", flush=True)
+                      f"{check['agree']}/{min(check['generated'])} ({check['distinct']} distinct ids)", flush=True)
             cells = len(args.concurrency) * len(servers) * args.repeats
             seconds = args.budget / cells
             if seconds < MIN_CELL_S:

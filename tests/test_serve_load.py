@@ -136,11 +136,12 @@ def test_the_gguf_for_llama_server_carries_the_byte_vocabulary_and_the_same_tens
 
 def test_the_summary_gives_percentiles_and_ratios_over_repeats(serve_load):
     raw = {"latencies": [float(i) for i in range(1, 101)], "generated": [128] * 98 + [5, 7], "failed": 1,
-           "abandoned": 2, "wall": 50.0}
+           "abandoned": 2, "wall": 50.0, "prompts": [8, 40] * 50}
     cell = serve_load.summarize_cell(raw, 128)
     assert (cell["requests"], cell["failed"], cell["abandoned"], cell["short"]) == (100, 1, 2, 2)
     assert cell["req/s"] == 2.0 and cell["tokens/s"] == (128 * 98 + 12) / 50
     assert cell["p50"] == 50.5 and cell["p99"] == 99.0
+    assert (cell["p50 short prompt"], cell["p50 long prompt"]) == (50.0, 51.0)  # odd and even latencies apart
     empty = serve_load.summarize_cell({"latencies": [], "generated": [], "failed": 3, "abandoned": 0, "wall": 2.0},
                                       128)
     assert empty["req/s"] == 0 and math.isnan(empty["p50"]) and math.isnan(empty["p99"])
