@@ -5,7 +5,9 @@ rate (accepted / drafted), tokens per full-depth pass, and the speedup as a same
 interval (every path of a round on the same prompt, in random order; per-token decode time, the
 prefill excluded) against the eager full-depth decode and against the compiled one (`compile=True`,
 where the arch's step compiles: what `compile="auto"`, the default, runs once compiling pays).
-Speculative decoding itself runs eagerly.
+Speculative decoding runs compiled (`inference.speculative.CompiledDrafting`: the draft's compiled step,
+the compiled verification; one row) where the arch's step compiles, eagerly elsewhere (the table
+says which, and why).
 
 The runs: a few hundred steps on `stdlib` at R = 8 (the test-time depth), one per arch whose spec
 declares a draft; a run may carry decoding options for every path (`RUN:name=value,...`, e.g.
@@ -36,6 +38,7 @@ from latentloop.archs import get_arch
 from latentloop.engine import generate, model_options, stream
 from latentloop.errors import ConfigError, LatentloopError
 from latentloop.inference.fast import fallback_reason
+from latentloop.inference.speculative import compiled_drafting_reason
 from latentloop.runs import load_run
 from latentloop.runtime import eval_data
 from latentloop.util import first_line
@@ -103,10 +106,14 @@ def measure_run(folder: Path, given_text: dict[str, str], args: argparse.Namespa
         for tokens in args.draft_tokens:
             options = {**base, "draft_steps": steps, "draft_tokens": tokens}
             try:
-                model_options(model, options)
+                checked = model_options(model, options)
             except ConfigError as error:  # a draft as deep as the full depth, say
                 skipped.append(f"draft_steps={steps}, draft_tokens={tokens}: {error}")
                 continue
+            # the compiled rounds where the arch's step compiles (one row), else the eager ones
+            eager_reason = ("--no-compiled" if args.no_compiled else
+                            compiled_drafting_reason(model, checked, model.draft_options(checked), 1))
+            options["compile"] = eager_reason is None
             equal, acceptance, passes = True, [], 0
             for prompt, expected in zip(prompts, reference):
                 steps_out = list(stream(model, prompt, args.new_tokens, temperature=0.0, **options))
@@ -114,6 +121,7 @@ def measure_run(folder: Path, given_text: dict[str, str], args: argparse.Namespa
                 acceptance.append(steps_out[-1].info.get("draft_acceptance"))
                 passes += steps_out[-1].info.get("full_passes", 0)
             drafts[f"r={steps} k={tokens}"] = {"draft_steps": steps, "draft_tokens": tokens, "options": options,
+                                               "compiled": eager_reason is None, "eager_reason": eager_reason,
                                                "greedy_equal": equal,
                                                "acceptance": statistics.mean(a for a in acceptance if a is not None),
                                                "tokens_per_full_pass": len(prompts) * (args.new_tokens - 1) / passes}
@@ -172,21 +180,24 @@ def _speedup(draft: dict[str, Any], baseline: str) -> str:
 
 
 def markdown_table(results: dict[str, Any]) -> str:
-    rows = [("run", "arch", "depth", "draft (r, k)", "greedy equal", "acceptance", "tokens / full pass",
-             "eager ms/token", "speedup over eager full depth", "speedup over compiled full depth")]
+    rows = [("run", "arch", "depth", "draft (r, k)", "path", "greedy equal", "acceptance", "tokens / full pass",
+             "ms/token", "speedup over eager full depth", "speedup over compiled full depth")]
     for label, entry in results["runs"].items():
         eager = statistics.median(entry["eager_token_s_all"])
         compiled = entry["compiled_token_s_all"]
-        rows.append((label, entry["arch"], entry["depth"] or "trained", "— (full depth)", "—", "—", "1",
+        rows.append((label, entry["arch"], entry["depth"] or "trained", "— (full depth)", "eager", "—", "—", "1",
                      f"{eager * 1e3:.2f}", "1", "—" if compiled is None else
                      f"compiled: {eager / statistics.median(compiled):.2f}x eager"))
         for name, draft in entry["drafts"].items():
             rows.append((label, entry["arch"], entry["depth"] or "trained", name,
+                         "compiled" if draft.get("compiled") else "eager",
                          "yes" if draft["greedy_equal"] else "NO", f"{draft['acceptance']:.2f}",
                          f"{draft['tokens_per_full_pass']:.2f}", f"{statistics.median(draft['token_s_all']) * 1e3:.2f}",
                          _speedup(draft, "eager"), _speedup(draft, "compiled")))
     notes = [f"{label}: compiled full depth not run ({entry['compiled_not_run']})"
              for label, entry in results["runs"].items() if entry["compiled_not_run"]]
+    notes += sorted({f"{label}: drafting eagerly ({draft['eager_reason']})" for label, entry in results["runs"].items()
+                     for draft in entry["drafts"].values() if draft.get("eager_reason")})
     notes += [f"{label}: skipped {skip}" for label, entry in results["runs"].items() for skip in entry["skipped"]]
     notes.append(f"speedup: full-depth decode time over speculative, summed over the rounds, then per round "
                  f"(paired, the same prompt); target for a trained rgpt at depth 8: >= {SPEEDUP_TARGET}x")

@@ -31,7 +31,10 @@ kept with probability min(1, p(x) / q(x)) (p the full model's sampling distribut
 the first rejected position draws from normalize(max(0, p - q)), and a round whose drafts all pass
 draws one more token from p; so every token has exactly the full model's distribution, and greedy
 decoding (argmax agreement) gives the full model's tokens. Rows accept prefixes of their own
-lengths; the generator still yields one token per row per step.
+lengths; the generator still yields one token per row per step. The model and cache work of a round
+is a drafting object's: `EagerDrafting` (an ordinary cache, any batch) or, for one row whose step
+compiles, `inference.speculative.CompiledDrafting` (compiled steps over a static cache), chosen as
+the plain decode chooses its path (`compile=True`, or "auto" once compiling pays).
 """
 
 from __future__ import annotations
@@ -48,8 +51,9 @@ from torch import Tensor
 from .errors import LatentloopError
 from .inference.fast import PROBE_STEPS, AutoCompile, FastDecoder, static_length
 from .inference.quant import quantize_int8  # noqa: F401 (the engine's callers quantise through it: cli, api)
+from .inference.speculative import CompiledDrafting, compiled_drafting_reason
 from .models.backbone import PER_ROW_INFO, Draft
-from .models.options import check_options
+from .models.options import check_options, without_speed_only
 from .util import evaluating, is_int
 
 MAX_SEED = 2**63  # torch.Generator seeds are 64-bit
@@ -223,7 +227,8 @@ def stream(model, prompts, max_new_tokens: int, temperature: float = 1.0, top_k:
     saving reaches the expected compile cost (`AutoCompile`: batch <= 4; a ski-rental rule that also
     counts the earlier eager calls of the same shape, in this process and earlier ones); otherwise,
     and with False, it stays eager. Options whose
-    step cannot be captured (rgpt's adaptive exit, self-speculative decoding) decode eagerly.
+    step cannot be captured (rgpt's adaptive exit, mor's routing) decode eagerly; self-speculative
+    decoding compiles its rounds for one row (`CompiledDrafting`), by the same rule.
     on_compile(message): told when a compile starts and ends (the CLI prints it).
 
     Options that ask the model for a draft of itself (rgpt's `draft_steps` / `draft_tokens`) decode
@@ -274,7 +279,13 @@ def _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, sto
         # One new token comes from the prefill alone: no decode step, so no decoder and no static cache
         decodes = max_new_tokens > 1
         draft = getattr(model, "draft_options", lambda options: None)(options) if use_cache and decodes else None
-        if draft is not None:  # the draft's rounds run eagerly through an ordinary cache
+        drafting, auto_drafting = None, None
+        if draft is not None:  # self-speculative rounds: compiled (`CompiledDrafting`, one row) or eager
+            compiles = compiled_drafting_reason(model, options, draft, B) is None
+            if compiles and compile is True:
+                drafting = CompiledDrafting(model, options, draft, on_compile)
+            elif compiles and compile == "auto" and max_new_tokens > PROBE_STEPS + 1:
+                auto_drafting = AutoCompile(model, options)  # a record of its own: the options name the draft
             compile = False
         fast = FastDecoder(model, on_compile=on_compile, **options) if compile is True and decodes else None
         if fast is not None and fast.reason is not None:  # this step cannot be captured: decode eagerly
@@ -286,7 +297,14 @@ def _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, sto
         if fast is not None:
             cache = fast.new_cache(B, P + max_new_tokens)
         elif draft is not None:  # room for one round's verification past the generation (`_speculate`)
-            cache = model.new_cache(B, min(P + max_new_tokens + draft.tokens, model.config.sequence_len), **options)
+            needed = min(P + max_new_tokens + draft.tokens, model.config.sequence_len)
+            if drafting is not None:
+                cache = drafting.new_cache(needed)
+            elif auto_drafting is not None:  # an ordinary cache of the static cache's length, to be adopted
+                plain = without_speed_only(model.OPTIONS, options)
+                cache = model.new_cache(B, static_length(model, B, needed, **plain), **options)
+            else:
+                cache = model.new_cache(B, needed, **options)
         elif auto is not None:  # an ordinary cache of the static cache's length, so the decoder can adopt it
             cache = model.new_cache(B, static_length(model, B, P + max_new_tokens, **options), **options)
         else:
@@ -300,8 +318,13 @@ def _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, sto
         info = dict(out.info)
         last, greedy = out.logits[:, -1], None  # (B, V); the compiled step's own argmax, once it runs
         if draft is not None:
-            yield from _speculate(model, cache, last, options, draft, max_new_tokens, temperature, top_k, top_p,
-                                  generator, stop_tokens, logprobs, top_logprobs, info)
+            if drafting is not None:
+                drafting.begin_decoding(cache)
+            else:
+                drafting = EagerDrafting(model, cache, options, draft)
+            switch = None if auto_drafting is None else _AutoDrafting(auto_drafting, options, draft, on_compile)
+            yield from _speculate(drafting, last, max_new_tokens, temperature, top_k, top_p, generator, stop_tokens,
+                                  logprobs, top_logprobs, info, switch)
             return
         sequence = idx
         for step in range(max_new_tokens):
@@ -419,11 +442,75 @@ def accept_drafts(logits: Tensor, drafts: Tensor, draft_logits: Tensor, temperat
     return accepted, torch.multinomial(following, 1, generator=generator).squeeze(1)
 
 
-def _speculate(model, cache, last: Tensor, options: dict, draft: Draft, max_new_tokens: int, temperature: float,
-               top_k: int | None, top_p: float | None, generator: torch.Generator | None, stop_tokens: frozenset,
-               logprobs: bool, top_logprobs: int, info: dict) -> Iterator[DecodeStep]:
+class EagerDrafting:
+    """The model and cache work of self-speculative rounds through an ordinary cache (any batch; the
+    fast path's is `inference.speculative.CompiledDrafting`, with the same methods)."""
+
+    def __init__(self, model, cache, options: dict, draft: Draft):
+        self.model, self.cache, self.options, self.draft_spec = model, cache, options, draft
+
+    def drafts(self, wanted: int) -> int:
+        """Tokens to draft this round: the draft's k, fewer when no row needs them or the cache has no
+        room for k + 1 more slots (after reclaiming the holes ragged rounds left)."""
+        cache = self.cache
+        k = min(self.draft_spec.tokens, wanted)
+        if cache.length + k + 1 > cache.max_len:
+            cache.compact()
+        return max(0, min(k, cache.max_len - cache.length - 1))
+
+    def snapshot(self) -> dict[str, Tensor]:
+        return {name: value.clone() for name, value in self.cache.state.items()}
+
+    def draft(self, token: Tensor) -> Tensor:
+        return self.model.decode(token[:, None], self.cache, **self.draft_spec.options).logits[:, -1]  # (B, V)
+
+    def take_back(self, k: int, before: dict[str, Tensor]) -> None:
+        self.cache.rewind(k)
+        self.cache.state = {name: value.clone() for name, value in before.items()}
+
+    def verify(self, tokens: Tensor):
+        return self.model.decode(tokens, self.cache, **self.options)  # (B, k + 1, V): one full pass
+
+    def keep(self, out, kept: Tensor, before: dict[str, Tensor]) -> None:
+        self.model.keep_verified(self.cache, out, kept, before, self.options)
+
+
+class _AutoDrafting:
+    """The automatic mode (`AutoCompile`'s rule) for self-speculative decoding of one row: the first
+    rounds run eagerly, timed per token made; once they made `PROBE_STEPS` tokens, the rest moves to
+    `CompiledDrafting` when compiling pays (the compile record is the draft options' own), adopting
+    the cache (made at the static length for that)."""
+
+    def __init__(self, rule: AutoCompile, options: dict, draft: Draft, on_compile):
+        self.rule, self.options, self.draft, self.on_compile = rule, options, draft, on_compile
+        self.seconds, self.tokens = 0.0, 0
+        self.compiling_since: float | None = None
+
+    def after_round(self, drafting, seconds: float, made: int, remaining: int):
+        """The drafting object for the next rounds (`drafting`, or the compiled one it moves to)."""
+        if self.compiling_since is not None:  # the first compiled round ran: what the next call pays
+            self.rule.note_compiled(drafting.cache, time.perf_counter() - self.compiling_since)
+            self.compiling_since = None
+            return drafting
+        if not isinstance(drafting, EagerDrafting) or self.tokens >= PROBE_STEPS:
+            return drafting
+        self.seconds, self.tokens = self.seconds + seconds, self.tokens + made
+        if self.tokens < PROBE_STEPS:
+            return drafting
+        if not self.rule.decide(self.seconds / self.tokens, remaining, drafting.cache):
+            return drafting
+        compiled = CompiledDrafting(drafting.model, self.options, self.draft, self.on_compile)
+        compiled.adopt(drafting.cache)
+        self.compiling_since = time.perf_counter()
+        return compiled
+
+
+def _speculate(drafting, last: Tensor, max_new_tokens: int, temperature: float, top_k: int | None,
+               top_p: float | None, generator: torch.Generator | None, stop_tokens: frozenset, logprobs: bool,
+               top_logprobs: int, info: dict, switch: _AutoDrafting | None = None) -> Iterator[DecodeStep]:
     """`_decode`'s loop after the prefill when drafting: rounds of `_speculative_round` whenever a row
-    still decoding has nothing queued, one `DecodeStep` per token position as the plain loop yields."""
+    still decoding has nothing queued, one `DecodeStep` per token position as the plain loop yields.
+    `switch`: the automatic mode's move to the compiled rounds."""
     B = last.shape[0]
     rows = [_SpeculativeRow() for _ in range(B)]
     pending = sample_next(last, temperature, top_k, top_p, generator)  # (B,): made, not yet in the cache
@@ -432,10 +519,15 @@ def _speculate(model, cache, last: Tensor, options: dict, draft: Draft, max_new_
     finished, passes = [False] * B, 0
     for _ in range(max_new_tokens):
         while any(not done and not row.queued for row, done in zip(rows, finished)):
-            pending, round_info = _speculative_round(model, cache, pending, rows, options, draft, max_new_tokens,
-                                                     temperature, top_k, top_p, generator, stop_tokens)
+            start, made = time.perf_counter(), sum(row.made for row in rows)
+            pending, round_info = _speculative_round(drafting, pending, rows, max_new_tokens, temperature, top_k,
+                                                     top_p, generator, stop_tokens)
             passes += 1
             info = {**info, **round_info, "full_passes": passes}  # full-depth passes after the prefill
+            if switch is not None:
+                drafting = switch.after_round(drafting, time.perf_counter() - start,
+                                              sum(row.made for row in rows) - made,
+                                              max_new_tokens - min(row.made for row in rows))
         tokens: list[int | None] = []
         ids, logits = [0] * B, [last.new_zeros(last.shape[1:])] * B  # rows that stopped: placeholders
         for b, row in enumerate(rows):
@@ -449,30 +541,27 @@ def _speculate(model, cache, last: Tensor, options: dict, draft: Draft, max_new_
         yield _step(tokens, torch.tensor(ids, device=last.device), reported, logprobs, top_logprobs, info)
 
 
-def _speculative_round(model, cache, pending: Tensor, rows: list[_SpeculativeRow], options: dict, draft: Draft,
-                       max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None,
+def _speculative_round(drafting, pending: Tensor, rows: list[_SpeculativeRow], max_new_tokens: int,
+                       temperature: float, top_k: int | None, top_p: float | None,
                        generator: torch.Generator | None, stop_tokens: frozenset) -> tuple[Tensor, dict]:
-    """One round for every row (rows that stopped run along and keep nothing): up to `draft.tokens`
+    """One round for every row (rows that stopped run along and keep nothing): up to the draft's k
     drafts from the pending tokens (B,), taken back out of the cache, then one full pass over the
     pending tokens and the drafts; each row keeps what the full model accepts (`accept_drafts`) and
-    queues it with the token that follows, which becomes its pending token (returned)."""
+    queues it with the token that follows, which becomes its pending token (returned). `drafting`
+    does the model and cache work (`EagerDrafting`, `CompiledDrafting`)."""
     B, device = pending.shape[0], pending.device
     left = [max_new_tokens - row.made for row in rows]  # tokens each row may still make (>= 1 while open)
-    k = min(draft.tokens, max(n for n, row in zip(left, rows) if row.open) - 1)  # drafts that could be used
-    if cache.length + k + 1 > cache.max_len:  # ragged rounds left holes: reclaim them
-        cache.compact()
-    k = max(0, min(k, cache.max_len - cache.length - 1))
-    before = {name: value.clone() for name, value in cache.state.items()}
+    k = drafting.drafts(max(n for n, row in zip(left, rows) if row.open) - 1)  # drafts that could be used
+    before = drafting.snapshot()
     drafts, draft_logits, token = [], [], pending
     for _ in range(k):
-        q = model.decode(token[:, None], cache, **draft.options).logits[:, -1]  # (B, V)
+        q = drafting.draft(token)  # (B, V)
         token = sample_next(q, temperature, top_k, top_p, generator)
         drafts.append(token)
         draft_logits.append(q)
     if k:
-        cache.rewind(k)
-        cache.state = {name: value.clone() for name, value in before.items()}
-    out = model.decode(torch.stack([pending, *drafts], dim=1), cache, **options)  # (B, k + 1, V): one full pass
+        drafting.take_back(k, before)
+    out = drafting.verify(torch.stack([pending, *drafts], dim=1))  # (B, k + 1, V): one full pass
     drafted = torch.stack(drafts, dim=1) if k else pending.new_zeros((B, 0))
     accepted, following = accept_drafts(out.logits, drafted,
                                         torch.stack(draft_logits, dim=1) if k else out.logits[:, :0],
@@ -480,7 +569,7 @@ def _speculative_round(model, cache, pending: Tensor, rows: list[_SpeculativeRow
     # the cache keeps the pending token and the accepted drafts, at most up to the row's budget (so
     # that it never holds more than a plain decode's tokens); rows that stopped keep nothing
     room = torch.tensor([max(n, 0) if row.open else 0 for n, row in zip(left, rows)], device=device)
-    model.keep_verified(cache, out, torch.minimum(accepted + 1, room), before, options)
+    drafting.keep(out, torch.minimum(accepted + 1, room), before)
     counts, following_ids, drafted_ids = accepted.tolist(), following.tolist(), drafted.tolist()
     for b, row in enumerate(rows):
         if row.open:

@@ -14,7 +14,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import contract_kinds
+from conftest import contract_kinds, needs_cxx
 
 import latentloop.engine as engine
 from latentloop import build
@@ -23,6 +23,7 @@ from latentloop.cli import main
 from latentloop.data.tokenizers import ByteTokenizer
 from latentloop.engine import generate, model_options, sampling_probs, stream, teacher_forced_logits
 from latentloop.errors import ConfigError
+from latentloop.inference.speculative import CompiledDrafting, compiled_drafting_reason
 from latentloop.models.backbone import PER_ROW_INFO
 from latentloop.models.cache import KVCache
 from latentloop.runs import save_run
@@ -179,7 +180,7 @@ def test_the_cache_after_rejected_drafts_is_the_one_plain_decoding_builds(kind, 
     prompt = PROMPTS[0]
     made = _capture_caches(model, monkeypatch)
     spy = _Spy(model, monkeypatch)
-    tokens = generate(model, prompt, NEW_TOKENS, temperature=0.0, draft_steps=1, draft_tokens=3)
+    tokens = generate(model, prompt, NEW_TOKENS, temperature=0.0, draft_steps=1, draft_tokens=3, compile=False)
     monkeypatch.undo()
     assert any(kept[0] < 4 for kept in spy.kept), "no draft was rejected"
     (cache,) = made
@@ -350,6 +351,121 @@ def test_the_distribution_test_catches_a_planted_acceptance_bug(planted, monkeyp
     monkeypatch.setattr(engine, "accept_drafts", planted)
     draws = _speculative_draws(model, temperature, None, 0)
     assert _chi_square_p(draws, _exact_joint(model, temperature, None)) < PLANTED_P
+
+
+# -- the fast path: the rounds over a static cache (CompiledDrafting) ------------------------------------
+def _static_rounds(monkeypatch, compile: bool = False) -> list:
+    """Route the engine's compiled drafting through `CompiledDrafting(compile=compile)` and record each
+    instance (compile=False: the same static-cache work, eagerly: seconds instead of a compile)."""
+    made = []
+
+    def build_drafting(*args, **kwargs):
+        made.append(CompiledDrafting(*args, **kwargs, compile=compile))
+        return made[-1]
+
+    monkeypatch.setattr(engine, "CompiledDrafting", build_drafting)
+    return made
+
+
+def _compiling_kind(models) -> str:
+    """A drafting kind whose drafting compiles (a fixed-depth step)."""
+    for kind, model in models.items():
+        options = model_options(model, DRAFTS[0])
+        if compiled_drafting_reason(model, options, model.draft_options(options), 1) is None:
+            return kind
+    raise AssertionError("no drafting kind compiles its rounds")
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_rounds_over_the_static_cache_equal_the_full_depth(kind, models, monkeypatch):
+    """One row on the fast path's static cache (`compile=True`; eager rounds where the arch's step does not
+    compile, which is checked too): every draft setting gives the full
+    depth's tokens and log-probabilities, with drafts accepted and rejected; budgets that end inside
+    a round give exactly the budget; a decode up to the context's end (its last round drafts fewer
+    tokens, verified eagerly) stays exact; after it the slots past the kept tokens are empty."""
+    model = models[kind]
+    made = _static_rounds(monkeypatch)
+    prompt = [PROMPTS[0]]
+    plain_tokens, plain_logprobs, _ = _greedy(model, prompt)
+    reason = compiled_drafting_reason(model, model_options(model, DRAFTS[0]), model.draft_options(
+        model_options(model, DRAFTS[0])), 1)
+    acceptance = []
+    for options in DRAFTS:
+        steps = list(stream(model, prompt, NEW_TOKENS, temperature=0.0, logprobs=True, compile=True, **options))
+        assert [step.tokens[0] for step in steps] == plain_tokens[0], options
+        torch.testing.assert_close(torch.tensor([[step.logprobs[0] for step in steps]]), plain_logprobs,
+                                   rtol=TOL, atol=TOL)
+        acceptance.append(steps[-1].info["draft_acceptance"])
+        if reason is not None:  # the arch's step does not compile (mor's routing): eager rounds, no static cache
+            assert not made
+            continue
+        cache = made[-1].cache
+        assert type(cache).__name__.startswith("Static") and cache.static
+        assert (cache.key_pos[:, cache.filled:] == -1).all()
+        assert not any(slot[:, :, cache.filled:].any() for slot in (*cache.k_slots, *cache.v_slots))
+    assert min(acceptance) < 1 and max(acceptance) > 0, acceptance
+    plain = generate(model, prompt, NEW_TOKENS, temperature=0.0, compile=False)
+    for budget in (2, 3, 7):
+        assert generate(model, prompt, budget, temperature=0.0, compile=True, draft_steps=1,
+                        draft_tokens=4) == [row[:budget] for row in plain]
+    near_the_end = (PROMPTS[0] * model.config.sequence_len)[:model.config.sequence_len - 9]  # 9 tokens of room
+    assert generate(model, near_the_end, 9, temperature=0.0, compile=True, draft_steps=1, draft_tokens=6) == \
+        generate(model, near_the_end, 9, temperature=0.0, compile=False)
+
+
+def test_the_automatic_mode_moves_a_speculative_decode_onto_the_static_cache(models, monkeypatch):
+    """`compile="auto"` (the default) drafts eagerly first; once the rule says compiling pays, the rest
+    of the decode adopts the cache on the fast path, and the tokens stay the full depth's. Several rows
+    stay eager (rows accept drafts of different lengths; the static cache's share one write slot)."""
+    model = models[_compiling_kind(models)]
+    made = _static_rounds(monkeypatch)
+    monkeypatch.setattr(engine.AutoCompile, "decide", lambda self, eager_step_s, remaining, cache: True)
+    monkeypatch.setattr(engine.AutoCompile, "note_compiled", lambda self, cache, seconds: None)
+    plain = generate(model, PROMPTS[0], NEW_TOKENS, temperature=0.0, compile=False)
+    assert generate(model, PROMPTS[0], NEW_TOKENS, temperature=0.0, draft_steps=1, draft_tokens=2) == plain
+    assert len(made) == 1 and made[0].cache.static
+    batch = list(PROMPTS)
+    assert generate(model, batch, NEW_TOKENS, temperature=0.0, draft_steps=1, draft_tokens=2) == \
+        generate(model, batch, NEW_TOKENS, temperature=0.0, compile=False)
+    assert len(made) == 1
+
+
+def test_a_frozen_static_cache_takes_back_the_same_slots_of_every_row(models):
+    """Its rows share one write position: keeping different counts per row is refused, not misread."""
+    from latentloop.inference.fast import FastDecoder
+
+    model = models[_compiling_kind(models)]
+    decoder = FastDecoder(model, compile=False)
+    cache = decoder.new_cache(2, 16)
+    with torch.inference_mode():
+        model.prefill(torch.tensor([PROMPTS[0][:4]] * 2), cache)
+        decoder.begin_decoding(cache)
+        decoder.step(torch.tensor([1, 2]))
+        with pytest.raises(ValueError, match="the same slots of every row"):
+            cache.keep_recent(torch.tensor([0, 1]), 1)
+        cache.keep_recent(torch.tensor([0, 0]), 1)
+    assert cache.filled == 4 and (cache.key_pos[:, 4:] == -1).all() and cache.next_pos.tolist() == [4, 4]
+
+
+@pytest.mark.slow
+@needs_cxx
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_compiled_self_speculative_decoding_equals_the_full_depth(kind, models, monkeypatch):
+    """The compiled rounds (the draft's compiled step, the compiled verification of k + 1 tokens):
+    the full depth's tokens, and log-probabilities within the compiled step's rounding."""
+    model = models[kind]
+    options = model_options(model, DRAFTS[0])
+    reason = compiled_drafting_reason(model, options, model.draft_options(options), 1)
+    if reason is not None:
+        pytest.skip(f"{kind}: {reason}")
+    made = _static_rounds(monkeypatch, compile=True)
+    plain_tokens, plain_logprobs, _ = _greedy(model, [PROMPTS[0]])
+    steps = list(stream(model, [PROMPTS[0]], NEW_TOKENS, temperature=0.0, logprobs=True, compile=True,
+                        draft_steps=1, draft_tokens=3))
+    assert [step.tokens[0] for step in steps] == plain_tokens[0]
+    torch.testing.assert_close(torch.tensor([[step.logprobs[0] for step in steps]]), plain_logprobs,
+                               rtol=1e-4, atol=1e-4)  # reductions in another order than eager's products
+    assert made[-1]._verified_once and made[-1].drafter.compiled
 
 
 # -- refusals ----------------------------------------------------------------------------------------

@@ -53,6 +53,8 @@ What does not compile, and falls back to eager (`FastDecoder.supports` says why)
 - rgpt's adaptive exit (`exit_threshold > 0`): how many core steps run depends on the data (the
   exit test reads the device), so the whole step stays eager; fixed depth (`steps=`, every
   `cache_mode`) compiles;
+- self-speculative decoding of several rows (they accept drafts of different lengths; the static
+  cache's rows share one write position): one row's rounds compile (`inference/speculative.py`);
 - prefill (every arch): run once per call, its shapes change with the prompt, so compiling it
   would cost more than it saves; it runs eagerly into the same cache.
 """
@@ -155,14 +157,14 @@ class StaticCacheMixin:
         self.static = True
         self.set_window()
 
-    def set_window(self) -> None:
-        """Before each step, outside compiled code: the attended window covers the token about to be
-        written (`filled + 1` slots, rounded up to WINDOW_BUCKET, at most max_len). Its length
-        travels as the size of `window`, marked dynamic, so the compiled step slices by a symbolic
-        length instead of recompiling for each."""
-        if self.filled + 1 <= self.window.shape[0]:
+    def set_window(self, new_tokens: int = 1) -> None:
+        """Before each step, outside compiled code: the attended window covers the tokens about to be
+        written (`filled + new_tokens` slots, rounded up to WINDOW_BUCKET, at most max_len). Its
+        length travels as the size of `window`, marked dynamic, so the compiled step slices by a
+        symbolic length instead of recompiling for each."""
+        if self.filled + new_tokens <= self.window.shape[0]:
             return
-        W = min(self.max_len, -(-(self.filled + 1) // WINDOW_BUCKET) * WINDOW_BUCKET)
+        W = min(self.max_len, -(-(self.filled + new_tokens) // WINDOW_BUCKET) * WINDOW_BUCKET)
         self.window = torch.empty(W, device=self.key_pos.device)
         if "torch._dynamo" in sys.modules:  # else no dynamo step reads the mark, and importing it costs seconds
             torch._dynamo.maybe_mark_dynamic(self.window, 0)
@@ -241,8 +243,11 @@ class StaticCacheMixin:
     def begin(self, T: int, pad_mask: Tensor | None = None) -> AttentionPlan:
         if not self.static:
             return super().begin(T, pad_mask)
-        if T != 1 or pad_mask is not None:
-            raise ValueError("a frozen static cache decodes one unpadded token per row per step")
+        if pad_mask is not None or (T != 1 and self.per_row):
+            raise ValueError("a frozen static cache decodes unpadded tokens, one per row per step when each row "
+                             "writes at its own slot")
+        if T > 1:  # several tokens at once (self-speculative decoding's verification): `begin_tokens`
+            return self.begin_tokens(T)
         positions = self.next_pos[:, None].clone()  # (B, 1); a copy, as next_pos moves on below
         if self.per_row:
             self.key_pos[self.rows, self.write_index] = positions[:, 0]  # index_put_: inductor keeps it in place
@@ -262,10 +267,25 @@ class StaticCacheMixin:
         W = self.window.shape[0]
         return k_slot[:, :, :W], v_slot[:, :, :W]  # (B, H, W, hd): attention over the window only
 
+    def begin_tokens(self, T: int) -> AttentionPlan:
+        """`begin` for T > 1 tokens per row, written at the T slots from the shared write position
+        (`write_slots`), each seeing the stored keys and the new ones up to itself."""
+        self.write_slots = self.write_index + torch.arange(T, device=self.key_pos.device)  # (T,)
+        positions = self.next_pos[:, None] + torch.arange(T, device=self.key_pos.device)  # (B, T)
+        self.key_pos[:, self.write_slots] = positions
+        self.next_pos.add_(T)
+        self.pending = T
+        key_pos = self.key_pos[:, :self.window.shape[0]]  # (B, W)
+        visible = (key_pos[:, None, :] >= 0) & (key_pos[:, None, :] <= positions[:, :, None])  # (B, T, W)
+        return AttentionPlan(positions, visible[:, None], False)  # mask (B, 1, T, W)
+
     def _write(self, k_slot: Tensor, v_slot: Tensor, k: Tensor, v: Tensor) -> None:
-        """k, v (B, H, 1, hd) into the slot's buffers at the write position (index_put_: in place
-        when compiled)."""
-        if self.per_row:
+        """k, v (B, H, T, hd) into the slot's buffers at the write position (index_put_: in place
+        when compiled); T > 1 only with a shared write position (`begin_tokens`)."""
+        if self.pending > 1:
+            k_slot[:, :, self.write_slots] = k
+            v_slot[:, :, self.write_slots] = v
+        elif self.per_row:
             k_slot[self.rows, :, self.write_index] = k[:, :, 0]
             v_slot[self.rows, :, self.write_index] = v[:, :, 0]
         else:
@@ -273,7 +293,9 @@ class StaticCacheMixin:
             v_slot[:, :, self.write_index] = v
 
     def read(self, slot: int) -> tuple[Tensor, Tensor]:
-        """The keys/values (B, H, 1, hd) of the token being decoded in `slot` (as written so far)."""
+        """The keys/values (B, H, T, hd) of the tokens being decoded in `slot` (as written so far)."""
+        if self.pending > 1:
+            return self.k_slots[slot][:, :, self.write_slots], self.v_slots[slot][:, :, self.write_slots]
         if self.per_row:
             return (self.k_slots[slot][self.rows, :, self.write_index][:, :, None],
                     self.v_slots[slot][self.rows, :, self.write_index][:, :, None])
@@ -282,8 +304,37 @@ class StaticCacheMixin:
     def advance(self) -> None:
         if not self.static:
             return super().advance()
-        self.write_index.add_(1)
+        self.write_index.add_(self.pending)
+        if self.pending > 1:
+            self.write_slots = None  # not a tensor: an ahead-of-time step's inputs are the cache's tensors
         self.pending = 0
+
+    # -- taking tokens back (self-speculative decoding), outside compiled code --
+    def keep_recent(self, kept: Tensor, n: int) -> None:
+        """`KVCache.keep_recent` while frozen: of the last `n` slots written, keep the first
+        `kept` (the same count for every row: the rows share one write position) and give the
+        rest back, their keys/values zeroed and positions emptied, as a fresh cache's."""
+        if not self.static:
+            return super().keep_recent(kept, n)
+        counts = set(kept.tolist())
+        if self.per_row or len(counts) != 1 or not 0 <= n <= self.filled or self.pending:
+            raise ValueError(f"a frozen static cache takes back the same slots of every row: kept {sorted(counts)} "
+                             f"of {n} (filled {self.filled}, pending {self.pending})")
+        drop = n - min(counts.pop(), n)
+        if drop == 0:
+            return
+        start, end = self.filled - drop, self.filled
+        self.key_pos[:, start:end] = -1
+        for slot in (*self.k_slots, *self.v_slots):
+            slot[:, :, start:end] = 0
+        self.next_pos.sub_(drop)
+        self.write_index.sub_(drop)
+        self.filled -= drop
+
+    def rewind(self, n: int) -> None:
+        if not self.static:
+            return super().rewind(n)
+        self.keep_recent(torch.zeros(self.batch_size, dtype=torch.long), n)
 
 
 _STATIC_CLASSES: dict[type, type] = {}
@@ -670,6 +721,13 @@ class AutoCompile:
         ran = _RAN_SHAPES.get(self.model, set())
         return any(ran_shape(key, cache.batch_size, cache.max_len, False) in ran
                    for key in (self.key, (*self.key, AOT_BACKEND)))
+
+    def note_compiled(self, cache: KVCache, seconds: float) -> None:
+        """A compiled path other than `FastDecoder`'s (self-speculative rounds) ran for these options and
+        this cache's shape; its first call took `seconds`: free from now on in this process, and what
+        the next process expects to pay."""
+        _RAN_SHAPES.setdefault(self.model, set()).add(ran_shape(self.key, cache.batch_size, cache.max_len, False))
+        CompileRecord(self.model, self.options, cache).add(seconds)
 
     def decide(self, eager_step_s: float, remaining_steps: int, cache: KVCache) -> bool:
         """After the probe steps: True to compile the rest of this call. Without compiling, the

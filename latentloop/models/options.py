@@ -112,6 +112,13 @@ def check_options(declared: Sequence[DecodeOption], given: dict[str, Any], arch:
     return options
 
 
+def without_speed_only(declared: Sequence[DecodeOption], options: dict[str, Any]) -> dict[str, Any]:
+    """`options` without those `declared` speed-only (self-speculative decoding's draft): the same
+    output function, as a decoder that cannot use them (or a draft's plain step) runs it."""
+    speed_only = {option.name for option in declared if option.speed_only}
+    return {name: value for name, value in options.items() if name not in speed_only}
+
+
 def all_options(declarations: Iterable[tuple[str, Sequence[DecodeOption]]]
                 ) -> dict[str, tuple[DecodeOption, list[str]]]:
     """Union of several architectures' options by name: {name: (option, archs declaring it)}."""

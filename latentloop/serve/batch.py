@@ -39,6 +39,7 @@ from ..engine import left_pad, row_info, sample_next
 from ..inference.fast import WINDOW_BUCKET, CompileRecord, FastDecoder, fallback_reason, static_cache
 from ..models.backbone import GPT
 from ..models.cache import regroup, row_span
+from ..models.options import without_speed_only
 from ..util import evaluating
 
 
@@ -317,8 +318,7 @@ def batch_options(model, options: dict) -> dict:
     """The options a batch decodes with: without those the architecture declares speed-only
     (`DecodeOption.speed_only`, self-speculative decoding's draft), which a batch's one token a step
     cannot use: the output is the same function without them."""
-    speed_only = {option.name for option in getattr(model, "OPTIONS", ()) if option.speed_only}
-    return {name: value for name, value in options.items() if name not in speed_only}
+    return without_speed_only(getattr(model, "OPTIONS", ()), options)
 
 
 def compiles(model, options: dict, rows: int) -> bool:

@@ -524,7 +524,8 @@ class RGPT(GPT):
             return "rgpt's adaptive exit runs a data-dependent number of core steps (the exit test reads the device)"
         if drafting(options):
             return ("self-speculative decoding (draft_steps / draft_tokens) drafts, verifies several tokens in one "
-                    "pass and takes rejected ones back: it decodes through an eager cache")
+                    "pass and takes rejected ones back: its rounds are not this one-token step (the engine runs "
+                    "them, compiled for one row: inference.speculative)")
         return None
 
     def draft_options(self, options: dict) -> Draft | None:

@@ -1,0 +1,170 @@
+"""Self-speculative decoding on the fast path: the draft's steps and the full model's verification,
+compiled, over one static cache.
+
+The engine runs the rounds (`engine._speculative_round`: draft k tokens, take them back, verify them in
+one full pass, keep what the full model accepts); a *drafting* object does the model and cache work
+of a round. `engine.EagerDrafting` does it through an ordinary cache; `CompiledDrafting` here does it
+through a frozen static cache (`fast.static_cache`):
+
+- each draft step is the plain decode step of the draft's options (the same weights at fewer
+  recurrence steps, its speed-only draft options removed: `without_speed_only`), run by a
+  `FastDecoder` of its own: the ahead-of-time package or dynamo's graph that plain decoding at that
+  depth runs, shared with it;
+- the verification is the model's own `decode` of the pending token and the k drafts in one call,
+  compiled once per (model, options, k + 1 tokens) with the same CPU backend as the decode step
+  (`fast.compile_cpu_decode`); the static cache writes the k + 1 slots from its write position
+  (`StaticCacheMixin.begin_tokens`);
+- taking drafts back moves the cache's write position back (`StaticCacheMixin.keep_recent`), outside
+  compiled code.
+
+One row only: the rows of a frozen cache share one write position, and rows accept prefixes of
+different lengths. A round that cannot draft its k tokens (the context's end) verifies eagerly over
+the same static cache instead of compiling another shape.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import Tensor
+
+from ..models.backbone import GPT, Draft, ModelOutput
+from ..models.cache import KVCache
+from ..models.options import without_speed_only
+from .fast import (
+    _COMPILED_STEPS,
+    FastDecoder,
+    compile_cpu_decode,
+    fallback_reason,
+    static_cache,
+    static_length,
+    use_compile_cache,
+)
+
+VERIFY_KEY = "verify"  # in a key of `fast._COMPILED_STEPS`: the verification of k + 1 tokens, not a decode step
+
+
+def _verify(model, tokens: Tensor, cache: KVCache, options: dict) -> tuple[Tensor, Tensor, dict]:
+    """The full model's decode of tokens (B, T) through a frozen static cache: logits (B, T, V), top
+    states (B, T, D) and what the model reported, its carried state written back into the cache's
+    fixed buffers."""
+    buffers = dict(cache.state)
+    out = model.decode(tokens, cache, **options)
+    for name, buffer in buffers.items():
+        if cache.state[name] is not buffer:
+            buffer.copy_(cache.state[name])
+            cache.state[name] = buffer
+    return out.logits, out.hidden, out.info
+
+
+def _compiled_verify(device_type: str):
+    """A compiled copy of `_verify` with a code object of its own (its graphs and recompile limit are
+    its own, as `fast._compiled_step`'s copies)."""
+    code = _verify.__code__.replace(co_name=f"_verify_{len(_VERIFY_COPIES)}")
+    copy = types.FunctionType(code, _verify.__globals__, code.co_name)
+    _VERIFY_COPIES.append(code.co_name)
+    if device_type == "cpu":
+        return compile_cpu_decode(copy)
+    return torch.compile(copy, dynamic=False)  # CUDA: no graphs here, the drafts' steps have them
+
+
+_VERIFY_COPIES: list[str] = []
+
+
+def compiled_drafting_reason(model, options: dict, draft: Draft, batch_size: int) -> str | None:
+    """Why self-speculative decoding with these options runs eagerly, or None when it compiles."""
+    if not isinstance(model, GPT):
+        return "the static cache is the backbone's"
+    if batch_size != 1:
+        return "compiled self-speculative decoding takes one row (rows accept drafts of different lengths)"
+    return (fallback_reason(model, without_speed_only(model.OPTIONS, options))
+            or fallback_reason(model, without_speed_only(model.OPTIONS, draft.options)))
+
+
+class CompiledDrafting:
+    """The model and cache work of self-speculative rounds on the fast path (see the module docstring).
+    `new_cache(needed)`, the model's eager `prefill` into it, `begin_decoding(cache)` (or `adopt` an
+    ordinary cache part way through), then the engine's rounds call `drafts`, `snapshot`, `draft`,
+    `take_back`, `verify` and `keep`."""
+
+    def __init__(self, model, options: dict, draft: Draft, on_compile=None, compile: bool = True):
+        self.model, self.draft_spec = model, draft
+        self.options = without_speed_only(model.OPTIONS, options)  # the full model's output function
+        self.drafter = FastDecoder(model, compile=compile, on_compile=on_compile,
+                                   **without_speed_only(model.OPTIONS, draft.options))
+        self.on_compile = on_compile
+        self._verify_step = _verify  # compile=False: the same work eagerly over the static cache (tests)
+        if compile:
+            device = model.wte.weight.device.type
+            per_model = _COMPILED_STEPS.setdefault(model, {})
+            key = (device, tuple(sorted(self.options.items())), VERIFY_KEY, draft.tokens + 1)
+            if key not in per_model:
+                use_compile_cache()
+                per_model[key] = _compiled_verify(device)
+            self._verify_step = per_model[key]
+        self._verified_once = False
+        self.cache: KVCache | None = None
+
+    def new_cache(self, needed: int) -> KVCache:
+        """A static cache of one row with room for `needed` tokens (the prompt, the generation and one
+        round's drafts), shaped by the full model's options (its depth may exceed the draft's)."""
+        max_len = static_length(self.model, 1, needed, **self.options)
+        return static_cache(self.model.new_cache(1, max_len, **self.options))
+
+    def adopt(self, cache: KVCache) -> None:
+        """Continue an ordinary cache (`model.new_cache(1, static_length(...))`) on this path."""
+        self.begin_decoding(static_cache(cache))
+
+    def begin_decoding(self, cache: KVCache) -> None:
+        self.drafter.begin_decoding(cache)
+        self.cache = cache
+
+    # -- a round's work (engine._speculative_round) --
+    def drafts(self, wanted: int) -> int:
+        """How many tokens this round drafts: the draft's k whatever the row still needs (a smaller k
+        would be another compiled shape; drafts past the budget are not kept), fewer only where the
+        cache has no room for k + 1 more slots."""
+        cache = self.cache
+        return max(0, min(self.draft_spec.tokens, cache.max_len - cache.filled - 1))
+
+    def snapshot(self) -> dict[str, Tensor]:
+        return {name: value.clone() for name, value in self.cache.state.items()}
+
+    def draft(self, token: Tensor) -> Tensor:
+        """The draft's logits (B, V) after `token` (B,), which enters the cache."""
+        logits, _, _ = self.drafter.step(token)
+        return logits.clone()  # a package's outputs are written again by its next call
+
+    def take_back(self, k: int, before: dict[str, Tensor]) -> None:
+        """The k drafted slots leave the cache; the carried state is the one before the drafts."""
+        self.cache.rewind(k)
+        for name, value in before.items():
+            self.cache.state[name].copy_(value)
+
+    def verify(self, tokens: Tensor) -> ModelOutput:
+        """The full model over tokens (B, k + 1): the pending token and the drafts, in one call."""
+        cache = self.cache
+        T = tokens.shape[1]
+        if cache.filled + T > cache.max_len:
+            raise ValueError(f"cache overflow: {cache.filled} + {T} tokens > max_len {cache.max_len}")
+        cache.set_window(T)
+        if T != self.draft_spec.tokens + 1:  # a short round at the context's end: not worth a compile
+            logits, hidden, info = _verify(self.model, tokens, cache, self.options)
+        else:
+            if not self._verified_once and self.on_compile is not None and self._verify_step is not _verify:
+                self.on_compile("compiling the verification of the drafts ...")
+            logits, hidden, info = self._verify_step(self.model, tokens, cache, self.options)
+            self._verified_once = True
+        cache.filled += T
+        return ModelOutput(logits=logits, hidden=hidden, info=dict(info))
+
+    def keep(self, out: ModelOutput, kept: Tensor, before: dict[str, Tensor]) -> None:
+        """Of the verified tokens the row keeps its first kept (1,) (`model.keep_verified`); the
+        carried state it sets is copied into the cache's fixed buffers."""
+        buffers = dict(self.cache.state)
+        self.model.keep_verified(self.cache, out, kept, before, self.options)
+        for name, buffer in buffers.items():
+            if self.cache.state[name] is not buffer:
+                buffer.copy_(self.cache.state[name])
+                self.cache.state[name] = buffer
