@@ -10,12 +10,14 @@ run, exported with `latentloop export --plain`, and decoded greedily at batch 1 
 - CTranslate2 fp32 and int8 (`pip install ctranslate2`), converted from the exported folder;
 - llama.cpp's own decode loop (`llama.cpp`, `LlamaCppLoop`): its C API through llama-cpp-python's
   ctypes bindings, as llama-bench drives it: the prompt in one `llama_decode`, then one `llama_decode`
-  per token and an argmax over the last logits, no sampler; and llama-cpp-python's `Llama.generate`
-  (`llama-cpp-python generate`, the row of issue 26), which adds its Python sampler work to every
-  token. Both read the exported folder written as an fp32 GGUF file by `write_gguf` (no tokenizer:
-  llama.cpp's "none" vocabulary of `vocab_size` ids takes and gives token ids, as every other engine
-  here is given them). `pip install llama-cpp-python gguf`: PyPI has only its source for this
-  platform, a ~17 min build on 2 cores; `CMAKE_ARGS=-DGGML_NATIVE=ON` builds for this CPU.
+  per token and an argmax over the last logits, no sampler, flash attention off (`llama.cpp flash
+  attention`: on, llama-bench's default on the CPU, whose tokens may leave the others': see
+  `LlamaCppLoop`); and llama-cpp-python's `Llama.generate` (`llama-cpp-python generate`, the row of
+  issue 26), which adds its Python sampler work to every token. All read the exported folder
+  written as an fp32 GGUF file by `write_gguf` (no tokenizer: llama.cpp's "none" vocabulary of
+  `vocab_size` ids takes and gives token ids, as every other engine here is given them).
+  `pip install llama-cpp-python gguf`: PyPI has only its source for this platform, a ~17 min build
+  on 2 cores (~60 min beside other work); `CMAKE_ARGS=-DGGML_NATIVE=ON` builds for this CPU.
 
 Shapes (`--shapes`): `small` (4 layers, d 256), `large` (12 layers, d 768) and `smoke` (a test's),
 with the byte tokenizer's 259-token vocabulary, and each of them with a real model's vocabulary:
@@ -74,7 +76,8 @@ VOCABULARIES = {"32k": 32_000, "128k": 128_000}
 LLAMA_COMPATIBLE = dict(qk_norm=False, embed_norm=False, mlp="swiglu")  # what `export --plain` requires
 ENGINES = ("latentloop default", "latentloop eager", "latentloop compiled", "latentloop compiled dynamo",
            "latentloop eager int8", "latentloop compiled int8", "latentloop compiled int8 dynamo",
-           "hf generate", "ctranslate2 fp32", "ctranslate2 int8", "llama.cpp", "llama-cpp-python generate")
+           "hf generate", "ctranslate2 fp32", "ctranslate2 int8", "llama.cpp", "llama.cpp flash attention",
+           "llama-cpp-python generate")
 # every engine's tokens are compared with the first of these that runs
 REFERENCES = ("latentloop eager", "latentloop default", "latentloop compiled", "latentloop compiled dynamo")
 # int8 engines' tokens drift from the float model's within a few tokens (a random model's logits are
@@ -325,10 +328,14 @@ class LlamaCppLoop:
     (`llama_batch_get_one`: only the last position's logits are computed), then takes the argmax of
     the last logits (a numpy view of llama.cpp's float buffer) and decodes that token, one
     `llama_decode` per token, as llama-bench times generation. Context settings are llama.cpp's
-    defaults (its f16 KV cache, flash attention where it chooses it, 512-token micro-batches inside
-    a batch) except the context, the batch (the longest prompt) and the threads."""
+    defaults (its f16 KV cache, 512-token micro-batches inside a batch) except the context, the batch
+    (the longest prompt), the threads and flash attention: off unless `flash_attn`. llama-bench's
+    default ("auto") turns it on for the CPU, where its kernel rounds the queries to f16 too: on the
+    benchmark's random models, whose logits lie close together, greedy tokens then left latentloop's
+    after 65 of 128 at the small shape (1 and 2 threads), where with it off they agree on all 128, as
+    with llama-cpp-python's `Llama`, which turns it off."""
 
-    def __init__(self, path: Path, context: int, batch: int, threads: int):
+    def __init__(self, path: Path, context: int, batch: int, threads: int, flash_attn: bool = False):
         import llama_cpp as ll
 
         self.ll = ll
@@ -340,6 +347,7 @@ class LlamaCppLoop:
         params = ll.llama_context_default_params()
         params.n_ctx, params.n_batch = context, batch
         params.n_threads = params.n_threads_batch = threads
+        params.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
         self.context = ll.llama_init_from_model(self.model, params)
         if not self.context:
             raise RuntimeError(f"llama.cpp could not make a context of {context} tokens for {path}")
@@ -422,7 +430,7 @@ def unavailable(engine: str) -> str | None:
     """Why an engine cannot run here, or None."""
     module = {"hf generate": ("transformers",), "ctranslate2 fp32": ("ctranslate2",),
               "ctranslate2 int8": ("ctranslate2",), "llama.cpp": ("llama_cpp", "gguf"),
-              "llama-cpp-python generate": ("llama_cpp", "gguf")}
+              "llama.cpp flash attention": ("llama_cpp", "gguf"), "llama-cpp-python generate": ("llama_cpp", "gguf")}
     install = {"llama_cpp": "llama-cpp-python"}
     for name in module.get(engine, ()):
         try:
@@ -450,8 +458,8 @@ def make_call(engine: str, model, folder: Path, context: int, batch: int, thread
         return hf_call(hf_dir)
     if engine.startswith("ctranslate2"):
         return ctranslate2_call(hf_dir, folder, threads, "int8" if engine.endswith("int8") else None)
-    if engine == "llama.cpp":
-        return LlamaCppLoop(gguf_path(hf_dir, folder), context, batch, threads)
+    if engine in ("llama.cpp", "llama.cpp flash attention"):
+        return LlamaCppLoop(gguf_path(hf_dir, folder), context, batch, threads, flash_attn=engine != "llama.cpp")
     if engine == "llama-cpp-python generate":
         return llama_cpp_python_call(gguf_path(hf_dir, folder), context, batch, threads)
     raise ValueError(f"unknown engine {engine!r}")
