@@ -149,10 +149,10 @@ class _ExportedStep(nn.Module):
         self.cache, self.fields = None, []  # set while one cache's step is exported
         self.info: dict = {}
 
-    def forward(self, token: Tensor, flat: list[Tensor]) -> tuple[Tensor, Tensor]:
+    def forward(self, token: Tensor, flat: list[Tensor]) -> tuple[Tensor, ...]:
         restore(self.cache, self.fields, flat)
-        logits, greedy, self.info = self.step_fn(self.model, token, self.cache, self.options)
-        return logits, greedy
+        logits, greedy, self.info, *extras = self.step_fn(self.model, token, self.cache, self.options)
+        return (logits, greedy, *extras)
 
 
 def _kernel_config() -> dict:
@@ -240,8 +240,9 @@ def model_code_digest() -> str:
     return _DIGESTS["source"]
 
 
-def package_key(model, options: dict, cache, fields) -> str:
-    """A name for the package of this step: what it depends on, hashed (see the module docstring)."""
+def package_key(model, options: dict, cache, fields, tokens: int = 0) -> str:
+    """A name for the package of this step: what it depends on, hashed (see the module docstring).
+    `tokens`: the tokens per row of a several-token step (0: the one-token decode step)."""
     if "cpu" not in _DIGESTS:
         _DIGESTS["cpu"] = hashlib.sha256(_cpu_flags().encode()).hexdigest()
     config = model.config
@@ -257,7 +258,8 @@ def package_key(model, options: dict, cache, fields) -> str:
                        "int8_kernel": quant.package_kernel(), "rows_kernel": native.rows_package_kernel(),
                        "class": type(model).__qualname__, "cache": type(cache).__qualname__,
                        "config": config, "options": sorted((k, repr(v)) for k, v in options.items()),
-                       "fields": fields, "inputs": inputs, "constants": constants},
+                       "fields": fields, "inputs": inputs, "constants": constants,
+                       **({"tokens": tokens} if tokens else {})},  # the decode step's keys as they were
                       sort_keys=True, default=repr)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
@@ -527,10 +529,15 @@ class _Package:
 class AotDecodeStep:
     """`step(model, token, cache, options) -> (logits, greedy, info)`, run from an AOTInductor package
     per shape of the cache; `prepare(cache)` finds, compiles or loads the package for the cache's
-    current shape and must succeed before `__call__` (it raises `AotUnavailable` otherwise)."""
+    current shape and must succeed before `__call__` (it raises `AotUnavailable` otherwise).
 
-    def __init__(self, model, options: dict, step_fn):
-        self.model, self.options, self.step_fn = model, options, step_fn
+    `tokens` > 0: a step over that many tokens per row (token (B, tokens), greedy ids of the same
+    shape: self-speculative decoding's verification). A step function may return tensors after the
+    info (`step(...) -> (logits, greedy, info, *extras)`): each call leaves them in `extras`."""
+
+    def __init__(self, model, options: dict, step_fn, tokens: int = 0):
+        self.model, self.options, self.step_fn, self.tokens = model, options, step_fn, tokens
+        self.extras: tuple[Tensor, ...] = ()  # the last call's outputs after the greedy ids
         self.packages: dict[tuple, _Package] = {}
         self.compiled_now = False  # the last `prepare` compiled (as opposed to loading from disk)
         self.load_seconds = 0.0  # what loading the last package took (all a later process pays for it)
@@ -575,7 +582,8 @@ class AotDecodeStep:
             raise AotUnavailable(reason)
         from .fast import compile_cache_dir
 
-        path = compile_cache_dir() / AOT_SUBDIR / f"{package_key(self.model, self.options, cache, fields)}.pt2"
+        key = package_key(self.model, self.options, cache, fields, self.tokens)
+        path = compile_cache_dir() / AOT_SUBDIR / f"{key}.pt2"
         if path.exists():
             try:
                 if unverified_file(path) is not None:  # damaged, replaced, or from before digests
@@ -602,7 +610,8 @@ class AotDecodeStep:
         saved = flatten(cache, fields)
         state = dict(getattr(cache, "state", {}) or {})
         python_state = {k: v for k, v in vars(cache).items() if isinstance(v, (int, float, bool))}
-        token = torch.zeros(cache.batch_size, dtype=torch.long, device=cache.key_pos.device)
+        token = torch.zeros((cache.batch_size, self.tokens) if self.tokens else cache.batch_size, dtype=torch.long,
+                            device=cache.key_pos.device)
         dynamic = window_is_dynamic(cache.window, cache.max_len)
         window = torch.export.Dim("window", min=1, max=cache.max_len - 1) if dynamic else None
         flat_shapes = [({0: window} if t is cache.window and dynamic else None) for t in saved]
@@ -646,7 +655,8 @@ class AotDecodeStep:
                                                          and not self._slide(bound, cache)):
             return self._bind(token, cache)
         if bound.prepared is None:
-            logits, greedy = bound.package.library.run([token, *bound.flat])
+            logits, greedy, *extras = bound.package.library.run([token, *bound.flat])
+            self.extras = tuple(extras)
             return logits, greedy, bound.package.info
         if token is not bound.greedy:  # e.g. sampled ids: into the token's tensor
             if token.shape != bound.greedy.shape or token.dtype != bound.greedy.dtype:
@@ -654,6 +664,7 @@ class AotDecodeStep:
                                  f"{tuple(bound.greedy.shape)} {bound.greedy.dtype}")
             bound.greedy.copy_(token)
         bound.prepared.run()
+        self.extras = bound.extras
         return bound.logits, bound.greedy, bound.package.info
 
     @staticmethod
@@ -688,15 +699,16 @@ class AotDecodeStep:
         package = self.packages[shape]
         if not package.checked:
             package.bind(self.holder)
-        logits, greedy = package.library.run([token, *flat])
+        logits, greedy, *extras = package.library.run([token, *flat])
         function = _runner()
         prepared = None
-        if function is not None and logits.is_contiguous() and greedy.is_contiguous():
-            prepared = _PreparedRun(package.library, function, [greedy, *flat], [logits, greedy])
+        if function is not None and all(t.is_contiguous() for t in (logits, greedy, *extras)):
+            prepared = _PreparedRun(package.library, function, [greedy, *flat], [logits, greedy, *extras])
         dynamic = window_is_dynamic(cache.window, cache.max_len)  # a full-length window: a package of its own
         window_index = next((i for i, t in enumerate(flat) if t is cache.window), None) if dynamic else None
         self._bound = _Bound(cache, cache.window, fields, flat, window_index, torch.get_num_threads(), package,
-                             prepared, logits, greedy)
+                             prepared, logits, greedy, tuple(extras))
+        self.extras = tuple(extras)
         return logits, greedy, package.info
 
 
@@ -714,3 +726,4 @@ class _Bound:
     prepared: _PreparedRun | None  # None where aot_run.c does not build: `_Library.run` each step
     logits: Tensor  # (B, V): the last step's, written again by the next prepared run
     greedy: Tensor  # (B,): the last step's greedy ids, and the next step's token when passed back
+    extras: tuple = ()  # the step function's further outputs (a verification's top states)

@@ -310,10 +310,11 @@ class StaticCacheMixin:
         self.pending = 0
 
     # -- taking tokens back (self-speculative decoding), outside compiled code --
-    def keep_recent(self, kept: Tensor, n: int) -> None:
+    def keep_recent(self, kept: Tensor, n: int, clear: bool = True) -> None:
         """`KVCache.keep_recent` while frozen: of the last `n` slots written, keep the first
         `kept` (the same count for every row: the rows share one write position) and give the
-        rest back, their keys/values zeroed and positions emptied, as a fresh cache's."""
+        rest back, their keys/values zeroed (`clear`; not when the next step writes them all again)
+        and positions emptied, as a fresh cache's."""
         if not self.static:
             return super().keep_recent(kept, n)
         counts = set(kept.tolist())
@@ -325,8 +326,9 @@ class StaticCacheMixin:
             return
         start, end = self.filled - drop, self.filled
         self.key_pos[:, start:end] = -1
-        for slot in (*self.k_slots, *self.v_slots):
-            slot[:, :, start:end] = 0
+        if clear:
+            for slot in (*self.k_slots, *self.v_slots):
+                slot[:, :, start:end] = 0
         self.next_pos.sub_(drop)
         self.write_index.sub_(drop)
         self.filled -= drop

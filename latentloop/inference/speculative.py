@@ -32,8 +32,10 @@ from torch import Tensor
 from ..models.backbone import GPT, Draft, ModelOutput
 from ..models.cache import KVCache
 from ..models.options import without_speed_only
+from .aot import AotDecodeStep, AotUnavailable, aot_enabled
 from .fast import (
     _COMPILED_STEPS,
+    AOT_BACKEND,
     FastDecoder,
     compile_cpu_decode,
     fallback_reason,
@@ -56,6 +58,12 @@ def _verify(model, tokens: Tensor, cache: KVCache, options: dict) -> tuple[Tenso
             buffer.copy_(cache.state[name])
             cache.state[name] = buffer
     return out.logits, out.hidden, out.info
+
+
+def _verify_for_package(model, tokens: Tensor, cache: KVCache, options: dict) -> tuple[Tensor, Tensor, dict, Tensor]:
+    """`_verify` as an ahead-of-time package's step: (logits, greedy ids (B, T), info, top states)."""
+    logits, hidden, info = _verify(model, tokens, cache, options)
+    return logits, logits.argmax(dim=-1), info, hidden
 
 
 def _compiled_verify(device_type: str):
@@ -95,16 +103,26 @@ class CompiledDrafting:
                                    **without_speed_only(model.OPTIONS, draft.options))
         self.on_compile = on_compile
         self._verify_step = _verify  # compile=False: the same work eagerly over the static cache (tests)
+        self.aot: AotDecodeStep | None = None  # on CPU: the verification as an ahead-of-time package
+        self._key = (model.wte.weight.device.type, tuple(sorted(self.options.items())), VERIFY_KEY, draft.tokens + 1)
         if compile:
-            device = model.wte.weight.device.type
+            use_compile_cache()
             per_model = _COMPILED_STEPS.setdefault(model, {})
-            key = (device, tuple(sorted(self.options.items())), VERIFY_KEY, draft.tokens + 1)
-            if key not in per_model:
-                use_compile_cache()
-                per_model[key] = _compiled_verify(device)
-            self._verify_step = per_model[key]
+            if self._key[0] == "cpu" and aot_enabled() and AotDecodeStep.refuses(model) is None:
+                if (*self._key, AOT_BACKEND) not in per_model:
+                    per_model[(*self._key, AOT_BACKEND)] = AotDecodeStep(model, self.options, _verify_for_package,
+                                                                         tokens=draft.tokens + 1)
+                self.aot = per_model[(*self._key, AOT_BACKEND)]
+            else:
+                self._verify_step = self._dynamo_verify()
         self._verified_once = False
         self.cache: KVCache | None = None
+
+    def _dynamo_verify(self):
+        per_model = _COMPILED_STEPS.setdefault(self.model, {})
+        if self._key not in per_model:
+            per_model[self._key] = _compiled_verify(self._key[0])
+        return per_model[self._key]
 
     def new_cache(self, needed: int) -> KVCache:
         """A static cache of one row with room for `needed` tokens (the prompt, the generation and one
@@ -118,6 +136,8 @@ class CompiledDrafting:
 
     def begin_decoding(self, cache: KVCache) -> None:
         self.drafter.begin_decoding(cache)
+        if self.aot is not None:
+            self.aot.forget()
         self.cache = cache
 
     # -- a round's work (engine._speculative_round) --
@@ -137,8 +157,9 @@ class CompiledDrafting:
         return logits.clone()  # a package's outputs are written again by its next call
 
     def take_back(self, k: int, before: dict[str, Tensor]) -> None:
-        """The k drafted slots leave the cache; the carried state is the one before the drafts."""
-        self.cache.rewind(k)
+        """The k drafted slots leave the cache (not cleared: the verification writes them again at
+        once); the carried state is the one before the drafts."""
+        self.cache.keep_recent(torch.zeros(1, dtype=torch.long), k, clear=False)
         for name, value in before.items():
             self.cache.state[name].copy_(value)
 
@@ -152,12 +173,26 @@ class CompiledDrafting:
         if T != self.draft_spec.tokens + 1:  # a short round at the context's end: not worth a compile
             logits, hidden, info = _verify(self.model, tokens, cache, self.options)
         else:
-            if not self._verified_once and self.on_compile is not None and self._verify_step is not _verify:
+            compiles = self.aot is not None or self._verify_step is not _verify
+            if not self._verified_once and self.on_compile is not None and compiles:
                 self.on_compile("compiling the verification of the drafts ...")
-            logits, hidden, info = self._verify_step(self.model, tokens, cache, self.options)
+            logits, hidden, info = self._compiled(tokens)
             self._verified_once = True
         cache.filled += T
         return ModelOutput(logits=logits, hidden=hidden, info=dict(info))
+
+    def _compiled(self, tokens: Tensor) -> tuple[Tensor, Tensor, dict]:
+        """The verification's package (its outputs are written again by its next call: copied), or
+        dynamo's graph where the package is unavailable."""
+        if self.aot is not None:
+            try:
+                logits, _, info = self.aot(self.model, tokens, self.cache, self.options)
+                (hidden,) = self.aot.extras
+                return logits.clone(), hidden.clone(), info
+            except AotUnavailable:  # export or the package build refused this step: dynamo's graph instead
+                self.aot = None
+                self._verify_step = self._dynamo_verify()
+        return self._verify_step(self.model, tokens, self.cache, self.options)
 
     def keep(self, out: ModelOutput, kept: Tensor, before: dict[str, Tensor]) -> None:
         """Of the verified tokens the row keeps its first kept (1,) (`model.keep_verified`); the
