@@ -313,7 +313,11 @@ def _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, sto
             out = model.prefill(idx, cache, pad_mask, **options)
         else:
             out = model.reference(idx, pad_mask, P, **options)
-        if fast is not None:
+        if auto is not None and auto.compiled_already(cache):  # compiled in this process: no probe steps
+            fast = FastDecoder(model, on_compile=on_compile, **options)
+            fast.adopt(cache)
+            auto = None
+        elif fast is not None:
             fast.begin_decoding(cache)
         info = dict(out.info)
         last, greedy = out.logits[:, -1], None  # (B, V); the compiled step's own argmax, once it runs

@@ -544,6 +544,40 @@ def test_auto_mode_stays_eager_when_compiling_does_not_pay_and_gives_the_eager_t
     assert not logged  # nothing compiled
 
 
+def test_auto_mode_decodes_no_probe_step_once_this_process_compiled_the_shape(compile_dir, monkeypatch):
+    """When this process already ran the compiled step for the model, options and cache shape, the
+    automatic mode adopts the cache right after the prefill: no eager probe step (they cost ~8% of a
+    128-token decode of the engines' large shape), and the tokens are the eager ones."""
+    import latentloop.engine as engine
+
+    model = model_for("gpt")
+    prompt = [BOS, 5, 9, 12]
+    monkeypatch.setattr(engine.AutoCompile, "compiled_already", lambda self, cache: True)
+    adopted, eager_steps = [], []
+    monkeypatch.setattr(engine, "FastDecoder", lambda model, on_compile=None, **options: _Adopting(
+        FastDecoder(model, compile=False, **options), adopted))
+    decode = model.decode
+    monkeypatch.setattr(model, "decode", lambda *a, **k: (eager_steps.append(len(adopted)), decode(*a, **k))[1])
+    tokens = ll.generate(model, prompt, STEPS, temperature=0.0)
+    monkeypatch.undo()
+    assert adopted == [True] and eager_steps and not any(before == 0 for before in eager_steps)
+    assert tokens == ll.generate(model, prompt, STEPS, temperature=0.0, compile=False)
+
+
+class _Adopting:
+    """A FastDecoder that records when it adopts a cache."""
+
+    def __init__(self, decoder, adopted: list):
+        self.decoder, self.adopted = decoder, adopted
+
+    def adopt(self, cache):
+        self.adopted.append(True)
+        self.decoder.adopt(cache)
+
+    def __getattr__(self, name):
+        return getattr(self.decoder, name)
+
+
 def test_engine_refuses_an_unknown_decode_mode():
     with pytest.raises(PromptError, match="compile must be"):
         ll.generate(model_for("gpt"), [BOS, 5], 4, compile="fast")
