@@ -523,7 +523,8 @@ def _speculate(drafting, last: Tensor, max_new_tokens: int, temperature: float, 
     finished, passes = [False] * B, 0
     for _ in range(max_new_tokens):
         while any(not done and not row.queued for row, done in zip(rows, finished)):
-            start, made = time.perf_counter(), sum(row.made for row in rows)
+            if switch is not None:  # only the automatic mode times its rounds
+                start, made = time.perf_counter(), sum(row.made for row in rows)
             pending, round_info = _speculative_round(drafting, pending, rows, max_new_tokens, temperature, top_k,
                                                      top_p, generator, stop_tokens)
             passes += 1

@@ -333,11 +333,6 @@ class StaticCacheMixin:
         self.write_index.sub_(drop)
         self.filled -= drop
 
-    def rewind(self, n: int) -> None:
-        if not self.static:
-            return super().rewind(n)
-        self.keep_recent(torch.zeros(self.batch_size, dtype=torch.long), n)
-
 
 _STATIC_CLASSES: dict[type, type] = {}
 # cache class -> the mixin an architecture adds before `StaticCacheMixin` for its caches (its spec's
@@ -761,27 +756,38 @@ def ran_shape(key: tuple, batch_size: int, max_len: int, per_row: bool) -> tuple
     return key, batch_size, max_len, per_row, torch.get_num_threads()
 
 
+def keep_state_buffers(cache: KVCache, buffers: dict[str, Tensor]) -> None:
+    """After a call that may have replaced the cache's state tensors (`buffers`: `dict(cache.state)`
+    before it): their values copied into the fixed buffers, which stay the state."""
+    for name, buffer in buffers.items():
+        if cache.state[name] is not buffer:
+            buffer.copy_(cache.state[name])
+            cache.state[name] = buffer
+
+
 def _decode_step(model, token: Tensor, cache: KVCache, options: dict) -> tuple[Tensor, Tensor, dict]:
     """The model's own decode of one token per row, its state written back into the fixed buffers."""
     buffers = dict(cache.state)
     out = model.decode(token[:, None], cache, **options)
-    for name, buffer in buffers.items():  # the step may have replaced a state tensor: keep the buffer
-        if cache.state[name] is not buffer:
-            buffer.copy_(cache.state[name])
-            cache.state[name] = buffer
+    keep_state_buffers(cache, buffers)
     logits = out.logits[:, -1]
     return logits, logits.argmax(dim=-1), out.info
 
 
 def _compiled_step(device_type: str):
-    """A compiled copy of `_decode_step` with a code object of its own: dynamo keeps its graphs
-    and its recompile limit per code object, so each decoder (model, options) gets its own
+    """A compiled copy of `_decode_step` (`compiled_copy`)."""
+    return compiled_copy(_decode_step, device_type)
+
+
+def compiled_copy(fn, device_type: str, cuda_graphs: bool = True):
+    """`fn` compiled for `device_type`, as a copy with a code object of its own: dynamo keeps its
+    graphs and its recompile limit per code object, so each decoder (model, options) gets its own
     instead of every architecture and option sharing one function's limit of recompiles."""
     global _COPIES
     _COPIES += 1
-    code = _decode_step.__code__.replace(co_name=f"_decode_step_{_COPIES}")
-    copy = types.FunctionType(code, _decode_step.__globals__, code.co_name)
-    if device_type == "cuda":  # CUDA graphs (written, not run here: no GPU)
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{_COPIES}")
+    copy = types.FunctionType(code, fn.__globals__, code.co_name)
+    if device_type == "cuda" and cuda_graphs:  # CUDA graphs (written, not run here: no GPU)
         return torch.compile(copy, mode="reduce-overhead", dynamic=False)
     if device_type == "cpu":
         return compile_cpu_decode(copy)

@@ -27,8 +27,6 @@ the same static cache instead of compiling another shape.
 
 from __future__ import annotations
 
-import types
-
 import torch
 from torch import Tensor
 
@@ -40,8 +38,9 @@ from .fast import (
     _COMPILED_STEPS,
     AOT_BACKEND,
     FastDecoder,
-    compile_cpu_decode,
+    compiled_copy,
     fallback_reason,
+    keep_state_buffers,
     static_cache,
     static_length,
     use_compile_cache,
@@ -56,10 +55,7 @@ def _verify(model, tokens: Tensor, cache: KVCache, options: dict) -> tuple[Tenso
     fixed buffers."""
     buffers = dict(cache.state)
     out = model.decode(tokens, cache, **options)
-    for name, buffer in buffers.items():
-        if cache.state[name] is not buffer:
-            buffer.copy_(cache.state[name])
-            cache.state[name] = buffer
+    keep_state_buffers(cache, buffers)
     return out.logits, out.hidden, out.info
 
 
@@ -67,20 +63,6 @@ def _verify_for_package(model, tokens: Tensor, cache: KVCache, options: dict) ->
     """`_verify` as an ahead-of-time package's step: (logits, greedy ids (B, T), info, top states)."""
     logits, hidden, info = _verify(model, tokens, cache, options)
     return logits, logits.argmax(dim=-1), info, hidden
-
-
-def _compiled_verify(device_type: str):
-    """A compiled copy of `_verify` with a code object of its own (its graphs and recompile limit are
-    its own, as `fast._compiled_step`'s copies)."""
-    code = _verify.__code__.replace(co_name=f"_verify_{len(_VERIFY_COPIES)}")
-    copy = types.FunctionType(code, _verify.__globals__, code.co_name)
-    _VERIFY_COPIES.append(code.co_name)
-    if device_type == "cpu":
-        return compile_cpu_decode(copy)
-    return torch.compile(copy, dynamic=False)  # CUDA: no graphs here, the drafts' steps have them
-
-
-_VERIFY_COPIES: list[str] = []
 
 
 def compiled_drafting_reason(model, options: dict, draft: Draft, batch_size: int) -> str | None:
@@ -124,7 +106,8 @@ class CompiledDrafting:
     def _dynamo_verify(self):
         per_model = _COMPILED_STEPS.setdefault(self.model, {})
         if self._key not in per_model:
-            per_model[self._key] = _compiled_verify(self._key[0])
+            # CUDA: no graphs for the verification (the drafts' steps have them)
+            per_model[self._key] = compiled_copy(_verify, self._key[0], cuda_graphs=False)
         return per_model[self._key]
 
     def new_cache(self, needed: int) -> KVCache:
@@ -202,7 +185,4 @@ class CompiledDrafting:
         carried state it sets is copied into the cache's fixed buffers."""
         buffers = dict(self.cache.state)
         self.model.keep_verified(self.cache, out, kept, before, self.options)
-        for name, buffer in buffers.items():
-            if self.cache.state[name] is not buffer:
-                buffer.copy_(self.cache.state[name])
-                self.cache.state[name] = buffer
+        keep_state_buffers(self.cache, buffers)
