@@ -310,7 +310,7 @@ def _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, sto
         else:
             cache = model.new_cache(B, P + max_new_tokens, **options) if use_cache else None
         if cache is not None:
-            out = model.prefill(idx, cache, pad_mask, **options)
+            out = model.prefill(idx, cache, pad_mask, last_logits=True, **options)
         else:
             out = model.reference(idx, pad_mask, P, **options)
         if auto is not None and auto.compiled_already(cache):  # compiled in this process: no probe steps

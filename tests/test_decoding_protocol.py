@@ -409,6 +409,33 @@ def test_scoring_modes_come_from_the_spec():
             check_options(spec.options, options, name)
 
 
+@pytest.mark.parametrize("name, label, options", [(name, label, options) for name, spec in ARCHS.items()
+                                                   for label, options in spec.scoring_modes(
+                                                       ll.model_config(name, "test")).items()])
+def test_a_prefill_for_decoding_reads_out_the_last_column_and_fills_the_same_cache(name, label, options):
+    """`prefill(last_logits=True)`, the engine's and the server's: (B, 1, V) logits equal to the last
+    column of the scorer's prefill, left-padded rows included, and a cache the next decode step reads
+    the same from."""
+    torch.manual_seed(0)
+    model = ll.build(name, preset="test").eval()
+    prompts = [[BOS, 5, 9, 2, 7, 11, 3], [BOS, 4, 8]]
+    idx = torch.tensor([prompts[0], [0] * 4 + prompts[1]])
+    pad_mask = torch.tensor([[True] * 7, [False] * 4 + [True] * 3])
+    outputs = []
+    with torch.no_grad():
+        for last in (False, True):
+            cache = model.new_cache(2, 12, **options)
+            out = model.prefill(idx, cache, pad_mask, last_logits=last, **options)
+            step = model.decode(torch.tensor([[6], [6]]), cache, **options)
+            outputs.append((out, step))
+    (every, every_step), (newest, newest_step) = outputs
+    assert every.logits.shape == (2, 7, model.config.vocab_size)
+    assert newest.logits.shape == (2, 1, model.config.vocab_size)
+    close(newest.logits, every.logits[:, -1:])
+    close(newest.hidden, every.hidden)
+    close(newest_step.logits, every_step.logits)
+
+
 # --------------------------------------------------------------------------------------------
 # Properties
 # --------------------------------------------------------------------------------------------

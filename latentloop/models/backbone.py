@@ -143,6 +143,12 @@ def shift_right(s: Tensor) -> Tensor:
     return torch.cat([torch.zeros_like(s[:, :1]), s[:, :-1]], dim=1)
 
 
+def last_column(s: Tensor) -> Tensor:
+    """(B, T, ...) -> (B, 1, ...): the newest column, what a prefill asked for `last_logits` reads out
+    (a left-padded row's last column is its last real token)."""
+    return s[:, -1:]
+
+
 # --------------------------------------------------------------------------------------------
 # Rotary position embeddings
 # --------------------------------------------------------------------------------------------
@@ -429,14 +435,14 @@ class GPT(nn.Module):
         return logits
 
     def run(self, idx: Tensor, cache: KVCache | None = None, pad_mask: Tensor | None = None,
-            **fields) -> ModelOutput:
+            last_logits: bool = False, **fields) -> ModelOutput:
         """The plain stack over idx (B, T), through the cache when one is given; `fields` go to the
-        context (e.g. a recurrent stack's depth)."""
+        context (e.g. a recurrent stack's depth); `last_logits` as in `prefill`."""
         ctx = self.context(idx, cache, pad_mask, **fields)
         h = self.run_stack(self.embed(idx), ctx)  # (B, T, D)
         if cache is not None:
             cache.advance()
-        return ModelOutput(logits=self.readout(h), hidden=h)
+        return ModelOutput(logits=self.readout(last_column(h) if last_logits else h), hidden=h)
 
     # -- the two faces ------------------------------------------------------------------------
     def forward(self, idx: Tensor, pad_mask: Tensor | None = None) -> ModelOutput:
@@ -444,9 +450,13 @@ class GPT(nn.Module):
         left-padded rows."""
         return self.run(idx, None, pad_mask)
 
-    def prefill(self, idx: Tensor, cache: KVCache, pad_mask: Tensor | None = None, **options) -> ModelOutput:
-        """The prompt idx (B, P) into an empty cache."""
-        return self.run(idx, cache, pad_mask)
+    def prefill(self, idx: Tensor, cache: KVCache, pad_mask: Tensor | None = None, last_logits: bool = False,
+                **options) -> ModelOutput:
+        """The prompt idx (B, P) into an empty cache. `last_logits`: the logits of the last column only,
+        (B, 1, V), all that decoding reads; a scorer reads every column's. The head is the prefill's
+        largest product at a real vocabulary (2,048 positions x 32k tokens: 516 against llama.cpp's
+        204 ms to the first token at 4 x 256, which reads out the last position only)."""
+        return self.run(idx, cache, pad_mask, last_logits)
 
     def decode(self, idx: Tensor, cache: KVCache, **options) -> ModelOutput:
         """New tokens idx (B, n) after what the cache holds: one sampled token, or several

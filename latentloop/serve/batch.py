@@ -179,7 +179,7 @@ class DecodeBatch:
         for group in groups:
             idx, pad_mask = left_pad([m.prompt for m in group], self.pad_id, self.device)
             cache = self.model.new_cache(len(group), idx.shape[1], **self.options)
-            out = self.model.prefill(idx, cache, pad_mask, **self.options)
+            out = self.model.prefill(idx, cache, pad_mask, last_logits=True, **self.options)
             for j, member in enumerate(group):
                 member.info = row_info(out.info, j)
             prefilled.append((group, cache, out.logits[:, -1]))

@@ -47,7 +47,7 @@ from torch import Tensor, nn
 
 from ...config import ModelConfig, require
 from ...errors import ConfigError
-from ...models.backbone import GPT, ForwardContext, ModelOutput, norm, shift_right
+from ...models.backbone import GPT, ForwardContext, ModelOutput, last_column, norm, shift_right
 from ...models.cache import KVCache
 from ...models.criteria import RelativeChange
 from ...models.options import DecodeOption
@@ -353,8 +353,9 @@ class FBT(GPT):
             cache.state[STATE_KEY] = self.carried_state(states[-1][:, -1:])  # (B, 1, D)
         return states, x_last
 
-    def _output(self, states: list[Tensor], return_passes: bool) -> FBTOutput:
-        out = FBTOutput(logits=self.readout(states[-1]), hidden=states[-1], info={"passes": len(states)})
+    def _output(self, states: list[Tensor], return_passes: bool, last_logits: bool = False) -> FBTOutput:
+        top = last_column(states[-1]) if last_logits else states[-1]
+        out = FBTOutput(logits=self.readout(top), hidden=states[-1], info={"passes": len(states)})
         if return_passes:
             out.pass_hidden = states
             out.pass_logits = [self.readout(h) for h in states[:-1]] + [out.logits]
@@ -363,10 +364,10 @@ class FBT(GPT):
     # -- decoding protocol --------------------------------------------------------------------
     # `stack` below: context fields of the stack (see `forward`), passed through by a variant
     def prefill(self, idx: Tensor, cache: KVCache, pad_mask: Tensor | None = None, regime: str = "soft",
-                passes: int | str = DEFAULT_FUSED_PASSES, **stack) -> FBTOutput:
+                passes: int | str = DEFAULT_FUSED_PASSES, last_logits: bool = False, **stack) -> FBTOutput:
         if regime == "fused":
-            return self._fused_prefill(idx, cache, pad_mask, passes, **stack)[0]
-        return self._output(self._passes(idx, cache, pad_mask, 1, **stack)[0], False)  # plain
+            return self._fused_prefill(idx, cache, pad_mask, passes, last_logits, **stack)[0]
+        return self._output(self._passes(idx, cache, pad_mask, 1, **stack)[0], False, last_logits)  # plain
 
     def decode(self, idx: Tensor, cache: KVCache, regime: str = "soft",
                passes: int | str = DEFAULT_FUSED_PASSES, **stack) -> ModelOutput:
@@ -405,13 +406,13 @@ class FBT(GPT):
         return self._output(states, False)
 
     def _fused_prefill(self, idx: Tensor, cache: KVCache | None, pad_mask: Tensor | None,
-                       passes: int | str, **stack) -> tuple[FBTOutput, Tensor]:
+                       passes: int | str, last_logits: bool = False, **stack) -> tuple[FBTOutput, Tensor]:
         """K-pass (or "auto") prefill; also returns the input of the last pass."""
         auto = passes == "auto"
         until = RelativeChange(AUTO_TOLERANCE) if auto else None
         states, x_last = self._passes(idx, cache, pad_mask, AUTO_MAX_PASSES if auto else passes, until=until,
                                       **stack)
-        out = self._output(states, False)
+        out = self._output(states, False, last_logits)
         out.info["prefill_passes"] = len(states)
         return out, x_last
 

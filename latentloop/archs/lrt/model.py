@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from ...config import ModelConfig, require
 from ...errors import ConfigError
-from ...models.backbone import GPT, Attention, Block, ForwardContext, ModelOutput, norm, shift_right
+from ...models.backbone import GPT, Attention, Block, ForwardContext, ModelOutput, last_column, norm, shift_right
 from ...models.cache import KVBuffer, KVCache, plan_attention
 from ...models.options import DecodeOption
 
@@ -370,10 +370,15 @@ class LRT(GPT):
         return self._stitch([h], [source])
 
     def prefill(self, idx: Tensor, cache: KVCache, pad_mask: Tensor | None = None,
-                prefill: str = "sequential") -> ModelOutput:
-        if prefill == "interleaved":
-            return self._interleaved_prefill(idx, cache, pad_mask)
-        return self.step_tokens(idx, cache, self.step, pad_mask)
+                prefill: str = "sequential", last_logits: bool = False) -> ModelOutput:
+        """Each token's logits come from its own pass (sequential: one token at a time; interleaved:
+        the last subset that refined it), so `last_logits` keeps the last column's and saves none of
+        the head's work."""
+        out = (self._interleaved_prefill(idx, cache, pad_mask) if prefill == "interleaved"
+               else self.step_tokens(idx, cache, self.step, pad_mask))
+        if last_logits:
+            out.logits = last_column(out.logits)
+        return out
 
     def decode(self, idx: Tensor, cache: KVCache, prefill: str = "sequential") -> ModelOutput:
         return self.step_tokens(idx, cache, self.step)

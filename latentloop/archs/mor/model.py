@@ -61,7 +61,7 @@ from torch import Tensor, nn
 
 from ...config import ModelConfig, require
 from ...errors import ConfigError
-from ...models.backbone import GPT, PER_ROW_INFO, Draft, ForwardContext, ModelOutput, norm
+from ...models.backbone import GPT, PER_ROW_INFO, Draft, ForwardContext, ModelOutput, last_column, norm
 from ...models.cache import AttentionPlan, KVCache, attention_mask
 from ...models.flops import count_flops_per_token
 from ...models.options import DecodeOption
@@ -322,14 +322,14 @@ class MoR(GPT):
 
     # -- the two faces ------------------------------------------------------------------------
     def _run(self, idx: Tensor, cache: KVCache | None, pad_mask: Tensor | None, steps: int | None,
-             route: str, every_recursion: bool = False) -> MoROutput:
+             route: str, every_recursion: bool = False, last_logits: bool = False) -> MoROutput:
         out = MoROutput(logits=None, hidden=None)
         ctx = self.context(idx, cache, pad_mask, steps=steps, route=route, every_recursion=every_recursion,
                            real=pad_mask, record=out)
         top = self.run_stack(self.embed(idx), ctx)
         if cache is not None:
             cache.advance()
-        out.logits, out.hidden = self.readout(top), top
+        out.logits, out.hidden = self.readout(last_column(top) if last_logits else top), top
         out.info["steps"] = steps or self.config.recursions
         if cache is not None and out.taken and not torch.compiler.is_compiling():
             # decoding: how many recursions each row's newest token took (its routing depth)
@@ -354,8 +354,9 @@ class MoR(GPT):
         return self._run(idx, None, pad_mask, steps, route, every_recursion)
 
     def prefill(self, idx: Tensor, cache: KVCache, pad_mask: Tensor | None = None,
-                steps: int | None = None, draft_steps: int | None = None, draft_tokens: int | None = None) -> MoROutput:
-        return self._run(idx, cache, pad_mask, steps, "threshold")
+                steps: int | None = None, draft_steps: int | None = None, draft_tokens: int | None = None,
+                last_logits: bool = False) -> MoROutput:
+        return self._run(idx, cache, pad_mask, steps, "threshold", last_logits=last_logits)
 
     def decode(self, idx: Tensor, cache: KVCache, steps: int | None = None, draft_steps: int | None = None,
                draft_tokens: int | None = None) -> MoROutput:

@@ -88,8 +88,9 @@ class RFBT(FBT, RGPT):
     # -- decoding protocol: fbt's regimes at rgpt's depth -------------------------------------
     def prefill(self, idx: Tensor, cache: KVCache, pad_mask: Tensor | None = None, regime: str = "soft",
                 passes: int | str = DEFAULT_FUSED_PASSES, steps: int | None = None,
-                cache_mode: str = "full", draft_steps: int | None = None, draft_tokens: int | None = None) -> FBTOutput:
-        return super().prefill(idx, cache, pad_mask, regime, passes, steps=steps)
+                cache_mode: str = "full", draft_steps: int | None = None, draft_tokens: int | None = None,
+                last_logits: bool = False) -> FBTOutput:
+        return super().prefill(idx, cache, pad_mask, regime, passes, last_logits, steps=steps)
 
     def decode(self, idx: Tensor, cache: KVCache, regime: str = "soft", passes: int | str = DEFAULT_FUSED_PASSES,
                steps: int | None = None, cache_mode: str = "full", draft_steps: int | None = None,

@@ -47,7 +47,7 @@ from torch import Tensor, nn
 
 from ...config import ModelConfig, require
 from ...errors import CheckpointError, ConfigError
-from ...models.backbone import GPT, PER_ROW_INFO, Draft, ForwardContext, ModelOutput, norm
+from ...models.backbone import GPT, PER_ROW_INFO, Draft, ForwardContext, ModelOutput, last_column, norm
 from ...models.cache import KVCache
 from ...models.criteria import KLDivergence, RelativeChange
 from ...models.options import DecodeOption
@@ -427,7 +427,8 @@ class RGPT(GPT):
         return self.run_blocks(h, self._coda_ctx(ctx), self.coda)
 
     def _run_depth(self, idx: Tensor, cache: KVCache | None, pad_mask: Tensor | None, steps: int | None,
-                   return_steps: bool = False, no_grad_steps: int = 0, record_gates: bool = False) -> RGPTOutput:
+                   return_steps: bool = False, no_grad_steps: int = 0, record_gates: bool = False,
+                   last_logits: bool = False) -> RGPTOutput:
         steps = steps or self.config.recurrence_steps
         out = RGPTOutput(logits=None, hidden=None, steps=steps)
         ctx = self.context(idx, cache, pad_mask, steps=steps, no_grad_steps=no_grad_steps,
@@ -435,7 +436,7 @@ class RGPT(GPT):
         top = self.run_stack(self.embed(idx), ctx)
         if cache is not None:
             cache.advance()
-        out.logits, out.hidden = self.readout(top), top
+        out.logits, out.hidden = self.readout(last_column(top) if last_logits else top), top
         if return_steps:
             out.step_logits.append(out.logits)
         return out
@@ -500,10 +501,11 @@ class RGPT(GPT):
 
     def prefill(self, idx: Tensor, cache: KVCache, pad_mask: Tensor | None = None, steps: int | None = None,
                 cache_mode: str = "full", exit_threshold: float = 0.0, exit_criterion: str = "kl",
-                min_steps: int = 1, draft_steps: int | None = None, draft_tokens: int | None = None) -> RGPTOutput:
+                min_steps: int = 1, draft_steps: int | None = None, draft_tokens: int | None = None,
+                last_logits: bool = False) -> RGPTOutput:
         """The prompt at a fixed depth (adaptive exit is per decoded token)."""
         steps = steps or self.config.recurrence_steps
-        return self._depth_info(self._run_depth(idx, cache, pad_mask, steps), steps)
+        return self._depth_info(self._run_depth(idx, cache, pad_mask, steps, last_logits=last_logits), steps)
 
     def decode(self, idx: Tensor, cache: KVCache, steps: int | None = None, cache_mode: str = "full",
                exit_threshold: float = 0.0, exit_criterion: str = "kl", min_steps: int = 1,
