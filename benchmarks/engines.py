@@ -5,7 +5,9 @@ run, exported with `latentloop export --plain`, and decoded greedily at batch 1 
 - latentloop: its default path (`compile="auto"`, what `latentloop.generate` and the CLI do), eager
   (`compile=False`), compiled (`compile=True`: the ahead-of-time package on CPU), compiled through
   dynamo (`LATENTLOOP_AOT=0`, the compiled path before it), eager and compiled int8 (`quantize_int8`;
-  compiled both ways too: the package's int8 reduction, dynamo's native kernel);
+  compiled both ways too: the package's int8 reduction, dynamo's native kernel), and the default path
+  with a float16 cache (`latentloop default f16 cache`: `kv_dtype="float16"`, llama.cpp's default
+  cache type, where its other rows keep fp32 keys and values);
 - Hugging Face `generate` on the exported folder (needs transformers);
 - CTranslate2 fp32 and int8 (`pip install ctranslate2`), converted from the exported folder;
 - llama.cpp's own decode loop (`llama.cpp`, `LlamaCppLoop`): its C API through llama-cpp-python's
@@ -74,7 +76,8 @@ SHAPES = {  # the issue's two shapes, with the byte vocabulary (a vocabulary suf
 # A shape's name may end in one of these for a real model's vocabulary instead of the byte one
 VOCABULARIES = {"32k": 32_000, "128k": 128_000}
 LLAMA_COMPATIBLE = dict(qk_norm=False, embed_norm=False, mlp="swiglu")  # what `export --plain` requires
-ENGINES = ("latentloop default", "latentloop eager", "latentloop compiled", "latentloop compiled dynamo",
+ENGINES = ("latentloop default", "latentloop default f16 cache", "latentloop eager", "latentloop compiled",
+           "latentloop compiled dynamo",
            "latentloop eager int8", "latentloop compiled int8", "latentloop compiled int8 dynamo",
            "hf generate", "ctranslate2 fp32", "ctranslate2 int8", "llama.cpp", "llama.cpp flash attention",
            "llama-cpp-python generate")
@@ -187,15 +190,17 @@ def text_prompt(length: int, bos_id: int, seed: int, text: bytes | None = None) 
     return [bos_id] + list(text[start:start + length - 1])
 
 
-def latentloop_generate(model, prompt: list[int], new_tokens: int, compile: bool | str, aot: bool = True) -> list[int]:
-    """latentloop's greedy tokens through `latentloop.generate`, the ahead-of-time package on or off."""
+def latentloop_generate(model, prompt: list[int], new_tokens: int, compile: bool | str, aot: bool = True,
+                        kv_dtype: str | None = None) -> list[int]:
+    """latentloop's greedy tokens through `latentloop.generate`, the ahead-of-time package on or off,
+    the compiled step's cache in `kv_dtype`."""
     import latentloop
     from latentloop.inference.aot import AOT_ENV
 
     saved = os.environ.get(AOT_ENV)
     os.environ[AOT_ENV] = "1" if aot else "0"  # read when the call makes its decoder
     try:
-        return latentloop.generate(model, prompt, new_tokens, temperature=0.0, compile=compile)
+        return latentloop.generate(model, prompt, new_tokens, temperature=0.0, compile=compile, kv_dtype=kv_dtype)
     finally:
         os.environ.pop(AOT_ENV) if saved is None else os.environ.__setitem__(AOT_ENV, saved)
 
@@ -453,7 +458,8 @@ def make_call(engine: str, model, folder: Path, context: int, batch: int, thread
             model = quantize_int8(copy.deepcopy(model))
         compile = {"default": "auto", "eager": False}.get(engine.split()[1], True)
         aot = not engine.endswith("dynamo")
-        return lambda prompt, new_tokens: latentloop_generate(model, prompt, new_tokens, compile, aot)
+        kv_dtype = "float16" if engine.endswith("f16 cache") else None
+        return lambda prompt, new_tokens: latentloop_generate(model, prompt, new_tokens, compile, aot, kv_dtype)
     if engine == "hf generate":
         return hf_call(hf_dir)
     if engine.startswith("ctranslate2"):
@@ -500,8 +506,9 @@ def worker(spec: dict[str, Any]) -> int:
     call = make_call(engine, model, folder, longest + new_tokens, longest, spec["threads"])
     tokens = []
     for prompt in prompts:
-        if engine == "latentloop default":
-            latentloop_generate(model, prompt, new_tokens, compile=True)
+        if engine.startswith("latentloop default"):  # the f16 cache's step is a package of its own
+            latentloop_generate(model, prompt, new_tokens, compile=True,
+                                kv_dtype="float16" if engine.endswith("f16 cache") else None)
         tokens.append(call(prompt, new_tokens))  # the warm-up (compiles), and the tokens
         call(prompt, 1)
     answers.write(json.dumps({"tokens": tokens}) + "\n")

@@ -58,6 +58,8 @@ from .util import evaluating, is_int
 
 MAX_SEED = 2**63  # torch.Generator seeds are 64-bit
 DECODE_MODES = (True, False, "auto")  # `compile=`: always the compiled step, never, or where it pays
+# `kv_dtype=`: what the compiled step's cache stores keys and values in (llama.cpp's `--cache-type-k`)
+KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class PromptError(LatentloopError):
@@ -210,7 +212,7 @@ def stream(model, prompts, max_new_tokens: int, temperature: float = 1.0, top_k:
            top_p: float | None = None, seed: int | None = None, stop_tokens: Sequence[int] = (),
            use_cache: bool = True, pad_id: int = 0, logprobs: bool = False, top_logprobs: int = 0,
            compile: bool | str = "auto", on_compile: Callable[[str], None] | None = None,
-           **options) -> Iterator[DecodeStep]:
+           kv_dtype: str | None = None, **options) -> Iterator[DecodeStep]:
     """Yield one `DecodeStep` per new token, for every row together, until every row stopped (a
     stop token, which is not yielded) or `max_new_tokens` steps. Break out to stop early.
     `logprobs`: each new token's log-probability; `top_logprobs=k`: also the k most likely tokens
@@ -230,6 +232,11 @@ def stream(model, prompts, max_new_tokens: int, temperature: float = 1.0, top_k:
     step cannot be captured (rgpt's adaptive exit, mor's routing) decode eagerly; self-speculative
     decoding compiles its rounds for one row (`CompiledDrafting`), by the same rule.
     on_compile(message): told when a compile starts and ends (the CLI prints it).
+    kv_dtype: "float16" or "bfloat16" stores the compiled step's cache in that dtype, as llama.cpp's
+    default cache does (f16): half the bytes each step reads over a long context, so faster there, at
+    the price of logits that differ from the eager path's by the rounding of the keys and values
+    (None or "float32": the model's dtype, exact). Eager steps (compile=False, the automatic mode's
+    probes or a model that does not compile) keep the model's dtype; self-speculative rounds refuse it.
 
     Options that ask the model for a draft of itself (rgpt's `draft_steps` / `draft_tokens`) decode
     self-speculatively (see the module docstring): the full model's tokens (greedy) or its
@@ -237,11 +244,11 @@ def stream(model, prompts, max_new_tokens: int, temperature: float = 1.0, top_k:
     """
     return _decode_in_inference_mode(*_checked(model, prompts, max_new_tokens, temperature, top_k, top_p, seed,
                                                stop_tokens, use_cache, pad_id, logprobs, top_logprobs, compile,
-                                               on_compile, options))
+                                               on_compile, options, kv_dtype))
 
 
 def _checked(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, use_cache, pad_id,
-             logprobs, top_logprobs, compile, on_compile, options) -> tuple:
+             logprobs, top_logprobs, compile, on_compile, options, kv_dtype=None) -> tuple:
     """`_decode`'s arguments from `stream`'s, each checked (a one-line `PromptError` otherwise)."""
     rows, _ = normalize_prompts(prompts, model.config.vocab_size)
     if not is_int(max_new_tokens) or max_new_tokens < 0:
@@ -255,17 +262,26 @@ def _checked(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, st
     if compile is True and not use_cache:
         raise PromptError("compile=True decodes through the cache: it cannot be combined with use_cache=False "
                           "(--no-cache)")
+    if kv_dtype is not None and kv_dtype not in KV_DTYPES:
+        raise PromptError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    if kv_dtype is not None and compile is False:
+        raise PromptError("kv_dtype is the compiled step's cache: decode with compile=True or 'auto' "
+                          "(--decode compiled or auto)")
+    if kv_dtype is not None and getattr(model, "draft_options", lambda options: None)(options) is not None:
+        raise PromptError("kv_dtype applies to plain decoding: self-speculative rounds (draft_steps / "
+                          "draft_tokens) keep the model's dtype")
     context = model.config.sequence_len
     longest = max(len(p) for p in rows)
     if longest + max_new_tokens > context:
         raise PromptError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
                           f"context of {context} tokens")
     return (model, rows, max_new_tokens, temperature, top_k, top_p, seed, frozenset(stop_tokens), use_cache, pad_id,
-            logprobs, top_logprobs, options, compile, on_compile)
+            logprobs, top_logprobs, options, compile, on_compile, None if kv_dtype is None else KV_DTYPES[kv_dtype])
 
 
 def _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, use_cache, pad_id,
-            logprobs, top_logprobs, options, compile=False, on_compile=None) -> Iterator[DecodeStep]:
+            logprobs, top_logprobs, options, compile=False, on_compile=None,
+            kv_dtype: torch.dtype | None = None) -> Iterator[DecodeStep]:
     """The decode loop behind `stream`; run it in inference mode (lighter than no_grad: no version
     counters on the cache writes)."""
     with evaluating(model):
@@ -287,10 +303,11 @@ def _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, sto
             elif compiles and compile == "auto" and max_new_tokens > PROBE_STEPS + 1:
                 auto_drafting = AutoCompile(model, options)  # a record of its own: the options name the draft
             compile = False
-        fast = FastDecoder(model, on_compile=on_compile, **options) if compile is True and decodes else None
+        fast = (FastDecoder(model, on_compile=on_compile, kv_dtype=kv_dtype, **options) if compile is True and decodes
+                else None)
         if fast is not None and fast.reason is not None:  # this step cannot be captured: decode eagerly
             fast = None
-        auto = AutoCompile(model, options) if compile == "auto" and use_cache else None
+        auto = AutoCompile(model, options, kv_dtype) if compile == "auto" and use_cache else None
         if auto is not None and not (auto.applies(B) and max_new_tokens > PROBE_STEPS + 1):
             auto = None  # too many rows, a step that does not compile, or too few steps to decide on
         probe_times: list[float] = []  # seconds of the eager steps timed for the automatic mode
@@ -314,7 +331,7 @@ def _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, sto
         else:
             out = model.reference(idx, pad_mask, P, **options)
         if auto is not None and auto.compiled_already(cache):  # compiled in this process: no probe steps
-            fast = FastDecoder(model, on_compile=on_compile, **options)
+            fast = FastDecoder(model, on_compile=on_compile, kv_dtype=kv_dtype, **options)
             fast.adopt(cache)
             auto = None
         elif fast is not None:
@@ -347,7 +364,7 @@ def _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, sto
                 return
             if auto is not None and len(probe_times) == PROBE_STEPS:
                 if auto.decide(min(probe_times), max_new_tokens - 1 - step, cache):
-                    fast = FastDecoder(model, on_compile=on_compile, **options)
+                    fast = FastDecoder(model, on_compile=on_compile, kv_dtype=kv_dtype, **options)
                     fast.adopt(cache)
                 auto = None
             if fast is not None:
@@ -593,13 +610,14 @@ def _speculative_round(drafting, pending: Tensor, rows: list[_SpeculativeRow], m
 def generate(model, prompts, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
              top_p: float | None = None, seed: int | None = None, stop_tokens: Sequence[int] = (),
              use_cache: bool = True, pad_id: int = 0, compile: bool | str = "auto",
-             on_compile: Callable[[str], None] | None = None, **options):
+             on_compile: Callable[[str], None] | None = None, kv_dtype: str | None = None, **options):
     """Continue each prompt by up to max_new_tokens tokens: the new ids (without the stop token),
-    a list for one prompt, a list of lists for several. `stream` is the same, step by step."""
+    a list for one prompt, a list of lists for several. `stream` is the same, step by step (its
+    arguments, `kv_dtype` included)."""
     rows, single = normalize_prompts(prompts, model.config.vocab_size)
     outputs: list[list[int]] = [[] for _ in rows]
     arguments = _checked(model, rows, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, use_cache, pad_id,
-                         False, 0, compile, on_compile, options)
+                         False, 0, compile, on_compile, options, kv_dtype)
     # One inference mode around the whole loop, where `stream` enters and leaves it around each step
     # (torch's decorator on a generator, so that a caller's code between steps runs in its own
     # mode): that cost ~4% of a 200-token greedy compiled decode of the small engines shape, 1 thread

@@ -323,6 +323,12 @@ def test_engines_benchmark_smoke_compiled_int8(tmp_path, capsys, monkeypatch):
                                       "latentloop compiled int8 dynamo"])
 
 
+@pytest.mark.slow  # compiles the step over a float16 cache (a package of its own): ~30 s on 2 cores
+def test_engines_benchmark_smoke_default_path_with_a_float16_cache(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    _engines_smoke(tmp_path, capsys, ["latentloop eager", "latentloop default f16 cache"])
+
+
 @pytest.mark.slow  # imports transformers and converts for CTranslate2: ~40 s on the shared 2 cores
 def test_engines_benchmark_smoke_against_hf_and_ctranslate2(tmp_path, capsys):
     _engines_smoke(tmp_path, capsys, ["latentloop eager", "hf generate", "ctranslate2 fp32", "llama.cpp"])

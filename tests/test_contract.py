@@ -129,6 +129,22 @@ def test_cli_generate_equals_the_api_for_every_option_set(kind, label, given, ru
     assert ids == _api_greedy(base, given)[0]
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_cli_generate_takes_a_cache_dtype_for_the_compiled_step_and_refuses_it_eagerly(kind, runs, capsys):
+    """`--kv-dtype` reaches the engine for every architecture: refused with `--decode eager` (the
+    engine's own check: one line, exit 2), taken with `--decode auto`, whose eager steps of so short a
+    decode give the API's tokens."""
+    base, _ = runs[kind]
+    capsys.readouterr()
+    argv = ["generate", str(base), "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS), "--temperature", "0",
+            "--json", "--kv-dtype", "float16"]
+    assert main([*argv, "--decode", "eager"]) == 2
+    err = capsys.readouterr().err
+    assert "compiled step's cache" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["ids"] == _api_greedy(base, {})[0]
+
+
 @pytest.mark.parametrize("kind, label, given", CASES, ids=[f"{k}-{label}" for k, label, _ in CASES])
 def test_cli_eval_scores_every_option_set_as_score_run(kind, label, given, runs, text_corpus, capsys):
     """`latentloop eval` with each option set's flags (none: the arch's default scoring modes) prints

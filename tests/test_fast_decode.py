@@ -35,6 +35,7 @@ from latentloop.inference.fast import (
 # full cache and 2.2e-4 with the running-mean one, tokens equal throughout)
 FAST_TOL = 5e-4
 STEPS = WINDOW_BUCKET + 4  # decode steps per check: the attended window grows past its first bucket
+ROUNDED_STEPS = 4  # steps compared with a float16 cache's emulation (see its test)
 BOS = 256
 
 # two rows, the second left-padded: the static mask must hide padding exactly as the ordinary one
@@ -78,20 +79,33 @@ IDS = [f"{arch}-{'-'.join(f'{k}={v}' for k, v in opts.items()) or 'default'}" fo
 LAST_DECODER: dict[str, FastDecoder] = {}  # the decoder of the last `decode_both`, for what it ran
 
 
-def decode_both(arch: str, options: dict, compile: bool):
-    """Greedy decode with the ordinary cache and with the FastDecoder; logits per step of each."""
+def decode_both(arch: str, options: dict, compile: bool, kv_dtype: torch.dtype | None = None):
+    """Greedy decode with the ordinary cache and with the FastDecoder; logits per step of each.
+    `kv_dtype`: the FastDecoder's cache stores keys and values in it, and the ordinary cache's are
+    rounded to it as they are stored (the prefill's once it is done, as `freeze` rounds them)."""
     model = model_for(arch)  # built outside inference mode, as users build models
     with torch.inference_mode():
-        return _decode_both(model, options, compile)
+        return _decode_both(model, options, compile, kv_dtype)
 
 
-def _decode_both(model, options: dict, compile: bool):
+def _round_stored_keys_and_values(cache, dtype: torch.dtype) -> None:
+    """The ordinary cache as one that stores keys and values in `dtype`: what it holds rounded now,
+    and every later write rounded as it is stored (an independent emulation of the frozen cache's)."""
+    for stored in (cache.k, cache.v):
+        stored.copy_(stored.to(dtype))
+    update = cache.update
+    cache.update = lambda slot, k, v: update(slot, k.to(dtype).to(k.dtype), v.to(dtype).to(v.dtype))
+
+
+def _decode_both(model, options: dict, compile: bool, kv_dtype: torch.dtype | None = None):
     options = model_options(model, options)
     needed = PROMPTS.shape[1] + STEPS
     cache = model.new_cache(2, needed, **options)
     out = model.prefill(PROMPTS, cache, PAD_MASK, **options)
-    fast = FastDecoder(model, compile=compile, **options)
-    LAST_DECODER["fast"] = fast
+    if kv_dtype is not None:
+        _round_stored_keys_and_values(cache, kv_dtype)
+    fast = FastDecoder(model, compile=compile, kv_dtype=kv_dtype, **options)
+    LAST_DECODER["fast"], LAST_DECODER["ordinary cache"] = fast, cache
     assert fast.compiled == compile
     static = fast.new_cache(2, needed)
     fast_out = model.prefill(PROMPTS, static, PAD_MASK, **options)
@@ -114,6 +128,36 @@ def test_static_cache_eager_step_matches_the_ordinary_cache(arch, options):
     eager, fast = decode_both(arch, options, compile=False)
     torch.testing.assert_close(fast, eager, rtol=0, atol=FAST_TOL)
     assert torch.equal(fast.argmax(-1), eager.argmax(-1))  # token for token
+
+
+@pytest.mark.parametrize(("arch", "options"), CASES, ids=IDS)
+def test_a_half_precision_static_cache_stores_half_and_rounds_nothing_else(arch, options):
+    """`kv_dtype=float16` (llama.cpp's default cache type): the frozen cache's slots are float16 and
+    hold the prompt's keys and values rounded, bit for bit as the ordinary cache's rounded (the same
+    prefill), and the steps equal the ordinary cache's whose stored keys and values are rounded as
+    they are stored, at the fp32 tolerance, for the first `ROUNDED_STEPS` steps. Later, a decoded
+    token's value whose last fp32 bits differ between the two paths (as they do unrounded) can round
+    to neighbouring float16 values, a step of ~1e-3 relative, which a carried state feeds back: rfbt's
+    logits drift to 1.3e-3 by step 20 (2.7e-5 unrounded), and to 1.2e-2 with the running-mean cache."""
+    eager, fast = decode_both(arch, options, compile=False, kv_dtype=torch.float16)
+    static, ordinary = LAST_DECODER["fast"].cache, LAST_DECODER["ordinary cache"]
+    assert {t.dtype for t in (*static.k_slots, *static.v_slots)} == {torch.float16}
+    prompt = PROMPTS.shape[1]
+    for stored, slots in ((ordinary.k, static.k_slots), (ordinary.v, static.v_slots)):
+        for slot, half in enumerate(slots):
+            assert torch.equal(half[:, :, :prompt].float(), stored[slot, :, :, :prompt])
+    torch.testing.assert_close(fast[:, :ROUNDED_STEPS], eager[:, :ROUNDED_STEPS], rtol=0, atol=FAST_TOL)
+
+
+@pytest.mark.slow
+@needs_cxx
+def test_a_half_precision_cache_compiles_into_the_package_and_gives_the_eager_steps():
+    """The compiled step (the ahead-of-time package, the default on CPU) over a float16 cache: a
+    package of its own (its inputs' dtypes), equal to the rounded ordinary cache's steps."""
+    eager, fast = decode_both("gpt", {}, compile=True, kv_dtype=torch.float16)
+    assert LAST_DECODER["fast"].aot is not None and LAST_DECODER["fast"].aot_reason is None
+    torch.testing.assert_close(fast, eager, rtol=0, atol=FAST_TOL)
+    assert torch.equal(fast.argmax(-1), eager.argmax(-1))
 
 
 def test_static_cache_length_is_bucketed_and_capped():
@@ -576,6 +620,30 @@ class _Adopting:
 
     def __getattr__(self, name):
         return getattr(self.decoder, name)
+
+
+@pytest.mark.parametrize("compile", [True, "auto"])
+def test_the_engine_hands_its_kv_dtype_to_the_compiled_step_and_refuses_what_cannot_take_it(compile, monkeypatch):
+    """`stream(kv_dtype=...)` reaches the decoder's frozen cache, on the compiled path and when the
+    automatic mode adopts the cache (its steps here eager static ones: the same cache, no compile);
+    a dtype it does not know, an eager decode and self-speculative rounds are refused at the call."""
+    import latentloop.engine as engine
+
+    model = model_for("gpt")
+    decoders = []
+    monkeypatch.setattr(engine.AutoCompile, "compiled_already", lambda self, cache: True)
+    monkeypatch.setattr(engine, "FastDecoder", lambda model, on_compile=None, **kw: decoders.append(
+        FastDecoder(model, compile=False, **kw)) or decoders[-1])
+    tokens = ll.generate(model, [BOS, 5, 9, 12], STEPS, temperature=0.0, compile=compile, kv_dtype="bfloat16")
+    assert len(decoders) == 1 and {t.dtype for t in decoders[0].cache.k_slots} == {torch.bfloat16}
+    assert len(tokens) == STEPS
+    for bad, words in [(dict(kv_dtype="int8"), "kv_dtype must be one of"),
+                       (dict(kv_dtype="float16", compile=False), "compiled step's cache"),
+                       (dict(kv_dtype=torch.float16), "kv_dtype must be one of")]:
+        with pytest.raises(PromptError, match=words):
+            ll.generate(model, [BOS, 5], 3, **bad)
+    with pytest.raises(PromptError, match="self-speculative"):
+        ll.generate(model_for("rgpt"), [BOS, 5], 3, kv_dtype="float16", draft_steps=1, draft_tokens=2)
 
 
 def test_engine_refuses_an_unknown_decode_mode():

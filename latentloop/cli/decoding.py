@@ -46,7 +46,8 @@ def cmd_generate(args) -> int:
         max_new = min(max_new, context - len(prompt_ids))
     steps = stream(model, prompt_ids, max_new, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                    seed=args.seed, stop_tokens=[tokenizer.eos_id, tokenizer.bos_id], use_cache=not args.no_cache,
-                   pad_id=tokenizer.pad_id, compile=_decode_mode(args), on_compile=_say_compiling, **options)
+                   pad_id=tokenizer.pad_id, compile=_decode_mode(args), on_compile=_say_compiling,
+                   kv_dtype=args.kv_dtype, **options)
     ids, info = [], {}
     decoder = TokenText(tokenizer)
     if not args.json:  # the prompt is echoed once the arguments are known to be valid
@@ -145,7 +146,8 @@ def cmd_chat(args) -> int:
         try:
             for piece in stream_reply(model, tokenizer, messages, budget, temperature=args.temperature,
                                       top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                                      compile=_decode_mode(args), on_compile=_say_compiling, **options):
+                                      compile=_decode_mode(args), on_compile=_say_compiling,
+                                      kv_dtype=args.kv_dtype, **options):
                 pieces.append(piece)
                 sys.stdout.write(piece)
                 sys.stdout.flush()

@@ -60,6 +60,10 @@ def _add_decode_options(p: argparse.ArgumentParser) -> None:
                    help="the same as --decode compiled")
     p.add_argument("--no-compile", dest="decode", action="store_const", const="eager",
                    help="the same as --decode eager")
+    p.add_argument("--kv-dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                   help="what the compiled step's cache stores keys and values in (default: the model's dtype, "
+                        "exact); float16, as llama.cpp's default cache, reads half the bytes per step over a long "
+                        "context, with logits rounded accordingly. Compiled decoding only (auto or compiled)")
     p.add_argument("--quantize", choices=["int8"], default=None,
                    help="int8: weight-only int8 linear layers (per output channel, symmetric), for speed and memory")
 

@@ -134,7 +134,7 @@ class StaticCacheMixin:
     def length(self, value: int) -> None:
         self._length = value
 
-    def freeze(self, per_row: bool = False) -> None:
+    def freeze(self, per_row: bool = False, kv_dtype: torch.dtype | None = None) -> None:
         """Switch to the static decode mode (after prefill). Each slot's keys/values move into a
         tensor of its own: a compiled step that writes into a view of one (S, ...) tensor is
         functionalised into a copy of the whole tensor per write (measured: every slot's cache
@@ -142,15 +142,16 @@ class StaticCacheMixin:
         State tensors become fixed buffers. `k` / `v` are dropped: the slots hold the data now.
         `per_row`: a write position per row (a scatter per write, which looked about a fifth slower
         for the compiled step at batch 1, timed under load on the project's machine, so a
-        generation's rows share one)."""
+        generation's rows share one). `kv_dtype`: the slots' dtype (default: the prefill's), e.g.
+        float16 as llama.cpp's default cache stores them; the step computes in the model's dtype."""
         self.filled = self._length
         self.per_row = per_row
         self.is_view = False
         self.rows = torch.arange(self.batch_size, device=self.key_pos.device)
         self.write_index = torch.full((self.batch_size if per_row else 1,), self._length, dtype=torch.long,
                                       device=self.key_pos.device)
-        self.k_slots = [t.clone() for t in self.k.unbind(0)]  # S x (B, H, L, hd)
-        self.v_slots = [t.clone() for t in self.v.unbind(0)]
+        self.k_slots = [t.to(kv_dtype or t.dtype, copy=True) for t in self.k.unbind(0)]  # S x (B, H, L, hd)
+        self.v_slots = [t.to(kv_dtype or t.dtype, copy=True) for t in self.v.unbind(0)]
         self.k = self.v = None
         self.state = {name: value.clone() for name, value in self.state.items()}
         self.window = torch.empty(0, device=self.key_pos.device)
@@ -265,7 +266,9 @@ class StaticCacheMixin:
         self._write(self.k_slots[slot], self.v_slots[slot], k, v)
         k_slot, v_slot = self.k_slots[slot], self.v_slots[slot]
         W = self.window.shape[0]
-        return k_slot[:, :, :W], v_slot[:, :, :W]  # (B, H, W, hd): attention over the window only
+        # (B, H, W, hd): attention over the window only, in the step's dtype; a narrower `kv_dtype` is
+        # widened as it is read (compiled: in registers, inside the attention's loops)
+        return k_slot[:, :, :W].to(k.dtype), v_slot[:, :, :W].to(v.dtype)
 
     def begin_tokens(self, T: int) -> AttentionPlan:
         """`begin` for T > 1 tokens per row, written at the T slots from the shared write position
@@ -282,6 +285,7 @@ class StaticCacheMixin:
     def _write(self, k_slot: Tensor, v_slot: Tensor, k: Tensor, v: Tensor) -> None:
         """k, v (B, H, T, hd) into the slot's buffers at the write position (index_put_: in place
         when compiled); T > 1 only with a shared write position (`begin_tokens`)."""
+        k, v = k.to(k_slot.dtype), v.to(v_slot.dtype)  # a `kv_dtype` of the slots' own (`freeze`)
         if self.pending > 1:
             k_slot[:, :, self.write_slots] = k
             v_slot[:, :, self.write_slots] = v
@@ -377,10 +381,12 @@ class FastDecoder:
     through a decode: the engine's automatic mode decodes its first steps eagerly through the
     ordinary cache, and switches here only when compiling pays (`AutoCompile`).
     `on_compile(message)` hears when the first call of a compiled step starts (it compiles, or loads
-    the compiled code from the on-disk cache) and when it ends."""
+    the compiled code from the on-disk cache) and when it ends. `kv_dtype`: the dtype the frozen
+    cache stores keys and values in (`StaticCacheMixin.freeze`; None: the model's)."""
 
-    def __init__(self, model, compile: bool = True, on_compile=None, **options):
-        self.model, self.options, self.on_compile = model, options, on_compile
+    def __init__(self, model, compile: bool = True, on_compile=None, kv_dtype: torch.dtype | None = None,
+                 **options):
+        self.model, self.options, self.on_compile, self.kv_dtype = model, options, on_compile, kv_dtype
         self.reason = fallback_reason(model, options)
         device = model.wte.weight.device
         self.cuda = device.type == "cuda"
@@ -389,7 +395,7 @@ class FastDecoder:
         self.skip_guards = True  # after the first call (see `step`); False checks them every call (benchmarks)
         self.aot: AotDecodeStep | None = None  # the ahead-of-time step (CPU), tried before dynamo's
         self.aot_reason: str | None = None  # why this decoder runs dynamo's step instead, once known
-        self._key = (device.type, tuple(sorted(options.items())))
+        self._key = step_key(device.type, options, kv_dtype)
         if self._compiled:
             use_compile_cache()
             if device.type == "cpu" and aot_enabled():
@@ -434,7 +440,7 @@ class FastDecoder:
 
     def begin_decoding(self, cache: KVCache) -> None:
         """After the prefill: freeze the cache (static buffers, tensor positions)."""
-        cache.freeze()
+        cache.freeze(kv_dtype=self.kv_dtype)
         self.attach(cache)
 
     def attach(self, cache: KVCache) -> None:
@@ -703,9 +709,9 @@ class AutoCompile:
     `1 - COMPILED_OVER_EAGER`. Rows beyond `AUTO_MAX_BATCH` and options that do not compile stay eager.
     A call that stops early (a stop token) is counted at its budget."""
 
-    def __init__(self, model, options: dict):
+    def __init__(self, model, options: dict, kv_dtype: torch.dtype | None = None):
         self.model, self.options = model, options
-        self.key = (next(model.parameters()).device.type, tuple(sorted(options.items())))
+        self.key = step_key(next(model.parameters()).device.type, options, kv_dtype)
 
     def applies(self, batch_size: int) -> bool:
         """The static cache is the backbone's (any other model, e.g. a test's scripted one, decodes as
@@ -746,6 +752,13 @@ class AutoCompile:
 _BANKED_SAVING: dict[Path, float] = {}
 # model -> {ran_shape(...)}: compiled steps that have run in this process
 _RAN_SHAPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def step_key(device_type: str, options: dict, kv_dtype: torch.dtype | None = None) -> tuple:
+    """What tells a model's compiled steps apart besides their shapes: the device, the options and a
+    cache dtype of their own (each a graph of its own; (device type, options) without one)."""
+    key = (device_type, tuple(sorted(options.items())))
+    return key if kv_dtype is None else (*key, f"kv {kv_dtype}")
 
 
 def ran_shape(key: tuple, batch_size: int, max_len: int, per_row: bool) -> tuple:
