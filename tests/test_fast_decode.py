@@ -79,13 +79,13 @@ IDS = [f"{arch}-{'-'.join(f'{k}={v}' for k, v in opts.items()) or 'default'}" fo
 LAST_DECODER: dict[str, FastDecoder] = {}  # the decoder of the last `decode_both`, for what it ran
 
 
-def decode_both(arch: str, options: dict, compile: bool, kv_dtype: torch.dtype | None = None):
+def decode_both(arch: str, options: dict, compile: bool, kv_dtype: torch.dtype | None = None, steps: int = STEPS):
     """Greedy decode with the ordinary cache and with the FastDecoder; logits per step of each.
     `kv_dtype`: the FastDecoder's cache stores keys and values in it, and the ordinary cache's are
     rounded to it as they are stored (the prefill's once it is done, as `freeze` rounds them)."""
     model = model_for(arch)  # built outside inference mode, as users build models
     with torch.inference_mode():
-        return _decode_both(model, options, compile, kv_dtype)
+        return _decode_both(model, options, compile, kv_dtype, steps)
 
 
 def _round_stored_keys_and_values(cache, dtype: torch.dtype) -> None:
@@ -97,7 +97,7 @@ def _round_stored_keys_and_values(cache, dtype: torch.dtype) -> None:
     cache.update = lambda slot, k, v: update(slot, k.to(dtype).to(k.dtype), v.to(dtype).to(v.dtype))
 
 
-def _decode_both(model, options: dict, compile: bool, kv_dtype: torch.dtype | None = None):
+def _decode_both(model, options: dict, compile: bool, kv_dtype: torch.dtype | None = None, steps: int = STEPS):
     options = model_options(model, options)
     needed = PROMPTS.shape[1] + STEPS
     cache = model.new_cache(2, needed, **options)
@@ -113,7 +113,7 @@ def _decode_both(model, options: dict, compile: bool, kv_dtype: torch.dtype | No
     token = out.logits[:, -1].argmax(-1)
     fast_token = fast_out.logits[:, -1].argmax(-1)
     eager_logits, fast_logits = [], []
-    for _ in range(STEPS):
+    for _ in range(steps):
         logits = model.decode(token[:, None], cache, **options).logits[:, -1]
         step_logits, greedy, _ = fast.step(fast_token)
         eager_logits.append(logits)
@@ -139,14 +139,14 @@ def test_a_half_precision_static_cache_stores_half_and_rounds_nothing_else(arch,
     token's value whose last fp32 bits differ between the two paths (as they do unrounded) can round
     to neighbouring float16 values, a step of ~1e-3 relative, which a carried state feeds back: rfbt's
     logits drift to 1.3e-3 by step 20 (2.7e-5 unrounded), and to 1.2e-2 with the running-mean cache."""
-    eager, fast = decode_both(arch, options, compile=False, kv_dtype=torch.float16)
+    eager, fast = decode_both(arch, options, compile=False, kv_dtype=torch.float16, steps=ROUNDED_STEPS)
     static, ordinary = LAST_DECODER["fast"].cache, LAST_DECODER["ordinary cache"]
     assert {t.dtype for t in (*static.k_slots, *static.v_slots)} == {torch.float16}
     prompt = PROMPTS.shape[1]
     for stored, slots in ((ordinary.k, static.k_slots), (ordinary.v, static.v_slots)):
         for slot, half in enumerate(slots):
             assert torch.equal(half[:, :, :prompt].float(), stored[slot, :, :, :prompt])
-    torch.testing.assert_close(fast[:, :ROUNDED_STEPS], eager[:, :ROUNDED_STEPS], rtol=0, atol=FAST_TOL)
+    torch.testing.assert_close(fast, eager, rtol=0, atol=FAST_TOL)
 
 
 @pytest.mark.slow
@@ -195,6 +195,26 @@ def test_linear_by_reduction_keeps_the_library_product_past_its_row_limit():
     torch.manual_seed(0)
     x, weight = torch.randn(REDUCTION_MAX_ROWS + 1, 1024), torch.randn(96, 1024)
     assert torch.equal(_linear_by_reduction(x, weight), F.linear(x, weight))
+
+
+@pytest.mark.parametrize("vendor, library", [("GenuineIntel", True), ("AuthenticAMD", False)])
+def test_a_wide_head_keeps_the_library_product_only_where_mkl_runs_on_an_intel_cpu(vendor, library, monkeypatch):
+    """A product with more than `REDUCTION_MAX_OUTPUTS` outputs (a 32k vocabulary's head) at one row:
+    torch's own product (MKL's) on an Intel CPU, the reduction elsewhere (the sum written out, bit for
+    bit); a product with fewer outputs is a reduction on both."""
+    from latentloop.inference import fast
+
+    monkeypatch.setattr(fast, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: True)
+    fast._library_streams_wide_products.cache_clear()
+    try:
+        torch.manual_seed(0)
+        x, wide, narrow = torch.randn(1, 64), torch.randn(fast.REDUCTION_MAX_OUTPUTS + 1, 64), torch.randn(96, 64)
+        by_reduction = (x[..., None, :] * wide).sum(-1)
+        assert torch.equal(_linear_by_reduction(x, wide), F.linear(x, wide) if library else by_reduction)
+        assert torch.equal(_linear_by_reduction(x, narrow), (x[..., None, :] * narrow).sum(-1))
+    finally:
+        fast._library_streams_wide_products.cache_clear()
 
 
 @pytest.mark.parametrize("rows", [6, 16, 64])

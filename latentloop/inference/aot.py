@@ -217,6 +217,21 @@ def _source_digest() -> str:
     return digest.hexdigest()
 
 
+def cpu_vendor() -> str:
+    """The CPU's vendor (/proc/cpuinfo's vendor_id: GenuineIntel, AuthenticAMD), or the platform's
+    processor name where there is none. It decides which product a step uses for a wide weight
+    (`fast.REDUCTION_MAX_OUTPUTS`), so a package's key holds it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor()
+
+
 def _cpu_flags() -> str:
     """The instruction set the package's kernels were vectorised for (inductor picks it at compile time)."""
     try:
@@ -244,7 +259,7 @@ def package_key(model, options: dict, cache, fields, tokens: int = 0) -> str:
     """A name for the package of this step: what it depends on, hashed (see the module docstring).
     `tokens`: the tokens per row of a several-token step (0: the one-token decode step)."""
     if "cpu" not in _DIGESTS:
-        _DIGESTS["cpu"] = hashlib.sha256(_cpu_flags().encode()).hexdigest()
+        _DIGESTS["cpu"] = hashlib.sha256(f"{cpu_vendor()} {_cpu_flags()}".encode()).hexdigest()
     config = model.config
     config = asdict(config) if is_dataclass(config) else vars(config)
     flat = flatten(cache, fields)
