@@ -305,6 +305,7 @@ def loops_over(code: str, bound: int) -> list[str]:
     return bodies
 
 
+@pytest.mark.slow  # compiles a step to read its generated code: 15 s, the default suite's longest test
 @needs_cxx
 def test_the_attention_reduction_computes_its_query_once_not_per_key():
     """Compiled by inductor, the one-query attention reads its query from a buffer: the query's
