@@ -825,10 +825,11 @@ REDUCTION_MAX_ROWS = 4
 # A product with more outputs than this (a real vocabulary's head) keeps the library's product where
 # that library is MKL on an Intel CPU (`_library_streams_wide_products`): there MKL's one-row product
 # streams a 32,000 x 768 head at 16.6 GB/s against the reduction's 12.0 (5.9 vs 8.2 ms, 1 thread, Intel
-# Xeon; a decode step at 12 layers x d 768, 32k vocabulary: 42.7-43.6 vs 46.0-47.3 ms), while the
-# layers' own products (3,072 outputs and fewer) stay faster as reductions inside the step (34.9 vs 37.4
-# ms at the byte vocabulary; 0.74-0.81 vs 0.91-0.98 ms at 4 x 256). On the AMD EPYC of the figures above,
-# MKL took twice the reduction's time for every product.
+# Xeon), while the layers' own products (3,072 outputs and fewer) stay faster as reductions inside the
+# step (every product on MKL: 37.4 vs 34.9 ms a token at 12 x 768 with the byte vocabulary, 0.91-0.98
+# vs 0.74-0.81 ms at 4 x 256). The wide head alone on MKL, 12 x 768 with a 32k head, paired: 45.7 /
+# 51.2 / 52.6 vs 53.0 / 57.5 / 59.9 ms (experiments/logs/2026-12-05-issue54-third.md). On the AMD
+# EPYC of the figures above, MKL took twice the reduction's time for every product.
 REDUCTION_MAX_OUTPUTS = 16_384
 
 
