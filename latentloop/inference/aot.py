@@ -218,25 +218,21 @@ def _source_digest() -> str:
 
 
 def cpu_vendor() -> str:
-    """The CPU's vendor (/proc/cpuinfo's vendor_id: GenuineIntel, AuthenticAMD), or the platform's
-    processor name where there is none. It decides which product a step uses for a wide weight
-    (`fast.REDUCTION_MAX_OUTPUTS`), so a package's key holds it."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor()
+    """The CPU's vendor (/proc/cpuinfo's vendor_id: GenuineIntel, AuthenticAMD). It decides which
+    product a step uses for a wide weight (`fast.REDUCTION_MAX_OUTPUTS`), so a package's key holds it."""
+    return _cpuinfo("vendor_id")
 
 
 def _cpu_flags() -> str:
     """The instruction set the package's kernels were vectorised for (inductor picks it at compile time)."""
+    return _cpuinfo("flags")
+
+
+def _cpuinfo(field: str) -> str:
+    """A field of /proc/cpuinfo (its first processor's), or the platform's processor name where there is none."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
+            if line.startswith(field):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
