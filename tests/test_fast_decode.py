@@ -502,6 +502,8 @@ def test_compile_record_expects_the_cold_cost_then_the_fastest_first_call(compil
     assert again.seen() and again.expected_seconds() == 4.0
     other = CompileRecord(model, {}, fast.new_cache(3, 8))  # another batch size is another graph
     assert not other.seen()
+    half = CompileRecord(model, {}, fast.new_cache(1, 8), torch.float16)  # a float16 cache is a package of its own
+    assert not half.seen()
 
 
 def test_compile_cache_dir_counts_inductors_default_as_unset_without_importing_inductor(tmp_path, monkeypatch):

@@ -507,7 +507,7 @@ class FastDecoder:
     def _first_compiled_step(self, token: Tensor) -> tuple[Tensor, Tensor, dict]:
         """The first call: dynamo traces, inductor compiles or loads from its cache; timed, announced
         and recorded (`CompileRecord`), so the automatic mode knows what the next process pays."""
-        record = CompileRecord(self.model, self.options, self.cache)
+        record = CompileRecord(self.model, self.options, self.cache, self.kv_dtype)
         expected = record.expected_seconds()
         if self.on_compile is not None:
             known = (f"~{expected:.0f} s, as last time" if record.seen() else
@@ -619,14 +619,15 @@ class CompileRecord:
     eager (`banked_seconds`), in every process: a command-line user's many short `generate`
     processes add up to a compile as one long process's calls do."""
 
-    def __init__(self, model, options: dict, cache: KVCache):
+    def __init__(self, model, options: dict, cache: KVCache, kv_dtype: torch.dtype | None = None):
         config = model.config
         fields = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else vars(config)
         quantized = sorted({type(m).__name__ for m in model.modules() if getattr(m, "QUANTIZED", False)})
         key = json.dumps([torch.__version__, model_code_digest(), torch.get_num_threads(), type(model).__qualname__,
                           fields, sorted(options.items()), quantized,
                           cache.batch_size, cache.max_len, str(cache.key_pos.device.type)]
-                         + (["per_row"] if getattr(cache, "per_row", False) else []), default=str)
+                         + (["per_row"] if getattr(cache, "per_row", False) else [])
+                         + ([f"kv {kv_dtype}"] if kv_dtype is not None else []), default=str)  # its own step
         self.path = compile_cache_dir() / "latentloop" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
 
     def _read(self) -> dict:
@@ -711,7 +712,7 @@ class AutoCompile:
     A call that stops early (a stop token) is counted at its budget."""
 
     def __init__(self, model, options: dict, kv_dtype: torch.dtype | None = None):
-        self.model, self.options = model, options
+        self.model, self.options, self.kv_dtype = model, options, kv_dtype
         self.key = step_key(next(model.parameters()).device.type, options, kv_dtype)
 
     def applies(self, batch_size: int) -> bool:
@@ -731,7 +732,7 @@ class AutoCompile:
         this cache's shape; its first call took `seconds`: free from now on in this process, and what
         the next process expects to pay."""
         _RAN_SHAPES.setdefault(self.model, set()).add(ran_shape(self.key, cache.batch_size, cache.max_len, False))
-        CompileRecord(self.model, self.options, cache).add(seconds)
+        CompileRecord(self.model, self.options, cache, self.kv_dtype).add(seconds)
 
     def decide(self, eager_step_s: float, remaining_steps: int, cache: KVCache) -> bool:
         """After the probe steps: True to compile the rest of this call. Without compiling, the
@@ -740,7 +741,7 @@ class AutoCompile:
         if self.compiled_already(cache):
             return True
         saving = eager_step_s * (1 - COMPILED_OVER_EAGER)
-        record = CompileRecord(self.model, self.options, cache)
+        record = CompileRecord(self.model, self.options, cache, self.kv_dtype)
         total = record.banked_seconds() + (remaining_steps + PROBE_STEPS) * saving
         if total >= record.expected_seconds():
             return True
