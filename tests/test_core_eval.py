@@ -56,7 +56,7 @@ class BigramStub(nn.Module):
     def teacher_forced_prompt_len(self, seq_len, options):
         return seq_len
 
-    def prefill(self, idx, cache, pad_mask=None, last_logits=False, **options):  # every column: the engine reads the last
+    def prefill(self, idx, cache, pad_mask=None, last_logits=False, **options):  # logits of every column
         self.calls.append(("prefill", tuple(idx.shape)))
         return SimpleNamespace(logits=self.table[idx], info={})
 

@@ -48,7 +48,7 @@ class ScriptedModel(nn.Module):
     def new_cache(self, batch_size, max_len=None, **options):
         return SimpleNamespace()
 
-    def prefill(self, idx, cache, pad_mask=None, last_logits=False, **options):  # every column: the engine reads the last
+    def prefill(self, idx, cache, pad_mask=None, last_logits=False, **options):  # logits of every column
         return self.decode(idx, cache, pad_mask, **options)
 
     def decode(self, idx, cache, pad_mask=None, **options):
