@@ -190,6 +190,11 @@ def text_prompt(length: int, bos_id: int, seed: int, text: bytes | None = None) 
     return [bos_id] + list(text[start:start + length - 1])
 
 
+def engine_kv_dtype(engine: str) -> str | None:
+    """The compiled step's cache dtype of a latentloop row: float16 for the "f16 cache" row."""
+    return "float16" if engine.endswith("f16 cache") else None
+
+
 def latentloop_generate(model, prompt: list[int], new_tokens: int, compile: bool | str, aot: bool = True,
                         kv_dtype: str | None = None) -> list[int]:
     """latentloop's greedy tokens through `latentloop.generate`, the ahead-of-time package on or off,
@@ -458,7 +463,7 @@ def make_call(engine: str, model, folder: Path, context: int, batch: int, thread
             model = quantize_int8(copy.deepcopy(model))
         compile = {"default": "auto", "eager": False}.get(engine.split()[1], True)
         aot = not engine.endswith("dynamo")
-        kv_dtype = "float16" if engine.endswith("f16 cache") else None
+        kv_dtype = engine_kv_dtype(engine)
         return lambda prompt, new_tokens: latentloop_generate(model, prompt, new_tokens, compile, aot, kv_dtype)
     if engine == "hf generate":
         return hf_call(hf_dir)
@@ -507,8 +512,7 @@ def worker(spec: dict[str, Any]) -> int:
     tokens = []
     for prompt in prompts:
         if engine.startswith("latentloop default"):  # the f16 cache's step is a package of its own
-            latentloop_generate(model, prompt, new_tokens, compile=True,
-                                kv_dtype="float16" if engine.endswith("f16 cache") else None)
+            latentloop_generate(model, prompt, new_tokens, compile=True, kv_dtype=engine_kv_dtype(engine))
         tokens.append(call(prompt, new_tokens))  # the warm-up (compiles), and the tokens
         call(prompt, 1)
     answers.write(json.dumps({"tokens": tokens}) + "\n")

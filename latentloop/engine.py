@@ -202,10 +202,15 @@ def model_options(model, options: dict, cached: bool = True) -> dict:
     """The model's declared options with `options` applied, checked once (one-line errors), the
     draft they ask for included (`draft_options` refuses what it cannot draft)."""
     options = check_options(model.OPTIONS, options, model.config.arch, cached=cached)
-    draft_options = getattr(model, "draft_options", None)
-    if draft_options is not None:
-        draft_options(options)
+    draft_of(model, options)
     return options
+
+
+def draft_of(model, options: dict) -> Draft | None:
+    """The cheaper draft of itself the model declares for these options (self-speculative decoding),
+    or None: no draft asked for, or a model without the protocol (a test's scripted one)."""
+    draft_options = getattr(model, "draft_options", None)
+    return None if draft_options is None else draft_options(options)
 
 
 def stream(model, prompts, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
@@ -267,7 +272,7 @@ def _checked(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, st
     if kv_dtype is not None and compile is False:
         raise PromptError("kv_dtype is the compiled step's cache: decode with compile=True or 'auto' "
                           "(--decode compiled or auto)")
-    if kv_dtype is not None and getattr(model, "draft_options", lambda options: None)(options) is not None:
+    if kv_dtype is not None and draft_of(model, options) is not None:
         raise PromptError("kv_dtype applies to plain decoding: self-speculative rounds (draft_steps / "
                           "draft_tokens) keep the model's dtype")
     context = model.config.sequence_len
@@ -294,7 +299,7 @@ def _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, sto
         finished = [False] * B
         # One new token comes from the prefill alone: no decode step, so no decoder and no static cache
         decodes = max_new_tokens > 1
-        draft = getattr(model, "draft_options", lambda options: None)(options) if use_cache and decodes else None
+        draft = draft_of(model, options) if use_cache and decodes else None
         drafting, auto_drafting = None, None
         if draft is not None:  # self-speculative rounds: compiled (`CompiledDrafting`, one row) or eager
             compiles = compiled_drafting_reason(model, options, draft, B) is None

@@ -453,9 +453,10 @@ class GPT(nn.Module):
     def prefill(self, idx: Tensor, cache: KVCache, pad_mask: Tensor | None = None, last_logits: bool = False,
                 **options) -> ModelOutput:
         """The prompt idx (B, P) into an empty cache. `last_logits`: the logits of the last column only,
-        (B, 1, V), all that decoding reads; a scorer reads every column's. The head is the prefill's
-        largest product at a real vocabulary (2,048 positions x 32k tokens: 516 against llama.cpp's
-        204 ms to the first token at 4 x 256, which reads out the last position only)."""
+        (B, 1, V), all that decoding reads; a scorer reads every column's. At a real vocabulary the head
+        over every position was the prefill's largest product: time to the first token after 2,048
+        tokens at 4 x 256 with 32k tokens went from 1.035x llama.cpp's (which reads out the last
+        position only) to 0.414x (experiments/logs/2026-12-05-issue54-third.md)."""
         return self.run(idx, cache, pad_mask, last_logits)
 
     def decode(self, idx: Tensor, cache: KVCache, **options) -> ModelOutput:
