@@ -455,8 +455,8 @@ class GPT(nn.Module):
         """The prompt idx (B, P) into an empty cache. `last_logits`: the logits of the last column only,
         (B, 1, V), all that decoding reads; a scorer reads every column's. At a real vocabulary the head
         over every position was the prefill's largest product: time to the first token after 2,048
-        tokens at 4 x 256 with 32k tokens went from 1.035x llama.cpp's (which reads out the last
-        position only) to 0.414x (experiments/logs/2026-12-05-issue54-third.md)."""
+        tokens at 4 x 256 with 32k tokens is 0.414x llama.cpp's (which reads out the last position
+        only) with it, where an earlier run had 1.035x (experiments/logs/2026-12-05-issue54-third.md)."""
         return self.run(idx, cache, pad_mask, last_logits)
 
     def decode(self, idx: Tensor, cache: KVCache, **options) -> ModelOutput:
