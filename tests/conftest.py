@@ -68,6 +68,16 @@ SERVER_POLL_S = 0.05
 LISTENING = re.compile(r" at (http://127\.0\.0\.1:(\d+))/v1 ")
 
 
+def round_stored_keys_and_values(cache, dtype: torch.dtype) -> None:
+    """An ordinary cache as one that stores keys and values in `dtype` (`kv_dtype`): what it holds
+    rounded now, and every later write rounded as it is stored (an independent emulation of the
+    frozen cache's half-precision slots)."""
+    for stored in (cache.k, cache.v):
+        stored.copy_(stored.to(dtype))
+    update = cache.update
+    cache.update = lambda slot, k, v: update(slot, k.to(dtype).to(k.dtype), v.to(dtype).to(v.dtype))
+
+
 def _no_cxx_reason() -> str | None:
     from latentloop.inference import native
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import needs_cxx, option_sets
+from conftest import needs_cxx, option_sets, round_stored_keys_and_values
 
 import latentloop as ll
 from latentloop.archs import ARCHS, get_arch
@@ -220,6 +220,58 @@ def test_the_compiled_path_shrinks_to_a_batch_its_live_rows_do_not_fill(models):
         torch.testing.assert_close(torch.stack(logp), want_logp, rtol=TOL, atol=TOL)
 
 
+# `serve --kv-dtype float16`: requests joining one at a time (each row's prefill alone, as the
+# reference's), decoding this many greedy steps each; past a few steps a last-bit difference between
+# a batch row and the reference can round a stored value to the neighbouring float16, which a carried
+# state feeds back (tests/test_fast_decode.py measures the drift), so only the first steps are compared
+HALF_CACHE_REQUESTS = [([BOS, *b"def f(x):"], 0), ([BOS, *b"hi"], 1), ([BOS, *b"a longer prompt"], 3)]
+HALF_CACHE_STEPS = 4
+HALF_CACHE_TOL = 5e-4  # fp32 logits over a float16 cache, a batch row against its emulation alone
+
+
+def rounded_alone(model, prompt: list[int], steps: int, options: dict, dtype: torch.dtype) -> torch.Tensor:
+    """Greedy log-probabilities (steps, V) of one prompt decoded alone through an ordinary cache that
+    stores keys and values in `dtype` (an emulation independent of the static cache's code)."""
+    cache = model.new_cache(1, len(prompt) + steps, **options)
+    logits = model.prefill(torch.tensor([prompt]), cache, **options).logits[:, -1]
+    round_stored_keys_and_values(cache, dtype)
+    out = []
+    for _ in range(steps):
+        out.append(logits[0].float().log_softmax(-1))
+        logits = model.decode(logits.argmax(-1)[:, None], cache, **options).logits[:, -1]
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("arch, label, given", CASES, ids=[f"{a}-{label}" for a, label, _ in CASES])
+def test_a_float16_cache_on_the_compiled_path_decodes_each_row_as_a_rounding_cache_alone(arch, label, given,
+                                                                                        models):
+    """`serve --kv-dtype float16`: the compiled path's batch stores every row's keys and values in
+    float16 (a joining row's prefill rounded as it is placed), and each row's greedy steps equal its
+    prompt decoded alone through an ordinary cache that rounds what it stores, for every option set
+    whose step compiles (the step run eagerly)."""
+    model = models[arch]
+    options = model_options(model, given)
+    if not compiles(model, options, 8):
+        return  # eager batches keep the model's dtype (the compiled-path test above checks which)
+    batch = SlotBatch(model, options, (), keep_logits=True, coupled=couples_rows(model, options), compile=False,
+                      kv_dtype=torch.float16)
+    members = [Member(prompt, HALF_CACHE_STEPS, Sampling()) for prompt, _ in HALF_CACHE_REQUESTS]
+    got: dict[int, list[torch.Tensor]] = {id(m): [] for m in members}
+    step = 0
+    while step <= max(join for _, join in HALF_CACHE_REQUESTS) or len(batch):
+        for member, (_, join) in zip(members, HALF_CACHE_REQUESTS):
+            if join == step:
+                batch.add([member])
+        for out in batch.step():
+            got[id(out.member)].append(out.logits.float().log_softmax(-1))
+        step += 1
+        assert step < 50, "the batch never emptied"
+    assert {t.dtype for t in (*batch.storage.k_slots, *batch.storage.v_slots)} == {torch.float16}
+    for member in members:
+        want = rounded_alone(model, member.prompt, HALF_CACHE_STEPS, batch.options, torch.float16)
+        torch.testing.assert_close(torch.stack(got[id(member)]), want, rtol=0, atol=HALF_CACHE_TOL)
+
+
 # -- the scheduler on the compiled path (in process, no HTTP) ----------------------------------
 
 SERVED = [  # (request body, arrival delay in scheduler steps is not controlled: they arrive together)
@@ -306,6 +358,32 @@ def test_the_scheduler_on_the_compiled_path_gives_what_the_engine_gives_alone(ar
         want = ll.generate(model, [ids] * body.get("n", 1), body["max_tokens"], temperature=body["temperature"],
                            top_k=body.get("top_k"), top_p=body.get("top_p"), seed=body.get("seed"), stop_tokens=STOPS)
         assert choices == [tokenizer.decode(row) for row in want], body
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_servers_kv_dtype_reaches_every_compiled_batch_and_no_eager_one(arch, models):
+    """`serve --kv-dtype float16` for every registered architecture: the settings reach the
+    scheduler (`ServerState.build`), whose compiled-path batches store their cache in float16 from
+    the warmed storage on; a batch whose options stay eager is the ordinary batch (the model's dtype)."""
+    from latentloop.data import ByteTokenizer
+    from latentloop.serve.serving import ServerState
+    from latentloop.serve.settings import ServeSettings
+
+    model = models[arch]
+    state = ServerState.build(model, ByteTokenizer(), "m",
+                              ServeSettings("unused", decode="eager", max_batch_size=4, kv_dtype=None))
+    assert state.scheduler.kv_dtype is None
+    scheduler = ServerState.build(model, ByteTokenizer(), "m", ServeSettings(
+        "unused", decode="compiled", max_batch_size=4, kv_dtype="float16")).scheduler
+    assert scheduler.kv_dtype is torch.float16
+    scheduler.compile_steps = False  # the step run eagerly: what is checked here is where the dtype goes
+    scheduler.warm()
+    options = model_options(model, {})
+    batch = scheduler._new_batch(options)
+    assert isinstance(batch, SlotBatch) == compiles(model, options, 4)
+    if isinstance(batch, SlotBatch):
+        assert batch.decoder.kv_dtype is torch.float16
+        assert {t.dtype for t in (*batch.storage.k_slots, *batch.storage.v_slots)} == {torch.float16}
 
 
 @needs_cxx

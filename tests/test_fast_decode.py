@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import needs_cxx, option_sets
+from conftest import needs_cxx, option_sets, round_stored_keys_and_values
 from torch import nn
 
 import latentloop as ll
@@ -88,22 +88,13 @@ def decode_both(arch: str, options: dict, compile: bool, kv_dtype: torch.dtype |
         return _decode_both(model, options, compile, kv_dtype, steps)
 
 
-def _round_stored_keys_and_values(cache, dtype: torch.dtype) -> None:
-    """The ordinary cache as one that stores keys and values in `dtype`: what it holds rounded now,
-    and every later write rounded as it is stored (an independent emulation of the frozen cache's)."""
-    for stored in (cache.k, cache.v):
-        stored.copy_(stored.to(dtype))
-    update = cache.update
-    cache.update = lambda slot, k, v: update(slot, k.to(dtype).to(k.dtype), v.to(dtype).to(v.dtype))
-
-
 def _decode_both(model, options: dict, compile: bool, kv_dtype: torch.dtype | None = None, steps: int = STEPS):
     options = model_options(model, options)
     needed = PROMPTS.shape[1] + STEPS
     cache = model.new_cache(2, needed, **options)
     out = model.prefill(PROMPTS, cache, PAD_MASK, **options)
     if kv_dtype is not None:
-        _round_stored_keys_and_values(cache, kv_dtype)
+        round_stored_keys_and_values(cache, kv_dtype)
     fast = FastDecoder(model, compile=compile, kv_dtype=kv_dtype, **options)
     LAST_DECODER["fast"], LAST_DECODER["ordinary cache"] = fast, cache
     assert fast.compiled == compile

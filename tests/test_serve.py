@@ -657,6 +657,18 @@ def test_cli_refuses_the_compiled_path_with_rounds(runs, capsys):
     assert "--batching continuous" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("flags, words", [
+    (["--decode", "eager"], "--decode compiled or auto"),
+    (["--batching", "rounds"], "--batching continuous"),
+])
+def test_cli_refuses_a_cache_dtype_where_no_compiled_batch_runs(flags, words, runs, capsys):
+    """`serve --kv-dtype` is the compiled path's cache: eager decoding and the round scheduler
+    refuse it in one line, before the run is loaded."""
+    assert main(["serve", str(runs["gpt"]), "--kv-dtype", "float16", *flags]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_compiled_server_gives_the_engines_tokens(arch, runs, tmp_path):

@@ -52,6 +52,8 @@ def _add_threads_option(p: argparse.ArgumentParser) -> None:
 
 def _add_decode_options(p: argparse.ArgumentParser) -> None:
     """How generate and chat decode: the compiled static-cache step where it pays (default), always, or never."""
+    from ..engine import KV_DTYPES
+
     p.add_argument("--decode", choices=["auto", "compiled", "eager"], default="auto",
                    help="auto: decode the first steps eagerly, timing them, and compile the step when the saving "
                         "over the budget reaches the compile's expected cost (latentloop.inference.fast.AutoCompile; "
@@ -60,7 +62,7 @@ def _add_decode_options(p: argparse.ArgumentParser) -> None:
                    help="the same as --decode compiled")
     p.add_argument("--no-compile", dest="decode", action="store_const", const="eager",
                    help="the same as --decode eager")
-    p.add_argument("--kv-dtype", choices=["float32", "float16", "bfloat16"], default=None,
+    p.add_argument("--kv-dtype", choices=list(KV_DTYPES), default=None,
                    help="what the compiled step's cache stores keys and values in (default: the model's dtype, "
                         "exact); float16, as llama.cpp's default cache, reads half the bytes per step over a long "
                         "context, with logits rounded accordingly. Compiled decoding only (auto or compiled)")
@@ -137,6 +139,7 @@ def _metavar(option) -> str:
 
 
 def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    from ..engine import KV_DTYPES
     from ..serve import settings as defaults
 
     p.add_argument("run", help="run folder or checkpoint folder")
@@ -165,6 +168,11 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "options that do not compile stay eager); eager: every decode step eagerly; auto: compiled "
                         "when every size's step is already in the on-disk cache (a start of seconds, not a compile "
                         f"of minutes), else eager (default {defaults.SERVE_DECODE[0]})")
+    p.add_argument("--kv-dtype", choices=list(KV_DTYPES), default=None,
+                   help="what the compiled path's cache stores keys and values in (default: the model's dtype, "
+                        "exact); float16, as llama.cpp's server, reads half the bytes per step over long contexts, "
+                        "logits rounded accordingly. Compiled batches only (--decode compiled or "
+                        "auto); a batch on the eager path keeps the model's dtype")
     p.add_argument("--batch-window-ms", type=float, default=defaults.DEFAULT_BATCH_WINDOW_MS,
                    help=f"how long an idle server waits for more requests before it starts a batch (default "
                         f"{defaults.DEFAULT_BATCH_WINDOW_MS:g})")

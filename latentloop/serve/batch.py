@@ -300,14 +300,15 @@ class _CacheShape:
     per_row: bool = True
 
 
-def cached_start_seconds(model, options: dict, rows: int) -> float | None:
-    """What loading the compiled path's step for every batch size up to `rows` is expected to cost,
-    by the compile records (`CompileRecord`: the fastest first call recorded per shape); None when
-    some size was never compiled on this machine (its first start would compile it)."""
+def cached_start_seconds(model, options: dict, rows: int, kv_dtype: torch.dtype | None = None) -> float | None:
+    """What loading the compiled path's step for every batch size up to `rows` (its cache in
+    `kv_dtype`) is expected to cost, by the compile records (`CompileRecord`: the fastest first call
+    recorded per shape); None when some size was never compiled on this machine (its first start
+    would compile it)."""
     marker = torch.empty(0, device=next(model.parameters()).device)
     total = 0.0
     for size in slot_sizes(rows):
-        record = CompileRecord(model, options, _CacheShape(size, slot_length(model), marker))
+        record = CompileRecord(model, options, _CacheShape(size, slot_length(model), marker), kv_dtype)
         if not record.seen():
             return None
         total += record.expected_seconds()
@@ -347,13 +348,17 @@ class SlotBatch(DecodeBatch):
     (up to the compiled step's summation order, as with `generate(compile=True)`).
 
     `compile=False` runs the same static-cache step eagerly (what the tests check exactly);
-    `on_compile(message)` hears when a first call for a batch size compiles."""
+    `on_compile(message)` hears when a first call for a batch size compiles. `kv_dtype`: the frozen
+    cache's keys and values are stored in it (`StaticCacheMixin.freeze`), a row's prefill rounded to
+    it as the row is placed."""
 
     def __init__(self, model, options: dict, stop_tokens: Sequence[int] = (), pad_id: int = 0,
-                 coupled: bool = False, keep_logits: bool = False, compile: bool = True, on_compile=None):
+                 coupled: bool = False, keep_logits: bool = False, compile: bool = True, on_compile=None,
+                 kv_dtype: torch.dtype | None = None):
         super().__init__(model, options, stop_tokens, pad_id, coupled, keep_logits)
         self.on_compile = on_compile
-        self.decoder = FastDecoder(model, compile=compile, on_compile=on_compile and self._announce, **self.options)
+        self.decoder = FastDecoder(model, compile=compile, on_compile=on_compile and self._announce,
+                                   kv_dtype=kv_dtype, **self.options)
         self.storage = None  # the frozen cache whose first rows `cache` views (None until the first join)
         self.filled: list[int] = []  # slots each row of the cache holds
         self._free = Member([], 0, Sampling())  # the placeholder of every free row
@@ -394,7 +399,7 @@ class SlotBatch(DecodeBatch):
         if self.storage is not None and self.storage.batch_size >= rows:
             return
         storage = static_cache(self.model.new_cache(rows, slot_length(self.model), **self.options))
-        storage.freeze(per_row=True)
+        storage.freeze(per_row=True, kv_dtype=self.decoder.kv_dtype)
         storage.place(0, self._placeholder(), 0)  # every state tensor exists in the storage, for its views
         storage.vacate(torch.zeros(1, dtype=torch.long, device=self.device))
         if self.cache is not None:

@@ -530,13 +530,15 @@ class RoundScheduler(Scheduler):
 class ContinuousScheduler(Scheduler):
     """Continuous batching: see the module docstring. `compiled`: a batch whose options compile
     decodes on the compiled path (`SlotBatch`); "auto": so where the on-disk cache holds the steps
-    (`auto_compiled`); `announce(message)` hears of its compiles and of what "auto" chose."""
+    (`auto_compiled`); `announce(message)` hears of its compiles and of what "auto" chose. `kv_dtype`:
+    the compiled path's cache stores keys and values in it (`SlotBatch`); eager batches keep the model's."""
 
     def __init__(self, model, tokenizer, max_rows: int, max_queue: int, batch_window: float,
                  compiled: bool | str = False, announce: Callable[[str], None] | None = None,
-                 compile_steps: bool = True):
+                 compile_steps: bool = True, kv_dtype: torch.dtype | None = None):
         super().__init__(model, tokenizer, max_rows, max_queue, batch_window)
         self.announce = announce
+        self.kv_dtype = kv_dtype  # what the compiled path's cache stores keys and values in (None: the model's)
         self.compiled = self.auto_compiled() if compiled == "auto" else bool(compiled)
         self.compile_steps = compile_steps  # False: the compiled path's step run eagerly (tests)
         self.device = next(model.parameters()).device
@@ -551,7 +553,7 @@ class ContinuousScheduler(Scheduler):
         options = model_options(self.model, {})
         if not compiles(self.model, options, self.max_rows):
             return False
-        seconds = cached_start_seconds(self.model, options, self.max_rows)
+        seconds = cached_start_seconds(self.model, options, self.max_rows, self.kv_dtype)
         chosen = seconds is not None and seconds <= AUTO_START_BUDGET_S
         if self.announce is not None:
             self.announce(f"--decode auto: the compiled path (its steps for 1 to {self.max_rows} rows are in the "
@@ -615,7 +617,7 @@ class ContinuousScheduler(Scheduler):
         coupled = couples_rows(self.model, options)
         if self.compiled and compiles(self.model, options, self.max_rows):
             return SlotBatch(self.model, options, self.stop_tokens, self.tokenizer.pad_id, coupled=coupled,
-                             compile=self.compile_steps, on_compile=self.announce)
+                             compile=self.compile_steps, on_compile=self.announce, kv_dtype=self.kv_dtype)
         return DecodeBatch(self.model, options, self.stop_tokens, self.tokenizer.pad_id, coupled=coupled)
 
     # -- joining ------------------------------------------------------------------------------
@@ -694,12 +696,15 @@ class ContinuousScheduler(Scheduler):
 
 
 def make_scheduler(batching: str, model, tokenizer, max_rows: int, max_queue: int, batch_window: float,
-                   compiled: bool | str = False, announce: Callable[[str], None] | None = None) -> Scheduler:
+                   compiled: bool | str = False, announce: Callable[[str], None] | None = None,
+                   kv_dtype: torch.dtype | None = None) -> Scheduler:
     """The scheduler `--batching` names (BATCHING); `compiled` (continuous only): the compiled path,
-    or "auto" (see `ContinuousScheduler.auto_compiled`; with rounds: eager)."""
+    or "auto" (see `ContinuousScheduler.auto_compiled`; with rounds: eager); `kv_dtype` (the
+    compiled path only): its cache's dtype."""
     if batching == "continuous":
-        return ContinuousScheduler(model, tokenizer, max_rows, max_queue, batch_window, compiled, announce)
-    if batching == "rounds" and compiled is not True:
+        return ContinuousScheduler(model, tokenizer, max_rows, max_queue, batch_window, compiled, announce,
+                                   kv_dtype=kv_dtype)
+    if batching == "rounds" and compiled is not True and kv_dtype is None:
         return RoundScheduler(model, tokenizer, max_rows, max_queue, batch_window)
     raise ValueError(f"batching must be one of {', '.join(BATCHING)} (the compiled path: continuous), "
                      f"got {batching!r}")

@@ -27,6 +27,7 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
+from ..engine import KV_DTYPES
 from .limits import MAX_BODY_BYTES, Limits
 from .protocol import APIError, tokenize_text, tokenizer_info
 from .requests import DetokenizeBody, TokenizeBody, body_context, completion_request, validate
@@ -66,6 +67,7 @@ class ServerState:
         scheduler = make_scheduler(settings.batching, model, tokenizer, settings.max_batch_size, settings.max_queue,
                                    settings.batch_window_ms / 1000,
                                    compiled={"eager": False, "compiled": True, "auto": "auto"}[settings.decode],
+                                   kv_dtype=None if settings.kv_dtype is None else KV_DTYPES[settings.kv_dtype],
                                    announce=lambda message: print(f"latentloop: {message}", file=sys.stderr,
                                                                   flush=True))
         limits = Limits.for_model(int(model.config.sequence_len), settings.max_tokens_cap, settings.max_batch_size,

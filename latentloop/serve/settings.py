@@ -36,6 +36,7 @@ class ServeSettings:
     batch_window_ms: float = DEFAULT_BATCH_WINDOW_MS
     batching: str = BATCHING[0]
     decode: str = SERVE_DECODE[0]
+    kv_dtype: str | None = None  # --kv-dtype: the compiled path's cache (`engine.KV_DTYPES`; None: the model's)
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S
     access_log: bool = False
 
@@ -67,5 +68,13 @@ def check_settings(settings: ServeSettings) -> None:
         raise LatentloopError(f"--decode must be one of {', '.join(SERVE_DECODE)}, got {settings.decode!r}")
     if settings.decode == "compiled" and settings.batching != "continuous":
         raise LatentloopError("--decode compiled runs continuous batching's steps: use it with --batching continuous")
+    if settings.kv_dtype is not None:
+        from ..engine import KV_DTYPES
+
+        if settings.kv_dtype not in KV_DTYPES:
+            raise LatentloopError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {settings.kv_dtype!r}")
+        if settings.decode == "eager" or settings.batching != "continuous":
+            raise LatentloopError("--kv-dtype is the compiled path's cache: use it with --decode compiled or auto "
+                                  "and --batching continuous")
     if settings.batch_window_ms < 0 or settings.request_timeout <= 0:
         raise LatentloopError("--batch-window-ms must be >= 0 and --request-timeout > 0")
