@@ -14,10 +14,12 @@ run, exported with `latentloop export --plain`, and decoded greedily at batch 1 
   ctypes bindings, as llama-bench drives it: the prompt in one `llama_decode`, then one `llama_decode`
   per token and an argmax over the last logits, no sampler, flash attention off (`llama.cpp flash
   attention`: on, llama-bench's default on the CPU, whose tokens may leave the others': see
-  `LlamaCppLoop`); and llama-cpp-python's `Llama.generate` (`llama-cpp-python generate`, the row of
-  issue 26), which adds its Python sampler work to every token. All read the exported folder
-  written as an fp32 GGUF file by `write_gguf` (no tokenizer: llama.cpp's "none" vocabulary of
-  `vocab_size` ids takes and gives token ids, as every other engine here is given them).
+  `LlamaCppLoop`), with its default f16 cache (`llama.cpp f32 cache`: keys and values in fp32, as
+  latentloop's default path keeps them: the same-precision comparison); and llama-cpp-python's
+  `Llama.generate` (`llama-cpp-python generate`, the row of issue 26), which adds its Python sampler
+  work to every token. All read the exported folder written as an fp32 GGUF file by `write_gguf`
+  (no tokenizer: llama.cpp's "none" vocabulary of `vocab_size` ids takes and gives token ids, as
+  every other engine here is given them).
   `pip install llama-cpp-python gguf`: PyPI has only its source for this platform, a ~17 min build
   on 2 cores (~60 min beside other work); `CMAKE_ARGS=-DGGML_NATIVE=ON` builds for this CPU.
 
@@ -79,8 +81,8 @@ LLAMA_COMPATIBLE = dict(qk_norm=False, embed_norm=False, mlp="swiglu")  # what `
 ENGINES = ("latentloop default", "latentloop default f16 cache", "latentloop eager", "latentloop compiled",
            "latentloop compiled dynamo",
            "latentloop eager int8", "latentloop compiled int8", "latentloop compiled int8 dynamo",
-           "hf generate", "ctranslate2 fp32", "ctranslate2 int8", "llama.cpp", "llama.cpp flash attention",
-           "llama-cpp-python generate")
+           "hf generate", "ctranslate2 fp32", "ctranslate2 int8", "llama.cpp", "llama.cpp f32 cache",
+           "llama.cpp flash attention", "llama-cpp-python generate")
 # every engine's tokens are compared with the first of these that runs
 REFERENCES = ("latentloop eager", "latentloop default", "latentloop compiled", "latentloop compiled dynamo")
 # int8 engines' tokens drift from the float model's within a few tokens (a random model's logits are
@@ -339,13 +341,15 @@ class LlamaCppLoop:
     the last logits (a numpy view of llama.cpp's float buffer) and decodes that token, one
     `llama_decode` per token, as llama-bench times generation. Context settings are llama.cpp's
     defaults (its f16 KV cache, 512-token micro-batches inside a batch) except the context, the batch
-    (the longest prompt), the threads and flash attention: off unless `flash_attn`. llama-bench's
+    (the longest prompt), the threads, the cache's type (fp32 with `f32_cache`) and flash attention:
+    off unless `flash_attn`. llama-bench's
     default ("auto") turns it on for the CPU, where its kernel rounds the queries to f16 too: on the
     benchmark's random models, whose logits lie close together, greedy tokens then left latentloop's
     after 65 of 128 at the small shape (1 and 2 threads), where with it off they agree on all 128, as
     with llama-cpp-python's `Llama`, which turns it off."""
 
-    def __init__(self, path: Path, context: int, batch: int, threads: int, flash_attn: bool = False):
+    def __init__(self, path: Path, context: int, batch: int, threads: int, flash_attn: bool = False,
+                 f32_cache: bool = False):
         import llama_cpp as ll
 
         self.ll = ll
@@ -358,6 +362,8 @@ class LlamaCppLoop:
         params.n_ctx, params.n_batch = context, batch
         params.n_threads = params.n_threads_batch = threads
         params.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        if f32_cache:  # `--cache-type-k f32 --cache-type-v f32`
+            params.type_k = params.type_v = ll.GGML_TYPE_F32
         self.context = ll.llama_init_from_model(self.model, params)
         if not self.context:
             raise RuntimeError(f"llama.cpp could not make a context of {context} tokens for {path}")
@@ -440,6 +446,7 @@ def unavailable(engine: str) -> str | None:
     """Why an engine cannot run here, or None."""
     module = {"hf generate": ("transformers",), "ctranslate2 fp32": ("ctranslate2",),
               "ctranslate2 int8": ("ctranslate2",), "llama.cpp": ("llama_cpp", "gguf"),
+              "llama.cpp f32 cache": ("llama_cpp", "gguf"),
               "llama.cpp flash attention": ("llama_cpp", "gguf"), "llama-cpp-python generate": ("llama_cpp", "gguf")}
     install = {"llama_cpp": "llama-cpp-python"}
     for name in module.get(engine, ()):
@@ -469,8 +476,9 @@ def make_call(engine: str, model, folder: Path, context: int, batch: int, thread
         return hf_call(hf_dir)
     if engine.startswith("ctranslate2"):
         return ctranslate2_call(hf_dir, folder, threads, "int8" if engine.endswith("int8") else None)
-    if engine in ("llama.cpp", "llama.cpp flash attention"):
-        return LlamaCppLoop(gguf_path(hf_dir, folder), context, batch, threads, flash_attn=engine != "llama.cpp")
+    if engine in ("llama.cpp", "llama.cpp f32 cache", "llama.cpp flash attention"):
+        return LlamaCppLoop(gguf_path(hf_dir, folder), context, batch, threads,
+                            flash_attn=engine == "llama.cpp flash attention", f32_cache=engine == "llama.cpp f32 cache")
     if engine == "llama-cpp-python generate":
         return llama_cpp_python_call(gguf_path(hf_dir, folder), context, batch, threads)
     raise ValueError(f"unknown engine {engine!r}")

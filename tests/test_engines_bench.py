@@ -50,6 +50,35 @@ def test_llama_cpp_loop_gives_latentloop_greedy_tokens_from_an_empty_cache(tmp_p
         loop.close()
 
 
+def test_llama_cpp_f32_cache_row_stores_twice_the_bytes_and_gives_the_same_tokens(tmp_path):
+    """`llama.cpp f32 cache` (the same-precision row beside latentloop's fp32 cache): its context's
+    state after the same prompt holds about twice the f16 cache's key/value bytes, and its greedy
+    tokens are latentloop's eager ones."""
+    pytest.importorskip("llama_cpp")
+    pytest.importorskip("gguf")
+    import latentloop
+
+    engines = _engines()
+    model, tokenizer, hf_dir = engines.build_export(engines.SHAPES["smoke"], 64, 0, tmp_path)
+    prompt = engines.text_prompt(40, tokenizer.bos_id, seed=1)
+    expected = latentloop.generate(model, prompt, 12, temperature=0.0, compile=False)
+    sizes = {}
+    for f32_cache in (False, True):
+        loop = engines.LlamaCppLoop(engines.gguf_path(hf_dir, tmp_path), context=64, batch=40, threads=1,
+                                    f32_cache=f32_cache)
+        try:
+            assert loop(prompt, 12) == expected
+            sizes[f32_cache] = loop.ll.llama_state_get_size(loop.context)
+        finally:
+            loop.close()
+    # the states differ by the stored keys and values alone: 40 prompt tokens and the 11 decoded
+    # ones (the last token is never decoded), per layer a key and a value of n_kv_head x head_dim,
+    # 4 bytes each against 2
+    config = model.config
+    stored = (40 + 11) * config.n_layer * 2 * config.n_kv_head * (config.n_embd // config.n_head)
+    assert sizes[True] - sizes[False] == stored * (4 - 2), sizes
+
+
 def test_shapes_and_prompt_lengths_parse_from_their_flags():
     engines = _engines()
     args = engines.parse_args(["--shapes", "small,large-32k,small-128k", "--prompt-len", "512,2048,4096",
