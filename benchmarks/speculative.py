@@ -10,15 +10,19 @@ the compiled verification; one row) where the arch's step compiles, eagerly else
 says which, and why).
 
 The runs: a few hundred steps on `stdlib` at R = 8 (the test-time depth), one per arch whose spec
-declares a draft; a run may carry decoding options for every path (`RUN:name=value,...`, e.g.
-rfbt's `regime=standard`, whose verification is one pass; its default soft regime verifies token by
-token):
+declares a draft, and rgpt at d 512, whose blocks' weights no longer fit a core's L2 cache: there a
+verification of k + 1 tokens reads each weight once, as one step does, where `tiny`'s (weights in
+L2, a step bound by latency and compute) costs about 3 steps (experiments/logs/2026-12-05-issue54-
+fourth.md). A run may carry decoding options for every path (`RUN:name=value,...`, e.g. rfbt's
+`regime=standard`, whose verification is one pass; its default soft regime verifies token by token):
 
     latentloop train --arch rgpt --preset tiny --data stdlib --steps 300 --set recurrence_steps=8 --out runs/spec-rgpt
+    latentloop train --arch rgpt --preset tiny --data stdlib --steps 300 --batch-size 8 --set n_embd=512 \\
+        --set n_head=8 --set recurrence_steps=8 --out runs/spec-rgpt-512
     latentloop train --arch rfbt --preset tiny --data stdlib --steps 300 --set recurrence_steps=8 --out runs/spec-rfbt
     latentloop train --arch mor --preset tiny --data stdlib --steps 300 --set recursions=8 --out runs/spec-mor
-    python -m benchmarks.speculative runs/spec-rgpt runs/spec-rfbt runs/spec-rfbt:regime=standard runs/spec-mor \\
-        --depth 8 --threads 1 --json speculative.json
+    python -m benchmarks.speculative runs/spec-rgpt runs/spec-rgpt-512 runs/spec-rfbt runs/spec-rfbt:regime=standard \\
+        runs/spec-mor --depth 8 --threads 1 --json speculative.json
 """
 
 from __future__ import annotations
