@@ -39,7 +39,9 @@ cell C clients send requests back to back for the cell's seconds, then the reque
 to their end (bounded by `TAIL_S`): req/s is completed requests over the time to the last one, and
 p50 / p99 are of the requests' wall latency, queueing included. Ratios are latentloop's over
 llama.cpp's of the same repeat, mean with its 95% t-interval over the repeats. Before the load, a
-few greedy requests (short and long) go to both, and their tokens are compared.
+few greedy requests (short and long) go to both, and their tokens are compared. `--kv-dtype float16`
+serves latentloop's compiled batches over llama-server's default cache type (f16; latentloop's
+default keeps the model's fp32).
 
     .venv/bin/python benchmarks/serve_load.py --against llama.cpp --llama-server PATH --run runs/serve-gpt \
         --repeats 3 --budget 540 --json runs/serve_load/against_llama_cpp.json
@@ -73,6 +75,7 @@ from common import ContentionMeter, render_table, spread  # noqa: E402
 
 import latentloop as ll  # noqa: E402
 from latentloop.data import ByteTokenizer  # noqa: E402
+from latentloop.engine import KV_DTYPES  # noqa: E402
 from latentloop.runs import save_run  # noqa: E402
 
 BATCHED_ROWS = 32  # --max-batch-size of the batching server (>= the highest concurrency)
@@ -110,7 +113,8 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, run: Path, batching: str, max_rows: int, decode: str, log: Path, threads: int | None):
+    def __init__(self, run: Path, batching: str, max_rows: int, decode: str, log: Path, threads: int | None,
+                 kv_dtype: str | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
@@ -118,7 +122,8 @@ class Server:
             self.proc = subprocess.Popen([sys.executable, "-m", "latentloop", "serve", str(run), "--port",
                                           str(self.port), "--device", "cpu", "--max-batch-size", str(max_rows),
                                           "--batching", batching, "--decode", decode, "--max-queue", "1024",
-                                          *(["--threads", str(threads)] if threads else [])],
+                                          *(["--threads", str(threads)] if threads else []),
+                                          *(["--kv-dtype", kv_dtype] if kv_dtype else [])],
                                          cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
         self.log = log
 
@@ -269,8 +274,8 @@ class LatentloopEndpoint(Server):
     name = "latentloop"
     path = "/v1/completions"
 
-    def __init__(self, run: Path, decode: str, log: Path, threads: int):
-        super().__init__(run, "continuous", BATCHED_ROWS, decode, log, threads)
+    def __init__(self, run: Path, decode: str, log: Path, threads: int, kv_dtype: str | None = None):
+        super().__init__(run, "continuous", BATCHED_ROWS, decode, log, threads, kv_dtype)
 
     def body(self, ids: list[int], new_tokens: int, tokens: bool = False) -> dict:
         body = {"prompt": ids, "max_tokens": new_tokens, "temperature": 0}
@@ -561,7 +566,7 @@ def against_llama_cpp(args: argparse.Namespace, binary: Path) -> int:
             ids_of = token_ids_by_string(tokenizer, int(model.config.vocab_size))
             mix = request_mix(tokenizer.bos_id, prompt_source(), args.short, args.long)
             del model
-            latentloop = LatentloopEndpoint(run, args.decode, folder / "latentloop.log", threads)
+            latentloop = LatentloopEndpoint(run, args.decode, folder / "latentloop.log", threads, args.kv_dtype)
             servers.append(latentloop)
             llama = LlamaServer(binary, gguf, context, BATCHED_ROWS, threads, folder / "llama.log")
             servers.append(llama)
@@ -646,6 +651,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --against: the run to serve (a Llama-compatible gpt; default: a random-init one)")
     p.add_argument("--decode", choices=("auto", "eager", "compiled"), default="auto",
                    help="with --against: latentloop serve's --decode (default auto, the server's own default)")
+    p.add_argument("--kv-dtype", choices=list(KV_DTYPES), default=None,
+                   help="with --against: latentloop serve's --kv-dtype (float16: llama-server's default cache "
+                        "type; its compiled steps compile at the server's start with --decode compiled)")
     p.add_argument("--new-tokens", type=int, default=AGAINST_NEW_TOKENS,
                    help="with --against: tokens generated per request")
     p.add_argument("--short", type=int, default=SHORT_PROMPT, help="with --against: a short prompt's tokens")

@@ -3,7 +3,9 @@ budgets, each run's validation BPB on the whole held-out split, so that the pape
 are decided by curves rather than by one point. The decision rules were committed before any result:
 experiments/logs/2026-12-05-ladder-rules.md.
 
-    python experiments/ladder.py --out runs/ladder                 # the CPU ladder (about a day)
+    python experiments/ladder.py --out runs/ladder --threads 1     # the CPU ladder (~66 h of one core)
+    python experiments/ladder.py --out runs/ladder --threads 1 --shard 1/2 &   # or one shard per core
+    python experiments/ladder.py --out runs/ladder --threads 1 --shard 2/2
     python experiments/ladder.py --out runs/ladder --plan-only     # the plan and its estimate only
     python experiments/ladder.py --out runs/ladder-gpu --device cuda   # 10M-125M, one 9-minute H200 run
     python experiments/ladder.py --out runs/ladder-smoke --smoke   # tiny sizes, a few steps, minutes
@@ -844,12 +846,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reprobe", action="store_true", help="measure the probe again instead of reusing out/probe-*.json")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--quiet", action="store_true", help="no line per scored point")
+    p.add_argument("--shard", type=shard, default=None, metavar="K/N",
+                   help="run only the K-th of N interleaved parts of the plan (every N-th run from the K-th), "
+                        "so N processes with the same --out, one per core, share the ladder without overlap")
     args = p.parse_args(argv)
     if args.budget_scale is not None and not args.budget_scale > 0:
         p.error("--budget-scale must be > 0")
     if args.budget_s is not None and not args.budget_s > 0:
         p.error("--budget-s must be > 0")
     return args
+
+
+def shard(text: str) -> tuple[int, int]:
+    """`K/N` (1 <= K <= N) -> (K, N)."""
+    part, slash, count = text.partition("/")
+    try:
+        k, n = int(part), int(count)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not K/N (e.g. 1/2)") from None
+    if not slash or not 1 <= k <= n:
+        raise argparse.ArgumentTypeError(f"{text!r}: K/N needs 1 <= K <= N")
+    return k, n
+
+
+def shard_runs(runs: list[RunPlan], part: tuple[int, int] | None) -> list[RunPlan]:
+    """The runs of one shard: every N-th run of the whole plan from the K-th. By the run's place in
+    the plan, not among the unfinished runs: shards started at different times never overlap."""
+    if part is None:
+        return runs
+    k, n = part
+    return runs[k - 1::n]
 
 
 def ladder_spec(args: argparse.Namespace) -> LadderSpec:
@@ -911,8 +937,11 @@ def _main(args: argparse.Namespace) -> int:
         runs = plan_ladder(spec, variants, corpora, args.budget_scale or 1.0)
     for line in describe_plan(runs, spec) + epochs_note(runs, spec):
         print(line, flush=True)
-    todo = [r for r in runs if not finished(out, r)]
-    print(f"{len(runs) - len(todo)} of {len(runs)} runs finished already (kept, skipped)", flush=True)
+    mine = shard_runs(runs, args.shard)
+    todo = [r for r in mine if not finished(out, r)]
+    print(f"{len(runs) - sum(not finished(out, r) for r in runs)} of {len(runs)} runs finished already (kept, "
+          f"skipped)" + ("" if args.shard is None else f"; shard {args.shard[0]}/{args.shard[1]}: {len(mine)} runs, "
+                                                     f"{len(todo)} left"), flush=True)
     estimates: dict[str, float] = {}
     if not args.no_probe and todo:
         from benchmarks.common import ContentionMeter
@@ -924,7 +953,8 @@ def _main(args: argparse.Namespace) -> int:
             estimates[run.key] = sum(estimate_seconds(run, probes, val_sizes).values())
         remaining = sum(estimates[r.key] for r in todo)
         print(f"estimated {train_device.upper()} time: {sum(estimates.values()) / 3600:.2f} h for the whole ladder, "
-              f"{remaining / 3600:.2f} h for the {len(todo)} runs left (each run's structural training FLOPs at "
+              f"{remaining / 3600:.2f} h for the {len(todo)} runs left{'' if args.shard is None else ' in this shard'} "
+              f"(each run's structural training FLOPs at "
               f"the FLOP rate probed over {PROBE_STEPS} steps of its variant and size after {PROBE_WARMUP} "
               f"unmeasured ones, plus its scored tokens at the scoring's probed tokens/s on "
               f"{PROBE_EVAL_BATCHES} batches; other processes used "

@@ -365,6 +365,20 @@ def test_the_page_without_records_says_nothing_has_run():
 
 
 @pytest.mark.slow
+def test_shards_split_the_plan_into_disjoint_parts_whatever_has_finished(tmp_path):
+    """`--shard K/N`: N processes on one --out (one per core) run every run of the plan exactly once,
+    and a shard's runs depend on the plan only, not on which runs finished before it started."""
+    plan = ladder.plan_ladder(ladder.SMOKE, ladder.ladder_variants(["gpt", "rgpt-flops"]), ("stdlib",))
+    parts = [ladder.shard_runs(plan, (k, 3)) for k in (1, 2, 3)]
+    keys = [run.key for part in parts for run in part]
+    assert sorted(keys) == sorted(run.key for run in plan) and len(set(keys)) == len(plan)
+    assert all(part for part in parts) and ladder.shard_runs(plan, None) == plan
+    assert ladder.parse_args(["--shard", "2/3"]).shard == (2, 3)
+    for bad in ("0/2", "3/2", "2", "a/b"):
+        with pytest.raises(SystemExit):
+            ladder.parse_args(["--shard", bad])
+
+
 def test_the_smoke_ladder_runs_end_to_end_and_writes_the_claims_page(tmp_path, capsys):
     out = tmp_path / "ladder"
     argv = ["--out", str(out), "--smoke", "--variants", "gpt", "rgpt-flops", "--corpora", "stdlib", "--threads", "1",
