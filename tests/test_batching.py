@@ -366,6 +366,7 @@ def test_the_servers_kv_dtype_reaches_every_compiled_batch_and_no_eager_one(arch
     scheduler (`ServerState.build`), whose compiled-path batches store their cache in float16 from
     the warmed storage on; a batch whose options stay eager is the ordinary batch (the model's dtype)."""
     from latentloop.data import ByteTokenizer
+    from latentloop.serve.scheduler import ContinuousScheduler
     from latentloop.serve.serving import ServerState
     from latentloop.serve.settings import ServeSettings
 
@@ -376,9 +377,16 @@ def test_the_servers_kv_dtype_reaches_every_compiled_batch_and_no_eager_one(arch
     scheduler = ServerState.build(model, ByteTokenizer(), "m", ServeSettings(
         "unused", decode="compiled", max_batch_size=4, kv_dtype="float16")).scheduler
     assert scheduler.kv_dtype is torch.float16
+    heard: list[str] = []
+    ContinuousScheduler(model, ByteTokenizer(), 4, 16, 0.05, compiled="auto", announce=heard.append,
+                        kv_dtype=torch.float16)
+    options = model_options(model, {})
+    # --decode auto without the float16 steps on disk (this test session's own cache): eager, saying that
+    # the cache keeps the model's dtype until they are compiled (silent where no step compiles)
+    assert len(heard) == compiles(model, options, 4)
+    assert not heard or ("decoding eagerly" in heard[0] and "not --kv-dtype's torch.float16" in heard[0])
     scheduler.compile_steps = False  # the step run eagerly: what is checked here is where the dtype goes
     scheduler.warm()
-    options = model_options(model, {})
     batch = scheduler._new_batch(options)
     assert isinstance(batch, SlotBatch) == compiles(model, options, 4)
     if isinstance(batch, SlotBatch):

@@ -560,7 +560,9 @@ class ContinuousScheduler(Scheduler):
                           f"on-disk cache: ~{seconds:.0f} s to load)" if chosen else
                           f"--decode auto: decoding eagerly; the compiled path's steps for 1 to {self.max_rows} rows "
                           f"are not all in the on-disk cache (one start with --decode compiled compiles them, "
-                          f"minutes on a small CPU; later starts load them in seconds)")
+                          f"minutes on a small CPU; later starts load them in seconds)"
+                          + ("" if self.kv_dtype is None else f"; until then the cache stays in the model's dtype, "
+                                                              f"not --kv-dtype's {self.kv_dtype}"))
         return chosen
 
     # -- the thread ---------------------------------------------------------------------------
