@@ -146,11 +146,17 @@ def test_the_page_streams_greedy_replies_sends_its_controls_and_shades_exit_dept
             names = page.eval_on_selector_all("#options input, #options select", "els => els.map(e => e.name)")
             assert names == [option.name for option in model.OPTIONS]
 
+            ended = ".turn.assistant .content[data-final], .turn.error"  # a reply that ended, or its error
+
             def ask(text: str) -> str:
+                before = page.locator(ended).count()
                 page.fill("#message", text)
                 page.press("#message", "Enter")
-                page.wait_for_selector("body[data-state=streaming]", state="attached")
-                page.wait_for_selector("body[data-state=idle]")
+                # this reply ended and the page is idle again (waiting for the "streaming" state first
+                # missed a reply that had ended before the wait began: a 60 s timeout in a full run)
+                page.wait_for_function(f"n => document.querySelectorAll({json.dumps(ended)}).length > n "
+                                       f"&& document.body.dataset.state === 'idle'", arg=before)
+                assert page.locator(".turn.error").count() == 0, page.text_content(".turn.error")
                 return page.locator(".turn.assistant .content").last.get_attribute("data-final")
 
             page.fill("#max_tokens", "16")
