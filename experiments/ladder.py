@@ -937,11 +937,12 @@ def _main(args: argparse.Namespace) -> int:
         runs = plan_ladder(spec, variants, corpora, args.budget_scale or 1.0)
     for line in describe_plan(runs, spec) + epochs_note(runs, spec):
         print(line, flush=True)
+    done = {r.key for r in runs if finished(out, r)}  # each record read once
     mine = shard_runs(runs, args.shard)
-    todo = [r for r in mine if not finished(out, r)]
-    print(f"{len(runs) - sum(not finished(out, r) for r in runs)} of {len(runs)} runs finished already (kept, "
-          f"skipped)" + ("" if args.shard is None else f"; shard {args.shard[0]}/{args.shard[1]}: {len(mine)} runs, "
-                                                     f"{len(todo)} left"), flush=True)
+    todo = [r for r in mine if r.key not in done]
+    shard_note = ("" if args.shard is None else
+                  f"; shard {args.shard[0]}/{args.shard[1]}: {len(mine)} runs, {len(todo)} left")
+    print(f"{len(done)} of {len(runs)} runs finished already (kept, skipped){shard_note}", flush=True)
     estimates: dict[str, float] = {}
     if not args.no_probe and todo:
         from benchmarks.common import ContentionMeter

@@ -52,8 +52,8 @@ def test_llama_cpp_loop_gives_latentloop_greedy_tokens_from_an_empty_cache(tmp_p
 
 def test_llama_cpp_f32_cache_row_stores_twice_the_bytes_and_gives_the_same_tokens(tmp_path):
     """`llama.cpp f32 cache` (the same-precision row beside latentloop's fp32 cache): its context's
-    state after the same prompt holds about twice the f16 cache's key/value bytes, and its greedy
-    tokens are latentloop's eager ones."""
+    state after the same prompt is larger than the f16 cache's by exactly 2 more bytes per stored key
+    and value element, and its greedy tokens are latentloop's eager ones."""
     pytest.importorskip("llama_cpp")
     pytest.importorskip("gguf")
     import latentloop
