@@ -132,6 +132,9 @@ def test_export_swaps_every_product_the_dynamo_backend_rewrites_and_restores_the
     assert (torch.ops.latentloop.int8_linear.default in shims) is kernel
     # a batch's float32 products call the rows kernel's C function wherever its package build loads
     assert (torch.ops.latentloop.rows_linear.default in shims) is (native.rows_package_kernel() is not None)
+    # one-query attention over a float32 cache calls the attention kernel's C function where it loads
+    assert ((torch.ops.latentloop.decode_attention.default in shims)
+            is (native.attention_package_kernel() is not None))
 
 
 # --------------------------------------------------------------------------------------------
@@ -243,6 +246,28 @@ def test_a_batchs_package_calls_the_rows_kernel_and_decodes_the_eager_tokens(com
         code = "".join(archive.read(name).decode(errors="replace") for name in archive.namelist()
                        if name.endswith(".cpp"))
     assert "aoti_torch_cpu_rows_linear(" in code
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_packages_attention_calls_the_kernel_and_decodes_the_eager_tokens(compile_dir, rows):
+    """A package's one-query attention over the float32 cache calls the attention kernel's C function,
+    through windows past its blocks of keys and its vectors (a 40-token prompt, 24 steps), one row and
+    a batch's rows (each with its own mask), and the tokens are the eager decode's (SDPA's)."""
+    if native.attention_package_kernel() is None:
+        pytest.skip(f"no attention kernel for packages here: "
+                    f"{native.native_status(native.ATTENTION_KERNEL, for_packages=True)}")
+    model = built("gpt")
+    prompts = [[BOS, *((7 * i + row) % 250 for i in range(39))] for row in range(rows)]
+    compiled, eager = compiled_and_eager(model, prompts if rows > 1 else prompts[0], 24)
+    assert compiled == eager
+    packages = list((compile_dir / AOT_SUBDIR).glob("*.pt2"))  # the window's step, and the whole buffer's
+    assert packages
+    for package in packages:
+        with zipfile.ZipFile(package) as archive:
+            code = "".join(archive.read(name).decode(errors="replace") for name in archive.namelist()
+                           if name.endswith(".cpp"))
+        assert "aoti_torch_cpu_decode_attention(" in code, package.name
 
 
 @pytest.mark.parametrize("extra", ["model/data/aotinductor/model/extern_kernels.json",

@@ -163,6 +163,8 @@ def _kernel_config() -> dict:
         shims[torch.ops.latentloop.int8_linear.default] = [quant.PACKAGE_FUNCTION]
     if native.rows_package_kernel() is not None:
         shims[torch.ops.latentloop.rows_linear.default] = [native.ROWS_PACKAGE_FUNCTION]
+    if native.attention_package_kernel() is not None:
+        shims[torch.ops.latentloop.decode_attention.default] = [native.ATTENTION_PACKAGE_FUNCTION]
     return {"aot_inductor.custom_ops_to_c_shims": shims} if shims else {}
 
 
@@ -267,6 +269,7 @@ def package_key(model, options: dict, cache, fields, tokens: int = 0) -> str:
     blob = json.dumps({"format": PACKAGE_FORMAT, "torch": torch.__version__, "source": model_code_digest(),
                        "cpu": _DIGESTS["cpu"], "threads": torch.get_num_threads(),
                        "int8_kernel": quant.package_kernel(), "rows_kernel": native.rows_package_kernel(),
+                       "attention_kernel": native.attention_package_kernel(),
                        "class": type(model).__qualname__, "cache": type(cache).__qualname__,
                        "config": config, "options": sorted((k, repr(v)) for k, v in options.items()),
                        "fields": fields, "inputs": inputs, "constants": constants,

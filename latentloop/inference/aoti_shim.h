@@ -3,7 +3,7 @@
  * `aot_inductor.custom_ops_to_c_shims`: the few functions of libtorch's stable C interface
  * (torch/csrc/inductor/aoti_torch/c/shim.h) they use, declared here so that the build needs no torch
  * headers, a contiguity check, the result's allocation and the thread count. Included by
- * int8_linear.c, rows_linear.c and aot_run.c. */
+ * int8_linear.c, rows_linear.c, attention.c and aot_run.c. */
 #ifndef LATENTLOOP_AOTI_SHIM_H
 #define LATENTLOOP_AOTI_SHIM_H
 #include <stdint.h>
@@ -27,6 +27,7 @@ extern AOTITorchError aoti_torch_empty_strided(int64_t dim, const int64_t *sizes
                                                AtenTensorHandle *out);
 extern int32_t aoti_torch_dtype_float32(void);
 extern int32_t aoti_torch_dtype_int8(void);
+extern int32_t aoti_torch_dtype_bool(void);
 extern int32_t aoti_torch_device_type_cpu(void);
 
 #define MAX_DIMS 8

@@ -33,7 +33,10 @@ decode step has static shapes:
   rewritten step, a shared library on disk bound to the model's own weights), called from C++ with
   no dynamo frame, guards or AOT autograd wrappers in between (about as much time as the kernels
   themselves at batch 1 of a small model), and loaded by a later process in milliseconds without
-  importing dynamo. A step that does not export falls back to dynamo's compiled step below.
+  importing dynamo. A step that does not export falls back to dynamo's compiled step below. In a
+  package the one-query attention over a float32 cache calls the attention kernel
+  (`native.decode_attention_op`, `attention.c`), which streams a long cache faster than the
+  reductions (`_attention_for_package`).
 - After a decoder's first call, dynamo's guards are evaluated only where they tell this step's graphs
   apart (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`): the full check cost 80-380 us a
   step at batch 1 (issue 26). Not once the window is the whole buffer: dynamo specialises that
@@ -930,6 +933,22 @@ def _int8_linear_by_reduction(x: Tensor, weight_int8: Tensor, scale: Tensor, pac
     return (x[..., None, :] * weight_int8).sum(-1) * scale  # (..., N, K) -> (..., N), never materialised
 
 
+def _attention_for_package(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
+                           dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                           enable_gqa: bool = False) -> Tensor:
+    """`F.scaled_dot_product_attention` in an ahead-of-time package: one query per row over a float32
+    cache calls the attention kernel (`native.decode_attention_op`; the package calls its C function),
+    which streams the cache once, in order, with its next lines asked for ahead; anything else is
+    `_attention_by_reduction`. Inductor's reductions read each head's values once per vector of the
+    head, 256 bytes apart, and streamed 12 layers x d 768 of cache after 2,112 tokens at 10.4 GB/s on
+    one thread where the kernel reads 12-13 (`benchmarks/decode_attention.py`)."""
+    if (dropout_p == 0 and not is_causal and native.decode_attention_fits(query, key, value, attn_mask)
+            and (key.shape[1] == query.shape[1] or enable_gqa) and native.attention_package_kernel() is not None):
+        return torch.ops.latentloop.decode_attention(query, key, value, attn_mask,
+                                                     query.shape[-1] ** -0.5 if scale is None else scale)
+    return _attention_by_reduction(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
 # the dynamo graph's call -> what the CPU decode step computes instead (`F.linear` is
 # `torch._C._nn.linear`, and the same for SDPA)
 _BY_REDUCTION = {torch.nn.functional.linear: _linear_by_reduction,
@@ -940,7 +959,8 @@ _BY_REDUCTION = {torch.nn.functional.linear: _linear_by_reduction,
 # reduction there, A/B in one process at `benchmarks.decode_profile`'s shapes: 0.61 vs 0.68 ms a step
 # at 4 x 256, 1 thread; 7.1 vs 7.9 ms at 12 x 768 with a 32000-token head, 2 threads); a package
 # cannot call it.
-EXPORT_SWAPS = (*((torch.nn.functional, original.__name__, reduction) for original, reduction in _BY_REDUCTION.items()),
+EXPORT_SWAPS = ((torch.nn.functional, "linear", _linear_by_reduction),
+                (torch.nn.functional, "scaled_dot_product_attention", _attention_for_package),
                 (quant, "int8_linear", _int8_linear_by_reduction))
 
 

@@ -305,3 +305,103 @@ def rows_linear_op(x: Tensor, weight: Tensor) -> Tensor:
 @rows_linear_op.register_fake
 def _(x: Tensor, weight: Tensor) -> Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+ATTENTION_KERNEL = "attention"
+
+
+@functools.cache
+def _attention_library() -> ctypes.CDLL | None:
+    if not measured_here():
+        _failures[ATTENTION_KERNEL] = (f"this CPU ({platform.machine()}) is not one the kernels were measured on "
+                                       f"(x86 with {' and '.join(MEASURED_FLAGS).upper()})")
+        return None
+    lib = native_library(ATTENTION_KERNEL)
+    if lib is None:
+        return None
+    lib.latentloop_attention_lanes.restype = ctypes.c_int
+    lib.latentloop_attention_lanes.argtypes = []
+    if lib.latentloop_attention_lanes() < ROWS_MIN_LANES:  # a plain loop: never measured against inductor's
+        _failures[ATTENTION_KERNEL] = f"{ATTENTION_KERNEL}.c built without AVX2 + FMA or AVX-512"
+        return None
+    strides = ctypes.POINTER(ctypes.c_int64)
+    lib.latentloop_decode_attention_f32.restype = ctypes.c_int
+    lib.latentloop_decode_attention_f32.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [strides] * 4
+                                                    + [ctypes.c_float, ctypes.c_int])
+    return lib
+
+
+def decode_attention_status() -> str:
+    """'native' when `decode_attention` runs its kernel, else why not (one line)."""
+    return "native" if _attention_library() is not None else _failures.get(ATTENTION_KERNEL, "unavailable")
+
+
+def decode_attention_fits(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None) -> bool:
+    """Whether `decode_attention` takes these: one query per row, float32 q, k, v (B, H | Hkv, ., hd)
+    with Hkv dividing H, and a bool mask (B | 1, H | 1, 1, L)."""
+    if not (query.dim() == key.dim() == value.dim() == 4 and attn_mask is not None and attn_mask.dim() == 4):
+        return False
+    B, H, T, D = query.shape
+    Hkv, L = key.shape[1], key.shape[2]
+    return (T == 1 and query.dtype == key.dtype == value.dtype == torch.float32 and attn_mask.dtype == torch.bool
+            and Hkv >= 1 and H % Hkv == 0 and tuple(key.shape) == (B, Hkv, L, D)
+            and tuple(value.shape[:3]) == (B, Hkv, L) and attn_mask.shape[0] in (1, B)
+            and attn_mask.shape[1] in (1, H) and attn_mask.shape[2] == 1 and attn_mask.shape[3] == L)
+
+
+def _broadcast_strides(tensor: Tensor, dims: tuple[int, ...]):
+    """`tensor`'s strides at `dims` as the kernel takes them: 0 where the size is 1 (broadcast)."""
+    return (ctypes.c_int64 * len(dims))(*(tensor.stride(d) if tensor.shape[d] != 1 else 0 for d in dims))
+
+
+def decode_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor, scale: float) -> Tensor | None:
+    """SDPA of one query per row over a decode step's cache, through `attention.c`: query (B, H, 1, D),
+    key (B, Hkv, L, D), value (B, Hkv, L, Dv) float32 on the CPU, each with a contiguous last
+    dimension (the others may be strided: a window of a longer buffer), attn_mask bool (B | 1, H | 1,
+    1, L) (True = may attend) -> (B, H, 1, Dv); a row whose keys are all masked gets zeros, as SDPA
+    gives. None where the kernel is not here (the caller's path runs). The caller checks the shapes
+    (`decode_attention_fits`)."""
+    lib = _attention_library()
+    if lib is None:
+        return None
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    B, H, _, D = query.shape
+    Hkv, L, Dv = key.shape[1], key.shape[2], value.shape[3]
+    out = torch.empty(B, H, 1, Dv, dtype=torch.float32)
+    failed = lib.latentloop_decode_attention_f32(
+        query.data_ptr(), key.data_ptr(), value.data_ptr(), attn_mask.data_ptr(), out.data_ptr(), B, H, Hkv, L, D, Dv,
+        _broadcast_strides(query, (0, 1)), _broadcast_strides(key, (0, 1, 2)), _broadcast_strides(value, (0, 1, 2)),
+        _broadcast_strides(attn_mask, (0, 1, 3)), scale, threads_for(B * H * L * (D + Dv)))
+    return None if failed else out
+
+
+# What an ahead-of-time package calls for `latentloop::decode_attention` (see `ROWS_PACKAGE_FUNCTION`)
+ATTENTION_PACKAGE_FUNCTION = ("AOTITorchError aoti_torch_cpu_decode_attention(AtenTensorHandle q, AtenTensorHandle k, "
+                              "AtenTensorHandle v, AtenTensorHandle mask, double scale, AtenTensorHandle* out)")
+
+
+def attention_package_kernel() -> str | None:
+    """The attention kernel's build for packages (its file name, for a package's key) where the kernel
+    is used here at all (`decode_attention_status`), else None: a package then runs the attention as
+    inductor's reductions."""
+    if _attention_library() is None:
+        return None
+    lib = native_library(ATTENTION_KERNEL, for_packages=True)
+    return None if lib is None else Path(lib._name).name
+
+
+# `decode_attention` as an operator an ahead-of-time package calls as `ATTENTION_PACKAGE_FUNCTION`
+# (fast._attention_for_package): its eager body is what the operator computes while the step is traced
+# and where a package is not built.
+@torch.library.custom_op("latentloop::decode_attention", mutates_args=())
+def decode_attention_op(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor, scale: float) -> Tensor:
+    out = decode_attention(query, key, value, attn_mask, scale)
+    if out is None:  # no kernel here: torch's own attention
+        return torch.ops.aten.scaled_dot_product_attention.default(
+            query, key, value, attn_mask=attn_mask, scale=scale, enable_gqa=key.shape[1] != query.shape[1])
+    return out
+
+
+@decode_attention_op.register_fake
+def _(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor, scale: float) -> Tensor:
+    return query.new_empty((*query.shape[:3], value.shape[-1]))

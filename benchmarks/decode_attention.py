@@ -1,0 +1,123 @@
+"""A decode step's attention over a long float32 cache: the attention kernel (`inference/attention.c`,
+what an ahead-of-time package calls) against inductor's reductions (`fast._attention_by_reduction`,
+compiled with the decode step's C++ wrapper), paired in one process (issue 54: at 12 layers x d 768
+after 2,048 tokens the compiled step's attention streamed the cache slower than llama.cpp's).
+
+Each call runs one attention per layer, each layer its own keys and values (a window of a longer
+buffer, as the static cache's), so the cache streams from memory as a decode step's does. The kernel
+is called through ctypes, which adds a few microseconds a layer that a package does not pay: at
+short windows the ratio overstates its cost. Prints each window's milliseconds, the cache's GB/s and
+the kernel's time over the reductions' per round (mean [95% interval]); a ratio below 1 is the kernel
+ahead.
+
+    .venv/bin/python -m benchmarks.decode_attention [--shape large] [--windows 128,512,2048,4096]
+        [--threads 1] [--rounds 15] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+from benchmarks.common import benchmark_main, describe_ratios, paired_ratios, render_table, start_run
+from benchmarks.engines import SHAPES
+
+EMPTY_SLOTS = 64  # the buffer's slots past the window (the static cache's buffer is longer than its window)
+MASKED_TAIL = 5  # the window's last slots hold no key yet (the window is the filled length rounded up)
+
+
+def layer_caches(shape: dict[str, int], window: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each layer's keys and values, (1, H, window + EMPTY_SLOTS, hd) float32, random."""
+    heads, layers, head_dim = shape["n_head"], shape["n_layer"], shape["n_embd"] // shape["n_head"]
+    size = (1, heads, window + EMPTY_SLOTS, head_dim)
+    return [torch.randn(size) for _ in range(layers)], [torch.randn(size) for _ in range(layers)]
+
+
+def measure_window(shape: dict[str, int], window: int, rounds: int) -> dict[str, Any]:
+    """One window's paired rounds: the kernel's and the reductions' milliseconds (medians) and ratios."""
+    from latentloop.inference import fast, native, torch_internals
+
+    keys, values = layer_caches(shape, window)
+    heads, head_dim = shape["n_head"], shape["n_embd"] // shape["n_head"]
+    query = torch.randn(1, heads, 1, head_dim)
+    key_pos = torch.arange(window + EMPTY_SLOTS)
+    key_pos[window - MASKED_TAIL:] = -1
+    mask = (key_pos[:window] >= 0)[None, None, None, :]  # (1, 1, 1, W): the static cache's mask, no future keys
+
+    def by_kernel():
+        return [native.decode_attention(query, k[:, :, :window], v[:, :, :window], mask, head_dim ** -0.5)
+                for k, v in zip(keys, values)]
+
+    def by_reductions(query):
+        return torch.stack([fast._attention_by_reduction(query, k[:, :, :window], v[:, :, :window], mask)
+                            for k, v in zip(keys, values)])
+
+    compiled = torch.compile(by_reductions, fullgraph=True, backend=lambda gm, inputs: torch_internals.compile_fx(
+        gm, inputs, {"cpp_wrapper": True}))
+    expected = torch.nn.functional.scaled_dot_product_attention(query, keys[0][:, :, :window],
+                                                                values[0][:, :, :window], attn_mask=mask)
+    torch.testing.assert_close(by_kernel()[0], expected, rtol=1e-5, atol=1e-5)  # float32 rounding
+    torch.testing.assert_close(compiled(query)[0], expected, rtol=1e-5, atol=1e-5)
+    seconds: dict[str, list[float]] = {"kernel": [], "reductions": []}
+
+    def kernel_call():
+        start = time.perf_counter()
+        by_kernel()
+        seconds["kernel"].append(time.perf_counter() - start)
+
+    def reductions_call():
+        start = time.perf_counter()
+        compiled(query)
+        seconds["reductions"].append(time.perf_counter() - start)
+
+    for _ in range(3):  # warm-up, not kept
+        kernel_call(), reductions_call()
+    for times in seconds.values():
+        times.clear()
+    ratios = paired_ratios(reductions_call, kernel_call, rounds)
+    cache_bytes = 2 * shape["n_layer"] * heads * window * head_dim * 4
+    return {"kernel_ms": statistics.median(seconds["kernel"]) * 1e3,
+            "reductions_ms": statistics.median(seconds["reductions"]) * 1e3,
+            "cache_mb": cache_bytes / 1e6, "ratios": ratios, "ratio": describe_ratios(ratios)}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from latentloop.inference import native
+
+    env = start_run(args)
+    if native.decode_attention_status() != "native":
+        raise SystemExit(f"no attention kernel here: {native.decode_attention_status()}")
+    results: dict[str, Any] = {"env": env, "shape": args.shape, "rounds": args.rounds, "windows": {}}
+    for window in args.windows:
+        results["windows"][window] = measure_window(SHAPES[args.shape], window, args.rounds)
+        print(f"window {window}: {results['windows'][window]['ratio']}", flush=True)
+    return results
+
+
+def table(results: dict[str, Any]) -> str:
+    rows = [["window", "cache MB", "kernel ms (GB/s)", "reductions ms (GB/s)", "kernel / reductions"]]
+    for window, row in results["windows"].items():
+        rates = [f"{row[name]:.2f} ({row['cache_mb'] / row[name]:.1f})" for name in ("kernel_ms", "reductions_ms")]
+        rows.append([window, f"{row['cache_mb']:.0f}", *rates, row["ratio"]])  # MB / ms = GB/s
+    return render_table(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="large", choices=sorted(SHAPES))
+    parser.add_argument("--windows", type=lambda text: [int(w) for w in text.split(",")],
+                        default=[128, 512, 2048, 4096])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    return benchmark_main(args, run, table)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

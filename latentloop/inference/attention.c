@@ -1,0 +1,347 @@
+/* One-query attention over a long float32 cache, a decode step's:
+ *
+ *     out[b, h] = sum_l softmax_l(scale * q[b, h] . k[b, h / G, l]  where mask[b, h, l]) * v[b, h / G, l]
+ *
+ * q (B, H, 1, D), k (B, Hkv, L, D), v (B, Hkv, L, Dv) float32 with any strides but a contiguous last
+ * dimension (the static cache's window is a slice of a longer buffer); mask bool (B | 1, H | 1, 1, L),
+ * True = may attend, or none; out (B, H, 1, Dv) float32, contiguous. G = H / Hkv query heads share a
+ * key/value head (grouped-query attention). A row whose keys are all masked gets zeros, as SDPA gives.
+ *
+ * Why not inductor's loops: the compiled step writes this attention as reductions (fast.py's
+ * `_attention_by_reduction`), which inductor fuses well at a short window but, after a few thousand
+ * tokens, reads the values four times over (one pass per vector of the head, 256 bytes apart) and
+ * sums each head's scores in one dependent chain: at 12 layers x d 768 after 2,048 tokens it streamed
+ * the cache at about 9 GB/s where llama.cpp streams it at 12. Here each head reads its keys once, in
+ * order (four keys' dot products side by side), takes the softmax with a vectorised exp, and reads its
+ * values once, in order (two keys' values side by side, the head's accumulators in registers).
+ *
+ * The sums run in another order than SDPA's (rounding differs in the last bits); exp is a degree-6
+ * polynomial after range reduction (relative error about 2e-7 against expf).
+ *
+ * The (b, h) pairs are split over `threads` OpenMP threads (torch's pool, see native.py). Built with
+ * the host's -march=native: 16 lanes with AVX-512, 8 with AVX2 + FMA, a plain loop otherwise (native.py
+ * uses it with 8 lanes or more).
+ *
+ * LATENTLOOP_AOTI (the library's second build, linked with libtorch): `aoti_torch_cpu_decode_attention`,
+ * the C function an ahead-of-time compiled decode step (aot.py) calls for `latentloop::decode_attention`.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define LANES 16
+typedef __m512 vec;
+typedef __m512i ivec;
+#define vzero() _mm512_setzero_ps()
+#define vset1(s) _mm512_set1_ps(s)
+#define vload(p) _mm512_loadu_ps(p)
+#define vstore(p, v) _mm512_storeu_ps(p, v)
+#define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define vfnma(a, b, c) _mm512_fnmadd_ps(a, b, c) /* c - a * b */
+#define vadd(a, b) _mm512_add_ps(a, b)
+#define vsub(a, b) _mm512_sub_ps(a, b)
+#define vmul(a, b) _mm512_mul_ps(a, b)
+#define vmax(a, b) _mm512_max_ps(a, b)
+#define vround(a) _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define vsum(a) _mm512_reduce_add_ps(a)
+#define vhmax(a) _mm512_reduce_max_ps(a)
+/* 2^n for whole n in [-126, 127] */
+#define vpow2(n) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23))
+#define vzero_below(x, bound, y) _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, vset1(bound), _CMP_GE_OQ), y)
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define LANES 8
+typedef __m256 vec;
+#define vzero() _mm256_setzero_ps()
+#define vset1(s) _mm256_set1_ps(s)
+#define vload(p) _mm256_loadu_ps(p)
+#define vstore(p, v) _mm256_storeu_ps(p, v)
+#define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define vfnma(a, b, c) _mm256_fnmadd_ps(a, b, c)
+#define vadd(a, b) _mm256_add_ps(a, b)
+#define vsub(a, b) _mm256_sub_ps(a, b)
+#define vmul(a, b) _mm256_mul_ps(a, b)
+#define vmax(a, b) _mm256_max_ps(a, b)
+#define vround(a) _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define vpow2(n) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23))
+#define vzero_below(x, bound, y) _mm256_and_ps(_mm256_cmp_ps(x, vset1(bound), _CMP_GE_OQ), y)
+static inline float vsum(__m256 a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline float vhmax(__m256 a) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#else
+#define LANES 1
+#endif
+
+#ifndef PREFETCH_KEYS
+#define PREFETCH_KEYS 12
+#endif
+/* the lines `rows` keys ahead of p are asked for now (a stream of one core waits on memory otherwise) */
+#define PREFETCH(p, stride) do { for (int j_ = 0; j_ < 4; ++j_) __builtin_prefetch((p) + j_ * (stride)); } while (0)
+
+/* Below this, exp underflows float32's normal range: the weight is taken as 0 (a masked key's
+ * -inf lands here too). Against the row's largest weight, 1, such a term is below float32's epsilon. */
+#define EXP_FLOOR -87.0f
+
+#if LANES > 1
+/* exp(x) for x <= 0 (the softmax's shifted scores): x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its
+ * Taylor polynomial to r^6 in Horner form, times 2^n; x below EXP_FLOOR gives 0. */
+static inline vec vexp(vec x) {
+    vec xc = vmax(x, vset1(EXP_FLOOR));
+    vec n = vround(vmul(xc, vset1(1.44269504088896341f)));
+    vec r = vfnma(n, vset1(0.693359375f), xc); /* ln 2 in two parts: the first exact in a float */
+    r = vfnma(n, vset1(-2.12194440e-4f), r);
+    vec p = vset1(1.0f / 720);
+    p = vfma(p, r, vset1(1.0f / 120));
+    p = vfma(p, r, vset1(1.0f / 24));
+    p = vfma(p, r, vset1(1.0f / 6));
+    p = vfma(p, r, vset1(0.5f));
+    p = vfma(p, r, vset1(1.0f));
+    p = vfma(p, r, vset1(1.0f));
+    return vzero_below(x, EXP_FLOOR, vmul(p, vpow2(n)));
+}
+
+static inline float dot(const float *a, const float *b, int64_t D) {
+    vec acc = vzero();
+    int64_t d = 0;
+    for (; d + LANES <= D; d += LANES)
+        acc = vfma(vload(a + d), vload(b + d), acc);
+    float s = vsum(acc);
+    for (; d < D; ++d)
+        s += a[d] * b[d];
+    return s;
+}
+#endif
+
+/* The scores of one query against its head's keys: s[l] = scale * q . k_l, or -inf where masked;
+ * returns the largest. Four keys at a time, each with its accumulator (independent chains). */
+static float scores(const float *q, const float *k, int64_t ks, const uint8_t *mask, int64_t ms, float scale,
+                    float *s, int64_t L, int64_t D) {
+    float top = -INFINITY;
+    int64_t l = 0;
+#if LANES > 1
+    if (D % LANES == 0) {
+        for (; l + 4 <= L; l += 4) {
+            const float *k0 = k + l * ks, *k1 = k0 + ks, *k2 = k1 + ks, *k3 = k2 + ks;
+            vec a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+            const float *ahead = k0 + PREFETCH_KEYS * ks;
+            for (int64_t d = 0; d < D; d += LANES) {
+                PREFETCH(ahead + d, ks);
+                vec qv = vload(q + d);
+                a0 = vfma(qv, vload(k0 + d), a0);
+                a1 = vfma(qv, vload(k1 + d), a1);
+                a2 = vfma(qv, vload(k2 + d), a2);
+                a3 = vfma(qv, vload(k3 + d), a3);
+            }
+            float t[4] = {vsum(a0), vsum(a1), vsum(a2), vsum(a3)};
+            for (int j = 0; j < 4; ++j) {
+                float x = (mask && !mask[(l + j) * ms]) ? -INFINITY : t[j] * scale;
+                s[l + j] = x;
+                top = x > top ? x : top;
+            }
+        }
+    }
+#endif
+    for (; l < L; ++l) {
+        float x = -INFINITY;
+        if (!mask || mask[l * ms]) {
+#if LANES > 1
+            x = dot(q, k + l * ks, D) * scale;
+#else
+            x = 0.0f;
+            for (int64_t d = 0; d < D; ++d)
+                x += q[d] * k[l * ks + d];
+            x *= scale;
+#endif
+        }
+        s[l] = x;
+        top = x > top ? x : top;
+    }
+    return top;
+}
+
+/* s[l] = exp(s[l] - top) in place; returns their sum. */
+static float exponentials(float *s, int64_t L, float top) {
+    float sum = 0.0f;
+    int64_t l = 0;
+#if LANES > 1
+    vec acc = vzero(), t = vset1(top);
+    for (; l + LANES <= L; l += LANES) {
+        vec e = vexp(vsub(vload(s + l), t));
+        vstore(s + l, e);
+        acc = vadd(acc, e);
+    }
+    sum = vsum(acc);
+#endif
+    for (; l < L; ++l) {
+        float x = s[l] - top;
+        s[l] = x < EXP_FLOOR ? 0.0f : expf(x);
+        sum += s[l];
+    }
+    return sum;
+}
+
+#define MAX_HEAD_VECTORS 16 /* Dv up to 16 vectors (256 with AVX-512): the head's accumulators */
+
+/* out[0:Dv] = sum_l p[l] v_l / total: two keys at a time, each with its own accumulators. */
+static void weighted_values(const float *p, const float *v, int64_t vs, int64_t L, int64_t Dv, float total,
+                            float *out) {
+    float inv = 1.0f / total;
+#if LANES > 1
+    if (Dv % LANES == 0 && Dv / LANES <= MAX_HEAD_VECTORS) {
+        int64_t n = Dv / LANES;
+        vec a[MAX_HEAD_VECTORS], b[MAX_HEAD_VECTORS];
+        for (int64_t c = 0; c < n; ++c)
+            a[c] = b[c] = vzero();
+        int64_t l = 0;
+        for (; l + 2 <= L; l += 2) {
+            if (p[l] == 0.0f && p[l + 1] == 0.0f)
+                continue; /* masked (or negligible) keys: their values are not read */
+            vec p0 = vset1(p[l]), p1 = vset1(p[l + 1]);
+            const float *v0 = v + l * vs, *v1 = v0 + vs, *ahead = v0 + PREFETCH_KEYS * vs;
+            for (int64_t c = 0; c < n; ++c) {
+                PREFETCH(ahead + c * LANES, vs);
+                a[c] = vfma(p0, vload(v0 + c * LANES), a[c]);
+                b[c] = vfma(p1, vload(v1 + c * LANES), b[c]);
+            }
+        }
+        for (; l < L; ++l) {
+            vec p0 = vset1(p[l]);
+            for (int64_t c = 0; c < n; ++c)
+                a[c] = vfma(p0, vload(v + l * vs + c * LANES), a[c]);
+        }
+        for (int64_t c = 0; c < n; ++c)
+            vstore(out + c * LANES, vmul(vadd(a[c], b[c]), vset1(inv)));
+        return;
+    }
+#endif
+    for (int64_t d = 0; d < Dv; ++d)
+        out[d] = 0.0f;
+    for (int64_t l = 0; l < L; ++l) {
+        if (p[l] == 0.0f)
+            continue;
+        for (int64_t d = 0; d < Dv; ++d)
+            out[d] += p[l] * v[l * vs + d];
+    }
+    for (int64_t d = 0; d < Dv; ++d)
+        out[d] *= inv;
+}
+
+/* The rows one vector holds (1: a plain loop, see native.py). */
+int latentloop_attention_lanes(void) { return LANES; }
+
+/* One (b, h) pair's output; `s` holds L floats. */
+static void attend(const float *q, const float *k, const float *v, const uint8_t *mask, float *out, int64_t i,
+                   int64_t H, int64_t group, int64_t L, int64_t D, int64_t Dv, const int64_t *q_strides,
+                   const int64_t *k_strides, const int64_t *v_strides, const int64_t *mask_strides, float scale,
+                   float *s) {
+    int64_t b = i / H, h = i % H, hk = h / group;
+    const float *qp = q + b * q_strides[0] + h * q_strides[1];
+    const float *kp = k + b * k_strides[0] + hk * k_strides[1];
+    const float *vp = v + b * v_strides[0] + hk * v_strides[1];
+    const uint8_t *mp = mask ? mask + b * mask_strides[0] + h * mask_strides[1] : NULL;
+    float *op = out + i * Dv;
+    float top = scores(qp, kp, k_strides[2], mp, mask ? mask_strides[2] : 0, scale, s, L, D);
+    if (top == -INFINITY) { /* every key masked: SDPA's zeros */
+        for (int64_t d = 0; d < Dv; ++d)
+            op[d] = 0.0f;
+        return;
+    }
+    weighted_values(s, vp, v_strides[2], L, Dv, exponentials(s, L, top), op);
+}
+
+#define STACK_SCORES 4096 /* a window up to this many keys keeps its scores on the stack (one thread) */
+
+/* Strides in elements: q's (b, h), k's and v's (b, h, l), mask's (b, h, l), a broadcast dimension's
+ * stride 0; mask may be NULL. Returns 0, or -1 when a buffer could not be allocated (out is then not
+ * fully written). One thread runs without entering OpenMP (a short window's step calls this once a
+ * layer). */
+int latentloop_decode_attention_f32(const float *q, const float *k, const float *v, const uint8_t *mask, float *out,
+                                    int64_t B, int64_t H, int64_t Hkv, int64_t L, int64_t D, int64_t Dv,
+                                    const int64_t *q_strides, const int64_t *k_strides, const int64_t *v_strides,
+                                    const int64_t *mask_strides, float scale, int threads) {
+    int64_t group = H / Hkv, pairs = B * H;
+    if (threads <= 1 && L <= STACK_SCORES) {
+        float s[STACK_SCORES];
+        for (int64_t i = 0; i < pairs; ++i)
+            attend(q, k, v, mask, out, i, H, group, L, D, Dv, q_strides, k_strides, v_strides, mask_strides, scale, s);
+        return 0;
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *s = malloc((size_t)(L > 0 ? L : 1) * sizeof(float)); /* this thread's scores */
+        if (!s) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < pairs; ++i)
+            if (s)
+                attend(q, k, v, mask, out, i, H, group, L, D, Dv, q_strides, k_strides, v_strides, mask_strides,
+                       scale, s);
+        free(s);
+    }
+    return failed ? -1 : 0;
+}
+
+#ifdef LATENTLOOP_AOTI
+#include "aoti_shim.h"
+
+/* Strides of a 4-d tensor's dimensions `dims`, 0 where the size is 1 (broadcast), into `out`. */
+static int strides_of(AtenTensorHandle t, const int *dims, int n, int64_t *out) {
+    int64_t *sizes, *strides;
+    if (aoti_torch_get_sizes(t, &sizes) || aoti_torch_get_strides(t, &strides))
+        return 1;
+    for (int j = 0; j < n; ++j)
+        out[j] = sizes[dims[j]] == 1 ? 0 : strides[dims[j]];
+    return 0;
+}
+
+/* latentloop::decode_attention(q (B, H, 1, D), k (B, Hkv, L, D), v (B, Hkv, L, Dv) float32, mask bool
+ * (B | 1, H | 1, 1, L), scale) -> (B, H, 1, Dv), as AOTInductor calls an operator listed in
+ * `aot_inductor.custom_ops_to_c_shims` (native.py checks the shapes before the operator is traced). */
+AOTITorchError aoti_torch_cpu_decode_attention(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v,
+                                               AtenTensorHandle mask, double scale, AtenTensorHandle *out) {
+    int64_t dims[4], *qs, *ks, *vs, *ms, *strides;
+    int32_t types[3], mask_type;
+    AtenTensorHandle all[3] = {q, k, v};
+    for (int j = 0; j < 3; ++j)
+        if (aoti_torch_get_dim(all[j], &dims[j]) || dims[j] != 4 || aoti_torch_get_dtype(all[j], &types[j]) ||
+            types[j] != aoti_torch_dtype_float32() || aoti_torch_get_strides(all[j], &strides) || strides[3] != 1)
+            return FAILED;
+    if (aoti_torch_get_dim(mask, &dims[3]) || dims[3] != 4 || aoti_torch_get_dtype(mask, &mask_type) ||
+        mask_type != aoti_torch_dtype_bool() || aoti_torch_get_sizes(q, &qs) || aoti_torch_get_sizes(k, &ks) ||
+        aoti_torch_get_sizes(v, &vs) || aoti_torch_get_sizes(mask, &ms))
+        return FAILED;
+    int64_t B = qs[0], H = qs[1], Hkv = ks[1], L = ks[2], D = qs[3], Dv = vs[3];
+    if (qs[2] != 1 || ks[0] != B || vs[0] != B || vs[1] != Hkv || vs[2] != L || ks[3] != D || Hkv < 1 || H % Hkv ||
+        (ms[0] != 1 && ms[0] != B) || (ms[1] != 1 && ms[1] != H) || ms[2] != 1 || ms[3] != L)
+        return FAILED;
+    static const int qd[2] = {0, 1}, kd[3] = {0, 1, 2}, md[3] = {0, 1, 3};
+    int64_t q_strides[2], k_strides[3], v_strides[3], mask_strides[3];
+    if (strides_of(q, qd, 2, q_strides) || strides_of(k, kd, 3, k_strides) || strides_of(v, kd, 3, v_strides) ||
+        strides_of(mask, md, 3, mask_strides))
+        return FAILED;
+    int64_t out_sizes[4] = {B, H, 1, Dv};
+    void *qp, *kp, *vp, *mp, *op;
+    if (empty_like_rows(4, out_sizes, Dv, out) || aoti_torch_get_data_ptr(q, &qp) || aoti_torch_get_data_ptr(k, &kp) ||
+        aoti_torch_get_data_ptr(v, &vp) || aoti_torch_get_data_ptr(mask, &mp) || aoti_torch_get_data_ptr(*out, &op))
+        return FAILED;
+    int threads = package_threads(B * H * L * (D + Dv));
+    if (B * H > 0 && latentloop_decode_attention_f32(qp, kp, vp, mp, op, B, H, Hkv, L, D, Dv, q_strides, k_strides,
+                                                     v_strides, mask_strides, (float)scale, threads))
+        return FAILED;
+    return 0;
+}
+#endif
