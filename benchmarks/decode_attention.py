@@ -20,6 +20,7 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -107,14 +108,24 @@ def table(results: dict[str, Any]) -> str:
     return render_table(rows)
 
 
+def window_list(text: str) -> list[int]:
+    """--windows: comma-separated key counts, each past the MASKED_TAIL slots the benchmark leaves empty."""
+    try:
+        windows = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--windows takes comma-separated integers, got {text!r}") from None
+    if min(windows) <= MASKED_TAIL:
+        raise argparse.ArgumentTypeError(f"each window must be > {MASKED_TAIL} keys, got {text!r}")
+    return windows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="large", choices=sorted(SHAPES))
-    parser.add_argument("--windows", type=lambda text: [int(w) for w in text.split(",")],
-                        default=[128, 512, 2048, 4096])
+    parser.add_argument("--windows", type=window_list, default=[128, 512, 2048, 4096])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write all results as JSON")
     args = parser.parse_args(argv)
     return benchmark_main(args, run, table)
 

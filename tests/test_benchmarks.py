@@ -440,6 +440,27 @@ def test_prefill_products_pairs_the_rows_kernel_with_torchs_products(tmp_path, c
     assert "time over the kernel's" in capsys.readouterr().out
 
 
+def test_decode_attention_benchmark_pairs_the_kernel_with_the_reductions(tmp_path, capsys):
+    """Each window's rounds pair the kernel with inductor's reductions (both checked against SDPA
+    first), and the JSON keeps every ratio; bad windows get one line from argparse."""
+    from latentloop.inference import native
+
+    bench = _benchmark("decode_attention")
+    for bad, message in [("64,x", "comma-separated integers"), ("3", "must be > 5 keys")]:
+        with pytest.raises(SystemExit) as exc:
+            bench.main(["--windows", bad])
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+    if native.decode_attention_status() != "native":
+        pytest.skip(f"no attention kernel here: {native.decode_attention_status()}")
+    out = tmp_path / "attention.json"
+    assert bench.main(["--shape", "smoke", "--windows", "40,70", "--rounds", "3", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["windows"]) == {"40", "70"}
+    for row in result["windows"].values():
+        assert len(row["ratios"]) == 3 and min(row["ratios"]) > 0 and row["kernel_ms"] > 0
+    assert "kernel / reductions" in capsys.readouterr().out
+
+
 def test_prefill_products_refuses_bad_rows(capsys):
     products = _benchmark("prefill_products")
     for rows, message in [("2,x", "comma-separated integers"), ("0,4", ">= 1")]:

@@ -774,7 +774,7 @@ def test_native_kernels_can_be_turned_off_and_a_failed_build_falls_back(monkeypa
                         ({"CC": "false"}, "int8_linear.c did not build with false")]:
         for name, value in env.items():
             monkeypatch.setenv(name, value)
-        caches = (native.native_library, native._rows_library, quant._kernel)
+        caches = (native.native_library, native._rows_library, native._attention_library, quant._kernel)
         for cache in caches:
             cache.cache_clear()
         try:
@@ -782,6 +782,8 @@ def test_native_kernels_can_be_turned_off_and_a_failed_build_falls_back(monkeypa
             assert native.native_status(quant.KERNEL, for_packages=True).startswith(status)
             assert quant.package_kernel() is None and not quant.packs_weights()
             assert native.rows_linear_status().startswith(status.replace("int8_linear.c", "rows_linear.c"))
+            assert native.decode_attention_status().startswith(status.replace("int8_linear.c", "attention.c"))
+            assert native.attention_package_kernel() is None  # a package then runs the reductions
             torch.testing.assert_close(quant.int8_product(x, q, scale), expected, rtol=1e-6, atol=1e-6)
             many = x.expand(quant.KERNEL_MAX_ROWS + 1, -1)  # the rows kernel's rows, torch's product instead
             torch.testing.assert_close(quant.int8_product(many, q, scale), expected.expand(len(many), -1),
