@@ -87,6 +87,7 @@ from ..util import CACHE_ENV, default_cache_dir
 from . import native, quant, torch_internals
 from .aot import AotDecodeStep, AotUnavailable, aot_enabled, cpu_vendor, model_code_digest
 from .cache_trust import private_folder, untrusted_folder, warn_once
+from .huge_pages import weights_on_huge_pages
 from .products import ROWS_KERNEL_MAX_ROWS, ROWS_KERNEL_MIN_ROWS
 
 # The static cache's length is rounded up to a multiple of this when a whole context's buffer would be
@@ -402,6 +403,8 @@ class FastDecoder:
         self._key = step_key(device.type, options, kv_dtype)
         if self._compiled:
             use_compile_cache()
+            if device.type == "cpu":  # before any compiled step binds the weights (`huge_pages`)
+                weights_on_huge_pages(model)
             if device.type == "cpu" and aot_enabled():
                 self.aot_reason = AotDecodeStep.refuses(model)
                 if self.aot_reason is None:  # one per model and options: its packages load once a process
