@@ -50,11 +50,13 @@ def test_large_weights_move_keeping_their_objects_and_values():
               for name, tensor in [*model.named_parameters(), *model.named_buffers()]}
     moved = huge_pages.weights_on_huge_pages(model)
     assert moved == (1024 * 1024 + 1024 * 768 + 2048 * 512) * 4  # the tied weight once, the small one not
+    moved_tensors = [model.first.weight, model.large.weight, model.table]  # one mapping, a storage each
+    assert len({t.untyped_storage().data_ptr() for t in moved_tensors}) == 3
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         kept, values, pointer = before[name]
         assert tensor is kept and torch.equal(tensor, values)
-        assert (tensor.data_ptr() != pointer) is (tensor.nbytes >= huge_pages.MIN_BYTES), name
-        if tensor.nbytes >= huge_pages.MIN_BYTES:
+        assert (tensor.data_ptr() != pointer) is (tensor.nbytes >= huge_pages.MIN_TENSOR_BYTES), name
+        if tensor.nbytes >= huge_pages.MIN_TENSOR_BYTES:
             assert thp_eligible(tensor), name
     assert model.second.weight is model.first.weight
     assert isinstance(model.first.weight, nn.Parameter) and model.first.weight.requires_grad
@@ -62,6 +64,13 @@ def test_large_weights_move_keeping_their_objects_and_values():
     # each tensor has a mapping of its own: a checkpoint of the moved model saves as usual
     safetensors = pytest.importorskip("safetensors.torch")
     safetensors.save(model.state_dict() | {"second.weight": model.first.weight.detach().clone()})
+
+
+def test_a_model_whose_weights_do_not_fill_a_huge_page_stays_where_it_is():
+    model = ll.build("gpt", preset="test")  # about 0.1M parameters
+    pointers = [p.data_ptr() for p in model.parameters()]
+    assert huge_pages.weights_on_huge_pages(model) == 0
+    assert [p.data_ptr() for p in model.parameters()] == pointers
 
 
 def test_the_off_switches_say_why_and_move_nothing(monkeypatch, tmp_path):

@@ -1,26 +1,26 @@
-"""A model's large weights moved onto transparent huge pages, for the CPU decode step that streams them.
+"""A model's weights moved onto transparent huge pages, for the CPU decode step that streams them.
 
-    moved = weights_on_huge_pages(model)   # bytes moved (0: already done, or not possible here)
+    moved = weights_on_huge_pages(model)   # bytes moved (0: already done, too few, or not possible here)
 
 Why: a decode step at batch 1 reads every weight once, in order; on 4 KiB pages the stream crosses a
 page every 4 KiB, where the CPU's prefetcher stops and the TLB misses. On this project's machine (Intel
-Xeon, 1 thread, 12 layers x d 768, 340 MB of float32 weights) the compiled step took 29.0-30.2 ms a
-token with torch's usual allocation and 26.7-27.5 ms with the weights on 2 MiB pages (torch's
-`THP_MEM_ALLOC_ENABLE=1`, two runs each, alternated), the difference that had kept it behind
-llama.cpp's 26.4 ms. Most Linux systems give huge pages only to memory that asks for them
-(`/sys/kernel/mm/transparent_hugepage/enabled` = madvise), and torch asks only under that environment
-variable, read once at its first allocation; a checkpoint loaded through a memory map sits on the
-file's pages. So each weight of at least `MIN_BYTES` gets an anonymous mapping of its own, advised
-`MADV_HUGEPAGE` before it is written, its values copied in, and the parameter (or buffer) pointed at
-it (`tensor.data`): the same Parameter objects, the same values, one mapping per tensor (no two
-tensors share storage, so saving with safetensors still works), a whole number of huge pages long (at
-most 2 MiB more than the tensor, in its last page).
+Xeon, 1 thread, 12 layers x d 768, 340 MB of float32 weights) the compiled step took 28.9-29.8 ms a
+token with torch's usual allocation, 26.7-27.5 ms under torch's `THP_MEM_ALLOC_ENABLE=1` and 23.4-23.5
+ms with the weights moved here (two runs each, alternated), where llama.cpp's took 26.4: the gap that
+had kept it behind (experiments/logs/2026-12-05-issue54-fifth.md). Most Linux systems give huge pages
+only to memory that asks for them (`/sys/kernel/mm/transparent_hugepage/enabled` = madvise), and torch
+asks only under that environment variable, read once at its first allocation; a checkpoint loaded
+through a memory map sits on the file's pages. So the model's weights (each parameter or buffer of at
+least `MIN_TENSOR_BYTES`) are copied into one anonymous mapping, a whole number of huge pages long and
+advised `MADV_HUGEPAGE` before it is written, and each parameter (or buffer) pointed at its part
+(`tensor.data`): the same Parameter objects, the same values. Each tensor is a storage of its own over
+the mapping (no two share storage, so saving with safetensors still works); the mapping outlives the
+model's last use of any of them, at most 2 MiB longer than the weights.
 
 Done once per model (marked), by `FastDecoder` on the CPU before a compiled step binds the weights:
 a step bound earlier would read the old storage. Nothing is done where the kernel gives no huge pages
 (`enabled` = never), off Linux, or with `LATENTLOOP_HUGE_PAGES=0`; `huge_pages_status()` says why.
-The copy costs a pass over the weights once (about 0.1 s for 340 MB) and, while it runs, their size
-again in memory.
+The copy costs one pass over the weights and, while it runs, their size again in memory.
 """
 
 from __future__ import annotations
@@ -34,7 +34,10 @@ from torch import nn
 
 HUGE_PAGES_ENV = "LATENTLOOP_HUGE_PAGES"  # "0": weights stay where torch put them
 HUGE_PAGE_BYTES = 2 * 2**20  # x86's transparent huge page
-MIN_BYTES = HUGE_PAGE_BYTES  # a smaller tensor cannot fill one huge page
+# Tensors from this size are moved: the weights a step streams (a norm's few hundred floats are not
+# worth a copy); a model whose such tensors do not fill one huge page is left as it is.
+MIN_TENSOR_BYTES = 64 * 2**10
+ALIGN_BYTES = 64  # each tensor starts on a cache line of the region
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 MOVED_MARK = "_latentloop_huge_pages"  # set on a model whose weights were moved (the bytes moved)
 
@@ -54,40 +57,48 @@ def huge_pages_status() -> str | None:
     return None
 
 
-def _large_cpu_tensors(model: nn.Module) -> list[torch.Tensor]:
-    """The model's parameters and buffers on the CPU of at least MIN_BYTES, contiguous, each once (a
-    tied weight is one Parameter); tensors that share storage with another are left where they are."""
+def _weights(model: nn.Module) -> list[torch.Tensor]:
+    """The model's parameters and buffers on the CPU of at least MIN_TENSOR_BYTES, contiguous, each
+    once (a tied weight is one Parameter); tensors that share storage with another are left where
+    they are (moving one would untie them)."""
     seen: dict[int, torch.Tensor] = {}
     for tensor in [*model.parameters(), *model.buffers()]:
-        if tensor.device.type == "cpu" and tensor.nbytes >= MIN_BYTES and tensor.is_contiguous():
+        if tensor.device.type == "cpu" and tensor.nbytes >= MIN_TENSOR_BYTES and tensor.is_contiguous():
             seen.setdefault(id(tensor), tensor)
-    pointers: dict[int, int] = {}
+    storages: dict[int, int] = {}
     for tensor in seen.values():
-        pointers[tensor.untyped_storage().data_ptr()] = pointers.get(tensor.untyped_storage().data_ptr(), 0) + 1
-    return [t for t in seen.values() if pointers[t.untyped_storage().data_ptr()] == 1]
+        pointer = tensor.untyped_storage().data_ptr()
+        storages[pointer] = storages.get(pointer, 0) + 1
+    return [t for t in seen.values() if storages[t.untyped_storage().data_ptr()] == 1]
 
 
-def _on_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
-    """A copy of `tensor` in an anonymous mapping of its own, advised onto huge pages before it is written."""
-    # a whole number of huge pages: the kernel then starts the mapping on a huge page's boundary (a
-    # mapping of 3 MiB was placed where no aligned 2 MiB fit, and got none)
-    length = -(-tensor.nbytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-    region = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    region.madvise(mmap.MADV_HUGEPAGE)
-    copy = torch.frombuffer(region, dtype=tensor.dtype, count=tensor.numel()).view(tensor.shape)  # keeps `region`
-    copy.copy_(tensor)
-    return copy
+def _round_up(size: int, multiple: int) -> int:
+    return -(-size // multiple) * multiple
 
 
 def weights_on_huge_pages(model: nn.Module) -> int:
-    """Move `model`'s large CPU weights onto huge pages (see the module doc); the bytes moved, 0 when
-    already done or not possible here."""
+    """Move `model`'s weights onto huge pages (see the module doc); the bytes moved, 0 when already
+    done, when they do not fill a huge page, or when not possible here."""
     if getattr(model, MOVED_MARK, None) is not None or huge_pages_status() is not None:
         return 0
-    moved = 0
+    tensors = _weights(model)
+    offsets, end = [], 0
+    for tensor in tensors:
+        offsets.append(end)
+        end = _round_up(end + tensor.nbytes, ALIGN_BYTES)
+    if end < HUGE_PAGE_BYTES:
+        setattr(model, MOVED_MARK, 0)
+        return 0
+    # a whole number of huge pages: the kernel then starts the mapping on a huge page's boundary (a
+    # mapping of 3 MiB was placed where no aligned 2 MiB fit, and got none); advised before it is written
+    region = mmap.mmap(-1, _round_up(end, HUGE_PAGE_BYTES), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_HUGEPAGE)
     with torch.no_grad():
-        for tensor in _large_cpu_tensors(model):
-            tensor.data = _on_huge_pages(tensor)
-            moved += tensor.nbytes
-    setattr(model, MOVED_MARK, moved)
-    return moved
+        for tensor, offset in zip(tensors, offsets):
+            # a storage of its own over its part of the region (each keeps the region mapped)
+            moved = torch.frombuffer(region, dtype=tensor.dtype, count=tensor.numel(), offset=offset)
+            moved = moved.view(tensor.shape)
+            moved.copy_(tensor)
+            tensor.data = moved
+    setattr(model, MOVED_MARK, end)
+    return end
