@@ -224,22 +224,32 @@ def threads_for(macs: int) -> int:
     return torch.get_num_threads() if macs >= PARALLEL_MIN_MACS else 1
 
 
-@functools.cache
-def _rows_library() -> ctypes.CDLL | None:
+def _vector_library(name: str, lanes_function: str) -> ctypes.CDLL | None:
+    """The kernel library `name` where this CPU is one the kernels were measured on and its build
+    holds at least ROWS_MIN_LANES floats a vector (its C function `lanes_function` says how many), on
+    x86; else None, the reason kept for `native_status`-like reports (`_failures[name]`)."""
     if not measured_here():
-        _failures[ROWS_KERNEL] = (f"this CPU ({platform.machine()}) is not one the kernels were measured on "
-                                  f"(x86 with {' and '.join(MEASURED_FLAGS).upper()})")
+        _failures[name] = (f"this CPU ({platform.machine()}) is not one the kernels were measured on "
+                           f"(x86 with {' and '.join(MEASURED_FLAGS).upper()})")
         return None
-    lib = native_library(ROWS_KERNEL)
+    lib = native_library(name)
     if lib is None:
         return None
-    lib.latentloop_rows_linear_lanes.restype = ctypes.c_int
-    lib.latentloop_rows_linear_lanes.argtypes = []
-    lanes = lib.latentloop_rows_linear_lanes()
+    lanes_of = getattr(lib, lanes_function)
+    lanes_of.restype = ctypes.c_int
+    lanes_of.argtypes = []
+    lanes = lanes_of()
     if lanes < ROWS_MIN_LANES or platform.machine().lower() not in ("x86_64", "amd64"):
-        _failures[ROWS_KERNEL] = (f"{ROWS_KERNEL}.c built with {lanes} lane(s) on {platform.machine()}: it is "
-                                  f"used with at least {ROWS_MIN_LANES} (AVX2 + FMA or AVX-512), on x86, where it "
-                                  "was measured")
+        _failures[name] = (f"{name}.c built with {lanes} lane(s) on {platform.machine()}: it is used with at "
+                           f"least {ROWS_MIN_LANES} (AVX2 + FMA or AVX-512), on x86, where it was measured")
+        return None
+    return lib
+
+
+@functools.cache
+def _rows_library() -> ctypes.CDLL | None:
+    lib = _vector_library(ROWS_KERNEL, "latentloop_rows_linear_lanes")
+    if lib is None:
         return None
     for function, pointers in ((lib.latentloop_rows_linear_f32, 3), (lib.latentloop_rows_linear_i8, 4)):
         function.restype = ctypes.c_int
@@ -312,17 +322,8 @@ ATTENTION_KERNEL = "attention"
 
 @functools.cache
 def _attention_library() -> ctypes.CDLL | None:
-    if not measured_here():
-        _failures[ATTENTION_KERNEL] = (f"this CPU ({platform.machine()}) is not one the kernels were measured on "
-                                       f"(x86 with {' and '.join(MEASURED_FLAGS).upper()})")
-        return None
-    lib = native_library(ATTENTION_KERNEL)
+    lib = _vector_library(ATTENTION_KERNEL, "latentloop_attention_lanes")  # a plain loop: never measured
     if lib is None:
-        return None
-    lib.latentloop_attention_lanes.restype = ctypes.c_int
-    lib.latentloop_attention_lanes.argtypes = []
-    if lib.latentloop_attention_lanes() < ROWS_MIN_LANES:  # a plain loop: never measured against inductor's
-        _failures[ATTENTION_KERNEL] = f"{ATTENTION_KERNEL}.c built without AVX2 + FMA or AVX-512"
         return None
     strides = ctypes.POINTER(ctypes.c_int64)
     lib.latentloop_decode_attention_f32.restype = ctypes.c_int
