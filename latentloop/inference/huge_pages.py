@@ -20,7 +20,7 @@ model's last use of any of them, at most 2 MiB longer than the weights.
 Done once per model (marked), by `FastDecoder` on the CPU before a compiled step binds the weights:
 a step bound earlier would read the old storage. Nothing is done where the kernel gives no huge pages
 (`enabled` = never), off Linux, or with `LATENTLOOP_HUGE_PAGES=0`; `huge_pages_status()` says why.
-The copy costs one pass over the weights and, while it runs, their size again in memory.
+The copy costs one pass over the weights, and at most one tensor's size more in memory while it runs.
 """
 
 from __future__ import annotations
@@ -76,45 +76,49 @@ def _round_up(size: int, multiple: int) -> int:
     return -(-size // multiple) * multiple
 
 
+def _placed(tensors: list[torch.Tensor]):
+    """(tensor, its copy) for each of `tensors` (contiguous, on the CPU), the copies in one mapping
+    advised onto huge pages, each a storage of its own, made one at a time as the caller iterates (a
+    caller that drops each original as it goes holds the weights once, not twice); nothing where that
+    is not possible here or they do not fill one huge page."""
+    if huge_pages_status() is not None or any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+        return
+    offsets, end = [], 0
+    for tensor in tensors:
+        offsets.append(end)
+        end = _round_up(end + tensor.nbytes, ALIGN_BYTES)
+    if end < HUGE_PAGE_BYTES:
+        return
+    # a whole number of huge pages: the kernel then starts the mapping on a huge page's boundary (a
+    # mapping of 3 MiB was placed where no aligned 2 MiB fit, and got none); advised before it is written
+    region = mmap.mmap(-1, _round_up(end, HUGE_PAGE_BYTES), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_HUGEPAGE)
+    for tensor, offset in zip(tensors, offsets):
+        # a storage of its own over its part of the region (each keeps the region mapped)
+        copy = torch.frombuffer(region, dtype=tensor.dtype, count=tensor.numel(), offset=offset)
+        with torch.no_grad():
+            yield tensor, copy.view(tensor.shape).copy_(tensor)
+
+
 def copies_on_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Copies of `tensors` (contiguous, on the CPU) in one mapping advised onto huge pages, each a
     storage of its own; `tensors` themselves where that is not possible here or they do not fill one
     huge page. Not for buffers made at every call: the static decode cache's, copied here at each
     `freeze`, made 64 tokens after 2,048 at 12 x 768 slower (37 against 32 ms a token): with the
     kernel's `defrag` = madvise, a fault in an advised region compacts memory for its huge page."""
-    if huge_pages_status() is not None or any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
-        return tensors
-    offsets, end = [], 0
-    for tensor in tensors:
-        offsets.append(end)
-        end = _round_up(end + tensor.nbytes, ALIGN_BYTES)
-    if end < HUGE_PAGE_BYTES:
-        return tensors
-    # a whole number of huge pages: the kernel then starts the mapping on a huge page's boundary (a
-    # mapping of 3 MiB was placed where no aligned 2 MiB fit, and got none); advised before it is written
-    region = mmap.mmap(-1, _round_up(end, HUGE_PAGE_BYTES), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    region.madvise(mmap.MADV_HUGEPAGE)
-    copies = []
-    with torch.no_grad():
-        for tensor, offset in zip(tensors, offsets):
-            # a storage of its own over its part of the region (each keeps the region mapped)
-            copy = torch.frombuffer(region, dtype=tensor.dtype, count=tensor.numel(), offset=offset)
-            copies.append(copy.view(tensor.shape).copy_(tensor))
-    return copies
+    return [copy for _, copy in _placed(tensors)] or tensors
 
 
 def weights_on_huge_pages(model: nn.Module) -> int:
     """Move `model`'s weights onto huge pages (see the module doc); the bytes moved, 0 when already
-    done, when they do not fill a huge page, or when not possible here."""
+    done, when they do not fill a huge page, or when not possible here. Each weight's old storage is
+    freed as it moves (where nothing else holds it): the weights are held once and one tensor more."""
     if getattr(model, MOVED_MARK, None) is not None or huge_pages_status() is not None:
         return 0
-    tensors = _weights(model)
-    copies = copies_on_huge_pages(tensors)
     moved = 0
     with torch.no_grad():
-        for tensor, copy in zip(tensors, copies):
-            if copy is not tensor:
-                tensor.data = copy
-                moved += tensor.nbytes
+        for tensor, copy in _placed(_weights(model)):
+            tensor.data = copy
+            moved += tensor.nbytes
     setattr(model, MOVED_MARK, moved)
     return moved
