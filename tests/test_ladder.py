@@ -364,8 +364,7 @@ def test_the_page_without_records_says_nothing_has_run():
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
-def test_shards_split_the_plan_into_disjoint_parts_whatever_has_finished(tmp_path):
+def test_shards_split_the_plan_into_disjoint_parts_whatever_has_finished():
     """`--shard K/N`: N processes on one --out (one per core) run every run of the plan exactly once,
     and a shard's runs depend on the plan only, not on which runs finished before it started."""
     plan = ladder.plan_ladder(ladder.SMOKE, ladder.ladder_variants(["gpt", "rgpt-flops"]), ("stdlib",))
@@ -379,6 +378,7 @@ def test_shards_split_the_plan_into_disjoint_parts_whatever_has_finished(tmp_pat
             ladder.parse_args(["--shard", bad])
 
 
+@pytest.mark.slow
 def test_the_smoke_ladder_runs_end_to_end_and_writes_the_claims_page(tmp_path, capsys):
     out = tmp_path / "ladder"
     argv = ["--out", str(out), "--smoke", "--variants", "gpt", "rgpt-flops", "--corpora", "stdlib", "--threads", "1",
