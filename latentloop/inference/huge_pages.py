@@ -18,7 +18,10 @@ the mapping (no two share storage, so saving with safetensors still works); the 
 model's last use of any of them, at most 2 MiB longer than the weights.
 
 Done once per model (marked), by `FastDecoder` on the CPU before a compiled step binds the weights:
-a step bound earlier would read the old storage. Nothing is done where the kernel gives no huge pages
+a step bound earlier would read the old storage. Only for what is made once: the static decode
+cache's buffers, copied onto huge pages at each call's `freeze`, made 64 tokens after 2,048 at 12 x
+768 slower (37 against 32 ms a token): with the kernel's `defrag` = madvise, a fault in a fresh
+advised region compacts memory for its huge page. Nothing is done where the kernel gives no huge pages
 (`enabled` = never), off Linux, or with `LATENTLOOP_HUGE_PAGES=0`; `huge_pages_status()` says why.
 The copy costs one pass over the weights, and at most one tensor's size more in memory while it runs.
 """
@@ -77,12 +80,10 @@ def _round_up(size: int, multiple: int) -> int:
 
 
 def _placed(tensors: list[torch.Tensor]):
-    """(tensor, its copy) for each of `tensors` (contiguous, on the CPU), the copies in one mapping
-    advised onto huge pages, each a storage of its own, made one at a time as the caller iterates (a
-    caller that drops each original as it goes holds the weights once, not twice); nothing where that
-    is not possible here or they do not fill one huge page."""
-    if huge_pages_status() is not None or any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
-        return
+    """(tensor, its copy) for each of `tensors` (`_weights`: contiguous, on the CPU), the copies in
+    one mapping advised onto huge pages, each a storage of its own, made one at a time as the caller
+    iterates (a caller that drops each original as it goes holds the weights once, not twice);
+    nothing where they do not fill one huge page."""
     offsets, end = [], 0
     for tensor in tensors:
         offsets.append(end)
@@ -98,15 +99,6 @@ def _placed(tensors: list[torch.Tensor]):
         copy = torch.frombuffer(region, dtype=tensor.dtype, count=tensor.numel(), offset=offset)
         with torch.no_grad():
             yield tensor, copy.view(tensor.shape).copy_(tensor)
-
-
-def copies_on_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of `tensors` (contiguous, on the CPU) in one mapping advised onto huge pages, each a
-    storage of its own; `tensors` themselves where that is not possible here or they do not fill one
-    huge page. Not for buffers made at every call: the static decode cache's, copied here at each
-    `freeze`, made 64 tokens after 2,048 at 12 x 768 slower (37 against 32 ms a token): with the
-    kernel's `defrag` = madvise, a fault in an advised region compacts memory for its huge page."""
-    return [copy for _, copy in _placed(tensors)] or tensors
 
 
 def weights_on_huge_pages(model: nn.Module) -> int:
