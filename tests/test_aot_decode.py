@@ -119,7 +119,8 @@ def test_export_swaps_every_product_the_dynamo_backend_rewrites_and_restores_the
     elif quant.package_kernel() is None:
         pytest.skip(f"no int8 kernel for packages here: {native.native_status(quant.KERNEL, for_packages=True)}")
     assert {(module, name) for module, name, _ in fast.EXPORT_SWAPS} == {
-        (torch.nn.functional, "linear"), (torch.nn.functional, "scaled_dot_product_attention"), (quant, "int8_linear")}
+        (torch.nn.functional, "linear"), (torch.nn.functional, "scaled_dot_product_attention"), (quant, "int8_linear"),
+        (fast, "widened")}  # the static cache's window reaches the package's attention as stored
     before = [getattr(module, name) for module, name, _ in fast.EXPORT_SWAPS]
     originals = {(module, name): original for (module, name, _), original in zip(fast.EXPORT_SWAPS, before)}
     with aot._products_as_reductions():
@@ -132,7 +133,7 @@ def test_export_swaps_every_product_the_dynamo_backend_rewrites_and_restores_the
     assert (torch.ops.latentloop.int8_linear.default in shims) is kernel
     # a batch's float32 products call the rows kernel's C function wherever its package build loads
     assert (torch.ops.latentloop.rows_linear.default in shims) is (native.rows_package_kernel() is not None)
-    # one-query attention over a float32 cache calls the attention kernel's C function where it loads
+    # one-query attention over a float32 or float16 cache calls the attention kernel's C function where it loads
     assert ((torch.ops.latentloop.decode_attention.default in shims)
             is (native.attention_package_kernel() is not None))
 

@@ -140,15 +140,56 @@ def test_a_half_precision_static_cache_stores_half_and_rounds_nothing_else(arch,
     torch.testing.assert_close(fast, eager, rtol=0, atol=FAST_TOL)
 
 
+def test_a_half_precision_window_is_widened_except_for_the_packages_attention():
+    """A float16 cache's window reaches attention widened to the step's float32 (eager SDPA and
+    dynamo's reductions take one dtype), but as stored while a package's step is traced (the
+    attention kernel reads float16, half the bytes; `fast._window_as_stored`), and widened again
+    after the trace."""
+    from latentloop.inference import aot
+    from latentloop.inference.fast import static_cache
+    from latentloop.models.cache import KVCache
+
+    cache = static_cache(KVCache(1, 32, n_slots=2, n_kv_head=2, head_dim=8))
+    k = torch.randn(1, 2, 3, 8)
+    cache.begin(3)
+    for slot in range(2):
+        cache.update(slot, k, k)
+    cache.advance()
+    cache.freeze(kv_dtype=torch.float16)
+    new = torch.randn(1, 2, 1, 8)
+    for tracing, dtype in ((False, torch.float32), (True, torch.float16), (False, torch.float32)):
+        cache.begin(1)
+        if tracing:
+            with aot._products_as_reductions():
+                keys, values = cache.update(0, new, new)
+        else:
+            keys, values = cache.update(0, new, new)
+        assert keys.dtype == values.dtype == dtype
+        torch.testing.assert_close(keys[:, :, :3].float(), k.half().float(), rtol=0, atol=0)  # the prompt, rounded
+
+
 @pytest.mark.slow
 @needs_cxx
 def test_a_half_precision_cache_compiles_into_the_package_and_gives_the_eager_steps():
     """The compiled step (the ahead-of-time package, the default on CPU) over a float16 cache: a
-    package of its own (its inputs' dtypes), equal to the rounded ordinary cache's steps."""
+    package of its own (its inputs' dtypes), equal to the rounded ordinary cache's steps; its one-query
+    attention calls the attention kernel where the kernel's package build loads (the window as stored:
+    `test_a_half_precision_window_is_widened_except_for_the_packages_attention`)."""
+    import zipfile
+
+    from latentloop.inference import native
+
     eager, fast = decode_both("gpt", {}, compile=True, kv_dtype=torch.float16)
-    assert LAST_DECODER["fast"].aot is not None and LAST_DECODER["fast"].aot_reason is None
+    aot = LAST_DECODER["fast"].aot
+    assert aot is not None and LAST_DECODER["fast"].aot_reason is None
     torch.testing.assert_close(fast, eager, rtol=0, atol=FAST_TOL)
     assert torch.equal(fast.argmax(-1), eager.argmax(-1))
+    if native.attention_package_kernel() is not None:
+        for package in aot.packages.values():
+            with zipfile.ZipFile(package.path) as archive:
+                code = "".join(archive.read(name).decode(errors="replace") for name in archive.namelist()
+                               if name.endswith(".cpp"))
+            assert "aoti_torch_cpu_decode_attention(" in code, package.path.name
 
 
 def test_static_cache_length_is_bucketed_and_capped():

@@ -518,6 +518,7 @@ class _Package:
     """A loaded package bound to the model's weights (and to the attributes it reads)."""
 
     def __init__(self, path: Path, holder: nn.Module):
+        self.path = path
         try:
             self.library = _Library(path)
             self.info = json.loads(self.library.metadata.get(INFO_KEY, "{}"))

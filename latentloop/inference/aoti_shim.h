@@ -26,6 +26,7 @@ extern AOTITorchError aoti_torch_empty_strided(int64_t dim, const int64_t *sizes
                                                int32_t dtype, int32_t device_type, int32_t device_index,
                                                AtenTensorHandle *out);
 extern int32_t aoti_torch_dtype_float32(void);
+extern int32_t aoti_torch_dtype_float16(void);
 extern int32_t aoti_torch_dtype_int8(void);
 extern int32_t aoti_torch_dtype_bool(void);
 extern int32_t aoti_torch_device_type_cpu(void);

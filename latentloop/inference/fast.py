@@ -273,7 +273,7 @@ class StaticCacheMixin:
         W = self.window.shape[0]
         # (B, H, W, hd): attention over the window only, in the step's dtype; a narrower `kv_dtype` is
         # widened as it is read (compiled: in registers, inside the attention's loops)
-        return k_slot[:, :, :W].to(k.dtype), v_slot[:, :, :W].to(v.dtype)
+        return widened(k_slot[:, :, :W], k.dtype), widened(v_slot[:, :, :W], v.dtype)
 
     def begin_tokens(self, T: int) -> AttentionPlan:
         """`begin` for T > 1 tokens per row, written at the T slots from the shared write position
@@ -936,19 +936,37 @@ def _int8_linear_by_reduction(x: Tensor, weight_int8: Tensor, scale: Tensor, pac
     return (x[..., None, :] * weight_int8).sum(-1) * scale  # (..., N, K) -> (..., N), never materialised
 
 
+def widened(window: Tensor, dtype: torch.dtype) -> Tensor:
+    """A static cache's window of keys or values (`update`) in the step's dtype. While a package's
+    step is traced this is `_window_as_stored` instead (`EXPORT_SWAPS`)."""
+    return window.to(dtype)
+
+
+def _window_as_stored(window: Tensor, dtype: torch.dtype) -> Tensor:
+    """`widened` in a package's step: the window as the cache stores it (a `kv_dtype` of float16 stays
+    float16), which `_attention_for_package`, the only reader of the window in the step (backbone's
+    `Attention`), widens where it reads it: the kernel element by element, instead of a float32 copy
+    of the whole window written and read again each layer (three times the bytes of the float16
+    window)."""
+    return window
+
+
 def _attention_for_package(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
                            dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                            enable_gqa: bool = False) -> Tensor:
     """`F.scaled_dot_product_attention` in an ahead-of-time package: one query per row over a float32
-    cache calls the attention kernel (`native.decode_attention_op`; the package calls its C function),
-    which streams the cache once, in order, with its next lines asked for ahead; anything else is
-    `_attention_by_reduction`. Inductor's reductions read each head's values once per vector of the
-    head, 256 bytes apart: 12 layers x d 768 of cache after 2,048 keys, one thread, took the kernel
-    0.836 [0.815, 0.857] of their time (9.05 against 10.89 ms; `benchmarks/decode_attention.py`)."""
+    or float16 cache calls the attention kernel (`native.decode_attention_op`; the package calls its C
+    function), which streams the cache once, in order, with its next lines asked for ahead; anything
+    else is `_attention_by_reduction`, over keys and values widened to the query's dtype (the window
+    reaches this as stored: `_window_as_stored`). Inductor's reductions read each head's values once
+    per vector of the head, 256 bytes apart: 12 layers x d 768 of cache after 2,048 keys, one thread,
+    took the kernel 0.836 [0.815, 0.857] of their time (9.05 against 10.89 ms;
+    `benchmarks/decode_attention.py`)."""
     if (dropout_p == 0 and not is_causal and native.decode_attention_fits(query, key, value, attn_mask)
             and (key.shape[1] == query.shape[1] or enable_gqa) and native.attention_package_kernel() is not None):
         return torch.ops.latentloop.decode_attention(query, key, value, attn_mask,
                                                      query.shape[-1] ** -0.5 if scale is None else scale)
+    key, value = key.to(query.dtype), value.to(query.dtype)  # a float16 cache's window (no copy when equal)
     return _attention_by_reduction(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
@@ -958,12 +976,14 @@ _BY_REDUCTION = {torch.nn.functional.linear: _linear_by_reduction,
                  torch.nn.functional.scaled_dot_product_attention: _attention_by_reduction}
 # What the ahead-of-time step swaps while `torch.export` traces the model's code: the module
 # attributes `nn.Linear`, the backbone and `Int8Linear` call (the latter `quant.int8_linear` while
-# compiling). Dynamo's graph keeps the native int8 kernel (an opaque operator, 10% faster than the
-# reduction there, A/B in one process at `benchmarks.decode_profile`'s shapes: 0.61 vs 0.68 ms a step
-# at 4 x 256, 1 thread; 7.1 vs 7.9 ms at 12 x 768 with a 32000-token head, 2 threads); a package
-# cannot call it.
+# compiling), and the static cache's widening of its window (`widened`: the package's attention reads
+# a float16 cache as stored). Dynamo's graph keeps the native int8 kernel (an opaque operator, 10%
+# faster than the reduction there, A/B in one process at `benchmarks.decode_profile`'s shapes: 0.61
+# vs 0.68 ms a step at 4 x 256, 1 thread; 7.1 vs 7.9 ms at 12 x 768 with a 32000-token head, 2
+# threads); a package cannot call it.
 EXPORT_SWAPS = ((torch.nn.functional, "linear", _linear_by_reduction),
                 (torch.nn.functional, "scaled_dot_product_attention", _attention_for_package),
+                (sys.modules[__name__], "widened", _window_as_stored),
                 (quant, "int8_linear", _int8_linear_by_reduction))
 
 

@@ -318,6 +318,7 @@ def _(x: Tensor, weight: Tensor) -> Tensor:
 
 
 ATTENTION_KERNEL = "attention"
+CACHE_DTYPES = (torch.float32, torch.float16)  # a cache's keys and values the attention kernel reads
 
 
 @functools.cache
@@ -326,9 +327,10 @@ def _attention_library() -> ctypes.CDLL | None:
     if lib is None:
         return None
     strides = ctypes.POINTER(ctypes.c_int64)
-    lib.latentloop_decode_attention_f32.restype = ctypes.c_int
-    lib.latentloop_decode_attention_f32.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [strides] * 4
-                                                    + [ctypes.c_float, ctypes.c_int])
+    for function in (lib.latentloop_decode_attention_f32, lib.latentloop_decode_attention_f16):
+        function.restype = ctypes.c_int
+        function.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [strides] * 4
+                             + [ctypes.c_float, ctypes.c_int])
     return lib
 
 
@@ -338,13 +340,14 @@ def decode_attention_status() -> str:
 
 
 def decode_attention_fits(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None) -> bool:
-    """Whether `decode_attention` takes these: one query per row, float32 q, k, v (B, H | Hkv, ., hd)
-    with Hkv dividing H, and a bool mask (B | 1, H | 1, 1, L)."""
+    """Whether `decode_attention` takes these: one query per row, a float32 q and k, v both float32
+    or both float16 (B, H | Hkv, ., hd) with Hkv dividing H, and a bool mask (B | 1, H | 1, 1, L)."""
     if not (query.dim() == key.dim() == value.dim() == 4 and attn_mask is not None and attn_mask.dim() == 4):
         return False
     B, H, T, D = query.shape
     Hkv, L = key.shape[1], key.shape[2]
-    return (T == 1 and query.dtype == key.dtype == value.dtype == torch.float32 and attn_mask.dtype == torch.bool
+    return (T == 1 and query.dtype == torch.float32 and key.dtype == value.dtype in CACHE_DTYPES
+            and attn_mask.dtype == torch.bool
             and Hkv >= 1 and H % Hkv == 0 and tuple(key.shape) == (B, Hkv, L, D)
             and tuple(value.shape[:3]) == (B, Hkv, L) and attn_mask.shape[0] in (1, B)
             and attn_mask.shape[1] in (1, H) and attn_mask.shape[2] == 1 and attn_mask.shape[3] == L)
@@ -356,8 +359,9 @@ def _broadcast_strides(tensor: Tensor, dims: tuple[int, ...]):
 
 
 def decode_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor, scale: float) -> Tensor | None:
-    """SDPA of one query per row over a decode step's cache, through `attention.c`: query (B, H, 1, D),
-    key (B, Hkv, L, D), value (B, Hkv, L, Dv) float32 on the CPU, each with a contiguous last
+    """SDPA of one query per row over a decode step's cache, through `attention.c`: query (B, H, 1, D)
+    float32, key (B, Hkv, L, D) and value (B, Hkv, L, Dv) both float32 or both float16 (each element
+    widened to float32 as it is read; the result is float32) on the CPU, each with a contiguous last
     dimension (the others may be strided: a window of a longer buffer), attn_mask bool (B | 1, H | 1,
     1, L) (True = may attend) -> (B, H, 1, Dv); a row whose keys are all masked gets zeros, as SDPA
     gives. None where the kernel is not here (the caller's path runs). The caller checks the shapes
@@ -369,7 +373,8 @@ def decode_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tenso
     B, H, _, D = query.shape
     Hkv, L, Dv = key.shape[1], key.shape[2], value.shape[3]
     out = torch.empty(B, H, 1, Dv, dtype=torch.float32)
-    failed = lib.latentloop_decode_attention_f32(
+    kernel = lib.latentloop_decode_attention_f16 if key.dtype == torch.float16 else lib.latentloop_decode_attention_f32
+    failed = kernel(
         query.data_ptr(), key.data_ptr(), value.data_ptr(), attn_mask.data_ptr(), out.data_ptr(), B, H, Hkv, L, D, Dv,
         _broadcast_strides(query, (0, 1)), _broadcast_strides(key, (0, 1, 2)), _broadcast_strides(value, (0, 1, 2)),
         _broadcast_strides(attn_mask, (0, 1, 3)), scale, threads_for(B * H * L * (D + Dv)))
@@ -397,9 +402,10 @@ def attention_package_kernel() -> str | None:
 @torch.library.custom_op("latentloop::decode_attention", mutates_args=())
 def decode_attention_op(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor, scale: float) -> Tensor:
     out = decode_attention(query, key, value, attn_mask, scale)
-    if out is None:  # no kernel here: torch's own attention
+    if out is None:  # no kernel here: torch's own attention, over the cache widened to the query's dtype
         return torch.ops.aten.scaled_dot_product_attention.default(
-            query, key, value, attn_mask=attn_mask, scale=scale, enable_gqa=key.shape[1] != query.shape[1])
+            query, key.to(query.dtype), value.to(query.dtype), attn_mask=attn_mask, scale=scale,
+            enable_gqa=key.shape[1] != query.shape[1])
     return out
 
 
