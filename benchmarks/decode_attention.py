@@ -1,4 +1,4 @@
-"""A decode step's attention over a long float32 cache: the attention kernel (`inference/attention.c`,
+"""A decode step's attention over a long float32 (or float16) cache: the attention kernel (`inference/attention.c`,
 what an ahead-of-time package calls) against inductor's reductions (`fast._attention_by_reduction`,
 compiled with the decode step's C++ wrapper), paired in one process (issue 54: at 12 layers x d 768
 after 2,048 tokens the compiled step's attention streamed the cache slower than llama.cpp's).
@@ -8,10 +8,11 @@ buffer, as the static cache's), so the cache streams from memory as a decode ste
 is called through ctypes, which adds a few microseconds a layer that a package does not pay: at
 short windows the ratio overstates its cost. Prints each window's milliseconds, the cache's GB/s and
 the kernel's time over the reductions' per round (mean [95% interval]); a ratio below 1 is the kernel
-ahead.
+ahead. `--cache-dtype float16`: the cache a `kv_dtype=float16` decoder stores, which the kernel reads
+as stored and the reductions widen as they read it.
 
     .venv/bin/python -m benchmarks.decode_attention [--shape large] [--windows 128,512,2048,4096]
-        [--threads 1] [--rounds 15] [--json out.json]
+        [--threads 1] [--rounds 15] [--cache-dtype float32] [--json out.json]
 """
 
 from __future__ import annotations
@@ -32,18 +33,24 @@ EMPTY_SLOTS = 64  # the buffer's slots past the window (the static cache's buffe
 MASKED_TAIL = 5  # the window's last slots hold no key yet (the window is the filled length rounded up)
 
 
-def layer_caches(shape: dict[str, int], window: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Each layer's keys and values, (1, H, window + EMPTY_SLOTS, hd) float32, random."""
+CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+
+def layer_caches(shape: dict[str, int], window: int,
+                 dtype: torch.dtype = torch.float32) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each layer's keys and values, (1, H, window + EMPTY_SLOTS, hd) in `dtype`, random."""
     heads, layers, head_dim = shape["n_head"], shape["n_layer"], shape["n_embd"] // shape["n_head"]
     size = (1, heads, window + EMPTY_SLOTS, head_dim)
-    return [torch.randn(size) for _ in range(layers)], [torch.randn(size) for _ in range(layers)]
+    return ([torch.randn(size).to(dtype) for _ in range(layers)],
+            [torch.randn(size).to(dtype) for _ in range(layers)])
 
 
-def measure_window(shape: dict[str, int], window: int, rounds: int) -> dict[str, Any]:
+def measure_window(shape: dict[str, int], window: int, rounds: int,
+                   dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """One window's paired rounds: the kernel's and the reductions' milliseconds (medians) and ratios."""
     from latentloop.inference import fast, native, torch_internals
 
-    keys, values = layer_caches(shape, window)
+    keys, values = layer_caches(shape, window, dtype)
     heads, head_dim = shape["n_head"], shape["n_embd"] // shape["n_head"]
     query = torch.randn(1, heads, 1, head_dim)
     key_pos = torch.arange(window + EMPTY_SLOTS)
@@ -54,14 +61,14 @@ def measure_window(shape: dict[str, int], window: int, rounds: int) -> dict[str,
         return [native.decode_attention(query, k[:, :, :window], v[:, :, :window], mask, head_dim ** -0.5)
                 for k, v in zip(keys, values)]
 
-    def by_reductions(query):
-        return torch.stack([fast._attention_by_reduction(query, k[:, :, :window], v[:, :, :window], mask)
-                            for k, v in zip(keys, values)])
+    def by_reductions(query):  # a float16 cache widened as it is read, as the decode step's window is
+        return torch.stack([fast._attention_by_reduction(query, k[:, :, :window].float(), v[:, :, :window].float(),
+                                                         mask) for k, v in zip(keys, values)])
 
     compiled = torch.compile(by_reductions, fullgraph=True, backend=lambda gm, inputs: torch_internals.compile_fx(
         gm, inputs, {"cpp_wrapper": True}))
-    expected = torch.nn.functional.scaled_dot_product_attention(query, keys[0][:, :, :window],
-                                                                values[0][:, :, :window], attn_mask=mask)
+    expected = torch.nn.functional.scaled_dot_product_attention(query, keys[0][:, :, :window].float(),
+                                                                values[0][:, :, :window].float(), attn_mask=mask)
     torch.testing.assert_close(by_kernel()[0], expected, rtol=1e-5, atol=1e-5)  # float32 rounding
     torch.testing.assert_close(compiled(query)[0], expected, rtol=1e-5, atol=1e-5)
     seconds: dict[str, list[float]] = {"kernel": [], "reductions": []}
@@ -81,7 +88,7 @@ def measure_window(shape: dict[str, int], window: int, rounds: int) -> dict[str,
     for times in seconds.values():
         times.clear()
     ratios = paired_ratios(reductions_call, kernel_call, rounds)
-    cache_bytes = 2 * shape["n_layer"] * heads * window * head_dim * 4
+    cache_bytes = 2 * shape["n_layer"] * heads * window * head_dim * keys[0].element_size()
     return {"kernel_ms": statistics.median(seconds["kernel"]) * 1e3,
             "reductions_ms": statistics.median(seconds["reductions"]) * 1e3,
             "cache_mb": cache_bytes / 1e6, "ratios": ratios, "ratio": describe_ratios(ratios)}
@@ -93,9 +100,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     env = start_run(args)
     if native.decode_attention_status() != "native":
         raise SystemExit(f"no attention kernel here: {native.decode_attention_status()}")
-    results: dict[str, Any] = {"env": env, "shape": args.shape, "rounds": args.rounds, "windows": {}}
+    results: dict[str, Any] = {"env": env, "shape": args.shape, "rounds": args.rounds,
+                               "cache_dtype": args.cache_dtype, "windows": {}}
     for window in args.windows:
-        results["windows"][window] = measure_window(SHAPES[args.shape], window, args.rounds)
+        results["windows"][window] = measure_window(SHAPES[args.shape], window, args.rounds,
+                                                    CACHE_DTYPES[args.cache_dtype])
         print(f"window {window}: {results['windows'][window]['ratio']}", flush=True)
     return results
 
@@ -125,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--windows", type=window_list, default=[128, 512, 2048, 4096])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--cache-dtype", default="float32", choices=sorted(CACHE_DTYPES),
+                        help="the cache's keys and values (float16: a kv_dtype=float16 decoder's)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write all results as JSON")
     args = parser.parse_args(argv)
     return benchmark_main(args, run, table)

@@ -459,6 +459,12 @@ def test_decode_attention_benchmark_pairs_the_kernel_with_the_reductions(tmp_pat
     for row in result["windows"].values():
         assert len(row["ratios"]) == 3 and min(row["ratios"]) > 0 and row["kernel_ms"] > 0
     assert "kernel / reductions" in capsys.readouterr().out
+    half = tmp_path / "attention-half.json"  # a float16 cache: half the bytes streamed
+    assert bench.main(["--shape", "smoke", "--windows", "40", "--rounds", "2", "--cache-dtype", "float16",
+                       "--json", str(half)]) == 0
+    half_result = json.loads(half.read_text())
+    assert half_result["cache_dtype"] == "float16"
+    assert half_result["windows"]["40"]["cache_mb"] == pytest.approx(result["windows"]["40"]["cache_mb"] / 2)
 
 
 def test_prefill_products_refuses_bad_rows(capsys):
