@@ -140,6 +140,39 @@ def test_a_half_precision_static_cache_stores_half_and_rounds_nothing_else(arch,
     torch.testing.assert_close(fast, eager, rtol=0, atol=FAST_TOL)
 
 
+def _resident_bytes() -> int:
+    """This process's resident memory (Linux: /proc/self/statm's second field, in pages)."""
+    import os
+
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads resident memory from Linux's /proc")
+def test_a_long_contexts_cache_touches_the_memory_of_the_slots_it_fills():
+    """A decode cache sized for a long context (here 2 slots x 64 MiB of keys and as much of values)
+    costs the memory, and the time, of the slots a prompt fills: the prefill cache's buffers are the
+    operating system's zeros until written (`zeros_on_touch`), and freezing copies the filled slots
+    only. torch.zeros, or copying the whole buffer, would make all 256 MiB resident. The frozen slots
+    hold the prompt's keys and values, and zeros after them."""
+    from latentloop.inference.fast import static_cache
+    from latentloop.models.cache import KVCache, zeros_on_touch
+
+    assert torch.equal(zeros_on_touch((3, 5), torch.float16, "cpu"), torch.zeros(3, 5, dtype=torch.float16))
+    before = _resident_bytes()
+    cache = static_cache(KVCache(1, 65536, n_slots=2, n_kv_head=4, head_dim=64))
+    keys = torch.randn(1, 4, 3, 64)
+    cache.begin(3)
+    for slot in range(2):
+        cache.update(slot, keys, -keys)
+    cache.advance()
+    cache.freeze()
+    grown = _resident_bytes() - before
+    assert grown < 32 * 2**20, f"{grown / 2**20:.0f} MiB resident for 256 MiB of cache holding 3 tokens"
+    for slot in range(2):
+        assert torch.equal(cache.k_slots[slot][:, :, :3], keys) and torch.equal(cache.v_slots[slot][:, :, :3], -keys)
+        assert not cache.k_slots[slot][:, :, 3:].any() and not cache.v_slots[slot][:, :, 3:].any()
+
+
 def test_a_half_precision_window_is_widened_except_for_the_packages_attention():
     """A float16 cache's window reaches attention widened to the step's float32 (eager SDPA and
     dynamo's reductions take one dtype), but as stored while a package's step is traced (the

@@ -193,9 +193,9 @@ ALWAYS_INLINE float scores(const float *q, const void *k, int64_t ks, const uint
                 a2 = vfma(qv, vload_kv(k, k2 + d, t), a2);
                 a3 = vfma(qv, vload_kv(k, k3 + d, t), a3);
             }
-            float t[4] = {vsum(a0), vsum(a1), vsum(a2), vsum(a3)};
+            float dots[4] = {vsum(a0), vsum(a1), vsum(a2), vsum(a3)};
             for (int j = 0; j < 4; ++j) {
-                float x = (mask && !mask[(l + j) * ms]) ? -INFINITY : t[j] * scale;
+                float x = (mask && !mask[(l + j) * ms]) ? -INFINITY : dots[j] * scale;
                 s[l + j] = x;
                 top = x > top ? x : top;
             }

@@ -82,7 +82,7 @@ import torch
 from torch import Tensor
 
 from ..models.backbone import GPT
-from ..models.cache import AttentionPlan, KVCache, row_span
+from ..models.cache import AttentionPlan, KVCache, row_span, zeros_on_touch
 from ..util import CACHE_ENV, default_cache_dir
 from . import native, quant, torch_internals
 from .aot import AotDecodeStep, AotUnavailable, aot_enabled, cpu_vendor, model_code_digest
@@ -155,13 +155,21 @@ class StaticCacheMixin:
         self.rows = torch.arange(self.batch_size, device=self.key_pos.device)
         self.write_index = torch.full((self.batch_size if per_row else 1,), self._length, dtype=torch.long,
                                       device=self.key_pos.device)
-        self.k_slots = [t.to(kv_dtype or t.dtype, copy=True) for t in self.k.unbind(0)]  # S x (B, H, L, hd)
-        self.v_slots = [t.to(kv_dtype or t.dtype, copy=True) for t in self.v.unbind(0)]
+        self.k_slots = [self._slot_from(t, kv_dtype) for t in self.k.unbind(0)]  # S x (B, H, L, hd)
+        self.v_slots = [self._slot_from(t, kv_dtype) for t in self.v.unbind(0)]
         self.k = self.v = None
         self.state = {name: value.clone() for name, value in self.state.items()}
         self.window = torch.empty(0, device=self.key_pos.device)
         self.static = True
         self.set_window()
+
+    def _slot_from(self, stored: Tensor, kv_dtype: torch.dtype | None) -> Tensor:
+        """A slot's buffer (B, H, L, hd) in `kv_dtype` holding `stored`'s filled slots, zeros after them
+        (the operating system's, as the pages are touched: `zeros_on_touch`). Copying the whole buffer
+        wrote the unfilled rest too, and touched every page of it."""
+        slot = zeros_on_touch(tuple(stored.shape), kv_dtype or stored.dtype, stored.device)
+        slot[:, :, :self._length] = stored[:, :, :self._length]
+        return slot
 
     def set_window(self, new_tokens: int = 1) -> None:
         """Before each step, outside compiled code: the attended window covers the tokens about to be

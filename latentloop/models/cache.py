@@ -28,6 +28,8 @@ positions share one decode step this way, each row decoding exactly as it would 
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -35,6 +37,28 @@ import torch
 from torch import Tensor
 
 from . import flex
+
+# A CPU buffer of this many bytes or more is zeroed by the operating system, page by page as it is
+# first touched (`zeros_on_touch`), instead of by torch at allocation
+ZEROED_ON_TOUCH_MIN_BYTES = 1 << 20
+
+
+def zeros_on_touch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> Tensor:
+    """`torch.zeros(shape)`, for a buffer mostly left unread: on the CPU, from
+    `ZEROED_ON_TOUCH_MIN_BYTES` on, an anonymous memory map (its pages are the kernel's zero pages
+    until written), where torch.zeros writes every byte before returning. A decode cache is sized for
+    the whole context while a short prompt and generation touch its first slots: at 12 layers x
+    d 768 and a 2,248-token context, zeroing the 166 MB of keys and values (and copying all of them
+    into the compiled step's buffers at `freeze`) took half of a 16-token prompt's prefill and first
+    decoded token, 179 against 90 ms (4 layers x d 256: 8.8 against 4.6 ms; one thread, medians of
+    15 alternated rounds, the same tokens). Off the CPU, below the threshold, and where there are no
+    private anonymous maps (Windows), `torch.zeros`. The map is freed with the tensor's storage."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if (torch.device(device).type != "cpu" or nbytes < ZEROED_ON_TOUCH_MIN_BYTES
+            or not hasattr(mmap, "MAP_ANONYMOUS")):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(pages, dtype=dtype).view(shape)
 
 
 @dataclass
@@ -82,8 +106,8 @@ class KVCache:
     def __init__(self, batch_size: int, max_len: int, n_slots: int, n_kv_head: int, head_dim: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
         shape = (n_slots, batch_size, n_kv_head, max_len, head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)  # (S, B, H, L, hd)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.k = zeros_on_touch(shape, dtype, device)  # (S, B, H, L, hd)
+        self.v = zeros_on_touch(shape, dtype, device)
         self.key_pos = torch.full((batch_size, max_len), -1, dtype=torch.long, device=device)
         self.next_pos = torch.zeros(batch_size, dtype=torch.long, device=device)  # next position per row
         self.length = 0  # slots used along the time axis
