@@ -34,9 +34,9 @@ decode step has static shapes:
   no dynamo frame, guards or AOT autograd wrappers in between (about as much time as the kernels
   themselves at batch 1 of a small model), and loaded by a later process in milliseconds without
   importing dynamo. A step that does not export falls back to dynamo's compiled step below. In a
-  package the one-query attention over a float32 cache calls the attention kernel
+  package the one-query attention over a float32 or float16 cache calls the attention kernel
   (`native.decode_attention_op`, `attention.c`), which streams a long cache faster than the
-  reductions (`_attention_for_package`).
+  reductions (`_attention_for_package`); a float16 cache reaches it as stored (`widened`).
 - After a decoder's first call, dynamo's guards are evaluated only where they tell this step's graphs
   apart (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`): the full check cost 80-380 us a
   step at batch 1 (issue 26). Not once the window is the whole buffer: dynamo specialises that
