@@ -256,8 +256,10 @@ def _run_commands(page: Path, commands: list[tuple[Block, str]], folder: Path, m
 
 
 # Commands that need no training, run in the default suite on untrained `test` runs saved under
-# these names (data: the built-in task:addition, so eval's default data is its own).
-FAST = r"^latentloop (import-hf|export |generate runs/fbt |eval runs/(fbt|smollm-lrt) (--json|--regime soft|--data))"
+# these names (data: the built-in task:addition, so eval's default data is its own); a generation
+# that compiles its decode step (tens of seconds) runs in the slow test only.
+FAST = (r"^latentloop (import-hf|export |generate runs/fbt (?!.*--decode compiled)"
+        r"|eval runs/(fbt|smollm-lrt) (--json|--regime soft|--data))")
 FAST_RUNS = {"runs/fbt": "fbt", "runs/smollm-lrt": "lrt"}
 RUN_PAGES = [page for page in PAGES if any(
     _skipped_by(c) is None for b in page_blocks(page) if b.language == "bash" for c in b.commands())]
