@@ -70,6 +70,7 @@ from latentloop.archs import ARCHS, build_model, build_objective  # noqa: E402
 from latentloop.config import DataConfig, ModelConfig, RunConfig, TrainConfig, model_config  # noqa: E402
 from latentloop.errors import LatentloopError  # noqa: E402
 from latentloop.eval.loss import score_run, text_batches  # noqa: E402
+from latentloop.models.backbone import cpu_training_attention_in_fp32  # noqa: E402
 from latentloop.optim import lr_multiplier, set_lr  # noqa: E402
 from latentloop.runtime import resolve_dtype  # noqa: E402
 from latentloop.train import FiniteGuard, FlopsMemo, setup, train_step  # noqa: E402
@@ -593,6 +594,7 @@ def _execute(run, state, work: Path, record_path: Path, requested: dict, spec: L
     record = {"key": run.key, "plan": run.describe(), **git_stamp(), "config_requested": requested,
               "config_resolved": json.loads(json.dumps(state.config.to_dict())),
               "precision": resolve_dtype(state.device, state.config.train.dtype),
+              "attention_dtype": training_attention_dtype(state.device, state.config),
               "params": state.model.num_params(),
               "params_non_embedding": state.model.num_params(exclude_embedding=True),
               "train_tokens_available": train_tokens, "val_tokens": int(len(val)), "points": done["points"],
@@ -602,6 +604,15 @@ def _execute(run, state, work: Path, record_path: Path, requested: dict, spec: L
     _atomic_write_json(record_path, record)
     shutil.rmtree(work, ignore_errors=True)
     return record
+
+
+def training_attention_dtype(device: torch.device, config: RunConfig) -> str:
+    """The dtype the run's training attention ran in: the products' (`precision`), except where a
+    CPU bf16 step attends in float32 (`backbone.cpu_training_attention_in_fp32`, from 2026-12-05 on:
+    records without this field attended in their `precision`)."""
+    precision = resolve_dtype(device, config.train.dtype)
+    in_fp32 = cpu_training_attention_in_fp32(config.model.head_dim, config.model.sequence_len)
+    return "float32" if device.type == "cpu" and precision == "bfloat16" and in_fp32 else precision
 
 
 def _atomic_save(path: Path, obj: Any) -> None:

@@ -4,7 +4,8 @@ Notable features:
 - token embedding followed by a parameter-free RMSNorm (`embed_norm`); pre-norm blocks; a final norm
 - by default no biases and no learnable norm gains anywhere
 - causal self-attention through `F.scaled_dot_product_attention`, with rotary position embeddings
-  (RoPE), QK-norm and optional grouped-query attention (`n_kv_head < n_head`)
+  (RoPE), QK-norm and optional grouped-query attention (`n_kv_head < n_head`); a CPU bf16-autocast
+  training step runs it in float32 where torch's bf16 backward is the slower one (`attend`)
 - ReLU² MLP (nanochat) or SwiGLU
 - lm_head tied to the embedding or separate; optional logit soft-cap
 - options for the Llama family (off by default, see `ModelConfig`): learned norm gains and their
@@ -113,6 +114,44 @@ def _fast_norm_applies(x: Tensor) -> bool:
     """The hand-written backwards (RMSNorm, ReLU²) pay off in eager autograd only: without gradients torch already
     runs the fused kernel, and a compiled graph fuses the decomposition itself."""
     return x.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+
+
+# torch's CPU flash attention runs its bfloat16 backward several times slower than its float32 one
+# when the sequence is short or the heads are small (torch 2.13 on an AMX Xeon, forward + backward,
+# 1 thread: 4.7x at 128 tokens x head dim 16, 1.8x at 128 x 64, 1.4x at 2,048 x 16; 0.93x at
+# 256 x 64, 0.5x at 2,048 x 128, where bf16 wins). In that region a CPU bf16-autocast training
+# step runs attention in float32 instead: faster, and never less precise. `python -m
+# benchmarks.cpu_attention` measures the rule against bf16 everywhere.
+CPU_FP32_ATTENTION_MAX_HEAD_DIM = 16  # at or below this head dim float32 won at every length measured
+CPU_FP32_ATTENTION_MAX_KEYS_X_HEAD_DIM = 8192  # above it, keys x head dim this small: float32 won too
+
+
+def cpu_training_attention_in_fp32(head_dim: int, keys: int) -> bool:
+    """The rule above: whether a CPU bf16-autocast training step attends over `keys` keys in float32."""
+    return head_dim <= CPU_FP32_ATTENTION_MAX_HEAD_DIM or keys * head_dim <= CPU_FP32_ATTENTION_MAX_KEYS_X_HEAD_DIM
+
+
+def fp32_attention_wins(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether this attention runs in float32: on the CPU under bf16 autocast (where the autocast
+    would run it in bf16), with gradients on (without them bf16's forward is the faster one,
+    1.2-3x), at a shape the rule picks."""
+    if q.device.type != "cpu" or not torch.is_autocast_enabled("cpu"):
+        return False
+    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        return False
+    if torch.get_autocast_dtype("cpu") != torch.bfloat16:
+        return False
+    return cpu_training_attention_in_fp32(q.shape[-1], k.shape[-2])
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, enable_gqa: bool) -> Tensor:
+    """SDPA of q (B, H, T, hd) over k, v (B, Hkv, Tk, hd) -> (B, H, T, hd); in float32 where
+    `fp32_attention_wins` (the output then stays float32: the next product's autocast casts it)."""
+    if fp32_attention_wins(q, k, v):
+        with torch.autocast("cpu", enabled=False):
+            return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
+                                                  is_causal=is_causal, enable_gqa=enable_gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=enable_gqa)
 
 
 def norm(x: Tensor, eps: float | None = None) -> Tensor:
@@ -262,8 +301,7 @@ class Attention(nn.Module):
         if ctx.plan.block_mask is not None:  # a strided subset pass on GPU (models/flex.py)
             y = flex.attend(q, k, v, ctx.plan.block_mask, enable_gqa=self.n_kv_head != self.n_head)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.plan.mask, is_causal=ctx.plan.is_causal,
-                                               enable_gqa=self.n_kv_head != self.n_head)  # (B, H, T, hd)
+            y = attend(q, k, v, ctx.plan.mask, ctx.plan.is_causal, self.n_kv_head != self.n_head)  # (B, H, T, hd)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, D))
 
 
