@@ -505,3 +505,34 @@ def test_engines_pool_pools_the_rounds_of_several_runs(tmp_path, capsys):
     with pytest.raises(SystemExit, match="differ"):
         engines.main(["--pool", str(paths[0]), str(other)])
     assert engines.main(["--pool", str(tmp_path / "missing.json")]) == 2
+
+
+def test_cpu_attention_benchmark_pairs_float32_with_bf16_and_reports_the_rule(tmp_path, capsys, monkeypatch):
+    """Each cell pairs float32 with bf16 attention and names the rule's pick; each training row pairs
+    the rule's step with bf16 everywhere; bad cells and names get one line from argparse, and a CPU
+    without bf16 instructions one message."""
+    from latentloop.models.backbone import cpu_training_attention_in_fp32
+    from latentloop.runtime import CPU_BF16_ENV, cpu_bf16_support
+
+    bench = _benchmark("cpu_attention")
+    for flag, bad, message in [("--cells", "128x", "TOKENSxHEAD_DIM"), ("--cells", "0x16", "positive"),
+                               ("--sizes", "xl", "unknown 'xl'"), ("--archs", "nope", "unknown 'nope'")]:
+        with pytest.raises(SystemExit) as exc:
+            bench.parse_args([flag, bad])
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="no bf16 instructions"):  # the suite hides them (conftest)
+        bench.main(["--cells", "32x16", "--sizes", ""])
+    monkeypatch.delenv(CPU_BF16_ENV)  # this CPU's own answer
+    if cpu_bf16_support() is None:
+        pytest.skip("no bf16 instructions on this CPU")
+    out = tmp_path / "cpu-attention.json"
+    assert bench.main(["--cells", "32x16,32x128", "--tokens", "64", "--width", "128", "--sizes", "xs",
+                       "--archs", "gpt,lrt", "--rounds", "2", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert {name: cell["rule"] for name, cell in result["cells"].items()} == {
+        "32x16": "float32" if cpu_training_attention_in_fp32(16, 32) else "bf16",
+        "32x128": "float32" if cpu_training_attention_in_fp32(128, 32) else "bf16"}
+    assert result["cells"]["32x16"]["shape"] == [2, 8, 32, 16]
+    assert [(row["arch"], row["size"]) for row in result["steps"]] == [("gpt", "xs"), ("lrt", "xs")]
+    assert all(len(row["ratios"]) == 2 and min(row["ratios"]) > 0 for row in result["steps"])
+    assert "step: rule / bf16 everywhere" in capsys.readouterr().out

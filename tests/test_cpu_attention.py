@@ -11,7 +11,8 @@ from latentloop.config import TrainConfig
 from latentloop.models import backbone
 from latentloop.models.backbone import (
     CPU_FP32_ATTENTION_MAX_HEAD_DIM,
-    CPU_FP32_ATTENTION_MAX_KEYS_X_HEAD_DIM,
+    CPU_FP32_ATTENTION_MAX_KEYS,
+    CPU_FP32_ATTENTION_MODERATE,
     attend,
     cpu_training_attention_in_fp32,
 )
@@ -26,10 +27,14 @@ def qkv(batch: int, heads: int, tokens: int, head_dim: int, requires_grad: bool 
 
 
 def test_the_rule_at_its_boundaries():
-    assert cpu_training_attention_in_fp32(CPU_FP32_ATTENTION_MAX_HEAD_DIM, 1 << 20)  # small heads: any length
-    assert cpu_training_attention_in_fp32(64, CPU_FP32_ATTENTION_MAX_KEYS_X_HEAD_DIM // 64)
-    assert not cpu_training_attention_in_fp32(64, CPU_FP32_ATTENTION_MAX_KEYS_X_HEAD_DIM // 64 + 1)
-    assert not cpu_training_attention_in_fp32(2 * CPU_FP32_ATTENTION_MAX_HEAD_DIM, 2048)
+    small_head, short, (moderate_head, moderate_keys) = (CPU_FP32_ATTENTION_MAX_HEAD_DIM, CPU_FP32_ATTENTION_MAX_KEYS,
+                                                         CPU_FP32_ATTENTION_MODERATE)
+    assert cpu_training_attention_in_fp32(small_head, 1 << 20)  # small heads: any length
+    assert cpu_training_attention_in_fp32(256, short)  # short sequences: any head
+    assert cpu_training_attention_in_fp32(moderate_head, moderate_keys)
+    assert not cpu_training_attention_in_fp32(moderate_head, moderate_keys + 1)
+    assert not cpu_training_attention_in_fp32(moderate_head + 1, short + 1)
+    assert not cpu_training_attention_in_fp32(2 * moderate_head, moderate_keys)
 
 
 def test_a_training_step_in_the_rule_attends_in_float32_exactly():
