@@ -408,9 +408,11 @@ def _account(run: RunPlan, per_step: np.ndarray) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+@functools.cache
 def git_stamp() -> dict[str, Any]:
     """The commit the code ran at, and the tracked files modified beside it (another session's
-    uncommitted work runs too)."""
+    uncommitted work runs too). Read once, when the process starts (`_main`): a commit made while
+    a long ladder runs is not the code it loaded."""
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30).stdout.strip()
 
@@ -917,6 +919,7 @@ def _main(args: argparse.Namespace) -> int:
     missing = [c for c in corpora if CORPORA[c].startswith("text:") and not Path(CORPORA[c][len("text:"):]).exists()]
     if missing:
         raise LatentloopError(f"corpus {missing[0]!r} needs {CORPORA[missing[0]][len('text:'):]}, which is not here")
+    git_stamp()  # the code this process loaded, before a later commit could move HEAD
     variants = ladder_variants(args.variants)
     train_device = args.train_device or args.device
     out: Path = args.out

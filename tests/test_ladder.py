@@ -408,3 +408,26 @@ def test_the_gpu_ladder_plans_for_an_h200_and_its_smoke_runs_on_the_cpu(tmp_path
     assert seconds <= ladder.GPU_BUDGET_S or "H200: does not fit 540 s" in printed
     plan = ladder.plan_ladder(ladder.CUDA_SMOKE, ladder.ladder_variants(["gpt"]), ("stdlib",))
     assert all(ladder.finished(out, run) for run in plan)  # the smoke's own plan trained on the CPU
+
+
+def test_the_commit_stamp_is_read_once_per_process(monkeypatch):
+    """A record names the code its process loaded: HEAD when the ladder started, not at the run's end."""
+    ladder.git_stamp.cache_clear()
+    first = ladder.git_stamp()
+    monkeypatch.setattr(ladder.subprocess, "run", lambda *args, **kwargs: pytest.fail("git read again"))
+    assert ladder.git_stamp() == first
+    ladder.git_stamp.cache_clear()
+
+
+@pytest.mark.parametrize("device, dtype, head_dim, seq_len, expected", [
+    ("cpu", "bfloat16", 16, 128, "float32"),  # the ladder's sizes: small heads attend in float32
+    ("cpu", "bfloat16", 64, 1024, "bfloat16"),  # where bf16's backward is the faster one
+    ("cpu", "float32", 16, 128, "float32"),
+    ("cuda", "bfloat16", 16, 128, "bfloat16"),  # the rule is the CPU's
+])
+def test_records_name_the_dtype_their_attention_trained_in(device, dtype, head_dim, seq_len, expected):
+    from latentloop.config import ModelConfig, RunConfig, TrainConfig
+
+    config = RunConfig(model=ModelConfig(n_layer=2, n_head=2, n_embd=2 * head_dim, sequence_len=seq_len),
+                       train=TrainConfig(dtype=dtype))
+    assert ladder.training_attention_dtype(torch.device(device), config) == expected
