@@ -336,6 +336,20 @@ def multipliers_table(points: Sequence[Point], corpus: str, optimizer: str) -> l
     return lines
 
 
+def precision_line(records: Sequence[dict[str, Any]]) -> str:
+    """How many runs trained in which precision: the products' dtype and the attention's (records
+    made before the CPU rule of 2026-12-05 lack `attention_dtype`: their attention ran in `precision`)."""
+    counts: dict[tuple[str, str], int] = {}
+    for record in records:
+        precision = record.get("precision", "unknown")
+        key = (precision, record.get("attention_dtype", precision))
+        counts[key] = counts.get(key, 0) + 1
+    parts = [f"{n} with {products} products and {attention} attention"
+             for (products, attention), n in sorted(counts.items())]
+    mixed = " — mixed: the runs do not share one recipe" if len(counts) > 1 else ""
+    return f"Training precision: {'; '.join(parts)}{mixed}."
+
+
 def generate(records: Sequence[dict[str, Any]], figures: Path | None = None, figures_link: str = "") -> str:
     """The page: the claims (one row each), the multipliers, the plots."""
     _CACHE.clear()
@@ -350,6 +364,8 @@ def generate(records: Sequence[dict[str, Any]], figures: Path | None = None, fig
              "interval over seeds and gpt's fit residuals (`>`/`<`: a bound past gpt's measured range); C = "
              "FLOPs gpt needs to reach the variant's BPB / the variant's FLOPs, D = the same for tokens, "
              "P = gpt's non-embedding parameters needed at the variant's tokens / the variant's."]
+    if records:
+        lines += ["", precision_line(records)]
     if not records:
         lines += ["", "No ladder run has finished yet: every verdict reads \"not run\". The command: "
                   "`python experiments/ladder.py --out runs/ladder`, then this script."]

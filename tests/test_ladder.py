@@ -431,3 +431,14 @@ def test_records_name_the_dtype_their_attention_trained_in(device, dtype, head_d
     config = RunConfig(model=ModelConfig(n_layer=2, n_head=2, n_embd=2 * head_dim, sequence_len=seq_len),
                        train=TrainConfig(dtype=dtype))
     assert ladder.training_attention_dtype(torch.device(device), config) == expected
+
+
+def test_the_page_says_which_precision_its_runs_trained_in():
+    """One recipe reads as one count; records from before the CPU attention rule (no `attention_dtype`)
+    beside newer ones read as mixed."""
+    new = {"precision": "bfloat16", "attention_dtype": "float32"}
+    old = {"precision": "bfloat16"}
+    assert ladder_claims.precision_line([new, new]) == \
+        "Training precision: 2 with bfloat16 products and float32 attention."
+    line = ladder_claims.precision_line([new, old])
+    assert "1 with bfloat16 products and bfloat16 attention" in line and "mixed" in line
