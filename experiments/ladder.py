@@ -169,9 +169,12 @@ class LadderSpec:
 
 # Depth 8 everywhere: rgpt's isoFLOPs form (1 + 1 x 6 + 1) then keeps the paper's 3/8 of gpt's blocks.
 # Budgets 0.5-4 tokens per parameter (gpt 8): the largest run (lrt at l) under an hour on the 2-core CPU.
+# 128 sequences per validation forward: the scorings that step token by token (lrt's sequential,
+# fbt's soft) ran 2.1x (xs) and 1.35x (m) faster than at 32, the parallel ones within 5%, BPB equal
+# to 6 decimals (2026-12-05, logs/2026-12-05-cpu-attention.md)
 CPU = LadderSpec("cpu", sizes=(Size("xs", 8, 32, 2, 4), Size("s", 8, 48, 3, 8), Size("m", 8, 72, 6, 16),
                                Size("l", 8, 112, 7, 16)),
-                 seq_len=128, budget_ratios=(0.5, 1.0, 2.0, 4.0), reference_extension=(8.0,))
+                 seq_len=128, budget_ratios=(0.5, 1.0, 2.0, 4.0), reference_extension=(8.0,), eval_batch=128)
 # 9.8M-127M non-embedding parameters; its budgets are scaled to fit --budget-s (see `fit_to_budget`)
 CUDA = LadderSpec("cuda", sizes=(Size("10m", 8, 320, 5, 16), Size("25m", 8, 512, 8, 16), Size("57m", 8, 768, 12, 16),
                                  Size("127m", 8, 1152, 18, 16)),
