@@ -8,17 +8,17 @@ objective and optimizers built as `latentloop.train.setup` builds them:
   finalizer), parameters from the start; the peak is the most bytes alive at once during the steps.
   This is what `latentloop plan` models: the tensors a step holds.
 - run as a script (`python tests/plan_memory_worker.py CONFIG_JSON STEPS`, one JSON line): also the
-  process's peak resident memory (`resource.getrusage(...).ru_maxrss`, the kernel's high-water mark)
-  minus its resident memory just before the model was built (/proc/self/statm), after a small
-  warm-up step had loaded torch's kernels and thread pools, with glibc told to keep freed memory as
-  `setup` does on the CPU. That adds what the allocator holds beyond the tensors (its slack).
+  process's peak resident memory (`VmHWM` of /proc/self/status, the high-water mark of this process's
+  own memory map) minus its resident memory just before the model was built (/proc/self/statm),
+  after a small warm-up step had loaded torch's kernels and thread pools, with glibc told to keep
+  freed memory as `setup` does on the CPU. That adds what the allocator holds beyond the tensors
+  (its slack).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import resource
 import sys
 import weakref
 
@@ -104,6 +104,15 @@ def resident_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def peak_resident_bytes() -> int:
+    """The high-water mark of this process's own address space. Not `getrusage`'s ru_maxrss: Linux
+    carries that across exec from the process that started us, so a worker spawned by a test
+    process that once held 1 GB reported 1 GB whatever it used."""
+    with open("/proc/self/status") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    return kib * 1024
+
+
 def main() -> None:
     from latentloop.config import RunConfig
     from latentloop.runtime import keep_freed_memory
@@ -119,7 +128,7 @@ def main() -> None:
     _, step = _training(config)
     for i in range(steps):
         step(i)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    peak = peak_resident_bytes()
     print(json.dumps({"peak_rss_bytes": peak - before}))
 
 

@@ -193,6 +193,31 @@ def test_a_cpu_runs_resident_memory_holds_the_planned_peak(arch):
     assert (1 - MEMORY_TOLERANCE) * planned <= measured <= RSS_SLACK * planned, (planned, measured)
 
 
+HELD_BY_PARENT_MIB = 600  # what the parent below touches before it starts the child
+
+
+def _child_peak_after_parent_held(mib: int) -> int:
+    """The worker's `peak_resident_bytes` in a child of a process that touched `mib` MiB first."""
+    worker_dir = str(Path(__file__).parent)
+    child = (f"import sys; sys.path.insert(0, {worker_dir!r}); "
+             "from plan_memory_worker import peak_resident_bytes; print(peak_resident_bytes())")
+    parent = (f"import subprocess, sys; held = bytearray({mib} << 20); held[::4096] = b'x' * len(held[::4096]); "
+              f"run = subprocess.run([sys.executable, '-c', {child!r}], capture_output=True, text=True); "
+              "print(run.stdout, run.stderr[-2000:]); sys.exit(run.returncode)")
+    result = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    return int(result.stdout.split()[0])
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc (Linux)")
+def test_the_workers_peak_is_its_own_not_its_parents():
+    """The worker's peak resident memory is its own address space's: a child started by a process
+    that once held 600 MiB (as pytest does after the heavy tests) reads what a child of a small
+    parent reads. getrusage's ru_maxrss, carried across exec, read the parent's 600 MiB."""
+    alone, after_big_parent = _child_peak_after_parent_held(1), _child_peak_after_parent_held(HELD_BY_PARENT_MIB)
+    assert after_big_parent - alone < HELD_BY_PARENT_MIB / 4 * 2**20, (alone, after_big_parent)
+
+
 def test_a_token_batch_sets_the_planned_step_as_the_trainer_accumulates(capsys):
     """`train.batch_tokens` (the global batch in tokens) sets the accumulation the trainer runs
     (`train.step.accumulation`): the plan's tokens per step are that batch, not one micro-batch."""
