@@ -21,6 +21,7 @@ import json
 import os
 import sys
 import weakref
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -105,12 +106,13 @@ def resident_bytes() -> int:
 
 
 def peak_resident_bytes() -> int:
-    """The high-water mark of this process's own address space. Not `getrusage`'s ru_maxrss: Linux
-    carries that across exec from the process that started us, so a worker spawned by a test
+    """The high-water mark of this process's own address space (VmHWM). Not `getrusage`'s ru_maxrss:
+    Linux carries that across exec from the process that started us, so a worker spawned by a test
     process that once held 1 GB reported 1 GB whatever it used."""
-    with open("/proc/self/status") as f:
-        kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
-    return kib * 1024
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's benchmarks/
+    from benchmarks.rgpt import proc_status_bytes
+
+    return proc_status_bytes("VmHWM")
 
 
 def main() -> None:
