@@ -119,10 +119,11 @@ def _fast_norm_applies(x: Tensor) -> bool:
 # torch's CPU flash attention runs its bfloat16 backward several times slower than its float32 one
 # when the sequence is short or the heads are small (torch 2.13 on an AMX Xeon, forward + backward
 # over 2,048 tokens x width 256, 1 thread, float32's time over bf16's: 0.22 at 128 keys x head dim
-# 16, 0.52 at 128 x 64, 0.81 at 128 x 128, 0.88 at 512 x 32, 0.69 at 2,048 x 16; bf16 ahead at
-# 256 x 64 (1.08), 512 x 64 (1.30), 1,024 x 32 (1.03), 2,048 x 64 (1.41)). In that region a CPU
-# bf16-autocast training step runs attention in float32 instead: faster, and never less precise.
-# `python -m benchmarks.cpu_attention` measures the rule, cell by cell and on whole steps.
+# 16, 0.56 at 128 x 64, 0.87 at 128 x 128, 0.71 at 256 x 32, 0.88 at 512 x 32, 0.72 at 2,048 x 16;
+# bf16 ahead at 256 x 64 (1.02), 1,024 x 32 (1.07), 2,048 x 64 (1.52); experiments/logs/
+# 2026-12-05-cpu-attention.md). In that region a CPU bf16-autocast training step runs attention in
+# float32 instead: faster, and never less precise. `python -m benchmarks.cpu_attention` measures
+# the rule, cell by cell and on whole steps.
 CPU_FP32_ATTENTION_MAX_HEAD_DIM = 16  # heads this small: float32 at every length measured
 CPU_FP32_ATTENTION_MAX_KEYS = 128  # sequences this short: float32 at every head dim measured
 CPU_FP32_ATTENTION_MODERATE = (32, 512)  # head dim and keys both at most these: float32 too
