@@ -367,10 +367,15 @@ def paired_ratios(before: Callable[[], object], after: Callable[[], object], rou
     return ratios
 
 
+def ratio_interval(ratios: Sequence[float]) -> tuple[float, float]:
+    """The mean of `paired_ratios` and its 95% normal interval's half-width."""
+    return statistics.mean(ratios), 1.96 * statistics.stdev(ratios) / len(ratios) ** 0.5
+
+
 def describe_ratios(ratios: Sequence[float]) -> str:
     """median, quartiles, mean [95% normal interval] and the rounds below 1 of `paired_ratios`."""
     first, _, third = statistics.quantiles(ratios, n=4)
-    mean, half = statistics.mean(ratios), 1.96 * statistics.stdev(ratios) / len(ratios) ** 0.5
+    mean, half = ratio_interval(ratios)
     return (f"median {statistics.median(ratios):.3f}, quartiles {first:.3f} {third:.3f}, mean {mean:.3f} "
             f"[{mean - half:.3f}, {mean + half:.3f}], below 1 in {sum(r < 1 for r in ratios)}/{len(ratios)} rounds")
 

@@ -22,7 +22,6 @@ question does not arise (`train.dtype=auto` trains in float32 there).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,15 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import benchmark_main, describe_ratios, paired_ratios, render_table, start_run, training_call
+from benchmarks.common import (
+    benchmark_main,
+    describe_ratios,
+    paired_ratios,
+    ratio_interval,
+    render_table,
+    start_run,
+    training_call,
+)
 from experiments.ladder import CPU as LADDER
 from latentloop.models import backbone
 from latentloop.runtime import cpu_bf16_support
@@ -59,7 +66,7 @@ def attention_cell(tokens: int, head_dim: int, batch_tokens: int, width: int, ro
     for _ in range(WARMUP_ROUNDS):
         step(torch.float32)(), step(torch.bfloat16)()
     ratios = paired_ratios(step(torch.bfloat16), step(torch.float32), rounds)
-    mean, half = statistics.mean(ratios), 1.96 * statistics.stdev(ratios) / len(ratios) ** 0.5
+    mean, half = ratio_interval(ratios)
     faster = "float32" if mean + half < 1 else "bf16" if mean - half > 1 else "tie"
     rule = "float32" if backbone.cpu_training_attention_in_fp32(head_dim, tokens) else "bf16"
     return {"shape": list(shape), "ratios": ratios, "ratio": describe_ratios(ratios), "faster": faster, "rule": rule}

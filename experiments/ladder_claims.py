@@ -366,7 +366,7 @@ def generate(records: Sequence[dict[str, Any]], figures: Path | None = None, fig
              "P = gpt's non-embedding parameters needed at the variant's tokens / the variant's."]
     if records:
         lines += ["", precision_line(records)]
-    if not records:
+    else:
         lines += ["", "No ladder run has finished yet: every verdict reads \"not run\". The command: "
                   "`python experiments/ladder.py --out runs/ladder`, then this script."]
     lines += ["", "## Claims, one row each, as the papers state them", "",
