@@ -55,6 +55,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -437,15 +438,38 @@ def comparable_config(config: dict[str, Any]) -> dict[str, Any]:
             for section, values in config.items()}
 
 
-def stale_fields(record: dict[str, Any]) -> list[str]:
-    """The config fields whose value today (the record's plan entry rebuilt with today's code and
-    defaults) differs from what the run ran under; [] when none."""
+def plan_entry(run: RunPlan) -> dict[str, Any]:
+    """The run's plan entry as a record stores it (JSON: tuples become lists)."""
+    return json.loads(json.dumps(run.describe()))
+
+
+def planned_entries(records: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Today's plan entry of every run the records' ladders (spec and corpora) plan, by key, for
+    every default variant: what `stale_fields` compares a record's own entry with."""
+    wanted: dict[str, set[str]] = {}
+    for record in records:
+        plan = record.get("plan", {})
+        if plan.get("spec") in SPECS:
+            wanted.setdefault(plan["spec"], set()).add(plan["corpus"])
+    return {run.key: plan_entry(run) for name, corpora in wanted.items()
+            for run in plan_ladder(SPECS[name], ladder_variants(None), tuple(sorted(corpora)))}
+
+
+def stale_fields(record: dict[str, Any], planned: dict[str, dict[str, Any]] | None = None) -> list[str]:
+    """What differs between the run as it ran and as today's code would run it, [] when nothing:
+    the config fields (the record's plan entry rebuilt with today's defaults) and, given `planned`
+    (`planned_entries`), the plan entry itself (sizes, budgets, a variant's settings)."""
     try:
         today = comparable_config(json.loads(json.dumps(run_config(record["plan"]).to_dict())))
-    except (LatentloopError, TypeError, KeyError, ValueError) as exc:
+        then = comparable_config(record["config_requested"])
+    except (LatentloopError, TypeError, KeyError, ValueError, AttributeError) as exc:
         return [f"the plan entry no longer builds ({first_line(exc)})"]
-    then = comparable_config(record["config_requested"])
     changed = []
+    ran = json.loads(json.dumps(record["plan"]))  # as a record on disk holds it
+    entry = (planned or {}).get(ran.get("key", ""))
+    if entry is not None:
+        changed += [f"plan.{key}: {ran.get(key, '<absent>')!r} then, {entry.get(key, '<absent>')!r} now"
+                    for key in sorted(set(entry) | set(ran)) if ran.get(key, "<absent>") != entry.get(key, "<absent>")]
     for section in sorted(set(today) | set(then)):
         for key in sorted(set(today.get(section, {})) | set(then.get(section, {}))):
             old, new = then.get(section, {}).get(key, "<absent>"), today.get(section, {}).get(key, "<absent>")
@@ -635,11 +659,14 @@ def _atomic_write_json(path: Path, obj: Any) -> None:
 
 
 def finished(out: Path, run: RunPlan) -> bool:
+    """Whether the run has a complete record made to today's plan entry (a record of another plan
+    under the same key, e.g. before its budgets changed, is run again and replaced)."""
     path = out / "records" / f"{run.file_name}.json"
     try:
-        return bool(json.loads(path.read_text()).get("complete"))
+        record = json.loads(path.read_text())
     except (OSError, ValueError):
         return False
+    return bool(record.get("complete")) and record.get("plan") == plan_entry(run)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The ladder's fits and multipliers (issue 52; the rules: experiments/logs/2026-12-05-ladder-rules.md).
+"""The ladder's fits and multipliers (issue 52; the rules: experiments/logs/2026-12-05-ladder-rules.md, amended).
 
 For each corpus, optimizer and size, gpt's decayed points give its BPB against training FLOPs and
 against tokens. `ReferenceCurve` fits them with a power law with an irreducible term,
@@ -9,11 +9,14 @@ x gpt needs to reach a BPB; neither goes past a factor `EXTRAPOLATION` beyond gp
 BPB outside that gives a bound.
 
 A variant's multiplier at one of its points (x_v, BPB_v) is x_gpt(BPB_v) / x_v: the compute
-multiplier with x = training FLOPs, the data multiplier with x = tokens. The parameter multiplier
-inverts gpt's BPB at the variant's tokens across sizes (`parameter_multiplier`). Intervals are
-percentile bootstraps (`BOOTSTRAP` resamples, seeded): the seeds drawn with replacement, paired
-between gpt and the variant; where the power law is used, gpt's fit residuals drawn with replacement
-and added to its fitted log BPB before refitting.
+multiplier with x = training FLOPs, the data multiplier with x = tokens. It is made per seed, paired
+(gpt's curve from the seed's own points: the same data order and initialisation as the variant's),
+and the estimate is the seeds' geometric mean with its t-interval; a one-seed size's interval takes
+the per-seed scatter pooled over the seeded sizes (the amended rules:
+experiments/logs/2026-12-05-ladder-rules-amended.md, which replaced a percentile bootstrap that
+covered about 75% of the time at three seeds). The parameter multiplier inverts gpt's BPB at the
+variant's tokens across sizes (`parameter_multiplier`). The trend over size is a weighted least
+squares slope with the pooled scatter (`trend`).
 
     points = load_points(Path("runs/ladder"))
     result = multiplier(points, corpus="stdlib", optimizer="muon", size="s", variant="fbt", axis="tokens")
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,9 +34,12 @@ from typing import Any
 
 import numpy as np
 
-BOOTSTRAP = 1000
-BOOTSTRAP_SEED = 52  # the issue's number: every table regenerates the same intervals
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from latentloop.eval.stats import t_quantile  # noqa: E402
+
 LEVEL = 0.95
+FLOPS_MATCH = 0.05  # isoFLOPs: training FLOPs within 5% (rules 4 and 5 refuse a pair further apart)
 STABLE_RMS = 0.01  # a power law whose log-BPB residuals are larger than 1% is not trusted
 MAX_ALPHA = 2.0
 EXTRAPOLATION = 2.0  # at most this factor beyond gpt's measured range
@@ -140,8 +147,8 @@ class ReferenceCurve:
 
     @classmethod
     def build(cls, x: np.ndarray, y: np.ndarray, groups: np.ndarray, method: str | None = None) -> ReferenceCurve:
-        """From every seed's points (`groups`: each point's budget, for the seed means); `method`
-        forces one (the bootstrap keeps the full data's choice where it can)."""
+        """From the points (`groups`: each point's budget, for the means of several seeds' points);
+        `method` forces one."""
         x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
         fit = fit_power_law(x, y) if method in (None, "power law") else None
         x_range = (float(x.min()), float(x.max()))
@@ -212,14 +219,70 @@ def _invert_decreasing(target: float, lx: np.ndarray, ly: np.ndarray) -> float |
 
 
 # --------------------------------------------------------------------------------------------
-# Multipliers with bootstrap intervals
+# Multipliers per seed, paired, and their intervals over seeds
 # --------------------------------------------------------------------------------------------
+
+BOUND_SIGNS = {"above": 1, "below": -1}
+
+
+@dataclass(frozen=True)
+class SeedMean:
+    """A mean over seeds (of log multipliers, or of BPB ratios) and its standard error: from the
+    seeds' own scatter with two or more (t at n - 1 degrees of freedom), or at a one-seed size from
+    the per-seed scatter pooled over the seeded sizes (t at the pooled degrees of freedom). `se`
+    None: one seed and nothing to pool, so no interval."""
+
+    center: float
+    se: float | None = None
+    df: int | None = None
+    pooled: bool = False
+
+    def interval(self, level: float = LEVEL) -> tuple[float, float] | None:
+        if self.se is None:
+            return None
+        half = t_quantile(0.5 + level / 2, self.df) * self.se
+        return self.center - half, self.center + half
+
+
+def seed_mean(values: Sequence[float], pooled: tuple[float, int] | None = None) -> SeedMean:
+    """The mean of per-seed `values`; with one value, `pooled` (the seed scatter, its degrees of
+    freedom) gives its standard error."""
+    center = float(np.mean(values))
+    if len(values) >= 2:
+        return SeedMean(center, float(np.std(values, ddof=1)) / math.sqrt(len(values)), len(values) - 1)
+    if pooled is not None:
+        return SeedMean(center, pooled[0], pooled[1], pooled=True)
+    return SeedMean(center)
+
+
+def pooled_scatter(groups: Iterable[Sequence[float]]) -> tuple[float, int] | None:
+    """The per-seed standard deviation pooled over the groups of two or more values (each about its
+    own mean) and its degrees of freedom; None without such a group."""
+    squares, df = 0.0, 0
+    for values in groups:
+        if len(values) >= 2:
+            array = np.asarray(values, dtype=np.float64)
+            squares += float(np.sum((array - array.mean()) ** 2))
+            df += len(array) - 1
+    return (math.sqrt(squares / df), df) if df else None
+
+
+@dataclass
+class SeedValues:
+    """One size's per-seed values of a multiplier (log) or a ratio, before the interval."""
+
+    values: dict[int, float]  # seed -> log multiplier (or ratio)
+    bounds: dict[int, int] = field(default_factory=dict)  # seed -> 1 ("above"), -1 ("below"), 0
+    methods: tuple[str, ...] = ()  # gpt's curve per seed
+    epochs: float = 0.0  # the most epochs any point behind them read
 
 
 @dataclass
 class Estimate:
-    """A multiplier (or ratio): its point, its interval (None: no interval), and bounds when the
-    point or an end lies past the extrapolation limit ("above": the true value is larger)."""
+    """A multiplier: the geometric mean of its per-seed values, its 95% interval (None: no
+    interval) and bounds where a seed's value lies past the extrapolation limit ("above": the true
+    value is larger). `mean` keeps the log-scale mean and standard error (an interval at another
+    level: `interval_at`), `logs` the per-seed log values (the trend pools their scatter)."""
 
     value: float
     interval: tuple[float, float] | None
@@ -227,18 +290,15 @@ class Estimate:
     censored_ends: tuple[str | None, str | None] = (None, None)
     method: str = ""
     seeds: int = 0
-    notes: list[str] = field(default_factory=list)
-    samples: np.ndarray | None = None  # the bootstrap draws (the trend's input)
+    mean: SeedMean | None = None
+    logs: tuple[float, ...] = ()
+    pooled_from: tuple[str, ...] = ()  # a one-seed size: the sizes whose seed scatter gave its interval
+    epochs: float = 0.0
+    size: str = ""
 
-    def decided(self) -> str:
-        """"> 1", "< 1" or "undecided" (no interval counts as undecided)."""
-        if self.interval is None:
-            return "undecided"
-        if self.interval[0] > 1:
-            return "> 1"
-        if self.interval[1] < 1:
-            return "< 1"
-        return "undecided"
+    def interval_at(self, level: float) -> tuple[float, float] | None:
+        found = None if self.mean is None else self.mean.interval(level)
+        return None if found is None else (math.exp(found[0]), math.exp(found[1]))
 
     def text(self, digits: int = 2) -> str:
         def fmt(v: float, bound: str | None) -> str:
@@ -246,10 +306,12 @@ class Estimate:
             return f"{mark}{v:.{digits}f}"
 
         base = fmt(self.value, self.censored)
+        repeated = f" (data repeated: up to {self.epochs:.1f} epochs)" if self.epochs > 1 else ""
         if self.interval is None:
-            return base + (" (1 seed, no interval)" if self.seeds <= 1 else " (no interval)")
+            return base + (" (1 seed, no interval)" if self.seeds <= 1 else " (no interval)") + repeated
         low, high = fmt(self.interval[0], self.censored_ends[0]), fmt(self.interval[1], self.censored_ends[1])
-        return f"{base} [{low}, {high}]"
+        pooled = f" (1 seed; seed scatter of {', '.join(self.pooled_from)})" if self.pooled_from else ""
+        return f"{base} [{low}, {high}]{pooled}{repeated}"
 
 
 def _seed_table(points: Sequence[Point], axis: str) -> dict[int, list[tuple[float, float, int]]]:
@@ -260,79 +322,100 @@ def _seed_table(points: Sequence[Point], axis: str) -> dict[int, list[tuple[floa
     return table
 
 
-def _curve_from(table: dict[int, list[tuple[float, float, int]]], seeds: Sequence[int], method: str | None,
-                residuals: np.ndarray | None = None, rng: np.random.Generator | None = None,
-                fitted: ReferenceCurve | None = None) -> ReferenceCurve:
+def _curve_from(table: dict[int, list[tuple[float, float, int]]], seeds: Sequence[int]) -> ReferenceCurve:
     rows = [row for s in seeds for row in table[s]]
-    x = np.array([r[0] for r in rows])
-    y = np.array([r[1] for r in rows])
-    groups = np.array([r[2] for r in rows])
-    if residuals is not None and fitted is not None and fitted.method == "power law":
-        f = fitted.fit
-        y = (f["E"] + f["A"] * x ** -f["alpha"]) * np.exp(rng.choice(residuals, size=len(x)))
-    return ReferenceCurve.build(x, y, groups, method)
+    return ReferenceCurve.build(np.array([r[0] for r in rows]), np.array([r[1] for r in rows]),
+                                np.array([r[2] for r in rows]))
 
 
-def _percentile_interval(samples: np.ndarray, bounds: np.ndarray) -> tuple[tuple[float, float], tuple]:
-    low, high = np.quantile(samples, [(1 - LEVEL) / 2, (1 + LEVEL) / 2])
-    lower_bound = "below" if np.mean(bounds == -1) > (1 - LEVEL) / 2 else None
-    upper_bound = "above" if np.mean(bounds == 1) > (1 - LEVEL) / 2 else None
-    return (float(low), float(high)), (lower_bound, upper_bound)
+def _estimate(found: SeedValues, pooled: tuple[float, int] | None, pooled_from: tuple[str, ...],
+              size: str) -> Estimate:
+    """The geometric mean of per-seed multipliers, its t-interval; a bound where any seed is one."""
+    seeds = sorted(found.values)
+    logs = [found.values[s] for s in seeds]
+    mean = seed_mean(logs, pooled)
+    signs = set(found.bounds.values())
+    censored = "above" if 1 in signs else "below" if -1 in signs else None
+    interval = mean.interval()
+    methods = sorted(set(found.methods))
+    return Estimate(math.exp(mean.center), None if interval is None else (math.exp(interval[0]), math.exp(interval[1])),
+                    censored, ("below" if -1 in signs else None, "above" if 1 in signs else None),
+                    method=" / ".join(methods), seeds=len(seeds), mean=mean, logs=tuple(logs),
+                    pooled_from=pooled_from if mean.pooled else (), epochs=found.epochs, size=size)
 
 
-def multiplier(points: Sequence[Point], corpus: str, optimizer: str, size: str, variant: str, axis: str,
-               budget: int | None = None, kind: str = "tokens", spec: str | None = None) -> Estimate | None:
-    """The variant's compute (axis="flops") or data (axis="tokens") multiplier over gpt at one of
-    its points (`kind` budget `budget`; default its largest): x_gpt(BPB_v) / x_v, bootstrapped."""
+def _sizes(points: Sequence[Point], **where: Any) -> list[str]:
+    return [name for _, name in sorted({(p.size_index, p.size) for p in select(points, variant=REFERENCE, **where)})]
+
+
+def _pooled_over_sizes(points: Sequence[Point], where: dict[str, Any], size: str,
+                       values_at: Any) -> tuple[tuple[float, int] | None, tuple[str, ...]]:
+    """The seed scatter of the same comparison pooled over the other sizes with two or more seeds
+    (`values_at(size)`: their `SeedValues`), and those sizes' names."""
+    groups, names = [], []
+    for other in _sizes(points, **where):
+        found = None if other == size else values_at(other)
+        if found is not None and len(found.values) >= 2:
+            groups.append(list(found.values.values()))
+            names.append(other)
+    return pooled_scatter(groups), tuple(names)
+
+
+def multiplier_values(points: Sequence[Point], corpus: str, optimizer: str, size: str, variant: str, axis: str,
+                      budget: int | None = None, kind: str = "tokens", spec: str | None = None) -> SeedValues | None:
+    """Per seed the variant shares with gpt: log(x_gpt,s(BPB_v,s) / x_v,s), gpt's curve from seed s's
+    own points (paired: the same data order and initialisation)."""
     where = dict(corpus=corpus, optimizer=optimizer, size=size) | ({"spec": spec} if spec else {})
     reference = select(points, variant=REFERENCE, **where)
     mine = [p for p in select(points, variant=variant, **where) if p.kind == kind]
     if not reference or not mine:
         return None
     budget = max(p.budget for p in mine) if budget is None else budget
-    mine = [p for p in mine if p.budget == budget]
+    by_seed = {p.seed: p for p in mine if p.budget == budget}
     table = _seed_table(reference, axis)
-    seeds = sorted(set(table) & {p.seed for p in mine})
+    seeds = sorted(set(table) & set(by_seed))
     if not seeds:
         return None
-    by_seed = {p.seed: p for p in mine}
-    full = _curve_from(table, seeds, None)
-    residuals = np.array(full.fit["residuals"]) if full.method == "power law" else None
-
-    def value(curve: ReferenceCurve, drawn: Sequence[int]) -> tuple[float, int]:
-        bpb = float(np.mean([by_seed[s].bpb for s in drawn]))
-        x_v = float(np.mean([getattr(by_seed[s], axis) for s in drawn]))
-        x, bound = curve.x_for(bpb)
-        return x / x_v, {"above": 1, "below": -1}.get(bound or "", 0)
-
-    point, point_bound = value(full, seeds)
-    estimate = Estimate(point, None, {1: "above", -1: "below"}.get(point_bound), method=full.method, seeds=len(seeds))
-    if len(seeds) == 1 and residuals is None:
-        return estimate
-    rng = np.random.default_rng(BOOTSTRAP_SEED)
-    samples, bounds = np.empty(BOOTSTRAP), np.zeros(BOOTSTRAP, dtype=int)
-    for b in range(BOOTSTRAP):
-        drawn = list(rng.choice(seeds, size=len(seeds), replace=True))
-        curve = _curve_from(table, drawn, full.method, residuals, rng, full)
-        samples[b], bounds[b] = value(curve, drawn)
-    estimate.interval, estimate.censored_ends = _percentile_interval(samples, bounds)
-    estimate.samples = samples
-    return estimate
+    found = SeedValues({}, epochs=max([p.epochs for p in reference] + [by_seed[s].epochs for s in seeds]))
+    methods = []
+    for s in seeds:
+        curve = _curve_from(table, [s])
+        x, bound = curve.x_for(by_seed[s].bpb)
+        found.values[s] = math.log(x / getattr(by_seed[s], axis))
+        found.bounds[s] = BOUND_SIGNS.get(bound or "", 0)
+        methods.append(curve.method)
+    found.methods = tuple(methods)
+    return found
 
 
-def parameter_multiplier(points: Sequence[Point], corpus: str, optimizer: str, size: str, variant: str,
-                         spec: str | None = None) -> Estimate | None:
-    """N_gpt(BPB_v; T_v) / N_v at the variant's largest token budget: gpt's BPB at the variant's
-    tokens at each size (its tokens curve), then log N against log BPB across the sizes, inverted.
-    Bootstrapped: each size's gpt seeds drawn independently, the variant's seeds paired with its
-    own size's gpt seeds."""
+def multiplier(points: Sequence[Point], corpus: str, optimizer: str, size: str, variant: str, axis: str,
+               budget: int | None = None, kind: str = "tokens", spec: str | None = None) -> Estimate | None:
+    """The variant's compute (axis="flops") or data (axis="tokens") multiplier over gpt at one of
+    its points (`kind` budget `budget`; default its largest): x_gpt(BPB_v) / x_v per seed, their
+    geometric mean and t-interval (a one-seed size: the seed scatter of the seeded sizes)."""
+    def values_at(name: str) -> SeedValues | None:
+        return multiplier_values(points, corpus, optimizer, name, variant, axis, budget, kind, spec)
+
+    found = values_at(size)
+    if found is None:
+        return None
+    pooled, names = (None, ()) if len(found.values) >= 2 else _pooled_over_sizes(
+        points, dict(corpus=corpus, optimizer=optimizer) | ({"spec": spec} if spec else {}), size, values_at)
+    return _estimate(found, pooled, names, size)
+
+
+def parameter_values(points: Sequence[Point], corpus: str, optimizer: str, size: str, variant: str,
+                     spec: str | None = None) -> SeedValues | None:
+    """Per seed: log(N_gpt(BPB_v; T_v) / N_v) at the variant's largest token budget: gpt's BPB at
+    the variant's tokens at each size (from seed s's points where that size has seed s, else from
+    all its seeds), then log N against log BPB across the sizes, inverted."""
     where = dict(corpus=corpus, optimizer=optimizer) | ({"spec": spec} if spec else {})
     mine = [p for p in select(points, variant=variant, size=size, **where) if p.kind == "tokens"]
     if not mine:
         return None
     budget = max(p.budget for p in mine)
     mine = {p.seed: p for p in mine if p.budget == budget}
-    references = {}
+    references: dict[tuple[int, str], list[Point]] = {}
     for p in select(points, variant=REFERENCE, **where):
         references.setdefault((p.size_index, p.size), []).append(p)
     if len(references) < 2 or not any(s == size for _, s in references):
@@ -340,109 +423,118 @@ def parameter_multiplier(points: Sequence[Point], corpus: str, optimizer: str, s
     tables = {key: _seed_table(pts, "tokens") for key, pts in references.items()}
     params = {key: pts[0].params for key, pts in references.items()}
     own = next(key for key in tables if key[1] == size)
-    paired = sorted(set(mine) & set(tables[own]))
-    if not paired:
-        return None
-
-    def value(draws: dict[tuple, list[int]], drawn_own: list[int]) -> tuple[float, int]:
-        bpb = float(np.mean([mine[s].bpb for s in drawn_own]))
-        tokens = float(np.mean([mine[s].tokens for s in drawn_own]))
-        n_v = mine[drawn_own[0]].params
+    found = SeedValues({}, epochs=max(p.epochs for pts in references.values() for p in pts))
+    for s in sorted(set(mine) & set(tables[own])):
         curve_points = []
         for key in sorted(tables):
-            curve = _curve_from(tables[key], draws[key], None)
-            at = curve.bpb_at(tokens)
+            at = _curve_from(tables[key], [s] if s in tables[key] else sorted(tables[key])).bpb_at(mine[s].tokens)
             if at is not None:
                 curve_points.append((math.log(params[key]), math.log(at)))
         if len(curve_points) < 2:
-            return float("nan"), 0
+            continue
         lx = np.array([c[0] for c in curve_points])
         ly = np.array([c[1] for c in curve_points])
-        curve = ReferenceCurve("interpolation", (math.exp(lx.min()), math.exp(lx.max())), knots=(lx, ly))
-        n, bound = curve.x_for(bpb)
-        return n / n_v, {"above": 1, "below": -1}.get(bound or "", 0)
+        across = ReferenceCurve("interpolation", (math.exp(lx.min()), math.exp(lx.max())), knots=(lx, ly))
+        n, bound = across.x_for(mine[s].bpb)
+        found.values[s] = math.log(n / mine[s].params)
+        found.bounds[s] = BOUND_SIGNS.get(bound or "", 0)
+        found.epochs = max(found.epochs, mine[s].epochs)
+    found.methods = ("interpolation across sizes",)
+    return found if found.values else None
 
-    point, bound = value({key: sorted(t) for key, t in tables.items()} | {own: paired}, paired)
-    if math.isnan(point):
+
+def parameter_multiplier(points: Sequence[Point], corpus: str, optimizer: str, size: str, variant: str,
+                         spec: str | None = None) -> Estimate | None:
+    """N_gpt(BPB_v; T_v) / N_v at the variant's largest token budget, per seed (`parameter_values`),
+    their geometric mean and t-interval (a one-seed size: the seed scatter of the seeded sizes)."""
+    def values_at(name: str) -> SeedValues | None:
+        return parameter_values(points, corpus, optimizer, name, variant, spec)
+
+    found = values_at(size)
+    if found is None:
         return None
-    estimate = Estimate(point, None, {1: "above", -1: "below"}.get(bound), method="interpolation across sizes",
-                        seeds=len(paired))
-    if all(len(t) == 1 for t in tables.values()):
-        return estimate
-    rng = np.random.default_rng(BOOTSTRAP_SEED)
-    samples, bounds = np.empty(BOOTSTRAP), np.zeros(BOOTSTRAP, dtype=int)
-    for b in range(BOOTSTRAP):
-        drawn_own = list(rng.choice(paired, size=len(paired), replace=True))
-        draws = {key: list(rng.choice(sorted(t), size=len(t), replace=True)) for key, t in tables.items()}
-        draws[own] = drawn_own
-        samples[b], bounds[b] = value(draws, drawn_own)
-    keep = ~np.isnan(samples)
-    estimate.interval, estimate.censored_ends = _percentile_interval(samples[keep], bounds[keep])
-    estimate.samples = samples[keep]
-    return estimate
+    pooled, names = (None, ()) if len(found.values) >= 2 else _pooled_over_sizes(
+        points, dict(corpus=corpus, optimizer=optimizer) | ({"spec": spec} if spec else {}), size, values_at)
+    return _estimate(found, pooled, names, size)
+
+
+def _matched_points(points: Sequence[Point], where: dict[str, Any], name: str, budget: int) -> dict[int, Point]:
+    """Per seed, `name`'s point matched to gpt's training FLOPs at `budget`: its FLOP-matched
+    branch, or its token budget where it needs none."""
+    pts = select(points, variant=name, **where)
+    by_kind = {p.seed: p for p in pts if p.kind == "flops" and p.budget == budget}
+    return by_kind or {p.seed: p for p in pts if p.kind == "tokens" and p.budget == budget}
+
+
+def _ratio_values(points: Sequence[Point], where: dict[str, Any], variant: str, baseline: str,
+                  budget: int) -> tuple[SeedValues, list[int], list[float]] | None:
+    a, b = _matched_points(points, where, variant, budget), _matched_points(points, where, baseline, budget)
+    seeds = sorted(set(a) & set(b))
+    if not seeds:
+        return None
+    found, refused, flops_ratios = SeedValues({}), [], []
+    for s in seeds:
+        f = a[s].flops / b[s].flops
+        flops_ratios.append(f)
+        if abs(f - 1) > FLOPS_MATCH:
+            refused.append(s)
+            continue
+        found.values[s] = a[s].bpb / b[s].bpb
+    return found, refused, flops_ratios
 
 
 def paired_ratio(points: Sequence[Point], corpus: str, optimizer: str, size: str, variant: str, baseline: str,
                  budget: int, spec: str | None = None) -> dict[str, Any] | None:
     """Per-seed BPB ratio variant / baseline at the points matched to gpt's training FLOPs at
     `budget` (a FLOP-matched branch, or the token budget where a variant needs none), with the
-    FLOPs ratio of every pair; mean [95% t-interval over seeds]. Pairs whose FLOPs differ by more
-    than 5% are refused (listed under "refused")."""
-    from latentloop.eval.stats import mean_sd, t_interval
-
-    where = dict(corpus=corpus, optimizer=optimizer, size=size) | ({"spec": spec} if spec else {})
-
-    def matched(name: str) -> dict[int, Point]:
-        pts = select(points, variant=name, **where)
-        by_kind = {p.seed: p for p in pts if p.kind == "flops" and p.budget == budget}
-        tokens = {p.seed: p for p in pts if p.kind == "tokens" and p.budget == budget}
-        return by_kind or tokens
-
-    a, b = matched(variant), matched(baseline)
-    seeds = sorted(set(a) & set(b))
-    if not seeds:
+    FLOPs ratio of every pair; mean [95% t-interval over seeds] (a one-seed size: the seed scatter
+    of the same comparison pooled over the seeded sizes). Pairs whose FLOPs differ by more than 5%
+    are refused (listed under "refused")."""
+    column = dict(corpus=corpus, optimizer=optimizer) | ({"spec": spec} if spec else {})
+    made = _ratio_values(points, column | {"size": size}, variant, baseline, budget)
+    if made is None:
         return None
-    ratios, flops_ratios, refused = [], [], []
-    for s in seeds:
-        f = a[s].flops / b[s].flops
-        if abs(f - 1) > 0.05:
-            refused.append(s)
-            continue
-        ratios.append(a[s].bpb / b[s].bpb)
-        flops_ratios.append(f)
-    if not ratios:
-        return {"refused": refused, "flops_ratios": [a[s].flops / b[s].flops for s in seeds]}
-    mean, _ = mean_sd(ratios)
-    return {"mean": mean, "interval": t_interval(ratios), "ratios": ratios, "flops_ratios": flops_ratios,
-            "refused": refused, "seeds": len(ratios)}
+    found, refused, flops_ratios = made
+    if not found.values:
+        return {"refused": refused, "flops_ratios": flops_ratios}
+    ratios = [found.values[s] for s in sorted(found.values)]
+    pooled, names = None, ()
+    if len(ratios) == 1:
+        def values_at(name: str) -> SeedValues | None:
+            other = _ratio_values(points, column | {"size": name}, variant, baseline, budget)
+            return None if other is None else other[0]
+
+        pooled, names = _pooled_over_sizes(points, column, size, values_at)
+    mean = seed_mean(ratios, pooled)
+    kept = [f for f in flops_ratios if abs(f - 1) <= FLOPS_MATCH]
+    return {"mean": mean.center, "interval": mean.interval(), "stats": mean, "ratios": ratios,
+            "flops_ratios": kept, "refused": refused, "seeds": len(ratios),
+            "pooled_from": names if mean.pooled else ()}
 
 
 def trend(estimates: Sequence[tuple[int, Estimate]]) -> dict[str, Any] | None:
-    """The slope of log multiplier against log N over the sizes ((params, estimate) pairs), its
-    interval from the sizes' bootstrap draws (independent; a size without draws enters as its
-    point), and "grows" / "shrinks" / "no trend resolved"."""
-    usable = [(n, e) for n, e in estimates if e is not None and e.value > 0]
+    """The slope of log multiplier against log N over the sizes ((params, estimate) pairs) by
+    weighted least squares, a size's weight its seeds / sigma^2 (sigma: the per-seed scatter of log M
+    pooled over the sizes with two or more seeds), and its t-interval at the pooled degrees of
+    freedom: "grows" / "shrinks" / "no trend resolved". Sizes whose estimate is a bound are named."""
+    usable = [(n, e) for n, e in estimates if e is not None and e.value > 0 and e.seeds > 0]
     if len(usable) < 2:
         return None
-    lx = np.log([n for n, _ in usable])
-
-    def slope(values: Sequence[float]) -> float:
-        return float(np.polyfit(lx, np.log(values), 1)[0])
-
-    point = slope([e.value for _, e in usable])
-    # each size's draws in an order of its own: the sizes' bootstraps used the same seeded stream
-    shuffled = [None if e.samples is None or not len(e.samples) else
-                np.random.default_rng(BOOTSTRAP_SEED + i).permutation(e.samples) for i, (_, e) in enumerate(usable)]
-    draws = []
-    for b in range(BOOTSTRAP):
-        row = [e.value if draws_i is None else draws_i[b % len(draws_i)] for (_, e), draws_i in zip(usable, shuffled)]
-        if all(v > 0 for v in row):
-            draws.append(slope(row))
-    if not draws or all(e.samples is None for _, e in usable):
-        return {"slope": point, "interval": None, "verdict": "no trend resolved (no intervals)"}
-    low, high = np.quantile(draws, [(1 - LEVEL) / 2, (1 + LEVEL) / 2])
+    x = np.log([n for n, _ in usable])
+    y = np.log([e.value for _, e in usable])
+    w = np.array([e.seeds for _, e in usable], dtype=np.float64)
+    xw = float(np.sum(w * x) / w.sum())
+    spread_x = float(np.sum(w * (x - xw) ** 2))
+    slope = float(np.sum(w * (x - xw) * (y - np.sum(w * y) / w.sum())) / spread_x)
+    bounds = [e.size for _, e in usable if e.censored]
+    pooled = pooled_scatter(e.logs for _, e in usable)
+    if pooled is None:
+        return {"slope": slope, "interval": None, "verdict": "no trend resolved (no seed scatter)", "bounds": bounds}
+    sigma, df = pooled
+    half = t_quantile(0.5 + LEVEL / 2, df) * sigma / math.sqrt(spread_x)
+    low, high = slope - half, slope + half
     verdict = "grows" if low > 0 else "shrinks" if high < 0 else "no trend resolved"
-    return {"slope": point, "interval": (float(low), float(high)), "verdict": verdict}
+    return {"slope": slope, "interval": (low, high), "verdict": verdict, "bounds": bounds}
 
 
 # --------------------------------------------------------------------------------------------
