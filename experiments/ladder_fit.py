@@ -361,11 +361,25 @@ def _pooled_over_sizes(points: Sequence[Point], where: dict[str, Any], size: str
     return pooled_scatter(groups), tuple(names)
 
 
+def _column(corpus: str, optimizer: str, spec: str | None) -> dict[str, Any]:
+    return dict(corpus=corpus, optimizer=optimizer) | ({"spec": spec} if spec else {})
+
+
+def _estimate_at(points: Sequence[Point], column: dict[str, Any], size: str, values_at: Any) -> Estimate | None:
+    """The estimate at `size` from `values_at(size)`'s per-seed values; with one seed, its interval
+    from the same comparison's seed scatter at the column's other sizes."""
+    found = values_at(size)
+    if found is None:
+        return None
+    pooled, names = (None, ()) if len(found.values) >= 2 else _pooled_over_sizes(points, column, size, values_at)
+    return _estimate(found, pooled, names, size)
+
+
 def multiplier_values(points: Sequence[Point], corpus: str, optimizer: str, size: str, variant: str, axis: str,
                       budget: int | None = None, kind: str = "tokens", spec: str | None = None) -> SeedValues | None:
     """Per seed the variant shares with gpt: log(x_gpt,s(BPB_v,s) / x_v,s), gpt's curve from seed s's
     own points (paired: the same data order and initialisation)."""
-    where = dict(corpus=corpus, optimizer=optimizer, size=size) | ({"spec": spec} if spec else {})
+    where = _column(corpus, optimizer, spec) | {"size": size}
     reference = select(points, variant=REFERENCE, **where)
     mine = [p for p in select(points, variant=variant, **where) if p.kind == kind]
     if not reference or not mine:
@@ -396,12 +410,7 @@ def multiplier(points: Sequence[Point], corpus: str, optimizer: str, size: str, 
     def values_at(name: str) -> SeedValues | None:
         return multiplier_values(points, corpus, optimizer, name, variant, axis, budget, kind, spec)
 
-    found = values_at(size)
-    if found is None:
-        return None
-    pooled, names = (None, ()) if len(found.values) >= 2 else _pooled_over_sizes(
-        points, dict(corpus=corpus, optimizer=optimizer) | ({"spec": spec} if spec else {}), size, values_at)
-    return _estimate(found, pooled, names, size)
+    return _estimate_at(points, _column(corpus, optimizer, spec), size, values_at)
 
 
 def parameter_values(points: Sequence[Point], corpus: str, optimizer: str, size: str, variant: str,
@@ -409,7 +418,7 @@ def parameter_values(points: Sequence[Point], corpus: str, optimizer: str, size:
     """Per seed: log(N_gpt(BPB_v; T_v) / N_v) at the variant's largest token budget: gpt's BPB at
     the variant's tokens at each size (from seed s's points where that size has seed s, else from
     all its seeds), then log N against log BPB across the sizes, inverted."""
-    where = dict(corpus=corpus, optimizer=optimizer) | ({"spec": spec} if spec else {})
+    where = _column(corpus, optimizer, spec)
     mine = [p for p in select(points, variant=variant, size=size, **where) if p.kind == "tokens"]
     if not mine:
         return None
@@ -450,12 +459,7 @@ def parameter_multiplier(points: Sequence[Point], corpus: str, optimizer: str, s
     def values_at(name: str) -> SeedValues | None:
         return parameter_values(points, corpus, optimizer, name, variant, spec)
 
-    found = values_at(size)
-    if found is None:
-        return None
-    pooled, names = (None, ()) if len(found.values) >= 2 else _pooled_over_sizes(
-        points, dict(corpus=corpus, optimizer=optimizer) | ({"spec": spec} if spec else {}), size, values_at)
-    return _estimate(found, pooled, names, size)
+    return _estimate_at(points, _column(corpus, optimizer, spec), size, values_at)
 
 
 def _matched_points(points: Sequence[Point], where: dict[str, Any], name: str, budget: int) -> dict[int, Point]:
@@ -490,7 +494,7 @@ def paired_ratio(points: Sequence[Point], corpus: str, optimizer: str, size: str
     FLOPs ratio of every pair; mean [95% t-interval over seeds] (a one-seed size: the seed scatter
     of the same comparison pooled over the seeded sizes). Pairs whose FLOPs differ by more than 5%
     are refused (listed under "refused")."""
-    column = dict(corpus=corpus, optimizer=optimizer) | ({"spec": spec} if spec else {})
+    column = _column(corpus, optimizer, spec)
     made = _ratio_values(points, column | {"size": size}, variant, baseline, budget)
     if made is None:
         return None
@@ -554,7 +558,7 @@ def plot_curves(points: Sequence[Point], corpus: str, optimizer: str, path: Path
         from matplotlib.ticker import NullFormatter, ScalarFormatter
     except ImportError:
         return False
-    where = dict(corpus=corpus, optimizer=optimizer) | ({"spec": spec} if spec else {})
+    where = _column(corpus, optimizer, spec)
     mine = select(points, decayed=False, **where)
     if not mine:
         return False
