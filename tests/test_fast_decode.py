@@ -158,6 +158,11 @@ def test_a_long_contexts_cache_touches_the_memory_of_the_slots_it_fills():
     from latentloop.models.cache import KVCache, zeros_on_touch
 
     assert torch.equal(zeros_on_touch((3, 5), torch.float16, "cpu"), torch.zeros(3, 5, dtype=torch.float16))
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.int8):  # the mapped branch: zeros, sized
+        mapped = zeros_on_touch((4, 2**18), dtype, "cpu")  # 1 MiB at a byte a value: the threshold
+        assert mapped.shape == (4, 2**18) and mapped.dtype == dtype and not mapped.any()
+        mapped[-1, -1] = 1  # its last element is inside the map
+        assert mapped.sum() == 1
     before = _resident_bytes()
     cache = static_cache(KVCache(1, 65536, n_slots=2, n_kv_head=4, head_dim=64))
     keys = torch.randn(1, 4, 3, 64)

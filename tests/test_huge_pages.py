@@ -66,6 +66,33 @@ def test_large_weights_move_keeping_their_objects_and_values():
     safetensors.save(model.state_dict() | {"second.weight": model.first.weight.detach().clone()})
 
 
+@needs_huge_pages
+def test_weights_moved_inside_inference_mode_still_train():
+    """The engine builds its decoders inside inference mode: the moved weights must stay ordinary
+    tensors, or the model cannot train after a compiled generate."""
+    torch.manual_seed(0)
+    model = Tied()
+    with torch.inference_mode():
+        assert huge_pages.weights_on_huge_pages(model) > 0
+    assert not any(t.is_inference() for t in [*model.parameters(), *model.buffers()])
+    x = torch.randn(2, 1024)
+    (model.large(model.second(model.first(x))).square().mean() + model.table.sum() * 0).backward()
+    assert model.first.weight.grad is not None and model.large.weight.grad.abs().sum() > 0
+
+
+@needs_huge_pages
+def test_a_refused_map_leaves_the_weights_where_they_are(monkeypatch):
+    model = Tied()
+    pointer = model.first.weight.data_ptr()
+
+    def refuse(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(huge_pages.mmap, "mmap", refuse)
+    assert huge_pages.weights_on_huge_pages(model) == 0 and model.first.weight.data_ptr() == pointer
+    assert getattr(model, huge_pages.MOVED_MARK, None) is None  # a later call may try again
+
+
 def test_a_model_whose_weights_do_not_fill_a_huge_page_stays_where_it_is():
     model = ll.build("gpt", preset="test")  # about 0.1M parameters
     pointers = [p.data_ptr() for p in model.parameters()]

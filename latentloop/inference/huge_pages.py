@@ -96,7 +96,7 @@ def _placed(tensors: list[torch.Tensor]):
     region.madvise(mmap.MADV_HUGEPAGE)
     for tensor, offset in zip(tensors, offsets):
         # a storage of its own over its part of the region (each keeps the region mapped)
-        copy = torch.frombuffer(region, dtype=tensor.dtype, count=tensor.numel(), offset=offset)
+        copy = torch.frombuffer(memoryview(region), dtype=tensor.dtype, count=tensor.numel(), offset=offset)
         with torch.no_grad():
             yield tensor, copy.view(tensor.shape).copy_(tensor)
 
@@ -108,9 +108,14 @@ def weights_on_huge_pages(model: nn.Module) -> int:
     if getattr(model, MOVED_MARK, None) is not None or huge_pages_status() is not None:
         return 0
     moved = 0
-    with torch.no_grad():
-        for tensor, copy in _placed(_weights(model)):
-            tensor.data = copy
-            moved += tensor.nbytes
+    try:
+        # the decoders are built inside the engine's inference mode: copies made there would be
+        # inference tensors, and the model could no longer train after a compiled generate
+        with torch.inference_mode(False), torch.no_grad():
+            for tensor, copy in _placed(_weights(model)):
+                tensor.data = copy
+                moved += tensor.nbytes
+    except OSError:  # the map or its advice refused (no memory, a kernel without the advice): both come
+        return 0  # before the first weight moves, so the weights stay where they were
     setattr(model, MOVED_MARK, moved)
     return moved

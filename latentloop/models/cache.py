@@ -58,7 +58,8 @@ def zeros_on_touch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.dev
             or not hasattr(mmap, "MAP_ANONYMOUS")):
         return torch.zeros(shape, dtype=dtype, device=device)
     pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(pages, dtype=dtype).view(shape)
+    # through a memoryview: the tensor then holds an export of the map, which cannot be closed under it
+    return torch.frombuffer(memoryview(pages), dtype=dtype).view(shape)
 
 
 @dataclass
