@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch._inductor.config as inductor_config
 
     torch._dynamo.reset()  # recompile with each kernel recording itself
-    fast_module._COMPILED_STEPS.pop(model, None)
+    fast_module.compiled_steps(model).clear()
     with inductor_config.patch({"cpp.enable_kernel_profile": True, "fx_graph_cache": False}):
         profiled = fast_module.FastDecoder(model)
         decode_tokens(profiled, model, prompt, args.new_tokens)

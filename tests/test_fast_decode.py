@@ -178,6 +178,27 @@ def test_a_long_contexts_cache_touches_the_memory_of_the_slots_it_fills():
         assert not cache.k_slots[slot][:, :, 3:].any() and not cache.v_slots[slot][:, :, 3:].any()
 
 
+def test_a_model_with_a_compiled_decoder_is_freed_with_its_last_reference():
+    """A compiled step holds its model (a package resolves the weights from it): kept on the model,
+    they are freed together; a global map keyed weakly by the model kept every such model alive. A
+    deep copy of the model starts without the original's steps (they are bound to its tensors)."""
+    import copy
+    import gc
+    import weakref
+
+    from latentloop.inference import fast
+
+    model = ll.build("gpt", preset="test").eval()
+    decoder = FastDecoder(model, compile=True)
+    if decoder.aot is not None:
+        assert decoder.aot in fast.compiled_steps(model).values()  # the step that holds the model
+    assert not fast.compiled_steps(copy.deepcopy(model))
+    gone = weakref.ref(model)
+    del model, decoder
+    gc.collect()
+    assert gone() is None
+
+
 def test_a_half_precision_window_is_widened_except_for_the_packages_attention():
     """A float16 cache's window reaches attention widened to the step's float32 (eager SDPA and
     dynamo's reductions take one dtype), but as stored while a package's step is traced (the

@@ -416,7 +416,7 @@ class FastDecoder:
             if device.type == "cpu" and aot_enabled():
                 self.aot_reason = AotDecodeStep.refuses(model)
                 if self.aot_reason is None:  # one per model and options: its packages load once a process
-                    per_model = _COMPILED_STEPS.setdefault(model, {})
+                    per_model = compiled_steps(model)
                     key = (*self._key, AOT_BACKEND)
                     if key not in per_model:
                         per_model[key] = AotDecodeStep(model, options, _decode_step)
@@ -431,7 +431,7 @@ class FastDecoder:
     def _dynamo_step(self):
         """Dynamo's compiled step, one per model and options (made on first need: `torch.compile`
         imports dynamo, seconds that a decoder running an ahead-of-time package never pays)."""
-        per_model = _COMPILED_STEPS.setdefault(self.model, {})
+        per_model = compiled_steps(self.model)
         if self._key not in per_model:
             per_model[self._key] = _compiled_step(self._key[0])
         return per_model[self._key]
@@ -1034,6 +1034,29 @@ def rewrite_as_reductions(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 _COPIES = 0
-AOT_BACKEND = "aot"  # in a key of `_COMPILED_STEPS` / `_RAN_SHAPES`: the ahead-of-time package, not dynamo's graph
-# model -> {(device type, options): compiled step}: one compile per model and options, reused by every call
-_COMPILED_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+AOT_BACKEND = "aot"  # in a key of `compiled_steps` / `_RAN_SHAPES`: the ahead-of-time package, not dynamo's graph
+STEPS_ATTRIBUTE = "_latentloop_compiled_steps"  # where a model keeps its compiled steps (`compiled_steps`)
+
+
+class _CompiledSteps(dict):
+    """A model's compiled steps, {(device type, options[, backend]): step}: one compile per model and
+    options, reused by every call. Kept on the model itself: a step holds its model (a package
+    resolves its weights from it), so a global map weakly keyed by the model was kept alive by its own
+    values and never freed a model (nor its weights); on the model they make a cycle that the garbage
+    collector frees with it. A copy or a pickle of the model starts with none: they are bound to this
+    model's tensors."""
+
+    def __deepcopy__(self, memo) -> _CompiledSteps:
+        return _CompiledSteps()
+
+    def __reduce__(self):
+        return _CompiledSteps, ()
+
+
+def compiled_steps(model) -> dict:
+    """`model`'s compiled steps (`_CompiledSteps`), made empty on first use."""
+    steps = model.__dict__.get(STEPS_ATTRIBUTE)
+    if steps is None:
+        steps = _CompiledSteps()
+        object.__setattr__(model, STEPS_ATTRIBUTE, steps)  # past nn.Module's: no submodule, no state entry
+    return steps

@@ -34,10 +34,10 @@ from ..models.cache import KVCache
 from ..models.options import without_speed_only
 from .aot import AotDecodeStep, AotUnavailable, aot_enabled
 from .fast import (
-    _COMPILED_STEPS,
     AOT_BACKEND,
     FastDecoder,
     compiled_copy,
+    compiled_steps,
     fallback_reason,
     keep_state_buffers,
     static_cache,
@@ -45,7 +45,7 @@ from .fast import (
     use_compile_cache,
 )
 
-VERIFY_KEY = "verify"  # in a key of `fast._COMPILED_STEPS`: the verification of k + 1 tokens, not a decode step
+VERIFY_KEY = "verify"  # in a key of `fast.compiled_steps`: the verification of k + 1 tokens, not a decode step
 
 
 def _verify(model, tokens: Tensor, cache: KVCache, options: dict) -> tuple[Tensor, Tensor, dict]:
@@ -91,7 +91,7 @@ class CompiledDrafting:
         self._key = (model.wte.weight.device.type, tuple(sorted(self.options.items())), VERIFY_KEY, draft.tokens + 1)
         if compile:
             use_compile_cache()
-            per_model = _COMPILED_STEPS.setdefault(model, {})
+            per_model = compiled_steps(model)
             if self._key[0] == "cpu" and aot_enabled() and AotDecodeStep.refuses(model) is None:
                 if (*self._key, AOT_BACKEND) not in per_model:
                     per_model[(*self._key, AOT_BACKEND)] = AotDecodeStep(model, self.options, _verify_for_package,
@@ -103,7 +103,7 @@ class CompiledDrafting:
         self.cache: KVCache | None = None
 
     def _dynamo_verify(self):
-        per_model = _COMPILED_STEPS.setdefault(self.model, {})
+        per_model = compiled_steps(self.model)
         if self._key not in per_model:
             # CUDA: no graphs for the verification (the drafts' steps have them)
             per_model[self._key] = compiled_copy(_verify, self._key[0], cuda_graphs=False)
