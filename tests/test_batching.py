@@ -192,6 +192,35 @@ def test_a_free_row_of_the_compiled_path_never_writes_past_its_buffer(models):
     assert produced == context - 2
 
 
+@pytest.mark.parametrize("companion", [False, True], ids=["batch-empties", "batch-runs-on"])
+def test_a_row_left_with_non_finite_keys_and_values_does_not_reach_its_next_request(companion, models):
+    """A request whose float16 cache overflowed leaves infinities in its row's slots; the next request
+    placed into that row attends over a window that covers them, masked, and a masked infinity still
+    reaches the output through 0 x inf. Vacating a row zeroes what it stored: when the batch empties
+    (the storage's rows are vacated as the next batch grows) and while another row runs on (the row
+    is vacated at the next step, with the slots the batch counted for it)."""
+    model = models["gpt"]
+    batch = SlotBatch(model, model_options(model, {}), STOPS, keep_logits=True, compile=False)
+    broken = Member([BOS, *range(40, 60)], 3, Sampling())  # 21 slots: past the next request's window
+    batch.add([broken] + ([Member([BOS, 7], 12, Sampling())] if companion else []))
+    batch.step()
+    with torch.inference_mode():  # the batch's tensors are inference tensors
+        for slots in (batch.cache.k_slots, batch.cache.v_slots):
+            for slot in slots:
+                slot[0, :, 4:21] = float("inf")
+    while not broken.done:
+        batch.step()
+    batch.step()  # the row it left is vacated
+    joiner = Member([BOS, *b"hi"], 4, Sampling())
+    batch.add([joiner])
+    logp = []
+    while len(batch):
+        logp += [step.logits.float().log_softmax(-1) for step in batch.step()
+                 if step.token is not None and step.member is joiner]
+    [(_, want, _)] = alone(model, [joiner.prompt], 4, {"temperature": 0.0}, {})
+    torch.testing.assert_close(torch.stack(logp), want, rtol=TOL, atol=TOL)
+
+
 def test_the_compiled_path_shrinks_to_a_batch_its_live_rows_do_not_fill(models):
     """16 rows, of which 3 live on in rows 6-8: the batch shrinks to 4 rows, one of them free, the
     live rows moved below the new size (`move_row`), and every row still decodes as alone (each

@@ -212,9 +212,18 @@ class StaticCacheMixin:
             self.state[name][row] = value[source_row]
         return span
 
-    def vacate(self, rows: Tensor) -> None:
+    def vacate(self, rows: Tensor, filled: int | None = None) -> None:
         """Rows no request uses: back to an empty row at position 0, so a free row that decodes on
-        (unseen) never writes past its first slot."""
+        (unseen) never writes past its first slot. What they stored is zeroed: the next request in
+        such a row attends over a window that covers those slots, masked, and a masked value that is
+        not finite (a float16 cache that overflowed) would still reach its output through 0 x inf.
+        `filled`: the most slots any of them filled, where the caller knows it (else read from the
+        rows' write positions: a device sync)."""
+        if filled is None:
+            filled = int(self.write_index[rows].max()) if rows.numel() else 0
+        for k_slot, v_slot in zip(self.k_slots, self.v_slots):
+            k_slot[rows, :, :filled] = 0
+            v_slot[rows, :, :filled] = 0
         self.key_pos[rows] = -1
         self.next_pos[rows] = 0
         self.write_index[rows] = 0

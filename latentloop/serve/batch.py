@@ -456,8 +456,9 @@ class SlotBatch(DecodeBatch):
             live = [i for i, m in enumerate(self.members) if not m.done]
         tokens = self._pending_tokens  # (B,): each row's last draw (`_sample`), free rows' included
         free = [i for i, m in enumerate(self.members) if m.done]
-        if free:
-            self.cache.vacate(torch.tensor(free, dtype=torch.long, device=self.device))
+        if free:  # the slots a row that just left filled are known here: no sync to find them
+            self.cache.vacate(torch.tensor(free, dtype=torch.long, device=self.device),
+                              filled=max(self.filled[i] for i in free))
         self.cache.filled = max(self.filled[i] for i in live)
         logits, _, info = self.decoder.step(tokens)
         self.last = logits  # (B, V)
