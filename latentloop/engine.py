@@ -578,20 +578,24 @@ def _speculative_round(drafting, pending: Tensor, rows: list[_SpeculativeRow], m
     does the model and cache work (`EagerDrafting`, `CompiledDrafting`)."""
     B, device = pending.shape[0], pending.device
     left = [max_new_tokens - row.made for row in rows]  # tokens each row may still make (>= 1 while open)
-    k = drafting.drafts(max(n for n, row in zip(left, rows) if row.open) - 1)  # drafts that could be used
+    wanted = max(n for n, row in zip(left, rows) if row.open) - 1  # drafts that could be used
+    k = drafting.drafts(wanted)
+    # A compiled round drafts its fixed k whatever is wanted; drafts past `useful` are made (argmax: no
+    # random draw) and never judged, so a seed draws the same numbers on every path
+    useful = min(k, wanted)
     before = drafting.snapshot()
     drafts, draft_logits, token = [], [], pending
-    for _ in range(k):
+    for i in range(k):
         q = drafting.draft(token)  # (B, V)
-        token = sample_next(q, temperature, top_k, top_p, generator)
+        token = sample_next(q, temperature if i < useful else 0.0, top_k, top_p, generator)
         drafts.append(token)
         draft_logits.append(q)
     if k:
         drafting.take_back(k, before)
     out = drafting.verify(torch.stack([pending, *drafts], dim=1))  # (B, k + 1, V): one full pass
-    drafted = torch.stack(drafts, dim=1) if k else pending.new_zeros((B, 0))
-    accepted, following = accept_drafts(out.logits, drafted,
-                                        torch.stack(draft_logits, dim=1) if k else out.logits[:, :0],
+    drafted = torch.stack(drafts[:useful], dim=1) if useful else pending.new_zeros((B, 0))
+    accepted, following = accept_drafts(out.logits[:, :useful + 1], drafted,
+                                        torch.stack(draft_logits[:useful], dim=1) if useful else out.logits[:, :0],
                                         temperature, top_k, top_p, generator)
     # the cache keeps the pending token and the accepted drafts, at most up to the row's budget (so
     # that it never holds more than a plain decode's tokens); rows that stopped keep nothing
@@ -600,7 +604,7 @@ def _speculative_round(drafting, pending: Tensor, rows: list[_SpeculativeRow], m
     counts, following_ids, drafted_ids = accepted.tolist(), following.tolist(), drafted.tolist()
     for b, row in enumerate(rows):
         if row.open:
-            row.drafted += k
+            row.drafted += useful
             row.accepted += counts[b]
             for i in range(counts[b]):
                 row.push(drafted_ids[b][i], out.logits[b, i], stop_tokens, max_new_tokens)

@@ -413,6 +413,21 @@ def test_rounds_over_the_static_cache_equal_the_full_depth(kind, models, monkeyp
         generate(model, near_the_end, 9, temperature=0.0, compile=False)
 
 
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_seed_samples_the_same_tokens_on_the_static_cache_as_eagerly(kind, models, monkeypatch):
+    """The static cache's rounds draft their fixed k even where fewer tokens are wanted (a budget that
+    ends inside a round); those drafts draw no random numbers and are not judged, so a seed gives the
+    eager rounds' tokens (which draft only what is wanted): "auto" may switch paths mid-decode."""
+    model = models[kind]
+    _static_rounds(monkeypatch)
+    for seed in range(6):
+        for budget in (5, 6, 7):
+            sampled = dict(temperature=1.0, top_k=50, top_p=0.9, seed=seed, draft_steps=1, draft_tokens=4)
+            eager = generate(model, [PROMPTS[0]], budget, compile=False, **sampled)
+            static = generate(model, [PROMPTS[0]], budget, compile=True, **sampled)
+            assert static == eager, (seed, budget)
+
+
 def test_the_automatic_mode_moves_a_speculative_decode_onto_the_static_cache(models, monkeypatch):
     """`compile="auto"` (the default) drafts eagerly first; once the rule says compiling pays, the rest
     of the decode adopts the cache on the fast path, and the tokens stay the full depth's. Several rows
