@@ -264,7 +264,7 @@ def _temperature(model) -> float:
     return float(logits.std())
 
 
-def _exact_joint(model, temperature: float, top_k: int | None) -> torch.Tensor:
+def _exact_joint(model, temperature: float, top_k: int | None, top_p: float | None = None) -> torch.Tensor:
     """P(t_1 .. t_STAT_TOKENS) under full-depth sampling, (V ** n,) flattened in row-major order of
     the tokens, from teacher-forced full-depth logits of every continuation."""
     V, n = STAT_VOCAB, STAT_TOKENS
@@ -276,7 +276,7 @@ def _exact_joint(model, temperature: float, top_k: int | None) -> torch.Tensor:
         # the prompt prefilled and the rest decoded through the cache, as generation runs them (fbt's
         # soft regime scores a text otherwise by default)
         logits = teacher_forced_logits(model, idx, prompt_len=len(STAT_PROMPT))[:, -1]  # (V ** length, V)
-        joint = (joint[:, None] * sampling_probs(logits, temperature, top_k).double()).reshape(-1)
+        joint = (joint[:, None] * sampling_probs(logits, temperature, top_k, top_p).double()).reshape(-1)
     return joint
 
 
@@ -295,23 +295,24 @@ def _chi_square_p(draws: torch.Tensor, expected: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(freedom / 2, dtype=torch.float64), statistic / 2))
 
 
-def _speculative_draws(model, temperature: float, top_k: int | None, seed: int) -> torch.Tensor:
-    rows = generate(model, [STAT_PROMPT] * STAT_DRAWS, STAT_TOKENS, temperature=temperature, top_k=top_k, seed=seed,
-                    draft_steps=1, draft_tokens=STAT_TOKENS - 2)
+def _speculative_draws(model, temperature: float, top_k: int | None, seed: int,
+                       top_p: float | None = None) -> torch.Tensor:
+    rows = generate(model, [STAT_PROMPT] * STAT_DRAWS, STAT_TOKENS, temperature=temperature, top_k=top_k,
+                    top_p=top_p, seed=seed, draft_steps=1, draft_tokens=STAT_TOKENS - 2)
     return torch.tensor(rows)
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_sampled_self_speculative_decoding_has_the_full_depths_distribution(kind):
     """STAT_DRAWS independent rows of the first STAT_TOKENS tokens (the drafted and bonus positions
-    of one round) against the exact full-depth joint: a chi-square test at FALSE_ALARM, plain and
-    with top_k."""
+    of one round) against the exact full-depth joint: a chi-square test at FALSE_ALARM, plain, with
+    top_k and with top_p (the acceptance must compare the distributions the sampler draws from)."""
     model = _stat_model(kind)
     temperature = _temperature(model)
-    for top_k, seed in ((None, 0), (3, 1)):
-        draws = _speculative_draws(model, temperature, top_k, seed)
-        p = _chi_square_p(draws, _exact_joint(model, temperature, top_k))
-        assert p > FALSE_ALARM, (top_k, p)
+    for top_k, top_p, seed in ((None, None, 0), (3, None, 1), (None, 0.8, 2)):
+        draws = _speculative_draws(model, temperature, top_k, seed, top_p)
+        p = _chi_square_p(draws, _exact_joint(model, temperature, top_k, top_p))
+        assert p > FALSE_ALARM, (top_k, top_p, p)
 
 
 def _always_accept(logits, drafts, draft_logits, temperature, top_k=None, top_p=None, generator=None):
