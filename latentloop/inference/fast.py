@@ -434,7 +434,7 @@ class FastDecoder:
                 self._step = self._dynamo_step()
         self.cache: KVCache | None = None
         # (cache, its key_pos, torch's threads) of the last step, when its shape had run before (`step`):
-        # a resize (new key_pos), another cache or thread count looks the shape up again
+        # new tensors (another cache, a view of other rows: a new key_pos) or thread count look the shape up again
         self._ran_with: tuple | None = None
 
     def _dynamo_step(self):
@@ -468,7 +468,8 @@ class FastDecoder:
         self.attach(cache)
 
     def attach(self, cache: KVCache) -> None:
-        """Decode a frozen static cache from now on (again after its `resize`: new tensors)."""
+        """Decode a frozen static cache from now on (again whenever its tensors change: another cache,
+        or a view of other rows of the same storage)."""
         self.model.prepare_fast_decoding()  # e.g. fbt's gate table: computed here, read as is when compiled
         if self.aot is not None:
             self.aot.forget()
