@@ -68,8 +68,9 @@ sys.path.insert(0, str(REPO))
 
 from experiments.cpu_comparison import _matched_heavy_tail_mean  # noqa: E402
 from latentloop.archs import ARCHS, build_model, build_objective  # noqa: E402
+from latentloop.checkpoint import LOCK_FILE, RunLock  # noqa: E402
 from latentloop.config import DataConfig, ModelConfig, RunConfig, TrainConfig, model_config  # noqa: E402
-from latentloop.errors import LatentloopError  # noqa: E402
+from latentloop.errors import CheckpointError, LatentloopError, NonFiniteError  # noqa: E402
 from latentloop.eval.loss import score_run, text_batches  # noqa: E402
 from latentloop.models.backbone import cpu_training_attention_in_fp32  # noqa: E402
 from latentloop.optim import lr_multiplier, set_lr  # noqa: E402
@@ -389,6 +390,10 @@ def _variant_runs(spec: LadderSpec, corpus: str, optimizer: str, size: Size, var
             if matched > 1 and abs(cumulative[matched - 2] - target) < abs(cumulative[matched - 1] - target):
                 matched -= 1
             if matched not in {b.steps for b in branches}:
+                if Branch("", matched, "flops", i).decay_start <= spec.warmup_steps + MIN_BRANCH_STEPS:
+                    raise LatentloopError(f"size {size.name}: {variant.name}'s FLOP-matched budget of {matched} "
+                                          f"steps decays before its warmup ({spec.warmup_steps} steps) is over: "
+                                          f"raise --budget-scale")
                 branches.append(Branch(f"f{i + 1}", matched, "flops", i))
     branches.sort(key=lambda b: b.steps)
     run = RunPlan(spec.name, corpus, optimizer, size, variant, seed, branches)
@@ -443,16 +448,30 @@ def plan_entry(run: RunPlan) -> dict[str, Any]:
     return json.loads(json.dumps(run.describe()))
 
 
+UNBUILDABLE = "unbuildable"  # in a `planned_entries` entry: today's plan of that spec does not build (why)
+
+
 def planned_entries(records: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Today's plan entry of every run the records' ladders (spec and corpora) plan, by key, for
-    every default variant: what `stale_fields` compares a record's own entry with."""
-    wanted: dict[str, set[str]] = {}
+    """Today's plan entry of every run the records' ladders plan (their spec, corpora and variants),
+    by key: what `stale_fields` compares a record's own entry with. Where today's plan of a spec does
+    not build, each of its records' keys maps to {UNBUILDABLE: why}."""
+    wanted: dict[str, tuple[set[str], set[str], list[str]]] = {}
     for record in records:
         plan = record.get("plan", {})
         if plan.get("spec") in SPECS:
-            wanted.setdefault(plan["spec"], set()).add(plan["corpus"])
-    return {run.key: plan_entry(run) for name, corpora in wanted.items()
-            for run in plan_ladder(SPECS[name], ladder_variants(None), tuple(sorted(corpora)))}
+            corpora, variants, keys = wanted.setdefault(plan["spec"], (set(), set(), []))
+            corpora.add(plan["corpus"])
+            variants.add(plan["variant"]["name"])
+            keys.append(plan["key"])
+    entries: dict[str, dict[str, Any]] = {}
+    for name, (corpora, variants, keys) in wanted.items():
+        known = [v for v in variants if v in {variant.name for variant in all_variants()}]
+        try:
+            entries |= {run.key: plan_entry(run) for run in plan_ladder(SPECS[name], ladder_variants(sorted(known)),
+                                                                          tuple(sorted(corpora)))}
+        except LatentloopError as exc:
+            entries |= {key: {UNBUILDABLE: first_line(exc)} for key in keys}
+    return entries
 
 
 def stale_fields(record: dict[str, Any], planned: dict[str, dict[str, Any]] | None = None) -> list[str]:
@@ -467,7 +486,9 @@ def stale_fields(record: dict[str, Any], planned: dict[str, dict[str, Any]] | No
     changed = []
     ran = json.loads(json.dumps(record["plan"]))  # as a record on disk holds it
     entry = (planned or {}).get(ran.get("key", ""))
-    if entry is not None:
+    if entry is not None and UNBUILDABLE in entry:
+        changed.append(f"plan: today's plan of this ladder does not build ({entry[UNBUILDABLE]})")
+    elif entry is not None:
         changed += [f"plan.{key}: {ran.get(key, '<absent>')!r} then, {entry.get(key, '<absent>')!r} now"
                     for key in sorted(set(entry) | set(ran)) if ran.get(key, "<absent>") != entry.get(key, "<absent>")]
     for section in sorted(set(today) | set(then)):
@@ -560,21 +581,69 @@ def score(state, labels: dict[str, dict], val: np.ndarray, eval_batch: int,
         time.perf_counter() - start
 
 
-def execute(run: RunPlan, out: Path, device: str, spec: LadderSpec, progress: bool = True) -> dict[str, Any]:
-    """Train one run (resuming its trunk where it stopped) and write its record; returns the record."""
+class RunBusy(LatentloopError):
+    """Another process trains this run (it holds the run's lock)."""
+
+
+class RunFailed(LatentloopError):
+    """The run cannot finish here (its training diverged): recorded in `out/failed.json`."""
+
+
+def execute(run: RunPlan, out: Path, device: str, spec: LadderSpec, progress: bool = True) -> dict[str, Any] | None:
+    """Train one run (resuming its trunk where it stopped) and write its record; returns the record,
+    or None when another process finished it meanwhile. Raises `RunBusy` when another process
+    trains it now, `RunFailed` when its training diverges."""
     record_path = out / "records" / f"{run.file_name}.json"
     work = out / "work" / run.file_name
-    config = run_config(run, device, spec)
-    requested = json.loads(json.dumps(config.to_dict()))
-    trunk_dir = work / "trunk"
-    if trunk_dir.exists():  # setup's folder (config, tokenizer): the trunk's own state is trunk.pt
-        shutil.rmtree(trunk_dir)
-    state = setup(config, trunk_dir, progress=False)
+    work.mkdir(parents=True, exist_ok=True)
+    try:  # the run's own lock, in its work folder (the trunk's folder below is made afresh)
+        lock = RunLock(work).acquire()
+    except CheckpointError:
+        raise RunBusy(f"{run.key}: another process trains it ({work / LOCK_FILE})") from None
     try:
-        return _execute(run, state, work, record_path, requested, spec, progress)
+        if finished(out, run):  # finished by another process between our check and the lock
+            return None
+        config = run_config(run, device, spec)
+        requested = json.loads(json.dumps(config.to_dict()))
+        trunk_dir = work / "trunk"
+        if trunk_dir.exists():  # setup's folder (config, tokenizer): the trunk's own state is trunk.pt
+            shutil.rmtree(trunk_dir)
+        state = setup(config, trunk_dir, progress=False)
+        try:
+            return _execute(run, state, work, record_path, requested, spec, progress)
+        except NonFiniteError as exc:
+            raise RunFailed(f"{run.key}: {first_line(exc)}") from None
+        finally:
+            if state.lock is not None:
+                state.lock.release()
     finally:
-        if state.lock is not None:
-            state.lock.release()
+        lock.release()
+
+
+SAVE_EVERY_S = 300.0  # a trunk's progress is saved this often (and at every decay start): a kill loses less
+SAVE_CHECK_STEPS = 25  # steps between looks at the clock
+
+
+def _made_by(run: RunPlan, requested: dict[str, Any]) -> dict[str, Any]:
+    """What a saved trunk must have been made under to be resumed: the plan entry and the config."""
+    return {"plan": plan_entry(run), "config": requested}
+
+
+def _load_progress(path: Path, made_by: dict[str, Any], key: str) -> dict[str, Any] | None:
+    """The saved trunk to resume, or None (none, unreadable, or made under another plan entry or
+    config: it starts again, and says why). A trunk saved before trunks were stamped (no
+    `made_by`) is taken as made under today's plan."""
+    if not path.exists():
+        return None
+    try:
+        saved = torch.load(path, weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - a truncated or foreign file of any kind: start the run again
+        print(f"  {key}: its saved trunk {path} is unreadable ({first_line(exc)}): starting again", flush=True)
+        return None
+    if saved.get("made_by", made_by) != made_by:
+        print(f"  {key}: its saved trunk was made under another plan entry or config: starting again", flush=True)
+        return None
+    return saved
 
 
 def _execute(run, state, work: Path, record_path: Path, requested: dict, spec: LadderSpec, progress: bool) -> dict:
@@ -585,12 +654,28 @@ def _execute(run, state, work: Path, record_path: Path, requested: dict, spec: L
     modes = get_scoring_modes(state.config.model)
     primary = primary_scoring(state.config.model)
     progress_file = work / "trunk.pt"
-    done: dict[str, Any] = {"points": [], "branches": [], "seconds": {"train": 0.0, "eval": 0.0}}
-    if progress_file.exists():
-        saved = torch.load(progress_file, weights_only=False)
+    made_by = _made_by(run, requested)
+    done: dict[str, Any] = {"points": [], "branches": [], "seconds": {"train": 0.0, "eval": 0.0}, "commits": []}
+    saved = _load_progress(progress_file, made_by, run.key)
+    if saved is not None:
         _restore(state, saved["snapshot"])
         done = saved["done"]
+    commit = git_stamp()["commit"]
+    done["commits"] = [*done.get("commits", []), *([] if commit in done.get("commits", []) else [commit])]
     train_tokens = len(state.data.train)
+
+    def save() -> None:
+        _atomic_save(progress_file, {"snapshot": _snapshot(state), "done": done, "made_by": made_by})
+
+    def trunk_to(stop: int) -> float:
+        """The trunk's stable phase up to `stop`, saved every `SAVE_EVERY_S` on the way."""
+        spent, saved_at = 0.0, time.perf_counter()
+        while state.step < stop:
+            spent += train_until(state, train_cfg, min(stop, state.step + SAVE_CHECK_STEPS), guard, flops_model)
+            if state.step < stop and time.perf_counter() - saved_at >= SAVE_EVERY_S:
+                save()
+                saved_at = time.perf_counter()
+        return spent
 
     def point(kind: str, label: str, budget: int, labels: dict[str, dict], max_batches: int | None = None) -> None:
         scores, seconds = score(state, labels, val, spec.eval_batch, max_batches)
@@ -608,7 +693,7 @@ def _execute(run, state, work: Path, record_path: Path, requested: dict, spec: L
     for decay_start in sorted({b.decay_start for b in run.branches}):
         if decay_start in {p["step"] for p in done["points"] if p["kind"] == "stable"}:
             continue  # resumed past it
-        done["seconds"]["train"] += train_until(state, train_cfg, decay_start, guard, flops_model)
+        done["seconds"]["train"] += trunk_to(decay_start)
         point("stable", f"stable@{decay_start}", -1, {primary: modes[primary]}, stable_batches(val, spec))
         for branch in [b for b in run.branches if b.decay_start == decay_start]:
             last = branch is final
@@ -619,20 +704,38 @@ def _execute(run, state, work: Path, record_path: Path, requested: dict, spec: L
             done["branches"].append(branch.label)
             if snap is not None:
                 _restore(state, snap)
-        _atomic_save(progress_file, {"snapshot": _snapshot(state), "done": done})
-    record = {"key": run.key, "plan": run.describe(), **git_stamp(), "config_requested": requested,
+        save()
+    record = {"key": run.key, "plan": run.describe(), **git_stamp(), "commits": done["commits"],
+              "config_requested": requested,
               "config_resolved": json.loads(json.dumps(state.config.to_dict())),
               "precision": resolve_dtype(state.device, state.config.train.dtype),
               "attention_dtype": training_attention_dtype(state.device, state.config),
+              "evaluation": {"dtype": "float32", "batch": spec.eval_batch, "stable_share": spec.stable_eval_share},
               "params": state.model.num_params(),
               "params_non_embedding": state.model.num_params(exclude_embedding=True),
-              "train_tokens_available": train_tokens, "val_tokens": int(len(val)), "points": done["points"],
+              "train_tokens_available": train_tokens, "val_tokens": int(len(val)),
+              "data_sha256": state.data.meta.get("sha256"), "points": done["points"],
               "seconds": done["seconds"], "device": str(state.device), "threads": torch.get_num_threads(),
-              "torch": torch.__version__, "machine": platform.machine(), "complete": True,
+              "torch": torch.__version__, "numpy": np.__version__, "python": platform.python_version(),
+              "machine": platform.machine(), "cpu": cpu_model(), "complete": True,
               "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     _atomic_write_json(record_path, record)
+    # the work folder goes, its lock file with it: a process that takes a lock on it (or on a new one)
+    # from now on finds the record first (`execute` checks after locking)
     shutil.rmtree(work, ignore_errors=True)
     return record
+
+
+@functools.cache
+def cpu_model() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), else what `platform` says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def training_attention_dtype(device: torch.device, config: RunConfig) -> str:
@@ -656,6 +759,18 @@ def _atomic_write_json(path: Path, obj: Any) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(obj, indent=1) + "\n")
     os.replace(tmp, path)
+
+
+FAILED_FILE = "failed.json"  # run key -> why it failed (a diverged training), with the commit and the time
+
+
+def read_failures(out: Path) -> dict[str, dict[str, Any]]:
+    """The runs that failed under `out` (`FAILED_FILE`), {} when none or unreadable."""
+    try:
+        found = json.loads((out / FAILED_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
 
 
 def finished(out: Path, run: RunPlan) -> bool:
@@ -790,11 +905,11 @@ def fit_to_budget(spec: LadderSpec, variants: list[Variant], corpora: tuple[str,
         runs = plan_ladder(spec, variants, corpora, scale, flops)
         return sum(gpu_seconds(r, rates, val_sizes, params) for r in runs), runs
 
-    low, high = 1e-5, 1.0  # the smallest scale whose budgets branch after the warmup
+    low, high = 1e-5, 1.0  # the smallest scale whose budgets (FLOP-matched ones too) branch after the warmup
     for _ in range(20):
         mid = math.sqrt(low * high)
         try:
-            plan_ladder(spec, variants[:1], corpora[:1], mid, flops)
+            plan_ladder(spec, variants, corpora[:1], mid, flops)
             high = mid
         except LatentloopError:
             low = mid
@@ -889,6 +1004,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reprobe", action="store_true", help="measure the probe again instead of reusing out/probe-*.json")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--quiet", action="store_true", help="no line per scored point")
+    p.add_argument("--retry-failed", action="store_true",
+                   help="run again the runs that failed before (listed in OUT/failed.json); default: leave them out")
     p.add_argument("--shard", type=shard, default=None, metavar="K/N",
                    help="run only the K-th of N interleaved parts of the plan (every N-th run from the K-th), "
                         "so N processes with the same --out, one per core, share the ladder without overlap")
@@ -982,8 +1099,14 @@ def _main(args: argparse.Namespace) -> int:
     for line in describe_plan(runs, spec) + epochs_note(runs, spec):
         print(line, flush=True)
     done = {r.key for r in runs if finished(out, r)}  # each record read once
+    failed_path = out / FAILED_FILE
+    failures = read_failures(out)
     mine = shard_runs(runs, args.shard)
-    todo = [r for r in mine if r.key not in done]
+    todo = [r for r in mine if r.key not in done and (args.retry_failed or r.key not in failures)]
+    left_failed = [r.key for r in mine if r.key in failures and r.key not in done and not args.retry_failed]
+    if left_failed:
+        print(f"{len(left_failed)} runs failed before and are left out ({failed_path}; --retry-failed runs them "
+              f"again): {', '.join(left_failed)}", flush=True)
     shard_note = ("" if args.shard is None else
                   f"; shard {args.shard[0]}/{args.shard[1]}: {len(mine)} runs, {len(todo)} left")
     print(f"{len(done)} of {len(runs)} runs finished already (kept, skipped){shard_note}", flush=True)
@@ -1015,7 +1138,15 @@ def _main(args: argparse.Namespace) -> int:
             break
         print(f"[{i + 1}/{len(todo)}] {run.key}: {len(run.branches)} budgets, {run.total_steps} steps at most",
               flush=True)
-        execute(run, out, train_device, spec, progress=not args.quiet)
+        try:
+            execute(run, out, train_device, spec, progress=not args.quiet)
+        except RunBusy as exc:
+            print(f"skipped: {exc}", flush=True)
+        except RunFailed as exc:  # one run's failure does not stop the others
+            failures[run.key] = {"error": str(exc), "commit": git_stamp()["commit"],
+                                 "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            _atomic_write_json(failed_path, failures)
+            print(f"failed: {exc} (in {failed_path}; --retry-failed runs it again)", flush=True)
     print(f"done: {sum(finished(out, r) for r in runs)} of {len(runs)} runs finished; "
           f"{time.perf_counter() - started:.0f} s this invocation", flush=True)
     return 0

@@ -394,8 +394,10 @@ def precision_line(records: Sequence[dict[str, Any]]) -> str:
     return f"Training precision: {'; '.join(parts)}{mixed}."
 
 
-def generate(records: Sequence[dict[str, Any]], figures: Path | None = None, figures_link: str = "") -> str:
-    """The page: the claims (one row each), the multipliers, the plots."""
+def generate(records: Sequence[dict[str, Any]], figures: Path | None = None, figures_link: str = "",
+             failed: dict[str, dict[str, Any]] | None = None) -> str:
+    """The page: the claims (one row each), the multipliers, the plots; `failed` (`ladder.read_failures`):
+    the runs that failed, named under the header (they have no record)."""
     _CACHE.clear()
     points = points_of(records)
     stale = stale_by_variant(records, ladder.planned_entries(records))
@@ -415,6 +417,9 @@ def generate(records: Sequence[dict[str, Any]], figures: Path | None = None, fig
              "non-embedding parameters needed at the variant's tokens / the variant's."]
     if records:
         lines += ["", precision_line(records)]
+    if failed:
+        lines += ["", f"{len(failed)} runs failed and are in no row (`failed.json`; `ladder.py --retry-failed` runs "
+                  "them again): " + "; ".join(f"{key}: {why.get('error', '?')}" for key, why in failed.items())]
     else:
         lines += ["", "No ladder run has finished yet: every verdict reads \"not run\". The command: "
                   "`python experiments/ladder.py --out runs/ladder`, then this script."]
@@ -473,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         figures, link = page.parent / "figures", "figures/"
     page.parent.mkdir(parents=True, exist_ok=True)
-    page.write_text(generate(records, figures, link))
+    page.write_text(generate(records, figures, link, ladder.read_failures(args.out)))
     print(f"wrote {page} from {len(records)} records")
     return 0
 

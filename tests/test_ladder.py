@@ -142,7 +142,12 @@ def test_records_carry_the_commit_and_the_resolved_config_and_a_rerun_skips_them
     assert len(records) == 1
     record = records[0]
     assert record["commit"] == "unknown" or len(record["commit"]) == 40
+    assert record["commits"] == [record["commit"]]  # every process that trained it (one: never stopped)
     assert isinstance(record["modified"], list)
+    assert record["evaluation"] == {"dtype": "float32", "batch": smoke.eval_batch,
+                                    "stable_share": smoke.stable_eval_share}
+    assert {len(digest) for digest in record["data_sha256"].values()} == {64}  # the train and val splits
+    assert record["cpu"] and record["python"] and record["numpy"]
     for config in (record["config_requested"], record["config_resolved"]):
         assert set(config) == {"model", "train", "data"}
         assert config["train"]["optimizer"] == "muon" and config["train"]["schedule"] == "wsd"
@@ -166,11 +171,16 @@ def test_records_carry_the_commit_and_the_resolved_config_and_a_rerun_skips_them
     assert [c.split(":")[0] for c in changed] == ["plan.branches"]
 
 
-def test_a_stopped_run_resumes_from_its_trunk_to_the_same_figures(tiny_ladder, tmp_path, monkeypatch):
-    """Killed after its first branch point was saved, a run continues from trunk.pt and ends with the
-    uninterrupted run's points, bit for bit."""
+@pytest.mark.parametrize("mid_trunk", [False, True], ids=["at-a-decay-start", "mid-trunk"])
+def test_a_stopped_run_resumes_from_its_trunk_to_the_same_figures(mid_trunk, tiny_ladder, tmp_path, monkeypatch):
+    """Killed after its first save (after the first decay start's points, or a timed save inside the
+    trunk's stable phase), a run continues from trunk.pt and ends with the uninterrupted run's
+    points, bit for bit."""
     run = ladder.plan_ladder(TINY, ladder.ladder_variants(["gpt"]), ("tiny",))[0]
     whole = _run_tiny(tmp_path / "whole", [run])[0]
+    if mid_trunk:  # a save after every step of the stable phase
+        monkeypatch.setattr(ladder, "SAVE_EVERY_S", 0.0)
+        monkeypatch.setattr(ladder, "SAVE_CHECK_STEPS", 1)
     saves = []
     original = ladder._atomic_save
 
@@ -184,9 +194,93 @@ def test_a_stopped_run_resumes_from_its_trunk_to_the_same_figures(tiny_ladder, t
         _run_tiny(tmp_path / "stopped", [run])
     monkeypatch.setattr(ladder, "_atomic_save", original)
     assert len(saves) == 1 and not ladder.finished(tmp_path / "stopped", run)
+    saved = torch.load(saves[0], weights_only=False)
+    assert bool(saved["done"]["points"]) is not mid_trunk  # mid-trunk: before any point
     resumed = _run_tiny(tmp_path / "stopped", [run])[0]
+    assert resumed["commits"] == [ladder.git_stamp()["commit"]]
     strip = [{k: v for k, v in p.items() if k != "train_loss"} for p in whole["points"]]
     assert [{k: v for k, v in p.items() if k != "train_loss"} for p in resumed["points"]] == strip
+
+
+def test_a_saved_trunk_is_resumed_only_under_its_own_plan_and_config(tiny_ladder, tmp_path, capsys):
+    run = ladder.plan_ladder(TINY, ladder.ladder_variants(["gpt"]), ("tiny",))[0]
+    requested = json.loads(json.dumps(ladder.run_config(run, spec=TINY).to_dict()))
+    made_by = ladder._made_by(run, requested)
+    path = tmp_path / "trunk.pt"
+    torch.save({"snapshot": {}, "done": {"points": []}, "made_by": made_by}, path)
+    assert ladder._load_progress(path, made_by, run.key) is not None
+    other = json.loads(json.dumps(made_by))
+    other["config"]["train"]["muon_lr"] = 0.05  # saved under another default
+    torch.save({"snapshot": {}, "done": {"points": []}, "made_by": other}, path)
+    assert ladder._load_progress(path, made_by, run.key) is None
+    assert "made under another plan entry or config: starting again" in capsys.readouterr().out
+    torch.save({"snapshot": {}, "done": {"points": []}}, path)  # saved before trunks were stamped
+    assert ladder._load_progress(path, made_by, run.key) is not None
+    path.write_bytes(b"PK\x03\x04 truncated")
+    assert ladder._load_progress(path, made_by, run.key) is None
+    assert "is unreadable" in capsys.readouterr().out
+
+
+def test_a_run_another_process_trains_is_skipped_and_a_diverged_one_recorded(tiny_ladder, tmp_path, monkeypatch,
+                                                                              capsys):
+    """Each run holds a lock of its own while it trains: a second process skips it. A run whose
+    training diverges is written to failed.json and the ladder goes on; the next start leaves it out,
+    `--retry-failed` runs it again."""
+    from latentloop.checkpoint import RunLock
+    from latentloop.errors import NonFiniteError
+
+    out = tmp_path / "ladder"
+    smoke = dataclasses.replace(TINY, name="smoke", seeds=(0,))
+    monkeypatch.setattr(ladder, "SMOKE", smoke)
+    monkeypatch.setitem(ladder.SPECS, "smoke", smoke)
+    runs = ladder.plan_ladder(smoke, ladder.ladder_variants(["gpt"]), ("tiny",))
+    assert len(runs) == 2
+    (out / "work" / runs[0].file_name).mkdir(parents=True)
+    held = RunLock(out / "work" / runs[0].file_name).acquire()  # another process trains the first
+    with pytest.raises(ladder.RunBusy):
+        ladder.execute(runs[0], out, "cpu", smoke, progress=False)
+    held.release()
+
+    def diverge(*args, **kwargs):
+        raise NonFiniteError("training diverged at step 3: the loss is nan")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(ladder, "_execute", diverge)
+        with pytest.raises(ladder.RunFailed, match="diverged at step 3"):
+            ladder.execute(runs[0], out, "cpu", smoke, progress=False)
+    ran = []
+
+    def fake(run, *args, **kwargs):
+        ran.append(run.key)
+        if run.key == runs[0].key:
+            raise ladder.RunFailed(f"{run.key}: training diverged at step 3")
+        return None
+
+    monkeypatch.setattr(ladder, "execute", fake)
+    argv = ["--out", str(out), "--smoke", "--variants", "gpt", "--corpora", "tiny", "--no-probe", "--quiet"]
+    assert ladder.main(argv) == 0
+    assert ran == [runs[0].key, runs[1].key]  # the failure did not stop the ladder
+    failed = json.loads((out / ladder.FAILED_FILE).read_text())
+    assert list(failed) == [runs[0].key] and "diverged at step 3" in failed[runs[0].key]["error"]
+    ran.clear()
+    assert ladder.main(argv) == 0
+    assert ran == [runs[1].key] and "1 runs failed before and are left out" in capsys.readouterr().out
+    ran.clear()
+    assert ladder.main(argv + ["--retry-failed"]) == 0
+    assert ran == [runs[0].key, runs[1].key]
+    assert "1 runs failed and are in no row" in ladder_claims.generate([], failed=ladder.read_failures(out))
+
+
+def test_a_flop_matched_budget_that_decays_in_the_warmup_is_refused(monkeypatch):
+    """rfbt-flops costs about twice gpt's FLOPs a token: matched to gpt's 20-step budget, its branch
+    is 7 steps, which would decay before a 6-step warmup is over (the GPU ladder's smallest scales)."""
+    steps = 20 * TINY.sizes[0].batch_size * TINY.seq_len / ladder.gpt_params(TINY.sizes[0], TINY.seq_len)
+    spec = dataclasses.replace(TINY, name="short", sizes=TINY.sizes[:1], warmup_steps=6, budget_ratios=(steps,),
+                               reference_extension=(2 * steps,))
+    monkeypatch.setitem(ladder.SPECS, spec.name, spec)
+    ladder.plan_ladder(spec, ladder.ladder_variants(["gpt"]), ("tiny",))  # gpt's own budget is long enough
+    with pytest.raises(ladder.LatentloopError, match="rfbt-flops's FLOP-matched budget of 7 steps decays"):
+        ladder.plan_ladder(spec, ladder.ladder_variants(["rfbt-flops"]), ("tiny",))
 
 
 def test_a_changed_default_marks_the_records_and_their_rows_stale(tiny_ladder, tmp_path, monkeypatch):
