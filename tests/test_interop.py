@@ -53,7 +53,14 @@ def _hf_tokenizer(folder, bos: str | None = "<s>"):
 
 def _hf_model(kind: str, folder, shard: bool = False):
     """A tiny random transformers model of `kind`, saved with its tokenizer."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     torch.manual_seed(0)
     common = dict(vocab_size=HF_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
@@ -65,6 +72,11 @@ def _hf_model(kind: str, folder, shard: bool = False):
         model = LlamaForCausalLM(LlamaConfig(**common, bos_token_id=0, rope_parameters={
             "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 16}))
+    elif kind == "llama-linear":  # position interpolation: every frequency divided by the factor
+        model = LlamaForCausalLM(LlamaConfig(**common, bos_token_id=0, rope_parameters={
+            "rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}))
+    elif kind == "mistral":  # its window covers the whole context: full attention
+        model = MistralForCausalLM(MistralConfig(**common, bos_token_id=0, sliding_window=64))
     else:  # Qwen2: q/k/v biases, tied embeddings, no BOS token
         model = Qwen2ForCausalLM(Qwen2Config(**common, bos_token_id=None, tie_word_embeddings=True))
     with torch.no_grad():
@@ -140,7 +152,7 @@ def test_new_fields_are_validated(field, value, words):
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "llama3", "llama-linear", "mistral", "qwen2"])
 def test_import_matches_transformers(kind, tmp_path, capsys):
     hf = _hf_model(kind, tmp_path / "hf", shard=kind == "llama")
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file() == (kind == "llama")
@@ -148,7 +160,8 @@ def test_import_matches_transformers(kind, tmp_path, capsys):
     model, tokenizer = ll.load(tmp_path / "run")
     c = model.config
     assert (c.qkv_bias, c.tie_embeddings, c.rope_scaling) == {
-        "llama": (False, False, "none"), "llama3": (False, False, "llama3"), "qwen2": (True, True, "none")}[kind]
+        "llama": (False, False, "none"), "llama3": (False, False, "llama3"), "llama-linear": (False, False, "linear"),
+        "mistral": (False, False, "none"), "qwen2": (True, True, "none")}[kind]
     torch.manual_seed(2)
     idx = torch.randint(0, HF_VOCAB, (2, 48))
     with torch.no_grad():
@@ -428,6 +441,12 @@ def llama_folder(tmp_path_factory):
     ({"attention_bias": True}, "o_proj"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "rope_scaling type 'yarn'"),
     ({"model_type": "mistral", "sliding_window": 16}, "sliding-window"),
+    # transformers' Mistral slides whatever this Qwen2 switch says
+    ({"model_type": "mistral", "sliding_window": 16, "use_sliding_window": False}, "sliding-window"),
+    ({"model_type": "qwen2", "sliding_window": 16, "use_sliding_window": True, "max_window_layers": 0},
+     "sliding-window"),
+    ({"sliding_window": 16, "layer_types": ["full_attention", "sliding_attention", "full_attention"]},
+     "sliding-window"),
     ({"head_dim": 32}, "head_dim"),
     ({"num_hidden_layers": 5}, "lacks tensor"),
     ("no-tokenizer", "tokenizer.json"),
@@ -446,6 +465,44 @@ def test_unsupported_checkpoints_are_one_line_errors(change, words, llama_folder
     err = _one_line_error(["import-hf", str(folder), "--out", str(tmp_path / "run")], capsys)
     assert words in err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_qwen2_window_that_no_layer_uses_is_full_attention(llama_folder, tmp_path, capsys):
+    """Qwen2 slides only in its layers from max_window_layers on (transformers' layer_types): at or past
+    the layer count, none does, and the import goes through as full attention."""
+    folder = tmp_path / "hf"
+    shutil.copytree(llama_folder, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"sliding_window": 16, "use_sliding_window": True,
+                                                             "max_window_layers": config["num_hidden_layers"]}))
+    assert main(["import-hf", str(folder), "--out", str(tmp_path / "run")]) == 0
+
+
+def test_the_hub_download_fetches_every_file_the_import_reads(monkeypatch, tmp_path):
+    """What `snapshot_download` is asked for: every file a local import reads (the chat template that
+    transformers 5 saves as chat_template.jinja among them), and not Mistral's consolidated weights."""
+    from fnmatch import fnmatch
+
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    asked = {}
+
+    def fake_download(repo_id, allow_patterns, ignore_patterns=None, **kwargs):
+        asked.update(allow=allow_patterns, ignore=ignore_patterns or [])
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    from latentloop.interop.hf_import import resolve_source
+
+    assert resolve_source("org/model") == tmp_path
+
+    def fetched(name: str) -> bool:
+        return (any(fnmatch(name, p) for p in asked["allow"])
+                and not any(fnmatch(name, p) for p in asked["ignore"]))
+
+    for name in ("config.json", "model-00001-of-00002.safetensors", "model.safetensors.index.json",
+                 "tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
+        assert fetched(name), name
+    assert not fetched("consolidated.safetensors") and not fetched("pytorch_model.bin")
 
 
 def test_hub_name_offline_is_one_line_error(monkeypatch, tmp_path, capsys):

@@ -65,8 +65,12 @@ ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3"}  # HF r
 DEFAULT_ROPE_THETA = 10000.0
 DEFAULT_MAX_POSITIONS = 2048
 DEFAULT_RMS_NORM_EPS = 1e-6
+# what an import reads (transformers 5 saves a chat template as chat_template.jinja, beside the tokenizer)
 HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json",
-             "tokenizer_config.json", "generation_config.json"]
+             "tokenizer_config.json", "generation_config.json", "chat_template.jinja"]
+# Mistral's repositories also hold the original format's consolidated.safetensors (as large as the model,
+# never read: the Hugging Face weights' index names the files that are)
+HUB_IGNORED = ["consolidated*.safetensors"]
 REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 IGNORED_TENSORS = re.compile(r".*rotary_emb\.inv_freq$")  # old checkpoints stored RoPE tables
 STAGING_PREFIX = ".importing-"  # the hidden folder beside --out that the run is written into first
@@ -102,7 +106,7 @@ def resolve_source(source: str | Path) -> Path:
         raise InteropError(f"no folder {path}; fetching {source} from the Hub needs huggingface_hub "
                            f"(pip install 'latentloop[hf]')") from None
     try:
-        return Path(snapshot_download(repo_id=str(source), allow_patterns=HUB_FILES))
+        return Path(snapshot_download(repo_id=str(source), allow_patterns=HUB_FILES, ignore_patterns=HUB_IGNORED))
     except LocalEntryNotFoundError:
         if constants.HF_HUB_OFFLINE:
             raise InteropError(f"cannot fetch {source}: offline (HF_HUB_OFFLINE is set) and it is not in the "
@@ -225,7 +229,17 @@ def config_from_hf(hf: dict[str, Any], sequence_len: int | None = None, bos_id: 
     positions = fields.positive_int("max_position_embeddings", DEFAULT_MAX_POSITIONS)
     sequence_len = sequence_len or positions
     window = fields.positive_int("sliding_window", None)
-    uses_window = fields.boolean("use_sliding_window", family == "mistral") and window is not None
+    # as transformers reads it: a config's own `layer_types` where it lists them; else Mistral slides
+    # wherever `sliding_window` is set (it has no switch: `use_sliding_window` is Qwen2's), and Qwen2
+    # only with the switch on, in its layers from `max_window_layers` on
+    layer_types = fields.values.get("layer_types")
+    if isinstance(layer_types, list):
+        uses_window = window is not None and "sliding_attention" in layer_types
+    elif family == "mistral":
+        uses_window = window is not None
+    else:
+        uses_window = (fields.boolean("use_sliding_window", False) and window is not None
+                       and fields.number("max_window_layers", n_layer) < n_layer)
     if uses_window and sequence_len > window:
         raise InteropError(f"sliding-window attention (window {window}) is not supported beyond the window: "
                            f"import with --sequence-len {window} or less, where it equals full attention")
