@@ -52,6 +52,39 @@ def test_resume_is_bit_identical(corpus, tmp_path, optimizer, dtype):
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5, 6]  # no duplicated steps after resume
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_a_resume_with_changed_optimizer_settings_trains_with_them(corpus, tmp_path, capsys, optimizer):
+    """The saved optimizer states keep their moments, but the settings (base lr, weight decay, betas)
+    are the resumed run's: the checkpoint's came back with its state and the run trained on at its old
+    lr while logging the new one. The run's config.json from then on holds them (a later plain
+    --resume keeps them), and the change is said."""
+    fit(setup(_config(corpus, steps=3, optimizer=optimizer), tmp_path / "run", progress=False), progress=False)
+    changed = _config(corpus, steps=6, optimizer=optimizer, lr=0.05, muon_lr=0.07, weight_decay=0.3)
+    capsys.readouterr()
+    resumed = setup(changed, tmp_path / "run", resume=True, progress=False)
+    fresh = setup(_config(corpus, steps=6, optimizer=optimizer, lr=0.05, muon_lr=0.07, weight_decay=0.3),
+                  tmp_path / "fresh", progress=False)  # what this config builds
+    for opt, reference in zip(resumed.optimizers, fresh.optimizers, strict=True):
+        for group, want in zip(opt.param_groups, reference.param_groups, strict=True):
+            assert {k: v for k, v in group.items() if k != "params"} == \
+                {k: v for k, v in want.items() if k != "params"}
+        assert opt.state  # the moments came back
+    captured = capsys.readouterr()
+    said = captured.out + captured.err
+    assert "resuming with changed train settings" in said and "lr: 0.003 -> 0.05" in said
+    assert "the lr schedule" in said  # steps changed
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["train"]["lr"] == 0.05
+    for opened in (resumed, fresh):
+        opened.lock.release()
+
+
+@pytest.mark.parametrize("field, value", [("seed", 7), ("optimizer", "adamw")])
+def test_a_resume_that_changes_the_seed_or_the_optimizer_is_refused_in_one_line(corpus, tmp_path, field, value):
+    fit(setup(_config(corpus, steps=3), tmp_path / "run", progress=False), progress=False)
+    with pytest.raises(ll.CheckpointError, match=f"train.{field} {value!r}: it ran with .*--init-from"):
+        setup(_config(corpus, steps=6, **{field: value}), tmp_path / "run", resume=True, progress=False)
+
+
 def test_training_lowers_loss_and_keeps_last_checkpoints(corpus, tmp_path):
     state = setup(_config(corpus, steps=12, save_every=2, keep_last=2, lr=1e-2), tmp_path / "run", progress=False)
     before = validate(state)["loss"]

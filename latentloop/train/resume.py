@@ -115,7 +115,19 @@ def _read_checkpoint(state: TrainState, checkpoint: Path) -> tuple[dict, dict, d
 
 
 def _load_states(state: TrainState, checkpoint: Path, trainer: dict, weights: dict | None) -> None:
-    """Weights and optimizer states into this run's model (collective under fsdp2)."""
+    """Weights and optimizer states into this run's model (collective under fsdp2). The optimizers'
+    settings (base lr, weight decay, betas, momentum: their param groups but the parameters) stay the
+    ones this run's config built: loading a state brings back the saved run's, and a resume with a
+    changed lr trained on at the old one while logging the new."""
+    configured = [[{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
+                  for opt in state.optimizers]
+    _load_saved_states(state, checkpoint, trainer, weights)
+    for opt, groups in zip(state.optimizers, configured):
+        for group, settings in zip(opt.param_groups, groups):
+            group.update(settings)
+
+
+def _load_saved_states(state: TrainState, checkpoint: Path, trainer: dict, weights: dict | None) -> None:
     try:
         if weights is None:  # a sharded checkpoint (torch.distributed.checkpoint), any strategy
             with_state = trainer.get("sharded", {}).get("optimizer_state_params", [])

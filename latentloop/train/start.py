@@ -38,7 +38,23 @@ def _check_output_path(run_dir: Path) -> None:
             break
 
 
-def check_run_folder(run_dir: Path, config: RunConfig, resume: bool) -> None:
+# train settings a resumed run cannot take: the data order and the objective's draws follow the seed,
+# and the optimizers' parameter groups follow these two (their saved states would not fit)
+FIXED_ON_RESUME = ("seed", "optimizer", "muon_exclude")
+# train settings the lr schedule (and step-dependent recipes such as fbt's paper schedule) is computed from
+SCHEDULE_FIELDS = ("steps", "warmup_steps", "schedule", "decay_fraction", "min_lr_ratio")
+
+
+def train_changes(previous: dict, current: dict) -> list[str]:
+    """The train settings of a resumed run that differ from its saved config, as "key: old -> new"."""
+    old, new = previous.get("train", {}), current["train"]
+    return [f"{key}: {json.dumps(old.get(key))} -> {json.dumps(new.get(key))}" for key in sorted(set(old) | set(new))
+            if json.loads(json.dumps(old.get(key))) != json.loads(json.dumps(new.get(key)))]
+
+
+def check_run_folder(run_dir: Path, config: RunConfig, resume: bool) -> list[str]:
+    """Refuse a folder this run cannot start or resume in; resuming, the train settings that changed
+    since the run's saved config (`train_changes`; a FIXED_ON_RESUME one is refused)."""
     saved = run_dir / "config.json"
     if saved.is_file():
         if not resume:
@@ -59,10 +75,18 @@ def check_run_folder(run_dir: Path, config: RunConfig, resume: bool) -> None:
                 if json.loads(json.dumps(old)) != json.loads(json.dumps(new)):
                     raise CheckpointError(f"{run_dir} holds a different run: {section}.{key} is {old!r} there, "
                                           f"{new!r} here")
+        changes = train_changes(previous, current)
+        for key in FIXED_ON_RESUME:
+            old, new = previous.get("train", {}).get(key), current["train"].get(key)
+            if key in previous.get("train", {}) and json.loads(json.dumps(old)) != json.loads(json.dumps(new)):
+                raise CheckpointError(f"cannot resume {run_dir} with train.{key} {new!r}: it ran with {old!r}, and a "
+                                      f"resumed run keeps it; start a new run from its weights (--init-from) instead")
+        return changes
     elif resume:
         raise CheckpointError(f"cannot resume: {run_dir} holds no run (no config.json)")
     elif run_dir.exists() and any(p.name != LOCK_FILE for p in run_dir.iterdir()):
         raise CheckpointError(f"{run_dir} exists and is not empty; choose another output folder")
+    return []
 
 
 def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress: bool = True,
@@ -143,6 +167,14 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
     return state
 
 
+def _note_train_changes(changes: list[str]) -> None:
+    note(f"resuming with changed train settings ({'; '.join(changes)}): they apply from the resumed step on "
+         f"(optimizer settings too; the saved moments are kept)")
+    if any(change.split(":")[0] in SCHEDULE_FIELDS for change in changes):
+        note("the lr schedule (and any recipe that follows the run's length) is computed for the new settings "
+             "from the resumed step on: past the warmup the run does not follow a straight run's lr")
+
+
 def _claim_run_folder(state: TrainState, resume: bool) -> None:
     """Rank 0: create and lock the run folder; a new run writes its config, tokenizer and an empty log."""
     run_dir, config = state.run_dir, state.config
@@ -152,7 +184,14 @@ def _claim_run_folder(state: TrainState, resume: bool) -> None:
         raise OutputError(f"cannot create output folder {run_dir}: {exc.strerror or exc}") from None
     state.lock = RunLock(run_dir).acquire()
     try:
-        check_run_folder(run_dir, config, resume)  # again, locked: another run may have started here meanwhile
+        # again, locked: another run may have started here meanwhile
+        changes = check_run_folder(run_dir, config, resume)
+        if changes:  # the run's config from now on (each checkpoint copies it): a later plain --resume keeps them
+            _note_train_changes(changes)
+            try:
+                config.save_json(run_dir / "config.json")
+            except OSError as exc:
+                raise OutputError(f"cannot write {run_dir / 'config.json'}: {exc.strerror or exc}") from None
         if not resume:
             config.save_json(run_dir / "config.json")
             try:
