@@ -56,7 +56,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from .config import RunConfig
-from .errors import CheckpointError, ConfigError, LatentloopError, NonFiniteError, OutputError
+from .errors import CheckpointError, CheckpointUnreadable, ConfigError, LatentloopError, NonFiniteError, OutputError
 from .util import first_line, fsync_dir, fsync_file, write_json_atomic  # noqa: F401 (re-exported)
 
 CHECKPOINT_PREFIX = "step_"
@@ -291,10 +291,10 @@ def write_checkpoint_files(tmp: Path, run_dir: Path, step: int, weights: dict[st
             if (Path(run_dir) / name).exists():
                 shutil.copy2(Path(run_dir) / name, tmp / name)
         write_checksums(tmp)  # last: it covers every file above
-    except OSError as exc:
+    except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as its own error
         shutil.rmtree(tmp, ignore_errors=True)
-        raise OutputError(f"cannot write checkpoint {checkpoint_folder(run_dir, step)}: "
-                          f"{exc.strerror or exc}") from None
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else first_line(exc)
+        raise OutputError(f"cannot write checkpoint {checkpoint_folder(run_dir, step)}: {reason}") from None
 
 
 def commit_checkpoint(run_dir: Path, step: int, keep_last: int) -> Path:
@@ -395,6 +395,17 @@ def read_run_config(checkpoint: Path) -> RunConfig:
     raise CheckpointError(f"no config.json found for checkpoint {checkpoint}")
 
 
+def read_failure(exc: BaseException, message: str) -> CheckpointError:
+    """The error for a checkpoint file that could not be read: `CheckpointUnreadable` where this
+    machine failed (an I/O error other than a missing file, memory), else `CheckpointError` (the file
+    is missing or malformed: the checkpoint is broken)."""
+    missing = (FileNotFoundError, IsADirectoryError, NotADirectoryError)
+    if (isinstance(exc, OSError) and not isinstance(exc, missing)) or isinstance(exc, MemoryError) or (
+            isinstance(exc, RuntimeError) and "out of memory" in str(exc)):
+        return CheckpointUnreadable(f"{message} (this machine could not read it; nothing was set aside)")
+    return CheckpointError(message)
+
+
 def weight_shapes(checkpoint: Path) -> dict[str, tuple[int, ...]]:
     """{name: shape} of the weights, read from the safetensors header without loading any tensor (nor
     checking the file against its checksum: `read_weights` does)."""
@@ -412,8 +423,8 @@ def read_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     verify_file(checkpoint, file.name)
     try:
         weights = load_file(str(file))
-    except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
-        raise CheckpointError(f"cannot read weights {file}: {first_line(exc)}") from None
+    except (SafetensorError, OSError, RuntimeError, ValueError, MemoryError) as exc:
+        raise read_failure(exc, f"cannot read weights {file}: {first_line(exc)}") from None
     bad = _first_non_finite(weights)
     if bad is not None:
         raise CheckpointError(f"weights {file} hold NaN or inf (tensor {bad}): the run diverged before this save")
@@ -504,7 +515,7 @@ def read_trainer_state(checkpoint: Path) -> tuple[dict[str, Any], dict[str, Any]
     try:
         meta = json.loads((checkpoint / "state.json").read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"cannot resume from {checkpoint}: state.json: {first_line(exc)}") from None
+        raise read_failure(exc, f"cannot resume from {checkpoint}: state.json: {first_line(exc)}") from None
     if not (checkpoint / TRAINER_JSON).is_file() and (checkpoint / LEGACY_TRAINER).is_file():
         trainer = _read_legacy_trainer(checkpoint)
     else:
@@ -515,8 +526,8 @@ def read_trainer_state(checkpoint: Path) -> tuple[dict[str, Any], dict[str, Any]
                 raise ValueError(f"unknown {TRAINER_JSON} format {encoded.get('format')!r}")
             trainer = unflatten_state(encoded["state"], tensors)
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, SafetensorError, KeyError, TypeError,
-                AttributeError, ValueError) as exc:
-            raise CheckpointError(f"cannot resume from {checkpoint}: trainer state: {first_line(exc)}") from None
+                AttributeError, ValueError, MemoryError) as exc:
+            raise read_failure(exc, f"cannot resume from {checkpoint}: trainer state: {first_line(exc)}") from None
     if not isinstance(meta, dict) or not isinstance(trainer, dict) or not {"optimizers", "rng"} <= set(trainer):
         raise CheckpointError(f"cannot resume from {checkpoint}: its trainer state is incomplete")
     check_saved_step(checkpoint, meta)
@@ -679,7 +690,7 @@ def verify_file(checkpoint: Path, name: str) -> None:
     try:
         found = sha256_file(path)
     except OSError as exc:
-        raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
+        raise read_failure(exc, f"cannot read {path}: {exc.strerror or exc}") from None
     if found != recorded[name]:
         raise CheckpointError(f"{path} is corrupt: its sha256 differs from the one recorded when it was saved "
                               f"(a damaged copy or an edit); restore it from a good copy")

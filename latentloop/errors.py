@@ -22,6 +22,11 @@ class CheckpointError(LatentloopError):
     """A missing, corrupt or incompatible checkpoint / run folder."""
 
 
+class CheckpointUnreadable(CheckpointError):
+    """A checkpoint this machine cannot read now (an I/O error, no memory): no sign that it is broken,
+    so nothing is set aside for it."""
+
+
 class SandboxUnavailable(LatentloopError):
     """Untrusted code cannot be run: the isolation it needs is missing on this machine."""
 

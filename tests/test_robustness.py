@@ -333,6 +333,26 @@ def test_resume_falls_back_to_the_newest_loadable_checkpoint(corpus, tmp_path, c
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_checkpoint_this_machine_cannot_read_now_is_not_set_aside(corpus, tmp_path, monkeypatch):
+    """An I/O error while reading the newest checkpoint is this machine's, not the checkpoint's: the
+    resume stops in one error and nothing is moved or trimmed (setting it aside rewound the run and
+    cut its metrics for good)."""
+    run = _train(corpus, tmp_path / "run", steps=4, save_every=2, keep_last=2)
+    metrics = (run / "metrics.jsonl").read_text()
+    real = ckpt.sha256_file
+
+    def failing_read(path):
+        if "step_00000004" in str(path):
+            raise OSError(5, "Input/output error")
+        return real(path)
+
+    monkeypatch.setattr(ckpt, "sha256_file", failing_read)
+    with pytest.raises(CheckpointError, match="Input/output error.*nothing was set aside"):
+        setup(_config(corpus, 4, save_every=2, keep_last=2), run, resume=True, progress=False)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]
+    assert (run / "metrics.jsonl").read_text() == metrics
+
+
 def test_resume_without_any_loadable_checkpoint_is_refused_not_restarted(corpus, tmp_path, capsys):
     run = _train(corpus, tmp_path / "run", steps=2)
     metrics = (run / "metrics.jsonl").read_text()
@@ -479,6 +499,20 @@ def test_compare_analyze_eval_and_demo_outputs_in_the_way_of_a_file(tiny_run_cop
     err = _one_line_exit_2(["eval", run, "--tasks", "copa", "--eval-dir", eval_dir, "--no-progress"], capsys)
     assert "evals" in err
     assert a_file.read_text() == "mine"
+
+
+def test_a_full_disk_while_saving_is_one_error_and_leaves_no_partial_checkpoint(tmp_path, monkeypatch):
+    """safetensors reports a full disk as its own error, not an OSError: still one OutputError, and
+    the half-written folder is removed."""
+    def full(*args, **kwargs):
+        raise ckpt.SafetensorError("Error while serializing: IoError(No space left on device (os error 28))")
+
+    monkeypatch.setattr(ckpt, "save_file", full)
+    tmp = tmp_path / "checkpoints" / ".tmp-step_00000003"
+    tmp.mkdir(parents=True)
+    with pytest.raises(OutputError, match="cannot write checkpoint .*No space left on device"):
+        ckpt.write_checkpoint_files(tmp, tmp_path, 3, {"w": torch.zeros(2)}, None, {"step": 3})
+    assert not tmp.exists()
 
 
 def test_write_json_atomic_reports_an_unwritable_path(a_file):

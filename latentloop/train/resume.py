@@ -22,6 +22,7 @@ from ..checkpoint import (
     commit_checkpoint,
     fsync_dir,
     load_weights,
+    read_failure,
     read_trainer_state,
     read_weights,
     recover_checkpoints,
@@ -31,7 +32,7 @@ from ..checkpoint import (
 )
 from ..data import TokenData
 from ..distributed import agree, on_main, together
-from ..errors import CheckpointError, DataError, OutputError
+from ..errors import CheckpointError, CheckpointUnreadable, DataError, OutputError
 from ..parallel import (
     SHARDED_DIR,
     full_weights,
@@ -68,6 +69,8 @@ def resume_run(state: TrainState) -> None:
     for checkpoint in reversed(candidates):
         try:
             saved_world = _restore(state, checkpoint)
+        except CheckpointUnreadable as exc:  # this machine failed to read it, not the checkpoint: stop here
+            raise CheckpointError(f"cannot resume: {first_line(exc)}; resume again once it reads") from None
         except CheckpointError as exc:  # the same on every rank: _restore agrees on each of its phases
             failed.append((checkpoint, exc))
             continue
@@ -144,8 +147,8 @@ def _load_saved_states(state: TrainState, checkpoint: Path, trainer: dict, weigh
         load_weights(state.model, checkpoint)
         for opt, opt_state in zip(state.optimizers, trainer["optimizers"]):
             opt.load_state_dict(opt_state)
-    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
-        raise CheckpointError(f"cannot resume from {checkpoint}: {first_line(exc)}") from None
+    except (KeyError, TypeError, ValueError, RuntimeError, MemoryError) as exc:
+        raise read_failure(exc, f"cannot resume from {checkpoint}: {first_line(exc)}") from None
 
 
 def _restore_counters(state: TrainState, checkpoint: Path, meta: dict, trainer: dict) -> int:
