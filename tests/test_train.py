@@ -78,6 +78,20 @@ def test_a_resume_with_changed_optimizer_settings_trains_with_them(corpus, tmp_p
         opened.lock.release()
 
 
+def test_cuda_rng_states_of_more_devices_than_are_visible_restore_the_visible_ones(monkeypatch):
+    from latentloop.train import resume
+
+    saved = resume._rng_state()
+    saved["cuda"] = [[1] * 16, [2] * 16, [3] * 16]  # three devices saved; one visible now
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: restored.append((device, state[0].item())))
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: restored.append(("all", len(states))))
+    resume._set_rng_state(saved)
+    assert restored == [(0, 1)]
+
+
 @pytest.mark.parametrize("field, value", [("seed", 7), ("optimizer", "adamw")])
 def test_a_resume_that_changes_the_seed_or_the_optimizer_is_refused_in_one_line(corpus, tmp_path, field, value):
     fit(setup(_config(corpus, steps=3), tmp_path / "run", progress=False), progress=False)

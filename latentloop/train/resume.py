@@ -190,7 +190,10 @@ def _rng_state() -> dict[str, Any]:
 def _set_rng_state(rng: dict[str, Any]) -> None:
     torch.set_rng_state(torch.as_tensor(rng["torch"], dtype=torch.uint8))
     if torch.cuda.is_available() and rng.get("cuda") is not None:
-        torch.cuda.set_rng_state_all([torch.as_tensor(s, dtype=torch.uint8) for s in rng["cuda"]])
+        # one state per device the saving process saw; here perhaps fewer (another CUDA_VISIBLE_DEVICES):
+        # each visible device takes its own (set_rng_state_all raised IndexError past the last)
+        for device, saved in enumerate(rng["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(torch.as_tensor(saved, dtype=torch.uint8), device)
     name, keys, pos, has_gauss, cached = rng["numpy"]
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     version, internal, gauss = rng["python"]
