@@ -61,7 +61,7 @@ def stream_reply(model, tokenizer, messages: list[dict], max_new_tokens: int, te
     prompt = chat_prompt(tokenizer, messages, context - max_new_tokens)
     decoder = TokenText(tokenizer)
     for step in stream(model, prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                       stop_tokens=[tokens.end, tokenizer.eos_id, tokenizer.bos_id], pad_id=tokenizer.pad_id,
+                       stop_tokens=[tokens.end, *tokenizer.stop_ids, tokenizer.bos_id], pad_id=tokenizer.pad_id,
                        **options):
         piece = decoder.add(step.tokens[0])
         if piece:

@@ -78,7 +78,7 @@ def run_demo(out: Path, steps: int = DEMO_STEPS, data: str = "stdlib", preset: s
         prompt = [state.tokenizer.bos_id] + state.tokenizer.encode(SAMPLE_PROMPT)
         room = config.model.sequence_len - len(prompt)
         ids = generate(state.model, prompt, min(SAMPLE_TOKENS, room), temperature=0.8, top_k=50, seed=0,
-                       stop_tokens=[state.tokenizer.bos_id, state.tokenizer.eos_id])
+                       stop_tokens=[state.tokenizer.bos_id, *state.tokenizer.stop_ids])
         notes = get_arch(arch).demo_lines(state.history, config.model)  # what the arch reports of its run
         if notes:
             summary["notes"] = notes

@@ -186,6 +186,34 @@ def test_import_matches_transformers(kind, tmp_path, capsys):
     assert b"".join(tokenizer.token_to_bytes(t) for t in tokenizer.encode(text)) == text.encode()
 
 
+def test_every_end_token_the_model_names_stops_generation_and_is_exported(tmp_path, capsys, monkeypatch):
+    """Llama 3 instruct names several end tokens (config.json's eos_token_id list, and
+    generation_config.json's): each stops a generation (the CLI passes them all to the engine), the
+    run keeps them, and the export writes them back as a list."""
+    from latentloop import engine
+
+    _hf_model("llama", tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config | {"eos_token_id": [1, 5]}))
+    (tmp_path / "hf" / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 5, 9]}))
+    import_hf(tmp_path / "hf", tmp_path / "run")
+    _, tokenizer = ll.load(tmp_path / "run")
+    assert (tokenizer.eos_id, tokenizer.stop_ids) == (1, (1, 5, 9))
+    seen = {}
+
+    def recording_stream(model, prompt, max_new_tokens, stop_tokens=(), **kwargs):
+        seen["stop"] = list(stop_tokens)
+        return iter(())
+
+    monkeypatch.setattr(engine, "stream", recording_stream)
+    capsys.readouterr()
+    assert main(["generate", str(tmp_path / "run"), "--prompt", "hi", "--max-new-tokens", "2"]) == 0
+    assert {1, 5, 9} <= set(seen["stop"])
+    export_hf(tmp_path / "run", tmp_path / "back")
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["eos_token_id"] == [1, 5, 9]
+    assert json.loads((tmp_path / "back" / "generation_config.json").read_text())["eos_token_id"] == [1, 5, 9]
+
+
 def test_imported_run_evaluates_generates_and_refuses_resume(tmp_path, capsys):
     _hf_model("llama", tmp_path / "hf")
     import_hf(tmp_path / "hf", tmp_path / "run", sequence_len=32)

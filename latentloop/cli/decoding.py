@@ -45,7 +45,7 @@ def cmd_generate(args) -> int:
     if args.max_new_tokens is None and len(prompt_ids) < context:  # the default budget fits what is left
         max_new = min(max_new, context - len(prompt_ids))
     steps = stream(model, prompt_ids, max_new, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                   seed=args.seed, stop_tokens=[tokenizer.eos_id, tokenizer.bos_id], use_cache=not args.no_cache,
+                   seed=args.seed, stop_tokens=[*tokenizer.stop_ids, tokenizer.bos_id], use_cache=not args.no_cache,
                    pad_id=tokenizer.pad_id, compile=_decode_mode(args), on_compile=_say_compiling,
                    kv_dtype=args.kv_dtype, **options)
     ids, info = [], {}

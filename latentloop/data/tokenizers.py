@@ -95,9 +95,17 @@ CHAT_TEMPLATE = ("{% set role_tokens = " + json.dumps(_ROLE_TOKENS) + " %}{{ bos
 
 
 class _ChatInterface:
-    """The conversation methods byte and BPE share (see `latentloop.data.chat`)."""
+    """The conversation methods byte and BPE share (see `latentloop.data.chat`), and the tokens a
+    generation stops at."""
 
     chat_tokens: ChatTokens | None
+    eos_id: int
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The tokens that end a generation: EOS, and for an imported model every end token its
+        config names (Llama 3 instruct: <|end_of_text|>, <|eom_id|>, <|eot_id|>)."""
+        return (self.eos_id,)
 
     def render(self, messages) -> tuple[list[int], list[bool]]:
         """[BOS] + every turn as ids, and a mask True on the tokens a model is trained to write
@@ -361,6 +369,24 @@ def _token_string(entry) -> str | None:
     return entry if isinstance(entry, str) else None
 
 
+def _end_ids(folder: Path, config: dict | None) -> list[int]:
+    """Every end token a Hugging Face model names: `eos_token_id` of its config.json and of its
+    generation_config.json, each an id or a list (what `generate` stops at there)."""
+    found: list[int] = []
+    sources = [config or {}]
+    try:
+        generation = json.loads((folder / "generation_config.json").read_text(encoding="utf-8"))
+        sources.append(generation if isinstance(generation, dict) else {})
+    except (OSError, ValueError):
+        pass
+    for source in sources:
+        value = source.get("eos_token_id")
+        for token_id in value if isinstance(value, list) else [value]:
+            if isinstance(token_id, int) and not isinstance(token_id, bool) and token_id not in found:
+                found.append(token_id)
+    return found
+
+
 class HFTokenizer(_ChatInterface):
     """A pretrained model's Hugging Face tokenizer (a `tokenizers` JSON: Llama 2 / 3, SmolLM,
     Qwen2, ...) with the special ids latentloop needs.
@@ -387,7 +413,7 @@ class HFTokenizer(_ChatInterface):
     name = "hf"
 
     def __init__(self, tokenizer_json: str, bos_id: int, eos_id: int, pad_id: int, vocab_size: int | None = None,
-                 source: str = "<memory>", chat_template: str | None = None):
+                 source: str = "<memory>", chat_template: str | None = None, stop_ids: Sequence[int] = ()):
         from tokenizers import Tokenizer
 
         try:
@@ -403,7 +429,12 @@ class HFTokenizer(_ChatInterface):
             if not isinstance(token_id, int) or not 0 <= token_id < self.vocab_size:
                 raise DataError(f"tokenizer {source}: {what} id {token_id!r} is not a token id below {self.vocab_size}")
         self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
-        self.special_ids = {bos_id, eos_id, pad_id} | {
+        for token_id in stop_ids:
+            if not isinstance(token_id, int) or not 0 <= token_id < self.vocab_size:
+                raise DataError(f"tokenizer {source}: end token id {token_id!r} is not a token id below "
+                                f"{self.vocab_size}")
+        self._stop_ids = tuple(dict.fromkeys([eos_id, *stop_ids]))  # EOS first, each once
+        self.special_ids = {bos_id, eos_id, pad_id, *self._stop_ids} | {
             i for i, token in self._tokenizer.get_added_tokens_decoder().items() if token.special}
         content = json.loads(tokenizer_json)
         self._byte_level = '"ByteLevel"' in json.dumps([content.get("decoder"), content.get("pre_tokenizer")])
@@ -417,6 +448,10 @@ class HFTokenizer(_ChatInterface):
         self._fingerprint = hashlib.sha256((canonical + ids + template).encode("utf-8")).hexdigest()[:16]
         self._source = source
         self._markup_tokenizer = None
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return self._stop_ids
 
     @functools.cached_property
     def chat_tokens(self) -> ChatTemplate | ChatTokens | None:
@@ -438,7 +473,7 @@ class HFTokenizer(_ChatInterface):
         copy.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in CHAT_TOKENS])
         grown = copy.get_vocab_size(with_added_tokens=True)
         return HFTokenizer(copy.to_str(), self.bos_id, self.eos_id, self.pad_id, max(self.vocab_size, grown),
-                           source=self._source)
+                           source=self._source, stop_ids=self._stop_ids)
 
     def encode_markup(self, text: str) -> list[int]:
         """Ids of text a chat template wrote: its special tokens (`<|im_start|>`, ...) are parsed as
@@ -473,7 +508,7 @@ class HFTokenizer(_ChatInterface):
 
         def special(name: str) -> int | None:
             token_id = config.get(f"{name}_token_id")
-            if isinstance(token_id, list):  # several EOS ids (Llama 3 instruct): the first one
+            if isinstance(token_id, list):  # several EOS ids (Llama 3 instruct): the first one, all stop
                 token_id = token_id[0] if token_id else None
             if isinstance(token_id, int):
                 return token_id
@@ -486,7 +521,7 @@ class HFTokenizer(_ChatInterface):
         bos = eos if bos is None else bos
         eos = bos if eos is None else eos
         return cls(text, bos, eos, eos if pad is None else pad, vocab_size, source=str(file),
-                   chat_template=_folder_chat_template(folder, settings))
+                   chat_template=_folder_chat_template(folder, settings), stop_ids=_end_ids(folder, config))
 
     @staticmethod
     def _probe(text: str, source: str):
@@ -502,7 +537,8 @@ class HFTokenizer(_ChatInterface):
         try:
             return cls(json.dumps(content["tokenizer"]), int(content["bos_id"]), int(content["eos_id"]),
                        int(content["pad_id"]), int(content["vocab_size"]), source=source,
-                       chat_template=content.get("chat_template"))
+                       chat_template=content.get("chat_template"),
+                       stop_ids=[int(i) for i in content.get("stop_ids", [])])
         except (KeyError, TypeError, ValueError) as exc:
             raise DataError(f"tokenizer {source} is not a valid latentloop HF tokenizer file: {exc}") from None
 
@@ -557,6 +593,8 @@ class HFTokenizer(_ChatInterface):
                    "vocab_size": self.vocab_size, "tokenizer": json.loads(self._json)}
         if self.chat_template is not None:
             payload["chat_template"] = self.chat_template
+        if len(self._stop_ids) > 1:
+            payload["stop_ids"] = list(self._stop_ids)
         path.write_text(json.dumps(payload, ensure_ascii=False) + "\n", encoding="utf-8")
         return path
 

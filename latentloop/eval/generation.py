@@ -191,7 +191,7 @@ def newline_token_ids(tokenizer) -> list[int]:
     """Ids of tokens that are only whitespace and contain a newline: safe to stop on for line answers."""
     key = (type(tokenizer).__name__, tokenizer.fingerprint())
     if key not in _STOP_ID_CACHE:
-        special = {tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id}
+        special = {tokenizer.bos_id, *tokenizer.stop_ids, tokenizer.pad_id}
         ids = []
         for token_id in range(tokenizer.vocab_size):
             if token_id in special:
@@ -229,7 +229,7 @@ def generate_texts(model, tokenizer, prompts: Sequence[Sequence[int]], max_new_t
     The engine stops rows only on token ids; stop strings are watched here, step by step, and the
     batch ends (by leaving the engine's generator) once every row has written one. Results come
     back in the order of `prompts`."""
-    stop_ids = [tokenizer.eos_id, tokenizer.bos_id, *stop_token_ids]
+    stop_ids = [*tokenizer.stop_ids, tokenizer.bos_id, *stop_token_ids]
     if "\n" in stops:
         stop_ids += newline_token_ids(tokenizer)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))

@@ -182,8 +182,10 @@ def _plain_weights(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[
     return out
 
 
-def _special_ids(tokenizer) -> dict[str, int]:
-    return {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
+def _special_ids(tokenizer) -> dict[str, Any]:
+    ends = tokenizer.stop_ids  # several: a list, as Hugging Face configs write them
+    return {"bos_token_id": tokenizer.bos_id, "eos_token_id": ends[0] if len(ends) == 1 else list(ends),
+            "pad_token_id": tokenizer.pad_id}
 
 
 def export_hf(run: str | Path, out: str | Path, plain: bool | None = None, show_progress: bool = False

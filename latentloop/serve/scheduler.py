@@ -195,7 +195,7 @@ class Scheduler:
         self.context = int(model.config.sequence_len)
         # as `latentloop generate`; a chat model also ends its turn with <|end|>
         chat = getattr(tokenizer, "chat_tokens", None)
-        self.stop_tokens = (tokenizer.eos_id, tokenizer.bos_id) + ((chat.end,) if chat is not None else ())
+        self.stop_tokens = (*tokenizer.stop_ids, tokenizer.bos_id) + ((chat.end,) if chat is not None else ())
         self.specials = special_names(tokenizer)
         self.stats = Stats()
         self._pending: collections.deque[Job] = collections.deque()
