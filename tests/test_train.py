@@ -92,6 +92,18 @@ def test_cuda_rng_states_of_more_devices_than_are_visible_restore_the_visible_on
     assert restored == [(0, 1)]
 
 
+def test_a_resume_that_fails_leaves_the_runs_config_as_it_was(corpus, tmp_path, capsys):
+    fit(setup(_config(corpus, steps=3), tmp_path / "run", progress=False), progress=False)
+    before = (tmp_path / "run" / "config.json").read_text()
+    for checkpoint in ckpt.list_checkpoints(tmp_path / "run"):
+        (checkpoint / "state.json").write_text("{")
+    capsys.readouterr()
+    with pytest.raises(ll.CheckpointError, match="cannot resume"):
+        setup(_config(corpus, steps=6, lr=0.05), tmp_path / "run", resume=True, progress=False)
+    assert (tmp_path / "run" / "config.json").read_text() == before
+    assert "changed train settings" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("field, value", [("seed", 7), ("optimizer", "adamw")])
 def test_a_resume_that_changes_the_seed_or_the_optimizer_is_refused_in_one_line(corpus, tmp_path, field, value):
     fit(setup(_config(corpus, steps=3), tmp_path / "run", progress=False), progress=False)

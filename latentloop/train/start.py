@@ -149,10 +149,12 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
                        init_from=None if init_from is None else str(Path(init_from).resolve()))
     state.forward_model = forward_model
 
-    on_main(_claim_run_folder, state, resume)
+    changes = on_main(_claim_run_folder, state, resume)
     try:
         if resume:
             resume_run(state)
+            # said and kept only once the run resumed: a resume that fails changes nothing in the folder
+            on_main(_keep_train_changes, state, changes or [])
     except BaseException:
         if state.lock is not None:
             state.lock.release()
@@ -167,16 +169,25 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
     return state
 
 
-def _note_train_changes(changes: list[str]) -> None:
+def _keep_train_changes(state: TrainState, changes: list[str]) -> None:
+    """Rank 0, after a resume: the train settings that changed are said, and the run's config.json
+    holds them from now on (each checkpoint copies it: a later plain --resume keeps them)."""
+    if not changes:
+        return
     note(f"resuming with changed train settings ({'; '.join(changes)}): they apply from the resumed step on "
          f"(optimizer settings too; the saved moments are kept)")
     if any(change.split(":")[0] in SCHEDULE_FIELDS for change in changes):
         note("the lr schedule (and any recipe that follows the run's length) is computed for the new settings "
              "from the resumed step on: past the warmup the run does not follow a straight run's lr")
+    try:
+        state.config.save_json(state.run_dir / "config.json")
+    except OSError as exc:
+        raise OutputError(f"cannot write {state.run_dir / 'config.json'}: {exc.strerror or exc}") from None
 
 
-def _claim_run_folder(state: TrainState, resume: bool) -> None:
-    """Rank 0: create and lock the run folder; a new run writes its config, tokenizer and an empty log."""
+def _claim_run_folder(state: TrainState, resume: bool) -> list[str]:
+    """Rank 0: create and lock the run folder; a new run writes its config, tokenizer and an empty log.
+    Returns the train settings a resume changes (`check_run_folder`)."""
     run_dir, config = state.run_dir, state.config
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -186,12 +197,6 @@ def _claim_run_folder(state: TrainState, resume: bool) -> None:
     try:
         # again, locked: another run may have started here meanwhile
         changes = check_run_folder(run_dir, config, resume)
-        if changes:  # the run's config from now on (each checkpoint copies it): a later plain --resume keeps them
-            _note_train_changes(changes)
-            try:
-                config.save_json(run_dir / "config.json")
-            except OSError as exc:
-                raise OutputError(f"cannot write {run_dir / 'config.json'}: {exc.strerror or exc}") from None
         if not resume:
             config.save_json(run_dir / "config.json")
             try:
@@ -202,4 +207,5 @@ def _claim_run_folder(state: TrainState, resume: bool) -> None:
     except BaseException:
         state.lock.release()
         raise
+    return changes
 
