@@ -34,6 +34,7 @@ import dataclasses
 import json
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
@@ -56,19 +57,27 @@ class Accelerator:
     name: str
     peak_flops: float | None  # dense bf16 FLOP/s, no sparsity (None: measured on this machine, the CPU)
     memory_bytes: float | None  # per device (None: this machine's memory)
+    fp32_flops: float | None = None  # float32 FLOP/s without TF32 (the trainer never turns TF32 on)
 
 
-# Vendors' data sheets: dense bf16 tensor-core peaks (SXM parts) and memory per GPU.
+# Vendors' data sheets: dense bf16 tensor-core peaks and float32 (non-tensor) peaks (SXM parts), memory per GPU.
 ACCELERATORS: dict[str, Accelerator] = {
-    "h200": Accelerator("NVIDIA H200", 989e12, 141e9),
-    "h100": Accelerator("NVIDIA H100 SXM", 989e12, 80e9),
-    "a100": Accelerator("NVIDIA A100 SXM 80GB", 312e12, 80e9),
+    "h200": Accelerator("NVIDIA H200", 989e12, 141e9, 67e12),
+    "h100": Accelerator("NVIDIA H100 SXM", 989e12, 80e9, 67e12),
+    "a100": Accelerator("NVIDIA A100 SXM 80GB", 312e12, 80e9, 19.5e12),
     "cpu": Accelerator("this machine's CPU", None, None),
 }
 STRATEGIES = ("none", "ddp", "fsdp2")
-ASSUMED_MFU = 0.30  # where gpu_bench measured nothing: about what it measured for the gpt2 shape on an H200
+# where gpu_bench measured nothing: what it measured for gpt at the gpt2 shape on an H200, compiled
+# (measured_mfu.json: 0.2134); an eager or smaller run reaches less
+ASSUMED_MFU = 0.21
 ASSUMED_CPU_MFU = 0.5  # of the matrix-product rate measured on this CPU (`cpu_matmul_flops`)
 EXACT_STEPS = 200_000  # up to this many steps the FLOPs are summed step by step, as the trainer does
+# up to this many steps every step's kind of forward is looked at (~1 s per 100k steps: the objective's
+# own draw, no model); past it, windows of KIND_WINDOW steps at the start, from 3/4 of the run (where
+# late recipes such as fbt's paper schedule start) and at the end
+ALL_KIND_STEPS = 2_000_000
+KIND_WINDOW = 100_000
 MEASURED_MFU_FILE = "measured_mfu.json"
 BYTES = {"float32": 4, "bfloat16": 2}
 # Lower-precision ops of bf16 autocast (the matrix products): what the meta probe runs in bf16.
@@ -352,6 +361,9 @@ def config_for_params(arch: str, params: int, **fields) -> Any:
             best = (config, count)
         if count > params:
             break
+    if not 0.5 < best[1] / params < 2:  # past the shapes this search spans: not the size asked for
+        raise ConfigError(f"--params {params:,}: the nearest shape of 1-{MAX_LAYERS} layers x {WIDTH_PER_LAYER} "
+                          f"channels a layer has {best[1]:,} parameters; give the shape with --preset or --set")
     return best[0]
 
 
@@ -393,7 +405,17 @@ class Forward:
     after_first_step: bool
 
 
-def _probe_forwards(config: RunConfig, model: nn.Module, objective, forward_steps: list[int], batch: int,
+def _kind_steps(steps: int) -> list[int] | range:
+    """The steps whose kinds of forward the memory probe looks at (see ALL_KIND_STEPS): a recipe that
+    starts late, or draws a rare kind now and then (fbt's 3-pass steps), is probed too."""
+    if steps <= ALL_KIND_STEPS:
+        return range(steps)
+    late = 3 * steps // 4
+    windows = (range(KIND_WINDOW), range(late, min(steps, late + KIND_WINDOW)), range(steps - KIND_WINDOW, steps))
+    return sorted({step for window in windows for step in window})
+
+
+def _probe_forwards(config: RunConfig, model: nn.Module, objective, forward_steps: Sequence[int], batch: int,
                     bf16: bool, device: str) -> list[Forward]:
     """Each distinct kind of forward among the given steps', probed once."""
     T = config.model.sequence_len
@@ -425,6 +447,8 @@ def plan_run(config: RunConfig, tokens: int, devices: int = 1, gpu: str = "h100"
     strategy = strategy or ("ddp" if devices > 1 else "none")
     if strategy not in STRATEGIES:
         raise ConfigError(f"unknown strategy {strategy!r}: choose from {', '.join(STRATEGIES)}")
+    if strategy == "none" and devices > 1:
+        raise ConfigError(f"strategy none trains on one device, not {devices}: choose ddp or fsdp2")
     if tokens < 1:
         raise ConfigError(f"--tokens must be at least 1, got {tokens}")
     if mfu is not None and not 0 < mfu <= 1:
@@ -456,7 +480,7 @@ def plan_run(config: RunConfig, tokens: int, devices: int = 1, gpu: str = "h100"
     else:
         flops = objective.flops_per_token(memo) * tokens_per_step * steps
         method = f"the objective's run average x {steps:,} steps (over {EXACT_STEPS:,} steps)"
-        forward_steps = list(range(EXACT_STEPS))  # the kinds of forward a long run draws
+        forward_steps = _kind_steps(steps)
     params = sum(p.numel() for p in model.parameters())
 
     # Memory per device.
@@ -495,8 +519,8 @@ def plan_run(config: RunConfig, tokens: int, devices: int = 1, gpu: str = "h100"
         peak_flops = cpu_matmul_flops(precision)
         chosen = (mfu, "given (--mfu)") if mfu is not None else (
             ASSUMED_CPU_MFU, f"assumed, of this CPU's measured {precision} matrix-product rate")
-    else:
-        peak_flops = accelerator.peak_flops
+    else:  # float32 products run without tensor cores (no TF32): the float32 peak
+        peak_flops = accelerator.fp32_flops if precision == "float32" else accelerator.peak_flops
         chosen = (mfu, "given (--mfu)") if mfu is not None else (
             measured_mfu(config.model.arch, gpu) or (ASSUMED_MFU, "assumed: gpu_bench measured no run of this "
                                                                   "arch on this GPU"))

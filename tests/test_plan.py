@@ -122,6 +122,58 @@ def test_measured_mfu_is_the_benchmarks_own(capsys):
     assert json.loads(out)["mfu"] == entry["mfu"][arch] and "measured" in json.loads(out)["mfu_source"]
 
 
+def test_the_wall_clock_uses_the_measured_mfu_and_the_float32_peak_where_products_are_float32(capsys):
+    """Where gpu_bench measured nothing, the assumed MFU is what it measured for gpt at the gpt2 shape
+    (an H100 no longer looks 1.4x faster than an H200 with the same peak); float32 products run at the
+    GPU's float32 peak (no TF32), not its bf16 tensor-core peak."""
+    from latentloop.plan import ACCELERATORS, ASSUMED_MFU, measured_mfu
+
+    assert ASSUMED_MFU == pytest.approx(measured_mfu("gpt", "h200")[0], abs=0.005)
+    arch = next(iter(ARCHS))
+    runs = {}
+    for gpu, dtype in (("h100", "bfloat16"), ("h100", "float32")):
+        code, out, _ = _plan_cli(capsys, "--arch", arch, "--preset", "tiny", "--tokens", "1M", "--gpu", gpu, "--json",
+                                 "--set", f"train.dtype={dtype}")
+        runs[dtype] = json.loads(out)
+    assert runs["bfloat16"]["peak_flops"] == ACCELERATORS["h100"].peak_flops
+    assert runs["float32"]["peak_flops"] == ACCELERATORS["h100"].fp32_flops
+
+
+def test_a_config_strategy_and_model_fields_reach_the_plan(tmp_path, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text("model:\n  sequence_len: 512\ntrain:\n  strategy: fsdp2\n  batch_size: 2\n")
+    arch = next(iter(ARCHS))
+    code, out, _ = _plan_cli(capsys, "--arch", arch, "--config", str(config), "--params", "20M", "--tokens", "1M",
+                             "--gpus", "2", "--json")
+    plan = json.loads(out)
+    assert code == 0 and plan["strategy"] == "fsdp2" and plan["shape"]["sequence_len"] == 512
+
+
+@pytest.mark.parametrize("every_step", [True, False], ids=["every-step", "windows"])
+def test_a_long_run_probes_a_recipe_that_starts_late(every_step, monkeypatch):
+    """fbt's paper recipe adds its feedback passes at 75% of the run, a 3-pass step now and then: a long
+    run's memory probe looks at every step's kind of forward (or, past ALL_KIND_STEPS, at windows that
+    include the late phase), so its peak is that of the 3-pass steps, as a short run's is. Only the
+    first EXACT_STEPS steps were probed before: a 488k-step run planned less than half the memory."""
+    from latentloop import plan as planning
+    from latentloop.config import RunConfig, TrainConfig, model_config
+
+    if "fbt" not in ARCHS:
+        pytest.skip("no fbt registered")
+
+    def peak(tokens: int) -> float:
+        config = RunConfig(model=model_config("fbt", "test", recipe="paper"), train=TrainConfig(batch_size=1))
+        return planning.plan_run(config, tokens, gpu="h100").memory["peak"]
+
+    tokens_per_step = model_config("fbt", "test").sequence_len
+    short = peak(30 * tokens_per_step)
+    monkeypatch.setattr(planning, "EXACT_STEPS", 40)  # a long run, at a test's scale
+    if not every_step:
+        monkeypatch.setattr(planning, "ALL_KIND_STEPS", 40)
+        monkeypatch.setattr(planning, "KIND_WINDOW", 10)
+    assert peak(400 * tokens_per_step) == pytest.approx(short, rel=0.01)
+
+
 def test_params_picks_the_nearest_model_of_the_family():
     import torch
 
@@ -150,6 +202,10 @@ def test_the_parsers_choices_are_the_planners():
     (["--preset", "tiny", "--tokens", "1M", "--mfu", "2"], "--mfu must be in (0, 1]"),
     (["--preset", "tiny", "--params", "5M", "--tokens", "1M"], "not allowed with argument"),
     (["--preset", "tiny", "--tokens", "1M", "--set", "n_layer=0"], "n_layer must be >= 1"),
+    (["--params", "100B", "--tokens", "1M"], "the nearest shape of 1-96 layers"),
+    (["--params", "50M", "--tokens", "1M", "--set", "n_layer=4"], "--params chooses the shape"),
+    (["--preset", "tiny", "--tokens", "1M", "--gpus", "4", "--set", "train.strategy=none"],
+     "strategy none trains on one device"),
 ])
 def test_plan_refuses_bad_input_in_one_line(argv, message):
     arch = next(iter(ARCHS))

@@ -74,9 +74,15 @@ def _config(args):
     if args.params:
         from ..plan import config_for_params
 
-        raw_model = apply_overrides({"model": {}, "train": {}, "data": {}}, args.overrides)["model"]
-        config.model = config_for_params(args.arch, args.params, **{k: v for k, v in raw_model.items()
-                                                                     if k not in ("arch", "preset")})
+        # the shape from --params; every other model field from the config and --set (n_layer, n_embd and
+        # n_head are what --params chooses)
+        raw_model = apply_overrides(raw, args.overrides)["model"]
+        shape = sorted(k for k in ("n_layer", "n_embd", "n_head") if k in raw_model)
+        if shape:
+            raise LatentloopError(f"--params chooses the shape; it cannot also take {', '.join(shape)} (from "
+                                  f"--set or --config): give one or the other")
+        config.model = config_for_params(args.arch, args.params, **{
+            k: v for k, v in raw_model.items() if k not in ("arch", "preset", "n_layer", "n_embd", "n_head")})
     return config
 
 
@@ -127,7 +133,10 @@ def cmd_plan(args) -> int:
 
     if args.arch not in ARCHS:
         raise LatentloopError(f"unknown --arch {args.arch!r}: choose from {', '.join(ARCHS)}")
-    plan = plan_run(_config(args), args.tokens, devices=args.gpus, gpu=args.gpu, strategy=args.strategy,
-                    mfu=args.mfu)
+    config = _config(args)
+    from ..plan import STRATEGIES
+
+    strategy = args.strategy or (config.train.strategy if config.train.strategy in STRATEGIES else None)
+    plan = plan_run(config, args.tokens, devices=args.gpus, gpu=args.gpu, strategy=strategy, mfu=args.mfu)
     print(json.dumps(plan.to_dict(), indent=2) if args.json else render(plan))
     return 0
