@@ -202,7 +202,7 @@ def test_the_parsers_choices_are_the_planners():
     (["--preset", "tiny", "--tokens", "1M", "--mfu", "2"], "--mfu must be in (0, 1]"),
     (["--preset", "tiny", "--params", "5M", "--tokens", "1M"], "not allowed with argument"),
     (["--preset", "tiny", "--tokens", "1M", "--set", "n_layer=0"], "n_layer must be >= 1"),
-    (["--params", "100B", "--tokens", "1M"], "the nearest shape of 1-96 layers"),
+    (["--params", "1k", "--tokens", "1M"], "the nearest shape of 1-96 layers"),
     (["--params", "50M", "--tokens", "1M", "--set", "n_layer=4"], "--params chooses the shape"),
     (["--preset", "tiny", "--tokens", "1M", "--gpus", "4", "--set", "train.strategy=none"],
      "strategy none trains on one device"),
