@@ -67,6 +67,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from experiments.cpu_comparison import _matched_heavy_tail_mean  # noqa: E402
+from experiments.ladder_fit import FLOPS_MATCH  # noqa: E402 (isoFLOPs: within 5%, as the fits refuse pairs)
 from latentloop.archs import ARCHS, build_model, build_objective  # noqa: E402
 from latentloop.checkpoint import LOCK_FILE, RunLock  # noqa: E402
 from latentloop.config import DataConfig, ModelConfig, RunConfig, TrainConfig, model_config  # noqa: E402
@@ -87,7 +88,6 @@ CORPORA = {"stdlib": "stdlib", "english": "text:" + str(REPO.parent / "shared" /
 ISO_FORMS = ("flops", "params")
 # the paper's isoFLOPs shape: one prelude block, a one-block core applied R = depth - 2 times, one coda block
 PAPER_EDGE_BLOCKS = 2
-FLOPS_MATCH_TOLERANCE = 0.05  # a variant within 5% of gpt's FLOPs per token needs no FLOP-matched budgets
 DECAY_FRACTION = 0.2  # WSD: each budget decays over its last fifth (TrainConfig's default)
 OPTIMIZERS = ("muon", "adamw")  # the default, and the ablation column
 
@@ -377,7 +377,7 @@ def _variant_runs(spec: LadderSpec, corpus: str, optimizer: str, size: Size, var
         return runs
     ratio = flops.mean_per_token(variant, size, seed, max(budget_steps)) / flops.mean_per_token(
         Variant("gpt", "gpt"), size, seed, max(budget_steps))
-    if variant.iso == "flops" and abs(ratio - 1) > FLOPS_MATCH_TOLERANCE:
+    if variant.iso == "flops" and abs(ratio - 1) > FLOPS_MATCH:  # within it, its token budgets are FLOP-matched
         guess = int(math.ceil(max(budget_steps) / ratio * 1.3)) + 8
         per_step = flops.per_step(variant, size, seed, guess)
         cumulative = np.cumsum(per_step)

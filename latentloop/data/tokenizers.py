@@ -425,14 +425,11 @@ class HFTokenizer(_ChatInterface):
         self._tokenizer.encode_special_tokens = True
         self.own_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
         self.vocab_size = max(self.own_size, vocab_size or 0)
-        for what, token_id in (("bos", bos_id), ("eos", eos_id), ("pad", pad_id)):
+        named = (("bos", bos_id), ("eos", eos_id), ("pad", pad_id), *(("end token", i) for i in stop_ids))
+        for what, token_id in named:
             if not isinstance(token_id, int) or not 0 <= token_id < self.vocab_size:
                 raise DataError(f"tokenizer {source}: {what} id {token_id!r} is not a token id below {self.vocab_size}")
         self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
-        for token_id in stop_ids:
-            if not isinstance(token_id, int) or not 0 <= token_id < self.vocab_size:
-                raise DataError(f"tokenizer {source}: end token id {token_id!r} is not a token id below "
-                                f"{self.vocab_size}")
         self._stop_ids = tuple(dict.fromkeys([eos_id, *stop_ids]))  # EOS first, each once
         self.special_ids = {bos_id, eos_id, pad_id, *self._stop_ids} | {
             i for i, token in self._tokenizer.get_added_tokens_decoder().items() if token.special}

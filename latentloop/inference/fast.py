@@ -221,9 +221,10 @@ class StaticCacheMixin:
         rows' write positions: a device sync)."""
         if filled is None:
             filled = int(self.write_index[rows].max()) if rows.numel() else 0
-        for k_slot, v_slot in zip(self.k_slots, self.v_slots):
-            k_slot[rows, :, :filled] = 0
-            v_slot[rows, :, :filled] = 0
+        if filled:  # a row already vacated filled nothing since: no writes on the step path
+            for k_slot, v_slot in zip(self.k_slots, self.v_slots):
+                k_slot[rows, :, :filled] = 0
+                v_slot[rows, :, :filled] = 0
         self.key_pos[rows] = -1
         self.next_pos[rows] = 0
         self.write_index[rows] = 0
