@@ -122,10 +122,17 @@ def built_kernels(cache: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def kernel_names(tmp_path_factory):
+def built_cache(tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    """A cache with this machine's kernels built once for the module, and their file names."""
     if not (shutil.which("cc") or shutil.which("gcc")):
         pytest.skip("no C compiler")
-    return built_kernels(private(tmp_path_factory.mktemp("names") / "cache"))
+    cache = private(tmp_path_factory.mktemp("names") / "cache")
+    return cache, built_kernels(cache)
+
+
+@pytest.fixture(scope="module")
+def kernel_names(built_cache):
+    return built_cache[1]
 
 
 def planted_library(tmp_path: Path, marker: Path) -> bytes:
@@ -167,9 +174,11 @@ def test_a_library_planted_in_a_cache_someone_else_controls_never_runs(tmp_path,
 
 @needs_cc
 @pytest.mark.parametrize("damage", ["truncated", "empty", "text", "foreign ELF", "no digest"])
-def test_a_damaged_library_in_the_cache_is_built_again_never_mapped(tmp_path, kernel_names, damage):
-    cache = private(tmp_path / "cache")
-    names = built_kernels(cache)
+def test_a_damaged_library_in_the_cache_is_built_again_never_mapped(tmp_path, built_cache, damage):
+    cache = tmp_path / "cache"
+    shutil.copytree(built_cache[0], cache)  # a copy of the module's build: each damage starts from good files
+    private(cache)
+    names = built_cache[1]
     target = cache / "kernels" / names["rows_linear"]
     good = target.read_bytes()
     if damage == "truncated":  # mapped as it is, this ended every generate with SIGBUS

@@ -207,13 +207,25 @@ def test_the_parsers_choices_are_the_planners():
     (["--preset", "tiny", "--tokens", "1M", "--gpus", "4", "--set", "train.strategy=none"],
      "strategy none trains on one device"),
 ])
-def test_plan_refuses_bad_input_in_one_line(argv, message):
+def test_plan_refuses_bad_input_in_one_line(argv, message, capsys):
     arch = next(iter(ARCHS))
-    result = subprocess.run([sys.executable, "-m", "latentloop", "plan", "--arch", arch, *argv],
-                            capture_output=True, text=True, timeout=120)
+    try:
+        code, out, err = _plan_cli(capsys, "--arch", arch, *argv)
+    except SystemExit as exc:  # argparse's own refusals exit from inside the parser
+        code, (out, err) = exc.code, capsys.readouterr()
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("latentloop: error:"), err
+    assert message in err and not out
+
+
+def test_plan_refuses_bad_input_as_a_process_in_one_line():
+    """The same refusal through `python -m latentloop`: exit code 2, one line, nothing on stdout."""
+    arch = next(iter(ARCHS))
+    result = subprocess.run([sys.executable, "-m", "latentloop", "plan", "--arch", arch, "--preset", "tiny",
+                             "--tokens", "1M", "--set", "n_layer=0"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and result.stderr.startswith("latentloop: error:"), result.stderr
-    assert message in result.stderr and not result.stdout
+    assert "n_layer must be >= 1" in result.stderr and not result.stdout
 
 
 def test_plan_refuses_an_unknown_arch_in_one_line(capsys):
