@@ -49,6 +49,26 @@ def test_tensorboard_gets_every_logged_row(tiny_corpus, tmp_path):
         assert [v for _, v in shown] == pytest.approx([v for _, v in logged], rel=1e-6), name  # stored as float32
 
 
+def test_a_run_resumed_behind_its_last_logged_step_shows_each_step_once_in_tensorboard(tiny_corpus, tmp_path):
+    """A crash after step 4 was logged but before its checkpoint: the resumed run (from step 2)
+    logs 3 and 4 again. TensorBoard showed both copies (a line doubling back); the earlier file's
+    steps past the checkpoint are now hidden, so it shows what metrics.jsonl keeps."""
+    pytest.importorskip("tensorboard")
+    import shutil
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "run"
+    assert _train(tiny_corpus, run, "--log", "tensorboard", "--set", "save_every=2") == 0
+    newest = sorted((run / "checkpoints").iterdir())[-1]
+    shutil.rmtree(newest)  # the crash: step 4's rows are in the logs, its checkpoint never written
+    assert main(["train", "--out", str(run), "--resume", "--no-progress", "--log", "tensorboard"]) == 0
+    events = EventAccumulator(str(run / trackers.TENSORBOARD_DIR))
+    events.Reload()
+    shown = [event.step for event in events.Scalars("train/loss")]
+    assert shown == [row["step"] for row in _rows(run) if "loss" in row] == list(range(1, STEPS + 1))
+
+
 class _FakeRun:
     def __init__(self, calls: dict):
         self.calls = calls

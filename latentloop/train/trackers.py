@@ -7,11 +7,15 @@ become scalar names grouped as trackers show them: `loss` -> `train/loss`, `val_
 any other key `k` -> `train/k` (fbt's passes, rgpt's gates, MoR's router loss).
 
 - tensorboard: `torch.utils.tensorboard.SummaryWriter` writing into RUN/tensorboard (`tensorboard
-  --logdir runs/`); a resumed run appends a new event file there.
+  --logdir runs/`); a resumed run appends a new event file there, which hides the earlier files'
+  steps past the resumed checkpoint (`purge_step`): they are trained and logged again, as
+  metrics.jsonl keeps them only up to that checkpoint.
 - wandb: a run in RUN/wandb, offline unless `WANDB_MODE` says otherwise or an API key is set
   (`WANDB_API_KEY`): training never needs the network, and `wandb sync RUN/wandb/offline-run-*`
   uploads later. The run's config is the run config; a resumed run continues the same W&B run (its
-  id is kept in RUN/wandb/run_id).
+  id is kept in RUN/wandb/run_id). W&B takes no step below one it has: rows logged again after a
+  resume behind the last logged step keep their first values there (the same ones, when the resume
+  changed no setting: resuming is bit-identical).
 
 A tracker whose package is missing is refused at setup, in one line, before anything is written.
 """
@@ -65,10 +69,13 @@ def check_trackers(names: tuple[str, ...]) -> None:
 
 
 class TensorBoardTracker:
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, resumed_step: int = 0):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(run_dir / TENSORBOARD_DIR))
+        # a run resumed at step S logs S+1 onward again: an earlier event file's rows from there on
+        # (written before a crash) would show twice, a second line doubling back over the first
+        purge = resumed_step + 1 if resumed_step > 0 else None
+        self.writer = SummaryWriter(log_dir=str(run_dir / TENSORBOARD_DIR), purge_step=purge)
 
     def log(self, row: dict[str, Any]) -> None:
         step, values = scalars(row)
@@ -101,10 +108,12 @@ class WandbTracker:
         self.run.finish()
 
 
-def open_trackers(names: tuple[str, ...], run_dir: Path, config: RunConfig) -> list[Tracker]:
-    """The trackers `names` asks for, opened on the run folder (rank 0 calls this)."""
+def open_trackers(names: tuple[str, ...], run_dir: Path, config: RunConfig, step: int = 0) -> list[Tracker]:
+    """The trackers `names` asks for, opened on the run folder at the run's current `step` (rank 0
+    calls this)."""
     check_trackers(names)
-    return [TensorBoardTracker(run_dir) if name == "tensorboard" else WandbTracker(run_dir, config) for name in names]
+    return [TensorBoardTracker(run_dir, step) if name == "tensorboard" else WandbTracker(run_dir, config)
+            for name in names]
 
 
 __all__ = ["PACKAGES", "TensorBoardTracker", "Tracker", "WandbTracker", "check_trackers", "open_trackers", "scalars"]
