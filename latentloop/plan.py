@@ -16,7 +16,10 @@ its wall-clock at a stated MFU, from the registry's model and objective, measure
   optimizer's states (from the second step on: they are made by the first) and the most activations
   and gradients the backward holds at once (`SavedTensors.held_with_gradients`: it makes each
   call's gradients as it frees that call's activations, beginning with the gradients of the largest
-  saved tensor; `zero_grad(set_to_none=True)` drops them before the next forward). This is what
+  saved tensor; `zero_grad(set_to_none=True)` drops them before the next forward; with gradient
+  accumulation they are held whole from the second micro-batch on), or the optimizer's step over
+  every gradient with what it makes while it runs (Muon's stacked gradients and Newton-Schulz
+  products, counted on the meta device as its ops return them), whichever is larger. This is what
   the tensors hold, as a caching allocator's peak reports it; a CPU process's resident memory adds
   its allocator's slack (tests/test_plan.py).
 - The probes run on the meta device (shapes only, no memory, no time), where bf16 autocast is
@@ -34,6 +37,7 @@ import dataclasses
 import json
 import math
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import resources
@@ -43,6 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .archs import build_model, build_objective, get_arch
 from .config import PRESETS, RunConfig, model_config
@@ -193,21 +199,26 @@ class SavedTensors:
                        zip(self.outside_before, self.inputs_upto, self.inside)]
         return max([self.outside + self.inputs, *recomputing])
 
-    def held_with_gradients(self, checkpointing: bool, shards: int = 1) -> float:
+    def held_with_gradients(self, checkpointing: bool, shards: int = 1, accumulating: bool = False) -> float:
         """The most activations and gradients held at once in the backward: the gradients appear as
         it goes back through the calls and frees (or, checkpointed, recomputes) their activations.
         Without checkpointing, at call i everything saved up to its end is still held; with it,
         the inputs and outside savings up to it and its own recomputed activations. `shards`: the
-        gradients are sharded over that many devices (fsdp2), the activations are not."""
+        gradients are sharded over that many devices (fsdp2), the activations are not.
+        `accumulating`: several micro-batches a step, so from the second one on every gradient is
+        held from the backward's start (they add up), not made as it goes."""
         # the backward's first op, beside everything saved: the gradient of the largest saved tensor and
         # of its input (the loss's: the logits' gradient in fp32, then in the products' dtype)
         first_op = 2 * self.largest
-        held = [(self.outside + self.inputs if checkpointing else self.total) + first_op, self.gradients / shards]
+        already = self.gradients / shards if accumulating else 0.0
+        held = [(self.outside + self.inputs if checkpointing else self.total) + first_op + already,
+                self.gradients / shards]
         inside_upto = 0
         for i, own in enumerate(self.inside):
             inside_upto += own
             saved = self.inputs_upto[i] + own if checkpointing else inside_upto
-            held.append(self.outside_before[i] + saved + self.gradients_after[i] / shards)
+            made = self.gradients if accumulating else self.gradients_after[i]
+            held.append(self.outside_before[i] + saved + made / shards)
         return max(held)
 
     def scaled(self, factor: int) -> SavedTensors:
@@ -298,19 +309,49 @@ def _tensor_bytes(value, seen: set[int] | None = None) -> int:
     return 0
 
 
-def optimizer_state_bytes(model: nn.Module, config: RunConfig, products_dtype: str) -> int:
-    """The states the run's optimizers keep, as they allocate them in their first step (on a meta
-    model: shapes only)."""
+class _LiveBytes(TorchDispatchMode):
+    """The most bytes that the ops run under it make and hold at once: each new tensor an op returns
+    (not a view, not one of its inputs written in place) counts until its Python object is freed.
+    Works on meta tensors, which have no storage to watch."""
+
+    def __init__(self):
+        super().__init__()
+        self.current = self.peak = 0
+
+    def _free(self, size: int) -> None:
+        self.current -= size
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {id(a) for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, Tensor)}
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, Tensor) and id(t) not in inputs and not t._is_view():
+                size = t.numel() * t.element_size()
+                self.current += size
+                self.peak = max(self.peak, self.current)
+                weakref.finalize(t, self._free, size)
+        return out
+
+
+def optimizer_step_bytes(model: nn.Module, config: RunConfig, products_dtype: str) -> tuple[int, int]:
+    """(states, workspace): the states the run's optimizers keep, as they allocate them in their
+    first step, and the most bytes a later step makes beside them while it runs (Muon's stacks of
+    gradients and its Newton-Schulz products; AdamW's foreach temporaries), on a meta model: shapes
+    only."""
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     optimizers = get_arch(config.model.arch).build_optimizers(model, config.train, products_dtype)
     with _MetaProbe(bf16=False):
         for opt in optimizers:
             opt.step()
-    total = sum(_tensor_bytes(state) for opt in optimizers for state in opt.state.values())
+    states = sum(_tensor_bytes(state) for opt in optimizers for state in opt.state.values())
+    live = _LiveBytes()
+    with _MetaProbe(bf16=False), live:
+        for opt in optimizers:
+            opt.step()
     for p in model.parameters():
         p.grad = None
-    return total
+    return states, live.peak
 
 
 def measured_mfu(arch: str, gpu: str) -> tuple[float, str] | None:
@@ -487,7 +528,10 @@ def plan_run(config: RunConfig, tokens: int, devices: int = 1, gpu: str = "h100"
     shard = devices if strategy == "fsdp2" else 1
     weights = sum(p.numel() * p.element_size() for p in model.parameters()) / shard
     buffers = float(sum(b.numel() * b.element_size() for b in model.buffers()))  # RoPE tables: every device
-    states = optimizer_state_bytes(_meta_model(config.model), config, precision) / shard
+    states, workspace = optimizer_step_bytes(_meta_model(config.model), config, precision)
+    # fsdp2: each device keeps its shard of the states and steps its own shards (Muon gathers one
+    # matrix at a time): the whole model's workspace over the devices, as the states
+    states, workspace = states / shard, workspace / shard
     bf16 = precision == "bfloat16"
     if probe == "meta":
         try:
@@ -505,11 +549,17 @@ def plan_run(config: RunConfig, tokens: int, devices: int = 1, gpu: str = "h100"
         gathered = 2 * block * (BYTES["bfloat16"] if bf16 else BYTES["float32"])
     # the largest step: a forward's activations and the gradients its backward makes, beside the
     # weights, and the optimizer's states after the first step
-    peak = weights + buffers + gathered + max(
-        (states if f.after_first_step else 0.0) + f.saved.held_with_gradients(train.activation_checkpointing, shard)
-        for f in forwards)
+    accumulating = accumulation(train, T, devices) > 1
+    backward = max((states if f.after_first_step else 0.0)
+                   + f.saved.held_with_gradients(train.activation_checkpointing, shard, accumulating)
+                   for f in forwards)
+    # the optimizer's step, the activations gone: every gradient, the states and what the step makes
+    gradients = weights  # fp32 gradients of fp32 weights, sharded as they are
+    optimizer_step = gradients + states + workspace
+    peak = weights + buffers + gathered + max(backward, optimizer_step)
     cache = _tensor_bytes(_meta_model(config.model).new_cache(1, T))
-    memory = {"weights": weights, "buffers": buffers, "gradients": weights, "optimizer_states": states,
+    memory = {"weights": weights, "buffers": buffers, "gradients": gradients, "optimizer_states": states,
+              "optimizer_workspace": workspace,
               "activations": activations, "activations_checkpointed": checkpointed,
               "fsdp2_gathered_blocks": gathered, "peak": peak, "kv_cache_per_sequence": float(cache)}
 
@@ -536,4 +586,4 @@ def plan_run(config: RunConfig, tokens: int, devices: int = 1, gpu: str = "h100"
 
 
 __all__ = ["ACCELERATORS", "ASSUMED_MFU", "Plan", "SavedTensors", "config_for_params", "count_saved", "measured_mfu",
-           "optimizer_state_bytes", "plan_run"]
+           "optimizer_step_bytes", "plan_run"]

@@ -18,6 +18,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
 
 MEMORY_TOLERANCE = 0.15  # the issue's bound on |planned / measured - 1|
+# and without activation checkpointing at most this far under: a plan that says "fits" must not be
+# the one that is short (those cases were 4-6% over or up to 4% under on 2026-12-05; 9-22% under
+# before accumulation's held gradients and the optimizer step's workspace were counted). With
+# checkpointing the recompute's peak is 6-9% under (slow cases): the 15% bound only.
+MEMORY_UNDER = 0.05
 # A shape where every part of the peak is a visible share (weights, states and activations each a few
 # MB): at the `test` preset a step's fixed extras (the flowing gradient, the loss's temporaries) are a
 # larger share than the tolerance.
@@ -58,20 +63,45 @@ def test_planned_peak_memory_is_within_15_percent_of_a_measured_cpu_step(arch, d
     """Planned (probed on the meta device, or the CPU) against measured (the trainer's step under a
     tensor tracker): within MEMORY_TOLERANCE. Leaving out the optimizer's states, the gradients or
     the autocast casts, or counting attention's (T, T) weights, each moves it past the bound."""
-    from plan_memory_worker import peak_tensor_bytes
-
-    from latentloop.plan import plan_run
-
     def config() -> RunConfig:
         raw = json.loads(json.dumps(MEMORY_RUN))
         raw["model"]["arch"] = arch
         raw["train"] |= {"dtype": dtype, "activation_checkpointing": checkpointing}
         return RunConfig.from_dict(raw)
 
-    tokens = MEMORY_STEPS * MEMORY_RUN["train"]["batch_size"] * MEMORY_RUN["model"]["sequence_len"]
+    _assert_planned_peak(config, under=MEMORY_TOLERANCE if checkpointing else MEMORY_UNDER)
+
+
+def _assert_planned_peak(config, under: float = MEMORY_UNDER) -> None:
+    """The plan's peak for MEMORY_STEPS steps of `config()` against the measured one."""
+    from plan_memory_worker import peak_tensor_bytes
+
+    from latentloop.plan import plan_run
+    from latentloop.train.step import accumulation
+
+    train, T = config().train, config().model.sequence_len
+    tokens = MEMORY_STEPS * train.batch_size * accumulation(train, T, 1) * T
     planned = plan_run(config(), tokens=tokens, gpu="cpu", mfu=0.5).memory["peak"]
     measured = peak_tensor_bytes(config(), MEMORY_STEPS)
-    assert abs(planned / measured - 1) <= MEMORY_TOLERANCE, (planned, measured)
+    assert -under <= planned / measured - 1 <= MEMORY_TOLERANCE, (planned, measured)
+
+
+@pytest.mark.parametrize("arch,model,train", [
+    ("gpt", {"sequence_len": 128}, {"batch_size": 4, "grad_accum": 2}),
+    ("lrt", {"sequence_len": 128}, {"batch_size": 4, "grad_accum": 2}),
+    ("gpt", {"sequence_len": 32}, {"batch_size": 1}),
+    ("rgpt", {"sequence_len": 32}, {"batch_size": 1}),
+], ids=["gpt-accumulating", "lrt-accumulating", "gpt-one-short-sequence", "rgpt-one-short-sequence"])
+def test_the_planned_peak_covers_held_gradients_and_the_optimizers_step(arch, model, train):
+    """Where the peak is not the first backward's: with gradient accumulation the gradients are held
+    whole through the later micro-batches' backward (planned 2-4% under before here, 9-11% with
+    bf16 Newton-Schulz products); with little to save (one short sequence) the peak is Muon's step,
+    its stacked gradients and Newton-Schulz products beside every gradient and state (planned
+    31-33% under before; 11-12% over now, the safe side)."""
+    def config() -> RunConfig:
+        return RunConfig.from_dict({"model": {"preset": "tiny", "arch": arch, **model}, "train": dict(train)})
+
+    _assert_planned_peak(config)
 
 
 def _plan_cli(capsys, *argv: str) -> tuple[int, str, str]:
