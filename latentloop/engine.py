@@ -168,7 +168,12 @@ def sampling_probs(logits: Tensor, temperature: float, top_k: int | None = None,
     top_k keeps the k most likely tokens (ties at the k-th value all stay); top_p keeps the
     smallest set of most likely tokens whose probability reaches p (the token that crosses p
     stays)."""
-    logits = logits.float() / temperature
+    logits = logits.float()
+    # shifted to a maximum of 0 and divided by at least float32's smallest normal number: a tiny
+    # temperature (1e-300, 0 in float32) then sends the other tokens to -inf (greedy in the limit)
+    # instead of every logit to +-inf or 0/0 (NaN probabilities)
+    temperature = max(temperature, torch.finfo(torch.float32).tiny)
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # (..., 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))

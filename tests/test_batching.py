@@ -457,3 +457,118 @@ def test_auto_takes_the_compiled_path_only_when_every_size_is_in_the_compile_cac
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "slow"))
     record([1, 2, 4], AUTO_START_BUDGET_S)  # three sizes: past the budget
     assert not scheduler().compiled
+
+
+def _scheduler_run(model, bodies: list[dict], before_start=None, cancel_after_first: bool = False):
+    """The bodies' jobs through a continuous scheduler (eager batches): (scheduler, jobs, events per job).
+    `cancel_after_first`: each job is cancelled at its first token, as a client hanging up."""
+    import threading
+
+    from latentloop.data import ByteTokenizer
+    from latentloop.serve.limits import Limits
+    from latentloop.serve.requests import parse_completion
+    from latentloop.serve.scheduler import ContinuousScheduler, Delta, Done, Failed, Job
+
+    tokenizer = ByteTokenizer()
+    limits = Limits(model.config.sequence_len, 64, 8)
+    scheduler = ContinuousScheduler(model, tokenizer, 8, 16, 0.05, compiled=False, compile_steps=False)
+    jobs, events, ended = [], [], []
+    for body in bodies:
+        request = parse_completion(body, model, tokenizer, limits, "m")
+        events.append([])
+        ended.append(threading.Event())
+
+        def post(event, i: int = len(events) - 1):  # noqa: B008 - binds this request's index
+            events[i].append(event)
+            if isinstance(event, (Done, Failed)) or (cancel_after_first and isinstance(event, Delta)):
+                if cancel_after_first:
+                    jobs[i].cancel()
+                ended[i].set()
+
+        jobs.append(Job(request, post, tokenizer))
+    if before_start is not None:
+        before_start(scheduler)
+    for job in jobs:
+        scheduler.submit(job)
+    scheduler.start()
+    for event in ended:
+        assert event.wait(SCHEDULER_TIMEOUT_S), "a request did not end"
+    return scheduler, jobs, events
+
+
+def _idle(scheduler, settled) -> None:
+    """Waits (bounded) until `settled(snapshot)`: the scheduler's thread ends its passes on its own."""
+    import time
+
+    deadline = time.monotonic() + SCHEDULER_TIMEOUT_S
+    while not settled(scheduler.snapshot()):
+        assert time.monotonic() < deadline, scheduler.snapshot()
+        time.sleep(0.01)
+
+
+def test_a_cancelled_request_leaves_the_scheduler_which_then_idles(models):
+    """A client that hangs up mid-decode: its rows are freed, its job counted cancelled and dropped.
+    It was kept for good (never marked finished), so the loop never waited for work again: one core
+    spun while the server was idle."""
+    scheduler, jobs, _ = _scheduler_run(models["gpt"], [{"prompt": "ab", "max_tokens": 50, "temperature": 0}],
+                                        cancel_after_first=True)
+    try:
+        _idle(scheduler, lambda snap: snap["cancelled"] == 1)
+        assert scheduler.snapshot()["active_rows"] == 0 and jobs[0].finished
+        _idle(scheduler, lambda snap: not scheduler._jobs)  # the loop is back to waiting for work
+    finally:
+        scheduler.join(SCHEDULER_TIMEOUT_S)
+
+
+def test_a_failed_batch_frees_its_rows_for_the_requests_after_it(models, monkeypatch):
+    """A step that raises fails its batch's requests (500) and frees their rows: the room for new
+    rows came back short by the failed rows (their job marked them done as it failed, before the
+    count was lowered), until none was left and every later request timed out."""
+    from latentloop.serve.scheduler import Done, Failed
+
+    model = models["gpt"]
+    failing = {"prompt": "ab", "max_tokens": 4, "n": 8, "temperature": 0.5, "seed": 3}
+
+    def plant(scheduler):
+        real = DecodeBatch.step
+
+        def step(batch):
+            if any(member.sampling.temperature == 0.5 for member in batch.members):
+                raise RuntimeError("planted")
+            return real(batch)
+
+        monkeypatch.setattr(DecodeBatch, "step", step)
+
+    scheduler, _, events = _scheduler_run(model, [failing], before_start=plant)
+    try:
+        assert isinstance(events[0][-1], Failed) and events[0][-1].error.status == 500
+        _idle(scheduler, lambda snap: snap["active_rows"] == 0)
+    finally:
+        scheduler.join(SCHEDULER_TIMEOUT_S)
+    monkeypatch.undo()
+    bodies = [{"prompt": "abc", "max_tokens": 3, "temperature": 0}] * 4
+    scheduler, _, events = _scheduler_run(model, [failing, *bodies], before_start=plant)
+    try:
+        assert all(isinstance(e[-1], Done) for e in events[1:])
+        assert max(e[-1].batch_rows for e in events[1:]) > 1  # they still share a batch
+    finally:
+        scheduler.join(SCHEDULER_TIMEOUT_S)
+
+
+def test_a_tiny_temperature_samples_the_greedy_token_and_fails_no_neighbour(models):
+    """temperature 1e-300 divided every logit into +-inf: NaN probabilities, a 500 for the request and
+    for every request sharing its batch. Shifted to a maximum of 0 first, it is greedy in the limit."""
+    from latentloop.engine import sampling_probs
+    from latentloop.serve.scheduler import Delta, Done
+
+    logits = torch.tensor([[1.0, 3.0, 2.0], [0.5, -1.0, 0.25]])
+    for temperature in (1e-300, 1e-30, 1e-8):
+        torch.testing.assert_close(sampling_probs(logits, temperature), torch.eye(3)[[1, 0]], rtol=0, atol=0)
+    bodies = [{"prompt": "ab", "max_tokens": 6, "temperature": 1e-300, "seed": 1},
+              {"prompt": "ab", "max_tokens": 6, "temperature": 0.7, "seed": 2},
+              {"prompt": "ab", "max_tokens": 6, "temperature": 0}]
+    scheduler, _, events = _scheduler_run(models["gpt"], bodies)
+    scheduler.join(SCHEDULER_TIMEOUT_S)
+    assert all(isinstance(e[-1], Done) for e in events), [e[-1] for e in events]
+    texts = ["".join(event.text for event in e if isinstance(event, Delta)) for e in events]
+    assert texts[0] == texts[2]  # the tiny temperature's draw is the greedy text

@@ -130,6 +130,8 @@ def test_parse_completion_fields(fbt_model):
     ({"prompt": "x", "max_tokens": "9" * 10**6}, 400, "max_tokens must be an integer in [0, 32] (--max-tokens-cap)"),
     ({"prompt": "x", "max_tokens": 2, "stop": ["a"] * 5}, 400, "stop takes at most 4 sequences, got 5"),
     ({"prompt": "x", "best_of": 2}, 400, "best_of is not supported (only best_of = n), got 2"),
+    ({"prompt": "x", "logit_bias": {"5": 1}}, 400, "logit_bias is not supported (only biases of 0)"),
+    ({"prompt": "x", "logit_bias": {"5": False}}, 400, "logit_bias is not supported"),
     ({"prompt": "x", "top_k": True}, 400, "top_k must be an integer >= 1, got True"),
     ({"prompt": "x", "temperature": float("nan")}, 400, "temperature must be a finite number >= 0, got nan"),
     ({"prompt": ["x"] * 3, "n": 2}, 400, "this request asks for 6 rows (prompts x n)"),
@@ -143,6 +145,38 @@ def test_parse_completion_refuses(fbt_model, body, status, words):
     assert caught.value.status == status and words in caught.value.message
     assert "\n" not in caught.value.message and len(caught.value.message) < 300  # one line, the value cut short
     assert set(caught.value.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_neutral_logit_bias_is_accepted_as_the_docs_say(fbt_model):
+    for bias in ({}, {"5": 0}, {"5": 0.0, "7": 0}):
+        assert parse({"prompt": "x", "logit_bias": bias}, fbt_model).max_tokens == 16
+
+
+def test_an_option_error_names_the_option_it_is_about():
+    """`steps` is inside `draft_steps`: the error about draft_steps named `steps` as its param."""
+    model = ll.build("rgpt", preset="test", sequence_len=64)
+    with pytest.raises(APIError) as caught:
+        parse({"prompt": "x", "steps": 2, "draft_steps": 8}, model)
+    assert caught.value.param == "draft_steps", caught.value.body()
+
+
+def test_a_chat_reply_runs_to_the_context_by_default_and_takes_max_completion_tokens(fbt_model):
+    """OpenAI's chat has no 16-token default (completions' own), and names its budget
+    max_completion_tokens (max_tokens its deprecated alias): a reply was cut at 16 tokens and the
+    current field refused as unknown."""
+    messages = [{"role": "user", "content": "hi"}]
+
+    def chat(**fields):
+        return parse_completion({"messages": messages, **fields}, fbt_model, CHAT_TOK, LIMITS, "m", chat=True)
+
+    prompt = len(chat(max_tokens=1).prompts[0])
+    assert chat().max_tokens == min(LIMITS.max_tokens_cap, LIMITS.context - prompt)
+    assert chat(max_completion_tokens=5).max_tokens == 5 == chat(max_tokens=5, max_completion_tokens=5).max_tokens
+    for fields, words in [({"max_tokens": 4, "max_completion_tokens": 5}, "differ: send one"),
+                          ({"max_completion_tokens": 33}, "max_completion_tokens must be an integer in [0, 32]")]:
+        with pytest.raises(APIError) as caught:
+            chat(**fields)
+        assert caught.value.status == 400 and words in caught.value.message, caught.value.message
 
 
 def feed(text: RowText, pieces: list[bytes]) -> list[tuple[str, bool]]:
@@ -558,7 +592,8 @@ def test_full_queue_gets_429(servers):
 
 def test_a_client_that_hangs_up_frees_its_row(servers):
     server = servers["rgpt"]
-    before = server.stats()["rows_freed"]
+    counted = server.stats()
+    before = counted["rows_freed"]
     body = {"prompt": "x", "max_tokens": 100, "temperature": 0, "steps": SLOW_STEPS, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=CALL_TIMEOUT_S) as reply:
         first = next(line for line in reply.iter_lines() if line.startswith("data: "))
@@ -572,6 +607,10 @@ def test_a_client_that_hangs_up_frees_its_row(servers):
     while server.stats()["active_rows"] and time.monotonic() < deadline:
         time.sleep(POLL_S)
     assert server.stats()["active_rows"] == 0  # the batch was closed, not run to its end
+    while server.stats()["cancelled"] == counted["cancelled"] and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    stats = server.stats()  # the job ended (kept, the scheduler spun a core for good) and the hang-up counted
+    assert stats["cancelled"] == counted["cancelled"] + 1 and stats["disconnects"] == counted["disconnects"] + 1
     later = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=CALL_TIMEOUT_S)
     assert later.status_code == 200
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 from typing import Annotated, Any
 
 from pydantic import (
@@ -118,8 +119,10 @@ class _GenerationFields(_Body):
     @field_validator("logit_bias")
     @classmethod
     def _no_bias(cls, value: Any) -> Any:
-        if value not in (None, {}):
-            raise refuse("logit_bias is not supported", "logit_bias")
+        neutral = isinstance(value, dict) and all(
+            isinstance(bias, (int, float)) and not isinstance(bias, bool) and bias == 0 for bias in value.values())
+        if value is not None and not neutral:
+            raise refuse("logit_bias is not supported (only biases of 0)", "logit_bias")
         return value
 
     @field_validator("n")
@@ -158,13 +161,20 @@ class _GenerationFields(_Body):
                     declared[name].check(value)
             resolved = _applicable(model, model_options(model, given))
         except ConfigError as exc:
-            raise refuse(str(exc), next((name for name in given if name in str(exc)), None)) from None
+            raise refuse(str(exc), _first_named(str(exc), given)) from None
         self._options, self._resolved = given, resolved
         return self
 
     def arch_options(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """(the architecture's options given, every option that applies with defaults filled in)."""
         return self._options, self._resolved
+
+
+def _first_named(message: str, names) -> str | None:
+    """The name, of `names`, that `message` mentions first as a word of its own (`steps` is not
+    named by a message about `draft_steps`)."""
+    found = [(match.start(), name) for name in names if (match := re.search(rf"\b{re.escape(name)}\b", message))]
+    return min(found)[1] if found else None
 
 
 def _applicable(model, resolved: dict[str, Any]) -> dict[str, Any]:
@@ -199,7 +209,26 @@ class _ChatFields(_GenerationFields):
     suffix: Any = None
     logprobs: Any = None  # OpenAI's chat logprobs: not supported
     top_logprobs: Any = None
+    # OpenAI's chat name for max_tokens (which it keeps as a deprecated alias)
+    max_completion_tokens: int | None = Field(None, ge=0, description="an integer in [0, {max_tokens_cap}] "
+                                                                      "(--max-tokens-cap)")
     messages: Any  # checked by latentloop.data.chat as it renders them
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _completion_within_the_cap(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and value > info.context["limits"].max_tokens_cap:
+            raise ValueError("max_completion_tokens")  # described by the field
+        return value
+
+    @model_validator(mode="after")
+    def _one_budget(self) -> _ChatFields:
+        if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
+            raise refuse(f"max_tokens ({self.max_tokens}) and max_completion_tokens ({self.max_completion_tokens}) "
+                         f"differ: send one", "max_completion_tokens")
+        if self.max_tokens is None:
+            self.max_tokens = self.max_completion_tokens
+        return self
 
     @field_validator("prompt", "echo", "suffix")
     @classmethod
@@ -324,8 +353,9 @@ def completion_request(body: _GenerationFields, model, tokenizer, limits: Limits
     if longest > limits.context:
         raise bad_request(f"the prompt is {longest} tokens (with BOS); the model's context is {limits.context} tokens",
                           "prompt")
-    if body.max_tokens is None:  # OpenAI's default, shortened to what the context leaves
-        max_tokens = min(DEFAULT_MAX_TOKENS, limits.max_tokens_cap, limits.context - longest)
+    if body.max_tokens is None:  # OpenAI's defaults: 16 for completions, a chat reply up to the context
+        default = limits.max_tokens_cap if isinstance(body, _ChatFields) else DEFAULT_MAX_TOKENS
+        max_tokens = min(default, limits.max_tokens_cap, limits.context - longest)
     else:
         max_tokens = body.max_tokens
         if longest + max_tokens > limits.context:

@@ -585,10 +585,22 @@ class ContinuousScheduler(Scheduler):
                         self._drop_rows(batch)
                     if not len(batch):
                         del self._batches[key]
-                self._jobs = [job for job in self._jobs if not job.finished]
+                self._settle_jobs()
         finally:
             self._stop_running()
             self._fail_pending()
+
+    def _settle_jobs(self) -> None:
+        """After a pass: a cancelled job whose rows are all freed has ended (kept, the loop never
+        idled again: it spun a core for good after one client hung up); ended jobs leave; the live
+        rows are counted from the jobs themselves (a failed job's rows, marked done as it failed,
+        were never subtracted from a running count: the room for new rows shrank for good)."""
+        for job in self._jobs:
+            if not job.finished and job.cancelled.is_set() and all(row.done for row in job.rows):
+                job.finished = True
+                self.stats.cancelled += 1
+        self._jobs = [job for job in self._jobs if not job.finished]
+        self._active_rows = sum(1 for job in self._jobs for row in job.rows if not row.done)
 
     def _stop_running(self) -> None:
         """Stopping: every admitted request that has not ended ends with 503."""

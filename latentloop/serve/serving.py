@@ -186,6 +186,7 @@ class ServingCompletions:
             job.cancel()
 
     async def _stream(self, inbox: Inbox, job: Job, request: Request, deadline: float, response: ResponseBuilder):
+        ended = False  # the stream's own end (done, failed, or a disconnect _next_event counted)
         try:
             while True:
                 try:
@@ -193,12 +194,15 @@ class ServingCompletions:
                 except APIError as error:
                     event = Failed(error)
                 if event is None:
+                    ended = True
                     return
                 if isinstance(event, Failed):
+                    ended = True
                     yield sse(event.error.body())
                     yield SSE_DONE
                     return
                 if isinstance(event, Done):
+                    ended = True
                     usage = response.usage_chunk(event)
                     if usage is not None:
                         yield usage
@@ -206,6 +210,8 @@ class ServingCompletions:
                     return
                 yield response.chunk(event, job.batch_rows)
         finally:
+            if not ended:  # the response was closed under it: the client hung up mid-stream
+                self.state.counters["disconnects"] += 1
             job.cancel()  # a no-op once the job is done; frees the rows of a client that left
 
     async def _next_event(self, inbox: Inbox, job: Job, request: Request, deadline: float):
