@@ -20,7 +20,7 @@ from latentloop.archs import ARCHS
 from latentloop.checkpoint import save_weights_checkpoint
 from latentloop.cli import main
 from latentloop.config import RunConfig, model_config
-from latentloop.data import ByteTokenizer, HFTokenizer, load_tokenizer
+from latentloop.data import BPETokenizer, ByteTokenizer, HFTokenizer, load_tokenizer, write_hf_tokenizer
 from latentloop.interop import export_hf, import_hf, initialise_from, upcycle_config
 from latentloop.interop.hf_export import REMOTE_DIR, REMOTE_FILES, package_sources
 
@@ -209,9 +209,9 @@ def test_every_end_token_the_model_names_stops_generation_and_is_exported(tmp_pa
     capsys.readouterr()
     assert main(["generate", str(tmp_path / "run"), "--prompt", "hi", "--max-new-tokens", "2"]) == 0
     assert {1, 5, 9} <= set(seen["stop"])
-    export_hf(tmp_path / "run", tmp_path / "back")
-    assert json.loads((tmp_path / "back" / "config.json").read_text())["eos_token_id"] == [1, 5, 9]
-    assert json.loads((tmp_path / "back" / "generation_config.json").read_text())["eos_token_id"] == [1, 5, 9]
+    export_hf(tmp_path / "run", tmp_path / "back")  # and BOS (0), where latentloop's decoding stops too
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["eos_token_id"] == [1, 5, 9, 0]
+    assert json.loads((tmp_path / "back" / "generation_config.json").read_text())["eos_token_id"] == [1, 5, 9, 0]
 
 
 def test_imported_run_evaluates_generates_and_refuses_resume(tmp_path, capsys):
@@ -358,6 +358,104 @@ def test_export_errors_are_one_line(tmp_path, capsys):
     (tmp_path / "full" / "x").write_text("")
     assert "not an empty folder" in _one_line_error(["export", str(tmp_path / "run"), "--out",
                                                      str(tmp_path / "full")], capsys)
+
+
+def test_a_chat_export_stops_where_latentloops_chat_stops(tmp_path):
+    """A fine-tuned chat run's export ends a generation where `latentloop chat` and the server do: at
+    EOS, at the end of turn and at BOS; EOS first, each once (config.json and generation_config.json)."""
+    tokenizer = ByteTokenizer(chat=True)
+    _run(tmp_path / "run", tokenizer=tokenizer, vocab_size=tokenizer.vocab_size, **LLAMA_OPTIONS)
+    export_hf(tmp_path / "run", tmp_path / "hf")
+    expected = [tokenizer.eos_id, tokenizer.chat_tokens.end, tokenizer.bos_id]
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == expected
+    generation = transformers.GenerationConfig.from_pretrained(str(tmp_path / "hf"))
+    assert generation.eos_token_id == expected
+    from latentloop.serve.scheduler import Scheduler  # the server's stop set (latentloop.chat passes the same)
+    idle = type("Idle", (Scheduler,), {"_loop": lambda self: None})  # never started: only its stop set is read
+    server = idle(ll.load(tmp_path / "run")[0], tokenizer, 1, 1, 0.0).stop_tokens
+    assert set(server) == set(expected)
+
+
+def test_a_remote_code_export_generates_in_bfloat16(tmp_path):
+    """Loaded with dtype=torch.bfloat16, the remote code computes its RoPE tables in the weights' dtype
+    on the first forward and greedy-decodes the tokens the package's model.to(bfloat16) decodes."""
+    model = _run(tmp_path / "run", "fbt")
+    export_hf(tmp_path / "run", tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), trust_remote_code=True,
+                                                           dtype=torch.bfloat16).eval()
+    assert next(hf.parameters()).dtype == torch.bfloat16
+    prompt = [256, 10, 20, 30, 40, 50]
+    theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None)
+    assert hf.model.rope_cos.dtype == torch.bfloat16
+    mine = ll.generate(model.to(torch.bfloat16), [prompt], 8, temperature=0)
+    assert theirs[:, len(prompt):].tolist() == mine
+
+
+@pytest.mark.parametrize("make", [lambda: ByteTokenizer(), lambda: ByteTokenizer(chat=True),
+                                  lambda: BPETokenizer.train(["the loop carries state " * 40], 300)
+                                  .with_chat_tokens()], ids=["byte", "byte-chat", "bpe-chat"])
+def test_an_exported_tokenizer_starts_with_bos_as_latentloop_prompts(make, tmp_path):
+    """transformers' default encoding of an exported latentloop tokenizer is [BOS] + encode(text), what
+    latentloop prompts its models with; without special tokens, and in the chat template (which writes
+    its own BOS), nothing is added; latentloop reading the folder back never adds BOS to encode()."""
+    ours = make()
+    write_hf_tokenizer(ours, tmp_path)
+    auto = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    text = "héllo, the loop carries\n"
+    assert auto(text).input_ids == [ours.bos_id] + ours.encode(text)
+    assert auto(text, add_special_tokens=False).input_ids == ours.encode(text)
+    assert load_tokenizer(str(tmp_path)).encode(text) == ours.encode(text)
+    assert HFTokenizer.from_pretrained_folder(tmp_path).encode(text) == ours.encode(text)
+    if ours.chat_tokens is not None:
+        messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "the loop"}]
+        ids = auto.apply_chat_template(messages[:1], add_generation_prompt=True, tokenize=True, return_dict=False)
+        assert list(ids) == ours.render_prompt(messages[:1]) and list(ids).count(ours.bos_id) == 1
+        assert HFTokenizer.from_pretrained_folder(tmp_path).render(messages) == ours.render(messages)
+
+
+@pytest.mark.parametrize("writer", ["write_hf_tokenizer", "save_file"])
+def test_a_failed_export_leaves_nothing_and_a_retry_works(writer, tmp_path, capsys, monkeypatch):
+    """A disk that fills up while the folder is written (an OSError, or safetensors' own error) is one
+    line; no output folder (nor staging folder, nor parent made for it) is left, so a retry works."""
+    import errno
+    import os
+
+    from safetensors import SafetensorError
+
+    from latentloop.interop import hf_export
+
+    _run(tmp_path / "run")
+
+    def full_disk(*args, **kwargs):
+        if writer == "save_file":
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(hf_export, writer, full_disk)
+    out = tmp_path / "exports" / "hf"
+    err = _one_line_error(["export", str(tmp_path / "run"), "--out", str(out), "--no-progress"], capsys)
+    assert "No space left on device" in err and str(out) in err
+    assert not (tmp_path / "exports").exists()
+    monkeypatch.undo()
+    assert main(["export", str(tmp_path / "run"), "--out", str(out), "--no-progress"]) == 0
+    assert (out / "model.safetensors").is_file() and (out / "README.md").is_file()
+    assert sorted(p.name for p in out.parent.iterdir()) == ["hf"]
+
+
+def test_an_output_folder_under_a_file_is_refused_before_loading(tmp_path, capsys, monkeypatch):
+    from latentloop.interop import hf_export
+
+    _run(tmp_path / "run")
+    (tmp_path / "afile").write_text("")
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the output folder was checked")
+
+    monkeypatch.setattr(hf_export, "build_model", no_loading)
+    err = _one_line_error(["export", str(tmp_path / "run"), "--out", str(tmp_path / "afile" / "sub")], capsys)
+    assert "afile" in err and "is a file" in err
+    err = _one_line_error(["export", str(tmp_path / "run"), "--out", str(tmp_path / "afile")], capsys)
+    assert "not an empty folder" in err
 
 
 # --------------------------------------------------------------------------------------------

@@ -44,3 +44,9 @@ def test_export_writes_a_model_card_of_the_run(arch, tiny_run, tmp_path, capsys)
     assert f"validation bpb at step {final['step']}: {final['val_bpb']:.4g}" in card
     remote = "trust_remote_code" in summary["format"]
     assert ('from_pretrained("PATH/TO/THIS/FOLDER", trust_remote_code=True)' in card) == remote
+    # the tokenizer too: AutoTokenizer reads config.json, whose auto_map names remote code
+    assert ('AutoTokenizer.from_pretrained("PATH/TO/THIS/FOLDER", trust_remote_code=True)' in card) == remote
+    # the remote code loads on transformers 5 only (the plain folders on 4.x too): the card and config say so
+    assert ("transformers>=5" in card) == remote
+    hf_config = json.loads((out / "config.json").read_text())
+    assert (hf_config.get("transformers_version") == "5.0.0") == remote

@@ -635,17 +635,37 @@ def _byte_tokenizer_json(chat: bool = False) -> str:
     return tokenizer.to_str()
 
 
+def _with_bos_first(text: str, bos: str, bos_id: int) -> str:
+    """A `tokenizers` JSON whose encoding (with special tokens, transformers' default) starts with
+    BOS, as Llama's do: a TemplateProcessing post-processor `<bos> $A` (pair: `<bos> $A <bos> $B`),
+    after any post-processor the JSON already has."""
+    from tokenizers import Tokenizer, processors
+
+    tokenizer = Tokenizer.from_str(text)
+    template = processors.TemplateProcessing(single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+                                             special_tokens=[(bos, bos_id)])
+    before = tokenizer.post_processor
+    tokenizer.post_processor = template if before is None else processors.Sequence([before, template])
+    return tokenizer.to_str()
+
+
 def write_hf_tokenizer(tokenizer, directory: str | Path, model_max_length: int | None = None) -> list[Path]:
     """Write `tokenizer.json` and `tokenizer_config.json` that Hugging Face's `AutoTokenizer` loads
-    (a fast tokenizer; the special tokens named as the model's config names their ids)."""
+    (a fast tokenizer; the special tokens named as the model's config names their ids).
+
+    A byte or BPE tokenizer is latentloop's own, whose models are trained on [BOS] + text and prompted
+    so: its `tokenizer.json` prepends BOS when special tokens are added (`tokenizer(text).input_ids` is
+    [BOS] + `encode(text)`), as Llama's do; chat templates write their BOS themselves and transformers
+    renders them without special tokens, and latentloop's own encoders never add them. A Hugging Face
+    tokenizer (an imported model's) is written back as read: its own post-processor, if any."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     if isinstance(tokenizer, ByteTokenizer):
-        text = _byte_tokenizer_json(chat=tokenizer.chat)
         names = dict(zip(("bos", "eos", "pad"), SPECIAL_TOKENS))
+        text = _with_bos_first(_byte_tokenizer_json(chat=tokenizer.chat), names["bos"], tokenizer.bos_id)
     elif isinstance(tokenizer, BPETokenizer):
-        text = tokenizer.to_json()
         names = dict(zip(("bos", "eos", "pad"), SPECIAL_TOKENS))
+        text = _with_bos_first(tokenizer.to_json(), names["bos"], tokenizer.bos_id)
     elif isinstance(tokenizer, HFTokenizer):
         text = tokenizer.hf_json()
         names = {what: tokenizer.token_string(getattr(tokenizer, f"{what}_id")) for what in ("bos", "eos", "pad")}

@@ -20,10 +20,13 @@ Two paths:
   `generate()` decodes with the architecture's latent state (see that module's docstring). A new
   architecture exports with no code here.
 
-Either way the folder holds config.json, model.safetensors, generation_config.json, the
-tokenizer (`tokenizer.json` + `tokenizer_config.json`, loadable by `AutoTokenizer`) and a model
-card, README.md (`model_card`): the architecture and its options, the training data and tokens, the
-final metrics of the run's log and how to load the folder.
+Either way the folder holds config.json, model.safetensors, generation_config.json (`eos_token_id`:
+every id latentloop's own decoding stops at, `stop_token_ids`), the tokenizer (`tokenizer.json` +
+`tokenizer_config.json`, loadable by `AutoTokenizer`; latentloop's own tokenizers prepend BOS) and a
+model card, README.md (`model_card`): the architecture and its options, the training data and tokens,
+the final metrics of the run's log and how to load the folder. It is written into a hidden folder
+beside the output folder and renamed into place at the end: a failed export leaves nothing behind.
+The remote-code folders need transformers 5 (the plain ones load on 4.x too).
 """
 
 from __future__ import annotations
@@ -31,19 +34,23 @@ from __future__ import annotations
 import ast
 import importlib
 import json
+import os
+import secrets
 import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from ..archs import build_model, get_arch
 from ..checkpoint import find_tokenizer_file, load_weights, read_run_config, resolve_checkpoint
 from ..config import ModelConfig
 from ..data.tokenizers import load_tokenizer, write_hf_tokenizer
-from ..errors import InteropError
+from ..errors import InteropError, OutputError
+from ..util import first_line, fsync_dir
 from .hf_import import hf_to_latentloop_names, rope_half_flip
 
 REMOTE_DIR = Path(__file__).resolve().parent / "hf_remote"
@@ -53,6 +60,10 @@ AUTO_MAP = {"AutoConfig": "configuration_latentloop.LatentloopConfig",
 DEFAULT_NORM_EPS = torch.finfo(torch.float32).eps  # what F.rms_norm uses on float32 when given no epsilon
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # latentloop/
 ARCH_MODULE = "latentloop_arch.py"  # generated: the exported architecture's classes
+STAGING_PREFIX = ".exporting-"  # the hidden folder beside the output folder that an export is written into first
+# the remote code loads on transformers 5 only (4.x's loader cannot copy the package files beside it); the
+# plain Llama / Qwen2 folders load on 4.x too
+REMOTE_TRANSFORMERS = "5.0.0"
 
 
 def flat_name(module: str) -> str:
@@ -182,10 +193,33 @@ def _plain_weights(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[
     return out
 
 
+def stop_token_ids(tokenizer) -> list[int]:
+    """The ids latentloop's own decoding stops at, each once, EOS first: the tokenizer's stop ids, a
+    chat tokenizer's end of turn (`latentloop.chat`, the server) and BOS (documents are packed as
+    [BOS] + text, so BOS is what these models predict after one)."""
+    chat = getattr(tokenizer, "chat_tokens", None)
+    return list(dict.fromkeys([*tokenizer.stop_ids, *((chat.end,) if chat is not None else ()), tokenizer.bos_id]))
+
+
 def _special_ids(tokenizer) -> dict[str, Any]:
-    ends = tokenizer.stop_ids  # several: a list, as Hugging Face configs write them
-    return {"bos_token_id": tokenizer.bos_id, "eos_token_id": ends[0] if len(ends) == 1 else list(ends),
+    ends = stop_token_ids(tokenizer)  # several: a list, as Hugging Face configs write them
+    return {"bos_token_id": tokenizer.bos_id, "eos_token_id": ends[0] if len(ends) == 1 else ends,
             "pad_token_id": tokenizer.pad_id}
+
+
+def check_out_folder(out: Path) -> None:
+    """`out` must name a folder to create, or an empty one, somewhere this process can create it:
+    checked before the model is loaded (a file in the way or a read-only parent is one line)."""
+    try:
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise InteropError(f"{out} exists and is not an empty folder; choose another output folder")
+    except OSError as exc:
+        raise OutputError(f"cannot use output folder {out}: {exc.strerror or exc}") from None
+    ancestor = next(p for p in Path(os.path.abspath(out)).parents if p.exists())
+    if not ancestor.is_dir():
+        raise OutputError(f"cannot create output folder {out}: {ancestor} is a file, not a folder")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise OutputError(f"cannot create output folder {out}: {ancestor} is not writable")
 
 
 def export_hf(run: str | Path, out: str | Path, plain: bool | None = None, show_progress: bool = False
@@ -193,14 +227,16 @@ def export_hf(run: str | Path, out: str | Path, plain: bool | None = None, show_
     """Write `run` (its latest checkpoint) as a Hugging Face folder. plain=None: plain when the
     options allow it, else custom code; True: plain or a one-line error naming what blocks it;
     False: always custom code. `show_progress`: each stage named on stderr as it starts (loading
-    and writing a large model take a while, and each is one call). Returns a summary."""
+    and writing a large model take a while, and each is one call). Returns a summary.
+
+    The folder is written into a hidden staging folder beside `out` and renamed onto it at the end:
+    a failure (a full disk, ...) leaves nothing at `out` (an `OutputError` line), so a retry works."""
     def stage(text: str) -> None:
         if show_progress:
             print(f"export: {text}", file=sys.stderr, flush=True)
 
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise InteropError(f"{out} exists and is not an empty folder; choose another output folder")
+    check_out_folder(out)
     checkpoint = resolve_checkpoint(run)
     config = read_run_config(checkpoint).model
     tokenizer = load_tokenizer(str(find_tokenizer_file(checkpoint)))
@@ -213,7 +249,7 @@ def export_hf(run: str | Path, out: str | Path, plain: bool | None = None, show_
     model = build_model(config)
     load_weights(model, checkpoint)
     state = {name: tensor.detach().float() for name, tensor in model.state_dict().items()}
-    out.mkdir(parents=True, exist_ok=True)
+    del model
     if as_plain:
         family = "qwen2" if config.qkv_bias else "llama"
         hf_config = {
@@ -230,6 +266,7 @@ def export_hf(run: str | Path, out: str | Path, plain: bool | None = None, show_
             hf_config.update(use_sliding_window=False, sliding_window=None)
         weights = _plain_weights(state, config)
         kind = hf_config["architectures"][0]
+        code: dict[str, str] = {}
     else:
         spec = get_arch(config.arch)
         # the defaults a user may edit in config.json; an option that applies only under another's
@@ -238,23 +275,57 @@ def export_hf(run: str | Path, out: str | Path, plain: bool | None = None, show_
                     if option.default is not None and option.applies_if is None}
         hf_config = {"architectures": ["LatentloopForCausalLM"], "model_type": "latentloop", "auto_map": AUTO_MAP,
                      "latentloop": config.to_dict(), "decoding": decoding, "torch_dtype": "float32",
-                     **_special_ids(tokenizer)}
+                     "transformers_version": REMOTE_TRANSFORMERS, **_special_ids(tokenizer)}
         weights = {f"model.{name}": tensor.contiguous() for name, tensor in state.items()}
-        for name in REMOTE_FILES:
-            shutil.copyfile(REMOTE_DIR / name, out / name)
-        for name, text in package_sources(spec.model_class, spec.config_class).items():
-            (out / name).write_text(text)
+        code = package_sources(spec.model_class, spec.config_class)
         kind = "LatentloopForCausalLM (trust_remote_code)"
     size_mb = sum(t.numel() * t.element_size() for t in weights.values()) / 2**20
-    stage(f"writing {out / 'model.safetensors'} ({size_mb:,.1f} MiB) and the tokenizer")
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps(_special_ids(tokenizer), indent=2) + "\n")
-    write_hf_tokenizer(tokenizer, out, model_max_length=config.sequence_len)
     params = sum(t.numel() for t in state.values())
-    (out / "README.md").write_text(model_card(checkpoint, read_run_config(checkpoint), params, as_plain, kind))
+    card = model_card(checkpoint, read_run_config(checkpoint), params, as_plain, kind)
+    stage(f"writing {out / 'model.safetensors'} ({size_mb:,.1f} MiB) and the tokenizer")
+    _write_folder(out, weights, hf_config, tokenizer, config.sequence_len, code, card)
     return {"run": str(run), "checkpoint": str(checkpoint), "out": str(out), "format": kind,
             "plain_blockers": blockers, "model_card": str(out / "README.md")}
+
+
+def _write_folder(out: Path, weights: dict[str, torch.Tensor], hf_config: dict[str, Any], tokenizer,
+                  sequence_len: int, code: dict[str, str], card: str) -> None:
+    """The export's files, written into a staging folder beside `out` and renamed onto it at the end
+    (onto an empty folder too: POSIX rename replaces an empty directory). On any failure the staging
+    folder and every parent folder made for it are removed again; an I/O error (a full disk, no
+    permission, ...) is one `OutputError` line."""
+    target = Path(os.path.abspath(out))
+    made = [p for p in (target.parent, *target.parent.parents) if not p.exists()]  # deepest first
+    staging = target.parent / f"{STAGING_PREFIX}{target.name}-{os.getpid()}-{secrets.token_hex(4)}"
+    done = False
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging.mkdir()
+        if code:  # custom code: the wrapper and the package files the architecture runs on
+            for name in REMOTE_FILES:
+                shutil.copyfile(REMOTE_DIR / name, staging / name)
+            for name, text in code.items():
+                (staging / name).write_text(text)
+        save_file(weights, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        (staging / "generation_config.json").write_text(json.dumps(_special_ids(tokenizer), indent=2) + "\n")
+        write_hf_tokenizer(tokenizer, staging, model_max_length=sequence_len)
+        (staging / "README.md").write_text(card)
+        os.replace(staging, target)
+        fsync_dir(target.parent)
+        done = True
+    except OSError as exc:
+        raise OutputError(f"cannot write {out}: {exc.strerror or exc}") from None
+    except SafetensorError as exc:  # safetensors reports its I/O errors (a full disk, ...) as its own
+        raise OutputError(f"cannot write {out / 'model.safetensors'}: {first_line(exc)}") from None
+    finally:
+        if not done:
+            shutil.rmtree(staging, ignore_errors=True)
+            for parent in made:
+                try:
+                    parent.rmdir()
+                except OSError:  # someone else put something there meanwhile: keep it
+                    break
 
 
 # --------------------------------------------------------------------------------------------
@@ -338,13 +409,16 @@ def model_card(checkpoint: Path, run_config, params: int, plain: bool, kind: str
     lines += ["", "## How to load it", "", "```python",
               "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
               f'model = AutoModelForCausalLM.from_pretrained("PATH/TO/THIS/FOLDER"{remote})',
-              'tokenizer = AutoTokenizer.from_pretrained("PATH/TO/THIS/FOLDER")',
+              f'tokenizer = AutoTokenizer.from_pretrained("PATH/TO/THIS/FOLDER"{remote})',
               'ids = tokenizer("def main():", return_tensors="pt").input_ids',
               "print(tokenizer.decode(model.generate(ids, max_new_tokens=32)[0]))", "```", ""]
     if not plain:
         lines += ["The folder carries latentloop's modeling code (`modeling_latentloop.py` and the files beside it), "
-                  "so it needs transformers, torch and pyyaml, not latentloop; `generate()` decodes with the "
-                  "architecture's latent state.", ""]
+                  f"so it needs transformers {REMOTE_TRANSFORMERS.split('.')[0]} or newer "
+                  f"(`pip install 'transformers>={REMOTE_TRANSFORMERS}'`: transformers 4.x cannot load this "
+                  "folder's code), torch and pyyaml, not latentloop; `generate()` decodes with the "
+                  "architecture's latent state. The tokenizer (AutoTokenizer reads config.json first) also "
+                  "needs `trust_remote_code=True`.", ""]
     lines += ["The run itself, with latentloop: `latentloop generate RUN --prompt ...`, `latentloop serve RUN` "
               "(an OpenAI-compatible server with a chat page), or `latentloop.load(RUN)` in Python.", ""]
     return "\n".join(lines)

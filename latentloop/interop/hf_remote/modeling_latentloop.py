@@ -71,7 +71,19 @@ class LatentloopForCausalLM(PreTrainedModel, GenerationMixin):
 
     def _init_weights(self, module: nn.Module) -> None:
         """Nothing: an export holds every tensor; the RoPE tables, computed rather than stored, are
-        recomputed by the first forward (`GPT.reset_rope`)."""
+        recomputed by the first forward (`reset_rope`)."""
+
+    def reset_rope(self) -> None:
+        """The package's RoPE tables (`GPT.reset_rope`, computed in float32), in the weights' dtype:
+        as the package's own model has them after `.to(dtype)`. A model loaded with `dtype=torch.bfloat16`
+        (or moved to it before its first forward) computes its tables only then, so they would stay
+        float32 and the attention would mix dtypes."""
+        self.model.reset_rope()
+        dtype = self.model.wte.weight.dtype
+        if dtype.is_floating_point:
+            self.model.rope_cos = self.model.rope_cos.to(dtype)
+            self.model.rope_sin = self.model.rope_sin.to(dtype)
+        self.rope_ready = True
 
     def get_input_embeddings(self) -> nn.Module:
         return self.model.wte
@@ -100,8 +112,7 @@ class LatentloopForCausalLM(PreTrainedModel, GenerationMixin):
         the rest teacher-forced; with one: the new tokens after what it holds. The architecture's
         decoding options are keyword arguments (named in the signature)."""
         if not self.rope_ready:  # the first forward after loading: the tables the package computes
-            self.model.reset_rope()
-            self.rope_ready = True
+            self.reset_rope()
         cache = cache if cache is not None else kwargs.get("past_key_values")
         opts = self.options({name: kwargs[name] for name in OPTION_NAMES if name in kwargs})
         model = self.model
