@@ -14,6 +14,8 @@ from __future__ import annotations
 import codecs
 import json
 import os
+import secrets
+import shutil
 import sys
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -125,6 +127,33 @@ def write_json_atomic(path: Path, payload: Any) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+@contextmanager
+def staged_folder(out: Path, prefix: str) -> Iterator[Path]:
+    """A folder written whole or not at all: yields a hidden staging folder beside `out` (named
+    `prefix` + out's name + a random tail), renamed onto `out` when the block ends (onto an empty
+    folder too: POSIX rename replaces an empty directory). On any failure the staging folder and
+    every parent folder made for it are removed again; errors pass through unchanged."""
+    target = Path(os.path.abspath(out))
+    made = [p for p in (target.parent, *target.parent.parents) if not p.exists()]  # deepest first
+    staging = target.parent / f"{prefix}{target.name}-{os.getpid()}-{secrets.token_hex(4)}"
+    done = False
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging.mkdir()
+        yield staging
+        os.replace(staging, target)
+        fsync_dir(target.parent)
+        done = True
+    finally:
+        if not done:
+            shutil.rmtree(staging, ignore_errors=True)
+            for parent in made:
+                try:
+                    parent.rmdir()
+                except OSError:  # someone else put something there meanwhile: keep it
+                    break
 
 
 def progress(iterable: Iterable[_T], total: int | None = None, desc: str = "", enabled: bool = True) -> Iterable[_T]:

@@ -356,7 +356,7 @@ def test_export_errors_are_one_line(tmp_path, capsys):
     assert "qk_norm=true" in err and "embed_norm=true" in err and "mlp=relu2" in err
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
-    assert "not an empty folder" in _one_line_error(["export", str(tmp_path / "run"), "--out",
+    assert "exists and is not empty" in _one_line_error(["export", str(tmp_path / "run"), "--out",
                                                      str(tmp_path / "full")], capsys)
 
 
@@ -455,7 +455,7 @@ def test_an_output_folder_under_a_file_is_refused_before_loading(tmp_path, capsy
     err = _one_line_error(["export", str(tmp_path / "run"), "--out", str(tmp_path / "afile" / "sub")], capsys)
     assert "afile" in err and "is a file" in err
     err = _one_line_error(["export", str(tmp_path / "run"), "--out", str(tmp_path / "afile")], capsys)
-    assert "not an empty folder" in err
+    assert "is a file; give a folder to create" in err
 
 
 # --------------------------------------------------------------------------------------------

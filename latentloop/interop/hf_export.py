@@ -34,8 +34,6 @@ from __future__ import annotations
 import ast
 import importlib
 import json
-import os
-import secrets
 import shutil
 import sys
 from pathlib import Path
@@ -50,8 +48,8 @@ from ..checkpoint import find_tokenizer_file, load_weights, read_run_config, res
 from ..config import ModelConfig
 from ..data.tokenizers import load_tokenizer, write_hf_tokenizer
 from ..errors import InteropError, OutputError
-from ..util import first_line, fsync_dir
-from .hf_import import hf_to_latentloop_names, rope_half_flip
+from ..util import first_line, staged_folder
+from .hf_import import check_out_folder, hf_to_latentloop_names, rope_half_flip
 
 REMOTE_DIR = Path(__file__).resolve().parent / "hf_remote"
 REMOTE_FILES = ("configuration_latentloop.py", "modeling_latentloop.py")
@@ -207,21 +205,6 @@ def _special_ids(tokenizer) -> dict[str, Any]:
             "pad_token_id": tokenizer.pad_id}
 
 
-def check_out_folder(out: Path) -> None:
-    """`out` must name a folder to create, or an empty one, somewhere this process can create it:
-    checked before the model is loaded (a file in the way or a read-only parent is one line)."""
-    try:
-        if out.exists() and (not out.is_dir() or any(out.iterdir())):
-            raise InteropError(f"{out} exists and is not an empty folder; choose another output folder")
-    except OSError as exc:
-        raise OutputError(f"cannot use output folder {out}: {exc.strerror or exc}") from None
-    ancestor = next(p for p in Path(os.path.abspath(out)).parents if p.exists())
-    if not ancestor.is_dir():
-        raise OutputError(f"cannot create output folder {out}: {ancestor} is a file, not a folder")
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise OutputError(f"cannot create output folder {out}: {ancestor} is not writable")
-
-
 def export_hf(run: str | Path, out: str | Path, plain: bool | None = None, show_progress: bool = False
               ) -> dict[str, Any]:
     """Write `run` (its latest checkpoint) as a Hugging Face folder. plain=None: plain when the
@@ -294,38 +277,22 @@ def _write_folder(out: Path, weights: dict[str, torch.Tensor], hf_config: dict[s
     (onto an empty folder too: POSIX rename replaces an empty directory). On any failure the staging
     folder and every parent folder made for it are removed again; an I/O error (a full disk, no
     permission, ...) is one `OutputError` line."""
-    target = Path(os.path.abspath(out))
-    made = [p for p in (target.parent, *target.parent.parents) if not p.exists()]  # deepest first
-    staging = target.parent / f"{STAGING_PREFIX}{target.name}-{os.getpid()}-{secrets.token_hex(4)}"
-    done = False
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging.mkdir()
-        if code:  # custom code: the wrapper and the package files the architecture runs on
-            for name in REMOTE_FILES:
-                shutil.copyfile(REMOTE_DIR / name, staging / name)
-            for name, text in code.items():
-                (staging / name).write_text(text)
-        save_file(weights, str(staging / "model.safetensors"), metadata={"format": "pt"})
-        (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-        (staging / "generation_config.json").write_text(json.dumps(_special_ids(tokenizer), indent=2) + "\n")
-        write_hf_tokenizer(tokenizer, staging, model_max_length=sequence_len)
-        (staging / "README.md").write_text(card)
-        os.replace(staging, target)
-        fsync_dir(target.parent)
-        done = True
+        with staged_folder(out, STAGING_PREFIX) as staging:
+            if code:  # custom code: the wrapper and the package files the architecture runs on
+                for name in REMOTE_FILES:
+                    shutil.copyfile(REMOTE_DIR / name, staging / name)
+                for name, text in code.items():
+                    (staging / name).write_text(text)
+            save_file(weights, str(staging / "model.safetensors"), metadata={"format": "pt"})
+            (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+            (staging / "generation_config.json").write_text(json.dumps(_special_ids(tokenizer), indent=2) + "\n")
+            write_hf_tokenizer(tokenizer, staging, model_max_length=sequence_len)
+            (staging / "README.md").write_text(card)
     except OSError as exc:
         raise OutputError(f"cannot write {out}: {exc.strerror or exc}") from None
     except SafetensorError as exc:  # safetensors reports its I/O errors (a full disk, ...) as its own
         raise OutputError(f"cannot write {out / 'model.safetensors'}: {first_line(exc)}") from None
-    finally:
-        if not done:
-            shutil.rmtree(staging, ignore_errors=True)
-            for parent in made:
-                try:
-                    parent.rmdir()
-                except OSError:  # someone else put something there meanwhile: keep it
-                    break
 
 
 # --------------------------------------------------------------------------------------------

@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import os
 import re
-import secrets
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +39,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from ..archs import build_model
-from ..checkpoint import fsync_dir, save_weights_checkpoint
+from ..checkpoint import save_weights_checkpoint
 from ..config import DataConfig, ModelConfig, RunConfig, TrainConfig, model_config
 from ..data.chat import EmptyChatTemplateError, check_template_renders
 from ..data.tokenizers import CHAT_TEMPLATE_FILE, TOKENIZER_FILE, HFTokenizer
 from ..errors import ConfigError, DataError, InteropError, LatentloopError
-from ..util import first_line
+from ..util import first_line, staged_folder
 from .hf_checks import (
     MAX_METADATA_BYTES,
     HFFields,
@@ -309,7 +307,8 @@ def convert_weights(hf_weights: dict[str, torch.Tensor], config: ModelConfig) ->
 
 
 def check_out_folder(out: Path) -> None:
-    """--out must name a folder to create, or an empty one: checked before any work is done."""
+    """--out must name a folder to create, or an empty one, where this process can create it:
+    checked before any work is done (import's and export's)."""
     try:
         if out.exists() and not out.is_dir():
             raise InteropError(f"--out {out} is a file; give a folder to create")
@@ -320,6 +319,8 @@ def check_out_folder(out: Path) -> None:
     ancestor = next(p for p in Path(os.path.abspath(out)).parents if p.exists())
     if not ancestor.is_dir():
         raise InteropError(f"cannot create --out {out}: {ancestor} is a file, not a folder")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise InteropError(f"cannot create --out {out}: {ancestor} is not writable")
 
 
 def read_hf_tokenizer(folder: Path, config: ModelConfig, hf: dict[str, Any]) -> HFTokenizer:
@@ -393,29 +394,13 @@ def _write_run(out: Path, config: ModelConfig, tokenizer: HFTokenizer, model: to
     """The run folder (config, tokenizer, metrics, one weights-only checkpoint), written into a
     staging folder beside `out` and renamed onto it at the end; on any failure the staging folder
     and every parent folder made for it are removed again. Returns the checkpoint's final path."""
-    target = Path(os.path.abspath(out))
-    made = [p for p in (target.parent, *target.parent.parents) if not p.exists()]  # deepest first
-    staging = target.parent / f"{STAGING_PREFIX}{target.name}-{os.getpid()}-{secrets.token_hex(4)}"
-    done = False
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging.mkdir()
-        run = RunConfig(model=config, train=TrainConfig(), data=DataConfig(tokenizer=str(out / TOKENIZER_FILE)))
-        run.save_json(staging / "config.json")
-        tokenizer.save(staging)
-        (staging / "metrics.jsonl").write_text("")
-        checkpoint = save_weights_checkpoint(staging, 0, model, state)
-        os.replace(staging, target)  # onto an empty folder too (POSIX rename replaces an empty directory)
-        fsync_dir(target.parent)
-        done = True
+        with staged_folder(out, STAGING_PREFIX) as staging:
+            run = RunConfig(model=config, train=TrainConfig(), data=DataConfig(tokenizer=str(out / TOKENIZER_FILE)))
+            run.save_json(staging / "config.json")
+            tokenizer.save(staging)
+            (staging / "metrics.jsonl").write_text("")
+            checkpoint = save_weights_checkpoint(staging, 0, model, state)
     except OSError as exc:
         raise InteropError(f"cannot write {out}: {exc.strerror or exc}") from None
-    finally:
-        if not done:
-            shutil.rmtree(staging, ignore_errors=True)
-            for parent in made:
-                try:
-                    parent.rmdir()
-                except OSError:  # someone else put something there meanwhile: keep it
-                    break
     return out / checkpoint.relative_to(staging)

@@ -132,11 +132,11 @@ class _GenerationFields(_Body):
             raise ValueError("n")  # described by the field
         return n
 
-    @field_validator("max_tokens")
+    @field_validator("max_tokens", "max_completion_tokens", check_fields=False)  # the latter: chat's
     @classmethod
     def _within_the_cap(cls, max_tokens: int | None, info: ValidationInfo) -> int | None:
         if max_tokens is not None and max_tokens > info.context["limits"].max_tokens_cap:
-            raise ValueError("max_tokens")  # described by the field
+            raise ValueError(info.field_name)  # described by the field
         return max_tokens
 
     @field_validator("stop")
@@ -213,13 +213,6 @@ class _ChatFields(_GenerationFields):
     max_completion_tokens: int | None = Field(None, ge=0, description="an integer in [0, {max_tokens_cap}] "
                                                                       "(--max-tokens-cap)")
     messages: Any  # checked by latentloop.data.chat as it renders them
-
-    @field_validator("max_completion_tokens")
-    @classmethod
-    def _completion_within_the_cap(cls, value: int | None, info: ValidationInfo) -> int | None:
-        if value is not None and value > info.context["limits"].max_tokens_cap:
-            raise ValueError("max_completion_tokens")  # described by the field
-        return value
 
     @model_validator(mode="after")
     def _one_budget(self) -> _ChatFields:
