@@ -16,6 +16,7 @@ from latentloop.data.chat import (
     ChatLoader,
     assistant_start,
     iter_conversations,
+    iter_split_conversations,
     pack_conversations,
     parse_chat_spec,
     prepare_chat,
@@ -125,6 +126,44 @@ def test_task_conversations():
     (key, messages), *_ = iter_conversations("chat:task:addition_steps:n=5")
     assert messages[0]["role"] == "user" and messages[0]["content"].endswith("=")
     assert ";" in messages[1]["content"]
+
+
+def _user_turns(rows) -> list[str]:
+    """The text of every user turn packed into these rows."""
+    turns = []
+    for row in rows.tokens.tolist():
+        starts = [i for i, t in enumerate(row) if t == USER]
+        for start in starts:
+            end = row.index(END, start)
+            turns.append(bytes(row[start + 1:end]).decode())
+    return turns
+
+
+def test_chat_file_split_does_not_depend_on_how_the_path_is_typed(tmp_path, monkeypatch):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+            for i in range(400)]
+    (folder / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.chdir(folder)
+    specs = ["chat:c.jsonl", "chat:./c.jsonl", f"chat:{folder / 'c.jsonl'}", f"chat:{folder}/../data/c.jsonl"]
+    splits = [prepare_chat(spec, CHAT, seq_len=64, val_fraction=0.05) for spec in specs]
+    assert all(d.meta["sha256"] == splits[0].meta["sha256"] for d in splits[1:])
+    # the same rows in a file of the same name elsewhere (a copy on another machine) split the same way
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    (other / "c.jsonl").write_text((folder / "c.jsonl").read_text())
+    assert prepare_chat(f"chat:{other / 'c.jsonl'}", CHAT, 64, 0.05).meta["sha256"] == splits[0].meta["sha256"]
+
+
+def test_chat_task_val_conversations_are_held_out_problems_never_trained_on():
+    spec = "chat:task:addition:digits=2,n=2000"
+    train = {m[0]["content"] for m in iter_split_conversations(spec, "train", 0.05)}
+    val = [m[0]["content"] for m in iter_split_conversations(spec, "val", 0.05)]
+    assert len(train) > 100 and val and not set(val) & train
+    data = prepare_chat(spec, CHAT, seq_len=64, val_fraction=0.05)
+    assert data.meta["train"]["conversations"] == 2000 and data.meta["val"]["conversations"] == len(val)
+    assert sorted(_user_turns(data.val)) == sorted(val) and not set(_user_turns(data.train)) & set(val)
 
 
 @pytest.mark.parametrize("line, message", [

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 import zipfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -164,8 +165,66 @@ def test_bad_rows_name_file_and_line(tmp_path):
     with pytest.raises(DataError, match=r"copa.jsonl:2: .*choices, gold"):
         core.load_examples(path, MULTIPLE_CHOICE)
     path.write_text("not json\n")
-    with pytest.raises(DataError, match="copa.jsonl:1: not valid JSON"):
+    with pytest.raises(DataError, match="copa.jsonl:1: invalid JSON"):
         core.load_examples(path, MULTIPLE_CHOICE)
+
+
+MC_ROW = {"query": "q", "choices": ["a", "b"], "gold": 1}
+SCHEMA_ROW = {"context_options": ["A", "B"], "continuation": "c", "gold": 0}
+LM_ROW = {"context": "c", "continuation": "d"}
+HELLASWAG_ROW = {"ctx_a": "a", "ctx_b": "b", "activity_label": "x", "label": "1", "endings": ["e", "f"]}
+
+
+@pytest.mark.parametrize("kind, row, message", [
+    (MULTIPLE_CHOICE, {**MC_ROW, "choices": []}, "'choices' is an empty list"),
+    (MULTIPLE_CHOICE, {**MC_ROW, "choices": "ab"}, "'choices' must be a list of strings, got a string"),
+    (MULTIPLE_CHOICE, {**MC_ROW, "choices": ["a", 5]}, r"'choices'\[1\] must be a string"),
+    (MULTIPLE_CHOICE, {**MC_ROW, "gold": 2}, "'gold' is 2, out of range for the 2 item"),
+    (MULTIPLE_CHOICE, {**MC_ROW, "gold": -1}, "'gold' is -1, out of range"),
+    (MULTIPLE_CHOICE, {**MC_ROW, "gold": 0.5}, "'gold' must be an integer index"),
+    (MULTIPLE_CHOICE, {**MC_ROW, "gold": True}, "'gold' must be an integer index"),
+    (MULTIPLE_CHOICE, {**MC_ROW, "query": ["q"]}, "'query' must be a string, got a list"),
+    (MULTIPLE_CHOICE, {**HELLASWAG_ROW, "label": "2"}, "'label' is 2, out of range"),
+    (MULTIPLE_CHOICE, {**HELLASWAG_ROW, "endings": []}, "'endings' is an empty list"),
+    (MULTIPLE_CHOICE, ["q", "a"], "expected a JSON object, got a list"),
+    (SCHEMA, {**SCHEMA_ROW, "context_options": []}, "'context_options' is an empty list"),
+    (SCHEMA, {**SCHEMA_ROW, "context_options": "A"}, "'context_options' must be a list of strings"),
+    (SCHEMA, {**SCHEMA_ROW, "gold": 5}, "'gold' is 5, out of range for the 2 item"),
+    (SCHEMA, {**SCHEMA_ROW, "continuation": None}, "'continuation' must be a string, got null"),
+    (LANGUAGE_MODELING, {**LM_ROW, "context": 3}, "'context' must be a string, got a number"),
+    (LANGUAGE_MODELING, {**LM_ROW, "context": ["c"]}, "'context' must be a string, got a list"),
+    (LANGUAGE_MODELING, {**LM_ROW, "continuation": ""}, "'continuation' is empty"),
+])
+def test_malformed_rows_are_one_line_data_errors_naming_file_and_line(tmp_path, kind, row, message):
+    path = tmp_path / "task.jsonl"
+    good = {MULTIPLE_CHOICE: MC_ROW, SCHEMA: SCHEMA_ROW, LANGUAGE_MODELING: LM_ROW}[kind]
+    write_jsonl(path, [good, row])
+    with pytest.raises(DataError) as caught:
+        core.load_examples(path, kind)
+    text = str(caught.value)
+    assert text.startswith(f"{path}:2: malformed {kind} row: ") and "\n" not in text
+    assert re.search(message, text), text
+    write_jsonl(path, [good, HELLASWAG_ROW if kind == MULTIPLE_CHOICE else good])
+    assert len(core.load_examples(path, kind)) == 2  # the good rows read
+
+
+def test_cli_eval_reports_a_malformed_row_in_one_line(tiny_run, small_eval_dir, capsys):
+    trained_run = tiny_run("gpt")
+    capsys.readouterr()
+    rows = [json.loads(line) for line in (small_eval_dir / "copa.jsonl").read_text().splitlines()]
+    bad = [({**rows[0], "choices": []}, "'choices' is an empty list"),
+           ({**rows[0], "gold": 7}, "'gold' is 7, out of range"),
+           ({**rows[0], "query": 12}, "'query' must be a string")]
+    for row, message in bad:
+        write_jsonl(small_eval_dir / "copa.jsonl", [*rows[:2], row])
+        assert main(["eval", str(trained_run), "--tasks", "copa", "--eval-dir", str(small_eval_dir)]) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+        errors = [line for line in err.splitlines() if line.startswith("latentloop: error:")]
+        assert len(errors) == 1 and err.endswith(errors[0] + "\n")  # the last line, and the only one
+        where = small_eval_dir / "copa.jsonl"
+        assert errors[0].startswith(f"latentloop: error: {where}:3: malformed multiple_choice row")
+        assert message in errors[0]
 
 
 # -- scoring arithmetic on a stub with known logits -------------------------------------------
@@ -232,23 +291,53 @@ def test_limit_and_fewshot_from_the_whole_file(tmp_path):
 # -- truncation and batching ------------------------------------------------------------------
 
 
-def test_fit_row_keeps_bos_and_aligns_cut_contexts():
+def test_fit_row_keeps_the_last_max_len_inputs():
     ctx = [BOS] + list(range(100))
-    c1, k1 = core.fit_row(ctx, [1] * 5, 64, BOS)
-    c2, k2 = core.fit_row(ctx, [1] * 9, 64, BOS)
-    assert c1[0] == BOS and c1[-1] == 99 and len(c1) + core.TRUNCATION_STEP == 64
-    assert len(c1) == len(c2)  # same continuation bucket: same context length, one batch
-    short, cont = core.fit_row([BOS, 5, 6], list(range(80)), 64, BOS)
-    assert len(cont) == 63 and short == [6]
-    assert core.fit_row([BOS, 1], [2], 64, BOS) == ([BOS, 1], [2])
+    c1, k1 = core.fit_row(ctx, [1] * 5, 64)
+    assert c1 == list(range(40, 100)) and k1 == [1] * 5  # 60 + 5 - 1 = 64 inputs, no further bucket cut
+    c2, _ = core.fit_row(ctx, [1] * 9, 64)
+    assert len(c2) + 9 - 1 == 64 and c2[-1] == 99
+    short, cont = core.fit_row([BOS, 5, 6], list(range(80)), 64)
+    assert cont == list(range(64)) and short == [6]
+    # a row needs len(context) + len(continuation) - 1 inputs: one that needs exactly 64 is not cut
+    exact = ([BOS] + list(range(60)), [1, 2, 3, 4])
+    assert core.fit_row(*exact, 64) == exact
+    assert core.fit_row([BOS, 1], [2], 64) == ([BOS, 1], [2])
+
+
+@pytest.mark.parametrize("mode", ["auto", "full"])
+def test_rows_near_the_context_limit_score_as_one_forward_over_their_last_inputs(mode):
+    """A row that needs more than T = 64 inputs scores exactly as one plain forward over its last T
+    inputs (as lm-eval's Hugging Face model and nanochat cut), batched or alone."""
+    torch.manual_seed(0)
+    model = latentloop.build("gpt", preset="test", n_layer=1)
+    T = model.config.sequence_len
+    rng = random.Random(0)
+    shapes = [(16, 3), (62, 3), (63, 2), (64, 1), (64, 3), (65, 1), (80, 5), (100, 17), (40, 25), (3, 64)]
+    rows = [([BOS] + [rng.randrange(256) for _ in range(c - 1)], [rng.randrange(256) for _ in range(k)])
+            for c, k in shapes]
+
+    def direct(context, continuation):
+        ids = (context + continuation)[-(T + 1):]
+        with torch.no_grad():
+            logprobs = model(torch.tensor([ids[:-1]])).logits[0].float().log_softmax(-1)
+        return float(logprobs[-len(continuation):].gather(-1, torch.tensor(continuation)[:, None]).sum())
+
+    expected = torch.tensor([direct(c, k) for c, k in rows])
+    for batch_size in (1, 4):
+        scores = score_continuations(model, rows, batch_size=batch_size, mode=mode)
+        got = torch.tensor([s.logprob for s in scores])
+        assert [s.tokens for s in scores] == [k for _, k in shapes]
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)  # float32 sums of up to 64 log-probs
 
 
 def test_stub_rows_align_contexts_at_one_column():
     model = BigramStub(prefer({"a": "b"}), sequence_len=32)
     rows = [([BOS] + [97] * n, [98] * m) for n, m in ((1, 3), (7, 1), (4, 2))]
     score_continuations(model, rows, batch_size=8)
-    # longest context 8 prefilled, longest continuation 3 decoded teacher-forced in one call
-    assert model.calls == [("prefill", (3, 8)), ("decode", (3, 3))]
+    # longest context 8 prefilled, then the longest continuation's first 2 tokens decoded teacher-forced in one
+    # call (its last token is a target only, never an input)
+    assert model.calls == [("prefill", (3, 8)), ("decode", (3, 2))]
 
 
 @pytest.mark.parametrize("arch,options,modes", [

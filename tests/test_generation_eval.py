@@ -23,6 +23,7 @@ from latentloop.eval.generation import (
     generate_texts,
     numbers_match,
     pass_at_k,
+    read_jsonl,
     run_generation_tasks,
     split_task_names,
 )
@@ -301,8 +302,14 @@ def test_humaneval_pass_at_k_runs_candidates_in_the_sandbox(tmp_path):
     assert result["n"] == 2 and result["accuracy"] == 0.5 and result["pass@1"] == 0.5
     assert result["statuses"] == {"passed": 1, "failed": 1}
     assert result["examples"][0]["output"] == "    return a + b\n"  # cut before the next top-level def
+    assert result["accuracy_ci"] == list(wilson_interval(1, 2))  # one sample: the interval of the figure reported
     sampled = GENERATION_TASKS["humaneval"](model, TOKENIZER, tmp_path, {}, None, False, samples=3)
     assert sampled["pass@1"] == 0.5 and "pass@10" not in sampled and sampled["temperature"] > 0
+    # several samples: accuracy is the mean pass rate, which a Wilson interval of "any sample passed"
+    # does not describe; no interval for it, that one under its own name
+    assert sampled["accuracy"] == sampled["pass@1"] and sampled["accuracy_ci"] is None
+    assert "mean pass rate" in sampled["accuracy_ci_note"]
+    assert sampled["any_sample_passed"] == 0.5 and sampled["any_sample_passed_ci"] == list(wilson_interval(1, 2))
 
 
 def test_errors_name_the_choices(tmp_path):
@@ -314,6 +321,32 @@ def test_errors_name_the_choices(tmp_path):
         run_generation_tasks(ScriptedModel(str), TOKENIZER, ["svamp"], tmp_path, {}, 1, False)
     with pytest.raises(DataError, match="unknown knob"):
         run_generation_tasks(ScriptedModel(str), TOKENIZER, ["addition:colour=red"], None, {}, 1, False)
+
+
+@pytest.mark.parametrize("task, filename, row, message", [
+    ("gsm8k", "gsm8k.jsonl", {"context": ["q"], "chain_of_thought": "x", "answer": "1"},
+     "'context' must be a string, got list"),
+    ("gsm8k", "gsm8k.jsonl", {"context": "q", "chain_of_thought": None, "answer": "1"},
+     "'chain_of_thought' must be a string, got null"),
+    ("gsm8k", "gsm8k.jsonl", {"context": "q", "chain_of_thought": "x", "answer": [1]},
+     "'answer' must be a string or a number, got list"),
+    ("chat:gsm8k", "gsm8k.jsonl", {"context": 5, "answer": "1"}, "'context' must be a string, got int"),
+    ("simple_arithmetic", "simple_arithmetic_nospaces.jsonl", {"context": {"a": 1}, "continuation": "2"},
+     "'context' must be a string, got dict"),
+    ("humaneval", "human_eval.jsonl", {"task_id": "t", "prompt": "p", "test": "t", "entry_point": 3},
+     "'entry_point' must be a string, got int"),
+    ("svamp", "svamp.jsonl", ["not", "an", "object"], "expected a JSON object, got list"),
+])
+def test_malformed_task_rows_are_data_errors_naming_file_and_line(tmp_path, task, filename, row, message):
+    good = {"context": "1+1=", "chain_of_thought": "x", "answer": 2, "continuation": 2, "task_id": "t",
+            "prompt": "def f():\n", "test": "", "entry_point": "f"}
+    (tmp_path / filename).write_text(json.dumps(good) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(DataError) as caught:
+        if task == "humaneval":  # the reader humaneval calls (the task itself first needs the sandbox)
+            read_jsonl(tmp_path / filename, ("task_id", "prompt", "test", "entry_point"))
+        else:
+            run_generation_tasks(ScriptedModel(str), TOKENIZER, [task], tmp_path, {}, None, False)
+    assert str(caught.value) == f"{tmp_path / filename}:2: {message}"
 
 
 # -- shared data (skipped when absent) -------------------------------------------------------------

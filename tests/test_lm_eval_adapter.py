@@ -43,6 +43,14 @@ def sequence_logprob(model, ids: list[int], start: int) -> tuple[float, bool]:
     return float(picked), bool((logits[start - 1:len(ids) - 1].argmax(-1) == targets).all())
 
 
+def window_logprob(model, context: list[int], targets: list[int]) -> float:
+    """Summed log-probability of `targets` after `context` in one plain forward over the inputs
+    context + targets[:-1] (the last target is never an input)."""
+    with torch.no_grad():
+        logprobs = model(torch.tensor([(context + targets)[:-1]])).logits[0].float().log_softmax(-1)
+    return float(logprobs[len(context) - 1:].gather(-1, torch.tensor(targets)[:, None]).sum())
+
+
 def test_encode_pair_moves_trailing_spaces(lm):
     assert lm.encode_pair("Hello ", "world") == ([BOS] + list(b"Hello"), list(b" world"))
     assert lm.encode_pair("", "xy") == ([BOS], list(b"xy"))
@@ -61,14 +69,48 @@ def test_rolling_loglikelihood_windows(lm):
     short = "a short document"
     (total,) = lm.loglikelihood_rolling([request(short)], disable_tqdm=True)
     assert total == pytest.approx(sequence_logprob(lm.model, [BOS] + list(short.encode()), 1)[0], abs=1e-4)
-    text = bytes(range(97, 123)).decode() * 6  # 156 tokens: windows of 63 predicted tokens
+    text = bytes(range(97, 123)).decode() * 6  # 156 tokens: windows of 64 predicted tokens
     tokens = list(text.encode())
     windows = lm.rolling_windows(tokens)
-    assert [len(w[1]) for w in windows] == [63, 63, 30] and windows[1][0] == [tokens[62]]
+    assert [len(w[1]) for w in windows] == [64, 64, 28] and windows[1][0] == [tokens[63]]
+    assert windows[2][0] == tokens[91:128]  # the last window reads 64 inputs: 37 tokens of context
     assert [t for _, targets in windows for t in targets] == tokens
+    assert all(len(before) + len(targets) - 1 <= 64 for before, targets in windows)
     (total,) = lm.loglikelihood_rolling([request(text)], disable_tqdm=True)
-    direct = sum(sequence_logprob(lm.model, before + targets, 1)[0] for before, targets in windows)
-    assert total == pytest.approx(direct, abs=1e-3)
+    direct = sum(window_logprob(lm.model, before, targets) for before, targets in windows)
+    torch.testing.assert_close(total, direct, rtol=0, atol=1e-3)  # 156 summed float32 log-probabilities
+
+
+@pytest.mark.parametrize("length", [0, 1, 7, 8, 9, 15, 16, 17, 20, 23, 24, 31])
+@pytest.mark.parametrize("max_length", [2, 3, 8])
+def test_rolling_windows_are_lm_evals(length, max_length):
+    """The same (context, continuation) windows as lm-eval's own `get_rolling_token_windows(...,
+    context_len=1)` made disjoint by `make_disjoint_window` (its Hugging Face model's convention)."""
+    utils = pytest.importorskip("lm_eval.utils")
+    adapter = LatentloopLM.__new__(LatentloopLM)  # only the tokenizer's BOS and the length are read
+    adapter.tokenizer, adapter.max_length = ByteTokenizer(), max_length
+    tokens = [(7 * i) % 251 for i in range(length)]
+    theirs = [tuple(map(list, utils.make_disjoint_window(window)))
+              for window in utils.get_rolling_token_windows(tokens, prefix_token=BOS, max_seq_len=max_length,
+                                                             context_len=1)]
+    assert [tuple(window) for window in adapter.rolling_windows(tokens)] == theirs
+
+
+def test_rolling_totals_equal_one_direct_forward_per_lm_eval_window(lm):
+    """Each window's total is the log-probability of its targets in one forward over its inputs
+    (context + targets[:-1], at most T = 64 of them), as lm-eval's Hugging Face model computes it."""
+    utils = pytest.importorskip("lm_eval.utils")
+    model, T = lm.model, lm.max_length
+    texts = ["x" * 64, "y" * 65, "Hello, world! " * 11, bytes(range(33, 127)).decode() * 2]
+    totals = lm.loglikelihood_rolling([request(text) for text in texts], disable_tqdm=True)
+    for text, total in zip(texts, totals):
+        direct = 0.0
+        for window in utils.get_rolling_token_windows(list(text.encode()), prefix_token=BOS, max_seq_len=T,
+                                                      context_len=1):
+            context, targets = utils.make_disjoint_window(window)
+            assert len(context) + len(targets) - 1 <= T
+            direct += window_logprob(model, context, targets)
+        torch.testing.assert_close(total, direct, rtol=0, atol=1e-3)  # summed float32 log-probabilities
 
 
 def test_generate_until_is_greedy_and_stops(lm):
@@ -102,9 +144,10 @@ def test_main_without_lm_eval(monkeypatch, capsys):
 def _row_score(model, context: list[int], continuation: list[int], options: dict) -> tuple[float, bool]:
     """Log-probability and greedy match of one continuation, alone, straight from the engine's
     teacher-forced logits (the pair cut to the context by the documented rule, `fit_row`)."""
-    context, continuation = fit_row(context, continuation, model.config.sequence_len, BOS)
-    logits = teacher_forced_logits(model, torch.tensor([context + continuation]), prompt_len=len(context), **options)
-    predicting = logits[0, len(context) - 1:-1].float()
+    context, continuation = fit_row(context, continuation, model.config.sequence_len)
+    inputs = (context + continuation)[:-1]  # the last token is a target only
+    logits = teacher_forced_logits(model, torch.tensor([inputs]), prompt_len=len(context), **options)
+    predicting = logits[0, len(context) - 1:].float()
     targets = torch.tensor(continuation)
     return float(predicting.log_softmax(-1).gather(-1, targets[:, None]).sum()), \
         bool((predicting.argmax(-1) == targets).all())
@@ -125,13 +168,14 @@ def _expected_scores(run, eval_dir, limit: int, options: dict) -> dict[str, floa
             for row in rows("copa.jsonl")]
     lambada = [_row_score(model, [BOS] + encode(row["context"].strip()), encode(" " + row["continuation"]), options)
                for row in rows("lambada_openai.jsonl")]
-    span = model.config.sequence_len - 1  # rolling windows: one conditioning token, then up to span targets
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
     rolling, rolling_bytes = 0.0, 0
-    for row in rows("lambada_openai.jsonl"):
+    for row in rows("lambada_openai.jsonl"):  # lm-eval's rolling windows (context_len=1), made disjoint
         text = row["context"].strip() + " " + row["continuation"]
-        tokens = encode(text)
-        rolling += sum(_row_score(model, [BOS] if start == 0 else [tokens[start - 1]], tokens[start:start + span],
-                                  options)[0] for start in range(0, len(tokens), span))
+        windows = get_rolling_token_windows(encode(text), prefix_token=BOS, max_seq_len=model.config.sequence_len,
+                                            context_len=1)
+        rolling += sum(_row_score(model, *map(list, make_disjoint_window(window)), options)[0] for window in windows)
         rolling_bytes += len(text.encode())
     new_tokens = 8  # the task's max_gen_toks
     arithmetic = []

@@ -537,7 +537,8 @@ def parse_chat_spec(spec: str) -> ChatSpec:
 
 
 def iter_conversations(spec: ChatSpec | str) -> Iterator[tuple[str, list[Message]]]:
-    """(stable key, checked messages) of every conversation of a chat source."""
+    """(stable key, checked messages) of every conversation of a chat source: a file's rows (the
+    key is the line number) or a built-in task's training stream (the key is the index)."""
     spec = parse_chat_spec(spec) if isinstance(spec, str) else spec
     if spec.task is not None:
         from latentloop.data.tasks import parse_task_spec
@@ -554,6 +555,35 @@ def iter_conversations(spec: ChatSpec | str) -> Iterator[tuple[str, list[Message
         if isinstance(exc, ChatFormatError):
             raise
         raise ChatFormatError(str(exc)) from None  # not JSON, not UTF-8: a bad chat file all the same
+
+
+def split_key(spec: ChatSpec, key: str) -> str:
+    """What decides a file conversation's split: the file's name and the row's line number, as
+    `TextSource` keys a document by its path relative to the source's root and its index. Not the
+    path as typed (`c.jsonl`, `./c.jsonl` and `/abs/c.jsonl` name the same rows and give the same
+    split), nor the field mapping."""
+    return f"{spec.path.name}:{key}"
+
+
+def iter_split_conversations(spec: ChatSpec | str, split: str,
+                             val_fraction: float = 0.05) -> Iterator[list[Message]]:
+    """The checked messages of each conversation of one split ("train" or "val") of a chat source.
+    A file's rows go to val by a stable hash of `split_key`; a built-in task's come from its own
+    streams (`TaskSource.iter_examples`): train its `n` training examples, val its distinct
+    held-out problems, so that no val prompt is ever a training prompt."""
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    spec = parse_chat_spec(spec) if isinstance(spec, str) else spec
+    if spec.task is not None:
+        from latentloop.data.tasks import TaskSource, parse_task_spec
+
+        for example in TaskSource(parse_task_spec(spec.task), val_fraction).iter_examples(split):
+            yield [{"role": "user", "content": example.prompt}, {"role": "assistant", "content": example.completion}]
+        return
+    want_val = split == "val"
+    for key, messages in iter_conversations(spec):
+        if goes_to_val(split_key(spec, key), val_fraction) == want_val:
+            yield messages
 
 
 def row_messages(row, spec: ChatSpec, where: str) -> list[Message]:
@@ -650,13 +680,13 @@ def sequence_len_that_fits(lengths: Sequence[int], fraction: float = FIT_FRACTIO
 
 
 def prepare_chat(spec: str, tokenizer, seq_len: int, val_fraction: float = 0.05) -> ChatData:
-    """Render every conversation of `spec` and pack each split; conversations go to val by a
-    stable hash of their key (file line or task index), as documents do."""
+    """Render every conversation of each split of `spec` (`iter_split_conversations`: a file's rows
+    by a stable hash of file name and line, a task's from its train and held-out val streams) and
+    pack each split."""
     parsed = parse_chat_spec(spec)
-    rendered: dict[str, list] = {"train": [], "val": []}
-    for key, messages in iter_conversations(parsed):
-        split = "val" if goes_to_val(f"{parsed.spec}:{key}", val_fraction) else "train"
-        rendered[split].append(tokenizer.render(messages))
+    rendered: dict[str, list] = {split: [tokenizer.render(messages)
+                                         for messages in iter_split_conversations(parsed, split, val_fraction)]
+                                 for split in ("train", "val")}
     meta: dict = {"format_version": CHAT_FORMAT_VERSION, "spec": parsed.spec, "seq_len": seq_len,
                   "tokenizer_fingerprint": tokenizer.fingerprint(), "sha256": {}}
     packed = {}

@@ -11,8 +11,11 @@
   same number of bytes (`MixSource`), e.g. `mix:stdlib+text:../shared/data/text/tinystories_sample.txt`.
 
 Every split is decided by a stable hash of a document's identity (its file path, its index), never
-by random state, so the same spec always gives the same split on every machine, and adding files
-does not move existing documents between splits.
+by random state, so the same spec always gives the same split on every machine. Adding files
+leaves existing documents on their side while the source holds at least
+`MIN_DOCUMENTS_FOR_DOCUMENT_SPLIT` documents before and after; a `text:` source with fewer is split
+inside each document instead (`TextSource`), so growing one past that threshold (or shrinking it
+below) changes every document's split.
 """
 
 from __future__ import annotations

@@ -27,10 +27,12 @@ contexts are prefilled into the cache and the continuation decoded teacher-force
 as generated text under the chosen regime (fbt `fused` prefills the context with K passes, then
 feeds latents back over the continuation; `soft` feeds latents back over the continuation after a
 plain prefill). `mode="full"` scores with the naive uncached `reference` path instead (the same
-numbers, tested; far slower where the reference re-runs the stack per continuation token). A
-context too long for the model is cut from the left, keeping its leading BOS (see `fit_row`). Rows are sorted by
-length and packed into batches, so a small model scores a few hundred examples in seconds on a CPU,
-and a row scores the same in any batch as alone.
+numbers, tested; far slower where the reference re-runs the stack per continuation token). The
+last continuation token is never an input, so a row of context c and continuation k tokens needs
+c + k - 1 inputs; a row that needs more than the model's `sequence_len` T is scored on its last T
+inputs, as lm-eval and nanochat cut (the context loses its oldest tokens, BOS included; see
+`fit_row`). Rows are sorted by length and packed into batches, so a small model scores a few
+hundred examples in seconds on a CPU, and a row scores the same in any batch as alone.
 
 Data: a folder of jsonl files (`../shared/data/eval`, or the official bundle's `eval_data/**`),
 from an argument, else `$LATENTLOOP_EVAL_DIR`, else `<cache>/eval_bundle`, which
@@ -39,7 +41,6 @@ from an argument, else `$LATENTLOOP_EVAL_DIR`, else `<cache>/eval_bundle`, which
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
@@ -60,6 +61,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..data.sources import iter_jsonl
 from ..engine import left_pad, model_options, teacher_forced_logits
 from ..errors import ConfigError, DataError
 from ..runtime import EVAL_DIR_ENV, default_eval_dir
@@ -70,7 +72,7 @@ EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundl
 SHUFFLE_SEED = 1337
 FEWSHOT_SEED = 1234
 DEFAULT_BATCH_SIZE = 64
-TRUNCATION_STEP = 16  # cut contexts leave room for the continuation rounded up to this (see fit_row)
+TRUNCATION_STEP = 16  # batches are planned by continuation length in buckets of this many tokens
 
 MULTIPLE_CHOICE, SCHEMA, LANGUAGE_MODELING = "multiple_choice", "schema", "language_modeling"
 
@@ -216,37 +218,87 @@ def _clean_hellaswag(text: str) -> str:
     return text.replace("  ", " ")
 
 
+def _describe(value) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number" if isinstance(value, (int, float)) else type(value).__name__)
+
+
+def _text(row: dict, key: str, *, empty: bool = True) -> str:
+    value = row[key]
+    if not isinstance(value, str):
+        raise ValueError(f"'{key}' must be a string, got {_describe(value)}")
+    if not empty and not value:
+        raise ValueError(f"'{key}' is empty")
+    return value
+
+
+def _texts(row: dict, key: str) -> list[str]:
+    """A non-empty list of strings."""
+    value = row[key]
+    if not isinstance(value, list):
+        raise ValueError(f"'{key}' must be a list of strings, got {_describe(value)}")
+    if not value:
+        raise ValueError(f"'{key}' is an empty list")
+    for index, item in enumerate(value):
+        if not isinstance(item, str):
+            raise ValueError(f"'{key}'[{index}] must be a string, got {_describe(item)}")
+    return value
+
+
+def _gold(row: dict, key: str, count: int, of: str) -> int:
+    """An index into the `count` items of `of`: an integer (or the digits of one, as HellaSwag writes
+    its labels) in 0..count-1."""
+    value = row[key]
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"'{key}' must be an integer index into '{of}', got {_describe(value)}")
+    if not 0 <= value < count:
+        raise ValueError(f"'{key}' is {value}, out of range for the {count} item(s) of '{of}'")
+    return value
+
+
 def normalize_row(row: dict, kind: str) -> dict:
-    """One jsonl row in the task's canonical form; HellaSwag's original format is converted."""
+    """One jsonl row in the task's canonical form; HellaSwag's original format is converted. A row
+    of the wrong shape raises KeyError (the missing keys) or ValueError (what is wrong): every text
+    a string, `choices`/`context_options` non-empty lists of strings, `gold` an index into them, a
+    language-modelling `continuation` not empty."""
+    if not isinstance(row, dict):
+        raise ValueError(f"expected a JSON object, got {_describe(row)}")
     if kind == MULTIPLE_CHOICE and "endings" in row and "query" not in row:
-        context = row["ctx_a"] + " " + row["ctx_b"].capitalize()
-        return {"query": _clean_hellaswag(f"{row['activity_label']}: {context}"),
-                "choices": [_clean_hellaswag(e) for e in row["endings"]], "gold": int(row["label"])}
+        missing = [key for key in ("ctx_a", "ctx_b", "activity_label", "label") if key not in row]
+        if missing:
+            raise KeyError(", ".join(missing))
+        endings = _texts(row, "endings")
+        context = _text(row, "ctx_a") + " " + _text(row, "ctx_b").capitalize()
+        return {"query": _clean_hellaswag(f"{_text(row, 'activity_label')}: {context}"),
+                "choices": [_clean_hellaswag(e) for e in endings], "gold": _gold(row, "label", len(endings), "endings")}
     needed = {MULTIPLE_CHOICE: ("query", "choices", "gold"), SCHEMA: ("context_options", "continuation", "gold"),
               LANGUAGE_MODELING: ("context", "continuation")}[kind]
     missing = [key for key in needed if key not in row]
     if missing:
         raise KeyError(", ".join(missing))
-    item = {key: row[key] for key in needed}
-    if "gold" in item:
-        item["gold"] = int(item["gold"])
-    return item
+    if kind == MULTIPLE_CHOICE:
+        choices = _texts(row, "choices")
+        return {"query": _text(row, "query"), "choices": choices, "gold": _gold(row, "gold", len(choices), "choices")}
+    if kind == SCHEMA:
+        options = _texts(row, "context_options")
+        return {"context_options": options, "continuation": _text(row, "continuation"),
+                "gold": _gold(row, "gold", len(options), "context_options")}
+    return {"context": _text(row, "context"), "continuation": _text(row, "continuation", empty=False)}
 
 
 def load_examples(path: Path, kind: str) -> list[dict]:
+    """The rows of a task file, each checked (`normalize_row`): a bad row is a one-line DataError
+    naming the file and line."""
     examples = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                examples.append(normalize_row(json.loads(line), kind))
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{line_no}: not valid JSON ({exc.msg})") from None
-            except KeyError as exc:
-                raise DataError(f"{path}:{line_no}: a {kind} row needs the key(s) {exc.args[0]}") from None
-            except (TypeError, ValueError) as exc:
-                raise DataError(f"{path}:{line_no}: malformed {kind} row ({exc})") from None
+    for line_no, row in iter_jsonl(path):  # unreadable files, bad UTF-8 and bad JSON: DataError, file and line
+        try:
+            examples.append(normalize_row(row, kind))
+        except KeyError as exc:
+            raise DataError(f"{path}:{line_no}: a {kind} row needs the key(s) {exc.args[0]}") from None
+        except (TypeError, ValueError) as exc:
+            raise DataError(f"{path}:{line_no}: malformed {kind} row: {exc}") from None
     if not examples:
         raise DataError(f"{path} holds no examples")
     return examples
@@ -339,24 +391,18 @@ def _bucket(length: int) -> int:
     return -(-length // TRUNCATION_STEP) * TRUNCATION_STEP
 
 
-def fit_row(context: list[int], continuation: list[int], max_len: int,
-            bos_id: int | None = None) -> tuple[list[int], list[int]]:
-    """Cut a (context, continuation) pair that does not fit in max_len tokens.
+def fit_row(context: list[int], continuation: list[int], max_len: int) -> tuple[list[int], list[int]]:
+    """Cut a (context, continuation) pair whose row needs more than max_len inputs (the last
+    continuation token is only a target: a row needs len(context) + len(continuation) - 1 inputs).
 
-    A continuation longer than the window keeps its first max_len - 1 tokens. The context then
-    loses tokens from the left (after its leading BOS, which stays) until it fits next to the
-    continuation's length rounded up to a multiple of TRUNCATION_STEP: every cut row with a
-    continuation in the same length bucket gets the same context length, so such rows share one
-    batch exactly, and a row scores the same alone as in any batch.
+    The row keeps its last max_len inputs: the context loses its oldest tokens (BOS included, as
+    lm-eval and nanochat cut), so the scores are those of one forward over the last max_len inputs.
+    A continuation longer than max_len keeps its first max_len tokens, after the context's last token.
     """
-    if len(context) + len(continuation) <= max_len:
+    if len(context) + len(continuation) - 1 <= max_len:
         return context, continuation
-    continuation = continuation[:max_len - 1]
-    room = max_len - min(_bucket(len(continuation)), max_len - 1)
-    if len(context) > room:
-        keep_bos = bos_id is not None and context[0] == bos_id and room >= 2
-        context = context[:1] + context[len(context) - room + 1:] if keep_bos else context[len(context) - room:]
-    return context, continuation
+    continuation = continuation[:max_len]
+    return context[len(context) - (max_len + 1 - len(continuation)):], continuation
 
 
 MAX_OPEN_BATCHES = 64
@@ -367,14 +413,15 @@ def plan_batches(rows: Sequence[tuple[list[int], list[int]]], batch_size: int, m
     """Row indices grouped into batches, first fit: rows in order of continuation length bucket,
     then context length (longest first), each into the first open batch where it fits. A batch
     fits a row when it holds fewer than batch_size rows, its aligned width (longest context +
-    longest continuation) stays within max_len, and rows x width within max_tokens."""
+    longest continuation - 1: the inputs it needs) stays within max_len, and rows x width within
+    max_tokens."""
     order = sorted(range(len(rows)), key=lambda i: (-_bucket(len(rows[i][1])), -len(rows[i][0]), i))
     closed: list[list[int]] = []
     open_batches: list[tuple[list[int], int, int]] = []  # (rows, longest context, longest continuation)
     for i in order:
         p, c = len(rows[i][0]), len(rows[i][1])
         for n, (batch, P, C) in enumerate(open_batches):
-            width = max(P, p) + max(C, c)
+            width = max(P, p) + max(C, c) - 1
             if width <= max_len and (len(batch) + 1) * width <= max_tokens:
                 batch.append(i)
                 if len(batch) >= batch_size:
@@ -397,14 +444,17 @@ SCORING_MODES = ("auto", "full", "stepwise")  # auto = stepwise: the cached path
 
 def continuation_logits(model: nn.Module, idx: torch.Tensor, pad_mask: torch.Tensor | None, P: int, C: int,
                         options: dict, stepwise: bool = True) -> torch.Tensor:
-    """Logits (B, C, V) predicting idx[:, P:P+C] after the contexts that end at column P.
+    """Logits (B, C, V) predicting idx[:, P:P+C] after the contexts that end at column P. Only the
+    first P + C - 1 columns are run: the last continuation token is a target, never an input.
 
     stepwise: the engine's own path: a cached prefill of the contexts, then the continuation
     decoded teacher-forced. full: the naive uncached `reference` over the whole rows, the first P
     columns being the prompt. Both give the same numbers.
     """
+    idx = idx[:, :P + C - 1]
+    pad_mask = None if pad_mask is None else pad_mask[:, :P + C - 1]
     if stepwise:
-        logits = teacher_forced_logits(model, idx[:, :P + C], pad_mask, prompt_len=P, **options)
+        logits = teacher_forced_logits(model, idx, pad_mask, prompt_len=P, **options)
     else:
         logits = model.reference(idx, pad_mask, P, **model_options(model, options, cached=False)).logits
     return logits[:, P - 1:P + C - 1]
@@ -443,7 +493,8 @@ def score_continuations(model: nn.Module, rows: Sequence[tuple[Sequence[int], Se
                         max_tokens: int | None = None, on_batch: Callable[[int], None] | None = None,
                         mode: str = "auto") -> list[ContinuationScore]:
     """Log-probability and greedy match of each continuation after its context (both token id
-    lists; the context should start with BOS). Rows too long for the model are cut by `fit_row`.
+    lists; the context should start with BOS). A row that needs more inputs than the model's
+    sequence_len is cut to its last sequence_len inputs by `fit_row`.
     `on_batch(n)` is called after each batch of n rows (progress bars); `mode` picks how the
     continuation is run (`continuation_logits`; auto: stepwise)."""
     options = _clean_options(options)
@@ -462,7 +513,7 @@ def score_continuations(model: nn.Module, rows: Sequence[tuple[Sequence[int], Se
         ctx, cont = list(ctx), list(cont)
         if not ctx or not cont:
             raise ValueError("every row needs a context and a continuation of at least one token")
-        fitted.append(fit_row(ctx, cont, max_len, config.bos_id))
+        fitted.append(fit_row(ctx, cont, max_len))
     device = next(model.parameters()).device
     scores: list[ContinuationScore | None] = [None] * len(fitted)
     with evaluating(model):

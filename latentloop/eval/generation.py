@@ -297,12 +297,24 @@ def find_data_file(data_dir: Path | str | None, filename: str, task: str) -> Pat
     raise DataError(f"task {task}: {filename} not found in {folder}")
 
 
-def read_jsonl(path: Path, keys: Sequence[str]) -> list[dict]:
+def read_jsonl(path: Path, keys: Sequence[str], numbers: Sequence[str] = ()) -> list[dict]:
+    """The rows of a task file: JSON objects whose `keys` each hold a string (a key in `numbers` may
+    hold a number instead, as answers are often written). A row that is not is a one-line DataError
+    naming the file and line."""
     rows = []
     for line_number, row in iter_jsonl(path):
-        missing = [key for key in keys if not isinstance(row, dict) or key not in row]
+        if not isinstance(row, dict):
+            raise DataError(f"{path}:{line_number}: expected a JSON object, got {type(row).__name__}")
+        missing = [key for key in keys if key not in row]
         if missing:
             raise DataError(f"{path}:{line_number}: missing key(s) {', '.join(missing)}")
+        for key in keys:
+            value = row[key]
+            number = key in numbers and isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not isinstance(value, str) and not number:
+                kind = "a string or a number" if key in numbers else "a string"
+                got = "null" if value is None else type(value).__name__
+                raise DataError(f"{path}:{line_number}: '{key}' must be {kind}, got {got}")
         rows.append(row)
     if not rows:
         raise DataError(f"{path} holds no rows")
@@ -367,7 +379,8 @@ def _word_problems(name: str, filename: str, default_shots: int, model, tokenize
                    limit: int | None, progress: bool, *, shots: int | None = None, max_new_tokens: int = 256,
                    batch_size: int = DEFAULT_BATCH_SIZE) -> dict:
     started = time.perf_counter()
-    rows = read_jsonl(find_data_file(data_dir, filename, name), ("context", "chain_of_thought", "answer"))
+    rows = read_jsonl(find_data_file(data_dir, filename, name), ("context", "chain_of_thought", "answer"),
+                      numbers=("answer",))
     evaluated = _limited(rows, limit)
     shots = default_shots if shots is None else shots
     new_tokens, budget = generation_budget(model, max_new_tokens)
@@ -407,7 +420,8 @@ def eval_simple_arithmetic(model, tokenizer, data_dir, options, limit, progress,
                            max_new_tokens: int = 16, batch_size: int = DEFAULT_BATCH_SIZE) -> dict:
     name = "simple_arithmetic"
     started = time.perf_counter()
-    rows = read_jsonl(find_data_file(data_dir, "simple_arithmetic_nospaces.jsonl", name), ("context", "continuation"))
+    rows = read_jsonl(find_data_file(data_dir, "simple_arithmetic_nospaces.jsonl", name), ("context", "continuation"),
+                      numbers=("continuation",))
     evaluated = _limited(rows, limit)
     new_tokens, budget = generation_budget(model, max_new_tokens)
     prompts, truncated = [], 0
@@ -548,7 +562,8 @@ def eval_chat_gsm8k(model, tokenizer, data_dir, options, limit, progress, *, max
                     batch_size: int = DEFAULT_BATCH_SIZE) -> dict:
     name = "chat:gsm8k"
     started = time.perf_counter()
-    rows = _limited(read_jsonl(find_data_file(data_dir, "gsm8k.jsonl", name), ("context", "answer")), limit)
+    rows = _limited(read_jsonl(find_data_file(data_dir, "gsm8k.jsonl", name), ("context", "answer"),
+                                      numbers=("answer",)), limit)
     generations, new_tokens, truncated = _chat_generations(model, tokenizer, name, [r["context"].strip() for r in rows],
                                                            max_new_tokens, options, progress, batch_size)
     correct = [numbers_match(extract_number(g.text), str(r["answer"])) for r, g in zip(rows, generations)]
@@ -619,7 +634,11 @@ def eval_humaneval(model, tokenizer, data_dir, options, limit, progress, *, samp
                    temperature: float | None = None, top_p: float | None = 0.95, ks: Sequence[int] = (1, 10, 100),
                    max_new_tokens: int = 512, timeout: float = 5.0, memory_mb: int = 512, workers: int = 2,
                    batch_size: int = DEFAULT_BATCH_SIZE, seed: int = 0) -> dict:
-    """pass@k over `samples` candidates per problem (greedy when samples == 1, else temperature 0.8)."""
+    """pass@k over `samples` candidates per problem (greedy when samples == 1, else temperature 0.8).
+    `accuracy` is pass@1: with one sample the fraction of problems passed, with its Wilson interval
+    (`accuracy_ci`); with several the mean per-problem pass rate, with no interval (`accuracy_ci` None,
+    `accuracy_ci_note` says why) and, beside it, the fraction of problems any sample passed
+    (`any_sample_passed`) with its Wilson interval."""
     name = "humaneval"
     if samples < 1:
         raise ConfigError(f"samples must be >= 1, got {samples}")
@@ -657,10 +676,20 @@ def eval_humaneval(model, tokenizer, data_dir, options, limit, progress, *, samp
               for k in sorted(set(ks)) if k <= samples}
     records = [_record(problems[owner]["prompt"], g, problems[owner]["task_id"], outcome.passed)
                for owner, g, outcome in zip(owners, generations, outcomes)]
-    report = _report(name, [c > 0 for c in passed_per_problem], generations, started, records, **pass_k,
+    any_passed = [c > 0 for c in passed_per_problem]
+    report = _report(name, any_passed, generations, started, records, **pass_k,
                      samples_per_problem=samples, temperature=temperature, statuses=statuses,
                      truncated_prompts=truncated, max_new_tokens=new_tokens)
-    report["accuracy"] = sum(c / samples for c in passed_per_problem) / len(problems)  # = unbiased pass@1
+    if samples > 1:
+        # accuracy is the mean of per-problem pass rates (unbiased pass@1), not a count of successes out
+        # of n: a Wilson interval does not describe it, so none is given; the Wilson interval of "any
+        # sample passed" goes with that figure, under its own name
+        report["accuracy"] = sum(c / samples for c in passed_per_problem) / len(problems)
+        report["accuracy_ci"] = None
+        report["accuracy_ci_note"] = (f"no interval: with {samples} samples per problem accuracy is the mean "
+                                      f"pass rate (pass@1), not a proportion of problems")
+        report["any_sample_passed"] = sum(any_passed) / len(problems)
+        report["any_sample_passed_ci"] = _wilson(sum(any_passed), len(problems))
     return report
 
 

@@ -18,10 +18,14 @@ options of `latentloop eval`: `regime` (fbt standard/soft/fused), `passes` (fuse
 Requests:
 - `loglikelihood(context, continuation)`: `[BOS] + context`, then the continuation scored as
   generated text under the chosen regime, by `latentloop.eval.core.score_continuations` (the CORE
-  scorer; trailing spaces of the context move to the continuation, as lm-eval expects). A context
-  too long for the model loses its oldest tokens;
-- `loglikelihood_rolling(text)`: the text in disjoint windows of the model's context, the first
-  after BOS, each next one after the last token of the previous window (lm-eval's convention);
+  scorer; trailing spaces of the context move to the continuation, as lm-eval expects). A pair
+  that needs more inputs than the model's context (`sequence_len`, T) is scored on its last T
+  inputs, as lm-eval's Hugging Face model cuts;
+- `loglikelihood_rolling(text)`: lm-eval's rolling windows (`get_rolling_token_windows` with
+  `context_len=1`, then `make_disjoint_window`): the text's tokens scored in disjoint chunks of T
+  targets, each read after the T inputs before its last target: the first chunk after BOS, a
+  later full chunk after the last token of the chunk before, the last (partial) chunk after as
+  many earlier tokens as fill T inputs; the totals are the sums over the chunks;
 - `generate_until(context, {until, max_gen_toks, do_sample, temperature})`: batched generation with
   the engine, stopped at the end token or at the first `until` string, which is cut off.
 
@@ -127,12 +131,18 @@ class LatentloopLM(_LMBase):
         return bos + context_ids, self.tokenizer.encode(continuation)
 
     def rolling_windows(self, tokens: list[int]) -> list[tuple[list[int], list[int]]]:
-        """Disjoint windows covering `tokens`: (one conditioning token, up to max_length - 1 targets)."""
-        span = self.max_length - 1
+        """(context, targets) windows whose targets are `tokens` in disjoint chunks of max_length
+        (T): each window's context + targets[:-1] are the (up to) T inputs before its last target in
+        [BOS] + tokens, so the first context is [BOS], a later full chunk's the token before it, and
+        the last chunk's as many tokens before it as make T inputs (lm-eval's rolling windows with
+        context_len=1, made disjoint)."""
+        span = self.max_length
+        sequence = [self.tokenizer.bos_id, *tokens]
         windows = []
         for start in range(0, len(tokens), span):
-            before = [self.tokenizer.bos_id] if start == 0 else [tokens[start - 1]]
-            windows.append((before, tokens[start:start + span]))
+            end = min(start + span, len(tokens))  # targets tokens[start:end], at sequence[start + 1:end + 1]
+            first_input = max(0, end - span)  # the inputs are sequence[first_input:end]
+            windows.append((sequence[first_input:start + 1], tokens[start:end]))
         return windows
 
     # -- the three request types ------------------------------------------------------------
