@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -322,3 +323,20 @@ def test_a_message_over_the_text_limit_keeps_the_chat_session(chat_run):
     history[2]["content"] += "z"
     with pytest.raises(PromptError, match="characters a conversation may hold"):  # a PromptError: the session stays
         chat_prompt(CHAT, history, 10**7)
+
+
+def test_openai_content_parts_are_their_text_and_other_parts_are_refused():
+    """OpenAI clients may send a message's content as a list of parts: the text parts stand for
+    their text, joined by newlines (vLLM's rule); an image part is one clear error. The list was
+    refused as "'content' must be a string"."""
+    from latentloop.data.chat import ChatFormatError, check_messages
+
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}]
+    assert check_messages(parts, for_training=False) == [{"role": "user", "content": "hi\nthere"}]
+    image = [{"type": "image_url", "image_url": {"url": "x"}}]
+    for content, words in [(image, "content part 0 is of type 'image_url'"),
+                           ([{"type": "text", "text": 5}], "content part 0's 'text' must be a string"),
+                           (["hi"], "content part 0 is str 'hi'"),
+                           ([], "empty user turn")]:
+        with pytest.raises(ChatFormatError, match=re.escape(words)):
+            check_messages([{"role": "user", "content": content}], for_training=False)

@@ -99,8 +99,28 @@ Message = dict  # {"role": str, "content": str}
 _DESCRIBED_INT_BITS = 256  # an int longer than this is described by its size: its digits would not help
 
 
+def _text_of_parts(content, at: str):
+    """OpenAI's other form of a message's content, a list of parts, as the string it stands for:
+    its text parts ({"type": "text", "text": ...}) joined by newlines, as vLLM joins them; any other
+    content is returned as it is, for the checks that follow."""
+    if not isinstance(content, list):
+        return content
+    texts = []
+    for index, part in enumerate(content):
+        if not (isinstance(part, dict) and part.get("type") == "text"):
+            what = f"of type {part.get('type')!r}"[:60] if isinstance(part, dict) else _describe(part)
+            raise ChatFormatError(f"{at}: content part {index} is {what}: only text parts "
+                                  f'({{"type": "text", "text": ...}}) are supported')
+        if not isinstance(part.get("text"), str):
+            raise ChatFormatError(f"{at}: content part {index}'s 'text' must be a string, got "
+                                  f"{_describe(part.get('text'))}")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
 def check_messages(messages, where: str = "conversation", for_training: bool = True) -> list[Message]:
-    """The messages, checked: a non-empty list of {"role", "content"} objects, an optional system
+    """The messages, checked: a non-empty list of {"role", "content"} objects (content a string, or
+    OpenAI's list of text parts, joined), an optional system
     turn first, then user / assistant alternating from user; a conversation to train on holds an
     assistant turn, a prompt ends with a user turn (`for_training=False`)."""
     if not isinstance(messages, list) or not messages:
@@ -110,7 +130,7 @@ def check_messages(messages, where: str = "conversation", for_training: bool = T
         at = f"{where}: message {index}"
         if not isinstance(message, dict):
             raise ChatFormatError(f"{at} must be an object with 'role' and 'content', got {_describe(message)}")
-        role, content = message.get("role"), message.get("content")
+        role, content = message.get("role"), _text_of_parts(message.get("content"), at)
         if role is None:
             raise ChatFormatError(f"{at} has no 'role'")
         if role not in ROLES:
