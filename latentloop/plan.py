@@ -38,7 +38,7 @@ import json
 import math
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
@@ -47,12 +47,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .archs import build_model, build_objective, get_arch
 from .config import PRESETS, RunConfig, model_config
 from .errors import ConfigError
+from .inference.torch_internals import TorchDispatchMode
 from .runtime import autocast_for, resolve_dtype
 from .train.state import FlopsMemo
 from .train.step import accumulation
@@ -309,6 +308,18 @@ def _tensor_bytes(value, seen: set[int] | None = None) -> int:
     return 0
 
 
+def _tensors(value) -> Iterator[Tensor]:
+    """The tensors in an op's arguments or outputs (nested tuples, lists and dicts)."""
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
 class _LiveBytes(TorchDispatchMode):
     """The most bytes that the ops run under it make and hold at once: each new tensor an op returns
     (not a view, not one of its inputs written in place) counts until its Python object is freed.
@@ -323,9 +334,9 @@ class _LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {id(a) for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, Tensor)}
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, Tensor) and id(t) not in inputs and not t._is_view():
+        inputs = {id(a) for a in _tensors((args, kwargs))}
+        for t in _tensors(out):
+            if id(t) not in inputs and not t._is_view():
                 size = t.numel() * t.element_size()
                 self.current += size
                 self.peak = max(self.peak, self.current)

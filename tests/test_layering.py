@@ -51,8 +51,9 @@ ALLOWED: dict[str, frozenset[str]] = {
                         "parallel", "runtime"}),
     "analysis": frozenset({"archs", "data", "eval", "runs", "runtime"}),
     "demo": frozenset({"archs", "engine", "eval", "train"}),
-    # sizing a run: the registry's model and objective, the trainer's FLOPs memo, the run's precision
-    "plan": frozenset({"archs", "runtime", "train"}),
+    # sizing a run: the registry's model and objective, the trainer's FLOPs memo, the run's precision;
+    # torch's dispatch mode (counting what the optimizer's step makes) through inference.torch_internals
+    "plan": frozenset({"archs", "inference", "runtime", "train"}),
     # and the package's root for `--version` (latentloop.__version__, the one place the version is written)
     "cli": frozenset({"__init__", "analysis", "archs", "chat", "checkpoint", "data", "demo", "distributed", "engine",
                       "eval", "interop", "plan", "runs", "runtime", "serve", "train"}),

@@ -40,6 +40,9 @@ try:  # a private module of torch's: read once here, not on every product
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 except ImportError:
     _get_current_dispatch_mode = None
+# the base class of a Python dispatch mode (sees every op below autograd, meta tensors included):
+# public in use (torch's FlopCounterMode is one) though its module is private
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402, F401 - re-exported
 
 TESTED_VERSIONS = ((2, 13),)  # (major, minor) of torch this module was run against
 INTERNALS_ENV = "LATENTLOOP_TORCH_INTERNALS"  # "0": never; "1": also on an untested torch
