@@ -1,7 +1,7 @@
 """Training over many processes, and the per-block options that go with it (used by `train`).
 
     forward_model = wrap_model(model, train_config, device)   # AC, compile, DDP or FSDP2
-    with gradient_sync(state_model, forward_model, last_micro_batch): loss.backward()
+    with gradient_sync(forward_model, last_micro_batch): loss.backward()
     norm = grad_norm(model, clip)                               # also over FSDP2's sharded gradients
 
 Strategies (`train.strategy`), each process on the GPU of its LOCAL_RANK (or the CPU, gloo):
@@ -171,16 +171,16 @@ def _ddp_module(forward_model: nn.Module) -> nn.Module | None:
 
 
 @contextlib.contextmanager
-def gradient_sync(model: nn.Module, forward_model: nn.Module, sync: bool) -> Iterator[None]:
-    """Around one micro-batch's forward and backward: gradients are reduced across processes only
-    on the last micro-batch of a step (`sync`); the ones before accumulate locally."""
+def gradient_sync(forward_model: nn.Module, sync: bool) -> Iterator[None]:
+    """Around one micro-batch's forward and backward. DDP reduces gradients across processes only
+    on the last micro-batch of a step (`sync`); the ones before accumulate locally. FSDP2 reduces
+    (scatters) them on every micro-batch, as torchtitan does: without it each process would hold
+    every parameter's whole gradient until the last micro-batch, not its 1/N shard."""
     ddp = _ddp_module(forward_model)
     if ddp is not None and not sync:
         with ddp.no_sync():
             yield
         return
-    if hasattr(model, "set_requires_gradient_sync"):  # an FSDP2 module
-        model.set_requires_gradient_sync(sync)
     yield
 
 
@@ -203,15 +203,15 @@ def grad_norm(model: nn.Module, clip: float) -> Tensor:
 
 
 def mean_across_ranks(value: Tensor) -> Tensor:
-    """The mean of a 0-d tensor over the processes (each step's loss: every process logs and checks
-    the same number), on the device: nothing is read back."""
+    """The mean of a tensor over the processes (each step's loss and the objective's metrics, in one
+    reduction: every process logs and checks the same numbers), on the device: nothing is read back."""
     env = current_dist()
     if env.world_size == 1:
         return value
     # float64 where the reduction is gloo's on the host (as exact as the single process's sum)
-    total = value.detach().to(torch.float64 if value.device.type != "cuda" else torch.float32).reshape(1)
+    total = value.detach().to(torch.float64 if value.device.type != "cuda" else torch.float32).reshape(-1).clone()
     dist.all_reduce(total)
-    return total[0] / env.world_size
+    return (total / env.world_size).reshape(value.shape)
 
 
 def any_rank(flag: bool, device: torch.device) -> bool:
@@ -328,7 +328,12 @@ def load_full_optimizer_states(model: nn.Module, optimizers: list[torch.optim.Op
         by_name = {"state": {order[int(i)]: s for i, s in state["state"].items()},
                    "param_groups": [{**g, "params": [order[int(i)] for i in g["params"]]}
                                     for g in state["param_groups"]]}
-        set_optimizer_state_dict(model, opt, by_name, options=_options(full_state_dict=True))
+        # not strict: a parameter never updated when it was saved (fbt's fusion before its first
+        # multi-pass step) has no state in the file, and gets none here either
+        set_optimizer_state_dict(model, opt, by_name, options=_options(full_state_dict=True, strict=False))
+        for p in [p for group in opt.param_groups for p in group["params"]]:
+            if names[p] not in by_name["state"]:
+                opt.state.pop(p, None)
 
 
 def load_full_weights(model: nn.Module, weights: dict[str, Tensor]) -> None:

@@ -120,11 +120,40 @@ def _runs(rank: int, corpus: str, out: str, strategy: str, cases: list[str]) -> 
         state = setup(run_config(arch, Path(corpus), strategy, grad_accum=grad_accum, **case_train(case)),
                       Path(out) / f"{case}-{strategy}", progress=False)
         draws = record_draws(state.objective, state.model)
+        held = watch_gradients(state)
         summary = fit(state, progress=False)
         results[case] = {"losses": [row["loss"] for row in state.history if "loss" in row],
+                         "rows": training_rows(state.history), "gradients_held": held,
                          "draws": gather_objects(draws), "checkpoint": summary["checkpoint"]}
     if rank == 0:
         (Path(out) / f"{strategy}.json").write_text(json.dumps(results))
+
+
+# a training row's clock readings (never equal between two runs) and the job's shape (the first row of
+# a multi-process run says it)
+NOT_COMPARED = ("tok_per_s", "elapsed", "world_size", "global_batch")
+
+
+def training_rows(history: list[dict]) -> list[dict]:
+    """A run's training rows without clock readings and the job's shape: what one process and N must
+    agree on."""
+    return [{key: value for key, value in row.items() if key not in NOT_COMPARED} for row in history if "loss" in row]
+
+
+def watch_gradients(state) -> list[dict]:
+    """As each batch is drawn: whether every parameter holds a gradient, and the elements this process
+    holds of them (a sharded gradient: its shard) against the parameters' whole size."""
+    seen, draw = [], state.loader.next_batch
+
+    def next_batch():
+        params = list(state.model.parameters())
+        grads = [p.grad for p in params if p.grad is not None]
+        seen.append({"all": len(grads) == len(params), "full": sum(p.numel() for p in params),
+                     "local": sum(g.to_local().numel() if hasattr(g, "to_local") else g.numel() for g in grads)})
+        return draw()
+
+    state.loader.next_batch = next_batch
+    return seen
 
 
 NOISY_RGPT = {"noise_std": 0.1}  # rgpt's training noise on: each rank's own RNG stream must be saved and restored
@@ -256,4 +285,20 @@ def sft(rank: int, world: int, port: int, base: str, out: str) -> None:
     if rank == 0:
         (Path(out) / "sft-ddp.json").write_text(json.dumps(
             {"losses": [row["loss"] for row in state.history if "loss" in row], "checkpoint": summary["checkpoint"]}))
+    destroy_distributed()
+
+
+def resume_under_fsdp2(rank: int, world: int, port: int, corpus: str, run: str) -> None:
+    """`run` (saved by one process, strategy none) resumed under fsdp2 for 2 more steps; rank 0 writes
+    the step it resumed from to RUN.json."""
+    from latentloop.distributed import destroy_distributed
+    from latentloop.train import fit, setup
+
+    join(rank, world, port)
+    resumed = setup(run_config("fbt", Path(corpus), "fsdp2", steps=4, seed=LATE_FUSION_SEED), Path(run), resume=True,
+                    progress=False)
+    start = resumed.step
+    fit(resumed, progress=False)
+    if rank == 0:
+        Path(f"{run}.json").write_text(json.dumps({"resumed_from": start, "step": resumed.step}))
     destroy_distributed()

@@ -98,19 +98,28 @@ def _final_weights(checkpoint: str | Path) -> dict[str, torch.Tensor]:
     return load_file(str(Path(checkpoint) / "model.safetensors"))
 
 
-def _reference(case: str, corpus: Path, run: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _reference(case: str, corpus: Path, run: Path) -> tuple[list[float], dict[str, torch.Tensor], list[dict]]:
     """One process, WORLD times the gradient accumulation: the run the data-parallel processes must equal."""
     arch, grad_accum = dist_workers.case_arch(case)
     state = setup(dist_workers.run_config(arch, corpus, "none", grad_accum=grad_accum * WORLD,
                                           **dist_workers.case_train(case)), run, progress=False)
     summary = fit(state, progress=False)
-    return [row["loss"] for row in state.history if "loss" in row], _final_weights(summary["checkpoint"])
+    return ([row["loss"] for row in state.history if "loss" in row], _final_weights(summary["checkpoint"]),
+            dist_workers.training_rows(state.history))
 
 
-def _assert_same_run(result: dict, reference: tuple[list[float], dict[str, torch.Tensor]], arch: str) -> None:
-    losses, weights = reference
+def _assert_same_run(result: dict, reference: tuple, arch: str) -> None:
+    """Losses and final weights as one process's; and, where the reference has them, every logged
+    training number (the objective's metrics: fbt's `objective`, rgpt's gates, MoR's router loss
+    were one micro-batch's on rank 0 alone)."""
+    losses, weights, *rows = reference
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(losses), **LOSS_TOL,
                                msg=lambda m: f"{arch}: losses differ: {m}")
+    for got, want in zip(result.get("rows", []), rows[0] if rows else [], strict=True):
+        assert got.keys() == want.keys(), (arch, got.keys(), want.keys())
+        torch.testing.assert_close(torch.tensor([float(v) for v in got.values()], dtype=torch.float64),
+                                   torch.tensor([float(v) for v in want.values()], dtype=torch.float64), **LOSS_TOL,
+                                   msg=lambda m, got=got: f"{arch}: logged {list(got)} differ: {m}")
     parallel = _final_weights(result["checkpoint"])
     assert parallel.keys() == weights.keys()
     for name in weights:
@@ -237,6 +246,31 @@ def test_fsdp2_on_two_processes_equals_one_process(fsdp2_runs):
     for arch in results:
         assert _shared(results[arch]["draws"][0]) == _shared(results[arch]["draws"][1])
         _assert_same_run(results[arch], references[arch], arch)
+
+
+@pytest.mark.slow
+def test_a_one_process_checkpoint_without_every_optimizer_state_resumes_under_fsdp2(corpus, tmp_path):
+    """fbt saved by one process before its fusion matrices had an optimizer state (K = 1, 1), resumed
+    on two processes under fsdp2: the whole-state load was strict and refused the checkpoint."""
+    reason = _fsdp2_on_gloo()
+    if reason is not None:
+        pytest.skip(reason)
+    run = tmp_path / "fbt-none"
+    fit(setup(dist_workers.run_config("fbt", corpus, "none", steps=2, seed=dist_workers.LATE_FUSION_SEED), run,
+              progress=False), progress=False)
+    _join(_start(dist_workers.resume_under_fsdp2, str(corpus), str(run)))
+    assert json.loads((tmp_path / "fbt-none.json").read_text()) == {"resumed_from": 2, "step": 4}
+
+
+def test_fsdp2_keeps_only_its_shard_of_the_gradients_between_micro_batches(fsdp2_runs):
+    """With gradient accumulation each micro-batch's gradients are reduce-scattered, so a process holds
+    its 1/N shard of them into the next micro-batch. Skipping that sync until the last micro-batch
+    kept every parameter's whole gradient on every process (none in `.grad` until then)."""
+    _, results, _ = fsdp2_runs
+    held = results[dist_workers.ACCUMULATING]["gradients_held"]
+    later = held[1::2]  # the second micro-batch of each step: the first one's gradients are held
+    assert later and all(seen["all"] for seen in later), held
+    assert all(seen["local"] <= seen["full"] / WORLD * 1.05 for seen in later), held  # rows split unevenly
 
 
 def test_a_sharded_checkpoint_resumes_exactly_and_exports_to_one_file(fsdp2_runs, corpus, capsys):

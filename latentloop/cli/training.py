@@ -86,7 +86,7 @@ def cmd_train(args) -> int:
         print(f"extend: context {base.sequence_len} -> {config.model.sequence_len}, RoPE base (rope_theta) "
               f"{base.rope_theta:g} -> {config.model.rope_theta:g}", file=sys.stderr)
     state = setup(config, args.out, resume=args.resume, progress=not args.no_progress, init_from=args.init_from)
-    if state.init_report is not None:
+    if state.init_report is not None and state.dist.is_main:  # once for the job, not once per process
         report = state.init_report
         print(f"initialised from {args.init_from} ({report['source_arch']} -> {config.model.arch}): "
               f"{report['mapping']}; {len(report['new'])} new tensors"

@@ -109,7 +109,8 @@ class FiniteGuard:
 @dataclass
 class StepOutcome:
     loss_on_device: torch.Tensor  # the reported loss, averaged over the micro-batches and the processes
-    metrics: dict[str, Any]  # what the objective reports of its last micro-batch (device values unread)
+    metrics: dict[str, Any]  # what the objective reports: float values averaged as the loss, others the
+    # last micro-batch's (device values unread)
 
     @property
     def loss(self) -> float:
@@ -132,8 +133,8 @@ def train_step(model: nn.Module, forward_model: nn.Module, objective: Objective,
     """One optimizer step, the one `fit` and the benchmarks take: `accumulate` micro-batches
     (default `train.grad_accum`; each `next_batch()` -> x, y[, loss mask]) through the objective
     under the run's autocast (`forward_model`: the model, or the trainer's model-and-loss, compiled
-    or wrapped, see `train.step`), each loss backward scaled by 1 / accumulate (gradients are reduced
-    across processes on the last one only), the loss averaged over processes and checked, the
+    or wrapped, see `train.step`), each loss backward scaled by 1 / accumulate (`gradient_sync`), the
+    loss and the objective's float metrics averaged over micro-batches and processes, the loss checked, the
     gradient norm clipped and checked (a non-finite one raises before the optimizer touches the
     weights, on the CPU), then every optimizer's step. Nothing is read back from the device (on
     an accelerator the guard's checks wait for `guard.check()`). The learning rate is the caller's
@@ -141,8 +142,9 @@ def train_step(model: nn.Module, forward_model: nn.Module, objective: Objective,
     failure as step + 1."""
     accumulate = accumulate or train.grad_accum
     loss_sum, metrics = None, {}
+    averaged: dict[str, torch.Tensor] = {}  # the objective's float metrics, over micro-batches as the loss
     for micro in range(accumulate):
-        with gradient_sync(model, forward_model, sync=micro == accumulate - 1):
+        with gradient_sync(forward_model, sync=micro == accumulate - 1):
             x, y, *rest = next_batch()  # sft batches also carry the loss mask
             x, y = _to_device(x, device), _to_device(y, device)
             mask = _to_device(rest[0], device) if rest else None
@@ -151,7 +153,15 @@ def train_step(model: nn.Module, forward_model: nn.Module, objective: Objective,
             (loss / accumulate).backward()
         reported = reported.float() / accumulate
         loss_sum = reported if loss_sum is None else loss_sum + reported
-    loss_sum = mean_across_ranks(loss_sum)
+        for key, value in metrics.items():
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() == 1:
+                part = value.detach().float().reshape(()) / accumulate
+                averaged[key] = part if key not in averaged else averaged[key] + part
+    # the loss and those metrics averaged over the processes in one reduction: a metric of the last
+    # micro-batch on rank 0 alone differed between one process and N with the same global batch
+    means = mean_across_ranks(torch.stack([loss_sum.reshape(()), *averaged.values()]))
+    loss_sum = means[0]
+    metrics = {**metrics, **dict(zip(averaged, means[1:]))}
     guard.observe_loss(loss_sum, step + 1)
     with torch.profiler.record_function(OPTIMIZER_RANGE):  # the profile's optimizer share (train/profile.py)
         guard.observe_grad_norm(grad_norm(model, train.grad_clip), step + 1)
