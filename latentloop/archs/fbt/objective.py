@@ -5,7 +5,8 @@
 - Schedule (the config's recipe, see `FBT_RECIPES`): steps before `feedback_start` train
   single-pass; after it each batch draws its pass count K from the per-batch mix (`pass_mix`, or the
   whole-run `run_mix` converted by `per_batch_mix`). Default recipe "short": feedback from step 0,
-  88% K=2 / 12% K=3; recipe "paper": 75/22/3 over the whole run with feedback from 75% of it. The
+  50% K=2 / 50% K=3 with the deeper passes' loss weighted 1.5; recipe "paper": 75/22/3 over the
+  whole run with feedback from 75% of it (88% K=2 / 12% K=3 from there on). The
   draw is seeded by (seed, step) so every data-parallel rank draws the same K, and a resumed run the
   same sequence. The rare deeper batches are what keeps the learned map contractive.
 - Prefix mix-in: every fused pass (2..K) keeps, per packed document, a random plain prefix of

@@ -13,6 +13,8 @@ R times with a projected, gated state update, and a coda reads the final state:
 
 f_gate's last bias starts at `gate_bias_init` (default 0: g = 0.5; the paper's +4 gives g ≈ 0.98);
 ε_x, ε_g ~ N(0, noise_std²) in training only. "norm" is the backbone's parameter-free RMSNorm.
+The paper's summary writes τ and ε_g inside f_gate's input; here they act on its output, as a
+temperature does (docs/architectures.md, "Default recipes, against the papers").
 
 Notable features:
 - one checkpoint, many operating points: `forward(idx, steps=r)` for any r (early exit at a fixed
