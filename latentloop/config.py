@@ -200,6 +200,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 def model_config(arch: str = "gpt", preset: str | None = None, **overrides: Any) -> ModelConfig:
     """Build a validated model config from an arch name, an optional preset and field overrides."""
     classes = config_classes()
+    for what, name in (("arch", arch), ("preset", preset)):
+        if name is not None and not isinstance(name, str):
+            raise ConfigError(f"{what} must be a name, got {type(name).__name__} {name!r}"[:200])
     if arch not in classes:
         raise ConfigError(f"unknown arch {arch!r}: choose from {', '.join(sorted(classes))}")
     values: dict[str, Any] = {}
@@ -360,16 +363,33 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> RunConfig:
-        if not isinstance(raw, dict):
-            raise ConfigError("a run config must be a mapping with sections model/train/data")
-        unknown = set(raw) - {"model", "train", "data"}
+        raw = config_sections(raw)
+        unknown = set(raw) - set(SECTIONS)
         require(not unknown, f"unknown config section(s): {', '.join(sorted(unknown))} (use model, train, data)")
-        model_raw = dict(raw.get("model") or {})
+        model_raw = raw["model"]
         arch = model_raw.pop("arch", "gpt")
         preset = model_raw.pop("preset", None)
         return cls(model=model_config(arch, preset, **model_raw),
-                   train=_construct(TrainConfig, dict(raw.get("train") or {}), "train"),
-                   data=_construct(DataConfig, dict(raw.get("data") or {}), "data"))
+                   train=_construct(TrainConfig, raw["train"], "train"),
+                   data=_construct(DataConfig, raw["data"], "data"))
+
+
+SECTIONS = ("model", "train", "data")
+
+
+def config_sections(raw: Any) -> dict[str, Any]:
+    """A raw run config with each section a fresh dict (absent or empty: {}); anything else kept as it
+    is. A config that is not a mapping, or a section that is not one, is a ConfigError."""
+    if not isinstance(raw, dict):
+        raise ConfigError("a run config must be a mapping with sections model/train/data")
+    out = dict(raw)
+    for section in SECTIONS:
+        value = raw.get(section) or {}
+        if not isinstance(value, dict):
+            raise ConfigError(f"config section {section!r} must be a mapping of fields, got "
+                              f"{type(value).__name__} {value!r}"[:200])
+        out[section] = dict(value)
+    return out
 
     def save_json(self, path: str | Path) -> None:
         """Written atomically (and fsynced): a crash never leaves a half-written config behind."""
@@ -466,10 +486,9 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply `key=value` strings (value parsed as YAML) to a raw run-config mapping."""
-    raw = {section: dict(raw.get(section) or {}) for section in ("model", "train", "data")} | {
-        k: v for k, v in raw.items() if k not in ("model", "train", "data")}
+    raw = config_sections(raw)
     arch = raw["model"].get("arch", "gpt")
-    model_cls = config_classes().get(arch, ModelConfig)
+    model_cls = config_classes().get(arch, ModelConfig) if isinstance(arch, str) else ModelConfig  # checked later
     section_fields = {"model": {f.name for f in fields(model_cls)} | {"arch", "preset"},
                       "train": {f.name for f in fields(TrainConfig)},
                       "data": {f.name for f in fields(DataConfig)}}

@@ -78,6 +78,42 @@ def test_yaml_errors_are_one_line(tmp_path):
         RunConfig.from_dict(load_yaml(tmp_path / "sec.yaml"))
 
 
+@pytest.mark.parametrize("text, words", [
+    ("model: [1, 2]", "config section 'model' must be a mapping of fields, got list"),
+    ("model: abc", "config section 'model' must be a mapping of fields, got str"),
+    ("train: 5", "config section 'train' must be a mapping of fields, got int"),
+    ("model: {arch: [gpt]}", "arch must be a name, got list"),
+    ("model: {preset: {a: 1}}", "preset must be a name, got dict"),
+])
+def test_a_config_section_of_the_wrong_shape_is_one_line_for_train_plan_and_a_saved_run(tmp_path, capsys, text,
+                                                                                          words):
+    """A section that is not a mapping, or an arch/preset that is not a name, ended `train`, `plan`
+    and every command reading a run's config.json in a TypeError or ValueError traceback."""
+    import json
+
+    from latentloop.checkpoint import read_run_config
+    from latentloop.cli import main
+
+    config = tmp_path / "c.yaml"
+    config.write_text(text + "\n")
+    commands = [["train", "--config", str(config), "--steps", "1", "--out", str(tmp_path / "run")]]
+    if "section" in words:  # plan's own --arch and --preset replace a config's
+        commands.append(["plan", "--arch", "gpt", "--preset", "test", "--tokens", "1M", "--config", str(config)])
+    for argv in commands:
+        capsys.readouterr()
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert err.splitlines() == [err] and words in err, err
+    assert not (tmp_path / "run").exists()
+    assert main(["train", "--arch", "gpt", "--preset", "test", "--set", "arch=[1]", "--out", str(tmp_path / "r")]) == 2
+    assert "arch must be a name, got list" in capsys.readouterr().err
+    run = tmp_path / "saved"
+    (run / "checkpoints" / "step_00000001").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps(yaml.safe_load(text)))
+    with pytest.raises(ll.CheckpointError, match="is invalid"):
+        read_run_config(run / "checkpoints" / "step_00000001")
+
+
 def test_a_config_file_that_is_not_utf8_is_one_line_and_exit_2(tmp_path, capsys):
     from latentloop.cli import main
 

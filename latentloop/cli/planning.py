@@ -57,10 +57,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _config(args):
-    from ..config import RunConfig, apply_overrides, load_yaml
+    from ..config import RunConfig, apply_overrides, config_sections, load_yaml
 
-    raw = load_yaml(args.config) if args.config else {}
-    raw = {s: dict(raw.get(s) or {}) for s in ("model", "train", "data")}
+    raw = config_sections(load_yaml(args.config) if args.config else {})
     raw["model"]["arch"] = args.arch
     if args.preset:
         raw["model"]["preset"] = args.preset

@@ -11,7 +11,7 @@ from ..errors import CheckpointError, LatentloopError
 
 
 def _run_config_from_args(args):
-    from ..config import RunConfig, apply_overrides, load_yaml
+    from ..config import RunConfig, apply_overrides, config_sections, load_yaml
 
     saved = Path(args.out) / "config.json"
     if args.stage in ("sft", "extend") and not args.config and not args.resume:
@@ -37,8 +37,7 @@ def _run_config_from_args(args):
             raise CheckpointError(f"cannot resume: {saved} does not hold a run config")
     else:
         raw = {}
-    raw = {s: dict(raw.get(s) or {}) for s in ("model", "train", "data")} | {
-        k: v for k, v in raw.items() if k not in ("model", "train", "data")}
+    raw = config_sections(raw)
     flags = {"model.arch": args.arch, "model.preset": args.preset, "data.source": args.data,
              "data.tokenizer": args.tokenizer, "train.steps": args.steps, "train.batch_size": args.batch_size,
              "train.lr": args.lr, "train.seed": args.seed, "train.device": args.device, "train.stage": args.stage,
