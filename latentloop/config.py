@@ -373,6 +373,11 @@ class RunConfig:
                    train=_construct(TrainConfig, raw["train"], "train"),
                    data=_construct(DataConfig, raw["data"], "data"))
 
+    def save_json(self, path: str | Path) -> None:
+        """Written atomically (and fsynced): a crash never leaves a half-written config behind."""
+
+        write_json_atomic(Path(path), self.to_dict())
+
 
 SECTIONS = ("model", "train", "data")
 
@@ -390,11 +395,6 @@ def config_sections(raw: Any) -> dict[str, Any]:
                               f"{type(value).__name__} {value!r}"[:200])
         out[section] = dict(value)
     return out
-
-    def save_json(self, path: str | Path) -> None:
-        """Written atomically (and fsynced): a crash never leaves a half-written config behind."""
-
-        write_json_atomic(Path(path), self.to_dict())
 
 
 def _construct(cls: type, values: dict[str, Any], what: str) -> Any:

@@ -681,13 +681,25 @@ def test_threads_sets_the_servers_cpu_threads(servers):
 
 
 @pytest.mark.parametrize("command", ["serve", "generate", "chat"])
-def test_threads_must_be_positive(command, runs, capsys):
+@pytest.mark.parametrize("threads", ["0", "100000", "99999999999"])  # the last two: a segfault, an OverflowError
+def test_threads_must_be_positive_and_bounded(command, threads, runs, capsys):
     extra = ["--prompt", "x"] if command == "generate" else []
     with pytest.raises(SystemExit) as exit_info:
-        main([command, str(runs["gpt"]), *extra, "--threads", "0"])
+        main([command, str(runs["gpt"]), *extra, "--threads", threads])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "--threads" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("flag, value", [("--batch-window-ms", "inf"), ("--batch-window-ms", "1e300"),
+                                         ("--batch-window-ms", "nan"), ("--request-timeout", "inf"),
+                                         ("--request-timeout", "nan"), ("--request-timeout", "-1")])
+def test_serve_refuses_time_settings_that_are_not_finite_and_bounded(flag, value, runs, capsys):
+    """inf or 1e300 ms overflowed the scheduler's timed wait at the first request (its thread died,
+    every request then got 503); nan passed every check and switched the setting off."""
+    assert main(["serve", str(runs["gpt"]), flag, value]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag} must be in" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
 def test_cli_refuses_the_compiled_path_with_rounds(runs, capsys):

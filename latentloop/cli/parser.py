@@ -4,6 +4,7 @@ architecture as flags (from the registry), and the argument types (one-line usag
 from __future__ import annotations
 
 import argparse
+import os
 
 EXIT_USAGE = 2
 DEFAULT_NEW_TOKENS = 64  # generate's default budget, capped at half the context (the prompt gets the rest)
@@ -42,10 +43,24 @@ _positive_int = _int_at_least(1, "a positive integer")
 _non_negative_int = _int_at_least(0, "an integer >= 0")
 
 
+# more threads than this many per core only oversubscribe the cores; far more crashed torch's
+# thread pool (100,000: a segmentation fault) or overflowed its argument
+MAX_THREADS_PER_CORE = 4
+
+
+def _thread_count(text: str) -> int:
+    value = _positive_int(text)
+    most = MAX_THREADS_PER_CORE * (os.cpu_count() or 1)
+    if value > most:
+        raise argparse.ArgumentTypeError(f"expected at most {most} ({MAX_THREADS_PER_CORE} per core of this "
+                                         f"machine's {os.cpu_count() or 1}), got {text!r}")
+    return value
+
+
 def _add_threads_option(p: argparse.ArgumentParser) -> None:
     """The CPU's intra-op threads for commands that decode (applied in `cli.main`, before the model loads):
     where a client or other processes share the cores, fewer threads than cores can decode faster."""
-    p.add_argument("--threads", type=_positive_int, default=None,
+    p.add_argument("--threads", type=_thread_count, default=None,
                    help="CPU threads for the model's operations (torch.set_num_threads; default: torch's "
                         "choice, one per core); compiled steps are built for this count")
 

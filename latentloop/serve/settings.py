@@ -20,6 +20,8 @@ BATCHING = ("continuous", "rounds")  # --batching: the schedulers of serve/sched
 SERVE_DECODE = ("auto", "eager", "compiled")
 API_KEY_ENV = "LATENTLOOP_API_KEY"
 MAX_PORT = 2**16 - 1  # TCP ports are 16 bits (0: any free port)
+MAX_BATCH_WINDOW_MS = 60_000.0  # a window longer than a minute only delays every request
+MAX_REQUEST_TIMEOUT_S = 7 * 24 * 3600.0  # a week: as good as none, and within the clock's range
 
 
 @dataclass
@@ -76,5 +78,11 @@ def check_settings(settings: ServeSettings) -> None:
         if settings.decode == "eager" or settings.batching != "continuous":
             raise LatentloopError("--kv-dtype is the compiled path's cache: use it with --decode compiled or auto "
                                   "and --batching continuous")
-    if settings.batch_window_ms < 0 or settings.request_timeout <= 0:
-        raise LatentloopError("--batch-window-ms must be >= 0 and --request-timeout > 0")
+    # finite and bounded: inf or 1e300 overflowed the scheduler's timed wait at the first request
+    # (its thread died and every request got 503); nan passed every comparison and turned them off
+    if not 0 <= settings.batch_window_ms <= MAX_BATCH_WINDOW_MS:
+        raise LatentloopError(f"--batch-window-ms must be in [0, {MAX_BATCH_WINDOW_MS:g}], got "
+                              f"{settings.batch_window_ms:g}")
+    if not 0 < settings.request_timeout <= MAX_REQUEST_TIMEOUT_S:
+        raise LatentloopError(f"--request-timeout must be in (0, {MAX_REQUEST_TIMEOUT_S:g}] seconds, got "
+                              f"{settings.request_timeout:g}")
