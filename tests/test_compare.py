@@ -114,6 +114,17 @@ def test_runs_without_evals_or_metrics(tmp_path):
     assert "| bare | gpt |" in report["markdown"] and any("no task results" in n for n in report["notes"])
 
 
+def test_damaged_metrics_rows_are_left_out_not_a_traceback(tmp_path):
+    """A metrics.jsonl with a row that is not UTF-8, a step that is not a number and a value that is
+    not one: compare read it as text (UnicodeDecodeError) and formatted the values (ValueError,
+    TypeError)."""
+    run = make_run(tmp_path / "run", "gpt", [4.0, 3.5])
+    with open(run / "metrics.jsonl", "ab") as f:
+        f.write(b'\xff\xfe{"step": 9}\n{"step": "abc", "loss": 1.0}\n{"step": 10, "val_loss": [1], "val_bpb": "x"}\n')
+    report = compare.compare_runs([run], tmp_path / "out")
+    assert "| run | gpt |" in report["markdown"]
+
+
 def test_seeds_of_one_recipe_are_grouped_and_paired_against_the_baseline(tmp_path, capsys):
     """Runs differing only in the seed form a group: mean ± sd over seeds, and BPB's paired
     difference from the baseline group with its t-interval (seed by seed, not group means)."""

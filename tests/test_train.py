@@ -142,6 +142,20 @@ def test_run_folder_is_never_clobbered(corpus, tmp_path):
     assert not (tmp_path / "new").exists()  # nothing half-written
 
 
+def test_a_resume_keeps_the_good_metrics_rows_of_a_damaged_log(corpus, tmp_path):
+    """Rows past the checkpoint, cut short, not UTF-8, or with a step that is not a number are
+    dropped; the rest are kept. A binary row ended the resume in UnicodeDecodeError, a text step in
+    TypeError."""
+    fit(setup(_config(corpus, steps=3), tmp_path / "run", progress=False), progress=False)
+    log = tmp_path / "run" / "metrics.jsonl"
+    good = log.read_text().splitlines()
+    with open(log, "ab") as f:
+        f.write(b'\xff\xfe\n{"step": "abc"}\n{"step": 2, "loss": 1.0, "cut sh')
+    resumed = setup(_config(corpus, steps=4), tmp_path / "run", resume=True, progress=False)
+    assert resumed.step == 3
+    assert log.read_text().splitlines() == good
+
+
 def test_corrupt_checkpoint_is_a_clear_error(corpus, tmp_path):
     fit(setup(_config(corpus, steps=2), tmp_path / "run", progress=False), progress=False)
     weights = next((tmp_path / "run" / "checkpoints").iterdir()) / "model.safetensors"

@@ -41,7 +41,7 @@ import torch
 from ..archs import scoring_notes
 from ..config import RunConfig
 from ..errors import CheckpointError, ConfigError, LatentloopError
-from ..util import progress
+from ..util import is_int, progress
 from .core import CORE_TASKS
 from .stats import format_comparison, seed_rows
 
@@ -49,16 +49,20 @@ EVALS_DIR = "evals"
 
 
 def _read_jsonl(path: Path) -> list[dict]:
+    """A metrics.jsonl's rows that are JSON objects with an integer step (or none), their numbers
+    only: a line cut by an interrupted run, or damaged (not UTF-8, not JSON, a step that is not a
+    number), is left out, and so is a value that is not a number (the trainer logs numbers only)."""
     rows = []
     if not path.is_file():
         return rows
-    for line in path.read_text().splitlines():
+    for line in path.read_bytes().splitlines():
         try:
             row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by an interrupted run
-        if isinstance(row, dict):
-            rows.append(row)
+        except ValueError:  # not JSON, or not UTF-8
+            continue
+        if isinstance(row, dict) and is_int(row.get("step", 0)):
+            rows.append({key: value for key, value in row.items()
+                         if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))})
     return rows
 
 
@@ -144,7 +148,8 @@ def read_run(path: str | Path) -> dict[str, Any]:
 
 
 def _num(value: Any, fmt: str = ".4f") -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
+    """A logged number as the table shows it; a missing, NaN or damaged (not a number) value as "–"."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
         return "–"
     return format(value, fmt)
 

@@ -43,7 +43,7 @@ from ..parallel import (
     save_sharded,
 )
 from ..runtime import absolute_source
-from ..util import first_line
+from ..util import first_line, is_int
 from .state import TrainState, note, rank_seed, warn
 
 
@@ -205,13 +205,14 @@ def _trim_metrics(state: TrainState) -> None:
     A line cut short by a crash is dropped."""
     log = state.run_dir / "metrics.jsonl"
     kept = []
-    for line in (log.read_text().splitlines() if log.exists() else []):
+    for line in (log.read_bytes().splitlines() if log.exists() else []):
         try:
             row = json.loads(line)
-        except json.JSONDecodeError:
+        except ValueError:  # cut short, not JSON, or not UTF-8: dropped, as a damaged row
             continue
-        if isinstance(row, dict) and row.get("step", 0) <= state.step:
-            kept.append(line)
+        step = row.get("step", 0) if isinstance(row, dict) else None
+        if is_int(step) and step <= state.step:
+            kept.append(line.decode("utf-8"))
     tmp = log.with_name(".metrics.jsonl.tmp")
     try:
         with open(tmp, "w") as f:
