@@ -303,8 +303,9 @@ def test_chat_sends_bytes_that_are_not_utf8_as_replacement_characters(chat_run, 
 
 
 @pytest.mark.parametrize("flags", [["--temperature", "nan"], ["--temperature", "inf"], ["--temperature", "-1"],
-                                   ["--seed", "-3"]])
-def test_chat_with_a_bad_sampling_setting_exits_2_before_reading(chat_run, monkeypatch, capsys, flags):
+                                   ["--seed", "-3"], ["--max-new-tokens", "1000"], ["--system", "x" * 300],
+                                   ["--system", "h\udcffi"]])  # a budget past the context, a system turn
+def test_chat_with_a_bad_setting_exits_2_before_reading(chat_run, monkeypatch, capsys, flags):  # too long / not text
     import io
 
     monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))

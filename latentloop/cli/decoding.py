@@ -95,6 +95,27 @@ def _read_message_line() -> tuple[str, bool]:
         return data.decode("utf-8", errors="replace"), True
 
 
+def _check_chat_start(tokenizer, start: list[dict], budget: int, context: int) -> None:
+    """Before the first message: a reply budget the context allows, and a system turn that is text
+    and leaves room for a message and the reply. Checked inside the loop, each message failed on
+    them and the session ended with exit 0."""
+    from ..data.chat import ChatFormatError
+
+    if not 1 <= budget < context:
+        raise LatentloopError(f"--max-new-tokens must be in [1, {context - 1}] for this model's context of "
+                              f"{context} tokens, got {budget}")
+    if not start:
+        return
+    try:  # with the shortest message: what any conversation of this session takes at least
+        least = len(tokenizer.render_prompt([*start, {"role": "user", "content": "?"}]))
+    except ChatFormatError as exc:
+        raise LatentloopError(f"--system is not a usable system message: {exc}") from None
+    if least > context - budget:
+        raise LatentloopError(f"--system takes {least} tokens with a one-character message, over the "
+                              f"{context - budget} the context of {context} leaves beside a reply of {budget} "
+                              f"(--max-new-tokens)")
+
+
 def cmd_chat(args) -> int:
     from ..chat import stream_reply
     from ..engine import PromptError, check_sampling, model_options, quantize_int8
@@ -117,6 +138,7 @@ def cmd_chat(args) -> int:
     model_options(model, options)
     budget = args.max_new_tokens or min(DEFAULT_NEW_TOKENS, model.config.sequence_len // 2)
     start = [{"role": "system", "content": args.system}] if args.system else []
+    _check_chat_start(tokenizer, start, budget, model.config.sequence_len)
     messages = list(start)
     print(f"[{CHAT_COMMANDS}]", file=sys.stderr)
     while True:
