@@ -411,6 +411,9 @@ def _construct(cls: type, values: dict[str, Any], what: str) -> Any:
         raise ConfigError(f"invalid {what} config: {exc}") from None
 
 
+MAX_CONFIG_INT = 2**40  # no count a config holds (tokens, steps, widths, seeds) comes near it
+
+
 def _coerce(value: Any, type_name: Any, name: str) -> Any:
     """Convert YAML/CLI values to the annotated type (annotations are strings here)."""
     t = str(type_name)
@@ -430,7 +433,12 @@ def _coerce(value: Any, type_name: Any, name: str) -> Any:
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError
             require(not isinstance(value, bool), f"{name} must be an integer, got {value!r}")
-            return int(value)
+            number = int(value)
+            # past any real count; beyond it a value overflowed torch's 64-bit arguments (a traceback)
+            require(abs(number) <= MAX_CONFIG_INT, f"{name} must be at most {MAX_CONFIG_INT:,} in size, got {number:,}"
+                    if number.bit_length() <= 64 else f"{name} must be at most {MAX_CONFIG_INT:,} in size, got an "
+                                                      f"integer of {number.bit_length()} bits")
+            return number
         if t.startswith("float"):
             require(not isinstance(value, bool), f"{name} must be a number, got {value!r}")
             number = float(value)

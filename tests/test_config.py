@@ -141,3 +141,25 @@ def test_every_user_error_line_survives_an_exception_without_a_message():
     offenders = [str(p.relative_to(package)) for p in package.rglob("*.py")
                  if "splitlines()[0]" in p.read_text() and p.name != "util.py"]
     assert not offenders, f"write first_line(exc) instead of str(exc).splitlines()[0] in {offenders}"
+
+
+@pytest.mark.parametrize("section, field", [("train", "batch_size"), ("train", "grad_accum"), ("model", "sequence_len"),
+                                            ("model", "vocab_size"), ("train", "steps")])
+def test_an_integer_past_any_real_count_is_one_line(section, field):
+    """99999999999999999999 (67 bits) passed the checks and overflowed torch's 64-bit arguments
+    (OverflowError, "Overflow when unpacking long") in plan and train."""
+    from latentloop.config import MAX_CONFIG_INT
+
+    for value in (10**20, MAX_CONFIG_INT + 1):
+        raw = {"model": {"preset": "test"}, section: {field: value}}
+        if section == "model":
+            raw["model"][field] = value
+        with pytest.raises(ll.ConfigError, match=f"{field} must be at most"):
+            RunConfig.from_dict(raw)
+
+
+def test_a_bpe_vocabulary_past_any_real_one_is_refused_before_training():
+    from latentloop.data.tokenizers import MAX_BPE_VOCAB_SIZE, BPETokenizer
+
+    with pytest.raises(ll.ConfigError, match="past the"):
+        BPETokenizer.train(["some text"], MAX_BPE_VOCAB_SIZE + 1)  # 4e9 aborted the process (exit 134)

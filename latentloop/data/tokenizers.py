@@ -122,6 +122,7 @@ class _ChatInterface:
 
 # Byte-level BPE needs all 256 byte symbols in its alphabet plus our special tokens.
 MIN_BPE_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
+MAX_BPE_VOCAB_SIZE = 2**21  # ids past this are a mistake, not a vocabulary (Gemma's is 262,144)
 SENTENCEPIECE_SPACE = "\u2581"  # "▁": how SentencePiece-style tokenizers spell a space inside a token
 
 
@@ -231,6 +232,9 @@ class BPETokenizer(_ChatInterface):
                 f"BPE vocab_size {vocab_size} is too small: need at least {MIN_BPE_VOCAB_SIZE} "
                 f"(256 bytes + {len(SPECIAL_TOKENS)} special tokens)"
             )
+        if vocab_size > MAX_BPE_VOCAB_SIZE:  # 4e9 aborted the process in the trainer's allocation (exit 134)
+            raise ConfigError(f"BPE vocab_size {vocab_size:,} is past the {MAX_BPE_VOCAB_SIZE:,} a tokenizer here "
+                              f"may have (the largest models' vocabularies are ~260k)")
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
         hf_tokenizer = Tokenizer(models.BPE())
