@@ -142,6 +142,47 @@ def test_run_folder_is_never_clobbered(corpus, tmp_path):
     assert not (tmp_path / "new").exists()  # nothing half-written
 
 
+def _ctrl_c_at_batch(state, batch: int, presses: int = 1) -> None:
+    """The loader's `batch`-th draw sends this process SIGINT `presses` times (a user's Ctrl+C)."""
+    import os
+    import signal
+
+    draw, calls = state.loader.next_batch, [0]
+
+    def next_batch():
+        calls[0] += 1
+        if calls[0] == batch:
+            for _ in range(presses):
+                os.kill(os.getpid(), signal.SIGINT)
+        return draw()
+
+    state.loader.next_batch = next_batch
+
+
+def test_ctrl_c_stops_after_its_step_saves_and_the_resumed_run_equals_a_straight_one(corpus, tmp_path):
+    """The first Ctrl+C finishes the step it lands in, then validates and saves as a run's end does
+    (with save_every 0 nothing was saved, and the folder could be neither resumed nor reused); the
+    resumed run equals an uninterrupted one bit for bit. A second Ctrl+C stops at once, unsaved."""
+    import signal
+
+    straight = setup(_config(corpus, save_every=0), tmp_path / "straight", progress=False)
+    fit(straight, progress=False)
+    state = setup(_config(corpus, save_every=0), tmp_path / "run", progress=False)
+    _ctrl_c_at_batch(state, 3)
+    summary = fit(state, progress=False)
+    assert summary["interrupted"] and summary["step"] == 3 and summary["checkpoint"].endswith("step_00000003")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # given back
+    resumed = setup(_config(corpus, save_every=0), tmp_path / "run", resume=True, progress=False)
+    assert resumed.step == 3 and not fit(resumed, progress=False)["interrupted"]
+    a, b = _weights(tmp_path / "straight"), _weights(tmp_path / "run")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    twice = setup(_config(corpus, save_every=0), tmp_path / "twice", progress=False)
+    _ctrl_c_at_batch(twice, 3, presses=2)
+    with pytest.raises(KeyboardInterrupt):
+        fit(twice, progress=False)
+    assert not (tmp_path / "twice" / "checkpoints").exists() or not any((tmp_path / "twice" / "checkpoints").iterdir())
+
+
 def test_a_resume_keeps_the_good_metrics_rows_of_a_damaged_log(corpus, tmp_path):
     """Rows past the checkpoint, cut short, not UTF-8, or with a step that is not a number are
     dropped; the rest are kept. A binary row ended the resume in UnicodeDecodeError, a text step in

@@ -13,7 +13,7 @@ import sys
 
 from ..errors import LatentloopError
 from .decoding import cmd_chat, cmd_generate
-from .parser import EXIT_USAGE, build_parser
+from .parser import EXIT_INTERRUPTED, EXIT_USAGE, build_parser
 from .planning import cmd_plan
 from .scoring import cmd_analyze, cmd_compare, cmd_eval
 from .tools import cmd_demo, cmd_export, cmd_export_dcp, cmd_import_hf, cmd_serve, cmd_tokenizer
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("latentloop: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     except RuntimeError:
         from ..distributed import current_dist
 

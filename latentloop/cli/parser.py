@@ -7,6 +7,7 @@ import argparse
 import os
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # Ctrl+C, as a shell reports a process ended by SIGINT (128 + 2)
 DEFAULT_NEW_TOKENS = 64  # generate's default budget, capped at half the context (the prompt gets the rest)
 
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from ..errors import CheckpointError, LatentloopError
+from .parser import EXIT_INTERRUPTED
 
 
 def _run_config_from_args(args):
@@ -101,6 +102,10 @@ def cmd_train(args) -> int:
               f"{summary['tokens']:,} tokens: val loss {summary['val_loss']:.4f}, bpb {summary['val_bpb']:.4f} "
               f"(on {summary.get('val_tokens', 0):,} tokens: {first_batches(config.train.eval_batches)} of the val "
               f"split; `latentloop eval` scores all of it); checkpoint {summary['checkpoint']}")
+    if summary.get("interrupted"):  # stopped by Ctrl+C after a whole step, saved: said, and not a success
+        print(f"latentloop: interrupted at step {summary['step']} of {config.train.steps}, saved; "
+              f"`latentloop train --out {args.out} --resume` continues", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return 0
 
 

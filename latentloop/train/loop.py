@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import math
+import signal
+import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -197,6 +200,35 @@ def fit(state: TrainState, progress: bool = True, max_seconds: float | None = No
             state.lock.release()
 
 
+class _GracefulInterrupt:
+    """Ctrl+C while training (one process, the main thread): the first asks the loop to stop after the
+    step it is in, then validate and save as a run does at its end (`--resume` continues); a second
+    stops at once, without saving. A stop in the middle of a step could leave some weights updated
+    and others not, so the first one never interrupts a step. Without it, a run with `save_every` 0
+    lost everything, and its folder could be neither resumed nor reused."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+        self.asked = False
+        self._previous = None
+
+    def _ask(self, signum, frame) -> None:
+        if self.asked:
+            raise KeyboardInterrupt
+        self.asked = True
+        print("\nlatentloop: stopping after this step and saving (Ctrl+C again: stop now, unsaved)", file=sys.stderr)
+
+    def __enter__(self) -> _GracefulInterrupt:
+        if self.enabled:
+            self._previous = signal.signal(signal.SIGINT, self._ask)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+
 def _fit(state: TrainState, progress: bool, max_seconds: float | None) -> dict[str, Any]:
     cfg, model = state.config.train, state.model
     guard = state.guard = FiniteGuard(state.device)
@@ -213,7 +245,9 @@ def _fit(state: TrainState, progress: bool, max_seconds: float | None) -> dict[s
         return max_seconds is not None and any_rank(time.perf_counter() >= deadline, state.device)
 
     profiler = open_profiler(state) if cfg.profile_steps else None
+    interrupt = _GracefulInterrupt(enabled=state.dist.world_size == 1)
     try:
+        interrupt.__enter__()
         while state.step < cfg.steps and not out_of_time():
             step_start = time.perf_counter()
             multiplier = lr_multiplier(state.step, cfg)
@@ -224,7 +258,7 @@ def _fit(state: TrainState, progress: bool, max_seconds: float | None) -> dict[s
             state.step += 1
             state.tokens_seen += tokens_per_step
             window_tokens += tokens_per_step
-            stopping = out_of_time()
+            stopping = out_of_time() or interrupt.asked
             logging = state.step % cfg.log_every == 0 or state.step == cfg.steps or stopping
             if logging:  # the step's only reads of the device: they wait for its queue of kernels
                 guard.check()
@@ -252,6 +286,7 @@ def _fit(state: TrainState, progress: bool, max_seconds: float | None) -> dict[s
             if stopping:
                 break
     finally:  # also when the run stops (diverged, interrupted): the error starts a line of its own
+        interrupt.__exit__()
         bar.close()
         if profiler is not None:
             profiler.close()
@@ -261,5 +296,5 @@ def _fit(state: TrainState, progress: bool, max_seconds: float | None) -> dict[s
     return {"step": state.step, "train_loss": train_loss, "tokens": state.tokens_seen, "flops": state.flops_seen,
             "elapsed": state.elapsed, "params": state.model.num_params(), "checkpoint": str(checkpoint),
             "world_size": state.dist.world_size, "strategy": cfg.strategy, "global_batch": state.global_batch,
-            "precision": resolve_dtype(state.device, cfg.dtype),
+            "precision": resolve_dtype(state.device, cfg.dtype), "interrupted": interrupt.asked,
             **{f"val_{k}": v for k, v in final.items()}}
