@@ -401,6 +401,9 @@ def test_eval_dir_from_argument_environment_and_cache(tmp_path, monkeypatch):
     assert core.resolve_eval_dir(given) == given
     with pytest.raises(DataError, match="does not exist"):
         core.resolve_eval_dir(tmp_path / "nowhere")
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(DataError, match="is a file, not a folder"):  # it said "does not exist"
+        core.resolve_eval_dir(tmp_path / "afile")
     monkeypatch.setenv(core.EVAL_DIR_ENV, str(given))
     assert core.resolve_eval_dir(None) == given
     monkeypatch.delenv(core.EVAL_DIR_ENV)

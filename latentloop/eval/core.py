@@ -139,7 +139,8 @@ def locate_eval_dir(data_dir: str | Path | None = None, download: bool = True) -
         if given:
             folder = Path(given).expanduser()
             if not folder.is_dir():
-                raise DataError(f"{origin} {folder} does not exist")
+                raise DataError(f"{origin} {folder} " + ("is a file, not a folder of task files" if folder.exists()
+                                                         else "does not exist"))
             return folder, f"from {origin}"
     cached = default_eval_dir()
     if cached.is_dir() and any(cached.rglob("*.jsonl")):
