@@ -110,6 +110,11 @@ def test_bpe_errors(tmp_path):
         BPETokenizer.load(tmp_path)
     with pytest.raises(DataError, match="unknown tokenizer 'gpt9'"):
         load_tokenizer("gpt9")
+    corrupt.write_text(json.dumps({"type": "byte", "chat": "yes"}))  # was read as a tokenizer without chat tokens
+    with pytest.raises(DataError, match="'chat' must be true or false"):
+        load_tokenizer(str(corrupt))
+    corrupt.write_text(json.dumps({"type": "byte", "chat": True}))
+    assert load_tokenizer(str(corrupt)).chat_tokens is not None
 
 
 # --- sources ----------------------------------------------------------------------------------

@@ -711,7 +711,10 @@ def load_tokenizer(spec: str) -> ByteTokenizer | BPETokenizer | HFTokenizer:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise DataError(f"cannot read tokenizer {path}: {exc}") from exc
     if isinstance(content, dict) and content.get("type") == "byte":
-        return ByteTokenizer(chat=content.get("chat") is True)
+        chat = content.get("chat", False)
+        if not isinstance(chat, bool):  # "yes" was read as no chat tokens, silently
+            raise DataError(f"tokenizer {path}: 'chat' must be true or false, got {chat!r}"[:200])
+        return ByteTokenizer(chat=chat)
     if isinstance(content, dict) and content.get("type") == "hf":
         return HFTokenizer.from_saved(content, str(path))
     added = content.get("added_tokens") if isinstance(content, dict) else None
