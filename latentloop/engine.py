@@ -272,6 +272,16 @@ def _checked(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, st
     if compile is True and not use_cache:
         raise PromptError("compile=True decodes through the cache: it cannot be combined with use_cache=False "
                           "(--no-cache)")
+    if kv_dtype is not None and not use_cache:  # it was ignored silently
+        raise PromptError("kv_dtype is the cache's dtype: it cannot be combined with use_cache=False (--no-cache)")
+    try:
+        stops = frozenset(stop_tokens)
+    except TypeError:
+        stops = None
+    if stops is None or not all(is_int(t) for t in stops):
+        raise PromptError(f"stop_tokens must be a collection of token ids, got {stop_tokens!r}"[:200])
+    if not is_int(pad_id) or not 0 <= pad_id < model.config.vocab_size:
+        raise PromptError(f"pad_id must be a token id in [0, {model.config.vocab_size}), got {pad_id!r}")
     if kv_dtype is not None and kv_dtype not in KV_DTYPES:
         raise PromptError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
     if kv_dtype is not None and compile is False:
@@ -285,7 +295,7 @@ def _checked(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, st
     if longest + max_new_tokens > context:
         raise PromptError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
                           f"context of {context} tokens")
-    return (model, rows, max_new_tokens, temperature, top_k, top_p, seed, frozenset(stop_tokens), use_cache, pad_id,
+    return (model, rows, max_new_tokens, temperature, top_k, top_p, seed, stops, use_cache, pad_id,
             logprobs, top_logprobs, options, compile, on_compile, None if kv_dtype is None else KV_DTYPES[kv_dtype])
 
 
@@ -656,8 +666,14 @@ def teacher_forced_logits(model, idx: Tensor, pad_mask: Tensor | None = None, pr
     P = model.teacher_forced_prompt_len(T, options) if prompt_len is None else prompt_len
     if not 1 <= P <= T:
         raise PromptError(f"prompt_len must be in [1, {T}], got {P}")
-    cache = model.new_cache(B, T, **options)
-    logits = model.prefill(idx[:, :P], cache, None if pad_mask is None else pad_mask[:, :P], **options).logits
-    if P == T:
-        return logits
-    return torch.cat([logits, model.decode(idx[:, P:], cache, **options).logits], dim=1)
+    if pad_mask is not None and P < T and not bool(pad_mask[:, P:].all()):
+        # the columns after the prefill are decoded unmasked: a pad there was read as text (fbt soft
+        # prefills position 0 only, so any left padding reached them)
+        raise PromptError(f"left padding reaches past the prefilled {P} columns; pass prompt_len >= the padding "
+                          f"(the widest row's pad count) so every pad is masked in the prefill")
+    with evaluating(model):  # as generate and stream: training's noise (fbt's jitter, rgpt's) off
+        cache = model.new_cache(B, T, **options)
+        logits = model.prefill(idx[:, :P], cache, None if pad_mask is None else pad_mask[:, :P], **options).logits
+        if P == T:
+            return logits
+        return torch.cat([logits, model.decode(idx[:, P:], cache, **options).logits], dim=1)

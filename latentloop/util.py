@@ -18,6 +18,8 @@ import secrets
 import shutil
 import sys
 import tempfile
+import threading
+import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -35,22 +37,35 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "latentloop")
 
 
+_EVALUATING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> [open blocks, modules to restore]
+_EVALUATING_LOCK = threading.Lock()
+
+
 @contextmanager
 def evaluating(model) -> Iterator[None]:
-    """`model` (an `nn.Module`) in eval mode inside the block; afterwards the submodules that were
-    training train again, the others stay as they were. A model already in eval mode is not walked
-    twice: `.eval()` and `.train()` over a small model's ~90 modules cost 0.75 ms together, a sixth
-    of a 16-token prompt's prefill on the machine this was measured on."""
-    training = [m for m in model.modules() if m.training]
-    if not training:
-        yield
-        return
-    model.eval()
+    """`model` (an `nn.Module`) in eval mode inside the block; after the last open block on it ends
+    (decodes interleave: two streams of one model each hold one), the submodules that were training
+    train again, the others stay as they were. Restored by the first to end, a stream still decoding
+    went on with training's noise. A model already in eval mode is not walked twice: `.eval()` and
+    `.train()` over a small model's ~90 modules cost 0.75 ms together, a sixth of a 16-token
+    prompt's prefill on the machine this was measured on."""
+    with _EVALUATING_LOCK:
+        entry = _EVALUATING.get(model)
+        if entry is None:
+            training = [m for m in model.modules() if m.training]
+            if training:
+                model.eval()
+            entry = _EVALUATING[model] = [0, training]
+        entry[0] += 1
     try:
         yield
     finally:
-        for module in training:
-            module.training = True  # each its own flag: `.train()` would set its children's too
+        with _EVALUATING_LOCK:
+            entry[0] -= 1
+            if entry[0] == 0:
+                del _EVALUATING[model]
+                for module in entry[1]:
+                    module.training = True  # each its own flag: `.train()` would set its children's too
 
 
 def first_line(exc: BaseException) -> str:

@@ -1,5 +1,7 @@
 """Engine: cached vs naive generation, batching, sampling controls, stop tokens, streaming."""
 
+import re
+
 import pytest
 import torch
 
@@ -109,3 +111,69 @@ def test_one_new_token_makes_no_decoder(model, monkeypatch):
     monkeypatch.setattr(engine, "FastDecoder", no_decoder)
     assert ll.generate(model, PROMPTS, 1, temperature=0.0, compile=True) == expected
     assert [len(row) for row in expected] == [1, 1, 1]
+
+
+# --- found by a review of the decoding paths (2026-12-05) -------------------------------------
+
+
+def test_interleaved_streams_of_a_training_model_each_decode_as_alone():
+    """`ll.build` returns a model in training mode; each stream decodes in eval mode. The first stream
+    to end put the model back into training while another still decoded: its later steps drew fbt's
+    training jitter (other tokens). The model trains again only after the last one ends."""
+    torch.manual_seed(0)
+    model = ll.build("fbt", preset="test")
+    prompt = [256, 5, 6, 7]
+    alone = ll.generate(model, prompt, 12, temperature=0)
+    assert model.training
+    b = ll.stream(model, prompt, 12, temperature=0)
+    got = [next(b).tokens[0] for _ in range(3)]
+    for _ in ll.stream(model, [256, 9], 2, temperature=0):  # A starts and ends while B is open
+        pass
+    got += [step.tokens[0] for step in b]
+    assert got == alone and model.training
+
+
+def test_teacher_forced_logits_score_in_eval_mode_and_refuse_unmasked_padding():
+    """Twice on a training-mode fbt model the logits differed (its jitter was on); left padding past
+    the prefilled columns was decoded as text (fbt soft prefills position 0 only)."""
+    from latentloop.engine import PromptError, teacher_forced_logits
+
+    torch.manual_seed(0)
+    model = ll.build("fbt", preset="test")
+    idx = torch.randint(0, 256, (2, 10))
+    torch.testing.assert_close(teacher_forced_logits(model, idx), teacher_forced_logits(model, idx), rtol=0, atol=0)
+    assert model.training
+    mask = torch.ones(2, 10, dtype=torch.bool)
+    mask[1, :4] = False
+    with pytest.raises(PromptError, match="left padding reaches past the prefilled 1 columns"):
+        teacher_forced_logits(model, idx, mask)
+    alone = teacher_forced_logits(model, idx[1:, 4:])  # the padded row scored from where it starts
+    padded = teacher_forced_logits(model, idx, mask, prompt_len=5)[1:, 4:]
+    torch.testing.assert_close(padded[:, 1:], alone[:, 1:], rtol=1e-4, atol=1e-4)  # float32 rounding
+
+
+@pytest.mark.parametrize("arguments, words", [({"stop_tokens": 5}, "stop_tokens must be a collection of token ids"),
+                                              ({"stop_tokens": ["a"]}, "stop_tokens must be"),
+                                              ({"pad_id": -1}, "pad_id must be a token id"),
+                                              ({"pad_id": 10**6}, "pad_id must be a token id"),
+                                              ({"kv_dtype": "float16", "use_cache": False}, "use_cache=False")])
+def test_bad_decoding_arguments_are_one_prompt_error(arguments, words):
+    """They were a TypeError, an IndexError from the embedding, or (kv_dtype without a cache) ignored."""
+    from latentloop.engine import PromptError
+
+    model = ll.build("gpt", preset="test")
+    with pytest.raises(PromptError, match=re.escape(words)):
+        ll.generate(model, [256, 5], 2, **arguments)
+
+
+def test_quantizing_drops_the_models_compiled_steps():
+    """A step compiled over the float layers went on running after `quantize_int8`, binding to each
+    Int8Linear's dequantised float copy (float products, and the float weights held again)."""
+    from latentloop.engine import quantize_int8
+    from latentloop.inference import fast
+
+    model = ll.build("gpt", preset="test")
+    fast.compiled_steps(model)[("cpu", (), "aot")] = object()  # what a compiled decode leaves on the model
+    fast._RAN_SHAPES[model] = {("cpu", ())}
+    quantize_int8(model)
+    assert not fast.compiled_steps(model) and model not in fast._RAN_SHAPES

@@ -1064,6 +1064,13 @@ class _CompiledSteps(dict):
         return _CompiledSteps, ()
 
 
+def forget_compiled(model) -> None:
+    """Drop `model`'s compiled steps and what they ran: after its layers were swapped (int8), a step
+    built on the old ones would go on binding to them (float products on dequantised copies)."""
+    model.__dict__.pop(STEPS_ATTRIBUTE, None)
+    _RAN_SHAPES.pop(model, None)
+
+
 def compiled_steps(model) -> dict:
     """`model`'s compiled steps (`_CompiledSteps`), made empty on first use."""
     steps = model.__dict__.get(STEPS_ATTRIBUTE)

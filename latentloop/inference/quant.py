@@ -213,10 +213,13 @@ class Int8Linear(nn.Module):
 def quantize_int8(model: nn.Module) -> nn.Module:
     """Replace every `nn.Linear` in `model` by an `Int8Linear` (in place; returns the model). For
     inference: the int8 weights take no gradients."""
+    from .fast import forget_compiled
+
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):  # an AcceleratedLinear too
                 setattr(parent, name, Int8Linear(child))
+    forget_compiled(model)  # a compiled step of the float layers would keep running them
     return model
 
 
