@@ -417,12 +417,12 @@ def generate(records: Sequence[dict[str, Any]], figures: Path | None = None, fig
              "non-embedding parameters needed at the variant's tokens / the variant's."]
     if records:
         lines += ["", precision_line(records)]
-    if failed:
-        lines += ["", f"{len(failed)} runs failed and are in no row (`failed.json`; `ladder.py --retry-failed` runs "
-                  "them again): " + "; ".join(f"{key}: {why.get('error', '?')}" for key, why in failed.items())]
     else:
         lines += ["", "No ladder run has finished yet: every verdict reads \"not run\". The command: "
                   "`python experiments/ladder.py --out runs/ladder`, then this script."]
+    if failed:
+        lines += ["", f"{len(failed)} runs failed and are in no row (`failed.json`; `ladder.py --retry-failed` runs "
+                  "them again): " + "; ".join(f"{key}: {why.get('error', '?')}" for key, why in failed.items())]
     lines += ["", "## Claims, one row each, as the papers state them", "",
               "| the paper's claim | tested as | " + " | ".join(f"{c}, {o}" for c, o in COLUMNS) + " |",
               "|---|---|" + "---|" * len(COLUMNS)]

@@ -524,6 +524,7 @@ def test_the_claims_table_decides_synthetic_records_by_the_rules(monkeypatch):
     assert verdict("FBT: matches", 4) == "**holds**"
     assert verdict("RGPT: at isoPARAMs", 4) == "**undecided**"
     assert "stale" not in page
+    assert "No ladder run has finished yet" not in page  # it was printed whenever no run had failed
     assert "| fbt-paper |" in page  # the multipliers table lists every variant
     # the English and AdamW columns have no runs
     assert all(row.split(" | ")[3].startswith("**not run**") for row in rows.values() if "**" in row)
