@@ -177,3 +177,13 @@ def test_quantizing_drops_the_models_compiled_steps():
     fast._RAN_SHAPES[model] = {("cpu", ())}
     quantize_int8(model)
     assert not fast.compiled_steps(model) and model not in fast._RAN_SHAPES
+
+
+def test_mor_steps_past_its_recursions_are_refused_before_any_work():
+    """The stack's own check came at the first step: `stream` returned, the CLI printed the prompt,
+    then the error."""
+    from latentloop.errors import ConfigError
+
+    model = ll.build("mor", preset="test")
+    with pytest.raises(ConfigError, match="the trained recursions"):
+        ll.stream(model, [256, 5], 2, steps=model.config.recursions + 1)  # no step taken

@@ -372,8 +372,13 @@ class MoR(GPT):
 
     def draft_options(self, options: dict) -> Draft | None:
         """The same model at most `draft_steps` recursions (rgpt's `depth_draft`): a token's routing
-        at each recursion it takes is the full depth's, so the draft is the full model cut short."""
-        return depth_draft(options, options.get("steps") or self.config.recursions)
+        at each recursion it takes is the full depth's, so the draft is the full model cut short.
+        `model_options` runs this for every set of options, so it also refuses `steps` past the trained
+        recursions there, before any work (the stack's own check came at the first step)."""
+        steps = options.get("steps")
+        if steps is not None and steps > self.config.recursions:
+            raise ConfigError(f"steps must be in [1, {self.config.recursions}] (the trained recursions), got {steps}")
+        return depth_draft(options, steps or self.config.recursions)
 
     def new_cache(self, batch_size: int, max_len: int | None = None, **options) -> KVCache:
         weight = self.wte.weight
