@@ -563,7 +563,7 @@ def eval_chat_gsm8k(model, tokenizer, data_dir, options, limit, progress, *, max
     name = "chat:gsm8k"
     started = time.perf_counter()
     rows = _limited(read_jsonl(find_data_file(data_dir, "gsm8k.jsonl", name), ("context", "answer"),
-                                      numbers=("answer",)), limit)
+                               numbers=("answer",)), limit)
     generations, new_tokens, truncated = _chat_generations(model, tokenizer, name, [r["context"].strip() for r in rows],
                                                            max_new_tokens, options, progress, batch_size)
     correct = [numbers_match(extract_number(g.text), str(r["answer"])) for r, g in zip(rows, generations)]

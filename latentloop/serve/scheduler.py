@@ -666,9 +666,7 @@ class ContinuousScheduler(Scheduler):
             self.stats.rows_decoded += len(job.rows)
         except Exception as exc:  # noqa: BLE001 - a bug must not take the server down: this request fails
             self._fail_internal([job], exc)
-            for row in job.rows:
-                if not row.done and request.max_tokens > 0:
-                    self._active_rows -= 1
+            for row in job.rows:  # freed: the pass's end counts the live rows from the jobs (`_settle_jobs`)
                 row.done = True
 
     # -- one step of one batch ----------------------------------------------------------------
@@ -680,9 +678,7 @@ class ContinuousScheduler(Scheduler):
         """After a failed step: the batch's rows are gone (their jobs failed)."""
         for member in self._members(batch):
             batch.drop(member)
-            if not member.owner.done:
-                member.owner.done = True
-                self._active_rows -= 1
+            member.owner.done = True  # freed: the pass's end counts the live rows from the jobs (`_settle_jobs`)
         batch.waiting = []
 
     def _step(self, batch: DecodeBatch) -> None:

@@ -218,12 +218,11 @@ class _GracefulInterrupt:
         self.asked = True
         print("\nlatentloop: stopping after this step and saving (Ctrl+C again: stop now, unsaved)", file=sys.stderr)
 
-    def __enter__(self) -> _GracefulInterrupt:
+    def install(self) -> None:
         if self.enabled:
             self._previous = signal.signal(signal.SIGINT, self._ask)
-        return self
 
-    def __exit__(self, *exc) -> None:
+    def restore(self) -> None:
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
             self._previous = None
@@ -247,7 +246,7 @@ def _fit(state: TrainState, progress: bool, max_seconds: float | None) -> dict[s
     profiler = open_profiler(state) if cfg.profile_steps else None
     interrupt = _GracefulInterrupt(enabled=state.dist.world_size == 1)
     try:
-        interrupt.__enter__()
+        interrupt.install()
         while state.step < cfg.steps and not out_of_time():
             step_start = time.perf_counter()
             multiplier = lr_multiplier(state.step, cfg)
@@ -286,7 +285,7 @@ def _fit(state: TrainState, progress: bool, max_seconds: float | None) -> dict[s
             if stopping:
                 break
     finally:  # also when the run stops (diverged, interrupted): the error starts a line of its own
-        interrupt.__exit__()
+        interrupt.restore()
         bar.close()
         if profiler is not None:
             profiler.close()
