@@ -3,13 +3,13 @@ budgets, each run's validation BPB on the whole held-out split, so that the pape
 are decided by curves rather than by one point. The decision rules were committed before any result:
 experiments/logs/2026-12-05-ladder-rules.md.
 
-    python experiments/ladder.py --out runs/ladder --threads 1     # the CPU ladder (~66 h of one core)
-    python experiments/ladder.py --out runs/ladder --threads 1 --shard 1/2 &   # or one shard per core
-    python experiments/ladder.py --out runs/ladder --threads 1 --shard 2/2
-    python experiments/ladder.py --out runs/ladder --plan-only     # the plan and its estimate only
+    python experiments/ladder.py --out experiments/ladder-runs --threads 1     # the CPU ladder (~19 h of one core)
+    python experiments/ladder.py --out experiments/ladder-runs --threads 1 --shard 1/2 &   # or one shard per core
+    python experiments/ladder.py --out experiments/ladder-runs --threads 1 --shard 2/2
+    python experiments/ladder.py --out experiments/ladder-runs --plan-only     # the plan and its estimate only
     python experiments/ladder.py --out runs/ladder-gpu --device cuda   # 10M-125M, one 9-minute H200 run
     python experiments/ladder.py --out runs/ladder-smoke --smoke   # tiny sizes, a few steps, minutes
-    python experiments/ladder_claims.py --out runs/ladder          # fits, multipliers, the claims table
+    python experiments/ladder_claims.py --out experiments/ladder-runs          # fits, multipliers, the claims table
 
 What one invocation does:
 1. Plans: every variant (`ladder_variants`: each arch of `latentloop.archs.ARCHS`, an arch whose
@@ -37,7 +37,10 @@ branch: each of its budgets is a straight run.
 
 Records (`records/<run>.json`) hold the plan entry, the git commit and the files modified beside it,
 the requested and the resolved config (model, train, data), every scored point (step, tokens,
-training FLOPs, epochs of the training split, BPB per scoring) and the seconds spent.
+training FLOPs, epochs of the training split, BPB per scoring) and the seconds spent. The default
+folder, experiments/ladder-runs/, is in the repository: its records, `failed.json` and probe are
+committed as the ladder goes, so a fresh checkout resumes where the last one stopped (only the trunk
+states under `work/` are local and ignored; a run in progress when a machine goes restarts).
 """
 
 from __future__ import annotations
@@ -982,7 +985,8 @@ def epochs_note(runs: list[RunPlan], spec: LadderSpec) -> list[str]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=Path("runs/ladder"), help="records, trunk states and the probe")
+    p.add_argument("--out", type=Path, default=Path("experiments/ladder-runs"),
+                   help="records, failures and the probe (kept in git), trunk states (work/, ignored)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cpu: the CPU ladder; cuda: 10M-125M sized to fit --budget-s on an H200")
     p.add_argument("--train-device", default=None,

@@ -1,6 +1,6 @@
 """The claims table, generated from the compute ladder's records (issue 52), never typed by hand.
 
-    python experiments/ladder_claims.py --out runs/ladder --write experiments/LADDER.md
+    python experiments/ladder_claims.py --out experiments/ladder-runs --write experiments/LADDER.md
 
 Each paper's scaling claim is one row, tested as the paper states it, by the rules committed before
 any result (experiments/logs/2026-12-05-ladder-rules.md, amended before any result past the smallest
@@ -419,7 +419,7 @@ def generate(records: Sequence[dict[str, Any]], figures: Path | None = None, fig
         lines += ["", precision_line(records)]
     else:
         lines += ["", "No ladder run has finished yet: every verdict reads \"not run\". The command: "
-                  "`python experiments/ladder.py --out runs/ladder`, then this script."]
+                  "`python experiments/ladder.py --out experiments/ladder-runs`, then this script."]
     if failed:
         lines += ["", f"{len(failed)} runs failed and are in no row (`failed.json`; `ladder.py --retry-failed` runs "
                   "them again): " + "; ".join(f"{key}: {why.get('error', '?')}" for key, why in failed.items())]
@@ -466,7 +466,7 @@ def generate(records: Sequence[dict[str, Any]], figures: Path | None = None, fig
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=Path("runs/ladder"), help="the ladder's folder (its records/)")
+    p.add_argument("--out", type=Path, default=Path("experiments/ladder-runs"), help="the ladder's folder (its records/)")
     p.add_argument("--write", type=Path, default=None,
                    help="the page to write (default: OUT/ladder.md); its plots go to figures/ladder beside "
                         "experiments/ when the page is in experiments/, else to OUT/figures")

@@ -18,7 +18,7 @@ covered about 75% of the time at three seeds). The parameter multiplier inverts 
 variant's tokens across sizes (`parameter_multiplier`). The trend over size is a weighted least
 squares slope with the pooled scatter (`trend`).
 
-    points = load_points(Path("runs/ladder"))
+    points = load_points(Path("experiments/ladder-runs"))
     result = multiplier(points, corpus="stdlib", optimizer="muon", size="s", variant="fbt", axis="tokens")
 """
 
