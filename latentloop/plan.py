@@ -55,6 +55,7 @@ from .inference.torch_internals import TorchDispatchMode
 from .runtime import autocast_for, resolve_dtype
 from .train.state import FlopsMemo
 from .train.step import accumulation
+from .util import memory_limit_bytes
 
 
 @dataclass(frozen=True)
@@ -390,15 +391,6 @@ def cpu_matmul_flops(dtype: str, seconds: float = 0.3) -> float:
     return done * 2 * n ** 3 / (time.perf_counter() - start)
 
 
-def machine_memory_bytes() -> float | None:
-    import os
-
-    try:
-        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def config_for_params(arch: str, params: int, **fields) -> Any:
     """The model config whose parameter count is nearest `params`, over depths 1..MAX_LAYERS at
     WIDTH_PER_LAYER channels per layer (the registry's model counts its own parameters)."""
@@ -575,7 +567,7 @@ def plan_run(config: RunConfig, tokens: int, devices: int = 1, gpu: str = "h100"
               "fsdp2_gathered_blocks": gathered, "peak": peak, "kv_cache_per_sequence": float(cache)}
 
     accelerator = ACCELERATORS[gpu]
-    capacity = accelerator.memory_bytes if gpu != "cpu" else machine_memory_bytes()
+    capacity = accelerator.memory_bytes if gpu != "cpu" else memory_limit_bytes()
     if gpu == "cpu":
         peak_flops = cpu_matmul_flops(precision)
         chosen = (mfu, "given (--mfu)") if mfu is not None else (

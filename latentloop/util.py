@@ -97,6 +97,29 @@ class TokenText:
         return self._decoder.decode(b"", final=True)
 
 
+# cgroup (v2, v1) files holding this process's memory limit inside a container: lower than the
+# machine's RAM there, and the kernel kills the process that crosses it.
+CGROUP_MEMORY_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def memory_limit_bytes() -> int | None:
+    """The most memory this process can use: the machine's RAM, or its cgroup's limit when that
+    is lower (a container). None when neither can be read."""
+    limits = []
+    try:
+        limits.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):  # not a POSIX system
+        pass
+    for file in CGROUP_MEMORY_LIMITS:
+        try:
+            text = Path(file).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():  # v2 writes "max" for no limit
+            limits.append(int(text))
+    return min(limits) if limits else None
+
+
 def fsync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

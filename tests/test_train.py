@@ -111,6 +111,23 @@ def test_a_resume_that_changes_the_seed_or_the_optimizer_is_refused_in_one_line(
         setup(_config(corpus, steps=6, **{field: value}), tmp_path / "run", resume=True, progress=False)
 
 
+def test_a_micro_batch_past_the_devices_memory_is_refused_before_anything_is_built(corpus, tmp_path, monkeypatch):
+    """`--batch-size 1e11` built window ids for minutes before failing: one line now, nothing written.
+    The bound is the micro-batch's token ids and embeddings (here 4 x (33 x 8 + 32 x n_embd x 4) bytes)."""
+    from latentloop.train import start
+
+    config = _config(corpus, batch_size=10 ** 11)
+    with pytest.raises(ll.ConfigError, match=r"train.batch_size=100,000,000,000: .* GiB, more than the"):
+        setup(config, tmp_path / "huge", progress=False)
+    assert not (tmp_path / "huge").exists()
+    least = 4 * (33 * 8 + 32 * config.model.n_embd * 4)  # batch 4 at sequence_len 32
+    monkeypatch.setattr(start, "memory_limit_bytes", lambda: least - 1)
+    with pytest.raises(ll.ConfigError, match="train.batch_size=4: "):
+        setup(_config(corpus), tmp_path / "short", progress=False)
+    monkeypatch.setattr(start, "memory_limit_bytes", lambda: least)  # at the bound: it trains
+    fit(setup(_config(corpus, steps=1), tmp_path / "fits", progress=False), progress=False)
+
+
 def test_training_lowers_loss_and_keeps_last_checkpoints(corpus, tmp_path):
     state = setup(_config(corpus, steps=12, save_every=2, keep_last=2, lr=1e-2), tmp_path / "run", progress=False)
     before = validate(state)["loss"]

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..config import ModelConfig
 from ..errors import InteropError
-from ..util import first_line
+from ..util import first_line, memory_limit_bytes
 
 # Bytes per element of the safetensors dtypes a full-precision checkpoint may use; any other dtype
 # (integers, float8) means a quantized or foreign checkpoint, which the import cannot express.
@@ -44,9 +43,6 @@ ROPE_TABLE_COPIES = 4
 # Allocator slack and temporaries on top of that: a 117M-parameter import measured 5% above the two
 # float32 copies at its peak (while building the model); 10% covers it.
 PEAK_MARGIN = 1.1
-# cgroup (v2, v1) files holding this process's memory limit inside a container: lower than the
-# machine's RAM there, and the kernel kills the process that crosses it.
-CGROUP_MEMORY_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
 MAX_METADATA_BYTES = 64 * 1024 ** 2  # config.json / index / tokenizer_config.json: real ones are kilobytes
 # Sizes and counts above int64 cannot be a tensor dimension (and would overflow float arithmetic)
 MAX_CONFIG_INT = 2 ** 63 - 1
@@ -318,24 +314,6 @@ def check_tensor_shapes(config: ModelConfig, headers: dict[str, TensorHeader], c
 # --------------------------------------------------------------------------------------------
 # Memory
 # --------------------------------------------------------------------------------------------
-
-
-def memory_limit_bytes() -> int | None:
-    """The most memory this process can use: the machine's RAM, or its cgroup's limit when that
-    is lower (a container). None when neither can be read."""
-    limits = []
-    try:
-        limits.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (AttributeError, ValueError, OSError):  # not a POSIX system
-        pass
-    for file in CGROUP_MEMORY_LIMITS:
-        try:
-            text = Path(file).read_text().strip()
-        except OSError:
-            continue
-        if text.isdigit():  # v2 writes "max" for no limit
-            limits.append(int(text))
-    return min(limits) if limits else None
 
 
 def import_memory_bytes(config: ModelConfig, headers: dict[str, TensorHeader], params: int) -> dict[str, int]:

@@ -15,10 +15,11 @@ from ..config import RunConfig
 from ..data import TokenLoader, load_tokenizer
 from ..data.chat import ChatLoader, prepare_chat
 from ..distributed import in_turns, init_distributed, on_main, resolve_strategy, together
-from ..errors import CheckpointError, OutputError
+from ..errors import CheckpointError, ConfigError, OutputError
 from ..interop.upcycle import initialise_from
 from ..parallel import wrap_model
 from ..runtime import keep_freed_memory, precision_note, prepare_data, resolve_dtype
+from ..util import memory_limit_bytes
 from .resume import resume_run
 from .stages import check_stage
 from .state import SET_ON_SETUP, FlopsMemo, TrainState, note, rank_seed, warn
@@ -89,6 +90,30 @@ def check_run_folder(run_dir: Path, config: RunConfig, resume: bool) -> list[str
     return []
 
 
+FP32_BYTES, TOKEN_ID_BYTES = 4, 8
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    """What one process can hold on `device`: the GPU's memory, or the machine's (its cgroup's) for
+    the CPU; None where it cannot be read."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return memory_limit_bytes() if device.type == "cpu" else None
+
+
+def check_micro_batch_fits(config: RunConfig, device: torch.device) -> None:
+    """Refuse a micro-batch whose token ids and embeddings alone (a strict lower bound of its
+    memory) exceed the device's: `--batch-size 1e11` built window ids for minutes, then failed."""
+    batch, seq_len, width = config.train.batch_size, config.model.sequence_len, config.model.n_embd
+    least = batch * ((seq_len + 1) * TOKEN_ID_BYTES + seq_len * width * FP32_BYTES)
+    limit = device_memory_bytes(device)
+    if limit is not None and least > limit:
+        raise ConfigError(f"train.batch_size={batch:,}: one micro-batch's token ids and embeddings alone take "
+                          f"{least / 2 ** 30:,.1f} GiB, more than the {limit / 2 ** 30:,.1f} GiB this {device.type} "
+                          f"has; lower the batch size (grad_accum or batch_tokens make a larger batch from "
+                          f"micro-batches)")
+
+
 def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress: bool = True,
           init_from: str | Path | None = None) -> TrainState:
     """Build tokenizer, data, model, objective and optimizers; nothing is written until all succeed.
@@ -112,6 +137,7 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
         tokenizer = tokenizer.with_chat_tokens()  # already there on resume: the same tokenizer back
     config.model.vocab_size, config.model.bos_id = tokenizer.vocab_size, tokenizer.bos_id
     together(config.model.__post_init__)
+    together(check_micro_batch_fits, config, device)
     torch.manual_seed(config.train.seed)
     if sft:
         # rendered in memory on every rank (nothing cached to disk), the same rows everywhere
