@@ -860,6 +860,27 @@ def test_native_int8_kernel_equals_the_dequantised_product(rows, out, width, pac
     torch.testing.assert_close(wanting.grad.double(), expected_grad, rtol=1e-5, atol=1e-6 * out)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["widened", "packed"])
+def test_a_non_finite_activation_gives_non_finite_outputs_from_the_int8_kernel(packed):
+    """A row holding NaN or inf gives NaN or inf in every output, as the dequantised product does (the
+    VNNI path split NaN into finite digits: the trainer's and the server's non-finite checks saw
+    nothing); the other rows are untouched."""
+    from latentloop.inference import native, quant
+
+    if native.native_status(quant.KERNEL) != "native":
+        pytest.skip(f"no native int8 kernel here: {native.native_status(quant.KERNEL)}")
+    if packed and not quant.packs_weights():
+        pytest.skip("the int8 kernel here does not read a packed weight (no AVX-512 VNNI)")
+    torch.manual_seed(0)
+    q, scale = quant.quantize_rows(torch.randn(40, 70))
+    x = torch.randn(4, 70)
+    x[0, 33], x[1, 69], x[2, 0] = float("nan"), float("inf"), -float("inf")  # the last in a partial vector
+    out = quant.int8_product(x, q, scale, quant.pack_weight(q) if packed else None)
+    assert not out[:3].isfinite().any()
+    reference = x[3:].double() @ (q.double() * scale.double()[:, None]).T
+    torch.testing.assert_close(out[3:].double(), reference, rtol=1e-5, atol=1e-5 * float(reference.abs().max()))
+
+
 def test_native_kernels_can_be_turned_off_and_a_failed_build_falls_back(monkeypatch, tmp_path):
     """LATENTLOOP_NATIVE=0, or a compiler that fails: the statuses say why in one line and int8
     layers compute the same products through torch, for a decode's rows and a prefill's."""

@@ -29,6 +29,7 @@
  * the C function an ahead-of-time compiled decode step (aot.py) calls for `latentloop::int8_linear`
  * in place of a reduction inductor writes itself.
  */
+#include <math.h> /* NAN */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -108,10 +109,16 @@ static inline __mmask16 live16(int64_t left) {
  * each digit row's sum into `sums`; returns the row's scale s. */
 static float split_row(const float *x, int64_t K, int64_t padded, int8_t *digits, int32_t *sums) {
     __m512 top = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16)
-        top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_maskz_loadu_ps(live16(K - k), x + k)));
+    __mmask16 nonfinite = 0; /* max_ps drops a NaN operand: x - x is NaN exactly where x is NaN or inf */
+    for (int64_t k = 0; k < K; k += 16) {
+        __m512 v = _mm512_maskz_loadu_ps(live16(K - k), x + k);
+        top = _mm512_max_ps(top, _mm512_abs_ps(v));
+        nonfinite |= _mm512_cmp_ps_mask(_mm512_sub_ps(v, v), _mm512_setzero_ps(), _CMP_UNORD_Q);
+    }
     float largest = _mm512_reduce_max_ps(top);
-    float s = largest > 0.0f ? largest / DIGIT_MAX : 1.0f;
+    /* a row holding NaN or inf: its scale NaN makes each of its outputs NaN, as the float product's
+     * non-finite sums would be, where digits of NaN would have been finite numbers */
+    float s = nonfinite ? NAN : largest > 0.0f ? largest / DIGIT_MAX : 1.0f;
     const __m512 inverse = _mm512_set1_ps(1.0f / s), base = _mm512_set1_ps(DIGIT_BASE);
     const __m512 hi = _mm512_set1_ps(DIGIT_MAX), lo = _mm512_set1_ps(-DIGIT_MAX);
     __m512 total[DIGITS]; /* digits are integers below 2^7: float sums exact below 2^17 elements */
