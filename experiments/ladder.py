@@ -39,8 +39,9 @@ Records (`records/<run>.json`) hold the plan entry, the git commit and the files
 the requested and the resolved config (model, train, data), every scored point (step, tokens,
 training FLOPs, epochs of the training split, BPB per scoring) and the seconds spent. The default
 folder, experiments/ladder-runs/, is in the repository: its records, `failed.json` and probe are
-committed as the ladder goes, so a fresh checkout resumes where the last one stopped (only the trunk
-states under `work/` are local and ignored; a run in progress when a machine goes restarts).
+committed as the ladder goes, so a fresh checkout resumes where the last one stopped (the trunk
+states under `work/` and the probe, this machine's timings, are local and ignored: a run in progress
+when a machine goes restarts; `--no-probe` resumes without probing again).
 """
 
 from __future__ import annotations
@@ -986,7 +987,7 @@ def epochs_note(runs: list[RunPlan], spec: LadderSpec) -> list[str]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("experiments/ladder-runs"),
-                   help="records, failures and the probe (kept in git), trunk states (work/, ignored)")
+                   help="records and failures (kept in git), trunk states (work/) and the probe (ignored)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cpu: the CPU ladder; cuda: 10M-125M sized to fit --budget-s on an H200")
     p.add_argument("--train-device", default=None,
