@@ -32,8 +32,9 @@ hold NaN or inf are refused on load whatever the checksums say.
 A checkpoint is written into `.tmp-step_N/`, every file and the folder fsynced, and renamed into
 place, so an interrupted save never leaves a half-written checkpoint. Re-saving a step first renames
 the old folder to `.old-step_N/`, deleted only once the new one is in place; `recover_checkpoints`
-puts such a copy back after a crash. Rotation (only the last `keep_last` are kept) renames a folder
-to `.del-step_N/` before deleting it, so a half-deleted folder never looks like a checkpoint.
+puts such a copy back after a crash. Rotation (only the last `keep_last` are kept, and never the one
+just written is removed) renames a folder to `.del-step_N/` before deleting it, so a half-deleted
+folder never looks like a checkpoint.
 """
 
 from __future__ import annotations
@@ -325,7 +326,10 @@ def commit_checkpoint(run_dir: Path, step: int, keep_last: int) -> Path:
         if moved_aside:
             shutil.rmtree(aside, ignore_errors=True)
         for old in list_checkpoints(run_dir)[:-keep_last]:
-            _remove(old)
+            # the rotation goes by step, so a step saved below the run's newest (a run saved over
+            # another) sorts as the oldest: the checkpoint just written is never the one removed
+            if old != final:
+                _remove(old)
     except OSError as exc:
         raise OutputError(f"saved {final}, but cannot remove older checkpoints: {exc.strerror or exc}") from None
     return final
@@ -489,11 +493,22 @@ def load_fitting_tensors(model: torch.nn.Module, weights: dict[str, torch.Tensor
 
 
 def check_resumable(checkpoint: Path) -> None:
-    """A weights-only checkpoint (an imported model) has no optimizer state to resume."""
+    """A weights-only checkpoint (an imported model) has no optimizer state to resume. One whose
+    checksums name a trainer state that is gone is damaged, not weights-only: `verify_checkpoint`
+    says so, and a resume falls back to the checkpoint before it."""
     if (checkpoint / "model.safetensors").is_file() and not (checkpoint / TRAINER_JSON).is_file() \
-            and not (checkpoint / LEGACY_TRAINER).is_file():
+            and not (checkpoint / LEGACY_TRAINER).is_file() and not _lists_trainer(checkpoint):
         raise CheckpointError(f"cannot resume from {checkpoint}: it holds weights only (an imported model); "
                               f"start a new run from it with --init-from")
+
+
+def _lists_trainer(checkpoint: Path) -> bool:
+    """Whether the checkpoint's checksums.json names a trainer state (an unreadable one: no)."""
+    manifest = checkpoint / CHECKSUMS
+    try:
+        return manifest.is_file() and bool({TRAINER_JSON, LEGACY_TRAINER} & set(_recorded_checksums(manifest)))
+    except CheckpointError:
+        return False
 
 
 def _read_legacy_trainer(checkpoint: Path) -> dict[str, Any]:

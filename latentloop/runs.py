@@ -132,12 +132,16 @@ def load_run(path: str | Path, device: str | torch.device = "cpu",
 def save_run(model: nn.Module, tokenizer, run_dir: str | Path, config: RunConfig | None = None) -> Path:
     """A run folder that `load_run` (and so `generate`, `eval`, `serve`) reads, from a model as it
     is, e.g. freshly initialised for tests and load tests: config, tokenizer and one checkpoint at
-    step 0. It holds no optimizer or loader state, so training cannot resume from it."""
+    step 0. It holds no optimizer or loader state, so training cannot resume from it. A folder that
+    already holds a run is refused (`OutputError`): writing into it would replace its config and
+    leave its checkpoints beside a step 0 they would outrank."""
     run_dir = Path(run_dir)
     config = config or RunConfig(model=model.config)
     if config.model.vocab_size != tokenizer.vocab_size or config.model.bos_id != tokenizer.bos_id:
         raise ConfigError(f"the model's vocab_size/bos_id ({config.model.vocab_size}/{config.model.bos_id}) do not "
                           f"match the tokenizer's ({tokenizer.vocab_size}/{tokenizer.bos_id})")
+    if (run_dir / "config.json").exists() or (run_dir / "checkpoints").exists():
+        raise OutputError(f"{run_dir} holds a run already: save into a new folder")
     run_dir.mkdir(parents=True, exist_ok=True)
     config.save_json(run_dir / "config.json")
     tokenizer.save(run_dir)

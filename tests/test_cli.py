@@ -25,8 +25,21 @@ def test_train_eval_generate(tiny_run, tiny_corpus, capsys):
 
 def test_resume_extends_a_run(tiny_run_copy, capsys):
     run = tiny_run_copy("gpt")
+    capsys.readouterr()  # what building the shared run printed, when this test is the first to ask for it
     assert main(["train", "--out", str(run), "--resume", "--steps", "6", "--no-progress", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["step"] == 6
+
+
+def test_resuming_a_finished_run_says_so_and_its_json_is_strict(tiny_run_copy, capsys):
+    """It printed `"train_loss": NaN` (not JSON) and "trained ... for N steps" for a run that trained nothing."""
+    run = tiny_run_copy("gpt")
+    capsys.readouterr()
+    step = json.loads((sorted((run / "checkpoints").iterdir())[-1] / "state.json").read_text())["step"]
+    assert main(["train", "--out", str(run), "--resume", "--steps", str(step), "--no-progress", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out, parse_constant=lambda name: pytest.fail(f"{name} in the JSON"))
+    assert summary["nothing_to_train"] and summary["step"] == step
+    assert main(["train", "--out", str(run), "--resume", "--steps", str(step), "--no-progress"]) == 0
+    assert f"already at step {step} of {step}: nothing to train" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv, words", [

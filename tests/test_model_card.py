@@ -50,3 +50,21 @@ def test_export_writes_a_model_card_of_the_run(arch, tiny_run, tmp_path, capsys)
     assert ("transformers>=5" in card) == remote
     hf_config = json.loads((out / "config.json").read_text())
     assert (hf_config.get("transformers_version") == "5.0.0") == remote
+
+
+def test_the_card_skips_damaged_metrics_rows(tiny_run_copy, tmp_path, capsys):
+    """A row whose step is not an int (null: TypeError comparing it with the checkpoint's step;
+    missing: KeyError naming it) or that is not UTF-8 (read with replacement characters and kept)
+    is a damaged row: left out of the card, as the resume leaves it out of the log."""
+    run = tiny_run_copy("gpt")
+    step = json.loads((sorted((run / "checkpoints").iterdir())[-1] / "state.json").read_text())["step"]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    final = [row for row in rows if "val_loss" in row][-1]
+    with open(run / "metrics.jsonl", "ab") as f:
+        f.write(b'{"step": null, "val_loss": 71.5}\n{"loss": 81.5}\n{"step": "2", "loss": 81.5}\n')
+        f.write(b'{"step": %d, "val_loss": 91.5, "note": "\xed\xa0\x80"}\n' % step)
+    capsys.readouterr()
+    assert main(["export", str(run), "--out", str(tmp_path / "hf")]) == 0, capsys.readouterr().err
+    card = (tmp_path / "hf" / "README.md").read_text()
+    assert f"validation loss at step {final['step']}: {final['val_loss']:.4g}" in card
+    assert not any(number in card for number in ("71.5", "81.5", "91.5"))

@@ -24,6 +24,7 @@ from latentloop.errors import CheckpointError, ConfigError, DataError, NonFinite
 from latentloop.optim import build_optimizers
 from latentloop.train import FiniteGuard, fit, setup
 from latentloop.train import start as train_module  # where setup reads the data
+from latentloop.train.resume import save
 
 
 def _config(corpus, steps=3, **train):
@@ -297,9 +298,13 @@ def test_a_kill_while_re_saving_a_step_loses_nothing(corpus, tmp_path, monkeypat
             raise SystemExit("SIGKILL")  # not an OSError: no cleanup runs, as with a real kill
         real_replace(src, dst)
 
+    resumed = setup(_config(corpus, 3), run, resume=True, progress=False)
     monkeypatch.setattr(os, "replace", killed_before_the_new_copy_is_in_place)
-    with pytest.raises(SystemExit):  # resuming a finished run re-saves its last step
-        fit(setup(_config(corpus, 3), run, resume=True, progress=False), progress=False)
+    try:
+        with pytest.raises(SystemExit):  # a save at the step it resumed from re-saves that step
+            save(resumed)
+    finally:
+        resumed.lock.release()
     monkeypatch.setattr(os, "replace", real_replace)
     folder = run / "checkpoints"
     assert sorted(p.name for p in folder.iterdir()) == [".old-step_00000003", ".tmp-step_00000003"]

@@ -56,8 +56,8 @@ def test_resume_is_bit_identical(corpus, tmp_path, optimizer, dtype):
 def test_a_resume_with_changed_optimizer_settings_trains_with_them(corpus, tmp_path, capsys, optimizer):
     """The saved optimizer states keep their moments, but the settings (base lr, weight decay, betas)
     are the resumed run's: the checkpoint's came back with its state and the run trained on at its old
-    lr while logging the new one. The run's config.json from then on holds them (a later plain
-    --resume keeps them), and the change is said."""
+    lr while logging the new one. The change is said; the run's config.json holds them from the next
+    checkpoint on (`test_changed_settings_reach_config_json_with_the_first_checkpoint_made_under_them`)."""
     fit(setup(_config(corpus, steps=3, optimizer=optimizer), tmp_path / "run", progress=False), progress=False)
     changed = _config(corpus, steps=6, optimizer=optimizer, lr=0.05, muon_lr=0.07, weight_decay=0.3)
     capsys.readouterr()
@@ -73,7 +73,7 @@ def test_a_resume_with_changed_optimizer_settings_trains_with_them(corpus, tmp_p
     said = captured.out + captured.err
     assert "resuming with changed train settings" in said and "lr: 0.003 -> 0.05" in said
     assert "the lr schedule" in said  # steps changed
-    assert json.loads((tmp_path / "run" / "config.json").read_text())["train"]["lr"] == 0.05
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["train"]["lr"] == 0.003  # until a save
     for opened in (resumed, fresh):
         opened.lock.release()
 
@@ -198,6 +198,99 @@ def test_ctrl_c_stops_after_its_step_saves_and_the_resumed_run_equals_a_straight
     with pytest.raises(KeyboardInterrupt):
         fit(twice, progress=False)
     assert not (tmp_path / "twice" / "checkpoints").exists() or not any((tmp_path / "twice" / "checkpoints").iterdir())
+
+
+def _pressing_ctrl_c(function):
+    """`function(state)` after this process gets SIGINT (a user's Ctrl+C as it starts)."""
+    import os
+    import signal
+
+    def pressed(state):
+        os.kill(os.getpid(), signal.SIGINT)
+        return function(state)
+    return pressed
+
+
+def test_ctrl_c_in_the_final_validation_or_save_still_saves_and_one_in_the_last_step_is_no_interruption(
+        corpus, tmp_path, monkeypatch):
+    """The handler stays until the final checkpoint is written: a Ctrl+C in the final validation
+    drops the validation and saves (the handler was restored before it, and with save_every 0 the
+    whole run was lost); one in the save is waited out. One during the last step, honoured after
+    it, leaves a finished run, not an interrupted one."""
+    import signal
+
+    from latentloop.train import loop
+
+    validate_, save_ = loop.validate, loop.save
+    monkeypatch.setattr(loop, "validate", _pressing_ctrl_c(validate_))
+    summary = fit(setup(_config(corpus, steps=3, save_every=0), tmp_path / "in-val", progress=False), progress=False)
+    assert summary["validation_skipped"] and not summary["interrupted"] and "val_loss" not in summary
+    assert (tmp_path / "in-val" / "checkpoints" / "step_00000003" / "model.safetensors").is_file()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    monkeypatch.setattr(loop, "validate", validate_)
+    monkeypatch.setattr(loop, "save", _pressing_ctrl_c(save_))
+    summary = fit(setup(_config(corpus, steps=3, save_every=0), tmp_path / "in-save", progress=False), progress=False)
+    assert not summary["validation_skipped"] and summary["val_loss"] > 0
+    assert (tmp_path / "in-save" / "checkpoints" / "step_00000003" / "model.safetensors").is_file()
+    monkeypatch.setattr(loop, "save", save_)
+    state = setup(_config(corpus, steps=3, save_every=0), tmp_path / "last", progress=False)
+    _ctrl_c_at_batch(state, 3)
+    summary = fit(state, progress=False)
+    assert summary["step"] == 3 and not summary["interrupted"] and summary["val_loss"] > 0
+
+
+def test_a_finished_run_resumed_trains_logs_and_saves_nothing_and_fewer_steps_are_refused(corpus, tmp_path):
+    """Resuming a finished run appended a second final validation row and saved again; `--steps`
+    below the saved step said "trained for 6 steps" and saved the checkpoint with the lower count."""
+    fit(setup(_config(corpus, steps=4), tmp_path / "run", progress=False), progress=False)
+    log = (tmp_path / "run" / "metrics.jsonl").read_text()
+    saved = (tmp_path / "run" / "checkpoints" / "step_00000004" / "config.json").read_text()
+    summary = fit(setup(_config(corpus, steps=4), tmp_path / "run", resume=True, progress=False), progress=False)
+    assert summary["nothing_to_train"] and summary["step"] == 4 and summary["checkpoint"].endswith("step_00000004")
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == log
+    assert (tmp_path / "run" / "checkpoints" / "step_00000004" / "config.json").read_text() == saved
+    with pytest.raises(ll.ConfigError, match="train.steps=3 is below the step 4 this run resumes at"):
+        setup(_config(corpus, steps=3), tmp_path / "run", resume=True, progress=False)
+    assert (tmp_path / "run" / "checkpoints" / "step_00000004" / "config.json").read_text() == saved
+
+
+def test_changed_settings_reach_config_json_with_the_first_checkpoint_made_under_them(corpus, tmp_path):
+    """A resume with a new lr that dies before its first checkpoint leaves config.json as it was (it
+    was written at once, and a later plain --resume trained at the new lr without saying so)."""
+    fit(setup(_config(corpus, steps=2), tmp_path / "run", progress=False), progress=False)
+    before = json.loads((tmp_path / "run" / "config.json").read_text())
+    died = setup(_config(corpus, steps=4, lr=0.5), tmp_path / "run", resume=True, progress=False)
+    died.lock.release()  # the process is gone: nothing trained, nothing saved
+    assert json.loads((tmp_path / "run" / "config.json").read_text()) == before
+    fit(setup(_config(corpus, steps=4, lr=0.5), tmp_path / "run", resume=True, progress=False), progress=False)
+    run = tmp_path / "run"
+    for config in (run / "config.json", run / "checkpoints" / "step_00000004" / "config.json"):
+        assert json.loads(config.read_text())["train"]["lr"] == 0.5
+
+
+def test_a_resume_finds_its_data_tokenizer_and_trainer_state_as_well_as_they_can_be_found(corpus, tmp_path,
+                                                                                       monkeypatch, capsys):
+    """From another folder with a relative data path (the path was recorded as typed); with the run
+    folder's tokenizer.json gone (the checkpoints hold checked copies); past a newest checkpoint whose
+    trainer.json is gone (its checksums name it: damaged, set aside, not "weights only")."""
+    monkeypatch.chdir(corpus.parent)
+    fit(setup(_config(corpus.name, steps=4, save_every=2), tmp_path / "run", progress=False), progress=False)
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["data"]["source"] == f"text:{corpus}"
+    (tmp_path / "run" / "tokenizer.json").unlink()
+    (tmp_path / "run" / "checkpoints" / "step_00000004" / "trainer.json").unlink()
+    monkeypatch.chdir(tmp_path)
+    state = setup(_config(str(corpus), steps=6), tmp_path / "run", resume=True, progress=False)
+    assert state.step == 2 and "trainer.json" in capsys.readouterr().err
+    assert fit(state, progress=False)["step"] == 6
+
+
+def test_a_checkpoint_folder_given_as_the_run_is_refused_and_left_untouched(corpus, tmp_path):
+    fit(setup(_config(corpus, steps=2), tmp_path / "run", progress=False), progress=False)
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_00000002"
+    files = sorted(p.name for p in checkpoint.iterdir())
+    with pytest.raises(ll.CheckpointError, match="is a checkpoint folder; give its run folder"):
+        setup(_config(corpus, steps=4), checkpoint, resume=True, progress=False)
+    assert sorted(p.name for p in checkpoint.iterdir()) == files
 
 
 def test_a_resume_keeps_the_good_metrics_rows_of_a_damaged_log(corpus, tmp_path):

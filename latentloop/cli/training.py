@@ -74,6 +74,7 @@ def first_batches(count: int) -> str:
 def cmd_train(args) -> int:
     import os
 
+    from ..checkpoint import json_safe
     from ..train import fit, setup
 
     config = _run_config_from_args(args)
@@ -95,16 +96,25 @@ def cmd_train(args) -> int:
     summary = fit(state, progress=not args.no_progress)
     if not state.dist.is_main:  # rank 0 reports for the job
         return 0
-    if args.json:
-        print(json.dumps(summary, indent=2))
+    if args.json:  # strict JSON: a loss that is not a number (no step ran) is null, never NaN
+        print(json.dumps(json_safe(summary), indent=2, allow_nan=False))
+    elif summary.get("nothing_to_train"):
+        print(f"{args.out} is already at step {summary['step']:,} of {config.train.steps:,}: nothing to train "
+              f"(--steps N continues it to step N); checkpoint {summary['checkpoint']}")
     else:
+        scored = ("val: skipped (Ctrl+C)" if summary.get("validation_skipped") else
+                  f"val loss {summary['val_loss']:.4f}, bpb {summary['val_bpb']:.4f} (on "
+                  f"{summary.get('val_tokens', 0):,} tokens: {first_batches(config.train.eval_batches)} of the val "
+                  f"split; `latentloop eval` scores all of it)")
         print(f"trained {config.model.arch} ({summary['params']:,} params) for {summary['step']} steps, "
-              f"{summary['tokens']:,} tokens: val loss {summary['val_loss']:.4f}, bpb {summary['val_bpb']:.4f} "
-              f"(on {summary.get('val_tokens', 0):,} tokens: {first_batches(config.train.eval_batches)} of the val "
-              f"split; `latentloop eval` scores all of it); checkpoint {summary['checkpoint']}")
+              f"{summary['tokens']:,} tokens: {scored}; checkpoint {summary['checkpoint']}")
     if summary.get("interrupted"):  # stopped by Ctrl+C after a whole step, saved: said, and not a success
         print(f"latentloop: interrupted at step {summary['step']} of {config.train.steps}, saved; "
               f"`latentloop train --out {args.out} --resume` continues", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    if summary.get("validation_skipped"):  # every step trained and saved; only the score is missing
+        print(f"latentloop: interrupted in the final validation; every step is trained and saved: "
+              f"`latentloop eval {args.out}` scores it", file=sys.stderr)
         return EXIT_INTERRUPTED
     return 0
 

@@ -48,7 +48,7 @@ from ..checkpoint import find_tokenizer_file, load_weights, read_run_config, res
 from ..config import ModelConfig
 from ..data.tokenizers import load_tokenizer, write_hf_tokenizer
 from ..errors import InteropError, OutputError
-from ..util import first_line, staged_folder
+from ..util import first_line, is_int, staged_folder
 from .hf_import import check_out_folder, hf_to_latentloop_names, rope_half_flip
 
 REMOTE_DIR = Path(__file__).resolve().parent / "hf_remote"
@@ -307,15 +307,20 @@ def _run_facts(checkpoint: Path) -> tuple[dict, list[dict]]:
         state = json.loads((checkpoint / "state.json").read_text())
     except (OSError, ValueError):
         state = {}
+    state = state if isinstance(state, dict) else {}
+    last = state.get("step")
     log = checkpoint.parent.parent / "metrics.jsonl"
     rows = []
     if log.is_file():
-        for line in log.read_text(errors="replace").splitlines():
+        for line in log.read_bytes().splitlines():
             try:
-                row = json.loads(line)
-            except ValueError:
-                continue  # a line cut short by a crash: the card reports the rows that are whole
-            if isinstance(row, dict) and row.get("step", 0) <= state.get("step", float("inf")):
+                # decoded strictly first: json.loads of bytes lets encoded surrogates through
+                row = json.loads(line.decode("utf-8"))
+            except ValueError:  # cut short by a crash, not JSON, or not UTF-8: the card reports the whole rows
+                continue
+            step = row.get("step") if isinstance(row, dict) else None
+            # a step that is not an int (missing, null, text) is a damaged row: the card names each row's step
+            if is_int(step) and (not is_int(last) or step <= last):
                 rows.append(row)
     return state, rows
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..checkpoint import RunLock, json_safe
+from ..checkpoint import RunLock, json_safe, list_checkpoints
 from ..config import TrainConfig
 from ..data.chat import ChatData, masked_batches
 from ..errors import NonFiniteError, OutputError
@@ -200,19 +200,35 @@ def fit(state: TrainState, progress: bool = True, max_seconds: float | None = No
             state.lock.release()
 
 
+class _ValidationSkipped(Exception):
+    """Ctrl+C during the run's final validation: the validation is dropped, the save still runs."""
+
+
 class _GracefulInterrupt:
     """Ctrl+C while training (one process, the main thread): the first asks the loop to stop after the
     step it is in, then validate and save as a run does at its end (`--resume` continues); a second
     stops at once, without saving. A stop in the middle of a step could leave some weights updated
     and others not, so the first one never interrupts a step. Without it, a run with `save_every` 0
-    lost everything, and its folder could be neither resumed nor reused."""
+    lost everything, and its folder could be neither resumed nor reused.
+
+    The handler stays installed to the end of the final save (`phase`): a Ctrl+C during the final
+    validation drops the validation and saves; during the save it is said and waited out. Restored
+    before that save, one Ctrl+C in the final validation lost a whole run with `save_every` 0."""
 
     def __init__(self, enabled: bool):
         self.enabled = enabled and threading.current_thread() is threading.main_thread()
         self.asked = False
+        self.phase = "training"  # then "validating", then "saving"
         self._previous = None
 
     def _ask(self, signum, frame) -> None:
+        if self.phase == "saving":
+            print("\nlatentloop: saving the checkpoint; it stops once it is written", file=sys.stderr)
+            self.asked = True
+            return
+        if self.phase == "validating":
+            self.asked = True
+            raise _ValidationSkipped
         if self.asked:
             raise KeyboardInterrupt
         self.asked = True
@@ -230,6 +246,10 @@ class _GracefulInterrupt:
 
 def _fit(state: TrainState, progress: bool, max_seconds: float | None) -> dict[str, Any]:
     cfg, model = state.config.train, state.model
+    if state.step >= cfg.steps:  # a finished run resumed: validating and saving again logged a second final row
+        return {"step": state.step, "nothing_to_train": True, "tokens": state.tokens_seen, "flops": state.flops_seen,
+                "elapsed": state.elapsed, "params": model.num_params(), "world_size": state.dist.world_size,
+                "checkpoint": str(list_checkpoints(state.run_dir)[-1]) if list_checkpoints(state.run_dir) else None}
     guard = state.guard = FiniteGuard(state.device)
     forward_model = state.forward_model if state.forward_model is not None else model
     flops_model = state.flops if state.flops is not None else FlopsMemo(model)
@@ -284,16 +304,32 @@ def _fit(state: TrainState, progress: bool, max_seconds: float | None) -> dict[s
                 save(state)
             if stopping:
                 break
-    finally:  # also when the run stops (diverged, interrupted): the error starts a line of its own
+    except BaseException:  # diverged, or stopped at once: the handler goes with the run
         interrupt.restore()
+        raise
+    finally:  # also when the run stops (diverged, interrupted): the error starts a line of its own
         bar.close()
         if profiler is not None:
             profiler.close()
-    final = validate(state)
-    _log(state, {"step": state.step, **{f"val_{k}": v for k, v in final.items()}})
-    checkpoint = save(state)
+    try:  # the handler stays until the checkpoint is written: a Ctrl+C here must not lose the run
+        final: dict[str, float] = {}
+        skipped = False
+        interrupt.phase = "validating"
+        try:
+            final = validate(state)
+        except _ValidationSkipped:
+            skipped = True
+            print("latentloop: final validation skipped (Ctrl+C); saving", file=sys.stderr)
+        if final:
+            _log(state, {"step": state.step, **{f"val_{k}": v for k, v in final.items()}})
+        interrupt.phase = "saving"
+        checkpoint = save(state)
+    finally:
+        interrupt.restore()
     return {"step": state.step, "train_loss": train_loss, "tokens": state.tokens_seen, "flops": state.flops_seen,
             "elapsed": state.elapsed, "params": state.model.num_params(), "checkpoint": str(checkpoint),
             "world_size": state.dist.world_size, "strategy": cfg.strategy, "global_batch": state.global_batch,
-            "precision": resolve_dtype(state.device, cfg.dtype), "interrupted": interrupt.asked,
-            **{f"val_{k}": v for k, v in final.items()}}
+            "precision": resolve_dtype(state.device, cfg.dtype),
+            # stopped short of train.steps (a Ctrl+C during the last step, honoured after it, is not)
+            "interrupted": interrupt.asked and state.step < cfg.steps,
+            "validation_skipped": skipped, **{f"val_{k}": v for k, v in final.items()}}

@@ -207,12 +207,15 @@ def _trim_metrics(state: TrainState) -> None:
     kept = []
     for line in (log.read_bytes().splitlines() if log.exists() else []):
         try:
-            row = json.loads(line)
-        except ValueError:  # cut short, not JSON, or not UTF-8: dropped, as a damaged row
+            # decoded strictly first: json.loads of bytes lets encoded surrogates through, which a
+            # strict decode of the row to keep it would then fail on
+            text = line.decode("utf-8")
+            row = json.loads(text)
+        except ValueError:  # cut short, not JSON, or not UTF-8 (UnicodeDecodeError): dropped, as a damaged row
             continue
         step = row.get("step", 0) if isinstance(row, dict) else None
         if is_int(step) and step <= state.step:
-            kept.append(line.decode("utf-8"))
+            kept.append(text)
     tmp = log.with_name(".metrics.jsonl.tmp")
     try:
         with open(tmp, "w") as f:
@@ -226,7 +229,14 @@ def _trim_metrics(state: TrainState) -> None:
 
 
 def _sync_metrics(state: TrainState) -> None:
-    """The metrics up to this step reach the disk before the checkpoint after them."""
+    """The metrics up to this step reach the disk before the checkpoint after them, and so does a
+    resume's changed config (`config_unsaved`), which the checkpoint copies."""
+    if state.config_unsaved:
+        try:
+            state.config.save_json(state.run_dir / "config.json")
+        except OSError as exc:
+            raise OutputError(f"cannot write {state.run_dir / 'config.json'}: {exc.strerror or exc}") from None
+        state.config_unsaved = False
     log = state.run_dir / "metrics.jsonl"
     try:
         with open(log, "a") as f:

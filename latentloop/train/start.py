@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ..archs import build_model, build_objective, get_arch
-from ..checkpoint import LOCK_FILE, RunLock, check_resumable, list_checkpoints, resolve_checkpoint
+from ..checkpoint import LOCK_FILE, RunLock, check_resumable, find_tokenizer_file, list_checkpoints, resolve_checkpoint
 from ..config import RunConfig
 from ..data import TokenLoader, load_tokenizer
 from ..data.chat import ChatLoader, prepare_chat
@@ -18,7 +18,7 @@ from ..distributed import in_turns, init_distributed, on_main, resolve_strategy,
 from ..errors import CheckpointError, ConfigError, OutputError
 from ..interop.upcycle import initialise_from
 from ..parallel import wrap_model
-from ..runtime import keep_freed_memory, precision_note, prepare_data, resolve_dtype
+from ..runtime import absolute_source, keep_freed_memory, precision_note, prepare_data, resolve_dtype
 from ..util import memory_limit_bytes
 from .resume import resume_run
 from .stages import check_stage
@@ -57,6 +57,9 @@ def check_run_folder(run_dir: Path, config: RunConfig, resume: bool) -> list[str
     """Refuse a folder this run cannot start or resume in; resuming, the train settings that changed
     since the run's saved config (`train_changes`; a FIXED_ON_RESUME one is refused)."""
     saved = run_dir / "config.json"
+    if (run_dir / "model.safetensors").is_file() or (run_dir / "state.json").is_file():
+        raise CheckpointError(f"{run_dir} is a checkpoint folder; give its run folder ({run_dir.parent.parent}) "
+                              f"as --out, or start a new run from it with --init-from")
     if saved.is_file():
         if not resume:
             raise CheckpointError(f"{run_dir} already holds a run; pass --resume to continue it or choose another "
@@ -73,6 +76,8 @@ def check_run_folder(run_dir: Path, config: RunConfig, resume: bool) -> list[str
                 old, new = previous.get(section, {}).get(key), current[section].get(key)
                 if key in SET_ON_SETUP:  # resuming reloads the run's own tokenizer, which decides these
                     continue
+                if (section, key) == ("data", "source") and isinstance(old, str) and isinstance(new, str):
+                    old, new = absolute_source(old), absolute_source(new)  # one file, however its path is typed
                 if json.loads(json.dumps(old)) != json.loads(json.dumps(new)):
                     raise CheckpointError(f"{run_dir} holds a different run: {section}.{key} is {old!r} there, "
                                           f"{new!r} here")
@@ -120,6 +125,8 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
     Under torchrun (train.strategy ddp or fsdp2) this process first joins the job's process group."""
     run_dir = Path(run_dir)
     config.train.strategy = resolve_strategy(config.train.strategy)  # auto -> what runs, and what the run records
+    # a text file's path as an absolute one: the run records it so, and resumes from any folder
+    config.data.source = absolute_source(config.data.source)
     env, device = init_distributed(config.train.strategy, config.train.device)
     if device.type == "cpu" and config.train.keep_freed_memory:
         keep_freed_memory()
@@ -131,7 +138,7 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
     together(check_run_folder, run_dir, config, resume)
     if resume and list_checkpoints(run_dir):
         together(lambda: check_resumable(resolve_checkpoint(run_dir)))  # before any data is prepared
-    tokenizer = together(load_tokenizer, str(run_dir / "tokenizer.json") if resume else config.data.tokenizer)
+    tokenizer = together(load_tokenizer, _run_tokenizer(run_dir) if resume else config.data.tokenizer)
     sft = config.train.stage == "sft"
     if sft:
         tokenizer = tokenizer.with_chat_tokens()  # already there on resume: the same tokenizer back
@@ -179,6 +186,9 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
     try:
         if resume:
             resume_run(state)
+            if state.step > config.train.steps:  # it "trained" nothing and saved the checkpoint with the lower count
+                raise ConfigError(f"train.steps={config.train.steps:,} is below the step {state.step:,} this run "
+                                  f"resumes at: give --steps {state.step:,} or more")
             # said and kept only once the run resumed: a resume that fails changes nothing in the folder
             on_main(_keep_train_changes, state, changes or [])
     except BaseException:
@@ -195,9 +205,19 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
     return state
 
 
+def _run_tokenizer(run_dir: Path) -> str:
+    """A resumed run's tokenizer.json: the run folder's, else the newest checkpoint's checked copy
+    (a missing run-folder copy was reported as an unknown tokenizer name)."""
+    own = run_dir / "tokenizer.json"
+    if own.is_file() or not list_checkpoints(run_dir):
+        return str(own)
+    return str(find_tokenizer_file(list_checkpoints(run_dir)[-1]))
+
+
 def _keep_train_changes(state: TrainState, changes: list[str]) -> None:
     """Rank 0, after a resume: the train settings that changed are said, and the run's config.json
-    holds them from now on (each checkpoint copies it: a later plain --resume keeps them)."""
+    holds them from the next checkpoint on (each checkpoint copies it: a later plain --resume keeps
+    them; until then a resume without them runs as before, and one with them says them again)."""
     if not changes:
         return
     note(f"resuming with changed train settings ({'; '.join(changes)}): they apply from the resumed step on "
@@ -205,10 +225,7 @@ def _keep_train_changes(state: TrainState, changes: list[str]) -> None:
     if any(change.split(":")[0] in SCHEDULE_FIELDS for change in changes):
         note("the lr schedule (and any recipe that follows the run's length) is computed for the new settings "
              "from the resumed step on: past the warmup the run does not follow a straight run's lr")
-    try:
-        state.config.save_json(state.run_dir / "config.json")
-    except OSError as exc:
-        raise OutputError(f"cannot write {state.run_dir / 'config.json'}: {exc.strerror or exc}") from None
+    state.config_unsaved = True
 
 
 def _claim_run_folder(state: TrainState, resume: bool) -> list[str]:

@@ -51,6 +51,9 @@ class TrainState:
     dist: DistEnv = field(default_factory=DistEnv)  # this process's rank in the job (a single process by default)
     flops: FlopsMemo | None = None  # the objective's FLOPs per token, counted once per kind of forward
     trackers: list = field(default_factory=list)  # rank 0, while fit runs: TensorBoard / W&B (train.trackers)
+    # a resume's changed train settings, written into the run's config.json by the next save (written at
+    # once, a resume that died before its first checkpoint left them for a later plain --resume, unsaid)
+    config_unsaved: bool = False
 
     @property
     def accumulation(self) -> int:

@@ -1,0 +1,29 @@
+"""Checkpoint rotation and the run's metrics log across a resume."""
+
+import latentloop as ll
+from latentloop.checkpoint import list_checkpoints, save_checkpoint
+from latentloop.cli import main
+
+
+def test_rotation_never_removes_the_checkpoint_just_written(tmp_path):
+    """The rotation keeps the `keep_last` newest steps: a step saved below them (a run saved over
+    another) was the oldest and was deleted as soon as it was written."""
+    model = ll.build("gpt", preset="test")
+    save_checkpoint(tmp_path, 6, model, trainer_state={}, state={"step": 6}, keep_last=1)
+    written = save_checkpoint(tmp_path, 0, model, trainer_state={}, state={"step": 0}, keep_last=1)
+    assert written.is_dir() and (written / "model.safetensors").is_file()
+    assert written in list_checkpoints(tmp_path)
+
+
+def test_a_resume_drops_a_metrics_row_that_is_json_but_not_utf8(tiny_run_copy, capsys):
+    """An encoded surrogate (ED A0 80) is accepted by json.loads of bytes but is not UTF-8: the
+    resume ended in UnicodeDecodeError rewriting the log; the row is dropped as a damaged one."""
+    run = tiny_run_copy("gpt")
+    log = run / "metrics.jsonl"
+    good = log.read_text().splitlines()
+    with open(log, "ab") as f:
+        f.write(b'{"step": 1, "note": "\xed\xa0\x80"}\n')
+    assert main(["train", "--out", str(run), "--resume", "--steps", "3", "--no-progress"]) == 0
+    rows = log.read_text().splitlines()
+    assert rows[:len(good)] == good and not any("note" in row for row in rows)
+    assert len(rows) > len(good)  # step 3's rows were logged after the kept ones
