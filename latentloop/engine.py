@@ -663,6 +663,9 @@ def teacher_forced_logits(model, idx: Tensor, pad_mask: Tensor | None = None, pr
     a whole text (`teacher_forced_prompt_len`: all of it, fbt soft only position 0)."""
     options = model_options(model, options)
     B, T = idx.shape
+    context = model.config.sequence_len
+    if T > context:  # found by the cache token by token, in fbt soft's decode as "65 tokens" whatever T was
+        raise PromptError(f"the text is {T} tokens, beyond the model's context of {context} tokens")
     P = model.teacher_forced_prompt_len(T, options) if prompt_len is None else prompt_len
     if not 1 <= P <= T:
         raise PromptError(f"prompt_len must be in [1, {T}], got {P}")

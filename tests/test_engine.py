@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import latentloop as ll
+from latentloop.archs import ARCHS
 from latentloop.engine import PromptError, sample_next
 
 
@@ -189,3 +190,16 @@ def test_mor_steps_past_its_recursions_are_refused_before_any_work():
     model = ll.build("mor", preset="test")
     with pytest.raises(ConfigError, match="the trained recursions"):
         ll.stream(model, [256, 5], 2, steps=model.config.recursions + 1)  # no step taken
+
+
+@pytest.mark.parametrize("arch, options", [*((name, {}) for name in ARCHS), ("fbt", {"regime": "soft"})])
+def test_a_text_past_the_context_is_refused_by_teacher_forcing_naming_its_length(arch, options):
+    """fbt's soft regime decodes token by token from position 0, and its cache said "65 tokens are
+    beyond the context of 64" (a ValueError) whatever the text's length."""
+    from latentloop.archs import build_model
+    from latentloop.config import model_config
+    from latentloop.engine import teacher_forced_logits
+
+    model = build_model(model_config(arch, "test", sequence_len=16))
+    with pytest.raises(PromptError, match="the text is 40 tokens, beyond the model's context of 16 tokens"):
+        teacher_forced_logits(model, torch.zeros(1, 40, dtype=torch.long), **options)

@@ -272,15 +272,23 @@ def test_two_new_runs_racing_for_one_empty_folder(corpus, tmp_path, monkeypatch)
     run.mkdir()
     real_prepare = train_module.prepare_data
 
+    others = []
+
     def meanwhile_another_run_starts(*args, **kwargs):  # both saw an empty folder; the other one locked first
         monkeypatch.setattr(train_module, "prepare_data", real_prepare)
-        setup(_config(corpus, steps=2), run, progress=False).lock.release()
+        others.append(setup(_config(corpus, steps=2), run, progress=False))  # and holds it, training
         return real_prepare(*args, **kwargs)
 
     monkeypatch.setattr(train_module, "prepare_data", meanwhile_another_run_starts)
-    with pytest.raises(CheckpointError, match="already holds a run"):  # the re-check made under the lock
+    try:
+        with pytest.raises(CheckpointError, match="is in use"):  # a run without a checkpoint yet, but alive
+            setup(_config(corpus, steps=3), run, progress=False)
+        assert json.loads((run / "config.json").read_text())["train"]["steps"] == 2
+        fit(others[0], progress=False)
+    finally:
+        others[0].lock.release()
+    with pytest.raises(CheckpointError, match="already holds a run"):  # it has its checkpoint now
         setup(_config(corpus, steps=3), run, progress=False)
-    assert json.loads((run / "config.json").read_text())["train"]["steps"] == 2
 
 
 # --------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 import latentloop as ll
 from latentloop import checkpoint as ckpt
 from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config
+from latentloop.errors import NonFiniteError
 from latentloop.eval import evaluate_loss
 from latentloop.optim import lr_multiplier
 from latentloop.train import fit, setup, validate
@@ -291,6 +292,36 @@ def test_a_checkpoint_folder_given_as_the_run_is_refused_and_left_untouched(corp
     with pytest.raises(ll.CheckpointError, match="is a checkpoint folder; give its run folder"):
         setup(_config(corpus, steps=4), checkpoint, resume=True, progress=False)
     assert sorted(p.name for p in checkpoint.iterdir()) == files
+
+
+def test_a_validation_split_shorter_than_a_window_is_refused_before_training(tmp_path):
+    """It was found by the run's final validation, after every step, and the run ended unsaved."""
+    text = tmp_path / "short.txt"
+    text.write_text("a few hundred bytes of text. " * 10)  # 5% of 290 tokens: 14, and a window is 33
+    with pytest.raises(ll.DataError, match="the validation split holds 1[0-9] tokens .* needs sequence_len \\+ 1 = 33"):
+        setup(_config(text), tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_that_stopped_before_its_first_checkpoint_starts_again_in_its_folder(corpus, tmp_path, monkeypatch):
+    """A run that diverged (or was killed) before saving left a folder that refused both a new run
+    ("already holds a run") and --resume ("no checkpoint"); its log is kept aside."""
+    from latentloop.train import loop
+
+    def diverge(*args, **kwargs):
+        raise NonFiniteError("training diverged at step 1")
+    monkeypatch.setattr(loop, "train_step", diverge)
+    with pytest.raises(NonFiniteError):
+        fit(setup(_config(corpus, eval_every=1), tmp_path / "run", progress=False), progress=False)
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n')  # what the stopped run logged
+    monkeypatch.undo()
+    with pytest.raises(ll.CheckpointError, match="start it again without --resume"):
+        setup(_config(corpus), tmp_path / "run", resume=True, progress=False)
+    summary = fit(setup(_config(corpus, steps=2), tmp_path / "run", progress=False), progress=False)
+    assert summary["step"] == 2
+    assert (tmp_path / "run" / "metrics-stopped.jsonl").read_text() == '{"step": 1, "loss": 9.0}\n'
+    with pytest.raises(ll.CheckpointError, match="already holds a run"):  # now it has a checkpoint
+        setup(_config(corpus, steps=2), tmp_path / "run", progress=False)
 
 
 def test_a_resume_keeps_the_good_metrics_rows_of_a_damaged_log(corpus, tmp_path):

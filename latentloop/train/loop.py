@@ -83,7 +83,7 @@ class FiniteGuard:
     @staticmethod
     def fail(step: int, what: str, value: float | str) -> NonFiniteError:
         return NonFiniteError(f"training diverged at step {step}: the {what} is {value}; stopped without saving "
-                              f"it (the last checkpoint is kept); try a lower learning rate")
+                              f"it (the checkpoints before it, if any, are kept); try a lower learning rate")
 
     def _observe(self, value: torch.Tensor | float, step: int, kind: int) -> None:
         what = "loss" if kind == LOSS else "gradient norm"

@@ -64,7 +64,7 @@ def resume_run(state: TrainState) -> None:
     candidates = checkpoint_candidates(state.run_dir)
     if not candidates:
         agree(CheckpointError(f"cannot resume: {state.run_dir} holds no checkpoint yet (a run saves one every "
-                              f"save_every steps and at the end); start it again in a new folder"))
+                              f"save_every steps and at the end); start it again without --resume"))
     failed: list[tuple[Path, CheckpointError]] = []
     for checkpoint in reversed(candidates):
         try:

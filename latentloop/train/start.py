@@ -15,7 +15,7 @@ from ..config import RunConfig
 from ..data import TokenLoader, load_tokenizer
 from ..data.chat import ChatLoader, prepare_chat
 from ..distributed import in_turns, init_distributed, on_main, resolve_strategy, together
-from ..errors import CheckpointError, ConfigError, OutputError
+from ..errors import CheckpointError, ConfigError, DataError, OutputError
 from ..interop.upcycle import initialise_from
 from ..parallel import wrap_model
 from ..runtime import absolute_source, keep_freed_memory, precision_note, prepare_data, resolve_dtype
@@ -53,6 +53,13 @@ def train_changes(previous: dict, current: dict) -> list[str]:
             if json.loads(json.dumps(old.get(key))) != json.loads(json.dumps(new.get(key)))]
 
 
+def _holds_checkpoints(run_dir: Path) -> bool:
+    """Whether anything is in the run's checkpoints/ folder (a checkpoint, or one a crash left aside
+    for `recover_checkpoints` to put back)."""
+    folder = run_dir / "checkpoints"
+    return folder.is_dir() and any(folder.iterdir())
+
+
 def check_run_folder(run_dir: Path, config: RunConfig, resume: bool) -> list[str]:
     """Refuse a folder this run cannot start or resume in; resuming, the train settings that changed
     since the run's saved config (`train_changes`; a FIXED_ON_RESUME one is refused)."""
@@ -60,6 +67,8 @@ def check_run_folder(run_dir: Path, config: RunConfig, resume: bool) -> list[str
     if (run_dir / "model.safetensors").is_file() or (run_dir / "state.json").is_file():
         raise CheckpointError(f"{run_dir} is a checkpoint folder; give its run folder ({run_dir.parent.parent}) "
                               f"as --out, or start a new run from it with --init-from")
+    if saved.is_file() and not resume and not _holds_checkpoints(run_dir):
+        return []  # a run that stopped before its first save: nothing to resume, so it starts again here
     if saved.is_file():
         if not resume:
             raise CheckpointError(f"{run_dir} already holds a run; pass --resume to continue it or choose another "
@@ -96,6 +105,7 @@ def check_run_folder(run_dir: Path, config: RunConfig, resume: bool) -> list[str
 
 
 FP32_BYTES, TOKEN_ID_BYTES = 4, 8
+STOPPED_LOG = "metrics-stopped.jsonl"  # a run started again in its folder keeps the stopped one's log here
 
 
 def device_memory_bytes(device: torch.device) -> int | None:
@@ -117,6 +127,16 @@ def check_micro_batch_fits(config: RunConfig, device: torch.device) -> None:
                           f"{least / 2 ** 30:,.1f} GiB, more than the {limit / 2 ** 30:,.1f} GiB this {device.type} "
                           f"has; lower the batch size (grad_accum or batch_tokens make a larger batch from "
                           f"micro-batches)")
+
+
+def check_validation_split(val, config: RunConfig) -> None:
+    """Every run ends with a validation: a split shorter than one window was found only then, after
+    the whole training, and the run ended without a checkpoint."""
+    window = config.model.sequence_len + 1
+    if len(val) < window:
+        raise DataError(f"the validation split holds {len(val):,} tokens ({config.data.val_fraction:g} of the data); "
+                        f"one validation window needs sequence_len + 1 = {window:,}: add data, raise "
+                        f"data.val_fraction or lower sequence_len")
 
 
 def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress: bool = True,
@@ -159,6 +179,7 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
                             world_size=env.world_size)
     else:
         data = in_turns(prepare_data, config, tokenizer, progress and env.is_main)
+        together(check_validation_split, data.val, config)
         loader = together(TokenLoader, data.train, config.train.batch_size, config.model.sequence_len,
                           seed=config.train.seed, rank=env.rank, world_size=env.world_size)
     model = build_model(config.model)  # the same init on every rank (same seed)
@@ -241,6 +262,11 @@ def _claim_run_folder(state: TrainState, resume: bool) -> list[str]:
         # again, locked: another run may have started here meanwhile
         changes = check_run_folder(run_dir, config, resume)
         if not resume:
+            log = run_dir / "metrics.jsonl"
+            if log.is_file() and log.stat().st_size:  # the rows of a run that stopped before its first save
+                log.replace(run_dir / STOPPED_LOG)
+                note(f"{run_dir} held a run that stopped before its first checkpoint: starting again (its log "
+                     f"is kept as {STOPPED_LOG})")
             config.save_json(run_dir / "config.json")
             try:
                 state.tokenizer.save(run_dir)
