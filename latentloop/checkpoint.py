@@ -58,7 +58,7 @@ from safetensors.torch import load_file, save_file
 
 from .config import RunConfig
 from .errors import CheckpointError, CheckpointUnreadable, ConfigError, LatentloopError, NonFiniteError, OutputError
-from .util import first_line, fsync_dir, fsync_file, write_json_atomic  # noqa: F401 (re-exported)
+from .util import first_line, fsync_dir, fsync_file, give_default_mode, write_json_atomic  # noqa: F401 (re-exported)
 
 CHECKPOINT_PREFIX = "step_"
 TMP_PREFIX = ".tmp-"  # a checkpoint being written
@@ -281,16 +281,21 @@ def write_checkpoint_files(tmp: Path, run_dir: Path, step: int, weights: dict[st
     (None: weights only, an imported model), state.json and copies of the run's config and
     tokenizer, into the folder `begin_checkpoint` made."""
     try:
+        # safetensors writes 0600 whatever the umask, and copy2 keeps the mode of a run's file written
+        # before config.json got the umask's: each as a plain open() would make it, for colleagues
         if weights is not None:
             save_file(weights, str(tmp / "model.safetensors"), metadata={"step": str(step)})
+            give_default_mode(tmp / "model.safetensors")
         if trainer_state is not None:
             meta, tensors = flatten_state(trainer_state)
             save_file(tensors, str(tmp / TRAINER_TENSORS))
+            give_default_mode(tmp / TRAINER_TENSORS)
             _write_json_file(tmp / TRAINER_JSON, {"format": TRAINER_FORMAT, "state": meta})
         _write_json_file(tmp / "state.json", state)
         for name in ("config.json", "tokenizer.json"):
             if (Path(run_dir) / name).exists():
                 shutil.copy2(Path(run_dir) / name, tmp / name)
+                give_default_mode(tmp / name)
         write_checksums(tmp)  # last: it covers every file above
     except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as its own error
         shutil.rmtree(tmp, ignore_errors=True)

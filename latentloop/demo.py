@@ -24,11 +24,14 @@ from .engine import generate
 from .errors import ConfigError, LatentloopError, OutputError
 
 DEMO_MARKER = "demo.json"  # a folder holding this file was written by the demo and may be replaced
-# Steps per architecture (the same for all, so every arch sees the same tokens). Sized for about
-# four minutes of training for every architecture together on a quiet 2-core CPU at the `tiny`
-# preset with DEMO_BATCH_SIZE rows of 256 tokens: the whole demo of six took 295 s there on
-# 2026-12-01 (experiments/RESULTS.md, "First hour"); a new architecture adds its own share.
+# Steps per architecture (the same for all, so every arch sees the same tokens), sized for a few
+# minutes for every architecture together on a quiet 2-core CPU at the `tiny` preset with
+# DEMO_BATCH_SIZE rows of 256 tokens; a new architecture adds its own share.
 DEMO_STEPS = 120
+# The whole demo of six at DEMO_STEPS there on 2026-12-01 (experiments/RESULTS.md, "First hour"):
+# the duration `demo --help` promises is derived from it, so the two cannot drift apart again.
+DEMO_MEASURED_S = 295
+DEMO_DURATION = f"about {round(DEMO_MEASURED_S / 60)} minutes on 2 quiet cores"
 DEMO_BATCH_SIZE = 8
 CURVE_POINTS = 24  # logged training-loss points per curve (at least 20, as the report promises)
 WARMUP_FRACTION = 0.1  # of the steps: the learning rate's warmup
@@ -140,11 +143,23 @@ def _plot(out: Path, results: list[dict[str, Any]]) -> str | None:
     return "loss.png"
 
 
-# What a run this short can and cannot show, written into every report.
-CAVEAT = ("These are a few hundred thousand tokens on models of under a million parameters: the "
-          "figures show that every architecture trains, scores and decodes through the same code, and "
+# What a run this short can and cannot show, written into every report after the size of its runs
+# (`caveat`: the tokens and parameters these runs had, not a size fixed for the default demo's).
+CAVEAT = ("the figures show that every architecture trains, scores and decodes through the same code, and "
           "how far each got in the same number of steps; they cannot rank the architectures (one seed, "
           "far from convergence) or say how they scale.")
+
+
+def _span(values: list[int]) -> str:
+    """'N' when every value is N, else 'LOW to HIGH' (thousands separated)."""
+    low, high = min(values), max(values)
+    return f"{low:,}" if low == high else f"{low:,} to {high:,}"
+
+
+def caveat(results: list[dict[str, Any]]) -> str:
+    """`CAVEAT` after the tokens each architecture trained on and the models' parameter counts."""
+    return (f"These are {_span([r['tokens'] for r in results])} training tokens per architecture on models of "
+            f"{_span([r['params'] for r in results])} parameters: {CAVEAT}")
 
 
 def _write_report(out: Path, results: list[dict[str, Any]], data: str, preset: str, steps: int,
@@ -153,7 +168,7 @@ def _write_report(out: Path, results: list[dict[str, Any]], data: str, preset: s
     plot = _plot(out, results)
     device = "cuda" if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
     parts = [f"# latentloop demo\n\npreset `{preset}`, data `{data}`, {steps} steps of {DEMO_BATCH_SIZE} rows "
-             f"per architecture, device {device}, {seconds:.0f} s in all\n", CAVEAT, "",
+             f"per architecture, device {device}, {seconds:.0f} s in all\n", caveat(results), "",
              table, "", f"_val loss and BPB: {EVAL_BATCHES} validation batches of windows spread over the whole split; "
              "in brackets, the 95% bootstrap interval of BPB over the documents they cover._", ""]
     parts += [line for note in scoring_notes(r["arch"] for r in results) for line in (f"_{note}._", "")]

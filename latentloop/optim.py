@@ -18,11 +18,14 @@ import torch
 from torch import Tensor, nn
 
 from .config import TrainConfig
+from .errors import ConfigError
 
 # Coefficients of the quintic Newton-Schulz iteration that drives singular values towards 1
 # quickly (Keller Jordan's Muon); exactness is not needed, only speed and stability in bf16.
 NEWTON_SCHULZ_COEFFS = (3.4445, -4.7750, 2.0315)
 MUON_MOMENTUM = 0.95
+# Parameter names a refused `muon_exclude` pattern shows, as examples of what it can match
+EXAMPLE_PARAMETER_NAMES = 4
 # Devices with a fused AdamW kernel: one multi-tensor update per step instead of the per-parameter
 # Python loop that torch's AdamW otherwise runs on CPU (foreach is its default on CUDA only)
 FUSED_ADAMW_DEVICES = ("cpu", "cuda")
@@ -133,6 +136,21 @@ def newton_schulz_dtype(device: torch.device, products_dtype: str) -> torch.dtyp
     return torch.bfloat16 if device.type == "cuda" or products_dtype == "bfloat16" else torch.float32
 
 
+def check_muon_exclude(model: nn.Module, patterns: Sequence[str], adamw_ids: set[int]) -> None:
+    """Every `train.muon_exclude` pattern (a part of parameter names; the default is none, so each
+    one is the user's) must match some parameter of the model: a typo would otherwise leave its
+    matrices on Muon without a word. One `ConfigError` names the patterns and a few real names,
+    the matrices a pattern could move first (not those in `adamw_ids`: AdamW's anyway)."""
+    named = list(model.named_parameters())
+    unmatched = [pattern for pattern in patterns if not any(pattern in name for name, _ in named)]
+    if unmatched:
+        named.sort(key=lambda item: item[1].dim() < 2 or id(item[1]) in adamw_ids)  # stable: model order kept
+        examples = ", ".join(name for name, _ in named[:EXAMPLE_PARAMETER_NAMES])
+        raise ConfigError(f"train.muon_exclude: {', '.join(map(repr, unmatched))} "
+                          f"{'matches' if len(unmatched) == 1 else 'match'} no parameter of this "
+                          f"{type(model).__name__} (its parameter names include {examples})")
+
+
 def build_optimizers(model: nn.Module, config: TrainConfig, products_dtype: str = "float32",
                      own_groups: Sequence[dict] = ()) -> list[torch.optim.Optimizer]:
     """One or two optimizers; each param group remembers its base lr as `initial_lr`. `products_dtype`:
@@ -144,6 +162,7 @@ def build_optimizers(model: nn.Module, config: TrainConfig, products_dtype: str 
     embed_ids = {id(p) for name, p in model.named_parameters()
                  if name.startswith(("wte", "lm_head")) or ".value_embed." in name}
     # matrices the config keeps off Muon (`muon_exclude`): AdamW, with the embeddings' group
+    check_muon_exclude(model, config.muon_exclude, embed_ids)
     embed_ids |= {id(p) for name, p in model.named_parameters() if any(part in name for part in config.muon_exclude)}
     own_ids = {id(p) for group in own_groups for p in group["params"]}
     matrices, vectors, embeddings = [], [], []

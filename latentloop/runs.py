@@ -40,6 +40,7 @@ from .checkpoint import (
 from .config import ModelConfig, RunConfig
 from .data import load_tokenizer
 from .errors import CheckpointError, ConfigError, OutputError
+from .util import give_default_mode
 
 # torch.nn.init's random initialisers: on the meta device they run as Python decompositions whose
 # first call imports torch._dynamo (1.5-3.5 s of a core before a command that loads a run can go on;
@@ -176,6 +177,7 @@ def export_full_weights(path: str | Path, force: bool = False) -> Path:
     tmp = target.with_name(f".{target.name}.tmp")
     try:
         save_file(weights, str(tmp), metadata={"step": str(step)})
+        give_default_mode(tmp)  # safetensors writes 0600, whatever the umask
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, target)

@@ -4,6 +4,8 @@
 - `first_line(exc)`: the one line a user sees of an error.
 - `is_int(value)`: an integer that is not a bool (JSON and YAML give both).
 - durable files: `fsync_file`, `fsync_dir`, `write_json_atomic` (temp file, fsync, rename).
+- `give_default_mode(file)`: the permissions a plain `open()` gives, for files made another way.
+- output folders: `removed_on_failure` (made for a block, gone again if it fails), `staged_folder`.
 - `TokenText`: a stream of token ids turned into whole characters, as the CLI, chat and server print.
 - `default_cache_dir()`: the root of latentloop's caches (tokens, eval bundle, compiled decode steps).
 - `evaluating(model)`: a module in eval mode for a block, each submodule as it was after.
@@ -142,6 +144,41 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+# What `open()` asks for a new file; the umask then takes bits away (0o644 under the usual 0o022).
+NEW_FILE_MODE = 0o666
+# Linux shows a process's umask here ("Umask:\t0022"), readable without changing it
+PROC_STATUS = "/proc/self/status"
+_umask_read_by_setting: int | None = None
+_UMASK_LOCK = threading.Lock()
+
+
+def current_umask() -> int:
+    """The process's umask. Read from /proc where the system shows it: `os.umask` can only read it
+    by setting another and putting it back, and a file another thread creates in between would
+    get the wrong mode. Elsewhere it is read that way once, and remembered."""
+    global _umask_read_by_setting
+    try:
+        with open(PROC_STATUS) as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass  # not Linux, or a kernel older than 4.7: no Umask line
+    with _UMASK_LOCK:
+        if _umask_read_by_setting is None:
+            _umask_read_by_setting = os.umask(0o077)  # the strictest while it is swapped
+            os.umask(_umask_read_by_setting)
+        return _umask_read_by_setting
+
+
+def give_default_mode(file: Path | str) -> None:
+    """Give a file just written the permissions a plain `open()` would have given it: `NEW_FILE_MODE`
+    less the umask. `tempfile.mkstemp` and safetensors' `save_file` create files 0600 whatever the
+    umask, which on a shared file system left colleagues unable to read a run's config, its
+    checkpoints or an export."""
+    os.chmod(file, NEW_FILE_MODE & ~current_umask())
+
+
 def write_json_atomic(path: Path, payload: Any) -> None:
     """Write JSON through a temporary file in the same folder, fsync, then rename: never half-written,
     and still there after a crash. An unwritable `path` is an `OutputError`."""
@@ -157,6 +194,7 @@ def write_json_atomic(path: Path, payload: Any) -> None:
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
+        give_default_mode(tmp)  # mkstemp's 0600, kept, would lock colleagues out of the file
         os.replace(tmp, path)
         fsync_dir(path.parent)
     except OSError as exc:
@@ -164,6 +202,24 @@ def write_json_atomic(path: Path, payload: Any) -> None:
         raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@contextmanager
+def removed_on_failure(folder: Path) -> Iterator[None]:
+    """For a block that creates `folder` (and any parents it lacks): when the block fails, the
+    folders that did not exist before it are removed again, deepest first, each only while empty
+    (what someone else put there meanwhile is kept). Errors pass through unchanged."""
+    target = Path(os.path.abspath(folder))
+    made = [p for p in (target, *target.parents) if not p.exists()]  # deepest first
+    try:
+        yield
+    except BaseException:
+        for path in made:
+            try:
+                path.rmdir()
+            except OSError:  # not empty, or gone already
+                break
         raise
 
 

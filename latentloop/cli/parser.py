@@ -340,9 +340,11 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--json", action="store_true", help="print the summary as JSON")
     x.add_argument("--no-progress", action="store_true", help="do not name each stage on stderr")
 
+    from ..demo import DEMO_DURATION, DEMO_STEPS
+
     d = sub.add_parser("demo", help="train every architecture briefly, compare, sample, write a report")
     d.add_argument("--steps", type=int, default=None,
-                   help="training steps per architecture (default: the demo's own, about 4 minutes on 2 quiet cores)")
+                   help=f"training steps per architecture (default: {DEMO_STEPS}, {DEMO_DURATION})")
     d.add_argument("--out", default="runs/demo", help="folder for the runs and the report (replaced)")
     d.add_argument("--data", default="stdlib", help="data source")
     d.add_argument("--preset", default="tiny", help="model size preset")

@@ -13,12 +13,14 @@ def cmd_tokenizer(args) -> int:
     from ..data import BPETokenizer, parse_source
     from ..data.tokenizers import TOKENIZER_FILE, write_new_tokenizer
     from ..runtime import output_folder
+    from ..util import removed_on_failure
 
     out = Path(args.out)
     target = out if out.suffix == ".json" else out / TOKENIZER_FILE
+    # the arguments first: a refused one must leave no output folder behind
+    BPETokenizer.check_vocab_size(args.vocab_size)
     if target.exists():  # checked before the (long) training too, not only when writing
         raise OutputError(f"{target} already exists; choose another --out (a run's tokenizer is never replaced)")
-    output_folder(target.parent, "--out folder")
     source = parse_source(args.data)
     budget = args.max_bytes or None
 
@@ -30,11 +32,14 @@ def cmd_tokenizer(args) -> int:
             if budget is not None and used >= budget:
                 return
 
-    tokenizer = BPETokenizer.train(texts(), args.vocab_size)
-    write_new_tokenizer(tokenizer, target)
+    # the folder is made (and checked writable) before the long training; data that turns out
+    # missing or empty, or an interrupt, removes it again
+    with removed_on_failure(target.parent):
+        output_folder(target.parent, "--out folder")
+        tokenizer = BPETokenizer.train(texts(), args.vocab_size)
+        write_new_tokenizer(tokenizer, target)
     print(f"trained a {tokenizer.vocab_size}-token BPE tokenizer on {args.data}: {target}")
     return 0
-
 
 
 def cmd_demo(args) -> int:

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from latentloop.errors import ConfigError, DataError, OutputError
-from latentloop.util import first_line
+from latentloop.util import first_line, give_default_mode
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -224,9 +224,10 @@ class BPETokenizer(_ChatInterface):
         copy.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in CHAT_TOKENS])
         return BPETokenizer(copy)
 
-    @classmethod
-    def train(cls, texts: Iterable[str], vocab_size: int) -> BPETokenizer:
-        """Learn merges on `texts` until the vocabulary (specials included) has `vocab_size` ids."""
+    @staticmethod
+    def check_vocab_size(vocab_size: int) -> None:
+        """A `ConfigError` for a vocabulary size a BPE tokenizer here cannot have (checked before any
+        output folder is made, and again by `train`)."""
         if vocab_size < MIN_BPE_VOCAB_SIZE:
             raise ConfigError(
                 f"BPE vocab_size {vocab_size} is too small: need at least {MIN_BPE_VOCAB_SIZE} "
@@ -235,6 +236,11 @@ class BPETokenizer(_ChatInterface):
         if vocab_size > MAX_BPE_VOCAB_SIZE:  # 4e9 aborted the process in the trainer's allocation (exit 134)
             raise ConfigError(f"BPE vocab_size {vocab_size:,} is past the {MAX_BPE_VOCAB_SIZE:,} a tokenizer here "
                               f"may have (the largest models' vocabularies are ~260k)")
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int) -> BPETokenizer:
+        """Learn merges on `texts` until the vocabulary (specials included) has `vocab_size` ids."""
+        cls.check_vocab_size(vocab_size)
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
         hf_tokenizer = Tokenizer(models.BPE())
@@ -348,6 +354,7 @@ def write_new_tokenizer(tokenizer, path: str | Path) -> Path:
             f.write(tokenizer.to_json())
             f.flush()
             os.fsync(f.fileno())
+        give_default_mode(tmp)  # mkstemp's 0600 would lock colleagues out of the tokenizer
         try:
             os.link(tmp, path)
         except FileExistsError:

@@ -48,7 +48,7 @@ from ..checkpoint import find_tokenizer_file, load_weights, read_run_config, res
 from ..config import ModelConfig
 from ..data.tokenizers import load_tokenizer, write_hf_tokenizer
 from ..errors import InteropError, OutputError
-from ..util import first_line, is_int, staged_folder
+from ..util import first_line, give_default_mode, is_int, staged_folder
 from .hf_import import check_out_folder, hf_to_latentloop_names, rope_half_flip
 
 REMOTE_DIR = Path(__file__).resolve().parent / "hf_remote"
@@ -285,6 +285,7 @@ def _write_folder(out: Path, weights: dict[str, torch.Tensor], hf_config: dict[s
                 for name, text in code.items():
                     (staging / name).write_text(text)
             save_file(weights, str(staging / "model.safetensors"), metadata={"format": "pt"})
+            give_default_mode(staging / "model.safetensors")  # safetensors writes 0600: unreadable to colleagues
             (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
             (staging / "generation_config.json").write_text(json.dumps(_special_ids(tokenizer), indent=2) + "\n")
             write_hf_tokenizer(tokenizer, staging, model_max_length=sequence_len)
