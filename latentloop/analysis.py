@@ -18,8 +18,8 @@ from .archs import ARCHS, Analysis, AnalysisContext, get_arch, offering
 from .data import eval_batches
 from .errors import ConfigError, OutputError
 from .runs import load_run
-from .runtime import output_folder, prepare_data
-from .util import progress
+from .runtime import eval_data, output_folder
+from .util import json_safe, progress
 
 
 def available() -> dict[str, Analysis]:
@@ -52,7 +52,8 @@ def run_analysis(kind: str, run: str | Path, batches: int | None = None, out: Pa
         raise ConfigError(f"analyze {kind} needs a run of {' or '.join(offering(kind)) or 'no registered arch'}; "
                           f"this one is {config.model.arch}")
     analysis = spec.analyses[kind]
-    data = prepare_data(config, tokenizer, progress=False)
+    # the run's recorded data, read only when it still holds the tokens training recorded (eval's check)
+    data = eval_data(config, tokenizer, None, progress=False, checkpoint=checkpoint)
     pairs = list(eval_batches(data.val, analysis.batch_size, config.model.sequence_len, batches or analysis.batches))
     x, y = torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
     task = config.data.source if config.data.source.startswith("task:") else None
@@ -68,7 +69,8 @@ def run_analysis(kind: str, run: str | Path, batches: int | None = None, out: Pa
 def _save(checkpoint: Path, out: Path | None, name: str, result: dict[str, Any], plot) -> Path:
     folder = output_folder(Path(out) if out else checkpoint.parent.parent / "analysis", "analysis folder")
     try:
-        (folder / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+        # strict JSON: a value with no number (a NaN correlation, a diverged loss) is null
+        (folder / f"{name}.json").write_text(json.dumps(json_safe(result), indent=2, allow_nan=False) + "\n")
     except OSError as exc:
         raise OutputError(f"cannot write {folder / f'{name}.json'}: {exc.strerror or exc}") from None
     if plot is None:

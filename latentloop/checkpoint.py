@@ -58,7 +58,7 @@ from safetensors.torch import load_file, save_file
 
 from .config import RunConfig
 from .errors import CheckpointError, CheckpointUnreadable, ConfigError, LatentloopError, NonFiniteError, OutputError
-from .util import first_line, fsync_dir, fsync_file, give_default_mode, write_json_atomic  # noqa: F401 (re-exported)
+from .util import first_line, fsync_dir, fsync_file, give_default_mode, json_safe, write_json_atomic  # noqa: F401 (re-exported)
 
 CHECKPOINT_PREFIX = "step_"
 TMP_PREFIX = ".tmp-"  # a checkpoint being written
@@ -84,17 +84,6 @@ _TENSOR, _TUPLE, _ITEMS, _FLOAT = "__tensor__", "__tuple__", "__items__", "__flo
 # --------------------------------------------------------------------------------------------
 # Durable files
 # --------------------------------------------------------------------------------------------
-
-
-def json_safe(value: Any) -> Any:
-    """`value` with every NaN / infinity replaced by None (null), so that it dumps as strict JSON."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
 
 
 def _write_json_file(path: Path, payload: Any) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import math
 import os
 import secrets
 import shutil
@@ -68,6 +69,17 @@ def evaluating(model) -> Iterator[None]:
                 del _EVALUATING[model]
                 for module in entry[1]:
                     module.training = True  # each its own flag: `.train()` would set its children's too
+
+
+def json_safe(value: Any) -> Any:
+    """`value` with every NaN / infinity replaced by None (null), so that it dumps as strict JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
 
 
 def first_line(exc: BaseException) -> str:

@@ -8,6 +8,16 @@ import os
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # Ctrl+C, as a shell reports a process ended by SIGINT (128 + 2)
+
+
+def print_json(value) -> None:
+    """A command's `--json` output: strict JSON, indented (a NaN or infinity, which strict parsers
+    reject, is null; a path or other object is its text)."""
+    import json
+
+    from ..util import json_safe
+
+    print(json.dumps(json_safe(value), indent=2, allow_nan=False, default=str))
 DEFAULT_NEW_TOKENS = 64  # generate's default budget, capped at half the context (the prompt gets the rest)
 
 

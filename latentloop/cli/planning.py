@@ -5,10 +5,10 @@ device and its wall-clock on the chosen GPUs."""
 from __future__ import annotations
 
 import argparse
-import json
 import re
 
 from ..errors import LatentloopError
+from .parser import print_json
 
 # Token counts as people write them: 300M, 2.5B, 1e9, 10_000_000.
 SUFFIXES = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
@@ -137,5 +137,8 @@ def cmd_plan(args) -> int:
 
     strategy = args.strategy or (config.train.strategy if config.train.strategy in STRATEGIES else None)
     plan = plan_run(config, args.tokens, devices=args.gpus, gpu=args.gpu, strategy=strategy, mfu=args.mfu)
-    print(json.dumps(plan.to_dict(), indent=2) if args.json else render(plan))
+    if args.json:
+        print_json(plan.to_dict())
+    else:
+        print(render(plan))
     return 0

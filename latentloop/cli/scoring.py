@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..errors import ConfigError, LatentloopError, OutputError
-from .parser import generation_options
+from .parser import generation_options, print_json
 from .training import first_batches
 
 
@@ -22,6 +22,15 @@ def cmd_eval(args) -> int:
         raise LatentloopError("--limit and --eval-dir apply to --tasks only")
     if args.tasks is not None and args.data is not None:
         raise LatentloopError("--data applies to the loss, not to --tasks")
+    if args.tasks is not None:  # flags of the loss that --tasks would otherwise drop without a word
+        given = [flag for flag, value in (("--split train", args.split != "val"), ("--batches", bool(args.batches)),
+                                          ("--by-position", args.by_position is not None),
+                                          ("--against", args.against is not None),
+                                          ("--passes-curve", args.passes_curve)) if value]
+        if given:
+            raise LatentloopError(f"{', '.join(given)} apply to the loss, not to --tasks")
+    if args.against is not None and args.by_position is None:
+        raise LatentloopError("--against draws a base run beside --by-position; give --by-position BUCKETS")
     device = resolve_device(args.device)
     model, tokenizer, config, checkpoint = load_run(args.run, device)
     if args.quantize == "int8":  # the quality cost of int8 decoding: the same scores with int8 linears
@@ -33,12 +42,18 @@ def cmd_eval(args) -> int:
         from ..eval.suite import format_suite, run_folder, run_tasks
 
         run_dir = run_folder(args.run, checkpoint)
+        step = _checkpoint_step(checkpoint)
+        # a checkpoint named by path (not the run's latest) and a quantized model are kept apart from
+        # the run's own results: their tag (file name) says so, and the file records both
+        chosen = Path(args.run).resolve() != run_dir.resolve()
         result = run_tasks(model, tokenizer, args.tasks, data_dir=args.eval_dir, options=generation_options(args),
                            limit=args.limit, progress=not args.no_progress and not args.json, run_dir=run_dir,
                            batch_size=args.batch_size or DEFAULT_BATCH_SIZE,
-                           meta={"run": str(args.run), "checkpoint": str(checkpoint), "arch": config.model.arch})
+                           meta={"run": str(args.run), "checkpoint": str(checkpoint), "step": step,
+                                 "arch": config.model.arch},
+                           variant={"quantize": args.quantize, "step": step if chosen else None})
         if args.json:
-            print(json.dumps({"run": str(args.run), "checkpoint": str(checkpoint), **result}, indent=2, default=str))
+            print_json({"run": str(args.run), "checkpoint": str(checkpoint), **result})
         else:
             print(format_suite(result))
             print(f"results: {run_dir / 'evals'}")
@@ -57,7 +72,7 @@ def cmd_eval(args) -> int:
     if chat and (args.by_position is not None or args.passes_curve):
         raise LatentloopError("--by-position and --passes-curve score plain text; this data is conversations")
     if args.by_position is not None:
-        return _eval_by_position(args, model, tokens, config, checkpoint, options)
+        return _eval_by_position(args, model, tokens, config, checkpoint, options, tokenizer)
     # no options given: score every way the architecture offers (fbt regimes, lrt prefills, rgpt depths)
     if chat:  # the loss on the assistant's tokens, as SFT validates
         from ..data.chat import masked_batches
@@ -75,7 +90,7 @@ def cmd_eval(args) -> int:
                **by_option[first]}
     # what the figure covers, beside train's own (which scores the first train.eval_batches of this split)
     source = args.data or config.data.source
-    scope = first_batches(args.batches)
+    scope = _scored_batches(args.batches, tokens, args.batch_size or 16, config.model.sequence_len)
     metrics["measured_on"] = (f"{by_option[first].get('tokens', 0):,} {'assistant ' if chat else ''}tokens of the "
                               f"{args.split} split of {source} ({scope}); train's val figure scores "
                               f"{first_batches(config.train.eval_batches)} of {config.train.batch_size}")
@@ -90,10 +105,14 @@ def cmd_eval(args) -> int:
     if notes:
         metrics["notes"] = notes
     if args.json:
-        print(json.dumps(metrics, indent=2))
+        print_json(metrics)
     else:
+        skipped = {"by_option", "passes_curve", "notes", "loss_ci", "bpb_ci"}
+        if metrics.get("loss_ci") is None and "interval" in metrics:  # no interval computed: a note says why
+            skipped.add("interval")
+            notes = [*notes, metrics["interval"]]
         for key, value in metrics.items():
-            if key not in ("by_option", "passes_curve", "notes", "loss_ci", "bpb_ci"):
+            if key not in skipped:
                 print((f"{key:>12}: {value:.4f}" if isinstance(value, float) else f"{key:>12}: {value}")
                       + _interval_text(metrics.get(f"{key}_ci")))
         for label, scores in metrics.get("by_option", {}).items():
@@ -106,6 +125,30 @@ def cmd_eval(args) -> int:
         for note in notes:
             print(f"note: {note}")
     return 0
+
+
+def _checkpoint_step(checkpoint: Path) -> int | None:
+    """The training step of a checkpoint folder (its state.json, else its name step_N), None if unknown."""
+    try:
+        step = json.loads((Path(checkpoint) / "state.json").read_text()).get("step")
+    except (OSError, ValueError, AttributeError):
+        step = None
+    if isinstance(step, int) and not isinstance(step, bool):
+        return step
+    name = Path(checkpoint).name
+    return int(name[len("step_"):]) if name.startswith("step_") and name[len("step_"):].isdigit() else None
+
+
+def _scored_batches(requested: int, tokens, batch_size: int, seq_len: int) -> str:
+    """How much of the split the loss covers: every batch, or the first N when --batches left some
+    out (a --batches beyond the split's count scored all of them, and says so)."""
+    import math
+
+    rows = len(tokens.tokens) if hasattr(tokens, "tokens") else max(0, (len(tokens) - 1) // seq_len)
+    available = math.ceil(rows / batch_size)
+    if not requested or requested >= available:
+        return f"every batch, {available}" if requested else "every batch"
+    return first_batches(requested)
 
 
 def _interval_text(interval) -> str:
@@ -129,14 +172,14 @@ def _with_progress(batches, tokens, args, seq_len: int):
     return with_bar
 
 
-def _eval_by_position(args, model, tokens, config, checkpoint, options) -> int:
+def _eval_by_position(args, model, tokens, config, checkpoint, options, tokenizer=None) -> int:
     from ..engine import model_options
     from ..eval.loss import decoding_logits, loss_by_position, plain_logits
 
     model_options(model, options)  # a bad option fails before any batch
     logits_fn = decoding_logits(options) if options else plain_logits
     batch_size = args.batch_size or 16
-    base = _position_base(args, checkpoint, model)  # (path, model, context) or None, checked before any batch
+    base = _position_base(args, checkpoint, model, tokenizer)  # (path, model, context) or None, before any batch
     buckets = loss_by_position(model, tokens, batch_size, config.model.sequence_len, args.by_position,
                                args.batches or None, logits_fn)
     result = {"run": str(args.run), "checkpoint": str(checkpoint), "split": args.split,
@@ -150,7 +193,7 @@ def _eval_by_position(args, model, tokens, config, checkpoint, options) -> int:
     if plot is not None:
         result["plot"] = str(plot)
     if args.json:
-        print(json.dumps(result, indent=2))
+        print_json(result)
         return 0
     base_rows = {b["start"]: b["loss"] for b in result.get("base", {}).get("by_position", [])}
     base_name = f"  {'base':>8}" if base is not None else ""
@@ -166,10 +209,12 @@ def _eval_by_position(args, model, tokens, config, checkpoint, options) -> int:
     return 0
 
 
-def _position_base(args, checkpoint, model):
+def _position_base(args, checkpoint, model, tokenizer=None):
     """The base run to draw beside --by-position: --against, else the run this one started from
     (recorded in its checkpoint) when it is on this machine; None when there is none. Its tokenizer
-    must read the tokens as this run's does."""
+    must read the tokens as this run's does: the same fingerprint (the same id mapping), not merely
+    a vocabulary of the same size, else its losses are of other tokens (or its embedding is indexed
+    past its end)."""
     from ..runs import load_run
     from ..runtime import resolve_device
 
@@ -182,6 +227,9 @@ def _position_base(args, checkpoint, model):
         if not isinstance(path, str) or not Path(path).exists():
             return None
     base_model, base_tokenizer, base_config, _ = load_run(path, resolve_device(args.device))
+    if tokenizer is not None and base_tokenizer.fingerprint() != tokenizer.fingerprint():
+        raise LatentloopError(f"--against {path}: its tokenizer ({base_tokenizer.fingerprint()}) is not this run's "
+                              f"({tokenizer.fingerprint()}); its loss by position would be of other tokens")
     if base_config.model.vocab_size > model.config.vocab_size:
         raise LatentloopError(f"--against {path}: its vocabulary ({base_config.model.vocab_size} tokens) is not this "
                               f"run's ({model.config.vocab_size})")
@@ -253,8 +301,8 @@ def cmd_analyze(args) -> int:
     result = run_analysis(args.analysis, args.run, batches=args.batches, out=Path(args.out) if args.out else None,
                           show_progress=show, **options)
     summary = available()[args.analysis].summary(result)
-    if args.json:
-        print(json.dumps(result, indent=2))
+    if args.json:  # strict JSON, as the analysis file: NaN as null
+        print_json(result)
     else:
         print(summary)
         print(f"written to {result['folder']}")

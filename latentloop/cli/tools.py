@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 from ..errors import OutputError
+from .parser import print_json
 
 
 def cmd_tokenizer(args) -> int:
@@ -81,7 +81,7 @@ def cmd_import_hf(args) -> int:
 
     summary = import_hf(args.source, args.out, sequence_len=args.sequence_len)
     if args.json:
-        print(json.dumps(summary, indent=2))
+        print_json(summary)
     else:
         m = summary["model"]
         print(f"imported {summary['model_type']} {args.source} ({summary['params']:,} params, {m['n_layer']} x "
@@ -95,7 +95,7 @@ def cmd_export(args) -> int:
     summary = export_hf(args.run, args.out, plain=True if args.plain else (False if args.remote_code else None),
                         show_progress=not (args.no_progress or args.json))
     if args.json:
-        print(json.dumps(summary, indent=2))
+        print_json(summary)
     else:
         print(f"exported {args.run} as {summary['format']}: {summary['out']}")
         if summary["plain_blockers"] and not args.remote_code:

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..errors import CheckpointError, LatentloopError
-from .parser import EXIT_INTERRUPTED
+from .parser import EXIT_INTERRUPTED, print_json
 
 
 def _run_config_from_args(args):
@@ -74,7 +74,6 @@ def first_batches(count: int) -> str:
 def cmd_train(args) -> int:
     import os
 
-    from ..checkpoint import json_safe
     from ..train import fit, setup
 
     config = _run_config_from_args(args)
@@ -97,7 +96,7 @@ def cmd_train(args) -> int:
     if not state.dist.is_main:  # rank 0 reports for the job
         return 0
     if args.json:  # strict JSON: a loss that is not a number (no step ran) is null, never NaN
-        print(json.dumps(json_safe(summary), indent=2, allow_nan=False))
+        print_json(summary)
     elif summary.get("nothing_to_train"):
         print(f"{args.out} is already at step {summary['step']:,} of {config.train.steps:,}: nothing to train "
               f"(--steps N continues it to step N); checkpoint {summary['checkpoint']}")

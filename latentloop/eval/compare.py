@@ -29,6 +29,7 @@ token (the objective's run average: multi-pass K, recurrence depth, ...) times t
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import math
 import re
@@ -41,7 +42,7 @@ import torch
 from ..archs import scoring_notes
 from ..config import RunConfig
 from ..errors import CheckpointError, ConfigError, LatentloopError
-from ..util import is_int, progress
+from ..util import is_int, json_safe, progress
 from .core import CORE_TASKS
 from .stats import format_comparison, seed_rows
 
@@ -111,6 +112,61 @@ def _config_file(run_dir: Path) -> Path:
     return config_file
 
 
+# Train settings that cannot change what a run computes (how often it saves, keeps, logs, reports):
+# seeds that differ only in these still form one group. `eval_every` is not among them: the
+# validation points a group's curve averages by index must fall at the same steps.
+INERT_SETTINGS = ("save_every", "keep_last", "log_every", "trackers")
+FINGERPRINT_CHARS = 12  # of a sha256: enough to tell two tokenizers or data sets apart in a table
+
+
+def _recorded_data(run_dir: Path, config: RunConfig) -> dict[str, Any]:
+    """What the run was trained on, as its latest checkpoint's state.json records it (the token
+    checksums of the train and val splits, the source), else as its config names it (source,
+    val_fraction, max_bytes): runs whose answers differ were trained or validated on other tokens."""
+    data = config.data
+    found: dict[str, Any] = {"source": data.source, "val_fraction": data.val_fraction, "max_bytes": data.max_bytes}
+    folder = run_dir / "checkpoints"
+    # finished checkpoint folders, newest first (the checkpoint module is a layer eval may not import)
+    found_steps = sorted(((int(m.group(1)), p) for p in (folder.iterdir() if folder.is_dir() else ())
+                          if p.is_dir() and (m := CHECKPOINT_STEP.fullmatch(p.name))), reverse=True)
+    for _, checkpoint in found_steps:
+        try:
+            state = json.loads((checkpoint / "state.json").read_text())
+        except (OSError, ValueError):
+            continue
+        checksums = state.get("data") if isinstance(state, dict) else None
+        if isinstance(checksums, dict) and checksums:
+            found["sha256"] = {str(k): str(v) for k, v in sorted(checksums.items())}
+            if isinstance(state.get("data_source"), str):
+                found["source"] = state["data_source"]
+        break
+    return found
+
+
+def _data_key(data: dict[str, Any]) -> str:
+    """The data a run's figures come from: its recorded checksums where there are some (a changed
+    file under the same name differs), else its config's source and split."""
+    if "sha256" in data:
+        return json.dumps({"sha256": data["sha256"], "val_fraction": data["val_fraction"]}, sort_keys=True)
+    return json.dumps(data, sort_keys=True, default=str)
+
+
+def _same_data(a: dict, b: dict) -> bool:
+    """Whether two runs' figures come from the same data: the same recorded token checksums under one
+    tokenizer; across tokenizers (whose token checksums always differ) the same source and split."""
+    if a.get("tokenizer") == b.get("tokenizer"):
+        return a.get("data_key") == b.get("data_key")
+    return all(a["data"].get(k) == b["data"].get(k) for k in ("source", "val_fraction", "max_bytes"))
+
+
+def _tokenizer_fingerprint(run_dir: Path, config: RunConfig) -> str:
+    """A hash of the run's tokenizer.json (what its token ids mean), else its config's tokenizer spec."""
+    try:
+        return hashlib.sha256((run_dir / "tokenizer.json").read_bytes()).hexdigest()[:FINGERPRINT_CHARS]
+    except OSError:
+        return f"spec:{config.data.tokenizer}"
+
+
 def read_run(path: str | Path) -> dict[str, Any]:
     """Everything compare needs from one run folder."""
     run_dir = Path(path)
@@ -128,6 +184,14 @@ def read_run(path: str | Path) -> dict[str, Any]:
     recipe["train"].pop("seed", None)  # what makes runs seeds of one group: everything but the seed
     recipe = json.dumps(recipe, sort_keys=True, default=str)
     params, flops_per_token = _model_facts(recipe)
+    data = _recorded_data(run_dir, config)
+    tokenizer = _tokenizer_fingerprint(run_dir, config)
+    grouping = json.loads(recipe)
+    for name in INERT_SETTINGS:
+        grouping["train"].pop(name, None)
+    # seeds of one group: the same recipe (less the inert settings), the same tokens, the same tokenizer
+    group_key = json.dumps({"recipe": grouping, "data": _data_key(data), "tokenizer": tokenizer}, sort_keys=True,
+                           default=str)
     last = train[-1] if train else {}
     tokens = last.get("tokens")
     flops = last.get("flops")
@@ -135,7 +199,8 @@ def read_run(path: str | Path) -> dict[str, Any]:
         flops = flops_per_token * tokens
     final_val = val[-1] if val else {}
     return {"run": str(run_dir), "name": run_dir.resolve().name, "arch": config.model.arch, "params": params,
-            "seed": config.train.seed, "recipe": recipe,
+            "seed": config.train.seed, "recipe": recipe, "group_key": group_key, "data": data,
+            "data_key": _data_key(data), "tokenizer": tokenizer,
             "eval_batches": config.train.eval_batches,
             "steps": last.get("step"), "tokens": tokens, "flops": flops, "flops_per_token": flops_per_token,
             "val_loss": final_val.get("val_loss"), "val_bpb": final_val.get("val_bpb"), "train": train,
@@ -165,14 +230,17 @@ def _si(value: Any) -> str:
 
 
 def runs_table(runs: list[dict]) -> str:
-    lines = ["| run | arch | params | steps | tokens | train FLOPs | FLOPs/token | val loss | val BPB |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    """One row per run; a `tokenizer` column (its fingerprint) when the runs' tokenizers differ."""
+    mixed = len({r.get("tokenizer") for r in runs}) > 1
+    lines = ["| run | arch | params | steps | tokens | train FLOPs | FLOPs/token | val loss (nats/token) | val BPB |"
+             + (" tokenizer |" if mixed else ""),
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|" + ("---|" if mixed else "")]
     for r in runs:
         params = f"{r['params']:,}" if r["params"] is not None else "–"
         tokens = f"{r['tokens']:,}" if r["tokens"] is not None else "–"
         lines.append(f"| {r['label']} | {r['arch']} | {params} | {_num(r['steps'], 'd')} | {tokens} | "
                      f"{_si(r['flops'])} | {_si(r['flops_per_token'])} | {_num(r['val_loss'])} | "
-                     f"{_num(r['val_bpb'])} |")
+                     f"{_num(r['val_bpb'])} |" + (f" {r.get('tokenizer')} |" if mixed else ""))
     return "\n".join(lines)
 
 
@@ -180,10 +248,11 @@ SEED_SUFFIX = re.compile(r"[-_.]?(?:seed|s)\d+$")  # run-name endings that name 
 
 
 def seed_groups(runs: list[dict]) -> dict[str, list[dict]]:
-    """Runs grouped by recipe (config without the seed), in first-seen order, by group label."""
+    """Runs grouped by recipe (config without the seed and the settings that cannot change results),
+    data (recorded checksums) and tokenizer, in first-seen order, by group label."""
     by_recipe: dict[str, list[dict]] = {}
     for r in runs:
-        by_recipe.setdefault(r["recipe"], []).append(r)
+        by_recipe.setdefault(r.get("group_key", r["recipe"]), []).append(r)
     groups: dict[str, list[dict]] = {}
     for members in by_recipe.values():
         stems = {SEED_SUFFIX.sub("", m["label"]) or m["label"] for m in members}
@@ -194,29 +263,102 @@ def seed_groups(runs: list[dict]) -> dict[str, list[dict]]:
     return groups
 
 
+def _spread(summary: dict) -> str:
+    """'mean ± sd' over a group's seeds; the mean alone for one seed (one value has no spread)."""
+    if summary.get("seeds", 0) < 2:
+        return _num(summary["mean"])
+    return f"{_num(summary['mean'])} ± {_num(summary['sd'])}"
+
+
+def _data_text(data: dict[str, Any]) -> str:
+    """A run's data in a note: its source, its recorded val checksum (short) and its val fraction."""
+    checksum = data.get("sha256", {}).get("val")
+    return (f"{data['source']}" + (f" (val tokens {checksum[:FINGERPRINT_CHARS]})" if checksum else "")
+            + f", val_fraction {data['val_fraction']}")
+
+
 def groups_table(groups: dict[str, list[dict]], baseline: str) -> tuple[str, list[dict]]:
     """Mean ± sd over seeds of each group's final val loss and BPB, and BPB's paired difference
-    from the baseline group (by seed, 95% t-interval); also the rows, for compare.json."""
+    from the baseline group (by seed, 95% t-interval); also the rows, for compare.json. A group
+    trained or validated on other data than the baseline is not paired with it: its figures come
+    from other tokens, so a difference by seed would measure the data as much as the recipe."""
     def by_seed(key: str) -> dict[str, dict]:
         return {label: {r["seed"]: r[key] for r in members if r[key] is not None}
                 for label, members in groups.items()}
 
     loss_rows = {row["name"]: row for row in seed_rows(by_seed("val_loss"))}
     bpb_rows = seed_rows(by_seed("val_bpb"), baseline, kind="difference")
-    lines = [f"| group | arch | seeds | val loss (mean ± sd) | val BPB (mean ± sd) | BPB − {baseline} "
+    base = groups[baseline][0]
+    lines = [f"| group | arch | seeds | val loss (nats/token, mean ± sd) | val BPB (mean ± sd) | BPB − {baseline} "
              "(paired, 95% t) | excludes 0 |", "|---|---|---|---:|---:|---:|---|"]
     rows = []
     for row in bpb_rows:
         members = groups[row["name"]]
         loss = loss_rows[row["name"]]
-        paired = row.get("paired")
-        cells = ("(baseline)", "") if paired is None else (
-            format_comparison(paired), {True: "yes", False: "no", None: "–"}[paired["excludes"]])
+        if row["name"] != baseline and not _same_data(members[0], base):
+            row.pop("paired", None)
+            row.pop("verdict", None)
+            row["unpaired"] = f"other data than {baseline}"
+            cells = ("– (other data)", "–")
+        else:
+            paired = row.get("paired")
+            cells = ("(baseline)", "") if paired is None else (
+                format_comparison(paired), {True: "yes", False: "no", None: "–"}[paired["excludes"]])
         seeds = ", ".join(str(m["seed"]) for m in members)
-        lines.append(f"| {row['name']} | {members[0]['arch']} | {seeds} | {_num(loss['mean'])} ± {_num(loss['sd'])} | "
-                     f"{_num(row['mean'])} ± {_num(row['sd'])} | {cells[0]} | {cells[1]} |")
+        lines.append(f"| {row['name']} | {members[0]['arch']} | {seeds} | {_spread(loss)} | "
+                     f"{_spread(row)} | {cells[0]} | {cells[1]} |")
         rows.append({"group": row["name"], "runs": [m["label"] for m in members], "val_loss": loss, "val_bpb": row})
     return "\n".join(lines), rows
+
+
+def grouping_notes(runs: list[dict], groups: dict[str, list[dict]], baseline: str | None = None) -> list[str]:
+    """One line per difference that keeps runs apart although their configs agree (other data under
+    the same name, another tokenizer file), per group not paired with the baseline for its data, and
+    one when the runs' tokenizers differ (their per-token losses do not compare)."""
+    notes = []
+    by_config: dict[str, list[dict]] = {}
+    for r in runs:
+        key = json.loads(r.get("group_key", "{}")).get("recipe")
+        by_config.setdefault(json.dumps(key, sort_keys=True, default=str), []).append(r)
+    for members in by_config.values():
+        if len({m.get("data_key") for m in members}) > 1:
+            notes.append("not grouped as seeds, trained on other data: " + "; ".join(
+                f"{m['label']}: {_data_text(m['data'])}" for m in members))
+        if len({m.get("tokenizer") for m in members}) > 1:
+            notes.append("not grouped as seeds, other tokenizers: " + "; ".join(
+                f"{m['label']}: {m['tokenizer']}" for m in members))
+    if baseline is not None and baseline in groups:
+        base = groups[baseline][0]
+        for label, members in groups.items():
+            if label != baseline and not _same_data(members[0], base):
+                notes.append(f"{label} is not paired with {baseline}: other data ({_data_text(members[0]['data'])} "
+                             f"vs {_data_text(base['data'])})")
+    tokenizers = {r.get("tokenizer") for r in runs}
+    if len(tokenizers) > 1:
+        notes.append(f"the runs use {len(tokenizers)} different tokenizers (column `tokenizer`): val loss is nats per "
+                     "token of each run's own tokenizer and does not compare across them; compare val BPB "
+                     "(bits per byte), which does")
+    return notes
+
+
+CHECKPOINT_STEP = re.compile(r"step_0*(\d+)$")  # a checkpoint folder's name: step_00000020
+
+
+def _scored_as(payload: dict) -> str:
+    """What a task result scored, as its column says: the decoding tag (which, since eval records
+    them, also names the quantization and a checkpoint chosen by step), the quantization where the
+    tag does not say it, and the checkpoint's step."""
+    tag = str(payload.get("tag", "default"))
+    quantize = payload.get("quantize")
+    if isinstance(quantize, str) and quantize not in tag.split("-"):
+        tag += f"-{quantize}"
+    step = payload.get("step")
+    if not is_int(step):
+        found = CHECKPOINT_STEP.search(str(payload.get("checkpoint", "")).rstrip("/"))
+        step = int(found.group(1)) if found else None
+    if step is None or f"step{step}" in tag.split("-"):
+        return tag
+    return f"{tag}, step {step}"
 
 
 def collect_task_columns(runs: list[dict]) -> tuple[list[tuple[str, str]], dict[tuple[str, str], dict], list[str]]:
@@ -226,7 +368,7 @@ def collect_task_columns(runs: list[dict]) -> tuple[list[tuple[str, str]], dict[
     tasks: set[str] = set()
     for r in runs:
         for payload in r["evals"]:
-            key = (r["label"], str(payload.get("tag", "default")))
+            key = (r["label"], _scored_as(payload))
             if key not in cells:
                 columns.append(key)
                 cells[key] = {"_limits": set()}
@@ -278,10 +420,12 @@ def tasks_table(runs: list[dict]) -> str | None:
 # --------------------------------------------------------------------------------------------
 
 
-def _val_metric(runs: list[dict]) -> tuple[str, str]:
-    """(val row key, axis label): BPB when every run logged it (comparable across tokenizers), else loss."""
-    if runs and all(run["val"] and all(row.get("val_bpb") is not None for row in run["val"]) for run in runs):
-        return "val_bpb", "validation bits per byte"
+def _val_metric(runs: list[dict], per_token: bool = True) -> tuple[str, str]:
+    """(val row key, axis label): BPB when every run logged it (comparable across tokenizers), else loss;
+    BPB always where the runs' tokenizers differ (`per_token` False: a loss per token does not compare)."""
+    if not per_token or (runs and all(run["val"] and all(row.get("val_bpb") is not None for row in run["val"])
+                                      for run in runs)):
+        return "val_bpb", "validation BPB (bits/byte)"
     return "val_loss", "validation loss (nats/token)"
 
 
@@ -297,6 +441,8 @@ def _val_axis(run: dict, key: str, metric: str = "val_loss") -> tuple[list[float
     per_step = values[-1] / steps[-1] if steps[-1] else 0.0
     xs, ys = [], []
     for row in run["val"]:
+        if row.get(metric) is None:  # a point that did not log this metric (BPB under mixed tokenizers)
+            continue
         step = row["step"]
         x = float(np.interp(step, steps, values)) if step <= steps[-1] else step * per_step
         if step < steps[0]:
@@ -331,9 +477,16 @@ def plot_losses(runs: list[dict], out: Path, groups: dict[str, list[dict]] | Non
         import matplotlib.pyplot as plt
     except ImportError:
         return [], ["matplotlib is not installed: plots skipped (pip install 'latentloop[plot]')"]
+    written: list[str] = []
+    notes: list[str] = []
     groups = groups or {run["label"]: [run] for run in runs}
-    metric, metric_label = _val_metric(runs)
-    written, notes = [], []
+    per_token = len({run.get("tokenizer") for run in runs}) <= 1  # nats per token compare under one tokenizer only
+    metric, metric_label = _val_metric(runs, per_token)
+    if not per_token:
+        notes.append("the runs' tokenizers differ: the plots show validation BPB only (no per-token training loss)")
+        unplotted = [r["label"] for r in runs if not any(row.get("val_bpb") is not None for row in r["val"])]
+        if unplotted:
+            notes.append(f"no validation BPB logged, left out of the plots: {', '.join(unplotted)}")
     for key, label, filename in (("tokens", "training tokens", "loss_vs_tokens.png"),
                                  ("flops", "training FLOPs", "loss_vs_flops.png")):
         fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -346,10 +499,11 @@ def plot_losses(runs: list[dict], out: Path, groups: dict[str, list[dict]] | Non
                 if key == "flops" and not train and run["flops_per_token"] is not None:
                     train = [(r["tokens"] * run["flops_per_token"], r["loss"]) for r in run["train"]
                              if r.get("tokens") is not None]
-                if train:
+                if train and per_token:
                     train_ax.plot(*zip(*train), color=color, alpha=0.25, linewidth=0.8)
                     drawn = True
-            xs, mean, sd = group_curve(members, key, metric)
+            plotted = [m for m in members if per_token or any(row.get(metric) is not None for row in m["val"])]
+            xs, mean, sd = group_curve(plotted, key, metric) if plotted else ([], [], [])
             seeds = f", {len(members)} seeds, ± sd" if len(members) > 1 else ""
             if xs:
                 ax.plot(xs, mean, color=color, marker="o", label=f"{name} ({members[0]['arch']}{seeds})")
@@ -364,7 +518,10 @@ def plot_losses(runs: list[dict], out: Path, groups: dict[str, list[dict]] | Non
             continue
         ax.set_xlabel(label)
         ax.set_ylabel(metric_label + " (points)")
-        train_ax.set_ylabel("training loss (thin)", alpha=0.6)
+        if per_token:
+            train_ax.set_ylabel("training loss (nats/token, thin)", alpha=0.6)
+        else:
+            train_ax.set_axis_off()
         ax.set_title(f"{metric_label.split(' (')[0]} vs {label}")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -410,15 +567,19 @@ def compare_runs(paths: list[str | Path], out: str | Path = "compare", baseline:
     table = runs_table(runs)
     tasks = tasks_table(runs)
     plots, notes = plot_losses(runs, out, groups)
+    shown_groups = any(len(members) > 1 for members in groups.values())
+    notes = grouping_notes(runs, groups, baseline if shown_groups else None) + notes
     parts = ["# latentloop compare", "", table, "",
              f"_val loss and BPB: the training-time estimate, the first {_batches_text(runs)} of the validation "
              "split as `train` logged them (`latentloop eval RUN` scores the whole split)._", ""]
     seeds_table, seed_summary = (None, [])
-    if any(len(members) > 1 for members in groups.values()):
+    if shown_groups:
         seeds_table, seed_summary = groups_table(groups, baseline)
         parts += ["## Over seeds", "", seeds_table, "",
-                  "_Groups: runs whose configs differ only in the seed. A difference excludes 0 when its 95% "
-                  "t-interval over the paired seeds does; otherwise the groups are not told apart._", ""]
+                  "_Groups: runs whose configs differ only in the seed (and in settings that cannot change results: "
+                  f"{', '.join(INERT_SETTINGS)}), trained on the same data (recorded checksums) with the same "
+                  "tokenizer. Groups on other data than the baseline are not paired with it. A difference excludes 0 "
+                  "when its 95% t-interval over the paired seeds does; otherwise the groups are not told apart._", ""]
     if tasks:
         parts += ["## CORE and task accuracy per decoding regime", "", tasks, ""]
     else:
@@ -430,9 +591,9 @@ def compare_runs(paths: list[str | Path], out: str | Path = "compare", baseline:
     markdown = "\n".join(parts).rstrip() + "\n"
     report = out / "compare.md"
     report.write_text(markdown)
-    slim = [{k: v for k, v in r.items() if k not in ("train", "val", "recipe")} for r in runs]
-    (out / "compare.json").write_text(json.dumps({"runs": slim, "groups": seed_summary, "baseline": baseline},
-                                                 indent=2, default=str) + "\n")
+    slim = [{k: v for k, v in r.items() if k not in ("train", "val", "recipe", "group_key", "data_key")} for r in runs]
+    payload = json_safe({"runs": slim, "groups": seed_summary, "baseline": baseline})  # strict JSON: NaN as null
+    (out / "compare.json").write_text(json.dumps(payload, indent=2, default=str, allow_nan=False) + "\n")
     return {"markdown": "\n\n".join(p for p in (table, seeds_table, tasks) if p), "report": str(report),
             "plots": plots, "notes": notes, "runs": slim, "groups": seed_summary, "baseline": baseline}
 

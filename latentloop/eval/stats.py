@@ -224,5 +224,5 @@ def bootstrap_ratio(numerators: Sequence[float], denominators: Sequence[float], 
 
 
 __all__ = ["BOOTSTRAP_RESAMPLES", "BOOTSTRAP_SEED", "CONFIDENCE", "bootstrap_ratio", "format_comparison", "mean_sd",
-           "normal_quantile", "paired_comparison", "regularized_beta", "seed_rows", "t_cdf", "t_interval", "t_quantile",
-           "verdict", "wilson_interval"]
+           "normal_quantile", "paired_comparison", "regularized_beta", "seed_rows", "t_cdf",
+           "t_interval", "t_quantile", "verdict", "wilson_interval"]

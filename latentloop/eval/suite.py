@@ -7,7 +7,10 @@ Names: `core` (all CORE tasks, plus their aggregate), any single CORE task (`arc
 task of `latentloop.eval.generation.GENERATION_TASKS` (when that module is installed). Each result
 is written as it completes to `RUN/evals/<name>-<tag>.json` (atomically), where the tag names the
 decoding options: the regime or `default`, then any `passes`, `steps`, `prefill`
-(e.g. `arc_easy-fused-passes4.json`); `core` also writes `core-<tag>.json` with the CORE mean.
+(e.g. `arc_easy-fused-passes4.json`), then the `variant`: `int8` for a quantized model, `step<N>` for a
+checkpoint chosen by step (`arc_easy-default-int8-step10.json`), so such results never replace the
+run's own; `core` also writes `core-<tag>.json` with the CORE mean. Each file records the options,
+the quantization and the checkpoint (path and step) it scored.
 `latentloop compare` reads these files.
 """
 
@@ -52,6 +55,18 @@ def options_tag(options: dict | None) -> str:
     is_mode = {name: bool(declared[name][0].choices) if name in declared else False for name in order}
     parts = [] if order and is_mode[order[0]] else ["default"]
     parts += [str(options[name]) if is_mode[name] else f"{name}{options[name]}" for name in order]
+    return "-".join(parts)
+
+
+def variant_tag(tag: str, variant: dict | None) -> str:
+    """`tag` with what else changes the scores: the quantization (`int8`) and a checkpoint chosen by
+    step (`step10`), in that order; unchanged without them."""
+    variant = variant or {}
+    parts = [tag]
+    if variant.get("quantize"):
+        parts.append(str(variant["quantize"]))
+    if variant.get("step") is not None:
+        parts.append(f"step{variant['step']}")
     return "-".join(parts)
 
 
@@ -113,8 +128,10 @@ def _generation_data_dir(data_dir: str | Path | None) -> Path | None:
 def run_tasks(model: nn.Module, tokenizer, names: str | Sequence[str], data_dir: str | Path | None = None,
               options: dict | None = None, limit: int | None = None, progress: bool = True, *,
               run_dir: str | Path | None = None, batch_size: int = core.DEFAULT_BATCH_SIZE,
-              meta: dict | None = None) -> dict[str, Any]:
+              meta: dict | None = None, variant: dict | None = None) -> dict[str, Any]:
     """Run the named tasks; with `run_dir`, write each result to `run_dir/evals/` as it completes.
+    `variant`: {"quantize": "int8" or None, "step": a checkpoint's step when one was chosen, else
+    None}, named in the tag (and so the file name) and recorded in each file.
 
     Returns {"tag", "options", "limit", "tasks": {name: result}, "core": CORE summary or None,
     "missing": CORE tasks without data, "files": written paths}.
@@ -124,8 +141,9 @@ def run_tasks(model: nn.Module, tokenizer, names: str | Sequence[str], data_dir:
     if limit is not None and limit < 1:
         raise ConfigError(f"limit must be >= 1, got {limit}")
     core_names, generation_tasks, whole_core = plan_tasks(names)
-    tag = options_tag(options)
-    stamp = {"options": options, "limit": limit, "tag": tag, **(meta or {})}
+    tag = variant_tag(options_tag(options), variant)
+    stamp = {"options": options, "limit": limit, "tag": tag, "quantize": (variant or {}).get("quantize"),
+             **(meta or {})}
     folder = Path(run_dir) / EVALS_DIR if run_dir is not None else None
     written: list[str] = []
 
@@ -193,4 +211,5 @@ def run_folder(path: str | Path, checkpoint: Path) -> Path:
     return path
 
 
-__all__ = ["EVALS_DIR", "format_suite", "options_tag", "plan_tasks", "result_filename", "run_folder", "run_tasks"]
+__all__ = ["EVALS_DIR", "format_suite", "options_tag", "plan_tasks", "result_filename", "run_folder", "run_tasks",
+           "variant_tag"]

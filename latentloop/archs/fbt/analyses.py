@@ -38,7 +38,8 @@ def contraction(model, x: torch.Tensor, y: torch.Tensor, context, passes: int = 
     changes, losses, h = [], [], None
     states = zip(range(passes), model.pass_states(x, model.context(x, None, None)))
     for _, (h_next, _) in context.progress(states, total=passes, desc="passes"):
-        changes.append(float("nan") if h is None else float(RelativeChange(0.0).value(h_next, h).mean()))
+        # pass 1 has no previous state to change from: None (null in JSON), not NaN (not JSON)
+        changes.append(None if h is None else float(RelativeChange(0.0).value(h_next, h).mean()))
         losses.append(float(token_cross_entropy(model.readout(h_next), y)))
         h = h_next
     T = x.shape[1]  # the Jacobi iteration is exact after T passes: the sequential fixed point
@@ -52,7 +53,7 @@ def contraction(model, x: torch.Tensor, y: torch.Tensor, context, passes: int = 
 
 def _plot_contraction(plt, r):
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    a.semilogy(range(2, len(r["relative_change"]) + 1), r["relative_change"][1:])
+    a.semilogy(range(2, len(r["relative_change"]) + 1), r["relative_change"][1:])  # pass 1's is None
     a.set_xscale("log")
     a.set(xlabel="pass k", ylabel="mean ||H_k - H_k-1|| / ||H_k||", title="contraction")
     b.plot(range(1, len(r["loss"]) + 1), r["loss"])
@@ -69,7 +70,9 @@ def _plot_contraction(plt, r):
 
 
 def _contraction_line(r) -> str:
-    return (f"passes {r['passes']}: final relative change {r['final_relative_change']:.2e}, "
+    change = r["final_relative_change"]
+    change = "– (one pass)" if change is None else f"{change:.2e}"
+    return (f"passes {r['passes']}: final relative change {change}, "
             f"loss pass 1 {r['loss_pass1']:.4f}, best {r['loss_best']:.4f}, final {r['loss_final']:.4f}")
 
 

@@ -15,8 +15,22 @@ from ...objectives.base import token_cross_entropy
 from ..registry import Analysis, AnalysisOption
 
 
+def average_ranks(values: np.ndarray) -> np.ndarray:
+    """Ranks 1..n of `values`, tied values sharing the mean of the ranks they span (as scipy's
+    rankdata does): exit depths are a few integers, so most values are tied."""
+    values = np.asarray(values).ravel()
+    order = np.argsort(values, kind="stable")
+    _, first, counts = np.unique(values[order], return_index=True, return_counts=True)
+    mean_rank = first + (counts + 1) / 2.0  # ranks first+1 .. first+count, averaged
+    ranks = np.empty(values.size, dtype=np.float64)
+    ranks[order] = np.repeat(mean_rank, counts)
+    return ranks
+
+
 def spearman(a: np.ndarray, b: np.ndarray) -> float:
-    ranks_a, ranks_b = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
+    """Spearman's rank correlation with average ranks for ties; NaN when either side is constant (no
+    ranking to correlate; the analysis driver writes it as null)."""
+    ranks_a, ranks_b = average_ranks(a), average_ranks(b)
     if ranks_a.std() == 0 or ranks_b.std() == 0:
         return float("nan")
     return float(np.corrcoef(ranks_a, ranks_b)[0, 1])
