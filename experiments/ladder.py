@@ -47,8 +47,10 @@ when a machine goes restarts; `--no-probe` resumes without probing again).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
+import fcntl
 import functools
 import json
 import math
@@ -59,7 +61,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,7 +83,7 @@ from latentloop.models.backbone import cpu_training_attention_in_fp32  # noqa: E
 from latentloop.optim import lr_multiplier, set_lr  # noqa: E402
 from latentloop.runtime import resolve_dtype  # noqa: E402
 from latentloop.train import FiniteGuard, FlopsMemo, setup, train_step  # noqa: E402
-from latentloop.util import first_line  # noqa: E402
+from latentloop.util import first_line, give_default_mode  # noqa: E402
 
 # --------------------------------------------------------------------------------------------
 # The plan
@@ -225,6 +227,7 @@ class RunPlan:
     train_flops: float = 0.0  # planned training FLOPs, trunk and branches
     scored_points: int = 0  # whole-split evaluations it makes (primary scoring, at the branches' ends)
     stable_points: int = 0  # the trunk's stable-phase evaluations (a share of the split)
+    budget_scale: float = 1.0  # every token budget x this (--budget-scale; the GPU ladder's fitted scale)
 
     @property
     def key(self) -> str:
@@ -241,10 +244,13 @@ class RunPlan:
 
     def describe(self) -> dict[str, Any]:
         """The plan entry a record keeps (everything `run_config` rebuilds the run from)."""
-        return {"key": self.key, "spec": self.spec, "corpus": self.corpus, "optimizer": self.optimizer,
-                "size": dataclasses.asdict(self.size), "size_index": self.size_index,
-                "variant": dataclasses.asdict(self.variant), "seed": self.seed,
-                "part": self.part, "branches": [dataclasses.asdict(b) for b in self.branches]}
+        entry = {"key": self.key, "spec": self.spec, "corpus": self.corpus, "optimizer": self.optimizer,
+                 "size": dataclasses.asdict(self.size), "size_index": self.size_index,
+                 "variant": dataclasses.asdict(self.variant), "seed": self.seed,
+                 "part": self.part, "branches": [dataclasses.asdict(b) for b in self.branches]}
+        if self.budget_scale != 1.0:  # only then: the entries of the records made at scale 1 stay as they were
+            entry["budget_scale"] = self.budget_scale
+        return entry
 
 
 def model_fields(variant: Variant, size: Size, seq_len: int) -> dict[str, Any]:
@@ -363,6 +369,7 @@ def plan_ladder(spec: LadderSpec, variants: list[Variant], corpora: tuple[str, .
                         for run in _variant_runs(spec, corpus, optimizer, size, variant, seed, budget_steps,
                                                  extension, gpt_cumulative, flops):
                             run.size_index = index
+                            run.budget_scale = budget_scale
                             runs.append(run)
     return runs
 
@@ -427,7 +434,10 @@ def git_stamp() -> dict[str, Any]:
     uncommitted work runs too). Read once, when the process starts (`_main`): a commit made while
     a long ladder runs is not the code it loaded."""
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30).stdout.strip()
+        # trailing newlines only: a porcelain line starts with its status, " M" for a file modified in the
+        # work tree, and `strip()` took that space off the first line (".gitignore" read "gitignore")
+        done = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30)
+        return done.stdout.rstrip("\n")
 
     try:
         sha = git("rev-parse", "HEAD")
@@ -456,23 +466,26 @@ UNBUILDABLE = "unbuildable"  # in a `planned_entries` entry: today's plan of tha
 
 
 def planned_entries(records: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Today's plan entry of every run the records' ladders plan (their spec, corpora and variants),
-    by key: what `stale_fields` compares a record's own entry with. Where today's plan of a spec does
-    not build, each of its records' keys maps to {UNBUILDABLE: why}."""
-    wanted: dict[str, tuple[set[str], set[str], list[str]]] = {}
+    """Today's plan entry of every run the records' ladders plan (their spec, budget scale, corpora
+    and variants), by key: what `stale_fields` compares a record's own entry with, and the runs the
+    claims table waits for. Each ladder is rebuilt at the budget scale its records ran at (the
+    plan entry's `budget_scale`, 1 where absent): the GPU ladder's fitted scale, or `--budget-scale`.
+    Where today's plan of a spec does not build, each of its records' keys maps to {UNBUILDABLE: why}."""
+    wanted: dict[tuple[str, float], tuple[set[str], set[str], list[str]]] = {}
     for record in records:
         plan = record.get("plan", {})
         if plan.get("spec") in SPECS:
-            corpora, variants, keys = wanted.setdefault(plan["spec"], (set(), set(), []))
+            scale = float(plan.get("budget_scale", 1.0))
+            corpora, variants, keys = wanted.setdefault((plan["spec"], scale), (set(), set(), []))
             corpora.add(plan["corpus"])
             variants.add(plan["variant"]["name"])
             keys.append(plan["key"])
     entries: dict[str, dict[str, Any]] = {}
-    for name, (corpora, variants, keys) in wanted.items():
+    for (name, scale), (corpora, variants, keys) in wanted.items():
         known = [v for v in variants if v in {variant.name for variant in all_variants()}]
         try:
             entries |= {run.key: plan_entry(run) for run in plan_ladder(SPECS[name], ladder_variants(sorted(known)),
-                                                                          tuple(sorted(corpora)))}
+                                                                          tuple(sorted(corpora)), scale)}
         except LatentloopError as exc:
             entries |= {key: {UNBUILDABLE: first_line(exc)} for key in keys}
     return entries
@@ -480,10 +493,14 @@ def planned_entries(records: Sequence[dict[str, Any]]) -> dict[str, dict[str, An
 
 def stale_fields(record: dict[str, Any], planned: dict[str, dict[str, Any]] | None = None) -> list[str]:
     """What differs between the run as it ran and as today's code would run it, [] when nothing:
-    the config fields (the record's plan entry rebuilt with today's defaults) and, given `planned`
-    (`planned_entries`), the plan entry itself (sizes, budgets, a variant's settings)."""
+    the config fields (the record's plan entry rebuilt with today's defaults), the dtype its
+    training attention ran in (`attention_dtype`; records made before the CPU attention rule of
+    2026-12-05 lack it and attended in their `precision`) against the dtype today's rule picks for
+    its precision, device and shape, and, given `planned` (`planned_entries`), the plan entry itself
+    (sizes, budgets, a variant's settings)."""
     try:
-        today = comparable_config(json.loads(json.dumps(run_config(record["plan"]).to_dict())))
+        config = run_config(record["plan"])
+        today = comparable_config(json.loads(json.dumps(config.to_dict())))
         then = comparable_config(record["config_requested"])
     except (LatentloopError, TypeError, KeyError, ValueError, AttributeError) as exc:
         return [f"the plan entry no longer builds ({first_line(exc)})"]
@@ -500,6 +517,12 @@ def stale_fields(record: dict[str, Any], planned: dict[str, dict[str, Any]] | No
             old, new = then.get(section, {}).get(key, "<absent>"), today.get(section, {}).get(key, "<absent>")
             if old != new:
                 changed.append(f"{section}.{key}: {old!r} then, {new!r} now")
+    precision, device = record.get("precision"), record.get("device")
+    if precision is not None and device is not None:  # what today's rule picks for the run's own precision
+        then_attention = record.get("attention_dtype", precision)
+        now_attention = attention_dtype(torch.device(device).type, precision, config.model)
+        if then_attention != now_attention:
+            changed.append(f"attention_dtype: {then_attention!r} then, {now_attention!r} now")
     return changed
 
 
@@ -746,26 +769,75 @@ def training_attention_dtype(device: torch.device, config: RunConfig) -> str:
     """The dtype the run's training attention ran in: the products' (`precision`), except where a
     CPU bf16 step attends in float32 (`backbone.cpu_training_attention_in_fp32`, from 2026-12-05 on:
     records without this field attended in their `precision`)."""
-    precision = resolve_dtype(device, config.train.dtype)
-    in_fp32 = cpu_training_attention_in_fp32(config.model.head_dim, config.model.sequence_len)
-    return "float32" if device.type == "cpu" and precision == "bfloat16" and in_fp32 else precision
+    return attention_dtype(device.type, resolve_dtype(device, config.train.dtype), config.model)
+
+
+def attention_dtype(device_type: str, precision: str, model: ModelConfig) -> str:
+    """The dtype a training attention runs in on `device_type` under the products' `precision`."""
+    in_fp32 = cpu_training_attention_in_fp32(model.head_dim, model.sequence_len)
+    return "float32" if device_type == "cpu" and precision == "bfloat16" and in_fp32 else precision
+
+
+def _temp_beside(path: Path) -> Path:
+    """A temporary file of this writer's own beside `path` (the same folder: `os.replace` is then a
+    rename): two processes writing one file (the shards' `failed.json`, their probe) never share a
+    temporary name, so neither reads the other's half-written file nor loses its own to a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    give_default_mode(tmp)  # mkstemp's 0600 would lock colleagues out of the records kept in git
+    return Path(tmp)
 
 
 def _atomic_save(path: Path, obj: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    tmp = _temp_beside(path)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _atomic_write_json(path: Path, obj: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    os.replace(tmp, path)
+    tmp = _temp_beside(path)
+    try:
+        tmp.write_text(json.dumps(obj, indent=1) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 FAILED_FILE = "failed.json"  # run key -> why it failed (a diverged training), with the commit and the time
+FAILED_LOCK = Path("work") / "failed.json.lock"  # under `out`: one writer of failed.json at a time (ignored by git)
+
+
+@contextlib.contextmanager
+def _failures_locked(out: Path) -> Iterator[None]:
+    """Hold the lock on `out`'s failures (`fcntl.flock`, released when the process dies)."""
+    lock_path = out / FAILED_LOCK
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def update_failures(out: Path, key: str, failure: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """Record `key`'s failure (`failure`), or drop it (None: the run has finished since), in
+    `out/failed.json`: read again and merged under the lock just before the write, so that shards
+    sharing `out` keep each other's entries. Returns the failures as written."""
+    with _failures_locked(out):
+        failures = read_failures(out)
+        if failure is None and key not in failures:
+            return failures
+        if failure is None:
+            del failures[key]
+        else:
+            failures[key] = failure
+        _atomic_write_json(out / FAILED_FILE, failures)
+        return failures
 
 
 def read_failures(out: Path) -> dict[str, dict[str, Any]]:
@@ -1148,10 +1220,12 @@ def _main(args: argparse.Namespace) -> int:
         except RunBusy as exc:
             print(f"skipped: {exc}", flush=True)
         except RunFailed as exc:  # one run's failure does not stop the others
-            failures[run.key] = {"error": str(exc), "commit": git_stamp()["commit"],
-                                 "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-            _atomic_write_json(failed_path, failures)
+            update_failures(out, run.key, {"error": str(exc), "commit": git_stamp()["commit"],
+                                           "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
             print(f"failed: {exc} (in {failed_path}; --retry-failed runs it again)", flush=True)
+        else:  # finished here (or by another process meanwhile): a failure from before no longer stands
+            if run.key in read_failures(out):
+                update_failures(out, run.key, None)
     print(f"done: {sum(finished(out, r) for r in runs)} of {len(runs)} runs finished; "
           f"{time.perf_counter() - started:.0f} s this invocation", flush=True)
     return 0

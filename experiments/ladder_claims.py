@@ -9,12 +9,20 @@ the figures at every size, and the trend over size. Below it, every variant's co
 over gpt at every size, and the plots. A row any of whose records ran under a config that differs
 from what the same plan entry builds today, or under a plan entry that differs from today's plan
 (`ladder.stale_fields`: a default, a size, a budget changed since), reads "stale", with the fields
-that changed.
+that changed; so does a row whose records mix recipes (`recipe_mix`: the products' precision, the
+attention's dtype at a size, the data's sha256).
+
+The figures wait for the plan (`ladder_plan`: today's plan of the records' ladders, at their budget
+scale): a multiplier is made at the largest budget the plan gives the variant, from every seed the
+plan runs, and reads "incomplete: k of n runs" until all of them have records. "Every size" is every
+planned size, and the Bonferroni level counts them all: a row reads "incomplete" until its planned
+sizes are all in, unless one of them already decides "does not hold" (the rules' "at any size").
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,6 +38,8 @@ from ladder_fit import (  # noqa: E402
     LEVEL,
     REFERENCE,
     Estimate,
+    Incomplete,
+    Plan,
     Point,
     load_records,
     plot_curves,
@@ -49,39 +59,56 @@ DECIDED = {"holds": True, "matches": True, "does not hold": False}  # the verdic
 _CACHE: dict[tuple, Any] = {}  # one page's estimates: a row and the tables below ask for the same ones
 
 
-def _cached(function: Callable, points: Sequence[Point], *args: Any) -> Any:
-    key = (function.__name__, id(points), *args)
+def _cached(function: Callable, points: Sequence[Point], plan: Plan | None, *args: Any) -> Any:
+    key = (function.__name__, id(points), id(plan), *args)
     if key not in _CACHE:
-        _CACHE[key] = function(points, *args)
+        _CACHE[key] = function(points, *args, plan=plan)
     return _CACHE[key]
 
 
-def multiplier(points: Sequence[Point], corpus: str, optimizer: str, size: str, variant: str, axis: str) -> Any:
-    return _cached(ladder_fit.multiplier, points, corpus, optimizer, size, variant, axis)
+def _plan(points: Sequence[Point], plan: Plan | None) -> Plan:
+    """The plan the figures wait for; without one, the runs the points come from (cached with them)."""
+    if plan is not None:
+        return plan
+    key = ("plan", id(points))
+    if key not in _CACHE:
+        _CACHE[key] = Plan.from_points(points)
+    return _CACHE[key]
 
 
-def parameter_multiplier(points: Sequence[Point], corpus: str, optimizer: str, size: str, variant: str) -> Any:
-    return _cached(ladder_fit.parameter_multiplier, points, corpus, optimizer, size, variant)
+def multiplier(points: Sequence[Point], plan: Plan | None, corpus: str, optimizer: str, size: str, variant: str,
+               axis: str) -> Any:
+    return _cached(ladder_fit.multiplier, points, _plan(points, plan), corpus, optimizer, size, variant, axis)
 
 
-def paired_ratio(points: Sequence[Point], corpus: str, optimizer: str, size: str, variant: str, baseline: str,
-                 budget: int) -> Any:
-    return _cached(ladder_fit.paired_ratio, points, corpus, optimizer, size, variant, baseline, budget)
+def parameter_multiplier(points: Sequence[Point], plan: Plan | None, corpus: str, optimizer: str, size: str,
+                         variant: str) -> Any:
+    return _cached(ladder_fit.parameter_multiplier, points, _plan(points, plan), corpus, optimizer, size, variant)
+
+
+def paired_ratio(points: Sequence[Point], plan: Plan | None, corpus: str, optimizer: str, size: str, variant: str,
+                 baseline: str, budget: int) -> Any:
+    return _cached(ladder_fit.paired_ratio, points, _plan(points, plan), corpus, optimizer, size, variant, baseline,
+                   budget)
 
 
 @dataclass
 class Cell:
-    verdict: str  # "holds", "does not hold", "undecided", "matches", "not run", "stale"
+    verdict: str  # "holds", "does not hold", "undecided", "matches", "incomplete", "not run", "stale"
     text: str  # the figures behind it
     variants: tuple[str, ...]  # whose records the cell read (gpt's too)
     trend: str = ""
 
 
-def sizes_of(points: Sequence[Point], corpus: str, optimizer: str) -> list[tuple[int, str, int]]:
-    """(index, name, gpt's non-embedding params) of every size gpt ran at in this column."""
-    found = {(p.size_index, p.size, p.params) for p in select(points, variant=REFERENCE, corpus=corpus,
-                                                              optimizer=optimizer)}
-    return sorted(found)
+def sizes_of(points: Sequence[Point], corpus: str, optimizer: str,
+             plan: Plan | None = None) -> list[tuple[int, str, int]]:
+    """(index, name, gpt's non-embedding params) of every size the plan runs gpt at in this column
+    (0 params where neither a record nor the plan says), whether or not its runs have finished."""
+    plan = _plan(points, plan)
+    recorded = {p.size: p.params for p in select(points, variant=REFERENCE, corpus=corpus, optimizer=optimizer)}
+    planned = {r.size: r.gpt_params for r in plan.select(variant=REFERENCE, corpus=corpus, optimizer=optimizer)}
+    return [(index, name, recorded.get(name) or planned.get(name, 0))
+            for index, name in plan.sizes(corpus=corpus, optimizer=optimizer)]
 
 
 def against_level(tests: int) -> float:
@@ -90,16 +117,25 @@ def against_level(tests: int) -> float:
     return 1 - (1 - LEVEL) / max(1, tests)
 
 
-def aggregate(per_size: Sequence[tuple[str, Estimate | None]], tests: int | None = None) -> str:
-    """Rules 1-3, 6 (amended): "holds" if every size is decided above 1 at 95%; "does not hold" if
-    any size is decided below 1 at the Bonferroni level over the row's `tests` intervals (default:
-    these sizes); else "undecided" (a size without an interval decides nothing)."""
-    present = [(s, e) for s, e in per_size if e is not None]
-    if not present:
+def _started(e: Any) -> bool:
+    """Whether any run behind a figure has finished."""
+    return isinstance(e, Estimate) or (isinstance(e, Incomplete) and (e.have > 0 or bool(e.waits_for)))
+
+
+def aggregate(per_size: Sequence[tuple[str, Estimate | Incomplete | None]], tests: int | None = None) -> str:
+    """Rules 1-3, 6 (amended), over every planned size: "holds" if every size is decided above 1 at
+    95% (so never while a planned size is incomplete); "does not hold" if any size is decided below 1
+    at the Bonferroni level over the row's `tests` intervals (default: the planned sizes); "incomplete"
+    while a planned size waits for runs and neither is reached; else "undecided" (a size without an
+    interval decides nothing)."""
+    if not any(_started(e) for _, e in per_size):
         return "not run"
+    present = [(s, e) for s, e in per_size if isinstance(e, Estimate)]
     level = against_level(tests or len(per_size))
     if any(decided(e, level) == "< 1" for _, e in present):
-        return "does not hold"
+        return "does not hold"  # one planned size below 1 is enough, whatever the others will show
+    if any(isinstance(e, Incomplete) for _, e in per_size):
+        return "incomplete"
     if len(present) == len(per_size) and all(decided(e) == "> 1" for _, e in present):
         return "holds"
     return "undecided"
@@ -118,75 +154,91 @@ def decided(e: Estimate, level: float = LEVEL) -> str:
     return "undecided"
 
 
-def _figures(per_size: Sequence[tuple[str, Estimate | None]]) -> str:
+def _combine(verdicts: Sequence[str], decided_as: str = "holds") -> str:
+    """One verdict from parts that must all be `decided_as` (holds / matches): "does not hold" if one
+    part is, "incomplete" while a part waits for runs (or has none yet: "not run" beside parts that ran)."""
+    if not verdicts or all(v == "not run" for v in verdicts):
+        return "not run"
+    if "does not hold" in verdicts:
+        return "does not hold"
+    if any(v in ("incomplete", "not run") for v in verdicts):
+        return "incomplete"
+    if all(v == decided_as for v in verdicts):
+        return decided_as
+    return "undecided"
+
+
+def _figures(per_size: Sequence[tuple[str, Estimate | Incomplete | None]]) -> str:
     return "; ".join(f"{size} {'—' if e is None else e.text()}" for size, e in per_size)
 
 
-def _trend_text(points: Sequence[Point], corpus: str, optimizer: str, variant: str, axis: str) -> str:
-    sizes = sizes_of(points, corpus, optimizer)
-    pairs = [(n, multiplier(points, corpus, optimizer, name, variant, axis)) for _, name, n in sizes]
+def _trend_text(points: Sequence[Point], plan: Plan | None, corpus: str, optimizer: str, variant: str,
+                axis: str) -> str:
+    sizes = sizes_of(points, corpus, optimizer, plan)
+    pairs = [(n, multiplier(points, plan, corpus, optimizer, name, variant, axis)) for _, name, n in sizes]
     found = trend(pairs)
     if found is None:
         return ""
     interval = "" if found["interval"] is None else f" [{found['interval'][0]:.2f}, {found['interval'][1]:.2f}]"
     bounds = f"; bounds at {', '.join(found['bounds'])}" if found["bounds"] else ""
-    return f"{found['verdict']} (slope {found['slope']:.2f}{interval}{bounds})"
+    done = sum(isinstance(e, Estimate) for _, e in pairs)
+    partial = f"; {done} of {len(pairs)} planned sizes" if done < len(pairs) else ""
+    return f"{found['verdict']} (slope {found['slope']:.2f}{interval}{bounds}{partial})"
 
 
 def multiplier_claim(variant: str, axis: str, extra: Callable[[list], str] | None = None,
-                     beside: tuple[str, str] | None = None) -> Callable[[Sequence[Point], str, str], Cell]:
-    """Rules 1, 2, 6: one multiplier of one variant at its largest token budget at every size."""
-    def evaluate(points: Sequence[Point], corpus: str, optimizer: str) -> Cell:
-        sizes = sizes_of(points, corpus, optimizer)
-        per_size = [(name, multiplier(points, corpus, optimizer, name, variant, axis)) for _, name, _ in sizes]
+                     beside: tuple[str, str] | None = None) -> Callable[..., Cell]:
+    """Rules 1, 2, 6: one multiplier of one variant at its largest token budget at every planned size."""
+    def evaluate(points: Sequence[Point], corpus: str, optimizer: str, plan: Plan | None = None) -> Cell:
+        sizes = sizes_of(points, corpus, optimizer, plan)
+        per_size = [(name, multiplier(points, plan, corpus, optimizer, name, variant, axis)) for _, name, _ in sizes]
         verdict = aggregate(per_size) if sizes else "not run"
         name = {"tokens": "D", "flops": "C"}[axis]
         text = f"{variant} {name}: {_figures(per_size)}"
         if extra is not None:
             text += extra(per_size)
         if beside is not None:
-            other = [(s, multiplier(points, corpus, optimizer, s, beside[0], beside[1])) for _, s, _ in sizes]
+            other = [(s, multiplier(points, plan, corpus, optimizer, s, beside[0], beside[1])) for _, s, _ in sizes]
             text += f" (beside it: {beside[0]} {'D' if beside[1] == 'tokens' else 'C'}: {_figures(other)})"
         return Cell(verdict, text, (REFERENCE, variant) + ((beside[0],) if beside else ()),
-                    _trend_text(points, corpus, optimizer, variant, axis))
+                    _trend_text(points, plan, corpus, optimizer, variant, axis))
     return evaluate
 
 
 def _reaches_paper_factor(per_size: list) -> str:
-    present = [(s, e) for s, e in per_size if e is not None and e.interval is not None]
-    if not present:
+    """Whether the largest planned size's interval reaches the paper's 1.5x."""
+    if not per_size:
         return ""
-    size, e = present[-1]  # the largest size with an interval
+    size, e = per_size[-1]
+    if isinstance(e, Incomplete):
+        return f"; the largest size, {size}, is incomplete"
+    if not isinstance(e, Estimate) or e.interval is None:
+        return ""
     reach = "reaches" if e.interval[1] >= PAPER_DATA_FACTOR else "does not reach"
     return f"; at {size} the interval {reach} the paper's {PAPER_DATA_FACTOR}x"
 
 
-def rgpt_scaling(points: Sequence[Point], corpus: str, optimizer: str) -> Cell:
-    """Rule 3: both rgpt forms, C and P, at every size."""
-    sizes = sizes_of(points, corpus, optimizer)
+def rgpt_scaling(points: Sequence[Point], corpus: str, optimizer: str, plan: Plan | None = None) -> Cell:
+    """Rule 3: both rgpt forms, C and P, at every planned size."""
+    sizes = sizes_of(points, corpus, optimizer, plan)
     parts, verdicts = [], []
-    tests = 4 * len(sizes)  # C and P of both forms at every size
+    tests = 4 * len(sizes)  # C and P of both forms at every planned size
     for variant in ("rgpt-flops", "rgpt-params"):
-        c = [(s, multiplier(points, corpus, optimizer, s, variant, "flops")) for _, s, _ in sizes]
-        p = [(s, parameter_multiplier(points, corpus, optimizer, s, variant)) for _, s, _ in sizes]
+        c = [(s, multiplier(points, plan, corpus, optimizer, s, variant, "flops")) for _, s, _ in sizes]
+        p = [(s, parameter_multiplier(points, plan, corpus, optimizer, s, variant)) for _, s, _ in sizes]
         verdicts += [aggregate(c, tests), aggregate(p, tests)]
         parts.append(f"{variant} C: {_figures(c)}; P: {_figures(p)}")
-    if not sizes or all(v == "not run" for v in verdicts):
-        verdict = "not run"
-    elif "does not hold" in verdicts:
-        verdict = "does not hold"
-    elif all(v == "holds" for v in verdicts):
-        verdict = "holds"
-    else:
-        verdict = "undecided"
+    verdict = _combine(verdicts) if sizes else "not run"
     trends = "; ".join(f"{v} C {text}" for v in ("rgpt-flops", "rgpt-params")
-                       if (text := _trend_text(points, corpus, optimizer, v, "flops")))
+                       if (text := _trend_text(points, plan, corpus, optimizer, v, "flops")))
     return Cell(verdict, " / ".join(parts), (REFERENCE, "rgpt-flops", "rgpt-params"), trends)
 
 
-def _ratio_text(found: dict[str, Any] | None) -> str:
+def _ratio_text(found: dict[str, Any] | Incomplete | None) -> str:
     if found is None:
         return "—"
+    if isinstance(found, Incomplete):
+        return found.text()
     if "mean" not in found:
         return f"refused (FLOPs ratios {', '.join(f'{f:.3f}' for f in found['flops_ratios'])})"
     interval = found["interval"]
@@ -200,27 +252,31 @@ def _ratio_interval(found: dict[str, Any], level: float) -> tuple[float, float] 
     return found["stats"].interval(level)
 
 
-def _largest_flops_budget(points: Sequence[Point], corpus: str, optimizer: str, size: str) -> int | None:
-    budgets = [p.budget for p in select(points, variant=REFERENCE, corpus=corpus, optimizer=optimizer, size=size)
-               if p.kind == "tokens"]
-    return max(budgets) if budgets else None
+def _planned_budgets(points: Sequence[Point], plan: Plan | None, corpus: str, optimizer: str, size: str) -> list[int]:
+    """gpt's token budgets at `size` in the plan (the budgets every variant trains to)."""
+    return sorted({b for r in _plan(points, plan).select(variant=REFERENCE, corpus=corpus, optimizer=optimizer,
+                                                         size=size) for kind, b in r.branches if kind == "tokens"})
 
 
-def rgpt_isoflops_match(points: Sequence[Point], corpus: str, optimizer: str) -> Cell:
+def rgpt_isoflops_match(points: Sequence[Point], corpus: str, optimizer: str, plan: Plan | None = None) -> Cell:
     """Rule 4 (amended): rgpt-flops / gpt at the largest FLOP-matched budget, per seed, t-interval;
-    "matches" at every size at 95%, "does not hold" at one size at the Bonferroni level."""
-    sizes = sizes_of(points, corpus, optimizer)
+    "matches" at every planned size at 95%, "does not hold" at one size at the Bonferroni level."""
+    sizes = sizes_of(points, corpus, optimizer, plan)
     texts, verdicts = [], []
     level = against_level(len(sizes))
     for _, size, n in sizes:
-        budget = _largest_flops_budget(points, corpus, optimizer, size)
-        found = None if budget is None else paired_ratio(points, corpus, optimizer, size, "rgpt-flops", REFERENCE,
-                                                          budget)
+        budgets = _planned_budgets(points, plan, corpus, optimizer, size)
+        found = None if not budgets else paired_ratio(points, plan, corpus, optimizer, size, "rgpt-flops",
+                                                      REFERENCE, budgets[-1])
         share = [p.params for p in select(points, variant="rgpt-flops", corpus=corpus, optimizer=optimizer, size=size)]
-        share_text = f", {share[0] / n:.0%} of gpt's parameters" if share else ""
+        share_text = f", {share[0] / n:.0%} of gpt's parameters" if share and n else ""
         texts.append(f"{size} {_ratio_text(found)}{share_text}")
-        if found is None or "mean" not in found:
-            verdicts.append("not run" if found is None else "refused")
+        if found is None:
+            verdicts.append("not run")
+        elif isinstance(found, Incomplete):
+            verdicts.append("incomplete" if _started(found) else "not run")
+        elif "mean" not in found:
+            verdicts.append("refused")
         elif found["interval"] is None:
             verdicts.append("undecided")
         elif found["interval"][1] <= MATCH_MARGIN:
@@ -229,38 +285,34 @@ def rgpt_isoflops_match(points: Sequence[Point], corpus: str, optimizer: str) ->
             verdicts.append("does not hold")
         else:
             verdicts.append("undecided")
-    if not sizes or all(v == "not run" for v in verdicts):
-        verdict = "not run"
-    elif "does not hold" in verdicts:
-        verdict = "does not hold"
-    elif all(v == "matches" for v in verdicts):
-        verdict = "matches"
-    else:
-        verdict = "undecided"
-    trend_text = _trend_text(points, corpus, optimizer, "rgpt-flops", "flops")
+    verdict = _combine(verdicts, "matches") if sizes else "not run"
+    trend_text = _trend_text(points, plan, corpus, optimizer, "rgpt-flops", "flops")
     return Cell(verdict, "rgpt-flops / gpt at matched training FLOPs: " + "; ".join(texts),
                 (REFERENCE, "rgpt-flops"), f"C {trend_text}" if trend_text else "")
 
 
-def rgpt_beats_baselines(points: Sequence[Point], corpus: str, optimizer: str) -> Cell:
-    """Rule 5 (amended): in every size x FLOP-matched budget cell, rgpt-flops below both baselines
-    at 95%; "does not hold" if a cell lies above 1 at the Bonferroni level over all the cells."""
-    sizes = sizes_of(points, corpus, optimizer)
-    found_cells = []  # (size, baseline, the comparison)
+BASELINES = ("mor-flops", "rgpt-flops-heavy")  # rule 5
+
+
+def rgpt_beats_baselines(points: Sequence[Point], corpus: str, optimizer: str, plan: Plan | None = None) -> Cell:
+    """Rule 5 (amended): in every planned size x FLOP-matched budget x baseline cell, rgpt-flops below
+    the baseline at 95%; "does not hold" if a cell lies above 1 at the Bonferroni level over all the
+    planned cells; "incomplete" while a cell waits for runs."""
+    sizes = sizes_of(points, corpus, optimizer, plan)
+    cells = []  # (size, baseline, the comparison: None where a side has no run planned)
     for _, size, _ in sizes:
-        budgets = sorted({p.budget for p in select(points, variant=REFERENCE, corpus=corpus, optimizer=optimizer,
-                                                   size=size) if p.kind == "tokens"})
-        for baseline in ("mor-flops", "rgpt-flops-heavy"):
-            for budget in budgets:
-                found = paired_ratio(points, corpus, optimizer, size, "rgpt-flops", baseline, budget)
-                if found is not None:
-                    found_cells.append((size, baseline, found))
-    level = against_level(len(found_cells))
-    below = above = undecided = refused = 0
+        for baseline in BASELINES:
+            for budget in _planned_budgets(points, plan, corpus, optimizer, size):
+                cells.append((size, baseline, paired_ratio(points, plan, corpus, optimizer, size, "rgpt-flops",
+                                                           baseline, budget)))
+    level = against_level(len(cells))
+    below = above = undecided = refused = waiting = 0
     texts: dict[tuple[str, str], list[str]] = {}
-    for size, baseline, found in found_cells:
+    for size, baseline, found in cells:
         texts.setdefault((size, baseline), []).append(_ratio_text(found))
-        if "mean" not in found:
+        if found is None or isinstance(found, Incomplete):
+            waiting += 1
+        elif "mean" not in found:
             refused += 1
         elif found["interval"] is None:  # one seed and no seed scatter to borrow: decides nothing
             undecided += 1
@@ -270,26 +322,28 @@ def rgpt_beats_baselines(points: Sequence[Point], corpus: str, optimizer: str) -
             above += 1
         else:
             undecided += 1
-    total = below + above + undecided + refused
-    if total == 0:
+    total = len(cells)
+    if not any(found is not None and (not isinstance(found, Incomplete) or _started(found)) for *_, found in cells):
         verdict = "not run"
     elif above:
         verdict = "does not hold"
+    elif waiting:
+        verdict = "incomplete"
     elif below == total:
         verdict = "holds"
     else:
         verdict = "undecided"
     summary = f"{total} comparisons (size x budget x baseline): {below} below 1, {above} above, {undecided} " \
-              f"undecided, {refused} refused (FLOPs apart by more than 5%)"
+              f"undecided, {refused} refused (FLOPs apart by more than 5%), {waiting} incomplete"
     details = "; ".join(f"{size} / {baseline}: {', '.join(cells)}" for (size, baseline), cells in texts.items())
-    return Cell(verdict, summary + ". " + details, (REFERENCE, "rgpt-flops", "mor-flops", "rgpt-flops-heavy"))
+    return Cell(verdict, summary + ". " + details, (REFERENCE, "rgpt-flops", *BASELINES))
 
 
 @dataclass(frozen=True)
 class Claim:
     paper: str  # the claim, as the paper states it
     test: str  # what decides it here
-    evaluate: Callable[[Sequence[Point], str, str], Cell]
+    evaluate: Callable[..., Cell]  # (points, corpus, optimizer, plan=None) -> Cell
 
 
 CLAIMS = (
@@ -329,12 +383,68 @@ def stale_by_variant(records: Sequence[dict[str, Any]],
     return found
 
 
+Recipes = dict[tuple[str, str, str], list[dict[str, Any]]]
+
+
+def recipes_by_variant(records: Sequence[dict[str, Any]]) -> Recipes:
+    """(corpus, optimizer, variant) -> each record's recipe beyond its config: its size, the products'
+    precision, the attention's dtype (records made before the CPU attention rule of 2026-12-05 lack
+    it: their attention ran in `precision`) and the data's sha256 (None: not recorded)."""
+    found: Recipes = {}
+    for record in records:
+        plan = record["plan"]
+        precision = record.get("precision")
+        data = record.get("data_sha256")
+        found.setdefault((plan["corpus"], plan["optimizer"], plan["variant"]["name"]), []).append(
+            {"size": plan["size"]["name"], "precision": precision,
+             "attention": record.get("attention_dtype", precision),
+             "data": None if data is None else json.dumps(data, sort_keys=True)})
+    return found
+
+
+def recipe_mix(recipes: Recipes, corpus: str, optimizer: str, variants: Sequence[str]) -> list[str]:
+    """How the records a cell reads (its variants', in this column) differ in recipe, [] when they
+    share one: the products' precision, the attention's dtype at one size (the CPU rule picks it by
+    the shape, which every variant of a size shares), the data they read (its sha256)."""
+    rows = [row for variant in dict.fromkeys(variants) for row in recipes.get((corpus, optimizer, variant), [])]
+
+    def counted(values: list[Any]) -> dict[Any, int]:
+        found: dict[Any, int] = {}
+        for value in values:
+            if value is not None:
+                found[value] = found.get(value, 0) + 1
+        return found
+
+    def listed(counts: dict[Any, int]) -> str:
+        return ", ".join(f"{value} ({n} runs)" for value, n in counts.items())
+
+    mixed = []
+    precision = counted([row["precision"] for row in rows])
+    if len(precision) > 1:
+        mixed.append(f"products' precision {listed(precision)}")
+    for size in dict.fromkeys(row["size"] for row in rows):
+        attention = counted([row["attention"] for row in rows if row["size"] == size])
+        if len(attention) > 1:
+            mixed.append(f"attention dtype at {size} {listed(attention)}")
+    data = counted([row["data"] for row in rows])
+    if len(data) > 1:
+        mixed.append(f"{len(data)} different copies of the data (sha256: "
+                     f"{', '.join(f'{n} runs on one' for n in data.values())})")
+    return mixed
+
+
 def column_cell(claim: Claim, points: Sequence[Point], corpus: str, optimizer: str,
-                stale: dict[tuple[str, str, str], list[str]]) -> Cell:
-    cell = claim.evaluate(points, corpus, optimizer)
+                stale: dict[tuple[str, str, str], list[str]], plan: Plan | None = None,
+                recipes: Recipes | None = None) -> Cell:
+    """One claim in one column; "stale" (it decides nothing) where one of the records it reads ran
+    under other defaults than today's, or where its records mix recipes."""
+    cell = claim.evaluate(points, corpus, optimizer, plan)
     changed = [c for v in cell.variants for c in stale.get((corpus, optimizer, v), [])]
-    if changed and cell.verdict != "not run":
-        cell.text = f"ran under other defaults ({'; '.join(dict.fromkeys(changed))}). " + cell.text
+    mixed = recipe_mix(recipes or {}, corpus, optimizer, cell.variants)
+    if (changed or mixed) and cell.verdict != "not run":
+        notes = ([f"its runs mix recipes ({'; '.join(mixed)})"] if mixed else []) + (
+            [f"ran under other defaults ({'; '.join(dict.fromkeys(changed))})"] if changed else [])
+        cell.text = ". ".join(notes) + ". " + cell.text
         cell.verdict = "stale"
     return cell
 
@@ -352,8 +462,11 @@ def epochs_marks(points: Sequence[Point]) -> list[str]:
 
 
 def multipliers_table(points: Sequence[Point], corpus: str, optimizer: str,
-                      stale: dict[tuple[str, str, str], list[str]] | None = None) -> list[str]:
-    sizes = sizes_of(points, corpus, optimizer)
+                      stale: dict[tuple[str, str, str], list[str]] | None = None, plan: Plan | None = None,
+                      recipes: Recipes | None = None) -> list[str]:
+    if not select(points, corpus=corpus, optimizer=optimizer):
+        return []
+    sizes = sizes_of(points, corpus, optimizer, plan)
     if not sizes:
         return []
     stale = stale or {}
@@ -365,16 +478,18 @@ def multipliers_table(points: Sequence[Point], corpus: str, optimizer: str,
              "|---|" + "---|" * len(sizes) + "---|"]
     for variant in variants:
         changed = stale.get((corpus, optimizer, variant), []) + stale.get((corpus, optimizer, REFERENCE), [])
+        changed += [f"mixed: {m}" for m in recipe_mix(recipes or {}, corpus, optimizer, (REFERENCE, variant))]
         mark = f" (stale: {'; '.join(dict.fromkeys(changed))})" if changed else ""
         cells = []
         for _, name, _ in sizes:
-            c = multiplier(points, corpus, optimizer, name, variant, "flops")
-            d = multiplier(points, corpus, optimizer, name, variant, "tokens")
+            c = multiplier(points, plan, corpus, optimizer, name, variant, "flops")
+            d = multiplier(points, plan, corpus, optimizer, name, variant, "tokens")
             if c is None and d is None:
                 cells.append("—")
                 continue
-            cells.append(f"C {c.text() if c else '—'} ({c.method if c else ''}); D {d.text() if d else '—'}")
-        c_trend, d_trend = (_trend_text(points, corpus, optimizer, variant, axis) for axis in ("flops", "tokens"))
+            method = f" ({c.method})" if isinstance(c, Estimate) else ""
+            cells.append(f"C {c.text() if c else '—'}{method}; D {d.text() if d else '—'}")
+        c_trend, d_trend = (_trend_text(points, plan, corpus, optimizer, variant, axis) for axis in ("flops", "tokens"))
         trends = f"{c_trend or '—'} / {d_trend or '—'}"
         lines.append(f"| {variant}{mark} | " + " | ".join(cells) + f" | {trends} |")
     return lines
@@ -394,13 +509,34 @@ def precision_line(records: Sequence[dict[str, Any]]) -> str:
     return f"Training precision: {'; '.join(parts)}{mixed}."
 
 
+def ladder_plan(records: Sequence[dict[str, Any]], planned: dict[str, dict[str, Any]]) -> Plan:
+    """The runs the page waits for: today's plan of the records' ladders (`ladder.planned_entries`, at
+    their budget scale), and the records' own plan entries where today's plan lacks their key."""
+    entries = [entry for entry in planned.values() if ladder.UNBUILDABLE not in entry]
+    known = {entry["key"] for entry in entries}
+    entries += [r["plan"] for r in records if r["plan"]["key"] not in known]
+    recorded = {(r["plan"]["spec"], r["plan"]["size"]["name"]) for r in records
+                if r["plan"]["variant"]["name"] == REFERENCE}
+    params = {}
+    for entry in entries:  # gpt's parameters at a size none of gpt's records shows yet (the table's header)
+        where = (entry["spec"], entry["size"]["name"])
+        if where not in recorded and where not in params and entry["spec"] in ladder.SPECS:
+            params[where] = ladder.gpt_params(ladder.Size(**entry["size"]), ladder.SPECS[entry["spec"]].seq_len)
+    return Plan.from_entries(entries, params)
+
+
 def generate(records: Sequence[dict[str, Any]], figures: Path | None = None, figures_link: str = "",
              failed: dict[str, dict[str, Any]] | None = None) -> str:
     """The page: the claims (one row each), the multipliers, the plots; `failed` (`ladder.read_failures`):
     the runs that failed, named under the header (they have no record)."""
     _CACHE.clear()
     points = points_of(records)
-    stale = stale_by_variant(records, ladder.planned_entries(records))
+    planned = ladder.planned_entries(records)
+    stale = stale_by_variant(records, planned)
+    plan = ladder_plan(records, planned)
+    recipes = recipes_by_variant(records)
+    recorded = {r.get("key") for r in records if r.get("complete")}
+    failed = {key: why for key, why in (failed or {}).items() if key not in recorded}  # retried since, and finished
     commits = sorted({r.get("commit", "unknown")[:10] for r in records})
     lines = ["# The compute ladder: the papers' scaling claims",
              "",
@@ -412,7 +548,11 @@ def generate(records: Sequence[dict[str, Any]], figures: Path | None = None, fig
              "the seeds' geometric mean and its 95% t-interval; at a one-seed size the interval takes the "
              "per-seed scatter pooled over the seeded sizes (named beside it). `>`/`<`: a seed's value lies "
              "more than 2x past gpt's measured range, so the figure is a bound. \"Does not hold\" needs an "
-             "interval on the wrong side at the Bonferroni level over the row's intervals. C = FLOPs gpt needs "
+             "interval on the wrong side at the Bonferroni level over the row's intervals (every planned size "
+             "counts). A figure waits for every run of the plan behind it (\"incomplete: k of n runs\"), and a "
+             "verdict for every planned size: \"holds\" needs them all, and the row reads \"incomplete\" until "
+             "one planned size decides \"does not hold\" or they have all finished. "
+             "C = FLOPs gpt needs "
              "to reach the variant's BPB / the variant's FLOPs, D = the same for tokens, P = gpt's "
              "non-embedding parameters needed at the variant's tokens / the variant's."]
     if records:
@@ -429,16 +569,17 @@ def generate(records: Sequence[dict[str, Any]], figures: Path | None = None, fig
     details = []
     # Muon's points at the sizes the AdamW column covers: its verdict there is what AdamW's is compared with
     # (kept alive for the page: the estimates' cache keys on the list's identity)
-    at_adamw_sizes = {corpus: [p for p in points if p.optimizer != "muon" or p.size in
-                               {q.size for q in points if q.optimizer == "adamw" and q.corpus == corpus}]
+    adamw_sizes = {corpus: {r.size for r in plan.select(corpus=corpus, optimizer="adamw")} for corpus, _ in COLUMNS}
+    at_adamw_sizes = {corpus: ([p for p in points if p.optimizer != "muon" or p.size in adamw_sizes[corpus]],
+                               plan.restricted(lambda r, c=corpus: r.optimizer != "muon" or r.size in adamw_sizes[c]))
                       for corpus, _ in COLUMNS}
     for claim in CLAIMS:
-        cells = {column: column_cell(claim, points, *column, stale) for column in COLUMNS}
+        cells = {column: column_cell(claim, points, *column, stale, plan, recipes) for column in COLUMNS}
         rendered = []
         for (corpus, optimizer), cell in cells.items():
             text = f"**{cell.verdict}**"
             if optimizer == "adamw" and cell.verdict in DECIDED:
-                muon = claim.evaluate(at_adamw_sizes[corpus], corpus, "muon").verdict
+                muon = claim.evaluate(*at_adamw_sizes[corpus][:1], corpus, "muon", at_adamw_sizes[corpus][1]).verdict
                 if muon in DECIDED and DECIDED[muon] != DECIDED[cell.verdict]:
                     text += f" (depends on the optimizer: Muon over the same sizes {muon})"
             if cell.trend and optimizer == "muon" and cell.verdict != "not run":
@@ -451,7 +592,7 @@ def generate(records: Sequence[dict[str, Any]], figures: Path | None = None, fig
         lines += ["", "### The figures behind each verdict"] + details
         lines += ["", "## Every variant's multipliers over gpt"]
         for corpus, optimizer in COLUMNS:
-            lines += multipliers_table(points, corpus, optimizer, stale)
+            lines += multipliers_table(points, corpus, optimizer, stale, plan, recipes)
         lines += epochs_marks(points)
         if figures is not None:
             shown = []
@@ -466,7 +607,8 @@ def generate(records: Sequence[dict[str, Any]], figures: Path | None = None, fig
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=Path("experiments/ladder-runs"), help="the ladder's folder (its records/)")
+    p.add_argument("--out", type=Path, default=Path("experiments/ladder-runs"),
+                   help="the ladder's folder (its records/)")
     p.add_argument("--write", type=Path, default=None,
                    help="the page to write (default: OUT/ladder.md); its plots go to figures/ladder beside "
                         "experiments/ when the page is in experiments/, else to OUT/figures")

@@ -105,6 +105,105 @@ def select(points: Sequence[Point], decayed: bool = True, **where: Any) -> list[
 
 
 # --------------------------------------------------------------------------------------------
+# The plan: which runs a figure waits for
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    """One run of a ladder's plan (a plan entry: a record's, or today's plan rebuilt)."""
+
+    key: str
+    spec: str
+    corpus: str
+    optimizer: str
+    size: str
+    size_index: int
+    variant: str
+    seed: int
+    branches: frozenset[tuple[str, int]]  # (kind, budget) of every branch it ends
+    gpt_params: int = 0  # gpt's non-embedding parameters at its size, where known
+
+
+class Plan:
+    """The runs a ladder plans, by key. A figure is made only from whole sets of them: the largest
+    budget is the plan's, not the largest among the records so far (fbt-paper trains a straight run
+    per budget, and a missing one would silently move "the largest"), "every size" is every
+    planned size, and a figure whose planned runs have not all finished is `Incomplete`."""
+
+    def __init__(self, runs: Iterable[PlannedRun]):
+        self.runs = list({(run.key, run.spec, run.corpus, run.optimizer, run.size, run.variant, run.seed): run
+                          for run in runs}.values())
+
+    @classmethod
+    def from_entries(cls, entries: Iterable[dict[str, Any]], gpt_params: dict[tuple[str, str], int] | None = None,
+                     ) -> Plan:
+        """From plan entries (`RunPlan.describe()`, as records keep them); `gpt_params`: (spec, size)
+        -> gpt's non-embedding parameters."""
+        found = []
+        for entry in entries:
+            size = entry["size"]["name"]
+            found.append(PlannedRun(entry["key"], entry["spec"], entry["corpus"], entry["optimizer"], size,
+                                    entry.get("size_index", 0), entry["variant"]["name"], entry["seed"],
+                                    frozenset((b["kind"], b["budget"]) for b in entry["branches"]),
+                                    (gpt_params or {}).get((entry["spec"], size), 0)))
+        return cls(found)
+
+    @classmethod
+    def from_points(cls, points: Sequence[Point]) -> Plan:
+        """The runs the points come from, as if they were the whole plan (no plan at hand)."""
+        runs: dict[tuple, list[Point]] = {}
+        for p in points:
+            runs.setdefault((p.key, p.spec, p.corpus, p.optimizer, p.size, p.variant, p.seed), []).append(p)
+        params = {(p.spec, p.size): p.params for p in points if p.variant == REFERENCE}
+        return cls(PlannedRun(pts[0].key, pts[0].spec, pts[0].corpus, pts[0].optimizer, pts[0].size,
+                              pts[0].size_index, pts[0].variant, pts[0].seed,
+                              frozenset((p.kind, p.budget) for p in pts if p.kind in DECAYED),
+                              params.get((pts[0].spec, pts[0].size), 0))
+                   for pts in runs.values())
+
+    def select(self, **where: Any) -> list[PlannedRun]:
+        return [r for r in self.runs if all(getattr(r, k) == v for k, v in where.items())]
+
+    def restricted(self, keep: Any) -> Plan:
+        return Plan(r for r in self.runs if keep(r))
+
+    def sizes(self, **where: Any) -> list[tuple[int, str]]:
+        """(index, name) of every size gpt is planned at, smallest first."""
+        return sorted({(r.size_index, r.size) for r in self.select(variant=REFERENCE, **where)})
+
+    def largest_budget(self, variant: str, kind: str = "tokens", **where: Any) -> int | None:
+        budgets = [b for r in self.select(variant=variant, **where) for k, b in r.branches if k == kind]
+        return max(budgets) if budgets else None
+
+    def incomplete(self, points: Sequence[Point], required: Sequence[PlannedRun], size: str = "",
+                   seeds: int = 0) -> Incomplete | None:
+        """`Incomplete` where some of the `required` runs have no record among the points."""
+        have = {p.key for p in points}
+        keys = {r.key for r in required}
+        done = len(keys & have)
+        return None if done == len(keys) else Incomplete(done, len(keys), size, seeds=seeds)
+
+
+@dataclass(frozen=True)
+class Incomplete:
+    """A figure that waits for runs of the plan: `have` of the `planned` runs behind it have records
+    (or, `waits_for`, for another size's figure: a one-seed size's interval takes the seeded sizes'
+    scatter). It decides nothing, and is shown as such, until they have all finished."""
+
+    have: int
+    planned: int
+    size: str = ""
+    seeds: int = 0  # the planned seeds of the comparison
+    waits_for: str = ""
+
+    def text(self, digits: int = 2) -> str:
+        if self.waits_for:
+            return f"incomplete: waits for {self.waits_for}"
+        return f"incomplete: {self.have} of {self.planned} runs"
+
+
+# --------------------------------------------------------------------------------------------
 # gpt's curve
 # --------------------------------------------------------------------------------------------
 
@@ -344,47 +443,66 @@ def _estimate(found: SeedValues, pooled: tuple[float, int] | None, pooled_from: 
                     pooled_from=pooled_from if mean.pooled else (), epochs=found.epochs, size=size)
 
 
-def _sizes(points: Sequence[Point], **where: Any) -> list[str]:
-    return [name for _, name in sorted({(p.size_index, p.size) for p in select(points, variant=REFERENCE, **where)})]
-
-
-def _pooled_over_sizes(points: Sequence[Point], where: dict[str, Any], size: str,
-                       values_at: Any) -> tuple[tuple[float, int] | None, tuple[str, ...]]:
-    """The seed scatter of the same comparison pooled over the other sizes with two or more seeds
-    (`values_at(size)`: their `SeedValues`), and those sizes' names."""
-    groups, names = [], []
-    for other in _sizes(points, **where):
+def _pooled_over_sizes(points: Sequence[Point], plan: Plan, where: dict[str, Any], size: str,
+                       values_at: Any) -> tuple[tuple[float, int] | None, tuple[str, ...], tuple[str, ...]]:
+    """The seed scatter of the same comparison pooled over the column's other planned sizes with two
+    or more seeds (`values_at(size)`: their `SeedValues`, or `Incomplete`), those sizes' names, and
+    the seeded sizes whose comparison is still incomplete (the scatter then waits for them)."""
+    groups, names, waiting = [], [], []
+    for _, other in plan.sizes(**where):
         found = None if other == size else values_at(other)
-        if found is not None and len(found.values) >= 2:
+        if isinstance(found, Incomplete):
+            if found.seeds >= 2:
+                waiting.append(other)
+        elif found is not None and len(found.values) >= 2:
             groups.append(list(found.values.values()))
             names.append(other)
-    return pooled_scatter(groups), tuple(names)
+    return pooled_scatter(groups), tuple(names), tuple(waiting)
 
 
 def _column(corpus: str, optimizer: str, spec: str | None) -> dict[str, Any]:
     return dict(corpus=corpus, optimizer=optimizer) | ({"spec": spec} if spec else {})
 
 
-def _estimate_at(points: Sequence[Point], column: dict[str, Any], size: str, values_at: Any) -> Estimate | None:
+def _estimate_at(points: Sequence[Point], plan: Plan, column: dict[str, Any], size: str,
+                 values_at: Any) -> Estimate | Incomplete | None:
     """The estimate at `size` from `values_at(size)`'s per-seed values; with one seed, its interval
-    from the same comparison's seed scatter at the column's other sizes."""
+    from the same comparison's seed scatter at the column's other sizes (incomplete while a seeded
+    size's comparison is)."""
     found = values_at(size)
-    if found is None:
-        return None
-    pooled, names = (None, ()) if len(found.values) >= 2 else _pooled_over_sizes(points, column, size, values_at)
+    if found is None or isinstance(found, Incomplete):
+        return found
+    if len(found.values) >= 2:
+        return _estimate(found, None, (), size)
+    pooled, names, waiting = _pooled_over_sizes(points, plan, column, size, values_at)
+    if waiting:
+        return Incomplete(0, 0, size, seeds=len(found.values), waits_for=f"the seed scatter of {', '.join(waiting)}")
     return _estimate(found, pooled, names, size)
 
 
 def multiplier_values(points: Sequence[Point], corpus: str, optimizer: str, size: str, variant: str, axis: str,
-                      budget: int | None = None, kind: str = "tokens", spec: str | None = None) -> SeedValues | None:
+                      budget: int | None = None, kind: str = "tokens", spec: str | None = None,
+                      plan: Plan | None = None) -> SeedValues | Incomplete | None:
     """Per seed the variant shares with gpt: log(x_gpt,s(BPB_v,s) / x_v,s), gpt's curve from seed s's
-    own points (paired: the same data order and initialisation)."""
+    own points (paired: the same data order and initialisation). The budget (default: the variant's
+    largest `kind` budget in the plan) and the seeds are the plan's: `Incomplete` until every planned
+    run behind them (the variant's runs that end there, gpt's runs of those seeds) has its record;
+    None where the plan has no such run."""
+    plan = plan or Plan.from_points(points)
     where = _column(corpus, optimizer, spec) | {"size": size}
+    budget = plan.largest_budget(variant, kind, **where) if budget is None else budget
+    if budget is None:
+        return None
+    required = [r for r in plan.select(variant=variant, **where) if (kind, budget) in r.branches]
+    if not required:
+        return None
+    seeds = {r.seed for r in required}
+    required += [r for r in plan.select(variant=REFERENCE, **where) if r.seed in seeds]
+    missing = plan.incomplete(points, required, size, seeds=len(seeds))
+    if missing is not None:
+        return missing
     reference = select(points, variant=REFERENCE, **where)
     mine = [p for p in select(points, variant=variant, **where) if p.kind == kind]
-    if not reference or not mine:
-        return None
-    budget = max(p.budget for p in mine) if budget is None else budget
     by_seed = {p.seed: p for p in mine if p.budget == budget}
     table = _seed_table(reference, axis)
     seeds = sorted(set(table) & set(by_seed))
@@ -403,31 +521,44 @@ def multiplier_values(points: Sequence[Point], corpus: str, optimizer: str, size
 
 
 def multiplier(points: Sequence[Point], corpus: str, optimizer: str, size: str, variant: str, axis: str,
-               budget: int | None = None, kind: str = "tokens", spec: str | None = None) -> Estimate | None:
+               budget: int | None = None, kind: str = "tokens", spec: str | None = None,
+               plan: Plan | None = None) -> Estimate | Incomplete | None:
     """The variant's compute (axis="flops") or data (axis="tokens") multiplier over gpt at one of
-    its points (`kind` budget `budget`; default its largest): x_gpt(BPB_v) / x_v per seed, their
-    geometric mean and t-interval (a one-seed size: the seed scatter of the seeded sizes)."""
-    def values_at(name: str) -> SeedValues | None:
-        return multiplier_values(points, corpus, optimizer, name, variant, axis, budget, kind, spec)
+    its points (`kind` budget `budget`; default its largest in the plan): x_gpt(BPB_v) / x_v per seed,
+    their geometric mean and t-interval (a one-seed size: the seed scatter of the seeded sizes).
+    `plan` (default: the runs the points come from) says which runs the figure waits for."""
+    plan = plan or Plan.from_points(points)
 
-    return _estimate_at(points, _column(corpus, optimizer, spec), size, values_at)
+    def values_at(name: str) -> SeedValues | Incomplete | None:
+        return multiplier_values(points, corpus, optimizer, name, variant, axis, budget, kind, spec, plan)
+
+    return _estimate_at(points, plan, _column(corpus, optimizer, spec), size, values_at)
 
 
 def parameter_values(points: Sequence[Point], corpus: str, optimizer: str, size: str, variant: str,
-                     spec: str | None = None) -> SeedValues | None:
-    """Per seed: log(N_gpt(BPB_v; T_v) / N_v) at the variant's largest token budget: gpt's BPB at
-    the variant's tokens at each size (from seed s's points where that size has seed s, else from
-    all its seeds), then log N against log BPB across the sizes, inverted."""
+                     spec: str | None = None, plan: Plan | None = None) -> SeedValues | Incomplete | None:
+    """Per seed: log(N_gpt(BPB_v; T_v) / N_v) at the variant's largest token budget in the plan: gpt's
+    BPB at the variant's tokens at each size (from seed s's points where that size has seed s, else
+    from all its seeds), then log N against log BPB across the sizes, inverted. `Incomplete` until
+    the variant's planned runs of that budget and every planned gpt run of the column have records."""
+    plan = plan or Plan.from_points(points)
     where = _column(corpus, optimizer, spec)
-    mine = [p for p in select(points, variant=variant, size=size, **where) if p.kind == "tokens"]
-    if not mine:
+    budget = plan.largest_budget(variant, "tokens", size=size, **where)
+    if budget is None:
         return None
-    budget = max(p.budget for p in mine)
+    required = [r for r in plan.select(variant=variant, size=size, **where) if ("tokens", budget) in r.branches]
+    if not required or len(plan.sizes(**where)) < 2:
+        return None
+    seeds = len({r.seed for r in required})
+    missing = plan.incomplete(points, required + plan.select(variant=REFERENCE, **where), size, seeds=seeds)
+    if missing is not None:
+        return missing
+    mine = [p for p in select(points, variant=variant, size=size, **where) if p.kind == "tokens"]
     mine = {p.seed: p for p in mine if p.budget == budget}
     references: dict[tuple[int, str], list[Point]] = {}
     for p in select(points, variant=REFERENCE, **where):
         references.setdefault((p.size_index, p.size), []).append(p)
-    if len(references) < 2 or not any(s == size for _, s in references):
+    if len(references) < 2 or not any(s == size for _, s in references) or not mine:
         return None
     tables = {key: _seed_table(pts, "tokens") for key, pts in references.items()}
     params = {key: pts[0].params for key, pts in references.items()}
@@ -453,26 +584,36 @@ def parameter_values(points: Sequence[Point], corpus: str, optimizer: str, size:
 
 
 def parameter_multiplier(points: Sequence[Point], corpus: str, optimizer: str, size: str, variant: str,
-                         spec: str | None = None) -> Estimate | None:
+                         spec: str | None = None, plan: Plan | None = None) -> Estimate | Incomplete | None:
     """N_gpt(BPB_v; T_v) / N_v at the variant's largest token budget, per seed (`parameter_values`),
     their geometric mean and t-interval (a one-seed size: the seed scatter of the seeded sizes)."""
-    def values_at(name: str) -> SeedValues | None:
-        return parameter_values(points, corpus, optimizer, name, variant, spec)
+    plan = plan or Plan.from_points(points)
 
-    return _estimate_at(points, _column(corpus, optimizer, spec), size, values_at)
+    def values_at(name: str) -> SeedValues | Incomplete | None:
+        return parameter_values(points, corpus, optimizer, name, variant, spec, plan)
 
-
-def _matched_points(points: Sequence[Point], where: dict[str, Any], name: str, budget: int) -> dict[int, Point]:
-    """Per seed, `name`'s point matched to gpt's training FLOPs at `budget`: its FLOP-matched
-    branch, or its token budget where it needs none."""
-    pts = select(points, variant=name, **where)
-    by_kind = {p.seed: p for p in pts if p.kind == "flops" and p.budget == budget}
-    return by_kind or {p.seed: p for p in pts if p.kind == "tokens" and p.budget == budget}
+    return _estimate_at(points, plan, _column(corpus, optimizer, spec), size, values_at)
 
 
-def _ratio_values(points: Sequence[Point], where: dict[str, Any], variant: str, baseline: str,
-                  budget: int) -> tuple[SeedValues, list[int], list[float]] | None:
-    a, b = _matched_points(points, where, variant, budget), _matched_points(points, where, baseline, budget)
+def _matched_kind(plan: Plan, where: dict[str, Any], name: str, budget: int) -> str:
+    """The branch that stands for `name` at gpt's training FLOPs of `budget`: its FLOP-matched branch
+    where the plan has one, else its token budget (within 5% of gpt's FLOPs: it needs none)."""
+    return "flops" if any(("flops", budget) in r.branches for r in plan.select(variant=name, **where)) else "tokens"
+
+
+def _ratio_values(points: Sequence[Point], plan: Plan, where: dict[str, Any], variant: str, baseline: str,
+                  budget: int) -> tuple[SeedValues, list[int], list[float]] | Incomplete | None:
+    kinds = {name: _matched_kind(plan, where, name, budget) for name in (variant, baseline)}
+    required = {name: [r for r in plan.select(variant=name, **where) if (kinds[name], budget) in r.branches]
+                for name in (variant, baseline)}
+    if not required[variant] or not required[baseline]:
+        return None
+    seeds = len({r.seed for r in required[variant]} & {r.seed for r in required[baseline]})
+    missing = plan.incomplete(points, required[variant] + required[baseline], where.get("size", ""), seeds=seeds)
+    if missing is not None:
+        return missing
+    a, b = ({p.seed: p for p in select(points, variant=name, **where) if p.kind == kinds[name] and p.budget == budget}
+            for name in (variant, baseline))
     seeds = sorted(set(a) & set(b))
     if not seeds:
         return None
@@ -488,27 +629,31 @@ def _ratio_values(points: Sequence[Point], where: dict[str, Any], variant: str, 
 
 
 def paired_ratio(points: Sequence[Point], corpus: str, optimizer: str, size: str, variant: str, baseline: str,
-                 budget: int, spec: str | None = None) -> dict[str, Any] | None:
+                 budget: int, spec: str | None = None, plan: Plan | None = None) -> dict[str, Any] | Incomplete | None:
     """Per-seed BPB ratio variant / baseline at the points matched to gpt's training FLOPs at
     `budget` (a FLOP-matched branch, or the token budget where a variant needs none), with the
     FLOPs ratio of every pair; mean [95% t-interval over seeds] (a one-seed size: the seed scatter
     of the same comparison pooled over the seeded sizes). Pairs whose FLOPs differ by more than 5%
-    are refused (listed under "refused")."""
+    are refused (listed under "refused"). `Incomplete` until every planned run behind it has its
+    record (and, at a one-seed size, the seeded sizes' same comparison)."""
+    plan = plan or Plan.from_points(points)
     column = _column(corpus, optimizer, spec)
-    made = _ratio_values(points, column | {"size": size}, variant, baseline, budget)
-    if made is None:
-        return None
+    made = _ratio_values(points, plan, column | {"size": size}, variant, baseline, budget)
+    if made is None or isinstance(made, Incomplete):
+        return made
     found, refused, flops_ratios = made
     if not found.values:
         return {"refused": refused, "flops_ratios": flops_ratios}
     ratios = [found.values[s] for s in sorted(found.values)]
     pooled, names = None, ()
     if len(ratios) == 1:
-        def values_at(name: str) -> SeedValues | None:
-            other = _ratio_values(points, column | {"size": name}, variant, baseline, budget)
-            return None if other is None else other[0]
+        def values_at(name: str) -> SeedValues | Incomplete | None:
+            other = _ratio_values(points, plan, column | {"size": name}, variant, baseline, budget)
+            return other if other is None or isinstance(other, Incomplete) else other[0]
 
-        pooled, names = _pooled_over_sizes(points, column, size, values_at)
+        pooled, names, waiting = _pooled_over_sizes(points, plan, column, size, values_at)
+        if waiting:
+            return Incomplete(0, 0, size, seeds=1, waits_for=f"the seed scatter of {', '.join(waiting)}")
     mean = seed_mean(ratios, pooled)
     kept = [f for f in flops_ratios if abs(f - 1) <= FLOPS_MATCH]
     return {"mean": mean.center, "interval": mean.interval(), "stats": mean, "ratios": ratios,
@@ -521,7 +666,7 @@ def trend(estimates: Sequence[tuple[int, Estimate]]) -> dict[str, Any] | None:
     weighted least squares, a size's weight its seeds / sigma^2 (sigma: the per-seed scatter of log M
     pooled over the sizes with two or more seeds), and its t-interval at the pooled degrees of
     freedom: "grows" / "shrinks" / "no trend resolved". Sizes whose estimate is a bound are named."""
-    usable = [(n, e) for n, e in estimates if e is not None and e.value > 0 and e.seeds > 0]
+    usable = [(n, e) for n, e in estimates if isinstance(e, Estimate) and e.value > 0 and e.seeds > 0]
     if len(usable) < 2:
         return None
     x = np.log([n for n, _ in usable])

@@ -7,6 +7,7 @@ by the rules. The smoke ladders (CPU, and the GPU plan trained on the CPU) are s
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -339,7 +340,7 @@ def synthetic_points(shift: float, cost: float, seeds=(0, 1, 2), noise: float = 
                 bpb = gpt_bpb(s * tokens) * (1 + noise * rng.standard_normal())
                 points.append(Point("x", "c", "muon", size, size_index, name, name, seed, kind, f"{kind}{budget}",
                                     budget, tokens, c * GPT_FLOPS_PER_TOKEN * tokens, bpb, 0.5, params,
-                                    f"{name}{seed}"))
+                                    f"{size}/{name}{seed}"))
     return points
 
 
@@ -486,29 +487,52 @@ def synthetic_records(spec: LadderSpec, equivalent: dict[str, callable],
     return records
 
 
+# the claims table's synthetic ladder: two sizes with three seeds each, three budgets, AdamW at the smaller size
+CLAIMS_SPEC = dataclasses.replace(TINY, name="claims", seeds=(0, 1, 2), seeded_sizes=2, budget_ratios=(0.2, 0.4, 0.8),
+                                  reference_extension=(1.6,), corpora=("stdlib",), adamw_sizes=1)
+CLAIMS_EQUIVALENT = {
+    "gpt": lambda t, f, g: t,
+    "fbt-paper": lambda t, f, g: 1.6 * t,  # data-efficient: holds
+    "fbt": lambda t, f, g: 1.1 * t,
+    "lrt": lambda t, f, g: t,  # as gpt at equal tokens, at twice the FLOPs: C ~ 0.5, does not hold
+    "rgpt-params": lambda t, f, g: 0.8 * t,  # worse at equal tokens: does not hold
+    "rgpt-flops": lambda t, f, g: f / g,  # gpt's curve at equal FLOPs: matches
+    "mor-flops": lambda t, f, g: 0.7 * f / g,  # both baselines worse at equal FLOPs: rgpt beats them
+    "rgpt-flops-heavy": lambda t, f, g: 0.7 * f / g,
+}
+# AdamW (at the smallest size only): lrt ahead at equal FLOPs (C 1.5), rgpt-params as gpt at equal tokens
+CLAIMS_ADAMW = {"lrt": lambda t, f, g: 1.5 * f / g, "rgpt-params": lambda t, f, g: t}
+_MADE: dict[str, list[dict]] = {}  # synthetic records made once per test session (copies handed out)
+
+
+def made_records(name: str, spec: LadderSpec, equivalent: dict, adamw: dict | None = None) -> list[dict]:
+    if name not in _MADE:
+        _MADE[name] = synthetic_records(spec, equivalent, adamw)
+    return copy.deepcopy(_MADE[name])
+
+
+def claims_records(monkeypatch) -> list[dict]:
+    """CLAIMS_SPEC registered, and every run of its ladder recorded (CLAIMS_EQUIVALENT, CLAIMS_ADAMW)."""
+    monkeypatch.setitem(ladder.SPECS, CLAIMS_SPEC.name, CLAIMS_SPEC)
+    return made_records("claims", CLAIMS_SPEC, CLAIMS_EQUIVALENT, CLAIMS_ADAMW)
+
+
+def page_rows(page: str) -> dict[str, str]:
+    return {line.split(" | ")[0].lstrip("| "): line for line in page.splitlines() if line.startswith("| ")}
+
+
+def row_verdict(rows: dict[str, str], prefix: str, column: int = 2) -> str:
+    row = next(text for claim, text in rows.items() if claim.startswith(prefix))
+    return row.split(" | ")[column]  # 2: the stdlib, Muon column; 4: stdlib, AdamW
+
+
 def test_the_claims_table_decides_synthetic_records_by_the_rules(monkeypatch):
-    spec = dataclasses.replace(TINY, name="claims", seeds=(0, 1, 2), seeded_sizes=2, budget_ratios=(0.2, 0.4, 0.8),
-                               reference_extension=(1.6,), corpora=("stdlib",), adamw_sizes=1)
-    monkeypatch.setitem(ladder.SPECS, spec.name, spec)
-    equivalent = {
-        "gpt": lambda t, f, g: t,
-        "fbt-paper": lambda t, f, g: 1.6 * t,  # data-efficient: holds
-        "fbt": lambda t, f, g: 1.1 * t,
-        "lrt": lambda t, f, g: t,  # as gpt at equal tokens, at twice the FLOPs: C ~ 0.5, does not hold
-        "rgpt-params": lambda t, f, g: 0.8 * t,  # worse at equal tokens: does not hold
-        "rgpt-flops": lambda t, f, g: f / g,  # gpt's curve at equal FLOPs: matches
-        "mor-flops": lambda t, f, g: 0.7 * f / g,  # both baselines worse at equal FLOPs: rgpt beats them
-        "rgpt-flops-heavy": lambda t, f, g: 0.7 * f / g,
-    }
-    # AdamW (at the smallest size only): lrt ahead at equal FLOPs (C 1.5), rgpt-params as gpt at equal tokens
-    adamw = {"lrt": lambda t, f, g: 1.5 * f / g, "rgpt-params": lambda t, f, g: t}
-    records = synthetic_records(spec, equivalent, adamw)
+    records = claims_records(monkeypatch)
     page = ladder_claims.generate(records)
-    rows = {line.split(" | ")[0].lstrip("| "): line for line in page.splitlines() if line.startswith("| ")}
+    rows = page_rows(page)
 
     def verdict(prefix: str, column: int = 2) -> str:
-        row = next(text for claim, text in rows.items() if claim.startswith(prefix))
-        return row.split(" | ")[column]  # 2: the stdlib, Muon column; 4: stdlib, AdamW
+        return row_verdict(rows, prefix, column)
 
     def decision(prefix: str) -> str:
         return verdict(prefix).split("**")[1]
@@ -534,6 +558,266 @@ def test_the_page_without_records_says_nothing_has_run():
     page = ladder_claims.generate([])
     assert "No ladder run has finished yet" in page
     assert page.count("**not run**") == len(ladder_claims.CLAIMS) * len(ladder_claims.COLUMNS)
+
+
+# --------------------------------------------------------------------------------------------
+# A ladder still running: the figures wait for the plan's runs
+# --------------------------------------------------------------------------------------------
+
+
+def _size_of(record: dict) -> str:
+    return record["plan"]["size"]["name"]
+
+
+def test_a_missing_straight_run_leaves_its_cell_incomplete_instead_of_moving_the_largest_budget(monkeypatch):
+    """fbt-paper trains one straight run per budget. Its D is 0.8 at size a's largest budget, 1.6
+    elsewhere: "does not hold". Without a's largest-budget runs the largest budget among the records
+    was the one before (D 1.6) and the row read "holds"; the budget is the plan's, and the cell
+    waits for those runs."""
+    spec = dataclasses.replace(CLAIMS_SPEC, name="claims-budget", adamw_sizes=0)
+    monkeypatch.setitem(ladder.SPECS, spec.name, spec)
+    a = next(r for r in ladder.plan_ladder(spec, ladder.ladder_variants(["gpt"]), ("stdlib",)) if r.size.name == "a")
+    largest_a = a.branches[2].steps * a.size.batch_size * spec.seq_len
+    records = made_records("claims-budget", spec, {"gpt": lambda t, f, g: t,
+                                                   "fbt-paper": lambda t, f, g: (0.8 if t == largest_a else 1.6) * t})
+
+    def fbt_row(recs: list[dict]) -> str:
+        return row_verdict(page_rows(ladder_claims.generate(recs)), "FBT: matches")
+
+    assert fbt_row(records).startswith("**does not hold**")
+    running = [r for r in records if not (r["plan"]["variant"]["name"] == "fbt-paper" and _size_of(r) == "a"
+                                          and r["plan"]["part"] == 2)]
+    assert len(running) == len(records) - 3  # one straight run per seed
+    assert fbt_row(running) == "**incomplete**"
+    plan = ladder_claims.ladder_plan(running, ladder.planned_entries(running))
+    found = ladder_fit.multiplier(ladder_fit.points_of(running), "stdlib", "muon", "a", "fbt-paper", "tokens",
+                                  plan=plan)
+    # its 3 seeds' straight runs of that budget and gpt's 3 runs: gpt's are there
+    assert isinstance(found, ladder_fit.Incomplete) and found.text() == "incomplete: 3 of 6 runs"
+    page = ladder_claims.generate(running)
+    assert "fbt-paper D: a incomplete: 3 of 6 runs; b 1.5" in page
+
+
+def test_a_verdict_waits_for_every_planned_size_and_counts_them_all_in_its_bonferroni_level(monkeypatch):
+    """Records of size a only (size b planned, not run yet): no row "holds" or "matches" from one of two
+    sizes; a row with a size decided below 1 "does not hold" already (the rules' "at any size"), at the
+    level of the 2 planned sizes, not of the 1 that has records."""
+    records = [r for r in claims_records(monkeypatch) if _size_of(r) == "a"]
+    planned = ladder.planned_entries(records)  # today's plan: both sizes (built once here, seconds)
+    monkeypatch.setattr(ladder, "planned_entries", lambda recs: planned)
+    page = ladder_claims.generate(records)
+    rows = page_rows(page)
+    decision = {prefix: row_verdict(rows, prefix).split("**")[1] for prefix in (
+        "FBT: matches", "LRT", "RGPT: better", "RGPT: at isoFLOPs", "RGPT: beats", "RGPT: at isoPARAMs")}
+    assert decision == {"FBT: matches": "incomplete", "LRT": "does not hold", "RGPT: better": "does not hold",
+                        "RGPT: at isoFLOPs": "incomplete", "RGPT: beats": "incomplete",
+                        "RGPT: at isoPARAMs": "does not hold"}
+    assert "b incomplete: 0 of 6 runs" in page
+    # the AdamW column covers size a only: complete there, and decided as before
+    assert row_verdict(rows, "LRT", 4).startswith("**holds**")
+    # Bonferroni over the planned sizes (2): rules 1, 2, 4 and 6; rule 3's 4 per size; rule 5's 2 sizes x 3
+    # budgets x 2 baselines
+    levels: list[int] = []
+    original = ladder_claims.against_level
+    monkeypatch.setattr(ladder_claims, "against_level", lambda tests: levels.append(tests) or original(tests))
+    plan = ladder_claims.ladder_plan(records, planned)
+    points = ladder_fit.points_of(records)
+    for claim, tests in zip(ladder_claims.CLAIMS, (2, 2, 8, 2, 12, 2)):
+        levels.clear()
+        ladder_claims.column_cell(claim, points, "stdlib", "muon", {}, plan)
+        assert levels and set(levels) == {tests}, claim.paper
+
+
+def test_a_one_seed_sizes_interval_waits_for_the_seed_scatter_it_borrows():
+    """Size b has one seed: its interval takes size a's seed scatter, so while a seed of size a is
+    missing the figure at b is incomplete too (the pooled scatter would change)."""
+    points = (synthetic_points(1.6, 2.0, seeds=(0, 1, 2), noise=0.01, size="a", size_index=0)
+              + synthetic_points(1.6, 2.0, seeds=(0,), noise=0.01, size="b", size_index=1, params=40_000))
+    plan = ladder_fit.Plan.from_points(points)
+    assert isinstance(ladder_fit.multiplier(points, "c", "muon", "b", "var", "tokens", plan=plan),
+                      ladder_fit.Estimate)
+    partial = [p for p in points if not (p.size == "a" and p.variant == "var" and p.seed == 2)]
+    at_a = ladder_fit.multiplier(partial, "c", "muon", "a", "var", "tokens", plan=plan)
+    assert isinstance(at_a, ladder_fit.Incomplete) and at_a.text() == "incomplete: 5 of 6 runs"
+    at_b = ladder_fit.multiplier(partial, "c", "muon", "b", "var", "tokens", plan=plan)
+    assert isinstance(at_b, ladder_fit.Incomplete) and at_b.text() == "incomplete: waits for the seed scatter of a"
+
+
+# --------------------------------------------------------------------------------------------
+# Shards sharing one folder; retried runs
+# --------------------------------------------------------------------------------------------
+
+
+def _smoke_gpt(monkeypatch) -> tuple[LadderSpec, list[RunPlan]]:
+    smoke = dataclasses.replace(TINY, name="smoke", seeds=(0,))
+    monkeypatch.setattr(ladder, "SMOKE", smoke)
+    monkeypatch.setitem(ladder.SPECS, "smoke", smoke)
+    return smoke, ladder.plan_ladder(smoke, ladder.ladder_variants(["gpt"]), ("tiny",))
+
+
+def test_shards_failing_at_once_keep_each_others_failures(tiny_ladder, tmp_path, monkeypatch):
+    """Shard 1 read failed.json when it started; shard 2 records its failure while shard 1's run
+    trains; shard 1's failure is then merged into the file as it is now, not written over it."""
+    out = tmp_path / "ladder"
+    _, runs = _smoke_gpt(monkeypatch)
+    argv = ["--out", str(out), "--smoke", "--variants", "gpt", "--corpora", "tiny", "--no-probe", "--quiet"]
+    inner = []
+
+    def fail(run, *args, **kwargs):
+        if run.key == runs[0].key and not inner:  # shard 1's run: shard 2 fails meanwhile
+            inner.append(ladder.main(argv + ["--shard", "2/2"]))
+        raise ladder.RunFailed(f"{run.key}: training diverged")
+
+    monkeypatch.setattr(ladder, "execute", fail)
+    assert ladder.main(argv + ["--shard", "1/2"]) == 0 and inner == [0]
+    assert sorted(ladder.read_failures(out)) == sorted(r.key for r in runs)
+
+
+def test_failures_are_written_under_a_lock(tmp_path):
+    """A writer waits while another holds the failures' lock, and then merges with what it wrote."""
+    import threading
+
+    out = tmp_path / "ladder"
+    with ladder._failures_locked(out):
+        writer = threading.Thread(target=ladder.update_failures, args=(out, "b", {"error": "b"}))
+        writer.start()
+        writer.join(0.3)
+        assert writer.is_alive() and ladder.read_failures(out) == {}  # waiting for the lock
+        ladder._atomic_write_json(out / ladder.FAILED_FILE, {"a": {"error": "a"}})
+    writer.join(10)
+    assert ladder.read_failures(out) == {"a": {"error": "a"}, "b": {"error": "b"}}
+
+
+def test_two_writers_of_one_json_file_never_share_a_temporary_file(tmp_path, monkeypatch):
+    """Shard 2 writes failed.json while shard 1's write is between its temporary file and the rename:
+    with one fixed temporary name, shard 2 renamed shard 1's file away and shard 1 died of
+    FileNotFoundError (or a reader saw half a file). Each write has its own temporary file, gone after,
+    with the mode a plain open() gives."""
+    import os
+
+    from latentloop.util import current_umask
+
+    path = tmp_path / "out" / "failed.json"
+    original = os.replace
+    nested = []
+
+    def replace(src, dst):
+        if not nested:
+            nested.append(src)
+            ladder._atomic_write_json(path, {"shard 2": 1})  # the other shard, meanwhile
+            assert json.loads(Path(src).read_text()) == {"shard 1": 1}  # its own temporary file is intact
+        original(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    ladder._atomic_write_json(path, {"shard 1": 1})
+    assert json.loads(path.read_text()) == {"shard 1": 1}
+    assert [f.name for f in path.parent.iterdir()] == ["failed.json"]
+    assert path.stat().st_mode & 0o777 == 0o666 & ~current_umask()
+
+
+def test_a_failed_run_retried_successfully_leaves_failed_json_and_the_page(tiny_ladder, tmp_path, monkeypatch):
+    out = tmp_path / "ladder"
+    _, runs = _smoke_gpt(monkeypatch)
+    argv = ["--out", str(out), "--smoke", "--variants", "gpt", "--corpora", "tiny", "--no-probe", "--quiet"]
+
+    def fail_first(run, *args, **kwargs):
+        if run.key == runs[0].key:
+            raise ladder.RunFailed(f"{run.key}: training diverged")
+        return {}
+
+    monkeypatch.setattr(ladder, "execute", fail_first)
+    assert ladder.main(argv) == 0
+    assert list(ladder.read_failures(out)) == [runs[0].key]
+    monkeypatch.setattr(ladder, "execute", lambda run, *args, **kwargs: {})  # it trains this time
+    assert ladder.main(argv + ["--retry-failed"]) == 0
+    assert ladder.read_failures(out) == {}
+    # a failures file that still names a run with a complete record (e.g. written by an older ladder)
+    records = claims_records(monkeypatch)[:3]
+    failed = {records[0]["key"]: {"error": "diverged"}, "claims/elsewhere": {"error": "diverged"}}
+    page = ladder_claims.generate(records, failed=failed)
+    assert "1 runs failed and are in no row" in page and records[0]["key"] + ":" not in page
+
+
+# --------------------------------------------------------------------------------------------
+# Records that do not share one recipe; the budget scale; the commit stamp
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_cell_whose_records_mix_recipes_decides_nothing(monkeypatch):
+    """Half the runs from before the CPU attention rule (no `attention_dtype`: bf16 attention), half
+    after; or half on another copy of the corpus: the LRT row reads stale, not a verdict."""
+    records = claims_records(monkeypatch)
+    for r in records:
+        r["precision"], r["attention_dtype"], r["data_sha256"] = "bfloat16", "float32", {"train": "aa", "val": "bb"}
+    attention = copy.deepcopy(records)
+    for i, r in enumerate(attention):
+        if i % 2:
+            del r["attention_dtype"]
+    monkeypatch.setattr(ladder, "planned_entries", lambda recs: {})  # the records are the whole plan (faster)
+    page = ladder_claims.generate(attention)
+    assert row_verdict(page_rows(page), "LRT").startswith("**stale**")
+    lrt = next(claim for claim in ladder_claims.CLAIMS if claim.paper.startswith("LRT"))
+    points = ladder_fit.points_of(records)
+
+    def cell(recs: list[dict]) -> ladder_claims.Cell:
+        return ladder_claims.column_cell(lrt, points, "stdlib", "muon", {}, None,
+                                         ladder_claims.recipes_by_variant(recs))
+
+    assert cell(records).verdict == "does not hold"  # one recipe
+    found = cell(attention)
+    assert found.verdict == "stale" and "attention dtype at a" in found.text
+    data = copy.deepcopy(records)
+    for i, r in enumerate(data):
+        if i % 2:
+            r["data_sha256"] = {"train": "cc", "val": "bb"}
+    found = cell(data)
+    assert found.verdict == "stale" and "2 different copies of the data" in found.text
+
+
+def test_a_record_whose_attention_ran_in_another_dtype_than_todays_rule_is_stale(monkeypatch):
+    """A CPU bf16 run at the ladder's small heads attends in float32 today; a record from before the
+    rule (no `attention_dtype`) attended in bf16."""
+    record = claims_records(monkeypatch)[0]
+    record |= {"device": "cpu", "precision": "bfloat16", "attention_dtype": "float32"}
+    assert ladder.stale_fields(record) == []
+    del record["attention_dtype"]
+    assert ladder.stale_fields(record) == ["attention_dtype: 'bfloat16' then, 'float32' now"]
+
+
+def test_a_record_made_at_another_budget_scale_is_rebuilt_at_its_scale(tiny_ladder, tmp_path):
+    """The GPU ladder's budgets are scaled to fit its 9 minutes (and `--budget-scale` scales any):
+    its records are today's plan at that scale, finished and not stale. At scale 1 the plan entry is
+    what it always was (the CPU ladder's records stay finished)."""
+    variants = ladder.ladder_variants(["gpt"])
+    run = ladder.plan_ladder(TINY, variants, ("tiny",), 2.0)[0]
+    plain = ladder.plan_ladder(TINY, variants, ("tiny",))[0]
+    record = {"key": run.key, "plan": ladder.plan_entry(run), "commit": "x", "points": [], "complete": True,
+              "config_requested": json.loads(json.dumps(ladder.run_config(run).to_dict()))}
+    assert ladder.stale_fields(record, ladder.planned_entries([record])) == []
+    assert ladder.plan_entry(run)["budget_scale"] == 2.0 and "budget_scale" not in ladder.plan_entry(plain)
+    assert set(ladder.plan_entry(plain)) == {"key", "spec", "corpus", "optimizer", "size", "size_index", "variant",
+                                             "seed", "part", "branches"}
+    (tmp_path / "records").mkdir()
+    (tmp_path / "records" / f"{run.file_name}.json").write_text(json.dumps(record))
+    assert ladder.finished(tmp_path, run) and not ladder.finished(tmp_path, plain)
+
+
+def test_the_first_modified_file_keeps_its_first_character(monkeypatch):
+    """`git status --porcelain` starts a file modified in the work tree with a space (" M .gitignore"):
+    stripping the output took it off the first line, which then lost a character of its name."""
+    import subprocess
+
+    def git(args, **kwargs):
+        out = "ab" * 20 + "\n" if "rev-parse" in args else " M .gitignore\n M latentloop/optim.py\nM  README.md\n"
+        return subprocess.CompletedProcess(args, 0, stdout=out, stderr="")
+
+    ladder.git_stamp.cache_clear()
+    monkeypatch.setattr(ladder.subprocess, "run", git)
+    try:
+        assert ladder.git_stamp() == {"commit": "ab" * 20,
+                                      "modified": [".gitignore", "latentloop/optim.py", "README.md"]}
+    finally:
+        ladder.git_stamp.cache_clear()
 
 
 # --------------------------------------------------------------------------------------------
