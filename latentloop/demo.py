@@ -77,6 +77,8 @@ def run_demo(out: Path, steps: int = DEMO_STEPS, data: str = "stdlib", preset: s
                            data=DataConfig(source=data))
         state = setup(config, out / arch, progress=progress)
         summary = fit(state, progress=progress)
+        if summary.get("interrupted") or summary.get("validation_skipped"):  # a Ctrl+C, honoured and saved by
+            raise KeyboardInterrupt  # fit: it stops the demo too (its report needed every run's val loss)
         summary["by_option"] = score_options(state)
         prompt = [state.tokenizer.bos_id] + state.tokenizer.encode(SAMPLE_PROMPT)
         room = config.model.sequence_len - len(prompt)

@@ -57,3 +57,25 @@ def test_every_loss_curve_has_at_least_20_points(corpus, tmp_path):
     for arch in ARCHS:
         rows = [json.loads(line) for line in (out / arch / "metrics.jsonl").read_text().splitlines()]
         assert sum("loss" in row for row in rows) >= 20, arch
+
+
+def test_a_ctrl_c_in_an_archs_final_validation_stops_the_demo(corpus, tmp_path, monkeypatch):
+    """fit honours it by skipping the validation and saving; the demo went on to the next arch and
+    ended, after all the training, in a KeyError on the missing val loss (no report)."""
+    import os
+    import signal
+
+    from latentloop.demo import run_demo
+    from latentloop.train import loop
+
+    validate = loop.validate
+
+    def pressed(state, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        return validate(state, *args, **kwargs)
+    monkeypatch.setattr(loop, "validate", pressed)
+    with pytest.raises(KeyboardInterrupt):
+        run_demo(tmp_path / "demo", archs=["gpt", "fbt"], steps=FAST_STEPS, preset="test", data=f"text:{corpus}",
+                 progress=False)
+    assert not (tmp_path / "demo" / "fbt").exists()  # stopped at the first arch, whose run is saved
+    assert any((tmp_path / "demo" / "gpt" / "checkpoints").iterdir())

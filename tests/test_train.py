@@ -234,6 +234,16 @@ def test_ctrl_c_in_the_final_validation_or_save_still_saves_and_one_in_the_last_
     assert not summary["validation_skipped"] and summary["val_loss"] > 0
     assert (tmp_path / "in-save" / "checkpoints" / "step_00000003" / "model.safetensors").is_file()
     monkeypatch.setattr(loop, "save", save_)
+    log_ = loop._log
+
+    def pressed_while_logging_the_final_row(state, row):
+        if "val_loss" in row:
+            _pressing_ctrl_c(lambda state: None)(state)
+        log_(state, row)
+    monkeypatch.setattr(loop, "_log", pressed_while_logging_the_final_row)  # trackers may take seconds here
+    summary = fit(setup(_config(corpus, steps=3, save_every=0), tmp_path / "in-log", progress=False), progress=False)
+    assert summary["val_loss"] > 0 and summary["checkpoint"].endswith("step_00000003")
+    monkeypatch.setattr(loop, "_log", log_)
     state = setup(_config(corpus, steps=3, save_every=0), tmp_path / "last", progress=False)
     _ctrl_c_at_batch(state, 3)
     summary = fit(state, progress=False)

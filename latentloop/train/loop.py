@@ -320,9 +320,9 @@ def _fit(state: TrainState, progress: bool, max_seconds: float | None) -> dict[s
         except _ValidationSkipped:
             skipped = True
             print("latentloop: final validation skipped (Ctrl+C); saving", file=sys.stderr)
+        interrupt.phase = "saving"  # from here a Ctrl+C is waited out: logging the row (trackers) included
         if final:
             _log(state, {"step": state.step, **{f"val_{k}": v for k, v in final.items()}})
-        interrupt.phase = "saving"
         checkpoint = save(state)
     finally:
         interrupt.restore()
