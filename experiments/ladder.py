@@ -829,6 +829,7 @@ def update_failures(out: Path, key: str, failure: dict[str, Any] | None) -> dict
     `out/failed.json`: read again and merged under the lock just before the write, so that shards
     sharing `out` keep each other's entries. Returns the failures as written."""
     with _failures_locked(out):
+        _set_aside_unreadable_failures(out)
         failures = read_failures(out)
         if failure is None and key not in failures:
             return failures
@@ -838,6 +839,22 @@ def update_failures(out: Path, key: str, failure: dict[str, Any] | None) -> dict
             failures[key] = failure
         _atomic_write_json(out / FAILED_FILE, failures)
         return failures
+
+
+def _set_aside_unreadable_failures(out: Path) -> None:
+    """A failed.json that does not parse (a merge left conflict markers in it, the file being in
+    git) is renamed aside, not written over: rewritten from {} it lost every other run's entry."""
+    path = out / FAILED_FILE
+    try:
+        found = json.loads(path.read_text())
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError):
+        found = None
+    if not isinstance(found, dict):
+        aside = path.with_name(f"{FAILED_FILE}.unreadable-{time.strftime('%Y%m%dT%H%M%S')}")
+        path.replace(aside)
+        print(f"ladder: {path} did not parse; kept as {aside.name}, its entries to merge by hand", flush=True)
 
 
 def read_failures(out: Path) -> dict[str, dict[str, Any]]:

@@ -688,6 +688,19 @@ def test_failures_are_written_under_a_lock(tmp_path):
     assert ladder.read_failures(out) == {"a": {"error": "a"}, "b": {"error": "b"}}
 
 
+def test_a_failed_json_that_does_not_parse_is_set_aside_not_written_over(tmp_path, capsys):
+    """failed.json is in git: a merge can leave conflict markers in it. Read as {} and rewritten with
+    one new entry, it lost every other run's."""
+    out = tmp_path / "ladder"
+    out.mkdir()
+    conflicted = '{"a": {"error": "a"},\n<<<<<<< HEAD\n "b": {"error": "b"}}\n'
+    (out / ladder.FAILED_FILE).write_text(conflicted)
+    assert ladder.update_failures(out, "c", {"error": "c"}) == {"c": {"error": "c"}}
+    kept = [p for p in out.iterdir() if p.name.startswith(f"{ladder.FAILED_FILE}.unreadable-")]
+    assert len(kept) == 1 and kept[0].read_text() == conflicted
+    assert "did not parse" in capsys.readouterr().out
+
+
 def test_two_writers_of_one_json_file_never_share_a_temporary_file(tmp_path, monkeypatch):
     """Shard 2 writes failed.json while shard 1's write is between its temporary file and the rename:
     with one fixed temporary name, shard 2 renamed shard 1's file away and shard 1 died of
