@@ -533,10 +533,11 @@ def generate(records: Sequence[dict[str, Any]], figures: Path | None = None, fig
     points = points_of(records)
     planned = ladder.planned_entries(records)
     stale = stale_by_variant(records, planned)
-    plan = ladder_plan(records, planned)
     recipes = recipes_by_variant(records)
     recorded = {r.get("key") for r in records if r.get("complete")}
     failed = {key: why for key, why in (failed or {}).items() if key not in recorded}  # retried since, and finished
+    plan = ladder_plan(records, planned)
+    plan.failed = frozenset(failed)  # a cell waiting for a failed run says so
     commits = sorted({r.get("commit", "unknown")[:10] for r in records})
     lines = ["# The compute ladder: the papers' scaling claims",
              "",

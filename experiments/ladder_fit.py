@@ -131,9 +131,12 @@ class Plan:
     per budget, and a missing one would silently move "the largest"), "every size" is every
     planned size, and a figure whose planned runs have not all finished is `Incomplete`."""
 
-    def __init__(self, runs: Iterable[PlannedRun]):
+    def __init__(self, runs: Iterable[PlannedRun], failed: Iterable[str] = ()):
         self.runs = list({(run.key, run.spec, run.corpus, run.optimizer, run.size, run.variant, run.seed): run
                           for run in runs}.values())
+        # runs that failed (failed.json) and have no record: a cell waiting for one says so, or it
+        # would read "incomplete" for good without a word of why
+        self.failed = frozenset(failed)
 
     @classmethod
     def from_entries(cls, entries: Iterable[dict[str, Any]], gpt_params: dict[tuple[str, str], int] | None = None,
@@ -166,7 +169,7 @@ class Plan:
         return [r for r in self.runs if all(getattr(r, k) == v for k, v in where.items())]
 
     def restricted(self, keep: Any) -> Plan:
-        return Plan(r for r in self.runs if keep(r))
+        return Plan((r for r in self.runs if keep(r)), self.failed)
 
     def sizes(self, **where: Any) -> list[tuple[int, str]]:
         """(index, name) of every size gpt is planned at, smallest first."""
@@ -182,7 +185,8 @@ class Plan:
         have = {p.key for p in points}
         keys = {r.key for r in required}
         done = len(keys & have)
-        return None if done == len(keys) else Incomplete(done, len(keys), size, seeds=seeds)
+        failed = len((keys - have) & self.failed)
+        return None if done == len(keys) else Incomplete(done, len(keys), size, seeds=seeds, failed=failed)
 
 
 @dataclass(frozen=True)
@@ -196,11 +200,13 @@ class Incomplete:
     size: str = ""
     seeds: int = 0  # the planned seeds of the comparison
     waits_for: str = ""
+    failed: int = 0  # of the missing runs, those that failed (failed.json): retried with --retry-failed
 
     def text(self, digits: int = 2) -> str:
         if self.waits_for:
             return f"incomplete: waits for {self.waits_for}"
-        return f"incomplete: {self.have} of {self.planned} runs"
+        failed = f", {self.failed} of them failed (failed.json)" if self.failed else ""
+        return f"incomplete: {self.have} of {self.planned} runs{failed}"
 
 
 # --------------------------------------------------------------------------------------------

@@ -751,6 +751,15 @@ def test_a_failed_run_retried_successfully_leaves_failed_json_and_the_page(tiny_
     assert "1 runs failed and are in no row" in page and records[0]["key"] + ":" not in page
 
 
+def test_a_cell_waiting_for_a_run_that_failed_says_so(monkeypatch):
+    """A run that failed for good left its cells "incomplete: k of n runs" with no word of why (only
+    the header named the failures)."""
+    records = claims_records(monkeypatch)
+    gone = next(r for r in records if r["plan"]["variant"]["name"] == "lrt")
+    page = ladder_claims.generate([r for r in records if r is not gone], failed={gone["key"]: {"error": "diverged"}})
+    assert "1 of them failed (failed.json)" in page
+
+
 # --------------------------------------------------------------------------------------------
 # Records that do not share one recipe; the budget scale; the commit stamp
 # --------------------------------------------------------------------------------------------
