@@ -83,7 +83,7 @@ from latentloop.models.backbone import cpu_training_attention_in_fp32  # noqa: E
 from latentloop.optim import lr_multiplier, set_lr  # noqa: E402
 from latentloop.runtime import resolve_dtype  # noqa: E402
 from latentloop.train import FiniteGuard, FlopsMemo, setup, train_step  # noqa: E402
-from latentloop.util import first_line, give_default_mode  # noqa: E402
+from latentloop.util import first_line, give_default_mode, write_json_atomic  # noqa: E402
 
 # --------------------------------------------------------------------------------------------
 # The plan
@@ -780,7 +780,7 @@ def attention_dtype(device_type: str, precision: str, model: ModelConfig) -> str
 
 def _temp_beside(path: Path) -> Path:
     """A temporary file of this writer's own beside `path` (the same folder: `os.replace` is then a
-    rename): two processes writing one file (the shards' `failed.json`, their probe) never share a
+    rename), as `write_json_atomic` makes for JSON: two processes writing one file never share a
     temporary name, so neither reads the other's half-written file nor loses its own to a rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -799,14 +799,10 @@ def _atomic_save(path: Path, obj: Any) -> None:
 
 
 def _atomic_write_json(path: Path, obj: Any) -> None:
-    tmp = _temp_beside(path)
-    try:
-        tmp.write_text(json.dumps(obj, indent=1) + "\n")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_json_atomic(path, obj, indent=RECORD_INDENT)
 
 
+RECORD_INDENT = 1  # the records' JSON (and failed.json, the probe): as the committed ones are written
 FAILED_FILE = "failed.json"  # run key -> why it failed (a diverged training), with the commit and the time
 FAILED_LOCK = Path("work") / "failed.json.lock"  # under `out`: one writer of failed.json at a time (ignored by git)
 

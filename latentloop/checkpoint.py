@@ -157,6 +157,11 @@ def _step_of(name: str, prefix: str) -> int | None:
     return int(digits) if name.startswith(prefix) and digits.isdigit() else None
 
 
+def step_in_name(checkpoint: Path) -> int | None:
+    """The step a checkpoint folder's name carries (`step_00000020` -> 20), None for another name."""
+    return _step_of(Path(checkpoint).name, CHECKPOINT_PREFIX)
+
+
 def list_checkpoints(run_dir: Path) -> list[Path]:
     """The finished checkpoint folders of a run, oldest first."""
     folder = Path(run_dir) / "checkpoints"

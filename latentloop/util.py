@@ -191,9 +191,10 @@ def give_default_mode(file: Path | str) -> None:
     os.chmod(file, NEW_FILE_MODE & ~current_umask())
 
 
-def write_json_atomic(path: Path, payload: Any) -> None:
-    """Write JSON through a temporary file in the same folder, fsync, then rename: never half-written,
-    and still there after a crash. An unwritable `path` is an `OutputError`."""
+def write_json_atomic(path: Path, payload: Any, indent: int = 2) -> None:
+    """Write JSON through a temporary file of this writer's own in the same folder, fsync, then
+    rename: never half-written, still there after a crash, and two processes writing one file never
+    share a temporary name. An unwritable `path` is an `OutputError`."""
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -202,7 +203,7 @@ def write_json_atomic(path: Path, payload: Any) -> None:
         raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(payload, f, indent=2, default=str)
+            json.dump(payload, f, indent=indent, default=str)
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())

@@ -8,6 +8,7 @@ import os
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # Ctrl+C, as a shell reports a process ended by SIGINT (128 + 2)
+DEFAULT_NEW_TOKENS = 64  # generate's default budget, capped at half the context (the prompt gets the rest)
 
 
 def print_json(value) -> None:
@@ -18,7 +19,6 @@ def print_json(value) -> None:
     from ..util import json_safe
 
     print(json.dumps(json_safe(value), indent=2, allow_nan=False, default=str))
-DEFAULT_NEW_TOKENS = 64  # generate's default budget, capped at half the context (the prompt gets the rest)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -129,14 +129,14 @@ def cmd_eval(args) -> int:
 
 def _checkpoint_step(checkpoint: Path) -> int | None:
     """The training step of a checkpoint folder (its state.json, else its name step_N), None if unknown."""
+    from ..checkpoint import step_in_name
+    from ..util import is_int
+
     try:
         step = json.loads((Path(checkpoint) / "state.json").read_text()).get("step")
     except (OSError, ValueError, AttributeError):
         step = None
-    if isinstance(step, int) and not isinstance(step, bool):
-        return step
-    name = Path(checkpoint).name
-    return int(name[len("step_"):]) if name.startswith("step_") and name[len("step_"):].isdigit() else None
+    return step if is_int(step) else step_in_name(checkpoint)
 
 
 def _scored_batches(requested: int, tokens, batch_size: int, seq_len: int) -> str:

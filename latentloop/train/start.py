@@ -229,10 +229,10 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
 def _run_tokenizer(run_dir: Path) -> str:
     """A resumed run's tokenizer.json: the run folder's, else the newest checkpoint's checked copy
     (a missing run-folder copy was reported as an unknown tokenizer name)."""
-    own = run_dir / "tokenizer.json"
-    if own.is_file() or not list_checkpoints(run_dir):
+    own, checkpoints = run_dir / "tokenizer.json", list_checkpoints(run_dir)
+    if own.is_file() or not checkpoints:
         return str(own)
-    return str(find_tokenizer_file(list_checkpoints(run_dir)[-1]))
+    return str(find_tokenizer_file(checkpoints[-1]))
 
 
 def _keep_train_changes(state: TrainState, changes: list[str]) -> None:
