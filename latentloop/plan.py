@@ -6,9 +6,10 @@ its wall-clock at a stated MFU, from the registry's model and objective, measure
   the objective's `forward_mix` (fbt's drawn passes, rgpt's drawn depth, lrt's subsets); the plan
   takes the same sum over the run's steps, in the same order, so it equals the `flops` the run logs.
   Past `EXACT_STEPS` steps it charges the objective's run average per step instead (said so).
-- Memory, per device: the weights and gradients (fp32: autocast keeps the weights in fp32), the
-  optimizer's states as the run's own optimizers allocate them (one step taken on a model that
-  holds no data, on torch's meta device), the activations as the tensors the objective saves for
+- Memory, per device (`latentloop.train.memory`, which `setup` also asks before a large run): the
+  weights and gradients (fp32: autocast keeps the weights in fp32), the optimizer's states as the
+  run's own optimizers allocate them (one step taken on a model that holds no data, on torch's
+  meta device), the activations as the tensors the objective saves for
   the backward (counted, each storage once, during one forward of a micro-batch; with activation
   checkpointing, what stays: the recomputable modules' inputs, the rest of the graph, and the
   largest module's own activations while it is recomputed), and the KV cache of one sequence at
@@ -23,7 +24,7 @@ its wall-clock at a stated MFU, from the registry's model and objective, measure
   the tensors hold, as a caching allocator's peak reports it; a CPU process's resident memory adds
   its allocator's slack (tests/test_plan.py).
 - The probes run on the meta device (shapes only, no memory, no time), where bf16 autocast is
-  emulated (`_MetaProbe`: the matrix products in bf16, as autocast runs them); an architecture
+  emulated (`train.memory._MetaProbe`: the matrix products in bf16, as autocast runs them); an architecture
   whose forward needs data (a token router's `nonzero`) is probed on the CPU instead, one sequence
   at a time.
 - Wall-clock: FLOPs / (devices x peak x MFU), the MFU measured by `benchmarks/gpu_bench.py` where it
@@ -37,22 +38,17 @@ import dataclasses
 import json
 import math
 import time
-import weakref
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 
-from .archs import build_model, build_objective, get_arch
+from .archs import build_model, build_objective
 from .config import PRESETS, RunConfig, model_config
 from .errors import ConfigError
-from .inference.torch_internals import TorchDispatchMode
-from .runtime import autocast_for, resolve_dtype
+from .runtime import resolve_dtype
+from .train.memory import kind_steps, meta_model, step_memory
 from .train.state import FlopsMemo
 from .train.step import accumulation
 from .util import memory_limit_bytes
@@ -79,291 +75,13 @@ STRATEGIES = ("none", "ddp", "fsdp2")
 ASSUMED_MFU = 0.21
 ASSUMED_CPU_MFU = 0.5  # of the matrix-product rate measured on this CPU (`cpu_matmul_flops`)
 EXACT_STEPS = 200_000  # up to this many steps the FLOPs are summed step by step, as the trainer does
-# up to this many steps every step's kind of forward is looked at (~1 s per 100k steps: the objective's
-# own draw, no model); past it, windows of KIND_WINDOW steps at the start, from 3/4 of the run (where
-# late recipes such as fbt's paper schedule start) and at the end
-ALL_KIND_STEPS = 2_000_000
-KIND_WINDOW = 100_000
 MEASURED_MFU_FILE = "measured_mfu.json"
-BYTES = {"float32": 4, "bfloat16": 2}
-# Lower-precision ops of bf16 autocast (the matrix products): what the meta probe runs in bf16.
-AUTOCAST_LOWERED = frozenset({F.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm,
-                              torch.Tensor.matmul, torch.Tensor.__matmul__, F.scaled_dot_product_attention})
 # A --params shape: width 64 per layer and heads of 64 channels (nanochat's aspect ratio, gpt2's head
 # size), on the gpt2 preset's vocabulary and context.
 PARAMS_BASE = "gpt2"
 WIDTH_PER_LAYER = 64
 HEAD_DIM = 64
 MAX_LAYERS = 96
-
-
-_GENERATOR = torch.Generator
-
-
-def _host_generator(device="cpu"):
-    return _GENERATOR("cpu" if torch.device(device).type == "meta" else device)
-
-
-class _MetaProbe(TorchFunctionMode):
-    """Runs a training forward on meta tensors: a value read off a tensor (a metric logged as a
-    float) reads 0, and with `bf16` the matrix products run in bf16 as autocast runs them (the
-    weights cast once per forward, as autocast caches them)."""
-
-    def __init__(self, bf16: bool):
-        super().__init__()
-        self.bf16 = bf16
-        self.casts: dict[int, Tensor] = {}
-
-    def _lowered(self, value):
-        if not (isinstance(value, Tensor) and value.is_floating_point() and value.dtype != torch.bfloat16):
-            return value
-        if isinstance(value, nn.Parameter):
-            if id(value) not in self.casts:
-                self.casts[id(value)] = value.to(torch.bfloat16)
-            return self.casts[id(value)]
-        return value.to(torch.bfloat16)
-
-    def __enter__(self):
-        # An objective's random draws (fbt's prefixes) made on a generator "of the input's device"
-        # come from the CPU's here: the meta device has none, and a draw's values never matter.
-        self._generator = torch.Generator
-        torch.Generator = _host_generator
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch.Generator = self._generator
-        return super().__exit__(*exc)
-
-    def _attention_inputs(self, args, kwargs) -> tuple:
-        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-        bound = dict(zip(names, args)) | kwargs
-        q, k, v = (self._lowered(bound[n]) if self.bf16 else bound[n] for n in names[:3])
-        return q, k, v, bound.get("attn_mask"), bound.get("is_causal", False), bound.get("enable_gqa", False)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        reads = (torch.Tensor.item, torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__bool__,
-                 torch.Tensor.tolist)
-        if func in reads and isinstance(args[0], Tensor) and args[0].device.type == "meta":
-            return 0.0 if func is torch.Tensor.__float__ else 0
-        if func is F.scaled_dot_product_attention:
-            return _FlashSaves.apply(*self._attention_inputs(args, kwargs))
-        if self.bf16 and func in AUTOCAST_LOWERED:
-            args = tuple(self._lowered(a) for a in args)
-            kwargs = {k: self._lowered(v) for k, v in kwargs.items()}
-        return func(*args, **kwargs)
-
-
-class _FlashSaves(torch.autograd.Function):
-    """Attention on the meta device as a fused kernel runs it (flash or memory-efficient attention,
-    on the GPU and the CPU): the output, computed without keeping the (T, T) weights that the meta
-    device's reference attention would save, and saved as those kernels save it: the query, key,
-    value, mask, output and the fp32 log-sum-exp of each query's row."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, mask, is_causal, gqa):
-        with torch.no_grad():
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=gqa)
-        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
-        ctx.save_for_backward(*(t for t in (q, k, v, mask, out, lse) if t is not None))
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):  # the probe never runs a backward
-        raise NotImplementedError
-
-
-@dataclass
-class SavedTensors:
-    """What one forward saves for its backward, each storage counted once (parameters excluded),
-    and per call of a recomputable module (in forward order): the bytes saved inside it, and, when
-    it ends, the bytes saved outside every such call so far and its and the earlier calls' inputs."""
-
-    total: int = 0
-    inside: list[int] = field(default_factory=list)
-    outside_before: list[int] = field(default_factory=list)
-    inputs_upto: list[int] = field(default_factory=list)
-    outside: int = 0  # saved outside every recomputable call, over the whole forward
-    inputs: int = 0  # the recomputable calls' tensor inputs, which checkpointing keeps
-    gradients_after: list[int] = field(default_factory=list)  # per call: bytes of the gradients the
-    # backward has made by the time it reaches that call (parameters of later calls and outside them)
-    gradients: int = 0  # every trained parameter's gradient
-    largest: int = 0  # the largest tensor saved (with a large vocabulary, the loss's fp32 log-softmax)
-
-    def checkpointed(self) -> int:
-        """The most activations held with activation checkpointing: at the end of the forward (what
-        was saved outside the recomputed modules, and their inputs), or while the backward
-        recomputes a module (its own activations, beside what was saved before it ended: the
-        backward has consumed everything saved after it)."""
-        recomputing = [before + inputs + own for before, inputs, own in
-                       zip(self.outside_before, self.inputs_upto, self.inside)]
-        return max([self.outside + self.inputs, *recomputing])
-
-    def held_with_gradients(self, checkpointing: bool, shards: int = 1, accumulating: bool = False) -> float:
-        """The most activations and gradients held at once in the backward: the gradients appear as
-        it goes back through the calls and frees (or, checkpointed, recomputes) their activations.
-        Without checkpointing, at call i everything saved up to its end is still held; with it,
-        the inputs and outside savings up to it and its own recomputed activations. `shards`: the
-        gradients are sharded over that many devices (fsdp2), the activations are not.
-        `accumulating`: several micro-batches a step, so from the second one on every gradient is
-        held from the backward's start (they add up), not made as it goes."""
-        # the backward's first op, beside everything saved: the gradient of the largest saved tensor and
-        # of its input (the loss's: the logits' gradient in fp32, then in the products' dtype)
-        first_op = 2 * self.largest
-        already = self.gradients / shards if accumulating else 0.0
-        held = [(self.outside + self.inputs if checkpointing else self.total) + first_op + already,
-                self.gradients / shards]
-        inside_upto = 0
-        for i, own in enumerate(self.inside):
-            inside_upto += own
-            saved = self.inputs_upto[i] + own if checkpointing else inside_upto
-            made = self.gradients if accumulating else self.gradients_after[i]
-            held.append(self.outside_before[i] + saved + made / shards)
-        return max(held)
-
-    def scaled(self, factor: int) -> SavedTensors:
-        """The saving of `factor` times the batch (a probe of one sequence scaled to the micro-batch)."""
-        return SavedTensors(self.total * factor, [b * factor for b in self.inside],
-                            [b * factor for b in self.outside_before], [b * factor for b in self.inputs_upto],
-                            self.outside * factor, self.inputs * factor, self.gradients_after, self.gradients,
-                            self.largest * factor)
-
-
-def count_saved(model: nn.Module, run) -> SavedTensors:
-    """Run `run()` (a training forward) counting the tensors autograd saves for the backward."""
-    keep = [p.untyped_storage() for p in model.parameters()]
-    params = {id(s) for s in keep}
-    seen: dict[int, Any] = {}  # id(storage) -> storage (kept alive, so the id stays its own)
-    result = SavedTensors()
-    depth = [0]
-    trained = {id(p): p.numel() * p.element_size() for p in model.parameters() if p.requires_grad}
-    last_call: dict[int, int] = {}  # parameter -> the last recomputable call that uses it
-
-    def storage_bytes(t: Tensor) -> int:
-        storage = t.untyped_storage()
-        if id(storage) in params or id(storage) in seen:
-            return 0
-        seen[id(storage)] = storage
-        return storage.nbytes()
-
-    def pack(t: Tensor) -> Tensor:
-        added = storage_bytes(t)
-        result.total += added
-        result.largest = max(result.largest, added)
-        if depth[0] and result.inside:
-            result.inside[-1] += added
-        else:
-            result.outside += added
-        return t
-
-    def before(module, args):
-        if depth[0] == 0 and torch.is_grad_enabled():  # a call without gradient keeps nothing
-            result.inside.append(0)
-            result.inputs += sum(storage_bytes(a) for a in args if isinstance(a, Tensor) and a.requires_grad)
-            last_call.update({id(p): len(result.inside) - 1 for p in module.parameters() if id(p) in trained})
-            depth[0] += 1
-        elif depth[0]:
-            depth[0] += 1
-
-    def after(module, args, output):
-        if depth[0]:
-            depth[0] -= 1
-            if depth[0] == 0:
-                result.outside_before.append(result.outside)
-                result.inputs_upto.append(result.inputs)
-
-    hooks = [h for m in model.recomputable_modules()
-             for h in (m.register_forward_pre_hook(before), m.register_forward_hook(after))]
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            run()
-    finally:
-        for hook in hooks:
-            hook.remove()
-    result.gradients = sum(trained.values())
-    # parameters outside the calls count as made first (the head's, used after the last block)
-    result.gradients_after = [sum(size for pid, size in trained.items() if last_call.get(pid, len(result.inside)) > i)
-                              for i in range(len(result.inside))]
-    return result
-
-
-def _meta_model(config) -> nn.Module:
-    with torch.device("meta"):
-        return build_model(config)
-
-
-def _tensor_bytes(value, seen: set[int] | None = None) -> int:
-    """Bytes of every tensor reachable from `value` (a cache: its attributes, dicts and lists)."""
-    seen = set() if seen is None else seen
-    if id(value) in seen:
-        return 0
-    seen.add(id(value))
-    if isinstance(value, Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, dict):
-        return sum(_tensor_bytes(v, seen) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(_tensor_bytes(v, seen) for v in value)
-    if hasattr(value, "__dict__") and not isinstance(value, type):
-        return sum(_tensor_bytes(v, seen) for v in vars(value).values())
-    return 0
-
-
-def _tensors(value) -> Iterator[Tensor]:
-    """The tensors in an op's arguments or outputs (nested tuples, lists and dicts)."""
-    if isinstance(value, Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item)
-
-
-class _LiveBytes(TorchDispatchMode):
-    """The most bytes that the ops run under it make and hold at once: each new tensor an op returns
-    (not a view, not one of its inputs written in place) counts until its Python object is freed.
-    Works on meta tensors, which have no storage to watch."""
-
-    def __init__(self):
-        super().__init__()
-        self.current = self.peak = 0
-
-    def _free(self, size: int) -> None:
-        self.current -= size
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {id(a) for a in _tensors((args, kwargs))}
-        for t in _tensors(out):
-            if id(t) not in inputs and not t._is_view():
-                size = t.numel() * t.element_size()
-                self.current += size
-                self.peak = max(self.peak, self.current)
-                weakref.finalize(t, self._free, size)
-        return out
-
-
-def optimizer_step_bytes(model: nn.Module, config: RunConfig, products_dtype: str) -> tuple[int, int]:
-    """(states, workspace): the states the run's optimizers keep, as they allocate them in their
-    first step, and the most bytes a later step makes beside them while it runs (Muon's stacks of
-    gradients and its Newton-Schulz products; AdamW's foreach temporaries), on a meta model: shapes
-    only."""
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    optimizers = get_arch(config.model.arch).build_optimizers(model, config.train, products_dtype)
-    with _MetaProbe(bf16=False):
-        for opt in optimizers:
-            opt.step()
-    states = sum(_tensor_bytes(state) for opt in optimizers for state in opt.state.values())
-    live = _LiveBytes()
-    with _MetaProbe(bf16=False), live:
-        for opt in optimizers:
-            opt.step()
-    for p in model.parameters():
-        p.grad = None
-    return states, live.peak
 
 
 def measured_mfu(arch: str, gpu: str) -> tuple[float, str] | None:
@@ -400,7 +118,7 @@ def config_for_params(arch: str, params: int, **fields) -> Any:
         width = WIDTH_PER_LAYER * layers
         config = model_config(arch, None, **{**base, **fields, "n_layer": layers, "n_embd": width,
                                              "n_head": max(1, width // HEAD_DIM)})
-        count = sum(p.numel() for p in _meta_model(config).parameters())
+        count = sum(p.numel() for p in meta_model(config).parameters())
         if best is None or abs(math.log(count / params)) < abs(math.log(best[1] / params)):
             best = (config, count)
         if count > params:
@@ -440,49 +158,6 @@ class Plan:
         return dataclasses.asdict(self)
 
 
-@dataclass
-class Forward:
-    """One kind of forward the run takes (the objective's `forward_mix` of a step), what it saves,
-    and whether a step after the first takes it (the optimizer's states exist from the first step on)."""
-
-    saved: SavedTensors
-    after_first_step: bool
-
-
-def _kind_steps(steps: int) -> list[int] | range:
-    """The steps whose kinds of forward the memory probe looks at (see ALL_KIND_STEPS): a recipe that
-    starts late, or draws a rare kind now and then (fbt's 3-pass steps), is probed too."""
-    if steps <= ALL_KIND_STEPS:
-        return range(steps)
-    late = 3 * steps // 4
-    windows = (range(KIND_WINDOW), range(late, min(steps, late + KIND_WINDOW)), range(steps - KIND_WINDOW, steps))
-    return sorted({step for window in windows for step in window})
-
-
-def _probe_forwards(config: RunConfig, model: nn.Module, objective, forward_steps: Sequence[int], batch: int,
-                    bf16: bool, device: str) -> list[Forward]:
-    """Each distinct kind of forward among the given steps', probed once."""
-    T = config.model.sequence_len
-    kinds: dict[str, Forward] = {}
-    for step in forward_steps:
-        kind = repr(objective.forward_mix(step))
-        if kind in kinds:
-            kinds[kind].after_first_step = True
-            continue
-        x = torch.zeros(batch, T, dtype=torch.long, device=device)
-        if device == "meta":
-            def run(step=step, x=x):
-                with _MetaProbe(bf16):
-                    objective(model, x, x, step)
-        else:
-            def run(step=step, x=x):
-                with autocast_for(torch.device("cpu"), "bfloat16" if bf16 else "float32"):
-                    objective(model, x, x, step)
-        model.train()
-        kinds[kind] = Forward(count_saved(model, run), after_first_step=step > 0)
-    return list(kinds.values())
-
-
 def plan_run(config: RunConfig, tokens: int, devices: int = 1, gpu: str = "h100", strategy: str | None = None,
              mfu: float | None = None) -> Plan:
     """Size `config`'s training for `tokens` tokens on `devices` x `gpu` (see the module docstring)."""
@@ -507,12 +182,12 @@ def plan_run(config: RunConfig, tokens: int, devices: int = 1, gpu: str = "h100"
 
     # FLOPs: as `fit` sums them. The count is structural (shapes only), so the meta model gives the
     # trainer's numbers; a forward that needs data is counted on a model built on the CPU.
-    model, probe = _meta_model(config.model), "meta"
+    model = meta_model(config.model)
     try:
         memo = FlopsMemo(model)
         objective.flops_per_token(memo)
     except (RuntimeError, NotImplementedError):
-        model, probe = build_model(config.model), "cpu"
+        model = build_model(config.model)
         memo = FlopsMemo(model)
         objective.flops_per_token(memo)
     if steps <= EXACT_STEPS:
@@ -524,47 +199,12 @@ def plan_run(config: RunConfig, tokens: int, devices: int = 1, gpu: str = "h100"
     else:
         flops = objective.flops_per_token(memo) * tokens_per_step * steps
         method = f"the objective's run average x {steps:,} steps (over {EXACT_STEPS:,} steps)"
-        forward_steps = _kind_steps(steps)
+        forward_steps = kind_steps(steps)
     params = sum(p.numel() for p in model.parameters())
 
-    # Memory per device.
-    shard = devices if strategy == "fsdp2" else 1
-    weights = sum(p.numel() * p.element_size() for p in model.parameters()) / shard
-    buffers = float(sum(b.numel() * b.element_size() for b in model.buffers()))  # RoPE tables: every device
-    states, workspace = optimizer_step_bytes(_meta_model(config.model), config, precision)
-    # fsdp2: each device keeps its shard of the states and steps its own shards (Muon gathers one
-    # matrix at a time): the whole model's workspace over the devices, as the states
-    states, workspace = states / shard, workspace / shard
-    bf16 = precision == "bfloat16"
-    if probe == "meta":
-        try:
-            forwards = _probe_forwards(config, model, objective, forward_steps, train.batch_size, bf16, "meta")
-        except (RuntimeError, NotImplementedError):
-            model, probe = build_model(config.model), "cpu"
-    if probe == "cpu":  # one sequence, scaled to the micro-batch
-        forwards = _probe_forwards(config, model, objective, forward_steps, 1, bf16, "cpu")
-        forwards = [Forward(f.saved.scaled(train.batch_size), f.after_first_step) for f in forwards]
-    activations = float(max(f.saved.total for f in forwards))
-    checkpointed = float(max(f.saved.checkpointed() for f in forwards))
-    gathered = 0.0
-    if strategy == "fsdp2":  # the block being computed is gathered whole (bf16 under mixed precision), and the next
-        block = max((sum(p.numel() for p in b.parameters()) for b in model.blocks), default=0)
-        gathered = 2 * block * (BYTES["bfloat16"] if bf16 else BYTES["float32"])
-    # the largest step: a forward's activations and the gradients its backward makes, beside the
-    # weights, and the optimizer's states after the first step
-    accumulating = accumulation(train, T, devices) > 1
-    backward = max((states if f.after_first_step else 0.0)
-                   + f.saved.held_with_gradients(train.activation_checkpointing, shard, accumulating)
-                   for f in forwards)
-    # the optimizer's step, the activations gone: every gradient, the states and what the step makes
-    gradients = weights  # fp32 gradients of fp32 weights, sharded as they are
-    optimizer_step = gradients + states + workspace
-    peak = weights + buffers + gathered + max(backward, optimizer_step)
-    cache = _tensor_bytes(_meta_model(config.model).new_cache(1, T))
-    memory = {"weights": weights, "buffers": buffers, "gradients": gradients, "optimizer_states": states,
-              "optimizer_workspace": workspace,
-              "activations": activations, "activations_checkpointed": checkpointed,
-              "fsdp2_gathered_blocks": gathered, "peak": peak, "kv_cache_per_sequence": float(cache)}
+    # Memory per device (latentloop/train/memory.py), the peak compared with the device's below.
+    memory, probe = step_memory(config, objective, forward_steps, devices, strategy, precision)
+    peak = memory["peak"]
 
     accelerator = ACCELERATORS[gpu]
     capacity = accelerator.memory_bytes if gpu != "cpu" else memory_limit_bytes()
@@ -588,5 +228,4 @@ def plan_run(config: RunConfig, tokens: int, devices: int = 1, gpu: str = "h100"
                 peak_flops=peak_flops, seconds=seconds, probe=probe)
 
 
-__all__ = ["ACCELERATORS", "ASSUMED_MFU", "Plan", "SavedTensors", "config_for_params", "count_saved", "measured_mfu",
-           "optimizer_step_bytes", "plan_run"]
+__all__ = ["ACCELERATORS", "ASSUMED_MFU", "Plan", "config_for_params", "measured_mfu", "plan_run"]

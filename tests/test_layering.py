@@ -47,13 +47,14 @@ ALLOWED: dict[str, frozenset[str]] = {
     "serve": frozenset({"archs", "data", "engine", "inference", "models", "runs", "runtime"}),
     "chat": frozenset({"data", "engine"}),
     "api": frozenset({"archs", "engine", "runs"}),
-    "train": frozenset({"archs", "checkpoint", "data", "distributed", "eval", "interop", "objectives", "optim",
-                        "parallel", "runtime"}),
+    # inference: torch's dispatch mode through inference.torch_internals (train.memory's estimate of a step)
+    "train": frozenset({"archs", "checkpoint", "data", "distributed", "eval", "inference", "interop", "objectives",
+                        "optim", "parallel", "runtime"}),
     "analysis": frozenset({"archs", "data", "eval", "runs", "runtime"}),
     "demo": frozenset({"archs", "engine", "eval", "train"}),
-    # sizing a run: the registry's model and objective, the trainer's FLOPs memo, the run's precision;
-    # torch's dispatch mode (counting what the optimizer's step makes) through inference.torch_internals
-    "plan": frozenset({"archs", "inference", "runtime", "train"}),
+    # sizing a run: the registry's model and objective, the trainer's FLOPs memo and memory estimate,
+    # the run's precision
+    "plan": frozenset({"archs", "runtime", "train"}),
     # and the package's root for `--version` (latentloop.__version__, the one place the version is written)
     "cli": frozenset({"__init__", "analysis", "archs", "chat", "checkpoint", "data", "demo", "distributed", "engine",
                       "eval", "interop", "plan", "runs", "runtime", "serve", "train"}),

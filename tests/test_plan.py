@@ -187,6 +187,7 @@ def test_a_long_run_probes_a_recipe_that_starts_late(every_step, monkeypatch):
     first EXACT_STEPS steps were probed before: a 488k-step run planned less than half the memory."""
     from latentloop import plan as planning
     from latentloop.config import RunConfig, TrainConfig, model_config
+    from latentloop.train import memory
 
     if "fbt" not in ARCHS:
         pytest.skip("no fbt registered")
@@ -199,8 +200,8 @@ def test_a_long_run_probes_a_recipe_that_starts_late(every_step, monkeypatch):
     short = peak(30 * tokens_per_step)
     monkeypatch.setattr(planning, "EXACT_STEPS", 40)  # a long run, at a test's scale
     if not every_step:
-        monkeypatch.setattr(planning, "ALL_KIND_STEPS", 40)
-        monkeypatch.setattr(planning, "KIND_WINDOW", 10)
+        monkeypatch.setattr(memory, "ALL_KIND_STEPS", 40)
+        monkeypatch.setattr(memory, "KIND_WINDOW", 10)
     assert peak(400 * tokens_per_step) == pytest.approx(short, rel=0.01)
 
 
@@ -323,3 +324,64 @@ def test_a_token_batch_sets_the_planned_step_as_the_trainer_accumulates(capsys):
     code, out, _ = _plan_cli(capsys, "--arch", arch, "--preset", "tiny", "--tokens", "1M", "--gpu", "h200",
                              "--set", "train.batch_tokens=65536", "--json")
     assert code == 0 and json.loads(out)["tokens_per_step"] == 65536
+
+
+# A micro-batch setup probes under FAKE_MEMORY (batch x sequence x (width + vocabulary) x 4 bytes is
+# over 1/256 of it), whose planned step is far past it at every architecture's test preset.
+FAKE_MEMORY = 64 * 2**20
+LARGE_BATCH = ("--batch-size", "8", "--set", "sequence_len=4096")
+
+
+def test_setups_tolerance_is_the_plans_tested_bound():
+    from latentloop.train import memory
+
+    assert memory.PLAN_TOLERANCE == MEMORY_TOLERANCE
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_step_planned_past_the_memory_is_refused_before_anything_is_written(arch, corpus, tmp_path,
+                                                                               monkeypatch, capsys):
+    """`train --set sequence_len=1000000` was killed by the kernel in its first step, without a word,
+    though `plan` said DOES NOT FIT: setup now asks the plan's estimate of a large step first."""
+    from latentloop.cli import main
+    from latentloop.train import memory
+
+    monkeypatch.setattr(memory, "memory_limit_bytes", lambda: FAKE_MEMORY)
+    out = tmp_path / "run"
+    code = main(["train", "--arch", arch, "--preset", "test", "--data", f"text:{corpus}", *LARGE_BATCH,
+                 "--steps", "1", "--out", str(out), "--no-progress"])
+    err = capsys.readouterr().err
+    if code == 0:  # only an architecture whose forward the meta device cannot run is not probed
+        config = RunConfig.from_dict({"model": {"arch": arch, "preset": "test", "sequence_len": 4096},
+                                      "train": {"batch_size": 8, "steps": 1}})
+        with pytest.raises(memory.ProbeNeedsData):
+            memory.step_memory(config, build_objective_for(config), [0], cpu_probe=False)
+        return
+    assert "planned to hold" in err and "more than the 0.1 GiB" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
+
+
+def build_objective_for(config: RunConfig):
+    from latentloop.archs import build_objective
+
+    return build_objective(config.model, config.train)
+
+
+@pytest.mark.parametrize("arch", ["gpt"])
+def test_setup_refuses_a_step_only_past_the_plans_tolerance(arch, monkeypatch):
+    """Within PLAN_TOLERANCE of the memory a run may still fit (the plan is that close to a measured
+    step), so it is let through; past it, refused."""
+    import torch
+
+    from latentloop.train import memory
+
+    config = RunConfig.from_dict({"model": {"arch": arch, "preset": "test", "sequence_len": 4096},
+                                  "train": {"batch_size": 8, "steps": 3}})
+    config.model.vocab_size = 260
+    planned = memory.step_memory(config, build_objective_for(config), memory.kind_steps(3))[0]["peak"]
+    monkeypatch.setattr(memory, "memory_limit_bytes", lambda: int(planned))
+    memory.check_step_fits(config, torch.device("cpu"))  # planned == memory: let through
+    monkeypatch.setattr(memory, "memory_limit_bytes", lambda: int(planned / (1 + memory.PLAN_TOLERANCE)) - 1)
+    with pytest.raises(memory.ConfigError, match="planned to hold"):
+        memory.check_step_fits(config, torch.device("cpu"))

@@ -115,18 +115,21 @@ def test_a_resume_that_changes_the_seed_or_the_optimizer_is_refused_in_one_line(
 def test_a_micro_batch_past_the_devices_memory_is_refused_before_anything_is_built(corpus, tmp_path, monkeypatch):
     """`--batch-size 1e11` built window ids for minutes before failing: one line now, nothing written.
     The bound is the micro-batch's token ids and embeddings (here 4 x (33 x 8 + 32 x n_embd x 4) bytes)."""
-    from latentloop.train import start
+    from latentloop.train import memory
 
     config = _config(corpus, batch_size=10 ** 11)
     with pytest.raises(ll.ConfigError, match=r"train.batch_size=100,000,000,000: .* GiB, more than the"):
         setup(config, tmp_path / "huge", progress=False)
     assert not (tmp_path / "huge").exists()
     least = 4 * (33 * 8 + 32 * config.model.n_embd * 4)  # batch 4 at sequence_len 32
-    monkeypatch.setattr(start, "memory_limit_bytes", lambda: least - 1)
+    monkeypatch.setattr(memory, "memory_limit_bytes", lambda: least - 1)
     with pytest.raises(ll.ConfigError, match="train.batch_size=4: "):
         setup(_config(corpus), tmp_path / "short", progress=False)
-    monkeypatch.setattr(start, "memory_limit_bytes", lambda: least)  # at the bound: it trains
-    fit(setup(_config(corpus, steps=1), tmp_path / "fits", progress=False), progress=False)
+    # at the bound this check lets it through, and the plan's estimate of a whole step refuses it
+    monkeypatch.setattr(memory, "memory_limit_bytes", lambda: least)
+    with pytest.raises(ll.ConfigError, match="one training step is planned to hold"):
+        setup(_config(corpus, steps=1), tmp_path / "fits", progress=False)
+    assert not (tmp_path / "fits").exists()
 
 
 def test_training_lowers_loss_and_keeps_last_checkpoints(corpus, tmp_path):

@@ -19,7 +19,7 @@ from ..errors import CheckpointError, ConfigError, DataError, OutputError
 from ..interop.upcycle import initialise_from
 from ..parallel import wrap_model
 from ..runtime import absolute_source, keep_freed_memory, precision_note, prepare_data, resolve_dtype
-from ..util import memory_limit_bytes
+from .memory import check_step_fits, device_memory_bytes
 from .resume import resume_run
 from .stages import check_stage
 from .state import SET_ON_SETUP, FlopsMemo, TrainState, note, rank_seed, warn
@@ -108,14 +108,6 @@ FP32_BYTES, TOKEN_ID_BYTES = 4, 8
 STOPPED_LOG = "metrics-stopped.jsonl"  # a run started again in its folder keeps the stopped one's log here
 
 
-def device_memory_bytes(device: torch.device) -> int | None:
-    """What one process can hold on `device`: the GPU's memory, or the machine's (its cgroup's) for
-    the CPU; None where it cannot be read."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    return memory_limit_bytes() if device.type == "cpu" else None
-
-
 def check_micro_batch_fits(config: RunConfig, device: torch.device) -> None:
     """Refuse a micro-batch whose token ids and embeddings alone (a strict lower bound of its
     memory) exceed the device's: `--batch-size 1e11` built window ids for minutes, then failed."""
@@ -165,6 +157,7 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
     config.model.vocab_size, config.model.bos_id = tokenizer.vocab_size, tokenizer.bos_id
     together(config.model.__post_init__)
     together(check_micro_batch_fits, config, device)
+    together(check_step_fits, config, device, env.world_size)  # the plan's estimate of a step, past a size
     torch.manual_seed(config.train.seed)
     if sft:
         # rendered in memory on every rank (nothing cached to disk), the same rows everywhere
