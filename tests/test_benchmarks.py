@@ -440,16 +440,21 @@ def test_prefill_products_pairs_the_rows_kernel_with_torchs_products(tmp_path, c
     assert "time over the kernel's" in capsys.readouterr().out
 
 
-def test_decode_attention_benchmark_pairs_the_kernel_with_the_reductions(tmp_path, capsys):
-    """Each window's rounds pair the kernel with inductor's reductions (both checked against SDPA
-    first), and the JSON keeps every ratio; bad windows get one line from argparse."""
-    from latentloop.inference import native
-
+def test_decode_attention_benchmark_refuses_bad_windows_in_one_line(capsys):
     bench = _benchmark("decode_attention")
     for bad, message in [("64,x", "comma-separated integers"), ("3", "must be > 5 keys")]:
         with pytest.raises(SystemExit) as exc:
             bench.main(["--windows", bad])
         assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.slow  # one inductor compile of the reductions (~20 s)
+def test_decode_attention_benchmark_pairs_the_kernel_with_the_reductions(tmp_path, capsys):
+    """Each window's rounds pair the kernel with inductor's reductions (both checked against SDPA
+    first), and the JSON keeps every ratio."""
+    from latentloop.inference import native
+
+    bench = _benchmark("decode_attention")
     if native.decode_attention_status() != "native":
         pytest.skip(f"no attention kernel here: {native.decode_attention_status()}")
     half = tmp_path / "attention-half.json"  # a float16 cache (one inductor compile; float32's: the slow test)

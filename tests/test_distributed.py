@@ -396,7 +396,10 @@ def test_a_process_in_a_group_skips_the_interpreters_teardown(corpus, tmp_path, 
             torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("damage", ["planted metadata pickle", "flipped bit in rank 1's share"])
+# the bit flip in the default suite; the planted pickle (the same refusal path, another trigger) with
+# the slow tests: each case is a two-process torchrun (~6 s)
+@pytest.mark.parametrize("damage", [pytest.param("planted metadata pickle", marks=pytest.mark.slow),
+                                    "flipped bit in rank 1's share"])
 def test_a_damaged_sharded_checkpoint_ends_a_torchrun_resume_with_one_line(corpus, tmp_path, damage):
     """Every process checks its share of the checksums and reads DCP's metadata without unpickling
     it freely before DCP reads anything; all agree, rank 0 prints the one line."""
