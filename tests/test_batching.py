@@ -572,3 +572,43 @@ def test_a_tiny_temperature_samples_the_greedy_token_and_fails_no_neighbour(mode
     assert all(isinstance(e[-1], Done) for e in events), [e[-1] for e in events]
     texts = ["".join(event.text for event in e if isinstance(event, Delta)) for e in events]
     assert texts[0] == texts[2]  # the tiny temperature's draw is the greedy text
+
+
+def _greedy_alone(model, prompt: list[int], new_tokens: int) -> list[int]:
+    return [s.tokens[0] for s in stream(model, [prompt], new_tokens, stop_tokens=(), temperature=0.0)]
+
+
+def test_a_row_that_would_pass_the_context_beside_longer_rows_waits_and_one_at_the_bound_joins(models):
+    """Every row of an eager batch shares its length: a short prompt owing many tokens, joining
+    beside a long one, took the batch past the context, and every request in it failed (a 500 from
+    the server, 12-06 review). It waits now until it fits (here, until the long row is done); a row
+    that fits exactly joins at once. Each decodes as alone."""
+    model = models["gpt"]
+    context = model.config.sequence_len
+    long_prompt = [BOS, *[ord("q")] * (context // 2)]
+    greedy = Sampling(0.0, None, None, None)
+    batch = DecodeBatch(model, model_options(model, {}), stop_tokens=())
+    first = Member(long_prompt, context // 4, greedy)
+    batch.add([first])
+    made: dict[int, list[int]] = {}
+    for _ in range(3):
+        for out in batch.step():
+            made.setdefault(id(out.member), []).append(out.token)
+    span = len(long_prompt) + 3  # the long row's stored tokens at the join: its prompt and three decode steps
+    at_bound = Member([BOS], context - span + 1, Sampling(0.0, None, None, None))  # span + owed - 1 == context
+    past = Member([BOS, ord("z")], context - 2, Sampling(0.0, None, None, None))  # fits alone, not beside it
+    batch.add([at_bound])
+    batch.add([past])
+    steps = 0
+    while len(batch):
+        joined_before = {id(m) for m in batch.members}
+        for out in batch.step():
+            made.setdefault(id(out.member), []).append(out.token)
+        if steps == 0:
+            assert id(at_bound) in {id(m) for m in batch.members} and id(past) not in {id(m) for m in batch.members}
+        if id(past) in {id(m) for m in batch.members} and id(past) not in joined_before:
+            assert first.done and at_bound.done  # it joined an empty batch
+        steps += 1
+        assert steps < 4 * context, "the batch never emptied"
+    for member in (first, at_bound, past):
+        assert made[id(member)] == _greedy_alone(model, member.prompt, member.max_new_tokens)

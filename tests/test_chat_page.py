@@ -194,6 +194,14 @@ def test_the_page_streams_greedy_replies_sends_its_controls_and_shades_exit_dept
             assert page.text_content("#scale-low") == str(depths[0])
             assert page.text_content("#scale-high") == str(depths[-1])
             page.screenshot(path=str(tmp_path / "chat_page.png"), full_page=True)
+
+            # an empty reply (max tokens 0) is not kept: the server refuses an empty assistant turn, and
+            # every later message of the conversation got a 400 (12-06 review)
+            page.fill("#max_tokens", "0")
+            assert ask(MESSAGE) == ""
+            page.fill("#max_tokens", "16")
+            ask(MESSAGE)  # no error turn (ask asserts it)
+            assert [m["content"] for m in sent[-1]["messages"]] == [MESSAGE, first, MESSAGE, second, MESSAGE]
         finally:
             browser.close()
 

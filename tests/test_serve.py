@@ -468,6 +468,21 @@ def test_concurrent_requests_with_different_sampling_each_equal_alone(servers, m
         assert stats["rows_joined_running"] > before["rows_joined_running"], (before, stats, len(long_tokens))
 
 
+@pytest.mark.parametrize("server_name", ["fbt", "rounds"])
+def test_a_seeded_request_of_several_prompts_draws_each_prompts_own_tokens(servers, models, server_name):
+    """A seeded request reproduces `ll.generate(..., seed=S)` row by row under both schedulers: the
+    round scheduler sorted a request's rows longest prompt first, so with its prompts in another
+    order each prompt got another's draws (12-06 review)."""
+    prompts = ["b", "a much longer prompt"]  # shortest first: the sort reversed them
+    body = {"prompt": prompts, "max_tokens": 8, "temperature": 1.0, "seed": 5, "logprobs": 0}
+    reply = post(servers[server_name], body)
+    assert reply.status_code == 200, reply.text
+    choices = sorted(reply.json()["choices"], key=lambda c: c["index"])
+    want = ll.generate(models[SCHEDULERS[server_name]], [[TOK.bos_id] + TOK.encode(p) for p in prompts], 8,
+                       stop_tokens=STOPS, temperature=1.0, seed=5)
+    assert [c["logprobs"]["tokens"] for c in choices] == [strings(ids) for ids in want]
+
+
 def test_echo_logprobs_score_the_prompt(servers, models):
     """echo + logprobs + max_tokens 0 gives each prompt token's log-probability (what lm-eval's
     loglikelihood reads), equal to the model's own scoring of the text."""

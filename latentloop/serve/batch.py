@@ -170,11 +170,27 @@ class DecodeBatch:
             if not member.done:  # a row that left decodes on unseen: what it reports is not the row's
                 member.info.update(row_info(out.info, i))
 
-    def _prefill_waiting(self) -> list[tuple[list[Member], object, Tensor]]:
-        """The waiting members prefilled, each group in a left-padded cache of its own (together,
+    def _joinable(self, length: int, members: list[Member]) -> int:
+        """How many of the waiting groups, in arrival order, can join now. Every row of the batch
+        shares its length, `length` for the running rows (0 with none): a group joins at the longest
+        of that and its prompts, and each row then decodes as many steps as it still owes (its first
+        token comes from the logits at hand), so rows that fit the context alone could overflow it
+        together (a 500 for every request in the batch). A group that would waits, and so does every
+        group after it (else a stream of short joiners could keep it waiting for ever); the first
+        group of an empty batch always joins (the server admits only requests that fit alone)."""
+        context = self.model.config.sequence_len
+        owed = max((self._remaining(m) for m in members), default=0)
+        for joined, group in enumerate(self.waiting):
+            length = max(length, *(len(m.prompt) for m in group))
+            owed = max(owed, *(self._remaining(m) for m in group))
+            if length + owed - 1 > context and (joined or members):
+                return joined
+        return len(self.waiting)
+
+    def _prefill_waiting(self, joining: list[list[Member]]) -> list[tuple[list[Member], object, Tensor]]:
+        """The joining members prefilled, each group in a left-padded cache of its own (together,
         or each request alone when the options couple rows): (members, cache, last logits (n, V))."""
-        groups = self.waiting if self.coupled else [[m for group in self.waiting for m in group]]
-        self.waiting = []
+        groups = joining if self.coupled else [[m for group in joining for m in group]]
         prefilled = []
         for group in groups:
             idx, pad_mask = left_pad([m.prompt for m in group], self.pad_id, self.device)
@@ -194,7 +210,14 @@ class DecodeBatch:
             parts.append((self.cache, torch.tensor(live, dtype=torch.long, device=self.device)))
             logits.append(self.last[live])
             members.extend(self.members[i] for i in live)
-        for group, cache, last in self._prefill_waiting():
+        joining = self._joinable(max((row_span(c, i) for c, i in parts), default=0), members)
+        if not joining:  # the waiting groups wait; the rows that left go now (the span may shrink)
+            if len(members) < len(self.members):
+                self._keep(live)
+                self.last = self.last[live]
+            return
+        groups, self.waiting = self.waiting[:joining], self.waiting[joining:]
+        for group, cache, last in self._prefill_waiting(groups):
             parts.append((cache, torch.arange(len(group), device=self.device)))
             logits.append(last)
             members.extend(group)
@@ -471,7 +494,9 @@ class SlotBatch(DecodeBatch):
     def _join_waiting(self) -> None:
         if not self.waiting:
             return
-        prefilled = self._prefill_waiting()
+        # every row keeps its own slots of the whole context here: a joiner never moves another's length
+        groups, self.waiting = self.waiting, []
+        prefilled = self._prefill_waiting(groups)
         joining = sum(len(group) for group, _, _ in prefilled)
         live = sum(not m.done for m in self.members)
         if live + joining > len(self.members):  # grow: the live rows stay where they are

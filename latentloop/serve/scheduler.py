@@ -462,15 +462,19 @@ class RoundScheduler(Scheduler):
         return options, ("sampled", request.temperature, request.top_k, request.top_p)
 
     def _plan(self, rows: list[Row]) -> list[list[Row]]:
-        """Rows grouped by key, each group packed first fit (longest prompt first) into batches of at
-        most max_rows rows whose longest prompt + longest max_tokens fits the context."""
+        """Rows grouped by key, each group packed first fit (longest prompt first, except one
+        request's own group, in its order) into batches of at most max_rows rows whose longest
+        prompt + longest max_tokens fits the context."""
         groups: dict[tuple, list[Row]] = {}
         for row in rows:
             groups.setdefault(self._group_key(row.job), []).append(row)
         batches: list[list[Row]] = []
-        for group in groups.values():
+        for key, group in groups.items():
             open_batches: list[tuple[list[Row], int, int]] = []
-            for row in sorted(group, key=lambda r: -len(r.prompt)):
+            # one request's own group (seeded, or rows the options couple) keeps its rows' order: the
+            # engine draws row by row, so a reordered seeded request got another prompt's draws
+            own = key[1][0] in ("seeded", "alone")
+            for row in group if own else sorted(group, key=lambda r: -len(r.prompt)):
                 P, M = len(row.prompt), row.job.request.max_tokens
                 for i, (batch, longest, most) in enumerate(open_batches):
                     if len(batch) < self.max_rows and max(longest, P) + max(most, M) <= self.context:

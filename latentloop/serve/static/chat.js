@@ -227,9 +227,12 @@ async function send(text) {
         }
       }
     }
-    if (page.config.chat) page.messages.push({ role: "user", content: text }, { role: "assistant", content: reply });
+    // an empty reply is not kept (as `latentloop chat` does): the server refuses an empty assistant
+    // turn, so every later message of the conversation would get a 400
+    const kept = reply.trim() !== "";
+    if (page.config.chat && kept) page.messages.push({ role: "user", content: text }, { role: "assistant", content: reply });
     content.dataset.final = reply;
-    setStatus(`done (${finish || "ended"})`);
+    setStatus(`done (${finish || "ended"})` + (page.config.chat && !kept ? ": the reply was empty and is not kept" : ""));
   } catch (error) {
     content.parentElement.remove();
     addTurn("error", String(error.message || error));
