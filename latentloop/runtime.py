@@ -153,10 +153,15 @@ def prepare_data(config: RunConfig, tokenizer, progress: bool = True) -> TokenDa
 
 def absolute_source(spec: str) -> str:
     """A `text:` source with its path made absolute (what a run records beside its config, so that
-    `eval` finds the same file from any folder); other sources as they are."""
+    `eval` finds the same file from any folder); other sources as they are. A blank path stays as it
+    is: made absolute it would be the current folder, and `train --data text:` trained on every text
+    file below it instead of `parse_source` refusing the empty path."""
     if not spec.startswith("text:"):
         return spec
-    return "text:" + os.path.abspath(os.path.expanduser(spec[len("text:"):]))
+    path = spec[len("text:"):]
+    if not path.strip():
+        return spec
+    return "text:" + os.path.abspath(os.path.expanduser(path))
 
 
 def _recorded_text_source(config: RunConfig, checkpoint: Path | None) -> tuple[str, dict | None]:

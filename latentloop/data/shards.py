@@ -9,11 +9,20 @@ Layout of the cache (one folder per (source, tokenizer, max_bytes) combination):
                     the sha256 of the file and its largest token id
 
 Documents are packed back to back, each as `[bos_id] + tokenizer.encode(document)`, so a model
-can see where documents start. A folder is built under a temporary name and renamed into place
-only when complete: an interrupted run never leaves a half-written cache behind. Every open
+can see where documents start (a document of more than `LONG_DOCUMENT_CHARS` characters is
+tokenized in pieces cut at newlines: `latentloop.data.tokenizers.encode_in_pieces`). A folder is
+built under a temporary name and renamed into place only when complete: an interrupted run never
+leaves a half-written cache behind. Every open
 re-reads the shards against their checksums, so a corrupted or edited file (even one of the same
 size) is a `DataError` rather than silently different training data, and so is a token id that the
-tokenizer does not have.
+tokenizer does not have. A folder is used only when its meta.json names the cache key asked for
+and the dtype the vocabulary needs: one copied or renamed from another key is rebuilt, like any
+folder whose layout is unreadable (a truncated shard, a half-written meta.json, a plain file or a
+dangling link at its path). A folder this user can read but not remove, or cannot read at all (a
+colleague's, on a shared cache), is a `DataError` naming it; a cache root that is not a writable
+folder is an `OutputError` naming it and `$LATENTLOOP_CACHE` / `data.cache_dir`. Published folders
+and files get the permissions a plain `mkdir` / `open()` gives, so colleagues sharing a cache
+can read them.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import hashlib
 import json
 import math
 import os
+import secrets
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -30,7 +40,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from latentloop.errors import ConfigError, DataError
+from latentloop.data.tokenizers import encode_in_pieces
+from latentloop.errors import ConfigError, DataError, OutputError
+from latentloop.util import current_umask, give_default_mode
 
 # Bump when the layout or the packing of shards changes, so that old caches are not reused.
 # 2: meta.json holds a sha256 and the largest token id per split.
@@ -43,6 +55,14 @@ META_FILE = "meta.json"
 _WRITE_CHUNK_TOKENS = 1 << 20
 # Bytes read at a time when verifying a shard (a multiple of every token dtype's size).
 _VERIFY_CHUNK_BYTES = 1 << 24
+# What `mkdir` asks for a new folder; the umask then takes bits away (0o755 under the usual 0o022).
+# `tempfile.mkdtemp` makes its folder 0o700 whatever the umask, which locked colleagues sharing a
+# cache out of every entry this user built.
+NEW_DIR_MODE = 0o777
+# How an error about the cache root tells the user where that root comes from.
+CACHE_SETTING = "$LATENTLOOP_CACHE (or data.cache_dir)"
+# Name prefix of a damaged entry set aside to be removed (see `_remove_entry`).
+ASIDE_PREFIX = ".old-"
 
 
 @dataclass
@@ -104,31 +124,78 @@ def prepare_tokens(
     key = cache_key(source, tokenizer, max_bytes)
     directory = cache_dir / key[:16]
 
-    cached = _open_cached(directory, tokenizer.vocab_size)
+    cached = _open_cached(directory, key, tokenizer.vocab_size)
     if cached is not None:
         return cached
-    if directory.exists():
-        shutil.rmtree(directory)  # unreadable leftover (e.g. edited by hand): rebuild it
+    _remove_entry(directory)  # unreadable or foreign leftover (e.g. edited by hand): rebuild it
 
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    temp_dir = Path(tempfile.mkdtemp(prefix=f".tmp-{key[:16]}-", dir=cache_dir))
+    temp_dir = _make_temp_dir(cache_dir, key)
     try:
         meta = _build(source, tokenizer, temp_dir, max_bytes, progress)
         meta["cache_key"] = key
         (temp_dir / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        for file in temp_dir.iterdir():
+            give_default_mode(file)
+        os.chmod(temp_dir, NEW_DIR_MODE & ~current_umask())  # mkdtemp's 0700 would lock colleagues out
         try:
             os.replace(temp_dir, directory)
         except OSError:
             # Another process finished the same cache first; its copy is just as good.
-            if _open_cached(directory, tokenizer.vocab_size) is None:
+            if _open_cached(directory, key, tokenizer.vocab_size) is None:
                 raise
     finally:
         if temp_dir.exists():
             shutil.rmtree(temp_dir, ignore_errors=True)
-    opened = _open_cached(directory, tokenizer.vocab_size)
+    opened = _open_cached(directory, key, tokenizer.vocab_size)
     if opened is None:
         raise DataError(f"token cache {directory} could not be read back after writing it")
     return opened
+
+
+def _make_temp_dir(cache_dir: Path, key: str) -> Path:
+    """A new private folder in `cache_dir` (made if missing) to build an entry in. A cache root that is
+    a file, or a folder this user cannot write, is an `OutputError` naming it and where it is set."""
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".tmp-{key[:16]}-", dir=cache_dir))
+    except FileExistsError:  # mkdir(exist_ok=True) still refuses a file (or a link to one) at the path
+        reason = "it is not a folder"
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+    raise OutputError(f"cannot use token cache folder {cache_dir}: {reason}; set {CACHE_SETTING} to a folder "
+                      f"you can write")
+
+
+def _remove_entry(directory: Path) -> None:
+    """Remove whatever is at an entry's path so that it can be built again: a plain file or a
+    (dangling) link by unlinking it (rmtree refuses both), a folder by setting it aside under a name
+    of this process's own and removing that, so that of several processes that found it damaged one
+    moves it and the others find it gone. Nothing there is fine. What cannot be removed (a colleague's
+    entry in a shared cache) is put back where it was and is a `DataError` naming it and saying what
+    to do."""
+    aside = None
+    try:
+        if directory.is_symlink() or not directory.is_dir():
+            directory.unlink(missing_ok=True)
+            return
+        aside = directory.with_name(f"{ASIDE_PREFIX}{directory.name}-{secrets.token_hex(4)}")
+        try:
+            os.rename(directory, aside)
+        except FileNotFoundError:
+            return  # another process set it aside first
+        shutil.rmtree(aside)
+    except NotADirectoryError:  # the cache root is a file: nothing to remove; _make_temp_dir says so
+        return
+    except OSError as exc:
+        where = ""
+        if aside is not None and aside.exists():
+            try:
+                os.rename(aside, directory)  # its owner finds it where it was
+            except OSError:
+                where = f" (set aside as {aside})"
+        raise DataError(f"token cache entry {directory}{where} is damaged or out of date and cannot be removed "
+                        f"({exc.strerror or exc}): delete it (or ask its owner to), or set {CACHE_SETTING} "
+                        f"to a folder of your own") from None
 
 
 def _build(source, tokenizer, directory: Path, max_bytes: int | None, progress: bool) -> dict:
@@ -190,16 +257,22 @@ def _write_split(
                 document_bytes = len(document.encode("utf-8"))
                 reached_cap = True
             if document:
-                ids = tokenizer.encode_to_array(document).astype(dtype, copy=False)
-                pending += [bos, ids]
-                pending_tokens += 1 + len(ids)
-                counts["tokens"] += 1 + len(ids)
+                pending.append(bos)
+                pending_tokens += 1
+                counts["tokens"] += 1
+                # a very long document in pieces, each written once enough has gathered: its ids are
+                # never all in memory at once (see encode_in_pieces)
+                for ids in encode_in_pieces(tokenizer, document):
+                    ids = ids.astype(dtype, copy=False)
+                    pending.append(ids)
+                    pending_tokens += len(ids)
+                    counts["tokens"] += len(ids)
+                    if pending_tokens >= _WRITE_CHUNK_TOKENS:
+                        write(out, pending)
+                        pending, pending_tokens = [], 0
                 counts["documents"] += 1
                 counts["bytes"] += document_bytes
                 bar.update(1)
-            if pending_tokens >= _WRITE_CHUNK_TOKENS:
-                write(out, pending)
-                pending, pending_tokens = [], 0
             if reached_cap:
                 break  # stop pulling documents: a streamed source should not read any further
         if pending:
@@ -224,19 +297,21 @@ def scan_shard(path: Path, dtype: np.dtype) -> tuple[str, int]:
     return digest.hexdigest(), max_id
 
 
-def _open_cached(directory: Path, vocab_size: int | None = None) -> TokenData | None:
-    """Open a finished cache folder, or None when there is none (or its layout is unreadable, so it
-    is rebuilt). A shard that does not match its checksum, or holds an id outside the vocabulary
-    (`vocab_size`, else the one recorded in meta.json), is a `DataError`."""
+def _open_cached(directory: Path, key: str, vocab_size: int) -> TokenData | None:
+    """Open the finished cache folder of `key`, or None when there is none, or when it is unusable and
+    is to be rebuilt: an unreadable layout, or a meta.json that names another cache key (a folder
+    copied from another entry) or another dtype than `vocab_size` needs. A shard that does not match
+    its checksum, or holds an id outside the vocabulary, is a `DataError`; so is a folder this user
+    may not read (a colleague's, on a shared cache), which no rebuild could replace."""
     meta_path = directory / META_FILE
-    if not meta_path.is_file():
-        return None
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
-        if meta.get("format_version") != FORMAT_VERSION:
+        if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
             return None
-        dtype = np.dtype(meta["dtype"])
-        vocab = int(meta["vocab_size"]) if vocab_size is None else vocab_size
+        dtype = token_dtype(vocab_size)
+        # The key's prefix is only the folder's name: the whole key and the dtype must be this entry's.
+        if meta.get("cache_key") != key or meta.get("dtype") != dtype.name:
+            return None
         for split in SPLIT_NAMES:
             path = directory / f"{split}.bin"
             if path.stat().st_size != meta["tokens"][split] * dtype.itemsize:
@@ -245,10 +320,13 @@ def _open_cached(directory: Path, vocab_size: int | None = None) -> TokenData | 
             if checksum != meta["sha256"][split]:
                 raise DataError(f"token cache file {path} does not match its checksum (corrupted or edited); "
                                 f"delete {directory} to rebuild it")
-            if max_id >= vocab or max_id != meta["max_id"][split]:
+            if max_id >= vocab_size or max_id != meta["max_id"][split]:
                 raise DataError(f"token cache file {path} holds token id {max_id}, outside the tokenizer's "
-                                f"{vocab} ids; delete {directory} to rebuild it")
+                                f"{vocab_size} ids; delete {directory} to rebuild it")
         arrays = {split: np.memmap(directory / f"{split}.bin", dtype=dtype, mode="r") for split in SPLIT_NAMES}
-    except (OSError, ValueError, KeyError, TypeError):
+    except PermissionError as exc:
+        raise DataError(f"token cache entry {directory} cannot be read ({exc.strerror}): ask its owner to make it "
+                        f"readable or delete it, or set {CACHE_SETTING} to a folder of your own") from None
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return None
     return TokenData(train=arrays["train"], val=arrays["val"], meta=meta, directory=directory)

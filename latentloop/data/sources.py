@@ -20,6 +20,7 @@ below) changes every document's split.
 
 from __future__ import annotations
 
+import codecs
 import glob
 import hashlib
 import json
@@ -41,6 +42,8 @@ SPLITS = ("train", "val")
 END_OF_TEXT = "<|endoftext|>"
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
+# Characters that make a `text:` path a glob.
+GLOB_CHARS = "*?["
 
 # A text source with fewer documents than this is split inside each document instead of by
 # document, so that e.g. a single Shakespeare file still has a validation part.
@@ -51,10 +54,18 @@ STDLIB_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "test
 
 _HASH_BUCKETS = 10_000
 
+# Bytes of a `.txt` file read at a time: a file of many `<|endoftext|>`-separated documents is never
+# held whole in memory.
+_TEXT_CHUNK_BYTES = 1 << 22
+
 
 def goes_to_val(key: str, val_fraction: float) -> bool:
-    """Whether the document identified by `key` belongs to the val split (stable across runs)."""
-    bucket = int.from_bytes(hashlib.sha1(key.encode("utf-8")).digest()[:8], "big") % _HASH_BUCKETS
+    """Whether the document identified by `key` belongs to the val split (stable across runs).
+
+    A key holding a file name that is not UTF-8 (Python keeps its bytes as lone surrogates) is
+    hashed with those raw bytes back ("surrogateescape"); every valid name encodes to the same bytes
+    either way, so no existing split moves."""
+    bucket = int.from_bytes(hashlib.sha1(key.encode("utf-8", "surrogateescape")).digest()[:8], "big") % _HASH_BUCKETS
     return bucket < round(val_fraction * _HASH_BUCKETS)
 
 
@@ -122,7 +133,8 @@ class TextSource(Source):
 
     `.txt` files holding `<|endoftext|>` are split on it (each piece stripped of surrounding
     whitespace); other `.txt` files are one document each. Blank documents are dropped.
-    Documents go to val by a stable hash of (relative file path, document index), except
+    Documents go to val by a stable hash of (file path relative to the folder, or to a glob's fixed
+    folder part, document index), except
     that a source with fewer than 20 documents gives the last `val_fraction` of each document's
     characters (at least one) to val, so that a single file still yields both splits.
     """
@@ -142,7 +154,8 @@ class TextSource(Source):
                 yield relative, index, text
 
     def is_small(self) -> bool:
-        """Whether the source has too few documents to split by document."""
+        """Whether the source has too few documents to split by document. Reading stops at the
+        `MIN_DOCUMENTS_FOR_DOCUMENT_SPLIT`-th document: a big corpus is not read through to answer."""
         if self._is_small is None:
             count = 0
             for _ in self._iter_all():
@@ -229,14 +242,23 @@ def _resolve_text_files(path: str) -> tuple[Path, list[Path]]:
         if not files:
             raise DataError(f"no .txt, .jsonl or .parquet files in folder {expanded}")
         return expanded, files
-    if any(char in path for char in "*?["):
+    if any(char in path for char in GLOB_CHARS):
         matches = [Path(p) for p in glob.glob(str(expanded), recursive=True)]
         files = [p for p in matches if p.is_file() and p.suffix in TEXT_SUFFIXES]
         if not files:
             raise DataError(f"no .txt, .jsonl or .parquet files match {path}")
-        root = Path(os.path.commonpath([str(p.parent) for p in files]))
+        root = _glob_prefix(expanded)
         return root, sorted(files, key=lambda p: p.relative_to(root).as_posix())
     raise DataError(f"data path not found: {expanded}")
+
+
+def _glob_prefix(pattern: Path) -> Path:
+    """The folder part of a glob before its first wildcard (`data/**/*.txt` -> `data`), which every
+    match lies below. Keys are relative to it, not to the matches' common folder: that moved
+    whenever a file was added in a sibling folder, and every document's key (so its split) with it."""
+    parts = pattern.parts
+    fixed = next(i for i, part in enumerate(parts) if any(char in part for char in GLOB_CHARS))
+    return Path(*parts[:fixed]) if fixed else Path()
 
 
 def _read_documents(file: Path) -> Iterator[str]:
@@ -246,23 +268,52 @@ def _read_documents(file: Path) -> Iterator[str]:
     elif file.suffix == ".parquet":
         yield from _read_parquet(file)
     else:
-        text = _read_text(file)
-        if END_OF_TEXT in text:
-            for piece in text.split(END_OF_TEXT):
-                piece = piece.strip()
-                if piece:
-                    yield piece
-        elif text.strip():
-            yield text
+        yield from _read_text(file)
 
 
-def _read_text(file: Path) -> str:
+def _read_text(file: Path) -> Iterator[str]:
+    """The documents of a `.txt` file, read `_TEXT_CHUNK_BYTES` at a time: the pieces between
+    `<|endoftext|>` separators (each stripped) when the file has any, else the whole text. A file of
+    many documents is never held whole (a reader that stops early, as `TextSource.is_small` does, reads
+    no further); a file without separators is one document, held whole, as before."""
     try:
-        return file.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise DataError(f"{file} is not valid UTF-8 (byte {exc.start})") from exc
+        handle = file.open("rb")
     except OSError as exc:
         raise DataError(f"cannot read {file}: {exc.strerror}") from exc
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    parts: list[str] = []  # the current document so far (joined once: += on a huge str copies it again and again)
+    held = ""  # the last characters read, which may be the start of a separator the next chunk completes
+    separated, offset, final = False, 0, False
+    with handle:
+        while not final:
+            try:
+                chunk = handle.read(_TEXT_CHUNK_BYTES)
+            except OSError as exc:
+                raise DataError(f"cannot read {file}: {exc.strerror}") from exc
+            final = not chunk
+            undecoded = len(decoder.getstate()[0])  # bytes of a character the last chunk began
+            try:
+                window = held + decoder.decode(chunk, final=final)
+            except UnicodeDecodeError as exc:
+                raise DataError(f"{file} is not valid UTF-8 (byte {offset - undecoded + exc.start})") from exc
+            offset += len(chunk)
+            start = 0
+            while (end := window.find(END_OF_TEXT, start)) != -1:
+                separated = True
+                piece = ("".join(parts) + window[start:end]).strip()
+                parts = []
+                if piece:
+                    yield piece
+                start = end + len(END_OF_TEXT)
+            rest = window[start:]
+            keep = len(rest) if final else max(0, len(rest) - len(END_OF_TEXT) + 1)
+            parts.append(rest[:keep])
+            held = rest[keep:]
+    text = "".join(parts)
+    if separated:
+        text = text.strip()
+    if text.strip():
+        yield text
 
 
 def iter_jsonl(file: Path) -> Iterator[tuple[int, Any]]:
@@ -310,8 +361,18 @@ def _read_parquet(file: Path) -> Iterator[str]:
         raise DataError(f"cannot read parquet file {file}: {exc}") from exc
     if "text" not in parquet_file.schema_arrow.names:
         raise DataError(f"parquet file {file} has no 'text' column")
-    for batch in parquet_file.iter_batches(columns=["text"]):
-        for text in batch.column(0).to_pylist():
+    batches = parquet_file.iter_batches(columns=["text"])
+    while True:
+        # A sound footer says nothing of the data pages, which are only decoded here: a damaged page
+        # raises while iterating (OSError, ArrowInvalid...), so each batch is read inside the guard.
+        try:
+            batch = next(batches, None)
+            texts = None if batch is None else batch.column(0).to_pylist()
+        except Exception as exc:  # pyarrow raises several unrelated types for unreadable data
+            raise DataError(f"cannot read parquet file {file}: {first_line(exc)}") from None
+        if texts is None:
+            return
+        for text in texts:
             if isinstance(text, str) and text.strip():
                 yield text
 

@@ -5,7 +5,8 @@ All share one small interface, which is all the rest of latentloop relies on:
 
 - `encode(text) -> list[int]` (no special tokens), `encode_batch(texts)`, `decode(ids) -> str`
   (special tokens skipped, invalid UTF-8 replaced), `encode_to_array(text) -> np.ndarray`
-  (fast path for big texts);
+  (fast path for big texts); `encode_in_pieces(tokenizer, text)`: the same ids as arrays, a very
+  long document tokenized a few MB at a time (cut at newlines);
 - `bos_id`, `eos_id`, `pad_id`, `vocab_size`, `name`;
 - `token_byte_lengths()`: how many UTF-8 bytes each token id stands for, so that losses can be
   reported in bits per byte, which is comparable across tokenizers;
@@ -34,7 +35,7 @@ import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,6 +125,44 @@ class _ChatInterface:
 MIN_BPE_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
 MAX_BPE_VOCAB_SIZE = 2**21  # ids past this are a mistake, not a vocabulary (Gemma's is 262,144)
 SENTENCEPIECE_SPACE = "\u2581"  # "▁": how SentencePiece-style tokenizers spell a space inside a token
+
+# A document longer than this many characters is tokenized in pieces (`encode_in_pieces`): `tokenizers`
+# keeps bookkeeping per token (offsets, token strings) for the whole text it encodes, so one very
+# long document needed many times its size at once. Normal documents are far shorter, and encoded whole.
+LONG_DOCUMENT_CHARS = 8 << 20
+
+
+def encode_in_pieces(tokenizer, text: str) -> Iterator[np.ndarray]:
+    """`tokenizer.encode_to_array(text)` as consecutive arrays; concatenated, they are the ids of
+    `text`. Only a text longer than `LONG_DOCUMENT_CHARS` is cut, into pieces of about that many
+    characters, and a cut falls only just after a newline (one followed by a character that is not
+    whitespace where the window has one); a text without a newline past that length stays whole.
+    For the byte tokenizer the ids are exactly those of the whole text. For BPE / Hugging Face
+    tokenizers they are the same wherever the tokenizer never merges across a newline followed by
+    text, as byte-level BPEs with GPT-2-style pre-tokenization (latentloop's own) do not; a
+    tokenizer that treats the start of a text specially (SentencePiece's leading "▁") may tokenize
+    the first characters after a cut differently. Either way only documents past the threshold are
+    cut, so normal data is tokenized as before."""
+    start, size = 0, LONG_DOCUMENT_CHARS
+    while len(text) - start > size:
+        cut = _newline_cut(text, start, start + size)
+        if cut == -1:  # no newline in this window: the first one after it, if any
+            cut = text.find("\n", start + size)
+            if cut == -1:
+                break
+        yield tokenizer.encode_to_array(text[start:cut + 1])
+        start = cut + 1
+    if start < len(text) or start == 0:
+        yield tokenizer.encode_to_array(text[start:])
+
+
+def _newline_cut(text: str, start: int, end: int) -> int:
+    """Index of the last newline in text[start:end] followed by a non-whitespace character (a cut
+    there leaves no run of whitespace split), else of the last newline there, else -1."""
+    last = position = text.rfind("\n", start, end)
+    while position != -1 and text[position + 1:position + 2].isspace():
+        position = text.rfind("\n", start, position)
+    return position if position != -1 else last
 
 
 class ByteTokenizer(_ChatInterface):
@@ -717,6 +756,10 @@ def load_tokenizer(spec: str) -> ByteTokenizer | BPETokenizer | HFTokenizer:
         content = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise DataError(f"cannot read tokenizer {path}: {exc}") from exc
+    except ValueError as exc:  # valid JSON Python will not read: a number past its int-to-str limit
+        raise DataError(f"cannot read tokenizer {path}: {first_line(exc)}") from None
+    except RecursionError:  # arrays or objects nested thousands deep
+        raise DataError(f"cannot read tokenizer {path}: its JSON is nested too deeply") from None
     if isinstance(content, dict) and content.get("type") == "byte":
         chat = content.get("chat", False)
         if not isinstance(chat, bool):  # "yes" was read as no chat tokens, silently
@@ -725,6 +768,8 @@ def load_tokenizer(spec: str) -> ByteTokenizer | BPETokenizer | HFTokenizer:
     if isinstance(content, dict) and content.get("type") == "hf":
         return HFTokenizer.from_saved(content, str(path))
     added = content.get("added_tokens") if isinstance(content, dict) else None
+    if added is not None and not isinstance(added, list):  # iterating a number was a TypeError
+        raise DataError(f"tokenizer {path}: 'added_tokens' must be a list, got {type(added).__name__}")
     ours = any(isinstance(token, dict) and token.get("content") == BOS_TOKEN for token in added or [])
     if not ours and (path.parent / "tokenizer_config.json").is_file():  # a pretrained model's own tokenizer
         return HFTokenizer.from_pretrained_folder(path.parent)

@@ -1,0 +1,267 @@
+"""Bad input to the data pipeline ends in one clear error (or is handled), never in a traceback or in
+silently different data: blank `text:` paths, foreign / damaged / unreadable token cache entries,
+unusable cache roots, damaged parquet pages, non-UTF-8 file names, malformed tokenizer JSON, glob
+sources growing in a sibling folder, and very long documents."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from latentloop.data import ByteTokenizer, load_tokenizer, parse_source, prepare_tokens, shards, sources
+from latentloop.data.shards import cache_key, scan_shard
+from latentloop.data.sources import MIN_DOCUMENTS_FOR_DOCUMENT_SPLIT, goes_to_val
+from latentloop.errors import DataError, OutputError
+from latentloop.runtime import absolute_source
+
+WORDS = "the quick brown fox jumps over the lazy dog while latent state loops forward".split()
+
+
+def make_docs(folder: Path, count: int = MIN_DOCUMENTS_FOR_DOCUMENT_SPLIT + 4, tag: str = "") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        (folder / f"doc{i:03d}.txt").write_text(f"{tag}story {i}: " + " ".join(WORDS[(i + j) % len(WORDS)]
+                                                                            for j in range(12)) + "\n")
+    return folder
+
+
+def prepare(folder: Path, cache: Path):
+    return prepare_tokens(parse_source(f"text:{folder}"), ByteTokenizer(), cache, progress=False)
+
+
+# 1. `train --data text:` ------------------------------------------------------------------------
+
+
+def test_a_blank_text_path_stays_blank_so_parse_source_refuses_it(tmp_path, monkeypatch):
+    make_docs(tmp_path)
+    monkeypatch.chdir(tmp_path)  # made absolute, "" was this folder: its files were trained on
+    assert absolute_source("text:") == "text:"
+    with pytest.raises(DataError, match="empty path"):
+        parse_source(absolute_source("text:"))
+    assert absolute_source("text:corpus") == f"text:{tmp_path / 'corpus'}"  # others still made absolute
+
+
+# 2. foreign cache entries ------------------------------------------------------------------------
+
+
+def test_an_entry_copied_under_another_key_is_rebuilt_not_used(tmp_path):
+    a, b, cache = make_docs(tmp_path / "a", tag="A "), make_docs(tmp_path / "b", tag="B "), tmp_path / "cache"
+    expected = np.array(prepare(a, cache).train)
+    a_dir, b_dir = prepare(a, cache).directory, prepare(b, cache).directory
+    shutil.rmtree(a_dir)
+    shutil.copytree(b_dir, a_dir)  # B's finished, self-consistent folder under A's name
+    data = prepare(a, cache)
+    assert data.meta["spec"] == f"text:{a}"
+    assert np.array_equal(np.array(data.train), expected)
+
+
+def test_an_entry_of_another_dtype_is_rebuilt_not_used(tmp_path):
+    folder, cache = make_docs(tmp_path / "a"), tmp_path / "cache"
+    data = prepare(folder, cache)
+    expected = np.array(data.train)
+    meta = data.meta
+    for split in ("train", "val"):  # a consistent entry, but in uint32 where the vocabulary needs uint16
+        shard = data.directory / f"{split}.bin"
+        np.fromfile(shard, dtype=np.uint16).astype(np.uint32).tofile(shard)
+        meta["sha256"][split], meta["max_id"][split] = scan_shard(shard, np.dtype(np.uint32))
+    meta["dtype"] = "uint32"
+    (data.directory / "meta.json").write_text(json.dumps(meta))
+    again = prepare(folder, cache)
+    assert again.train.dtype == np.uint16 and again.meta["dtype"] == "uint16"
+    assert np.array_equal(np.array(again.train), expected)
+
+
+# 3. modes, unreadable and unremovable entries -------------------------------------------------------
+
+
+def test_cache_entries_get_the_default_mode_not_mkdtemps_0700(tmp_path):
+    old = os.umask(0o022)
+    try:
+        data = prepare(make_docs(tmp_path / "a"), tmp_path / "cache")
+    finally:
+        os.umask(old)
+    assert data.directory.stat().st_mode & 0o777 == 0o755
+    for file in data.directory.iterdir():
+        assert file.stat().st_mode & 0o777 == 0o644, file
+
+
+def test_an_entry_that_cannot_be_read_is_one_error_naming_it(tmp_path, monkeypatch):
+    folder, cache = make_docs(tmp_path / "a"), tmp_path / "cache"
+    directory = prepare(folder, cache).directory
+
+    def refused(path, dtype):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(shards, "scan_shard", refused)  # a colleague's entry: root would read it anyway
+    with pytest.raises(DataError, match=f"{directory} cannot be read.*LATENTLOOP_CACHE"):
+        prepare(folder, cache)
+    assert (directory / "meta.json").is_file()  # left for its owner, not removed
+
+
+def test_a_damaged_entry_that_cannot_be_removed_is_one_error_naming_it(tmp_path, monkeypatch):
+    folder, cache = make_docs(tmp_path / "a"), tmp_path / "cache"
+    shard = prepare(folder, cache).directory / "val.bin"
+    os.truncate(shard, shard.stat().st_size - 2)
+
+    def refused(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(shards.shutil, "rmtree", refused)
+    with pytest.raises(DataError, match="cannot be removed.*delete it"):
+        prepare(folder, cache)
+
+
+# 4. cache housekeeping ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("what", ["file", "dangling link"])
+def test_a_non_folder_at_an_entry_path_is_replaced(tmp_path, what):
+    folder, cache = make_docs(tmp_path / "a"), tmp_path / "cache"
+    cache.mkdir()
+    entry = cache / cache_key(parse_source(f"text:{folder}"), ByteTokenizer(), None)[:16]
+    if what == "file":
+        entry.write_text("junk")
+    else:
+        entry.symlink_to(tmp_path / "nowhere")
+    data = prepare(folder, cache)
+    assert data.directory == entry and entry.is_dir() and not entry.is_symlink()
+    assert not (tmp_path / "nowhere").exists()
+
+
+def test_a_cache_root_that_is_a_file_is_one_error_naming_it(tmp_path):
+    root = tmp_path / "cache"
+    root.write_text("not a folder")
+    with pytest.raises(OutputError, match=f"{root}: it is not a folder.*LATENTLOOP_CACHE"):
+        prepare(make_docs(tmp_path / "a"), root)
+
+
+def test_a_cache_root_that_cannot_be_written_is_one_error_naming_it(tmp_path, monkeypatch):
+    def refused(*args, **kwargs):  # what mkdtemp raises in a read-only folder (root ignores modes)
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(shards.tempfile, "mkdtemp", refused)
+    with pytest.raises(OutputError, match="cache.*Permission denied.*LATENTLOOP_CACHE"):
+        prepare(make_docs(tmp_path / "a"), tmp_path / "cache")
+
+
+# 5. damaged parquet pages ----------------------------------------------------------------------------
+
+
+def test_a_parquet_file_with_damaged_data_pages_is_one_error(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    parquet = pytest.importorskip("pyarrow.parquet")
+    file = tmp_path / "damaged.parquet"
+    parquet.write_table(pa.table({"text": [f"document number {i} " * 20 for i in range(400)]}), file,
+                        compression="snappy", row_group_size=100)
+    with file.open("r+b") as handle:  # the footer (at the end) stays sound: only reading pages fails
+        handle.seek(file.stat().st_size // 3)
+        handle.write(b"\xff" * 300)
+    source = parse_source(f"text:{file}")
+    with pytest.raises(DataError, match="cannot read parquet file"):
+        list(source.iter_documents("train"))
+
+
+# 6. non-UTF-8 file names ---------------------------------------------------------------------------
+
+
+def test_a_file_name_that_is_not_utf8_is_read_and_keys_of_valid_names_do_not_move(tmp_path):
+    folder = make_docs(tmp_path / "a")
+    try:
+        (folder / os.fsdecode(b"caf\xe9.txt")).write_text("a document whose name is Latin-1\n")
+    except (OSError, UnicodeError):
+        pytest.skip("this file system refuses names that are not UTF-8")
+    source = parse_source(f"text:{folder}", val_fraction=0.5)
+    documents = list(source.iter_documents("train")) + list(source.iter_documents("val"))
+    assert len(documents) == MIN_DOCUMENTS_FOR_DOCUMENT_SPLIT + 5
+    for key in ("doc001.txt:0", "café.txt:0", "日本.txt:3"):  # the same bucket as a plain UTF-8 hash
+        bucket = int.from_bytes(hashlib.sha1(key.encode("utf-8")).digest()[:8], "big") % 10_000
+        assert goes_to_val(key, 0.5) == (bucket < 5_000)
+
+
+# 7. malformed tokenizer JSON -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, message", [('{"added_tokens": 5}', "'added_tokens' must be a list"),
+                                           ("[" * 100_000 + "]" * 100_000, "nested too deeply")])
+def test_a_malformed_tokenizer_json_is_one_error(tmp_path, text, message):
+    file = tmp_path / "tokenizer.json"
+    file.write_text(text)
+    with pytest.raises(DataError, match=message):
+        load_tokenizer(str(file))
+
+
+# 8. glob sources ---------------------------------------------------------------------------------------
+
+
+def test_a_file_added_in_a_sibling_folder_moves_no_glob_document(tmp_path):
+    root = tmp_path / "corpus"
+    make_docs(root / "a", count=40)
+    spec = f"text:{root}/**/*.txt"
+
+    def val_documents() -> set[str]:
+        return set(parse_source(spec, val_fraction=0.5).iter_documents("val"))
+
+    before = val_documents()
+    make_docs(root / "b", count=1, tag="new ")
+    after = val_documents()
+    assert before <= after and len(after - before) <= 1  # only the new document may join val
+    assert sources._glob_prefix(Path(f"{root}/**/*.txt")) == root
+
+
+# 9. very long inputs --------------------------------------------------------------------------------
+
+
+def test_is_small_stops_reading_once_it_has_counted_enough_documents(tmp_path, monkeypatch):
+    file = tmp_path / "stories.txt"
+    stories = "".join(f"story {i}\n<|endoftext|>\n" for i in range(3 * MIN_DOCUMENTS_FOR_DOCUMENT_SPLIT))
+    file.write_bytes(stories.encode() + b"\xff never read")  # what a whole-file read would trip on
+    monkeypatch.setattr(sources, "_TEXT_CHUNK_BYTES", 64, raising=False)
+    source = parse_source(f"text:{file}")
+    assert source.is_small() is False
+    with pytest.raises(DataError, match=f"not valid UTF-8 \\(byte {len(stories)}\\)"):
+        list(source.iter_documents("train"))  # the whole file still is read in the end, and refused
+
+
+def test_a_txt_file_read_in_chunks_gives_the_documents_a_whole_read_gave(tmp_path, monkeypatch):
+    monkeypatch.setattr(sources, "_TEXT_CHUNK_BYTES", 5, raising=False)  # separators cut across chunks
+    cases = {"sep": " café <|endoftext|>\n\nb 日本 <|endoftext|><|endoftext|>  c\n", "whole": "  one docé\n\n",
+             "blank": " \n ", "edge": "<|endoftext|>x<|endoftext"}
+    for name, text in cases.items():
+        (tmp_path / f"{name}.txt").write_text(text, encoding="utf-8")
+        expected = ([p.strip() for p in text.split("<|endoftext|>") if p.strip()] if "<|endoftext|>" in text
+                    else [text] if text.strip() else [])
+        assert list(sources._read_documents(tmp_path / f"{name}.txt")) == expected, name
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    from latentloop.data import BPETokenizer
+
+    return BPETokenizer.train([" ".join(WORDS * 20)] * 5, 300)
+
+
+@pytest.mark.parametrize("kind", ["byte", "bpe"])
+def test_a_very_long_document_is_tokenized_in_pieces_cut_at_newlines(tmp_path, monkeypatch, bpe, kind):
+    from latentloop.data import tokenizers
+
+    tokenizer = ByteTokenizer() if kind == "byte" else bpe
+    document = "".join(f"line {i}: " + " ".join(WORDS[i % 5:]) + ("\n\n" if i % 7 == 0 else "\n") for i in range(200))
+    threshold = 1000
+    monkeypatch.setattr(tokenizers, "LONG_DOCUMENT_CHARS", threshold, raising=False)
+    seen: list[str] = []
+    whole = type(tokenizer).encode_to_array
+    monkeypatch.setattr(type(tokenizer), "encode_to_array", lambda self, text: seen.append(text) or whole(self, text))
+    (tmp_path / "doc.txt").write_text(document)
+    data = prepare_tokens(parse_source(f"text:{tmp_path / 'doc.txt'}", val_fraction=0.01), tokenizer,
+                          tmp_path / "cache", progress=False)
+    train_text = document[: len(document) - max(1, round(len(document) * 0.01))]
+    assert "".join(seen[:-1]) == train_text and len(seen) > 2  # the train split's pieces, then val's
+    assert all(len(piece) <= threshold and piece.endswith("\n") for piece in seen[:-2])
+    assert data.train[0] == tokenizer.bos_id
+    assert np.array_equal(np.array(data.train[1:]), whole(tokenizer, train_text))  # the ids of the whole text
