@@ -27,6 +27,7 @@ import torch
 
 from .config import RunConfig
 from .data import TokenData, parse_source, prepare_tokens
+from .data.sources import MixSource
 from .errors import ConfigError, OutputError
 from .util import default_cache_dir
 
@@ -153,9 +154,14 @@ def prepare_data(config: RunConfig, tokenizer, progress: bool = True) -> TokenDa
 
 def absolute_source(spec: str) -> str:
     """A `text:` source with its path made absolute (what a run records beside its config, so that
-    `eval` finds the same file from any folder); other sources as they are. A blank path stays as it
-    is: made absolute it would be the current folder, and `train --data text:` trained on every text
-    file below it instead of `parse_source` refusing the empty path."""
+    `eval` finds the same file from any folder), and so each `text:` part of a `mix:` (whose relative
+    paths were recorded as typed: a resume from another folder read other files); other sources as
+    they are. A blank path stays as it is: made absolute it would be the current folder, and `train
+    --data text:` trained on every text file below it instead of `parse_source` refusing the empty
+    path."""
+    if spec.startswith("mix:"):
+        parts = spec[len("mix:"):].split(MixSource.SEPARATOR)
+        return "mix:" + MixSource.SEPARATOR.join(absolute_source(part.strip()) for part in parts)
     if not spec.startswith("text:"):
         return spec
     path = spec[len("text:"):]

@@ -298,6 +298,22 @@ def test_a_resume_finds_its_data_tokenizer_and_trainer_state_as_well_as_they_can
     assert fit(state, progress=False)["step"] == 6
 
 
+def test_a_mix_with_a_relative_text_path_resumes_from_another_folder(corpus, tmp_path, monkeypatch):
+    """A `mix:` source's `text:` part was recorded as typed (only a top-level `text:` was made
+    absolute), so a resume from another folder read another path, or none."""
+    monkeypatch.chdir(corpus.parent)
+    config = _config(corpus, steps=4, save_every=2)
+    config.data.source = f"mix:stdlib+text:{corpus.name}"
+    fit(setup(config, tmp_path / "run", progress=False), progress=False)
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["data"]["source"] == \
+        f"mix:stdlib+text:{corpus}"
+    monkeypatch.chdir(tmp_path)
+    again = _config(corpus, steps=6, save_every=2)
+    again.data.source = f"mix:stdlib+text:{corpus}"
+    state = setup(again, tmp_path / "run", resume=True, progress=False)
+    assert state.step == 4 and fit(state, progress=False)["step"] == 6
+
+
 def test_a_checkpoint_folder_given_as_the_run_is_refused_and_left_untouched(corpus, tmp_path):
     fit(setup(_config(corpus, steps=2), tmp_path / "run", progress=False), progress=False)
     checkpoint = tmp_path / "run" / "checkpoints" / "step_00000002"
