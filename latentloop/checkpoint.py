@@ -39,6 +39,7 @@ folder never looks like a checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import io
@@ -49,6 +50,7 @@ import pickle
 import shutil
 import sys
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
@@ -56,7 +58,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from .config import RunConfig
+from .config import ModelConfig, RunConfig
 from .errors import CheckpointError, CheckpointUnreadable, ConfigError, LatentloopError, NonFiniteError, OutputError
 from .util import first_line, fsync_dir, fsync_file, give_default_mode, json_safe, write_json_atomic  # noqa: F401 (re-exported)
 
@@ -447,6 +449,81 @@ def load_weights(model: torch.nn.Module, checkpoint: Path, weights: dict[str, to
         model.load_state_dict(weights, strict=True)
     except RuntimeError as exc:
         raise CheckpointError(f"weights {file} do not fit the model: {str(exc).splitlines()[-1].strip()}") from None
+
+
+# --------------------------------------------------------------------------------------------
+# A run folder's files fitting each other, checked before a model is allocated (`runs.load_run`,
+# `interop.export_hf`): here, below both, since the interop package may not import `runs`
+# --------------------------------------------------------------------------------------------
+
+# torch.nn.init's random initialisers: on the meta device they run as Python decompositions whose
+# first call imports torch._dynamo (1.5-3.5 s of a core before a command that loads a run can go on;
+# rope_frequencies avoids the same for its arithmetic), and a shape needs none of them
+RANDOM_INITS = ("normal_", "uniform_", "trunc_normal_", "kaiming_normal_", "kaiming_uniform_", "xavier_normal_",
+                "xavier_uniform_", "orthogonal_", "sparse_")
+
+
+@contextlib.contextmanager
+def _random_inits_skipped() -> Iterator[None]:
+    """torch.nn.init's random initialisers leave their tensor as it is inside the block (the model
+    files call them through `nn.init`, as torch's own layers do)."""
+    saved = {name: getattr(torch.nn.init, name) for name in RANDOM_INITS}
+    try:
+        for name in RANDOM_INITS:
+            setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, initialiser in saved.items():
+            setattr(torch.nn.init, name, initialiser)
+
+
+def expected_shapes(config: ModelConfig, build: Callable[[ModelConfig], torch.nn.Module]
+                    ) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of the weights a config describes, from the model `build` (the registry's
+    `archs.build_model`: this module sits below the registry, so its callers hand it in) makes on the
+    meta device (shapes only: nothing is allocated or initialised, however large the config)."""
+    with torch.device("meta"), _random_inits_skipped():
+        model = build(config)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def check_full_weights(checkpoint: Path) -> None:
+    """A checkpoint with sharded weights only (an fsdp2 run saved with train.full_weights=false) has
+    no model.safetensors to load or export: one line saying how to write it."""
+    if not (checkpoint / "model.safetensors").is_file() and (checkpoint / SHARDED_DIR).is_dir():
+        raise CheckpointError(f"checkpoint {checkpoint} holds sharded weights only (an fsdp2 run saved with "
+                              f"train.full_weights=false): write model.safetensors with `latentloop export-dcp "
+                              f"{checkpoint}`")
+
+
+def check_weights_fit(config: ModelConfig, checkpoint: Path, build: Callable[[ModelConfig], torch.nn.Module],
+                      found: dict[str, tuple[int, ...]] | None = None) -> None:
+    """The checkpoint's weights (`found`: their shapes, else read from the safetensors header) have
+    exactly the names and shapes the config describes (`expected_shapes`, with `build`), checked
+    before a model of that config is allocated: an edited config is one line, not an allocation
+    failure."""
+    found = weight_shapes(checkpoint) if found is None else found
+    expected = expected_shapes(config, build)
+    file = checkpoint / "model.safetensors"
+    missing, unexpected = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(f"weights {file} do not fit the run's config.json: missing {missing[:3]}, "
+                              f"unexpected {unexpected[:3]}")
+    for name, shape in expected.items():
+        if found[name] != shape:
+            raise CheckpointError(f"weights {file} do not fit the run's config.json: {name} is {list(found[name])} "
+                                  f"in the file but {list(shape)} by the config")
+
+
+def check_tokenizer_fits(tokenizer: Any, config: ModelConfig, tokenizer_file: Path) -> None:
+    """A tokenizer with more ids than the model would index out of its embedding; one with fewer (or
+    other special ids) would decode the model's ids as the wrong text."""
+    if tokenizer.vocab_size != config.vocab_size:
+        raise CheckpointError(f"tokenizer {tokenizer_file} has {tokenizer.vocab_size} tokens but the model has "
+                              f"vocab_size {config.vocab_size}: it is not the tokenizer this model was trained with")
+    if tokenizer.bos_id != config.bos_id:
+        raise CheckpointError(f"tokenizer {tokenizer_file} has BOS id {tokenizer.bos_id} but the model was trained "
+                              f"with {config.bos_id}: it is not the tokenizer this model was trained with")
 
 
 # The tensors with one row per token id: an SFT run that adds the chat tokens grows these.

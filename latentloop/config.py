@@ -93,9 +93,12 @@ class ModelConfig:
         require(self.sequence_len >= 1, f"sequence_len must be >= 1, got {self.sequence_len}")
         require(self.n_layer >= 1, f"n_layer must be >= 1, got {self.n_layer}")
         require(self.n_head >= 1, f"n_head must be >= 1, got {self.n_head}")
+        # a negative or zero width divides evenly too, and then fails as a negative dimension deep in torch
+        require(self.n_embd >= 1, f"n_embd must be >= 1, got {self.n_embd}")
         require(self.n_embd % self.n_head == 0,
                  f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
-        require(self.head_dim % 2 == 0, f"head_dim (n_embd / n_head = {self.head_dim}) must be even for RoPE")
+        require(self.head_dim >= 2 and self.head_dim % 2 == 0,  # RoPE rotates pairs: one pair at least
+                 f"head_dim (n_embd / n_head = {self.head_dim}) must be even for RoPE, and >= 2 (one rotary pair)")
         require(1 <= self.n_kv_head <= self.n_head and self.n_head % self.n_kv_head == 0,
                  f"n_kv_head ({self.n_kv_head}) must divide n_head ({self.n_head})")
         require(self.mlp in ("relu2", "swiglu"), f"mlp must be 'relu2' or 'swiglu', got {self.mlp!r}")

@@ -13,7 +13,6 @@ model.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 from pathlib import Path
@@ -25,7 +24,9 @@ from .archs import build_model
 from .checkpoint import (
     SHARDED_DIR,
     add_checksum,
+    check_full_weights,
     check_sharded,
+    check_tokenizer_fits,
     check_weights_finite,
     find_tokenizer_file,
     fsync_dir,
@@ -35,68 +36,27 @@ from .checkpoint import (
     read_weights,
     resolve_checkpoint,
     save_checkpoint,
-    weight_shapes,
 )
+from .checkpoint import check_weights_fit as _check_weights_fit
+from .checkpoint import expected_shapes as _expected_shapes
 from .config import ModelConfig, RunConfig
 from .data import load_tokenizer
 from .errors import CheckpointError, ConfigError, OutputError
 from .util import give_default_mode
 
-# torch.nn.init's random initialisers: on the meta device they run as Python decompositions whose
-# first call imports torch._dynamo (1.5-3.5 s of a core before a command that loads a run can go on;
-# rope_frequencies avoids the same for its arithmetic), and a shape needs none of them
-RANDOM_INITS = ("normal_", "uniform_", "trunc_normal_", "kaiming_normal_", "kaiming_uniform_", "xavier_normal_",
-                "xavier_uniform_", "orthogonal_", "sparse_")
-
-
-@contextlib.contextmanager
-def _random_inits_skipped():
-    """torch.nn.init's random initialisers leave their tensor as it is inside the block (the model
-    files call them through `nn.init`, as torch's own layers do)."""
-    saved = {name: getattr(nn.init, name) for name in RANDOM_INITS}
-    try:
-        for name in RANDOM_INITS:
-            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
-        yield
-    finally:
-        for name, initialiser in saved.items():
-            setattr(nn.init, name, initialiser)
-
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """{name: shape} of the weights a config describes, from a model built on the meta device
     (shapes only: nothing is allocated or initialised, however large the config)."""
-    with torch.device("meta"), _random_inits_skipped():
-        model = build_model(config)
-    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    return _expected_shapes(config, build_model)
 
 
 def check_weights_fit(config: ModelConfig, checkpoint: Path, found: dict[str, tuple[int, ...]] | None = None) -> None:
-    """The checkpoint's weights (`found`: their shapes, else read from the safetensors header) have
-    exactly the names and shapes the config describes, checked before a model of that config is
-    allocated."""
-    found = weight_shapes(checkpoint) if found is None else found
-    expected = expected_shapes(config)
-    file = checkpoint / "model.safetensors"
-    missing, unexpected = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
-    if missing or unexpected:
-        raise CheckpointError(f"weights {file} do not fit the run's config.json: missing {missing[:3]}, "
-                              f"unexpected {unexpected[:3]}")
-    for name, shape in expected.items():
-        if found[name] != shape:
-            raise CheckpointError(f"weights {file} do not fit the run's config.json: {name} is {list(found[name])} "
-                                  f"in the file but {list(shape)} by the config")
-
-
-def check_tokenizer_fits(tokenizer, config: ModelConfig, tokenizer_file: Path) -> None:
-    """A tokenizer with more ids than the model would index out of its embedding; one with fewer (or
-    other special ids) would decode the model's ids as the wrong text."""
-    if tokenizer.vocab_size != config.vocab_size:
-        raise CheckpointError(f"tokenizer {tokenizer_file} has {tokenizer.vocab_size} tokens but the model has "
-                              f"vocab_size {config.vocab_size}: it is not the tokenizer this model was trained with")
-    if tokenizer.bos_id != config.bos_id:
-        raise CheckpointError(f"tokenizer {tokenizer_file} has BOS id {tokenizer.bos_id} but the model was trained "
-                              f"with {config.bos_id}: it is not the tokenizer this model was trained with")
+    """`checkpoint.check_weights_fit` with the registry's models: the checkpoint's weights (`found`:
+    their shapes, else read from the safetensors header) have exactly the names and shapes the config
+    describes, checked before a model of that config is allocated (`interop.export_hf` runs the same
+    check)."""
+    _check_weights_fit(config, checkpoint, build_model, found)
 
 
 def load_run(path: str | Path, device: str | torch.device = "cpu",
@@ -109,10 +69,7 @@ def load_run(path: str | Path, device: str | torch.device = "cpu",
     the model is built; the returned config's `data.cache_dir` is cleared (the default cache is used).
     """
     checkpoint = resolve_checkpoint(path)
-    if not (checkpoint / "model.safetensors").is_file() and (checkpoint / SHARDED_DIR).is_dir():
-        raise CheckpointError(f"checkpoint {checkpoint} holds sharded weights only (an fsdp2 run saved with "
-                              f"train.full_weights=false): write model.safetensors with `latentloop export-dcp "
-                              f"{checkpoint}`")
+    check_full_weights(checkpoint)
     config = read_run_config(checkpoint)
     config.data.cache_dir = ""  # a folder on the machine that trained the run, not one to write into here
     tokenizer_file = find_tokenizer_file(checkpoint)

@@ -236,13 +236,26 @@ def removed_on_failure(folder: Path) -> Iterator[None]:
         raise
 
 
+# The entry of a staged folder moved up into an existing output folder last: a run's or an export's
+# config.json is what makes the folder look complete, so an interrupted move never does.
+STAGED_LAST = "config.json"
+
+
 @contextmanager
 def staged_folder(out: Path, prefix: str) -> Iterator[Path]:
-    """A folder written whole or not at all: yields a hidden staging folder beside `out` (named
-    `prefix` + out's name + a random tail), renamed onto `out` when the block ends (onto an empty
-    folder too: POSIX rename replaces an empty directory). On any failure the staging folder and
-    every parent folder made for it are removed again; errors pass through unchanged."""
+    """A folder written whole or not at all: yields a hidden staging folder (named `prefix` + out's
+    name + a random tail) for the block to fill.
+
+    `out` missing: the staging folder is made beside it and renamed onto it when the block ends; on
+    any failure it and every parent folder made for it are removed again. `out` an existing (empty)
+    folder: the staging folder is made inside it and its entries are moved up into it one by one,
+    `STAGED_LAST` last, so the folder itself (its mode, group, setgid bit, a link to it) is kept and
+    its parent need not take new entries; on any failure the staging folder and whatever was already
+    moved up are removed again, leaving `out` as it was. Errors pass through unchanged."""
     target = Path(os.path.abspath(out))
+    if target.is_dir():
+        yield from _staged_inside(target, prefix)
+        return
     made = [p for p in (target.parent, *target.parent.parents) if not p.exists()]  # deepest first
     staging = target.parent / f"{prefix}{target.name}-{os.getpid()}-{secrets.token_hex(4)}"
     done = False
@@ -261,6 +274,31 @@ def staged_folder(out: Path, prefix: str) -> Iterator[Path]:
                     parent.rmdir()
                 except OSError:  # someone else put something there meanwhile: keep it
                     break
+
+
+def _staged_inside(target: Path, prefix: str) -> Iterator[Path]:
+    """`staged_folder` for an existing folder: staged inside it, the entries moved up at the end."""
+    staging = target / f"{prefix}{target.name}-{os.getpid()}-{secrets.token_hex(4)}"
+    moved: list[Path] = []
+    done = False
+    try:
+        staging.mkdir()
+        yield staging
+        names = sorted(os.listdir(staging), key=lambda name: (name == STAGED_LAST, name))
+        for name in names:
+            os.replace(staging / name, target / name)
+            moved.append(target / name)
+        staging.rmdir()
+        fsync_dir(target)
+        done = True
+    finally:
+        if not done:
+            for path in moved:  # ours: the folder was empty when the block began (`check_out_folder`)
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def progress(iterable: Iterable[_T], total: int | None = None, desc: str = "", enabled: bool = True) -> Iterable[_T]:

@@ -699,6 +699,9 @@ def _with_bos_first(text: str, bos: str, bos_id: int) -> str:
     return tokenizer.to_str()
 
 
+HF_PADDING_SIDE = "left"  # where an exported tokenizer pads a batch (`tokenizer(texts, padding=True)`)
+
+
 def write_hf_tokenizer(tokenizer, directory: str | Path, model_max_length: int | None = None) -> list[Path]:
     """Write `tokenizer.json` and `tokenizer_config.json` that Hugging Face's `AutoTokenizer` loads
     (a fast tokenizer; the special tokens named as the model's config names their ids).
@@ -707,7 +710,8 @@ def write_hf_tokenizer(tokenizer, directory: str | Path, model_max_length: int |
     so: its `tokenizer.json` prepends BOS when special tokens are added (`tokenizer(text).input_ids` is
     [BOS] + `encode(text)`), as Llama's do; chat templates write their BOS themselves and transformers
     renders them without special tokens, and latentloop's own encoders never add them. A Hugging Face
-    tokenizer (an imported model's) is written back as read: its own post-processor, if any."""
+    tokenizer (an imported model's) is written back as read: its own post-processor, if any. Every one
+    pads on the left (`HF_PADDING_SIDE`), as decoder-only models decode a batch."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     if isinstance(tokenizer, ByteTokenizer):
@@ -723,6 +727,9 @@ def write_hf_tokenizer(tokenizer, directory: str | Path, model_max_length: int |
         raise DataError(f"cannot write {type(tokenizer).__name__} as a Hugging Face tokenizer")
     (directory / TOKENIZER_FILE).write_text(text, encoding="utf-8")
     settings = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+                # a padded batch keeps each text's last token in the last column, where generate() continues
+                # and where the exported remote code takes padding (transformers' default is the right)
+                "padding_side": HF_PADDING_SIDE,
                 **{f"{what}_token": name for what, name in names.items() if name is not None}}
     if model_max_length is not None:
         settings["model_max_length"] = model_max_length

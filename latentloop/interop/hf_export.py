@@ -23,9 +23,13 @@ Two paths:
 Either way the folder holds config.json, model.safetensors, generation_config.json (`eos_token_id`:
 every id latentloop's own decoding stops at, `stop_token_ids`), the tokenizer (`tokenizer.json` +
 `tokenizer_config.json`, loadable by `AutoTokenizer`; latentloop's own tokenizers prepend BOS) and a
-model card, README.md (`model_card`): the architecture and its options, the training data and tokens,
-the final metrics of the run's log and how to load the folder. It is written into a hidden folder
-beside the output folder and renamed into place at the end: a failed export leaves nothing behind.
+model card, README.md (`model_card`): the architecture and its options, the training data and tokens
+(an imported model's: where it came from), the final metrics of the run's log and how to load the
+folder. The run is checked as `runs.load_run` checks it before the model is built (the tokenizer
+against the config, the weights' header against the config on the meta device, sharded-only weights).
+The folder is written into a hidden folder beside the output folder and renamed into place at the end
+(inside it, the files then moved up, when --out is an existing empty folder, which is kept): a failed
+export leaves nothing behind.
 The remote-code folders need transformers 5 (the plain ones load on 4.x too).
 """
 
@@ -34,6 +38,8 @@ from __future__ import annotations
 import ast
 import importlib
 import json
+import math
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -44,7 +50,17 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from ..archs import build_model, get_arch
-from ..checkpoint import find_tokenizer_file, load_weights, read_run_config, resolve_checkpoint
+from ..checkpoint import (
+    check_full_weights,
+    check_tokenizer_fits,
+    check_weights_fit,
+    find_tokenizer_file,
+    load_weights,
+    read_run_config,
+    read_weights,
+    resolve_checkpoint,
+    verify_file,
+)
 from ..config import ModelConfig
 from ..data.tokenizers import load_tokenizer, write_hf_tokenizer
 from ..errors import InteropError, OutputError
@@ -58,7 +74,7 @@ AUTO_MAP = {"AutoConfig": "configuration_latentloop.LatentloopConfig",
 DEFAULT_NORM_EPS = torch.finfo(torch.float32).eps  # what F.rms_norm uses on float32 when given no epsilon
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # latentloop/
 ARCH_MODULE = "latentloop_arch.py"  # generated: the exported architecture's classes
-STAGING_PREFIX = ".exporting-"  # the hidden folder beside the output folder that an export is written into first
+STAGING_PREFIX = ".exporting-"  # the hidden folder beside (or inside) the output folder an export is written into
 # the remote code loads on transformers 5 only (4.x's loader cannot copy the package files beside it); the
 # plain Llama / Qwen2 folders load on 4.x too
 REMOTE_TRANSFORMERS = "5.0.0"
@@ -212,25 +228,39 @@ def export_hf(run: str | Path, out: str | Path, plain: bool | None = None, show_
     False: always custom code. `show_progress`: each stage named on stderr as it starts (loading
     and writing a large model take a while, and each is one call). Returns a summary.
 
-    The folder is written into a hidden staging folder beside `out` and renamed onto it at the end:
-    a failure (a full disk, ...) leaves nothing at `out` (an `OutputError` line), so a retry works."""
+    The run is checked first as `runs.load_run` checks it (one `CheckpointError` line each): a
+    checkpoint with sharded weights only, a tokenizer that does not fit the model's vocabulary or BOS,
+    weights (checksum, NaN / inf, and their names and shapes against the config, on the meta device)
+    that do not fit the config; the model is built only then. A symlinked `out` is written through
+    to its target. The folder is written into a hidden staging folder beside `out` and renamed onto
+    it at the end (an existing empty `out` is kept: staged inside it, the files moved up, config.json
+    last): a failure (a full disk, ...) leaves nothing at `out` (an `OutputError` line), so a retry
+    works."""
     def stage(text: str) -> None:
         if show_progress:
             print(f"export: {text}", file=sys.stderr, flush=True)
 
     out = Path(out)
-    check_out_folder(out)
+    target = check_out_folder(out)  # a symlinked --out: its target, resolved before any work
     checkpoint = resolve_checkpoint(run)
-    config = read_run_config(checkpoint).model
-    tokenizer = load_tokenizer(str(find_tokenizer_file(checkpoint)))
+    # the checks `runs.load_run` makes, in its order, before anything as large as the model is read or built
+    check_full_weights(checkpoint)
+    run_config = read_run_config(checkpoint)
+    config = run_config.model
+    tokenizer_file = find_tokenizer_file(checkpoint)
+    tokenizer = load_tokenizer(str(tokenizer_file))
+    check_tokenizer_fits(tokenizer, config, tokenizer_file)
     blockers = plain_blockers(config)
     if plain and blockers:
         raise InteropError(f"cannot export as a plain Llama model: {', '.join(blockers)} (these are not Llama "
                            f"options; export without --plain to ship latentloop's modeling code)")
     as_plain = not blockers if plain is None else plain
     stage(f"loading {checkpoint}")
+    weights = read_weights(checkpoint)  # checked against its checksum and for NaN / inf
+    check_weights_fit(config, checkpoint, build_model, {name: tuple(t.shape) for name, t in weights.items()})
     model = build_model(config)
-    load_weights(model, checkpoint)
+    load_weights(model, checkpoint, weights)
+    del weights
     state = {name: tensor.detach().float() for name, tensor in model.state_dict().items()}
     del model
     if as_plain:
@@ -264,9 +294,9 @@ def export_hf(run: str | Path, out: str | Path, plain: bool | None = None, show_
         kind = "LatentloopForCausalLM (trust_remote_code)"
     size_mb = sum(t.numel() * t.element_size() for t in weights.values()) / 2**20
     params = sum(t.numel() for t in state.values())
-    card = model_card(checkpoint, read_run_config(checkpoint), params, as_plain, kind)
+    card = model_card(checkpoint, run_config, params, as_plain, kind)
     stage(f"writing {out / 'model.safetensors'} ({size_mb:,.1f} MiB) and the tokenizer")
-    _write_folder(out, weights, hf_config, tokenizer, config.sequence_len, code, card)
+    _write_folder(target, weights, hf_config, tokenizer, config.sequence_len, code, card)
     return {"run": str(run), "checkpoint": str(checkpoint), "out": str(out), "format": kind,
             "plain_blockers": blockers, "model_card": str(out / "README.md")}
 
@@ -274,7 +304,7 @@ def export_hf(run: str | Path, out: str | Path, plain: bool | None = None, show_
 def _write_folder(out: Path, weights: dict[str, torch.Tensor], hf_config: dict[str, Any], tokenizer,
                   sequence_len: int, code: dict[str, str], card: str) -> None:
     """The export's files, written into a staging folder beside `out` and renamed onto it at the end
-    (onto an empty folder too: POSIX rename replaces an empty directory). On any failure the staging
+    (an existing empty `out`: staged inside it and moved up, `util.staged_folder`). On any failure the staging
     folder and every parent folder made for it are removed again; an I/O error (a full disk, no
     permission, ...) is one `OutputError` line."""
     try:
@@ -304,10 +334,13 @@ def _write_folder(out: Path, weights: dict[str, torch.Tensor], hf_config: dict[s
 def _run_facts(checkpoint: Path) -> tuple[dict, list[dict]]:
     """The checkpoint's state.json (step, tokens, FLOPs) and its run's metrics log (the rows up to
     the checkpoint's step), each empty where the checkpoint has none (an imported model)."""
-    try:
-        state = json.loads((checkpoint / "state.json").read_text())
-    except (OSError, ValueError):
-        state = {}
+    state: Any = {}
+    if (checkpoint / "state.json").is_file():
+        verify_file(checkpoint, "state.json")  # a damaged or edited copy is one line, as every checkpoint file
+        try:
+            state = json.loads((checkpoint / "state.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):  # an older checkpoint without checksums: the card says "unknown"
+            state = {}
     state = state if isinstance(state, dict) else {}
     last = state.get("step")
     log = checkpoint.parent.parent / "metrics.jsonl"
@@ -332,11 +365,88 @@ def _number(value) -> str:
     return f"{value:,}" if isinstance(value, int) else f"{value:.4g}"
 
 
+UNKNOWN = "unknown"  # what the card says for a fact state.json lacks or holds as something other than a number
+
+
+def _finite(value: Any) -> bool:
+    """A number the card can print: an int or a finite float (not a bool, text, null or JSON's 1e400)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _count(state: dict, name: str) -> int | None:
+    """state[name] as a count (a non-negative int, or a float holding one), else None."""
+    value = state.get(name)
+    if _finite(value) and value >= 0 and float(value).is_integer():
+        return int(value)
+    return None
+
+
+def _batch(train, sequence_len: int, state: dict) -> str:
+    """The global batch as the trainer ran it (`train.step.accumulation`, which the interop package may
+    not import): state.json's `global_batch` (sequences over every process) where it has one, else
+    from the config: `train.batch_tokens` over micro-batch x sequence length x processes when set,
+    else `train.grad_accum`."""
+    world = _count(state, "world_size") if "world_size" in state else 1  # older checkpoints: one process
+    if not world:
+        return f"batch {UNKNOWN}"
+    per_step = _count(state, "global_batch")
+    if not per_step:
+        per_micro = train.batch_size * sequence_len * world
+        if not train.batch_tokens:
+            per_step = train.batch_size * train.grad_accum * world
+        elif train.batch_tokens % per_micro == 0:
+            per_step = train.batch_tokens // sequence_len
+        else:  # a config the trainer refuses: it never ran with it
+            return f"batch {UNKNOWN}"
+    accumulation, left = divmod(per_step, train.batch_size * world)
+    split = f"{train.batch_size} x {accumulation} accumulation x {world} processes" if not left else \
+        f"{world} processes"  # a config edited since: its micro-batch no longer divides the batch it ran
+    return f"batch {per_step:,} sequences of {sequence_len} tokens ({per_step * sequence_len:,} tokens; {split})"
+
+
+def _tokenizer_name(setting: str) -> str:
+    """The run's `data.tokenizer` as the card names it: `byte`, or a tokenizer file's name only (its path
+    is one on the machine that trained the run; the file itself ships in the folder as tokenizer.json)."""
+    return "`byte`" if setting == "byte" else f"`{Path(setting).name}` (shipped as tokenizer.json)"
+
+
+def _shown_path(source: str) -> str:
+    """A run or model the card names (where an imported model came from, the run a fine-tune started
+    from): a Hub name or relative path as it is, an absolute one by its last part only (it is a path on
+    the machine that made the run)."""
+    return Path(source).name if os.path.isabs(source) else source
+
+
+def _training_lines(run_config, state: dict) -> list[str]:
+    """The card's "Training" section: the run's data, tokens and recipe; for an imported model
+    (`latentloop import-hf` records `imported_from`), where it came from instead: latentloop did not
+    train it, and the config's training defaults describe no run. Each number from state.json is
+    printed only when it is one (`_finite`), else "unknown"."""
+    config, train, data = run_config.model, run_config.train, run_config.data
+    if isinstance(state.get("imported_from"), str):
+        family = state.get("model_type")
+        family = f" ({family})" if isinstance(family, str) else ""
+        return [f"- imported from `{_shown_path(state['imported_from'])}`{family} with `latentloop import-hf`: "
+                f"latentloop did not train this model (its training data and recipe are the source's)",
+                f"- tokenizer: the source's own (vocabulary {config.vocab_size:,})"]
+    step, tokens = _count(state, "step"), _count(state, "tokens_seen")
+    flops = state.get("flops_seen")
+    init_from = state.get("init_from")
+    started = f", started from `{_shown_path(init_from)}`" if isinstance(init_from, str) and init_from else ""
+    return [f"- data: `{data.source}`, tokenizer {_tokenizer_name(data.tokenizer)} "
+            f"(vocabulary {config.vocab_size:,})",
+            f"- stage: {train.stage}{started}",
+            f"- steps: {UNKNOWN if step is None else step}, tokens: {UNKNOWN if tokens is None else f'{tokens:,}'}"
+            + (f", training FLOPs: {flops:.4g}" if _finite(flops) and flops > 0 else ""),
+            f"- optimizer {train.optimizer}, learning rate {train.lr:g}, {_batch(train, config.sequence_len, state)}, "
+            f"precision {train.dtype}"]
+
+
 def model_card(checkpoint: Path, run_config, params: int, plain: bool, kind: str) -> str:
     """README.md of an exported folder: the Hub's metadata block, then the architecture and its
     options (the arch's own config fields and decoding options, from the registry), the training
     data and tokens, the final metrics of the run's log and how to load the folder."""
-    config, train, data = run_config.model, run_config.train, run_config.data
+    config = run_config.model
     spec = get_arch(config.arch)
     state, rows = _run_facts(checkpoint)
     base_fields = {f for f in ModelConfig.__dataclass_fields__}
@@ -361,15 +471,7 @@ def model_card(checkpoint: Path, run_config, params: int, plain: bool, kind: str
         lines += ["", "Decoding options (latentloop's `generate` / `serve` flags; `config.json`'s `decoding` holds the "
                       "defaults the remote code uses):", "",
                   *(f"- `{option.name}` (default {option.default!r}): {option.help}" for option in spec.options)]
-    lines += ["", "## Training", "",
-              f"- data: `{data.source}`, tokenizer `{data.tokenizer}` (vocabulary {config.vocab_size:,})",
-              f"- stage: {train.stage}" + (f", started from `{state['init_from']}`" if state.get("init_from") else ""),
-              f"- steps: {state.get('step', 'unknown')}, tokens: "
-              + (f"{state['tokens_seen']:,}" if "tokens_seen" in state else "unknown")
-              + (f", training FLOPs: {state['flops_seen']:.4g}" if state.get("flops_seen") else ""),
-              f"- optimizer {train.optimizer}, learning rate {train.lr:g}, batch {train.batch_size} x "
-              f"{train.grad_accum} accumulation x {state.get('world_size', 1)} processes of {config.sequence_len} "
-              f"tokens, precision {train.dtype}",
+    lines += ["", "## Training", "", *_training_lines(run_config, state),
               "", "## Final metrics", ""]
     if final_val or final_train:
         if final_train:
@@ -378,7 +480,9 @@ def model_card(checkpoint: Path, run_config, params: int, plain: bool, kind: str
             lines += [f"- validation {name.removeprefix('val_')} at step {final_val['step']}: {_number(value)}"
                       for name, value in final_val.items() if name.startswith("val_") and value is not None]
     else:
-        lines.append("- none: the run has no metrics log beside this checkpoint (an imported model?)")
+        imported = isinstance(state.get("imported_from"), str)
+        lines.append("- none: an imported model, which latentloop did not train" if imported
+                     else "- none: the run has no metrics log beside this checkpoint (an imported model?)")
     lines += ["", "## How to load it", "", "```python",
               "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
               f'model = AutoModelForCausalLM.from_pretrained("PATH/TO/THIS/FOLDER"{remote})',

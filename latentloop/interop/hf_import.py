@@ -24,7 +24,8 @@ Before any weight is read or any model built, `hf_checks` checks every config.js
 import reads, the safetensors headers against the shapes the config implies, and the memory the
 import needs against the machine's; a bad folder costs milliseconds, not an allocation of the
 size its config claims. The run is written into a hidden folder beside --out and renamed into
-place at the end: a failed import leaves nothing there.
+place at the end (inside it, the files then moved up, when --out is an existing empty folder, which is
+kept; a symlinked --out is written through to its target): a failed import leaves nothing there.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "to
 HUB_IGNORED = ["consolidated*.safetensors"]
 REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 IGNORED_TENSORS = re.compile(r".*rotary_emb\.inv_freq$")  # old checkpoints stored RoPE tables
-STAGING_PREFIX = ".importing-"  # the hidden folder beside --out that the run is written into first
+STAGING_PREFIX = ".importing-"  # the hidden folder beside (or inside) --out that the run is written into first
 
 
 def rope_half_flip(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -306,9 +307,13 @@ def convert_weights(hf_weights: dict[str, torch.Tensor], config: ModelConfig) ->
 # --------------------------------------------------------------------------------------------
 
 
-def check_out_folder(out: Path) -> None:
-    """--out must name a folder to create, or an empty one, where this process can create it:
-    checked before any work is done (import's and export's)."""
+def check_out_folder(out: Path) -> Path:
+    """--out must name a folder to create, or an empty one, where this process can create it (or,
+    for an existing empty folder, write into it): checked before any work is done (import's and
+    export's). Returns the folder to write: `out`, or the folder a symlinked `out` points at (the
+    staged rename would replace the link itself, or fail on it after all the work)."""
+    if out.is_symlink():
+        out = Path(os.path.realpath(out))
     try:
         if out.exists() and not out.is_dir():
             raise InteropError(f"--out {out} is a file; give a folder to create")
@@ -316,11 +321,16 @@ def check_out_folder(out: Path) -> None:
             raise InteropError(f"{out} exists and is not empty; choose another output folder")
     except OSError as exc:
         raise InteropError(f"cannot use --out {out}: {exc.strerror or exc}") from None
+    if out.is_dir():  # written into where it is (`util.staged_folder`): its parent need not take new entries
+        if not os.access(out, os.W_OK | os.X_OK):
+            raise InteropError(f"cannot write into --out {out}: it is not writable")
+        return out
     ancestor = next(p for p in Path(os.path.abspath(out)).parents if p.exists())
     if not ancestor.is_dir():
         raise InteropError(f"cannot create --out {out}: {ancestor} is a file, not a folder")
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise InteropError(f"cannot create --out {out}: {ancestor} is not writable")
+    return out
 
 
 def read_hf_tokenizer(folder: Path, config: ModelConfig, hf: dict[str, Any]) -> HFTokenizer:
@@ -359,10 +369,10 @@ def import_hf(source: str | Path, out: str | Path, sequence_len: int | None = No
     Everything that can be checked is checked before anything big is read or allocated: the
     config's fields, the checkpoint's tensor shapes and dtypes (from the safetensors headers)
     against the config, the memory needed against the machine's, the tokenizer. The run is then
-    written into a hidden folder beside `out` and renamed into place, so a failure leaves
-    nothing at `out`."""
+    written into a hidden folder beside `out` and renamed into place (an existing empty `out` is
+    kept: `util.staged_folder`), so a failure leaves nothing at `out`."""
     out = Path(out)
-    check_out_folder(out)
+    out = check_out_folder(out)  # a symlinked --out: its target
     if sequence_len is not None and sequence_len < 1:
         raise InteropError(f"--sequence-len must be >= 1, got {sequence_len}")
     folder = resolve_source(source)

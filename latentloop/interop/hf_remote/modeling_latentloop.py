@@ -21,7 +21,8 @@ config's `decoding` as defaults, checked as the package checks them.
 `forward(input_ids)` without a cache scores a whole text the way decoding would produce it: the
 first `prompt_len` tokens are prefilled (default: what the architecture prefills when scoring, e.g.
 fbt soft only the first), the rest decoded teacher-forced. Left-padded batches (attention_mask with
-zeros on the left) decode each row as it would alone.
+zeros on the left) decode each row as it would alone; scored without a cache, a batch padded on the
+right (or on the left past what is prefilled) is scored row by row, each as it would be alone.
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ class LatentloopForCausalLM(PreTrainedModel, GenerationMixin):
         if not self.rope_ready:  # the first forward after loading: the tables the package computes
             self.reset_rope()
         cache = cache if cache is not None else kwargs.get("past_key_values")
-        opts = self.options({name: kwargs[name] for name in OPTION_NAMES if name in kwargs})
+        given = {name: kwargs[name] for name in OPTION_NAMES if name in kwargs}
+        opts = self.options(given)
         model = self.model
         T = input_ids.shape[1]
         pad_mask = None
@@ -125,15 +127,18 @@ class LatentloopForCausalLM(PreTrainedModel, GenerationMixin):
                     raise ValueError("padding is supported on the left of the prompt only")
                 pad_mask = new_columns
         if cache is None:
-            cache = model.new_cache(input_ids.shape[0], model.config.sequence_len, **opts)
             P = model.teacher_forced_prompt_len(T, opts) if prompt_len is None else prompt_len
             P = max(1, min(P, T))
-            logits = model.prefill(input_ids[:, :P], cache, None if pad_mask is None else pad_mask[:, :P],
-                                   **opts).logits
-            if P < T:
-                if pad_mask is not None and not bool(pad_mask[:, P:].all()):
+            if pad_mask is not None and not _left_padding_within(pad_mask, P):
+                if use_cache:  # a cache decodes every row on from its last column: the padding must precede it
                     raise ValueError("padding is supported on the left of the prompt only")
-                logits = torch.cat([logits, model.decode(input_ids[:, P:], cache, **opts).logits], dim=1)
+                logits, cache = self._rows_alone(input_ids, pad_mask, prompt_len, given), None
+            else:
+                cache = model.new_cache(input_ids.shape[0], model.config.sequence_len, **opts)
+                logits = model.prefill(input_ids[:, :P], cache, None if pad_mask is None else pad_mask[:, :P],
+                                       **opts).logits
+                if P < T:
+                    logits = torch.cat([logits, model.decode(input_ids[:, P:], cache, **opts).logits], dim=1)
         else:
             logits = model.decode(input_ids, cache, **opts).logits
         loss = None
@@ -141,6 +146,39 @@ class LatentloopForCausalLM(PreTrainedModel, GenerationMixin):
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
                                    ignore_index=IGNORED_LABEL)
         return LatentloopOutput(loss=loss, logits=logits, cache=cache if use_cache else None)
+
+    def _rows_alone(self, input_ids: Tensor, pad_mask: Tensor, prompt_len: int | None,
+                    given: dict[str, Any]) -> Tensor:
+        """Logits of a batch scored without a cache whose padding the batched prefill cannot take (on
+        the right, as transformers' tokenizers pad by default, or on the left past the tokens the
+        architecture prefills when scoring, e.g. fbt soft's one): each row's tokens scored as that row
+        alone, padded positions left at zero. `prompt_len` counts from the batch's first column; `given`:
+        the decoding options as the caller gave them."""
+        B, T = input_ids.shape
+        logits = None
+        for row in range(B):
+            where = pad_mask[row].nonzero().flatten()
+            if len(where) == 0:
+                continue
+            start, end = int(where[0]), int(where[-1]) + 1
+            if end - start != len(where):
+                raise ValueError("attention_mask must mark one run of tokens per row (padding on the left or "
+                                 "the right of it)")
+            own = None if prompt_len is None else max(1, prompt_len - start)
+            scored = self.forward(input_ids[row:row + 1, start:end], prompt_len=own, **given).logits
+            if logits is None:
+                logits = scored.new_zeros(B, T, scored.shape[-1])
+            logits[row, start:end] = scored[0]
+        if logits is None:  # every row padding only
+            logits = self.model.wte.weight.new_zeros(B, T, self.model.config.vocab_size)
+        return logits
+
+
+def _left_padding_within(pad_mask: Tensor, prompt_len: int) -> bool:
+    """Every row's padding (mask zeros) lies before its tokens and within the first `prompt_len`
+    columns: what the batched prefill takes."""
+    ordered = bool((pad_mask[:, 1:].int() >= pad_mask[:, :-1].int()).all())  # zeros, then ones
+    return ordered and bool(pad_mask[:, prompt_len:].all())
 
 
 def _name_the_options(forward):
