@@ -612,3 +612,25 @@ def test_a_row_that_would_pass_the_context_beside_longer_rows_waits_and_one_at_t
         assert steps < 4 * context, "the batch never emptied"
     for member in (first, at_bound, past):
         assert made[id(member)] == _greedy_alone(model, member.prompt, member.max_new_tokens)
+
+
+def test_a_joiner_dropped_while_it_waits_neither_counts_nor_holds_up_the_rest(models):
+    """A held joiner whose client hung up stayed in the waiting groups: it was still counted, kept
+    every group behind it waiting until the running rows drained, and was prefilled for nothing."""
+    model = models["gpt"]
+    context = model.config.sequence_len
+    batch = DecodeBatch(model, model_options(model, {}), stop_tokens=())
+    running = Member([BOS, *[ord("q")] * (context // 2)], context // 4, Sampling(0.0, None, None, None))
+    batch.add([running])
+    batch.step()
+    held = Member([BOS, ord("z")], context - 2, Sampling(0.0, None, None, None))  # cannot join beside it
+    short = Member([BOS, ord("a")], 2, Sampling(0.0, None, None, None))  # could, but waits behind `held`
+    batch.add([held])
+    batch.add([short])
+    batch.step()
+    assert {id(m) for m in batch.members} == {id(running)} and len(batch) == 3
+    batch.drop(held)  # the scheduler's drop when the client hangs up
+    assert len(batch) == 2
+    batch.step()
+    assert id(short) in {id(m) for m in batch.members} and id(held) not in {id(m) for m in batch.members}
+    assert not running.done

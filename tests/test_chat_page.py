@@ -142,6 +142,10 @@ def test_the_page_streams_greedy_replies_sends_its_controls_and_shades_exit_dept
                     if r.url.endswith("/v1/chat/completions") else None)
             page.goto(server.url + "/")
             page.wait_for_selector("body[data-state=idle]")
+            # what the page takes for an empty reply is what the server refuses as one (Python's strip)
+            spaces = "".join(chr(i) for i in range(0x3001) if chr(i).isspace())
+            assert all(page.evaluate("t => isBlank(t)", c) for c in spaces)
+            assert not page.evaluate("t => isBlank(t)", spaces + "x")
             # one control per option the model declares, from the registry's declarations
             names = page.eval_on_selector_all("#options input, #options select", "els => els.map(e => e.name)")
             assert names == [option.name for option in model.OPTIONS]

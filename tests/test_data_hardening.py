@@ -265,3 +265,23 @@ def test_a_very_long_document_is_tokenized_in_pieces_cut_at_newlines(tmp_path, m
     assert all(len(piece) <= threshold and piece.endswith("\n") for piece in seen[:-2])
     assert data.train[0] == tokenizer.bos_id
     assert np.array_equal(np.array(data.train[1:]), whole(tokenizer, train_text))  # the ids of the whole text
+
+
+def test_a_cut_never_falls_beside_whitespace_so_bpe_ids_equal_the_whole_texts(monkeypatch):
+    """A cut just after a newline that ends a line with a trailing space (or CRLF's "\\r", or before an
+    indented line) split a pre-token (" \\n" is one where the whole text has " " and "\\n"): the ids
+    changed for latentloop's own BPE (12-06 review). Cuts fall only between two non-space characters."""
+    from latentloop.data import BPETokenizer, tokenizers
+
+    lines = []
+    for i in range(400):
+        kind = i % 5
+        lines.append(f"line {i} ends with a space \n" if kind == 0 else f"windows line {i}\r\n" if kind == 1
+                     else f"    indented line {i}\n" if kind == 2 else f"plain line {i}\n" if kind == 3
+                     else f"a paragraph ends {i} \n\n")  # " \n" then "\n": BPE learns the " \n" merge
+    text = "".join(lines)
+    tokenizer = BPETokenizer.train([text], 400)
+    monkeypatch.setattr(tokenizers, "LONG_DOCUMENT_CHARS", 300)
+    pieces = list(tokenizers.encode_in_pieces(tokenizer, text))
+    assert len(pieces) > 5
+    np.testing.assert_array_equal(np.concatenate(pieces), tokenizer.encode_to_array(text))

@@ -385,3 +385,26 @@ def test_setup_refuses_a_step_only_past_the_plans_tolerance(arch, monkeypatch):
     monkeypatch.setattr(memory, "memory_limit_bytes", lambda: int(planned / (1 + memory.PLAN_TOLERANCE)) - 1)
     with pytest.raises(memory.ConfigError, match="planned to hold"):
         memory.check_step_fits(config, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("arch, model", [("fbt", {"recipe": "paper"}), ("rfbt", {})], ids=["fbt-paper", "rfbt"])
+def test_setups_few_probe_steps_plan_the_peak_a_scan_of_every_step_plans(arch, model):
+    """Setup scans windows of a run's steps for its kinds of forward and stops once it has seen every
+    kind of the run's average mix (a scan of every step took a minute for a 2M-step fbt run): the
+    peak planned from those few steps is the peak planned from every step, late recipes included."""
+    from latentloop.archs import build_objective
+    from latentloop.train import memory
+
+    if arch not in ARCHS:
+        pytest.skip(f"no {arch} registered")
+    config = RunConfig.from_dict({"model": {"arch": arch, "preset": "test", **model},
+                                  "train": {"batch_size": 2, "steps": 400}})
+    objective = build_objective(config.model, config.train)
+    few = memory.setup_probe_steps(objective, 400)
+    assert len(few) < 40
+    every = memory.step_memory(config, objective, range(400))[0]["peak"]
+    assert memory.step_memory(config, objective, few)[0]["peak"] == every
+    long = RunConfig.from_dict({"model": {"arch": arch, "preset": "test", **model},
+                                "train": {"batch_size": 2, "steps": 2_000_000}})
+    steps = memory.setup_probe_steps(build_objective(long.model, long.train), 2_000_000)
+    assert len(steps) <= 3 * memory.SETUP_KIND_WINDOW

@@ -34,6 +34,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -132,24 +133,31 @@ SENTENCEPIECE_SPACE = "\u2581"  # "▁": how SentencePiece-style tokenizers spel
 LONG_DOCUMENT_CHARS = 8 << 20
 
 
+# A cut of `encode_in_pieces`: a newline between two characters that are not whitespace. There a
+# GPT-2-style pre-tokenizer always ends one pre-token before the newline and another after it, so
+# tokenizing the two sides apart gives the same ids. A newline beside whitespace (a trailing space,
+# the "\r" of CRLF, an indented line) may be one pre-token with it (" \n", "\r\n"): no cut there.
+_CLEAN_NEWLINE = re.compile(r"(?<=\S)\n(?=\S)")
+
+
 def encode_in_pieces(tokenizer, text: str) -> Iterator[np.ndarray]:
     """`tokenizer.encode_to_array(text)` as consecutive arrays; concatenated, they are the ids of
     `text`. Only a text longer than `LONG_DOCUMENT_CHARS` is cut, into pieces of about that many
-    characters, and a cut falls only just after a newline (one followed by a character that is not
-    whitespace where the window has one); a text without a newline past that length stays whole.
-    For the byte tokenizer the ids are exactly those of the whole text. For BPE / Hugging Face
-    tokenizers they are the same wherever the tokenizer never merges across a newline followed by
-    text, as byte-level BPEs with GPT-2-style pre-tokenization (latentloop's own) do not; a
-    tokenizer that treats the start of a text specially (SentencePiece's leading "▁") may tokenize
-    the first characters after a cut differently. Either way only documents past the threshold are
-    cut, so normal data is tokenized as before."""
+    characters, each cut just after a newline that has a character other than whitespace on both
+    sides (the last such newline in the window, else the first one after it; a text without one
+    stays whole). For the byte tokenizer the ids are exactly those of the whole text, and so for
+    byte-level BPEs with GPT-2-style pre-tokenization (latentloop's own), which never merge across
+    such a newline; a tokenizer that treats the start of a text specially (SentencePiece's leading
+    "▁", a byte-level prefix space) may tokenize the first characters after a cut differently. Either
+    way only documents past the threshold are cut, so normal data is tokenized as before."""
     start, size = 0, LONG_DOCUMENT_CHARS
     while len(text) - start > size:
         cut = _newline_cut(text, start, start + size)
-        if cut == -1:  # no newline in this window: the first one after it, if any
-            cut = text.find("\n", start + size)
-            if cut == -1:
+        if cut == -1:  # no clean newline in this window: the first one after it, if any
+            found = _CLEAN_NEWLINE.search(text, start + size)
+            if found is None:
                 break
+            cut = found.start()
         yield tokenizer.encode_to_array(text[start:cut + 1])
         start = cut + 1
     if start < len(text) or start == 0:
@@ -157,12 +165,12 @@ def encode_in_pieces(tokenizer, text: str) -> Iterator[np.ndarray]:
 
 
 def _newline_cut(text: str, start: int, end: int) -> int:
-    """Index of the last newline in text[start:end] followed by a non-whitespace character (a cut
-    there leaves no run of whitespace split), else of the last newline there, else -1."""
-    last = position = text.rfind("\n", start, end)
-    while position != -1 and text[position + 1:position + 2].isspace():
-        position = text.rfind("\n", start, position)
-    return position if position != -1 else last
+    """Index of the last newline in text[start:end] with a non-whitespace character on both sides,
+    else -1 (one pass of the regular expression over the window)."""
+    last = -1
+    for found in _CLEAN_NEWLINE.finditer(text, start, end):
+        last = found.start()
+    return last
 
 
 class ByteTokenizer(_ChatInterface):

@@ -105,8 +105,8 @@ class DecodeBatch:
         self.regroups = 0  # times the cache was rebuilt (rows joined or left)
 
     def __len__(self) -> int:
-        """Rows decoding or about to join."""
-        return sum(not m.done for m in self.members) + sum(len(group) for group in self.waiting)
+        """Rows decoding or about to join (a dropped joiner no longer counts)."""
+        return sum(not m.done for m in self.members) + sum(not m.done for group in self.waiting for m in group)
 
     def add(self, members: list[Member]) -> None:
         """Members (one request's rows, or several requests') to prefill and join at the next step."""
@@ -202,6 +202,8 @@ class DecodeBatch:
         return prefilled
 
     def _join_waiting(self) -> None:
+        # joiners dropped while they waited (a client that hung up) neither join nor hold up the rest
+        self.waiting = [kept for group in self.waiting if (kept := [m for m in group if not m.done])]
         if not self.waiting:
             return
         parts, logits, members = [], [], []
@@ -492,6 +494,7 @@ class SlotBatch(DecodeBatch):
             self.filled[i] = 0
 
     def _join_waiting(self) -> None:
+        self.waiting = [kept for group in self.waiting if (kept := [m for m in group if not m.done])]
         if not self.waiting:
             return
         # every row keeps its own slots of the whole context here: a joiner never moves another's length

@@ -13,8 +13,10 @@ the estimate instead of being killed by the kernel's out-of-memory killer withou
 - `check_step_fits` (setup) probes only a micro-batch whose one layer of activations and logits
   (`batch x sequence_len x (n_embd + vocab_size)` in fp32) is at least 1/`PROBE_FRACTION` of the
   device's memory: a smaller one would need more than that many such layers to not fit, and the
-  probe costs ~0.5 s a run. It refuses a step planned past the memory by more than
-  `PLAN_TOLERANCE`, the bound tests/test_plan.py holds the plan to against measured steps.
+  probe costs seconds (on this project's CPU, at the gpt2 shape: 2-4 s, rfbt's eight kinds of
+  forward 14 s; `setup_probe_steps` finds the kinds in a few thousand steps at most). It refuses
+  a step planned past the memory by more than `PLAN_TOLERANCE`, the bound tests/test_plan.py holds
+  the plan to against measured steps.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ AUTOCAST_LOWERED = frozenset({F.linear, torch.matmul, torch.mm, torch.bmm, torch
                               torch.Tensor.matmul, torch.Tensor.__matmul__, F.scaled_dot_product_attention})
 PLAN_TOLERANCE = 0.15  # a planned peak within this of the memory may still fit (tests/test_plan.py's bound)
 PROBE_FRACTION = 256  # setup probes a micro-batch whose one layer takes at least 1/PROBE_FRACTION of the memory
+SETUP_KIND_WINDOW = 1_000  # setup's scan for the run's kinds of forward: windows of this many steps
 
 
 _GENERATOR = torch.Generator
@@ -326,14 +329,41 @@ class Forward:
     after_first_step: bool
 
 
-def kind_steps(steps: int) -> list[int] | range:
+def kind_steps(steps: int, every_step_up_to: int | None = None, window: int | None = None) -> list[int] | range:
     """The steps whose kinds of forward the memory probe looks at (see ALL_KIND_STEPS): a recipe that
-    starts late, or draws a rare kind now and then (fbt's 3-pass steps), is probed too."""
-    if steps <= ALL_KIND_STEPS:
+    starts late, or draws a rare kind now and then (fbt's 3-pass steps), is probed too. Every step
+    up to `every_step_up_to` steps (ALL_KIND_STEPS), else windows of `window` steps (KIND_WINDOW)."""
+    every_step_up_to = ALL_KIND_STEPS if every_step_up_to is None else every_step_up_to
+    window = KIND_WINDOW if window is None else window
+    if steps <= every_step_up_to:
         return range(steps)
     late = 3 * steps // 4
-    windows = (range(KIND_WINDOW), range(late, min(steps, late + KIND_WINDOW)), range(steps - KIND_WINDOW, steps))
+    windows = (range(min(steps, window)), range(late, min(steps, late + window)), range(max(0, steps - window), steps))
     return sorted({step for window in windows for step in window})
+
+
+def setup_probe_steps(objective, steps: int) -> list[int]:
+    """For setup's check, a few steps that take every kind of forward the run takes: scanned over
+    windows of SETUP_KIND_WINDOW steps (at the start, from 3/4 and at the end, as `kind_steps` looks
+    at a long run), keeping each kind's first step and its first after step 0 (the optimizer's states
+    exist from then on), and stopping once every kind of the run's average mix (`forward_mix()`) has
+    been seen after step 0. A scan of every step (what `plan` does) took a minute for a 2M-step fbt
+    run, on every rank and every resume."""
+    wanted = {repr(kwargs) for weight, kwargs in objective.forward_mix() if weight > 0}
+    chosen: dict[str, int] = {}  # a step's kind (as probe_forwards names it) -> its step, and its later one
+    later: set[str] = set()  # the average mix's kinds seen at a step after the first
+    for step in kind_steps(steps, every_step_up_to=0, window=SETUP_KIND_WINDOW):
+        mix = objective.forward_mix(step)
+        kind = repr(mix)
+        if kind not in chosen:
+            chosen[kind] = step
+        elif step > 0 and chosen[kind] == 0:
+            chosen.setdefault(kind + "@later", step)
+        if step > 0:
+            later |= {repr(kwargs) for _, kwargs in mix}
+        if wanted <= later:
+            break
+    return sorted(set(chosen.values()))
 
 
 def probe_forwards(config: RunConfig, model: nn.Module, objective, forward_steps: Sequence[int], batch: int,
@@ -432,7 +462,8 @@ def check_step_fits(config: RunConfig, device: torch.device, devices: int = 1) -
     precision = resolve_dtype(device, train.dtype)
     objective = build_objective(model, train)
     try:
-        memory, _ = step_memory(config, objective, kind_steps(train.steps), devices, train.strategy, precision,
+        memory, _ = step_memory(config, objective, setup_probe_steps(objective, train.steps), devices,
+                                train.strategy, precision,
                                 cpu_probe=False)
     except ProbeNeedsData:
         return  # no estimate without running a forward: the run finds out as before
@@ -447,5 +478,5 @@ def check_step_fits(config: RunConfig, device: torch.device, devices: int = 1) -
 
 
 __all__ = ["ALL_KIND_STEPS", "KIND_WINDOW", "PLAN_TOLERANCE", "Forward", "ProbeNeedsData", "SavedTensors",
-           "check_step_fits", "count_saved", "device_memory_bytes", "kind_steps", "meta_model",
+           "check_step_fits", "count_saved", "device_memory_bytes", "kind_steps", "meta_model", "setup_probe_steps",
            "optimizer_step_bytes", "probe_forwards", "step_memory", "tensor_bytes"]

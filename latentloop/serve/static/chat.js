@@ -182,6 +182,12 @@ function shade() {
 }
 
 // -- sending and streaming ----------------------------------------------------------------------------
+// Whether a text is empty as the server's Python str.strip() reads it: JavaScript's \s (and trim())
+// lacks \x1c-\x1f and \x85, which Python strips.
+function isBlank(text) {
+  return text.replace(/[\s\x1c-\x1f\x85]/g, "") === "";
+}
+
 async function send(text) {
   if (page.busy || !text.trim()) return;
   const body = requestBody(text);
@@ -229,7 +235,7 @@ async function send(text) {
     }
     // an empty reply is not kept (as `latentloop chat` does): the server refuses an empty assistant
     // turn, so every later message of the conversation would get a 400
-    const kept = reply.trim() !== "";
+    const kept = !isBlank(reply);
     if (page.config.chat && kept) page.messages.push({ role: "user", content: text }, { role: "assistant", content: reply });
     content.dataset.final = reply;
     setStatus(`done (${finish || "ended"})` + (page.config.chat && !kept ? ": the reply was empty and is not kept" : ""));
