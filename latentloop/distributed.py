@@ -199,8 +199,9 @@ def exit_without_finalizing(code: int) -> NoReturn:
     os._exit(code)
 
 
-def _shared(error: LatentloopError) -> LatentloopError:
-    error.shared = True  # every process raises it: the command line prints it on rank 0 only
+def raised_alike(error: LatentloopError) -> LatentloopError:
+    """`error`, marked as one every process raises alike: the command line prints it on rank 0 only."""
+    error.shared = True
     return error
 
 
@@ -220,11 +221,11 @@ def shared_error(error: BaseException | None) -> LatentloopError | None:
         return None
     first, (kind, message) = failed[0]
     if first == env.rank and isinstance(error, LatentloopError):
-        return _shared(error)
+        return raised_alike(error)
     cls = getattr(errors, kind, None)
     if not (isinstance(cls, type) and issubclass(cls, LatentloopError)):
         cls = RankFailure
-    return _shared(cls(message if first == 0 else f"rank {first}: {message}"))
+    return raised_alike(cls(message if first == 0 else f"rank {first}: {message}"))
 
 
 def agree(error: BaseException | None) -> None:

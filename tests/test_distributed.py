@@ -340,6 +340,17 @@ def test_an_error_on_one_rank_ends_the_job_with_one_line(corpus, tmp_path):
     assert time.monotonic() - started < TORCHRUN_TIMEOUT_S
 
 
+def test_a_setting_every_rank_refuses_alike_is_said_once(corpus, tmp_path):
+    """A muon_exclude typo is refused by every rank's optimizer build: it was printed once per rank,
+    the second copy as "rank 1: ..." as if that rank alone had failed (12-06 review)."""
+    result = _torchrun(["train", "--arch", "gpt", "--preset", "test", "--data", f"text:{corpus}", "--steps", "2",
+                        "--batch-size", "2", "--set", "sequence_len=32", "--set", "train.strategy=ddp", "--set",
+                        "train.muon_exclude=[nosuchparam]", "--out", str(tmp_path / "run"), "--no-progress"], tmp_path)
+    assert result.returncode != 0
+    lines = _error_lines(result)
+    assert len(lines) == 1 and "nosuchparam" in lines[0] and "rank 1" not in lines[0], lines
+
+
 def test_an_error_before_the_processes_connect_is_printed_by_rank_0_only(corpus, tmp_path, monkeypatch, capsys):
     """torchrun starts every process with the same command line, so a config error (found before
     the process group exists) happens on all of them: rank 0 prints it, the others only exit 2."""

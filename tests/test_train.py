@@ -263,8 +263,9 @@ def test_a_finished_run_resumed_trains_logs_and_saves_nothing_and_fewer_steps_ar
     assert summary["nothing_to_train"] and summary["step"] == 4 and summary["checkpoint"].endswith("step_00000004")
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == log
     assert (tmp_path / "run" / "checkpoints" / "step_00000004" / "config.json").read_text() == saved
-    with pytest.raises(ll.ConfigError, match="train.steps=3 is below the step 4 this run resumes at"):
+    with pytest.raises(ll.ConfigError, match="train.steps=3 is below the step 4 this run resumes at") as refused:
         setup(_config(corpus, steps=3), tmp_path / "run", resume=True, progress=False)
+    assert getattr(refused.value, "shared", False)  # every rank resumes the same step: said once under torchrun
     assert (tmp_path / "run" / "checkpoints" / "step_00000004" / "config.json").read_text() == saved
 
 

@@ -14,7 +14,7 @@ from ..checkpoint import LOCK_FILE, RunLock, check_resumable, find_tokenizer_fil
 from ..config import RunConfig
 from ..data import TokenLoader, load_tokenizer
 from ..data.chat import ChatLoader, prepare_chat
-from ..distributed import in_turns, init_distributed, on_main, resolve_strategy, together
+from ..distributed import in_turns, init_distributed, on_main, raised_alike, resolve_strategy, together
 from ..errors import CheckpointError, ConfigError, DataError, OutputError
 from ..interop.upcycle import initialise_from
 from ..parallel import wrap_model
@@ -189,8 +189,9 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
     forward_model = wrap_model(model, config.train, device, root=ModelAndLoss(model, objective),
                                graphs=compiled_step_graphs(objective))
     # after fsdp2 sharded the parameters; Muon's iteration in the dtype of the run's products
-    optimizers = get_arch(config.model.arch).build_optimizers(model, config.train,
-                                                              resolve_dtype(device, config.train.dtype))
+    # every rank refuses a bad setting alike (a muon_exclude typo): together, so it is said once
+    optimizers = together(get_arch(config.model.arch).build_optimizers, model, config.train,
+                          resolve_dtype(device, config.train.dtype))
     state = TrainState(config, run_dir, model, tokenizer, data, loader, objective, optimizers, device,
                        init_report=init_report, dist=env, flops=flops,
                        init_from=None if init_from is None else str(Path(init_from).resolve()))
@@ -201,8 +202,9 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
         if resume:
             resume_run(state)
             if state.step > config.train.steps:  # it "trained" nothing and saved the checkpoint with the lower count
-                raise ConfigError(f"train.steps={config.train.steps:,} is below the step {state.step:,} this run "
-                                  f"resumes at: give --steps {state.step:,} or more")
+                # every rank resumed the same step and raises alike: shared, said once
+                raise raised_alike(ConfigError(f"train.steps={config.train.steps:,} is below the step {state.step:,} "
+                                          f"this run resumes at: give --steps {state.step:,} or more"))
             # said and kept only once the run resumed: a resume that fails changes nothing in the folder
             on_main(_keep_train_changes, state, changes or [])
     except BaseException:
