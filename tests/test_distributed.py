@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -349,6 +350,38 @@ def test_a_setting_every_rank_refuses_alike_is_said_once(corpus, tmp_path):
     assert result.returncode != 0
     lines = _error_lines(result)
     assert len(lines) == 1 and "nosuchparam" in lines[0] and "rank 1" not in lines[0], lines
+
+
+def test_ctrl_c_on_a_torchrun_job_stops_every_rank_after_one_step_and_saves(corpus, tmp_path):
+    """torchrun forwards a Ctrl+C (SIGINT) to every worker: the graceful stop was for one process only,
+    so each worker died mid-step and a run with save_every 0 was lost whole, its folder neither
+    resumable nor reusable (12-06 review). The ranks now agree on the stop at a logging step, then
+    validate and save together; it is said once."""
+    here = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent), str(here), os.environ.get("PYTHONPATH", "")])}
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(WORLD),
+               "-m", "latentloop", "train", "--arch", "gpt", "--preset", "test", "--data", f"text:{corpus}",
+               "--steps", "100000", "--batch-size", "2", "--set", "sequence_len=32", "--set", "train.strategy=ddp",
+               "--set", "train.eval_every=0", "--set", "train.log_every=1", "--set", "train.eval_batches=1",
+               "--out", str(run), "--no-progress"]
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + TORCHRUN_TIMEOUT_S
+        while not ((run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= 3):
+            assert job.poll() is None and time.monotonic() < deadline, "the job did not start training"
+            time.sleep(0.2)
+        job.send_signal(signal.SIGINT)  # as a terminal's Ctrl+C reaches torchrun
+        out, err = job.communicate(timeout=TORCHRUN_TIMEOUT_S)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    saved = list_checkpoints(run)
+    assert saved, err[-3000:]
+    said = [line for line in err.splitlines() if "latentloop: interrupted at step" in line]
+    assert len(said) == 1, err[-3000:]
+    step = int(said[0].split("at step ")[1].split()[0])
+    assert saved[-1].name.endswith(f"{step:08d}")
 
 
 def test_an_error_before_the_processes_connect_is_printed_by_rank_0_only(corpus, tmp_path, monkeypatch, capsys):

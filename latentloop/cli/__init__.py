@@ -65,7 +65,12 @@ def main(argv: list[str] | None = None) -> int:
             exit_without_finalizing(EXIT_USAGE)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        print("latentloop: interrupted", file=sys.stderr)
+        from ..distributed import current_dist, exit_without_finalizing, in_process_group
+
+        if current_dist().is_main:  # torchrun forwards a Ctrl+C to every process: said once
+            print("latentloop: interrupted", file=sys.stderr)
+        if in_process_group() and argv is None:  # as after an error (see exit_without_finalizing)
+            exit_without_finalizing(EXIT_INTERRUPTED)
         return EXIT_INTERRUPTED
     except RuntimeError:
         from ..distributed import current_dist

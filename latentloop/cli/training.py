@@ -94,7 +94,7 @@ def cmd_train(args) -> int:
               file=sys.stderr)
     summary = fit(state, progress=not args.no_progress)
     if not state.dist.is_main:  # rank 0 reports for the job
-        return 0
+        return EXIT_INTERRUPTED if summary.get("interrupted") else 0
     if args.json:  # strict JSON: a loss that is not a number (no step ran) is null, never NaN
         print_json(summary)
     elif summary.get("nothing_to_train"):

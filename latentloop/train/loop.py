@@ -205,25 +205,38 @@ class _ValidationSkipped(Exception):
 
 
 class _GracefulInterrupt:
-    """Ctrl+C while training (one process, the main thread): the first asks the loop to stop after the
-    step it is in, then validate and save as a run does at its end (`--resume` continues); a second
-    stops at once, without saving. A stop in the middle of a step could leave some weights updated
-    and others not, so the first one never interrupts a step. Without it, a run with `save_every` 0
-    lost everything, and its folder could be neither resumed nor reused.
+    """Ctrl+C (SIGINT) or SIGTERM while training (the main thread): the first asks the loop to stop
+    after the step it is in, then validate and save as a run does at its end (`--resume` continues);
+    a second stops at once, without saving. A stop in the middle of a step could leave some weights
+    updated and others not, so the first one never interrupts a step. Without it, a run with
+    `save_every` 0 lost everything, and its folder could be neither resumed nor reused.
 
     The handler stays installed to the end of the final save (`phase`): a Ctrl+C during the final
     validation drops the validation and saves; during the save it is said and waited out. Restored
-    before that save, one Ctrl+C in the final validation lost a whole run with `save_every` 0."""
+    before that save, one Ctrl+C in the final validation lost a whole run with `save_every` 0.
 
-    def __init__(self, enabled: bool):
-        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+    Under torchrun (`shared`: several processes), which forwards a Ctrl+C or SIGTERM to every worker,
+    the processes agree on the stop (`_fit`) so that all stop after the same step and save together,
+    and a signal during the final validation is waited out (one process skipping it alone would
+    leave the others waiting in its collectives). Only rank 0 speaks (`speaks`)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, shared: bool = False, speaks: bool = True):
+        self.enabled = threading.current_thread() is threading.main_thread()
+        self.shared, self.speaks = shared, speaks
         self.asked = False
         self.phase = "training"  # then "validating", then "saving"
-        self._previous = None
+        self._previous: dict[int, Any] = {}
+
+    def _say(self, text: str) -> None:
+        if self.speaks:
+            print(text, file=sys.stderr)
 
     def _ask(self, signum, frame) -> None:
-        if self.phase == "saving":
-            print("\nlatentloop: saving the checkpoint; it stops once it is written", file=sys.stderr)
+        if self.phase == "saving" or (self.phase == "validating" and self.shared):
+            self._say(f"\nlatentloop: {'saving the checkpoint' if self.phase == 'saving' else 'validating'}; it stops "
+                      f"once the checkpoint is written")
             self.asked = True
             return
         if self.phase == "validating":
@@ -232,16 +245,16 @@ class _GracefulInterrupt:
         if self.asked:
             raise KeyboardInterrupt
         self.asked = True
-        print("\nlatentloop: stopping after this step and saving (Ctrl+C again: stop now, unsaved)", file=sys.stderr)
+        self._say("\nlatentloop: stopping after this step and saving (Ctrl+C again: stop now, unsaved)")
 
     def install(self) -> None:
         if self.enabled:
-            self._previous = signal.signal(signal.SIGINT, self._ask)
+            self._previous = {signum: signal.signal(signum, self._ask) for signum in self.SIGNALS}
 
     def restore(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous = {}
 
 
 def _fit(state: TrainState, progress: bool, max_seconds: float | None) -> dict[str, Any]:
@@ -264,7 +277,9 @@ def _fit(state: TrainState, progress: bool, max_seconds: float | None) -> dict[s
         return max_seconds is not None and any_rank(time.perf_counter() >= deadline, state.device)
 
     profiler = open_profiler(state) if cfg.profile_steps else None
-    interrupt = _GracefulInterrupt(enabled=state.dist.world_size == 1)
+    shared = state.dist.world_size > 1
+    interrupt = _GracefulInterrupt(shared=shared, speaks=state.dist.is_main)
+    stopped_on_request = False
     try:
         interrupt.install()
         while state.step < cfg.steps and not out_of_time():
@@ -277,8 +292,13 @@ def _fit(state: TrainState, progress: bool, max_seconds: float | None) -> dict[s
             state.step += 1
             state.tokens_seen += tokens_per_step
             window_tokens += tokens_per_step
-            stopping = out_of_time() or interrupt.asked
-            logging = state.step % cfg.log_every == 0 or state.step == cfg.steps or stopping
+            due = state.step % cfg.log_every == 0 or state.step == cfg.steps
+            # several processes stop after the same step: they agree on a request where they log (a
+            # step that reads the device anyway), so no other step waits on the host
+            requested = any_rank(interrupt.asked, state.device) if shared and due else interrupt.asked and not shared
+            stopped_on_request = requested
+            stopping = out_of_time() or requested
+            logging = due or stopping
             if logging:  # the step's only reads of the device: they wait for its queue of kernels
                 guard.check()
                 train_loss, extra = outcome.loss, host_values(outcome.metrics)
@@ -331,5 +351,5 @@ def _fit(state: TrainState, progress: bool, max_seconds: float | None) -> dict[s
             "world_size": state.dist.world_size, "strategy": cfg.strategy, "global_batch": state.global_batch,
             "precision": resolve_dtype(state.device, cfg.dtype),
             # stopped short of train.steps (a Ctrl+C during the last step, honoured after it, is not)
-            "interrupted": interrupt.asked and state.step < cfg.steps,
+            "interrupted": stopped_on_request and state.step < cfg.steps,
             "validation_skipped": skipped, **{f"val_{k}": v for k, v in final.items()}}
