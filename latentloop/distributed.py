@@ -35,6 +35,11 @@ from .util import first_line
 DIST_TIMEOUT_ENV = "LATENTLOOP_DIST_TIMEOUT"  # seconds a collective waits for the other processes
 # torch's own default for NCCL groups: long enough for a first torch.compile or a large save on rank 0
 DEFAULT_DIST_TIMEOUT_S = 1800.0
+# How long the processes wait for each other in a phase one of them does alone or first (`agree`,
+# `in_turns`, `on_main`): rank 0 tokenizing a large dataset, or hashing and writing a large
+# checkpoint, may take far longer than any training collective should wait (a rank that dies ends
+# the job through torchrun long before this).
+PHASE_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -215,7 +220,7 @@ def shared_error(error: BaseException | None) -> LatentloopError | None:
         return error
     report = None if error is None else (type(error).__name__, first_line(error))
     reports: list[tuple[str, str] | None] = [None] * env.world_size
-    dist.all_gather_object(reports, report)
+    dist.all_gather_object(reports, report, group=_phase_group())
     failed = [(rank, r) for rank, r in enumerate(reports) if r is not None]
     if not failed:
         return None
@@ -226,6 +231,21 @@ def shared_error(error: BaseException | None) -> LatentloopError | None:
     if not (isinstance(cls, type) and issubclass(cls, LatentloopError)):
         cls = RankFailure
     return raised_alike(cls(message if first == 0 else f"rank {first}: {message}"))
+
+
+# (the default group, its phase group): the reference keeps the default group's identity its own
+_PHASE_GROUP: list[tuple[Any, Any]] = []
+
+
+def _phase_group():
+    """A gloo group of every process, waiting up to PHASE_TIMEOUT_S (the default group's collectives
+    wait LATENTLOOP_DIST_TIMEOUT): with the default timeout, rank 0's first tokenization of a large
+    dataset ended every other rank with a gloo timeout and a traceback. Made at the first phase,
+    which every process reaches alike (a new group is a collective); on CPU, beside NCCL too."""
+    world = dist.group.WORLD
+    if not _PHASE_GROUP or _PHASE_GROUP[0][0] is not world:  # none yet, or made for a group left since
+        _PHASE_GROUP[:] = [(world, dist.new_group(backend="gloo", timeout=timedelta(seconds=PHASE_TIMEOUT_S)))]
+    return _PHASE_GROUP[0][1]
 
 
 def agree(error: BaseException | None) -> None:

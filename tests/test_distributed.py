@@ -311,9 +311,11 @@ def test_a_sharded_checkpoint_resumes_exactly_and_exports_to_one_file(fsdp2_runs
     assert fit(state, progress=False)["step"] == 6
 
 
-def _torchrun(args: list[str], tmp_path: Path, script: str | None = None) -> subprocess.CompletedProcess:
+def _torchrun(args: list[str], tmp_path: Path, script: str | None = None,
+              extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     here = Path(__file__).resolve().parent  # this checkout's package and the test helpers, not an installed copy
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent), str(here), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent), str(here), os.environ.get("PYTHONPATH", "")]),
+           **(extra_env or {})}
     target = [script] if script else ["-m", "latentloop"]
     # --standalone: torchrun binds a free port itself (a port found free here could be taken before it binds)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(WORLD),
@@ -339,6 +341,27 @@ def test_an_error_on_one_rank_ends_the_job_with_one_line(corpus, tmp_path):
     assert "Traceback" not in result.stdout + workers  # the other rank was stopped by torchrun, quietly
     assert "exitcode  : 2" in result.stderr  # torchrun names rank 1's exit code 2 as the root cause
     assert time.monotonic() - started < TORCHRUN_TIMEOUT_S
+
+
+def test_rank_0_preparing_the_data_longer_than_the_collective_timeout_ends_no_job(corpus, tmp_path):
+    """The other ranks wait out rank 0's first tokenization in `in_turns`: they waited in a collective
+    of the training timeout (LATENTLOOP_DIST_TIMEOUT, 30 min by default), and a large dataset's first
+    tokenization ended the job with a gloo timeout and a traceback (12-06 review). Phases wait in a
+    group of their own with a long timeout now (here 2 s stands for 30 min, 5 s for the tokenization)."""
+    script = tmp_path / "slow_prepare.py"
+    script.write_text("import os, sys, time\nimport latentloop.train.start as start\n"
+                      "prepare = start.prepare_data\n"
+                      "def slow(*args, **kwargs):\n"
+                      "    if os.environ['RANK'] == '0':\n        time.sleep(5)\n"
+                      "    return prepare(*args, **kwargs)\n"
+                      "start.prepare_data = slow\n"
+                      "from latentloop.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+    result = _torchrun(["train", "--arch", "gpt", "--preset", "test", "--data", f"text:{corpus}", "--steps", "2",
+                        "--batch-size", "2", "--set", "sequence_len=32", "--set", "train.strategy=ddp",
+                        "--out", str(tmp_path / "run"), "--no-progress"], tmp_path, str(script),
+                       extra_env={"LATENTLOOP_DIST_TIMEOUT": "2"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert list_checkpoints(tmp_path / "run")
 
 
 def test_a_setting_every_rank_refuses_alike_is_said_once(corpus, tmp_path):
