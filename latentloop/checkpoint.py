@@ -650,6 +650,8 @@ DCP_METADATA = ".metadata"
 CHECKSUMS = "checksums.json"
 CHECKSUMS_FORMAT = 1  # bump when the layout of checksums.json changes
 DCP_CHECKSUMS, DCP_CHECKSUMS_FORMAT = CHECKSUMS, CHECKSUMS_FORMAT  # dcp/'s manifest is the same kind
+# trainer.json's "sharded" entry says the dcp/ manifest was written: a checkpoint without it is older
+SHARDED_CHECKSUMS_KEY = "checksums"
 HASH_BLOCK_BYTES = 1 << 20  # read size when hashing a shard: bounded memory, whatever its size
 
 # The globals DCP's `.metadata` refers to, listed from the metadata our own fsdp2 runs write (one
@@ -841,6 +843,10 @@ def verify_sharded_checksums(folder: Path, rank: int = 0, world: int = 1) -> boo
     folder = Path(folder)
     manifest = folder / DCP_CHECKSUMS
     if not manifest.is_file():
+        if _dcp_checksums_written(folder):  # this version wrote one: lost, not older (the shards go unchecked)
+            raise CheckpointError(f"{manifest} is missing, though {folder.parent / TRAINER_JSON} records that it was "
+                                  f"written: the shards cannot be checked; restore it, or resume from an earlier "
+                                  f"checkpoint")
         return False
     files = _recorded_checksums(manifest, required=(DCP_METADATA,))
     for name in sorted(set(sorted(files)[rank::world]) | {DCP_METADATA}):
@@ -855,6 +861,19 @@ def verify_sharded_checksums(folder: Path, rank: int = 0, world: int = 1) -> boo
             raise CheckpointError(f"{path} is corrupt: its sha256 differs from the one recorded when it was saved "
                                   f"(in {manifest})")
     return True
+
+
+def _dcp_checksums_written(folder: Path) -> bool:
+    """Whether the checkpoint's trainer.json (itself in the checkpoint's checked manifest) records
+    that `folder`'s checksums.json was written (`SHARDED_CHECKSUMS_KEY`, since 2026-12-06): a
+    missing one is then damage, not a checkpoint of a version before checksums."""
+    try:
+        trainer = json.loads((folder.parent / TRAINER_JSON).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return False  # unreadable: its own check says so where it is read
+    state = trainer.get("state") if isinstance(trainer, dict) else None
+    sharded = state.get("sharded") if isinstance(state, dict) else None
+    return isinstance(sharded, dict) and sharded.get(SHARDED_CHECKSUMS_KEY) is True
 
 
 def check_sharded(folder: Path, rank: int = 0, world: int = 1) -> tuple[Any, str | None]:

@@ -22,8 +22,11 @@ from safetensors.torch import load_file
 from latentloop.checkpoint import (
     DCP_CHECKSUMS,
     DCP_METADATA,
+    SHARDED_CHECKSUMS_KEY,
+    TRAINER_JSON,
     read_sharded_metadata,
     sha256_file,
+    write_checksums,
     write_sharded_checksums,
 )
 from latentloop.cli import main
@@ -201,9 +204,26 @@ def test_a_missing_shard_is_named(run, capsys):
 
 
 def saved_before_checksums(run: Path) -> Path:
+    """A checkpoint as a version before checksums wrote it: no dcp/checksums.json, and its trainer.json
+    (whose sha256 the checkpoint's manifest holds) without the entry saying one was written."""
     folder = dcp_folder(run)
     (folder / DCP_CHECKSUMS).unlink()
+    trainer = json.loads((folder.parent / TRAINER_JSON).read_text())
+    del trainer["state"]["sharded"][SHARDED_CHECKSUMS_KEY]
+    (folder.parent / TRAINER_JSON).write_text(json.dumps(trainer))
+    write_checksums(folder.parent)
     return folder
+
+
+@pytest.mark.parametrize("entry", ["export-dcp", "resume under fsdp2"])
+def test_a_lost_manifest_of_a_checkpoint_that_wrote_one_is_refused(run, capsys, entry):
+    """A checkpoint of this version whose dcp/checksums.json is gone was loaded unchecked, with a
+    warning that it was "saved by an older version" (a flipped bit in its shards then trained on)."""
+    manifest = dcp_folder(run) / DCP_CHECKSUMS
+    manifest.unlink()
+    code, err = run_cli(ENTRY_POINTS[entry](run), capsys)
+    assert code == 2 and len(err) == 1, err
+    assert f"{manifest} is missing, though" in err[0] and "records that it was written" in err[0]
 
 
 @pytest.mark.parametrize("entry", ["export-dcp", "resume under fsdp2"])

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ..checkpoint import (
+    SHARDED_CHECKSUMS_KEY,
     begin_checkpoint,
     check_weights_finite,
     checkpoint_candidates,
@@ -288,7 +289,9 @@ def _save_sharded(state: TrainState, rng: dict, rng_ranks: list | None, meta: di
     on_main(begin)
     tmp = checkpoint_tmp_folder(run_dir, step)
     with_state = together(save_sharded, tmp / SHARDED_DIR, state.model, state.optimizers)
-    trainer = {"optimizers": [], "rng": rng, "sharded": {"optimizer_state_params": with_state}}
+    # the dcp/ manifest is recorded as written, so that a lost one is refused rather than taken for an older version
+    trainer = {"optimizers": [], "rng": rng, "sharded": {"optimizer_state_params": with_state,
+                                                         SHARDED_CHECKSUMS_KEY: True}}
     if rng_ranks is not None:
         trainer["rng_ranks"] = rng_ranks
 
