@@ -27,6 +27,7 @@ import torch
 
 from .config import RunConfig
 from .data import TokenData, parse_source, prepare_tokens
+from .data.chat import CHAT_PREFIX, split_chat_file
 from .data.sources import MixSource
 from .errors import ConfigError, OutputError
 from .util import default_cache_dir
@@ -154,14 +155,20 @@ def prepare_data(config: RunConfig, tokenizer, progress: bool = True) -> TokenDa
 
 def absolute_source(spec: str) -> str:
     """A `text:` source with its path made absolute (what a run records beside its config, so that
-    `eval` finds the same file from any folder), and so each `text:` part of a `mix:` (whose relative
-    paths were recorded as typed: a resume from another folder read other files); other sources as
-    they are. A blank path stays as it is: made absolute it would be the current folder, and `train
-    --data text:` trained on every text file below it instead of `parse_source` refusing the empty
-    path."""
+    `eval` finds the same file from any folder), and so each `text:` part of a `mix:` and a `chat:`
+    file (whose relative paths were recorded as typed: a resume from another folder read other
+    files, or found none); other sources as they are. A blank path stays as it is: made absolute it
+    would be the current folder, and `train --data text:` trained on every text file below it instead
+    of `parse_source` refusing the empty path."""
     if spec.startswith("mix:"):
         parts = spec[len("mix:"):].split(MixSource.SEPARATOR)
         return "mix:" + MixSource.SEPARATOR.join(absolute_source(part.strip()) for part in parts)
+    if spec.startswith(CHAT_PREFIX) and not spec[len(CHAT_PREFIX):].startswith("task:"):
+        # an SFT run's chat file, as a text: file (a relative one resumed only from its starting folder)
+        path, mapping = split_chat_file(spec[len(CHAT_PREFIX):])
+        if not path.strip():
+            return spec
+        return CHAT_PREFIX + os.path.abspath(os.path.expanduser(path)) + ("" if mapping is None else ":" + mapping)
     if not spec.startswith("text:"):
         return spec
     path = spec[len("text:"):]

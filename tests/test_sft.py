@@ -274,3 +274,22 @@ def test_eval_of_an_sft_run_is_the_masked_loss_on_held_out_conversations(tmp_pat
     assert main(["eval", str(out), "--batches", "1", "--batch-size", "4", "--json"]) == 0
     assert set(json.loads(capsys.readouterr().out)["by_option"]) == {"standard", "soft", "fused"}
     assert main(["eval", str(out), "--passes-curve"]) == 2
+
+
+def test_an_sft_run_on_a_relative_chat_file_resumes_from_another_folder(tmp_path, monkeypatch):
+    """`chat:FILE` was recorded as typed (only `text:` paths were made absolute): a resume from any
+    other folder ended in "chat data file not found" (12-06 review)."""
+    base = _base_run(tmp_path)
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "c.jsonl").write_text("".join(json.dumps({"question": f"{i}?", "answer": f"it is {i}"}) + "\n"
+                                            for i in range(60)))
+    monkeypatch.chdir(folder)
+    out = tmp_path / "sft"
+    common = ["--no-progress", "--set", "eval_batches=1", "--batch-size", "2"]
+    assert main(["train", "--stage", "sft", "--init-from", str(base), "--data",
+                 "chat:c.jsonl:question=user,answer=assistant", "--steps", "1", "--out", str(out), *common]) == 0
+    recorded = json.loads((out / "config.json").read_text())["data"]["source"]
+    assert recorded == f"chat:{folder / 'c.jsonl'}:question=user,answer=assistant"
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--out", str(out), "--resume", "--steps", "2", *common]) == 0

@@ -527,6 +527,13 @@ def is_chat_source(spec: str) -> bool:
     return spec.strip().startswith(CHAT_PREFIX)
 
 
+def split_chat_file(rest: str) -> tuple[str, str | None]:
+    """`FILE[:field=role,...]` (a chat spec past `chat:`, not a task) as (FILE, the mapping or None):
+    the mapping is what follows the last colon when it holds an `=`, so a path may hold colons."""
+    head, colon, tail = rest.rpartition(":")
+    return (head, tail) if colon and "=" in tail else (rest, None)
+
+
 def parse_chat_spec(spec: str) -> ChatSpec:
     """`chat:FILE`, `chat:FILE:field=role,field=role` or `chat:task:NAME[:knobs]`."""
     text = spec.strip()
@@ -538,12 +545,11 @@ def parse_chat_spec(spec: str) -> ChatSpec:
 
         parsed = parse_task_spec(rest)  # a bad task name or knob fails here
         return ChatSpec(f"chat:{parsed.spec}", None, (), parsed.spec)
-    path_text, mapping = rest, ()
-    head, colon, tail = rest.rpartition(":")
-    if colon and "=" in tail:
-        path_text = head
+    path_text, mapping_text = split_chat_file(rest)
+    mapping = ()
+    if mapping_text is not None:
         pairs = []
-        for pair in tail.split(","):
+        for pair in mapping_text.split(","):
             field, eq, role = (part.strip() for part in pair.partition("="))
             if not eq or not field or role not in ("system", "user", "assistant"):
                 raise DataError(f"chat data spec {spec!r}: mapping items are FIELD=ROLE with a role of "
