@@ -50,7 +50,7 @@ import pickle
 import shutil
 import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
@@ -526,34 +526,51 @@ def check_tokenizer_fits(tokenizer: Any, config: ModelConfig, tokenizer_file: Pa
                               f"with {config.bos_id}: it is not the tokenizer this model was trained with")
 
 
-# The tensors with one row per token id: an SFT run that adds the chat tokens grows these.
-VOCAB_TENSORS = ("wte.weight", "lm_head.weight")
+# The tensor whose rows are the token ids: any other 2-D tensor with as many rows (lrt's per-layer
+# value embeddings) is one row per token id too, and grows with it.
+TOKEN_EMBEDDING = "wte.weight"
 
 
-def grow_vocab_rows(weights: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> list[str]:
-    """Pad the vocabulary tensors of `weights` in place to the rows of `own`: the old rows keep their
-    ids, each new row is the mean of the old rows (a new token starts as the average token: its
-    embedding has the typical direction and norm, and as a head row it gets an average logit
-    instead of a random one). Returns the names grown."""
+def grow_vocab_rows(weights: dict[str, torch.Tensor], own: dict[str, torch.Tensor],
+                    new_ids: Sequence[int] = ()) -> list[str]:
+    """Pad the tensors of `weights` with one row per token id (the token embedding, the head, lrt's
+    value embeddings: every 2-D tensor with as many rows as the token embedding, whose counterpart
+    in `own` has as many as its token embedding) in place to the rows of `own`. The old rows keep
+    their ids; each new row is the mean of the old rows (a new token starts as the average token:
+    its embedding has the typical direction and norm, and as a head row it gets an average logit
+    instead of a random one). `new_ids`: ids the run adds that fall on rows the checkpoint already
+    has (a vocabulary padded past its tokenizer, whose padding rows were never trained): they get
+    that mean too, taken over the rows below the first of them. Returns the names grown."""
+    old_rows = weights[TOKEN_EMBEDDING].shape[0] if TOKEN_EMBEDDING in weights else None
+    new_rows = own[TOKEN_EMBEDDING].shape[0] if TOKEN_EMBEDDING in own else None
+    if old_rows is None or new_rows is None:
+        return []
+    inside = sorted(i for i in new_ids if i < old_rows)
     grown = []
-    for name in VOCAB_TENSORS:
-        old, new = weights.get(name), own.get(name)
-        if old is None or new is None or old.ndim != 2 or old.shape[1] != new.shape[1] or old.shape[0] >= new.shape[0]:
+    for name, old in list(weights.items()):
+        new = own.get(name)
+        if (new is None or old.ndim != 2 or new.ndim != 2 or old.shape[0] != old_rows or new.shape[0] != new_rows
+                or old.shape[1] != new.shape[1]):
             continue
-        rows = old.mean(dim=0, keepdim=True).expand(new.shape[0] - old.shape[0], -1)
-        weights[name] = torch.cat([old, rows.to(old.dtype)], dim=0)
-        grown.append(name)
+        mean = old[: inside[0] if inside else old_rows].mean(dim=0, keepdim=True)
+        if inside:
+            old = old.clone()
+            old[inside] = mean.to(old.dtype)
+        weights[name] = torch.cat([old, mean.to(old.dtype).expand(new_rows - old_rows, -1)], dim=0)
+        if inside or new_rows > old_rows:
+            grown.append(name)
     return grown
 
 
-def load_matching_weights(model: torch.nn.Module, checkpoint: Path, grow_vocab: bool = False) -> list[str]:
+def load_matching_weights(model: torch.nn.Module, checkpoint: Path, grow_vocab: bool = False,
+                          new_ids: Sequence[int] = ()) -> list[str]:
     """Start from another run's weights (e.g. an `fbt` from a tied `gpt`): every tensor of the
     checkpoint must fit; parameters the checkpoint lacks keep their fresh init. Returns their names.
     `grow_vocab`: a model with more token ids than the checkpoint (SFT's chat tokens) gets its
-    vocabulary tensors grown by `grow_vocab_rows`."""
+    vocabulary tensors grown by `grow_vocab_rows` (`new_ids`: the ids added)."""
     weights = read_weights(checkpoint)
     if grow_vocab:
-        grow_vocab_rows(weights, model.state_dict())
+        grow_vocab_rows(weights, model.state_dict(), new_ids)
     return load_fitting_tensors(model, weights, f"--init-from {checkpoint}")
 
 

@@ -226,6 +226,41 @@ def test_grown_vocabulary_rows_start_at_the_mean_and_old_rows_keep_their_ids():
     torch.testing.assert_close(grown[259:], old["wte.weight"].mean(0).expand(4, 8))
 
 
+def test_every_tensor_with_a_row_per_token_grows_and_added_ids_inside_a_padded_vocabulary_start_at_the_mean():
+    """lrt's value embeddings have a row per token id too: SFT from an lrt run with value_embeds was
+    refused ("does not fit this model"), as only wte and lm_head grew. And chat ids that fall on a
+    padded vocabulary's rows (never trained) kept those rows instead of the mean (12-06 review)."""
+    old = {"wte.weight": torch.randn(259, 8), "lm_head.weight": torch.randn(259, 8),
+           "blocks.0.attn.value_embed.weight": torch.randn(259, 4), "blocks.0.mlp.w": torch.randn(259, 259)}
+    own = {"wte.weight": torch.zeros(263, 8), "lm_head.weight": torch.zeros(263, 8),
+           "blocks.0.attn.value_embed.weight": torch.zeros(263, 4), "blocks.0.mlp.w": torch.zeros(259, 259)}
+    weights = dict(old)
+    assert sorted(grow_vocab_rows(weights, own)) == ["blocks.0.attn.value_embed.weight", "lm_head.weight",
+                                                      "wte.weight"]
+    assert torch.equal(weights["blocks.0.mlp.w"], old["blocks.0.mlp.w"])  # not a row per token: as it was
+    torch.testing.assert_close(weights["blocks.0.attn.value_embed.weight"][259:],
+                               old["blocks.0.attn.value_embed.weight"].mean(0).expand(4, 4))
+    padded = {"wte.weight": torch.randn(320, 8)}  # a tokenizer of 299 ids, padded to 320 rows
+    grown = dict(padded)
+    assert grow_vocab_rows(grown, {"wte.weight": torch.zeros(320, 8)}, new_ids=[299, 300, 301, 302]) == ["wte.weight"]
+    mean = padded["wte.weight"][:299].mean(0)
+    torch.testing.assert_close(grown["wte.weight"][299:303], mean.expand(4, 8))
+    assert torch.equal(grown["wte.weight"][:299], padded["wte.weight"][:299])
+    assert torch.equal(grown["wte.weight"][303:], padded["wte.weight"][303:])
+
+
+def test_sft_starts_from_an_lrt_run_with_value_embeddings(tmp_path):
+    from latentloop.cli import main
+
+    base = tmp_path / "base"
+    assert main(["train", "--arch", "lrt", "--preset", "test", "--set", "value_embeds=true", "--data", "stdlib",
+                 "--set", "data.max_bytes=200000", "--steps", "1", "--batch-size", "2", "--out", str(base),
+                 "--no-progress"]) == 0
+    assert main(["train", "--stage", "sft", "--init-from", str(base), "--data", "chat:task:addition",
+                 "--steps", "1", "--batch-size", "2", "--set", "sequence_len=128", "--set", "eval_batches=1",
+                 "--out", str(tmp_path / "sft"), "--no-progress"]) == 0
+
+
 # -- the chat CLI -----------------------------------------------------------------------------------
 @pytest.fixture
 def chat_run(tmp_path):

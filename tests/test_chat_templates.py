@@ -329,3 +329,33 @@ def test_the_tokenizer_refuses_an_empty_render_with_one_line(tmp_path):
         tok.render_prompt(CONVERSATION[:2])
     long = "{# " + "x" * 200 + " #}"
     assert chat_data.template_name(long) == repr(long[:chat_data.TEMPLATE_NAME_CHARS] + "...")
+
+
+def test_chat_tokens_on_a_padded_vocabularys_rows_start_at_the_mean_of_the_tokenizers_rows(tmp_path):
+    """A tokenizer without a template whose model pads its vocabulary past the tokenizer: SFT's chat
+    tokens fall on padding rows that were never trained, and kept them, where the docs say a new
+    token starts at the mean of the old rows (12-06 review)."""
+    import torch
+    from safetensors.torch import load_file
+    from test_interop import _run
+
+    from latentloop.cli import main
+    from latentloop.data import HFTokenizer
+
+    folder = _chatml_folder(tmp_path / "tok")
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    del settings["chat_template"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    tokenizer = HFTokenizer.from_pretrained_folder(folder, vocab_size=320)  # rows past the tokenizer's ids
+    _run(tmp_path / "run", tokenizer=tokenizer, vocab_size=320)
+    chat = tmp_path / "c.jsonl"
+    chat.write_text("".join(json.dumps({"question": f"{i}?", "answer": f"it is {i}"}) + "\n" for i in range(40)))
+    assert main(["train", "--stage", "sft", "--init-from", str(tmp_path / "run"), "--set", "sequence_len=128",
+                 "--data", f"chat:{chat}:question=user,answer=assistant", "--steps", "1", "--set", "train.lr=1e-12",
+                 "--set", "train.muon_lr=1e-12", "--set", "eval_batches=1", "--out", str(tmp_path / "sft"),
+                 "--no-progress"]) == 0
+    before = load_file(str(next((tmp_path / "run" / "checkpoints").iterdir()) / "model.safetensors"))["wte.weight"]
+    after = load_file(str(next((tmp_path / "sft" / "checkpoints").iterdir()) / "model.safetensors"))["wte.weight"]
+    ids = list(tokenizer.with_chat_tokens().chat_tokens.ids)
+    assert before.shape == after.shape and min(ids) >= tokenizer.own_size  # on the padding rows
+    torch.testing.assert_close(after[ids], before[: min(ids)].mean(0).expand(len(ids), -1), rtol=0, atol=1e-6)

@@ -20,6 +20,7 @@ A run of the same arch (or a tied gpt into fbt) keeps the old rule: every tensor
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,23 +65,24 @@ def upcycle_config(run: str | Path, arch: str, **overrides: Any) -> ModelConfig:
     return model_config(values.pop("arch"), None, **values)
 
 
-def initialise_from(model: nn.Module, run: str | Path, grow_vocab: bool = False) -> dict[str, Any]:
+def initialise_from(model: nn.Module, run: str | Path, grow_vocab: bool = False,
+                    new_ids: Sequence[int] = ()) -> dict[str, Any]:
     """Load `run`'s weights into `model` by the rules of the module docstring. Returns a report:
     source arch, what was done, which parameters are new and whether step 0 is exact.
-    `grow_vocab`: the model may have more token ids than the run (SFT's chat tokens)."""
+    `grow_vocab`: the model may have more token ids than the run (SFT's chat tokens, `new_ids`)."""
     checkpoint = resolve_checkpoint(run)
     source = read_run_config(checkpoint).model
     target = model.config.arch
     if source.arch == target:
         return {"source_arch": source.arch, "mapping": "same tensors",
-                "new": load_matching_weights(model, checkpoint, grow_vocab)}
+                "new": load_matching_weights(model, checkpoint, grow_vocab, new_ids)}
     if source.arch != ModelConfig.arch:
         raise CheckpointError(f"--init-from {checkpoint}: a {source.arch} run cannot be upcycled into {target}; "
                               f"start from a {ModelConfig.arch} run")
     _check_backbone(source, model.config, checkpoint)
     weights = read_weights(checkpoint)
     if grow_vocab:
-        grow_vocab_rows(weights, model.state_dict())
+        grow_vocab_rows(weights, model.state_dict(), new_ids)
     report = model.upcycle_from(weights, source.n_layer,
                                 lambda tensors: load_fitting_tensors(model, tensors, f"--init-from {checkpoint}"))
     if report is None:

@@ -14,6 +14,7 @@ from ..checkpoint import LOCK_FILE, RunLock, check_resumable, find_tokenizer_fil
 from ..config import RunConfig
 from ..data import TokenLoader, load_tokenizer
 from ..data.chat import ChatLoader, prepare_chat
+from ..data.tokenizers import ChatTokens
 from ..distributed import in_turns, init_distributed, on_main, raised_alike, resolve_strategy, together
 from ..errors import CheckpointError, ConfigError, DataError, OutputError
 from ..interop.upcycle import initialise_from
@@ -152,8 +153,12 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
         together(lambda: check_resumable(resolve_checkpoint(run_dir)))  # before any data is prepared
     tokenizer = together(load_tokenizer, _run_tokenizer(run_dir) if resume else config.data.tokenizer)
     sft = config.train.stage == "sft"
+    added_ids: list[int] = []  # the token ids SFT adds (its chat tokens), whose rows start at the mean
     if sft:
+        before = tokenizer
         tokenizer = tokenizer.with_chat_tokens()  # already there on resume: the same tokenizer back
+        if getattr(before, "chat_tokens", None) is None and isinstance(tokenizer.chat_tokens, ChatTokens):
+            added_ids = list(tokenizer.chat_tokens.ids)
     config.model.vocab_size, config.model.bos_id = tokenizer.vocab_size, tokenizer.bos_id
     together(config.model.__post_init__)
     together(check_micro_batch_fits, config, device)
@@ -178,7 +183,7 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
     model = build_model(config.model)  # the same init on every rank (same seed)
     init_report = None
     if init_from is not None:
-        init_report = together(initialise_from, model, init_from, grow_vocab=sft)
+        init_report = together(initialise_from, model, init_from, grow_vocab=sft, new_ids=added_ids)
     model = model.to(device)
     objective = build_objective(config.model, config.train)
     flops = FlopsMemo(model)
