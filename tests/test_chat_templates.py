@@ -74,6 +74,47 @@ def test_a_chatml_template_renders_as_transformers_does_and_masks_each_reply(tmp
     assert mask.index(True) == len(tok.render_prompt(CONVERSATION[:2]))
 
 
+# Mistral-7B-Instruct-v0.1's template: replies follow " [/INST]" straight, with no markup between
+MISTRAL = ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
+           "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% elif message['role'] == 'assistant' %}"
+           "{{ message['content'] + eos_token }}{% endif %}{% endfor %}")
+
+
+def _sentencepiece_folder(folder):
+    """A Llama-2-style tokenizer.json (a "▁" prepended, spaces as "▁") with Mistral's template."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+
+    folder.mkdir(parents=True)
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Strip(" ", 1, 0)])
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
+    tokenizer.train_from_iterator(["[INST] hello world [/INST] the loop carries state forward. " * 40], trainer=trainer)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                              "tokenizer_class": "PreTrainedTokenizerFast",
+                                                              "chat_template": MISTRAL}))
+    return folder
+
+
+def test_a_sentencepiece_template_trains_on_the_ids_transformers_and_the_chat_prompt_give(tmp_path):
+    """Each span of a rendered conversation was encoded alone: a SentencePiece-style tokenizer put a
+    "▁" of its own before every reply, so the trained ids differed from `apply_chat_template`'s and
+    from the chat-time prompt of every later turn (12-06 review). The whole text is encoded once now;
+    a token is trained when it begins inside a reply."""
+    folder = _sentencepiece_folder(tmp_path / "mistralish")
+    tok = HFTokenizer.from_pretrained_folder(folder)
+    conversation = [{"role": "user", "content": "hello world"}, {"role": "assistant", "content": "the loop"},
+                    {"role": "user", "content": "state?"}, {"role": "assistant", "content": "carried forward"}]
+    ids, mask = tok.render(conversation)
+    assert ids == _hf_ids(folder, conversation, False)
+    for turns in (1, 3):  # each chat-time prompt is the trained row's prefix, and its reply is trained
+        prompt = tok.render_prompt(conversation[:turns])
+        assert ids[:len(prompt)] == prompt and mask[len(prompt)] and not any(mask[:len(prompt)][-3:])
+    pieces = "".join(tok._tokenizer.id_to_token(i) for i, m in zip(ids, mask) if m).replace("▁", "")
+    assert pieces == "theloop</s>carriedforward</s>"  # each reply and its end token, nothing of the prompts
+
+
 def test_the_template_survives_the_run_folder_and_export(tmp_path):
     tok = HFTokenizer.from_pretrained_folder(_chatml_folder(tmp_path / "qwenish"))
     tok.save(tmp_path / "run")

@@ -27,8 +27,10 @@ templates (`bos_token`, `eos_token`, `raise_exception`, `strftime_now`, `tojson`
 is tokenized with the template's special tokens parsed. The mask covers, for every assistant turn,
 the text the template adds between the prompt rendered for that turn (`add_generation_prompt`)
 and the conversation rendered through that turn: the reply and whatever closes it (`<|im_end|>`,
-`<|eot_id|>`, ...). Each such span is tokenized on its own, so that the ids before it are exactly
-the prompt the model reads at inference. A template that does not render a conversation as a
+`<|eot_id|>`, ...). The whole text is tokenized at once, as `apply_chat_template` and the
+chat-time prompt tokenize it, and a token is trained when it begins inside such a span (tokenized
+span by span, a SentencePiece-style tokenizer put a "▁" of its own before every reply, and the
+ids differed from those the model reads at inference). A template that does not render a conversation as a
 growing prefix (some drop earlier turns' reasoning) cannot be trained on: one-line error. Nor can
 one that writes no assistant reply (every token would be masked: a loss of 0 that trains nothing),
 and a prompt it renders as nothing cannot be answered: `EmptyChatTemplateError`, naming the template
@@ -486,12 +488,14 @@ def _starting_with_bos(tokenizer, ids: list[int], mask: list[bool]) -> tuple[lis
 def _render_with_template(tokenizer, messages: list[Message]) -> tuple[list[int], list[bool]]:
     """(ids, mask) of `messages` through the tokenizer's chat template (module docstring)."""
     full, cuts = template_spans(tokenizer.chat_template, _template_context(tokenizer, messages, False))
-    ids, mask = [], []
-    for span, (start, end) in enumerate(zip(cuts, cuts[1:])):  # alternate context / trained spans
-        piece = tokenizer.encode_markup(full[start:end]) if end > start else []
-        ids += piece
-        mask += [span % 2 == 1] * len(piece)
-    replies = "".join(full[start:end] for start, end in zip(cuts[1::2], cuts[2::2]))
+    # The whole text encoded at once, as `apply_chat_template` and the chat-time prompt encode it: span
+    # by span, a SentencePiece-style tokenizer put a "▁" of its own before every reply, and a byte-level
+    # BPE split a reply's first word from the space before it. A token is trained when it begins
+    # inside a trained span (the cuts alternate context / trained).
+    ids, offsets = tokenizer.encode_markup_with_offsets(full)
+    trained = list(zip(cuts[1::2], cuts[2::2]))
+    mask = [any(start <= begin < end for start, end in trained) for begin, _ in offsets]
+    replies = "".join(full[start:end] for start, end in trained)
     if not replies.strip() or not any(mask):  # every reply has content: a template that writes none ignores them
         raise EmptyChatTemplateError(f"the tokenizer's chat template {template_name(tokenizer.chat_template)} "
                                      f"renders no assistant reply: there is nothing to train on and no turn to chat in")

@@ -539,7 +539,19 @@ class HFTokenizer(_ChatInterface):
             self._markup_tokenizer = Tokenizer.from_str(self._json)
         # encode_batch releases the GIL while it runs (encode holds it): a long rendered conversation
         # on a server's worker thread must not stop the event loop, nor the request timeout that ends it
-        return self._markup_tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+        return self._markup_encoding(text).ids
+
+    def encode_markup_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """`encode_markup(text)` and each id's (start, end) characters in `text`."""
+        encoding = self._markup_encoding(text)
+        return encoding.ids, encoding.offsets
+
+    def _markup_encoding(self, text: str):
+        if self._markup_tokenizer is None:
+            from tokenizers import Tokenizer
+
+            self._markup_tokenizer = Tokenizer.from_str(self._json)
+        return self._markup_tokenizer.encode_batch([text], add_special_tokens=False)[0]
 
     @classmethod
     def from_pretrained_folder(cls, folder: str | Path, vocab_size: int | None = None,
