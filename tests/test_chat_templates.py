@@ -400,3 +400,17 @@ def test_chat_tokens_on_a_padded_vocabularys_rows_start_at_the_mean_of_the_token
     ids = list(tokenizer.with_chat_tokens().chat_tokens.ids)
     assert before.shape == after.shape and min(ids) >= tokenizer.own_size  # on the padding rows
     torch.testing.assert_close(after[ids], before[: min(ids)].mean(0).expand(len(ids), -1), rtol=0, atol=1e-6)
+
+
+def test_a_template_refusing_one_conversation_names_it(tmp_path):
+    """A template that refuses one conversation (`raise_exception`) ended SFT with the refusal alone,
+    without the file and line a malformed row's error names (12-06 review)."""
+    from latentloop.data.chat import prepare_chat
+
+    refusing = ("{% if messages[0]['content'] == 'bad' %}{{ raise_exception('not this one') }}{% endif %}" + CHATML)
+    tok = HFTokenizer.from_pretrained_folder(_chatml_folder(tmp_path / "tok", refusing))
+    rows = [{"question": "bad" if i == 7 else f"q{i}", "answer": f"a{i}"} for i in range(30)]
+    chat = tmp_path / "c.jsonl"
+    chat.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(ChatFormatError, match=rf"{chat}:8: the chat template refused the conversation: not this one"):
+        prepare_chat(f"chat:{chat}:question=user,answer=assistant", tok, 64)

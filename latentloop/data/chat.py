@@ -601,19 +601,37 @@ def iter_split_conversations(spec: ChatSpec | str, split: str,
     A file's rows go to val by a stable hash of `split_key`; a built-in task's come from its own
     streams (`TaskSource.iter_examples`): train its `n` training examples, val its distinct
     held-out problems, so that no val prompt is ever a training prompt."""
+    for _, messages in _iter_split_where(spec, split, val_fraction):
+        yield messages
+
+
+def _iter_split_where(spec: ChatSpec | str, split: str, val_fraction: float) -> Iterator[tuple[str, list[Message]]]:
+    """`iter_split_conversations`, each conversation with where it comes from (FILE:LINE, or the
+    task's example), for an error to name."""
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
     spec = parse_chat_spec(spec) if isinstance(spec, str) else spec
     if spec.task is not None:
         from latentloop.data.tasks import TaskSource, parse_task_spec
 
-        for example in TaskSource(parse_task_spec(spec.task), val_fraction).iter_examples(split):
-            yield [{"role": "user", "content": example.prompt}, {"role": "assistant", "content": example.completion}]
+        for index, example in enumerate(TaskSource(parse_task_spec(spec.task), val_fraction).iter_examples(split)):
+            yield f"{spec.spec} ({split} example {index})", [
+                {"role": "user", "content": example.prompt}, {"role": "assistant", "content": example.completion}]
         return
     want_val = split == "val"
     for key, messages in iter_conversations(spec):
         if goes_to_val(split_key(spec, key), val_fraction) == want_val:
-            yield messages
+            yield f"{spec.path}:{key}", messages
+
+
+def _render_where(tokenizer, messages: list[Message], where: str) -> tuple[list[int], list[bool]]:
+    """`tokenizer.render(messages)`, a refusal (a template that raises, loops or renders no growing
+    prefix) naming the conversation, as a malformed row's error names its line."""
+    try:
+        return tokenizer.render(messages)
+    except DataError as exc:
+        exc.args = (f"{where}: {exc}",)
+        raise
 
 
 def row_messages(row, spec: ChatSpec, where: str) -> list[Message]:
@@ -714,8 +732,8 @@ def prepare_chat(spec: str, tokenizer, seq_len: int, val_fraction: float = 0.05)
     by a stable hash of file name and line, a task's from its train and held-out val streams) and
     pack each split."""
     parsed = parse_chat_spec(spec)
-    rendered: dict[str, list] = {split: [tokenizer.render(messages)
-                                         for messages in iter_split_conversations(parsed, split, val_fraction)]
+    rendered: dict[str, list] = {split: [_render_where(tokenizer, messages, where)
+                                         for where, messages in _iter_split_where(parsed, split, val_fraction)]
                                  for split in ("train", "val")}
     meta: dict = {"format_version": CHAT_FORMAT_VERSION, "spec": parsed.spec, "seq_len": seq_len,
                   "tokenizer_fingerprint": tokenizer.fingerprint(), "sha256": {}}
