@@ -310,3 +310,14 @@ def progress(iterable: Iterable[_T], total: int | None = None, desc: str = "", e
     from tqdm.auto import tqdm
 
     return tqdm(iterable, total=total, desc=desc, leave=False, file=sys.stderr, dynamic_ncols=True)
+
+
+_warned: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    """One line on stderr per distinct message and process (a refused cache, a clamped request: said
+    once, not per call)."""
+    if message not in _warned:
+        _warned.add(message)
+        print(f"latentloop: warning: {message}", file=sys.stderr)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from latentloop import util
 from latentloop.inference import cache_trust
 from latentloop.inference.cache_trust import record_digest, untrusted_folder, unverified_file
 
@@ -206,7 +207,7 @@ def test_an_untrusted_compile_cache_is_replaced_by_a_private_folder_for_the_proc
     shared.chmod(0o777)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(shared))
     monkeypatch.setattr(fast, "_private_compile_dirs", {})
-    monkeypatch.setattr(cache_trust, "_warned", set())
+    monkeypatch.setattr(util, "_warned", set())
     chosen = fast.compile_cache_dir()
     assert chosen != shared and shared not in chosen.parents
     assert stat.S_IMODE(chosen.stat().st_mode) == 0o700 and chosen.stat().st_uid == os.getuid()

@@ -220,3 +220,37 @@ def test_lm_eval_runs_the_local_tasks(tiny_run, monkeypatch):
                 "rolling_bits_per_byte": scores["latentloop_lambada_rolling"]["bits_per_byte,none"],
                 "arithmetic_exact_match": scores["latentloop_arithmetic"]["exact_match,none"]}
     assert reported == pytest.approx(expected, rel=1e-4)  # the batched adapter against rows alone: rounding
+
+
+def test_bad_model_args_are_one_line_never_ignored():
+    """A typo among model_args (regmie=standard) was dropped and the run scored under the default
+    options; batch_size=-1 generated nothing, 0 and max_gen_toks=abc ended in tracebacks (12-06 review)."""
+    model = latentloop.build("fbt", preset="test", n_layer=1)
+    with pytest.raises(latentloop.ConfigError, match="unknown model_args regmie: .* the architecture's options"):
+        LatentloopLM(model=model, tokenizer=ByteTokenizer(), regmie="standard")
+    for given in ({"batch_size": "-1"}, {"batch_size": 0}, {"max_batch_size": "0"}, {"max_gen_toks": "abc"}):
+        with pytest.raises(latentloop.ConfigError, match="must be a whole number >= 1"):
+            LatentloopLM(model=model, tokenizer=ByteTokenizer(), **given)
+
+
+def test_a_generation_budget_past_half_the_context_keeps_half_for_the_prompt(lm, monkeypatch, capsys):
+    """max_gen_toks of the whole context (gsm8k's default 256 on a 256-token model) was clamped to the
+    context, leaving the prompt one token, not even BOS; lm-eval's max_new_tokens was not read."""
+    from latentloop.eval import generation
+
+    seen = []
+    real = generation.generate_texts
+    monkeypatch.setattr(generation, "generate_texts", lambda model, tokenizer, prompts, new, **kw:
+                        seen.append((prompts, new)) or real(model, tokenizer, prompts, new, **kw))
+    context = lm.max_length
+    lm.generate_until([request("Once upon a time " * 20, {"max_gen_toks": context})], disable_tqdm=True)
+    prompts, new = seen[-1]
+    assert new == context // 2 and len(prompts[0]) == context - context // 2 and prompts[0][0] == BOS
+    assert "more than half the model's context" in capsys.readouterr().err
+    lm.generate_until([request("Once upon", {"max_new_tokens": 3})], disable_tqdm=True)
+    assert seen[-1][1] == 3
+
+
+def test_a_continuation_longer_than_the_context_is_refused_not_scored_in_part(lm):
+    with pytest.raises(latentloop.ConfigError, match="longer than the model's context"):
+        lm.loglikelihood([request("a", "b" * (lm.max_length + 5))], disable_tqdm=True)

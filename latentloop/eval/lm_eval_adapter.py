@@ -46,6 +46,7 @@ from tqdm.auto import tqdm
 from ..archs import option_union
 from ..engine import fit_prompt, model_options
 from ..errors import ConfigError
+from ..util import warn_once
 from .core import DEFAULT_BATCH_SIZE, score_continuations
 
 MODEL_NAME = "latentloop"
@@ -75,6 +76,23 @@ def _available_device(name: str | None):
     return resolve_device(name)
 
 
+# lm-eval's names for the most new tokens of a generate_until request, in the order it reads them
+# (its `normalize_gen_kwargs`)
+NEW_TOKEN_KEYS = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")
+
+
+def _positive(name: str, value) -> int:
+    """A model_args / gen_kwargs count: a whole number >= 1 (batch_size=-1 generated nothing, 0 and
+    max_gen_toks=abc ended in a traceback)."""
+    try:
+        number = int(str(value).strip())
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise ConfigError(f"{name} must be a whole number >= 1, got {value!r}")
+    return number
+
+
 class LatentloopLM(_LMBase):
     """lm-eval's `LM` interface over a latentloop run, under one set of decoding options."""
 
@@ -93,15 +111,20 @@ class LatentloopLM(_LMBase):
         # model_args beyond lm-eval's own are the architecture's declared options (regime, passes,
         # prefill, steps, cache_mode, exit_threshold, ...), parsed from their text as the CLI does
         declared = {option.name: option for option in self.model.OPTIONS}
+        unknown = sorted(name for name in extra if name not in option_union())
+        if unknown:  # a typo (regmie=standard) scored the run under the default options, without a word
+            raise ConfigError(f"unknown model_args {', '.join(unknown)}: this adapter takes pretrained, device, "
+                              f"batch_size, max_batch_size, max_gen_toks and the architecture's options "
+                              f"({', '.join(declared) or 'none'})")
         given = {name: value for name, value in extra.items() if name in option_union()}
         self.options = {name: declared[name].parse(value) if name in declared else value
                         for name, value in given.items() if value is not None}
         model_options(self.model, self.options)
         size = batch_size if batch_size not in (None, "auto") and not str(batch_size).startswith("auto") else None
-        self.batch_size_rows = int(size) if size is not None else DEFAULT_BATCH_SIZE
+        self.batch_size_rows = _positive("batch_size", size) if size is not None else DEFAULT_BATCH_SIZE
         if max_batch_size is not None:
-            self.batch_size_rows = min(self.batch_size_rows, int(max_batch_size))
-        self.max_gen_toks = int(max_gen_toks)
+            self.batch_size_rows = min(self.batch_size_rows, _positive("max_batch_size", max_batch_size))
+        self.max_gen_toks = _positive("max_gen_toks", max_gen_toks)
         self.max_length = int(model.config.sequence_len)
 
     # -- lm-eval bookkeeping ----------------------------------------------------------------
@@ -155,6 +178,10 @@ class LatentloopLM(_LMBase):
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         pairs = [self.encode_pair(*req.args) for req in requests]
+        for _, continuation in pairs:  # as lm-eval's HFLM: scored in part, it was a wrong number
+            if len(continuation) > self.max_length:
+                raise ConfigError(f"a continuation of {len(continuation):,} tokens is longer than the model's context "
+                                  f"of {self.max_length:,}: its log-likelihood cannot be scored in one window")
         scored = [i for i, (_, cont) in enumerate(pairs) if cont]
         scores = self._score([pairs[i] for i in scored], disable_tqdm, "latentloop loglikelihood")
         results: list[tuple[float, bool]] = [(0.0, True)] * len(pairs)  # an empty continuation is certain
@@ -201,10 +228,19 @@ class LatentloopLM(_LMBase):
 
         until = gen_kwargs.get("until") or []
         stops = [until] if isinstance(until, str) else list(until)
-        new_tokens = max(1, min(int(gen_kwargs.get("max_gen_toks", self.max_gen_toks)), self.max_length - 1))
+        asked = next((gen_kwargs[key] for key in NEW_TOKEN_KEYS if gen_kwargs.get(key) is not None), self.max_gen_toks)
+        # at most half the context: clamped to the context, a request for as many tokens as the context
+        # (gsm8k's default 256 on a 256-token model) left its prompt one token, not even BOS
+        new_tokens = min(_positive("max_gen_toks", asked), max(1, self.max_length // 2))
+        if new_tokens < int(asked):
+            warn_once(f"max_gen_toks {asked} is more than half the model's context of {self.max_length} tokens: "
+                      f"generating {new_tokens}, so that the prompt keeps the other half")
         budget = self.max_length - new_tokens
-        sample = bool(gen_kwargs.get("do_sample", False))
-        temperature = float(gen_kwargs.get("temperature", 1.0 if sample else 0.0)) if sample else 0.0
+        # lm-eval's reading: do_sample absent and a positive temperature samples
+        temperature = float(gen_kwargs.get("temperature") or 0.0)
+        do_sample = gen_kwargs.get("do_sample")
+        sample = temperature > 0 if do_sample is None else bool(do_sample)
+        temperature = (temperature or 1.0) if sample else 0.0
         bos = self.tokenizer.bos_id
         prompts = [fit_prompt([bos] + self.tokenizer.encode(context), budget, bos)[0] for context in contexts]
         generations = generate_texts(self.model, self.tokenizer, prompts, new_tokens, stops=[s for s in stops if s],

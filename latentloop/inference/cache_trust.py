@@ -170,11 +170,4 @@ def remove_artifact(path: Path) -> None:
             pass
 
 
-_warned: set[str] = set()
 
-
-def warn_once(message: str) -> None:
-    """One line on stderr per distinct message and process (a refused cache is said once, not per call)."""
-    if message not in _warned:
-        _warned.add(message)
-        print(f"latentloop: warning: {message}", file=sys.stderr)

@@ -83,10 +83,10 @@ from torch import Tensor
 
 from ..models.backbone import GPT
 from ..models.cache import AttentionPlan, KVCache, row_span, zeros_on_touch
-from ..util import CACHE_ENV, default_cache_dir
+from ..util import CACHE_ENV, default_cache_dir, warn_once
 from . import native, quant, torch_internals
 from .aot import AotDecodeStep, AotUnavailable, aot_enabled, cpu_vendor, model_code_digest
-from .cache_trust import private_folder, untrusted_folder, warn_once
+from .cache_trust import private_folder, untrusted_folder
 from .huge_pages import weights_on_huge_pages
 from .products import ROWS_KERNEL_MAX_ROWS, ROWS_KERNEL_MIN_ROWS
 

@@ -44,8 +44,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from ..util import CACHE_ENV, default_cache_dir
-from .cache_trust import private_folder, record_digest, remove_artifact, untrusted_folder, unverified_file, warn_once
+from ..util import CACHE_ENV, default_cache_dir, warn_once
+from .cache_trust import private_folder, record_digest, remove_artifact, untrusted_folder, unverified_file
 
 NATIVE_ENV = "LATENTLOOP_NATIVE"  # "0" turns the native kernels off (the torch paths run instead)
 LIBRARY_FLAGS = ("-O3", "-shared", "-fPIC")
