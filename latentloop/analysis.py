@@ -16,6 +16,7 @@ import torch
 
 from .archs import ARCHS, Analysis, AnalysisContext, get_arch, offering
 from .data import eval_batches
+from .data.chat import ChatData
 from .errors import ConfigError, OutputError
 from .runs import load_run
 from .runtime import eval_data, output_folder
@@ -42,10 +43,10 @@ def _task_accuracy(model, tokenizer, task: str):
 
 
 def run_analysis(kind: str, run: str | Path, batches: int | None = None, out: Path | None = None,
-                 show_progress: bool = False, **options) -> dict[str, Any]:
+                 show_progress: bool = False, data: str | None = None, **options) -> dict[str, Any]:
     """The analysis `kind` of a run (its architecture must offer it), on `batches` validation batches
-    (default: the analysis's own); `options` are its settings. Returns the result, with the folder it
-    was written to."""
+    (default: the analysis's own) of `data` (default: the run's own data, where `eval` finds it);
+    `options` are its settings. Returns the result, with the folder it was written to."""
     model, tokenizer, config, checkpoint = load_run(run)
     spec = get_arch(config.model.arch)
     if kind not in spec.analyses:
@@ -53,8 +54,11 @@ def run_analysis(kind: str, run: str | Path, batches: int | None = None, out: Pa
                           f"this one is {config.model.arch}")
     analysis = spec.analyses[kind]
     # the run's recorded data, read only when it still holds the tokens training recorded (eval's check)
-    data = eval_data(config, tokenizer, None, progress=False, checkpoint=checkpoint)
-    pairs = list(eval_batches(data.val, analysis.batch_size, config.model.sequence_len, batches or analysis.batches))
+    tokens = eval_data(config, tokenizer, data, progress=False, checkpoint=checkpoint)
+    if isinstance(tokens, ChatData):  # rows of conversations, not a token stream (a TypeError before)
+        raise ConfigError(f"analyze {kind} reads a stream of text, and {run} was trained on conversations "
+                          f"({config.data.source}): give --data (e.g. stdlib or text:PATH)")
+    pairs = list(eval_batches(tokens.val, analysis.batch_size, config.model.sequence_len, batches or analysis.batches))
     x, y = torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
     task = config.data.source if config.data.source.startswith("task:") else None
     context = AnalysisContext(

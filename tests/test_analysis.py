@@ -76,3 +76,30 @@ def test_analysis_without_matplotlib_writes_json_only(tiny_run, tmp_path, capsys
     monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # as if the plot extra were absent
     assert main(["analyze", "contraction", str(tiny_run("fbt")), "--passes", "3", "--out", str(tmp_path / "a")]) == 0
     assert (tmp_path / "a" / "contraction.json").is_file() and not (tmp_path / "a" / "contraction.png").exists()
+
+
+def test_analyze_takes_data_and_refuses_a_chat_run_in_one_line(tiny_run_copy, tmp_path, capsys):
+    """`analyze` told the user to give --data, which it did not take, where a run's own data was not
+    on this machine; on an SFT run (conversations) it ended in a TypeError traceback (12-06 review)."""
+    import shutil
+
+    from conftest import write_corpus
+
+    corpus = write_corpus(tmp_path / "corpus")
+    run = tmp_path / "run"
+    assert main(["train", "--arch", "fbt", "--preset", "test", "--data", f"text:{corpus}", "--steps", "1",
+                 "--batch-size", "2", "--set", "sequence_len=32", "--out", str(run), "--no-progress"]) == 0
+    moved = shutil.move(str(corpus), str(tmp_path / "moved"))
+    capsys.readouterr()
+    assert main(["analyze", "contraction", str(run), "--passes", "2", "--json"]) == 2
+    assert "--data" in capsys.readouterr().err
+    assert main(["analyze", "contraction", str(run), "--passes", "2", "--json", "--data", f"text:{moved}"]) == 0
+    sft = tmp_path / "sft"
+    assert main(["train", "--stage", "sft", "--init-from", str(run), "--data", "chat:task:addition", "--steps", "1",
+                 "--batch-size", "2", "--set", "sequence_len=64", "--set", "eval_batches=1", "--out", str(sft),
+                 "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["analyze", "contraction", str(sft), "--passes", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "trained on conversations" in err[0] and "--data" in err[0], err
+    assert main(["analyze", "contraction", str(sft), "--passes", "2", "--json", "--data", "stdlib"]) == 0

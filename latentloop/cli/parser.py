@@ -134,6 +134,9 @@ def _add_analyses(sub) -> None:
                             type=_analysis_type(option), default=option.default, help=option.help)
         sp.add_argument("run", help="run folder or checkpoint folder")
         sp.add_argument("--batches", type=_positive_int, default=None, help="validation batches to use")
+        sp.add_argument("--data", default=None,
+                        help="the text to analyze on (stdlib, text:PATH, ...; default: the run's own, as eval "
+                             "reads it)")
         sp.add_argument("--out", default=None, help="output folder (default: RUN/analysis)")
         sp.add_argument("--json", action="store_true", help="print the result as JSON")
         sp.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -299,7 +299,7 @@ def cmd_analyze(args) -> int:
     options = {k[len("analysis_"):]: v for k, v in vars(args).items() if k.startswith("analysis_")}
     show = not (args.no_progress or args.json)  # the long ones: 1000 passes, or task accuracy at every depth
     result = run_analysis(args.analysis, args.run, batches=args.batches, out=Path(args.out) if args.out else None,
-                          show_progress=show, **options)
+                          show_progress=show, data=args.data, **options)
     summary = available()[args.analysis].summary(result)
     if args.json:  # strict JSON, as the analysis file: NaN as null
         print_json(result)
