@@ -198,9 +198,9 @@ def test_reasoning_task_report_puts_baselines_beside_accuracy_per_length():
         assert row["copy"] == pytest.approx(sum(v == ex.answer for v, ex in zip(x, items)) / len(items))
         answer = at_length.get(length, majority)  # the length's own majority; the overall one beyond the range
         assert row["majority"] == pytest.approx(sum(ex.answer == answer for ex in items) / len(items))
-        correct = round(row["accuracy"] * row["n"])
-        assert row["accuracy_ci"] == pytest.approx(list(wilson_interval(correct, row["n"])))
-        assert row["accuracy_ci"][0] <= row["accuracy"] <= row["accuracy_ci"][1]
+        # the interval counts distinct prompts (repeats decode alike), each right or not as its items are
+        distinct_right = sum(prompt in right for prompt in {ex.prompt for ex in items})
+        assert row["accuracy_ci"] == pytest.approx(list(wilson_interval(distinct_right, row["distinct"])))
     printed = format_suite({"tasks": {spec: report}, "missing": [], "core": None})
     header, *rows = [line for line in printed.splitlines() if line.startswith("  ")]
     assert header.split() == ["length", "n", "distinct", "accuracy", "95%", "Wilson", "chance", "copy", "majority"]
@@ -210,6 +210,9 @@ def test_reasoning_task_report_puts_baselines_beside_accuracy_per_length():
                                f"[{low:.3f},", f"{high:.3f}]"] + [
         f"{first[k]:.4f}" for k in ("chance", "copy", "majority")]
     assert any("copy: x itself" in line for line in rows)
+    overall_right = sum(prompt in right for prompt in {ex.prompt for ex in examples})
+    assert report["distinct"] == len({ex.prompt for ex in examples})
+    assert report["accuracy_ci"] == pytest.approx(list(wilson_interval(overall_right, report["distinct"])))
     products = run_generation_tasks(ScriptedModel(lambda prompt: "0"), TOKENIZER, "multiplication", None, {}, 4,
                                     False)["multiplication"]
     assert all(row["chance"] is None for row in products["by_length"].values())
@@ -377,3 +380,15 @@ def test_end_to_end_with_an_untrained_model():
         report = result[name]
         assert report["n"] == 2 and 0.0 <= report["accuracy"] <= 1.0
         assert 0 <= report["mean_trace_tokens"] <= report["max_new_tokens"] and report["seconds"] >= 0
+
+
+def test_a_test_split_that_repeats_prompts_gets_the_interval_of_its_distinct_prompts():
+    """`addition:digits=1` has 27 distinct held-out prompts: 200 items repeat them, and repeats decode
+    alike, so the interval over 200 "independent" items was [0, 0.019] for a model never right
+    (12-06 review); over the distinct prompts it is as wide as they warrant."""
+    spec = "task:addition:digits=1,test=1"
+    report = run_generation_tasks(ScriptedModel(lambda prompt: "never"), TOKENIZER, spec, None, {}, 200,
+                                  False)[spec]
+    assert report["n"] == 200 and report["distinct"] < 40 and report["accuracy"] == 0
+    assert report["accuracy_ci"] == pytest.approx(list(wilson_interval(0, report["distinct"])))
+    assert report["accuracy_ci"][1] > 0.08

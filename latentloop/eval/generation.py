@@ -47,7 +47,9 @@ output, target, correct).
 Built-in tasks (plain and chat) also report, per length, the model's accuracy beside its baselines
 on the same test items (`by_length`: {length: {"n", "distinct", "accuracy", "chance", "copy",
 "majority"}}) and `baselines` ({"overall", "rules", "undefined", "majority_answer", ...}; see
-`latentloop.data.tasks.task_baselines`); `format_by_length` writes them as text.
+`latentloop.data.tasks.task_baselines`); `format_by_length` writes them as text. Their intervals
+(`accuracy_ci`, overall and per length) count distinct prompts, not items: the test split repeats a
+prompt where a length has few held-out problems, and repeats decode alike (`distinct` says how many).
 
 Keyword arguments beyond the common six (for scripts and tests): `shots`, `max_new_tokens` (gsm8k
 and svamp 256, simple_arithmetic 16, built-in tasks the longest reference + 25%, humaneval 512; at
@@ -447,19 +449,36 @@ def eval_simple_arithmetic(model, tokenizer, data_dir, options, limit, progress,
 BASELINE_KINDS = ("chance", "copy", "majority")
 
 
-def _task_scores(parsed: TaskSpec, examples: Sequence[Example], correct: Sequence[bool]) -> dict:
-    """The per-length part of a built-in task's report: accuracy with its baselines beside it."""
-    by_steps: dict[int, list[bool]] = {}
+def _distinct_wilson(examples: Sequence[Example], correct: Sequence[bool]) -> tuple[list[float] | None, int]:
+    """(the 95% Wilson interval over distinct prompts, how many there are). A built-in task's test
+    split repeats a prompt where a length has few held-out problems, and repeats decode alike
+    (greedy): counted as independent items they made the interval far too narrow (27 distinct
+    prompts among 500 items gave [0, 0.019] where the 27 give about [0, 0.125]). Each distinct
+    prompt counts once, with the share of its items answered right."""
+    by_prompt: dict[str, list[bool]] = {}
     for example, ok in zip(examples, correct):
-        by_steps.setdefault(example.steps or 0, []).append(ok)
-    accuracy_by_steps = {str(steps): sum(v) / len(v) for steps, v in sorted(by_steps.items())}
-    correct_by_steps = {str(steps): sum(v) for steps, v in by_steps.items()}
+        by_prompt.setdefault(example.prompt, []).append(ok)
+    successes = round(sum(sum(oks) / len(oks) for oks in by_prompt.values()))
+    return _wilson(successes, len(by_prompt)), len(by_prompt)
+
+
+def _task_scores(parsed: TaskSpec, examples: Sequence[Example], correct: Sequence[bool]) -> dict:
+    """The per-length part of a built-in task's report: accuracy with its baselines beside it, and
+    the intervals over distinct prompts (`_distinct_wilson`), overall and per length."""
+    by_steps: dict[int, list[int]] = {}
+    for index, example in enumerate(examples):
+        by_steps.setdefault(example.steps or 0, []).append(index)
+    accuracy_by_steps = {str(steps): sum(correct[i] for i in v) / len(v) for steps, v in sorted(by_steps.items())}
+    interval_by_steps = {str(steps): _distinct_wilson([examples[i] for i in v], [correct[i] for i in v])[0]
+                         for steps, v in by_steps.items()}
     baselines = spec_baselines(parsed, examples)
     by_length = {length: {"n": row["n"], "distinct": row["distinct"], "accuracy": accuracy_by_steps[length],
-                          "accuracy_ci": _wilson(correct_by_steps[length], row["n"]),
+                          "accuracy_ci": interval_by_steps[length],
                           **{kind: row[kind] for kind in BASELINE_KINDS}}
                  for length, row in baselines.pop("by_length").items()}
-    return {"accuracy_by_steps": accuracy_by_steps, "by_length": by_length, "baselines": baselines}
+    overall, distinct = _distinct_wilson(examples, correct)
+    return {"accuracy_ci": overall, "distinct": distinct, "accuracy_by_steps": accuracy_by_steps,
+            "by_length": by_length, "baselines": baselines}
 
 
 def format_by_length(result: dict) -> list[str]:
