@@ -32,12 +32,15 @@ def available() -> dict[str, Analysis]:
     return found
 
 
+TASK_SCORE_FIELDS = ("accuracy", "accuracy_ci", "n", "distinct")  # what an analysis gets of a task's report
+
+
 def _task_accuracy(model, tokenizer, task: str):
-    def accuracy(options: dict[str, Any], limit: int) -> float:
+    def accuracy(options: dict[str, Any], limit: int) -> dict[str, Any]:
         from .eval.generation import run_generation_tasks
 
-        return run_generation_tasks(model, tokenizer, [task], options=options, limit=limit,
-                                    progress=False)[task]["accuracy"]
+        report = run_generation_tasks(model, tokenizer, [task], options=options, limit=limit, progress=False)[task]
+        return {field: report.get(field) for field in TASK_SCORE_FIELDS}  # the figure with its interval and n
 
     return accuracy
 

@@ -70,6 +70,10 @@ def test_depth_reports_task_accuracy_for_task_runs(tmp_path, capsys):
     assert main(["analyze", "depth", str(tmp_path / "run"), "--json", "--task-limit", "4"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert len(result["task_accuracy"]) == 2 and all(0.0 <= a <= 1.0 for a in result["task_accuracy"])
+    # each depth's figure with its interval and what it rests on (a bare accuracy of 4 items before)
+    assert result["task_n"] == [4, 4] and all(1 <= d <= 4 for d in result["task_distinct"])
+    assert all(len(ci) == 2 and 0.0 <= ci[0] <= ci[1] <= 1.0 for ci in result["task_accuracy_ci"])
+    assert (tmp_path / "run" / "analysis" / "depth.png").is_file() or "matplotlib" not in __import__("sys").modules
 
 
 def test_analysis_without_matplotlib_writes_json_only(tiny_run, tmp_path, capsys, monkeypatch):

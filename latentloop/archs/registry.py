@@ -77,7 +77,8 @@ class AnalysisContext:
     tokenizer: Any
     config: Any  # the run's RunConfig
     task: str | None  # the built-in task (`task:NAME`) the run was trained on, if any
-    task_accuracy: Callable[[dict[str, Any], int], float]  # (decoding options, examples) -> accuracy on the task
+    # (decoding options, examples) -> {"accuracy", "accuracy_ci", "n", "distinct"} on the task
+    task_accuracy: Callable[[dict[str, Any], int], dict[str, Any]]
     progress: Callable[..., Any]  # progress(iterable, total=None, desc="") -> the iterable, with a bar when shown
 
 

@@ -64,8 +64,13 @@ def depth(model, x: torch.Tensor, y: torch.Tensor, context, max_steps: int | Non
               "spearman_exit_depth_vs_token_loss": spearman(exit_flat, token_loss)}
     if context.task is not None:  # a run trained on a built-in task: its accuracy at each depth
         result["task"] = context.task
-        result["task_accuracy"] = [context.task_accuracy({"steps": r}, task_limit)
-                                   for r in context.progress(result["steps"], desc="task accuracy per depth")]
+        scores = [context.task_accuracy({"steps": r}, task_limit)
+                  for r in context.progress(result["steps"], desc="task accuracy per depth")]
+        # each depth's accuracy with its interval and how many items (and distinct prompts) it rests on
+        result["task_accuracy"] = [score["accuracy"] for score in scores]
+        result["task_accuracy_ci"] = [score["accuracy_ci"] for score in scores]
+        result["task_n"] = [score["n"] for score in scores]
+        result["task_distinct"] = [score["distinct"] for score in scores]
     return result
 
 
@@ -76,7 +81,12 @@ def _plot(plt, r):
     a.set(xlabel="recurrence steps r", ylabel="val loss", title="early-exit curve")
     if "task_accuracy" in r:
         twin = a.twinx()
-        twin.plot(r["steps"], r["task_accuracy"], marker="s", color="tab:red", label="task accuracy")
+        intervals = r.get("task_accuracy_ci") or [None] * len(r["steps"])
+        # (clamped: the interval counts distinct prompts, the accuracy every item, so they may not nest)
+        below = [max(0.0, acc - ci[0]) if ci else 0.0 for acc, ci in zip(r["task_accuracy"], intervals)]
+        above = [max(0.0, ci[1] - acc) if ci else 0.0 for acc, ci in zip(r["task_accuracy"], intervals)]
+        twin.errorbar(r["steps"], r["task_accuracy"], yerr=[below, above], marker="s", color="tab:red",
+                      capsize=3, label="task accuracy (95% Wilson)")
         twin.set_ylabel("task accuracy")
     a.legend()
     b.plot(r["steps"], r["gate_mean_per_step"], marker="o", label="mean gate g (1 = copy)")
