@@ -526,39 +526,43 @@ def check_tokenizer_fits(tokenizer: Any, config: ModelConfig, tokenizer_file: Pa
                               f"with {config.bos_id}: it is not the tokenizer this model was trained with")
 
 
-# The tensor whose rows are the token ids: any other 2-D tensor with as many rows (lrt's per-layer
-# value embeddings) is one row per token id too, and grows with it.
-TOKEN_EMBEDDING = "wte.weight"
+# The head: a linear map onto the vocabulary, one row per token id (absent when tied to the embedding).
+HEAD = "lm_head.weight"
 
 
-def grow_vocab_rows(weights: dict[str, torch.Tensor], own: dict[str, torch.Tensor],
+def token_row_tensors(model: torch.nn.Module) -> set[str]:
+    """The names of `model`'s tensors with one row per token id: every embedding of the vocabulary
+    (`wte`, lrt's per-layer value embeddings) and the head. Found by module, not by row count: a
+    weight whose rows happen to equal the vocabulary size is no token's."""
+    vocab = model.config.vocab_size
+    names = {f"{name}.weight" for name, module in model.named_modules()
+             if isinstance(module, torch.nn.Embedding) and module.num_embeddings == vocab}
+    return names | ({HEAD} if HEAD in model.state_dict() else set())
+
+
+def grow_vocab_rows(weights: dict[str, torch.Tensor], own: dict[str, torch.Tensor], token_tensors: set[str],
                     new_ids: Sequence[int] = ()) -> list[str]:
-    """Pad the tensors of `weights` with one row per token id (the token embedding, the head, lrt's
-    value embeddings: every 2-D tensor with as many rows as the token embedding, whose counterpart
-    in `own` has as many as its token embedding) in place to the rows of `own`. The old rows keep
-    their ids; each new row is the mean of the old rows (a new token starts as the average token:
-    its embedding has the typical direction and norm, and as a head row it gets an average logit
-    instead of a random one). `new_ids`: ids the run adds that fall on rows the checkpoint already
-    has (a vocabulary padded past its tokenizer, whose padding rows were never trained): they get
-    that mean too, taken over the rows below the first of them. Returns the names grown."""
-    old_rows = weights[TOKEN_EMBEDDING].shape[0] if TOKEN_EMBEDDING in weights else None
-    new_rows = own[TOKEN_EMBEDDING].shape[0] if TOKEN_EMBEDDING in own else None
-    if old_rows is None or new_rows is None:
-        return []
-    inside = sorted(i for i in new_ids if i < old_rows)
+    """Pad the tensors of `weights` named in `token_tensors` (one row per token id:
+    `token_row_tensors`) in place to the rows of `own`. The old rows keep their ids; each new row is
+    the mean of the old rows (a new token starts as the average token: its embedding has the typical
+    direction and norm, and as a head row it gets an average logit instead of a random one).
+    `new_ids`: ids the run adds that fall on rows the checkpoint already has (a vocabulary padded past
+    its tokenizer, whose padding rows were never trained): they get that mean too, taken over the
+    rows below the first of them. Returns the names grown."""
     grown = []
-    for name, old in list(weights.items()):
-        new = own.get(name)
-        if (new is None or old.ndim != 2 or new.ndim != 2 or old.shape[0] != old_rows or new.shape[0] != new_rows
-                or old.shape[1] != new.shape[1]):
+    for name in sorted(token_tensors):
+        old, new = weights.get(name), own.get(name)
+        if old is None or new is None or old.ndim != 2 or old.shape[1] != new.shape[1] or old.shape[0] > new.shape[0]:
             continue
-        mean = old[: inside[0] if inside else old_rows].mean(dim=0, keepdim=True)
+        inside = sorted(i for i in new_ids if i < old.shape[0])
+        if not inside and old.shape[0] == new.shape[0]:
+            continue
+        mean = old[: inside[0] if inside else old.shape[0]].mean(dim=0, keepdim=True)
         if inside:
             old = old.clone()
             old[inside] = mean.to(old.dtype)
-        weights[name] = torch.cat([old, mean.to(old.dtype).expand(new_rows - old_rows, -1)], dim=0)
-        if inside or new_rows > old_rows:
-            grown.append(name)
+        weights[name] = torch.cat([old, mean.to(old.dtype).expand(new.shape[0] - old.shape[0], -1)], dim=0)
+        grown.append(name)
     return grown
 
 
@@ -570,7 +574,7 @@ def load_matching_weights(model: torch.nn.Module, checkpoint: Path, grow_vocab: 
     vocabulary tensors grown by `grow_vocab_rows` (`new_ids`: the ids added)."""
     weights = read_weights(checkpoint)
     if grow_vocab:
-        grow_vocab_rows(weights, model.state_dict(), new_ids)
+        grow_vocab_rows(weights, model.state_dict(), token_row_tensors(model), new_ids)
     return load_fitting_tensors(model, weights, f"--init-from {checkpoint}")
 
 

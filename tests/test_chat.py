@@ -8,7 +8,8 @@ import re
 import pytest
 import torch
 
-from latentloop.checkpoint import grow_vocab_rows
+import latentloop
+from latentloop.checkpoint import grow_vocab_rows, token_row_tensors
 from latentloop.cli import main
 from latentloop.data import BPETokenizer, ByteTokenizer, load_tokenizer
 from latentloop.data.chat import (
@@ -220,7 +221,7 @@ def test_grown_vocabulary_rows_start_at_the_mean_and_old_rows_keep_their_ids():
     old = {"wte.weight": torch.randn(259, 8), "blocks.0.x": torch.randn(3)}
     own = {"wte.weight": torch.zeros(263, 8), "blocks.0.x": torch.zeros(3)}
     weights = dict(old)
-    assert grow_vocab_rows(weights, own) == ["wte.weight"]
+    assert grow_vocab_rows(weights, own, {"wte.weight"}) == ["wte.weight"]
     grown = weights["wte.weight"]
     assert grown.shape == (263, 8) and torch.equal(grown[:259], old["wte.weight"])
     torch.testing.assert_close(grown[259:], old["wte.weight"].mean(0).expand(4, 8))
@@ -229,24 +230,35 @@ def test_grown_vocabulary_rows_start_at_the_mean_and_old_rows_keep_their_ids():
 def test_every_tensor_with_a_row_per_token_grows_and_added_ids_inside_a_padded_vocabulary_start_at_the_mean():
     """lrt's value embeddings have a row per token id too: SFT from an lrt run with value_embeds was
     refused ("does not fit this model"), as only wte and lm_head grew. And chat ids that fall on a
-    padded vocabulary's rows (never trained) kept those rows instead of the mean (12-06 review)."""
+    padded vocabulary's rows (never trained) kept those rows instead of the mean (12-06 review). The
+    tensors are the model's embeddings of the vocabulary and its head, found by module: a weight whose
+    rows merely number the vocabulary's is left alone."""
+    lrt = latentloop.build("lrt", preset="test", value_embeds=True, tie_embeddings=False)
+    names = token_row_tensors(lrt)
+    assert {"wte.weight", "lm_head.weight"} < names and any("value_embed" in name for name in names)
+    # its 64-wide weights have as many rows as its vocabulary has ids
+    square = latentloop.build("gpt", preset="test", vocab_size=64, bos_id=0)
+    assert token_row_tensors(square) == {"wte.weight"} | ({"lm_head.weight"} & set(square.state_dict()))
     old = {"wte.weight": torch.randn(259, 8), "lm_head.weight": torch.randn(259, 8),
            "blocks.0.attn.value_embed.weight": torch.randn(259, 4), "blocks.0.mlp.w": torch.randn(259, 259)}
     own = {"wte.weight": torch.zeros(263, 8), "lm_head.weight": torch.zeros(263, 8),
            "blocks.0.attn.value_embed.weight": torch.zeros(263, 4), "blocks.0.mlp.w": torch.zeros(259, 259)}
+    tokens = {"wte.weight", "lm_head.weight", "blocks.0.attn.value_embed.weight"}
     weights = dict(old)
-    assert sorted(grow_vocab_rows(weights, own)) == ["blocks.0.attn.value_embed.weight", "lm_head.weight",
-                                                      "wte.weight"]
+    assert grow_vocab_rows(weights, own, tokens) == sorted(tokens)
     assert torch.equal(weights["blocks.0.mlp.w"], old["blocks.0.mlp.w"])  # not a row per token: as it was
     torch.testing.assert_close(weights["blocks.0.attn.value_embed.weight"][259:],
                                old["blocks.0.attn.value_embed.weight"].mean(0).expand(4, 4))
-    padded = {"wte.weight": torch.randn(320, 8)}  # a tokenizer of 299 ids, padded to 320 rows
+    # a tokenizer of 299 ids, padded to 320 rows; a 320-row weight that is no token's beside it
+    padded = {"wte.weight": torch.randn(320, 8), "blocks.0.mlp.w": torch.randn(320, 16)}
     grown = dict(padded)
-    assert grow_vocab_rows(grown, {"wte.weight": torch.zeros(320, 8)}, new_ids=[299, 300, 301, 302]) == ["wte.weight"]
+    own = {name: torch.zeros_like(t) for name, t in padded.items()}
+    assert grow_vocab_rows(grown, own, {"wte.weight"}, new_ids=[299, 300, 301, 302]) == ["wte.weight"]
     mean = padded["wte.weight"][:299].mean(0)
     torch.testing.assert_close(grown["wte.weight"][299:303], mean.expand(4, 8))
     assert torch.equal(grown["wte.weight"][:299], padded["wte.weight"][:299])
     assert torch.equal(grown["wte.weight"][303:], padded["wte.weight"][303:])
+    assert torch.equal(grown["blocks.0.mlp.w"], padded["blocks.0.mlp.w"])
 
 
 def test_sft_starts_from_an_lrt_run_with_value_embeddings(tmp_path):

@@ -33,6 +33,7 @@ from ..checkpoint import (
     read_run_config,
     read_weights,
     resolve_checkpoint,
+    token_row_tensors,
 )
 from ..config import ModelConfig, config_classes, model_config
 from ..errors import CheckpointError
@@ -82,7 +83,7 @@ def initialise_from(model: nn.Module, run: str | Path, grow_vocab: bool = False,
     _check_backbone(source, model.config, checkpoint)
     weights = read_weights(checkpoint)
     if grow_vocab:
-        grow_vocab_rows(weights, model.state_dict(), new_ids)
+        grow_vocab_rows(weights, model.state_dict(), token_row_tensors(model), new_ids)
     report = model.upcycle_from(weights, source.n_layer,
                                 lambda tensors: load_fitting_tensors(model, tensors, f"--init-from {checkpoint}"))
     if report is None:
