@@ -201,9 +201,12 @@ class DecodeBatch:
             prefilled.append((group, cache, out.logits[:, -1]))
         return prefilled
 
-    def _join_waiting(self) -> None:
-        # joiners dropped while they waited (a client that hung up) neither join nor hold up the rest
+    def _forget_dropped_joiners(self) -> None:
+        """Joiners dropped while they waited (a client that hung up) neither join nor hold up the rest."""
         self.waiting = [kept for group in self.waiting if (kept := [m for m in group if not m.done])]
+
+    def _join_waiting(self) -> None:
+        self._forget_dropped_joiners()
         if not self.waiting:
             return
         parts, logits, members = [], [], []
@@ -494,7 +497,7 @@ class SlotBatch(DecodeBatch):
             self.filled[i] = 0
 
     def _join_waiting(self) -> None:
-        self.waiting = [kept for group in self.waiting if (kept := [m for m in group if not m.done])]
+        self._forget_dropped_joiners()
         if not self.waiting:
             return
         # every row keeps its own slots of the whole context here: a joiner never moves another's length

@@ -13,8 +13,8 @@ the estimate instead of being killed by the kernel's out-of-memory killer withou
 - `check_step_fits` (setup) probes only a micro-batch whose one layer of activations and logits
   (`batch x sequence_len x (n_embd + vocab_size)` in fp32) is at least 1/`PROBE_FRACTION` of the
   device's memory: a smaller one would need more than that many such layers to not fit, and the
-  probe costs seconds (on this project's CPU, at the gpt2 shape: 2-4 s, rfbt's eight kinds of
-  forward 14 s; `setup_probe_steps` finds the kinds in a few thousand steps at most). It refuses
+  probe costs seconds (on this project's CPU, at the gpt2 shape: 1.9-4.0 s, rfbt's eight kinds
+  of forward 14 s; `setup_probe_steps` finds the kinds in a few thousand steps at most). It refuses
   a step planned past the memory by more than `PLAN_TOLERANCE`, the bound tests/test_plan.py holds
   the plan to against measured steps.
 """
@@ -463,8 +463,7 @@ def check_step_fits(config: RunConfig, device: torch.device, devices: int = 1) -
     objective = build_objective(model, train)
     try:
         memory, _ = step_memory(config, objective, setup_probe_steps(objective, train.steps), devices,
-                                train.strategy, precision,
-                                cpu_probe=False)
+                                train.strategy, precision, cpu_probe=False)
     except ProbeNeedsData:
         return  # no estimate without running a forward: the run finds out as before
     if memory["peak"] > limit * (1 + PLAN_TOLERANCE):

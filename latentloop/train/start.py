@@ -209,7 +209,7 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
             if state.step > config.train.steps:  # it "trained" nothing and saved the checkpoint with the lower count
                 # every rank resumed the same step and raises alike: shared, said once
                 raise raised_alike(ConfigError(f"train.steps={config.train.steps:,} is below the step {state.step:,} "
-                                          f"this run resumes at: give --steps {state.step:,} or more"))
+                                               f"this run resumes at: give --steps {state.step:,} or more"))
             # said and kept only once the run resumed: a resume that fails changes nothing in the folder
             on_main(_keep_train_changes, state, changes or [])
     except BaseException:
