@@ -28,6 +28,16 @@ def private(path: Path) -> Path:
     return path
 
 
+def shared_group(monkeypatch, members: list[str], primary: bool = False) -> None:
+    """Every group looked up lists `members`; every owner is "me", whose primary group it is or not."""
+    import grp
+    import pwd
+
+    monkeypatch.setattr(grp, "getgrgid", lambda gid: grp.struct_group(("g", "x", gid, members)))
+    monkeypatch.setattr(pwd, "getpwuid", lambda uid: pwd.struct_passwd(
+        ("me", "x", uid, 4242 if not primary else os.getgid(), "", "/", "/bin/sh")))
+
+
 def test_a_private_folder_is_trusted_and_one_others_may_write_is_not(tmp_path):
     root = private(tmp_path / "cache")
     kernels = private(root / "kernels")
@@ -36,7 +46,9 @@ def test_a_private_folder_is_trusted_and_one_others_may_write_is_not(tmp_path):
     assert "writable by group or others" in untrusted_folder(kernels, root)
     kernels.chmod(0o700)
     root.chmod(0o770)  # the root itself, group-writable: a group member could swap kernels/ for theirs
-    assert str(root) in untrusted_folder(kernels, root)
+    with pytest.MonkeyPatch.context() as patch:
+        shared_group(patch, members=["alice", "bob"])
+        assert str(root) in untrusted_folder(kernels, root)
     root.chmod(0o700)
     assert untrusted_folder(root / "not" / "made" / "yet", root) is None  # judged by the nearest folder
 
@@ -46,6 +58,49 @@ def test_a_folder_owned_by_someone_else_is_not_trusted(tmp_path, monkeypatch):
     me = os.getuid()
     monkeypatch.setattr(os, "getuid", lambda: me + 1)  # every file here now belongs to "someone else"
     assert f"owned by uid {me}" in untrusted_folder(root, root)
+
+
+@pytest.mark.parametrize("members, primary, trusted", [
+    ([], True, True),  # a user private group (umask 002's companion): the owner's primary group, no members
+    (["me"], False, True),  # the owner its only member
+    (["me", "bob"], False, False),  # bob could swap the folder's contents
+    ([], False, False),  # nobody listed, and not the owner's own group: whose it is is unknown
+])
+def test_group_write_is_trusted_only_where_the_group_is_the_owners_alone(tmp_path, monkeypatch, members, primary,
+                                                                        trusted):
+    """Under umask 002 the token cache made the cache's root 0775, and from then on no kernel or
+    compiled step was ever loaded from it, though the group was the user's alone."""
+    old = os.umask(0o002)
+    try:
+        root = tmp_path / "cache"
+        root.mkdir()  # as the token cache makes it: the umask's mode
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(root.stat().st_mode) == 0o775
+    os.chown(root, os.getuid(), os.getgid())  # the folder's group: the one the fake says is the owner's
+    shared_group(monkeypatch, members, primary)
+    verdict = untrusted_folder(root / "kernels", root)
+    assert (verdict is None) == trusted, verdict
+    if not trusted:
+        assert "writable by group or others" in verdict
+    root.chmod(0o777)  # write by others is never the owner's alone
+    assert "writable by group or others" in untrusted_folder(root / "kernels", root)
+
+
+def test_a_cache_whose_parents_are_not_made_yet_is_trusted_and_made_private(tmp_path, monkeypatch):
+    """LATENTLOOP_CACHE=~/newproj/cache before ~/newproj existed: every process distrusted it, compiled
+    into a temporary folder of its own and left it behind."""
+    from latentloop.inference import fast
+
+    root = tmp_path / "newproj" / "cache"
+    assert untrusted_folder(root / "kernels", root) is None
+    monkeypatch.setenv("LATENTLOOP_CACHE", str(root))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(fast, "_private_compile_dirs", {})
+    chosen = fast.compile_cache_dir()
+    assert chosen == root / "inductor"
+    for folder in (chosen, root, root.parent):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
 
 
 def test_folders_above_the_root_must_not_let_others_replace_it(tmp_path):
@@ -256,3 +311,77 @@ def test_a_package_that_fails_its_check_is_compiled_again_not_loaded(tmp_path, m
     loaded.clear()
     step.prepare(cache)  # now verified: loaded as it is
     assert compiled == [] and loaded == [b"package"]
+
+
+def test_the_kernels_folder_is_judged_after_it_is_made_and_a_fresh_build_before_it_is_mapped(tmp_path, monkeypatch):
+    """The folder was judged before it existed, so one another user made in between was built into and
+    loaded from; and a library just built was mapped unchecked."""
+    from latentloop.inference import native
+
+    monkeypatch.setenv("LATENTLOOP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv(native.NATIVE_ENV, "1")
+    monkeypatch.setattr(util, "_warned", set())
+    monkeypatch.setattr(native, "_compiler", lambda: "cc")
+
+    def raced(folder):  # someone else's folder, made between our check and our build
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        Path(folder).chmod(0o777)
+        return Path(folder)
+
+    built = []
+    monkeypatch.setattr(native, "private_folder", raced)
+    monkeypatch.setattr(native, "_build", lambda cc, source, target, *rest: built.append(target))
+    native.native_library.cache_clear()
+    try:
+        assert native.native_library("int8_linear") is None
+        assert built == [] and "writable by group or others" in native.native_status("int8_linear")
+
+        def unchecked_build(cc, source, target, *rest):  # a file under the name, with no digest
+            target.write_bytes(b"not a library")
+            built.append(target)
+
+        monkeypatch.setattr(native, "private_folder", cache_trust.private_folder)
+        monkeypatch.setattr(native, "_build", unchecked_build)
+        shutil.rmtree(tmp_path / "cache")
+        native.native_library.cache_clear()
+        assert native.native_library("int8_linear") is None
+        assert built and "has no recorded digest" in native.native_status("int8_linear")
+    finally:
+        native.native_library.cache_clear()
+
+
+def test_a_package_compiled_now_is_checked_before_it_is_loaded(tmp_path, monkeypatch):
+    import latentloop as ll
+    from latentloop.engine import model_options
+    from latentloop.inference import aot
+    from latentloop.inference.fast import FastDecoder
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(private(tmp_path / "inductor")))
+    model = ll.build("gpt", preset="test").eval()
+    options = model_options(model, {})
+    fast = FastDecoder(model, compile=False, **options)
+    cache = fast.new_cache(1, 24)
+    with torch.inference_mode():
+        model.prefill(torch.tensor([[256, 5, 9]]), cache, **options)
+    fast.begin_decoding(cache)
+    cache.set_window()
+    step = aot.AotDecodeStep(model, options, None)
+    loaded = []
+    monkeypatch.setattr(step, "_load", lambda shape, where: loaded.append(where))
+    monkeypatch.setattr(step, "_compile", lambda cache, fields, where: (private(where.parent),
+                                                                       where.write_bytes(b"swapped")))
+    with pytest.raises(aot.AotUnavailable, match="no recorded digest"):
+        step.prepare(cache)
+    assert loaded == []
+
+
+def test_a_process_that_compiles_into_a_temporary_folder_removes_it_when_it_exits(tmp_path):
+    shared = tmp_path / "shared-inductor"
+    shared.mkdir()
+    shared.chmod(0o777)
+    done = child(tmp_path / "cache", "from latentloop.inference import fast; print(fast.compile_cache_dir())",
+                 {"TORCHINDUCTOR_CACHE_DIR": str(shared)})
+    assert done.returncode == 0, done.stderr
+    used = Path(done.stdout.strip())
+    assert used != shared and used.name.startswith("latentloop-compiled-")
+    assert not used.exists()

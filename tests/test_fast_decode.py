@@ -1016,3 +1016,32 @@ def test_int8_through_the_cli(arch, tiny_run, tiny_corpus, capsys):
                      "--data", f"text:{tiny_corpus}", *extra]) == 0
         scored[bool(extra)] = json.loads(capsys.readouterr().out)["loss"]
     assert scored[True] != scored[False] and abs(scored[True] - scored[False]) < 0.05 * scored[False]
+
+
+def test_the_step_for_the_buffers_last_tokens_is_announced_when_a_decode_first_reaches_them(monkeypatch):
+    """A window as long as the whole buffer is a graph (a package) of its own: a generation reaching the
+    context's last 16 tokens compiled it mid-decode, a stall of a whole compile without a word, and
+    never recorded for the automatic mode. Its first step now goes through the announced, recorded
+    first call. (The decoder steps eagerly here, through the compiled path's routing: no compile.)"""
+    model = ll.build("gpt", preset="test").eval()
+    options = model_options(model, {})
+    heard: list[str] = []
+    decoder = FastDecoder(model, compile=False, on_compile=heard.append, **options)
+    monkeypatch.setattr(decoder, "_compiled", True)
+    prompt = [BOS, 5, 9, 12]
+    context = model.config.sequence_len
+    cache = decoder.new_cache(1, context)
+    assert cache.max_len == context  # the whole context fits: the window reaches the whole buffer
+    tokens = []
+    with torch.inference_mode():
+        logits = model.prefill(torch.tensor([prompt]), cache, **options).logits
+        decoder.begin_decoding(cache)
+        token = logits[:, -1].argmax(-1)
+        for _ in range(context - len(prompt) - 1):
+            tokens.append(int(token))
+            logits, token, _ = decoder.step(token)
+        tokens.append(int(token))
+    starts = [line for line in heard if line.startswith("compiling")]
+    assert len(starts) == 2, heard
+    assert "buffer's last tokens" not in starts[0] and "buffer's last tokens" in starts[1]
+    assert tokens == ll.generate(model, prompt, context - len(prompt), temperature=0.0, compile=False)

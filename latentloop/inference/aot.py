@@ -609,6 +609,9 @@ class AotDecodeStep:
                 remove_artifact(path)
         try:
             self._compile(cache, fields, path)
+            problem = unverified_file(path)  # a fresh package is checked as a kept one is, before it is loaded
+            if problem is not None:
+                raise AotUnavailable(problem)
             self._load(shape, path)
         except AotUnavailable as error:  # not tried again for this shape in this process
             self.unavailable[shape] = str(error)

@@ -10,6 +10,12 @@ library planted there would run as whoever calls `latentloop generate`. So, as s
   by this user or by root and, where others may write them, sticky (as /tmp is: nobody can rename a
   folder of ours away there). Anything else is a one-line reason naming the folder, and the caller
   loads nothing from it (the torch path runs, or a private temporary folder serves this process).
+  A folder that does not exist yet is judged by the nearest one above it that does; callers make
+  their folder first (`private_folder`) and judge it after, so that one another user makes in
+  between is seen.
+- Group write is allowed where the group is the owner's alone, by the rule Debian's OpenSSH applies to
+  `~/.ssh` (a user private group, which umask 002 goes with): the group lists no member and is the
+  owner's primary group, or lists the owner as its only member.
 - `unverified_file(path)`: a file is loaded only when it is this user's, not writable by group or
   others, and its sha256 equals the one recorded beside it when it was built (`record_digest`, a
   `<name>.sha256` file written before the artifact is renamed into place). A damaged file (a library
@@ -25,8 +31,10 @@ and carries checksums of its own (`data/shards.py`).
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
+import shutil
 import stat
 import sys
 import tempfile
@@ -46,8 +54,24 @@ def _owner_ok(info: os.stat_result, allow_root: bool) -> bool:
     return info.st_uid == uid or (allow_root and info.st_uid == _ROOT_UID)
 
 
+def _group_is_owners_alone(gid: int, uid: int) -> bool:
+    """Whether the group `gid` holds only the user `uid` (a user private group; see the module doc)."""
+    try:
+        import grp
+        import pwd
+
+        group, owner = grp.getgrgid(gid), pwd.getpwuid(uid)
+    except (ImportError, KeyError):  # an unknown group or owner: nothing says it is theirs alone
+        return False
+    if not group.gr_mem:
+        return owner.pw_gid == gid
+    return list(group.gr_mem) == [owner.pw_name]
+
+
 def _writable_by_others(info: os.stat_result) -> bool:
-    return bool(info.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
+    if info.st_mode & stat.S_IWOTH:
+        return True
+    return bool(info.st_mode & stat.S_IWGRP) and not _group_is_owners_alone(info.st_gid, info.st_uid)
 
 
 def _ancestors_reason(root: Path) -> str | None:
@@ -55,6 +79,8 @@ def _ancestors_reason(root: Path) -> str | None:
     for folder in root.parents:
         try:
             info = folder.stat()
+        except FileNotFoundError:  # made later, by `private_folder`, for this user alone
+            continue
         except OSError as exc:
             return f"{folder} cannot be read ({exc.strerror or exc})"
         if not _owner_ok(info, allow_root=True):
@@ -105,6 +131,14 @@ def private_folder(folder: Path) -> Path:
             os.chmod(path, PRIVATE_MODE)
         except OSError:
             pass  # made by another process of ours meanwhile: judged by `untrusted_folder` when read
+    return folder
+
+
+def private_temporary_folder(prefix: str) -> Path:
+    """A new folder of mode 0700 in the system's temporary folder, removed when this process exits
+    (each process that cannot trust the cache compiles into one: it must not pile up in /tmp)."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
     return folder
 
 

@@ -86,7 +86,7 @@ from ..models.cache import AttentionPlan, KVCache, row_span, zeros_on_touch
 from ..util import CACHE_ENV, default_cache_dir, warn_once
 from . import native, quant, torch_internals
 from .aot import AotDecodeStep, AotUnavailable, aot_enabled, cpu_vendor, model_code_digest
-from .cache_trust import private_folder, untrusted_folder
+from .cache_trust import private_folder, private_temporary_folder, untrusted_folder
 from .huge_pages import weights_on_huge_pages
 from .products import ROWS_KERNEL_MAX_ROWS, ROWS_KERNEL_MIN_ROWS
 
@@ -493,11 +493,13 @@ class FastDecoder:
         # keep their guards; skipping them there raised "Recompilation triggered" (found generating up
         # to the context's end)
         threads, last = torch.get_num_threads(), self._ran_with
+        inside = self.window_inside_buffer(cache)  # the full-length window is a graph / package of its own
         # as the last step: no key to build and look up (identities: `==` would compare tensors)
-        ran = last is not None and last[0] is cache and last[1] is cache.key_pos and last[2] == threads
+        ran = (last is not None and last[0] is cache and last[1] is cache.key_pos and last[2] == threads
+               and last[3] == inside)
         if not ran:
             ran = self.compiled and self._shape(cache) in _RAN_SHAPES.get(self.model, ())
-            self._ran_with = (cache, cache.key_pos, threads) if ran else None
+            self._ran_with = (cache, cache.key_pos, threads, inside) if ran else None
         if ran and self.aot is not None:  # a package: no guards, any window
             try:
                 logits, greedy, info = self.aot(self.model, token, cache, self.options)
@@ -520,8 +522,13 @@ class FastDecoder:
 
     def _shape(self, cache: KVCache) -> tuple:
         """What tells this step's compiled graphs apart (`_RAN_SHAPES`): the package or dynamo's graph,
-        options, rows, buffer length, one write position or one per row."""
+        options, rows, buffer length, one write position or one per row, and whether the window is the
+        whole buffer (compiled on its own when a generation first reaches the buffer's last
+        `WINDOW_BUCKET` slots: through `_first_compiled_step`, so announced and recorded, where it had
+        stalled a generation for a whole compile without a word)."""
         key = (*self._key, AOT_BACKEND) if self.aot is not None else self._key
+        if not self.window_inside_buffer(cache):
+            key = (*key, FULL_WINDOW)
         return ran_shape(key, cache.batch_size, cache.max_len, cache.per_row)
 
     @staticmethod
@@ -532,12 +539,14 @@ class FastDecoder:
     def _first_compiled_step(self, token: Tensor) -> tuple[Tensor, Tensor, dict]:
         """The first call: dynamo traces, inductor compiles or loads from its cache; timed, announced
         and recorded (`CompileRecord`), so the automatic mode knows what the next process pays."""
-        record = CompileRecord(self.model, self.options, self.cache, self.kv_dtype)
+        full = not self.window_inside_buffer(self.cache)
+        record = CompileRecord(self.model, self.options, self.cache, self.kv_dtype, full_window=full)
         expected = record.expected_seconds()
         if self.on_compile is not None:
             known = (f"~{expected:.0f} s, as last time" if record.seen() else
                      f"the first time for this model and shape: ~{expected:.0f} s or more")
-            self.on_compile(f"compiling the decode step ({known}; cached in {compile_cache_dir()}) ...")
+            which = "the decode step for the buffer's last tokens" if full else "the decode step"
+            self.on_compile(f"compiling {which} ({known}; cached in {compile_cache_dir()}) ...")
         start = time.perf_counter()
         if self.aot is not None:
             try:
@@ -605,12 +614,16 @@ def compile_cache_dir() -> Path:
     chosen = configured_compile_cache_dir()
     root = default_cache_dir()  # a folder of its own (a user's $TORCHINDUCTOR_CACHE_DIR) is its own root
     inside = Path(os.path.abspath(chosen)).is_relative_to(os.path.abspath(root))
+    try:  # made before it is judged: a folder someone else made first is then seen as theirs
+        private_folder(chosen)
+    except OSError:
+        pass  # a read-only place: judged as it is
     reason = untrusted_folder(chosen, root if inside else chosen)
     if reason is None:
         return chosen
     key = str(chosen)
-    if key not in _private_compile_dirs:
-        _private_compile_dirs[key] = Path(tempfile.mkdtemp(prefix="latentloop-compiled-"))  # mode 0700
+    if key not in _private_compile_dirs:  # mode 0700, removed when the process exits
+        _private_compile_dirs[key] = private_temporary_folder("latentloop-compiled-")
         warn_once(f"not loading compiled code from {chosen}: {reason}; compiling into "
                   f"{_private_compile_dirs[key]} for this process (set {CACHE_ENV} to a folder of your own)")
     return _private_compile_dirs[key]
@@ -644,7 +657,8 @@ class CompileRecord:
     eager (`banked_seconds`), in every process: a command-line user's many short `generate`
     processes add up to a compile as one long process's calls do."""
 
-    def __init__(self, model, options: dict, cache: KVCache, kv_dtype: torch.dtype | None = None):
+    def __init__(self, model, options: dict, cache: KVCache, kv_dtype: torch.dtype | None = None,
+                 full_window: bool = False):
         config = model.config
         fields = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else vars(config)
         quantized = sorted({type(m).__name__ for m in model.modules() if getattr(m, "QUANTIZED", False)})
@@ -652,7 +666,8 @@ class CompileRecord:
                           fields, sorted(options.items()), quantized,
                           cache.batch_size, cache.max_len, str(cache.key_pos.device.type)]
                          + (["per_row"] if getattr(cache, "per_row", False) else [])
-                         + ([f"kv {kv_dtype}"] if kv_dtype is not None else []), default=str)  # its own step
+                         + ([f"kv {kv_dtype}"] if kv_dtype is not None else [])  # its own step
+                         + (["full window"] if full_window else []), default=str)
         self.path = compile_cache_dir() / "latentloop" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
 
     def _read(self) -> dict:
@@ -1045,6 +1060,7 @@ def rewrite_as_reductions(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 _COPIES = 0
+FULL_WINDOW = "full window"  # in a key of `_RAN_SHAPES`: the step whose window is the whole buffer
 AOT_BACKEND = "aot"  # in a key of `compiled_steps` / `_RAN_SHAPES`: the ahead-of-time package, not dynamo's graph
 STEPS_ATTRIBUTE = "_latentloop_compiled_steps"  # where a model keeps its compiled steps (`compiled_steps`)
 

@@ -16,7 +16,11 @@
  * which keeps ~23 bits relative to the row's largest element (float32 has 24); each digit's sum is
  * exact in int32, and the three are combined in float at the end. The weights' + 128 is taken off
  * as 128 * (sum of the row's digits). The result agrees with the float path and with `F.linear`
- * over the dequantised weight to float32 rounding (the tests hold all to one tolerance).
+ * over the dequantised weight to float32 rounding (the tests hold all to one tolerance) for rows of
+ * activations of one scale. It is fixed point, though: an element 2^b times smaller than the row's
+ * largest keeps 23 - b bits, so where one channel is 10^4 times the rest (the "massive activations"
+ * of trained LLMs) outputs that barely read it err by up to 4e-4 of the largest output, against 1e-7 for
+ * the float path (measured with K = N = 768).
  *
  * Otherwise (no VNNI, or no packed weight): each weight widened to float in registers (AVX2 + FMA,
  * 8 lanes), float32 products and sums; without AVX2 the plain loop.

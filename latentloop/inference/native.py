@@ -172,6 +172,10 @@ def native_library(name: str, for_packages: bool = False) -> ctypes.CDLL | None:
     defines, libraries = ((PACKAGE_DEFINE,), _torch_link_flags()) if for_packages else ((), ())
     suffix = "-packages" if for_packages else ""
     folder = kernels_dir()
+    try:  # made before it is judged: a folder someone else made first is then seen as theirs
+        private_folder(folder)
+    except OSError:
+        pass  # a read-only cache: judged as it is, and a build into it says why it failed
     distrusted = untrusted_folder(folder)
     if distrusted is not None:  # someone else could have put a library there: none is loaded from it
         _failures[failure] = f"not loading kernels from {folder}: {distrusted}"
@@ -185,6 +189,8 @@ def native_library(name: str, for_packages: bool = False) -> ctypes.CDLL | None:
         if target.exists() and unverified_file(target) is not None:  # damaged, foreign, or from before digests
             remove_artifact(target)
         problem = None if target.is_file() else _build(cc, source, target, flags, libraries)
+        if problem is None:  # a fresh build is checked as a kept one is, before it is ever mapped
+            problem = unverified_file(target)
         if problem is None:
             try:
                 return ctypes.CDLL(str(target), mode=os.RTLD_GLOBAL if for_packages else ctypes.DEFAULT_MODE)

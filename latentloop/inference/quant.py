@@ -8,8 +8,9 @@ memory traffic for the linear layers. How each product runs:
 - float32 on the CPU, at most `KERNEL_MAX_ROWS` rows (decoding), eager, in dynamo's compiled step
   and in the ahead-of-time one: the native kernel (`int8_linear.c`, built by `inference/native.py`).
   With AVX-512 VNNI its products are integer (`vpdpbusd`, 64 byte products an instruction): each
-  row of activations is written as three base-254 digits (about float32's precision, not int8's;
-  the file's doc says how), so it agrees with the float products to float32 rounding. Without VNNI
+  row of activations is written as three base-254 digits (about float32's precision relative to
+  the row's largest element, not int8's; the file's doc says how and where that is less), so it
+  agrees with the float products to float32 rounding for activations of one scale. Without VNNI
   each weight is widened to float in registers (AVX2), float32 products and sums. To
   torch.compile it is the opaque op `latentloop::int8_linear`; an ahead-of-time package calls it
   as a C function (`PACKAGE_FUNCTION`, the library's build for packages, see `package_kernel`).
