@@ -388,3 +388,63 @@ def test_openai_content_parts_are_their_text_and_other_parts_are_refused():
                            ([], "empty user turn")]:
         with pytest.raises(ChatFormatError, match=re.escape(words)):
             check_messages([{"role": "user", "content": content}], for_training=False)
+
+
+def test_a_reply_budget_that_leaves_no_room_for_a_message_exits_2_before_reading(chat_run, monkeypatch, capsys):
+    """Without --system the start was not checked: a budget of the context less one was taken, and
+    every message was then refused, the session ending with exit 0."""
+    import io
+
+    from latentloop.runs import load_run
+
+    context = load_run(chat_run)[0].config.sequence_len
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\n"))
+    assert main(["chat", str(chat_run), "--max-new-tokens", str(context - 1)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "the chat format takes" in err
+    least = len(CHAT.render_prompt([{"role": "user", "content": "?"}]))
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert main(["chat", str(chat_run), "--max-new-tokens", str(context - least)]) == 0  # just room: taken
+
+
+def test_a_seeded_chat_draws_each_turn_with_a_seed_of_its_own_and_replays(chat_run, monkeypatch, capsys):
+    """One seed for every turn gave two different messages the same draws (a sampled reply repeated)."""
+    import io
+
+    seeds = []
+
+    def reply(model, tokenizer, messages, budget, seed=None, **kwargs):
+        seeds.append(seed)
+        yield "ok"
+
+    monkeypatch.setattr("latentloop.chat.stream_reply", reply)
+    for _ in range(2):
+        monkeypatch.setattr("sys.stdin", io.StringIO("one\ntwo\n/reset\nthree\n"))
+        assert main(["chat", str(chat_run), "--temperature", "0.9", "--seed", "7"]) == 0
+    assert seeds == [7, 8, 9] * 2  # a seed per turn, the same session replayed alike
+    seeds.clear()
+    monkeypatch.setattr("sys.stdin", io.StringIO("one\ntwo\n"))
+    assert main(["chat", str(chat_run), "--temperature", "0.9"]) == 0
+    assert seeds == [None, None]  # unseeded stays unseeded
+
+
+def test_chat_with_stdin_closed_ends_as_at_the_end_of_input(chat_run, monkeypatch, capsys):
+    monkeypatch.setattr("sys.stdin", None)  # `latentloop chat RUN <&-`: an AttributeError traceback
+    assert main(["chat", str(chat_run)]) == 0
+    assert capsys.readouterr().out == "> \n"
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_a_reader_that_goes_away_ends_the_command_quietly(chat_run, command):
+    """`latentloop generate RUN ... | head -c 5` ended in a BrokenPipeError traceback."""
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "latentloop", command, str(chat_run), "--max-new-tokens", "8", "--decode", "eager"]
+    if command == "generate":
+        argv += ["--prompt", "hello"]
+    process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process.stdout.close()  # the reader is gone before the first byte
+    _, err = process.communicate(b"hello\n", timeout=120)
+    assert b"Traceback" not in err and b"Exception ignored" not in err, err.decode()
+    assert process.returncode == 141  # as a shell reports a writer ended by SIGPIPE

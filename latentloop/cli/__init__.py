@@ -13,7 +13,7 @@ import sys
 
 from ..errors import LatentloopError
 from .decoding import cmd_chat, cmd_generate
-from .parser import EXIT_INTERRUPTED, EXIT_USAGE, build_parser
+from .parser import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, EXIT_USAGE, build_parser
 from .planning import cmd_plan
 from .scoring import cmd_analyze, cmd_compare, cmd_eval
 from .tools import cmd_demo, cmd_export, cmd_export_dcp, cmd_import_hf, cmd_serve, cmd_tokenizer
@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         if in_process_group() and argv is None:  # as after an error (see exit_without_finalizing)
             exit_without_finalizing(EXIT_INTERRUPTED)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # `latentloop generate ... | head`: the reader has what it wanted
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
     except RuntimeError:
         from ..distributed import current_dist
 
@@ -88,7 +91,18 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def _silence_stdout() -> None:
+    """Point stdout at the null device: the interpreter's last flush of what is still buffered
+    would meet the closed pipe again and print "Exception ignored ... BrokenPipeError"."""
+    import os
 
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # a test's captured stdout: nothing to flush at exit
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, fd)
+    os.close(null)
 
 
 __all__ = ["COMMANDS", "EXIT_USAGE", "build_parser", "main"]

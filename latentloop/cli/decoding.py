@@ -76,6 +76,8 @@ def _read_message_line() -> tuple[str, bool]:
     """A line of stdin ("" at its end) and whether it held bytes that are not text in stdin's
     encoding; those are replaced by U+FFFD, as a terminal or editor shows them, so that a stray byte
     in pasted or piped text costs one character rather than the turn (the caller says so)."""
+    if sys.stdin is None:  # started with stdin closed (`<&-`): no input at all
+        return "", False
     raw = getattr(sys.stdin, "buffer", None)
     if raw is not None:
         line = raw.readline()
@@ -96,24 +98,32 @@ def _read_message_line() -> tuple[str, bool]:
 
 
 def _check_chat_start(tokenizer, start: list[dict], budget: int, context: int) -> None:
-    """Before the first message: a reply budget the context allows, and a system turn that is text
-    and leaves room for a message and the reply. Checked inside the loop, each message failed on
-    them and the session ended with exit 0."""
+    """Before the first message: a reply budget the context allows, and a system turn that is text,
+    leaving room (with or without a system turn) for a one-character message and the reply. Checked
+    inside the loop, each message failed on them and the session ended with exit 0."""
     from ..data.chat import ChatFormatError
 
     if not 1 <= budget < context:
         raise LatentloopError(f"--max-new-tokens must be in [1, {context - 1}] for this model's context of "
                               f"{context} tokens, got {budget}")
-    if not start:
-        return
     try:  # with the shortest message: what any conversation of this session takes at least
         least = len(tokenizer.render_prompt([*start, {"role": "user", "content": "?"}]))
     except ChatFormatError as exc:
         raise LatentloopError(f"--system is not a usable system message: {exc}") from None
     if least > context - budget:
-        raise LatentloopError(f"--system takes {least} tokens with a one-character message, over the "
+        what = "--system takes" if start else "the chat format takes"
+        raise LatentloopError(f"{what} {least} tokens with a one-character message, over the "
                               f"{context - budget} the context of {context} leaves beside a reply of {budget} "
                               f"(--max-new-tokens)")
+
+
+def _turn_seed(seed: int | None, turn: int) -> int | None:
+    """The seed of a seeded session's reply number `turn` (from 0): the session replays as a whole,
+    while each turn draws numbers of its own (one seed for every turn gave two different messages the
+    same draws, so a sampled reply repeated itself)."""
+    from ..engine import MAX_SEED
+
+    return None if seed is None else (seed + turn) % MAX_SEED
 
 
 def cmd_chat(args) -> int:
@@ -140,6 +150,7 @@ def cmd_chat(args) -> int:
     start = [{"role": "system", "content": args.system}] if args.system else []
     _check_chat_start(tokenizer, start, budget, model.config.sequence_len)
     messages = list(start)
+    replies = 0  # turns answered so far: a seeded session draws turn k with seed + k (`_turn_seed`)
     print(f"[{CHAT_COMMANDS}]", file=sys.stderr)
     while True:
         sys.stdout.write("> ")
@@ -167,7 +178,7 @@ def cmd_chat(args) -> int:
         pieces = []
         try:
             for piece in stream_reply(model, tokenizer, messages, budget, temperature=args.temperature,
-                                      top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                                      top_k=args.top_k, top_p=args.top_p, seed=_turn_seed(args.seed, replies),
                                       compile=_decode_mode(args), on_compile=_say_compiling,
                                       kv_dtype=args.kv_dtype, **options):
                 pieces.append(piece)
@@ -177,6 +188,7 @@ def cmd_chat(args) -> int:
             messages.pop()
             print(f"[{exc}]", file=sys.stderr)
             continue
+        replies += 1
         sys.stdout.write("\n")
         reply = "".join(pieces)
         if reply.strip():

@@ -8,6 +8,7 @@ import os
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # Ctrl+C, as a shell reports a process ended by SIGINT (128 + 2)
+EXIT_BROKEN_PIPE = 141  # the reader of stdout went away (`| head`), as a shell reports SIGPIPE (128 + 13)
 DEFAULT_NEW_TOKENS = 64  # generate's default budget, capped at half the context (the prompt gets the rest)
 
 
@@ -158,7 +159,8 @@ def _add_sampling_options(p: argparse.ArgumentParser, temperature: float) -> Non
     p.add_argument("--temperature", type=float, default=temperature, help=f"0 is greedy (default {temperature:g})")
     p.add_argument("--top-k", type=_positive_int, default=None, help="sample among the k most likely tokens")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold in (0, 1]")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    p.add_argument("--seed", type=int, default=None,
+                   help="sampling seed (chat: reply k of the session draws with seed + k, so a session replays)")
 
 
 def _metavar(option) -> str:
