@@ -90,7 +90,8 @@ def row_info(info: dict, row: int) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
-def check_sampling(temperature: float, top_k: int | None, top_p: float | None, seed: int | None) -> None:
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None,
+                   seed: int | Sequence[int] | None) -> None:
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
             or temperature < 0:
         raise PromptError(f"temperature must be a finite number >= 0, got {temperature!r}")
@@ -99,8 +100,11 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None, s
     if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
                               or not math.isfinite(top_p) or not 0 < top_p <= 1):
         raise PromptError(f"top_p must be in (0, 1], got {top_p!r}")
-    if seed is not None and (not is_int(seed) or not 0 <= seed < MAX_SEED):
-        raise PromptError(f"seed must be an integer in [0, 2**63), got {seed!r}")
+    if seed is None or is_int(seed) and 0 <= seed < MAX_SEED:
+        return
+    if isinstance(seed, (list, tuple)) and seed and all(is_int(s) and 0 <= s < MAX_SEED for s in seed):
+        return  # one per row (`RowGenerators`): the rows' count is checked with the prompts
+    raise PromptError(f"seed must be an integer in [0, 2**63), or a list of them (one per prompt), got {seed!r}"[:200])
 
 
 def normalize_prompts(prompts, vocab_size: int) -> tuple[list[list[int]], bool]:
@@ -151,13 +155,45 @@ def fit_prompt(ids: Sequence[int], budget: int, bos_id: int) -> tuple[list[int],
 # --------------------------------------------------------------------------------------------
 
 
+class RowGenerators(list):
+    """A generator per row (`seed=[s0, s1, ...]`): each row draws from its own, so its draws are the
+    ones it makes alone with its seed, whatever other rows share the batch (an evaluation's samples
+    then do not change with its batch size). Self-speculative rounds draft as many tokens as the
+    batch's longest-owing row wants, so there a row's draws still depend on its batch."""
+
+
+Generators = torch.Generator | RowGenerators | None  # one for the batch, one per row, or unseeded
+
+
+def make_generators(seed: int | Sequence[int] | None, device) -> Generators:
+    if seed is None:
+        return None
+    if is_int(seed):
+        return torch.Generator(device=device).manual_seed(int(seed))
+    return RowGenerators(torch.Generator(device=device).manual_seed(int(s)) for s in seed)
+
+
+def draw_from(probs: Tensor, generator: Generators) -> Tensor:
+    """One draw per row of probs (B, V) -> (B, 1), from `generator` or each row's own."""
+    if isinstance(generator, RowGenerators):
+        return torch.cat([torch.multinomial(probs[row:row + 1], 1, generator=g) for row, g in enumerate(generator)])
+    return torch.multinomial(probs, 1, generator=generator)
+
+
+def uniform(rows: int, k: int, generator: Generators, device) -> Tensor:
+    """(rows, k) uniform numbers in [0, 1), from `generator` or each row's own."""
+    if isinstance(generator, RowGenerators):
+        return torch.cat([torch.rand((1, k), generator=g, device=device) for g in generator])
+    return torch.rand((rows, k), generator=generator, device=device)
+
+
 def sample_next(logits: Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-                generator: torch.Generator | None = None) -> Tensor:
+                generator: Generators = None) -> Tensor:
     """Pick one token per row from logits (B, V). temperature 0 is greedy; otherwise a draw from
     `sampling_probs`."""
     if temperature == 0:
         return logits.argmax(dim=-1)
-    return torch.multinomial(sampling_probs(logits, temperature, top_k, top_p), 1, generator=generator).squeeze(-1)
+    return draw_from(sampling_probs(logits, temperature, top_k, top_p), generator).squeeze(-1)
 
 
 def sampling_probs(logits: Tensor, temperature: float, top_k: int | None = None,
@@ -219,7 +255,7 @@ def draft_of(model, options: dict) -> Draft | None:
 
 
 def stream(model, prompts, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-           top_p: float | None = None, seed: int | None = None, stop_tokens: Sequence[int] = (),
+           top_p: float | None = None, seed: int | Sequence[int] | None = None, stop_tokens: Sequence[int] = (),
            use_cache: bool = True, pad_id: int = 0, logprobs: bool = False, top_logprobs: int = 0,
            compile: bool | str = "auto", on_compile: Callable[[str], None] | None = None,
            kv_dtype: str | None = None, **options) -> Iterator[DecodeStep]:
@@ -230,6 +266,9 @@ def stream(model, prompts, max_new_tokens: int, temperature: float = 1.0, top_k:
 
     prompts: one list of ids, a list of lists, or a 1-D / 2-D tensor. Everything is checked here,
     before any work: a bad argument raises at the call, not at the first step.
+
+    seed: an integer seeds one generator for the batch; a list of integers, one per prompt, seeds a
+    generator per row (`RowGenerators`), so that a row draws what it draws alone with its seed.
 
     compile: True decodes through `latentloop.inference.fast.FastDecoder` (a static cache and the
     model's decode step under `torch.compile`; greedy argmax inside the compiled step); outputs equal
@@ -264,6 +303,8 @@ def _checked(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, st
     if not is_int(max_new_tokens) or max_new_tokens < 0:
         raise PromptError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     check_sampling(temperature, top_k, top_p, seed)
+    if isinstance(seed, (list, tuple)) and len(seed) != len(rows):
+        raise PromptError(f"seed: {len(seed)} seeds for {len(rows)} prompts (one per prompt, or one integer)")
     if not is_int(top_logprobs) or not 0 <= top_logprobs <= model.config.vocab_size:
         raise PromptError(f"top_logprobs must be an integer in [0, {model.config.vocab_size}], got {top_logprobs!r}")
     options = model_options(model, options, cached=use_cache)
@@ -308,7 +349,7 @@ def _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, sto
         device = next(model.parameters()).device
         idx, pad_mask = left_pad(prompts, pad_id, device)
         B, P = idx.shape
-        generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+        generator = make_generators(seed, device)
         if max_new_tokens == 0:
             return
         finished = [False] * B
@@ -452,7 +493,7 @@ class _SpeculativeRow:
 
 def accept_drafts(logits: Tensor, drafts: Tensor, draft_logits: Tensor, temperature: float,
                   top_k: int | None = None, top_p: float | None = None,
-                  generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+                  generator: Generators = None) -> tuple[Tensor, Tensor]:
     """Speculative sampling's acceptance over one verification: `logits` (B, k + 1, V), the full
     model's after the pending token and after each of the k drafts (B, k), which were drawn from
     `draft_logits` (B, k, V) (argmax at temperature 0). Returns the drafts each row accepts (B,),
@@ -471,7 +512,7 @@ def accept_drafts(logits: Tensor, drafts: Tensor, draft_logits: Tensor, temperat
     q = sampling_probs(draft_logits, temperature, top_k, top_p)  # (B, k, V)
     p_drafted = p[:, :k].gather(-1, drafts[..., None]).squeeze(-1)  # (B, k)
     q_drafted = q.gather(-1, drafts[..., None]).squeeze(-1)  # > 0: each draft was drawn from q
-    u = torch.rand((B, k), generator=generator, device=logits.device)
+    u = uniform(B, k, generator, logits.device)
     accepted = (u * q_drafted < p_drafted).long().cumprod(dim=1).sum(dim=1)  # u < p / q, drawn per draft
     rows = torch.arange(B, device=logits.device)
     target = p[rows, accepted]  # (B, V): p where each row stops
@@ -480,7 +521,7 @@ def accept_drafts(logits: Tensor, drafts: Tensor, draft_logits: Tensor, temperat
     mass = residual.sum(dim=-1, keepdim=True)
     # p == q up to rounding leaves no residual mass: p itself is then the distribution
     following = torch.where(mass > 0, residual / mass.clamp(min=torch.finfo(mass.dtype).tiny), target)
-    return accepted, torch.multinomial(following, 1, generator=generator).squeeze(1)
+    return accepted, draw_from(following, generator).squeeze(1)
 
 
 class EagerDrafting:
@@ -547,7 +588,7 @@ class _AutoDrafting:
 
 
 def _speculate(drafting, last: Tensor, max_new_tokens: int, temperature: float, top_k: int | None,
-               top_p: float | None, generator: torch.Generator | None, stop_tokens: frozenset, logprobs: bool,
+               top_p: float | None, generator: Generators, stop_tokens: frozenset, logprobs: bool,
                top_logprobs: int, info: dict, switch: _AutoDrafting | None = None) -> Iterator[DecodeStep]:
     """`_decode`'s loop after the prefill when drafting: rounds of `_speculative_round` whenever a row
     still decoding has nothing queued, one `DecodeStep` per token position as the plain loop yields.
@@ -585,7 +626,7 @@ def _speculate(drafting, last: Tensor, max_new_tokens: int, temperature: float, 
 
 def _speculative_round(drafting, pending: Tensor, rows: list[_SpeculativeRow], max_new_tokens: int,
                        temperature: float, top_k: int | None, top_p: float | None,
-                       generator: torch.Generator | None, stop_tokens: frozenset) -> tuple[Tensor, dict]:
+                       generator: Generators, stop_tokens: frozenset) -> tuple[Tensor, dict]:
     """One round for every row (rows that stopped run along and keep nothing): up to the draft's k
     drafts from the pending tokens (B,), taken back out of the cache, then one full pass over the
     pending tokens and the drafts; each row keeps what the full model accepts (`accept_drafts`) and
@@ -632,7 +673,7 @@ def _speculative_round(drafting, pending: Tensor, rows: list[_SpeculativeRow], m
 
 
 def generate(model, prompts, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-             top_p: float | None = None, seed: int | None = None, stop_tokens: Sequence[int] = (),
+             top_p: float | None = None, seed: int | Sequence[int] | None = None, stop_tokens: Sequence[int] = (),
              use_cache: bool = True, pad_id: int = 0, compile: bool | str = "auto",
              on_compile: Callable[[str], None] | None = None, kv_dtype: str | None = None, **options):
     """Continue each prompt by up to max_new_tokens tokens: the new ids (without the stop token),

@@ -39,6 +39,33 @@ def test_seeded_sampling_is_reproducible_and_cache_independent(model):
     assert first != ll.generate(model, PROMPTS, 12, **{**kwargs, "seed": 8})
 
 
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_a_seed_per_row_draws_what_each_row_draws_alone(arch):
+    """One generator for the batch made a row's samples depend on its batch (its position, the other
+    rows); with a seed per row each row draws from its own."""
+    torch.manual_seed(0)
+    net = ll.build(arch, preset="test").eval()
+    seeds = [11, 12, 13]
+    kwargs = dict(temperature=1.0, top_k=50, compile=False)
+    batched = ll.generate(net, PROMPTS, 8, seed=seeds, **kwargs)
+    assert batched == [ll.generate(net, p, 8, seed=s, **kwargs) for p, s in zip(PROMPTS, seeds)]
+    reordered = ll.generate(net, PROMPTS[::-1], 8, seed=seeds[::-1], **kwargs)
+    assert reordered == batched[::-1]
+    assert batched != ll.generate(net, PROMPTS, 8, seed=11, **kwargs)  # not one seed for all
+    with pytest.raises(PromptError, match="2 seeds for 3 prompts"):
+        ll.generate(net, PROMPTS, 8, seed=[1, 2], **kwargs)
+    with pytest.raises(PromptError, match="seed must be"):
+        ll.generate(net, PROMPTS, 8, seed=[1, -2, 3], **kwargs)
+
+
+def test_row_seeds_replay_self_speculative_sampling():
+    torch.manual_seed(0)
+    net = ll.build("rgpt", preset="test").eval()
+    kwargs = dict(temperature=1.0, seed=[3, 4, 5], draft_tokens=3, compile=False)
+    first = ll.generate(net, PROMPTS, 10, **kwargs)
+    assert first == ll.generate(net, PROMPTS, 10, **kwargs) and all(len(row) == 10 for row in first)
+
+
 def test_top_k_and_top_p_restrict_the_support():
     logits = torch.tensor([[4.0, 3.0, 2.0, -5.0, -6.0]]).repeat(400, 1)
     gen = torch.Generator().manual_seed(0)

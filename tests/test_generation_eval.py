@@ -122,6 +122,19 @@ def test_generate_texts_cuts_at_stop_strings_and_counts_trace_tokens():
     assert [g.text for g in capped] == ["12 ##", "no st", "x\ny"]
 
 
+def test_sampled_generations_do_not_change_with_the_batch_size_or_the_other_prompts():
+    """HumanEval's samples (samples > 1) were drawn with one generator per batch: they changed with
+    --batch-size and --limit."""
+    torch.manual_seed(0)
+    model = ll.build("gpt", preset="test").eval()
+    prompts = [[TOKENIZER.bos_id] + TOKENIZER.encode(text) for text in ("def f(", "x = ", "def f(", "import ")]
+    sampled = dict(temperature=0.9, seed=5, options={"compile": False})
+    by_one = [g.text for g in generate_texts(model, TOKENIZER, prompts, 12, batch_size=1, **sampled)]
+    assert by_one == [g.text for g in generate_texts(model, TOKENIZER, prompts, 12, batch_size=3, **sampled)]
+    assert by_one[:2] == [g.text for g in generate_texts(model, TOKENIZER, prompts[:2], 12, batch_size=4, **sampled)]
+    assert by_one[0] != by_one[2]  # two samples of one prompt: draws of their own
+
+
 def test_reasoning_task_accuracy_trace_length_and_options():
     task = get_task("addition")
     examples = task.examples("test", 8, 0)

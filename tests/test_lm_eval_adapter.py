@@ -125,6 +125,16 @@ def test_generate_until_is_greedy_and_stops(lm):
         assert cut == [full[:full.index(full[-1])]]
 
 
+def test_sampled_generations_are_the_same_whatever_the_batch_size(lm):
+    """Sampled requests drew from one generator per batch: lm-eval's --batch_size changed them."""
+    sampled = {"max_gen_toks": 8, "do_sample": True, "temperature": 1.0, "seed": 3}
+    requests = [request(text, sampled) for text in ("Once upon", "Once upon", "The cat", "A")]
+    by_four = lm.generate_until(requests, disable_tqdm=True)
+    one_at_a_time = LatentloopLM(model=lm.model, tokenizer=lm.tokenizer, batch_size=1)
+    assert one_at_a_time.generate_until(requests, disable_tqdm=True) == by_four
+    assert by_four[0] != by_four[1]  # a repeated request: samples of its own
+
+
 def test_options_reach_the_model():
     model = latentloop.build("fbt", preset="test", n_layer=1)
     adapter = LatentloopLM(model=model, tokenizer=ByteTokenizer(), regime="fused", passes="2")

@@ -82,7 +82,7 @@ from latentloop.data.tasks import (
     parse_task_spec,
     spec_baselines,
 )
-from latentloop.engine import fit_prompt, stream
+from latentloop.engine import MAX_SEED, fit_prompt, stream
 from latentloop.errors import ConfigError, DataError
 from latentloop.eval.sandbox import BUILTIN_NAMES, require_sandbox, run_untrusted
 from latentloop.eval.stats import wilson_interval
@@ -224,24 +224,28 @@ def generate_texts(model, tokenizer, prompts: Sequence[Sequence[int]], max_new_t
                    stops: Sequence[str] = (), options: dict | None = None, temperature: float = 0.0,
                    top_p: float | None = None, top_k: int | None = None, seed: int = 0,
                    batch_size: int = DEFAULT_BATCH_SIZE, bar: tqdm | None = None,
-                   stop_token_ids: Sequence[int] = ()) -> list[Generation]:
+                   stop_token_ids: Sequence[int] = (), seed_offsets: Sequence[int] | None = None) -> list[Generation]:
     """Generate for every prompt (token ids) in batches of similar length, stopping each row at the
     end/BOS token, at a newline token when "\\n" is a stop string, or at any stop string.
 
     The engine stops rows only on token ids; stop strings are watched here, step by step, and the
     batch ends (by leaving the engine's generator) once every row has written one. Results come
-    back in the order of `prompts`."""
+    back in the order of `prompts`. Sampled, each prompt draws from a generator of its own, seeded
+    `seed` + its offset (default: its index in `prompts`; pass the items' own indices where prompts
+    are a slice of a task), so its samples do not change with the batch size or the other prompts."""
     stop_ids = [*tokenizer.stop_ids, tokenizer.bos_id, *stop_token_ids]
     if "\n" in stops:
         stop_ids += newline_token_ids(tokenizer)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    offsets = range(len(prompts)) if seed_offsets is None else seed_offsets
     results: list[Generation | None] = [None] * len(prompts)
-    for batch_index, start in enumerate(range(0, len(order), batch_size)):
+    for start in range(0, len(order), batch_size):
         rows = order[start:start + batch_size]
+        seeds = [(seed + offsets[i]) % MAX_SEED for i in rows] if temperature > 0 else None
         tokens: list[list[int]] = [[] for _ in rows]
         done = [False] * len(rows)
         for step in stream(model, [list(prompts[i]) for i in rows], max_new_tokens, temperature=temperature,
-                           top_p=top_p, top_k=top_k, seed=seed + batch_index, stop_tokens=stop_ids,
+                           top_p=top_p, top_k=top_k, seed=seeds, stop_tokens=stop_ids,
                            pad_id=tokenizer.pad_id, **(options or {})):
             for row, token in enumerate(step.tokens):
                 if done[row] or token is None:

@@ -214,7 +214,7 @@ class LatentloopLM(_LMBase):
             kwargs = dict(json.loads(key))
             for start in range(0, len(members), self.batch_size_rows):
                 batch = members[start:start + self.batch_size_rows]
-                texts = self.generate_batch([requests[i].args[0] for i in batch], kwargs)
+                texts = self.generate_batch([requests[i].args[0] for i in batch], kwargs, indices=batch)
                 for i, text in zip(batch, texts):
                     outputs[i] = text
                     self._cache("generate_until", requests[i].args, text)
@@ -222,8 +222,11 @@ class LatentloopLM(_LMBase):
         bar.close()
         return outputs
 
-    def generate_batch(self, contexts: Sequence[str], gen_kwargs: dict) -> list[str]:
-        """Greedy (or sampled, with do_sample) continuations of contexts, cut at the first stop string."""
+    def generate_batch(self, contexts: Sequence[str], gen_kwargs: dict,
+                       indices: Sequence[int] | None = None) -> list[str]:
+        """Greedy (or sampled, with do_sample) continuations of contexts, cut at the first stop string.
+        Sampled, context i draws with the seed `seed` + `indices[i]` (its request's index: the same
+        draws whatever the batch size; default its index here)."""
         from .generation import generate_texts
 
         until = gen_kwargs.get("until") or []
@@ -246,7 +249,7 @@ class LatentloopLM(_LMBase):
         generations = generate_texts(self.model, self.tokenizer, prompts, new_tokens, stops=[s for s in stops if s],
                                      options=self.options, temperature=temperature, top_p=gen_kwargs.get("top_p"),
                                      top_k=gen_kwargs.get("top_k"), seed=int(gen_kwargs.get("seed", 0)),
-                                     batch_size=max(1, len(prompts)))
+                                     batch_size=max(1, len(prompts)), seed_offsets=indices)
         return [generation.text for generation in generations]
 
 
