@@ -241,10 +241,49 @@ def removed_on_failure(folder: Path) -> Iterator[None]:
 STAGED_LAST = "config.json"
 
 
+def _staging_name(prefix: str, name: str) -> str:
+    """The name of a staging folder for `name` made by this process (`staged_folder`)."""
+    return f"{prefix}{name}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):  # another user's process, or not a pid we can ask
+        return True
+    return True
+
+
+def remove_abandoned_staging(folder: Path, prefix: str, name: str) -> list[Path]:
+    """Remove the staging folders for `name` in `folder` that `staged_folder` left when its process
+    was killed (SIGKILL, a power cut): named `prefix` + name + `-PID-` + a random tail, where no
+    process PID lives on this machine. A leftover inside an empty output folder made every retry
+    refuse it as not empty. (Names from a process on another machine sharing the folder cannot be
+    told apart: such an export must not write into the same folder at the same time.) Returns what
+    was removed."""
+    removed = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    start = prefix + name + "-"
+    for entry in entries:
+        pid, _, tail = entry.name[len(start):].partition("-")
+        if (not entry.name.startswith(start) or not pid.isdigit() or len(tail) != 8
+                or not entry.is_dir(follow_symlinks=False) or _process_alive(int(pid))):
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        removed.append(Path(entry.path))
+    return removed
+
+
 @contextmanager
 def staged_folder(out: Path, prefix: str) -> Iterator[Path]:
     """A folder written whole or not at all: yields a hidden staging folder (named `prefix` + out's
-    name + a random tail) for the block to fill.
+    name + this process's id + a random tail) for the block to fill; one a killed process left beside
+    `out` is removed first (`remove_abandoned_staging`).
 
     `out` missing: the staging folder is made beside it and renamed onto it when the block ends; on
     any failure it and every parent folder made for it are removed again. `out` an existing (empty)
@@ -257,7 +296,8 @@ def staged_folder(out: Path, prefix: str) -> Iterator[Path]:
         yield from _staged_inside(target, prefix)
         return
     made = [p for p in (target.parent, *target.parent.parents) if not p.exists()]  # deepest first
-    staging = target.parent / f"{prefix}{target.name}-{os.getpid()}-{secrets.token_hex(4)}"
+    remove_abandoned_staging(target.parent, prefix, target.name)  # a killed process's, beside it
+    staging = target.parent / _staging_name(prefix, target.name)
     done = False
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -278,7 +318,7 @@ def staged_folder(out: Path, prefix: str) -> Iterator[Path]:
 
 def _staged_inside(target: Path, prefix: str) -> Iterator[Path]:
     """`staged_folder` for an existing folder: staged inside it, the entries moved up at the end."""
-    staging = target / f"{prefix}{target.name}-{os.getpid()}-{secrets.token_hex(4)}"
+    staging = target / _staging_name(prefix, target.name)
     moved: list[Path] = []
     done = False
     try:

@@ -196,6 +196,17 @@ def test_the_card_names_no_local_tokenizer_path(tmp_path, capsys):
     assert "bpe-300.json" in card and str(tokenizer_file.parent) not in card
 
 
+def test_the_card_names_no_folder_of_the_machine_that_trained_or_exported(tmp_path, capsys):
+    """The card printed the checkpoint's absolute path and the data source's folders (`text:/home/...`)."""
+    corpus = tmp_path / "corpora" / "stories.txt"
+    config = RunConfig(model=model_config("gpt", "test"),
+                       data=DataConfig(source=f"mix:{corpus}=0.5,text:{corpus}=0.5"))
+    run = _weights_run(tmp_path / "run", config=config)
+    card = _export(run, tmp_path / "hf", capsys)
+    assert str(tmp_path) not in card
+    assert "`mix:stories.txt=0.5,text:stories.txt=0.5`" in card
+
+
 def test_an_imported_models_card_says_where_it_came_from(tmp_path, capsys):
     """A Llama checkpoint imported and exported again: the card says it was imported and that latentloop
     did not train it (it invented a training run from the config's defaults and printed the absolute
@@ -297,6 +308,37 @@ def test_a_failed_export_into_an_empty_folder_leaves_it_empty(tiny_run, tmp_path
     monkeypatch.undo()
     _export(tiny_run("gpt"), out, capsys)
     assert (out / "config.json").is_file()
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(child.stdout)  # exited: no process has this id now (reused only after the system wraps around)
+
+
+def test_what_a_killed_export_left_in_or_beside_out_does_not_block_the_retry(tiny_run, tmp_path, capsys):
+    """A SIGKILLed export into an existing empty --out left its staging folder inside, and every retry
+    was refused: "exists and is not empty"."""
+    out = tmp_path / "shared"
+    out.mkdir()
+    dead = _dead_pid()
+    left_inside = out / f"{hf_export.STAGING_PREFIX}shared-{dead}-0123abcd"
+    left_inside.mkdir()
+    (left_inside / "model.safetensors").write_bytes(b"cut short")
+    live = out / f"{hf_export.STAGING_PREFIX}shared-{os.getpid()}-0123abcd"  # a process still writing: kept
+    live.mkdir()
+    err = _one_line_error(["export", str(tiny_run("gpt")), "--out", str(out), "--no-progress"], capsys)
+    assert "not empty" in err and live.is_dir()
+    live.rmdir()
+    _export(tiny_run("gpt"), out, capsys)
+    assert (out / "config.json").is_file() and not [p for p in out.iterdir() if p.name.startswith(".")]
+    beside = tmp_path / "new"
+    left_beside = tmp_path / f"{hf_export.STAGING_PREFIX}new-{dead}-4567cdef"
+    left_beside.mkdir()
+    _export(tiny_run("gpt"), beside, capsys)
+    assert (beside / "config.json").is_file() and not left_beside.exists()
 
 
 def test_a_symlinked_out_folder_is_written_through(tiny_run, tmp_path, capsys):

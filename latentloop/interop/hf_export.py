@@ -40,6 +40,7 @@ import importlib
 import json
 import math
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -65,7 +66,7 @@ from ..config import ModelConfig
 from ..data.tokenizers import load_tokenizer, write_hf_tokenizer
 from ..errors import InteropError, OutputError
 from ..util import first_line, give_default_mode, is_int, staged_folder
-from .hf_import import check_out_folder, hf_to_latentloop_names, rope_half_flip
+from .hf_import import EXPORT_STAGING_PREFIX, check_out_folder, hf_to_latentloop_names, rope_half_flip
 
 REMOTE_DIR = Path(__file__).resolve().parent / "hf_remote"
 REMOTE_FILES = ("configuration_latentloop.py", "modeling_latentloop.py")
@@ -74,7 +75,7 @@ AUTO_MAP = {"AutoConfig": "configuration_latentloop.LatentloopConfig",
 DEFAULT_NORM_EPS = torch.finfo(torch.float32).eps  # what F.rms_norm uses on float32 when given no epsilon
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # latentloop/
 ARCH_MODULE = "latentloop_arch.py"  # generated: the exported architecture's classes
-STAGING_PREFIX = ".exporting-"  # the hidden folder beside (or inside) the output folder an export is written into
+STAGING_PREFIX = EXPORT_STAGING_PREFIX  # the hidden folder beside (or inside) --out an export is written into
 # the remote code loads on transformers 5 only (4.x's loader cannot copy the package files beside it); the
 # plain Llama / Qwen2 folders load on 4.x too
 REMOTE_TRANSFORMERS = "5.0.0"
@@ -417,6 +418,24 @@ def _shown_path(source: str) -> str:
     return Path(source).name if os.path.isabs(source) else source
 
 
+# an absolute path's folders inside a data source (`text:/home/me/corpus.txt`, `mix:/a/x.txt=0.3,...`)
+_SOURCE_FOLDERS = re.compile(r"(?<![\w.~-])/(?:[^/\s,=]+/)+")
+
+
+def _shown_source(source: str) -> str:
+    """A run's data source as the card names it: each absolute path by its file (or glob) name only
+    (the folders are the training machine's), the rest as it is."""
+    return _SOURCE_FOLDERS.sub("", source)
+
+
+def _shown_checkpoint(checkpoint: Path) -> str:
+    """The exported checkpoint as the card names it: from the run's folder name down, not the path on
+    the machine that exported it."""
+    if checkpoint.parent.name == "checkpoints":
+        return f"{checkpoint.parent.parent.name}/checkpoints/{checkpoint.name}"
+    return checkpoint.name
+
+
 def _training_lines(run_config, state: dict) -> list[str]:
     """The card's "Training" section: the run's data, tokens and recipe; for an imported model
     (`latentloop import-hf` records `imported_from`), where it came from instead: latentloop did not
@@ -433,7 +452,7 @@ def _training_lines(run_config, state: dict) -> list[str]:
     flops = state.get("flops_seen")
     init_from = state.get("init_from")
     started = f", started from `{_shown_path(init_from)}`" if isinstance(init_from, str) and init_from else ""
-    return [f"- data: `{data.source}`, tokenizer {_tokenizer_name(data.tokenizer)} "
+    return [f"- data: `{_shown_source(data.source)}`, tokenizer {_tokenizer_name(data.tokenizer)} "
             f"(vocabulary {config.vocab_size:,})",
             f"- stage: {train.stage}{started}",
             f"- steps: {UNKNOWN if step is None else step}, tokens: {UNKNOWN if tokens is None else f'{tokens:,}'}"
@@ -460,7 +479,7 @@ def model_card(checkpoint: Path, run_config, params: int, plain: bool, kind: str
              f"tags: [latentloop, {config.arch}]", "---", "",
              f"# {checkpoint.parent.parent.name if checkpoint.parent.name == 'checkpoints' else checkpoint.name}", "",
              f"A latentloop **{config.arch}** model: {spec.summary.rstrip('.')}. Exported by "
-             f"`latentloop export --format hf` from `{checkpoint}` as {kind}.", "",
+             f"`latentloop export --format hf` from `{_shown_checkpoint(checkpoint)}` as {kind}.", "",
              "## Architecture", "",
              f"- parameters: {params:,}",
              *(f"- {name}: {_number(value)}" for name, value in shape.items())]

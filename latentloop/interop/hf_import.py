@@ -45,7 +45,7 @@ from ..config import DataConfig, ModelConfig, RunConfig, TrainConfig, model_conf
 from ..data.chat import EmptyChatTemplateError, check_template_renders
 from ..data.tokenizers import CHAT_TEMPLATE_FILE, TOKENIZER_FILE, HFTokenizer
 from ..errors import ConfigError, DataError, InteropError, LatentloopError
-from ..util import first_line, staged_folder
+from ..util import first_line, remove_abandoned_staging, staged_folder
 from .hf_checks import (
     MAX_METADATA_BYTES,
     HFFields,
@@ -73,6 +73,8 @@ HUB_IGNORED = ["consolidated*.safetensors"]
 REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 IGNORED_TENSORS = re.compile(r".*rotary_emb\.inv_freq$")  # old checkpoints stored RoPE tables
 STAGING_PREFIX = ".importing-"  # the hidden folder beside (or inside) --out that the run is written into first
+EXPORT_STAGING_PREFIX = ".exporting-"  # the same for an export (`hf_export`), which checks its --out here too
+STAGING_PREFIXES = (STAGING_PREFIX, EXPORT_STAGING_PREFIX)  # what a killed process may have left in an --out
 
 
 def rope_half_flip(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -317,6 +319,9 @@ def check_out_folder(out: Path) -> Path:
     try:
         if out.exists() and not out.is_dir():
             raise InteropError(f"--out {out} is a file; give a folder to create")
+        if out.is_dir():  # what a killed import or export left inside it does not make it full
+            for prefix in STAGING_PREFIXES:
+                remove_abandoned_staging(out, prefix, out.name)
         if out.is_dir() and any(out.iterdir()):
             raise InteropError(f"{out} exists and is not empty; choose another output folder")
     except OSError as exc:
