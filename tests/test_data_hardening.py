@@ -285,3 +285,22 @@ def test_a_cut_never_falls_beside_whitespace_so_bpe_ids_equal_the_whole_texts(mo
     pieces = list(tokenizers.encode_in_pieces(tokenizer, text))
     assert len(pieces) > 5
     np.testing.assert_array_equal(np.concatenate(pieces), tokenizer.encode_to_array(text))
+
+
+@pytest.mark.parametrize("kind", ["byte", "bpe"])
+def test_a_long_document_of_one_line_is_cut_before_spaces_and_keeps_its_ids(monkeypatch, bpe, kind):
+    """A document past the threshold with no newline (a minified file, a dump of words) was tokenized
+    whole, needing many times its size in memory."""
+    from latentloop.data import tokenizers
+
+    tokenizer = ByteTokenizer() if kind == "byte" else bpe
+    text = " ".join(f"{WORDS[i % len(WORDS)]}{i}, {'  ' if i % 9 == 0 else ''}x" for i in range(600))
+    monkeypatch.setattr(tokenizers, "LONG_DOCUMENT_CHARS", 300)
+    pieces = list(tokenizers.encode_in_pieces(tokenizer, text))
+    assert len(pieces) > 10
+    np.testing.assert_array_equal(np.concatenate(pieces), tokenizer.encode_to_array(text))
+    texts = []
+    monkeypatch.setattr(type(tokenizer), "encode_to_array", lambda self, piece: texts.append(piece) or np.zeros(0))
+    list(tokenizers.encode_in_pieces(tokenizer, text))
+    assert "".join(texts) == text and all(len(piece) <= 300 for piece in texts)
+    assert all(piece.startswith(" ") and not piece.startswith("  ") for piece in texts[1:])

@@ -133,44 +133,54 @@ SENTENCEPIECE_SPACE = "\u2581"  # "▁": how SentencePiece-style tokenizers spel
 LONG_DOCUMENT_CHARS = 8 << 20
 
 
-# A cut of `encode_in_pieces`: a newline between two characters that are not whitespace. There a
-# GPT-2-style pre-tokenizer always ends one pre-token before the newline and another after it, so
-# tokenizing the two sides apart gives the same ids. A newline beside whitespace (a trailing space,
-# the "\r" of CRLF, an indented line) may be one pre-token with it (" \n", "\r\n"): no cut there.
+# Where `encode_in_pieces` may cut (a match's end is where the next piece begins). A newline between two
+# characters that are not whitespace: a GPT-2-style pre-tokenizer always ends one pre-token before the
+# newline and another after it, so tokenizing the two sides apart gives the same ids. A newline beside
+# whitespace (a trailing space, the "\r" of CRLF, an indented line) may be one pre-token with it
+# (" \n", "\r\n"): no cut there.
 _CLEAN_NEWLINE = re.compile(r"(?<=\S)\n(?=\S)")
+# For a text without such a newline: just before one space between two non-space characters, where
+# such a pre-tokenizer ends a pre-token and starts the next with the space (" word").
+_CLEAN_SPACE = re.compile(r"(?<=\S)(?= \S)")
 
 
 def encode_in_pieces(tokenizer, text: str) -> Iterator[np.ndarray]:
     """`tokenizer.encode_to_array(text)` as consecutive arrays; concatenated, they are the ids of
     `text`. Only a text longer than `LONG_DOCUMENT_CHARS` is cut, into pieces of about that many
-    characters, each cut just after a newline that has a character other than whitespace on both
-    sides (the last such newline in the window, else the first one after it; a text without one
-    stays whole). For the byte tokenizer the ids are exactly those of the whole text, and so for
-    byte-level BPEs with GPT-2-style pre-tokenization (latentloop's own), which never merge across
-    such a newline; a tokenizer that treats the start of a text specially (SentencePiece's leading
-    "▁", a byte-level prefix space) may tokenize the first characters after a cut differently. Either
-    way only documents past the threshold are cut, so normal data is tokenized as before."""
+    characters: just after the window's last newline with a character other than whitespace on both
+    sides, else just before its last space between two such characters (a text of one line: a
+    minified file, a dump of words), else at the first such newline or space after the window (a text
+    with neither stays whole). For the byte tokenizer the ids are exactly those of the whole text, and
+    so for byte-level BPEs with GPT-2-style pre-tokenization (latentloop's own), which never merge
+    across such a newline or before such a space; a tokenizer that treats the start of a text
+    specially (SentencePiece's leading "▁", a byte-level prefix space) may tokenize the first
+    characters after a cut differently. Either way only documents past the threshold are cut, so
+    normal data is tokenized as before."""
     start, size = 0, LONG_DOCUMENT_CHARS
     while len(text) - start > size:
-        cut = _newline_cut(text, start, start + size)
-        if cut == -1:  # no clean newline in this window: the first one after it, if any
-            found = _CLEAN_NEWLINE.search(text, start + size)
-            if found is None:
+        begin = _last_cut(text, start, start + size)
+        if begin <= start:  # no clean cut in this window: the first one after it, if any
+            found = [m for m in (_CLEAN_NEWLINE.search(text, start + size), _CLEAN_SPACE.search(text, start + size))
+                     if m is not None]
+            if not found:
                 break
-            cut = found.start()
-        yield tokenizer.encode_to_array(text[start:cut + 1])
-        start = cut + 1
+            begin = min(m.end() for m in found)
+        yield tokenizer.encode_to_array(text[start:begin])
+        start = begin
     if start < len(text) or start == 0:
         yield tokenizer.encode_to_array(text[start:])
 
 
-def _newline_cut(text: str, start: int, end: int) -> int:
-    """Index of the last newline in text[start:end] with a non-whitespace character on both sides,
-    else -1 (one pass of the regular expression over the window)."""
-    last = -1
-    for found in _CLEAN_NEWLINE.finditer(text, start, end):
-        last = found.start()
-    return last
+def _last_cut(text: str, start: int, end: int) -> int:
+    """Where the next piece begins after the last clean newline in text[start:end], else before its
+    last clean space, else -1 (at most two passes of a regular expression over the window)."""
+    for pattern in (_CLEAN_NEWLINE, _CLEAN_SPACE):
+        last = -1
+        for found in pattern.finditer(text, start, end):
+            last = found.end()
+        if last > start:
+            return last
+    return -1
 
 
 class ByteTokenizer(_ChatInterface):
