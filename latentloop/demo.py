@@ -40,12 +40,19 @@ SAMPLE_PROMPT = "def "
 SAMPLE_TOKENS = 160
 
 
-def _prepare_folder(out: Path) -> None:
+def _check_folder(out: Path) -> None:
+    """Refuse an --out the demo may not replace; changes nothing."""
     if out.exists() and not out.is_dir():
         raise OutputError(f"--out {out} is a file; choose a folder")
+    if out.exists() and any(out.iterdir()) and not (out / DEMO_MARKER).is_file():
+        raise LatentloopError(f"{out} exists and was not written by the demo; choose another --out")
+
+
+def _prepare_folder(out: Path) -> None:
+    """Empty --out for the new demo (an earlier demo's folder is replaced). Called only once every
+    argument has been checked: a mistyped option must not cost the previous demo."""
+    _check_folder(out)
     if out.exists() and any(out.iterdir()):
-        if not (out / DEMO_MARKER).is_file():
-            raise LatentloopError(f"{out} exists and was not written by the demo; choose another --out")
         shutil.rmtree(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -55,6 +62,7 @@ def _prepare_folder(out: Path) -> None:
 
 def run_demo(out: Path, steps: int = DEMO_STEPS, data: str = "stdlib", preset: str = "tiny",
              archs: list[str] | None = None, progress: bool = True) -> list[dict[str, Any]]:
+    from .data import parse_source
     from .train import fit, setup
 
     archs = archs or list(ARCHS)  # registration order: the baseline first
@@ -63,18 +71,24 @@ def run_demo(out: Path, steps: int = DEMO_STEPS, data: str = "stdlib", preset: s
         raise ConfigError(f"unknown arch(s) {', '.join(unknown)}: choose from {', '.join(sorted(ARCHS))}")
     if not (isinstance(steps, int) and steps >= 1):
         raise ConfigError(f"--steps must be a whole number >= 1, got {steps}")
+    _check_folder(out)
+    log_every = max(1, steps // CURVE_POINTS)
+    # every arch's config and the data source are checked before the folder is touched: a mistyped
+    # --preset or --data found at the first arch's setup had already removed the previous demo
+    configs = {arch: RunConfig(model=model_config(arch, preset, tie_embeddings=True),  # fbt needs it: all alike
+                               train=TrainConfig(steps=steps, batch_size=DEMO_BATCH_SIZE, eval_every=0,
+                                                 eval_batches=EVAL_BATCHES, log_every=log_every,
+                                                 warmup_steps=max(1, round(steps * WARMUP_FRACTION))),
+                               data=DataConfig(source=data))
+               for arch in archs}
+    parse_source(data, configs[archs[0]].data.val_fraction)  # a missing file, an unknown task: what setup would say
     _prepare_folder(out)
     (out / DEMO_MARKER).write_text(json.dumps({"status": "running", "archs": archs}) + "\n")
-    log_every = max(1, steps // CURVE_POINTS)
     results = []
     started = time.perf_counter()
     for number, arch in enumerate(archs, start=1):
         print(f"== {arch} ({number}/{len(archs)}): {steps} steps of {DEMO_BATCH_SIZE} rows")
-        config = RunConfig(model=model_config(arch, preset, tie_embeddings=True),  # fbt needs it: all alike
-                           train=TrainConfig(steps=steps, batch_size=DEMO_BATCH_SIZE, eval_every=0,
-                                             eval_batches=EVAL_BATCHES, log_every=log_every,
-                                             warmup_steps=max(1, round(steps * WARMUP_FRACTION))),
-                           data=DataConfig(source=data))
+        config = configs[arch]
         state = setup(config, out / arch, progress=progress)
         summary = fit(state, progress=progress)
         if summary.get("interrupted") or summary.get("validation_skipped"):  # a Ctrl+C, honoured and saved by
@@ -108,6 +122,21 @@ def score_options(state) -> dict[str, dict[str, float]]:
 def _interval(interval) -> str:
     """' [low, high]' (the bootstrap interval over documents), or nothing when there is none."""
     return f" [{interval[0]:.4f}, {interval[1]:.4f}]" if interval else ""
+
+
+def interval_note(results: list[dict[str, Any]]) -> str:
+    """The report's note on the table's brackets: what they are where a row has one, else why no row
+    has (the default demo's 18 validation documents are under `MIN_INTERVAL_DOCUMENTS`: a sentence
+    about brackets under a table without any misled). The reasons are the rows' own "interval"."""
+    from .eval.stats import CONFIDENCE
+
+    rows = [scores for r in results for scores in r["by_option"].values()]
+    reasons = "; ".join(dict.fromkeys(scores["interval"] for scores in rows
+                                      if not scores.get("bpb_ci") and scores.get("interval")))
+    if not any(scores.get("bpb_ci") for scores in rows):
+        return "no interval of BPB" + (f": {reasons}" if reasons else "")
+    note = f"in brackets, the {CONFIDENCE:.0%} bootstrap interval of BPB over the documents they cover"
+    return note + (f" (none in a row without brackets: {reasons})" if reasons else "")
 
 
 def _table(results: list[dict[str, Any]]) -> str:
@@ -172,7 +201,7 @@ def _write_report(out: Path, results: list[dict[str, Any]], data: str, preset: s
     parts = [f"# latentloop demo\n\npreset `{preset}`, data `{data}`, {steps} steps of {DEMO_BATCH_SIZE} rows "
              f"per architecture, device {device}, {seconds:.0f} s in all\n", caveat(results), "",
              table, "", f"_val loss and BPB: {EVAL_BATCHES} validation batches of windows spread over the whole split; "
-             "in brackets, the 95% bootstrap interval of BPB over the documents they cover._", ""]
+             f"{interval_note(results)}._", ""]
     parts += [line for note in scoring_notes(r["arch"] for r in results) for line in (f"_{note}._", "")]
     for r in results:
         parts += [line for note in r.get("notes", []) for line in (f"{r['arch']} {note}", "")]

@@ -97,6 +97,28 @@ def test_bpe_tokenizer_train_then_train_a_model(tmp_path, capsys):
                  "--out", str(tmp_path / "tok2")]) == 2
 
 
+
+def test_tokenizer_train_reads_no_more_than_max_bytes_of_one_large_document(tmp_path, monkeypatch):
+    """--max-bytes capped the text only between documents, and a `.txt` file is one document: a corpus
+    of one big file was read whole. The document that reaches the cap is cut there, on a character."""
+    from latentloop.data import BPETokenizer
+
+    text = "naïve café " * 2000  # 13 UTF-8 bytes a piece, 'ï' its bytes 2 and 3: one document of 26 kB
+    cap = 13 * 77 + 3  # inside an 'ï': the cut keeps the whole characters before it
+    seen: list[str] = []
+    learn = BPETokenizer.train.__func__
+
+    def recording(cls, texts, vocab_size):
+        texts = list(texts)
+        seen.extend(texts)
+        return learn(cls, texts, vocab_size)
+    monkeypatch.setattr(BPETokenizer, "train", classmethod(recording))
+    corpus = tmp_path / "one.txt"
+    corpus.write_text(text)
+    assert main(["tokenizer", "train", "--data", f"text:{corpus}", "--vocab-size", "270", "--max-bytes", str(cap),
+                 "--out", str(tmp_path / "tok")]) == 0
+    assert seen == [text.encode()[:cap - 1].decode()]
+
 def test_loading_a_run_of_any_arch_imports_no_compiler(tiny_run):
     """A command that loads a run (generate, eval, serve, ...) checks its weights' shapes against a
     model built on the meta device first; meta-device arithmetic and random initialisers run as

@@ -79,3 +79,52 @@ def test_a_ctrl_c_in_an_archs_final_validation_stops_the_demo(corpus, tmp_path, 
                  progress=False)
     assert not (tmp_path / "demo" / "fbt").exists()  # stopped at the first arch, whose run is saved
     assert any((tmp_path / "demo" / "gpt" / "checkpoints").iterdir())
+
+
+@pytest.mark.parametrize("mistake", [["--preset", "bogus"], ["--data", "text:{tmp}/nothere.txt"],
+                                     ["--data", "task:bogus"]], ids=["preset", "text-file", "task"])
+def test_a_mistyped_option_leaves_the_previous_demo_as_it_was(mistake, corpus, tmp_path, capsys):
+    """The folder was emptied for the new demo before the first arch's config and data were read:
+    a mistyped --preset or --data exited 2 and left a demo.json saying "running" and nothing else."""
+    out = tmp_path / "demo"
+    (out / "gpt").mkdir(parents=True)
+    previous = {"demo.json": json.dumps({"status": "done", "results": []}) + "\n", "report.md": "# latentloop demo\n",
+                "gpt/metrics.jsonl": '{"step": 1, "loss": 5.0}\n'}
+    for name, text in previous.items():
+        (out / name).write_text(text)
+    capsys.readouterr()
+    argv = ["demo", "--steps", "3", "--archs", "gpt", "--preset", "test", "--data", f"text:{corpus}", "--out", str(out),
+            "--no-progress", *(word.format(tmp=tmp_path) for word in mistake)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("latentloop: error: ") and len(err.strip().splitlines()) == 1, err
+    assert {p.relative_to(out).as_posix(): p.read_text() for p in out.rglob("*") if p.is_file()} == previous
+
+
+def test_the_report_describes_its_brackets_only_when_a_row_has_them(tmp_path, monkeypatch):
+    """The report said "in brackets, the 95% bootstrap interval ..." under every table, also under the
+    default demo's, whose 18 validation documents are too few for any interval."""
+    import numpy as np
+
+    from latentloop import demo
+    from latentloop.eval.loss import MIN_INTERVAL_DOCUMENTS, document_intervals
+
+    def result(documents: int) -> dict:
+        rng = np.random.default_rng(documents)
+        tokens = rng.integers(100, 200, documents).astype(float)
+        per_token = rng.uniform(1.5, 2.5, documents)  # each document's own loss: an interval of some width
+        sums = {"tokens": tokens, "bytes": 2 * tokens, "nats": per_token * tokens, "nats_bpb": per_token * tokens}
+        scores = {"loss": 2.0, "bpb": 1.4, **document_intervals(sums)}
+        return {"arch": "gpt", "params": 1000, "step": 1, "tokens": 2048, "elapsed": 1.0, "val_loss": 2.0,
+                "by_option": {"plain": scores}, "sample": "def ", "history": []}
+
+    monkeypatch.setattr(demo, "_plot", lambda out, results: None)  # no figure needed
+    few = MIN_INTERVAL_DOCUMENTS - 2
+    demo._write_report(tmp_path, [result(few)], "stdlib", "tiny", 1, 1.0)
+    report = (tmp_path / "report.md").read_text()
+    assert "in brackets" not in report
+    assert f"no interval of BPB: {few} documents: too few for an interval" in report
+    demo._write_report(tmp_path, [result(MIN_INTERVAL_DOCUMENTS)], "stdlib", "tiny", 1, 1.0)
+    report = (tmp_path / "report.md").read_text()
+    assert "in brackets, the 95% bootstrap interval of BPB over the documents they cover._" in report
+    assert "no interval" not in report

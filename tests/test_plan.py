@@ -408,3 +408,40 @@ def test_setups_few_probe_steps_plan_the_peak_a_scan_of_every_step_plans(arch, m
                                 "train": {"batch_size": 2, "steps": 2_000_000}})
     steps = memory.setup_probe_steps(build_objective(long.model, long.train), 2_000_000)
     assert len(steps) <= 3 * memory.SETUP_KIND_WINDOW
+
+
+
+def _largest_cpu_tensor_mode():
+    """A dispatch mode whose `numel` is the most elements of any CPU tensor an op under it returned."""
+    import torch
+    from torch.utils import _pytree
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class LargestCpuTensor(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for value in _pytree.tree_leaves(out):
+                if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+                    self.numel = max(self.numel, value.numel())
+            return out
+
+    return LargestCpuTensor()
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_the_plans_meta_model_makes_nothing_of_the_contexts_size_on_the_cpu(arch):
+    """The probe's model is built on the meta device for its shapes, but its RoPE tables were computed
+    on the CPU first: `plan --set sequence_len=10000000` held 4.7 GB, and 100M tokens was killed."""
+    from latentloop.config import model_config
+    from latentloop.train.memory import meta_model
+
+    context = 1 << 16  # small enough for the old code to finish quickly, far above every other CPU tensor
+    config = model_config(arch, "tiny", sequence_len=context)
+    with _largest_cpu_tensor_mode() as largest:
+        model = meta_model(config)
+    assert largest.numel < context
+    # the tables keep their shapes: the plan counts them (every device holds them)
+    for table in (model.rope_cos, model.rope_sin):
+        assert table.device.type == "meta" and tuple(table.shape) == (context, config.head_dim)

@@ -25,12 +25,22 @@ def cmd_tokenizer(args) -> int:
     budget = args.max_bytes or None
 
     def texts():
-        used = 0
+        left = budget  # UTF-8 bytes still to read; None: no cap
         for doc in source.iter_documents("train"):
-            yield doc
-            used += len(doc.encode())
-            if budget is not None and used >= budget:
+            if left is None:
+                yield doc
+                continue
+            encoded = doc.encode()
+            if len(encoded) >= left:
+                # the document that reaches the cap is cut there: a `.txt` file is one document, and
+                # yielding it whole read a corpus of any size past --max-bytes. A character the cut
+                # splits is dropped ("ignore" can only meet that one: the rest is valid UTF-8).
+                head = encoded[:left].decode("utf-8", errors="ignore")
+                if head:
+                    yield head
                 return
+            yield doc
+            left -= len(encoded)
 
     # the folder is made (and checked writable) before the long training; data that turns out
     # missing or empty, or an interrupt, removes it again

@@ -412,9 +412,17 @@ class GPT(nn.Module):
         never stored, so a model built on the meta device and then loaded (transformers' loading of
         an export) gets real tables by calling this."""
         c = self.config
+        device = self.wte.weight.device
+        if device.type == "meta":
+            # a model built for its shapes (`plan`'s probe) needs only the tables' shapes: computing them
+            # on the CPU first held sequence_len x head_dim floats there (GBs at a long planned context)
+            shape = (c.sequence_len, c.head_dim)
+            self.register_buffer("rope_cos", torch.empty(shape, dtype=torch.float32, device=device), persistent=False)
+            self.register_buffer("rope_sin", torch.empty(shape, dtype=torch.float32, device=device), persistent=False)
+            return
         cos, sin = rope_tables(c.sequence_len, c.head_dim, c.rope_theta, rope_frequencies(c))
-        self.register_buffer("rope_cos", cos.to(self.wte.weight.device), persistent=False)
-        self.register_buffer("rope_sin", sin.to(self.wte.weight.device), persistent=False)
+        self.register_buffer("rope_cos", cos.to(device), persistent=False)
+        self.register_buffer("rope_sin", sin.to(device), persistent=False)
 
     def make_block(self, layer_idx: int) -> nn.Module:
         return Block(self.config, layer_idx)
