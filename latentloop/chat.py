@@ -7,14 +7,16 @@ The conversation is rendered by the tokenizer (`tokenizer.render_prompt`: the tu
 `<|assistant|>`), the reply ends at `<|end|>` (or EOS / BOS / the budget), and pieces are whole
 UTF-8 characters. When the conversation no longer fits the context with the reply's budget, its
 oldest exchanges are dropped (a system turn is kept): the model sees the most recent turns, as a
-sliding window. `latentloop chat RUN` is the interactive loop around this (in `cli`).
+sliding window. The earlier replies in the prompt are marked as the model's own (`written`): fbt
+reads them fused, as it wrote them and as SFT trains them. `latentloop chat RUN` is the interactive
+loop around this (in `cli`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from .data.chat import MAX_CHAT_TEXT_CHARS
+from .data.chat import MAX_CHAT_TEXT_CHARS, prompt_written
 from .engine import PromptError, stream
 from .errors import ConfigError
 from .util import TokenText
@@ -27,6 +29,11 @@ def _text_length(messages: list[dict]) -> int:
 def chat_prompt(tokenizer, messages: list[dict], budget: int) -> list[int]:
     """The prompt ids of `messages`, dropping the oldest exchanges (never the system turn nor the
     last user turn) until they fit `budget` tokens."""
+    return fitted_conversation(tokenizer, messages, budget)[1]
+
+
+def fitted_conversation(tokenizer, messages: list[dict], budget: int) -> tuple[list[dict], list[int]]:
+    """(the messages kept, their prompt ids): `chat_prompt`, with what it kept."""
     messages = list(messages)
     system = messages[:1] if messages and messages[0].get("role") == "system" else []
     turns = messages[len(system):]
@@ -39,7 +46,7 @@ def chat_prompt(tokenizer, messages: list[dict], budget: int) -> list[int]:
     while True:
         ids = tokenizer.render_prompt(system + turns)
         if len(ids) <= budget:
-            return ids
+            return system + turns, ids
         if len(turns) <= 1:
             raise PromptError(f"the last message ({len(ids)} tokens with the format) does not fit the context "
                               f"left for it ({budget} tokens); shorten it or lower the reply budget")
@@ -58,11 +65,13 @@ def stream_reply(model, tokenizer, messages: list[dict], max_new_tokens: int, te
     if not 1 <= max_new_tokens < context:
         raise PromptError(f"the reply budget must be in [1, {context - 1}] for a context of {context}, got "
                           f"{max_new_tokens}")
-    prompt = chat_prompt(tokenizer, messages, context - max_new_tokens)
+    kept, prompt = fitted_conversation(tokenizer, messages, context - max_new_tokens)
+    # the earlier replies, marked: a model with latent feedback reads them as it wrote them (fbt)
+    written = prompt_written(tokenizer, kept, prompt) if getattr(model, "REPLAYS_WRITTEN", False) else None
     decoder = TokenText(tokenizer)
     for step in stream(model, prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                        stop_tokens=[tokens.end, *tokenizer.stop_ids, tokenizer.bos_id], pad_id=tokenizer.pad_id,
-                       **options):
+                       written=written, **options):
         piece = decoder.add(step.tokens[0])
         if piece:
             yield piece

@@ -223,6 +223,23 @@ def sampling_probs(logits: Tensor, temperature: float, top_k: int | None = None,
     return logits.softmax(dim=-1)
 
 
+def written_rows(rows: Sequence[tuple[Sequence[int], Sequence[bool] | None]]) -> list[list[bool]] | None:
+    """`stream`'s `written` for rows of (prompt, its flags or None): None where no row marks a token."""
+    if not any(flags and any(flags) for _, flags in rows):
+        return None
+    return [list(flags) if flags else [False] * len(prompt) for prompt, flags in rows]
+
+
+def left_pad_flags(flags: Sequence[Sequence[bool]], device: torch.device) -> Tensor:
+    """Per-token flags of prompts (B, P) as `left_pad` lays the prompts out, False on the padding."""
+    P = max(len(f) for f in flags)
+    out = torch.zeros((len(flags), P), dtype=torch.bool, device=device)
+    for row, values in enumerate(flags):
+        if values:
+            out[row, P - len(values):] = torch.as_tensor(list(values), dtype=torch.bool)
+    return out
+
+
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor | None]:
     """Stack prompts into (B, P) ids, left-padded; the mask is None when no row needed padding."""
     P = max(len(p) for p in prompts)
@@ -258,7 +275,7 @@ def stream(model, prompts, max_new_tokens: int, temperature: float = 1.0, top_k:
            top_p: float | None = None, seed: int | Sequence[int] | None = None, stop_tokens: Sequence[int] = (),
            use_cache: bool = True, pad_id: int = 0, logprobs: bool = False, top_logprobs: int = 0,
            compile: bool | str = "auto", on_compile: Callable[[str], None] | None = None,
-           kv_dtype: str | None = None, **options) -> Iterator[DecodeStep]:
+           kv_dtype: str | None = None, written=None, **options) -> Iterator[DecodeStep]:
     """Yield one `DecodeStep` per new token, for every row together, until every row stopped (a
     stop token, which is not yielded) or `max_new_tokens` steps. Break out to stop early.
     `logprobs`: each new token's log-probability; `top_logprobs=k`: also the k most likely tokens
@@ -269,6 +286,11 @@ def stream(model, prompts, max_new_tokens: int, temperature: float = 1.0, top_k:
 
     seed: an integer seeds one generator for the batch; a list of integers, one per prompt, seeds a
     generator per row (`RowGenerators`), so that a row draws what it draws alone with its seed.
+
+    written: for each prompt, a bool per token, True where the model wrote the token itself (a
+    conversation's earlier replies, `chat.chat_prompt`). A model with latent feedback
+    (`REPLAYS_WRITTEN`: fbt, rfbt) prefills those as it generated them, fused with the state before
+    them, as SFT trains them; other models read every token alike and are not handed it.
 
     compile: True decodes through `latentloop.inference.fast.FastDecoder` (a static cache and the
     model's decode step under `torch.compile`; greedy argmax inside the compiled step); outputs equal
@@ -293,13 +315,29 @@ def stream(model, prompts, max_new_tokens: int, temperature: float = 1.0, top_k:
     """
     return _decode_in_inference_mode(*_checked(model, prompts, max_new_tokens, temperature, top_k, top_p, seed,
                                                stop_tokens, use_cache, pad_id, logprobs, top_logprobs, compile,
-                                               on_compile, options, kv_dtype))
+                                               on_compile, options, kv_dtype, written))
+
+
+def _written_rows(written, rows: list[list[int]], single: bool) -> list[list[bool]] | None:
+    """`stream`'s `written`, checked against the prompts: a list of bools per prompt (one list for
+    one prompt), each as long as its prompt; None when no token is marked."""
+    if written is None:
+        return None
+    if single and isinstance(written, (list, tuple)) and (not written or isinstance(written[0], bool)):
+        written = [written]
+    if (not isinstance(written, (list, tuple)) or len(written) != len(rows)
+            or not all(isinstance(w, (list, tuple)) and len(w) == len(r) and all(isinstance(b, bool) for b in w)
+                       for w, r in zip(written, rows))):
+        raise PromptError("written must give a bool for every token of every prompt (True: a token the model "
+                          "wrote), as long as the prompts")
+    return [list(w) for w in written] if any(any(w) for w in written) else None
 
 
 def _checked(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, use_cache, pad_id,
-             logprobs, top_logprobs, compile, on_compile, options, kv_dtype=None) -> tuple:
+             logprobs, top_logprobs, compile, on_compile, options, kv_dtype=None, written=None) -> tuple:
     """`_decode`'s arguments from `stream`'s, each checked (a one-line `PromptError` otherwise)."""
-    rows, _ = normalize_prompts(prompts, model.config.vocab_size)
+    rows, single = normalize_prompts(prompts, model.config.vocab_size)
+    written = _written_rows(written, rows, single)
     if not is_int(max_new_tokens) or max_new_tokens < 0:
         raise PromptError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     check_sampling(temperature, top_k, top_p, seed)
@@ -337,12 +375,13 @@ def _checked(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, st
         raise PromptError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
                           f"context of {context} tokens")
     return (model, rows, max_new_tokens, temperature, top_k, top_p, seed, stops, use_cache, pad_id,
-            logprobs, top_logprobs, options, compile, on_compile, None if kv_dtype is None else KV_DTYPES[kv_dtype])
+            logprobs, top_logprobs, options, compile, on_compile, None if kv_dtype is None else KV_DTYPES[kv_dtype],
+            written if getattr(model, "REPLAYS_WRITTEN", False) else None)
 
 
 def _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, use_cache, pad_id,
             logprobs, top_logprobs, options, compile=False, on_compile=None,
-            kv_dtype: torch.dtype | None = None) -> Iterator[DecodeStep]:
+            kv_dtype: torch.dtype | None = None, written: list[list[bool]] | None = None) -> Iterator[DecodeStep]:
     """The decode loop behind `stream`; run it in inference mode (lighter than no_grad: no version
     counters on the cache writes)."""
     with evaluating(model):
@@ -387,10 +426,11 @@ def _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, sto
             cache = model.new_cache(B, static_length(model, B, P + max_new_tokens, **options), **options)
         else:
             cache = model.new_cache(B, P + max_new_tokens, **options) if use_cache else None
+        replay = {} if written is None else {"written": left_pad_flags(written, device)}  # (B, P)
         if cache is not None:
-            out = model.prefill(idx, cache, pad_mask, last_logits=True, **options)
+            out = model.prefill(idx, cache, pad_mask, last_logits=True, **replay, **options)
         else:
-            out = model.reference(idx, pad_mask, P, **options)
+            out = model.reference(idx, pad_mask, P, **replay, **options)
         if auto is not None and auto.compiled_already(cache):  # compiled in this process: no probe steps
             fast = FastDecoder(model, on_compile=on_compile, kv_dtype=kv_dtype, **options)
             fast.adopt(cache)
@@ -443,7 +483,7 @@ def _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, sto
                 sequence = torch.cat([sequence, next_ids[:, None]], dim=1)
                 if pad_mask is not None:
                     pad_mask = torch.cat([pad_mask, torch.ones_like(pad_mask[:, :1])], dim=1)
-                out = model.reference(sequence, pad_mask, P, **options)
+                out = model.reference(sequence, pad_mask, P, **replay, **options)
             last = out.logits[:, -1]
             info = {**info, **out.info}
 
@@ -675,14 +715,15 @@ def _speculative_round(drafting, pending: Tensor, rows: list[_SpeculativeRow], m
 def generate(model, prompts, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
              top_p: float | None = None, seed: int | Sequence[int] | None = None, stop_tokens: Sequence[int] = (),
              use_cache: bool = True, pad_id: int = 0, compile: bool | str = "auto",
-             on_compile: Callable[[str], None] | None = None, kv_dtype: str | None = None, **options):
+             on_compile: Callable[[str], None] | None = None, kv_dtype: str | None = None, written=None,
+             **options):
     """Continue each prompt by up to max_new_tokens tokens: the new ids (without the stop token),
     a list for one prompt, a list of lists for several. `stream` is the same, step by step (its
-    arguments, `kv_dtype` included)."""
+    arguments, `kv_dtype` and `written` included)."""
     rows, single = normalize_prompts(prompts, model.config.vocab_size)
     outputs: list[list[int]] = [[] for _ in rows]
-    arguments = _checked(model, rows, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, use_cache, pad_id,
-                         False, 0, compile, on_compile, options, kv_dtype)
+    arguments = _checked(model, prompts if single else rows, max_new_tokens, temperature, top_k, top_p, seed,
+                         stop_tokens, use_cache, pad_id, False, 0, compile, on_compile, options, kv_dtype, written)
     # One inference mode around the whole loop, where `stream` enters and leaves it around each step
     # (torch's decorator on a generator, so that a caller's code between steps runs in its own
     # mode): that cost ~4% of a 200-token greedy compiled decode of the small engines shape, 1 thread

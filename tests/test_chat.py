@@ -302,6 +302,35 @@ def test_stream_reply_is_the_engine_continuation_of_the_rendered_prompt(chat_run
     assert len(ids) <= 40 and ids[:3] == [BOS, SYS, ord("S")] and ids[-4:] == [USER, ord("q"), END, ASSISTANT]
 
 
+def test_a_chats_earlier_replies_reach_the_engine_as_the_models_own(chat_run, monkeypatch):
+    """SFT fuses every assistant token of a conversation, earlier replies included; chat prefilled the
+    history plain, so a second turn's reply read a history training never showed (fbt: +0.78
+    nats/token on a two-turn task). The earlier reply's content and <|end|> are marked `written`."""
+    from latentloop import chat
+    from latentloop.data.chat import prompt_written
+    from latentloop.runs import load_run
+
+    model, tokenizer, _, _ = load_run(chat_run)
+    messages = [{"role": "user", "content": "2+2="}, {"role": "assistant", "content": "4"},
+                {"role": "user", "content": "3+3="}]
+    prompt = tokenizer.render_prompt(messages)
+    start = prompt.index(ASSISTANT) + 1  # the first reply's content
+    written = prompt_written(tokenizer, messages, prompt)
+    assert [i for i, w in enumerate(written) if w] == list(range(start, start + len(tokenizer.encode("4")) + 1))
+    assert prompt[start + 1] == END
+    assert prompt_written(tokenizer, messages[:1], tokenizer.render_prompt(messages[:1])) == \
+        [False] * len(tokenizer.render_prompt(messages[:1]))  # a first turn: nothing the model wrote
+    seen = []
+    real_stream = chat.stream
+    monkeypatch.setattr(chat, "stream", lambda *args, **kwargs: seen.append(kwargs["written"]) or
+                        real_stream(*args, **kwargs))
+    pieces = list(chat.stream_reply(model, tokenizer, messages, 8, regime="soft"))
+    assert seen == [written]
+    ids = latentloop.generate(model, prompt, 8, temperature=0.0, regime="soft", written=written,
+                              stop_tokens=[END, tokenizer.eos_id, BOS])
+    assert "".join(pieces) == tokenizer.decode(ids)
+
+
 def test_scripted_chat_session(chat_run, monkeypatch, capsys):
     import io
 

@@ -362,3 +362,43 @@ def test_a_position_fused_in_one_pass_and_not_the_next_goes_back_to_its_plain_in
     torch.testing.assert_close(x3, expected_3, rtol=0, atol=0)  # the same ops: bit for bit
     torch.testing.assert_close(x3[0, 5], e[0, 5], rtol=0, atol=0)
     assert (x2[0, 5] - e[0, 5]).abs().max() > 1e-3  # pass 2 did fuse it
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("arch", ["fbt", "rfbt"])
+def test_tokens_the_model_wrote_are_prefilled_fused_as_sft_trains_them(arch):
+    """A second turn's prompt holds the first reply, which SFT fuses (`sft_fuse_mask`) and which was
+    generated fused; the soft prefill read it plain, a history training never showed. With `written`
+    it replays those tokens fused: the training forward's logits (fuse_mask = written, exact after T
+    passes), in float64 to 1e-9; and decoding on, cached == uncached."""
+    torch.manual_seed(0)
+    model = ll.build(arch, preset="test").eval().double()
+    bos = model.config.bos_id
+    prompts = [[bos, 5, 6, 7, 60, 61, 62, 63, 9, 10, 11, 64, 65],  # two replies the model wrote
+               [bos, 8, 70, 71, 72, 12]]  # one, in a shorter (left-padded) row
+    written = [[False] * 4 + [True] * 4 + [False] * 3 + [True] * 2, [False, False, True, True, True, False]]
+    cache = model.new_cache(2, 16)
+    idx, pad_mask = ll.engine.left_pad(prompts, 0, torch.device("cpu"))
+    flags = ll.engine.left_pad_flags(written, torch.device("cpu"))
+    replayed = model.prefill(idx, cache, pad_mask, regime="soft", written=flags).logits
+    for row, (prompt, marks) in enumerate(zip(prompts, written)):
+        ids = torch.tensor([prompt])
+        trained = model(ids, passes=len(prompt), fuse_mask=torch.tensor([marks])).logits  # the SFT forward, exact
+        torch.testing.assert_close(replayed[row, -len(prompt):], trained[0], rtol=0, atol=1e-9)
+        plain = model(ids).logits
+        assert (trained - plain).abs().max() > 1e-3  # what the prefill read before: not the same
+    kwargs = dict(temperature=0.0, regime="soft", written=written, compile=False)
+    cached = ll.generate(model, prompts, 6, **kwargs)
+    assert cached == ll.generate(model, prompts, 6, use_cache=False, **kwargs)
+    alone = [ll.generate(model, p, 6, **{**kwargs, "written": w}) for p, w in zip(prompts, written)]
+    assert cached == alone
+
+
+def test_written_is_checked_against_the_prompts():
+    torch.manual_seed(0)
+    model = ll.build("fbt", preset="test").eval()
+    with pytest.raises(ll.engine.PromptError, match="written must give a bool for every token"):
+        ll.generate(model, [[256, 5, 6]], 2, written=[[False, True]])
+    gpt = ll.build("gpt", preset="test").eval()  # reads every token alike: not handed it, the same tokens
+    assert ll.generate(gpt, [256, 5, 6], 3, temperature=0.0, written=[False, False, True]) == \
+        ll.generate(gpt, [256, 5, 6], 3, temperature=0.0)

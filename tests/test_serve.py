@@ -279,6 +279,7 @@ def servers(runs, tmp_path_factory):
     specs["doomed"] = (runs["rgpt"],)
     specs["rounds"] = (runs["fbt"], "--batching", "rounds", "--batch-window-ms", "300")  # the round scheduler
     specs["chat"] = (runs["chat"],)
+    specs["chat-rounds"] = (runs["chat"], "--batching", "rounds")  # a chat's history through the round scheduler
     if HAS_JINJA:  # chat templates render with jinja2 (the hf extra); stopped by its test
         specs["template"] = (runs["template"], "--request-timeout", str(TEMPLATE_TIMEOUT_S))
     # the one that SIGTERM stops starts as a user starts it (python -m latentloop serve); the rest are forked
@@ -769,7 +770,7 @@ def test_chat_completions_render_the_sft_format_and_match_the_engine(servers, ru
     """/v1/chat/completions renders the conversation as SFT trained it, stops at <|end|>, and gives
     the engine's greedy tokens for those ids, plain and streamed, through the official client."""
     openai = pytest.importorskip("openai")
-    from latentloop.data.chat import render_prompt
+    from latentloop.data.chat import prompt_written, render_prompt
 
     server, model = servers["chat"], ll.load(runs["chat"])[0]
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]
@@ -788,6 +789,17 @@ def test_chat_completions_render_the_sft_format_and_match_the_engine(servers, ru
                                                      temperature=0, stream=True, extra_body={"regime": regime}))
         assert pieces[0].choices[0].delta.role == "assistant"
         assert "".join(p.choices[0].delta.content or "" for p in pieces if p.choices) == text
+    # a second turn: the first reply is the model's own, read fused as fbt wrote it and SFT trains it
+    history = [*messages, {"role": "assistant", "content": "4, as 2+2 is 4"}, {"role": "user", "content": "3+3?"}]
+    ids = render_prompt(CHAT_TOK, history)
+    written = prompt_written(CHAT_TOK, history, ids)
+    expected = ll.generate(model, ids, NEW_TOKENS, temperature=0.0, stop_tokens=stops, written=written)
+    assert expected != ll.generate(model, ids, NEW_TOKENS, temperature=0.0, stop_tokens=stops)  # it tells
+    for scheduled in (server, servers["chat-rounds"]):
+        reply = httpx.post(scheduled.url + "/v1/chat/completions", json={"messages": history, "temperature": 0,
+                                                                        "max_tokens": NEW_TOKENS},
+                           timeout=CALL_TIMEOUT_S)
+        assert reply.json()["choices"][0]["message"]["content"] == CHAT_TOK.decode(expected), scheduled
     bad = httpx.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]},
                      timeout=CALL_TIMEOUT_S)
     assert bad.status_code == 400 and "role" in bad.json()["error"]["message"]

@@ -219,6 +219,34 @@ def render_prompt(tokenizer, messages, where: str = "conversation") -> list[int]
     return ids + [tokens.assistant]
 
 
+def prompt_written(tokenizer, messages, prompt: Sequence[int], where: str = "conversation") -> list[bool]:
+    """For each token of `prompt` (`render_prompt(tokenizer, messages)`), whether the model wrote it:
+    the earlier replies' tokens that `render_conversation`'s mask marks (each reply and what closes
+    it), the tokens SFT trains it to write and fbt's SFT fuses (`engine.stream`'s `written`). Where
+    the prompt does not begin as the conversation renders (a template whose prompt is not its
+    conversation's text plus a generation prompt), no token is marked: the prompt is read plain."""
+    messages = check_messages(messages, where, for_training=False)
+    unmarked = [False] * len(prompt)
+    if not any(message["role"] == "assistant" for message in messages):
+        return unmarked
+    tokens = _chat_format(tokenizer)
+    if isinstance(tokens, ChatTemplate):
+        full, cuts = template_spans(tokenizer.chat_template, _template_context(tokenizer, messages, False))
+        text = render_template(tokenizer.chat_template, _template_context(tokenizer, messages, True))
+        if not text.startswith(full):
+            return unmarked
+        ids, offsets = tokenizer.encode_markup_with_offsets(text)  # as `render_prompt` encodes it
+        trained = list(zip(cuts[1::2], cuts[2::2]))
+        ids, mask = _starting_with_bos(tokenizer, ids, [any(start <= begin < end for start, end in trained)
+                                                        for begin, _ in offsets])
+        return mask if list(ids) == list(prompt) else unmarked
+    mask = [False]  # BOS
+    for message in messages:
+        mask += [False] + [message["role"] == "assistant"] * (len(tokenizer.encode(message["content"])) + 1)
+    mask.append(False)  # <|assistant|>, which the prompt ends with
+    return mask if len(mask) == len(prompt) else unmarked
+
+
 def assistant_start(ids: Sequence[int], tokenizer) -> int:
     """Index of the first assistant content token (latentloop's format): the length of the prompt
     that precedes it."""

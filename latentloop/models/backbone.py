@@ -384,6 +384,10 @@ class GPT(nn.Module):
     STEP_USES_EVERY_PARAMETER: ClassVar[bool] = True  # see OPT_IN_FLAGS
     COMPILES_WHOLE: ClassVar[bool] = True
     EXPORTS_AS_LLAMA: ClassVar[bool] = True
+    # prefill / reference take `written` (B, P), the prompt's tokens the model wrote itself (a
+    # conversation's earlier replies), and compute them as they were generated (fbt's feedback);
+    # a model that reads every token alike is not handed it
+    REPLAYS_WRITTEN: ClassVar[bool] = False
 
     # The tied head's product (no module holds it: its weight is the embedding's). A model computes
     # `F.linear`; `inference.accelerate` gives an instance the kernels' product, as it swaps the modules.

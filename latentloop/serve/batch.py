@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..engine import left_pad, row_info, sample_next
+from ..engine import left_pad, left_pad_flags, row_info, sample_next, written_rows
 from ..inference.fast import WINDOW_BUCKET, CompileRecord, FastDecoder, fallback_reason, static_cache
 from ..models.backbone import GPT
 from ..models.cache import regroup, row_span
@@ -68,6 +68,7 @@ class Member:
     max_new_tokens: int
     sampling: Sampling
     owner: Any = None
+    written: list[bool] | None = None  # per prompt token: the model wrote it (`engine.stream`'s `written`)
     generated: int = 0  # tokens handed out so far
     done: bool = False  # stopped (stop token, max_new_tokens) or dropped: decodes no more
     info: dict = field(default_factory=dict)  # what the model reported for this row (prefill, last step)
@@ -195,7 +196,9 @@ class DecodeBatch:
         for group in groups:
             idx, pad_mask = left_pad([m.prompt for m in group], self.pad_id, self.device)
             cache = self.model.new_cache(len(group), idx.shape[1], **self.options)
-            out = self.model.prefill(idx, cache, pad_mask, last_logits=True, **self.options)
+            written = written_rows([(m.prompt, m.written) for m in group])
+            replay = {} if written is None else {"written": left_pad_flags(written, self.device)}  # (n, P)
+            out = self.model.prefill(idx, cache, pad_mask, last_logits=True, **replay, **self.options)
             for j, member in enumerate(group):
                 member.info = row_info(out.info, j)
             prefilled.append((group, cache, out.logits[:, -1]))

@@ -60,6 +60,9 @@ class CompletionRequest:
     include_usage: bool = False  # stream_options.include_usage
     options: dict[str, Any] = field(default_factory=dict)  # the architecture's options given (checked)
     resolved: dict[str, Any] = field(default_factory=dict)  # every option that applies, defaults filled in
+    # per prompt, per token: True where the model wrote it (a chat's earlier replies; `engine.stream`'s
+    # `written`); None when no token is marked
+    written: list[list[bool]] | None = None
 
     @property
     def rows(self) -> int:

@@ -35,6 +35,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from ..archs import option_union
+from ..data.chat import prompt_written
 from ..engine import MAX_SEED, model_options
 from ..errors import ConfigError
 from .limits import Limits
@@ -336,9 +337,12 @@ def completion_request(body: _GenerationFields, model, tokenizer, limits: Limits
     """The `CompletionRequest` of a validated completions or chat body: its prompts tokenized (or
     its conversation rendered), the defaults filled in, and what needs the prompts' lengths checked."""
     n = 1 if body.n is None else body.n
+    written = None
     if isinstance(body, _ChatFields):
         prompts, added = chat_prompts(body.messages, tokenizer, limits)
         logprobs, echo = None, False
+        if getattr(model, "REPLAYS_WRITTEN", False):  # the earlier replies, read as the model wrote them (fbt)
+            written = [prompt_written(tokenizer, body.messages, prompts[0], "messages")]
     else:
         prompts, added = completion_prompts(body.prompt, tokenizer, int(model.config.vocab_size), limits, n)
         logprobs, echo = body.logprobs, bool(body.echo)
@@ -363,7 +367,7 @@ def completion_request(body: _GenerationFields, model, tokenizer, limits: Limits
         stop=tuple(s for s in stop if s),  # an empty stop string would stop before any text
         logprobs=logprobs, echo=echo, stream=bool(body.stream),
         include_usage=bool(body.stream_options is not None and body.stream_options.include_usage),
-        options=options, resolved=resolved)
+        options=options, resolved=resolved, written=written)
 
 
 def parse_completion(body: Any, model, tokenizer, limits: Limits, served_name: str,

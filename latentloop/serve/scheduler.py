@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from ..engine import model_options, row_info, stream, teacher_forced_logits
+from ..engine import model_options, row_info, stream, teacher_forced_logits, written_rows
 from ..util import first_line
 from .batch import (
     AUTO_START_BUDGET_S,
@@ -116,6 +116,7 @@ class Row:
     choice: int
     prompt: list[int]  # as the model reads it
     text: RowText
+    written: list[bool] | None = None  # per prompt token: the model wrote it (`CompletionRequest.written`)
     generated: int = 0
     done: bool = False
     info: dict = field(default_factory=dict)
@@ -136,7 +137,8 @@ class Job:
         self.echo_texts = [decode_with_offsets(tokenizer, self.echoed(i))[0] if request.echo else ""
                            for i in range(len(request.prompts))]
         self.rows = [Row(self, p * request.n + j, prompt,
-                         RowText(tokenizer, specials, request.stop, len(self.echo_texts[p])))
+                         RowText(tokenizer, specials, request.stop, len(self.echo_texts[p])),
+                         request.written[p] if request.written else None)
                      for p, prompt in enumerate(request.prompts) for j in range(request.n)]
 
     def echoed(self, prompt_index: int) -> list[int]:
@@ -493,7 +495,7 @@ class RoundScheduler(Scheduler):
                        temperature=request.temperature, top_k=request.top_k, top_p=request.top_p, seed=request.seed,
                        stop_tokens=self.stop_tokens, pad_id=self.tokenizer.pad_id,
                        logprobs=any(row.job.request.logprobs is not None for row in rows), top_logprobs=top,
-                       **request.options)
+                       written=written_rows([(row.prompt, row.written) for row in rows]), **request.options)
         self.stats.batches += 1
         self.stats.rows_decoded += len(rows)
         self.stats.max_batch_rows = max(self.stats.max_batch_rows, len(rows))
@@ -666,7 +668,8 @@ class ContinuousScheduler(Scheduler):
                                 logprobs=request.logprobs is not None, top_logprobs=request.logprobs or 0)
             if any(not member.done for member in batch.members):
                 self.stats.rows_joined_running += len(job.rows)
-            batch.add([Member(row.prompt, request.max_tokens, sampling, owner=row) for row in job.rows])
+            batch.add([Member(row.prompt, request.max_tokens, sampling, owner=row, written=row.written)
+                       for row in job.rows])
             self.stats.rows_decoded += len(job.rows)
         except Exception as exc:  # noqa: BLE001 - a bug must not take the server down: this request fails
             self._fail_internal([job], exc)

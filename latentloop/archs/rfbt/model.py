@@ -89,8 +89,8 @@ class RFBT(FBT, RGPT):
     def prefill(self, idx: Tensor, cache: KVCache, pad_mask: Tensor | None = None, regime: str = "soft",
                 passes: int | str = DEFAULT_FUSED_PASSES, steps: int | None = None,
                 cache_mode: str = "full", draft_steps: int | None = None, draft_tokens: int | None = None,
-                last_logits: bool = False) -> FBTOutput:
-        return super().prefill(idx, cache, pad_mask, regime, passes, last_logits, steps=steps)
+                last_logits: bool = False, written: Tensor | None = None) -> FBTOutput:
+        return super().prefill(idx, cache, pad_mask, regime, passes, last_logits, written, steps=steps)
 
     def decode(self, idx: Tensor, cache: KVCache, regime: str = "soft", passes: int | str = DEFAULT_FUSED_PASSES,
                steps: int | None = None, cache_mode: str = "full", draft_steps: int | None = None,
@@ -100,8 +100,8 @@ class RFBT(FBT, RGPT):
     def reference(self, idx: Tensor, pad_mask: Tensor | None = None, prompt_len: int = 0, regime: str = "soft",
                   passes: int | str = DEFAULT_FUSED_PASSES, steps: int | None = None,
                   cache_mode: str = "full", draft_steps: int | None = None,
-                  draft_tokens: int | None = None) -> FBTOutput:
-        return super().reference(idx, pad_mask, prompt_len, regime, passes, steps=steps)
+                  draft_tokens: int | None = None, written: Tensor | None = None) -> FBTOutput:
+        return super().reference(idx, pad_mask, prompt_len, regime, passes, written, steps=steps)
 
     def keep_verified(self, cache: KVCache, out: ModelOutput, kept: Tensor, state_before: dict[str, Tensor],
                       options: dict) -> None:
