@@ -16,11 +16,14 @@ routings (`routing`, a property of the trained model):
 
 - expert: at recursion r a router reads each token's state, s_r = w_r · norm(h^(r-1)) + b_r, and
   g^(r) = σ(s_r). Training keeps the top k_r of the tokens active at r-1 in each row (hierarchical
-  filtering; k_r = ceil(capacity_r · T), capacities non-increasing, by default (N_r - r + 1) / N_r:
-  every token at the first recursion, a third of them at the third of three). Top-k over a row
-  reads later tokens' scores, which decoding cannot: the router is also trained with the MoR
-  paper's auxiliary loss, a binary cross-entropy of σ(s_r) against "selected" over the candidates,
-  and at inference a token goes on while σ(s_r) > `router_threshold` (0.5), decided token by token.
+  filtering; k_r = ceil(capacity_r · n), n the row's real tokens (T without padding), capacities
+  non-increasing, by default (N_r - r + 1) / N_r: every token at the first recursion, a third of
+  them at the third of three). Top-k over a row reads later tokens' scores, which decoding cannot:
+  the router is also trained with the MoR paper's auxiliary loss, a binary cross-entropy of σ(s_r)
+  against "selected" over the candidates, and at inference a token goes on while σ(s_r) >
+  `router_threshold` (0.5), decided token by token. Padding (`pad_mask` False; SFT's packed rows end
+  in it) is never a candidate, counts for no k_r and carries no router loss, so a real token's
+  training logits do not depend on how much padding follows it.
 - token: one router at the start, p = softmax(W · norm(h^(0))) over depths 1..N_r; the token runs
   argmax(p) + 1 recursions with g = max(p) (causal by construction: training and decoding route
   alike). The objective adds the MoR paper's load-balancing loss N_r Σ_j f_j P_j (f_j: share of
@@ -252,16 +255,33 @@ class MoR(GPT):
         o = self.run_blocks(h, step_ctx, self.core)
         return torch.where(go[..., None], h + gate[..., None] * (o - h), h)
 
-    def _topk_recursion(self, h: Tensor, alive: Tensor, r: int, ctx: RecursionContext) -> tuple[Tensor, Tensor, Tensor]:
+    def _topk_recursion(self, h: Tensor, alive: Tensor, r: int, ctx: RecursionContext,
+                        real_count: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """Expert choice's training route at recursion r: the top k_r of each row's candidates
         (`alive`) go through the core, gathered in position order (so plain causal attention is
-        attention among them); returns the new states, the selection and the BCE of the scores."""
+        attention among them); returns the new states, the selection and the BCE of the scores.
+        `real_count` (B,): each row's real tokens, whose ceil(capacity_r · count) is the row's k_r
+        (None: every row is whole, k_r = ceil(capacity_r · T))."""
         B, T, D = h.shape
-        k = math.ceil(self.config.capacities[r - 1] * T)
+        capacity = self.config.capacities[r - 1]
+        k = math.ceil(capacity * T)  # a whole row's k_r: the gather's width, the same for every batch (static shapes)
         scores = self.router(norm(h))[..., r - 1].float()  # (B, T)
-        top = torch.where(alive, scores, torch.full_like(scores, -torch.inf)).topk(k, dim=1).indices
-        top = top.sort(dim=1).values  # (B, k) in position order
-        selected = torch.zeros_like(alive).scatter(1, top, True)
+        ranked = torch.where(alive, scores, torch.full_like(scores, -torch.inf)).topk(k, dim=1).indices  # best first
+        keep = None
+        if real_count is None:
+            top = ranked.sort(dim=1).values  # (B, k) in position order
+        else:
+            # a padded row keeps its best ceil(capacity · count) (the table is Python's ceil, in float64 on
+            # the host: the k_r a whole row of that length gets, with no float32 rounding on the device).
+            # The rest of the k gathered (non-candidates among them) are moved after the kept ones: causal
+            # attention then never lets a kept token see them, and their states are not updated
+            quota = torch.ceil(torch.arange(T + 1, dtype=torch.float64) * capacity).long().to(h.device)[real_count]
+            chosen = torch.arange(k, device=h.device)[None] < quota[:, None]  # (B, k), by rank
+            order = torch.where(chosen, ranked, ranked + T).sort(dim=1).values  # kept (in position order), then rest
+            keep = order < T
+            top = torch.where(keep, order, order - T)
+            keep = keep & alive.gather(1, top)  # (never false for a kept one: quota <= the candidates)
+        selected = torch.zeros_like(alive).scatter(1, top, True if keep is None else keep)
         # the mean over the candidates, as a weighted sum: selecting them (`scores[alive]`) has a
         # data-dependent shape, which breaks a compiled training step's graph
         candidates = alive.to(scores.dtype)
@@ -273,7 +293,10 @@ class MoR(GPT):
         step_ctx = self.context_from_plan(AttentionPlan(positions, None, True))
         o = self.run_blocks(x, step_ctx, self.core)
         gate = torch.sigmoid(scores.gather(1, top)).to(h.dtype)[..., None]  # (B, k, 1)
-        return h.scatter(1, where, x + gate * (o - x)), selected, aux
+        update = x + gate * (o - x)
+        if keep is not None:
+            update = torch.where(keep[..., None], update, x)
+        return h.scatter(1, where, update), selected, aux
 
     def run_stack(self, x: Tensor, ctx: RecursionContext) -> Tensor:
         """prelude -> up to `ctx.steps` routed recursions of the core -> coda: inputs x (B, T, D) ->
@@ -282,19 +305,21 @@ class MoR(GPT):
         steps = ctx.steps or c.recursions
         if not 1 <= steps <= c.recursions:
             raise ConfigError(f"steps must be in [1, {c.recursions}] (the trained recursions), got {steps}")
+        if ctx.route == "topk" and ctx.cache is not None:
+            raise ConfigError("expert choice's top-k route trains on whole rows, without a cache")
         B, T, _ = x.shape
         real = ctx.real if ctx.real is not None else torch.ones(B, T, dtype=torch.bool, device=x.device)
+        # top-k: a padded row's k_r comes from its real tokens (the MoR paper's capacity is per sequence)
+        real_count = ctx.real.sum(dim=1) if ctx.real is not None else None
         h = self.run_blocks(x, ctx, self.prelude)  # (B, T, D)
-        alive = real
+        alive = real  # padding is never a candidate
         if c.routing == "token":
             depth, token_gate, probs = self.token_depths(h, steps)
             if ctx.record is not None and self.training:
                 ctx.record.aux_loss = self.balance_loss(depth, probs, real)
         for r in range(1, steps + 1):
             if ctx.route == "topk":
-                if ctx.cache is not None or ctx.real is not None:
-                    raise ConfigError("expert choice's top-k route trains on whole unpadded rows, without a cache")
-                h, alive, aux = self._topk_recursion(h, alive, r, ctx)
+                h, alive, aux = self._topk_recursion(h, alive, r, ctx, real_count)
                 self._record(ctx, alive, aux)
                 continue
             if c.routing == "expert":
@@ -342,7 +367,8 @@ class MoR(GPT):
         (the causal rule decoding uses); None: top-k while training an expert-choice model, else
         the threshold. Token choice routes one way. `every_recursion`: run each recursion even
         when no token takes it (None: while training, so that a step's cost, and the FLOPs it is
-        charged, do not depend on the batch)."""
+        charged, do not depend on the batch). `pad_mask` (B, T) True on real tokens, on either route:
+        padding takes no recursion, is no top-k candidate and carries no router loss."""
         if every_recursion is None:
             every_recursion = self.training
         if route is None:

@@ -7,6 +7,12 @@
   uses (`models/mor.py`); the forward takes the top-k training route.
 - token choice: L_router is the load-balancing loss N_r Σ_j f_j P_j.
 
+SFT (a `loss_mask` is given): packed rows end in padding (`data/chat.py`), which the objective is
+not told apart from the loss mask; the forward gets the row's real tokens as its `pad_mask`
+(`real_inputs`), so that padding is no top-k candidate, counts for no k_r and carries no router
+loss, and a real token's logits do not change with the padding after it. Pretraining (no mask)
+runs the forward it always ran.
+
 No random draws: the routing is a function of the batch, the same on every rank. The trainer logs
 the next-token loss (comparable across architectures), the router loss and, on log steps, the share
 of tokens each recursion kept. FLOPs: the forward the step runs (expert choice: the top-k route,
@@ -16,9 +22,21 @@ the ones not routed there masked).
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from ...objectives.base import LossResult, Objective, token_cross_entropy
+
+
+def real_inputs(loss_mask: Tensor) -> Tensor:
+    """The inputs (B, T) of a packed SFT row that are not its closing padding: every input up to the one
+    whose target is the row's last trained token, and that token itself as an input. Packing places
+    whole conversations and pads the rest of the row with untrained targets (`pack_conversations`);
+    no pad id reaches the objective, so the padding is read off the loss mask. (A row whose last
+    conversation ends in untrained tokens counts that tail as padding too: no loss reads it, and it
+    would compete with the trained tokens for the top-k.) Tensor code only (a compiled step's graph)."""
+    trained_from_here = loss_mask.flip(1).long().cumsum(dim=1).flip(1) > 0  # (B, T): a trained target at or after t
+    return torch.cat([trained_from_here[:, :1], trained_from_here[:, :-1]], dim=1)
 
 
 class RoutedRecursionObjective(Objective):
@@ -29,12 +47,13 @@ class RoutedRecursionObjective(Objective):
         return {"route": "topk"} if self.model_config.routing == "expert" else {"every_recursion": True}
 
     def loss(self, model: nn.Module, x: Tensor, y: Tensor, loss_mask: Tensor | None = None, **plan) -> LossResult:
-        out = model(x, **self.forward_options())
+        real = None if loss_mask is None else real_inputs(loss_mask)
+        out = model(x, pad_mask=real, **self.forward_options())
         next_token = token_cross_entropy(out.logits, y, mask=loss_mask)
         loss = next_token if out.aux_loss is None else next_token + self.model_config.router_aux_weight * out.aux_loss
         # on the device: the trainer reads them on the steps it logs
         metrics: dict[str, Tensor] = {} if out.aux_loss is None else {"router_loss": out.aux_loss.detach()}
-        metrics |= {f"active_r{r}": share for r, share in enumerate(out.active_share(), start=1)}
+        metrics |= {f"active_r{r}": share for r, share in enumerate(out.active_share(real), start=1)}
         return LossResult(loss, metrics, next_token_loss=next_token.detach())
 
     def forward_mix(self, step: int | None = None) -> list[tuple[float, dict]]:
