@@ -247,7 +247,8 @@ SEED_LIMIT = 2**63
 # (replicated model, all-reduced gradients) or fsdp2 (parameters, gradients and optimizer states
 # sharded per block with torch.distributed.fsdp.fully_shard). auto, the default, is what nanoGPT,
 # nanochat and torchtitan do: ddp when torchrun started more than one process, else none; training
-# resolves it when it starts (runtime.resolve_strategy) and records the strategy it ran.
+# resolves it when it starts (runtime.resolve_strategy): what ran is in every checkpoint's state.json and
+# the log, while the run's config.json keeps the setting as given (`train.state.config_as_given`).
 STRATEGIES = ("auto", "none", "ddp", "fsdp2")
 COMPILE_SCOPES = ("auto", "whole", "blocks")  # TrainConfig.compile_scope
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")  # TrainConfig.compile_backend

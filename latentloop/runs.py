@@ -23,6 +23,7 @@ from torch import nn
 from .archs import build_model
 from .checkpoint import (
     SHARDED_DIR,
+    RunLock,
     add_checksum,
     check_full_weights,
     check_sharded,
@@ -42,7 +43,7 @@ from .checkpoint import expected_shapes as _expected_shapes
 from .config import ModelConfig, RunConfig
 from .data import load_tokenizer
 from .errors import CheckpointError, ConfigError, OutputError
-from .util import give_default_mode
+from .util import first_line, give_default_mode
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -112,7 +113,33 @@ def export_full_weights(path: str | Path, force: bool = False) -> Path:
     (torch.distributed.checkpoint, without a process group). Needs one full fp32 copy of the
     weights in CPU memory; no GPU. The file is written atomically. The shards are checked against
     their checksums and DCP's pickles read through allow-lists first (`checkpoint.check_sharded`):
-    a corrupt or planted file is one `CheckpointError` line, and nothing of it runs."""
+    a corrupt or planted file is one `CheckpointError` line, and nothing of it runs.
+
+    The run's lock (`RunLock`, RUN/.lock) is held from the choice of the checkpoint to the last write:
+    a training resumed meanwhile would save into the run and rotate out (`keep_last`) the checkpoint
+    being read and written. A run that trains now is refused in one line, with nothing written."""
+    run_dir = _run_folder_of(Path(path))
+    lock = RunLock(run_dir).acquire() if run_dir is not None else None
+    try:
+        return _export_full_weights(path, force)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run_folder_of(path: Path) -> Path | None:
+    """The run folder whose lock guards `path` (a run folder, or a checkpoint in its checkpoints/), or
+    None for a checkpoint folder that stands alone (no training writes there)."""
+    if (path / "checkpoints").is_dir():
+        return path
+    if path.parent.name == "checkpoints" and path.parent.parent.is_dir():
+        return path.parent.parent
+    return None
+
+
+def _export_full_weights(path: str | Path, force: bool) -> Path:
+    """`export_full_weights` with the run's lock held."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     checkpoint = resolve_checkpoint(path)
@@ -140,7 +167,10 @@ def export_full_weights(path: str | Path, force: bool = False) -> Path:
         os.replace(tmp, target)
         fsync_dir(checkpoint)
         add_checksum(checkpoint, target.name)
-    except OSError as exc:
+    except (OSError, SafetensorError) as exc:  # safetensors reports its own I/O failures as SafetensorError
         tmp.unlink(missing_ok=True)
-        raise OutputError(f"cannot write {target}: {exc.strerror or exc}") from None
+        if not checkpoint.is_dir():  # removed by another process (the lock keeps trainings out, not `rm`)
+            raise CheckpointError(f"{checkpoint} was removed while it was being exported (nothing was written): "
+                                  f"export again") from None
+        raise OutputError(f"cannot write {target}: {getattr(exc, 'strerror', None) or first_line(exc)}") from None
     return target

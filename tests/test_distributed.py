@@ -425,6 +425,65 @@ def test_an_error_before_the_processes_connect_is_printed_by_rank_0_only(corpus,
     assert not (tmp_path / "run").exists()
 
 
+def test_a_run_keeps_the_strategy_as_given_in_its_config(corpus, tmp_path):
+    """Setup saved what auto resolved to (none in one process) into config.json, so the run was
+    refused when resumed under torchrun, though the user never chose none (12-06 review). The config
+    keeps auto; what ran is the resolved strategy, and a strategy given on resume is a changed setting."""
+    from latentloop.train.resume import _sync_metrics
+    from latentloop.train.start import check_run_folder
+
+    run = tmp_path / "run"
+    state = setup(dist_workers.run_config("gpt", corpus, "auto", steps=1), run, progress=False)
+    try:
+        assert state.config.train.strategy == "none"  # what runs in one process
+        assert json.loads((run / "config.json").read_text())["train"]["strategy"] == "auto"
+        (run / "checkpoints").mkdir()  # as after a save: a run to resume
+        assert check_run_folder(run, state.config, True, "auto") == []  # auto both: nothing changed
+        assert check_run_folder(run, state.config, True, "ddp") == ['strategy: "auto" -> "ddp"']
+        state.config_unsaved = True  # a resume that changed a train setting writes the config again
+        _sync_metrics(state)
+        assert json.loads((run / "config.json").read_text())["train"]["strategy"] == "auto"  # still as given
+    finally:
+        state.lock.release()
+
+
+def _resume_config(run: Path, *extra: str) -> str:
+    """The train.strategy `latentloop train --out RUN --resume EXTRA` resumes with (nothing trained)."""
+    from latentloop.cli.parser import build_parser
+    from latentloop.cli.training import _run_config_from_args
+
+    args = build_parser().parse_args(["train", "--out", str(run), "--resume", *extra])
+    return _run_config_from_args(args).train.strategy
+
+
+def test_a_recorded_none_resumes_under_torchrun_as_auto_unless_none_is_given_now(corpus, tmp_path, monkeypatch,
+                                                                                capsys):
+    """A run saved before the config kept auto records none: under torchrun (2 processes) it resumes
+    with auto (said once, by rank 0); a recorded ddp / fsdp2 / auto stands; a none given now is refused."""
+    for recorded in ("none", "ddp", "fsdp2", "auto"):
+        run = tmp_path / recorded
+        run.mkdir()
+        dist_workers.run_config("gpt", corpus, recorded).save_json(run / "config.json")
+        notice = f"latentloop: {run / 'config.json'} records train.strategy none, as a run of one process"
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+        monkeypatch.delenv("RANK", raising=False)
+        assert _resume_config(run) == recorded  # one process: as recorded, nothing said
+        monkeypatch.setenv("WORLD_SIZE", str(WORLD))
+        for rank in (0, 1):
+            monkeypatch.setenv("RANK", str(rank))
+            assert _resume_config(run) == ("auto" if recorded == "none" else recorded), recorded
+            said = [line for line in capsys.readouterr().err.splitlines() if line.startswith(notice)]
+            assert len(said) == (recorded == "none" and rank == 0), (recorded, rank, said)
+        monkeypatch.setenv("RANK", "0")
+        assert _resume_config(run, "--set", "train.strategy=none") == "none"  # given now: it stands
+        assert _resume_config(run, "--set", "strategy=fsdp2") == "fsdp2"
+        assert notice not in capsys.readouterr().err
+        assert main(["train", "--out", str(run), "--resume", "--set", "train.strategy=none"]) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [
+            "latentloop: error: started as 2 processes (torchrun) but train.strategy is none: set --set "
+            "train.strategy=ddp or fsdp2 (or auto, the default: ddp under torchrun)"]
+
+
 @pytest.mark.parametrize("fails", [False, True], ids=["after success", "after a user error"])
 def test_a_process_in_a_group_skips_the_interpreters_teardown(corpus, tmp_path, monkeypatch, fails):
     """A gloo group's threads outlive it and can abort the interpreter's teardown (SIGABRT after

@@ -24,6 +24,7 @@ from latentloop.data.chat import (
     sequence_len_that_fits,
 )
 from latentloop.engine import teacher_forced_logits
+from latentloop.errors import ConfigError
 from latentloop.runs import load_run, save_run
 from latentloop.train.stages import EXTEND_LR_SHARE, SFT_LR_SHARE
 
@@ -207,6 +208,71 @@ def test_conversations_longer_than_the_row_name_a_sequence_len_that_fits(tmp_pat
 def test_extended_rope_theta_is_identity_without_extension():
     assert extended_rope_theta(500.0, 16, 256, 256) == 500.0
     assert extended_rope_theta(500.0, 16, 256, 1024) == pytest.approx(500.0 * 4 ** (16 / 14))
+
+
+def _resolved(*argv: str) -> dict:
+    """The run config `latentloop train ARGV` would train, without training."""
+    from latentloop.cli.parser import build_parser
+    from latentloop.cli.training import _run_config_from_args
+
+    return _run_config_from_args(build_parser().parse_args(["train", *argv])).to_dict()
+
+
+def test_extend_with_a_config_file_resolves_as_with_the_same_set(tmp_path):
+    """`--stage extend --config FILE` took the generic --init-from path: no RoPE scaling, pretraining's
+    lrs (12-06 review: "RoPE base 10000 -> 10000"). The file now sits between the stage and the flags."""
+    base = _base_run(tmp_path)
+    common = ["--stage", "extend", "--init-from", str(base), "--out", str(tmp_path / "long")]
+    (tmp_path / "ext.yaml").write_text("model:\n  sequence_len: 128\ntrain:\n  batch_size: 4\n")
+    from_file = _resolved(*common, "--config", str(tmp_path / "ext.yaml"))
+    assert from_file == _resolved(*common, "--set", "sequence_len=128", "--batch-size", "4")
+    head_dim = 64 // 4
+    assert from_file["model"]["rope_theta"] == pytest.approx(10000.0 * 2 ** (head_dim / (head_dim - 2)))
+    assert (from_file["train"]["lr"], from_file["train"]["muon_lr"], from_file["train"]["stage"]) == pytest.approx(
+        (TrainConfig().lr * EXTEND_LR_SHARE, TrainConfig().muon_lr * EXTEND_LR_SHARE, "extend"))
+    # the file's own train.stage chooses the stage as --stage does
+    (tmp_path / "staged.yaml").write_text("model:\n  sequence_len: 128\ntrain:\n  batch_size: 4\n  stage: extend\n")
+    assert _resolved(*common[2:], "--config", str(tmp_path / "staged.yaml")) == from_file
+
+
+def test_a_stage_config_file_keeps_what_it_sets_itself_and_the_flags_win(tmp_path):
+    base, fbt = _base_run(tmp_path), _base_run(tmp_path, "fbt")
+    (tmp_path / "own.yaml").write_text("model:\n  sequence_len: 128\n  rope_theta: 50000\ntrain:\n  lr: 0.002\n")
+    extend = ["--stage", "extend", "--init-from", str(base), "--config", str(tmp_path / "own.yaml"),
+              "--out", str(tmp_path / "long")]
+    own = _resolved(*extend)
+    assert (own["model"]["rope_theta"], own["train"]["lr"]) == (50000, 0.002)
+    assert own["train"]["muon_lr"] == pytest.approx(TrainConfig().muon_lr * EXTEND_LR_SHARE)  # not in the file
+    flagged = _resolved(*extend, "--lr", "0.005", "--set", "rope_theta=70000")
+    assert (flagged["model"]["rope_theta"], flagged["train"]["lr"]) == (70000, 0.005)
+    # sft: the stage's lrs and fbt's own stage default (feedback_start=0) unless the file sets them
+    (tmp_path / "sft.yaml").write_text("train:\n  batch_size: 4\n")
+    sft = ["--stage", "sft", "--init-from", str(fbt), "--data", "chat:task:addition_steps:n=60",
+           "--out", str(tmp_path / "sft")]
+    plain = _resolved(*sft, "--config", str(tmp_path / "sft.yaml"))
+    assert plain == _resolved(*sft, "--batch-size", "4")
+    assert plain["model"]["feedback_start"] == 0.0 and plain["train"]["lr"] == pytest.approx(
+        TrainConfig().lr * SFT_LR_SHARE)
+    (tmp_path / "sft-own.yaml").write_text("model:\n  feedback_start: 0.25\ntrain:\n  lr: 0.0001\n")
+    kept = _resolved(*sft, "--config", str(tmp_path / "sft-own.yaml"))
+    assert (kept["model"]["feedback_start"], kept["train"]["lr"]) == (0.25, 0.0001)
+
+
+def test_a_stage_config_file_that_changes_the_base_model_is_one_line(tmp_path, capsys):
+    base = _base_run(tmp_path)
+    (tmp_path / "sized.yaml").write_text("model:\n  preset: tiny\n  sequence_len: 128\ndata:\n  tokenizer: bytes\n")
+    capsys.readouterr()
+    assert main(["train", "--stage", "extend", "--init-from", str(base), "--config", str(tmp_path / "sized.yaml"),
+                 "--out", str(tmp_path / "long"), "--no-progress"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"latentloop: error: --stage extend keeps the base run's arch, shape and tokenizer: drop model.preset, "
+        f"data.tokenizer from {tmp_path / 'sized.yaml'}"]
+    assert not (tmp_path / "long").exists()
+    # another tokenizer alone would not fit the base's embeddings either (it was taken as it stood)
+    (tmp_path / "tokenizer.yaml").write_text("model:\n  sequence_len: 128\ndata:\n  tokenizer: bytes\n")
+    with pytest.raises(ConfigError, match="drop data.tokenizer from"):
+        _resolved("--stage", "extend", "--init-from", str(base), "--config", str(tmp_path / "tokenizer.yaml"),
+                  "--out", str(tmp_path / "long"))
 
 
 def test_stage_mistakes_are_one_line(tmp_path, capsys):

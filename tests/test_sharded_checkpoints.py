@@ -17,13 +17,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from latentloop.checkpoint import (
     DCP_CHECKSUMS,
     DCP_METADATA,
+    LOCK_FILE,
     SHARDED_CHECKSUMS_KEY,
     TRAINER_JSON,
+    RunLock,
     read_sharded_metadata,
     sha256_file,
     write_checksums,
@@ -245,6 +248,57 @@ def test_a_garbled_shard_is_one_line(run, capsys, entry):
     errors = [line for line in err if line.startswith("latentloop: error:")]
     assert code == 2 and len(errors) == 1 and not any("Traceback" in line for line in err), err
     assert f"cannot load the sharded checkpoint {folder}: PytorchStreamReader failed reading zip archive" in errors[0]
+
+
+def test_export_dcp_of_a_run_that_trains_is_one_line_and_writes_nothing(run, capsys):
+    """export-dcp took no run lock: a training resumed meanwhile rotated out (keep_last) the checkpoint
+    being exported (12-06 review). It holds the run's lock now, and a held one refuses it."""
+    checkpoint = dcp_folder(run).parent
+    before = sorted(p.name for p in checkpoint.iterdir())
+    held = RunLock(run).acquire()  # as a training holds it from setup to the end of fit
+    try:
+        for target in (run, checkpoint):  # the run folder or its checkpoint: the same run's lock
+            code, err = run_cli(["export-dcp", str(target)], capsys)
+            assert code == 2 and err == [f"latentloop: error: {run} is in use: another training writes to it (it "
+                                         f"holds {run / LOCK_FILE}); wait for it to finish"], err
+        assert sorted(p.name for p in checkpoint.iterdir()) == before
+    finally:
+        held.release()
+    assert run_cli(["export-dcp", str(run)], capsys)[0] == 0
+    RunLock(run).acquire().release()  # and the export let go of it
+
+
+def test_a_checkpoint_removed_or_unwritable_during_the_export_is_one_line(saved_run, run, tmp_path, capsys,
+                                                                         monkeypatch):
+    """safetensors reports its I/O failures as SafetensorError, which escaped as a traceback."""
+    import latentloop.runs as runs
+
+    checkpoint = dcp_folder(run).parent
+    read = runs.load_sharded_state
+
+    def read_then_remove(*args, **kwargs):
+        read(*args, **kwargs)
+        shutil.rmtree(checkpoint)  # as another process's keep_last rotation removes it
+
+    monkeypatch.setattr(runs, "load_sharded_state", read_then_remove)
+    code, err = run_cli(["export-dcp", str(checkpoint)], capsys)
+    assert code == 2 and err == [f"latentloop: error: {checkpoint} was removed while it was being exported (nothing "
+                                 f"was written): export again"], err
+    monkeypatch.undo()
+    import safetensors.torch
+
+    def full_disk(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"partial")
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    run = shutil.copytree(saved_run, tmp_path / "again")
+    checkpoint = dcp_folder(run).parent
+    before = sorted(p.name for p in checkpoint.iterdir())
+    code, err = run_cli(["export-dcp", str(run)], capsys)
+    assert code == 2 and err == [f"latentloop: error: cannot write {checkpoint / 'model.safetensors'}: Error while "
+                                 f"serializing: I/O error: No space left on device (os error 28)"], err
+    assert sorted(p.name for p in checkpoint.iterdir()) == before  # its temporary file removed
 
 
 def test_a_checkpoint_saved_before_checksums_loads_with_a_warning(saved_run, run, tmp_path, capsys):

@@ -15,20 +15,27 @@ def _run_config_from_args(args):
     from ..config import RunConfig, apply_overrides, config_sections, load_yaml
 
     saved = Path(args.out) / "config.json"
-    if args.stage in ("sft", "extend") and not args.config and not args.resume:
+    file = config_sections(load_yaml(args.config)) if args.config else None
+    # the stage a new run trains: --stage, else the config file's own train.stage
+    stage = args.stage or (file["train"].get("stage") if file else None)
+    if stage in ("sft", "extend") and not args.resume:
         from ..train import stage_config
 
         if not args.init_from:
-            raise LatentloopError(f"--stage {args.stage} continues a trained run: give --init-from RUN")
+            raise LatentloopError(f"--stage {stage} continues a trained run: give --init-from RUN")
         if args.arch or args.preset or args.tokenizer:
-            raise LatentloopError(f"--stage {args.stage} keeps the base run's arch, shape and tokenizer: drop "
+            raise LatentloopError(f"--stage {stage} keeps the base run's arch, shape and tokenizer: drop "
                                   f"--arch/--preset/--tokenizer")
         flags = {"train.steps": args.steps, "train.batch_size": args.batch_size, "train.lr": args.lr,
                  "train.seed": args.seed, "train.device": args.device, "train.trackers": args.log,
                  "train.profile_steps": args.profile}
-        return stage_config(args.stage, args.init_from, args.overrides, data=args.data, flags=flags)
-    if args.config:
-        raw = load_yaml(args.config)
+        # a config file goes through the stage too (its RoPE scaling and defaults), between the stage's
+        # defaults and the flags: the base run < the stage < the file < the flags and --set
+        return stage_config(stage, args.init_from, args.overrides, data=args.data, flags=flags, file=file,
+                            file_name=args.config)
+    resumed = False  # whether the config is the resumed run's own config.json
+    if file is not None:
+        raw = file
     elif args.resume and saved.is_file():
         try:
             raw = json.loads(saved.read_text())
@@ -36,9 +43,12 @@ def _run_config_from_args(args):
             raise CheckpointError(f"cannot resume: {saved} is unreadable or cut short ({exc})") from None
         if not isinstance(raw, dict):
             raise CheckpointError(f"cannot resume: {saved} does not hold a run config")
+        resumed = True
     else:
         raw = {}
     raw = config_sections(raw)
+    if resumed:
+        _recorded_none_under_torchrun(raw, args.overrides, saved)
     flags = {"model.arch": args.arch, "model.preset": args.preset, "data.source": args.data,
              "data.tokenizer": args.tokenizer, "train.steps": args.steps, "train.batch_size": args.batch_size,
              "train.lr": args.lr, "train.seed": args.seed, "train.device": args.device, "train.stage": args.stage,
@@ -52,6 +62,30 @@ def _run_config_from_args(args):
     elif not raw["model"].get("preset") and not args.config and not (args.resume and saved.is_file()):
         raw["model"]["preset"] = "tiny"
     return RunConfig.from_dict(apply_overrides(raw, args.overrides))
+
+
+def _recorded_none_under_torchrun(raw: dict, overrides: list[str], saved: Path) -> None:
+    """A resumed run whose config.json records train.strategy none, resumed under torchrun (more than
+    one process) without a strategy on the command line, resumes with auto (ddp there), said once.
+
+    Why: before a run kept the strategy as given, it recorded what auto resolved to, so a run started
+    with the default in one process recorded none, and `torchrun ... train --resume` was refused as if
+    the user had chosen none. A recorded none cannot tell the two apart; the launch can: starting
+    several processes asks for them. A none given now (--set train.strategy=none) is still refused."""
+    import os
+
+    from ..distributed import launch_env
+
+    processes = launch_env()[2]
+    if raw["train"].get("strategy") != "none" or processes <= 1:
+        return
+    if any(item.split("=", 1)[0].strip() in ("strategy", "train.strategy") for item in overrides):
+        return  # chosen now: it stands (a none is refused as for a new run)
+    raw["train"]["strategy"] = "auto"
+    if os.environ.get("RANK", "0") in ("", "0"):  # torchrun starts every process alike: said once
+        print(f"latentloop: {saved} records train.strategy none, as a run of one process with the default auto "
+              f"recorded it before runs kept auto; started as {processes} processes, it resumes with auto (ddp): "
+              f"--set train.strategy=fsdp2 (or none) chooses otherwise", file=sys.stderr)
 
 
 def _inherit_from_run(raw: dict, run: str) -> None:

@@ -44,7 +44,7 @@ from ..parallel import (
     save_sharded,
 )
 from ..runtime import absolute_source
-from ..util import first_line, is_int
+from ..util import first_line, is_int, write_json_atomic
 from .state import TrainState, note, rank_seed, warn
 
 
@@ -234,7 +234,7 @@ def _sync_metrics(state: TrainState) -> None:
     resume's changed config (`config_unsaved`), which the checkpoint copies."""
     if state.config_unsaved:
         try:
-            state.config.save_json(state.run_dir / "config.json")
+            write_json_atomic(state.run_dir / "config.json", state.config_as_saved())  # strategy as given
         except OSError as exc:
             raise OutputError(f"cannot write {state.run_dir / 'config.json'}: {exc.strerror or exc}") from None
         state.config_unsaved = False

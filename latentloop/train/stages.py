@@ -1,6 +1,6 @@
 """Training stages after pretraining: which data each takes (`check_stage`) and the config an sft /
 extend run gets from its base run (`stage_config`: the base's model, the stage's defaults, then
-the arch's, the flags and the overrides)."""
+the arch's, a config file, the flags and the overrides)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint import find_tokenizer_file, read_run_config, resolve_checkpoint
-from ..config import RunConfig, TrainConfig, apply_overrides, extended_rope_theta
+from ..config import SECTIONS, RunConfig, TrainConfig, apply_overrides, config_sections, extended_rope_theta
 from ..data.chat import is_chat_source
 from ..errors import ConfigError
 
@@ -50,24 +50,43 @@ STAGE_DEFAULTS: dict[str, dict[str, Any]] = {
 
 
 def stage_config(stage: str, init_from: str | Path, overrides: list[str] = (), data: str | None = None,
-                 flags: dict[str, Any] | None = None) -> RunConfig:
+                 flags: dict[str, Any] | None = None, file: dict[str, Any] | None = None,
+                 file_name: str | Path = "the config file") -> RunConfig:
     """The config of an sft / extend run from its base run: the base's model (shape, arch, its
-    tokenizer), the stage's defaults (`STAGE_DEFAULTS`, then the arch's `stage_defaults`), then `flags`
-    ({"section.key": value}) and `overrides` ("key=value"). For extend, a `sequence_len` above the
-    base's scales `rope_theta` by `extended_rope_theta` unless the overrides set rope_theta themselves."""
+    tokenizer), the stage's defaults (`STAGE_DEFAULTS`, then the arch's `stage_defaults`), then a
+    config file's sections (`file`, read from `file_name`), then `flags` ({"section.key": value}) and
+    `overrides` ("key=value"): each layer sets only what it names, so a file that sets its own lr or
+    rope_theta keeps it, and what it leaves out is the stage's. For extend, a `sequence_len` above the
+    base's scales `rope_theta` by `extended_rope_theta` unless the file or the overrides set rope_theta
+    themselves."""
     checkpoint = resolve_checkpoint(init_from)
     base = read_run_config(checkpoint)
     tokenizer_file = find_tokenizer_file(checkpoint)
+    file = config_sections(file or {})
+    unknown = sorted(set(file) - set(SECTIONS))  # as RunConfig.from_dict says it of a file without a stage
+    if unknown:
+        raise ConfigError(f"unknown config section(s): {', '.join(unknown)} (use model, train, data)")
+    # the stage trains the base's own weights: another arch, a preset's shape or another tokenizer
+    # would not fit them (the same as --arch / --preset / --tokenizer, refused with a stage)
+    foreign = [f"model.{key}" for key in ("arch", "preset") if key in file["model"]
+               and not (key == "arch" and file["model"][key] == base.model.arch)]
+    foreign += ["data.tokenizer"] if "tokenizer" in file["data"] else []
+    if foreign:
+        raise ConfigError(f"--stage {stage} keeps the base run's arch, shape and tokenizer: drop "
+                          f"{', '.join(foreign)} from {file_name}")
     raw = base.to_dict()
     raw["train"] = {"stage": stage, "seed": base.train.seed, "batch_size": base.train.batch_size,
                     "device": base.train.device, "dtype": base.train.dtype}
     raw["data"] = {"source": base.data.source, "tokenizer": str(tokenizer_file), "val_fraction": base.data.val_fraction,
                    "max_bytes": base.data.max_bytes}
-    for key, value in {**STAGE_DEFAULTS[stage], **{f"model.{k}": v for k, v in
-                                                  base.model.stage_defaults.get(stage, {}).items()},
-                       **{k: v for k, v in (flags or {}).items() if v is not None}}.items():
-        section, name = key.split(".")
-        raw[section][name] = value
+    layers = [STAGE_DEFAULTS[stage], {f"model.{k}": v for k, v in base.model.stage_defaults.get(stage, {}).items()},
+              {f"{section}.{name}": value for section in SECTIONS for name, value in file[section].items()},
+              {"train.stage": stage},  # --stage (or the file's own train.stage) chose this path
+              {k: v for k, v in (flags or {}).items() if v is not None}]
+    for layer in layers:
+        for key, value in layer.items():
+            section, name = key.split(".")
+            raw[section][name] = value
     if data is not None:
         raw["data"]["source"] = data
     raw = apply_overrides(raw, list(overrides))
@@ -76,9 +95,9 @@ def stage_config(stage: str, init_from: str | Path, overrides: list[str] = (), d
         if config.model.sequence_len <= base.model.sequence_len:
             raise ConfigError(f"stage extend needs a sequence_len above the base run's {base.model.sequence_len} "
                               f"(--set sequence_len=N), got {config.model.sequence_len}")
-        if not any(item.split("=", 1)[0].strip().endswith("rope_theta") for item in overrides):
+        chosen = "rope_theta" in file["model"] or any(item.split("=", 1)[0].strip().endswith("rope_theta")
+                                                      for item in overrides)
+        if not chosen:
             config.model.rope_theta = extended_rope_theta(base.model.rope_theta, base.model.head_dim,
                                                           base.model.sequence_len, config.model.sequence_len)
     return config
-
-

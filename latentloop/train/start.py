@@ -20,10 +20,11 @@ from ..errors import CheckpointError, ConfigError, DataError, OutputError
 from ..interop.upcycle import initialise_from
 from ..parallel import wrap_model
 from ..runtime import absolute_source, keep_freed_memory, precision_note, prepare_data, resolve_dtype
+from ..util import write_json_atomic
 from .memory import check_step_fits, device_memory_bytes
 from .resume import resume_run
 from .stages import check_stage
-from .state import SET_ON_SETUP, FlopsMemo, TrainState, note, rank_seed, warn
+from .state import SET_ON_SETUP, FlopsMemo, TrainState, config_as_given, note, rank_seed, warn
 from .step import ModelAndLoss, accumulation, compiled_step_graphs
 from .trackers import check_trackers
 
@@ -61,9 +62,11 @@ def _holds_checkpoints(run_dir: Path) -> bool:
     return folder.is_dir() and any(folder.iterdir())
 
 
-def check_run_folder(run_dir: Path, config: RunConfig, resume: bool) -> list[str]:
+def check_run_folder(run_dir: Path, config: RunConfig, resume: bool, strategy: str | None = None) -> list[str]:
     """Refuse a folder this run cannot start or resume in; resuming, the train settings that changed
-    since the run's saved config (`train_changes`; a FIXED_ON_RESUME one is refused)."""
+    since the run's saved config (`train_changes`; a FIXED_ON_RESUME one is refused). `strategy`: the
+    train.strategy as given (auto, say), compared in place of the resolved one `config` holds, since
+    the saved config keeps it as given (`config_as_given`)."""
     saved = run_dir / "config.json"
     if (run_dir / "model.safetensors").is_file() or (run_dir / "state.json").is_file():
         raise CheckpointError(f"{run_dir} is a checkpoint folder; give its run folder ({run_dir.parent.parent}) "
@@ -80,7 +83,7 @@ def check_run_folder(run_dir: Path, config: RunConfig, resume: bool) -> list[str
             raise CheckpointError(f"corrupt {saved}: {exc}") from None
         if not isinstance(previous, dict) or not all(isinstance(previous.get(s, {}), dict) for s in ("model", "data")):
             raise CheckpointError(f"corrupt {saved}: not a run config with sections model/train/data")
-        current = config.to_dict()
+        current = config.to_dict() if strategy is None else config_as_given(config, strategy)
         for section in ("model", "data"):
             for key in sorted(set(previous.get(section, {})) | set(current[section])):
                 old, new = previous.get(section, {}).get(key), current[section].get(key)
@@ -137,7 +140,10 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
     """Build tokenizer, data, model, objective and optimizers; nothing is written until all succeed.
     Under torchrun (train.strategy ddp or fsdp2) this process first joins the job's process group."""
     run_dir = Path(run_dir)
-    config.train.strategy = resolve_strategy(config.train.strategy)  # auto -> what runs, and what the run records
+    # auto -> what runs (the model's wrapping, the checkpoints' state.json and the log follow it); the
+    # run's config.json keeps the setting as given (`config_as_given`)
+    given_strategy = config.train.strategy
+    config.train.strategy = resolve_strategy(given_strategy)
     # a text file's path as an absolute one: the run records it so, and resumes from any folder
     config.data.source = absolute_source(config.data.source)
     env, device = init_distributed(config.train.strategy, config.train.device)
@@ -148,7 +154,7 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
     together(check_stage, config, resume, init_from)
     # the token batch divides into micro-batches, before any data is prepared
     together(accumulation, config.train, config.model.sequence_len, env.world_size)
-    together(check_run_folder, run_dir, config, resume)
+    together(check_run_folder, run_dir, config, resume, given_strategy)
     if resume and list_checkpoints(run_dir):
         together(lambda: check_resumable(resolve_checkpoint(run_dir)))  # before any data is prepared
     tokenizer = together(load_tokenizer, _run_tokenizer(run_dir) if resume else config.data.tokenizer)
@@ -201,8 +207,9 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
                        init_report=init_report, dist=env, flops=flops,
                        init_from=None if init_from is None else str(Path(init_from).resolve()))
     state.forward_model = forward_model
+    state.given_strategy = given_strategy
 
-    changes = on_main(_claim_run_folder, state, resume)
+    changes = on_main(_claim_run_folder, state, resume, given_strategy)
     try:
         if resume:
             resume_run(state)
@@ -249,9 +256,10 @@ def _keep_train_changes(state: TrainState, changes: list[str]) -> None:
     state.config_unsaved = True
 
 
-def _claim_run_folder(state: TrainState, resume: bool) -> list[str]:
-    """Rank 0: create and lock the run folder; a new run writes its config, tokenizer and an empty log.
-    Returns the train settings a resume changes (`check_run_folder`)."""
+def _claim_run_folder(state: TrainState, resume: bool, strategy: str) -> list[str]:
+    """Rank 0: create and lock the run folder; a new run writes its config (train.strategy as given,
+    `strategy`), tokenizer and an empty log. Returns the train settings a resume changes
+    (`check_run_folder`)."""
     run_dir, config = state.run_dir, state.config
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -260,14 +268,14 @@ def _claim_run_folder(state: TrainState, resume: bool) -> list[str]:
     state.lock = RunLock(run_dir).acquire()
     try:
         # again, locked: another run may have started here meanwhile
-        changes = check_run_folder(run_dir, config, resume)
+        changes = check_run_folder(run_dir, config, resume, strategy)
         if not resume:
             log = run_dir / "metrics.jsonl"
             if log.is_file() and log.stat().st_size:  # the rows of a run that stopped before its first save
                 log.replace(run_dir / STOPPED_LOG)
                 note(f"{run_dir} held a run that stopped before its first checkpoint: starting again (its log "
                      f"is kept as {STOPPED_LOG})")
-            config.save_json(run_dir / "config.json")
+            write_json_atomic(run_dir / "config.json", config_as_given(config, strategy))
             try:
                 state.tokenizer.save(run_dir)
                 (run_dir / "metrics.jsonl").write_text("")

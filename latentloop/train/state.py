@@ -27,6 +27,17 @@ if TYPE_CHECKING:  # the loop's guard (the loop imports this module)
 SET_ON_SETUP = ("vocab_size", "bos_id", "cache_dir")
 
 
+def config_as_given(config: RunConfig, strategy: str) -> dict:
+    """The run config as config.json keeps it: train.strategy as the user gave it, not what it
+    resolved to in this launch. Why: auto resolved in one process is none, and a run that recorded
+    none was refused when resumed under torchrun, though the user never chose none; what ran is in
+    every checkpoint's state.json and in the log."""
+    raw = config.to_dict()
+    raw["train"]["strategy"] = strategy
+    return raw
+
+
+
 @dataclass
 class TrainState:
     config: RunConfig
@@ -54,6 +65,11 @@ class TrainState:
     # a resume's changed train settings, written into the run's config.json by the next save (written at
     # once, a resume that died before its first checkpoint left them for a later plain --resume, unsaid)
     config_unsaved: bool = False
+    given_strategy: str | None = None  # train.strategy as the user gave it (auto, say): what config.json keeps
+
+    def config_as_saved(self) -> dict:
+        """The run config as the run's config.json keeps it (`config_as_given`)."""
+        return config_as_given(self.config, self.given_strategy or self.config.train.strategy)
 
     @property
     def accumulation(self) -> int:
