@@ -11,6 +11,7 @@ import pytest
 from latentloop.archs import ARCHS
 from latentloop.cli import main
 from latentloop.config import ModelConfig
+from latentloop.interop.hf_export import _shown_source
 
 CARD_ARCHS = [name for name in ARCHS if name != "gpt"][:1] + ["gpt"]  # a variant (remote code) and the baseline
 
@@ -38,7 +39,8 @@ def test_export_writes_a_model_card_of_the_run(arch, tiny_run, tmp_path, capsys)
             assert f"- {name}: " in card, name
     for option in ARCHS[arch].options:
         assert f"`{option.name}` (default {option.default!r})" in card
-    assert f"- data: `{config['data']['source']}`" in card
+    assert f"- data: `{_shown_source(config['data']['source'])}`" in card  # the files, not the folders
+    assert "/" not in _shown_source(config["data"]["source"]).removeprefix("text:")
     assert f"steps: {state['step']}, tokens: {state['tokens_seen']:,}" in card
     assert f"validation loss at step {final['step']}: {final['val_loss']:.4g}" in card
     assert f"validation bpb at step {final['step']}: {final['val_bpb']:.4g}" in card

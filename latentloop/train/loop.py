@@ -186,7 +186,8 @@ def fit(state: TrainState, progress: bool = True, max_seconds: float | None = No
         state.lock.acquire()  # a no-op when setup's lock is still held
     try:
         if state.dist.is_main and state.config.train.trackers:
-            state.trackers = open_trackers(state.config.train.trackers, state.run_dir, state.config, state.step)
+            state.trackers = open_trackers(state.config.train.trackers, state.run_dir, state.config_as_saved(),
+                                           state.step)
         return _fit(state, progress and state.dist.is_main, max_seconds)
     except NonFiniteError as exc:
         if state.dist.world_size > 1:

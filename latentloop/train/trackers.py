@@ -29,7 +29,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..config import TRACKERS, RunConfig
+from ..config import TRACKERS
 from ..errors import ConfigError
 
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}  # tracker -> the package it needs (and its extra)
@@ -88,7 +88,7 @@ class TensorBoardTracker:
 
 
 class WandbTracker:
-    def __init__(self, run_dir: Path, config: RunConfig):
+    def __init__(self, run_dir: Path, config: dict[str, Any]):
         import wandb
 
         folder = run_dir / WANDB_DIR
@@ -98,7 +98,7 @@ class WandbTracker:
         id_file.write_text(run_id + "\n")
         mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
         self.run = wandb.init(project=os.environ.get(WANDB_PROJECT_ENV, DEFAULT_WANDB_PROJECT), name=run_dir.name,
-                              id=run_id, resume="allow", dir=str(run_dir), mode=mode, config=config.to_dict())
+                              id=run_id, resume="allow", dir=str(run_dir), mode=mode, config=config)
 
     def log(self, row: dict[str, Any]) -> None:
         step, values = scalars(row)
@@ -108,9 +108,9 @@ class WandbTracker:
         self.run.finish()
 
 
-def open_trackers(names: tuple[str, ...], run_dir: Path, config: RunConfig, step: int = 0) -> list[Tracker]:
+def open_trackers(names: tuple[str, ...], run_dir: Path, config: dict[str, Any], step: int = 0) -> list[Tracker]:
     """The trackers `names` asks for, opened on the run folder at the run's current `step` (rank 0
-    calls this)."""
+    calls this); `config`: the run config as its config.json holds it (W&B's run config)."""
     check_trackers(names)
     return [TensorBoardTracker(run_dir, step) if name == "tensorboard" else WandbTracker(run_dir, config)
             for name in names]
