@@ -28,14 +28,20 @@ def private(path: Path) -> Path:
     return path
 
 
-def shared_group(monkeypatch, members: list[str], primary: bool = False) -> None:
-    """Every group looked up lists `members`; every owner is "me", whose primary group it is or not."""
+def shared_group(monkeypatch, members: list[str], primary: bool = False, others_primary: bool = False) -> None:
+    """Every group looked up lists `members`; every owner is "me", whose primary group it is or not;
+    the accounts are me and "bob", whose primary group it is when `others_primary`."""
     import grp
     import pwd
 
+    def account(name: str, uid: int, gid: int):
+        return pwd.struct_passwd((name, "x", uid, gid, "", "/", "/bin/sh"))
+
+    me = account("me", os.getuid(), os.getgid() if primary else 4242)
+    bob = account("bob", os.getuid() + 1, os.getgid() if others_primary else 4343)
     monkeypatch.setattr(grp, "getgrgid", lambda gid: grp.struct_group(("g", "x", gid, members)))
-    monkeypatch.setattr(pwd, "getpwuid", lambda uid: pwd.struct_passwd(
-        ("me", "x", uid, 4242 if not primary else os.getgid(), "", "/", "/bin/sh")))
+    monkeypatch.setattr(pwd, "getpwuid", lambda uid: me if uid == me.pw_uid else bob)
+    monkeypatch.setattr(pwd, "getpwall", lambda: [me, bob])
 
 
 def test_a_private_folder_is_trusted_and_one_others_may_write_is_not(tmp_path):
@@ -60,14 +66,16 @@ def test_a_folder_owned_by_someone_else_is_not_trusted(tmp_path, monkeypatch):
     assert f"owned by uid {me}" in untrusted_folder(root, root)
 
 
-@pytest.mark.parametrize("members, primary, trusted", [
-    ([], True, True),  # a user private group (umask 002's companion): the owner's primary group, no members
-    (["me"], False, True),  # the owner its only member
-    (["me", "bob"], False, False),  # bob could swap the folder's contents
-    ([], False, False),  # nobody listed, and not the owner's own group: whose it is is unknown
+@pytest.mark.parametrize("members, primary, others_primary, trusted", [
+    ([], True, False, True),  # a user private group (umask 002's companion): the owner's primary group, no members
+    (["me"], False, False, True),  # the owner its only member
+    (["me", "bob"], False, False, False),  # bob could swap the folder's contents
+    ([], False, False, False),  # nobody listed, and not the owner's own group: whose it is is unknown
+    ([], True, True, False),  # everyone's primary group (openSUSE's `users`): /etc/group lists nobody
+    (["me"], False, True, False),  # listed alone, but bob's primary group
 ])
 def test_group_write_is_trusted_only_where_the_group_is_the_owners_alone(tmp_path, monkeypatch, members, primary,
-                                                                        trusted):
+                                                                        others_primary, trusted):
     """Under umask 002 the token cache made the cache's root 0775, and from then on no kernel or
     compiled step was ever loaded from it, though the group was the user's alone."""
     old = os.umask(0o002)
@@ -78,7 +86,7 @@ def test_group_write_is_trusted_only_where_the_group_is_the_owners_alone(tmp_pat
         os.umask(old)
     assert stat.S_IMODE(root.stat().st_mode) == 0o775
     os.chown(root, os.getuid(), os.getgid())  # the folder's group: the one the fake says is the owner's
-    shared_group(monkeypatch, members, primary)
+    shared_group(monkeypatch, members, primary, others_primary)
     verdict = untrusted_folder(root / "kernels", root)
     assert (verdict is None) == trusted, verdict
     if not trusted:

@@ -477,3 +477,19 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(chat_run, command):
     _, err = process.communicate(b"hello\n", timeout=120)
     assert b"Traceback" not in err and b"Exception ignored" not in err, err.decode()
     assert process.returncode == 141  # as a shell reports a writer ended by SIGPIPE
+
+
+def test_a_chat_format_that_refuses_the_first_message_says_so_without_blaming_system():
+    """The start check runs without --system too; a refusal of the format blamed a --system never given."""
+    from latentloop.cli.decoding import _check_chat_start
+    from latentloop.data.chat import ChatFormatError
+    from latentloop.errors import LatentloopError
+
+    class Refusing:
+        def render_prompt(self, messages):
+            raise ChatFormatError("a system turn must come first")
+
+    with pytest.raises(LatentloopError, match="^the chat format refuses a first message: a system turn"):
+        _check_chat_start(Refusing(), [], 8, 64)
+    with pytest.raises(LatentloopError, match="^--system is not a usable system message"):
+        _check_chat_start(Refusing(), [{"role": "system", "content": "x"}], 8, 64)

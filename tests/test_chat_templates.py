@@ -414,3 +414,34 @@ def test_a_template_refusing_one_conversation_names_it(tmp_path):
     chat.write_text("".join(json.dumps(row) + "\n" for row in rows))
     with pytest.raises(ChatFormatError, match=rf"{chat}:8: the chat template refused the conversation: not this one"):
         prepare_chat(f"chat:{chat}:question=user,answer=assistant", tok, 64)
+
+
+# Qwen3's way with earlier replies: their <think> block is dropped, so the conversation does not render
+# as a growing prefix (no spans to mark)
+THINK_DROPPING = ("{%- set ns = namespace(last=0) -%}{%- for m in messages -%}{%- if m['role'] == 'user' -%}"
+                  "{%- set ns.last = loop.index0 -%}{%- endif -%}{%- endfor -%}{%- for m in messages -%}"
+                  "{%- set c = m['content'] -%}{%- if m['role'] == 'assistant' and loop.index0 < ns.last -%}"
+                  "{%- set c = c.split('</think>')[-1] -%}{%- endif -%}"
+                  "{{ '<|im_start|>' + m['role'] + '\n' + c + '<|im_end|>\n' }}{%- endfor -%}"
+                  "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}")
+
+
+def test_a_chats_earlier_replies_are_marked_through_a_template_or_read_plain_where_it_rewrites_them(tmp_path):
+    """fbt replays a chat's earlier replies fused (`prompt_written`); through a template that drops
+    earlier turns' <think> (no growing prefix), the second turn ended `chat` and got a 500 from serve,
+    where the prompt is to be read plain."""
+    import latentloop as ll
+    from latentloop.data.chat import prompt_written, render_conversation
+
+    history = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "<think>hm</think>world"},
+               {"role": "user", "content": "again"}]
+    chatml = HFTokenizer.from_pretrained_folder(_chatml_folder(tmp_path / "chatml"))
+    prompt = chatml.render_prompt(history)
+    ids, mask = render_conversation(chatml, history[:2])  # what SFT trains: the reply's tokens marked
+    assert prompt[:len(ids)] == ids and prompt_written(chatml, history, prompt)[:len(ids)] == mask and any(mask)
+    dropping = HFTokenizer.from_pretrained_folder(_chatml_folder(tmp_path / "qwen3ish", THINK_DROPPING))
+    prompt = dropping.render_prompt(history)
+    assert prompt_written(dropping, history, prompt) == [False] * len(prompt)
+    torch.manual_seed(0)
+    model = ll.build("fbt", preset="test", vocab_size=dropping.vocab_size, bos_id=dropping.bos_id).eval()
+    assert len(list(stream_reply(model, dropping, history, 3, temperature=0.0, compile=False))) >= 0  # no error

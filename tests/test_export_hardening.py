@@ -198,7 +198,7 @@ def test_the_card_names_no_local_tokenizer_path(tmp_path, capsys):
 
 def test_the_card_names_no_folder_of_the_machine_that_trained_or_exported(tmp_path, capsys):
     """The card printed the checkpoint's absolute path and the data source's folders (`text:/home/...`)."""
-    corpus = tmp_path / "corpora" / "stories.txt"
+    corpus = tmp_path / "my corpora" / "stories.txt"  # a folder with a space in its name, too
     config = RunConfig(model=model_config("gpt", "test"),
                        data=DataConfig(source=f"mix:{corpus}=0.5,text:{corpus}=0.5"))
     run = _weights_run(tmp_path / "run", config=config)
@@ -318,7 +318,8 @@ def _dead_pid() -> int:
     return int(child.stdout)  # exited: no process has this id now (reused only after the system wraps around)
 
 
-def test_what_a_killed_export_left_in_or_beside_out_does_not_block_the_retry(tiny_run, tmp_path, capsys):
+def test_what_a_killed_export_left_in_or_beside_out_does_not_block_the_retry(tiny_run, tmp_path, capsys,
+                                                                             monkeypatch):
     """A SIGKILLed export into an existing empty --out left its staging folder inside, and every retry
     was refused: "exists and is not empty"."""
     out = tmp_path / "shared"
@@ -334,6 +335,12 @@ def test_what_a_killed_export_left_in_or_beside_out_does_not_block_the_retry(tin
     live.rmdir()
     _export(tiny_run("gpt"), out, capsys)
     assert (out / "config.json").is_file() and not [p for p in out.iterdir() if p.name.startswith(".")]
+    dot = tmp_path / "dot"  # --out .: the leftover is named after the folder's own name
+    dot.mkdir()
+    (dot / f"{hf_export.STAGING_PREFIX}dot-{dead}-89abcdef").mkdir()
+    monkeypatch.chdir(dot)
+    _export(tiny_run("gpt"), Path("."), capsys)
+    assert (dot / "config.json").is_file() and not [p for p in dot.iterdir() if p.name.startswith(".")]
     beside = tmp_path / "new"
     left_beside = tmp_path / f"{hf_export.STAGING_PREFIX}new-{dead}-4567cdef"
     left_beside.mkdir()

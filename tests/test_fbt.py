@@ -402,3 +402,18 @@ def test_written_is_checked_against_the_prompts():
     gpt = ll.build("gpt", preset="test").eval()  # reads every token alike: not handed it, the same tokens
     assert ll.generate(gpt, [256, 5, 6], 3, temperature=0.0, written=[False, False, True]) == \
         ll.generate(gpt, [256, 5, 6], 3, temperature=0.0)
+
+
+@torch.no_grad()
+def test_a_rows_first_token_is_never_replayed_fused():
+    """`written` on a row's first real token (a prompt without BOS) read a state nothing had set alone
+    (KeyError) and the padding's state behind left padding; it stays plain, as `reference` keeps it."""
+    torch.manual_seed(0)
+    model = ll.build("fbt", preset="test").eval()
+    prompt, marks = [8, 9, 10, 11], [True, True, False, True]
+    kwargs = dict(temperature=0.0, regime="soft", compile=False)
+    alone = ll.generate(model, prompt, 6, written=marks, **kwargs)
+    assert alone == ll.generate(model, prompt, 6, written=marks, use_cache=False, **kwargs)
+    batched = ll.generate(model, [[256, 5, 6, 7, 8, 9, 10], prompt], 6,
+                          written=[[False] * 7, marks], **kwargs)
+    assert batched[1] == alone

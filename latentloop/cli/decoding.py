@@ -109,7 +109,8 @@ def _check_chat_start(tokenizer, start: list[dict], budget: int, context: int) -
     try:  # with the shortest message: what any conversation of this session takes at least
         least = len(tokenizer.render_prompt([*start, {"role": "user", "content": "?"}]))
     except ChatFormatError as exc:
-        raise LatentloopError(f"--system is not a usable system message: {exc}") from None
+        what = "--system is not a usable system message" if start else "the chat format refuses a first message"
+        raise LatentloopError(f"{what}: {exc}") from None
     if least > context - budget:
         what = "--system takes" if start else "the chat format takes"
         raise LatentloopError(f"{what} {least} tokens with a one-character message, over the "

@@ -231,7 +231,10 @@ def prompt_written(tokenizer, messages, prompt: Sequence[int], where: str = "con
         return unmarked
     tokens = _chat_format(tokenizer)
     if isinstance(tokens, ChatTemplate):
-        full, cuts = template_spans(tokenizer.chat_template, _template_context(tokenizer, messages, False))
+        try:
+            full, cuts = template_spans(tokenizer.chat_template, _template_context(tokenizer, messages, False))
+        except ChatFormatError:  # a template that rewrites earlier turns (Qwen3's drops their <think>)
+            return unmarked
         text = render_template(tokenizer.chat_template, _template_context(tokenizer, messages, True))
         if not text.startswith(full):
             return unmarked

@@ -14,8 +14,10 @@ library planted there would run as whoever calls `latentloop generate`. So, as s
   their folder first (`private_folder`) and judge it after, so that one another user makes in
   between is seen.
 - Group write is allowed where the group is the owner's alone, by the rule Debian's OpenSSH applies to
-  `~/.ssh` (a user private group, which umask 002 goes with): the group lists no member and is the
-  owner's primary group, or lists the owner as its only member.
+  `~/.ssh` (a user private group, which umask 002 goes with): the group lists no member but the
+  owner, and no account but the owner has it as its primary group (a group shared as everyone's
+  primary one, openSUSE's `users`, lists nobody and is not the owner's alone). A group or an owner
+  that cannot be looked up is not.
 - `unverified_file(path)`: a file is loaded only when it is this user's, not writable by group or
   others, and its sha256 equals the one recorded beside it when it was built (`record_digest`, a
   `<name>.sha256` file written before the artifact is renamed into place). A damaged file (a library
@@ -55,17 +57,22 @@ def _owner_ok(info: os.stat_result, allow_root: bool) -> bool:
 
 
 def _group_is_owners_alone(gid: int, uid: int) -> bool:
-    """Whether the group `gid` holds only the user `uid` (a user private group; see the module doc)."""
+    """Whether the group `gid` holds only the user `uid` (a user private group; see the module doc):
+    its listed members are the owner at most, and every account whose primary group it is (which
+    /etc/group does not list) is the owner."""
     try:
         import grp
         import pwd
 
         group, owner = grp.getgrgid(gid), pwd.getpwuid(uid)
-    except (ImportError, KeyError):  # an unknown group or owner: nothing says it is theirs alone
+        accounts = pwd.getpwall()
+    except (ImportError, KeyError, OSError):  # an unknown group or owner: nothing says it is theirs alone
         return False
-    if not group.gr_mem:
-        return owner.pw_gid == gid
-    return list(group.gr_mem) == [owner.pw_name]
+    if any(member != owner.pw_name for member in group.gr_mem):
+        return False  # a listed member other than the owner
+    if any(account.pw_gid == gid and account.pw_uid != uid for account in accounts):
+        return False  # another account's primary group
+    return owner.pw_gid == gid or list(group.gr_mem) == [owner.pw_name]
 
 
 def _writable_by_others(info: os.stat_result) -> bool:

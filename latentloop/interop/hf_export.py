@@ -418,14 +418,15 @@ def _shown_path(source: str) -> str:
     return Path(source).name if os.path.isabs(source) else source
 
 
-# an absolute path's folders inside a data source (`text:/home/me/corpus.txt`, `mix:/a/x.txt=0.3,...`)
-_SOURCE_FOLDERS = re.compile(r"(?<![\w.~-])/(?:[^/\s,=]+/)+")
+# an absolute path inside a data source (`text:/home/me/My Data/corpus.txt`, `mix:/a/x.txt=0.3,...`): it
+# starts the source or follows a `:`, `,` or `=`, and runs to the next of them
+_SOURCE_PATH = re.compile(r"(?<![^,=:])/[^,=:]*")
 
 
 def _shown_source(source: str) -> str:
-    """A run's data source as the card names it: each absolute path by its file (or glob) name only
-    (the folders are the training machine's), the rest as it is."""
-    return _SOURCE_FOLDERS.sub("", source)
+    """A run's data source as the card names it: each absolute path by its last part only (a file,
+    a glob or a folder: the folders above are the training machine's), the rest as it is."""
+    return _SOURCE_PATH.sub(lambda found: Path(found.group()).name or found.group(), source)
 
 
 def _shown_checkpoint(checkpoint: Path) -> str:

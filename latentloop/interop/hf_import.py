@@ -320,8 +320,8 @@ def check_out_folder(out: Path) -> Path:
         if out.exists() and not out.is_dir():
             raise InteropError(f"--out {out} is a file; give a folder to create")
         if out.is_dir():  # what a killed import or export left inside it does not make it full
-            for prefix in STAGING_PREFIXES:
-                remove_abandoned_staging(out, prefix, out.name)
+            for prefix in STAGING_PREFIXES:  # named as `staged_folder` names them: `.` is the folder's own name
+                remove_abandoned_staging(out, prefix, Path(os.path.abspath(out)).name)
         if out.is_dir() and any(out.iterdir()):
             raise InteropError(f"{out} exists and is not empty; choose another output folder")
     except OSError as exc:

@@ -386,16 +386,19 @@ class FBT(GPT):
         rest is plain. The recurrence is sequential where tokens are written, so a column some row
         wrote runs as one step, and the columns between run as plain chunks."""
         T = idx.shape[1]
-        replayed = (written & (idx != self.config.bos_id)).any(dim=0).tolist()  # per column: does any row fuse
+        # as `fuse_mask`: never a row's first real token (there is no state before it) nor a BOS
+        positions = torch.arange(T, device=idx.device)[None] if pad_mask is None else pad_mask.long().cumsum(1) - 1
+        written = written & self.fuse_mask(idx, positions, 1)
+        replayed = written.any(dim=0).tolist()  # per column: does any row fuse
         tops: list[Tensor] = []  # (B, t, D) top states of each piece
         start = 0
         while start < T:
             end = start + 1 if replayed[start] else next((c for c in range(start, T) if replayed[c]), T)
             piece = idx[:, start:end]  # (B, t)
             x = self.embed(piece)
-            if replayed[start]:  # never the first column: a prompt starts with BOS or padding
+            if replayed[start]:  # never the first column: no row's first real token is fused
                 fused = self.fuse(x, cache.state[STATE_KEY])
-                x = torch.where((written[:, start:end] & (piece != self.config.bos_id))[..., None], fused, x)
+                x = torch.where(written[:, start:end, None], fused, x)
             ctx = self.context(piece, cache, None if pad_mask is None else pad_mask[:, start:end], **stack)
             h = self.run_stack(x, ctx)  # (B, t, D)
             cache.advance()
