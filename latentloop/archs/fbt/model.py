@@ -34,7 +34,7 @@ Notable features:
 - a prompt's tokens the model wrote itself (`written`: a conversation's earlier replies) are replayed
   fused by the soft prefill, each with the state before it, as when they were generated and as SFT
   trains them (`sft_fuse_mask`); prefilled plain, a second turn's reply read a history training never
-  showed (measured: +0.78 nats/token on a two-turn task)
+  showed (+0.28 [0.17, 0.39] nats/token on held-out two-turn chats: experiments/fbt_second_turn.py)
 """
 
 from __future__ import annotations
