@@ -52,7 +52,7 @@ from .errors import LatentloopError
 from .inference.fast import PROBE_STEPS, AutoCompile, FastDecoder, static_length
 from .inference.quant import quantize_int8  # noqa: F401 (the engine's callers quantise through it: cli, api)
 from .inference.speculative import CompiledDrafting, compiled_drafting_reason
-from .models.backbone import PER_ROW_INFO, Draft
+from .models.backbone import PER_ROW_INFO, Draft, shift_right
 from .models.options import check_options, without_speed_only
 from .util import evaluating, is_int
 
@@ -737,13 +737,26 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 1.0, top_
 
 
 @torch.no_grad()
+def written_inputs(loss_mask: Tensor) -> Tensor:
+    """The inputs (B, T) of packed conversation rows that the model wrote (its replies, as `stream`'s
+    `written` marks them), from the rows' loss mask over their targets (B, T): input t was written
+    exactly when target t - 1 counts (the positions fbt's SFT fuses, `sft_fuse_mask`)."""
+    return shift_right(loss_mask.bool())
+
+
 def teacher_forced_logits(model, idx: Tensor, pad_mask: Tensor | None = None, prompt_len: int | None = None,
-                          **options) -> Tensor:
+                          written: Tensor | None = None, **options) -> Tensor:
     """Logits (B, T, V) for a given text idx (B, T) as decoding would produce them: the first
     `prompt_len` columns prefilled into a cache (left-padded rows masked by `pad_mask`), the rest
     decoded teacher-forced. `prompt_len` None: as much as the architecture prefills when scoring
-    a whole text (`teacher_forced_prompt_len`: all of it, fbt soft only position 0)."""
+    a whole text (`teacher_forced_prompt_len`: all of it, fbt soft only position 0). `written`
+    (B, T): the tokens the model wrote (a conversation's replies, `written_inputs`); a model that
+    replays them (`REPLAYS_WRITTEN`) prefills the whole text so, as a chat reads its history (fbt
+    soft: the replies fused, the rest plain, as SFT trains it)."""
     options = model_options(model, options)
+    replay = written is not None and getattr(model, "REPLAYS_WRITTEN", False) and bool(written.any())
+    if replay and prompt_len is None:
+        prompt_len = idx.shape[1]
     B, T = idx.shape
     context = model.config.sequence_len
     if T > context:  # found by the cache token by token, in fbt soft's decode as "65 tokens" whatever T was
@@ -758,7 +771,9 @@ def teacher_forced_logits(model, idx: Tensor, pad_mask: Tensor | None = None, pr
                           f"(the widest row's pad count) so every pad is masked in the prefill")
     with evaluating(model):  # as generate and stream: training's noise (fbt's jitter, rgpt's) off
         cache = model.new_cache(B, T, **options)
-        logits = model.prefill(idx[:, :P], cache, None if pad_mask is None else pad_mask[:, :P], **options).logits
+        extra = {"written": written[:, :P]} if replay else {}
+        logits = model.prefill(idx[:, :P], cache, None if pad_mask is None else pad_mask[:, :P], **extra,
+                               **options).logits
         if P == T:
             return logits
         return torch.cat([logits, model.decode(idx[:, P:], cache, **options).logits], dim=1)

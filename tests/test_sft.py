@@ -86,6 +86,25 @@ def test_fbt_sft_objective_is_the_multipass_loss_with_the_assistant_prefix(monke
     assert result.next_token_loss == pytest.approx(float(losses[0]), abs=1e-5)
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("arch", ["fbt", "rfbt"])
+def test_an_sft_runs_soft_score_reads_the_conversations_as_chat_and_training_do(arch):
+    """`eval` of an SFT run under soft fused every position, the users' turns included, which neither
+    SFT (the replies fused) nor chat (which replays the earlier replies fused) computes. It scores
+    the training forward's computation now: fuse_mask = the written inputs, exact (T passes)."""
+    from latentloop.eval.loss import decoding_logits, evaluate_batches
+
+    x, y, mask, convs = _batch(seq_len=40)
+    model = _model(arch, jitter=0.0).eval().double()
+    token_bytes = CHAT.token_byte_lengths()
+    scored = evaluate_batches(model, [(x, y, mask)], token_bytes, decoding_logits({"regime": "soft"}))["loss"]
+    fuse = sft_fuse_mask(mask) & (x != CHAT.bos_id)
+    exact = _masked_ce(model(x, passes=x.shape[1], fuse_mask=fuse).logits, y, mask)
+    assert scored == pytest.approx(float(exact), abs=1e-6)  # `_masked_ce` takes the cross-entropy in float32
+    everywhere = _masked_ce(model(x, passes=x.shape[1]).logits, y, mask)  # what soft scored before
+    assert abs(float(everywhere) - float(exact)) > 1e-4
+
+
 def test_lrt_sft_objective_masks_each_interleaved_term():
     x, y, mask, _ = _batch()
     model = _model("lrt")

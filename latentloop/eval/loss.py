@@ -25,14 +25,17 @@ from torch import Tensor, nn
 
 from ..data import eval_batches
 from ..data.loader import eval_window_ids
-from ..engine import model_options, teacher_forced_logits
+from ..engine import model_options, teacher_forced_logits, written_inputs
 from ..objectives import token_cross_entropy
 from ..util import evaluating
 from .stats import BOOTSTRAP_RESAMPLES, CONFIDENCE, bootstrap_ratio
 
-LogitsFn = Callable[[nn.Module, Tensor], Tensor]  # (model, x (B, T)) -> logits (B, T, V)
+# (model, x (B, T), written (B, T) or None: the inputs the model wrote, a conversation's replies) -> (B, T, V)
+LogitsFn = Callable[[nn.Module, Tensor, Tensor | None], Tensor]
 
-def plain_logits(model: nn.Module, x: Tensor) -> Tensor:
+
+def plain_logits(model: nn.Module, x: Tensor, written: Tensor | None = None) -> Tensor:
+    """The plain forward (every input read alike: `written` changes nothing)."""
     return model(x).logits
 
 
@@ -69,7 +72,9 @@ def evaluate_batches(model: nn.Module, batches: Iterable[tuple], token_bytes: np
             mask = rest[0] if rest else None
             counted = (mask.to(device).flatten() if mask is not None
                        else torch.ones(y.numel(), dtype=torch.bool, device=device))
-            losses = token_cross_entropy(logits_fn(model, x), y, reduction="none") * counted  # (B*T,)
+            # conversations: the replies are the model's own, read as a chat reads its history (fbt fuses them)
+            written = None if mask is None else written_inputs(mask.to(device))
+            losses = token_cross_entropy(logits_fn(model, x, written), y, reduction="none") * counted  # (B*T,)
             target_bytes = byte_table[y.flatten()] * counted
             byte_losses = losses * (target_bytes > 0)
             nats += float(losses.sum())
@@ -168,8 +173,8 @@ def decoding_logits(options: dict | None = None) -> LogitsFn:
     the engine's teacher-forced scoring path, checked once here."""
     options = dict(options or {})
 
-    def logits_fn(m: nn.Module, x: Tensor) -> Tensor:
-        return teacher_forced_logits(m, x, **options)
+    def logits_fn(m: nn.Module, x: Tensor, written: Tensor | None = None) -> Tensor:
+        return teacher_forced_logits(m, x, written=written, **options)
 
     return logits_fn
 

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from ...models.backbone import shift_right
 from ...objectives.base import LossResult, Objective, token_cross_entropy
 
 
@@ -53,7 +54,7 @@ def document_prefix_mask(idx: Tensor, bos_id: int, generator: torch.Generator) -
 def sft_fuse_mask(loss_mask: Tensor) -> Tensor:
     """(B, T) True where the input token is one the assistant wrote: target t-1 counts exactly when
     input t is an assistant token, so the fused positions are the loss mask shifted right by one."""
-    return torch.cat([torch.zeros_like(loss_mask[:, :1]), loss_mask[:, :-1]], dim=1)
+    return shift_right(loss_mask)
 
 
 class MultiPassObjective(Objective):
