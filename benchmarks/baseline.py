@@ -56,6 +56,7 @@ from benchmarks.common import (
     make_train_step,
     render_table,
     require_at_least_one,
+    require_threads,
     run_interleaved,
     spread,
     start_run,
@@ -466,6 +467,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                    "decode_batch", "naive_tokens", "repeats"))
     if args.warmup_steps < 0:
         p.error("--warmup-steps must be >= 0")
+    require_threads(p, args)
     return args
 
 

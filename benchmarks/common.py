@@ -19,6 +19,7 @@ import platform
 import random
 import resource
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -53,6 +54,21 @@ def require_at_least_one(parser: argparse.ArgumentParser, args: argparse.Namespa
     for name in names:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+
+
+def require_threads(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """parser.error unless `--threads`, where given, is >= 1: `torch.set_num_threads(0)` raises a
+    RuntimeError only once the benchmark starts, as a traceback."""
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+
+
+def require_rounds(parser: argparse.ArgumentParser, args: argparse.Namespace, name: str = "rounds") -> None:
+    """parser.error unless the paired rounds `name` are >= 2: `describe_ratios` (quartiles, the
+    interval's spread) needs two ratios, and would fail only after all the work."""
+    if getattr(args, name) < 2:
+        parser.error(f"--{name.replace('_', '-')} must be >= 2 (the ratios' quartiles and interval need two rounds), "
+                     f"got {getattr(args, name)}")
 
 
 def render_table(rows: Sequence[Sequence[Any]]) -> str:
@@ -213,14 +229,16 @@ def make_sync(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
-def run_interleaved(calls: dict[str, Callable[[], dict[str, float]]], warmup: int, repeats: int) -> dict[str, Any]:
-    """Call every measurement `warmup` times, then `repeats` rounds of all of them in rotating order.
+def run_interleaved(calls: dict[str, Callable[[], dict[str, float]]], warmup: int | dict[str, int],
+                    repeats: int) -> dict[str, Any]:
+    """Call every measurement `warmup` times (or `warmup[name]` times, each its own), then `repeats`
+    rounds of all of them in rotating order.
 
     Each call returns named figures (seconds); the result holds, per call and figure, the median
     (`figure`) and every sample (`figure_all`)."""
     names = list(calls)
     for name in names:
-        for _ in range(warmup):
+        for _ in range(warmup[name] if isinstance(warmup, dict) else warmup):
             calls[name]()
     samples: dict[str, dict[str, list[float]]] = {name: {} for name in names}
     for r in range(repeats):
@@ -286,12 +304,38 @@ def decode_comparison(entries: dict[str, tuple[nn.Module, dict[str, Any]]], args
     return results
 
 
+# The most untimed steps `covering_warmup` adds before it gives up: far more than any objective here
+# needs (rgpt draws its depth from 1..R per step: a few steps show every depth)
+MAX_WARMUP_STEPS = 1000
+
+
+def covering_warmup(kind_of_step: Callable[[int], str], warmup: int, timed: int) -> int:
+    """The fewest untimed steps, at least `warmup`, after which none of the `timed` steps that follow
+    takes a kind of forward (`kind_of_step(i)`: rgpt's depth, fbt's passes) that no untimed step
+    took: each kind compiles on its first step (a graph of its own under `train.compile`), and a
+    compile must not land in a timed step. Steps are numbered from 0, warm-up first, as the
+    trainer's step counter runs."""
+    seen = {kind_of_step(i) for i in range(warmup)}
+    while True:
+        fresh = next((i for i in range(warmup, warmup + timed) if kind_of_step(i) not in seen), None)
+        if fresh is None:
+            return warmup
+        if fresh + 1 > MAX_WARMUP_STEPS:
+            raise RuntimeError(f"no warm-up of at most {MAX_WARMUP_STEPS} steps takes every kind of forward of the "
+                               f"{timed} timed steps after it")
+        seen.update(kind_of_step(i) for i in range(warmup, fresh + 1))
+        warmup = fresh + 1
+
+
 def training_call(arch: str, shape: dict[str, Any], overrides: dict[str, Any], args: argparse.Namespace,
                   device: torch.device, data: Tensor, passes: int | None = None,
-                  compile: bool = False, compile_scope: str = "auto") -> tuple[Callable, dict[str, Any]]:
+                  compile: bool = False, compile_scope: str = "auto", warmup: int | None = None,
+                  timed: int = 0) -> tuple[Callable, dict[str, Any]]:
     """A fresh model, optimizer and objective; returns a call that times one optimizer step. With
     `compile`, the objective calls the model as the trainer wraps it for `train.compile` (and
-    `train.compile_scope`). AdamW in float32 unless `args` names `optimizer` / `dtype`."""
+    `train.compile_scope`). AdamW in float32 unless `args` names `optimizer` / `dtype`. With
+    `warmup`, the info's `warmup_steps` is how many untimed calls to make first so that the `timed`
+    calls after them take only kinds of forward already run (`covering_warmup`)."""
     torch.manual_seed(args.seed)
     model = latentloop.build(arch, preset=None, **shape, **overrides).to(device)
     model.train()
@@ -322,6 +366,8 @@ def training_call(arch: str, shape: dict[str, Any], overrides: dict[str, Any], a
 
     info = {"arch": arch, "params": model.num_params(), "tokens_per_step": x.numel(),
             "charged_flops_per_token": objective.flops_per_token(flops, step=0)}
+    if warmup is not None:
+        info["warmup_steps"] = covering_warmup(lambda i: repr(objective.forward_mix(i)), warmup, timed)
     return call, info
 
 
@@ -331,15 +377,18 @@ def training_comparison(variants: dict[str, tuple[str, dict, dict, int | None]],
                         compiled: dict[str, bool] | None = None) -> dict[str, dict[str, Any]]:
     """Each variant's optimizer step, interleaved round by round; `scopes`: a variant's
     `train.compile_scope` (default "auto"); `compiled`: whether a variant runs under `train.compile`
-    (default `compile`), so eager and compiled steps can share the rounds."""
+    (default `compile`), so eager and compiled steps can share the rounds. Each variant is warmed up
+    for at least `args.train_warmup` steps, and for as many more as it takes for every kind of
+    forward its timed steps run to have run untimed first (`covering_warmup`: rgpt's second depth)."""
     gen = torch.Generator().manual_seed(args.seed)
     data = torch.randint(0, 256, (args.train_batch, args.train_seq_len + 1), generator=gen)
     calls, infos = {}, {}
     for name, (arch, shape, overrides, passes) in variants.items():
         calls[name], infos[name] = training_call(arch, shape, overrides, args, device, data, passes,
                                                  (compiled or {}).get(name, compile),
-                                                 (scopes or {}).get(name, "auto"))
-    raw = run_interleaved(calls, args.train_warmup, args.train_steps)
+                                                 (scopes or {}).get(name, "auto"), args.train_warmup,
+                                                 args.train_steps)
+    raw = run_interleaved(calls, {name: info["warmup_steps"] for name, info in infos.items()}, args.train_steps)
     return {name: {**infos[name], "step_s": raw[name]["step_s"], "step_s_all": raw[name]["step_s_all"],
                    "flops_per_token_all": raw[name]["flops_per_token_all"],
                    "tok_s": infos[name]["tokens_per_step"] / raw[name]["step_s"],
@@ -368,12 +417,20 @@ def paired_ratios(before: Callable[[], object], after: Callable[[], object], rou
 
 
 def ratio_interval(ratios: Sequence[float]) -> tuple[float, float]:
-    """The mean of `paired_ratios` and its 95% normal interval's half-width."""
-    return statistics.mean(ratios), 1.96 * statistics.stdev(ratios) / len(ratios) ** 0.5
+    """The mean of `paired_ratios` and its 95% Student-t interval's half-width (at least two ratios):
+    the normal's 1.96 is too narrow at the few rounds these benchmarks run (t is 2.31 at 9 rounds,
+    4.30 at 3)."""
+    from latentloop.eval.stats import t_interval
+
+    interval = t_interval(ratios)
+    if interval is None:
+        raise ValueError(f"an interval needs at least two ratios, got {len(ratios)}")
+    low, high = interval
+    return (low + high) / 2, (high - low) / 2
 
 
 def describe_ratios(ratios: Sequence[float]) -> str:
-    """median, quartiles, mean [95% normal interval] and the rounds below 1 of `paired_ratios`."""
+    """median, quartiles, mean [95% t-interval] and the rounds below 1 of `paired_ratios`."""
     first, _, third = statistics.quantiles(ratios, n=4)
     mean, half = ratio_interval(ratios)
     return (f"median {statistics.median(ratios):.3f}, quartiles {first:.3f} {third:.3f}, mean {mean:.3f} "
@@ -399,6 +456,26 @@ def apply_allocator_flag(args: argparse.Namespace) -> dict[str, Any]:
     return {"keep_freed_memory": kept}
 
 
+def _jsonable(value: Any) -> Any:
+    """`value` as JSON holds it: paths and other objects as their text, tuples as lists."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def invocation(args: argparse.Namespace, module: str) -> dict[str, Any]:
+    """What a result file records of the run that wrote it, so it can be reproduced: the process's
+    command line, the benchmark's module and every argument as parsed (defaults included)."""
+    if module == "__main__":  # `python -m benchmarks.NAME`: the module's own name is in its spec
+        spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+        module = spec.name if spec is not None else sys.argv[0]
+    return {"command": list(sys.argv), "module": module, "args": _jsonable(vars(args))}
+
+
 def start_run(args: argparse.Namespace) -> dict[str, Any]:
     """A benchmark's start: `--threads` applied, the machine described and announced, and (for the
     benchmarks with `add_allocator_flag`) the allocator set; returns the description for the JSON."""
@@ -420,6 +497,8 @@ def benchmark_main(args: argparse.Namespace, run: Callable[[argparse.Namespace],
     results = run(args)
     others = meter.stop()
     results["wall_s"] = time.perf_counter() - start
+    # the command, module and arguments: a benchmark's own "args" (paths as text) are those same arguments
+    results.update(invocation(args, getattr(run, "__module__", "?")))
     results.setdefault("env", {}).update(others_cpu_share_during_run=others, load_avg_1min_at_end=load_average())
     print()
     print(table(results))

@@ -5,7 +5,7 @@ against bf16 everywhere.
 
 1. Attention alone: one forward and backward of SDPA over (B, H, T, hd) with B x T = `--tokens` and
    H x hd = `--width`, float32 inputs against bf16 ones, paired round by round in random order
-   (`paired_ratios`): float32's time over bf16's, mean [95% interval]. The "rule" column is what
+   (`paired_ratios`): float32's time over bf16's, mean [95% t-interval]. The "rule" column is what
    `cpu_training_attention_in_fp32` picks there; "faster" says which the interval puts ahead.
 2. Training steps: the trainer's step (`training_call`: the arch's objective, backward, grad clip,
    Muon) under bf16 autocast at the ladder's sizes (experiments/ladder.py: depth 8, T 128), with the
@@ -36,6 +36,9 @@ from benchmarks.common import (
     paired_ratios,
     ratio_interval,
     render_table,
+    require_at_least_one,
+    require_rounds,
+    require_threads,
     start_run,
     training_call,
 )
@@ -159,10 +162,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="ladder sizes for the training steps ('' for none)")
     parser.add_argument("--archs", type=name_list(sorted(ARCHS)), default=["gpt"])
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--rounds", type=int, default=9, help="paired rounds per cell and step (at least 2)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write all results as JSON")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    require_threads(parser, args)
+    require_rounds(parser, args)
+    # `attention_cell` would clamp a batch or head count of 0 to 1 and time a shape not asked for
+    require_at_least_one(parser, args, ("tokens", "width"))
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

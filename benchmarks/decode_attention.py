@@ -7,7 +7,7 @@ Each call runs one attention per layer, each layer its own keys and values (a wi
 buffer, as the static cache's), so the cache streams from memory as a decode step's does. The kernel
 is called through ctypes, which adds a few microseconds a layer that a package does not pay: at
 short windows the ratio overstates its cost. Prints each window's milliseconds, the cache's GB/s and
-the kernel's time over the reductions' per round (mean [95% interval]); a ratio below 1 is the kernel
+the kernel's time over the reductions' per round (mean [95% t-interval]); a ratio below 1 is the kernel
 ahead. `--cache-dtype float16`: the cache a `kv_dtype=float16` decoder stores, which the kernel reads
 as stored and the reductions widen as they read it.
 
@@ -26,7 +26,15 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import benchmark_main, describe_ratios, paired_ratios, render_table, start_run
+from benchmarks.common import (
+    benchmark_main,
+    describe_ratios,
+    paired_ratios,
+    render_table,
+    require_rounds,
+    require_threads,
+    start_run,
+)
 from benchmarks.engines import SHAPES
 
 EMPTY_SLOTS = 64  # the buffer's slots past the window (the static cache's buffer is longer than its window)
@@ -128,17 +136,23 @@ def window_list(text: str) -> list[int]:
     return windows
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="large", choices=sorted(SHAPES))
     parser.add_argument("--windows", type=window_list, default=[128, 512, 2048, 4096])
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=15, help="paired rounds per window (at least 2)")
     parser.add_argument("--cache-dtype", default="float32", choices=sorted(CACHE_DTYPES),
                         help="the cache's keys and values (float16: a kv_dtype=float16 decoder's)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write all results as JSON")
     args = parser.parse_args(argv)
-    return benchmark_main(args, run, table)
+    require_threads(parser, args)
+    require_rounds(parser, args)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    return benchmark_main(parse_args(argv), run, table)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,9 @@ Prompts (`--prompt-len 16` or several, `512,2048,4096`): BOS, then a window of r
 decodes each prompt for the same number of new tokens, no stop token, from a fresh state (llama.cpp's
 cache is cleared: `LlamaCppLoop`, `llama_greedy`). Each round times, per engine and prompt, a call
 for the first token alone (time to first token: the prompt's prefill and one token) and a call for
-all of them (the whole call); the decode is their difference per token after the first. Each
+all of them (the whole call), after an untimed first-token call and in an order alternating from
+round to round (`time_prompt`: the first call after the settle pause is slower); the decode is their
+difference per token after the first. Each
 figure of each engine is also given over llama.cpp's in the same round, a ratio per round, and
 their mean with its 95% t-interval over the interleaved rounds (below 1: faster than llama.cpp).
 The compiled rows are warmed up (compiled) before timing; the default path is warmed up as a user's
@@ -525,22 +527,32 @@ def worker(spec: dict[str, Any]) -> int:
         call(prompt, 1)
     answers.write(json.dumps({"tokens": tokens}) + "\n")
     answers.flush()
+    rounds = [0] * len(prompts)  # each prompt's timed rounds so far: the order of its two calls alternates
     for line in sys.stdin:
-        whole, first = time_prompt(call, prompts[int(line)], new_tokens)
+        index = int(line)
+        whole, first = time_prompt(call, prompts[index], new_tokens, round_index=rounds[index])
+        rounds[index] += 1
         answers.write(json.dumps({"seconds": whole, "first_seconds": first}) + "\n")
         answers.flush()
     return 0
 
 
-def time_prompt(call, prompt: list[int], new_tokens: int, clock=time.perf_counter) -> tuple[float, float]:
+def time_prompt(call, prompt: list[int], new_tokens: int, clock=time.perf_counter,
+                round_index: int = 0) -> tuple[float, float]:
     """Seconds of (a call for `new_tokens` new tokens, a call for the first new token alone: the
-    time to first token, the prompt's prefill included), the first-token call first."""
-    start = clock()
-    call(prompt, 1)
-    first = clock() - start
-    start = clock()
-    call(prompt, new_tokens)
-    return clock() - start, first
+    time to first token, the prompt's prefill included). An untimed first-token call goes before
+    them, and the two timed calls swap places from one round to the next (the first-token call
+    first in even rounds): the first call after the settle pause ran slower (1.6 ms against 1.0
+    for the same one-token call, every round), and timed always first it made the time to first
+    token long and the decode, their difference, short."""
+    call(prompt, 1)  # untimed: whatever the first call after the pause pays, neither timed call carries it
+    seconds: dict[str, float] = {}
+    calls = [("first", 1), ("whole", new_tokens)]
+    for name, tokens in calls if round_index % 2 == 0 else calls[::-1]:
+        start = clock()
+        call(prompt, tokens)
+        seconds[name] = clock() - start
+    return seconds["whole"], seconds["first"]
 
 
 class EngineWorker:
@@ -757,6 +769,35 @@ def run_cases(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {case_name(run["args"]["shape"], run["args"]["prompt_len"]): {"threads": run["threads"]}}
 
 
+class NotARun(ValueError):
+    """A `--pool` file that is not the JSON of a run: its message is one line naming the file."""
+
+
+def read_run(path: Path) -> dict[str, Any]:
+    """One run's JSON (`--json`) for `pool`; `NotARun` when the file cannot be read, is not JSON, or
+    is not such a run (its cases, thread counts and engines' rows)."""
+    try:
+        run = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise NotARun(f"--pool: cannot read {path} as JSON ({reason})") from None
+    foreign = NotARun(f"--pool: {path} is not the JSON of a benchmarks.engines run (--json PATH)")
+    if not isinstance(run, dict) or not isinstance(run.get("args"), dict) or "new_tokens" not in run["args"]:
+        raise foreign
+    if "cases" not in run and not {"shape", "prompt_len"} <= set(run["args"]):
+        raise foreign
+    try:
+        cases = run_cases(run)
+    except (KeyError, TypeError):
+        raise foreign from None
+    if not isinstance(cases, dict) or not all(
+            isinstance(case, dict) and isinstance(case.get("threads"), dict)
+            and all(isinstance(engines, dict) and all(isinstance(row, dict) for row in engines.values())
+                    for engines in case["threads"].values()) for case in cases.values()):
+        raise foreign
+    return run
+
+
 def pool(paths: list[Path]) -> str:
     """Several runs' JSON (`--json`) of one command, their rounds pooled: per case, figure, thread
     count and engine, the rounds, the mean ratio over llama.cpp's with its 95% t-interval, and
@@ -764,7 +805,7 @@ def pool(paths: list[Path]) -> str:
     at most `AT_MARGIN`)."""
     from latentloop.eval.stats import format_comparison, paired_comparison
 
-    runs = [json.loads(path.read_text()) for path in paths]
+    runs = [read_run(path) for path in paths]
     cases = [run_cases(run) for run in runs]
     if any(set(c) != set(cases[0]) or run["args"]["new_tokens"] != runs[0]["args"]["new_tokens"]
            for c, run in zip(cases, runs)):
@@ -840,7 +881,11 @@ def main(argv: list[str] | None = None) -> int:
         if len(argv) < 2 or not all(Path(path).is_file() for path in argv[1:]):
             print("--pool needs the JSON files of earlier runs (--json PATH)", file=sys.stderr)
             return 2
-        print(pool([Path(path) for path in argv[1:]]))
+        try:
+            print(pool([Path(path) for path in argv[1:]]))
+        except NotARun as exc:  # a file that is not a run's JSON: one line naming it
+            print(exc, file=sys.stderr)
+            return 2
         return 0
     return benchmark_main(parse_args(argv), run, markdown_table)
 

@@ -29,6 +29,7 @@ from benchmarks.common import (
     make_sync,
     render_table,
     require_at_least_one,
+    require_threads,
     run_interleaved,
     spread,
     start_run,
@@ -138,6 +139,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write all results as JSON")
     args = p.parse_args(argv)
     require_at_least_one(p, args, ("prompt_len", "repeats"))
+    require_threads(p, args)
     if args.new_tokens < 2:
         p.error("--new-tokens must be >= 2 (per-token time is measured between tokens)")
     if args.warmup < 1:

@@ -33,6 +33,7 @@ from benchmarks.common import (
     benchmark_main,
     render_table,
     require_at_least_one,
+    require_threads,
     spread,
     start_run,
     training_comparison,
@@ -66,8 +67,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # every arch eager, and compiled both ways (train.compile_scope whole / blocks), in the same rounds
     compiled_names = {f"{name} [{scope}]": (name, scope) for name in shaped for scope in SCOPES}
     variants = {**shaped, **{key: shaped[name] for key, (name, _) in compiled_names.items()}}
-    print(f"training: {args.train_warmup} warmup steps per arch and way (the compiles happen there), then "
-          f"{args.train_steps} interleaved rounds of {len(variants)} steps ...", flush=True)
+    print(f"training: at least {args.train_warmup} warmup steps per arch and way, until each has run every kind "
+          f"of forward its timed steps take (the compiles happen there), then {args.train_steps} interleaved "
+          f"rounds of {len(variants)} steps ...", flush=True)
     raw = training_comparison(variants, args, device, scopes={key: scope for key, (_, scope) in compiled_names.items()},
                               compiled={key: key in compiled_names for key in variants})
     per_token = {name: [s / r["tokens_per_step"] for s in r["step_s_all"]] for name, r in raw.items()}
@@ -124,7 +126,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--train-seq-len", type=int, default=256)
     p.add_argument("--train-batch", type=int, default=16)
     p.add_argument("--train-warmup", type=int, default=3,
-                   help="untimed steps of each arch first (compiling happens here; rgpt needs both depths)")
+                   help="untimed steps of each arch and way first, at least (compiling happens here): each runs "
+                        "more until every kind of forward its timed steps take has run (rgpt's two depths)")
     p.add_argument("--rounds", dest="train_steps", type=int, default=5,
                    help="interleaved rounds of one step per arch (median and range reported)")
     p.add_argument("--grad-clip", type=float, default=1.0)
@@ -141,6 +144,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_allocator_flag(p)
     args = p.parse_args(argv)
     require_at_least_one(p, args, ("train_seq_len", "train_batch", "train_steps"))
+    require_threads(p, args)
     unknown = (arch_names(args.archs) or set()) - set(known)
     if unknown:
         p.error(f"--archs: unknown {', '.join(sorted(unknown))}; known: {', '.join(known)}")

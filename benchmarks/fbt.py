@@ -65,7 +65,7 @@ def bench_fbt(args: argparse.Namespace, device: torch.device) -> tuple[dict[str,
 
     shape = tiny_shape(args.train_seq_len)
     print(f"fbt training: K=1/2/3, T={args.train_seq_len}, batch {args.train_batch}, "
-          f"{args.train_warmup} warmup + {args.train_steps} timed steps each ...", flush=True)
+          f"at least {args.train_warmup} warmup + {args.train_steps} timed steps each ...", flush=True)
     variants = {f"K={k}": ("fbt", shape, dict(feedback_start=0.0, pass_mix=tuple(float(i == k - 1) for i in range(k))),
                            k) for k in (1, 2, 3)}
     train = training_comparison(variants, args, device)

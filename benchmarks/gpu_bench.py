@@ -12,7 +12,9 @@ What it measures (every case on its own, recorded even when it fails, skipped pa
   batched) at the `gpt2` preset (124M, T=1024), batch 16, bf16 autocast, fixed random batches. One
   kind of forward per case: every step takes the objective's plan of one step (the most common kind
   among the first 64: fbt's K, rgpt's depth), so the graph compiles once, before the clock. Reported:
-  compile seconds; tokens/s and step ms over the timed steps (synchronised at both ends); MFU =
+  compile seconds; tokens/s over the timed steps (synchronised at both ends), and each step's time
+  (CUDA events between the steps, which do not wait for the device; the clock on the CPU): their
+  median and range; MFU =
   the trainer's structural FLOPs per token (`objective.flops_per_token`) x tokens/s / the dense bf16
   peak (989 TFLOP/s on an H200); peak memory; the device memory the step leaves held (weights and
   optimizer states), hence an estimate of the largest micro-batch that fits (activations scale with
@@ -26,7 +28,8 @@ What it measures (every case on its own, recorded even when it fails, skipped pa
   `latentloop.stream` through the compiled step (`compile=True`: a static cache, CUDA graphs on
   CUDA) where the step allows, else eager; a warm-up generation of the same lengths first, so the
   compile (and every CUDA graph capture) happens before the clock; decode tokens/s from the first to
-  the last new token, the prefill timed apart. `--all-cases` adds each spec's `decode_cases`.
+  the last new token, the prefill timed apart, in each of `DECODE_RUNS` timed runs: their median and
+  range. `--all-cases` adds each spec's `decode_cases`.
 - Hugging Face beside it: a Llama-shaped gpt (SwiGLU, no QK-norm, no embedding norm; the gpt2
   shape with the byte tokenizer's vocabulary) exported with `latentloop export --plain`, loaded by
   transformers, `generate` with a static cache (`cache_implementation="static"`, which transformers
@@ -37,6 +40,8 @@ What it measures (every case on its own, recorded even when it fails, skipped pa
 
 On the CPU (`--cpu`) nothing compiles unless `--compile` (inductor's CPU compiles take minutes), no
 MFU without `--peak-tflops`, and memory figures are None.
+
+The JSON records the command, the module and every argument (`command`, `module`, `args`).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ import argparse
 import gc
 import json
 import math
+import statistics
 import sys
 import time
 import traceback
@@ -57,6 +63,7 @@ from typing import Any
 import torch
 
 import latentloop as ll
+from benchmarks.common import invocation, require_threads
 from latentloop.archs import ARCHS, build_objective, get_arch
 from latentloop.config import RunConfig, TrainConfig
 from latentloop.parallel import wrap_model
@@ -72,6 +79,7 @@ OTHERS_SHARE_OF_GPT = 0.9  # issue 51: every other architecture at >= 0.9 x gpt'
 PLAN_PROBE_STEPS = 64  # the steps whose plans choose a case's one kind of forward
 MEMORY_HEADROOM = 0.9  # the share of the device's memory the largest micro-batch may fill
 FILL_MULTIPLE = 8  # the filled micro-batch is a multiple of this
+DECODE_RUNS = 3  # timed decode runs per row after the warm-up: their median and range (one run is one sample)
 # A Llama-shaped gpt: the options `latentloop export --plain` needs (interop.hf_export.plain_blockers)
 LLAMA_SHAPED = {"mlp": "swiglu", "qk_norm": False, "embed_norm": False, "logit_softcap": 0.0}
 
@@ -167,11 +175,7 @@ def bench_training(name: str, arch: str, overrides: dict, shape: Shape, device: 
     step()  # one more: the allocator's and the kernels' first runs
     _sync(device)
     _reset_memory(device)
-    start = time.perf_counter()
-    for _ in range(shape.steps):
-        outcome = step()
-    _sync(device)
-    seconds = time.perf_counter() - start
+    step_s, seconds, outcome = _timed_steps(step, shape.steps, device)
     guard.check()
     held = torch.cuda.memory_allocated(device) if device.type == "cuda" else None  # weights, optimizer states
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
@@ -179,13 +183,45 @@ def bench_training(name: str, arch: str, overrides: dict, shape: Shape, device: 
     achieved = flops_per_token * tokens / seconds
     result = {"case": name, "arch": arch, "params": model.num_params(), "micro_batch": batch,
               "tokens_per_step": batch * T, "plan": _plan_facts(objective.plan(step_index, x)), "compiled": compile_,
-              "compile_s": compile_s, "tokens_per_s": tokens / seconds, "step_ms": 1000 * seconds / shape.steps,
+              "compile_s": compile_s, "tokens_per_s": tokens / seconds, "step_ms_mean": 1000 * seconds / shape.steps,
+              **_spread_of("step_ms", [1000 * s for s in step_s]),
               "flops_per_token": flops_per_token, "achieved_tflops": achieved / 1e12,
               "mfu": achieved / peak_flops if peak_flops else None, "peak_memory_gib": _gib(peak),
               "held_memory_gib": _gib(held), "final_loss": outcome.loss}
     result.update(_largest_micro_batch(device, batch, T, held, peak))
     result["profile"] = _profile(step, shape.profile_steps, device, out_dir / "traces" / f"train-{_slug(name)}.json")
     return result
+
+
+def _timed_steps(step, steps: int, device: torch.device) -> tuple[list[float], float, Any]:
+    """(seconds of each step, seconds of all of them, the last step's outcome) for `steps` calls of
+    `step`. The whole is synchronised at both ends only; each step is timed by CUDA events recorded
+    between the steps (which, unlike a synchronise, leave the device's queue full), or by the clock
+    on the CPU, where a step is done when it returns."""
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)] if device.type == "cuda" else None
+    stamps = [time.perf_counter()]
+    if events:
+        events[0].record()
+    for i in range(steps):
+        outcome = step()
+        if events:
+            events[i + 1].record()
+        else:
+            stamps.append(time.perf_counter())
+    _sync(device)
+    seconds = time.perf_counter() - stamps[0]
+    if events:
+        return [events[i].elapsed_time(events[i + 1]) / 1000 for i in range(steps)], seconds, outcome
+    return [b - a for a, b in zip(stamps, stamps[1:])], seconds, outcome
+
+
+def _spread_of(name: str, values: list[float]) -> dict[str, Any]:
+    """`name`'s median, min, max and every sample (None where a sample is missing)."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return {f"{name}_median": None, f"{name}_min": None, f"{name}_max": None, f"{name}_all": values}
+    return {f"{name}_median": statistics.median(present), f"{name}_min": min(present), f"{name}_max": max(present),
+            f"{name}_all": values}
 
 
 def _plan_facts(plan: dict) -> dict:
@@ -258,12 +294,12 @@ def bench_decode(name: str, arch: str, options: dict, shape: Shape, device: torc
         ll.generate(model, prompts, shape.new_tokens, temperature=0.0, compile=compiled, **options)
         _sync(device)
         warmup_s = time.perf_counter() - started
-        timed = [_timed_stream(model, prompts, shape.new_tokens, compiled, options) for _ in range(2)]
-        best = max(timed, key=lambda t: t["decode_tokens_per_s"] or 0)
+        timed = [_timed_stream(model, prompts, shape.new_tokens, compiled, options) for _ in range(DECODE_RUNS)]
         rows.append({"case": name, "arch": arch, "options": options, "batch": batch, "prompt": shape.prompt,
                      "compiled_step": compiled, "eager_because": None if compiled else reason,
-                     "warmup_s": warmup_s, **best,
-                     "decode_tokens_per_s_runs": [t["decode_tokens_per_s"] for t in timed],
+                     "warmup_s": warmup_s, "new_tokens": timed[0]["new_tokens"], "timed_runs": DECODE_RUNS,
+                     **_spread_of("decode_tokens_per_s", [t["decode_tokens_per_s"] for t in timed]),
+                     **_spread_of("prefill_s", [t["prefill_s"] for t in timed]),
                      "peak_memory_gib": _gib(torch.cuda.max_memory_allocated(device)) if device.type == "cuda"
                      else None})
     return rows
@@ -419,14 +455,17 @@ def _verdicts(report: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    if args.threads:
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
     device = torch.device("cpu" if args.cpu else "cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_bench: no CUDA device (use --cpu --tiny for the CPU fallback)")
     shape = TINY if args.tiny else FULL
     compile_ = args.compile if args.compile is not None else device.type == "cuda"  # inductor on a CPU: minutes
-    peak = args.peak_tflops * 1e12 if args.peak_tflops else (H200_BF16_PEAK if device.type == "cuda" else None)
+    if args.peak_tflops is not None:  # parse_args takes only a positive one
+        peak = args.peak_tflops * 1e12
+    else:
+        peak = H200_BF16_PEAK if device.type == "cuda" else None
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # what little runs in fp32 (optimizer, norms)
     out_dir = Path(args.out_dir)
@@ -474,7 +513,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-compile", dest="compile", action="store_false", help="eager training and decode")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help=f"dense bf16 peak for MFU (default on CUDA: the H200's {H200_BF16_PEAK / 1e12:.0f})")
-    p.add_argument("--only", nargs="*", default=None, help="only these archs (" + " ".join(ARCHS) + ")")
+    p.add_argument("--only", nargs="+", default=None, metavar="ARCH", help="only these archs (" + " ".join(ARCHS) + ")")
     p.add_argument("--all-cases", action="store_true",
                    help="also each spec's train_cases and decode_cases (fbt K=1/2/3, lrt's prefills, ...)")
     p.add_argument("--budget-s", type=float, default=420.0,
@@ -483,12 +522,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--out-dir", default="runs/gpu-bench",
                    help="where gpu_bench.json, the traces (traces/) and the exported model (hf/) go")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    unknown = [arch for arch in args.only or () if arch not in ARCHS]
+    if unknown:  # else nothing runs and the run still exits 0
+        p.error(f"--only: unknown arch {unknown[0]!r}; choose from {', '.join(ARCHS)}")
+    require_threads(p, args)  # 0 fell back to torch's default silently
+    if args.peak_tflops is not None and not (math.isfinite(args.peak_tflops) and args.peak_tflops > 0):
+        p.error(f"--peak-tflops must be a positive number, got {args.peak_tflops}")  # 0 fell back to the H200's
+    if not args.budget_s > 0:
+        p.error(f"--budget-s must be > 0, got {args.budget_s}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    report = run(args)
+    report = {**run(args), **invocation(args, "benchmarks.gpu_bench")}  # what reproduces the run
     text = json.dumps(report, indent=2, default=lambda v: None if isinstance(v, float) and math.isnan(v) else str(v))
     print(text)
     (Path(args.out_dir) / "gpu_bench.json").write_text(text + "\n")

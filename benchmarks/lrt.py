@@ -107,7 +107,7 @@ def bench_lrt(args: argparse.Namespace, device: torch.device) -> tuple[dict[str,
 
     shape = tiny_shape(args.train_seq_len)
     print(f"lrt training: gpt vs interleaved S=2, T={args.train_seq_len}, batch {args.train_batch}, "
-          f"{args.train_warmup} warmup + {args.train_steps} timed steps each ...", flush=True)
+          f"at least {args.train_warmup} warmup + {args.train_steps} timed steps each ...", flush=True)
     train = training_comparison({"gpt": ("gpt", shape, {}, None),
                                  "lrt interleaved S=2": ("lrt", shape, dict(recurrence="interleaved", subsets=2),
                                                          None)}, args, device)

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from benchmarks.common import benchmark_main, render_table, require_at_least_one, spread, start_run
 from benchmarks.engines import SHAPES, build_export
+from latentloop.inference.products import ROWS_KERNEL_MAX_ROWS, ROWS_KERNEL_MIN_ROWS
 
 KERNEL = "rows kernel"
 FLUSH_MIB = 64  # written before each cold call: twice this machine's 32 MiB L3, so no weight stays cached
@@ -84,12 +85,19 @@ def product_variants(model, rows: int) -> dict[str, dict[str, Callable[[], objec
     return layers
 
 
-def first_token_variants(model, prompt: list[int]) -> dict[str, Callable[[], object]]:
-    """A one-token compiled `generate`, through the kernel and through torch's products."""
+def first_token_variants(model, prompt: list[int],
+                         kernel_calls: list[int] | None = None) -> dict[str, Callable[[], object]]:
+    """A one-token compiled `generate`, through the kernel and through torch's products; every
+    product the kernel variant hands the kernel is counted in `kernel_calls[0]`."""
     import latentloop
     from latentloop.inference import accelerate, native, products
 
     accelerate(model)  # the products a loaded run's prefill takes
+    kernel_calls = [0] if kernel_calls is None else kernel_calls
+
+    def counted(*args):
+        kernel_calls[0] += 1
+        return native.rows_linear(*args)
 
     def call(rows_linear) -> Callable[[], object]:
         def run() -> object:
@@ -101,7 +109,7 @@ def first_token_variants(model, prompt: list[int]) -> dict[str, Callable[[], obj
 
         return run
 
-    return {KERNEL: call(native.rows_linear), "torch's products": call(lambda *args: None)}
+    return {KERNEL: call(counted), "torch's products": call(lambda *args: None)}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -124,7 +132,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 results["products"][f"{dtype}, {rows} rows"] = paired(variants, args.repeats)
     prompt = [1 + i % 250 for i in range(args.prompt_len)]
     print(f"one-token generate, {args.prompt_len}-token prompt ...", file=sys.stderr, flush=True)
-    results["first_token"] = paired(first_token_variants(model, prompt), args.repeats)
+    kernel_calls = [0]
+    results["first_token"] = paired(first_token_variants(model, prompt, kernel_calls), args.repeats)
+    if kernel_calls[0] == 0:  # torch's products on both sides would be labelled the kernel's
+        raise SystemExit(f"prefill_products: the one-token generate never called the rows kernel at a "
+                         f"{args.prompt_len}-token prompt (products.accelerated_linear chose torch's products)")
     flush = torch.ones(FLUSH_MIB << 18)  # float32: 4 bytes each
     results["first_token_cold"] = paired(first_token_variants(model, prompt), args.repeats,
                                          before=lambda: flush.add_(1.0))
@@ -156,7 +168,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--shape", choices=list(SHAPES), default="small")
     p.add_argument("--rows", default="2,16,64", help="comma-separated row counts of the products")
-    p.add_argument("--prompt-len", type=int, default=16, help="the one-token generate's prompt")
+    p.add_argument("--prompt-len", type=int, default=16,
+                   help=f"the one-token generate's prompt: its prefill's rows, within the rows the kernel takes "
+                        f"({ROWS_KERNEL_MIN_ROWS}-{ROWS_KERNEL_MAX_ROWS})")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=100, help="paired rounds")
     p.add_argument("--seed", type=int, default=0)
@@ -169,6 +183,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if min(args.rows) < 1:
         p.error("--rows must all be >= 1")
     require_at_least_one(p, args, ("prompt_len", "threads", "repeats"))
+    if not ROWS_KERNEL_MIN_ROWS <= args.prompt_len <= ROWS_KERNEL_MAX_ROWS:
+        # outside them `accelerated_linear` takes torch's products: the "rows kernel" row would time those
+        p.error(f"--prompt-len must be within the rows kernel's {ROWS_KERNEL_MIN_ROWS}-{ROWS_KERNEL_MAX_ROWS} rows "
+                f"(products.ROWS_KERNEL_MIN_ROWS / MAX_ROWS), got {args.prompt_len}")
     return args
 
 

@@ -45,6 +45,10 @@ default keeps the model's fp32).
 
     .venv/bin/python benchmarks/serve_load.py --against llama.cpp --llama-server PATH --run runs/serve-gpt \
         --repeats 3 --budget 540 --json runs/serve_load/against_llama_cpp.json
+
+Each mode's own flags are refused in the other, where nothing would read them: `--run`, `--decode`,
+`--kv-dtype`, `--new-tokens`, `--short`, `--long`, `--json` and `--llama-server` need `--against`;
+`--presets`, `--batching` and `--varied-lengths` are for the batching comparison only.
 """
 
 from __future__ import annotations
@@ -71,9 +75,10 @@ for _path in (str(REPO_ROOT), str(BENCH_DIR)):  # this checkout's code, and `com
 
 import httpx  # noqa: E402
 import torch  # noqa: E402
-from common import ContentionMeter, render_table, spread  # noqa: E402
+from common import ContentionMeter, invocation, render_table, spread  # noqa: E402
 
 import latentloop as ll  # noqa: E402
+from latentloop.config import PRESETS  # noqa: E402
 from latentloop.data import ByteTokenizer  # noqa: E402
 from latentloop.engine import KV_DTYPES  # noqa: E402
 from latentloop.runs import save_run  # noqa: E402
@@ -99,6 +104,14 @@ AGAINST = ("llama.cpp",)
 LLAMA_SERVER_ENV = "LLAMA_SERVER"  # the llama-server binary, when --llama-server is not given
 AGAINST_NEW_TOKENS = 128  # every request's completion (no early stop on llama.cpp's side)
 SHORT_PROMPT, LONG_PROMPT = 32, 352  # prompt tokens (BOS included): a long one + 128 fits a 512 context
+DEFAULT_PRESETS, DEFAULT_BATCHING = ("tiny", "small"), ("continuous", "rounds")
+# flag -> argument of the flags only one of the two modes reads (parse_args refuses them in the other)
+AGAINST_ONLY = {"--llama-server": "llama_server", "--run": "run", "--decode": "decode", "--kv-dtype": "kv_dtype",
+                "--new-tokens": "new_tokens", "--short": "short", "--long": "long", "--json": "json"}
+BATCHING_ONLY = {"--presets": "presets", "--batching": "batching", "--varied-lengths": "varied_lengths"}
+# the defaults of the flags above that have one, filled in once the mode's flags are checked
+DEFAULTS = {"presets": list(DEFAULT_PRESETS), "batching": list(DEFAULT_BATCHING), "varied_lengths": False,
+            "decode": "auto", "new_tokens": AGAINST_NEW_TOKENS, "short": SHORT_PROMPT, "long": LONG_PROMPT}
 MIX_SIZE = 64  # distinct prompts in the request mix; request i takes prompt i % MIX_SIZE
 SPOT_CHECKS = 4  # greedy requests (the mix's first: short, long, short, long) whose tokens are compared
 AGAINST_BUDGET_S = 540.0  # default --budget with --against: 18 cells (2 servers x 3 concurrencies x 3 repeats)
@@ -552,8 +565,7 @@ def against_llama_cpp(args: argparse.Namespace, binary: Path) -> int:
           f"{os.getloadavg()[0]:.1f} at start", flush=True)
     print(f"llama-server: {binary} ({llama_server_version(binary)})", flush=True)
     servers: list = []
-    results: dict = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                     "llama_server": str(binary), "threads": threads}
+    results: dict = {**invocation(args, "benchmarks.serve_load"), "llama_server": str(binary), "threads": threads}
     with tempfile.TemporaryDirectory(prefix="serve_load_") as tmp:
         folder = Path(tmp)
         try:
@@ -627,20 +639,23 @@ def against_llama_cpp(args: argparse.Namespace, binary: Path) -> int:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--presets", nargs="+", default=["tiny", "small"])
+    p.add_argument("--presets", nargs="+", default=None, help=f"without --against: the models' presets, from "
+                   f"{', '.join(PRESETS)} (default: {' '.join(DEFAULT_PRESETS)})")
     p.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32])
     p.add_argument("--budget", type=float, default=None,
                    help=f"seconds for the cells, once the servers are ready (default {DEFAULT_BUDGET_S:.0f}; "
                         f"{AGAINST_BUDGET_S:.0f} with --against)")
-    p.add_argument("--batching", nargs="+", choices=list(MODES), default=["continuous", "rounds"],
-                   help="the modes to compare (default: continuous rounds; unbatched: --max-batch-size 1)")
+    p.add_argument("--batching", nargs="+", choices=list(MODES), default=None,
+                   help=f"without --against: the modes to compare (default: {' '.join(DEFAULT_BATCHING)}; "
+                        "unbatched: --max-batch-size 1)")
     p.add_argument("--threads", type=int, default=None,
                    help="every server's --threads (default: torch's choice, one per core)")
     p.add_argument("--repeats", type=int, default=1,
                    help="measure every cell this many times, the cells in a new order each time (the budget is "
                         "shared by all); the table gives each cell's median and, with 2 or more, its range")
-    p.add_argument("--varied-lengths", action="store_true",
-                   help=f"max_tokens cycles through {VARIED_TOKENS} instead of {NEW_TOKENS} for every request")
+    p.add_argument("--varied-lengths", action="store_true", default=None,
+                   help=f"without --against: max_tokens cycles through {VARIED_TOKENS} instead of {NEW_TOKENS} "
+                        "for every request")
     p.add_argument("--against", choices=AGAINST, default=None,
                    help="compare latentloop serve with llama.cpp's llama-server instead of batching modes "
                         "(see the module's docstring)")
@@ -649,17 +664,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "benchmarks/build_llama_server.sh builds one)")
     p.add_argument("--run", type=Path, default=None,
                    help="with --against: the run to serve (a Llama-compatible gpt; default: a random-init one)")
-    p.add_argument("--decode", choices=("auto", "eager", "compiled"), default="auto",
+    p.add_argument("--decode", choices=("auto", "eager", "compiled"), default=None,
                    help="with --against: latentloop serve's --decode (default auto, the server's own default)")
     p.add_argument("--kv-dtype", choices=list(KV_DTYPES), default=None,
                    help="with --against: latentloop serve's --kv-dtype (float16: llama-server's default cache "
                         "type; its compiled steps compile at the server's start with --decode compiled)")
-    p.add_argument("--new-tokens", type=int, default=AGAINST_NEW_TOKENS,
-                   help="with --against: tokens generated per request")
-    p.add_argument("--short", type=int, default=SHORT_PROMPT, help="with --against: a short prompt's tokens")
-    p.add_argument("--long", type=int, default=LONG_PROMPT, help="with --against: a long prompt's tokens")
+    p.add_argument("--new-tokens", type=int, default=None,
+                   help=f"with --against: tokens generated per request (default {AGAINST_NEW_TOKENS})")
+    p.add_argument("--short", type=int, default=None,
+                   help=f"with --against: a short prompt's tokens (default {SHORT_PROMPT})")
+    p.add_argument("--long", type=int, default=None,
+                   help=f"with --against: a long prompt's tokens (default {LONG_PROMPT})")
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="with --against: also write the results")
     args = p.parse_args(argv)
+    # each mode's own flags (None when not given), refused in the other mode, where nothing reads them
+    wrong = AGAINST_ONLY if args.against is None else BATCHING_ONLY
+    given = [flag for flag, name in wrong.items() if getattr(args, name) is not None]
+    if given:
+        p.error(f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} "
+                + ("with --against llama.cpp" if args.against is None else "without --against"))
+    for name, default in DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    unknown = [preset for preset in args.presets if preset not in PRESETS]
+    if unknown:
+        p.error(f"--presets: unknown {unknown[0]!r}; choose from {', '.join(PRESETS)}")
     if max(args.concurrency) > BATCHED_ROWS or min(args.concurrency) < 1:
         p.error(f"concurrency must be in [1, {BATCHED_ROWS}]")
     if args.repeats < 1 or (args.threads is not None and args.threads < 1):

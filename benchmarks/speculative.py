@@ -37,7 +37,15 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import benchmark_main, decode_generate, describe_ratios, make_sync, render_table, start_run
+from benchmarks.common import (
+    benchmark_main,
+    decode_generate,
+    describe_ratios,
+    make_sync,
+    render_table,
+    require_threads,
+    start_run,
+)
 from latentloop.archs import get_arch
 from latentloop.engine import generate, model_options, stream
 from latentloop.errors import ConfigError, LatentloopError
@@ -235,6 +243,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--new-tokens must be >= 2 (per-token time is measured between tokens)")
     if args.depth is not None and args.depth < 1:
         p.error("--depth must be >= 1")
+    require_threads(p, args)
     return args
 
 

@@ -29,7 +29,11 @@ after N = a few hundred steps it would still be warming up, and the ratio would 
 
 `--precision-check` instead trains every arch for N steps under each `train.dtype` (float32,
 bfloat16) with everything else equal and reports both validation BPBs (whole split) and the step
-time: the measurement that decides whether bf16 may be the CPU default (within 1% BPB).
+time: the measurement that decides whether bf16 may be the CPU default (within 1% BPB). Each of
+`--repeats` runs both dtypes back to back, the order alternating between repeats (float32 first in
+the first); the step time leaves out each run's first `PRECISION_UNTIMED_STEPS` steps (allocations,
+the optimizer's states, oneDNN's first kernels), and the speedup is float32's step time over
+bf16's of the same repeat: median [min, max] over the repeats.
 
     .venv/bin/python -m benchmarks.time_to_quality [--preset tiny] [--steps 300] [--repeats 3] \
         [--archs gpt fbt] [--recipes default adamw bf16 fp32]
@@ -41,6 +45,7 @@ from __future__ import annotations
 import argparse
 import copy
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -50,7 +55,15 @@ import torch
 
 import latentloop
 from benchmarks.baseline import load_nanogpt
-from benchmarks.common import ContentionMeter, benchmark_main, render_table, require_at_least_one, spread, start_run
+from benchmarks.common import (
+    ContentionMeter,
+    benchmark_main,
+    render_table,
+    require_at_least_one,
+    require_threads,
+    spread,
+    start_run,
+)
 from latentloop.archs import ARCHS, build_objective
 from latentloop.config import PRESETS, DataConfig, RunConfig, TrainConfig, model_config
 from latentloop.data import TokenLoader, load_tokenizer
@@ -70,6 +83,11 @@ NANOGPT_WARMUP = 100
 NANOGPT_WARMUP_SHARE = 0.1  # short runs: warmup at most this share of the steps
 NANOGPT_GRAD_CLIP = 1.0
 PRECISIONS = ("float32", "bfloat16")
+# The precision check's step time starts after this many steps of each run: the first step creates
+# the optimizer's states and meets every kernel for the first time (at the test preset on 2 cores:
+# 43 / 61 ms against ~30 for float32 / bf16 as a process's first runs, 38 / 27 as its second), and
+# the second was still slow in some runs (40 ms)
+PRECISION_UNTIMED_STEPS = 2
 # latentloop recipes a run can compare: the default, and changes to it (TrainConfig fields)
 RECIPES: dict[str, dict[str, Any]] = {"default": {}, "adamw": {"optimizer": "adamw"}, "bf16": {"dtype": "bfloat16"},
                                       "fp32": {"dtype": "float32"},
@@ -108,8 +126,9 @@ class Bench:
         return evaluate_loss(model, self.val, self.token_bytes, EVAL_BATCH, self.seq_len, **kwargs)["bpb"]
 
 
-def nanogpt_logits(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """nanoGPT returns every position's logits only when given targets (its loss is then discarded)."""
+def nanogpt_logits(model: torch.nn.Module, x: torch.Tensor, written: torch.Tensor | None = None) -> torch.Tensor:
+    """nanoGPT returns every position's logits only when given targets (its loss is then discarded).
+    `written` (eval.loss's `LogitsFn`: which inputs a chat wrote) changes nothing for plain text."""
     x = x.contiguous()  # nanoGPT flattens the targets with .view
     return model(x, x)[0]
 
@@ -153,16 +172,17 @@ def train_latentloop(bench: Bench, arch: str, steps: int, check_every: int, stop
     loader, guard, device = bench.loader(), FiniteGuard(torch.device("cpu")), torch.device("cpu")
     optimizers = build_optimizers(model, cfg, resolve_dtype(device, cfg.dtype))
     kept: list[tuple[int, float, dict]] = []
-    meter, seconds = ContentionMeter().start(), 0.0
+    meter, step_seconds = ContentionMeter().start(), []
     last = steps if stop_at is None else stop_at
     for step in range(last):
         start = time.perf_counter()
         set_lr(optimizers, lr_multiplier(step, cfg))
         train_step(model, model, objective, loader.next_batch, step, optimizers, cfg, device, guard)
-        seconds += time.perf_counter() - start
+        step_seconds.append(time.perf_counter() - start)
         if (step + 1) % check_every == 0 or step + 1 == last:
-            kept.append((step + 1, seconds, copy.deepcopy(model.state_dict())))
-    facts = {"train_s": seconds, "steps_run": last, "others_cpu_share": meter.stop(), "params": model.num_params(),
+            kept.append((step + 1, sum(step_seconds), copy.deepcopy(model.state_dict())))
+    facts = {"train_s": sum(step_seconds), "step_s_all": step_seconds, "steps_run": last,
+             "others_cpu_share": meter.stop(), "params": model.num_params(),
              "precision": resolve_dtype(device, cfg.dtype), "optimizer": cfg.optimizer}
     return kept, {"model": model, **facts}
 
@@ -280,21 +300,36 @@ def _record(rows: list[dict[str, Any]], row: dict[str, Any], repeat: int, job: s
 
 
 def precision_check(bench: Bench, archs: list[str]) -> dict[str, Any]:
-    """Every arch for N steps under each dtype: the final weights' whole-split val BPB (evaluated in
-    fp32) and the training time."""
+    """Every arch for N steps under each dtype, `--repeats` times, the dtypes' order alternating
+    between repeats: the final weights' whole-split val BPB (evaluated in fp32; a later repeat's
+    weights equal to the first's are not evaluated again: training is deterministic) and the step
+    time after the first PRECISION_UNTIMED_STEPS; float32's step time over bf16's per repeat."""
+    args = bench.args
+    untimed = min(PRECISION_UNTIMED_STEPS, args.steps - 1)  # at least one step timed, however it was called
     results: dict[str, dict[str, Any]] = {}
     for arch in archs:
-        results[arch] = {}
-        for dtype in PRECISIONS:
-            kept, facts = train_latentloop(bench, arch, bench.args.steps, bench.args.steps, dtype=dtype)
-            model = facts.pop("model")
-            facts["val_bpb"] = bench.val_bpb(model)
-            results[arch][dtype] = facts
-            print(f"{arch} {dtype}: val BPB {facts['val_bpb']:.4f}, {facts['train_s']:.1f} s "
-                  f"(others used {_share(facts['others_cpu_share'])})", flush=True)
-        fp32, bf16 = results[arch]["float32"], results[arch]["bfloat16"]
-        results[arch]["bpb_change"] = bf16["val_bpb"] / fp32["val_bpb"] - 1
-        results[arch]["speedup"] = fp32["train_s"] / bf16["train_s"]
+        runs: dict[str, list[dict[str, Any]]] = {dtype: [] for dtype in PRECISIONS}
+        first: dict[str, dict[str, Any]] = {}  # per dtype, the first repeat's weights and BPB
+        for repeat in range(args.repeats):
+            # alternating: neither dtype is always the process's first run after the other's
+            for dtype in PRECISIONS if repeat % 2 == 0 else PRECISIONS[::-1]:
+                kept, facts = train_latentloop(bench, arch, args.steps, args.steps, dtype=dtype)
+                model, weights = facts.pop("model"), kept[-1][2]
+                if dtype in first and _same_weights(weights, first[dtype]["weights"]):
+                    facts["val_bpb"], facts["evaluated"] = first[dtype]["val_bpb"], False
+                else:
+                    facts["val_bpb"], facts["evaluated"] = bench.val_bpb(model), True
+                first.setdefault(dtype, {"weights": weights, "val_bpb": facts["val_bpb"]})
+                facts["timed_step_s"] = statistics.mean(facts["step_s_all"][untimed:])
+                runs[dtype].append(facts)
+                print(f"repeat {repeat + 1}: {arch} {dtype}: val BPB {facts['val_bpb']:.4f}, {facts['train_s']:.1f} s, "
+                      f"{facts['timed_step_s'] * 1e3:.1f} ms a step after the first {untimed} "
+                      f"(others used {_share(facts['others_cpu_share'])})", flush=True)
+        ratios = [fp32["timed_step_s"] / bf16["timed_step_s"] for fp32, bf16 in zip(runs["float32"], runs["bfloat16"])]
+        results[arch] = {**runs, "untimed_steps": untimed,
+                         "bpb_change": runs["bfloat16"][0]["val_bpb"] / runs["float32"][0]["val_bpb"] - 1,
+                         "speedup_all": ratios, "speedup": statistics.median(ratios),
+                         "speedup_min": min(ratios), "speedup_max": max(ratios)}
     return results
 
 
@@ -324,10 +359,11 @@ def markdown_table(results: dict[str, Any]) -> str:
     args = results["args"]
     if "precision" in results:
         rows = [(f"Arch ({args['preset']}, {args['steps']} steps)", "val BPB fp32", "val BPB bf16", "bf16 vs fp32",
-                 "bf16 step-time speedup")]
+                 f"bf16 step-time speedup over {args['repeats']} repeats: median [min–max]")]
         for arch, r in results["precision"].items():
-            rows.append((arch, f"{r['float32']['val_bpb']:.4f}", f"{r['bfloat16']['val_bpb']:.4f}",
-                         f"{r['bpb_change']:+.2%}", f"{r['speedup']:.2f}x"))
+            rows.append((arch, spread([e["val_bpb"] for e in r["float32"]], "{:.4f}"),
+                         spread([e["val_bpb"] for e in r["bfloat16"]], "{:.4f}"), f"{r['bpb_change']:+.2%}",
+                         spread(r["speedup_all"], "{:.2f}x")))
         return render_table(rows)
     runs = results["runs"]
     nano = runs["nanogpt"]
@@ -376,6 +412,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write all results as JSON")
     args = p.parse_args(argv)
     require_at_least_one(p, args, ("steps", "repeats", "check_every", "batch_size"))
+    require_threads(p, args)
+    if args.precision_check and args.steps <= PRECISION_UNTIMED_STEPS:
+        p.error(f"--precision-check needs --steps > {PRECISION_UNTIMED_STEPS}: the step time leaves out the first "
+                f"{PRECISION_UNTIMED_STEPS}")
     if args.val_tokens is not None and args.val_tokens < PRESETS[args.preset]["sequence_len"] + 1:
         p.error("--val-tokens must hold at least one sequence (sequence_len + 1 tokens)")
     return args

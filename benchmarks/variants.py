@@ -60,8 +60,10 @@ from benchmarks.common import (
     ContentionMeter,
     announce_environment,
     environment,
+    invocation,
     load_average,
     require_at_least_one,
+    require_threads,
     write_results,
 )
 from benchmarks.fbt import DECODE_SHAPES
@@ -130,6 +132,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--warmup and --train-warmup must be >= 0")
     if args.rgpt_dim % args.rgpt_heads:
         p.error("--rgpt-dim must be divisible by --rgpt-heads")
+    require_threads(p, args)
     return args
 
 
@@ -170,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     results["wall_s"] = time.perf_counter() - start
     results["env"]["others_cpu_share_during_run"] = others = meter.stop()
     results["env"]["load_avg_1min_at_end"] = load_average()
+    results.update(invocation(args, "benchmarks.variants"))  # the command and arguments, as benchmark_main records
     print()
     print("\n\n".join(tables))
     print()

@@ -305,7 +305,8 @@ def test_paired_ratios_time_both_calls_each_round_in_random_order(monkeypatch):
     assert all(sorted(pair) == ["after", "before"] for pair in rounds)
     assert {first for first, _ in rounds} == {"before", "after"}  # each order drawn in some round
     text = common.describe_ratios([0.9, 1.1, 0.8, 1.0])
-    assert "median 0.950" in text and "mean 0.950 [0.823, 1.077]" in text and "below 1 in 2/4 rounds" in text
+    # the interval is Student's t with 3 degrees of freedom (t = 3.182), not the normal's 1.96 (0.823, 1.077)
+    assert "median 0.950" in text and "mean 0.950 [0.745, 1.155]" in text and "below 1 in 2/4 rounds" in text
 
 
 def test_an_engine_worker_that_fails_is_reported_by_name(tmp_path):
@@ -423,7 +424,7 @@ def test_prefill_products_pairs_the_rows_kernel_with_torchs_products(tmp_path, c
 
     products = _benchmark("prefill_products")
     out = tmp_path / "products.json"
-    argv = ["--shape", "smoke", "--rows", "3,9", "--prompt-len", "4", "--repeats", "2", "--json", str(out)]
+    argv = ["--shape", "smoke", "--rows", "3,9", "--prompt-len", "6", "--repeats", "2", "--json", str(out)]
     with monkeypatch.context() as patch:
         patch.setattr(native, "_rows_library", lambda: None)
         assert products.main(argv) == 0
@@ -554,3 +555,241 @@ def test_cpu_attention_benchmark_pairs_float32_with_bf16_and_reports_the_rule(tm
     assert [(row["arch"], row["size"]) for row in result["steps"]] == [("gpt", "xs"), ("lrt", "xs")]
     assert all(len(row["ratios"]) == 2 and min(row["ratios"]) > 0 for row in result["steps"])
     assert "step: rule / bf16 everywhere" in capsys.readouterr().out
+
+
+# -- the reviewed benchmarks' defects (timing order, intervals, flags, result records) -----------------
+
+
+def test_time_prompt_calls_untimed_first_and_alternates_the_timed_order():
+    """A fake engine whose first call after a pause costs COLD more: `time_prompt` spends that call
+    untimed, so with one new token the two timed calls (the same work) take the same time, and the
+    first-token call goes first in even rounds and second in odd ones."""
+    engines = _benchmark("engines")
+    clock, calls, paused = [0.0], [], [True]
+    cold, per_token = 0.5, 0.01
+
+    def call(prompt, new_tokens):
+        calls.append(new_tokens)
+        clock[0] += per_token * new_tokens + (cold if paused[0] else 0.0)
+        paused[0] = False
+        return list(range(new_tokens))
+
+    for _ in range(2):
+        paused[0], calls[:] = True, []  # the settle pause before each round
+        whole, first = engines.time_prompt(call, [1, 2], 1, clock=lambda: clock[0])
+        assert whole == pytest.approx(first) == pytest.approx(per_token)  # the first call's cost was in `first`
+        assert calls == [1, 1, 1]
+    orders = []
+    for round_index in range(2):
+        paused[0], calls[:] = True, []
+        whole, first = engines.time_prompt(call, [1, 2], 5, clock=lambda: clock[0], round_index=round_index)
+        assert (whole, first) == (pytest.approx(5 * per_token), pytest.approx(per_token))
+        orders.append(calls[1:])
+    assert orders == [[1, 5], [5, 1]] and calls[0] == 1  # the untimed call: one token
+
+
+def test_prefill_products_refuses_a_prompt_outside_the_rows_kernels_rows(capsys):
+    """Outside the kernel's rows `accelerated_linear` takes torch's products, and the "rows kernel"
+    row would time them: such a --prompt-len is refused, naming the range."""
+    from latentloop.inference.products import ROWS_KERNEL_MAX_ROWS, ROWS_KERNEL_MIN_ROWS
+
+    products = _benchmark("prefill_products")
+    for bad in (ROWS_KERNEL_MIN_ROWS - 1, ROWS_KERNEL_MAX_ROWS + 1):
+        with pytest.raises(SystemExit) as exc:
+            products.parse_args(["--prompt-len", str(bad)])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and "Traceback" not in err
+        assert f"{ROWS_KERNEL_MIN_ROWS}-{ROWS_KERNEL_MAX_ROWS}" in err
+    for good in (ROWS_KERNEL_MIN_ROWS, ROWS_KERNEL_MAX_ROWS):
+        assert products.parse_args(["--prompt-len", str(good)]).prompt_len == good
+
+
+def test_the_precision_check_alternates_the_dtypes_over_the_repeats_and_leaves_out_the_first_steps(monkeypatch):
+    """--precision-check: `--repeats` runs of each dtype, the order alternating, the step time
+    after the untimed first steps (here 10 s each, slower as a process's first run), and the speedup
+    as median [min, max] of the per-repeat ratios."""
+    import argparse
+
+    ttq = _benchmark("time_to_quality")
+    order = []
+    per_step = {"float32": [2.0, 2.0, 2.4], "bfloat16": [1.0, 1.0, 1.0]}  # seconds a timed step, per repeat
+
+    def train(bench, arch, steps, check_every, stop_at=None, dtype="float32"):
+        repeat = sum(d == dtype for _, d in order)
+        order.append((arch, dtype))
+        first = 10.0 if len(order) == 1 else 5.0  # the first step: slowest in the process's first run
+        seconds = [first] + [per_step[dtype][repeat]] * (steps - 1)
+        weights = {"w": torch.zeros(1)}
+        return [(steps, sum(seconds), weights)], {"model": torch.nn.Linear(1, 1), "train_s": sum(seconds),
+                                                  "step_s_all": seconds, "others_cpu_share": None, "params": 2,
+                                                  "precision": dtype, "optimizer": "adamw"}
+
+    class Bench:
+        args = argparse.Namespace(steps=6, repeats=3)
+
+        @staticmethod
+        def val_bpb(model):
+            return 2.0
+
+    monkeypatch.setattr(ttq, "train_latentloop", train)
+    result = ttq.precision_check(Bench(), ["gpt"])["gpt"]
+    assert [dtype for _, dtype in order] == ["float32", "bfloat16", "bfloat16", "float32", "float32", "bfloat16"]
+    assert result["speedup_all"] == pytest.approx([2.0, 2.0, 2.4])
+    assert (result["speedup"], result["speedup_min"], result["speedup_max"]) == pytest.approx((2.0, 2.0, 2.4))
+    assert len(result["float32"]) == len(result["bfloat16"]) == 3 and result["bpb_change"] == 0
+    assert [run["evaluated"] for run in result["float32"]] == [True, False, False]  # the same weights: not again
+    assert "2.00x [2.00x–2.40x]" in ttq.markdown_table({"args": {"preset": "test", "steps": 5, "repeats": 3},
+                                                        "precision": {"gpt": result}})
+
+
+def test_ratio_interval_is_students_t():
+    """The paired ratios' 95% interval is Student's t (as engines and serve_load give theirs), far
+    wider than the normal's at a few rounds."""
+    from latentloop.eval.stats import t_interval
+
+    common = _benchmark("common")
+    for ratios in ([0.9, 1.2, 1.0], [0.95, 1.0, 1.02, 0.97, 1.05, 0.99, 1.01, 0.98, 1.03]):
+        mean, half = common.ratio_interval(ratios)
+        low, high = t_interval(ratios)
+        assert (mean - half, mean + half) == pytest.approx((low, high))
+
+
+@pytest.mark.parametrize("module, argv, message", [
+    ("decode_attention", ["--rounds", "1"], "--rounds must be >= 2"),
+    ("cpu_attention", ["--rounds", "1"], "--rounds must be >= 2"),
+    ("cpu_attention", ["--rounds", "0"], "--rounds must be >= 2"),
+    ("cpu_attention", ["--tokens", "0"], "--tokens must be >= 1"),
+    ("cpu_attention", ["--width", "0"], "--width must be >= 1"),
+])
+def test_paired_benchmarks_refuse_too_few_rounds_and_empty_cells(module, argv, message, capsys):
+    """A single round has no quartiles or interval (StatisticsError after all the work), and a cell of
+    0 tokens or width was clamped to another shape: refused by argparse in one line."""
+    with pytest.raises(SystemExit) as exc:
+        _benchmark(module).parse_args(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("module, argv", [
+    ("fast_decode", []), ("fast_training", []), ("speculative", ["runs/x"]), ("time_to_quality", []),
+    ("decode_attention", []), ("cpu_attention", []), ("baseline", []), ("variants", []), ("gpu_bench", []),
+])
+def test_threads_below_one_are_refused_in_one_line(module, argv, capsys):
+    """`torch.set_num_threads(0)` raised a RuntimeError once the run started (gpu_bench fell back to
+    torch's default): refused by argparse instead."""
+    with pytest.raises(SystemExit) as exc:
+        _benchmark(module).parse_args([*argv, "--threads", "0"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--threads must be >= 1" in err and "Traceback" not in err
+
+
+def _serve_load():
+    """`benchmarks.serve_load`, sys.path as it was after (it puts benchmarks/ on it)."""
+    saved = list(sys.path)
+    try:
+        return _benchmark("serve_load")
+    finally:
+        sys.path[:] = saved
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--presets", "foo"], "unknown 'foo'"),
+    (["--json", "out.json"], "--json only applies with --against llama.cpp"),
+    (["--run", "runs/x", "--new-tokens", "8", "--decode", "eager"],
+     "--run, --decode, --new-tokens only apply with --against"),
+    (["--kv-dtype", "float16"], "--kv-dtype only applies with --against"),
+    (["--short", "8", "--long", "16"], "--short, --long only apply with --against"),
+    (["--against", "llama.cpp", "--presets", "tiny"], "--presets only applies without --against"),
+    (["--against", "llama.cpp", "--batching", "rounds", "--varied-lengths"],
+     "--batching, --varied-lengths only apply without --against"),
+])
+def test_serve_load_refuses_unknown_presets_and_the_other_modes_flags(argv, message, capsys):
+    """An unknown preset was a ConfigError traceback; a flag of the other mode (--json without
+    --against, --presets with it) was silently ignored."""
+    serve_load = _serve_load()
+    with pytest.raises(SystemExit) as exc:
+        serve_load.parse_args(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and message in err and "Traceback" not in err
+    args = serve_load.parse_args(["--presets", "test"])
+    assert (args.presets, args.batching, args.varied_lengths) == (["test"], ["continuous", "rounds"], False)
+
+
+def test_engines_pool_refuses_a_file_that_is_not_a_runs_json_in_one_line(tmp_path, capsys):
+    engines = _benchmark("engines")
+    files = {"text.json": "not json {", "list.json": "[1, 2]", "other.json": json.dumps({"args": {"x": 1}}),
+             "cases.json": json.dumps({"args": {"new_tokens": 8}, "cases": {"a": {"threads": [1]}}})}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+        assert engines.main(["--pool", str(tmp_path / name)]) == 2, name
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and str(tmp_path / name) in err[0] and err[0].startswith("--pool:"), (name, err)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--only", "foo"], "unknown arch 'foo'"), (["--only", "gpt", "lrtt"], "unknown arch 'lrtt'"),
+    (["--peak-tflops", "0"], "--peak-tflops must be a positive number"),
+    (["--peak-tflops", "nan"], "--peak-tflops must be a positive number"),
+    (["--budget-s", "0"], "--budget-s must be > 0"),
+])
+def test_gpu_bench_refuses_unknown_archs_and_bad_numbers(argv, message, capsys):
+    """`--only foo` ran nothing and exited 0; a peak of 0 fell back to the H200's: refused instead."""
+    with pytest.raises(SystemExit) as exc:
+        _benchmark("gpu_bench").parse_args(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and message in err and "Traceback" not in err
+
+
+def test_no_compile_lands_in_a_timed_training_step(monkeypatch):
+    """rgpt draws its depth per step (here: 2, then 1, 1, 2, ...): warmed up for --train-warmup 1
+    step only, its first depth-1 step, a compile of its own, was timed. The warm-up now runs until
+    every kind of forward of the timed steps has run untimed."""
+    import argparse
+
+    common = _benchmark("common")
+    depths = _benchmark("fast_decode").RGPT_EQUAL_DEPTH
+    kinds: list[str] = []  # each step's kind of forward, in the order the steps ran
+    real_step = common.train_step
+
+    def spy(model, forward_model, objective, batch, i, *rest):
+        kinds.append(repr(objective.forward_mix(i)))
+        return real_step(model, forward_model, objective, batch, i, *rest)
+
+    monkeypatch.setattr(common, "train_step", spy)
+    shape = dict(n_embd=32, n_head=2, vocab_size=259, sequence_len=8)
+    args = argparse.Namespace(seed=0, grad_clip=1.0, train_batch=1, train_seq_len=8, train_warmup=1, train_steps=4)
+    result = common.training_comparison({"rgpt": ("rgpt", shape, depths, None)}, args, torch.device("cpu"))["rgpt"]
+    warmup = len(kinds) - args.train_steps  # the untimed steps: the first ones
+    assert len(set(kinds)) == 2 and set(kinds[warmup:]) <= set(kinds[:warmup])
+    assert warmup == result["warmup_steps"] >= args.train_warmup  # recorded
+    kind = "abacaaaaaa".__getitem__  # a step's kind of forward
+    assert common.covering_warmup(kind, 1, 1) == 2  # b at step 1: warmed up through it
+    assert common.covering_warmup(kind, 1, 3) == 4  # ... and then c at step 3
+    assert common.covering_warmup(kind, 4, 6) == 4 and common.covering_warmup(kind, 0, 1) == 2  # a, then b
+
+
+def test_every_benchmark_result_records_its_command_module_and_arguments(tmp_path, monkeypatch):
+    """`benchmark_main` (every `python -m benchmarks.NAME` but a few) writes the command line, the
+    module and every parsed argument into the JSON, whatever the benchmark stored itself."""
+    import argparse
+
+    common = _benchmark("common")
+    out = tmp_path / "result.json"
+    monkeypatch.setattr(sys, "argv", ["benchmarks/x.py", "--flag", "a"])
+    args = argparse.Namespace(json=out, threads=2, cells=[(32, 16)], path=tmp_path)
+    assert common.benchmark_main(args, lambda args: {"figure": 1.0}, lambda results: "table") == 0
+    result = json.loads(out.read_text())
+    assert result["command"] == ["benchmarks/x.py", "--flag", "a"] and result["module"] == __name__
+    assert result["args"] == {"json": str(out), "threads": 2, "cells": [[32, 16]], "path": str(tmp_path)}
+    assert result["figure"] == 1.0
+
+
+def test_gpu_bench_records_its_command_and_arguments(tmp_path, monkeypatch, capsys):
+    gpu_bench = _benchmark("gpu_bench")
+    monkeypatch.setattr(gpu_bench, "run", lambda args: {section: [] for section in
+                                                        ("training", "fill", "decode", "hf", "checks")})
+    monkeypatch.setattr(sys, "argv", ["gpu_bench", "--cpu"])
+    assert gpu_bench.main(["--cpu", "--tiny", "--threads", "1", "--out-dir", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "gpu_bench.json").read_text())
+    assert report["command"] == ["gpu_bench", "--cpu"] and report["module"] == "benchmarks.gpu_bench"
+    assert report["args"]["threads"] == 1 and report["args"]["tiny"] and report["args"]["out_dir"] == str(tmp_path)

@@ -48,6 +48,9 @@ def _run_bench(out: Path, *only: str) -> dict:
 
 def _check_training_row(row: dict, out: Path) -> None:
     assert row["tokens_per_s"] > 0 and row["final_loss"] > 0 and row["compile_s"] >= 0
+    steps = row["step_ms_all"]  # each timed step's own time, and their median and range
+    assert len(steps) == _gpu_bench().TINY.steps and min(steps) > 0
+    assert row["step_ms_min"] <= row["step_ms_median"] <= row["step_ms_max"] and row["step_ms_mean"] > 0
     assert row["mfu"] is None and row["largest_micro_batch_estimate"] is None  # the CPU: no peak, no device memory
     profile = row["profile"]
     assert profile["steps"] == _gpu_bench().TINY.profile_steps and profile["step_ms"] > 0
@@ -68,8 +71,10 @@ def test_the_cpu_fallback_measures_gpt_end_to_end(tmp_path):
     _check_training_row(train, tmp_path)
     batches = gpu_bench.TINY.decode_batches
     assert [(r["case"], r["batch"]) for r in report["decode"]] == [("gpt", b) for b in batches]
-    assert all(r["decode_tokens_per_s"] > 0 and r["new_tokens"] == gpu_bench.TINY.new_tokens and r["warmup_s"] > 0
+    assert all(r["decode_tokens_per_s_median"] > 0 and r["new_tokens"] == gpu_bench.TINY.new_tokens
+               and r["warmup_s"] > 0 and len(r["decode_tokens_per_s_all"]) == gpu_bench.DECODE_RUNS
                for r in report["decode"])
+    assert report["module"] == "benchmarks.gpu_bench" and report["args"]["only"] == ["gpt"]
     assert [r["batch"] for r in report["hf"]] == list(batches)
     for row in report["hf"]:
         assert row["decode_tokens_per_s"] > 0 and row["latentloop_same_weights"]["decode_tokens_per_s"] > 0
@@ -129,9 +134,42 @@ def test_decode_rows_are_timed_after_a_warm_up_of_the_same_lengths(monkeypatch):
         monkeypatch.setattr(ll, name, lambda *a, _real=real, _name=name, **k: calls.append(
             (_name, len(a[1]), a[2], k.get("compile"))) or _real(*a, **k))
     rows = gpu_bench.bench_decode("gpt", "gpt", {}, gpu_bench.TINY, torch.device("cpu"), compile_=False)
-    assert len(rows) == len(gpu_bench.TINY.decode_batches) and all(r["decode_tokens_per_s"] > 0 for r in rows)
+    assert len(rows) == len(gpu_bench.TINY.decode_batches) and all(r["decode_tokens_per_s_median"] > 0 for r in rows)
     new = gpu_bench.TINY.new_tokens
     expected = []
     for batch in gpu_bench.TINY.decode_batches:
-        expected += [("generate", batch, new, False), ("stream", batch, new, False), ("stream", batch, new, False)]
+        expected += [("generate", batch, new, False), *[("stream", batch, new, False)] * gpu_bench.DECODE_RUNS]
     assert calls == expected
+
+
+def test_decode_rows_report_the_median_and_range_of_their_timed_runs(monkeypatch):
+    """Each decode row's figure is the median of its timed runs, with their range and every run
+    (it was the fastest of two, under the plain name)."""
+    import torch
+
+    gpu_bench = _gpu_bench()
+    rates = iter([30.0, 10.0, 20.0, 5.0, 7.0, 6.0, 1.0, 2.0, 3.0])
+    monkeypatch.setattr(gpu_bench, "_timed_stream", lambda *args: {
+        "new_tokens": gpu_bench.TINY.new_tokens, "prefill_s": 0.5, "decode_tokens_per_s": next(rates)})
+    monkeypatch.setattr(gpu_bench, "DECODE_RUNS", 3, raising=False)  # three runs: a median of its own
+    rows = gpu_bench.bench_decode("gpt", "gpt", {}, gpu_bench.TINY, torch.device("cpu"), compile_=False)
+    assert [(r["decode_tokens_per_s_median"], r["decode_tokens_per_s_min"], r["decode_tokens_per_s_max"])
+            for r in rows] == [(20.0, 10.0, 30.0), (6.0, 5.0, 7.0)]
+    assert rows[0]["decode_tokens_per_s_all"] == [30.0, 10.0, 20.0] and "decode_tokens_per_s" not in rows[0]
+
+
+def test_training_rows_time_every_step(monkeypatch, tmp_path):
+    """A training row keeps each timed step's milliseconds, their median and range, beside the
+    tokens/s of the whole timed window."""
+    import statistics
+
+    import torch
+
+    gpu_bench = _gpu_bench()
+    monkeypatch.setattr(gpu_bench, "_profile", lambda *args: {})  # the profile and its trace: another test's
+    row = gpu_bench.bench_training("gpt", "gpt", {}, gpu_bench.TINY, torch.device("cpu"), False, None, tmp_path)
+    steps = row["step_ms_all"]
+    assert len(steps) == gpu_bench.TINY.steps and min(steps) > 0
+    assert (row["step_ms_min"], row["step_ms_max"]) == (min(steps), max(steps))
+    assert row["step_ms_median"] == pytest.approx(statistics.median(steps))
+    assert row["step_ms_mean"] >= min(steps) * 0.99 and row["tokens_per_s"] > 0
