@@ -736,7 +736,6 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 1.0, top_
     return outputs[0] if single else outputs
 
 
-@torch.no_grad()
 def written_inputs(loss_mask: Tensor) -> Tensor:
     """The inputs (B, T) of packed conversation rows that the model wrote (its replies, as `stream`'s
     `written` marks them), from the rows' loss mask over their targets (B, T): input t was written
@@ -744,6 +743,7 @@ def written_inputs(loss_mask: Tensor) -> Tensor:
     return shift_right(loss_mask.bool())
 
 
+@torch.no_grad()
 def teacher_forced_logits(model, idx: Tensor, pad_mask: Tensor | None = None, prompt_len: int | None = None,
                           written: Tensor | None = None, **options) -> Tensor:
     """Logits (B, T, V) for a given text idx (B, T) as decoding would produce them: the first

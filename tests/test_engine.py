@@ -230,3 +230,13 @@ def test_a_text_past_the_context_is_refused_by_teacher_forcing_naming_its_length
     model = build_model(model_config(arch, "test", sequence_len=16))
     with pytest.raises(PromptError, match="the text is 40 tokens, beyond the model's context of 16 tokens"):
         teacher_forced_logits(model, torch.zeros(1, 40, dtype=torch.long), **options)
+
+
+def test_teacher_forced_scoring_builds_no_autograd_graph(model):
+    """Scoring is inference: with its no_grad lost (moved onto a helper above it), fbt's soft steps
+    computed their gates another way (the export contract caught the rounding) and every score kept
+    a graph."""
+    from latentloop.engine import teacher_forced_logits
+
+    assert torch.is_grad_enabled()
+    assert not teacher_forced_logits(model, torch.tensor([PROMPTS[0]])).requires_grad
