@@ -118,8 +118,8 @@ def test_documents_split_at_bos_and_their_sums_are_the_figures():
     token_bytes[bos] = 0
     model = _Uniform(vocab)
     with_documents = list(text_batches(stream, 2, seq_len, bos_id=bos)())
-    plain = evaluate_batches(model, text_batches(stream, 2, seq_len)(), token_bytes, lambda m, x: m(x))
-    result = evaluate_batches(model, with_documents, token_bytes, lambda m, x: m(x))
+    plain = evaluate_batches(model, text_batches(stream, 2, seq_len)(), token_bytes, lambda m, x, written: m(x))
+    result = evaluate_batches(model, with_documents, token_bytes, lambda m, x, written: m(x))
     per = result.pop("per_document")
     assert result == plain  # documents change nothing in the point figures
     # windows: targets at stream positions 1-4, 5-8, 9-12: documents open at each BOS target
