@@ -282,8 +282,9 @@ def test_an_untrusted_compile_cache_is_replaced_by_a_private_folder_for_the_proc
     assert fast.compile_cache_dir() == shared  # the user's own folder is used as it is
 
 
-def test_a_package_that_fails_its_check_is_compiled_again_not_loaded(tmp_path, monkeypatch):
-    """A `.pt2` without its digest (or damaged, or replaced) is never handed to the loader."""
+def _aot_step(tmp_path, monkeypatch):
+    """An ahead-of-time decode step of a test gpt over a frozen cache (3 tokens prefilled), its
+    compile cache in tmp_path/inductor: (step, cache)."""
     import latentloop as ll
     from latentloop.engine import model_options
     from latentloop.inference import aot
@@ -299,8 +300,16 @@ def test_a_package_that_fails_its_check_is_compiled_again_not_loaded(tmp_path, m
     fast.begin_decoding(cache)
     cache.set_window()
     step = aot.AotDecodeStep(model, options, None)
+    return step, cache
+
+
+def test_a_package_that_fails_its_check_is_compiled_again_not_loaded(tmp_path, monkeypatch):
+    """A `.pt2` without its digest (or damaged, or replaced) is never handed to the loader."""
+    from latentloop.inference import aot
+
+    step, cache = _aot_step(tmp_path, monkeypatch)
     path = (tmp_path / "inductor" / aot.AOT_SUBDIR /
-            f"{aot.package_key(model, options, cache, aot.cache_fields(cache))}.pt2")
+            f"{aot.package_key(step.model, step.options, cache, aot.cache_fields(cache))}.pt2")
     private(path.parent)
     path.write_bytes(b"planted")  # no digest: not ours
     loaded, compiled = [], []
@@ -359,21 +368,9 @@ def test_the_kernels_folder_is_judged_after_it_is_made_and_a_fresh_build_before_
 
 
 def test_a_package_compiled_now_is_checked_before_it_is_loaded(tmp_path, monkeypatch):
-    import latentloop as ll
-    from latentloop.engine import model_options
     from latentloop.inference import aot
-    from latentloop.inference.fast import FastDecoder
 
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(private(tmp_path / "inductor")))
-    model = ll.build("gpt", preset="test").eval()
-    options = model_options(model, {})
-    fast = FastDecoder(model, compile=False, **options)
-    cache = fast.new_cache(1, 24)
-    with torch.inference_mode():
-        model.prefill(torch.tensor([[256, 5, 9]]), cache, **options)
-    fast.begin_decoding(cache)
-    cache.set_window()
-    step = aot.AotDecodeStep(model, options, None)
+    step, cache = _aot_step(tmp_path, monkeypatch)
     loaded = []
     monkeypatch.setattr(step, "_load", lambda shape, where: loaded.append(where))
     monkeypatch.setattr(step, "_compile", lambda cache, fields, where: (private(where.parent),

@@ -444,4 +444,4 @@ def test_a_chats_earlier_replies_are_marked_through_a_template_or_read_plain_whe
     assert prompt_written(dropping, history, prompt) == [False] * len(prompt)
     torch.manual_seed(0)
     model = ll.build("fbt", preset="test", vocab_size=dropping.vocab_size, bos_id=dropping.bos_id).eval()
-    assert len(list(stream_reply(model, dropping, history, 3, temperature=0.0, compile=False))) >= 0  # no error
+    list(stream_reply(model, dropping, history, 3, temperature=0.0, compile=False))  # answers: no ChatFormatError
