@@ -61,7 +61,7 @@ from .util import first_line
 
 __all__ = ["SHARDED_DIR", "any_rank", "apply_activation_checkpointing", "compiles_whole_model", "full_weights",
            "gather_objects", "grad_norm", "gradient_sync", "load_full_optimizer_states", "load_full_weights",
-           "load_sharded", "mean_across_ranks", "save_sharded", "wrap_model"]
+           "load_sharded", "mean_across_ranks", "micro_batch_shares", "save_sharded", "wrap_model"]
 
 
 def _checkpointed(module: nn.Module) -> None:
@@ -212,6 +212,23 @@ def mean_across_ranks(value: Tensor) -> Tensor:
     total = value.detach().to(torch.float64 if value.device.type != "cuda" else torch.float32).reshape(-1).clone()
     dist.all_reduce(total)
     return (total / env.world_size).reshape(value.shape)
+
+
+def micro_batch_shares(target_counts: list[int], device: torch.device) -> list[float] | list[Tensor]:
+    """Each micro-batch's share of a step's gradient when its loss is a mean over a varying number of
+    targets (SFT's loss masks): its targets over the step's, counted over every micro-batch and
+    process, times the processes (DDP and fsdp2 average their gradients), so that every trained token
+    weighs alike whatever micro-batch or process it fell in, as in one batch of them all. The counts
+    are the host's (the loader's masks); over several processes their sum is one reduction on the
+    device, and the shares stay there (nothing is read back)."""
+    world = current_dist().world_size
+    if world == 1:
+        total = max(1, sum(target_counts))
+        return [count / total for count in target_counts]
+    total = torch.tensor(sum(target_counts), dtype=torch.int64, device=device)
+    dist.all_reduce(total)
+    per_target = world / total.clamp(min=1).to(torch.float32)
+    return [count * per_target for count in target_counts]
 
 
 def any_rank(flag: bool, device: torch.device) -> bool:

@@ -52,9 +52,9 @@ NOISE_PROBE = 4  # numbers read ahead from a rank's own torch stream (the one tr
 
 def record_draws(objective, model) -> list[dict]:
     """Wrap the objective so that every call records the random draws it made (fbt: pass count and
-    the uniform field that places the prefix boundaries; rgpt: depth; lrt: the subsets' columns),
-    which every rank must draw alike, and under "own" what each rank must have to itself: its batch
-    and the next numbers of its torch stream (read from a copy: the run draws them unchanged)."""
+    rgpt: depth; lrt: the subsets' columns), which every rank must draw alike, and under "own" what
+    each rank must have to itself: its batch, the next numbers of its torch stream (read from a copy:
+    the run draws them unchanged) and fbt's uniform field that places its rows' prefix boundaries."""
     from latentloop.archs.fbt import objective as fbt_objective
 
     draws: list[dict] = []
@@ -62,17 +62,17 @@ def record_draws(objective, model) -> list[dict]:
 
     def mask(idx, bos_id, generator):
         probe = torch.Generator().set_state(generator.get_state())
-        draws[-1]["prefix_u"] = torch.rand(idx.shape, generator=probe).flatten().tolist()
+        draws[-1]["own"]["prefix_u"] = torch.rand(idx.shape, generator=probe).flatten().tolist()
         return real_mask(idx, bos_id, generator)
 
     fbt_objective.document_prefix_mask = mask
     real_plan, real_loss = type(objective).plan, type(objective).loss
 
-    def plan(self, step, x, loss_mask=None):  # the trainer draws each micro-batch's plan, then runs its loss
+    def plan(self, step, x, loss_mask=None, draw=0):  # the trainer draws each micro-batch's plan, then runs its loss
         stream = torch.Generator().set_state(torch.get_rng_state())
         own = {"batch": x.tolist(), "noise": torch.rand(NOISE_PROBE, generator=stream).tolist()}
         draws.append({"step": step, "own": own})
-        return real_plan(self, step, x, loss_mask)
+        return real_plan(self, step, x, loss_mask, draw)
 
     def loss(self, forward_model, x, y, loss_mask=None, **plan):
         result = real_loss(self, forward_model, x, y, loss_mask, **plan)
@@ -141,18 +141,19 @@ def training_rows(history: list[dict]) -> list[dict]:
 
 
 def watch_gradients(state) -> list[dict]:
-    """As each batch is drawn: whether every parameter holds a gradient, and the elements this process
-    holds of them (a sharded gradient: its shard) against the parameters' whole size."""
-    seen, draw = [], state.loader.next_batch
+    """As each micro-batch's plan is drawn (just before its forward): whether every parameter holds a
+    gradient, and the elements this process holds of them (a sharded gradient: its shard) against the
+    parameters' whole size. (The step draws its batches first, so the loader's calls come too early.)"""
+    seen, plan = [], state.objective.plan
 
-    def next_batch():
+    def watched(*args, **kwargs):
         params = list(state.model.parameters())
         grads = [p.grad for p in params if p.grad is not None]
         seen.append({"all": len(grads) == len(params), "full": sum(p.numel() for p in params),
                      "local": sum(g.to_local().numel() if hasattr(g, "to_local") else g.numel() for g in grads)})
-        return draw()
+        return plan(*args, **kwargs)
 
-    state.loader.next_batch = next_batch
+    state.objective.plan = watched
     return seen
 
 

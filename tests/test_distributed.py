@@ -157,10 +157,10 @@ def _shared(draws: list[dict]) -> list[dict]:
 
 
 def test_schedule_draws_agree_on_every_rank_and_data_and_noise_differ(ddp_runs):
-    """What shapes a step (fbt's pass count and prefixes, rgpt's depth, lrt's subsets) must be drawn
-    alike on every rank, or the ranks run different graphs; each rank's batch and its training-noise
-    stream (fbt's jitter, rgpt's noise) must be its own, or the ranks repeat one another's data and
-    noise."""
+    """What shapes a step (fbt's pass count, rgpt's depth, lrt's subsets) must be drawn alike on every
+    rank, or the ranks run different graphs; each rank's batch, its training-noise stream (fbt's
+    jitter, rgpt's noise) and fbt's prefixes must be its own, or the ranks repeat one another's data,
+    noise and prefixes (each rank's rows drew the same prefix boundaries as the other's)."""
     _, results, _ = ddp_runs
     for arch in ARCHS:
         rank0, rank1 = results[arch]["draws"]
@@ -168,9 +168,10 @@ def test_schedule_draws_agree_on_every_rank_and_data_and_noise_differ(ddp_runs):
         for step, (a, b) in enumerate(zip(rank0, rank1)):
             assert a["own"]["batch"] != b["own"]["batch"], f"{arch} step {step}: both ranks had the same batch"
             assert a["own"]["noise"] != b["own"]["noise"], f"{arch} step {step}: both ranks share a noise stream"
-    fbt = results["fbt"]["draws"][0]
+    fbt, fbt_rank1 = results["fbt"]["draws"]
     assert {d["passes"] for d in fbt} == {1, 2}  # K = 1 (fusion unused) and K = 2 both ran
-    assert all(len(d["prefix_u"]) == 2 * 32 for d in fbt if d["passes"] > 1)  # a boundary per row and position
+    fused = [(a["own"]["prefix_u"], b["own"]["prefix_u"]) for a, b in zip(fbt, fbt_rank1) if a["passes"] > 1]
+    assert fused and all(len(a) == len(b) == 2 * 32 and a != b for a, b in fused)  # a boundary per row and position
     assert len({d["steps"] for d in results["rgpt"]["draws"][0]}) > 1  # the depth changed between steps
     lrt = results["lrt"]["draws"][0]
     assert all(d["columns"][1:] == [list(range(0, 32, 2)), list(range(1, 32, 2))] for d in lrt)  # S = 2 subsets

@@ -176,9 +176,9 @@ def test_a_diverging_run_stops_naming_the_step_and_keeps_its_last_good_checkpoin
     bad_step = 3  # the 1-based step that goes wrong; steps 1 and 2 are saved
     drawn = []  # the steps whose plans were drawn: the trainer draws each step's plan, then runs its loss
 
-    def plan(self, step, x, loss_mask=None):
+    def plan(self, step, x, loss_mask=None, draw=0):
         drawn.append(step)
-        return healthy_plan(self, step, x, loss_mask)
+        return healthy_plan(self, step, x, loss_mask, draw)
 
     def poisoned(self, model, x, y, loss_mask=None, **plan):
         result = healthy_loss(self, model, x, y, loss_mask, **plan)
@@ -204,7 +204,7 @@ def test_a_huge_learning_rate_ends_the_cli_run_with_one_line(corpus, tmp_path, c
     run = tmp_path / "run"
     err = _one_line_exit_2(["train", "--preset", "test", "--data", f"text:{corpus}", "--steps", "6", "--lr", "1e30",
                             "--out", run, "--set", "batch_size=4", "--set", "sequence_len=32", "--set", "save_every=1",
-                            "--no-progress"], capsys)
+                            "--set", "warmup_steps=2", "--no-progress"], capsys)
     assert "training diverged at step" in err
     for checkpoint in ckpt.list_checkpoints(run):  # whatever was saved before the divergence is finite
         assert ckpt._first_non_finite(load_file(str(checkpoint / "model.safetensors"))) is None

@@ -205,7 +205,7 @@ class _BranchesOnAValue(NextTokenObjective):
 
 
 class _NumberPerStep(NextTokenObjective):
-    def plan(self, step, x, loss_mask=None):
+    def plan(self, step, x, loss_mask=None, draw=0):
         return {"scale": 1.0 + step}  # a planted Python number that changes every step: a graph each
 
     def loss(self, model, x, y, loss_mask=None, scale=1.0):

@@ -34,26 +34,55 @@ for name in ("fbt", "rfbt"):
     QUIET[name] = {**QUIET[name], "prefix_mixin": False}
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["every-target", "sft-mask"])
 @pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_n_micro_batches_give_the_gradients_of_one_batch_n_times_larger(arch):
+def test_n_micro_batches_give_the_gradients_of_one_batch_n_times_larger(arch, masked):
+    """Also under SFT's loss mask, where the two micro-batches train on 4 and 48 targets: a mean per
+    micro-batch weighed alike gave those 4 targets 6x the weight each of the others (the gradients
+    were ~300% off); each micro-batch now counts by its share of the step's targets."""
     torch.manual_seed(0)
-    model = ll.build(arch, preset="test", sequence_len=SEQ_LEN, **QUIET[arch]).train()
+    # mor's router loss is a mean over a row's real inputs (up to its last trained target), not over
+    # its targets: under a mask it weighs as its micro-batch's targets do, so it is off in this case
+    unrouted = {"router_aux_weight": 0.0} if masked and arch == "mor" else {}
+    model = ll.build(arch, preset="test", sequence_len=SEQ_LEN, **QUIET[arch], **unrouted).train()
     data = torch.randint(0, model.config.vocab_size, (4, SEQ_LEN + 1), generator=torch.Generator().manual_seed(1))
     x, y = data[:, :-1], data[:, 1:]
+    mask = torch.zeros(x.shape, dtype=torch.bool)
+    mask[0:2, -2:] = True  # the first micro-batch: a reply of 2 tokens per row
+    mask[2:4, 8:] = True  # the second: a reply of 24 per row
 
-    def gradients(micro_batches: int) -> dict[str, torch.Tensor]:
+    def gradients(micro_batches: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         rows = len(x) // micro_batches
-        batches = iter([(x[i:i + rows], y[i:i + rows]) for i in range(0, len(x), rows)])
+        batches = iter([(x[i:i + rows], y[i:i + rows], *([mask[i:i + rows]] if masked else []))
+                        for i in range(0, len(x), rows)])
         train = TrainConfig(batch_size=rows, grad_accum=micro_batches, grad_clip=0.0, device="cpu", dtype="float32")
         objective = build_objective(model.config, train)
         model.zero_grad(set_to_none=True)
-        train_step(model, model, objective, lambda: next(batches), 5, [], train, CPU, FiniteGuard(CPU))
-        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        outcome = train_step(model, model, objective, lambda: next(batches), 5, [], train, CPU, FiniteGuard(CPU))
+        return outcome.loss_on_device, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
-    whole, accumulated = gradients(1), gradients(2)
+    (whole_loss, whole), (accumulated_loss, accumulated) = gradients(1), gradients(2)
+    torch.testing.assert_close(accumulated_loss, whole_loss, rtol=ACCUMULATION_RTOL, atol=ACCUMULATION_ATOL)
     assert whole.keys() == accumulated.keys() and whole
     for name, grad in whole.items():
         torch.testing.assert_close(accumulated[name], grad, rtol=ACCUMULATION_RTOL, atol=ACCUMULATION_ATOL, msg=name)
+
+
+@pytest.mark.parametrize("arch", ["fbt", "rfbt"])
+def test_each_of_a_steps_batches_draws_its_own_fbt_prefixes(arch):
+    """The pass count is the step's (one graph for all its batches); the prefixes are each batch's own
+    (`draw`: micro-batch x processes + rank). One seed per step gave every micro-batch and process
+    the same prefix boundaries row for row. The step's first batch draws as a one-batch step did."""
+    model = ll.build(arch, preset="test", sequence_len=SEQ_LEN, **{**dict(ARCHS[arch].deterministic),
+                                                                    "prefix_mixin": True})
+    objective = build_objective(model.config, TrainConfig(steps=10))
+    x = torch.randint(1, model.config.vocab_size, (2, SEQ_LEN), generator=torch.Generator().manual_seed(1))
+    step = next(s for s in range(10) if objective.plan(s, x)["passes"] > 1)
+    plans = [objective.plan(step, x, None, draw) for draw in range(3)]
+    assert len({p["passes"] for p in plans}) == 1
+    masks = [torch.stack(p["fuse_mask"]) for p in plans]
+    assert not torch.equal(masks[0], masks[1]) and not torch.equal(masks[1], masks[2])
+    assert torch.equal(masks[0], torch.stack(objective.plan(step, x)["fuse_mask"]))
 
 
 def test_batch_tokens_sets_the_accumulation_exactly_or_says_what_would():

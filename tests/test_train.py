@@ -186,13 +186,14 @@ def test_ctrl_c_stops_after_its_step_saves_and_the_resumed_run_equals_a_straight
     resumed run equals an uninterrupted one bit for bit. A second Ctrl+C stops at once, unsaved."""
     import signal
 
+    found = signal.getsignal(signal.SIGINT)  # default_int_handler, or SIG_IGN in a job started with `&`
     straight = setup(_config(corpus, save_every=0), tmp_path / "straight", progress=False)
     fit(straight, progress=False)
     state = setup(_config(corpus, save_every=0), tmp_path / "run", progress=False)
     _ctrl_c_at_batch(state, 3)
     summary = fit(state, progress=False)
     assert summary["interrupted"] and summary["step"] == 3 and summary["checkpoint"].endswith("step_00000003")
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # given back
+    assert signal.getsignal(signal.SIGINT) is found  # given back
     resumed = setup(_config(corpus, save_every=0), tmp_path / "run", resume=True, progress=False)
     assert resumed.step == 3 and not fit(resumed, progress=False)["interrupted"]
     a, b = _weights(tmp_path / "straight"), _weights(tmp_path / "run")
@@ -202,6 +203,45 @@ def test_ctrl_c_stops_after_its_step_saves_and_the_resumed_run_equals_a_straight
     with pytest.raises(KeyboardInterrupt):
         fit(twice, progress=False)
     assert not (tmp_path / "twice" / "checkpoints").exists() or not any((tmp_path / "twice" / "checkpoints").iterdir())
+
+
+def test_a_stop_on_an_eval_and_save_step_validates_once_and_saves_before_validating(corpus, tmp_path, monkeypatch):
+    """A Ctrl+C (or torchrun's SIGTERM) that lands on a step due for validation and a checkpoint: the
+    step is validated and saved once (both were done on schedule, then again as the run's end), and
+    the checkpoint comes first, so a signal's grace period goes to what must not be lost."""
+    from latentloop.train import loop
+
+    order: list[str] = []
+    validate_, save_ = loop.validate, loop.save
+    monkeypatch.setattr(loop, "validate", lambda state, *a: order.append("validate") or validate_(state, *a))
+    monkeypatch.setattr(loop, "save", lambda state: order.append("save") or save_(state))
+    state = setup(_config(corpus, steps=6, eval_every=3, save_every=3), tmp_path / "run", progress=False)
+    _ctrl_c_at_batch(state, 3)
+    summary = fit(state, progress=False)
+    assert summary["interrupted"] and summary["step"] == 3 and summary["val_loss"] > 0
+    assert order == ["save", "validate"]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "val_loss" in r] == [3]
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step_00000003"]
+
+
+def test_tokens_per_second_counts_the_steps_time_not_validations(corpus, tmp_path, monkeypatch):
+    """`tok_per_s` is the window's tokens over the steps' own time (the `elapsed` the rows log): a
+    validation between two log rows counted in it, and throughput seemed to dip after every one."""
+    import time
+
+    from latentloop.train import loop
+
+    validate_ = loop.validate
+    monkeypatch.setattr(loop, "validate", lambda state, *a: time.sleep(0.3) or validate_(state, *a))
+    fit(setup(_config(corpus, steps=6, eval_every=2, log_every=2, save_every=0), tmp_path / "run", progress=False),
+        progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if "loss" in r]
+    assert len(train_rows) == 3
+    for before, row in zip(train_rows, train_rows[1:]):
+        steps_time = row["elapsed"] - before["elapsed"]
+        assert row["tok_per_s"] == pytest.approx((row["tokens"] - before["tokens"]) / steps_time, rel=1e-6)
 
 
 def _pressing_ctrl_c(function):
@@ -225,12 +265,13 @@ def test_ctrl_c_in_the_final_validation_or_save_still_saves_and_one_in_the_last_
 
     from latentloop.train import loop
 
+    found = signal.getsignal(signal.SIGINT)  # default_int_handler, or SIG_IGN in a job started with `&`
     validate_, save_ = loop.validate, loop.save
     monkeypatch.setattr(loop, "validate", _pressing_ctrl_c(validate_))
     summary = fit(setup(_config(corpus, steps=3, save_every=0), tmp_path / "in-val", progress=False), progress=False)
     assert summary["validation_skipped"] and not summary["interrupted"] and "val_loss" not in summary
     assert (tmp_path / "in-val" / "checkpoints" / "step_00000003" / "model.safetensors").is_file()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is found  # given back
     monkeypatch.setattr(loop, "validate", validate_)
     monkeypatch.setattr(loop, "save", _pressing_ctrl_c(save_))
     summary = fit(setup(_config(corpus, steps=3, save_every=0), tmp_path / "in-save", progress=False), progress=False)
@@ -403,6 +444,15 @@ def test_schedules():
     assert lr_multiplier(50, wsd) == 1.0 and lr_multiplier(79, wsd) == 1.0
     assert lr_multiplier(89, wsd) == pytest.approx(0.5)
     assert lr_multiplier(99, wsd) == pytest.approx(0.0)
+
+
+def test_a_warmup_as_long_as_the_run_is_said(corpus, tmp_path, capsys):
+    """A short try at warmup's default (20 steps) never reached the peak lr or decayed, silently."""
+    setup(_config(corpus, steps=4, warmup_steps=8), tmp_path / "short", progress=False)
+    assert ("train.warmup_steps=8 is not below train.steps=4: the learning rate only warms up (to 50% of its peak) "
+            "and never decays") in capsys.readouterr().err
+    setup(_config(corpus, steps=4, warmup_steps=2), tmp_path / "fine", progress=False)
+    assert "warmup" not in capsys.readouterr().err
 
 
 # A 16 MiB tensor allocated and freed again and again: with glibc's defaults much of each allocation

@@ -101,7 +101,7 @@ class Objective:
     """Turns (model, batch, step) into a loss. Subclasses define a variant's training procedure in
     two parts, so that a compiled training step holds no host decision:
 
-    - `plan(step, x, loss_mask)`: what the step draws on the host (pass counts, depths, prefix
+    - `plan(step, x, loss_mask, draw)`: what the step draws on the host (pass counts, depths, prefix
       masks), as keyword arguments of `loss`: Python numbers, which a compiled step specialises on
       (one graph per distinct plan, compiled once), and tensors, which are its inputs;
     - `loss(model, x, y, loss_mask, **plan)`: the forwards and the loss, tensor code only (no
@@ -120,8 +120,11 @@ class Objective:
         """`loss_mask` (B, T) bool: the targets that count (SFT: the assistant's tokens); None = all."""
         return self.loss(model, x, y, loss_mask, **self.plan(step, x, loss_mask))
 
-    def plan(self, step: int, x: Tensor, loss_mask: Tensor | None = None) -> dict[str, Any]:
-        """The host-side draws of optimizer step `step` (0-based), as `loss`'s keyword arguments."""
+    def plan(self, step: int, x: Tensor, loss_mask: Tensor | None = None, draw: int = 0) -> dict[str, Any]:
+        """The host-side draws of optimizer step `step` (0-based), as `loss`'s keyword arguments.
+        `draw`: which of the step's batches `x` is, over its micro-batches and processes (the global
+        batch micro x processes + rank). What shapes the step's graph (a pass count, a depth) must
+        not depend on it: every micro-batch and process runs the same graph."""
         return {}
 
     def loss(self, model: nn.Module, x: Tensor, y: Tensor, loss_mask: Tensor | None = None, **plan) -> LossResult:

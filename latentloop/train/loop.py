@@ -21,11 +21,12 @@ from tqdm.auto import tqdm
 from ..checkpoint import RunLock, json_safe, list_checkpoints
 from ..config import TrainConfig
 from ..data.chat import ChatData, masked_batches
+from ..distributed import current_dist
 from ..errors import NonFiniteError, OutputError
 from ..eval.loss import evaluate_batches, evaluate_loss
-from ..objectives import Objective
+from ..objectives import IGNORE_INDEX, Objective
 from ..optim import lr_multiplier, set_lr
-from ..parallel import any_rank, grad_norm, gradient_sync, mean_across_ranks
+from ..parallel import any_rank, grad_norm, gradient_sync, mean_across_ranks, micro_batch_shares
 from ..runtime import autocast_for, resolve_dtype
 from .profile import OPTIMIZER_RANGE, open_profiler
 from .resume import save
@@ -129,6 +130,19 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=True)
 
 
+def _weighing(batches: list[tuple[torch.Tensor, ...]], accumulate: int, device: torch.device
+              ) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """How micro-batch m's loss (and metrics) weigh in the step: divided by `accumulate` where every
+    loss is a mean over its whole batch (the micro-batches count alike: the division it always was);
+    with loss masks, times its share of the step's trained targets (`micro_batch_shares`), as a mean
+    per micro-batch weighed equally would weigh a token by how few others its micro-batch trained on."""
+    if not any(len(batch) > 2 for batch in batches):
+        return lambda value, micro: value / accumulate
+    counts = [int(batch[2].sum()) if len(batch) > 2 else int((batch[1] != IGNORE_INDEX).sum()) for batch in batches]
+    shares = micro_batch_shares(counts, device)
+    return lambda value, micro: value * shares[micro]
+
+
 def train_step(model: nn.Module, forward_model: nn.Module, objective: Objective,
                next_batch: Callable[[], tuple[torch.Tensor, ...]], step: int,
                optimizers: list[torch.optim.Optimizer], train: TrainConfig, device: torch.device,
@@ -136,29 +150,36 @@ def train_step(model: nn.Module, forward_model: nn.Module, objective: Objective,
     """One optimizer step, the one `fit` and the benchmarks take: `accumulate` micro-batches
     (default `train.grad_accum`; each `next_batch()` -> x, y[, loss mask]) through the objective
     under the run's autocast (`forward_model`: the model, or the trainer's model-and-loss, compiled
-    or wrapped, see `train.step`), each loss backward scaled by 1 / accumulate (`gradient_sync`), the
-    loss and the objective's float metrics averaged over micro-batches and processes, the loss checked, the
+    or wrapped, see `train.step`), each loss backward scaled by its micro-batch's share (1 / accumulate;
+    with loss masks, its share of the step's trained targets over every process: `micro_batch_shares`),
+    the loss and the objective's float metrics weighed alike over micro-batches and processes, the loss checked, the
     gradient norm clipped and checked (a non-finite one raises before the optimizer touches the
     weights, on the CPU), then every optimizer's step. Nothing is read back from the device (on
     an accelerator the guard's checks wait for `guard.check()`). The learning rate is the caller's
     (`set_lr`). `step` is 0-based: the objective's draws are seeded by it, and `guard` reports a
     failure as step + 1."""
     accumulate = accumulate or train.grad_accum
+    env = current_dist()
+    # the step's batches drawn first: a masked step weighs each micro-batch by its share of the targets
+    batches = [next_batch() for _ in range(accumulate)]  # each x, y[, loss mask] (sft batches carry the mask)
+    weigh = _weighing(batches, accumulate, device)
     loss_sum, metrics = None, {}
-    averaged: dict[str, torch.Tensor] = {}  # the objective's float metrics, over micro-batches as the loss
-    for micro in range(accumulate):
+    averaged: dict[str, torch.Tensor] = {}  # the objective's float metrics, weighed over micro-batches as the loss
+    for micro, (x, y, *rest) in enumerate(batches):
         with gradient_sync(forward_model, sync=micro == accumulate - 1):
-            x, y, *rest = next_batch()  # sft batches also carry the loss mask
             x, y = _to_device(x, device), _to_device(y, device)
             mask = _to_device(rest[0], device) if rest else None
+            # which of the step's batches this is, over micro-batches and processes (the loader gives
+            # process r of W the global batch micro x W + r): fbt's prefixes are drawn per batch
+            draw = micro * env.world_size + env.rank
             with autocast_for(device, train.dtype):
-                loss, reported, metrics = micro_batch_loss(forward_model, objective, x, y, mask, step)
-            (loss / accumulate).backward()
-        reported = reported.float() / accumulate
+                loss, reported, metrics = micro_batch_loss(forward_model, objective, x, y, mask, step, draw)
+            weigh(loss, micro).backward()
+        reported = weigh(reported.float(), micro)
         loss_sum = reported if loss_sum is None else loss_sum + reported
         for key, value in metrics.items():
             if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() == 1:
-                part = value.detach().float().reshape(()) / accumulate
+                part = weigh(value.detach().float().reshape(()), micro)
                 averaged[key] = part if key not in averaged else averaged[key] + part
     # the loss and those metrics averaged over the processes in one reduction: a metric of the last
     # micro-batch on rank 0 alone differed between one process and N with the same global batch
@@ -270,7 +291,9 @@ def _fit(state: TrainState, progress: bool, max_seconds: float | None) -> dict[s
     tokens_per_step = state.global_batch * state.config.model.sequence_len
     model.train()
     bar = tqdm(total=cfg.steps, initial=state.step, disable=not progress, desc="train", dynamic_ncols=True)
-    window_start, window_tokens = time.perf_counter(), 0
+    # tokens/s over the steps' own time since the last log row (`state.elapsed`): validation and
+    # checkpoints between them are not the steps' time
+    window_start, window_tokens = state.elapsed, 0
     train_loss = float("nan")
     deadline = time.perf_counter() + max_seconds if max_seconds is not None else float("inf")
 
@@ -307,9 +330,8 @@ def _fit(state: TrainState, progress: bool, max_seconds: float | None) -> dict[s
             if profiler is not None:
                 profiler.step()
             if logging:
-                now = time.perf_counter()
-                tok_per_s = window_tokens / max(now - window_start, 1e-9)
-                window_start, window_tokens = now, 0
+                tok_per_s = window_tokens / max(state.elapsed - window_start, 1e-9)
+                window_start, window_tokens = state.elapsed, 0
                 lr = cfg.lr * multiplier
                 spread = ({"world_size": state.dist.world_size, "global_batch": state.global_batch}
                           if state.dist.world_size > 1 else {})
@@ -318,10 +340,11 @@ def _fit(state: TrainState, progress: bool, max_seconds: float | None) -> dict[s
                              **extra})
                 bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tok_per_s:,.0f}")
             bar.update(1)
-            if cfg.eval_every and state.step % cfg.eval_every == 0 and state.step < cfg.steps:
+            # a stop validates and saves below, as a run's end does: here too, it did both twice
+            if cfg.eval_every and state.step % cfg.eval_every == 0 and state.step < cfg.steps and not stopping:
                 _log(state, {"step": state.step, **{f"val_{k}": v for k, v in validate(state).items()}})
                 model.train()
-            if cfg.save_every and state.step % cfg.save_every == 0 and state.step < cfg.steps:
+            if cfg.save_every and state.step % cfg.save_every == 0 and state.step < cfg.steps and not stopping:
                 save(state)
             if stopping:
                 break
@@ -332,19 +355,31 @@ def _fit(state: TrainState, progress: bool, max_seconds: float | None) -> dict[s
         bar.close()
         if profiler is not None:
             profiler.close()
-    try:  # the handler stays until the checkpoint is written: a Ctrl+C here must not lose the run
-        final: dict[str, float] = {}
-        skipped = False
+    def final_validation() -> tuple[dict[str, float], bool]:
         interrupt.phase = "validating"
         try:
-            final = validate(state)
+            return validate(state), False
         except _ValidationSkipped:
-            skipped = True
-            print("latentloop: final validation skipped (Ctrl+C); saving", file=sys.stderr)
-        interrupt.phase = "saving"  # from here a Ctrl+C is waited out: logging the row (trackers) included
+            print("latentloop: final validation skipped (Ctrl+C)" + ("" if checkpoint else "; saving"), file=sys.stderr)
+            return {}, True
+
+    def log_final() -> None:
         if final:
             _log(state, {"step": state.step, **{f"val_{k}": v for k, v in final.items()}})
-        checkpoint = save(state)
+
+    checkpoint = None
+    try:  # the handler stays until the checkpoint is written: a Ctrl+C here must not lose the run
+        if stopped_on_request:  # a signal's grace (torchrun's ~30 s before it kills) goes to the checkpoint first
+            interrupt.phase = "saving"
+            checkpoint = save(state)
+            final, skipped = final_validation()
+            interrupt.phase = "saving"  # logging the row (trackers) is waited out too
+            log_final()
+        else:
+            final, skipped = final_validation()
+            interrupt.phase = "saving"  # from here a Ctrl+C is waited out: logging the row (trackers) included
+            log_final()
+            checkpoint = save(state)
     finally:
         interrupt.restore()
     return {"step": state.step, "train_loss": train_loss, "tokens": state.tokens_seen, "flops": state.flops_seen,

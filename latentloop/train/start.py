@@ -225,6 +225,11 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
         raise
     if progress and env.is_main:
         note(precision_note(device, config.train.dtype))
+    train = config.train
+    if train.warmup_steps >= train.steps and not resume and env.is_main:  # e.g. a short try at warmup's default
+        warn(f"train.warmup_steps={train.warmup_steps} is not below train.steps={train.steps}: the learning rate "
+             f"only warms up (to {train.steps / train.warmup_steps:.0%} of its peak) and never decays; set "
+             f"train.warmup_steps lower")
     if env.world_size > 1 and env.is_main:
         train = config.train
         note(f"{env.world_size} processes ({train.strategy}, {env.backend}): global batch = {train.batch_size} "

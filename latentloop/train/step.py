@@ -49,11 +49,12 @@ def _is_model_and_loss(module: nn.Module) -> bool:
 
 
 def micro_batch_loss(forward_model: nn.Module, objective: Objective, x: Tensor, y: Tensor,
-                     loss_mask: Tensor | None, step: int) -> tuple[Tensor, Tensor, dict[str, Any]]:
-    """One micro-batch's (loss, reported loss, metrics) at optimizer step `step`: the objective's plan
-    drawn here, on the host, then the loss through `forward_model`, a `ModelAndLoss` (possibly
-    compiled or wrapped by DDP) or a plain model (eager, or compiled by itself)."""
-    plan = objective.plan(step, x, loss_mask)
+                     loss_mask: Tensor | None, step: int, draw: int = 0) -> tuple[Tensor, Tensor, dict[str, Any]]:
+    """One micro-batch's (loss, reported loss, metrics) at optimizer step `step`, the step's batch
+    `draw` over its micro-batches and processes: the objective's plan drawn here, on the host, then
+    the loss through `forward_model`, a `ModelAndLoss` (possibly compiled or wrapped by DDP) or a
+    plain model (eager, or compiled by itself)."""
+    plan = objective.plan(step, x, loss_mask, draw)
     if _is_model_and_loss(forward_model):
         return forward_model(x, y, loss_mask, plan)
     result = objective.loss(forward_model, x, y, loss_mask, **plan)

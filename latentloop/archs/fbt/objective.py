@@ -83,10 +83,12 @@ class MultiPassObjective(Objective):
             return 1
         return 1 + int(self._rng(step).choice(len(self.pass_mix), p=self.pass_mix))
 
-    def plan(self, step: int, x: Tensor, loss_mask: Tensor | None = None) -> dict:
-        """The pass count K of step `step`, the forward options it adds (a recurrent depth) and, for
-        K > 1, the positions fused in each pass (`fuse_mask`: drawn here, on the host's generator, and
-        passed to the compiled step as inputs)."""
+    def plan(self, step: int, x: Tensor, loss_mask: Tensor | None = None, draw: int = 0) -> dict:
+        """The pass count K of step `step` (one for all its batches: one graph), the forward options it
+        adds (a recurrent depth) and, for K > 1, the positions fused in each pass (`fuse_mask`: drawn
+        here, on the host's generator, and passed to the compiled step as inputs), fresh for each of
+        the step's batches (`draw`): with one seed per step every micro-batch and process drew the
+        same prefixes row for row."""
         K = self.passes_for_step(step)
         plan = {"passes": K, "options": self.forward_options(step)}
         if K == 1:
@@ -96,8 +98,10 @@ class MultiPassObjective(Objective):
         if loss_mask is not None:  # SFT: the assistant's tokens are fused, in every pass
             masks = sft_fuse_mask(loss_mask) & not_bos
         elif self.model_config.prefix_mixin:  # one fresh prefix per fused pass (passes 2..K)
-            # on x's device (the same draws on every rank; a CUDA generator's differ from the CPU's)
-            generator = torch.Generator(device=x.device).manual_seed(int(self._rng(step).integers(2**62)))
+            # on x's device (a CUDA generator's draws differ from the CPU's); the step's first batch keeps
+            # the seed every batch had before, so a one-batch step draws as it always did
+            seeds = self._rng(step) if draw == 0 else np.random.default_rng([self.train_config.seed, step, draw])
+            generator = torch.Generator(device=x.device).manual_seed(int(seeds.integers(2**62)))
             masks = [document_prefix_mask(x, self.model_config.bos_id, generator) & not_bos for _ in range(K - 1)]
         return {**plan, "fuse_mask": masks}
 

@@ -64,7 +64,7 @@ class RecurrentDepthObjective(Objective):
             return max(steps - k, 0)
         return min(self.model_config.truncate_steps, steps - 1)
 
-    def plan(self, step: int, x: Tensor, loss_mask: Tensor | None = None) -> dict:
+    def plan(self, step: int, x: Tensor, loss_mask: Tensor | None = None, draw: int = 0) -> dict:
         steps = self.depth_for_step(step)
         return {"steps": steps, "no_grad_steps": self.no_grad_steps(steps)}
 
