@@ -464,7 +464,7 @@ RANDOM_INITS = ("normal_", "uniform_", "trunc_normal_", "kaiming_normal_", "kaim
 
 
 @contextlib.contextmanager
-def _random_inits_skipped() -> Iterator[None]:
+def random_inits_skipped() -> Iterator[None]:
     """torch.nn.init's random initialisers leave their tensor as it is inside the block (the model
     files call them through `nn.init`, as torch's own layers do)."""
     saved = {name: getattr(torch.nn.init, name) for name in RANDOM_INITS}
@@ -482,7 +482,7 @@ def expected_shapes(config: ModelConfig, build: Callable[[ModelConfig], torch.nn
     """{name: shape} of the weights a config describes, from the model `build` (the registry's
     `archs.build_model`: this module sits below the registry, so its callers hand it in) makes on the
     meta device (shapes only: nothing is allocated or initialised, however large the config)."""
-    with torch.device("meta"), _random_inits_skipped():
+    with torch.device("meta"), random_inits_skipped():
         model = build(config)
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 

@@ -94,7 +94,7 @@ def run_demo(out: Path, steps: int = DEMO_STEPS, data: str = "stdlib", preset: s
         if summary.get("interrupted") or summary.get("validation_skipped"):  # a Ctrl+C, honoured and saved by
             raise KeyboardInterrupt  # fit: it stops the demo too (its report needed every run's val loss)
         summary["by_option"] = score_options(state)
-        prompt = [state.tokenizer.bos_id] + state.tokenizer.encode(SAMPLE_PROMPT)
+        prompt = state.tokenizer.as_prompt(state.tokenizer.encode(SAMPLE_PROMPT))
         room = config.model.sequence_len - len(prompt)
         ids = generate(state.model, prompt, min(SAMPLE_TOKENS, room), temperature=0.8, top_k=50, seed=0,
                        stop_tokens=[state.tokenizer.bos_id, *state.tokenizer.stop_ids])

@@ -62,7 +62,7 @@ def test_a_chatml_template_renders_as_transformers_does_and_masks_each_reply(tmp
     end = tok.encode_markup("<|im_end|>")
     assert isinstance(tok.chat_tokens, ChatTemplate) and [tok.chat_tokens.end] == end
     assert tok.with_chat_tokens() is tok  # no tokens added: the model's own format
-    bos = [tok.bos_id]  # ChatML writes no BOS: latentloop puts one in front (where state restarts)
+    bos = []  # ChatML writes no BOS and the tokenizer adds none: neither does latentloop, as transformers
     assert tok.render_prompt(CONVERSATION[:2]) == bos + _hf_ids(folder, CONVERSATION[:2], True)
     ids, mask = tok.render(CONVERSATION)
     assert ids == bos + _hf_ids(folder, CONVERSATION, False)

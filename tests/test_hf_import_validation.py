@@ -6,6 +6,8 @@ per test."""
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
 import resource
 import shutil
@@ -40,6 +42,12 @@ LLAMA_70B = dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, n
 REFUSAL_SECONDS = 5.0
 REFUSAL_PYTHON_BYTES = 16 * 1024 ** 2  # tracemalloc peak
 REFUSAL_RSS_BYTES = 64 * 1024 ** 2  # growth of the process's peak resident memory
+IMPORT_TOL = 1e-4  # logits vs transformers (fp32), as test_interop's parity tests allow
+WEIGHT_SCALE = 10.0  # transformers' 0.02 init leaves attention near uniform, where RoPE barely shows in the logits
+# An import's peak over the float32 weights: reading the checkpoint, then the model holding those
+# very tensors (built on the meta device). Building and initialising a second model to copy them
+# into took 2x and more.
+IMPORT_PEAK_OVER_FP32 = 1.5
 
 
 def _write_tokenizer(folder) -> None:
@@ -307,7 +315,7 @@ def test_memory_limit_refuses_what_cannot_fit(llama, tmp_path, capsys, monkeypat
     params = hf_checks.check_tensor_shapes(config, headers, llama / "config.json", hf_import.IGNORED_TENSORS)
     need = hf_checks.import_memory_bytes(config, headers, params)
     assert params == sum(p.numel() for p in transformers.LlamaForCausalLM.from_pretrained(llama).parameters())
-    assert need["peak"] >= hf_checks.FP32_COPIES_AT_PEAK * params * hf_checks.FP32_BYTES
+    assert need["peak"] >= need["stored"] + params * hf_checks.FP32_BYTES  # the checkpoint next to its float32 copy
     limit = hf_checks.memory_limit_bytes()
     assert limit is None or limit > need["peak"]  # the machine's own limit is read, and this one fits
 
@@ -365,3 +373,185 @@ def test_import_into_an_empty_folder_and_from_bf16(llama, tmp_path, capsys):
     stored = load_file(str(llama / "model.safetensors"))
     torch.testing.assert_close(model.ln_f.weight.detach(), stored["model.norm.weight"].float(), rtol=0, atol=0)
     assert model.config.sequence_len == 32
+
+
+# --------------------------------------------------------------------------------------------
+# What transformers itself would run
+# --------------------------------------------------------------------------------------------
+
+
+def _scale_weights(folder) -> None:
+    """Matrices scaled up from transformers' tiny init, so that a RoPE mistake shows in the logits."""
+    _rewrite_weights(folder, lambda w: w.update({k: v * WEIGHT_SCALE for k, v in w.items() if "norm" not in k}))
+
+
+def _logits_match_transformers(folder, run) -> None:
+    model, _ = ll.load(run)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    torch.manual_seed(2)
+    idx = torch.randint(0, VOCAB, (2, 48))
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx).logits, reference(idx).logits, rtol=0, atol=IMPORT_TOL)
+
+
+def test_rope_scaling_added_by_hand_wins_over_rope_parameters(llama, tmp_path, capsys):
+    """transformers 5 writes rope_parameters (type default) into every config.json; a rope_scaling
+    added by hand (as model cards say) replaces it in transformers, so in the import too."""
+    assert json.loads((llama / "config.json").read_text())["rope_parameters"]["rope_type"] == "default"
+    _scale_weights(llama)
+    _edit_config(llama, rope_scaling={"rope_type": "linear", "factor": 4.0})
+    assert main(["import-hf", str(llama), "--out", str(tmp_path / "run")]) == 0
+    model, _ = ll.load(tmp_path / "run")
+    assert (model.config.rope_scaling, model.config.rope_factor) == ("linear", 4.0)
+    _logits_match_transformers(llama, tmp_path / "run")
+
+
+@pytest.mark.parametrize("changes, words", [
+    # a scaling it cannot express is refused, not dropped for rope_parameters' default
+    ({"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}},
+     "rope_scaling type 'yarn' is not supported"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_scaling type 'dynamic' is not supported"),
+    # transformers drops rope_parameters' theta along with it and runs 10000: neither can be right for sure
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}, "rope_scaling": {"rope_type": "linear",
+                                                                                        "factor": 4.0}},
+     "transformers then uses rope_theta 10000, not rope_parameters' 500000: add the model's rope_theta"),
+])
+def test_rope_scaling_beside_rope_parameters_that_cannot_be_imported_is_refused(changes, words, llama, tmp_path,
+                                                                                capsys, no_allocation):
+    _edit_config(llama, **changes)
+    assert words in _refused(llama, tmp_path / "run", capsys)
+
+
+def test_rope_theta_in_rope_scaling_is_the_one_transformers_uses(llama, tmp_path, capsys):
+    _scale_weights(llama)
+    _edit_config(llama, rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+                 rope_scaling={"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5})
+    assert main(["import-hf", str(llama), "--out", str(tmp_path / "run")]) == 0
+    assert ll.load(tmp_path / "run")[0].config.rope_theta == 5e5
+    _logits_match_transformers(llama, tmp_path / "run")
+
+
+def test_a_tied_checkpoints_stored_head_must_be_the_embeddings(llama, tmp_path, capsys):
+    """tie_word_embeddings=true over a stored lm_head.weight: transformers 5 uses that head untied,
+    transformers 4 ties; only a copy of the embeddings means the same to both."""
+    _edit_config(llama, tie_word_embeddings=True)
+    err = _refused(llama, tmp_path / "run", capsys)  # the saved (untied) model's own head
+    assert "tie_word_embeddings=true" in err and "lm_head.weight differs from model.embed_tokens.weight" in err
+    assert "set tie_word_embeddings to false" in err and "remove lm_head.weight" in err
+    _rewrite_weights(llama, lambda w: w.update({"lm_head.weight": w["model.embed_tokens.weight"].clone()}))
+    assert main(["import-hf", str(llama), "--out", str(tmp_path / "run")]) == 0
+    assert ll.load(tmp_path / "run")[0].config.tie_embeddings
+
+
+def test_a_missing_relative_folder_is_named_when_it_reads_as_a_hub_name(llama, tmp_path, capsys, monkeypatch):
+    """`models/llama` that does not exist looks like a Hub name: offline, the error still says that
+    there is no such folder, in case a folder was meant."""
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    monkeypatch.chdir(tmp_path)
+    err = _refused(Path("models/llama"), tmp_path / "run", capsys)
+    assert "no folder models/llama" in err and "offline" in err
+
+
+# --------------------------------------------------------------------------------------------
+# Chat templates written for transformers
+# --------------------------------------------------------------------------------------------
+
+
+GENERATION_TAG_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}assistant: "
+    "{% generation %}{% set inside = 'scoped' %}{{ m['content'] + eos_token }}{% endgeneration %}{{ inside }}"
+    "{% else %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+def test_a_template_with_transformers_generation_tag_renders_as_without_it():
+    """transformers' `{% generation %}` marks the assistant's text (return_assistant_tokens_mask);
+    here it renders its body as it stands (in a scope of its own, as transformers renders it)."""
+    from latentloop.data.chat import render_template, template_spans
+
+    plain = GENERATION_TAG_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    plain = plain.replace("{% set inside = 'scoped' %}", "")
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                {"role": "user", "content": "bye"}, {"role": "assistant", "content": "ciao"}]
+    context = {"messages": messages, "add_generation_prompt": False, "bos_token": "<s>", "eos_token": "</s>"}
+    text = render_template(GENERATION_TAG_TEMPLATE, context)
+    assert text == render_template(plain, context) == "<s>user: hi\nassistant: hello</s>user: bye\nassistant: ciao</s>"
+    assert template_spans(GENERATION_TAG_TEMPLATE, context) == template_spans(plain, context)
+
+
+# --------------------------------------------------------------------------------------------
+# Memory while importing
+# --------------------------------------------------------------------------------------------
+
+
+def _save_mid_llama(folder) -> int:
+    """A ~7M-parameter float32 Llama: big enough that the import's memory shows above the noise.
+    Returns its parameter count."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=1024, num_hidden_layers=6,
+                         num_attention_heads=4, max_position_embeddings=64, bos_token_id=BOS, eos_token_id=EOS)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(folder)
+    _write_tokenizer(folder)
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_the_import_builds_no_second_model(llama, tmp_path, monkeypatch):
+    """The model is built on the meta device and takes the converted tensors themselves: no second
+    float32 copy, no random initialisation, and every tensor real (RoPE tables recomputed)."""
+    devices = []
+    real_build = hf_import.build_model
+
+    def spy(config):
+        devices.append(torch.empty(0).device.type)
+        return real_build(config)
+
+    monkeypatch.setattr(hf_import, "build_model", spy)
+    hf_import.import_hf(llama, tmp_path / "run")
+    assert devices == ["meta"]
+    _logits_match_transformers(llama, tmp_path / "run")
+
+
+def _return_free_memory() -> None:
+    """Hand the memory freed so far (the model written above, the warm-up import) back to the system:
+    the import would otherwise reuse it without its resident size growing, and measure as free."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pytest.skip("needs glibc's malloc_trim to measure the import's own memory")
+
+
+def test_import_peak_memory_is_about_one_float32_copy(llama, tmp_path, monkeypatch):
+    if not reset_peak_rss():
+        pytest.skip("needs Linux's resettable peak RSS (/proc/self/clear_refs)")
+    params = _save_mid_llama(tmp_path / "mid")
+    hf_import.import_hf(llama, tmp_path / "warm-up")  # what a first import loads once (modules, tokenizer code)
+    folder = tmp_path / "mid"
+    config = hf_import.config_from_hf(json.loads((folder / "config.json").read_text()))
+    headers = hf_checks.read_tensor_headers(folder)
+    estimate = hf_checks.import_memory_bytes(config, headers, params)["peak"]
+    # the peak up to writing the checkpoint: what safetensors then holds depends on its version
+    # (`hf_checks.checkpoint_write_copies`), not on the import
+    peak_before_writing = []
+    real_save = hf_import.save_weights_checkpoint
+
+    def save(*args, **kwargs):
+        peak_before_writing.append(proc_status_bytes("VmHWM"))
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(hf_import, "save_weights_checkpoint", save)
+    _return_free_memory()
+    reset_peak_rss()
+    before = proc_status_bytes("VmRSS")
+    hf_import.import_hf(folder, tmp_path / "run")
+    growth, growth_before_writing = proc_status_bytes("VmHWM") - before, peak_before_writing[0] - before
+    fp32 = params * hf_checks.FP32_BYTES
+    assert growth_before_writing < IMPORT_PEAK_OVER_FP32 * fp32, (growth_before_writing, fp32)
+    assert growth <= estimate, (growth, estimate)  # check_memory's estimate is not below what it takes

@@ -176,10 +176,14 @@ def test_import_matches_transformers(kind, tmp_path, capsys):
     out = hf.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, eos_token_id=None,
                       pad_token_id=0)[:, 5:].tolist()
     assert mine == out and len(set(out[0])) > 1
-    # the model's own tokenizer came along; Qwen2 has no BOS: its EOS starts sequences
+    # the model's own tokenizer came along. Qwen2 names no BOS anywhere: latentloop separates its documents
+    # with its EOS (no chat template here, so no end of turn it could be), and like every tokenizer here
+    # (its tokenizer.json has no post-processor) it puts nothing before a prompt, as transformers does
     assert isinstance(tokenizer, HFTokenizer) and tokenizer.vocab_size == HF_VOCAB
     assert (tokenizer.bos_id, tokenizer.eos_id) == ((1, 1) if kind == "qwen2" else (0, 1))
     text = "hello latent world"
+    assert not tokenizer.adds_bos and tokenizer.as_prompt(tokenizer.encode(text)) == \
+        transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))(text).input_ids
     reference = tokenizers.Tokenizer.from_file(str(tmp_path / "hf" / "tokenizer.json"))
     assert tokenizer.encode(text) == reference.encode(text, add_special_tokens=False).ids
     assert tokenizer.decode(tokenizer.encode(text)) == text

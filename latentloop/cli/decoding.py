@@ -41,7 +41,7 @@ def cmd_generate(args) -> int:
         args.prompt.encode("utf-8")
     except UnicodeEncodeError:
         raise LatentloopError("--prompt is not valid UTF-8 text") from None
-    prompt_ids = [tokenizer.bos_id] + tokenizer.encode(args.prompt)
+    prompt_ids = tokenizer.as_prompt(tokenizer.encode(args.prompt))  # BOS first where the tokenizer puts one
     if args.max_new_tokens is None and len(prompt_ids) < context:  # the default budget fits what is left
         max_new = min(max_new, context - len(prompt_ids))
     steps = stream(model, prompt_ids, max_new, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

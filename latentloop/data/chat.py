@@ -5,6 +5,9 @@ template renders with that instead, see "Chat templates" below):
 
     [BOS] <|system|> text <|end|>  <|user|> text <|end|>  <|assistant|> text <|end|>  <|user|> ...
 
+([BOS] where the tokenizer starts a text with BOS, `tokenizer.as_prompt`: latentloop's own always
+do; an imported tokenizer that adds none, Qwen2's, renders without it, as `transformers` does.)
+
 The mask is True on the tokens the model is trained to write: the content of every assistant turn
 and the `<|end|>` that closes it (so the model learns to stop). The role tokens, the system and
 user turns and BOS are context only. To answer, a model reads `render_prompt(messages)`: the
@@ -28,7 +31,9 @@ is tokenized with the template's special tokens parsed. The mask covers, for eve
 the text the template adds between the prompt rendered for that turn (`add_generation_prompt`)
 and the conversation rendered through that turn: the reply and whatever closes it (`<|im_end|>`,
 `<|eot_id|>`, ...). The whole text is tokenized at once, as `apply_chat_template` and the
-chat-time prompt tokenize it, and a token is trained when it begins inside such a span (tokenized
+chat-time prompt tokenize it (with BOS in front only where the tokenizer starts texts with it and
+the template wrote none, `tokenizer.as_prompt`, so that training and chat read exactly the ids
+`apply_chat_template` gives), and a token is trained when it begins inside such a span (tokenized
 span by span, a SentencePiece-style tokenizer put a "▁" of its own before every reply, and the
 ids differed from those the model reads at inference). A template that does not render a conversation as a
 growing prefix (some drop earlier turns' reasoning) cannot be trained on: one-line error. Nor can
@@ -53,7 +58,9 @@ Packing (`pack_conversations`): every row holds `seq_len + 1` tokens (inputs are
 another; one that does not fit in what is left of a row starts the next row, and the rest of the
 row is PAD with a False mask. So a row's mask says exactly which targets count, and a
 conversation never spans two rows (each starts with its BOS, where every architecture restarts
-its carried state). A conversation longer than a row is cut to the row (its first `seq_len + 1`
+its carried state; a conversation of a tokenizer without BOS, an imported Qwen2's, starts with
+its template's first token instead, as transformers trains and prompts it, and the variants restart
+at the start of the row only). A conversation longer than a row is cut to the row (its first `seq_len + 1`
 tokens) when the cut keeps at least one assistant token, else dropped; both are counted in the
 data's meta (`cut`, `dropped`).
 """
@@ -86,7 +93,8 @@ from latentloop.errors import ConfigError, DataError
 ROLES = ("system", "user", "assistant")
 CHAT_PREFIX = "chat:"
 # Bump when rendering or packing changes, so that a resumed run notices its data changed.
-CHAT_FORMAT_VERSION = 1
+# 2: a tokenizer that starts no text with BOS (an imported Qwen2's) renders without one.
+CHAT_FORMAT_VERSION = 2
 # Characters of a conversation's text (its turns together; a chat template's output): the
 # tokenizer reads all of it at once, and `tokenizers` needs some 200-300 bytes a character to do so
 # (and panics near 10^8). A conversation this long is far past any model's context anyway.
@@ -193,13 +201,13 @@ def render_conversation(tokenizer, messages, where: str = "conversation") -> tup
     tokens = _chat_format(tokenizer)
     if isinstance(tokens, ChatTemplate):
         return _render_with_template(tokenizer, check_messages(messages, where))
-    ids, mask = [tokenizer.bos_id], [False]
+    ids, mask = [], []
     for message in check_messages(messages, where):
         content = tokenizer.encode(message["content"])
         trained = message["role"] == "assistant"
         ids += [tokens.role(message["role"]), *content, tokens.end]
         mask += [False] + [trained] * (len(content) + 1)
-    return ids, mask
+    return _as_prompt(tokenizer, ids, mask)
 
 
 def render_prompt(tokenizer, messages, where: str = "conversation") -> list[int]:
@@ -208,15 +216,15 @@ def render_prompt(tokenizer, messages, where: str = "conversation") -> list[int]
     if isinstance(tokens, ChatTemplate):
         context = _template_context(tokenizer, check_messages(messages, where, for_training=False), True)
         text = render_template(tokenizer.chat_template, context)
-        ids = _starting_with_bos(tokenizer, tokenizer.encode_markup(text), [])[0]
-        if not text.strip() or ids == [tokenizer.bos_id]:  # a model would answer nothing
+        ids = tokenizer.encode_markup(text)
+        if not text.strip() or ids in ([], [tokenizer.bos_id]):  # a model would answer nothing
             raise EmptyChatTemplateError(f"the tokenizer's chat template {template_name(tokenizer.chat_template)} "
                                          f"renders the prompt as nothing ({where}): there is nothing to answer")
-        return ids
-    ids = [tokenizer.bos_id]
+        return tokenizer.as_prompt(ids)
+    ids = []
     for message in check_messages(messages, where, for_training=False):
         ids += [tokens.role(message["role"]), *tokenizer.encode(message["content"]), tokens.end]
-    return ids + [tokens.assistant]
+    return tokenizer.as_prompt(ids + [tokens.assistant])
 
 
 def prompt_written(tokenizer, messages, prompt: Sequence[int], where: str = "conversation") -> list[bool]:
@@ -240,14 +248,16 @@ def prompt_written(tokenizer, messages, prompt: Sequence[int], where: str = "con
             return unmarked
         ids, offsets = tokenizer.encode_markup_with_offsets(text)  # as `render_prompt` encodes it
         trained = list(zip(cuts[1::2], cuts[2::2]))
-        ids, mask = _starting_with_bos(tokenizer, ids, [any(start <= begin < end for start, end in trained)
-                                                        for begin, _ in offsets])
+        ids, mask = _as_prompt(tokenizer, ids, [any(start <= begin < end for start, end in trained)
+                                                for begin, _ in offsets])
         return mask if list(ids) == list(prompt) else unmarked
-    mask = [False]  # BOS
+    ids, mask = [], []
     for message in messages:
-        mask += [False] + [message["role"] == "assistant"] * (len(tokenizer.encode(message["content"])) + 1)
-    mask.append(False)  # <|assistant|>, which the prompt ends with
-    return mask if len(mask) == len(prompt) else unmarked
+        content = tokenizer.encode(message["content"])
+        ids += [tokens.role(message["role"]), *content, tokens.end]
+        mask += [False] + [message["role"] == "assistant"] * (len(content) + 1)
+    ids, mask = _as_prompt(tokenizer, ids + [tokens.assistant], mask + [False])  # it ends with <|assistant|>
+    return mask if ids == list(prompt) else unmarked
 
 
 def assistant_start(ids: Sequence[int], tokenizer) -> int:
@@ -502,18 +512,22 @@ _RENDERERS = _RendererPool()
 
 def _template_context(tokenizer, messages: list[Message], add_generation_prompt: bool) -> dict:
     """What a template reads, as `transformers` gives it: the messages, add_generation_prompt and
-    the special tokens' text."""
+    the special tokens' text (a BOS the tokenizer does not name, `names_bos`, is "": transformers
+    gives a template only the tokens its tokenizer names)."""
     specials = {f"{what}_token": tokenizer.token_string(getattr(tokenizer, f"{what}_id")) or ""
                 for what in ("bos", "eos", "pad")}
+    if not tokenizer.names_bos:
+        specials["bos_token"] = ""
     return {"messages": messages, "add_generation_prompt": add_generation_prompt, **specials}
 
 
-def _starting_with_bos(tokenizer, ids: list[int], mask: list[bool]) -> tuple[list[int], list[bool]]:
-    """Every latentloop sequence starts with BOS (where the variants restart their carried state);
-    templates that write none (ChatML) get it in front."""
-    if ids[:1] == [tokenizer.bos_id]:
-        return ids, mask
-    return [tokenizer.bos_id, *ids], [False, *mask]
+def _as_prompt(tokenizer, ids: list[int], mask: list[bool]) -> tuple[list[int], list[bool]]:
+    """`tokenizer.as_prompt(ids)` (BOS in front where the tokenizer starts texts with it and `ids`
+    have none: latentloop's own format, a template that writes none) and `mask` aligned with it. A
+    conversation's training render and its chat-time prompt both go through here, so that a prompt
+    is always the start of the row the model was trained on."""
+    prompt = tokenizer.as_prompt(ids)
+    return prompt, [False] * (len(prompt) - len(ids)) + mask
 
 
 def _render_with_template(tokenizer, messages: list[Message]) -> tuple[list[int], list[bool]]:
@@ -530,7 +544,7 @@ def _render_with_template(tokenizer, messages: list[Message]) -> tuple[list[int]
     if not replies.strip() or not any(mask):  # every reply has content: a template that writes none ignores them
         raise EmptyChatTemplateError(f"the tokenizer's chat template {template_name(tokenizer.chat_template)} "
                                      f"renders no assistant reply: there is nothing to train on and no turn to chat in")
-    return _starting_with_bos(tokenizer, ids, mask)
+    return _as_prompt(tokenizer, ids, mask)
 
 
 def check_template_renders(tokenizer) -> None:

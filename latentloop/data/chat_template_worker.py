@@ -80,7 +80,8 @@ def _environment():
     from datetime import datetime
 
     import jinja2
-    from jinja2.ext import loopcontrols
+    from jinja2 import nodes
+    from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
     from jinja2.utils import generate_lorem_ipsum
 
@@ -143,7 +144,21 @@ def _environment():
             check_size(n * max * LIPSUM_CHARS_PER_WORD, "lipsum")
         return generate_lorem_ipsum(n, html, min, max)
 
-    env = Environment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols], undefined=jinja2.Undefined)
+    class GenerationTag(Extension):
+        """transformers' `{% generation %}...{% endgeneration %}` (its AssistantTracker marks the
+        assistant's tokens with it for `return_assistant_tokens_mask`): accepted and rendered as its
+        body alone. The trained spans come from rendering prefixes (`_spans`), not from this tag; its
+        body keeps a scope of its own, as transformers' call block gives it."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body, lineno=lineno)
+
+    env = Environment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, GenerationTag],
+                      undefined=jinja2.Undefined)
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

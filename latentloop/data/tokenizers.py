@@ -8,6 +8,11 @@ All share one small interface, which is all the rest of latentloop relies on:
   (fast path for big texts); `encode_in_pieces(tokenizer, text)`: the same ids as arrays, a very
   long document tokenized a few MB at a time (cut at newlines);
 - `bos_id`, `eos_id`, `pad_id`, `vocab_size`, `name`;
+- `adds_bos`: whether the tokenizer itself starts a text with BOS (latentloop's own do; an imported
+  one as `transformers` would: Llama's do, Qwen2's do not), and `as_prompt(ids)`: the ids a model
+  reads for a prompt, BOS first or not by that one rule. Every prompt latentloop builds (generate,
+  chat, serve, eval) goes through it; the training data's documents always start with BOS (`bos_id`
+  separates them, and restarts the variants' carried state);
 - `token_byte_lengths()`: how many UTF-8 bytes each token id stands for, so that losses can be
   reported in bits per byte, which is comparable across tokenizers;
 - `save(directory)` writes `tokenizer.json`; `load_tokenizer(spec)` reads it back;
@@ -97,11 +102,30 @@ CHAT_TEMPLATE = ("{% set role_tokens = " + json.dumps(_ROLE_TOKENS) + " %}{{ bos
 
 
 class _ChatInterface:
-    """The conversation methods byte and BPE share (see `latentloop.data.chat`), and the tokens a
-    generation stops at."""
+    """What every tokenizer shares: the conversation methods (see `latentloop.data.chat`), the tokens
+    a generation stops at, and whether (and how) a prompt starts with BOS."""
 
     chat_tokens: ChatTokens | None
+    bos_id: int
     eos_id: int
+    names_bos = True  # whether the tokenizer names its BOS token (`HFTokenizer`: as its source does)
+
+    @property
+    def adds_bos(self) -> bool:
+        """Whether this tokenizer starts a text with BOS, as its models read one: latentloop's own
+        do (their models are trained on [BOS] + text); `HFTokenizer` says what its source does."""
+        return True
+
+    def as_prompt(self, ids: Sequence[int]) -> list[int]:
+        """`ids` (a text's, or a rendered conversation's) as the start of what a model reads: BOS in
+        front when this tokenizer starts texts with it and `ids` do not already begin with it, else
+        `ids` as they are, so that an imported model is prompted as `transformers` prompts it. A
+        prompt of nothing is [BOS] either way: a model needs a token to read, and BOS is what a
+        document follows in latentloop's data (lm-eval reads a lone prefix token there too)."""
+        ids = list(ids)
+        if not ids or (self.adds_bos and ids[0] != self.bos_id):
+            return [self.bos_id, *ids]
+        return ids
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
@@ -110,8 +134,8 @@ class _ChatInterface:
         return (self.eos_id,)
 
     def render(self, messages) -> tuple[list[int], list[bool]]:
-        """[BOS] + every turn as ids, and a mask True on the tokens a model is trained to write
-        (the assistant's content and its end-of-turn token)."""
+        """Every turn as ids (after BOS where prompts start with one, `as_prompt`), and a mask True on
+        the tokens a model is trained to write (the assistant's content and its end-of-turn token)."""
         from latentloop.data.chat import render_conversation
 
         return render_conversation(self, messages)
@@ -437,17 +461,24 @@ def _token_string(entry) -> str | None:
     return entry if isinstance(entry, str) else None
 
 
+GENERATION_CONFIG_FILE = "generation_config.json"
+
+
+def _generation_config(folder: Path) -> dict:
+    """A Hugging Face model folder's generation_config.json ({} when it has none, or none readable:
+    it only adds to what config.json says)."""
+    try:
+        generation = json.loads((folder / GENERATION_CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return generation if isinstance(generation, dict) else {}
+
+
 def _end_ids(folder: Path, config: dict | None) -> list[int]:
     """Every end token a Hugging Face model names: `eos_token_id` of its config.json and of its
     generation_config.json, each an id or a list (what `generate` stops at there)."""
     found: list[int] = []
-    sources = [config or {}]
-    try:
-        generation = json.loads((folder / "generation_config.json").read_text(encoding="utf-8"))
-        sources.append(generation if isinstance(generation, dict) else {})
-    except (OSError, ValueError):
-        pass
-    for source in sources:
+    for source in (config or {}, _generation_config(folder)):
         value = source.get("eos_token_id")
         for token_id in value if isinstance(value, list) else [value]:
             if isinstance(token_id, int) and not isinstance(token_id, bool) and token_id not in found:
@@ -455,14 +486,55 @@ def _end_ids(folder: Path, config: dict | None) -> list[int]:
     return found
 
 
+# What `_post_processor_starts_with` encodes: any short text (the post-processor adds its tokens around
+# whatever the text is)
+POST_PROCESSOR_PROBE_TEXT = "a"
+
+
+def _post_processor_starts_with(tokenizer, token_id: int) -> bool:
+    """Whether the `tokenizers` Tokenizer puts `token_id` before a text when special tokens are added
+    (`transformers`' default: `tokenizer(text).input_ids`), through its post-processor: Llama's
+    tokenizer.json puts its BOS first, Qwen2's and SmolLM2's add nothing. This is what decides in
+    transformers 5 (tested): tokenizer_config.json's `add_bos_token` does not change it, so it is
+    not read here either (real folders set it as their post-processor does anyway)."""
+    with_specials = tokenizer.encode(POST_PROCESSOR_PROBE_TEXT, add_special_tokens=True).ids
+    plain = tokenizer.encode(POST_PROCESSOR_PROBE_TEXT, add_special_tokens=False).ids
+    return with_specials[:1] == [token_id] and plain[:1] != [token_id]
+
+
+def _documents_start_id(probe, eos: int, pad: int | None, end_ids: Sequence[int], chat_template: str | None) -> int:
+    """The id that starts documents for a model that names no BOS anywhere (a Qwen2 folder whose
+    config.json and generation_config.json leave bos_token_id out): latentloop's data still separates
+    documents with one id, and that id restarts the variants' carried state. The first of EOS, the
+    model's other end tokens and PAD that its chat template does not write: a base model's EOS
+    (`<|endoftext|>`); not an instruct model's EOS, which is its end of turn (`<|im_end|>`, written by
+    the template), where the PAD or the other end token is `<|endoftext|>` again. EOS when the
+    template writes every one of them. Nothing is put before a prompt unless the tokenizer does so
+    itself (`adds_bos`)."""
+    template = chat_template or ""
+    by_name = {"eos_token": eos, "pad_token": pad}  # a template may write these by their names
+    written = {token_id for name, token_id in by_name.items() if name in template}
+    for token_id in dict.fromkeys([eos, *end_ids, *([] if pad is None else [pad])]):
+        token = probe.id_to_token(token_id)
+        if token is not None and token not in template and token_id not in written:
+            return token_id
+    return eos
+
+
 class HFTokenizer(_ChatInterface):
     """A pretrained model's Hugging Face tokenizer (a `tokenizers` JSON: Llama 2 / 3, SmolLM,
     Qwen2, ...) with the special ids latentloop needs.
 
-    - `bos_id`, `eos_id`, `pad_id`: from the model's config / tokenizer_config.json. A model without
-      a BOS token (Qwen2) separates documents with its EOS: that id then also serves as BOS, which
-      starts every latentloop sequence and restarts the variants' carried state. Without a PAD
-      token, EOS pads (padding is always masked).
+    - `bos_id`, `eos_id`, `pad_id`: from the model's config / tokenizer_config.json (BOS also from
+      generation_config.json). A model that names no BOS anywhere separates latentloop's training
+      documents with an id of its own that is no end of turn (`_documents_start_id`: a Qwen2
+      instruct model's `<|endoftext|>`, not its `<|im_end|>`). Without a PAD token, EOS pads (padding
+      is always masked).
+    - `adds_bos`: whether the tokenizer starts a text with BOS, as `transformers` reads the folder
+      (tokenizer.json's post-processor, `_post_processor_starts_with`): Llama's do, Qwen2's do not.
+      Prompts (`as_prompt`) and chat renders follow it, so that an imported model reads what
+      `transformers` would give it. `names_bos`: whether the source names a BOS token
+      (tokenizer_config.json's `bos_token`); an export writes one back only then.
     - `vocab_size`: the model's embedding rows, which may exceed the tokenizer's own ids (models pad
       their vocabulary to a multiple of 64 or 128); ids past the tokenizer never decode to text.
     - token bytes: through the byte-level alphabet for byte-level BPEs (Llama 3, Qwen2, SmolLM);
@@ -481,7 +553,10 @@ class HFTokenizer(_ChatInterface):
     name = "hf"
 
     def __init__(self, tokenizer_json: str, bos_id: int, eos_id: int, pad_id: int, vocab_size: int | None = None,
-                 source: str = "<memory>", chat_template: str | None = None, stop_ids: Sequence[int] = ()):
+                 source: str = "<memory>", chat_template: str | None = None, stop_ids: Sequence[int] = (),
+                 names_bos: bool | None = None):
+        """`names_bos` None: as `adds_bos` (a tokenizer that puts a BOS before texts names it;
+        `from_pretrained_folder` also reads tokenizer_config.json's `bos_token`)."""
         from tokenizers import Tokenizer
 
         try:
@@ -513,6 +588,16 @@ class HFTokenizer(_ChatInterface):
         self._fingerprint = hashlib.sha256((canonical + ids + template).encode("utf-8")).hexdigest()[:16]
         self._source = source
         self._markup_tokenizer = None
+        try:
+            self._adds_bos = _post_processor_starts_with(self._tokenizer, bos_id)
+        except Exception as exc:  # the Rust side raises plain Exception: a post-processor naming a missing token
+            raise DataError(f"cannot encode with tokenizer {source}: {first_line(exc)}") from None
+        self.names_bos = self._adds_bos if names_bos is None else names_bos
+
+    @property
+    def adds_bos(self) -> bool:
+        """Whether its tokenizer.json puts BOS before a text (`_post_processor_starts_with`)."""
+        return self._adds_bos
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
@@ -538,7 +623,7 @@ class HFTokenizer(_ChatInterface):
         copy.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in CHAT_TOKENS])
         grown = copy.get_vocab_size(with_added_tokens=True)
         return HFTokenizer(copy.to_str(), self.bos_id, self.eos_id, self.pad_id, max(self.vocab_size, grown),
-                           source=self._source, stop_ids=self._stop_ids)
+                           source=self._source, stop_ids=self._stop_ids, names_bos=self.names_bos)
 
     def encode_markup(self, text: str) -> list[int]:
         """Ids of text a chat template wrote: its special tokens (`<|im_start|>`, ...) are parsed as
@@ -567,7 +652,8 @@ class HFTokenizer(_ChatInterface):
     def from_pretrained_folder(cls, folder: str | Path, vocab_size: int | None = None,
                                config: dict | None = None) -> HFTokenizer:
         """From a Hugging Face model folder: its tokenizer.json, and the special tokens named by
-        the model's config.json (`bos_token_id`, ...) or else by tokenizer_config.json."""
+        the model's config.json (`bos_token_id`, ...), else (BOS only) by its generation_config.json,
+        else by tokenizer_config.json; a BOS named nowhere is `_documents_start_id`."""
         folder = Path(folder)
         file = folder / TOKENIZER_FILE
         if not file.is_file():
@@ -583,22 +669,37 @@ class HFTokenizer(_ChatInterface):
         probe = cls._probe(text, str(file))
         config = config or {}
 
-        def special(name: str) -> int | None:
-            token_id = config.get(f"{name}_token_id")
+        generation = _generation_config(folder)
+
+        def configured(source: dict, name: str) -> int | None:
+            token_id = source.get(f"{name}_token_id")
             if isinstance(token_id, list):  # several EOS ids (Llama 3 instruct): the first one, all stop
                 token_id = token_id[0] if token_id else None
-            if isinstance(token_id, int):
-                return token_id
+            return token_id if isinstance(token_id, int) else None
+
+        def named(name: str) -> int | None:
             token = _token_string(settings.get(f"{name}_token"))
             return probe.token_to_id(token) if token is not None else None
 
-        bos, eos, pad = special("bos"), special("eos"), special("pad")
+        def special(name: str) -> int | None:
+            found = configured(config, name)
+            return named(name) if found is None else found
+
+        # BOS: config.json, else generation_config.json (where Qwen2 instruct folders may keep it alone),
+        # else tokenizer_config.json, else `_documents_start_id` below
+        bos = next((found for found in (configured(config, "bos"), configured(generation, "bos"), named("bos"))
+                    if found is not None), None)
+        eos, pad = special("eos"), special("pad")
         if bos is None and eos is None:
             raise DataError(f"tokenizer {folder} names neither a BOS nor an EOS token")
-        bos = eos if bos is None else bos
+        chat_template = _folder_chat_template(folder, settings)
+        end_ids = _end_ids(folder, config)
+        if bos is None:
+            bos = _documents_start_id(probe, eos, pad, end_ids, chat_template)
         eos = bos if eos is None else eos
+        bos_in_settings = _token_string(settings.get("bos_token")) is not None  # else: named where it adds one
         return cls(text, bos, eos, eos if pad is None else pad, vocab_size, source=str(file),
-                   chat_template=_folder_chat_template(folder, settings), stop_ids=_end_ids(folder, config))
+                   chat_template=chat_template, stop_ids=end_ids, names_bos=True if bos_in_settings else None)
 
     @staticmethod
     def _probe(text: str, source: str):
@@ -615,7 +716,8 @@ class HFTokenizer(_ChatInterface):
             return cls(json.dumps(content["tokenizer"]), int(content["bos_id"]), int(content["eos_id"]),
                        int(content["pad_id"]), int(content["vocab_size"]), source=source,
                        chat_template=content.get("chat_template"),
-                       stop_ids=[int(i) for i in content.get("stop_ids", [])])
+                       stop_ids=[int(i) for i in content.get("stop_ids", [])],
+                       names_bos=_saved_flag(content, "names_bos", source))
         except (KeyError, TypeError, ValueError) as exc:
             raise DataError(f"tokenizer {source} is not a valid latentloop HF tokenizer file: {exc}") from None
 
@@ -672,6 +774,7 @@ class HFTokenizer(_ChatInterface):
             payload["chat_template"] = self.chat_template
         if len(self._stop_ids) > 1:
             payload["stop_ids"] = list(self._stop_ids)
+        payload["names_bos"] = self.names_bos  # tokenizer_config.json's word, which the tokenizer JSON lacks
         path.write_text(json.dumps(payload, ensure_ascii=False) + "\n", encoding="utf-8")
         return path
 
@@ -680,6 +783,15 @@ class HFTokenizer(_ChatInterface):
 
     def __repr__(self) -> str:
         return f"HFTokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_id={self.eos_id})"
+
+
+def _saved_flag(content: dict, key: str, source: str) -> bool | None:
+    """A true / false of a saved HF tokenizer file; None when absent (a file written before latentloop
+    saved it: the tokenizer derives it)."""
+    value = content.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise DataError(f"tokenizer {source}: '{key}' must be true or false, got {value!r}"[:200])
+    return value
 
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where recent transformers versions save the template
@@ -752,7 +864,10 @@ def write_hf_tokenizer(tokenizer, directory: str | Path, model_max_length: int |
         text = _with_bos_first(tokenizer.to_json(), names["bos"], tokenizer.bos_id)
     elif isinstance(tokenizer, HFTokenizer):
         text = tokenizer.hf_json()
-        names = {what: tokenizer.token_string(getattr(tokenizer, f"{what}_id")) for what in ("bos", "eos", "pad")}
+        # a BOS only where the source named one: the id a model without one separates documents with
+        # (`_documents_start_id`) is latentloop's, and transformers must not take it for the model's BOS
+        named = ("bos", "eos", "pad") if tokenizer.names_bos else ("eos", "pad")
+        names = {what: tokenizer.token_string(getattr(tokenizer, f"{what}_id")) for what in named}
     else:
         raise DataError(f"cannot write {type(tokenizer).__name__} as a Hugging Face tokenizer")
     (directory / TOKENIZER_FILE).write_text(text, encoding="utf-8")

@@ -349,14 +349,16 @@ def common_suffix_length(sequences: Sequence[Sequence[int]]) -> int:
 
 
 def _encode_all(tokenizer, texts: list[str]) -> list[list[int]]:
+    """The texts as prompts (`tokenizer.as_prompt`: BOS first where the tokenizer starts texts with it)."""
     encoded = tokenizer.encode_batch(texts) if hasattr(tokenizer, "encode_batch") else [tokenizer.encode(t)
                                                                                          for t in texts]
-    return [[tokenizer.bos_id] + list(ids) for ids in encoded]
+    return [tokenizer.as_prompt(ids) for ids in encoded]
 
 
 def split_requests(kind: str, tokens: list[list[int]]) -> list[tuple[list[int], list[int]]]:
-    """(context, continuation) token lists from the tokenized prompts of one example (each with
-    its BOS). Every continuation keeps at least one token and every context at least the BOS."""
+    """(context, continuation) token lists from the tokenized prompts of one example (each as
+    `_encode_all` gives it). Every continuation keeps at least one token and every context at least
+    its first (BOS, where the tokenizer starts texts with it)."""
     if kind == MULTIPLE_CHOICE:
         start = max(1, min(common_prefix_length(tokens), min(len(t) for t in tokens) - 1))
         return [(t[:start], t[start:]) for t in tokens]

@@ -271,9 +271,10 @@ def generation_budget(model, max_new_tokens: int) -> tuple[int, int]:
 
 
 def encode_prompt(tokenizer, text: str, budget: int) -> tuple[list[int], bool]:
-    """[BOS] + tokens of `text`, cut to `budget` tokens by `fit_prompt` (BOS and the most recent
-    tokens) when too long."""
-    return fit_prompt([tokenizer.bos_id] + tokenizer.encode(text), budget, tokenizer.bos_id)
+    """The tokens of `text` as the tokenizer starts a prompt (`as_prompt`: BOS first unless an imported
+    tokenizer adds none), cut to `budget` tokens by `fit_prompt` (BOS and the most recent tokens)
+    when too long."""
+    return fit_prompt(tokenizer.as_prompt(tokenizer.encode(text)), budget, tokenizer.bos_id)
 
 
 def few_shot_prompt(tokenizer, shots: Sequence[str], query: str, budget: int) -> tuple[list[int], int, bool]:

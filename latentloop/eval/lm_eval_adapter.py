@@ -16,9 +16,10 @@ options of `latentloop eval`: `regime` (fbt standard/soft/fused), `passes` (fuse
 `steps` (rgpt depth), `prefill` (lrt sequential/interleaved).
 
 Requests:
-- `loglikelihood(context, continuation)`: `[BOS] + context`, then the continuation scored as
-  generated text under the chosen regime, by `latentloop.eval.core.score_continuations` (the CORE
-  scorer; trailing spaces of the context move to the continuation, as lm-eval expects). A pair
+- `loglikelihood(context, continuation)`: the context as a prompt (`tokenizer.as_prompt`: after
+  BOS where the tokenizer starts texts with one, an empty context as [BOS]), then the continuation
+  scored as generated text under the chosen regime, by `latentloop.eval.core.score_continuations`
+  (the CORE scorer; trailing spaces of the context move to the continuation, as lm-eval expects). A pair
   that needs more inputs than the model's context (`sequence_len`, T) is scored on its last T
   inputs, as lm-eval's Hugging Face model cuts;
 - `loglikelihood_rolling(text)`: lm-eval's rolling windows (`get_rolling_token_windows` with
@@ -139,26 +140,29 @@ class LatentloopLM(_LMBase):
 
     # -- encoding ---------------------------------------------------------------------------
     def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
-        """([BOS] + context tokens, continuation tokens); trailing spaces of the context move to the
-        continuation, and the continuation is what the joint tokenization adds to the context."""
+        """(context tokens as a prompt, continuation tokens): `tokenizer.as_prompt` puts BOS before the
+        context where the tokenizer starts texts with it (an empty context is [BOS] either way);
+        trailing spaces of the context move to the continuation, and the continuation is what the
+        joint tokenization adds to the context."""
         spaces = len(context) - len(context.rstrip())
         if spaces:
             context, continuation = context[:-spaces], context[-spaces:] + continuation
-        bos = [self.tokenizer.bos_id]
         if not context:
-            return bos, self.tokenizer.encode(continuation)
+            return self.tokenizer.as_prompt([]), self.tokenizer.encode(continuation)
         context_ids = self.tokenizer.encode(context)
         whole = self.tokenizer.encode(context + continuation)
+        prompt = self.tokenizer.as_prompt(context_ids)
         if whole[:len(context_ids)] == context_ids:
-            return bos + context_ids, whole[len(context_ids):]
-        return bos + context_ids, self.tokenizer.encode(continuation)
+            return prompt, whole[len(context_ids):]
+        return prompt, self.tokenizer.encode(continuation)
 
     def rolling_windows(self, tokens: list[int]) -> list[tuple[list[int], list[int]]]:
         """(context, targets) windows whose targets are `tokens` in disjoint chunks of max_length
         (T): each window's context + targets[:-1] are the (up to) T inputs before its last target in
         [BOS] + tokens, so the first context is [BOS], a later full chunk's the token before it, and
         the last chunk's as many tokens before it as make T inputs (lm-eval's rolling windows with
-        context_len=1, made disjoint)."""
+        context_len=1, made disjoint). The first target needs an input before it: BOS, whether or not
+        the tokenizer starts prompts with one (lm-eval's models read their prefix token there too)."""
         span = self.max_length
         sequence = [self.tokenizer.bos_id, *tokens]
         windows = []
@@ -244,8 +248,9 @@ class LatentloopLM(_LMBase):
         do_sample = gen_kwargs.get("do_sample")
         sample = temperature > 0 if do_sample is None else bool(do_sample)
         temperature = (temperature or 1.0) if sample else 0.0
-        bos = self.tokenizer.bos_id
-        prompts = [fit_prompt([bos] + self.tokenizer.encode(context), budget, bos)[0] for context in contexts]
+        tokenizer = self.tokenizer
+        prompts = [fit_prompt(tokenizer.as_prompt(tokenizer.encode(context)), budget, tokenizer.bos_id)[0]
+                   for context in contexts]
         generations = generate_texts(self.model, self.tokenizer, prompts, new_tokens, stops=[s for s in stops if s],
                                      options=self.options, temperature=temperature, top_p=gen_kwargs.get("top_p"),
                                      top_k=gen_kwargs.get("top_k"), seed=int(gen_kwargs.get("seed", 0)),

@@ -33,15 +33,23 @@ from ..util import first_line, memory_limit_bytes
 # (integers, float8) means a quantized or foreign checkpoint, which the import cannot express.
 FLOAT_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 FP32_BYTES = 4  # the import converts every weight to float32
-# At its peak the import holds the float32 weights twice: the converted tensors while they load
-# into the freshly built model, and the model's weights plus their serialized bytes while the
-# checkpoint is written. Before that it holds the checkpoint as stored next to one float32 copy.
-FP32_COPIES_AT_PEAK = 2
+# What the import holds at its peaks, in order (measured with a 60M-parameter model, bf16 and fp32):
+# - reading: the checkpoint as stored next to its float32 copy (an F32 tensor is its own copy, so
+#   this over-counts F32 checkpoints);
+# - building: nothing more; the model is built on the meta device and takes the float32 tensors
+#   themselves (`hf_import.model_from_weights`);
+# - checking and writing the checkpoint: the float32 weights, next to the temporaries of the
+#   NaN / inf check of one tensor (`torch.isfinite` takes up to twice its float32 bytes), then next
+#   to the bytes safetensors writes: a second copy of every weight before safetensors 0.8, which
+#   writes from the tensors' own memory.
+FINITE_CHECK_COPIES = 2  # float32 copies of the largest tensor `torch.isfinite` holds while it checks it
+SAFETENSORS_WRITES_IN_PLACE = (0, 8)  # the first safetensors release whose save_file copies nothing
 # RoPE: the cos and sin tables (sequence_len x head_dim float32 each) stay with the model, and
 # computing them takes about as much again in temporaries.
 ROPE_TABLE_COPIES = 4
-# Allocator slack and temporaries on top of that: a 117M-parameter import measured 5% above the two
-# float32 copies at its peak (while building the model); 10% covers it.
+# Allocator slack and temporaries on top of that: a 60M-parameter bf16 import measured 3% above the
+# estimate without it at its peak (while converting; the same model stored as fp32 stayed 17% below);
+# 10% covers it.
 PEAK_MARGIN = 1.1
 MAX_METADATA_BYTES = 64 * 1024 ** 2  # config.json / index / tokenizer_config.json: real ones are kilobytes
 # Sizes and counts above int64 cannot be a tensor dimension (and would overflow float arithmetic)
@@ -298,7 +306,9 @@ def check_tensor_shapes(config: ModelConfig, headers: dict[str, TensorHeader], c
                                f"implies {shape} ({implied_by})")
         used.add(name)
         params += header.numel
-    if config.tie_embeddings and "lm_head.weight" in headers:  # some tied checkpoints store the copy too
+    # some tied checkpoints store the head's copy too: its shape is checked here, that it is a copy
+    # once the weights are read (`hf_import.convert_weights`)
+    if config.tie_embeddings and "lm_head.weight" in headers:
         if headers["lm_head.weight"].shape != (config.vocab_size, config.n_embd):
             raise InteropError(f"tensor lm_head.weight has shape {headers['lm_head.weight'].shape}, but "
                                f"{config_file} implies {(config.vocab_size, config.n_embd)} (vocab_size x hidden_size)")
@@ -316,13 +326,24 @@ def check_tensor_shapes(config: ModelConfig, headers: dict[str, TensorHeader], c
 # --------------------------------------------------------------------------------------------
 
 
+def checkpoint_write_copies() -> int:
+    """Float32 copies of the model held while its checkpoint is written: the model's own, and
+    before safetensors 0.8 the bytes `save_file` serializes every tensor into first."""
+    import safetensors
+
+    release = tuple(int(part) for part in re.findall(r"\d+", safetensors.__version__)[:2])
+    return 1 if release >= SAFETENSORS_WRITES_IN_PLACE else 2
+
+
 def import_memory_bytes(config: ModelConfig, headers: dict[str, TensorHeader], params: int) -> dict[str, int]:
-    """The import's peak memory, by part: the checkpoint as stored, the float32 weights, the RoPE
-    tables (see the constants above for what is held when)."""
+    """The import's peak memory, by part: the checkpoint as stored, the float32 weights, the
+    temporaries of checking one tensor, the RoPE tables (see the constants above for what is held
+    when)."""
     stored = sum(header.nbytes for header in headers.values())
     fp32 = params * FP32_BYTES
+    check = FINITE_CHECK_COPIES * max((header.numel for header in headers.values()), default=0) * FP32_BYTES
     rope = ROPE_TABLE_COPIES * config.sequence_len * config.head_dim * FP32_BYTES
-    weights = max(stored + fp32, FP32_COPIES_AT_PEAK * fp32)
+    weights = max(stored + max(fp32, check), fp32 + check, checkpoint_write_copies() * fp32)
     return {"stored": stored, "fp32": fp32, "rope": rope, "peak": int(PEAK_MARGIN * (weights + rope)),
             "peak_without_rope": int(PEAK_MARGIN * weights)}
 
@@ -337,9 +358,9 @@ def check_memory(config: ModelConfig, headers: dict[str, TensorHeader], params: 
     # the weights alone fit: a shorter context (smaller RoPE tables) can make the import fit
     hint = "; import with a smaller --sequence-len" if need["peak_without_rope"] <= limit else ""
     raise InteropError(f"importing {folder} needs about {_size(need['peak'])} of memory ({params:,} parameters: "
-                       f"{_size(need['fp32'])} as float32, held twice while converting and writing; RoPE tables for "
-                       f"{config.sequence_len:,} positions: {_size(need['rope'])}), more than the {_size(limit)} "
-                       f"this machine allows (RAM or cgroup limit){hint}")
+                       f"{_size(need['fp32'])} as float32, converted from {_size(need['stored'])} as stored; RoPE "
+                       f"tables for {config.sequence_len:,} positions: {_size(need['rope'])}), more than the "
+                       f"{_size(limit)} this machine allows (RAM or cgroup limit){hint}")
 
 
 def _size(nbytes: int) -> str:

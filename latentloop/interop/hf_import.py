@@ -11,7 +11,8 @@ optimizer state: `eval`, `generate` and `train --init-from RUN` work on it; `--r
 
 The mapping (exact: the tests compare logits with transformers' own classes):
 - embed_tokens -> wte; norm -> ln_f; input_layernorm / post_attention_layernorm -> ln_1 / ln_2
-  (learned_norms, norm_eps = rms_norm_eps); lm_head -> lm_head unless tied;
+  (learned_norms, norm_eps = rms_norm_eps); lm_head -> lm_head unless tied (a tied checkpoint's
+  stored lm_head must be a copy of the embeddings);
 - q_proj, k_proj, v_proj (and their biases, Qwen2) concatenated into the fused c_qkv; the second
   half of every q and k head negated (latentloop's `apply_rope` turns the other way round than
   Hugging Face's, and flipping that half in both q and k leaves every attention score unchanged);
@@ -40,7 +41,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from ..archs import build_model
-from ..checkpoint import save_weights_checkpoint
+from ..checkpoint import random_inits_skipped, save_weights_checkpoint
 from ..config import DataConfig, ModelConfig, RunConfig, TrainConfig, model_config
 from ..data.chat import EmptyChatTemplateError, check_template_renders
 from ..data.tokenizers import CHAT_TEMPLATE_FILE, TOKENIZER_FILE, HFTokenizer
@@ -106,18 +107,24 @@ def resolve_source(source: str | Path) -> Path:
     except ImportError:
         raise InteropError(f"no folder {path}; fetching {source} from the Hub needs huggingface_hub "
                            f"(pip install 'latentloop[hf]')") from None
+    # a relative path that does not exist (models/llama) reads as a Hub name too: every failure below
+    # says first that there is no such folder, in case that was meant
+    not_local = f"no folder {path}, and"
     try:
         return Path(snapshot_download(repo_id=str(source), allow_patterns=HUB_FILES, ignore_patterns=HUB_IGNORED))
     except LocalEntryNotFoundError:
         if constants.HF_HUB_OFFLINE:
-            raise InteropError(f"cannot fetch {source}: offline (HF_HUB_OFFLINE is set) and it is not in the "
-                               f"local Hugging Face cache; download it elsewhere and pass its folder") from None
-        raise InteropError(f"cannot fetch {source}: the Hugging Face Hub is unreachable and it is not in the "
-                           f"local cache") from None
+            raise InteropError(f"{not_local} {source} cannot be fetched from the Hugging Face Hub: offline "
+                               f"(HF_HUB_OFFLINE is set) and not in the local Hugging Face cache; download it "
+                               f"elsewhere and pass its folder") from None
+        raise InteropError(f"{not_local} {source} cannot be fetched: the Hugging Face Hub is unreachable and it is "
+                           f"not in the local cache") from None
     except RepositoryNotFoundError:
-        raise InteropError(f"{source} is not a model on the Hugging Face Hub (or it is gated/private)") from None
+        raise InteropError(f"{not_local} {source} is not a model on the Hugging Face Hub (or it is "
+                           f"gated/private)") from None
     except (HfHubHTTPError, OSError, ValueError) as exc:
-        raise InteropError(f"cannot fetch {source} from the Hugging Face Hub: {first_line(exc)}") from None
+        raise InteropError(f"{not_local} {source} cannot be fetched from the Hugging Face Hub: "
+                           f"{first_line(exc)}") from None
 
 
 def read_hf_config(folder: Path) -> dict[str, Any]:
@@ -150,43 +157,46 @@ def read_hf_weights(headers: dict[str, TensorHeader]) -> dict[str, torch.Tensor]
 
 
 def _rope_settings(hf: HFFields) -> dict[str, Any]:
-    """rope_theta and scaling from either layout: transformers 5's `rope_parameters` or the
-    older top-level `rope_theta` + `rope_scaling`, each field checked for the rope type's needs."""
+    """rope_theta and scaling as transformers reads them, each field checked for the rope type's
+    needs. transformers 5 writes `rope_parameters` (`{"rope_type": "default", ...}` into every
+    config); a non-empty `rope_scaling` (the older layout, and what model cards tell users to add by
+    hand, e.g. YaRN for Qwen2.5) replaces it whole, in transformers 5 as in 4, which reads only that."""
     params = HFFields(hf.section("rope_parameters"), hf.file, "rope_parameters.")
     scaling = HFFields(hf.section("rope_scaling"), hf.file, "rope_scaling.")
-    theta = (params.positive_float("rope_theta") if params.has("rope_theta")
-             else hf.positive_float("rope_theta", DEFAULT_ROPE_THETA))
-    # the section that names the rope type is the one a missing field is reported in
-    home = scaling if scaling.values and not (params.has("rope_type") or params.has("type")) else params
-    type_key = "rope_type" if params.has("rope_type") or scaling.has("rope_type") else "type"
-    type_source = params if params.has(type_key) else scaling
-    rope_type = type_source.string(type_key, "default")
+    rope = scaling if scaling.values else params
+    if rope.has("rope_theta"):
+        theta = rope.positive_float("rope_theta")
+    else:
+        theta = hf.positive_float("rope_theta", DEFAULT_ROPE_THETA)
+        # transformers drops rope_parameters' theta with the rest of that section: either choice would
+        # be wrong for someone (transformers' theta, or the one the model was saved with), so ask
+        dropped = params.positive_float("rope_theta") if rope is scaling and params.has("rope_theta") else theta
+        if dropped != theta:
+            raise InteropError(f"{hf.file}: rope_scaling replaces rope_parameters, and transformers then uses "
+                               f"rope_theta {theta:g}, not rope_parameters' {dropped:g}: add the model's "
+                               f"rope_theta to rope_scaling")
+    type_key = "rope_type" if rope.has("rope_type") else "type"  # transformers' order: rope_type, type, default
+    rope_type = rope.string(type_key, "default")
     if rope_type not in ROPE_TYPES:
         raise InteropError(f"rope_scaling type {rope_type!r} is not supported (supported: "
                            f"{', '.join(t for t in ROPE_TYPES if t != 'default')})")
-
-    def source(key: str) -> HFFields:  # rope_parameters wins where both layouts name a field
-        chosen = params if params.has(key) else scaling if scaling.has(key) else home
-        return HFFields(chosen.values, hf.file, chosen.prefix, missing=f"rope type {rope_type} needs it")
-
-    partial = source("partial_rotary_factor")
-    partial = partial if partial.has("partial_rotary_factor") else hf
+    fields = HFFields(rope.values, hf.file, rope.prefix, missing=f"rope type {rope_type} needs it")
+    partial = fields if fields.has("partial_rotary_factor") else hf
     if partial.number("partial_rotary_factor", 1.0) != 1.0:
         raise InteropError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
     settings: dict[str, Any] = {"rope_theta": theta, "rope_scaling": ROPE_TYPES[rope_type]}
     if rope_type in ("linear", "llama3"):
-        factor = source("factor").positive_float("factor")
+        factor = fields.positive_float("factor")
         if factor < 1:  # transformers refuses it too: scaling stretches the trained context, never shrinks it
-            raise source("factor").fail("factor", f"a number >= 1 for rope type {rope_type}")
+            raise fields.fail("factor", f"a number >= 1 for rope type {rope_type}")
         settings["rope_factor"] = factor
     if rope_type == "llama3":
-        low = source("low_freq_factor").positive_float("low_freq_factor")
-        high = source("high_freq_factor").positive_float("high_freq_factor")
+        low = fields.positive_float("low_freq_factor")
+        high = fields.positive_float("high_freq_factor")
         if low >= high:
-            raise source("low_freq_factor").fail("low_freq_factor", f"below high_freq_factor ({high:g})")
+            raise fields.fail("low_freq_factor", f"below high_freq_factor ({high:g})")
         settings.update(rope_low_freq_factor=low, rope_high_freq_factor=high,
-                        rope_original_max_positions=source("original_max_position_embeddings").positive_int(
-                            "original_max_position_embeddings"))
+                        rope_original_max_positions=fields.positive_int("original_max_position_embeddings"))
     return settings
 
 
@@ -274,6 +284,18 @@ def hf_to_latentloop_names(config: ModelConfig, prefix: str = "model.") -> dict[
     return names
 
 
+def _check_tied_copy(head: torch.Tensor, embedding: torch.Tensor) -> None:
+    """A tied checkpoint's stored lm_head.weight must be the embeddings' copy: tied, the model drops
+    it, but transformers 5 then does not tie and uses the stored head (transformers 4 ties), so a
+    different head has no one meaning to import."""
+    if head.dtype != embedding.dtype:  # stored in two precisions: compared as the import keeps them
+        head, embedding = head.float(), embedding.float()
+    if not torch.equal(head, embedding):
+        raise InteropError("config.json has tie_word_embeddings=true, but the checkpoint's lm_head.weight differs "
+                           "from model.embed_tokens.weight: set tie_word_embeddings to false (keep the stored head) "
+                           "or remove lm_head.weight (tie the embeddings)")
+
+
 def convert_weights(hf_weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """A Hugging Face Llama-family state dict -> latentloop `gpt` state dict (float32)."""
     weights = {k: v for k, v in hf_weights.items() if not IGNORED_TENSORS.match(k)}
@@ -289,6 +311,7 @@ def convert_weights(hf_weights: dict[str, torch.Tensor], config: ModelConfig) ->
     for hf_name, ll_name in hf_to_latentloop_names(config).items():
         out[ll_name] = take(hf_name)
     if config.tie_embeddings and "lm_head.weight" in weights:  # some tied checkpoints store the copy too
+        _check_tied_copy(weights["lm_head.weight"], weights["model.embed_tokens.weight"])
         used.add("lm_head.weight")
     parts = ("weight", "bias") if config.qkv_bias else ("weight",)
     for i in range(config.n_layer):
@@ -302,6 +325,27 @@ def convert_weights(hf_weights: dict[str, torch.Tensor], config: ModelConfig) ->
         raise InteropError(f"the checkpoint has {what} this config cannot express: {unused[0]}"
                            + (f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""))
     return out
+
+
+def model_from_weights(config: ModelConfig, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """The model of `config` holding `weights` themselves: built on the meta device and the tensors
+    assigned into it, so the import never holds a second float32 copy of the model, nor spends the
+    time to initialise one randomly only to overwrite it."""
+    # no random initialisation: it would be overwritten, and on meta its first call imports torch._dynamo (seconds)
+    with torch.device("meta"), random_inits_skipped():
+        model = build_model(config)
+    expected = model.state_dict()
+    for name, tensor in weights.items():
+        if expected[name].shape != tensor.shape:
+            raise InteropError(f"tensor {name} has shape {tuple(tensor.shape)}, the config implies "
+                               f"{tuple(expected[name].shape)}")
+    model.load_state_dict(weights, strict=True, assign=True)
+    model.reset_rope()  # the RoPE tables are computed, not loaded: on the CPU now that the weights are there
+    unloaded = [name for name, tensor in (*model.named_parameters(), *model.named_buffers()) if tensor.is_meta]
+    if unloaded:  # neither read from the checkpoint nor computed: the model would fail on first use
+        raise InteropError(f"cannot import this config: the model's {unloaded[0]} is neither a checkpoint tensor "
+                           f"nor computed by the model")
+    return model
 
 
 # --------------------------------------------------------------------------------------------
@@ -389,14 +433,8 @@ def import_hf(source: str | Path, out: str | Path, sequence_len: int | None = No
     tokenizer = read_hf_tokenizer(folder, config, hf)
     config.bos_id = tokenizer.bos_id
     weights = convert_weights(read_hf_weights(headers), config)  # the checkpoint as stored is freed here
-    model = build_model(config)
-    expected = model.state_dict()
-    for name, tensor in weights.items():
-        if expected[name].shape != tensor.shape:
-            raise InteropError(f"tensor {name} has shape {tuple(tensor.shape)}, the config implies "
-                               f"{tuple(expected[name].shape)}")
-    model.load_state_dict(weights, strict=True)
-    del weights, expected  # the model holds its own copy; writing the checkpoint needs the room
+    model = model_from_weights(config, weights)
+    del weights  # the model holds these very tensors now
     state = {"step": 0, "tokens_seen": 0, "flops_seen": 0.0, "elapsed": 0.0,
              "imported_from": str(source), "model_type": hf.get("model_type")}
     checkpoint = _write_run(out, config, tokenizer, model, state)

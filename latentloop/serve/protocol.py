@@ -6,9 +6,11 @@ threads, so it is tested directly; nor does it need pydantic, so the scheduler r
 Every refusal is an `APIError` with one clear line; the server turns it into
 `{"error": {"message", "type", "param", "code"}}` with its HTTP status.
 
-Every prompt is read as the start of a document, as the model was trained (`[BOS] + text`): the
-server puts BOS in front of any prompt, text or token ids, that does not already start with it.
-Echo and logprobs report the prompt as it was sent (without that added BOS); `usage` counts the
+Every prompt is read as the start of a text, as the model's tokenizer starts one
+(`tokenizer.as_prompt`): where it starts texts with BOS (latentloop's own; Llama's) the server puts
+BOS in front of any prompt, text or token ids, that does not already start with it; a tokenizer
+that adds none (an imported Qwen2's) reads the prompt as sent, as `transformers` does.
+Echo and logprobs report the prompt as it was sent (without an added BOS); `usage` counts the
 tokens the model read. A prompt's text is refused by its size before it is tokenized when it can
 never fit the context (`limits.Limits.text_problem`).
 """
@@ -45,7 +47,7 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 @dataclass
 class CompletionRequest:
-    prompts: list[list[int]]  # as the model reads them (BOS first)
+    prompts: list[list[int]]  # as the model reads them (`tokenizer.as_prompt`: BOS first where it puts one)
     added_bos: list[bool]  # per prompt: whether the server put BOS in front (not echoed)
     max_tokens: int
     temperature: float = 1.0
@@ -99,11 +101,11 @@ def _checked_text(text: str, limits: Limits, param: str, what: str) -> str:
 
 def completion_prompts(prompt: str | list, tokenizer, vocab_size: int, limits: Limits,
                        n: int = 1) -> tuple[list[list[int]], list[bool]]:
-    """The prompt ids of a completions request (what the model reads) and, per prompt, whether
-    BOS was added in front. `prompt`: a validated body's (a string, a list of strings, a list of
-    token ids, or a list of token-id lists). Everything that can be refused without tokenizing is
-    refused first: more prompts x `n` than a batch holds, a text too large for the context, an id
-    list longer than the context."""
+    """The prompt ids of a completions request (what the model reads, `tokenizer.as_prompt`) and,
+    per prompt, whether BOS was added in front. `prompt`: a validated body's (a string, a list of
+    strings, a list of token ids, or a list of token-id lists). Everything that can be refused
+    without tokenizing is refused first: more prompts x `n` than a batch holds, a text too large for
+    the context, an id list longer than the context."""
     if isinstance(prompt, str):
         texts, id_lists = [prompt], []
     elif all(isinstance(p, str) for p in prompt):
@@ -124,10 +126,9 @@ def completion_prompts(prompt: str | list, tokenizer, vocab_size: int, limits: L
         if bad is not None:
             raise bad_request(f"token ids must be integers in [0, {vocab_size}), got {bad!r}", "prompt")
     texts = [_checked_text(text, limits, "prompt", "the prompt") for text in texts]
-    bos = tokenizer.bos_id
-    prompts = [[bos] + encode_text(tokenizer, text) for text in texts]
-    prompts += [list(ids) if ids[0] == bos else [bos] + list(ids) for ids in id_lists]
-    return prompts, [True] * len(texts) + [ids[0] != bos for ids in id_lists]
+    sent = [encode_text(tokenizer, text) for text in texts] + [list(ids) for ids in id_lists]
+    prompts = [tokenizer.as_prompt(ids) for ids in sent]
+    return prompts, [len(prompt) > len(ids) for prompt, ids in zip(prompts, sent)]
 
 
 def chat_prompts(messages: Any, tokenizer, limits: Limits) -> tuple[list[list[int]], list[bool]]:
@@ -190,9 +191,10 @@ def decode_with_offsets(tokenizer, ids: Sequence[int]) -> tuple[str, list[int]]:
 
 def tokenize_text(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
     """/tokenize: the text's ids as a completions prompt would hold them; with add_special_tokens,
-    BOS in front. A text that is exactly one special token's name gives that token's id (clients
-    such as lm-eval learn the special ids this way); special names inside a longer text stay text,
-    as in prompts. A text past MAX_TEXT_BYTES is refused before it is tokenized."""
+    as the model reads them (`tokenizer.as_prompt`: BOS in front where the tokenizer puts one). A
+    text that is exactly one special token's name gives that token's id (clients such as lm-eval
+    learn the special ids this way); special names inside a longer text stay text, as in prompts. A
+    text past MAX_TEXT_BYTES is refused before it is tokenized."""
     over = size_over(text, MAX_TEXT_BYTES)
     if over is not None:
         raise bad_request(f"prompt is {over} of text, over the {MAX_TEXT_BYTES:,} bytes /tokenize takes", "prompt")
@@ -202,7 +204,7 @@ def tokenize_text(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
         raise bad_request("prompt is not valid UTF-8 text", "prompt") from None
     by_name = {name: token_id for token_id, name in special_names(tokenizer).items()}
     ids = [by_name[text]] if text in by_name else encode_text(tokenizer, text)
-    return [tokenizer.bos_id] + ids if add_special_tokens else ids
+    return tokenizer.as_prompt(ids) if add_special_tokens else ids
 
 
 def tokenizer_info(tokenizer, context: int) -> dict:
