@@ -81,6 +81,20 @@ def test_weights_moved_inside_inference_mode_still_train():
 
 
 @needs_huge_pages
+def test_a_model_built_inside_inference_mode_still_runs_after_its_weights_move():
+    """`with torch.inference_mode(): model = ...; generate(...)`: its weights are inference tensors,
+    and an ordinary copy under them failed the next forward ("Inference tensors do not track version
+    counter"; the decode-profile benchmark builds its model so)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 1024)
+    with torch.inference_mode():
+        model = Tied()
+        before = model.large(model.second(model.first(x)))
+        assert huge_pages.weights_on_huge_pages(model) > 0
+        torch.testing.assert_close(model.large(model.second(model.first(x))), before, rtol=0, atol=0)
+
+
+@needs_huge_pages
 def test_a_refused_map_leaves_the_weights_where_they_are(monkeypatch):
     model = Tied()
     pointer = model.first.weight.data_ptr()

@@ -110,9 +110,13 @@ def weights_on_huge_pages(model: nn.Module) -> int:
     moved = 0
     try:
         # the decoders are built inside the engine's inference mode: copies made there would be
-        # inference tensors, and the model could no longer train after a compiled generate
-        with torch.inference_mode(False), torch.no_grad():
-            for tensor, copy in _placed(_weights(model)):
+        # inference tensors, and the model could no longer train after a compiled generate. A model
+        # built inside inference mode has inference tensors for weights: its copies must be too (an
+        # inference Parameter holding an ordinary tensor fails its first forward)
+        weights = _weights(model)
+        built_for_inference = any(tensor.is_inference() for tensor in weights)
+        with torch.inference_mode(built_for_inference), torch.no_grad():
+            for tensor, copy in _placed(weights):
                 tensor.data = copy
                 moved += tensor.nbytes
     except OSError:  # the map or its advice refused (no memory, a kernel without the advice): both come
