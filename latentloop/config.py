@@ -342,7 +342,9 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "stdlib"  # stdlib | text:PATH | hf:NAME[:CONFIG] | task:NAME
+    # stdlib | text:PATH | hf:NAME[:CONFIG] | task:NAME[:knobs] | mix:SOURCE+SOURCE[+...] | chat:FILE[:field=role,...]
+    # or chat:task:NAME (conversations, for stage sft)
+    source: str = "stdlib"
     tokenizer: str = "byte"  # "byte" or a path to a tokenizer.json (see `latentloop tokenizer train`)
     val_fraction: float = 0.05
     max_bytes: int = 0  # cap on UTF-8 bytes read per split; 0 = no cap

@@ -142,3 +142,17 @@ def test_loading_a_run_of_any_arch_imports_no_compiler(tiny_run):
                             timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "[]"
+
+
+def test_train_help_names_the_archs_a_gpt_run_upcycles_into(capsys):
+    """`--init-from`'s help lists the archs whose spec says they upcycle a gpt run (it listed every
+    arch but gpt, mor included, which refuses)."""
+    import re
+
+    from latentloop.archs import ARCHS
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the help's lines
+    named = re.search(r"--arch ([\w /]+?) upcycles it", text).group(1).split(" / ")
+    assert named == [name for name, spec in ARCHS.items() if spec.upcycles] and "mor" not in named

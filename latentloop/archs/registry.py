@@ -140,6 +140,12 @@ class ArchSpec:
         return None if hook is GPT.draft_options else hook
 
     @property
+    def upcycles(self) -> bool:
+        """Whether a gpt run's weights can start this arch (`--init-from` a gpt run: the model class
+        maps them in its own `upcycle_from`; gpt itself loads them as they are)."""
+        return self.model_class.upcycle_from is not GPT.upcycle_from
+
+    @property
     def scoring_modes(self) -> Callable[[ModelConfig], dict[str, dict]]:
         """config -> {label: options}: the ways `eval` scores a model of this arch by default."""
         return self.model_class.scoring_modes

@@ -228,11 +228,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--arch", help="architecture: " + "; ".join(
         f"{spec.name}: {spec.summary}" for spec in ARCHS.values()))
     t.add_argument("--preset", help="model size preset: test, tiny, small, gpt2, 1b")
-    t.add_argument("--data", help="data source: stdlib, text:PATH, hf:NAME[:CONFIG], task:NAME")
+    t.add_argument("--data", help="data source: stdlib, text:PATH, hf:NAME[:CONFIG], task:NAME[:knobs], "
+                                  "mix:SOURCE+SOURCE[+...], or for --stage sft chat:FILE[:field=role,...] / "
+                                  "chat:task:NAME")
     t.add_argument("--tokenizer", help="'byte' or a path to a tokenizer.json")
     t.add_argument("--steps", type=_positive_int, help="optimizer steps")
     t.add_argument("--batch-size", type=_positive_int, help="sequences per micro-batch")
-    t.add_argument("--lr", type=float, help="peak learning rate")
+    t.add_argument("--lr", type=float, help="AdamW's peak learning rate (train.lr); with the default Muon "
+                                            "optimizer, that of the embeddings, head and vectors only: the block "
+                                            "matrices' is train.muon_lr")
     t.add_argument("--seed", type=int, help="random seed")
     t.add_argument("--device", help="auto, cpu, cuda[:N], mps")
     t.add_argument("--out", required=True, help="run folder to create (or continue with --resume)")
@@ -240,9 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     from ..archs import ARCHS
 
     t.add_argument("--init-from", metavar="RUN",
-                   help="start from another run's weights; from a gpt run (e.g. imported with import-hf) "
-                        f"--arch {' / '.join(name for name in ARCHS if name != 'gpt')} upcycles it; the model shape "
-                        "and the tokenizer come from RUN")
+                   help="start from another run's weights; from a gpt run (e.g. imported with import-hf) --arch "
+                        + " / ".join(name for name, spec in ARCHS.items() if spec.upcycles)
+                        + " upcycles it; the model shape and the tokenizer come from RUN")
     t.add_argument("--stage", choices=["pretrain", "sft", "extend"], default=None,
                    help="sft: fine-tune --init-from RUN on conversations (--data chat:FILE[:field=role,...] or "
                         "chat:task:NAME), loss on the assistant's tokens only; extend: continue --init-from RUN at a "
@@ -274,9 +278,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sequences per batch (default 16 for the loss, 64 rows for --tasks)")
     e.add_argument("--device", default="cpu", help="cpu, cuda[:N], mps")
     e.add_argument("--data", default=None, metavar="SOURCE",
-                   help="data to score the loss on (text:PATH, hf:NAME, ...); required unless the run was trained "
-                        "on a built-in source (stdlib, task:NAME): the files a run's config.json names are not "
-                        "read on its say-so")
+                   help="data to score the loss on (text:PATH, hf:NAME, ...); default: the run's own data when "
+                        "it is built in (stdlib, task:NAME, chat:task:NAME) or is the text: file or folder the run "
+                        "was trained on, still holding the tokens the run recorded (checked against its checksums); "
+                        "any other source must be named")
     e.add_argument("--tasks", default=None, metavar="NAMES|core",
                    help="evaluate tasks instead of the loss: 'core' (the 22 CORE tasks), CORE task names and/or "
                         "generation tasks, comma-separated; results go to RUN/evals/")
