@@ -44,7 +44,6 @@ from latentloop.data.tokenizers import ByteTokenizer
 from latentloop.engine import generate, model_options, stream, teacher_forced_logits
 from latentloop.errors import CheckpointError, ConfigError
 from latentloop.interop import initialise_from, upcycle_config
-from latentloop.models.backbone import GPT
 from latentloop.models.flops import BACKWARD_FACTOR
 from latentloop.runs import load_run, save_run
 
