@@ -84,6 +84,9 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original / low are scaled by 1 / factor
     rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original / high are kept
     rope_original_max_positions: int = 8192  # llama3: the context the frequencies were trained for
+    # an imported sliding-window model's window (Mistral, Qwen2 with use_sliding_window; 0: none): latentloop
+    # attends to the whole context, which is the window's attention only while the context fits in it
+    attention_window: int = 0
 
     def __post_init__(self) -> None:
         require_finite(self)
@@ -119,6 +122,11 @@ class ModelConfig:
                  f"({self.rope_high_freq_factor})")
         require(self.rope_original_max_positions >= 1,
                  f"rope_original_max_positions must be >= 1, got {self.rope_original_max_positions}")
+        require(self.attention_window >= 0, f"attention_window must be >= 0 (0: none), got {self.attention_window}")
+        require(not self.attention_window or self.sequence_len <= self.attention_window,
+                 f"sequence_len {self.sequence_len} is past the model's sliding attention window "
+                 f"({self.attention_window} tokens): latentloop attends to the whole context, which is the "
+                 f"window's attention only up to {self.attention_window} tokens")
 
     # derived fields ---------------------------------------------------------------------------
     @property

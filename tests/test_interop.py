@@ -608,6 +608,23 @@ def test_a_qwen2_window_that_no_layer_uses_is_full_attention(llama_folder, tmp_p
     assert main(["import-hf", str(folder), "--out", str(tmp_path / "run")]) == 0
 
 
+def test_a_sliding_window_model_keeps_its_window_past_the_import(llama_folder, tmp_path, capsys):
+    """A Mistral imported within its window attends fully, which is its window's attention only up
+    to the window: the run keeps the window (`attention_window`), and training it on from there at a
+    longer context is refused in one line (it was checked at import only, then forgotten)."""
+    folder = tmp_path / "hf"
+    shutil.copytree(llama_folder, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"model_type": "mistral", "sliding_window": 16}))
+    assert main(["import-hf", str(folder), "--out", str(tmp_path / "run"), "--sequence-len", "16"]) == 0
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())["model"]
+    assert saved["attention_window"] == 16 and saved["sequence_len"] == 16
+    err = _one_line_error(["train", "--init-from", str(tmp_path / "run"), "--stage", "extend", "--steps", "1",
+                           "--set", "sequence_len=32", "--out", str(tmp_path / "longer")], capsys)
+    assert "sequence_len 32 is past the model's sliding attention window (16 tokens)" in err
+    assert not (tmp_path / "longer").exists()
+
+
 def test_the_hub_download_fetches_every_file_the_import_reads(monkeypatch, tmp_path):
     """What `snapshot_download` is asked for: every file a local import reads (the chat template that
     transformers 5 saves as chat_template.jinja among them), and not Mistral's consolidated weights."""

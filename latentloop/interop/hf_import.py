@@ -263,7 +263,8 @@ def config_from_hf(hf: dict[str, Any], sequence_len: int | None = None, bos_id: 
             ModelConfig.arch, None, vocab_size=vocab, sequence_len=sequence_len, n_layer=n_layer, n_embd=D,
             n_head=n_head, n_kv_head=n_kv_head, mlp="swiglu", intermediate_size=intermediate, tie_embeddings=tie,
             logit_softcap=0.0, bos_id=bos_id, embed_norm=False, qk_norm=False, learned_norms=True, norm_eps=norm_eps,
-            qkv_bias=family in QKV_BIAS_FAMILIES, **_rope_settings(fields))
+            qkv_bias=family in QKV_BIAS_FAMILIES, attention_window=window if uses_window else 0,
+            **_rope_settings(fields))
     except ConfigError as exc:
         raise InteropError(f"cannot express this config: {exc}") from None
 
