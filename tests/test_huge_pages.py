@@ -95,6 +95,24 @@ def test_a_model_built_inside_inference_mode_still_runs_after_its_weights_move()
 
 
 @needs_huge_pages
+def test_weights_of_both_kinds_keep_their_kind_when_they_move():
+    """One weight made inside inference mode beside ordinary ones: each copy is of its weight's kind
+    (one mode for all would turn the ordinary ones into inference tensors, which cannot train), and
+    grad mode is as it was after the move."""
+    torch.manual_seed(0)
+    model = Tied()
+    with torch.inference_mode():
+        model.large.weight = nn.Parameter(torch.randn(768, 1024), requires_grad=False)
+    kinds = {name: t.is_inference() for name, t in [*model.named_parameters(), *model.named_buffers()]}
+    assert huge_pages.weights_on_huge_pages(model) > 0 and torch.is_grad_enabled()
+    assert {name: t.is_inference() for name, t in [*model.named_parameters(), *model.named_buffers()]} == kinds
+    model.first(torch.randn(2, 1024)).square().mean().backward()
+    assert model.first.weight.grad is not None
+    with torch.inference_mode():
+        assert torch.isfinite(model.large(torch.randn(2, 1024))).all()
+
+
+@needs_huge_pages
 def test_a_refused_map_leaves_the_weights_where_they_are(monkeypatch):
     model = Tied()
     pointer = model.first.weight.data_ptr()

@@ -37,9 +37,12 @@ for name in ("fbt", "rfbt"):
 @pytest.mark.parametrize("masked", [False, True], ids=["every-target", "sft-mask"])
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_n_micro_batches_give_the_gradients_of_one_batch_n_times_larger(arch, masked):
-    """Also under SFT's loss mask, where the two micro-batches train on 4 and 48 targets: a mean per
-    micro-batch weighed alike gave those 4 targets 6x the weight each of the others (the gradients
+    """Also under SFT's loss mask, where the two micro-batches train on 2 and 48 targets: a mean per
+    micro-batch weighed alike gave those 2 targets 24x the weight each of the others (the gradients
     were ~300% off); each micro-batch now counts by its share of the step's targets."""
+    if masked and arch == "lrt":
+        pytest.skip("lrt's loss is a mean of its init pass's and each column subset's own masked means: a "
+                    "micro-batch weighed by its targets equals one batch only where its subsets hold them alike")
     torch.manual_seed(0)
     # mor's router loss is a mean over a row's real inputs (up to its last trained target), not over
     # its targets: under a mask it weighs as its micro-batch's targets do, so it is off in this case
@@ -48,7 +51,7 @@ def test_n_micro_batches_give_the_gradients_of_one_batch_n_times_larger(arch, ma
     data = torch.randint(0, model.config.vocab_size, (4, SEQ_LEN + 1), generator=torch.Generator().manual_seed(1))
     x, y = data[:, :-1], data[:, 1:]
     mask = torch.zeros(x.shape, dtype=torch.bool)
-    mask[0:2, -2:] = True  # the first micro-batch: a reply of 2 tokens per row
+    mask[0:2, -1:] = True  # the first micro-batch: a reply of 1 token per row (an odd column)
     mask[2:4, 8:] = True  # the second: a reply of 24 per row
 
     def gradients(micro_batches: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -83,6 +86,27 @@ def test_each_of_a_steps_batches_draws_its_own_fbt_prefixes(arch):
     masks = [torch.stack(p["fuse_mask"]) for p in plans]
     assert not torch.equal(masks[0], masks[1]) and not torch.equal(masks[1], masks[2])
     assert torch.equal(masks[0], torch.stack(objective.plan(step, x)["fuse_mask"]))
+
+
+def test_an_objective_whose_plan_predates_draw_still_trains():
+    """`plan(step, x, loss_mask)` as objectives of one's own were written before `draw` (12-06): the
+    step calls it without `draw` instead of failing with a TypeError."""
+    from latentloop.objectives import NextTokenObjective
+
+    seen = []
+
+    class OwnObjective(NextTokenObjective):
+        def plan(self, step, x, loss_mask=None):
+            seen.append(step)
+            return {}
+
+    model = ll.build("gpt", preset="test", sequence_len=SEQ_LEN).train()
+    data = torch.randint(0, model.config.vocab_size, (4, SEQ_LEN + 1), generator=torch.Generator().manual_seed(1))
+    batches = iter([(data[:2, :-1], data[:2, 1:]), (data[2:, :-1], data[2:, 1:])])
+    train = TrainConfig(batch_size=2, grad_accum=2, device="cpu", dtype="float32")
+    outcome = train_step(model, model, OwnObjective(model.config, train), lambda: next(batches), 3, [], train, CPU,
+                         FiniteGuard(CPU))
+    assert seen == [3, 3] and torch.isfinite(outcome.loss_on_device)
 
 
 def test_batch_tokens_sets_the_accumulation_exactly_or_says_what_would():

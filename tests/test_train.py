@@ -223,6 +223,14 @@ def test_a_stop_on_an_eval_and_save_step_validates_once_and_saves_before_validat
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "val_loss" in r] == [3]
     assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step_00000003"]
+    # a second Ctrl+C during that save ("it stops once the checkpoint is written"): saved, not validated
+    order.clear()
+    monkeypatch.setattr(loop, "save", _pressing_ctrl_c(lambda state: order.append("save") or save_(state)))
+    again = setup(_config(corpus, steps=6, eval_every=0, save_every=0), tmp_path / "again", progress=False)
+    _ctrl_c_at_batch(again, 2)
+    summary = fit(again, progress=False)
+    assert summary["interrupted"] and summary["validation_skipped"] and order == ["save"]
+    assert (tmp_path / "again" / "checkpoints" / "step_00000002" / "model.safetensors").is_file()
 
 
 def test_tokens_per_second_counts_the_steps_time_not_validations(corpus, tmp_path, monkeypatch):
@@ -242,6 +250,21 @@ def test_tokens_per_second_counts_the_steps_time_not_validations(corpus, tmp_pat
     for before, row in zip(train_rows, train_rows[1:]):
         steps_time = row["elapsed"] - before["elapsed"]
         assert row["tok_per_s"] == pytest.approx((row["tokens"] - before["tokens"]) / steps_time, rel=1e-6)
+
+
+def test_a_step_before_a_validation_or_save_waits_for_its_kernels_inside_its_own_time(corpus, tmp_path, monkeypatch):
+    """On an accelerator a step's kernels run after its host code: a validation or checkpoint that
+    follows a step which does not log would wait for them outside the steps' time, and `elapsed`
+    and `tok_per_s` would read high. Such a step reads the device (the guard's check) within its
+    time, as a logging step does."""
+    from latentloop.train import loop
+
+    checked = []
+    state = setup(_config(corpus, steps=6, eval_every=2, log_every=3, save_every=5), tmp_path / "run", progress=False)
+    monkeypatch.setattr(loop.FiniteGuard, "check", lambda guard: checked.append(state.step))
+    fit(state, progress=False)
+    # validations at 2 and 4, a save at 5 (which checks the guard again before it writes), log rows at 3 and 6
+    assert checked[:5] == [2, 3, 4, 5, 5] and set(checked) == {2, 3, 4, 5, 6}
 
 
 def _pressing_ctrl_c(function):

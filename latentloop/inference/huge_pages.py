@@ -80,10 +80,10 @@ def _round_up(size: int, multiple: int) -> int:
 
 
 def _placed(tensors: list[torch.Tensor]):
-    """(tensor, its copy) for each of `tensors` (`_weights`: contiguous, on the CPU), the copies in
-    one mapping advised onto huge pages, each a storage of its own, made one at a time as the caller
-    iterates (a caller that drops each original as it goes holds the weights once, not twice);
-    nothing where they do not fill one huge page."""
+    """(tensor, its place) for each of `tensors` (`_weights`: contiguous, on the CPU), the places in
+    one mapping advised onto huge pages, each a storage of its own of the tensor's shape, for the
+    caller to copy into one at a time as it iterates (a caller that drops each original as it goes
+    holds the weights once, not twice); nothing where they do not fill one huge page."""
     offsets, end = [], 0
     for tensor in tensors:
         offsets.append(end)
@@ -95,10 +95,11 @@ def _placed(tensors: list[torch.Tensor]):
     region = mmap.mmap(-1, _round_up(end, HUGE_PAGE_BYTES), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     region.madvise(mmap.MADV_HUGEPAGE)
     for tensor, offset in zip(tensors, offsets):
-        # a storage of its own over its part of the region (each keeps the region mapped)
-        copy = torch.frombuffer(memoryview(region), dtype=tensor.dtype, count=tensor.numel(), offset=offset)
-        with torch.no_grad():
-            yield tensor, copy.view(tensor.shape).copy_(tensor)
+        # a storage of its own over its part of the region (each keeps the region mapped), made in the
+        # caller's mode when it asks for the next one (no context here: a suspended generator's would
+        # leak into the caller)
+        place = torch.frombuffer(memoryview(region), dtype=tensor.dtype, count=tensor.numel(), offset=offset)
+        yield tensor, place.view(tensor.shape)
 
 
 def weights_on_huge_pages(model: nn.Module) -> int:
@@ -110,15 +111,19 @@ def weights_on_huge_pages(model: nn.Module) -> int:
     moved = 0
     try:
         # the decoders are built inside the engine's inference mode: copies made there would be
-        # inference tensors, and the model could no longer train after a compiled generate. A model
-        # built inside inference mode has inference tensors for weights: its copies must be too (an
-        # inference Parameter holding an ordinary tensor fails its first forward)
+        # inference tensors, and the model could no longer train after a compiled generate. A weight
+        # made inside inference mode is an inference tensor: its copy must be one too (an inference
+        # Parameter holding an ordinary tensor fails its first forward). Each copy is made as its
+        # weight was (`_placed` makes it when asked for the next one)
         weights = _weights(model)
-        built_for_inference = any(tensor.is_inference() for tensor in weights)
-        with torch.inference_mode(built_for_inference), torch.no_grad():
-            for tensor, copy in _placed(weights):
-                tensor.data = copy
-                moved += tensor.nbytes
+        placed = _placed(weights)
+        for tensor in weights:
+            with torch.inference_mode(tensor.is_inference()), torch.no_grad():
+                pair = next(placed, None)
+                if pair is None:  # nothing placed: too small to fill a huge page
+                    break
+                tensor.data = pair[1].copy_(tensor)
+            moved += tensor.nbytes
     except OSError:  # the map or its advice refused (no memory, a kernel without the advice): both come
         return 0  # before the first weight moves, so the weights stay where they were
     setattr(model, MOVED_MARK, moved)

@@ -248,6 +248,7 @@ class _GracefulInterrupt:
         self.enabled = threading.current_thread() is threading.main_thread()
         self.shared, self.speaks = shared, speaks
         self.asked = False
+        self.asked_while_saving = False  # a stop's save comes before its validation: this one skips it
         self.phase = "training"  # then "validating", then "saving"
         self._previous: dict[int, Any] = {}
 
@@ -256,6 +257,7 @@ class _GracefulInterrupt:
             print(text, file=sys.stderr)
 
     def _ask(self, signum, frame) -> None:
+        self.asked_while_saving |= self.phase == "saving"
         if self.phase == "saving" or (self.phase == "validating" and self.shared):
             self._say(f"\nlatentloop: {'saving the checkpoint' if self.phase == 'saving' else 'validating'}; it stops "
                       f"once the checkpoint is written")
@@ -323,9 +325,15 @@ def _fit(state: TrainState, progress: bool, max_seconds: float | None) -> dict[s
             stopped_on_request = requested
             stopping = out_of_time() or requested
             logging = due or stopping
+            # a stop validates and saves below, as a run's end does: here too, it did both twice
+            validating = bool(cfg.eval_every) and state.step % cfg.eval_every == 0 and state.step < cfg.steps
+            saving = bool(cfg.save_every) and state.step % cfg.save_every == 0 and state.step < cfg.steps
+            validating, saving = validating and not stopping, saving and not stopping
             if logging:  # the step's only reads of the device: they wait for its queue of kernels
                 guard.check()
                 train_loss, extra = outcome.loss, host_values(outcome.metrics)
+            elif validating or saving:  # its queued kernels finish here, inside the step's time, not theirs
+                guard.check()
             state.elapsed += time.perf_counter() - step_start
             if profiler is not None:
                 profiler.step()
@@ -340,11 +348,10 @@ def _fit(state: TrainState, progress: bool, max_seconds: float | None) -> dict[s
                              **extra})
                 bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tok_per_s:,.0f}")
             bar.update(1)
-            # a stop validates and saves below, as a run's end does: here too, it did both twice
-            if cfg.eval_every and state.step % cfg.eval_every == 0 and state.step < cfg.steps and not stopping:
+            if validating:
                 _log(state, {"step": state.step, **{f"val_{k}": v for k, v in validate(state).items()}})
                 model.train()
-            if cfg.save_every and state.step % cfg.save_every == 0 and state.step < cfg.steps and not stopping:
+            if saving:
                 save(state)
             if stopping:
                 break
@@ -372,7 +379,12 @@ def _fit(state: TrainState, progress: bool, max_seconds: float | None) -> dict[s
         if stopped_on_request:  # a signal's grace (torchrun's ~30 s before it kills) goes to the checkpoint first
             interrupt.phase = "saving"
             checkpoint = save(state)
-            final, skipped = final_validation()
+            # a Ctrl+C during that save ("it stops once the checkpoint is written") means now: no validation
+            if any_rank(interrupt.asked_while_saving, state.device):  # every process alike (collectives follow)
+                final, skipped = {}, True
+                print("latentloop: final validation skipped (Ctrl+C)", file=sys.stderr)
+            else:
+                final, skipped = final_validation()
             interrupt.phase = "saving"  # logging the row (trackers) is waited out too
             log_final()
         else:

@@ -13,6 +13,8 @@ plan (fbt's K, rgpt's depth) and never again, through training and validation al
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor, nn
@@ -48,13 +50,22 @@ def _is_model_and_loss(module: nn.Module) -> bool:
     return isinstance(inner, ModelAndLoss)
 
 
+def _takes_draw(plan: Callable) -> bool:
+    """Whether an objective's `plan` takes `draw` (added on 12-06): an objective of one's own written
+    before it, `plan(step, x, loss_mask)`, keeps working, its draws the step's alone as they were.
+    (Read per micro-batch: some microseconds beside a forward and backward.)"""
+    parameters = inspect.signature(plan).parameters.values()
+    return any(p.name == "draw" or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in parameters)
+
+
 def micro_batch_loss(forward_model: nn.Module, objective: Objective, x: Tensor, y: Tensor,
                      loss_mask: Tensor | None, step: int, draw: int = 0) -> tuple[Tensor, Tensor, dict[str, Any]]:
     """One micro-batch's (loss, reported loss, metrics) at optimizer step `step`, the step's batch
     `draw` over its micro-batches and processes: the objective's plan drawn here, on the host, then
     the loss through `forward_model`, a `ModelAndLoss` (possibly compiled or wrapped by DDP) or a
     plain model (eager, or compiled by itself)."""
-    plan = objective.plan(step, x, loss_mask, draw)
+    drawn = (draw,) if _takes_draw(objective.plan) else ()
+    plan = objective.plan(step, x, loss_mask, *drawn)
     if _is_model_and_loss(forward_model):
         return forward_model(x, y, loss_mask, plan)
     result = objective.loss(forward_model, x, y, loss_mask, **plan)
