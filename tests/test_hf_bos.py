@@ -16,13 +16,14 @@ import torch
 
 import latentloop as ll
 from latentloop.cli import main
-from latentloop.data import HFTokenizer, load_tokenizer
+from latentloop.data import HFTokenizer, load_tokenizer, write_hf_tokenizer
 from latentloop.data.chat import render_conversation, render_prompt
+from latentloop.errors import DataError
 from latentloop.eval import core
 from latentloop.eval.lm_eval_adapter import LatentloopLM
 from latentloop.interop import export_hf
 from latentloop.serve.limits import Limits
-from latentloop.serve.protocol import completion_prompts
+from latentloop.serve.protocol import completion_prompts, tokenizer_info
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -228,3 +229,114 @@ def test_an_export_of_an_imported_qwen2_instruct_model_invents_no_bos_token(tmp_
     back = HFTokenizer.from_pretrained_folder(tmp_path / "export",
                                               config=json.loads((tmp_path / "export" / "config.json").read_text()))
     assert (back.bos_id, back.adds_bos, back.names_bos) == (ENDOFTEXT, False, False)  # the round trip keeps them
+
+
+# -- a model trained here with a Hugging Face tokenizer ------------------------------------------------
+# `adds_bos` belongs to the model: an imported one is prompted as transformers prompts it, one latentloop
+# trains read every document after BOS (data/shards.py) and is prompted with BOS, whatever the post-processor
+
+NO_BOS_FOLDERS = {
+    "qwen2 instruct (no BOS named, none added)": _qwen2_instruct_folder,
+    "smollm2-like (BOS named, none added)": lambda folder: _llama_folder(folder, bos_first=False),
+}
+
+
+def _train_from_scratch(tmp_path, tokenizer_spec: str):
+    from conftest import write_corpus
+
+    corpus = write_corpus(tmp_path / "corpus", documents=8)
+    run = tmp_path / "scratch"
+    assert main(["train", "--arch", "gpt", "--preset", "test", "--tokenizer", tokenizer_spec, "--data",
+                 f"text:{corpus}", "--steps", "1", "--batch-size", "2", "--set", "sequence_len=32", "--set",
+                 "eval_every=0", "--out", str(run), "--no-progress"]) == 0
+    return run
+
+
+@pytest.mark.parametrize("spec", ["folder", "tokenizer.json"])
+@pytest.mark.parametrize("kind", list(NO_BOS_FOLDERS))
+def test_a_model_trained_here_with_a_tokenizer_that_adds_no_bos_is_prompted_with_bos(tmp_path, capsys, kind, spec):
+    """`train --tokenizer` a Hugging Face folder (or its tokenizer.json) whose post-processor puts no BOS
+    first: the model read every document after BOS, so `ll.load` gives a tokenizer whose prompts, chat
+    renders and `generate` start with BOS (they did not: the post-processor decided, 12-06 review); the
+    run's tokenizer file says so, and an export of it gives transformers the same prompt."""
+    folder = tmp_path / "hf"
+    NO_BOS_FOLDERS[kind](folder)
+    assert not HFTokenizer.from_pretrained_folder(folder).adds_bos  # as transformers reads the folder
+    run = _train_from_scratch(tmp_path, str(folder if spec == "folder" else folder / "tokenizer.json"))
+    _, tokenizer = ll.load(run)
+    bos = tokenizer.bos_id
+    assert tokenizer.adds_bos and tokenizer.as_prompt(tokenizer.encode(PROMPT)) == [bos, *tokenizer.encode(PROMPT)]
+    assert json.loads((run / "tokenizer.json").read_text())["adds_bos"] is True
+    assert completion_prompts(PROMPT, tokenizer, MODEL_VOCAB, SERVE_LIMITS)[0][0][0] == bos  # serve
+    assert tokenizer_info(tokenizer, SERVE_LIMITS.context)["add_bos_token"] is True  # and its /tokenizer_info
+    assert core._encode_all(tokenizer, [PROMPT])[0][0] == bos  # CORE
+    chat = tokenizer.with_chat_tokens()  # SFT: its template, or latentloop's tokens added; BOS first either way
+    assert chat.adds_bos and render_prompt(chat, CONVERSATION[:2])[0] == bos
+    assert render_conversation(chat, CONVERSATION)[0][0] == bos
+    capsys.readouterr()
+    assert main(["generate", str(run), "--prompt", PROMPT, "--max-new-tokens", "2", "--temperature", "0",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["prompt_tokens"] == len(tokenizer.encode(PROMPT)) + 1
+    write_hf_tokenizer(tokenizer, tmp_path / "export")  # transformers prompts the exported model so too
+    exported = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "export"))
+    assert exported(PROMPT).input_ids == [bos, *tokenizer.encode(PROMPT)]
+    assert HFTokenizer.from_pretrained_folder(tmp_path / "export").adds_bos  # and imported back
+
+
+@pytest.mark.parametrize("kind", list(FOLDERS))
+def test_an_imported_run_keeps_its_prompts_in_its_tokenizer_file(tmp_path, kind):
+    """`import-hf` writes the post-processor's word into the run's tokenizer file: the run and a copy
+    with the chat tokens (an SFT of it) prompt as transformers does, BOS first only for Llama."""
+    folder = tmp_path / "hf"
+    FOLDERS[kind](folder)
+    assert main(["import-hf", str(folder), "--out", str(tmp_path / "run")]) == 0
+    adds = kind == "llama (BOS from its post-processor)"
+    assert json.loads((tmp_path / "run" / "tokenizer.json").read_text())["adds_bos"] is adds
+    _, tokenizer = ll.load(tmp_path / "run")
+    expected = transformers.AutoTokenizer.from_pretrained(str(folder))(PROMPT).input_ids
+    assert tokenizer.adds_bos is adds and tokenizer.as_prompt(tokenizer.encode(PROMPT)) == expected
+    assert tokenizer_info(tokenizer, SERVE_LIMITS.context)["add_bos_token"] is adds  # serve's /tokenizer_info
+    chat = tokenizer.with_chat_tokens()
+    assert chat.adds_bos is adds and chat.as_prompt(chat.encode(PROMPT)) == expected
+
+
+def test_a_run_tokenizer_file_without_adds_bos_prompts_with_bos(tmp_path):
+    """A run's tokenizer file written before `adds_bos` was kept (no key) reads True, what latentloop
+    trained and prompted every model with until then, whatever its post-processor; a key that is no
+    true / false is one error naming it."""
+    folder = tmp_path / "hf"
+    _qwen2_instruct_folder(folder)
+    tok = HFTokenizer.from_pretrained_folder(folder)
+    assert not tok.adds_bos
+    path = tok.save(tmp_path / "run")
+    content = json.loads(path.read_text())
+    saved = {key: content.pop(key, None) for key in ("adds_bos", "names_bos")}  # as files written before
+    path.write_text(json.dumps(content))
+    old = load_tokenizer(str(path))
+    assert old.adds_bos and old.as_prompt(old.encode(PROMPT)) == [ENDOFTEXT, *old.encode(PROMPT)]
+    assert saved["adds_bos"] is False  # what a run's file keeps now, and reads back
+    path.write_text(json.dumps({**content, "adds_bos": False}))
+    assert not load_tokenizer(str(path)).adds_bos
+    content["adds_bos"] = "no"
+    path.write_text(json.dumps(content))
+    with pytest.raises(DataError, match="adds_bos"):
+        load_tokenizer(str(path))
+
+
+def test_adds_bos_is_the_models_and_chat_copies_keep_it(tmp_path):
+    """The constructor takes `adds_bos` (None: the post-processor's); a copy with latentloop's chat
+    tokens keeps it, and the fingerprint changes with it only where it is not the post-processor's (the
+    rendered chat data differ; every other tokenizer's cache keys stay as they were)."""
+    folder = tmp_path / "hf"
+    _llama_folder(folder, bos_first=False)
+    imported = HFTokenizer.from_pretrained_folder(folder)
+    trained = load_tokenizer(str(folder))
+    assert (imported.adds_bos, trained.adds_bos) == (False, True)
+    plain = HFTokenizer(imported.hf_json(), imported.bos_id, imported.eos_id, imported.pad_id)
+    assert plain.fingerprint() == imported.fingerprint() != trained.fingerprint()
+    assert HFTokenizer(imported.hf_json(), LLAMA_BOS, LLAMA_EOS, LLAMA_EOS, adds_bos=True).adds_bos
+    for tok in (imported, trained):
+        chat = tok.with_chat_tokens()
+        assert chat is not tok and chat.chat_tokens is not None and chat.adds_bos == tok.adds_bos
+        chat.save(tmp_path / f"run-{tok.adds_bos}")
+        assert load_tokenizer(str(tmp_path / f"run-{tok.adds_bos}")).adds_bos == tok.adds_bos

@@ -77,8 +77,9 @@ def cmd_eval(args) -> int:
     if chat:  # the loss on the assistant's tokens, as SFT validates
         from ..data.chat import masked_batches
 
-        def batches():  # each conversation a document of the intervals
-            return row_documents(masked_batches(tokens, args.batch_size or 16, args.batches or None), tokenizer.bos_id)
+        def batches():  # each conversation a document of the intervals, where the packing started it
+            return row_documents(masked_batches(tokens, args.batch_size or 16, args.batches or None), tokenizer.bos_id,
+                                 tokens.starts)
     else:  # documents (for the intervals) start at each BOS of the stream
         batches = text_batches(tokens, args.batch_size or 16, config.model.sequence_len, args.batches or None,
                                bos_id=tokenizer.bos_id)

@@ -62,7 +62,9 @@ its carried state; a conversation of a tokenizer without BOS, an imported Qwen2'
 its template's first token instead, as transformers trains and prompts it, and the variants restart
 at the start of the row only). A conversation longer than a row is cut to the row (its first `seq_len + 1`
 tokens) when the cut keeps at least one assistant token, else dropped; both are counted in the
-data's meta (`cut`, `dropped`).
+data's meta (`cut`, `dropped`). The rows record where each conversation starts (`PackedRows.starts`),
+which is where an evaluation's documents begin (`eval.loss.row_documents`): a conversation without
+BOS is still one document.
 """
 
 from __future__ import annotations
@@ -701,6 +703,9 @@ class PackedRows:
 
     tokens: np.ndarray  # (N, seq_len + 1) int64
     mask: np.ndarray  # (N, seq_len + 1) bool: mask[:, i] True when tokens[:, i] is an assistant token
+    # (N, seq_len + 1) bool: starts[:, i] True when a conversation starts at tokens[:, i] (None: not known;
+    # documents are then told by BOS, which conversations without one do not start with)
+    starts: np.ndarray | None = None
 
     def batch(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(x, y, loss_mask) for the given row indices; loss_mask[b, t] says whether target y[b, t] counts."""
@@ -709,6 +714,7 @@ class PackedRows:
         return tokens[:, :-1], tokens[:, 1:], mask[:, 1:]
 
     def sha256(self) -> str:
+        """Of the tokens and mask (`starts` follow from the conversations these hold)."""
         digest = hashlib.sha256(np.ascontiguousarray(self.tokens).tobytes())
         digest.update(np.ascontiguousarray(self.mask).tobytes())
         return digest.hexdigest()
@@ -716,17 +722,21 @@ class PackedRows:
 
 def pack_conversations(conversations: Sequence[tuple[list[int], list[bool]]], seq_len: int,
                        pad_id: int) -> tuple[PackedRows, dict[str, int]]:
-    """Pack rendered conversations into rows (see the module docstring); returns the rows and
-    counts {"conversations", "rows", "cut", "dropped", "trained_tokens"}."""
+    """Pack rendered conversations into rows (see the module docstring), recording where each starts
+    in its row; returns the rows and counts {"conversations", "rows", "cut", "dropped", "trained_tokens"}."""
     width = seq_len + 1
-    rows, masks = [], []
-    row, row_mask = [], []
+    rows, masks, starts = [], [], []
+    row, row_mask, row_starts = [], [], []
     counts = {"conversations": 0, "rows": 0, "cut": 0, "dropped": 0, "trained_tokens": 0}
 
     def flush():
         if row:
             rows.append(row + [pad_id] * (width - len(row)))
             masks.append(row_mask + [False] * (width - len(row_mask)))
+            opened = [False] * width
+            for start in row_starts:
+                opened[start] = True
+            starts.append(opened)
 
     for ids, mask in conversations:
         if len(ids) > width:
@@ -738,14 +748,16 @@ def pack_conversations(conversations: Sequence[tuple[list[int], list[bool]]], se
             counts["cut"] += 1
         if len(row) + len(ids) > width:
             flush()
-            row, row_mask = [], []
+            row, row_mask, row_starts = [], [], []
+        row_starts.append(len(row))
         row, row_mask = row + list(ids), row_mask + list(mask)
         counts["conversations"] += 1
         counts["trained_tokens"] += sum(mask[1:])
     flush()
     counts["rows"] = len(rows)
     tokens = np.asarray(rows, dtype=np.int64).reshape(-1, width)
-    return PackedRows(tokens, np.asarray(masks, dtype=bool).reshape(-1, width)), counts
+    return PackedRows(tokens, np.asarray(masks, dtype=bool).reshape(-1, width),
+                      np.asarray(starts, dtype=bool).reshape(-1, width)), counts
 
 
 @dataclass
@@ -815,7 +827,8 @@ class ChatLoader(TokenLoader):
 
 
 def masked_batches(rows: PackedRows, batch_size: int, max_batches: int | None = None):
-    """Validation batches (x, y, loss_mask) of packed rows, in order."""
+    """Validation batches (x, y, loss_mask) of packed rows, in order (so `rows.starts` follow them:
+    `eval.loss.row_documents`)."""
     if batch_size < 1:
         raise ConfigError(f"batch_size must be at least 1, got {batch_size}")
     count = -(-len(rows.tokens) // batch_size)

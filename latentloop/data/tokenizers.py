@@ -8,8 +8,9 @@ All share one small interface, which is all the rest of latentloop relies on:
   (fast path for big texts); `encode_in_pieces(tokenizer, text)`: the same ids as arrays, a very
   long document tokenized a few MB at a time (cut at newlines);
 - `bos_id`, `eos_id`, `pad_id`, `vocab_size`, `name`;
-- `adds_bos`: whether the tokenizer itself starts a text with BOS (latentloop's own do; an imported
-  one as `transformers` would: Llama's do, Qwen2's do not), and `as_prompt(ids)`: the ids a model
+- `adds_bos`: whether the model's prompts start with BOS, as its training did (latentloop's own
+  tokenizers do, and so does any tokenizer a model is trained with here; an imported model's as
+  `transformers` prompts it: Llama's do, Qwen2's do not), and `as_prompt(ids)`: the ids a model
   reads for a prompt, BOS first or not by that one rule. Every prompt latentloop builds (generate,
   chat, serve, eval) goes through it; the training data's documents always start with BOS (`bos_id`
   separates them, and restarts the variants' carried state);
@@ -530,11 +531,16 @@ class HFTokenizer(_ChatInterface):
       documents with an id of its own that is no end of turn (`_documents_start_id`: a Qwen2
       instruct model's `<|endoftext|>`, not its `<|im_end|>`). Without a PAD token, EOS pads (padding
       is always masked).
-    - `adds_bos`: whether the tokenizer starts a text with BOS, as `transformers` reads the folder
-      (tokenizer.json's post-processor, `_post_processor_starts_with`): Llama's do, Qwen2's do not.
-      Prompts (`as_prompt`) and chat renders follow it, so that an imported model reads what
-      `transformers` would give it. `names_bos`: whether the source names a BOS token
-      (tokenizer_config.json's `bos_token`); an export writes one back only then.
+    - `adds_bos`: whether a prompt starts with BOS. It belongs to the model, not to the tokenizer
+      file: an imported model (`from_pretrained_folder`, what `import-hf` reads) is prompted as
+      `transformers` reads the folder (tokenizer.json's post-processor, `_post_processor_starts_with`:
+      Llama's puts BOS first, Qwen2's and SmolLM2's do not), while a model latentloop trains with a
+      Hugging Face tokenizer (`load_tokenizer` of a tokenizer.json or folder) read every document
+      after BOS and is prompted so, whatever the post-processor says. Prompts (`as_prompt`) and chat
+      renders follow it. A run's tokenizer file keeps it (a file without it, written before it was
+      kept, reads True: what those runs were trained and prompted with). `names_bos`: whether the
+      source names a BOS token (tokenizer_config.json's `bos_token`); an export writes one back only
+      then (or where it puts BOS first for `adds_bos`).
     - `vocab_size`: the model's embedding rows, which may exceed the tokenizer's own ids (models pad
       their vocabulary to a multiple of 64 or 128); ids past the tokenizer never decode to text.
     - token bytes: through the byte-level alphabet for byte-level BPEs (Llama 3, Qwen2, SmolLM);
@@ -554,9 +560,11 @@ class HFTokenizer(_ChatInterface):
 
     def __init__(self, tokenizer_json: str, bos_id: int, eos_id: int, pad_id: int, vocab_size: int | None = None,
                  source: str = "<memory>", chat_template: str | None = None, stop_ids: Sequence[int] = (),
-                 names_bos: bool | None = None):
-        """`names_bos` None: as `adds_bos` (a tokenizer that puts a BOS before texts names it;
-        `from_pretrained_folder` also reads tokenizer_config.json's `bos_token`)."""
+                 names_bos: bool | None = None, adds_bos: bool | None = None):
+        """`adds_bos` None: as its tokenizer.json's post-processor (`transformers`' reading: an imported
+        model's); `load_tokenizer` gives True to a tokenizer a model is trained with here. `names_bos`
+        None: as `adds_bos` (a tokenizer that puts a BOS before texts names it; `from_pretrained_folder`
+        also reads tokenizer_config.json's `bos_token`)."""
         from tokenizers import Tokenizer
 
         try:
@@ -583,21 +591,32 @@ class HFTokenizer(_ChatInterface):
         ids = f"{bos_id},{eos_id},{pad_id},{self.vocab_size}"
         if chat_template is not None and not (isinstance(chat_template, str) and chat_template.strip()):
             raise DataError(f"tokenizer {source}: the chat template must be a non-empty string")
+        if adds_bos is not None and not isinstance(adds_bos, bool):
+            raise DataError(f"tokenizer {source}: adds_bos must be true or false, got {adds_bos!r}"[:200])
         self.chat_template = chat_template
         template = "" if chat_template is None else "\0" + chat_template  # rendered ids change with it
-        self._fingerprint = hashlib.sha256((canonical + ids + template).encode("utf-8")).hexdigest()[:16]
-        self._source = source
-        self._markup_tokenizer = None
         try:
-            self._adds_bos = _post_processor_starts_with(self._tokenizer, bos_id)
+            self._post_processor_adds_bos = _post_processor_starts_with(self._tokenizer, bos_id)
         except Exception as exc:  # the Rust side raises plain Exception: a post-processor naming a missing token
             raise DataError(f"cannot encode with tokenizer {source}: {first_line(exc)}") from None
+        self._adds_bos = self._post_processor_adds_bos if adds_bos is None else adds_bos
+        # chat renders change with it; marked only where it is not the post-processor's, so that the
+        # fingerprints (and cached data) of every tokenizer that reads as its post-processor stay as they were
+        prompts = "" if self._adds_bos == self._post_processor_adds_bos else f"\0adds_bos={self._adds_bos}"
+        self._fingerprint = hashlib.sha256((canonical + ids + template + prompts).encode("utf-8")).hexdigest()[:16]
+        self._source = source
+        self._markup_tokenizer = None
         self.names_bos = self._adds_bos if names_bos is None else names_bos
 
     @property
     def adds_bos(self) -> bool:
-        """Whether its tokenizer.json puts BOS before a text (`_post_processor_starts_with`)."""
+        """Whether a prompt starts with BOS: as the model was trained (see the class docstring)."""
         return self._adds_bos
+
+    @property
+    def post_processor_adds_bos(self) -> bool:
+        """Whether its tokenizer.json itself puts BOS before a text (`_post_processor_starts_with`)."""
+        return self._post_processor_adds_bos
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
@@ -623,7 +642,8 @@ class HFTokenizer(_ChatInterface):
         copy.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in CHAT_TOKENS])
         grown = copy.get_vocab_size(with_added_tokens=True)
         return HFTokenizer(copy.to_str(), self.bos_id, self.eos_id, self.pad_id, max(self.vocab_size, grown),
-                           source=self._source, stop_ids=self._stop_ids, names_bos=self.names_bos)
+                           source=self._source, stop_ids=self._stop_ids, names_bos=self.names_bos,
+                           adds_bos=self.adds_bos)
 
     def encode_markup(self, text: str) -> list[int]:
         """Ids of text a chat template wrote: its special tokens (`<|im_start|>`, ...) are parsed as
@@ -650,10 +670,12 @@ class HFTokenizer(_ChatInterface):
 
     @classmethod
     def from_pretrained_folder(cls, folder: str | Path, vocab_size: int | None = None,
-                               config: dict | None = None) -> HFTokenizer:
+                               config: dict | None = None, adds_bos: bool | None = None) -> HFTokenizer:
         """From a Hugging Face model folder: its tokenizer.json, and the special tokens named by
         the model's config.json (`bos_token_id`, ...), else (BOS only) by its generation_config.json,
-        else by tokenizer_config.json; a BOS named nowhere is `_documents_start_id`."""
+        else by tokenizer_config.json; a BOS named nowhere is `_documents_start_id`. `adds_bos` None:
+        prompts start with BOS as transformers prompts the folder's model (an import); `load_tokenizer`
+        passes True (a model trained here)."""
         folder = Path(folder)
         file = folder / TOKENIZER_FILE
         if not file.is_file():
@@ -699,7 +721,8 @@ class HFTokenizer(_ChatInterface):
         eos = bos if eos is None else eos
         bos_in_settings = _token_string(settings.get("bos_token")) is not None  # else: named where it adds one
         return cls(text, bos, eos, eos if pad is None else pad, vocab_size, source=str(file),
-                   chat_template=chat_template, stop_ids=end_ids, names_bos=True if bos_in_settings else None)
+                   chat_template=chat_template, stop_ids=end_ids, names_bos=True if bos_in_settings else None,
+                   adds_bos=adds_bos)
 
     @staticmethod
     def _probe(text: str, source: str):
@@ -712,12 +735,16 @@ class HFTokenizer(_ChatInterface):
 
     @classmethod
     def from_saved(cls, content: dict, source: str) -> HFTokenizer:
+        """A run folder's tokenizer file (`save`). Without `adds_bos` (written before it was kept) its
+        prompts start with BOS: what latentloop trained and prompted every model with until then."""
+        adds_bos = _saved_flag(content, "adds_bos", source)
         try:
             return cls(json.dumps(content["tokenizer"]), int(content["bos_id"]), int(content["eos_id"]),
                        int(content["pad_id"]), int(content["vocab_size"]), source=source,
                        chat_template=content.get("chat_template"),
                        stop_ids=[int(i) for i in content.get("stop_ids", [])],
-                       names_bos=_saved_flag(content, "names_bos", source))
+                       names_bos=_saved_flag(content, "names_bos", source),
+                       adds_bos=True if adds_bos is None else adds_bos)
         except (KeyError, TypeError, ValueError) as exc:
             raise DataError(f"tokenizer {source} is not a valid latentloop HF tokenizer file: {exc}") from None
 
@@ -775,6 +802,7 @@ class HFTokenizer(_ChatInterface):
         if len(self._stop_ids) > 1:
             payload["stop_ids"] = list(self._stop_ids)
         payload["names_bos"] = self.names_bos  # tokenizer_config.json's word, which the tokenizer JSON lacks
+        payload["adds_bos"] = self.adds_bos  # the model's, not the tokenizer JSON's (an import's or a training's)
         path.write_text(json.dumps(payload, ensure_ascii=False) + "\n", encoding="utf-8")
         return path
 
@@ -852,8 +880,10 @@ def write_hf_tokenizer(tokenizer, directory: str | Path, model_max_length: int |
     so: its `tokenizer.json` prepends BOS when special tokens are added (`tokenizer(text).input_ids` is
     [BOS] + `encode(text)`), as Llama's do; chat templates write their BOS themselves and transformers
     renders them without special tokens, and latentloop's own encoders never add them. A Hugging Face
-    tokenizer (an imported model's) is written back as read: its own post-processor, if any. Every one
-    pads on the left (`HF_PADDING_SIDE`), as decoder-only models decode a batch."""
+    tokenizer (an imported model's) is written back as read: its own post-processor, if any; one a model
+    was trained with here (`adds_bos` where its post-processor adds no BOS: GPT-2's, Qwen2's) gets BOS
+    first as a byte or BPE one does, since that model read every document after BOS. Every one pads on
+    the left (`HF_PADDING_SIDE`), as decoder-only models decode a batch."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     if isinstance(tokenizer, ByteTokenizer):
@@ -864,9 +894,15 @@ def write_hf_tokenizer(tokenizer, directory: str | Path, model_max_length: int |
         text = _with_bos_first(tokenizer.to_json(), names["bos"], tokenizer.bos_id)
     elif isinstance(tokenizer, HFTokenizer):
         text = tokenizer.hf_json()
-        # a BOS only where the source named one: the id a model without one separates documents with
-        # (`_documents_start_id`) is latentloop's, and transformers must not take it for the model's BOS
-        named = ("bos", "eos", "pad") if tokenizer.names_bos else ("eos", "pad")
+        bos_token = tokenizer.token_string(tokenizer.bos_id)
+        bos_first = tokenizer.adds_bos and not tokenizer.post_processor_adds_bos and bos_token is not None
+        if bos_first:
+            # a model trained here with a tokenizer whose post-processor puts no BOS first (GPT-2's, Qwen2's):
+            # it read every document after BOS, so transformers must prompt it so too, as latentloop does
+            text = _with_bos_first(text, bos_token, tokenizer.bos_id)
+        # a BOS only where the source named one (or it now goes first): the id a model without one separates
+        # documents with (`_documents_start_id`) is latentloop's, and transformers must not take it for its BOS
+        named = ("bos", "eos", "pad") if tokenizer.names_bos or bos_first else ("eos", "pad")
         names = {what: tokenizer.token_string(getattr(tokenizer, f"{what}_id")) for what in named}
     else:
         raise DataError(f"cannot write {type(tokenizer).__name__} as a Hugging Face tokenizer")
@@ -917,12 +953,14 @@ def load_tokenizer(spec: str) -> ByteTokenizer | BPETokenizer | HFTokenizer:
         if not isinstance(chat, bool):  # "yes" was read as no chat tokens, silently
             raise DataError(f"tokenizer {path}: 'chat' must be true or false, got {chat!r}"[:200])
         return ByteTokenizer(chat=chat)
-    if isinstance(content, dict) and content.get("type") == "hf":
+    if isinstance(content, dict) and content.get("type") == "hf":  # a run's: it says where BOS goes
         return HFTokenizer.from_saved(content, str(path))
     added = content.get("added_tokens") if isinstance(content, dict) else None
     if added is not None and not isinstance(added, list):  # iterating a number was a TypeError
         raise DataError(f"tokenizer {path}: 'added_tokens' must be a list, got {type(added).__name__}")
     ours = any(isinstance(token, dict) and token.get("content") == BOS_TOKEN for token in added or [])
     if not ours and (path.parent / "tokenizer_config.json").is_file():  # a pretrained model's own tokenizer
-        return HFTokenizer.from_pretrained_folder(path.parent)
+        # to train with: latentloop's documents start with BOS, so its prompts do, whatever the file's
+        # post-processor (GPT-2's, Qwen2's, SmolLM2's put none); only `import-hf` prompts as transformers
+        return HFTokenizer.from_pretrained_folder(path.parent, adds_bos=True)
     return BPETokenizer.load(path)

@@ -203,12 +203,23 @@ def _document_batches(tokens: np.ndarray, batch_size: int, seq_len: int, max_bat
         yield x, y, None, torch.from_numpy(documents.astype(np.int64))
 
 
-def row_documents(batches: Iterable[tuple], bos_id: int) -> Iterable[tuple]:
-    """Batches (x, y, loss_mask) of packed rows, whose documents (conversations) each start with BOS
-    and never span two rows, as (x, y, loss_mask, documents) for `evaluate_batches`."""
-    next_id = 0
+def row_documents(batches: Iterable[tuple], bos_id: int, starts: np.ndarray | None = None) -> Iterable[tuple]:
+    """Batches (x, y, loss_mask) of packed rows, whose documents (conversations) never span two rows,
+    as (x, y, loss_mask, documents) for `evaluate_batches`. `starts`: where each conversation starts in
+    the rows (`PackedRows.starts`: (N, seq_len + 1) bool), in the order `batches` gives the rows
+    (`masked_batches`); without them a document starts at each BOS target, which a conversation of a
+    tokenizer that puts none before it (an imported Qwen2's ChatML) does not have."""
+    next_id, first_row = 0, 0
     for x, y, mask in batches:
-        local = torch.cumsum((y == bos_id).long(), dim=1)  # (B, T): the row's document of each target
+        if starts is None:
+            opens = y == bos_id
+        else:  # target t is token t + 1 of its row; a conversation starting at token 0 is the row's document 0
+            opens = torch.from_numpy(np.asarray(starts[first_row:first_row + y.shape[0], 1:], dtype=bool))
+            if opens.shape != y.shape:
+                raise ValueError(f"row_documents: starts for rows {first_row}.. have shape {tuple(opens.shape)}, "
+                                 f"the targets {tuple(y.shape)}")
+            first_row += y.shape[0]
+        local = torch.cumsum(opens.long(), dim=1)  # (B, T): the row's document of each target
         width = int(local.max()) + 1
         yield x, y, mask, next_id + torch.arange(y.shape[0])[:, None] * width + local
         next_id += y.shape[0] * width

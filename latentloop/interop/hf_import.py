@@ -396,7 +396,9 @@ def read_hf_tokenizer(folder: Path, config: ModelConfig, hf: dict[str, Any]) -> 
         except (UnicodeDecodeError, OSError):
             raise InteropError(f"cannot read {folder / CHAT_TEMPLATE_FILE}: not UTF-8 text") from None
     try:
-        tokenizer = HFTokenizer.from_pretrained_folder(folder, vocab_size=config.vocab_size, config=hf)
+        # prompted as transformers prompts this model (BOS first only where the post-processor puts it), which
+        # the run's tokenizer file keeps (`adds_bos`); a model trained here with the same file gets BOS always
+        tokenizer = HFTokenizer.from_pretrained_folder(folder, vocab_size=config.vocab_size, config=hf, adds_bos=None)
     except DataError as exc:
         raise InteropError(str(exc)) from None
     if tokenizer.vocab_size > config.vocab_size:

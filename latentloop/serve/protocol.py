@@ -209,8 +209,11 @@ def tokenize_text(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
 
 def tokenizer_info(tokenizer, context: int) -> dict:
     """/tokenizer_info (vLLM's shape, read by lm-eval's remote tokenizer). eos_token is BOS's name:
-    documents are packed as [BOS] + text, so BOS is also what ends a text for these models (it is
-    what they predict there, and lm-eval uses this token as the context of an empty prompt)."""
+    training documents are packed as [BOS] + text, so BOS is also what ends a text for these models
+    (it is what they predict there, and lm-eval uses this token as the context of an empty prompt).
+    A prompt starts with BOS only where the tokenizer adds one (`adds_bos`: a model trained here, a
+    Llama; not an imported Qwen2), which `add_bos_token` says, as a transformers tokenizer_config does."""
     return {"tokenizer_class": type(tokenizer).__name__, "name": getattr(tokenizer, "name", None),
             "bos_token": BOS_TOKEN, "eos_token": BOS_TOKEN, "pad_token": PAD_TOKEN,
+            "add_bos_token": bool(tokenizer.adds_bos),
             "model_max_length": context, "vocab_size": tokenizer.vocab_size}
