@@ -283,6 +283,20 @@ def test_a_model_trained_here_with_a_tokenizer_that_adds_no_bos_is_prompted_with
     assert HFTokenizer.from_pretrained_folder(tmp_path / "export").adds_bos  # and imported back
 
 
+def test_a_model_trained_from_scratch_with_an_imported_runs_tokenizer_file_is_prompted_with_bos(tmp_path):
+    """`train --tokenizer runs/imported/tokenizer.json`: that file says its model reads no BOS (Qwen2's),
+    but the new model read every document after BOS: its prompts start with one (they did not)."""
+    folder = tmp_path / "hf"
+    NO_BOS_FOLDERS[next(iter(NO_BOS_FOLDERS))](folder)
+    assert main(["import-hf", str(folder), "--out", str(tmp_path / "imported")]) == 0
+    assert json.loads((tmp_path / "imported" / "tokenizer.json").read_text())["adds_bos"] is False
+    run = _train_from_scratch(tmp_path, str(tmp_path / "imported" / "tokenizer.json"))
+    _, tokenizer = ll.load(run)
+    assert tokenizer.adds_bos and tokenizer.as_prompt(tokenizer.encode(PROMPT))[0] == tokenizer.bos_id
+    _, imported = ll.load(tmp_path / "imported")  # the imported run itself keeps its own rule
+    assert not imported.adds_bos
+
+
 @pytest.mark.parametrize("kind", list(FOLDERS))
 def test_an_imported_run_keeps_its_prompts_in_its_tokenizer_file(tmp_path, kind):
     """`import-hf` writes the post-processor's word into the run's tokenizer file: the run and a copy

@@ -645,6 +645,16 @@ class HFTokenizer(_ChatInterface):
                            source=self._source, stop_ids=self._stop_ids, names_bos=self.names_bos,
                            adds_bos=self.adds_bos)
 
+    def prompting_with_bos(self) -> HFTokenizer:
+        """This tokenizer for a model trained here from scratch, whose data starts every document with
+        BOS: its prompts start with BOS too (itself when they already do). An imported run's tokenizer
+        file says its model reads none; a new model trained with that file reads one."""
+        if self.adds_bos:
+            return self
+        return HFTokenizer(self._json, self.bos_id, self.eos_id, self.pad_id, self.vocab_size, source=self._source,
+                           chat_template=self.chat_template, stop_ids=self._stop_ids, names_bos=self.names_bos,
+                           adds_bos=True)
+
     def encode_markup(self, text: str) -> list[int]:
         """Ids of text a chat template wrote: its special tokens (`<|im_start|>`, ...) are parsed as
         such, as `apply_chat_template` does; `encode` never does that for ordinary text."""

@@ -158,6 +158,10 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
     if resume and list_checkpoints(run_dir):
         together(lambda: check_resumable(resolve_checkpoint(run_dir)))  # before any data is prepared
     tokenizer = together(load_tokenizer, _run_tokenizer(run_dir) if resume else config.data.tokenizer)
+    if not resume and init_from is None and not tokenizer.adds_bos:
+        # a new model reads every document after BOS (the data's rule), whatever the file says of the
+        # model it came with (an imported run's tokenizer.json: its model reads none)
+        tokenizer = tokenizer.prompting_with_bos()
     sft = config.train.stage == "sft"
     added_ids: list[int] = []  # the token ids SFT adds (its chat tokens), whose rows start at the mean
     if sft:
