@@ -451,6 +451,12 @@ SET_BY_MACHINE = {("data", "source"), ("data", "cache_dir"), ("train", "device")
                   ("model", "bos_id")}  # where a run's data lives and what setup fills in: not defaults
 
 
+# Config fields added after the ladder's first records, each with the value that runs as the code
+# before it did: a record without the field ran as that value runs (e.g. attention_window 0, no
+# imported sliding window). Any other value, or any other field absent then, is a change.
+ADDED_AS_BEFORE = {("model", "attention_window"): 0}
+
+
 def comparable_config(config: dict[str, Any]) -> dict[str, Any]:
     """A run config without the fields that say where it ran rather than how it trained."""
     return {section: {k: v for k, v in values.items() if (section, k) not in SET_BY_MACHINE}
@@ -515,7 +521,8 @@ def stale_fields(record: dict[str, Any], planned: dict[str, dict[str, Any]] | No
     for section in sorted(set(today) | set(then)):
         for key in sorted(set(today.get(section, {})) | set(then.get(section, {}))):
             old, new = then.get(section, {}).get(key, "<absent>"), today.get(section, {}).get(key, "<absent>")
-            if old != new:
+            added_as_before = (section, key) in ADDED_AS_BEFORE and new == ADDED_AS_BEFORE[section, key]
+            if old != new and not (old == "<absent>" and added_as_before):
                 changed.append(f"{section}.{key}: {old!r} then, {new!r} now")
     precision, device = record.get("precision"), record.get("device")
     if precision is not None and device is not None:  # what today's rule picks for the run's own precision

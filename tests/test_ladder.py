@@ -293,6 +293,14 @@ def test_a_changed_default_marks_the_records_and_their_rows_stale(tiny_ladder, t
     planted["config_requested"]["train"]["muon_lr"] = 0.05
     changed = ladder.stale_fields(planted)
     assert len(changed) == 1 and changed[0].startswith("train.muon_lr: 0.05 then")
+    # a field added since, at the value that runs as the code before it did: absent then is no change
+    # (every record read "stale" when attention_window came); absent then under another value today is
+    older = json.loads(json.dumps(record))
+    del older["config_requested"]["model"]["attention_window"]
+    assert ladder.stale_fields(older) == []
+    monkeypatch.setitem(ladder.ADDED_AS_BEFORE, ("model", "attention_window"), 4096)
+    assert [c.split(":")[0] for c in ladder.stale_fields(older)] == ["model.attention_window"]
+    monkeypatch.setitem(ladder.ADDED_AS_BEFORE, ("model", "attention_window"), 0)
     # today's code changed a default the plan resolves (the decay's share)
     monkeypatch.setattr(ladder, "DECAY_FRACTION", 0.3)
     assert [c.split(":")[0] for c in ladder.stale_fields(record)] == ["train.decay_fraction"]
