@@ -338,3 +338,23 @@ class ServeProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+# A small Hugging Face model's weights made to matter in a comparison with transformers: its norm gains
+# and biases perturbed from their init, its matrices scaled (transformers' 0.02 init makes greedy
+# decoding repeat one token; ten times that gives varied ones)
+HF_RANDOM_SCALE = 0.1
+HF_WEIGHT_SCALE = 10.0
+
+
+def perturb_hf_weights(model) -> None:
+    """Perturb a transformers model's weights in place (see HF_RANDOM_SCALE / HF_WEIGHT_SCALE), drawing
+    from torch's global generator."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * HF_RANDOM_SCALE)
+            else:
+                p.mul_(HF_WEIGHT_SCALE)

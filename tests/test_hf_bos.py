@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import perturb_hf_weights
 
 import latentloop as ll
 from latentloop.cli import main
@@ -41,8 +42,6 @@ LLAMA_BOS, LLAMA_EOS = 0, 1
 TRAINING_TEXT = "hello world, the latent loop carries state forward. 12+34=46; " * 40
 TOKENIZER_VOCAB = 300
 MODEL_VOCAB = 320  # models pad their vocabulary past the tokenizer's ids
-RANDOM_SCALE = 0.1  # norm gains and biases perturbed from their init, so that they matter
-WEIGHT_SCALE = 10.0  # transformers' 0.02 init makes greedy decoding repeat one token; this gives varied ones
 NEW_TOKENS = 8
 SERVE_LIMITS = Limits(context=64, max_tokens_cap=16, max_rows=4)
 PROMPT = "hello world, the loop"
@@ -70,12 +69,7 @@ def _tokenizer_json(folder, specials: list[str], post_processor=None) -> None:
 
 def _perturbed(model):
     torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.add_(torch.randn_like(p) * RANDOM_SCALE)
-            else:
-                p.mul_(WEIGHT_SCALE)
+    perturb_hf_weights(model)
     return model.eval()
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import HF_RANDOM_SCALE, perturb_hf_weights
 
 import latentloop as ll
 from latentloop.archs import ARCHS
@@ -30,8 +31,6 @@ tokenizers = pytest.importorskip("tokenizers")
 IMPORT_TOL = 1e-4  # vs transformers (fp32): the same arithmetic in a different order
 EXACT_TOL = 1e-5  # latentloop vs its own exported code or upcycled model: the same operations
 HF_VOCAB = 320  # model vocabulary; the tokenizer below has fewer ids (models pad their vocab)
-RANDOM_SCALE = 0.1  # norm gains and biases perturbed from their init, so that they matter in the comparison
-WEIGHT_SCALE = 10.0  # transformers' 0.02 init makes greedy decoding repeat one token; 0.2 gives varied ones
 
 
 def _hf_tokenizer(folder, bos: str | None = "<s>"):
@@ -79,12 +78,7 @@ def _hf_model(kind: str, folder, shard: bool = False):
         model = MistralForCausalLM(MistralConfig(**common, bos_token_id=0, sliding_window=64))
     else:  # Qwen2: q/k/v biases, tied embeddings, no BOS token
         model = Qwen2ForCausalLM(Qwen2Config(**common, bos_token_id=None, tie_word_embeddings=True))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.add_(torch.randn_like(p) * RANDOM_SCALE)
-            else:
-                p.mul_(WEIGHT_SCALE)
+    perturb_hf_weights(model)
     model.save_pretrained(folder, max_shard_size="200KB" if shard else "5GB")
     _hf_tokenizer(folder, bos=None if kind == "qwen2" else "<s>")
     return model.eval()
@@ -99,7 +93,7 @@ def _run(folder, arch="gpt", tokenizer=None, perturb=True, **overrides):
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "gate_out.bias" not in name:
-                    p.add_(torch.randn_like(p) * RANDOM_SCALE)
+                    p.add_(torch.randn_like(p) * HF_RANDOM_SCALE)
     folder.mkdir(parents=True)
     RunConfig(model=config).save_json(folder / "config.json")
     (tokenizer or ByteTokenizer()).save(folder)
