@@ -362,35 +362,27 @@ def _fit(state: TrainState, progress: bool, max_seconds: float | None) -> dict[s
         bar.close()
         if profiler is not None:
             profiler.close()
-    def final_validation() -> tuple[dict[str, float], bool]:
-        interrupt.phase = "validating"
-        try:
-            return validate(state), False
-        except _ValidationSkipped:
-            print("latentloop: final validation skipped (Ctrl+C)" + ("" if checkpoint else "; saving"), file=sys.stderr)
-            return {}, True
-
-    def log_final() -> None:
-        if final:
-            _log(state, {"step": state.step, **{f"val_{k}": v for k, v in final.items()}})
-
     checkpoint = None
     try:  # the handler stays until the checkpoint is written: a Ctrl+C here must not lose the run
         if stopped_on_request:  # a signal's grace (torchrun's ~30 s before it kills) goes to the checkpoint first
             interrupt.phase = "saving"
             checkpoint = save(state)
-            # a Ctrl+C during that save ("it stops once the checkpoint is written") means now: no validation
-            if any_rank(interrupt.asked_while_saving, state.device):  # every process alike (collectives follow)
-                final, skipped = {}, True
-                print("latentloop: final validation skipped (Ctrl+C)", file=sys.stderr)
-            else:
-                final, skipped = final_validation()
-            interrupt.phase = "saving"  # logging the row (trackers) is waited out too
-            log_final()
-        else:
-            final, skipped = final_validation()
-            interrupt.phase = "saving"  # from here a Ctrl+C is waited out: logging the row (trackers) included
-            log_final()
+        # a Ctrl+C during that save ("it stops once the checkpoint is written") means now: no validation
+        # (every process alike: collectives follow)
+        skipped = stopped_on_request and any_rank(interrupt.asked_while_saving, state.device)
+        final: dict[str, float] = {}
+        if not skipped:
+            interrupt.phase = "validating"
+            try:
+                final = validate(state)
+            except _ValidationSkipped:
+                skipped = True
+        if skipped:
+            print("latentloop: final validation skipped (Ctrl+C)" + ("" if checkpoint else "; saving"), file=sys.stderr)
+        interrupt.phase = "saving"  # from here a Ctrl+C is waited out: logging the row (trackers) included
+        if final:
+            _log(state, {"step": state.step, **{f"val_{k}": v for k, v in final.items()}})
+        if checkpoint is None:
             checkpoint = save(state)
     finally:
         interrupt.restore()

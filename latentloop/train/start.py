@@ -235,7 +235,6 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
              f"only warms up (to {train.steps / train.warmup_steps:.0%} of its peak) and never decays; set "
              f"train.warmup_steps lower")
     if env.world_size > 1 and env.is_main:
-        train = config.train
         note(f"{env.world_size} processes ({train.strategy}, {env.backend}): global batch = {train.batch_size} "
               f"x {state.accumulation} accumulation x {env.world_size} processes = {state.global_batch} sequences "
               f"({state.global_batch * config.model.sequence_len:,} tokens) per step")

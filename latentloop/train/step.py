@@ -13,6 +13,7 @@ plan (fbt's K, rgpt's depth) and never again, through training and validation al
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -53,8 +54,13 @@ def _is_model_and_loss(module: nn.Module) -> bool:
 def _takes_draw(plan: Callable) -> bool:
     """Whether an objective's `plan` takes `draw` (added on 12-06): an objective of one's own written
     before it, `plan(step, x, loss_mask)`, keeps working, its draws the step's alone as they were.
-    (Read per micro-batch: some microseconds beside a forward and backward.)"""
-    parameters = inspect.signature(plan).parameters.values()
+    Read once per plan function, not per micro-batch (`_signature_takes_draw`)."""
+    return _signature_takes_draw(getattr(plan, "__func__", plan))
+
+
+@functools.lru_cache(maxsize=64)
+def _signature_takes_draw(function: Callable) -> bool:
+    parameters = inspect.signature(function).parameters.values()
     return any(p.name == "draw" or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in parameters)
 
 

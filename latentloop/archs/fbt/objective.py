@@ -70,8 +70,10 @@ class MultiPassObjective(Objective):
     def start(self) -> float:
         return self.model_config.start_step(self.train_config.steps)
 
-    def _rng(self, step: int) -> np.random.Generator:
-        return np.random.default_rng([self.train_config.seed, step])
+    def _rng(self, step: int, draw: int = 0) -> np.random.Generator:
+        """The host's generator of step `step`'s batch `draw` (the first batch: the step's own seed,
+        which a one-batch step has always drawn from)."""
+        return np.random.default_rng([self.train_config.seed, step] + ([draw] if draw else []))
 
     def forward_options(self, step: int) -> dict:
         """Keyword arguments every forward of optimizer step `step` adds (none here; a variant whose
@@ -98,10 +100,8 @@ class MultiPassObjective(Objective):
         if loss_mask is not None:  # SFT: the assistant's tokens are fused, in every pass
             masks = sft_fuse_mask(loss_mask) & not_bos
         elif self.model_config.prefix_mixin:  # one fresh prefix per fused pass (passes 2..K)
-            # on x's device (a CUDA generator's draws differ from the CPU's); the step's first batch keeps
-            # the seed every batch had before, so a one-batch step draws as it always did
-            seeds = self._rng(step) if draw == 0 else np.random.default_rng([self.train_config.seed, step, draw])
-            generator = torch.Generator(device=x.device).manual_seed(int(seeds.integers(2**62)))
+            # on x's device (a CUDA generator's draws differ from the CPU's)
+            generator = torch.Generator(device=x.device).manual_seed(int(self._rng(step, draw).integers(2**62)))
             masks = [document_prefix_mask(x, self.model_config.bos_id, generator) & not_bos for _ in range(K - 1)]
         return {**plan, "fuse_mask": masks}
 
