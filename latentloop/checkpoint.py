@@ -526,6 +526,37 @@ def check_tokenizer_fits(tokenizer: Any, config: ModelConfig, tokenizer_file: Pa
                               f"with {config.bos_id}: it is not the tokenizer this model was trained with")
 
 
+def imported_from(checkpoint: Path) -> str | None:
+    """Where `latentloop import-hf` read this checkpoint's model from (its state.json's `imported_from`),
+    or None: a checkpoint latentloop trained, or one whose state.json does not read."""
+    try:
+        source = json.loads((checkpoint / "state.json").read_text(encoding="utf-8")).get("imported_from")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError, RecursionError):
+        return None
+    return source if isinstance(source, str) else None
+
+
+def prompting_as_its_model(tokenizer: Any, checkpoint: Path) -> Any:
+    """`tokenizer` prompting as the checkpoint's model reads prompts. A tokenizer file written before
+    it recorded whether prompts start with BOS (`adds_bos`, kept since 2026-12-06) reads as BOS-first,
+    which transformers does not do for Qwen2 or SmolLM2: with an imported checkpoint it prompts as
+    `import-hf` reads it now (the file's post-processor). Any other tokenizer is returned as it is."""
+    if not getattr(tokenizer, "adds_bos_recorded", True) and imported_from(checkpoint) is not None:
+        return tokenizer.prompting_as_imported()
+    return tokenizer
+
+
+def load_run_tokenizer(checkpoint: Path, config: ModelConfig) -> Any:
+    """The tokenizer of a checkpoint (`find_tokenizer_file`), checked to fit its model, prompting as
+    that model reads prompts (`prompting_as_its_model`)."""
+    from .data.tokenizers import load_tokenizer
+
+    tokenizer_file = find_tokenizer_file(checkpoint)
+    tokenizer = load_tokenizer(str(tokenizer_file))
+    check_tokenizer_fits(tokenizer, config, tokenizer_file)
+    return prompting_as_its_model(tokenizer, checkpoint)
+
+
 # The head: a linear map onto the vocabulary, one row per token id (absent when tied to the embedding).
 HEAD = "lm_head.weight"
 

@@ -27,10 +27,9 @@ from .checkpoint import (
     add_checksum,
     check_full_weights,
     check_sharded,
-    check_tokenizer_fits,
     check_weights_finite,
-    find_tokenizer_file,
     fsync_dir,
+    load_run_tokenizer,
     load_sharded_state,
     load_weights,
     read_run_config,
@@ -41,7 +40,6 @@ from .checkpoint import (
 from .checkpoint import check_weights_fit as _check_weights_fit
 from .checkpoint import expected_shapes as _expected_shapes
 from .config import ModelConfig, RunConfig
-from .data import load_tokenizer
 from .errors import CheckpointError, ConfigError, OutputError
 from .util import first_line, give_default_mode
 
@@ -73,9 +71,7 @@ def load_run(path: str | Path, device: str | torch.device = "cpu",
     check_full_weights(checkpoint)
     config = read_run_config(checkpoint)
     config.data.cache_dir = ""  # a folder on the machine that trained the run, not one to write into here
-    tokenizer_file = find_tokenizer_file(checkpoint)
-    tokenizer = load_tokenizer(str(tokenizer_file))
-    check_tokenizer_fits(tokenizer, config.model, tokenizer_file)
+    tokenizer = load_run_tokenizer(checkpoint, config.model)
     weights = read_weights(checkpoint)  # checked against its checksum and for NaN / inf: the file's size, once
     check_weights_fit(config.model, checkpoint, {name: tuple(t.shape) for name, t in weights.items()})
     model = build_model(config.model)

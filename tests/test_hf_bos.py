@@ -16,6 +16,7 @@ import torch
 from conftest import perturb_hf_weights
 
 import latentloop as ll
+from latentloop.checkpoint import add_checksum
 from latentloop.cli import main
 from latentloop.data import HFTokenizer, load_tokenizer, write_hf_tokenizer
 from latentloop.data.chat import render_conversation, render_prompt
@@ -329,6 +330,45 @@ def test_a_run_tokenizer_file_without_adds_bos_prompts_with_bos(tmp_path):
     path.write_text(json.dumps(content))
     with pytest.raises(DataError, match="adds_bos"):
         load_tokenizer(str(path))
+
+
+def _as_written_before_adds_bos_was_kept(run) -> None:
+    """A run's tokenizer files (its folder's, and each checkpoint's checksummed copy, which loading
+    reads first) as latentloop wrote them before 2026-12-06: no `adds_bos`, no `names_bos`."""
+    for path in [run / "tokenizer.json", *run.glob("checkpoints/*/tokenizer.json")]:
+        content = json.loads(path.read_text())
+        for key in ("adds_bos", "names_bos"):
+            content.pop(key)
+        path.write_text(json.dumps(content))
+        if path.parent != run:
+            add_checksum(path.parent, path.name)
+
+
+def test_a_run_imported_before_adds_bos_was_kept_prompts_as_transformers(tmp_path):
+    """A Qwen2 instruct model imported before the run's tokenizer file kept `adds_bos` read as BOS-first
+    (the rule for runs latentloop trained), which transformers never does for it: a checkpoint whose
+    state.json says `imported_from` is prompted as `import-hf` reads it now, through `ll.load`, export
+    and `train --init-from` (whose new tokenizer file records it); a run trained here keeps BOS."""
+    folder = tmp_path / "hf"
+    _qwen2_instruct_folder(folder)
+    assert main(["import-hf", str(folder), "--out", str(tmp_path / "run")]) == 0
+    _as_written_before_adds_bos_was_kept(tmp_path / "run")
+    expected = transformers.AutoTokenizer.from_pretrained(str(folder))(PROMPT).input_ids
+    _, tokenizer = ll.load(tmp_path / "run")
+    assert not tokenizer.adds_bos and tokenizer.as_prompt(tokenizer.encode(PROMPT)) == expected
+    export_hf(tmp_path / "run", tmp_path / "export")
+    exported = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "export"))
+    assert exported(PROMPT).input_ids == expected
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TRAINING_TEXT * 4)
+    assert main(["train", "--init-from", str(tmp_path / "run"), "--data", f"text:{corpus}", "--steps", "1",
+                 "--batch-size", "2", "--set", "sequence_len=32", "--set", "eval_every=0", "--out",
+                 str(tmp_path / "tuned"), "--no-progress"]) == 0
+    assert json.loads((tmp_path / "tuned" / "tokenizer.json").read_text())["adds_bos"] is False
+    scratch = _train_from_scratch(tmp_path, str(tmp_path / "run" / "tokenizer.json"))
+    _as_written_before_adds_bos_was_kept(scratch)  # no `imported_from`: trained here, read after BOS
+    _, trained_here = ll.load(scratch)
+    assert trained_here.adds_bos and trained_here.as_prompt(trained_here.encode(PROMPT))[0] == trained_here.bos_id
 
 
 def test_adds_bos_is_the_models_and_chat_copies_keep_it(tmp_path):

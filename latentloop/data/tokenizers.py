@@ -607,6 +607,8 @@ class HFTokenizer(_ChatInterface):
         self._source = source
         self._markup_tokenizer = None
         self.names_bos = self._adds_bos if names_bos is None else names_bos
+        # False only for a run's tokenizer file written before it kept `adds_bos` (`from_saved`)
+        self.adds_bos_recorded = True
 
     @property
     def adds_bos(self) -> bool:
@@ -644,6 +646,16 @@ class HFTokenizer(_ChatInterface):
         return HFTokenizer(copy.to_str(), self.bos_id, self.eos_id, self.pad_id, max(self.vocab_size, grown),
                            source=self._source, stop_ids=self._stop_ids, names_bos=self.names_bos,
                            adds_bos=self.adds_bos)
+
+    def prompting_as_imported(self) -> HFTokenizer:
+        """This tokenizer prompting as `transformers` reads its file (BOS first only where the
+        post-processor puts one), as `import-hf` reads an imported model's (itself when it already does):
+        for a run imported before its tokenizer file recorded `adds_bos` (`checkpoint.load_run_tokenizer`)."""
+        if self.adds_bos == self.post_processor_adds_bos:
+            return self
+        return HFTokenizer(self._json, self.bos_id, self.eos_id, self.pad_id, self.vocab_size, source=self._source,
+                           chat_template=self.chat_template, stop_ids=self._stop_ids, names_bos=self.names_bos,
+                           adds_bos=self.post_processor_adds_bos)
 
     def prompting_with_bos(self) -> HFTokenizer:
         """This tokenizer for a model trained here from scratch, whose data starts every document with
@@ -749,14 +761,16 @@ class HFTokenizer(_ChatInterface):
         prompts start with BOS: what latentloop trained and prompted every model with until then."""
         adds_bos = _saved_flag(content, "adds_bos", source)
         try:
-            return cls(json.dumps(content["tokenizer"]), int(content["bos_id"]), int(content["eos_id"]),
-                       int(content["pad_id"]), int(content["vocab_size"]), source=source,
-                       chat_template=content.get("chat_template"),
-                       stop_ids=[int(i) for i in content.get("stop_ids", [])],
-                       names_bos=_saved_flag(content, "names_bos", source),
-                       adds_bos=True if adds_bos is None else adds_bos)
+            tokenizer = cls(json.dumps(content["tokenizer"]), int(content["bos_id"]), int(content["eos_id"]),
+                            int(content["pad_id"]), int(content["vocab_size"]), source=source,
+                            chat_template=content.get("chat_template"),
+                            stop_ids=[int(i) for i in content.get("stop_ids", [])],
+                            names_bos=_saved_flag(content, "names_bos", source),
+                            adds_bos=True if adds_bos is None else adds_bos)
         except (KeyError, TypeError, ValueError) as exc:
             raise DataError(f"tokenizer {source} is not a valid latentloop HF tokenizer file: {exc}") from None
+        tokenizer.adds_bos_recorded = adds_bos is not None
+        return tokenizer
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids

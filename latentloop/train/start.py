@@ -10,7 +10,15 @@ from pathlib import Path
 import torch
 
 from ..archs import build_model, build_objective, get_arch
-from ..checkpoint import LOCK_FILE, RunLock, check_resumable, find_tokenizer_file, list_checkpoints, resolve_checkpoint
+from ..checkpoint import (
+    LOCK_FILE,
+    RunLock,
+    check_resumable,
+    find_tokenizer_file,
+    list_checkpoints,
+    prompting_as_its_model,
+    resolve_checkpoint,
+)
 from ..config import RunConfig
 from ..data import TokenLoader, load_tokenizer
 from ..data.chat import ChatLoader, prepare_chat
@@ -158,7 +166,9 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
     if resume and list_checkpoints(run_dir):
         together(lambda: check_resumable(resolve_checkpoint(run_dir)))  # before any data is prepared
     tokenizer = together(load_tokenizer, _run_tokenizer(run_dir) if resume else config.data.tokenizer)
-    if not resume and init_from is None and not tokenizer.adds_bos:
+    if init_from is not None:  # an imported run saved before its tokenizer file said how it prompts
+        tokenizer = together(lambda: prompting_as_its_model(tokenizer, resolve_checkpoint(init_from)))
+    elif not resume and not tokenizer.adds_bos:
         # a new model reads every document after BOS (the data's rule), whatever the file says of the
         # model it came with (an imported run's tokenizer.json: its model reads none)
         tokenizer = tokenizer.prompting_with_bos()
