@@ -275,6 +275,9 @@ def test_a_model_trained_here_with_a_tokenizer_that_adds_no_bos_is_prompted_with
     write_hf_tokenizer(tokenizer, tmp_path / "export")  # transformers prompts the exported model so too
     exported = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "export"))
     assert exported(PROMPT).input_ids == [bos, *tokenizer.encode(PROMPT)]
+    if tokenizer.chat_template is not None:  # its own template writes no BOS: the exported one starts with it
+        assert _chat_ids(exported, CONVERSATION, False) == render_conversation(tokenizer, CONVERSATION)[0]
+        assert _chat_ids(exported, CONVERSATION[:2], True) == render_prompt(tokenizer, CONVERSATION[:2])
     assert HFTokenizer.from_pretrained_folder(tmp_path / "export").adds_bos  # and imported back
 
 

@@ -896,6 +896,25 @@ def _with_bos_first(text: str, bos: str, bos_id: int) -> str:
 HF_PADDING_SIDE = "left"  # where an exported tokenizer pads a batch (`tokenizer(texts, padding=True)`)
 
 
+# What an exported chat template starts with where the model reads BOS first but its template writes none
+BOS_TEMPLATE_PREFIX = "{{ bos_token }}"
+
+
+def _template_gets_bos(tokenizer: HFTokenizer, bos_token: str | None) -> str | None:
+    """How an exported chat template starts a conversation with BOS where latentloop's renders do
+    (`adds_bos`: `as_prompt` puts one before a render that has none, while `apply_chat_template` adds
+    no special tokens): "written" when the template writes it itself (given the BOS token's name, as the
+    export names it), "added" when it needs `BOS_TEMPLATE_PREFIX`; None for a model prompted without
+    BOS, or a tokenizer without a template or a BOS token string."""
+    if tokenizer.chat_template is None or not tokenizer.adds_bos or bos_token is None:
+        return None
+    from latentloop.data.chat import PROBE_CONVERSATION, _template_context, render_template
+
+    context = {**_template_context(tokenizer, list(PROBE_CONVERSATION[:1]), True), "bos_token": bos_token}
+    written = tokenizer.encode_markup(render_template(tokenizer.chat_template, context))[:1] == [tokenizer.bos_id]
+    return "written" if written else "added"
+
+
 def write_hf_tokenizer(tokenizer, directory: str | Path, model_max_length: int | None = None) -> list[Path]:
     """Write `tokenizer.json` and `tokenizer_config.json` that Hugging Face's `AutoTokenizer` loads
     (a fast tokenizer; the special tokens named as the model's config names their ids).
@@ -906,10 +925,12 @@ def write_hf_tokenizer(tokenizer, directory: str | Path, model_max_length: int |
     renders them without special tokens, and latentloop's own encoders never add them. A Hugging Face
     tokenizer (an imported model's) is written back as read: its own post-processor, if any; one a model
     was trained with here (`adds_bos` where its post-processor adds no BOS: GPT-2's, Qwen2's) gets BOS
-    first as a byte or BPE one does, since that model read every document after BOS. Every one pads on
-    the left (`HF_PADDING_SIDE`), as decoder-only models decode a batch."""
+    first as a byte or BPE one does, since that model read every document after BOS, and its own chat
+    template, where it writes no BOS, starts with one (`_template_gets_bos`). Every one pads on the left
+    (`HF_PADDING_SIDE`), as decoder-only models decode a batch."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    template_bos = None  # latentloop's own formats write their BOS themselves
     if isinstance(tokenizer, ByteTokenizer):
         names = dict(zip(("bos", "eos", "pad"), SPECIAL_TOKENS))
         text = _with_bos_first(_byte_tokenizer_json(chat=tokenizer.chat), names["bos"], tokenizer.bos_id)
@@ -926,7 +947,8 @@ def write_hf_tokenizer(tokenizer, directory: str | Path, model_max_length: int |
             text = _with_bos_first(text, bos_token, tokenizer.bos_id)
         # a BOS only where the source named one (or it now goes first): the id a model without one separates
         # documents with (`_documents_start_id`) is latentloop's, and transformers must not take it for its BOS
-        named = ("bos", "eos", "pad") if tokenizer.names_bos or bos_first else ("eos", "pad")
+        template_bos = _template_gets_bos(tokenizer, bos_token)
+        named = ("bos", "eos", "pad") if tokenizer.names_bos or bos_first or template_bos else ("eos", "pad")
         names = {what: tokenizer.token_string(getattr(tokenizer, f"{what}_id")) for what in named}
     else:
         raise DataError(f"cannot write {type(tokenizer).__name__} as a Hugging Face tokenizer")
@@ -938,9 +960,9 @@ def write_hf_tokenizer(tokenizer, directory: str | Path, model_max_length: int |
                 **{f"{what}_token": name for what, name in names.items() if name is not None}}
     if model_max_length is not None:
         settings["model_max_length"] = model_max_length
-    own_template = getattr(tokenizer, "chat_template", None)  # written back as read: not rendered here
+    own_template = getattr(tokenizer, "chat_template", None)  # written back as read, but for a BOS it lacks
     if own_template is not None:
-        settings["chat_template"] = own_template
+        settings["chat_template"] = (BOS_TEMPLATE_PREFIX if template_bos == "added" else "") + own_template
     elif tokenizer.chat_tokens is not None:  # latentloop's format, as a template
         settings["chat_template"] = CHAT_TEMPLATE
     (directory / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
