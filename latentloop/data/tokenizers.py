@@ -538,7 +538,8 @@ class HFTokenizer(_ChatInterface):
       Hugging Face tokenizer (`load_tokenizer` of a tokenizer.json or folder) read every document
       after BOS and is prompted so, whatever the post-processor says. Prompts (`as_prompt`) and chat
       renders follow it. A run's tokenizer file keeps it (a file without it, written before it was
-      kept, reads True: what those runs were trained and prompted with). `names_bos`: whether the
+      kept, reads True: what those runs were trained and prompted with; in a run `import-hf` made,
+      the post-processor's word, `checkpoint.prompting_as_its_model`). `names_bos`: whether the
       source names a BOS token (tokenizer_config.json's `bos_token`); an export writes one back only
       then (or where it puts BOS first for `adds_bos`).
     - `vocab_size`: the model's embedding rows, which may exceed the tokenizer's own ids (models pad
