@@ -61,7 +61,8 @@ from .util import first_line
 
 __all__ = ["SHARDED_DIR", "any_rank", "apply_activation_checkpointing", "compiles_whole_model", "full_weights",
            "gather_objects", "grad_norm", "gradient_sync", "load_full_optimizer_states", "load_full_weights",
-           "load_sharded", "mean_across_ranks", "micro_batch_shares", "save_sharded", "wrap_model"]
+           "load_sharded", "mean_across_ranks", "micro_batch_shares", "micro_batch_term_shares", "save_sharded",
+           "wrap_model"]
 
 
 def _checkpointed(module: nn.Module) -> None:
@@ -229,6 +230,20 @@ def micro_batch_shares(target_counts: list[int], device: torch.device) -> list[f
     dist.all_reduce(total)
     per_target = world / total.clamp(min=1).to(torch.float32)
     return [count * per_target for count in target_counts]
+
+
+def micro_batch_term_shares(term_counts: list[list[int]], device: torch.device) -> Tensor:
+    """(micro-batches, terms): `micro_batch_shares` for a loss that is a sum of means over different
+    subsets of a step's trained targets (an objective's `target_terms`: lrt's init pass over every
+    column and its column subsets): each micro-batch's targets of each term over that term's in the
+    whole step, over every process, times the processes. On the device (an input of the compiled
+    step, never a number it specialises on); the totals are one reduction over the processes."""
+    counts = torch.tensor(term_counts, dtype=torch.int64, device=device)  # (M, K)
+    totals = counts.sum(dim=0)
+    world = current_dist().world_size
+    if world > 1:
+        dist.all_reduce(totals)
+    return counts.to(torch.float32) * world / totals.clamp(min=1).to(torch.float32)
 
 
 def any_rank(flag: bool, device: torch.device) -> bool:

@@ -199,11 +199,14 @@ def test_a_two_process_run_logs_once_with_the_global_batch(ddp_runs):
     assert (state["world_size"], state["global_batch"], state["strategy"]) == (WORLD, 2 * WORLD, "ddp")
 
 
-def test_sft_on_two_processes_equals_one_process_with_twice_the_accumulation(corpus, tmp_path):
+# lrt: its loss terms weighed by their shares of the step's targets over the processes (slow: one torchrun
+# job more; the reduction is the one gpt's single share takes)
+@pytest.mark.parametrize("arch", ["gpt", pytest.param("lrt", marks=pytest.mark.slow)])
+def test_sft_on_two_processes_equals_one_process_with_twice_the_accumulation(corpus, tmp_path, arch):
     """The SFT stage shards its packed conversation rows by rank as pretraining shards windows:
     two processes train on exactly the rows (and masks) one process sees in two micro-batches."""
     base = tmp_path / "base"
-    fit(setup(dist_workers.run_config("gpt", corpus, "none", steps=1), base, progress=False), progress=False)
+    fit(setup(dist_workers.run_config(arch, corpus, "none", steps=1), base, progress=False), progress=False)
     context = _start(dist_workers.sft, str(base), str(tmp_path))
     reference = setup(dist_workers.sft_config(str(base), "none", grad_accum=WORLD), tmp_path / "sft-one",
                       progress=False, init_from=base)
@@ -212,7 +215,7 @@ def test_sft_on_two_processes_equals_one_process_with_twice_the_accumulation(cor
     losses = [row["loss"] for row in reference.history if "loss" in row]
     assert len(losses) == 3
     _assert_same_run(json.loads((tmp_path / "sft-ddp.json").read_text()),
-                     (losses, _final_weights(summary["checkpoint"])), "gpt sft")
+                     (losses, _final_weights(summary["checkpoint"])), f"{arch} sft")
 
 
 def _fsdp2_on_gloo() -> str | None:

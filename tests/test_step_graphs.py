@@ -46,7 +46,7 @@ def flex_on_cpu(monkeypatch):
     monkeypatch.setattr(flex, "_masks", {})
 
 
-def _training(arch: str, compile_: bool, objective_class=None, **train):
+def _training(arch: str, compile_: bool, objective_class=None, masked: bool = False, **train):
     torch.manual_seed(0)
     model = ll.build(arch, preset="test", sequence_len=SEQ_LEN).train()
     config = TrainConfig(**{"steps": 100, "batch_size": BATCH, "device": "cpu", "dtype": "float32", "compile": compile_,
@@ -59,7 +59,10 @@ def _training(arch: str, compile_: bool, objective_class=None, **train):
 
     def batch():
         data = torch.randint(0, model.config.vocab_size, (BATCH, SEQ_LEN + 1), generator=generator)
-        return data[:, :-1], data[:, 1:]
+        if not masked:
+            return data[:, :-1], data[:, 1:]
+        reply_starts = torch.randint(1, SEQ_LEN, (BATCH, 1), generator=generator)  # SFT: each row's reply
+        return data[:, :-1], data[:, 1:], torch.arange(SEQ_LEN) >= reply_starts
 
     return model, forward, objective, optimizers, config, batch
 
@@ -92,7 +95,7 @@ def recording_backend(monkeypatch):
     return _recorded
 
 
-def step_graph_report(arch: str, objective_class=None, backend: str = "eager", **train) -> dict:
+def step_graph_report(arch: str, objective_class=None, backend: str = "eager", masked: bool = False, **train) -> dict:
     """Two rounds of the same optimizer steps, compiled, each step followed by validation: the
     graph breaks, the frames dynamo compiled and the graphs it made in each round, and how many
     kinds of forward (objective.forward_mix) the steps ran."""
@@ -100,7 +103,7 @@ def step_graph_report(arch: str, objective_class=None, backend: str = "eager", *
 
     torch._dynamo.reset()
     counters.clear()
-    model, forward, objective, optimizers, config, batch = _training(arch, True, objective_class,
+    model, forward, objective, optimizers, config, batch = _training(arch, True, objective_class, masked,
                                                                      compile_backend=backend, **train)
     guard = FiniteGuard(CPU)
     graphs, in_steps = [], 0
@@ -179,6 +182,13 @@ def host_reads_per_step(arch: str, objective_class=None) -> int:
         with _counting_reads() as counted:
             train_step(model, forward, objective, batch, 1, optimizers, config, CPU, guard)
     return counted.reads
+
+
+def test_a_compiled_sft_step_of_lrt_weighs_its_loss_terms_in_the_same_graphs(flex_on_cpu):
+    """Under SFT's loss masks (another reply length every step) lrt's loss terms are weighed by the
+    step's shares (`Objective.target_terms`), handed to the compiled step as a tensor: no graph break,
+    and no step compiles anything a step before it did not (a share as a number would recompile)."""
+    _assert_one_graph_per_kind(step_graph_report("lrt", masked=True, grad_accum=2))
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))

@@ -130,6 +130,16 @@ class Objective:
     def loss(self, model: nn.Module, x: Tensor, y: Tensor, loss_mask: Tensor | None = None, **plan) -> LossResult:
         raise NotImplementedError
 
+    def target_terms(self, y: Tensor, loss_mask: Tensor) -> list[int] | None:
+        """For a masked loss that is a sum of means over different subsets of the targets (lrt's column
+        subsets): each term's count of trained targets in this micro-batch, on the host. The trainer
+        then gives `loss` `term_shares`, (terms,) on the device: each term's share of the step's
+        trained targets of that term (`parallel.micro_batch_term_shares`), and `loss` returns its loss
+        and float metrics already weighed by them (the trainer adds them up), so that a step of several
+        micro-batches or processes gives one batch's loss and gradients. None (the default): a single
+        mean over the batch's trained targets, which the trainer weighs by the micro-batch's share."""
+        return None
+
     def forward_mix(self, step: int | None = None) -> list[tuple[float, dict]]:
         """The forwards one optimizer step runs, as (weight, forward keyword arguments); with
         `step` None, the average over the run (e.g. over the drawn pass counts)."""

@@ -26,7 +26,14 @@ from ..errors import NonFiniteError, OutputError
 from ..eval.loss import evaluate_batches, evaluate_loss
 from ..objectives import IGNORE_INDEX, Objective
 from ..optim import lr_multiplier, set_lr
-from ..parallel import any_rank, grad_norm, gradient_sync, mean_across_ranks, micro_batch_shares
+from ..parallel import (
+    any_rank,
+    grad_norm,
+    gradient_sync,
+    mean_across_ranks,
+    micro_batch_shares,
+    micro_batch_term_shares,
+)
 from ..runtime import autocast_for, resolve_dtype
 from .profile import OPTIMIZER_RANGE, open_profiler
 from .resume import save
@@ -130,17 +137,23 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=True)
 
 
-def _weighing(batches: list[tuple[torch.Tensor, ...]], accumulate: int, device: torch.device
-              ) -> Callable[[torch.Tensor, int], torch.Tensor]:
-    """How micro-batch m's loss (and metrics) weigh in the step: divided by `accumulate` where every
-    loss is a mean over its whole batch (the micro-batches count alike: the division it always was);
-    with loss masks, times its share of the step's trained targets (`micro_batch_shares`), as a mean
-    per micro-batch weighed equally would weigh a token by how few others its micro-batch trained on."""
+def _weighing(batches: list[tuple[torch.Tensor, ...]], accumulate: int, device: torch.device, objective: Objective
+              ) -> tuple[Callable[[torch.Tensor, int], torch.Tensor], torch.Tensor | None]:
+    """How micro-batch m's loss (and metrics) weigh in the step, and the loss terms' shares the
+    objective weighs them by itself (None: it does not): divided by `accumulate` where every loss is
+    a mean over its whole batch (the micro-batches count alike: the division it always was); with loss
+    masks, times its share of the step's trained targets (`micro_batch_shares`), as a mean per
+    micro-batch weighed equally would weigh a token by how few others its micro-batch trained on; for
+    an objective whose loss is a sum of means over different targets (`Objective.target_terms`), each
+    term by its own share (`micro_batch_term_shares`), applied by the objective, and summed here."""
     if not any(len(batch) > 2 for batch in batches):
-        return lambda value, micro: value / accumulate
+        return (lambda value, micro: value / accumulate), None
+    terms = [objective.target_terms(batch[1], batch[2]) if len(batch) > 2 else None for batch in batches]
+    if all(counts is not None for counts in terms):
+        return (lambda value, micro: value), micro_batch_term_shares(terms, device)
     counts = [int(batch[2].sum()) if len(batch) > 2 else int((batch[1] != IGNORE_INDEX).sum()) for batch in batches]
     shares = micro_batch_shares(counts, device)
-    return lambda value, micro: value * shares[micro]
+    return (lambda value, micro: value * shares[micro]), None
 
 
 def train_step(model: nn.Module, forward_model: nn.Module, objective: Objective,
@@ -151,7 +164,7 @@ def train_step(model: nn.Module, forward_model: nn.Module, objective: Objective,
     (default `train.grad_accum`; each `next_batch()` -> x, y[, loss mask]) through the objective
     under the run's autocast (`forward_model`: the model, or the trainer's model-and-loss, compiled
     or wrapped, see `train.step`), each loss backward scaled by its micro-batch's share (1 / accumulate;
-    with loss masks, its share of the step's trained targets over every process: `micro_batch_shares`),
+    with loss masks, its share of the step's trained targets over every process: `_weighing`),
     the loss and the objective's float metrics weighed alike over micro-batches and processes, the loss checked, the
     gradient norm clipped and checked (a non-finite one raises before the optimizer touches the
     weights, on the CPU), then every optimizer's step. Nothing is read back from the device (on
@@ -162,7 +175,7 @@ def train_step(model: nn.Module, forward_model: nn.Module, objective: Objective,
     env = current_dist()
     # the step's batches drawn first: a masked step weighs each micro-batch by its share of the targets
     batches = [next_batch() for _ in range(accumulate)]  # each x, y[, loss mask] (sft batches carry the mask)
-    weigh = _weighing(batches, accumulate, device)
+    weigh, term_shares = _weighing(batches, accumulate, device, objective)
     loss_sum, metrics = None, {}
     averaged: dict[str, torch.Tensor] = {}  # the objective's float metrics, weighed over micro-batches as the loss
     for micro, (x, y, *rest) in enumerate(batches):
@@ -173,7 +186,8 @@ def train_step(model: nn.Module, forward_model: nn.Module, objective: Objective,
             # process r of W the global batch micro x W + r): fbt's prefixes are drawn per batch
             draw = micro * env.world_size + env.rank
             with autocast_for(device, train.dtype):
-                loss, reported, metrics = micro_batch_loss(forward_model, objective, x, y, mask, step, draw)
+                loss, reported, metrics = micro_batch_loss(forward_model, objective, x, y, mask, step, draw,
+                                                           None if term_shares is None else term_shares[micro])
             weigh(loss, micro).backward()
         reported = weigh(reported.float(), micro)
         loss_sum = reported if loss_sum is None else loss_sum + reported

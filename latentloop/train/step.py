@@ -65,13 +65,17 @@ def _signature_takes_draw(function: Callable) -> bool:
 
 
 def micro_batch_loss(forward_model: nn.Module, objective: Objective, x: Tensor, y: Tensor,
-                     loss_mask: Tensor | None, step: int, draw: int = 0) -> tuple[Tensor, Tensor, dict[str, Any]]:
+                     loss_mask: Tensor | None, step: int, draw: int = 0, term_shares: Tensor | None = None
+                     ) -> tuple[Tensor, Tensor, dict[str, Any]]:
     """One micro-batch's (loss, reported loss, metrics) at optimizer step `step`, the step's batch
     `draw` over its micro-batches and processes: the objective's plan drawn here, on the host, then
     the loss through `forward_model`, a `ModelAndLoss` (possibly compiled or wrapped by DDP) or a
-    plain model (eager, or compiled by itself)."""
+    plain model (eager, or compiled by itself). `term_shares`: the loss terms' shares of the step's
+    targets (`Objective.target_terms`), which the loss then weighs itself by."""
     drawn = (draw,) if _takes_draw(objective.plan) else ()
     plan = objective.plan(step, x, loss_mask, *drawn)
+    if term_shares is not None:
+        plan = {**plan, "term_shares": term_shares}
     if _is_model_and_loss(forward_model):
         return forward_model(x, y, loss_mask, plan)
     result = objective.loss(forward_model, x, y, loss_mask, **plan)

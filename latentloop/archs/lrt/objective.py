@@ -19,7 +19,19 @@ from ...objectives.base import LossResult, Objective, token_cross_entropy
 class LRTObjective(Objective):
     name = "lrt_recurrence"
 
-    def loss(self, model: nn.Module, x: Tensor, y: Tensor, loss_mask: Tensor | None = None, **plan) -> LossResult:
+    def target_terms(self, y: Tensor, loss_mask: Tensor) -> list[int] | None:
+        """Interleaved: each term's trained targets (the init pass's over every column, subset i's over
+        its own), so that micro-batches weigh each term's tokens as one batch's mean does; the other
+        procedures' terms all cover every column (one share per micro-batch serves)."""
+        if self.model_config.recurrence != "interleaved":
+            return None
+        subsets = min(self.model_config.subsets, loss_mask.shape[1])
+        return [int(loss_mask.sum())] + [int(loss_mask[:, i::self.model_config.subsets].sum()) for i in range(subsets)]
+
+    def loss(self, model: nn.Module, x: Tensor, y: Tensor, loss_mask: Tensor | None = None,
+             term_shares: Tensor | None = None, **plan) -> LossResult:
+        """`term_shares` (terms,): the trainer's weighing of each term over the step's micro-batches
+        (`target_terms`); the loss and the metrics come back weighed by them."""
         recurrence = self.model_config.recurrence
         out = model(x, recurrence=recurrence)
         if recurrence == "interleaved":  # each term over its own columns, masked by theirs
@@ -30,6 +42,8 @@ class LRTObjective(Objective):
             losses = [token_cross_entropy(logits, y, mask=loss_mask) for logits in out.pass_logits]
         else:
             losses = [token_cross_entropy(out.logits, y, mask=loss_mask)]
+        if term_shares is not None:
+            losses = [term * share for term, share in zip(losses, term_shares.unbind())]
         loss = sum(losses) / len(losses)
         return LossResult(loss, {"loss_init": losses[0].detach(), "loss_final": losses[-1].detach()}
                           if len(losses) > 1 else {})
