@@ -4,7 +4,9 @@ For each corpus, optimizer and size, gpt's decayed points give its BPB against t
 against tokens. `ReferenceCurve` fits them with a power law with an irreducible term,
 BPB = E + A x^(-alpha), by least squares on log BPB, where that fit is stable (converged, 0 < alpha
 <= 2, 0 <= E < the lowest BPB seen, root mean square residual of log BPB <= `STABLE_RMS`), and
-otherwise interpolates the seed-mean log BPB piecewise-linearly in log x. Either is inverted to the
+otherwise interpolates the seed-mean log BPB piecewise-linearly in log x; within one cell every
+seed's curve is of one method (the power law only where it is stable for every seed: the second
+amendment, experiments/logs/2026-12-06-ladder-rules-one-curve-method.md). Either is inverted to the
 x gpt needs to reach a BPB; neither goes past a factor `EXTRAPOLATION` beyond gpt's measured x, and a
 BPB outside that gives a bound.
 
@@ -427,10 +429,22 @@ def _seed_table(points: Sequence[Point], axis: str) -> dict[int, list[tuple[floa
     return table
 
 
-def _curve_from(table: dict[int, list[tuple[float, float, int]]], seeds: Sequence[int]) -> ReferenceCurve:
+def _curve_from(table: dict[int, list[tuple[float, float, int]]], seeds: Sequence[int],
+                method: str | None = None) -> ReferenceCurve:
     rows = [row for s in seeds for row in table[s]]
     return ReferenceCurve.build(np.array([r[0] for r in rows]), np.array([r[1] for r in rows]),
-                                np.array([r[2] for r in rows]))
+                                np.array([r[2] for r in rows]), method)
+
+
+def _curves_of_one_method(table: dict[int, list[tuple[float, float, int]]],
+                          groups: Sequence[tuple[int, ...]]) -> dict[tuple[int, ...], ReferenceCurve]:
+    """gpt's curve from each group of seeds' points, all by one method (the second amendment, 12-06):
+    the power law where it is stable for every group, else the interpolation for every group, so that
+    a method chosen seed by seed never reads as seed scatter."""
+    curves = {group: _curve_from(table, group) for group in dict.fromkeys(groups)}
+    if len({curve.method for curve in curves.values()}) > 1:
+        curves = {group: _curve_from(table, group, "interpolation") for group in curves}
+    return curves
 
 
 def _estimate(found: SeedValues, pooled: tuple[float, int] | None, pooled_from: tuple[str, ...],
@@ -516,8 +530,9 @@ def multiplier_values(points: Sequence[Point], corpus: str, optimizer: str, size
         return None
     found = SeedValues({}, epochs=max([p.epochs for p in reference] + [by_seed[s].epochs for s in seeds]))
     methods = []
+    curves = _curves_of_one_method(table, [(s,) for s in seeds])
     for s in seeds:
-        curve = _curve_from(table, [s])
+        curve = curves[(s,)]
         x, bound = curve.x_for(by_seed[s].bpb)
         found.values[s] = math.log(x / getattr(by_seed[s], axis))
         found.bounds[s] = BOUND_SIGNS.get(bound or "", 0)
@@ -570,10 +585,16 @@ def parameter_values(points: Sequence[Point], corpus: str, optimizer: str, size:
     params = {key: pts[0].params for key, pts in references.items()}
     own = next(key for key in tables if key[1] == size)
     found = SeedValues({}, epochs=max(p.epochs for pts in references.values() for p in pts))
-    for s in sorted(set(mine) & set(tables[own])):
+    seeds = sorted(set(mine) & set(tables[own]))
+
+    def group(key: tuple[int, str], s: int) -> tuple[int, ...]:  # seed s's curve at a size, else all seeds'
+        return (s,) if s in tables[key] else tuple(sorted(tables[key]))
+
+    curves = {key: _curves_of_one_method(tables[key], [group(key, s) for s in seeds]) for key in tables}
+    for s in seeds:
         curve_points = []
         for key in sorted(tables):
-            at = _curve_from(tables[key], [s] if s in tables[key] else sorted(tables[key])).bpb_at(mine[s].tokens)
+            at = curves[key][group(key, s)].bpb_at(mine[s].tokens)
             if at is not None:
                 curve_points.append((math.log(params[key]), math.log(at)))
         if len(curve_points) < 2:

@@ -371,6 +371,33 @@ def test_a_variant_on_gpts_curve_shifted_by_a_known_factor_gets_that_factor():
     assert exact.value == pytest.approx(1.6, rel=2e-3)
 
 
+def test_gpts_curve_is_one_method_for_every_seed_of_a_cell():
+    """The second amendment (12-06): where gpt's power law is stable for one seed and not for the others,
+    every seed's curve is the interpolation (seed by seed, the difference between the methods read as
+    seed scatter); where it is stable for all, the power law for all. The parameter multiplier too."""
+    clean = synthetic_points(1.6, 2.0, seeds=(0,), noise=0.0)
+    noisy = synthetic_points(1.6, 2.0, seeds=(1, 2), noise=0.03)
+    for axis in ("tokens", "flops"):
+        mixed = ladder_fit.multiplier(clean + noisy, "c", "muon", "s", "var", axis)
+        assert mixed.method == "interpolation", mixed.method
+        table = ladder_fit._seed_table([p for p in clean + noisy if p.variant == "gpt"], axis)
+        forced = [ladder_fit._curve_from(table, [s], "interpolation") for s in (0, 1, 2)]
+        seed_by_seed = [ladder_fit._curve_from(table, [s]).method for s in (0, 1, 2)]
+        assert seed_by_seed[0] == "power law" and "interpolation" in seed_by_seed  # the case: mixed seed by seed
+        var = {p.seed: p for p in clean + noisy if p.variant == "var" and p.budget == 3}
+        expected = [math.log(curve.x_for(var[s].bpb)[0] / getattr(var[s], axis)) for s, curve in enumerate(forced)]
+        torch.testing.assert_close(list(mixed.logs), expected, rtol=0, atol=1e-12)
+        assert ladder_fit.multiplier(clean + synthetic_points(1.6, 2.0, seeds=(1, 2), noise=0.0), "c", "muon", "s",
+                                     "var", axis).method == "power law"
+    sizes = [synthetic_points(1.6, 2.0, seeds=(0,), noise=0.0, size=name, params=params, size_index=i)
+             + synthetic_points(1.6, 2.0, seeds=(1, 2), noise=0.03, size=name, params=params, size_index=i)
+             for i, (name, params) in enumerate([("a", 10_000), ("b", 40_000)])]
+    table = ladder_fit._seed_table([p for p in sizes[1] if p.variant == "gpt"], "tokens")
+    curves = ladder_fit._curves_of_one_method(table, [(0,), (1,), (2,)])
+    assert {curve.method for curve in curves.values()} == {"interpolation"}
+    assert ladder_fit.parameter_values(sizes[0] + sizes[1], "c", "muon", "a", "var") is not None
+
+
 def test_a_one_seed_size_takes_its_interval_from_the_seed_scatter_of_the_seeded_sizes():
     seeded = synthetic_points(1.6, 2.0, seeds=(0, 1, 2), noise=0.01, size="a", size_index=0)
     alone = synthetic_points(1.6, 2.0, seeds=(0,), noise=0.01, size="b", size_index=1, params=40_000)
