@@ -81,7 +81,7 @@ from latentloop.errors import CheckpointError, LatentloopError, NonFiniteError  
 from latentloop.eval.loss import score_run, text_batches  # noqa: E402
 from latentloop.models.backbone import cpu_training_attention_in_fp32  # noqa: E402
 from latentloop.optim import lr_multiplier, set_lr  # noqa: E402
-from latentloop.runtime import resolve_dtype  # noqa: E402
+from latentloop.runtime import cpu_bf16_support, resolve_dtype  # noqa: E402
 from latentloop.train import FiniteGuard, FlopsMemo, setup, train_step  # noqa: E402
 from latentloop.util import first_line, give_default_mode, write_json_atomic  # noqa: E402
 
@@ -455,6 +455,7 @@ SET_BY_MACHINE = {("data", "source"), ("data", "cache_dir"), ("train", "device")
 # before it did: a record without the field ran as that value runs (e.g. attention_window 0, no
 # imported sliding window). Any other value, or any other field absent then, is a change.
 ADDED_AS_BEFORE = {("model", "attention_window"): 0}
+BF16_SUPPORT = "cpu_bf16_support"  # a record's key: the bf16 instructions of the CPU that ran it (None: none)
 
 
 def comparable_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -499,7 +500,9 @@ def planned_entries(records: Sequence[dict[str, Any]]) -> dict[str, dict[str, An
 
 def stale_fields(record: dict[str, Any], planned: dict[str, dict[str, Any]] | None = None) -> list[str]:
     """What differs between the run as it ran and as today's code would run it, [] when nothing:
-    the config fields (the record's plan entry rebuilt with today's defaults), the dtype its
+    the config fields (the record's plan entry rebuilt with today's defaults), the precision it
+    trained in (`train.dtype` auto as today's rule resolves it on the machine that ran it, whose bf16
+    support the record keeps: a rule the requested config does not show), the dtype its
     training attention ran in (`attention_dtype`; records made before the CPU attention rule of
     2026-12-05 lack it and attended in their `precision`) against the dtype today's rule picks for
     its precision, device and shape, and, given `planned` (`planned_entries`), the plan entry itself
@@ -525,6 +528,12 @@ def stale_fields(record: dict[str, Any], planned: dict[str, dict[str, Any]] | No
             if old != new and not (old == "<absent>" and added_as_before):
                 changed.append(f"{section}.{key}: {old!r} then, {new!r} now")
     precision, device = record.get("precision"), record.get("device")
+    if precision is not None and device is not None and BF16_SUPPORT in record:
+        # what today's resolution gives the same request on the machine that ran it (a record made before
+        # the machine's bf16 support was kept says nothing of it: not compared)
+        now_precision = resolve_dtype(torch.device(device), config.train.dtype, record[BF16_SUPPORT])
+        if precision != now_precision:
+            changed.append(f"precision: {precision!r} then, {now_precision!r} now")
     if precision is not None and device is not None:  # what today's rule picks for the run's own precision
         then_attention = record.get("attention_dtype", precision)
         now_attention = attention_dtype(torch.device(device).type, precision, config.model)
@@ -623,7 +632,8 @@ class RunFailed(LatentloopError):
     """The run cannot finish here (its training diverged): recorded in `out/failed.json`."""
 
 
-def execute(run: RunPlan, out: Path, device: str, spec: LadderSpec, progress: bool = True) -> dict[str, Any] | None:
+def execute(run: RunPlan, out: Path, device: str, spec: LadderSpec, progress: bool = True,
+            rerun_stale: bool = False) -> dict[str, Any] | None:
     """Train one run (resuming its trunk where it stopped) and write its record; returns the record,
     or None when another process finished it meanwhile. Raises `RunBusy` when another process
     trains it now, `RunFailed` when its training diverges."""
@@ -635,7 +645,7 @@ def execute(run: RunPlan, out: Path, device: str, spec: LadderSpec, progress: bo
     except CheckpointError:
         raise RunBusy(f"{run.key}: another process trains it ({work / LOCK_FILE})") from None
     try:
-        if finished(out, run):  # finished by another process between our check and the lock
+        if finished(out, run, rerun_stale):  # finished by another process between our check and the lock
             return None
         config = run_config(run, device, spec)
         requested = json.loads(json.dumps(config.to_dict()))
@@ -743,6 +753,7 @@ def _execute(run, state, work: Path, record_path: Path, requested: dict, spec: L
               "config_requested": requested,
               "config_resolved": json.loads(json.dumps(state.config.to_dict())),
               "precision": resolve_dtype(state.device, state.config.train.dtype),
+              BF16_SUPPORT: cpu_bf16_support(),  # the machine's, for today's rule on it (`stale_fields`)
               "attention_dtype": training_attention_dtype(state.device, state.config),
               "evaluation": {"dtype": "float32", "batch": spec.eval_batch, "stable_share": spec.stable_eval_share},
               "params": state.model.num_params(),
@@ -869,15 +880,19 @@ def read_failures(out: Path) -> dict[str, dict[str, Any]]:
     return found if isinstance(found, dict) else {}
 
 
-def finished(out: Path, run: RunPlan) -> bool:
+def finished(out: Path, run: RunPlan, rerun_stale: bool = False) -> bool:
     """Whether the run has a complete record made to today's plan entry (a record of another plan
-    under the same key, e.g. before its budgets changed, is run again and replaced)."""
+    under the same key, e.g. before its budgets changed, is run again and replaced); with
+    `rerun_stale` (`--rerun-stale`), also made under today's defaults (`stale_fields`): a stale
+    record is run again and replaced, where by default it is kept and its rows read "stale"."""
     path = out / "records" / f"{run.file_name}.json"
     try:
         record = json.loads(path.read_text())
     except (OSError, ValueError):
         return False
-    return bool(record.get("complete")) and record.get("plan") == plan_entry(run)
+    if not (bool(record.get("complete")) and record.get("plan") == plan_entry(run)):
+        return False
+    return not (rerun_stale and stale_fields(record))
 
 
 # --------------------------------------------------------------------------------------------
@@ -1101,6 +1116,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reprobe", action="store_true", help="measure the probe again instead of reusing out/probe-*.json")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--quiet", action="store_true", help="no line per scored point")
+    p.add_argument("--rerun-stale", action="store_true",
+                   help="run again the runs whose records were made under other defaults than today's (stale)")
     p.add_argument("--retry-failed", action="store_true",
                    help="run again the runs that failed before (listed in OUT/failed.json); default: leave them out")
     p.add_argument("--shard", type=shard, default=None, metavar="K/N",
@@ -1195,7 +1212,7 @@ def _main(args: argparse.Namespace) -> int:
         runs = plan_ladder(spec, variants, corpora, args.budget_scale or 1.0)
     for line in describe_plan(runs, spec) + epochs_note(runs, spec):
         print(line, flush=True)
-    done = {r.key for r in runs if finished(out, r)}  # each record read once
+    done = {r.key for r in runs if finished(out, r, args.rerun_stale)}  # each record read once
     failed_path = out / FAILED_FILE
     failures = read_failures(out)
     mine = shard_runs(runs, args.shard)
@@ -1236,7 +1253,7 @@ def _main(args: argparse.Namespace) -> int:
         print(f"[{i + 1}/{len(todo)}] {run.key}: {len(run.branches)} budgets, {run.total_steps} steps at most",
               flush=True)
         try:
-            execute(run, out, train_device, spec, progress=not args.quiet)
+            execute(run, out, train_device, spec, progress=not args.quiet, rerun_stale=args.rerun_stale)
         except RunBusy as exc:
             print(f"skipped: {exc}", flush=True)
         except RunFailed as exc:  # one run's failure does not stop the others
@@ -1246,7 +1263,7 @@ def _main(args: argparse.Namespace) -> int:
         else:  # finished here (or by another process meanwhile): a failure from before no longer stands
             if run.key in read_failures(out):
                 update_failures(out, run.key, None)
-    print(f"done: {sum(finished(out, r) for r in runs)} of {len(runs)} runs finished; "
+    print(f"done: {sum(finished(out, r, args.rerun_stale) for r in runs)} of {len(runs)} runs finished; "
           f"{time.perf_counter() - started:.0f} s this invocation", flush=True)
     return 0
 

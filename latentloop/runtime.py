@@ -110,15 +110,20 @@ def cpu_bf16_support() -> str | None:
     return next((flag for flag in CPU_BF16_FLAGS if flag in flags), None)
 
 
-def resolve_dtype(device: torch.device, dtype: str) -> str:
+_THIS_CPU = object()  # resolve_dtype's default: the bf16 support of the CPU this runs on
+
+
+def resolve_dtype(device: torch.device, dtype: str, cpu_bf16: str | None | object = _THIS_CPU) -> str:
     """The autocast dtype a run takes: "bfloat16" or "float32". "auto" is bf16 on CUDA and on a CPU
-    with bf16 instructions (`cpu_bf16_support`), fp32 elsewhere: there bf16 is emulated and slower
-    than fp32. On the CPU, bf16 reached fp32's validation BPB within 1% at equal steps for every
-    arch on the `tiny` and `small` presets (`python -m benchmarks.time_to_quality --precision-check`;
-    experiments/RESULTS.md), the condition for making it the default."""
+    with bf16 instructions (`cpu_bf16_support`; `cpu_bf16`: another CPU's, e.g. a recorded run's),
+    fp32 elsewhere: there bf16 is emulated and slower than fp32. On the CPU, bf16 reached fp32's
+    validation BPB within 1% at equal steps for every arch on the `tiny` and `small` presets
+    (`python -m benchmarks.time_to_quality --precision-check`; experiments/RESULTS.md), the condition
+    for making it the default."""
     if dtype != "auto":
         return dtype
-    if device.type == "cuda" or (device.type == "cpu" and cpu_bf16_support()):
+    support = cpu_bf16_support() if cpu_bf16 is _THIS_CPU else cpu_bf16
+    if device.type == "cuda" or (device.type == "cpu" and support):
         return "bfloat16"
     return "float32"
 

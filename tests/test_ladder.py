@@ -304,7 +304,10 @@ def test_a_changed_default_marks_the_records_and_their_rows_stale(tiny_ladder, t
     # today's code changed a default the plan resolves (the decay's share)
     monkeypatch.setattr(ladder, "DECAY_FRACTION", 0.3)
     assert [c.split(":")[0] for c in ladder.stale_fields(record)] == ["train.decay_fraction"]
+    # kept and skipped by default; run again under --rerun-stale (it was skipped for good)
+    assert ladder.finished(tmp_path, run) and not ladder.finished(tmp_path, run, rerun_stale=True)
     monkeypatch.setattr(ladder, "DECAY_FRACTION", 0.2)
+    assert ladder.finished(tmp_path, run, rerun_stale=True)
     # the table: the LRT row reads gpt's records, so it reads "stale" when one of gpt's records is
     spec = dataclasses.replace(TINY, name="stale-table", seeds=(0, 1, 2), corpora=("stdlib",))
     monkeypatch.setitem(ladder.SPECS, spec.name, spec)
@@ -839,6 +842,23 @@ def test_a_record_whose_attention_ran_in_another_dtype_than_todays_rule_is_stale
     assert ladder.stale_fields(record) == []
     del record["attention_dtype"]
     assert ladder.stale_fields(record) == ["attention_dtype: 'bfloat16' then, 'float32' now"]
+
+
+def test_a_record_whose_precision_todays_rule_resolves_otherwise_on_its_machine_is_stale(monkeypatch):
+    """`train.dtype` auto as it resolved (the record's `precision`) against today's rule on the machine
+    that ran it (its recorded bf16 support): an fp32 run on a CPU with bf16 products reads stale (the
+    rule now picks bf16 there), whatever machine reads the record; a record without the support is
+    not compared."""
+    record = claims_records(monkeypatch)[0]
+    record |= {"device": "cpu", "precision": "bfloat16", "attention_dtype": "float32",
+               ladder.BF16_SUPPORT: "amx_bf16"}
+    assert record["config_requested"]["train"]["dtype"] == "auto"
+    assert ladder.stale_fields(record) == []
+    record["precision"] = "float32"
+    assert "precision: 'float32' then, 'bfloat16' now" in ladder.stale_fields(record)
+    assert ladder.stale_fields(record | {ladder.BF16_SUPPORT: None}) == []  # fp32: today's rule on that CPU too
+    del record[ladder.BF16_SUPPORT]
+    assert not any(change.startswith("precision") for change in ladder.stale_fields(record))
 
 
 def test_a_record_made_at_another_budget_scale_is_rebuilt_at_its_scale(tiny_ladder, tmp_path):
