@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -249,7 +250,10 @@ def _ratio_text(found: dict[str, Any] | Incomplete | None) -> str:
 
 
 def _ratio_interval(found: dict[str, Any], level: float) -> tuple[float, float] | None:
-    return found["stats"].interval(level)
+    interval = found["stats"].interval(level)
+    if interval is None or not found.get("in_logs"):
+        return interval
+    return math.exp(interval[0]), math.exp(interval[1])  # a one-seed size's: made in logs
 
 
 def _planned_budgets(points: Sequence[Point], plan: Plan | None, corpus: str, optimizer: str, size: str) -> list[int]:
@@ -461,6 +465,53 @@ def epochs_marks(points: Sequence[Point]) -> list[str]:
         f"- {corpus}: {', '.join(items)}" for corpus, items in by_corpus.items()]
 
 
+RGPT_PAPER_GATE_BIAS = 4.0  # RecurrentGPT's initial gate bias; the ladder keeps latentloop's default
+
+
+def gate_bias_note(records: Sequence[dict[str, Any]]) -> str:
+    """The initial gate bias the recurrent forms trained with, from their records (the rules: the ladder
+    keeps the project's default, not the paper's, and the table says so)."""
+    biases: dict[str, set[float]] = {}
+    for record in records:
+        value = record.get("config_resolved", {}).get("model", {}).get("gate_bias_init")
+        if value is not None:
+            biases.setdefault(record["plan"]["variant"]["name"], set()).add(float(value))
+    if not biases:
+        return ""
+    forms = "; ".join(f"{name} {', '.join(f'{b:g}' for b in sorted(values))}"
+                      for name, values in sorted(biases.items()))
+    return (f" Initial gate bias of the recurrent forms: {forms} (latentloop's default; the RecurrentGPT paper "
+            f"initialises it at +{RGPT_PAPER_GATE_BIAS:g}, and the ladder keeps the project's default, as its "
+            f"rules say).")
+
+
+def corpus_lines(records: Sequence[dict[str, Any]], planned: dict[str, dict[str, Any]]) -> list[str]:
+    """Per corpus: its training and validation tokens (as the records read them) and, per size, the
+    largest token budget the plan trains on and how many epochs of the training split that reads
+    (TinyStories and WikiText-2 are small: where it passes 1 the budget repeats data)."""
+    corpora: dict[str, tuple[int, int]] = {}
+    for record in records:
+        if record.get("train_tokens_available") and record.get("val_tokens"):
+            corpora.setdefault(record["plan"]["corpus"], (int(record["train_tokens_available"]),
+                                                          int(record["val_tokens"])))
+    lines = []
+    for corpus, (train_tokens, val_tokens) in sorted(corpora.items()):
+        largest: dict[str, int] = {}
+        for entry in planned.values():
+            if entry.get("corpus") != corpus or ladder.UNBUILDABLE in entry:
+                continue
+            tokens = max(b["steps"] for b in entry["branches"]) * entry["size"]["batch_size"] \
+                * ladder.SPECS[entry["spec"]].seq_len
+            largest[entry["size"]["name"]] = max(largest.get(entry["size"]["name"], 0), tokens)
+        budgets = ", ".join(f"{size} {tokens / 1e6:,.2f}M ({tokens / train_tokens:.2f} epochs)"
+                            for size, tokens in largest.items())
+        lines.append(f"- {corpus}: {train_tokens:,} training tokens, {val_tokens:,} validation tokens (every "
+                     f"BPB is over the whole validation split); the largest planned budget per size: {budgets}"
+                     + ("; budgets past 1 epoch repeat data (listed under the multipliers)"
+                        if any(t > train_tokens for t in largest.values()) else ""))
+    return ["", "The corpora (byte tokens):"] + lines if lines else []
+
+
 def multipliers_table(points: Sequence[Point], corpus: str, optimizer: str,
                       stale: dict[tuple[str, str, str], list[str]] | None = None, plan: Plan | None = None,
                       recipes: Recipes | None = None) -> list[str]:
@@ -557,7 +608,8 @@ def generate(records: Sequence[dict[str, Any]], figures: Path | None = None, fig
              "to reach the variant's BPB / the variant's FLOPs, D = the same for tokens, P = gpt's "
              "non-embedding parameters needed at the variant's tokens / the variant's."]
     if records:
-        lines += ["", precision_line(records)]
+        lines += ["", precision_line(records) + gate_bias_note(records)]
+        lines += corpus_lines(records, planned)
     else:
         lines += ["", "No ladder run has finished yet: every verdict reads \"not run\". The command: "
                   "`python experiments/ladder.py --out experiments/ladder-runs`, then this script."]

@@ -382,6 +382,7 @@ class SeedValues:
     bounds: dict[int, int] = field(default_factory=dict)  # seed -> 1 ("above"), -1 ("below"), 0
     methods: tuple[str, ...] = ()  # gpt's curve per seed
     epochs: float = 0.0  # the most epochs any point behind them read
+    extrapolated: set[int] = field(default_factory=set)  # seeds read off gpt's curve past its measured range
 
 
 @dataclass
@@ -402,6 +403,7 @@ class Estimate:
     pooled_from: tuple[str, ...] = ()  # a one-seed size: the sizes whose seed scatter gave its interval
     epochs: float = 0.0
     size: str = ""
+    extrapolated: int = 0  # seeds whose value reads gpt's curve past its measured range (within EXTRAPOLATION)
 
     def interval_at(self, level: float) -> tuple[float, float] | None:
         found = None if self.mean is None else self.mean.interval(level)
@@ -414,6 +416,8 @@ class Estimate:
 
         base = fmt(self.value, self.censored)
         repeated = f" (data repeated: up to {self.epochs:.1f} epochs)" if self.epochs > 1 else ""
+        if self.extrapolated:
+            repeated += f" (extrapolated past gpt's measured range for {self.extrapolated} of {self.seeds} seeds)"
         if self.interval is None:
             return base + (" (1 seed, no interval)" if self.seeds <= 1 else " (no interval)") + repeated
         low, high = fmt(self.interval[0], self.censored_ends[0]), fmt(self.interval[1], self.censored_ends[1])
@@ -460,7 +464,8 @@ def _estimate(found: SeedValues, pooled: tuple[float, int] | None, pooled_from: 
     return Estimate(math.exp(mean.center), None if interval is None else (math.exp(interval[0]), math.exp(interval[1])),
                     censored, ("below" if -1 in signs else None, "above" if 1 in signs else None),
                     method=" / ".join(methods), seeds=len(seeds), mean=mean, logs=tuple(logs),
-                    pooled_from=pooled_from if mean.pooled else (), epochs=found.epochs, size=size)
+                    pooled_from=pooled_from if mean.pooled else (), epochs=found.epochs, size=size,
+                    extrapolated=len(found.extrapolated & set(found.values)))
 
 
 def _pooled_over_sizes(points: Sequence[Point], plan: Plan, where: dict[str, Any], size: str,
@@ -534,6 +539,8 @@ def multiplier_values(points: Sequence[Point], corpus: str, optimizer: str, size
     for s in seeds:
         curve = curves[(s,)]
         x, bound = curve.x_for(by_seed[s].bpb)
+        if bound is None and not curve.x_range[0] <= x <= curve.x_range[1]:
+            found.extrapolated.add(s)
         found.values[s] = math.log(x / getattr(by_seed[s], axis))
         found.bounds[s] = BOUND_SIGNS.get(bound or "", 0)
         methods.append(curve.method)
@@ -594,7 +601,10 @@ def parameter_values(points: Sequence[Point], corpus: str, optimizer: str, size:
     for s in seeds:
         curve_points = []
         for key in sorted(tables):
-            at = curves[key][group(key, s)].bpb_at(mine[s].tokens)
+            curve = curves[key][group(key, s)]
+            at = curve.bpb_at(mine[s].tokens)
+            if at is not None and not curve.x_range[0] <= mine[s].tokens <= curve.x_range[1]:
+                found.extrapolated.add(s)  # this size's gpt read at tokens it did not train to
             if at is not None:
                 curve_points.append((math.log(params[key]), math.log(at)))
         if len(curve_points) < 2:
@@ -603,6 +613,8 @@ def parameter_values(points: Sequence[Point], corpus: str, optimizer: str, size:
         ly = np.array([c[1] for c in curve_points])
         across = ReferenceCurve("interpolation", (math.exp(lx.min()), math.exp(lx.max())), knots=(lx, ly))
         n, bound = across.x_for(mine[s].bpb)
+        if bound is None and not across.x_range[0] <= n <= across.x_range[1]:
+            found.extrapolated.add(s)
         found.values[s] = math.log(n / mine[s].params)
         found.bounds[s] = BOUND_SIGNS.get(bound or "", 0)
         found.epochs = max(found.epochs, mine[s].epochs)
@@ -672,20 +684,28 @@ def paired_ratio(points: Sequence[Point], corpus: str, optimizer: str, size: str
     if not found.values:
         return {"refused": refused, "flops_ratios": flops_ratios}
     ratios = [found.values[s] for s in sorted(found.values)]
-    pooled, names = None, ()
+    kept = [f for f in flops_ratios if abs(f - 1) <= FLOPS_MATCH]
     if len(ratios) == 1:
+        # the amended rules: the seed scatter of the per-seed *log* ratio, pooled over the seeded sizes'
+        # same comparison, around this seed's log ratio (a one-seed size's interval is made in logs)
         def values_at(name: str) -> SeedValues | Incomplete | None:
             other = _ratio_values(points, plan, column | {"size": name}, variant, baseline, budget)
-            return other if other is None or isinstance(other, Incomplete) else other[0]
+            if other is None or isinstance(other, Incomplete):
+                return other
+            return SeedValues({s: math.log(r) for s, r in other[0].values.items()})
 
         pooled, names, waiting = _pooled_over_sizes(points, plan, column, size, values_at)
         if waiting:
             return Incomplete(0, 0, size, seeds=1, waits_for=f"the seed scatter of {', '.join(waiting)}")
-    mean = seed_mean(ratios, pooled)
-    kept = [f for f in flops_ratios if abs(f - 1) <= FLOPS_MATCH]
+        mean = seed_mean([math.log(ratios[0])], pooled)
+        interval = mean.interval()
+        return {"mean": ratios[0], "interval": None if interval is None else (math.exp(interval[0]),
+                                                                              math.exp(interval[1])),
+                "stats": mean, "in_logs": True, "ratios": ratios, "flops_ratios": kept, "refused": refused,
+                "seeds": 1, "pooled_from": names if mean.pooled else ()}
+    mean = seed_mean(ratios, None)
     return {"mean": mean.center, "interval": mean.interval(), "stats": mean, "ratios": ratios,
-            "flops_ratios": kept, "refused": refused, "seeds": len(ratios),
-            "pooled_from": names if mean.pooled else ()}
+            "flops_ratios": kept, "refused": refused, "seeds": len(ratios), "pooled_from": ()}
 
 
 def trend(estimates: Sequence[tuple[int, Estimate]]) -> dict[str, Any] | None:

@@ -443,6 +443,12 @@ def test_interpolation_inverts_exactly_and_gives_bounds_past_the_range():
     points = synthetic_points(shift=8.0, cost=1.0)  # far better than gpt's longest run: a lower bound
     far = ladder_fit.multiplier(points, "c", "muon", "s", "var", "tokens")
     assert far.censored == "above" and far.text().startswith(">")
+    # past gpt's longest run (1.6M tokens) but within 2x: a number, marked as read off the extrapolated curve
+    beyond = ladder_fit.multiplier(synthetic_points(shift=2.6, cost=1.0), "c", "muon", "s", "var", "tokens")
+    assert beyond.censored is None and beyond.extrapolated == 3
+    assert "extrapolated past gpt's measured range for 3 of 3 seeds" in beyond.text()
+    inside = ladder_fit.multiplier(synthetic_points(shift=1.6, cost=1.0), "c", "muon", "s", "var", "tokens")
+    assert inside.extrapolated == 0 and "extrapolated" not in inside.text()
 
 
 def test_the_trend_over_size_grows_when_the_multiplier_does():
@@ -592,6 +598,24 @@ def test_the_claims_table_decides_synthetic_records_by_the_rules(monkeypatch):
     assert all(row.split(" | ")[3].startswith("**not run**") for row in rows.values() if "**" in row)
 
 
+def test_the_page_states_each_corpus_its_epochs_and_the_recurrent_forms_gate_bias(monkeypatch):
+    """The issue asks for epochs where a corpus is small (a budget past one epoch repeats data), and the
+    rules for the table to say that rgpt's forms keep the project's gate bias, not the paper's +4."""
+    records = claims_records(monkeypatch)
+    train_tokens = 20_000  # small enough that the plan's largest budget repeats the split
+    for record in records:
+        record |= {"train_tokens_available": train_tokens, "val_tokens": 3_000}
+        if record["plan"]["variant"]["arch"] == "rgpt":
+            record["config_resolved"] = {"model": {"gate_bias_init": 0.0}}
+    page = ladder_claims.generate(records)
+    line = next(line for line in page.splitlines() if line.startswith("- stdlib: "))
+    largest = max(max(b["steps"] for b in r["plan"]["branches"]) * r["plan"]["size"]["batch_size"] * CLAIMS_SPEC.seq_len
+                  for r in records if r["plan"]["size"]["name"] == CLAIMS_SPEC.sizes[-1].name)
+    assert "20,000 training tokens, 3,000 validation tokens" in line
+    assert f"{largest / train_tokens:.2f} epochs" in line and "repeat data" in line
+    assert "rgpt-params 0" in page and "+4" in page
+
+
 def test_the_page_without_records_says_nothing_has_run():
     page = ladder_claims.generate([])
     assert "No ladder run has finished yet" in page
@@ -679,6 +703,29 @@ def test_a_one_seed_sizes_interval_waits_for_the_seed_scatter_it_borrows():
     assert isinstance(at_a, ladder_fit.Incomplete) and at_a.text() == "incomplete: 5 of 6 runs"
     at_b = ladder_fit.multiplier(partial, "c", "muon", "b", "var", "tokens", plan=plan)
     assert isinstance(at_b, ladder_fit.Incomplete) and at_b.text() == "incomplete: waits for the seed scatter of a"
+
+
+def test_a_one_seed_sizes_paired_ratio_borrows_the_scatter_of_the_log_ratio():
+    """Rules 4 and 5 at a one-seed size (the amended rules): the ratio's interval is its log ratio +- t x
+    the per-seed scatter of the log ratio pooled over the seeded sizes (it pooled the raw ratios)."""
+    points = (synthetic_points(1.3, 1.0, seeds=(0, 1, 2), noise=0.02, size="a", size_index=0)
+              + synthetic_points(1.3, 1.0, seeds=(0,), noise=0.02, size="b", size_index=1, params=40_000))
+    budget = 3
+    found = ladder_fit.paired_ratio(points, "c", "muon", "b", "var", "gpt", budget)
+
+    def ratio(size, seed):
+        at = {p.variant: p.bpb for p in points if p.size == size and p.seed == seed and p.budget == budget
+              and p.kind == "tokens"}
+        return at["var"] / at["gpt"]
+
+    logs = [math.log(ratio("a", s)) for s in (0, 1, 2)]
+    half = ladder_fit.t_quantile(0.975, 2) * float(np.std(logs, ddof=1))
+    expected = np.exp(math.log(ratio("b", 0)) + np.array([-half, half]))
+    assert found["seeds"] == 1 and found["pooled_from"] == ("a",)
+    torch.testing.assert_close(found["mean"], ratio("b", 0), rtol=0, atol=1e-12)
+    torch.testing.assert_close(np.array(found["interval"]), expected, rtol=1e-12, atol=0)
+    level = ladder_claims._ratio_interval(found, 0.975)
+    assert level[0] < found["interval"][0] and level[1] > found["interval"][1] and level[0] > 0
 
 
 # --------------------------------------------------------------------------------------------
