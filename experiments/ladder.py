@@ -900,49 +900,67 @@ def finished(out: Path, run: RunPlan, rerun_stale: bool = False) -> bool:
 # --------------------------------------------------------------------------------------------
 
 PROBE_WARMUP = 2  # unmeasured steps (allocations, the FLOP count's probe forward)
-PROBE_STEPS = 4  # measured steps: the training FLOP rate
-PROBE_EVAL_BATCHES = 2  # measured validation batches per scoring: its tokens/s
+PROBE_STEPS = 4  # measured steps per repeat: the training FLOP rate
+PROBE_EVAL_BATCHES = 2  # measured validation batches per scoring and repeat: its tokens/s
+# Each rate is the median of this many measurements, each scoring's after one unmeasured batch: a
+# single measurement with no warm-up read one scoring at 58 tokens/s where the run scored ~1,400x
+# faster (its first call's one-off work), and put the whole ladder at 166 h (12-06 audit)
+PROBE_REPEATS = 3
 
 
 def probe(variant: Variant, size: Size, spec: LadderSpec, device: str) -> dict[str, Any]:
     """The training FLOP rate (structural FLOPs of `PROBE_STEPS` steps over their seconds, after
-    `PROBE_WARMUP` unmeasured ones; Muon: AdamW is assumed as fast) and each scoring's tokens/s."""
+    `PROBE_WARMUP` unmeasured ones; Muon: AdamW is assumed as fast) and each scoring's tokens/s
+    (after one unmeasured batch), each the median of `PROBE_REPEATS` measurements."""
+    steps = PROBE_WARMUP + PROBE_STEPS * PROBE_REPEATS
     entry = {"spec": spec.name, "corpus": "stdlib", "optimizer": "muon", "size": dataclasses.asdict(size),
              "variant": dataclasses.asdict(variant), "seed": 0, "part": None,
-             "branches": [dataclasses.asdict(Branch("p", PROBE_WARMUP + PROBE_STEPS + 8, "tokens", 0))]}
+             "branches": [dataclasses.asdict(Branch("p", steps + 8, "tokens", 0))]}
     config = run_config(entry, device, spec)
     with tempfile.TemporaryDirectory() as tmp:
         state = setup(config, Path(tmp) / "probe", progress=False)
         try:
             guard, memo = FiniteGuard(state.device), state.flops or FlopsMemo(state.model)
             train_until(state, config.train, PROBE_WARMUP, guard, memo)
-            before = state.flops_seen
-            seconds = train_until(state, config.train, PROBE_WARMUP + PROBE_STEPS, guard, memo)
-            rate = (state.flops_seen - before) / max(seconds, 1e-9)
-            val = state.data.val[:PROBE_EVAL_BATCHES * spec.eval_batch * spec.seq_len + 1]
+            rates = []
+            for repeat in range(PROBE_REPEATS):
+                before = state.flops_seen
+                seconds = train_until(state, config.train, PROBE_WARMUP + PROBE_STEPS * (repeat + 1), guard, memo)
+                rates.append((state.flops_seen - before) / max(seconds, 1e-9))
+            batch_tokens = spec.eval_batch * spec.seq_len
+            warmup, val = state.data.val[:batch_tokens + 1], state.data.val[:PROBE_EVAL_BATCHES * batch_tokens + 1]
             eval_rates = {}
             for label, options in get_scoring_modes(config.model).items():
-                scores, eval_seconds = score(state, {label: options}, val, spec.eval_batch)
-                eval_rates[label] = scores[label]["tokens"] / max(eval_seconds, 1e-9)
+                score(state, {label: options}, warmup, spec.eval_batch)  # its one-off work, unmeasured
+                measured = []
+                for _ in range(PROBE_REPEATS):
+                    scores, eval_seconds = score(state, {label: options}, val, spec.eval_batch)
+                    measured.append(scores[label]["tokens"] / max(eval_seconds, 1e-9))
+                eval_rates[label] = float(np.median(measured))
         finally:
             if state.lock is not None:
                 state.lock.release()
-    return {"train_flops_per_s": rate, "eval_tokens_per_s": eval_rates,
-            "primary": primary_scoring(config.model)}
+    return {"train_flops_per_s": float(np.median(rates)), "eval_tokens_per_s": eval_rates,
+            "primary": primary_scoring(config.model), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "repeats": PROBE_REPEATS}
 
 
-def probe_all(runs: list[RunPlan], spec: LadderSpec, device: str, out: Path, fresh: bool = False) -> dict[str, dict]:
+def probe_all(runs: list[RunPlan], spec: LadderSpec, device: str, out: Path, fresh: bool = False
+              ) -> tuple[dict[str, dict], int]:
     """Probe each (variant, size) of the plan once; kept in `out/probe-<device>.json` for a resumed
-    ladder (`fresh`: measure again)."""
+    ladder (`fresh`: measure again). Returns the probes and how many were measured in this call. A
+    probe made before `PROBE_REPEATS` (one measurement, no scoring warm-up) is measured again."""
     path = out / f"probe-{spec.name}-{device}.json"
     probes = {} if fresh or not path.exists() else json.loads(path.read_text())
     pairs = {(r.variant.name, r.size.name): (r.variant, r.size) for r in runs}
+    measured = 0
     for variant, size in pairs.values():
         name = f"{variant.name}@{size.name}"
-        if name not in probes:
+        if probes.get(name, {}).get("repeats") != PROBE_REPEATS:
             probes[name] = probe(variant, size, spec, device)
+            measured += 1
             _atomic_write_json(path, probes)
-    return probes
+    return probes, measured
 
 
 def val_tokens(corpus: str, spec: LadderSpec) -> int:
@@ -1229,7 +1247,7 @@ def _main(args: argparse.Namespace) -> int:
         from benchmarks.common import ContentionMeter
 
         meter = ContentionMeter().start()
-        probes = probe_all(runs, spec, train_device, out, fresh=args.reprobe)
+        probes, measured = probe_all(runs, spec, train_device, out, fresh=args.reprobe)
         others = meter.stop()
         for run in runs:
             estimates[run.key] = sum(estimate_seconds(run, probes, val_sizes).values())
@@ -1239,8 +1257,11 @@ def _main(args: argparse.Namespace) -> int:
               f"(each run's structural training FLOPs at "
               f"the FLOP rate probed over {PROBE_STEPS} steps of its variant and size after {PROBE_WARMUP} "
               f"unmeasured ones, plus its scored tokens at the scoring's probed tokens/s on "
-              f"{PROBE_EVAL_BATCHES} batches; other processes used "
-              f"{'?' if others is None else f'{others:.0%}'} of the CPUs during the probe)", flush=True)
+              f"{PROBE_EVAL_BATCHES} batches, each the median of {PROBE_REPEATS}; "
+              + (f"other processes used {'?' if others is None else f'{others:.0%}'} of the CPUs during the "
+                 f"{measured} probes measured now" if measured else
+                 f"every probe reused from {out / f'probe-{spec.name}-{train_device}.json'}: --reprobe measures "
+                 f"them again") + ")", flush=True)
     if args.plan_only:
         return 0
     started = time.perf_counter()

@@ -284,6 +284,36 @@ def test_a_flop_matched_budget_that_decays_in_the_warmup_is_refused(monkeypatch)
         ladder.plan_ladder(spec, ladder.ladder_variants(["rfbt-flops"]), ("tiny",))
 
 
+def test_the_probe_skips_each_scorings_first_batch_and_takes_medians(tiny_ladder, tmp_path, monkeypatch):
+    """A scoring's first call does one-off work (a probe read one at 58 tokens/s where the runs scored
+    ~1,400x faster, and the whole ladder at 166 h): it is unmeasured now, and each rate is the median of
+    `PROBE_REPEATS` measurements, so one slow repeat moves nothing. A probe file from before is measured
+    again, and a reused one measures nothing (the contention line said 489% over no probe at all)."""
+    real_score = ladder.score
+    calls: list[int] = []
+
+    def scored(state, labels, val, eval_batch, max_batches=None):
+        scores, _ = real_score(state, labels, val, eval_batch, max_batches)
+        calls.append(len(val))
+        # the first call of each scoring (the warm-up) and one of its measured repeats take 1000 s
+        slow = len(calls) % (ladder.PROBE_REPEATS + 1) in (1, 2)
+        return scores, 1000.0 if slow else 1.0
+
+    monkeypatch.setattr(ladder, "score", scored)
+    variant, size = ladder.ladder_variants(["gpt"])[0], TINY.sizes[0]
+    found = ladder.probe(variant, size, TINY, "cpu")
+    batch = TINY.eval_batch * TINY.seq_len
+    assert calls[0] == batch + 1 and calls[1:ladder.PROBE_REPEATS + 1] == [2 * batch + 1] * ladder.PROBE_REPEATS
+    assert all(rate > 1.0 for rate in found["eval_tokens_per_s"].values())  # tokens over 1 s, not over 1000 s
+    assert found["repeats"] == ladder.PROBE_REPEATS and found["train_flops_per_s"] > 0
+    run = ladder.plan_ladder(TINY, [variant], ("tiny",))[0]
+    old = {f"gpt@{size.name}": {k: v for k, v in found.items() if k != "repeats"}}  # a probe file from before
+    (tmp_path / f"probe-{TINY.name}-cpu.json").write_text(json.dumps(old))
+    monkeypatch.setattr(ladder, "probe", lambda *args: found)
+    assert ladder.probe_all([run], TINY, "cpu", tmp_path) == ({f"gpt@{size.name}": found}, 1)
+    assert ladder.probe_all([run], TINY, "cpu", tmp_path)[1] == 0
+
+
 def test_a_changed_default_marks_the_records_and_their_rows_stale(tiny_ladder, tmp_path, monkeypatch):
     run = ladder.plan_ladder(TINY, ladder.ladder_variants(["gpt"]), ("tiny",))[0]
     record = _run_tiny(tmp_path, [run])[0]
