@@ -48,7 +48,7 @@ from .archs import build_model, build_objective
 from .config import PRESETS, RunConfig, model_config
 from .errors import ConfigError
 from .runtime import resolve_dtype
-from .train.memory import kind_steps, meta_model, step_memory
+from .train.memory import check_micro_batch_fits, kind_steps, meta_model, step_memory
 from .train.state import FlopsMemo
 from .train.step import accumulation
 from .util import memory_limit_bytes
@@ -178,6 +178,10 @@ def plan_run(config: RunConfig, tokens: int, devices: int = 1, gpu: str = "h100"
     steps = max(1, math.ceil(tokens / tokens_per_step))
     config.train.steps = steps  # objectives read the run's length (fbt's schedule, rgpt's draws)
     precision = resolve_dtype(torch.device("cuda" if gpu != "cpu" else "cpu"), train.dtype)
+    accelerator = ACCELERATORS[gpu]
+    capacity = accelerator.memory_bytes if gpu != "cpu" else memory_limit_bytes()
+    # what `train` refuses at once is refused before the probes too (their time grows with the batch)
+    check_micro_batch_fits(config, torch.device("cpu"), capacity, f"{accelerator.name} has")
     objective = build_objective(config.model, config.train)
 
     # FLOPs: as `fit` sums them. The count is structural (shapes only), so the meta model gives the
@@ -206,8 +210,6 @@ def plan_run(config: RunConfig, tokens: int, devices: int = 1, gpu: str = "h100"
     memory, probe = step_memory(config, objective, forward_steps, devices, strategy, precision)
     peak = memory["peak"]
 
-    accelerator = ACCELERATORS[gpu]
-    capacity = accelerator.memory_bytes if gpu != "cpu" else memory_limit_bytes()
     if gpu == "cpu":
         peak_flops = cpu_matmul_flops(precision)
         chosen = (mfu, "given (--mfu)") if mfu is not None else (

@@ -107,6 +107,8 @@ def test_the_draw_is_the_same_on_every_rank(monkeypatch):
     (dict(depth_mean=float(MAX_RECURRENCE_STEPS)), "depth_mean must be in"),
     (dict(backprop_steps=0), "backprop_steps must be in"),
     (dict(backprop_steps=2, truncate_steps=1), "set one of truncate_steps"),
+    # past decoding's bound on steps (100,000 hung `train` and `plan`; 300 trained a depth no decode could run)
+    (dict(recurrence_steps=MAX_RECURRENCE_STEPS + 1), "recurrence_steps must be in"),
 ])
 def test_bad_settings_are_one_line_config_errors(override, message):
     with pytest.raises(ll.ConfigError, match=message) as error:

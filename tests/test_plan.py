@@ -237,6 +237,10 @@ def test_the_parsers_choices_are_the_planners():
     (["--params", "50M", "--tokens", "1M", "--set", "n_layer=4"], "--params chooses the shape"),
     (["--preset", "tiny", "--tokens", "1M", "--gpus", "4", "--set", "train.strategy=none"],
      "strategy none trains on one device"),
+    # what `train` refuses at once (a micro-batch past the device), before any probe: the probe ran for
+    # minutes (its time grows with the batch), and a context of 1e9 allocated RoPE tables of 32 GB
+    (["--preset", "test", "--tokens", "1M", "--batch-size", "100000000"], "one micro-batch's token ids"),
+    (["--preset", "test", "--tokens", "1M", "--set", "sequence_len=1000000000"], "one micro-batch's token ids"),
 ])
 def test_plan_refuses_bad_input_in_one_line(argv, message, capsys):
     arch = next(iter(ARCHS))

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 import latentloop as ll
 from latentloop import checkpoint as ckpt
 from latentloop import runs, runtime
+from latentloop.archs import ARCHS
 from latentloop.cli import main
 from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config
 from latentloop.data import ByteTokenizer, load_tokenizer, parse_source, prepare_tokens
@@ -606,3 +607,14 @@ def test_resume_with_a_partial_config_is_one_line(corpus, tmp_path, content, cap
     run = _train(corpus, tmp_path / "run", steps=1)
     (run / "config.json").write_text(content)
     assert "config.json" in _one_line_exit_2(["train", "--out", run, "--resume", "--no-progress"], capsys)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_a_model_too_large_to_allocate_is_one_config_error(arch):
+    """A config whose model this machine cannot allocate (a checkpoint's config.json saying sequence_len
+    1e11: its RoPE tables; a typo'd width) is one line with what it needs, for every architecture, not
+    the CPU allocator's traceback from deep in the model's constructor."""
+    with pytest.raises(ll.ConfigError, match=r"cannot build the \w+ model: .* RoPE tables \(sequence_len "
+                                             r"100,000,000,000\) [\d,.]+ GiB, more than this machine could allocate"):
+        ll.build(arch, preset="test", sequence_len=10 ** 11)
+

@@ -161,7 +161,29 @@ class ArchSpec:
     def build_model(self, config: ModelConfig) -> GPT:
         if not isinstance(config, self.config_class):
             raise ConfigError(f"arch {self.name!r} needs a {self.config_class.__name__}, got {type(config).__name__}")
-        return self.model_class(config)
+        try:
+            return self.model_class(config)
+        except torch.OutOfMemoryError as exc:
+            raise self._does_not_fit(config, exc) from None
+        except RuntimeError as exc:  # the CPU allocator's failure is a plain RuntimeError
+            if "allocate" not in str(exc):
+                raise
+            raise self._does_not_fit(config, exc) from None
+
+    def _does_not_fit(self, config: ModelConfig, exc: Exception) -> ConfigError:
+        """A model too large for the memory it is built in (a typo'd n_embd, a checkpoint's config that
+        says sequence_len 1e9): one line with what it needs, counted on the meta device, not torch's
+        allocator traceback."""
+        with torch.device("meta"):
+            shapes = self.model_class(config)
+        weights = sum(p.numel() * p.element_size() for p in shapes.parameters())
+        buffers = sum(b.numel() * b.element_size() for b in shapes.buffers())  # RoPE tables: sequence_len rows
+        def size(n: int) -> str:
+            return f"{n / 2 ** 30:,.1f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:,.1f} MiB"
+
+        return ConfigError(f"cannot build the {self.name} model: its weights take {size(weights)} and its RoPE tables "
+                           f"(sequence_len {config.sequence_len:,}) {size(buffers)}, more than this machine could "
+                           f"allocate ({str(exc).splitlines()[0][:120]})")
 
     def build_objective(self, model_config: ModelConfig, train_config: TrainConfig) -> Objective:
         return self.objective_class(model_config, train_config)

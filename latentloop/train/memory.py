@@ -442,6 +442,25 @@ def step_memory(config: RunConfig, objective, forward_steps: Sequence[int], devi
             "kv_cache_per_sequence": float(cache)}, probe
 
 
+FP32_BYTES, TOKEN_ID_BYTES = 4, 8
+
+
+def check_micro_batch_fits(config: RunConfig, device: torch.device, limit: int | None = None,
+                           where: str | None = None) -> None:
+    """Refuse a micro-batch whose token ids and embeddings alone (a strict lower bound of its
+    memory) exceed the device's (`limit` bytes, default the device's own; `where`: how to name it):
+    `--batch-size 1e11` built window ids for minutes, then failed, and `plan` probed such a step
+    for minutes (its time grows with the batch) before it said anything."""
+    batch, seq_len, width = config.train.batch_size, config.model.sequence_len, config.model.n_embd
+    least = batch * ((seq_len + 1) * TOKEN_ID_BYTES + seq_len * width * FP32_BYTES)
+    limit = device_memory_bytes(device) if limit is None else limit
+    if limit is not None and least > limit:
+        raise ConfigError(f"train.batch_size={batch:,}: one micro-batch's token ids and embeddings alone take "
+                          f"{least / 2 ** 30:,.1f} GiB, more than the {limit / 2 ** 30:,.1f} GiB "
+                          f"{where or f'this {device.type} has'}; lower the batch size (grad_accum or batch_tokens "
+                          f"make a larger batch from micro-batches)")
+
+
 def device_memory_bytes(device: torch.device) -> int | None:
     """What one process can hold on `device`: the GPU's memory, or the machine's (its cgroup's) for
     the CPU; None where it cannot be read."""
@@ -477,5 +496,5 @@ def check_step_fits(config: RunConfig, device: torch.device, devices: int = 1) -
 
 
 __all__ = ["ALL_KIND_STEPS", "KIND_WINDOW", "PLAN_TOLERANCE", "Forward", "ProbeNeedsData", "SavedTensors",
-           "check_step_fits", "count_saved", "device_memory_bytes", "kind_steps", "meta_model", "setup_probe_steps",
-           "optimizer_step_bytes", "probe_forwards", "step_memory", "tensor_bytes"]
+           "check_micro_batch_fits", "check_step_fits", "count_saved", "device_memory_bytes", "kind_steps",
+           "meta_model", "setup_probe_steps", "optimizer_step_bytes", "probe_forwards", "step_memory", "tensor_bytes"]

@@ -29,7 +29,7 @@ from ..interop.upcycle import initialise_from
 from ..parallel import wrap_model
 from ..runtime import absolute_source, keep_freed_memory, precision_note, prepare_data, resolve_dtype
 from ..util import write_json_atomic
-from .memory import check_step_fits, device_memory_bytes
+from .memory import check_micro_batch_fits, check_step_fits
 from .resume import resume_run
 from .stages import check_stage
 from .state import SET_ON_SETUP, FlopsMemo, TrainState, config_as_given, note, rank_seed, warn
@@ -116,21 +116,7 @@ def check_run_folder(run_dir: Path, config: RunConfig, resume: bool, strategy: s
     return []
 
 
-FP32_BYTES, TOKEN_ID_BYTES = 4, 8
 STOPPED_LOG = "metrics-stopped.jsonl"  # a run started again in its folder keeps the stopped one's log here
-
-
-def check_micro_batch_fits(config: RunConfig, device: torch.device) -> None:
-    """Refuse a micro-batch whose token ids and embeddings alone (a strict lower bound of its
-    memory) exceed the device's: `--batch-size 1e11` built window ids for minutes, then failed."""
-    batch, seq_len, width = config.train.batch_size, config.model.sequence_len, config.model.n_embd
-    least = batch * ((seq_len + 1) * TOKEN_ID_BYTES + seq_len * width * FP32_BYTES)
-    limit = device_memory_bytes(device)
-    if limit is not None and least > limit:
-        raise ConfigError(f"train.batch_size={batch:,}: one micro-batch's token ids and embeddings alone take "
-                          f"{least / 2 ** 30:,.1f} GiB, more than the {limit / 2 ** 30:,.1f} GiB this {device.type} "
-                          f"has; lower the batch size (grad_accum or batch_tokens make a larger batch from "
-                          f"micro-batches)")
 
 
 def check_validation_split(val, config: RunConfig) -> None:

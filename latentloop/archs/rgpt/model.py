@@ -117,7 +117,10 @@ class RGPTConfig(ModelConfig):
         require(self.n_rec >= 1, f"n_rec must be >= 1, got {self.n_rec}")
         self.n_layer = self.n_pre + self.n_rec + self.n_coda
         super().__post_init__()
-        require(self.recurrence_steps >= 1, f"recurrence_steps must be >= 1, got {self.recurrence_steps}")
+        # bounded as decoding's `steps` is: a larger trained depth could not be decoded at its own depth,
+        # and 100,000 steps hung `train` and `plan` with no word
+        require(1 <= self.recurrence_steps <= MAX_RECURRENCE_STEPS,
+                f"recurrence_steps must be in [1, {MAX_RECURRENCE_STEPS}], got {self.recurrence_steps}")
         require(self.noise_std >= 0, f"noise_std must be >= 0, got {self.noise_std}")
         require(self.gate_temperature > 0, f"gate_temperature must be > 0, got {self.gate_temperature}")
         require(0 <= self.truncate_steps < self.recurrence_steps,
