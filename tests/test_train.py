@@ -105,7 +105,7 @@ def test_a_resume_that_fails_leaves_the_runs_config_as_it_was(corpus, tmp_path, 
     assert "changed train settings" not in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("field, value", [("seed", 7), ("optimizer", "adamw")])
+@pytest.mark.parametrize("field, value", [("seed", 7), ("optimizer", "adamw"), ("stage", "extend")])
 def test_a_resume_that_changes_the_seed_or_the_optimizer_is_refused_in_one_line(corpus, tmp_path, field, value):
     fit(setup(_config(corpus, steps=3), tmp_path / "run", progress=False), progress=False)
     with pytest.raises(ll.CheckpointError, match=f"train.{field} {value!r}: it ran with .*--init-from"):

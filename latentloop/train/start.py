@@ -51,7 +51,7 @@ def _check_output_path(run_dir: Path) -> None:
 
 # train settings a resumed run cannot take: the data order and the objective's draws follow the seed,
 # and the optimizers' parameter groups follow these two (their saved states would not fit)
-FIXED_ON_RESUME = ("seed", "optimizer", "muon_exclude")
+FIXED_ON_RESUME = ("seed", "optimizer", "muon_exclude", "stage")  # stage: what the run is (its data, its checks)
 # train settings the lr schedule (and step-dependent recipes such as fbt's paper schedule) is computed from
 SCHEDULE_FIELDS = ("steps", "warmup_steps", "schedule", "decay_fraction", "min_lr_ratio")
 
