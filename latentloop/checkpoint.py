@@ -546,17 +546,6 @@ def prompting_as_its_model(tokenizer: Any, checkpoint: Path) -> Any:
     return tokenizer
 
 
-def load_run_tokenizer(checkpoint: Path, config: ModelConfig) -> Any:
-    """The tokenizer of a checkpoint (`find_tokenizer_file`), checked to fit its model, prompting as
-    that model reads prompts (`prompting_as_its_model`)."""
-    from .data.tokenizers import load_tokenizer
-
-    tokenizer_file = find_tokenizer_file(checkpoint)
-    tokenizer = load_tokenizer(str(tokenizer_file))
-    check_tokenizer_fits(tokenizer, config, tokenizer_file)
-    return prompting_as_its_model(tokenizer, checkpoint)
-
-
 # The head: a linear map onto the vocabulary, one row per token id (absent when tied to the embedding).
 HEAD = "lm_head.weight"
 

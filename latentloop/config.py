@@ -487,6 +487,8 @@ def _coerce(value: Any, type_name: Any, name: str) -> Any:
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
+    if path.is_dir():  # "not found" sent the user looking for a file that is there, as a folder
+        raise ConfigError(f"config file {path} is a folder, not a file: give the path of a YAML file")
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:

@@ -22,6 +22,7 @@ from .archs import ARCHS, get_arch, scoring_notes
 from .config import DataConfig, RunConfig, TrainConfig, model_config
 from .engine import generate
 from .errors import ConfigError, LatentloopError, OutputError
+from .util import default_cache_dir
 
 DEMO_MARKER = "demo.json"  # a folder holding this file was written by the demo and may be replaced
 # Steps per architecture (the same for all, so every arch sees the same tokens), sized for a few
@@ -60,9 +61,25 @@ def _prepare_folder(out: Path) -> None:
         raise OutputError(f"cannot create --out {out}: {exc.strerror or exc}") from None
 
 
+def _check_data(configs: dict[str, RunConfig], progress: bool) -> None:
+    """Read and tokenize the demo's data as every arch's setup will (into the token cache, where setup
+    finds it again) and check that each arch's validation split holds a window. Parsing the source
+    spec alone passed an empty file, a file that is not UTF-8, a source too small to validate on
+    (`task:s5:n=1`): setup refused them only after the previous demo had been removed."""
+    from .data import load_tokenizer, parse_source, prepare_tokens
+    from .train.start import check_validation_split
+
+    data = next(iter(configs.values())).data  # the same DataConfig for every arch
+    source = parse_source(data.source, val_fraction=data.val_fraction)
+    cache_dir = Path(data.cache_dir) if data.cache_dir else default_cache_dir()
+    tokens = prepare_tokens(source, load_tokenizer(data.tokenizer), cache_dir, max_bytes=data.max_bytes or None,
+                            progress=progress)
+    for config in configs.values():
+        check_validation_split(tokens.val, config)
+
+
 def run_demo(out: Path, steps: int = DEMO_STEPS, data: str = "stdlib", preset: str = "tiny",
              archs: list[str] | None = None, progress: bool = True) -> list[dict[str, Any]]:
-    from .data import parse_source
     from .train import fit, setup
 
     archs = archs or list(ARCHS)  # registration order: the baseline first
@@ -73,15 +90,16 @@ def run_demo(out: Path, steps: int = DEMO_STEPS, data: str = "stdlib", preset: s
         raise ConfigError(f"--steps must be a whole number >= 1, got {steps}")
     _check_folder(out)
     log_every = max(1, steps // CURVE_POINTS)
-    # every arch's config and the data source are checked before the folder is touched: a mistyped
-    # --preset or --data found at the first arch's setup had already removed the previous demo
+    # every arch's config and the data are checked before the folder is touched: a mistyped --preset
+    # or --data, or data that cannot be trained on, found at the first arch's setup had already
+    # removed the previous demo
     configs = {arch: RunConfig(model=model_config(arch, preset, tie_embeddings=True),  # fbt needs it: all alike
                                train=TrainConfig(steps=steps, batch_size=DEMO_BATCH_SIZE, eval_every=0,
                                                  eval_batches=EVAL_BATCHES, log_every=log_every,
                                                  warmup_steps=max(1, round(steps * WARMUP_FRACTION))),
                                data=DataConfig(source=data))
                for arch in archs}
-    parse_source(data, configs[archs[0]].data.val_fraction)  # a missing file, an unknown task: what setup would say
+    _check_data(configs, progress)
     _prepare_folder(out)
     (out / DEMO_MARKER).write_text(json.dumps({"status": "running", "archs": archs}) + "\n")
     results = []

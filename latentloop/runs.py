@@ -27,11 +27,13 @@ from .checkpoint import (
     add_checksum,
     check_full_weights,
     check_sharded,
+    check_tokenizer_fits,
     check_weights_finite,
+    find_tokenizer_file,
     fsync_dir,
-    load_run_tokenizer,
     load_sharded_state,
     load_weights,
+    prompting_as_its_model,
     read_run_config,
     read_weights,
     resolve_checkpoint,
@@ -40,6 +42,7 @@ from .checkpoint import (
 from .checkpoint import check_weights_fit as _check_weights_fit
 from .checkpoint import expected_shapes as _expected_shapes
 from .config import ModelConfig, RunConfig
+from .data import load_tokenizer
 from .errors import CheckpointError, ConfigError, OutputError
 from .util import first_line, give_default_mode
 
@@ -71,7 +74,9 @@ def load_run(path: str | Path, device: str | torch.device = "cpu",
     check_full_weights(checkpoint)
     config = read_run_config(checkpoint)
     config.data.cache_dir = ""  # a folder on the machine that trained the run, not one to write into here
-    tokenizer = load_run_tokenizer(checkpoint, config.model)
+    tokenizer_file = find_tokenizer_file(checkpoint)
+    tokenizer = prompting_as_its_model(load_tokenizer(str(tokenizer_file)), checkpoint)  # an old import's too
+    check_tokenizer_fits(tokenizer, config.model, tokenizer_file)
     weights = read_weights(checkpoint)  # checked against its checksum and for NaN / inf: the file's size, once
     check_weights_fit(config.model, checkpoint, {name: tuple(t.shape) for name, t in weights.items()})
     model = build_model(config.model)

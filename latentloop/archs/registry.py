@@ -30,6 +30,7 @@ from ..models.backbone import GPT, Draft
 from ..models.options import DecodeOption, all_options
 from ..objectives.base import Objective
 from ..optim import build_optimizers
+from ..util import first_line
 
 
 @dataclass(frozen=True)
@@ -183,7 +184,7 @@ class ArchSpec:
 
         return ConfigError(f"cannot build the {self.name} model: its weights take {size(weights)} and its RoPE tables "
                            f"(sequence_len {config.sequence_len:,}) {size(buffers)}, more than this machine could "
-                           f"allocate ({str(exc).splitlines()[0][:120]})")
+                           f"allocate ({first_line(exc)[:120]})")
 
     def build_objective(self, model_config: ModelConfig, train_config: TrainConfig) -> Objective:
         return self.objective_class(model_config, train_config)

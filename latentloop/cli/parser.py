@@ -4,6 +4,7 @@ architecture as flags (from the registry), and the argument types (one-line usag
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
 EXIT_USAGE = 2
@@ -100,8 +101,9 @@ def _add_decode_options(p: argparse.ArgumentParser) -> None:
 
 
 def _analysis_type(option):
-    """An analysis option's argument type: its type, at least its minimum (one-line usage errors)."""
-    if option.minimum is None:
+    """An analysis option's argument type: its type, a finite number for a float, at least its minimum
+    (one-line usage errors)."""
+    if option.minimum is None and option.type is not float:
         return option.type
 
     def parse(text: str):
@@ -109,7 +111,11 @@ def _analysis_type(option):
             value = option.type(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {option.type.__name__}, got {text!r}") from None
-        if value < option.minimum:
+        # float() reads "nan" and "inf", and `nan < minimum` is False: `--exit-threshold nan` ran the
+        # analysis and recorded null
+        if isinstance(value, float) and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+        if option.minimum is not None and value < option.minimum:
             raise argparse.ArgumentTypeError(f"expected at least {option.minimum}, got {text!r}")
         return value
 

@@ -276,10 +276,8 @@ def _plot_by_position(result: dict, args, checkpoint) -> Path | None:
 
 def cmd_compare(args) -> int:
     from ..eval.compare import compare_runs
-    from ..runtime import output_folder
 
-    output_folder(args.out, "--out")
-    try:
+    try:  # compare_runs makes --out once the runs and the baseline have been read (a refusal leaves none)
         report = compare_runs(args.runs, args.out, args.baseline, show_progress=not args.no_progress)
     except OSError as exc:  # the folder was writable a moment ago: a full disk, a file dropped in the way
         raise OutputError(f"cannot write the report into {args.out}: {exc.strerror or exc}") from None

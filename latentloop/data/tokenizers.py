@@ -651,7 +651,7 @@ class HFTokenizer(_ChatInterface):
     def prompting_as_imported(self) -> HFTokenizer:
         """This tokenizer prompting as `transformers` reads its file (BOS first only where the
         post-processor puts one), as `import-hf` reads an imported model's (itself when it already does):
-        for a run imported before its tokenizer file recorded `adds_bos` (`checkpoint.load_run_tokenizer`)."""
+        for a run imported before its tokenizer file recorded `adds_bos` (`checkpoint.prompting_as_its_model`)."""
         if self.adds_bos == self.post_processor_adds_bos:
             return self
         return HFTokenizer(self._json, self.bos_id, self.eos_id, self.pad_id, self.vocab_size, source=self._source,
@@ -1005,6 +1005,12 @@ def load_tokenizer(spec: str) -> ByteTokenizer | BPETokenizer | HFTokenizer:
     added = content.get("added_tokens") if isinstance(content, dict) else None
     if added is not None and not isinstance(added, list):  # iterating a number was a TypeError
         raise DataError(f"tokenizer {path}: 'added_tokens' must be a list, got {type(added).__name__}")
+    # every Hugging Face tokenizer.json names its model; without one the tokenizers library's complaint
+    # is a parse error at a column of valid JSON ("expected `,` or `}`"), which reads as a damaged file
+    if not isinstance(content, dict) or "model" not in content:
+        kind = ("a JSON object with no 'model'" if isinstance(content, dict)
+                else f"JSON {'null' if content is None else type(content).__name__}, not an object")
+        raise DataError(f"tokenizer {path}: not a tokenizer file ({kind}); use 'byte' or a tokenizer.json")
     ours = any(isinstance(token, dict) and token.get("content") == BOS_TOKEN for token in added or [])
     if not ours and (path.parent / "tokenizer_config.json").is_file():  # a pretrained model's own tokenizer
         # to train with: latentloop's documents start with BOS, so its prompts do, whatever the file's

@@ -42,6 +42,7 @@ import torch
 from ..archs import scoring_notes
 from ..config import RunConfig
 from ..errors import CheckpointError, ConfigError, LatentloopError
+from ..runtime import output_folder
 from ..util import is_int, json_safe, progress
 from .core import CORE_TASKS
 from .stats import format_comparison, seed_rows
@@ -562,8 +563,8 @@ def compare_runs(paths: list[str | Path], out: str | Path = "compare", baseline:
         if not by_run:
             raise ConfigError(f"--baseline {baseline!r} names none of the groups ({', '.join(groups)}) or runs")
         baseline = by_run[0]
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    # created only now that every run and the baseline are read: a mistyped run left an empty --out behind
+    out = output_folder(out, "--out")
     table = runs_table(runs)
     tasks = tasks_table(runs)
     plots, notes = plot_losses(runs, out, groups)

@@ -167,8 +167,12 @@ def download_eval_bundle(dest: str | Path | None = None, url: str | None = None,
     """
     dest = Path(dest) if dest is not None else default_eval_dir()
     url = url or EVAL_BUNDLE_URL
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+    try:  # the cache folder itself: a file in its place or a folder we may not write is the user's to fix
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+    except OSError as exc:  # mkdir of a file says "File exists": say what is in the way
+        reason = "a file is there, not a folder" if dest.parent.is_file() else exc.strerror or exc
+        raise DataError(f"cannot fetch the eval bundle into {dest.parent}: {reason}") from None
     try:
         archive = work / "bundle.zip"
         try:
@@ -191,9 +195,12 @@ def download_eval_bundle(dest: str | Path | None = None, url: str | None = None,
         source = entries[0] if len(entries) == 1 and entries[0].is_dir() else unpacked
         if not any(source.rglob("*.jsonl")):
             raise DataError(f"the eval bundle from {url} holds no jsonl files")
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(source, dest)
+        try:
+            if dest.exists():
+                shutil.rmtree(dest)
+            os.replace(source, dest)
+        except OSError as exc:  # a file where the folder goes, say
+            raise DataError(f"cannot put the eval bundle in place at {dest}: {exc.strerror or exc}") from None
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return dest

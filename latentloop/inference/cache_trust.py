@@ -25,6 +25,8 @@ library planted there would run as whoever calls `latentloop generate`. So, as s
   without its digest is built again, never mapped.
 - `private_folder(folder)`: make the cache's folders with mode 0700 whatever the umask (a umask of
   002, Debian's default for user groups, would make them group-writable and so untrusted).
+- `unwritable_folder(folder)`: `private_folder`, then why this process cannot write there (a folder
+  that cannot be made, or a read-only one), or None; such a folder is given up as an untrusted one is.
 
 The digests catch damage, not an attacker (who could rewrite them too): the ownership and mode
 checks are what keep another user's file from running. Data in the cache (token shards) is not code
@@ -139,6 +141,22 @@ def private_folder(folder: Path) -> Path:
         except OSError:
             pass  # made by another process of ours meanwhile: judged by `untrusted_folder` when read
     return folder
+
+
+def unwritable_folder(folder: Path) -> str | None:
+    """`folder` made private (`private_folder`); None when this process can then write in it, else one
+    line saying why not: it cannot be made (a parent that is a file, a folder we may not write), or it
+    is read-only to us. The caller keeps nothing there (a private temporary folder serves this process)
+    rather than failing at the first write, as inductor does with a traceback."""
+    try:
+        private_folder(folder)
+    except OSError as exc:
+        return f"{folder} cannot be made ({exc.strerror or exc})"
+    # access(2) asks the kernel, so a read-only mount, an immutable folder and an ACL count, as they do
+    # for root, who may write a folder of any mode
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"{folder} is not writable"
+    return None
 
 
 def private_temporary_folder(prefix: str) -> Path:

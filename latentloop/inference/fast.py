@@ -86,7 +86,7 @@ from ..models.cache import AttentionPlan, KVCache, row_span, zeros_on_touch
 from ..util import CACHE_ENV, default_cache_dir, warn_once
 from . import native, quant, torch_internals
 from .aot import AotDecodeStep, AotUnavailable, aot_enabled, cpu_vendor, model_code_digest
-from .cache_trust import private_folder, private_temporary_folder, untrusted_folder
+from .cache_trust import private_temporary_folder, untrusted_folder, unwritable_folder
 from .huge_pages import weights_on_huge_pages
 from .products import ROWS_KERNEL_MAX_ROWS, ROWS_KERNEL_MIN_ROWS
 
@@ -609,22 +609,22 @@ _private_compile_dirs: dict[str, Path] = {}
 def compile_cache_dir() -> Path:
     """`configured_compile_cache_dir()` where only this user can have written it (`cache_trust`:
     inductor and the ahead-of-time packages load compiled libraries from it). Elsewhere (a folder
-    another user owns, or one group or others may write) nothing is read from it: this process
-    compiles into a private temporary folder of its own, said once on stderr."""
+    another user owns, one group or others may write, or one this process cannot make or write) nothing
+    is read from it: this process compiles into a private temporary folder of its own, said once on stderr."""
     chosen = configured_compile_cache_dir()
     root = default_cache_dir()  # a folder of its own (a user's $TORCHINDUCTOR_CACHE_DIR) is its own root
     inside = Path(os.path.abspath(chosen)).is_relative_to(os.path.abspath(root))
-    try:  # made before it is judged: a folder someone else made first is then seen as theirs
-        private_folder(chosen)
-    except OSError:
-        pass  # a read-only place: judged as it is
-    reason = untrusted_folder(chosen, root if inside else chosen)
+    # made before it is judged: a folder someone else made first is then seen as theirs. One that cannot
+    # be made or written is given up too: inductor writes its graphs there and fails with a traceback
+    unwritable = unwritable_folder(chosen)
+    reason = unwritable or untrusted_folder(chosen, root if inside else chosen)
     if reason is None:
         return chosen
     key = str(chosen)
     if key not in _private_compile_dirs:  # mode 0700, removed when the process exits
         _private_compile_dirs[key] = private_temporary_folder("latentloop-compiled-")
-        warn_once(f"not loading compiled code from {chosen}: {reason}; compiling into "
+        verb = "not keeping compiled code in" if unwritable else "not loading compiled code from"
+        warn_once(f"{verb} {chosen}: {reason}; compiling into "
                   f"{_private_compile_dirs[key]} for this process (set {CACHE_ENV} to a folder of your own)")
     return _private_compile_dirs[key]
 
@@ -636,7 +636,7 @@ def use_compile_cache() -> None:
     `autograd_cache`: AOT autograd's traced graph), keyed by the graph and torch's version, so a second
     process with the same model shape and options skips inductor's work and pays only dynamo's trace
     and the load."""
-    os.environ[INDUCTOR_CACHE_ENV] = str(private_folder(compile_cache_dir()))
+    os.environ[INDUCTOR_CACHE_ENV] = str(compile_cache_dir())  # made by it, or a private temporary one
 
 
 # A first call's cost when nothing is recorded for its (model shape, options, cache shape): the cold

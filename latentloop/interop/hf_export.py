@@ -53,16 +53,18 @@ from safetensors.torch import save_file
 from ..archs import build_model, get_arch
 from ..checkpoint import (
     check_full_weights,
+    check_tokenizer_fits,
     check_weights_fit,
-    load_run_tokenizer,
+    find_tokenizer_file,
     load_weights,
+    prompting_as_its_model,
     read_run_config,
     read_weights,
     resolve_checkpoint,
     verify_file,
 )
 from ..config import ModelConfig
-from ..data.tokenizers import write_hf_tokenizer
+from ..data.tokenizers import load_tokenizer, write_hf_tokenizer
 from ..errors import InteropError, OutputError
 from ..util import first_line, give_default_mode, is_int, staged_folder
 from .hf_import import EXPORT_STAGING_PREFIX, check_out_folder, hf_to_latentloop_names, rope_half_flip
@@ -247,7 +249,9 @@ def export_hf(run: str | Path, out: str | Path, plain: bool | None = None, show_
     check_full_weights(checkpoint)
     run_config = read_run_config(checkpoint)
     config = run_config.model
-    tokenizer = load_run_tokenizer(checkpoint, config)
+    tokenizer_file = find_tokenizer_file(checkpoint)
+    tokenizer = prompting_as_its_model(load_tokenizer(str(tokenizer_file)), checkpoint)  # an old import's too
+    check_tokenizer_fits(tokenizer, config, tokenizer_file)
     blockers = plain_blockers(config)
     if plain and blockers:
         raise InteropError(f"cannot export as a plain Llama model: {', '.join(blockers)} (these are not Llama "

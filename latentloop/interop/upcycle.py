@@ -27,6 +27,7 @@ from typing import Any
 from torch import nn
 
 from ..checkpoint import (
+    check_full_weights,
     grow_vocab_rows,
     load_fitting_tensors,
     load_matching_weights,
@@ -72,6 +73,8 @@ def initialise_from(model: nn.Module, run: str | Path, grow_vocab: bool = False,
     source arch, what was done, which parameters are new and whether step 0 is exact.
     `grow_vocab`: the model may have more token ids than the run (SFT's chat tokens, `new_ids`)."""
     checkpoint = resolve_checkpoint(run)
+    # an fsdp2 run's sharded weights: how to write model.safetensors, not "missing from checksums.json"
+    check_full_weights(checkpoint)
     source = read_run_config(checkpoint).model
     target = model.config.arch
     if source.arch == target:

@@ -52,8 +52,25 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def check_api_key(api_key: str | None) -> None:
+    """A key a client can send: not blank (" " started a server that asked for a key nobody could
+    give), and without surrounding whitespace, which HTTP drops from a header's value and the server
+    strips from the key it is sent: a configured " abc" refused every request, `Bearer abc` included."""
+    if not api_key:  # none given (an empty $LATENTLOOP_API_KEY included): serve without a key, as before
+        return
+    where = f"--api-key (or ${API_KEY_ENV})"
+    if not api_key.strip():
+        raise LatentloopError(f"{where} is blank: give a key clients can send ('Authorization: Bearer KEY'), "
+                              "or none to serve without one")
+    if api_key != api_key.strip():
+        # the key itself is not echoed: it is a secret, and error output ends up in logs
+        raise LatentloopError(f"{where} begins or ends with whitespace, which no client can send in "
+                              "'Authorization: Bearer KEY': give the key without it")
+
+
 def check_settings(settings: ServeSettings) -> None:
     """One-line errors for settings that cannot work, before anything is loaded."""
+    check_api_key(settings.api_key)
     if not is_loopback(settings.host) and not settings.api_key:
         raise LatentloopError(f"--host {settings.host} makes the server reachable from other machines: give an API "
                               f"key with --api-key or ${API_KEY_ENV} (clients send 'Authorization: Bearer KEY')")

@@ -151,6 +151,8 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
     together(check_run_folder, run_dir, config, resume, given_strategy)
     if resume and list_checkpoints(run_dir):
         together(lambda: check_resumable(resolve_checkpoint(run_dir)))  # before any data is prepared
+    if resume and init_from is not None:
+        together(_check_resumed_init_from, run_dir, init_from)
     tokenizer = together(load_tokenizer, _run_tokenizer(run_dir) if resume else config.data.tokenizer)
     if init_from is not None:  # an imported run saved before its tokenizer file said how it prompts
         tokenizer = together(lambda: prompting_as_its_model(tokenizer, resolve_checkpoint(init_from)))
@@ -188,7 +190,7 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
                           seed=config.train.seed, rank=env.rank, world_size=env.world_size)
     model = build_model(config.model)  # the same init on every rank (same seed)
     init_report = None
-    if init_from is not None:
+    if init_from is not None and not resume:  # a resumed run's weights are its checkpoint's
         init_report = together(initialise_from, model, init_from, grow_vocab=sft, new_ids=added_ids)
     model = model.to(device)
     objective = build_objective(config.model, config.train)
@@ -235,6 +237,25 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
               f"x {state.accumulation} accumulation x {env.world_size} processes = {state.global_batch} sequences "
               f"({state.global_batch * config.model.sequence_len:,} tokens) per step")
     return state
+
+
+def _check_resumed_init_from(run_dir: Path, init_from: str | Path) -> None:
+    """`--resume` with `--init-from`: the run's own command again (an SFT or extend run names its base)
+    is accepted, and nothing is initialised (the checkpoint's weights are the run's); another run is
+    refused. Its weights were loaded and then replaced by the checkpoint's, while the run said
+    "initialised from" it."""
+    checkpoints = list_checkpoints(run_dir)
+    if not checkpoints:
+        return
+    try:
+        started = json.loads((checkpoints[-1] / "state.json").read_text(encoding="utf-8")).get("init_from")
+    except (OSError, ValueError, AttributeError):
+        started = None  # an unreadable state.json is the resume's to report
+    if started != str(Path(init_from).resolve()):
+        began = f"started from {started}" if isinstance(started, str) else "started from fresh weights"
+        raise ConfigError(f"cannot resume {run_dir} with --init-from {init_from}: the run {began}, and a resumed "
+                          f"run continues from its own checkpoint; drop --init-from, or start a new run (a new "
+                          f"--out) from {init_from}")
 
 
 def _run_tokenizer(run_dir: Path) -> str:
