@@ -794,7 +794,8 @@ def plot_curves(points: Sequence[Point], corpus: str, optimizer: str, path: Path
             if row == 0:
                 ax.set_title(f"size {size}")
     axes[0][0].legend(fontsize=7)
-    fig.suptitle(f"{corpus}, {optimizer}: decayed WSD endpoints (lines: seed mean, bands: seed range; "
+    # on two lines: one line was cut off at both ends in a one-size figure (4.2 inches wide)
+    fig.suptitle(f"{corpus}, {optimizer}: decayed WSD endpoints\n(lines: seed mean, bands: seed range; "
                  f"dots: the trunk before each decay)", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
