@@ -121,3 +121,25 @@ def test_a_config_that_is_a_folder_is_named_a_folder(tmp_path, capsys):
     err = _one_error_line(capsys.readouterr().err)
     assert "is a folder" in err and "not found" not in err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", "--arch", "gpt", "--preset", "test", "--out", ""],
+    ["train", "--arch", "gpt", "--preset", "test", "--tokenizer", " ", "--out", "run"],
+    ["import-hf", "some/model", "--out", ""],
+    ["export", "run", "--out", ""],
+    ["demo", "--out", ""],
+    ["compare", "run", "--out", ""],
+])
+def test_an_empty_path_is_refused_not_read_as_the_current_folder(argv, tmp_path, monkeypatch, capsys):
+    """`--out ""` (an unset shell variable) said ". exists and is not empty", and `--tokenizer ""` "no
+    tokenizer.json in directory .": an empty path is a usage error naming the flag."""
+    monkeypatch.chdir(tmp_path)
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's refusals exit from inside the parser
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2 and "expected a path, got an empty one" in err, err
+    assert "--out" in err or "--tokenizer" in err
+    assert list(tmp_path.iterdir()) == []

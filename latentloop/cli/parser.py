@@ -100,6 +100,14 @@ def _add_decode_options(p: argparse.ArgumentParser) -> None:
 
 
 
+def _path(text: str) -> str:
+    """A path argument: an empty one ("" from an unset shell variable) read as the current folder, and
+    `--out ""` said ". exists and is not empty"."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a path, got an empty one")
+    return text
+
+
 def _analysis_type(option):
     """An analysis option's argument type: its type, a finite number for a float, at least its minimum
     (one-line usage errors)."""
@@ -144,7 +152,7 @@ def _add_analyses(sub) -> None:
         sp.add_argument("--data", default=None,
                         help="the text to analyze on (stdlib, text:PATH, ...; default: the run's own, as eval "
                              "reads it)")
-        sp.add_argument("--out", default=None, help="output folder (default: RUN/analysis)")
+        sp.add_argument("--out", type=_path, default=None, help="output folder (default: RUN/analysis)")
         sp.add_argument("--json", action="store_true", help="print the result as JSON")
         sp.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -237,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--data", help="data source: stdlib, text:PATH, hf:NAME[:CONFIG], task:NAME[:knobs], "
                                   "mix:SOURCE+SOURCE[+...], or for --stage sft chat:FILE[:field=role,...] / "
                                   "chat:task:NAME")
-    t.add_argument("--tokenizer", help="'byte' or a path to a tokenizer.json")
+    t.add_argument("--tokenizer", type=_path, help="'byte' or a path to a tokenizer.json")
     t.add_argument("--steps", type=_positive_int, help="optimizer steps")
     t.add_argument("--batch-size", type=_positive_int, help="sequences per micro-batch")
     t.add_argument("--lr", type=float, help="AdamW's peak learning rate (train.lr); with the default Muon "
@@ -245,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
                                             "matrices' is train.muon_lr")
     t.add_argument("--seed", type=int, help="random seed")
     t.add_argument("--device", help="auto, cpu, cuda[:N], mps")
-    t.add_argument("--out", required=True, help="run folder to create (or continue with --resume)")
+    t.add_argument("--out", type=_path, required=True, help="run folder to create (or continue with --resume)")
     t.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     from ..archs import ARCHS
 
@@ -338,8 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     kt = ksub.add_parser("train", help="train a byte-level BPE tokenizer")
     kt.add_argument("--data", required=True, help="data source: stdlib, text:PATH, hf:NAME[:CONFIG]")
     kt.add_argument("--vocab-size", type=_positive_int, required=True, help="vocabulary size (>= 259)")
-    kt.add_argument("--out", required=True, help="output tokenizer.json file or folder (an existing tokenizer file "
-                                                 "is never overwritten)")
+    kt.add_argument("--out", type=_path, required=True,
+                    help="output tokenizer.json file or folder (an existing tokenizer file is never overwritten)")
     kt.add_argument("--max-bytes", type=_non_negative_int, default=20_000_000,
                     help="read at most this many bytes of training text (0: all)")
 
@@ -349,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
                                          "as a gpt run")
     i.add_argument("source", metavar="PATH", help="a local model folder (config.json, *.safetensors, "
                                                   "tokenizer.json) or a Hub name org/name")
-    i.add_argument("--out", required=True, help="run folder to create")
+    i.add_argument("--out", type=_path, required=True, help="run folder to create")
     i.add_argument("--sequence-len", type=_positive_int, default=None,
                    help="context of the run (default: the model's max_position_embeddings)")
     i.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -357,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     x = sub.add_parser("export", help="export a run as a Hugging Face model folder")
     x.add_argument("run", help="run folder or checkpoint folder")
     x.add_argument("--format", choices=["hf"], default="hf", help="output format (hf: transformers)")
-    x.add_argument("--out", required=True, help="folder to create")
+    x.add_argument("--out", type=_path, required=True, help="folder to create")
     kind = x.add_mutually_exclusive_group()
     kind.add_argument("--plain", action="store_true",
                       help="require a plain LlamaForCausalLM / Qwen2ForCausalLM (error if the run's options block it)")
@@ -371,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="train every architecture briefly, compare, sample, write a report")
     d.add_argument("--steps", type=int, default=None,
                    help=f"training steps per architecture (default: {DEMO_STEPS}, {DEMO_DURATION})")
-    d.add_argument("--out", default="runs/demo", help="folder for the runs and the report (replaced)")
+    d.add_argument("--out", type=_path, default="runs/demo", help="folder for the runs and the report (replaced)")
     d.add_argument("--data", default="stdlib", help="data source")
     d.add_argument("--preset", default="tiny", help="model size preset")
     d.add_argument("--archs", default=None, help="comma-separated architectures (default: all available)")
@@ -391,7 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("compare", help="compare runs: params, tokens, FLOPs, loss, BPB, CORE and task accuracy")
     c.add_argument("runs", nargs="+", metavar="RUN", help="run folders")
-    c.add_argument("--out", default="compare", help="folder for compare.md and the loss plots (default: ./compare)")
+    c.add_argument("--out", type=_path, default="compare",
+                   help="folder for compare.md and the loss plots (default: ./compare)")
     c.add_argument("--baseline", default=None, metavar="NAME",
                    help="the group (runs differing only in seed) or run the paired differences are taken against "
                         "(default: the first)")
