@@ -236,6 +236,22 @@ def eval_data(config: RunConfig, tokenizer, data: str | None = None, progress: b
     return prepared
 
 
+def check_output_folder(path: str | Path, what: str = "output folder") -> None:
+    """What `output_folder` would refuse, found without creating anything: a file at `path` or at
+    one of its parents, or a folder this process may not write in (the nearest that exists). For a
+    command that reads its inputs before it makes its output folder (a refusal leaves none behind)."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise OutputError(f"{what} {path} is a file")
+    nearest = path
+    while not nearest.exists() and nearest != nearest.parent:
+        nearest = nearest.parent
+    if not nearest.is_dir():
+        raise OutputError(f"cannot create {what} {path}: {nearest} is a file")
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        raise OutputError(f"cannot write into {what} {path}: {nearest} is not writable")
+
+
 def output_folder(path: str | Path, what: str = "output folder") -> Path:
     """Create `path` (and its parents) and make sure a file can be written in it; any failure (a file
     in the way, no permission, a read-only disk) is one `OutputError` line, before work starts."""

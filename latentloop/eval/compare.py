@@ -42,7 +42,7 @@ import torch
 from ..archs import scoring_notes
 from ..config import RunConfig
 from ..errors import CheckpointError, ConfigError, LatentloopError
-from ..runtime import output_folder
+from ..runtime import check_output_folder, output_folder
 from ..util import is_int, json_safe, progress
 from .core import CORE_TASKS
 from .stats import format_comparison, seed_rows
@@ -553,6 +553,7 @@ def compare_runs(paths: list[str | Path], out: str | Path = "compare", baseline:
         raise ConfigError("give at least one run folder")
     for path in paths:  # a wrong folder is named before the progress bar starts
         _config_file(Path(path))
+    check_output_folder(out, "--out")  # a file in its way, too; it is made once the runs are read
     runs = [read_run(p) for p in progress(paths, desc="reading runs", enabled=show_progress)]
     _labels(runs)
     groups = seed_groups(runs)
