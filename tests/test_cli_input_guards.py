@@ -100,7 +100,7 @@ def test_a_resume_refuses_an_init_from_it_did_not_start_from(tiny_run, tiny_run_
 
 
 def test_a_resume_accepts_the_init_from_it_started_from_and_loads_only_its_checkpoint(tiny_run, corpus, tmp_path,
-                                                                                      capsys):
+                                                                                      capsys, monkeypatch):
     """The run's own command with --resume added (an SFT or extend run names its base run) goes on from
     its checkpoint, initialising nothing and saying nothing of it."""
     base = tiny_run("gpt")
@@ -110,8 +110,13 @@ def test_a_resume_accepts_the_init_from_it_started_from_and_loads_only_its_check
     assert "initialised from" in capsys.readouterr().err
     assert main([*argv, "--steps", "3", "--resume"]) == 0
     assert "initialised from" not in capsys.readouterr().err
+    # the base named by one of its checkpoints, and by a relative path, is the same base
+    checkpoint = sorted((base / "checkpoints").iterdir())[-1]
+    monkeypatch.chdir(checkpoint.parent)
+    named = [*argv[:2], checkpoint.name, *argv[3:]]
+    assert main([*named, "--steps", "4", "--resume"]) == 0
     state = json.loads(sorted((tmp_path / "run" / "checkpoints").iterdir())[-1].joinpath("state.json").read_text())
-    assert state["step"] == 3 and state["init_from"] == str(base.resolve())
+    assert state["step"] == 4 and state["init_from"] == str(base.resolve())
 
 
 def test_a_config_that_is_a_folder_is_named_a_folder(tmp_path, capsys):

@@ -239,6 +239,13 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
     return state
 
 
+def _run_root(path: str | Path) -> Path:
+    """The run folder a path names: itself, or the run of a checkpoint folder in its checkpoints/ (an
+    --init-from of the base run's checkpoint and of the base run are the same base)."""
+    path = Path(path).resolve()
+    return path.parent.parent if path.parent.name == "checkpoints" else path
+
+
 def _check_resumed_init_from(run_dir: Path, init_from: str | Path) -> None:
     """`--resume` with `--init-from`: the run's own command again (an SFT or extend run names its base)
     is accepted, and nothing is initialised (the checkpoint's weights are the run's); another run is
@@ -251,7 +258,7 @@ def _check_resumed_init_from(run_dir: Path, init_from: str | Path) -> None:
         started = json.loads((checkpoints[-1] / "state.json").read_text(encoding="utf-8")).get("init_from")
     except (OSError, ValueError, AttributeError):
         started = None  # an unreadable state.json is the resume's to report
-    if started != str(Path(init_from).resolve()):
+    if not isinstance(started, str) or _run_root(started) != _run_root(init_from):
         began = f"started from {started}" if isinstance(started, str) else "started from fresh weights"
         raise ConfigError(f"cannot resume {run_dir} with --init-from {init_from}: the run {began}, and a resumed "
                           f"run continues from its own checkpoint; drop --init-from, or start a new run (a new "
