@@ -480,9 +480,11 @@ def gate_bias_note(records: Sequence[dict[str, Any]]) -> str:
         return ""
     forms = "; ".join(f"{name} {', '.join(f'{b:g}' for b in sorted(values))}"
                       for name, values in sorted(biases.items()))
-    return (f" Initial gate bias of the recurrent forms: {forms} (latentloop's default; the RecurrentGPT paper "
-            f"initialises it at +{RGPT_PAPER_GATE_BIAS:g}, and the ladder keeps the project's default, as its "
-            f"rules say).")
+    from latentloop.archs.rgpt.model import RGPTConfig
+
+    return (f" Initial gate bias of the recurrent forms: {forms} (latentloop's default is "
+            f"{RGPTConfig().gate_bias_init:g}; the RecurrentGPT paper initialises it at +{RGPT_PAPER_GATE_BIAS:g}, "
+            f"and the ladder keeps the project's default, as its rules say).")
 
 
 def corpus_lines(records: Sequence[dict[str, Any]], planned: dict[str, dict[str, Any]]) -> list[str]:

@@ -117,6 +117,10 @@ def test_a_resume_accepts_the_init_from_it_started_from_and_loads_only_its_check
     assert main([*named, "--steps", "4", "--resume"]) == 0
     state = json.loads(sorted((tmp_path / "run" / "checkpoints").iterdir())[-1].joinpath("state.json").read_text())
     assert state["step"] == 4 and state["init_from"] == str(base.resolve())
+    # a newest state.json that does not read is the resume's to handle (it goes on from an older
+    # checkpoint), not a reason to call the base another run
+    sorted((tmp_path / "run" / "checkpoints").iterdir())[-1].joinpath("state.json").write_text("{")
+    assert main([*named, "--steps", "5", "--resume"]) == 0, capsys.readouterr().err
 
 
 def test_a_config_that_is_a_folder_is_named_a_folder(tmp_path, capsys):

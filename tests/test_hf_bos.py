@@ -362,6 +362,9 @@ def test_a_run_imported_before_adds_bos_was_kept_prompts_as_transformers(tmp_pat
     export_hf(tmp_path / "run", tmp_path / "export")
     exported = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "export"))
     assert exported(PROMPT).input_ids == expected
+    # no BOS named that the source never named (as a fresh import's export): transformers took it for one
+    assert exported.bos_token is None
+    assert "bos_token" not in json.loads((tmp_path / "export" / "tokenizer_config.json").read_text())
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TRAINING_TEXT * 4)
     assert main(["train", "--init-from", str(tmp_path / "run"), "--data", f"text:{corpus}", "--steps", "1",

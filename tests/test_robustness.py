@@ -614,7 +614,7 @@ def test_a_model_too_large_to_allocate_is_one_config_error(arch):
     """A config whose model this machine cannot allocate (a checkpoint's config.json saying sequence_len
     1e11: its RoPE tables; a typo'd width) is one line with what it needs, for every architecture, not
     the CPU allocator's traceback from deep in the model's constructor."""
-    with pytest.raises(ll.ConfigError, match=r"cannot build the \w+ model: .* RoPE tables \(sequence_len "
+    with pytest.raises(ll.ConfigError, match=r"cannot build the \w+ model: .* buffers \(RoPE tables, sequence_len "
                                              r"100,000,000,000\) [\d,.]+ GiB, more than this machine could allocate"):
         ll.build(arch, preset="test", sequence_len=10 ** 11)
 

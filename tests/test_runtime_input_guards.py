@@ -182,7 +182,7 @@ def test_init_from_sharded_weights_only_says_how_to_export_them(arch, tiny_run_c
 
 
 # --------------------------------------------------------------------------------------------
-# 6. A JSON file that is not a tokenizer
+# 5. A JSON file that is not a tokenizer
 # --------------------------------------------------------------------------------------------
 
 

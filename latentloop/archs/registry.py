@@ -179,12 +179,13 @@ class ArchSpec:
             shapes = self.model_class(config)
         weights = sum(p.numel() * p.element_size() for p in shapes.parameters())
         buffers = sum(b.numel() * b.element_size() for b in shapes.buffers())  # RoPE tables: sequence_len rows
+
         def size(n: int) -> str:
             return f"{n / 2 ** 30:,.1f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:,.1f} MiB"
 
-        return ConfigError(f"cannot build the {self.name} model: its weights take {size(weights)} and its RoPE tables "
-                           f"(sequence_len {config.sequence_len:,}) {size(buffers)}, more than this machine could "
-                           f"allocate ({first_line(exc)[:120]})")
+        return ConfigError(f"cannot build the {self.name} model: its weights take {size(weights)} and its buffers "
+                           f"(RoPE tables, sequence_len {config.sequence_len:,}) {size(buffers)}, more than this "
+                           f"machine could allocate ({first_line(exc)[:120]})")
 
     def build_objective(self, model_config: ModelConfig, train_config: TrainConfig) -> Objective:
         return self.objective_class(model_config, train_config)

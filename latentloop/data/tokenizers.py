@@ -48,7 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
-from latentloop.errors import ConfigError, DataError, OutputError
+from latentloop.errors import ConfigError, DataError, LatentloopError, OutputError
 from latentloop.util import first_line, give_default_mode
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -608,6 +608,7 @@ class HFTokenizer(_ChatInterface):
         self._source = source
         self._markup_tokenizer = None
         self.names_bos = self._adds_bos if names_bos is None else names_bos
+        self._names_bos_given = names_bos is not None
         # False only for a run's tokenizer file written before it kept `adds_bos` (`from_saved`)
         self.adds_bos_recorded = True
 
@@ -648,25 +649,27 @@ class HFTokenizer(_ChatInterface):
                            source=self._source, stop_ids=self._stop_ids, names_bos=self.names_bos,
                            adds_bos=self.adds_bos)
 
-    def prompting_as_imported(self) -> HFTokenizer:
-        """This tokenizer prompting as `transformers` reads its file (BOS first only where the
-        post-processor puts one), as `import-hf` reads an imported model's (itself when it already does):
-        for a run imported before its tokenizer file recorded `adds_bos` (`checkpoint.prompting_as_its_model`)."""
-        if self.adds_bos == self.post_processor_adds_bos:
+    def _prompting(self, adds_bos: bool, names_bos: bool | None) -> HFTokenizer:
+        """A copy whose prompts start with BOS as `adds_bos` says (itself where they already do)."""
+        if self.adds_bos == adds_bos:
             return self
         return HFTokenizer(self._json, self.bos_id, self.eos_id, self.pad_id, self.vocab_size, source=self._source,
-                           chat_template=self.chat_template, stop_ids=self._stop_ids, names_bos=self.names_bos,
-                           adds_bos=self.post_processor_adds_bos)
+                           chat_template=self.chat_template, stop_ids=self._stop_ids, names_bos=names_bos,
+                           adds_bos=adds_bos)
+
+    def prompting_as_imported(self) -> HFTokenizer:
+        """This tokenizer prompting as `transformers` reads its file (BOS first only where the
+        post-processor puts one), as `import-hf` reads an imported model's: for a run imported before
+        its tokenizer file recorded `adds_bos` (`checkpoint.prompting_as_its_model`). Where the file did
+        not record `names_bos` either, it is derived as an import derives it (a Qwen2 export named
+        `<|endoftext|>` its BOS, which transformers then took for one)."""
+        return self._prompting(self.post_processor_adds_bos, self.names_bos if self._names_bos_given else None)
 
     def prompting_with_bos(self) -> HFTokenizer:
         """This tokenizer for a model trained here from scratch, whose data starts every document with
         BOS: its prompts start with BOS too (itself when they already do). An imported run's tokenizer
         file says its model reads none; a new model trained with that file reads one."""
-        if self.adds_bos:
-            return self
-        return HFTokenizer(self._json, self.bos_id, self.eos_id, self.pad_id, self.vocab_size, source=self._source,
-                           chat_template=self.chat_template, stop_ids=self._stop_ids, names_bos=self.names_bos,
-                           adds_bos=True)
+        return self._prompting(True, self.names_bos)
 
     def encode_markup(self, text: str) -> list[int]:
         """Ids of text a chat template wrote: its special tokens (`<|im_start|>`, ...) are parsed as
@@ -906,13 +909,20 @@ def _template_gets_bos(tokenizer: HFTokenizer, bos_token: str | None) -> str | N
     (`adds_bos`: `as_prompt` puts one before a render that has none, while `apply_chat_template` adds
     no special tokens): "written" when the template writes it itself (given the BOS token's name, as the
     export names it), "added" when it needs `BOS_TEMPLATE_PREFIX`; None for a model prompted without
-    BOS, or a tokenizer without a template or a BOS token string."""
+    BOS, or a tokenizer without a template or a BOS token string. Any model prompted with BOS: one
+    trained here with a Hugging Face tokenizer, and an import whose post-processor puts BOS first while
+    its template writes none (latentloop chats with it after BOS, and its export then does too). A
+    template that refuses the one-message probe is written back as read."""
     if tokenizer.chat_template is None or not tokenizer.adds_bos or bos_token is None:
         return None
     from latentloop.data.chat import PROBE_CONVERSATION, _template_context, render_template
 
     context = {**_template_context(tokenizer, list(PROBE_CONVERSATION[:1]), True), "bos_token": bos_token}
-    written = tokenizer.encode_markup(render_template(tokenizer.chat_template, context))[:1] == [tokenizer.bos_id]
+    try:
+        rendered = render_template(tokenizer.chat_template, context)
+    except LatentloopError:  # a template that will not render a lone user message: nothing is learnt of it
+        return None
+    written = tokenizer.encode_markup(rendered)[:1] == [tokenizer.bos_id]
     return "written" if written else "added"
 
 

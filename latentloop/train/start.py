@@ -154,7 +154,7 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
     if resume and init_from is not None:
         together(_check_resumed_init_from, run_dir, init_from)
     tokenizer = together(load_tokenizer, _run_tokenizer(run_dir) if resume else config.data.tokenizer)
-    if init_from is not None:  # an imported run saved before its tokenizer file said how it prompts
+    if init_from is not None and not resume:  # an imported run saved before its tokenizer file said how it prompts
         tokenizer = together(lambda: prompting_as_its_model(tokenizer, resolve_checkpoint(init_from)))
     elif not resume and not tokenizer.adds_bos:
         # a new model reads every document after BOS (the data's rule), whatever the file says of the
@@ -255,9 +255,12 @@ def _check_resumed_init_from(run_dir: Path, init_from: str | Path) -> None:
     if not checkpoints:
         return
     try:
-        started = json.loads((checkpoints[-1] / "state.json").read_text(encoding="utf-8")).get("init_from")
-    except (OSError, ValueError, AttributeError):
-        started = None  # an unreadable state.json is the resume's to report
+        state = json.loads((checkpoints[-1] / "state.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # an unreadable state.json is the resume's to report (it falls back to an older checkpoint)
+    if not isinstance(state, dict) or "init_from" not in state:
+        return  # saved before runs recorded their base: nothing to compare, and nothing is initialised
+    started = state["init_from"]
     if not isinstance(started, str) or _run_root(started) != _run_root(init_from):
         began = f"started from {started}" if isinstance(started, str) else "started from fresh weights"
         raise ConfigError(f"cannot resume {run_dir} with --init-from {init_from}: the run {began}, and a resumed "
