@@ -528,13 +528,14 @@ def stale_fields(record: dict[str, Any], planned: dict[str, dict[str, Any]] | No
             if old != new and not (old == "<absent>" and added_as_before):
                 changed.append(f"{section}.{key}: {old!r} then, {new!r} now")
     precision, device = record.get("precision"), record.get("device")
-    if precision is not None and device is not None and BF16_SUPPORT in record:
-        # what today's resolution gives the same request on the machine that ran it (a record made before
-        # the machine's bf16 support was kept says nothing of it: not compared)
-        now_precision = resolve_dtype(torch.device(device), config.train.dtype, record[BF16_SUPPORT])
-        if precision != now_precision:
-            changed.append(f"precision: {precision!r} then, {now_precision!r} now")
-    if precision is not None and device is not None:  # what today's rule picks for the run's own precision
+    if precision is not None and device is not None:
+        if BF16_SUPPORT in record:
+            # what today's resolution gives the same request on the machine that ran it (a record made
+            # before the machine's bf16 support was kept says nothing of it: not compared)
+            now_precision = resolve_dtype(torch.device(device), config.train.dtype, record[BF16_SUPPORT])
+            if precision != now_precision:
+                changed.append(f"precision: {precision!r} then, {now_precision!r} now")
+        # what today's rule picks for the run's own precision
         then_attention = record.get("attention_dtype", precision)
         now_attention = attention_dtype(torch.device(device).type, precision, config.model)
         if then_attention != now_attention:

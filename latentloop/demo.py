@@ -22,7 +22,6 @@ from .archs import ARCHS, get_arch, scoring_notes
 from .config import DataConfig, RunConfig, TrainConfig, model_config
 from .engine import generate
 from .errors import ConfigError, LatentloopError, OutputError
-from .util import default_cache_dir
 
 DEMO_MARKER = "demo.json"  # a folder holding this file was written by the demo and may be replaced
 # Steps per architecture (the same for all, so every arch sees the same tokens), sized for a few
@@ -66,14 +65,12 @@ def _check_data(configs: dict[str, RunConfig], progress: bool) -> None:
     finds it again) and check that each arch's validation split holds a window. Parsing the source
     spec alone passed an empty file, a file that is not UTF-8, a source too small to validate on
     (`task:s5:n=1`): setup refused them only after the previous demo had been removed."""
-    from .data import load_tokenizer, parse_source, prepare_tokens
+    from .data import load_tokenizer
+    from .runtime import prepare_data
     from .train.start import check_validation_split
 
-    data = next(iter(configs.values())).data  # the same DataConfig for every arch
-    source = parse_source(data.source, val_fraction=data.val_fraction)
-    cache_dir = Path(data.cache_dir) if data.cache_dir else default_cache_dir()
-    tokens = prepare_tokens(source, load_tokenizer(data.tokenizer), cache_dir, max_bytes=data.max_bytes or None,
-                            progress=progress)
+    first = next(iter(configs.values()))  # the same DataConfig for every arch
+    tokens = prepare_data(first, load_tokenizer(first.data.tokenizer), progress)
     for config in configs.values():
         check_validation_split(tokens.val, config)
 

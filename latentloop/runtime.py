@@ -30,7 +30,7 @@ from .data import TokenData, parse_source, prepare_tokens
 from .data.chat import CHAT_PREFIX, split_chat_file
 from .data.sources import MixSource
 from .errors import ConfigError, OutputError
-from .util import default_cache_dir
+from .util import default_cache_dir, nearest_existing
 
 EVAL_DIR_ENV = "LATENTLOOP_EVAL_DIR"  # folder of the evaluation task files
 EVAL_BUNDLE_DIR = "eval_bundle"  # below the cache root: the fetched official CORE bundle
@@ -243,9 +243,7 @@ def check_output_folder(path: str | Path, what: str = "output folder") -> None:
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise OutputError(f"{what} {path} is a file")
-    nearest = path
-    while not nearest.exists() and nearest != nearest.parent:
-        nearest = nearest.parent
+    nearest = nearest_existing(path)
     if not nearest.is_dir():
         raise OutputError(f"cannot create {what} {path}: {nearest} is a file")
     if not os.access(nearest, os.W_OK | os.X_OK):

@@ -134,6 +134,13 @@ def memory_limit_bytes() -> int | None:
     return min(limits) if limits else None
 
 
+def nearest_existing(path: Path | str) -> Path:
+    """`path` made absolute if it exists, else the nearest of its parents that does (the folder a new
+    one would be made in: what decides whether it can be)."""
+    path = Path(os.path.abspath(path))
+    return path if path.exists() else next(p for p in path.parents if p.exists())
+
+
 def fsync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -51,7 +51,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "train": frozenset({"archs", "checkpoint", "data", "distributed", "eval", "inference", "interop", "objectives",
                         "optim", "parallel", "runtime"}),
     "analysis": frozenset({"archs", "data", "eval", "runs", "runtime"}),
-    "demo": frozenset({"archs", "data", "engine", "eval", "train"}),
+    "demo": frozenset({"archs", "data", "engine", "eval", "runtime", "train"}),
     # sizing a run: the registry's model and objective, the trainer's FLOPs memo and memory estimate,
     # the run's precision
     "plan": frozenset({"archs", "runtime", "train"}),

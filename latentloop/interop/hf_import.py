@@ -46,7 +46,7 @@ from ..config import DataConfig, ModelConfig, RunConfig, TrainConfig, model_conf
 from ..data.chat import EmptyChatTemplateError, check_template_renders
 from ..data.tokenizers import CHAT_TEMPLATE_FILE, TOKENIZER_FILE, HFTokenizer
 from ..errors import ConfigError, DataError, InteropError, LatentloopError
-from ..util import first_line, remove_abandoned_staging, staged_folder
+from ..util import first_line, nearest_existing, remove_abandoned_staging, staged_folder
 from .hf_checks import (
     MAX_METADATA_BYTES,
     HFFields,
@@ -375,7 +375,7 @@ def check_out_folder(out: Path) -> Path:
         if not os.access(out, os.W_OK | os.X_OK):
             raise InteropError(f"cannot write into --out {out}: it is not writable")
         return out
-    ancestor = next(p for p in Path(os.path.abspath(out)).parents if p.exists())
+    ancestor = nearest_existing(out)  # `out` itself is not there (an existing folder returned above)
     if not ancestor.is_dir():
         raise InteropError(f"cannot create --out {out}: {ancestor} is a file, not a folder")
     if not os.access(ancestor, os.W_OK | os.X_OK):
