@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import textwrap
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +46,7 @@ FLOPS_MATCH = 0.05  # isoFLOPs: training FLOPs within 5% (rules 4 and 5 refuse a
 STABLE_RMS = 0.01  # a power law whose log-BPB residuals are larger than 1% is not trusted
 MAX_ALPHA = 2.0
 EXTRAPOLATION = 2.0  # at most this factor beyond gpt's measured range
+TITLE_CHARS_PER_INCH = 10  # a plot title's characters per inch of figure at fontsize 9, with a margin
 E_GRID = 400  # irreducible terms tried between 0 and the lowest BPB seen
 DECAYED = ("tokens", "flops", "reference")  # the points at a branch's end (the fits use only these)
 REFERENCE = "gpt"
@@ -794,9 +796,11 @@ def plot_curves(points: Sequence[Point], corpus: str, optimizer: str, path: Path
             if row == 0:
                 ax.set_title(f"size {size}")
     axes[0][0].legend(fontsize=7)
-    # on two lines: one line was cut off at both ends in a one-size figure (4.2 inches wide)
-    fig.suptitle(f"{corpus}, {optimizer}: decayed WSD endpoints\n(lines: seed mean, bands: seed range; "
-                 f"dots: the trunk before each decay)", fontsize=9)
+    # wrapped to the figure's width: one line was cut off at both ends in a one-size figure (4.2 inches),
+    # and so was the second of two
+    title = (f"{corpus}, {optimizer}: decayed WSD endpoints (lines: seed mean, bands: seed range; dots: the "
+             f"trunk before each decay)")
+    fig.suptitle(textwrap.fill(title, int(TITLE_CHARS_PER_INCH * 4.2 * len(sizes))), fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
