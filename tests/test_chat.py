@@ -390,6 +390,17 @@ def test_chat_with_a_bad_setting_exits_2_before_reading(chat_run, monkeypatch, c
     assert out == "" and err.count("\n") == 1 and err.startswith("latentloop: error:")
 
 
+def test_a_system_message_that_is_not_utf8_names_the_byte_not_a_surrogate(chat_run, monkeypatch, capsys):
+    """A shell's non-UTF-8 byte reaches Python as a lone surrogate ("surrogateescape"): the refusal
+    spoke of escapes such as \\ud800 the user never wrote. It names the byte now."""
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+    assert main(["chat", str(chat_run), "--system", "h\udcffi"]) == 2  # what $'h\xffi' arrives as
+    err = capsys.readouterr().err
+    assert "--system is not valid UTF-8 text (byte 0xff at character 1)" in err and "surrogate" not in err
+
+
 def test_a_message_over_the_text_limit_keeps_the_chat_session(chat_run):
     from latentloop.chat import chat_prompt
     from latentloop.engine import PromptError

@@ -37,10 +37,7 @@ def cmd_generate(args) -> int:
     model_options(model, options, cached=not args.no_cache)
     context = model.config.sequence_len
     max_new = args.max_new_tokens if args.max_new_tokens is not None else min(DEFAULT_NEW_TOKENS, context // 2)
-    try:
-        args.prompt.encode("utf-8")
-    except UnicodeEncodeError:
-        raise LatentloopError("--prompt is not valid UTF-8 text") from None
+    _check_utf8_argument(args.prompt, "--prompt")
     prompt_ids = tokenizer.as_prompt(tokenizer.encode(args.prompt))  # BOS first where the tokenizer puts one
     if args.max_new_tokens is None and len(prompt_ids) < context:  # the default budget fits what is left
         max_new = min(max_new, context - len(prompt_ids))
@@ -97,6 +94,20 @@ def _read_message_line() -> tuple[str, bool]:
         return data.decode("utf-8", errors="replace"), True
 
 
+def _check_utf8_argument(value: str, flag: str) -> None:
+    """A command-line text that is not UTF-8: Python keeps its bytes as lone surrogates
+    ("surrogateescape"), which the chat format's check then named as escapes the user never wrote."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = value[exc.start]
+        try:
+            what = f"byte 0x{bad.encode('utf-8', 'surrogateescape').hex()}"  # the byte the shell passed
+        except UnicodeEncodeError:  # a surrogate no byte escapes to (from Python, not a shell)
+            what = f"U+{ord(bad):04X}"
+        raise LatentloopError(f"{flag} is not valid UTF-8 text ({what} at character {exc.start})") from None
+
+
 def _check_chat_start(tokenizer, start: list[dict], budget: int, context: int) -> None:
     """Before the first message: a reply budget the context allows, and a system turn that is text,
     leaving room (with or without a system turn) for a one-character message and the reply. Checked
@@ -148,6 +159,8 @@ def cmd_chat(args) -> int:
     options = generation_options(args)  # the given ones only: the engine fills in the defaults (see generate)
     model_options(model, options)
     budget = args.max_new_tokens or min(DEFAULT_NEW_TOKENS, model.config.sequence_len // 2)
+    if args.system:
+        _check_utf8_argument(args.system, "--system")
     start = [{"role": "system", "content": args.system}] if args.system else []
     _check_chat_start(tokenizer, start, budget, model.config.sequence_len)
     messages = list(start)
