@@ -184,11 +184,19 @@ def host_reads_per_step(arch: str, objective_class=None) -> int:
     return counted.reads
 
 
-def test_a_compiled_sft_step_of_lrt_weighs_its_loss_terms_in_the_same_graphs(flex_on_cpu):
-    """Under SFT's loss masks (another reply length every step) lrt's loss terms are weighed by the
-    step's shares (`Objective.target_terms`), handed to the compiled step as a tensor: no graph break,
-    and no step compiles anything a step before it did not (a share as a number would recompile)."""
-    _assert_one_graph_per_kind(step_graph_report("lrt", masked=True, grad_accum=2))
+def _weighs_loss_terms(arch: str) -> bool:
+    """Whether the arch's objective weighs loss terms of its own under SFT's masks (lrt's column
+    subsets, mor's router terms), by overriding `Objective.target_terms`."""
+    objective = type(build_objective(ll.build(arch, preset="test").config, TrainConfig()))
+    return objective.target_terms is not NextTokenObjective.target_terms
+
+
+@pytest.mark.parametrize("arch", [arch for arch in sorted(ARCHS) if _weighs_loss_terms(arch)])
+def test_a_compiled_sft_step_weighs_its_loss_terms_in_the_same_graphs(arch, flex_on_cpu):
+    """Under SFT's loss masks (another reply length every step) lrt's and mor's loss terms are weighed
+    by the step's shares (`Objective.target_terms`), handed to the compiled step as a tensor: no graph
+    break, and no step compiles anything a step before it did (a share as a number would recompile)."""
+    _assert_one_graph_per_kind(step_graph_report(arch, masked=True, grad_accum=2))
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))

@@ -41,17 +41,17 @@ def test_n_micro_batches_give_the_gradients_of_one_batch_n_times_larger(arch, ma
     micro-batch weighed alike gave those 2 targets 24x the weight each of the others (the gradients
     were ~300% off); each micro-batch now counts by its share of the step's targets, and lrt's loss
     terms (its init pass's and each column subset's masked means: the first micro-batch trains only
-    odd columns) each by its own share. The objective's losses are one batch's too."""
+    odd columns) each by its own share, as mor's router loss terms (means over a row's real inputs,
+    up to its last trained target, and over each recursion's candidates: the last row ends in padding,
+    so that its top-k quotas differ). The objective's losses are one batch's too."""
     torch.manual_seed(0)
-    # mor's router loss is a mean over a row's real inputs (up to its last trained target), not over
-    # its targets: under a mask it weighs as its micro-batch's targets do, so it is off in this case
-    unrouted = {"router_aux_weight": 0.0} if masked and arch == "mor" else {}
-    model = ll.build(arch, preset="test", sequence_len=SEQ_LEN, **QUIET[arch], **unrouted).train()
+    model = ll.build(arch, preset="test", sequence_len=SEQ_LEN, **QUIET[arch]).train()
     data = torch.randint(0, model.config.vocab_size, (4, SEQ_LEN + 1), generator=torch.Generator().manual_seed(1))
     x, y = data[:, :-1], data[:, 1:]
     mask = torch.zeros(x.shape, dtype=torch.bool)
     mask[0:2, -1:] = True  # the first micro-batch: a reply of 1 token per row (an odd column)
-    mask[2:4, 8:] = True  # the second: a reply of 24 per row
+    mask[2, 8:] = True  # the second: a reply of 24 tokens, and one of 12 followed by padding
+    mask[3, 8:20] = True
 
     def gradients(micro_batches: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         rows = len(x) // micro_batches
@@ -61,9 +61,10 @@ def test_n_micro_batches_give_the_gradients_of_one_batch_n_times_larger(arch, ma
         objective = build_objective(model.config, train)
         model.zero_grad(set_to_none=True)
         outcome = train_step(model, model, objective, lambda: next(batches), 5, [], train, CPU, FiniteGuard(CPU))
-        # the objective's losses (lrt's loss_init / loss_final): means over targets, as the loss is (other
-        # metrics, a gate's mean or mor's router loss, are not means over targets, and need not add up so)
-        metrics = {k: v for k, v in outcome.metrics.items() if k.startswith("loss")}
+        # the objective's losses (lrt's loss_init / loss_final, mor's router loss and its recursions' shares
+        # of the real tokens): means over their own tokens, as the loss is (other metrics, such as a gate's
+        # mean, are not means over tokens, and need not add up so)
+        metrics = {k: v for k, v in outcome.metrics.items() if k.startswith(("loss", "router_loss", "active_r"))}
         return ({"loss": outcome.loss_on_device, **metrics},
                 {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
 

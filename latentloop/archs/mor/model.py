@@ -126,6 +126,16 @@ class MoRConfig(ModelConfig):
         R = self.recursions
         return self.capacity if self.capacity is not None else tuple((R - r + 1) / R for r in range(1, R + 1))
 
+    def router_loss_counts(self, real_count: int) -> list[int]:
+        """The tokens each term of the router loss (`MoROutput.aux_terms`) is a mean over, in a training
+        row of `real_count` real inputs: expert choice's recursion 1 reads every real token and
+        recursion r > 1 the ceil(capacity_(r-1) · count) that recursion r - 1 kept (the quota of
+        `MoR._topk_recursion`, the same float64 product); token choice's balance loss reads every real
+        token. The trainer weighs the terms of an SFT step's micro-batches by them, on the host."""
+        if self.routing == "token":
+            return [real_count]
+        return [real_count] + [math.ceil(real_count * capacity) for capacity in self.capacities[:-1]]
+
     # the front-ends' questions (see ModelConfig)
     def iso_fields(self, iso: str) -> dict:
         shape = rgpt_shape_from_dense(self.n_layer, iso, self.recursions)  # the same middle-cycle split
@@ -144,8 +154,15 @@ OPTIONS = (
 
 @dataclass
 class MoROutput(ModelOutput):
-    aux_loss: Tensor | None = None  # the router's auxiliary loss (while training), unweighted
+    # the router's auxiliary loss (while training), unweighted, by term: expert choice's BCE per
+    # recursion (each a mean over that recursion's candidates), token choice's one balance loss
+    aux_terms: list[Tensor] = field(default_factory=list)
     taken: list[Tensor] = field(default_factory=list)  # per recursion run: (B, T) bool, the tokens that took it
+
+    @property
+    def aux_loss(self) -> Tensor | None:
+        """The router's auxiliary loss, unweighted: the sum of its terms (None when it has none)."""
+        return sum(self.aux_terms[1:], self.aux_terms[0]) if self.aux_terms else None
 
     def active_share(self, real: Tensor | None = None) -> list[Tensor]:
         """Per recursion run, the share of the (real) tokens that took it, as device scalars."""
@@ -228,7 +245,7 @@ class MoR(GPT):
         if out is None:
             return
         if aux is not None:
-            out.aux_loss = aux if out.aux_loss is None else out.aux_loss + aux
+            out.aux_terms.append(aux)
         out.taken.append(took.detach())
 
     # -- recursions ---------------------------------------------------------------------------
@@ -316,7 +333,7 @@ class MoR(GPT):
         if c.routing == "token":
             depth, token_gate, probs = self.token_depths(h, steps)
             if ctx.record is not None and self.training:
-                ctx.record.aux_loss = self.balance_loss(depth, probs, real)
+                ctx.record.aux_terms.append(self.balance_loss(depth, probs, real))
         for r in range(1, steps + 1):
             if ctx.route == "topk":
                 h, alive, aux = self._topk_recursion(h, alive, r, ctx, real_count)

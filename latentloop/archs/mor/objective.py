@@ -11,7 +11,12 @@ SFT (a `loss_mask` is given): packed rows end in padding (`data/chat.py`), which
 not told apart from the loss mask; the forward gets the row's real tokens as its `pad_mask`
 (`real_inputs`), so that padding is no top-k candidate, counts for no k_r and carries no router
 loss, and a real token's logits do not change with the padding after it. Pretraining (no mask)
-runs the forward it always ran.
+runs the forward it always ran. A step of several SFT micro-batches weighs each loss term by its own
+tokens (`target_terms`): the next-token loss by the trained targets, each router term by the tokens it
+is a mean over (`MoRConfig.router_loss_counts`), so that expert choice's step gives one batch's loss
+and gradients. Token choice's balance loss is a product of two means (N_r Σ_j f_j P_j), which no
+weighing of micro-batches makes the whole batch's: it is weighed by its real tokens, as MoE
+trainers weigh theirs.
 
 No random draws: the routing is a function of the batch, the same on every rank. The trainer logs
 the next-token loss (comparable across architectures), the router loss and, on log steps, the share
@@ -46,14 +51,31 @@ class RoutedRecursionObjective(Objective):
         """Expert choice trains by its top-k route; token choice computes every recursion (masked)."""
         return {"route": "topk"} if self.model_config.routing == "expert" else {"every_recursion": True}
 
-    def loss(self, model: nn.Module, x: Tensor, y: Tensor, loss_mask: Tensor | None = None, **plan) -> LossResult:
+    def target_terms(self, y: Tensor, loss_mask: Tensor) -> list[int] | None:
+        """The trained targets, then each router term's tokens (`MoRConfig.router_loss_counts`, summed
+        over the rows): the router loss is a mean over a row's real inputs, not its targets, so that a
+        micro-batch weighed by its targets weighed its router loss wrongly."""
+        rows = [self.model_config.router_loss_counts(count) for count in real_inputs(loss_mask).sum(dim=1).tolist()]
+        return [int(loss_mask.sum()), *(sum(column) for column in zip(*rows))]
+
+    def loss(self, model: nn.Module, x: Tensor, y: Tensor, loss_mask: Tensor | None = None,
+             term_shares: Tensor | None = None, **plan) -> LossResult:
+        """`term_shares` (1 + router terms,): the trainer's weighing of each term over the step's
+        micro-batches (`target_terms`); the loss and the metrics come back weighed by them."""
         real = None if loss_mask is None else real_inputs(loss_mask)
         out = model(x, pad_mask=real, **self.forward_options())
         next_token = token_cross_entropy(out.logits, y, mask=loss_mask)
-        loss = next_token if out.aux_loss is None else next_token + self.model_config.router_aux_weight * out.aux_loss
+        router, active = out.aux_terms, out.active_share(real)
+        if term_shares is not None:
+            shares = term_shares.unbind()
+            next_token = next_token * shares[0]
+            router = [term * share for term, share in zip(router, shares[1:])]
+            active = [value * shares[1] for value in active]  # means over the real tokens, as the first term
+        router_loss = sum(router[1:], router[0]) if router else None
+        loss = next_token if router_loss is None else next_token + self.model_config.router_aux_weight * router_loss
         # on the device: the trainer reads them on the steps it logs
-        metrics: dict[str, Tensor] = {} if out.aux_loss is None else {"router_loss": out.aux_loss.detach()}
-        metrics |= {f"active_r{r}": share for r, share in enumerate(out.active_share(real), start=1)}
+        metrics: dict[str, Tensor] = {} if router_loss is None else {"router_loss": router_loss.detach()}
+        metrics |= {f"active_r{r}": share for r, share in enumerate(active, start=1)}
         return LossResult(loss, metrics, next_token_loss=next_token.detach())
 
     def forward_mix(self, step: int | None = None) -> list[tuple[float, dict]]:
