@@ -60,7 +60,7 @@ from safetensors.torch import load_file, save_file
 
 from .config import ModelConfig, RunConfig
 from .errors import CheckpointError, CheckpointUnreadable, ConfigError, LatentloopError, NonFiniteError, OutputError
-from .util import first_line, fsync_dir, fsync_file, give_default_mode, json_safe, write_json_atomic  # noqa: F401 (re-exported)
+from .util import first_line, fsync_dir, fsync_file, give_default_mode, json_safe, read_json_object, write_json_atomic  # noqa: F401 (re-exported)
 
 CHECKPOINT_PREFIX = "step_"
 TMP_PREFIX = ".tmp-"  # a checkpoint being written
@@ -529,10 +529,7 @@ def check_tokenizer_fits(tokenizer: Any, config: ModelConfig, tokenizer_file: Pa
 def imported_from(checkpoint: Path) -> str | None:
     """Where `latentloop import-hf` read this checkpoint's model from (its state.json's `imported_from`),
     or None: a checkpoint latentloop trained, or one whose state.json does not read."""
-    try:
-        source = json.loads((checkpoint / "state.json").read_text(encoding="utf-8")).get("imported_from")
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError, RecursionError):
-        return None
+    source = read_json_object(checkpoint / "state.json").get("imported_from")
     return source if isinstance(source, str) else None
 
 

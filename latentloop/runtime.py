@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import glob
-import json
 import os
 import sys
 import tempfile
@@ -30,7 +29,7 @@ from .data import TokenData, parse_source, prepare_tokens
 from .data.chat import CHAT_PREFIX, split_chat_file
 from .data.sources import MixSource
 from .errors import ConfigError, OutputError
-from .util import default_cache_dir, nearest_existing
+from .util import default_cache_dir, nearest_existing, read_json_object
 
 EVAL_DIR_ENV = "LATENTLOOP_EVAL_DIR"  # folder of the evaluation task files
 EVAL_BUNDLE_DIR = "eval_bundle"  # below the cache root: the fetched official CORE bundle
@@ -187,12 +186,8 @@ def _recorded_text_source(config: RunConfig, checkpoint: Path | None) -> tuple[s
     checkpoint's state.json records (`data_source`), else the config's own (relative paths from
     here), and the token checksums training recorded. A source whose files are not here is a
     ConfigError naming it."""
-    source, recorded = config.data.source, {}
-    if checkpoint is not None and (checkpoint / "state.json").is_file():
-        with contextlib.suppress(OSError, ValueError):
-            recorded = json.loads((checkpoint / "state.json").read_text())
-    if not isinstance(recorded, dict):
-        recorded = {}
+    source = config.data.source
+    recorded = {} if checkpoint is None else read_json_object(checkpoint / "state.json")
     spec = recorded.get("data_source") if isinstance(recorded.get("data_source"), str) else source
     path = spec[len("text:"):]
     if not (Path(path).expanduser().exists() or glob.glob(os.path.expanduser(path))):

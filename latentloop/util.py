@@ -225,6 +225,18 @@ def write_json_atomic(path: Path, payload: Any, indent: int = 2) -> None:
         raise
 
 
+def read_json_object(path: Path | str) -> dict[str, Any]:
+    """A JSON file's object, or {} where the file is missing, does not read (not UTF-8, not JSON,
+    nested past the parser's recursion) or holds something other than an object: for a reader that
+    takes what a file records and does without (a checkpoint's state.json read for its step, its
+    base or its data source). Readers that must have the file read it strictly, with its own error."""
+    try:
+        value = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):  # ValueError: JSON's and UTF-8's decoding errors
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 @contextmanager
 def removed_on_failure(folder: Path) -> Iterator[None]:
     """For a block that creates `folder` (and any parents it lacks): when the block fails, the

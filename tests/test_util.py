@@ -6,7 +6,7 @@ import pytest
 
 from latentloop.data.tokenizers import ByteTokenizer
 from latentloop.errors import OutputError
-from latentloop.util import TokenText, first_line, is_int, write_json_atomic
+from latentloop.util import TokenText, first_line, is_int, read_json_object, write_json_atomic
 
 
 def test_token_text_holds_a_character_split_across_tokens_until_it_is_whole():
@@ -77,3 +77,28 @@ def test_a_generation_leaves_a_training_model_training():
             module.register_forward_pre_hook(lambda module, args: seen.append(module.training))
     latentloop.generate(model, [1, 2, 3], 2, temperature=0.0, compile=False)
     assert seen and not any(seen) and model.training and all(m.training for m in model.modules())
+
+
+@pytest.mark.parametrize("content", [None, b"\xff\xfe", b'{"step": ', b"[" * 100_000 + b"]" * 100_000, b"[1, 2]",
+                                     b'"text"'], ids=["missing", "not-utf8", "cut-short", "nested-deep", "a-list",
+                                                      "a-string"])
+def test_read_json_object_does_without_a_file_that_does_not_read_as_an_object(content, tmp_path):
+    """The lenient readers of a checkpoint's state.json (a step, a base, a data source, a card's facts)
+    each caught their own exceptions; some let JSON nested past the parser's recursion through as a
+    traceback (RecursionError is no ValueError), some a list (its `.get` an AttributeError)."""
+    path = tmp_path / "state.json"
+    if content is not None:
+        path.write_bytes(content)
+    assert read_json_object(path) == {}
+    path.write_text('{"step": 3}')
+    assert read_json_object(path) == {"step": 3}
+
+
+def test_a_checkpoints_step_reads_from_its_name_when_its_state_nests_too_deep(tmp_path):
+    """`latentloop eval`'s step of a checkpoint: a state.json nested 100,000 deep was a RecursionError."""
+    from latentloop.cli.scoring import _checkpoint_step
+
+    checkpoint = tmp_path / "step_00000007"
+    checkpoint.mkdir()
+    (checkpoint / "state.json").write_text("[" * 100_000 + "]" * 100_000)
+    assert _checkpoint_step(checkpoint) == 7

@@ -3,11 +3,11 @@ position), `compare` and `analyze`."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 from ..errors import ConfigError, LatentloopError, OutputError
+from ..util import read_json_object
 from .parser import generation_options, print_json
 from .training import first_batches
 
@@ -133,10 +133,7 @@ def _checkpoint_step(checkpoint: Path) -> int | None:
     from ..checkpoint import step_in_name
     from ..util import is_int
 
-    try:
-        step = json.loads((Path(checkpoint) / "state.json").read_text()).get("step")
-    except (OSError, ValueError, AttributeError):
-        step = None
+    step = read_json_object(Path(checkpoint) / "state.json").get("step")
     return step if is_int(step) else step_in_name(checkpoint)
 
 
@@ -221,10 +218,7 @@ def _position_base(args, checkpoint, model, tokenizer=None):
 
     path = args.against
     if path is None:
-        try:
-            path = json.loads((checkpoint / "state.json").read_text()).get("init_from")
-        except (OSError, ValueError, AttributeError):
-            path = None
+        path = read_json_object(checkpoint / "state.json").get("init_from")
         if not isinstance(path, str) or not Path(path).exists():
             return None
     base_model, base_tokenizer, base_config, _ = load_run(path, resolve_device(args.device))

@@ -66,7 +66,7 @@ from ..checkpoint import (
 from ..config import ModelConfig
 from ..data.tokenizers import load_tokenizer, write_hf_tokenizer
 from ..errors import InteropError, OutputError
-from ..util import first_line, give_default_mode, is_int, staged_folder
+from ..util import first_line, give_default_mode, is_int, read_json_object, staged_folder
 from .hf_import import EXPORT_STAGING_PREFIX, check_out_folder, hf_to_latentloop_names, rope_half_flip
 
 REMOTE_DIR = Path(__file__).resolve().parent / "hf_remote"
@@ -336,14 +336,9 @@ def _write_folder(out: Path, weights: dict[str, torch.Tensor], hf_config: dict[s
 def _run_facts(checkpoint: Path) -> tuple[dict, list[dict]]:
     """The checkpoint's state.json (step, tokens, FLOPs) and its run's metrics log (the rows up to
     the checkpoint's step), each empty where the checkpoint has none (an imported model)."""
-    state: Any = {}
     if (checkpoint / "state.json").is_file():
         verify_file(checkpoint, "state.json")  # a damaged or edited copy is one line, as every checkpoint file
-        try:
-            state = json.loads((checkpoint / "state.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):  # an older checkpoint without checksums: the card says "unknown"
-            state = {}
-    state = state if isinstance(state, dict) else {}
+    state = read_json_object(checkpoint / "state.json")  # {}: an older checkpoint unchecked, the card says "unknown"
     last = state.get("step")
     log = checkpoint.parent.parent / "metrics.jsonl"
     rows = []

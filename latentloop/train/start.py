@@ -28,7 +28,7 @@ from ..errors import CheckpointError, ConfigError, DataError, OutputError
 from ..interop.upcycle import initialise_from
 from ..parallel import wrap_model
 from ..runtime import absolute_source, keep_freed_memory, precision_note, prepare_data, resolve_dtype
-from ..util import write_json_atomic
+from ..util import read_json_object, write_json_atomic
 from .memory import check_micro_batch_fits, check_step_fits
 from .resume import resume_run
 from .stages import check_stage
@@ -254,11 +254,9 @@ def _check_resumed_init_from(run_dir: Path, init_from: str | Path) -> None:
     checkpoints = list_checkpoints(run_dir)
     if not checkpoints:
         return
-    try:
-        state = json.loads((checkpoints[-1] / "state.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return  # an unreadable state.json is the resume's to report (it falls back to an older checkpoint)
-    if not isinstance(state, dict) or "init_from" not in state:
+    # {} where it does not read: that is the resume's to report (it falls back to an older checkpoint)
+    state = read_json_object(checkpoints[-1] / "state.json")
+    if "init_from" not in state:
         return  # saved before runs recorded their base: nothing to compare, and nothing is initialised
     started = state["init_from"]
     if not isinstance(started, str) or _run_root(started) != _run_root(init_from):
