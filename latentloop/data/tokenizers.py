@@ -561,11 +561,12 @@ class HFTokenizer(_ChatInterface):
 
     def __init__(self, tokenizer_json: str, bos_id: int, eos_id: int, pad_id: int, vocab_size: int | None = None,
                  source: str = "<memory>", chat_template: str | None = None, stop_ids: Sequence[int] = (),
-                 names_bos: bool | None = None, adds_bos: bool | None = None):
+                 names_bos: bool | None = None, adds_bos: bool | None = None, adds_bos_recorded: bool = True):
         """`adds_bos` None: as its tokenizer.json's post-processor (`transformers`' reading: an imported
         model's); `load_tokenizer` gives True to a tokenizer a model is trained with here. `names_bos`
         None: as `adds_bos` (a tokenizer that puts a BOS before texts names it; `from_pretrained_folder`
-        also reads tokenizer_config.json's `bos_token`)."""
+        also reads tokenizer_config.json's `bos_token`). `adds_bos_recorded` False: a run's tokenizer
+        file written before it kept `adds_bos` (`from_saved`), whose `adds_bos` is then a guess."""
         from tokenizers import Tokenizer
 
         try:
@@ -609,8 +610,7 @@ class HFTokenizer(_ChatInterface):
         self._markup_tokenizer = None
         self.names_bos = self._adds_bos if names_bos is None else names_bos
         self._names_bos_given = names_bos is not None
-        # False only for a run's tokenizer file written before it kept `adds_bos` (`from_saved`)
-        self.adds_bos_recorded = True
+        self.adds_bos_recorded = adds_bos_recorded
 
     @property
     def adds_bos(self) -> bool:
@@ -770,10 +770,9 @@ class HFTokenizer(_ChatInterface):
                             chat_template=content.get("chat_template"),
                             stop_ids=[int(i) for i in content.get("stop_ids", [])],
                             names_bos=_saved_flag(content, "names_bos", source),
-                            adds_bos=True if adds_bos is None else adds_bos)
+                            adds_bos=True if adds_bos is None else adds_bos, adds_bos_recorded=adds_bos is not None)
         except (KeyError, TypeError, ValueError) as exc:
             raise DataError(f"tokenizer {source} is not a valid latentloop HF tokenizer file: {exc}") from None
-        tokenizer.adds_bos_recorded = adds_bos is not None
         return tokenizer
 
     def encode(self, text: str) -> list[int]:
