@@ -26,6 +26,14 @@ Notable features:
   prompt prefill is exact (token by token through the cache) by default, or
   `prefill="interleaved"` (parallel, approximate)
 - a BOS inside a sequence restarts the recurrence: its memory is zero, as at position 0
+
+Parameters: the shared W_k, W_v (2 · d · kv_dim), the gates (d · 2 n_kv_head per block, or
+`kv_gate_channels` · 2 n_kv_head) and two scalars per block: 0.79% of gpt's total at nanochat d20
+(d 1280, 20 layers, vocabulary 32,768), 0.72% at d24, 0.69% and 0.61% with the released code's
+32-channel gate. The paper's "about 0.3%" counts against nanochat's total with its value-embedding
+tables (about half of it at that vocabulary), which our backbone does not have: the shared
+projection with the 32-channel gate reads as 0.34-0.37% of that total. (The released code is a heavier variant, per-layer
+projections and every-layer value embeddings: `layerwise` and `value_embeds` here.)
 """
 
 from __future__ import annotations
