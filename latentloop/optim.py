@@ -138,17 +138,22 @@ def newton_schulz_dtype(device: torch.device, products_dtype: str) -> torch.dtyp
 
 def check_muon_exclude(model: nn.Module, patterns: Sequence[str], adamw_ids: set[int]) -> None:
     """Every `train.muon_exclude` pattern (a part of parameter names; the default is none, so each
-    one is the user's) must match some parameter of the model: a typo would otherwise leave its
-    matrices on Muon without a word. One `ConfigError` names the patterns and a few real names,
-    the matrices a pattern could move first (not those in `adamw_ids`: AdamW's anyway)."""
+    one is the user's) must match some matrix Muon would train: a typo, or a part of only vectors'
+    and embeddings' names (AdamW's anyway, `adamw_ids`), would otherwise move nothing without a word.
+    One `ConfigError` names the patterns and a few real names, the matrices a pattern could move first."""
     named = list(model.named_parameters())
-    unmatched = [pattern for pattern in patterns if not any(pattern in name for name, _ in named)]
-    if unmatched:
-        named.sort(key=lambda item: item[1].dim() < 2 or id(item[1]) in adamw_ids)  # stable: model order kept
-        examples = ", ".join(name for name, _ in named[:EXAMPLE_PARAMETER_NAMES])
-        raise ConfigError(f"train.muon_exclude: {', '.join(map(repr, unmatched))} "
-                          f"{'matches' if len(unmatched) == 1 else 'match'} no parameter of this "
-                          f"{type(model).__name__} (its parameter names include {examples})")
+    movable = [name for name, p in named if p.dim() >= 2 and id(p) not in adamw_ids]
+    unmatched = [pattern for pattern in patterns if not any(pattern in name for name in movable)]
+    if not unmatched:
+        return
+    named.sort(key=lambda item: item[1].dim() < 2 or id(item[1]) in adamw_ids)  # stable: model order kept
+    examples = ", ".join(name for name, _ in named[:EXAMPLE_PARAMETER_NAMES])
+    adamws = [pattern for pattern in unmatched if any(pattern in name for name, _ in named)]
+    typos = [pattern for pattern in unmatched if pattern not in adamws]
+    problems = [f"{', '.join(map(repr, found))} {'matches' if len(found) == 1 else 'match'} {what}"
+                for found, what in ((typos, f"no parameter of this {type(model).__name__}"),
+                                    (adamws, "only parameters AdamW trains anyway, no matrix Muon trains")) if found]
+    raise ConfigError(f"train.muon_exclude: {'; '.join(problems)} (its parameter names include {examples})")
 
 
 def build_optimizers(model: nn.Module, config: TrainConfig, products_dtype: str = "float32",
@@ -182,10 +187,14 @@ def build_optimizers(model: nn.Module, config: TrainConfig, products_dtype: str 
     if params and all(p.device.type in FUSED_ADAMW_DEVICES and p.is_floating_point() for p in params):
         adam_kwargs["fused"] = True
     if config.optimizer == "muon":
+        if not matrices:  # torch's own error for an empty Muon was a traceback
+            raise ConfigError(f"train.muon_exclude: {', '.join(map(repr, config.muon_exclude))} leaves Muon no "
+                              f"matrix of this {type(model).__name__}: train with AdamW alone "
+                              f"(train.optimizer=adamw)")
         groups = [dict(params=embeddings, weight_decay=0.0), dict(params=vectors, weight_decay=0.0)] + own
         optimizers = [torch.optim.AdamW([g for g in groups if g["params"]], **adam_kwargs),
                       Muon(matrices, lr=config.muon_lr, weight_decay=config.weight_decay,
-                           ns_dtype=newton_schulz_dtype(matrices[0].device, products_dtype) if matrices else None,
+                           ns_dtype=newton_schulz_dtype(matrices[0].device, products_dtype),
                            compiled=config.compile_backend if config.compile else None)]
     else:
         groups = [dict(params=matrices + embeddings, weight_decay=config.weight_decay),

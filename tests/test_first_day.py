@@ -126,6 +126,26 @@ def test_a_muon_exclude_pattern_that_matches_nothing_is_refused(arch):
     build_optimizers(model, TrainConfig(optimizer="muon", muon_exclude=("mlp",)))  # a pattern that matches: fine
 
 
+@pytest.mark.parametrize("arch", ["gpt", "mor"])
+def test_a_muon_exclude_that_moves_no_matrix_or_every_matrix_is_refused(arch):
+    """A part of only the embeddings' names ('wte': AdamW's anyway) was accepted and moved nothing; one
+    that moved every matrix off Muon ('blocks') built an empty Muon, torch's traceback."""
+    import latentloop as ll
+    from latentloop.config import TrainConfig
+    from latentloop.errors import ConfigError
+    from latentloop.optim import build_optimizers
+
+    model = ll.build(arch, preset="test")
+    with pytest.raises(ConfigError, match=f"'nothere' matches no parameter of this {type(model).__name__}; 'wte' "
+                                          f"matches only parameters AdamW trains anyway, no matrix Muon trains"):
+        build_optimizers(model, TrainConfig(optimizer="muon", muon_exclude=("wte", "nothere", "mlp")))
+    everything = ("blocks", "router") if arch == "mor" else ("blocks",)
+    with pytest.raises(ConfigError, match=r"leaves Muon no matrix .*\(train.optimizer=adamw\)"):
+        build_optimizers(model, TrainConfig(optimizer="muon", muon_exclude=everything))
+    [adamw] = build_optimizers(model, TrainConfig(optimizer="adamw", muon_exclude=everything))  # no Muon: fine
+    assert sum(len(group["params"]) for group in adamw.param_groups) == len(list(model.parameters()))
+
+
 def test_a_muon_exclude_typo_stops_train_before_anything_is_written(corpus, tmp_path, capsys):
     config = tmp_path / "typo.yaml"
     config.write_text("train:\n  muon_exclude: [nonexistent_param]\n")

@@ -32,8 +32,9 @@ Parameters: the shared W_k, W_v (2 · d · kv_dim), the gates (d · 2 n_kv_head 
 (d 1280, 20 layers, vocabulary 32,768), 0.72% at d24, 0.69% and 0.61% with the released code's
 32-channel gate. The paper's "about 0.3%" counts against nanochat's total with its value-embedding
 tables (about half of it at that vocabulary), which our backbone does not have: the shared
-projection with the 32-channel gate reads as 0.34-0.37% of that total. (The released code is a heavier variant, per-layer
-projections and every-layer value embeddings: `layerwise` and `value_embeds` here.)
+projection with the 32-channel gate reads as 0.34-0.37% of that total. (The released code is a
+heavier variant, per-layer projections and every-layer value embeddings: `layerwise` and
+`value_embeds` here.)
 """
 
 from __future__ import annotations
