@@ -306,7 +306,8 @@ def stream(model, prompts, max_new_tokens: int, temperature: float = 1.0, top_k:
     kv_dtype: "float16" or "bfloat16" stores the compiled step's cache in that dtype, as llama.cpp's
     default cache does (f16): half the bytes each step reads over a long context, so faster there, at
     the price of logits that differ from the eager path's by the rounding of the keys and values
-    (None or "float32": the model's dtype, exact). Eager steps (compile=False, the automatic mode's
+    (None: the model's dtype, exact; "float32": float32, also exact, the model's dtype for a float32
+    model and twice a bf16 model's cache bytes). Eager steps (compile=False, the automatic mode's
     probes or a model that does not compile) keep the model's dtype; self-speculative rounds refuse it.
 
     Options that ask the model for a draft of itself (rgpt's `draft_steps` / `draft_tokens`) decode

@@ -417,3 +417,25 @@ def test_a_rows_first_token_is_never_replayed_fused():
     batched = ll.generate(model, [[256, 5, 6, 7, 8, 9, 10], prompt], 6,
                           written=[[False] * 7, marks], **kwargs)
     assert batched[1] == alone
+
+
+def test_the_gate_table_follows_a_swapped_weight_that_reuses_the_old_ones_memory_and_version():
+    """Decoding's table of σ(W_G e) per token was keyed by the weights' versions and addresses: a module
+    swap (`quantize_int8`'s) whose new weight lands at the old one's address at the same version kept
+    the old table (seen: the dequantised weight reused the float weight's memory). The table now holds
+    the weights it was made from and is remade for any other."""
+    model = ll.build("fbt", preset="test").eval()
+    stale = model.token_gates().clone()
+    old = model.fuse_gate.weight
+    swapped = torch.nn.Linear(*reversed(old.shape), bias=False)
+    swapped.weight = torch.nn.Parameter(old.data)  # the old memory, under a version counter of its own
+    with torch.no_grad():
+        swapped.weight.data.mul_(2)  # new values, written past both counters
+        while swapped.weight._version < old._version:
+            swapped.weight.add_(0)  # the same version as the old weight
+    assert (swapped.weight.data_ptr(), swapped.weight._version) == (old.data_ptr(), old._version)
+    model.fuse_gate = swapped
+    with torch.no_grad():
+        expected = torch.sigmoid(swapped(model.embed_norm(model.wte.weight)))
+    assert not torch.allclose(expected, stale)
+    torch.testing.assert_close(model.token_gates(), expected, rtol=0, atol=0)  # the same computation

@@ -271,15 +271,19 @@ class FBT(GPT):
     def token_gates(self) -> Tensor:
         """σ(W_G e) for every token id (V, D), e the embedding as `embed` gives it. The gate
         depends on the token alone, so decoding looks it up instead of paying a D×D matmul per
-        token; recomputed whenever the weights change (their version counters move)."""
+        token; recomputed whenever the weights change: written in place (their version counters move)
+        or replaced (other tensors: a module swap such as `quantize_int8`, whose new weight may reuse
+        the old one's memory at the same version; the table's own weights are held, so their
+        identities stay theirs)."""
         if torch.compiler.is_compiling():  # compiled decode (inference.fast) refreshes the table eagerly first
             return self._gate_table
-        key = (self.wte.weight._version, self.fuse_gate.weight._version, self.wte.weight.data_ptr(),
-               self.fuse_gate.weight.data_ptr())
-        if getattr(self, "_gate_table_key", None) != key:
+        weights = (self.wte.weight, self.fuse_gate.weight)
+        versions = tuple((weight._version, weight.data_ptr()) for weight in weights)  # `.data =` moves the latter
+        held = getattr(self, "_gate_table_of", None)  # (weights, versions) the table was made from
+        if held is None or any(a is not b for a, b in zip(held[0], weights)) or held[1] != versions:
             with torch.no_grad():
                 self._gate_table = torch.sigmoid(self.fuse_gate(self.embed_norm(self.wte.weight)))
-            self._gate_table_key = key
+            self._gate_table_of = (weights, versions)
         return self._gate_table
 
     def fuse_mask(self, idx: Tensor, positions: Tensor, fuse_from: int) -> Tensor:
