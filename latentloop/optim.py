@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from .config import TrainConfig
 from .errors import ConfigError
+from .util import warn_once
 
 # Coefficients of the quintic Newton-Schulz iteration that drives singular values towards 1
 # quickly (Keller Jordan's Muon); exactness is not needed, only speed and stability in bf16.
@@ -136,24 +137,27 @@ def newton_schulz_dtype(device: torch.device, products_dtype: str) -> torch.dtyp
     return torch.bfloat16 if device.type == "cuda" or products_dtype == "bfloat16" else torch.float32
 
 
-def check_muon_exclude(model: nn.Module, patterns: Sequence[str], adamw_ids: set[int]) -> None:
+def check_muon_exclude(model: nn.Module, patterns: Sequence[str], adamw_ids: set[int], muon: bool = True) -> None:
     """Every `train.muon_exclude` pattern (a part of parameter names; the default is none, so each
-    one is the user's) must match some matrix Muon would train: a typo, or a part of only vectors'
-    and embeddings' names (AdamW's anyway, `adamw_ids`), would otherwise move nothing without a word.
-    One `ConfigError` names the patterns and a few real names, the matrices a pattern could move first."""
+    one is the user's) must match some parameter of the model: a typo would otherwise leave its
+    matrices on Muon without a word. One `ConfigError` names the patterns and a few real names,
+    the matrices a pattern could move first (not those in `adamw_ids`: AdamW's anyway). With Muon
+    (`muon`), a pattern that matches only AdamW's parameters moves nothing: a warning (a refusal would
+    stop the resume of a run that ran with it, and `muon_exclude` is fixed on resume)."""
     named = list(model.named_parameters())
     movable = [name for name, p in named if p.dim() >= 2 and id(p) not in adamw_ids]
-    unmatched = [pattern for pattern in patterns if not any(pattern in name for name in movable)]
-    if not unmatched:
-        return
+    unmatched = [pattern for pattern in patterns if not any(pattern in name for name, _ in named)]
     named.sort(key=lambda item: item[1].dim() < 2 or id(item[1]) in adamw_ids)  # stable: model order kept
     examples = ", ".join(name for name, _ in named[:EXAMPLE_PARAMETER_NAMES])
-    adamws = [pattern for pattern in unmatched if any(pattern in name for name, _ in named)]
-    typos = [pattern for pattern in unmatched if pattern not in adamws]
-    problems = [f"{', '.join(map(repr, found))} {'matches' if len(found) == 1 else 'match'} {what}"
-                for found, what in ((typos, f"no parameter of this {type(model).__name__}"),
-                                    (adamws, "only parameters AdamW trains anyway, no matrix Muon trains")) if found]
-    raise ConfigError(f"train.muon_exclude: {'; '.join(problems)} (its parameter names include {examples})")
+    if unmatched:
+        raise ConfigError(f"train.muon_exclude: {', '.join(map(repr, unmatched))} "
+                          f"{'matches' if len(unmatched) == 1 else 'match'} no parameter of this "
+                          f"{type(model).__name__} (its parameter names include {examples})")
+    idle = [pattern for pattern in patterns if not any(pattern in name for name in movable)]
+    if muon and idle:
+        warn_once(f"train.muon_exclude: {', '.join(map(repr, idle))} {'matches' if len(idle) == 1 else 'match'} "
+                  f"only parameters AdamW trains anyway, and moves no matrix off Muon (its matrices include "
+                  f"{examples})")
 
 
 def build_optimizers(model: nn.Module, config: TrainConfig, products_dtype: str = "float32",
@@ -167,7 +171,7 @@ def build_optimizers(model: nn.Module, config: TrainConfig, products_dtype: str 
     embed_ids = {id(p) for name, p in model.named_parameters()
                  if name.startswith(("wte", "lm_head")) or ".value_embed." in name}
     # matrices the config keeps off Muon (`muon_exclude`): AdamW, with the embeddings' group
-    check_muon_exclude(model, config.muon_exclude, embed_ids)
+    check_muon_exclude(model, config.muon_exclude, embed_ids, muon=config.optimizer == "muon")
     embed_ids |= {id(p) for name, p in model.named_parameters() if any(part in name for part in config.muon_exclude)}
     own_ids = {id(p) for group in own_groups for p in group["params"]}
     matrices, vectors, embeddings = [], [], []

@@ -398,7 +398,7 @@ def test_a_system_message_that_is_not_utf8_names_the_byte_not_a_surrogate(chat_r
     monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
     assert main(["chat", str(chat_run), "--system", "h\udcffi"]) == 2  # what $'h\xffi' arrives as
     err = capsys.readouterr().err
-    assert "--system is not valid UTF-8 text (byte 0xff at character 1)" in err and "surrogate" not in err
+    assert "--system is not valid UTF-8 text (byte 0xff at character 2)" in err and "surrogate" not in err
 
 
 def test_a_message_over_the_text_limit_keeps_the_chat_session(chat_run):

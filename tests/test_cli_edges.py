@@ -54,7 +54,7 @@ def test_bad_generation_flags_are_one_line(runs, argv, words, capsys):
 def test_a_prompt_that_is_not_utf8_is_one_line(runs, capsys):
     made, _ = runs
     _one_line_exit_2(["generate", str(made["gpt"]), "--prompt", "caf\udce9"],  # what $'caf\xe9' arrives as
-                     "--prompt is not valid UTF-8 text (byte 0xe9 at character 3)", capsys)
+                     "--prompt is not valid UTF-8 text (byte 0xe9 at character 4)", capsys)
 
 
 def test_generate_compile_falls_back_to_eager_where_the_step_cannot_be_captured(runs, capsys):

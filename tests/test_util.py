@@ -102,3 +102,18 @@ def test_a_checkpoints_step_reads_from_its_name_when_its_state_nests_too_deep(tm
     checkpoint.mkdir()
     (checkpoint / "state.json").write_text("[" * 100_000 + "]" * 100_000)
     assert _checkpoint_step(checkpoint) == 7
+
+
+def test_compare_reads_an_older_checkpoints_data_when_the_newest_state_nests_too_deep(tmp_path):
+    """`compare`'s reader of the data a run trained on caught ValueError only: a state.json nested
+    100,000 deep was a RecursionError; it now goes on to the older checkpoint, as for any unreadable one."""
+    from latentloop.config import RunConfig
+    from latentloop.eval.compare import _recorded_data
+
+    newest, older = (tmp_path / "checkpoints" / f"step_{step:08d}" for step in (20, 10))
+    for folder in (newest, older):
+        folder.mkdir(parents=True)
+    (newest / "state.json").write_text("[" * 100_000 + "]" * 100_000)
+    (older / "state.json").write_text(json.dumps({"data": {"train": "abc"}, "data_source": "text:/x"}))
+    found = _recorded_data(tmp_path, RunConfig())
+    assert found["sha256"] == {"train": "abc"} and found["source"] == "text:/x"

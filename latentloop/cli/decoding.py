@@ -105,7 +105,7 @@ def _check_utf8_argument(value: str, flag: str) -> None:
             what = f"byte 0x{bad.encode('utf-8', 'surrogateescape').hex()}"  # the byte the shell passed
         except UnicodeEncodeError:  # a surrogate no byte escapes to (from Python, not a shell)
             what = f"U+{ord(bad):04X}"
-        raise LatentloopError(f"{flag} is not valid UTF-8 text ({what} at character {exc.start})") from None
+        raise LatentloopError(f"{flag} is not valid UTF-8 text ({what} at character {exc.start + 1})") from None
 
 
 def _check_chat_start(tokenizer, start: list[dict], budget: int, context: int) -> None:

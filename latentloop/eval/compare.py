@@ -43,7 +43,7 @@ from ..archs import scoring_notes
 from ..config import RunConfig
 from ..errors import CheckpointError, ConfigError, LatentloopError
 from ..runtime import check_output_folder, output_folder
-from ..util import is_int, json_safe, progress
+from ..util import is_int, json_safe, progress, read_json_object
 from .core import CORE_TASKS
 from .stats import format_comparison, seed_rows
 
@@ -131,11 +131,10 @@ def _recorded_data(run_dir: Path, config: RunConfig) -> dict[str, Any]:
     found_steps = sorted(((int(m.group(1)), p) for p in (folder.iterdir() if folder.is_dir() else ())
                           if p.is_dir() and (m := CHECKPOINT_STEP.fullmatch(p.name))), reverse=True)
     for _, checkpoint in found_steps:
-        try:
-            state = json.loads((checkpoint / "state.json").read_text())
-        except (OSError, ValueError):
+        state = read_json_object(checkpoint / "state.json")
+        if not state:  # missing or unreadable: an older checkpoint may tell
             continue
-        checksums = state.get("data") if isinstance(state, dict) else None
+        checksums = state.get("data")
         if isinstance(checksums, dict) and checksums:
             found["sha256"] = {str(k): str(v) for k, v in sorted(checksums.items())}
             if isinstance(state.get("data_source"), str):
