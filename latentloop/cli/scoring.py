@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 from ..errors import ConfigError, LatentloopError, OutputError
-from ..util import read_json_object
 from .parser import generation_options, print_json
 from .training import first_batches
 
@@ -131,7 +130,7 @@ def cmd_eval(args) -> int:
 def _checkpoint_step(checkpoint: Path) -> int | None:
     """The training step of a checkpoint folder (its state.json, else its name step_N), None if unknown."""
     from ..checkpoint import step_in_name
-    from ..util import is_int
+    from ..util import is_int, read_json_object
 
     step = read_json_object(Path(checkpoint) / "state.json").get("step")
     return step if is_int(step) else step_in_name(checkpoint)
@@ -215,6 +214,7 @@ def _position_base(args, checkpoint, model, tokenizer=None):
     past its end)."""
     from ..runs import load_run
     from ..runtime import resolve_device
+    from ..util import read_json_object
 
     path = args.against
     if path is None:
