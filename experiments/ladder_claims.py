@@ -523,8 +523,11 @@ def multipliers_table(points: Sequence[Point], corpus: str, optimizer: str,
     if not sizes:
         return []
     stale = stale or {}
-    variants = [v for v in dict.fromkeys(p.variant for p in select(points, corpus=corpus, optimizer=optimizer))
-                if v != REFERENCE]
+    # in the ladder's own order (the registry's, then the claim baselines): the order the records were
+    # read in moved rows between regenerations as sizes filled
+    order = {variant.name: index for index, variant in enumerate(ladder.all_variants())}
+    variants = sorted((v for v in dict.fromkeys(p.variant for p in select(points, corpus=corpus, optimizer=optimizer))
+                       if v != REFERENCE), key=lambda name: (order.get(name, len(order)), name))
     header = "| variant | " + " | ".join(f"{name} ({n:,} params)" for _, name, n in sizes) + " | trend of C / D |"
     lines = ["", f"**{corpus}, {optimizer}**: compute multiplier C / data multiplier D at the variant's largest "
              "token budget, [95% t-interval over seeds]; the method of gpt's curve after each", "", header,

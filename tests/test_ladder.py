@@ -600,10 +600,27 @@ def row_verdict(rows: dict[str, str], prefix: str, column: int = 2) -> str:
     return row.split(" | ")[column]  # 2: the stdlib, Muon column; 4: stdlib, AdamW
 
 
+def _multipliers_tables(page: str) -> list[list[str]]:
+    """Each multipliers table's first column (the variants), in page order."""
+    names, found = {variant.name for variant in ladder.all_variants()}, []
+    for line in page.splitlines():
+        if line.startswith("| variant |"):
+            found.append([])
+        elif found and line.startswith("| ") and line.split(" | ")[0][2:] in names:
+            found[-1].append(line.split(" | ")[0][2:])
+    return found
+
+
 def test_the_claims_table_decides_synthetic_records_by_the_rules(monkeypatch):
-    records = claims_records(monkeypatch)
+    """The records read backwards: the verdicts are the records', not their order's; the multipliers
+    table's rows followed the order the records were read in (they moved between two regenerations as a
+    size filled) and keep the ladder's own now."""
+    records = claims_records(monkeypatch)[::-1]
     page = ladder_claims.generate(records)
     rows = page_rows(page)
+    order = [variant.name for variant in ladder.all_variants()]
+    tables = _multipliers_tables(page)
+    assert tables and all(len(names) > 2 and names == sorted(names, key=order.index) for names in tables), tables
 
     def verdict(prefix: str, column: int = 2) -> str:
         return row_verdict(rows, prefix, column)
