@@ -207,7 +207,7 @@ def plan_run(config: RunConfig, tokens: int, devices: int = 1, gpu: str = "h100"
     params = sum(p.numel() for p in model.parameters())
 
     # Memory per device (latentloop/train/memory.py), the peak compared with the device's below.
-    memory, probe = step_memory(config, objective, forward_steps, devices, strategy, precision)
+    memory, probe = step_memory(config, objective, forward_steps, devices, strategy, precision, on_cpu=gpu == "cpu")
     peak = memory["peak"]
 
     if gpu == "cpu":

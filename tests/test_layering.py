@@ -47,9 +47,10 @@ ALLOWED: dict[str, frozenset[str]] = {
     "serve": frozenset({"archs", "data", "engine", "inference", "models", "runs", "runtime"}),
     "chat": frozenset({"data", "engine"}),
     "api": frozenset({"archs", "engine", "runs"}),
-    # inference: torch's dispatch mode through inference.torch_internals (train.memory's estimate of a step)
-    "train": frozenset({"archs", "checkpoint", "data", "distributed", "eval", "inference", "interop", "objectives",
-                        "optim", "parallel", "runtime"}),
+    # inference: torch's dispatch mode through inference.torch_internals (train.memory's estimate of a step);
+    # models: the CPU's attention rule, which train.memory's estimate of a CPU step follows
+    "train": frozenset({"archs", "checkpoint", "data", "distributed", "eval", "inference", "interop", "models",
+                        "objectives", "optim", "parallel", "runtime"}),
     "analysis": frozenset({"archs", "data", "eval", "runs", "runtime"}),
     "demo": frozenset({"archs", "data", "engine", "eval", "runtime", "train"}),
     # sizing a run: the registry's model and objective, the trainer's FLOPs memo and memory estimate,

@@ -21,7 +21,9 @@ MEMORY_TOLERANCE = 0.15  # the issue's bound on |planned / measured - 1|
 # and without activation checkpointing at most this far under: a plan that says "fits" must not be
 # the one that is short (those cases were 4-6% over or up to 4% under on 2026-12-05; 9-22% under
 # before accumulation's held gradients and the optimizer step's workspace were counted). With
-# checkpointing the recompute's peak is 6-9% under (slow cases): the 15% bound only.
+# checkpointing too, since the recompute is counted at its forward's peak beside its output's gradient
+# (fbt and rgpt were 8% under, mor in bf16 9%, before), and a plan for the CPU probes its bf16 attention
+# in float32 where the CPU runs it so (lrt in bf16 was 8% under, its peak at the forward's end).
 MEMORY_UNDER = 0.05
 # A shape where every part of the peak is a visible share (weights, states and activations each a few
 # MB): at the `test` preset a step's fixed extras (the flowing gradient, the loss's temporaries) are a
@@ -69,7 +71,7 @@ def test_planned_peak_memory_is_within_15_percent_of_a_measured_cpu_step(arch, d
         raw["train"] |= {"dtype": dtype, "activation_checkpointing": checkpointing}
         return RunConfig.from_dict(raw)
 
-    _assert_planned_peak(config, under=MEMORY_TOLERANCE if checkpointing else MEMORY_UNDER)
+    _assert_planned_peak(config, under=MEMORY_UNDER)
 
 
 def _assert_planned_peak(config, under: float = MEMORY_UNDER) -> None:

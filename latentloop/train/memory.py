@@ -35,6 +35,7 @@ from ..archs import build_model, build_objective, get_arch
 from ..config import RunConfig
 from ..errors import ConfigError
 from ..inference.torch_internals import TorchDispatchMode
+from ..models.backbone import cpu_training_attention_in_fp32
 from ..runtime import autocast_for, resolve_dtype
 from ..util import memory_limit_bytes
 from .step import accumulation
@@ -63,11 +64,14 @@ def _host_generator(device="cpu"):
 class _MetaProbe(TorchFunctionMode):
     """Runs a training forward on meta tensors: a value read off a tensor (a metric logged as a
     float) reads 0, and with `bf16` the matrix products run in bf16 as autocast runs them (the
-    weights cast once per forward, as autocast caches them)."""
+    weights cast once per forward, as autocast caches them). `on_cpu`: the step planned runs on the
+    CPU, whose bf16 training attention runs in float32 at the shapes `backbone.attend`'s rule picks
+    (its inputs and output float32 copies, which the step holds: lrt's in bf16 with checkpointing was
+    planned 8% under without it)."""
 
-    def __init__(self, bf16: bool):
+    def __init__(self, bf16: bool, on_cpu: bool = False):
         super().__init__()
-        self.bf16 = bf16
+        self.bf16, self.on_cpu = bf16, on_cpu
         self.casts: dict[int, Tensor] = {}
 
     def _lowered(self, value):
@@ -94,6 +98,9 @@ class _MetaProbe(TorchFunctionMode):
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
         bound = dict(zip(names, args)) | kwargs
         q, k, v = (self._lowered(bound[n]) if self.bf16 else bound[n] for n in names[:3])
+        if self.bf16 and self.on_cpu and torch.is_grad_enabled() and cpu_training_attention_in_fp32(q.shape[-1],
+                                                                                                    k.shape[-2]):
+            q, k, v = q.float(), k.float(), v.float()  # as backbone.attend runs it there
         return q, k, v, bound.get("attn_mask"), bound.get("is_causal", False), bound.get("enable_gqa", False)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -116,10 +123,16 @@ class _FlashSaves(torch.autograd.Function):
     device's reference attention would save, and saved as those kernels save it: the query, key,
     value, mask, output and the fp32 log-sum-exp of each query's row."""
 
+    reference = False  # while the meta device's reference attention runs (see _LiveInside)
+
     @staticmethod
     def forward(ctx, q, k, v, mask, is_causal, gqa):
-        with torch.no_grad():
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=gqa)
+        _FlashSaves.reference = True
+        try:
+            with torch.no_grad():
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=gqa)
+        finally:
+            _FlashSaves.reference = False
         lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
         ctx.save_for_backward(*(t for t in (q, k, v, mask, out, lse) if t is not None))
         return out
@@ -145,21 +158,35 @@ class SavedTensors:
     # backward has made by the time it reaches that call (parameters of later calls and outside them)
     gradients: int = 0  # every trained parameter's gradient
     largest: int = 0  # the largest tensor saved (with a large vocabulary, the loss's fp32 log-softmax)
+    # per call: the most bytes its forward made and held at once (what it saves and, while it runs, the
+    # intermediates it does not save: an MLP's pre-activation beside its activation), and the bytes of
+    # its outputs that take a gradient. Both matter with checkpointing only (see held_with_gradients).
+    peak_inside: list[int] = field(default_factory=list)
+    outputs: list[int] = field(default_factory=list)
+
+    def _recomputed(self, i: int) -> int:
+        """What the backward holds of call i while it recomputes it: the recompute runs the call's
+        forward again, so it holds what that forward held at its peak, not only what it saved."""
+        return max(self.inside[i], self.peak_inside[i] if i < len(self.peak_inside) else 0)
 
     def checkpointed(self) -> int:
         """The most activations held with activation checkpointing: at the end of the forward (what
         was saved outside the recomputed modules, and their inputs), or while the backward
-        recomputes a module (its own activations, beside what was saved before it ended: the
-        backward has consumed everything saved after it)."""
-        recomputing = [before + inputs + own for before, inputs, own in
-                       zip(self.outside_before, self.inputs_upto, self.inside)]
+        recomputes a module (its own activations at its forward's peak, beside what was saved
+        before it ended: the backward has consumed everything saved after it)."""
+        recomputing = [before + inputs + self._recomputed(i) for i, (before, inputs) in
+                       enumerate(zip(self.outside_before, self.inputs_upto))]
         return max([self.outside + self.inputs, *recomputing])
 
     def held_with_gradients(self, checkpointing: bool, shards: int = 1, accumulating: bool = False) -> float:
         """The most activations and gradients held at once in the backward: the gradients appear as
         it goes back through the calls and frees (or, checkpointed, recomputes) their activations.
         Without checkpointing, at call i everything saved up to its end is still held; with it,
-        the inputs and outside savings up to it and its own recomputed activations. `shards`: the
+        the inputs and outside savings up to it, its recomputed forward at its peak and the gradient
+        of its output (measured on the CPU, 2026-12-06: without these two, the recompute of fbt's and
+        rgpt's blocks peaked 8% over the plan, by an MLP's pre-activation and the output's gradient,
+        the intermediate the recompute makes but does not save and the gradient its backward waits
+        on; fbt's later passes hold up to two more gradients of that size, not counted). `shards`: the
         gradients are sharded over that many devices (fsdp2), the activations are not.
         `accumulating`: several micro-batches a step, so from the second one on every gradient is
         held from the backward's start (they add up), not made as it goes."""
@@ -172,7 +199,10 @@ class SavedTensors:
         inside_upto = 0
         for i, own in enumerate(self.inside):
             inside_upto += own
-            saved = self.inputs_upto[i] + own if checkpointing else inside_upto
+            # checkpointed: the call is recomputed (its forward's peak, `_recomputed`) while the
+            # gradient of its output, made by the backward of what came after it, waits for it
+            flowing = self.outputs[i] if i < len(self.outputs) else 0
+            saved = self.inputs_upto[i] + self._recomputed(i) + flowing if checkpointing else inside_upto
             made = self.gradients if accumulating else self.gradients_after[i]
             held.append(self.outside_before[i] + saved + made / shards)
         return max(held)
@@ -182,7 +212,53 @@ class SavedTensors:
         return SavedTensors(self.total * factor, [b * factor for b in self.inside],
                             [b * factor for b in self.outside_before], [b * factor for b in self.inputs_upto],
                             self.outside * factor, self.inputs * factor, self.gradients_after, self.gradients,
-                            self.largest * factor)
+                            self.largest * factor, [b * factor for b in self.peak_inside],
+                            [b * factor for b in self.outputs])
+
+
+class _LiveInside(TorchDispatchMode):
+    """Per recomputable call (`start` .. `stop`), the most bytes of the storages its ops made that
+    are alive at once: a storage counts from the op that makes it until the last tensor on it (a view
+    included) is freed; the weights' and the inputs' storages never count. Works on meta tensors.
+    The reference attention that `_FlashSaves` runs on the meta device is left out: the fused kernels
+    it stands for never hold its (T, T) weights."""
+
+    def __init__(self, result: SavedTensors):
+        super().__init__()
+        self.result, self.call, self.current = result, -1, 0
+        self.refs: dict[int, int] = {}  # storage -> tensors on it alive, for the storages made in this call
+        self.sizes: dict[int, int] = {}
+
+    def start(self) -> None:
+        self.call, self.current, self.refs, self.sizes = len(self.result.peak_inside), 0, {}, {}
+        self.result.peak_inside.append(0)
+
+    def stop(self) -> None:
+        self.call = -1
+
+    def _free(self, call: int, key: int) -> None:
+        if call != self.call or key not in self.refs:
+            return
+        self.refs[key] -= 1
+        if not self.refs[key]:
+            del self.refs[key]
+            self.current -= self.sizes.pop(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.call < 0 or _FlashSaves.reference:
+            return out
+        for t in _tensors(out):
+            key = t.untyped_storage()._cdata
+            if key not in self.refs:
+                if any(a.untyped_storage()._cdata == key for a in _tensors((args, kwargs))):
+                    continue  # a view of, or written into, an input made before the call (or a weight)
+                self.refs[key], self.sizes[key] = 0, t.untyped_storage().nbytes()
+                self.current += self.sizes[key]
+                self.result.peak_inside[self.call] = max(self.result.peak_inside[self.call], self.current)
+            self.refs[key] += 1
+            weakref.finalize(t, self._free, self.call, key)
+        return out
 
 
 def count_saved(model: nn.Module, run) -> SavedTensors:
@@ -194,6 +270,7 @@ def count_saved(model: nn.Module, run) -> SavedTensors:
     depth = [0]
     trained = {id(p): p.numel() * p.element_size() for p in model.parameters() if p.requires_grad}
     last_call: dict[int, int] = {}  # parameter -> the last recomputable call that uses it
+    live = _LiveInside(result)
 
     def storage_bytes(t: Tensor) -> int:
         storage = t.untyped_storage()
@@ -215,6 +292,7 @@ def count_saved(model: nn.Module, run) -> SavedTensors:
     def before(module, args):
         if depth[0] == 0 and torch.is_grad_enabled():  # a call without gradient keeps nothing
             result.inside.append(0)
+            live.start()
             result.inputs += sum(storage_bytes(a) for a in args if isinstance(a, Tensor) and a.requires_grad)
             last_call.update({id(p): len(result.inside) - 1 for p in module.parameters() if id(p) in trained})
             depth[0] += 1
@@ -225,13 +303,15 @@ def count_saved(model: nn.Module, run) -> SavedTensors:
         if depth[0]:
             depth[0] -= 1
             if depth[0] == 0:
+                live.stop()
+                result.outputs.append(sum(t.numel() * t.element_size() for t in _tensors(output) if t.requires_grad))
                 result.outside_before.append(result.outside)
                 result.inputs_upto.append(result.inputs)
 
     hooks = [h for m in model.recomputable_modules()
              for h in (m.register_forward_pre_hook(before), m.register_forward_hook(after))]
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), live:
             run()
     finally:
         for hook in hooks:
@@ -367,8 +447,9 @@ def setup_probe_steps(objective, steps: int) -> list[int]:
 
 
 def probe_forwards(config: RunConfig, model: nn.Module, objective, forward_steps: Sequence[int], batch: int,
-                    bf16: bool, device: str) -> list[Forward]:
-    """Each distinct kind of forward among the given steps', probed once."""
+                    bf16: bool, device: str, on_cpu: bool = False) -> list[Forward]:
+    """Each distinct kind of forward among the given steps', probed once; `on_cpu`: for a step on
+    the CPU (`_MetaProbe`; a probe on the CPU runs the CPU's rules anyway)."""
     T = config.model.sequence_len
     kinds: dict[str, Forward] = {}
     for step in forward_steps:
@@ -379,7 +460,7 @@ def probe_forwards(config: RunConfig, model: nn.Module, objective, forward_steps
         x = torch.zeros(batch, T, dtype=torch.long, device=device)
         if device == "meta":
             def run(step=step, x=x):
-                with _MetaProbe(bf16):
+                with _MetaProbe(bf16, on_cpu):
                     objective(model, x, x, step)
         else:
             def run(step=step, x=x):
@@ -396,11 +477,12 @@ class ProbeNeedsData(Exception):
 
 def step_memory(config: RunConfig, objective, forward_steps: Sequence[int], devices: int = 1,
                 strategy: str = "none", precision: str = "float32",
-                cpu_probe: bool = True) -> tuple[dict[str, float], str]:
+                cpu_probe: bool = True, on_cpu: bool = False) -> tuple[dict[str, float], str]:
     """(bytes per device by part, where the forward was probed: "meta" or "cpu") for one training
     step of `config` on `devices` devices under `strategy`, its products in `precision`, over the
     kinds of forward `objective` takes at `forward_steps`. Without `cpu_probe`, a forward the meta
-    device cannot run raises ProbeNeedsData instead of running one sequence on the CPU."""
+    device cannot run raises ProbeNeedsData instead of running one sequence on the CPU. `on_cpu`:
+    the step planned runs on the CPU (its attention's rule in bf16, `_MetaProbe`)."""
     train, T = config.train, config.model.sequence_len
     model, probe = meta_model(config.model), "meta"
     shard = devices if strategy == "fsdp2" else 1
@@ -412,7 +494,7 @@ def step_memory(config: RunConfig, objective, forward_steps: Sequence[int], devi
     states, workspace = states / shard, workspace / shard
     bf16 = precision == "bfloat16"
     try:
-        forwards = probe_forwards(config, model, objective, forward_steps, train.batch_size, bf16, "meta")
+        forwards = probe_forwards(config, model, objective, forward_steps, train.batch_size, bf16, "meta", on_cpu)
     except (RuntimeError, NotImplementedError) as exc:
         if not cpu_probe:
             raise ProbeNeedsData(str(exc)) from None
@@ -482,7 +564,7 @@ def check_step_fits(config: RunConfig, device: torch.device, devices: int = 1) -
     objective = build_objective(model, train)
     try:
         memory, _ = step_memory(config, objective, setup_probe_steps(objective, train.steps), devices,
-                                train.strategy, precision, cpu_probe=False)
+                                train.strategy, precision, cpu_probe=False, on_cpu=device.type == "cpu")
     except ProbeNeedsData:
         return  # no estimate without running a forward: the run finds out as before
     if memory["peak"] > limit * (1 + PLAN_TOLERANCE):
