@@ -12,7 +12,11 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev,plot,hf,lm-eval,serve,tensorboard,wandb
 # the demo needs the package and its loss plot only: a first `make demo` installs no more
 DEMO_EXTRAS ?= plot
-PYTEST_ARGS ?= -m "not slow"
+# One pytest worker per core (pytest-xdist, idle workers take queued tests from busy ones):
+# tests/conftest.py gives each worker its share of the cores' threads. Most tests are short and
+# single-threaded, so one process left a core idle; TEST_WORKERS=0 runs them in one process.
+TEST_WORKERS ?= auto
+PYTEST_ARGS ?= -m "not slow" -n $(TEST_WORKERS) --dist worksteal
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell echo '$(EXTRAS)' | tr ',' '-')
 DEMO_STAMP := $(VENV)/.installed-$(shell echo '$(DEMO_EXTRAS)' | tr ',' '-')

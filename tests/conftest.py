@@ -18,7 +18,17 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import torch
+
+# Under pytest-xdist (`make test` runs one worker per core) each worker takes its share of the cores'
+# threads (not each as many as there are cores), set before torch starts its thread pool and
+# inherited by every process a test starts.
+# A thread count given from outside is kept.
+XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+THREADS_SHARED_OUT = XDIST_WORKERS > 0 and "OMP_NUM_THREADS" not in os.environ
+if THREADS_SHARED_OUT:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // XDIST_WORKERS))
+
+import torch  # noqa: E402  (after the thread share above)
 
 # The suite's exactness and resume checks compare fp32 paths: `train.dtype=auto` would be bf16 on a
 # CPU with bf16 instructions, so the suite (and every process it starts, which inherits this) hides

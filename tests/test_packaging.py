@@ -22,6 +22,8 @@ from email.parser import Parser
 from pathlib import Path
 
 import pytest
+import torch
+from conftest import THREADS_SHARED_OUT, XDIST_WORKERS
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+ (the project supports 3.10, where this file skips)
 
@@ -233,3 +235,14 @@ def test_the_wheel_installs_and_runs_outside_the_checkout(built, tmp_path):
     finally:
         server.terminate()
         server.wait(timeout=60)
+
+
+@pytest.mark.skipif(not THREADS_SHARED_OUT, reason="not under pytest-xdist, or OMP_NUM_THREADS given from outside")
+def test_each_test_worker_takes_its_share_of_the_cores():
+    """`make test` runs one pytest worker per core: every worker, and every process its tests start,
+    keeps to its share of the threads instead of each starting one per core."""
+    share = max(1, (os.cpu_count() or 1) // XDIST_WORKERS)
+    assert torch.get_num_threads() == share
+    child = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+                           capture_output=True, text=True, check=True)
+    assert int(child.stdout) == share
