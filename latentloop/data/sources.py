@@ -25,8 +25,10 @@ import glob
 import hashlib
 import json
 import os
+import socket
 import sys
 import sysconfig
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -410,6 +412,12 @@ class HFSource(Source):
             raise DataError(
                 f"data source '{self.spec}' needs the datasets library: pip install 'latentloop[hf]'"
             ) from exc
+        if not Path(self.name).expanduser().is_dir():
+            unreachable = _hub_unreachable_reason()
+            if unreachable:
+                raise DataError(f"cannot load Hugging Face dataset '{self.spec}': {unreachable}, and a streamed "
+                                f"dataset is read from the Hub as it trains; with no network, pass a local copy "
+                                f"(hf:FOLDER or text:PATH)")
         try:
             return datasets.load_dataset(self.name, self.config, split="train", streaming=True)
         except Exception as exc:  # network, missing dataset, bad config...: all user-facing here
@@ -439,6 +447,30 @@ class HFSource(Source):
             files = sorted(p for p in local.rglob("*") if p.is_file())
             listing = _file_listing(local, files)
         return _digest(["hf", self.name, self.config, self.max_documents, self.val_fraction, listing])
+
+
+def _hub_unreachable_reason() -> str | None:
+    """Why the Hugging Face Hub cannot be reached from this machine, where a name lookup of its host
+    already says so; None where it may be reached. Without it a machine with no network waited about
+    23 s while the datasets library retried, printing a line each time, before it gave up."""
+    if any(os.environ.get(name) for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None  # the proxy looks the host up, not this machine
+    try:
+        from huggingface_hub import constants
+    except ImportError:
+        return None
+    if constants.HF_HUB_OFFLINE:
+        return None  # the datasets library says so itself, at once
+    host = urllib.parse.urlsplit(constants.ENDPOINT).hostname
+    if not host:
+        return None
+    try:
+        socket.getaddrinfo(host, 443)
+    except socket.gaierror as exc:
+        return f"the Hub's host {host} cannot be looked up ({exc.strerror})"
+    except OSError:
+        return None
+    return None
 
 
 def _pick_text_field(record: dict, spec: str) -> str:
