@@ -4,7 +4,8 @@ import pytest
 import yaml
 
 import latentloop as ll
-from latentloop.config import PRESETS, RunConfig, apply_overrides, load_yaml, model_config
+from latentloop.archs import ARCHS
+from latentloop.config import PRESETS, DataConfig, RunConfig, TrainConfig, apply_overrides, load_yaml, model_config
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
@@ -49,6 +50,55 @@ def test_overrides_dotted_bare_and_typed():
         apply_overrides({}, ["bogus=1"])
     with pytest.raises(ll.ConfigError, match="train.steps"):
         RunConfig.from_dict(apply_overrides({}, ["steps=ten"]))
+
+
+def test_an_arch_set_by_override_gives_its_own_fields_to_the_others():
+    """`--set arch=fbt --set jitter=0` (in either order, bare or dotted): the arch the overrides name
+    decides which model fields they may set, not the one the config held before them."""
+    for overrides in (["arch=fbt", "jitter=0.5"], ["jitter=0.5", "model.arch=fbt"],
+                      ["model.arch=fbt", "model.jitter=0.5"]):
+        config = RunConfig.from_dict(apply_overrides({}, overrides))
+        assert config.model.arch == "fbt" and config.model.jitter == 0.5
+    with pytest.raises(ll.ConfigError, match="unknown config field 'jitter'"):
+        apply_overrides({"model": {"arch": "fbt"}}, ["arch=gpt", "jitter=0.5"])
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_a_config_built_in_python_is_checked_as_a_yaml_file_is(arch):
+    """Every config class converts and refuses its fields' values as a YAML file's are read: a wrong
+    type is one ConfigError naming the field, never a TypeError from a comparison or from torch."""
+    config_class = ARCHS[arch].config_class
+    assert config_class(n_layer="4", n_embd=64.0).n_layer == 4
+    for fields, words in (({"n_layer": 2.5}, "n_layer has an invalid value 2.5"), ({"n_layer": True}, "n_layer"),
+                          ({"mlp_ratio": "wide"}, "mlp_ratio"), ({"mlp": None}, "mlp must not be null"),
+                          ({"rope_theta": float("inf")}, "rope_theta must be a finite number")):
+        with pytest.raises(ll.ConfigError, match=words):
+            config_class(**fields)
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"device": None}, "device must not be null"), ({"compile": 2}, "compile must be true or false"),
+    ({"trackers": {"wandb": 1}}, "trackers must be a list"), ({"betas": {0.9: 1, 0.95: 2}}, "betas must be a list"),
+    ({"betas": [0.9, True]}, r"betas\[1\] must be a number"), ({"lr": "fast"}, "lr has an invalid value")])
+def test_train_fields_of_the_wrong_type_are_named(fields, words):
+    with pytest.raises(ll.ConfigError, match=words):
+        TrainConfig(**fields)
+    assert TrainConfig(betas=[0.8, "0.9"], trackers="wandb,wandb", compile=1).betas == (0.8, 0.9)
+
+
+def test_data_fields_of_the_wrong_type_are_named():
+    with pytest.raises(ll.ConfigError, match="source must be a string"):
+        DataConfig(source=True)
+    assert DataConfig(val_fraction="0.1").val_fraction == 0.1
+
+
+@pytest.mark.parametrize("items, words", [("[0.7, 1.9]", r"inject_layers\[0\] has an invalid value 0.7"),
+                                          ("[true]", r"inject_layers\[0\] must be an integer")])
+def test_a_list_of_integers_refuses_what_one_integer_refuses(items, words):
+    with pytest.raises(ll.ConfigError, match=words):
+        RunConfig.from_dict(apply_overrides({}, ["arch=lrt", f"inject_layers={items}"]))
+    config = RunConfig.from_dict(apply_overrides({}, ["arch=lrt", "inject_layers=[0, 1.0]"]))
+    assert config.model.inject_layers == (0, 1)
 
 
 def test_round_trip_through_dict():

@@ -106,7 +106,6 @@ class LRTConfig(ModelConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.inject_layers = tuple(int(i) for i in self.inject_layers)
         if self.source_layer is None:
             self.source_layer = upper_middle_layer(self.n_layer)
         require(-1 <= self.source_layer < self.n_layer,

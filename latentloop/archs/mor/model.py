@@ -62,7 +62,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ...config import ModelConfig, require
+from ...config import ModelConfig, check_field_types, require
 from ...errors import ConfigError
 from ...models.backbone import GPT, PER_ROW_INFO, Draft, ForwardContext, ModelOutput, last_column, norm
 from ...models.cache import AttentionPlan, KVCache, attention_mask
@@ -96,6 +96,7 @@ class MoRConfig(ModelConfig):
     router_aux_weight: float = DEFAULT_AUX_WEIGHT  # expert: the selection BCE's weight; token: the balance loss's
 
     def __post_init__(self) -> None:
+        check_field_types(self)  # the split below does arithmetic on n_layer before the base class checks it
         if self.n_pre is None and self.n_rec is None and self.n_coda is None:
             edge = 1 if self.n_layer >= 3 else 0
             self.n_pre, self.n_rec, self.n_coda = edge, self.n_layer - 2 * edge, edge

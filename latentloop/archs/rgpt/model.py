@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ...config import ModelConfig, require
+from ...config import ModelConfig, check_field_types, require
 from ...errors import CheckpointError, ConfigError
 from ...models.backbone import GPT, PER_ROW_INFO, Draft, ForwardContext, ModelOutput, last_column, norm
 from ...models.cache import KVCache
@@ -106,6 +106,7 @@ class RGPTConfig(ModelConfig):
     backprop_steps: int | None = None
 
     def __post_init__(self) -> None:
+        check_field_types(self)  # the split below does arithmetic on n_layer before the base class checks it
         if self.n_pre is None and self.n_rec is None and self.n_coda is None:
             edge = 1 if self.n_layer >= 3 else 0
             self.n_pre, self.n_coda, self.n_rec = edge, edge, self.n_layer - 2 * edge
