@@ -44,6 +44,7 @@ from .checkpoint import expected_shapes as _expected_shapes
 from .config import ModelConfig, RunConfig
 from .data import load_tokenizer
 from .errors import CheckpointError, ConfigError, OutputError
+from .runtime import resolve_device
 from .util import first_line, give_default_mode
 
 
@@ -70,6 +71,8 @@ def load_run(path: str | Path, device: str | torch.device = "cpu",
     The config is checked against the weights' header and the tokenizer against the config before
     the model is built; the returned config's `data.cache_dir` is cleared (the default cache is used).
     """
+    if not isinstance(device, torch.device):  # "gpu", or cuda on a machine without it: one line, before any reading
+        device = resolve_device(str(device))
     checkpoint = resolve_checkpoint(path)
     check_full_weights(checkpoint)
     config = read_run_config(checkpoint)

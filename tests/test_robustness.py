@@ -237,6 +237,15 @@ def test_non_finite_weights_are_never_saved_nor_rotate_out_a_good_checkpoint(tmp
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_00000001"]
 
 
+@pytest.mark.parametrize("device, words", [("gpu", "unknown device 'gpu'"), ("cuda:x", "unknown device 'cuda:x'"),
+                                           ("cuda:99", "device 'cuda:99' requested but")])
+def test_loading_onto_a_device_there_is_not_is_a_config_error(tiny_run, device, words):
+    """`ll.load(run, device=...)` checks the device as `train --device` does, before reading the run:
+    torch's own RuntimeError or AssertionError for "gpu" or a CUDA a CPU build lacks is not a user's message."""
+    with pytest.raises(ConfigError, match=words):
+        ll.load(tiny_run("gpt"), device=device)
+
+
 def test_loading_non_finite_weights_is_a_one_line_error(tiny_run_copy, capsys):
     run = tiny_run_copy("gpt")
     file = ckpt.resolve_checkpoint(run) / "model.safetensors"
