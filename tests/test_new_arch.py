@@ -95,6 +95,30 @@ def test_a_second_architecture_under_a_registered_name_is_refused(toy_package):
     assert "refused: an architecture named 'toy' is registered already" in done.stdout, done.stderr[-2000:]
 
 
+def test_entry_points_register_in_either_form(tmp_path):
+    """A distribution's `latentloop.archs` entry points register a module that registers its spec on
+    import, named as a module (`toy3 = toyarch3`) or in the usual `module:attr` form (`toy = toyarch:SPEC`),
+    and a spec its module only defines (`toy2 = toyarch2:SPEC`)."""
+    plugins = tmp_path / "plugins"
+    for name, registers in (("toy", True), ("toy2", False), ("toy3", True)):
+        package = plugins / ("toyarch" + name[3:])
+        package.mkdir(parents=True)
+        (package / "model.py").write_text(MODEL.replace('"toy"', f'"{name}"'))
+        spec = SPEC.replace('ArchSpec("toy"', f'ArchSpec("{name}"')
+        (package / "__init__.py").write_text(spec if registers else spec.replace("SPEC = register(", "SPEC = (", 1))
+    info = plugins / "toyplugins-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toyplugins\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[latentloop.archs]\ntoy = toyarch:SPEC\ntoy2 = toyarch2:SPEC\n"
+                                           "toy3 = toyarch3\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(plugins), os.environ.get("PYTHONPATH", "")])}
+    env.pop("LATENTLOOP_ARCHS", None)
+    done = run("from latentloop.archs import ARCHS; print(sorted(name for name in ARCHS if name.startswith('toy')))",
+               env)
+    assert done.returncode == 0 and "warning" not in done.stderr, done.stderr[-2000:]
+    assert done.stdout.split("\n")[-2] == "['toy', 'toy2', 'toy3']"
+
+
 def test_a_plugin_that_does_not_import_is_one_warning_and_the_rest_works(tmp_path):
     env = {**os.environ, "LATENTLOOP_ARCHS": "no_such_arch_module"}
     done = subprocess.run([sys.executable, "-m", "latentloop", "train", "--arch", "gpt", "--preset", "test",

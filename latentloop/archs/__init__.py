@@ -8,7 +8,7 @@ registered from its own `__init__`), one registry (`registry.ARCHS`), as torchti
 Adding an architecture: a package with its model (a `GPT` subclass and its config class), its
 objective and its spec, and one line here: its name in `BUILTIN`. An architecture outside this
 package registers the same way from wherever it lives: name its module in the `latentloop.archs`
-entry-point group of its distribution, or in `LATENTLOOP_ARCHS` (comma-separated module names), and it
+entry-point group of its distribution (`toy = toyarch`, or `toy = toyarch:SPEC`), or in `LATENTLOOP_ARCHS` (comma-separated module names), and it
 is imported with the registry, so every front-end, test and benchmark that enumerates `ARCHS` sees it.
 """
 
@@ -43,24 +43,32 @@ for _name in BUILTIN:
     importlib.import_module(f".{_name}", __name__)
 
 
-def _plugin_modules() -> list[str]:
-    named = [m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(",") if m.strip()]
+def _plugins() -> list[tuple[str, str]]:
+    """(module, attribute or "") of every architecture named from outside: `LATENTLOOP_ARCHS`' module
+    names, then the entry points (`toy = toyarch`, or in the usual `module:attr` form `toy = toyarch:SPEC`)."""
+    named = [(m.strip(), "") for m in os.environ.get(PLUGINS_ENV, "").split(",") if m.strip()]
     try:
-        named += [entry.value for entry in metadata.entry_points(group=ENTRY_POINT_GROUP)]
+        named += [(entry.module, entry.attr or "") for entry in metadata.entry_points(group=ENTRY_POINT_GROUP)]
     except Exception:  # noqa: BLE001 - a broken distribution's metadata must not stop the package loading
         pass
     return list(dict.fromkeys(named))
 
 
 def _load_plugins() -> None:
-    """Import every architecture module named from outside. One that does not import is said in one line
-    and left out (`import latentloop` must not fail for it: the other architectures still work, and a
-    run of the missing one then fails as an unknown arch)."""
-    for module in _plugin_modules():
+    """Import every architecture module named from outside (it registers its spec, as the built-in ones
+    do; an entry point's attribute that is a spec not registered by then is registered here). One
+    that does not import is said in one line and left out (`import latentloop` must not fail for it:
+    the other architectures still work, and a run of the missing one then fails as an unknown arch)."""
+    for module, attribute in _plugins():
+        named = f"{module}:{attribute}" if attribute else module
         try:
-            importlib.import_module(module)
+            found = importlib.import_module(module)
+            for part in filter(None, attribute.split(".")):
+                found = getattr(found, part)
+            if isinstance(found, ArchSpec) and ARCHS.get(found.name) is not found:
+                register(found)
         except Exception as error:  # noqa: BLE001 - whatever the module raises: it is the user's code
-            print(f"latentloop: warning: cannot import the architecture module {module!r} ({PLUGINS_ENV} or "
+            print(f"latentloop: warning: cannot import the architecture module {named!r} ({PLUGINS_ENV} or "
                   f"the {ENTRY_POINT_GROUP!r} entry points), left out: {type(error).__name__}: {error}",
                   file=sys.stderr)
 
