@@ -59,25 +59,35 @@ def _chunked_applies(logits: Tensor, reduction: str) -> bool:
             and not torch.compiler.is_compiling() and logits.numel() * 4 > CHUNKED_ABOVE_BYTES)
 
 
+REDUCTIONS = ("mean", "sum", "none")
+
+
 def token_cross_entropy(logits: Tensor, targets: Tensor, reduction: str = "mean", mask: Tensor | None = None
                         ) -> Tensor:
-    """Cross-entropy of (B, T, V) logits against (B, T) targets, computed in float32. With a (B, T)
-    bool `mask` (SFT: the assistant's tokens) the mean is over the targets it marks (0 when none).
-    Eager training on large batches of logits takes the chunked path (`_ChunkedCrossEntropy`: the
-    same loss and gradients to rounding, without the float32 logits of the whole batch)."""
+    """Cross-entropy of (B, T, V) logits against (B, T) targets, computed in float32. The targets that
+    count are those not IGNORE_INDEX and, with a (B, T) bool `mask` (SFT: the assistant's tokens),
+    marked by it: "mean" is over them (0 when there are none: a micro-batch without one weighs 0 in
+    the trainer, and 0 x NaN would still be NaN), "sum" sums them, "none" gives each position's loss
+    (0 where it does not count). Eager training on large batches of logits takes the chunked path
+    (`_ChunkedCrossEntropy`: the same loss and gradients to rounding, without the float32 logits of the
+    whole batch)."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
+    flat_targets = targets.flatten()  # (B*T,)
+    counted = flat_targets != IGNORE_INDEX  # (B*T,) bool
+    if mask is not None:
+        counted = counted & mask.flatten()
     if _chunked_applies(logits, reduction):
-        flat_targets = targets.flatten()
-        valid = flat_targets != IGNORE_INDEX
-        weights = valid.float() if mask is None else (mask.flatten() & valid).float()
-        denominator = valid.sum().float() if mask is None else mask.flatten().sum().float().clamp(min=1)
-        return _ChunkedCrossEntropy.apply(logits.flatten(0, 1), flat_targets.clamp(min=0), weights, denominator)
-    if mask is None:
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction=reduction)
-    losses = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
-    weights = mask.flatten().to(losses.dtype)
+        weights = counted.float()
+        return _ChunkedCrossEntropy.apply(logits.flatten(0, 1), flat_targets.clamp(min=0), weights,
+                                          weights.sum().clamp(min=1))
+    losses = F.cross_entropy(logits.flatten(0, 1).float(), flat_targets, reduction="none")  # (B*T,), 0 if ignored
+    if mask is not None:
+        losses = losses * mask.flatten().to(losses.dtype)
     if reduction == "none":
-        return losses * weights
-    return (losses * weights).sum() / weights.sum().clamp(min=1)
+        return losses
+    total = losses.sum()
+    return total if reduction == "sum" else total / counted.sum().clamp(min=1)
 
 
 @dataclass
