@@ -75,6 +75,11 @@ def test_each_reduction_counts_only_the_targets_that_count(monkeypatch, chunked,
     assert base._chunked_applies(logits, "mean") == chunked
     torch.testing.assert_close(token_cross_entropy(logits, targets, mask=mask), _plain(logits, targets, mask),
                                rtol=LOSS_RTOL, atol=0)
+    if not chunked and not masked:  # a pretraining step's loss: torch's own mean, bit for bit, as before
+        large = torch.randn(16, 256, 259, generator=generator) * 3  # summed in another order, it differs in ulps
+        large_targets = torch.randint(0, 259, (16, 256), generator=generator)
+        assert torch.equal(token_cross_entropy(large, large_targets),
+                           F.cross_entropy(large.flatten(0, 1), large_targets.flatten()))
     counted = (targets != IGNORE_INDEX) & (mask if masked else True)
     each = token_cross_entropy(logits, targets, reduction="none", mask=mask)
     assert each.shape == (B * T,) and torch.equal(each == 0, ~counted.flatten())

@@ -81,12 +81,16 @@ def token_cross_entropy(logits: Tensor, targets: Tensor, reduction: str = "mean"
         weights = counted.float()
         return _ChunkedCrossEntropy.apply(logits.flatten(0, 1), flat_targets.clamp(min=0), weights,
                                           weights.sum().clamp(min=1))
-    losses = F.cross_entropy(logits.flatten(0, 1).float(), flat_targets, reduction="none")  # (B*T,), 0 if ignored
-    if mask is not None:
-        losses = losses * mask.flatten().to(losses.dtype)
-    if reduction == "none":
-        return losses
-    total = losses.sum()
+    if mask is None and reduction != "none":
+        # torch's own sum: over its count, bit for bit its "mean" (which is NaN where nothing counts)
+        total = F.cross_entropy(logits.flatten(0, 1).float(), flat_targets, reduction="sum")
+    else:
+        losses = F.cross_entropy(logits.flatten(0, 1).float(), flat_targets, reduction="none")  # (B*T,), 0 if ignored
+        if mask is not None:
+            losses = losses * mask.flatten().to(losses.dtype)
+        if reduction == "none":
+            return losses
+        total = losses.sum()
     return total if reduction == "sum" else total / counted.sum().clamp(min=1)
 
 
