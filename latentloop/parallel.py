@@ -57,6 +57,7 @@ from .checkpoint import (
 from .config import TrainConfig
 from .distributed import agree, current_dist, in_process_group
 from .errors import CheckpointError, OutputError
+from .runtime import resolve_dtype
 from .util import first_line
 
 __all__ = ["SHARDED_DIR", "any_rank", "apply_activation_checkpointing", "compiles_whole_model", "full_weights",
@@ -112,7 +113,8 @@ def _allow_recompiles(graphs: int) -> None:
 
 
 def _bf16_on_gpu(config: TrainConfig, device: torch.device) -> bool:
-    return device.type == "cuda" and config.dtype in ("auto", "bfloat16")
+    """FSDP2 computes in bf16 where the run's autocast does (not "auto" on a GPU without native bf16)."""
+    return device.type == "cuda" and resolve_dtype(device, config.dtype) == "bfloat16"
 
 
 def wrap_model(model: nn.Module, config: TrainConfig, device: torch.device, root: nn.Module | None = None,

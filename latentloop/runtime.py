@@ -112,19 +112,30 @@ def cpu_bf16_support() -> str | None:
 _THIS_CPU = object()  # resolve_dtype's default: the bf16 support of the CPU this runs on
 
 
+# The first NVIDIA compute capability with bf16 tensor cores (Ampere). Before it torch's autocast still
+# takes bf16, emulated and slower than fp32, and inductor leaves graphs with bf16 inputs uncompiled.
+CUDA_BF16_CAPABILITY = (8, 0)
+
+
+def cuda_bf16_support(device: torch.device) -> bool:
+    """Whether the GPU computes bf16 natively (ROCm's do; NVIDIA's from Ampere on)."""
+    return bool(torch.version.hip) or torch.cuda.get_device_capability(device) >= CUDA_BF16_CAPABILITY
+
+
 def resolve_dtype(device: torch.device, dtype: str, cpu_bf16: str | None | object = _THIS_CPU) -> str:
-    """The autocast dtype a run takes: "bfloat16" or "float32". "auto" is bf16 on CUDA and on a CPU
-    with bf16 instructions (`cpu_bf16_support`; `cpu_bf16`: another CPU's, e.g. a recorded run's),
-    fp32 elsewhere: there bf16 is emulated and slower than fp32. On the CPU, bf16 reached fp32's
+    """The autocast dtype a run takes: "bfloat16" or "float32". "auto" is bf16 on a GPU with native
+    bf16 (`cuda_bf16_support`) and on a CPU with bf16 instructions (`cpu_bf16_support`; `cpu_bf16`:
+    another CPU's, e.g. a recorded run's), fp32 elsewhere: there bf16 is emulated and slower than fp32
+    (no fp16 path with a loss scaler is offered). On the CPU, bf16 reached fp32's
     validation BPB within 1% at equal steps for every arch on the `tiny` and `small` presets
     (`python -m benchmarks.time_to_quality --precision-check`; experiments/RESULTS.md), the condition
     for making it the default."""
     if dtype != "auto":
         return dtype
+    if device.type == "cuda":
+        return "bfloat16" if cuda_bf16_support(device) else "float32"
     support = cpu_bf16_support() if cpu_bf16 is _THIS_CPU else cpu_bf16
-    if device.type == "cuda" or (device.type == "cpu" and support):
-        return "bfloat16"
-    return "float32"
+    return "bfloat16" if device.type == "cpu" and support else "float32"
 
 
 def precision_note(device: torch.device, dtype: str) -> str:
@@ -138,6 +149,10 @@ def precision_note(device: torch.device, dtype: str) -> str:
                  "; this CPU has no bf16 instructions (amx_bf16 / avx512_bf16)"
                  + (": bf16 is emulated and slower than fp32" if resolved == "bfloat16" else ""))
         line += f", torch CPU capability {torch.backends.cpu.get_cpu_capability()}"
+    elif device.type == "cuda" and not cuda_bf16_support(device):
+        major, minor = torch.cuda.get_device_capability(device)
+        line += (f"; this GPU (compute capability {major}.{minor}) has no native bf16"
+                 + (": bf16 is emulated and slower than fp32" if resolved == "bfloat16" else ""))
     return f"precision ({dtype}): {line}"
 
 

@@ -41,7 +41,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "runtime": frozenset({"data"}),  # devices, precision, data preparation: below the run folders and the group
     "distributed": frozenset({"runtime"}),  # the process group and its collectives; knows no model
     "runs": frozenset({"archs", "checkpoint", "data", "inference", "runtime"}),  # run folders: one pass down the floors
-    "parallel": frozenset({"checkpoint", "distributed"}),
+    "parallel": frozenset({"checkpoint", "distributed", "runtime"}),
     "interop": frozenset({"archs", "checkpoint", "data"}),
     "eval": frozenset({"archs", "data", "engine", "objectives", "runs", "runtime"}),
     "serve": frozenset({"archs", "data", "engine", "inference", "models", "runs", "runtime"}),

@@ -512,7 +512,14 @@ def test_precision_is_resolved_and_noted(monkeypatch):
     from latentloop import runtime
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    # a GPU from Ampere on: auto is bf16; before it bf16 is emulated, so auto is fp32 and the note says why
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert runtime.resolve_dtype(cuda, "auto") == "bfloat16"
+    assert "no native bf16" not in runtime.precision_note(cuda, "auto")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+    assert runtime.resolve_dtype(cuda, "auto") == "float32" and runtime.resolve_dtype(cuda, "bfloat16") == "bfloat16"
+    assert "compute capability 7.0) has no native bf16" in runtime.precision_note(cuda, "auto")
+    assert "emulated" in runtime.precision_note(cuda, "bfloat16")
     assert runtime.resolve_dtype(cpu, "bfloat16") == "bfloat16"
     # a CPU with bf16 instructions: auto is bf16, and float32 still means fp32
     monkeypatch.setattr(runtime, "cpu_bf16_support", lambda: "avx512_bf16")
