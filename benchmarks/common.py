@@ -224,8 +224,9 @@ def environment() -> dict[str, Any]:
 
 
 def make_sync(device: torch.device) -> Callable[[], None]:
+    """Waits for `device`'s queued work (a timer reads the clock after it): that GPU's, not the current one."""
     if device.type == "cuda":
-        return torch.cuda.synchronize
+        return lambda: torch.cuda.synchronize(device)
     return lambda: None
 
 

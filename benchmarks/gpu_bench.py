@@ -67,13 +67,12 @@ from benchmarks.common import invocation, require_threads
 from latentloop.archs import ARCHS, build_objective, get_arch
 from latentloop.config import RunConfig, TrainConfig
 from latentloop.parallel import wrap_model
+from latentloop.plan import ACCELERATORS
 from latentloop.runtime import resolve_dtype
 from latentloop.train import FiniteGuard, FlopsMemo, train_step
 from latentloop.train.profile import summarize
 from latentloop.train.step import ModelAndLoss, compiled_step_graphs
 
-# Dense bf16 tensor-core peak of an H200 (the same as an H100 SXM), no sparsity, FLOP/s.
-H200_BF16_PEAK = 989e12
 MFU_TARGET = 0.45  # issue 51: gpt at the gpt2 shape
 OTHERS_SHARE_OF_GPT = 0.9  # issue 51: every other architecture at >= 0.9 x gpt's MFU
 PLAN_PROBE_STEPS = 64  # the steps whose plans choose a case's one kind of forward
@@ -82,6 +81,17 @@ FILL_MULTIPLE = 8  # the filled micro-batch is a multiple of this
 DECODE_RUNS = 3  # timed decode runs per row after the warm-up: their median and range (one run is one sample)
 # A Llama-shaped gpt: the options `latentloop export --plain` needs (interop.hf_export.plain_blockers)
 LLAMA_SHAPED = {"mlp": "swiglu", "qk_norm": False, "embed_norm": False, "logit_softcap": 0.0}
+
+
+def dense_bf16_peak(device_name: str) -> float | None:
+    """The dense bf16 tensor-core peak (FLOP/s, no sparsity) of the GPU `torch.cuda.get_device_name`
+    names, from `latentloop plan`'s table (H200, H100 SXM, A100 SXM); None for any other GPU, and for
+    an H100 PCIe, whose peak is lower than the SXM part's: give it with --peak-tflops."""
+    name = device_name.lower()
+    if "pcie" in name:
+        return None
+    return next((accelerator.peak_flops for key, accelerator in ACCELERATORS.items()
+                 if key != "cpu" and key in name), None)
 
 
 @dataclass(frozen=True)
@@ -465,9 +475,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.peak_tflops is not None:  # parse_args takes only a positive one
         peak = args.peak_tflops * 1e12
     else:
-        peak = H200_BF16_PEAK if device.type == "cuda" else None
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True  # what little runs in fp32 (optimizer, norms)
+        peak = dense_bf16_peak(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+        if device.type == "cuda" and peak is None:
+            print(f"gpu_bench: no bf16 peak known for {torch.cuda.get_device_name(device)}: no MFU without "
+                  f"--peak-tflops", file=sys.stderr)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     budget_end = time.perf_counter() + args.budget_s
@@ -512,7 +523,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="compile the training step and the decode step (default: on CUDA only)")
     p.add_argument("--no-compile", dest="compile", action="store_false", help="eager training and decode")
     p.add_argument("--peak-tflops", type=float, default=None,
-                   help=f"dense bf16 peak for MFU (default on CUDA: the H200's {H200_BF16_PEAK / 1e12:.0f})")
+                   help="dense bf16 peak for MFU (default on CUDA: the GPU's from `latentloop plan`'s table)")
     p.add_argument("--only", nargs="+", default=None, metavar="ARCH", help="only these archs (" + " ".join(ARCHS) + ")")
     p.add_argument("--all-cases", action="store_true",
                    help="also each spec's train_cases and decode_cases (fbt K=1/2/3, lrt's prefills, ...)")

@@ -121,7 +121,7 @@ def rss_child(spec: dict[str, Any]) -> dict[str, Any]:
 
 def measure_peak_memory(spec: dict[str, Any], device: torch.device) -> dict[str, Any]:
     if device.type == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)

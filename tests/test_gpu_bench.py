@@ -30,6 +30,31 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
 
+@pytest.mark.parametrize("name, peak", [("NVIDIA H200", 989e12), ("NVIDIA H100 80GB HBM3", 989e12),
+                                        ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA H100 PCIe", None),
+                                        ("Tesla V100-SXM2-16GB", None)])
+def test_mfu_is_against_the_gpu_it_ran_on(name, peak):
+    """The MFU's peak is the named GPU's from `latentloop plan`'s table (an A100's MFU was taken against
+    an H200's peak); a GPU the table does not know, or an H100 PCIe, gets none: --peak-tflops gives it."""
+    assert _gpu_bench().dense_bf16_peak(name) == peak
+
+
+def test_the_timers_wait_for_the_gpu_they_time(monkeypatch):
+    """`make_sync` waits for the device the benchmark runs on: on `cuda:1`, a bare synchronize waited
+    for cuda:0, and the timings measured only the launches."""
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    try:
+        from benchmarks.common import make_sync
+    finally:
+        sys.path.remove(str(ROOT))
+    waited = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append(device))
+    make_sync(torch.device("cuda:1"))()
+    assert waited == [torch.device("cuda:1")]
+
+
 def test_gpu_script_parses():
     result = subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu.sh")], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
