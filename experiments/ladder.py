@@ -581,8 +581,9 @@ def _restore(state, snap: dict[str, Any]) -> None:
         opt.load_state_dict(copy.deepcopy(saved))
     state.loader.load_state_dict(snap["loader"])
     torch.set_rng_state(snap["rng"]["cpu"])
-    if "cuda" in snap["rng"]:
-        torch.cuda.set_rng_state_all(snap["rng"]["cuda"])
+    if "cuda" in snap["rng"] and torch.cuda.is_available():  # the devices there are of those saved
+        for index, rng in enumerate(snap["rng"]["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(rng, index)
     state.step, state.tokens_seen, state.flops_seen = snap["step"], snap["tokens"], snap["flops"]
 
 
@@ -681,7 +682,7 @@ def _load_progress(path: Path, made_by: dict[str, Any], key: str) -> dict[str, A
     if not path.exists():
         return None
     try:
-        saved = torch.load(path, weights_only=False)
+        saved = torch.load(path, weights_only=False, map_location="cpu")  # one saved on a GPU reads anywhere
     except Exception as exc:  # noqa: BLE001 - a truncated or foreign file of any kind: start the run again
         print(f"  {key}: its saved trunk {path} is unreadable ({first_line(exc)}): starting again", flush=True)
         return None
