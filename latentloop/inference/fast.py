@@ -483,7 +483,8 @@ class FastDecoder:
     def step(self, token: Tensor) -> tuple[Tensor, Tensor, dict]:
         """token (B,) -> logits (B, V), greedy next ids (B,), what the model reported. The logits and
         ids may be tensors the next step writes again (a CPU package's, as CUDA graphs' outputs are):
-        copy what is kept past it. Passing the ids back as the next token costs no copy."""
+        copy what is kept past it. The ids may be passed back as the next token (on CUDA they are a
+        copy, made here)."""
         cache = self.cache
         if cache.filled + 1 > cache.max_len:
             raise ValueError(f"cache overflow: {cache.filled} + 1 tokens > max_len {cache.max_len}")
@@ -518,6 +519,11 @@ class FastDecoder:
         else:
             logits, greedy, info = self._first_compiled_step(token)
         cache.filled += 1
+        if self.cuda and self.compiled:
+            # CUDA graph trees free a call's outputs when the next call begins (each call in inference is
+            # a new iteration), and the engine passes these ids back as that call's input: B integers
+            # copied out of the graph's pool, as gpt-fast copies its next token
+            greedy = greedy.clone()
         return logits, greedy, info
 
     def _shape(self, cache: KVCache) -> tuple:
