@@ -8,8 +8,9 @@ registered from its own `__init__`), one registry (`registry.ARCHS`), as torchti
 Adding an architecture: a package with its model (a `GPT` subclass and its config class), its
 objective and its spec, and one line here: its name in `BUILTIN`. An architecture outside this
 package registers the same way from wherever it lives: name its module in the `latentloop.archs`
-entry-point group of its distribution (`toy = toyarch`, or `toy = toyarch:SPEC`), or in `LATENTLOOP_ARCHS` (comma-separated module names), and it
-is imported with the registry, so every front-end, test and benchmark that enumerates `ARCHS` sees it.
+entry-point group of its distribution (`toy = toyarch`, or `toy = toyarch:SPEC`), or in
+`LATENTLOOP_ARCHS` (comma-separated module names), and it is imported with the registry, so every
+front-end, test and benchmark that enumerates `ARCHS` sees it.
 """
 
 from __future__ import annotations
