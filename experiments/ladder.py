@@ -81,7 +81,7 @@ from latentloop.errors import CheckpointError, LatentloopError, NonFiniteError  
 from latentloop.eval.loss import score_run, text_batches  # noqa: E402
 from latentloop.models.backbone import cpu_training_attention_in_fp32  # noqa: E402
 from latentloop.optim import lr_multiplier, set_lr  # noqa: E402
-from latentloop.runtime import cpu_bf16_support, resolve_dtype  # noqa: E402
+from latentloop.runtime import cpu_bf16_support, cuda_bf16_support, resolve_dtype  # noqa: E402
 from latentloop.train import FiniteGuard, FlopsMemo, setup, train_step  # noqa: E402
 from latentloop.util import first_line, give_default_mode, write_json_atomic  # noqa: E402
 
@@ -456,6 +456,7 @@ SET_BY_MACHINE = {("data", "source"), ("data", "cache_dir"), ("train", "device")
 # imported sliding window). Any other value, or any other field absent then, is a change.
 ADDED_AS_BEFORE = {("model", "attention_window"): 0}
 BF16_SUPPORT = "cpu_bf16_support"  # a record's key: the bf16 instructions of the CPU that ran it (None: none)
+CUDA_BF16_SUPPORT = "cuda_bf16_support"  # a GPU run's record: whether its GPU has native bf16
 
 
 def comparable_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -529,10 +530,12 @@ def stale_fields(record: dict[str, Any], planned: dict[str, dict[str, Any]] | No
                 changed.append(f"{section}.{key}: {old!r} then, {new!r} now")
     precision, device = record.get("precision"), record.get("device")
     if precision is not None and device is not None:
-        if BF16_SUPPORT in record:
-            # what today's resolution gives the same request on the machine that ran it (a record made
-            # before the machine's bf16 support was kept says nothing of it: not compared)
-            now_precision = resolve_dtype(torch.device(device), config.train.dtype, record[BF16_SUPPORT])
+        support = CUDA_BF16_SUPPORT if torch.device(device).type == "cuda" else BF16_SUPPORT
+        if support in record:
+            # what today's resolution gives the same request on the machine that ran it, never on this
+            # one (a record made before the machine's bf16 support was kept says nothing of it: not compared)
+            now_precision = resolve_dtype(torch.device(device), config.train.dtype, record.get(BF16_SUPPORT),
+                                          record.get(CUDA_BF16_SUPPORT))
             if precision != now_precision:
                 changed.append(f"precision: {precision!r} then, {now_precision!r} now")
         # what today's rule picks for the run's own precision
@@ -756,6 +759,7 @@ def _execute(run, state, work: Path, record_path: Path, requested: dict, spec: L
               "config_resolved": json.loads(json.dumps(state.config.to_dict())),
               "precision": resolve_dtype(state.device, state.config.train.dtype),
               BF16_SUPPORT: cpu_bf16_support(),  # the machine's, for today's rule on it (`stale_fields`)
+              **({CUDA_BF16_SUPPORT: cuda_bf16_support(state.device)} if state.device.type == "cuda" else {}),
               "attention_dtype": training_attention_dtype(state.device, state.config),
               "evaluation": {"dtype": "float32", "batch": spec.eval_batch, "stable_share": spec.stable_eval_share},
               "params": state.model.num_params(),

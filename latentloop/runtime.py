@@ -109,7 +109,7 @@ def cpu_bf16_support() -> str | None:
     return next((flag for flag in CPU_BF16_FLAGS if flag in flags), None)
 
 
-_THIS_CPU = object()  # resolve_dtype's default: the bf16 support of the CPU this runs on
+_THIS_MACHINE = object()  # resolve_dtype's default: the bf16 support of the CPU (or GPU) this runs on
 
 
 # The first NVIDIA compute capability with bf16 tensor cores (Ampere). Before it torch's autocast still
@@ -122,19 +122,21 @@ def cuda_bf16_support(device: torch.device) -> bool:
     return bool(torch.version.hip) or torch.cuda.get_device_capability(device) >= CUDA_BF16_CAPABILITY
 
 
-def resolve_dtype(device: torch.device, dtype: str, cpu_bf16: str | None | object = _THIS_CPU) -> str:
+def resolve_dtype(device: torch.device, dtype: str, cpu_bf16: str | None | object = _THIS_MACHINE,
+                  cuda_bf16: bool | object = _THIS_MACHINE) -> str:
     """The autocast dtype a run takes: "bfloat16" or "float32". "auto" is bf16 on a GPU with native
-    bf16 (`cuda_bf16_support`) and on a CPU with bf16 instructions (`cpu_bf16_support`; `cpu_bf16`:
-    another CPU's, e.g. a recorded run's), fp32 elsewhere: there bf16 is emulated and slower than fp32
-    (no fp16 path with a loss scaler is offered). On the CPU, bf16 reached fp32's
+    bf16 (`cuda_bf16_support`; `cuda_bf16`: another GPU's, e.g. a recorded run's) and on a CPU with bf16
+    instructions (`cpu_bf16_support`; `cpu_bf16`: another CPU's), fp32 elsewhere: there bf16 is
+    emulated and slower than fp32 (no fp16 path with a loss scaler is offered). On the CPU, bf16 reached fp32's
     validation BPB within 1% at equal steps for every arch on the `tiny` and `small` presets
     (`python -m benchmarks.time_to_quality --precision-check`; experiments/RESULTS.md), the condition
     for making it the default."""
     if dtype != "auto":
         return dtype
     if device.type == "cuda":
-        return "bfloat16" if cuda_bf16_support(device) else "float32"
-    support = cpu_bf16_support() if cpu_bf16 is _THIS_CPU else cpu_bf16
+        native = cuda_bf16_support(device) if cuda_bf16 is _THIS_MACHINE else cuda_bf16
+        return "bfloat16" if native else "float32"
+    support = cpu_bf16_support() if cpu_bf16 is _THIS_MACHINE else cpu_bf16
     return "bfloat16" if device.type == "cpu" and support else "float32"
 
 

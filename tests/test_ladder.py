@@ -955,6 +955,25 @@ def test_a_record_whose_precision_todays_rule_resolves_otherwise_on_its_machine_
     assert not any(change.startswith("precision") for change in ladder.stale_fields(record))
 
 
+def test_a_gpu_records_precision_is_read_by_its_own_gpus_bf16_support_on_any_machine(monkeypatch):
+    """A GPU run's record keeps whether its GPU had native bf16, and today's rule is applied to that, not
+    to the machine reading it (a CPU-only one, where asking CUDA raised): auto resolves to bf16 on a
+    GPU with it, fp32 on one without; a GPU record without the support is not compared."""
+    record = claims_records(monkeypatch)[0]
+
+    def no_cuda(*args, **kwargs):
+        raise AssertionError("Torch not compiled with CUDA enabled")
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", no_cuda)
+    record |= {"device": "cuda", "precision": "bfloat16", "attention_dtype": "bfloat16",
+               ladder.BF16_SUPPORT: None, ladder.CUDA_BF16_SUPPORT: True}
+    assert ladder.stale_fields(record) == []
+    assert ("precision: 'bfloat16' then, 'float32' now"
+            in ladder.stale_fields(record | {ladder.CUDA_BF16_SUPPORT: False}))
+    del record[ladder.CUDA_BF16_SUPPORT]
+    assert not any(change.startswith("precision") for change in ladder.stale_fields(record))
+
+
 def test_a_record_made_at_another_budget_scale_is_rebuilt_at_its_scale(tiny_ladder, tmp_path):
     """The GPU ladder's budgets are scaled to fit its 9 minutes (and `--budget-scale` scales any):
     its records are today's plan at that scale, finished and not stale. At scale 1 the plan entry is
