@@ -18,10 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
+import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
+import numpy as np
 import yaml
 
 from .errors import ConfigError
@@ -421,11 +425,14 @@ def _construct(cls: type, values: dict[str, Any], what: str) -> Any:
         raise ConfigError(f"invalid {what} config: {exc}") from None
 
 
-MAX_CONFIG_INT = 2**40  # no count a config holds (tokens, steps, widths, seeds) comes near it
+MAX_CONFIG_INT = 2**40  # no count a config holds (tokens, steps, widths) comes near it
+BOOLS = (bool, np.bool_)  # numpy's is no subclass of bool
 
 
 def _coerce(value: Any, type_name: Any, name: str) -> Any:
-    """Convert YAML/CLI values to the annotated type (annotations are strings here)."""
+    """Convert YAML/CLI values, and what Python code passes (paths, numpy scalars and arrays, ranges,
+    0-d tensors), to the annotated type (annotations are strings here); refuse what does not convert
+    exactly (2.5 for an integer, 2 for a boolean, a mapping for a list)."""
     t = str(type_name)
     optional = "None" in t
     if value is None:
@@ -437,31 +444,39 @@ def _coerce(value: Any, type_name: Any, name: str) -> Any:
                 require(value.lower() in ("true", "false", "1", "0", "yes", "no"),
                          f"{name} must be true or false, got {value!r}")
                 return value.lower() in ("true", "1", "yes")
-            require(isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)),
+            require(isinstance(value, BOOLS) or (isinstance(value, numbers.Integral) and value in (0, 1)),
                     f"{name} must be true or false, got {value!r}")
             return bool(value)
         if t.startswith("int"):
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError
-            require(not isinstance(value, bool), f"{name} must be an integer, got {value!r}")
-            number = int(value)
-            # past any real count; beyond it a value overflowed torch's 64-bit arguments (a traceback)
-            require(abs(number) <= MAX_CONFIG_INT, f"{name} must be at most {MAX_CONFIG_INT:,} in size, got {number:,}"
-                    if number.bit_length() <= 64 else f"{name} must be at most {MAX_CONFIG_INT:,} in size, got an "
+            require(not isinstance(value, BOOLS), f"{name} must be an integer, got {value!r}")
+            if isinstance(value, numbers.Integral):
+                number = int(value)
+            else:  # a float, a numeric string, a 0-d tensor: only a whole number
+                as_float = float(value)
+                if not as_float.is_integer():
+                    raise ValueError
+                number = int(as_float)
+            # past any real count; beyond it a value overflowed torch's 64-bit arguments (a traceback).
+            # A seed is no count: any 64-bit one (its own check, TrainConfig.seed)
+            limit = SEED_LIMIT if name.rsplit(".", 1)[-1] == "seed" else MAX_CONFIG_INT
+            require(abs(number) <= limit, f"{name} must be at most {limit:,} in size, got {number:,}"
+                    if number.bit_length() <= 64 else f"{name} must be at most {limit:,} in size, got an "
                                                       f"integer of {number.bit_length()} bits")
             return number
         if t.startswith("float"):
-            require(not isinstance(value, bool), f"{name} must be a number, got {value!r}")
+            require(not isinstance(value, BOOLS), f"{name} must be a number, got {value!r}")
             number = float(value)
             require(math.isfinite(number), f"{name} must be a finite number, got {value!r}")
             return number
         if t.startswith("tuple"):
             if isinstance(value, str):
                 value = [v.strip() for v in value.strip("[]() ").split(",") if v.strip()]
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
+            elif isinstance(value, numbers.Number) and not isinstance(value, BOOLS):
                 value = [value]
-            # a mapping or a set iterates as its keys: {wandb: 1} read as (wandb,)
-            require(isinstance(value, (list, tuple)), f"{name} must be a list, got {value!r}")
+            # a mapping or a set iterates as its keys, or in no set order: {wandb: 1} read as (wandb,)
+            require(not isinstance(value, (Mapping, set, frozenset, bytes)) and isinstance(value, Iterable),
+                    f"{name} must be a list, got {value!r}")
+            value = list(value)  # a list, tuple, range, numpy array or tensor
             if t.startswith("tuple[str"):  # names (train.trackers)
                 require(all(isinstance(v, str) for v in value), f"{name} must be names, got {value!r}")
                 return tuple(value)
@@ -469,12 +484,14 @@ def _coerce(value: Any, type_name: Any, name: str) -> Any:
             item_type = "int" if "int" in t else "float"
             return tuple(_coerce(v, item_type, f"{name}[{i}]") for i, v in enumerate(value))
         if t.startswith("str"):
+            if isinstance(value, os.PathLike):
+                return os.fspath(value)
             require(isinstance(value, (str, int, float)) and not isinstance(value, bool),
                     f"{name} must be a string, got {value!r}")
             return str(value)
     except ConfigError:
         raise
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ConfigError(f"{name} has an invalid value {value!r} (expected {t})") from None
     return value
 

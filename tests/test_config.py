@@ -1,11 +1,21 @@
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 import latentloop as ll
 from latentloop.archs import ARCHS
-from latentloop.config import PRESETS, DataConfig, RunConfig, TrainConfig, apply_overrides, load_yaml, model_config
+from latentloop.config import (
+    PRESETS,
+    DataConfig,
+    ModelConfig,
+    RunConfig,
+    TrainConfig,
+    apply_overrides,
+    load_yaml,
+    model_config,
+)
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
@@ -84,6 +94,24 @@ def test_train_fields_of_the_wrong_type_are_named(fields, words):
     with pytest.raises(ll.ConfigError, match=words):
         TrainConfig(**fields)
     assert TrainConfig(betas=[0.8, "0.9"], trackers="wandb,wandb", compile=1).betas == (0.8, 0.9)
+
+
+def test_what_python_code_passes_for_a_field_is_taken_as_it_was():
+    """Paths for strings, numpy arrays, ranges and tensors for lists, numpy scalars and bools, and any
+    64-bit seed: built in Python, these configs were taken before the type checks, and still are."""
+    import numpy as np
+
+    data = DataConfig(tokenizer=Path("tok.json"), source=Path("corpus"))
+    assert (data.tokenizer, data.source) == ("tok.json", "corpus")
+    train = TrainConfig(betas=np.array([0.5, 0.25]), compile=np.bool_(True), seed=2**50, steps=np.int64(3))
+    assert train.betas == (0.5, 0.25) and train.compile is True and train.seed == 2**50 and train.steps == 3
+    lrt = ARCHS["lrt"].config_class
+    assert lrt(inject_layers=range(2)).inject_layers == lrt(inject_layers=np.array([0, 1])).inject_layers == (0, 1)
+    assert ModelConfig(tie_embeddings=np.bool_(True), n_layer=torch.tensor(3)).n_layer == 3
+    with pytest.raises(ll.ConfigError, match="n_layer has an invalid value"):
+        ModelConfig(n_layer=np.float32(0.7))  # numpy's float32 is no Python float: refused all the same
+    with pytest.raises(ll.ConfigError, match="betas must be a list"):
+        TrainConfig(betas={0.9, 0.95})  # a set has no order
 
 
 def test_data_fields_of_the_wrong_type_are_named():
