@@ -242,7 +242,7 @@ def test_each_test_worker_takes_its_share_of_the_cores():
     """`make test` runs one pytest worker per core: every worker, and every process its tests start,
     keeps to its share of the threads instead of each starting one per core."""
     share = max(1, (os.cpu_count() or 1) // XDIST_WORKERS)
-    assert torch.get_num_threads() == share
+    assert torch.get_num_threads() == min(2, share)  # the suite's own processes keep to 2 (conftest's cache fixture)
     child = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
                            capture_output=True, text=True, check=True)
     assert int(child.stdout) == share
