@@ -15,6 +15,7 @@ from latentloop.archs import ARCHS, build_objective
 from latentloop.cli import main
 from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config
 from latentloop.errors import ConfigError
+from latentloop.objectives import IGNORE_INDEX
 from latentloop.optim import Muon, orthogonalize
 from latentloop.train import FiniteGuard, setup, train_step
 from latentloop.train.step import accumulation
@@ -34,7 +35,7 @@ for name in ("fbt", "rfbt"):
     QUIET[name] = {**QUIET[name], "prefix_mixin": False}
 
 
-@pytest.mark.parametrize("masked", [False, True], ids=["every-target", "sft-mask"])
+@pytest.mark.parametrize("masked", [False, True, "ignored"], ids=["every-target", "sft-mask", "sft-mask-ignored"])
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_n_micro_batches_give_the_gradients_of_one_batch_n_times_larger(arch, masked):
     """Also under SFT's loss mask, where the two micro-batches train on 2 and 48 targets: a mean per
@@ -43,7 +44,9 @@ def test_n_micro_batches_give_the_gradients_of_one_batch_n_times_larger(arch, ma
     terms (its init pass's and each column subset's masked means: the first micro-batch trains only
     odd columns) each by its own share, as mor's router loss terms (means over a row's real inputs,
     up to its last trained target, and over each recursion's candidates: the last row ends in padding,
-    so that its top-k quotas differ). The objective's losses are one batch's too."""
+    so that its top-k quotas differ). The objective's losses are one batch's too. A target the mask marks
+    but the data ignores (`IGNORE_INDEX`) counts for nothing, in the loss's mean and in its micro-batch's
+    share alike."""
     torch.manual_seed(0)
     model = ll.build(arch, preset="test", sequence_len=SEQ_LEN, **QUIET[arch]).train()
     data = torch.randint(0, model.config.vocab_size, (4, SEQ_LEN + 1), generator=torch.Generator().manual_seed(1))
@@ -52,6 +55,9 @@ def test_n_micro_batches_give_the_gradients_of_one_batch_n_times_larger(arch, ma
     mask[0:2, -1:] = True  # the first micro-batch: a reply of 1 token per row (an odd column)
     mask[2, 8:] = True  # the second: a reply of 24 tokens, and one of 12 followed by padding
     mask[3, 8:20] = True
+    if masked == "ignored":
+        y = y.clone()
+        y[2, 8:20] = IGNORE_INDEX  # half of the second micro-batch's marked targets
 
     def gradients(micro_batches: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         rows = len(x) // micro_batches

@@ -5,6 +5,7 @@ and how to turn the outputs into a loss. The trainer only knows the `Objective` 
 architecture names its objective in its spec (`latentloop.archs`).
 """
 
-from .base import IGNORE_INDEX, LossResult, NextTokenObjective, Objective, token_cross_entropy
+from .base import IGNORE_INDEX, LossResult, NextTokenObjective, Objective, token_cross_entropy, trained_targets
 
-__all__ = ["IGNORE_INDEX", "LossResult", "NextTokenObjective", "Objective", "token_cross_entropy"]
+__all__ = ["IGNORE_INDEX", "LossResult", "NextTokenObjective", "Objective", "token_cross_entropy",
+           "trained_targets"]

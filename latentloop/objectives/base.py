@@ -62,6 +62,13 @@ def _chunked_applies(logits: Tensor, reduction: str) -> bool:
 REDUCTIONS = ("mean", "sum", "none")
 
 
+def trained_targets(y: Tensor, loss_mask: Tensor | None = None) -> Tensor:
+    """(B, T) bool: the targets a loss is a mean over (`token_cross_entropy`), those not IGNORE_INDEX
+    and, with a loss mask, marked by it: what the trainer's and the objectives' counts count."""
+    counted = y != IGNORE_INDEX
+    return counted if loss_mask is None else counted & loss_mask.bool()
+
+
 def token_cross_entropy(logits: Tensor, targets: Tensor, reduction: str = "mean", mask: Tensor | None = None
                         ) -> Tensor:
     """Cross-entropy of (B, T, V) logits against (B, T) targets, computed in float32. The targets that
@@ -74,9 +81,7 @@ def token_cross_entropy(logits: Tensor, targets: Tensor, reduction: str = "mean"
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
     flat_targets = targets.flatten()  # (B*T,)
-    counted = flat_targets != IGNORE_INDEX  # (B*T,) bool
-    if mask is not None:
-        counted = counted & mask.flatten()
+    counted = trained_targets(targets, mask).flatten()  # (B*T,) bool
     if _chunked_applies(logits, reduction):
         weights = counted.float()
         return _ChunkedCrossEntropy.apply(logits.flatten(0, 1), flat_targets.clamp(min=0), weights,

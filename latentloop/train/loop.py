@@ -24,7 +24,7 @@ from ..data.chat import ChatData, masked_batches
 from ..distributed import current_dist
 from ..errors import NonFiniteError, OutputError
 from ..eval.loss import evaluate_batches, evaluate_loss
-from ..objectives import IGNORE_INDEX, Objective
+from ..objectives import Objective, trained_targets
 from ..optim import lr_multiplier, set_lr
 from ..parallel import (
     any_rank,
@@ -151,7 +151,7 @@ def _weighing(batches: list[tuple[torch.Tensor, ...]], accumulate: int, device: 
     terms = [objective.target_terms(batch[1], batch[2]) if len(batch) > 2 else None for batch in batches]
     if all(counts is not None for counts in terms):
         return (lambda value, micro: value), micro_batch_term_shares(terms, device)
-    counts = [int(batch[2].sum()) if len(batch) > 2 else int((batch[1] != IGNORE_INDEX).sum()) for batch in batches]
+    counts = [int(trained_targets(*batch[1:3]).sum()) for batch in batches]  # what each micro-batch's mean is over
     shares = micro_batch_shares(counts, device)
     return (lambda value, micro: value * shares[micro]), None
 

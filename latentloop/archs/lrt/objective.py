@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from ...objectives.base import LossResult, Objective, token_cross_entropy
+from ...objectives.base import LossResult, Objective, token_cross_entropy, trained_targets
 
 
 class LRTObjective(Objective):
@@ -26,7 +26,8 @@ class LRTObjective(Objective):
         if self.model_config.recurrence != "interleaved":
             return None
         subsets = min(self.model_config.subsets, loss_mask.shape[1])
-        return [int(loss_mask.sum())] + [int(loss_mask[:, i::self.model_config.subsets].sum()) for i in range(subsets)]
+        trained = trained_targets(y, loss_mask)  # (B, T)
+        return [int(trained.sum())] + [int(trained[:, i::self.model_config.subsets].sum()) for i in range(subsets)]
 
     def loss(self, model: nn.Module, x: Tensor, y: Tensor, loss_mask: Tensor | None = None,
              term_shares: Tensor | None = None, **plan) -> LossResult:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ...objectives.base import LossResult, Objective, token_cross_entropy
+from ...objectives.base import LossResult, Objective, token_cross_entropy, trained_targets
 
 
 def real_inputs(loss_mask: Tensor) -> Tensor:
@@ -56,7 +56,7 @@ class RoutedRecursionObjective(Objective):
         over the rows): the router loss is a mean over a row's real inputs, not its targets, so that a
         micro-batch weighed by its targets weighed its router loss wrongly."""
         rows = [self.model_config.router_loss_counts(count) for count in real_inputs(loss_mask).sum(dim=1).tolist()]
-        return [int(loss_mask.sum()), *(sum(column) for column in zip(*rows))]
+        return [int(trained_targets(y, loss_mask).sum()), *(sum(column) for column in zip(*rows))]
 
     def loss(self, model: nn.Module, x: Tensor, y: Tensor, loss_mask: Tensor | None = None,
              term_shares: Tensor | None = None, **plan) -> LossResult:
