@@ -24,6 +24,7 @@ from latentloop.data import (
     prepare_tokens,
     shards,
 )
+from latentloop.data import sources as data_sources
 from latentloop.errors import ConfigError, DataError
 
 SHARED_TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "text"
@@ -280,6 +281,30 @@ def test_a_hub_dataset_with_no_network_is_one_line_at_once(monkeypatch):
     monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")
     list(source.iter_documents("train"))
     assert loads == [("org/name", None)]
+    # "Temporary failure in name resolution" is asked again (a blip passes), and said after the last try
+    monkeypatch.delenv("HTTPS_PROXY")
+    monkeypatch.setattr(data_sources.time, "sleep", lambda seconds: None)
+    answers = []
+
+    def for_now(host, *args, **kwargs):
+        answers.append(host)
+        if len(answers) < 3:
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return []
+
+    monkeypatch.setattr(socket, "getaddrinfo", for_now)
+    list(source.iter_documents("train"))
+    assert len(answers) == 3 and len(loads) == 2
+    answers.clear()
+
+    def never(host, *args, **kwargs):
+        answers.append(host)
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    monkeypatch.setattr(socket, "getaddrinfo", never)
+    with pytest.raises(DataError, match=r"\(Temporary failure in name resolution, 3 times\)"):
+        list(source.iter_documents("train"))
+    assert len(answers) == 3 and len(loads) == 2
 
 
 def test_hf_spec_parsing():

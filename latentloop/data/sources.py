@@ -28,7 +28,9 @@ import os
 import socket
 import sys
 import sysconfig
+import time
 import urllib.parse
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -449,12 +451,18 @@ class HFSource(Source):
         return _digest(["hf", self.name, self.config, self.max_documents, self.val_fraction, listing])
 
 
+# A lookup that failed for now ("Temporary failure in name resolution": no DNS server answered, as on a
+# machine with no network, or a passing blip) is tried this many times more, a second apart.
+HUB_LOOKUP_RETRIES = 2
+
+
 def _hub_unreachable_reason() -> str | None:
     """Why the Hugging Face Hub cannot be reached from this machine, where a name lookup of its host
     already says so; None where it may be reached. Without it a machine with no network waited about
     23 s while the datasets library retried, printing a line each time, before it gave up."""
-    if any(os.environ.get(name) for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
-        return None  # the proxy looks the host up, not this machine
+    proxies = urllib.request.getproxies()
+    if proxies.get("https") or proxies.get("all"):
+        return None  # the proxy looks the host up, not this machine (the environment's or the system's)
     try:
         from huggingface_hub import constants
     except ImportError:
@@ -464,12 +472,18 @@ def _hub_unreachable_reason() -> str | None:
     host = urllib.parse.urlsplit(constants.ENDPOINT).hostname
     if not host:
         return None
-    try:
-        socket.getaddrinfo(host, 443)
-    except socket.gaierror as exc:
-        return f"the Hub's host {host} cannot be looked up ({exc.strerror})"
-    except OSError:
-        return None
+    for attempt in range(HUB_LOOKUP_RETRIES + 1):
+        try:
+            socket.getaddrinfo(host, 443)
+            return None
+        except socket.gaierror as exc:
+            if exc.errno != socket.EAI_AGAIN:
+                return f"the Hub's host {host} cannot be looked up ({exc.strerror})"
+            if attempt == HUB_LOOKUP_RETRIES:
+                return f"the Hub's host {host} cannot be looked up ({exc.strerror}, {attempt + 1} times)"
+            time.sleep(1.0)
+        except OSError:
+            return None
     return None
 
 
