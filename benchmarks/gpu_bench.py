@@ -86,9 +86,9 @@ LLAMA_SHAPED = {"mlp": "swiglu", "qk_norm": False, "embed_norm": False, "logit_s
 def dense_bf16_peak(device_name: str) -> float | None:
     """The dense bf16 tensor-core peak (FLOP/s, no sparsity) of the GPU `torch.cuda.get_device_name`
     names, from `latentloop plan`'s table (H200, H100 SXM, A100 SXM); None for any other GPU, and for
-    an H100 PCIe, whose peak is lower than the SXM part's: give it with --peak-tflops."""
+    the parts whose peak is lower than the SXM's (PCIe, H100 NVL): give it with --peak-tflops."""
     name = device_name.lower()
-    if "pcie" in name:
+    if "pcie" in name or "nvl" in name:
         return None
     return next((accelerator.peak_flops for key, accelerator in ACCELERATORS.items()
                  if key != "cpu" and key in name), None)

@@ -32,7 +32,7 @@ def _env() -> dict[str, str]:
 
 @pytest.mark.parametrize("name, peak", [("NVIDIA H200", 989e12), ("NVIDIA H100 80GB HBM3", 989e12),
                                         ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA H100 PCIe", None),
-                                        ("Tesla V100-SXM2-16GB", None)])
+                                        ("NVIDIA H100 NVL", None), ("Tesla V100-SXM2-16GB", None)])
 def test_mfu_is_against_the_gpu_it_ran_on(name, peak):
     """The MFU's peak is the named GPU's from `latentloop plan`'s table (an A100's MFU was taken against
     an H200's peak); a GPU the table does not know, or an H100 PCIe, gets none: --peak-tflops gives it."""

@@ -520,6 +520,12 @@ def test_precision_is_resolved_and_noted(monkeypatch):
     assert runtime.resolve_dtype(cuda, "auto") == "float32" and runtime.resolve_dtype(cuda, "bfloat16") == "bfloat16"
     assert "compute capability 7.0) has no native bf16" in runtime.precision_note(cuda, "auto")
     assert "emulated" in runtime.precision_note(cuda, "bfloat16")
+    # FSDP2's mixed-precision policy computes in bf16 where the run's autocast does, and only there
+    from latentloop.parallel import _bf16_on_gpu
+
+    assert not _bf16_on_gpu(TrainConfig(), cuda) and _bf16_on_gpu(TrainConfig(dtype="bfloat16"), cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert _bf16_on_gpu(TrainConfig(), cuda) and not _bf16_on_gpu(TrainConfig(), cpu)
     assert runtime.resolve_dtype(cpu, "bfloat16") == "bfloat16"
     # a CPU with bf16 instructions: auto is bf16, and float32 still means fp32
     monkeypatch.setattr(runtime, "cpu_bf16_support", lambda: "avx512_bf16")
