@@ -449,8 +449,8 @@ def _coerce(value: Any, type_name: Any, name: str) -> Any:
             return bool(value)
         if t.startswith("int"):
             require(not isinstance(value, BOOLS), f"{name} must be an integer, got {value!r}")
-            if isinstance(value, numbers.Integral):
-                number = int(value)
+            if isinstance(value, numbers.Integral) or (isinstance(value, str) and value.strip().lstrip("+-").isdigit()):
+                number = int(value)  # exact, however long (through a float a 64-bit seed would round)
             else:  # a float, a numeric string, a 0-d tensor: only a whole number
                 as_float = float(value)
                 if not as_float.is_integer():

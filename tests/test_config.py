@@ -105,6 +105,7 @@ def test_what_python_code_passes_for_a_field_is_taken_as_it_was():
     assert (data.tokenizer, data.source) == ("tok.json", "corpus")
     train = TrainConfig(betas=np.array([0.5, 0.25]), compile=np.bool_(True), seed=2**50, steps=np.int64(3))
     assert train.betas == (0.5, 0.25) and train.compile is True and train.seed == 2**50 and train.steps == 3
+    assert TrainConfig(seed=str(2**62 + 1)).seed == 2**62 + 1  # a digit string exactly (a float would round it)
     lrt = ARCHS["lrt"].config_class
     assert lrt(inject_layers=range(2)).inject_layers == lrt(inject_layers=np.array([0, 1])).inject_layers == (0, 1)
     assert ModelConfig(tie_embeddings=np.bool_(True), n_layer=torch.tensor(3)).n_layer == 3
