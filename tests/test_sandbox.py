@@ -330,6 +330,36 @@ WRONG = "def add_one(x):\n    return x\n"
 TESTS = "def check(candidate):\n    assert candidate(1) == 2\n\ncheck(add_one)\n"
 
 
+# Looks for the tests' text in every frame above it (and on its input), and answers from it: a lookup
+# table of each `assert candidate(ARGS) == ANSWER`; without the text it adds, which the tests refuse.
+ANSWER_FROM_THE_TESTS = """
+import re, sys
+needle = "def check" + "(candid" + "ate)"  # built here: the code's own text (in the bootstrap's frame) has it not
+found = sys.stdin.read()
+frame = sys._getframe()
+while frame is not None and needle not in found:
+    for value in list(frame.f_locals.values()) + list(frame.f_globals.values()):
+        if isinstance(value, str) and needle in value and value is not needle:
+            found = value
+    frame = frame.f_back
+print("FOUND" if needle in found else "NOT FOUND")
+table = {args: eval(answer) for args, answer in re.findall(r"candidate[(](.*?)[)] == (.*)", found)}
+def add(x, y):
+    return table.get(repr(x) + ", " + repr(y), x + y)
+"""
+# answers no sum gives: only a candidate that read them passes
+SECRET_TESTS = ("def check(candidate):\n    assert candidate(2, 3) == 987654\n    assert candidate(7, 1) == 13579\n\n"
+                "check(add)\n")
+
+
+@needs_sandbox
+def test_the_code_cannot_read_its_tests():
+    """The tests are read by the judge alone, after the fork: a candidate that walked its frames found
+    them in the bootstrap's locals (where they were read before the fork) and passed from a table."""
+    result = run_untrusted(ANSWER_FROM_THE_TESTS, tests=SECRET_TESTS, exports=["add"])
+    assert result.status == "failed" and "NOT FOUND" in result.output, result
+
+
 @needs_sandbox
 def test_failing_tests_stay_failing_whatever_the_code_does():
     right = run_untrusted("def add_one(x):\n    return x + 1\n", tests=TESTS)

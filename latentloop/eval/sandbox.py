@@ -34,7 +34,8 @@ interpreter under bubblewrap (`bwrap`, Debian package `bubblewrap`), as root, wi
   honest code; neither the isolation nor the verdict depends on them (`_posixsubprocess`, for
   instance, still forks, and whatever it starts is confined as above).
 
-Verdict. It is decided by a process that never runs the code: the bootstrap forks, the child drops
+Verdict. It is decided by a process that never runs the code: the bootstrap reads the code, forks,
+and only the parent reads the tests (the code's process never holds them); the child drops
 to the code's uid and runs the code, and the parent — the judge — drops to a second throwaway uid
 (so the code can neither signal nor trace it; there is no `/proc`) and is the only process that
 holds the verdict pipe to us. With `tests` (HumanEval's `check(candidate)`), the judge runs them
@@ -55,7 +56,13 @@ pass only from tests.
 
 Limits of the guarantee: the judge runs the tests, which are ours (a data set's) and trusted only
 as far as the sandbox confines them too. Memory of tmpfs files counts against `DISK_LIMIT`, not
-`memory_mb`. The work folder belongs to the code's uid; the judge's working directory is `/`.
+`memory_mb`. The address-space limit does not count memory the kernel holds for the code: System V
+shared memory segments it creates and detaches (reachable from a process started past the audit
+hook, which can load ctypes; they live until the sandbox's IPC namespace ends, with the call) and
+memfd files (each at most `FILE_SIZE_LIMIT`, `OPEN_FILES_LIMIT` of them per process). Within its
+timeout, code written to do so can take that much of the machine's memory; no cgroup caps it.
+POSIX message queues are capped at nothing (`RLIMIT_MSGQUEUE` 0). The work folder belongs to the
+code's uid; the judge's working directory is `/`.
 
 Fails closed: when the process is not root, bwrap is missing, or the sandbox does not come
 up (e.g. namespaces are forbidden), `run_untrusted` raises `SandboxUnavailable` with one line that
@@ -216,7 +223,7 @@ def _limit(memory, cpu, fsize, processes, files):
     import resource
     for which, value in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_FSIZE, fsize), (resource.RLIMIT_CORE, 0),
                          (resource.RLIMIT_NPROC, processes), (resource.RLIMIT_NOFILE, files),
-                         (resource.RLIMIT_AS, memory)):
+                         (resource.RLIMIT_AS, memory), (resource.RLIMIT_MSGQUEUE, 0)):
         resource.setrlimit(which, (value, value))
 
 def _guard(PermissionError=PermissionError, RuntimeError=RuntimeError, str=str, type=type):
@@ -402,16 +409,15 @@ def _main():
             header += byte
         code_size, tests_size, exports_size = (int(v) for v in header.split())
         source = _read_exactly(0, code_size)
-        tests = _read_exactly(0, tests_size).decode("utf-8", "replace") if tests_size >= 0 else None
-        exports = _read_exactly(0, exports_size).decode("utf-8").split() if exports_size >= 0 else None
-        null = os.open("/dev/null", os.O_RDONLY)
-        os.dup2(null, 0)
-        os.close(null)
         requests, request_end = os.pipe()  # judge -> code
         reply_end, replies = os.pipe()     # code -> judge
+        # the tests and exports are read by the judge alone, after the fork: the code's process never
+        # holds them (a frame walk up from the code found them in this function's locals)
         child = os.fork()
-        if child == 0:  # the code's process: no verdict pipe, and the judge's ends closed
-            for fd in (verdict_fd, request_end, reply_end):
+        null = os.open("/dev/null", os.O_RDONLY)
+        if child == 0:  # the code's process: no verdict pipe, no input, and the judge's ends closed
+            os.dup2(null, 0)
+            for fd in (null, verdict_fd, request_end, reply_end):
                 os.close(fd)
             _drop_privileges(code_uid)
             os.chdir(workdir)
@@ -436,6 +442,10 @@ def _main():
             for fd in (requests, replies):
                 os.close(fd)
             del source
+            tests = _read_exactly(0, tests_size).decode("utf-8", "replace") if tests_size >= 0 else None
+            exports = _read_exactly(0, exports_size).decode("utf-8").split() if exports_size >= 0 else None
+            os.dup2(null, 0)
+            os.close(null)
             os.set_inheritable(verdict_fd, False)
             _drop_privileges(judge_uid)
             os.chdir("/")
