@@ -56,12 +56,12 @@ pass only from tests.
 
 Limits of the guarantee: the judge runs the tests, which are ours (a data set's) and trusted only
 as far as the sandbox confines them too. Memory of tmpfs files counts against `DISK_LIMIT`, not
-`memory_mb`. The address-space limit does not count memory the kernel holds for the code: System V
-shared memory segments it creates and detaches (reachable from a process started past the audit
-hook, which can load ctypes; they live until the sandbox's IPC namespace ends, with the call) and
-memfd files (each at most `FILE_SIZE_LIMIT`, `OPEN_FILES_LIMIT` of them per process). Within its
-timeout, code written to do so can take that much of the machine's memory; no cgroup caps it.
-POSIX message queues are capped at nothing (`RLIMIT_MSGQUEUE` 0). The work folder belongs to the
+`memory_mb`. The address-space limit does not count memory the kernel holds for the code, reachable
+from a process started past the audit hook (which can load ctypes): System V shared memory and
+message queues are allowed none (the sandbox's IPC namespace's `shmall`, `shmmni` and `msgmni` at 0;
+a detached segment would outlive its process), and memfd files are bounded only as files are (each
+at most `FILE_SIZE_LIMIT`, `OPEN_FILES_LIMIT` of them per process); no cgroup caps the whole.
+POSIX message queues get no bytes (`RLIMIT_MSGQUEUE` 0). The work folder belongs to the
 code's uid; the judge's working directory is `/`.
 
 Fails closed: when the process is not root, bwrap is missing, or the sandbox does not come
@@ -121,6 +121,19 @@ if keyctl is None:
     fail("no keyctl system call number for " + os.uname().machine)
 if libc.syscall(keyctl, 1, None) < 0 and ctypes.get_errno() not in (38, 1):  # JOIN_SESSION_KEYRING
     fail("could not join a new session keyring: " + os.strerror(ctypes.get_errno()))  # (38, 1: no keyrings)
+# System V shared memory and message queues hold the kernel's memory, which no limit of a process
+# counts: none at all in the sandbox's own IPC namespace, whose limits are its sysctls, written through
+# a proc mounted for the moment on the work folder.
+if libc.mount(b"proc", workdir.encode(), b"proc", 2 | 4 | 8, None) != 0:
+    fail("could not mount proc to limit System V IPC: " + os.strerror(ctypes.get_errno()))
+try:
+    for name in ("shmall", "shmmni", "msgmni"):
+        with open(workdir + "/sys/kernel/" + name, "w") as limit:
+            limit.write("0")
+except OSError as error:
+    fail("could not limit System V IPC: " + str(error))
+if libc.umount2(workdir.encode(), 2) != 0:  # MNT_DETACH
+    fail("could not unmount proc: " + os.strerror(ctypes.get_errno()))
 options = f"size={disk},nr_inodes={inodes},mode=0700,uid={uid},gid={uid}".encode()
 if libc.mount(b"tmpfs", workdir.encode(), b"tmpfs", 2 | 4 | 8, options) != 0:  # nosuid, nodev, noexec
     fail("could not mount the work folder: " + os.strerror(ctypes.get_errno()))
