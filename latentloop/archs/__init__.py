@@ -15,10 +15,13 @@ front-end, test and benchmark that enumerates `ARCHS` sees it.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import sys
+from collections.abc import Callable
 from importlib import metadata
+from typing import Any
 
 from .registry import (
     ARCHS,
@@ -44,15 +47,20 @@ for _name in BUILTIN:
     importlib.import_module(f".{_name}", __name__)
 
 
-def _plugins() -> list[tuple[str, str]]:
-    """(module, attribute or "") of every architecture named from outside: `LATENTLOOP_ARCHS`' module
-    names, then the entry points (`toy = toyarch`, or in the usual `module:attr` form `toy = toyarch:SPEC`)."""
-    named = [(m.strip(), "") for m in os.environ.get(PLUGINS_ENV, "").split(",") if m.strip()]
+def _plugins() -> dict[str, Callable[[], Any]]:
+    """Every architecture named from outside, by how it was named, with what imports it:
+    `LATENTLOOP_ARCHS`' module names, then the entry points (`toy = toyarch`, or in the usual
+    `module:attr` form `toy = toyarch:SPEC`: `EntryPoint.load` imports the module and takes the attribute)."""
+    named: dict[str, Callable[[], Any]] = {}
+    for module in (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(",")):
+        if module:
+            named[module] = functools.partial(importlib.import_module, module)
     try:
-        named += [(entry.module, entry.attr or "") for entry in metadata.entry_points(group=ENTRY_POINT_GROUP)]
+        for entry in metadata.entry_points(group=ENTRY_POINT_GROUP):
+            named.setdefault(entry.value, entry.load)
     except Exception:  # noqa: BLE001 - a broken distribution's metadata must not stop the package loading
         pass
-    return list(dict.fromkeys(named))
+    return named
 
 
 def _load_plugins() -> None:
@@ -60,12 +68,9 @@ def _load_plugins() -> None:
     do; an entry point's attribute that is a spec not registered by then is registered here). One
     that does not import is said in one line and left out (`import latentloop` must not fail for it:
     the other architectures still work, and a run of the missing one then fails as an unknown arch)."""
-    for module, attribute in _plugins():
-        named = f"{module}:{attribute}" if attribute else module
+    for named, load in _plugins().items():
         try:
-            found = importlib.import_module(module)
-            for part in filter(None, attribute.split(".")):
-                found = getattr(found, part)
+            found = load()
             if isinstance(found, ArchSpec) and ARCHS.get(found.name) is not found:
                 register(found)
         except Exception as error:  # noqa: BLE001 - whatever the module raises: it is the user's code
