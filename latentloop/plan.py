@@ -177,9 +177,8 @@ def plan_run(config: RunConfig, tokens: int, devices: int = 1, gpu: str = "h100"
     tokens_per_step = train.batch_size * accumulation(train, T, devices) * devices * T  # batch_tokens too
     steps = max(1, math.ceil(tokens / tokens_per_step))
     config.train.steps = steps  # objectives read the run's length (fbt's schedule, rgpt's draws)
-    # every GPU planned for computes bf16 natively (Ampere and after), as `resolve_dtype` reads a present one
-    precision = resolve_dtype(torch.device("cpu"), train.dtype) if gpu == "cpu" else (
-        "bfloat16" if train.dtype == "auto" else train.dtype)
+    # every GPU planned for computes bf16 natively (Ampere and after): not the GPU this machine may hold
+    precision = resolve_dtype(torch.device("cuda" if gpu != "cpu" else "cpu"), train.dtype, cuda_bf16=True)
     accelerator = ACCELERATORS[gpu]
     capacity = accelerator.memory_bytes if gpu != "cpu" else memory_limit_bytes()
     # what `train` refuses at once is refused before the probes too (their time grows with the batch)
