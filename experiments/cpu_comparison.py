@@ -49,7 +49,7 @@ from latentloop.archs import get_arch  # noqa: E402
 from latentloop.archs.rgpt.model import rgpt_shape_from_dense  # noqa: E402
 from latentloop.checkpoint import checkpoint_candidates  # noqa: E402
 from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config  # noqa: E402
-from latentloop.eval.loss import passes_curve, score_run, text_batches  # noqa: E402
+from latentloop.eval.loss import score_curve, score_run, text_batches  # noqa: E402
 from latentloop.eval.stats import format_comparison, mean_sd, seed_rows, t_interval  # noqa: E402
 from latentloop.train import fit, setup  # noqa: E402
 
@@ -135,9 +135,9 @@ def run_one(out: Path, name: str, fields: dict, steps: int, seed: int, preset: s
                            bos_id=state.tokenizer.bos_id)  # documents at each BOS: an interval per run
     scores = score_run(model, batches, byte_lengths, evaluations(arch, config.model))
     extra = {}
-    if arch in ("fbt", "rfbt"):
-        extra["passes_curve"] = passes_curve(model, state.data.val, byte_lengths, batch_size,
-                                             config.model.sequence_len, max_batches=CURVE_BATCHES)
+    for name, curve in get_arch(arch).curves.items():  # fbt's and rfbt's passes curve
+        extra[name] = score_curve(model, curve, state.data.val, byte_lengths, batch_size, config.model.sequence_len,
+                                  max_batches=CURVE_BATCHES)
     if arch == "rgpt":  # each recurrence step's latest logged gate readings (a step runs its drawn depth only)
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
         extra["gates"] = {}

@@ -166,6 +166,29 @@ def test_cli_eval_scores_every_option_set_as_score_run(kind, label, given, runs,
     assert shown == expected
 
 
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_cli_eval_curves_are_the_specs_or_refused(kind, runs, text_corpus, capsys):
+    """`latentloop eval --passes-curve` prints the curve the arch's spec offers, summed by
+    `score_curve` over the same batches; an arch whose spec offers none refuses it in one line."""
+    from latentloop.eval.loss import score_curve
+    from latentloop.runtime import eval_data
+
+    base, _ = runs[kind]
+    capsys.readouterr()
+    code = main(["eval", str(base), "--json", "--no-progress", "--batches", "1", "--batch-size", "2",
+                 "--data", f"text:{text_corpus}", "--passes-curve"])
+    out = capsys.readouterr()
+    model, tokenizer, config, _ = load_run(base)
+    curve = get_arch(config.model.arch).curves.get("passes_curve")
+    if curve is None:
+        assert code == 2 and "--passes-curve needs a run of" in out.err and "Traceback" not in out.err
+        return
+    assert code == 0, out.err
+    tokens = eval_data(config, tokenizer, f"text:{text_corpus}").val
+    expected = score_curve(model, curve, tokens, tokenizer.token_byte_lengths(), 2, config.model.sequence_len, 1)
+    assert json.loads(out.out)["passes_curve"] == expected and "fixed_point" in expected
+
+
 def _api_greedy(run: Path, given: dict) -> tuple[list[int], object]:
     """The API's greedy tokens for PROMPT as the front-ends read it ([BOS] + text, stopping at EOS or
     BOS), and the run's tokenizer."""

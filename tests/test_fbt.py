@@ -1,6 +1,7 @@
 """Full-bandwidth transformer: Jacobi exactness, regimes, cache agreement, objective, init."""
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -8,13 +9,13 @@ import torch
 from safetensors.torch import load_file
 
 import latentloop as ll
-from latentloop.archs import build_objective
+from latentloop.archs import build_objective, get_arch, offering
 from latentloop.archs.fbt.model import per_batch_mix
 from latentloop.archs.fbt.objective import document_prefix_mask
 from latentloop.cli import main
 from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config
 from latentloop.engine import teacher_forced_logits
-from latentloop.eval.loss import passes_curve
+from latentloop.eval.loss import score_curve
 from latentloop.models.backbone import shift_right
 from latentloop.objectives import token_cross_entropy
 from latentloop.train import fit, setup
@@ -252,20 +253,29 @@ def test_per_pass_masks_match_single_mask_when_equal(model):
         model(idx, passes=3, fuse_mask=[mask])
 
 
-def test_passes_curve_matches_the_fused_forward(model):
+@pytest.mark.parametrize("arch", offering("passes_curve"))
+def test_passes_curve_matches_the_fused_forward(arch):
+    """Every arch whose spec offers the curve (fbt, rfbt): each point is the K-pass fused forward's
+    loss over the batches, and the fixed point (K = T) the sequential recurrence's."""
+    torch.manual_seed(0)
+    model = ll.build(arch, preset="test").eval()
     tokens = np.random.default_rng(0).integers(0, 256, 2000)
     byte_lengths = np.ones(259, dtype=np.int64)
-    curve = passes_curve(model, tokens, byte_lengths, 2, 32, max_batches=1)
+    curve = score_curve(model, get_arch(arch).curves["passes_curve"], tokens, byte_lengths, 2, 32, max_batches=1)
     assert list(curve) == ["K=1", "K=2", "K=3", "K=4", "K=8", "K=16", "fixed_point"]
     x = torch.as_tensor(tokens[:33]).view(1, 33)
     x2 = torch.as_tensor(tokens[32:65]).view(1, 33)
     batch, target = torch.cat([x[:, :-1], x2[:, :-1]]), torch.cat([x[:, 1:], x2[:, 1:]])
+    assert all(point["tokens"] == target.numel() for point in curve.values())
     with torch.no_grad():
         for k in (1, 2, 16):
             expected = token_cross_entropy(model(batch, passes=k).logits, target).item()
             assert curve[f"K={k}"]["loss"] == pytest.approx(expected, rel=1e-5)
-        exact = token_cross_entropy(sequential_reference(model, batch), target).item()
-    assert curve["fixed_point"]["loss"] == pytest.approx(exact, rel=1e-4)  # T passes = the sequential recurrence
+            # every target stands for one byte here: BPB is the loss in bits
+            assert curve[f"K={k}"]["bpb"] == pytest.approx(expected / math.log(2), rel=1e-5)
+        # T passes = the sequential recurrence: the cached soft decoding, token by token
+        exact = token_cross_entropy(teacher_forced_logits(model, batch, regime="soft"), target).item()
+    assert curve["fixed_point"]["loss"] == pytest.approx(exact, rel=1e-4)
 
 
 def test_prefix_mixin_mask_keeps_a_plain_prefix_per_document():

@@ -22,7 +22,7 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from ..config import ModelConfig, TrainConfig
 from ..errors import ConfigError
@@ -104,9 +104,11 @@ class ArchSpec:
     objective_class: type[Objective]
     # optimizer: extra AdamW groups (e.g. lrt's residual scalars with their own lr), taken out of the others
     param_groups: Callable[[nn.Module, TrainConfig], list[ParamGroup]] = _no_groups
-    # `latentloop analyze NAME`: the analyses this architecture offers (its eval curves are named in `curves`)
+    # `latentloop analyze NAME`: the analyses this architecture offers
     analyses: Mapping[str, Analysis] = field(default_factory=_frozen)
-    curves: frozenset[str] = frozenset()  # eval curves it offers (fbt's `passes_curve`)
+    # `latentloop eval --passes-curve`: the eval curves it offers, name -> curve(model, x (B, T), y (B, T)) ->
+    # {point: per-token losses (B, T)}, summed over the text by `eval.loss.score_curve` (fbt's `passes_curve`)
+    curves: Mapping[str, Callable[[nn.Module, Tensor, Tensor], dict[str, Tensor]]] = field(default_factory=_frozen)
     # the demo's report: lines about a run from its logged metrics (rgpt's gates per recurrence step)
     demo_lines: Callable[[list[dict[str, Any]], ModelConfig], list[str]] = _no_demo_lines
     # the fast decode path: cache class -> a mixin put before the static mode's (rgpt's core-step views)
@@ -119,7 +121,7 @@ class ArchSpec:
     deterministic: Mapping[str, Any] = field(default_factory=_frozen)
 
     def __post_init__(self) -> None:
-        for name in ("analyses", "static_cache_mixins", "train_cases", "decode_cases", "deterministic"):
+        for name in ("analyses", "curves", "static_cache_mixins", "train_cases", "decode_cases", "deterministic"):
             object.__setattr__(self, name, _frozen(getattr(self, name)))
         if getattr(self.config_class, "arch", None) != self.name:
             raise ValueError(f"spec {self.name!r} names a config class of arch "

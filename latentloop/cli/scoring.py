@@ -97,10 +97,11 @@ def cmd_eval(args) -> int:
     if len(by_option) > 1:
         metrics["by_option"] = by_option
     if args.passes_curve:
-        from ..eval.loss import passes_curve
+        from ..eval.loss import score_curve
 
-        metrics["passes_curve"] = passes_curve(model, tokens, tokenizer.token_byte_lengths(), args.batch_size or 16,
-                                               config.model.sequence_len, args.batches or None)
+        metrics["passes_curve"] = score_curve(model, get_arch(config.model.arch).curves["passes_curve"], tokens,
+                                              tokenizer.token_byte_lengths(), args.batch_size or 16,
+                                              config.model.sequence_len, args.batches or None)
     notes = get_arch(config.model.arch).notes_for(by_option)
     if notes:
         metrics["notes"] = notes

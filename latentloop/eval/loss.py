@@ -248,18 +248,15 @@ def score_run(model: nn.Module, batches: Callable[[], Iterable[tuple]], token_by
     return scores
 
 
-# The paper's stability check (its loss-vs-passes figure): the K-pass fused forward's loss for
-# these K, and at the sequential fixed point (K = T passes: the Jacobi iteration is exact there).
-PASSES_CURVE = (1, 2, 3, 4, 8, 16)
-
-
 @torch.no_grad()
-def passes_curve(model: nn.Module, tokens: np.ndarray, token_bytes: np.ndarray, batch_size: int, seq_len: int,
-                 max_batches: int | None = None, passes: tuple[int, ...] = PASSES_CURVE,
-                 device: torch.device | str | None = None) -> dict[str, dict[str, float]]:
-    """fbt: loss/BPB of `model(x, passes=K)` (the fused forward over the whole text) for each K in
-    `passes` and at "fixed_point" (K = the batch's length T, exact). One iteration per batch serves
-    every K: the states of pass k are pass k's whatever the later passes do."""
+def score_curve(model: nn.Module, curve: Callable[[nn.Module, Tensor, Tensor], dict[str, Tensor]],
+                tokens: np.ndarray, token_bytes: np.ndarray, batch_size: int, seq_len: int,
+                max_batches: int | None = None,
+                device: torch.device | str | None = None) -> dict[str, dict[str, float]]:
+    """An eval curve an architecture offers (`ArchSpec.curves`, e.g. fbt's `passes_curve`) over
+    the text: `curve(model, x, y)` gives each point's per-token losses (B, T) on a batch, and this
+    sums them over the batches into each point's loss (per token) and BPB (over the targets that
+    stand for bytes), in the curve's order."""
     was_training = model.training
     model.eval()
     device = device or next(model.parameters()).device
@@ -268,18 +265,13 @@ def passes_curve(model: nn.Module, tokens: np.ndarray, token_bytes: np.ndarray, 
     try:
         for x, y in eval_batches(tokens, batch_size, seq_len, max_batches):
             x, y = x.to(device), y.to(device)
-            T = x.shape[1]
-            wanted = {f"K={k}": k for k in passes} | {"fixed_point": T}
-            target_bytes = byte_table[y.flatten()]
-            states = model.pass_states(x, model.context(x, None, None))  # one pass in memory at a time
-            for k, (h, _) in zip(range(1, max(wanted.values()) + 1), states):
-                for label in [label for label, want in wanted.items() if want == k]:
-                    losses = token_cross_entropy(model.readout(h), y, reduction="none")
-                    row = sums.setdefault(label, [0.0, 0.0, 0, 0])
-                    row[0] += float(losses.sum())
-                    row[1] += float((losses * (target_bytes > 0)).sum())
-                    row[2] += y.numel()
-                    row[3] += int(target_bytes.sum())
+            target_bytes = byte_table[y.flatten()].view_as(y)  # (B, T)
+            for label, losses in curve(model, x, y).items():
+                row = sums.setdefault(label, [0.0, 0.0, 0, 0])
+                row[0] += float(losses.sum())
+                row[1] += float((losses * (target_bytes > 0)).sum())
+                row[2] += y.numel()
+                row[3] += int(target_bytes.sum())
     finally:
         model.train(was_training)
     return {label: {"loss": nats / max(n, 1), "bpb": nats_bpb / math.log(2) / max(nb, 1), "tokens": n}

@@ -3,7 +3,7 @@ through a GLU, is the next input (`model.py`); scheduled multi-pass training (`o
 SOFT / FUSED decoding with the same weights; the contraction and probe analyses (`analyses.py`)."""
 
 from ..registry import ArchSpec, register
-from .analyses import ANALYSES
+from .analyses import ANALYSES, CURVES
 from .model import FBT, FBTConfig
 from .objective import MultiPassObjective
 
@@ -17,5 +17,5 @@ DETERMINISTIC = {"feedback_start": 0.0, "pass_mix": (0.0, 1.0), "jitter": 0.0}
 
 SPEC = register(ArchSpec(
     "fbt", "full-bandwidth transformer: the previous top state re-enters the stack", FBTConfig, FBT,
-    MultiPassObjective, analyses=ANALYSES, curves=frozenset({"passes_curve"}), train_cases=TRAIN_CASES,
+    MultiPassObjective, analyses=ANALYSES, curves=CURVES, train_cases=TRAIN_CASES,
     decode_cases=DECODE_CASES, deterministic=DETERMINISTIC))

@@ -5,6 +5,8 @@ back (rfbt's too): the model's `pass_states`, the one multi-pass loop.
   validation data; the mean relative change ||H_k - H_{k-1}|| / ||H_k|| and the loss per pass show
   whether the learned map is contractive (the paper reports stability out to k = 1000 only with the
   3% deeper batches).
+- passes_curve (`eval --passes-curve`, a curve the spec names): the K-pass fused forward's per-token
+  losses for the marked K and at the sequential fixed point; `eval.loss.score_curve` sums them.
 - probe: linear probes from layer-0 activations for a global-state label (the bracket nesting depth
   of code), under a standard prefill vs a recurrent (multi-pass) prefill; latent feedback should
   expose global state to the shallowest layer.
@@ -28,6 +30,27 @@ PROBE_TRAIN_FRACTION = 0.7
 PROBE_L2 = 1e-3
 PROBE_ITERATIONS = 200
 OPENERS, CLOSERS = "([{", ")]}"
+
+
+# -- the passes curve -------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def passes_curve(model, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The paper's stability check (its loss-vs-passes figure) on one batch: per-token losses (B, T)
+    of the K-pass fused forward for each marked K, and at "fixed_point" (K = T passes: the Jacobi
+    iteration is exact there). One iteration serves every K: pass k's states are pass k's whatever
+    the later passes do, and only one pass is held at a time."""
+    wanted = {f"K={k}": k for k in MARKED_PASSES} | {"fixed_point": x.shape[1]}
+    losses: dict[str, torch.Tensor] = {}
+    states = model.pass_states(x, model.context(x, None, None))
+    for k, (h, _) in zip(range(1, max(wanted.values()) + 1), states):
+        for label in [label for label, want in wanted.items() if want == k]:
+            losses[label] = token_cross_entropy(model.readout(h), y, reduction="none").view_as(y)  # (B, T)
+    return {label: losses[label] for label in wanted}
+
+
+CURVES = {"passes_curve": passes_curve}
 
 
 # -- contraction ---------------------------------------------------------------------------------------
