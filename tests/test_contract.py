@@ -33,6 +33,7 @@ import pytest
 import torch
 from conftest import ServeProcess, contract_kinds, option_sets, serving, write_corpus
 from safetensors.torch import load_file
+from torch import Tensor
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from latentloop import build
@@ -267,6 +268,31 @@ def test_cached_decoding_equals_the_reference_path_and_scoring(kind, label, give
     scored = torch.log_softmax(scored[0, len(prompt) - 1:-1].float(), -1)
     torch.testing.assert_close(scored.gather(-1, torch.tensor(tokens)[:, None])[:, 0], logprobs, rtol=RTOL,
                                atol=TOL)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kind, label, given", CASES, ids=[f"{k}-{label}" for k, label, _ in CASES])
+def test_the_state_a_token_carries_to_the_next_is_declared(kind, label, given, models):
+    """Every `cache.state` entry whose value changes the next token's logits is in the model's
+    CARRIED_STATE (what self-speculative decoding must restore when it takes tokens back; the
+    registry refuses a drafting model that carries state without restoring it). Perturbing each
+    entry after a decoded token shows which the next token reads."""
+    model = models[kind]
+    options = model_options(model, given)
+    prompt = torch.tensor([PROMPTS[0]])
+
+    def next_logits(perturbed: str | None) -> tuple[Tensor, set[str]]:
+        cache = model.new_cache(1, 32, **options)
+        model.prefill(prompt, cache, **options)
+        model.decode(torch.tensor([[7]]), cache, **options)
+        if perturbed is not None:
+            value = cache.state[perturbed]
+            cache.state[perturbed] = value + 1.0 if value.is_floating_point() else value + 1
+        return model.decode(torch.tensor([[9]]), cache, **options).logits, set(cache.state)
+
+    plain, keys = next_logits(None)
+    read = {key for key in keys if not torch.equal(next_logits(key)[0], plain)}
+    assert read <= set(model.CARRIED_STATE), f"{kind} {label}: the next token reads {sorted(read)}"
 
 
 @pytest.mark.parametrize("kind, label, given", CASES, ids=[f"{k}-{label}" for k, label, _ in CASES])

@@ -145,3 +145,26 @@ def test_a_plugin_architecture_passes_the_contract_suite(toy_package):
     tail = done.stdout[-3000:]
     assert done.returncode == 0, tail + done.stderr[-2000:]
     assert f"{len(toy)} passed" in tail, tail  # none skipped, none deselected by accident
+
+
+def test_a_model_that_carries_state_and_drafts_must_restore_it():
+    """The default `keep_verified` rolls back the keys and values only: a spec whose model drafts
+    itself and carries state from token to token (CARRIED_STATE) without restoring it is refused when
+    the spec is made, not found later as wrong tokens."""
+    from latentloop.archs import ArchSpec
+    from latentloop.archs.fbt.model import FBT, FBTConfig
+    from latentloop.archs.fbt.objective import MultiPassObjective
+
+    class DraftingFBT(FBT):
+        def draft_options(self, options):
+            return None
+
+    with pytest.raises(ValueError, match=r"DraftingFBT drafts itself and carries fbt\.prev_top .* keep_verified"):
+        ArchSpec("fbt", "fbt drafting itself", FBTConfig, DraftingFBT, MultiPassObjective)
+
+    class RestoringFBT(DraftingFBT):
+        def keep_verified(self, cache, out, kept, state_before, options):
+            super().keep_verified(cache, out, kept, state_before, options)
+
+    assert ArchSpec("fbt", "fbt drafting itself", FBTConfig, RestoringFBT, MultiPassObjective).draft is not None
+    assert ArchSpec("fbt", "fbt as it is", FBTConfig, FBT, MultiPassObjective).draft is None

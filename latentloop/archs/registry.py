@@ -126,6 +126,13 @@ class ArchSpec:
         if getattr(self.config_class, "arch", None) != self.name:
             raise ValueError(f"spec {self.name!r} names a config class of arch "
                              f"{getattr(self.config_class, 'arch', None)!r}")
+        if self.draft is not None and self.model_class.CARRIED_STATE \
+                and self.model_class.keep_verified is GPT.keep_verified:
+            # the default keeps the verified tokens' keys and values only: the carried state would be
+            # the last drafted token's, and decoding would go on from a token it took back
+            raise ValueError(f"spec {self.name!r}: {self.model_class.__name__} drafts itself and carries "
+                             f"{', '.join(self.model_class.CARRIED_STATE)} from token to token, so it must "
+                             "override keep_verified to restore it to the last kept token's")
 
     @property
     def options(self) -> tuple[DecodeOption, ...]:

@@ -388,6 +388,9 @@ class GPT(nn.Module):
     # conversation's earlier replies), and compute them as they were generated (fbt's feedback);
     # a model that reads every token alike is not handed it
     REPLAYS_WRITTEN: ClassVar[bool] = False
+    # the `cache.state` keys the next token's decode reads (fbt's top state, lrt's memory): a model
+    # that carries any and drafts itself must restore them in `keep_verified` (the registry checks)
+    CARRIED_STATE: ClassVar[tuple[str, ...]] = ()
 
     # The tied head's product (no module holds it: its weight is the embedding's). A model computes
     # `F.linear`; `inference.accelerate` gives an instance the kernels' product, as it swaps the modules.
@@ -562,7 +565,8 @@ class GPT(nn.Module):
         """Self-speculative decoding: of the tokens the last `decode(..., **options)` call added
         (`out`), row b keeps its first kept[b] (B,) and the rest leave the cache as if never decoded
         (`KVCache.keep_recent`). `state_before`: `cache.state` before that call; an arch that carries
-        state from token to token (fbt's top state) sets it to what the last kept token left."""
+        state from token to token (its CARRIED_STATE, fbt's top state) overrides this to set it to
+        what the last kept token left (rfbt does; the registry refuses a drafting arch that does not)."""
         cache.keep_recent(kept, out.logits.shape[1])
 
     def prepare_fast_decoding(self) -> None:

@@ -230,6 +230,7 @@ class FBTOutput(ModelOutput):
 class FBT(GPT):
     OPTIONS = OPTIONS
     SCORING_NOTES = {"soft": SOFT_BPB_NOTE}
+    CARRIED_STATE = (STATE_KEY,)
     REPLAYS_WRITTEN = True  # prefill / reference take `written` (see the module docstring)
     # train.compile: the whole multi-pass forward (one graph per pass count), measured 1.048x the
     # tok/s of compiling each block (experiments/logs/2026-12-02-compile-scope.md)

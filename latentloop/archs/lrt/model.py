@@ -213,6 +213,7 @@ class LRTBlock(Block):
 
 class LRT(GPT):
     OPTIONS = OPTIONS
+    CARRIED_STATE = (MEMORY_KEY,)
     # train.compile: the whole interleaved forward, one graph (a buffer built without a pad mask
     # plans its full pass without reading its positions), measured 1.18x the tok/s of compiling each
     # block under Muon + bf16 (experiments/logs/2026-12-03-compile-scope-defaults.md)
