@@ -59,9 +59,10 @@ as far as the sandbox confines them too. Memory of tmpfs files counts against `D
 `memory_mb`. The address-space limit does not count memory the kernel holds for the code, reachable
 from a process started past the audit hook (which can load ctypes): System V shared memory and
 message queues are allowed none (the sandbox's IPC namespace's `shmall`, `shmmni` and `msgmni` at 0;
-a detached segment would outlive its process), and memfd files are bounded only as files are (each
-at most `FILE_SIZE_LIMIT`, `OPEN_FILES_LIMIT` of them per process); no cgroup caps the whole.
-POSIX message queues get no bytes (`RLIMIT_MSGQUEUE` 0). The work folder belongs to the
+a detached segment would outlive its process), memfd files none (a seccomp filter, `seccomp_filter`,
+makes memfd_create and memfd_secret fail with EPERM, and refuses every call of a foreign ABI), and
+POSIX message queues no bytes (`RLIMIT_MSGQUEUE` 0). No cgroup caps the whole: pipe and socket
+buffers are bounded per buffer, descriptor and process, not in sum. The work folder belongs to the
 code's uid; the judge's working directory is `/`.
 
 Fails closed: when the process is not root, bwrap is missing, or the sandbox does not come
@@ -73,6 +74,7 @@ up front. Install the tool with `apt-get install bubblewrap` (`make test` does, 
 from __future__ import annotations
 
 import builtins
+import errno
 import functools
 import os
 import re
@@ -80,6 +82,7 @@ import secrets
 import select
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -101,6 +104,22 @@ WORKDIR = "/sandbox"
 CODE_FILE = "candidate.py"
 ID_RANGE = (1 << 30, (1 << 31) - 1)  # throwaway uids/gids: far above any real account
 BUILTIN_NAMES = frozenset(vars(builtins))  # never a name the tests take from the code (the judge checks too)
+
+# The seccomp filter bwrap loads before the sandbox's first stage (`--seccomp`): memfd files hold memory
+# that neither the address-space limit nor the work folder's size counts (the review held 128 MiB at
+# memory_mb=64 through closed mappings), so the calls that make them fail with EPERM, and so does every
+# call of another ABI than the interpreter's (x86_64's i386 and x32 calls, whose numbers differ).
+# Per machine: the ELF machine of its audit arch (linux/elf-em.h), 64-bit, little-endian, and the number of
+# memfd_create (memfd_secret is 447 everywhere, the numbering shared since Linux 5.1).
+_SECCOMP_MACHINES = {"x86_64": (62, True, True, 319), "i686": (3, False, True, 356),
+                     "aarch64": (183, True, True, 279), "riscv64": (243, True, True, 279),
+                     "loongarch64": (258, True, True, 279), "ppc64le": (21, True, True, 360),
+                     "s390x": (22, True, False, 350), "armv7l": (40, False, True, 385)}
+MEMFD_SECRET = 447
+X32_SYSCALL_BIT = 0x40000000  # x86_64's x32 ABI: its calls carry this bit
+_BPF_LOAD_WORD, _BPF_JUMP_IF_EQUAL, _BPF_JUMP_IF_SET, _BPF_RETURN = 0x20, 0x15, 0x45, 0x06
+_SECCOMP_ALLOW, _SECCOMP_ERRNO = 0x7FFF0000, 0x00050000
+_SECCOMP_NR_OFFSET, _SECCOMP_ARCH_OFFSET = 0, 4  # struct seccomp_data: int nr; __u32 arch; ...
 
 # Runs first, as root inside bwrap, with ctypes (which must never be loaded where the code runs: its
 # types would stay reachable). argv: work folder, disk bytes, files, uid, then the bootstrap's source
@@ -498,6 +517,28 @@ def _bwrap() -> str:
     return bwrap
 
 
+def seccomp_filter(machine: str | None = None) -> bytes:
+    """The classic BPF program (struct sock_filter[], native byte order) bwrap loads for the sandbox:
+    memfd_create and memfd_secret, and any call of a foreign ABI, fail with EPERM; everything else
+    runs. SandboxUnavailable on a machine without a table (the sandbox fails closed)."""
+    machine = machine or os.uname().machine
+    if machine not in _SECCOMP_MACHINES:
+        raise SandboxUnavailable(f"the code sandbox has no system call table for {machine} (seccomp filter)")
+    elf_machine, is_64bit, little_endian, memfd_create = _SECCOMP_MACHINES[machine]
+    audit_arch = elf_machine | (0x80000000 if is_64bit else 0) | (0x40000000 if little_endian else 0)
+    refuse = _SECCOMP_ERRNO | errno.EPERM
+    checks = [(_BPF_JUMP_IF_SET, X32_SYSCALL_BIT)] if machine == "x86_64" else []
+    checks += [(_BPF_JUMP_IF_EQUAL, number) for number in (memfd_create, MEMFD_SECRET)]
+    program = [(_BPF_LOAD_WORD, 0, 0, _SECCOMP_ARCH_OFFSET),
+               (_BPF_JUMP_IF_EQUAL, 1, 0, audit_arch),  # our ABI: skip the refusal below
+               (_BPF_RETURN, 0, 0, refuse),
+               (_BPF_LOAD_WORD, 0, 0, _SECCOMP_NR_OFFSET)]
+    # check i of k jumps, when it matches, over the checks after it and the allow: to the refusal
+    program += [(code, len(checks) - i, 0, value) for i, (code, value) in enumerate(checks)]
+    program += [(_BPF_RETURN, 0, 0, _SECCOMP_ALLOW), (_BPF_RETURN, 0, 0, refuse)]
+    return b"".join(struct.pack("=HBBI", *instruction) for instruction in program)
+
+
 def _mapped(path: str, low: int, high: int) -> bool:
     """Whether ids low..high are all mapped in this process's user namespace (uid_map / gid_map)."""
     try:
@@ -521,10 +562,10 @@ def _python() -> tuple[str, str]:
     return executable, os.path.realpath(sys.base_prefix)
 
 
-def _bwrap_command(bwrap: str, info_fd: int, uid: int) -> list[str]:
+def _bwrap_command(bwrap: str, info_fd: int, seccomp_fd: int, uid: int) -> list[str]:
     executable, prefix = _python()
     command = [bwrap, "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-               "--die-with-parent", "--new-session", "--info-fd", str(info_fd),
+               "--die-with-parent", "--new-session", "--info-fd", str(info_fd), "--seccomp", str(seccomp_fd),
                "--cap-drop", "ALL", "--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID",
                "--ro-bind", "/usr", "/usr"]
     for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
@@ -641,15 +682,18 @@ def run_untrusted(code: str, timeout: float = 5.0, memory_mb: int = 512, tests: 
         sizes = [len(code_bytes), *(-1 if part is None else len(part) for part in (tests_bytes, exports_bytes))]
         header = (" ".join(str(size) for size in sizes) + "\n").encode()
         input_file.write_bytes(header + code_bytes + (tests_bytes or b"") + (exports_bytes or b""))
+        seccomp_file = folder / "seccomp"
+        seccomp_file.write_bytes(seccomp_filter())
         # Pipes, not files: only the judge holds the verdict's write end, and nobody can truncate it.
         (verdict, verdict_write), (info, info_write) = os.pipe(), os.pipe()
         try:
-            with input_file.open("rb") as stdin, output_file.open("wb") as output:
-                command = [*_bwrap_command(bwrap, info_write, code_uid), str(judge_uid), str(memory_mb << 20),
-                           str(cpu_seconds), str(FILE_SIZE_LIMIT), str(PROCESS_LIMIT), str(OPEN_FILES_LIMIT),
-                           str(verdict_write), WORKDIR, CODE_FILE]
+            with input_file.open("rb") as stdin, output_file.open("wb") as output, seccomp_file.open("rb") as rules:
+                command = [*_bwrap_command(bwrap, info_write, rules.fileno(), code_uid), str(judge_uid),
+                           str(memory_mb << 20), str(cpu_seconds), str(FILE_SIZE_LIMIT), str(PROCESS_LIMIT),
+                           str(OPEN_FILES_LIMIT), str(verdict_write), WORKDIR, CODE_FILE]
                 process = subprocess.Popen(command, stdin=stdin, stdout=output, stderr=subprocess.STDOUT,
-                                           env=_child_environment(), pass_fds=(verdict_write, info_write),
+                                           env=_child_environment(),
+                                           pass_fds=(verdict_write, info_write, rules.fileno()),
                                            start_new_session=True)
             for end in (verdict_write, info_write):
                 os.close(end)
