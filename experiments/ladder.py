@@ -673,15 +673,18 @@ SAVE_EVERY_S = 300.0  # a trunk's progress is saved this often (and at every dec
 SAVE_CHECK_STEPS = 25  # steps between looks at the clock
 
 
-def _made_by(run: RunPlan, requested: dict[str, Any]) -> dict[str, Any]:
-    """What a saved trunk must have been made under to be resumed: the plan entry and the config."""
-    return {"plan": plan_entry(run), "config": requested}
+def _made_by(run: RunPlan, requested: dict[str, Any], precision: str) -> dict[str, Any]:
+    """What a saved trunk must have been made under to be resumed: the plan entry, the config and the
+    precision its products ran in (`train.dtype=auto` resolves by the machine: a trunk carried to a
+    machine without native bf16 would go on in float32 under the same config)."""
+    return {"plan": plan_entry(run), "config": requested, "precision": precision}
 
 
 def _load_progress(path: Path, made_by: dict[str, Any], key: str) -> dict[str, Any] | None:
-    """The saved trunk to resume, or None (none, unreadable, or made under another plan entry or
-    config: it starts again, and says why). A trunk saved before trunks were stamped (no
-    `made_by`) is taken as made under today's plan."""
+    """The saved trunk to resume, or None (none, unreadable, or made under another plan entry,
+    config or precision: it starts again, and says why). A trunk saved before trunks were stamped
+    (no `made_by`) is taken as made under today's plan, and one stamped before the precision was
+    (2026-12-06) as made in today's precision: the shards that made them ran on one machine."""
     if not path.exists():
         return None
     try:
@@ -689,8 +692,9 @@ def _load_progress(path: Path, made_by: dict[str, Any], key: str) -> dict[str, A
     except Exception as exc:  # noqa: BLE001 - a truncated or foreign file of any kind: start the run again
         print(f"  {key}: its saved trunk {path} is unreadable ({first_line(exc)}): starting again", flush=True)
         return None
-    if saved.get("made_by", made_by) != made_by:
-        print(f"  {key}: its saved trunk was made under another plan entry or config: starting again", flush=True)
+    if {"precision": made_by["precision"], **saved.get("made_by", made_by)} != made_by:
+        print(f"  {key}: its saved trunk was made under another plan entry, config or precision: starting again",
+              flush=True)
         return None
     return saved
 
@@ -703,7 +707,8 @@ def _execute(run, state, work: Path, record_path: Path, requested: dict, spec: L
     modes = get_scoring_modes(state.config.model)
     primary = primary_scoring(state.config.model)
     progress_file = work / "trunk.pt"
-    made_by = _made_by(run, requested)
+    precision = resolve_dtype(state.device, train_cfg.dtype)
+    made_by = _made_by(run, requested, precision)
     done: dict[str, Any] = {"points": [], "branches": [], "seconds": {"train": 0.0, "eval": 0.0}, "commits": []}
     saved = _load_progress(progress_file, made_by, run.key)
     if saved is not None:
@@ -757,7 +762,7 @@ def _execute(run, state, work: Path, record_path: Path, requested: dict, spec: L
     record = {"key": run.key, "plan": run.describe(), **git_stamp(), "commits": done["commits"],
               "config_requested": requested,
               "config_resolved": json.loads(json.dumps(state.config.to_dict())),
-              "precision": resolve_dtype(state.device, state.config.train.dtype),
+              "precision": precision,
               BF16_SUPPORT: cpu_bf16_support(),  # the machine's, for today's rule on it (`stale_fields`)
               **({CUDA_BF16_SUPPORT: cuda_bf16_support(state.device)} if state.device.type == "cuda" else {}),
               "attention_dtype": training_attention_dtype(state.device, state.config),

@@ -206,17 +206,22 @@ def test_a_stopped_run_resumes_from_its_trunk_to_the_same_figures(mid_trunk, tin
 def test_a_saved_trunk_is_resumed_only_under_its_own_plan_and_config(tiny_ladder, tmp_path, capsys):
     run = ladder.plan_ladder(TINY, ladder.ladder_variants(["gpt"]), ("tiny",))[0]
     requested = json.loads(json.dumps(ladder.run_config(run, spec=TINY).to_dict()))
-    made_by = ladder._made_by(run, requested)
+    made_by = ladder._made_by(run, requested, "bfloat16")
     path = tmp_path / "trunk.pt"
     torch.save({"snapshot": {}, "done": {"points": []}, "made_by": made_by}, path)
     assert ladder._load_progress(path, made_by, run.key) is not None
     other = json.loads(json.dumps(made_by))
     other["config"]["train"]["muon_lr"] = 0.05  # saved under another default
-    torch.save({"snapshot": {}, "done": {"points": []}, "made_by": other}, path)
-    assert ladder._load_progress(path, made_by, run.key) is None
-    assert "made under another plan entry or config: starting again" in capsys.readouterr().out
-    torch.save({"snapshot": {}, "done": {"points": []}}, path)  # saved before trunks were stamped
-    assert ladder._load_progress(path, made_by, run.key) is not None
+    float32 = ladder._made_by(run, requested, "float32")  # the same config resolved on a machine without bf16
+    for saved_by in (other, float32):
+        torch.save({"snapshot": {}, "done": {"points": []}, "made_by": saved_by}, path)
+        assert ladder._load_progress(path, made_by, run.key) is None
+        assert "made under another plan entry, config or precision: starting again" in capsys.readouterr().out
+    unstamped = {key: value for key, value in made_by.items() if key != "precision"}  # before precision was
+    for saved in ({"snapshot": {}, "done": {"points": []}, "made_by": unstamped},
+                  {"snapshot": {}, "done": {"points": []}}):  # and before trunks were stamped at all
+        torch.save(saved, path)
+        assert ladder._load_progress(path, made_by, run.key) is not None
     path.write_bytes(b"PK\x03\x04 truncated")
     assert ladder._load_progress(path, made_by, run.key) is None
     assert "is unreadable" in capsys.readouterr().out
