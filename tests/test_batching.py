@@ -6,6 +6,8 @@ and the cache regrouping underneath."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from conftest import needs_cxx, option_sets, round_stored_keys_and_values
@@ -362,15 +364,48 @@ def test_the_warmed_batch_and_its_storage_serve_every_later_join(models):
 
     model = models["gpt"]
     scheduler = ContinuousScheduler(model, ByteTokenizer(), 8, 16, 0.05, compiled=True, compile_steps=False)
-    scheduler.warm()
-    options = model_options(model, {})
-    batch = scheduler._new_batch(options)
-    storage = batch.storage
-    assert storage.batch_size == 8 and batch.cache is None
-    batch.add([Member([BOS, 5], 3, Sampling())])
-    while len(batch):
-        batch.step()
-    assert scheduler._new_batch(options) is batch and batch.storage is storage
+    warmed_on: list[str] = []
+    real_warm = SlotBatch.warm
+
+    def warm(batch, rows):
+        warmed_on.append(threading.current_thread().name)
+        real_warm(batch, rows)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(SlotBatch, "warm", warm)
+        scheduler.warm()
+    try:
+        # on the thread that decodes: CUDA graph trees are per thread, a capture elsewhere is redone
+        assert warmed_on == ["latentloop-scheduler"] and scheduler._thread.is_alive()
+        options = model_options(model, {})
+        batch = scheduler._new_batch(options)
+        storage = batch.storage
+        assert storage.batch_size == 8 and batch.cache is None
+        batch.add([Member([BOS, 5], 3, Sampling())])
+        while len(batch):
+            batch.step()
+        assert scheduler._new_batch(options) is batch and batch.storage is storage
+    finally:
+        scheduler.join(SCHEDULER_TIMEOUT_S)
+    assert not scheduler._thread.is_alive()
+
+
+def test_a_failed_warm_up_is_raised_where_warm_was_called(models, monkeypatch):
+    """The warm-up runs on the scheduler's thread; its error reaches the caller (the server's start),
+    and the thread ends without taking requests."""
+    from latentloop.data import ByteTokenizer
+    from latentloop.serve.scheduler import ContinuousScheduler
+
+    scheduler = ContinuousScheduler(models["gpt"], ByteTokenizer(), 2, 4, 0.05, compiled=True, compile_steps=False)
+
+    def fail():
+        raise RuntimeError("the compiler ran out of memory")
+
+    monkeypatch.setattr(scheduler, "_warm_steps", fail)
+    with pytest.raises(RuntimeError, match="ran out of memory"):
+        scheduler.warm()
+    scheduler._thread.join(SCHEDULER_TIMEOUT_S)
+    assert not scheduler._thread.is_alive()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -416,11 +451,14 @@ def test_the_servers_kv_dtype_reaches_every_compiled_batch_and_no_eager_one(arch
     assert not heard or ("decoding eagerly" in heard[0] and "not --kv-dtype's torch.float16" in heard[0])
     scheduler.compile_steps = False  # the step run eagerly: what is checked here is where the dtype goes
     scheduler.warm()
-    batch = scheduler._new_batch(options)
-    assert isinstance(batch, SlotBatch) == compiles(model, options, 4)
-    if isinstance(batch, SlotBatch):
-        assert batch.decoder.kv_dtype is torch.float16
-        assert {t.dtype for t in (*batch.storage.k_slots, *batch.storage.v_slots)} == {torch.float16}
+    try:
+        batch = scheduler._new_batch(options)
+        assert isinstance(batch, SlotBatch) == compiles(model, options, 4)
+        if isinstance(batch, SlotBatch):
+            assert batch.decoder.kv_dtype is torch.float16
+            assert {t.dtype for t in (*batch.storage.k_slots, *batch.storage.v_slots)} == {torch.float16}
+    finally:
+        scheduler.join(SCHEDULER_TIMEOUT_S)
 
 
 @needs_cxx

@@ -204,11 +204,27 @@ class Scheduler:
         self._cond = threading.Condition(threading.RLock())
         self._stopping = threading.Event()
         self._active_rows = 0
-        self._thread = threading.Thread(target=self._loop, name="latentloop-scheduler", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="latentloop-scheduler", daemon=True)
+        self._warming = False  # `warm` asked: the thread compiles its steps before it takes requests
+        self._warmed_event = threading.Event()
+        self._warm_error: BaseException | None = None
 
     # -- the handlers' side -------------------------------------------------------------------
     def start(self) -> None:
-        self._thread.start()
+        """Start the decoding thread (once: `warm` may have started it)."""
+        if self._thread.ident is None:
+            self._thread.start()
+
+    def _run(self) -> None:
+        if self._warming:
+            try:
+                self._warm_steps()
+            except BaseException as exc:  # noqa: BLE001 - handed to `warm`, which raises it where it was called
+                self._warm_error = exc
+                return
+            finally:
+                self._warmed_event.set()
+        self._loop()
 
     def submit(self, job: Job) -> None:
         """Queue a job, or raise APIError 429 (queue full) / 503 (shutting down)."""
@@ -225,7 +241,19 @@ class Scheduler:
             self._cond.notify()
 
     def warm(self) -> None:
-        """Before serving: compile what the scheduler will run (nothing, unless a subclass says)."""
+        """Before serving: start the decoding thread, which compiles what it will run before it takes
+        any request (`_warm_steps`), and wait until it has; its error is raised here. On the thread
+        that decodes because CUDA graph trees are per thread (`torch._inductor.cudagraph_trees`: a
+        thread-local tree manager): graphs captured on the caller's thread would be captured again,
+        in a second memory pool, at the first request."""
+        self._warming = True
+        self.start()
+        self._warmed_event.wait()
+        if self._warm_error is not None:
+            raise self._warm_error
+
+    def _warm_steps(self) -> None:
+        """Compile what the scheduler will run (nothing, unless a subclass says), on its thread."""
 
     def stop(self) -> None:
         """Ask the thread to end every request with an error and exit (safe from a signal handler:
@@ -621,9 +649,9 @@ class ContinuousScheduler(Scheduler):
                     self.stats.failed += 1
         self._jobs, self._batches, self._active_rows = [], {}, 0
 
-    def warm(self) -> None:
-        """Before serving: compile (or load from the on-disk cache) the compiled path's step for the
-        default options at every batch size up to `max_rows`; other options compile at first use."""
+    def _warm_steps(self) -> None:
+        """Compile (or load from the on-disk cache) the compiled path's step for the default options
+        at every batch size up to `max_rows`; other options compile at first use."""
         options = model_options(self.model, {})
         if self.compiled and compiles(self.model, options, self.max_rows):
             batch = self._new_batch(options)
