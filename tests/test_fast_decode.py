@@ -4,6 +4,7 @@ compiles take tens of seconds per architecture and option set)."""
 
 import math
 import re
+import types
 from pathlib import Path
 
 import pytest
@@ -1045,3 +1046,28 @@ def test_the_step_for_the_buffers_last_tokens_is_announced_when_a_decode_first_r
     assert len(starts) == 2, heard
     assert "buffer's last tokens" not in starts[0] and "buffer's last tokens" in starts[1]
     assert tokens == ll.generate(model, prompt, context - len(prompt), temperature=0.0, compile=False)
+
+
+def test_the_attended_window_grows_in_buckets_on_cpu_and_in_few_sizes_on_cuda():
+    """The window covers what is needed and never passes the buffer; on CPU in steps of WINDOW_BUCKET
+    (the compiled step's dynamic dimension), on CUDA in powers of two from CUDA_MIN_WINDOW, so that CUDA
+    graph trees, which record a graph per input shape, record at most 6 up to 2,048 slots."""
+    from latentloop.inference.fast import CUDA_MIN_WINDOW, window_length
+    from latentloop.serve.batch import slot_length
+
+    for device_type in ("cpu", "cuda"):
+        for max_len in (100, 2048):
+            windows = [window_length(needed, max_len, device_type) for needed in range(1, max_len + 1)]
+            assert all(needed <= w <= max_len for needed, w in zip(range(1, max_len + 1), windows))
+            assert windows == sorted(windows)
+    cpu = {window_length(n, 2048, "cpu") for n in range(1, 2049)}
+    assert cpu == set(range(WINDOW_BUCKET, 2049, WINDOW_BUCKET))
+    cuda = {window_length(n, 2048, "cuda") for n in range(1, 2049)}
+    assert cuda == {CUDA_MIN_WINDOW << k for k in range(6)}  # 64 .. 2048
+    assert window_length(1, 40, "cuda") == 40  # never past the buffer
+    # a server's rows: the whole context's window stays inside the buffer (no whole-buffer graph)
+    model = ll.build("gpt", preset="test", sequence_len=1000)
+    assert slot_length(model) == 1008 + WINDOW_BUCKET > window_length(1000, float("inf"), "cpu")
+    on_cuda = types.SimpleNamespace(config=model.config, wte=types.SimpleNamespace(
+        weight=types.SimpleNamespace(device=torch.device("cuda"))))  # a device object: no GPU needed
+    assert slot_length(on_cuda) == 1024 + WINDOW_BUCKET > window_length(1000, float("inf"), "cuda")

@@ -105,6 +105,19 @@ FULL_CONTEXT_CACHE_BYTES = 256 * 2**20
 # changes the marker tensor that carries W every 16 steps instead of every step; the masked slots
 # past the filled length cost at most 15 keys per layer.
 WINDOW_BUCKET = 16
+# On CUDA the window is a power of two slots, at least CUDA_MIN_WINDOW: CUDA graph trees record a graph per
+# distinct input shape (torch warns past `cudagraph_dynamic_shape_warn_limit`, 8), so steps of 16 would
+# record up to max_len / 16 graphs (128 at 2,048 slots). Powers of two from 64 record at most 6 up to 2,048
+# and attend under twice the filled slots: reads a GPU streams in microseconds at these lengths.
+CUDA_MIN_WINDOW = 64
+
+
+def window_length(needed: int, max_len: int, device_type: str) -> int:
+    """The attended window for `needed` slots in a buffer of `max_len`: `needed` rounded up to
+    WINDOW_BUCKET, or on CUDA to a power of two of at least CUDA_MIN_WINDOW; never past max_len."""
+    if device_type == "cuda":
+        return min(max_len, max(CUDA_MIN_WINDOW, 1 << max(needed - 1, 0).bit_length()))
+    return min(max_len, -(-needed // WINDOW_BUCKET) * WINDOW_BUCKET)
 
 
 def bucketed_length(needed: int, context: int) -> int:
@@ -173,12 +186,12 @@ class StaticCacheMixin:
 
     def set_window(self, new_tokens: int = 1) -> None:
         """Before each step, outside compiled code: the attended window covers the tokens about to be
-        written (`filled + new_tokens` slots, rounded up to WINDOW_BUCKET, at most max_len). Its
+        written (`filled + new_tokens` slots, rounded up as `window_length` says, at most max_len). Its
         length travels as the size of `window`, marked dynamic, so the compiled step slices by a
         symbolic length instead of recompiling for each."""
         if self.filled + new_tokens <= self.window.shape[0]:
             return
-        W = min(self.max_len, -(-(self.filled + new_tokens) // WINDOW_BUCKET) * WINDOW_BUCKET)
+        W = window_length(self.filled + new_tokens, self.max_len, self.key_pos.device.type)
         self.window = torch.empty(W, device=self.key_pos.device)
         if "torch._dynamo" in sys.modules:  # else no dynamo step reads the mark, and importing it costs seconds
             torch._dynamo.maybe_mark_dynamic(self.window, 0)
