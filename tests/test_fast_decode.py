@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import needs_cxx, option_sets, round_stored_keys_and_values
-from torch import nn
+from torch import Tensor, nn
 
 import latentloop as ll
 from latentloop.engine import PromptError, model_options
@@ -120,6 +120,47 @@ def test_static_cache_eager_step_matches_the_ordinary_cache(arch, options):
     eager, fast = decode_both(arch, options, compile=False)
     torch.testing.assert_close(fast, eager, rtol=0, atol=FAST_TOL)
     assert torch.equal(fast.argmax(-1), eager.argmax(-1))  # token for token
+
+
+@pytest.mark.parametrize(("arch", "options"), CASES, ids=IDS)
+def test_a_frozen_cache_takes_the_tensors_of_an_earlier_one_that_is_done(arch, options):
+    """`stable_addresses` (on by default where CUDA graphs record the cache's addresses): a generation's
+    frozen cache decodes through an earlier one's tensors once nothing holds that one, so the addresses
+    a graph was recorded with stay, and decodes exactly as through new ones, though the earlier one
+    filled more slots; while the earlier one lives, the next gets tensors of its own."""
+    from latentloop.inference.fast import static_buffers
+
+    model = model_for(arch)
+    other_prompts = torch.where(PAD_MASK, (PROMPTS * 7 + 3) % 200, PROMPTS)
+
+    def generate(prompts: Tensor, steps: int, stable: bool) -> tuple[object, Tensor]:
+        fast = FastDecoder(model, compile=False, **filled)
+        fast.stable_addresses = stable
+        cache = fast.new_cache(2, PROMPTS.shape[1] + STEPS)
+        token = model.prefill(prompts, cache, PAD_MASK, **filled).logits[:, -1].argmax(-1)
+        fast.begin_decoding(cache)
+        logits = []
+        for _ in range(steps):
+            step_logits, token, _ = fast.step(token)
+            logits.append(step_logits.clone())
+        return cache, torch.stack(logits, 1)
+
+    def addresses(cache) -> list[int]:
+        return [t.data_ptr() for t in (*cache.k_slots, *cache.v_slots, cache.key_pos, cache.next_pos,
+                                       cache.write_index, *cache.state.values())]
+
+    with torch.inference_mode():
+        filled = model_options(model, options)
+        static_buffers(model).clear()
+        first, _ = generate(PROMPTS, STEPS, stable=True)
+        held = addresses(first)
+        second, _ = generate(other_prompts, 3, stable=True)  # the first is still held: its own tensors
+        assert not set(addresses(second)) & set(held)
+        del first, second
+        third, third_logits = generate(other_prompts, 3, stable=True)
+        assert addresses(third) == held
+        _, new_logits = generate(other_prompts, 3, stable=False)
+    torch.testing.assert_close(third_logits, new_logits, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(("arch", "options"), CASES, ids=IDS)

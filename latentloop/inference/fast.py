@@ -133,6 +133,43 @@ def static_length(model, batch_size: int, needed: int, **options) -> int:
     return context if per_token * context <= FULL_CONTEXT_CACHE_BYTES else bucketed_length(needed, context)
 
 
+class StaticBuffers:
+    """The tensors a frozen cache decodes through (keys and values, positions, write index, state), lent
+    to the next frozen cache of the same shape once nothing holds the one that used them (`user`).
+
+    Why (CUDA): CUDA graph trees record the addresses of a graph's static inputs (these tensors, marked in
+    `FastDecoder.attach`) with the graph, record it again when they change, and past
+    `torch._inductor.config.triton.cudagraph_unexpected_rerecord_limit` (128) such records run the
+    function without graphs. With new tensors per generation, a loop of generations (an eval's prompts)
+    would decode its 129th and later without CUDA graphs."""
+
+    def __init__(self, cache: KVCache):
+        self.k_slots, self.v_slots, self.state = list(cache.k_slots), list(cache.v_slots), dict(cache.state)
+        self.key_pos, self.next_pos, self.write_index = cache.key_pos, cache.next_pos, cache.write_index
+        self.user = weakref.ref(cache)
+
+    def refill(self, cache: KVCache) -> None:
+        """Make these tensors `cache`'s, holding what its prefill stored (zeros past it, as new ones)."""
+        filled = cache._length
+        for slots, stored in ((self.k_slots, cache.k), (self.v_slots, cache.v)):
+            for slot, tensor in zip(slots, stored.unbind(0)):
+                slot.zero_()
+                slot[:, :, :filled] = tensor[:, :, :filled]
+        for name, value in cache.state.items():
+            self.state[name].copy_(value)
+        self.key_pos.copy_(cache.key_pos)
+        self.next_pos.copy_(cache.next_pos)
+        self.write_index.fill_(filled)
+        cache.k_slots, cache.v_slots, cache.state = list(self.k_slots), list(self.v_slots), dict(self.state)
+        cache.key_pos, cache.next_pos, cache.write_index = self.key_pos, self.next_pos, self.write_index
+        self.user = weakref.ref(cache)
+
+
+def static_buffers(model) -> dict:
+    """`model`'s lendable frozen-cache tensors, by shape (`StaticBuffers`), kept beside its compiled steps."""
+    return compiled_steps(model).buffers
+
+
 class StaticCacheMixin:
     """The static decode mode, mixed in front of a `KVCache` class (see the module docstring)."""
 
@@ -152,7 +189,8 @@ class StaticCacheMixin:
     def length(self, value: int) -> None:
         self._length = value
 
-    def freeze(self, per_row: bool = False, kv_dtype: torch.dtype | None = None) -> None:
+    def freeze(self, per_row: bool = False, kv_dtype: torch.dtype | None = None,
+               lent: dict | None = None) -> None:
         """Switch to the static decode mode (after prefill). Each slot's keys/values move into a
         tensor of its own: a compiled step that writes into a view of one (S, ...) tensor is
         functionalised into a copy of the whole tensor per write (measured: every slot's cache
@@ -161,20 +199,34 @@ class StaticCacheMixin:
         `per_row`: a write position per row (a scatter per write, which looked about a fifth slower
         for the compiled step at batch 1, timed under load on the project's machine, so a
         generation's rows share one). `kv_dtype`: the slots' dtype (default: the prefill's), e.g.
-        float16 as llama.cpp's default cache stores them; the step computes in the model's dtype."""
+        float16 as llama.cpp's default cache stores them; the step computes in the model's dtype.
+        `lent` (`static_buffers(model)`): take the tensors of the last frozen cache of this shape that
+        nothing holds any more (`StaticBuffers`), instead of new ones."""
         self.filled = self._length
         self.per_row = per_row
         self.is_view = False
         self.rows = torch.arange(self.batch_size, device=self.key_pos.device)
-        self.write_index = torch.full((self.batch_size if per_row else 1,), self._length, dtype=torch.long,
-                                      device=self.key_pos.device)
-        self.k_slots = [self._slot_from(t, kv_dtype) for t in self.k.unbind(0)]  # S x (B, H, L, hd)
-        self.v_slots = [self._slot_from(t, kv_dtype) for t in self.v.unbind(0)]
+        shape = self._buffer_shape(kv_dtype)
+        free = None if lent is None else lent.get(shape)
+        if free is not None and free.user() is None:
+            free.refill(self)
+        else:
+            self.write_index = torch.full((self.batch_size if per_row else 1,), self._length, dtype=torch.long,
+                                          device=self.key_pos.device)
+            self.k_slots = [self._slot_from(t, kv_dtype) for t in self.k.unbind(0)]  # S x (B, H, L, hd)
+            self.v_slots = [self._slot_from(t, kv_dtype) for t in self.v.unbind(0)]
+            self.state = {name: value.clone() for name, value in self.state.items()}
+            if lent is not None and free is None:  # (one that is in use stays the shape's: it frees later)
+                lent[shape] = StaticBuffers(self)
         self.k = self.v = None
-        self.state = {name: value.clone() for name, value in self.state.items()}
         self.window = torch.empty(0, device=self.key_pos.device)
         self.static = True
         self.set_window()
+
+    def _buffer_shape(self, kv_dtype: torch.dtype | None) -> tuple:
+        """What a frozen cache's tensors must match to be lent to this one (before freezing)."""
+        return (type(self), tuple(self.k.shape), kv_dtype or self.k.dtype, self.per_row, self.key_pos.device,
+                tuple((name, tuple(value.shape), value.dtype) for name, value in sorted(self.state.items())))
 
     def _slot_from(self, stored: Tensor, kv_dtype: torch.dtype | None) -> Tensor:
         """A slot's buffer (B, H, L, hd) in `kv_dtype` holding `stored`'s filled slots, zeros after them
@@ -427,6 +479,8 @@ class FastDecoder:
         device = model.wte.weight.device
         self.cuda = device.type == "cuda"
         self._compiled = bool(compile) and self.reason is None
+        # a frozen cache takes the tensors of an earlier one of its shape (`StaticBuffers`): CUDA graphs
+        self.stable_addresses = self.cuda and self._compiled
         self._step = self._eager_step
         self.skip_guards = True  # after the first call (see `step`); False checks them every call (benchmarks)
         self.aot: AotDecodeStep | None = None  # the ahead-of-time step (CPU), tried before dynamo's
@@ -477,8 +531,9 @@ class FastDecoder:
         self.begin_decoding(static_cache(cache))
 
     def begin_decoding(self, cache: KVCache) -> None:
-        """After the prefill: freeze the cache (static buffers, tensor positions)."""
-        cache.freeze(kv_dtype=self.kv_dtype)
+        """After the prefill: freeze the cache (static buffers, tensor positions), on the tensors of an
+        earlier one of its shape where addresses must stay (`stable_addresses`)."""
+        cache.freeze(kv_dtype=self.kv_dtype, lent=static_buffers(self.model) if self.stable_addresses else None)
         self.attach(cache)
 
     def attach(self, cache: KVCache) -> None:
@@ -1086,11 +1141,16 @@ STEPS_ATTRIBUTE = "_latentloop_compiled_steps"  # where a model keeps its compil
 
 class _CompiledSteps(dict):
     """A model's compiled steps, {(device type, options[, backend]): step}: one compile per model and
-    options, reused by every call. Kept on the model itself: a step holds its model (a package
-    resolves its weights from it), so a global map weakly keyed by the model was kept alive by its own
-    values and never freed a model (nor its weights); on the model they make a cycle that the garbage
-    collector frees with it. A copy or a pickle of the model starts with none: they are bound to this
-    model's tensors."""
+    options, reused by every call; and `buffers`, the frozen caches' tensors its steps ran on that a
+    later frozen cache of the same shape may take (`StaticBuffers`, on CUDA). Kept on the model
+    itself: a step holds its model (a package resolves its weights from it), so a global map weakly
+    keyed by the model was kept alive by its own values and never freed a model (nor its weights); on
+    the model they make a cycle that the garbage collector frees with it. A copy or a pickle of the
+    model starts with none: they are bound to this model's tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.buffers: dict[tuple, StaticBuffers] = {}
 
     def __deepcopy__(self, memo) -> _CompiledSteps:
         return _CompiledSteps()
