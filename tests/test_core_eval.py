@@ -241,6 +241,53 @@ def test_continuation_logprob_and_greedy_are_exact():
     assert good.mean_loss == pytest.approx(-good.logprob / 2)
 
 
+def test_a_shorter_rows_padding_is_not_part_of_its_greedy_check():
+    """Rows of different lengths in one batch: a short row's padding positions are neither scored nor
+    compared with the model's argmax (the short row is greedy, as alone)."""
+    model = BigramStub(prefer({"a": "b", "b": "c", "c": "d"}))
+    short, long = score_continuations(model, [([BOS, 97], [98]), ([BOS, 97], [98, 99, 100])], batch_size=8)
+    assert short.greedy and long.greedy and (short.tokens, long.tokens) == (1, 3)
+    alone, = score_continuations(model, [([BOS, 97], [98])])
+    assert short.logprob == pytest.approx(alone.logprob, abs=1e-6)
+
+
+def test_a_merge_across_the_boundary_scores_from_where_the_two_encodings_differ():
+    """Language modelling: where the tokenizer merged the context's last token with the continuation's
+    first, the continuation starts at the first token the two encodings differ in."""
+    without, with_continuation = [BOS, 1, 2], [BOS, 1, 9, 4]  # 2 and the continuation's first merged into 9
+    assert core.split_requests(LANGUAGE_MODELING, [without, with_continuation]) == [([BOS, 1], [9, 4])]
+    assert core.split_requests(LANGUAGE_MODELING, [[BOS, 1], [BOS, 1, 5, 6]]) == [([BOS, 1], [5, 6])]
+
+
+def test_schema_options_that_share_everything_keep_a_context():
+    """Schema rows (a context per option, one continuation): options as long as the shared suffix keep
+    their first token as the context, never an empty one."""
+    rows = core.split_requests(core.SCHEMA, [[BOS, 5, 6], [BOS, 5, 6]])
+    assert rows == [([BOS], [5, 6]), ([BOS], [5, 6])]
+    assert core.split_requests(core.SCHEMA, [[BOS, 1, 7, 8], [BOS, 2, 7, 8]]) == [([BOS, 1], [7, 8]),
+                                                                                 ([BOS, 2], [7, 8])]
+
+
+def test_an_example_whose_continuation_outruns_the_context_is_counted_wrong(tmp_path):
+    """A continuation longer than the model's context is scored in part (its score is not `whole`): the
+    task counts that example wrong, though its first tokens are greedy, and says how many it counted so."""
+    table = prefer({"=": " ", " ": "y", "y": "y"}, strength=8.0)
+    model = BigramStub(table, sequence_len=32)
+    task = core.Task("lm", ("lm.jsonl",), LANGUAGE_MODELING, 0, 0.0)
+    examples = [{"context": "k=", "continuation": "y"}, {"context": "k=", "continuation": "n"},
+                {"context": "k=", "continuation": "y" * 40}]  # greedy throughout, but only 32 tokens scored
+    scores = score_continuations(model, [([BOS, 1], [2] * 40), ([BOS, 1], [2] * 5)])
+    assert [s.whole for s in scores] == [False, True] and scores[0].tokens == 32
+    result = core.evaluate_task(model, ByteTokenizer(), task, examples, progress=False)
+    assert result["n"] == 3 and result["n_too_long"] == 1 and result["accuracy"] == pytest.approx(1 / 3)
+    assert "1 of 3 examples counted wrong" in result["note"]
+    table_text = core.format_results({"tasks": {"lm": result}, "missing": [], "core": 0.0, "seconds": 1.0,
+                                      "evaluated": 1})
+    assert "note: 1 of 3 examples counted wrong" in table_text
+    whole = core.evaluate_task(model, ByteTokenizer(), task, examples[:2], progress=False)
+    assert whole["n_too_long"] == 0 and "note" not in whole and whole["accuracy"] == 0.5
+
+
 def test_multiple_choice_uses_the_mean_loss():
     long_cheap = [ContinuationScore(-2.0, 2, False)]  # mean loss 1.0, total 2.0
     short_costly = [ContinuationScore(-1.5, 1, False)]  # mean loss 1.5, total 1.5

@@ -57,12 +57,40 @@ def test_encode_pair_moves_trailing_spaces(lm):
 
 
 def test_loglikelihood_matches_direct_computation(lm):
-    results = lm.loglikelihood([request("The cat", " sat"), request("", "ab"), request("x", "")],
+    # an empty continuation first: every later result must still land on its own request
+    results = lm.loglikelihood([request("x", ""), request("The cat", " sat"), request("", "ab")],
                                disable_tqdm=True)
+    assert results[0] == (0.0, True)
     expected = sequence_logprob(lm.model, [BOS] + list(b"The cat sat"), 8)
-    assert results[0][0] == pytest.approx(expected[0], abs=1e-4) and results[0][1] == expected[1]
-    assert results[1][0] == pytest.approx(sequence_logprob(lm.model, [BOS] + list(b"ab"), 1)[0], abs=1e-4)
-    assert results[2] == (0.0, True)
+    assert results[1][0] == pytest.approx(expected[0], abs=1e-4) and results[1][1] == expected[1]
+    assert results[2][0] == pytest.approx(sequence_logprob(lm.model, [BOS] + list(b"ab"), 1)[0], abs=1e-4)
+
+
+class MergingTokenizer(ByteTokenizer):
+    """Bytes, except that "og" is one token (MERGED): "do" + "g" tokenizes across the boundary."""
+
+    MERGED = 300
+
+    def encode(self, text: str) -> list[int]:
+        ids, raw, i = [], text.encode(), 0
+        while i < len(raw):
+            if raw[i:i + 2] == b"og":
+                ids.append(self.MERGED)
+                i += 2
+            else:
+                ids.append(raw[i])
+                i += 1
+        return ids
+
+
+def test_a_continuation_merged_across_the_boundary_is_tokenized_alone():
+    """Where the joint tokenization does not extend the context's (the context's last token merged with
+    the continuation's first), the continuation is its own tokenization, never the joint one's tail (which
+    would drop what merged: lm-eval's Hugging Face model scores [" ran"] for "do" + "g ran")."""
+    model = latentloop.build("gpt", preset="test", n_layer=1)
+    adapter = LatentloopLM(model=model, tokenizer=MergingTokenizer(), batch_size=4)
+    assert adapter.encode_pair("a do", "g ran") == ([BOS] + list(b"a do"), list(b"g ran"))
+    assert adapter.encode_pair("a cat", " ran") == ([BOS] + list(b"a cat"), list(b" ran"))  # no merge: the tail
 
 
 def test_rolling_loglikelihood_windows(lm):

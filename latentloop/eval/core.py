@@ -30,9 +30,12 @@ plain prefill). `mode="full"` scores with the naive uncached `reference` path in
 numbers, tested; far slower where the reference re-runs the stack per continuation token). The
 last continuation token is never an input, so a row of context c and continuation k tokens needs
 c + k - 1 inputs; a row that needs more than the model's `sequence_len` T is scored on its last T
-inputs, as lm-eval and nanochat cut (the context loses its oldest tokens, BOS included; see
-`fit_row`). Rows are sorted by length and packed into batches, so a small model scores a few
-hundred examples in seconds on a CPU, and a row scores the same in any batch as alone.
+inputs, as lm-eval cuts (the context loses its oldest tokens, BOS included; see `fit_row`). A
+continuation longer than T cannot be scored whole (its score says so: `whole`); a task counts such
+an example wrong, however its first T tokens scored, and says how many (`n_too_long`), where
+nanochat and lm-eval stop (a small context would end the whole suite at one long answer).
+Rows are sorted by length and packed into batches, so a small model scores a few hundred examples
+in seconds on a CPU, and a row scores the same in any batch as alone.
 
 Data: a folder of jsonl files (`../shared/data/eval`, or the official bundle's `eval_data/**`),
 from an argument, else `$LATENTLOOP_EVAL_DIR`, else `<cache>/eval_bundle`, which
@@ -391,6 +394,7 @@ class ContinuationScore:
     logprob: float  # summed log-probability of the continuation tokens (nats)
     tokens: int  # continuation tokens scored
     greedy: bool  # greedy decoding would reproduce the continuation exactly
+    whole: bool = True  # False: the continuation was longer than the model's context, its first tokens scored
 
     @property
     def mean_loss(self) -> float:
@@ -516,8 +520,8 @@ def score_continuations(model: nn.Module, rows: Sequence[tuple[Sequence[int], Se
         raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
     config = model.config
     max_len = config.sequence_len
-    if max_tokens is None:  # bound the (rows x width x vocab) logits to ~0.5 GB
-        max_tokens = max(max_len, min(1 << 16, (1 << 27) // max(config.vocab_size, 1)))
+    if max_tokens is None:  # bound the (rows x width x vocab) fp32 logits to ~0.5 GB (a longer row runs alone)
+        max_tokens = min(1 << 16, (1 << 27) // max(config.vocab_size, 1))
     fitted = []
     for ctx, cont in rows:
         ctx, cont = list(ctx), list(cont)
@@ -530,6 +534,7 @@ def score_continuations(model: nn.Module, rows: Sequence[tuple[Sequence[int], Se
         for batch in plan_batches(fitted, batch_size, max_len, max_tokens):
             for i, score in zip(batch, _score_batch(model, [fitted[i] for i in batch], options, config.bos_id,
                                                      device, stepwise)):
+                score.whole = score.tokens == len(rows[i][1])
                 scores[i] = score
             if on_batch is not None:
                 on_batch(len(batch))
@@ -588,13 +593,20 @@ def evaluate_task(model: nn.Module, tokenizer, task: Task, examples: Sequence[di
         scores = score_continuations(model, rows, options, batch_size, on_batch=bar.update)
     finally:
         bar.close()
-    correct = [judge(task.kind, scores[a:b], gold) for a, b, gold in groups]
+    # an example with a continuation longer than the context was scored on part of it: counted wrong
+    whole = [all(score.whole for score in scores[a:b]) for a, b, _ in groups]
+    too_long = whole.count(False)
+    correct = [fits and judge(task.kind, scores[a:b], gold) for fits, (a, b, gold) in zip(whole, groups)]
     accuracy = sum(correct) / len(correct)
-    return {"task": task.name, "type": task.kind, "num_fewshot": task.num_fewshot,
-            "random_baseline": task.random_baseline, "accuracy": accuracy,
-            "accuracy_ci": list(wilson_interval(sum(correct), len(correct))),
-            "centered": centered(accuracy, task.random_baseline), "n": len(correct), "n_available": len(data),
-            "rows": len(rows), "seconds": time.perf_counter() - start}
+    result = {"task": task.name, "type": task.kind, "num_fewshot": task.num_fewshot,
+              "random_baseline": task.random_baseline, "accuracy": accuracy,
+              "accuracy_ci": list(wilson_interval(sum(correct), len(correct))),
+              "centered": centered(accuracy, task.random_baseline), "n": len(correct), "n_available": len(data),
+              "n_too_long": too_long, "rows": len(rows), "seconds": time.perf_counter() - start}
+    if too_long:
+        result["note"] = (f"{too_long} of {len(groups)} examples counted wrong: a continuation longer than the "
+                          f"model's context ({model.config.sequence_len} tokens) cannot be scored whole")
+    return result
 
 
 def resolve_task_names(tasks: str | Sequence[str]) -> list[str]:
@@ -664,9 +676,14 @@ def task_row(name: str, r: dict) -> str:
             f"{r.get('seconds', 0.0):>7.1f}")
 
 
+def task_lines(name: str, r: dict) -> list[str]:
+    """A task's row under TASK_HEADER and, below it, its note (examples left out) if it has one."""
+    return [task_row(name, r)] + ([f"  note: {r['note']}"] if r.get("note") else [])
+
+
 def format_results(result: dict) -> str:
     """A plain-text table of a `run_core` result."""
-    lines = [TASK_HEADER] + [task_row(name, r) for name, r in result["tasks"].items()]
+    lines = [TASK_HEADER] + [line for name, r in result["tasks"].items() for line in task_lines(name, r)]
     for name in result.get("missing", []):
         lines.append(f"{name:<34} {'missing':>5}")
     core = result["core"]

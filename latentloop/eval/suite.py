@@ -187,7 +187,7 @@ def format_suite(result: dict) -> str:
     """Plain-text table of a `run_tasks` result."""
     lines = [core.TASK_HEADER]
     for name, r in result["tasks"].items():
-        lines.append(core.task_row(name, r))
+        lines += core.task_lines(name, r)
         generation = _generation_module() if "by_length" in r else None
         if generation is not None and hasattr(generation, "format_by_length"):
             lines += generation.format_by_length(r)  # built-in tasks: accuracy per length beside its baselines
