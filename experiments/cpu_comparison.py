@@ -135,9 +135,9 @@ def run_one(out: Path, name: str, fields: dict, steps: int, seed: int, preset: s
                            bos_id=state.tokenizer.bos_id)  # documents at each BOS: an interval per run
     scores = score_run(model, batches, byte_lengths, evaluations(arch, config.model))
     extra = {}
-    for name, curve in get_arch(arch).curves.items():  # fbt's and rfbt's passes curve
-        extra[name] = score_curve(model, curve, state.data.val, byte_lengths, batch_size, config.model.sequence_len,
-                                  max_batches=CURVE_BATCHES)
+    for curve_name, curve in get_arch(arch).curves.items():  # fbt's and rfbt's passes curve
+        extra[curve_name] = score_curve(model, curve, state.data.val, byte_lengths, batch_size,
+                                        config.model.sequence_len, max_batches=CURVE_BATCHES)
     if arch == "rgpt":  # each recurrence step's latest logged gate readings (a step runs its drawn depth only)
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
         extra["gates"] = {}

@@ -406,6 +406,13 @@ def test_a_failed_warm_up_is_raised_where_warm_was_called(models, monkeypatch):
         scheduler.warm()
     scheduler._thread.join(SCHEDULER_TIMEOUT_S)
     assert not scheduler._thread.is_alive()
+    started = ContinuousScheduler(models["gpt"], ByteTokenizer(), 2, 4, 0.05, compiled=True, compile_steps=False)
+    started.start()
+    try:  # its loop never looks back at a warm-up: refused, where it had waited forever
+        with pytest.raises(RuntimeError, match=r"warm\(\) must come before start\(\)"):
+            started.warm()
+    finally:
+        started.join(SCHEDULER_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -4,7 +4,6 @@ compiles take tens of seconds per architecture and option set)."""
 
 import math
 import re
-import types
 from pathlib import Path
 
 import pytest
@@ -159,8 +158,43 @@ def test_a_frozen_cache_takes_the_tensors_of_an_earlier_one_that_is_done(arch, o
         del first, second
         third, third_logits = generate(other_prompts, 3, stable=True)
         assert addresses(third) == held
+        # past what this generation wrote, zeros as in new tensors (not the first generation's keys)
+        assert all(not slot[:, :, third.filled:].any() for slot in (*third.k_slots, *third.v_slots))
         _, new_logits = generate(other_prompts, 3, stable=False)
     torch.testing.assert_close(third_logits, new_logits, rtol=0, atol=0)
+    with torch.no_grad():  # outside inference mode the inference-mode tensors are not lent (they cannot be written)
+        outside, _ = generate(other_prompts, 3, stable=True)
+        assert not set(addresses(outside)) & set(held)
+
+
+def test_the_pool_of_frozen_cache_tensors_keeps_a_bounded_number_of_sets():
+    """Generations of many shapes (batch sizes) in turn: the pool keeps at most POOL_SETS sets, the most
+    recently used; a set a live cache holds is never dropped; `clear` drops them all."""
+    from latentloop.inference.fast import POOL_SETS, static_buffers
+
+    model = model_for("gpt")
+    pool = static_buffers(model)
+    pool.clear()
+    with torch.inference_mode():
+
+        def frozen(rows: int):  # a generation's decoder and cache, as the engine makes them
+            fast = FastDecoder(model, compile=False)
+            fast.stable_addresses = True
+            cache = fast.new_cache(rows, 16)
+            model.prefill(torch.full((rows, 2), BOS), cache)
+            fast.begin_decoding(cache)
+            return cache
+
+        held = [frozen(rows) for rows in range(1, POOL_SETS + 3)]  # all alive: none may be dropped
+        assert len(pool) == POOL_SETS + 2
+        del held
+        for rows in range(1, POOL_SETS + 3):
+            frozen(rows)
+        assert len(pool) == POOL_SETS
+        last = frozen(POOL_SETS + 2)  # the most recent shapes are kept: this one takes its set again
+        assert last.k_slots[0].data_ptr() in {s.k_slots[0].data_ptr() for s in pool._sets.values()}
+    pool.clear()
+    assert len(pool) == 0
 
 
 @pytest.mark.parametrize(("arch", "options"), CASES, ids=IDS)
@@ -1091,24 +1125,24 @@ def test_the_step_for_the_buffers_last_tokens_is_announced_when_a_decode_first_r
 
 def test_the_attended_window_grows_in_buckets_on_cpu_and_in_few_sizes_on_cuda():
     """The window covers what is needed and never passes the buffer; on CPU in steps of WINDOW_BUCKET
-    (the compiled step's dynamic dimension), on CUDA in powers of two from CUDA_MIN_WINDOW, so that CUDA
-    graph trees, which record a graph per input shape, record at most 6 up to 2,048 slots."""
+    (the compiled step's dynamic dimension), on CUDA in powers of two from CUDA_MIN_WINDOW up to a bucket
+    short of the buffer's end, so that CUDA graph trees, which record a graph per input shape, record 7
+    up to 2,048 slots; the whole buffer (a graph of its own) only for its last bucket, as on the CPU,
+    and never for a server's rows."""
     from latentloop.inference.fast import CUDA_MIN_WINDOW, window_length
     from latentloop.serve.batch import slot_length
 
     for device_type in ("cpu", "cuda"):
-        for max_len in (100, 2048):
+        for max_len in (40, 100, 1024, 2048):
             windows = [window_length(needed, max_len, device_type) for needed in range(1, max_len + 1)]
             assert all(needed <= w <= max_len for needed, w in zip(range(1, max_len + 1), windows))
             assert windows == sorted(windows)
-    cpu = {window_length(n, 2048, "cpu") for n in range(1, 2049)}
-    assert cpu == set(range(WINDOW_BUCKET, 2049, WINDOW_BUCKET))
+            # the whole buffer is attended only once the last bucket is needed
+            assert all(w < max_len for needed, w in enumerate(windows, 1) if needed <= max_len - WINDOW_BUCKET)
+    assert {window_length(n, 2048, "cpu") for n in range(1, 2049)} == set(range(WINDOW_BUCKET, 2049, WINDOW_BUCKET))
     cuda = {window_length(n, 2048, "cuda") for n in range(1, 2049)}
-    assert cuda == {CUDA_MIN_WINDOW << k for k in range(6)}  # 64 .. 2048
-    assert window_length(1, 40, "cuda") == 40  # never past the buffer
-    # a server's rows: the whole context's window stays inside the buffer (no whole-buffer graph)
+    assert cuda == {CUDA_MIN_WINDOW << k for k in range(5)} | {2032, 2048}
+    # a server's rows: a bucket more than the context, so its window never spans the whole buffer
     model = ll.build("gpt", preset="test", sequence_len=1000)
-    assert slot_length(model) == 1008 + WINDOW_BUCKET > window_length(1000, float("inf"), "cpu")
-    on_cuda = types.SimpleNamespace(config=model.config, wte=types.SimpleNamespace(
-        weight=types.SimpleNamespace(device=torch.device("cuda"))))  # a device object: no GPU needed
-    assert slot_length(on_cuda) == 1024 + WINDOW_BUCKET > window_length(1000, float("inf"), "cuda")
+    assert slot_length(model) == 1008 + WINDOW_BUCKET
+    assert max(window_length(n, slot_length(model), d) for n in range(1, 1001) for d in ("cpu", "cuda")) == 1008

@@ -198,6 +198,7 @@ def test_a_stopped_run_resumes_from_its_trunk_to_the_same_figures(mid_trunk, tin
     saved = torch.load(saves[0], weights_only=False)
     assert bool(saved["done"]["points"]) is not mid_trunk  # mid-trunk: before any point
     resumed = _run_tiny(tmp_path / "stopped", [run])[0]
+    assert saved["made_by"]["precision"] == resumed["precision"] in ("bfloat16", "float32")  # resolved, not "auto"
     assert resumed["commits"] == [ladder.git_stamp()["commit"]]
     strip = [{k: v for k, v in p.items() if k != "train_loss"} for p in whole["points"]]
     assert [{k: v for k, v in p.items() if k != "train_loss"} for p in resumed["points"]] == strip

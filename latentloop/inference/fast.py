@@ -22,7 +22,10 @@ decode step has static shapes:
   `key_pos`), so the models' "tokens seen + new <= context" checks, which read `length`, pass
   inside the compiled step; `FastDecoder` checks the real bound (`filled`) outside it instead.
 - Recurrent state (`cache.state`: fbt's carried top state, lrt's memory) is copied into buffers
-  allocated once, so every step reads and writes the same tensors (CUDA graphs need that).
+  allocated once, so every step reads and writes the same tensors (CUDA graphs need that). On CUDA
+  a generation's frozen cache takes the tensors of an earlier one of its shape that nothing holds
+  (`StaticBufferPool`), so a loop of generations keeps the addresses its graphs were recorded
+  with, and the window grows in powers of two (`window_length`): few shapes, few graphs.
 - On CPU the step's weight products (up to `REDUCTION_MAX_ROWS` rows) and its one-query attention
   are rewritten as reductions that inductor generates and fuses itself (`_cpu_decode_backend`):
   torch's matmul runs a one-row product far below the memory bandwidth on the machine this was
@@ -64,6 +67,7 @@ What does not compile, and falls back to eager (`FastDecoder.supports` says why)
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import functools
@@ -107,17 +111,22 @@ FULL_CONTEXT_CACHE_BYTES = 256 * 2**20
 WINDOW_BUCKET = 16
 # On CUDA the window is a power of two slots, at least CUDA_MIN_WINDOW: CUDA graph trees record a graph per
 # distinct input shape (torch warns past `cudagraph_dynamic_shape_warn_limit`, 8), so steps of 16 would
-# record up to max_len / 16 graphs (128 at 2,048 slots). Powers of two from 64 record at most 6 up to 2,048
-# and attend under twice the filled slots: reads a GPU streams in microseconds at these lengths.
+# record up to max_len / 16 graphs (128 at 2,048 slots). Powers of two from 64, capped one bucket short of
+# the buffer's end (past that, steps of 16 as on the CPU), record 7 up to 2,048 slots, the whole-buffer
+# window included, and attend under twice the filled slots: reads a GPU streams in microseconds here.
 CUDA_MIN_WINDOW = 64
 
 
 def window_length(needed: int, max_len: int, device_type: str) -> int:
     """The attended window for `needed` slots in a buffer of `max_len`: `needed` rounded up to
-    WINDOW_BUCKET, or on CUDA to a power of two of at least CUDA_MIN_WINDOW; never past max_len."""
-    if device_type == "cuda":
-        return min(max_len, max(CUDA_MIN_WINDOW, 1 << max(needed - 1, 0).bit_length()))
-    return min(max_len, -(-needed // WINDOW_BUCKET) * WINDOW_BUCKET)
+    WINDOW_BUCKET, never past max_len; on CUDA a power of two of at least CUDA_MIN_WINDOW while that
+    stays a bucket short of the buffer's end (the whole buffer is a graph of its own: a server's rows
+    have a bucket more than their context, so they never reach it)."""
+    bucketed = min(max_len, -(-needed // WINDOW_BUCKET) * WINDOW_BUCKET)
+    top = (max_len - 1) // WINDOW_BUCKET * WINDOW_BUCKET  # the last bucket boundary short of the end
+    if device_type != "cuda" or needed > top:
+        return bucketed
+    return min(top, max(CUDA_MIN_WINDOW, 1 << (needed - 1).bit_length()))
 
 
 def bucketed_length(needed: int, context: int) -> int:
@@ -165,8 +174,64 @@ class StaticBuffers:
         self.user = weakref.ref(cache)
 
 
-def static_buffers(model) -> dict:
-    """`model`'s lendable frozen-cache tensors, by shape (`StaticBuffers`), kept beside its compiled steps."""
+# Sets of frozen-cache tensors a model's pool keeps (`StaticBufferPool`): the shapes a process decodes in
+# turn (a batch size or two, a cache dtype); past it the least recently used set nothing holds is freed.
+POOL_SETS = 4
+
+
+class StaticBufferPool:
+    """A model's `StaticBuffers` by the shape of the cache they fit, at most POOL_SETS of them (a set in
+    use is never dropped: it is the caller's memory until the cache goes)."""
+
+    def __init__(self) -> None:
+        self._sets: collections.OrderedDict[tuple, StaticBuffers] = collections.OrderedDict()
+
+    @staticmethod
+    def shape_of(cache: KVCache, kv_dtype: torch.dtype | None) -> tuple:
+        """What an unfrozen cache's tensors must match to take a set: its class, keys' shape and stored
+        dtype, write positions, device, state, and inference mode (an inference tensor cannot be written
+        outside it)."""
+        return (type(cache), tuple(cache.k.shape), kv_dtype or cache.k.dtype, cache.per_row, cache.key_pos.device,
+                torch.is_inference_mode_enabled(),
+                tuple((name, tuple(value.shape), value.dtype) for name, value in sorted(cache.state.items())))
+
+    def take(self, cache: KVCache, kv_dtype: torch.dtype | None) -> bool:
+        """Make a free set of `cache`'s shape the cache's (`StaticBuffers.refill`); False where none is."""
+        key = self.shape_of(cache, kv_dtype)
+        buffers = self._sets.get(key)
+        if buffers is None or buffers.user() is not None:
+            return False
+        buffers.refill(cache)
+        self._sets.move_to_end(key)
+        self._trim()
+        return True
+
+    def keep(self, cache: KVCache, kv_dtype: torch.dtype | None) -> None:
+        """Keep a just-frozen cache's new tensors to lend on, unless its shape has a set (in use: the
+        shape keeps that one)."""
+        key = self.shape_of(cache, kv_dtype)
+        if key in self._sets:
+            return
+        self._sets[key] = StaticBuffers(cache)
+        self._trim()
+
+    def _trim(self) -> None:
+        """Down to POOL_SETS sets where sets nothing holds can go, the least recently used first."""
+        free = [key for key, buffers in self._sets.items() if buffers.user() is None]
+        for key in free[:max(0, len(self._sets) - POOL_SETS)]:
+            del self._sets[key]
+
+    def clear(self) -> None:
+        """Drop every set (the memory of those no cache holds is freed)."""
+        self._sets.clear()
+
+    def __len__(self) -> int:
+        return len(self._sets)
+
+
+def static_buffers(model) -> StaticBufferPool:
+    """`model`'s pool of frozen-cache tensors (`StaticBufferPool`), kept beside its compiled steps and
+    dropped with them (`forget_compiled`)."""
     return compiled_steps(model).buffers
 
 
@@ -190,7 +255,7 @@ class StaticCacheMixin:
         self._length = value
 
     def freeze(self, per_row: bool = False, kv_dtype: torch.dtype | None = None,
-               lent: dict | None = None) -> None:
+               pool: StaticBufferPool | None = None) -> None:
         """Switch to the static decode mode (after prefill). Each slot's keys/values move into a
         tensor of its own: a compiled step that writes into a view of one (S, ...) tensor is
         functionalised into a copy of the whole tensor per write (measured: every slot's cache
@@ -200,33 +265,24 @@ class StaticCacheMixin:
         for the compiled step at batch 1, timed under load on the project's machine, so a
         generation's rows share one). `kv_dtype`: the slots' dtype (default: the prefill's), e.g.
         float16 as llama.cpp's default cache stores them; the step computes in the model's dtype.
-        `lent` (`static_buffers(model)`): take the tensors of the last frozen cache of this shape that
-        nothing holds any more (`StaticBuffers`), instead of new ones."""
+        `pool` (`static_buffers(model)`): take the tensors of an earlier frozen cache of this shape that
+        nothing holds any more (`StaticBuffers`) instead of new ones, and lend these on when done."""
         self.filled = self._length
         self.per_row = per_row
         self.is_view = False
         self.rows = torch.arange(self.batch_size, device=self.key_pos.device)
-        shape = self._buffer_shape(kv_dtype)
-        free = None if lent is None else lent.get(shape)
-        if free is not None and free.user() is None:
-            free.refill(self)
-        else:
+        if pool is None or not pool.take(self, kv_dtype):
             self.write_index = torch.full((self.batch_size if per_row else 1,), self._length, dtype=torch.long,
                                           device=self.key_pos.device)
             self.k_slots = [self._slot_from(t, kv_dtype) for t in self.k.unbind(0)]  # S x (B, H, L, hd)
             self.v_slots = [self._slot_from(t, kv_dtype) for t in self.v.unbind(0)]
             self.state = {name: value.clone() for name, value in self.state.items()}
-            if lent is not None and free is None:  # (one that is in use stays the shape's: it frees later)
-                lent[shape] = StaticBuffers(self)
+            if pool is not None:
+                pool.keep(self, kv_dtype)
         self.k = self.v = None
         self.window = torch.empty(0, device=self.key_pos.device)
         self.static = True
         self.set_window()
-
-    def _buffer_shape(self, kv_dtype: torch.dtype | None) -> tuple:
-        """What a frozen cache's tensors must match to be lent to this one (before freezing)."""
-        return (type(self), tuple(self.k.shape), kv_dtype or self.k.dtype, self.per_row, self.key_pos.device,
-                tuple((name, tuple(value.shape), value.dtype) for name, value in sorted(self.state.items())))
 
     def _slot_from(self, stored: Tensor, kv_dtype: torch.dtype | None) -> Tensor:
         """A slot's buffer (B, H, L, hd) in `kv_dtype` holding `stored`'s filled slots, zeros after them
@@ -533,7 +589,7 @@ class FastDecoder:
     def begin_decoding(self, cache: KVCache) -> None:
         """After the prefill: freeze the cache (static buffers, tensor positions), on the tensors of an
         earlier one of its shape where addresses must stay (`stable_addresses`)."""
-        cache.freeze(kv_dtype=self.kv_dtype, lent=static_buffers(self.model) if self.stable_addresses else None)
+        cache.freeze(kv_dtype=self.kv_dtype, pool=static_buffers(self.model) if self.stable_addresses else None)
         self.attach(cache)
 
     def attach(self, cache: KVCache) -> None:
@@ -1150,7 +1206,7 @@ class _CompiledSteps(dict):
 
     def __init__(self) -> None:
         super().__init__()
-        self.buffers: dict[tuple, StaticBuffers] = {}
+        self.buffers = StaticBufferPool()
 
     def __deepcopy__(self, memo) -> _CompiledSteps:
         return _CompiledSteps()

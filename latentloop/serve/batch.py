@@ -28,7 +28,6 @@ its rows): such a request is prefilled alone and then decodes with the batch.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +36,7 @@ import torch
 from torch import Tensor
 
 from ..engine import left_pad, left_pad_flags, row_info, sample_next, written_rows
-from ..inference.fast import WINDOW_BUCKET, CompileRecord, FastDecoder, fallback_reason, static_cache, window_length
+from ..inference.fast import WINDOW_BUCKET, CompileRecord, FastDecoder, fallback_reason, static_cache
 from ..models.backbone import GPT
 from ..models.cache import regroup, row_span
 from ..models.options import without_speed_only
@@ -310,11 +309,10 @@ def slot_sizes(rows: int) -> list[int]:
 
 
 def slot_length(model) -> int:
-    """The slots of a row: the window a whole context attends (`window_length` on the model's device),
-    plus one window bucket so that the attended window never spans the whole buffer (a graph of its
-    own, see `FastDecoder.step`)."""
+    """The slots of a row: the whole context, plus one window bucket so that the attended window
+    never spans the whole buffer (a graph of its own, see `FastDecoder.step`; `window_length`)."""
     context = model.config.sequence_len
-    return window_length(context, math.inf, model.wte.weight.device.type) + WINDOW_BUCKET
+    return -(-context // WINDOW_BUCKET) * WINDOW_BUCKET + WINDOW_BUCKET
 
 
 # `serve --decode auto` takes the compiled path when loading every batch size's step from the on-disk

@@ -246,6 +246,8 @@ class Scheduler:
         that decodes because CUDA graph trees are per thread (`torch._inductor.cudagraph_trees`: a
         thread-local tree manager): graphs captured on the caller's thread would be captured again,
         in a second memory pool, at the first request."""
+        if self._thread.ident is not None:  # its loop runs already: it would never look at `_warming`
+            raise RuntimeError("warm() must come before start(): the decoding thread warms before its loop")
         self._warming = True
         self.start()
         self._warmed_event.wait()
