@@ -11,6 +11,7 @@ import secrets
 import socket
 import struct
 import subprocess
+import sys
 import time
 
 import pytest
@@ -190,6 +191,48 @@ def _run_classic_bpf(program: bytes, nr: int, arch: int) -> int:
         else:
             raise AssertionError(f"opcode {code:#x}")
         pc += 1
+
+
+# Loads the filter into this process (no root needed: no_new_privs first), then makes system calls.
+KERNEL_CHECK = """
+import ctypes, os, sys
+from latentloop.eval.sandbox import _SECCOMP_MACHINES, seccomp_filter
+program = seccomp_filter()
+libc = ctypes.CDLL(None, use_errno=True)
+
+class SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+instructions = ctypes.create_string_buffer(program, len(program))
+fprog = SockFprog(len(program) // 8, ctypes.cast(instructions, ctypes.c_void_p))
+assert libc.prctl(38, 1, 0, 0, 0) == 0  # PR_SET_NO_NEW_PRIVS
+assert libc.prctl(22, 2, ctypes.byref(fprog), 0, 0) == 0, os.strerror(ctypes.get_errno())  # SECCOMP_MODE_FILTER
+
+def call(number, *args):
+    ctypes.set_errno(0)
+    result = libc.syscall(ctypes.c_long(number), *args)
+    return result, ctypes.get_errno()
+
+memfd_create = _SECCOMP_MACHINES[os.uname().machine][3]
+print("memfd_create", *call(memfd_create, b"held", 0))
+print("memfd_secret", *call(447, 0))
+print("getpid", call({"x86_64": 39, "aarch64": 172}[os.uname().machine])[0] == os.getpid())
+print("x32 getpid", *call(0x40000000 | 39) if os.uname().machine == "x86_64" else (-1, 1))
+with open(os.devnull, "w") as still:  # ordinary calls go on
+    still.write("ok")
+print("open ok")
+"""
+
+
+@pytest.mark.skipif(os.uname().machine not in ("x86_64", "aarch64"), reason="the check's getpid numbers")
+def test_the_kernel_runs_the_seccomp_filter_as_written():
+    """The filter loaded by the kernel itself (into a fresh process, as bwrap does; no root needed):
+    memfd_create, memfd_secret and an x32 call fail with EPERM, ordinary calls run. Without the filter
+    an x32 call is ENOSYS or runs, so this tells the filter's answer apart."""
+    done = subprocess.run([sys.executable, "-c", KERNEL_CHECK], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert lines == ["memfd_create -1 1", "memfd_secret -1 1", "getpid True", "x32 getpid -1 1", "open ok"], lines
 
 
 @pytest.mark.parametrize("machine", sorted(sandbox._SECCOMP_MACHINES))
