@@ -147,10 +147,11 @@ class StaticBuffers:
     to the next frozen cache of the same shape once nothing holds the one that used them (`user`).
 
     Why (CUDA): CUDA graph trees record the addresses of a graph's static inputs (these tensors, marked in
-    `FastDecoder.attach`) with the graph, record it again when they change, and past
-    `torch._inductor.config.triton.cudagraph_unexpected_rerecord_limit` (128) such records run the
-    function without graphs. With new tensors per generation, a loop of generations (an eval's prompts)
-    would decode its 129th and later without CUDA graphs."""
+    `FastDecoder.attach`) with the graph and record it again when they change (torch 2.13's
+    `cudagraph_trees.py`: `StaticInputIdxMismatch`, re-recorded with no limit), keeping every recording:
+    a call checks the earlier ones before the one that fits. With new tensors per generation, a loop of
+    generations (an eval's prompts) would capture a graph per generation, with two device
+    synchronisations, and each step would check one more stale graph per generation before it."""
 
     def __init__(self, cache: KVCache):
         self.k_slots, self.v_slots, self.state = list(cache.k_slots), list(cache.v_slots), dict(cache.state)
