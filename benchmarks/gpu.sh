@@ -11,7 +11,7 @@
 #    peak memory, the largest micro-batch, a torch.profiler summary and trace in OUT/traces), gpt
 #    at that micro-batch, decode at batch 1 and 64 after warm-up (CUDA graphs where the step
 #    allows), Hugging Face generate with a static cache on the exported model beside it, flex vs
-#    dense. Its JSON: OUT/gpu_bench.json.
+#    dense, a loop of 40 short generations (CUDA graphs recorded, cache addresses). Its JSON: OUT/gpu_bench.json.
 # 2. While time is left, the distributed paths through the real command line under torchrun (one
 #    process per GPU, NPROC=1 on one GPU): fsdp2 on lrt with per-block compile and activation
 #    checkpointing (DCP save, the gathered model.safetensors, then generate from it); ddp on gpt with

@@ -37,6 +37,10 @@ What it measures (every case on its own, recorded even when it fails, skipped pa
   weights beside it, and how many greedy tokens the two agree on.
 - flex_attention: lrt's strided subset passes through block masks vs SDPA's dense mask, logits
   (and gradients on CUDA) max differences.
+- A loop of generations (gpt, `LOOP_GENERATIONS` short ones in a row, as an eval's prompts): seconds
+  per generation, the first against the last, the distinct cache addresses decoded through and the
+  CUDA graphs recorded during the loop (one set of addresses and no new graph where a finished cache's
+  tensors are lent to the next: `inference.fast.StaticBufferPool`).
 
 On the CPU (`--cpu`) nothing compiles unless `--compile` (inductor's CPU compiles take minutes), no
 MFU without `--peak-tflops`, and memory figures are None.
@@ -436,6 +440,60 @@ def check_flex(shape: Shape, device: torch.device) -> dict[str, Any]:
             "backward_checked": backward, "dense_s": dense_s, "flex_s": sparse_s, "sequence_len": T}
 
 
+LOOP_GENERATIONS = 40  # short generations in a row (an eval's prompts): per-generation time, first vs last
+
+
+def _cuda_graph_recordings(device: torch.device) -> int | None:
+    """CUDA graphs recorded so far on this thread's tree for `device` (torch's internals: None where
+    they are not as read for torch 2.13, or off CUDA)."""
+    if device.type != "cuda":
+        return None
+    try:
+        from torch._inductor import cudagraph_trees
+
+        manager = cudagraph_trees.get_container(device.index or 0).tree_manager
+
+        def nodes(by_function) -> int:  # every recorded graph is kept: a root, or a child of one
+            return sum(1 + nodes(node.children) for graphs in by_function.values() for node in graphs)
+
+        return 0 if manager is None else nodes(manager.roots)
+    except Exception:  # noqa: BLE001 - an internal moved: the count is a diagnostic, not a result
+        return None
+
+
+def check_generation_loop(shape: Shape, device: torch.device, compile_: bool) -> dict[str, Any]:
+    """gpt's compiled decode over LOOP_GENERATIONS short generations in a row, as an eval calls it:
+    seconds per generation, the first ones against the last (where each generation recorded its CUDA
+    graphs again, the last would be the slower), the distinct addresses its caches decoded through
+    (one where a finished cache's tensors are lent to the next: `StaticBufferPool`), and the CUDA
+    graphs recorded over the loop."""
+    from latentloop.inference.fast import fallback_reason, static_buffers
+
+    model = _build("gpt", shape, {}, device).eval()
+    if device.type == "cuda":
+        model = model.to(torch.bfloat16)
+    compiled = compile_ and fallback_reason(model, {}) is None
+    prompt = [[1, 2, 3, 4, 5, 6, 7, 8]]
+    new_tokens = min(16, shape.new_tokens)
+    ll.generate(model, prompt, new_tokens, temperature=0.0, compile=compiled)  # compiles, records
+    recorded_before = _cuda_graph_recordings(device)
+    addresses, seconds = set(), []
+    for _ in range(LOOP_GENERATIONS):
+        _sync(device)
+        start = time.perf_counter()
+        ll.generate(model, prompt, new_tokens, temperature=0.0, compile=compiled)
+        _sync(device)
+        seconds.append(time.perf_counter() - start)
+        addresses |= {buffers.k_slots[0].data_ptr() for buffers in static_buffers(model)._sets.values()}
+    recorded_after = _cuda_graph_recordings(device)
+    edge = max(1, LOOP_GENERATIONS // 8)
+    return {"case": "a loop of generations (gpt)", "compiled_step": compiled, "generations": LOOP_GENERATIONS,
+            "new_tokens": new_tokens, "first_s_median": statistics.median(seconds[:edge]),
+            "last_s_median": statistics.median(seconds[-edge:]), "cache_addresses_lent": len(addresses),
+            "cuda_graphs_recorded_during_loop": None if recorded_before is None or recorded_after is None
+            else recorded_after - recorded_before}
+
+
 def _guarded(results: list, budget_end: float, what: str, fn, *args) -> None:
     """Run one case, recording its result, its error or that the time budget skipped it."""
     if time.perf_counter() > budget_end:
@@ -503,6 +561,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      device, compile_)
     if wanted("lrt"):
         _guarded(report["checks"], budget_end, "flex_attention vs dense mask", check_flex, shape, device)
+    if wanted("gpt"):
+        _guarded(report["checks"], budget_end, "a loop of generations", check_generation_loop, shape, device,
+                 compile_)
     if wanted("gpt"):
         _guarded(report["fill"], budget_end, "train gpt filled", bench_fill, report, shape, device, compile_, peak,
                  out_dir)

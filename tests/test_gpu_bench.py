@@ -106,6 +106,10 @@ def test_the_cpu_fallback_measures_gpt_end_to_end(tmp_path):
         assert row["greedy_tokens_agree"] == 1.0
     assert (tmp_path / "hf" / "config.json").exists()  # the plain export transformers loaded
     assert report["fill"] == [{"case": "gpt filled", "skipped": "no estimate (the CPU, or gpt's row failed)"}]
+    (loop,) = [row for row in report["checks"] if row["case"] == "a loop of generations (gpt)"]
+    assert loop["generations"] == gpu_bench.LOOP_GENERATIONS and loop["first_s_median"] > 0 < loop["last_s_median"]
+    # the CPU lends no tensors (no CUDA graphs to keep addresses for) and records none
+    assert loop["cache_addresses_lent"] == 0 and loop["cuda_graphs_recorded_during_loop"] is None
 
 
 @pytest.mark.slow
