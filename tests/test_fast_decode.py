@@ -606,6 +606,38 @@ def test_compiled_step_matches_the_eager_step(arch, options, backend, monkeypatc
 
 
 @pytest.mark.slow
+def test_cudas_window_sizes_compile_one_graph_inside_the_buffer(monkeypatch):
+    """CUDA's window policy (powers of two from 64, then the buffer's last buckets) run by dynamo's
+    compiled step on the CPU, to the end of a 512-token context: one graph for every window inside the
+    buffer (the window is a dynamic dimension: a power of two brings no specialisation) and one for the
+    whole buffer, no graph break, the eager tokens."""
+    from torch._dynamo.utils import counters
+
+    from latentloop.inference import fast as fast_module
+    from latentloop.inference.aot import AOT_ENV
+
+    monkeypatch.setenv(AOT_ENV, "0")
+    real = fast_module.window_length
+    windows = []
+
+    def as_on_cuda(needed: int, max_len: int, device_type: str) -> int:
+        windows.append(real(needed, max_len, "cuda"))
+        return windows[-1]
+
+    monkeypatch.setattr(fast_module, "window_length", as_on_cuda)
+    torch.manual_seed(0)
+    model = ll.build("gpt", preset="test", sequence_len=512).eval()
+    prompt = [[BOS, 5, 9, 12]]
+    new_tokens = model.config.sequence_len - len(prompt[0])
+    counters.clear()
+    compiled = ll.generate(model, prompt, new_tokens, temperature=0.0, compile=True)
+    assert sorted(set(windows)) == [64, 128, 256, 496, 512]
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 2  # inside the buffer, and the whole buffer
+    assert compiled == ll.generate(model, prompt, new_tokens, temperature=0.0)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["gpt", "fbt"])
 def test_engine_compile_gives_the_eager_tokens(arch):
     model = model_for(arch)
