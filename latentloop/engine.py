@@ -53,7 +53,8 @@ from .inference.fast import PROBE_STEPS, AutoCompile, FastDecoder, static_length
 from .inference.quant import quantize_int8  # noqa: F401 (the engine's callers quantise through it: cli, api)
 from .inference.speculative import CompiledDrafting, compiled_drafting_reason
 from .models.backbone import PER_ROW_INFO, Draft, shift_right
-from .models.options import check_options, without_speed_only
+from .models.cache import KVCache, regroup
+from .models.options import check_options, couples_rows, without_speed_only
 from .util import evaluating, is_int
 
 MAX_SEED = 2**63  # torch.Generator seeds are 64-bit
@@ -746,14 +747,17 @@ def written_inputs(loss_mask: Tensor) -> Tensor:
 
 @torch.no_grad()
 def teacher_forced_logits(model, idx: Tensor, pad_mask: Tensor | None = None, prompt_len: int | None = None,
-                          written: Tensor | None = None, **options) -> Tensor:
+                          written: Tensor | None = None, share_prompts: bool = False, **options) -> Tensor:
     """Logits (B, T, V) for a given text idx (B, T) as decoding would produce them: the first
     `prompt_len` columns prefilled into a cache (left-padded rows masked by `pad_mask`), the rest
     decoded teacher-forced. `prompt_len` None: as much as the architecture prefills when scoring
     a whole text (`teacher_forced_prompt_len`: all of it, fbt soft only position 0). `written`
     (B, T): the tokens the model wrote (a conversation's replies, `written_inputs`); a model that
     replays them (`REPLAYS_WRITTEN`) prefills the whole text so, as a chat reads its history (fbt
-    soft: the replies fused, the rest plain, as SFT trains it)."""
+    soft: the replies fused, the rest plain, as SFT trains it). `share_prompts`: rows that repeat a
+    prompt (a multiple-choice question's choices) prefill it once and copy its cache rows
+    (`shared_prompts`, `regroup`): each row's logits are its own alone as in any batch, to float
+    rounding, where the declarations do not couple the rows of a prefill."""
     options = model_options(model, options)
     replay = written is not None and getattr(model, "REPLAYS_WRITTEN", False) and bool(written.any())
     if replay and prompt_len is None:
@@ -770,11 +774,33 @@ def teacher_forced_logits(model, idx: Tensor, pad_mask: Tensor | None = None, pr
         # prefills position 0 only, so any left padding reached them)
         raise PromptError(f"left padding reaches past the prefilled {P} columns; pass prompt_len >= the padding "
                           f"(the widest row's pad count) so every pad is masked in the prefill")
+    prompts, prompt_mask = idx[:, :P], None if pad_mask is None else pad_mask[:, :P]
+    shared = (shared_prompts(prompts, prompt_mask) if share_prompts and not replay
+              and not couples_rows(model.OPTIONS, options) else None)
     with evaluating(model):  # as generate and stream: training's noise (fbt's jitter, rgpt's) off
         cache = model.new_cache(B, T, **options)
-        extra = {"written": written[:, :P]} if replay else {}
-        logits = model.prefill(idx[:, :P], cache, None if pad_mask is None else pad_mask[:, :P], **extra,
-                               **options).logits
+        if shared is None or not isinstance(cache, KVCache):  # (a test's scripted model: a cache of its own)
+            extra = {"written": written[:, :P]} if replay else {}
+            logits = model.prefill(prompts, cache, prompt_mask, **extra, **options).logits
+        else:  # a multiple-choice example's choices share its context: prefilled once, its rows copied
+            first, inverse = shared
+            once = model.new_cache(len(first), T, **options)
+            logits = model.prefill(prompts[first], once, None if prompt_mask is None else prompt_mask[first],
+                                   **options).logits[inverse]
+            regroup(cache, [(once, inverse)])
         if P == T:
             return logits
         return torch.cat([logits, model.decode(idx[:, P:], cache, **options).logits], dim=1)
+
+
+def shared_prompts(prompts: Tensor, pad_mask: Tensor | None) -> tuple[Tensor, Tensor] | None:
+    """Where rows of prompts (B, P) repeat (with their padding): the first row of each distinct
+    prompt (U,) and each row's distinct prompt (B,), for a prefill of the U alone; None where
+    every row differs."""
+    key = prompts if pad_mask is None else torch.where(pad_mask, prompts, -1)  # (B, P)
+    distinct, inverse = torch.unique(key, dim=0, return_inverse=True)
+    if len(distinct) == len(key):
+        return None
+    rows = torch.arange(len(key), device=key.device)
+    first = torch.full((len(distinct),), len(key), device=key.device).scatter_reduce(0, inverse, rows, "amin")
+    return first, inverse

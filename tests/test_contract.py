@@ -272,6 +272,48 @@ def test_cached_decoding_equals_the_reference_path_and_scoring(kind, label, give
 
 @torch.no_grad()
 @pytest.mark.parametrize("kind, label, given", CASES, ids=[f"{k}-{label}" for k, label, _ in CASES])
+def test_rows_that_share_a_prompt_score_as_each_alone(kind, label, given, models, monkeypatch):
+    """Scoring (`teacher_forced_logits(share_prompts=True)`, CORE's multiple choice): rows that repeat a prompt (a
+    question's choices) prefill it once and copy its cache rows; each row's logits equal its own
+    alone, left-padded prompts included. Where the declarations say the rows of a prefill are coupled,
+    each row is prefilled."""
+    from latentloop.engine import left_pad
+    from latentloop.models.options import couples_rows
+
+    model = models[kind]
+    question, other = [BOS, *b"which one?"], [BOS, *b"no"]
+    choices = [b" yes.", b" no!", b" maybe", b" it is"]
+    rows = [question + list(c) for c in choices[:3]] + [other + list(choices[3])] + [question + list(choices[3])]
+    prompt_lengths = [len(question)] * 3 + [len(other)] + [len(question)]
+    # contexts left-padded to one column, continuations after it (as CORE lays a batch out)
+    contexts, mask = left_pad([row[:n] for row, n in zip(rows, prompt_lengths)], 0, torch.device("cpu"))
+    P = contexts.shape[1]
+    tails = [row[n:] for row, n in zip(rows, prompt_lengths)]
+    width = max(len(t) for t in tails)
+    continuation = torch.tensor([t + [0] * (width - len(t)) for t in tails])
+    idx = torch.cat([contexts, continuation], 1)
+    mask = torch.cat([mask, torch.ones_like(continuation, dtype=torch.bool)], 1)
+    prefilled: list[int] = []
+    prefill = model.prefill
+
+    def counted(ids, *args, **kwargs):
+        prefilled.append(ids.shape[0])
+        return prefill(ids, *args, **kwargs)
+
+    monkeypatch.setattr(model, "prefill", counted)
+    batched = teacher_forced_logits(model, idx, mask, prompt_len=P, share_prompts=True, **given)
+    coupled = couples_rows(model.OPTIONS, model_options(model, given))
+    assert prefilled == [len(rows) if coupled else 2]  # the question once, the other prompt once
+    monkeypatch.setattr(model, "prefill", prefill)
+    for r, (row, n) in enumerate(zip(rows, prompt_lengths)):
+        alone = teacher_forced_logits(model, torch.tensor([row]), prompt_len=n, **given)[0]  # (len(row), V)
+        scored = len(row) - n + 1  # the prompt's last position predicts the first continuation token
+        # fp32, a ragged batch against a row alone: up to 1.1e-5 (rfbt), the same with every row prefilled
+        torch.testing.assert_close(batched[r, P - 1:P - 1 + scored], alone[n - 1:], rtol=RTOL, atol=5e-5)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kind, label, given", CASES, ids=[f"{k}-{label}" for k, label, _ in CASES])
 def test_the_state_a_token_carries_to_the_next_is_declared(kind, label, given, models):
     """Every `cache.state` entry whose value changes the next token's logits is in the model's
     CARRIED_STATE (what self-speculative decoding must restore when it takes tokens back; the

@@ -468,7 +468,8 @@ def continuation_logits(model: nn.Module, idx: torch.Tensor, pad_mask: torch.Ten
     idx = idx[:, :P + C - 1]
     pad_mask = None if pad_mask is None else pad_mask[:, :P + C - 1]
     if stepwise:
-        logits = teacher_forced_logits(model, idx, pad_mask, prompt_len=P, **options)
+        # a question's choices share its context: prefilled once (`share_prompts`)
+        logits = teacher_forced_logits(model, idx, pad_mask, prompt_len=P, share_prompts=True, **options)
     else:
         logits = model.reference(idx, pad_mask, P, **model_options(model, options, cached=False)).logits
     return logits[:, P - 1:P + C - 1]

@@ -112,6 +112,13 @@ def check_options(declared: Sequence[DecodeOption], given: dict[str, Any], arch:
     return options
 
 
+def couples_rows(declared: Sequence[DecodeOption], options: dict[str, Any]) -> bool:
+    """Whether a declaration says these options couple the rows of a prefill (fbt's `passes="auto"`
+    runs until every row has settled): a row's numbers then depend on the rows beside it."""
+    return any(option.couples_rows is not None and option.couples_rows(options.get(option.name))
+               for option in declared)
+
+
 def without_speed_only(declared: Sequence[DecodeOption], options: dict[str, Any]) -> dict[str, Any]:
     """`options` without those `declared` speed-only (self-speculative decoding's draft): the same
     output function, as a decoder that cannot use them (or a draft's plain step) runs it."""

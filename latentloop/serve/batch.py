@@ -39,6 +39,7 @@ from ..engine import left_pad, left_pad_flags, row_info, sample_next, written_ro
 from ..inference.fast import WINDOW_BUCKET, CompileRecord, FastDecoder, fallback_reason, static_cache
 from ..models.backbone import GPT
 from ..models.cache import regroup, row_span
+from ..models.options import couples_rows as declared_coupling
 from ..models.options import without_speed_only
 from ..util import evaluating
 
@@ -278,8 +279,7 @@ class DecodeBatch:
 def couples_rows(model, options: dict) -> bool:
     """Whether the architecture declares that these options couple the rows of a prefill (each
     request is then prefilled alone)."""
-    return any(option.couples_rows is not None and option.couples_rows(options.get(option.name))
-               for option in model.OPTIONS)
+    return declared_coupling(model.OPTIONS, options)
 
 
 # -- on the compiled path ----------------------------------------------------------------------
