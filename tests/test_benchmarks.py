@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import shared_data
 
 ROOT = Path(__file__).resolve().parents[1]
 CHILD_CPU_S = 0.5  # CPU seconds the child burns before it reports
@@ -793,3 +794,21 @@ def test_gpu_bench_records_its_command_and_arguments(tmp_path, monkeypatch, caps
     report = json.loads((tmp_path / "gpu_bench.json").read_text())
     assert report["command"] == ["gpu_bench", "--cpu"] and report["module"] == "benchmarks.gpu_bench"
     assert report["args"]["threads"] == 1 and report["args"]["tiny"] and report["args"]["out_dir"] == str(tmp_path)
+
+
+def test_shared_prompts_pairs_the_two_ways_of_scoring_a_task(tmp_path, capsys):
+    """`python -m benchmarks.shared_prompts` at a tiny size: both ways timed every round, the rows each
+    prefilled (fewer shared: a question's choices take one row), and the same scores both ways."""
+    folder = shared_data("eval")
+    bench = _benchmark("shared_prompts")
+    out = tmp_path / "shared.json"
+    argv = ["--preset", "test", "--limit", "4", "--rounds", "2", "--eval-dir", str(folder), "--json", str(out)]
+    assert bench.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert len(result["shared_over_every_row"]) == 2 and all(len(s) == 2 for s in result["seconds"].values())
+    assert result["prefilled_rows"]["every row"] == result["rows"] == 16  # hellaswag: 4 choices an example
+    assert result["prefilled_rows"]["shared"] < result["rows"]
+    assert result["max_logprob_difference"] < 1e-4
+    assert "shared / every row" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench.main(["--rounds", "1"])

@@ -457,26 +457,26 @@ SCORING_MODES = ("auto", "full", "stepwise")  # auto = stepwise: the cached path
 
 
 def continuation_logits(model: nn.Module, idx: torch.Tensor, pad_mask: torch.Tensor | None, P: int, C: int,
-                        options: dict, stepwise: bool = True) -> torch.Tensor:
+                        options: dict, stepwise: bool = True, share_prompts: bool = True) -> torch.Tensor:
     """Logits (B, C, V) predicting idx[:, P:P+C] after the contexts that end at column P. Only the
     first P + C - 1 columns are run: the last continuation token is a target, never an input.
 
     stepwise: the engine's own path: a cached prefill of the contexts, then the continuation
     decoded teacher-forced. full: the naive uncached `reference` over the whole rows, the first P
-    columns being the prompt. Both give the same numbers.
+    columns being the prompt. Both give the same numbers. `share_prompts` (stepwise): rows that
+    repeat a context (a question's choices) prefill it once (`teacher_forced_logits`).
     """
     idx = idx[:, :P + C - 1]
     pad_mask = None if pad_mask is None else pad_mask[:, :P + C - 1]
     if stepwise:
-        # a question's choices share its context: prefilled once (`share_prompts`)
-        logits = teacher_forced_logits(model, idx, pad_mask, prompt_len=P, share_prompts=True, **options)
+        logits = teacher_forced_logits(model, idx, pad_mask, prompt_len=P, share_prompts=share_prompts, **options)
     else:
         logits = model.reference(idx, pad_mask, P, **model_options(model, options, cached=False)).logits
     return logits[:, P - 1:P + C - 1]
 
 
 def _score_batch(model: nn.Module, rows: list[tuple[list[int], list[int]]], options: dict, pad_id: int,
-                 device: torch.device, stepwise: bool) -> list[ContinuationScore]:
+                 device: torch.device, stepwise: bool, share_prompts: bool = True) -> list[ContinuationScore]:
     contexts, mask = left_pad([ctx for ctx, _ in rows], pad_id, device)  # the engine's padding: (B, P)
     P = contexts.shape[1]
     C = max(len(cont) for _, cont in rows)
@@ -489,7 +489,7 @@ def _score_batch(model: nn.Module, rows: list[tuple[list[int], list[int]]], opti
     idx = torch.cat([contexts, continuations], dim=1)  # (B, P + C)
     if mask is not None:
         mask = torch.cat([mask, torch.ones_like(continuations, dtype=torch.bool)], dim=1)
-    logits = continuation_logits(model, idx, mask, P, C, options, stepwise).float()  # (B, C, V)
+    logits = continuation_logits(model, idx, mask, P, C, options, stepwise, share_prompts).float()  # (B, C, V)
     logprobs = logits.log_softmax(dim=-1).gather(-1, continuations[..., None]).squeeze(-1)  # (B, C)
     valid = torch.arange(C, device=device)[None, :] < lengths[:, None]
     sums = torch.where(valid, logprobs, torch.zeros_like(logprobs)).sum(dim=1)
@@ -506,12 +506,13 @@ def _clean_options(options: dict | None) -> dict:
 def score_continuations(model: nn.Module, rows: Sequence[tuple[Sequence[int], Sequence[int]]],
                         options: dict | None = None, batch_size: int = DEFAULT_BATCH_SIZE,
                         max_tokens: int | None = None, on_batch: Callable[[int], None] | None = None,
-                        mode: str = "auto") -> list[ContinuationScore]:
+                        mode: str = "auto", share_prompts: bool = True) -> list[ContinuationScore]:
     """Log-probability and greedy match of each continuation after its context (both token id
     lists; the context should start with BOS). A row that needs more inputs than the model's
     sequence_len is cut to its last sequence_len inputs by `fit_row`.
     `on_batch(n)` is called after each batch of n rows (progress bars); `mode` picks how the
-    continuation is run (`continuation_logits`; auto: stepwise)."""
+    continuation is run (`continuation_logits`; auto: stepwise); `share_prompts`: rows of a batch that
+    repeat a context prefill it once (the same scores to float rounding; False: every row prefilled)."""
     options = _clean_options(options)
     model_options(model, options, cached=mode != "full")
     if mode not in SCORING_MODES:
@@ -534,7 +535,7 @@ def score_continuations(model: nn.Module, rows: Sequence[tuple[Sequence[int], Se
     with evaluating(model):
         for batch in plan_batches(fitted, batch_size, max_len, max_tokens):
             for i, score in zip(batch, _score_batch(model, [fitted[i] for i in batch], options, config.bos_id,
-                                                     device, stepwise)):
+                                                     device, stepwise, share_prompts)):
                 score.whole = score.tokens == len(rows[i][1])
                 scores[i] = score
             if on_batch is not None:
