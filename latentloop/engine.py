@@ -787,7 +787,10 @@ def teacher_forced_logits(model, idx: Tensor, pad_mask: Tensor | None = None, pr
             once = model.new_cache(len(first), T, **options)
             logits = model.prefill(prompts[first], once, None if prompt_mask is None else prompt_mask[first],
                                    **options).logits[inverse]
+            if P == T:  # nothing to decode: no rows to copy
+                return logits
             regroup(cache, [(once, inverse)])
+            del once  # the decode holds B rows of cache, not B + U
         if P == T:
             return logits
         return torch.cat([logits, model.decode(idx[:, P:], cache, **options).logits], dim=1)

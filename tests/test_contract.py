@@ -282,11 +282,13 @@ def test_rows_that_share_a_prompt_score_as_each_alone(kind, label, given, models
 
     model = models[kind]
     question, other = [BOS, *b"which one?"], [BOS, *b"no"]
+    doubled = [BOS, *question]  # the question's tokens once it is padded with BOS: a prompt of its own
     choices = [b" yes.", b" no!", b" maybe", b" it is"]
     rows = [question + list(c) for c in choices[:3]] + [other + list(choices[3])] + [question + list(choices[3])]
-    prompt_lengths = [len(question)] * 3 + [len(other)] + [len(question)]
-    # contexts left-padded to one column, continuations after it (as CORE lays a batch out)
-    contexts, mask = left_pad([row[:n] for row, n in zip(rows, prompt_lengths)], 0, torch.device("cpu"))
+    rows.append(doubled + list(choices[0]))
+    prompt_lengths = [len(question)] * 3 + [len(other)] + [len(question)] + [len(doubled)]
+    # contexts left-padded with BOS to one column (as CORE lays a batch out), continuations after it
+    contexts, mask = left_pad([row[:n] for row, n in zip(rows, prompt_lengths)], BOS, torch.device("cpu"))
     P = contexts.shape[1]
     tails = [row[n:] for row, n in zip(rows, prompt_lengths)]
     width = max(len(t) for t in tails)
@@ -303,7 +305,7 @@ def test_rows_that_share_a_prompt_score_as_each_alone(kind, label, given, models
     monkeypatch.setattr(model, "prefill", counted)
     batched = teacher_forced_logits(model, idx, mask, prompt_len=P, share_prompts=True, **given)
     coupled = couples_rows(model.OPTIONS, model_options(model, given))
-    assert prefilled == [len(rows) if coupled else 2]  # the question once, the other prompt once
+    assert prefilled == [len(rows) if coupled else 3]  # the question, the other prompt, the BOS-doubled one
     monkeypatch.setattr(model, "prefill", prefill)
     for r, (row, n) in enumerate(zip(rows, prompt_lengths)):
         alone = teacher_forced_logits(model, torch.tensor([row]), prompt_len=n, **given)[0]  # (len(row), V)

@@ -378,6 +378,29 @@ def test_rows_near_the_context_limit_score_as_one_forward_over_their_last_inputs
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)  # float32 sums of up to 64 log-probs
 
 
+def test_a_questions_choices_prefill_its_context_once_and_score_as_each_alone(monkeypatch):
+    """`score_continuations`: the choices of one question in a batch prefill its context once
+    (`share_prompts`, the default), with the scores of every row prefilled (`share_prompts=False`)."""
+    torch.manual_seed(0)
+    model = latentloop.build("gpt", preset="test", n_layer=1)
+    question, other = [BOS, *b"which one?"], [BOS, *b"no"]
+    rows = [(question, list(b" yes.")), (question, list(b" no!")), (other, list(b" ok")), (question, list(b" it"))]
+    prefilled: list[int] = []
+    prefill = model.prefill
+
+    def counted(ids, *args, **kwargs):
+        prefilled.append(ids.shape[0])
+        return prefill(ids, *args, **kwargs)
+
+    monkeypatch.setattr(model, "prefill", counted)
+    shared = score_continuations(model, rows, batch_size=8)
+    assert prefilled == [2]
+    every = score_continuations(model, rows, batch_size=8, share_prompts=False)
+    assert prefilled == [2, 4]
+    for a, b in zip(shared, every):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-5) and (a.greedy, a.tokens) == (b.greedy, b.tokens)
+
+
 def test_stub_rows_align_contexts_at_one_column():
     model = BigramStub(prefer({"a": "b"}), sequence_len=32)
     rows = [([BOS] + [97] * n, [98] * m) for n, m in ((1, 3), (7, 1), (4, 2))]
