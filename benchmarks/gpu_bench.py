@@ -451,7 +451,8 @@ def _cuda_graph_recordings(device: torch.device) -> int | None:
     try:
         from torch._inductor import cudagraph_trees
 
-        manager = cudagraph_trees.get_container(device.index or 0).tree_manager
+        index = torch.cuda.current_device() if device.index is None else device.index
+        manager = cudagraph_trees.get_container(index).tree_manager
 
         def nodes(by_function) -> int:  # every recorded graph is kept: a root, or a child of one
             return sum(1 + nodes(node.children) for graphs in by_function.values() for node in graphs)
