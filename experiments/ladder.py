@@ -891,6 +891,27 @@ def read_failures(out: Path) -> dict[str, dict[str, Any]]:
     return found if isinstance(found, dict) else {}
 
 
+def precision_mismatch(out: Path, device_type: str, here: str) -> str | None:
+    """Why this machine must not add runs to the ladder, or None: its products' precision (`here`,
+    what `train.dtype=auto` resolves to on it) is not the precision of the ladder's records on this
+    device type. A cell of mixed precisions reads "stale" on the page (12-06: a machine without bf16
+    instructions added 42 float32 runs to 263 bfloat16 ones)."""
+    seen: dict[str, int] = {}
+    for path in sorted((out / "records").glob("*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if record.get("precision") and str(record.get("device", "")).split(":")[0] == device_type:
+            seen[record["precision"]] = seen.get(record["precision"], 0) + 1
+    if not seen or here in seen:
+        return None
+    theirs = ", ".join(f"{count} in {precision}" for precision, count in sorted(seen.items()))
+    return (f"this machine trains in {here} (train.dtype=auto), the ladder's {device_type} records: {theirs}; runs "
+            f"here would mix precisions in a cell, which the page marks stale; run the ladder on a machine like "
+            f"theirs, or pass --mixed-precision-ok")
+
+
 def finished(out: Path, run: RunPlan, rerun_stale: bool = False) -> bool:
     """Whether the run has a complete record made to today's plan entry (a record of another plan
     under the same key, e.g. before its budgets changed, is run again and replaced); with
@@ -1147,6 +1168,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quiet", action="store_true", help="no line per scored point")
     p.add_argument("--rerun-stale", action="store_true",
                    help="run again the runs whose records were made under other defaults than today's (stale)")
+    p.add_argument("--mixed-precision-ok", action="store_true",
+                   help="add runs on a machine whose precision (train.dtype=auto) differs from the records'")
     p.add_argument("--retry-failed", action="store_true",
                    help="run again the runs that failed before (listed in OUT/failed.json); default: leave them out")
     p.add_argument("--shard", type=shard, default=None, metavar="K/N",
@@ -1250,6 +1273,10 @@ def _main(args: argparse.Namespace) -> int:
     if left_failed:
         print(f"{len(left_failed)} runs failed before and are left out ({failed_path}; --retry-failed runs them "
               f"again): {', '.join(left_failed)}", flush=True)
+    mismatch = None if args.mixed_precision_ok or not todo else precision_mismatch(
+        out, torch.device(train_device).type, resolve_dtype(torch.device(train_device), "auto"))
+    if mismatch is not None:
+        raise LatentloopError(mismatch)
     shard_note = ("" if args.shard is None else
                   f"; shard {args.shard[0]}/{args.shard[1]}: {len(mine)} runs, {len(todo)} left")
     print(f"{len(done)} of {len(runs)} runs finished already (kept, skipped){shard_note}", flush=True)

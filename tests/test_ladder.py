@@ -1099,3 +1099,18 @@ def test_the_page_says_which_precision_its_runs_trained_in():
         "Training precision: 2 with bfloat16 products and float32 attention."
     line = ladder_claims.precision_line([new, old])
     assert "1 with bfloat16 products and bfloat16 attention" in line and "mixed" in line
+
+
+def test_a_machine_of_another_precision_adds_no_runs(tmp_path):
+    """The ladder refuses to add runs where `train.dtype=auto` resolves to another precision than its
+    records' on this device (a cell would mix them and read stale), naming both."""
+    records = tmp_path / "records"
+    records.mkdir()
+    for name, precision, device in (("a", "bfloat16", "cpu"), ("b", "bfloat16", "cpu"), ("c", "float32", "cuda:0")):
+        (records / f"{name}.json").write_text(json.dumps({"precision": precision, "device": device}))
+    message = ladder.precision_mismatch(tmp_path, "cpu", "float32")
+    assert "trains in float32" in message and "cpu records: 2 in bfloat16" in message
+    assert "--mixed-precision-ok" in message
+    assert ladder.precision_mismatch(tmp_path, "cpu", "bfloat16") is None
+    assert ladder.precision_mismatch(tmp_path, "cuda", "float32") is None  # the GPU records' own precision
+    assert ladder.precision_mismatch(tmp_path / "empty", "cpu", "float32") is None  # a new ladder
