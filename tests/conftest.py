@@ -368,3 +368,16 @@ def perturb_hf_weights(model) -> None:
                 p.add_(torch.randn_like(p) * HF_RANDOM_SCALE)
             else:
                 p.mul_(HF_WEIGHT_SCALE)
+
+
+def count_prefill_rows(monkeypatch, model) -> list[int]:
+    """The rows of each `model.prefill` call from now on (the list fills as the test runs)."""
+    prefilled: list[int] = []
+    prefill = model.prefill
+
+    def counted(ids, *args, **kwargs):
+        prefilled.append(ids.shape[0])
+        return prefill(ids, *args, **kwargs)
+
+    monkeypatch.setattr(model, "prefill", counted)
+    return prefilled

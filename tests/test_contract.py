@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ServeProcess, contract_kinds, option_sets, serving, write_corpus
+from conftest import ServeProcess, contract_kinds, count_prefill_rows, option_sets, serving, write_corpus
 from safetensors.torch import load_file
 from torch import Tensor
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
@@ -295,14 +295,8 @@ def test_rows_that_share_a_prompt_score_as_each_alone(kind, label, given, models
     continuation = torch.tensor([t + [0] * (width - len(t)) for t in tails])
     idx = torch.cat([contexts, continuation], 1)
     mask = torch.cat([mask, torch.ones_like(continuation, dtype=torch.bool)], 1)
-    prefilled: list[int] = []
     prefill = model.prefill
-
-    def counted(ids, *args, **kwargs):
-        prefilled.append(ids.shape[0])
-        return prefill(ids, *args, **kwargs)
-
-    monkeypatch.setattr(model, "prefill", counted)
+    prefilled = count_prefill_rows(monkeypatch, model)
     batched = teacher_forced_logits(model, idx, mask, prompt_len=P, share_prompts=True, **given)
     coupled = couples_rows(model.OPTIONS, model_options(model, given))
     assert prefilled == [len(rows) if coupled else 3]  # the question, the other prompt, the BOS-doubled one

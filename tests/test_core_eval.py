@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import shared_data
+from conftest import count_prefill_rows, shared_data
 from torch import nn
 
 import latentloop
@@ -385,14 +385,7 @@ def test_a_questions_choices_prefill_its_context_once_and_score_as_each_alone(mo
     model = latentloop.build("gpt", preset="test", n_layer=1)
     question, other = [BOS, *b"which one?"], [BOS, *b"no"]
     rows = [(question, list(b" yes.")), (question, list(b" no!")), (other, list(b" ok")), (question, list(b" it"))]
-    prefilled: list[int] = []
-    prefill = model.prefill
-
-    def counted(ids, *args, **kwargs):
-        prefilled.append(ids.shape[0])
-        return prefill(ids, *args, **kwargs)
-
-    monkeypatch.setattr(model, "prefill", counted)
+    prefilled = count_prefill_rows(monkeypatch, model)
     shared = score_continuations(model, rows, batch_size=8)
     assert prefilled == [2]
     every = score_continuations(model, rows, batch_size=8, share_prompts=False)
