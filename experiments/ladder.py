@@ -81,7 +81,7 @@ from latentloop.errors import CheckpointError, LatentloopError, NonFiniteError  
 from latentloop.eval.loss import score_run, text_batches  # noqa: E402
 from latentloop.models.backbone import cpu_training_attention_in_fp32  # noqa: E402
 from latentloop.optim import lr_multiplier, set_lr  # noqa: E402
-from latentloop.runtime import cpu_bf16_support, cuda_bf16_support, resolve_dtype  # noqa: E402
+from latentloop.runtime import cpu_bf16_support, cuda_bf16_support, precision_note, resolve_dtype  # noqa: E402
 from latentloop.train import FiniteGuard, FlopsMemo, setup, train_step  # noqa: E402
 from latentloop.util import first_line, give_default_mode, write_json_atomic  # noqa: E402
 
@@ -273,15 +273,17 @@ def model_fields(variant: Variant, size: Size, seq_len: int) -> dict[str, Any]:
     return fields
 
 
-def run_config(run: RunPlan | dict, device: str = "cpu", spec: LadderSpec | None = None) -> RunConfig:
-    """The run's config (its length: the longest branch), from a plan or a record's plan entry."""
+def run_config(run: RunPlan | dict, device: str = "cpu", spec: LadderSpec | None = None,
+               dtype: str = "auto") -> RunConfig:
+    """The run's config (its length: the longest branch), from a plan or a record's plan entry;
+    `dtype`: the ladder's precision (`ladder_precision`), "auto" where it has none yet."""
     entry = run.describe() if isinstance(run, RunPlan) else run
     spec = spec or SPECS[entry["spec"]]
     size, variant = Size(**entry["size"]), _variant_from(entry["variant"])
     steps = max(b["steps"] for b in entry["branches"])
     train = TrainConfig(steps=steps, batch_size=size.batch_size, seed=entry["seed"], optimizer=entry["optimizer"],
                         schedule="wsd", decay_fraction=DECAY_FRACTION, warmup_steps=spec.warmup_steps, eval_every=0,
-                        device=device)
+                        device=device, dtype=dtype)
     return RunConfig(model=model_config(variant.arch, None, **model_fields(variant, size, spec.seq_len)), train=train,
                      data=DataConfig(source=CORPORA[entry["corpus"]]))
 
@@ -448,7 +450,8 @@ def git_stamp() -> dict[str, Any]:
 
 
 SET_BY_MACHINE = {("data", "source"), ("data", "cache_dir"), ("train", "device"), ("model", "vocab_size"),
-                  ("model", "bos_id")}  # where a run's data lives and what setup fills in: not defaults
+                  ("model", "bos_id"),  # where a run's data lives and what setup fills in: not defaults
+                  ("train", "dtype")}  # "auto" or the ladder's pinned precision: the record's `precision` is compared
 
 
 # Config fields added after the ladder's first records, each with the value that runs as the code
@@ -534,7 +537,9 @@ def stale_fields(record: dict[str, Any], planned: dict[str, dict[str, Any]] | No
         if support in record:
             # what today's resolution gives the same request on the machine that ran it, never on this
             # one (a record made before the machine's bf16 support was kept says nothing of it: not compared)
-            now_precision = resolve_dtype(torch.device(device), config.train.dtype, record.get(BF16_SUPPORT),
+            # the run's own request: "auto", or the precision the ladder was pinned to (`ladder_precision`)
+            requested = record["config_requested"].get("train", {}).get("dtype", "auto")
+            now_precision = resolve_dtype(torch.device(device), requested, record.get(BF16_SUPPORT),
                                           record.get(CUDA_BF16_SUPPORT))
             if precision != now_precision:
                 changed.append(f"precision: {precision!r} then, {now_precision!r} now")
@@ -638,8 +643,9 @@ class RunFailed(LatentloopError):
 
 
 def execute(run: RunPlan, out: Path, device: str, spec: LadderSpec, progress: bool = True,
-            rerun_stale: bool = False) -> dict[str, Any] | None:
-    """Train one run (resuming its trunk where it stopped) and write its record; returns the record,
+            rerun_stale: bool = False, dtype: str = "auto") -> dict[str, Any] | None:
+    """Train one run in `dtype` (`run_precision`), resuming its trunk where it stopped, and write its
+    record; returns the record,
     or None when another process finished it meanwhile. Raises `RunBusy` when another process
     trains it now, `RunFailed` when its training diverges."""
     record_path = out / "records" / f"{run.file_name}.json"
@@ -652,7 +658,7 @@ def execute(run: RunPlan, out: Path, device: str, spec: LadderSpec, progress: bo
     try:
         if finished(out, run, rerun_stale):  # finished by another process between our check and the lock
             return None
-        config = run_config(run, device, spec)
+        config = run_config(run, device, spec, dtype)
         requested = json.loads(json.dumps(config.to_dict()))
         trunk_dir = work / "trunk"
         if trunk_dir.exists():  # setup's folder (config, tokenizer): the trunk's own state is trunk.pt
@@ -891,25 +897,38 @@ def read_failures(out: Path) -> dict[str, dict[str, Any]]:
     return found if isinstance(found, dict) else {}
 
 
-def precision_mismatch(out: Path, device_type: str, here: str) -> str | None:
-    """Why this machine must not add runs to the ladder, or None: its products' precision (`here`,
-    what `train.dtype=auto` resolves to on it) is not the precision of the ladder's records on this
-    device type. A cell of mixed precisions reads "stale" on the page (12-06: a machine without bf16
-    instructions added 42 float32 runs to 263 bfloat16 ones)."""
+def ladder_precision(out: Path, device_type: str) -> str | None:
+    """The precision the ladder's records on this device type trained in, which every later run of
+    it trains in too, whatever `train.dtype=auto` resolves to on the machine that runs it: None for
+    a ladder without records there. A page column reads "stale" where its records mix precisions
+    (12-06: a machine without bf16 instructions added 45 float32 runs to 263 bfloat16 ones). On such
+    a machine bf16 is emulated: the same precision (bf16 inputs and outputs of each product, float32
+    sums), slower. Records in several precisions are refused, naming them."""
     seen: dict[str, int] = {}
     for path in sorted((out / "records").glob("*.json")):
         try:
             record = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if record.get("precision") and str(record.get("device", "")).split(":")[0] == device_type:
+        if isinstance(record, dict) and record.get("precision") and \
+                str(record.get("device", "")).split(":")[0] == device_type:
             seen[record["precision"]] = seen.get(record["precision"], 0) + 1
-    if not seen or here in seen:
-        return None
-    theirs = ", ".join(f"{count} in {precision}" for precision, count in sorted(seen.items()))
-    return (f"this machine trains in {here} (train.dtype=auto), the ladder's {device_type} records: {theirs}; runs "
-            f"here would mix precisions in a cell, which the page marks stale; run the ladder on a machine like "
-            f"theirs, or pass --mixed-precision-ok")
+    if len(seen) > 1:
+        theirs = ", ".join(f"{count} in {precision}" for precision, count in sorted(seen.items()))
+        raise LatentloopError(f"the ladder's {device_type} records trained in several precisions ({theirs}), so no "
+                              f"precision is the ladder's: move one precision's records out of {out / 'records'}")
+    return next(iter(seen), None)
+
+
+def run_precision(out: Path, device: str, asked: str | None) -> str:
+    """The `train.dtype` this invocation's runs request: the ladder's precision (`ladder_precision`),
+    or `asked` (`--precision`) for a ladder without one; "auto" where neither says. `asked` against
+    the ladder's own precision is refused: the page would read its columns stale."""
+    pinned = ladder_precision(out, torch.device(device).type)
+    if pinned is not None and asked not in (None, pinned):
+        raise LatentloopError(f"--precision {asked}: the ladder's {torch.device(device).type} records trained in "
+                              f"{pinned}, and its runs train in that; a run in {asked} would read stale")
+    return pinned or asked or "auto"
 
 
 def finished(out: Path, run: RunPlan, rerun_stale: bool = False) -> bool:
@@ -940,7 +959,7 @@ PROBE_EVAL_BATCHES = 2  # measured validation batches per scoring and repeat: it
 PROBE_REPEATS = 3
 
 
-def probe(variant: Variant, size: Size, spec: LadderSpec, device: str) -> dict[str, Any]:
+def probe(variant: Variant, size: Size, spec: LadderSpec, device: str, dtype: str = "auto") -> dict[str, Any]:
     """The training FLOP rate (structural FLOPs of `PROBE_STEPS` steps over their seconds, after
     `PROBE_WARMUP` unmeasured ones; Muon: AdamW is assumed as fast) and each scoring's tokens/s
     (after one unmeasured batch), each the median of `PROBE_REPEATS` measurements."""
@@ -948,7 +967,7 @@ def probe(variant: Variant, size: Size, spec: LadderSpec, device: str) -> dict[s
     entry = {"spec": spec.name, "corpus": "stdlib", "optimizer": "muon", "size": dataclasses.asdict(size),
              "variant": dataclasses.asdict(variant), "seed": 0, "part": None,
              "branches": [dataclasses.asdict(Branch("p", steps + 8, "tokens", 0))]}
-    config = run_config(entry, device, spec)
+    config = run_config(entry, device, spec, dtype)
     with tempfile.TemporaryDirectory() as tmp:
         state = setup(config, Path(tmp) / "probe", progress=False)
         try:
@@ -974,22 +993,23 @@ def probe(variant: Variant, size: Size, spec: LadderSpec, device: str) -> dict[s
                 state.lock.release()
     return {"train_flops_per_s": float(np.median(rates)), "eval_tokens_per_s": eval_rates,
             "primary": primary_scoring(config.model), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "repeats": PROBE_REPEATS}
+            "repeats": PROBE_REPEATS, "dtype": dtype}
 
 
-def probe_all(runs: list[RunPlan], spec: LadderSpec, device: str, out: Path, fresh: bool = False
-              ) -> tuple[dict[str, dict], int]:
+def probe_all(runs: list[RunPlan], spec: LadderSpec, device: str, out: Path, fresh: bool = False,
+              dtype: str = "auto") -> tuple[dict[str, dict], int]:
     """Probe each (variant, size) of the plan once; kept in `out/probe-<device>.json` for a resumed
     ladder (`fresh`: measure again). Returns the probes and how many were measured in this call. A
-    probe made before `PROBE_REPEATS` (one measurement, no scoring warm-up) is measured again."""
+    probe made before `PROBE_REPEATS` (one measurement, no scoring warm-up), or in another `dtype` (an
+    emulated bf16 step takes longer), is measured again."""
     path = out / f"probe-{spec.name}-{device}.json"
     probes = {} if fresh or not path.exists() else json.loads(path.read_text())
     pairs = {(r.variant.name, r.size.name): (r.variant, r.size) for r in runs}
     measured = 0
     for variant, size in pairs.values():
         name = f"{variant.name}@{size.name}"
-        if probes.get(name, {}).get("repeats") != PROBE_REPEATS:
-            probes[name] = probe(variant, size, spec, device)
+        if probes.get(name, {}).get("repeats") != PROBE_REPEATS or probes[name].get("dtype", "auto") != dtype:
+            probes[name] = probe(variant, size, spec, device, dtype)
             measured += 1
             _atomic_write_json(path, probes)
     return probes, measured
@@ -1168,8 +1188,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quiet", action="store_true", help="no line per scored point")
     p.add_argument("--rerun-stale", action="store_true",
                    help="run again the runs whose records were made under other defaults than today's (stale)")
-    p.add_argument("--mixed-precision-ok", action="store_true",
-                   help="add runs on a machine whose precision (train.dtype=auto) differs from the records'")
+    p.add_argument("--precision", choices=["bfloat16", "float32"], default=None,
+                   help="the precision of a new ladder (default: train.dtype=auto on this machine); a ladder "
+                        "with records trains in theirs, emulating bf16 on a CPU without bf16 instructions")
     p.add_argument("--retry-failed", action="store_true",
                    help="run again the runs that failed before (listed in OUT/failed.json); default: leave them out")
     p.add_argument("--shard", type=shard, default=None, metavar="K/N",
@@ -1273,10 +1294,10 @@ def _main(args: argparse.Namespace) -> int:
     if left_failed:
         print(f"{len(left_failed)} runs failed before and are left out ({failed_path}; --retry-failed runs them "
               f"again): {', '.join(left_failed)}", flush=True)
-    mismatch = None if args.mixed_precision_ok or not todo else precision_mismatch(
-        out, torch.device(train_device).type, resolve_dtype(torch.device(train_device), "auto"))
-    if mismatch is not None:
-        raise LatentloopError(mismatch)
+    dtype = run_precision(out, train_device, args.precision)
+    source = {"auto": "train.dtype=auto on this machine", args.precision: "--precision"}.get(
+        dtype, "the precision of the ladder's records")
+    print(f"{precision_note(torch.device(train_device), dtype)} ({source})", flush=True)
     shard_note = ("" if args.shard is None else
                   f"; shard {args.shard[0]}/{args.shard[1]}: {len(mine)} runs, {len(todo)} left")
     print(f"{len(done)} of {len(runs)} runs finished already (kept, skipped){shard_note}", flush=True)
@@ -1285,7 +1306,7 @@ def _main(args: argparse.Namespace) -> int:
         from benchmarks.common import ContentionMeter
 
         meter = ContentionMeter().start()
-        probes, measured = probe_all(runs, spec, train_device, out, fresh=args.reprobe)
+        probes, measured = probe_all(runs, spec, train_device, out, fresh=args.reprobe, dtype=dtype)
         others = meter.stop()
         for run in runs:
             estimates[run.key] = sum(estimate_seconds(run, probes, val_sizes).values())
@@ -1312,7 +1333,7 @@ def _main(args: argparse.Namespace) -> int:
         print(f"[{i + 1}/{len(todo)}] {run.key}: {len(run.branches)} budgets, {run.total_steps} steps at most",
               flush=True)
         try:
-            execute(run, out, train_device, spec, progress=not args.quiet, rerun_stale=args.rerun_stale)
+            execute(run, out, train_device, spec, progress=not args.quiet, rerun_stale=args.rerun_stale, dtype=dtype)
         except RunBusy as exc:
             print(f"skipped: {exc}", flush=True)
         except RunFailed as exc:  # one run's failure does not stop the others

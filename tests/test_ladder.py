@@ -1101,16 +1101,34 @@ def test_the_page_says_which_precision_its_runs_trained_in():
     assert "1 with bfloat16 products and bfloat16 attention" in line and "mixed" in line
 
 
-def test_a_machine_of_another_precision_adds_no_runs(tmp_path):
-    """The ladder refuses to add runs where `train.dtype=auto` resolves to another precision than its
-    records' on this device (a cell would mix them and read stale), naming both."""
-    records = tmp_path / "records"
-    records.mkdir()
-    for name, precision, device in (("a", "bfloat16", "cpu"), ("b", "bfloat16", "cpu"), ("c", "float32", "cuda:0")):
-        (records / f"{name}.json").write_text(json.dumps({"precision": precision, "device": device}))
-    message = ladder.precision_mismatch(tmp_path, "cpu", "float32")
-    assert "trains in float32" in message and "cpu records: 2 in bfloat16" in message
-    assert "--mixed-precision-ok" in message
-    assert ladder.precision_mismatch(tmp_path, "cpu", "bfloat16") is None
-    assert ladder.precision_mismatch(tmp_path, "cuda", "float32") is None  # the GPU records' own precision
-    assert ladder.precision_mismatch(tmp_path / "empty", "cpu", "float32") is None  # a new ladder
+def test_the_ladder_trains_in_its_records_precision_on_a_machine_that_would_pick_another(tiny_ladder, tmp_path,
+                                                                                         monkeypatch, capsys):
+    """A machine without bf16 instructions resolves `train.dtype=auto` to float32; a ladder whose CPU
+    records trained in bfloat16 still trains its runs in bfloat16 there (emulated), requests it, and
+    reads not stale. Records in two precisions, or `--precision` against the records', are refused
+    in one line; GPU records do not pin the CPU's precision."""
+    monkeypatch.setattr("latentloop.runtime.cpu_bf16_support", lambda: None)
+    monkeypatch.setattr(ladder, "cpu_bf16_support", lambda: None)
+    out = tmp_path / "ladder"
+    (out / "records").mkdir(parents=True)
+    earlier = out / "records" / "earlier.json"  # a record of another run, as the machine before this one made it
+    earlier.write_text(json.dumps({"precision": "bfloat16", "device": "cpu"}))
+    (out / "records" / "gpu.json").write_text(json.dumps({"precision": "float32", "device": "cuda:0"}))
+    smoke = dataclasses.replace(TINY, name="smoke", sizes=TINY.sizes[:1], seeds=(0,))
+    monkeypatch.setattr(ladder, "SMOKE", smoke)
+    monkeypatch.setitem(ladder.SPECS, "smoke", smoke)
+    argv = ["--out", str(out), "--smoke", "--variants", "gpt", "--corpora", "tiny", "--no-probe", "--quiet"]
+    assert ladder.main(argv) == 0
+    assert "(the precision of the ladder's records)" in capsys.readouterr().out
+    record = json.loads(next(path for path in (out / "records").glob("smoke__*.json")).read_text())
+    assert record["precision"] == "bfloat16" and record[ladder.BF16_SUPPORT] is None
+    assert record["config_requested"]["train"]["dtype"] == "bfloat16"
+    assert ladder.stale_fields(record, ladder.planned_entries([record])) == []
+    assert ladder.run_precision(tmp_path / "new", "cpu", None) == "auto"  # a new ladder: this machine's rule
+    assert ladder.run_precision(tmp_path / "new", "cpu", "float32") == "float32"
+    assert ladder.run_precision(out, "cuda", None) == "float32"  # the GPU records' own
+    assert ladder.main([*argv, "--precision", "float32"]) == 2
+    assert "records trained in bfloat16" in capsys.readouterr().err
+    earlier.write_text(json.dumps({"precision": "float32", "device": "cpu"}))
+    with pytest.raises(ladder.LatentloopError, match=r"several precisions \(1 in bfloat16, 1 in float32\)"):
+        ladder.ladder_precision(out, "cpu")
