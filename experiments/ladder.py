@@ -458,6 +458,7 @@ SET_BY_MACHINE = {("data", "source"), ("data", "cache_dir"), ("train", "device")
 # before it did: a record without the field ran as that value runs (e.g. attention_window 0, no
 # imported sliding window). Any other value, or any other field absent then, is a change.
 ADDED_AS_BEFORE = {("model", "attention_window"): 0}
+PRECISIONS = ("bfloat16", "float32")  # a record's `precision`: what its products ran in
 BF16_SUPPORT = "cpu_bf16_support"  # a record's key: the bf16 instructions of the CPU that ran it (None: none)
 CUDA_BF16_SUPPORT = "cuda_bf16_support"  # a GPU run's record: whether its GPU has native bf16
 
@@ -682,8 +683,11 @@ SAVE_CHECK_STEPS = 25  # steps between looks at the clock
 def _made_by(run: RunPlan, requested: dict[str, Any], precision: str) -> dict[str, Any]:
     """What a saved trunk must have been made under to be resumed: the plan entry, the config and the
     precision its products ran in (`train.dtype=auto` resolves by the machine: a trunk carried to a
-    machine without native bf16 would go on in float32 under the same config)."""
-    return {"plan": plan_entry(run), "config": requested, "precision": precision}
+    machine without native bf16 would go on in float32 under the same config). The config's
+    `train.dtype`, "auto" or the ladder's pinned precision (`run_precision`), is left out: the
+    precision says what it resolved to."""
+    config = {**requested, "train": {k: v for k, v in requested.get("train", {}).items() if k != "dtype"}}
+    return {"plan": plan_entry(run), "config": config, "precision": precision}
 
 
 def _load_progress(path: Path, made_by: dict[str, Any], key: str) -> dict[str, Any] | None:
@@ -698,7 +702,10 @@ def _load_progress(path: Path, made_by: dict[str, Any], key: str) -> dict[str, A
     except Exception as exc:  # noqa: BLE001 - a truncated or foreign file of any kind: start the run again
         print(f"  {key}: its saved trunk {path} is unreadable ({first_line(exc)}): starting again", flush=True)
         return None
-    if {"precision": made_by["precision"], **saved.get("made_by", made_by)} != made_by:
+    stamp = {"precision": made_by["precision"], **saved.get("made_by", made_by)}
+    stamp["config"] = {**stamp["config"],  # stamped before `_made_by` left `train.dtype` out (2026-12-07)
+                       "train": {k: v for k, v in stamp["config"].get("train", {}).items() if k != "dtype"}}
+    if stamp != made_by:
         print(f"  {key}: its saved trunk was made under another plan entry, config or precision: starting again",
               flush=True)
         return None
@@ -910,9 +917,13 @@ def ladder_precision(out: Path, device_type: str) -> str | None:
             record = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if isinstance(record, dict) and record.get("precision") and \
-                str(record.get("device", "")).split(":")[0] == device_type:
-            seen[record["precision"]] = seen.get(record["precision"], 0) + 1
+        if not isinstance(record, dict) or str(record.get("device", "")).split(":")[0] != device_type:
+            continue
+        precision = record.get("precision")
+        if precision not in PRECISIONS:
+            raise LatentloopError(f"{path}: its precision is {precision!r}, not one of {', '.join(PRECISIONS)}: "
+                                  f"mend or move the record")
+        seen[precision] = seen.get(precision, 0) + 1
     if len(seen) > 1:
         theirs = ", ".join(f"{count} in {precision}" for precision, count in sorted(seen.items()))
         raise LatentloopError(f"the ladder's {device_type} records trained in several precisions ({theirs}), so no "
@@ -922,13 +933,15 @@ def ladder_precision(out: Path, device_type: str) -> str | None:
 
 def run_precision(out: Path, device: str, asked: str | None) -> str:
     """The `train.dtype` this invocation's runs request: the ladder's precision (`ladder_precision`),
-    or `asked` (`--precision`) for a ladder without one; "auto" where neither says. `asked` against
-    the ladder's own precision is refused: the page would read its columns stale."""
+    or `asked` (`--precision`) for a ladder without one, else what `train.dtype=auto` resolves to on
+    this machine (a concrete precision: shards of a new ladder started on two machines before its
+    first record cannot mix). `asked` against the ladder's own precision is refused: the page would
+    read its columns stale."""
     pinned = ladder_precision(out, torch.device(device).type)
     if pinned is not None and asked not in (None, pinned):
         raise LatentloopError(f"--precision {asked}: the ladder's {torch.device(device).type} records trained in "
                               f"{pinned}, and its runs train in that; a run in {asked} would read stale")
-    return pinned or asked or "auto"
+    return pinned or asked or resolve_dtype(torch.device(device), "auto")
 
 
 def finished(out: Path, run: RunPlan, rerun_stale: bool = False) -> bool:
@@ -941,7 +954,7 @@ def finished(out: Path, run: RunPlan, rerun_stale: bool = False) -> bool:
         record = json.loads(path.read_text())
     except (OSError, ValueError):
         return False
-    if not (bool(record.get("complete")) and record.get("plan") == plan_entry(run)):
+    if not (isinstance(record, dict) and bool(record.get("complete")) and record.get("plan") == plan_entry(run)):
         return False
     return not (rerun_stale and stale_fields(record))
 
@@ -993,7 +1006,7 @@ def probe(variant: Variant, size: Size, spec: LadderSpec, device: str, dtype: st
                 state.lock.release()
     return {"train_flops_per_s": float(np.median(rates)), "eval_tokens_per_s": eval_rates,
             "primary": primary_scoring(config.model), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "repeats": PROBE_REPEATS, "dtype": dtype}
+            "repeats": PROBE_REPEATS, "precision": resolve_dtype(torch.device(device), dtype)}
 
 
 def probe_all(runs: list[RunPlan], spec: LadderSpec, device: str, out: Path, fresh: bool = False,
@@ -1003,12 +1016,14 @@ def probe_all(runs: list[RunPlan], spec: LadderSpec, device: str, out: Path, fre
     probe made before `PROBE_REPEATS` (one measurement, no scoring warm-up), or in another `dtype` (an
     emulated bf16 step takes longer), is measured again."""
     path = out / f"probe-{spec.name}-{device}.json"
+    # a probe made before probes kept their precision (2026-12-07) ran in `auto`'s, on this machine
+    precision, here = resolve_dtype(torch.device(device), dtype), resolve_dtype(torch.device(device), "auto")
     probes = {} if fresh or not path.exists() else json.loads(path.read_text())
     pairs = {(r.variant.name, r.size.name): (r.variant, r.size) for r in runs}
     measured = 0
     for variant, size in pairs.values():
         name = f"{variant.name}@{size.name}"
-        if probes.get(name, {}).get("repeats") != PROBE_REPEATS or probes[name].get("dtype", "auto") != dtype:
+        if probes.get(name, {}).get("repeats") != PROBE_REPEATS or probes[name].get("precision", here) != precision:
             probes[name] = probe(variant, size, spec, device, dtype)
             measured += 1
             _atomic_write_json(path, probes)
@@ -1294,10 +1309,18 @@ def _main(args: argparse.Namespace) -> int:
     if left_failed:
         print(f"{len(left_failed)} runs failed before and are left out ({failed_path}; --retry-failed runs them "
               f"again): {', '.join(left_failed)}", flush=True)
-    dtype = run_precision(out, train_device, args.precision)
-    source = {"auto": "train.dtype=auto on this machine", args.precision: "--precision"}.get(
-        dtype, "the precision of the ladder's records")
-    print(f"{precision_note(torch.device(train_device), dtype)} ({source})", flush=True)
+    dtype = "auto"
+    if todo:  # a finished ladder, or one only planned, is read whatever its records' precisions
+        try:
+            dtype = run_precision(out, train_device, args.precision)
+        except LatentloopError as exc:
+            if not args.plan_only:
+                raise
+            print(f"warning: {first_line(exc)}; the estimate is this machine's train.dtype=auto", flush=True)
+        pinned = ladder_precision(out, torch.device(train_device).type) if dtype != "auto" else None
+        source = ("the precision of the ladder's records" if pinned else
+                  "--precision" if args.precision else "train.dtype=auto on this machine")
+        print(f"{precision_note(torch.device(train_device), dtype)} ({source})", flush=True)
     shard_note = ("" if args.shard is None else
                   f"; shard {args.shard[0]}/{args.shard[1]}: {len(mine)} runs, {len(todo)} left")
     print(f"{len(done)} of {len(runs)} runs finished already (kept, skipped){shard_note}", flush=True)

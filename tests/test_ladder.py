@@ -218,6 +218,14 @@ def test_a_saved_trunk_is_resumed_only_under_its_own_plan_and_config(tiny_ladder
         torch.save({"snapshot": {}, "done": {"points": []}, "made_by": saved_by}, path)
         assert ladder._load_progress(path, made_by, run.key) is None
         assert "made under another plan entry, config or precision: starting again" in capsys.readouterr().out
+    auto = ladder._made_by(run, requested | {"train": requested["train"] | {"dtype": "auto"}}, "bfloat16")
+    pinned = ladder._made_by(run, requested | {"train": requested["train"] | {"dtype": "bfloat16"}}, "bfloat16")
+    torch.save({"snapshot": {}, "done": {"points": []}, "made_by": auto}, path)  # saved before the ladder pinned it
+    assert ladder._load_progress(path, pinned, run.key) is not None  # the same precision: resumed
+    auto_before = json.loads(json.dumps(made_by))  # stamped with `train.dtype` in its config (before 2026-12-07)
+    auto_before["config"]["train"]["dtype"] = "auto"
+    torch.save({"snapshot": {}, "done": {"points": []}, "made_by": auto_before}, path)
+    assert ladder._load_progress(path, pinned, run.key) is not None
     unstamped = {key: value for key, value in made_by.items() if key != "precision"}  # before precision was
     for saved in ({"snapshot": {}, "done": {"points": []}, "made_by": unstamped},
                   {"snapshot": {}, "done": {"points": []}}):  # and before trunks were stamped at all
@@ -318,6 +326,17 @@ def test_the_probe_skips_each_scorings_first_batch_and_takes_medians(tiny_ladder
     monkeypatch.setattr(ladder, "probe", lambda *args: found)
     assert ladder.probe_all([run], TINY, "cpu", tmp_path) == ({f"gpt@{size.name}": found}, 1)
     assert ladder.probe_all([run], TINY, "cpu", tmp_path)[1] == 0
+    # a probe in another precision than the runs' is measured again (emulated bf16 is slower); one from
+    # before probes kept their precision ran in this machine's `auto`
+    monkeypatch.setattr("latentloop.runtime.cpu_bf16_support", lambda: None)
+    monkeypatch.setattr(ladder, "probe", lambda *args: found | {"precision": ladder.resolve_dtype(
+        torch.device("cpu"), args[-1])})
+    without = {f"gpt@{size.name}": {k: v for k, v in found.items() if k != "precision"}}
+    (tmp_path / f"probe-{TINY.name}-cpu.json").write_text(json.dumps(without))
+    assert ladder.probe_all([run], TINY, "cpu", tmp_path, dtype="float32")[1] == 0
+    assert ladder.probe_all([run], TINY, "cpu", tmp_path, dtype="bfloat16")[1] == 1
+    assert ladder.probe_all([run], TINY, "cpu", tmp_path, dtype="bfloat16")[1] == 0
+    assert ladder.probe_all([run], TINY, "cpu", tmp_path, dtype="auto")[1] == 1  # float32 on this machine
 
 
 def test_a_changed_default_marks_the_records_and_their_rows_stale(tiny_ladder, tmp_path, monkeypatch):
@@ -1105,10 +1124,22 @@ def test_the_ladder_trains_in_its_records_precision_on_a_machine_that_would_pick
                                                                                          monkeypatch, capsys):
     """A machine without bf16 instructions resolves `train.dtype=auto` to float32; a ladder whose CPU
     records trained in bfloat16 still trains its runs in bfloat16 there (emulated), requests it, and
-    reads not stale. Records in two precisions, or `--precision` against the records', are refused
-    in one line; GPU records do not pin the CPU's precision."""
+    reads not stale. Records in two precisions (unless only planned), a record of no known precision,
+    or `--precision` against the records' are refused in one line; GPU records do not pin the CPU's
+    precision, and a JSON file that is not a record is passed over."""
     monkeypatch.setattr("latentloop.runtime.cpu_bf16_support", lambda: None)
     monkeypatch.setattr(ladder, "cpu_bf16_support", lambda: None)
+    import latentloop.train.loop as loop
+
+    autocasts: list[torch.dtype | None] = []
+
+    def spied(device, dtype):  # what the training steps' autocast really ran in
+        context = real_autocast(device, dtype)
+        autocasts.append(getattr(context, "fast_dtype", None))
+        return context
+
+    real_autocast = loop.autocast_for
+    monkeypatch.setattr(loop, "autocast_for", spied)
     out = tmp_path / "ladder"
     (out / "records").mkdir(parents=True)
     earlier = out / "records" / "earlier.json"  # a record of another run, as the machine before this one made it
@@ -1120,15 +1151,36 @@ def test_the_ladder_trains_in_its_records_precision_on_a_machine_that_would_pick
     argv = ["--out", str(out), "--smoke", "--variants", "gpt", "--corpora", "tiny", "--no-probe", "--quiet"]
     assert ladder.main(argv) == 0
     assert "(the precision of the ladder's records)" in capsys.readouterr().out
+    assert autocasts and set(autocasts) == {torch.bfloat16}
     record = json.loads(next(path for path in (out / "records").glob("smoke__*.json")).read_text())
     assert record["precision"] == "bfloat16" and record[ladder.BF16_SUPPORT] is None
     assert record["config_requested"]["train"]["dtype"] == "bfloat16"
     assert ladder.stale_fields(record, ladder.planned_entries([record])) == []
-    assert ladder.run_precision(tmp_path / "new", "cpu", None) == "auto"  # a new ladder: this machine's rule
-    assert ladder.run_precision(tmp_path / "new", "cpu", "float32") == "float32"
+    assert ladder.run_precision(tmp_path / "new", "cpu", None) == "float32"  # a new ladder: `auto` on this machine
+    assert ladder.run_precision(tmp_path / "new", "cpu", "bfloat16") == "bfloat16"
     assert ladder.run_precision(out, "cuda", None) == "float32"  # the GPU records' own
+    assert ladder.run_precision(out, "cpu", "bfloat16") == "bfloat16"  # --precision as the records' own
+    (out / "records" / "listed.json").write_text("[1, 2]")  # not a record: neither pins nor breaks anything
+    assert ladder.ladder_precision(out, "cpu") == "bfloat16"
+    run = ladder.plan_ladder(smoke, ladder.ladder_variants(["gpt"]), ("tiny",))[0]
+    kept = (out / "records" / f"{run.file_name}.json").read_text()
+    (out / "records" / f"{run.file_name}.json").write_text("[]")
+    assert not ladder.finished(out, run)
+    (out / "records" / f"{run.file_name}.json").write_text(kept)
+    planned = [*argv, "--plan-only"]
+    assert ladder.main([*argv, "--precision", "float32"]) == 0  # nothing left to train: nothing to refuse
+    capsys.readouterr()
+    (out / "records" / f"{run.file_name}.json").write_text("[]")
     assert ladder.main([*argv, "--precision", "float32"]) == 2
+    (out / "records" / f"{run.file_name}.json").write_text(kept)
     assert "records trained in bfloat16" in capsys.readouterr().err
     earlier.write_text(json.dumps({"precision": "float32", "device": "cpu"}))
     with pytest.raises(ladder.LatentloopError, match=r"several precisions \(1 in bfloat16, 1 in float32\)"):
+        ladder.ladder_precision(out, "cpu")
+    (out / "records" / f"{run.file_name}.json").write_text("[]")  # a run left to train, in a mixed ladder:
+    (out / "records" / "another.json").write_text(json.dumps({"precision": "bfloat16", "device": "cpu"}))
+    assert ladder.main(planned) == 0  # it can still be planned and estimated
+    assert "warning: the ladder's cpu records trained in several precisions" in capsys.readouterr().out
+    earlier.write_text(json.dumps({"precision": ["bfloat16"], "device": "cpu"}))
+    with pytest.raises(ladder.LatentloopError, match=r"earlier.json: its precision is \['bfloat16'\], not one of"):
         ladder.ladder_precision(out, "cpu")
