@@ -13,8 +13,10 @@ def test_train_eval_generate(tiny_run, tiny_corpus, capsys):
     run_dir = tiny_run("gpt")
     capsys.readouterr()
     assert main(["eval", str(run_dir), "--json", "--batches", "2", "--data", f"text:{tiny_corpus}"]) == 0
-    metrics = json.loads(capsys.readouterr().out)
+    printed = capsys.readouterr()
+    metrics = json.loads(printed.out)  # stdout: one JSON document
     assert set(metrics) >= {"loss", "ppl", "bpb"} and metrics["bpb"] > 0
+    assert "eval batches" in printed.err  # the bar, on stderr: a whole split takes minutes (fbt: three times)
     assert main(["generate", str(run_dir), "--prompt", "hello", "--max-new-tokens", "5", "--temperature", "0",
                  "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -57,7 +59,9 @@ def test_resuming_a_finished_run_says_so_and_its_json_is_strict(tiny_run_copy, c
     (["train", "--out", "{run}", "--no-progress"], "already holds a run"),
 ])
 def test_bad_input_is_one_line_exit_2(argv, words, tiny_run, tmp_path, capsys):
-    argv = [a.format(tmp=tmp_path, run=tiny_run("gpt"), long="y" * 200) for a in argv]
+    run = tiny_run("gpt")
+    capsys.readouterr()  # what training the shared run printed, when this test is the first to ask for it
+    argv = [a.format(tmp=tmp_path, run=run, long="y" * 200) for a in argv]
     try:
         code = main(argv)
     except SystemExit as exc:  # argparse rejects flags before main's own handler runs

@@ -19,7 +19,7 @@ def test_train_and_eval_name_what_their_losses_cover_and_agree_on_the_same_batch
     assert main(["eval", str(run), "--json", "--batches", "3", "--batch-size", "2", "--data", f"text:{corpus}"]) == 0
     metrics = json.loads(capsys.readouterr().out)
     assert metrics["measured_on"] == (f"{metrics['tokens']:,} tokens of the val split of text:{corpus} (the first 3 "
-                                      f"batches); train's val figure scores the first 3 batches of 2")
+                                      f"batches); train's val figure scores the first 3 batches of 2 sequences")
     assert f"(on {metrics['tokens']:,} tokens:" in line  # the same batches: the same count ...
     assert abs(metrics["loss"] - train_loss) < 1e-4  # ... and the same loss (train prints 4 decimals)
     assert main(["eval", str(run), "--data", f"text:{corpus}"]) == 0

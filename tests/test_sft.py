@@ -140,8 +140,11 @@ def test_sft_stage_grows_the_vocabulary_trains_and_resumes(tmp_path, capsys, arc
             "--steps", "3", "--batch-size", "4", "--out", str(out), "--no-progress", "--json",
             "--set", "eval_batches=1"]
     assert main(args) == 0
-    summary = json.loads(capsys.readouterr().out)
+    printed = capsys.readouterr()
+    summary = json.loads(printed.out)
     assert summary["step"] == 3 and summary["val_loss"] == summary["val_loss"]  # finite, masked val loss
+    # it said "same tensors; 0 new tensors" while the vocabulary grew by the 4 chat tokens
+    assert "; 4 new token rows (the chat tokens), each the mean of the old rows" in printed.err
     model, tokenizer, config, _ = load_run(out)
     assert tokenizer.chat_tokens is not None and config.model.vocab_size == 263 and config.train.stage == "sft"
     pretraining = TrainConfig()  # both optimizers' peak lrs a fifth of pretraining's (Muon's too, not 0.02)
@@ -179,7 +182,8 @@ def test_extend_stage_scales_rope_theta_and_stays_exact(tmp_path, capsys):
     assert main(["train", "--stage", "extend", "--init-from", str(base), "--set", "sequence_len=32",
                  "--out", str(tmp_path / "short"), "--no-progress"]) == 2
     # eval --by-position draws the extended run beside the run it started from (recorded in its checkpoint):
-    # the same position ranges, the base's up to its own context, each equal to loss_by_position alone
+    # the same position ranges, the base's up to its own context, on the run's own windows: the same text at
+    # the same positions (it read windows of its own context, half the text the run's two batches read)
     capsys.readouterr()
     assert main(["eval", str(out), "--by-position", "4", "--batches", "2", "--batch-size", "2", "--json",
                  "--data", "task:addition:n=500"]) == 0
@@ -187,13 +191,19 @@ def test_extend_stage_scales_rope_theta_and_stays_exact(tmp_path, capsys):
     assert shown["base"]["run"] == str(base.resolve()) and shown["base"]["sequence_len"] == 64
     assert [(b["start"], b["end"]) for b in shown["by_position"]] == [(0, 32), (32, 64), (64, 96), (96, 128)]
     assert [(b["start"], b["end"]) for b in shown["base"]["by_position"]] == [(0, 32), (32, 64)]
-    from latentloop.eval.loss import loss_by_position
     from latentloop.runtime import eval_data
 
     base_model, tokenizer, base_config, _ = load_run(base)
     tokens = eval_data(base_config, tokenizer, "task:addition:n=500").val
-    alone = loss_by_position(base_model, tokens, 2, 64, 2, max_batches=2)
-    assert [b["loss"] for b in shown["base"]["by_position"]] == pytest.approx([b["loss"] for b in alone], rel=1e-6)
+    from latentloop.data.loader import eval_batches
+    from latentloop.objectives.base import token_cross_entropy
+
+    with torch.no_grad():  # the run's windows of 128, each read up to the base's 64
+        per_position = torch.cat([token_cross_entropy(base_model(x[:, :64]).logits, y[:, :64], reduction="none")
+                                  .view(-1, 64) for x, y in eval_batches(tokens, 2, 128, 2)])
+    by_hand = [per_position[:, :32].mean().item(), per_position[:, 32:].mean().item()]
+    assert [b["loss"] for b in shown["base"]["by_position"]] == pytest.approx(by_hand, rel=1e-5)
+    assert [b["tokens"] for b in shown["base"]["by_position"]] == [b["tokens"] for b in shown["by_position"][:2]]
     plot = Path(shown["plot"])
     assert plot == out / "evals" / "loss_by_position.png" and plot.stat().st_size > 1000
     assert main(["eval", str(out), "--by-position", "4", "--batches", "1", "--data", "task:addition:n=500",

@@ -46,7 +46,7 @@ def cmd_eval(args) -> int:
         # the run's own results: their tag (file name) says so, and the file records both
         chosen = Path(args.run).resolve() != run_dir.resolve()
         result = run_tasks(model, tokenizer, args.tasks, data_dir=args.eval_dir, options=generation_options(args),
-                           limit=args.limit, progress=not args.no_progress and not args.json, run_dir=run_dir,
+                           limit=args.limit, progress=not args.no_progress, run_dir=run_dir,
                            batch_size=args.batch_size or DEFAULT_BATCH_SIZE,
                            meta={"run": str(args.run), "checkpoint": str(checkpoint), "step": step,
                                  "arch": config.model.arch},
@@ -82,7 +82,9 @@ def cmd_eval(args) -> int:
     else:  # documents (for the intervals) start at each BOS of the stream
         batches = text_batches(tokens, args.batch_size or 16, config.model.sequence_len, args.batches or None,
                                bos_id=tokenizer.bos_id)
-    if not args.no_progress and not args.json:  # fbt's default eval scores three regimes: a minute or more
+    # fbt's default eval scores three regimes: minutes on a large split. The bar is on stderr, under
+    # --json too: its stdout stays one JSON document
+    if not args.no_progress:
         batches = _with_progress(batches, tokens, args, config.model.sequence_len)
     by_option = score_run(model, batches, tokenizer.token_byte_lengths(), {"given": options} if options else None)
     first = next(iter(by_option))
@@ -93,7 +95,7 @@ def cmd_eval(args) -> int:
     scope = _scored_batches(args.batches, tokens, args.batch_size or 16, config.model.sequence_len)
     metrics["measured_on"] = (f"{by_option[first].get('tokens', 0):,} {'assistant ' if chat else ''}tokens of the "
                               f"{args.split} split of {source} ({scope}); train's val figure scores "
-                              f"{first_batches(config.train.eval_batches)} of {config.train.batch_size}")
+                              f"{first_batches(config.train.eval_batches)} of {config.train.batch_size} sequences")
     if len(by_option) > 1:
         metrics["by_option"] = by_option
     if args.passes_curve:
@@ -185,8 +187,10 @@ def _eval_by_position(args, model, tokens, config, checkpoint, options, tokenize
     if base is not None:
         path, base_model, context = base
         edges = [b["start"] for b in buckets] + [buckets[-1]["end"]]  # the same position ranges, up to its context
+        # the run's own windows, each read by the base up to its context: the same text at the same positions
         result["base"] = {"run": str(path), "sequence_len": context, "by_position": loss_by_position(
-            base_model, tokens, batch_size, context, max_batches=args.batches or None, edges=edges)}
+            base_model, tokens, batch_size, context, max_batches=args.batches or None, edges=edges,
+            window=config.model.sequence_len)}
     plot = _plot_by_position(result, args, checkpoint)
     if plot is not None:
         result["plot"] = str(plot)
@@ -291,7 +295,7 @@ def cmd_analyze(args) -> int:
     if args.out:  # before the analysis runs, not after
         output_folder(args.out, "--out")
     options = {k[len("analysis_"):]: v for k, v in vars(args).items() if k.startswith("analysis_")}
-    show = not (args.no_progress or args.json)  # the long ones: 1000 passes, or task accuracy at every depth
+    show = not args.no_progress  # the long ones (1000 passes, accuracy at every depth): on stderr, --json too
     result = run_analysis(args.analysis, args.run, batches=args.batches, out=Path(args.out) if args.out else None,
                           show_progress=show, data=args.data, **options)
     summary = available()[args.analysis].summary(result)

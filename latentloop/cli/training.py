@@ -124,6 +124,8 @@ def cmd_train(args) -> int:
         report = state.init_report
         print(f"initialised from {args.init_from} ({report['source_arch']} -> {config.model.arch}): "
               f"{report['mapping']}; {len(report['new'])} new tensors"
+              + (f"; {report['grown_rows']} new token rows (the chat tokens), each the mean of the old rows"
+                 if report.get("grown_rows") else "")
               + (f"; exact at step 0: {report['exact_at_step0']}" if "exact_at_step0" in report else ""),
               file=sys.stderr)
     summary = fit(state, progress=not args.no_progress)

@@ -584,7 +584,8 @@ def compare_runs(paths: list[str | Path], out: str | Path = "compare", baseline:
     if tasks:
         parts += ["## CORE and task accuracy per decoding regime", "", tasks, ""]
     else:
-        notes.append("no task results in RUN/evals/ (run `latentloop eval RUN --tasks core` first)")
+        notes.append("no task results in RUN/evals/ (run `latentloop eval RUN --tasks core` first; `--eval-dir PATH` "
+                     "names the task files where they are not downloaded)")
     for plot in plots:
         parts += [f"![{plot[:-4].replace('_', ' ')}]({plot})", ""]
     notes = list(dict.fromkeys(notes + scoring_notes(r.get("arch") for r in runs)))

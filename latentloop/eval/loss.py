@@ -145,12 +145,16 @@ def position_edges(seq_len: int, buckets: int) -> list[int]:
 @torch.no_grad()
 def loss_by_position(model: nn.Module, tokens: np.ndarray, batch_size: int, seq_len: int, buckets: int = 8,
                      max_batches: int | None = None, logits_fn: LogitsFn = plain_logits,
-                     edges: list[int] | None = None) -> list[dict]:
+                     edges: list[int] | None = None, window: int | None = None) -> list[dict]:
     """Mean loss of the targets at each position bucket of the context: `buckets` equal ranges of
     [0, seq_len), or the ranges between `edges` (those within seq_len: another model's buckets,
     to compare the two). Whether a model uses a long context shows as loss that keeps falling with
     the position (more context, better predictions) instead of flattening or rising past the length
-    it was trained at. Returns [{"start", "end", "loss", "tokens"}] per bucket."""
+    it was trained at. `window` (>= seq_len): read the text in windows of that many tokens, another
+    model's longer context, and score the first seq_len positions of each, so that the two models
+    are scored on the same text at the same positions (with `max_batches` too, which would
+    otherwise take the shorter model's windows over less of the text). Returns [{"start", "end",
+    "loss", "tokens"}] per bucket."""
     if edges is None:
         edges = position_edges(seq_len, buckets)
     else:
@@ -159,8 +163,8 @@ def loss_by_position(model: nn.Module, tokens: np.ndarray, batch_size: int, seq_
     count = 0
     device = next(model.parameters()).device
     with evaluating(model):
-        for x, y in eval_batches(tokens, batch_size, seq_len, max_batches):
-            x, y = x.to(device), y.to(device)
+        for x, y in eval_batches(tokens, batch_size, max(window or seq_len, seq_len), max_batches):
+            x, y = x[:, :seq_len].to(device), y[:, :seq_len].to(device)  # (B, seq_len)
             losses = token_cross_entropy(logits_fn(model, x), y, reduction="none").view(y.shape)  # (B, T)
             sums += losses.double().sum(dim=0).cpu()
             count += y.shape[0]

@@ -71,15 +71,19 @@ def initialise_from(model: nn.Module, run: str | Path, grow_vocab: bool = False,
                     new_ids: Sequence[int] = ()) -> dict[str, Any]:
     """Load `run`'s weights into `model` by the rules of the module docstring. Returns a report:
     source arch, what was done, which parameters are new and whether step 0 is exact.
-    `grow_vocab`: the model may have more token ids than the run (SFT's chat tokens, `new_ids`)."""
+    `grow_vocab`: the model may have more token ids than the run (SFT's chat tokens, `new_ids`); the
+    report's `grown_rows` then counts the token rows that start as the mean row (`grow_vocab_rows`)."""
     checkpoint = resolve_checkpoint(run)
     # an fsdp2 run's sharded weights: how to write model.safetensors, not "missing from checksums.json"
     check_full_weights(checkpoint)
     source = read_run_config(checkpoint).model
     target = model.config.arch
+    # new token rows past the run's vocabulary, and added ids on rows it has (a padded vocabulary)
+    grown = ({"grown_rows": model.config.vocab_size - source.vocab_size + sum(i < source.vocab_size for i in new_ids)}
+             if grow_vocab else {})
     if source.arch == target:
         return {"source_arch": source.arch, "mapping": "same tensors",
-                "new": load_matching_weights(model, checkpoint, grow_vocab, new_ids)}
+                "new": load_matching_weights(model, checkpoint, grow_vocab, new_ids)} | grown
     if source.arch != ModelConfig.arch:
         raise CheckpointError(f"--init-from {checkpoint}: a {source.arch} run cannot be upcycled into {target}; "
                               f"start from a {ModelConfig.arch} run")
@@ -91,7 +95,7 @@ def initialise_from(model: nn.Module, run: str | Path, grow_vocab: bool = False,
                                 lambda tensors: load_fitting_tensors(model, tensors, f"--init-from {checkpoint}"))
     if report is None:
         raise CheckpointError(f"--init-from {checkpoint}: no upcycling from {source.arch} into {target}")
-    return {"source_arch": source.arch} | report
+    return {"source_arch": source.arch} | report | grown
 
 
 def _check_backbone(source: ModelConfig, target: ModelConfig, checkpoint: Path) -> None:
