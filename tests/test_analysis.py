@@ -35,6 +35,9 @@ def test_contraction_and_probe(tiny_run_copy, capsys):
     assert set(probes) == {"standard/block0_in", "standard/block0_out", "recurrent/block0_in",
                            "recurrent/block0_out"}
     assert (run / "analysis" / "probe.json").is_file()
+    assert main(["analyze", "probe", str(run), "--passes", "3", "--batches", "2", "--no-progress"]) == 0
+    line = capsys.readouterr().out  # says what the figures are (it printed bare names and numbers)
+    assert "bracket nesting depth (0..4+) from layer 0, held-out probe accuracy: standard/block0_in " in line
     if HAVE_MATPLOTLIB:  # plots are optional (the `plot` extra); the analysis runs without them
         assert (run / "analysis" / "probe.png").is_file()
     assert main(["analyze", "depth", str(run)]) == 2  # wrong architecture: one-line error

@@ -183,7 +183,8 @@ def _plot_probe(plt, r):
 
 def _probe_line(r) -> str:
     line = "; ".join(f"{name} {p['test_accuracy']:.3f}" for name, p in r["probes"].items())
-    return line + f" (majority {next(iter(r['probes'].values()))['majority_baseline']:.3f})"
+    return (f"{r['label']} from layer 0, held-out probe accuracy: {line} "
+            f"(majority {next(iter(r['probes'].values()))['majority_baseline']:.3f})")
 
 
 PROBE = Analysis(
