@@ -176,11 +176,12 @@ def test_cli_eval_curves_are_the_specs_or_refused(kind, runs, text_corpus, capsy
 
     base, _ = runs[kind]
     capsys.readouterr()
-    code = main(["eval", str(base), "--json", "--no-progress", "--batches", "1", "--batch-size", "2",
+    code = main(["eval", str(base), "--json", "--batches", "1", "--batch-size", "2",
                  "--data", f"text:{text_corpus}", "--passes-curve"])
     out = capsys.readouterr()
     model, tokenizer, config, _ = load_run(base)
     curve = get_arch(config.model.arch).curves.get("passes_curve")
+    assert ("eval curve batches" in out.err) is (curve is not None)  # its bar: T passes a batch take long
     if curve is None:
         assert code == 2 and "--passes-curve needs a run of" in out.err and "Traceback" not in out.err
         return

@@ -103,7 +103,8 @@ def cmd_eval(args) -> int:
 
         metrics["passes_curve"] = score_curve(model, get_arch(config.model.arch).curves["passes_curve"], tokens,
                                               tokenizer.token_byte_lengths(), args.batch_size or 16,
-                                              config.model.sequence_len, args.batches or None)
+                                              config.model.sequence_len, args.batches or None,
+                                              show_progress=not args.no_progress)
     notes = get_arch(config.model.arch).notes_for(by_option)
     if notes:
         metrics["notes"] = notes

@@ -27,7 +27,7 @@ from ..data import eval_batches
 from ..data.loader import eval_window_ids
 from ..engine import model_options, teacher_forced_logits, written_inputs
 from ..objectives import token_cross_entropy
-from ..util import evaluating
+from ..util import evaluating, progress
 from .stats import BOOTSTRAP_RESAMPLES, CONFIDENCE, bootstrap_ratio
 
 # (model, x (B, T), written (B, T) or None: the inputs the model wrote, a conversation's replies) -> (B, T, V)
@@ -255,19 +255,22 @@ def score_run(model: nn.Module, batches: Callable[[], Iterable[tuple]], token_by
 @torch.no_grad()
 def score_curve(model: nn.Module, curve: Callable[[nn.Module, Tensor, Tensor], dict[str, Tensor]],
                 tokens: np.ndarray, token_bytes: np.ndarray, batch_size: int, seq_len: int,
-                max_batches: int | None = None,
-                device: torch.device | str | None = None) -> dict[str, dict[str, float]]:
+                max_batches: int | None = None, device: torch.device | str | None = None,
+                show_progress: bool = False) -> dict[str, dict[str, float]]:
     """An eval curve an architecture offers (`ArchSpec.curves`, e.g. fbt's `passes_curve`) over
     the text: `curve(model, x, y)` gives each point's per-token losses (B, T) on a batch, and this
     sums them over the batches into each point's loss (per token) and BPB (over the targets that
-    stand for bytes), in the curve's order."""
+    stand for bytes), in the curve's order. `show_progress`: a bar on stderr (fbt's curve runs T
+    fused passes a batch: an hour over a whole split on a laptop CPU)."""
     was_training = model.training
     model.eval()
     device = device or next(model.parameters()).device
     byte_table = torch.as_tensor(np.asarray(token_bytes), dtype=torch.long, device=device)
     sums: dict[str, list[float]] = {}
+    batches = eval_batches(tokens, batch_size, seq_len, max_batches)
+    total = math.ceil(len(eval_window_ids(tokens, batch_size, seq_len, max_batches)) / batch_size)
     try:
-        for x, y in eval_batches(tokens, batch_size, seq_len, max_batches):
+        for x, y in progress(batches, total=total, desc="eval curve batches", enabled=show_progress):
             x, y = x.to(device), y.to(device)
             target_bytes = byte_table[y.flatten()].view_as(y)  # (B, T)
             for label, losses in curve(model, x, y).items():
