@@ -562,7 +562,12 @@ def precision_line(records: Sequence[dict[str, Any]]) -> str:
     parts = [f"{n} with {products} products and {attention} attention"
              for (products, attention), n in sorted(counts.items())]
     mixed = " — mixed: the runs do not share one recipe" if len(counts) > 1 else ""
-    return f"Training precision: {'; '.join(parts)}{mixed}."
+    # bf16 on a CPU without its instructions: the same precision, emulated (the record keeps the CPU's support)
+    emulated = sum(1 for r in records if r.get("precision") == "bfloat16" and str(r.get("device", "")) == "cpu"
+                   and ladder.BF16_SUPPORT in r and not r[ladder.BF16_SUPPORT])
+    note = (f" {emulated} of the bfloat16 runs emulated it on a CPU without bf16 instructions (the same "
+            f"rounding of each product's inputs and output, slower)." if emulated else "")
+    return f"Training precision: {'; '.join(parts)}{mixed}.{note}"
 
 
 def ladder_plan(records: Sequence[dict[str, Any]], planned: dict[str, dict[str, Any]]) -> Plan:

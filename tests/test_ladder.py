@@ -1118,6 +1118,11 @@ def test_the_page_says_which_precision_its_runs_trained_in():
         "Training precision: 2 with bfloat16 products and float32 attention."
     line = ladder_claims.precision_line([new, old])
     assert "1 with bfloat16 products and bfloat16 attention" in line and "mixed" in line
+    emulated = new | {"device": "cpu", ladder.BF16_SUPPORT: None}  # a CPU without bf16 instructions
+    line = ladder_claims.precision_line([new, emulated, new | {"device": "cpu", ladder.BF16_SUPPORT: "amx_bf16"}])
+    assert line.startswith("Training precision: 3 with bfloat16 products and float32 attention.") and \
+        line.endswith(" 1 of the bfloat16 runs emulated it on a CPU without bf16 instructions (the same rounding of "
+                      "each product's inputs and output, slower).")
 
 
 def test_the_ladder_trains_in_its_records_precision_on_a_machine_that_would_pick_another(tiny_ladder, tmp_path,
