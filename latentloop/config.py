@@ -4,7 +4,7 @@ Every config is a dataclass validated in `__post_init__`; an impossible value ra
 with a one-line message naming the field. Architecture variants subclass `ModelConfig` and add only
 their own knobs (including the knobs of their training procedure, as Huginn keeps its mean
 recurrence next to the model shape); each variant's config class lives in its model file
-(`latentloop/models/fbt.py`: `FBTConfig`, ...), as nanoGPT keeps `GPTConfig` beside `GPT`. This
+(`latentloop/archs/fbt/model.py`: `FBTConfig`, ...), as nanoGPT keeps `GPTConfig` beside `GPT`. This
 module holds the backbone's `ModelConfig` (arch `gpt`), training and data configs, and finds a
 variant's class by its `arch` name among the subclasses the package has imported (importing
 `latentloop` imports every registered architecture).
@@ -163,6 +163,12 @@ class ModelConfig:
     # routing: other parameters, another training route); the contract suite checks each as an
     # architecture of its own, beside the defaults.
     VARIANTS: ClassVar[dict[str, dict[str, Any]]] = {}
+
+    def stage_fields(self, stage: str, base_steps: int) -> dict[str, Any]:
+        """The model fields a later training `stage` from a base run of this config sets, before the
+        user's --set (`stage_defaults`; an arch may derive them from the base, which trained
+        `base_steps` steps)."""
+        return dict(self.stage_defaults.get(stage, {}))
 
     @classmethod
     def training_noise_fields(cls) -> tuple[str, ...]:

@@ -179,6 +179,14 @@ def test_objective_loss_and_flops():
     terms = [token_cross_entropy(lg, y[:, c]) for lg, c in zip(out.pass_logits, out.pass_columns)]
     assert len(terms) == 4
     assert result.loss.item() == pytest.approx((sum(terms) / 4).item(), rel=1e-6)
+    # the logged loss is the merged estimate's next-token loss, as lrt is scored (the composite also
+    # averages in the zero-memory pass, which read higher than gpt's comparable curve)
+    torch.testing.assert_close(result.reported_loss, token_cross_entropy(out.logits, y), rtol=1e-6, atol=0)
+    refining = build_objective(model_config("lrt", "test", recurrence="multi_refine", refine_passes=3), TrainConfig())
+    refiner = _model(recurrence="multi_refine", refine_passes=3)
+    passes = refiner(x, recurrence="multi_refine").pass_logits
+    torch.testing.assert_close(refining(refiner, x, y, step=0).reported_loss, token_cross_entropy(passes[-1], y),
+                               rtol=1e-6, atol=0)
     one_pass = model.flops_per_token(recurrence="chunked")  # chunk_size >= T: one pass over the stack
     assert objective.flops_per_token(model) == pytest.approx(2 * one_pass)  # init pass + one refinement
     refine = build_objective(model_config("lrt", "test", recurrence="multi_refine", refine_passes=3), TrainConfig())

@@ -157,6 +157,26 @@ def test_sft_stage_grows_the_vocabulary_trains_and_resumes(tmp_path, capsys, arc
     assert main(args[:-4] + ["--resume", "--steps", "4", "--no-progress"]) == 0
 
 
+@pytest.mark.parametrize("stage", ["sft", "extend"])
+def test_a_later_stage_of_a_paper_recipe_fbt_mixes_passes_as_its_base_did_after_feedback_started(tmp_path, stage):
+    """The paper recipe's whole-run mix 75/22/3 with feedback from 75% is 0/88/12 per batch after the
+    start; a later stage starts feedback at step 0, and kept the whole-run mix there, so it trained
+    75% of its batches single-pass. The default recipe's per-batch mix is kept as it is."""
+    from latentloop.train.stages import stage_config
+
+    paper = tmp_path / "paper"
+    save_run(build("fbt", preset="test", recipe="paper"), ByteTokenizer(), paper)
+    extra = ["sequence_len=128"] if stage == "extend" else []
+    config = stage_config(stage, paper, extra, data="chat:task:addition_steps:n=50").model
+    assert config.feedback_start == 0.0 and config.run_mix is None
+    assert config.batch_mix(1000) == pytest.approx((0.0, 0.88, 0.12))
+    short = tmp_path / "short"
+    save_run(build("fbt", preset="test"), ByteTokenizer(), short)
+    base = load_run(short)[2].model
+    config = stage_config(stage, short, extra, data="chat:task:addition_steps:n=50").model
+    assert config.batch_mix(1000) == base.batch_mix(1000) and config.feedback_start == 0.0
+
+
 def test_extend_stage_scales_rope_theta_and_stays_exact(tmp_path, capsys):
     base = _base_run(tmp_path)
     out = tmp_path / "long"

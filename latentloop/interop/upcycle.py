@@ -11,7 +11,7 @@ the tokenizer come from the run; `--set` still overrides any field).
 What each arch starts from, and what is exact at step 0, is the arch's own answer: its config
 class's `upcycle_defaults` (fields such as lrt's residual_gamma_init = 0) and `upcycle_shape` (rgpt's
 split of the pretrained blocks), and its model's `upcycle_from(weights, base_layers, load)`, whose
-docstring states the mapping (models/fbt.py, models/lrt.py, models/rgpt.py). An arch without
+docstring states the mapping (archs/fbt/model.py, archs/lrt/model.py, archs/rgpt/model.py). An arch without
 `upcycle_from` cannot start from a gpt run and says so in one line.
 
 A run of the same arch (or a tied gpt into fbt) keeps the old rule: every tensor must fit.

@@ -79,7 +79,8 @@ def stage_config(stage: str, init_from: str | Path, overrides: list[str] = (), d
                     "device": base.train.device, "dtype": base.train.dtype}
     raw["data"] = {"source": base.data.source, "tokenizer": str(tokenizer_file), "val_fraction": base.data.val_fraction,
                    "max_bytes": base.data.max_bytes}
-    layers = [STAGE_DEFAULTS[stage], {f"model.{k}": v for k, v in base.model.stage_defaults.get(stage, {}).items()},
+    arch_fields = base.model.stage_fields(stage, base.train.steps)
+    layers = [STAGE_DEFAULTS[stage], {f"model.{k}": v for k, v in arch_fields.items()},
               {f"{section}.{name}": value for section in SECTIONS for name, value in file[section].items()},
               {"train.stage": stage},  # --stage (or the file's own train.stage) chose this path
               {k: v for k, v in (flags or {}).items() if v is not None}]

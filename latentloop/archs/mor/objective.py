@@ -4,7 +4,7 @@
 
 - expert choice: L_router is the binary cross-entropy of each recursion's router scores against the
   top-k selection (summed over recursions), which teaches the scores the causal threshold decoding
-  uses (`models/mor.py`); the forward takes the top-k training route.
+  uses (`archs/mor/model.py`); the forward takes the top-k training route.
 - token choice: L_router is the load-balancing loss N_r Σ_j f_j P_j.
 
 SFT (a `loss_mask` is given): packed rows end in padding (`data/chat.py`), which the objective is

@@ -10,10 +10,10 @@ token's state (depth), fbt feeds the previous position's top state into the next
     s_t   = ln_f(coda(h^(R)))                                     (the carried state: what the head reads)
 
 Everything else is the parents' code, unchanged: fbt's passes, fusion, regimes and carried state
-(`models/fbt.py`), rgpt's prelude / gated core / coda, depth context and cache (`models/rgpt.py`).
+(`archs/fbt/model.py`), rgpt's prelude / gated core / coda, depth context and cache (`archs/rgpt/model.py`).
 
 Notable features:
-- training (`objectives/rfbt.py`): fbt's scheduled multi-pass objective (pass k fuses pass k-1's top
+- training (`archs/rfbt/objective.py`): fbt's scheduled multi-pass objective (pass k fuses pass k-1's top
   states; a Jacobi iteration of the sequential recurrence, exact after T passes) with rgpt's depth
   drawn per optimizer step (`depth_sampling` uniform or heavy_tail), the same depth in every pass
 - decoding: fbt's regimes (standard, soft, fused) at any depth `steps` (rgpt's early exit at a fixed

@@ -2,8 +2,8 @@
 
     L = L_1 + λ/(K-1) Σ_{k=2..K} L_k,     every pass run at depth r
 
-- K, the prefixes and the SFT fuse mask: fbt's (`objectives/fbt.py`), drawn from (seed, step).
-- r: rgpt's (`objectives/rgpt.py`, `depth_sampling` uniform or heavy_tail), drawn from (seed, step)
+- K, the prefixes and the SFT fuse mask: fbt's (`archs/fbt/objective.py`), drawn from (seed, step).
+- r: rgpt's (`archs/rgpt/objective.py`, `depth_sampling` uniform or heavy_tail), drawn from (seed, step)
   with a generator of its own (independent of K), so every data-parallel rank and a resumed run
   draw the same (K, r); one depth for all K passes of a step, as a decoded token's depth is fixed
   across the tokens it feeds.

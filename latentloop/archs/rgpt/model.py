@@ -56,7 +56,7 @@ from ...models.options import DecodeOption
 
 # -- config ----------------------------------------------------------------------------------------
 
-# rgpt's training depth distributions (drawn per optimizer step by objectives/rgpt.py):
+# rgpt's training depth distributions (drawn per optimizer step by archs/rgpt/objective.py):
 #   uniform:    r ~ Uniform{1..R}, the RecurrentGPT paper's own sampling.
 #   heavy_tail: Huginn's log-normal Poisson (Geiping et al. 2025, arXiv 2502.05171), the baseline the
 #               RecurrentGPT paper compares against: tau ~ N(log r̄ - σ²/2, σ), r = Poisson(e^tau) + 1,
@@ -65,7 +65,7 @@ from ...models.options import DecodeOption
 DEPTH_SAMPLINGS = ("uniform", "heavy_tail")
 HUGINN_DEPTH_SIGMA = 0.5
 # The most recurrence steps one forward may run: a bound on asked-for work. It caps a heavy-tailed
-# training draw (the tail is unbounded) and the depth decoding may ask for (models/rgpt.py).
+# training draw (the tail is unbounded) and the depth decoding may ask for (archs/rgpt/model.py).
 MAX_RECURRENCE_STEPS = 256
 
 
@@ -78,7 +78,7 @@ class RGPTConfig(ModelConfig):
 
     `recurrence_steps` is the trained R (the default inference depth); `truncate_steps`,
     `depth_sampling`, `depth_mean`, `depth_sigma` and `backprop_steps` configure its training
-    objective (see DEPTH_SAMPLINGS and objectives/rgpt.py).
+    objective (see DEPTH_SAMPLINGS and archs/rgpt/objective.py).
     """
 
     arch: ClassVar[str] = "rgpt"
