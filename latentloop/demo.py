@@ -24,6 +24,7 @@ from .engine import generate
 from .errors import ConfigError, LatentloopError, OutputError
 
 DEMO_MARKER = "demo.json"  # a folder holding this file was written by the demo and may be replaced
+REPORT, PLOT = "report.md", "loss.png"  # what else it writes beside the marker: a folder per arch
 # Steps per architecture (the same for all, so every arch sees the same tokens), sized for a few
 # minutes for every architecture together on a quiet 2-core CPU at the `tiny` preset with
 # DEMO_BATCH_SIZE rows of 256 tokens; a new architecture adds its own share.
@@ -41,11 +42,19 @@ SAMPLE_TOKENS = 160
 
 
 def _check_folder(out: Path) -> None:
-    """Refuse an --out the demo may not replace; changes nothing."""
+    """Refuse an --out the demo may not replace; changes nothing. An earlier demo's folder is
+    replaced only while it holds nothing but what a demo writes (a file of the user's own put there
+    was deleted with it)."""
     if out.exists() and not out.is_dir():
         raise OutputError(f"--out {out} is a file; choose a folder")
     if out.exists() and any(out.iterdir()) and not (out / DEMO_MARKER).is_file():
         raise LatentloopError(f"{out} exists and was not written by the demo; choose another --out")
+    if out.is_dir():
+        foreign = sorted(p.name for p in out.iterdir() if p.name not in {DEMO_MARKER, REPORT, PLOT, *ARCHS})
+        if foreign:
+            raise LatentloopError(f"{out} holds {', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}, which "
+                                  f"the demo did not write and would delete with the earlier demo; move it, or "
+                                  f"choose another --out")
 
 
 def _prepare_folder(out: Path) -> None:
@@ -79,10 +88,15 @@ def run_demo(out: Path, steps: int = DEMO_STEPS, data: str = "stdlib", preset: s
              archs: list[str] | None = None, progress: bool = True) -> list[dict[str, Any]]:
     from .train import fit, setup
 
-    archs = archs or list(ARCHS)  # registration order: the baseline first
+    archs = list(ARCHS) if archs is None else archs  # registration order: the baseline first
+    if not archs:
+        raise ConfigError(f"--archs names no arch: choose from {', '.join(sorted(ARCHS))}")
     unknown = [a for a in archs if a not in ARCHS]
     if unknown:
         raise ConfigError(f"unknown arch(s) {', '.join(unknown)}: choose from {', '.join(sorted(ARCHS))}")
+    twice = sorted({a for a in archs if archs.count(a) > 1})
+    if twice:  # its second run would find the first's folder, after the first had trained
+        raise ConfigError(f"--archs names {', '.join(twice)} more than once")
     if not (isinstance(steps, int) and steps >= 1):
         raise ConfigError(f"--steps must be a whole number >= 1, got {steps}")
     _check_folder(out)
@@ -184,9 +198,9 @@ def _plot(out: Path, results: list[dict[str, Any]]) -> str | None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "loss.png", dpi=120)
+    fig.savefig(out / PLOT, dpi=120)
     plt.close(fig)
-    return "loss.png"
+    return PLOT
 
 
 # What a run this short can and cannot show, written into every report after the size of its runs
@@ -223,8 +237,8 @@ def _write_report(out: Path, results: list[dict[str, Any]], data: str, preset: s
     parts.append(f"![loss]({plot})\n" if plot else "(install the `plot` extra for a loss plot)\n")
     for r in results:
         parts += [f"## {r['arch']} sample\n", "```", r["sample"], "```", ""]
-    (out / "report.md").write_text("\n".join(parts))
+    (out / REPORT).write_text("\n".join(parts))
     slim = [{k: v for k, v in r.items() if k != "history"} for r in results]
     (out / DEMO_MARKER).write_text(json.dumps({"status": "done", "results": slim}, indent=2) + "\n")
     print(table)
-    print(f"report: {out / 'report.md'}")
+    print(f"report: {out / REPORT}")

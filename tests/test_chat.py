@@ -334,11 +334,12 @@ def test_a_chats_earlier_replies_reach_the_engine_as_the_models_own(chat_run, mo
 def test_scripted_chat_session(chat_run, monkeypatch, capsys):
     import io
 
-    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n/reset\n\n/what\nagain\n"))  # EOF ends it
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n/reset\n\n/what\n/quit now\nagain\n"))  # EOF ends it
     assert main(["chat", str(chat_run), "--max-new-tokens", "5", "--regime", "fused", "--passes", "2"]) == 0
     out, err = capsys.readouterr()
-    assert out.count("> ") == 6 and "[new conversation]" in out
+    assert out.count("> ") == 7 and "[new conversation]" in out
     assert "unknown command /what" in err
+    assert "[/quit takes no argument: " in err  # it said "unknown command /quit" of a command it knows
     monkeypatch.setattr("sys.stdin", io.StringIO("/quit\nnever read\n"))
     assert main(["chat", str(chat_run)]) == 0
     assert capsys.readouterr().out == "> "

@@ -160,3 +160,28 @@ def test_train_help_names_the_archs_a_gpt_run_upcycles_into(capsys):
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps the help's lines
     named = re.search(r"--arch ([\w /]+?) upcycles it", text).group(1).split(" / ")
     assert named == [name for name, spec in ARCHS.items() if spec.upcycles] and "mor" not in named
+
+
+class _FullOutput:
+    """An stdout that takes nothing (`> /dev/full`)."""
+
+    def write(self, text):
+        raise OSError(28, "No space left on device")
+
+    def flush(self):
+        raise OSError(28, "No space left on device")
+
+
+def test_an_output_that_takes_nothing_is_one_line_and_a_closed_one_discards(tiny_run, capsys, monkeypatch):
+    """`generate ... > /dev/full` ended in an OSError's traceback, and with stdout closed (`>&-`, which
+    leaves sys.stdout None) in an AttributeError's."""
+    run = str(tiny_run("gpt"))
+    capsys.readouterr()
+    argv = ["generate", run, "--prompt", "hi", "--max-new-tokens", "3", "--temperature", "0", "--decode", "eager"]
+    monkeypatch.setattr(sys, "stdout", _FullOutput())
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "latentloop: error: cannot write to standard output: No space left on device"
+    monkeypatch.setattr(sys, "stdout", None)
+    assert main(argv) == 0
+    assert "Traceback" not in capsys.readouterr().err

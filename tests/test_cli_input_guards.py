@@ -85,6 +85,20 @@ def test_analysis_options_refuse_a_non_finite_number(value, tmp_path, capsys):
     assert "--exit-threshold" in err and "finite" in err and repr(value) in err
 
 
+@pytest.mark.parametrize("argv, flag, most", [(["contraction", "--passes", "1000000"], "--passes", 4096),
+                                              (["probe", "--passes", "5000"], "--passes", 4096),
+                                              (["depth", "--max-steps", "1000000"], "--max-steps", 256),
+                                              (["depth", "--min-steps", "257"], "--min-steps", 256)])
+def test_analysis_options_refuse_work_past_decodings_bounds(argv, flag, most, tmp_path, capsys):
+    """`analyze contraction --passes 1000000` ran for an hour and more, `depth --max-steps 1000000`
+    scored every depth to a million; decoding's own options stop at the same bounds."""
+    with pytest.raises(SystemExit) as stopped:
+        main(["analyze", argv[0], str(tmp_path / "run"), *argv[1:], "--no-progress"])
+    assert stopped.value.code == 2
+    err = _one_error_line(capsys.readouterr().err)
+    assert flag in err and f"expected at most {most}" in err
+
+
 def test_a_resume_refuses_an_init_from_it_did_not_start_from(tiny_run, tiny_run_copy, capsys):
     """The --init-from weights were loaded, then overwritten by the resumed checkpoint: the run said
     "initialised from ..." and trained as a plain resume. Another run than the one it started from is
@@ -136,6 +150,7 @@ def test_a_config_that_is_a_folder_is_named_a_folder(tmp_path, capsys):
     ["train", "--arch", "gpt", "--preset", "test", "--out", ""],
     ["train", "--arch", "gpt", "--preset", "test", "--tokenizer", " ", "--out", "run"],
     ["import-hf", "some/model", "--out", ""],
+    ["import-hf", "", "--out", "run"],  # it said ". holds no config.json"
     ["export", "run", "--out", ""],
     ["demo", "--out", ""],
     ["compare", "run", "--out", ""],
@@ -150,5 +165,5 @@ def test_an_empty_path_is_refused_not_read_as_the_current_folder(argv, tmp_path,
         code = exc.code
     err = capsys.readouterr().err
     assert code == 2 and "expected a path, got an empty one" in err, err
-    assert "--out" in err or "--tokenizer" in err
+    assert "--out" in err or "--tokenizer" in err or "PATH" in err
     assert list(tmp_path.iterdir()) == []

@@ -99,6 +99,11 @@ def test_cli_compare(runs, tmp_path, capsys):
     assert "| run | arch |" in out and "report:" in out and (tmp_path / "cmp" / "compare.md").is_file()
     assert main(["compare", str(tmp_path / "missing"), "--out", str(tmp_path / "cmp")]) == 2
     assert capsys.readouterr().err.startswith("latentloop: error:")
+    # the same run twice read as two seeds of one recipe ("seeds 1337, 1337"), its interval over a copy
+    again = str(runs[0].parent / ".." / runs[0].parent.name / runs[0].name)
+    assert main(["compare", str(runs[0]), again, "--out", str(tmp_path / "twice")]) == 2
+    assert capsys.readouterr().err.strip() == f"latentloop: error: run {runs[0]} is named twice"
+    assert not (tmp_path / "twice").exists()
 
 
 def test_not_a_run_folder(tmp_path):

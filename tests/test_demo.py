@@ -101,6 +101,31 @@ def test_a_mistyped_option_leaves_the_previous_demo_as_it_was(mistake, corpus, t
     assert {p.relative_to(out).as_posix(): p.read_text() for p in out.rglob("*") if p.is_file()} == previous
 
 
+@pytest.mark.parametrize("archs, words", [("gpt,gpt", "--archs names gpt more than once"),
+                                          ("", "--archs names no arch"), (" , ", "--archs names no arch")])
+def test_archs_named_twice_or_none_are_refused_before_anything_trains(archs, words, corpus, tmp_path, capsys):
+    """`--archs gpt,gpt` trained the first, then failed on its folder with advice it cannot take
+    (`--resume`); `--archs ""` ran every arch."""
+    out = tmp_path / "demo"
+    assert main(["demo", "--steps", "3", "--archs", archs, "--preset", "test", "--data", f"text:{corpus}",
+                 "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"latentloop: error: {words}" or (words in err and len(err.splitlines()) == 1), err
+    assert not out.exists()
+
+
+def test_a_file_of_the_users_own_in_an_earlier_demos_folder_is_not_deleted(corpus, tmp_path, capsys):
+    out = tmp_path / "demo"
+    out.mkdir()
+    (out / "demo.json").write_text(json.dumps({"status": "done", "results": []}) + "\n")
+    (out / "notes.txt").write_text("precious")
+    assert main(["demo", "--steps", "3", "--archs", "gpt", "--preset", "test", "--data", f"text:{corpus}",
+                 "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "holds notes.txt, which the demo did not write" in err and len(err.strip().splitlines()) == 1
+    assert (out / "notes.txt").read_text() == "precious"
+
+
 def test_the_report_describes_its_brackets_only_when_a_row_has_them(tmp_path, monkeypatch):
     """The report said "in brackets, the 95% bootstrap interval ..." under every table, also under the
     default demo's, whose 18 validation documents are too few for any interval."""

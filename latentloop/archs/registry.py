@@ -52,6 +52,7 @@ class AnalysisOption:
     default: Any
     help: str
     minimum: float | None = None  # the smallest value allowed (None: any)
+    maximum: float | None = None  # the largest (None: any): a bound on asked-for work, as decoding's options have
 
 
 @dataclass(frozen=True)

@@ -44,10 +44,52 @@ def _report(exc: LatentloopError) -> None:
     print(f"latentloop: error: {prefix}{exc}", file=sys.stderr)
 
 
+class StdoutUnwritable(LatentloopError):
+    """Standard output refuses writes (`> /dev/full`, a full disk): the command's output cannot go anywhere."""
+
+
+class _GuardedStdout:
+    """sys.stdout while a command runs: a write or flush that fails (but for a closed pipe, which
+    `main` ends quietly) raises `StdoutUnwritable`, one line, where it was an OSError's traceback
+    from wherever the command printed."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def _guarded(self, call, *args):
+        try:
+            return call(*args)
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise StdoutUnwritable(f"cannot write to standard output: {exc.strerror or exc}") from None
+
+    def write(self, text: str) -> int:
+        return self._guarded(self._stream.write, text)
+
+    def flush(self) -> None:
+        return self._guarded(self._stream.flush)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command; returns its exit code. Without `argv` (sys.argv) this is the process's own
     command line, and after a command that joined a process group it ends the process itself
     (`runtime.exit_without_finalizing`); with `argv` (tests, other Python code) it always returns."""
+    if sys.stdout is None:  # closed by the caller (`>&-`): what a command prints is discarded, as asked
+        import os
+
+        sys.stdout = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115 - the process's own stdout
+    stdout, sys.stdout = sys.stdout, _GuardedStdout(sys.stdout)
+    try:
+        return _main(argv)
+    finally:
+        sys.stdout = stdout
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "threads", None) is not None:  # generate, chat, serve: before anything is built or compiled
         import torch
@@ -55,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     try:
         code = COMMANDS[args.command](args)
+    except StdoutUnwritable as exc:
+        print(f"latentloop: error: {exc}", file=sys.stderr)
+        _silence_stdout()  # what is still buffered would fail again at the interpreter's exit
+        return EXIT_USAGE
     except LatentloopError as exc:
         _report(exc)
         from ..distributed import exit_without_finalizing, in_process_group

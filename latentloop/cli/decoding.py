@@ -186,7 +186,9 @@ def cmd_chat(args) -> int:
             print("[new conversation]")
             continue
         if text.startswith("/"):
-            print(f"[unknown command {text.split()[0]}: {CHAT_COMMANDS}]", file=sys.stderr)
+            command = text.split()[0]
+            print(f"[{command} takes no argument: {CHAT_COMMANDS}]" if command in ("/quit", "/reset") else
+                  f"[unknown command {command}: {CHAT_COMMANDS}]", file=sys.stderr)
             continue
         messages.append({"role": "user", "content": text})
         pieces = []

@@ -109,9 +109,9 @@ def _path(text: str) -> str:
 
 
 def _analysis_type(option):
-    """An analysis option's argument type: its type, a finite number for a float, at least its minimum
-    (one-line usage errors)."""
-    if option.minimum is None and option.type is not float:
+    """An analysis option's argument type: its type, a finite number for a float, within its minimum
+    and maximum (one-line usage errors)."""
+    if option.minimum is None and option.maximum is None and option.type is not float:
         return option.type
 
     def parse(text: str):
@@ -125,6 +125,8 @@ def _analysis_type(option):
             raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
         if option.minimum is not None and value < option.minimum:
             raise argparse.ArgumentTypeError(f"expected at least {option.minimum}, got {text!r}")
+        if option.maximum is not None and value > option.maximum:
+            raise argparse.ArgumentTypeError(f"expected at most {option.maximum}, got {text!r}")
         return value
 
     return parse
@@ -355,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("import-hf", help="import a Hugging Face Llama-family checkpoint (llama, mistral, qwen2) "
                                          "as a gpt run")
-    i.add_argument("source", metavar="PATH", help="a local model folder (config.json, *.safetensors, "
+    i.add_argument("source", metavar="PATH", type=_path, help="a local model folder (config.json, *.safetensors, "
                                                   "tokenizer.json) or a Hub name org/name")
     i.add_argument("--out", type=_path, required=True, help="run folder to create")
     i.add_argument("--sequence-len", type=_positive_int, default=None,

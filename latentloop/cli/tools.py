@@ -55,7 +55,7 @@ def cmd_tokenizer(args) -> int:
 def cmd_demo(args) -> int:
     from ..demo import run_demo
 
-    archs = [a.strip() for a in args.archs.split(",")] if args.archs else None
+    archs = None if args.archs is None else [a.strip() for a in args.archs.split(",") if a.strip()]
     from ..demo import DEMO_STEPS
 
     run_demo(Path(args.out), steps=DEMO_STEPS if args.steps is None else args.steps, data=args.data,

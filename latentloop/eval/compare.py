@@ -550,6 +550,10 @@ def compare_runs(paths: list[str | Path], out: str | Path = "compare", baseline:
     first group)."""
     if not paths:
         raise ConfigError("give at least one run folder")
+    resolved = [Path(path).resolve() for path in paths]
+    twice = next((path for path, where in zip(paths, resolved) if resolved.count(where) > 1), None)
+    if twice is not None:  # it would count as two seeds of one recipe, and narrow their interval
+        raise ConfigError(f"run {twice} is named twice")
     for path in paths:  # a wrong folder is named before the progress bar starts
         _config_file(Path(path))
     check_output_folder(out, "--out")  # a file in its way, too; it is made once the runs are read

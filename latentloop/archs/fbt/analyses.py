@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from ...models.criteria import RelativeChange
 from ...objectives.base import token_cross_entropy
 from ..registry import Analysis, AnalysisOption
+from .model import MAX_PASSES
 
 MARKED_PASSES = (1, 2, 3, 4, 8, 16)  # the K's `eval --passes-curve` reports, marked on the loss per pass
 PROBE_CLASSES = 5  # nesting depth 0..3, and 4 for "4 or deeper"
@@ -102,7 +103,7 @@ def _contraction_line(r) -> str:
 CONTRACTION = Analysis(
     help="iterate the multi-pass map; relative change and loss per pass", run=contraction,
     summary=_contraction_line, plot=_plot_contraction, batches=1, batch_size=4,
-    options=(AnalysisOption("passes", int, 1000, "passes to iterate", minimum=1),))
+    options=(AnalysisOption("passes", int, 1000, "passes to iterate", minimum=1, maximum=MAX_PASSES),))
 
 
 # -- probe -----------------------------------------------------------------------------------------------
@@ -190,6 +191,6 @@ def _probe_line(r) -> str:
 PROBE = Analysis(
     help="linear probes of nesting depth from layer 0, standard vs recurrent", run=probe, summary=_probe_line,
     plot=_plot_probe, batches=4, batch_size=8,
-    options=(AnalysisOption("passes", int, 4, "passes of the recurrent prefill", minimum=1),))
+    options=(AnalysisOption("passes", int, 4, "passes of the recurrent prefill", minimum=1, maximum=MAX_PASSES),))
 
 ANALYSES = {"contraction": CONTRACTION, "probe": PROBE}

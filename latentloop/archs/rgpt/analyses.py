@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from ...models.criteria import KLDivergence
 from ...objectives.base import token_cross_entropy
 from ..registry import Analysis, AnalysisOption
+from .model import MAX_STEPS
 
 
 def average_ranks(values: np.ndarray) -> np.ndarray:
@@ -110,9 +111,10 @@ def _line(r) -> str:
 DEPTH = Analysis(
     help="early-exit curve, gate per step, exit depth vs token loss", run=depth, summary=_line, plot=_plot,
     batches=2, batch_size=8,
-    options=(AnalysisOption("max_steps", int, None, "evaluate r = 1..this (default: trained R)", minimum=1),
+    options=(AnalysisOption("max_steps", int, None, "evaluate r = 1..this (default: trained R)", minimum=1,
+                            maximum=MAX_STEPS),
              AnalysisOption("exit_threshold", float, 0.01, "KL threshold of the adaptive exit", minimum=0.0),
-             AnalysisOption("min_steps", int, 1, "steps before any exit", minimum=1),
+             AnalysisOption("min_steps", int, 1, "steps before any exit", minimum=1, maximum=MAX_STEPS),
              AnalysisOption("task_limit", int, 50, "for runs trained on task:NAME, test examples scored at each "
                                                    "depth", minimum=1)))
 
