@@ -224,7 +224,7 @@ def test_is_small_stops_reading_once_it_has_counted_enough_documents(tmp_path, m
     monkeypatch.setattr(sources, "_TEXT_CHUNK_BYTES", 64, raising=False)
     source = parse_source(f"text:{file}")
     assert source.is_small() is False
-    with pytest.raises(DataError, match=f"not valid UTF-8 \\(byte {len(stories)}\\)"):
+    with pytest.raises(DataError, match=f"not valid UTF-8 \\(byte 0xff at offset {len(stories)}\\)"):
         list(source.iter_documents("train"))  # the whole file still is read in the end, and refused
 
 

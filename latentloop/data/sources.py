@@ -299,7 +299,8 @@ def _read_text(file: Path) -> Iterator[str]:
             try:
                 window = held + decoder.decode(chunk, final=final)
             except UnicodeDecodeError as exc:
-                raise DataError(f"{file} is not valid UTF-8 (byte {offset - undecoded + exc.start})") from exc
+                raise DataError(f"{file} is not valid UTF-8 (byte 0x{exc.object[exc.start]:02x} at offset "
+                                f"{offset - undecoded + exc.start})") from exc
             offset += len(chunk)
             start = 0
             while (end := window.find(END_OF_TEXT, start)) != -1:
