@@ -931,17 +931,31 @@ def ladder_precision(out: Path, device_type: str) -> str | None:
     return next(iter(seen), None)
 
 
-def run_precision(out: Path, device: str, asked: str | None) -> str:
-    """The `train.dtype` this invocation's runs request: the ladder's precision (`ladder_precision`),
-    or `asked` (`--precision`) for a ladder without one, else what `train.dtype=auto` resolves to on
-    this machine (a concrete precision: shards of a new ladder started on two machines before its
-    first record cannot mix). `asked` against the ladder's own precision is refused: the page would
-    read its columns stale."""
-    pinned = ladder_precision(out, torch.device(device).type)
+PRECISION_FILE = "precision.json"  # in --out, beside the records: {device type: the ladder's precision}
+
+
+def run_precision(out: Path, device: str, asked: str | None, keep: bool = True) -> str:
+    """The `train.dtype` this invocation's runs request: the ladder's precision, from its records
+    (`ladder_precision`) or, before its first record, from `out/precision.json`; for a new ladder,
+    `asked` (`--precision`), else what `train.dtype=auto` resolves to on this machine, kept in that
+    file (`keep`), so shards started on two machines before the first record cannot mix. `asked`
+    against the ladder's own precision is refused: the page would read its columns stale."""
+    kind = torch.device(device).type
+    path = out / PRECISION_FILE
+    try:
+        kept = json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError) as exc:
+        raise LatentloopError(f"{path} is unreadable ({first_line(exc)}): mend or remove it") from None
+    if not isinstance(kept, dict) or kept.get(kind, PRECISIONS[0]) not in PRECISIONS:
+        raise LatentloopError(f"{path}: expected {{device type: one of {', '.join(PRECISIONS)}}}, got {kept!r}"[:300])
+    pinned = ladder_precision(out, kind) or kept.get(kind)
     if pinned is not None and asked not in (None, pinned):
-        raise LatentloopError(f"--precision {asked}: the ladder's {torch.device(device).type} records trained in "
-                              f"{pinned}, and its runs train in that; a run in {asked} would read stale")
-    return pinned or asked or resolve_dtype(torch.device(device), "auto")
+        raise LatentloopError(f"--precision {asked}: the ladder's {kind} runs train in {pinned} (its records, or "
+                              f"{path}); a run in {asked} would read stale")
+    chosen = pinned or asked or resolve_dtype(torch.device(device), "auto")
+    if keep and kept.get(kind) != chosen:
+        _atomic_write_json(path, {**kept, kind: chosen})
+    return chosen
 
 
 def finished(out: Path, run: RunPlan, rerun_stale: bool = False) -> bool:
@@ -1311,14 +1325,14 @@ def _main(args: argparse.Namespace) -> int:
               f"again): {', '.join(left_failed)}", flush=True)
     dtype = "auto"
     if todo:  # a finished ladder, or one only planned, is read whatever its records' precisions
+        new_ladder = not (out / PRECISION_FILE).exists() and not any((out / "records").glob("*.json"))
         try:
-            dtype = run_precision(out, train_device, args.precision)
+            dtype = run_precision(out, train_device, args.precision, keep=not args.plan_only)
         except LatentloopError as exc:
             if not args.plan_only:
                 raise
             print(f"warning: {first_line(exc)}; the estimate is this machine's train.dtype=auto", flush=True)
-        pinned = ladder_precision(out, torch.device(train_device).type) if dtype != "auto" else None
-        source = ("the precision of the ladder's records" if pinned else
+        source = ("the ladder's own: its records, or " + PRECISION_FILE if not new_ladder else
                   "--precision" if args.precision else "train.dtype=auto on this machine")
         print(f"{precision_note(torch.device(train_device), dtype)} ({source})", flush=True)
     shard_note = ("" if args.shard is None else

@@ -164,10 +164,10 @@ class ModelConfig:
     # architecture of its own, beside the defaults.
     VARIANTS: ClassVar[dict[str, dict[str, Any]]] = {}
 
-    def stage_fields(self, stage: str, base_steps: int) -> dict[str, Any]:
+    def stage_fields(self, stage: str, base_steps: int, named: frozenset[str] = frozenset()) -> dict[str, Any]:
         """The model fields a later training `stage` from a base run of this config sets, before the
         user's --set (`stage_defaults`; an arch may derive them from the base, which trained
-        `base_steps` steps)."""
+        `base_steps` steps, and from what the user's own layers set: `named`, their field names)."""
         return dict(self.stage_defaults.get(stage, {}))
 
     @classmethod

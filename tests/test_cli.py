@@ -185,3 +185,18 @@ def test_an_output_that_takes_nothing_is_one_line_and_a_closed_one_discards(tiny
     monkeypatch.setattr(sys, "stdout", None)
     assert main(argv) == 0
     assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/dev/full"), reason="no /dev/full here")
+def test_a_full_stdout_is_one_line_when_the_output_was_buffered_too(tmp_path):
+    """Outside a terminal Python buffers stdout: a command's output met the full device only at the
+    interpreter's last flush, after the command ("Exception ignored ... OSError", exit 120)."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "latentloop", "plan", "--arch", "gpt", "--preset", "test",
+                               "--tokens", "1M", "--json"], stdout=full, stderr=subprocess.PIPE, text=True, env=env,
+                              cwd=tmp_path, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == "latentloop: error: cannot write to standard output: No space left on device"

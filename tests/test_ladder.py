@@ -1155,14 +1155,23 @@ def test_the_ladder_trains_in_its_records_precision_on_a_machine_that_would_pick
     monkeypatch.setitem(ladder.SPECS, "smoke", smoke)
     argv = ["--out", str(out), "--smoke", "--variants", "gpt", "--corpora", "tiny", "--no-probe", "--quiet"]
     assert ladder.main(argv) == 0
-    assert "(the precision of the ladder's records)" in capsys.readouterr().out
+    assert "(the ladder's own: its records, or precision.json)" in capsys.readouterr().out
     assert autocasts and set(autocasts) == {torch.bfloat16}
     record = json.loads(next(path for path in (out / "records").glob("smoke__*.json")).read_text())
     assert record["precision"] == "bfloat16" and record[ladder.BF16_SUPPORT] is None
     assert record["config_requested"]["train"]["dtype"] == "bfloat16"
     assert ladder.stale_fields(record, ladder.planned_entries([record])) == []
-    assert ladder.run_precision(tmp_path / "new", "cpu", None) == "float32"  # a new ladder: `auto` on this machine
-    assert ladder.run_precision(tmp_path / "new", "cpu", "bfloat16") == "bfloat16"
+    # a new ladder: `auto` on this machine, kept before its first record, so that a shard started on a
+    # machine with bf16 instructions trains in the same precision
+    assert ladder.run_precision(tmp_path / "new", "cpu", None) == "float32"
+    assert json.loads((tmp_path / "new" / "precision.json").read_text()) == {"cpu": "float32"}
+    monkeypatch.setattr("latentloop.runtime.cpu_bf16_support", lambda: "amx_bf16")
+    assert ladder.run_precision(tmp_path / "new", "cpu", None) == "float32"
+    with pytest.raises(ladder.LatentloopError, match="runs train in float32"):
+        ladder.run_precision(tmp_path / "new", "cpu", "bfloat16")
+    monkeypatch.setattr("latentloop.runtime.cpu_bf16_support", lambda: None)
+    assert ladder.run_precision(tmp_path / "planned", "cpu", "bfloat16", keep=False) == "bfloat16"
+    assert not (tmp_path / "planned" / "precision.json").exists()  # --plan-only keeps nothing
     assert ladder.run_precision(out, "cuda", None) == "float32"  # the GPU records' own
     assert ladder.run_precision(out, "cpu", "bfloat16") == "bfloat16"  # --precision as the records' own
     (out / "records" / "listed.json").write_text("[1, 2]")  # not a record: neither pins nor breaks anything
@@ -1178,7 +1187,7 @@ def test_the_ladder_trains_in_its_records_precision_on_a_machine_that_would_pick
     (out / "records" / f"{run.file_name}.json").write_text("[]")
     assert ladder.main([*argv, "--precision", "float32"]) == 2
     (out / "records" / f"{run.file_name}.json").write_text(kept)
-    assert "records trained in bfloat16" in capsys.readouterr().err
+    assert "runs train in bfloat16" in capsys.readouterr().err
     earlier.write_text(json.dumps({"precision": "float32", "device": "cpu"}))
     with pytest.raises(ladder.LatentloopError, match=r"several precisions \(1 in bfloat16, 1 in float32\)"):
         ladder.ladder_precision(out, "cpu")

@@ -170,6 +170,11 @@ def test_a_later_stage_of_a_paper_recipe_fbt_mixes_passes_as_its_base_did_after_
     config = stage_config(stage, paper, extra, data="chat:task:addition_steps:n=50").model
     assert config.feedback_start == 0.0 and config.run_mix is None
     assert config.batch_mix(1000) == pytest.approx((0.0, 0.88, 0.12))
+    # a mix or a start of the user's own stands (a derived pass_mix beside their run_mix was refused)
+    for mine in (["run_mix=[0.5,0.5]"], ["model.pass_mix=[0.2,0.8]"], ["feedback_start=0.5"]):
+        config = stage_config(stage, paper, extra + mine, data="chat:task:addition_steps:n=50").model
+        key, value = mine[0].removeprefix("model.").split("=")
+        assert getattr(config, key) == pytest.approx(json.loads(value))
     short = tmp_path / "short"
     save_run(build("fbt", preset="test"), ByteTokenizer(), short)
     base = load_run(short)[2].model

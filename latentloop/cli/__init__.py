@@ -44,8 +44,9 @@ def _report(exc: LatentloopError) -> None:
     print(f"latentloop: error: {prefix}{exc}", file=sys.stderr)
 
 
-class StdoutUnwritable(LatentloopError):
-    """Standard output refuses writes (`> /dev/full`, a full disk): the command's output cannot go anywhere."""
+class StdoutUnwritable(LatentloopError, OSError):
+    """Standard output refuses writes (`> /dev/full`, a full disk): the command's output cannot go
+    anywhere. An OSError too: `exit_without_finalizing`'s last flush passes over it as over any."""
 
 
 class _GuardedStdout:
@@ -55,20 +56,25 @@ class _GuardedStdout:
 
     def __init__(self, stream):
         self._stream = stream
+        self._refused = False  # once it refused a write, what follows is discarded: the error was said
 
     def _guarded(self, call, *args):
+        if self._refused:
+            return None
         try:
             return call(*args)
         except BrokenPipeError:
             raise
         except OSError as exc:
+            self._refused = True
             raise StdoutUnwritable(f"cannot write to standard output: {exc.strerror or exc}") from None
 
     def write(self, text: str) -> int:
-        return self._guarded(self._stream.write, text)
+        written = self._guarded(self._stream.write, text)
+        return len(text) if written is None else written
 
     def flush(self) -> None:
-        return self._guarded(self._stream.flush)
+        self._guarded(self._stream.flush)
 
     def __getattr__(self, name: str):
         return getattr(self._stream, name)
@@ -84,7 +90,17 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115 - the process's own stdout
     stdout, sys.stdout = sys.stdout, _GuardedStdout(sys.stdout)
     try:
-        return _main(argv)
+        try:
+            code = _main(argv)
+        except SystemExit:  # argparse's --help and usage errors: what it printed is flushed in the guard too
+            sys.stdout.flush()
+            raise
+        sys.stdout.flush()  # output still buffered (stdout is not a terminal) fails here, not at the exit
+        return code
+    except StdoutUnwritable as exc:
+        print(f"latentloop: error: {exc}", file=sys.stderr)
+        _silence_stdout()  # what is still buffered would fail again at the interpreter's exit
+        return EXIT_USAGE
     finally:
         sys.stdout = stdout
 
@@ -97,12 +113,10 @@ def _main(argv: list[str] | None) -> int:
         torch.set_num_threads(args.threads)
     try:
         code = COMMANDS[args.command](args)
-    except StdoutUnwritable as exc:
-        print(f"latentloop: error: {exc}", file=sys.stderr)
-        _silence_stdout()  # what is still buffered would fail again at the interpreter's exit
-        return EXIT_USAGE
     except LatentloopError as exc:
         _report(exc)
+        if isinstance(exc, StdoutUnwritable):  # what is still buffered would fail again, and be said twice
+            _silence_stdout()
         from ..distributed import exit_without_finalizing, in_process_group
 
         # the group is not left (a peer may wait in a collective; torchrun ends it), but its threads

@@ -79,7 +79,11 @@ def stage_config(stage: str, init_from: str | Path, overrides: list[str] = (), d
                     "device": base.train.device, "dtype": base.train.dtype}
     raw["data"] = {"source": base.data.source, "tokenizer": str(tokenizer_file), "val_fraction": base.data.val_fraction,
                    "max_bytes": base.data.max_bytes}
-    arch_fields = base.model.stage_fields(stage, base.train.steps)
+    # the model fields the user's own layers set (the file, the flags, --set with a dotted or bare key)
+    named = frozenset([*file["model"], *(k.split(".", 1)[1] for k, v in (flags or {}).items()
+                                         if k.startswith("model.") and v is not None),
+                       *(item.split("=", 1)[0].strip().removeprefix("model.") for item in overrides)])
+    arch_fields = base.model.stage_fields(stage, base.train.steps, named)
     layers = [STAGE_DEFAULTS[stage], {f"model.{k}": v for k, v in arch_fields.items()},
               {f"{section}.{name}": value for section in SECTIONS for name, value in file[section].items()},
               {"train.stage": stage},  # --stage (or the file's own train.stage) chose this path

@@ -198,12 +198,18 @@ class FBTConfig(ModelConfig):
     stage_defaults: ClassVar[dict[str, dict[str, Any]]] = {"sft": {"feedback_start": 0.0},
                                                            "extend": {"feedback_start": 0.0}}
 
-    def stage_fields(self, stage: str, base_steps: int) -> dict[str, Any]:
+    def stage_fields(self, stage: str, base_steps: int, named: frozenset[str] = frozenset()) -> dict[str, Any]:
         """From step 0, a later stage mixes passes as the base did after its feedback started: a
         whole-run mix (`run_mix`, the paper recipe's 75/22/3) becomes that per-batch mix (0/88/12
         after a start at 75%). Kept as a whole-run mix with the start at 0, it trained 75% of the
-        stage's batches single-pass."""
-        fields = super().stage_fields(stage, base_steps)
+        stage's batches single-pass. Where the user sets the mix or the start, theirs stands: a mix of
+        theirs of one kind clears the base's of the other (the two are exclusive)."""
+        fields = super().stage_fields(stage, base_steps, named)
+        mixes = {"pass_mix", "run_mix"}
+        if named & mixes:
+            return fields | {other: None for other in mixes - named} if len(named & mixes) == 1 else fields
+        if "feedback_start" in named:
+            return fields
         if fields.get("feedback_start") == 0.0 and self.pass_mix is None and self.run_mix is not None:
             fields |= {"pass_mix": list(self.batch_mix(base_steps)), "run_mix": None}
         return fields
