@@ -43,6 +43,9 @@ def test_rgpt_eval_takes_every_option_of_its_arch(runs, flags, capsys):
     (["generate", "{gpt}", "--prompt", "hi", "--passes", "1000000000"], "passes"),
     (["generate", "{gpt}", "--prompt", "hi", "--regime", "soft"], "does not support"),
     (["generate", "{rgpt}", "--prompt", "hi", "--exit-threshold", "0.1", "--no-cache"], "needs the cache"),
+    # a cache of less memory without a cache changed nothing, silently
+    (["generate", "{rgpt}", "--prompt", "hi", "--cache-mode", "mean", "--no-cache"],
+     "cache_mode='mean' needs the cache"),
     (["generate", "{gpt}", "--prompt", "hi", "--compile", "--no-cache"], "use_cache"),
     (["eval", "{rgpt}", "--exit-threshold", "-1", "--data", "stdlib"], "exit_threshold"),
 ])

@@ -223,7 +223,7 @@ OPTIONS = (
                  "fixed depth below it)", minimum=1, maximum=MAX_STEPS),
     DecodeOption("cache_mode", str, "full", "KV cache of the core: one slot per (step, core layer) (full, exact), "
                  "or a running mean / the latest step per core layer (less memory)", choices=CACHE_MODES,
-                 approximates=lambda mode: mode != "full"),
+                 approximates=lambda mode: mode != "full", needs_cache=lambda mode: mode != "full"),
     DecodeOption("exit_threshold", float, 0.0, "adaptive exit while decoding: stop a token's recurrence once the "
                  "criterion falls below this (0: off; needs the cache)", minimum=0.0,
                  needs_cache=lambda value: value > 0),
