@@ -161,6 +161,18 @@ def test_against_needs_by_position(tiny_run, capsys):
     assert "--by-position" in capsys.readouterr().err
 
 
+def test_more_position_buckets_than_positions_are_said(tiny_run_copy, tiny_corpus, capsys):
+    """`--by-position 100000` was reduced to one bucket per position without a word."""
+    run = tiny_run_copy("gpt")  # its plot goes into the run's evals/
+    capsys.readouterr()
+    assert main(["eval", str(run), "--by-position", "100000", "--batches", "1", "--json", "--no-progress",
+                 "--data", f"text:{tiny_corpus}"]) == 0
+    printed = capsys.readouterr()
+    seq_len = json.loads(printed.out)["sequence_len"]
+    assert len(json.loads(printed.out)["by_position"]) == seq_len
+    assert f"--by-position 100000: a context of {seq_len} positions makes at most {seq_len} buckets" in printed.err
+
+
 def test_against_refuses_another_tokenizer(monkeypatch, tmp_path):
     from latentloop import runs
     from latentloop.cli import scoring

@@ -178,6 +178,11 @@ def _eval_by_position(args, model, tokens, config, checkpoint, options, tokenize
     from ..eval.loss import decoding_logits, loss_by_position, plain_logits
 
     model_options(model, options)  # a bad option fails before any batch
+    if args.by_position > config.model.sequence_len:
+        from ..util import warn_once
+
+        warn_once(f"--by-position {args.by_position}: a context of {config.model.sequence_len} positions makes at "
+                  f"most {config.model.sequence_len} buckets, one position each")
     logits_fn = decoding_logits(options) if options else plain_logits
     batch_size = args.batch_size or 16
     base = _position_base(args, checkpoint, model, tokenizer)  # (path, model, context) or None, before any batch
