@@ -686,8 +686,12 @@ def _made_by(run: RunPlan, requested: dict[str, Any], precision: str) -> dict[st
     machine without native bf16 would go on in float32 under the same config). The config's
     `train.dtype`, "auto" or the ladder's pinned precision (`run_precision`), is left out: the
     precision says what it resolved to."""
-    config = {**requested, "train": {k: v for k, v in requested.get("train", {}).items() if k != "dtype"}}
-    return {"plan": plan_entry(run), "config": config, "precision": precision}
+    return {"plan": plan_entry(run), "config": _without_dtype(requested), "precision": precision}
+
+
+def _without_dtype(config: dict[str, Any]) -> dict[str, Any]:
+    """A requested config without its `train.dtype` (a trunk's stamp: `_made_by`)."""
+    return {**config, "train": {k: v for k, v in config.get("train", {}).items() if k != "dtype"}}
 
 
 def _load_progress(path: Path, made_by: dict[str, Any], key: str) -> dict[str, Any] | None:
@@ -703,8 +707,8 @@ def _load_progress(path: Path, made_by: dict[str, Any], key: str) -> dict[str, A
         print(f"  {key}: its saved trunk {path} is unreadable ({first_line(exc)}): starting again", flush=True)
         return None
     stamp = {"precision": made_by["precision"], **saved.get("made_by", made_by)}
-    stamp["config"] = {**stamp["config"],  # stamped before `_made_by` left `train.dtype` out (2026-12-07)
-                       "train": {k: v for k, v in stamp["config"].get("train", {}).items() if k != "dtype"}}
+    # a trunk stamped before `_made_by` left `train.dtype` out (2026-12-07) holds it in its config
+    stamp["config"] = _without_dtype(stamp["config"])
     if stamp != made_by:
         print(f"  {key}: its saved trunk was made under another plan entry, config or precision: starting again",
               flush=True)

@@ -206,9 +206,10 @@ class FBTConfig(ModelConfig):
         theirs of one kind clears the base's of the other (the two are exclusive)."""
         fields = super().stage_fields(stage, base_steps, named)
         mixes = {"pass_mix", "run_mix"}
-        if named & mixes:
-            return fields | {other: None for other in mixes - named} if len(named & mixes) == 1 else fields
-        if "feedback_start" in named:
+        theirs = named & mixes
+        if len(theirs) == 1:  # theirs of one kind clears the base's of the other
+            return fields | {other: None for other in mixes - theirs}
+        if theirs or "feedback_start" in named:
             return fields
         if fields.get("feedback_start") == 0.0 and self.pass_mix is None and self.run_mix is not None:
             fields |= {"pass_mix": list(self.batch_mix(base_steps)), "run_mix": None}
