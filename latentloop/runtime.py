@@ -29,6 +29,7 @@ from .data import TokenData, parse_source, prepare_tokens
 from .data.chat import CHAT_PREFIX, split_chat_file
 from .data.sources import MixSource
 from .errors import ConfigError, OutputError
+from .precision import CPU_BF16_ENV, CPU_BF16_FLAGS, cpu_bf16_support, emulated_bf16_autocast  # noqa: F401
 from .util import default_cache_dir, nearest_existing, read_json_object
 
 EVAL_DIR_ENV = "LATENTLOOP_EVAL_DIR"  # folder of the evaluation task files
@@ -85,30 +86,6 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-# The CPU features that give bf16 matrix products their own instructions (Linux /proc/cpuinfo flag
-# names): without one of them torch emulates bf16 and a bf16 step is slower than an fp32 one.
-CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
-
-
-# Set to "0" to treat this CPU as one without bf16 instructions: `train.dtype=auto` then trains in
-# fp32 (the test suite sets it, so that its exactness and resume checks run in fp32 everywhere).
-CPU_BF16_ENV = "LATENTLOOP_CPU_BF16"
-
-
-def cpu_bf16_support() -> str | None:
-    """The first of `CPU_BF16_FLAGS` this CPU has, or None (also off Linux, where the flags cannot
-    be read, and when `CPU_BF16_ENV` is "0"; torch's own view is
-    `torch.backends.cpu.get_cpu_capability()`, which names the vector width only)."""
-    if os.environ.get(CPU_BF16_ENV) == "0":
-        return None
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return None
-    return next((flag for flag in CPU_BF16_FLAGS if flag in flags), None)
-
-
 _THIS_MACHINE = object()  # resolve_dtype's default: the bf16 support of the CPU (or GPU) this runs on
 
 
@@ -158,10 +135,21 @@ def precision_note(device: torch.device, dtype: str) -> str:
     return f"precision ({dtype}): {line}"
 
 
-def autocast_for(device: torch.device, dtype: str):
+def emulates_bf16(device: torch.device, dtype: str) -> bool:
+    """Whether a run in `dtype` on `device` takes bf16 on a CPU without bf16 instructions, where
+    `autocast_for` emulates it (`precision.emulated_bf16_autocast`)."""
+    return device.type == "cpu" and resolve_dtype(device, dtype) == "bfloat16" and not cpu_bf16_support()
+
+
+def autocast_for(device: torch.device, dtype: str, emulate: bool = True):
     """bf16 autocast when `resolve_dtype` says so (the products in bf16; torch's autocast keeps
-    reductions, norms and the loss's softmax in fp32, and the weights stay fp32); a no-op otherwise."""
+    reductions, norms and the loss's softmax in fp32, and the weights stay fp32); a no-op otherwise.
+    On a CPU without bf16 instructions the linear layers take `precision.emulated_bf16_autocast`'s
+    float32 kernels (`emulate`; the same rounding as bf16 instructions, faster than torch's emulation);
+    a compiled model is left to torch's autocast (`emulate=False`), whose graphs inductor compiles."""
     if resolve_dtype(device, dtype) == "bfloat16":
+        if emulate and emulates_bf16(device, dtype):
+            return emulated_bf16_autocast()
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 

@@ -7,6 +7,7 @@ by the rules. The smoke ladders (CPU, and the GPU plan trained on the CPU) are s
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -1138,10 +1139,11 @@ def test_the_ladder_trains_in_its_records_precision_on_a_machine_that_would_pick
 
     autocasts: list[torch.dtype | None] = []
 
-    def spied(device, dtype):  # what the training steps' autocast really ran in
-        context = real_autocast(device, dtype)
-        autocasts.append(getattr(context, "fast_dtype", None))
-        return context
+    @contextlib.contextmanager
+    def spied(device, dtype, emulate=True):  # what the training steps' autocast really ran in
+        with real_autocast(device, dtype, emulate):
+            autocasts.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
+            yield
 
     real_autocast = loop.autocast_for
     monkeypatch.setattr(loop, "autocast_for", spied)

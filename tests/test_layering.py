@@ -33,12 +33,14 @@ ALLOWED: dict[str, frozenset[str]] = {
     "models": frozenset(),
     "inference": frozenset({"models"}),  # acceleration applied to built models from outside; models never import it
     "objectives": frozenset({"models"}),  # models: rgpt charges FLOPs with the counter's BACKWARD_FACTOR
-    "optim": frozenset(),
+    "precision": frozenset(),  # bf16 on the CPU: the instructions, and the emulation where there are none
+    "optim": frozenset({"precision"}),
     # one package per architecture: its model (models only: see test_an_architectures_model_imports_only_models),
     # its objective, its spec; optim for its parameter groups, inference for its fast-path cache mixin
     "archs": frozenset({"inference", "models", "objectives", "optim"}),
     "engine": frozenset({"inference", "models"}),
-    "runtime": frozenset({"data"}),  # devices, precision, data preparation: below the run folders and the group
+    # devices, precision, data preparation: below the run folders and the group
+    "runtime": frozenset({"data", "precision"}),
     "distributed": frozenset({"runtime"}),  # the process group and its collectives; knows no model
     "runs": frozenset({"archs", "checkpoint", "data", "inference", "runtime"}),  # run folders: one pass down the floors
     "parallel": frozenset({"checkpoint", "distributed", "runtime"}),

@@ -139,8 +139,12 @@ def test_muon_steps_with_the_runs_newton_schulz_dtype(dtype):
     aspect = max(1.0, p.size(0) / p.size(1)) ** 0.5
     ns, other = (torch.bfloat16, torch.float32) if dtype == "bfloat16" else (torch.float32, torch.bfloat16)
 
+    # bf16 without bf16 instructions (the suite hides them, tests/conftest.py): emulated products
+    assert muon.ns_emulate_bf16 == (dtype == "bfloat16")
+
     def stepped(ns_dtype):  # the update applied as Muon applies it (`add_` with alpha: one rounding)
-        return before.clone().add_(orthogonalize(nesterov, NS_STEPS, ns_dtype), alpha=-config.muon_lr * aspect)
+        update = orthogonalize(nesterov, NS_STEPS, ns_dtype, emulate_bf16=muon.ns_emulate_bf16)
+        return before.clone().add_(update, alpha=-config.muon_lr * aspect)
 
     torch.testing.assert_close(p.detach(), stepped(ns), rtol=0, atol=0)
     assert not torch.equal(p.detach(), stepped(other))

@@ -549,16 +549,16 @@ def test_precision_is_resolved_and_noted(monkeypatch):
 
 def test_cpu_bf16_switch_reads_the_environment(monkeypatch):
     """LATENTLOOP_CPU_BF16=0 hides the CPU's bf16 instructions (auto trains in fp32); any other value
-    leaves the detection to /proc/cpuinfo."""
-    from latentloop import runtime
+    leaves the detection to /proc/cpuinfo (read by `latentloop.precision`)."""
+    from latentloop import precision, runtime
 
     monkeypatch.setenv(runtime.CPU_BF16_ENV, "0")
     assert runtime.cpu_bf16_support() is None and runtime.resolve_dtype(torch.device("cpu"), "auto") == "float32"
     monkeypatch.setenv(runtime.CPU_BF16_ENV, "1")
-    monkeypatch.setattr(runtime, "open", lambda *a, **k: io.StringIO("processor: 0\nflags\t: fpu avx2 avx512_bf16\n"),
+    monkeypatch.setattr(precision, "open", lambda *a, **k: io.StringIO("processor: 0\nflags\t: fpu avx2 avx512_bf16\n"),
                         raising=False)
     assert runtime.cpu_bf16_support() == "avx512_bf16"
-    monkeypatch.setattr(runtime, "open", lambda *a, **k: io.StringIO("processor: 0\nflags\t: fpu avx2\n"))
+    monkeypatch.setattr(precision, "open", lambda *a, **k: io.StringIO("processor: 0\nflags\t: fpu avx2\n"))
     assert runtime.cpu_bf16_support() is None
 
 

@@ -48,10 +48,10 @@ def validate(state: TrainState, max_batches: int | None = None) -> dict[str, flo
     cfg = state.config
     batches = cfg.train.eval_batches if max_batches is None else max_batches
     if isinstance(state.data, ChatData):  # the loss on the assistant's tokens of held-out conversations
-        with autocast_for(state.device, cfg.train.dtype):
+        with autocast_for(state.device, cfg.train.dtype, emulate=not cfg.train.compile):
             return evaluate_batches(state.model, masked_batches(state.data.val, cfg.train.batch_size, batches or None),
                                     state.tokenizer.token_byte_lengths())
-    with autocast_for(state.device, cfg.train.dtype):
+    with autocast_for(state.device, cfg.train.dtype, emulate=not cfg.train.compile):
         return evaluate_loss(state.model, state.data.val, state.tokenizer.token_byte_lengths(),
                              cfg.train.batch_size, cfg.model.sequence_len, max_batches=batches or None)
 
@@ -185,7 +185,7 @@ def train_step(model: nn.Module, forward_model: nn.Module, objective: Objective,
             # which of the step's batches this is, over micro-batches and processes (the loader gives
             # process r of W the global batch micro x W + r): fbt's prefixes are drawn per batch
             draw = micro * env.world_size + env.rank
-            with autocast_for(device, train.dtype):
+            with autocast_for(device, train.dtype, emulate=not train.compile):
                 loss, reported, metrics = micro_batch_loss(forward_model, objective, x, y, mask, step, draw,
                                                            None if term_shares is None else term_shares[micro])
             weigh(loss, micro).backward()

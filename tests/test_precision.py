@@ -1,0 +1,204 @@
+"""bf16 emulated through float32 kernels (`latentloop.precision`) against torch's own bf16 autocast.
+
+Both round each product's inputs and output to bf16 and sum in float32; only the order of the sums
+may differ. So every result may differ from autocast's by one bf16 rounding (a relative 2**-7 at
+most) on a few elements, and by nothing else: an emulation that skipped a rounding (inputs or
+output) would differ on most elements, one that rounded twice or in the wrong place by more.
+"""
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from latentloop import precision
+from latentloop.precision import bf16_product, emulated_bf16_autocast
+
+BF16_ROUNDING = 2.0**-7  # the largest relative gap between two neighbouring bf16 numbers
+# Elements whose float32 sums, summed in another order, land on the other side of a bf16 rounding
+# boundary: 1e-5 to 3e-4 of them in these shapes (the rest are bit for bit autocast's)
+MAX_DIFFERING_SHARE = 0.01
+
+
+def _assert_within_one_rounding(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    actual, expected = actual.detach(), expected.detach()
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=BF16_ROUNDING,
+                               atol=BF16_ROUNDING * float(expected.float().abs().max()) * 2**-8)
+    share = float((actual != expected).float().mean())
+    assert share <= MAX_DIFFERING_SHARE, f"{share:.2%} of the elements differ from autocast's"
+
+
+def _layer_pair(context):
+    """Two linear layers sharing a weight (its gradients meet, as a shared core's do), with a bias,
+    forward and backward under `context`: outputs and every gradient."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 96, 64, generator=gen, requires_grad=True)
+    w = torch.randn(64, 64, generator=gen, requires_grad=True)
+    b = torch.randn(64, generator=gen, requires_grad=True)
+    with context:
+        first = F.linear(x, w, b)  # (4, 96, 64) bf16
+        second = F.linear(first.float().relu(), w)  # the same weight again
+        loss = first.float().square().mean() + second.float().sin().sum()
+    loss.backward()
+    return first, second, x.grad, w.grad, b.grad
+
+
+def test_an_emulated_linear_is_autocasts_bf16_linear_up_to_the_order_of_its_sums():
+    expected = _layer_pair(torch.autocast("cpu", dtype=torch.bfloat16))
+    actual = _layer_pair(emulated_bf16_autocast())
+    assert actual[0].dtype == torch.bfloat16 and actual[2].dtype == torch.float32
+    for got, want in zip(actual, expected):
+        _assert_within_one_rounding(got, want)
+
+
+def test_float32_products_are_not_an_emulation():
+    """The check above can fail: float32 throughout (no rounding) differs on most elements."""
+    expected = _layer_pair(torch.autocast("cpu", dtype=torch.bfloat16))
+    plain = _layer_pair(torch.autocast("cpu", enabled=False))
+    with pytest.raises(AssertionError):
+        _assert_within_one_rounding(plain[2].to(expected[2].dtype), expected[2])
+
+
+def test_the_emulation_keeps_what_autocast_keeps_for_the_backward():
+    """The same bytes saved for the backward as autocast's (bf16 inputs and weights, the weight cast
+    once), so a step's memory is what the estimate says."""
+    def saved_bytes(context) -> int:
+        total = 0
+
+        def pack(t):
+            nonlocal total
+            total += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            _layer_pair(context)
+        return total
+
+    assert saved_bytes(emulated_bf16_autocast()) == saved_bytes(torch.autocast("cpu", dtype=torch.bfloat16))
+
+
+def _linear_backward_name() -> str:
+    x, w = torch.randn(3, 4), torch.randn(5, 4, requires_grad=True)
+    return type(F.linear(x, w).grad_fn).__name__
+
+
+def test_autocasts_own_linear_is_back_after_the_region_nested_or_not():
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        stock = _linear_backward_name()
+    with emulated_bf16_autocast():
+        assert _linear_backward_name() == "_Bf16LinearBackward" != stock
+        with emulated_bf16_autocast():
+            assert _linear_backward_name() == "_Bf16LinearBackward"
+        assert _linear_backward_name() == "_Bf16LinearBackward"  # the inner region's exit undid nothing
+        with torch.autocast("cpu", enabled=False):  # autocast off inside: float32, as it says
+            assert F.linear(torch.ones(2, 3), torch.ones(4, 3)).dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _linear_backward_name() == stock
+    assert precision._registration == [None, 0]
+
+
+def test_a_region_in_another_thread_keeps_the_emulation_until_it_ends():
+    entered, leave = threading.Event(), threading.Event()
+
+    def other():
+        with emulated_bf16_autocast():
+            entered.set()
+            leave.wait(timeout=30)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    try:
+        assert entered.wait(timeout=30)
+        with emulated_bf16_autocast():
+            pass  # this thread's region ends while the other's is open
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert _linear_backward_name() == "_Bf16LinearBackward"  # still the other thread's
+    finally:
+        leave.set()
+        thread.join(timeout=30)
+    assert precision._registration == [None, 0]
+
+
+def test_an_error_inside_the_region_still_gives_autocasts_linear_back():
+    with pytest.raises(RuntimeError, match="boom"):
+        with emulated_bf16_autocast():
+            raise RuntimeError("boom")
+    assert precision._registration == [None, 0]
+
+
+@pytest.mark.parametrize("shape", [(72, 288), (3, 48, 72)])
+def test_a_bf16_product_is_torchs_bf16_matmul_up_to_the_order_of_its_sums(shape):
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(shape, generator=gen).bfloat16()
+    b = torch.randn(shape, generator=gen).bfloat16().mT
+    _assert_within_one_rounding(bf16_product(a, b), a @ b)
+
+
+def test_muons_emulated_iteration_stays_within_the_bf16_iterations_reach():
+    """Newton-Schulz through `bf16_product`: every product rounded as torch's bf16 matmul rounds it.
+    Five iterations amplify the order of the sums, so the result is compared as the bf16 iteration is
+    compared with float32's (tests/test_optim.py): far closer to torch's bf16 iteration than to float32's."""
+    from latentloop.optim import orthogonalize
+
+    G = torch.randn(288, 72, generator=torch.Generator().manual_seed(2))
+    stock = orthogonalize(G, 5, torch.bfloat16)
+    emulated = orthogonalize(G, 5, torch.bfloat16, emulate_bf16=True)
+    exact = orthogonalize(G, 5, torch.float32)
+
+    def gap(x, y):
+        return float(torch.linalg.matrix_norm(x - y) / torch.linalg.matrix_norm(y))
+
+    assert gap(emulated, stock) < gap(stock, exact) / 4
+
+
+def test_muon_emulates_only_on_a_cpu_without_bf16_instructions(monkeypatch):
+    import latentloop as ll
+    from latentloop import optim
+    from latentloop.config import TrainConfig
+
+    model = ll.build("gpt", preset="test")
+    config = TrainConfig(optimizer="muon", dtype="bfloat16")
+    monkeypatch.setattr(optim, "cpu_bf16_support", lambda: None)
+    assert optim.build_optimizers(model, config, "bfloat16")[1].ns_emulate_bf16
+    assert not optim.build_optimizers(model, config, "float32")[1].ns_emulate_bf16  # float32: nothing to emulate
+    monkeypatch.setattr(optim, "cpu_bf16_support", lambda: "amx_bf16")
+    assert not optim.build_optimizers(model, config, "bfloat16")[1].ns_emulate_bf16
+
+
+def test_autocast_for_emulates_bf16_only_where_the_cpu_lacks_it(monkeypatch):
+    from latentloop import runtime
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(runtime, "cpu_bf16_support", lambda: None)
+    with runtime.autocast_for(cpu, "bfloat16"):
+        assert _linear_backward_name() == "_Bf16LinearBackward"
+    with runtime.autocast_for(cpu, "bfloat16", emulate=False):  # a compiled model: torch's autocast
+        assert _linear_backward_name() != "_Bf16LinearBackward"
+    with runtime.autocast_for(cpu, "auto"):  # fp32 here
+        assert F.linear(torch.ones(2, 3), torch.ones(4, 3)).dtype == torch.float32
+    monkeypatch.setattr(runtime, "cpu_bf16_support", lambda: "amx_bf16")  # the instructions: torch's own
+    with runtime.autocast_for(cpu, "bfloat16"):
+        assert _linear_backward_name() != "_Bf16LinearBackward"
+
+
+def test_a_bf16_training_step_on_a_cpu_without_bf16_takes_the_emulation(corpus, tmp_path, monkeypatch):
+    """The trainer's step and its validation go through `autocast_for` with the emulation (the suite
+    hides the CPU's bf16 instructions, tests/conftest.py)."""
+    from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config
+    from latentloop.train import fit, setup, validate
+
+    calls = []  # whether autograd was on: the training step's forward, or validation's
+    original = precision._Bf16Linear.apply
+    monkeypatch.setattr(precision._Bf16Linear, "apply",
+                        lambda *args: calls.append(torch.is_grad_enabled()) or original(*args))
+    config = RunConfig(model=model_config("gpt", "test", sequence_len=32),
+                       train=TrainConfig(steps=2, batch_size=2, dtype="bfloat16", device="cpu", eval_every=0),
+                       data=DataConfig(source=f"text:{corpus}"))
+    state = setup(config, tmp_path / "run", progress=False)
+    fit(state, progress=False)
+    assert True in calls, "no linear layer of the bf16 training step ran emulated"
+    calls.clear()
+    validate(state, max_batches=1)
+    assert calls and not any(calls), "validation's linear layers did not run emulated"
