@@ -75,6 +75,9 @@ def resolve_device(name: str) -> torch.device:
         device = torch.device(name)
     except (RuntimeError, ValueError):
         raise ConfigError(f"unknown device {name!r}: use auto, cpu, cuda[:N] or mps") from None
+    if device.type == "cpu" and device.index:  # torch takes cpu:5 and runs on the one CPU device
+        raise ConfigError(f"device {name!r}: there is one CPU device, cpu (or cpu:0); its threads are "
+                          "OMP_NUM_THREADS, or --threads where a command has it")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device {name!r} requested but CUDA is not available")
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():

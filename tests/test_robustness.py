@@ -238,7 +238,8 @@ def test_non_finite_weights_are_never_saved_nor_rotate_out_a_good_checkpoint(tmp
 
 
 @pytest.mark.parametrize("device, words", [("gpu", "unknown device 'gpu'"), ("cuda:x", "unknown device 'cuda:x'"),
-                                           ("cuda:99", "device 'cuda:99' requested but")])
+                                           ("cuda:99", "device 'cuda:99' requested but"),
+                                           ("cpu:5", "there is one CPU device")])
 def test_loading_onto_a_device_there_is_not_is_a_config_error(tiny_run, device, words):
     """`ll.load(run, device=...)` checks the device as `train --device` does, before reading the run:
     torch's own RuntimeError or AssertionError for "gpu" or a CUDA a CPU build lacks is not a user's message."""
