@@ -129,7 +129,8 @@ def precision_note(device: torch.device, dtype: str) -> str:
         support = cpu_bf16_support()
         line += (f"; CPU bf16 support: {support}" if support else
                  "; this CPU has no bf16 instructions (amx_bf16 / avx512_bf16)"
-                 + (": bf16 is emulated and slower than fp32" if resolved == "bfloat16" else ""))
+                 + (": bf16 is emulated (float32 kernels on bf16-rounded values, latentloop.precision) and slower "
+                    "than fp32" if resolved == "bfloat16" else ""))
         line += f", torch CPU capability {torch.backends.cpu.get_cpu_capability()}"
     elif device.type == "cuda" and not cuda_bf16_support(device):
         major, minor = torch.cuda.get_device_capability(device)
