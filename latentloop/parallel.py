@@ -57,6 +57,7 @@ from .checkpoint import (
 from .config import TrainConfig
 from .distributed import agree, current_dist, in_process_group
 from .errors import CheckpointError, OutputError
+from .precision import recompute_contexts
 from .runtime import resolve_dtype
 from .util import first_line
 
@@ -75,7 +76,8 @@ def _checkpointed(module: nn.Module) -> None:
     forward = module.forward
 
     def recomputed(*args, **kwargs):
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        # the recomputation, in the backward, emulates bf16 where the forward did (precision.py)
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=recompute_contexts, **kwargs)
 
     module.forward = recomputed
 

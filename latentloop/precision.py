@@ -3,8 +3,9 @@
 - `cpu_bf16_support`: the CPU's bf16 instructions (`CPU_BF16_FLAGS`), or None.
 - `emulated_bf16_autocast`: bf16 autocast whose linear layers compute as a CPU with bf16 instructions
   would (each product's inputs and output rounded to bf16, the sums in float32) with float32
-  kernels. Without bf16 instructions torch's own bf16 product (oneDNN's emulation) took 3.3x
-  float32's time for the ladder's m shapes (1 thread), and a training step 1.4-1.6x.
+  kernels: a torch function mode of this thread's, so nothing is registered for the process.
+  Without bf16 instructions torch's own bf16 product (oneDNN's emulation) took 3.3x float32's time
+  for the ladder's m shapes (1 thread), and a training step 1.2-1.5x the emulated one.
 - `bf16_product`: the same rule for one product of two bf16 tensors (Muon's Newton-Schulz iteration).
 
 Only the order of the float32 sums can differ from a CPU with the instructions (the inputs are
@@ -18,12 +19,12 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-import warnings
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.overrides import TorchFunctionMode
 
 # The CPU features that give bf16 matrix products their own instructions (Linux /proc/cpuinfo flag
 # names): without one of them torch emulates bf16 and a bf16 step is slower than an fp32 one.
@@ -56,86 +57,114 @@ def bf16_product(a: Tensor, b: Tensor) -> Tensor:
 
 class _Bf16Linear(torch.autograd.Function):
     """F.linear of bf16 tensors computed in float32, its output and gradients rounded to bf16: what
-    autocast's bf16 linear gives, with the same tensors kept for the backward (the bf16 input and
-    weight, so a step's memory is unchanged)."""
+    autocast's bf16 linear gives, with the same tensors kept for the backward (the bf16 input where
+    the weight needs a gradient, the bf16 weight where the input does: a step's memory is unchanged)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        ctx.save_for_backward(x, weight)
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight if ctx.needs_input_grad[0] else None)
         ctx.has_bias = bias is not None
-        return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(torch.bfloat16)
+        with torch.autocast("cpu", enabled=False):
+            if bias is None or _fuses_bias(x):  # one rounding of x W^T + b, as addmm
+                return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(torch.bfloat16)
+            # at::linear's matmul, then add_ of the bias: two roundings
+            return F.linear(x.float(), weight.float()).to(torch.bfloat16).add_(bias)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         x, weight = ctx.saved_tensors
-        with torch.autocast("cpu", enabled=False):  # a backward called under autocast: float32 products still
+        with torch.autocast("cpu", enabled=False):  # a backward run under autocast: float32 still
             grad32 = grad.float()  # (..., out)
             rows = grad32.reshape(-1, grad32.size(-1))  # (N, out)
             grad_x = (grad32 @ weight.float()).to(torch.bfloat16) if ctx.needs_input_grad[0] else None
             grad_weight = ((rows.mT @ x.float().reshape(-1, x.size(-1))).to(torch.bfloat16)
                            if ctx.needs_input_grad[1] else None)
-            grad_bias = (rows.sum(0).to(torch.bfloat16) if ctx.has_bias and ctx.needs_input_grad[2] else None)
+            grad_bias = rows.sum(0).to(torch.bfloat16) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, grad_weight, grad_bias
 
 
-_AUTOCAST_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
-_registration_lock = threading.Lock()
-_registration: list = [None, 0]  # the torch.library registration while any thread emulates, and how many do
-_local = threading.local()  # this thread's depth of emulation and its cache of cast weights
+def _fuses_bias(x: Tensor) -> bool:
+    """Whether torch's CPU `at::linear` adds the bias inside the product (addmm: one rounding) for
+    this input: a 2-D one, or a contiguous one of more dimensions (flattened to 2-D)."""
+    return x.dim() == 2 or (x.dim() > 2 and x.is_contiguous())
 
 
-def _cast(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
-    """`t` in autocast's lower precision, as autocast casts: floating tensors other than float64 only;
-    a weight (a leaf that requires grad) cast once per emulated region, so its uses share one cast
-    and their gradients meet in bf16 as under autocast's cache."""
-    if t is None or not t.is_floating_point() or t.dtype in (dtype, torch.float64):
+_local = threading.local()  # this thread's cache of cast weights while it is inside a region
+
+
+def _cast(t: Tensor | None) -> Tensor | None:
+    """`t` in bf16 as autocast casts it: floating tensors other than float64 only; a float32 weight (a
+    leaf that requires grad) cast once per region while autograd records (a cast made
+    under no_grad has no gradient path, and is not kept), so its uses share one cast and their
+    gradients meet in bf16, as under autocast's cache."""
+    if t is None or not t.is_floating_point() or t.dtype in (torch.bfloat16, torch.float64):
         return t
     cache = getattr(_local, "cache", None)
-    if cache is None or not (t.is_leaf and t.requires_grad and torch.is_autocast_cache_enabled()):
-        return t.to(dtype)
+    if (cache is None or t.dtype != torch.float32 or not (t.is_leaf and t.requires_grad)
+            or not torch.is_grad_enabled() or torch.is_inference_mode_enabled()
+            or not torch.is_autocast_cache_enabled()):
+        return t.to(torch.bfloat16)
     hit = cache.get(id(t))
     if hit is None or hit[0] is not t:
-        hit = cache[id(t)] = (t, t.to(dtype))
+        hit = cache[id(t)] = (t, t.to(torch.bfloat16))
     return hit[1]
 
 
-def _autocast_linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """aten::linear under CPU autocast while an emulated region is open (in any thread)."""
-    low = torch.get_autocast_dtype("cpu")
-    with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
-        x, w, b = _cast(input, low), _cast(weight, low), _cast(bias, low)
-        if low != torch.bfloat16:  # another autocast dtype inside the region: autocast's own rule
-            return F.linear(x, w, b)
-        return _Bf16Linear.apply(x, w, b)
+def _emulated_linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """F.linear under CPU bf16 autocast, emulated (`_Bf16Linear`); what the emulation does not cover
+    (an input already float64, a weight that is not a matrix) goes to autocast as is. Forward-mode AD
+    is not covered either: `_Bf16Linear` has no jvp, and torch says so."""
+    x, w, b = _cast(input), _cast(weight), _cast(bias)
+    if w.dim() != 2 or any(t is not None and t.dtype != torch.bfloat16 for t in (x, w, b)):
+        return F.linear(input, weight, bias)
+    return _Bf16Linear.apply(x, w, b)
+
+
+class _EmulatedLinearMode(TorchFunctionMode):
+    """Sends this thread's F.linear calls to `_emulated_linear` while CPU autocast is on in bf16
+    (a region that turns autocast off, as `attend`'s float32 attention does, gets float32)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (func is F.linear and torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+                and isinstance(args[0], Tensor) and args[0].device.type == "cpu"):
+            return _emulated_linear(*args, **kwargs)
+        return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
-def emulated_bf16_autocast() -> Iterator[None]:
-    """CPU bf16 autocast whose linear layers run as `_Bf16Linear` (the other products, attention
-    included, as autocast runs them). While any thread is inside, every thread's CPU autocast
-    linear takes this path (the dispatcher's table is the process's); a thread outside caches no
-    cast weights."""
-    with _registration_lock:
-        if _registration[1] == 0:
-            library = torch.library.Library("aten", "IMPL")
-            with warnings.catch_warnings():  # "overriding a previously registered kernel": meant, and undone below
-                warnings.simplefilter("ignore")
-                library.impl("linear", _autocast_linear, "AutocastCPU")
-            _registration[0] = library
-        _registration[1] += 1
+def emulated_linear_mode() -> Iterator[None]:
+    """This thread's F.linear emulated under CPU bf16 autocast (the mode alone: the caller's autocast
+    stays as it is; activation checkpointing's recomputation enters this, see `recompute_contexts`)."""
     depth = getattr(_local, "depth", 0)
     if depth == 0:
         _local.cache = {}
     _local.depth = depth + 1
     try:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with _EmulatedLinearMode():
             yield
     finally:
         _local.depth = depth
-        if depth == 0:
+        if depth == 0:  # the weights may change before the next region (an optimizer step): cast afresh
             _local.cache = None
-        with _registration_lock:
-            _registration[1] -= 1
-            if _registration[1] == 0:
-                _registration[0]._destroy()  # autocast's own linear kernel is the dispatcher's again
-                _registration[0] = None
+
+
+@contextlib.contextmanager
+def emulated_bf16_autocast() -> Iterator[None]:
+    """CPU bf16 autocast whose linear layers run as `_Bf16Linear` (the other products, attention
+    included, as autocast runs them). Only this thread's calls: a torch function mode, nothing
+    registered for the process."""
+    with torch.autocast("cpu", dtype=torch.bfloat16), emulated_linear_mode():
+        yield
+
+
+def emulating() -> bool:
+    """Whether this thread is inside an emulated region now."""
+    return getattr(_local, "depth", 0) > 0
+
+
+def recompute_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """`torch.utils.checkpoint`'s `context_fn`: the forward as it is, and the recomputation in the
+    backward (after the region has closed) emulated where the forward was, so that it saves the
+    same tensors (checkpoint restores the autocast state itself)."""
+    return contextlib.nullcontext(), (emulated_linear_mode() if emulating() else contextlib.nullcontext())

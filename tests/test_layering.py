@@ -43,7 +43,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "runtime": frozenset({"data", "precision"}),
     "distributed": frozenset({"runtime"}),  # the process group and its collectives; knows no model
     "runs": frozenset({"archs", "checkpoint", "data", "inference", "runtime"}),  # run folders: one pass down the floors
-    "parallel": frozenset({"checkpoint", "distributed", "runtime"}),
+    "parallel": frozenset({"checkpoint", "distributed", "precision", "runtime"}),
     "interop": frozenset({"archs", "checkpoint", "data"}),
     "eval": frozenset({"archs", "data", "engine", "objectives", "runs", "runtime"}),
     "serve": frozenset({"archs", "data", "engine", "inference", "models", "runs", "runtime"}),
