@@ -4,8 +4,10 @@
 
 Each paper's scaling claim is one row, tested as the paper states it, by the rules committed before
 any result (experiments/logs/2026-12-05-ladder-rules.md, amended before any result past the smallest
-size: experiments/logs/2026-12-05-ladder-rules-amended.md): the verdict per corpus and optimizer with
-the figures at every size, and the trend over size. Below it, every variant's compute and data multiplier
+size: experiments/logs/2026-12-05-ladder-rules-amended.md; two later amendments were written after
+some results and say so: one curve method per cell, 2026-12-06-ladder-rules-one-curve-method.md, and
+one per trend, 2026-12-07-ladder-rules-trend.md): the verdict per corpus and optimizer with the figures
+at every size, and the trend over size. Below it, every variant's compute and data multiplier
 over gpt at every size, and the plots. A row any of whose records ran under a config that differs
 from what the same plan entry builds today, or under a plan entry that differs from today's plan
 (`ladder.stale_fields`: a default, a size, a budget changed since), reads "stale", with the fields
@@ -46,11 +48,13 @@ from ladder_fit import (  # noqa: E402
     plot_curves,
     points_of,
     select,
-    trend,
+    size_trend,
 )
 
 RULES = "logs/2026-12-05-ladder-rules.md"
 AMENDED_RULES = "logs/2026-12-05-ladder-rules-amended.md"
+ONE_METHOD_RULES = "logs/2026-12-06-ladder-rules-one-curve-method.md"  # written after the xs results
+TREND_RULES = "logs/2026-12-07-ladder-rules-trend.md"  # written after the xs and s results
 MATCH_MARGIN = 1.01  # rule 4: "matches" = the ratio's upper end at most 1% above 1
 PAPER_DATA_FACTOR = 1.5  # rule 1: the abstract's "about 1.5x more tokens"
 COLUMNS = (("stdlib", "muon"), ("english", "muon"), ("stdlib", "adamw"), ("english", "adamw"))
@@ -60,10 +64,10 @@ DECIDED = {"holds": True, "matches": True, "does not hold": False}  # the verdic
 _CACHE: dict[tuple, Any] = {}  # one page's estimates: a row and the tables below ask for the same ones
 
 
-def _cached(function: Callable, points: Sequence[Point], plan: Plan | None, *args: Any) -> Any:
-    key = (function.__name__, id(points), id(plan), *args)
+def _cached(function: Callable, points: Sequence[Point], plan: Plan | None, *args: Any, **options: Any) -> Any:
+    key = (function.__name__, id(points), id(plan), *args, *sorted(options.items()))
     if key not in _CACHE:
-        _CACHE[key] = function(points, *args, plan=plan)
+        _CACHE[key] = function(points, *args, plan=plan, **options)
     return _CACHE[key]
 
 
@@ -78,8 +82,9 @@ def _plan(points: Sequence[Point], plan: Plan | None) -> Plan:
 
 
 def multiplier(points: Sequence[Point], plan: Plan | None, corpus: str, optimizer: str, size: str, variant: str,
-               axis: str) -> Any:
-    return _cached(ladder_fit.multiplier, points, _plan(points, plan), corpus, optimizer, size, variant, axis)
+               axis: str, method: str | None = None) -> Any:
+    return _cached(ladder_fit.multiplier, points, _plan(points, plan), corpus, optimizer, size, variant, axis,
+                   method=method)
 
 
 def parameter_multiplier(points: Sequence[Point], plan: Plan | None, corpus: str, optimizer: str, size: str,
@@ -175,16 +180,18 @@ def _figures(per_size: Sequence[tuple[str, Estimate | Incomplete | None]]) -> st
 
 def _trend_text(points: Sequence[Point], plan: Plan | None, corpus: str, optimizer: str, variant: str,
                 axis: str) -> str:
+    """The multiplier's trend over the planned sizes, every size read by one curve method (the third
+    amendment); "provisional" until every planned size is in."""
     sizes = sizes_of(points, corpus, optimizer, plan)
-    pairs = [(n, multiplier(points, plan, corpus, optimizer, name, variant, axis)) for _, name, n in sizes]
-    found = trend(pairs)
+    found, pairs = size_trend(lambda name, method: multiplier(points, plan, corpus, optimizer, name, variant, axis,
+                                                              method), [(name, n) for _, name, n in sizes])
     if found is None:
         return ""
     interval = "" if found["interval"] is None else f" [{found['interval'][0]:.2f}, {found['interval'][1]:.2f}]"
     bounds = f"; bounds at {', '.join(found['bounds'])}" if found["bounds"] else ""
     done = sum(isinstance(e, Estimate) for _, e in pairs)
-    partial = f"; {done} of {len(pairs)} planned sizes" if done < len(pairs) else ""
-    return f"{found['verdict']} (slope {found['slope']:.2f}{interval}{bounds}{partial})"
+    provisional = f"provisional ({done} of {len(pairs)} planned sizes): " if done < len(pairs) else ""
+    return f"{provisional}{found['verdict']} (slope {found['slope']:.2f}{interval}{bounds}; {found['method']})"
 
 
 def multiplier_claim(variant: str, axis: str, extra: Callable[[list], str] | None = None,
@@ -453,6 +460,21 @@ def column_cell(claim: Claim, points: Sequence[Point], corpus: str, optimizer: s
     return cell
 
 
+def residuals_table(points: Sequence[Point], corpus: str, optimizer: str, plan: Plan | None = None) -> list[str]:
+    """gpt's power law per seed at every size of a column: the rms of its log-BPB residuals (`*`: not
+    stable, so the cells at that size read the interpolation). Against tokens; against FLOPs it is
+    the same fit (gpt's training FLOPs are a fixed multiple of its tokens)."""
+    rows = []
+    for _, size, _ in sizes_of(points, corpus, optimizer, plan):
+        fits = ladder_fit.reference_fits(points, corpus, optimizer, size, "tokens")
+        if fits:
+            rows.append(f"| {size} | " + ", ".join(f"s{seed} {fit['rms']:.4f}{'' if fit['stable'] else '*'}"
+                                                  for seed, fit in fits.items()) + " |")
+    if not rows:
+        return []
+    return ["", f"**{corpus}, {optimizer}**", "", "| size | rms of log BPB per seed |", "|---|---|"] + rows
+
+
 def epochs_marks(points: Sequence[Point]) -> list[str]:
     repeated = sorted({(p.corpus, p.size, p.variant, p.label, round(p.epochs, 2)) for p in points
                        if p.kind != "stable" and p.epochs > 1})
@@ -545,7 +567,8 @@ def multipliers_table(points: Sequence[Point], corpus: str, optimizer: str,
                 continue
             method = f" ({c.method})" if isinstance(c, Estimate) else ""
             cells.append(f"C {c.text() if c else '—'}{method}; D {d.text() if d else '—'}")
-        c_trend, d_trend = (_trend_text(points, plan, corpus, optimizer, variant, axis) for axis in ("flops", "tokens"))
+        c_trend, d_trend = ("" if mark else _trend_text(points, plan, corpus, optimizer, variant, axis)
+                            for axis in ("flops", "tokens"))  # a stale row prints no trend
         trends = f"{c_trend or '—'} / {d_trend or '—'}"
         lines.append(f"| {variant}{mark} | " + " | ".join(cells) + f" | {trends} |")
     return lines
@@ -605,7 +628,10 @@ def generate(records: Sequence[dict[str, Any]], figures: Path | None = None, fig
              "Generated by `python experiments/ladder_claims.py` from the ladder's records "
              f"({len(records)} runs; commits {', '.join(commits) or 'none'}); never edited by hand. The "
              f"rules were committed before any result: [ladder rules]({RULES}), and amended before any result "
-             f"past the smallest size ([amended]({AMENDED_RULES}): every figure below follows the amendment). "
+             f"past the smallest size ([amended]({AMENDED_RULES})). Two later amendments were written after "
+             f"some results, and say so: one curve method per cell ([second]({ONE_METHOD_RULES}), after the "
+             f"smallest size's) and one per trend, a trend provisional until every size is in ([third]({TREND_RULES}), "
+             "after the two smallest sizes'). Every figure below follows all three amendments. "
              "A multiplier is made per seed against gpt's curve from the same seed's points, and `x [a, b]` is "
              "the seeds' geometric mean and its 95% t-interval; at a one-seed size the interval takes the "
              "per-seed scatter pooled over the seeded sizes (named beside it). `>`/`<`: a seed's value lies "
@@ -642,10 +668,11 @@ def generate(records: Sequence[dict[str, Any]], figures: Path | None = None, fig
         for (corpus, optimizer), cell in cells.items():
             text = f"**{cell.verdict}**"
             if optimizer == "adamw" and cell.verdict in DECIDED:
-                muon = claim.evaluate(*at_adamw_sizes[corpus][:1], corpus, "muon", at_adamw_sizes[corpus][1]).verdict
+                muon = column_cell(claim, at_adamw_sizes[corpus][0], corpus, "muon", stale,
+                                   at_adamw_sizes[corpus][1], recipes).verdict  # a stale Muon cell decides nothing
                 if muon in DECIDED and DECIDED[muon] != DECIDED[cell.verdict]:
                     text += f" (depends on the optimizer: Muon over the same sizes {muon})"
-            if cell.trend and optimizer == "muon" and cell.verdict != "not run":
+            if cell.trend and optimizer == "muon" and cell.verdict not in ("not run", "stale"):
                 text += f"; trend: {cell.trend}"
             rendered.append(text)
         lines.append(f"| {claim.paper} | {claim.test} | " + " | ".join(rendered) + " |")
@@ -657,6 +684,13 @@ def generate(records: Sequence[dict[str, Any]], figures: Path | None = None, fig
         for corpus, optimizer in COLUMNS:
             lines += multipliers_table(points, corpus, optimizer, stale, plan, recipes)
         lines += epochs_marks(points)
+        lines += ["", "## gpt's curves: the fit residuals", "",
+                  "gpt's power law BPB = E + A x^-alpha per seed and size, fitted on log BPB against tokens (the "
+                  "same fit against FLOPs): the root mean square of its residuals. `*`: not stable by the rules "
+                  f"(alpha in (0, {ladder_fit.MAX_ALPHA}], 0 <= E < the lowest BPB, rms <= {ladder_fit.STABLE_RMS}), "
+                  "so the cells at that size read the interpolation."]
+        for corpus, optimizer in COLUMNS:
+            lines += residuals_table(points, corpus, optimizer, plan)
         if figures is not None:
             shown = []
             for corpus, optimizer in COLUMNS:

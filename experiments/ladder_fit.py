@@ -30,7 +30,7 @@ import json
 import math
 import sys
 import textwrap
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -241,7 +241,7 @@ def fit_power_law(x: np.ndarray, y: np.ndarray) -> dict[str, Any] | None:
 
 
 def stable(fit: dict[str, float] | None, y: np.ndarray) -> bool:
-    return (fit is not None and 0 < fit["alpha"] <= MAX_ALPHA and 0 <= fit["E"] < 0.995 * float(np.min(y))
+    return (fit is not None and 0 < fit["alpha"] <= MAX_ALPHA and 0 <= fit["E"] < float(np.min(y))
             and fit["rms"] <= STABLE_RMS)
 
 
@@ -442,15 +442,31 @@ def _curve_from(table: dict[int, list[tuple[float, float, int]]], seeds: Sequenc
                                 np.array([r[2] for r in rows]), method)
 
 
-def _curves_of_one_method(table: dict[int, list[tuple[float, float, int]]],
-                          groups: Sequence[tuple[int, ...]]) -> dict[tuple[int, ...], ReferenceCurve]:
+def _curves_of_one_method(table: dict[int, list[tuple[float, float, int]]], groups: Sequence[tuple[int, ...]],
+                          method: str | None = None) -> dict[tuple[int, ...], ReferenceCurve]:
     """gpt's curve from each group of seeds' points, all by one method (the second amendment, 12-06):
     the power law where it is stable for every group, else the interpolation for every group, so that
-    a method chosen seed by seed never reads as seed scatter."""
-    curves = {group: _curve_from(table, group) for group in dict.fromkeys(groups)}
+    a method chosen seed by seed never reads as seed scatter. `method` "interpolation": that one,
+    whatever the power law would do (a trend over sizes, the third amendment)."""
+    curves = {group: _curve_from(table, group, method) for group in dict.fromkeys(groups)}
     if len({curve.method for curve in curves.values()}) > 1:
         curves = {group: _curve_from(table, group, "interpolation") for group in curves}
     return curves
+
+
+def reference_fits(points: Sequence[Point], corpus: str, optimizer: str, size: str, axis: str,
+                   spec: str | None = None) -> dict[int, dict[str, Any]]:
+    """gpt's power law per seed at one size (BPB against `axis`, its decayed points): seed -> the fit
+    (E, A, alpha, rms: the root mean square residual of log BPB) and whether it is `stable`, the
+    residuals behind each cell's choice of method. A seed whose points take no fit is left out."""
+    table = _seed_table(select(points, variant=REFERENCE, size=size, **_column(corpus, optimizer, spec)), axis)
+    fits = {}
+    for seed, rows in sorted(table.items()):
+        y = np.array([r[1] for r in rows])
+        fit = fit_power_law(np.array([r[0] for r in rows]), y)
+        if fit is not None:
+            fits[seed] = {**{k: fit[k] for k in ("E", "A", "alpha", "rms")}, "stable": stable(fit, y)}
+    return fits
 
 
 def _estimate(found: SeedValues, pooled: tuple[float, int] | None, pooled_from: tuple[str, ...],
@@ -509,7 +525,7 @@ def _estimate_at(points: Sequence[Point], plan: Plan, column: dict[str, Any], si
 
 def multiplier_values(points: Sequence[Point], corpus: str, optimizer: str, size: str, variant: str, axis: str,
                       budget: int | None = None, kind: str = "tokens", spec: str | None = None,
-                      plan: Plan | None = None) -> SeedValues | Incomplete | None:
+                      plan: Plan | None = None, method: str | None = None) -> SeedValues | Incomplete | None:
     """Per seed the variant shares with gpt: log(x_gpt,s(BPB_v,s) / x_v,s), gpt's curve from seed s's
     own points (paired: the same data order and initialisation). The budget (default: the variant's
     largest `kind` budget in the plan) and the seeds are the plan's: `Incomplete` until every planned
@@ -537,7 +553,7 @@ def multiplier_values(points: Sequence[Point], corpus: str, optimizer: str, size
         return None
     found = SeedValues({}, epochs=max([p.epochs for p in reference] + [by_seed[s].epochs for s in seeds]))
     methods = []
-    curves = _curves_of_one_method(table, [(s,) for s in seeds])
+    curves = _curves_of_one_method(table, [(s,) for s in seeds], method)
     for s in seeds:
         curve = curves[(s,)]
         x, bound = curve.x_for(by_seed[s].bpb)
@@ -552,15 +568,16 @@ def multiplier_values(points: Sequence[Point], corpus: str, optimizer: str, size
 
 def multiplier(points: Sequence[Point], corpus: str, optimizer: str, size: str, variant: str, axis: str,
                budget: int | None = None, kind: str = "tokens", spec: str | None = None,
-               plan: Plan | None = None) -> Estimate | Incomplete | None:
+               plan: Plan | None = None, method: str | None = None) -> Estimate | Incomplete | None:
     """The variant's compute (axis="flops") or data (axis="tokens") multiplier over gpt at one of
     its points (`kind` budget `budget`; default its largest in the plan): x_gpt(BPB_v) / x_v per seed,
     their geometric mean and t-interval (a one-seed size: the seed scatter of the seeded sizes).
-    `plan` (default: the runs the points come from) says which runs the figure waits for."""
+    `plan` (default: the runs the points come from) says which runs the figure waits for; `method`
+    "interpolation" reads gpt's curves by it alone (`size_trend`)."""
     plan = plan or Plan.from_points(points)
 
     def values_at(name: str) -> SeedValues | Incomplete | None:
-        return multiplier_values(points, corpus, optimizer, name, variant, axis, budget, kind, spec, plan)
+        return multiplier_values(points, corpus, optimizer, name, variant, axis, budget, kind, spec, plan, method)
 
     return _estimate_at(points, plan, _column(corpus, optimizer, spec), size, values_at)
 
@@ -708,6 +725,24 @@ def paired_ratio(points: Sequence[Point], corpus: str, optimizer: str, size: str
     mean = seed_mean(ratios, None)
     return {"mean": mean.center, "interval": mean.interval(), "stats": mean, "ratios": ratios,
             "flops_ratios": kept, "refused": refused, "seeds": len(ratios), "pooled_from": ()}
+
+
+def size_trend(estimate_at: Callable[[str, str | None], Estimate | Incomplete | None],
+               sizes: Sequence[tuple[str, int]]) -> tuple[dict[str, Any] | None, list[tuple[int, Any]]]:
+    """A multiplier's `trend` over `sizes` ((name, params) pairs), every size read by one curve method
+    (the third amendment, 12-07): each size's own where every size uses the power law, else the
+    interpolation at every size (a change of method between sizes would read as a trend).
+    `estimate_at(size, method)`: the multiplier at a size (method None: the cell's own). Returns the
+    trend (with its "method") and the (params, estimate) pairs it was fitted on."""
+    pairs = [(n, estimate_at(name, None)) for name, n in sizes]
+    methods = {e.method for _, e in pairs if isinstance(e, Estimate)}
+    if len(methods) > 1:
+        pairs = [(n, estimate_at(name, "interpolation")) for name, n in sizes]
+        methods = {"interpolation"}
+    found = trend(pairs)
+    if found is not None:
+        found["method"] = " / ".join(sorted(methods))
+    return found, pairs
 
 
 def trend(estimates: Sequence[tuple[int, Estimate]]) -> dict[str, Any] | None:

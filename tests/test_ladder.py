@@ -376,7 +376,13 @@ def test_a_changed_default_marks_the_records_and_their_rows_stale(tiny_ladder, t
     records[gpt]["config_requested"]["train"]["muon_lr"] = 0.05
     cell = ladder_claims.column_cell(lrt, points, "stdlib", "muon", ladder_claims.stale_by_variant(records))
     assert cell.verdict == "stale" and "train.muon_lr" in cell.text
-    assert "**stale**" in ladder_claims.generate(records)
+    page = ladder_claims.generate(records)
+    assert "**stale**" in page
+    # a stale row prints no trend: neither beside its verdict nor in the multipliers table
+    row = next(line for line in page.splitlines() if line.startswith(f"| {lrt.paper}"))
+    assert "trend:" not in row
+    table_row = next(line for line in page.splitlines() if line.startswith("| lrt (stale"))
+    assert table_row.endswith("| — / — |")
 
 
 # --------------------------------------------------------------------------------------------
@@ -457,6 +463,19 @@ def test_gpts_curve_is_one_method_for_every_seed_of_a_cell():
     assert ladder_fit.parameter_values(sizes[0] + sizes[1], "c", "muon", "a", "var") is not None
 
 
+def test_the_page_shows_gpts_fit_residuals_and_marks_the_unstable_ones():
+    """The issue's fit residuals: per size and seed, the rms of gpt's power law in log BPB, `*` where it
+    is not stable (the cell then reads the interpolation)."""
+    clean = synthetic_points(1.6, 2.0, seeds=(0,), noise=0.0)
+    noisy = synthetic_points(1.6, 2.0, seeds=(1, 2), noise=0.03)
+    fits = ladder_fit.reference_fits(clean + noisy, "c", "muon", "s", "tokens")
+    assert fits[0]["stable"] and fits[0]["rms"] < 1e-3
+    assert fits[1]["stable"] and not fits[2]["stable"] and fits[2]["rms"] > ladder_fit.STABLE_RMS
+    table = ladder_claims.residuals_table(clean + noisy, "c", "muon")
+    row = next(line for line in table if line.startswith("| s |"))
+    assert row == f"| s | s0 {fits[0]['rms']:.4f}, s1 {fits[1]['rms']:.4f}, s2 {fits[2]['rms']:.4f}* |"
+
+
 def test_a_one_seed_size_takes_its_interval_from_the_seed_scatter_of_the_seeded_sizes():
     seeded = synthetic_points(1.6, 2.0, seeds=(0, 1, 2), noise=0.01, size="a", size_index=0)
     alone = synthetic_points(1.6, 2.0, seeds=(0,), noise=0.01, size="b", size_index=1, params=40_000)
@@ -514,6 +533,42 @@ def test_the_trend_over_size_grows_when_the_multiplier_does():
         estimates.append((params, ladder_fit.multiplier(points, "c", "muon", f"s{index}", "var", "tokens")))
     found = ladder_fit.trend(estimates)
     assert found["verdict"] == "grows" and found["interval"][0] > 0
+
+
+def test_a_trend_reads_every_size_by_one_curve_method():
+    """The third amendment (12-07): where gpt's power law is stable at one size and not at another, the
+    trend refits every size by the interpolation (a change of method between sizes read as a trend);
+    where every size takes the power law, the cells' own estimates. The cells keep their own method."""
+    clean = synthetic_points(1.6, 2.0, noise=0.0, size="a", size_index=0)  # the power law: stable
+    mixed = (synthetic_points(1.6, 2.0, seeds=(0,), noise=0.0, size="b", params=40_000, size_index=1)
+             + synthetic_points(1.6, 2.0, seeds=(1, 2), noise=0.03, size="b", params=40_000, size_index=1))
+    points = clean + mixed
+    sizes = [("a", 10_000), ("b", 40_000)]
+
+    def estimate_at(size, method):
+        return ladder_fit.multiplier(points, "c", "muon", size, "var", "tokens", method=method)
+
+    assert estimate_at("a", None).method == "power law" and estimate_at("b", None).method == "interpolation"
+    found, pairs = ladder_fit.size_trend(estimate_at, sizes)
+    assert found["method"] == "interpolation"
+    assert [e.method for _, e in pairs] == ["interpolation", "interpolation"]
+    assert pairs[0][1].logs != estimate_at("a", None).logs  # size a refitted, not its cell's power law
+    assert found["slope"] == pytest.approx(ladder_fit.trend(pairs)["slope"], abs=0)
+    both = clean + synthetic_points(1.6, 2.0, noise=0.0, size="b", params=40_000, size_index=1)
+    found, pairs = ladder_fit.size_trend(
+        lambda size, method: ladder_fit.multiplier(both, "c", "muon", size, "var", "tokens", method=method), sizes)
+    assert found["method"] == "power law" and [e.method for _, e in pairs] == ["power law", "power law"]
+
+
+def test_a_trend_before_every_planned_size_is_in_is_provisional():
+    every = [synthetic_points(1.2 * 1.3 ** i, 1.0, size=f"s{i}", params=10_000 * 4 ** i, size_index=i)
+             for i in range(3)]
+    plan = ladder_fit.Plan.from_points([p for size in every for p in size])
+    two = every[0] + every[1]
+    text = ladder_claims._trend_text(two, plan, "c", "muon", "var", "tokens")
+    assert text.startswith("provisional (2 of 3 planned sizes): ") and "; power law)" in text
+    whole = ladder_claims._trend_text([p for size in every for p in size], plan, "c", "muon", "var", "tokens")
+    assert whole.startswith("grows (") and "provisional" not in whole
 
 
 def test_the_trend_rarely_declares_one_from_seed_noise():
