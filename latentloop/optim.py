@@ -89,7 +89,9 @@ class Muon(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, ns_steps=ns_steps))
         self.ns_dtype = ns_dtype  # the Newton-Schulz products' dtype (`orthogonalize`'s default when None)
         # bf16 products on a CPU without bf16 instructions: emulated through float32 kernels, eager only
-        # (inductor drops the round trips of a compiled emulation: nearly float32's iteration)
+        # (inductor drops the round trips of a compiled emulation: nearly float32's iteration). A compiled
+        # iteration differs from the eager one anyway: inductor keeps its fused element-wise terms in
+        # float32 (as every compiled Muon's), about as far from eager bf16 as float32 is
         self.ns_emulate_bf16 = (ns_dtype == torch.bfloat16 and compiled is None and not cpu_bf16_support()
                                 and any(p.device.type == "cpu" for group in self.param_groups for p in group["params"]))
         # the iteration through torch.compile with this backend (train.compile), else eager

@@ -76,8 +76,10 @@ def _checkpointed(module: nn.Module) -> None:
     forward = module.forward
 
     def recomputed(*args, **kwargs):
-        # the recomputation, in the backward, emulates bf16 where the forward did (precision.py)
-        return checkpoint(forward, *args, use_reentrant=False, context_fn=recompute_contexts, **kwargs)
+        # eager: the recomputation, in the backward, emulates bf16 where the forward did (precision.py);
+        # a compiled region takes no context_fn but two dispatch modes (and emulates nothing)
+        contexts = {} if torch.compiler.is_compiling() else {"context_fn": recompute_contexts}
+        return checkpoint(forward, *args, use_reentrant=False, **contexts, **kwargs)
 
     module.forward = recomputed
 

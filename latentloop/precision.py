@@ -5,7 +5,8 @@
   would (each product's inputs and output rounded to bf16, the sums in float32) with float32
   kernels: a torch function mode of this thread's, so nothing is registered for the process.
   Without bf16 instructions torch's own bf16 product (oneDNN's emulation) took 3.3x float32's time
-  for the ladder's m shapes (1 thread), and an m training step 1.1x (lrt) to 1.5x the emulated one.
+  for the ladder's m shapes (1 thread), and an m training step 1.4-1.5x the emulated one
+  (`python -m benchmarks.cpu_bf16`).
 - `bf16_product`: the same rule for one product of two bf16 tensors (Muon's Newton-Schulz iteration).
 
 Only the order of the float32 sums can differ from a CPU with the instructions (the inputs are
@@ -101,7 +102,7 @@ def _cast(t: Tensor | None) -> Tensor | None:
         return t
     cache = getattr(_local, "cache", None)
     if (cache is None or t.dtype != torch.float32 or not (t.is_leaf and t.requires_grad)
-            or not torch.is_grad_enabled() or torch.is_inference_mode_enabled()
+            or not torch.is_grad_enabled()  # off under no_grad and inference_mode alike
             or not torch.is_autocast_cache_enabled()):
         return t.to(torch.bfloat16)
     hit = cache.get(id(t))
@@ -126,9 +127,10 @@ class _EmulatedLinearMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if (func is F.linear and torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
-                and isinstance(args[0], Tensor) and args[0].device.type == "cpu"):
-            return _emulated_linear(*args, **kwargs)
+        if func is F.linear and torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16:
+            x = args[0] if args else kwargs.get("input")
+            if isinstance(x, Tensor) and x.device.type == "cpu":
+                return _emulated_linear(*args, **kwargs)
         return func(*args, **kwargs)
 
 

@@ -643,6 +643,26 @@ def test_the_precision_check_alternates_the_dtypes_over_the_repeats_and_leaves_o
                                                         "precision": {"gpt": result}})
 
 
+def test_cpu_bf16_benchmark_pairs_the_emulated_step_with_torchs_bf16_and_float32(tmp_path, capsys):
+    """Each row pairs the emulated step with torch's bf16 step and with float32's, and checks in its
+    warmup that the emulated path ran emulated linear layers and torch's path none; bad names get one
+    line from argparse."""
+    bench = _benchmark("cpu_bf16")
+    for flag, bad, message in [("--sizes", "xl", "unknown 'xl'"), ("--archs", "nope", "unknown 'nope'"),
+                               ("--archs", "", "at least one name"), ("--rounds", "1", "--rounds must be >= 2")]:
+        with pytest.raises(SystemExit) as exc:
+            bench.parse_args([flag, bad])
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+    out = tmp_path / "cpu-bf16.json"
+    assert bench.main(["--sizes", "xs", "--archs", "gpt", "--rounds", "2", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    [row] = result["steps"]
+    assert (row["arch"], row["size"]) == ("gpt", "xs") and row["params"] > 0
+    assert len(row["over_torch_bf16"]) == len(row["over_float32"]) == 2
+    assert min(row["over_torch_bf16"] + row["over_float32"]) > 0
+    assert "step: emulated / torch's bf16" in capsys.readouterr().out
+
+
 def test_ratio_interval_is_students_t():
     """The paired ratios' 95% interval is Student's t (as engines and serve_load give theirs), far
     wider than the normal's at a few rounds."""
@@ -673,7 +693,8 @@ def test_paired_benchmarks_refuse_too_few_rounds_and_empty_cells(module, argv, m
 
 @pytest.mark.parametrize("module, argv", [
     ("fast_decode", []), ("fast_training", []), ("speculative", ["runs/x"]), ("time_to_quality", []),
-    ("decode_attention", []), ("cpu_attention", []), ("baseline", []), ("variants", []), ("gpu_bench", []),
+    ("decode_attention", []), ("cpu_attention", []), ("cpu_bf16", []), ("baseline", []), ("variants", []),
+    ("gpu_bench", []),
 ])
 def test_threads_below_one_are_refused_in_one_line(module, argv, capsys):
     """`torch.set_num_threads(0)` raised a RuntimeError once the run started (gpu_bench fell back to

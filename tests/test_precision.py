@@ -6,6 +6,7 @@ most) on a few elements, and by nothing else: an emulation that skipped a roundi
 output) would differ on most elements, one that rounded twice or in the wrong place by more.
 """
 
+import contextlib
 import threading
 
 import pytest
@@ -240,6 +241,82 @@ def test_activation_checkpointing_recomputes_the_emulated_forward():
     plain, recomputed = gradients(False), gradients(True)
     for name, grad in plain.items():
         torch.testing.assert_close(recomputed[name], grad, rtol=0, atol=0, msg=name)
+
+
+def test_a_compiled_checkpointed_step_still_compiles():
+    """Under torch.compile a checkpoint's context_fn must give dispatch modes: the compiled blocks take
+    none (and emulate nothing), in float32 and in bf16 alike (aot_eager: dynamo's and AOT's tracing,
+    eager kernels)."""
+    import latentloop as ll
+    from latentloop.config import TrainConfig
+    from latentloop.parallel import wrap_model
+
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    for dtype in ("float32", "bfloat16"):
+        torch._dynamo.reset()
+        model = ll.build("gpt", preset="test")
+        config = TrainConfig(compile=True, compile_backend="aot_eager", compile_scope="blocks",
+                             activation_checkpointing=True, dtype=dtype)
+        compiled = wrap_model(model, config, torch.device("cpu"))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+            logits = compiled(x).logits
+        logits.float().logsumexp(-1).mean().backward()
+        assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_a_linear_called_by_keywords_is_emulated_too():
+    x, w = torch.randn(3, 4), torch.randn(5, 4, requires_grad=True)
+    with emulated_bf16_autocast():
+        out = F.linear(input=x, weight=w)
+    assert type(out.grad_fn).__name__ == "_Bf16LinearBackward"
+
+
+def test_the_region_is_the_threads_own():
+    """Another thread sees no region of this thread's (its own state: no emulation, no cache)."""
+    seen = []
+    with emulated_bf16_autocast():
+        thread = threading.Thread(target=lambda: seen.append(precision.emulating()))
+        thread.start()
+        thread.join(timeout=30)
+        assert precision.emulating()
+    assert seen == [False]
+
+
+def _weight_cast_nodes(context, uses) -> int:
+    """How many distinct casts of one weight `uses` run under `context` (each a callable taking the
+    weight): one when the cast is kept for the region, one per use when it is not."""
+    w = torch.randn(4, 4, requires_grad=True)
+    x = torch.randn(2, 4)
+    nodes = set()
+    with emulated_bf16_autocast(), context:
+        for use in uses:
+            out = use(x, w)
+            if out.grad_fn is not None:
+                nodes.add(out.grad_fn.next_functions[1][0])  # the weight's cast (_Bf16Linear's inputs: x, w, b)
+    return len(nodes)
+
+
+def test_a_weight_is_cast_once_per_region_unless_autocast_says_not_to_cache():
+    twice = [F.linear, F.linear]
+    assert _weight_cast_nodes(contextlib.nullcontext(), twice) == 1
+    # autocast's own switch: a region inside with cache_enabled=False casts on every use
+    assert _weight_cast_nodes(torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False), twice) == 2
+
+
+def test_a_cast_under_inference_mode_is_not_kept_either():
+    def inference_use(x, w):
+        with torch.inference_mode():
+            F.linear(x, w)
+        return F.linear(x, w)  # then with autograd: its own cast, with a gradient path
+
+    w = torch.randn(4, 4, requires_grad=True)
+    with emulated_bf16_autocast():
+        with torch.inference_mode():
+            F.linear(torch.randn(2, 4), w)
+        out = F.linear(torch.randn(2, 4), w)
+    out.float().sum().backward()
+    assert w.grad is not None and torch.count_nonzero(w.grad) > 0
+    assert _weight_cast_nodes(contextlib.nullcontext(), [inference_use, F.linear]) == 1
 
 
 @pytest.mark.parametrize("shape", [(72, 288), (3, 48, 72)])
