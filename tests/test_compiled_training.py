@@ -103,6 +103,11 @@ def test_compile_scope_chooses_whole_or_blocks_and_fsdp2_keeps_blocks():
         assert not compiles_whole_model(model, "none", "blocks") and not compiles_whole_model(model, "fsdp2", "whole")
     with pytest.raises(ConfigError, match="compile_scope must be one of auto, whole, blocks"):
         TrainConfig(compile_scope="layers")
+    # asking for the whole model under fsdp2 is refused, not passed over (blocks and auto stand)
+    with pytest.raises(ConfigError, match="under strategy fsdp2 every architecture compiles block by block"):
+        TrainConfig(compile=True, strategy="fsdp2", compile_scope="whole")
+    TrainConfig(compile=True, strategy="fsdp2", compile_scope="blocks")
+    TrainConfig(compile=False, strategy="fsdp2", compile_scope="whole")  # no compile: nothing to ignore
 
 
 # the fewest linear layers one block's graph holds: the attention's input and output projections and

@@ -241,3 +241,48 @@ def test_tasks_do_not_import_sources(edges):
     bad = [str(e) for e in edges if e.file in ("latentloop/data/tasks.py", "latentloop/data/base.py")
            and e.module == "latentloop.data.sources"]
     assert not bad, "\n".join(bad)
+
+
+DESIGN = PACKAGE.parent / "docs" / "design.md"
+TABLE_HEADER = "| part | imports at module level | only lazily | allowed, unused today |"
+
+
+def _design_table() -> dict[str, tuple[set[str], set[str] | None, set[str]]]:
+    """docs/design.md's import table: part -> (module-level imports, lazy-only imports (None: prose,
+    as cli's), allowed but unused)."""
+    lines = DESIGN.read_text(encoding="utf-8").splitlines()
+    start = lines.index(TABLE_HEADER) + 2
+    rows = {}
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        part, module_level, lazy, unused = (cell.strip() for cell in line.strip("|").split("|"))
+
+        def names(cell: str) -> set[str]:
+            return set() if cell in ("—", "") else {name.strip() for name in cell.split(",")}
+
+        prose = lazy not in ("—", "") and " " in lazy.replace(", ", ",")
+        rows[part.strip("`")] = (names(module_level), None if prose else names(lazy), names(unused))
+    return rows
+
+
+def test_the_design_pages_import_table_is_the_codes(edges):
+    """Each row of docs/design.md's table says what the part imports at module level, what only lazily,
+    and what its rule allows that it does not use: read from the code, so the page cannot drift."""
+    table = _design_table()
+    assert set(table) == set(ALLOWED), f"rows missing or extra: {sorted(set(ALLOWED) ^ set(table))}"
+    wrong = []
+    for part, (module_level, lazy, unused) in table.items():
+        mine = [e for e in edges if e.source == part and e.target != part]
+        actual_module = {e.target for e in mine if not e.lazy}
+        actual_lazy = {e.target for e in mine if e.lazy} - actual_module
+        allowed = ALLOWED[part] | (BASE if part not in BASE else frozenset())
+        if module_level != actual_module:
+            wrong.append(f"{part}: module level {sorted(module_level)}, the code {sorted(actual_module)}")
+        if lazy is not None:
+            if lazy != actual_lazy:
+                wrong.append(f"{part}: only lazily {sorted(lazy)}, the code {sorted(actual_lazy)}")
+            if unused != allowed - actual_module - actual_lazy:
+                wrong.append(f"{part}: allowed, unused {sorted(unused)}, "
+                             f"the rule less the code {sorted(allowed - actual_module - actual_lazy)}")
+    assert not wrong, "docs/design.md's import table differs from the code:\n" + "\n".join(wrong)
