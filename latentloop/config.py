@@ -352,10 +352,6 @@ class TrainConfig:
         require(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda", "mps"),
                  f"device must be auto, cpu, cuda[:N] or mps, got {self.device!r}")
         require(self.strategy in STRATEGIES, f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
-        # fsdp2's units are the blocks: a whole-model compile would be passed over without a word
-        require(not (self.compile and self.strategy == "fsdp2" and self.compile_scope == "whole"),
-                "compile_scope=whole: under strategy fsdp2 every architecture compiles block by block "
-                "(fsdp2's units are the blocks); use compile_scope=auto or blocks")
 
 
 @dataclass

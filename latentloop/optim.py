@@ -143,8 +143,9 @@ def newton_schulz_dtype(device: torch.device, products_dtype: str) -> torch.dtyp
     """Muon's Newton-Schulz products in bf16 where the run's own products are (`products_dtype`: the
     run's autocast dtype, `runtime.resolve_dtype`'s answer): always on CUDA (Keller Jordan's Muon),
     and on a CPU run under bf16 autocast (a CPU with bf16 instructions), where rgpt's 15 matrices took
-    83-91 ms against 149-179 ms in float32 (2 threads; 18% of its training step was Muon's). float32
-    elsewhere: bf16 is emulated there, and a float32 run keeps float32 throughout."""
+    83-91 ms against 149-179 ms in float32 (2 threads; 18% of its training step was Muon's), and in an
+    explicit bf16 run on a CPU without them (the products emulated, `Muon.ns_emulate_bf16`). A float32
+    run keeps float32 throughout."""
     return torch.bfloat16 if device.type == "cuda" or products_dtype == "bfloat16" else torch.float32
 
 

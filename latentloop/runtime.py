@@ -120,8 +120,9 @@ def resolve_dtype(device: torch.device, dtype: str, cpu_bf16: str | None | objec
     return "bfloat16" if device.type == "cpu" and support else "float32"
 
 
-def precision_note(device: torch.device, dtype: str) -> str:
-    """One line for the run log: the dtype the products run in and, on the CPU, its bf16 support."""
+def precision_note(device: torch.device, dtype: str, emulate: bool = True) -> str:
+    """One line for the run log: the dtype the products run in and, on the CPU, its bf16 support
+    (`emulate`: as `autocast_for` takes it; a compiled step runs torch's autocast)."""
     resolved = resolve_dtype(device, dtype)
     line = ("bf16 autocast for the matrix products (fp32 weights, optimizer state, norms, softmax and loss)"
             if resolved == "bfloat16" else "fp32 throughout")
@@ -129,8 +130,9 @@ def precision_note(device: torch.device, dtype: str) -> str:
         support = cpu_bf16_support()
         line += (f"; CPU bf16 support: {support}" if support else
                  "; this CPU has no bf16 instructions (amx_bf16 / avx512_bf16)"
-                 + (": bf16 is emulated (float32 kernels on bf16-rounded values, latentloop.precision) and slower "
-                    "than fp32" if resolved == "bfloat16" else ""))
+                 + ((": bf16 is emulated (float32 kernels on bf16-rounded values, latentloop.precision) and "
+                     "slower than fp32" if emulate else ": bf16 is emulated by torch (a compiled step) and slower "
+                     "than fp32") if resolved == "bfloat16" else ""))
         line += f", torch CPU capability {torch.backends.cpu.get_cpu_capability()}"
     elif device.type == "cuda" and not cuda_bf16_support(device):
         major, minor = torch.cuda.get_device_capability(device)

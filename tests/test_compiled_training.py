@@ -94,7 +94,7 @@ def _check_compiled_training(arch):
     assert any(not torch.equal(before[name], p) for name, p in model.named_parameters())
 
 
-def test_compile_scope_chooses_whole_or_blocks_and_fsdp2_keeps_blocks():
+def test_compile_scope_chooses_whole_or_blocks_and_fsdp2_keeps_blocks(capsys):
     from latentloop.errors import ConfigError
 
     for arch in ARCHS:  # "auto": the whole step for every architecture (issue 51), unless fsdp2 or asked
@@ -103,11 +103,17 @@ def test_compile_scope_chooses_whole_or_blocks_and_fsdp2_keeps_blocks():
         assert not compiles_whole_model(model, "none", "blocks") and not compiles_whole_model(model, "fsdp2", "whole")
     with pytest.raises(ConfigError, match="compile_scope must be one of auto, whole, blocks"):
         TrainConfig(compile_scope="layers")
-    # asking for the whole model under fsdp2 is refused, not passed over (blocks and auto stand)
+    # asking for the whole model under fsdp2 is refused for a new run, not passed over; a run saved so
+    # still loads (the config is valid) and resumes, with a warning (blocks and auto stand)
+    from latentloop.train.start import _check_compile_scope
+
+    whole = TrainConfig(compile=True, strategy="fsdp2", compile_scope="whole")  # a saved run's config: loads
     with pytest.raises(ConfigError, match="under strategy fsdp2 every architecture compiles block by block"):
-        TrainConfig(compile=True, strategy="fsdp2", compile_scope="whole")
-    TrainConfig(compile=True, strategy="fsdp2", compile_scope="blocks")
-    TrainConfig(compile=False, strategy="fsdp2", compile_scope="whole")  # no compile: nothing to ignore
+        _check_compile_scope(whole, resume=False)
+    _check_compile_scope(whole, resume=True)
+    assert "this run resumes so, as it ran" in capsys.readouterr().err
+    _check_compile_scope(TrainConfig(compile=True, strategy="fsdp2", compile_scope="blocks"), resume=False)
+    _check_compile_scope(TrainConfig(strategy="fsdp2", compile_scope="whole"), resume=False)  # no compile
 
 
 # the fewest linear layers one block's graph holds: the attention's input and output projections and

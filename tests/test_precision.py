@@ -31,6 +31,20 @@ def _assert_within_one_rounding(actual: torch.Tensor, expected: torch.Tensor) ->
     assert share <= MAX_DIFFERING_SHARE, f"{share:.2%} of the elements differ from autocast's"
 
 
+def _saved_bytes(run) -> int:
+    """The bytes autograd keeps for the backward while `run()` runs its forward."""
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return total
+
+
 def _layer_pair(context):
     """Two linear layers sharing a weight (its gradients meet, as a shared core's do), with a bias,
     forward and backward under `context`: outputs and every gradient."""
@@ -65,19 +79,8 @@ def test_float32_products_are_not_an_emulation():
 def test_the_emulation_keeps_what_autocast_keeps_for_the_backward():
     """The same bytes saved for the backward as autocast's (bf16 inputs and weights, the weight cast
     once), so a step's memory is what the estimate says."""
-    def saved_bytes(context) -> int:
-        total = 0
-
-        def pack(t):
-            nonlocal total
-            total += t.numel() * t.element_size()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            _layer_pair(context)
-        return total
-
-    assert saved_bytes(emulated_bf16_autocast()) == saved_bytes(torch.autocast("cpu", dtype=torch.bfloat16))
+    assert _saved_bytes(lambda: _layer_pair(emulated_bf16_autocast())) == _saved_bytes(
+        lambda: _layer_pair(torch.autocast("cpu", dtype=torch.bfloat16)))
 
 
 def _linear_backward_name() -> str:
@@ -177,21 +180,14 @@ def test_a_weight_changed_between_regions_is_cast_again():
 def test_only_what_the_backward_needs_is_kept(frozen):
     """Autocast's linear keeps the input for the weight's gradient and the weight for the input's:
     with one of them frozen, only the other's tensor."""
-    def saved_bytes(context) -> int:
-        total = 0
-
-        def pack(t):
-            nonlocal total
-            total += t.numel() * t.element_size()
-            return t
-
+    def one_linear(context) -> None:
         x = torch.randn(16, 32, requires_grad=frozen != "input")
         w = torch.randn(64, 32, requires_grad=frozen != "weight")
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), context:
+        with context:
             F.linear(x, w)
-        return total
 
-    assert saved_bytes(emulated_bf16_autocast()) == saved_bytes(torch.autocast("cpu", dtype=torch.bfloat16))
+    assert _saved_bytes(lambda: one_linear(emulated_bf16_autocast())) == _saved_bytes(
+        lambda: one_linear(torch.autocast("cpu", dtype=torch.bfloat16)))
 
 
 def test_a_bias_on_a_non_contiguous_input_is_rounded_as_autocast_rounds_it():

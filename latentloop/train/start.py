@@ -19,7 +19,7 @@ from ..checkpoint import (
     prompting_as_its_model,
     resolve_checkpoint,
 )
-from ..config import RunConfig
+from ..config import RunConfig, TrainConfig
 from ..data import TokenLoader, load_tokenizer
 from ..data.chat import ChatLoader, prepare_chat
 from ..data.tokenizers import ChatTokens
@@ -28,7 +28,7 @@ from ..errors import CheckpointError, ConfigError, DataError, OutputError
 from ..interop.upcycle import initialise_from
 from ..parallel import wrap_model
 from ..runtime import absolute_source, keep_freed_memory, precision_note, prepare_data, resolve_dtype
-from ..util import read_json_object, write_json_atomic
+from ..util import read_json_object, warn_once, write_json_atomic
 from .memory import check_micro_batch_fits, check_step_fits
 from .resume import resume_run
 from .stages import check_stage
@@ -129,6 +129,20 @@ def check_validation_split(val, config: RunConfig) -> None:
                         f"data.val_fraction or lower sequence_len")
 
 
+def _check_compile_scope(train: TrainConfig, resume: bool) -> None:
+    """fsdp2's units are the blocks, so a whole-model compile (`compile_scope=whole`) would be passed
+    over without a word: a new run is refused; a run that was saved so resumes (block by block, as it
+    ran), with a warning. Checked here, not in the config: a saved config must still load."""
+    if not (train.compile and train.strategy == "fsdp2" and train.compile_scope == "whole"):
+        return
+    message = ("train.compile_scope=whole: under strategy fsdp2 every architecture compiles block by block "
+               "(fsdp2's units are the blocks)")
+    if resume:
+        warn_once(message + "; this run resumes so, as it ran")
+        return
+    raise ConfigError(message + "; use compile_scope=auto or blocks")
+
+
 def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress: bool = True,
           init_from: str | Path | None = None) -> TrainState:
     """Build tokenizer, data, model, objective and optimizers; nothing is written until all succeed.
@@ -146,6 +160,7 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
     together(_check_output_path, run_dir)
     together(check_trackers, config.train.trackers)  # a missing tracker package, before anything is written
     together(check_stage, config, resume, init_from)
+    together(_check_compile_scope, config.train, resume)
     # the token batch divides into micro-batches, before any data is prepared
     together(accumulation, config.train, config.model.sequence_len, env.world_size)
     together(check_run_folder, run_dir, config, resume, given_strategy)
@@ -226,7 +241,7 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
             state.lock.release()
         raise
     if progress and env.is_main:
-        note(precision_note(device, config.train.dtype))
+        note(precision_note(device, config.train.dtype, emulate=not config.train.compile))
     train = config.train
     if train.warmup_steps >= train.steps and not resume and env.is_main:  # e.g. a short try at warmup's default
         warn(f"train.warmup_steps={train.warmup_steps} is not below train.steps={train.steps}: the learning rate "
