@@ -81,7 +81,14 @@ from latentloop.errors import CheckpointError, LatentloopError, NonFiniteError  
 from latentloop.eval.loss import score_run, text_batches  # noqa: E402
 from latentloop.models.backbone import cpu_training_attention_in_fp32  # noqa: E402
 from latentloop.optim import lr_multiplier, set_lr  # noqa: E402
-from latentloop.runtime import cpu_bf16_support, cuda_bf16_support, precision_note, resolve_dtype  # noqa: E402
+from latentloop.precision import EMULATION  # noqa: E402
+from latentloop.runtime import (  # noqa: E402
+    cpu_bf16_support,
+    cuda_bf16_support,
+    emulates_bf16,
+    precision_note,
+    resolve_dtype,
+)
 from latentloop.train import FiniteGuard, FlopsMemo, setup, train_step  # noqa: E402
 from latentloop.util import first_line, give_default_mode, write_json_atomic  # noqa: E402
 
@@ -459,6 +466,7 @@ SET_BY_MACHINE = {("data", "source"), ("data", "cache_dir"), ("train", "device")
 # imported sliding window). Any other value, or any other field absent then, is a change.
 ADDED_AS_BEFORE = {("model", "attention_window"): 0}
 PRECISIONS = ("bfloat16", "float32")  # a record's `precision`: what its products ran in
+BF16_EMULATION = "bf16_emulation"  # a record's and a probe's key: how bf16 was emulated (`_emulation`)
 BF16_SUPPORT = "cpu_bf16_support"  # a record's key: the bf16 instructions of the CPU that ran it (None: none)
 CUDA_BF16_SUPPORT = "cuda_bf16_support"  # a GPU run's record: whether its GPU has native bf16
 
@@ -781,6 +789,7 @@ def _execute(run, state, work: Path, record_path: Path, requested: dict, spec: L
               "config_resolved": json.loads(json.dumps(state.config.to_dict())),
               "precision": precision,
               BF16_SUPPORT: cpu_bf16_support(),  # the machine's, for today's rule on it (`stale_fields`)
+              BF16_EMULATION: _emulation(state.device, state.config.train.dtype),
               **({CUDA_BF16_SUPPORT: cuda_bf16_support(state.device)} if state.device.type == "cuda" else {}),
               "attention_dtype": training_attention_dtype(state.device, state.config),
               "evaluation": {"dtype": "float32", "batch": spec.eval_batch, "stable_share": spec.stable_eval_share},
@@ -1024,15 +1033,23 @@ def probe(variant: Variant, size: Size, spec: LadderSpec, device: str, dtype: st
                 state.lock.release()
     return {"train_flops_per_s": float(np.median(rates)), "eval_tokens_per_s": eval_rates,
             "primary": primary_scoring(config.model), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "repeats": PROBE_REPEATS, "precision": resolve_dtype(torch.device(device), dtype)}
+            "repeats": PROBE_REPEATS, "precision": resolve_dtype(torch.device(device), dtype),
+            BF16_EMULATION: _emulation(torch.device(device), dtype)}
+
+
+def _emulation(device: torch.device, dtype: str) -> str | None:
+    """How bf16 was emulated on a CPU without bf16 instructions (`precision.EMULATION`), or None where
+    nothing was (float32, or native bf16)."""
+    return EMULATION if emulates_bf16(device, dtype) else None
 
 
 def probe_all(runs: list[RunPlan], spec: LadderSpec, device: str, out: Path, fresh: bool = False,
               dtype: str = "auto") -> tuple[dict[str, dict], int]:
     """Probe each (variant, size) of the plan once; kept in `out/probe-<device>.json` for a resumed
     ladder (`fresh`: measure again). Returns the probes and how many were measured in this call. A
-    probe made before `PROBE_REPEATS` (one measurement, no scoring warm-up), or in another `dtype` (an
-    emulated bf16 step takes longer), is measured again."""
+    probe made before `PROBE_REPEATS` (one measurement, no scoring warm-up), in another `dtype` (an
+    emulated bf16 step takes longer), or under another bf16 emulation (torch's own, before
+    `precision.EMULATION`, took 1.4-1.5x the time) is measured again."""
     path = out / f"probe-{spec.name}-{device}.json"
     # a probe made before probes kept their precision (2026-12-07) ran in `auto`'s, on this machine
     precision, here = resolve_dtype(torch.device(device), dtype), resolve_dtype(torch.device(device), "auto")
@@ -1041,7 +1058,9 @@ def probe_all(runs: list[RunPlan], spec: LadderSpec, device: str, out: Path, fre
     measured = 0
     for variant, size in pairs.values():
         name = f"{variant.name}@{size.name}"
-        if probes.get(name, {}).get("repeats") != PROBE_REPEATS or probes[name].get("precision", here) != precision:
+        emulation = _emulation(torch.device(device), dtype)
+        if (probes.get(name, {}).get("repeats") != PROBE_REPEATS or probes[name].get("precision", here) != precision
+                or probes[name].get(BF16_EMULATION) != emulation):
             probes[name] = probe(variant, size, spec, device, dtype)
             measured += 1
             _atomic_write_json(path, probes)

@@ -31,6 +31,10 @@ from torch.overrides import TorchFunctionMode
 # names): without one of them torch emulates bf16 and a bf16 step is slower than an fp32 one.
 CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
+# What a run or a probe that emulated bf16 records (benchmarks and the ladder): torch's own emulation,
+# before 2026-12-07, took 1.4-1.5x this one's time, so a probe made under it is measured again
+EMULATION = "float32 kernels on bf16-rounded values (latentloop.precision, 2026-12-07)"
+
 # Set to "0" to treat this CPU as one without bf16 instructions: `train.dtype=auto` then trains in
 # fp32 (the test suite sets it, so that its exactness and resume checks run in fp32 everywhere).
 CPU_BF16_ENV = "LATENTLOOP_CPU_BF16"

@@ -331,13 +331,21 @@ def test_the_probe_skips_each_scorings_first_batch_and_takes_medians(tiny_ladder
     # before probes kept their precision ran in this machine's `auto`
     monkeypatch.setattr("latentloop.runtime.cpu_bf16_support", lambda: None)
     monkeypatch.setattr(ladder, "probe", lambda *args: found | {"precision": ladder.resolve_dtype(
-        torch.device("cpu"), args[-1])})
+        torch.device("cpu"), args[-1]), ladder.BF16_EMULATION: ladder._emulation(torch.device("cpu"), args[-1])})
     without = {f"gpt@{size.name}": {k: v for k, v in found.items() if k != "precision"}}
     (tmp_path / f"probe-{TINY.name}-cpu.json").write_text(json.dumps(without))
     assert ladder.probe_all([run], TINY, "cpu", tmp_path, dtype="float32")[1] == 0
     assert ladder.probe_all([run], TINY, "cpu", tmp_path, dtype="bfloat16")[1] == 1
     assert ladder.probe_all([run], TINY, "cpu", tmp_path, dtype="bfloat16")[1] == 0
     assert ladder.probe_all([run], TINY, "cpu", tmp_path, dtype="auto")[1] == 1  # float32 on this machine
+    # a bf16 probe made under torch's own emulation (before latentloop's, which takes 0.65-0.72x its
+    # time) is measured again; the emulation it ran under is kept with it
+    bf16 = ladder.probe_all([run], TINY, "cpu", tmp_path, dtype="bfloat16")[0][f"gpt@{size.name}"]
+    assert bf16[ladder.BF16_EMULATION] == ladder.EMULATION
+    torchs = {f"gpt@{size.name}": {k: v for k, v in bf16.items() if k != ladder.BF16_EMULATION}}
+    (tmp_path / f"probe-{TINY.name}-cpu.json").write_text(json.dumps(torchs))
+    assert ladder.probe_all([run], TINY, "cpu", tmp_path, dtype="bfloat16")[1] == 1
+    assert ladder.probe_all([run], TINY, "cpu", tmp_path, dtype="bfloat16")[1] == 0
 
 
 def test_a_changed_default_marks_the_records_and_their_rows_stale(tiny_ladder, tmp_path, monkeypatch):
@@ -1216,6 +1224,7 @@ def test_the_ladder_trains_in_its_records_precision_on_a_machine_that_would_pick
     assert autocasts and set(autocasts) == {torch.bfloat16}
     record = json.loads(next(path for path in (out / "records").glob("smoke__*.json")).read_text())
     assert record["precision"] == "bfloat16" and record[ladder.BF16_SUPPORT] is None
+    assert record[ladder.BF16_EMULATION] == ladder.EMULATION  # which emulation: latentloop's float32 kernels
     assert record["config_requested"]["train"]["dtype"] == "bfloat16"
     assert ladder.stale_fields(record, ladder.planned_entries([record])) == []
     # a new ladder: `auto` on this machine, kept before its first record, so that a shard started on a
