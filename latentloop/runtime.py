@@ -29,7 +29,7 @@ from .data import TokenData, parse_source, prepare_tokens
 from .data.chat import CHAT_PREFIX, split_chat_file
 from .data.sources import MixSource
 from .errors import ConfigError, OutputError
-from .precision import CPU_BF16_ENV, CPU_BF16_FLAGS, cpu_bf16_support, emulated_bf16_autocast  # noqa: F401
+from .precision import CPU_BF16_ENV, cpu_bf16_support, emulated_bf16_autocast  # noqa: F401 (CPU_BF16_ENV: runtime's name)
 from .util import default_cache_dir, nearest_existing, read_json_object
 
 EVAL_DIR_ENV = "LATENTLOOP_EVAL_DIR"  # folder of the evaluation task files
@@ -128,11 +128,11 @@ def precision_note(device: torch.device, dtype: str, emulate: bool = True) -> st
             if resolved == "bfloat16" else "fp32 throughout")
     if device.type == "cpu":
         support = cpu_bf16_support()
+        how = ("(float32 kernels on bf16-rounded values, latentloop.precision)" if emulate
+               else "by torch (a compiled step)")
         line += (f"; CPU bf16 support: {support}" if support else
                  "; this CPU has no bf16 instructions (amx_bf16 / avx512_bf16)"
-                 + ((": bf16 is emulated (float32 kernels on bf16-rounded values, latentloop.precision) and "
-                     "slower than fp32" if emulate else ": bf16 is emulated by torch (a compiled step) and slower "
-                     "than fp32") if resolved == "bfloat16" else ""))
+                 + (f": bf16 is emulated {how} and slower than fp32" if resolved == "bfloat16" else ""))
         line += f", torch CPU capability {torch.backends.cpu.get_cpu_capability()}"
     elif device.type == "cuda" and not cuda_bf16_support(device):
         major, minor = torch.cuda.get_device_capability(device)
