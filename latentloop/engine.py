@@ -259,7 +259,8 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device
 
 def model_options(model, options: dict, cached: bool = True) -> dict:
     """The model's declared options with `options` applied, checked once (one-line errors), the
-    draft they ask for included (`draft_options` refuses what it cannot draft)."""
+    draft they ask for included (`draft_options`, which knows the model's depth, refuses what it
+    cannot draft and a depth option no step could reach)."""
     options = check_options(model.OPTIONS, options, model.config.arch, cached=cached)
     draft_of(model, options)
     return options

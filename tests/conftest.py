@@ -59,8 +59,7 @@ def option_sets(options) -> dict[str, dict]:
         for value in values:
             given = {option.name: value}
             if option.applies_if is not None:
-                other, applies = option.applies_if
-                given[other] = applies[0]
+                given[option.applies_if.other] = option.applies_if.example
             sets[",".join(f"{k}={v}" for k, v in given.items())] = given
     return sets
 

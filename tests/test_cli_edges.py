@@ -25,7 +25,8 @@ def _one_line_exit_2(argv, words, capsys):
 
 
 @pytest.mark.parametrize("flags", [["--exit-threshold", "0.5"], ["--cache-mode", "mean"],
-                                   ["--exit-criterion", "state", "--exit-threshold", "0.1"], ["--min-steps", "2"],
+                                   ["--exit-criterion", "state", "--exit-threshold", "0.1"],
+                                   ["--min-steps", "2", "--exit-threshold", "0.1"],
                                    ["--steps", "2", "--cache-mode", "last"]])
 def test_rgpt_eval_takes_every_option_of_its_arch(runs, flags, capsys):
     made, corpus = runs
@@ -48,6 +49,10 @@ def test_rgpt_eval_takes_every_option_of_its_arch(runs, flags, capsys):
      "cache_mode='mean' needs the cache"),
     (["generate", "{gpt}", "--prompt", "hi", "--compile", "--no-cache"], "use_cache"),
     (["eval", "{rgpt}", "--exit-threshold", "-1", "--data", "stdlib"], "exit_threshold"),
+    # options of an adaptive exit that could change nothing decoded as if not given, silently
+    (["generate", "{rgpt}", "--prompt", "hi", "--min-steps", "2"], "min_steps applies to exit_threshold > 0 only"),
+    (["generate", "{rgpt}", "--prompt", "hi", "--exit-threshold", "0.1", "--steps", "1", "--min-steps", "2"],
+     "min_steps must be at most the decoding depth (1 step)"),
 ])
 def test_bad_generation_flags_are_one_line(runs, argv, words, capsys):
     made, _ = runs
@@ -77,3 +82,12 @@ def test_generate_defaults_fit_a_short_context(runs, capsys):
     assert main(["generate", str(made["gpt"]), "--prompt", "hi", "--temperature", "0", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert 0 < out["prompt_tokens"] + out["new_tokens"] <= TINY_RUN_CONTEXT
+
+
+def test_the_help_says_which_options_apply_only_under_another(capsys):
+    """The registry's `applies_if` reaches `--help`: `--min-steps` alone was refused with no hint before."""
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "before any exit (at most the decoding depth); only with exit_threshold > 0" in text
+    assert "only with regime 'fused'" in text

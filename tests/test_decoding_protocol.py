@@ -2,6 +2,7 @@
 checked against an independent reference written here (not against the code path it tests)."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import latentloop as ll
 from latentloop.archs import ARCHS, get_arch
 from latentloop.archs.fbt import model as fbt_module
 from latentloop.archs.rgpt import model as rgpt_module
-from latentloop.engine import PromptError, sample_next, teacher_forced_logits
+from latentloop.engine import PromptError, model_options, sample_next, teacher_forced_logits
 from latentloop.models.criteria import KLDivergence, RelativeChange
 from latentloop.models.options import DecodeOption, check_options
 
@@ -387,6 +388,22 @@ def test_every_arch_declares_its_options_and_the_engine_checks_them():
     assert option.parse("3") == 3 and option.parse("auto") == "auto"
     with pytest.raises(ll.ConfigError, match="integer"):
         option.parse("2.5")
+
+
+@pytest.mark.parametrize("given, words", [
+    ({"min_steps": 2}, "min_steps applies to exit_threshold > 0 only (exit_threshold is 0.0)"),
+    ({"exit_criterion": "state"}, "exit_criterion applies to exit_threshold > 0 only"),
+    ({"exit_threshold": 0.1, "steps": 3, "min_steps": 4}, "min_steps must be at most the decoding depth (3 steps)"),
+    ({"exit_threshold": 0.1, "min_steps": 7}, "min_steps must be at most the decoding depth (6 steps)"),
+])
+def test_an_adaptive_exits_options_that_could_change_nothing_are_refused(given, words):
+    """`--min-steps` without an exit threshold, or above the depth (no step could exit before it),
+    decoded as if it had not been given, without a word."""
+    model = ll.build("rgpt", preset="test", n_layer=4, recurrence_steps=6).eval()
+    with pytest.raises(ll.ConfigError, match=re.escape(words)):
+        model_options(model, given)
+    assert model_options(model, {"exit_threshold": 0.1, "steps": 3, "min_steps": 3})["min_steps"] == 3
+    assert model_options(model, {"exit_threshold": 0.1, "min_steps": 6, "exit_criterion": "state"})["min_steps"] == 6
 
 
 def test_options_are_checked_once_per_call_not_per_token(monkeypatch):

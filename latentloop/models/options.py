@@ -18,6 +18,28 @@ from ..errors import ConfigError
 
 
 @dataclass(frozen=True)
+class AppliesIf:
+    """An option means something only while another option's value passes `test` (fbt's passes
+    under regime fused, rgpt's min_steps under an exit threshold above 0); given otherwise, it is
+    refused rather than silently ignored."""
+    other: str
+    test: Callable[[Any], bool]
+    what: str  # the condition as a message names it after the other option's name: "'fused'", "> 0"
+    example: Any  # a value of `other` under which it applies (the contract suite's grid uses it)
+
+    def holds(self, options: dict[str, Any]) -> bool:
+        return self.test(options.get(self.other))
+
+
+def when_one_of(other: str, values: tuple) -> AppliesIf:
+    return AppliesIf(other, lambda value: value in values, " / ".join(map(repr, values)), values[0])
+
+
+def when_above(other: str, bound: float, example: float) -> AppliesIf:
+    return AppliesIf(other, lambda value: value is not None and value > bound, f"> {bound:g}", example)
+
+
+@dataclass(frozen=True)
 class DecodeOption:
     name: str
     kind: type  # int, float or str
@@ -28,7 +50,7 @@ class DecodeOption:
     maximum: float | None = None  # bounds work that grows with the value (passes, steps)
     keywords: tuple[str, ...] = ()  # words accepted besides numbers (fbt passes: "auto")
     needs_cache: Callable[[Any], bool] | None = None  # value -> only meaningful with the KV cache
-    applies_if: tuple[str, tuple] | None = None  # (other option, its values) this one needs
+    applies_if: AppliesIf | None = None  # another option's values this one needs
     # value -> the cache approximates what the reference path computes (rgpt's mean / last core caches
     # keep less than every step's keys): cached decoding is then its own function, not the reference's
     approximates: Callable[[Any], bool] | None = None
@@ -101,11 +123,10 @@ def check_options(declared: Sequence[DecodeOption], given: dict[str, Any], arch:
                for name, option in by_name.items()}
     for name in given:
         option = by_name[name]
-        if option.applies_if is not None:
-            other, values = option.applies_if
-            if options[other] not in values:
-                raise ConfigError(f"{name} applies to {other} {' / '.join(map(repr, values))} only "
-                                  f"({other} is {options[other]!r})")
+        condition = option.applies_if
+        if condition is not None and not condition.holds(options):
+            raise ConfigError(f"{name} applies to {condition.other} {condition.what} only "
+                              f"({condition.other} is {options[condition.other]!r})")
         if not cached and option.needs_cache is not None and option.needs_cache(options[name]):
             raise ConfigError(f"{name}={options[name]!r} needs the cache (the uncached reference path "
                               f"does not support it)")

@@ -182,7 +182,7 @@ def _applicable(model, resolved: dict[str, Any]) -> dict[str, Any]:
     """The resolved options without those that do not apply (fbt's passes outside regime fused)."""
     out = {}
     for option in model.OPTIONS:
-        if option.applies_if is not None and resolved.get(option.applies_if[0]) not in option.applies_if[1]:
+        if option.applies_if is not None and not option.applies_if.holds(resolved):
             continue
         out[option.name] = resolved[option.name]
     return out

@@ -54,7 +54,7 @@ from ...errors import ConfigError
 from ...models.backbone import GPT, ForwardContext, ModelOutput, last_column, norm, shift_right
 from ...models.cache import KVCache
 from ...models.criteria import RelativeChange
-from ...models.options import DecodeOption
+from ...models.options import DecodeOption, when_one_of
 
 # -- config ----------------------------------------------------------------------------------------
 
@@ -233,7 +233,7 @@ OPTIONS = (
                  "decoding) or fused (multi-pass prefill, then soft)", choices=REGIMES),
     DecodeOption("passes", int, DEFAULT_FUSED_PASSES, "prefill passes of the fused regime: an integer or 'auto' "
                  f"(until the top states settle, at most {AUTO_MAX_PASSES})", minimum=1, maximum=MAX_PASSES,
-                 keywords=("auto",), applies_if=("regime", ("fused",)),
+                 keywords=("auto",), applies_if=when_one_of("regime", ("fused",)),
                  couples_rows=lambda value: value == "auto"),  # "auto" runs until *every* row settled
 )
 

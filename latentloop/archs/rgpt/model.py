@@ -52,7 +52,7 @@ from ...errors import CheckpointError, ConfigError
 from ...models.backbone import GPT, PER_ROW_INFO, Draft, ForwardContext, ModelOutput, last_column, norm
 from ...models.cache import KVCache
 from ...models.criteria import KLDivergence, RelativeChange
-from ...models.options import DecodeOption
+from ...models.options import DecodeOption, when_above
 
 # -- config ----------------------------------------------------------------------------------------
 
@@ -218,6 +218,8 @@ DRAFT_OPTIONS = (
                  speed_only=True),
 )
 
+ADAPTIVE_EXIT = when_above("exit_threshold", 0.0, example=0.01)  # the exit's own options mean nothing without it
+
 OPTIONS = (
     DecodeOption("steps", int, None, "recurrence steps at inference (default: the trained R; early exit at a "
                  "fixed depth below it)", minimum=1, maximum=MAX_STEPS),
@@ -228,8 +230,10 @@ OPTIONS = (
                  "criterion falls below this (0: off; needs the cache)", minimum=0.0,
                  needs_cache=lambda value: value > 0),
     DecodeOption("exit_criterion", str, "kl", "exit criterion: KL between successive steps' next-token "
-                 "distributions (kl), or the relative change of the state (state)", choices=EXIT_CRITERIA),
-    DecodeOption("min_steps", int, 1, "recurrence steps before any exit", minimum=1, maximum=MAX_STEPS),
+                 "distributions (kl), or the relative change of the state (state)", choices=EXIT_CRITERIA,
+                 applies_if=ADAPTIVE_EXIT),
+    DecodeOption("min_steps", int, 1, "recurrence steps before any exit (at most the decoding depth)",
+                 minimum=1, maximum=MAX_STEPS, applies_if=ADAPTIVE_EXIT),
     *DRAFT_OPTIONS,
 )
 
@@ -541,6 +545,12 @@ class RGPT(GPT):
         depth must be fixed to be verified in one pass) nor a `mean` / `last` cache: there one pass
         over several tokens computes another function than token-by-token decoding (a token's
         predecessors in the same pass are seen at the current step, not their last)."""
+        depth = options.get("steps") or self.config.recurrence_steps
+        if options.get("exit_threshold", 0.0) > 0 and options.get("min_steps", 1) > depth:
+            # `model_options` runs this for every set of options (as mor's does): the one place that
+            # knows the depth, so a min_steps no step could reach is refused here, before any work
+            raise ConfigError(f"min_steps must be at most the decoding depth ({depth} step{'s' * (depth != 1)}), got "
+                              f"{options['min_steps']}: no step could exit")
         if not drafting(options):
             return None
         if options.get("exit_threshold", 0.0) > 0:
@@ -549,7 +559,7 @@ class RGPT(GPT):
         if options.get("cache_mode", "full") != "full":
             raise ConfigError(f"self-speculative decoding (draft_steps / draft_tokens) needs cache_mode full: with "
                               f"{options['cache_mode']!r} a pass over several tokens differs from one token at a time")
-        return depth_draft(options, options.get("steps") or self.config.recurrence_steps)
+        return depth_draft(options, depth)
 
     def reference(self, idx: Tensor, pad_mask: Tensor | None = None, prompt_len: int = 0, steps: int | None = None,
                   cache_mode: str = "full", exit_threshold: float = 0.0, exit_criterion: str = "kl",
