@@ -75,6 +75,9 @@ def test_the_page_is_served_whole_and_offline(chat_server):
     declared = ARCHS[ARCH].options
     assert [option["name"] for option in config["options"]] == [option.name for option in declared]
     assert [option["default"] for option in config["options"]] == [option.default for option in declared]
+    helps = {option["name"]: option["help"] for option in config["options"]}
+    # a field that applies only under another's value says so on the page (rgpt's min_steps)
+    assert helps["min_steps"].endswith("; only with exit_threshold > 0"), helps["min_steps"]
     missing = httpx.get(server.url + "/page/nothing.js", timeout=CALL_TIMEOUT_S)
     assert missing.status_code == 404 and "the chat page" in missing.json()["error"]["message"]
 

@@ -166,10 +166,8 @@ def _addgeneration_options(p: argparse.ArgumentParser) -> None:
     from ..archs import option_union
 
     for name, (option, archs) in option_union().items():
-        condition = option.applies_if
-        needs = "" if condition is None else f"; only with {condition.other} {condition.what}"
         p.add_argument(option.flag, dest=f"option_{name}", default=None, metavar=_metavar(option),
-                       help=f"[{', '.join(archs)}] {option.help}{needs}")
+                       help=f"[{', '.join(archs)}] {option.help_text}")
 
 
 def _add_sampling_options(p: argparse.ArgumentParser, temperature: float) -> None:

@@ -66,6 +66,12 @@ class DecodeOption:
         return self.approximates is None or not self.approximates(value)
 
     @property
+    def help_text(self) -> str:
+        """The help with the condition it applies under (what `--help` and the chat page show)."""
+        condition = self.applies_if
+        return self.help + ("" if condition is None else f"; only with {condition.other} {condition.what}")
+
+    @property
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
 

@@ -319,6 +319,6 @@ class ServingPage:
 
 
 def _declared(option) -> dict:
-    return {"name": option.name, "type": option.kind.__name__, "default": option.default, "help": option.help,
+    return {"name": option.name, "type": option.kind.__name__, "default": option.default, "help": option.help_text,
             "choices": list(option.choices) or None, "minimum": option.minimum, "maximum": option.maximum,
             "keywords": list(option.keywords) or None}
