@@ -219,6 +219,9 @@ def sampling_probs(logits: Tensor, temperature: float, top_k: int | None = None,
         probs = sorted_logits.softmax(dim=-1)
         before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above each one
         drop_sorted = before >= top_p
+        # the most likely token always stays: a top_p below float32's smallest number (1e-300, which
+        # (0, 1] admits) compares as 0 and would drop every token, leaving NaN probabilities
+        drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(dim=-1)
