@@ -207,6 +207,14 @@ def test_row_text_holds_back_stop_prefixes_and_cuts_at_the_stop():
     released, tokens = text.release()
     assert released == "é" and [t.token for t in tokens] == ["bytes:\\xc3", "bytes:\\xa9"]
     assert [t.offset for t in tokens] == [3, 3]
+    # a lead byte no byte continues: its U+FFFD is its own, at its place; the next token's comes after
+    # (the next token's offset was the lead byte's, 12-07 review)
+    text = RowText(TOK, specials, base_offset=5)
+    text.add(0xEA)
+    text.add(ord("N"))
+    released, tokens = text.release(final=True)
+    assert released == "\ufffdN" and [t.offset for t in tokens] == [5, 6]
+    assert [t.text for t in tokens] == ["\ufffd", "N"]
     assert token_string(TOK, TOK.bos_id, specials) == "<|bos|>" and token_string(TOK, 65, specials) == "A"
 
 
@@ -565,6 +573,8 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(servers):
              ({"prompt": "x", "n": 0}, "n must be an integer"),
              ({"prompt": "x", "temperature": -1}, "temperature must be"),
              (b"{not json", "not valid JSON"),
+             # past Python's integer conversion limit: a ValueError json names no position for, a 500
+             (b'{"prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}", "a number of more than"),
              (b"[1, 2]", "JSON object")]
     for body, words in cases:
         reply = post(server, body, **KEY)

@@ -267,6 +267,32 @@ def test_a_chunked_body_past_the_cap_that_goes_on_arriving_gets_413(server):
     assert httpx.get(server.url + "/health", timeout=CALL_TIMEOUT_S).status_code == 200
 
 
+def test_a_chunked_body_past_the_cap_sent_after_100_continue_gets_its_413(server):
+    """curl sends a large body chunked with `Expect: 100-continue`: the server's first read tells it
+    to go on, so the whole body comes. The refusal did not drain it (a client that asks sends nothing
+    until told), and curl read "connection reset" after the 413's headers (12-07 review)."""
+    from latentloop.serve.limits import MAX_BODY_BYTES
+
+    piece = 2**20
+    chunk = f"{piece:x}\r\n".encode() + b"[" * piece + b"\r\n"
+    with socket.create_connection(("127.0.0.1", server.port), timeout=CALL_TIMEOUT_S) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\nExpect: 100-continue\r\n\r\n")
+        received = b""
+        while b"\r\n\r\n" not in received:
+            received += sock.recv(4096)
+        head, _, received = received.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 100"), head  # told to go on before the server reads
+        for _ in range(2 * MAX_BODY_BYTES // piece):
+            sock.sendall(chunk)
+        sock.sendall(b"0\r\n\r\n")
+        while part := sock.recv(65536):
+            received += part
+    head, _, payload = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413"), head
+    assert json.loads(payload)["error"]["message"].startswith("the request body is larger than")
+
+
 # --------------------------------------------------------------------------------------------
 # SIGTERM
 # --------------------------------------------------------------------------------------------

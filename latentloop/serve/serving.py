@@ -128,8 +128,8 @@ class ServerState:
         except ClientDisconnect:  # gone before its body ended: nobody reads a reply, and no server error to log
             self.counters["disconnects"] += 1
             raise APIError(400, "the client disconnected before its request body arrived") from None
-        except BodyTooLarge:
-            await drain_body(request, deadline)
+        except BodyTooLarge as refused:
+            await drain_body(request, deadline, reading=refused.reading)
             raise APIError(413, f"the request body is larger than {limit:,} bytes, {why}") from None
         context = body_context(self.model, self.limits, self.name)
         return await self.bounded(self.prepares.run(_decoded_as, body_class, raw, context), deadline)

@@ -16,6 +16,7 @@ import collections
 import contextlib
 import json
 import math
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -52,7 +53,12 @@ def shutting_down(message: str = SHUTTING_DOWN) -> APIError:
 
 
 class BodyTooLarge(Exception):
-    """The body passed its limit (by its Content-Length, or by the bytes read)."""
+    """The body passed its limit (by its Content-Length, or by the bytes read: `reading` is then
+    True, and a client that asked `Expect: 100-continue` was told to send it all)."""
+
+    def __init__(self, reading: bool):
+        super().__init__()
+        self.reading = reading
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -61,24 +67,26 @@ async def read_body(request: Request, limit: int) -> bytes:
     the limit, so that no more than the limit is ever held."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
-        raise BodyTooLarge
+        raise BodyTooLarge(reading=False)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise BodyTooLarge
+            raise BodyTooLarge(reading=True)
         chunks.append(chunk)
     return b"".join(chunks)
 
 
-async def drain_body(request: Request, deadline: float) -> None:
+async def drain_body(request: Request, deadline: float, reading: bool = False) -> None:
     """Read and drop the rest of a body that is refused, so that its client reads the refusal:
     most clients send their whole body before they read a reply, and a server that closes its end
     while a body still arrives makes the kernel reset the connection (the client sees "connection
     reset", never the 413). Bounded: it ends when the body does, when the client pauses DRAIN_IDLE_S
     (it waits for the reply, having sent what it meant to), past DRAIN_MAX_BYTES, or at the request's
-    deadline. A client that asked `Expect: 100-continue` sends nothing until told to: nothing to drain."""
-    if request.headers.get("expect", "").lower() == "100-continue":
+    deadline. A client that asked `Expect: 100-continue` sends nothing until told to: nothing to drain,
+    unless the server was `reading` the body already (the first read tells it to go on: curl sends a
+    large chunked body so)."""
+    if not reading and request.headers.get("expect", "").lower() == "100-continue":
         return
     drained = 0
     while drained <= DRAIN_MAX_BYTES:
@@ -116,6 +124,9 @@ def decode_json(raw: bytes) -> Any:
         value = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    except ValueError:  # an integer past Python's conversion limit: no field takes one that long
+        raise bad_request(f"the request body holds a number of more than {sys.get_int_max_str_digits():,} "
+                          f"digits") from None
     except RecursionError:  # deeper than the decoder's recursion allows: far past the limit
         raise too_deep from None
     if isinstance(value, (list, dict)) and _nested_deeper(value, MAX_JSON_DEPTH):
