@@ -154,6 +154,18 @@ def test_a_blank_or_whitespace_padded_api_key_is_refused(key):
     check_settings(ServeSettings("run", api_key=""))  # none (an empty $LATENTLOOP_API_KEY): served without a key
 
 
+@pytest.mark.parametrize("key", ["ключ", "caf\u00e9", "a\x00b", "a\tb"])
+def test_an_api_key_outside_printable_ascii_is_refused(key):
+    """'ключ' started a server that refused every request: curl sends the key's UTF-8 bytes, the
+    server reads a header as Latin-1, and browsers and http.client refuse to send it at all."""
+    from latentloop.serve.settings import ServeSettings, check_settings
+
+    with pytest.raises(LatentloopError, match="outside printable ASCII") as raised:
+        check_settings(ServeSettings("run", api_key=key))
+    assert key not in str(raised.value)  # the secret is not echoed
+    check_settings(ServeSettings("run", api_key="A-z0-9_.~!#$%&'*+^`|"))
+
+
 def test_serve_refuses_a_padded_api_key_from_the_environment_before_loading(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("LATENTLOOP_API_KEY", "secret ")
     assert main(["serve", str(tmp_path / "no-run")]) == 2

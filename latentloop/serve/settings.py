@@ -52,6 +52,9 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+PRINTABLE_ASCII = (" ", "~")  # the characters of a header value every client sends as they are
+
+
 def check_api_key(api_key: str | None) -> None:
     """A key a client can send: not blank (" " started a server that asked for a key nobody could
     give), and without surrounding whitespace, which HTTP drops from a header's value and the server
@@ -66,6 +69,11 @@ def check_api_key(api_key: str | None) -> None:
         # the key itself is not echoed: it is a secret, and error output ends up in logs
         raise LatentloopError(f"{where} begins or ends with whitespace, which no client can send in "
                               "'Authorization: Bearer KEY': give the key without it")
+    if not all(PRINTABLE_ASCII[0] <= char <= PRINTABLE_ASCII[1] for char in api_key):
+        # browsers and http.client refuse to send such a header; curl sends UTF-8, which the server
+        # reads as Latin-1: 'ключ' started a server that refused every request
+        raise LatentloopError(f"{where} holds a character outside printable ASCII, which clients cannot send "
+                              "in 'Authorization: Bearer KEY' alike: give a key of printable ASCII")
 
 
 def check_settings(settings: ServeSettings) -> None:
