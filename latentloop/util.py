@@ -93,6 +93,9 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+CONTINUATION_BYTES = (0x80, 0xBF)  # UTF-8's bytes that continue a character; any other byte begins one
+
+
 class TokenText:
     """Token ids -> text as they stream (the CLI, chat and the server all print this way): a character
     split across tokens is held back until its last byte arrives; bytes that can never form one
@@ -104,7 +107,18 @@ class TokenText:
 
     def add(self, token_id: int) -> str:
         """The whole characters this token completes ("" while one is still open)."""
-        return self._decoder.decode(self._token_bytes(token_id))
+        return "".join(self.add_split(token_id))
+
+    def add_split(self, token_id: int) -> tuple[str, str]:
+        """`add`'s text as (the U+FFFD of earlier tokens' open character, which this token's first
+        byte cannot continue; the text from this token's bytes on): a token's place in the text
+        (`text_offset`) comes after what earlier tokens left."""
+        data = self._token_bytes(token_id)
+        earlier = ""
+        if data and not CONTINUATION_BYTES[0] <= data[0] <= CONTINUATION_BYTES[1] and self._decoder.getstate()[0]:
+            earlier = self._decoder.decode(b"", final=True)  # the open character can never finish
+            self._decoder.reset()
+        return earlier, self._decoder.decode(data)
 
     def finish(self) -> str:
         """What is left at the end (an unfinished character, replaced)."""

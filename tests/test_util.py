@@ -17,6 +17,14 @@ def test_token_text_holds_a_character_split_across_tokens_until_it_is_whole():
     assert stream.finish() == ""
     cut = TokenText(tokenizer)
     assert cut.add("é".encode()[0]) == "" and cut.finish() == "\ufffd"  # an unfinished character, replaced
+    # a byte that begins a character ends the open one (replaced, the earlier token's); a continuation
+    # byte that cannot continue it is the decoder's to replace, this token's
+    split = TokenText(tokenizer)
+    assert [split.add_split(byte) for byte in (0xC3, ord("x"), 0xC3, 0xA9, 0xE2, 0x82)] == \
+        [("", ""), ("\ufffd", "x"), ("", ""), ("", "é"), ("", ""), ("", "")]
+    assert split.finish() == "\ufffd"
+    joined = TokenText(tokenizer)
+    assert [joined.add(byte) for byte in b"\xe2(a"] == ["", "\ufffd(", "a"]  # `add` joins the two
 
 
 def test_first_line_and_is_int():

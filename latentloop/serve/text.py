@@ -60,11 +60,14 @@ class RowText:
         stop string (the row is done)."""
         if self.stopped:
             return True
+        new_from = len(self.text)
+        earlier, own = self._decoder.add_split(token_id)
+        self.text += earlier  # an earlier token's open character, replaced: its place comes first
         start = len(self.text)
-        self.text += self._decoder.add(token_id)
+        self.text += own
         self._pending.append((start, token_id, logprob, top, info))
         if self.stops:
-            search_from = max(self._released, start - self._reach)
+            search_from = max(self._released, new_from - self._reach)
             found = [p for p in (self.text.find(stop, search_from) for stop in self.stops) if p >= 0]
             if found:
                 self.text = self.text[:min(found)]
