@@ -33,6 +33,7 @@ CONTEXT = 256
 ARCH = "rgpt"  # the run: an arch whose model reports an exit depth per token
 CALL_TIMEOUT_S = 60.0
 BROWSER_TIMEOUT_MS = 60_000
+COMPOSING_WAIT_MS = 300  # long enough for a request the page should not send to show up
 CHROMIUM = "/usr/bin/chromium"
 # Chromium as the probe of this machine starts it: headless, as root, and with no connection of its own
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -171,6 +172,13 @@ def test_the_page_streams_greedy_replies_sends_its_controls_and_shades_exit_dept
             assert len(sent) == 1 and sent[0]["stream"] is True and sent[0]["temperature"] == 0
             assert not set(ADAPTIVE) & set(sent[0])  # untouched controls send nothing: the model's defaults
             assert first == _greedy(server, sent[0]) and first  # the streamed reply is the API's greedy one
+
+            # an input method's Enter (composing CJK text) confirms the text, it does not send it
+            page.fill("#message", "half-typed")
+            page.dispatch_event("#message", "keydown", {"key": "Enter", "isComposing": True})
+            page.wait_for_timeout(COMPOSING_WAIT_MS)
+            assert len(sent) == 1 and page.input_value("#message") == "half-typed"
+            page.fill("#message", "")
 
             for name, value in ADAPTIVE.items():  # change controls: the next request carries them
                 control = page.locator(f"#option-{name}")

@@ -12,6 +12,7 @@ const page = {
 };
 
 const $ = (id) => document.getElementById(id);
+const IME_KEY_CODE = 229;  // the keyCode of a key an input method takes (Safari's composing Enter lacks isComposing)
 
 function headers() {
   const h = { "Content-Type": "application/json" };
@@ -266,7 +267,9 @@ async function init() {
   $("shade-key").addEventListener("change", (e) => { e.target.dataset.chosen = e.target.value; shade(); });
   $("composer").addEventListener("submit", (e) => { e.preventDefault(); const text = $("message").value; $("message").value = ""; send(text); });
   $("message").addEventListener("keydown", (e) => {
-    if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); $("composer").requestSubmit(); }
+    // an input method's Enter confirms the text being composed (CJK input): it does not send it
+    const composing = e.isComposing || e.keyCode === IME_KEY_CODE;
+    if (e.key === "Enter" && !e.shiftKey && !composing) { e.preventDefault(); $("composer").requestSubmit(); }
   });
   $("reset").addEventListener("click", () => { page.messages = []; $("transcript").replaceChildren(); shade(); setStatus(""); });
   setBusy(false);
