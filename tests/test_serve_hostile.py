@@ -409,6 +409,39 @@ def test_a_request_gets_its_503_at_once_while_a_long_decode_step_runs(monkeypatc
     assert answered < DISCONNECT_POLL_S + 2.0, answered
 
 
+def test_bodies_held_at_once_are_bounded_together_and_given_back():
+    """Each body was bounded alone (16 MiB), none together: 300 clients sending large bodies held
+    gigabytes. Past the budget a body gets 503 (drained first, so its client reads it); a body read
+    and decoded gives its bytes back (12-07 review)."""
+    torch.manual_seed(0)
+    model = ll.build("gpt", preset="test", sequence_len=CONTEXT).eval()
+    budget = 4096
+    with in_process(model, TOK) as (app, url), socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])),
+                                                                        timeout=CALL_TIMEOUT_S) as slow:
+        bodies = app.state.serving.bodies
+        bodies.capacity = budget
+        # one client sends 3 KiB of its body and pauses: the server holds them while it waits for the rest
+        opening = b'{"prompt": "' + b"a" * 3072
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n" + f"{len(opening):x}\r\n".encode() + opening + b"\r\n")
+        deadline = time.monotonic() + CALL_TIMEOUT_S
+        while bodies.held < len(opening) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert bodies.held == len(opening)
+        refused = httpx.post(url + "/v1/completions", content=json.dumps({"prompt": "b" * 2000}).encode(),
+                             headers={"Content-Type": "application/json"}, timeout=CALL_TIMEOUT_S)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "bodies_busy", refused.text
+        assert "retry later" in refused.json()["error"]["message"]
+        ending = b'", "max_tokens": 1}'
+        slow.sendall(f"{len(ending):x}\r\n".encode() + ending + b"\r\n0\r\n\r\n")
+        assert slow.recv(65536).split(b"\r\n", 1)[0] in (b"HTTP/1.1 200 OK", b"HTTP/1.1 400 Bad Request")
+        assert bodies.held == 0  # given back
+        answer = httpx.post(url + "/v1/completions", json={"prompt": "b" * 2000, "max_tokens": 1},
+                            timeout=CALL_TIMEOUT_S)
+        assert answer.status_code in (200, 400) and answer.json().get("error", {}).get("code") != "bodies_busy"
+        assert bodies.held == 0
+
+
 SLOW_TOKENIZER_S = 30.0  # a tokenization that would outlast the request's timeout many times
 SHORT_TIMEOUT_S = 1.0
 

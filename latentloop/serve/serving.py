@@ -34,7 +34,17 @@ from .requests import DetokenizeBody, TokenizeBody, body_context, completion_req
 from .responses import SSE_DONE, ResponseBuilder, sse
 from .scheduler import Done, Failed, Job, Scheduler, make_scheduler
 from .settings import ServeSettings
-from .transport import BodyTooLarge, Inbox, WorkerThreads, decode_json, drain_body, read_body, shutting_down
+from .transport import (
+    BodiesBusy,
+    BodyBudget,
+    BodyTooLarge,
+    Inbox,
+    WorkerThreads,
+    decode_json,
+    drain_body,
+    read_body,
+    shutting_down,
+)
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks whether its client went away or the server stops
 # Threads for blocking work at once, per kind; more requests wait for a slot (within their timeout).
@@ -43,6 +53,9 @@ DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks whether its clien
 RENDER_THREADS = 4
 PREPARE_THREADS = 4
 ANY_BODY = "the most any request may have"  # why a body past MAX_BODY_BYTES is refused
+# The bytes of request bodies held at once, all requests together (each body bounded by its own limit):
+# sixteen of the largest; a body that would pass it is refused with 503 (retry), its bytes drained
+MAX_BODIES_HELD_BYTES = 16 * MAX_BODY_BYTES
 
 
 @dataclass
@@ -59,6 +72,7 @@ class ServerState:
     counters: dict = field(default_factory=lambda: {"timeouts": 0, "disconnects": 0})
     renders: WorkerThreads = field(default_factory=lambda: WorkerThreads("render", RENDER_THREADS))  # chat templates
     prepares: WorkerThreads = field(default_factory=lambda: WorkerThreads("prepare", PREPARE_THREADS))  # the rest
+    bodies: BodyBudget = field(default_factory=lambda: BodyBudget(MAX_BODIES_HELD_BYTES))
 
     @classmethod
     def build(cls, model, tokenizer, name: str, settings: ServeSettings) -> ServerState:
@@ -123,16 +137,22 @@ class ServerState:
         """The request's body as `body_class` (a pydantic model of `requests.py`): read within `limit`
         bytes and the deadline (413, 408), then decoded and validated in a worker thread (400)."""
         deadline = self.deadline(request)
-        try:
-            raw = await self.bounded(read_body(request, limit), deadline, self.body_timed_out)
-        except ClientDisconnect:  # gone before its body ended: nobody reads a reply, and no server error to log
-            self.counters["disconnects"] += 1
-            raise APIError(400, "the client disconnected before its request body arrived") from None
-        except BodyTooLarge as refused:
-            await drain_body(request, deadline, reading=refused.reading)
-            raise APIError(413, f"the request body is larger than {limit:,} bytes, {why}") from None
-        context = body_context(self.model, self.limits, self.name)
-        return await self.bounded(self.prepares.run(_decoded_as, body_class, raw, context), deadline)
+        with self.bodies.holding() as take:
+            try:
+                raw = await self.bounded(read_body(request, limit, take), deadline, self.body_timed_out)
+            except ClientDisconnect:  # gone before its body ended: nobody reads a reply, and no server error to log
+                self.counters["disconnects"] += 1
+                raise APIError(400, "the client disconnected before its request body arrived") from None
+            except BodyTooLarge as refused:
+                await drain_body(request, deadline, reading=refused.reading)
+                raise APIError(413, f"the request body is larger than {limit:,} bytes, {why}") from None
+            except BodiesBusy:
+                await drain_body(request, deadline, reading=True)
+                raise APIError(503, f"the server holds {self.bodies.capacity:,} bytes of request bodies being read "
+                                    f"already, the most it holds at once; retry later", type="server_error",
+                               code="bodies_busy") from None
+            context = body_context(self.model, self.limits, self.name)
+            return await self.bounded(self.prepares.run(_decoded_as, body_class, raw, context), deadline)
 
 
 def _decoded_as(body_class, raw: bytes, context: dict) -> Any:  # blocking: in a worker thread
