@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from .errors import LatentloopError
-from .inference.fast import PROBE_STEPS, AutoCompile, FastDecoder, static_length
+from .inference.fast import PROBE_STEPS, AutoCompile, FastDecoder, fallback_reason, static_length
 from .inference.quant import quantize_int8  # noqa: F401 (the engine's callers quantise through it: cli, api)
 from .inference.speculative import CompiledDrafting, compiled_drafting_reason
 from .models.backbone import PER_ROW_INFO, Draft, shift_right
@@ -357,8 +357,6 @@ def _checked(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, st
     if compile is True and not use_cache:
         raise PromptError("compile=True decodes through the cache: it cannot be combined with use_cache=False "
                           "(--no-cache)")
-    if kv_dtype is not None and not use_cache:  # it was ignored silently
-        raise PromptError("kv_dtype is the cache's dtype: it cannot be combined with use_cache=False (--no-cache)")
     try:
         stops = frozenset(stop_tokens)
     except TypeError:
@@ -367,14 +365,7 @@ def _checked(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, st
         raise PromptError(f"stop_tokens must be a collection of token ids, got {stop_tokens!r}"[:200])
     if not is_int(pad_id) or not 0 <= pad_id < model.config.vocab_size:
         raise PromptError(f"pad_id must be a token id in [0, {model.config.vocab_size}), got {pad_id!r}")
-    if kv_dtype is not None and kv_dtype not in KV_DTYPES:
-        raise PromptError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
-    if kv_dtype is not None and compile is False:
-        raise PromptError("kv_dtype is the compiled step's cache: decode with compile=True or 'auto' "
-                          "(--decode compiled or auto)")
-    if kv_dtype is not None and draft_of(model, options) is not None:
-        raise PromptError("kv_dtype applies to plain decoding: self-speculative rounds (draft_steps / "
-                          "draft_tokens) keep the model's dtype")
+    check_kv_dtype(model, options, kv_dtype, compile, use_cache)
     context = model.config.sequence_len
     longest = max(len(p) for p in rows)
     if longest + max_new_tokens > context:
@@ -383,6 +374,28 @@ def _checked(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, st
     return (model, rows, max_new_tokens, temperature, top_k, top_p, seed, stops, use_cache, pad_id,
             logprobs, top_logprobs, options, compile, on_compile, None if kv_dtype is None else KV_DTYPES[kv_dtype],
             written if getattr(model, "REPLAYS_WRITTEN", False) else None)
+
+
+def check_kv_dtype(model, options: dict, kv_dtype: str | None, compile: bool | str, use_cache: bool) -> None:
+    """A one-line PromptError for a `kv_dtype` the decoding would not use (each was ignored silently,
+    or, in `latentloop chat`, refused at every message): the compiled step's cache only. `options`
+    are checked already (`model_options`)."""
+    if kv_dtype is None:
+        return
+    if kv_dtype not in KV_DTYPES:
+        raise PromptError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    if not use_cache:
+        raise PromptError("kv_dtype is the cache's dtype: it cannot be combined with use_cache=False (--no-cache)")
+    if compile is False:
+        raise PromptError("kv_dtype is the compiled step's cache: decode with compile=True or 'auto' "
+                          "(--decode compiled or auto)")
+    if draft_of(model, options) is not None:
+        raise PromptError("kv_dtype applies to plain decoding: self-speculative rounds (draft_steps / "
+                          "draft_tokens) keep the model's dtype")
+    reason = fallback_reason(model, options)
+    if reason is not None:
+        raise PromptError(f"kv_dtype is the compiled step's cache, and this decoding does not compile ({reason}): "
+                          f"it keeps the model's dtype")
 
 
 def _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, use_cache, pad_id,

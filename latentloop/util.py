@@ -49,9 +49,10 @@ def evaluating(model) -> Iterator[None]:
     """`model` (an `nn.Module`) in eval mode inside the block; after the last open block on it ends
     (decodes interleave: two streams of one model each hold one), the submodules that were training
     train again, the others stay as they were. Restored by the first to end, a stream still decoding
-    went on with training's noise. A model already in eval mode is not walked twice: `.eval()` and
-    `.train()` over a small model's ~90 modules cost 0.75 ms together, a sixth of a 16-token
-    prompt's prefill on the machine this was measured on."""
+    went on with training's noise; a `.train()` while a block is open (a stream paused, not closed)
+    is undone by the next block, whose decoding went on with training's noise too. A model already
+    in eval mode is not walked twice: `.eval()` and `.train()` over a small model's ~90 modules cost
+    0.75 ms together, a sixth of a 16-token prompt's prefill on the machine this was measured on."""
     with _EVALUATING_LOCK:
         entry = _EVALUATING.get(model)
         if entry is None:
@@ -59,6 +60,9 @@ def evaluating(model) -> Iterator[None]:
             if training:
                 model.eval()
             entry = _EVALUATING[model] = [0, training]
+        elif model.training:  # `.train()` while a block was open (a paused stream): eval again, and restore
+            entry[1].extend(m for m in model.modules() if m.training)  # those too when the last block ends
+            model.eval()
         entry[0] += 1
     try:
         yield
@@ -66,7 +70,8 @@ def evaluating(model) -> Iterator[None]:
         with _EVALUATING_LOCK:
             entry[0] -= 1
             if entry[0] == 0:
-                del _EVALUATING[model]
+                # pop: a stream collected with its model (a cycle) finds the weak key cleared already
+                _EVALUATING.pop(model, None)
                 for module in entry[1]:
                     module.training = True  # each its own flag: `.train()` would set its children's too
 

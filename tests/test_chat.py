@@ -354,6 +354,10 @@ def test_chat_mistakes_are_one_line(chat_run, tmp_path, capsys):
     assert main(["chat", str(chat_run), "--steps", "2"]) == 2  # an rgpt option on an fbt run
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "no chat tokens" in err[0]
+    # a cache dtype the decoding would not use: refused at every message, and the session ended with 0
+    assert main(["chat", str(chat_run), "--kv-dtype", "float16", "--decode", "eager"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "compiled step's cache" in err[0]
 
 
 def test_chat_sends_bytes_that_are_not_utf8_as_replacement_characters(chat_run, monkeypatch, capsys):

@@ -132,8 +132,12 @@ def test_cli_generate_equals_the_api_for_every_option_set(kind, label, given, ru
 @pytest.mark.parametrize("kind", KINDS)
 def test_cli_generate_takes_a_cache_dtype_for_the_compiled_step_and_refuses_it_eagerly(kind, runs, capsys):
     """`--kv-dtype` reaches the engine for every architecture: refused with `--decode eager` (the
-    engine's own check: one line, exit 2), taken with `--decode auto`, whose eager steps of so short a
-    decode give the API's tokens."""
+    engine's own check: one line, exit 2); with `--decode auto`, taken where the arch's step compiles
+    (the eager steps of so short a decode give the API's tokens), refused where it never does (mor:
+    the cache kept the model's dtype without a word)."""
+    from latentloop.inference.fast import fallback_reason
+    from latentloop.runs import load_run
+
     base, _ = runs[kind]
     capsys.readouterr()
     argv = ["generate", str(base), "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS), "--temperature", "0",
@@ -141,6 +145,13 @@ def test_cli_generate_takes_a_cache_dtype_for_the_compiled_step_and_refuses_it_e
     assert main([*argv, "--decode", "eager"]) == 2
     err = capsys.readouterr().err
     assert "compiled step's cache" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    model = load_run(base)[0]
+    reason = fallback_reason(model, model_options(model, {}))
+    if reason is not None:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "this decoding does not compile" in err and reason in err and len(err.strip().splitlines()) == 1
+        return
     assert main(argv) == 0
     assert json.loads(capsys.readouterr().out)["ids"] == _api_greedy(base, {})[0]
 

@@ -866,6 +866,10 @@ def test_the_engine_hands_its_kv_dtype_to_the_compiled_step_and_refuses_what_can
             ll.generate(model, [BOS, 5], 3, **bad)
     with pytest.raises(PromptError, match="self-speculative"):
         ll.generate(model_for("rgpt"), [BOS, 5], 3, kv_dtype="float16", draft_steps=1, draft_tokens=2)
+    # a step that never compiles kept the model's dtype without a word (the docs said: refused)
+    for compile_mode in (True, "auto"):
+        with pytest.raises(PromptError, match=r"this decoding does not compile \(rgpt's adaptive exit"):
+            ll.generate(model_for("rgpt"), [BOS, 5], 3, kv_dtype="float16", compile=compile_mode, exit_threshold=0.1)
 
 
 def test_engine_refuses_an_unknown_decode_mode():

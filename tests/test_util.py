@@ -70,6 +70,26 @@ def test_evaluating_puts_every_module_in_eval_mode_and_restores_each_flag():
     assert not any(m.training for m in model.modules())
 
 
+def test_a_decode_beside_a_paused_stream_runs_in_eval_mode_after_train():
+    """A stream the caller paused holds its block open; `.train()` then, and every later `generate`
+    reused the open block and decoded with training's noise (rfbt's greedy tokens moved, 12-07
+    review). The next block puts the model in eval mode again; the last to end leaves it training."""
+    import torch
+
+    import latentloop
+
+    torch.manual_seed(0)
+    model = latentloop.build("rfbt", preset="test").eval()
+    prompt = [model.config.bos_id, *b"hi"]
+    alone = latentloop.generate(model, prompt, 10, temperature=0.0, compile=False)
+    paused = latentloop.stream(model, prompt, 10, temperature=0.0, compile=False)
+    next(paused)
+    model.train()
+    assert all(latentloop.generate(model, prompt, 10, temperature=0.0, compile=False) == alone for _ in range(2))
+    paused.close()
+    assert model.training and all(m.training for m in model.modules())  # as the user left it
+
+
 def test_a_generation_leaves_a_training_model_training():
     """`generate` decodes in eval mode (no training noise) and gives the model back as it found it."""
     import torch

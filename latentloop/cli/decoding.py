@@ -140,7 +140,7 @@ def _turn_seed(seed: int | None, turn: int) -> int | None:
 
 def cmd_chat(args) -> int:
     from ..chat import stream_reply
-    from ..engine import PromptError, check_sampling, model_options, quantize_int8
+    from ..engine import PromptError, check_kv_dtype, check_sampling, model_options, quantize_int8
     from ..runs import load_run
     from ..runtime import resolve_device
 
@@ -158,6 +158,7 @@ def cmd_chat(args) -> int:
     check_sampling(args.temperature, args.top_k, args.top_p, args.seed)
     options = generation_options(args)  # the given ones only: the engine fills in the defaults (see generate)
     model_options(model, options)
+    check_kv_dtype(model, options, args.kv_dtype, _decode_mode(args), use_cache=True)
     budget = args.max_new_tokens or min(DEFAULT_NEW_TOKENS, model.config.sequence_len // 2)
     if args.system:
         _check_utf8_argument(args.system, "--system")
