@@ -91,3 +91,21 @@ def test_the_help_says_which_options_apply_only_under_another(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "before any exit (at most the decoding depth); only with exit_threshold > 0" in text
     assert "only with regime 'fused'" in text
+
+
+def test_an_option_flag_is_parsed_by_the_loaded_models_own_declaration():
+    """mor's `--steps` was parsed by rgpt's declaration (the first of the flag's archs): `--steps 300`
+    on a mor run said "in [1, 256]", rgpt's bound, where mor's own check names its recursions."""
+    import argparse
+
+    import latentloop as ll
+    from latentloop.cli.parser import generation_options
+    from latentloop.engine import model_options
+
+    mor, rgpt = ll.build("mor", preset="test"), ll.build("rgpt", preset="test")
+    given = argparse.Namespace(option_steps="300")
+    assert generation_options(given, mor) == {"steps": 300}
+    with pytest.raises(ll.ConfigError, match=r"steps must be in \[1, \d+\] \(the trained recursions\), got 300"):
+        model_options(mor, generation_options(given, mor))
+    with pytest.raises(ll.ConfigError, match=r"steps must be an integer in \[1, 256\]"):
+        generation_options(given, rgpt)

@@ -33,7 +33,7 @@ def cmd_generate(args) -> int:
     # The engine fills in the defaults itself: hand it only what the user gave (checked here first, so
     # a bad option fails before any work). Handing it the filled-in dict made every fbt run fail, the
     # default `passes` read as given beside regime soft.
-    options = generation_options(args)
+    options = generation_options(args, model)
     model_options(model, options, cached=not args.no_cache)
     context = model.config.sequence_len
     max_new = args.max_new_tokens if args.max_new_tokens is not None else min(DEFAULT_NEW_TOKENS, context // 2)
@@ -156,7 +156,7 @@ def cmd_chat(args) -> int:
     # before the first message: checked inside the loop, a bad value was one more message the
     # session survived (and it ended with exit 0)
     check_sampling(args.temperature, args.top_k, args.top_p, args.seed)
-    options = generation_options(args)  # the given ones only: the engine fills in the defaults (see generate)
+    options = generation_options(args, model)  # the given ones only: the engine fills in the defaults (see generate)
     model_options(model, options)
     check_kv_dtype(model, options, args.kv_dtype, _decode_mode(args), use_cache=True)
     budget = args.max_new_tokens or min(DEFAULT_NEW_TOKENS, model.config.sequence_len // 2)

@@ -412,10 +412,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 
-def generation_options(args) -> dict:
-    """The option flags given on the command line, parsed by their declarations."""
+def generation_options(args, model) -> dict:
+    """The option flags given on the command line, each parsed by the loaded model's own declaration
+    (mor's `--steps` has other bounds than rgpt's); a flag it does not declare, by another arch's (the
+    engine then names it as not supported)."""
     from ..archs import option_union
 
-    return {name: option.parse(getattr(args, f"option_{name}")) for name, (option, _) in option_union().items()
-            if getattr(args, f"option_{name}", None) is not None}
+    own = {option.name: option for option in model.OPTIONS}
+    return {name: own.get(name, option).parse(getattr(args, f"option_{name}"))
+            for name, (option, _) in option_union().items() if getattr(args, f"option_{name}", None) is not None}
 

@@ -45,8 +45,9 @@ def cmd_eval(args) -> int:
         # a checkpoint named by path (not the run's latest) and a quantized model are kept apart from
         # the run's own results: their tag (file name) says so, and the file records both
         chosen = Path(args.run).resolve() != run_dir.resolve()
-        result = run_tasks(model, tokenizer, args.tasks, data_dir=args.eval_dir, options=generation_options(args),
-                           limit=args.limit, progress=not args.no_progress, run_dir=run_dir,
+        result = run_tasks(model, tokenizer, args.tasks, data_dir=args.eval_dir,
+                           options=generation_options(args, model), limit=args.limit,
+                           progress=not args.no_progress, run_dir=run_dir,
                            batch_size=args.batch_size or DEFAULT_BATCH_SIZE,
                            meta={"run": str(args.run), "checkpoint": str(checkpoint), "step": step,
                                  "arch": config.model.arch},
@@ -64,7 +65,7 @@ def cmd_eval(args) -> int:
                           f"this one is {config.model.arch}")
     data = eval_data(config, tokenizer, args.data, checkpoint=checkpoint)
     tokens = data.val if args.split == "val" else data.train
-    options = generation_options(args)
+    options = generation_options(args, model)
     from ..data.chat import ChatData
 
     chat = isinstance(data, ChatData)
