@@ -204,7 +204,7 @@ def sampling_probs(logits: Tensor, temperature: float, top_k: int | None = None,
 
     top_k keeps the k most likely tokens (ties at the k-th value all stay); top_p keeps the
     smallest set of most likely tokens whose probability reaches p (the token that crosses p
-    stays)."""
+    stays; of tokens tied there, the lower ids first)."""
     logits = logits.float()
     # shifted to a maximum of 0 and divided by at least float32's smallest normal number: a tiny
     # temperature (1e-300, 0 in float32) then sends the other tokens to -inf (greedy in the limit)
@@ -215,7 +215,9 @@ def sampling_probs(logits: Tensor, temperature: float, top_k: int | None = None,
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # (..., 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and top_p < 1:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        # stable: of tokens tied at the cut the lower ids stay, whatever the tensor's shape (a draft
+        # drawn from one row and checked in a stack of rows must see the same support)
+        sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
         probs = sorted_logits.softmax(dim=-1)
         before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above each one
         drop_sorted = before >= top_p

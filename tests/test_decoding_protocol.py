@@ -331,6 +331,8 @@ def test_top_p_keeps_the_token_that_reaches_p_and_no_more():
     assert _support(logits, top_p=0.76) == {0, 1, 2}
     assert _support(logits, top_p=1.0) == {0, 1, 2, 3}
     assert _support(logits, top_p=0.1) == {0}
+    tied = torch.zeros(1, 64)  # 64 equal tokens: those that reach p are the lowest ids (a stable sort)
+    assert _support(tied, top_p=0.1) == set(range(7))
 
 
 def test_top_k_keeps_k_tokens_and_ties_at_the_kth():
