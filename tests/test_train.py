@@ -388,6 +388,25 @@ def test_a_checkpoint_folder_given_as_the_run_is_refused_and_left_untouched(corp
     assert sorted(p.name for p in checkpoint.iterdir()) == files
 
 
+@pytest.mark.parametrize("weights", [False, True])
+def test_a_folder_with_a_config_json_that_is_not_a_runs_is_refused_and_left_untouched(corpus, tmp_path, weights):
+    """A Hugging Face folder (any folder with a config.json) as --out was taken for a run that stopped
+    before its first save: its config.json and tokenizer.json were overwritten, exit 0 (12-07 review).
+    With a model.safetensors it was called a checkpoint folder whose run folder was its parent's parent."""
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "model_type": "llama"}')
+    (folder / "tokenizer.json").write_text('{"model": {"type": "BPE"}}')
+    if weights:
+        (folder / "model.safetensors").write_bytes(b"weights")
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    words = "holds model weights and is not a run folder" if weights else "config.json is not a latentloop run's"
+    for resume in (False, True):
+        with pytest.raises(ll.CheckpointError, match=words):
+            setup(_config(corpus, steps=2), folder, resume=resume, progress=False)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
 def test_a_validation_split_shorter_than_a_window_is_refused_before_training(tmp_path):
     """It was found by the run's final validation, after every step, and the run ended unsaved."""
     text = tmp_path / "short.txt"
@@ -411,9 +430,16 @@ def test_a_run_that_stopped_before_its_first_checkpoint_starts_again_in_its_fold
     monkeypatch.undo()
     with pytest.raises(ll.CheckpointError, match="start it again without --resume"):
         setup(_config(corpus), tmp_path / "run", resume=True, progress=False)
+    # it stops before its first save once more, and is started again: both stopped logs are kept
+    monkeypatch.setattr(loop, "train_step", diverge)
+    with pytest.raises(NonFiniteError):
+        fit(setup(_config(corpus, eval_every=1), tmp_path / "run", progress=False), progress=False)
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1, "loss": 8.0}\n')
+    monkeypatch.undo()
     summary = fit(setup(_config(corpus, steps=2), tmp_path / "run", progress=False), progress=False)
     assert summary["step"] == 2
     assert (tmp_path / "run" / "metrics-stopped.jsonl").read_text() == '{"step": 1, "loss": 9.0}\n'
+    assert (tmp_path / "run" / "metrics-stopped-2.jsonl").read_text() == '{"step": 1, "loss": 8.0}\n'
     with pytest.raises(ll.CheckpointError, match="already holds a run"):  # now it has a checkpoint
         setup(_config(corpus, steps=2), tmp_path / "run", progress=False)
 

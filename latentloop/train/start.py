@@ -70,6 +70,17 @@ def _holds_checkpoints(run_dir: Path) -> bool:
     return folder.is_dir() and any(folder.iterdir())
 
 
+def _is_run_config(path: Path) -> bool:
+    """Whether `path` reads as a run's config.json: sections model (with its arch), train and data.
+    An unreadable one counts as a run's (a crash mid-write): resuming names what is wrong with it."""
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return True
+    return isinstance(config, dict) and all(isinstance(config.get(s), dict) for s in ("model", "train", "data")) \
+        and isinstance(config["model"].get("arch"), str)
+
+
 def check_run_folder(run_dir: Path, config: RunConfig, resume: bool, strategy: str | None = None) -> list[str]:
     """Refuse a folder this run cannot start or resume in; resuming, the train settings that changed
     since the run's saved config (`train_changes`; a FIXED_ON_RESUME one is refused). `strategy`: the
@@ -77,8 +88,17 @@ def check_run_folder(run_dir: Path, config: RunConfig, resume: bool, strategy: s
     the saved config keeps it as given (`config_as_given`)."""
     saved = run_dir / "config.json"
     if (run_dir / "model.safetensors").is_file() or (run_dir / "state.json").is_file():
-        raise CheckpointError(f"{run_dir} is a checkpoint folder; give its run folder ({run_dir.parent.parent}) "
-                              f"as --out, or start a new run from it with --init-from")
+        if run_dir.parent.name == "checkpoints":
+            raise CheckpointError(f"{run_dir} is a checkpoint folder; give its run folder ({run_dir.parent.parent}) "
+                                  f"as --out, or start a new run from it with --init-from")
+        raise CheckpointError(f"{run_dir} holds model weights and is not a run folder: choose another output folder "
+                              f"(to start from its weights: --init-from, after `latentloop import-hf` for a Hugging "
+                              f"Face folder)")
+    if saved.is_file() and not _is_run_config(saved):
+        # a Hugging Face folder's config.json (or any other) was taken for a stopped run, and both it and
+        # tokenizer.json were overwritten
+        raise CheckpointError(f"{run_dir} exists and is not empty, and its config.json is not a latentloop run's; "
+                              f"choose another output folder")
     if saved.is_file() and not resume and not _holds_checkpoints(run_dir):
         return []  # a run that stopped before its first save: nothing to resume, so it starts again here
     if saved.is_file():
@@ -117,6 +137,15 @@ def check_run_folder(run_dir: Path, config: RunConfig, resume: bool, strategy: s
 
 
 STOPPED_LOG = "metrics-stopped.jsonl"  # a run started again in its folder keeps the stopped one's log here
+
+
+def stopped_log_path(run_dir: Path) -> Path:
+    """Where a stopped run's log is kept: STOPPED_LOG, or the first free numbered name after it (a
+    folder started again twice before its first save replaced the first stopped run's log)."""
+    path, number = run_dir / STOPPED_LOG, 2
+    while path.exists():
+        path, number = run_dir / f"{Path(STOPPED_LOG).stem}-{number}.jsonl", number + 1
+    return path
 
 
 def check_validation_split(val, config: RunConfig) -> None:
@@ -320,9 +349,10 @@ def _claim_run_folder(state: TrainState, resume: bool, strategy: str) -> list[st
         if not resume:
             log = run_dir / "metrics.jsonl"
             if log.is_file() and log.stat().st_size:  # the rows of a run that stopped before its first save
-                log.replace(run_dir / STOPPED_LOG)
+                kept = stopped_log_path(run_dir)
+                log.replace(kept)
                 note(f"{run_dir} held a run that stopped before its first checkpoint: starting again (its log "
-                     f"is kept as {STOPPED_LOG})")
+                     f"is kept as {kept.name})")
             write_json_atomic(run_dir / "config.json", config_as_given(config, strategy))
             try:
                 state.tokenizer.save(run_dir)
