@@ -375,29 +375,37 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return checkpoints[-1]
 
 
+def _own_or_run_file(checkpoint: Path, name: str) -> Path | None:
+    """The checkpoint's own copy of `name` (checked against its checksums), else its run folder's.
+    A checkpoint whose checksums record the name never falls back: its copy deleted, the run folder's
+    unchecked one (an edited config) was loaded without a word."""
+    own, manifest = checkpoint / name, checkpoint / CHECKSUMS
+    if own.is_file() or (manifest.is_file() and name in _recorded_checksums(manifest)):
+        verify_file(checkpoint, name)  # "is missing" when recorded and gone
+        return own
+    run_copy = checkpoint.parent.parent / name
+    return run_copy if run_copy.is_file() else None
+
+
 def find_tokenizer_file(checkpoint: Path) -> Path:
-    """The tokenizer.json of a checkpoint (its own copy, checked against its checksums), else its run
-    folder's."""
-    for candidate in (checkpoint / "tokenizer.json", checkpoint.parent.parent / "tokenizer.json"):
-        if candidate.is_file():
-            if candidate.parent == checkpoint:
-                verify_file(checkpoint, candidate.name)
-            return candidate
-    raise CheckpointError(f"no tokenizer.json found for checkpoint {checkpoint}")
+    """The tokenizer.json of a checkpoint (`_own_or_run_file`)."""
+    found = _own_or_run_file(checkpoint, "tokenizer.json")
+    if found is None:
+        raise CheckpointError(f"no tokenizer.json found for checkpoint {checkpoint}")
+    return found
 
 
 def read_run_config(checkpoint: Path) -> RunConfig:
-    for candidate in (checkpoint / "config.json", checkpoint.parent.parent / "config.json"):
-        if candidate.is_file():
-            if candidate.parent == checkpoint:
-                verify_file(checkpoint, candidate.name)
-            try:
-                return RunConfig.from_dict(json.loads(candidate.read_text()))
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise CheckpointError(f"corrupt config {candidate}: {exc}") from None
-            except ConfigError as exc:
-                raise CheckpointError(f"config {candidate} is invalid: {exc}") from None
-    raise CheckpointError(f"no config.json found for checkpoint {checkpoint}")
+    """The run config of a checkpoint (`_own_or_run_file`)."""
+    found = _own_or_run_file(checkpoint, "config.json")
+    if found is None:
+        raise CheckpointError(f"no config.json found for checkpoint {checkpoint}")
+    try:
+        return RunConfig.from_dict(json.loads(found.read_text()))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"corrupt config {found}: {exc}") from None
+    except ConfigError as exc:
+        raise CheckpointError(f"config {found} is invalid: {exc}") from None
 
 
 def read_failure(exc: BaseException, message: str) -> CheckpointError:

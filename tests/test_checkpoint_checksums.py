@@ -47,6 +47,20 @@ def test_a_flipped_bit_in_a_file_load_reads_is_named(tiny_run_copy, capsys, name
     assert code == 2 and len(err.splitlines()) == 1 and name in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("name", ["config.json", "tokenizer.json"])
+def test_a_deleted_file_the_checksums_record_is_named_not_replaced_by_the_run_folders(tiny_run_copy, capsys, name):
+    """The checkpoint's config.json deleted, load read the run folder's copy unchecked: an edited
+    rope_theta loaded a model the run never trained, exit 0 (12-07 review)."""
+    run = tiny_run_copy("gpt")
+    checkpoint = ckpt.resolve_checkpoint(run)
+    (checkpoint / name).unlink()
+    assert (run / name).is_file()  # the run folder's copy is there to fall back on
+    with pytest.raises(CheckpointError, match=f"{name} is missing: .* recorded it"):
+        ll.load(run)
+    code, err = run_main(["generate", run, "--prompt", "a", "--max-new-tokens", "2"], capsys)
+    assert code == 2 and len(err.splitlines()) == 1 and f"{name} is missing" in err
+
+
 @pytest.mark.parametrize("name", EVERY_FILE)
 def test_a_flipped_bit_in_any_file_is_named_on_resume_and_nothing_is_written(tiny_run_copy, capsys, name):
     run = tiny_run_copy("gpt")
