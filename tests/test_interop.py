@@ -591,6 +591,26 @@ def test_unsupported_checkpoints_are_one_line_errors(change, words, llama_folder
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("change, dropped", [
+    # no sliding_window key: transformers' Mistral slides over 4,096 tokens (logits differed past them)
+    ({"model_type": "mistral", "max_position_embeddings": 4160}, ("sliding_window",)),
+    # no max_window_layers key: transformers' Qwen2 slides from layer 28 on
+    ({"model_type": "qwen2", "num_hidden_layers": 30, "sliding_window": 8, "use_sliding_window": True},
+     ("max_window_layers", "layer_types")),
+])
+def test_a_window_a_config_leaves_to_its_class_default_is_read_as_transformers_reads_it(
+        change, dropped, llama_folder, tmp_path, capsys):
+    folder = tmp_path / "hf"
+    shutil.copytree(llama_folder, folder)
+    config = json.loads((folder / "config.json").read_text()) | change
+    for key in dropped:
+        config.pop(key, None)
+    (folder / "config.json").write_text(json.dumps(config))
+    assert "sliding-window attention" in _one_line_error(["import-hf", str(folder), "--out", str(tmp_path / "run")],
+                                                         capsys)
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_qwen2_window_that_no_layer_uses_is_full_attention(llama_folder, tmp_path, capsys):
     """Qwen2 slides only in its layers from max_window_layers on (transformers' layer_types): at or past
     the layer count, none does, and the import goes through as full attention."""

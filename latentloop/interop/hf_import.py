@@ -64,6 +64,9 @@ ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3"}  # HF r
 # transformers' defaults for fields a Llama config may leave out
 DEFAULT_ROPE_THETA = 10000.0
 DEFAULT_MAX_POSITIONS = 2048
+# What transformers' config classes (5.x) give a key a config.json lacks, where it decides the attention
+ABSENT_KEY_DEFAULTS = {"mistral": {"sliding_window": 4096},
+                       "qwen2": {"sliding_window": 4096, "max_window_layers": 28}}
 DEFAULT_RMS_NORM_EPS = 1e-6
 # what an import reads (transformers 5 saves a chat template as chat_template.jinja, beside the tokenizer)
 HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json",
@@ -239,7 +242,11 @@ def config_from_hf(hf: dict[str, Any], sequence_len: int | None = None, bos_id: 
         raise InteropError(f"{file}: num_key_value_heads ({n_kv_head}) must divide num_attention_heads ({n_head})")
     positions = fields.positive_int("max_position_embeddings", DEFAULT_MAX_POSITIONS)
     sequence_len = sequence_len or positions
-    window = fields.positive_int("sliding_window", None)
+    # a key the file lacks takes the family's config-class default, as transformers reads it (Mistral's
+    # 4096-token window was read as none: logits differed past 4,096 tokens); an explicit null is none
+    defaults = ABSENT_KEY_DEFAULTS.get(family, {})
+    window = fields.positive_int("sliding_window", None) if "sliding_window" in fields.values \
+        else defaults.get("sliding_window")
     # as transformers reads it: a config's own `layer_types` where it lists them; else Mistral slides
     # wherever `sliding_window` is set (it has no switch: `use_sliding_window` is Qwen2's), and Qwen2
     # only with the switch on, in its layers from `max_window_layers` on
@@ -249,8 +256,8 @@ def config_from_hf(hf: dict[str, Any], sequence_len: int | None = None, bos_id: 
     elif family == "mistral":
         uses_window = window is not None
     else:
-        uses_window = (fields.boolean("use_sliding_window", False) and window is not None
-                       and fields.number("max_window_layers", n_layer) < n_layer)
+        first_sliding = fields.number("max_window_layers", defaults.get("max_window_layers", n_layer))
+        uses_window = fields.boolean("use_sliding_window", False) and window is not None and first_sliding < n_layer
     if uses_window and sequence_len > window:
         raise InteropError(f"sliding-window attention (window {window}) is not supported beyond the window: "
                            f"import with --sequence-len {window} or less, where it equals full attention")
