@@ -637,6 +637,19 @@ def test_a_sliding_window_model_keeps_its_window_past_the_import(llama_folder, t
                            "--set", "sequence_len=32", "--out", str(tmp_path / "longer")], capsys)
     assert "sequence_len 32 is past the model's sliding attention window (16 tokens)" in err
     assert not (tmp_path / "longer").exists()
+    # exported, the window is written (as Llama it was lost: a round trip gave attention_window 0, and the
+    # exported model attended fully past the window where the source slides), and imported back the same
+    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "exported"), "--plain"]) == 0
+    exported = json.loads((tmp_path / "exported" / "config.json").read_text())
+    assert exported["architectures"] == ["MistralForCausalLM"] and exported["sliding_window"] == 16
+    assert main(["import-hf", str(tmp_path / "exported"), "--out", str(tmp_path / "again")]) == 0
+    again = json.loads((tmp_path / "again" / "config.json").read_text())["model"]
+    assert again["attention_window"] == 16 and again["sequence_len"] == 16
+    source = transformers.AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    copy = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported")).eval()
+    ids = torch.arange(3, 3 + 40)[None] % source.config.vocab_size  # past the window: its attention slides
+    with torch.no_grad():
+        torch.testing.assert_close(copy(ids).logits, source(ids).logits, rtol=1e-4, atol=1e-4)
 
 
 def test_the_hub_download_fetches_every_file_the_import_reads(monkeypatch, tmp_path):

@@ -5,7 +5,8 @@
 
 Two paths:
 - plain: a `gpt` run whose options are the Llama family's (SwiGLU, no QK-norm, no embedding norm,
-  no soft-cap) becomes a `LlamaForCausalLM` folder, or `Qwen2ForCausalLM` with q/k/v biases: loads
+  no soft-cap) becomes a `LlamaForCausalLM` folder (`MistralForCausalLM` with its sliding window, an
+  imported Mistral's), or `Qwen2ForCausalLM` with q/k/v biases (and its window, if any): loads
   with `AutoModelForCausalLM.from_pretrained(DIR)`, no remote code. Parameter-free norms export as
   gains of 1 (exactly the same function) with the epsilon torch used (float32's machine epsilon
   when the run left `norm_eps` unset). The q/k RoPE half-flip of the import is applied again (it
@@ -73,6 +74,7 @@ REMOTE_DIR = Path(__file__).resolve().parent / "hf_remote"
 REMOTE_FILES = ("configuration_latentloop.py", "modeling_latentloop.py")
 AUTO_MAP = {"AutoConfig": "configuration_latentloop.LatentloopConfig",
             "AutoModelForCausalLM": "modeling_latentloop.LatentloopForCausalLM"}
+PLAIN_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 DEFAULT_NORM_EPS = torch.finfo(torch.float32).eps  # what F.rms_norm uses on float32 when given no epsilon
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # latentloop/
 ARCH_MODULE = "latentloop_arch.py"  # generated: the exported architecture's classes
@@ -266,9 +268,11 @@ def export_hf(run: str | Path, out: str | Path, plain: bool | None = None, show_
     state = {name: tensor.detach().float() for name, tensor in model.state_dict().items()}
     del model
     if as_plain:
-        family = "qwen2" if config.qkv_bias else "llama"
+        # a sliding window (an imported Mistral's or Qwen2's, kept by `attention_window`) is written as those
+        # families write it: exported as Llama it was lost, and the model attended fully past it
+        family = "qwen2" if config.qkv_bias else "mistral" if config.attention_window else "llama"
         hf_config = {
-            "architectures": ["Qwen2ForCausalLM" if family == "qwen2" else "LlamaForCausalLM"], "model_type": family,
+            "architectures": [PLAIN_CLASSES[family]], "model_type": family,
             "vocab_size": config.vocab_size, "hidden_size": config.n_embd, "intermediate_size": config.mlp_hidden,
             "num_hidden_layers": config.n_layer, "num_attention_heads": config.n_head,
             "num_key_value_heads": config.n_kv_head, "head_dim": config.head_dim, "hidden_act": "silu",
@@ -277,8 +281,11 @@ def export_hf(run: str | Path, out: str | Path, plain: bool | None = None, show_
             "tie_word_embeddings": config.tie_embeddings, "attention_bias": False, "mlp_bias": False,
             "attention_dropout": 0.0, "use_cache": True, "torch_dtype": "float32", **_rope_config(config),
             **_special_ids(tokenizer)}
-        if family == "qwen2":
-            hf_config.update(use_sliding_window=False, sliding_window=None)
+        window = config.attention_window or None
+        if family == "qwen2":  # every layer slides (transformers' layer_types from max_window_layers on)
+            hf_config.update(use_sliding_window=window is not None, sliding_window=window, max_window_layers=0)
+        elif family == "mistral":
+            hf_config.update(sliding_window=window)
         weights = _plain_weights(state, config)
         kind = hf_config["architectures"][0]
         code: dict[str, str] = {}
