@@ -32,6 +32,18 @@ def test_resume_extends_a_run(tiny_run_copy, capsys):
     assert json.loads(capsys.readouterr().out)["step"] == 6
 
 
+def test_resume_refuses_a_preset_it_would_ignore(tiny_run_copy, capsys):
+    """`--resume --preset tiny` on a `test` run trained on at the saved shape, exit 0: the saved fields
+    override a preset's (12-07 review)."""
+    run = tiny_run_copy("gpt")
+    metrics = (run / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    assert main(["train", "--out", str(run), "--resume", "--steps", "6", "--preset", "tiny", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--preset names a new run's shape" in err[0]
+    assert (run / "metrics.jsonl").read_text() == metrics
+
+
 def test_resuming_a_finished_run_says_so_and_its_json_is_strict(tiny_run_copy, capsys):
     """It printed `"train_loss": NaN` (not JSON) and "trained ... for N steps" for a run that trained nothing."""
     run = tiny_run_copy("gpt")

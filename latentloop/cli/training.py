@@ -48,6 +48,9 @@ def _run_config_from_args(args):
         raw = {}
     raw = config_sections(raw)
     if resumed:
+        if args.preset is not None:  # its fields were overridden by the saved ones: ignored without a word
+            raise LatentloopError("--preset names a new run's shape: a resumed run keeps the model its config.json "
+                                  "records; drop --preset (or start a new run)")
         _recorded_none_under_torchrun(raw, args.overrides, saved)
     flags = {"model.arch": args.arch, "model.preset": args.preset, "data.source": args.data,
              "data.tokenizer": args.tokenizer, "train.steps": args.steps, "train.batch_size": args.batch_size,
