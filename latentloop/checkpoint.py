@@ -438,6 +438,10 @@ def read_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
         weights = load_file(str(file))
     except (SafetensorError, OSError, RuntimeError, ValueError, MemoryError) as exc:
         raise read_failure(exc, f"cannot read weights {file}: {first_line(exc)}") from None
+    integral = next((name for name, tensor in weights.items() if not tensor.is_floating_point()), None)
+    if integral is not None:  # loaded into float parameters as their values, a garbage model ran without a word
+        raise CheckpointError(f"weights {file} hold {weights[integral].dtype} tensor {integral}: a model's weights "
+                              f"are floating point")
     bad = _first_non_finite(weights)
     if bad is not None:
         raise CheckpointError(f"weights {file} hold NaN or inf (tensor {bad}): the run diverged before this save")

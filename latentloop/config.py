@@ -52,6 +52,10 @@ def check_field_types(config: Any) -> None:
 
 
 ROPE_SCALINGS = ("none", "linear", "llama3")
+# The deepest stack a config may describe: published models stop near 130 layers. A config (an edited
+# checkpoint's, a --set) claiming 10^9 layers hung every command that checks weights against it, its
+# meta-device model growing by gigabytes
+MAX_LAYERS = 1024
 
 
 @dataclass
@@ -96,7 +100,7 @@ class ModelConfig:
             self.n_kv_head = self.n_head
         require(self.vocab_size >= 2, f"vocab_size must be >= 2, got {self.vocab_size}")
         require(self.sequence_len >= 1, f"sequence_len must be >= 1, got {self.sequence_len}")
-        require(self.n_layer >= 1, f"n_layer must be >= 1, got {self.n_layer}")
+        require(1 <= self.n_layer <= MAX_LAYERS, f"n_layer must be in [1, {MAX_LAYERS}], got {self.n_layer}")
         require(self.n_head >= 1, f"n_head must be >= 1, got {self.n_head}")
         # a negative or zero width divides evenly too, and then fails as a negative dimension deep in torch
         require(self.n_embd >= 1, f"n_embd must be >= 1, got {self.n_embd}")

@@ -4,6 +4,7 @@ flipped bit in any of them is named on load and on resume, never a silently diff
 import json
 
 import pytest
+import torch
 
 import latentloop as ll
 from latentloop import checkpoint as ckpt
@@ -59,6 +60,36 @@ def test_a_deleted_file_the_checksums_record_is_named_not_replaced_by_the_run_fo
         ll.load(run)
     code, err = run_main(["generate", run, "--prompt", "a", "--max-new-tokens", "2"], capsys)
     assert code == 2 and len(err.splitlines()) == 1 and f"{name} is missing" in err
+
+
+def test_a_config_claiming_a_billion_layers_is_one_line_not_a_hang(tiny_run_copy, capsys):
+    """An older checkpoint (no checksums) whose config.json claims 10^9 layers: `generate` built the
+    model on the meta device to check the weights' shapes, and ran out of memory slowly (12-07 review)."""
+    run = tiny_run_copy("gpt")
+    checkpoint = ckpt.resolve_checkpoint(run)
+    (checkpoint / ckpt.CHECKSUMS).unlink()
+    for config_file in (checkpoint / "config.json", run / "config.json"):
+        config = json.loads(config_file.read_text())
+        config["model"]["n_layer"] = 10**9
+        config_file.write_text(json.dumps(config))
+    code, err = run_main(["generate", run, "--prompt", "a", "--max-new-tokens", "2"], capsys)
+    assert code == 2 and "n_layer must be in [1, 1024], got 1000000000" in err.splitlines()[-1]
+
+
+def test_weights_stored_as_integers_are_refused(tiny_run_copy, capsys):
+    """An older checkpoint (no checksums) whose weights were rewritten as int32 loaded (each value cast
+    into the float parameters) and generated, exported and resumed a garbage model, exit 0."""
+    from safetensors.torch import load_file, save_file
+
+    run = tiny_run_copy("gpt")
+    checkpoint = ckpt.resolve_checkpoint(run)
+    (checkpoint / ckpt.CHECKSUMS).unlink()
+    weights = load_file(str(checkpoint / "model.safetensors"))
+    save_file({name: tensor.to(torch.int32) for name, tensor in weights.items()}, str(checkpoint / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="torch.int32 tensor .*: a model's weights are floating point"):
+        ll.load(run)
+    code, err = run_main(["generate", run, "--prompt", "a", "--max-new-tokens", "2"], capsys)
+    assert code == 2 and "are floating point" in err.splitlines()[-1]
 
 
 @pytest.mark.parametrize("name", EVERY_FILE)

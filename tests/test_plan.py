@@ -234,7 +234,7 @@ def test_the_parsers_choices_are_the_planners():
     (["--preset", "huge", "--tokens", "1M"], "unknown preset"),
     (["--preset", "tiny", "--tokens", "1M", "--mfu", "2"], "--mfu must be in (0, 1]"),
     (["--preset", "tiny", "--params", "5M", "--tokens", "1M"], "not allowed with argument"),
-    (["--preset", "tiny", "--tokens", "1M", "--set", "n_layer=0"], "n_layer must be >= 1"),
+    (["--preset", "tiny", "--tokens", "1M", "--set", "n_layer=0"], "n_layer must be in [1, 1024]"),
     (["--params", "1k", "--tokens", "1M"], "the nearest shape of 1-96 layers"),
     (["--params", "50M", "--tokens", "1M", "--set", "n_layer=4"], "--params chooses the shape"),
     (["--preset", "tiny", "--tokens", "1M", "--gpus", "4", "--set", "train.strategy=none"],
@@ -262,7 +262,7 @@ def test_plan_refuses_bad_input_as_a_process_in_one_line():
                              "--tokens", "1M", "--set", "n_layer=0"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and result.stderr.startswith("latentloop: error:"), result.stderr
-    assert "n_layer must be >= 1" in result.stderr and not result.stdout
+    assert "n_layer must be in [1, 1024]" in result.stderr and not result.stdout
 
 
 def test_plan_refuses_an_unknown_arch_in_one_line(capsys):
