@@ -368,6 +368,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if not path.exists():
         raise CheckpointError(f"no run or checkpoint at {path}")
     if (path / "model.safetensors").is_file() or (path / SHARDED_DIR).is_dir():
+        _refuse_hugging_face_folder(path)
         return path
     checkpoints = checkpoint_candidates(path) if path.is_dir() else []
     if not checkpoints:
@@ -385,6 +386,18 @@ def _own_or_run_file(checkpoint: Path, name: str) -> Path | None:
         return own
     run_copy = checkpoint.parent.parent / name
     return run_copy if run_copy.is_file() else None
+
+
+def _refuse_hugging_face_folder(folder: Path) -> None:
+    """A Hugging Face model folder given where a run belongs: one line saying to import it (its
+    config.json's every key was named an unknown config section)."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return  # not readable as one: the checkpoint's own checks name what is wrong
+    if isinstance(config, dict) and "model_type" in config and "model" not in config:
+        raise CheckpointError(f"{folder} holds a Hugging Face model, not a latentloop run: import it first "
+                              f"(latentloop import-hf {folder} --out RUN), then use RUN")
 
 
 def find_tokenizer_file(checkpoint: Path) -> Path:

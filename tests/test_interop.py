@@ -611,6 +611,16 @@ def test_a_window_a_config_leaves_to_its_class_default_is_read_as_transformers_r
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("command", [["train", "--init-from", "{hf}", "--steps", "1", "--out", "{out}"],
+                                     ["generate", "{hf}", "--prompt", "a"], ["export", "{hf}", "--out", "{out}"]])
+def test_a_hugging_face_folder_where_a_run_belongs_says_to_import_it(command, llama_folder, tmp_path, capsys):
+    """`--init-from HF_FOLDER` named every key of its config.json an unknown config section."""
+    argv = [a.format(hf=llama_folder, out=tmp_path / "out") for a in command]
+    assert f"holds a Hugging Face model, not a latentloop run: import it first (latentloop import-hf {llama_folder}" \
+        in _one_line_error(argv, capsys)
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_qwen2_window_that_no_layer_uses_is_full_attention(llama_folder, tmp_path, capsys):
     """Qwen2 slides only in its layers from max_window_layers on (transformers' layer_types): at or past
     the layer count, none does, and the import goes through as full attention."""
