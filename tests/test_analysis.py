@@ -7,6 +7,7 @@ import pytest
 import torch
 from conftest import TINY_RUN_CONTEXT
 
+import latentloop as ll
 from latentloop.archs.fbt.analyses import bracket_depth_labels, fit_linear_probe
 from latentloop.archs.rgpt.analyses import spearman
 from latentloop.cli import main
@@ -59,9 +60,19 @@ def test_bracket_labels_and_probe_arithmetic():
     assert bracket_depth_labels(tok, x).tolist() == [[0, 0, 1, 1, 2, 2, 1, 1, 0, 0]]
     torch.manual_seed(0)
     labels = torch.randint(0, 5, (600,))
+    rows = torch.arange(20).repeat_interleave(30)  # 20 rows of 30 positions
     separable = torch.nn.functional.one_hot(labels, 5).float() + 0.01 * torch.randn(600, 5)
-    assert fit_linear_probe(separable, labels)["test_accuracy"] > 0.95
-    assert fit_linear_probe(torch.randn(600, 5), labels)["test_accuracy"] < 0.4
+    assert fit_linear_probe(separable, labels, rows)["test_accuracy"] > 0.95
+    assert fit_linear_probe(torch.randn(600, 5), labels, rows)["test_accuracy"] < 0.4
+    # labels that hold over runs of 8 positions, and features blind to the text, constant over each run:
+    # positions split at random put a test position's twins in the fit (0.997 held out, 12-07 review);
+    # rows split apart leave the probe nothing to read
+    runs = torch.randint(0, 5, (75,))
+    constant_labels, noise = runs.repeat_interleave(8), torch.randn(75, 16).repeat_interleave(8, dim=0)
+    held_out = fit_linear_probe(noise, constant_labels, rows)
+    assert held_out["test_accuracy"] < 0.45 < held_out["train_accuracy"]
+    with pytest.raises(ll.ConfigError, match="at least two rows"):
+        fit_linear_probe(separable, labels, torch.zeros(600, dtype=torch.long))
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
 
 

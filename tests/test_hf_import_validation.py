@@ -296,7 +296,8 @@ def test_70b_config_over_a_tiny_checkpoint_is_refused_before_any_allocation(llam
 
 @pytest.mark.parametrize("changes, words", [
     ({"vocab_size": 2_000_000_000}, "implies (2000000000, 32) (vocab_size x hidden_size)"),
-    ({"num_hidden_layers": 10 ** 9}, "lacks tensor model.layers.2.input_layernorm.weight"),  # stops at the first
+    ({"num_hidden_layers": 10 ** 9}, "n_layer must be in [1, 1024], got 1000000000"),
+    ({"num_hidden_layers": 1000}, "lacks tensor model.layers.2.input_layernorm.weight"),  # stops at the first
     ({"intermediate_size": 4096}, "model.layers.0.mlp.gate_proj.weight in model.safetensors has shape (48, 32)"),
     # the weights match, but the RoPE tables of 10^12 positions would need 2^45 bytes and more
     ({"max_position_embeddings": 10 ** 12}, "import with a smaller --sequence-len"),

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ...errors import ConfigError
 from ...models.criteria import RelativeChange
 from ...objectives.base import token_cross_entropy
 from ..registry import Analysis, AnalysisOption
@@ -124,12 +125,20 @@ def bracket_depth_labels(tokenizer, x: torch.Tensor) -> torch.Tensor:
     return labels
 
 
-def fit_linear_probe(features: torch.Tensor, labels: torch.Tensor, seed: int = 0) -> dict[str, float]:
-    """Multinomial logistic regression on a random split; returns train/test accuracy."""
+def fit_linear_probe(features: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor, seed: int = 0
+                     ) -> dict[str, float]:
+    """Multinomial logistic regression fit on some rows, scored on the others (`rows`: each position's
+    row); returns train/test accuracy. Split by row, not position: nesting depth holds over runs of
+    adjacent tokens, so positions split at random put each test position's neighbours, with its label,
+    in the fit (features constant over 8 positions and blind to the text scored 0.997)."""
     generator = torch.Generator().manual_seed(seed)
-    order = torch.randperm(len(labels), generator=generator)
-    cut = int(PROBE_TRAIN_FRACTION * len(labels))
-    train, test = order[:cut], order[cut:]
+    kinds = rows.unique()
+    if len(kinds) < 2:
+        raise ConfigError("a probe needs at least two rows: one to fit on, one to score")
+    shuffled = kinds[torch.randperm(len(kinds), generator=generator)]
+    cut = min(max(1, int(PROBE_TRAIN_FRACTION * len(kinds))), len(kinds) - 1)
+    in_fit = torch.isin(rows, shuffled[:cut])
+    train, test = in_fit.nonzero().squeeze(1), (~in_fit).nonzero().squeeze(1)
     mean, std = features[train].mean(0), features[train].std(0).clamp_min(1e-6)
     z = (features - mean) / std
     weight = torch.zeros(z.shape[1], PROBE_CLASSES, requires_grad=True)
@@ -154,6 +163,7 @@ def fit_linear_probe(features: torch.Tensor, labels: torch.Tensor, seed: int = 0
 @torch.no_grad()
 def probe(model, x: torch.Tensor, y: torch.Tensor, context, passes: int = 4) -> dict[str, Any]:
     labels = bracket_depth_labels(context.tokenizer, x).flatten()
+    rows = torch.arange(x.shape[0]).repeat_interleave(x.shape[1])  # (B * T,): each position's row
     captured: dict[str, torch.Tensor] = {}
     hook = model.blocks[0].register_forward_hook(
         lambda module, inputs, output: captured.update(block0_in=inputs[0], block0_out=output))
@@ -163,7 +173,7 @@ def probe(model, x: torch.Tensor, y: torch.Tensor, context, passes: int = 4) -> 
             model(x, passes=k)  # the hook keeps the last pass's layer-0 activations
             for where in ("block0_in", "block0_out"):
                 features = captured[where].reshape(-1, captured[where].shape[-1]).float()
-                results[f"{name}/{where}"] = fit_linear_probe(features, labels)
+                results[f"{name}/{where}"] = fit_linear_probe(features, labels, rows)
     finally:
         hook.remove()
     return {"label": "bracket nesting depth (0..4+)", "recurrent_passes": passes,
