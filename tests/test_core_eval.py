@@ -541,15 +541,15 @@ def test_suite_writes_results_into_the_run_folder(tmp_path, small_eval_dir):
     run = tmp_path / "run"
     result = suite.run_tasks(model, ByteTokenizer(), "copa,lambada_openai", small_eval_dir,
                              {"regime": "fused", "passes": 2}, limit=3, progress=False, run_dir=run)
-    assert result["tag"] == "fused-passes2"
+    assert result["tag"] == "fused-passes2-limit3"  # a limited run's files are its own
     written = sorted(p.name for p in (run / "evals").iterdir())
-    assert written == ["copa-fused-passes2.json", "lambada_openai-fused-passes2.json"]
-    payload = json.loads((run / "evals" / "copa-fused-passes2.json").read_text())
+    assert written == ["copa-fused-passes2-limit3.json", "lambada_openai-fused-passes2-limit3.json"]
+    payload = json.loads((run / "evals" / "copa-fused-passes2-limit3.json").read_text())
     assert payload["task"] == "copa" and payload["limit"] == 3 and payload["result"]["n"] == 3
     assert payload["options"] == {"regime": "fused", "passes": 2}
     whole = suite.run_tasks(model, ByteTokenizer(), "core", small_eval_dir, None, limit=2, progress=False,
                             run_dir=run)
-    aggregate = json.loads((run / "evals" / "core-default.json").read_text())
+    aggregate = json.loads((run / "evals" / "core-default-limit2.json").read_text())
     assert aggregate["kind"] == "core_aggregate" and aggregate["result"]["evaluated"] == 2
     assert aggregate["result"]["core"] == pytest.approx(whole["core"]["core"])
     assert len(aggregate["result"]["missing"]) == 20
@@ -564,8 +564,8 @@ def test_cli_eval_tasks(tiny_run_copy, small_eval_dir, capsys):
     assert main(["eval", str(trained_run), "--tasks", "copa,lambada_openai", "--eval-dir", str(small_eval_dir),
                  "--limit", "4", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["tasks"]["copa"]["n"] == 4 and out["tag"] == "default"
-    assert (trained_run / "evals" / "copa-default.json").is_file()
+    assert out["tasks"]["copa"]["n"] == 4 and out["tag"] == "default-limit4"
+    assert (trained_run / "evals" / "copa-default-limit4.json").is_file()
     assert main(["eval", str(trained_run), "--tasks", "copa", "--eval-dir", str(small_eval_dir), "--no-progress"]) == 0
     text = capsys.readouterr().out
     assert "copa" in text and "mean centred" in text and "results:" in text

@@ -107,11 +107,47 @@ def test_task_results_record_checkpoint_and_quantization(tiny_run_copy, tmp_path
     assert main(["eval", str(checkpoint), "--tasks", "addition", "--limit", "1", "--quantize", "int8",
                  "--no-progress"]) == 0
     files = sorted(p.name for p in (run / "evals").glob("*.json"))
-    assert files == [f"addition-default-int8-step{step}.json"], files  # not the run's own addition-default.json
+    assert files == [f"addition-default-int8-step{step}-limit1.json"], files  # not the run's addition-default.json
     payload = json.loads((run / "evals" / files[0]).read_text())
     assert payload["quantize"] == "int8" and payload["step"] == step
     report = compare.compare_runs([run], tmp_path / "out")
-    assert f"(default-int8-step{step})" in report["markdown"]
+    assert f"(default-int8-step{step}-limit1)" in report["markdown"]
+
+
+def test_task_results_of_another_limit_are_kept_beside_each_other(tiny_run_copy, capsys):
+    """A run scored with --limit 2, then --limit 1: the second replaced the first's file (and a CORE
+    file computed from the first then sat beside task files of the second), 12-07 review."""
+    run = tiny_run_copy("gpt")
+    for limit in ("2", "1"):
+        assert main(["eval", str(run), "--tasks", "addition", "--limit", limit, "--no-progress"]) == 0
+    files = sorted(p.name for p in (run / "evals").glob("*.json"))
+    assert files == ["addition-default-limit1.json", "addition-default-limit2.json"], files
+    assert [json.loads((run / "evals" / f).read_text())["limit"] for f in files] == [1, 2]
+
+
+@pytest.mark.parametrize("damage", [{"result": {"accuracy": 0.5, "accuracy_ci": ["a", "b"]}}, {"limit": [1]},
+                                    {"task": 3}, {"result": [0.5]}])
+def test_compare_skips_a_damaged_task_result(tmp_path, damage):
+    """A hand-damaged evals/*.json was a traceback (a format of strings, a list hashed, an int sorted
+    beside str); it is skipped, as a damaged metrics row is."""
+    run = make_run(tmp_path / "n-s1", seed=1, bpb=2.0)
+    (run / "evals").mkdir()
+    good = {"task": "copa", "kind": "core", "tag": "default", "limit": None,
+            "result": {"accuracy": 0.75, "accuracy_ci": [0.5, 0.9]}}
+    (run / "evals" / "copa-default.json").write_text(json.dumps(good))
+    (run / "evals" / "boolq-default.json").write_text(json.dumps(good | {"task": "boolq"} | damage))
+    report = compare.compare_runs([run], tmp_path / "out")
+    assert "| copa | 0.7500 [0.50, 0.90] |" in report["markdown"] and "boolq" not in report["markdown"]
+
+
+def test_compare_refuses_a_checkpoint_folder_as_a_run(tiny_run_copy, tmp_path, capsys):
+    run = tiny_run_copy("gpt")
+    checkpoint = sorted((run / "checkpoints").iterdir())[-1]
+    capsys.readouterr()
+    assert main(["compare", str(checkpoint), str(run), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is a checkpoint folder, not a run folder" in err[0]
+    assert not (tmp_path / "out").exists()
 
 
 def test_document_interval_needs_enough_documents():

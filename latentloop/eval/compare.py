@@ -98,18 +98,34 @@ def read_evals(run_dir: Path) -> list[dict]:
     for path in sorted(folder.glob("*.json")):
         try:
             payload = json.loads(path.read_text())
-        except (json.JSONDecodeError, OSError):
+        except (json.JSONDecodeError, OSError, UnicodeDecodeError):
             continue
-        if isinstance(payload, dict) and "task" in payload and isinstance(payload.get("result"), dict):
+        if _well_formed_eval(payload):
             payload["file"] = str(path)
             results.append(payload)
     return results
+
+
+def _well_formed_eval(payload: Any) -> bool:
+    """Whether a result file holds what the tables read, of the types they read (a damaged one is
+    skipped, as a damaged metrics row is: an interval of strings or a list as the limit was a
+    traceback)."""
+    if not isinstance(payload, dict) or not isinstance(payload.get("task"), str) \
+            or not isinstance(payload.get("result"), dict):
+        return False
+    limit, interval = payload.get("limit"), payload["result"].get("accuracy_ci")
+    return (limit is None or is_int(limit)) and (interval is None or (
+        isinstance(interval, list) and len(interval) == 2
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in interval)))
 
 
 def _config_file(run_dir: Path) -> Path:
     config_file = run_dir / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{run_dir} is not a run folder (no config.json)")
+    if (run_dir / "state.json").is_file() and run_dir.parent.name == "checkpoints":  # a row of dashes, no word
+        raise CheckpointError(f"{run_dir} is a checkpoint folder, not a run folder: give its run "
+                              f"({run_dir.parent.parent})")
     return config_file
 
 

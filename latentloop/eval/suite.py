@@ -58,15 +58,19 @@ def options_tag(options: dict | None) -> str:
     return "-".join(parts)
 
 
-def variant_tag(tag: str, variant: dict | None) -> str:
-    """`tag` with what else changes the scores: the quantization (`int8`) and a checkpoint chosen by
-    step (`step10`), in that order; unchanged without them."""
+def variant_tag(tag: str, variant: dict | None, limit: int | None = None) -> str:
+    """`tag` with what else changes the scores: the quantization (`int8`), a checkpoint chosen by step
+    (`step10`) and a limit on the examples (`limit20`), in that order; unchanged without them. A limited
+    run's files are its own: one with another limit replaced them, and CORE's file then disagreed with
+    the task files beside it."""
     variant = variant or {}
     parts = [tag]
     if variant.get("quantize"):
         parts.append(str(variant["quantize"]))
     if variant.get("step") is not None:
         parts.append(f"step{variant['step']}")
+    if limit is not None:
+        parts.append(f"limit{limit}")
     return "-".join(parts)
 
 
@@ -141,7 +145,7 @@ def run_tasks(model: nn.Module, tokenizer, names: str | Sequence[str], data_dir:
     if limit is not None and limit < 1:
         raise ConfigError(f"limit must be >= 1, got {limit}")
     core_names, generation_tasks, whole_core = plan_tasks(names)
-    tag = variant_tag(options_tag(options), variant)
+    tag = variant_tag(options_tag(options), variant, limit)
     stamp = {"options": options, "limit": limit, "tag": tag, "quantize": (variant or {}).get("quantize"),
              **(meta or {})}
     folder = Path(run_dir) / EVALS_DIR if run_dir is not None else None
