@@ -4,6 +4,7 @@ checks, resume, FLOPs charged by the depth run, and the same draw on every rank.
 
 import json
 import math
+from collections import Counter
 from types import SimpleNamespace
 
 import numpy as np
@@ -217,6 +218,26 @@ def test_flops_are_charged_by_the_drawn_depth_without_the_no_grad_backward():
         assert uniform.flops_per_token(model, step) == pytest.approx(expected, rel=1e-12)
     mean = sum(forward(r) + 2 * forward(r - min(1, r - 1)) for r in (1, 2, 3)) / 3
     assert uniform.flops_per_token(model, None) == pytest.approx(mean, rel=1e-12)
+
+
+def test_a_long_heavy_tail_runs_depth_shares_come_from_draws_spread_over_it(monkeypatch):
+    """The run average drew every step's depth: `plan --tokens 1e12` of a heavy-tailed rgpt (10^9
+    steps) ran for hours. Past RUN_DEPTH_DRAWS steps, that many draws spread evenly over the run."""
+    from latentloop.archs.rgpt import objective as rgpt_objective
+
+    monkeypatch.setattr(rgpt_objective, "RUN_DEPTH_DRAWS", 100)
+    drawn = []
+    short, long = (_objective(steps=steps, depth_sampling="heavy_tail") for steps in (60, 10**9))
+    draw = short.depth_for_step  # both runs' seed: one draw per step
+    for objective in (short, long):
+        monkeypatch.setattr(objective, "depth_for_step", lambda step: drawn.append(step) or draw(step))
+    short_shares, long_shares = short._run_depth_shares, long._run_depth_shares
+    assert drawn[:60] == list(range(60))  # a short run: every step
+    spread = range(0, 10**9, 10**9 // 100)
+    assert drawn[60:] == list(spread)
+    for shares, steps in ((short_shares, range(60)), (long_shares, spread)):
+        counts = Counter(draw(step) for step in steps)
+        assert shares == pytest.approx({r: n / len(steps) for r, n in counts.items()}, rel=1e-12)
 
 
 # -- resume ----------------------------------------------------------------------------------------

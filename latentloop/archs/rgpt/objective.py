@@ -35,6 +35,7 @@ from .model import MAX_RECURRENCE_STEPS, RGPTConfig
 # refuses rates near 1e19 (σ is unbounded), and a Poisson of 4 x the cap falls below the cap with
 # probability < e^-400 (a Chernoff bound), so the capped depth is the cap either way.
 RATE_CEILING = 4 * MAX_RECURRENCE_STEPS
+RUN_DEPTH_DRAWS = 200_000  # draws a run's depth shares are counted from (every step's, in a run this short)
 
 
 def draw_depth(config: RGPTConfig, seed: int, step: int, stream: int = 0) -> int:
@@ -88,10 +89,16 @@ class RecurrentDepthObjective(Objective):
         return [(forward_share, {"steps": steps}), (1 - forward_share, {"steps": with_grad})]
 
     @cached_property
-    def _run_depths(self) -> Counter:
-        """heavy_tail: how many of the run's steps draw each depth (the tail has no closed-form
-        average once capped; ~15 µs a step)."""
-        return Counter(self.depth_for_step(step) for step in range(self.train_config.steps))
+    def _run_depth_shares(self) -> dict[int, float]:
+        """heavy_tail: the share of the run's steps that draw each depth (the tail has no closed-form
+        average once capped; ~15 µs a draw). Every step's draw up to RUN_DEPTH_DRAWS steps, else the
+        draws of that many steps spread evenly over the run (each step's draw is independent of
+        its place): `plan` of 10^9 steps took hours."""
+        steps = self.train_config.steps
+        stride = max(1, steps // RUN_DEPTH_DRAWS)
+        counts = Counter(self.depth_for_step(step) for step in range(0, steps, stride))
+        drawn = sum(counts.values())
+        return {r: n / drawn for r, n in sorted(counts.items())}
 
     def forward_mix(self, step: int | None = None) -> list[tuple[float, dict]]:
         if step is not None:
@@ -100,6 +107,6 @@ class RecurrentDepthObjective(Objective):
             R = self.model_config.recurrence_steps
             depths = {r: 1.0 / R for r in range(1, R + 1)}  # r ~ Uniform{1..R}
         else:  # the run's own draws: every depth its steps run, each by its share of the steps
-            depths = {r: n / self.train_config.steps for r, n in sorted(self._run_depths.items())}
+            depths = self._run_depth_shares
         return [(share * weight, kwargs) for r, share in depths.items() for weight, kwargs in self.depth_mix(r)]
 
