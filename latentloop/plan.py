@@ -62,11 +62,15 @@ class Accelerator:
     fp32_flops: float | None = None  # float32 FLOP/s without TF32 (the trainer never turns TF32 on)
 
 
-# Vendors' data sheets: dense bf16 tensor-core peaks and float32 (non-tensor) peaks (SXM parts), memory per GPU.
+# Vendors' data sheets: dense bf16 tensor-core peaks and float32 (non-tensor) peaks (SXM parts). Memory
+# per GPU as CUDA reports it (`total_memory`, what the trainer's own check compares with): the data
+# sheets' "80 GB" / "141 GB" read as decimal gigabytes understated it by 5-7 GiB, and a step `train`
+# accepts was planned as not fitting.
+MIB = 2**20
 ACCELERATORS: dict[str, Accelerator] = {
-    "h200": Accelerator("NVIDIA H200", 989e12, 141e9, 67e12),
-    "h100": Accelerator("NVIDIA H100 SXM", 989e12, 80e9, 67e12),
-    "a100": Accelerator("NVIDIA A100 SXM 80GB", 312e12, 80e9, 19.5e12),
+    "h200": Accelerator("NVIDIA H200", 989e12, 143_771 * MIB, 67e12),
+    "h100": Accelerator("NVIDIA H100 SXM", 989e12, 81_559 * MIB, 67e12),
+    "a100": Accelerator("NVIDIA A100 SXM 80GB", 312e12, 81_920 * MIB, 19.5e12),
     "cpu": Accelerator("this machine's CPU", None, None),
 }
 STRATEGIES = ("none", "ddp", "fsdp2")
@@ -168,6 +172,9 @@ def plan_run(config: RunConfig, tokens: int, devices: int = 1, gpu: str = "h100"
         raise ConfigError(f"unknown strategy {strategy!r}: choose from {', '.join(STRATEGIES)}")
     if strategy == "none" and devices > 1:
         raise ConfigError(f"strategy none trains on one device, not {devices}: choose ddp or fsdp2")
+    if gpu == "cpu" and devices > 1:  # each process was given the whole machine's rate and memory
+        raise ConfigError(f"--gpu cpu plans one process on this machine, not {devices}: its processes would share "
+                          f"one machine's cores and memory")
     if tokens < 1:
         raise ConfigError(f"--tokens must be at least 1, got {tokens}")
     if mfu is not None and not 0 < mfu <= 1:
@@ -225,7 +232,7 @@ def plan_run(config: RunConfig, tokens: int, devices: int = 1, gpu: str = "h100"
                                                     "vocab_size")}
     return Plan(arch=config.model.arch, shape=shape, params=params, tokens=steps * tokens_per_step, steps=steps,
                 tokens_per_step=tokens_per_step, devices=devices, gpu=gpu, strategy=strategy, precision=precision,
-                flops=flops, flops_method=method, flops_per_token=objective.flops_per_token(memo),
+                flops=flops, flops_method=method, flops_per_token=flops / (steps * tokens_per_step),
                 memory=memory, activation_checkpointing=train.activation_checkpointing, capacity_bytes=capacity,
                 fits=None if capacity is None else peak <= capacity, mfu=chosen[0], mfu_source=chosen[1],
                 peak_flops=peak_flops, seconds=seconds, probe=probe)

@@ -51,6 +51,9 @@ def test_planned_flops_equal_the_trainers_log(arch, tiny_run):
     assert plan.tokens == logged["tokens"]
     assert plan.flops == logged["flops"]
     assert plan.flops_method.startswith("the trainer's count")
+    # the per-token figure printed is the run's FLOPs over its tokens, not the expected value over the
+    # depth or pass distribution (rgpt: 2,004,096 printed where the run logged 1,851,725 a token)
+    assert plan.flops_per_token == pytest.approx(logged["flops"] / logged["tokens"], rel=1e-12)
 
 
 # The default suite: every arch in fp32 without checkpointing; bf16 autocast (emulated on the meta
@@ -207,6 +210,15 @@ def test_a_long_run_probes_a_recipe_that_starts_late(every_step, monkeypatch):
     assert peak(400 * tokens_per_step) == pytest.approx(short, rel=0.01)
 
 
+def test_a_gpus_memory_is_what_cuda_reports_not_the_data_sheets_decimal_gigabytes():
+    """`plan` read "80 GB" as 80e9 bytes (74.5 GiB): a step the trainer, comparing with CUDA's
+    `total_memory` (79.6 GiB on an H100 SXM), accepts was planned as not fitting."""
+    from latentloop.plan import ACCELERATORS
+
+    reported_mib = {"h100": 81_559, "h200": 143_771, "a100": 81_920}  # nvidia-smi's totals
+    assert {name: ACCELERATORS[name].memory_bytes / 2**20 for name in reported_mib} == reported_mib
+
+
 def test_params_picks_the_nearest_model_of_the_family():
     import torch
 
@@ -239,6 +251,8 @@ def test_the_parsers_choices_are_the_planners():
     (["--params", "50M", "--tokens", "1M", "--set", "n_layer=4"], "--params chooses the shape"),
     (["--preset", "tiny", "--tokens", "1M", "--gpus", "4", "--set", "train.strategy=none"],
      "strategy none trains on one device"),
+    # each CPU process was planned with the whole machine's rate and memory
+    (["--preset", "tiny", "--tokens", "1M", "--gpus", "4", "--gpu", "cpu"], "--gpu cpu plans one process"),
     # what `train` refuses at once (a micro-batch past the device), before any probe: the probe ran for
     # minutes (its time grows with the batch), and a context of 1e9 allocated RoPE tables of 32 GB
     (["--preset", "test", "--tokens", "1M", "--batch-size", "100000000"], "one micro-batch's token ids"),
