@@ -2,13 +2,15 @@
 offers (its spec's `analyses`: fbt's contraction and probe, rgpt's depth, ...).
 
 This module is the one driver: it loads the run and a validation batch, hands them to the analysis,
-and writes `RUN/analysis/<kind>.json` and, with matplotlib, `<kind>.png`. What an analysis computes
+and writes `RUN/analysis/<kind>.json` and, with matplotlib, `<kind>.png` (`<kind>-<setting><value>...`
+where a setting differs from its default: `result_name`). What an analysis computes
 lives with its architecture (`latentloop/archs/<arch>/analyses.py`).
 """
 
 from __future__ import annotations
 
-import json
+import hashlib
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,7 @@ from .data.chat import ChatData
 from .errors import ConfigError, OutputError
 from .runs import load_run
 from .runtime import eval_data, output_folder
-from .util import json_safe, progress
+from .util import json_safe, progress, write_json_atomic
 
 
 def available() -> dict[str, Analysis]:
@@ -32,6 +34,7 @@ def available() -> dict[str, Analysis]:
     return found
 
 
+DATA_DIGEST_CHARS = 8  # of a --data name's sha256, in its result's file name
 TASK_SCORE_FIELDS = ("accuracy", "accuracy_ci", "n", "distinct")  # what an analysis gets of a task's report
 
 
@@ -69,17 +72,29 @@ def run_analysis(kind: str, run: str | Path, batches: int | None = None, out: Pa
         task_accuracy=_task_accuracy(model, tokenizer, task) if task else None,
         progress=lambda items, total=None, desc="": progress(items, total=total, desc=desc, enabled=show_progress))
     result = {"run": str(run), "analysis": kind, **analysis.run(model, x, y, context, **options)}
-    result["folder"] = str(_save(checkpoint, out, kind, result, analysis.plot))
+    name = result_name(kind, analysis, options, batches, data)
+    result["folder"] = str(_save(checkpoint, out, name, result, analysis.plot))
     return result
+
+
+def result_name(kind: str, analysis, options: dict[str, Any], batches: int | None, data: str | None) -> str:
+    """The file stem of an analysis's result: its kind, then each setting that differs from its
+    default (`depth-max_steps2`), so that a run analysed with other settings keeps each result (the
+    last replaced the first); the data, when named, by a short digest of its name."""
+    defaults = {option.name: option.default for option in analysis.options}
+    parts = [kind] + [f"{name}{value:g}" if isinstance(value, float) else f"{name}{value}"
+                      for name, value in sorted(options.items()) if value is not None and value != defaults.get(name)]
+    if batches is not None and batches != analysis.batches:
+        parts.append(f"batches{batches}")
+    if data is not None:
+        parts.append("data" + hashlib.sha256(data.encode()).hexdigest()[:DATA_DIGEST_CHARS])
+    return re.sub(r"[^A-Za-z0-9._=-]+", "_", "-".join(parts))
 
 
 def _save(checkpoint: Path, out: Path | None, name: str, result: dict[str, Any], plot) -> Path:
     folder = output_folder(Path(out) if out else checkpoint.parent.parent / "analysis", "analysis folder")
-    try:
-        # strict JSON: a value with no number (a NaN correlation, a diverged loss) is null
-        (folder / f"{name}.json").write_text(json.dumps(json_safe(result), indent=2, allow_nan=False) + "\n")
-    except OSError as exc:
-        raise OutputError(f"cannot write {folder / f'{name}.json'}: {exc.strerror or exc}") from None
+    # strict JSON: a value with no number (a NaN correlation, a diverged loss) is null; written whole or not at all
+    write_json_atomic(folder / f"{name}.json", json_safe(result))
     if plot is None:
         return folder
     try:

@@ -25,7 +25,7 @@ def test_contraction_and_probe(tiny_run_copy, capsys):
     assert len(result["loss"]) == passes and len(result["relative_change"]) == passes
     # the Jacobi iteration is exact after sequence_len passes: from then on nothing moves
     assert max(result["relative_change"][TINY_RUN_CONTEXT + 1:]) < 1e-6 < max(result["relative_change"][1:8])
-    assert (run / "analysis" / "contraction.json").is_file()
+    assert (run / "analysis" / f"contraction-passes{passes}.json").is_file()  # a setting not the default
     assert main(["analyze", "contraction", str(run), "--passes", "3"]) == 0  # without --json: a progress bar
     shown = capsys.readouterr()
     assert "passes" in shown.err and "final relative change" in shown.out
@@ -35,12 +35,12 @@ def test_contraction_and_probe(tiny_run_copy, capsys):
     probes = json.loads(capsys.readouterr().out)["probes"]
     assert set(probes) == {"standard/block0_in", "standard/block0_out", "recurrent/block0_in",
                            "recurrent/block0_out"}
-    assert (run / "analysis" / "probe.json").is_file()
+    assert (run / "analysis" / "probe-passes3-batches2.json").is_file()
     assert main(["analyze", "probe", str(run), "--passes", "3", "--batches", "2", "--no-progress"]) == 0
     line = capsys.readouterr().out  # says what the figures are (it printed bare names and numbers)
     assert "bracket nesting depth (0..4+) from layer 0, held-out probe accuracy: standard/block0_in " in line
     if HAVE_MATPLOTLIB:  # plots are optional (the `plot` extra); the analysis runs without them
-        assert (run / "analysis" / "probe.png").is_file()
+        assert (run / "analysis" / "probe-passes3-batches2.png").is_file()
     assert main(["analyze", "depth", str(run)]) == 2  # wrong architecture: one-line error
 
 
@@ -87,13 +87,22 @@ def test_depth_reports_task_accuracy_for_task_runs(tmp_path, capsys):
     # each depth's figure with its interval and what it rests on (a bare accuracy of 4 items before)
     assert result["task_n"] == [4, 4] and all(1 <= d <= 4 for d in result["task_distinct"])
     assert all(len(ci) == 2 and 0.0 <= ci[0] <= ci[1] <= 1.0 for ci in result["task_accuracy_ci"])
-    assert (tmp_path / "run" / "analysis" / "depth.png").is_file() or "matplotlib" not in __import__("sys").modules
+    assert (tmp_path / "run" / "analysis" / "depth-task_limit4.png").is_file() \
+        or "matplotlib" not in __import__("sys").modules
+    # the same analysis with other settings keeps each result (the last replaced the first, 12-07 review)
+    assert main(["analyze", "depth", str(tmp_path / "run"), "--json", "--task-limit", "4", "--max-steps", "1",
+                 "--no-progress"]) == 0
+    capsys.readouterr()
+    kept = sorted(p.name for p in (tmp_path / "run" / "analysis").glob("*.json"))
+    assert kept == ["depth-max_steps1-task_limit4.json", "depth-task_limit4.json"], kept
+    assert len(json.loads((tmp_path / "run" / "analysis" / kept[1]).read_text())["task_accuracy"]) == 2
 
 
 def test_analysis_without_matplotlib_writes_json_only(tiny_run, tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # as if the plot extra were absent
     assert main(["analyze", "contraction", str(tiny_run("fbt")), "--passes", "3", "--out", str(tmp_path / "a")]) == 0
-    assert (tmp_path / "a" / "contraction.json").is_file() and not (tmp_path / "a" / "contraction.png").exists()
+    assert (tmp_path / "a" / "contraction-passes3.json").is_file()
+    assert not (tmp_path / "a" / "contraction-passes3.png").exists()
 
 
 def test_analyze_takes_data_and_refuses_a_chat_run_in_one_line(tiny_run_copy, tmp_path, capsys):
