@@ -29,6 +29,12 @@ def test_eval_reads_the_recorded_text_source_and_says_which(corpus, tmp_path, mo
     read_back = json.loads(captured.out)
     assert main(["eval", str(run), "--json", "--batches", "1", "--data", f"text:{corpus}"]) == 0
     assert json.loads(capsys.readouterr().out)["loss"] == read_back["loss"]  # the same tokens as naming it
+    # an int8 model's figures say so (they could not be told from the float32 model's)
+    assert read_back["quantize"] is None
+    assert main(["eval", str(run), "--json", "--batches", "1", "--quantize", "int8"]) == 0
+    assert json.loads(capsys.readouterr().out)["quantize"] == "int8"
+    assert main(["eval", str(run), "--batches", "1", "--quantize", "int8", "--no-progress"]) == 0
+    assert "quantize: int8" in capsys.readouterr().out
 
 
 def test_eval_refuses_a_recorded_source_that_is_gone_or_changed(corpus, tmp_path, monkeypatch, capsys):

@@ -90,7 +90,7 @@ def cmd_eval(args) -> int:
     by_option = score_run(model, batches, tokenizer.token_byte_lengths(), {"given": options} if options else None)
     first = next(iter(by_option))
     metrics = {"run": str(args.run), "checkpoint": str(checkpoint), "split": args.split, "scored_as": first,
-               **by_option[first]}
+               "quantize": args.quantize, **by_option[first]}  # an int8 model's figures say so, as --tasks' do
     # what the figure covers, beside train's own (which scores the first train.eval_batches of this split)
     source = args.data or config.data.source
     scope = _scored_batches(args.batches, tokens, args.batch_size or 16, config.model.sequence_len)
@@ -113,6 +113,8 @@ def cmd_eval(args) -> int:
         print_json(metrics)
     else:
         skipped = {"by_option", "passes_curve", "notes", "loss_ci", "bpb_ci"}
+        if not args.quantize:
+            skipped.add("quantize")
         if metrics.get("loss_ci") is None and "interval" in metrics:  # no interval computed: a note says why
             skipped.add("interval")
             notes = [*notes, metrics["interval"]]
