@@ -296,7 +296,8 @@ def few_shot_prompt(tokenizer, shots: Sequence[str], query: str, budget: int) ->
 # -- data ------------------------------------------------------------------------------------------
 def find_data_file(data_dir: Path | str | None, filename: str, task: str) -> Path:
     if data_dir is None:
-        raise DataError(f"task {task} reads {filename}: give the folder of evaluation data (--eval-dir; data_dir in Python)")
+        raise DataError(f"task {task} reads {filename}: give the folder of evaluation data (--eval-dir; "
+                        f"data_dir in Python)")
     folder = Path(data_dir).expanduser()
     for candidate in (folder / filename, folder / "eval" / filename):
         if candidate.is_file():
