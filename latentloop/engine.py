@@ -55,7 +55,7 @@ from .inference.speculative import CompiledDrafting, compiled_drafting_reason
 from .models.backbone import PER_ROW_INFO, Draft, shift_right
 from .models.cache import KVCache, regroup
 from .models.options import check_options, couples_rows, without_speed_only
-from .util import evaluating, is_int
+from .util import evaluating, is_int, keep_evaluating
 
 MAX_SEED = 2**63  # torch.Generator seeds are 64-bit
 DECODE_MODES = (True, False, "auto")  # `compile=`: always the compiled step, never, or where it pays
@@ -466,8 +466,10 @@ def _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, sto
             else:
                 drafting = EagerDrafting(model, cache, options, draft)
             switch = None if auto_drafting is None else _AutoDrafting(auto_drafting, options, draft, on_compile)
-            yield from _speculate(drafting, last, max_new_tokens, temperature, top_k, top_p, generator, stop_tokens,
-                                  logprobs, top_logprobs, info, switch)
+            for made in _speculate(drafting, last, max_new_tokens, temperature, top_k, top_p, generator, stop_tokens,
+                                   logprobs, top_logprobs, info, switch):
+                yield made
+                keep_evaluating(model)  # the caller may have set the model to training while this one waited
             return
         sequence = idx
         for step in range(max_new_tokens):
@@ -482,6 +484,7 @@ def _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, sto
             if all(finished):
                 return
             yield _step(tokens, next_ids, last, logprobs, top_logprobs, info)
+            keep_evaluating(model)  # the caller may have set the model to training while this one waited
             if step == max_new_tokens - 1:
                 return
             if auto is not None and len(probe_times) == PROBE_STEPS:

@@ -49,10 +49,13 @@ def evaluating(model) -> Iterator[None]:
     """`model` (an `nn.Module`) in eval mode inside the block; after the last open block on it ends
     (decodes interleave: two streams of one model each hold one), the submodules that were training
     train again, the others stay as they were. Restored by the first to end, a stream still decoding
-    went on with training's noise; a `.train()` while a block is open (a stream paused, not closed)
-    is undone by the next block, whose decoding went on with training's noise too. A model already
-    in eval mode is not walked twice: `.eval()` and `.train()` over a small model's ~90 modules cost
-    0.75 ms together, a sixth of a 16-token prompt's prefill on the machine this was measured on."""
+    went on with training's noise. A block that opens while another is open and finds the model set
+    to training since (`.train()` beside a paused stream) puts it in eval mode for itself and gives
+    it back training at its own end; the paused stream puts it in eval mode again when it resumes
+    (`keep_evaluating`). A model already in eval mode is not walked twice: `.eval()` and `.train()`
+    over a small model's ~90 modules cost 0.75 ms together, a sixth of a 16-token prompt's prefill on
+    the machine this was measured on."""
+    own: list = []  # what this block found training beside an open block: given back at its end
     with _EVALUATING_LOCK:
         entry = _EVALUATING.get(model)
         if entry is None:
@@ -60,8 +63,8 @@ def evaluating(model) -> Iterator[None]:
             if training:
                 model.eval()
             entry = _EVALUATING[model] = [0, training]
-        elif model.training:  # `.train()` while a block was open (a paused stream): eval again, and restore
-            entry[1].extend(m for m in model.modules() if m.training)  # those too when the last block ends
+        elif model.training:
+            own = [m for m in model.modules() if m.training]
             model.eval()
         entry[0] += 1
     try:
@@ -69,11 +72,28 @@ def evaluating(model) -> Iterator[None]:
     finally:
         with _EVALUATING_LOCK:
             entry[0] -= 1
+            for module in own:
+                module.training = True
             if entry[0] == 0:
                 # pop: a stream collected with its model (a cycle) finds the weak key cleared already
                 _EVALUATING.pop(model, None)
                 for module in entry[1]:
                     module.training = True  # each its own flag: `.train()` would set its children's too
+
+
+def keep_evaluating(model) -> None:
+    """Inside an open `evaluating` block (a stream resuming): a model set to training since goes
+    back to eval mode, and its training modules train again when the last block ends. One flag read
+    when nothing changed."""
+    if not model.training:
+        return
+    with _EVALUATING_LOCK:
+        entry = _EVALUATING.get(model)
+        if entry is None:
+            return
+        switched = [m for m in model.modules() if m.training]
+        model.eval()
+        entry[1].extend(switched)
 
 
 def json_safe(value: Any) -> Any:

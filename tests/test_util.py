@@ -83,11 +83,14 @@ def test_a_decode_beside_a_paused_stream_runs_in_eval_mode_after_train():
     prompt = [model.config.bos_id, *b"hi"]
     alone = latentloop.generate(model, prompt, 10, temperature=0.0, compile=False)
     paused = latentloop.stream(model, prompt, 10, temperature=0.0, compile=False)
-    next(paused)
+    first = next(paused).tokens[0]
     model.train()
-    assert all(latentloop.generate(model, prompt, 10, temperature=0.0, compile=False) == alone for _ in range(2))
-    paused.close()
-    assert model.training and all(m.training for m in model.modules())  # as the user left it
+    for _ in range(2):
+        assert latentloop.generate(model, prompt, 10, temperature=0.0, compile=False) == alone
+        assert model.training and all(m.training for m in model.modules())  # given back as it was found
+    # the paused stream, resumed, decodes in eval mode too; the model trains again once it ends
+    assert [first, *(step.tokens[0] for step in paused)] == alone
+    assert model.training and all(m.training for m in model.modules())
 
 
 def test_a_generation_leaves_a_training_model_training():
