@@ -215,6 +215,9 @@ def test_row_text_holds_back_stop_prefixes_and_cuts_at_the_stop():
     released, tokens = text.release(final=True)
     assert released == "\ufffdN" and [t.offset for t in tokens] == [5, 6]
     assert [t.text for t in tokens] == ["\ufffd", "N"]
+    # an echoed prompt's tokens are placed alike (echo=true: [0, 0, 2] before)
+    from latentloop.serve.protocol import decode_with_offsets
+    assert decode_with_offsets(TOK, [0xC3, ord("x"), ord("y")]) == ("\ufffdxy", [0, 1, 2])
     assert token_string(TOK, TOK.bos_id, specials) == "<|bos|>" and token_string(TOK, 65, specials) == "A"
 
 

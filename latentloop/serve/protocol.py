@@ -180,12 +180,16 @@ def token_string(tokenizer, token_id: int, specials: dict[int, str]) -> str:
 
 def decode_with_offsets(tokenizer, ids: Sequence[int]) -> tuple[str, list[int]]:
     """The text of ids (whole characters, invalid bytes replaced) and each token's character
-    offset into it: where the text stood when the token began."""
+    offset into it: where the text stood when the token began, after what earlier tokens left
+    (`TokenText.add_split`: the U+FFFD of an unfinished lead byte is the earlier token's, as `RowText`
+    places a generated token)."""
     decoder = TokenText(tokenizer)
     text, offsets = "", []
     for token in ids:
+        earlier, own = decoder.add_split(token)
+        text += earlier
         offsets.append(len(text))
-        text += decoder.add(token)
+        text += own
     return text + decoder.finish(), offsets
 
 
