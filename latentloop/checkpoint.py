@@ -367,8 +367,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"no run or checkpoint at {path}")
-    if (path / "model.safetensors").is_file() or (path / SHARDED_DIR).is_dir():
+    if path.is_dir():
         _refuse_hugging_face_folder(path)
+    if (path / "model.safetensors").is_file() or (path / SHARDED_DIR).is_dir():
         return path
     checkpoints = checkpoint_candidates(path) if path.is_dir() else []
     if not checkpoints:
@@ -388,6 +389,9 @@ def _own_or_run_file(checkpoint: Path, name: str) -> Path | None:
     return run_copy if run_copy.is_file() else None
 
 
+REMOTE_MODEL_TYPE = "latentloop"  # the model_type of `latentloop export`'s remote-code folders
+
+
 def _refuse_hugging_face_folder(folder: Path) -> None:
     """A Hugging Face model folder given where a run belongs: one line saying to import it (its
     config.json's every key was named an unknown config section)."""
@@ -395,9 +399,13 @@ def _refuse_hugging_face_folder(folder: Path) -> None:
         config = json.loads((folder / "config.json").read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return  # not readable as one: the checkpoint's own checks name what is wrong
-    if isinstance(config, dict) and "model_type" in config and "model" not in config:
-        raise CheckpointError(f"{folder} holds a Hugging Face model, not a latentloop run: import it first "
-                              f"(latentloop import-hf {folder} --out RUN), then use RUN")
+    if not isinstance(config, dict) or "model_type" not in config or "model" in config:
+        return
+    if config["model_type"] == REMOTE_MODEL_TYPE:  # import-hf refuses these: it would be a dead end
+        raise CheckpointError(f"{folder} is a latentloop export (Hugging Face remote code), not a run: load it "
+                              f"with transformers (trust_remote_code=True), or use the run it was exported from")
+    raise CheckpointError(f"{folder} holds a Hugging Face model, not a latentloop run: import it first "
+                          f"(latentloop import-hf {folder} --out RUN), then use RUN")
 
 
 def find_tokenizer_file(checkpoint: Path) -> Path:

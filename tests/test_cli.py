@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import TINY_RUN_CONTEXT
 
 from latentloop.cli import main
 
@@ -40,8 +41,11 @@ def test_resume_refuses_a_preset_it_would_ignore(tiny_run_copy, capsys):
     capsys.readouterr()
     assert main(["train", "--out", str(run), "--resume", "--steps", "6", "--preset", "tiny", "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--preset names a new run's shape" in err[0]
+    assert len(err) == 1 and "cannot resume with --preset tiny: its n_embd is 128, and the run holds 64" in err[0]
     assert (run / "metrics.jsonl").read_text() == metrics
+    # the preset it was made with is what the docs' resume gives ("the same command plus --resume")
+    assert main(["train", "--out", str(run), "--resume", "--steps", "6", "--preset", "test", "--set",
+                 f"sequence_len={TINY_RUN_CONTEXT}", "--no-progress"]) == 0
 
 
 def test_resuming_a_finished_run_says_so_and_its_json_is_strict(tiny_run_copy, capsys):

@@ -614,9 +614,22 @@ def test_a_window_a_config_leaves_to_its_class_default_is_read_as_transformers_r
 @pytest.mark.parametrize("command", [["train", "--init-from", "{hf}", "--steps", "1", "--out", "{out}"],
                                      ["generate", "{hf}", "--prompt", "a"], ["export", "{hf}", "--out", "{out}"]])
 def test_a_hugging_face_folder_where_a_run_belongs_says_to_import_it(command, llama_folder, tmp_path, capsys):
-    """`--init-from HF_FOLDER` named every key of its config.json an unknown config section."""
-    argv = [a.format(hf=llama_folder, out=tmp_path / "out") for a in command]
-    assert f"holds a Hugging Face model, not a latentloop run: import it first (latentloop import-hf {llama_folder}" \
+    """`--init-from HF_FOLDER` named every key of its config.json an unknown config section; a sharded
+    one (most Hub models) said it held no checkpoint; a latentloop export was sent to import-hf, which
+    refuses it."""
+    sharded = tmp_path / "sharded"
+    shutil.copytree(llama_folder, sharded)
+    (sharded / "model.safetensors").rename(sharded / "model-00001-of-00001.safetensors")
+    exported = tmp_path / "exported"
+    exported.mkdir()
+    (exported / "config.json").write_text(json.dumps({"model_type": "latentloop", "latentloop": {}}))
+    (exported / "model.safetensors").write_bytes(b"")
+    for folder in (llama_folder, sharded):
+        argv = [a.format(hf=folder, out=tmp_path / "out") for a in command]
+        assert f"holds a Hugging Face model, not a latentloop run: import it first (latentloop import-hf {folder}" \
+            in _one_line_error(argv, capsys)
+    argv = [a.format(hf=exported, out=tmp_path / "out") for a in command]
+    assert "is a latentloop export (Hugging Face remote code), not a run: load it with transformers" \
         in _one_line_error(argv, capsys)
     assert not (tmp_path / "out").exists()
 

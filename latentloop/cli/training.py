@@ -49,8 +49,7 @@ def _run_config_from_args(args):
     raw = config_sections(raw)
     if resumed:
         if args.preset is not None:  # its fields were overridden by the saved ones: ignored without a word
-            raise LatentloopError("--preset names a new run's shape: a resumed run keeps the model its config.json "
-                                  "records; drop --preset (or start a new run)")
+            _check_resumed_preset(args.preset, raw["model"], args.overrides)
         _recorded_none_under_torchrun(raw, args.overrides, saved)
     flags = {"model.arch": args.arch, "model.preset": args.preset, "data.source": args.data,
              "data.tokenizer": args.tokenizer, "train.steps": args.steps, "train.batch_size": args.batch_size,
@@ -65,6 +64,25 @@ def _run_config_from_args(args):
     elif not raw["model"].get("preset") and not args.config and not (args.resume and saved.is_file()):
         raw["model"]["preset"] = "tiny"
     return RunConfig.from_dict(apply_overrides(raw, args.overrides))
+
+
+def _check_resumed_preset(preset: str, saved_model: dict, overrides: list[str]) -> None:
+    """A resumed run keeps the model its config.json records: `--preset` is accepted where the preset
+    (with the command's --set, which the resume checks itself) says what the run holds (the documented
+    resume, "the same command plus --resume"), and refused where it would change the shape, which was
+    ignored without a word."""
+    from ..config import PRESETS
+
+    if preset not in PRESETS:
+        raise LatentloopError(f"unknown preset {preset!r}: choose from {', '.join(PRESETS)}")
+    set_here = {item.split("=", 1)[0].rsplit(".", 1)[-1] for item in overrides or ()}
+    differing = sorted(key for key, value in PRESETS[preset].items()
+                       if key in saved_model and key not in set_here and saved_model[key] != value)
+    if differing:
+        key = differing[0]
+        raise LatentloopError(f"cannot resume with --preset {preset}: its {key} is {PRESETS[preset][key]!r}, and the "
+                              f"run holds {saved_model[key]!r}; a resumed run keeps its model (drop --preset, or "
+                              f"start a new run)")
 
 
 def _recorded_none_under_torchrun(raw: dict, overrides: list[str], saved: Path) -> None:

@@ -53,6 +53,7 @@ from safetensors.torch import save_file
 
 from ..archs import build_model, get_arch
 from ..checkpoint import (
+    REMOTE_MODEL_TYPE,
     check_full_weights,
     check_tokenizer_fits,
     check_weights_fit,
@@ -295,7 +296,7 @@ def export_hf(run: str | Path, out: str | Path, plain: bool | None = None, show_
         # value (fbt's passes, under regime fused) is left out, so the defaults are always consistent
         decoding = {option.name: option.default for option in spec.options
                     if option.default is not None and option.applies_if is None}
-        hf_config = {"architectures": ["LatentloopForCausalLM"], "model_type": "latentloop", "auto_map": AUTO_MAP,
+        hf_config = {"architectures": ["LatentloopForCausalLM"], "model_type": REMOTE_MODEL_TYPE, "auto_map": AUTO_MAP,
                      "latentloop": config.to_dict(), "decoding": decoding, "torch_dtype": "float32",
                      "transformers_version": REMOTE_TRANSFORMERS, **_special_ids(tokenizer)}
         weights = {f"model.{name}": tensor.contiguous() for name, tensor in state.items()}
