@@ -328,6 +328,14 @@ def test_remote_code_export_matches_the_package(arch, overrides, options, tmp_pa
         theirs = hf.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=None,
                              pad_token_id=258, **opts)[:, 6:].tolist()
         assert theirs == mine, opts
+    if arch == "rgpt":  # the checks that need the model's depth are the package's too
+        # (the folder's own copy of ConfigError: the remote code imports nothing of latentloop)
+        with pytest.raises(Exception, match=r"min_steps must be at most the decoding depth \(2 steps\)") as refused:
+            hf.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, exit_threshold=0.01,
+                        min_steps=5)
+        assert type(refused.value).__name__ == "ConfigError"
+        card = (tmp_path / "hf" / "README.md").read_text()
+        assert "only with exit_threshold > 0" in card  # the card's option help says when one applies
 
 
 @pytest.mark.parametrize("arch", list(ll.archs.ARCHS))

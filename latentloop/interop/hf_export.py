@@ -494,7 +494,7 @@ def model_card(checkpoint: Path, run_config, params: int, plain: bool, kind: str
     if spec.options:
         lines += ["", "Decoding options (latentloop's `generate` / `serve` flags; `config.json`'s `decoding` holds the "
                       "defaults the remote code uses):", "",
-                  *(f"- `{option.name}` (default {option.default!r}): {option.help}" for option in spec.options)]
+                  *(f"- `{option.name}` (default {option.default!r}): {option.help_text}" for option in spec.options)]
     lines += ["", "## Training", "", *_training_lines(run_config, state),
               "", "## Final metrics", ""]
     if final_val or final_train:

@@ -102,8 +102,14 @@ class LatentloopForCausalLM(PreTrainedModel, GenerationMixin):
         return inputs
 
     def options(self, given: dict[str, Any]) -> dict[str, Any]:
-        """Every declared option: given, else the export's default, else the architecture's."""
-        return check_options(MODEL_CLASS.OPTIONS, {**self.config.decoding, **given}, CONFIG_CLASS.arch)
+        """Every declared option: given, else the export's default, else the architecture's; checked
+        as the package checks them, the checks that need the model's depth included (its
+        `draft_options`, e.g. a min_steps past the depth)."""
+        options = check_options(MODEL_CLASS.OPTIONS, {**self.config.decoding, **given}, CONFIG_CLASS.arch)
+        checked_with_the_model = getattr(self.model, "draft_options", None)
+        if checked_with_the_model is not None:
+            checked_with_the_model(options)
+        return options
 
     # -- the forward -------------------------------------------------------------------------
     def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None, cache=None,
