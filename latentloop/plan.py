@@ -63,14 +63,16 @@ class Accelerator:
 
 
 # Vendors' data sheets: dense bf16 tensor-core peaks and float32 (non-tensor) peaks (SXM parts). Memory
-# per GPU as CUDA reports it (`total_memory`, what the trainer's own check compares with): the data
-# sheets' "80 GB" / "141 GB" read as decimal gigabytes understated it by 5-7 GiB, and a step `train`
-# accepts was planned as not fitting.
+# per GPU near what torch reports (`total_memory`, what the trainer's own check compares with), rounded
+# down to the thousand MiB so that a plan never promises more than a card gives (torch reports some
+# hundred MiB less than nvidia-smi's total: 81,559 / 143,771 / 81,920 MiB). The data sheets' "80 GB" /
+# "141 GB" read as decimal gigabytes understated it by 5-7 GiB, and a step `train` accepts was planned
+# as not fitting.
 MIB = 2**20
 ACCELERATORS: dict[str, Accelerator] = {
-    "h200": Accelerator("NVIDIA H200", 989e12, 143_771 * MIB, 67e12),
-    "h100": Accelerator("NVIDIA H100 SXM", 989e12, 81_559 * MIB, 67e12),
-    "a100": Accelerator("NVIDIA A100 SXM 80GB", 312e12, 81_920 * MIB, 19.5e12),
+    "h200": Accelerator("NVIDIA H200", 989e12, 143_000 * MIB, 67e12),
+    "h100": Accelerator("NVIDIA H100 SXM", 989e12, 81_000 * MIB, 67e12),
+    "a100": Accelerator("NVIDIA A100 SXM 80GB", 312e12, 81_000 * MIB, 19.5e12),
     "cpu": Accelerator("this machine's CPU", None, None),
 }
 STRATEGIES = ("none", "ddp", "fsdp2")

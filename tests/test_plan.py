@@ -210,13 +210,15 @@ def test_a_long_run_probes_a_recipe_that_starts_late(every_step, monkeypatch):
     assert peak(400 * tokens_per_step) == pytest.approx(short, rel=0.01)
 
 
-def test_a_gpus_memory_is_what_cuda_reports_not_the_data_sheets_decimal_gigabytes():
-    """`plan` read "80 GB" as 80e9 bytes (74.5 GiB): a step the trainer, comparing with CUDA's
-    `total_memory` (79.6 GiB on an H100 SXM), accepts was planned as not fitting."""
+def test_a_gpus_memory_is_near_what_cuda_reports_not_the_data_sheets_decimal_gigabytes():
+    """`plan` read "80 GB" as 80e9 bytes (74.5 GiB): a step the trainer, comparing with torch's
+    `total_memory` (about 79 GiB on an H100 SXM), accepts was planned as not fitting. The capacity
+    lies above the data sheet's decimal figure and below nvidia-smi's total, which torch's is under."""
     from latentloop.plan import ACCELERATORS
 
-    reported_mib = {"h100": 81_559, "h200": 143_771, "a100": 81_920}  # nvidia-smi's totals
-    assert {name: ACCELERATORS[name].memory_bytes / 2**20 for name in reported_mib} == reported_mib
+    sheet_gb, smi_total_mib = {"h100": 80, "h200": 141, "a100": 80}, {"h100": 81_559, "h200": 143_771, "a100": 81_920}
+    for name, gigabytes in sheet_gb.items():
+        assert gigabytes * 1e9 < ACCELERATORS[name].memory_bytes < smi_total_mib[name] * 2**20, name
 
 
 def test_params_picks_the_nearest_model_of_the_family():
