@@ -207,6 +207,11 @@ def test_more_position_buckets_than_positions_are_said(tiny_run_copy, tiny_corpu
     seq_len = json.loads(printed.out)["sequence_len"]
     assert len(json.loads(printed.out)["by_position"]) == seq_len
     assert f"--by-position 100000: a context of {seq_len} positions makes at most {seq_len} buckets" in printed.err
+    assert json.loads(printed.out)["quantize"] is None
+    # an int8 model's curve says so (it could not be told from the float32 model's)
+    assert main(["eval", str(run), "--by-position", "4", "--batches", "1", "--json", "--no-progress", "--quantize",
+                 "int8", "--data", f"text:{tiny_corpus}"]) == 0
+    assert json.loads(capsys.readouterr().out)["quantize"] == "int8"
 
 
 def test_against_refuses_another_tokenizer(monkeypatch, tmp_path):

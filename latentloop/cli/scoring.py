@@ -191,7 +191,7 @@ def _eval_by_position(args, model, tokens, config, checkpoint, options, tokenize
     base = _position_base(args, checkpoint, model, tokenizer)  # (path, model, context) or None, before any batch
     buckets = loss_by_position(model, tokens, batch_size, config.model.sequence_len, args.by_position,
                                args.batches or None, logits_fn)
-    result = {"run": str(args.run), "checkpoint": str(checkpoint), "split": args.split,
+    result = {"run": str(args.run), "checkpoint": str(checkpoint), "split": args.split, "quantize": args.quantize,
               "sequence_len": config.model.sequence_len, "by_position": buckets}
     if base is not None:
         path, base_model, context = base
@@ -209,6 +209,7 @@ def _eval_by_position(args, model, tokens, config, checkpoint, options, tokenize
     base_rows = {b["start"]: b["loss"] for b in result.get("base", {}).get("by_position", [])}
     base_name = f"  {'base':>8}" if base is not None else ""
     print(f"loss by position ({args.split}, context {config.model.sequence_len}"
+          + (f", {args.quantize} weights" if args.quantize else "")
           + (f"; base {result['base']['run']}, context {result['base']['sequence_len']}" if base else "") + "):")
     print(f"  {'positions':<13} {'this run':>8}{base_name}")
     for bucket in buckets:
