@@ -177,6 +177,18 @@ def test_iso_flops_is_exact_or_refuses_naming_the_nearest_exact_shape(tiny_corpu
     assert not (tmp_path / "run").exists()
 
 
+def test_an_iso_run_resumes_with_the_command_that_made_it(tiny_corpus, tmp_path, capsys):
+    """"The same command plus --resume" reshaped the saved (already iso-shaped) config again, and the
+    preset check compared the preset's dense depth with the run's: exit 2 either way (12-07 review)."""
+    argv = ["train", "--arch", "rgpt", "--preset", "test", "--iso", "flops", "--data", f"text:{tiny_corpus}",
+            "--out", str(tmp_path / "run"), "--no-progress", "--set", "recurrence_steps=2", "--batch-size", "2"]
+    assert main([*argv, "--steps", "1"]) == 0
+    shape = json.loads((tmp_path / "run" / "config.json").read_text())["model"]
+    capsys.readouterr()
+    assert main([*argv, "--steps", "2", "--resume"]) == 0, capsys.readouterr().err
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["model"] == shape
+
+
 def test_eval_generate_cli(tiny_run, tiny_corpus, capsys):
     run, corpus = tiny_run("rgpt"), tiny_corpus  # trained at the default R = 4: --steps 5 is beyond it
     capsys.readouterr()

@@ -49,7 +49,7 @@ def _run_config_from_args(args):
     raw = config_sections(raw)
     if resumed:
         if args.preset is not None:  # its fields were overridden by the saved ones: ignored without a word
-            _check_resumed_preset(args.preset, raw["model"], args.overrides)
+            _check_resumed_preset(args.preset, raw["model"], args.overrides, reshaped=bool(args.iso))
         _recorded_none_under_torchrun(raw, args.overrides, saved)
     flags = {"model.arch": args.arch, "model.preset": args.preset, "data.source": args.data,
              "data.tokenizer": args.tokenizer, "train.steps": args.steps, "train.batch_size": args.batch_size,
@@ -66,7 +66,7 @@ def _run_config_from_args(args):
     return RunConfig.from_dict(apply_overrides(raw, args.overrides))
 
 
-def _check_resumed_preset(preset: str, saved_model: dict, overrides: list[str]) -> None:
+def _check_resumed_preset(preset: str, saved_model: dict, overrides: list[str], reshaped: bool = False) -> None:
     """A resumed run keeps the model its config.json records: `--preset` is accepted where the preset
     (with the command's --set, which the resume checks itself) says what the run holds (the documented
     resume, "the same command plus --resume"), and refused where it would change the shape, which was
@@ -76,6 +76,8 @@ def _check_resumed_preset(preset: str, saved_model: dict, overrides: list[str]) 
     if preset not in PRESETS:
         raise LatentloopError(f"unknown preset {preset!r}: choose from {', '.join(PRESETS)}")
     set_here = {item.split("=", 1)[0].rsplit(".", 1)[-1] for item in overrides or ()}
+    if reshaped:  # --iso turned the preset's dense depth into the run's recurrent one (`_iso_shaped`)
+        set_here.add("n_layer")
     differing = sorted(key for key, value in PRESETS[preset].items()
                        if key in saved_model and key not in set_here and saved_model[key] != value)
     if differing:
@@ -132,7 +134,10 @@ def cmd_train(args) -> int:
     from ..train import fit, setup
 
     config = _run_config_from_args(args)
-    if args.iso:
+    # a resumed run's saved config holds the iso shape already: reshaping it again refused the documented
+    # resume ("the same command plus --resume")
+    resuming_saved = args.resume and (Path(args.out) / "config.json").is_file()
+    if args.iso and not resuming_saved:
         config = _iso_shaped(config, args.iso, show=os.environ.get("RANK", "0") in ("", "0"))  # once per job
     if config.train.stage == "extend" and args.init_from and os.environ.get("RANK", "0") in ("", "0"):
         from ..checkpoint import read_run_config, resolve_checkpoint
