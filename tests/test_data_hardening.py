@@ -304,3 +304,15 @@ def test_a_long_document_of_one_line_is_cut_before_spaces_and_keeps_its_ids(monk
     list(tokenizers.encode_in_pieces(tokenizer, text))
     assert "".join(texts) == text and all(len(piece) <= 300 for piece in texts)
     assert all(piece.startswith(" ") and not piece.startswith("  ") for piece in texts[1:])
+
+
+def test_a_val_split_no_document_went_to_says_how_to_get_one(tmp_path, monkeypatch):
+    """Of a few dozen documents, none may hash to val (0.95^20 = 36% at 20): the refusal named no way
+    out (12-07 review)."""
+    corpus = tmp_path / "docs"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("<|endoftext|>".join(f"document {i} " * 40 for i in range(
+        MIN_DOCUMENTS_FOR_DOCUMENT_SPLIT)))
+    monkeypatch.setattr(sources, "goes_to_val", lambda key, fraction: False)  # as the hash fell for them
+    with pytest.raises(DataError, match=r"has no text in its val split: .* raise data.val_fraction"):
+        prepare_tokens(parse_source(f"text:{corpus}"), ByteTokenizer(), tmp_path / "cache")
