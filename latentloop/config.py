@@ -290,7 +290,8 @@ class TrainConfig:
     # less time than AdamW on every arch (benchmarks/time_to_quality.py; experiments/RESULTS.md, issue 25).
     optimizer: str = "muon"
     lr: float = 3e-3
-    min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio
+    # the floor: wsd's last step is at lr * min_lr_ratio; cosine reaches it a step after the last
+    min_lr_ratio: float = 0.1
     warmup_steps: int = 20
     schedule: str = "cosine"  # "cosine" or "wsd" (warmup-stable-decay)
     decay_fraction: float = 0.2  # wsd: the last fraction of steps decays linearly

@@ -228,7 +228,9 @@ def lr_multiplier(step: int, config: TrainConfig) -> float:
     if warmup > 0 and step < warmup:
         return (step + 1) / warmup
     if config.schedule == "wsd":
-        decay_start = total - max(1, int(round(config.decay_fraction * total)))
+        # the decay starts after the warmup at the earliest: a warmup past the decay's start jumped from
+        # the peak to half of it at the warmup's end (a run under 25 steps at the defaults)
+        decay_start = max(warmup, total - max(1, int(round(config.decay_fraction * total))))
         if step < decay_start:
             return 1.0
         progress = (step - decay_start + 1) / max(1, total - decay_start)

@@ -493,6 +493,13 @@ def test_schedules():
     assert lr_multiplier(50, wsd) == 1.0 and lr_multiplier(79, wsd) == 1.0
     assert lr_multiplier(89, wsd) == pytest.approx(0.5)
     assert lr_multiplier(99, wsd) == pytest.approx(0.0)
+    # a warmup past the decay's start: the decay follows the warmup, never a jump from the peak to half
+    # of it (1.0 -> 0.505 at 90 of 100 steps, 12-07 review)
+    late = TrainConfig(steps=100, warmup_steps=90, schedule="wsd", decay_fraction=0.2, min_lr_ratio=0.1)
+    multipliers = [lr_multiplier(step, late) for step in range(100)]
+    assert multipliers[89] == pytest.approx(1.0) and multipliers[99] == pytest.approx(0.1)
+    assert all(later < earlier for earlier, later in zip(multipliers[89:], multipliers[90:]))
+    assert max(earlier - later for earlier, later in zip(multipliers[89:], multipliers[90:])) < 0.1
 
 
 def test_a_warmup_as_long_as_the_run_is_said(corpus, tmp_path, capsys):

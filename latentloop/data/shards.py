@@ -222,9 +222,9 @@ def _build(source, tokenizer, directory: Path, max_bytes: int | None, progress: 
         counts = _write_split(source, tokenizer, split, directory / f"{split}.bin", dtype, caps[split], progress)
         if counts["tokens"] <= counts["documents"]:
             # documents go to val by a hash of their name: of a few dozen, none may (0.95^20 = 36% at 20)
-            raise DataError(f"data source '{source.spec}' has no text in its {split} split"
-                            + (": its documents each go to val by a hash of their name, and none did; raise "
-                               "data.val_fraction (--set data.val_fraction=0.2) or add documents" if split == "val" else ""))
+            how = (": its documents each go to val by a hash of their name, and none did; raise data.val_fraction "
+                   "(--set data.val_fraction=0.2) or add documents") if split == "val" else ""
+            raise DataError(f"data source '{source.spec}' has no text in its {split} split{how}")
         for measure, value in counts.items():
             meta[measure][split] = value
     return meta
