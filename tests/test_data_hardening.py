@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -316,3 +317,19 @@ def test_a_val_split_no_document_went_to_says_how_to_get_one(tmp_path, monkeypat
     monkeypatch.setattr(sources, "goes_to_val", lambda key, fraction: False)  # as the hash fell for them
     with pytest.raises(DataError, match=r"has no text in its val split: .* raise data.val_fraction"):
         prepare_tokens(parse_source(f"text:{corpus}"), ByteTokenizer(), tmp_path / "cache")
+
+
+def test_a_same_size_text_with_its_old_mtime_restored_is_tokenized_again(tmp_path):
+    """`cp -p` / `rsync -a` of another text of the same size keep the old mtime: the cache key was
+    (path, size, mtime) and the stale tokens were reused (12-07 review)."""
+    corpus = tmp_path / "a.txt"
+    corpus.write_text("A" * 5000)
+    first = prepare_tokens(parse_source(f"text:{corpus}"), ByteTokenizer(), tmp_path / "cache")
+    stat = corpus.stat()
+    time.sleep(0.01)  # a change time the filesystem can tell apart
+    corpus.write_text("B" * 5000)
+    os.utime(corpus, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    second = prepare_tokens(parse_source(f"text:{corpus}"), ByteTokenizer(), tmp_path / "cache")
+    assert second.directory != first.directory
+    assert set(np.unique(np.asarray(second.train)).tolist()) >= {ord("B")}
+    assert ord("A") not in np.asarray(second.train).tolist()

@@ -82,12 +82,15 @@ def _digest(payload: object) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode("utf-8")).hexdigest()
 
 
-def _file_listing(root: Path, files: list[Path]) -> list[tuple[str, int, int]]:
-    """(relative path, size, mtime_ns) of each file: changes whenever a file is edited."""
+def _file_listing(root: Path, files: list[Path]) -> list[tuple[str, int, int, int]]:
+    """(relative path, size, mtime_ns, ctime_ns) of each file: changes whenever a file is edited. The
+    change time too: `cp -p`, `rsync -a` or `tar x` of another text of the same size restore the old
+    mtime, and the stale tokens were reused; nothing sets the change time back (a chmod moves it too:
+    one rebuild more, never wrong tokens)."""
     listing = []
     for path in files:
         stat = path.stat()
-        listing.append((path.relative_to(root).as_posix(), stat.st_size, stat.st_mtime_ns))
+        listing.append((path.relative_to(root).as_posix(), stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns))
     return listing
 
 
