@@ -20,7 +20,11 @@ from ..rgpt.objective import RecurrentDepthObjective
 
 class RecurrentMultiPassObjective(MultiPassObjective, RecurrentDepthObjective):
     name = "rfbt_multipass_random_depth"
-    DEPTH_STREAM = 1  # the depth's own generator: independent of the pass count drawn from (seed, step)
+    # the depth's generator, (seed, step, 1): apart from the pass count's (seed, step). A step's second
+    # micro-batch draws its prefix from the same (seed, step, 1) (`_rng(step, draw=1)`), so the two share
+    # a stream there; the prefix draw only seeds torch, so nothing follows from it. Kept: another stream
+    # would change every rfbt run's depths, the compute ladder's among them
+    DEPTH_STREAM = 1
 
     def forward_options(self, step: int) -> dict:
         """The depth of optimizer step `step` and how many of its first core steps run without gradient."""
