@@ -22,8 +22,8 @@ class RecurrentMultiPassObjective(MultiPassObjective, RecurrentDepthObjective):
     name = "rfbt_multipass_random_depth"
     # the depth's generator, (seed, step, 1): apart from the pass count's (seed, step). A step's second
     # micro-batch draws its prefix from the same (seed, step, 1) (`_rng(step, draw=1)`), so the two share
-    # a stream there; the prefix draw only seeds torch, so nothing follows from it. Kept: another stream
-    # would change every rfbt run's depths, the compute ladder's among them
+    # a stream there: that micro-batch's prefix seed is a function of the step's depth draw (through
+    # torch's seeding). Kept: another stream would change every rfbt run's depths, the ladder's among them
     DEPTH_STREAM = 1
 
     def forward_options(self, step: int) -> dict:
