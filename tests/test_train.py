@@ -511,6 +511,18 @@ def test_a_warmup_as_long_as_the_run_is_said(corpus, tmp_path, capsys):
     assert "warmup" not in capsys.readouterr().err
 
 
+def test_a_train_split_smaller_than_one_batch_is_said(tmp_path, capsys):
+    """A corpus of 10 windows trained with batches of 16, each repeating windows, without a word."""
+    small = tmp_path / "small.txt"
+    small.write_text("the quick brown fox jumps over the lazy dog. " * 30)  # ~1,350 bytes
+    config = RunConfig(model=model_config("gpt", "test", sequence_len=32),
+                       train=TrainConfig(steps=1, batch_size=64, device="cpu", warmup_steps=0),
+                       data=DataConfig(source=f"text:{small}", val_fraction=0.5, cache_dir=str(tmp_path / "cache")))
+    setup(config, tmp_path / "run", progress=False)
+    err = capsys.readouterr().err
+    assert "windows of 33 tokens, fewer than one batch of 64: every batch repeats windows" in err, err
+
+
 # A 16 MiB tensor allocated and freed again and again: with glibc's defaults much of each allocation
 # is fresh memory from the OS (first-touch page faults of 4 KiB); kept in the process, almost none.
 ALLOC_CHURN = """

@@ -232,6 +232,11 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
         together(check_validation_split, data.val, config)
         loader = together(TokenLoader, data.train, config.train.batch_size, config.model.sequence_len,
                           seed=config.train.seed, rank=env.rank, world_size=env.world_size)
+        round_windows = config.train.batch_size * env.world_size
+        if loader.num_windows < round_windows and env.is_main:  # it trained on, each batch repeating, unsaid
+            warn(f"the train split holds {loader.num_windows:,} windows of {config.model.sequence_len + 1} tokens, "
+                 f"fewer than one batch of {round_windows:,}: every batch repeats windows (add data, or lower "
+                 f"--batch-size or sequence_len)")
     model = build_model(config.model)  # the same init on every rank (same seed)
     init_report = None
     if init_from is not None and not resume:  # a resumed run's weights are its checkpoint's
