@@ -600,43 +600,35 @@ def test_a_failed_batch_frees_its_rows_for_the_requests_after_it(models, monkeyp
         scheduler.join(SCHEDULER_TIMEOUT_S)
 
 
-def test_a_tiny_temperature_samples_the_greedy_token_and_fails_no_neighbour(models):
-    """temperature 1e-300 divided every logit into +-inf: NaN probabilities, a 500 for the request and
-    for every request sharing its batch. Shifted to a maximum of 0 first, it is greedy in the limit."""
+# sampling fields whose draw is greedy in the limit
+TINY_SAMPLING = {
+    # temperature 1e-300 divided every logit into +-inf; shifted to a maximum of 0 first, it is greedy
+    "temperature": {"temperature": 1e-300},
+    # top_p 1e-300 ((0, 1] admits it) is 0 in float32 and dropped every token (12-07 review); the most
+    # likely token always stays
+    "top_p": {"temperature": 1.0, "top_p": 1e-300},
+}
+
+
+@pytest.mark.parametrize("knob", list(TINY_SAMPLING))
+def test_a_tiny_temperature_or_top_p_samples_the_greedy_token_and_fails_no_neighbour(models, knob):
+    """NaN probabilities: a 500 for the request and for every request sharing its batch."""
     from latentloop.engine import sampling_probs
     from latentloop.serve.scheduler import Delta, Done
 
+    fields = TINY_SAMPLING[knob]
     logits = torch.tensor([[1.0, 3.0, 2.0], [0.5, -1.0, 0.25]])
-    for temperature in (1e-300, 1e-30, 1e-8):
-        torch.testing.assert_close(sampling_probs(logits, temperature), torch.eye(3)[[1, 0]], rtol=0, atol=0)
-    bodies = [{"prompt": "ab", "max_tokens": 6, "temperature": 1e-300, "seed": 1},
+    for tiny in (1e-300, 1e-30, 1e-8):
+        torch.testing.assert_close(sampling_probs(logits, **{**fields, knob: tiny}), torch.eye(3)[[1, 0]],
+                                   rtol=0, atol=0)
+    bodies = [{"prompt": "ab", "max_tokens": 6, **fields, "seed": 1},
               {"prompt": "ab", "max_tokens": 6, "temperature": 0.7, "seed": 2},
               {"prompt": "ab", "max_tokens": 6, "temperature": 0}]
     scheduler, _, events = _scheduler_run(models["gpt"], bodies)
     scheduler.join(SCHEDULER_TIMEOUT_S)
     assert all(isinstance(e[-1], Done) for e in events), [e[-1] for e in events]
     texts = ["".join(event.text for event in e if isinstance(event, Delta)) for e in events]
-    assert texts[0] == texts[2]  # the tiny temperature's draw is the greedy text
-
-
-def test_a_tiny_top_p_samples_the_greedy_token_and_fails_no_neighbour(models):
-    """top_p 1e-300 ((0, 1] admits it) is 0 in float32: every token was dropped, NaN probabilities,
-    a 500 for the request and for every request sharing its batch (12-07 review). The most likely
-    token always stays."""
-    from latentloop.engine import sampling_probs
-    from latentloop.serve.scheduler import Delta, Done
-
-    logits = torch.tensor([[1.0, 3.0, 2.0], [0.5, -1.0, 0.25]])
-    for top_p in (1e-300, 1e-50, 1e-8):
-        torch.testing.assert_close(sampling_probs(logits, 1.0, top_p=top_p), torch.eye(3)[[1, 0]], rtol=0, atol=0)
-    bodies = [{"prompt": "ab", "max_tokens": 6, "temperature": 1.0, "top_p": 1e-300, "seed": 1},
-              {"prompt": "ab", "max_tokens": 6, "temperature": 0.7, "seed": 2},
-              {"prompt": "ab", "max_tokens": 6, "temperature": 0}]
-    scheduler, _, events = _scheduler_run(models["gpt"], bodies)
-    scheduler.join(SCHEDULER_TIMEOUT_S)
-    assert all(isinstance(e[-1], Done) for e in events), [e[-1] for e in events]
-    texts = ["".join(event.text for event in e if isinstance(event, Delta)) for e in events]
-    assert texts[0] == texts[2]  # the tiny top_p's draw is the greedy text
+    assert texts[0] == texts[2]  # the tiny draw is the greedy text
 
 
 def _greedy_alone(model, prompt: list[int], new_tokens: int) -> list[int]:
