@@ -67,7 +67,7 @@ class BodiesBusy(Exception):
 
 class BodyBudget:
     """The bytes of request bodies the server holds at once, read and not yet decoded: each body is
-    bounded by its own limit, and this bounds them together (300 clients sending 16 MiB bodies held
+    bounded by its own limit, and this bounds them together (300 clients sending 16 MiB bodies could hold
     4.7 GiB). Used on the event loop only: no lock."""
 
     def __init__(self, capacity: int):
