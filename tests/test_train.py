@@ -621,3 +621,23 @@ def test_every_rank_draws_training_noise_from_a_stream_of_its_own():
         torch.manual_seed(rank_seed(0, rank))
         streams.append(torch.rand(4))
     assert not torch.equal(streams[0], streams[1]) and not torch.equal(streams[1], streams[2])
+
+
+def test_a_checkpoint_that_fails_part_way_leaves_the_configured_optimizer_settings(monkeypatch):
+    """Loading brings back the saved run's lr; the configured one was put back only after a load that
+    succeeded, so a checkpoint failing after its first optimizer's state left the next one tried with
+    the failed checkpoint's settings."""
+    from types import SimpleNamespace
+
+    from latentloop.train import resume
+
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=3e-3, weight_decay=0.1)
+
+    def fails_part_way(state, checkpoint, trainer, weights):
+        state.optimizers[0].param_groups[0].update(lr=9.0, weight_decay=0.5)  # the saved run's, loaded
+        raise ll.CheckpointError("the second optimizer's state is corrupt")
+
+    monkeypatch.setattr(resume, "_load_saved_states", fails_part_way)
+    with pytest.raises(ll.CheckpointError):
+        resume._load_states(SimpleNamespace(optimizers=[optimizer]), None, {}, None)
+    assert optimizer.param_groups[0]["lr"] == 3e-3 and optimizer.param_groups[0]["weight_decay"] == 0.1

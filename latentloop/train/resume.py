@@ -125,10 +125,12 @@ def _load_states(state: TrainState, checkpoint: Path, trainer: dict, weights: di
     changed lr trained on at the old one while logging the new."""
     configured = [[{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
                   for opt in state.optimizers]
-    _load_saved_states(state, checkpoint, trainer, weights)
-    for opt, groups in zip(state.optimizers, configured):
-        for group, settings in zip(opt.param_groups, groups):
-            group.update(settings)
+    try:
+        _load_saved_states(state, checkpoint, trainer, weights)
+    finally:  # also when a checkpoint fails part way: the one before it is tried with the configured settings
+        for opt, groups in zip(state.optimizers, configured):
+            for group, settings in zip(opt.param_groups, groups):
+                group.update(settings)
 
 
 def _load_saved_states(state: TrainState, checkpoint: Path, trainer: dict, weights: dict | None) -> None:
