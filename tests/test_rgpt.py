@@ -187,6 +187,15 @@ def test_an_iso_run_resumes_with_the_command_that_made_it(tiny_corpus, tmp_path,
     capsys.readouterr()
     assert main([*argv, "--steps", "2", "--resume"]) == 0, capsys.readouterr().err
     assert json.loads((tmp_path / "run" / "config.json").read_text())["model"] == shape
+    assert "--iso flops shapes a run when it starts: the resumed run keeps the shape" in capsys.readouterr().err
+    # from a --config file, whose shape is the dense one, as when the run started
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(f"model:\n  arch: rgpt\n  preset: test\n  recurrence_steps: 2\ntrain:\n  batch_size: 2\n"
+                           f"  steps: 1\ndata:\n  source: text:{tiny_corpus}\n")
+    by_file = ["train", "--config", str(config_file), "--iso", "flops", "--out", str(tmp_path / "by-file"),
+               "--no-progress"]
+    assert main(by_file) == 0
+    assert main([*by_file, "--steps", "2", "--resume"]) == 0, capsys.readouterr().err
 
 
 def test_eval_generate_cli(tiny_run, tiny_corpus, capsys):

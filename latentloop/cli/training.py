@@ -134,10 +134,15 @@ def cmd_train(args) -> int:
     from ..train import fit, setup
 
     config = _run_config_from_args(args)
-    # a resumed run's saved config holds the iso shape already: reshaping it again refused the documented
-    # resume ("the same command plus --resume")
-    resuming_saved = args.resume and (Path(args.out) / "config.json").is_file()
-    if args.iso and not resuming_saved:
+    # a config resumed from the run's own config.json holds its shape already (a --config file's is
+    # reshaped as when the run started): reshaping it again refused the documented resume ("the same
+    # command plus --resume")
+    from_saved = args.resume and not args.config and (Path(args.out) / "config.json").is_file()
+    if args.iso and from_saved:
+        if os.environ.get("RANK", "0") in ("", "0"):
+            print(f"latentloop: --iso {args.iso} shapes a run when it starts: the resumed run keeps the shape its "
+                  f"config.json records", file=sys.stderr)
+    elif args.iso:
         config = _iso_shaped(config, args.iso, show=os.environ.get("RANK", "0") in ("", "0"))  # once per job
     if config.train.stage == "extend" and args.init_from and os.environ.get("RANK", "0") in ("", "0"):
         from ..checkpoint import read_run_config, resolve_checkpoint

@@ -85,8 +85,8 @@ def _digest(payload: object) -> str:
 def _file_listing(root: Path, files: list[Path]) -> list[tuple[str, int, int, int]]:
     """(relative path, size, mtime_ns, ctime_ns) of each file: changes whenever a file is edited. The
     change time too: `cp -p`, `rsync -a` or `tar x` of another text of the same size restore the old
-    mtime, and the stale tokens were reused; nothing sets the change time back (a chmod moves it too:
-    one rebuild more, never wrong tokens)."""
+    mtime, and the stale tokens were reused; nothing sets the change time back (a chmod or a hard link
+    made to the file moves it too: one rebuild more, never wrong tokens)."""
     listing = []
     for path in files:
         stat = path.stat()
