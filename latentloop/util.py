@@ -59,26 +59,20 @@ def evaluating(model) -> Iterator[None]:
     with _EVALUATING_LOCK:
         entry = _EVALUATING.get(model)
         if entry is None:
-            training = [m for m in model.modules() if m.training]
-            if training:
-                model.eval()
-            entry = _EVALUATING[model] = [0, training]
+            entry = _EVALUATING[model] = [0, _switch_to_eval(model)]
         elif model.training:
-            own = [m for m in model.modules() if m.training]
-            model.eval()
+            own = _switch_to_eval(model)
         entry[0] += 1
     try:
         yield
     finally:
         with _EVALUATING_LOCK:
             entry[0] -= 1
-            for module in own:
-                module.training = True
+            _train_again(own)
             if entry[0] == 0:
                 # pop: a stream collected with its model (a cycle) finds the weak key cleared already
                 _EVALUATING.pop(model, None)
-                for module in entry[1]:
-                    module.training = True  # each its own flag: `.train()` would set its children's too
+                _train_again(entry[1])
 
 
 def keep_evaluating(model) -> None:
@@ -89,11 +83,22 @@ def keep_evaluating(model) -> None:
         return
     with _EVALUATING_LOCK:
         entry = _EVALUATING.get(model)
-        if entry is None:
-            return
-        switched = [m for m in model.modules() if m.training]
+        if entry is not None:
+            entry[1].extend(_switch_to_eval(model))
+
+
+def _switch_to_eval(model) -> list:
+    """The modules of `model` that were training, the model now in eval mode (`_train_again` gives
+    them back)."""
+    training = [m for m in model.modules() if m.training]
+    if training:
         model.eval()
-        entry[1].extend(switched)
+    return training
+
+
+def _train_again(modules) -> None:
+    for module in modules:
+        module.training = True  # each its own flag: `.train()` would set its children's too
 
 
 def json_safe(value: Any) -> Any:
