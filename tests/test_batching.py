@@ -6,6 +6,7 @@ and the cache regrouping underneath."""
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -502,6 +503,125 @@ def test_auto_takes_the_compiled_path_only_when_every_size_is_in_the_compile_cac
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "slow"))
     record([1, 2, 4], AUTO_START_BUDGET_S)  # three sizes: past the budget
     assert not scheduler().compiled
+
+
+def _record_steps(model, options: dict, rows: int, seconds: float = 0.5) -> None:
+    """Records of a fast first call for every batch size's step, under the key the compiled batch's
+    own decoder records with (what a real compile leaves in the on-disk cache)."""
+    from latentloop.inference.fast import CompileRecord
+    from latentloop.serve.batch import _CacheShape, slot_length, slot_sizes
+
+    decoder_options = SlotBatch(model, options, compile=False).decoder.options
+    for size in slot_sizes(rows):
+        CompileRecord(model, decoder_options, _CacheShape(size, slot_length(model), torch.empty(0))).add(seconds)
+
+
+def _other_compiled_options(model) -> dict | None:
+    """A set of the architecture's options other than the defaults whose step compiles (None: none)."""
+    defaults = model_options(model, {})
+    for given in option_sets(model.OPTIONS).values():
+        options = model_options(model, given)
+        if options != defaults and compiles(model, options, 4):
+            return given
+    return None
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_auto_finds_the_steps_every_architecture_recorded(arch, models, tmp_path, monkeypatch):
+    """`cached_start_seconds` looks a step up by the key its decoder records under: rgpt's and rfbt's
+    draft options (speed-only, left out of a batch's options) were in the looked-up key, so their
+    records were never found and `--decode auto` decoded them eagerly for good."""
+    from latentloop.serve.batch import cached_start_seconds
+
+    model = models[arch]
+    options = model_options(model, {})
+    if not compiles(model, options, 4):
+        pytest.skip(f"{arch}'s default options do not compile")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    assert cached_start_seconds(model, options, 4) is None
+    _record_steps(model, options, 4)
+    assert cached_start_seconds(model, options, 4) is not None
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_request_never_makes_the_server_compile(arch, models, tmp_path, monkeypatch):
+    """Options other than the warmed ones: a compiled batch only where the on-disk cache holds every
+    size's step, else an eager batch, said once with the flag that compiles them at start (a
+    request's first use compiled there, holding every stream for minutes)."""
+    from latentloop.data import ByteTokenizer
+    from latentloop.serve.scheduler import ContinuousScheduler
+
+    model = models[arch]
+    given = _other_compiled_options(model)
+    if given is None:
+        pytest.skip(f"{arch} has no other option set whose step compiles")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    heard: list[str] = []
+    scheduler = ContinuousScheduler(model, ByteTokenizer(), 4, 16, 0.05, compiled=True, announce=heard.append)
+    options = model_options(model, given)
+    batch = scheduler._new_batch(options)
+    assert type(batch) is DecodeBatch
+    assert len(heard) == 1 and "decode eagerly" in heard[0] and "--warm-options" in heard[0], heard
+    name, value = next(iter(given.items()))
+    assert f'"{name}": {json.dumps(value)}' in heard[0]
+    assert type(scheduler._new_batch(options)) is DecodeBatch and len(heard) == 1  # said once
+    _record_steps(model, options, 4)
+    assert isinstance(scheduler._new_batch(options), SlotBatch)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_warm_options_are_made_ready_at_start(arch, models, tmp_path, monkeypatch):
+    """`--warm-options`: with `compiled=True` each set's steps are warmed beside the default options'
+    (once each), and its batch is that warmed one at every later join; with "auto" only the sets
+    whose steps the cache holds are (loading, never compiling)."""
+    from latentloop.data import ByteTokenizer
+    from latentloop.serve.scheduler import ContinuousScheduler
+
+    model = models[arch]
+    given = _other_compiled_options(model)
+    if given is None:
+        pytest.skip(f"{arch} has no other option set whose step compiles")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    warmed: list[dict] = []
+    monkeypatch.setattr(SlotBatch, "warm", lambda batch, rows: warmed.append(dict(batch.options)))
+    defaults, options = model_options(model, {}), model_options(model, given)
+    scheduler = ContinuousScheduler(model, ByteTokenizer(), 4, 16, 0.05, compiled=True, warm_options=[given, given])
+    scheduler.warm()
+    try:
+        assert warmed == [SlotBatch(model, o, compile=False).options for o in (defaults, options)]
+        assert scheduler._new_batch(options) is scheduler._new_batch(options)
+    finally:
+        scheduler.join(SCHEDULER_TIMEOUT_S)
+    warmed.clear()
+    _record_steps(model, defaults, 4)  # auto: the defaults' steps cached, the other set's not
+    auto = ContinuousScheduler(model, ByteTokenizer(), 4, 16, 0.05, compiled="auto", warm_options=[given])
+    assert auto.compiled
+    auto.warm()
+    try:
+        assert warmed == [SlotBatch(model, defaults, compile=False).options]
+        assert type(auto._new_batch(options)) is DecodeBatch
+    finally:
+        auto.join(SCHEDULER_TIMEOUT_S)
+
+
+def test_bad_warm_options_are_refused_before_the_server_starts(models):
+    """--warm-options: not a JSON object, with eager decoding, or an option the model does not
+    have or a bad value: one error naming it (the scheduler resolves them before any compile)."""
+    from latentloop.data import ByteTokenizer
+    from latentloop.errors import ConfigError, LatentloopError
+    from latentloop.serve.serving import ServerState
+    from latentloop.serve.settings import ServeSettings, check_settings
+
+    for text in ("[1]", "steps=4", "{"):
+        with pytest.raises(LatentloopError, match="JSON object"):
+            check_settings(ServeSettings("run", warm_options=(text,)))
+    with pytest.raises(LatentloopError, match="--decode compiled or auto"):
+        check_settings(ServeSettings("run", decode="eager", warm_options=("{}",)))
+    check_settings(ServeSettings("run", warm_options=('{"steps": 4}',)))
+    for text, named in (('{"nope": 1}', "nope"), ('{"steps": -3}', "steps")):
+        with pytest.raises(ConfigError, match=named):
+            ServerState.build(models["rgpt"], ByteTokenizer(), "m",
+                              ServeSettings("unused", decode="compiled", max_batch_size=4, warm_options=(text,)))
 
 
 def _scheduler_run(model, bodies: list[dict], before_start=None, cancel_after_first: bool = False):

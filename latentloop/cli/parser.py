@@ -220,6 +220,11 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "exact); float16, as llama.cpp's server, reads half the bytes per step over long contexts, "
                         "logits rounded accordingly. Compiled batches only (--decode compiled or "
                         "auto); a batch on the eager path keeps the model's dtype")
+    p.add_argument("--warm-options", action="append", default=[], metavar="JSON",
+                   help="a JSON object of the architecture's options, as a request gives them (e.g. '{\"steps\": "
+                        "4}'), whose compiled steps are made at start beside the default options' (compiled with "
+                        "--decode compiled; with auto, loaded where the on-disk cache holds them); repeatable. A "
+                        "request never makes the server compile: options whose steps are not ready decode eagerly")
     p.add_argument("--batch-window-ms", type=float, default=defaults.DEFAULT_BATCH_WINDOW_MS,
                    help=f"how long an idle server waits for more requests before it starts a batch (default "
                         f"{defaults.DEFAULT_BATCH_WINDOW_MS:g})")

@@ -80,7 +80,7 @@ def cmd_serve(args) -> int:
                              api_key=args.api_key or os.environ.get(API_KEY_ENV) or None, model_name=args.model_name,
                              max_tokens_cap=args.max_tokens_cap, max_batch_size=args.max_batch_size,
                              max_queue=args.max_queue, batch_window_ms=args.batch_window_ms, batching=args.batching,
-                             decode=args.decode, kv_dtype=args.kv_dtype,
+                             decode=args.decode, kv_dtype=args.kv_dtype, warm_options=tuple(args.warm_options),
                              request_timeout=args.request_timeout, access_log=args.access_log)
     serve(settings)
     return 0

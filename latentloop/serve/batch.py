@@ -335,7 +335,9 @@ def cached_start_seconds(model, options: dict, rows: int, kv_dtype: torch.dtype 
     """What loading the compiled path's step for every batch size up to `rows` (its cache in
     `kv_dtype`) is expected to cost, by the compile records (`CompileRecord`: the fastest first call
     recorded per shape); None when some size was never compiled on this machine (its first start
-    would compile it)."""
+    would compile it). Looked up by the options the batch's decoder records under (`batch_options`:
+    with rgpt's draft options in the key, no record was ever found and `--decode auto` stayed eager)."""
+    options = batch_options(model, options)
     marker = torch.empty(0, device=next(model.parameters()).device)
     total = 0.0
     for size in slot_sizes(rows):

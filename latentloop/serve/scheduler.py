@@ -40,15 +40,17 @@ from __future__ import annotations
 
 import collections
 import itertools
+import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..engine import model_options, row_info, stream, teacher_forced_logits, written_rows
+from ..errors import ConfigError
 from ..util import first_line
 from .batch import (
     AUTO_START_BUDGET_S,
@@ -567,20 +569,36 @@ class ContinuousScheduler(Scheduler):
     """Continuous batching: see the module docstring. `compiled`: a batch whose options compile
     decodes on the compiled path (`SlotBatch`); "auto": so where the on-disk cache holds the steps
     (`auto_compiled`); `announce(message)` hears of its compiles and of what "auto" chose. `kv_dtype`:
-    the compiled path's cache stores keys and values in it (`SlotBatch`); eager batches keep the model's."""
+    the compiled path's cache stores keys and values in it (`SlotBatch`); eager batches keep the model's.
+
+    Only `warm` compiles: the default options' steps, and those of each of `warm_options` (option
+    dicts, as a request gives them) with `compiled=True`. A batch for other options takes the compiled
+    path only where the on-disk cache holds all its steps, and decodes eagerly otherwise, saying so
+    once: a request whose options compiled at first use held the decoding thread, and so every
+    stream, for the minutes a compile takes on a small CPU."""
 
     def __init__(self, model, tokenizer, max_rows: int, max_queue: int, batch_window: float,
                  compiled: bool | str = False, announce: Callable[[str], None] | None = None,
-                 compile_steps: bool = True, kv_dtype: torch.dtype | None = None):
+                 compile_steps: bool = True, kv_dtype: torch.dtype | None = None,
+                 warm_options: Sequence[dict] = ()):
         super().__init__(model, tokenizer, max_rows, max_queue, batch_window)
         self.announce = announce
         self.kv_dtype = kv_dtype  # what the compiled path's cache stores keys and values in (None: the model's)
+        self.compile_at_start = compiled is True  # "auto" compiles nothing: it loads what the cache holds
+        self.warm_options = [self._resolved_warm_options(given) for given in warm_options]  # before any compile
         self.compiled = self.auto_compiled() if compiled == "auto" else bool(compiled)
         self.compile_steps = compile_steps  # False: the compiled path's step run eagerly (tests)
         self.device = next(model.parameters()).device
         self._batches: dict[tuple, DecodeBatch] = {}  # by the options every row of the batch runs with
         self._jobs: list[Job] = []  # admitted and not finished
-        self._warmed: tuple[dict, SlotBatch] | None = None  # the default options' batch, kept by `warm`
+        self._warmed: list[tuple[dict, SlotBatch]] = []  # the batches `warm` compiled, kept for every later join
+        self._told_eager: list[dict] = []  # options already announced as decoding eagerly
+
+    def _resolved_warm_options(self, given: dict) -> dict:
+        try:
+            return model_options(self.model, given)
+        except ConfigError as exc:
+            raise ConfigError(f"--warm-options {json.dumps(given)}: {exc}") from None
 
     def auto_compiled(self) -> bool:
         """`--decode auto`: the compiled path when the default options' step compiles and loading it
@@ -652,23 +670,53 @@ class ContinuousScheduler(Scheduler):
         self._jobs, self._batches, self._active_rows = [], {}, 0
 
     def _warm_steps(self) -> None:
-        """Compile (or load from the on-disk cache) the compiled path's step for the default options
-        at every batch size up to `max_rows`; other options compile at first use."""
-        options = model_options(self.model, {})
-        if self.compiled and compiles(self.model, options, self.max_rows):
-            batch = self._new_batch(options)
-            batch.warm(self.max_rows)
-            self._warmed = (options, batch)
+        """Compile (or load from the on-disk cache) the compiled path's step at every batch size up to
+        `max_rows` for the default options and each of `warm_options` (with "auto": those whose steps
+        the cache holds; the others decode eagerly, `_new_batch`)."""
+        if not self.compiled:
+            return
+        for options in [model_options(self.model, {}), *self.warm_options]:
+            if any(options == warmed for warmed, _ in self._warmed) or not compiles(self.model, options,
+                                                                                     self.max_rows):
+                continue
+            if self.compile_at_start or self._steps_cached(options):
+                batch = self._slot_batch(options)
+                batch.warm(self.max_rows)
+                self._warmed.append((options, batch))
+
+    def _steps_cached(self, options: dict) -> bool:
+        """Whether the compiled path's steps for these options are all in the on-disk cache (or need
+        no compile: `compile_steps=False`), so a batch of them compiles nothing."""
+        return not self.compile_steps or cached_start_seconds(self.model, options, self.max_rows,
+                                                              self.kv_dtype) is not None
+
+    def _slot_batch(self, options: dict) -> SlotBatch:
+        return SlotBatch(self.model, options, self.stop_tokens, self.tokenizer.pad_id,
+                         coupled=couples_rows(self.model, options), compile=self.compile_steps,
+                         on_compile=self.announce, kv_dtype=self.kv_dtype)
 
     def _new_batch(self, options: dict) -> DecodeBatch:
-        if self._warmed is not None and self._warmed[0] == options:
-            # the warmed batch, again after it emptied: its storage for max_rows rows is allocated once
-            return self._warmed[1]
-        coupled = couples_rows(self.model, options)
+        for warmed, batch in self._warmed:
+            if warmed == options:
+                # the warmed batch, again after it emptied: its storage for max_rows rows is allocated once
+                return batch
         if self.compiled and compiles(self.model, options, self.max_rows):
-            return SlotBatch(self.model, options, self.stop_tokens, self.tokenizer.pad_id, coupled=coupled,
-                             compile=self.compile_steps, on_compile=self.announce, kv_dtype=self.kv_dtype)
-        return DecodeBatch(self.model, options, self.stop_tokens, self.tokenizer.pad_id, coupled=coupled)
+            if self._steps_cached(options):
+                return self._slot_batch(options)
+            self._tell_eager(options)
+        return DecodeBatch(self.model, options, self.stop_tokens, self.tokenizer.pad_id,
+                           coupled=couples_rows(self.model, options))
+
+    def _tell_eager(self, options: dict) -> None:
+        """Say once per set of options that its batches decode eagerly, and how to compile them."""
+        if self.announce is None or options in self._told_eager:
+            return
+        self._told_eager.append(options)
+        defaults = model_options(self.model, {})
+        given = {name: value for name, value in options.items() if value != defaults.get(name)}
+        self.announce(f"requests with {json.dumps(given)} decode eagerly: their compiled steps are not all in "
+                      f"the on-disk cache, and a request never makes the server compile (every stream would wait "
+                      f"minutes); start with --decode compiled --warm-options '{json.dumps(given)}' to compile them")
 
     # -- joining ------------------------------------------------------------------------------
     def _admit(self, job: Job) -> None:
@@ -744,14 +792,14 @@ class ContinuousScheduler(Scheduler):
 
 def make_scheduler(batching: str, model, tokenizer, max_rows: int, max_queue: int, batch_window: float,
                    compiled: bool | str = False, announce: Callable[[str], None] | None = None,
-                   kv_dtype: torch.dtype | None = None) -> Scheduler:
+                   kv_dtype: torch.dtype | None = None, warm_options: Sequence[dict] = ()) -> Scheduler:
     """The scheduler `--batching` names (BATCHING); `compiled` (continuous only): the compiled path,
-    or "auto" (see `ContinuousScheduler.auto_compiled`; with rounds: eager); `kv_dtype` (the
-    compiled path only): its cache's dtype."""
+    or "auto" (see `ContinuousScheduler.auto_compiled`; with rounds: eager); `kv_dtype` and
+    `warm_options` (the compiled path only): its cache's dtype, the options it makes ready at start."""
     if batching == "continuous":
         return ContinuousScheduler(model, tokenizer, max_rows, max_queue, batch_window, compiled, announce,
-                                   kv_dtype=kv_dtype)
-    if batching == "rounds" and compiled is not True and kv_dtype is None:
+                                   kv_dtype=kv_dtype, warm_options=warm_options)
+    if batching == "rounds" and compiled is not True and kv_dtype is None and not warm_options:
         return RoundScheduler(model, tokenizer, max_rows, max_queue, batch_window)
     raise ValueError(f"batching must be one of {', '.join(BATCHING)} (the compiled path: continuous), "
                      f"got {batching!r}")

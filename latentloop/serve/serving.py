@@ -33,7 +33,7 @@ from .protocol import APIError, tokenize_text, tokenizer_info
 from .requests import DetokenizeBody, TokenizeBody, body_context, completion_request, validate
 from .responses import SSE_DONE, ResponseBuilder, sse
 from .scheduler import Done, Failed, Job, Scheduler, make_scheduler
-from .settings import ServeSettings
+from .settings import ServeSettings, warm_options_dicts
 from .transport import (
     BodiesBusy,
     BodyBudget,
@@ -82,6 +82,7 @@ class ServerState:
                                    settings.batch_window_ms / 1000,
                                    compiled={"eager": False, "compiled": True, "auto": "auto"}[settings.decode],
                                    kv_dtype=None if settings.kv_dtype is None else KV_DTYPES[settings.kv_dtype],
+                                   warm_options=warm_options_dicts(settings),
                                    announce=lambda message: print(f"latentloop: {message}", file=sys.stderr,
                                                                   flush=True))
         limits = Limits.for_model(int(model.config.sequence_len), settings.max_tokens_cap, settings.max_batch_size,

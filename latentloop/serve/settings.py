@@ -39,6 +39,9 @@ class ServeSettings:
     batching: str = BATCHING[0]
     decode: str = SERVE_DECODE[0]
     kv_dtype: str | None = None  # --kv-dtype: the compiled path's cache (`engine.KV_DTYPES`; None: the model's)
+    # --warm-options: JSON objects of the architecture's options (a request's fields) whose compiled steps
+    # are compiled at start beside the default options' (`ContinuousScheduler`: requests never compile)
+    warm_options: tuple[str, ...] = ()
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S
     access_log: bool = False
 
@@ -103,6 +106,10 @@ def check_settings(settings: ServeSettings) -> None:
         if settings.decode == "eager" or settings.batching != "continuous":
             raise LatentloopError("--kv-dtype is the compiled path's cache: use it with --decode compiled or auto "
                                   "and --batching continuous")
+    if settings.warm_options and (settings.decode == "eager" or settings.batching != "continuous"):
+        raise LatentloopError("--warm-options names compiled steps to load or compile at start: use it with "
+                              "--decode compiled or auto and --batching continuous")
+    warm_options_dicts(settings)  # each one a JSON object, named where it is not
     # finite and bounded: inf or 1e300 overflowed the scheduler's timed wait at the first request
     # (its thread died and every request got 503); nan passed every comparison and turned them off
     if not 0 <= settings.batch_window_ms <= MAX_BATCH_WINDOW_MS:
@@ -111,3 +118,21 @@ def check_settings(settings: ServeSettings) -> None:
     if not 0 < settings.request_timeout <= MAX_REQUEST_TIMEOUT_S:
         raise LatentloopError(f"--request-timeout must be in (0, {MAX_REQUEST_TIMEOUT_S:g}] seconds, got "
                               f"{settings.request_timeout:g}")
+
+
+def warm_options_dicts(settings: ServeSettings) -> list[dict]:
+    """--warm-options as dicts: each value a JSON object of option names (checked against the model
+    where the scheduler resolves them)."""
+    import json
+
+    parsed = []
+    for text in settings.warm_options:
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = None
+        if not isinstance(value, dict):
+            raise LatentloopError(f"--warm-options takes a JSON object of the architecture's options, as a request "
+                                  f"gives them (e.g. '{{\"steps\": 4}}'), got {text!r}")
+        parsed.append(value)
+    return parsed
