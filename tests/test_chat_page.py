@@ -242,3 +242,138 @@ def test_each_tokens_piece_of_a_release_joins_to_its_text(stops):
         if stopped:
             break
     assert seen == sorted(seen) and len(set(seen)) == len(seen)  # each token once, in order
+
+
+def _stream(*pieces: tuple[str, dict | None], done: bool = True) -> str:
+    """A chat completions stream as the server sends it: one chunk per (text, info) piece, with the
+    extension field, then [DONE] unless the stream is cut."""
+    events = []
+    for text, info in pieces:
+        chunk = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": text},
+                                                                  "finish_reason": None}]}
+        if info is not None:
+            chunk["latentloop"] = {"tokens": [{"text": text, "info": info}]}
+        events.append(f"data: {json.dumps(chunk)}\n\n")
+    if done:
+        events.append("data: [DONE]\n\n")
+    return "".join(events)
+
+
+def test_the_page_stops_resets_keeps_typed_text_and_marks_cut_replies(chat_server, tmp_path):
+    """The page's own logic, with the API answered by the test (held, cut, refused): a message typed
+    while a reply streams stays in the box; Stop ends the request; New conversation during a reply
+    discards it (its old turns leaked into the next request); a stream cut before [DONE] is shown as
+    incomplete and not sent back; a conversation past the context drops its oldest exchange and is
+    sent again; a failed /page/config names the server's error; a token with no text of its own is
+    not drawn (nor counted in the scale); only new tokens are painted while the scale holds."""
+    sync_playwright, chromium = _browser()
+    server, _ = chat_server
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS,
+                                    env={**os.environ, "HOME": str(tmp_path)})
+        try:
+            page = browser.new_page()
+            page.set_default_timeout(BROWSER_TIMEOUT_MS)
+            held, sent = [], []
+
+            def answer(route):
+                sent.append(json.loads(route.request.post_data))
+                held.append(route)
+
+            page.route("**/v1/chat/completions", answer)
+            page.goto(server.url + "/")
+            page.wait_for_selector("body[data-state=idle]")
+
+            def send(text: str) -> None:
+                page.fill("#message", text)
+                page.press("#message", "Enter")
+
+            def reply_to(route, body: str, status: int = 200) -> None:
+                route.fulfill(status=status, body=body, headers={"content-type": "text/event-stream"
+                                                                 if status == 200 else "application/json"})
+
+            def idle() -> None:
+                page.wait_for_function("document.body.dataset.state === 'idle'")
+
+            def streaming() -> None:
+                page.wait_for_function("document.body.dataset.state === 'streaming'")
+
+            send("one")
+            streaming()
+            send("typed while busy")
+            page.wait_for_timeout(COMPOSING_WAIT_MS)
+            assert page.input_value("#message") == "typed while busy" and len(sent) == 1
+            page.click("#stop")
+            idle()
+            assert page.text_content("#status").startswith("stopped")
+
+            page.fill("#message", "")
+            send("two")  # answered whole: the conversation holds it
+            streaming()
+            reply_to(held[-1], _stream(("fine", {"exit_steps": 2}), (" thanks", {"exit_steps": 3})))
+            idle()
+            assert page.text_content("#status").startswith("done")
+
+            send("three")  # cut before [DONE]: shown as incomplete, not kept
+            streaming()
+            reply_to(held[-1], _stream(("half", {"exit_steps": 1}), done=False))
+            idle()
+            assert page.locator(".turn.assistant.incomplete").count() == 1
+            assert "ended before the server finished" in page.text_content(".turn.error")
+
+            send("four")  # the conversation so far: the cut reply and its message are not in it
+            streaming()
+            assert [m["content"] for m in sent[-1]["messages"]] == ["two", "fine thanks", "four"]
+            # too long for the context: the page leaves out the oldest exchange and asks again
+            reply_to(held[-1], json.dumps({"error": {"message": "the prompt (300 tokens, with BOS) + max_tokens (64) "
+                                                                "exceeds the model's context of 256 tokens",
+                                                     "type": "invalid_request_error", "param": "max_tokens"}}), 400)
+            for _ in range(BROWSER_TIMEOUT_MS // COMPOSING_WAIT_MS):  # the page's routes are served while it waits
+                if len(held) == 5:
+                    break
+                page.wait_for_timeout(COMPOSING_WAIT_MS)
+            assert len(held) == 5 and [m["content"] for m in sent[-1]["messages"]] == ["four"]
+            assert page.locator(".turn.left-out").count() == 2
+            # a token with no text of its own (a character's first bytes) is not drawn nor counted
+            reply_to(held[-1], _stream(("", {"exit_steps": 9}), ("é", {"exit_steps": 1}), ("x", {"exit_steps": 4})))
+            idle()
+            assert "left out to fit the model's context" in page.text_content("#status")
+            assert page.text_content("#scale-high") == "4"
+            assert page.evaluate("[...document.querySelectorAll('.tok')].every(s => s.textContent !== '')")
+
+            # only the new tokens are painted while the key and its range hold
+            page.evaluate("document.querySelector('.tok').style.backgroundColor = 'rgb(1, 2, 3)'")
+            send("five")
+            streaming()
+            reply_to(held[-1], _stream(("y", {"exit_steps": 3})))
+            idle()
+            first_colour = "document.querySelector('.tok').style.backgroundColor"
+            assert page.evaluate(first_colour) == "rgb(1, 2, 3)"
+            send("six")  # past the range: every token is painted again
+            streaming()
+            reply_to(held[-1], _stream(("z", {"exit_steps": 7})))
+            idle()
+            assert page.evaluate(first_colour) != "rgb(1, 2, 3)"
+
+            # New conversation while a reply streams: that reply is dropped, the next request starts afresh
+            send("seven")
+            streaming()
+            page.click("#reset")
+            idle()
+            assert page.locator(".turn").count() == 0
+            send("eight")
+            streaming()
+            assert [m["content"] for m in sent[-1]["messages"]] == ["eight"]
+            reply_to(held[-1], _stream(("ok", None)))
+            idle()
+            assert page.locator(".turn").count() == 2
+
+            failing = browser.new_page()
+            failing.route("**/page/config", lambda route: route.fulfill(
+                status=503, body=json.dumps({"error": {"message": "the server is shutting down"}}),
+                headers={"content-type": "application/json"}))
+            failing.goto(server.url + "/")
+            failing.wait_for_function("document.getElementById('status').textContent !== ''")
+            assert failing.text_content("#status") == "cannot load the model's options: the server is shutting down"
+        finally:
+            browser.close()

@@ -6,11 +6,16 @@
 
 const page = {
   config: null,
-  messages: [],      // the conversation so far (chat models)
+  messages: [],      // the conversation so far (chat models), oldest first: what the next request sends
+  messageTurns: [],  // the transcript's turn of each message (dimmed once left out to fit the context)
   lastBody: null,    // the body of the last request sent
   busy: false,
+  controller: null,  // the running request's AbortController: Stop and New conversation abort it
+  conversation: 0,   // counted up by New conversation: a reply that ends after it is not kept
+  tokens: [],        // [span, info] of every token shown, its info parsed once
+  stats: new Map(),  // per reported key: {values, integer, low, high} over `tokens`
+  drawn: null,       // what the tokens were last shaded by: {key, low, high, count}
 };
-
 const $ = (id) => document.getElementById(id);
 const IME_KEY_CODE = 229;  // the keyCode of a key an input method takes (Safari's composing Enter lacks isComposing)
 
@@ -26,6 +31,7 @@ function setStatus(text) { $("status").textContent = text; }
 function setBusy(busy) {
   page.busy = busy;
   $("send").disabled = busy;
+  $("stop").disabled = !busy;
   document.body.dataset.state = busy ? "streaming" : "idle";
 }
 
@@ -113,73 +119,85 @@ function appendPieces(content, text, tokens) {
     return;
   }
   for (const token of pieces) {
+    // a token with no text of its own (the first bytes of a character split over byte tokens) is not
+    // drawn: as an empty span its figures could be neither seen nor hovered, yet they set the scale
+    if (!token.text) continue;
+    const info = token.info || {};
     const span = document.createElement("span");
     span.className = "tok";
     span.textContent = token.text;
-    span.dataset.info = JSON.stringify(token.info || {});
-    span.title = Object.entries(token.info || {}).map(([k, v]) => `${k} ${v}`).join(" · ");
+    span.dataset.info = JSON.stringify(info);
+    span.title = Object.entries(info).map(([k, v]) => `${k} ${v}`).join(" · ");
     content.append(span);
+    page.tokens.push([span, info]);
+    for (const [key, value] of Object.entries(info)) {
+      if (typeof value !== "number") continue;
+      if (!page.stats.has(key)) page.stats.set(key, { values: new Set(), integer: true, low: value, high: value });
+      const s = page.stats.get(key);
+      s.values.add(value);
+      s.integer = s.integer && Number.isInteger(value);
+      s.low = Math.min(s.low, value);
+      s.high = Math.max(s.high, value);
+    }
   }
 }
 
 // -- shading ------------------------------------------------------------------------------------------
-function tokenInfos() {
-  return [...document.querySelectorAll("#transcript .tok")].map((span) => [span, JSON.parse(span.dataset.info)]);
-}
-
 // The key to shade by unless one is chosen: a count of work (integer values) that varies the most.
-function autoKey(infos) {
-  const seen = new Map();
-  for (const [, info] of infos) {
-    for (const [key, value] of Object.entries(info)) {
-      if (typeof value !== "number") continue;
-      if (!seen.has(key)) seen.set(key, { values: new Set(), integer: true });
-      seen.get(key).values.add(value);
-      if (!Number.isInteger(value)) seen.get(key).integer = false;
-    }
-  }
-  // ties go to the key seen last: a row's own figures (rgpt's exit_steps, mor's depth) follow the
-  // figures its whole batch shares in what the server reports
+// Ties go to the key seen last: a row's own figures (rgpt's exit_steps, mor's depth) follow the
+// figures its whole batch shares in what the server reports.
+function autoKey() {
   let best = null;
-  for (const [key, s] of seen) {
+  for (const [key, s] of page.stats) {
     const score = [s.integer ? 1 : 0, s.values.size];
     if (!best || score[0] > best.score[0] || (score[0] === best.score[0] && score[1] >= best.score[1])) {
       best = { key, score };
     }
   }
-  return { keys: [...seen.keys()], key: best ? best.key : "" };
+  return best ? best.key : "";
 }
 
 // the stylesheet's accent colour as "r, g, b" (a custom property inside an inline colour would stay unresolved)
 function accent() { return getComputedStyle(document.documentElement).getPropertyValue("--accent").trim(); }
 
+function paint(span, value, low, high, colour) {
+  if (typeof value !== "number") {
+    span.style.backgroundColor = "";
+    span.classList.remove("dark");
+    return;
+  }
+  // one value throughout: a light shade (nothing to tell apart); else lightest at the least, darkest at the most
+  const alpha = high > low ? 0.16 + 0.64 * (value - low) / (high - low) : 0.25;
+  span.style.backgroundColor = `rgba(${colour}, ${alpha.toFixed(3)})`;
+  span.classList.toggle("dark", alpha > 0.5);
+}
+
+// Shade the tokens by the chosen key. Only the tokens added since the last call are painted unless
+// the key or its range changed: repainting every token at every chunk made a reply of a few thousand
+// tokens take minutes to draw.
 function shade() {
-  const infos = tokenInfos();
   const select = $("shade-key");
-  const { keys, key: auto } = autoKey(infos);
-  const chosen = select.dataset.chosen && keys.includes(select.dataset.chosen) ? select.dataset.chosen : auto;
+  const keys = [...page.stats.keys()];
+  const chosen = select.dataset.chosen && page.stats.has(select.dataset.chosen) ? select.dataset.chosen : autoKey();
   const current = [...select.options].map((o) => o.value).join(",");
   if (current !== keys.join(",") || !keys.length) {
-    select.replaceChildren(...(keys.length ? keys.map((k) => new Option(k, k)) : [new Option("(nothing reported yet)", "")]));
+    const none = page.tokens.length && !page.busy ? `(${page.config.arch} reported nothing per token)` : "(nothing reported yet)";
+    select.replaceChildren(...(keys.length ? keys.map((k) => new Option(k, k)) : [new Option(none, "")]));
   }
   select.value = chosen;
-  const values = infos.map(([, info]) => info[chosen]).filter((v) => typeof v === "number");
-  const low = values.length ? Math.min(...values) : 0;
-  const high = values.length ? Math.max(...values) : 0;
-  $("scale-low").textContent = values.length ? String(+low.toFixed(2)) : "";
-  $("scale-high").textContent = values.length ? String(+high.toFixed(2)) : "";
-  for (const [span, info] of infos) {
-    const value = info[chosen];
-    if (typeof value !== "number") {
-      span.style.backgroundColor = "";
-      span.classList.remove("dark");
-      continue;
-    }
-    // one value throughout: a light shade (nothing to tell apart); else lightest at the least, darkest at the most
-    const alpha = high > low ? 0.16 + 0.64 * (value - low) / (high - low) : 0.25;
-    span.style.backgroundColor = `rgba(${accent()}, ${alpha.toFixed(3)})`;
-    span.classList.toggle("dark", alpha > 0.5);
+  const s = page.stats.get(chosen);
+  const low = s ? s.low : 0;
+  const high = s ? s.high : 0;
+  $("scale-low").textContent = s ? String(+low.toFixed(2)) : "";
+  $("scale-high").textContent = s ? String(+high.toFixed(2)) : "";
+  const d = page.drawn;
+  const from = d && d.key === chosen && d.low === low && d.high === high ? d.count : 0;
+  const colour = accent();
+  for (let i = from; i < page.tokens.length; i++) {
+    const [span, info] = page.tokens[i];
+    paint(span, info[chosen], low, high, colour);
   }
+  page.drawn = { key: chosen, low, high, count: page.tokens.length };
 }
 
 // -- sending and streaming ----------------------------------------------------------------------------
@@ -189,22 +207,50 @@ function isBlank(text) {
   return text.replace(/[\s\x1c-\x1f\x85]/g, "") === "";
 }
 
+// A 400 that says the conversation no longer fits the model's context (its text, its tokens, or
+// its tokens with the reply's budget): the page then leaves out its oldest exchange, as `latentloop chat` does.
+function overflowsContext(status, error) {
+  const e = error && error.error;
+  return status === 400 && !!e && ["messages", "prompt", "max_tokens"].includes(e.param) &&
+    /context/.test(e.message || "");
+}
+
+// Leave the oldest exchange (a user turn and its reply) out of what is sent; its turns stay on the page, dimmed.
+function leaveOutOldestExchange() {
+  page.messages.splice(0, 2);
+  for (const turn of page.messageTurns.splice(0, 2)) turn.classList.add("left-out");
+}
+
 async function send(text) {
-  if (page.busy || !text.trim()) return;
-  const body = requestBody(text);
-  page.lastBody = body;
-  $("request").textContent = JSON.stringify(body, null, 2);
-  addTurn("user", text);
+  if (page.busy || isBlank(text)) return false;
+  const conversation = page.conversation;
+  const controller = new AbortController();
+  page.controller = controller;
+  const userTurn = addTurn("user", text).parentElement;
   const content = addTurn("assistant", "");
   setBusy(true);
   setStatus("streaming…");
   let reply = "";
   let finish = null;
+  let completed = false;  // the stream's [DONE] arrived: the server finished the reply
+  let leftOut = 0;
+  let failure = null;
   try {
     const url = page.config.chat ? "/v1/chat/completions" : "/v1/completions";
-    const response = await fetch(url, { method: "POST", headers: headers(), body: JSON.stringify(body) });
-    if (!response.ok) {
+    let response;
+    for (;;) {
+      const body = requestBody(text);
+      page.lastBody = body;
+      $("request").textContent = JSON.stringify(body, null, 2);
+      response = await fetch(url, { method: "POST", headers: headers(), body: JSON.stringify(body),
+                                    signal: controller.signal });
+      if (response.ok) break;
       const error = await response.json().catch(() => ({}));
+      if (page.config.chat && page.messages.length >= 2 && overflowsContext(response.status, error)) {
+        leaveOutOldestExchange();
+        leftOut += 1;
+        continue;
+      }
       throw new Error((error.error && error.error.message) || `HTTP ${response.status}`);
     }
     const reader = response.body.getReader();
@@ -221,7 +267,7 @@ async function send(text) {
         for (const line of event.split("\n")) {
           if (!line.startsWith("data: ")) continue;
           const data = line.slice(6);
-          if (data === "[DONE]") continue;
+          if (data === "[DONE]") { completed = true; continue; }
           const chunk = JSON.parse(data);
           if (chunk.error) throw new Error(chunk.error.message);
           const choice = chunk.choices && chunk.choices[0];
@@ -234,19 +280,43 @@ async function send(text) {
         }
       }
     }
-    // an empty reply is not kept (as `latentloop chat` does): the server refuses an empty assistant
-    // turn, so every later message of the conversation would get a 400
-    const kept = !isBlank(reply);
-    if (page.config.chat && kept) page.messages.push({ role: "user", content: text }, { role: "assistant", content: reply });
-    content.dataset.final = reply;
-    setStatus(`done (${finish || "ended"})` + (page.config.chat && !kept ? ": the reply was empty and is not kept" : ""));
+    if (!completed) throw new Error("the stream ended before the server finished the reply (the connection was cut)");
   } catch (error) {
-    content.parentElement.remove();
-    addTurn("error", String(error.message || error));
-    setStatus("failed");
+    failure = error;
   } finally {
-    setBusy(false);
+    if (page.controller === controller) {
+      page.controller = null;
+      setBusy(false);
+    }
   }
+  if (conversation !== page.conversation) return true;  // New conversation was pressed: this one is gone
+  const stopped = failure && failure.name === "AbortError";
+  const note = leftOut ? `; the ${leftOut} oldest exchange(s) were left out to fit the model's context` : "";
+  if (failure && !stopped) {
+    if (reply) {  // what arrived stays on the page, marked, but is not part of the conversation
+      content.parentElement.classList.add("incomplete");
+      content.dataset.partial = reply;
+    } else {
+      content.parentElement.remove();
+    }
+    addTurn("error", String(failure.message || failure) + (reply ? " (the partial reply is not kept)" : ""));
+    setStatus("failed" + note);
+    shade();
+    return true;
+  }
+  // an empty reply is not kept (as `latentloop chat` does): the server refuses an empty assistant
+  // turn, so every later message of the conversation would get a 400. A stopped reply is kept as far
+  // as it went (the next request shows the model what it wrote).
+  const kept = !isBlank(reply);
+  if (page.config.chat && kept) {
+    page.messages.push({ role: "user", content: text }, { role: "assistant", content: reply });
+    page.messageTurns.push(userTurn, content.parentElement);
+  }
+  content.dataset.final = reply;
+  const how = stopped ? "stopped" : `done (${finish || "ended"})`;
+  setStatus(how + (page.config.chat && !kept ? ": the reply was empty and is not kept" : "") + note);
+  shade();
+  return true;
 }
 
 async function init() {
@@ -258,6 +328,10 @@ async function init() {
     $("api-key").addEventListener("change", () => localStorage.setItem("latentloop-api-key", $("api-key").value));
     return;
   }
+  if (!response.ok) {
+    const error = await response.json().catch(() => ({}));
+    throw new Error((error.error && error.error.message) || `HTTP ${response.status}`);
+  }
   page.config = await response.json();
   const c = page.config;
   $("model").textContent = `${c.model} · ${c.arch} · context ${c.context} tokens` +
@@ -265,14 +339,30 @@ async function init() {
   $("max_tokens").max = c.max_tokens_cap;
   $("options").replaceChildren(...c.options.map(optionControl));
   $("shade-key").addEventListener("change", (e) => { e.target.dataset.chosen = e.target.value; shade(); });
-  $("composer").addEventListener("submit", (e) => { e.preventDefault(); const text = $("message").value; $("message").value = ""; send(text); });
+  $("composer").addEventListener("submit", (e) => {
+    e.preventDefault();
+    const text = $("message").value;
+    if (page.busy || isBlank(text)) return;  // kept in the box: nothing was sent
+    $("message").value = "";
+    send(text);
+  });
   $("message").addEventListener("keydown", (e) => {
     // an input method's Enter confirms the text being composed (CJK input): it does not send it
     const composing = e.isComposing || e.keyCode === IME_KEY_CODE;
     if (e.key === "Enter" && !e.shiftKey && !composing) { e.preventDefault(); $("composer").requestSubmit(); }
   });
-  $("reset").addEventListener("click", () => { page.messages = []; $("transcript").replaceChildren(); shade(); setStatus(""); });
+  $("stop").addEventListener("click", () => { if (page.controller) page.controller.abort(); });
+  $("reset").addEventListener("click", () => {
+    page.conversation += 1;  // the running reply, if any, ends unkept
+    if (page.controller) page.controller.abort();
+    page.controller = null;
+    Object.assign(page, { messages: [], messageTurns: [], tokens: [], stats: new Map(), drawn: null });
+    $("transcript").replaceChildren();
+    setBusy(false);
+    shade();
+    setStatus("");
+  });
   setBusy(false);
 }
 
-init().catch((error) => setStatus("cannot load the model's options: " + error));
+init().catch((error) => setStatus("cannot load the model's options: " + String(error.message || error)));
