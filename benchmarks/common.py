@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import platform
 import random
@@ -23,6 +22,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,7 +37,9 @@ from latentloop.optim import build_optimizers
 from latentloop.parallel import wrap_model
 from latentloop.runtime import keep_freed_memory, resolve_dtype
 from latentloop.train import FiniteGuard, FlopsMemo, train_step
+from latentloop.util import write_json_atomic
 
+GIT_TIMEOUT_S = 10  # asking git for the commit a result came from
 BYTE_VOCAB = ByteTokenizer.vocab_size  # 259: bytes + BOS/EOS/PAD; prompts use bytes only (never BOS)
 MiB = 2 ** 20
 
@@ -95,8 +97,7 @@ def write_results(results: dict[str, Any], others: float | None, json_path) -> N
     """Warn if other processes were busy, and write the results as JSON when asked."""
     warn_contention(others)
     if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(results, indent=2) + "\n")
+        write_json_atomic(json_path, results)  # never half-written, even when the run is killed meanwhile
         print(f"wrote {json_path}")
 
 
@@ -474,7 +475,25 @@ def invocation(args: argparse.Namespace, module: str) -> dict[str, Any]:
     if module == "__main__":  # `python -m benchmarks.NAME`: the module's own name is in its spec
         spec = getattr(sys.modules.get("__main__"), "__spec__", None)
         module = spec.name if spec is not None else sys.argv[0]
-    return {"command": list(sys.argv), "module": module, "args": _jsonable(vars(args))}
+    return {"command": list(sys.argv), "module": module, "args": _jsonable(vars(args)), "commit": source_commit()}
+
+
+def source_commit() -> str | None:
+    """The repository's commit (with "+changes" when its tracked files differ from it), or None
+    outside a git checkout: which code a result file's numbers came from."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=GIT_TIMEOUT_S)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=GIT_TIMEOUT_S)
+        return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.TimeoutExpired):
+        return None
 
 
 def start_run(args: argparse.Namespace) -> dict[str, Any]:

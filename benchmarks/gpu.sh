@@ -18,7 +18,14 @@
 #    the whole step compiled and `train --profile 3` (its trace in OUT/ddp-run/profile).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python}
+# the GPU machines' image has python3 (the one holding PyTorch) and no plain `python`
+PYTHON=${PYTHON:-$(command -v python3 || command -v python)}
+if ! "$PYTHON" -c "import torch" 2>/dev/null; then
+  echo "gpu.sh: $PYTHON cannot import torch: set PYTHON to the interpreter that holds PyTorch" >&2
+  exit 2
+fi
+KILL_AFTER_S=10  # `timeout -k`: a command that ignores SIGTERM (a hung torchrun) is killed this much later
+GENERATE_S=60  # the generate check after fsdp2: reserved before fsdp2 starts
 NPROC=${NPROC:-1}
 OUT=${1:-runs/gpu-bench}
 TOTAL_S=${TOTAL_S:-480}
@@ -45,7 +52,7 @@ fi
 BENCH_BUDGET_S=${BENCH_BUDGET_S:-$((TOTAL_S - 90))}
 log "1/3 benchmarks.gpu_bench (budget ${BENCH_BUDGET_S} s)"
 # the budget stops starting new cases; one already running (a compile, then its timing) may take ~50 s more
-timeout $((BENCH_BUDGET_S + 50)) "$PYTHON" -m benchmarks.gpu_bench "${BENCH_ARGS[@]}" --budget-s "$BENCH_BUDGET_S" \
+timeout -k $KILL_AFTER_S $((BENCH_BUDGET_S + 50)) "$PYTHON" -m benchmarks.gpu_bench "${BENCH_ARGS[@]}" --budget-s "$BENCH_BUDGET_S" \
   --out-dir "$OUT" >"$OUT/gpu_bench.stdout" 2>"$OUT/gpu_bench.stderr"
 bench_status=$?
 
@@ -54,21 +61,26 @@ TRAIN_COMMON=(--data stdlib --set train.eval_every=0 --set train.eval_batches=2 
               --json "${TRAIN_SHAPE[@]}")
 fsdp2_status=skipped generate_status=skipped ddp_status=skipped
 
-if [ "$(left)" -gt 60 ]; then
+if [ "$(left)" -gt $((GENERATE_S + 60)) ]; then
   log "2/3 torchrun fsdp2: lrt, blocks compiled + activation checkpointing, DCP + gathered weights ($(left) s left)"
-  timeout $(($(left) - 30)) "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" -m latentloop \
+  timeout -k $KILL_AFTER_S $(($(left) - GENERATE_S - 2 * KILL_AFTER_S)) "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" -m latentloop \
     train --arch lrt --steps 20 --set train.strategy=fsdp2 --set train.compile=true \
     --set train.activation_checkpointing=true --set train.save_every=10 "${TRAIN_COMMON[@]}" \
     --out "$OUT/fsdp2-run" >"$OUT/fsdp2.stdout" 2>"$OUT/fsdp2.stderr"
   fsdp2_status=$?
-  timeout 60 "$PYTHON" -m latentloop generate "$OUT/fsdp2-run" --prompt "def " --max-new-tokens 16 \
-    --temperature 0 --device "$GENERATE_DEVICE" --json >"$OUT/generate.stdout" 2>"$OUT/generate.stderr"
-  generate_status=$?
+  if [ "$fsdp2_status" -eq 0 ]; then  # a run cut off by its timeout left a partial checkpoint: nothing to check
+    timeout -k $KILL_AFTER_S $GENERATE_S "$PYTHON" -m latentloop generate "$OUT/fsdp2-run" --prompt "def " \
+      --max-new-tokens 16 --temperature 0 --device "$GENERATE_DEVICE" --json >"$OUT/generate.stdout" \
+      2>"$OUT/generate.stderr"
+    generate_status=$?
+  else
+    generate_status=skipped:fsdp2-failed
+  fi
 fi
 
 if [ "$(left)" -gt 40 ]; then
   log "3/3 torchrun ddp: gpt, the whole step compiled, train --profile 3 ($(left) s left)"
-  timeout $(($(left) - 10)) "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" -m latentloop \
+  timeout -k $KILL_AFTER_S $(($(left) - 2 * KILL_AFTER_S)) "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" -m latentloop \
     train --arch gpt --steps 20 --set train.strategy=ddp --set train.compile=true --profile 3 "${TRAIN_COMMON[@]}" \
     --out "$OUT/ddp-run" >"$OUT/ddp.stdout" 2>"$OUT/ddp.stderr"
   ddp_status=$?
@@ -80,8 +92,8 @@ import json, sys
 from pathlib import Path
 
 out, elapsed, total = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-codes = dict(zip(["gpu_bench", "fsdp2_train", "generate", "ddp_train"],
-                 (None if code == "skipped" else int(code) for code in sys.argv[4:])))
+statuses = dict(zip(["gpu_bench", "fsdp2_train", "generate", "ddp_train"], sys.argv[4:]))
+codes = {key: None if status.startswith("skipped") else int(status) for key, status in statuses.items()}
 
 
 def read(name):
@@ -95,11 +107,15 @@ def read(name):
         return {"error": f"no JSON from {path.name}", "stderr_tail": tail}
 
 
+bench = read("gpu_bench")
+if "error" in bench and (out / "gpu_bench.json").exists():  # killed at its limit: the cases it saved as it went
+    bench = {**json.loads((out / "gpu_bench.json").read_text()), "stderr_tail": bench["stderr_tail"]}
 report = {"elapsed_s": elapsed, "budget_s": total, "within_budget": elapsed <= total, "exit_codes": codes,
-          "gpu_bench": read("gpu_bench")}
+          "gpu_bench": bench}
 for part, name in (("fsdp2_train", "fsdp2"), ("generate_from_fsdp2_run", "generate"), ("ddp_train", "ddp")):
     key = {"fsdp2": "fsdp2_train", "generate": "generate", "ddp": "ddp_train"}[name]
-    report[part] = {"skipped": "time budget"} if codes[key] is None else read(name)
+    why = {"skipped": "time budget", "skipped:fsdp2-failed": "the fsdp2 run failed: no checkpoint to generate from"}
+    report[part] = {"skipped": why[statuses[key]]} if codes[key] is None else read(name)
 ckpts = sorted((out / "fsdp2-run" / "checkpoints").glob("step_*"))
 report["fsdp2_checkpoint_files"] = sorted(p.name for p in ckpts[-1].iterdir()) if ckpts else []
 summary = out / "ddp-run" / "profile" / "summary.json"

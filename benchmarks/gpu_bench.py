@@ -60,6 +60,7 @@ import time
 import traceback
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,7 @@ from latentloop.runtime import resolve_dtype
 from latentloop.train import FiniteGuard, FlopsMemo, train_step
 from latentloop.train.profile import summarize
 from latentloop.train.step import ModelAndLoss, compiled_step_graphs
+from latentloop.util import write_json_atomic
 
 MFU_TARGET = 0.45  # issue 51: gpt at the gpt2 shape
 OTHERS_SHARE_OF_GPT = 0.9  # issue 51: every other architecture at >= 0.9 x gpt's MFU
@@ -523,7 +525,9 @@ def _verdicts(report: dict) -> None:
         share >= OTHERS_SHARE_OF_GPT for share in report["mfu_share_of_gpt"].values())
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace, save: Callable[[dict], None] = lambda report: None) -> dict[str, Any]:
+    """Every case within the budget; `save(report)` after each, so that a run killed at gpu.sh's
+    time limit keeps the cases it finished."""
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     device = torch.device("cpu" if args.cpu else "cuda")
@@ -549,29 +553,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def wanted(arch: str) -> bool:
         return not args.only or arch in args.only
 
+    def guarded(results: list, what: str, fn, *fn_args) -> None:
+        _guarded(results, budget_end, what, fn, *fn_args)
+        save(report)
+
     for name, arch, overrides in _cases("train_cases", False):
         if wanted(arch):
-            _guarded(report["training"], budget_end, f"train {name}", bench_training, name, arch, overrides, shape,
+            guarded(report["training"], f"train {name}", bench_training, name, arch, overrides, shape,
                      device, compile_, peak, out_dir)
     if wanted("gpt"):
-        _guarded(report["hf"], budget_end, "hf generate beside latentloop", bench_hf, shape, device, compile_,
+        guarded(report["hf"], "hf generate beside latentloop", bench_hf, shape, device, compile_,
                  out_dir)
     for name, arch, options in _cases("decode_cases", args.all_cases):
         if wanted(arch):
-            _guarded(report["decode"], budget_end, f"decode {name}", bench_decode, name, arch, options, shape,
+            guarded(report["decode"], f"decode {name}", bench_decode, name, arch, options, shape,
                      device, compile_)
     if wanted("lrt"):
-        _guarded(report["checks"], budget_end, "flex_attention vs dense mask", check_flex, shape, device)
+        guarded(report["checks"], "flex_attention vs dense mask", check_flex, shape, device)
     if wanted("gpt"):
-        _guarded(report["checks"], budget_end, "a loop of generations", check_generation_loop, shape, device,
+        guarded(report["checks"], "a loop of generations", check_generation_loop, shape, device,
                  compile_)
     if wanted("gpt"):
-        _guarded(report["fill"], budget_end, "train gpt filled", bench_fill, report, shape, device, compile_, peak,
+        guarded(report["fill"], "train gpt filled", bench_fill, report, shape, device, compile_, peak,
                  out_dir)
     if args.all_cases:
         for name, arch, overrides in _cases("train_cases", True)[len(ARCHS):]:
             if wanted(arch):
-                _guarded(report["training"], budget_end, f"train {name}", bench_training, name, arch, overrides,
+                guarded(report["training"], f"train {name}", bench_training, name, arch, overrides,
                          shape, device, compile_, peak, out_dir)
     _verdicts(report)
     return report
@@ -607,12 +615,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _jsonable(value: Any) -> Any:
+    return None if isinstance(value, float) and math.isnan(value) else str(value)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    report = {**run(args), **invocation(args, "benchmarks.gpu_bench")}  # what reproduces the run
-    text = json.dumps(report, indent=2, default=lambda v: None if isinstance(v, float) and math.isnan(v) else str(v))
+    meta = invocation(args, "benchmarks.gpu_bench")  # what reproduces the run
+    path = Path(args.out_dir) / "gpu_bench.json"
+
+    def save(partial: dict) -> None:  # the cases so far, marked partial: what a killed run leaves
+        write_json_atomic(path, json.loads(json.dumps({**partial, **meta, "partial": True}, default=_jsonable)))
+
+    report = {**run(args, save), **meta, "partial": False}
+    text = json.dumps(report, indent=2, default=_jsonable)
     print(text)
-    (Path(args.out_dir) / "gpu_bench.json").write_text(text + "\n")
+    write_json_atomic(path, json.loads(text))
     failed = [r for section in ("training", "fill", "decode", "hf", "checks") for r in report[section] if "error" in r]
     return 1 if failed else 0
 

@@ -100,6 +100,7 @@ def test_the_cpu_fallback_measures_gpt_end_to_end(tmp_path):
                and r["warmup_s"] > 0 and len(r["decode_tokens_per_s_all"]) == gpu_bench.DECODE_RUNS
                for r in report["decode"])
     assert report["module"] == "benchmarks.gpu_bench" and report["args"]["only"] == ["gpt"]
+    assert report["partial"] is False and report["commit"]  # which code gave the numbers
     assert [r["batch"] for r in report["hf"]] == list(batches)
     for row in report["hf"]:
         assert row["decode_tokens_per_s"] > 0 and row["latentloop_same_weights"]["decode_tokens_per_s"] > 0
@@ -202,3 +203,17 @@ def test_training_rows_time_every_step(monkeypatch, tmp_path):
     assert (row["step_ms_min"], row["step_ms_max"]) == (min(steps), max(steps))
     assert row["step_ms_median"] == pytest.approx(statistics.median(steps))
     assert row["step_ms_mean"] >= min(steps) * 0.99 and row["tokens_per_s"] > 0
+
+
+def test_each_finished_case_is_saved_before_the_next_starts(monkeypatch, tmp_path):
+    """`gpu.sh` kills the benchmark at its time limit: the report, saved after every case (marked
+    partial by `main`), keeps the cases that finished; it was written only at the very end."""
+    gpu_bench = _gpu_bench()
+    for name in ("bench_training", "bench_hf", "bench_decode", "check_flex", "check_generation_loop", "bench_fill"):
+        monkeypatch.setattr(gpu_bench, name, lambda *args, name=name: {"case": name})
+    saved: list[dict] = []
+    report = gpu_bench.run(gpu_bench.parse_args(["--cpu", "--tiny", "--out-dir", str(tmp_path)]),
+                           save=lambda partial: saved.append(json.loads(json.dumps(partial))))
+    done = [sum(len(snapshot[k]) for k in ("training", "fill", "decode", "hf", "checks")) for snapshot in saved]
+    assert done == list(range(1, len(saved) + 1)) and len(saved) == done[-1] > 5  # one case more each time
+    assert saved[-1]["training"] == report["training"]
