@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import os
 import platform
 import random
@@ -402,41 +403,51 @@ def training_comparison(variants: dict[str, tuple[str, dict, dict, int | None]],
 # --------------------------------------------------------------------------------------------
 
 
-def paired_ratios(before: Callable[[], object], after: Callable[[], object], rounds: int) -> list[float]:
-    """`after`'s seconds over `before`'s, one ratio a round, the two called in random order each round:
-    a change against the code without it in one process, so the machine's drift cancels in each ratio."""
-    ratios = []
+def timed_rounds(calls: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
+    """Each call's seconds in each of `rounds` rounds, every call once a round in random order. Calls
+    whose work depends on how often they ran (a training step's schedule: rgpt's depth, fbt's passes)
+    are at the same count in every round, so each round compares the same work."""
+    seconds: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(rounds):
-        order = [("before", before), ("after", after)]
+        order = list(calls.items())
         random.shuffle(order)
-        seconds = {}
         for name, call in order:
             start = time.perf_counter()
             call()
-            seconds[name] = time.perf_counter() - start
-        ratios.append(seconds["after"] / seconds["before"])
-    return ratios
+            seconds[name].append(time.perf_counter() - start)
+    return seconds
 
 
-def ratio_interval(ratios: Sequence[float]) -> tuple[float, float]:
-    """The mean of `paired_ratios` and its 95% Student-t interval's half-width (at least two ratios):
-    the normal's 1.96 is too narrow at the few rounds these benchmarks run (t is 2.31 at 9 rounds,
-    4.30 at 3)."""
+def paired_ratios(before: Callable[[], object], after: Callable[[], object], rounds: int) -> list[float]:
+    """`after`'s seconds over `before`'s, one ratio a round, the two called in random order each round:
+    a change against the code without it in one process, so the machine's drift cancels in each ratio."""
+    seconds = timed_rounds({"before": before, "after": after}, rounds)
+    return [a / b for a, b in zip(seconds["after"], seconds["before"])]
+
+
+def ratio_interval(ratios: Sequence[float]) -> tuple[float, float, float]:
+    """The geometric mean of `paired_ratios` and its 95% Student-t interval, both taken on the ratios'
+    logarithms (at least two ratios): the interval of a ratio stays positive, and rounds at 0.5x and
+    2x cancel, where the arithmetic mean of [0.5, 2.0] read 1.25 [-8.28, 10.78]. Student's t: the
+    normal's 1.96 is too narrow at the few rounds these benchmarks run (t is 2.31 at 9 rounds, 4.30 at 3)."""
     from latentloop.eval.stats import t_interval
 
-    interval = t_interval(ratios)
+    if min(ratios, default=1.0) <= 0:
+        raise ValueError(f"paired ratios are positive, got {min(ratios)}")
+    logs = [math.log(r) for r in ratios]
+    interval = t_interval(logs)
     if interval is None:
         raise ValueError(f"an interval needs at least two ratios, got {len(ratios)}")
     low, high = interval
-    return (low + high) / 2, (high - low) / 2
+    return math.exp(statistics.fmean(logs)), math.exp(low), math.exp(high)
 
 
 def describe_ratios(ratios: Sequence[float]) -> str:
-    """median, quartiles, mean [95% t-interval] and the rounds below 1 of `paired_ratios`."""
+    """median, quartiles, geometric mean [95% t-interval on the logs] and the rounds below 1 of `paired_ratios`."""
     first, _, third = statistics.quantiles(ratios, n=4)
-    mean, half = ratio_interval(ratios)
-    return (f"median {statistics.median(ratios):.3f}, quartiles {first:.3f} {third:.3f}, mean {mean:.3f} "
-            f"[{mean - half:.3f}, {mean + half:.3f}], below 1 in {sum(r < 1 for r in ratios)}/{len(ratios)} rounds")
+    mean, low, high = ratio_interval(ratios)
+    return (f"median {statistics.median(ratios):.3f}, quartiles {first:.3f} {third:.3f}, geometric mean {mean:.3f} "
+            f"[{low:.3f}, {high:.3f}], below 1 in {sum(r < 1 for r in ratios)}/{len(ratios)} rounds")
 
 
 def spread(values: Sequence[float], fmt: str = "{:,.0f}") -> str:

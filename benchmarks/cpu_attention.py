@@ -69,8 +69,8 @@ def attention_cell(tokens: int, head_dim: int, batch_tokens: int, width: int, ro
     for _ in range(WARMUP_ROUNDS):
         step(torch.float32)(), step(torch.bfloat16)()
     ratios = paired_ratios(step(torch.bfloat16), step(torch.float32), rounds)
-    mean, half = ratio_interval(ratios)
-    faster = "float32" if mean + half < 1 else "bf16" if mean - half > 1 else "tie"
+    _, low, high = ratio_interval(ratios)
+    faster = "float32" if high < 1 else "bf16" if low > 1 else "tie"
     rule = "float32" if backbone.cpu_training_attention_in_fp32(head_dim, tokens) else "bf16"
     return {"shape": list(shape), "ratios": ratios, "ratio": describe_ratios(ratios), "faster": faster, "rule": rule}
 

@@ -30,11 +30,11 @@ import torch
 from benchmarks.common import (
     benchmark_main,
     describe_ratios,
-    paired_ratios,
     render_table,
     require_rounds,
     require_threads,
     start_run,
+    timed_rounds,
     training_call,
 )
 from benchmarks.cpu_attention import BOS, LADDER, LADDER_SIZES, VOCAB, name_list
@@ -95,8 +95,11 @@ def training_steps(arch: str, size: str, args: argparse.Namespace) -> dict[str, 
                 call()
     if not ran["emulated"] or ran["torch"]:
         raise RuntimeError(f"the paths are not what they say: emulated linear layers {ran}")
-    over_torch = paired_ratios(with_torch_bf16, emulated, args.rounds)
-    over_fp32 = paired_ratios(fp32, emulated, args.rounds)
+    # the three in one set of rounds: each training step's schedule (rgpt's depth, fbt's passes) follows
+    # its call count, so two separate pairings had float32 at steps 2-4 against the emulation at 5-7
+    seconds = timed_rounds({"float32": fp32, "torch": with_torch_bf16, "emulated": emulated}, args.rounds)
+    over_torch = [e / t for e, t in zip(seconds["emulated"], seconds["torch"])]
+    over_fp32 = [e / f for e, f in zip(seconds["emulated"], seconds["float32"])]
     return {"arch": arch, "size": size, "params": info["params"], "over_torch_bf16": over_torch,
             "over_float32": over_fp32, "emulated_over_torch_bf16": describe_ratios(over_torch),
             "emulated_over_float32": describe_ratios(over_fp32)}

@@ -306,8 +306,12 @@ def test_paired_ratios_time_both_calls_each_round_in_random_order(monkeypatch):
     assert all(sorted(pair) == ["after", "before"] for pair in rounds)
     assert {first for first, _ in rounds} == {"before", "after"}  # each order drawn in some round
     text = common.describe_ratios([0.9, 1.1, 0.8, 1.0])
-    # the interval is Student's t with 3 degrees of freedom (t = 3.182), not the normal's 1.96 (0.823, 1.077)
-    assert "median 0.950" in text and "mean 0.950 [0.745, 1.155]" in text and "below 1 in 2/4 rounds" in text
+    # on the logs, Student's t with 3 degrees of freedom (t = 3.182): exp(mean log) = 0.9432, exp(mean log
+    # -/+ 3.182 x sd / 2) = 0.7585, 1.1733
+    assert "median 0.950" in text and "geometric mean 0.943 [0.758, 1.173]" in text, text
+    assert "below 1 in 2/4 rounds" in text
+    # a ratio's interval stays positive, and 0.5x and 2x cancel (the arithmetic mean read 1.25 [-8.28, 10.78])
+    assert "geometric mean 1.000 [0.000, 6682.6" in common.describe_ratios([0.5, 2.0])
 
 
 def test_an_engine_worker_that_fails_is_reported_by_name(tmp_path):
@@ -670,9 +674,10 @@ def test_ratio_interval_is_students_t():
 
     common = _benchmark("common")
     for ratios in ([0.9, 1.2, 1.0], [0.95, 1.0, 1.02, 0.97, 1.05, 0.99, 1.01, 0.98, 1.03]):
-        mean, half = common.ratio_interval(ratios)
-        low, high = t_interval(ratios)
-        assert (mean - half, mean + half) == pytest.approx((low, high))
+        mean, low, high = common.ratio_interval(ratios)
+        logs = [math.log(r) for r in ratios]
+        assert (math.log(low), math.log(high)) == pytest.approx(t_interval(logs))
+        assert math.log(mean) == pytest.approx(sum(logs) / len(logs))
 
 
 @pytest.mark.parametrize("module, argv, message", [
@@ -808,7 +813,7 @@ def test_every_benchmark_result_records_its_command_module_and_arguments(tmp_pat
 
 def test_gpu_bench_records_its_command_and_arguments(tmp_path, monkeypatch, capsys):
     gpu_bench = _benchmark("gpu_bench")
-    monkeypatch.setattr(gpu_bench, "run", lambda args: {section: [] for section in
+    monkeypatch.setattr(gpu_bench, "run", lambda args, save=None: {section: [] for section in
                                                         ("training", "fill", "decode", "hf", "checks")})
     monkeypatch.setattr(sys, "argv", ["gpu_bench", "--cpu"])
     assert gpu_bench.main(["--cpu", "--tiny", "--threads", "1", "--out-dir", str(tmp_path)]) == 0
@@ -833,3 +838,25 @@ def test_shared_prompts_pairs_the_two_ways_of_scoring_a_task(tmp_path, capsys):
     assert "shared / every row" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         bench.main(["--rounds", "1"])
+
+
+def test_timed_rounds_keep_every_call_at_the_same_count():
+    """A training step's work follows its call count (rgpt's depth, fbt's passes): in each round every
+    call runs once, so each round times the same step of each (cpu_bf16 paired float32 at steps 2-4
+    with the emulation at 5-7 when it ran two pairings one after the other)."""
+    common = _benchmark("common")
+    counts: dict[str, int] = {}
+    seen: list[tuple[str, int]] = []
+
+    def counter(name: str):
+        def call():
+            counts[name] = counts.get(name, 0) + 1
+            seen.append((name, counts[name]))
+        return call
+
+    common.random.seed(1)
+    seconds = common.timed_rounds({name: counter(name) for name in ("float32", "torch", "emulated")}, rounds=6)
+    assert {name: len(s) for name, s in seconds.items()} == {"float32": 6, "torch": 6, "emulated": 6}
+    rounds = [seen[i:i + 3] for i in range(0, len(seen), 3)]
+    assert all(len({count for _, count in r}) == 1 and len({name for name, _ in r}) == 3 for r in rounds)
+    assert len({tuple(name for name, _ in r) for r in rounds}) > 1  # the order is drawn per round
