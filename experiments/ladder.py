@@ -1298,6 +1298,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
+    started = time.perf_counter()  # --budget-s is the command's: planning, data and probes count
     if args.threads:
         torch.set_num_threads(args.threads)
     spec = ladder_spec(args)
@@ -1308,10 +1309,16 @@ def _main(args: argparse.Namespace) -> int:
     git_stamp()  # the code this process loaded, before a later commit could move HEAD
     variants = ladder_variants(args.variants)
     train_device = args.train_device or args.device
+    no_cuda = train_device.startswith("cuda") and not torch.cuda.is_available()
+    if no_cuda and not args.plan_only:
+        raise LatentloopError(f"--device {train_device}: torch sees no CUDA device here; --plan-only prints the GPU "
+                              f"ladder's plan and H200 estimate without one, and --train-device cpu --smoke runs it "
+                              f"at smoke scale on the CPU")
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     val_sizes = {corpus: val_tokens(corpus, spec) for corpus in corpora}
     budget_s = args.budget_s
+    gpu_estimates: dict[str, float] = {}
     if args.device == "cuda":  # the whole GPU ladder sized to the budget (the smoke trains its own tiny plan)
         rates, source = gpu_rate(args.gpu_bench)
         budget_s = budget_s or GPU_BUDGET_S
@@ -1333,6 +1340,7 @@ def _main(args: argparse.Namespace) -> int:
                   f"the budget stops it after about {fitting} of {len(full)} runs (sizes started: "
                   f"{', '.join(sizes) or 'none'}); name fewer --variants or --corpora for a whole ladder", flush=True)
         runs = plan_ladder(spec, variants, corpora, 1.0) if args.smoke else full
+        gpu_estimates = {r.key: s for r, s in zip(full, seconds)}  # where no probe measured a run
     else:
         runs = plan_ladder(spec, variants, corpora, args.budget_scale or 1.0)
     for line in describe_plan(runs, spec) + epochs_note(runs, spec):
@@ -1347,6 +1355,10 @@ def _main(args: argparse.Namespace) -> int:
         print(f"{len(left_failed)} runs failed before and are left out ({failed_path}; --retry-failed runs them "
               f"again): {', '.join(left_failed)}", flush=True)
     dtype = "auto"
+    if no_cuda:  # --plan-only: the plan and the H200 estimate stand; the precision is the GPU's to choose
+        print(f"no CUDA device here: the plan above, without a precision check or probes on {train_device}",
+              flush=True)
+        return 0
     if todo:  # a finished ladder, or one only planned, is read whatever its records' precisions
         new_ladder = not (out / PRECISION_FILE).exists() and not any((out / "records").glob("*.json"))
         try:
@@ -1361,7 +1373,7 @@ def _main(args: argparse.Namespace) -> int:
     shard_note = ("" if args.shard is None else
                   f"; shard {args.shard[0]}/{args.shard[1]}: {len(mine)} runs, {len(todo)} left")
     print(f"{len(done)} of {len(runs)} runs finished already (kept, skipped){shard_note}", flush=True)
-    estimates: dict[str, float] = {}
+    estimates = dict(gpu_estimates)
     if not args.no_probe and todo:
         from benchmarks.common import ContentionMeter
 
@@ -1383,7 +1395,6 @@ def _main(args: argparse.Namespace) -> int:
                  f"them again") + ")", flush=True)
     if args.plan_only:
         return 0
-    started = time.perf_counter()
     for i, run in enumerate(todo):
         spent = time.perf_counter() - started
         if budget_s is not None and spent + estimates.get(run.key, 0.0) > budget_s:

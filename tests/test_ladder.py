@@ -1264,3 +1264,18 @@ def test_the_ladder_trains_in_its_records_precision_on_a_machine_that_would_pick
     earlier.write_text(json.dumps({"precision": ["bfloat16"], "device": "cpu"}))
     with pytest.raises(ladder.LatentloopError, match=r"earlier.json: its precision is \['bfloat16'\], not one of"):
         ladder.ladder_precision(out, "cpu")
+
+
+def test_the_gpu_ladder_without_cuda_plans_or_says_why_not(tmp_path, capsys, monkeypatch):
+    """`--device cuda` where torch sees no GPU: `--plan-only` prints the plan and its H200 estimate
+    and stops before the precision check (an AssertionError's traceback from torch before); a run
+    is refused in one line naming the ways that work here."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    argv = ["--out", str(tmp_path / "gpu"), "--device", "cuda", "--variants", "gpt", "--corpora", "stdlib",
+            "--no-probe", "--budget-scale", "0.05"]  # a given scale: no search for the one that fits
+    assert ladder.main([*argv, "--plan-only"]) == 0
+    printed = capsys.readouterr().out
+    assert "H200 estimate:" in printed and "no CUDA device here" in printed
+    assert ladder.main(argv) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "torch sees no CUDA device" in error and "--plan-only" in error
