@@ -292,3 +292,38 @@ def test_a_generation_budget_past_half_the_context_keeps_half_for_the_prompt(lm,
 def test_a_continuation_longer_than_the_context_is_refused_not_scored_in_part(lm):
     with pytest.raises(latentloop.ConfigError, match="longer than the model's context"):
         lm.loglikelihood([request("a", "b" * (lm.max_length + 5))], disable_tqdm=True)
+
+
+def test_the_entry_point_finds_the_bundled_tasks_and_names_bad_input_in_one_line(monkeypatch, capsys):
+    """`latentloop-lm-eval`: the bundled tasks' folder is added as --include_path wherever the package
+    is installed (the documented relative path found nothing outside a checkout), a user's own one
+    replaces it; a run that is not there and a task lm-eval does not know are one line and exit 2
+    (a CheckpointError's traceback before); any other error is lm-eval's own."""
+    lm_eval_main = pytest.importorskip("lm_eval.__main__")
+    from latentloop.errors import CheckpointError
+
+    seen: list[list[str]] = []
+    failure: list[BaseException] = []
+
+    def cli_evaluate():
+        seen.append(list(lm_eval_adapter.sys.argv[1:]))
+        if failure:
+            raise failure[0]
+
+    monkeypatch.setattr(lm_eval_main, "cli_evaluate", cli_evaluate)
+    monkeypatch.setattr(lm_eval_adapter.sys, "argv", ["latentloop-lm-eval"])
+    assert lm_eval_adapter.main(["--model", "latentloop", "--tasks", "latentloop_copa"]) == 0
+    assert seen[-1] == ["--model", "latentloop", "--tasks", "latentloop_copa", "--include_path",
+                        str(lm_eval_adapter.TASKS_DIR)]
+    assert any(lm_eval_adapter.TASKS_DIR.glob("*.yaml"))
+    assert lm_eval_adapter.main(["--tasks", "mine", "--include_path=/my/tasks"]) == 0
+    assert seen[-1] == ["--tasks", "mine", "--include_path=/my/tasks"]
+    for error, words in ((CheckpointError("no run or checkpoint at runs/nosuch"), "no run or checkpoint"),
+                         (ValueError("Tasks not found: nosuch"), "Tasks not found: nosuch")):
+        failure[:] = [error]
+        assert lm_eval_adapter.main(["--tasks", "nosuch"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and words in err and err.startswith("latentloop: error: ")
+    failure[:] = [ValueError("something else")]
+    with pytest.raises(ValueError, match="something else"):
+        lm_eval_adapter.main(["--tasks", "x"])

@@ -163,6 +163,11 @@ def test_the_sdist_and_the_wheel_carry_the_package_data(built):
         root = f"latentloop-{latentloop.__version__}/"
         members = {member.name.removeprefix(root) for member in sdist.getmembers()}
     assert [name for name in expected if name not in members] == []
+    # the license's text travels with every copy (MIT asks it); the sdist leaves out the tests, which
+    # read the repository around them and cannot run from it
+    assert any(name.endswith("licenses/LICENSE") for name in names) and "LICENSE" in members
+    assert metadata["License-Expression"] == "MIT"
+    assert not any(name.startswith("tests/") for name in members)
 
 
 WHEEL_STEPS = 3  # the demo's training steps per arch in the installed-wheel test: a few, as the issue asks

@@ -31,7 +31,8 @@ Requests:
   the engine, stopped at the end token or at the first `until` string, which is cut off.
 
 A local task YAML over a file of `../shared/data/eval` is in `latentloop/eval/lm_eval_tasks/`
-(use `--include_path` with that folder).
+(`TASKS_DIR`): `latentloop-lm-eval` adds it as `--include_path` unless given one; plain `lm_eval`
+needs `--include_path` with that folder.
 """
 
 from __future__ import annotations
@@ -46,12 +47,13 @@ from tqdm.auto import tqdm
 
 from ..archs import option_union
 from ..engine import fit_prompt, model_options
-from ..errors import ConfigError
-from ..util import warn_once
+from ..errors import ConfigError, LatentloopError
+from ..util import first_line, warn_once
 from .core import DEFAULT_BATCH_SIZE, score_continuations
 
 MODEL_NAME = "latentloop"
 TASKS_DIR = Path(__file__).resolve().parent / "lm_eval_tasks"
+LM_EVAL_UNKNOWN_TASKS = "Tasks not found"  # how lm-eval's ValueError for a task name it does not know begins
 
 try:  # lm_eval is optional: without it this module still imports (for docs and tests)
     from lm_eval.api.model import LM as _LMBase
@@ -284,12 +286,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from lm_eval.__main__ import cli_evaluate
 
-    if argv is not None:
-        sys.argv = [sys.argv[0], *argv]
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not any(arg == "--include_path" or arg.startswith("--include_path=") for arg in args):
+        # the bundled tasks wherever the package is installed (a path relative to the repository's
+        # root found nothing outside a checkout); a user's own --include_path replaces it
+        args += ["--include_path", str(TASKS_DIR)]
+    sys.argv = [sys.argv[0], *args]
     try:
         cli_evaluate()
-    except ConfigError as exc:
-        print(f"latentloop: error: {exc}", file=sys.stderr)
+    except LatentloopError as exc:  # a run that is not there, a bad option, data missing: one line
+        print(f"latentloop: error: {first_line(exc)}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        if not str(exc).startswith(LM_EVAL_UNKNOWN_TASKS):
+            raise
+        print(f"latentloop: error: {first_line(exc)} (the bundled tasks are in {TASKS_DIR}; `lm_eval --tasks list` "
+              f"lists the others)", file=sys.stderr)
         return 2
     return 0
 

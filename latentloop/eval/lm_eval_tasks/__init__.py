@@ -1,4 +1,5 @@
-"""Local lm-evaluation-harness tasks over the CORE jsonl files (`--include_path` this folder).
+"""Local lm-evaluation-harness tasks over the CORE jsonl files (`latentloop-lm-eval` includes this folder; plain
+`lm_eval` needs `--include_path` with it: `latentloop.eval.lm_eval_adapter.TASKS_DIR`).
 
 - `latentloop_copa` (multiple choice: loglikelihood of each choice),
 - `latentloop_lambada` (loglikelihood: perplexity and greedy accuracy of the last word),
