@@ -51,6 +51,8 @@ from ladder_fit import (  # noqa: E402
     size_trend,
 )
 
+from latentloop.util import write_text_atomic  # noqa: E402
+
 RULES = "logs/2026-12-05-ladder-rules.md"
 AMENDED_RULES = "logs/2026-12-05-ladder-rules-amended.md"
 ONE_METHOD_RULES = "logs/2026-12-06-ladder-rules-one-curve-method.md"  # written after the xs results
@@ -710,14 +712,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="the page to write (default: OUT/ladder.md); its plots go to figures/ladder beside "
                         "experiments/ when the page is in experiments/, else to OUT/figures")
     args = p.parse_args(argv)
+    if not any((args.out / "records").glob("*.json")):  # a mistyped --out wrote a page of "not run" over the real one
+        print(f"ladder_claims: error: no records in {args.out / 'records'}: --out names the ladder's folder "
+              f"(experiments/ladder-runs)", file=sys.stderr)
+        return 2
     records = load_records(args.out)
     page = args.write or args.out / "ladder.md"
     if page.resolve().parent == HERE:
         figures, link = HERE / "figures" / "ladder", "figures/ladder/"
     else:
         figures, link = page.parent / "figures", "figures/"
-    page.parent.mkdir(parents=True, exist_ok=True)
-    page.write_text(generate(records, figures, link, ladder.read_failures(args.out)))
+    write_text_atomic(page, generate(records, figures, link, ladder.read_failures(args.out)))
     print(f"wrote {page} from {len(records)} records")
     return 0
 

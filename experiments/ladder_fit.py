@@ -40,6 +40,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from latentloop.eval.stats import t_quantile  # noqa: E402
+from latentloop.util import pyplot, save_figure  # noqa: E402
 
 LEVEL = 0.95
 FLOPS_MATCH = 0.05  # isoFLOPs: training FLOPs within 5% (rules 4 and 5 refuse a pair further apart)
@@ -74,13 +75,16 @@ class Point:
 
 
 def load_records(out: Path) -> list[dict[str, Any]]:
+    """The finished runs' records under OUT/records; one that does not read is named on stderr and
+    left out (it was skipped silently), an unfinished one left out."""
     records = []
     for path in sorted((out / "records").glob("*.json")):
         try:
             record = json.loads(path.read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError) as exc:
+            print(f"warning: {path} does not read as a record ({type(exc).__name__}): left out", file=sys.stderr)
             continue
-        if record.get("complete"):
+        if isinstance(record, dict) and record.get("complete"):
             records.append(record)
     return records
 
@@ -779,14 +783,11 @@ def plot_curves(points: Sequence[Point], corpus: str, optimizer: str, path: Path
     """BPB against training FLOPs (top row) and tokens (bottom row), one column per size, one line
     per variant (the seed mean of its decayed points), a band from the lowest to the highest seed,
     and the trunk's stable-phase points dotted. False without matplotlib or points."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.ticker import NullFormatter, ScalarFormatter
-    except ImportError:
+    plt = pyplot(f"the ladder's figure {path.name}")
+    if plt is None:
         return False
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
     where = _column(corpus, optimizer, spec)
     mine = select(points, decayed=False, **where)
     if not mine:
@@ -837,7 +838,5 @@ def plot_curves(points: Sequence[Point], corpus: str, optimizer: str, path: Path
              f"trunk before each decay)")
     fig.suptitle(textwrap.fill(title, int(TITLE_CHARS_PER_INCH * 4.2 * len(sizes))), fontsize=9)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
     return True

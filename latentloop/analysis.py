@@ -19,10 +19,10 @@ import torch
 from .archs import ARCHS, Analysis, AnalysisContext, get_arch, offering
 from .data import eval_batches
 from .data.chat import ChatData
-from .errors import ConfigError, OutputError
+from .errors import ConfigError
 from .runs import load_run
 from .runtime import eval_data, output_folder
-from .util import json_safe, progress, write_json_atomic
+from .util import json_safe, progress, pyplot, save_figure, write_json_atomic
 
 
 def available() -> dict[str, Analysis]:
@@ -97,19 +97,10 @@ def _save(checkpoint: Path, out: Path | None, name: str, result: dict[str, Any],
     write_json_atomic(folder / f"{name}.json", json_safe(result))
     if plot is None:
         return folder
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot(f"{name}.png")
+    if plt is None:
         return folder
     fig = plot(plt, result)
     fig.tight_layout()
-    try:
-        fig.savefig(folder / f"{name}.png", dpi=120)
-    except OSError as exc:
-        raise OutputError(f"cannot write {folder / f'{name}.png'}: {exc.strerror or exc}") from None
-    finally:
-        plt.close(fig)
+    save_figure(fig, folder / f"{name}.png", dpi=120)
     return folder

@@ -10,7 +10,6 @@ The loss is logged often enough for `CURVE_POINTS` points per curve.
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ from .archs import ARCHS, get_arch, scoring_notes
 from .config import DataConfig, RunConfig, TrainConfig, model_config
 from .engine import generate
 from .errors import ConfigError, LatentloopError, OutputError
+from .util import pyplot, save_figure, write_json_atomic, write_text_atomic
 
 DEMO_MARKER = "demo.json"  # a folder holding this file was written by the demo and may be replaced
 REPORT, PLOT = "report.md", "loss.png"  # what else it writes beside the marker: a folder per arch
@@ -112,7 +112,7 @@ def run_demo(out: Path, steps: int = DEMO_STEPS, data: str = "stdlib", preset: s
                for arch in archs}
     _check_data(configs, progress)
     _prepare_folder(out)
-    (out / DEMO_MARKER).write_text(json.dumps({"status": "running", "archs": archs}) + "\n")
+    write_json_atomic(out / DEMO_MARKER, {"status": "running", "archs": archs})
     results = []
     started = time.perf_counter()
     for number, arch in enumerate(archs, start=1):
@@ -179,12 +179,8 @@ def _table(results: list[dict[str, Any]]) -> str:
 
 
 def _plot(out: Path, results: list[dict[str, Any]]) -> str | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()  # without it the report says how to get the plot
+    if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in results:
@@ -198,8 +194,7 @@ def _plot(out: Path, results: list[dict[str, Any]]) -> str | None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / PLOT, dpi=120)
-    plt.close(fig)
+    save_figure(fig, out / PLOT, dpi=120)
     return PLOT
 
 
@@ -237,8 +232,8 @@ def _write_report(out: Path, results: list[dict[str, Any]], data: str, preset: s
     parts.append(f"![loss]({plot})\n" if plot else "(install the `plot` extra for a loss plot)\n")
     for r in results:
         parts += [f"## {r['arch']} sample\n", "```", r["sample"], "```", ""]
-    (out / REPORT).write_text("\n".join(parts))
+    write_text_atomic(out / REPORT, "\n".join(parts))
     slim = [{k: v for k, v in r.items() if k != "history"} for r in results]
-    (out / DEMO_MARKER).write_text(json.dumps({"status": "done", "results": slim}, indent=2) + "\n")
+    write_json_atomic(out / DEMO_MARKER, {"status": "done", "results": slim})
     print(table)
     print(f"report: {out / REPORT}")

@@ -269,6 +269,63 @@ def write_json_atomic(path: Path, payload: Any, indent: int = 2) -> None:
         raise
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+    """`write_json_atomic` for text (a report, a page): the old file or the new one, never half of it."""
+    _write_atomic(Path(path), lambda f: f.write(text.encode()))
+
+
+def save_figure(fig, path: Path, dpi: int) -> None:
+    """Save a matplotlib figure as `write_json_atomic` writes (a reader never sees half a PNG), then
+    close it; the format is the path's suffix."""
+    path = Path(path)
+    try:
+        _write_atomic(path, lambda f: fig.savefig(f, dpi=dpi, format=path.suffix.lstrip(".") or "png"))
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+
+
+def _write_atomic(path: Path, write) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        give_default_mode(tmp)
+        os.replace(tmp, path)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+PLOT_EXTRA = "pip install 'latentloop[plot]'"
+
+
+def pyplot(what: str | None = None):
+    """matplotlib's pyplot on the Agg backend (files, no screen), or None where matplotlib is not
+    installed; then, when `what` names the plot, one line on stderr says it was not drawn and how to
+    get it (the plot was skipped silently)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        if what is not None:
+            print(f"note: matplotlib is not installed: {what} not drawn ({PLOT_EXTRA})", file=sys.stderr)
+        return None
+    return plt
+
+
 def read_json_object(path: Path | str) -> dict[str, Any]:
     """A JSON file's object, or {} where the file is missing, does not read (not UTF-8, not JSON,
     nested past the parser's recursion) or holds something other than an object: for a reader that

@@ -192,3 +192,18 @@ def test_seeds_share_one_flops_count_and_variants_one_note(tmp_path, monkeypatch
     assert "reading runs" in capsys.readouterr().err
     compare.compare_runs(paths[:1], tmp_path / "quiet")
     assert "reading runs" not in capsys.readouterr().err
+
+
+def test_a_seed_without_validation_points_is_left_out_of_its_groups_curve_and_named(tmp_path):
+    """One seed's empty or cut log: its group's curve is over the seeds that logged (the mean over
+    the points every seed reached was over none: the group read "train only"), and a note names it."""
+    pytest.importorskip("matplotlib")
+    paths = [make_run(tmp_path / f"r-s{seed}", "gpt", [3.0 + seed, 2.0 + seed], seed=seed) for seed in range(3)]
+    runs = [compare.read_run(p) for p in paths]
+    compare._labels(runs)
+    (members,) = compare.seed_groups(runs).values()
+    members[2]["val"] = []  # its metrics.jsonl held no validation line
+    xs, mean, _ = compare.group_curve(members[:2], "tokens", "val_bpb")
+    plots, notes = compare.plot_losses(runs, tmp_path, {"r": members})
+    assert plots == ["loss_vs_tokens.png", "loss_vs_flops.png"] and xs and len(mean) == 2
+    assert notes == [f"{members[2]['label']}: no validation points logged, left out of r's curve"]

@@ -1279,3 +1279,16 @@ def test_the_gpu_ladder_without_cuda_plans_or_says_why_not(tmp_path, capsys, mon
     assert ladder.main(argv) == 2
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "torch sees no CUDA device" in error and "--plan-only" in error
+
+
+def test_the_claims_page_refuses_a_folder_without_records_and_names_a_broken_record(tmp_path, capsys):
+    """A mistyped --out wrote a page of "not run" verdicts (over the real page, with --write) and
+    exited 0; now it is one line and exit 2, the page untouched. A record that does not read is named."""
+    page = tmp_path / "LADDER.md"
+    page.write_text("the real page\n")
+    assert ladder_claims.main(["--out", str(tmp_path / "nonexist"), "--write", str(page)]) == 2
+    assert "no records in" in capsys.readouterr().err and page.read_text() == "the real page\n"
+    (tmp_path / "runs" / "records").mkdir(parents=True)
+    (tmp_path / "runs" / "records" / "broken.json").write_text("{not json")
+    assert ladder_fit.load_records(tmp_path / "runs") == []
+    assert "broken.json does not read as a record" in capsys.readouterr().err

@@ -148,3 +148,31 @@ def test_compare_reads_an_older_checkpoints_data_when_the_newest_state_nests_too
     (older / "state.json").write_text(json.dumps({"data": {"train": "abc"}, "data_source": "text:/x"}))
     found = _recorded_data(tmp_path, RunConfig())
     assert found["sha256"] == {"train": "abc"} and found["source"] == "text:/x"
+
+
+def test_a_figure_is_saved_whole_or_not_at_all_and_a_missing_matplotlib_is_said(tmp_path, monkeypatch, capsys):
+    """`save_figure` replaces the file only once the new one is written (a reader never sees half a
+    PNG; a failed save leaves the old one and no temporary file); `pyplot(what)` without matplotlib
+    says on stderr what was not drawn and which extra draws it (analyze's plots were skipped silently)."""
+    import sys
+
+    pytest.importorskip("matplotlib")
+    from latentloop.util import pyplot, save_figure
+
+    plt = pyplot()
+    path = tmp_path / "plot.png"
+    fig, ax = plt.subplots()
+    ax.plot([1, 2], [3, 4])
+    save_figure(fig, path, dpi=50)
+    old = path.read_bytes()
+    assert old.startswith(b"\x89PNG")
+    fig, _ = plt.subplots()
+    monkeypatch.setattr(fig, "savefig", lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("disk gone")))
+    with pytest.raises(RuntimeError, match="disk gone"):
+        save_figure(fig, path, dpi=50)
+    assert path.read_bytes() == old and sorted(p.name for p in tmp_path.iterdir()) == ["plot.png"]
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert pyplot("depth.png") is None
+    err = capsys.readouterr().err
+    assert "depth.png not drawn" in err and "latentloop[plot]" in err
+    assert pyplot() is None and capsys.readouterr().err == ""

@@ -249,14 +249,12 @@ def _position_base(args, checkpoint, model, tokenizer=None):
 def _plot_by_position(result: dict, args, checkpoint) -> Path | None:
     """RUN/evals/loss_by_position.png: the loss per position range of the run and of its base; None
     without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
     from ..eval.suite import EVALS_DIR, run_folder
+    from ..util import pyplot, save_figure
+
+    plt = pyplot("loss_by_position.png")
+    if plt is None:
+        return None
 
     folder = run_folder(args.run, checkpoint) / EVALS_DIR
     try:
@@ -278,8 +276,7 @@ def _plot_by_position(result: dict, args, checkpoint) -> Path | None:
     ax.legend(fontsize=8)
     fig.tight_layout()
     path = folder / "loss_by_position.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
     return path
 
 

@@ -43,7 +43,7 @@ from ..archs import scoring_notes
 from ..config import RunConfig
 from ..errors import CheckpointError, ConfigError, LatentloopError
 from ..runtime import check_output_folder, output_folder
-from ..util import is_int, json_safe, progress, read_json_object
+from ..util import PLOT_EXTRA, is_int, json_safe, progress, pyplot, read_json_object, save_figure, write_text_atomic
 from .core import CORE_TASKS
 from .stats import format_comparison, seed_rows
 
@@ -486,13 +486,9 @@ def plot_losses(runs: list[dict], out: Path, groups: dict[str, list[dict]] | Non
     """Write loss_vs_tokens.png and loss_vs_flops.png: each group's validation curve (BPB where
     logged; a group of seeds as its mean with a ± sd band) and each run's training loss (thin, on
     a second axis); returns (file names, notes)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return [], ["matplotlib is not installed: plots skipped (pip install 'latentloop[plot]')"]
+    plt = pyplot()
+    if plt is None:
+        return [], [f"matplotlib is not installed: plots skipped ({PLOT_EXTRA})"]
     written: list[str] = []
     notes: list[str] = []
     groups = groups or {run["label"]: [run] for run in runs}
@@ -518,12 +514,18 @@ def plot_losses(runs: list[dict], out: Path, groups: dict[str, list[dict]] | Non
                 if train and per_token:
                     train_ax.plot(*zip(*train), color=color, alpha=0.25, linewidth=0.8)
                     drawn = True
-            plotted = [m for m in members if per_token or any(row.get(metric) is not None for row in m["val"])]
+            # a seed with no validation point (an empty or cut log) left out of its group's curve, said:
+            # the group's mean ran over the points every seed reached, which were then none
+            plotted = [m for m in members if any(row.get(metric) is not None for row in m["val"])]
+            if plotted and len(plotted) < len(members):
+                note = (f"{', '.join(m['label'] for m in members if m not in plotted)}: no validation points "
+                        f"logged, left out of {name}'s curve")
+                notes += [note] if note not in notes else []
             xs, mean, sd = group_curve(plotted, key, metric) if plotted else ([], [], [])
-            seeds = f", {len(members)} seeds, ± sd" if len(members) > 1 else ""
+            seeds = f", {len(plotted)} seeds, ± sd" if len(plotted) > 1 else ""
             if xs:
                 ax.plot(xs, mean, color=color, marker="o", label=f"{name} ({members[0]['arch']}{seeds})")
-                if len(members) > 1:
+                if len(plotted) > 1:
                     ax.fill_between(xs, np.subtract(mean, sd), np.add(mean, sd), color=color, alpha=0.2)
                 drawn = True
             elif drawn:
@@ -542,8 +544,7 @@ def plot_losses(runs: list[dict], out: Path, groups: dict[str, list[dict]] | Non
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
-        fig.savefig(out / filename, dpi=120)
-        plt.close(fig)
+        save_figure(fig, out / filename, dpi=120)
         written.append(filename)
     return written, notes
 
@@ -612,10 +613,10 @@ def compare_runs(paths: list[str | Path], out: str | Path = "compare", baseline:
     parts += [f"_{note}_" for note in notes]
     markdown = "\n".join(parts).rstrip() + "\n"
     report = out / "compare.md"
-    report.write_text(markdown)
+    write_text_atomic(report, markdown)
     slim = [{k: v for k, v in r.items() if k not in ("train", "val", "recipe", "group_key", "data_key")} for r in runs]
     payload = json_safe({"runs": slim, "groups": seed_summary, "baseline": baseline})  # strict JSON: NaN as null
-    (out / "compare.json").write_text(json.dumps(payload, indent=2, default=str, allow_nan=False) + "\n")
+    write_text_atomic(out / "compare.json", json.dumps(payload, indent=2, default=str, allow_nan=False) + "\n")
     return {"markdown": "\n\n".join(p for p in (table, seeds_table, tasks) if p), "report": str(report),
             "plots": plots, "notes": notes, "runs": slim, "groups": seed_summary, "baseline": baseline}
 
