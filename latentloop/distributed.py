@@ -35,6 +35,7 @@ from .util import first_line
 DIST_TIMEOUT_ENV = "LATENTLOOP_DIST_TIMEOUT"  # seconds a collective waits for the other processes
 # torch's own default for NCCL groups: long enough for a first torch.compile or a large save on rank 0
 DEFAULT_DIST_TIMEOUT_S = 1800.0
+THREAD_JOIN_S = 30.0  # how long the exit waits for each non-daemon thread still running (`exit_without_finalizing`)
 # How long the processes wait for each other in a phase one of them does alone or first (`agree`,
 # `in_turns`, `on_main`): rank 0 tokenizing a large dataset, or hashing and writing a large
 # checkpoint, may take far longer than any training collective should wait (a rank that dies ends
@@ -192,9 +193,15 @@ def exit_without_finalizing(code: int) -> NoReturn:
     import atexit
     import threading
 
-    for thread in threading.enumerate():  # what Python's exit waits for first (its threading._shutdown)
+    # Python's exit (threading._shutdown) first tells the thread pools to stop (concurrent.futures
+    # registers that with threading, not atexit: inductor's compile workers wait on their queue for
+    # good otherwise), then joins the non-daemon threads: joined without it, every torchrun job with
+    # train.compile=true hung after its last checkpoint
+    for stop_pool in reversed(getattr(threading, "_threading_atexits", [])):
+        stop_pool()
+    for thread in threading.enumerate():
         if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+            thread.join(THREAD_JOIN_S)  # bounded all the same: os._exit ends a thread that stays
     atexit._run_exitfuncs()  # e.g. the chat template workers' pool stops its processes
     for stream in (sys.stdout, sys.stderr):
         try:

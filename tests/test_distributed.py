@@ -554,3 +554,23 @@ def test_a_damaged_sharded_checkpoint_ends_a_torchrun_resume_with_one_line(corpu
     assert result.returncode != 0 and len(lines) == 1 and f"{path} {reason}" in lines[0], result.stderr[-2000:]
     workers = result.stderr.split("failed (exitcode")[0]  # what the processes printed before torchrun's report
     assert "exitcode  : 2" in result.stderr and "Traceback" not in result.stdout + workers
+
+
+POOL_EXIT_TIMEOUT_S = 120  # the process's start (importing torch) on 2 busy cores; the exit itself is instant
+
+
+def test_the_exit_under_torchrun_stops_thread_pools_before_joining_threads(tmp_path):
+    """`exit_without_finalizing` stops concurrent.futures' pools as Python's own exit does before it
+    joins the non-daemon threads: a pool's idle worker (inductor's compile workers, after any
+    compiled step) was joined for good, and every torchrun job with train.compile=true hung after
+    its last checkpoint."""
+    script = tmp_path / "pool_exit.py"
+    script.write_text("from concurrent.futures import ThreadPoolExecutor\n"
+                      "from latentloop.distributed import exit_without_finalizing\n"
+                      "pool = ThreadPoolExecutor(2)\n"
+                      "assert pool.submit(lambda: 41 + 1).result() == 42\n"
+                      "print('done', flush=True)\n"
+                      "exit_without_finalizing(3)\n")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            timeout=POOL_EXIT_TIMEOUT_S)
+    assert result.returncode == 3 and result.stdout == "done\n", result.stderr[-2000:]
