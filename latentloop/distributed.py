@@ -77,6 +77,16 @@ def launch_env() -> tuple[int, int, int]:
     return rank, local_rank, world_size
 
 
+TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"  # set by torchrun (torch.distributed.run) in every process it starts
+
+
+def a_peer_of_torchrun() -> bool:
+    """Whether torchrun started this process and it is not rank 0: a process whose errors before
+    the process group rank 0 says alike. RANK set by hand outside torchrun is no such process: its
+    errors were silenced with nobody left to print them."""
+    return bool(os.environ.get(TORCHRUN_ENV)) and os.environ.get("RANK", "0") not in ("", "0")
+
+
 def in_process_group() -> bool:
     """Whether this process has joined a process group (and not left it)."""
     return dist.is_available() and dist.is_initialized()
@@ -148,8 +158,15 @@ def init_distributed(strategy: str, device_name: str) -> tuple[DistEnv, torch.de
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = dist_timeout()
-        if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:  # torchrun's rendezvous (env://)
-            dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+        # torchrun's rendezvous (env://): every variable it reads is set (a shell's leftover MASTER_ADDR
+        # and MASTER_PORT alone took this path and ended in torch's ValueError traceback)
+        if all(os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")):
+            try:
+                dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+            except dist.DistError as exc:  # the others never came: one line, not torch's traceback
+                raise ConfigError(f"the process group at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} "
+                                  f"did not form within {timeout.total_seconds():g} s (${DIST_TIMEOUT_ENV}): "
+                                  f"{first_line(exc)}") from None
         elif world_size == 1:  # no launcher: a group of one, in this process's memory
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         else:

@@ -417,6 +417,7 @@ def test_an_error_before_the_processes_connect_is_printed_by_rank_0_only(corpus,
     argv = ["train", "--arch", "gpt", "--preset", "test", "--data", f"text:{corpus}", "--steps", "2",
             "--set", "train.strategy=none", "--out", str(tmp_path / "run")]  # told: one process
     printed = {}
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")  # what torchrun sets in every process it starts
     for rank in (0, 1):
         monkeypatch.setenv("RANK", str(rank))
         monkeypatch.setenv("LOCAL_RANK", str(rank))
@@ -424,9 +425,42 @@ def test_an_error_before_the_processes_connect_is_printed_by_rank_0_only(corpus,
         capsys.readouterr()
         assert main(argv) == 2
         printed[rank] = capsys.readouterr().err.strip().splitlines()
-    assert printed == {0: ["latentloop: error: started as 2 processes (torchrun) but train.strategy is none: set "
-                           "--set train.strategy=ddp or fsdp2 (or auto, the default: ddp under torchrun)"], 1: []}
+    said = "latentloop: error: started as 2 processes (torchrun) but train.strategy is none: set --set " \
+           "train.strategy=ddp or fsdp2 (or auto, the default: ddp under torchrun)"
+    assert printed == {0: [said], 1: []}
     assert not (tmp_path / "run").exists()
+    # so is a usage mistake, which argparse finds on every process alike
+    for rank, expected in ((1, ""), (0, "latentloop: error: argument --steps")):
+        monkeypatch.setenv("RANK", str(rank))
+        with pytest.raises(SystemExit) as usage:
+            main(["train", "--steps", "abc", "--out", str(tmp_path / "run")])
+        assert usage.value.code == 2 and capsys.readouterr().err.startswith(expected)
+    # RANK set by hand, not by torchrun: no rank 0 will speak, so this process does (it exited 2 silently)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    monkeypatch.setenv("RANK", "1")
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [said]
+
+
+def test_a_launch_half_set_or_never_formed_is_one_line(corpus, tmp_path, monkeypatch, capsys):
+    """MASTER_ADDR / MASTER_PORT left in a shell without RANK / WORLD_SIZE: one process, as without
+    them (torch's ValueError traceback before); a rendezvous whose other processes never come: one
+    line naming the address and the timeout, after it (torch's DistStoreError traceback)."""
+    port = _free_port()
+    argv = ["train", "--arch", "gpt", "--preset", "test", "--data", f"text:{corpus}", "--steps", "1",
+            "--set", "train.strategy=ddp", "--set", "train.eval_every=0", "--no-progress"]
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    assert main([*argv, "--out", str(tmp_path / "alone")]) == 0
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LATENTLOOP_DIST_TIMEOUT", "2")
+    capsys.readouterr()
+    assert main([*argv, "--out", str(tmp_path / "waiting")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"the process group at 127.0.0.1:{port} did not form within 2 s" in err[0], err
 
 
 def test_a_run_keeps_the_strategy_as_given_in_its_config(corpus, tmp_path):

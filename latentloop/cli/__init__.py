@@ -30,15 +30,13 @@ COMMANDS = {"train": cmd_train, "eval": cmd_eval, "generate": cmd_generate, "tok
 
 def _report(exc: LatentloopError) -> None:
     """Print a user error's line, once per job (see the module docstring)."""
-    import os
-
-    from ..distributed import current_dist
+    from ..distributed import a_peer_of_torchrun, current_dist
 
     env = current_dist()
     shared, own = getattr(exc, "shared", False), getattr(exc, "rank_specific", False)
     if shared and not env.is_main:
         return  # every process has it; rank 0 prints it
-    if not env.distributed and os.environ.get("RANK", "0") not in ("", "0") and not own:
+    if not env.distributed and a_peer_of_torchrun() and not own:
         return  # before the process group: torchrun started every process alike, and rank 0 fails alike
     prefix = f"rank {env.rank}: " if env.world_size > 1 and not env.is_main and not shared else ""
     print(f"latentloop: error: {prefix}{exc}", file=sys.stderr)

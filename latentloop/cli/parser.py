@@ -27,7 +27,11 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but a usage mistake is one line (the default prints the whole usage first)."""
 
     def error(self, message: str):
-        self.exit(EXIT_USAGE, f"latentloop: error: {message} (see '{self.prog} --help')\n")
+        from ..distributed import a_peer_of_torchrun
+
+        # under torchrun every process parses the same line: rank 0 says the mistake, once
+        said = f"latentloop: error: {message} (see '{self.prog} --help')\n"
+        self.exit(EXIT_USAGE, None if a_peer_of_torchrun() else said)
 
 
 def _int_at_least(minimum: int, description: str):
