@@ -327,3 +327,45 @@ def test_the_entry_point_finds_the_bundled_tasks_and_names_bad_input_in_one_line
     failure[:] = [ValueError("something else")]
     with pytest.raises(ValueError, match="something else"):
         lm_eval_adapter.main(["--tasks", "x"])
+
+
+def test_model_args_name_the_batch_size_and_device_beside_lm_evals_own(tiny_run, monkeypatch):
+    """lm-eval passes its --batch_size / --device to the constructor as well: model_args naming them
+    was a TypeError's traceback; now model_args wins and lm-eval's fill in the rest. Its default device
+    cuda:0 falls back to the CPU where there is none; a named device that is not there is refused;
+    --apply_chat_template is one line before any request; an unseeded sampled generation draws from
+    the seed lm-eval's --seed gave torch."""
+    pytest.importorskip("lm_eval")
+    run = tiny_run("gpt")
+    lm = LatentloopLM.create_from_arg_string(f"pretrained={run},batch_size=3,device=cpu",
+                                             {"batch_size": 1, "max_batch_size": None, "device": "cuda:0"})
+    assert lm.batch_size_rows == 3 and next(lm.model.parameters()).device.type == "cpu"
+    lm = LatentloopLM.create_from_arg_string(f"pretrained={run}", {"batch_size": 2, "device": "cuda:0"})
+    assert lm.batch_size_rows == 2
+    if not torch.cuda.is_available():
+        with pytest.raises(latentloop.ConfigError, match="cuda:1"):
+            LatentloopLM.create_from_arg_string(f"pretrained={run}", {"device": "cuda:1"})
+    with pytest.raises(latentloop.ConfigError, match="--apply_chat_template is not supported"):
+        lm.chat_template(True)
+    assert lm.chat_template(False) == ""
+    prompt = [("1+1=", {"until": ["\n"], "max_gen_toks": 8, "do_sample": True, "temperature": 1.0})]
+    draws = {}
+    for seed in (1, 2, 1):
+        torch.manual_seed(seed)  # what lm-eval's --seed does
+        draws.setdefault(seed, []).append(lm.generate_until([request(*p) for p in prompt]))
+    assert draws[1][0] == draws[1][1] != draws[2][0]
+
+
+def test_a_named_eval_dir_is_the_only_place_looked(tmp_path, monkeypatch):
+    """--metadata eval_dir that lacks the file is an error naming it (the search went on to the cached
+    bundle and scored other data, exit 0); without one, the fallbacks are searched."""
+    from latentloop.errors import DataError
+    from latentloop.eval.lm_eval_tasks import utils
+
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "copa.jsonl").write_text("{}\n")
+    assert utils.eval_file("copa.jsonl", str(tmp_path / "mine")) == tmp_path / "mine" / "copa.jsonl"
+    monkeypatch.setenv("LATENTLOOP_EVAL_DIR", str(tmp_path / "mine"))
+    with pytest.raises(DataError, match="not found in eval_dir"):
+        utils.eval_file("copa.jsonl", str(tmp_path / "empty"))
+    assert utils.eval_file("copa.jsonl") == tmp_path / "mine" / "copa.jsonl"

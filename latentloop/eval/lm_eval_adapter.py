@@ -66,15 +66,19 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     LM_EVAL_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"  # why, for the message (installed but broken)
 
 
+LM_EVAL_DEFAULT_DEVICE = "cuda:0"  # what lm-eval's command line passes when --device is not given
+
+
 def _available_device(name: str | None):
-    """The device asked for; lm-eval's default `cuda:0` falls back to the CPU where there is no GPU."""
+    """The device asked for; lm-eval's default `cuda:0` falls back to the CPU, silently, where there
+    is no GPU. Any other device that is not there is refused (`resolve_device`), a cuda one included:
+    it ran on the CPU, where a named mps was refused."""
     import torch
 
     from ..runtime import resolve_device
 
     name = name or "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        print(f"latentloop: device {name!r} is not available, using the CPU", file=sys.stderr)
+    if name == LM_EVAL_DEFAULT_DEVICE and not torch.cuda.is_available():
         name = "cpu"
     return resolve_device(name)
 
@@ -129,6 +133,34 @@ class LatentloopLM(_LMBase):
             self.batch_size_rows = min(self.batch_size_rows, _positive("max_batch_size", max_batch_size))
         self.max_gen_toks = _positive("max_gen_toks", max_gen_toks)
         self.max_length = int(model.config.sequence_len)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> LatentloopLM:
+        """lm-eval's constructor call: `--model_args` with its own `--batch_size`, `--max_batch_size`
+        and `--device` where model_args does not name them (lm-eval passes both: batch_size=4 or
+        device=cpu in model_args was a TypeError's traceback)."""
+        from lm_eval.utils import simple_parse_args_string
+
+        args = simple_parse_args_string(arg_string)
+        given = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in args}
+        return cls(**args, **given)
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        """lm-eval asks for it with --apply_chat_template, before any request: refused in one line
+        (its default NotImplementedError was a traceback after the model had loaded)."""
+        if chat_template:
+            raise ConfigError("--apply_chat_template is not supported by the latentloop adapter (it scores raw "
+                              "text); for an SFT run's chat format, serve it and use lm-eval's "
+                              "local-chat-completions model against `latentloop serve`")
+        return ""
+
+    @staticmethod
+    def _seed() -> int:
+        """A sampled generation's seed where gen_kwargs gives none: the one lm-eval's --seed gave torch
+        (it seeds torch's global generator; a fixed 0 made every run draw alike whatever --seed said)."""
+        import torch
+
+        return torch.initial_seed() % (2**63)
 
     # -- lm-eval bookkeeping ----------------------------------------------------------------
     @property
@@ -255,7 +287,7 @@ class LatentloopLM(_LMBase):
                    for context in contexts]
         generations = generate_texts(self.model, self.tokenizer, prompts, new_tokens, stops=[s for s in stops if s],
                                      options=self.options, temperature=temperature, top_p=gen_kwargs.get("top_p"),
-                                     top_k=gen_kwargs.get("top_k"), seed=int(gen_kwargs.get("seed", 0)),
+                                     top_k=gen_kwargs.get("top_k"), seed=int(gen_kwargs.get("seed", self._seed())),
                                      batch_size=max(1, len(prompts)), seed_offsets=indices)
         return [generation.text for generation in generations]
 
