@@ -509,3 +509,24 @@ def test_a_chat_format_that_refuses_the_first_message_says_so_without_blaming_sy
         _check_chat_start(Refusing(), [], 8, 64)
     with pytest.raises(LatentloopError, match="^--system is not a usable system message"):
         _check_chat_start(Refusing(), [{"role": "system", "content": "x"}], 8, 64)
+
+
+def test_ctrl_c_during_a_reply_stops_the_reply_not_the_session(chat_run, monkeypatch, capsys):
+    """Ctrl+C while a reply streams ended the whole session (exit 130, the conversation lost): it
+    stops that reply, which is kept as far as it went, and the session goes on."""
+    import io
+
+    sent: list[list[dict]] = []
+
+    def reply(model, tokenizer, messages, budget, **kwargs):
+        sent.append([dict(m) for m in messages])
+        yield "partial"
+        if len(sent) == 1:
+            raise KeyboardInterrupt  # the user's Ctrl+C, between two pieces
+
+    monkeypatch.setattr("latentloop.chat.stream_reply", reply)
+    monkeypatch.setattr("sys.stdin", io.StringIO("one\ntwo\n"))
+    assert main(["chat", str(chat_run)]) == 0
+    captured = capsys.readouterr()
+    assert "[stopped: the reply so far is kept" in captured.err
+    assert [m["content"] for m in sent[1]] == ["one", "partial", "two"]

@@ -193,6 +193,7 @@ def cmd_chat(args) -> int:
             continue
         messages.append({"role": "user", "content": text})
         pieces = []
+        stopped = False
         try:
             for piece in stream_reply(model, tokenizer, messages, budget, temperature=args.temperature,
                                       top_k=args.top_k, top_p=args.top_p, seed=_turn_seed(args.seed, replies),
@@ -205,8 +206,13 @@ def cmd_chat(args) -> int:
             messages.pop()
             print(f"[{exc}]", file=sys.stderr)
             continue
+        except KeyboardInterrupt:  # Ctrl+C during a reply stops the reply, not the session (at the prompt: quits)
+            stopped = True
         replies += 1
         sys.stdout.write("\n")
+        if stopped:
+            print("[stopped: the reply so far is kept; Ctrl+C at the prompt or /quit ends the session]",
+                  file=sys.stderr)
         reply = "".join(pieces)
         if reply.strip():
             messages.append({"role": "assistant", "content": reply})
