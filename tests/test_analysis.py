@@ -130,3 +130,25 @@ def test_analyze_takes_data_and_refuses_a_chat_run_in_one_line(tiny_run_copy, tm
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "trained on conversations" in err[0] and "--data" in err[0], err
     assert main(["analyze", "contraction", str(sft), "--passes", "2", "--json", "--data", "stdlib"]) == 0
+
+
+def test_rgpts_depth_plot_labels_its_units_and_an_undefined_correlation():
+    """The early-exit curve's axis names its unit, a correlation that does not exist (every token
+    exiting at one depth) reads n/a, not nan, and step axes tick at whole numbers."""
+    plt = pytest.importorskip("matplotlib.pyplot")
+    from latentloop.archs.rgpt.analyses import _plot
+
+    result = {"steps": [1, 2, 3], "loss": [3.0, 2.5, 2.4], "trained_steps": 2, "gate_mean_per_step": [0.5] * 3,
+              "openness_per_step": [0.1] * 3, "exit_depth_histogram": [0, 5, 0],
+              "spearman_exit_depth_vs_token_loss": float("nan")}
+    fig = _plot(plt, result)
+    try:
+        curve, _, depth = fig.axes[:3]
+        assert curve.get_ylabel() == "val loss (nats/token)"
+        assert depth.get_title() == "exit depth (Spearman vs loss n/a)"
+        fig.canvas.draw()
+        assert all(float(t).is_integer() for t in curve.get_xticks())
+        result["spearman_exit_depth_vs_token_loss"] = None  # as the JSON keeps it
+        assert _plot(plt, result).axes[2].get_title().endswith("n/a)")
+    finally:
+        plt.close("all")

@@ -4,6 +4,7 @@ correlates with each token's loss; for a run trained on a built-in task, its acc
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -79,7 +80,7 @@ def _plot(plt, r):
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(13, 4))
     a.plot(r["steps"], r["loss"], marker="o", label="val loss")
     a.axvline(r["trained_steps"], color="gray", ls="--", label="trained R")
-    a.set(xlabel="recurrence steps r", ylabel="val loss", title="early-exit curve")
+    a.set(xlabel="recurrence steps r", ylabel="val loss (nats/token)", title="early-exit curve")
     if "task_accuracy" in r:
         twin = a.twinx()
         intervals = r.get("task_accuracy_ci") or [None] * len(r["steps"])
@@ -95,10 +96,15 @@ def _plot(plt, r):
     b.set(xlabel="step", ylabel="value", title="gate and openness per step")
     b.legend()
     c.bar(r["steps"], r["exit_depth_histogram"])
-    c.set(xlabel="adaptive exit depth", ylabel="tokens",
-          title=f"exit depth (Spearman vs loss {r['spearman_exit_depth_vs_token_loss']:.2f})")
+    rho = r["spearman_exit_depth_vs_token_loss"]
+    # undefined where every token exits at one depth (NaN, null in the JSON): said so, not "nan"
+    shown = "n/a" if rho is None or math.isnan(rho) else f"{rho:.2f}"
+    c.set(xlabel="adaptive exit depth", ylabel="tokens", title=f"exit depth (Spearman vs loss {shown})")
+    from matplotlib.ticker import MaxNLocator
+
     for axis in (a, b, c):
         axis.grid(alpha=0.3)
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps and depths are whole numbers
     return fig
 
 
