@@ -467,6 +467,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                    "decode_batch", "naive_tokens", "repeats"))
     if args.warmup_steps < 0:
         p.error("--warmup-steps must be >= 0")
+    if args.compile and args.warmup_steps < 1:  # else the first round times the compile
+        p.error("--compile needs --warmup-steps >= 1: the first call compiles, and it must not be timed")
     require_threads(p, args)
     return args
 

@@ -56,7 +56,16 @@ def require_at_least_one(parser: argparse.ArgumentParser, args: argparse.Namespa
     """parser.error for the first of the named integer arguments that is below 1."""
     for name in names:
         if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+            parser.error(f"{flag_of(parser, name)} must be >= 1")
+
+
+def flag_of(parser: argparse.ArgumentParser, dest: str) -> str:
+    """The flag a user types for the argument stored as `dest` (fast_training's --rounds is stored
+    as train_steps: its error named a --train-steps that does not exist)."""
+    for action in parser._actions:
+        if action.dest == dest and action.option_strings:
+            return max(action.option_strings, key=len)
+    return f"--{dest.replace('_', '-')}"
 
 
 def require_threads(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

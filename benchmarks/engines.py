@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import statistics
@@ -853,8 +854,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write all results as JSON")
     args = p.parse_args(argv)
-    if args.settle < 0:
-        p.error(f"--settle must be >= 0, got {args.settle}")
+    if not (math.isfinite(args.settle) and args.settle >= 0):  # nan passed the check and failed in time.sleep
+        p.error(f"--settle must be a number of seconds >= 0, got {args.settle}")
     try:
         args.threads = comma_integers(args.threads, "--threads")
         args.prompt_len = comma_integers(args.prompt_len, "--prompt-len")

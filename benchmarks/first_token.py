@@ -136,6 +136,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown mode {unknown[0]!r}; choose from: {', '.join(MODES)}")
     require_at_least_one(p, args, ("prompt_len", "new_tokens", "threads"))
+    if args.prompt_len < len(PROMPT.encode()) + 1:  # the byte tokenizer's tokens, and BOS: it failed in the child
+        p.error(f"--prompt-len must be >= {len(PROMPT.encode()) + 1}: the prompt {PROMPT!r} is that many tokens "
+                f"with BOS")
     if args.warm < 0:
         p.error("--warm must be >= 0")
     return args

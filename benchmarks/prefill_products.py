@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import random
 import statistics
 import sys
 import tempfile
@@ -55,8 +56,10 @@ def paired(variants: dict[str, Callable[[], object]], repeats: int,
         for fn in variants.values():
             fn()
     seconds: dict[str, list[float]] = {name: [] for name in variants}
+    order = list(variants.items())
     for _ in range(repeats):
-        for name, fn in variants.items():
+        random.shuffle(order)  # the kernel always ran first: whatever the first call of a round pays was its
+        for name, fn in order:
             if before is not None:
                 before()
             seconds[name].append(timed(fn))

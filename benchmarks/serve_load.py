@@ -114,6 +114,7 @@ DEFAULTS = {"presets": list(DEFAULT_PRESETS), "batching": list(DEFAULT_BATCHING)
             "decode": "auto", "new_tokens": AGAINST_NEW_TOKENS, "short": SHORT_PROMPT, "long": LONG_PROMPT}
 MIX_SIZE = 64  # distinct prompts in the request mix; request i takes prompt i % MIX_SIZE
 SPOT_CHECKS = 4  # greedy requests (the mix's first: short, long, short, long) whose tokens are compared
+AGAINST_REPEATS = 3  # default --repeats with --against: its ratios are paired over repeats, with an interval
 AGAINST_BUDGET_S = 540.0  # default --budget with --against: 18 cells (2 servers x 3 concurrencies x 3 repeats)
 TAIL_S = 120.0  # after a cell's seconds, how long its requests in flight may take to finish
 SETTLE_S = 1.0  # pause before each cell: the previous server's threads stop spinning
@@ -650,9 +651,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "unbatched: --max-batch-size 1)")
     p.add_argument("--threads", type=int, default=None,
                    help="every server's --threads (default: torch's choice, one per core)")
-    p.add_argument("--repeats", type=int, default=1,
+    p.add_argument("--repeats", type=int, default=None,
                    help="measure every cell this many times, the cells in a new order each time (the budget is "
-                        "shared by all); the table gives each cell's median and, with 2 or more, its range")
+                        "shared by all); the table gives each cell's median and, with 2 or more, its range "
+                        f"(default 1; with --against {AGAINST_REPEATS}, at least 2)")
     p.add_argument("--varied-lengths", action="store_true", default=None,
                    help=f"without --against: max_tokens cycles through {VARIED_TOKENS} instead of {NEW_TOKENS} "
                         "for every request")
@@ -691,8 +693,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--presets: unknown {unknown[0]!r}; choose from {', '.join(PRESETS)}")
     if max(args.concurrency) > BATCHED_ROWS or min(args.concurrency) < 1:
         p.error(f"concurrency must be in [1, {BATCHED_ROWS}]")
+    if args.repeats is None:
+        args.repeats = AGAINST_REPEATS if args.against else 1
     if args.repeats < 1 or (args.threads is not None and args.threads < 1):
         p.error("--repeats and --threads must be >= 1")
+    if args.against and args.repeats < 2:  # its figures are paired ratios with an interval, which one repeat lacks
+        p.error("--against compares latentloop with llama.cpp by paired repeats: give --repeats 2 or more")
     if min(args.new_tokens, args.short) < 1 or args.long < args.short:
         p.error("--new-tokens and --short must be >= 1, and --long >= --short")
     if args.budget is None:

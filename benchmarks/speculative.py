@@ -187,6 +187,8 @@ def _speedup(draft: dict[str, Any], baseline: str) -> str:
     ratios = draft.get(f"speedup_vs_{baseline}_all")
     if not ratios:
         return "—"
+    if not draft["greedy_equal"]:  # a faster path to other output is no speedup of this decode
+        return "— (greedy output differs: no speedup claimed)"
     overall = f"{draft[f'speedup_vs_{baseline}']:.2f}x"
     return overall if len(ratios) < 2 else f"{overall}; rounds: {describe_ratios(ratios)}"
 

@@ -130,6 +130,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--new-tokens must be >= 2 (latency is measured between the first and last token)")
     if args.warmup < 0 or args.train_warmup < 0:
         p.error("--warmup and --train-warmup must be >= 0")
+    if args.compile and args.warmup < 1:  # the compiled decode's first call compiles: never a timed one
+        p.error("--compile needs --warmup >= 1: the first call compiles, and it must not be timed")
     if args.rgpt_dim % args.rgpt_heads:
         p.error("--rgpt-dim must be divisible by --rgpt-heads")
     require_threads(p, args)

@@ -686,10 +686,16 @@ def test_ratio_interval_is_students_t():
     ("cpu_attention", ["--rounds", "0"], "--rounds must be >= 2"),
     ("cpu_attention", ["--tokens", "0"], "--tokens must be >= 1"),
     ("cpu_attention", ["--width", "0"], "--width must be >= 1"),
+    ("baseline", ["--compile", "--warmup-steps", "0"], "--compile needs --warmup-steps >= 1"),
+    ("variants", ["--compile", "--warmup", "0"], "--compile needs --warmup >= 1"),
+    ("fast_training", ["--rounds", "0"], "--rounds must be >= 1"),  # it named a --train-steps there is not
+    ("engines", ["--settle", "nan"], "--settle must be a number of seconds >= 0"),
+    ("first_token", ["--prompt-len", "1"], "--prompt-len must be >= 13"),  # it failed inside the child process
 ])
 def test_paired_benchmarks_refuse_too_few_rounds_and_empty_cells(module, argv, message, capsys):
     """A single round has no quartiles or interval (StatisticsError after all the work), and a cell of
-    0 tokens or width was clamped to another shape: refused by argparse in one line."""
+    0 tokens or width was clamped to another shape: refused by argparse in one line. So is a compiled
+    run with no untimed call first (the compile landed in the first timed round)."""
     with pytest.raises(SystemExit) as exc:
         _benchmark(module).parse_args(argv)
     err = capsys.readouterr().err
@@ -860,3 +866,13 @@ def test_timed_rounds_keep_every_call_at_the_same_count():
     rounds = [seen[i:i + 3] for i in range(0, len(seen), 3)]
     assert all(len({count for _, count in r}) == 1 and len({name for name, _ in r}) == 3 for r in rounds)
     assert len({tuple(name for name, _ in r) for r in rounds}) > 1  # the order is drawn per round
+
+
+def test_speculative_claims_no_speedup_for_a_draft_whose_greedy_output_differs():
+    """A faster path to other tokens is no speedup: the table shows none where greedy output differs
+    from full depth (it printed the ratio beside "NO")."""
+    speculative = _benchmark("speculative")
+    draft = {"greedy_equal": True, "speedup_vs_eager": 1.5, "speedup_vs_eager_all": [1.4, 1.6, 1.5]}
+    assert speculative._speedup(draft, "eager").startswith("1.50x; rounds:")
+    assert speculative._speedup({**draft, "greedy_equal": False}, "eager") == \
+        "— (greedy output differs: no speedup claimed)"

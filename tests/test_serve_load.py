@@ -39,13 +39,15 @@ def test_against_flags_and_their_defaults(serve_load):
     args = serve_load.parse_args(["--against", "llama.cpp"])
     assert (args.against, args.budget, args.new_tokens, args.concurrency) == ("llama.cpp", 540.0, 128, [1, 8, 32])
     assert (args.short, args.long, args.decode, args.run, args.llama_server) == (32, 352, "auto", None, None)
+    assert args.repeats == 3  # paired ratios with an interval: one repeat printed a bare ratio
     assert serve_load.parse_args([]).budget == 55.0  # the batching comparison keeps its own default
+    assert serve_load.parse_args([]).repeats == 1
     args = serve_load.parse_args(["--against", "llama.cpp", "--llama-server", "/x/llama-server", "--run", "runs/a",
                                   "--budget", "60", "--repeats", "2", "--concurrency", "1", "8"])
     assert (args.llama_server, args.run, args.budget, args.repeats, args.concurrency) == (
         "/x/llama-server", Path("runs/a"), 60.0, 2, [1, 8])
     for bad in (["--against", "vllm"], ["--against", "llama.cpp", "--long", "8", "--short", "16"],
-                ["--against", "llama.cpp", "--new-tokens", "0"]):
+                ["--against", "llama.cpp", "--new-tokens", "0"], ["--against", "llama.cpp", "--repeats", "1"]):
         with pytest.raises(SystemExit) as error:
             serve_load.parse_args(bad)
         assert error.value.code == 2
