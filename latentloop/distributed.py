@@ -87,6 +87,19 @@ def a_peer_of_torchrun() -> bool:
     return bool(os.environ.get(TORCHRUN_ENV)) and os.environ.get("RANK", "0") not in ("", "0")
 
 
+COLLECTIVE_FAILURE_WORDS = ("gloo", "nccl", "connection", "timed out", "broken pipe", "peer")
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """Whether an error came out of a collective whose other processes went away (torch.distributed's
+    own errors; gloo's and NCCL's RuntimeErrors name their backend or the connection), not out of
+    this process's own work."""
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc).lower()
+    return any(word in text for word in COLLECTIVE_FAILURE_WORDS)
+
+
 def in_process_group() -> bool:
     """Whether this process has joined a process group (and not left it)."""
     return dist.is_available() and dist.is_initialized()

@@ -608,3 +608,28 @@ def test_the_exit_under_torchrun_stops_thread_pools_before_joining_threads(tmp_p
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                             timeout=POOL_EXIT_TIMEOUT_S)
     assert result.returncode == 3 and result.stdout == "done\n", result.stderr[-2000:]
+
+
+def test_only_a_broken_collective_waits_for_torchrun_before_raising(monkeypatch):
+    """A process of a group waits PEER_GRACE_S before raising only where its error came out of a
+    collective (a peer probably failed first, and torchrun should report that one); its own error
+    (a bug in its step) was held back 10 s as well."""
+    import torch.distributed as dist
+
+    from latentloop import cli
+    from latentloop.distributed import DistEnv, is_collective_failure
+
+    assert is_collective_failure(dist.DistStoreError("store timed out"))
+    assert is_collective_failure(RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed "
+                                              "by peer [127.0.0.1]:1234"))
+    assert not is_collective_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 16x8)"))
+    slept: list[float] = []
+    monkeypatch.setattr("time.sleep", slept.append)
+    monkeypatch.setattr("latentloop.distributed.current_dist", lambda: DistEnv(1, 1, 2, "gloo"))
+    for error, waits in ((RuntimeError("shapes cannot be multiplied"), []),
+                         (RuntimeError("gloo: Connection reset by peer"), [cli.PEER_GRACE_S])):
+        monkeypatch.setitem(cli.COMMANDS, "plan", lambda args, error=error: (_ for _ in ()).throw(error))
+        slept.clear()
+        with pytest.raises(RuntimeError):
+            cli.main(["plan", "--arch", "gpt", "--preset", "test", "--tokens", "1000"])
+        assert slept == waits, error

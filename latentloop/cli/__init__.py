@@ -133,10 +133,12 @@ def _main(argv: list[str] | None) -> int:
     except BrokenPipeError:  # `latentloop generate ... | head`: the reader has what it wanted
         _silence_stdout()
         return EXIT_BROKEN_PIPE
-    except RuntimeError:
-        from ..distributed import current_dist
+    except RuntimeError as exc:
+        from ..distributed import current_dist, is_collective_failure
 
-        if current_dist().world_size > 1:  # most likely a peer failed first: let torchrun end this process
+        # a collective that broke: most likely a peer failed first, so torchrun gets the time to end
+        # this process and report that peer's error; a failure of this process's own is raised at once
+        if current_dist().world_size > 1 and is_collective_failure(exc):
             import time
 
             time.sleep(PEER_GRACE_S)
