@@ -69,19 +69,38 @@ def resume_run(state: TrainState) -> None:
     failed: list[tuple[Path, CheckpointError]] = []
     for checkpoint in reversed(candidates):
         try:
-            saved_world = _restore(state, checkpoint)
+            saved = _restore(state, checkpoint)
         except CheckpointUnreadable as exc:  # this machine failed to read it, not the checkpoint: stop here
             raise CheckpointError(f"cannot resume: {first_line(exc)}; resume again once it reads") from None
         except CheckpointError as exc:  # the same on every rank: _restore agrees on each of its phases
             failed.append((checkpoint, exc))
             continue
         on_main(_after_restore, state, checkpoint, failed)
-        if saved_world != state.dist.world_size and state.dist.is_main:
-            note(f"resuming a run saved by {saved_world} process(es) on {state.dist.world_size}: the global batch "
-                  f"is now {state.global_batch} sequences, and the run does not continue bit-exactly")
+        if state.dist.is_main:
+            notice = layout_change(saved, state.dist.world_size, state.config.train.strategy, state.global_batch)
+            if notice is not None:
+                note(notice)
         return
     newest, reason = failed[0]
     agree(CheckpointError(f"cannot resume: no checkpoint of {state.run_dir} loads (newest {newest.name}: {reason})"))
+
+
+def layout_change(saved: dict, world_size: int, strategy: str, global_batch: int) -> str | None:
+    """The notice of a resume on another number of processes or another strategy (None: neither
+    changed), saying what became of the global batch: it said "now 4 sequences" where 4 it was."""
+    before_strategy = saved.get("strategy")
+    changed = []
+    if saved["world_size"] != world_size:
+        changed.append(f"saved by {saved['world_size']} process(es), resumed on {world_size}")
+    if before_strategy is not None and before_strategy != strategy:
+        changed.append(f"strategy {before_strategy} -> {strategy}")
+    if not changed:
+        return None
+    before_batch = saved.get("global_batch")
+    batch = (f"the global batch stays {global_batch} sequences" if before_batch == global_batch else
+             f"the global batch is now {global_batch} sequences" if before_batch is None else
+             f"the global batch goes from {before_batch} to {global_batch} sequences")
+    return f"resuming a run {', '.join(changed)}: {batch}, and the run does not continue bit-exactly"
 
 
 def _after_restore(state: TrainState, checkpoint: Path, failed: list[tuple[Path, CheckpointError]]) -> None:
@@ -154,11 +173,13 @@ def _load_saved_states(state: TrainState, checkpoint: Path, trainer: dict, weigh
         raise read_failure(exc, f"cannot resume from {checkpoint}: {first_line(exc)}") from None
 
 
-def _restore_counters(state: TrainState, checkpoint: Path, meta: dict, trainer: dict) -> int:
-    """RNG states, loader position and counters; returns the world size the checkpoint was saved by."""
+def _restore_counters(state: TrainState, checkpoint: Path, meta: dict, trainer: dict) -> dict:
+    """RNG states, loader position and counters; returns how the checkpoint was saved (its world
+    size, strategy and global batch; the last two None where it does not say)."""
     env = state.dist
     try:
         saved_world = int(meta.get("world_size", 1))
+        saved = {"world_size": saved_world, "strategy": meta.get("strategy"), "global_batch": meta.get("global_batch")}
         by_rank = trainer.get("rng_ranks") or [trainer["rng"]]
         if env.rank < len(by_rank):
             _set_rng_state(by_rank[env.rank])
@@ -170,14 +191,14 @@ def _restore_counters(state: TrainState, checkpoint: Path, meta: dict, trainer: 
         state.init_from = meta.get("init_from") if isinstance(meta.get("init_from"), str) else None
     except (KeyError, TypeError, ValueError, RuntimeError) as exc:
         raise CheckpointError(f"cannot resume from {checkpoint}: {first_line(exc)}") from None
-    return saved_world
+    return saved
 
 
-def _restore(state: TrainState, checkpoint: Path) -> int:
+def _restore(state: TrainState, checkpoint: Path) -> dict:
     """Load everything of one checkpoint into `state`; a partly applied checkpoint that then fails
     is fully overwritten by the next one tried (weights, optimizer states, RNGs, loader all are).
     Each phase is agreed on by every process, so all raise the same error at the same point.
-    Returns the world size that saved it."""
+    Returns how it was saved (`_restore_counters`)."""
     meta, trainer, weights = together(_read_checkpoint, state, checkpoint)
     together(_load_states, state, checkpoint, trainer, weights)
     return together(_restore_counters, state, checkpoint, meta, trainer)
