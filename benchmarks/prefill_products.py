@@ -52,9 +52,13 @@ def paired(variants: dict[str, Callable[[], object]], repeats: int,
            before: Callable[[], object] | None = None) -> dict[str, Any]:
     """Every variant once per round, in turn (two rounds of warm-up first), `before` each call
     untimed: the seconds of each, and each one's time over the kernel's of the same round."""
-    for _ in range(2):
-        for fn in variants.values():
-            fn()
+    outputs = {name: fn() for name, fn in variants.items()}  # the first of the two warm-up rounds
+    for name, output in outputs.items():
+        if not _agree(output, outputs[KERNEL]):  # a faster product of other numbers is no speedup
+            raise SystemExit(f"prefill_products: {name} does not give the {KERNEL}'s output (beyond float "
+                             f"rounding, rtol {AGREE_RTOL:g}): its time would not be comparable")
+    for fn in variants.values():
+        fn()
     seconds: dict[str, list[float]] = {name: [] for name in variants}
     order = list(variants.items())
     for _ in range(repeats):
@@ -66,6 +70,19 @@ def paired(variants: dict[str, Callable[[], object]], repeats: int,
     over = {name: [a / b for a, b in zip(times, seconds[KERNEL])] for name, times in seconds.items()
             if name != KERNEL}
     return {"seconds": seconds, "over_kernel": over}
+
+
+AGREE_RTOL = 1e-3  # products of one input in another summation order (int8: another rounding of its scales)
+
+
+def _agree(a: object, b: object) -> bool:
+    """Whether two variants' outputs agree: token lists exactly, tensors within float rounding."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=AGREE_RTOL,
+                                                     atol=AGREE_RTOL * float(b.abs().max().clamp_min(1.0)))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_agree(x, y) for x, y in zip(a, b))
+    return a == b
 
 
 def product_variants(model, rows: int) -> dict[str, dict[str, Callable[[], object]]]:

@@ -876,3 +876,17 @@ def test_speculative_claims_no_speedup_for_a_draft_whose_greedy_output_differs()
     assert speculative._speedup(draft, "eager").startswith("1.50x; rounds:")
     assert speculative._speedup({**draft, "greedy_equal": False}, "eager") == \
         "— (greedy output differs: no speedup claimed)"
+
+
+def test_prefill_products_refuses_to_time_a_variant_that_computes_something_else():
+    """Every variant's output is checked against the kernel's before any timing: a faster product of
+    other numbers was timed as a speedup."""
+    products = _benchmark("prefill_products")
+    x = torch.randn(4, 8)
+    right = {products.KERNEL: lambda: [x * 2], "torch": lambda: [x * 2 * (1 + 1e-6)]}
+    assert set(products.paired(right, 2)["over_kernel"]) == {"torch"}
+    wrong = {products.KERNEL: lambda: [x * 2], "torch": lambda: [x * 2 + 1]}
+    with pytest.raises(SystemExit, match="torch does not give the rows kernel's output"):
+        products.paired(wrong, 2)
+    with pytest.raises(SystemExit):
+        products.paired({products.KERNEL: lambda: [1, 2], "other": lambda: [1, 3]}, 2)  # tokens: exactly
