@@ -1340,7 +1340,10 @@ def _main(args: argparse.Namespace) -> int:
         print(f"H200 estimate: {h200:.0f} s for the GPU ladder ({len(full)} runs, budgets x {scale:.4g}: "
               f"{CUDA.budget_ratios[0] * scale:.3g}-{CUDA.budget_ratios[-1] * scale:.3g} tokens per parameter); "
               f"rates from {source}, x {EAGER_SHARE} (eager) x (params / 124M) ** {SMALL_SHAPE_EXPONENT} below "
-              f"124M; a scored token = 1/{GPU_EVAL_SPEEDUP:.0f} of a training token's FLOPs", flush=True)
+              f"124M; a scored token = 1/{GPU_EVAL_SPEEDUP:.0f} of a training token's FLOPs"
+              + ("" if args.budget_scale is not None else
+                 f"; --budget-scale {scale:.6g} gives this plan without the search (minutes of one core: plan "
+                 f"with --plan-only before the GPU's window opens)"), flush=True)
         if h200 > budget_s:
             fitting = int(np.searchsorted(np.cumsum(seconds), budget_s, side="right"))
             sizes = sorted({r.size.name for r in full[:fitting]}, key=[s.name for s in CUDA.sizes].index)
