@@ -246,27 +246,8 @@ def write_json_atomic(path: Path, payload: Any, indent: int = 2) -> None:
     """Write JSON through a temporary file of this writer's own in the same folder, fsync, then
     rename: never half-written, still there after a crash, and two processes writing one file never
     share a temporary name. An unwritable `path` is an `OutputError`."""
-    path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as exc:
-        raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(payload, f, indent=indent, default=str)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        give_default_mode(tmp)  # mkstemp's 0600, kept, would lock colleagues out of the file
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    except OSError as exc:
-        Path(tmp).unlink(missing_ok=True)
-        raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    text = json.dumps(payload, indent=indent, default=str) + "\n"  # before the file: a bad payload writes nothing
+    _write_atomic(Path(path), lambda f: f.write(text.encode()))
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -297,8 +278,9 @@ def _write_atomic(path: Path, write) -> None:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        give_default_mode(tmp)
+        give_default_mode(tmp)  # mkstemp's 0600, kept, would lock colleagues out of the file
         os.replace(tmp, path)
+        fsync_dir(path.parent)
     except OSError as exc:
         Path(tmp).unlink(missing_ok=True)
         raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None

@@ -526,6 +526,17 @@ def _other_compiled_options(model) -> dict | None:
     return None
 
 
+def _with_other_compiled_options(models, arch: str, monkeypatch, tmp_path) -> tuple:
+    """(the arch's model, a set of its options other than the defaults whose step compiles) over an
+    empty compile cache of the test's own; a skip where the arch has no such set."""
+    model = models[arch]
+    given = _other_compiled_options(model)
+    if given is None:
+        pytest.skip(f"{arch} has no other option set whose step compiles")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    return model, given
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_auto_finds_the_steps_every_architecture_recorded(arch, models, tmp_path, monkeypatch):
     """`cached_start_seconds` looks a step up by the key its decoder records under: rgpt's and rfbt's
@@ -551,11 +562,7 @@ def test_a_request_never_makes_the_server_compile(arch, models, tmp_path, monkey
     from latentloop.data import ByteTokenizer
     from latentloop.serve.scheduler import ContinuousScheduler
 
-    model = models[arch]
-    given = _other_compiled_options(model)
-    if given is None:
-        pytest.skip(f"{arch} has no other option set whose step compiles")
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    model, given = _with_other_compiled_options(models, arch, monkeypatch, tmp_path)
     heard: list[str] = []
     scheduler = ContinuousScheduler(model, ByteTokenizer(), 4, 16, 0.05, compiled=True, announce=heard.append)
     options = model_options(model, given)
@@ -577,11 +584,7 @@ def test_warm_options_are_made_ready_at_start(arch, models, tmp_path, monkeypatc
     from latentloop.data import ByteTokenizer
     from latentloop.serve.scheduler import ContinuousScheduler
 
-    model = models[arch]
-    given = _other_compiled_options(model)
-    if given is None:
-        pytest.skip(f"{arch} has no other option set whose step compiles")
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    model, given = _with_other_compiled_options(models, arch, monkeypatch, tmp_path)
     warmed: list[dict] = []
     monkeypatch.setattr(SlotBatch, "warm", lambda batch, rows: warmed.append(dict(batch.options)))
     defaults, options = model_options(model, {}), model_options(model, given)

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -127,98 +128,105 @@ def _browser():
     return sync_playwright, CHROMIUM if Path(CHROMIUM).exists() else shutil.which("chromium")
 
 
+@contextlib.contextmanager
+def _launched(tmp_path):
+    """Debian's chromium under Playwright, closed at the end (a skip where either is missing)."""
+    sync_playwright, chromium = _browser()
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS,
+                                    env={**os.environ, "HOME": str(tmp_path)})
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
 def _alpha(style: str) -> float:
     found = re.search(r"rgba\(\s*\d+,\s*\d+,\s*\d+,\s*([0-9.]+)\)", style)
     return float(found.group(1)) if found else 0.0
 
 
 def test_the_page_streams_greedy_replies_sends_its_controls_and_shades_exit_depths(chat_server, tmp_path):
-    sync_playwright, chromium = _browser()
     server, model = chat_server
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS,
-                                    env={**os.environ, "HOME": str(tmp_path)})
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
-            page.set_default_timeout(BROWSER_TIMEOUT_MS)
-            sent: list[dict] = []
-            page.on("request", lambda r: sent.append(json.loads(r.post_data))
-                    if r.url.endswith("/v1/chat/completions") else None)
-            page.goto(server.url + "/")
-            page.wait_for_selector("body[data-state=idle]")
-            # what the page takes for an empty reply is what the server refuses as one (Python's strip)
-            spaces = "".join(chr(i) for i in range(0x3001) if chr(i).isspace())
-            assert all(page.evaluate("t => isBlank(t)", c) for c in spaces)
-            assert not page.evaluate("t => isBlank(t)", spaces + "x")
-            # one control per option the model declares, from the registry's declarations
-            names = page.eval_on_selector_all("#options input, #options select", "els => els.map(e => e.name)")
-            assert names == [option.name for option in model.OPTIONS]
+    with _launched(tmp_path) as browser:
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.set_default_timeout(BROWSER_TIMEOUT_MS)
+        sent: list[dict] = []
+        page.on("request", lambda r: sent.append(json.loads(r.post_data))
+                if r.url.endswith("/v1/chat/completions") else None)
+        page.goto(server.url + "/")
+        page.wait_for_selector("body[data-state=idle]")
+        # what the page takes for an empty reply is what the server refuses as one (Python's strip)
+        spaces = "".join(chr(i) for i in range(0x3001) if chr(i).isspace())
+        assert all(page.evaluate("t => isBlank(t)", c) for c in spaces)
+        assert not page.evaluate("t => isBlank(t)", spaces + "x")
+        # one control per option the model declares, from the registry's declarations
+        names = page.eval_on_selector_all("#options input, #options select", "els => els.map(e => e.name)")
+        assert names == [option.name for option in model.OPTIONS]
 
-            ended = ".turn.assistant .content[data-final], .turn.error"  # a reply that ended, or its error
+        ended = ".turn.assistant .content[data-final], .turn.error"  # a reply that ended, or its error
 
-            def ask(text: str) -> str:
-                before = page.locator(ended).count()
-                page.fill("#message", text)
-                page.press("#message", "Enter")
-                # this reply ended and the page is idle again (waiting for the "streaming" state first
-                # missed a reply that had ended before the wait began: a 60 s timeout in a full run)
-                page.wait_for_function(f"n => document.querySelectorAll({json.dumps(ended)}).length > n "
-                                       f"&& document.body.dataset.state === 'idle'", arg=before)
-                assert page.locator(".turn.error").count() == 0, page.text_content(".turn.error")
-                return page.locator(".turn.assistant .content").last.get_attribute("data-final")
+        def ask(text: str) -> str:
+            before = page.locator(ended).count()
+            page.fill("#message", text)
+            page.press("#message", "Enter")
+            # this reply ended and the page is idle again (waiting for the "streaming" state first
+            # missed a reply that had ended before the wait began: a 60 s timeout in a full run)
+            page.wait_for_function(f"n => document.querySelectorAll({json.dumps(ended)}).length > n "
+                                   f"&& document.body.dataset.state === 'idle'", arg=before)
+            assert page.locator(".turn.error").count() == 0, page.text_content(".turn.error")
+            return page.locator(".turn.assistant .content").last.get_attribute("data-final")
 
-            page.fill("#max_tokens", "16")
-            first = ask(MESSAGE)
-            assert len(sent) == 1 and sent[0]["stream"] is True and sent[0]["temperature"] == 0
-            assert not set(ADAPTIVE) & set(sent[0])  # untouched controls send nothing: the model's defaults
-            assert first == _greedy(server, sent[0]) and first  # the streamed reply is the API's greedy one
+        page.fill("#max_tokens", "16")
+        first = ask(MESSAGE)
+        assert len(sent) == 1 and sent[0]["stream"] is True and sent[0]["temperature"] == 0
+        assert not set(ADAPTIVE) & set(sent[0])  # untouched controls send nothing: the model's defaults
+        assert first == _greedy(server, sent[0]) and first  # the streamed reply is the API's greedy one
 
-            # an input method's Enter (composing CJK text) confirms the text, it does not send it
-            page.fill("#message", "half-typed")
-            page.dispatch_event("#message", "keydown", {"key": "Enter", "isComposing": True})
-            page.wait_for_timeout(COMPOSING_WAIT_MS)
-            assert len(sent) == 1 and page.input_value("#message") == "half-typed"
-            page.fill("#message", "")
+        # an input method's Enter (composing CJK text) confirms the text, it does not send it
+        page.fill("#message", "half-typed")
+        page.dispatch_event("#message", "keydown", {"key": "Enter", "isComposing": True})
+        page.wait_for_timeout(COMPOSING_WAIT_MS)
+        assert len(sent) == 1 and page.input_value("#message") == "half-typed"
+        page.fill("#message", "")
 
-            for name, value in ADAPTIVE.items():  # change controls: the next request carries them
-                control = page.locator(f"#option-{name}")
-                if control.evaluate("e => e.tagName") == "SELECT":
-                    control.select_option(value)
-                else:
-                    control.fill(value)
-            second = ask(MESSAGE)
-            assert len(sent) == 2
-            assert sent[1]["exit_threshold"] == float(ADAPTIVE["exit_threshold"])
-            assert sent[1]["exit_criterion"] == ADAPTIVE["exit_criterion"]
-            assert sent[1]["messages"][:2] == [{"role": "user", "content": MESSAGE},
-                                                {"role": "assistant", "content": first}]  # the conversation so far
-            assert second == _greedy(server, sent[1])
+        for name, value in ADAPTIVE.items():  # change controls: the next request carries them
+            control = page.locator(f"#option-{name}")
+            if control.evaluate("e => e.tagName") == "SELECT":
+                control.select_option(value)
+            else:
+                control.fill(value)
+        second = ask(MESSAGE)
+        assert len(sent) == 2
+        assert sent[1]["exit_threshold"] == float(ADAPTIVE["exit_threshold"])
+        assert sent[1]["exit_criterion"] == ADAPTIVE["exit_criterion"]
+        assert sent[1]["messages"][:2] == [{"role": "user", "content": MESSAGE},
+                                            {"role": "assistant", "content": first}]  # the conversation so far
+        assert second == _greedy(server, sent[1])
 
-            # the second reply's tokens are shaded by their exit depth, deeper darker, with a legend
-            reply = page.locator(".turn.assistant").last
-            tokens = reply.locator(".tok")
-            infos = [json.loads(info) for info in tokens.evaluate_all("els => els.map(e => e.dataset.info)")]
-            styles = tokens.evaluate_all("els => els.map(e => e.style.backgroundColor)")
-            assert "".join(tokens.evaluate_all("els => els.map(e => e.textContent)")) == second
-            assert page.input_value("#shade-key") == "exit_steps"
-            shaded = [(info["exit_steps"], _alpha(style)) for info, style in zip(infos, styles) if "exit_steps" in info]
-            depths = sorted({depth for depth, _ in shaded})
-            assert len(depths) >= 2, shaded  # the exit depth varies over this reply
-            for low, high in zip(depths, depths[1:]):
-                assert max(a for d, a in shaded if d == low) < min(a for d, a in shaded if d == high)
-            assert page.text_content("#scale-low") == str(depths[0])
-            assert page.text_content("#scale-high") == str(depths[-1])
-            page.screenshot(path=str(tmp_path / "chat_page.png"), full_page=True)
+        # the second reply's tokens are shaded by their exit depth, deeper darker, with a legend
+        reply = page.locator(".turn.assistant").last
+        tokens = reply.locator(".tok")
+        infos = [json.loads(info) for info in tokens.evaluate_all("els => els.map(e => e.dataset.info)")]
+        styles = tokens.evaluate_all("els => els.map(e => e.style.backgroundColor)")
+        assert "".join(tokens.evaluate_all("els => els.map(e => e.textContent)")) == second
+        assert page.input_value("#shade-key") == "exit_steps"
+        shaded = [(info["exit_steps"], _alpha(style)) for info, style in zip(infos, styles) if "exit_steps" in info]
+        depths = sorted({depth for depth, _ in shaded})
+        assert len(depths) >= 2, shaded  # the exit depth varies over this reply
+        for low, high in zip(depths, depths[1:]):
+            assert max(a for d, a in shaded if d == low) < min(a for d, a in shaded if d == high)
+        assert page.text_content("#scale-low") == str(depths[0])
+        assert page.text_content("#scale-high") == str(depths[-1])
+        page.screenshot(path=str(tmp_path / "chat_page.png"), full_page=True)
 
-            # an empty reply (max tokens 0) is not kept: the server refuses an empty assistant turn, and
-            # every later message of the conversation got a 400 (12-06 review)
-            page.fill("#max_tokens", "0")
-            assert ask(MESSAGE) == ""
-            page.fill("#max_tokens", "16")
-            ask(MESSAGE)  # no error turn (ask asserts it)
-            assert [m["content"] for m in sent[-1]["messages"]] == [MESSAGE, first, MESSAGE, second, MESSAGE]
-        finally:
-            browser.close()
+        # an empty reply (max tokens 0) is not kept: the server refuses an empty assistant turn, and
+        # every later message of the conversation got a 400 (12-06 review)
+        page.fill("#max_tokens", "0")
+        assert ask(MESSAGE) == ""
+        page.fill("#max_tokens", "16")
+        ask(MESSAGE)  # no error turn (ask asserts it)
+        assert [m["content"] for m in sent[-1]["messages"]] == [MESSAGE, first, MESSAGE, second, MESSAGE]
 
 
 @pytest.mark.parametrize("stops", [(), ("b\n",), ("\n\n", "é")])
@@ -266,114 +274,108 @@ def test_the_page_stops_resets_keeps_typed_text_and_marks_cut_replies(chat_serve
     incomplete and not sent back; a conversation past the context drops its oldest exchange and is
     sent again; a failed /page/config names the server's error; a token with no text of its own is
     not drawn (nor counted in the scale); only new tokens are painted while the scale holds."""
-    sync_playwright, chromium = _browser()
     server, _ = chat_server
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS,
-                                    env={**os.environ, "HOME": str(tmp_path)})
-        try:
-            page = browser.new_page()
-            page.set_default_timeout(BROWSER_TIMEOUT_MS)
-            held, sent = [], []
+    with _launched(tmp_path) as browser:
+        page = browser.new_page()
+        page.set_default_timeout(BROWSER_TIMEOUT_MS)
+        held, sent = [], []
 
-            def answer(route):
-                sent.append(json.loads(route.request.post_data))
-                held.append(route)
+        def answer(route):
+            sent.append(json.loads(route.request.post_data))
+            held.append(route)
 
-            page.route("**/v1/chat/completions", answer)
-            page.goto(server.url + "/")
-            page.wait_for_selector("body[data-state=idle]")
+        page.route("**/v1/chat/completions", answer)
+        page.goto(server.url + "/")
+        page.wait_for_selector("body[data-state=idle]")
 
-            def send(text: str) -> None:
-                page.fill("#message", text)
-                page.press("#message", "Enter")
+        def send(text: str) -> None:
+            page.fill("#message", text)
+            page.press("#message", "Enter")
 
-            def reply_to(route, body: str, status: int = 200) -> None:
-                route.fulfill(status=status, body=body, headers={"content-type": "text/event-stream"
-                                                                 if status == 200 else "application/json"})
+        def reply_to(route, body: str, status: int = 200) -> None:
+            route.fulfill(status=status, body=body, headers={"content-type": "text/event-stream"
+                                                             if status == 200 else "application/json"})
 
-            def idle() -> None:
-                page.wait_for_function("document.body.dataset.state === 'idle'")
+        def idle() -> None:
+            page.wait_for_function("document.body.dataset.state === 'idle'")
 
-            def streaming() -> None:
-                page.wait_for_function("document.body.dataset.state === 'streaming'")
+        def streaming() -> None:
+            page.wait_for_function("document.body.dataset.state === 'streaming'")
 
-            send("one")
-            streaming()
-            send("typed while busy")
+        send("one")
+        streaming()
+        send("typed while busy")
+        page.wait_for_timeout(COMPOSING_WAIT_MS)
+        assert page.input_value("#message") == "typed while busy" and len(sent) == 1
+        page.click("#stop")
+        idle()
+        assert page.text_content("#status").startswith("stopped")
+
+        page.fill("#message", "")
+        send("two")  # answered whole: the conversation holds it
+        streaming()
+        reply_to(held[-1], _stream(("fine", {"exit_steps": 2}), (" thanks", {"exit_steps": 3})))
+        idle()
+        assert page.text_content("#status").startswith("done")
+
+        send("three")  # cut before [DONE]: shown as incomplete, not kept
+        streaming()
+        reply_to(held[-1], _stream(("half", {"exit_steps": 1}), done=False))
+        idle()
+        assert page.locator(".turn.assistant.incomplete").count() == 1
+        assert "ended before the server finished" in page.text_content(".turn.error")
+
+        send("four")  # the conversation so far: the cut reply and its message are not in it
+        streaming()
+        assert [m["content"] for m in sent[-1]["messages"]] == ["two", "fine thanks", "four"]
+        # too long for the context: the page leaves out the oldest exchange and asks again
+        reply_to(held[-1], json.dumps({"error": {"message": "the prompt (300 tokens, with BOS) + max_tokens (64) "
+                                                            "exceeds the model's context of 256 tokens",
+                                                 "type": "invalid_request_error", "param": "max_tokens"}}), 400)
+        for _ in range(BROWSER_TIMEOUT_MS // COMPOSING_WAIT_MS):  # the page's routes are served while it waits
+            if len(held) == 5:
+                break
             page.wait_for_timeout(COMPOSING_WAIT_MS)
-            assert page.input_value("#message") == "typed while busy" and len(sent) == 1
-            page.click("#stop")
-            idle()
-            assert page.text_content("#status").startswith("stopped")
+        assert len(held) == 5 and [m["content"] for m in sent[-1]["messages"]] == ["four"]
+        assert page.locator(".turn.left-out").count() == 2
+        # a token with no text of its own (a character's first bytes) is not drawn nor counted
+        reply_to(held[-1], _stream(("", {"exit_steps": 9}), ("é", {"exit_steps": 1}), ("x", {"exit_steps": 4})))
+        idle()
+        assert "left out to fit the model's context" in page.text_content("#status")
+        assert page.text_content("#scale-high") == "4"
+        assert page.evaluate("[...document.querySelectorAll('.tok')].every(s => s.textContent !== '')")
 
-            page.fill("#message", "")
-            send("two")  # answered whole: the conversation holds it
-            streaming()
-            reply_to(held[-1], _stream(("fine", {"exit_steps": 2}), (" thanks", {"exit_steps": 3})))
-            idle()
-            assert page.text_content("#status").startswith("done")
+        # only the new tokens are painted while the key and its range hold
+        page.evaluate("document.querySelector('.tok').style.backgroundColor = 'rgb(1, 2, 3)'")
+        send("five")
+        streaming()
+        reply_to(held[-1], _stream(("y", {"exit_steps": 3})))
+        idle()
+        first_colour = "document.querySelector('.tok').style.backgroundColor"
+        assert page.evaluate(first_colour) == "rgb(1, 2, 3)"
+        send("six")  # past the range: every token is painted again
+        streaming()
+        reply_to(held[-1], _stream(("z", {"exit_steps": 7})))
+        idle()
+        assert page.evaluate(first_colour) != "rgb(1, 2, 3)"
 
-            send("three")  # cut before [DONE]: shown as incomplete, not kept
-            streaming()
-            reply_to(held[-1], _stream(("half", {"exit_steps": 1}), done=False))
-            idle()
-            assert page.locator(".turn.assistant.incomplete").count() == 1
-            assert "ended before the server finished" in page.text_content(".turn.error")
+        # New conversation while a reply streams: that reply is dropped, the next request starts afresh
+        send("seven")
+        streaming()
+        page.click("#reset")
+        idle()
+        assert page.locator(".turn").count() == 0
+        send("eight")
+        streaming()
+        assert [m["content"] for m in sent[-1]["messages"]] == ["eight"]
+        reply_to(held[-1], _stream(("ok", None)))
+        idle()
+        assert page.locator(".turn").count() == 2
 
-            send("four")  # the conversation so far: the cut reply and its message are not in it
-            streaming()
-            assert [m["content"] for m in sent[-1]["messages"]] == ["two", "fine thanks", "four"]
-            # too long for the context: the page leaves out the oldest exchange and asks again
-            reply_to(held[-1], json.dumps({"error": {"message": "the prompt (300 tokens, with BOS) + max_tokens (64) "
-                                                                "exceeds the model's context of 256 tokens",
-                                                     "type": "invalid_request_error", "param": "max_tokens"}}), 400)
-            for _ in range(BROWSER_TIMEOUT_MS // COMPOSING_WAIT_MS):  # the page's routes are served while it waits
-                if len(held) == 5:
-                    break
-                page.wait_for_timeout(COMPOSING_WAIT_MS)
-            assert len(held) == 5 and [m["content"] for m in sent[-1]["messages"]] == ["four"]
-            assert page.locator(".turn.left-out").count() == 2
-            # a token with no text of its own (a character's first bytes) is not drawn nor counted
-            reply_to(held[-1], _stream(("", {"exit_steps": 9}), ("é", {"exit_steps": 1}), ("x", {"exit_steps": 4})))
-            idle()
-            assert "left out to fit the model's context" in page.text_content("#status")
-            assert page.text_content("#scale-high") == "4"
-            assert page.evaluate("[...document.querySelectorAll('.tok')].every(s => s.textContent !== '')")
-
-            # only the new tokens are painted while the key and its range hold
-            page.evaluate("document.querySelector('.tok').style.backgroundColor = 'rgb(1, 2, 3)'")
-            send("five")
-            streaming()
-            reply_to(held[-1], _stream(("y", {"exit_steps": 3})))
-            idle()
-            first_colour = "document.querySelector('.tok').style.backgroundColor"
-            assert page.evaluate(first_colour) == "rgb(1, 2, 3)"
-            send("six")  # past the range: every token is painted again
-            streaming()
-            reply_to(held[-1], _stream(("z", {"exit_steps": 7})))
-            idle()
-            assert page.evaluate(first_colour) != "rgb(1, 2, 3)"
-
-            # New conversation while a reply streams: that reply is dropped, the next request starts afresh
-            send("seven")
-            streaming()
-            page.click("#reset")
-            idle()
-            assert page.locator(".turn").count() == 0
-            send("eight")
-            streaming()
-            assert [m["content"] for m in sent[-1]["messages"]] == ["eight"]
-            reply_to(held[-1], _stream(("ok", None)))
-            idle()
-            assert page.locator(".turn").count() == 2
-
-            failing = browser.new_page()
-            failing.route("**/page/config", lambda route: route.fulfill(
-                status=503, body=json.dumps({"error": {"message": "the server is shutting down"}}),
-                headers={"content-type": "application/json"}))
-            failing.goto(server.url + "/")
-            failing.wait_for_function("document.getElementById('status').textContent !== ''")
-            assert failing.text_content("#status") == "cannot load the model's options: the server is shutting down"
-        finally:
-            browser.close()
+        failing = browser.new_page()
+        failing.route("**/page/config", lambda route: route.fulfill(
+            status=503, body=json.dumps({"error": {"message": "the server is shutting down"}}),
+            headers={"content-type": "application/json"}))
+        failing.goto(server.url + "/")
+        failing.wait_for_function("document.getElementById('status').textContent !== ''")
+        assert failing.text_content("#status") == "cannot load the model's options: the server is shutting down"
