@@ -369,3 +369,27 @@ def test_a_named_eval_dir_is_the_only_place_looked(tmp_path, monkeypatch):
     with pytest.raises(DataError, match="not found in eval_dir"):
         utils.eval_file("copa.jsonl", str(tmp_path / "empty"))
     assert utils.eval_file("copa.jsonl") == tmp_path / "mine" / "copa.jsonl"
+
+
+def test_the_command_line_takes_batch_size_and_device_in_model_args(tiny_run, monkeypatch):
+    """Through lm-eval's own command line, which builds the model from a dict (`create_from_arg_obj`):
+    `batch_size=` and `device=` in --model_args beside lm-eval's --batch_size / --device (a TypeError's
+    traceback there, though the string path had been mended)."""
+    pytest.importorskip("lm_eval")
+    eval_dir = shared_data("eval")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    made: list[LatentloopLM] = []
+    real = LatentloopLM.create_from_arg_obj.__func__
+
+    def spy(cls, arg_dict, additional_config=None):
+        made.append(real(cls, arg_dict, additional_config))
+        return made[-1]
+
+    monkeypatch.setattr(LatentloopLM, "create_from_arg_obj", classmethod(spy))
+    monkeypatch.setattr(lm_eval_adapter.sys, "argv", ["latentloop-lm-eval"])
+    argv = ["--model", "latentloop", "--model_args", f"pretrained={tiny_run('gpt')},batch_size=3,device=cpu",
+            "--device", "cpu", "--tasks", "latentloop_copa", "--limit", "2",
+            "--metadata", json.dumps({"eval_dir": str(eval_dir)})]
+    assert lm_eval_adapter.main(argv) == 0
+    assert [lm.batch_size_rows for lm in made] == [3]

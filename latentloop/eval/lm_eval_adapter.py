@@ -135,15 +135,20 @@ class LatentloopLM(_LMBase):
         self.max_length = int(model.config.sequence_len)
 
     @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict[str, Any], additional_config: dict | None = None) -> LatentloopLM:
+        """lm-eval's constructor call (its command line parses `--model_args` into a dict): the
+        model_args, with lm-eval's own `--batch_size`, `--max_batch_size` and `--device` where they do
+        not name them (lm-eval passes both: batch_size=4 or device=cpu in model_args was a TypeError's
+        traceback)."""
+        given = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
+        return cls(**arg_dict, **given)
+
+    @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> LatentloopLM:
-        """lm-eval's constructor call: `--model_args` with its own `--batch_size`, `--max_batch_size`
-        and `--device` where model_args does not name them (lm-eval passes both: batch_size=4 or
-        device=cpu in model_args was a TypeError's traceback)."""
+        """`create_from_arg_obj` from model_args as text ("pretrained=RUN,batch_size=4")."""
         from lm_eval.utils import simple_parse_args_string
 
-        args = simple_parse_args_string(arg_string)
-        given = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in args}
-        return cls(**args, **given)
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
 
     def chat_template(self, chat_template: bool | str = False) -> str | None:
         """lm-eval asks for it with --apply_chat_template, before any request: refused in one line
