@@ -329,19 +329,21 @@ def test_the_page_stops_resets_keeps_typed_text_and_marks_cut_replies(chat_serve
         streaming()
         assert [m["content"] for m in sent[-1]["messages"]] == ["two", "fine thanks", "four"]
         # too long for the context: the page leaves out the oldest exchange and asks again
-        reply_to(held[-1], json.dumps({"error": {"message": "the prompt (300 tokens, with BOS) + max_tokens (64) "
-                                                            "exceeds the model's context of 256 tokens",
-                                                 "type": "invalid_request_error", "param": "max_tokens"}}), 400)
+        overflow = json.dumps({"error": {"message": "the prompt (300 tokens, with BOS) + max_tokens (64) exceeds the "
+                                                   "model's context of 256 tokens",
+                                        "type": "invalid_request_error", "param": "max_tokens"}})
+        reply_to(held[-1], overflow, 400)
         for _ in range(BROWSER_TIMEOUT_MS // COMPOSING_WAIT_MS):  # the page's routes are served while it waits
             if len(held) == 5:
                 break
             page.wait_for_timeout(COMPOSING_WAIT_MS)
         assert len(held) == 5 and [m["content"] for m in sent[-1]["messages"]] == ["four"]
-        assert page.locator(".turn.left-out").count() == 2
+        assert page.locator(".turn.left-out").count() == 0  # not before a shorter request is accepted
         # a token with no text of its own (a character's first bytes) is not drawn nor counted
         reply_to(held[-1], _stream(("", {"exit_steps": 9}), ("é", {"exit_steps": 1}), ("x", {"exit_steps": 4})))
         idle()
         assert "left out to fit the model's context" in page.text_content("#status")
+        assert page.locator(".turn.left-out").count() == 2
         assert page.text_content("#scale-high") == "4"
         assert page.evaluate("[...document.querySelectorAll('.tok')].every(s => s.textContent !== '')")
 
@@ -358,6 +360,24 @@ def test_the_page_stops_resets_keeps_typed_text_and_marks_cut_replies(chat_serve
         reply_to(held[-1], _stream(("z", {"exit_steps": 7})))
         idle()
         assert page.evaluate(first_colour) != "rgb(1, 2, 3)"
+
+        # a message that does not fit even alone: every shorter retry refused, and the conversation
+        # keeps every exchange (it was cut for good before any retry was accepted)
+        conversation = [m["content"] for m in sent[-1]["messages"][:-1]] + ["six", "z"]
+        answered = len(held)
+        send("too long")
+        while page.evaluate("document.body.dataset.state") != "idle" or len(held) > answered:
+            if len(held) > answered:
+                reply_to(held[answered], overflow, 400)
+                answered += 1
+            page.wait_for_timeout(COMPOSING_WAIT_MS // 3)
+        assert [m["content"] for m in sent[-1]["messages"]] == ["too long"]  # retried down to the message alone
+        assert "context" in page.locator(".turn.error").last.text_content()
+        send("after")
+        streaming()
+        assert [m["content"] for m in sent[-1]["messages"]] == [*conversation, "after"]
+        reply_to(held[-1], _stream(("fine", None)))
+        idle()
 
         # New conversation while a reply streams: that reply is dropped, the next request starts afresh
         send("seven")

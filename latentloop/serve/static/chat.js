@@ -80,7 +80,7 @@ function optionValue(input) {
   }
 }
 
-function requestBody(text) {
+function requestBody(text, earlier) {
   const body = { model: page.config.model, stream: true };
   const temperature = $("temperature").value.trim();
   if (temperature !== "") body.temperature = Number(temperature);
@@ -90,7 +90,7 @@ function requestBody(text) {
     const value = optionValue(input);
     if (value !== undefined) body[input.name] = value;
   }
-  if (page.config.chat) body.messages = [...page.messages, { role: "user", content: text }];
+  if (page.config.chat) body.messages = [...earlier, { role: "user", content: text }];
   else body.prompt = text;
   return body;
 }
@@ -215,10 +215,11 @@ function overflowsContext(status, error) {
     /context/.test(e.message || "");
 }
 
-// Leave the oldest exchange (a user turn and its reply) out of what is sent; its turns stay on the page, dimmed.
-function leaveOutOldestExchange() {
-  page.messages.splice(0, 2);
-  for (const turn of page.messageTurns.splice(0, 2)) turn.classList.add("left-out");
+// Leave the `count` oldest exchanges (a user turn and its reply each) out of the conversation, once a
+// request without them was accepted; their turns stay on the page, dimmed.
+function leaveOutOldestExchanges(count) {
+  page.messages.splice(0, 2 * count);
+  for (const turn of page.messageTurns.splice(0, 2 * count)) turn.classList.add("left-out");
 }
 
 async function send(text) {
@@ -233,25 +234,32 @@ async function send(text) {
   let reply = "";
   let finish = null;
   let completed = false;  // the stream's [DONE] arrived: the server finished the reply
-  let leftOut = 0;
+  let leftOut = 0;  // exchanges this request's retries went without
+  let droppedForContext = 0;  // of those, left out of the conversation: a shorter request was accepted
   let failure = null;
   try {
     const url = page.config.chat ? "/v1/chat/completions" : "/v1/completions";
     let response;
+    let earlier = page.messages;  // what this request sends before the new message
     for (;;) {
-      const body = requestBody(text);
+      const body = requestBody(text, earlier);
       page.lastBody = body;
       $("request").textContent = JSON.stringify(body, null, 2);
       response = await fetch(url, { method: "POST", headers: headers(), body: JSON.stringify(body),
                                     signal: controller.signal });
       if (response.ok) break;
-      const error = await response.json().catch(() => ({}));
-      if (page.config.chat && page.messages.length >= 2 && overflowsContext(response.status, error)) {
-        leaveOutOldestExchange();
+      // a Stop while the refusal's body is read is a stop, not that refusal
+      const error = await response.json().catch((e) => { if (controller.signal.aborted) throw e; return {}; });
+      if (page.config.chat && earlier.length >= 2 && overflowsContext(response.status, error)) {
+        earlier = earlier.slice(2);  // a copy: the conversation loses nothing unless a shorter request is accepted
         leftOut += 1;
         continue;
       }
       throw new Error((error.error && error.error.message) || `HTTP ${response.status}`);
+    }
+    if (leftOut && conversation === page.conversation) {
+      leaveOutOldestExchanges(leftOut);
+      droppedForContext = leftOut;
     }
     const reader = response.body.getReader();
     const decoder = new TextDecoder();
@@ -291,7 +299,8 @@ async function send(text) {
   }
   if (conversation !== page.conversation) return true;  // New conversation was pressed: this one is gone
   const stopped = failure && failure.name === "AbortError";
-  const note = leftOut ? `; the ${leftOut} oldest exchange(s) were left out to fit the model's context` : "";
+  const note = droppedForContext ?
+    `; the ${droppedForContext} oldest exchange(s) were left out to fit the model's context` : "";
   if (failure && !stopped) {
     if (reply) {  // what arrived stays on the page, marked, but is not part of the conversation
       content.parentElement.classList.add("incomplete");
