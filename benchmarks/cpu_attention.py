@@ -5,7 +5,7 @@ against bf16 everywhere.
 
 1. Attention alone: one forward and backward of SDPA over (B, H, T, hd) with B x T = `--tokens` and
    H x hd = `--width`, float32 inputs against bf16 ones, paired round by round in random order
-   (`paired_ratios`): float32's time over bf16's, mean [95% t-interval]. The "rule" column is what
+   (`paired_ratios`): float32's time over bf16's, geometric mean [95% t-interval on the logs]. The "rule" column is what
    `cpu_training_attention_in_fp32` picks there; "faster" says which the interval puts ahead.
 2. Training steps: the trainer's step (`training_call`: the arch's objective, backward, grad clip,
    Muon) under bf16 autocast at the ladder's sizes (experiments/ladder.py: depth 8, T 128), with the

@@ -7,7 +7,8 @@ ladder size (experiments/ladder.py: depth 8, T 128, the size's batch), built thr
 seed: in float32, in bf16 with torch's own products (the emulation switched off: `autocast_for`
 without it, and Muon built as on a CPU with bf16 instructions), and in bf16 emulated (what
 `train.dtype=bfloat16` runs here). The emulated step is paired round by round with each of the
-other two (`paired_ratios`, random order in each round): its time over theirs, mean [95% t-interval].
+other two (`paired_ratios`, random order in each round): its time over theirs, geometric mean [95% t-interval on
+the logs].
 
 On a CPU with bf16 instructions torch's bf16 is native and nothing is emulated by default; the
 comparison still runs (the emulation forced), and the header says so.

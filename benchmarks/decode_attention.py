@@ -7,9 +7,9 @@ Each call runs one attention per layer, each layer its own keys and values (a wi
 buffer, as the static cache's), so the cache streams from memory as a decode step's does. The kernel
 is called through ctypes, which adds a few microseconds a layer that a package does not pay: at
 short windows the ratio overstates its cost. Prints each window's milliseconds, the cache's GB/s and
-the kernel's time over the reductions' per round (mean [95% t-interval]); a ratio below 1 is the kernel
-ahead. `--cache-dtype float16`: the cache a `kv_dtype=float16` decoder stores, which the kernel reads
-as stored and the reductions widen as they read it.
+the kernel's time over the reductions' per round (geometric mean [95% t-interval on the logs]); a
+ratio below 1 is the kernel ahead. `--cache-dtype float16`: the cache a `kv_dtype=float16` decoder
+stores, which the kernel reads as stored and the reductions widen as they read it.
 
     .venv/bin/python -m benchmarks.decode_attention [--shape large] [--windows 128,512,2048,4096]
         [--threads 1] [--rounds 15] [--cache-dtype float32] [--json out.json]

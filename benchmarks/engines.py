@@ -39,7 +39,7 @@ all of them (the whole call), after an untimed first-token call and in an order 
 round to round (`time_prompt`: the first call after the settle pause is slower); the decode is their
 difference per token after the first. Each
 figure of each engine is also given over llama.cpp's in the same round, a ratio per round, and
-their mean with its 95% t-interval over the interleaved rounds (below 1: faster than llama.cpp).
+their geometric mean with its 95% t-interval (on the logs) over the interleaved rounds (below 1: faster than llama.cpp).
 The compiled rows are warmed up (compiled) before timing; the default path is warmed up as a user's
 process that decoded this shape before (`worker`). Each engine runs in a process of its own
 (`EngineWorker`), started and warmed up one after another, then called in turn, one call at a time:
@@ -695,7 +695,7 @@ def paired_with(rounds: list[tuple[float, float]], reference: list[tuple[float, 
             paired["decode_over_llama_cpp"] = [whole - first for whole, first in reference]
     entry: dict[str, Any] = {}
     for key, values in figures.items():
-        comparison = paired_comparison(dict(enumerate(values)), dict(enumerate(paired[key])), kind="ratio")
+        comparison = paired_comparison(dict(enumerate(values)), dict(enumerate(paired[key])), kind="log_ratio")
         entry[f"{key}_all"] = [value / other for value, other in zip(values, paired[key])]
         entry[key] = comparison
         prefix = key.removesuffix("over_llama_cpp")
@@ -729,7 +729,8 @@ def markdown_table(results: dict[str, Any]) -> str:
         header = (f"Engine ({name}: vocabulary {case['vocab_size']:,}, {case['params']:,} params; "
                   f"{args['new_tokens']} new, batch 1, greedy)", "threads", "ms / new token (prefill included)",
                   "first token, ms (prefill included)", "decode, ms / token after the first", "decode, tokens / s",
-                  *(f"{what} over {PAIRED_WITH}'s, by round: mean [95% t-interval], verdict" for _, what in FIGURES),
+                  *(f"{what} over {PAIRED_WITH}'s, by round: geometric mean [95% t-interval], verdict"
+                    for _, what in FIGURES),
                   f"greedy tokens agreeing with {reference} (int8 rows: and with {INT8_REFERENCE})")
         rows = [header]
         for threads, engines in case["threads"].items():
@@ -801,7 +802,7 @@ def read_run(path: Path) -> dict[str, Any]:
 
 def pool(paths: list[Path]) -> str:
     """Several runs' JSON (`--json`) of one command, their rounds pooled: per case, figure, thread
-    count and engine, the rounds, the mean ratio over llama.cpp's with its 95% t-interval, and
+    count and engine, the rounds, the geometric mean ratio over llama.cpp's with its 95% t-interval (on the logs), and
     whether that shows the engine ahead of llama.cpp (upper end below 1) or at its speed (upper end
     at most `AT_MARGIN`)."""
     from latentloop.eval.stats import format_comparison, paired_comparison
@@ -816,7 +817,7 @@ def pool(paths: list[Path]) -> str:
     for name in cases[0]:
         for key, what in FIGURES:
             rows = [("engine", "threads", "runs", "rounds",
-                     f"{what} over {PAIRED_WITH}'s, pooled: mean [95% t-interval]",
+                     f"{what} over {PAIRED_WITH}'s, pooled: geometric mean [95% t-interval]",
                      f"ahead (< 1) / at its speed (<= {AT_MARGIN})")]
             for threads, engines in cases[0][name]["threads"].items():
                 for engine in engines:
@@ -827,7 +828,7 @@ def pool(paths: list[Path]) -> str:
                     if not ratios:
                         continue
                     comparison = paired_comparison(dict(enumerate(ratios)), dict.fromkeys(range(len(ratios)), 1.0),
-                                                   kind="ratio")
+                                                   kind="log_ratio")
                     high = comparison["high"]
                     shown = ("—" if high is None else "ahead" if high < 1 else "at" if high <= AT_MARGIN
                              else "not shown")

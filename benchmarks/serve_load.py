@@ -38,8 +38,8 @@ Cells (server x concurrency) are interleaved repeat by repeat, the server order 
 cell C clients send requests back to back for the cell's seconds, then the requests in flight run
 to their end (bounded by `TAIL_S`): req/s is completed requests over the time to the last one, and
 p50 / p99 are of the requests' wall latency, queueing included. Ratios are latentloop's over
-llama.cpp's of the same repeat, mean with its 95% t-interval over the repeats. Before the load, a
-few greedy requests (short and long) go to both, and their tokens are compared. `--kv-dtype float16`
+llama.cpp's of the same repeat, geometric mean with its 95% t-interval (on the logs) over the repeats.
+Before the load, a few greedy requests (short and long) go to both, and their tokens are compared. `--kv-dtype float16`
 serves latentloop's compiled batches over llama-server's default cache type (f16; latentloop's
 default keeps the model's fp32).
 
@@ -479,7 +479,7 @@ def against_summary(measured: dict, names: tuple[str, str]) -> tuple[list[list],
     for c in concurrencies:
         a, b = measured[c, ours], measured[c, theirs]
         ratios[str(c)] = {key: paired_comparison(dict(enumerate(r[key] for r in a)),
-                                                 dict(enumerate(r[key] for r in b)), kind="ratio")
+                                                 dict(enumerate(r[key] for r in b)), kind="log_ratio")
                           for key in ("req/s", "p50", "p99")}
         ratio_table.append([c, *(format_comparison(ratios[str(c)][key], 3) for key in ("req/s", "p50", "p99"))])
     return table, ratio_table, ratios
@@ -626,8 +626,8 @@ def against_llama_cpp(args: argparse.Namespace, binary: Path) -> int:
                    wall_s=time.monotonic() - began, others_cpu_share=others)
     print()
     print(render_table(table))
-    print("\nlatentloop over llama.cpp, paired by repeat: mean [95% t-interval] (req/s above 1 and latency "
-          "below 1: latentloop ahead)")
+    print("\nlatentloop over llama.cpp, paired by repeat: geometric mean [95% t-interval on the logs] (req/s above 1 "
+          "and latency below 1: latentloop ahead)")
     print(render_table(ratio_table))
     print(f"\ntotal {time.monotonic() - began:.0f} s; load average {os.getloadavg()[0]:.1f} at the end; other "
           f"processes used {'?' if others is None else f'{others:.0%}'} of the CPUs (client and servers share them)")

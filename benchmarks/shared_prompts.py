@@ -3,7 +3,7 @@ prefilled (`teacher_forced_logits(share_prompts=...)`, which CORE's scorer and t
 call), paired in one process: CORE's rows of one task scored both ways, in random order each round.
 
 Reported: the rows the prefills took each way, each way's seconds (median [range]) and the shared
-way's time over the other's per round (median, quartiles, mean [95% t-interval]). The two ways'
+way's time over the other's per round (median, quartiles, geometric mean [95% t-interval on the logs]). The two ways'
 scores are checked to agree (the largest difference of a row's log-probability).
 
     .venv/bin/python -m benchmarks.shared_prompts [--task hellaswag_zeroshot] [--arch gpt] [--preset tiny]

@@ -159,10 +159,11 @@ def test_the_summary_gives_percentiles_and_ratios_over_repeats(serve_load):
     assert [row[:2] for row in table[1:]] == [[1, "latentloop"], [1, "llama.cpp"], [8, "latentloop"],
                                               [8, "llama.cpp"]]
     assert table[1][5] == "3.00 [2.00–4.00]"  # req/s: median [min–max] over the repeats
-    assert ratios["1"]["req/s"]["mean"] == pytest.approx(1.5)  # (1 + 1.5 + 2) / 3, repeat by repeat
-    assert ratios["1"]["req/s"]["low"] < 1.5 < ratios["1"]["req/s"]["high"]
+    # repeat by repeat, the geometric mean: (1 x 1.5 x 2) ** (1/3), its interval taken on the logs
+    assert ratios["1"]["req/s"]["mean"] == pytest.approx(3 ** (1 / 3))
+    assert 0 < ratios["1"]["req/s"]["low"] < 3 ** (1 / 3) < ratios["1"]["req/s"]["high"]
     assert ratios["1"]["p50"]["mean"] == pytest.approx(0.5)
-    assert ratios["1"]["p99"]["mean"] == pytest.approx((1 + 0.5 + 0.25) / 3)
+    assert ratios["1"]["p99"]["mean"] == pytest.approx(0.5)  # (1 x 0.5 x 0.25) ** (1/3): 2x and 0.5x cancel
     assert ratios["8"]["req/s"]["mean"] == 1.0 and ratio_table[2] == [8, "1.000 [1.000, 1.000]", *["1.000 [1.000, "
                                                                                                    "1.000]"] * 2]
 

@@ -142,3 +142,21 @@ def test_row_documents_number_each_conversation_of_each_row():
     assert rows[0][0] == rows[0][1] == rows[0][2] != rows[0][3] == rows[0][4]
     assert rows[1][0] != rows[1][1] == rows[1][4]
     assert not set(rows[0]) & set(rows[1])  # rows never share a document
+
+
+def test_a_log_ratio_comparison_is_the_geometric_mean_with_its_interval_on_the_logs():
+    """kind="log_ratio" (the benchmarks' speed ratios): rounds at 0.5x and 2x cancel, and the interval
+    stays positive (the arithmetic mean of [0.5, 2] read 1.25 [-8.28, 10.78]); "ratio" is unchanged."""
+    import math
+
+    from latentloop.eval.stats import paired_comparison, t_interval, verdict
+
+    logged = paired_comparison({0: 0.5, 1: 2.0}, {0: 1.0, 1: 1.0}, kind="log_ratio")
+    assert logged["mean"] == pytest.approx(1.0) and 0 < logged["low"] < 1 < logged["high"]
+    assert verdict(logged, "faster", "slower") == "undecided"
+    values, base = {0: 0.9, 1: 0.8, 2: 0.85}, {0: 1.0, 1: 1.0, 2: 1.0}
+    logged = paired_comparison(values, base, kind="log_ratio")
+    logs = [math.log(v) for v in values.values()]
+    assert (math.log(logged["low"]), math.log(logged["high"])) == pytest.approx(t_interval(logs))
+    assert verdict(logged, "faster", "slower") == "faster"
+    assert paired_comparison({0: 0.5, 1: 2.0}, {0: 1.0, 1: 1.0}, kind="ratio")["mean"] == pytest.approx(1.25)

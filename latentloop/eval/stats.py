@@ -127,14 +127,25 @@ def paired_comparison(values: dict, baseline: dict, kind: str = "difference", le
     Over the seeds both have, each seed's difference (value - baseline) or ratio (value / baseline);
     returns {"kind", "seeds" (paired, in order), "mean", "sd", "low", "high", "excludes"}: the mean
     and sample sd of the per-seed differences (ratios), their t interval (None with one seed) and
-    whether it excludes no change (0 for a difference, 1 for a ratio; None without an interval)."""
-    if kind not in ("difference", "ratio"):
-        raise ValueError(f"kind must be 'difference' or 'ratio', got {kind!r}")
+    whether it excludes no change (0 for a difference, 1 for a ratio; None without an interval).
+    kind "log_ratio": the ratios' geometric mean and the t interval of their logarithms, taken back
+    (sd on the log scale): for speed ratios, where rounds at 0.5x and 2x should cancel and an
+    interval must stay positive (the experiments' decision rules keep "ratio", as committed)."""
+    if kind not in ("difference", "ratio", "log_ratio"):
+        raise ValueError(f"kind must be 'difference', 'ratio' or 'log_ratio', got {kind!r}")
     seeds = [seed for seed in values if seed in baseline
              and _finite(values[seed]) and _finite(baseline[seed])]
-    per_seed = [values[s] - baseline[s] if kind == "difference" else values[s] / baseline[s] for s in seeds]
-    mean, sd = mean_sd(per_seed)
-    interval = t_interval(per_seed, level)
+    if kind == "log_ratio":
+        seeds = [s for s in seeds if values[s] > 0 and baseline[s] > 0]
+        logs = [math.log(values[s] / baseline[s]) for s in seeds]
+        log_mean, sd = mean_sd(logs)
+        interval = t_interval(logs, level)
+        mean = math.exp(log_mean) if logs else log_mean
+        interval = None if interval is None else (math.exp(interval[0]), math.exp(interval[1]))
+    else:
+        per_seed = [values[s] - baseline[s] if kind == "difference" else values[s] / baseline[s] for s in seeds]
+        mean, sd = mean_sd(per_seed)
+        interval = t_interval(per_seed, level)
     no_change = 0.0 if kind == "difference" else 1.0
     low, high = interval if interval is not None else (None, None)
     excludes = None if interval is None else bool(low > no_change or high < no_change)
