@@ -31,7 +31,7 @@ OUT=${1:-runs/gpu-bench}
 TOTAL_S=${TOTAL_S:-480}
 mkdir -p "$OUT"
 export LATENTLOOP_CACHE=${LATENTLOOP_CACHE:-$OUT/cache}
-rm -rf "$OUT/fsdp2-run" "$OUT/ddp-run"
+rm -rf "$OUT/fsdp2-run" "$OUT/ddp-run" "$OUT/gpu_bench.json"  # an earlier run's report is never read as this one's
 log() { echo "gpu.sh: $*" >&2; }
 started=$(date +%s)
 left() { echo $((TOTAL_S - ($(date +%s) - started))); }

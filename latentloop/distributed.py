@@ -176,10 +176,12 @@ def init_distributed(strategy: str, device_name: str) -> tuple[DistEnv, torch.de
         if all(os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")):
             try:
                 dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
-            except dist.DistError as exc:  # the others never came: one line, not torch's traceback
-                raise ConfigError(f"the process group at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} "
-                                  f"did not form within {timeout.total_seconds():g} s (${DIST_TIMEOUT_ENV}): "
-                                  f"{first_line(exc)}") from None
+            except dist.DistError as exc:  # one line, not torch's traceback
+                where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+                if isinstance(exc, dist.DistNetworkError):  # its address cannot be served or reached (a port taken)
+                    raise ConfigError(f"the process group at {where} could not start: {first_line(exc)}") from None
+                raise ConfigError(f"the process group at {where} did not form within {timeout.total_seconds():g} s "
+                                  f"(${DIST_TIMEOUT_ENV}; the other processes never came): {first_line(exc)}") from None
         elif world_size == 1:  # no launcher: a group of one, in this process's memory
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         else:
@@ -225,13 +227,15 @@ def exit_without_finalizing(code: int) -> NoReturn:
 
     # Python's exit (threading._shutdown) first tells the thread pools to stop (concurrent.futures
     # registers that with threading, not atexit: inductor's compile workers wait on their queue for
-    # good otherwise), then joins the non-daemon threads: joined without it, every torchrun job with
-    # train.compile=true hung after its last checkpoint
-    for stop_pool in reversed(getattr(threading, "_threading_atexits", [])):
-        stop_pool()
+    # good otherwise: every torchrun job with train.compile=true hung after its last checkpoint),
+    # then joins the non-daemon threads. Both bounded here: a pool's stop waits for
+    # its running tasks, and os._exit ends whatever is still running past THREAD_JOIN_S
+    stopping = threading.Thread(target=_stop_thread_pools, name="latentloop-stop-pools", daemon=True)
+    stopping.start()
+    stopping.join(THREAD_JOIN_S)
     for thread in threading.enumerate():
         if thread is not threading.current_thread() and not thread.daemon:
-            thread.join(THREAD_JOIN_S)  # bounded all the same: os._exit ends a thread that stays
+            thread.join(THREAD_JOIN_S)
     atexit._run_exitfuncs()  # e.g. the chat template workers' pool stops its processes
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -239,6 +243,14 @@ def exit_without_finalizing(code: int) -> NoReturn:
         except (OSError, ValueError):  # closed, or a pipe whose reader is gone: nothing more to say
             pass
     os._exit(code)
+
+
+def _stop_thread_pools() -> None:
+    """What Python's exit runs before it joins threads: the stop of every concurrent.futures pool."""
+    import threading
+
+    for stop_pool in reversed(getattr(threading, "_threading_atexits", [])):
+        stop_pool()
 
 
 def raised_alike(error: LatentloopError) -> LatentloopError:

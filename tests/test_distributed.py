@@ -608,6 +608,17 @@ def test_the_exit_under_torchrun_stops_thread_pools_before_joining_threads(tmp_p
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                             timeout=POOL_EXIT_TIMEOUT_S)
     assert result.returncode == 3 and result.stdout == "done\n", result.stderr[-2000:]
+    # a task still running: the pool's stop waits for it, so the exit bounds that wait too
+    busy = tmp_path / "busy_exit.py"
+    busy.write_text("import time\nfrom concurrent.futures import ThreadPoolExecutor\n"
+                    "from latentloop import distributed\n"
+                    "distributed.THREAD_JOIN_S = 0.5\n"
+                    "ThreadPoolExecutor(1).submit(time.sleep, 3600)\n"
+                    "started = time.monotonic()\n"
+                    "print('exiting', flush=True)\n"
+                    "distributed.exit_without_finalizing(4)\n")
+    result = subprocess.run([sys.executable, str(busy)], capture_output=True, text=True, timeout=POOL_EXIT_TIMEOUT_S)
+    assert result.returncode == 4 and result.stdout == "exiting\n", result.stderr[-2000:]
 
 
 def test_only_a_broken_collective_waits_for_torchrun_before_raising(monkeypatch):
