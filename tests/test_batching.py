@@ -605,6 +605,37 @@ def test_warm_options_are_made_ready_at_start(arch, models, tmp_path, monkeypatc
         assert type(auto._new_batch(options)) is DecodeBatch
     finally:
         auto.join(SCHEDULER_TIMEOUT_S)
+    # "auto" decides per set of options: the defaults' steps not cached, the other set's cached (all of
+    # them went eager once the defaults' were missing)
+    warmed.clear()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "other-cache"))
+    _record_steps(model, options, 4)
+    auto = ContinuousScheduler(model, ByteTokenizer(), 4, 16, 0.05, compiled="auto", warm_options=[given])
+    assert not auto.compiled
+    auto.warm()
+    try:
+        assert warmed == [SlotBatch(model, options, compile=False).options]
+        assert isinstance(auto._new_batch(options), SlotBatch) and type(auto._new_batch(defaults)) is DecodeBatch
+    finally:
+        auto.join(SCHEDULER_TIMEOUT_S)
+
+
+def test_a_warm_option_set_that_cannot_compile_is_said(models, monkeypatch):
+    """--warm-options naming options whose step does not compile (rgpt's adaptive exit): said at
+    start, with the reason, and they decode eagerly (skipped without a word before)."""
+    from latentloop.data import ByteTokenizer
+    from latentloop.serve.scheduler import ContinuousScheduler
+
+    monkeypatch.setattr(SlotBatch, "warm", lambda batch, rows: None)
+    heard: list[str] = []
+    scheduler = ContinuousScheduler(models["rgpt"], ByteTokenizer(), 4, 16, 0.05, compiled=True, compile_steps=False,
+                                    announce=heard.append, warm_options=[{"exit_threshold": 0.5}])
+    scheduler.warm()
+    try:
+        said = [line for line in heard if line.startswith("--warm-options")]
+        assert len(said) == 1 and '"exit_threshold": 0.5' in said[0] and "does not compile (" in said[0], heard
+    finally:
+        scheduler.join(SCHEDULER_TIMEOUT_S)
 
 
 def test_bad_warm_options_are_refused_before_the_server_starts(models):

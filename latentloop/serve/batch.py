@@ -359,11 +359,22 @@ def compiles(model, options: dict, rows: int) -> bool:
     """Whether a batch of up to `rows` rows with these options can run on the compiled path: the
     backbone's static cache, options whose step compiles, and every row's context within
     `SLOT_CACHE_BYTES`."""
+    return why_not_compiled(model, options, rows) is None
+
+
+def why_not_compiled(model, options: dict, rows: int) -> str | None:
+    """Why a batch of up to `rows` rows with these options cannot run on the compiled path (None: it can)."""
     options = batch_options(model, options)
-    if not isinstance(model, GPT) or fallback_reason(model, options) is not None:
-        return False
+    if not isinstance(model, GPT):
+        return "the model has no static cache"
+    reason = fallback_reason(model, options)
+    if reason is not None:
+        return reason
     per_row = model.new_cache(1, 1, **options).memory_bytes() * slot_length(model)
-    return slot_rows(rows) * per_row <= SLOT_CACHE_BYTES
+    if slot_rows(rows) * per_row > SLOT_CACHE_BYTES:
+        return (f"{slot_rows(rows)} rows of a whole context are {slot_rows(rows) * per_row / 2**30:.1f} GiB of cache, "
+                f"past the compiled path's {SLOT_CACHE_BYTES / 2**30:g} GiB")
+    return None
 
 
 class SlotBatch(DecodeBatch):

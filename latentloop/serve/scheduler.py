@@ -61,6 +61,7 @@ from .batch import (
     cached_start_seconds,
     compiles,
     couples_rows,
+    why_not_compiled,
 )
 from .protocol import APIError, CompletionRequest, decode_with_offsets, special_names, token_string
 from .settings import BATCHING
@@ -585,6 +586,7 @@ class ContinuousScheduler(Scheduler):
         self.announce = announce
         self.kv_dtype = kv_dtype  # what the compiled path's cache stores keys and values in (None: the model's)
         self.compile_at_start = compiled is True  # "auto" compiles nothing: it loads what the cache holds
+        self.any_compiled = bool(compiled)  # True or "auto": a batch may take the compiled path
         self.warm_options = [self._resolved_warm_options(given) for given in warm_options]  # before any compile
         self.compiled = self.auto_compiled() if compiled == "auto" else bool(compiled)
         self.compile_steps = compile_steps  # False: the compiled path's step run eagerly (tests)
@@ -673,16 +675,25 @@ class ContinuousScheduler(Scheduler):
         """Compile (or load from the on-disk cache) the compiled path's step at every batch size up to
         `max_rows` for the default options and each of `warm_options` (with "auto": those whose steps
         the cache holds; the others decode eagerly, `_new_batch`)."""
-        if not self.compiled:
+        if not self.any_compiled:
             return
-        for options in [model_options(self.model, {}), *self.warm_options]:
-            if any(options == warmed for warmed, _ in self._warmed) or not compiles(self.model, options,
-                                                                                     self.max_rows):
+        defaults = model_options(self.model, {})
+        for options in [defaults, *self.warm_options]:
+            if any(options == warmed for warmed, _ in self._warmed):
+                continue
+            asked = options is not defaults  # a --warm-options set: what becomes of it is said
+            why = why_not_compiled(self.model, options, self.max_rows)
+            if why is not None:
+                if asked and self.announce is not None:
+                    self.announce(f"--warm-options {self._shown(options)}: they decode eagerly, their step does not "
+                                  f"compile ({why})")
                 continue
             if self.compile_at_start or self._steps_cached(options):
                 batch = self._slot_batch(options)
                 batch.warm(self.max_rows)
                 self._warmed.append((options, batch))
+            elif asked:  # "auto": loaded only where the cache holds them
+                self._tell_eager(options)
 
     def _steps_cached(self, options: dict) -> bool:
         """Whether the compiled path's steps for these options are all in the on-disk cache (or need
@@ -700,8 +711,8 @@ class ContinuousScheduler(Scheduler):
             if warmed == options:
                 # the warmed batch, again after it emptied: its storage for max_rows rows is allocated once
                 return batch
-        if self.compiled and compiles(self.model, options, self.max_rows):
-            if self._steps_cached(options):
+        if self.any_compiled and compiles(self.model, options, self.max_rows):
+            if self._steps_cached(options):  # under "auto" too: its defaults' steps may be cached or not
                 return self._slot_batch(options)
             self._tell_eager(options)
         return DecodeBatch(self.model, options, self.stop_tokens, self.tokenizer.pad_id,
@@ -712,11 +723,16 @@ class ContinuousScheduler(Scheduler):
         if self.announce is None or options in self._told_eager:
             return
         self._told_eager.append(options)
+        shown = self._shown(options)
+        dtype = "" if self.kv_dtype is None else f" (their cache in the model's dtype, not {self.kv_dtype})"
+        self.announce(f"requests with {shown} decode eagerly{dtype}: their compiled steps are not all in the "
+                      f"on-disk cache, and a request never makes the server compile (every stream would wait "
+                      f"minutes); start with --decode compiled --warm-options '{shown}' to compile them")
+
+    def _shown(self, options: dict) -> str:
+        """The options as a request gives them: those that differ from the defaults, as JSON."""
         defaults = model_options(self.model, {})
-        given = {name: value for name, value in options.items() if value != defaults.get(name)}
-        self.announce(f"requests with {json.dumps(given)} decode eagerly: their compiled steps are not all in "
-                      f"the on-disk cache, and a request never makes the server compile (every stream would wait "
-                      f"minutes); start with --decode compiled --warm-options '{json.dumps(given)}' to compile them")
+        return json.dumps({name: value for name, value in options.items() if value != defaults.get(name)})
 
     # -- joining ------------------------------------------------------------------------------
     def _admit(self, job: Job) -> None:
