@@ -311,7 +311,7 @@ def test_a_sharded_checkpoint_resumes_exactly_and_exports_to_one_file(fsdp2_runs
     capsys.readouterr()
     state = setup(dist_workers.run_config("fbt", corpus, "none", steps=6, save_every=2, keep_last=3,
                                           seed=dist_workers.LATE_FUSION_SEED), run, resume=True, progress=False)
-    assert state.step == 4 and "saved by 2 process(es) on 1" in capsys.readouterr().err
+    assert state.step == 4 and "saved by 2 process(es), resumed on 1, strategy fsdp2 -> none" in capsys.readouterr().err
     assert fit(state, progress=False)["step"] == 6
 
 
