@@ -418,15 +418,20 @@ def _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, sto
         draft = draft_of(model, options) if use_cache and decodes else None
         drafting, auto_drafting = None, None
         if draft is not None:  # self-speculative rounds: compiled (`CompiledDrafting`, one row) or eager
-            compiles = compiled_drafting_reason(model, options, draft, B) is None
+            why_not = compiled_drafting_reason(model, options, draft, B)
+            compiles = why_not is None
             if compiles and compile is True:
                 drafting = CompiledDrafting(model, options, draft, on_compile)
+            elif compile is True and on_compile is not None:  # asked for: said, not silently eager
+                on_compile(f"decoding eagerly: the speculative rounds do not compile here ({why_not})")
             elif compiles and compile == "auto" and max_new_tokens > PROBE_STEPS + 1:
                 auto_drafting = AutoCompile(model, options)  # a record of its own: the options name the draft
             compile = False
         fast = (FastDecoder(model, on_compile=on_compile, kv_dtype=kv_dtype, **options) if compile is True and decodes
                 else None)
         if fast is not None and fast.reason is not None:  # this step cannot be captured: decode eagerly
+            if on_compile is not None:  # compile=True asked for it: said, not silently eager
+                on_compile(f"decoding eagerly: the decode step does not compile here ({fast.reason})")
             fast = None
         auto = AutoCompile(model, options, kv_dtype) if compile == "auto" and use_cache else None
         if auto is not None and not (auto.applies(B) and max_new_tokens > PROBE_STEPS + 1):

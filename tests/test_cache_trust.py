@@ -390,3 +390,26 @@ def test_a_process_that_compiles_into_a_temporary_folder_removes_it_when_it_exit
     used = Path(done.stdout.strip())
     assert used != shared and used.name.startswith("latentloop-compiled-")
     assert not used.exists()
+
+
+def test_a_damaged_digest_or_an_artifact_that_cannot_be_removed_is_a_reason_not_a_crash(tmp_path, monkeypatch):
+    """A digest file that is not text (UnicodeDecodeError from every eager generate before) reads as
+    unverified; an artifact that failed its check in a read-only cache cannot be removed, which is
+    said as a reason (an OSError ended the generation)."""
+    from latentloop.inference.cache_trust import digest_path, remove_artifact
+
+    folder = private(tmp_path / "kernels")
+    artifact = folder / "lib.so"
+    artifact.write_bytes(b"\x7fELF" + bytes(range(64)))
+    record_digest(artifact)
+    digest_path(artifact).write_bytes(b"\xff\xfe")
+    assert "is not a digest" in unverified_file(artifact)
+
+    def read_only(self, *args, **kwargs):
+        raise PermissionError(30, "Read-only file system")
+
+    monkeypatch.setattr(Path, "unlink", read_only)
+    reason = remove_artifact(artifact)
+    assert reason is not None and "cannot be removed" in reason and "Read-only file system" in reason
+    monkeypatch.undo()
+    assert remove_artifact(artifact) is None and not artifact.exists() and not digest_path(artifact).exists()

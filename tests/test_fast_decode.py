@@ -2,6 +2,7 @@
 ordinary cache (default suite), and the compiled step against the eager one (slow: CPU inductor
 compiles take tens of seconds per architecture and option set)."""
 
+import json
 import math
 import re
 from pathlib import Path
@@ -703,6 +704,12 @@ def test_compile_record_expects_the_cold_cost_then_the_fastest_first_call(compil
     assert not other.seen()
     half = CompileRecord(model, {}, fast.new_cache(1, 8), torch.float16)  # a float16 cache is a package of its own
     assert not half.seen()
+    # a NaN or a negative time in the file is not a first call: the minimum stayed NaN for good (never
+    # compiling that shape again) or went negative (always compiling)
+    again.path.write_text(json.dumps({"first_call_s": [float("nan"), -5.0, 6.0]}))
+    assert again.expected_seconds() == 6.0
+    again.path.write_text(json.dumps({"first_call_s": [float("nan")]}))
+    assert not again.seen() and again.expected_seconds() == COLD_COMPILE_S
 
 
 def test_compile_cache_dir_counts_inductors_default_as_unset_without_importing_inductor(tmp_path, monkeypatch):
@@ -1182,3 +1189,33 @@ def test_the_attended_window_grows_in_buckets_on_cpu_and_in_few_sizes_on_cuda():
     model = ll.build("gpt", preset="test", sequence_len=1000)
     assert slot_length(model) == 1008 + WINDOW_BUCKET
     assert max(window_length(n, slot_length(model), d) for n in range(1, 1001) for d in ("cpu", "cuda")) == 1008
+
+
+def test_a_compiler_that_fails_leaves_the_generation_eager_and_says_why(monkeypatch, tmp_path):
+    """A C++ compiler that is there but fails (or a damaged file in inductor's own cache) ended
+    `generate --decode compiled` in inductor's traceback: the decoder now decodes eagerly from that
+    step on, saying why once, and the tokens are the eager ones. A step that cannot compile at all
+    (mor) is said too, where `compile=True` asked for it (silently eager before)."""
+    import latentloop.inference.fast as fast
+
+    monkeypatch.setenv("LATENTLOOP_AOT", "0")  # dynamo's path, whose first call is what fails here
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+
+    def failing_compiled_step(device_type: str):
+        def step(*args, **kwargs):
+            raise RuntimeError("InvalidCxxCompiler: No working C compiler found\nmore lines of the compiler's log")
+        return step
+
+    monkeypatch.setattr(fast, "_compiled_step", failing_compiled_step)
+    torch.manual_seed(0)
+    model = ll.build("gpt", preset="test").eval()
+    heard: list[str] = []
+    prompt = [1, 2, 3, 4]
+    got = ll.generate(model, prompt, 6, temperature=0.0, compile=True, on_compile=heard.append)
+    assert got == ll.generate(model, prompt, 6, temperature=0.0, compile=False)
+    failed = [line for line in heard if "compiling the decode step failed" in line]
+    assert len(failed) == 1 and "InvalidCxxCompiler: No working C compiler found; decoding eagerly" in failed[0]
+    mor = ll.build("mor", preset="test").eval()
+    heard.clear()
+    ll.generate(mor, prompt, 3, temperature=0.0, compile=True, on_compile=heard.append)
+    assert any(line.startswith("decoding eagerly: ") for line in heard), heard

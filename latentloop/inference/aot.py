@@ -606,7 +606,10 @@ class AotDecodeStep:
                 self._load(shape, path)
                 return
             except AotUnavailable:  # a broken or foreign file: built again below
-                remove_artifact(path)
+                problem = remove_artifact(path)
+                if problem is not None:  # a read-only cache holds it: dynamo's step, not an OSError
+                    self.unavailable[shape] = problem
+                    raise AotUnavailable(problem) from None
         try:
             self._compile(cache, fields, path)
             problem = unverified_file(path)  # a fresh package is checked as a kept one is, before it is loaded

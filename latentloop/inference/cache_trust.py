@@ -208,9 +208,11 @@ def unverified_file(path: Path) -> str | None:
     if _writable_by_others(info):
         return f"{path} is writable by group or others"
     try:
-        recorded = digest_path(path).read_text().strip()
+        recorded = digest_path(path).read_bytes().decode("ascii").strip()
     except OSError:
         return f"{path} has no recorded digest ({digest_path(path).name})"
+    except UnicodeDecodeError:  # a damaged digest file: the artifact is unverified, not a crash
+        return f"{path}'s recorded digest ({digest_path(path).name}) is not a digest (damaged)"
     try:
         found = sha256_of(path)
     except OSError as exc:
@@ -220,13 +222,18 @@ def unverified_file(path: Path) -> str | None:
     return None
 
 
-def remove_artifact(path: Path) -> None:
-    """An artifact that failed its check, and its digest, removed (to be built again)."""
+def remove_artifact(path: Path) -> str | None:
+    """An artifact that failed its check, and its digest, removed (to be built again); None, or why it
+    could not be (a read-only cache: the caller loads nothing from there, where an OSError ended the
+    generation)."""
     for stale in (path, digest_path(path)):
         try:
             stale.unlink()
         except FileNotFoundError:
             pass
+        except OSError as exc:
+            return f"{stale} failed its check and cannot be removed to build it again ({exc.strerror or exc})"
+    return None
 
 
 

@@ -87,7 +87,7 @@ from torch import Tensor
 
 from ..models.backbone import GPT
 from ..models.cache import AttentionPlan, KVCache, row_span, zeros_on_touch
-from ..util import CACHE_ENV, default_cache_dir, warn_once
+from ..util import CACHE_ENV, default_cache_dir, first_line, warn_once
 from . import native, quant, torch_internals
 from .aot import AotDecodeStep, AotUnavailable, aot_enabled, cpu_vendor, model_code_digest
 from .cache_trust import private_temporary_folder, untrusted_folder, unwritable_folder
@@ -690,7 +690,10 @@ class FastDecoder:
         if self.aot is not None:
             result = self.aot(self.model, token, self.cache, self.options)
         else:
-            result = self._step(self.model, token, self.cache, self.options)
+            try:
+                result = self._step(self.model, token, self.cache, self.options)
+            except Exception as error:  # noqa: BLE001 - the compiler's failure, not the model's: see below
+                return self._decode_eagerly_after(error, token)
         seconds = time.perf_counter() - start
         _RAN_SHAPES.setdefault(self.model, set()).add(self._shape(self.cache))
         if self.aot is not None and self.aot.compiled_now:  # the next process only loads the package
@@ -702,6 +705,20 @@ class FastDecoder:
             self.on_compile(f"decode step {'loaded, compiled ahead of time,' if loaded else 'compiled'} in "
                             f"{seconds:.1f} s")
         return result
+
+    def _decode_eagerly_after(self, error: Exception, token: Tensor) -> tuple[Tensor, Tensor, dict]:
+        """Dynamo's first call failed (a C++ compiler that is there but fails, a damaged file in
+        inductor's own cache): this decoder decodes eagerly from now on, saying why once, instead of
+        ending the generation in the compiler's traceback. The same step then runs eagerly: a fault
+        of the model's own is raised there, as it would be without compiling."""
+        self._compiled, self.stable_addresses, self._step = False, False, self._eager_step
+        self.reason = f"compiling the decode step failed: {type(error).__name__}: {first_line(error)}"
+        message = f"{self.reason}; decoding eagerly"
+        if self.on_compile is not None:
+            self.on_compile(message)
+        else:
+            warn_once(f"latentloop: {message}")
+        return self._step(self.model, token, self.cache, self.options)
 
     @staticmethod
     def _eager_step(model, token: Tensor, cache: KVCache, options: dict) -> tuple[Tensor, Tensor, dict]:
@@ -809,10 +826,13 @@ class CompileRecord:
             return {}
 
     def _seconds(self) -> list[float]:
+        """The first calls recorded: finite and not negative only (a NaN in the file made the minimum
+        NaN for good, so the automatic mode never compiled that shape again; -5 made it always compile)."""
         try:
-            return [float(s) for s in self._read().get("first_call_s", [])]
+            seconds = [float(s) for s in self._read().get("first_call_s", [])]
         except (ValueError, TypeError):
             return []
+        return [s for s in seconds if math.isfinite(s) and s >= 0]
 
     def _write(self, **fields) -> None:
         """The record with `fields` replaced, written whole (a reader in another process sees the old

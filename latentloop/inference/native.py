@@ -186,9 +186,11 @@ def native_library(name: str, for_packages: bool = False) -> ctypes.CDLL | None:
         flags = LIBRARY_FLAGS + defines + choice
         key = hashlib.sha256(b"\0".join([code, " ".join(flags + libraries).encode(), *host])).hexdigest()[:16]
         target = folder / f"{name}{suffix}-{key}.so"
+        problem = None
         if target.exists() and unverified_file(target) is not None:  # damaged, foreign, or from before digests
-            remove_artifact(target)
-        problem = None if target.is_file() else _build(cc, source, target, flags, libraries)
+            problem = remove_artifact(target)
+        if problem is None and not target.is_file():
+            problem = _build(cc, source, target, flags, libraries)
         if problem is None:  # a fresh build is checked as a kept one is, before it is ever mapped
             problem = unverified_file(target)
         if problem is None:
