@@ -103,6 +103,7 @@ ISO_FORMS = ("flops", "params")
 PAPER_EDGE_BLOCKS = 2
 DECAY_FRACTION = 0.2  # WSD: each budget decays over its last fifth (TrainConfig's default)
 OPTIMIZERS = ("muon", "adamw")  # the default, and the ablation column
+PAPER_GATE_BIAS = 4.0  # RecurrentGPT's gate bias at initialisation (g ~ 0.98); the project's default is 0
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,15 @@ CLAIM_BASELINES = (
             why="FBT's data-efficiency claim, on the paper's schedule (feedback introduced late)"),
     Variant("rgpt-flops-heavy", "rgpt", "flops", settings=(("depth_sampling", "heavy_tail"),), matched_heavy_tail=True,
             why="RecurrentGPT beats heavy-tailed depth sampling at isoFLOPs"),
+    # the fourth amendment (logs/2026-12-07-ladder-rules-paper-gate.md): RecurrentGPT's claims on the
+    # paper's gate initialisation, +4 (g ~ 0.98 at the start), where the project's default is 0
+    Variant("rgpt-paper-flops", "rgpt", "flops", settings=(("gate_bias_init", PAPER_GATE_BIAS),),
+            why="RecurrentGPT's claims, on the paper's gate initialisation"),
+    Variant("rgpt-paper-params", "rgpt", "params", settings=(("gate_bias_init", PAPER_GATE_BIAS),),
+            why="RecurrentGPT's claims, on the paper's gate initialisation"),
+    Variant("rgpt-paper-flops-heavy", "rgpt", "flops",
+            settings=(("gate_bias_init", PAPER_GATE_BIAS), ("depth_sampling", "heavy_tail")), matched_heavy_tail=True,
+            why="RecurrentGPT beats heavy-tailed depth sampling at isoFLOPs, on the paper's gate initialisation"),
 )
 # Forms left out of the default plan, and why (`--variants` may still name them).
 EXCLUDED = {"rfbt-params": "about 5x gpt's training FLOPs (fbt's passes on rgpt's deepest shape); no paper claims it"}

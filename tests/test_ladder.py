@@ -1292,3 +1292,20 @@ def test_the_claims_page_refuses_a_folder_without_records_and_names_a_broken_rec
     (tmp_path / "runs" / "records" / "broken.json").write_text("{not json")
     assert ladder_fit.load_records(tmp_path / "runs") == []
     assert "broken.json does not read as a record" in capsys.readouterr().err
+
+
+def test_the_paper_gate_variants_are_planned_and_the_default_gate_rows_say_so():
+    """Fourth amendment: RecurrentGPT's claims on the paper's gate initialisation (+4). The three
+    variants are in the default plan, differing from their parents by the gate bias alone; the
+    rows read on the default gate say that they do."""
+    every = {v.name: v for v in ladder.ladder_variants()}
+    size = ladder.CPU.sizes[0]
+    for name, parent in (("rgpt-paper-flops", "rgpt-flops"), ("rgpt-paper-params", "rgpt-params"),
+                         ("rgpt-paper-flops-heavy", "rgpt-flops-heavy")):
+        fields = ladder.model_fields(every[name], size, ladder.CPU.seq_len)
+        assert fields.pop("gate_bias_init") == ladder.PAPER_GATE_BIAS == 4.0
+        assert fields == {k: v for k, v in ladder.model_fields(every[parent], size, ladder.CPU.seq_len).items()
+                          if k != "gate_bias_init"}
+    rows = [claim for claim in ladder_claims.CLAIMS if claim.paper.startswith("RGPT")]
+    assert len(rows) == 4 and all("fourth amendment" in claim.test for claim in rows)
+    assert not any("fourth amendment" in claim.test for claim in ladder_claims.CLAIMS if claim not in rows)
