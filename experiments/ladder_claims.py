@@ -228,20 +228,26 @@ def _reaches_paper_factor(per_size: list) -> str:
     return f"; at {size} the interval {reach} the paper's {PAPER_DATA_FACTOR}x"
 
 
-def rgpt_scaling(points: Sequence[Point], corpus: str, optimizer: str, plan: Plan | None = None) -> Cell:
+# RecurrentGPT's rows read these forms (the fourth amendment: the paper's gate, +4, once complete)
+DEFAULT_GATE_FORMS = {"flops": "rgpt-flops", "params": "rgpt-params", "heavy": "rgpt-flops-heavy"}
+PAPER_GATE_FORMS = {"flops": "rgpt-paper-flops", "params": "rgpt-paper-params", "heavy": "rgpt-paper-flops-heavy"}
+
+
+def rgpt_scaling(points: Sequence[Point], corpus: str, optimizer: str, plan: Plan | None = None,
+                 forms: dict[str, str] = DEFAULT_GATE_FORMS) -> Cell:
     """Rule 3: both rgpt forms, C and P, at every planned size."""
     sizes = sizes_of(points, corpus, optimizer, plan)
     parts, verdicts = [], []
     tests = 4 * len(sizes)  # C and P of both forms at every planned size
-    for variant in ("rgpt-flops", "rgpt-params"):
+    for variant in (forms["flops"], forms["params"]):
         c = [(s, multiplier(points, plan, corpus, optimizer, s, variant, "flops")) for _, s, _ in sizes]
         p = [(s, parameter_multiplier(points, plan, corpus, optimizer, s, variant)) for _, s, _ in sizes]
         verdicts += [aggregate(c, tests), aggregate(p, tests)]
         parts.append(f"{variant} C: {_figures(c)}; P: {_figures(p)}")
     verdict = _combine(verdicts) if sizes else "not run"
-    trends = "; ".join(f"{v} C {text}" for v in ("rgpt-flops", "rgpt-params")
+    trends = "; ".join(f"{v} C {text}" for v in (forms["flops"], forms["params"])
                        if (text := _trend_text(points, plan, corpus, optimizer, v, "flops")))
-    return Cell(verdict, " / ".join(parts), (REFERENCE, "rgpt-flops", "rgpt-params"), trends)
+    return Cell(verdict, " / ".join(parts), (REFERENCE, forms["flops"], forms["params"]), trends)
 
 
 def _ratio_text(found: dict[str, Any] | Incomplete | None) -> str:
@@ -271,7 +277,8 @@ def _planned_budgets(points: Sequence[Point], plan: Plan | None, corpus: str, op
                                                          size=size) for kind, b in r.branches if kind == "tokens"})
 
 
-def rgpt_isoflops_match(points: Sequence[Point], corpus: str, optimizer: str, plan: Plan | None = None) -> Cell:
+def rgpt_isoflops_match(points: Sequence[Point], corpus: str, optimizer: str, plan: Plan | None = None,
+                        forms: dict[str, str] = DEFAULT_GATE_FORMS) -> Cell:
     """Rule 4 (amended): rgpt-flops / gpt at the largest FLOP-matched budget, per seed, t-interval;
     "matches" at every planned size at 95%, "does not hold" at one size at the Bonferroni level."""
     sizes = sizes_of(points, corpus, optimizer, plan)
@@ -279,9 +286,10 @@ def rgpt_isoflops_match(points: Sequence[Point], corpus: str, optimizer: str, pl
     level = against_level(len(sizes))
     for _, size, n in sizes:
         budgets = _planned_budgets(points, plan, corpus, optimizer, size)
-        found = None if not budgets else paired_ratio(points, plan, corpus, optimizer, size, "rgpt-flops",
+        found = None if not budgets else paired_ratio(points, plan, corpus, optimizer, size, forms["flops"],
                                                       REFERENCE, budgets[-1])
-        share = [p.params for p in select(points, variant="rgpt-flops", corpus=corpus, optimizer=optimizer, size=size)]
+        share = [p.params for p in select(points, variant=forms["flops"], corpus=corpus, optimizer=optimizer,
+                                          size=size)]
         share_text = f", {share[0] / n:.0%} of gpt's parameters" if share and n else ""
         texts.append(f"{size} {_ratio_text(found)}{share_text}")
         if found is None:
@@ -299,24 +307,23 @@ def rgpt_isoflops_match(points: Sequence[Point], corpus: str, optimizer: str, pl
         else:
             verdicts.append("undecided")
     verdict = _combine(verdicts, "matches") if sizes else "not run"
-    trend_text = _trend_text(points, plan, corpus, optimizer, "rgpt-flops", "flops")
-    return Cell(verdict, "rgpt-flops / gpt at matched training FLOPs: " + "; ".join(texts),
-                (REFERENCE, "rgpt-flops"), f"C {trend_text}" if trend_text else "")
+    trend_text = _trend_text(points, plan, corpus, optimizer, forms["flops"], "flops")
+    return Cell(verdict, f"{forms['flops']} / gpt at matched training FLOPs: " + "; ".join(texts),
+                (REFERENCE, forms["flops"]), f"C {trend_text}" if trend_text else "")
 
 
-BASELINES = ("mor-flops", "rgpt-flops-heavy")  # rule 5
-
-
-def rgpt_beats_baselines(points: Sequence[Point], corpus: str, optimizer: str, plan: Plan | None = None) -> Cell:
+def rgpt_beats_baselines(points: Sequence[Point], corpus: str, optimizer: str, plan: Plan | None = None,
+                         forms: dict[str, str] = DEFAULT_GATE_FORMS) -> Cell:
     """Rule 5 (amended): in every planned size x FLOP-matched budget x baseline cell, rgpt-flops below
     the baseline at 95%; "does not hold" if a cell lies above 1 at the Bonferroni level over all the
     planned cells; "incomplete" while a cell waits for runs."""
     sizes = sizes_of(points, corpus, optimizer, plan)
+    baselines = ("mor-flops", forms["heavy"])  # rule 5: MoR has no gate; the heavy tail shares rgpt's
     cells = []  # (size, baseline, the comparison: None where a side has no run planned)
     for _, size, _ in sizes:
-        for baseline in BASELINES:
+        for baseline in baselines:
             for budget in _planned_budgets(points, plan, corpus, optimizer, size):
-                cells.append((size, baseline, paired_ratio(points, plan, corpus, optimizer, size, "rgpt-flops",
+                cells.append((size, baseline, paired_ratio(points, plan, corpus, optimizer, size, forms["flops"],
                                                            baseline, budget)))
     level = against_level(len(cells))
     below = above = undecided = refused = waiting = 0
@@ -349,13 +356,35 @@ def rgpt_beats_baselines(points: Sequence[Point], corpus: str, optimizer: str, p
     summary = f"{total} comparisons (size x budget x baseline): {below} below 1, {above} above, {undecided} " \
               f"undecided, {refused} refused (FLOPs apart by more than 5%), {waiting} incomplete"
     details = "; ".join(f"{size} / {baseline}: {', '.join(cells)}" for (size, baseline), cells in texts.items())
-    return Cell(verdict, summary + ". " + details, (REFERENCE, "rgpt-flops", *BASELINES))
+    return Cell(verdict, summary + ". " + details, (REFERENCE, forms["flops"], *baselines))
+
+
+def rgpt_isoparams(points: Sequence[Point], corpus: str, optimizer: str, plan: Plan | None = None,
+                   forms: dict[str, str] = DEFAULT_GATE_FORMS) -> Cell:
+    """Rule 6: the data multiplier D of the isoPARAMs form."""
+    return multiplier_claim(forms["params"], "tokens")(points, corpus, optimizer, plan)
+
+
+def on_the_papers_gate(evaluate: Callable[..., Cell]) -> Callable[..., Cell]:
+    """The fourth amendment: a RecurrentGPT row read on the paper's gate initialisation (the
+    rgpt-paper-* forms) once that reading is complete, the default gate's verdict beside it; until
+    then the default gate's reading, saying so."""
+    def cell(points: Sequence[Point], corpus: str, optimizer: str, plan: Plan | None = None) -> Cell:
+        paper = evaluate(points, corpus, optimizer, plan, PAPER_GATE_FORMS)
+        default = evaluate(points, corpus, optimizer, plan, DEFAULT_GATE_FORMS)
+        if paper.verdict in ("incomplete", "not run"):
+            default.text = f"gate bias 0, the project's default (the paper's +4: {paper.verdict}). {default.text}"
+            return default
+        paper.text = f"the paper's gate bias, +4. {paper.text} (gate bias 0, the project's default: {default.verdict})"
+        return paper
+    return cell
 
 
 # the fourth amendment (logs/2026-12-07-ladder-rules-paper-gate.md): until the paper-initialisation
 # variants (rgpt-paper-*) are complete, RecurrentGPT's rows read the project's default gate, and say so
-DEFAULT_GATE = ("; read on gate bias 0, the project's default: the paper's +4 (rgpt-paper-flops, -params, "
-                "-flops-heavy) is planned and replaces this verdict once complete (fourth amendment)")
+DEFAULT_GATE = ("; read on the paper's gate bias, +4 (rgpt-paper-flops, -params, -flops-heavy), once those runs "
+                "are complete, on gate bias 0, the project's default, until then (fourth amendment; each cell "
+                "says which)")
 
 
 @dataclass(frozen=True)
@@ -375,17 +404,17 @@ CLAIMS = (
           multiplier_claim("lrt", "flops", beside=("lrt", "tokens"))),
     Claim("RGPT: better loss-vs-parameters and loss-vs-training-FLOPs scaling",
           "C and parameter multiplier P of rgpt-flops and rgpt-params, all above 1 (rule 3)" + DEFAULT_GATE,
-          rgpt_scaling),
+          on_the_papers_gate(rgpt_scaling)),
     Claim("RGPT: at isoFLOPs matches the dense model with 36-37% of the parameters",
           "rgpt-flops / gpt BPB at matched training FLOPs (within 5%), upper end <= 1.01 (rule 4); its shape keeps 3 "
           "of gpt's 8 blocks (37.5%), and with the recurrence's input projection and gate about 43% of gpt's "
           "non-embedding parameters" + DEFAULT_GATE,
-          rgpt_isoflops_match),
+          on_the_papers_gate(rgpt_isoflops_match)),
     Claim("RGPT: beats Mixture-of-Recursions and heavy-tailed depth sampling at isoFLOPs, in every budget-scale cell",
           "rgpt-flops / mor-flops and / rgpt-flops-heavy at every FLOP-matched budget and size (rule 5)" + DEFAULT_GATE,
-          rgpt_beats_baselines),
+          on_the_papers_gate(rgpt_beats_baselines)),
     Claim("RGPT: at isoPARAMs deeper recursion improves validation loss consistently (2.76 vs 2.84)",
-          "data multiplier D of rgpt-params (rule 6)" + DEFAULT_GATE, multiplier_claim("rgpt-params", "tokens")),
+          "data multiplier D of rgpt-params (rule 6)" + DEFAULT_GATE, on_the_papers_gate(rgpt_isoparams)),
 )
 
 

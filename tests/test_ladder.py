@@ -1309,3 +1309,28 @@ def test_the_paper_gate_variants_are_planned_and_the_default_gate_rows_say_so():
     rows = [claim for claim in ladder_claims.CLAIMS if claim.paper.startswith("RGPT")]
     assert len(rows) == 4 and all("fourth amendment" in claim.test for claim in rows)
     assert not any("fourth amendment" in claim.test for claim in ladder_claims.CLAIMS if claim not in rows)
+
+
+def test_the_rgpt_rows_read_the_papers_gate_once_complete_and_the_default_until_then():
+    """Fourth amendment: each RecurrentGPT row evaluates both gates; the paper's (+4) decides once
+    its reading is complete (the default's verdict beside it), the default's stands until then and
+    the cell says so."""
+    seen: list[dict] = []
+
+    def evaluate(points, corpus, optimizer, plan, forms, verdicts):
+        seen.append(forms)
+        return ladder_claims.Cell(verdicts[forms["flops"]], f"read {forms['flops']}", ("gpt", forms["flops"]))
+
+    for paper, expected, words in (("not run", "does not hold", "the paper's +4: not run"),
+                                   ("incomplete", "does not hold", "the paper's +4: incomplete"),
+                                   ("holds", "holds", "gate bias 0, the project's default: does not hold")):
+        verdicts = {"rgpt-flops": "does not hold", "rgpt-paper-flops": paper}
+        row = ladder_claims.on_the_papers_gate(lambda *args, v=verdicts: evaluate(*args, v))
+        cell = row([], "stdlib", "muon")
+        assert cell.verdict == expected and words in cell.text, (paper, cell)
+        assert cell.variants[1] == ("rgpt-paper-flops" if paper == "holds" else "rgpt-flops")
+    assert {forms["flops"] for forms in seen} == {"rgpt-flops", "rgpt-paper-flops"}
+    assert ladder_claims.PAPER_GATE_FORMS.keys() == ladder_claims.DEFAULT_GATE_FORMS.keys()
+    every = {v.name for v in ladder.all_variants()}
+    forms = {*ladder_claims.PAPER_GATE_FORMS.values(), *ladder_claims.DEFAULT_GATE_FORMS.values()}
+    assert forms <= every
