@@ -413,3 +413,23 @@ def test_a_damaged_digest_or_an_artifact_that_cannot_be_removed_is_a_reason_not_
     assert reason is not None and "cannot be removed" in reason and "Read-only file system" in reason
     monkeypatch.undo()
     assert remove_artifact(artifact) is None and not artifact.exists() and not digest_path(artifact).exists()
+
+
+def test_kernels_that_cannot_be_written_are_said_not_switched_off_silently(tmp_path, monkeypatch, capsys):
+    """A cache this process cannot write: the kernel library is not built, the slower torch path runs,
+    and a line says so (the kernels were off without a word, so packages were built without them)."""
+    from latentloop import util
+    from latentloop.inference import native
+
+    monkeypatch.setenv("LATENTLOOP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(util, "_warned", set())
+    monkeypatch.setattr(native, "_compiler", lambda: "cc")
+    monkeypatch.setattr(native, "_build", lambda cc, source, target, *rest:
+                        f"cannot write {target.parent}: Read-only file system")
+    native.native_library.cache_clear()
+    try:
+        assert native.native_library("int8_linear") is None
+        err = capsys.readouterr().err
+        assert "Read-only file system" in err and "slower torch path" in err and "LATENTLOOP_CACHE" in err
+    finally:
+        native.native_library.cache_clear()

@@ -200,6 +200,9 @@ def native_library(name: str, for_packages: bool = False) -> ctypes.CDLL | None:
                 problem = str(exc)
         reasons.append(problem)
     _failures[failure] = f"{name}.c did not build with {cc}: {reasons[-1]}"
+    if any(reason.startswith("cannot write") or "cannot be removed" in reason for reason in reasons):
+        # a cache this process cannot write: said, where the kernels were switched off without a word
+        warn_once(f"{_failures[failure]}; the slower torch path runs (set {CACHE_ENV} to a folder you can write)")
     return None
 
 
