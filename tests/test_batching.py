@@ -845,3 +845,27 @@ def test_a_joiner_dropped_while_it_waits_neither_counts_nor_holds_up_the_rest(mo
     batch.step()
     assert id(short) in {id(m) for m in batch.members} and id(held) not in {id(m) for m in batch.members}
     assert not running.done
+
+
+def test_auto_keeps_its_start_budget_for_every_set_of_options(models, tmp_path, monkeypatch):
+    """Records of slow first calls (past AUTO_START_BUDGET_S to load): "auto" decodes the defaults
+    eagerly as it said, without loading them anyway at start, and says nothing more of them when the
+    first request of the defaults comes (a second notice advised --warm-options '{}')."""
+    from latentloop.data import ByteTokenizer
+    from latentloop.serve.batch import AUTO_START_BUDGET_S
+    from latentloop.serve.scheduler import ContinuousScheduler
+
+    model = models["gpt"]
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "slow"))
+    defaults = model_options(model, {})
+    _record_steps(model, defaults, 4, seconds=AUTO_START_BUDGET_S)  # 3 sizes: 3 x the budget
+    warmed: list[dict] = []
+    monkeypatch.setattr(SlotBatch, "warm", lambda batch, rows: warmed.append(dict(batch.options)))
+    heard: list[str] = []
+    auto = ContinuousScheduler(model, ByteTokenizer(), 4, 16, 0.05, compiled="auto", announce=heard.append)
+    assert not auto.compiled and len(heard) == 1 and "decoding eagerly" in heard[0]
+    auto.warm()
+    try:
+        assert warmed == [] and type(auto._new_batch(defaults)) is DecodeBatch and len(heard) == 1
+    finally:
+        auto.join(SCHEDULER_TIMEOUT_S)

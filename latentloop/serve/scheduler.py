@@ -681,7 +681,7 @@ class ContinuousScheduler(Scheduler):
         for options in [defaults, *self.warm_options]:
             if any(options == warmed for warmed, _ in self._warmed):
                 continue
-            asked = options is not defaults  # a --warm-options set: what becomes of it is said
+            asked = options != defaults  # a --warm-options set of its own: what becomes of it is said
             why = why_not_compiled(self.model, options, self.max_rows)
             if why is not None:
                 if asked and self.announce is not None:
@@ -697,9 +697,13 @@ class ContinuousScheduler(Scheduler):
 
     def _steps_cached(self, options: dict) -> bool:
         """Whether the compiled path's steps for these options are all in the on-disk cache (or need
-        no compile: `compile_steps=False`), so a batch of them compiles nothing."""
-        return not self.compile_steps or cached_start_seconds(self.model, options, self.max_rows,
-                                                              self.kv_dtype) is not None
+        no compile: `compile_steps=False`), so a batch of them compiles nothing; with "auto", also
+        expected to load within AUTO_START_BUDGET_S, as `auto_compiled` judges the defaults (records
+        of slow first calls loaded 300 s of steps under a notice that said it would not)."""
+        if not self.compile_steps:
+            return True
+        seconds = cached_start_seconds(self.model, options, self.max_rows, self.kv_dtype)
+        return seconds is not None and (self.compile_at_start or seconds <= AUTO_START_BUDGET_S)
 
     def _slot_batch(self, options: dict) -> SlotBatch:
         return SlotBatch(self.model, options, self.stop_tokens, self.tokenizer.pad_id,
@@ -719,8 +723,9 @@ class ContinuousScheduler(Scheduler):
                            coupled=couples_rows(self.model, options))
 
     def _tell_eager(self, options: dict) -> None:
-        """Say once per set of options that its batches decode eagerly, and how to compile them."""
-        if self.announce is None or options in self._told_eager:
+        """Say once per set of options that its batches decode eagerly, and how to compile them (the
+        defaults' are said by `auto_compiled`, which names the flag that compiles them)."""
+        if self.announce is None or options in self._told_eager or options == model_options(self.model, {}):
             return
         self._told_eager.append(options)
         shown = self._shown(options)
