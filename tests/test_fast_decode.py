@@ -1201,8 +1201,12 @@ def test_a_compiler_that_fails_leaves_the_generation_eager_and_says_why(monkeypa
     monkeypatch.setenv("LATENTLOOP_AOT", "0")  # dynamo's path, whose first call is what fails here
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
 
+    attempts: list[int] = []
+
     def failing_compiled_step(device_type: str):
-        def step(*args, **kwargs):
+        def step(model, token, cache, options):
+            attempts.append(1)
+            cache.next_pos += 1  # a first graph ran before the next failed to compile: put back before the retry
             raise RuntimeError("InvalidCxxCompiler: No working C compiler found\nmore lines of the compiler's log")
         return step
 
@@ -1211,10 +1215,13 @@ def test_a_compiler_that_fails_leaves_the_generation_eager_and_says_why(monkeypa
     model = ll.build("gpt", preset="test").eval()
     heard: list[str] = []
     prompt = [1, 2, 3, 4]
-    got = ll.generate(model, prompt, 6, temperature=0.0, compile=True, on_compile=heard.append)
-    assert got == ll.generate(model, prompt, 6, temperature=0.0, compile=False)
+    eager = ll.generate(model, prompt, 6, temperature=0.0, compile=False)
+    assert ll.generate(model, prompt, 6, temperature=0.0, compile=True, on_compile=heard.append) == eager
     failed = [line for line in heard if "compiling the decode step failed" in line]
     assert len(failed) == 1 and "InvalidCxxCompiler: No working C compiler found; decoding eagerly" in failed[0]
+    heard.clear()  # a later generation of the model starts eager, saying why, without compiling again
+    assert ll.generate(model, prompt, 6, temperature=0.0, compile=True, on_compile=heard.append) == eager
+    assert len(attempts) == 1 and any("does not compile here (compiling the decode step failed" in h for h in heard)
     mor = ll.build("mor", preset="test").eval()
     heard.clear()
     ll.generate(mor, prompt, 3, temperature=0.0, compile=True, on_compile=heard.append)

@@ -518,6 +518,28 @@ def fallback_reason(model, options: dict) -> str | None:
     return reason
 
 
+# model -> step key -> why its compiled step failed (`FastDecoder._decode_eagerly_after`)
+_FAILED_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+_CACHE_POSITIONS = ("key_pos", "next_pos", "write_index")  # what a decode step advances besides its slots
+
+
+def _positions_and_state(cache: KVCache) -> dict[str, Tensor]:
+    """Copies of what a decode step advances (positions, the carried state), to put back where a
+    compiled call failed part way: the eager retry then runs the step once, not on top of half of it
+    (the key and value slots it wrote are written again at the same places)."""
+    saved = {name: getattr(cache, name).clone() for name in _CACHE_POSITIONS
+             if isinstance(getattr(cache, name, None), Tensor)}
+    state = getattr(cache, "state", None) or {}
+    saved.update({("state", name): value.clone() for name, value in state.items() if isinstance(value, Tensor)})
+    return saved
+
+
+def _put_back(cache: KVCache, saved: dict) -> None:
+    for name, value in saved.items():
+        (cache.state[name[1]] if isinstance(name, tuple) else getattr(cache, name)).copy_(value)
+
+
 class FastDecoder:
     """A model's decode step, compiled once per (model, options, shapes): `new_cache`, then the
     model's eager `prefill`, then `begin_decoding(cache)`, then `step(token)` per new token.
@@ -543,6 +565,10 @@ class FastDecoder:
         self.aot: AotDecodeStep | None = None  # the ahead-of-time step (CPU), tried before dynamo's
         self.aot_reason: str | None = None  # why this decoder runs dynamo's step instead, once known
         self._key = step_key(device.type, options, kv_dtype)
+        failed = _FAILED_STEPS.get(model, {}).get(self._key)
+        if self._compiled and failed is not None:  # an earlier decoder's compile of this step failed
+            self._compiled, self.reason = False, failed
+            self.stable_addresses = False
         if self._compiled:
             use_compile_cache()
             if device.type == "cpu":  # before any compiled step binds the weights (`huge_pages`)
@@ -690,9 +716,11 @@ class FastDecoder:
         if self.aot is not None:
             result = self.aot(self.model, token, self.cache, self.options)
         else:
+            before = _positions_and_state(self.cache)  # what a failed call may have advanced already
             try:
                 result = self._step(self.model, token, self.cache, self.options)
             except Exception as error:  # noqa: BLE001 - the compiler's failure, not the model's: see below
+                _put_back(self.cache, before)
                 return self._decode_eagerly_after(error, token)
         seconds = time.perf_counter() - start
         _RAN_SHAPES.setdefault(self.model, set()).add(self._shape(self.cache))
@@ -713,11 +741,13 @@ class FastDecoder:
         of the model's own is raised there, as it would be without compiling."""
         self._compiled, self.stable_addresses, self._step = False, False, self._eager_step
         self.reason = f"compiling the decode step failed: {type(error).__name__}: {first_line(error)}"
+        # remembered for the model: a later decoder of these options starts eager, not with another failed compile
+        _FAILED_STEPS.setdefault(self.model, {})[self._key] = self.reason
         message = f"{self.reason}; decoding eagerly"
         if self.on_compile is not None:
             self.on_compile(message)
         else:
-            warn_once(f"latentloop: {message}")
+            warn_once(message)
         return self._step(self.model, token, self.cache, self.options)
 
     @staticmethod
