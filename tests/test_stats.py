@@ -160,3 +160,14 @@ def test_a_log_ratio_comparison_is_the_geometric_mean_with_its_interval_on_the_l
     assert (math.log(logged["low"]), math.log(logged["high"])) == pytest.approx(t_interval(logs))
     assert verdict(logged, "faster", "slower") == "faster"
     assert paired_comparison({0: 0.5, 1: 2.0}, {0: 1.0, 1: 1.0}, kind="ratio")["mean"] == pytest.approx(1.25)
+
+
+def test_a_log_ratio_with_a_value_of_zero_decides_nothing_and_says_why():
+    """A repeat with 0 req/s (every request failed) has no logarithm: it was dropped, which removed
+    the worst repeat and turned "undecided" into "ahead"."""
+    from latentloop.eval.stats import paired_comparison, verdict
+
+    values, base = {0: 0.0, 1: 2.0, 2: 2.1, 3: 1.9}, dict.fromkeys(range(4), 1.0)
+    logged = paired_comparison(values, base, kind="log_ratio")
+    assert logged["nonpositive"] == [0] and logged["low"] is None and logged["seeds"] == [0, 1, 2, 3]
+    assert verdict(logged, "lower", "higher") == "undecided (a value of 0 or below)"

@@ -136,7 +136,12 @@ def paired_comparison(values: dict, baseline: dict, kind: str = "difference", le
     seeds = [seed for seed in values if seed in baseline
              and _finite(values[seed]) and _finite(baseline[seed])]
     if kind == "log_ratio":
-        seeds = [s for s in seeds if values[s] > 0 and baseline[s] > 0]
+        # a value of 0 or below has no logarithm: no mean and no interval, and said (dropping the round
+        # dropped the worst one: a repeat whose requests all failed read as 0 req/s)
+        nonpositive = [s for s in seeds if values[s] <= 0 or baseline[s] <= 0]
+        if nonpositive:
+            return {"kind": kind, "seeds": seeds, "mean": math.nan, "sd": math.nan, "low": None, "high": None,
+                    "excludes": None, "nonpositive": nonpositive}
         logs = [math.log(values[s] / baseline[s]) for s in seeds]
         log_mean, sd = mean_sd(logs)
         interval = t_interval(logs, level)
@@ -155,6 +160,8 @@ def paired_comparison(values: dict, baseline: dict, kind: str = "difference", le
 def verdict(comparison: dict, lower: str = "lower", higher: str = "higher") -> str:
     """A paired comparison in words: `lower` / `higher` when its interval excludes no change on that
     side, "undecided" when it holds no change, "one seed" without an interval."""
+    if comparison.get("nonpositive"):
+        return "undecided (a value of 0 or below)"
     if comparison["excludes"] is None:
         return "one seed" if comparison["seeds"] else "no paired seeds"
     if not comparison["excludes"]:
