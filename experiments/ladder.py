@@ -1340,9 +1340,10 @@ def _main(args: argparse.Namespace) -> int:
     if args.device == "cuda":  # the whole GPU ladder sized to the budget (the smoke trains its own tiny plan)
         rates, source = gpu_rate(args.gpu_bench)
         budget_s = budget_s or GPU_BUDGET_S
-        if args.budget_scale is None:  # fitted to what is left of the budget (the search itself spends more)
-            left = budget_s - (time.perf_counter() - started)
-            scale, full, _ = fit_to_budget(CUDA, variants, corpora, left, rates, val_sizes)
+        if args.budget_scale is None:
+            # fitted to the whole budget, not to what is left of it: the scale names every run's budgets
+            # (so its records), and one that moved with the seconds spent before would not find them again
+            scale, full, _ = fit_to_budget(CUDA, variants, corpora, budget_s, rates, val_sizes)
         else:
             scale, full = args.budget_scale, plan_ladder(CUDA, variants, corpora, args.budget_scale)
         params = {size.name: gpt_params(size, CUDA.seq_len) for size in CUDA.sizes}

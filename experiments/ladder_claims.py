@@ -365,6 +365,15 @@ def rgpt_isoparams(points: Sequence[Point], corpus: str, optimizer: str, plan: P
     return multiplier_claim(forms["params"], "tokens")(points, corpus, optimizer, plan)
 
 
+def _paper_gate_runs(points: Sequence[Point], plan: Plan | None, corpus: str, optimizer: str) -> tuple[int, int]:
+    """(finished, planned) runs of the paper-gate forms in a column: a row reads them only once all
+    are in (a "does not hold" from one size is decided before the others finish)."""
+    planned = {r.key for v in PAPER_GATE_FORMS.values()
+               for r in _plan(points, plan).select(variant=v, corpus=corpus, optimizer=optimizer)}
+    finished = planned & {p.key for p in points}
+    return len(finished), len(planned)
+
+
 def on_the_papers_gate(evaluate: Callable[..., Cell]) -> Callable[..., Cell]:
     """The fourth amendment: a RecurrentGPT row read on the paper's gate initialisation (the
     rgpt-paper-* forms) once that reading is complete, the default gate's verdict beside it; until
@@ -372,8 +381,10 @@ def on_the_papers_gate(evaluate: Callable[..., Cell]) -> Callable[..., Cell]:
     def cell(points: Sequence[Point], corpus: str, optimizer: str, plan: Plan | None = None) -> Cell:
         paper = evaluate(points, corpus, optimizer, plan, PAPER_GATE_FORMS)
         default = evaluate(points, corpus, optimizer, plan, DEFAULT_GATE_FORMS)
-        if paper.verdict in ("incomplete", "not run"):
-            default.text = f"gate bias 0, the project's default (the paper's +4: {paper.verdict}). {default.text}"
+        finished, planned = _paper_gate_runs(points, plan, corpus, optimizer)
+        if finished < planned or not planned:  # complete at every planned size, or not read (the amendment)
+            default.text = (f"gate bias 0, the project's default (the paper's +4: {finished} of {planned} runs, "
+                            f"{paper.verdict}). {default.text}")
             return default
         paper.text = f"the paper's gate bias, +4. {paper.text} (gate bias 0, the project's default: {default.verdict})"
         return paper
@@ -525,12 +536,9 @@ def epochs_marks(points: Sequence[Point]) -> list[str]:
         f"- {corpus}: {', '.join(items)}" for corpus, items in by_corpus.items()]
 
 
-RGPT_PAPER_GATE_BIAS = 4.0  # RecurrentGPT's initial gate bias; the ladder keeps latentloop's default
-
-
 def gate_bias_note(records: Sequence[dict[str, Any]]) -> str:
-    """The initial gate bias the recurrent forms trained with, from their records (the rules: the ladder
-    keeps the project's default, not the paper's, and the table says so)."""
+    """The initial gate bias the recurrent forms trained with, from their records: the project's
+    default, and the paper's for the rgpt-paper-* forms RecurrentGPT's rows read (fourth amendment)."""
     biases: dict[str, set[float]] = {}
     for record in records:
         value = record.get("config_resolved", {}).get("model", {}).get("gate_bias_init")
@@ -543,8 +551,9 @@ def gate_bias_note(records: Sequence[dict[str, Any]]) -> str:
     from latentloop.archs.rgpt.model import RGPTConfig
 
     return (f" Initial gate bias of the recurrent forms: {forms} (latentloop's default is "
-            f"{RGPTConfig().gate_bias_init:g}; the RecurrentGPT paper initialises it at +{RGPT_PAPER_GATE_BIAS:g}, "
-            f"and the ladder keeps the project's default, as its rules say).")
+            f"{RGPTConfig().gate_bias_init:g}; the RecurrentGPT paper initialises it at +{ladder.PAPER_GATE_BIAS:g}: "
+            f"the rgpt-paper-* forms train with the paper's, and RecurrentGPT's rows read them once complete, "
+            f"the fourth amendment).")
 
 
 def corpus_lines(records: Sequence[dict[str, Any]], planned: dict[str, dict[str, Any]]) -> list[str]:

@@ -178,7 +178,9 @@ def init_distributed(strategy: str, device_name: str) -> tuple[DistEnv, torch.de
                 dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
             except dist.DistError as exc:  # one line, not torch's traceback
                 where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-                if isinstance(exc, dist.DistNetworkError):  # its address cannot be served or reached (a port taken)
+                # its address cannot be served (a port taken); a peer whose rank 0 never came times out as
+                # a network error too, and is told as a group that did not form
+                if isinstance(exc, dist.DistNetworkError) and "timed out" not in str(exc).lower():
                     raise ConfigError(f"the process group at {where} could not start: {first_line(exc)}") from None
                 raise ConfigError(f"the process group at {where} did not form within {timeout.total_seconds():g} s "
                                   f"(${DIST_TIMEOUT_ENV}; the other processes never came): {first_line(exc)}") from None

@@ -1313,20 +1313,35 @@ def test_the_paper_gate_variants_are_planned_and_the_default_gate_rows_say_so():
 
 def test_the_rgpt_rows_read_the_papers_gate_once_complete_and_the_default_until_then():
     """Fourth amendment: each RecurrentGPT row evaluates both gates; the paper's (+4) decides once
-    its reading is complete (the default's verdict beside it), the default's stands until then and
-    the cell says so."""
+    every planned run of its forms in the column is in (the default's verdict beside it); until
+    then the default's stands and the cell says so, also where the paper's reading already says
+    "does not hold" from one size (decided before the others finish)."""
+    from ladder_fit import Plan, PlannedRun, Point
+
     seen: list[dict] = []
 
     def evaluate(points, corpus, optimizer, plan, forms, verdicts):
         seen.append(forms)
         return ladder_claims.Cell(verdicts[forms["flops"]], f"read {forms['flops']}", ("gpt", forms["flops"]))
 
-    for paper, expected, words in (("not run", "does not hold", "the paper's +4: not run"),
-                                   ("incomplete", "does not hold", "the paper's +4: incomplete"),
-                                   ("holds", "holds", "gate bias 0, the project's default: does not hold")):
-        verdicts = {"rgpt-flops": "does not hold", "rgpt-paper-flops": paper}
+    runs = [PlannedRun(f"k-{v}-{size}", "cpu", "stdlib", "muon", size, i, v, 0, frozenset())
+            for v in ladder_claims.PAPER_GATE_FORMS.values() for i, size in enumerate(("xs", "s"))]
+    plan = Plan(runs)
+
+    def finished(keys) -> list:
+        return [Point("cpu", "stdlib", "muon", "xs", 0, "gpt", "rgpt", 0, "tokens", "t", 1, 1.0, 1.0, 3.0, 0.1, 1, key)
+                for key in keys]
+
+    half = finished([r.key for r in runs if r.size == "xs"])
+    whole = finished([r.key for r in runs])
+    for paper, points, expected, words in (
+            ("not run", [], "does not hold", "the paper's +4: 0 of 6 runs, not run"),
+            ("does not hold", half, "undecided", "the paper's +4: 3 of 6 runs, does not hold"),
+            ("holds", whole, "holds", "gate bias 0, the project's default: undecided")):
+        default = "does not hold" if paper == "not run" else "undecided"
+        verdicts = {"rgpt-flops": default, "rgpt-paper-flops": paper}
         row = ladder_claims.on_the_papers_gate(lambda *args, v=verdicts: evaluate(*args, v))
-        cell = row([], "stdlib", "muon")
+        cell = row(points, "stdlib", "muon", plan)
         assert cell.verdict == expected and words in cell.text, (paper, cell)
         assert cell.variants[1] == ("rgpt-paper-flops" if paper == "holds" else "rgpt-flops")
     assert {forms["flops"] for forms in seen} == {"rgpt-flops", "rgpt-paper-flops"}
