@@ -644,3 +644,29 @@ def test_only_a_broken_collective_waits_for_torchrun_before_raising(monkeypatch)
         with pytest.raises(RuntimeError):
             cli.main(["plan", "--arch", "gpt", "--preset", "test", "--tokens", "1000"])
         assert slept == waits, error
+
+
+def test_a_group_that_cannot_start_is_told_apart_from_one_that_never_formed(monkeypatch):
+    """A port already taken: "could not start"; a rendezvous whose others never came (rank 0's store
+    times out, a peer's client socket times out as a network error): "did not form within ..."."""
+    import torch.distributed as dist
+
+    from latentloop.distributed import init_distributed
+    from latentloop.errors import ConfigError
+
+    for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29999"), ("RANK", "1"), ("WORLD_SIZE", "2"),
+                        ("LOCAL_RANK", "1")):
+        monkeypatch.setenv(name, value)
+    for error, words in ((dist.DistNetworkError("The server socket has failed to listen on any local network "
+                                                "address. port: 29999, useIpv6: 0, code: -98, name: EADDRINUSE"),
+                          "could not start"),
+                         (dist.DistNetworkError("The client socket has timed out after 5000ms while trying to "
+                                                "connect to (127.0.0.1, 29999)."), "did not form within"),
+                         (dist.DistStoreError("Timed out after 16 seconds waiting for clients. 1/2 clients joined."),
+                          "did not form within")):
+        def fail(*args, error=error, **kwargs):
+            raise error
+
+        monkeypatch.setattr(dist, "init_process_group", fail)
+        with pytest.raises(ConfigError, match=words):
+            init_distributed("ddp", "cpu")
