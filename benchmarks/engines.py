@@ -531,15 +531,18 @@ def worker(spec: dict[str, Any]) -> int:
     rounds = [0] * len(prompts)  # each prompt's timed rounds so far: the order of its two calls alternates
     for line in sys.stdin:
         index = int(line)
-        whole, first = time_prompt(call, prompts[index], new_tokens, round_index=rounds[index])
+        outputs: list = []
+        whole, first = time_prompt(call, prompts[index], new_tokens, round_index=rounds[index], outputs=outputs)
         rounds[index] += 1
-        answers.write(json.dumps({"seconds": whole, "first_seconds": first}) + "\n")
+        # every timed call's tokens against the warm-up's: a timing of other work is no comparison
+        answers.write(json.dumps({"seconds": whole, "first_seconds": first,
+                                  "same_tokens": list(outputs[0]) == list(tokens[index])}) + "\n")
         answers.flush()
     return 0
 
 
 def time_prompt(call, prompt: list[int], new_tokens: int, clock=time.perf_counter,
-                round_index: int = 0) -> tuple[float, float]:
+                round_index: int = 0, outputs: list | None = None) -> tuple[float, float]:
     """Seconds of (a call for `new_tokens` new tokens, a call for the first new token alone: the
     time to first token, the prompt's prefill included). An untimed first-token call goes before
     them, and the two timed calls swap places from one round to the next (the first-token call
@@ -551,8 +554,10 @@ def time_prompt(call, prompt: list[int], new_tokens: int, clock=time.perf_counte
     calls = [("first", 1), ("whole", new_tokens)]
     for name, tokens in calls if round_index % 2 == 0 else calls[::-1]:
         start = clock()
-        call(prompt, tokens)
+        out = call(prompt, tokens)
         seconds[name] = clock() - start
+        if name == "whole" and outputs is not None:  # the tokens of the timed call, for the caller to check
+            outputs.append(out)
     return seconds["whole"], seconds["first"]
 
 
@@ -583,6 +588,9 @@ class EngineWorker:
         self.process.stdin.write(f"{prompt}\n")
         self.process.stdin.flush()
         answer = self._answer()
+        if answer.get("same_tokens") is False:
+            raise SystemExit(f"engines: {self.engine}'s timed call for prompt {prompt} gave other tokens than its "
+                             f"warm-up: its time is not of the same work (a decode that is not deterministic)")
         return answer["seconds"], answer["first_seconds"]
 
     def close(self) -> None:

@@ -587,10 +587,30 @@ def test_time_prompt_calls_untimed_first_and_alternates_the_timed_order():
     orders = []
     for round_index in range(2):
         paused[0], calls[:] = True, []
-        whole, first = engines.time_prompt(call, [1, 2], 5, clock=lambda: clock[0], round_index=round_index)
+        outputs: list = []
+        whole, first = engines.time_prompt(call, [1, 2], 5, clock=lambda: clock[0], round_index=round_index,
+                                           outputs=outputs)
         assert (whole, first) == (pytest.approx(5 * per_token), pytest.approx(per_token))
+        assert outputs == [[0, 1, 2, 3, 4]]  # the timed whole call's tokens, for the worker to check
         orders.append(calls[1:])
     assert orders == [[1, 5], [5, 1]] and calls[0] == 1  # the untimed call: one token
+
+
+def test_an_engine_whose_timed_call_gives_other_tokens_ends_the_run_in_one_line():
+    """Every timed call's tokens are checked against the engine's warm-up (only the warm-up's were):
+    a timing of other work is refused, naming the engine and the prompt."""
+    engines = _benchmark("engines")
+    worker = engines.EngineWorker.__new__(engines.EngineWorker)
+    worker.engine = "latentloop default"
+    worker.process = type("P", (), {"stdin": type("S", (), {"write": lambda self, text: None,
+                                                            "flush": lambda self: None})()})()
+    for same, outcome in ((True, (0.2, 0.01)), (False, None)):
+        worker._answer = lambda same=same: {"seconds": 0.2, "first_seconds": 0.01, "same_tokens": same}
+        if outcome is not None:
+            assert worker.time_call(1) == outcome
+        else:
+            with pytest.raises(SystemExit, match="latentloop default's timed call for prompt 1 gave other tokens"):
+                worker.time_call(1)
 
 
 def test_prefill_products_refuses_a_prompt_outside_the_rows_kernels_rows(capsys):
