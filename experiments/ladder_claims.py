@@ -715,9 +715,12 @@ def generate(records: Sequence[dict[str, Any]], figures: Path | None = None, fig
         for (corpus, optimizer), cell in cells.items():
             text = f"**{cell.verdict}**"
             if optimizer == "adamw" and cell.verdict in DECIDED:
-                muon = column_cell(claim, at_adamw_sizes[corpus][0], corpus, "muon", stale,
-                                   at_adamw_sizes[corpus][1], recipes).verdict  # a stale Muon cell decides nothing
-                if muon in DECIDED and DECIDED[muon] != DECIDED[cell.verdict]:
+                muon_cell = column_cell(claim, at_adamw_sizes[corpus][0], corpus, "muon", stale,
+                                        at_adamw_sizes[corpus][1], recipes)  # a stale Muon cell decides nothing
+                muon = muon_cell.verdict
+                # only where both read the same variants: a RecurrentGPT row reads the paper's gate in a
+                # column whose runs of it are complete and the default's in one whose are not
+                if muon in DECIDED and DECIDED[muon] != DECIDED[cell.verdict] and muon_cell.variants == cell.variants:
                     text += f" (depends on the optimizer: Muon over the same sizes {muon})"
             if cell.trend and optimizer == "muon" and cell.verdict not in ("not run", "stale"):
                 text += f"; trend: {cell.trend}"

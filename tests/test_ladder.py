@@ -1349,3 +1349,21 @@ def test_the_rgpt_rows_read_the_papers_gate_once_complete_and_the_default_until_
     every = {v.name for v in ladder.all_variants()}
     forms = {*ladder_claims.PAPER_GATE_FORMS.values(), *ladder_claims.DEFAULT_GATE_FORMS.values()}
     assert forms <= every
+
+
+@pytest.mark.slow  # its own synthetic ladder with the paper-gate forms: about 20 s
+def test_the_optimizer_note_compares_cells_read_on_the_same_gate(monkeypatch):
+    """A RecurrentGPT row reads the paper's gate in a column whose paper-gate runs are all in and the
+    default's in one whose are not: the AdamW cell (paper gate, holds) was said to depend on the
+    optimizer against Muon's default-gate "does not hold", two different models."""
+    monkeypatch.setitem(ladder.SPECS, CLAIMS_SPEC.name, CLAIMS_SPEC)
+    paper = {"rgpt-paper-flops": CLAIMS_EQUIVALENT["rgpt-flops"], "rgpt-paper-params": CLAIMS_EQUIVALENT["rgpt-params"],
+             "rgpt-paper-flops-heavy": CLAIMS_EQUIVALENT["rgpt-flops-heavy"]}
+    records = made_records("claims-paper-gate", CLAIMS_SPEC, {**CLAIMS_EQUIVALENT, **paper},
+                           {**CLAIMS_ADAMW, "rgpt-paper-params": lambda t, f, g: 1.6 * t})
+    records = [r for r in records if not (r["plan"]["optimizer"] == "muon"
+                                          and r["plan"]["variant"]["name"].startswith("rgpt-paper"))]
+    rows = page_rows(ladder_claims.generate(records))
+    assert row_verdict(rows, "RGPT: at isoPARAMs", 4) == "**holds**"  # the paper's gate, complete under AdamW
+    assert row_verdict(rows, "RGPT: at isoPARAMs").startswith("**does not hold**")  # Muon: the default's
+    assert "depends on the optimizer" not in row_verdict(rows, "RGPT: at isoPARAMs", 4)
