@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import math
 import os
 import platform
 import random
@@ -439,16 +438,15 @@ def ratio_interval(ratios: Sequence[float]) -> tuple[float, float, float]:
     logarithms (at least two ratios): the interval of a ratio stays positive, and rounds at 0.5x and
     2x cancel, where the arithmetic mean of [0.5, 2.0] read 1.25 [-8.28, 10.78]. Student's t: the
     normal's 1.96 is too narrow at the few rounds these benchmarks run (t is 2.31 at 9 rounds, 4.30 at 3)."""
-    from latentloop.eval.stats import t_interval
+    from latentloop.eval.stats import paired_comparison
 
-    if min(ratios, default=1.0) <= 0:
+    # each round's ratio against 1: the same estimate `paired_comparison` gives engines and serve_load
+    comparison = paired_comparison(dict(enumerate(ratios)), dict.fromkeys(range(len(ratios)), 1.0), kind="log_ratio")
+    if comparison.get("nonpositive"):
         raise ValueError(f"paired ratios are positive, got {min(ratios)}")
-    logs = [math.log(r) for r in ratios]
-    interval = t_interval(logs)
-    if interval is None:
+    if comparison["low"] is None:
         raise ValueError(f"an interval needs at least two ratios, got {len(ratios)}")
-    low, high = interval
-    return math.exp(statistics.fmean(logs)), math.exp(low), math.exp(high)
+    return comparison["mean"], comparison["low"], comparison["high"]
 
 
 def describe_ratios(ratios: Sequence[float]) -> str:

@@ -246,8 +246,8 @@ def write_json_atomic(path: Path, payload: Any, indent: int = 2) -> None:
     """Write JSON through a temporary file of this writer's own in the same folder, fsync, then
     rename: never half-written, still there after a crash, and two processes writing one file never
     share a temporary name. An unwritable `path` is an `OutputError`."""
-    text = json.dumps(payload, indent=indent, default=str) + "\n"  # before the file: a bad payload writes nothing
-    _write_atomic(Path(path), lambda f: f.write(text.encode()))
+    # made before the file: a payload that does not serialise writes nothing
+    write_text_atomic(path, json.dumps(payload, indent=indent, default=str) + "\n")
 
 
 def write_text_atomic(path: Path, text: str) -> None:

@@ -524,7 +524,7 @@ _FAILED_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _CACHE_POSITIONS = ("key_pos", "next_pos", "write_index")  # what a decode step advances besides its slots
 
 
-def _positions_and_state(cache: KVCache) -> dict[str, Tensor]:
+def _positions_and_state(cache: KVCache) -> dict[str | tuple[str, str], Tensor]:
     """Copies of what a decode step advances (positions, the carried state), to put back where a
     compiled call failed part way: the eager retry then runs the step once, not on top of half of it
     (the key and value slots it wrote are written again at the same places)."""

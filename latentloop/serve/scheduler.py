@@ -585,6 +585,7 @@ class ContinuousScheduler(Scheduler):
         super().__init__(model, tokenizer, max_rows, max_queue, batch_window)
         self.announce = announce
         self.kv_dtype = kv_dtype  # what the compiled path's cache stores keys and values in (None: the model's)
+        self.defaults = model_options(model, {})  # the options a request without any decodes with
         self.compile_at_start = compiled is True  # "auto" compiles nothing: it loads what the cache holds
         self.any_compiled = bool(compiled)  # True or "auto": a batch may take the compiled path
         self.warm_options = [self._resolved_warm_options(given) for given in warm_options]  # before any compile
@@ -606,10 +607,9 @@ class ContinuousScheduler(Scheduler):
         """`--decode auto`: the compiled path when the default options' step compiles and loading it
         for every batch size is expected within AUTO_START_BUDGET_S (it was compiled on this machine
         before); else eager, saying how to compile it once."""
-        options = model_options(self.model, {})
-        if not compiles(self.model, options, self.max_rows):
+        if not compiles(self.model, self.defaults, self.max_rows):
             return False
-        seconds = cached_start_seconds(self.model, options, self.max_rows, self.kv_dtype)
+        seconds = cached_start_seconds(self.model, self.defaults, self.max_rows, self.kv_dtype)
         chosen = seconds is not None and seconds <= AUTO_START_BUDGET_S
         if self.announce is not None:
             self.announce(f"--decode auto: the compiled path (its steps for 1 to {self.max_rows} rows are in the "
@@ -677,11 +677,10 @@ class ContinuousScheduler(Scheduler):
         the cache holds; the others decode eagerly, `_new_batch`)."""
         if not self.any_compiled:
             return
-        defaults = model_options(self.model, {})
-        for options in [defaults, *self.warm_options]:
+        for options in [self.defaults, *self.warm_options]:
             if any(options == warmed for warmed, _ in self._warmed):
                 continue
-            asked = options != defaults  # a --warm-options set of its own: what becomes of it is said
+            asked = options != self.defaults  # a --warm-options set of its own: what becomes of it is said
             why = why_not_compiled(self.model, options, self.max_rows)
             if why is not None:
                 if asked and self.announce is not None:
@@ -725,7 +724,7 @@ class ContinuousScheduler(Scheduler):
     def _tell_eager(self, options: dict) -> None:
         """Say once per set of options that its batches decode eagerly, and how to compile them (the
         defaults' are said by `auto_compiled`, which names the flag that compiles them)."""
-        if self.announce is None or options in self._told_eager or options == model_options(self.model, {}):
+        if self.announce is None or options in self._told_eager or options == self.defaults:
             return
         self._told_eager.append(options)
         shown = self._shown(options)
@@ -736,8 +735,7 @@ class ContinuousScheduler(Scheduler):
 
     def _shown(self, options: dict) -> str:
         """The options as a request gives them: those that differ from the defaults, as JSON."""
-        defaults = model_options(self.model, {})
-        return json.dumps({name: value for name, value in options.items() if value != defaults.get(name)})
+        return json.dumps({name: value for name, value in options.items() if value != self.defaults.get(name)})
 
     # -- joining ------------------------------------------------------------------------------
     def _admit(self, job: Job) -> None:
