@@ -223,7 +223,7 @@ function leaveOutOldestExchanges(count) {
 }
 
 async function send(text) {
-  if (page.busy || isBlank(text)) return false;
+  if (page.busy || isBlank(text)) return;
   const conversation = page.conversation;
   const controller = new AbortController();
   page.controller = controller;
@@ -297,7 +297,7 @@ async function send(text) {
       setBusy(false);
     }
   }
-  if (conversation !== page.conversation) return true;  // New conversation was pressed: this one is gone
+  if (conversation !== page.conversation) return;  // New conversation was pressed: this one is gone
   const stopped = failure && failure.name === "AbortError";
   const note = droppedForContext ?
     `; the ${droppedForContext} oldest exchange(s) were left out to fit the model's context` : "";
@@ -311,7 +311,7 @@ async function send(text) {
     addTurn("error", String(failure.message || failure) + (reply ? " (the partial reply is not kept)" : ""));
     setStatus("failed" + note);
     shade();
-    return true;
+    return;
   }
   // an empty reply is not kept (as `latentloop chat` does): the server refuses an empty assistant
   // turn, so every later message of the conversation would get a 400. A stopped reply is kept as far
@@ -325,7 +325,6 @@ async function send(text) {
   const how = stopped ? "stopped" : `done (${finish || "ended"})`;
   setStatus(how + (page.config.chat && !kept ? ": the reply was empty and is not kept" : "") + note);
   shade();
-  return true;
 }
 
 async function init() {
