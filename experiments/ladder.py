@@ -1137,7 +1137,8 @@ def gpu_seconds(run: RunPlan, rates: dict[str, float], val_sizes: dict[str, int]
 
 # Bisection steps of `fit_to_budget` on the log of the budget scale. Each plans the whole ladder,
 # which counts every run's FLOPs step by step (minutes of one core for the default variants: 20 + 14
-# steps took 12 min here, past the 9-minute GPU window it plans for). 9 steps over [1e-5, 1] place
+# steps took over 12 min under cProfile here, 9 + 8 about 4 min plain: a 9-minute GPU window cannot pay
+# for it, so `--budget-scale` skips it). 9 steps over [1e-5, 1] place
 # the floor within 2.3%; 8 over [floor, 1], the fitted scale within 3.7% where that range spans 1e4.
 FLOOR_SEARCH_STEPS = 9
 FIT_SEARCH_STEPS = 8
