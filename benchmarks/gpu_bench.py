@@ -77,7 +77,7 @@ from latentloop.runtime import resolve_dtype
 from latentloop.train import FiniteGuard, FlopsMemo, train_step
 from latentloop.train.profile import summarize
 from latentloop.train.step import ModelAndLoss, compiled_step_graphs
-from latentloop.util import write_json_atomic
+from latentloop.util import write_text_atomic
 
 MFU_TARGET = 0.45  # issue 51: gpt at the gpt2 shape
 OTHERS_SHARE_OF_GPT = 0.9  # issue 51: every other architecture at >= 0.9 x gpt's MFU
@@ -625,12 +625,12 @@ def main(argv: list[str] | None = None) -> int:
     path = Path(args.out_dir) / "gpu_bench.json"
 
     def save(partial: dict) -> None:  # the cases so far, marked partial: what a killed run leaves
-        write_json_atomic(path, json.loads(json.dumps({**partial, **meta, "partial": True}, default=_jsonable)))
+        write_text_atomic(path, json.dumps({**partial, **meta, "partial": True}, indent=2, default=_jsonable) + "\n")
 
     report = {**run(args, save), **meta, "partial": False}
     text = json.dumps(report, indent=2, default=_jsonable)
     print(text)
-    write_json_atomic(path, json.loads(text))
+    write_text_atomic(path, text + "\n")
     failed = [r for section in ("training", "fill", "decode", "hf", "checks") for r in report[section] if "error" in r]
     return 1 if failed else 0
 
