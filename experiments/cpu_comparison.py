@@ -52,6 +52,7 @@ from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config  
 from latentloop.eval.loss import score_curve, score_run, text_batches  # noqa: E402
 from latentloop.eval.stats import format_comparison, mean_sd, seed_rows, t_interval  # noqa: E402
 from latentloop.train import fit, setup  # noqa: E402
+from latentloop.util import pyplot, save_figure  # noqa: E402
 
 
 def variants(preset: str, seq_len: int, steps: int) -> dict[str, tuple[dict, int]]:
@@ -215,14 +216,10 @@ def early_exit_lines(curves: dict[str, list[dict]]) -> list[str]:
 def plot_early_exit(curves: dict[str, list[dict]], out: Path) -> str | None:
     """early_exit.png: each run's kept quality against the fraction of depth run, a band of its
     t-interval, and the paper's half-depth figure as a line; None without matplotlib or curves."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
     if not curves:
+        return None
+    plt = pyplot("the early-exit plot")
+    if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for i, (name, points) in enumerate(curves.items()):
@@ -240,8 +237,7 @@ def plot_early_exit(curves: dict[str, list[dict]], out: Path) -> str | None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "early_exit.png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, out / "early_exit.png", dpi=120)
     return "early_exit.png"
 
 

@@ -43,6 +43,7 @@ from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config  
 from latentloop.eval.generation import baseline_markdown, run_generation_tasks  # noqa: E402
 from latentloop.eval.stats import format_comparison, paired_comparison, verdict  # noqa: E402
 from latentloop.train import fit, setup  # noqa: E402
+from latentloop.util import pyplot, save_figure  # noqa: E402
 
 TASKS = {  # name -> (training data spec, evaluation task name)
     "s3": ("task:s5:size=3,length=1-4,n=20000", "s5:size=3,length=1-4,test=1-8"),
@@ -175,13 +176,8 @@ def _train_max(data_spec: str) -> int:
 
 
 def plot(results: list[dict], out: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plots (pip install 'latentloop[plot]')", file=sys.stderr)
+    plt = pyplot("the serial-task plots")
+    if plt is None:
         return
     for task, (data_spec, _) in TASKS.items():
         rows = [r for r in results if r["task"] == task]
@@ -210,8 +206,7 @@ def plot(results: list[dict], out: Path) -> None:
         ax.set_title(f"{task}: mean over seeds (band: their range); dashed: end of training range", fontsize=9)
         ax.legend(fontsize=8)
         fig.tight_layout()
-        fig.savefig(out / f"serial_{task}.png", dpi=120)
-        plt.close(fig)
+        save_figure(fig, out / f"serial_{task}.png", dpi=120)
 
 
 def main() -> None:
