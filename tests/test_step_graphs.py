@@ -275,3 +275,45 @@ def test_blocks_compiled_one_by_one_share_their_graphs_with_activation_checkpoin
     plain = _block_graphs("gpt", 2, recompute=False)
     assert plain == 2 == _block_graphs("gpt", 2, recompute=True) == _block_graphs("gpt", 4, recompute=True)
 
+
+
+class _HostCopies(TorchDispatchMode):
+    """Counts ops that take a host tensor into a computation on another device: on an accelerator a
+    blocking copy, which waits for every kernel queued before it. A 0-d host tensor is a scalar
+    argument (no copy) and is not counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.copies: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        flat = [t for t in torch.utils._pytree.tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor)]
+        out = func(*args, **(kwargs or {}))
+        devices = {t.device.type for t in flat} | {t.device.type for t in torch.utils._pytree.tree_leaves(out)
+                                                    if isinstance(t, torch.Tensor)}
+        if any(t.device.type == "cpu" and t.dim() > 0 for t in flat) and devices - {"cpu"}:
+            self.copies.append(str(func))
+        return out
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["pretraining", "sft"])
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_a_training_loss_copies_nothing_from_the_host(arch, masked):
+    """The model on the meta device stands in for an accelerator: a tensor built on the host inside
+    the loss (mor's quota table under SFT's masks did, once per recursion) shows as an op reading a
+    host tensor into a meta one. On CUDA each is a stall of the whole step."""
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = ll.build(arch, preset="test", sequence_len=SEQ_LEN).train()
+    objective = build_objective(model.config, TrainConfig(steps=10))
+    data = torch.randint(0, model.config.vocab_size, (BATCH, SEQ_LEN + 1))
+    mask = (torch.arange(SEQ_LEN) >= torch.tensor([[3], [9]])) if masked else None
+    # the plan drawn on the host's batch (meta has no generator), its tensors then where the trainer's
+    # plan makes them: on the batch's device. The batch's own copy comes before the step too
+    plan = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"),
+                                             objective.plan(1, data[:, :-1], mask))
+    x, y = data[:, :-1].to("meta"), data[:, 1:].to("meta")
+    mask = None if mask is None else mask.to("meta")
+    with _HostCopies() as counted:
+        objective.loss(model, x, y, mask, **plan)
+    assert counted.copies == []

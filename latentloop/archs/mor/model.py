@@ -289,11 +289,14 @@ class MoR(GPT):
         if real_count is None:
             top = ranked.sort(dim=1).values  # (B, k) in position order
         else:
-            # a padded row keeps its best ceil(capacity · count) (the table is Python's ceil, in float64 on
-            # the host: the k_r a whole row of that length gets, with no float32 rounding on the device).
+            # a padded row keeps its best ceil(capacity · count): in float64, the k_r a whole row of that
+            # length gets (float32 would round some products across an integer). Built where h is: a table
+            # copied from the host would be a blocking copy, a GPU stall, at every recursion of every SFT step.
             # The rest of the k gathered (non-candidates among them) are moved after the kept ones: causal
             # attention then never lets a kept token see them, and their states are not updated
-            quota = torch.ceil(torch.arange(T + 1, dtype=torch.float64) * capacity).long().to(h.device)[real_count]
+            on = "cpu" if h.device.type == "mps" else h.device  # MPS has no float64: the host there
+            counts = torch.arange(T + 1, dtype=torch.float64, device=on)
+            quota = torch.ceil(counts * capacity).long().to(h.device)[real_count]  # (B,)
             chosen = torch.arange(k, device=h.device)[None] < quota[:, None]  # (B, k), by rank
             order = torch.where(chosen, ranked, ranked + T).sort(dim=1).values  # kept (in position order), then rest
             keep = order < T
