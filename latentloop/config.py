@@ -65,7 +65,7 @@ class ModelConfig:
     arch: ClassVar[str] = "gpt"
 
     vocab_size: int = 259  # the byte tokenizer's 256 bytes + BOS/EOS/PAD; set from the tokenizer
-    sequence_len: int = 256  # longest context the model is trained for (RoPE tables cover 2x)
+    sequence_len: int = 256  # longest context the model is trained for and decodes (its RoPE tables: as many rows)
     n_layer: int = 4
     n_embd: int = 128
     n_head: int = 4

@@ -138,6 +138,7 @@ class LRTConfig(ModelConfig):
 
 MEMORY_KEY = "lrt.memory"
 BUFFERED_RECURRENCES = ("interleaved", "chunked")  # training passes that share one key/value buffer
+UNPADDED_RECURRENCES = ("chunked", "multi_refine")  # cut by column: left-padded rows would differ from alone
 PREFILLS = ("sequential", "interleaved")
 RESIDUAL_ALPHA_INIT = 1.0
 
@@ -266,12 +267,17 @@ class LRT(GPT):
     # -- recurrence procedures over a whole sequence ---------------------------------------
     def forward(self, idx: Tensor, pad_mask: Tensor | None = None, recurrence: str | None = None,
                 subsets: int | None = None) -> LRTOutput:
-        """The whole sequence under `recurrence` (default: the configured training one)."""
+        """The whole sequence under `recurrence` (default: the configured training one). Left-padded
+        rows (`pad_mask`) give the logits each gives alone under sequential and interleaved; chunked
+        and multi_refine, baselines that cut the sequence by column, refuse them."""
         recurrence = recurrence or self.config.recurrence
+        if pad_mask is not None and recurrence in UNPADDED_RECURRENCES:
+            raise ValueError(f"recurrence {recurrence!r} takes no pad_mask: its passes cut the sequence by "
+                             f"column, not by position (use 'sequential' or 'interleaved' for left-padded rows)")
         if recurrence == "sequential":
             return self.sequential(idx, pad_mask)
         if recurrence == "interleaved":
-            return self.interleaved(idx, subsets or self.config.subsets, pad_mask)[0]
+            return self._interleaved_by_padding(idx, subsets or self.config.subsets, pad_mask)
         if recurrence == "chunked":
             return self.chunked(idx, self.config.chunk_size)
         if recurrence == "multi_refine":
@@ -397,21 +403,40 @@ class LRT(GPT):
         return self.sequential(idx, pad_mask)  # the engine refuses prefill="interleaved" without a cache
 
     def _interleaved_prefill(self, idx: Tensor, cache: KVCache, pad_mask: Tensor | None) -> LRTOutput:
-        """Parallel prefill into the cache; rows are grouped by their padding mod S so that each row
-        is refined exactly as it would be alone."""
-        S, B = self.config.subsets, idx.shape[0]
-        pad = torch.zeros(B, dtype=torch.long, device=idx.device) if pad_mask is None else (~pad_mask).sum(1)
+        """Parallel prefill into the cache, each row refined exactly as it would be alone."""
         cache.begin(idx.shape[1], pad_mask)
-        logits = hidden = source = None
-        for shift in sorted(set((pad % S).tolist())):
-            rows = ((pad % S) == shift).nonzero().squeeze(1)
-            out, buffer = self.interleaved(idx[rows], S, None if pad_mask is None else pad_mask[rows], shift)
-            buffer.write_rows(cache, rows)
-            if logits is None:
-                logits, hidden, source = (t.new_zeros(B, *t.shape[1:]) for t in (out.logits, out.hidden, out.source))
-            logits[rows], hidden[rows], source[rows] = out.logits, out.hidden, out.source
+        out = self._interleaved_by_padding(idx, self.config.subsets, pad_mask, cache)
         cache.advance()
-        cache.state[MEMORY_KEY] = source[:, -1:]
+        cache.state[MEMORY_KEY] = out.source[:, -1:]
+        return out
+
+    def _interleaved_by_padding(self, idx: Tensor, subsets: int, pad_mask: Tensor | None,
+                                cache: KVCache | None = None) -> LRTOutput:
+        """`interleaved` over the rows grouped by their padding mod S (a subset is a set of positions,
+        and a row padded by p has position = column - p), so each row is refined exactly as it would
+        be alone; with `cache`, each group's buffer written into its rows. One group (no padding, or
+        the same padding mod S everywhere): that pass's whole output, its per-pass logits included."""
+        B = idx.shape[0]
+        if pad_mask is None:
+            out, buffer = self.interleaved(idx, subsets)
+            if cache is not None:
+                buffer.write_rows(cache, torch.arange(B, device=idx.device))
+            return out
+        shift_of_row = (~pad_mask).sum(1) % subsets  # (B,)
+        shifts = sorted(set(shift_of_row.tolist()))
+        merged = None
+        for shift in shifts:
+            rows = (shift_of_row == shift).nonzero().squeeze(1)
+            out, buffer = self.interleaved(idx[rows], subsets, pad_mask[rows], shift)
+            if cache is not None:
+                buffer.write_rows(cache, rows)
+            if len(shifts) == 1:
+                return out
+            if merged is None:
+                merged = [t.new_zeros(B, *t.shape[1:]) for t in (out.logits, out.hidden, out.source)]
+            for whole, part in zip(merged, (out.logits, out.hidden, out.source)):
+                whole[rows] = part
+        logits, hidden, source = merged
         return LRTOutput(logits=logits, hidden=hidden, source=source)
 
     def recomputable_modules(self) -> list[nn.Module]:
