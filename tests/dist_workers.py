@@ -25,6 +25,9 @@ ARCH_OVERRIDES = {
     "lrt": {"recurrence": "interleaved", "subsets": 2},
     "rgpt": {"recurrence_steps": 3},
 }
+# validation batches after a run: shared out among 2 processes as 2 and 1 (padded with a batch that adds
+# nothing), the figures one process gets from all 3
+VAL_BATCHES = 3
 SEED = 2  # steps 0-2 draw fbt K = 1, 2, 2 and rgpt depths 3, 1, 2 (asserted by the test)
 # fbt K = 1, 1, 2, ...: a checkpoint after step 2 holds no optimizer state for the fusion matrices yet
 LATE_FUSION_SEED = 11
@@ -112,7 +115,7 @@ def case_train(case: str) -> dict:
 def _runs(rank: int, corpus: str, out: str, strategy: str, cases: list[str]) -> None:
     """One run per case under `strategy`; rank 0 writes the losses and every rank's draws."""
     from latentloop.parallel import gather_objects
-    from latentloop.train import fit, setup
+    from latentloop.train import fit, setup, validate
 
     results = {}
     for case in cases:
@@ -124,7 +127,8 @@ def _runs(rank: int, corpus: str, out: str, strategy: str, cases: list[str]) -> 
         summary = fit(state, progress=False)
         results[case] = {"losses": [row["loss"] for row in state.history if "loss" in row],
                          "rows": training_rows(state.history), "gradients_held": held,
-                         "draws": gather_objects(draws), "checkpoint": summary["checkpoint"]}
+                         "draws": gather_objects(draws), "checkpoint": summary["checkpoint"],
+                         "val": validate(state, VAL_BATCHES)}
     if rank == 0:
         (Path(out) / f"{strategy}.json").write_text(json.dumps(results))
 

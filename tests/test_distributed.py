@@ -30,7 +30,7 @@ from latentloop.archs import ARCHS as REGISTERED
 from latentloop.checkpoint import list_checkpoints
 from latentloop.cli import main
 from latentloop.errors import CheckpointError
-from latentloop.train import fit, setup
+from latentloop.train import fit, setup, validate
 
 ARCHS = list(REGISTERED)  # every registered architecture: a new one is checked here too
 # and gpt accumulating 2 micro-batches per process: the gradients synchronise on the second only
@@ -105,15 +105,24 @@ def _reference(case: str, corpus: Path, run: Path) -> tuple[list[float], dict[st
     state = setup(dist_workers.run_config(arch, corpus, "none", grad_accum=grad_accum * WORLD,
                                           **dist_workers.case_train(case)), run, progress=False)
     summary = fit(state, progress=False)
+    val = validate(state, dist_workers.VAL_BATCHES)
+    assert val["tokens"] == dist_workers.VAL_BATCHES * 2 * 32  # every batch counted (batch 2, sequence 32)
     return ([row["loss"] for row in state.history if "loss" in row], _final_weights(summary["checkpoint"]),
-            dist_workers.training_rows(state.history))
+            dist_workers.training_rows(state.history), val)
 
 
 def _assert_same_run(result: dict, reference: tuple, arch: str) -> None:
     """Losses and final weights as one process's; and, where the reference has them, every logged
     training number (the objective's metrics: fbt's `objective`, rgpt's gates, MoR's router loss
-    were one micro-batch's on rank 0 alone)."""
+    were one micro-batch's on rank 0 alone) and the validation figures after the run (its batches
+    shared out among the processes: every batch counted once)."""
     losses, weights, *rows = reference
+    if len(rows) > 1:
+        rows, val = rows[:1], rows[1]
+        assert result["val"]["tokens"] == val["tokens"], (arch, result["val"], val)
+        torch.testing.assert_close(torch.tensor([result["val"]["loss"], result["val"]["bpb"]]),
+                                   torch.tensor([val["loss"], val["bpb"]]), **LOSS_TOL,
+                                   msg=lambda m: f"{arch}: validation differs: {m}")
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(losses), **LOSS_TOL,
                                msg=lambda m: f"{arch}: losses differ: {m}")
     for got, want in zip(result.get("rows", []), rows[0] if rows else [], strict=True):
@@ -670,3 +679,31 @@ def test_a_group_that_cannot_start_is_told_apart_from_one_that_never_formed(monk
         monkeypatch.setattr(dist, "init_process_group", fail)
         with pytest.raises(ConfigError, match=words):
             init_distributed("ddp", "cpu")
+
+
+@pytest.mark.parametrize("batches, world", [(5, 2), (3, 2), (7, 3), (1, 4), (0, 2)])
+def test_validation_shares_every_batch_out_once_and_pads_the_shares_to_one_length(batches, world):
+    """Each batch is counted by exactly one process; every process runs as many forwards (fsdp2's are
+    collective), the padding being batches that count nowhere."""
+    from latentloop.train.loop import process_share
+
+    every = [(torch.full((1, 1), i), torch.full((1, 1), i)) for i in range(batches)]
+    shares = [process_share(iter(every), rank, world) for rank in range(world)]
+    counted = sorted(int(share[i][0]) for share, n in shares for i in range(n))
+    assert counted == list(range(batches))
+    assert len({len(share) for share, _ in shares}) == 1
+    assert len(shares[0][0]) == -(-batches // world)
+
+
+def test_padding_batches_run_but_add_nothing_to_the_figures():
+    from latentloop.eval.loss import evaluate_batches
+
+    model = ll.build("gpt", preset="test").eval()
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 256, (2, 8), generator=generator),) * 2 for _ in range(3)]
+    batches = [(x, torch.roll(y, 1, 1)) for x, y in batches]
+    table = torch.ones(model.config.vocab_size, dtype=torch.long).numpy()
+    alone = evaluate_batches(model, batches[:2], table)
+    padded = evaluate_batches(model, batches, table, counted_batches=2)
+    assert padded["tokens"] == alone["tokens"] == 32
+    torch.testing.assert_close(padded["loss"], alone["loss"], rtol=0, atol=0)

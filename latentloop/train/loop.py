@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,10 +20,11 @@ from tqdm.auto import tqdm
 
 from ..checkpoint import RunLock, json_safe, list_checkpoints
 from ..config import TrainConfig
+from ..data import eval_batches
 from ..data.chat import ChatData, masked_batches
 from ..distributed import current_dist
 from ..errors import NonFiniteError, OutputError
-from ..eval.loss import evaluate_batches, evaluate_loss
+from ..eval.loss import evaluate_batches
 from ..objectives import Objective, trained_targets
 from ..optim import lr_multiplier, set_lr
 from ..parallel import (
@@ -43,17 +44,30 @@ from .trackers import open_trackers
 
 
 def validate(state: TrainState, max_batches: int | None = None) -> dict[str, float]:
-    """Validation loss / perplexity / bits per byte. Every process of a job evaluates the same
-    batches (under fsdp2 each forward is collective); rank 0 logs them."""
+    """Validation loss / perplexity / bits per byte, the figures of every batch evaluated once: a
+    job's processes share the batches out (`process_share`) and add up their sums, so validation
+    takes 1/world of one process's time; rank 0 logs them."""
     cfg = state.config
     batches = cfg.train.eval_batches if max_batches is None else max_batches
     if isinstance(state.data, ChatData):  # the loss on the assistant's tokens of held-out conversations
-        with autocast_for(state.device, cfg.train.dtype, emulate=not cfg.train.compile):
-            return evaluate_batches(state.model, masked_batches(state.data.val, cfg.train.batch_size, batches or None),
-                                    state.tokenizer.token_byte_lengths())
+        every = masked_batches(state.data.val, cfg.train.batch_size, batches or None)
+    else:
+        every = eval_batches(state.data.val, cfg.train.batch_size, cfg.model.sequence_len, batches or None)
+    world = state.dist.world_size
+    share, counted = process_share(every, state.dist.rank, world) if world > 1 else (every, None)
     with autocast_for(state.device, cfg.train.dtype, emulate=not cfg.train.compile):
-        return evaluate_loss(state.model, state.data.val, state.tokenizer.token_byte_lengths(),
-                             cfg.train.batch_size, cfg.model.sequence_len, max_batches=batches or None)
+        return evaluate_batches(state.model, share, state.tokenizer.token_byte_lengths(),
+                                counted_batches=counted, across_processes=world > 1)
+
+
+def process_share(batches: Iterable[tuple], rank: int, world: int) -> tuple[list[tuple], int]:
+    """Process `rank`'s share of the batches (every world-th, from its rank on) and how many of them
+    count: the shares are padded with the first batch to one length, ceil(batches / world), since
+    under fsdp2 every forward is collective and each process must run as many."""
+    every = list(batches)
+    own = every[rank::world]
+    per_process = -(-len(every) // world)
+    return own + every[:1] * (per_process - len(own)), len(own)
 
 
 def _log(state: TrainState, row: dict[str, Any]) -> None:
