@@ -52,7 +52,7 @@ from .errors import LatentloopError
 from .inference.fast import PROBE_STEPS, AutoCompile, FastDecoder, fallback_reason, static_length
 from .inference.quant import quantize_int8  # noqa: F401 (the engine's callers quantise through it: cli, api)
 from .inference.speculative import CompiledDrafting, compiled_drafting_reason
-from .models.backbone import PER_ROW_INFO, Draft, shift_right
+from .models.backbone import PER_ROW_INFO, PER_TOKEN_INFO, Draft, shift_right
 from .models.cache import KVCache, regroup
 from .models.options import check_options, couples_rows, without_speed_only
 from .util import evaluating, is_int, keep_evaluating
@@ -82,8 +82,14 @@ class DecodeStep:
 def row_info(info: dict, row: int) -> dict:
     """What the model reported for one row: the shared facts, with the row's own values where the
     model gives them per row (`info[PER_ROW_INFO]`, e.g. rgpt's mean exit depth)."""
-    shared = {name: value for name, value in info.items() if name != PER_ROW_INFO}
+    shared = {name: value for name, value in info.items() if name not in (PER_ROW_INFO, PER_TOKEN_INFO)}
     return {**shared, **{name: values[row] for name, values in info.get(PER_ROW_INFO, {}).items()}}
+
+
+def reported(info: dict) -> dict:
+    """A model output's info as a decode step reports it: without the per-column facts
+    (`PER_TOKEN_INFO`), which only self-speculative decoding reads, for the columns it keeps."""
+    return {name: value for name, value in info.items() if name != PER_TOKEN_INFO}
 
 
 # --------------------------------------------------------------------------------------------
@@ -463,7 +469,7 @@ def _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, sto
             auto = None
         elif fast is not None:
             fast.begin_decoding(cache)
-        info = dict(out.info)
+        info = reported(out.info)
         last, greedy = out.logits[:, -1], None  # (B, V); the compiled step's own argmax, once it runs
         if draft is not None:
             if drafting is not None:
@@ -514,7 +520,7 @@ def _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, sto
                     pad_mask = torch.cat([pad_mask, torch.ones_like(pad_mask[:, :1])], dim=1)
                 out = model.reference(sequence, pad_mask, P, **replay, **options)
             last = out.logits[:, -1]
-            info = {**info, **out.info}
+            info = {**info, **reported(out.info)}
 
 
 _decode_in_inference_mode = torch.inference_mode()(_decode)
@@ -547,15 +553,16 @@ class _SpeculativeRow:
     """One row of a self-speculative decode: the tokens it made that were not yielded yet, each with
     the full model's logits (V,) it was drawn from, and its draft statistics."""
 
-    queued: deque = field(default_factory=deque)  # (token, logits) in order
+    queued: deque = field(default_factory=deque)  # (token, logits, facts) in order
     made: int = 0  # tokens made (queued or yielded)
     open: bool = True  # makes more tokens: no stop token made, the budget not reached
     drafted: int = 0
     accepted: int = 0
 
-    def push(self, token: int, logits: Tensor, stop_tokens: frozenset, budget: int) -> None:
+    def push(self, token: int, logits: Tensor, stop_tokens: frozenset, budget: int, facts: dict | None = None) -> None:
+        """`facts`: what the model reported of the column whose logits these are (mor's depth)."""
         if self.open:
-            self.queued.append((token, logits))
+            self.queued.append((token, logits, facts or {}))
             self.made += 1
             self.open = token not in stop_tokens and self.made < budget
 
@@ -682,15 +689,31 @@ def _speculate(drafting, last: Tensor, max_new_tokens: int, temperature: float, 
                                               max_new_tokens - min(row.made for row in rows))
         tokens: list[int | None] = []
         ids, logits = [0] * B, [last.new_zeros(last.shape[1:])] * B  # rows that stopped: placeholders
+        facts: list[dict] = [{}] * B
         for b, row in enumerate(rows):
             if not finished[b]:
-                ids[b], logits[b] = row.queued.popleft()
+                ids[b], logits[b], facts[b] = row.queued.popleft()
                 finished[b] = ids[b] in stop_tokens
             tokens.append(None if finished[b] else ids[b])
         if all(finished):
             return
-        reported = torch.stack(logits) if logprobs or top_logprobs else last  # read only for log-probabilities
-        yield _step(tokens, torch.tensor(ids, device=last.device), reported, logprobs, top_logprobs, info)
+        chosen = torch.stack(logits) if logprobs or top_logprobs else last  # read only for log-probabilities
+        yield _step(tokens, torch.tensor(ids, device=last.device), chosen, logprobs, top_logprobs,
+                    _with_token_facts(info, facts))
+
+
+def _with_token_facts(info: dict, facts: list[dict]) -> dict:
+    """The round's info with each row's per-row facts replaced by those of the token it yields now
+    (a round verifies several columns; the model's per-row figure is its last one's, often a
+    rejected draft's)."""
+    names = {name for row_facts in facts for name in row_facts}
+    if not names:
+        return info
+    per_row = dict(info.get(PER_ROW_INFO, {}))
+    for name in names:
+        values = list(per_row.get(name, [None] * len(facts)))
+        per_row[name] = [row_facts.get(name, value) for row_facts, value in zip(facts, values)]
+    return {**info, PER_ROW_INFO: per_row}
 
 
 def _speculative_round(drafting, pending: Tensor, rows: list[_SpeculativeRow], max_new_tokens: int,
@@ -727,18 +750,20 @@ def _speculative_round(drafting, pending: Tensor, rows: list[_SpeculativeRow], m
     room = torch.tensor([max(n, 0) if row.open else 0 for n, row in zip(left, rows)], device=device)
     drafting.keep(out, torch.minimum(accepted + 1, room), before)
     counts, following_ids, drafted_ids = accepted.tolist(), following.tolist(), drafted.tolist()
+    per_token = out.info.get(PER_TOKEN_INFO, {})  # {name: (B, k + 1) nested lists}: each verified column's
     for b, row in enumerate(rows):
         if row.open:
             row.drafted += useful
             row.accepted += counts[b]
-            for i in range(counts[b]):
-                row.push(drafted_ids[b][i], out.logits[b, i], stop_tokens, max_new_tokens)
-            row.push(following_ids[b], out.logits[b, counts[b]], stop_tokens, max_new_tokens)
+            for i in range(counts[b] + 1):  # the accepted drafts, then the token that follows them
+                token = drafted_ids[b][i] if i < counts[b] else following_ids[b]
+                row.push(token, out.logits[b, i], stop_tokens, max_new_tokens,
+                         {name: values[b][i] for name, values in per_token.items()})
     drafted_total = sum(row.drafted for row in rows)
     per_row = {**out.info.get(PER_ROW_INFO, {}),
                "draft_acceptance": [row.accepted / row.drafted if row.drafted else None for row in rows]}
-    return following, {**out.info, "draft_acceptance": (sum(row.accepted for row in rows) / drafted_total
-                                                        if drafted_total else None), PER_ROW_INFO: per_row}
+    return following, {**reported(out.info), "draft_acceptance": (sum(row.accepted for row in rows) / drafted_total
+                                                                  if drafted_total else None), PER_ROW_INFO: per_row}
 
 
 def generate(model, prompts, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,

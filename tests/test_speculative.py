@@ -116,6 +116,26 @@ def test_greedy_self_speculative_decoding_equals_the_full_depth(kind, models, mo
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
+def test_each_token_reports_the_facts_plain_decoding_reports_for_it(kind, models):
+    """A per-row fact of a token (mor's routing depth) is the one plain decoding reports at that step:
+    the verification pass's column that made the token, not its last column (often a rejected
+    draft's), nor the round's for every token it queued."""
+    model = models[kind]
+
+    def facts(options):
+        steps = stream(model, list(PROMPTS), NEW_TOKENS, temperature=0.0, compile=False, **options)
+        return [step.info.get(PER_ROW_INFO, {}) for step in steps]
+
+    plain = facts({})
+    names = {name for step in plain for name in step}
+    for options in DRAFTS:
+        drafted = facts(options)
+        assert len(drafted) == len(plain) == NEW_TOKENS  # no stop token: every row to its budget
+        for step, (want, got) in enumerate(zip(plain, drafted)):
+            assert {name: got[name] for name in names} == {name: want[name] for name in names}, (options, step)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_stop_tokens_budgets_and_beyond_the_trained_depth(kind, models):
     """A stop token inside an accepted prefix ends its row there (the other rows go on); a budget that
     ends inside a round yields exactly the budget; a decoding depth beyond the trained one drafts too."""

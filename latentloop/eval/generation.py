@@ -232,7 +232,9 @@ def generate_texts(model, tokenizer, prompts: Sequence[Sequence[int]], max_new_t
     batch ends (by leaving the engine's generator) once every row has written one. Results come
     back in the order of `prompts`. Sampled, each prompt draws from a generator of its own, seeded
     `seed` + its offset (default: its index in `prompts`; pass the items' own indices where prompts
-    are a slice of a task), so its samples do not change with the batch size or the other prompts."""
+    are a slice of a task), so its samples do not change with the batch size or the other prompts
+    (except under self-speculative options: a round drafts for the batch's longest-owing row, so a
+    row's draws there depend on its batch; `engine.RowGenerators`)."""
     stop_ids = [*tokenizer.stop_ids, tokenizer.bos_id, *stop_token_ids]
     if "\n" in stops:
         stop_ids += newline_token_ids(tokenizer)

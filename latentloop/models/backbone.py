@@ -61,6 +61,10 @@ from .options import DecodeOption
 # In `ModelOutput.info`, the key whose value maps names to lists with one entry per batch row: the
 # row's own value of a fact that is otherwise reported for the whole batch (rgpt's mean exit depth)
 PER_ROW_INFO = "per_row"
+# ... and the key whose value maps names to one list per row with one entry per column of the call: a
+# fact of each new token (mor's routing depth), read by a caller that keeps only some of a call's
+# columns (self-speculative decoding's verification pass); the engine passes it on to no one
+PER_TOKEN_INFO = "per_token"
 UNTIED_HEAD_INIT_STD = 0.001  # small enough that the initial next-token distribution is ~uniform
 
 class _RMSNormFunction(torch.autograd.Function):

@@ -64,7 +64,7 @@ from torch import Tensor, nn
 
 from ...config import ModelConfig, check_field_types, require
 from ...errors import ConfigError
-from ...models.backbone import GPT, PER_ROW_INFO, Draft, ForwardContext, ModelOutput, last_column, norm
+from ...models.backbone import GPT, PER_ROW_INFO, PER_TOKEN_INFO, Draft, ForwardContext, ModelOutput, last_column, norm
 from ...models.cache import AttentionPlan, KVCache, attention_mask
 from ...models.flops import count_flops_per_token
 from ...models.options import DecodeOption
@@ -378,8 +378,10 @@ class MoR(GPT):
         out.logits, out.hidden = self.readout(last_column(top) if last_logits else top), top
         out.info["steps"] = steps or self.config.recursions
         if cache is not None and out.taken and not torch.compiler.is_compiling():
-            # decoding: how many recursions each row's newest token took (its routing depth)
-            out.info[PER_ROW_INFO] = {"depth": torch.stack([took[:, -1] for took in out.taken]).sum(0).tolist()}
+            # decoding: how many recursions each new token took (its routing depth), and each row's newest's
+            depth = torch.stack(out.taken).sum(0).tolist()  # (B, T)
+            out.info[PER_TOKEN_INFO] = {"depth": depth}
+            out.info[PER_ROW_INFO] = {"depth": [columns[-1] for columns in depth]}
         return out
 
     def forward(self, idx: Tensor, pad_mask: Tensor | None = None, steps: int | None = None,
