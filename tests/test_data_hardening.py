@@ -333,3 +333,22 @@ def test_a_same_size_text_with_its_old_mtime_restored_is_tokenized_again(tmp_pat
     assert second.directory != first.directory
     assert set(np.unique(np.asarray(second.train)).tolist()) >= {ord("B")}
     assert ord("A") not in np.asarray(second.train).tolist()
+
+
+def test_a_jsonl_text_with_a_lone_surrogate_is_named_by_file_and_line(tmp_path, capsys):
+    """JSON admits an escape such as \\ud800 that no UTF-8 text holds (web-scraped JSONL has them):
+    the text source names the line, where the shard writer and the tokenizer trainer crashed on it."""
+    from latentloop.cli import main
+
+    data = tmp_path / "scraped.jsonl"
+    data.write_text(json.dumps({"text": "word " * 300}) + "\n" + '{"text": "a\\ud800b"}\n')
+    with pytest.raises(DataError, match=r"scraped.jsonl:2: 'text' holds a lone surrogate"):
+        list(sources._read_jsonl(data))
+    out = tmp_path / "run"
+    assert main(["train", "--arch", "gpt", "--preset", "test", "--steps", "1", "--data", f"text:{data}",
+                 "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "scraped.jsonl:2" in err and "Traceback" not in err and not out.exists()
+    assert main(["tokenizer", "train", "--data", f"text:{data}", "--vocab-size", "300",
+                 "--out", str(tmp_path / "tok.json")]) == 2
+    assert "scraped.jsonl:2" in capsys.readouterr().err
