@@ -512,11 +512,33 @@ def _coerce(value: Any, type_name: Any, name: str) -> Any:
 # --------------------------------------------------------------------------------------------
 
 
+class _ConfigLoader(yaml.SafeLoader):
+    """`yaml.safe_load`'s loader, stricter where a config's meaning would change silently: a key
+    written twice in one mapping (PyYAML keeps the last) and a key that is not a name (YAML reads
+    `on:`, `yes:`, `null:` or `1:` as a bool, None or a number) are errors naming the line."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[str, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`: its keys may be overridden here
+                continue
+            key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
+            if not isinstance(key, str):
+                raise ConfigError(f"line {line}: the key {key_node.value!r} is read as {type(key).__name__} "
+                                  f"{key!r}, not a name (YAML reads on/off/yes/no/null and numbers as values): "
+                                  f"quote it if a field is meant")
+            if key in seen:
+                raise ConfigError(f"line {line}: {key!r} is given twice in one section (first at line {seen[key]}); "
+                                  f"keep one")
+            seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if path.is_dir():  # "not found" sent the user looking for a file that is there, as a folder
         raise ConfigError(f"config file {path} is a folder, not a file: give the path of a YAML file")
-    if not path.is_file():
+    if not path.exists():  # not is_file(): a pipe (`--config <(...)`) is read as well
         raise ConfigError(f"config file not found: {path}")
     try:
         text = path.read_text(encoding="utf-8")
@@ -526,9 +548,11 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=_ConfigLoader)  # noqa: S506 - a SafeLoader
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {path} is not valid YAML: {first_line(exc)}") from None
+    except ConfigError as exc:
+        raise ConfigError(f"config file {path}, {exc}") from None
     if raw is None:
         return {}
     require(isinstance(raw, dict), f"config file {path} must hold a mapping with sections model/train/data")

@@ -1,3 +1,4 @@
+import os
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from latentloop.config import (
     load_yaml,
     model_config,
 )
+from latentloop.errors import ConfigError
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
@@ -242,3 +244,32 @@ def test_a_bpe_vocabulary_past_any_real_one_is_refused_before_training():
 
     with pytest.raises(ll.ConfigError, match="past the"):
         BPETokenizer.train(["some text"], MAX_BPE_VOCAB_SIZE + 1)  # 4e9 aborted the process (exit 134)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("model:\n  arch: gpt\n  n_layer: 2\n  n_layer: 3\n",
+     r"line 4: 'n_layer' is given twice in one section \(first at line 3\)"),
+    ("model:\n  arch: gpt\n  on: 2\n", r"line 3: the key 'on' is read as bool True, not a name"),
+    ("train:\n  1: 2\n", r"line 2: the key '1' is read as int 1, not a name"),
+    ("null: 2\n", r"line 1: the key 'null' is read as NoneType None"),
+])
+def test_a_config_file_whose_meaning_yaml_would_change_silently_is_refused(tmp_path, text, message):
+    """PyYAML keeps the last of a key written twice, and reads `on:`, `null:`, `1:` as a bool, None
+    or a number, which crashed the config's construction with a TypeError."""
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_yaml(path)
+
+
+def test_a_merge_key_may_be_overridden_and_a_pipe_is_read(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("base: &b\n  n_layer: 2\nmodel:\n  <<: *b\n  n_layer: 3\n")
+    assert load_yaml(path)["model"] == {"n_layer": 3}
+    read, write = os.pipe()  # `--config <(...)`: a path that is no regular file
+    os.write(write, b"model:\n  arch: gpt\n")
+    os.close(write)
+    try:
+        assert load_yaml(f"/dev/fd/{read}") == {"model": {"arch": "gpt"}}
+    finally:
+        os.close(read)
