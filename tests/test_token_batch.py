@@ -210,3 +210,16 @@ def test_profile_steps_is_validated(capsys, tmp_path):
     with pytest.raises(SystemExit):  # argparse: a positive count
         main(["train", "--out", str(tmp_path / "x"), "--profile", "0"])
     assert "--profile" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("steps, says", [(3, "records nothing"), (4, "records only 1")])
+def test_a_run_too_short_for_its_profile_says_so(corpus, tmp_path, capsys, steps, says):
+    """The profiler skips the first 3 steps: a run of 3 recorded nothing (an empty profile/ folder)
+    without a word."""
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "test", "--data", f"text:{corpus}", "--out", str(run), "--steps", str(steps),
+                 "--batch-size", "2", "--set", f"sequence_len={SEQ_LEN}", "--set", "eval_batches=1",
+                 "--set", "eval_every=0", "--profile", "2", "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert "--profile 2: the profiler skips the first 3 steps" in err and says in err
+    assert (run / "profile").exists() == (steps == 4)

@@ -142,7 +142,19 @@ class StepProfiler:
 
 
 def open_profiler(state: TrainState) -> StepProfiler | None:
-    """The run's profiler (rank 0 only), writing into `<run>/profile`."""
+    """The run's profiler (rank 0 only), writing into `<run>/profile`; a run too short to reach the
+    profiled steps is told so (it recorded nothing, without a word)."""
     if not state.dist.is_main:
         return None
-    return StepProfiler(state.run_dir / PROFILE_DIR, state.config.train.profile_steps, state.device)
+    from .state import warn
+
+    wanted, left = state.config.train.profile_steps, state.config.train.steps - state.step
+    recorded = max(0, min(wanted, left - PROFILE_WAIT - PROFILE_WARMUP))
+    if recorded < wanted:
+        warn(f"--profile {wanted}: the profiler skips the first {PROFILE_WAIT + PROFILE_WARMUP} steps (they compile; "
+             f"its own warm-up) and this run has {left} to go, so it records "
+             + (f"only {recorded}" if recorded else "nothing") + f"; train {PROFILE_WAIT + PROFILE_WARMUP + wanted} "
+             f"steps or more to record {wanted}")
+    if not recorded:
+        return None  # no empty profile/ folder either
+    return StepProfiler(state.run_dir / PROFILE_DIR, wanted, state.device)
