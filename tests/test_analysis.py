@@ -52,6 +52,12 @@ def test_depth(tiny_run_copy, capsys):
     assert result["steps"] == [1, 2, 3, 4] and len(result["gate_mean_per_step"]) == 4
     assert len(result["openness_per_step"]) == 4 and all(v > 0 for v in result["openness_per_step"])
     assert sum(result["exit_depth_histogram"]) > 0
+    written = sorted((run / "analysis").iterdir())
+    # a --min-steps no position could reach gave exit figures of nothing (mean R, Spearman nan), exit 0
+    assert main(["analyze", "depth", str(run), "--max-steps", "2", "--min-steps", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--min-steps 3 is past the depth evaluated (2 steps" in err and "Traceback" not in err
+    assert sorted((run / "analysis").iterdir()) == written
 
 
 def test_bracket_labels_and_probe_arithmetic():

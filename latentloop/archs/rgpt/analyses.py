@@ -11,6 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ...errors import ConfigError
 from ...models.criteria import KLDivergence
 from ...objectives.base import token_cross_entropy
 from ..registry import Analysis, AnalysisOption
@@ -45,6 +46,9 @@ def depth(model, x: torch.Tensor, y: torch.Tensor, context, max_steps: int | Non
     `task_limit` examples of its (harder) test split."""
     trained = context.config.model.recurrence_steps
     R = max_steps or trained
+    if min_steps > R:  # as the decoder refuses it: no position could exit, the exit figures would mean nothing
+        raise ConfigError(f"--min-steps {min_steps} is past the depth evaluated ({R} steps: --max-steps, or the "
+                          f"trained depth): no position could exit")
     out_all = model(x, steps=R, return_steps=True)
     losses = [float(token_cross_entropy(logits, y)) for logits in out_all.step_logits]
     token_loss = token_cross_entropy(out_all.step_logits[-1], y, reduction="none").numpy()
