@@ -128,6 +128,11 @@ def test_damaged_metrics_rows_are_left_out_not_a_traceback(tmp_path):
         f.write(b'\xff\xfe{"step": 9}\n{"step": "abc", "loss": 1.0}\n{"step": 10, "val_loss": [1], "val_bpb": "x"}\n')
     report = compare.compare_runs([run], tmp_path / "out")
     assert "| run | gpt |" in report["markdown"]
+    # said, not left silent (a "–" with no word): the cut line the appended bytes joined, and "abc"
+    assert f"{run}/metrics.jsonl: 2 damaged lines (not UTF-8, not JSON or not a row of numbers) left out" in (
+        tmp_path / "out" / "compare.md").read_text()
+    intact = compare.compare_runs([make_run(tmp_path / "cut", "gpt", [4.0, 3.5])], tmp_path / "out2")
+    assert not any("damaged" in note for note in intact["notes"])  # a cut last line: an interrupted run's
 
 
 def test_seeds_of_one_recipe_are_grouped_and_paired_against_the_baseline(tmp_path, capsys):

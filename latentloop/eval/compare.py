@@ -50,22 +50,27 @@ from .stats import format_comparison, seed_rows
 EVALS_DIR = "evals"
 
 
-def _read_jsonl(path: Path) -> list[dict]:
+def _read_jsonl(path: Path) -> tuple[list[dict], int]:
     """A metrics.jsonl's rows that are JSON objects with an integer step (or none), their numbers
-    only: a line cut by an interrupted run, or damaged (not UTF-8, not JSON, a step that is not a
-    number), is left out, and so is a value that is not a number (the trainer logs numbers only)."""
-    rows = []
+    only, and how many lines were damaged: not UTF-8, not JSON, not such an object (left out and
+    counted; the last line, which an interrupted run may have cut, is left out without counting). A
+    value that is not a number is left out of its row (the trainer logs numbers only)."""
+    rows: list[dict] = []
     if not path.is_file():
-        return rows
-    for line in path.read_bytes().splitlines():
+        return rows, 0
+    lines = [line for line in path.read_bytes().splitlines() if line.strip()]
+    damaged = 0
+    for i, line in enumerate(lines):
         try:
             row = json.loads(line)
         except ValueError:  # not JSON, or not UTF-8
-            continue
+            row = None
         if isinstance(row, dict) and is_int(row.get("step", 0)):
             rows.append({key: value for key, value in row.items()
                          if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))})
-    return rows
+        elif i < len(lines) - 1:
+            damaged += 1
+    return rows, damaged
 
 
 @functools.cache
@@ -193,7 +198,7 @@ def read_run(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"corrupt {config_file}: {exc}") from None
     except ConfigError as exc:
         raise CheckpointError(f"{config_file} is invalid: {exc}") from None
-    rows = _read_jsonl(run_dir / "metrics.jsonl")
+    rows, damaged = _read_jsonl(run_dir / "metrics.jsonl")
     train = [r for r in rows if "loss" in r and "step" in r]
     val = [r for r in rows if "val_loss" in r and "step" in r]
     recipe = config.to_dict()
@@ -220,7 +225,7 @@ def read_run(path: str | Path) -> dict[str, Any]:
             "eval_batches": config.train.eval_batches,
             "steps": last.get("step"), "tokens": tokens, "flops": flops, "flops_per_token": flops_per_token,
             "val_loss": final_val.get("val_loss"), "val_bpb": final_val.get("val_bpb"), "train": train,
-            "val": val, "evals": read_evals(run_dir)}
+            "val": val, "evals": read_evals(run_dir), "damaged_metric_lines": damaged}
 
 
 # --------------------------------------------------------------------------------------------
@@ -591,6 +596,9 @@ def compare_runs(paths: list[str | Path], out: str | Path = "compare", baseline:
     plots, notes = plot_losses(runs, out, groups)
     shown_groups = any(len(members) > 1 for members in groups.values())
     notes = grouping_notes(runs, groups, baseline if shown_groups else None) + notes
+    notes += [f"{r['run']}/metrics.jsonl: {r['damaged_metric_lines']} damaged line"
+              f"{'s' * (r['damaged_metric_lines'] != 1)} (not UTF-8, not JSON or not a row of numbers) left out"
+              for r in runs if r["damaged_metric_lines"]]
     parts = ["# latentloop compare", "", table, "",
              f"_val loss and BPB: the training-time estimate, the first {_batches_text(runs)} of the validation "
              "split as `train` logged them (`latentloop eval RUN` scores the whole split)._", ""]
