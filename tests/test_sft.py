@@ -413,3 +413,27 @@ def test_an_sft_run_on_a_relative_chat_file_resumes_from_another_folder(tmp_path
     assert recorded == f"chat:{folder / 'c.jsonl'}:question=user,answer=assistant"
     monkeypatch.chdir(tmp_path)
     assert main(["train", "--out", str(out), "--resume", "--steps", "2", *common]) == 0
+
+
+@pytest.mark.parametrize("how", ["--tokenizer", "--set data.tokenizer"])
+def test_init_from_refuses_a_tokenizer_that_gives_the_bases_ids_other_tokens(tmp_path, capsys, how):
+    """The base's token rows were loaded under ids that meant other tokens, without a word, wherever
+    the sizes fitted (SFT over `--set data.tokenizer=`, pretraining over `--tokenizer`)."""
+    from latentloop.data.tokenizers import BPETokenizer
+
+    base = _base_run(tmp_path)  # the byte tokenizer: 259 ids
+    other = BPETokenizer.train(["the cat sat on the mat " * 40], 300).save(tmp_path / "bpe")
+    if how == "--tokenizer":
+        args = ["train", "--init-from", str(base), "--tokenizer", str(other), "--data", "task:addition:n=200"]
+    else:
+        args = ["train", "--stage", "sft", "--init-from", str(base), "--set", f"data.tokenizer={other}",
+                "--data", "chat:task:addition_steps:n=200"]
+    out = tmp_path / "run"
+    assert main([*args, "--steps", "1", "--batch-size", "2", "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "this run's tokenizer" in err and "train with the base's tokenizer" in err and "Traceback" not in err
+    assert not out.exists()
+    # the base's own tokenizer with the chat tokens appended (SFT of an SFT run's base) is the same ids
+    from latentloop.train.start import check_tokenizer_of_base
+
+    check_tokenizer_of_base(ByteTokenizer().with_chat_tokens(), base)

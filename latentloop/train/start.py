@@ -204,6 +204,8 @@ def setup(config: RunConfig, run_dir: str | Path, resume: bool = False, progress
         # a new model reads every document after BOS (the data's rule), whatever the file says of the
         # model it came with (an imported run's tokenizer.json: its model reads none)
         tokenizer = tokenizer.prompting_with_bos()
+    if init_from is not None and not resume:
+        together(check_tokenizer_of_base, tokenizer, init_from)
     sft = config.train.stage == "sft"
     added_ids: list[int] = []  # the token ids SFT adds (its chat tokens), whose rows start at the mean
     if sft:
@@ -293,6 +295,30 @@ def _run_root(path: str | Path) -> Path:
     --init-from of the base run's checkpoint and of the base run are the same base)."""
     path = Path(path).resolve()
     return path.parent.parent if path.parent.name == "checkpoints" else path
+
+
+def check_tokenizer_of_base(tokenizer, init_from: str | Path) -> None:
+    """--init-from trains the base run's token rows: the run's tokenizer must give every id the base
+    knew the token it had there (ids past them may follow: SFT's chat tokens are added after this).
+    Another tokenizer (`--tokenizer`, `--set data.tokenizer=`) loaded the rows under ids that mean other
+    tokens, without a word, wherever the vocabularies' sizes happened to fit."""
+    checkpoint = resolve_checkpoint(init_from)
+    file = find_tokenizer_file(checkpoint)
+    base = load_tokenizer(str(file))
+    mismatch = None
+    if tokenizer.vocab_size < base.vocab_size:
+        mismatch = f"has {tokenizer.vocab_size:,} ids, the base's {base.vocab_size:,}"
+    elif tokenizer.bos_id != base.bos_id:
+        mismatch = f"has BOS at id {tokenizer.bos_id}, the base's at {base.bos_id}"
+    else:
+        differing = next((i for i in range(base.vocab_size) if tokenizer.token_to_bytes(i) != base.token_to_bytes(i)),
+                         None)
+        if differing is not None:
+            mismatch = (f"gives id {differing} the token {tokenizer.token_to_bytes(differing)!r}, the base "
+                        f"{base.token_to_bytes(differing)!r}")
+    if mismatch is not None:
+        raise ConfigError(f"--init-from {checkpoint}: this run's tokenizer {mismatch} ({file}): train with the "
+                          f"base's tokenizer (leave --tokenizer and data.tokenizer out), or without --init-from")
 
 
 def _check_resumed_init_from(run_dir: Path, init_from: str | Path) -> None:
