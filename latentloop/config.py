@@ -517,9 +517,20 @@ class _ConfigLoader(yaml.SafeLoader):
     written twice in one mapping (PyYAML keeps the last) and a key that is not a name (YAML reads
     `on:`, `yes:`, `null:` or `1:` as a bool, None or a number) are errors naming the line."""
 
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._own_pairs: dict[int, tuple] = {}  # id(node) -> (node, its pairs before any merge was written in)
+
+    def flatten_mapping(self, node):
+        # a mapping's own pairs, kept before PyYAML writes a merge's pairs into it (in place: a mapping
+        # merged elsewhere may be flattened before it is constructed), for the check below
+        self._own_pairs.setdefault(id(node), (node, list(node.value)))
+        super().flatten_mapping(node)
+
     def construct_mapping(self, node, deep=False):
+        self._own_pairs.setdefault(id(node), (node, list(node.value)))
         seen: dict[str, int] = {}
-        for key_node, _ in node.value:
+        for key_node, _ in self._own_pairs[id(node)][1]:
             if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`: its keys may be overridden here
                 continue
             key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1

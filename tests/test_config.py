@@ -266,6 +266,11 @@ def test_a_merge_key_may_be_overridden_and_a_pipe_is_read(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("base: &b\n  n_layer: 2\nmodel:\n  <<: *b\n  n_layer: 3\n")
     assert load_yaml(path)["model"] == {"n_layer": 3}
+    # a mapping merged elsewhere before its own turn comes (PyYAML writes the merge into it in place):
+    # its override of a merged key is not "given twice"
+    path.write_text("templates:\n  small: &small\n    <<: {n_layer: 2, n_embd: 64}\n    n_layer: 3\n"
+                    "model:\n  <<: *small\n  arch: gpt\n")
+    assert load_yaml(path)["model"] == {"n_layer": 3, "n_embd": 64, "arch": "gpt"}
     read, write = os.pipe()  # `--config <(...)`: a path that is no regular file
     os.write(write, b"model:\n  arch: gpt\n")
     os.close(write)

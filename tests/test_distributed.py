@@ -684,26 +684,27 @@ def test_a_group_that_cannot_start_is_told_apart_from_one_that_never_formed(monk
 @pytest.mark.parametrize("batches, world", [(5, 2), (3, 2), (7, 3), (1, 4), (0, 2)])
 def test_validation_shares_every_batch_out_once_and_pads_the_shares_to_one_length(batches, world):
     """Each batch is counted by exactly one process; every process runs as many forwards (fsdp2's are
-    collective), the padding being batches that count nowhere."""
+    collective), the padding being the first batch with a mask of no target."""
     from latentloop.train.loop import process_share
 
-    every = [(torch.full((1, 1), i), torch.full((1, 1), i)) for i in range(batches)]
-    shares = [process_share(iter(every), rank, world) for rank in range(world)]
-    counted = sorted(int(share[i][0]) for share, n in shares for i in range(n))
+    every = [(torch.full((1, 2), i), torch.full((1, 2), i)) for i in range(batches)]
+    shares = [list(process_share(iter(every), rank, world)) for rank in range(world)]
+    counted = sorted(int(batch[0][0, 0]) for share in shares for batch in share if len(batch) == 2)
     assert counted == list(range(batches))
-    assert len({len(share) for share, _ in shares}) == 1
-    assert len(shares[0][0]) == -(-batches // world)
+    assert len({len(share) for share in shares}) == 1 and len(shares[0]) == -(-batches // world)
+    padding = [batch for share in shares for batch in share if len(batch) == 3]
+    assert all(int(x[0, 0]) == 0 and not mask.any() for x, _, mask in padding)
 
 
 def test_padding_batches_run_but_add_nothing_to_the_figures():
     from latentloop.eval.loss import evaluate_batches
+    from latentloop.train.loop import process_share
 
     model = ll.build("gpt", preset="test").eval()
     generator = torch.Generator().manual_seed(0)
-    batches = [(torch.randint(0, 256, (2, 8), generator=generator),) * 2 for _ in range(3)]
-    batches = [(x, torch.roll(y, 1, 1)) for x, y in batches]
+    batches = [(x, torch.roll(x, 1, 1)) for x in (torch.randint(0, 256, (2, 8), generator=generator) for _ in range(3))]
     table = torch.ones(model.config.vocab_size, dtype=torch.long).numpy()
-    alone = evaluate_batches(model, batches[:2], table)
-    padded = evaluate_batches(model, batches, table, counted_batches=2)
-    assert padded["tokens"] == alone["tokens"] == 32
+    alone = evaluate_batches(model, batches[1:2], table)
+    padded = evaluate_batches(model, process_share(iter(batches), 1, 2), table)  # batch 1, then a padding one
+    assert padded["tokens"] == alone["tokens"] == 16
     torch.testing.assert_close(padded["loss"], alone["loss"], rtol=0, atol=0)

@@ -95,6 +95,14 @@ def test_the_forward_of_a_left_padded_batch_gives_each_row_as_alone(subsets):
     for recurrence in ("chunked", "multi_refine"):
         with pytest.raises(ValueError, match=f"{recurrence}.*takes no pad_mask"):
             model(idx, pad_mask, recurrence=recurrence)
+    # the same fields whatever the padding (one group or several), and a prefill keeps no pass's
+    # (B, T, V) logits alive beside its own
+    one_group = pad_mask.clone()
+    one_group[:] = True
+    for mask in (pad_mask, one_group):
+        assert model(idx, mask, recurrence="interleaved").pass_logits == []
+    cache = model.new_cache(idx.shape[0], T + 1)
+    assert model.prefill(idx, cache, pad_mask, prefill="interleaved").pass_logits == []
 
 
 @torch.no_grad()

@@ -55,28 +55,26 @@ DOCUMENT_SUMS = ("nats", "nats_bpb", "tokens", "bytes")
 @torch.no_grad()
 def evaluate_batches(model: nn.Module, batches: Iterable[tuple], token_bytes: np.ndarray,
                      logits_fn: LogitsFn = plain_logits, device: torch.device | str | None = None,
-                     counted_batches: int | None = None, across_processes: bool = False) -> dict:
+                     across_processes: bool = False) -> dict:
     """Loss / perplexity / BPB over batches (x, y), (x, y, loss_mask) or (x, y, loss_mask | None,
     documents): with a mask only the targets it marks are counted (SFT's assistant tokens); with
     `documents` ((B, T) int64, the document of each target) the result also holds "per_document":
     {"nats", "nats_bpb", "tokens", "bytes"}, float64 arrays of the sums per document (in document
     order; documents without a counted target left out), whose totals are the figures' own.
 
-    The sums stay on the device and are read once, at the end (a read per batch would stall an
-    accelerator's queue at every batch). A process's share of a validation shared out among a job's
-    processes: `counted_batches`, only the first N batches add to the sums (the rest are run and
-    dropped: padding, so that every process runs as many forwards, each collective under fsdp2);
-    `across_processes`, the sums are added over the default process group before the figures."""
+    The sums stay on the device in float64 and are read once, at the end (a read per batch would
+    stall an accelerator's queue at every batch); MPS, which has no float64, hands each batch's sums
+    to the host (float32 totals would miscount past 2^24 tokens). `across_processes`: each process
+    was given its own share of the batches (`train.loop.process_share`), and the sums are added over
+    the default process group before the figures."""
     device = torch.device(device) if device is not None else next(model.parameters()).device
-    if across_processes and counted_batches is None:
-        raise ValueError("across_processes needs counted_batches: each process's own share of the batches")
     byte_table = torch.as_tensor(np.asarray(token_bytes), dtype=torch.long, device=device)
-    sum_dtype = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
-    totals = torch.zeros(len(DOCUMENT_SUMS), dtype=sum_dtype, device=device)  # DOCUMENT_SUMS' order
+    on_host = device.type == "mps"  # MPS has no float64
+    totals = torch.zeros(len(DOCUMENT_SUMS), dtype=torch.float64, device="cpu" if on_host else device)
     pieces: list[tuple[np.ndarray, np.ndarray]] = []  # per batch: (its documents, their sums (D, 4))
     keep_documents = False
     with evaluating(model):
-        for i, (x, y, *rest) in enumerate(batches):
+        for x, y, *rest in batches:
             x, y = x.to(device), y.to(device)
             mask = rest[0] if rest else None
             counted = (mask.to(device).flatten() if mask is not None
@@ -84,12 +82,13 @@ def evaluate_batches(model: nn.Module, batches: Iterable[tuple], token_bytes: np
             # conversations: the replies are the model's own, read as a chat reads its history (fbt fuses them)
             written = None if mask is None else written_inputs(mask.to(device))
             losses = token_cross_entropy(logits_fn(model, x, written), y, reduction="none") * counted  # (B*T,)
-            if counted_batches is not None and i >= counted_batches:
-                continue  # padding: its forward ran with the other processes' (collective), its sums are theirs
             target_bytes = byte_table[y.flatten()] * counted
             byte_losses = losses * (target_bytes > 0)
             columns = (losses, byte_losses, counted, target_bytes)  # DOCUMENT_SUMS' order
-            totals += torch.stack([c.sum(dtype=sum_dtype) for c in columns])
+            if on_host:
+                totals += torch.stack([c.sum(dtype=torch.float32) for c in columns]).cpu().double()
+            else:
+                totals += torch.stack([c.sum(dtype=torch.float64) for c in columns])
             if len(rest) > 1:
                 keep_documents = True
                 sums = torch.stack([c.double() for c in columns], dim=1).cpu()  # (B*T, 4)

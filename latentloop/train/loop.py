@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,20 +54,27 @@ def validate(state: TrainState, max_batches: int | None = None) -> dict[str, flo
     else:
         every = eval_batches(state.data.val, cfg.train.batch_size, cfg.model.sequence_len, batches or None)
     world = state.dist.world_size
-    share, counted = process_share(every, state.dist.rank, world) if world > 1 else (every, None)
+    share = process_share(every, state.dist.rank, world) if world > 1 else every
     with autocast_for(state.device, cfg.train.dtype, emulate=not cfg.train.compile):
-        return evaluate_batches(state.model, share, state.tokenizer.token_byte_lengths(),
-                                counted_batches=counted, across_processes=world > 1)
+        return evaluate_batches(state.model, share, state.tokenizer.token_byte_lengths(), across_processes=world > 1)
 
 
-def process_share(batches: Iterable[tuple], rank: int, world: int) -> tuple[list[tuple], int]:
-    """Process `rank`'s share of the batches (every world-th, from its rank on) and how many of them
-    count: the shares are padded with the first batch to one length, ceil(batches / world), since
-    under fsdp2 every forward is collective and each process must run as many."""
-    every = list(batches)
-    own = every[rank::world]
-    per_process = -(-len(every) // world)
-    return own + every[:1] * (per_process - len(own)), len(own)
+def process_share(batches: Iterable[tuple], rank: int, world: int) -> Iterator[tuple]:
+    """Process `rank`'s share of the batches, read as they stream (one batch held at a time, and the
+    first): every world-th from its rank on, then as many padding batches as make every share
+    ceil(batches / world) long, since under fsdp2 every forward is collective and each process must
+    run as many. A padding batch is the first batch with a loss mask of no target: it runs the same
+    forward and adds nothing."""
+    first, total, own = None, 0, 0
+    for i, batch in enumerate(batches):
+        first = batch if first is None else first
+        total += 1
+        if i % world == rank:
+            own += 1
+            yield batch
+    for _ in range(-(-total // world) - own):
+        x, y, *_ = first
+        yield x, y, torch.zeros(y.shape, dtype=torch.bool)
 
 
 def _log(state: TrainState, row: dict[str, Any]) -> None:

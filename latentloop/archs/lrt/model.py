@@ -408,14 +408,15 @@ class LRT(GPT):
         out = self._interleaved_by_padding(idx, self.config.subsets, pad_mask, cache)
         cache.advance()
         cache.state[MEMORY_KEY] = out.source[:, -1:]
-        return out
+        return LRTOutput(logits=out.logits, hidden=out.hidden, source=out.source)  # not each pass's (B, T, V)
 
     def _interleaved_by_padding(self, idx: Tensor, subsets: int, pad_mask: Tensor | None,
                                 cache: KVCache | None = None) -> LRTOutput:
         """`interleaved` over the rows grouped by their padding mod S (a subset is a set of positions,
         and a row padded by p has position = column - p), so each row is refined exactly as it would
-        be alone; with `cache`, each group's buffer written into its rows. One group (no padding, or
-        the same padding mod S everywhere): that pass's whole output, its per-pass logits included."""
+        be alone; with `cache`, each group's buffer written into its rows. Without padding, the pass's
+        whole output (training's per-pass logits included); with it, the merged logits, hidden states
+        and sources only, however many groups the padding made."""
         B = idx.shape[0]
         if pad_mask is None:
             out, buffer = self.interleaved(idx, subsets)
@@ -423,15 +424,12 @@ class LRT(GPT):
                 buffer.write_rows(cache, torch.arange(B, device=idx.device))
             return out
         shift_of_row = (~pad_mask).sum(1) % subsets  # (B,)
-        shifts = sorted(set(shift_of_row.tolist()))
         merged = None
-        for shift in shifts:
+        for shift in sorted(set(shift_of_row.tolist())):
             rows = (shift_of_row == shift).nonzero().squeeze(1)
             out, buffer = self.interleaved(idx[rows], subsets, pad_mask[rows], shift)
             if cache is not None:
                 buffer.write_rows(cache, rows)
-            if len(shifts) == 1:
-                return out
             if merged is None:
                 merged = [t.new_zeros(B, *t.shape[1:]) for t in (out.logits, out.hidden, out.source)]
             for whole, part in zip(merged, (out.logits, out.hidden, out.source)):
