@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -127,17 +128,40 @@ def test_the_template_survives_the_run_folder_and_export(tmp_path):
     assert plain.fingerprint() != tok.fingerprint()  # cached chat data keyed by it must not be reused
 
 
-@pytest.mark.parametrize("make", [lambda: ByteTokenizer(chat=True),
-                                  lambda: BPETokenizer.train(["the loop carries state " * 40], 300).with_chat_tokens()],
-                         ids=["byte", "bpe"])
+def _gpt2_like_with_chat_tokens(folder: Path) -> HFTokenizer:
+    """An imported tokenizer whose config names a BOS token its post-processor never adds (GPT-2's), so
+    its prompts start without one, with latentloop's chat tokens (SFT here)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    folder.mkdir()
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator(["the loop carries state forward " * 40], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(folder / "tokenizer.json"))
+    gpt2_config = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
+                   "tokenizer_class": "PreTrainedTokenizerFast"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(gpt2_config))
+    imported = HFTokenizer.from_pretrained_folder(folder, config={"bos_token_id": 0, "eos_token_id": 0})
+    assert not imported.adds_bos and imported.names_bos
+    return imported.with_chat_tokens()
+
+
+@pytest.mark.parametrize("make", [lambda _: ByteTokenizer(chat=True),
+                                  lambda _: BPETokenizer.train(["the loop carries state " * 40], 300)
+                                  .with_chat_tokens(),
+                                  lambda path: _gpt2_like_with_chat_tokens(path / "gpt2-like")],
+                         ids=["byte", "bpe", "no-bos"])
 def test_latentloops_format_exports_as_a_template_that_renders_the_same(tmp_path, make):
     """Exported chat runs carry latentloop's format as a chat template: transformers renders the
     same ids, and the same folder imported back renders the same ids and mask via its template."""
-    ours = make()
-    write_hf_tokenizer(ours, tmp_path)
-    assert _hf_ids(tmp_path, CONVERSATION[:2], True) == ours.render_prompt(CONVERSATION[:2])
-    assert _hf_ids(tmp_path, CONVERSATION, False) == ours.render(CONVERSATION)[0]
-    imported = HFTokenizer.from_pretrained_folder(tmp_path)
+    ours = make(tmp_path)  # the no-bos case: its template wrote a BOS latentloop never prompts with
+    exported = tmp_path / "export"
+    write_hf_tokenizer(ours, exported)
+    assert _hf_ids(exported, CONVERSATION[:2], True) == ours.render_prompt(CONVERSATION[:2])
+    assert _hf_ids(exported, CONVERSATION, False) == ours.render(CONVERSATION)[0]
+    imported = HFTokenizer.from_pretrained_folder(exported)
     assert isinstance(imported.chat_tokens, ChatTemplate) and imported.chat_tokens.end == ours.chat_tokens.end
     assert imported.render(CONVERSATION) == ours.render(CONVERSATION)
     assert imported.render_prompt(CONVERSATION[:4]) == ours.render_prompt(CONVERSATION[:4])

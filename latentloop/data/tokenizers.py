@@ -100,6 +100,9 @@ CHAT_TEMPLATE = ("{% set role_tokens = " + json.dumps(_ROLE_TOKENS) + " %}{{ bos
                  "{% for message in messages %}{{ role_tokens[message['role']] + message['content'] + "
                  + json.dumps(END_OF_TURN_TOKEN) + " }}{% endfor %}"
                  "{% if add_generation_prompt %}{{ " + json.dumps(ASSISTANT_TOKEN) + " }}{% endif %}")
+# ... for a tokenizer whose prompts start without BOS (`adds_bos` False: one imported without it, whose
+# config may still name a BOS token, GPT-2's): latentloop renders its conversations without one
+CHAT_TEMPLATE_WITHOUT_BOS = CHAT_TEMPLATE.replace("{{ bos_token }}", "")
 
 
 class _ChatInterface:
@@ -974,7 +977,7 @@ def write_hf_tokenizer(tokenizer, directory: str | Path, model_max_length: int |
     if own_template is not None:
         settings["chat_template"] = (BOS_TEMPLATE_PREFIX if template_bos == "added" else "") + own_template
     elif tokenizer.chat_tokens is not None:  # latentloop's format, as a template
-        settings["chat_template"] = CHAT_TEMPLATE
+        settings["chat_template"] = CHAT_TEMPLATE if tokenizer.adds_bos else CHAT_TEMPLATE_WITHOUT_BOS
     (directory / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
     return [directory / TOKENIZER_FILE, directory / "tokenizer_config.json"]
 
