@@ -129,11 +129,17 @@ CONTINUATION_BYTES = (0x80, 0xBF)  # UTF-8's bytes that continue a character; an
 class TokenText:
     """Token ids -> text as they stream (the CLI, chat and the server all print this way): a character
     split across tokens is held back until its last byte arrives; bytes that can never form one
-    become U+FFFD. `tokenizer` is anything with `token_to_bytes(id)`."""
+    become U+FFFD. `tokenizer` is anything with `token_to_bytes(id)`.
 
-    def __init__(self, tokenizer):
+    `message_start`: the tokens begin a message encoded on its own (a chat reply), where a
+    SentencePiece-style tokenizer prepends a space that its decoding drops ("▁the" -> "the"): the
+    text drops it too, so that a reply sent back as history encodes to the ids that were generated
+    (" the" encoded again takes one more token)."""
+
+    def __init__(self, tokenizer, message_start: bool = False):
         self._token_bytes = tokenizer.token_to_bytes
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._drop_space = message_start and drops_prepended_space(tokenizer)
 
     def add(self, token_id: int) -> str:
         """The whole characters this token completes ("" while one is still open)."""
@@ -148,11 +154,27 @@ class TokenText:
         if data and not CONTINUATION_BYTES[0] <= data[0] <= CONTINUATION_BYTES[1] and self._decoder.getstate()[0]:
             earlier = self._decoder.decode(b"", final=True)  # the open character can never finish
             self._decoder.reset()
-        return earlier, self._decoder.decode(data)
+        own = self._decoder.decode(data)
+        if self._drop_space and (earlier or own):
+            self._drop_space = False
+            if not earlier and own.startswith(" "):
+                own = own[1:]
+        return earlier, own
 
     def finish(self) -> str:
         """What is left at the end (an unfinished character, replaced)."""
         return self._decoder.decode(b"", final=True)
+
+
+def drops_prepended_space(tokenizer) -> bool:
+    """Whether `tokenizer` prepends a space to a text it encodes on its own and drops it again when
+    decoding (SentencePiece's "▁", Metaspace with a prepend scheme): "a" encodes to a first token
+    whose bytes begin with a space, and decodes back to "a"."""
+    try:
+        ids = tokenizer.encode("a")
+        return bool(ids) and tokenizer.token_to_bytes(ids[0]).startswith(b" ") and tokenizer.decode(ids) == "a"
+    except (AttributeError, TypeError, ValueError):  # a stand-in with token_to_bytes only (tests, tools)
+        return False
 
 
 # cgroup (v2, v1) files holding this process's memory limit inside a container: lower than the

@@ -469,3 +469,35 @@ def test_a_chats_earlier_replies_are_marked_through_a_template_or_read_plain_whe
     torch.manual_seed(0)
     model = ll.build("fbt", preset="test", vocab_size=dropping.vocab_size, bos_id=dropping.bos_id).eval()
     list(stream_reply(model, dropping, history, 3, temperature=0.0, compile=False))  # answers: no ChatFormatError
+
+
+def test_a_reply_streams_as_decode_gives_it_so_it_encodes_back_to_the_generated_ids(tmp_path):
+    """latentloop's chat format encodes each message alone: a SentencePiece-style tokenizer prepends
+    "▁" to a reply ("▁the") and its decoding drops it. The streamed reply kept it (" the loop"), and
+    `chat` and the server's clients sent that back as history: one more "▁" token than was generated."""
+    from latentloop.serve.text import RowText
+    from latentloop.util import TokenText, drops_prepended_space
+
+    folder = _sentencepiece_folder(tmp_path / "sp")
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    del settings["chat_template"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    tok = HFTokenizer.from_pretrained_folder(folder).with_chat_tokens()
+    assert drops_prepended_space(tok) and not drops_prepended_space(ByteTokenizer(chat=True))
+    conversation = [{"role": "user", "content": "hello world"}, {"role": "assistant", "content": "the loop"}]
+    ids, mask = tok.render(conversation)
+    reply = [i for i, m in zip(ids, mask) if m and i != tok.chat_tokens.end]
+
+    def streamed(decoder) -> str:
+        return "".join(decoder.add(i) for i in reply) + decoder.finish()
+
+    assert streamed(TokenText(tok, message_start=True)) == tok.decode(reply) == "the loop"
+    assert streamed(TokenText(tok)) == " the loop"  # a completion continues a text: its space is the text's
+    row = RowText(tok, {}, message_start=True)
+    for i in reply:
+        row.add(i)
+    assert row.text == "the loop"
+    follow_up = {"role": "user", "content": "again"}
+    as_sent_back = [conversation[0], {"role": "assistant", "content": streamed(TokenText(tok, message_start=True))},
+                    follow_up]
+    assert tok.render_prompt(as_sent_back) == tok.render_prompt([*conversation, follow_up])

@@ -367,7 +367,7 @@ def completion_request(body: _GenerationFields, model, tokenizer, limits: Limits
         stop=tuple(s for s in stop if s),  # an empty stop string would stop before any text
         logprobs=logprobs, echo=echo, stream=bool(body.stream),
         include_usage=bool(body.stream_options is not None and body.stream_options.include_usage),
-        options=options, resolved=resolved, written=written)
+        options=options, resolved=resolved, written=written, reply=isinstance(body, _ChatFields))
 
 
 def parse_completion(body: Any, model, tokenizer, limits: Limits, served_name: str,

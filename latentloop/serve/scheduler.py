@@ -140,7 +140,7 @@ class Job:
         self.echo_texts = [decode_with_offsets(tokenizer, self.echoed(i))[0] if request.echo else ""
                            for i in range(len(request.prompts))]
         self.rows = [Row(self, p * request.n + j, prompt,
-                         RowText(tokenizer, specials, request.stop, len(self.echo_texts[p])),
+                         RowText(tokenizer, specials, request.stop, len(self.echo_texts[p]), request.reply),
                          request.written[p] if request.written else None)
                      for p, prompt in enumerate(request.prompts) for j in range(request.n)]
 

@@ -42,10 +42,11 @@ def top_dict(tokenizer, specials: dict[int, str], pairs: Sequence[tuple[int, flo
 
 
 class RowText:
-    def __init__(self, tokenizer, specials: dict[int, str], stops: Sequence[str] = (), base_offset: int = 0):
+    def __init__(self, tokenizer, specials: dict[int, str], stops: Sequence[str] = (), base_offset: int = 0,
+                 message_start: bool = False):
         self.tokenizer, self.specials, self.stops = tokenizer, specials, tuple(stops)
         self.base_offset = base_offset  # characters before the generated text (the echoed prompt)
-        self._decoder = TokenText(tokenizer)
+        self._decoder = TokenText(tokenizer, message_start)  # a chat reply: its text as `decode` gives it
         self.text = ""  # generated so far; cut before the stop string once one appeared
         self.stopped = False  # a stop string appeared
         self._released = 0  # characters of `text` already handed out
