@@ -113,7 +113,10 @@ class Muon(torch.optim.Optimizer):
                 self._step_sharded(p, group)
 
     def _buffers(self, params: list[Tensor]) -> list[Tensor]:
-        return [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad)) for p in params]
+        for p in params:  # made once (setdefault's default was a fresh zeros_like, a memset, every step)
+            if "momentum_buffer" not in self.state[p]:
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad)
+        return [self.state[p]["momentum_buffer"] for p in params]
 
     def _step_stack(self, params: list[Tensor], group: dict) -> None:
         """Matrices of one shape: one batched Newton-Schulz iteration for all of them."""

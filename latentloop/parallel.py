@@ -58,7 +58,7 @@ from .config import TrainConfig
 from .distributed import agree, current_dist, in_process_group
 from .errors import CheckpointError, OutputError
 from .precision import recompute_contexts
-from .runtime import resolve_dtype
+from .runtime import resolve_dtype, to_device_async
 from .util import first_line
 
 __all__ = ["SHARDED_DIR", "any_rank", "apply_activation_checkpointing", "compiles_whole_model", "full_weights",
@@ -232,7 +232,7 @@ def micro_batch_shares(target_counts: list[int], device: torch.device) -> list[f
     if world == 1:
         total = max(1, sum(target_counts))
         return [count / total for count in target_counts]
-    total = torch.tensor(sum(target_counts), dtype=torch.int64, device=device)
+    total = to_device_async(torch.tensor(sum(target_counts), dtype=torch.int64), device)  # no stall of the stream
     dist.all_reduce(total)
     per_target = world / total.clamp(min=1).to(torch.float32)
     return [count * per_target for count in target_counts]
@@ -244,7 +244,7 @@ def micro_batch_term_shares(term_counts: list[list[int]], device: torch.device) 
     column and its column subsets): each micro-batch's targets of each term over that term's in the
     whole step, over every process, times the processes. On the device (an input of the compiled
     step, never a number it specialises on); the totals are one reduction over the processes."""
-    counts = torch.tensor(term_counts, dtype=torch.int64, device=device)  # (M, K)
+    counts = to_device_async(torch.tensor(term_counts, dtype=torch.int64), device)  # (M, K); no stall of the stream
     totals = counts.sum(dim=0)
     world = current_dist().world_size
     if world > 1:

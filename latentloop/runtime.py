@@ -38,6 +38,15 @@ EVAL_BUNDLE_DIR = "eval_bundle"  # below the cache root: the fetched official CO
 BUILTIN_SOURCES = ("stdlib", "task:")
 
 
+def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor onto the device without waiting: from pinned host memory a copy to a GPU is
+    queued behind the kernels, where one from pageable memory (`t.to(device)`, `torch.tensor(...,
+    device=)`) waits for them all, a stall of the stream each time (as nanoGPT copies its batches)."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device, non_blocking=True)
+
+
 def default_eval_dir() -> Path:
     """Where the official evaluation bundle is fetched to (and looked for)."""
     return default_cache_dir() / EVAL_BUNDLE_DIR

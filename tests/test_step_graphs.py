@@ -317,3 +317,56 @@ def test_a_training_loss_copies_nothing_from_the_host(arch, masked):
     with _HostCopies() as counted:
         objective.loss(model, x, y, mask, **plan)
     assert counted.copies == []
+
+
+def test_a_steps_loss_shares_reach_the_device_without_a_blocking_copy(monkeypatch):
+    """lrt's and mor's SFT steps made their loss terms' shares with `torch.tensor(counts, device=)`:
+    from pageable memory on CUDA, a copy that waits for every queued kernel, each step. They are
+    made on the host and queued (`runtime.to_device_async`). `torch.tensor` with a device passes no
+    dispatch mode, so the call itself is watched."""
+    import latentloop.parallel as parallel
+
+    made_on: list[str] = []
+    real = torch.tensor
+
+    def watched(*args, **kwargs):
+        made_on.append(torch.device(kwargs.get("device") or "cpu").type)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "tensor", watched)
+    shares = parallel.micro_batch_term_shares([[4, 2], [6, 3]], torch.device("meta"))
+    assert shares.device.type == "meta" and shares.shape == (2, 2)
+    assert made_on and set(made_on) == {"cpu"}
+
+
+def test_muon_makes_its_momentum_buffers_once():
+    """`setdefault(key, torch.zeros_like(...))` made (and dropped) a zeroed copy of every matrix each step."""
+    model = ll.build("gpt", preset="test", sequence_len=SEQ_LEN)
+    matrices = [p for p in model.parameters() if p.ndim == 2]
+    optimizer = Muon(matrices, lr=0.01)
+    for p in matrices:
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    buffers = [optimizer.state[p]["momentum_buffer"] for p in matrices]
+    calls = []
+    real = torch.zeros_like
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "zeros_like", lambda *a, **k: calls.append(1) or real(*a, **k))
+        optimizer.step()
+    assert calls == [] and all(optimizer.state[p]["momentum_buffer"] is b for p, b in zip(matrices, buffers))
+
+
+def test_validation_batches_reach_the_device_through_the_queued_copy(monkeypatch):
+    """Each validation batch went `x.to(device)`: from pageable memory on CUDA, a copy that waits for
+    the previous batch's forward. Its inputs, targets and mask go through `runtime.to_device_async`."""
+    import latentloop.eval.loss as loss
+
+    copied = []
+    real = loss.to_device_async
+    monkeypatch.setattr(loss, "to_device_async", lambda t, device: copied.append(t.shape) or real(t, device))
+    model = ll.build("gpt", preset="test", sequence_len=SEQ_LEN).eval()
+    x = torch.randint(0, 256, (BATCH, SEQ_LEN))
+    mask = torch.ones(BATCH, SEQ_LEN, dtype=torch.bool)
+    table = torch.ones(model.config.vocab_size, dtype=torch.long).numpy()
+    loss.evaluate_batches(model, [(x, x), (x, x, mask)], table)
+    assert copied == [x.shape] * 5  # x, y; then x, y and the mask

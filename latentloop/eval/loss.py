@@ -27,6 +27,7 @@ from ..data import eval_batches
 from ..data.loader import eval_window_ids
 from ..engine import model_options, teacher_forced_logits, written_inputs
 from ..objectives import token_cross_entropy
+from ..runtime import to_device_async
 from ..util import evaluating, progress
 from .stats import BOOTSTRAP_RESAMPLES, CONFIDENCE, bootstrap_ratio
 
@@ -75,12 +76,11 @@ def evaluate_batches(model: nn.Module, batches: Iterable[tuple], token_bytes: np
     keep_documents = False
     with evaluating(model):
         for x, y, *rest in batches:
-            x, y = x.to(device), y.to(device)
-            mask = rest[0] if rest else None
-            counted = (mask.to(device).flatten() if mask is not None
-                       else torch.ones(y.numel(), dtype=torch.bool, device=device))
+            x, y = to_device_async(x, device), to_device_async(y, device)  # queued, not a stall per batch
+            mask = None if not rest or rest[0] is None else to_device_async(rest[0], device)
+            counted = mask.flatten() if mask is not None else torch.ones(y.numel(), dtype=torch.bool, device=device)
             # conversations: the replies are the model's own, read as a chat reads its history (fbt fuses them)
-            written = None if mask is None else written_inputs(mask.to(device))
+            written = None if mask is None else written_inputs(mask)
             losses = token_cross_entropy(logits_fn(model, x, written), y, reduction="none") * counted  # (B*T,)
             target_bytes = byte_table[y.flatten()] * counted
             byte_losses = losses * (target_bytes > 0)

@@ -35,7 +35,7 @@ from ..parallel import (
     micro_batch_shares,
     micro_batch_term_shares,
 )
-from ..runtime import autocast_for, resolve_dtype
+from ..runtime import autocast_for, resolve_dtype, to_device_async
 from .profile import OPTIMIZER_RANGE, open_profiler
 from .resume import save
 from .state import FlopsMemo, TrainState
@@ -150,14 +150,6 @@ class StepOutcome:
         return float(self.loss_on_device)
 
 
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A batch onto the device without waiting for it: from pinned host memory to a GPU the copy is
-    queued behind the kernels (from pageable memory it would wait for them), as nanoGPT does."""
-    if device.type == "cuda" and t.device.type == "cpu":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device, non_blocking=True)
-
-
 def _weighing(batches: list[tuple[torch.Tensor, ...]], accumulate: int, device: torch.device, objective: Objective
               ) -> tuple[Callable[[torch.Tensor, int], torch.Tensor], torch.Tensor | None]:
     """How micro-batch m's loss (and metrics) weigh in the step, and the loss terms' shares the
@@ -201,8 +193,8 @@ def train_step(model: nn.Module, forward_model: nn.Module, objective: Objective,
     averaged: dict[str, torch.Tensor] = {}  # the objective's float metrics, weighed over micro-batches as the loss
     for micro, (x, y, *rest) in enumerate(batches):
         with gradient_sync(forward_model, sync=micro == accumulate - 1):
-            x, y = _to_device(x, device), _to_device(y, device)
-            mask = _to_device(rest[0], device) if rest else None
+            x, y = to_device_async(x, device), to_device_async(y, device)
+            mask = to_device_async(rest[0], device) if rest else None
             # which of the step's batches this is, over micro-batches and processes (the loader gives
             # process r of W the global batch micro x W + r): fbt's prefixes are drawn per batch
             draw = micro * env.world_size + env.rank
@@ -231,7 +223,8 @@ def train_step(model: nn.Module, forward_model: nn.Module, objective: Objective,
 
 
 def fit(state: TrainState, progress: bool = True, max_seconds: float | None = None) -> dict[str, Any]:
-    """Train until `train.steps` (or until `max_seconds` of training have passed in this call),
+    """Train until `train.steps` (or until `max_seconds` of training have passed in this call; under
+    several processes the deadline is agreed at logging steps, which read the device anyway),
     evaluating and checkpointing on schedule; returns a summary. Holds the run folder's lock
     throughout (rank 0); a NaN or infinite loss or gradient stops the run with `NonFiniteError`
     (on every process at the same step: the loss is averaged over them and the gradients are
@@ -333,9 +326,17 @@ def _fit(state: TrainState, progress: bool, max_seconds: float | None) -> dict[s
     window_start, window_tokens = state.elapsed, 0
     train_loss = float("nan")
     deadline = time.perf_counter() + max_seconds if max_seconds is not None else float("inf")
+    first_step = state.step
 
-    def out_of_time() -> bool:  # one decision for every process, else some would wait for the others
-        return max_seconds is not None and any_rank(time.perf_counter() >= deadline, state.device)
+    def out_of_time(agree: bool = True) -> bool:
+        """Past the deadline: one decision for every process (else some would wait for the others),
+        agreed only where `agree` (a logging step: the agreement is a read of the device)."""
+        if max_seconds is None:
+            return False
+        late = time.perf_counter() >= deadline
+        if state.dist.world_size == 1:
+            return late
+        return any_rank(late, state.device) if agree else False
 
     profiler = open_profiler(state) if cfg.profile_steps else None
     shared = state.dist.world_size > 1
@@ -343,7 +344,7 @@ def _fit(state: TrainState, progress: bool, max_seconds: float | None) -> dict[s
     stopped_on_request = False
     try:
         interrupt.install()
-        while state.step < cfg.steps and not out_of_time():
+        while state.step < cfg.steps and not (state.step == first_step and out_of_time()):
             step_start = time.perf_counter()
             multiplier = lr_multiplier(state.step, cfg)
             set_lr(state.optimizers, multiplier)
@@ -358,7 +359,7 @@ def _fit(state: TrainState, progress: bool, max_seconds: float | None) -> dict[s
             # step that reads the device anyway), so no other step waits on the host
             requested = any_rank(interrupt.asked, state.device) if shared and due else interrupt.asked and not shared
             stopped_on_request = requested
-            stopping = out_of_time() or requested
+            stopping = out_of_time(agree=due) or requested  # several processes: agreed at logging steps
             logging = due or stopping
             # a stop validates and saves below, as a run's end does: here too, it did both twice
             validating = bool(cfg.eval_every) and state.step % cfg.eval_every == 0 and state.step < cfg.steps
