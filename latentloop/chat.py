@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from .data.chat import MAX_CHAT_TEXT_CHARS, prompt_written
+from .data.chat import MAX_CHAT_TEXT_CHARS, prompt_written, replies_encoded_alone
 from .engine import PromptError, stream
 from .errors import ConfigError
 from .util import TokenText
@@ -68,7 +68,7 @@ def stream_reply(model, tokenizer, messages: list[dict], max_new_tokens: int, te
     kept, prompt = fitted_conversation(tokenizer, messages, context - max_new_tokens)
     # the earlier replies, marked: a model with latent feedback reads them as it wrote them (fbt)
     written = prompt_written(tokenizer, kept, prompt) if getattr(model, "REPLAYS_WRITTEN", False) else None
-    decoder = TokenText(tokenizer, message_start=True)  # a reply: as `decode` gives it
+    decoder = TokenText(tokenizer, message_start=replies_encoded_alone(tokenizer))  # as `decode` gives a reply
     for step in stream(model, prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                        stop_tokens=[tokens.end, *tokenizer.stop_ids, tokenizer.bos_id], pad_id=tokenizer.pad_id,
                        written=written, **options):

@@ -501,3 +501,9 @@ def test_a_reply_streams_as_decode_gives_it_so_it_encodes_back_to_the_generated_
     as_sent_back = [conversation[0], {"role": "assistant", "content": streamed(TokenText(tok, message_start=True))},
                     follow_up]
     assert tok.render_prompt(as_sent_back) == tok.render_prompt([*conversation, follow_up])
+    # under a chat template the whole conversation is one text: a "▁" before a reply is a space the
+    # model wrote, which the text keeps (dropping it re-encoded to other ids)
+    from latentloop.data.chat import replies_encoded_alone
+
+    templated = HFTokenizer.from_pretrained_folder(_sentencepiece_folder(tmp_path / "mistralish"))
+    assert replies_encoded_alone(tok) and not replies_encoded_alone(templated)

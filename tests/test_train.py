@@ -5,6 +5,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -641,3 +642,20 @@ def test_a_checkpoint_that_fails_part_way_leaves_the_configured_optimizer_settin
     with pytest.raises(ll.CheckpointError):
         resume._load_states(SimpleNamespace(optimizers=[optimizer]), None, {}, None)
     assert optimizer.param_groups[0]["lr"] == 3e-3 and optimizer.param_groups[0]["weight_decay"] == 0.1
+
+
+def test_a_deadline_passed_during_validation_stops_one_process_before_the_next_step(corpus, tmp_path, monkeypatch):
+    """`fit(max_seconds=)`: one process checks its deadline before every step (only under several
+    processes is it agreed at logging steps); a validation that ran past it is not followed by a step."""
+    import latentloop.train.loop as loop
+
+    real = loop.validate
+
+    def slow(state, max_batches=None):
+        time.sleep(0.5)
+        return real(state, max_batches)
+
+    monkeypatch.setattr(loop, "validate", slow)
+    state = setup(_config(corpus, steps=20, eval_every=1, log_every=1), tmp_path / "run", progress=False)
+    fit(state, progress=False, max_seconds=0.3)
+    assert state.step == 1

@@ -836,3 +836,13 @@ def masked_batches(rows: PackedRows, batch_size: int, max_batches: int | None = 
         count = min(count, max(0, max_batches))
     for batch in range(count):
         yield rows.batch(np.arange(batch * batch_size, min((batch + 1) * batch_size, len(rows.tokens))))
+
+
+def replies_encoded_alone(tokenizer) -> bool:
+    """Whether a reply's ids were encoded from its text alone: latentloop's own format (`ChatTokens`)
+    encodes each message on its own, so a SentencePiece-style tokenizer's "▁" before a reply is the
+    tokenizer's, not the model's (`util.TokenText`'s message_start drops it from the text); a chat
+    template renders the whole conversation into one text, where that "▁" is a space the model wrote."""
+    from .tokenizers import ChatTokens
+
+    return isinstance(getattr(tokenizer, "chat_tokens", None), ChatTokens)

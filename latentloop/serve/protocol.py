@@ -65,7 +65,7 @@ class CompletionRequest:
     # per prompt, per token: True where the model wrote it (a chat's earlier replies; `engine.stream`'s
     # `written`); None when no token is marked
     written: list[list[bool]] | None = None
-    reply: bool = False  # a chat completion: the text starts a message (`util.TokenText`'s message_start)
+    reply: bool = False  # a chat reply encoded on its own (latentloop's format): `util.TokenText`'s message_start
 
     @property
     def rows(self) -> int:

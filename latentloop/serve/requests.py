@@ -35,7 +35,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from ..archs import option_union
-from ..data.chat import prompt_written
+from ..data.chat import prompt_written, replies_encoded_alone
 from ..engine import MAX_SEED, model_options
 from ..errors import ConfigError
 from .limits import Limits
@@ -367,7 +367,8 @@ def completion_request(body: _GenerationFields, model, tokenizer, limits: Limits
         stop=tuple(s for s in stop if s),  # an empty stop string would stop before any text
         logprobs=logprobs, echo=echo, stream=bool(body.stream),
         include_usage=bool(body.stream_options is not None and body.stream_options.include_usage),
-        options=options, resolved=resolved, written=written, reply=isinstance(body, _ChatFields))
+        options=options, resolved=resolved, written=written,
+        reply=isinstance(body, _ChatFields) and replies_encoded_alone(tokenizer))
 
 
 def parse_completion(body: Any, model, tokenizer, limits: Limits, served_name: str,

@@ -344,7 +344,9 @@ def _fit(state: TrainState, progress: bool, max_seconds: float | None) -> dict[s
     stopped_on_request = False
     try:
         interrupt.install()
-        while state.step < cfg.steps and not (state.step == first_step and out_of_time()):
+        # one process checks its deadline before every step; several agree before the first, then at
+        # logging steps (`stopping` below)
+        while state.step < cfg.steps and not ((not shared or state.step == first_step) and out_of_time()):
             step_start = time.perf_counter()
             multiplier = lr_multiplier(state.step, cfg)
             set_lr(state.optimizers, multiplier)
