@@ -148,15 +148,39 @@ def _gpt2_like_with_chat_tokens(folder: Path) -> HFTokenizer:
     return imported.with_chat_tokens()
 
 
+def _metaspace_first_with_chat_tokens(folder: Path) -> HFTokenizer:
+    """A SentencePiece-style tokenizer that prepends "▁" to a text's first piece only (Metaspace,
+    prepend_scheme "first"), no template of its own, with latentloop's chat tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    folder.mkdir()
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    # every character of the test's conversations and of the import's probe ("Hi", "Hello"): an <unk> in a
+    # reply would read as the special token that ends a turn
+    text = "Hi Hello. Be brief. hello world, the loop carries state forward? " * 40
+    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+                                                        show_progress=False))
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                              "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return HFTokenizer.from_pretrained_folder(folder, config={"bos_token_id": 1, "eos_token_id": 2},
+                                              adds_bos=True).with_chat_tokens()
+
+
 @pytest.mark.parametrize("make", [lambda _: ByteTokenizer(chat=True),
                                   lambda _: BPETokenizer.train(["the loop carries state " * 40], 300)
                                   .with_chat_tokens(),
-                                  lambda path: _gpt2_like_with_chat_tokens(path / "gpt2-like")],
-                         ids=["byte", "bpe", "no-bos"])
+                                  lambda path: _gpt2_like_with_chat_tokens(path / "gpt2-like"),
+                                  lambda path: _metaspace_first_with_chat_tokens(path / "metaspace-first")],
+                         ids=["byte", "bpe", "no-bos", "metaspace-first"])
 def test_latentloops_format_exports_as_a_template_that_renders_the_same(tmp_path, make):
     """Exported chat runs carry latentloop's format as a chat template: transformers renders the
     same ids, and the same folder imported back renders the same ids and mask via its template."""
-    ours = make(tmp_path)  # the no-bos case: its template wrote a BOS latentloop never prompts with
+    # no-bos: its template wrote a BOS latentloop never prompts with; metaspace-first: each message, encoded
+    # alone, begins with "▁", which transformers' one text lacked after a special token
+    ours = make(tmp_path)
     exported = tmp_path / "export"
     write_hf_tokenizer(ours, exported)
     assert _hf_ids(exported, CONVERSATION[:2], True) == ours.render_prompt(CONVERSATION[:2])

@@ -103,6 +103,30 @@ CHAT_TEMPLATE = ("{% set role_tokens = " + json.dumps(_ROLE_TOKENS) + " %}{{ bos
 # ... for a tokenizer whose prompts start without BOS (`adds_bos` False: one imported without it, whose
 # config may still name a BOS token, GPT-2's): latentloop renders its conversations without one
 CHAT_TEMPLATE_WITHOUT_BOS = CHAT_TEMPLATE.replace("{{ bos_token }}", "")
+# ... and for a SentencePiece-style tokenizer that prepends "▁" to the first piece of a text only
+# (Metaspace, prepend_scheme "first"): latentloop encodes each message alone, so each begins with "▁",
+# where transformers' one rendered text has none after a special token; a space before each message
+# gives that "▁" back
+_CONTENT = "message['content']"
+_SPACED_CONTENT = "' ' + message['content']"
+
+
+def _own_format_template(tokenizer) -> str:
+    """latentloop's chat format as a Jinja template that renders, through this tokenizer, the ids
+    its `render` gives (`write_hf_tokenizer`)."""
+    template = CHAT_TEMPLATE if tokenizer.adds_bos else CHAT_TEMPLATE_WITHOUT_BOS
+    if isinstance(tokenizer, HFTokenizer) and _metaspace_prepend_scheme(tokenizer.hf_json()) == "first":
+        template = template.replace(_CONTENT, _SPACED_CONTENT)
+    return template
+
+
+def _metaspace_prepend_scheme(tokenizer_json: str) -> str | None:
+    """The prepend scheme of a tokenizer.json's Metaspace pre-tokenizer (alone or in a sequence)."""
+    pre = json.loads(tokenizer_json).get("pre_tokenizer") or {}
+    for step in pre.get("pretokenizers", [pre]):
+        if isinstance(step, dict) and step.get("type") == "Metaspace":
+            return step.get("prepend_scheme", "always")
+    return None
 
 
 class _ChatInterface:
@@ -977,7 +1001,7 @@ def write_hf_tokenizer(tokenizer, directory: str | Path, model_max_length: int |
     if own_template is not None:
         settings["chat_template"] = (BOS_TEMPLATE_PREFIX if template_bos == "added" else "") + own_template
     elif tokenizer.chat_tokens is not None:  # latentloop's format, as a template
-        settings["chat_template"] = CHAT_TEMPLATE if tokenizer.adds_bos else CHAT_TEMPLATE_WITHOUT_BOS
+        settings["chat_template"] = _own_format_template(tokenizer)
     (directory / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
     return [directory / TOKENIZER_FILE, directory / "tokenizer_config.json"]
 
