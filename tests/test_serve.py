@@ -132,6 +132,10 @@ def test_parse_completion_fields(fbt_model):
     ({"prompt": "x", "best_of": 2}, 400, "best_of is not supported (only best_of = n), got 2"),
     ({"prompt": "x", "logit_bias": {"5": 1}}, 400, "logit_bias is not supported (only biases of 0)"),
     ({"prompt": "x", "logit_bias": {"5": False}}, 400, "logit_bias is not supported"),
+    ({"prompt": "x", "logit_bias": {"abc": 0}}, 400, "logit_bias keys are token ids in [0, "),  # was accepted
+    ({"prompt": "x", "logit_bias": {"99999": 0}}, 400, "logit_bias keys are token ids"),
+    ({"prompt": "x", "stop": "\ud800"}, 400, "stop is not valid UTF-8 text (it holds a lone surrogate)"),
+    ({"prompt": "x", "stop": ["ok", "a\udc00"]}, 400, "stop is not valid UTF-8 text"),
     ({"prompt": "x", "top_k": True}, 400, "top_k must be an integer >= 1, got True"),
     ({"prompt": "x", "temperature": float("nan")}, 400, "temperature must be a finite number >= 0, got nan"),
     ({"prompt": ["x"] * 3, "n": 2}, 400, "this request asks for 6 rows (prompts x n)"),
@@ -592,6 +596,12 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(servers):
     assert chat.status_code == 400 and "no chat format" in chat.json()["error"]["message"]
     missing = httpx.post(server.url + "/v1/embeddings", json={}, headers=KEY, timeout=CALL_TIMEOUT_S)
     assert missing.status_code == 404 and "not an endpoint" in missing.json()["error"]["message"]
+    assert "POST /tokenize" in missing.json()["error"]["message"]  # every endpoint listed
+    # a trailing slash: a 307 with an empty body (clients do not resend the body); a long path, echoed whole
+    slash = httpx.post(server.url + "/v1/completions/", json={"prompt": "x"}, headers=KEY, timeout=CALL_TIMEOUT_S)
+    assert slash.status_code == 404 and "not an endpoint" in slash.json()["error"]["message"]
+    long = httpx.get(server.url + "/" + "a" * 20_000, headers=KEY, timeout=CALL_TIMEOUT_S)
+    assert long.status_code == 404 and len(long.text) < 2_000 and "20,001 characters" in long.text
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=CALL_TIMEOUT_S)
     with pytest.raises(openai.BadRequestError, match="--max-tokens-cap"):

@@ -50,7 +50,8 @@ from .transport import Traffic, TrafficGate
 CHAT_PROBE_TIMEOUT_S = 120.0
 SHUTDOWN_GRACE_S = 5.0  # after the drain, uvicorn waits this long for open connections, then cancels them
 ENDPOINTS = ("GET / (the chat page), GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /v1/stats, "
-             "GET /health")
+             "GET /health, GET /tokenizer_info, POST /tokenize, POST /detokenize, GET /page/config")
+SHOWN_PATH_CHARS = 200  # of a path that is no endpoint, in its error (a 100 KB path came back whole)
 
 
 # --------------------------------------------------------------------------------------------
@@ -169,7 +170,9 @@ async def _api_error(request: Request, exc: APIError) -> JSONResponse:
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     message = str(exc.detail)
     if exc.status_code in (404, 405):
-        message = f"{request.method} {request.url.path} is not an endpoint of this server (it offers {ENDPOINTS})"
+        path = request.url.path
+        shown = path if len(path) <= SHOWN_PATH_CHARS else f"{path[:SHOWN_PATH_CHARS]}... ({len(path):,} characters)"
+        message = f"{request.method} {shown} is not an endpoint of this server (it offers {ENDPOINTS})"
     return JSONResponse(APIError(exc.status_code, message).body(), status_code=exc.status_code)
 
 
@@ -189,7 +192,9 @@ def create_app(model, tokenizer, name: str, settings: ServeSettings) -> FastAPI:
         yield
         state.scheduler.join(SHUTDOWN_GRACE_S)
 
-    app = FastAPI(title="latentloop", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # redirect_slashes off: `/v1/completions/` got a 307 with an empty body, which clients do not follow with the body
+    app = FastAPI(title="latentloop", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+                  redirect_slashes=False)
     app.state.serving, app.state.scheduler = state, state.scheduler
     app.state.completions, app.state.chat = ServingCompletions(state), ServingChat(state)
     app.state.tokenization, app.state.models = ServingTokenization(state), ServingModels(state)

@@ -119,11 +119,15 @@ class _GenerationFields(_Body):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_bias(cls, value: Any) -> Any:
+    def _no_bias(cls, value: Any, info: ValidationInfo) -> Any:
         neutral = isinstance(value, dict) and all(
             isinstance(bias, (int, float)) and not isinstance(bias, bool) and bias == 0 for bias in value.values())
         if value is not None and not neutral:
             raise refuse("logit_bias is not supported (only biases of 0)", "logit_bias")
+        vocab = int(info.context["model"].config.vocab_size)
+        for key in value or {}:  # OpenAI's keys: token ids as strings
+            if not (key.isascii() and key.isdigit() and int(key) < vocab):
+                raise refuse(f"logit_bias keys are token ids in [0, {vocab}), got {_shown(key)}", "logit_bias")
         return value
 
     @field_validator("n")
@@ -145,6 +149,11 @@ class _GenerationFields(_Body):
     def _few_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
         if isinstance(stop, list) and len(stop) > MAX_STOP_SEQUENCES:
             raise refuse(f"stop takes at most {MAX_STOP_SEQUENCES} sequences, got {len(stop)}", "stop")
+        for text in [stop] if isinstance(stop, str) else stop or []:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:  # as a prompt's: a stop no generated text could ever hold
+                raise refuse("stop is not valid UTF-8 text (it holds a lone surrogate)", "stop") from None
         return stop
 
     @model_validator(mode="after")
