@@ -82,7 +82,7 @@ class DecodeStep:
 def row_info(info: dict, row: int) -> dict:
     """What the model reported for one row: the shared facts, with the row's own values where the
     model gives them per row (`info[PER_ROW_INFO]`, e.g. rgpt's mean exit depth)."""
-    shared = {name: value for name, value in info.items() if name not in (PER_ROW_INFO, PER_TOKEN_INFO)}
+    shared = {name: value for name, value in reported(info).items() if name != PER_ROW_INFO}
     return {**shared, **{name: values[row] for name, values in info.get(PER_ROW_INFO, {}).items()}}
 
 

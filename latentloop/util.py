@@ -166,6 +166,16 @@ class TokenText:
         return self._decoder.decode(b"", final=True)
 
 
+def encodable(text: str) -> bool:
+    """Whether `text` is text UTF-8 can hold: JSON and Python strings admit a lone surrogate (an
+    escape such as \\ud800, half of a character), which no UTF-8 text, tokenizer or file can."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def drops_prepended_space(tokenizer) -> bool:
     """Whether `tokenizer` prepends a space to a text it encodes on its own and drops it again when
     decoding (SentencePiece's "▁", Metaspace with a prepend scheme): "a" encodes to a first token

@@ -89,8 +89,9 @@ import torch
 
 from latentloop.data.loader import TokenLoader
 from latentloop.data.sources import goes_to_val, iter_jsonl
-from latentloop.data.tokenizers import ChatTemplate
+from latentloop.data.tokenizers import ChatTemplate, ChatTokens
 from latentloop.errors import ConfigError, DataError
+from latentloop.util import encodable
 
 ROLES = ("system", "user", "assistant")
 CHAT_PREFIX = "chat:"
@@ -151,7 +152,7 @@ def check_messages(messages, where: str = "conversation", for_training: bool = T
             raise ChatFormatError(f"{at}: 'content' must be a string, got {_describe(content)}")
         if not content.strip():
             raise ChatFormatError(f"{at}: empty {role} turn")
-        if not _encodable(content):
+        if not encodable(content):
             raise ChatFormatError(f"{at}: 'content' holds a lone surrogate (an escape such as \\ud800 that is "
                                   f"half of a character), not text")
         if role == "system" and index != 0:
@@ -172,14 +173,6 @@ def check_messages(messages, where: str = "conversation", for_training: bool = T
     if not for_training and (not turns or turns[-1] != "user"):
         raise ChatFormatError(f"{where}: a prompt must end with a user turn")
     return checked
-
-
-def _encodable(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _describe(value) -> str:
@@ -843,6 +836,4 @@ def replies_encoded_alone(tokenizer) -> bool:
     encodes each message on its own, so a SentencePiece-style tokenizer's "▁" before a reply is the
     tokenizer's, not the model's (`util.TokenText`'s message_start drops it from the text); a chat
     template renders the whole conversation into one text, where that "▁" is a space the model wrote."""
-    from .tokenizers import ChatTokens
-
     return isinstance(getattr(tokenizer, "chat_tokens", None), ChatTokens)

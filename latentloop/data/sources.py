@@ -38,7 +38,7 @@ from typing import Any
 from latentloop.data.base import Source
 from latentloop.data.tasks import get_task_source
 from latentloop.errors import ConfigError, DataError
-from latentloop.util import first_line
+from latentloop.util import encodable, first_line
 
 SPLITS = ("train", "val")
 
@@ -354,11 +354,9 @@ def _read_jsonl(file: Path) -> Iterator[str]:
     for line_number, record in iter_jsonl(file):
         if not isinstance(record, dict) or not isinstance(record.get("text"), str):
             raise DataError(f"{file}:{line_number}: expected an object with a string 'text'")
-        try:
-            record["text"].encode("utf-8")
-        except UnicodeEncodeError:  # JSON lets an escape such as \ud800 through, which no UTF-8 text holds
+        if not encodable(record["text"]):  # JSON lets an escape such as \ud800 through
             raise DataError(f"{file}:{line_number}: 'text' holds a lone surrogate (an escape such as \\ud800 "
-                            f"that is half of a character): not valid text") from None
+                            f"that is half of a character): not valid text")
         if record["text"].strip():
             yield record["text"]
 

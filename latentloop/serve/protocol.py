@@ -23,7 +23,7 @@ from typing import Any
 
 from ..data.tokenizers import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN
 from ..errors import LatentloopError
-from ..util import TokenText, is_int
+from ..util import TokenText, encodable, is_int
 from .limits import MAX_TEXT_BYTES, Limits, size_over
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions when max_tokens is not given
@@ -93,10 +93,8 @@ def _checked_text(text: str, limits: Limits, param: str, what: str) -> str:
     problem = limits.text_problem(text, what)
     if problem is not None:
         raise bad_request(problem, param)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise bad_request(f"{what} is not valid UTF-8 text (it holds a lone surrogate)", param) from None
+    if not encodable(text):
+        raise bad_request(f"{what} is not valid UTF-8 text (it holds a lone surrogate)", param)
     return text
 
 
@@ -203,10 +201,8 @@ def tokenize_text(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
     over = size_over(text, MAX_TEXT_BYTES)
     if over is not None:
         raise bad_request(f"prompt is {over} of text, over the {MAX_TEXT_BYTES:,} bytes /tokenize takes", "prompt")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise bad_request("prompt is not valid UTF-8 text", "prompt") from None
+    if not encodable(text):
+        raise bad_request("prompt is not valid UTF-8 text", "prompt")
     by_name = {name: token_id for token_id, name in special_names(tokenizer).items()}
     ids = [by_name[text]] if text in by_name else encode_text(tokenizer, text)
     return tokenizer.as_prompt(ids) if add_special_tokens else ids

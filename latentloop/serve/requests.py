@@ -38,6 +38,7 @@ from ..archs import option_union
 from ..data.chat import prompt_written, replies_encoded_alone
 from ..engine import MAX_SEED, model_options
 from ..errors import ConfigError
+from ..util import encodable
 from .limits import Limits
 from .protocol import DEFAULT_MAX_TOKENS, APIError, CompletionRequest, bad_request, chat_prompts, completion_prompts
 
@@ -149,11 +150,9 @@ class _GenerationFields(_Body):
     def _few_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
         if isinstance(stop, list) and len(stop) > MAX_STOP_SEQUENCES:
             raise refuse(f"stop takes at most {MAX_STOP_SEQUENCES} sequences, got {len(stop)}", "stop")
-        for text in [stop] if isinstance(stop, str) else stop or []:
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:  # as a prompt's: a stop no generated text could ever hold
-                raise refuse("stop is not valid UTF-8 text (it holds a lone surrogate)", "stop") from None
+        if not all(encodable(text) for text in ([stop] if isinstance(stop, str) else stop or [])):
+            # as a prompt's: a stop no generated text could ever hold
+            raise refuse("stop is not valid UTF-8 text (it holds a lone surrogate)", "stop")
         return stop
 
     @model_validator(mode="after")

@@ -328,25 +328,25 @@ def _fit(state: TrainState, progress: bool, max_seconds: float | None) -> dict[s
     deadline = time.perf_counter() + max_seconds if max_seconds is not None else float("inf")
     first_step = state.step
 
-    def out_of_time(agree: bool = True) -> bool:
-        """Past the deadline: one decision for every process (else some would wait for the others),
-        agreed only where `agree` (a logging step: the agreement is a read of the device)."""
+    shared = state.dist.world_size > 1
+
+    def out_of_time(agree: bool) -> bool:
+        """Past the deadline. One process checks whenever asked; several make one decision (else some
+        would wait for the others), only where `agree` (the agreement is a read of the device)."""
         if max_seconds is None:
             return False
         late = time.perf_counter() >= deadline
-        if state.dist.world_size == 1:
+        if not shared:
             return late
         return any_rank(late, state.device) if agree else False
 
     profiler = open_profiler(state) if cfg.profile_steps else None
-    shared = state.dist.world_size > 1
     interrupt = _GracefulInterrupt(shared=shared, speaks=state.dist.is_main)
     stopped_on_request = False
     try:
         interrupt.install()
-        # one process checks its deadline before every step; several agree before the first, then at
-        # logging steps (`stopping` below)
-        while state.step < cfg.steps and not ((not shared or state.step == first_step) and out_of_time()):
+        # several processes agree on the deadline before the first step, then at logging steps (`stopping`)
+        while state.step < cfg.steps and not out_of_time(agree=state.step == first_step):
             step_start = time.perf_counter()
             multiplier = lr_multiplier(state.step, cfg)
             set_lr(state.optimizers, multiplier)
