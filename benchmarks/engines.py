@@ -46,7 +46,10 @@ process that decoded this shape before (`worker`). Each engine runs in a process
 in one process CTranslate2's OpenMP runtime (a second copy, beside torch's) and the pools' spinning
 workers took the cores from whichever engine ran next whenever more than one thread was asked for
 (see `SETTLE_S`). Greedy agreement: each engine's tokens against the first latentloop float row's
-(eager's when it runs), token by token (fp32 engines should agree on all; int8 may drift).
+(eager's when it runs), token by token (fp32 engines should agree on all; int8 may drift). The memory
+wall: after each thread count's rounds the run measures the machine's read ceiling (`read_ceiling`,
+`stream_read.c`) and gives each float-weight row's decode as the GB/s it streams, and that over the
+ceiling (`decode_gb_per_s`): a row near 1.00 is bound by its bytes, not its code.
 
     .venv/bin/python -m benchmarks.engines [--shapes small,large-32k] [--threads 1,2]
         [--prompt-len 16|512,2048,4096] [--new-tokens 200] [--repeats 3] [--engines all|NAME,...]
@@ -57,6 +60,7 @@ workers took the cores from whichever engine ran next whenever more than one thr
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import math
 import os
@@ -114,6 +118,19 @@ GGUF_LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q"
                     "mlp.down_proj": "ffn_down"}
 # Bytes of the standard library's sources the prompts' windows are drawn from (`text_prompt`)
 PROMPT_TEXT_BYTES = 1 << 20
+# The memory wall. A decode step at batch 1 reads every weight but the embedding table (one row of
+# it) and the whole cache once, and does a few flops per byte: its time is the bytes over the memory
+# speed. Each run measures that speed's ceiling itself (`read_ceiling`: `stream_read.c`, the fastest
+# plain read, on the run's threads, right after its engines' rounds), and gives each float-weight
+# engine's decode as the bytes it streams a second against it (`decode_gb_per_s`): an engine at the
+# ceiling can be beaten only by reading fewer bytes. Bytes of one cache element, per engine (its
+# weights fp32 in every one of these; the int8 rows read a quarter and are left out):
+CACHE_ELEMENT_BYTES = {"latentloop default": 4, "latentloop default f16 cache": 2, "latentloop eager": 4,
+                       "latentloop compiled": 4, "latentloop compiled dynamo": 4, "hf generate": 4,
+                       "ctranslate2 fp32": 4, "llama.cpp": 2, "llama.cpp f32 cache": 4, "llama.cpp flash attention": 2,
+                       "llama-cpp-python generate": 2}
+READ_CEILING_MIB = 256  # far past any cache (the project's machine: 48 MiB of L3)
+READ_CEILING_REPEATS = 15
 
 
 def shape_names() -> list[str]:
@@ -603,6 +620,62 @@ class EngineWorker:
             self.process.wait()
 
 
+def streamed_bytes(model) -> tuple[int, int]:
+    """(bytes of weights a batch-1 decode step reads, cache elements a position holds) of a gpt: every
+    parameter but an untied embedding table (a step looks up one of its rows; a tied one is read
+    whole, as the output head), and keys and values of every layer's key/value heads."""
+    config = model.config
+    table = model.wte.weight if model.lm_head is not None else None
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if p is not table)
+    return weights, config.n_layer * 2 * config.n_kv_head * config.head_dim
+
+
+def decode_gb_per_s(case: dict[str, Any], engine: str, ms_per_token: float, new_tokens: int) -> float | None:
+    """The bytes an engine's decode step streams a second (GB/s): the weights (`streamed_bytes`) and
+    the cache at the decode's mean length (the prompt and half the new tokens), at the engine's
+    cache element (`CACHE_ELEMENT_BYTES`); None for an engine not listed there or a run from before
+    the case recorded its bytes."""
+    if engine not in CACHE_ELEMENT_BYTES or "weight_bytes" not in case or ms_per_token <= 0:
+        return None
+    positions = case["prompt_len"] + new_tokens / 2
+    streamed = case["weight_bytes"] + case["cache_elements_per_position"] * CACHE_ELEMENT_BYTES[engine] * positions
+    return streamed / (ms_per_token * 1e-3) / 1e9
+
+
+def read_library(folder: Path) -> ctypes.CDLL | str:
+    """`stream_read.c` built into `folder` with the flags the library's kernels get; or why not (one line)."""
+    from latentloop.inference import native
+
+    cc = native._compiler()
+    if cc is None:
+        return "no C compiler"
+    target = folder / "stream_read.so"
+    flags = (*native.LIBRARY_FLAGS, *native.FLAG_CHOICES[0])  # -march=native -fopenmp, as the kernels
+    done = subprocess.run([cc, *flags, str(Path(__file__).with_name("stream_read.c")), "-o", str(target)],
+                          capture_output=True, text=True, timeout=native.BUILD_TIMEOUT_S)
+    if done.returncode != 0:
+        return (done.stderr.strip().splitlines() or [f"{cc} exited with {done.returncode}"])[-1]
+    library = ctypes.CDLL(str(target))
+    library.latentloop_bench_read.restype = ctypes.c_float
+    library.latentloop_bench_read.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    return library
+
+
+def read_ceiling(library: ctypes.CDLL, threads: int, mib: int = READ_CEILING_MIB,
+                 repeats: int = READ_CEILING_REPEATS) -> list[float]:
+    """GB/s of `repeats` plain reads of `mib` MiB on `threads` threads (`stream_read.c`), the first
+    untimed (it faults the pages in)."""
+    data = torch.ones(mib << 18)  # float32: 4 bytes each
+    whole = data.numel() // 64 * 64 * data.element_size()  # the blocks the kernel reads
+    library.latentloop_bench_read(data.data_ptr(), data.numel(), threads)
+    speeds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        library.latentloop_bench_read(data.data_ptr(), data.numel(), threads)
+        speeds.append(whole / (time.perf_counter() - start) / 1e9)
+    return speeds
+
+
 def case_name(shape: str, prompt_len: int) -> str:
     return f"{shape} / prompt {prompt_len}"
 
@@ -666,21 +739,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             folder = Path(tmp)
             model, tokenizer, _ = build_export(layers, context, args.seed, folder, vocab_size)
             prompts = [text_prompt(length, tokenizer.bos_id, args.seed, text) for length in args.prompt_len]
+            weight_bytes, cache_elements = streamed_bytes(model)
             cases = {length: results["cases"].setdefault(case_name(shape, length), {
                 "shape": shape, "vocab_size": tokenizer.vocab_size, "params": model.num_params(),
-                "context": context, "prompt_len": length, "threads": {}}) for length in args.prompt_len}
+                "context": context, "prompt_len": length, "weight_bytes": weight_bytes,
+                "cache_elements_per_position": cache_elements, "threads": {}, "read_ceiling": {}})
+                for length in args.prompt_len}
             del model
+            library = read_library(folder)
             for threads in args.threads:
                 torch.set_num_threads(threads)
                 notes = {engine: unavailable(engine) for engine in args.engines}
                 runnable = [e for e in args.engines if notes[e] is None]
                 print(f"{shape}, {threads} thread(s): preparing {', '.join(runnable)}, a process each ...", flush=True)
                 tokens, timed = measure(runnable, folder, prompts, args.new_tokens, threads, args.repeats, args.settle)
+                ceiling = library if isinstance(library, str) else read_ceiling(library, threads)  # the engines closed
                 for index, length in enumerate(args.prompt_len):
                     rows, reference = case_rows(args.engines, notes, {e: t[index] for e, t in tokens.items()},
                                                 {e: t[index] for e, t in timed.items()}, args.new_tokens)
                     cases[length]["threads"][str(threads)] = rows
                     cases[length]["reference"] = reference
+                    cases[length]["read_ceiling"][str(threads)] = ceiling
     return results
 
 
@@ -726,6 +805,26 @@ def timing_entry(rounds: list[tuple[float, float]], new_tokens: int) -> dict[str
     return entry
 
 
+def streamed_cell(case: dict[str, Any], threads: str, engine: str, entry: dict[str, Any], new_tokens: int) -> str:
+    """An engine's decode as GB/s streamed (`decode_gb_per_s`, its median round) and that over the
+    median read ceiling at its thread count; "—" where either is missing."""
+    if "decode_ms_per_token_all" not in entry:
+        return "—"
+    speed = decode_gb_per_s(case, engine, statistics.median(entry["decode_ms_per_token_all"]), new_tokens)
+    if speed is None:
+        return "—"
+    ceiling = case.get("read_ceiling", {}).get(threads)
+    return f"{speed:.1f}" + (f" ({speed / statistics.median(ceiling):.2f})" if isinstance(ceiling, list) else "")
+
+
+def ceiling_lines(case: dict[str, Any]) -> str:
+    """The read ceilings the case's run measured (`read_ceiling`), a line per thread count."""
+    lines = [f"- read ceiling, {threads} thread(s) (stream_read.c, {READ_CEILING_MIB} MiB): "
+             + (f"GB/s {spread(ceiling, '{:.1f}')}" if isinstance(ceiling, list) else f"not measured: {ceiling}")
+             for threads, ceiling in case.get("read_ceiling", {}).items()]
+    return "\n\n" + "\n".join(lines) if lines else ""
+
+
 def markdown_table(results: dict[str, Any]) -> str:
     """A table per case (shape and prompt length): each engine's figures at each thread count."""
     from latentloop.eval.stats import format_comparison
@@ -737,6 +836,7 @@ def markdown_table(results: dict[str, Any]) -> str:
         header = (f"Engine ({name}: vocabulary {case['vocab_size']:,}, {case['params']:,} params; "
                   f"{args['new_tokens']} new, batch 1, greedy)", "threads", "ms / new token (prefill included)",
                   "first token, ms (prefill included)", "decode, ms / token after the first", "decode, tokens / s",
+                  "decode, GB/s streamed (median; over the read ceiling's)",
                   *(f"{what} over {PAIRED_WITH}'s, by round: geometric mean [95% t-interval], verdict"
                     for _, what in FIGURES),
                   f"greedy tokens agreeing with {reference} (int8 rows: and with {INT8_REFERENCE})")
@@ -759,8 +859,9 @@ def markdown_table(results: dict[str, Any]) -> str:
                                       f"{entry[key.removesuffix('over_llama_cpp') + 'verdict']}")
                     else:
                         paired.append("—")
-                rows.append((engine, threads, spread(entry["ms_per_token_all"], "{:.3f}"), *optional, *paired, agree))
-        tables.append(render_table(rows))
+                rows.append((engine, threads, spread(entry["ms_per_token_all"], "{:.3f}"), *optional,
+                             streamed_cell(case, threads, engine, entry, args["new_tokens"]), *paired, agree))
+        tables.append(render_table(rows) + ceiling_lines(case))
     return "\n\n".join(tables)
 
 

@@ -159,8 +159,11 @@ def _engines_smoke(tmp_path, capsys, chosen: list[str]) -> None:
     out = tmp_path / "engines.json"
     assert engines.main(["--shape", "smoke", "--prompt-len", "4", "--new-tokens", "6", "--repeats", "1",
                          "--settle", "0", "--engines", ",".join(chosen), "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())["cases"]["smoke / prompt 4"]["threads"]["1"]
+    case = json.loads(out.read_text())["cases"]["smoke / prompt 4"]
+    rows = case["threads"]["1"]
     assert list(rows) == chosen
+    ceiling = case["read_ceiling"]["1"]  # measured in the run, or why not
+    assert case["weight_bytes"] > 0 and (isinstance(ceiling, str) or min(ceiling) > 0)
     paired = "llama.cpp" in chosen and engines.unavailable("llama.cpp") is None
     for engine in chosen:
         if engines.unavailable(engine) is not None:

@@ -180,3 +180,70 @@ def test_pool_pools_each_figure_of_each_case(tmp_path, capsys):
     row = next(line for line in decode.splitlines() if line.startswith("| latentloop default"))
     cells = [cell.strip() for cell in row.split("|")[2:-1]]
     assert cells[:3] == ["1", "2", "4"] and cells[3].startswith("0.915 [") and cells[4] == "ahead"
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_decode_step_streams_every_weight_but_an_untied_embedding_table_and_the_cache(tied):
+    """The bytes behind the GB/s column: an untied embedding table is looked up (one row), so it is
+    not streamed; a tied one is the output head's weight, read whole. Cache elements per position:
+    keys and values of every layer's key/value heads (grouped-query attention: fewer than the
+    query heads')."""
+    import latentloop
+
+    engines = _engines()
+    model = latentloop.build("gpt", preset=None, vocab_size=300, n_layer=3, n_embd=64, n_head=4, n_kv_head=2,
+                             sequence_len=32, tie_embeddings=tied)
+    every = sum(p.numel() for p in model.parameters()) * 4
+    weights, cache = engines.streamed_bytes(model)
+    assert weights == (every if tied else every - 300 * 64 * 4)
+    assert cache == 3 * 2 * 2 * 16
+
+
+def test_decode_gb_per_s_counts_the_weights_and_the_cache_at_its_mean_length():
+    """1 MB of weights and 100 cache elements a position, a 50-token prompt and 20 new tokens: the
+    decode's mean length is 60 positions, so llama.cpp (f16 cache) streams 1e6 + 100 * 2 * 60 bytes a
+    step and latentloop's default path (fp32 cache) 1e6 + 100 * 4 * 60; at 1 ms a step that many kB
+    a ms; an int8 row and a run without the case's bytes give None."""
+    engines = _engines()
+    case = {"prompt_len": 50, "weight_bytes": 1_000_000, "cache_elements_per_position": 100}
+    assert engines.decode_gb_per_s(case, "llama.cpp", 1.0, 20) == pytest.approx(1.012)
+    assert engines.decode_gb_per_s(case, "latentloop default", 0.5, 20) == pytest.approx(2.048)
+    assert engines.decode_gb_per_s(case, "latentloop eager int8", 1.0, 20) is None
+    assert engines.decode_gb_per_s({"prompt_len": 50}, "llama.cpp", 1.0, 20) is None
+
+
+def test_the_read_ceiling_kernel_reads_every_whole_block_on_one_and_two_threads(tmp_path):
+    """`stream_read.c` sums what it reads: 1,000 ones hold 15 whole blocks of 64, so 960, whichever
+    thread count splits them (a share skipped or read twice changes the sum); `read_ceiling` gives
+    one finite speed a repeat."""
+    import torch
+
+    engines = _engines()
+    library = engines.read_library(tmp_path)
+    if isinstance(library, str):
+        pytest.skip(f"stream_read.c did not build: {library}")
+    ones = torch.ones(1000)
+    for threads in (1, 2):
+        assert library.latentloop_bench_read(ones.data_ptr(), ones.numel(), threads) == 960.0
+    ramp = torch.arange(128, dtype=torch.float32)  # two blocks: the second is not the first again
+    assert library.latentloop_bench_read(ramp.data_ptr(), ramp.numel(), 2) == float(ramp.sum())
+    speeds = engines.read_ceiling(library, 1, mib=4, repeats=3)
+    assert len(speeds) == 3 and all(0 < s < float("inf") for s in speeds)
+
+
+def test_the_table_gives_each_float_rows_streamed_gb_per_s_against_the_ceiling():
+    """A case where latentloop's decode takes 2 ms a step and the ceiling's median is 10 GB/s: its
+    row reads 1e7 bytes (the weights, and 10 fp32 elements a position over 4 + 5 / 2 positions) / 2 ms
+    = 5.0 GB/s, 0.50 of the ceiling; an int8 row reads "—"; the ceiling is printed under the table."""
+    engines = _engines()
+    entry = {"ms_per_token_all": [2.0], "first_token_ms_all": [3.0], "decode_ms_per_token_all": [2.0],
+             "decode_tokens_per_s_all": [500.0], "agree": 5}
+    case = {"vocab_size": 259, "params": 1, "prompt_len": 4, "weight_bytes": 10_000_000 - 260,
+            "cache_elements_per_position": 10, "reference": "latentloop default",
+            "threads": {"1": {"latentloop default": entry, "latentloop eager int8": dict(entry)}},
+            "read_ceiling": {"1": [9.0, 10.0, 11.0]}}
+    table = engines.markdown_table({"args": {"new_tokens": 5}, "cases": {"smoke / prompt 4": case}})
+    rows = {cells[0]: cells for cells in ([c.strip() for c in line.strip("|").split("|")]
+                                          for line in table.splitlines() if line.startswith("| latentloop"))}
+    assert rows["latentloop default"][6] == "5.0 (0.50)" and rows["latentloop eager int8"][6] == "—"
+    assert "read ceiling, 1 thread(s)" in table and "10.0 [9.0–11.0]" in table
