@@ -54,6 +54,7 @@ import shutil
 import sys
 import tempfile
 import time
+import warnings
 import zipfile
 from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
@@ -184,6 +185,21 @@ def _products_as_reductions():
     finally:
         for module, name, original in saved:
             setattr(module, name, original)
+
+
+# torch 2.13's own deprecation, raised by its own code: exporting and packaging deep-copy the program's
+# tree specs, and copying a `LeafSpec` warns that `isinstance(treespec, LeafSpec)` is deprecated. Not
+# the caller's doing nor theirs to mend, it landed in the middle of `latentloop generate`'s output.
+TORCH_LEAF_SPEC_WARNING = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
+
+
+@contextlib.contextmanager
+def _without_torch_leaf_spec_warning():
+    """torch's `LeafSpec` deprecation (`TORCH_LEAF_SPEC_WARNING`) silenced while this runs; every other
+    warning as it was."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=TORCH_LEAF_SPEC_WARNING, category=FutureWarning)
+        yield
 
 
 @contextlib.contextmanager
@@ -638,7 +654,7 @@ class AotDecodeStep:
         flat_shapes = [({0: window} if t is cache.window and dynamic else None) for t in saved]
         holder.cache, holder.fields = cache, fields
         try:
-            with _products_as_reductions(), _attributes_as_buffers(holder):
+            with _products_as_reductions(), _attributes_as_buffers(holder), _without_torch_leaf_spec_warning():
                 program = torch.export.export(holder, (token, saved), dynamic_shapes=(None, flat_shapes),
                                               strict=False)
             info = dict(holder.info)
@@ -648,9 +664,10 @@ class AotDecodeStep:
             fd, temp = tempfile.mkstemp(suffix=".pt2", dir=path.parent)
             os.close(fd)
             try:
-                aoti_compile_and_package(program, package_path=temp, inductor_configs={
-                    "aot_inductor.package_constants_in_so": False,
-                    "aot_inductor.metadata": {INFO_KEY: json.dumps(info)}, **_kernel_config()})
+                with _without_torch_leaf_spec_warning():
+                    aoti_compile_and_package(program, package_path=temp, inductor_configs={
+                        "aot_inductor.package_constants_in_so": False,
+                        "aot_inductor.metadata": {INFO_KEY: json.dumps(info)}, **_kernel_config()})
                 record_digest(Path(temp), final=path)  # checked before the package is ever loaded
                 os.replace(temp, path)
             finally:
