@@ -619,6 +619,20 @@ def test_a_window_a_config_leaves_to_its_class_default_is_read_as_transformers_r
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("family, extra", [("llama", {}), ("mistral", {"sliding_window": None}), ("qwen2", {})])
+def test_a_context_a_config_leaves_out_is_its_familys_as_transformers_reads_it(family, extra):
+    """Without max_position_embeddings transformers gives a Mistral 131,072 positions and a Qwen2 32,768;
+    the import gave every family Llama's 2,048 (and exported that), a context 64x too short."""
+    transformers = pytest.importorskip("transformers")
+    from latentloop.interop.hf_import import config_from_hf
+
+    classes = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+               "qwen2": transformers.Qwen2Config}
+    hf = {"model_type": family, "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+          "intermediate_size": 128, "vocab_size": 300, **extra}
+    assert config_from_hf(hf).sequence_len == classes[family]().max_position_embeddings
+
+
 @pytest.mark.parametrize("command", [["train", "--init-from", "{hf}", "--steps", "1", "--out", "{out}"],
                                      ["generate", "{hf}", "--prompt", "a"], ["export", "{hf}", "--out", "{out}"]])
 def test_a_hugging_face_folder_where_a_run_belongs_says_to_import_it(command, llama_folder, tmp_path, capsys):

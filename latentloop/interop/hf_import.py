@@ -63,10 +63,11 @@ QKV_BIAS_FAMILIES = ("qwen2",)  # families whose q, k, v projections always carr
 ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3"}  # HF rope type -> latentloop rope_scaling
 # transformers' defaults for fields a Llama config may leave out
 DEFAULT_ROPE_THETA = 10000.0
-DEFAULT_MAX_POSITIONS = 2048
 # What transformers' config classes (5.x) give a key a config.json lacks, where it decides the attention
-ABSENT_KEY_DEFAULTS = {"mistral": {"sliding_window": 4096},
-                       "qwen2": {"sliding_window": 4096, "max_window_layers": 28}}
+# or the context (a Mistral config without max_position_embeddings is 131,072 tokens long, not Llama's 2,048)
+ABSENT_KEY_DEFAULTS = {"llama": {"max_position_embeddings": 2048},
+                       "mistral": {"sliding_window": 4096, "max_position_embeddings": 131072},
+                       "qwen2": {"sliding_window": 4096, "max_window_layers": 28, "max_position_embeddings": 32768}}
 DEFAULT_RMS_NORM_EPS = 1e-6
 # what an import reads (transformers 5 saves a chat template as chat_template.jinja, beside the tokenizer)
 HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json",
@@ -240,11 +241,11 @@ def config_from_hf(hf: dict[str, Any], sequence_len: int | None = None, bos_id: 
     n_kv_head = fields.positive_int("num_key_value_heads", n_head)
     if n_kv_head > n_head or n_head % n_kv_head:
         raise InteropError(f"{file}: num_key_value_heads ({n_kv_head}) must divide num_attention_heads ({n_head})")
-    positions = fields.positive_int("max_position_embeddings", DEFAULT_MAX_POSITIONS)
-    sequence_len = sequence_len or positions
     # a key the file lacks takes the family's config-class default, as transformers reads it (Mistral's
     # 4096-token window was read as none: logits differed past 4,096 tokens); an explicit null is none
-    defaults = ABSENT_KEY_DEFAULTS.get(family, {})
+    defaults = ABSENT_KEY_DEFAULTS[family]
+    positions = fields.positive_int("max_position_embeddings", defaults["max_position_embeddings"])
+    sequence_len = sequence_len or positions
     window = fields.positive_int("sliding_window", None) if "sliding_window" in fields.values \
         else defaults.get("sliding_window")
     # as transformers reads it: a config's own `layer_types` where it lists them; else Mistral slides
