@@ -555,5 +555,5 @@ def test_torchs_own_leaf_spec_deprecation_is_silenced_while_a_package_is_made_an
         warnings.simplefilter("always")
         with aot._without_torch_leaf_spec_warning():
             copy.deepcopy(spec)
-            warnings.warn("another deprecation", FutureWarning)
+            warnings.warn("another deprecation", FutureWarning, stacklevel=1)
     assert [str(w.message) for w in inside] == ["another deprecation"]
