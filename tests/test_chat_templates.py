@@ -75,6 +75,28 @@ def test_a_chatml_template_renders_as_transformers_does_and_masks_each_reply(tmp
     assert mask.index(True) == len(tok.render_prompt(CONVERSATION[:2]))
 
 
+def test_the_tokenizers_own_eos_is_the_templates_eos_token_and_the_configs_still_stops(tmp_path):
+    """A finetune whose tokenizer_config.json names <|im_end|> as its EOS while config.json keeps the
+    base model's <|endoftext|> (Llama 3 Instruct's <|eot_id|> against <|end_of_text|>): transformers
+    writes the tokenizer's in a template's `eos_token`; the import took config.json's, so every
+    reply ended in another token than the model was tuned on, and the export renamed its EOS."""
+    template = CHATML.replace("'<|im_end|>' + '\n'", "eos_token + '\n'")
+    folder = _chatml_folder(tmp_path / "tuned", template)
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings | {"eos_token": "<|im_end|>"}))
+    config = {"eos_token_id": 0}  # <|endoftext|>
+    (folder / "config.json").write_text(json.dumps(config))
+    tok = HFTokenizer.from_pretrained_folder(folder, config=config)
+    [im_end] = tok.encode_markup("<|im_end|>")
+    assert tok.eos_id == im_end and set(tok.stop_ids) == {im_end, 0}
+    ids, _ = tok.render(CONVERSATION)
+    assert ids == _hf_ids(folder, CONVERSATION, False)
+    exported = tmp_path / "exported"
+    exported.mkdir()
+    write_hf_tokenizer(tok, exported)
+    assert transformers.AutoTokenizer.from_pretrained(str(exported)).eos_token == "<|im_end|>"
+
+
 # Mistral-7B-Instruct-v0.1's template: replies follow " [/INST]" straight, with no markup between
 MISTRAL = ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
            "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% elif message['role'] == 'assistant' %}"

@@ -724,9 +724,12 @@ class HFTokenizer(_ChatInterface):
     @classmethod
     def from_pretrained_folder(cls, folder: str | Path, vocab_size: int | None = None,
                                config: dict | None = None, adds_bos: bool | None = None) -> HFTokenizer:
-        """From a Hugging Face model folder: its tokenizer.json, and the special tokens named by
-        the model's config.json (`bos_token_id`, ...), else (BOS only) by its generation_config.json,
-        else by tokenizer_config.json; a BOS named nowhere is `_documents_start_id`. `adds_bos` None:
+        """From a Hugging Face model folder: its tokenizer.json, and the special tokens: BOS named by
+        the model's config.json (`bos_token_id`), else by its generation_config.json, else by
+        tokenizer_config.json, and a BOS named nowhere is `_documents_start_id`; EOS and PAD named by
+        tokenizer_config.json, as transformers' tokenizer names them (a chat template's `eos_token`),
+        else by config.json. Every EOS id config.json and generation_config.json name stops a reply
+        too (`stop_ids`). `adds_bos` None:
         prompts start with BOS as transformers prompts the folder's model (an import); `load_tokenizer`
         passes True (a model trained here)."""
         folder = Path(folder)
@@ -756,9 +759,9 @@ class HFTokenizer(_ChatInterface):
             token = _token_string(settings.get(f"{name}_token"))
             return probe.token_to_id(token) if token is not None else None
 
-        def special(name: str) -> int | None:
-            found = configured(config, name)
-            return named(name) if found is None else found
+        def special(name: str) -> int | None:  # the tokenizer's own (transformers' `eos_token`), else config.json's
+            found = named(name)
+            return configured(config, name) if found is None else found
 
         # BOS: config.json, else generation_config.json (where Qwen2 instruct folders may keep it alone),
         # else tokenizer_config.json, else `_documents_start_id` below
