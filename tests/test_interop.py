@@ -212,6 +212,24 @@ def test_every_end_token_the_model_names_stops_generation_and_is_exported(tmp_pa
     assert json.loads((tmp_path / "back" / "generation_config.json").read_text())["eos_token_id"] == [1, 5, 9, 0]
 
 
+def test_an_imported_models_recommended_decoding_survives_its_export(tmp_path):
+    """An instruct model's generation_config.json recommends its sampling; the import kept only its
+    ids, so the exported folder had none and transformers decoded it greedily. It is kept (in the
+    checkpoint's state) and written again beside the run's own ids; transformers reads it back."""
+    transformers = pytest.importorskip("transformers")
+    _hf_model("llama", tmp_path / "hf")
+    recommended = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
+    (tmp_path / "hf" / "generation_config.json").write_text(json.dumps(
+        {**recommended, "eos_token_id": [1, 5], "transformers_version": "4.0.0"}))
+    import_hf(tmp_path / "hf", tmp_path / "run")
+    export_hf(tmp_path / "run", tmp_path / "back")
+    written = json.loads((tmp_path / "back" / "generation_config.json").read_text())
+    assert {k: written[k] for k in recommended} == recommended
+    assert written["eos_token_id"] == [1, 5, 0] and "transformers_version" not in written  # the run's ids
+    read = transformers.GenerationConfig.from_pretrained(str(tmp_path / "back"))
+    assert (read.do_sample, read.temperature, read.top_p, read.top_k) == (True, 0.7, 0.8, 20)
+
+
 def test_imported_run_evaluates_generates_and_refuses_resume(tmp_path, capsys):
     _hf_model("llama", tmp_path / "hf")
     import_hf(tmp_path / "hf", tmp_path / "run", sequence_len=32)

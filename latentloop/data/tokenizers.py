@@ -492,7 +492,7 @@ def _token_string(entry) -> str | None:
 GENERATION_CONFIG_FILE = "generation_config.json"
 
 
-def _generation_config(folder: Path) -> dict:
+def read_generation_config(folder: Path) -> dict:
     """A Hugging Face model folder's generation_config.json ({} when it has none, or none readable:
     it only adds to what config.json says)."""
     try:
@@ -506,7 +506,7 @@ def _end_ids(folder: Path, config: dict | None) -> list[int]:
     """Every end token a Hugging Face model names: `eos_token_id` of its config.json and of its
     generation_config.json, each an id or a list (what `generate` stops at there)."""
     found: list[int] = []
-    for source in (config or {}, _generation_config(folder)):
+    for source in (config or {}, read_generation_config(folder)):
         value = source.get("eos_token_id")
         for token_id in value if isinstance(value, list) else [value]:
             if isinstance(token_id, int) and not isinstance(token_id, bool) and token_id not in found:
@@ -747,7 +747,7 @@ class HFTokenizer(_ChatInterface):
         probe = cls._probe(text, str(file))
         config = config or {}
 
-        generation = _generation_config(folder)
+        generation = read_generation_config(folder)
 
         def configured(source: dict, name: str) -> int | None:
             token_id = source.get(f"{name}_token_id")

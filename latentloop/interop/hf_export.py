@@ -69,7 +69,13 @@ from ..config import ModelConfig
 from ..data.tokenizers import load_tokenizer, write_hf_tokenizer
 from ..errors import InteropError, OutputError
 from ..util import first_line, give_default_mode, is_int, read_json_object, staged_folder
-from .hf_import import EXPORT_STAGING_PREFIX, check_out_folder, hf_to_latentloop_names, rope_half_flip
+from .hf_import import (
+    EXPORT_STAGING_PREFIX,
+    GENERATION_DEFAULTS_KEY,
+    check_out_folder,
+    hf_to_latentloop_names,
+    rope_half_flip,
+)
 
 REMOTE_DIR = Path(__file__).resolve().parent / "hf_remote"
 REMOTE_FILES = ("configuration_latentloop.py", "modeling_latentloop.py")
@@ -306,13 +312,15 @@ def export_hf(run: str | Path, out: str | Path, plain: bool | None = None, show_
     params = sum(t.numel() for t in state.values())
     card = model_card(checkpoint, run_config, params, as_plain, kind)
     stage(f"writing {out / 'model.safetensors'} ({size_mb:,.1f} MiB) and the tokenizer")
-    _write_folder(target, weights, hf_config, tokenizer, config.sequence_len, code, card)
+    defaults = _run_facts(checkpoint)[0].get(GENERATION_DEFAULTS_KEY)  # an imported model's (hf_import)
+    _write_folder(target, weights, hf_config, tokenizer, config.sequence_len, code, card,
+                  defaults if isinstance(defaults, dict) else {})
     return {"run": str(run), "checkpoint": str(checkpoint), "out": str(out), "format": kind,
             "plain_blockers": blockers, "model_card": str(out / "README.md")}
 
 
 def _write_folder(out: Path, weights: dict[str, torch.Tensor], hf_config: dict[str, Any], tokenizer,
-                  sequence_len: int, code: dict[str, str], card: str) -> None:
+                  sequence_len: int, code: dict[str, str], card: str, generation_defaults: dict[str, Any]) -> None:
     """The export's files, written into a staging folder beside `out` and renamed onto it at the end
     (an existing empty `out`: staged inside it and moved up, `util.staged_folder`). On any failure the staging
     folder and every parent folder made for it are removed again; an I/O error (a full disk, no
@@ -327,7 +335,8 @@ def _write_folder(out: Path, weights: dict[str, torch.Tensor], hf_config: dict[s
             save_file(weights, str(staging / "model.safetensors"), metadata={"format": "pt"})
             give_default_mode(staging / "model.safetensors")  # safetensors writes 0600: unreadable to colleagues
             (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-            (staging / "generation_config.json").write_text(json.dumps(_special_ids(tokenizer), indent=2) + "\n")
+            generation = {**generation_defaults, **_special_ids(tokenizer)}  # an import's decoding, our ids
+            (staging / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
             write_hf_tokenizer(tokenizer, staging, model_max_length=sequence_len)
             (staging / "README.md").write_text(card)
     except OSError as exc:

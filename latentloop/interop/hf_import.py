@@ -44,7 +44,7 @@ from ..archs import build_model
 from ..checkpoint import random_inits_skipped, save_weights_checkpoint
 from ..config import DataConfig, ModelConfig, RunConfig, TrainConfig, model_config
 from ..data.chat import EmptyChatTemplateError, check_template_renders
-from ..data.tokenizers import CHAT_TEMPLATE_FILE, TOKENIZER_FILE, HFTokenizer
+from ..data.tokenizers import CHAT_TEMPLATE_FILE, TOKENIZER_FILE, HFTokenizer, read_generation_config
 from ..errors import ConfigError, DataError, InteropError, LatentloopError
 from ..util import first_line, nearest_existing, remove_abandoned_staging, staged_folder
 from .hf_checks import (
@@ -77,6 +77,12 @@ HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "to
 HUB_IGNORED = ["consolidated*.safetensors"]
 REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 IGNORED_TENSORS = re.compile(r".*rotary_emb\.inv_freq$")  # old checkpoints stored RoPE tables
+# A source's generation_config.json but for these (the tokenizer keeps the ids; the rest is transformers'
+# bookkeeping) is its recommended decoding (do_sample, temperature, top_p, ...): kept in the checkpoint's
+# state (`GENERATION_DEFAULTS_KEY`), so that an export writes it again rather than decoding greedily
+GENERATION_NOT_KEPT = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id",
+                       "transformers_version", "_from_model_config")
+GENERATION_DEFAULTS_KEY = "generation_defaults"
 STAGING_PREFIX = ".importing-"  # the hidden folder beside (or inside) --out that the run is written into first
 EXPORT_STAGING_PREFIX = ".exporting-"  # the same for an export (`hf_export`), which checks its --out here too
 STAGING_PREFIXES = (STAGING_PREFIX, EXPORT_STAGING_PREFIX)  # what a killed process may have left in an --out
@@ -448,6 +454,9 @@ def import_hf(source: str | Path, out: str | Path, sequence_len: int | None = No
     del weights  # the model holds these very tensors now
     state = {"step": 0, "tokens_seen": 0, "flops_seen": 0.0, "elapsed": 0.0,
              "imported_from": str(source), "model_type": hf.get("model_type")}
+    defaults = {k: v for k, v in read_generation_config(folder).items() if k not in GENERATION_NOT_KEPT}
+    if defaults:
+        state[GENERATION_DEFAULTS_KEY] = defaults
     checkpoint = _write_run(out, config, tokenizer, model, state)
     return {"run": str(out), "checkpoint": str(checkpoint), "source": str(source), "model_type": hf.get("model_type"),
             "params": model.num_params(), "model": config.to_dict()}
