@@ -297,6 +297,22 @@ def test_multiple_choice_uses_the_mean_loss():
     assert not core.judge(LANGUAGE_MODELING, [ContinuationScore(-0.1, 3, False)], None)
 
 
+def test_an_example_scored_nan_or_inf_is_wrong_and_counted_not_the_first_choice(monkeypatch):
+    """A model whose logits overflow scores every choice NaN: `min` over them picked choice 0, so such a
+    model scored the share of items whose answer is 0 (here 2 of 3, above copa's chance). Now such an
+    example is wrong, however its gold, and the task says how many there were."""
+    model = BigramStub(prefer({}, strength=1.0), sequence_len=64)
+    task = core.Task("copa", ("copa.jsonl",), MULTIPLE_CHOICE, 0, 0.5)
+    examples = [{"query": "q?", "choices": ["a", "b"], "gold": gold} for gold in (0, 0, 1)]
+    overflowed = [float("nan"), float("inf"), float("-inf")]
+    monkeypatch.setattr(core, "score_continuations", lambda model, rows, options, batch_size, on_batch: [
+        ContinuationScore(overflowed[i % 3], 1, False) for i in range(len(rows))])
+    result = core.evaluate_task(model, ByteTokenizer(), task, examples, progress=False)
+    assert result["accuracy"] == 0.0 and result["n_not_finite"] == 3
+    assert "3 of 3 examples counted wrong: the model's loss on them is not finite" in result["note"]
+    assert not core.judge(LANGUAGE_MODELING, [ContinuationScore(float("nan"), 2, True)], None)
+
+
 def test_tasks_scored_end_to_end_on_hand_made_examples(tmp_path):
     # the stub prefers "y" after a space, a space after "=" and after "Z": the right answers are known
     table = prefer({" ": "y", "=": " ", "Z": " "}, strength=8.0)

@@ -571,7 +571,11 @@ def build_task_requests(task: Task, examples: Sequence[dict], tokenizer, limit: 
 
 
 def judge(kind: str, scores: Sequence[ContinuationScore], gold: int | None) -> bool:
-    """Whether one example is answered correctly, from the scores of its rows."""
+    """Whether one example is answered correctly, from the scores of its rows. A row whose loss is
+    not finite (a model whose logits overflowed) makes it wrong: `min` over NaNs picked the first
+    choice, so such a model scored the share of items whose answer is choice 0."""
+    if not all(math.isfinite(s.mean_loss) for s in scores):
+        return False
     if kind == LANGUAGE_MODELING:
         return all(s.greedy for s in scores)
     losses = [s.mean_loss for s in scores]
@@ -599,15 +603,23 @@ def evaluate_task(model: nn.Module, tokenizer, task: Task, examples: Sequence[di
     whole = [all(score.whole for score in scores[a:b]) for a, b, _ in groups]
     too_long = whole.count(False)
     correct = [fits and judge(task.kind, scores[a:b], gold) for fits, (a, b, gold) in zip(whole, groups)]
+    not_finite = sum(not all(math.isfinite(score.mean_loss) for score in scores[a:b]) for a, b, _ in groups)
     accuracy = sum(correct) / len(correct)
     result = {"task": task.name, "type": task.kind, "num_fewshot": task.num_fewshot,
               "random_baseline": task.random_baseline, "accuracy": accuracy,
               "accuracy_ci": list(wilson_interval(sum(correct), len(correct))),
               "centered": centered(accuracy, task.random_baseline), "n": len(correct), "n_available": len(data),
               "n_too_long": too_long, "rows": len(rows), "seconds": time.perf_counter() - start}
+    notes = []
     if too_long:
-        result["note"] = (f"{too_long} of {len(groups)} examples counted wrong: a continuation longer than the "
-                          f"model's context ({model.config.sequence_len} tokens) cannot be scored whole")
+        notes.append(f"{too_long} of {len(groups)} examples counted wrong: a continuation longer than the "
+                     f"model's context ({model.config.sequence_len} tokens) cannot be scored whole")
+    if not_finite:
+        result["n_not_finite"] = not_finite
+        notes.append(f"{not_finite} of {len(groups)} examples counted wrong: the model's loss on them is not finite "
+                     f"(NaN or inf logits)")
+    if notes:
+        result["note"] = "; ".join(notes)
     return result
 
 
