@@ -26,6 +26,26 @@ def test_train_eval_generate(tiny_run, tiny_corpus, capsys):
     assert capsys.readouterr().out.startswith("hé")
 
 
+def test_eval_of_a_model_whose_logits_overflow_is_one_line_and_exit_2(tiny_run_copy, tiny_corpus, capsys):
+    """Finite weights whose logits overflow (an output head at 3e38) give a loss of nan: eval printed
+    "loss: nan  bpb: nan" as a result and exited 0."""
+    import torch
+
+    import latentloop as ll
+    from latentloop.checkpoint import save_weights_checkpoint
+
+    run = tiny_run_copy("gpt")
+    model, _ = ll.load(run)
+    head = model.lm_head.weight if model.lm_head is not None else model.wte.weight
+    with torch.no_grad():
+        head.fill_(3e38)
+    save_weights_checkpoint(run, 10_000, model, {"step": 10_000})  # the latest: eval's
+    capsys.readouterr()
+    assert main(["eval", str(run), "--batches", "1", "--data", f"text:{tiny_corpus}", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is nan: its logits are not finite" in err[0] and "step_00010000" in err[0], err
+
+
 def test_resume_extends_a_run(tiny_run_copy, capsys):
     run = tiny_run_copy("gpt")
     capsys.readouterr()  # what building the shared run printed, when this test is the first to ask for it

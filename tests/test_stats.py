@@ -171,3 +171,27 @@ def test_a_log_ratio_with_a_value_of_zero_decides_nothing_and_says_why():
     logged = paired_comparison(values, base, kind="log_ratio")
     assert logged["nonpositive"] == [0] and logged["low"] is None and logged["seeds"] == [0, 1, 2, 3]
     assert verdict(logged, "lower", "higher") == "undecided (a value of 0 or below)"
+
+
+def test_a_ratio_over_a_baseline_of_zero_decides_nothing_and_says_why():
+    """A seed whose baseline is 0 has no ratio: `compare`'s per-seed table (`seed_rows`, kind "ratio")
+    raised ZeroDivisionError there; a ratio over negative baselines is still a ratio."""
+    from latentloop.eval.stats import paired_comparison, seed_rows, verdict
+
+    rows = seed_rows({"base": {1: 0.0, 2: 1.0}, "new": {1: 1.0, 2: 1.0}}, "base")
+    paired = rows[1]["paired"]
+    assert paired["nonpositive"] == [1] and paired["low"] is None and math.isnan(paired["mean"])
+    assert rows[1]["verdict"] == verdict(paired) == "undecided (a value of 0 or below)"
+    assert paired_comparison({1: -2.0, 2: -3.0}, {1: -1.0, 2: -1.5}, kind="ratio")["mean"] == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_bootstrap_over_a_document_that_is_not_finite_gives_no_interval(bad):
+    """One NaN or infinite document makes the loss itself NaN or infinite; the resamples that missed it
+    gave a finite interval printed beside that point."""
+    from latentloop.eval import stats
+
+    losses, tokens = [2.0 + 0.1 * (i % 5) for i in range(30)], [10.0] * 30
+    assert stats.bootstrap_ratio(losses, tokens) is not None
+    assert stats.bootstrap_ratio(losses[:-1] + [bad], tokens) is None
+    assert stats.bootstrap_ratio(losses, tokens[:-1] + [bad]) is None

@@ -3,10 +3,11 @@ position), `compare` and `analyze`."""
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
-from ..errors import ConfigError, LatentloopError, OutputError
+from ..errors import CheckpointError, ConfigError, LatentloopError, OutputError
 from .parser import generation_options, print_json
 from .training import first_batches
 
@@ -88,6 +89,12 @@ def cmd_eval(args) -> int:
     if not args.no_progress:
         batches = _with_progress(batches, tokens, args, config.model.sequence_len)
     by_option = score_run(model, batches, tokenizer.token_byte_lengths(), {"given": options} if options else None)
+    overflowed = {label: scores["loss"] for label, scores in by_option.items() if not math.isfinite(scores["loss"])}
+    if overflowed:  # a figure of nan printed as a result, exit 0, read as a bad model rather than a broken one
+        label, loss = next(iter(overflowed.items()))
+        scored = "" if label == "given" else f" scored as {label}"
+        raise CheckpointError(f"the loss of {checkpoint}{scored} on the {args.split} split is {loss}: its logits "
+                              f"are not finite (the weights overflow); no figure to report")
     first = next(iter(by_option))
     metrics = {"run": str(args.run), "checkpoint": str(checkpoint), "split": args.split, "scored_as": first,
                "quantize": args.quantize, **by_option[first]}  # an int8 model's figures say so, as --tasks' do

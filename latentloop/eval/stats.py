@@ -148,6 +148,9 @@ def paired_comparison(values: dict, baseline: dict, kind: str = "difference", le
         mean = math.exp(log_mean) if logs else log_mean
         interval = None if interval is None else (math.exp(interval[0]), math.exp(interval[1]))
     else:
+        if kind == "ratio" and any(baseline[s] == 0 for s in seeds):  # no ratio: said as log_ratio says it
+            return {"kind": kind, "seeds": seeds, "mean": math.nan, "sd": math.nan, "low": None, "high": None,
+                    "excludes": None, "nonpositive": [s for s in seeds if baseline[s] == 0]}
         per_seed = [values[s] - baseline[s] if kind == "difference" else values[s] / baseline[s] for s in seeds]
         mean, sd = mean_sd(per_seed)
         interval = t_interval(per_seed, level)
@@ -217,13 +220,16 @@ def wilson_interval(successes: int, n: int, level: float = CONFIDENCE) -> tuple[
 def bootstrap_ratio(numerators: Sequence[float], denominators: Sequence[float], level: float = CONFIDENCE,
                     resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED) -> tuple[float, float] | None:
     """Percentile bootstrap interval of sum(numerators) / sum(denominators) over units (documents):
-    each resample draws as many units as there are, with replacement. None for fewer than two units."""
+    each resample draws as many units as there are, with replacement. None for fewer than two units, or
+    a unit that is not finite (the ratio is then NaN or infinite itself)."""
     top = np.asarray(numerators, dtype=np.float64)
     bottom = np.asarray(denominators, dtype=np.float64)
     if top.shape != bottom.shape or top.ndim != 1:
         raise ValueError(f"numerators and denominators must be 1-D and of one length, got {top.shape}, {bottom.shape}")
     units = top.size
-    if units < 2:
+    if units < 2 or not (np.isfinite(top).all() and np.isfinite(bottom).all()):
+        # a NaN or infinite unit makes the ratio itself NaN or infinite: an interval from the resamples
+        # that happened to miss it would sit beside that point as if it were about it
         return None
     rng = np.random.default_rng(seed)
     ratios = np.empty(resamples, dtype=np.float64)
