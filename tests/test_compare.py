@@ -167,6 +167,21 @@ def test_seeds_of_one_recipe_are_grouped_and_paired_against_the_baseline(tmp_pat
     assert "--baseline 'nope' names none of the groups" in capsys.readouterr().err
 
 
+def test_a_copy_of_a_run_in_its_group_is_refused_not_cut_to_one_seed(tmp_path, capsys):
+    """Two runs of one recipe and one seed (a copy): the seeds column listed "0, 1, 0" while the mean,
+    sd and pairing used two values, without a word. It is one line naming both, and exit code 2."""
+    import shutil
+
+    paths = [make_run(tmp_path / f"gpt-s{seed}", "gpt", [4.0, 3.0 + seed / 10], seed=seed) for seed in (0, 1)]
+    paths.append(Path(shutil.copytree(paths[0], tmp_path / "gpt-s0-copy")))
+    capsys.readouterr()
+    assert main(["compare", *map(str, paths), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"runs {paths[0]} and {paths[2]} share their recipe and seed 0" in err
+    assert not (tmp_path / "out").exists()
+    assert compare.compare_runs(paths[:2], tmp_path / "fine")["groups"]  # the two seeds alone compare
+
+
 def test_group_curves_are_the_mean_and_sd_over_seeds(tmp_path):
     paths = [make_run(tmp_path / f"r-s{seed}", "gpt", [3.0 + seed, 2.0 + seed], seed=seed) for seed in range(3)]
     runs = [compare.read_run(p) for p in paths]

@@ -276,6 +276,12 @@ def seed_groups(runs: list[dict]) -> dict[str, list[dict]]:
         by_recipe.setdefault(r.get("group_key", r["recipe"]), []).append(r)
     groups: dict[str, list[dict]] = {}
     for members in by_recipe.values():
+        first_of_seed: dict[Any, dict] = {}
+        for member in members:  # a copy of a run is not a second seed: its figures were cut to one without a word
+            other = first_of_seed.setdefault(member["seed"], member)
+            if other is not member:
+                raise ConfigError(f"runs {other['run']} and {member['run']} share their recipe and seed "
+                                  f"{member['seed']}: one seed counts once; compare one of them")
         stems = {SEED_SUFFIX.sub("", m["label"]) or m["label"] for m in members}
         label = stems.pop() if len(stems) == 1 and len(members) > 1 else members[0]["label"]
         while label in groups:  # two recipes whose names strip alike
