@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .archs import ARCHS, Analysis, AnalysisContext, get_arch, offering
+from .checkpoint import step_in_name
 from .data import eval_batches
 from .data.chat import ChatData
 from .errors import ConfigError
@@ -72,15 +73,25 @@ def run_analysis(kind: str, run: str | Path, batches: int | None = None, out: Pa
         task_accuracy=_task_accuracy(model, tokenizer, task) if task else None,
         progress=lambda items, total=None, desc="": progress(items, total=total, desc=desc, enabled=show_progress))
     result = {"run": str(run), "analysis": kind, **analysis.run(model, x, y, context, **options)}
-    name = result_name(kind, analysis, options, batches, data)
+    run_dir = checkpoint.parent.parent
+    chosen = None  # a checkpoint named by path, not the run's latest: kept apart, as `eval --tasks` keeps it
+    if Path(run).resolve() != run_dir.resolve():
+        step = step_in_name(checkpoint)
+        chosen = f"step{step}" if step is not None else checkpoint.name
+    name = result_name(kind, analysis, options, batches, data, checkpoint=chosen,
+                       run_name=run_dir.resolve().name if out else None)
     result["folder"] = str(_save(checkpoint, out, name, result, analysis.plot))
     return result
 
 
-def result_name(kind: str, analysis, options: dict[str, Any], batches: int | None, data: str | None) -> str:
+def result_name(kind: str, analysis, options: dict[str, Any], batches: int | None, data: str | None,
+                checkpoint: str | None = None, run_name: str | None = None) -> str:
     """The file stem of an analysis's result: its kind, then each setting that differs from its
     default (`depth-max_steps2`), so that a run analysed with other settings keeps each result (the
-    last replaced the first); the data, when named, by a short digest of its name."""
+    last replaced the first); the data, when named, by a short digest of its name; a checkpoint
+    chosen by path, by its step (`step20`); and in a folder of the caller's (`--out`), which other
+    runs' results may share, the run's folder name first (`rgpt-s1-depth`). Without these, an earlier
+    checkpoint's result replaced the latest's, and one run's another's."""
     defaults = {option.name: option.default for option in analysis.options}
     parts = [kind] + [f"{name}{value:g}" if isinstance(value, float) else f"{name}{value}"
                       for name, value in sorted(options.items()) if value is not None and value != defaults.get(name)]
@@ -88,6 +99,10 @@ def result_name(kind: str, analysis, options: dict[str, Any], batches: int | Non
         parts.append(f"batches{batches}")
     if data is not None:
         parts.append("data" + hashlib.sha256(data.encode()).hexdigest()[:DATA_DIGEST_CHARS])
+    if checkpoint is not None:
+        parts.append(checkpoint)
+    if run_name is not None:
+        parts.insert(0, run_name)
     return re.sub(r"[^A-Za-z0-9._=-]+", "_", "-".join(parts))
 
 

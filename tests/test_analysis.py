@@ -104,11 +104,31 @@ def test_depth_reports_task_accuracy_for_task_runs(tmp_path, capsys):
     assert len(json.loads((tmp_path / "run" / "analysis" / kept[1]).read_text())["task_accuracy"]) == 2
 
 
+def test_a_checkpoint_chosen_by_path_and_another_run_in_one_out_folder_keep_their_own_results(
+        tiny_run_copy, tmp_path, capsys):
+    """The result's file named neither the checkpoint nor the run: analysing an earlier checkpoint
+    replaced the latest's result, and a second run's result in one --out folder the first run's."""
+    import shutil
+
+    run = tiny_run_copy("rgpt")
+    [checkpoint] = sorted((run / "checkpoints").iterdir())
+    step = int(checkpoint.name.removeprefix("step_"))
+    assert main(["analyze", "depth", str(run), "--max-steps", "2", "--no-progress"]) == 0
+    assert main(["analyze", "depth", str(checkpoint), "--max-steps", "2", "--no-progress"]) == 0
+    written = {p.name: json.loads(p.read_text())["run"] for p in (run / "analysis").glob("*.json")}
+    assert written == {"depth-max_steps2.json": str(run), f"depth-max_steps2-step{step}.json": str(checkpoint)}
+    other = shutil.copytree(run, tmp_path / "other-run")
+    for source in (run, other):
+        assert main(["analyze", "depth", str(source), "--max-steps", "2", "--out", str(tmp_path / "shared")]) == 0
+    assert sorted(p.name for p in (tmp_path / "shared").glob("*.json")) == [
+        "other-run-depth-max_steps2.json", f"{run.name}-depth-max_steps2.json"]
+
+
 def test_analysis_without_matplotlib_writes_json_only(tiny_run, tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # as if the plot extra were absent
     assert main(["analyze", "contraction", str(tiny_run("fbt")), "--passes", "3", "--out", str(tmp_path / "a")]) == 0
-    assert (tmp_path / "a" / "contraction-passes3.json").is_file()
-    assert not (tmp_path / "a" / "contraction-passes3.png").exists()
+    assert (tmp_path / "a" / "fbt-contraction-passes3.json").is_file()  # in a folder of the caller's: by run
+    assert not (tmp_path / "a" / "fbt-contraction-passes3.png").exists()
 
 
 def test_analyze_takes_data_and_refuses_a_chat_run_in_one_line(tiny_run_copy, tmp_path, capsys):
