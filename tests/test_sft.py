@@ -4,6 +4,7 @@ sft and extend stages end to end, and exactness at an extended context."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -231,6 +232,16 @@ def test_extend_stage_scales_rope_theta_and_stays_exact(tmp_path, capsys):
     assert [b["tokens"] for b in shown["base"]["by_position"]] == [b["tokens"] for b in shown["by_position"][:2]]
     plot = Path(shown["plot"])
     assert plot == out / "evals" / "loss_by_position.png" and plot.stat().st_size > 1000
+    # buckets of 128 / 3 positions: the base's context ends inside the second, whose figure it printed
+    # beside the run's whole bucket without a word (positions later in a context have lower loss)
+    capsys.readouterr()
+    assert main(["eval", str(out), "--by-position", "3", "--batches", "1", "--batch-size", "2",
+                 "--data", "task:addition:n=500", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    cut = re.findall(r"\* the base's figure covers positions (\d+)-63 only \(its context ends there\), "
+                     r"the run's (\d+)-(\d+)", printed)
+    assert len(cut) == 1 and cut[0][0] == cut[0][1] and int(cut[0][2]) > 63
+    assert re.search(rf"^\s+{cut[0][0]}-{cut[0][2]}\s+\S+\s+\S+\*$", printed, re.M)  # the row is marked
     assert main(["eval", str(out), "--by-position", "4", "--batches", "1", "--data", "task:addition:n=500",
                  "--against", str(tmp_path / "nowhere")]) == 2
 

@@ -213,16 +213,26 @@ def _eval_by_position(args, model, tokens, config, checkpoint, options, tokenize
     if args.json:
         print_json(result)
         return 0
-    base_rows = {b["start"]: b["loss"] for b in result.get("base", {}).get("by_position", [])}
+    base_rows = {b["start"]: (b["loss"], b["end"]) for b in result.get("base", {}).get("by_position", [])}
+    cut = []  # buckets the base's shorter context covers in part: beside the run's whole bucket, said so
     base_name = f"  {'base':>8}" if base is not None else ""
     print(f"loss by position ({args.split}, context {config.model.sequence_len}"
           + (f", {args.quantize} weights" if args.quantize else "")
           + (f"; base {result['base']['run']}, context {result['base']['sequence_len']}" if base else "") + "):")
     print(f"  {'positions':<13} {'this run':>8}{base_name}")
     for bucket in buckets:
-        beside = (f"  {base_rows[bucket['start']]:>8.4f}" if bucket["start"] in base_rows else f"  {'–':>8}") if base \
-            else ""
+        beside = ""
+        if base is not None and bucket["start"] in base_rows:
+            loss, end = base_rows[bucket["start"]]
+            beside = f"  {loss:>8.4f}" + ("*" if end < bucket["end"] else "")
+            if end < bucket["end"]:
+                cut.append(f"* the base's figure covers positions {bucket['start']}-{end - 1} only (its context "
+                           f"ends there), the run's {bucket['start']}-{bucket['end'] - 1}")
+        elif base is not None:
+            beside = f"  {'–':>8}"
         print(f"  {bucket['start']:>6}-{bucket['end'] - 1:<6} {bucket['loss']:>8.4f}{beside}")
+    for line in cut:
+        print(line)
     if plot is not None:
         print(f"plot: {plot}")
     return 0
