@@ -199,6 +199,9 @@ def test_unreadable_config_json_is_one_line_error(content, words, llama, tmp_pat
     ("tokenizer_config.json", b"\xff\xfe", "tokenizer_config.json: not UTF-8 text"),
     ("tokenizer_config.json", b"[]", "tokenizer_config.json is not a JSON object"),
     ("chat_template.jinja", b"{{ \xff }}", "chat_template.jinja: not UTF-8 text"),
+    # passed over without a word: the end tokens only it names (Llama 3 Instruct's) were lost
+    ("generation_config.json", b"{not json", "generation_config.json: Expecting property name"),
+    ("generation_config.json", b"[1]", "generation_config.json must hold a JSON object, got list"),
 ])
 def test_unreadable_tokenizer_files_are_one_line_errors(name, content, words, llama, tmp_path, capsys):
     (llama / name).write_bytes(content)

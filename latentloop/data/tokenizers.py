@@ -493,13 +493,19 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 
 
 def read_generation_config(folder: Path) -> dict:
-    """A Hugging Face model folder's generation_config.json ({} when it has none, or none readable:
-    it only adds to what config.json says)."""
-    try:
-        generation = json.loads((folder / GENERATION_CONFIG_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    """A Hugging Face model folder's generation_config.json ({} when it has none); one that cannot be
+    read is a one-line DataError: passing over it lost the end tokens only it names (Llama 3
+    Instruct's `<|eot_id|>`) and its recommended decoding, without a word."""
+    path = folder / GENERATION_CONFIG_FILE
+    if not path.exists():
         return {}
-    return generation if isinstance(generation, dict) else {}
+    try:
+        generation = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: JSON's and UTF-8's decoding errors
+        raise DataError(f"cannot read {path}: {first_line(exc)}") from None
+    if not isinstance(generation, dict):
+        raise DataError(f"{path} must hold a JSON object, got {type(generation).__name__}")
+    return generation
 
 
 def _end_ids(folder: Path, config: dict | None) -> list[int]:
