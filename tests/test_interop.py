@@ -651,6 +651,19 @@ def test_a_context_a_config_leaves_out_is_its_familys_as_transformers_reads_it(f
     assert config_from_hf(hf).sequence_len == classes[family]().max_position_embeddings
 
 
+def test_a_sequence_len_past_the_models_positions_is_taken_with_a_warning(capsys):
+    """`import-hf --sequence-len 8192` of a 2,048-position model was taken without a word, and the export
+    then wrote 8,192 as the model's max_position_embeddings."""
+    from latentloop.interop.hf_import import config_from_hf
+
+    hf = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+          "intermediate_size": 128, "vocab_size": 300, "max_position_embeddings": 2048}
+    capsys.readouterr()
+    assert config_from_hf(hf, sequence_len=1024).sequence_len == 1024 and capsys.readouterr().err == ""
+    assert config_from_hf(hf, sequence_len=8192).sequence_len == 8192
+    assert "--sequence-len 8192 is past the 2048 positions this model was made for" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("command", [["train", "--init-from", "{hf}", "--steps", "1", "--out", "{out}"],
                                      ["generate", "{hf}", "--prompt", "a"], ["export", "{hf}", "--out", "{out}"]])
 def test_a_hugging_face_folder_where_a_run_belongs_says_to_import_it(command, llama_folder, tmp_path, capsys):

@@ -46,7 +46,7 @@ from ..config import DataConfig, ModelConfig, RunConfig, TrainConfig, model_conf
 from ..data.chat import EmptyChatTemplateError, check_template_renders
 from ..data.tokenizers import CHAT_TEMPLATE_FILE, TOKENIZER_FILE, HFTokenizer, read_generation_config
 from ..errors import ConfigError, DataError, InteropError, LatentloopError
-from ..util import first_line, nearest_existing, remove_abandoned_staging, staged_folder
+from ..util import first_line, nearest_existing, remove_abandoned_staging, staged_folder, warn_once
 from .hf_checks import (
     MAX_METADATA_BYTES,
     HFFields,
@@ -251,6 +251,10 @@ def config_from_hf(hf: dict[str, Any], sequence_len: int | None = None, bos_id: 
     # 4096-token window was read as none: logits differed past 4,096 tokens); an explicit null is none
     defaults = ABSENT_KEY_DEFAULTS[family]
     positions = fields.positive_int("max_position_embeddings", defaults["max_position_embeddings"])
+    if sequence_len is not None and sequence_len > positions:  # the user's choice, but not one to make unawares
+        warn_once(f"--sequence-len {sequence_len} is past the {positions} positions this model was made for "
+                  f"(max_position_embeddings): RoPE at the positions past them was never trained, and the "
+                  f"import does not rescale it")
     sequence_len = sequence_len or positions
     window = fields.positive_int("sliding_window", None) if "sliding_window" in fields.values \
         else defaults.get("sliding_window")
