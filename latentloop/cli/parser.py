@@ -382,6 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="require a plain LlamaForCausalLM / Qwen2ForCausalLM (error if the run's options block it)")
     kind.add_argument("--remote-code", action="store_true",
                       help="always ship latentloop's own modeling code (trust_remote_code=True)")
+    x.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="the weights' type in the folder (bfloat16 / float16: half the size, each weight rounded once)")
     x.add_argument("--json", action="store_true", help="print the summary as JSON")
     x.add_argument("--no-progress", action="store_true", help="do not name each stage on stderr")
 

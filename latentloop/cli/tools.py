@@ -103,7 +103,7 @@ def cmd_export(args) -> int:
     from ..interop import export_hf
 
     summary = export_hf(args.run, args.out, plain=True if args.plain else (False if args.remote_code else None),
-                        show_progress=not args.no_progress)  # stderr
+                        show_progress=not args.no_progress, dtype=args.dtype)  # stderr
     if args.json:
         print_json(summary)
     else:

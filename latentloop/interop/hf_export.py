@@ -67,7 +67,7 @@ from ..checkpoint import (
 )
 from ..config import ModelConfig
 from ..data.tokenizers import load_tokenizer, write_hf_tokenizer
-from ..errors import InteropError, OutputError
+from ..errors import ConfigError, InteropError, OutputError
 from ..util import first_line, give_default_mode, is_int, read_json_object, staged_folder
 from .hf_import import (
     EXPORT_STAGING_PREFIX,
@@ -232,12 +232,18 @@ def _special_ids(tokenizer) -> dict[str, Any]:
             "pad_token_id": tokenizer.pad_id}
 
 
-def export_hf(run: str | Path, out: str | Path, plain: bool | None = None, show_progress: bool = False
-              ) -> dict[str, Any]:
+# The weights' type an export may write (`export --dtype`): float32 keeps every bit the run trained;
+# bfloat16 / float16 halve the folder, as Hub checkpoints are stored, rounding each weight once.
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def export_hf(run: str | Path, out: str | Path, plain: bool | None = None, show_progress: bool = False,
+              dtype: str = "float32") -> dict[str, Any]:
     """Write `run` (its latest checkpoint) as a Hugging Face folder. plain=None: plain when the
     options allow it, else custom code; True: plain or a one-line error naming what blocks it;
     False: always custom code. `show_progress`: each stage named on stderr as it starts (loading
-    and writing a large model take a while, and each is one call). Returns a summary.
+    and writing a large model take a while, and each is one call). `dtype`: the floating-point
+    tensors' type in the folder and its config's `torch_dtype` (`EXPORT_DTYPES`). Returns a summary.
 
     The run is checked first as `runs.load_run` checks it (one `CheckpointError` line each): a
     checkpoint with sharded weights only, a tokenizer that does not fit the model's vocabulary or BOS,
@@ -251,6 +257,8 @@ def export_hf(run: str | Path, out: str | Path, plain: bool | None = None, show_
         if show_progress:
             print(f"export: {text}", file=sys.stderr, flush=True)
 
+    if dtype not in EXPORT_DTYPES:
+        raise ConfigError(f"dtype must be one of {', '.join(EXPORT_DTYPES)}, got {dtype!r}")
     out = Path(out)
     target = check_out_folder(out)  # a symlinked --out: its target, resolved before any work
     checkpoint = resolve_checkpoint(run)
@@ -308,6 +316,8 @@ def export_hf(run: str | Path, out: str | Path, plain: bool | None = None, show_
         weights = {f"model.{name}": tensor.contiguous() for name, tensor in state.items()}
         code = package_sources(spec.model_class, spec.config_class)
         kind = "LatentloopForCausalLM (trust_remote_code)"
+    weights = {name: t.to(EXPORT_DTYPES[dtype]) if t.is_floating_point() else t for name, t in weights.items()}
+    hf_config["torch_dtype"] = dtype
     size_mb = sum(t.numel() * t.element_size() for t in weights.values()) / 2**20
     params = sum(t.numel() for t in state.values())
     card = model_card(checkpoint, run_config, params, as_plain, kind)
@@ -315,7 +325,7 @@ def export_hf(run: str | Path, out: str | Path, plain: bool | None = None, show_
     defaults = _run_facts(checkpoint)[0].get(GENERATION_DEFAULTS_KEY)  # an imported model's (hf_import)
     _write_folder(target, weights, hf_config, tokenizer, config.sequence_len, code, card,
                   defaults if isinstance(defaults, dict) else {})
-    return {"run": str(run), "checkpoint": str(checkpoint), "out": str(out), "format": kind,
+    return {"run": str(run), "checkpoint": str(checkpoint), "out": str(out), "format": kind, "dtype": dtype,
             "plain_blockers": blockers, "model_card": str(out / "README.md")}
 
 
