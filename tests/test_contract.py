@@ -16,6 +16,7 @@ take); an arch that declares no upcycling must refuse it with one line.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import io
 import json
@@ -465,6 +466,27 @@ def test_export_loads_in_transformers_with_the_same_logits(kind, label, given, r
     with torch.no_grad():
         theirs = hf(idx, **given).logits
     torch.testing.assert_close(theirs, teacher_forced_logits(model, idx, **given), rtol=0, atol=EXPORT_TOL)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_an_export_in_bfloat16_is_the_float32_folder_loaded_in_bfloat16(kind, runs, tmp_path):
+    """`export --dtype bfloat16`: transformers loads the folder in bfloat16 (its config says so) as the
+    same model it makes of the float32 folder when asked for bfloat16: each weight rounded once, no
+    buffer or option lost on the way (equal logits, bit for bit)."""
+    transformers = pytest.importorskip("transformers")
+    folders = {}
+    for dtype in ("float32", "bfloat16"):
+        folders[dtype] = tmp_path / dtype
+        assert main(["export", str(runs[kind][0]), "--out", str(folders[dtype]), "--dtype", dtype,
+                     "--no-progress"]) == 0, kind
+    remote = "auto_map" in json.loads((folders["float32"] / "config.json").read_text())
+    load = functools.partial(transformers.AutoModelForCausalLM.from_pretrained, trust_remote_code=remote,
+                             local_files_only=True)
+    written, asked = load(str(folders["bfloat16"])).eval(), load(str(folders["float32"]), dtype=torch.bfloat16).eval()
+    assert next(written.parameters()).dtype == torch.bfloat16
+    idx = _text_rows(load_run(runs[kind][0])[1].bos_id)
+    with torch.no_grad():
+        torch.testing.assert_close(written(idx).logits, asked(idx).logits, rtol=0, atol=0)
 
 
 # -- upcycling from a gpt run: exact at step 0 where declared -------------------------------------

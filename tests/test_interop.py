@@ -767,14 +767,13 @@ def test_hub_name_offline_is_one_line_error(monkeypatch, tmp_path, capsys):
                                                 str(tmp_path / "run")], capsys)
 
 
-@pytest.mark.parametrize("arch, overrides", [("gpt", LLAMA_OPTIONS), ("fbt", {})])
-def test_an_export_in_bfloat16_rounds_each_weight_once_and_loads_as_such(arch, overrides, tmp_path, capsys):
-    """`export --dtype bfloat16`: half the folder, each weight the float32 export's rounded once, the
-    config says so, and transformers loads it (plain and remote code) in bfloat16, as it loads the
-    float32 folder when asked for bfloat16: the same logits; a dtype it does not know is a usage error."""
+def test_an_export_in_bfloat16_rounds_each_weight_once(tmp_path, capsys):
+    """`export --dtype bfloat16`: every tensor of the folder is the float32 export's rounded once, and
+    the config says so (transformers' loading of it, for every arch: tests/test_contract.py); a dtype it
+    does not know is a usage error."""
     from safetensors.torch import load_file
 
-    _run(tmp_path / "run", arch, **overrides)
+    _run(tmp_path / "run", "gpt", **LLAMA_OPTIONS)
     export_hf(tmp_path / "run", tmp_path / "f32")
     capsys.readouterr()
     assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "bf16"), "--dtype", "bfloat16",
@@ -784,14 +783,6 @@ def test_an_export_in_bfloat16_rounds_each_weight_once_and_loads_as_such(arch, o
     for name, tensor in full.items():
         assert half[name].dtype == torch.bfloat16 and torch.equal(half[name], tensor.to(torch.bfloat16)), name
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
-    remote = arch != "gpt"
-    load = transformers.AutoModelForCausalLM.from_pretrained
-    asked = load(str(tmp_path / "f32"), trust_remote_code=remote, dtype=torch.bfloat16).eval()
-    written = load(str(tmp_path / "bf16"), trust_remote_code=remote).eval()  # its config's dtype
-    assert next(written.parameters()).dtype == torch.bfloat16
-    idx = torch.randint(0, 256, (1, 16))
-    with torch.no_grad():  # the same weights, the same products
-        torch.testing.assert_close(written(idx).logits, asked(idx).logits, rtol=0, atol=0)
     with pytest.raises(SystemExit) as refused:
         main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "x"), "--dtype", "int4"])
     assert refused.value.code == 2 and "invalid choice: 'int4'" in capsys.readouterr().err
