@@ -165,11 +165,13 @@ def step_in_name(checkpoint: Path) -> int | None:
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
-    """The finished checkpoint folders of a run, oldest first."""
+    """The finished checkpoint folders of a run, oldest first: by step, not by name (the names pad
+    steps to 8 digits, so step_100000000 sorted before step_99999900 and rotation kept the oldest)."""
     folder = Path(run_dir) / "checkpoints"
     if not folder.is_dir():
         return []
-    return sorted(p for p in folder.iterdir() if p.is_dir() and _step_of(p.name, CHECKPOINT_PREFIX) is not None)
+    steps = {p: _step_of(p.name, CHECKPOINT_PREFIX) for p in folder.iterdir() if p.is_dir()}
+    return sorted((p for p, step in steps.items() if step is not None), key=lambda p: (steps[p], p.name))
 
 
 def checkpoint_candidates(run_dir: Path) -> list[Path]:

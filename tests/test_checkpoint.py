@@ -15,6 +15,15 @@ def test_rotation_never_removes_the_checkpoint_just_written(tmp_path):
     assert written in list_checkpoints(tmp_path)
 
 
+def test_rotation_and_the_latest_go_by_step_past_eight_digits(tmp_path):
+    """Folder names pad steps to 8 digits: sorted by name, step_100000000 came before step_99999900, so
+    rotation deleted the newest and kept the oldest, and "the latest" was not."""
+    model = ll.build("gpt", preset="test")
+    for step in (99_999_900, 100_000_000, 100_000_100):
+        save_checkpoint(tmp_path, step, model, trainer_state={}, state={"step": step}, keep_last=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_100000000", "step_100000100"]
+
+
 def test_a_resume_drops_a_metrics_row_that_is_json_but_not_utf8(tiny_run_copy, capsys):
     """An encoded surrogate (ED A0 80) is accepted by json.loads of bytes but is not UTF-8: the
     resume ended in UnicodeDecodeError rewriting the log; the row is dropped as a damaged one."""
