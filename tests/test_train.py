@@ -436,11 +436,23 @@ def test_a_run_that_stopped_before_its_first_checkpoint_starts_again_in_its_fold
     with pytest.raises(NonFiniteError):
         fit(setup(_config(corpus, eval_every=1), tmp_path / "run", progress=False), progress=False)
     (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1, "loss": 8.0}\n')
+    # killed during its first save: a cut-short `.tmp-` folder is no checkpoint (the run was told to pass
+    # --resume, then that it held no checkpoint); and its trackers' files (TensorBoard drew the dead run's
+    # steps beside the new run's, W&B continued its id) are kept aside with its log
+    partial = tmp_path / "run" / "checkpoints" / ".tmp-step_00000003"
+    partial.mkdir(parents=True)
+    (partial / "model.safetensors").write_bytes(b"\0" * 10)
+    for tracker in ("tensorboard", "wandb"):
+        (tmp_path / "run" / tracker).mkdir()
+        (tmp_path / "run" / tracker / "from-the-stopped-run").write_text("x")
     monkeypatch.undo()
     summary = fit(setup(_config(corpus, steps=2), tmp_path / "run", progress=False), progress=False)
     assert summary["step"] == 2
     assert (tmp_path / "run" / "metrics-stopped.jsonl").read_text() == '{"step": 1, "loss": 9.0}\n'
     assert (tmp_path / "run" / "metrics-stopped-2.jsonl").read_text() == '{"step": 1, "loss": 8.0}\n'
+    for tracker in ("tensorboard", "wandb"):
+        assert (tmp_path / "run" / f"{tracker}-stopped" / "from-the-stopped-run").is_file()
+        assert not (tmp_path / "run" / tracker / "from-the-stopped-run").exists()
     with pytest.raises(ll.CheckpointError, match="already holds a run"):  # now it has a checkpoint
         setup(_config(corpus, steps=2), tmp_path / "run", progress=False)
 

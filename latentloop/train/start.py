@@ -14,6 +14,7 @@ from ..checkpoint import (
     LOCK_FILE,
     RunLock,
     check_resumable,
+    checkpoint_candidates,
     find_tokenizer_file,
     list_checkpoints,
     prompting_as_its_model,
@@ -34,7 +35,7 @@ from .resume import resume_run
 from .stages import check_stage
 from .state import SET_ON_SETUP, FlopsMemo, TrainState, config_as_given, note, rank_seed, warn
 from .step import ModelAndLoss, accumulation, compiled_step_graphs
-from .trackers import check_trackers
+from .trackers import TENSORBOARD_DIR, WANDB_DIR, check_trackers
 
 
 def _check_output_path(run_dir: Path) -> None:
@@ -64,10 +65,10 @@ def train_changes(previous: dict, current: dict) -> list[str]:
 
 
 def _holds_checkpoints(run_dir: Path) -> bool:
-    """Whether anything is in the run's checkpoints/ folder (a checkpoint, or one a crash left aside
-    for `recover_checkpoints` to put back)."""
-    folder = run_dir / "checkpoints"
-    return folder.is_dir() and any(folder.iterdir())
+    """Whether the run has a checkpoint (or one a crash left aside for `recover_checkpoints` to put
+    back). A save's unfinished `.tmp-` folder is not one: a run killed during its first save was
+    told to --resume, then that it held no checkpoint, and started only at the third try."""
+    return bool(checkpoint_candidates(run_dir))
 
 
 def _is_run_config(path: Path) -> bool:
@@ -139,12 +140,13 @@ def check_run_folder(run_dir: Path, config: RunConfig, resume: bool, strategy: s
 STOPPED_LOG = "metrics-stopped.jsonl"  # a run started again in its folder keeps the stopped one's log here
 
 
-def stopped_log_path(run_dir: Path) -> Path:
-    """Where a stopped run's log is kept: STOPPED_LOG, or the first free numbered name after it (a
-    folder started again twice before its first save replaced the first stopped run's log)."""
-    path, number = run_dir / STOPPED_LOG, 2
+def stopped_log_path(run_dir: Path, name: str = STOPPED_LOG) -> Path:
+    """Where a stopped run's log (or tracker folder: `name` without a suffix) is kept: `name`, or the
+    first free numbered name after it (a folder started again twice before its first save replaced the
+    first stopped run's log)."""
+    path, number = run_dir / name, 2
     while path.exists():
-        path, number = run_dir / f"{Path(STOPPED_LOG).stem}-{number}.jsonl", number + 1
+        path, number = run_dir / f"{Path(name).stem}-{number}{Path(name).suffix}", number + 1
     return path
 
 
@@ -379,11 +381,19 @@ def _claim_run_folder(state: TrainState, resume: bool, strategy: str) -> list[st
         changes = check_run_folder(run_dir, config, resume, strategy)
         if not resume:
             log = run_dir / "metrics.jsonl"
+            kept = []
             if log.is_file() and log.stat().st_size:  # the rows of a run that stopped before its first save
-                kept = stopped_log_path(run_dir)
-                log.replace(kept)
-                note(f"{run_dir} held a run that stopped before its first checkpoint: starting again (its log "
-                     f"is kept as {kept.name})")
+                kept.append(stopped_log_path(run_dir))
+                log.replace(kept[-1])
+            # and its trackers' files: TensorBoard drew the dead run's steps beside the new run's, and W&B
+            # continued the dead run's id (dropping the new run's rows for the steps it had logged)
+            for tracker_dir in (TENSORBOARD_DIR, WANDB_DIR):
+                if (run_dir / tracker_dir).is_dir():
+                    kept.append(stopped_log_path(run_dir, f"{tracker_dir}-stopped"))
+                    (run_dir / tracker_dir).replace(kept[-1])
+            if kept:
+                note(f"{run_dir} held a run that stopped before its first checkpoint: starting again (kept as "
+                     f"{', '.join(path.name for path in kept)})")
             write_json_atomic(run_dir / "config.json", config_as_given(config, strategy))
             try:
                 state.tokenizer.save(run_dir)
