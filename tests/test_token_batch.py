@@ -202,6 +202,17 @@ def test_train_profile_writes_a_trace_and_where_the_time_went(corpus, tmp_path, 
     assert summary["steps"] == 2 and summary["step_ms"] > 0 and 0 <= summary["idle_share_of_window"] < 1
     assert sum(shares.values()) == pytest.approx(1, abs=1e-3) and shares.get("matmul", 0) > 0
     assert shares.get("optimizer", 0) > 0  # the kernels inside the optimizer's range
+    # a one-off: not kept in config.json, so a later plain resume does not profile again (it did, with a
+    # warning about a flag it was not given)
+    assert "profile_steps" not in json.loads((run / "config.json").read_text())["train"]
+    capsys.readouterr()
+    assert main(["train", "--out", str(run), "--resume", "--steps", "7", "--no-progress"]) == 0
+    assert "profile" not in capsys.readouterr().err
+    assert len(list((run / "profile").glob("*.pt.trace.json"))) == 1
+    assert main(["train", "--out", str(run), "--resume", "--steps", "12", "--profile", "1", "--no-progress"]) == 0
+    assert "profile_steps" not in capsys.readouterr().err  # a one-off, not a change of the run
+    assert main(["train", "--out", str(run), "--resume", "--steps", "13", "--no-progress"]) == 0
+    assert "profile" not in capsys.readouterr().err
 
 
 def test_profile_steps_is_validated(capsys, tmp_path):

@@ -33,7 +33,7 @@ from ..util import read_json_object, warn_once, write_json_atomic
 from .memory import check_micro_batch_fits, check_step_fits
 from .resume import resume_run
 from .stages import check_stage
-from .state import SET_ON_SETUP, FlopsMemo, TrainState, config_as_given, note, rank_seed, warn
+from .state import ONE_OFF_TRAIN_FIELDS, SET_ON_SETUP, FlopsMemo, TrainState, config_as_given, note, rank_seed, warn
 from .step import ModelAndLoss, accumulation, compiled_step_graphs
 from .trackers import TENSORBOARD_DIR, WANDB_DIR, check_trackers
 
@@ -61,7 +61,8 @@ def train_changes(previous: dict, current: dict) -> list[str]:
     """The train settings of a resumed run that differ from its saved config, as "key: old -> new"."""
     old, new = previous.get("train", {}), current["train"]
     return [f"{key}: {json.dumps(old.get(key))} -> {json.dumps(new.get(key))}" for key in sorted(set(old) | set(new))
-            if json.loads(json.dumps(old.get(key))) != json.loads(json.dumps(new.get(key)))]
+            if key not in ONE_OFF_TRAIN_FIELDS
+            and json.loads(json.dumps(old.get(key))) != json.loads(json.dumps(new.get(key)))]
 
 
 def _holds_checkpoints(run_dir: Path) -> bool:

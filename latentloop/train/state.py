@@ -27,13 +27,21 @@ if TYPE_CHECKING:  # the loop's guard (the loop imports this module)
 SET_ON_SETUP = ("vocab_size", "bos_id", "cache_dir")
 
 
+# train settings that belong to one launch, not to the run: never saved, nor a change on resume
+ONE_OFF_TRAIN_FIELDS = ("profile_steps",)
+
+
 def config_as_given(config: RunConfig, strategy: str) -> dict:
     """The run config as config.json keeps it: train.strategy as the user gave it, not what it
     resolved to in this launch. Why: auto resolved in one process is none, and a run that recorded
     none was refused when resumed under torchrun, though the user never chose none; what ran is in
-    every checkpoint's state.json and in the log."""
+    every checkpoint's state.json and in the log. Without the one-off settings of a launch
+    (`ONE_OFF_TRAIN_FIELDS`): a `--profile` given to one resume was kept, and every later resume
+    profiled again."""
     raw = config.to_dict()
     raw["train"]["strategy"] = strategy
+    for name in ONE_OFF_TRAIN_FIELDS:
+        raw["train"].pop(name, None)
     return raw
 
 
