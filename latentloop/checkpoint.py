@@ -647,8 +647,8 @@ def check_resumable(checkpoint: Path) -> None:
     says so, and a resume falls back to the checkpoint before it."""
     if (checkpoint / "model.safetensors").is_file() and not (checkpoint / TRAINER_JSON).is_file() \
             and not (checkpoint / LEGACY_TRAINER).is_file() and not _lists_trainer(checkpoint):
-        raise CheckpointError(f"cannot resume from {checkpoint}: it holds weights only (an imported model); "
-                              f"start a new run from it with --init-from")
+        raise CheckpointError(f"cannot resume from {checkpoint}: it holds weights only (an imported or saved model, "
+                              f"no optimizer state); start a new run from it with --init-from")
 
 
 def _lists_trainer(checkpoint: Path) -> bool:

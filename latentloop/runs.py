@@ -37,7 +37,7 @@ from .checkpoint import (
     read_run_config,
     read_weights,
     resolve_checkpoint,
-    save_checkpoint,
+    save_weights_checkpoint,
 )
 from .checkpoint import check_weights_fit as _check_weights_fit
 from .checkpoint import expected_shapes as _expected_shapes
@@ -108,7 +108,7 @@ def save_run(model: nn.Module, tokenizer, run_dir: str | Path, config: RunConfig
     run_dir.mkdir(parents=True, exist_ok=True)
     config.save_json(run_dir / "config.json")
     tokenizer.save(run_dir)
-    return save_checkpoint(run_dir, 0, model, trainer_state={}, state={"step": 0}, keep_last=1)
+    return save_weights_checkpoint(run_dir, 0, model, {"step": 0})  # weights only: resuming says so
 
 
 def export_full_weights(path: str | Path, force: bool = False) -> Path:

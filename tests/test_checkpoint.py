@@ -36,3 +36,16 @@ def test_a_resume_drops_a_metrics_row_that_is_json_but_not_utf8(tiny_run_copy, c
     rows = log.read_text().splitlines()
     assert rows[:len(good)] == good and not any("note" in row for row in rows)
     assert len(rows) > len(good)  # step 3's rows were logged after the kept ones
+
+
+def test_resuming_a_saved_model_says_it_holds_weights_only(tmp_path, capsys):
+    """`runs.save_run` wrote an empty trainer state: `--resume` called its checkpoint damaged ("its
+    trainer state is incomplete") where it holds weights only, and can seed a new run."""
+    from latentloop.data import ByteTokenizer
+    from latentloop.runs import save_run
+
+    save_run(ll.build("gpt", preset="test"), ByteTokenizer(), tmp_path / "saved")
+    capsys.readouterr()
+    assert main(["train", "--out", str(tmp_path / "saved"), "--resume", "--steps", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "holds weights only" in err and "--init-from" in err and "incomplete" not in err, err
