@@ -133,6 +133,27 @@ def _base_run(tmp_path, arch="gpt"):
     return base
 
 
+@pytest.mark.parametrize("start", [["--stage", "sft"], ["--arch", "fbt"]])
+def test_the_same_command_with_a_config_file_plus_resume_resumes_a_run_built_on_a_base(start, tmp_path, capsys):
+    """`--config FILE` with `--stage sft` or `--init-from`: the resume took the file alone as the run's
+    config, without the base's model, and refused "the same command plus --resume" as a different run
+    (model.n_embd 64 there, 128 here). The file is laid over the run's own config instead."""
+    base = _base_run(tmp_path)
+    config = tmp_path / "recipe.yaml"
+    config.write_text("train:\n  batch_size: 2\n  eval_batches: 1\n")
+    data = "chat:task:addition_steps:n=60" if "sft" in start else "task:addition:n=200"
+    command = ["train", *start, "--init-from", str(base), "--config", str(config), "--data", data,
+               "--out", str(tmp_path / "run"), "--no-progress"]
+    assert main([*command, "--steps", "2"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert main([*command, "--steps", "3", "--resume"]) == 0, capsys.readouterr().err
+    _, _, config_after, checkpoint = load_run(tmp_path / "run")
+    assert checkpoint.name == "step_00000003" and config_after.train.batch_size == 2
+    config.write_text("model:\n  n_embd: 32\ntrain:\n  batch_size: 2\n")  # a file that changes the model: refused
+    assert main([*command, "--steps", "4", "--resume"]) == 2
+    assert "holds a different run" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("arch", ["gpt", "fbt"])
 def test_sft_stage_grows_the_vocabulary_trains_and_resumes(tmp_path, capsys, arch):
     base = _base_run(tmp_path, arch)

@@ -33,10 +33,8 @@ def _run_config_from_args(args):
         # defaults and the flags: the base run < the stage < the file < the flags and --set
         return stage_config(stage, args.init_from, args.overrides, data=args.data, flags=flags, file=file,
                             file_name=args.config)
-    resumed = False  # whether the config is the resumed run's own config.json
-    if file is not None:
-        raw = file
-    elif args.resume and saved.is_file():
+    resumed = False  # whether the config is the resumed run's own config.json (a file laid over it)
+    if args.resume and saved.is_file():
         try:
             raw = json.loads(saved.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -44,9 +42,17 @@ def _run_config_from_args(args):
         if not isinstance(raw, dict):
             raise CheckpointError(f"cannot resume: {saved} does not hold a run config")
         resumed = True
+        raw = config_sections(raw)
+        # "the same command plus --resume": the file as it was laid over the run, not in its place. A
+        # run built on a base (--stage, --init-from) took its model from the base, which the file alone
+        # lacks: its resume was refused as "a different run"
+        for key, value in (file or {}).items():  # sections field by field; anything else as the file has it
+            if isinstance(value, dict) and isinstance(raw.get(key), dict):
+                raw[key].update(value)
+            else:
+                raw[key] = value
     else:
-        raw = {}
-    raw = config_sections(raw)
+        raw = config_sections(file if file is not None else {})
     if resumed:
         if args.preset is not None:  # its fields were overridden by the saved ones: ignored without a word
             _check_resumed_preset(args.preset, raw["model"], args.overrides, reshaped=bool(args.iso))
