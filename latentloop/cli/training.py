@@ -34,7 +34,7 @@ def _run_config_from_args(args):
         return stage_config(stage, args.init_from, args.overrides, data=args.data, flags=flags, file=file,
                             file_name=args.config)
     resumed = False  # whether the config is the resumed run's own config.json (a file laid over it)
-    if args.resume and saved.is_file():
+    if _resumes_saved_config(args, stage):
         try:
             raw = json.loads(saved.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -43,9 +43,9 @@ def _run_config_from_args(args):
             raise CheckpointError(f"cannot resume: {saved} does not hold a run config")
         resumed = True
         raw = config_sections(raw)
-        # "the same command plus --resume": the file as it was laid over the run, not in its place. A
-        # run built on a base (--stage, --init-from) took its model from the base, which the file alone
-        # lacks: its resume was refused as "a different run"
+        # "the same command plus --resume" of a run built on a base (--stage, --init-from): the file
+        # laid over the run's config, not in its place; the file alone lacks the model the run took
+        # from its base, and the resume was refused as "a different run"
         for key, value in (file or {}).items():  # sections field by field; anything else as the file has it
             if isinstance(value, dict) and isinstance(raw.get(key), dict):
                 raw[key].update(value)
@@ -70,6 +70,16 @@ def _run_config_from_args(args):
     elif not raw["model"].get("preset") and not args.config and not (args.resume and saved.is_file()):
         raw["model"]["preset"] = "tiny"
     return RunConfig.from_dict(apply_overrides(raw, args.overrides))
+
+
+def _resumes_saved_config(args, stage: str | None) -> bool:
+    """Whether a train command starts from the run's own config.json: resuming a run that has one,
+    unless a --config file says the whole config of a run made from nothing (a file's dense shape is
+    reshaped by --iso again, as when the run started); a run built on a base (--stage sft / extend,
+    --init-from) starts from its saved config with the file laid over it."""
+    saved = Path(args.out) / "config.json"
+    return bool(args.resume and saved.is_file()
+                and (not args.config or args.init_from or stage in ("sft", "extend")))
 
 
 def _check_resumed_preset(preset: str, saved_model: dict, overrides: list[str], reshaped: bool = False) -> None:
@@ -143,7 +153,7 @@ def cmd_train(args) -> int:
     # a config resumed from the run's own config.json holds its shape already (a --config file's is
     # reshaped as when the run started): reshaping it again refused the documented resume ("the same
     # command plus --resume")
-    from_saved = args.resume and not args.config and (Path(args.out) / "config.json").is_file()
+    from_saved = _resumes_saved_config(args, config.train.stage)
     if args.iso and from_saved:
         if os.environ.get("RANK", "0") in ("", "0"):
             print(f"latentloop: --iso {args.iso} shapes a run when it starts: the resumed run keeps the shape its "
