@@ -247,7 +247,7 @@ def test_contraction_json_is_strict(tiny_run_copy, tmp_path, capsys):
                  "--out", str(tmp_path / "a")]) == 0
     printed = _strict(capsys.readouterr().out)
     assert printed["relative_change"] == [None] and printed["final_relative_change"] is None
-    _strict((tmp_path / "a" / "contraction-passes1.json").read_text())
+    _strict((tmp_path / "a" / f"{run.name}-contraction-passes1.json").read_text())  # in --out: by its run
 
 
 def test_analyze_refuses_changed_data(tmp_path, capsys):

@@ -53,7 +53,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     # models: the CPU's attention rule, which train.memory's estimate of a CPU step follows
     "train": frozenset({"archs", "checkpoint", "data", "distributed", "eval", "inference", "interop", "models",
                         "objectives", "optim", "parallel", "runtime"}),
-    "analysis": frozenset({"archs", "data", "eval", "runs", "runtime"}),
+    "analysis": frozenset({"archs", "checkpoint", "data", "eval", "runs", "runtime"}),  # a result names its step
     "demo": frozenset({"archs", "data", "engine", "eval", "runtime", "train"}),
     # sizing a run: the registry's model and objective, the trainer's FLOPs memo and memory estimate,
     # the run's precision
