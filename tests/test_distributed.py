@@ -523,6 +523,9 @@ def test_a_recorded_none_resumes_under_torchrun_as_auto_unless_none_is_given_now
             assert len(said) == (recorded == "none" and rank == 0), (recorded, rank, said)
         monkeypatch.setenv("RANK", "0")
         assert _resume_config(run, "--set", "train.strategy=none") == "none"  # given now: it stands
+        # ... from a config file laid over a run built on a base too (the file's none was read as recorded)
+        (tmp_path / "none.yaml").write_text("train:\n  strategy: none\n")
+        assert _resume_config(run, "--config", str(tmp_path / "none.yaml"), "--init-from", str(run)) == "none"
         assert _resume_config(run, "--set", "strategy=fsdp2") == "fsdp2"
         assert notice not in capsys.readouterr().err
         assert main(["train", "--out", str(run), "--resume", "--set", "train.strategy=none"]) == 2

@@ -213,6 +213,11 @@ def test_train_profile_writes_a_trace_and_where_the_time_went(corpus, tmp_path, 
     assert "profile_steps" not in capsys.readouterr().err  # a one-off, not a change of the run
     assert main(["train", "--out", str(run), "--resume", "--steps", "13", "--no-progress"]) == 0
     assert "profile" not in capsys.readouterr().err
+    saved = json.loads((run / "config.json").read_text())  # as a run saved before it was left out records it
+    saved["train"]["profile_steps"] = 1
+    (run / "config.json").write_text(json.dumps(saved))
+    assert main(["train", "--out", str(run), "--resume", "--steps", "14", "--no-progress"]) == 0
+    assert "profile" not in capsys.readouterr().err
 
 
 def test_profile_steps_is_validated(capsys, tmp_path):

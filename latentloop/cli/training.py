@@ -13,6 +13,7 @@ from .parser import EXIT_INTERRUPTED, print_json
 
 def _run_config_from_args(args):
     from ..config import RunConfig, apply_overrides, config_sections, load_yaml
+    from ..train.state import ONE_OFF_TRAIN_FIELDS
 
     saved = Path(args.out) / "config.json"
     file = config_sections(load_yaml(args.config)) if args.config else None
@@ -33,16 +34,20 @@ def _run_config_from_args(args):
         # defaults and the flags: the base run < the stage < the file < the flags and --set
         return stage_config(stage, args.init_from, args.overrides, data=args.data, flags=flags, file=file,
                             file_name=args.config)
-    resumed = False  # whether the config is the resumed run's own config.json (a file laid over it)
-    if _resumes_saved_config(args, stage):
+    if _resumes_saved_config(args, stage):  # the run's own config.json (a file laid over it)
         try:
             raw = json.loads(saved.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise CheckpointError(f"cannot resume: {saved} is unreadable or cut short ({exc})") from None
         if not isinstance(raw, dict):
             raise CheckpointError(f"cannot resume: {saved} does not hold a run config")
-        resumed = True
         raw = config_sections(raw)
+        for name in ONE_OFF_TRAIN_FIELDS:  # a launch's own (a config.json from before they were left out)
+            raw["train"].pop(name, None)
+        if args.preset is not None:  # its fields were overridden by the saved ones: ignored without a word
+            _check_resumed_preset(args.preset, raw["model"], args.overrides, reshaped=bool(args.iso))
+        # what config.json records, before the file: a strategy the file gives is chosen now, and stands
+        _recorded_none_under_torchrun(raw, args.overrides, saved, in_file="strategy" in (file or {}).get("train", {}))
         # "the same command plus --resume" of a run built on a base (--stage, --init-from): the file
         # laid over the run's config, not in its place; the file alone lacks the model the run took
         # from its base, and the resume was refused as "a different run"
@@ -53,10 +58,6 @@ def _run_config_from_args(args):
                 raw[key] = value
     else:
         raw = config_sections(file if file is not None else {})
-    if resumed:
-        if args.preset is not None:  # its fields were overridden by the saved ones: ignored without a word
-            _check_resumed_preset(args.preset, raw["model"], args.overrides, reshaped=bool(args.iso))
-        _recorded_none_under_torchrun(raw, args.overrides, saved)
     flags = {"model.arch": args.arch, "model.preset": args.preset, "data.source": args.data,
              "data.tokenizer": args.tokenizer, "train.steps": args.steps, "train.batch_size": args.batch_size,
              "train.lr": args.lr, "train.seed": args.seed, "train.device": args.device, "train.stage": args.stage,
@@ -103,14 +104,15 @@ def _check_resumed_preset(preset: str, saved_model: dict, overrides: list[str], 
                               f"start a new run)")
 
 
-def _recorded_none_under_torchrun(raw: dict, overrides: list[str], saved: Path) -> None:
+def _recorded_none_under_torchrun(raw: dict, overrides: list[str], saved: Path, in_file: bool = False) -> None:
     """A resumed run whose config.json records train.strategy none, resumed under torchrun (more than
     one process) without a strategy on the command line, resumes with auto (ddp there), said once.
 
     Why: before a run kept the strategy as given, it recorded what auto resolved to, so a run started
     with the default in one process recorded none, and `torchrun ... train --resume` was refused as if
     the user had chosen none. A recorded none cannot tell the two apart; the launch can: starting
-    several processes asks for them. A none given now (--set train.strategy=none) is still refused."""
+    several processes asks for them. A none given now (--set train.strategy=none, or a --config file
+    laid over the run's config: `in_file`) is still refused."""
     import os
 
     from ..distributed import launch_env
@@ -118,7 +120,7 @@ def _recorded_none_under_torchrun(raw: dict, overrides: list[str], saved: Path) 
     processes = launch_env()[2]
     if raw["train"].get("strategy") != "none" or processes <= 1:
         return
-    if any(item.split("=", 1)[0].strip() in ("strategy", "train.strategy") for item in overrides):
+    if in_file or any(item.split("=", 1)[0].strip() in ("strategy", "train.strategy") for item in overrides):
         return  # chosen now: it stands (a none is refused as for a new run)
     raw["train"]["strategy"] = "auto"
     if os.environ.get("RANK", "0") in ("", "0"):  # torchrun starts every process alike: said once
