@@ -73,14 +73,16 @@ def run_analysis(kind: str, run: str | Path, batches: int | None = None, out: Pa
         task_accuracy=_task_accuracy(model, tokenizer, task) if task else None,
         progress=lambda items, total=None, desc="": progress(items, total=total, desc=desc, enabled=show_progress))
     result = {"run": str(run), "analysis": kind, **analysis.run(model, x, y, context, **options)}
-    run_dir = checkpoint.parent.parent
+    from .eval.suite import run_folder
+
+    run_dir = run_folder(run, checkpoint)  # a checkpoint folder outside a run is its own
     chosen = None  # a checkpoint named by path, not the run's latest: kept apart, as `eval --tasks` keeps it
     if Path(run).resolve() != run_dir.resolve():
         step = step_in_name(checkpoint)
         chosen = f"step{step}" if step is not None else checkpoint.name
     name = result_name(kind, analysis, options, batches, data, checkpoint=chosen,
                        run_name=run_dir.resolve().name if out else None)
-    result["folder"] = str(_save(checkpoint, out, name, result, analysis.plot))
+    result["folder"] = str(_save(run_dir, out, name, result, analysis.plot))
     return result
 
 
@@ -106,8 +108,8 @@ def result_name(kind: str, analysis, options: dict[str, Any], batches: int | Non
     return re.sub(r"[^A-Za-z0-9._=-]+", "_", "-".join(parts))
 
 
-def _save(checkpoint: Path, out: Path | None, name: str, result: dict[str, Any], plot) -> Path:
-    folder = output_folder(Path(out) if out else checkpoint.parent.parent / "analysis", "analysis folder")
+def _save(run_dir: Path, out: Path | None, name: str, result: dict[str, Any], plot) -> Path:
+    folder = output_folder(Path(out) if out else run_dir / "analysis", "analysis folder")
     # strict JSON: a value with no number (a NaN correlation, a diverged loss) is null; written whole or not at all
     write_json_atomic(folder / f"{name}.json", json_safe(result))
     if plot is None:

@@ -122,6 +122,12 @@ def test_a_checkpoint_chosen_by_path_and_another_run_in_one_out_folder_keep_thei
         assert main(["analyze", "depth", str(source), "--max-steps", "2", "--out", str(tmp_path / "shared")]) == 0
     assert sorted(p.name for p in (tmp_path / "shared").glob("*.json")) == [
         "other-run-depth-max_steps2.json", f"{run.name}-depth-max_steps2.json"]
+    # a checkpoint folder copied out of its run is named by itself, not by the folder above it
+    alone = shutil.copytree(checkpoint, tmp_path / "elsewhere" / "best")
+    shutil.copy(run / "config.json", alone / "config.json")
+    shutil.copy(run / "tokenizer.json", alone / "tokenizer.json")
+    assert main(["analyze", "depth", str(alone), "--max-steps", "2", "--out", str(tmp_path / "alone")]) == 0
+    assert [p.name for p in (tmp_path / "alone").glob("*.json")] == ["best-depth-max_steps2.json"]
 
 
 def test_analysis_without_matplotlib_writes_json_only(tiny_run, tmp_path, capsys, monkeypatch):
