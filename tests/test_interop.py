@@ -24,6 +24,7 @@ from latentloop.config import RunConfig, model_config
 from latentloop.data import BPETokenizer, ByteTokenizer, HFTokenizer, load_tokenizer, write_hf_tokenizer
 from latentloop.interop import export_hf, import_hf, initialise_from, upcycle_config
 from latentloop.interop.hf_export import REMOTE_DIR, REMOTE_FILES, package_sources
+from latentloop.runs import save_run
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -786,3 +787,12 @@ def test_an_export_in_bfloat16_rounds_each_weight_once(tmp_path, capsys):
     with pytest.raises(SystemExit) as refused:
         main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "x"), "--dtype", "int4"])
     assert refused.value.code == 2 and "invalid choice: 'int4'" in capsys.readouterr().err
+    # a weight past float16's 65,504 was written as inf, exit 0
+    model, tokenizer = ll.load(tmp_path / "run")
+    with torch.no_grad():
+        model.wte.weight[3, 0] = 70_000.0
+    save_run(model, tokenizer, tmp_path / "large")
+    assert main(["export", str(tmp_path / "large"), "--out", str(tmp_path / "f16"), "--dtype", "float16",
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "does not fit float16" in err and len(err.splitlines()) == 1 and not (tmp_path / "f16").exists()

@@ -317,6 +317,11 @@ def export_hf(run: str | Path, out: str | Path, plain: bool | None = None, show_
         code = package_sources(spec.model_class, spec.config_class)
         kind = "LatentloopForCausalLM (trust_remote_code)"
     weights = {name: t.to(EXPORT_DTYPES[dtype]) if t.is_floating_point() else t for name, t in weights.items()}
+    overflowed = next((name for name, t in weights.items() if t.is_floating_point() and not t.isfinite().all()), None)
+    if overflowed is not None:  # float16 tops out at 65,504: a larger weight became inf without a word
+        raise InteropError(f"{overflowed} does not fit {dtype}: a weight beyond its range "
+                           f"(±{torch.finfo(EXPORT_DTYPES[dtype]).max:,.0f}) would be written as inf; export in "
+                           f"bfloat16 or float32")
     hf_config["torch_dtype"] = dtype
     size_mb = sum(t.numel() * t.element_size() for t in weights.values()) / 2**20
     params = sum(t.numel() for t in state.values())
