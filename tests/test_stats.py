@@ -174,14 +174,15 @@ def test_a_log_ratio_with_a_value_of_zero_decides_nothing_and_says_why():
 
 
 def test_a_ratio_over_a_baseline_of_zero_decides_nothing_and_says_why():
-    """A seed whose baseline is 0 has no ratio: `compare`'s per-seed table (`seed_rows`, kind "ratio")
-    raised ZeroDivisionError there; a ratio over negative baselines is still a ratio."""
+    """A seed whose baseline is 0 has no ratio: `seed_rows` with kind "ratio" (the experiments'
+    comparisons, e.g. experiments/cpu_comparison.py) raised ZeroDivisionError there; a ratio over
+    negative baselines is still a ratio."""
     from latentloop.eval.stats import paired_comparison, seed_rows, verdict
 
     rows = seed_rows({"base": {1: 0.0, 2: 1.0}, "new": {1: 1.0, 2: 1.0}}, "base")
     paired = rows[1]["paired"]
-    assert paired["nonpositive"] == [1] and paired["low"] is None and math.isnan(paired["mean"])
-    assert rows[1]["verdict"] == verdict(paired) == "undecided (a value of 0 or below)"
+    assert paired["zero_baseline"] == [1] and paired["low"] is None and math.isnan(paired["mean"])
+    assert rows[1]["verdict"] == verdict(paired) == "undecided (a baseline of 0: no ratio)"
     assert paired_comparison({1: -2.0, 2: -3.0}, {1: -1.0, 2: -1.5}, kind="ratio")["mean"] == pytest.approx(2.0)
 
 

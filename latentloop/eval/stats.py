@@ -148,9 +148,9 @@ def paired_comparison(values: dict, baseline: dict, kind: str = "difference", le
         mean = math.exp(log_mean) if logs else log_mean
         interval = None if interval is None else (math.exp(interval[0]), math.exp(interval[1]))
     else:
-        if kind == "ratio" and any(baseline[s] == 0 for s in seeds):  # no ratio: said as log_ratio says it
+        if kind == "ratio" and any(baseline[s] == 0 for s in seeds):  # no ratio: no mean, no interval, said
             return {"kind": kind, "seeds": seeds, "mean": math.nan, "sd": math.nan, "low": None, "high": None,
-                    "excludes": None, "nonpositive": [s for s in seeds if baseline[s] == 0]}
+                    "excludes": None, "zero_baseline": [s for s in seeds if baseline[s] == 0]}
         per_seed = [values[s] - baseline[s] if kind == "difference" else values[s] / baseline[s] for s in seeds]
         mean, sd = mean_sd(per_seed)
         interval = t_interval(per_seed, level)
@@ -165,6 +165,8 @@ def verdict(comparison: dict, lower: str = "lower", higher: str = "higher") -> s
     side, "undecided" when it holds no change, "one seed" without an interval."""
     if comparison.get("nonpositive"):
         return "undecided (a value of 0 or below)"
+    if comparison.get("zero_baseline"):
+        return "undecided (a baseline of 0: no ratio)"
     if comparison["excludes"] is None:
         return "one seed" if comparison["seeds"] else "no paired seeds"
     if not comparison["excludes"]:
