@@ -94,7 +94,7 @@ def cmd_eval(args) -> int:
         label, loss = next(iter(overflowed.items()))
         scored = "" if label == "given" else f" scored as {label}"
         raise CheckpointError(f"the loss of {checkpoint}{scored} on the {args.split} split is {loss}: its logits "
-                              f"are not finite (the weights overflow); no figure to report")
+                              f"are not finite (NaN or inf); no figure to report")
     first = next(iter(by_option))
     metrics = {"run": str(args.run), "checkpoint": str(checkpoint), "split": args.split, "scored_as": first,
                "quantize": args.quantize, **by_option[first]}  # an int8 model's figures say so, as --tasks' do
