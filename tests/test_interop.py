@@ -229,6 +229,13 @@ def test_an_imported_models_recommended_decoding_survives_its_export(tmp_path):
     assert written["eos_token_id"] == [1, 5, 0] and "transformers_version" not in written  # the run's ids
     read = transformers.GenerationConfig.from_pretrained(str(tmp_path / "back"))
     assert (read.do_sample, read.temperature, read.top_p, read.top_k) == (True, 0.7, 0.8, 20)
+    # a run trained from the import (a fine-tune of the instruct model) exports its base's decoding too
+    assert main(["train", "--init-from", str(tmp_path / "run"), "--data", "task:addition:n=200", "--steps", "1",
+                 "--batch-size", "2", "--set", "sequence_len=32", "--set", "eval_batches=1",
+                 "--out", str(tmp_path / "tuned"), "--no-progress"]) == 0
+    export_hf(tmp_path / "tuned", tmp_path / "tuned-hf")
+    tuned = json.loads((tmp_path / "tuned-hf" / "generation_config.json").read_text())
+    assert {k: tuned[k] for k in recommended} == recommended
 
 
 def test_imported_run_evaluates_generates_and_refuses_resume(tmp_path, capsys):

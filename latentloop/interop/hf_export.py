@@ -67,7 +67,7 @@ from ..checkpoint import (
 )
 from ..config import ModelConfig
 from ..data.tokenizers import load_tokenizer, write_hf_tokenizer
-from ..errors import ConfigError, InteropError, OutputError
+from ..errors import ConfigError, InteropError, LatentloopError, OutputError
 from ..util import first_line, give_default_mode, is_int, read_json_object, staged_folder
 from .hf_import import (
     EXPORT_STAGING_PREFIX,
@@ -327,9 +327,8 @@ def export_hf(run: str | Path, out: str | Path, plain: bool | None = None, show_
     params = sum(t.numel() for t in state.values())
     card = model_card(checkpoint, run_config, params, as_plain, kind)
     stage(f"writing {out / 'model.safetensors'} ({size_mb:,.1f} MiB) and the tokenizer")
-    defaults = _run_facts(checkpoint)[0].get(GENERATION_DEFAULTS_KEY)  # an imported model's (hf_import)
     _write_folder(target, weights, hf_config, tokenizer, config.sequence_len, code, card,
-                  defaults if isinstance(defaults, dict) else {})
+                  generation_defaults(checkpoint))
     return {"run": str(run), "checkpoint": str(checkpoint), "out": str(out), "format": kind, "dtype": dtype,
             "plain_blockers": blockers, "model_card": str(out / "README.md")}
 
@@ -363,6 +362,28 @@ def _write_folder(out: Path, weights: dict[str, torch.Tensor], hf_config: dict[s
 # --------------------------------------------------------------------------------------------
 # The model card
 # --------------------------------------------------------------------------------------------
+
+
+MAX_BASES = 16  # how far back `generation_defaults` follows runs trained from runs (a cycle ends there too)
+
+
+def generation_defaults(checkpoint: Path) -> dict[str, Any]:
+    """The recommended decoding an imported model came with (`hf_import`'s `GENERATION_DEFAULTS_KEY` in
+    its checkpoint's state), for this checkpoint or the run it was trained from (`init_from`, and that
+    run's base, ...): a fine-tune of an instruct model keeps its base's. {} where none is recorded or
+    a base is no longer where it was."""
+    for _ in range(MAX_BASES):
+        state = read_json_object(checkpoint / "state.json")
+        defaults, base = state.get(GENERATION_DEFAULTS_KEY), state.get("init_from")
+        if isinstance(defaults, dict):
+            return defaults
+        if not isinstance(base, str):
+            return {}
+        try:
+            checkpoint = resolve_checkpoint(base)
+        except LatentloopError:  # moved or deleted since: nothing to inherit
+            return {}
+    return {}
 
 
 def _run_facts(checkpoint: Path) -> tuple[dict, list[dict]]:
