@@ -352,3 +352,34 @@ def test_a_jsonl_text_with_a_lone_surrogate_is_named_by_file_and_line(tmp_path, 
     assert main(["tokenizer", "train", "--data", f"text:{data}", "--vocab-size", "300",
                  "--out", str(tmp_path / "tok.json")]) == 2
     assert "scraped.jsonl:2" in capsys.readouterr().err
+
+
+def test_jsonl_lines_end_at_newline_alone_and_a_bad_byte_is_named_on_its_own_line(tmp_path):
+    """A text-mode read ended a line at a bare "\\r" (JSON whitespace), so valid rows were refused as
+    invalid JSON; and its decoder, reading ahead in blocks, named a line hundreds before the one
+    holding a byte that is not UTF-8. A byte-order mark before the first row is passed over."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_bytes(b'\xef\xbb\xbf{"text": "a",\r "id": 1}\r\n{"text": "b"}\n')
+    assert list(sources.iter_jsonl(rows)) == [(1, {"text": "a", "id": 1}), (2, {"text": "b"})]
+    bad = tmp_path / "bad.jsonl"
+    lines = [json.dumps({"text": f"row {i}"}).encode() for i in range(1, 501)]
+    lines[399] = b'{"text": "row \xff"}'
+    bad.write_bytes(b"\n".join(lines) + b"\n")
+    with pytest.raises(DataError, match=r"bad.jsonl:400: not valid UTF-8 \(byte 0xff at offset 14 of the line\)"):
+        list(sources.iter_jsonl(bad))
+
+
+def test_a_text_folder_skips_hidden_files_and_folders_as_its_glob_does(tmp_path):
+    """`text:DIR` read a `.ipynb_checkpoints/` copy beside its original (the glob form `text:DIR/**/*.txt`
+    skips it); each copy's documents were split on their own paths, so val documents were trained on."""
+    folder = tmp_path / "corpus"
+    (folder / ".ipynb_checkpoints").mkdir(parents=True)
+    documents = "".join(f"document {i}\n<|endoftext|>\n" for i in range(40))
+    (folder / "a.txt").write_text(documents)
+    (folder / ".ipynb_checkpoints" / "a-checkpoint.txt").write_text(documents)
+    (folder / ".hidden.txt").write_text(documents)
+    by_folder, by_glob = parse_source(f"text:{folder}"), parse_source(f"text:{folder}/**/*.txt")
+    for split in ("train", "val"):
+        assert list(by_folder.iter_documents(split)) == list(by_glob.iter_documents(split))
+    val = set(by_folder.iter_documents("val"))
+    assert val and not val & set(by_folder.iter_documents("train"))

@@ -242,8 +242,11 @@ def _resolve_text_files(path: str) -> tuple[Path, list[Path]]:
         # A file named explicitly is read even with another suffix (.md, .csv...), as plain text.
         return expanded.parent, [expanded]
     if expanded.is_dir():
+        # hidden files and folders skipped, as the glob form skips them: a `.ipynb_checkpoints/` copy was
+        # read beside its original, each document split on its own path, so val documents were trained on
         files = sorted(
-            (p for p in expanded.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES),
+            (p for p in expanded.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES
+             and not any(part.startswith(".") for part in p.relative_to(expanded).parts)),
             key=lambda p: p.relative_to(expanded).as_posix(),
         )
         if not files:
@@ -326,28 +329,34 @@ def _read_text(file: Path) -> Iterator[str]:
 
 def iter_jsonl(file: Path) -> Iterator[tuple[int, Any]]:
     """(line number, parsed value) for each non-blank line; unreadable files and bad lines raise
-    DataError naming the file and line."""
+    DataError naming the file and line. Lines end at "\n" alone, as JSON Lines defines them (a text
+    mode read also ended one at a bare "\r", which JSON allows between tokens), and each is decoded
+    on its own, so a byte that is not UTF-8 is named on its own line (a decoder reading ahead named
+    a line hundreds before it). A UTF-8 byte-order mark before the first line is passed over."""
     try:
-        handle = file.open(encoding="utf-8")
+        handle = file.open("rb")
     except OSError as exc:
         raise DataError(f"cannot read {file}: {exc.strerror}") from exc
     with handle:
-        line_number = 0
-        try:
-            for line_number, line in enumerate(handle, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    value = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise DataError(f"{file}:{line_number}: invalid JSON ({exc.msg})") from exc
-                except ValueError as exc:  # valid JSON Python will not read: a number past its int-to-str limit
-                    raise DataError(f"{file}:{line_number}: unreadable JSON ({str(exc).split(';')[0]})") from None
-                except RecursionError:  # arrays or objects nested thousands deep
-                    raise DataError(f"{file}:{line_number}: unreadable JSON (nested too deeply)") from None
-                yield line_number, value
-        except UnicodeDecodeError as exc:
-            raise DataError(f"{file}: not valid UTF-8 (after line {line_number})") from exc
+        for line_number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataError(f"{file}:{line_number}: not valid UTF-8 (byte {raw[exc.start]:#04x} at offset "
+                                f"{exc.start} of the line)") from None
+            if line_number == 1:
+                line = line.removeprefix("\ufeff")
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{file}:{line_number}: invalid JSON ({exc.msg})") from exc
+            except ValueError as exc:  # valid JSON Python will not read: a number past its int-to-str limit
+                raise DataError(f"{file}:{line_number}: unreadable JSON ({str(exc).split(';')[0]})") from None
+            except RecursionError:  # arrays or objects nested thousands deep
+                raise DataError(f"{file}:{line_number}: unreadable JSON (nested too deeply)") from None
+            yield line_number, value
 
 
 def _read_jsonl(file: Path) -> Iterator[str]:
