@@ -467,3 +467,39 @@ def test_the_plans_meta_model_makes_nothing_of_the_contexts_size_on_the_cpu(arch
     # the tables keep their shapes: the plan counts them (every device holds them)
     for table in (model.rope_cos, model.rope_sin):
         assert table.device.type == "meta" and tuple(table.shape) == (context, config.head_dim)
+
+
+def test_plan_with_train_compile_sizes_the_optimizer_eagerly_in_a_fresh_process(tmp_path):
+    """With train.compile, Muon's step went through torch.compile inside the memory probe, whose
+    first import of inductor there raised (a traceback from `plan`, and from train's setup check).
+    A fresh process: inductor imported by an earlier test would hide it."""
+    done = subprocess.run([sys.executable, "-m", "latentloop", "plan", "--arch", "gpt", "--preset", "test",
+                           "--tokens", "1M", "--gpu", "h200", "--set", "train.compile=true", "--json"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert json.loads(done.stdout)["memory"]
+
+
+def test_plan_says_what_it_does_not_plan_from_a_config_or_set(tmp_path, capsys):
+    """A config file's preset beside --params was dropped, vocabulary and context with it (a plan of
+    another model), and a train.steps given was replaced by --tokens' length, both without a word."""
+    from latentloop.cli import main
+
+    config = tmp_path / "c.yaml"
+    config.write_text("model:\n  preset: test\n")
+    assert main(["plan", "--arch", "gpt", "--params", "20M", "--tokens", "1M", "--config", str(config)]) == 2
+    assert "--params chooses the shape; it cannot also take preset" in capsys.readouterr().err
+    assert main(["plan", "--arch", "gpt", "--preset", "test", "--tokens", "1M", "--set", "train.steps=7"]) == 0
+    assert "train.steps 7 (from --config or --set) is not planned: --tokens sets the run's length" \
+        in capsys.readouterr().err
+
+
+def test_a_tokenizer_named_json_in_capitals_is_a_file(tmp_path, capsys):
+    """`tokenizer train --out NAME.JSON` made a folder NAME.JSON holding tokenizer.json."""
+    from latentloop.cli import main
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("the latent loop carries its state forward; " * 200)
+    assert main(["tokenizer", "train", "--data", f"text:{corpus}", "--out", str(tmp_path / "t.JSON"),
+                 "--vocab-size", "300"]) == 0
+    assert (tmp_path / "t.JSON").is_file()

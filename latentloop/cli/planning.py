@@ -69,14 +69,21 @@ def _config(args):
         raw["train"]["activation_checkpointing"] = True
     if args.strategy:
         raw["train"]["strategy"] = args.strategy
-    config = RunConfig.from_dict(apply_overrides(raw, args.overrides))
+    given = apply_overrides(raw, args.overrides)
+    if given["train"].get("steps") is not None:  # --tokens sets the length: a steps given was replaced without a word
+        from ..util import warn_once
+
+        warn_once(f"train.steps {given['train']['steps']} (from --config or --set) is not planned: --tokens sets the "
+                  f"run's length")
+    config = RunConfig.from_dict(given)
     if args.params:
         from ..plan import config_for_params
 
         # the shape from --params; every other model field from the config and --set (n_layer, n_embd and
         # n_head are what --params chooses)
         raw_model = apply_overrides(raw, args.overrides)["model"]
-        shape = sorted(k for k in ("n_layer", "n_embd", "n_head") if k in raw_model)
+        # a preset names a shape too (and its vocabulary and context, dropped here without a word)
+        shape = sorted(k for k in ("n_layer", "n_embd", "n_head", "preset") if raw_model.get(k) is not None)
         if shape:
             raise LatentloopError(f"--params chooses the shape; it cannot also take {', '.join(shape)} (from "
                                   f"--set or --config): give one or the other")

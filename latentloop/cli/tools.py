@@ -16,7 +16,7 @@ def cmd_tokenizer(args) -> int:
     from ..util import removed_on_failure
 
     out = Path(args.out)
-    target = out if out.suffix == ".json" else out / TOKENIZER_FILE
+    target = out if out.suffix.lower() == ".json" else out / TOKENIZER_FILE  # NAME.JSON too: a file, not a folder
     # the arguments first: a refused one must leave no output folder behind
     BPETokenizer.check_vocab_size(args.vocab_size)
     if target.exists():  # checked before the (long) training too, not only when writing

@@ -21,6 +21,7 @@ the estimate instead of being killed by the kernel's out-of-memory killer withou
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -388,7 +389,11 @@ def optimizer_step_bytes(model: nn.Module, config: RunConfig, products_dtype: st
     only."""
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
-    optimizers = get_arch(config.model.arch).build_optimizers(model, config.train, products_dtype)
+    # eager: with train.compile, Muon's step went through torch.compile, whose first import inside the
+    # probe (torch.Generator swapped, `_MetaProbe`) raised, and `plan` and train's setup check ended in a
+    # traceback; the compiled step keeps the same tensors, so the count is the same
+    eager = dataclasses.replace(config.train, compile=False)
+    optimizers = get_arch(config.model.arch).build_optimizers(model, eager, products_dtype)
     with _MetaProbe(bf16=False):
         for opt in optimizers:
             opt.step()
