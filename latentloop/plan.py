@@ -229,6 +229,9 @@ def plan_run(config: RunConfig, tokens: int, devices: int = 1, gpu: str = "h100"
         chosen = (mfu, "given (--mfu)") if mfu is not None else (
             measured_mfu(config.model.arch, gpu) or (ASSUMED_MFU, "assumed: gpu_bench measured no run of this "
                                                                   "arch on this GPU"))
+        if mfu is None and not train.compile:  # both figures come from compiled runs: said, not hidden
+            chosen = (chosen[0], f"{chosen[1]}; of a compiled run, and this one is not (train.compile false): "
+                                 f"an eager run reaches less, give --mfu for it")
     seconds = flops / (devices * peak_flops * chosen[0])
     shape = {k: getattr(config.model, k) for k in ("n_layer", "n_embd", "n_head", "n_kv_head", "sequence_len",
                                                     "vocab_size")}

@@ -155,6 +155,11 @@ def test_measured_mfu_is_the_benchmarks_own(capsys):
     arch = next(iter(entry["mfu"]))
     code, out, _ = _plan_cli(capsys, "--arch", arch, "--preset", "tiny", "--tokens", "1M", "--gpu", gpu, "--json")
     assert json.loads(out)["mfu"] == entry["mfu"][arch] and "measured" in json.loads(out)["mfu_source"]
+    # measured on a compiled run: an uncompiled plan (the default) says so, a compiled one does not
+    assert "this one is not (train.compile false)" in json.loads(out)["mfu_source"]
+    code, out, _ = _plan_cli(capsys, "--arch", arch, "--preset", "tiny", "--tokens", "1M", "--gpu", gpu, "--json",
+                             "--set", "train.compile=true")
+    assert "train.compile false" not in json.loads(out)["mfu_source"]
 
 
 def test_the_wall_clock_uses_the_measured_mfu_and_the_float32_peak_where_products_are_float32(capsys):
