@@ -86,8 +86,6 @@ def _check_data(configs: dict[str, RunConfig], progress: bool) -> None:
 
 def run_demo(out: Path, steps: int = DEMO_STEPS, data: str = "stdlib", preset: str = "tiny",
              archs: list[str] | None = None, progress: bool = True) -> list[dict[str, Any]]:
-    from .train import fit, setup
-
     archs = list(ARCHS) if archs is None else archs  # registration order: the baseline first
     if not archs:
         raise ConfigError(f"--archs names no arch: choose from {', '.join(sorted(ARCHS))}")
@@ -115,6 +113,21 @@ def run_demo(out: Path, steps: int = DEMO_STEPS, data: str = "stdlib", preset: s
     write_json_atomic(out / DEMO_MARKER, {"status": "running", "archs": archs})
     results = []
     started = time.perf_counter()
+    try:
+        _run_archs(archs, configs, out, steps, progress, results)
+    except BaseException as exc:  # a Ctrl+C or a failure: the marker said "running" forever after
+        status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+        write_json_atomic(out / DEMO_MARKER, {"status": status, "archs": archs,
+                                              "finished": [summary["arch"] for summary in results]})
+        raise
+    _write_report(out, results, data, preset, steps, time.perf_counter() - started)
+    return results
+
+
+def _run_archs(archs, configs, out, steps, progress, results: list) -> None:
+    """Train, score and sample each arch in turn, appending its summary to `results` as it ends."""
+    from .train import fit, setup
+
     for number, arch in enumerate(archs, start=1):
         print(f"== {arch} ({number}/{len(archs)}): {steps} steps of {DEMO_BATCH_SIZE} rows")
         config = configs[arch]
@@ -133,8 +146,6 @@ def run_demo(out: Path, steps: int = DEMO_STEPS, data: str = "stdlib", preset: s
         summary.update(arch=arch, sample=SAMPLE_PROMPT + state.tokenizer.decode(ids),
                        history=[row for row in state.history if "loss" in row or "val_loss" in row])
         results.append(summary)
-    _write_report(out, results, data, preset, steps, time.perf_counter() - started)
-    return results
 
 
 def score_options(state) -> dict[str, dict[str, float]]:

@@ -79,6 +79,9 @@ def test_a_ctrl_c_in_an_archs_final_validation_stops_the_demo(corpus, tmp_path, 
                  progress=False)
     assert not (tmp_path / "demo" / "fbt").exists()  # stopped at the first arch, whose run is saved
     assert any((tmp_path / "demo" / "gpt" / "checkpoints").iterdir())
+    # the marker says so (it said "running" forever after, the earlier demo already gone)
+    assert json.loads((tmp_path / "demo" / "demo.json").read_text()) == {
+        "status": "interrupted", "archs": ["gpt", "fbt"], "finished": []}
 
 
 @pytest.mark.parametrize("mistake", [["--preset", "bogus"], ["--data", "text:{tmp}/nothere.txt"],
