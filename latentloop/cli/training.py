@@ -17,8 +17,7 @@ def _run_config_from_args(args):
 
     saved = Path(args.out) / "config.json"
     file = config_sections(load_yaml(args.config)) if args.config else None
-    # the stage a new run trains: --stage, else the config file's own train.stage
-    stage = args.stage or (file["train"].get("stage") if file else None)
+    stage = _given_stage(args, file)
     if stage in ("sft", "extend") and not args.resume:
         from ..train import stage_config
 
@@ -71,6 +70,18 @@ def _run_config_from_args(args):
     elif not raw["model"].get("preset") and not args.config and not (args.resume and saved.is_file()):
         raw["model"]["preset"] = "tiny"
     return RunConfig.from_dict(apply_overrides(raw, args.overrides))
+
+
+def _given_stage(args, file: dict | None = None) -> str | None:
+    """The stage a run trains: --stage, else the config file's own train.stage (`file`: the file's
+    sections, read here when not given)."""
+    if args.stage or not args.config:
+        return args.stage
+    if file is None:
+        from ..config import config_sections, load_yaml
+
+        file = config_sections(load_yaml(args.config))
+    return file["train"].get("stage")
 
 
 def _resumes_saved_config(args, stage: str | None) -> bool:
@@ -155,7 +166,7 @@ def cmd_train(args) -> int:
     # a config resumed from the run's own config.json holds its shape already (a --config file's is
     # reshaped as when the run started): reshaping it again refused the documented resume ("the same
     # command plus --resume")
-    from_saved = _resumes_saved_config(args, config.train.stage)
+    from_saved = _resumes_saved_config(args, _given_stage(args))  # as `_run_config_from_args` decided it
     if args.iso and from_saved:
         if os.environ.get("RANK", "0") in ("", "0"):
             print(f"latentloop: --iso {args.iso} shapes a run when it starts: the resumed run keeps the shape its "
