@@ -81,7 +81,7 @@ def _config(args):
 
         # the shape from --params; every other model field from the config and --set (n_layer, n_embd and
         # n_head are what --params chooses)
-        raw_model = apply_overrides(raw, args.overrides)["model"]
+        raw_model = given["model"]  # from_dict copied the sections: this one is still as given
         # a preset names a shape too (and its vocabulary and context, dropped here without a word)
         shape = sorted(k for k in ("n_layer", "n_embd", "n_head", "preset") if raw_model.get(k) is not None)
         if shape:

@@ -89,9 +89,10 @@ def cmd_eval(args) -> int:
     if not args.no_progress:
         batches = _with_progress(batches, tokens, args, config.model.sequence_len)
     by_option = score_run(model, batches, tokenizer.token_byte_lengths(), {"given": options} if options else None)
-    overflowed = {label: scores["loss"] for label, scores in by_option.items() if not math.isfinite(scores["loss"])}
-    if overflowed:  # a figure of nan printed as a result, exit 0, read as a bad model rather than a broken one
-        label, loss = next(iter(overflowed.items()))
+    overflowed = next(((label, scores["loss"]) for label, scores in by_option.items()
+                       if not math.isfinite(scores["loss"])), None)
+    if overflowed is not None:  # a figure of nan printed as a result, exit 0, read as a bad model, not a broken one
+        label, loss = overflowed
         scored = "" if label == "given" else f" scored as {label}"
         raise CheckpointError(f"the loss of {checkpoint}{scored} on the {args.split} split is {loss}: its logits "
                               f"are not finite (NaN or inf); no figure to report")

@@ -508,11 +508,11 @@ def read_generation_config(folder: Path) -> dict:
     return generation
 
 
-def _end_ids(folder: Path, config: dict | None) -> list[int]:
+def _end_ids(config: dict, generation: dict) -> list[int]:
     """Every end token a Hugging Face model names: `eos_token_id` of its config.json and of its
-    generation_config.json, each an id or a list (what `generate` stops at there)."""
+    generation_config.json (`read_generation_config`), each an id or a list (what `generate` stops at there)."""
     found: list[int] = []
-    for source in (config or {}, read_generation_config(folder)):
+    for source in (config, generation):
         value = source.get("eos_token_id")
         for token_id in value if isinstance(value, list) else [value]:
             if isinstance(token_id, int) and not isinstance(token_id, bool) and token_id not in found:
@@ -777,7 +777,7 @@ class HFTokenizer(_ChatInterface):
         if bos is None and eos is None:
             raise DataError(f"tokenizer {folder} names neither a BOS nor an EOS token")
         chat_template = _folder_chat_template(folder, settings)
-        end_ids = _end_ids(folder, config)
+        end_ids = _end_ids(config, generation)
         if bos is None:
             bos = _documents_start_id(probe, eos, pad, end_ids, chat_template)
         eos = bos if eos is None else eos

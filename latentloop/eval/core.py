@@ -570,11 +570,16 @@ def build_task_requests(task: Task, examples: Sequence[dict], tokenizer, limit: 
     return rows, groups
 
 
+def finite(scores: Sequence[ContinuationScore]) -> bool:
+    """Whether every row of an example has a finite loss (not a model whose logits overflowed)."""
+    return all(math.isfinite(s.mean_loss) for s in scores)
+
+
 def judge(kind: str, scores: Sequence[ContinuationScore], gold: int | None) -> bool:
     """Whether one example is answered correctly, from the scores of its rows. A row whose loss is
-    not finite (a model whose logits overflowed) makes it wrong: `min` over NaNs picked the first
-    choice, so such a model scored the share of items whose answer is choice 0."""
-    if not all(math.isfinite(s.mean_loss) for s in scores):
+    not finite makes it wrong (`finite`): `min` over NaNs picked the first choice, so such a model
+    scored the share of items whose answer is choice 0."""
+    if not finite(scores):
         return False
     if kind == LANGUAGE_MODELING:
         return all(s.greedy for s in scores)
@@ -603,7 +608,7 @@ def evaluate_task(model: nn.Module, tokenizer, task: Task, examples: Sequence[di
     whole = [all(score.whole for score in scores[a:b]) for a, b, _ in groups]
     too_long = whole.count(False)
     correct = [fits and judge(task.kind, scores[a:b], gold) for fits, (a, b, gold) in zip(whole, groups)]
-    not_finite = sum(not all(math.isfinite(score.mean_loss) for score in scores[a:b]) for a, b, _ in groups)
+    not_finite = sum(not finite(scores[a:b]) for a, b, _ in groups)
     accuracy = sum(correct) / len(correct)
     result = {"task": task.name, "type": task.kind, "num_fewshot": task.num_fewshot,
               "random_baseline": task.random_baseline, "accuracy": accuracy,
