@@ -356,14 +356,15 @@ def in_process(model, tokenizer, **settings):
 
     import uvicorn
 
-    from latentloop.serve.app import create_app
+    from latentloop.serve.app import create_app, server_config
     from latentloop.serve.settings import ServeSettings
 
-    app = create_app(model, tokenizer, "m", ServeSettings("unused", decode="eager", batch_window_ms=0, **settings))
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    serve_settings = ServeSettings("unused", port=port, decode="eager", batch_window_ms=0, **settings)
+    app = create_app(model, tokenizer, "m", serve_settings)
+    server = uvicorn.Server(server_config(app, serve_settings))
     thread = threading.Thread(target=asyncio.run, args=(server.serve(),), daemon=True)
     thread.start()
     try:
@@ -484,6 +485,59 @@ def test_a_tokenization_past_the_request_timeout_ends_the_request_with_504():
     assert answer.status_code == 504 and "--request-timeout" in answer.json()["error"]["message"]
     assert SHORT_TIMEOUT_S <= took < SHORT_TIMEOUT_S + 5, took
     assert preparing == 1  # the abandoned tokenization still holds its thread's slot, until it returns
+
+
+def read_reply(connection: socket.socket, timeout_s: float) -> bytes:
+    """What the server sends on `connection` until it closes it, or `timeout_s` passes."""
+    connection.settimeout(timeout_s)
+    received = b""
+    with contextlib.suppress(TimeoutError, ConnectionResetError):
+        while chunk := connection.recv(65536):
+            received += chunk
+    return received
+
+
+def test_headers_that_never_end_get_408_at_the_request_timeout_and_bad_bytes_a_json_400():
+    """A client that sends a header line now and then and never ends its headers: the app never sees the
+    request, so --request-timeout did not bound it, and uvicorn times only idle connections (the
+    connection stayed open as long as the lines came). It gets 408 at the timeout now, its connection
+    closed; /health answers meanwhile. Bytes that are not HTTP get a 400 in the API's JSON shape (was
+    uvicorn's plain text)."""
+    torch.manual_seed(0)
+    model = ll.build("gpt", preset="test", sequence_len=CONTEXT).eval()
+    with in_process(model, TOK, request_timeout=SHORT_TIMEOUT_S) as (_, url):
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=CALL_TIMEOUT_S) as slow:
+            slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            start = time.monotonic()
+            closed_at = None
+            while time.monotonic() - start < SHORT_TIMEOUT_S + 10:
+                try:
+                    slow.sendall(b"X-Drip: 1\r\n")
+                except (BrokenPipeError, ConnectionResetError):
+                    closed_at = time.monotonic() - start
+                    break
+                slow.settimeout(0.25)
+                try:
+                    if reply := slow.recv(65536):
+                        closed_at = time.monotonic() - start
+                        reply += read_reply(slow, CALL_TIMEOUT_S)
+                        break
+                except TimeoutError:
+                    pass
+            assert httpx.get(url + "/health", timeout=CALL_TIMEOUT_S).status_code == 200
+        assert closed_at is not None and closed_at < SHORT_TIMEOUT_S + 5, closed_at
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), reply
+        assert "--request-timeout" in json.loads(body)["error"]["message"]
+        with socket.create_connection(("127.0.0.1", port), timeout=CALL_TIMEOUT_S) as garbage:
+            garbage.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+            head, _, body = read_reply(garbage, CALL_TIMEOUT_S).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head, head
+        assert json.loads(body)["error"]["message"] == "the request is not valid HTTP/1.1"
+        # a request that arrives whole on a connection that waited is served as before
+        assert httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                          timeout=CALL_TIMEOUT_S).status_code == 200
 
 
 # --------------------------------------------------------------------------------------------

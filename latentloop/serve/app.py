@@ -41,7 +41,7 @@ from .protocol import APIError
 from .requests import DetokenizeBody, TokenizeBody, chat_body, completion_body
 from .serving import ServerState, ServingChat, ServingCompletions, ServingModels, ServingPage, ServingTokenization
 from .settings import ServeSettings, check_settings
-from .transport import Traffic, TrafficGate
+from .transport import Traffic, TrafficGate, http_protocol
 
 # What serve allows the chat template to render its probe conversation at start (a real template takes
 # milliseconds): longer means it loops, and serve stops with one line instead of never listening. A
@@ -256,6 +256,16 @@ def _probe_chat_format(tokenizer, limit_s: float) -> None:
         raise error
 
 
+def server_config(app: FastAPI, settings: ServeSettings):
+    """uvicorn's configuration for `app`: the host and port of `settings`, its h11 protocol with the
+    headers bounded by --request-timeout (`transport.http_protocol`)."""
+    import uvicorn
+
+    return uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
+                          access_log=settings.access_log, timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+                          http=http_protocol(settings.request_timeout))
+
+
 def serve(settings: ServeSettings) -> None:
     """Load the run and serve it until SIGINT / SIGTERM."""
     import uvicorn
@@ -287,8 +297,7 @@ def serve(settings: ServeSettings) -> None:
                 should_exit = await super().on_tick(counter)
                 return should_exit and (self.force_exit or app.state.traffic.drained())
 
-        config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
-                                access_log=settings.access_log, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+        config = server_config(app, settings)
         host = f"[{settings.host}]" if ":" in settings.host else settings.host
         port = sock.getsockname()[1]
         import torch

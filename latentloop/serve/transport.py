@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from http import HTTPStatus
 from typing import Any
 
 from starlette.requests import Request
@@ -41,6 +42,7 @@ MAX_JSON_DEPTH = 64
 SHUTDOWN_QUIET_S = 0.5
 SHUTDOWN_DRAIN_MAX_S = 5.0
 SHUTTING_DOWN = "the server is shutting down"
+NOT_HTTP = "the request is not valid HTTP/1.1"  # uvicorn's 400 for bytes h11 cannot parse, as JSON
 
 
 def shutting_down(message: str = SHUTTING_DOWN) -> APIError:
@@ -301,3 +303,74 @@ class TrafficGate:
         finally:
             self.traffic.in_flight -= 1
             self.traffic.last = time.monotonic()
+
+
+# --------------------------------------------------------------------------------------------
+# The connection: headers within --request-timeout, errors before the app in the API's shape
+# --------------------------------------------------------------------------------------------
+
+
+def write_error_and_close(transport: asyncio.Transport, error: APIError) -> None:
+    """`error` as a whole HTTP/1.1 response written straight to the connection, which then closes: for
+    the answers given before a request reaches the app (its bytes cannot be parsed, its headers are
+    late), where h11 has no request to answer."""
+    body = json.dumps(error.body()).encode()
+    head = (f"HTTP/1.1 {error.status} {HTTPStatus(error.status).phrase}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")
+    transport.write(head.encode() + body)
+    transport.close()
+
+
+def http_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
+    """uvicorn's h11 protocol, with a request's headers bounded in time and its pre-app errors in the
+    API's JSON shape. uvicorn times only an idle connection (keep-alive): one whose client sends a
+    header line now and then, never ending its headers, stayed open for ever, past --request-timeout,
+    which counts from when the app sees the request. Here the headers must be complete within
+    `header_timeout_s` of the connection's start or its last response, else 408 and the connection
+    closes. And bytes h11 cannot parse got uvicorn's plain-text 400: now the error body every other
+    refusal has."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class DeadlineH11Protocol(H11Protocol):
+        _headers_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._await_headers()
+
+        def handle_events(self) -> None:
+            cycle = self.cycle
+            super().handle_events()
+            if self.cycle is not cycle:  # a request's headers were read: the app's deadline takes over
+                self._stop_waiting()
+
+        def on_response_complete(self) -> None:
+            self._await_headers()  # before: a pipelined request already read starts in super()'s call
+            super().on_response_complete()
+
+        def connection_lost(self, exc) -> None:
+            self._stop_waiting()
+            super().connection_lost(exc)
+
+        def send_400_response(self, msg: str) -> None:
+            self._stop_waiting()
+            write_error_and_close(self.transport, bad_request(NOT_HTTP))
+
+        def _await_headers(self) -> None:
+            self._stop_waiting()
+            if not self.transport.is_closing():
+                self._headers_timer = self.loop.call_later(header_timeout_s, self._headers_late)
+
+        def _stop_waiting(self) -> None:
+            if self._headers_timer is not None:
+                self._headers_timer.cancel()
+                self._headers_timer = None
+
+        def _headers_late(self) -> None:
+            self._headers_timer = None
+            if not self.transport.is_closing():
+                write_error_and_close(self.transport, APIError(
+                    408, f"the request's headers did not arrive within {header_timeout_s:g} s (--request-timeout)",
+                    code="timeout"))
+
+    return DeadlineH11Protocol
