@@ -171,6 +171,9 @@ def test_chat_task_val_conversations_are_held_out_problems_never_trained_on():
 @pytest.mark.parametrize("line, message", [
     ('{"messages": [{"content": "hi"}]}', "no 'role'"),
     ('{"messages": [{"role": "robot", "content": "hi"}]}', "unknown role"),
+    # a tool call's turn: its arguments were dropped and the empty turn read as the whole reply
+    ('{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "ok", "tool_calls": '
+     '[{"id": "1", "type": "function"}]}]}', "has 'tool_calls': tool calls are not supported"),
     ('{"messages": [{"role": "user", "content": "  "}, {"role": "assistant", "content": "x"}]}', "empty user turn"),
     ('{"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "x"}]}', "must be a string"),
     ('{"messages": [{"role": "assistant", "content": "x"}]}', "expected user"),

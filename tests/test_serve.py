@@ -30,7 +30,7 @@ from latentloop.engine import row_info
 from latentloop.runs import save_run
 from latentloop.serve.limits import Limits
 from latentloop.serve.protocol import APIError, special_names, token_string
-from latentloop.serve.requests import parse_completion
+from latentloop.serve.requests import DetokenizeBody, TokenizeBody, body_context, parse_completion, validate
 from latentloop.serve.text import RowText
 
 REPO = Path(ll.__file__).resolve().parents[1]
@@ -149,6 +149,32 @@ def test_parse_completion_refuses(fbt_model, body, status, words):
     assert caught.value.status == status and words in caught.value.message
     assert "\n" not in caught.value.message and len(caught.value.message) < 300  # one line, the value cut short
     assert set(caught.value.body()["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("body_class, body, status, words", [
+    (TokenizeBody, {"prompt": "x", "bogus": 1}, 400, "unknown field(s): bogus (this endpoint takes model, prompt"),
+    (TokenizeBody, {"prompt": "x", "return_token_strs": True}, 400, "return_token_strs is not supported"),
+    (TokenizeBody, {"messages": [{"role": "user", "content": "hi"}]}, 400, "/tokenize takes a prompt, not messages"),
+    (TokenizeBody, {"prompt": "x", "model": "other"}, 404, "does not exist: this server serves 'm'"),
+    (TokenizeBody, {"prompt": 5}, 400, "prompt must be a string, got 5"),
+    (DetokenizeBody, {"tokens": [1], "text": "x"}, 400, "unknown field(s): text (this endpoint takes model, tokens)"),
+    (DetokenizeBody, {"tokens": [999]}, 400, "tokens must be a list of token ids in [0, "),
+])
+def test_the_tokenizer_endpoints_refuse_what_they_would_not_answer(fbt_model, body_class, body, status, words):
+    """/tokenize and /detokenize ignored fields they do not take: `return_token_strs` or vLLM's chat form
+    (`messages`) got an answer to another question (or "prompt is required"), a misspelt field nothing."""
+    with pytest.raises(APIError) as caught:
+        validate(body_class, body, body_context(fbt_model, LIMITS, "m"))
+    assert caught.value.status == status and words in caught.value.message, caught.value.message
+
+
+def test_the_tokenizer_endpoints_take_what_clients_send(fbt_model):
+    """lm-eval's remote tokenizer sends prompt and add_special_tokens; vLLM's clients the model's name too."""
+    context = body_context(fbt_model, LIMITS, "m")
+    body = validate(TokenizeBody, {"model": "m", "prompt": "x", "add_special_tokens": False,
+                                   "return_token_strs": False}, context)
+    assert (body.prompt, body.add_special_tokens) == ("x", False)
+    assert validate(DetokenizeBody, {"model": "m", "tokens": [1, 2]}, context).tokens == [1, 2]
 
 
 def test_neutral_logit_bias_is_accepted_as_the_docs_say(fbt_model):
@@ -829,6 +855,13 @@ def test_chat_completions_render_the_sft_format_and_match_the_engine(servers, ru
     echo = httpx.post(server.url + "/v1/chat/completions", json={"messages": messages, "echo": True},
                       timeout=CALL_TIMEOUT_S)
     assert echo.status_code == 400 and "echo" in echo.json()["error"]["message"]
+    # what /tokenize's refusal of the chat form points to: a conversation's tokens, counted, none decoded
+    counted = httpx.post(server.url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 0},
+                         timeout=CALL_TIMEOUT_S).json()
+    assert counted["usage"]["prompt_tokens"] == len(render_prompt(CHAT_TOK, messages)), counted
+    assert counted["usage"]["completion_tokens"] == 0
+    refused = httpx.post(server.url + "/tokenize", json={"messages": messages}, timeout=CALL_TIMEOUT_S)
+    assert refused.status_code == 400 and "max_tokens 0" in refused.json()["error"]["message"]
 
 
 # --------------------------------------------------------------------------------------------

@@ -94,6 +94,10 @@ from latentloop.errors import ConfigError, DataError
 from latentloop.util import encodable
 
 ROLES = ("system", "user", "assistant")
+# OpenAI's keys of a message that calls a tool or answers one: a conversation holding them means what its
+# text alone does not say, and there is no tool format here to render it in. Other keys ("name", a
+# dataset's own) are ignored: they do not change what the turn says.
+TOOL_KEYS = ("tool_calls", "tool_call_id", "function_call")
 CHAT_PREFIX = "chat:"
 # Bump when rendering or packing changes, so that a resumed run notices its data changed.
 # 2: a tokenizer that starts no text with BOS (an imported Qwen2's) renders without one.
@@ -133,7 +137,7 @@ def _text_of_parts(content, at: str):
 
 def check_messages(messages, where: str = "conversation", for_training: bool = True) -> list[Message]:
     """The messages, checked: a non-empty list of {"role", "content"} objects (content a string, or
-    OpenAI's list of text parts, joined), an optional system
+    OpenAI's list of text parts, joined; a tool call refused, other keys ignored), an optional system
     turn first, then user / assistant alternating from user; a conversation to train on holds an
     assistant turn, a prompt ends with a user turn (`for_training=False`)."""
     if not isinstance(messages, list) or not messages:
@@ -143,6 +147,9 @@ def check_messages(messages, where: str = "conversation", for_training: bool = T
         at = f"{where}: message {index}"
         if not isinstance(message, dict):
             raise ChatFormatError(f"{at} must be an object with 'role' and 'content', got {_describe(message)}")
+        if tool := next((key for key in TOOL_KEYS if message.get(key) is not None), None):
+            raise ChatFormatError(f"{at} has {tool!r}: tool calls are not supported (no chat format here "
+                                  f"renders them)")
         role, content = message.get("role"), _text_of_parts(message.get("content"), at)
         if role is None:
             raise ChatFormatError(f"{at} has no 'role'")

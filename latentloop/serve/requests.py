@@ -80,10 +80,24 @@ TokenIds = Annotated[list[int], Field(min_length=1)]
 TokenIdLists = Annotated[list[TokenIds], Field(min_length=1)]
 
 
-class _GenerationFields(_Body):
-    """The fields /v1/completions and /v1/chat/completions share, in the order they are checked."""
+class _NamesTheModel(_Body):
+    """A body that may name the model it is for: only the served one (else 404)."""
 
     model: str | None = Field(None, description="a string")
+
+    @field_validator("model")
+    @classmethod
+    def _served(cls, name: str | None, info: ValidationInfo) -> str | None:
+        served = info.context["served_name"]
+        if name is not None and name != served:
+            raise refuse(f"the model {name!r} does not exist: this server serves {served!r}", "model", 404,
+                         "model_not_found")
+        return name
+
+
+class _GenerationFields(_NamesTheModel):
+    """The fields /v1/completions and /v1/chat/completions share, in the order they are checked."""
+
     user: str | None = Field(None, description="a string")
     presence_penalty: Any = None  # OpenAI's, accepted at their neutral value only
     frequency_penalty: Any = None
@@ -100,15 +114,6 @@ class _GenerationFields(_Body):
     stop: str | list[str] | None = Field(None, description="a string or a list of strings")
     _options: dict[str, Any] = PrivateAttr(default_factory=dict)  # set by `_together`
     _resolved: dict[str, Any] = PrivateAttr(default_factory=dict)
-
-    @field_validator("model")
-    @classmethod
-    def _served(cls, name: str | None, info: ValidationInfo) -> str | None:
-        served = info.context["served_name"]
-        if name is not None and name != served:
-            raise refuse(f"the model {name!r} does not exist: this server serves {served!r}", "model", 404,
-                         "model_not_found")
-        return name
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -267,19 +272,35 @@ def chat_body() -> type[_ChatFields]:
     return _with_arch_options(_ChatFields)
 
 
-class TokenizeBody(BaseModel):
-    """/tokenize (vLLM's; lm-eval's remote tokenizer sends prompt and add_special_tokens, others
-    send more, which is ignored)."""
+class TokenizeBody(_NamesTheModel):
+    """/tokenize: vLLM's completion form (lm-eval's remote tokenizer sends prompt and
+    add_special_tokens). vLLM's chat form (messages) and its token strings are refused by name, and
+    any other field as unknown: ignoring them answered a question the client did not ask."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    messages: Any = None  # before prompt: a chat-form body hears of this, not that prompt is missing
     prompt: str = Field(description="a string")
     add_special_tokens: bool = Field(True, description="true or false")
+    return_token_strs: bool | None = Field(None, description="false (token strings are not supported)")
+
+    @field_validator("return_token_strs")
+    @classmethod
+    def _no_token_strings(cls, value: bool | None) -> bool | None:
+        if value:
+            raise refuse("return_token_strs is not supported (/detokenize turns ids into text)", "return_token_strs")
+        return value
+
+    @field_validator("messages")
+    @classmethod
+    def _no_chat_form(cls, value: Any) -> Any:
+        if value is not None:
+            raise refuse("/tokenize takes a prompt, not messages (a conversation's tokens: POST /v1/chat/completions "
+                         "with max_tokens 0 reports them in usage.prompt_tokens)", "messages")
+        return value
 
 
-class DetokenizeBody(BaseModel):
+class DetokenizeBody(_NamesTheModel):
     """/detokenize (vLLM's)."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
     tokens: list[int] = Field(description="a list of token ids in [0, {vocab_size})")
 
     @field_validator("tokens")
@@ -307,11 +328,15 @@ def refusal(error: ValidationError, model_class: type[BaseModel], body: Any, con
     unknown = [e["loc"][0] for e in errors if e["type"] == "extra_forbidden" and len(e["loc"]) == 1]
     if own and own[0]["ctx"]["status"] != 400:
         return _own(own[0])
-    if unknown:
+    if unknown and issubclass(model_class, _GenerationFields):
         model = context["model"]
         supported = ", ".join(option.name for option in model.OPTIONS) or "none"
         return bad_request(f"unknown field(s): {', '.join(sorted(unknown))} (options of this model's arch "
                            f"{model.config.arch!r}: {supported})", sorted(unknown)[0])
+    if unknown:
+        taken = [name for name, field in model_class.model_fields.items() if field.description]  # not refused ones
+        return bad_request(f"unknown field(s): {', '.join(sorted(unknown))} (this endpoint takes "
+                           f"{', '.join(taken)})", sorted(unknown)[0])
     first = errors[0]
     if first["type"] == REFUSED:
         return _own(first)
