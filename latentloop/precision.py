@@ -88,6 +88,12 @@ class _Bf16Linear(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias
 
 
+def bf16_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """F.linear of bf16 tensors as the emulation runs it (`_Bf16Linear`): also on the meta device,
+    where the memory plan runs it to count the float32 copies it makes."""
+    return _Bf16Linear.apply(x, weight, bias)
+
+
 def _fuses_bias(x: Tensor) -> bool:
     """Whether torch's CPU `at::linear` adds the bias inside the product (addmm: one rounding) for
     this input: a 2-D one, or a contiguous one of more dimensions (flattened to 2-D)."""
@@ -122,7 +128,7 @@ def _emulated_linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) 
     x, w, b = _cast(input), _cast(weight), _cast(bias)
     if w.dim() != 2 or any(t is not None and t.dtype != torch.bfloat16 for t in (x, w, b)):
         return F.linear(input, weight, bias)
-    return _Bf16Linear.apply(x, w, b)
+    return bf16_linear(x, w, b)
 
 
 class _EmulatedLinearMode(TorchFunctionMode):

@@ -50,9 +50,10 @@ ALLOWED: dict[str, frozenset[str]] = {
     "chat": frozenset({"data", "engine"}),
     "api": frozenset({"archs", "engine", "runs"}),
     # inference: torch's dispatch mode through inference.torch_internals (train.memory's estimate of a step);
-    # models: the CPU's attention rule, which train.memory's estimate of a CPU step follows
+    # models: the CPU's attention rule, which train.memory's estimate of a CPU step follows; precision: the
+    # emulated bf16 linear, which that estimate runs on the meta device
     "train": frozenset({"archs", "checkpoint", "data", "distributed", "eval", "inference", "interop", "models",
-                        "objectives", "optim", "parallel", "runtime"}),
+                        "objectives", "optim", "parallel", "precision", "runtime"}),
     "analysis": frozenset({"archs", "checkpoint", "data", "eval", "runs", "runtime"}),  # a result names its step
     "demo": frozenset({"archs", "data", "engine", "eval", "runtime", "train"}),
     # sizing a run: the registry's model and objective, the trainer's FLOPs memo and memory estimate,
