@@ -174,11 +174,16 @@ def test_a_package_reads_the_weights_of_the_model_it_runs_for(compile_dir):
     assert compiled == eager
 
 
+AUTO_PROCESSES = 6  # each banks ~56 steps' saving; one was enough on a quiet machine
+
+
 @pytest.mark.slow
 def test_a_second_process_decodes_from_the_package_without_importing_dynamo(compile_dir, tmp_path):
-    """The first process compiles (`compile=True`) and records what loading its package cost; the
-    second, with the default `compile="auto"`, expects that load, takes the compiled path after its
-    probe steps, and never imports dynamo."""
+    """The first process compiles (`compile=True`) and records what loading its package cost; a
+    later one, with the default `compile="auto"`, expects that load, takes the compiled path after its
+    probe steps, and never imports dynamo. The rule weighs measured times: on a loaded machine one
+    process's saving may fall short of the load, and it banks the saving for the next (the test
+    failed there with one "auto" process), so up to AUTO_PROCESSES run until one takes the package."""
     new_tokens = 56  # to the test preset's context of 64: the saving (~0.5 ms a step) well past the load
     model = built("gpt")
     path = tmp_path / "model.pt"
@@ -202,12 +207,15 @@ def test_a_second_process_decodes_from_the_package_without_importing_dynamo(comp
         return json.loads(done.stdout.splitlines()[-1])
 
     first = process("True", tmp_path / "temp-1")
-    second = process("auto", tmp_path / "temp-2")
-    assert not list((tmp_path / "temp-2").iterdir())  # the loader's unpacked library was removed
     eager = ll.generate(model, [BOS, 5, 9, 12], new_tokens, temperature=0.0, compile=False)
-    assert first["tokens"] == second["tokens"] == eager
-    assert first["compiled"] and second["compiled"]
-    assert first["dynamo"] and not second["dynamo"]  # compiling imports it; loading the package does not
+    assert first["tokens"] == eager and first["compiled"] and first["dynamo"]  # compiling imports dynamo
+    for attempt in range(AUTO_PROCESSES):
+        later = process("auto", tmp_path / f"temp-auto-{attempt}")
+        assert not list((tmp_path / f"temp-auto-{attempt}").iterdir())  # the loader's unpacked library removed
+        assert later["tokens"] == eager and not later["dynamo"]  # loading the package does not import it
+        if later["compiled"]:
+            break
+    assert later["compiled"], f"{AUTO_PROCESSES} processes with compile='auto' never took the package"
 
 
 @pytest.mark.slow
