@@ -383,3 +383,15 @@ def test_a_text_folder_skips_hidden_files_and_folders_as_its_glob_does(tmp_path)
         assert list(by_folder.iter_documents(split)) == list(by_glob.iter_documents(split))
     val = set(by_folder.iter_documents("val"))
     assert val and not val & set(by_folder.iter_documents("train"))
+
+
+def test_a_byte_order_mark_before_a_text_files_first_document_is_passed_over(tmp_path):
+    """Notepad's UTF-8 writes a byte-order mark first: it was read as the first document's first
+    character (trained on, and its tokens in every val figure of that document). Only the file's
+    first one is an editor's mark; one inside the text stays."""
+    marked = tmp_path / "marked.txt"
+    marked.write_bytes(b"\xef\xbb\xbffirst document\n<|endoftext|>\nsecond \xef\xbb\xbfdocument\n")
+    assert list(sources._read_text(marked)) == ["first document", "second \ufeffdocument"]
+    whole = tmp_path / "whole.txt"
+    whole.write_bytes(b"\xef\xbb\xbfone document, no separator\n")
+    assert list(sources._read_text(whole)) == ["one document, no separator\n"]

@@ -44,6 +44,7 @@ SPLITS = ("train", "val")
 
 # Separator used by GPT-2 style corpora (TinyStories, OpenWebText dumps) between documents.
 END_OF_TEXT = "<|endoftext|>"
+BYTE_ORDER_MARK = "\ufeff"  # UTF-8's, which some editors write first: passed over in .txt and .jsonl files
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 # Characters that make a `text:` path a glob.
@@ -307,6 +308,8 @@ def _read_text(file: Path) -> Iterator[str]:
             except UnicodeDecodeError as exc:
                 raise DataError(f"{file} is not valid UTF-8 (byte 0x{exc.object[exc.start]:02x} at offset "
                                 f"{offset - undecoded + exc.start})") from exc
+            if offset == 0 and window.startswith(BYTE_ORDER_MARK):  # an editor's mark, not the text's first character
+                window = window[1:]
             offset += len(chunk)
             start = 0
             while (end := window.find(END_OF_TEXT, start)) != -1:
@@ -345,7 +348,7 @@ def iter_jsonl(file: Path) -> Iterator[tuple[int, Any]]:
                 raise DataError(f"{file}:{line_number}: not valid UTF-8 (byte {raw[exc.start]:#04x} at offset "
                                 f"{exc.start} of the line)") from None
             if line_number == 1:
-                line = line.removeprefix("\ufeff")
+                line = line.removeprefix(BYTE_ORDER_MARK)
             if not line.strip():
                 continue
             try:
