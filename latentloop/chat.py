@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from .data.chat import MAX_CHAT_TEXT_CHARS, prompt_written, replies_encoded_alone
+from .data.chat import MAX_CHAT_TEXT_CHARS, check_messages, prompt_written, replies_encoded_alone
 from .engine import PromptError, stream
 from .errors import ConfigError
 from .util import TokenText
@@ -34,6 +34,8 @@ def chat_prompt(tokenizer, messages: list[dict], budget: int) -> list[int]:
 
 def fitted_conversation(tokenizer, messages: list[dict], budget: int) -> tuple[list[dict], list[int]]:
     """(the messages kept, their prompt ids): `chat_prompt`, with what it kept."""
+    if not isinstance(messages, (list, tuple)) or not all(isinstance(m, dict) for m in messages):
+        check_messages(messages, for_training=False)  # its one line for what is not a list of objects
     messages = list(messages)
     system = messages[:1] if messages and messages[0].get("role") == "system" else []
     turns = messages[len(system):]

@@ -224,6 +224,33 @@ def test_a_row_left_with_non_finite_keys_and_values_does_not_reach_its_next_requ
     torch.testing.assert_close(torch.stack(logp), want, rtol=TOL, atol=TOL)
 
 
+def test_kept_logits_are_the_steps_own_when_the_decoder_writes_one_buffer_again(models):
+    """A CPU package writes every step's logits into the same output buffer (`FastDecoder.step`: "copy
+    what is kept past it"); `keep_logits` kept a view of it, so the logits kept at earlier steps became
+    later steps'. The decoder's step here returns one buffer written again, as the package's does."""
+    model = models["gpt"]
+    batch = SlotBatch(model, model_options(model, {}), (), keep_logits=True, compile=False)
+    step, buffer = batch.decoder.step, {}
+
+    def one_buffer(tokens):
+        logits, greedy, info = step(tokens)
+        out = buffer.setdefault(logits.shape, torch.empty_like(logits))
+        out.copy_(logits)
+        return out, greedy, info
+
+    batch.decoder.step = one_buffer
+    batch.add([Member([BOS, 5, 9, 12], 5, Sampling())])
+    kept, copies = [], []
+    while len(batch):
+        for out in batch.step():
+            if out.token is not None:
+                kept.append(out.logits)
+                copies.append(out.logits.clone())
+    assert len(kept) == 5
+    for logits, copy in zip(kept, copies):
+        torch.testing.assert_close(logits, copy, rtol=0, atol=0)  # what each step returned, still
+
+
 def test_the_compiled_path_shrinks_to_a_batch_its_live_rows_do_not_fill(models):
     """16 rows, of which 3 live on in rows 6-8: the batch shrinks to 4 rows, one of them free, the
     live rows moved below the new size (`move_row`), and every row still decodes as alone (each

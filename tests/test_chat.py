@@ -421,6 +421,20 @@ def test_a_message_over_the_text_limit_keeps_the_chat_session(chat_run):
         chat_prompt(CHAT, history, 10**7)
 
 
+@pytest.mark.parametrize("messages, words", [
+    (["hello"], "message 0 must be an object with 'role' and 'content', got str 'hello'"),
+    ("hello", "'messages' must be a non-empty list, got str 'hello'"),
+    (None, "'messages' must be a non-empty list, got NoneType None"),
+])
+def test_messages_that_are_not_a_list_of_objects_are_one_line_errors_before_the_prompt_is_fitted(messages, words):
+    """`chat_prompt` / `stream_reply` read the first message's role before the messages were checked:
+    an AttributeError or TypeError traceback, where the format's own check has one line."""
+    from latentloop.chat import chat_prompt
+
+    with pytest.raises(ChatFormatError, match=re.escape(words)):
+        chat_prompt(CHAT, messages, 10**7)
+
+
 def test_openai_content_parts_are_their_text_and_other_parts_are_refused():
     """OpenAI clients may send a message's content as a list of parts: the text parts stand for
     their text, joined by newlines (vLLM's rule); an image part is one clear error. The list was

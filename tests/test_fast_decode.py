@@ -1191,6 +1191,55 @@ def test_the_attended_window_grows_in_buckets_on_cpu_and_in_few_sizes_on_cuda():
     assert max(window_length(n, slot_length(model), d) for n in range(1, 1001) for d in ("cpu", "cuda")) == 1008
 
 
+def test_dynamos_steps_in_several_threads_run_one_at_a_time_and_leave_the_stance_as_they_found_it(monkeypatch,
+                                                                                                   tmp_path):
+    """`torch.compiler.set_stance` is the process's, and each use puts back what it found: four threads'
+    compiled decodes overlapped inside it, put back each other's stance, and left the unsafe one on
+    (every later compile in the process failed). The compiled step here is the eager one, slowed, so
+    that overlaps happen; the stance is recorded as each step enters it."""
+    import threading
+    import time
+
+    import latentloop.inference.fast as fast
+
+    monkeypatch.setenv("LATENTLOOP_AOT", "0")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(fast, "_compiled_step", lambda device_type: fast._decode_step)
+    real_stance = torch.compiler.set_stance
+    inside, most = [0], [0]
+
+    class Recorded:
+        def __init__(self, *args, **kwargs):
+            self.stance = real_stance(*args, **kwargs)
+
+        def __enter__(self):
+            self.stance.__enter__()
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+            time.sleep(0.002)  # the GIL let go inside the stance, as a compiled step lets it go
+
+        def __exit__(self, *exc):
+            inside[0] -= 1
+            return self.stance.__exit__(*exc)
+
+    monkeypatch.setattr(torch.compiler, "set_stance", Recorded)
+    model = model_for("gpt")
+    prompts = [[BOS, 5 + i, 9, 12] for i in range(4)]
+    alone = [ll.generate(model, prompt, 24, temperature=0.0, compile=False) for prompt in prompts]
+    results: dict[int, list[int]] = {}
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(
+        i, ll.generate(model, prompts[i], 24, temperature=0.0, compile=True))) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert [results.get(i) for i in range(4)] == alone
+    assert most[0] == 1  # one compiled step inside the stance at a time
+    from torch._dynamo import eval_frame
+
+    assert not eval_frame._stance.skip_guard_eval_unsafe  # the process's stance as it was
+
+
 def test_a_compiler_that_fails_leaves_the_generation_eager_and_says_why(monkeypatch, tmp_path):
     """A C++ compiler that is there but fails (or a damaged file in inductor's own cache) ended
     `generate --decode compiled` in inductor's traceback: the decoder now decodes eagerly from that

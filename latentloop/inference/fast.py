@@ -77,6 +77,7 @@ import math
 import os
 import sys
 import tempfile
+import threading
 import time
 import types
 import weakref
@@ -588,6 +589,12 @@ class FastDecoder:
         # new tensors (another cache, a view of other rows: a new key_pos) or thread count look the shape up again
         self._ran_with: tuple | None = None
 
+    def __del__(self) -> None:
+        """The decode is over: the model's shared package step lets go of this decoder's cache."""
+        aot, cache = getattr(self, "aot", None), getattr(self, "cache", None)
+        if aot is not None and cache is not None:
+            aot.release(cache)
+
     def _dynamo_step(self):
         """Dynamo's compiled step, one per model and options (made on first need: `torch.compile`
         imports dynamo, seconds that a decoder running an ahead-of-time package never pays)."""
@@ -657,18 +664,23 @@ class FastDecoder:
                 logits, greedy, info = self.aot(self.model, token, cache, self.options)
             except AotUnavailable as error:  # this shape ran on dynamo's step in an earlier decoder
                 self._fall_back_to_dynamo(error)
-                logits, greedy, info = self._step(self.model, token, cache, self.options)
-        elif not self.compiled or (ran and not (self.skip_guards and self.window_inside_buffer(cache))):
+                with DYNAMO_STEPS_LOCK:
+                    logits, greedy, info = self._step(self.model, token, cache, self.options)
+        elif not self.compiled:
             logits, greedy, info = self._step(self.model, token, cache, self.options)
+        elif ran and not (self.skip_guards and self.window_inside_buffer(cache)):
+            with DYNAMO_STEPS_LOCK:
+                logits, greedy, info = self._step(self.model, token, cache, self.options)
         elif ran:
             # Dynamo checks its guards before every call (80-380 us a step measured at batch 1, issue 26).
             # This decoder's graph exists for these shapes and the window is a dynamic dimension, so the
             # only guards that matter are those telling this graph from others of the same step (other
             # batch sizes or lengths): `skip_guard_eval_unsafe` evaluates just those.
-            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+            with DYNAMO_STEPS_LOCK, torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
                 logits, greedy, info = self._step(self.model, token, cache, self.options)
         else:
-            logits, greedy, info = self._first_compiled_step(token)
+            with DYNAMO_STEPS_LOCK:
+                logits, greedy, info = self._first_compiled_step(token)
         cache.filled += 1
         if self.cuda and self.compiled:
             # CUDA graph trees free a call's outputs when the next call begins (each call in inference is
@@ -969,6 +981,14 @@ class AutoCompile:
         record.bank(total)
         return False
 
+
+# Dynamo's compiled steps run one at a time in a process. `torch.compiler.set_stance` is the process's,
+# and each use puts back the stance it found when it ends: two threads' steps that overlapped put back
+# each other's, and the unsafe stance of one outlived both (every later compile in the process then
+# failed, "Recompilation triggered with skip_guard_eval_unsafe stance"); a step checking its guards, or
+# compiling, beside one that skips them was judged by the unsafe stance too. Packages (the CPU's
+# ahead-of-time steps) and eager steps take no lock.
+DYNAMO_STEPS_LOCK = threading.RLock()
 
 # record path -> seconds of eager decode that compiling would have saved so far, in this process
 # (what `CompileRecord.bank` also writes to disk; kept here for a cache folder it cannot write)

@@ -35,6 +35,7 @@ from ..models.options import without_speed_only
 from .aot import AotDecodeStep, AotUnavailable, aot_enabled
 from .fast import (
     AOT_BACKEND,
+    DYNAMO_STEPS_LOCK,
     FastDecoder,
     compiled_copy,
     compiled_steps,
@@ -101,6 +102,12 @@ class CompiledDrafting:
                 self._verify_step = self._dynamo_verify()
         self._verified_once = False
         self.cache: KVCache | None = None
+
+    def __del__(self) -> None:
+        """The decode is over: the model's shared verification package lets go of this decoder's cache."""
+        aot, cache = getattr(self, "aot", None), getattr(self, "cache", None)
+        if aot is not None and cache is not None:
+            aot.release(cache)
 
     def _dynamo_verify(self):
         per_model = compiled_steps(self.model)
@@ -177,7 +184,10 @@ class CompiledDrafting:
             except AotUnavailable:  # export or the package build refused this step: dynamo's graph instead
                 self.aot = None
                 self._verify_step = self._dynamo_verify()
-        return self._verify_step(self.model, tokens, self.cache, self.options)
+        if self._verify_step is _verify:  # compile=False (tests)
+            return _verify(self.model, tokens, self.cache, self.options)
+        with DYNAMO_STEPS_LOCK:  # dynamo's graph: one compiled step at a time in a process (see fast.py)
+            return self._verify_step(self.model, tokens, self.cache, self.options)
 
     def keep(self, out: ModelOutput, kept: Tensor, before: dict[str, Tensor]) -> None:
         """Of the verified tokens the row keeps its first kept (1,) (`model.keep_verified`); the

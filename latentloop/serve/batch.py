@@ -272,7 +272,7 @@ class DecodeBatch:
             n = member.sampling.top_logprobs
             steps.append(MemberStep(member, token, chosen[i] if member.sampling.logprobs else None,
                                     list(zip(top_ids[i][:n], top_values[i][:n])) if n else None,
-                                    last[i] if self.keep_logits else None))
+                                    last[i].clone() if self.keep_logits else None))  # the next step writes `last`
         return steps
 
 
