@@ -301,7 +301,17 @@ def save_sharded(folder: Path, model: nn.Module, optimizers: list[torch.optim.Op
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    # torch's get_state_dict first fills an optimizer that has no state with a step of zero gradients
+    # (AdamW: step 1 and zero moments for every parameter). Recorded as real, a resume from a checkpoint
+    # written before any step (a deadline already past) took them, and its first step's bias correction
+    # was the second's. The file keeps them (torch's loader cannot split an optimizer state without any
+    # among several optimizers); the names returned, and the live optimizers, are those with real state.
+    names = _param_names(model)
+    with_state = {names[p] for opt in optimizers for p, state in opt.state.items() if state}
     model_state, optim_state = get_state_dict(model, optimizers)
+    for opt in optimizers:
+        for p in [p for p in opt.state if names.get(p) not in with_state]:
+            del opt.state[p]
     try:
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(folder))
     except (Exception, CheckpointException) as exc:  # CheckpointException: a BaseException, raised on every rank
@@ -309,7 +319,7 @@ def save_sharded(folder: Path, model: nn.Module, optimizers: list[torch.optim.Op
         raise OutputError(f"cannot write the sharded checkpoint {folder}: {first_line(cause)}") from None
     if current_dist().is_main:  # dcp.save has returned: every process's files are complete
         write_sharded_checksums(folder)
-    return sorted(optim_state.get("state", {}))
+    return sorted(with_state)
 
 
 def load_sharded(folder: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer],
@@ -332,7 +342,8 @@ def load_sharded(folder: Path, model: nn.Module, optimizers: list[torch.optim.Op
     agree(None)
     model_state, optim_state = get_state_dict(model, optimizers)  # fills empty optimizer states first
     keep = set(with_state)
-    optim_state["state"] = {name: s for name, s in optim_state.get("state", {}).items() if name in keep}
+    if keep:  # else every state in the file is one get_state_dict filled when it saved: read, then dropped below
+        optim_state["state"] = {name: s for name, s in optim_state.get("state", {}).items() if name in keep}
     wanted = {"model": model_state, "optim": optim_state}
     load_sharded_state(wanted, folder, metadata, no_dist=not in_process_group())
     # not strict: parameters never updated when it was saved have no optimizer state in the file (dcp.load

@@ -240,8 +240,19 @@ def sharded_checkpoints(rank: int, corpus: str, out: str) -> None:
                                full_weights=True, seed=LATE_FUSION_SEED), run, resume=True, progress=False)
     start = resumed.step
     fit(resumed, progress=False)
+    # a run whose deadline passed before its first step saves step 0, its optimizer without state: resumed,
+    # it must train as a run never stopped (the zero states torch fills in to save were taken for real)
+    losses = {}
+    for name, cut in (("straight", None), ("stopped", 0.0)):
+        config = run_config("gpt", Path(corpus), "fsdp2", steps=3, optimizer="adamw", full_weights=False)
+        first = setup(config, Path(out) / f"step0-{name}", progress=False)
+        fit(first, progress=False, max_seconds=cut)
+        if cut is not None:
+            first = setup(config, Path(out) / f"step0-{name}", resume=True, progress=False)
+            fit(first, progress=False)
+        losses[name] = [row["loss"] for row in first.history if "loss" in row]
     if rank == 0:
-        (Path(out) / "fsdp2-resume.json").write_text(json.dumps({"resumed_from": start}))
+        (Path(out) / "fsdp2-resume.json").write_text(json.dumps({"resumed_from": start, "step0": losses}))
 
 
 def plant_fault(rank: int, at_batch: int = 3) -> None:
