@@ -279,6 +279,44 @@ def _pressing_ctrl_c(function):
     return pressed
 
 
+def test_ctrl_c_just_after_the_final_validation_returns_still_saves(corpus, tmp_path, monkeypatch):
+    """A Ctrl+C handled in the lines between the final validation's return and the phase's move to
+    "saving" raised the skip outside its `try`: the run ended unsaved (with save_every 0, all of it). The
+    signal is handled here at the first line `_fit` runs after `validate` returns, as the interpreter
+    may handle it there."""
+    import signal
+    import sys
+
+    from latentloop.train import loop
+
+    validate_, returned = loop.validate, []
+
+    def validated(state):
+        out = validate_(state)
+        returned.append(True)
+        return out
+
+    def tracer(frame, event, arg):
+        if frame.f_code is loop._fit.__code__:
+            def lines(frame, event, arg):
+                if event == "line" and returned and len(returned) == 1:
+                    returned.append(True)  # once
+                    signal.getsignal(signal.SIGINT)(signal.SIGINT, frame)  # a SIGINT handled at this line
+                return lines
+            return lines
+        return None
+
+    monkeypatch.setattr(loop, "validate", validated)
+    state = setup(_config(corpus, steps=2, save_every=0), tmp_path / "run", progress=False)
+    sys.settrace(tracer)
+    try:
+        summary = fit(state, progress=False)
+    finally:
+        sys.settrace(None)
+    assert len(returned) == 2 and summary["validation_skipped"] and "val_loss" not in summary
+    assert (tmp_path / "run" / "checkpoints" / "step_00000002" / "model.safetensors").is_file()
+
+
 def test_ctrl_c_in_the_final_validation_or_save_still_saves_and_one_in_the_last_step_is_no_interruption(
         corpus, tmp_path, monkeypatch):
     """The handler stays until the final checkpoint is written: a Ctrl+C in the final validation

@@ -413,8 +413,9 @@ def _fit(state: TrainState, progress: bool, max_seconds: float | None) -> dict[s
             interrupt.phase = "validating"
             try:
                 final = validate(state)
+                interrupt.phase = "saving"  # inside: a Ctrl+C before this line skips a validation that is done
             except _ValidationSkipped:
-                skipped = True
+                final, skipped = {}, True
         if skipped:
             print("latentloop: final validation skipped (Ctrl+C)" + ("" if checkpoint else "; saving"), file=sys.stderr)
         interrupt.phase = "saving"  # from here a Ctrl+C is waited out: logging the row (trackers) included
