@@ -65,7 +65,7 @@ def test_the_page_is_served_whole_and_offline(chat_server):
     page = httpx.get(server.url + "/", timeout=CALL_TIMEOUT_S)
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     for name, kind in (("chat.js", "text/javascript"), ("chat.css", "text/css")):
-        assert f"/page/{name}" in page.text
+        assert f'"page/{name}"' in page.text  # relative: the page works under a proxy's path too
         reply = httpx.get(server.url + f"/page/{name}", timeout=CALL_TIMEOUT_S)
         assert reply.status_code == 200 and reply.headers["content-type"].startswith(kind)
         # nothing fetched from another host: no absolute URL in the page's files
@@ -399,3 +399,79 @@ def test_the_page_stops_resets_keeps_typed_text_and_marks_cut_replies(chat_serve
         failing.goto(server.url + "/")
         failing.wait_for_function("document.getElementById('status').textContent !== ''")
         assert failing.text_content("#status") == "cannot load the model's options: the server is shutting down"
+
+
+PREFIX = "/llm"  # the path a reverse proxy serves the page under, stripped before it reaches the server
+GOOD_KEY = "sekret-key"
+
+
+def test_the_page_works_under_a_path_asks_for_a_key_and_refuses_what_it_cannot_send(chat_server, tmp_path):
+    """Found by a review driving the page (12-07): under a proxy's path the page asked the server's root
+    for its files and stayed "loading…"; a stored key holding a character no header carries locked the page
+    out (fetch threw before any 401); a typed key was kept only on Enter or blur, and needed a reload;
+    the default budget of 64 was refused by a server whose cap is lower; a number control the browser
+    cannot read ("0.5e") was sent as nothing, the model's default; a stream with CRLF line ends (as
+    proxies write) ended every reply "before the server finished"."""
+    server, _ = chat_server
+    with _launched(tmp_path) as browser:
+        context = browser.new_context()
+        page = context.new_page()
+        page.set_default_timeout(BROWSER_TIMEOUT_MS)
+        seen: list[str] = []
+
+        def proxy(route):  # a reverse proxy: /llm/... to the server's /..., the API key checked here
+            request = route.request
+            path = request.url.split(PREFIX, 1)[1]
+            seen.append(path)
+            keyed = path.startswith(("/page/config", "/v1/"))
+            if keyed and request.headers.get("authorization") != f"Bearer {GOOD_KEY}":
+                route.fulfill(status=401, body=json.dumps({"error": {"message": "a valid API key is needed"}}),
+                              headers={"content-type": "application/json"})
+            elif path.startswith("/page/config"):
+                config = httpx.get(server.url + path, timeout=CALL_TIMEOUT_S).json()
+                route.fulfill(status=200, body=json.dumps({**config, "max_tokens_cap": 16}),
+                              headers={"content-type": "application/json"})
+            elif path.startswith("/v1/chat/completions"):
+                sent.append(json.loads(request.post_data))
+                body = _stream(("fine", {"exit_steps": 2}), (" thanks", {"exit_steps": 3})).replace("\n", "\r\n")
+                route.fulfill(status=200, body=body, headers={"content-type": "text/event-stream"})
+            else:
+                route.continue_(url=server.url + path)
+
+        sent: list[dict] = []
+        page.route(f"**{PREFIX}/**", proxy)
+        base = server.url + PREFIX + "/"
+        page.goto(base)
+        page.wait_for_function("!document.getElementById('key-box').hidden")
+        assert "needs its API key" in page.text_content("#status")
+        assert "/page/chat.js" in seen and "/page/chat.css" in seen  # under the proxy's path, not the root
+        page.fill("#api-key", GOOD_KEY)
+        page.press("#api-key", "Enter")  # used at once: no reload
+        page.wait_for_selector("body[data-state=idle]")
+        assert page.evaluate("localStorage.getItem('latentloop-api-key')") == GOOD_KEY
+        assert page.input_value("#max_tokens") == "16"  # within the server's cap of 16, not 64
+
+        page.locator("#temperature").fill("")
+        page.locator("#temperature").press_sequentially("0.5e")  # a browser reads it as no value
+        page.fill("#message", "hello")
+        page.press("#message", "Enter")
+        page.wait_for_timeout(COMPOSING_WAIT_MS)
+        assert not sent and page.input_value("#message") == "hello"
+        assert "temperature is not a number" in page.text_content("#status")
+        page.locator("#temperature").fill("0")
+        page.press("#message", "Enter")
+        page.wait_for_function("document.querySelector('.turn.assistant .content[data-final]') !== null")
+        assert page.get_attribute(".turn.assistant .content", "data-final") == "fine thanks"  # CRLF events read
+        assert sent[0]["max_tokens"] == 16 and sent[0]["temperature"] == 0
+
+        # a stored key holding a zero-width space: the key box again, not a page locked out
+        page.evaluate(f"localStorage.setItem('latentloop-api-key', {json.dumps(GOOD_KEY + chr(0x200B))})")
+        page.reload()
+        page.wait_for_function("!document.getElementById('key-box').hidden")
+        assert "no header can carry" in page.text_content("#status")
+        # a key typed and the page reloaded before Enter: the key typed is the one kept
+        page.fill("#api-key", GOOD_KEY)
+        page.reload()
+        page.wait_for_selector("body[data-state=idle]")
+        assert page.evaluate("localStorage.getItem('latentloop-api-key')") == GOOD_KEY
+        context.close()

@@ -19,11 +19,30 @@ const page = {
 const $ = (id) => document.getElementById(id);
 const IME_KEY_CODE = 229;  // the keyCode of a key an input method takes (Safari's composing Enter lacks isComposing)
 
+const KEY_STORE = "latentloop-api-key";
+// What a key may hold: the server compares printable ASCII only, and a header with any other character
+// (a pasted zero-width space or curly quote) makes fetch throw before anything is sent.
+const KEY_CHARS = /^[\x20-\x7e]+$/;
+
+// The stored key; null where the browser keeps no site data (reading storage then throws).
+function storedKey() {
+  try { return localStorage.getItem(KEY_STORE); } catch (e) { return null; }
+}
+
+function storeKey(key) {
+  try { if (key) localStorage.setItem(KEY_STORE, key); else localStorage.removeItem(KEY_STORE); } catch (e) { /* kept for this page only */ }
+}
+
 function headers() {
   const h = { "Content-Type": "application/json" };
-  const key = $("api-key").value || localStorage.getItem("latentloop-api-key") || "";
-  if (key) h["Authorization"] = "Bearer " + key;
+  const key = $("api-key").value || storedKey() || "";
+  if (key && KEY_CHARS.test(key)) h["Authorization"] = "Bearer " + key;
   return h;
+}
+
+function askForKey(why) {
+  $("key-box").hidden = false;
+  setStatus(why);
 }
 
 function setStatus(text) { $("status").textContent = text; }
@@ -78,6 +97,15 @@ function optionValue(input) {
     case "bool": return raw === "true";
     default: return raw;
   }
+}
+
+// The first control whose text the browser cannot read as a number (e.g. "0.5e"): its value reads as
+// empty, and the request would go without it, on the model's default, as if nothing were typed.
+function unreadableControl() {
+  for (const input of $("controls").querySelectorAll("input")) {
+    if (input.validity && input.validity.badInput) return input.name;
+  }
+  return null;
 }
 
 function requestBody(text, earlier) {
@@ -222,6 +250,8 @@ function leaveOutOldestExchanges(count) {
   for (const turn of page.messageTurns.splice(0, 2 * count)) turn.classList.add("left-out");
 }
 
+const EVENT_END = /\r\n\r\n|\n\n|\r\r/;
+
 async function send(text) {
   if (page.busy || isBlank(text)) return;
   const conversation = page.conversation;
@@ -238,7 +268,7 @@ async function send(text) {
   let droppedForContext = 0;  // of those, left out of the conversation: a shorter request was accepted
   let failure = null;
   try {
-    const url = page.config.chat ? "/v1/chat/completions" : "/v1/completions";
+    const url = page.config.chat ? "v1/chat/completions" : "v1/completions";  // relative: a proxy's path too
     let response;
     let earlier = page.messages;  // what this request sends before the new message
     for (;;) {
@@ -255,6 +285,7 @@ async function send(text) {
         leftOut += 1;
         continue;
       }
+      if (response.status === 401) askForKey("this server needs its API key: enter it on the right");
       throw new Error((error.error && error.error.message) || `HTTP ${response.status}`);
     }
     if (leftOut && conversation === page.conversation) {
@@ -269,12 +300,13 @@ async function send(text) {
       if (done) break;
       buffer += decoder.decode(value, { stream: true });
       let cut;
-      while ((cut = buffer.indexOf("\n\n")) >= 0) {
-        const event = buffer.slice(0, cut);
-        buffer = buffer.slice(cut + 2);
-        for (const line of event.split("\n")) {
-          if (!line.startsWith("data: ")) continue;
-          const data = line.slice(6);
+      // events end at a blank line, whatever the line ends (the format allows \r\n and \r, as proxies write)
+      while ((cut = EVENT_END.exec(buffer)) !== null) {
+        const event = buffer.slice(0, cut.index);
+        buffer = buffer.slice(cut.index + cut[0].length);
+        for (const line of event.split(/\r\n|\r|\n/)) {
+          if (!line.startsWith("data:")) continue;
+          const data = line.slice(line.startsWith("data: ") ? 6 : 5);
           if (data === "[DONE]") { completed = true; continue; }
           const chunk = JSON.parse(data);
           if (chunk.error) throw new Error(chunk.error.message);
@@ -327,13 +359,23 @@ async function send(text) {
   shade();
 }
 
+// The default reply budget, within what the server allows and half the context (the rest is the
+// conversation's): 64 was refused by a server whose --max-tokens-cap is lower, at every message.
+const MAX_TOKENS_DEFAULT = 64;
+
+let started = false;  // the controls' and composer's handlers are in place (a second init() after a key)
+
 async function init() {
   document.body.dataset.state = "loading";
-  const response = await fetch("/page/config", { headers: headers() });
+  const key = $("api-key").value || storedKey() || "";
+  if (key && !KEY_CHARS.test(key)) {
+    askForKey("the API key holds a character no header can carry (only printable ASCII): enter it again");
+    return;
+  }
+  const response = await fetch("page/config", { headers: headers() });
   if (response.status === 401) {
-    $("key-box").hidden = false;
-    setStatus("this server needs its API key: enter it on the right, then reload");
-    $("api-key").addEventListener("change", () => localStorage.setItem("latentloop-api-key", $("api-key").value));
+    askForKey(key ? "the server refused this API key: enter it again on the right"
+                  : "this server needs its API key: enter it on the right");
     return;
   }
   if (!response.ok) {
@@ -345,12 +387,23 @@ async function init() {
   $("model").textContent = `${c.model} · ${c.arch} · context ${c.context} tokens` +
     (c.chat ? "" : " · no chat format: the page continues your text");
   $("max_tokens").max = c.max_tokens_cap;
+  $("max_tokens").value = Math.max(1, Math.min(MAX_TOKENS_DEFAULT, c.max_tokens_cap, Math.floor(c.context / 2)));
+  $("key-box").hidden = !storedKey() && !$("api-key").value;  // a key in use stays changeable
   $("options").replaceChildren(...c.options.map(optionControl));
+  setBusy(false);
+  setStatus("");
+  if (started) return;
+  started = true;
   $("shade-key").addEventListener("change", (e) => { e.target.dataset.chosen = e.target.value; shade(); });
   $("composer").addEventListener("submit", (e) => {
     e.preventDefault();
     const text = $("message").value;
     if (page.busy || isBlank(text)) return;  // kept in the box: nothing was sent
+    const unreadable = unreadableControl();
+    if (unreadable) {  // kept in the box too: the request would go without that setting
+      setStatus(`${unreadable} is not a number: correct it or clear it (the model's default), then send`);
+      return;
+    }
     $("message").value = "";
     send(text);
   });
@@ -370,7 +423,25 @@ async function init() {
     shade();
     setStatus("");
   });
-  setBusy(false);
 }
 
-init().catch((error) => setStatus("cannot load the model's options: " + String(error.message || error)));
+// Before the model's options load (or when they cannot), Send must not submit the form natively: the
+// page would reload and lose the typed message.
+$("composer").addEventListener("submit", (e) => e.preventDefault());
+// A key is kept as it is typed (a reload before Enter kept nothing), and used as soon as it is entered
+// (Enter or the button), without a reload.
+$("api-key").addEventListener("input", () => storeKey($("api-key").value.trim()));
+$("key-box").addEventListener("submit", (e) => {
+  e.preventDefault();
+  storeKey($("api-key").value.trim());
+  $("api-key").value = $("api-key").value.trim();
+  start();
+});
+
+function start() {
+  init().catch((error) => {
+    setStatus("cannot load the model's options: " + String(error.message || error));
+  });
+}
+
+start();
