@@ -44,6 +44,7 @@ from ladder_fit import (  # noqa: E402
     Incomplete,
     Plan,
     Point,
+    Undefined,
     load_records,
     plot_curves,
     points_of,
@@ -106,6 +107,7 @@ class Cell:
     text: str  # the figures behind it
     variants: tuple[str, ...]  # whose records the cell read (gpt's too)
     trend: str = ""
+    label: str = ""  # beside the verdict in the claims table: which reading it is (the fourth amendment's)
 
 
 def sizes_of(points: Sequence[Point], corpus: str, optimizer: str,
@@ -127,15 +129,16 @@ def against_level(tests: int) -> float:
 
 def _started(e: Any) -> bool:
     """Whether any run behind a figure has finished."""
-    return isinstance(e, Estimate) or (isinstance(e, Incomplete) and (e.have > 0 or bool(e.waits_for)))
+    return isinstance(e, (Estimate, Undefined)) or (isinstance(e, Incomplete) and (e.have > 0 or bool(e.waits_for)))
 
 
-def aggregate(per_size: Sequence[tuple[str, Estimate | Incomplete | None]], tests: int | None = None) -> str:
+def aggregate(per_size: Sequence[tuple[str, Estimate | Incomplete | Undefined | None]],
+              tests: int | None = None) -> str:
     """Rules 1-3, 6 (amended), over every planned size: "holds" if every size is decided above 1 at
     95% (so never while a planned size is incomplete); "does not hold" if any size is decided below 1
     at the Bonferroni level over the row's `tests` intervals (default: the planned sizes); "incomplete"
     while a planned size waits for runs and neither is reached; else "undecided" (a size without an
-    interval decides nothing)."""
+    interval, or `Undefined`, decides nothing)."""
     if not any(_started(e) for _, e in per_size):
         return "not run"
     present = [(s, e) for s, e in per_size if isinstance(e, Estimate)]
@@ -374,6 +377,10 @@ def _paper_gate_runs(points: Sequence[Point], plan: Plan | None, corpus: str, op
     return len(finished), len(planned)
 
 
+# what a RecurrentGPT cell on the default gate says beside its verdict (the fourth amendment's label)
+GATE_BIAS_0_LABEL = "gate bias 0 (the project's default); the paper's +4: not complete"
+
+
 def on_the_papers_gate(evaluate: Callable[..., Cell]) -> Callable[..., Cell]:
     """The fourth amendment: a RecurrentGPT row read on the paper's gate initialisation (the
     rgpt-paper-* forms) once that reading is complete, the default gate's verdict beside it; until
@@ -385,8 +392,10 @@ def on_the_papers_gate(evaluate: Callable[..., Cell]) -> Callable[..., Cell]:
         if finished < planned or not planned:  # complete at every planned size, or not read (the amendment)
             default.text = (f"gate bias 0, the project's default (the paper's +4: {finished} of {planned} runs, "
                             f"{paper.verdict}). {default.text}")
+            default.label = GATE_BIAS_0_LABEL  # the amendment's words: not the claim's verdict
             return default
         paper.text = f"the paper's gate bias, +4. {paper.text} (gate bias 0, the project's default: {default.verdict})"
+        paper.label = f"the paper's gate bias, +4; gate bias 0: {default.verdict}"
         return paper
     return cell
 
@@ -646,12 +655,12 @@ def ladder_plan(records: Sequence[dict[str, Any]], planned: dict[str, dict[str, 
     entries = [entry for entry in planned.values() if ladder.UNBUILDABLE not in entry]
     known = {entry["key"] for entry in entries}
     entries += [r["plan"] for r in records if r["plan"]["key"] not in known]
-    recorded = {(r["plan"]["spec"], r["plan"]["size"]["name"]) for r in records
-                if r["plan"]["variant"]["name"] == REFERENCE}
     params = {}
-    for entry in entries:  # gpt's parameters at a size none of gpt's records shows yet (the table's header)
+    # gpt's parameters at every planned size (the table's header): counted, not read off a record, whose
+    # size may be another column's (stdlib's m record of gpt left English's m at "0 params")
+    for entry in entries:
         where = (entry["spec"], entry["size"]["name"])
-        if where not in recorded and where not in params and entry["spec"] in ladder.SPECS:
+        if where not in params and entry["spec"] in ladder.SPECS:
             params[where] = ladder.gpt_params(ladder.Size(**entry["size"]), ladder.SPECS[entry["spec"]].seq_len)
     return Plan.from_entries(entries, params)
 
@@ -713,7 +722,7 @@ def generate(records: Sequence[dict[str, Any]], figures: Path | None = None, fig
         cells = {column: column_cell(claim, points, *column, stale, plan, recipes) for column in COLUMNS}
         rendered = []
         for (corpus, optimizer), cell in cells.items():
-            text = f"**{cell.verdict}**"
+            text = f"**{cell.verdict}**" + (f" ({cell.label})" if cell.label and cell.verdict != "not run" else "")
             if optimizer == "adamw" and cell.verdict in DECIDED:
                 muon_cell = column_cell(claim, at_adamw_sizes[corpus][0], corpus, "muon", stale,
                                         at_adamw_sizes[corpus][1], recipes)  # a stale Muon cell decides nothing

@@ -217,6 +217,20 @@ class Incomplete:
         return f"incomplete: {self.have} of {self.planned} runs{failed}"
 
 
+@dataclass(frozen=True)
+class Undefined:
+    """A figure its own definition does not give: P where gpt's BPB at the variant's tokens does not fall
+    with gpt's size (the sizes train at batch 4, 8 and 16 sequences, so at equal tokens a larger gpt
+    takes fewer steps and may end worse): no parameter count is "the one gpt needs", and inverting the
+    curve read a bound on the wrong side. It decides nothing, and says why."""
+
+    size: str
+    reason: str
+
+    def text(self, digits: int = 2) -> str:
+        return f"undefined ({self.reason})"
+
+
 # --------------------------------------------------------------------------------------------
 # gpt's curve
 # --------------------------------------------------------------------------------------------
@@ -501,7 +515,7 @@ def _pooled_over_sizes(points: Sequence[Point], plan: Plan, where: dict[str, Any
         if isinstance(found, Incomplete):
             if found.seeds >= 2:
                 waiting.append(other)
-        elif found is not None and len(found.values) >= 2:
+        elif isinstance(found, SeedValues) and len(found.values) >= 2:
             groups.append(list(found.values.values()))
             names.append(other)
     return pooled_scatter(groups), tuple(names), tuple(waiting)
@@ -517,7 +531,7 @@ def _estimate_at(points: Sequence[Point], plan: Plan, column: dict[str, Any], si
     from the same comparison's seed scatter at the column's other sizes (incomplete while a seeded
     size's comparison is)."""
     found = values_at(size)
-    if found is None or isinstance(found, Incomplete):
+    if found is None or isinstance(found, (Incomplete, Undefined)):
         return found
     if len(found.values) >= 2:
         return _estimate(found, None, (), size)
@@ -587,11 +601,12 @@ def multiplier(points: Sequence[Point], corpus: str, optimizer: str, size: str, 
 
 
 def parameter_values(points: Sequence[Point], corpus: str, optimizer: str, size: str, variant: str,
-                     spec: str | None = None, plan: Plan | None = None) -> SeedValues | Incomplete | None:
+                     spec: str | None = None, plan: Plan | None = None) -> SeedValues | Incomplete | Undefined | None:
     """Per seed: log(N_gpt(BPB_v; T_v) / N_v) at the variant's largest token budget in the plan: gpt's
     BPB at the variant's tokens at each size (from seed s's points where that size has seed s, else
     from all its seeds), then log N against log BPB across the sizes, inverted. `Incomplete` until
-    the variant's planned runs of that budget and every planned gpt run of the column have records."""
+    the variant's planned runs of that budget and every planned gpt run of the column have records;
+    `Undefined` where a seed's gpt BPB does not fall with size there (nothing to invert)."""
     plan = plan or Plan.from_points(points)
     where = _column(corpus, optimizer, spec)
     budget = plan.largest_budget(variant, "tokens", size=size, **where)
@@ -632,8 +647,13 @@ def parameter_values(points: Sequence[Point], corpus: str, optimizer: str, size:
                 curve_points.append((math.log(params[key]), math.log(at)))
         if len(curve_points) < 2:
             continue
+        curve_points.sort()
         lx = np.array([c[0] for c in curve_points])
         ly = np.array([c[1] for c in curve_points])
+        if np.any(np.diff(ly) >= 0):
+            bpbs = ", ".join(f"{math.exp(y):.3f}" for y in ly)
+            return Undefined(size, f"seed {s}: gpt's BPB at {mine[s].tokens:,} tokens does not fall with its size "
+                                   f"({bpbs}, smallest first)")
         across = ReferenceCurve("interpolation", (math.exp(lx.min()), math.exp(lx.max())), knots=(lx, ly))
         n, bound = across.x_for(mine[s].bpb)
         if bound is None and not across.x_range[0] <= n <= across.x_range[1]:

@@ -471,6 +471,29 @@ def test_gpts_curve_is_one_method_for_every_seed_of_a_cell():
     assert ladder_fit.parameter_values(sizes[0] + sizes[1], "c", "muon", "a", "var") is not None
 
 
+def test_the_parameter_multiplier_is_undefined_where_gpts_bpb_does_not_fall_with_size():
+    """P inverts gpt's BPB against its size at the variant's tokens. The ladder's sizes train at 4, 8 and 16
+    sequences a step, so at equal tokens a larger gpt may end worse: inverting that curve read a bound on the
+    wrong side (stdlib's rgpt-params at xs: "<0.47" at every seed, a zero-width interval that decided "< 1").
+    Such a P is undefined, says why, and decides nothing; where the curve falls, P is as before."""
+    def column(worse_when_larger: float) -> list[Point]:
+        points = []
+        for i, (name, params) in enumerate([("a", 10_000), ("b", 40_000)]):
+            found = synthetic_points(1.6, 2.0, noise=0.0, size=name, params=params, size_index=i)
+            if i == 1:  # the larger gpt: its BPB scaled (above 1: worse than the smaller one at equal tokens)
+                found = [dataclasses.replace(p, bpb=p.bpb * worse_when_larger) if p.variant == "gpt" else p
+                         for p in found]
+            points += found
+        return points
+
+    falling = ladder_fit.parameter_multiplier(column(0.8), "c", "muon", "a", "var")
+    assert isinstance(falling, ladder_fit.Estimate)
+    rising = ladder_fit.parameter_multiplier(column(1.05), "c", "muon", "a", "var")
+    assert isinstance(rising, ladder_fit.Undefined), rising
+    assert "does not fall with its size" in rising.text()
+    assert ladder_claims.aggregate([("a", rising)]) == "undecided"  # started, and deciding nothing
+
+
 def test_the_page_shows_gpts_fit_residuals_and_marks_the_unstable_ones():
     """The issue's fit residuals: per size and seed, the rms of gpt's power law in log BPB, `*` where it
     is not stable (the cell then reads the interpolation)."""
@@ -726,7 +749,8 @@ def test_the_claims_table_decides_synthetic_records_by_the_rules(monkeypatch):
     # or an undecided one, does not
     assert verdict("LRT", 4) == "**holds** (depends on the optimizer: Muon over the same sizes does not hold)"
     assert verdict("FBT: matches", 4) == "**holds**"
-    assert verdict("RGPT: at isoPARAMs", 4) == "**undecided**"
+    # a RecurrentGPT cell read on the default gate carries the fourth amendment's label beside its verdict
+    assert verdict("RGPT: at isoPARAMs", 4) == f"**undecided** ({ladder_claims.GATE_BIAS_0_LABEL})"
     assert "stale" not in page
     assert "No ladder run has finished yet" not in page  # it was printed whenever no run had failed
     assert "| fbt-paper |" in page  # the multipliers table lists every variant
@@ -750,6 +774,19 @@ def test_the_page_states_each_corpus_its_epochs_and_the_recurrent_forms_gate_bia
     assert "20,000 training tokens, 3,000 validation tokens" in line
     assert f"{largest / train_tokens:.2f} epochs" in line and "repeat data" in line
     assert "rgpt-params 0" in page and "+4" in page
+
+
+def test_every_planned_size_names_gpts_parameters_in_a_column_without_records(monkeypatch):
+    """The plan counted gpt's parameters only at sizes no gpt record had, keyed by size alone: the Muon
+    column's records of a size left it at "0 params" in another column that has no gpt record there yet
+    (English's m on the page: stdlib had one)."""
+    records = [r for r in claims_records(monkeypatch)
+               if not (r["plan"]["optimizer"] == "adamw" and r["plan"]["variant"]["name"] == "gpt")]
+    plan = ladder_claims.ladder_plan(records, ladder.planned_entries(records))
+    points = ladder_fit.points_of(records)
+    adamw = ladder_claims.sizes_of(points, "stdlib", "adamw", plan)
+    muon = dict((name, n) for _, name, n in ladder_claims.sizes_of(points, "stdlib", "muon", plan))
+    assert adamw and all(n == muon[name] > 0 for _, name, n in adamw), (adamw, muon)
 
 
 def test_the_page_without_records_says_nothing_has_run():
@@ -1364,6 +1401,8 @@ def test_the_optimizer_note_compares_cells_read_on_the_same_gate(monkeypatch):
     records = [r for r in records if not (r["plan"]["optimizer"] == "muon"
                                           and r["plan"]["variant"]["name"].startswith("rgpt-paper"))]
     rows = page_rows(ladder_claims.generate(records))
-    assert row_verdict(rows, "RGPT: at isoPARAMs", 4) == "**holds**"  # the paper's gate, complete under AdamW
-    assert row_verdict(rows, "RGPT: at isoPARAMs").startswith("**does not hold**")  # Muon: the default's
+    # the paper's gate, complete under AdamW, the default's verdict beside it
+    assert row_verdict(rows, "RGPT: at isoPARAMs", 4).startswith("**holds** (the paper's gate bias, +4; gate bias 0: ")
+    assert row_verdict(rows, "RGPT: at isoPARAMs").startswith(  # Muon: the default's, labelled so
+        f"**does not hold** ({ladder_claims.GATE_BIAS_0_LABEL})")
     assert "depends on the optimizer" not in row_verdict(rows, "RGPT: at isoPARAMs", 4)
