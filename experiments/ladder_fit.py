@@ -652,7 +652,7 @@ def parameter_values(points: Sequence[Point], corpus: str, optimizer: str, size:
         ly = np.array([c[1] for c in curve_points])
         if np.any(np.diff(ly) >= 0):
             bpbs = ", ".join(f"{math.exp(y):.3f}" for y in ly)
-            return Undefined(size, f"seed {s}: gpt's BPB at {mine[s].tokens:,} tokens does not fall with its size "
+            return Undefined(size, f"seed {s}: gpt's BPB at {mine[s].tokens:,.0f} tokens does not fall with its size "
                                    f"({bpbs}, smallest first)")
         across = ReferenceCurve("interpolation", (math.exp(lx.min()), math.exp(lx.max())), knots=(lx, ly))
         n, bound = across.x_for(mine[s].bpb)
