@@ -709,3 +709,29 @@ def test_a_deadline_passed_during_validation_stops_one_process_before_the_next_s
     state = setup(_config(corpus, steps=20, eval_every=1, log_every=1), tmp_path / "run", progress=False)
     fit(state, progress=False, max_seconds=0.3)
     assert state.step == 1
+
+
+def test_a_run_resumes_on_its_data_moved_to_another_path_and_not_on_other_data(corpus, tmp_path, capsys):
+    """The data moved (another disk, another machine): `--set data.source=` with its new path was refused as
+    "a different run". It resumes now, its token shards checked against the checkpoint's (sha256), and the
+    run's config takes the new path; data that tokenizes otherwise is still refused, naming why."""
+    import shutil
+
+    run = tmp_path / "run"
+    summary = fit(setup(_config(corpus, steps=3), run, progress=False), progress=False)
+    moved = tmp_path / "elsewhere" / "corpus"
+    shutil.copytree(corpus, moved)
+    shutil.rmtree(corpus)
+    config = _config(moved, steps=5)
+    state = setup(config, run, resume=True, progress=False)
+    assert state.step == summary["step"] == 3
+    assert "resuming on data given by another path" in capsys.readouterr().err
+    fit(state, progress=False)
+    saved = json.loads((run / "config.json").read_text())["data"]["source"]
+    assert saved.endswith(str(moved)), saved  # the next resume reads the new path
+    other = tmp_path / "other"
+    shutil.copytree(moved, other)
+    first = sorted(other.glob("*.txt"))[0]
+    first.write_text(first.read_text().upper())
+    with pytest.raises(ll.DataError, match="the token data of .* changed since checkpoint"):
+        setup(_config(other, steps=7), run, resume=True, progress=False)

@@ -124,7 +124,8 @@ def _read_checkpoint(state: TrainState, checkpoint: Path) -> tuple[dict, dict, d
     saved_data = meta.get("data")
     if saved_data is not None and saved_data != _data_checksums(state.data):
         raise DataError(f"the token data of {state.run_dir} changed since checkpoint {checkpoint.name} (its shards' "
-                        f"sha256 differ): resume with the data it was trained on, or start a new run")
+                        f"sha256 differ): resume with the data it was trained on (moved, under the same file names: "
+                        f"documents go to train or val by their file's name), or start a new run")
     if (checkpoint / SHARDED_DIR).is_dir():
         return meta, trainer, None
     if state.config.train.strategy != "fsdp2":

@@ -57,6 +57,12 @@ FIXED_ON_RESUME = ("seed", "optimizer", "muon_exclude", "stage")  # stage: what 
 SCHEDULE_FIELDS = ("steps", "warmup_steps", "schedule", "decay_fraction", "min_lr_ratio")
 
 
+# A resumed run's data.source that names another path than the saved one (the data moved): allowed, as the
+# resume checks that it tokenizes to the checkpoint's shards (their sha256) before any step; said, and the
+# run's config.json takes the new path at its next checkpoint. It was refused as "a different run".
+MOVED_DATA = "data.source"
+
+
 def train_changes(previous: dict, current: dict) -> list[str]:
     """The train settings of a resumed run that differ from its saved config, as "key: old -> new"."""
     old, new = previous.get("train", {}), current["train"]
@@ -114,6 +120,7 @@ def check_run_folder(run_dir: Path, config: RunConfig, resume: bool, strategy: s
         if not isinstance(previous, dict) or not all(isinstance(previous.get(s, {}), dict) for s in ("model", "data")):
             raise CheckpointError(f"corrupt {saved}: not a run config with sections model/train/data")
         current = config.to_dict() if strategy is None else config_as_given(config, strategy)
+        moved = []
         for section in ("model", "data"):
             for key in sorted(set(previous.get(section, {})) | set(current[section])):
                 old, new = previous.get(section, {}).get(key), current[section].get(key)
@@ -121,6 +128,9 @@ def check_run_folder(run_dir: Path, config: RunConfig, resume: bool, strategy: s
                     continue
                 if (section, key) == ("data", "source") and isinstance(old, str) and isinstance(new, str):
                     old, new = absolute_source(old), absolute_source(new)  # one file, however its path is typed
+                    if old != new:  # moved: the resume checks its token shards against the checkpoint's
+                        moved.append(f"{MOVED_DATA}: {json.dumps(old)} -> {json.dumps(new)}")
+                        continue
                 if json.loads(json.dumps(old)) != json.loads(json.dumps(new)):
                     raise CheckpointError(f"{run_dir} holds a different run: {section}.{key} is {old!r} there, "
                                           f"{new!r} here")
@@ -130,7 +140,7 @@ def check_run_folder(run_dir: Path, config: RunConfig, resume: bool, strategy: s
             if key in previous.get("train", {}) and json.loads(json.dumps(old)) != json.loads(json.dumps(new)):
                 raise CheckpointError(f"cannot resume {run_dir} with train.{key} {new!r}: it ran with {old!r}, and a "
                                       f"resumed run keeps it; start a new run from its weights (--init-from) instead")
-        return changes
+        return changes + moved
     elif resume:
         raise CheckpointError(f"cannot resume: {run_dir} holds no run (no config.json)")
     elif run_dir.exists() and any(p.name != LOCK_FILE for p in run_dir.iterdir()):
@@ -357,6 +367,12 @@ def _keep_train_changes(state: TrainState, changes: list[str]) -> None:
     """Rank 0, after a resume: the train settings that changed are said, and the run's config.json
     holds them from the next checkpoint on (each checkpoint copies it: a later plain --resume keeps
     them; until then a resume without them runs as before, and one with them says them again)."""
+    moved = [change for change in changes if change.startswith(f"{MOVED_DATA}:")]
+    changes = [change for change in changes if change not in moved]
+    for change in moved:
+        note(f"resuming on data given by another path ({change.split(': ', 1)[1]}): its token shards are the "
+             f"checkpoint's (sha256), so the run goes on with the data it was trained on")
+        state.config_unsaved = True
     if not changes:
         return
     note(f"resuming with changed train settings ({'; '.join(changes)}): they apply from the resumed step on "
