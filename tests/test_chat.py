@@ -547,3 +547,22 @@ def test_ctrl_c_during_a_reply_stops_the_reply_not_the_session(chat_run, monkeyp
     captured = capsys.readouterr()
     assert "[stopped: the reply so far is kept" in captured.err
     assert [m["content"] for m in sent[1]] == ["one", "partial", "two"]
+
+
+def test_a_conversation_held_twice_goes_to_one_split_and_a_row_added_above_moves_none(tmp_path):
+    """A file's split was keyed by its name and line number: the copies of a conversation a dataset holds
+    twice went to train and val alike (val scored what was trained on), and a row added at the top moved
+    every later conversation's split. Keyed by the messages now."""
+    rows = [{"messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"a{i}"}]}
+            for i in range(200)]
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows + rows))  # every conversation twice
+    train = [m[0]["content"] for m in iter_split_conversations(f"chat:{path}", "train", 0.2)]
+    val = [m[0]["content"] for m in iter_split_conversations(f"chat:{path}", "val", 0.2)]
+    assert val and train and not set(val) & set(train)
+    assert len(train) + len(val) == 400 and all(train.count(q) == 2 for q in set(train))
+    added = tmp_path / "added.jsonl"
+    extra = {"messages": [{"role": "user", "content": "new"}, {"role": "assistant", "content": "row"}]}
+    added.write_text("".join(json.dumps(row) + "\n" for row in [extra] + rows))
+    moved_val = [m[0]["content"] for m in iter_split_conversations(f"chat:{added}", "val", 0.2)]
+    assert [q for q in moved_val if q != "new"] == sorted(set(val), key=val.index)

@@ -101,7 +101,8 @@ TOOL_KEYS = ("tool_calls", "tool_call_id", "function_call")
 CHAT_PREFIX = "chat:"
 # Bump when rendering or packing changes, so that a resumed run notices its data changed.
 # 2: a tokenizer that starts no text with BOS (an imported Qwen2's) renders without one.
-CHAT_FORMAT_VERSION = 2
+# 3: a file's conversations go to val by their messages, not by their line (`split_key`).
+CHAT_FORMAT_VERSION = 3
 # Characters of a conversation's text (its turns together; a chat template's output): the
 # tokenizer reads all of it at once, and `tokenizers` needs some 200-300 bytes a character to do so
 # (and panics near 10^8). A conversation this long is far past any model's context anyway.
@@ -634,18 +635,20 @@ def iter_conversations(spec: ChatSpec | str) -> Iterator[tuple[str, list[Message
         raise ChatFormatError(str(exc)) from None  # not JSON, not UTF-8: a bad chat file all the same
 
 
-def split_key(spec: ChatSpec, key: str) -> str:
-    """What decides a file conversation's split: the file's name and the row's line number, as
-    `TextSource` keys a document by its path relative to the source's root and its index. Not the
-    path as typed (`c.jsonl`, `./c.jsonl` and `/abs/c.jsonl` name the same rows and give the same
-    split), nor the field mapping."""
-    return f"{spec.path.name}:{key}"
+def split_key(messages: list[Message]) -> str:
+    """What decides a file conversation's split: its checked messages, role and text. Keyed by the file's
+    name and line number before, the copies of a conversation a dataset holds twice (common in scraped and
+    merged chat data) went to train and val alike, so val scored conversations trained on; and a line
+    added at the top moved every later conversation's split. Not the path as typed, nor the field
+    mapping, nor the file's other rows."""
+    return json.dumps([[m["role"], m["content"]] for m in messages], ensure_ascii=False)
 
 
 def iter_split_conversations(spec: ChatSpec | str, split: str,
                              val_fraction: float = 0.05) -> Iterator[list[Message]]:
     """The checked messages of each conversation of one split ("train" or "val") of a chat source.
-    A file's rows go to val by a stable hash of `split_key`; a built-in task's come from its own
+    A file's rows go to val by a stable hash of their messages (`split_key`: copies go together); a
+    built-in task's come from its own
     streams (`TaskSource.iter_examples`): train its `n` training examples, val its distinct
     held-out problems, so that no val prompt is ever a training prompt."""
     for _, messages in _iter_split_where(spec, split, val_fraction):
@@ -667,7 +670,7 @@ def _iter_split_where(spec: ChatSpec | str, split: str, val_fraction: float) -> 
         return
     want_val = split == "val"
     for key, messages in iter_conversations(spec):
-        if goes_to_val(split_key(spec, key), val_fraction) == want_val:
+        if goes_to_val(split_key(messages), val_fraction) == want_val:
             yield f"{spec.path}:{key}", messages
 
 
