@@ -61,10 +61,14 @@ from ...models.options import DecodeOption, when_one_of
 # fbt training recipes: when latent feedback starts and which pass counts batches draw after it.
 #
 # The paper's schedule: "training starts single-pass; latent feedback is introduced late in
-# pretraining (2-pass batches) and a small fraction (~3%) of deeper (3-pass) batches is mixed in";
-# 75/22/3 % is the mix of 1/2/3-pass batches over the *whole* run (200B tokens -> 256B token
-# equivalents, 1.28x). With every batch after the start multi-pass, that puts the start at 75% of
-# the run, after which batches are 88/12 two-/three-pass (see `per_batch_mix`).
+# pretraining (2-pass batches) and a small fraction (~3%) of deeper (3-pass) batches is mixed in".
+# The supplied texts (../shared/papers) say no more: not whether the 3% is of the whole run or of the
+# feedback phase, nor the 1- and 2-pass shares. `recipe=paper` reads it as 75/22/3 % of 1/2/3-pass
+# batches over the *whole* run (200B tokens -> 256B token equivalents, 1.28x), from an earlier source
+# that is not among the supplied texts; the public Haix02 reproduction reads 3% of the feedback phase
+# (97/3 after the start). The reading stays open (experiments/logs/2026-12-06-seventeenth-session.md,
+# section 6). With every batch after the start multi-pass, 75/22/3 puts the start at 75% of the run,
+# after which batches are 88/12 two-/three-pass (see `per_batch_mix`).
 #   paper: that late start, stated as the paper states it (the whole-run mix).
 #   short: feedback from step 0, half of the batches two-pass and half three-pass: runs of a few
 #          hundred to a few thousand steps have no long standard pretraining phase to start from, and

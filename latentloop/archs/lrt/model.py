@@ -102,7 +102,9 @@ class LRTConfig(ModelConfig):
     recurrence: str = "interleaved"  # training procedure, see LRT_RECURRENCES
     subsets: int = 2  # interleaved: stride subsets refined after the init pass
     chunk_size: int = 64  # chunked: memory crosses chunk boundaries only
-    refine_passes: int = 2  # multi_refine: full passes, each using the previous pass's states
+    # multi_refine: full passes, each using the previous pass's states, the first (zero memory) counted:
+    # the official code's K counts the refinements after that pass, so its K is refine_passes - 1
+    refine_passes: int = 2
 
     def __post_init__(self) -> None:
         super().__post_init__()
