@@ -910,10 +910,13 @@ def read_run(path: Path) -> dict[str, Any]:
 
 
 def pool(paths: list[Path]) -> str:
-    """Several runs' JSON (`--json`) of one command, their rounds pooled: per case, figure, thread
-    count and engine, the rounds, the geometric mean ratio over llama.cpp's with its 95% t-interval (on the logs), and
-    whether that shows the engine ahead of llama.cpp (upper end below 1) or at its speed (upper end
-    at most `AT_MARGIN`)."""
+    """Several runs' JSON (`--json`) of one command, pooled: per case, figure, thread count and
+    engine, each run's geometric mean ratio over llama.cpp's, their geometric mean with its 95%
+    t-interval over the runs (on the logs: runs - 1 degrees of freedom), and whether that shows the
+    engine ahead of llama.cpp (upper end below 1) or at its speed (upper end at most `AT_MARGIN`).
+    The interval is over runs, not rounds: a run's rounds share its machine state, and the runs'
+    means scattered several times more than their rounds said (2026-12-04: two runs of 15 rounds at
+    0.753 and 0.836, both outside the rounds' pooled interval [0.770, 0.818])."""
     from latentloop.eval.stats import format_comparison, paired_comparison
 
     runs = [read_run(path) for path in paths]
@@ -925,24 +928,25 @@ def pool(paths: list[Path]) -> str:
     tables = []
     for name in cases[0]:
         for key, what in FIGURES:
-            rows = [("engine", "threads", "runs", "rounds",
-                     f"{what} over {PAIRED_WITH}'s, pooled: geometric mean [95% t-interval]",
+            rows = [("engine", "threads", "runs", "rounds", "each run's geometric mean",
+                     f"{what} over {PAIRED_WITH}'s, pooled: geometric mean [95% t-interval over runs]",
                      f"ahead (< 1) / at its speed (<= {AT_MARGIN})")]
             for threads, engines in cases[0][name]["threads"].items():
                 for engine in engines:
                     if engine == PAIRED_WITH:
                         continue
-                    ratios = [ratio for c in cases for ratio in
-                              c[name]["threads"].get(threads, {}).get(engine, {}).get(f"{key}_all", [])]
-                    if not ratios:
+                    per_run = [c[name]["threads"].get(threads, {}).get(engine, {}).get(f"{key}_all", []) for c in cases]
+                    per_run = [ratios for ratios in per_run if ratios]
+                    if not per_run:
                         continue
-                    comparison = paired_comparison(dict(enumerate(ratios)), dict.fromkeys(range(len(ratios)), 1.0),
+                    means = [math.exp(statistics.fmean(math.log(r) for r in ratios)) for ratios in per_run]
+                    comparison = paired_comparison(dict(enumerate(means)), dict.fromkeys(range(len(means)), 1.0),
                                                    kind="log_ratio")
                     high = comparison["high"]
                     shown = ("—" if high is None else "ahead" if high < 1 else "at" if high <= AT_MARGIN
                              else "not shown")
-                    rows.append((engine, threads, str(len(runs)), str(len(ratios)), format_comparison(comparison, 3),
-                                 shown))
+                    rows.append((engine, threads, str(len(per_run)), str(sum(map(len, per_run))),
+                                 ", ".join(f"{mean:.3f}" for mean in means), format_comparison(comparison, 3), shown))
             if len(rows) > 1:
                 tables.append(f"{name}, {what}:\n\n{render_table(rows)}")
     return "\n\n".join(tables)
