@@ -33,11 +33,13 @@ prompt and the new tokens.
 Prompts (`--prompt-len 16` or several, `512,2048,4096`): BOS, then a window of real text as bytes
 (the Python standard library's own sources, `text_prompt`), the same for every engine. Every engine
 decodes each prompt for the same number of new tokens, no stop token, from a fresh state (llama.cpp's
-cache is cleared: `LlamaCppLoop`, `llama_greedy`). Each round times, per engine and prompt, a call
-for the first token alone (time to first token: the prompt's prefill and one token) and a call for
-all of them (the whole call), after an untimed first-token call and in an order alternating from
-round to round (`time_prompt`: the first call after the settle pause is slower); the decode is their
-difference per token after the first. Each
+cache is cleared: `LlamaCppLoop`, `llama_greedy`). Each round times, per engine and prompt, one call for
+all the new tokens (the whole call), after an untimed one-token call (`time_prompt`: the first call
+after the settle pause is slower), and stamps the moment its first token exists, inside the call (time
+to first token: the prompt's prefill, one token and whatever the engine does before it hands it over,
+as a streaming user waits for it); the decode is the rest per token after the first. (Until 12-07 the
+first token was a call of its own, which on latentloop's compiled paths took the eager path and skipped
+the static cache's setup: that setup, 18-20 ms at a 4,096-token prompt, was charged to the decode.) Each
 figure of each engine is also given over llama.cpp's in the same round, a ratio per round, and
 their geometric mean with its 95% t-interval (on the logs) over the interleaved rounds (below 1: faster than llama.cpp).
 The compiled rows are warmed up (compiled) before timing; the default path is warmed up as a user's
@@ -218,16 +220,26 @@ def engine_kv_dtype(engine: str) -> str | None:
 
 
 def latentloop_generate(model, prompt: list[int], new_tokens: int, compile: bool | str, aot: bool = True,
-                        kv_dtype: str | None = None) -> list[int]:
+                        kv_dtype: str | None = None, marks: list | None = None) -> list[int]:
     """latentloop's greedy tokens through `latentloop.generate`, the ahead-of-time package on or off,
-    the compiled step's cache in `kv_dtype`."""
+    the compiled step's cache in `kv_dtype`; with `marks`, through `latentloop.stream` (in one inference
+    mode, as `generate` runs it), the clock appended to `marks` as the first token arrives."""
     import latentloop
     from latentloop.inference.aot import AOT_ENV
 
     saved = os.environ.get(AOT_ENV)
     os.environ[AOT_ENV] = "1" if aot else "0"  # read when the call makes its decoder
     try:
-        return latentloop.generate(model, prompt, new_tokens, temperature=0.0, compile=compile, kv_dtype=kv_dtype)
+        if marks is None:
+            return latentloop.generate(model, prompt, new_tokens, temperature=0.0, compile=compile, kv_dtype=kv_dtype)
+        tokens: list[int] = []
+        with torch.inference_mode():
+            for step in latentloop.stream(model, prompt, new_tokens, temperature=0.0, compile=compile,
+                                          kv_dtype=kv_dtype):
+                if not marks:
+                    marks.append(time.perf_counter())
+                tokens += [token for token in step.tokens if token is not None]
+        return tokens
     finally:
         os.environ.pop(AOT_ENV) if saved is None else os.environ.__setitem__(AOT_ENV, saved)
 
@@ -257,23 +269,39 @@ def switched_calls(shape: dict, switch: dict, prompt: list[int], new_tokens: int
 
 
 def hf_call(hf_dir: Path):
-    """call(prompt, new_tokens) -> Hugging Face `generate`'s greedy tokens."""
+    """call(prompt, new_tokens, marks=None) -> Hugging Face `generate`'s greedy tokens (the clock appended to
+    `marks` as the first one arrives, through a streamer)."""
     import transformers
 
     transformers.logging.set_verbosity_error()
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
 
+    class FirstToken(transformers.generation.streamers.BaseStreamer):
+        """Stamps the clock when `generate` hands over its first new token (its first `put` is the prompt)."""
+
+        def __init__(self, marks: list):
+            self.marks, self.puts = marks, 0
+
+        def put(self, value) -> None:
+            self.puts += 1
+            if self.puts == 2:
+                self.marks.append(time.perf_counter())
+
+        def end(self) -> None:
+            pass
+
     @torch.inference_mode()
-    def call(prompt: list[int], new_tokens: int) -> list[int]:
+    def call(prompt: list[int], new_tokens: int, marks: list | None = None) -> list[int]:
         out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)
+                             pad_token_id=0, streamer=None if marks is None else FirstToken(marks))
         return out[0, len(prompt):].tolist()
 
     return call
 
 
 def ctranslate2_call(hf_dir: Path, folder: Path, threads: int, quantization: str | None):
-    """call(prompt, new_tokens) -> CTranslate2's greedy tokens. It takes tokens as strings: each id's
+    """call(prompt, new_tokens, marks=None) -> CTranslate2's greedy tokens (the first one stamped in `marks` by
+    its step callback). It takes tokens as strings: each id's
     entry of the converted model's own vocabulary (the tokenizer's, padded with `<extra_id_N>` up
     to the model's vocabulary size)."""
     import ctranslate2
@@ -286,9 +314,15 @@ def ctranslate2_call(hf_dir: Path, folder: Path, threads: int, quantization: str
                                       "float32")
     vocabulary = json.loads((out / "vocabulary.json").read_text(encoding="utf-8"))
 
-    def call(prompt: list[int], new_tokens: int) -> list[int]:
+    def call(prompt: list[int], new_tokens: int, marks: list | None = None) -> list[int]:
+        def first_token(step) -> bool:  # called as each token is made (greedy, one batch row)
+            if not marks:
+                marks.append(time.perf_counter())
+            return False  # go on
+
         result = generator.generate_batch([[vocabulary[i] for i in prompt]], max_length=new_tokens, sampling_topk=1,
-                                          include_prompt_in_result=False, end_token=[])
+                                          include_prompt_in_result=False, end_token=[],
+                                          callback=None if marks is None else first_token)
         return list(result[0].sequences_ids[0])
 
     return call
@@ -402,10 +436,12 @@ class LlamaCppLoop:
         logits = np.ctypeslib.as_array(self.ll.llama_get_logits_ith(self.context, -1), shape=(self.vocab_size,))
         return int(logits.argmax())
 
-    def __call__(self, prompt: list[int], new_tokens: int) -> list[int]:
+    def __call__(self, prompt: list[int], new_tokens: int, marks: list | None = None) -> list[int]:
         self.ll.llama_memory_clear(self.memory, False)  # an empty cache: the whole prompt is decoded again
         self._decode((self.ll.llama_token * len(prompt))(*prompt), len(prompt))
         tokens = [self._argmax()]
+        if marks is not None:
+            marks.append(time.perf_counter())
         while len(tokens) < new_tokens:
             self.token[0] = tokens[-1]
             self._decode(self.token, 1)
@@ -439,15 +475,15 @@ def _quiet_llama_cpp() -> None:
 
 
 def llama_cpp_python_call(path: Path, context: int, batch: int, threads: int):
-    """call(prompt, new_tokens) -> llama-cpp-python's `Llama.generate` greedy tokens (`llama_greedy`)."""
+    """call(prompt, new_tokens, marks=None) -> llama-cpp-python's `Llama.generate` greedy tokens (`llama_greedy`)."""
     from llama_cpp import Llama
 
     llm = Llama(model_path=str(path), n_ctx=context, n_batch=batch, n_threads=threads, n_threads_batch=threads,
                 verbose=False)
-    return lambda prompt, new_tokens: llama_greedy(llm, prompt, new_tokens)
+    return lambda prompt, new_tokens, marks=None: llama_greedy(llm, prompt, new_tokens, marks)
 
 
-def llama_greedy(llm, prompt: list[int], new_tokens: int) -> list[int]:
+def llama_greedy(llm, prompt: list[int], new_tokens: int, marks: list | None = None) -> list[int]:
     """llama-cpp-python's greedy tokens for `prompt`, its state reset first. Its `generate` keeps the
     last call's tokens and evaluates only what follows their longest common prefix: called again with
     the same prompt it skipped the prefill (one token evaluated instead of 16), a call's worth of work
@@ -456,6 +492,8 @@ def llama_greedy(llm, prompt: list[int], new_tokens: int) -> list[int]:
     llm.reset()
     tokens = []
     for token in llm.generate(prompt, top_k=1, temp=0.0, reset=True):  # greedy: its argmax sampler
+        if marks is not None and not marks:
+            marks.append(time.perf_counter())
         tokens.append(token)
         if len(tokens) == new_tokens:
             break
@@ -478,7 +516,8 @@ def unavailable(engine: str) -> str | None:
 
 
 def make_call(engine: str, model, folder: Path, context: int, batch: int, threads: int):
-    """call(prompt, new_tokens) -> `engine`'s greedy token ids, for prompts of up to `batch` tokens
+    """call(prompt, new_tokens, marks=None) -> `engine`'s greedy token ids (with `marks`, a list, the clock
+    appended to it as the first token exists), for prompts of up to `batch` tokens
     and `context` tokens in all; `model` is the run's (latentloop rows), `folder` holds its export."""
     hf_dir = folder / "hf"
     if engine.startswith("latentloop"):
@@ -491,7 +530,8 @@ def make_call(engine: str, model, folder: Path, context: int, batch: int, thread
         compile = {"default": "auto", "eager": False}.get(engine.split()[1], True)
         aot = not engine.endswith("dynamo")
         kv_dtype = engine_kv_dtype(engine)
-        return lambda prompt, new_tokens: latentloop_generate(model, prompt, new_tokens, compile, aot, kv_dtype)
+        return lambda prompt, new_tokens, marks=None: latentloop_generate(model, prompt, new_tokens, compile, aot,
+                                                                          kv_dtype, marks)
     if engine == "hf generate":
         return hf_call(hf_dir)
     if engine.startswith("ctranslate2"):
@@ -517,8 +557,8 @@ def agreement(tokens: list[int], reference: list[int]) -> int:
 def worker(spec: dict[str, Any]) -> int:
     """One engine in a process of its own (`--worker SPEC`, started by `EngineWorker`): loads the
     exported model, warms the engine up on every prompt and answers with its greedy tokens for each,
-    then, for every line it reads until its input closes (a prompt's index), times a call for one
-    new token (the prompt's prefill and the first token) and one for all of them. Answers go to the
+    then, for every line it reads until its input closes (a prompt's index), times a call for all the
+    new tokens and the moment its first one exists (`time_prompt`). Answers go to the
     original stdout, one JSON line each; anything a library prints goes to stderr.
 
     The default path (`compile="auto"`) is warmed up as a process that decoded this shape before:
@@ -545,12 +585,10 @@ def worker(spec: dict[str, Any]) -> int:
         call(prompt, 1)
     answers.write(json.dumps({"tokens": tokens}) + "\n")
     answers.flush()
-    rounds = [0] * len(prompts)  # each prompt's timed rounds so far: the order of its two calls alternates
     for line in sys.stdin:
         index = int(line)
         outputs: list = []
-        whole, first = time_prompt(call, prompts[index], new_tokens, round_index=rounds[index], outputs=outputs)
-        rounds[index] += 1
+        whole, first = time_prompt(call, prompts[index], new_tokens, outputs=outputs)
         # every timed call's tokens against the warm-up's: a timing of other work is no comparison
         answers.write(json.dumps({"seconds": whole, "first_seconds": first,
                                   "same_tokens": list(outputs[0]) == list(tokens[index])}) + "\n")
@@ -559,23 +597,21 @@ def worker(spec: dict[str, Any]) -> int:
 
 
 def time_prompt(call, prompt: list[int], new_tokens: int, clock=time.perf_counter,
-                round_index: int = 0, outputs: list | None = None) -> tuple[float, float]:
-    """Seconds of (a call for `new_tokens` new tokens, a call for the first new token alone: the
-    time to first token, the prompt's prefill included). An untimed first-token call goes before
-    them, and the two timed calls swap places from one round to the next (the first-token call
-    first in even rounds): the first call after the settle pause ran slower (1.6 ms against 1.0
-    for the same one-token call, every round), and timed always first it made the time to first
-    token long and the decode, their difference, short."""
-    call(prompt, 1)  # untimed: whatever the first call after the pause pays, neither timed call carries it
-    seconds: dict[str, float] = {}
-    calls = [("first", 1), ("whole", new_tokens)]
-    for name, tokens in calls if round_index % 2 == 0 else calls[::-1]:
-        start = clock()
-        out = call(prompt, tokens)
-        seconds[name] = clock() - start
-        if name == "whole" and outputs is not None:  # the tokens of the timed call, for the caller to check
-            outputs.append(out)
-    return seconds["whole"], seconds["first"]
+                outputs: list | None = None) -> tuple[float, float]:
+    """Seconds of (a call for `new_tokens` new tokens, its first token: the time to first token,
+    stamped by the call itself as that token exists, the prompt's prefill and whatever the engine
+    does before it included). An untimed one-token call goes first: the first call after the settle
+    pause ran slower (1.6 ms against 1.0 for the same one-token call, every round). The first token
+    was a call of its own before 12-07, which on latentloop's compiled paths took another path (no
+    static cache to set up: 18-20 ms at a 4,096-token prompt, then charged to the decode)."""
+    call(prompt, 1)  # untimed: whatever the first call after the pause pays, the timed call does not carry it
+    marks: list[float] = []
+    start = clock()
+    out = call(prompt, new_tokens, marks)
+    whole = clock() - start
+    if outputs is not None:  # the tokens of the timed call, for the caller to check
+        outputs.append(out)
+    return whole, marks[0] - start
 
 
 class EngineWorker:

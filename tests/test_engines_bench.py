@@ -128,8 +128,11 @@ class FakeEngine:
     def __init__(self, clock: list[float], prefill_s: float, decode_s: float):
         self.clock, self.prefill_s, self.decode_s = clock, prefill_s, decode_s
 
-    def __call__(self, prompt: list[int], new_tokens: int) -> list[int]:
-        self.clock[0] += len(prompt) * self.prefill_s + (new_tokens - 1) * self.decode_s
+    def __call__(self, prompt: list[int], new_tokens: int, marks: list | None = None) -> list[int]:
+        self.clock[0] += len(prompt) * self.prefill_s
+        if marks is not None:  # its first token exists: stamped as the engines stamp it
+            marks.append(self.clock[0])
+        self.clock[0] += (new_tokens - 1) * self.decode_s
         return list(range(new_tokens))
 
 
