@@ -474,14 +474,20 @@ def against_summary(measured: dict, names: tuple[str, str]) -> tuple[list[list],
                           *(cell_spread([r.get(f"p50 {kind} prompt", float("nan")) for r in cells], 2)
                             for kind in ("short", "long")),
                           cell_spread([r.get("rows per step", float("nan")) for r in cells], 1)])
-    ratio_table = [["concurrency", f"req/s {ours} / {theirs}", "p50 ratio", "p99 ratio"]]
+    ratio_table = [["concurrency", f"req/s {ours} / {theirs}", "p50 ratio", "p99 ratio", "the same work"]]
     ratios: dict[str, dict] = {}
     for c in concurrencies:
         a, b = measured[c, ours], measured[c, theirs]
         ratios[str(c)] = {key: paired_comparison(dict(enumerate(r[key] for r in a)),
                                                  dict(enumerate(r[key] for r in b)), kind="log_ratio")
                           for key in ("req/s", "p50", "p99")}
-        ratio_table.append([c, *(format_comparison(ratios[str(c)][key], 3) for key in ("req/s", "p50", "p99"))])
+        # latentloop stops a request at BOS / EOS and llama.cpp does not (`ignore_eos`): a cell where any
+        # request stopped short compares unequal work (fewer tokens: more req/s, less latency), and says so
+        short = {name: sum(r["short"] for r in measured[c, name]) for name in names}
+        ratios[str(c)]["stopped_short"] = short
+        same = "yes" if not any(short.values()) else "no: " + ", ".join(
+            f"{count} of {name}'s requests stopped short" for name, count in short.items() if count)
+        ratio_table.append([c, *(format_comparison(ratios[str(c)][key], 3) for key in ("req/s", "p50", "p99")), same])
     return table, ratio_table, ratios
 
 

@@ -165,7 +165,12 @@ def test_the_summary_gives_percentiles_and_ratios_over_repeats(serve_load):
     assert ratios["1"]["p50"]["mean"] == pytest.approx(0.5)
     assert ratios["1"]["p99"]["mean"] == pytest.approx(0.5)  # (1 x 0.5 x 0.25) ** (1/3): 2x and 0.5x cancel
     assert ratios["8"]["req/s"]["mean"] == 1.0 and ratio_table[2] == [8, "1.000 [1.000, 1.000]", *["1.000 [1.000, "
-                                                                                                   "1.000]"] * 2]
+                                                                                                   "1.000]"] * 2, "yes"]
+    # latentloop stops at BOS / EOS, llama.cpp does not: a cell with requests stopped short is unequal work
+    measured[8, "latentloop"] = [{**fake(1.0, 1.0, 1.0), "short": 2}] * 3
+    _, ratio_table, ratios = serve_load.against_summary(measured, ("latentloop", "llama.cpp"))
+    assert ratio_table[2][-1] == "no: 6 of latentloop's requests stopped short"
+    assert ratios["8"]["stopped_short"] == {"latentloop": 6, "llama.cpp": 0} and ratio_table[1][-1] == "yes"
 
 
 class _FakeCompletion(BaseHTTPRequestHandler):
