@@ -671,11 +671,32 @@ def decode_gb_per_s(case: dict[str, Any], engine: str, ms_per_token: float, new_
     the cache at the decode's mean length (the prompt and half the new tokens), at the engine's
     cache element (`CACHE_ELEMENT_BYTES`); None for an engine not listed there or a run from before
     the case recorded its bytes."""
-    if engine not in CACHE_ELEMENT_BYTES or "weight_bytes" not in case or ms_per_token <= 0:
+    streamed = step_bytes(case, engine, new_tokens)
+    if streamed is None or ms_per_token <= 0:
+        return None
+    return streamed / (ms_per_token * 1e-3) / 1e9
+
+
+def step_bytes(case: dict[str, Any], engine: str, new_tokens: int) -> float | None:
+    """The bytes one decode step of `engine` streams at the decode's mean length (`decode_gb_per_s`)."""
+    if engine not in CACHE_ELEMENT_BYTES or "weight_bytes" not in case:
         return None
     positions = case["prompt_len"] + new_tokens / 2
-    streamed = case["weight_bytes"] + case["cache_elements_per_position"] * CACHE_ELEMENT_BYTES[engine] * positions
-    return streamed / (ms_per_token * 1e-3) / 1e9
+    return case["weight_bytes"] + case["cache_elements_per_position"] * CACHE_ELEMENT_BYTES[engine] * positions
+
+
+def last_level_cache_bytes() -> int | None:
+    """The CPU's largest cache (Linux: the highest `index*` level of cpu0), or None where it cannot be read."""
+    found: dict[int, int] = {}
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            level, size = int((index / "level").read_text()), (index / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        units = {"K": 2**10, "M": 2**20, "G": 2**30}
+        if size[-1:] in units and size[:-1].isdigit():
+            found[level] = max(found.get(level, 0), int(size[:-1]) * units[size[-1]])
+    return found[max(found)] if found else None
 
 
 def read_library(folder: Path) -> ctypes.CDLL | str:
@@ -779,7 +800,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             cases = {length: results["cases"].setdefault(case_name(shape, length), {
                 "shape": shape, "vocab_size": tokenizer.vocab_size, "params": model.num_params(),
                 "context": context, "prompt_len": length, "weight_bytes": weight_bytes,
-                "cache_elements_per_position": cache_elements, "threads": {}, "read_ceiling": {}})
+                "cache_elements_per_position": cache_elements, "threads": {}, "read_ceiling": {},
+                "last_level_cache_bytes": last_level_cache_bytes()})
                 for length in args.prompt_len}
             del model
             library = read_library(folder)
@@ -850,7 +872,11 @@ def streamed_cell(case: dict[str, Any], threads: str, engine: str, entry: dict[s
     if speed is None:
         return "—"
     ceiling = case.get("read_ceiling", {}).get(threads)
-    return f"{speed:.1f}" + (f" ({speed / statistics.median(ceiling):.2f})" if isinstance(ceiling, list) else "")
+    cache = case.get("last_level_cache_bytes")
+    # the ceiling is a read from memory (256 MiB): a step whose bytes fit the CPU's last cache reads faster
+    fits = "; its bytes fit the CPU's cache: not a memory rate" if cache and step_bytes(
+        case, engine, new_tokens) <= cache else ""
+    return f"{speed:.1f}" + (f" ({speed / statistics.median(ceiling):.2f}{fits})" if isinstance(ceiling, list) else "")
 
 
 def ceiling_lines(case: dict[str, Any]) -> str:

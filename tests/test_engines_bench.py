@@ -257,3 +257,10 @@ def test_the_table_gives_each_float_rows_streamed_gb_per_s_against_the_ceiling()
                                           for line in table.splitlines() if line.startswith("| latentloop"))}
     assert rows["latentloop default"][6] == "5.0 (0.50)" and rows["latentloop eager int8"][6] == "—"
     assert "read ceiling, 1 thread(s)" in table and "10.0 [9.0–11.0]" in table
+    # a step whose bytes fit the CPU's last cache is read from it, not from memory: its ratio says so
+    for cache, fits in ((16 * 2**20, True), (4 * 2**20, False)):
+        table = engines.markdown_table({"args": {"new_tokens": 5}, "cases": {"smoke / prompt 4": {
+            **case, "last_level_cache_bytes": cache}}})
+        row = next(line for line in table.splitlines() if line.startswith("| latentloop default"))
+        assert ("5.0 (0.50; its bytes fit the CPU's cache: not a memory rate)" in row) is fits
+        assert "5.0 (0.50)" in row or fits
