@@ -3,9 +3,10 @@ decoding at the test-time depth with drafts against plain full-depth decoding of
 (windows of the run's validation text): whether the tokens are equal (they must be), the acceptance
 rate (each prompt's accepted / drafted, averaged over the prompts), tokens per full-depth pass, and the
 speedup: the whole workload's (its total time over the path's), then the rounds' paired ratios as their
-geometric mean with its interval, a same-run ratio (every path of a round on the same prompt, in random order; per-token decode time, the
-prefill excluded) against the eager full-depth decode and against the compiled one (`compile=True`,
-where the arch's step compiles: what `compile="auto"`, the default, runs once compiling pays).
+geometric mean with its interval, a same-run ratio (every path of a round on the same prompt, in
+random order; per-token decode time, the prefill excluded) against the eager full-depth decode and
+against the compiled one (`compile=True`, where the arch's step compiles: what `compile="auto"`, the
+default, runs once compiling pays).
 Speculative decoding runs compiled (`inference.speculative.CompiledDrafting`: the draft's compiled step,
 the compiled verification; one row) where the arch's step compiles, eagerly elsewhere (the table
 says which, and why).
