@@ -566,3 +566,15 @@ def test_a_conversation_held_twice_goes_to_one_split_and_a_row_added_above_moves
     added.write_text("".join(json.dumps(row) + "\n" for row in [extra] + rows))
     moved_val = [m[0]["content"] for m in iter_split_conversations(f"chat:{added}", "val", 0.2)]
     assert [q for q in moved_val if q != "new"] == sorted(set(val), key=val.index)
+
+
+def test_an_empty_tool_calls_list_is_no_tool_call():
+    """Clients and datasets with a list-typed tool_calls column write [] on every turn without a call: such a
+    turn was refused as a tool call (its mere key)."""
+    from latentloop.data.chat import check_messages
+
+    messages = [{"role": "user", "content": "hi", "tool_call_id": None},
+                {"role": "assistant", "content": "yo", "tool_calls": []}, {"role": "user", "content": "and"}]
+    assert [m["content"] for m in check_messages(messages, for_training=False)] == ["hi", "yo", "and"]
+    with pytest.raises(ChatFormatError, match="tool calls are not supported"):
+        check_messages([{**messages[0], "tool_call_id": "call_1"}], for_training=False)

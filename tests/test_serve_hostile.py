@@ -538,6 +538,18 @@ def test_headers_that_never_end_get_408_at_the_request_timeout_and_bad_bytes_a_j
         # a request that arrives whole on a connection that waited is served as before
         assert httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2},
                           timeout=CALL_TIMEOUT_S).status_code == 200
+        # an idle keep-alive connection after its response gets no unasked 408 (uvicorn closes it quietly
+        # at its keep-alive of 5 s), and one that never sends is closed at the deadline without a reply
+        with socket.create_connection(("127.0.0.1", port), timeout=CALL_TIMEOUT_S) as kept:
+            kept.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            kept.settimeout(CALL_TIMEOUT_S)
+            first = kept.recv(65536)
+            assert first.startswith(b"HTTP/1.1 200"), first
+            assert read_reply(kept, SHORT_TIMEOUT_S * 3) == b""  # nothing more within three deadlines
+        with socket.create_connection(("127.0.0.1", port), timeout=CALL_TIMEOUT_S) as silent:
+            start = time.monotonic()
+            assert read_reply(silent, SHORT_TIMEOUT_S + 10) == b""
+            assert time.monotonic() - start < SHORT_TIMEOUT_S + 5  # closed, not left open
 
 
 # --------------------------------------------------------------------------------------------

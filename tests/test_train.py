@@ -316,6 +316,34 @@ def test_ctrl_c_just_after_the_final_validation_returns_still_saves(corpus, tmp_
     assert len(returned) == 2 and summary["validation_skipped"] and "val_loss" not in summary
     assert (tmp_path / "run" / "checkpoints" / "step_00000002" / "model.safetensors").is_file()
 
+    # a Ctrl+C in the validation, then a second one handled at the first line after the skip: the second was
+    # raised again, outside the try, and the run ended unsaved
+    pressed = []
+
+    def interrupted(state):
+        pressed.append(1)
+        signal.getsignal(signal.SIGINT)(signal.SIGINT, None)  # the first, inside the validation: skipped
+
+    def again(frame, event, arg):
+        if frame.f_code is loop._fit.__code__:
+            def lines(frame, event, arg):
+                if event == "line" and len(pressed) == 1:
+                    pressed.append(2)
+                    signal.getsignal(signal.SIGINT)(signal.SIGINT, frame)
+                return lines
+            return lines
+        return None
+
+    monkeypatch.setattr(loop, "validate", interrupted)
+    state = setup(_config(corpus, steps=2, save_every=0), tmp_path / "twice", progress=False)
+    sys.settrace(again)
+    try:
+        summary = fit(state, progress=False)
+    finally:
+        sys.settrace(None)
+    assert pressed == [1, 2] and summary["validation_skipped"]
+    assert (tmp_path / "twice" / "checkpoints" / "step_00000002" / "model.safetensors").is_file()
+
 
 def test_ctrl_c_in_the_final_validation_or_save_still_saves_and_one_in_the_last_step_is_no_interruption(
         corpus, tmp_path, monkeypatch):

@@ -148,7 +148,7 @@ def check_messages(messages, where: str = "conversation", for_training: bool = T
         at = f"{where}: message {index}"
         if not isinstance(message, dict):
             raise ChatFormatError(f"{at} must be an object with 'role' and 'content', got {_describe(message)}")
-        if tool := next((key for key in TOOL_KEYS if message.get(key) is not None), None):
+        if tool := next((key for key in TOOL_KEYS if message.get(key)), None):  # "tool_calls": [] calls none
             raise ChatFormatError(f"{at} has {tool!r}: tool calls are not supported (no chat format here "
                                   f"renders them)")
         role, content = message.get("role"), _text_of_parts(message.get("content"), at)

@@ -325,52 +325,69 @@ def http_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
     """uvicorn's h11 protocol, with a request's headers bounded in time and its pre-app errors in the
     API's JSON shape. uvicorn times only an idle connection (keep-alive): one whose client sends a
     header line now and then, never ending its headers, stayed open for ever, past --request-timeout,
-    which counts from when the app sees the request. Here the headers must be complete within
-    `header_timeout_s` of the connection's start or its last response, else 408 and the connection
-    closes. And bytes h11 cannot parse got uvicorn's plain-text 400: now the error body every other
-    refusal has."""
+    which counts from when the app sees the request. Here a request's headers must be complete within
+    `header_timeout_s` of its first byte, else 408 and the connection closes; a connection that sends
+    nothing at all is closed at that deadline without a reply. And bytes h11 cannot parse got uvicorn's
+    plain-text 400: now the error body every other refusal has."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class DeadlineH11Protocol(H11Protocol):
         _headers_timer: asyncio.TimerHandle | None = None
+        _between_requests = True  # no request's headers read since the last response (or the connection's start)
+        _silent = False  # the timer running is a new connection's, which has sent nothing yet
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
-            self._await_headers()
+            self._between_requests = True
+            self._start_timer(silent=True)  # a connection that never sends is closed at the deadline, no reply
+
+        def data_received(self, data: bytes) -> None:
+            # a request's first bytes start its headers' deadline (an idle keep-alive connection is uvicorn's
+            # to close: a timer from the last response sent an unasked 408 when --request-timeout was short)
+            if self._between_requests and (self._headers_timer is None or self._silent):
+                self._start_timer(silent=False)
+            super().data_received(data)
 
         def handle_events(self) -> None:
             cycle = self.cycle
             super().handle_events()
             if self.cycle is not cycle:  # a request's headers were read: the app's deadline takes over
-                self._stop_waiting()
+                self._between_requests = False
+                self._stop_timer()
 
         def on_response_complete(self) -> None:
-            self._await_headers()  # before: a pipelined request already read starts in super()'s call
+            self._between_requests = True  # before: a pipelined request already read starts in super()'s call
+            self._stop_timer()
             super().on_response_complete()
 
         def connection_lost(self, exc) -> None:
-            self._stop_waiting()
+            self._stop_timer()
             super().connection_lost(exc)
 
         def send_400_response(self, msg: str) -> None:
-            self._stop_waiting()
+            self._stop_timer()
             write_error_and_close(self.transport, bad_request(NOT_HTTP))
 
-        def _await_headers(self) -> None:
-            self._stop_waiting()
+        def _start_timer(self, silent: bool) -> None:
+            self._stop_timer()
             if not self.transport.is_closing():
+                self._silent = silent
                 self._headers_timer = self.loop.call_later(header_timeout_s, self._headers_late)
 
-        def _stop_waiting(self) -> None:
+        def _stop_timer(self) -> None:
             if self._headers_timer is not None:
                 self._headers_timer.cancel()
                 self._headers_timer = None
 
         def _headers_late(self) -> None:
             self._headers_timer = None
-            if not self.transport.is_closing():
-                write_error_and_close(self.transport, APIError(
-                    408, f"the request's headers did not arrive within {header_timeout_s:g} s (--request-timeout)",
-                    code="timeout"))
+            if self.transport.is_closing():
+                return
+            if self._silent:  # nothing was ever sent: nobody to answer
+                self.transport.close()
+                return
+            write_error_and_close(self.transport, APIError(
+                408, f"the request's headers did not arrive within {header_timeout_s:g} s (--request-timeout)",
+                code="timeout"))
 
     return DeadlineH11Protocol

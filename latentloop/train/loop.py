@@ -277,6 +277,7 @@ class _GracefulInterrupt:
         self.shared, self.speaks = shared, speaks
         self.asked = False
         self.asked_while_saving = False  # a stop's save comes before its validation: this one skips it
+        self.validation_skipped = False  # the skip is raised once: a second Ctrl+C after it is waited out
         self.phase = "training"  # then "validating", then "saving"
         self._previous: dict[int, Any] = {}
 
@@ -293,6 +294,10 @@ class _GracefulInterrupt:
             return
         if self.phase == "validating":
             self.asked = True
+            if self.validation_skipped:  # raised already: the save follows, whatever the handler's timing
+                self._say("\nlatentloop: saving the checkpoint; it stops once the checkpoint is written")
+                return
+            self.validation_skipped = True
             raise _ValidationSkipped
         if self.asked:
             raise KeyboardInterrupt
@@ -415,6 +420,7 @@ def _fit(state: TrainState, progress: bool, max_seconds: float | None) -> dict[s
                 final = validate(state)
                 interrupt.phase = "saving"  # inside: a Ctrl+C before this line skips a validation that is done
             except _ValidationSkipped:
+                interrupt.phase = "saving"  # first: a second Ctrl+C from here on is waited out, not raised
                 final, skipped = {}, True
         if skipped:
             print("latentloop: final validation skipped (Ctrl+C)" + ("" if checkpoint else "; saving"), file=sys.stderr)

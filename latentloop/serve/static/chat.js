@@ -386,14 +386,17 @@ async function init() {
   const c = page.config;
   $("model").textContent = `${c.model} · ${c.arch} · context ${c.context} tokens` +
     (c.chat ? "" : " · no chat format: the page continues your text");
+  $("key-box").hidden = !storedKey() && !$("api-key").value;  // a key in use stays changeable
+  if (started) {  // a key entered again: the controls keep what the user set, a streaming reply streams on
+    if (!page.controller) { setBusy(false); setStatus(""); }
+    return;
+  }
+  started = true;
   $("max_tokens").max = c.max_tokens_cap;
   $("max_tokens").value = Math.max(1, Math.min(MAX_TOKENS_DEFAULT, c.max_tokens_cap, Math.floor(c.context / 2)));
-  $("key-box").hidden = !storedKey() && !$("api-key").value;  // a key in use stays changeable
   $("options").replaceChildren(...c.options.map(optionControl));
   setBusy(false);
   setStatus("");
-  if (started) return;
-  started = true;
   $("shade-key").addEventListener("change", (e) => { e.target.dataset.chosen = e.target.value; shade(); });
   $("composer").addEventListener("submit", (e) => {
     e.preventDefault();
