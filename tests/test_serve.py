@@ -155,6 +155,8 @@ def test_parse_completion_refuses(fbt_model, body, status, words):
     (TokenizeBody, {"prompt": "x", "bogus": 1}, 400, "unknown field(s): bogus (this endpoint takes model, prompt"),
     (TokenizeBody, {"prompt": "x", "return_token_strs": True}, 400, "return_token_strs is not supported"),
     (TokenizeBody, {"messages": [{"role": "user", "content": "hi"}]}, 400, "/tokenize takes a prompt, not messages"),
+    (TokenizeBody, {"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": True}, 400,
+     "/tokenize takes a prompt, not messages"),  # as vLLM's clients send the chat form
     (TokenizeBody, {"prompt": "x", "model": "other"}, 404, "does not exist: this server serves 'm'"),
     (TokenizeBody, {"prompt": 5}, 400, "prompt must be a string, got 5"),
     (DetokenizeBody, {"tokens": [1], "text": "x"}, 400, "unknown field(s): text (this endpoint takes model, tokens)"),

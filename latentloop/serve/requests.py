@@ -278,6 +278,13 @@ class TokenizeBody(_NamesTheModel):
     any other field as unknown: ignoring them answered a question the client did not ask."""
 
     messages: Any = None  # before prompt: a chat-form body hears of this, not that prompt is missing
+    # vLLM's chat form's other fields (its clients send add_generation_prompt by default): read so that such a
+    # body hears about messages, not about an unknown field; not listed as fields this endpoint takes
+    add_generation_prompt: Any = None
+    continue_final_message: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    tools: Any = None
     prompt: str = Field(description="a string")
     add_special_tokens: bool = Field(True, description="true or false")
     return_token_strs: bool | None = Field(None, description="false (token strings are not supported)")
