@@ -127,8 +127,13 @@ def test_the_cpu_fallback_runs_every_architecture(tmp_path):
     assert training["fbt"]["plan"]["passes"] >= 2  # one kind of forward per case: the objective's common K
     decode = {(row["case"], row["batch"]) for row in report["decode"]}
     assert decode == {(name, b) for name in ARCHS for b in _gpu_bench().TINY.decode_batches}
-    (flex,) = report["checks"]
+    # the checks: flex attention against the dense mask, and a loop of generations (added 12-06; this line
+    # unpacked one check and failed since)
+    assert not [check for check in report["checks"] if "error" in check], report["checks"]
+    (flex,) = [check for check in report["checks"] if "flex_masks_built" in check]
     assert flex["flex_masks_built"] > 0 and flex["subset_logits_max_abs_diff"] < 1e-5
+    (loop,) = [check for check in report["checks"] if check.get("case") == "a loop of generations (gpt)"]
+    assert loop["generations"] > 1 and loop["first_s_median"] > 0 and loop["last_s_median"] > 0
 
 
 @pytest.mark.slow
