@@ -847,9 +847,13 @@ def verify_file(checkpoint: Path, name: str) -> None:
                   f"its files are loaded without a check", file=sys.stderr)
         return
     recorded = _recorded_checksums(manifest)
+    # the full weights of a sharded checkpoint are written by export-dcp, then recorded: a crash between the
+    # two (or a damaged copy) is mended by writing them again from the shards
+    again = (f" (export-dcp cut short? `latentloop export-dcp {checkpoint} --force` writes them again from its "
+             f"shards)" if name == "model.safetensors" and (checkpoint / SHARDED_DIR).is_dir() else "")
     if name not in recorded:
         raise CheckpointError(f"{checkpoint / name} is not among the files {manifest} recorded when the "
-                              f"checkpoint was saved")
+                              f"checkpoint was saved{again}")
     path = checkpoint / name
     if not path.is_file():
         raise CheckpointError(f"{path} is missing: {manifest} recorded it when the checkpoint was saved")
@@ -859,7 +863,7 @@ def verify_file(checkpoint: Path, name: str) -> None:
         raise read_failure(exc, f"cannot read {path}: {exc.strerror or exc}") from None
     if found != recorded[name]:
         raise CheckpointError(f"{path} is corrupt: its sha256 differs from the one recorded when it was saved "
-                              f"(a damaged copy or an edit); restore it from a good copy")
+                              f"(a damaged copy or an edit); restore it from a good copy{again}")
 
 
 def verify_checkpoint(checkpoint: Path) -> None:

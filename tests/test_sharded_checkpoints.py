@@ -35,7 +35,7 @@ from latentloop.checkpoint import (
 from latentloop.cli import main
 from latentloop.config import DataConfig, RunConfig, TrainConfig, model_config
 from latentloop.errors import CheckpointError
-from latentloop.runs import export_full_weights
+from latentloop.runs import export_full_weights, load_run
 from latentloop.train import fit, setup
 
 REFUSED = f"{os.system.__module__}.system"  # how a pickle names os.system (posix.system here)
@@ -374,3 +374,18 @@ def test_a_metadata_pickle_calling_a_torch_global_is_refused_before_it_runs(tmp_
     with pytest.raises(CheckpointError, match=rf"not checkpoint metadata \({module}\.{name}\)"):
         read_sharded_metadata(folder)
     assert not target.exists()
+
+
+def test_an_export_cut_short_before_its_checksum_says_how_to_write_it_again(run, capsys):
+    """export-dcp writes model.safetensors, then records its sha256: a crash between the two left a file the
+    manifest does not list, and the loaders said only that, not how to mend it."""
+    checkpoint = dcp_folder(run).parent
+    assert run_cli(["export-dcp", str(run)], capsys)[0] == 0
+    manifest = checkpoint / "checksums.json"
+    recorded = json.loads(manifest.read_text())
+    del recorded["sha256"]["model.safetensors"]  # the crash's state: written, not yet recorded
+    manifest.write_text(json.dumps(recorded))
+    with pytest.raises(CheckpointError, match="export-dcp cut short.*--force"):
+        load_run(checkpoint)
+    assert run_cli(["export-dcp", str(run), "--force"], capsys)[0] == 0
+    load_run(checkpoint)  # mended as said
