@@ -1002,7 +1002,9 @@ def pool(paths: list[Path]) -> str:
                     if not per_run:
                         continue
                     means = [math.exp(statistics.fmean(math.log(r) for r in ratios)) for ratios in per_run]
-                    comparison = paired_comparison(dict(enumerate(means)), dict.fromkeys(range(len(means)), 1.0),
+                    # one run with this engine: its own rounds' interval, as that run gave it
+                    over = per_run[0] if len(per_run) == 1 else means
+                    comparison = paired_comparison(dict(enumerate(over)), dict.fromkeys(range(len(over)), 1.0),
                                                    kind="log_ratio")
                     high = comparison["high"]
                     shown = ("—" if high is None else "ahead" if high < 1 else "at" if high <= AT_MARGIN
