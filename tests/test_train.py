@@ -279,13 +279,42 @@ def _pressing_ctrl_c(function):
     return pressed
 
 
-def test_ctrl_c_just_after_the_final_validation_returns_still_saves(corpus, tmp_path, monkeypatch):
-    """A Ctrl+C handled in the lines between the final validation's return and the phase's move to
-    "saving" raised the skip outside its `try`: the run ended unsaved (with save_every 0, all of it). The
-    signal is handled here at the first line `_fit` runs after `validate` returns, as the interpreter
-    may handle it there."""
+def _fit_with_ctrl_c_at_a_line(state, when) -> dict:
+    """`fit(state)` with a SIGINT handled at the first line `_fit` runs once `when()` is true (as the interpreter
+    may handle a real one there): the installed handler is called in that line's frame, once."""
     import signal
     import sys
+
+    from latentloop.train import loop
+
+    delivered = []
+
+    def tracer(frame, event, arg):
+        if frame.f_code is not loop._fit.__code__:
+            return None
+
+        def lines(frame, event, arg):
+            if event == "line" and when() and not delivered:
+                delivered.append(True)
+                signal.getsignal(signal.SIGINT)(signal.SIGINT, frame)
+            return lines
+        return lines
+
+    sys.settrace(tracer)
+    try:
+        summary = fit(state, progress=False)
+    finally:
+        sys.settrace(None)
+    assert delivered, "the line was never reached"
+    return summary
+
+
+def test_ctrl_c_just_after_the_final_validation_returns_still_saves(corpus, tmp_path, monkeypatch):
+    """A Ctrl+C handled in the lines between the final validation's return and the phase's move to
+    "saving" raised the skip outside its `try`: the run ended unsaved (with save_every 0, all of it). And a
+    second Ctrl+C handled at the first line after a skip was raised again, outside the try, with the same
+    end. The signal is delivered at those lines as the interpreter may deliver it there."""
+    import signal
 
     from latentloop.train import loop
 
@@ -296,52 +325,22 @@ def test_ctrl_c_just_after_the_final_validation_returns_still_saves(corpus, tmp_
         returned.append(True)
         return out
 
-    def tracer(frame, event, arg):
-        if frame.f_code is loop._fit.__code__:
-            def lines(frame, event, arg):
-                if event == "line" and returned and len(returned) == 1:
-                    returned.append(True)  # once
-                    signal.getsignal(signal.SIGINT)(signal.SIGINT, frame)  # a SIGINT handled at this line
-                return lines
-            return lines
-        return None
-
     monkeypatch.setattr(loop, "validate", validated)
     state = setup(_config(corpus, steps=2, save_every=0), tmp_path / "run", progress=False)
-    sys.settrace(tracer)
-    try:
-        summary = fit(state, progress=False)
-    finally:
-        sys.settrace(None)
-    assert len(returned) == 2 and summary["validation_skipped"] and "val_loss" not in summary
+    summary = _fit_with_ctrl_c_at_a_line(state, lambda: bool(returned))
+    assert summary["validation_skipped"] and "val_loss" not in summary
     assert (tmp_path / "run" / "checkpoints" / "step_00000002" / "model.safetensors").is_file()
 
-    # a Ctrl+C in the validation, then a second one handled at the first line after the skip: the second was
-    # raised again, outside the try, and the run ended unsaved
     pressed = []
 
-    def interrupted(state):
-        pressed.append(1)
-        signal.getsignal(signal.SIGINT)(signal.SIGINT, None)  # the first, inside the validation: skipped
-
-    def again(frame, event, arg):
-        if frame.f_code is loop._fit.__code__:
-            def lines(frame, event, arg):
-                if event == "line" and len(pressed) == 1:
-                    pressed.append(2)
-                    signal.getsignal(signal.SIGINT)(signal.SIGINT, frame)
-                return lines
-            return lines
-        return None
+    def interrupted(state):  # the first Ctrl+C, inside the validation: skipped
+        pressed.append(True)
+        signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
 
     monkeypatch.setattr(loop, "validate", interrupted)
     state = setup(_config(corpus, steps=2, save_every=0), tmp_path / "twice", progress=False)
-    sys.settrace(again)
-    try:
-        summary = fit(state, progress=False)
-    finally:
-        sys.settrace(None)
-    assert pressed == [1, 2] and summary["validation_skipped"]
+    summary = _fit_with_ctrl_c_at_a_line(state, lambda: bool(pressed))  # the second, just after the skip
+    assert summary["validation_skipped"]
     assert (tmp_path / "twice" / "checkpoints" / "step_00000002" / "model.safetensors").is_file()
 
 
