@@ -395,3 +395,19 @@ def test_a_byte_order_mark_before_a_text_files_first_document_is_passed_over(tmp
     whole = tmp_path / "whole.txt"
     whole.write_bytes(b"\xef\xbb\xbfone document, no separator\n")
     assert list(sources._read_text(whole)) == ["one document, no separator\n"]
+
+
+def test_a_text_file_with_a_byte_order_mark_is_tokenized_again_and_others_keep_their_cache_key(tmp_path):
+    """Shards cached before the mark was passed over hold it as a first character: such a file's source gets
+    a key of its own; a folder without one keeps the key it had (no user's cache is rebuilt for nothing)."""
+    plain, marked = tmp_path / "plain", tmp_path / "marked"
+    plain.mkdir()
+    marked.mkdir()
+    (plain / "a.txt").write_bytes(b"some text\n")
+    (marked / "a.txt").write_bytes(b"\xef\xbb\xbfsome text\n")
+    listing = sources._file_listing(plain, sorted(plain.glob("*.txt")))
+    unchanged = sources._digest(["text", str(plain.resolve()), 0.05, listing])  # the key's form before 12-07
+    assert parse_source(f"text:{plain}", val_fraction=0.05).fingerprint() == unchanged
+    listing = sources._file_listing(marked, sorted(marked.glob("*.txt")))
+    before = sources._digest(["text", str(marked.resolve()), 0.05, listing])
+    assert parse_source(f"text:{marked}", val_fraction=0.05).fingerprint() != before

@@ -95,6 +95,17 @@ def _file_listing(root: Path, files: list[Path]) -> list[tuple[str, int, int, in
     return listing
 
 
+def _starts_with_mark(path: Path) -> bool:
+    """Whether a `.txt` file begins with UTF-8's byte-order mark (which `_read_text` passes over)."""
+    if path.suffix != ".txt":
+        return False
+    try:
+        with path.open("rb") as handle:
+            return handle.read(len(BYTE_ORDER_MARK.encode())) == BYTE_ORDER_MARK.encode()
+    except OSError:
+        return False
+
+
 class StdlibSource(Source):
     """The `.py` files of the running interpreter's standard library, one document per file."""
 
@@ -191,7 +202,11 @@ class TextSource(Source):
 
     def fingerprint(self) -> str:
         listing = _file_listing(self.root, self.files)
-        return _digest(["text", str(self.root.resolve()), self.val_fraction, listing])
+        parts = ["text", str(self.root.resolve()), self.val_fraction, listing]
+        # .txt files read since 12-07 without their byte-order mark: their shards tokenized before it (the
+        # mark as the first character) are not reused; every other source keeps its key, and its cache
+        marked = [path.relative_to(self.root).as_posix() for path in self.files if _starts_with_mark(path)]
+        return _digest(parts + [["byte order mark passed over", marked]] if marked else parts)
 
 
 class MixSource(Source):
