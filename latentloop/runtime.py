@@ -217,6 +217,23 @@ def _recorded_text_source(config: RunConfig, checkpoint: Path | None) -> tuple[s
     return spec, checksums if isinstance(checksums, dict) else None
 
 
+def _check_own_chat_split(config: RunConfig, checkpoint: Path | None, data: str, prepared) -> None:
+    """A warning when `data` is the chat file the run trained on and its validation split is not the one
+    training set aside (its sha256 in the checkpoint's state.json): the file changed since, or its
+    conversations were split by an older rule (a file's line before 12-07, its messages since), so the
+    split evaluated may hold conversations the run trained on."""
+    recorded = {} if checkpoint is None else read_json_object(checkpoint / "state.json")
+    trained_on = recorded.get("data_source") if isinstance(recorded.get("data_source"), str) else config.data.source
+    checksums = recorded.get("data")
+    own = absolute_source(data) == absolute_source(trained_on)
+    if not own or not isinstance(checksums, dict) or "val" not in checksums:
+        return
+    if prepared.meta.get("sha256", {}).get("val") != checksums["val"]:
+        print(f"latentloop: warning: the validation split of {data} is not the one this run set aside when it "
+              f"trained (the file changed since, or it was split by an older rule): conversations it trained on "
+              f"may be among those scored", file=sys.stderr)
+
+
 def eval_data(config: RunConfig, tokenizer, data: str | None = None, progress: bool = False,
               checkpoint: Path | None = None):
     """The tokens to evaluate a loaded run on: `data` when given, else the run's own source: a
@@ -237,7 +254,9 @@ def eval_data(config: RunConfig, tokenizer, data: str | None = None, progress: b
     if data.startswith("chat:"):
         from .data.chat import prepare_chat
 
-        return prepare_chat(data, tokenizer, config.model.sequence_len, config.data.val_fraction)
+        prepared = prepare_chat(data, tokenizer, config.model.sequence_len, config.data.val_fraction)
+        _check_own_chat_split(config, checkpoint, data, prepared)
+        return prepared
     chosen = RunConfig(model=config.model, train=config.train,
                        data=dataclasses.replace(config.data, source=data, cache_dir=""))
     prepared = prepare_data(chosen, tokenizer, progress)

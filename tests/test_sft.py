@@ -469,3 +469,25 @@ def test_init_from_refuses_a_tokenizer_that_gives_the_bases_ids_other_tokens(tmp
     from latentloop.train.start import check_tokenizer_of_base
 
     check_tokenizer_of_base(ByteTokenizer().with_chat_tokens(), base)
+
+
+def test_eval_on_the_runs_own_chat_file_warns_when_its_val_split_is_not_the_one_set_aside(tmp_path, capsys):
+    """A chat file's split changed rule on 12-07 (its line, then its messages), and a file may change after
+    training: evaluated on it, an SFT run scored a val split that may hold conversations it trained on,
+    without a word. Its own split: silent; another: a warning naming why."""
+    chat = tmp_path / "c.jsonl"
+    rows = [{"messages": [{"role": "user", "content": f"{a}+{b}="}, {"role": "assistant", "content": str(a + b)}]}
+            for a in range(12) for b in range(12)]
+    chat.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    run = tmp_path / "sft"
+    assert main(["train", "--stage", "sft", "--init-from", str(_base_run(tmp_path)), "--data", f"chat:{chat}",
+                 "--out", str(run), "--steps", "2", "--no-progress", "--set", "train.batch_size=2",
+                 "--set", "train.eval_batches=1"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert main(["eval", str(run), "--data", f"chat:{chat}"]) == 0
+    assert "is not the one this run set aside" not in capsys.readouterr().err
+    more = [{"messages": [{"role": "user", "content": f"{a}*{b}="}, {"role": "assistant", "content": str(a * b)}]}
+            for a in range(12) for b in range(12)]
+    chat.write_text("".join(json.dumps(row) + "\n" for row in rows + more))  # changed since: a new val split
+    assert main(["eval", str(run), "--data", f"chat:{chat}"]) == 0
+    assert "is not the one this run set aside when it trained" in capsys.readouterr().err
