@@ -233,6 +233,10 @@ def cell_spread(values: list[float], digits: int) -> str:
     return fmt.format(values[0]) if len(values) == 1 else spread(values, fmt)
 
 
+# below this many requests a cell's p99 (`percentile`: the rank round(0.99 (n - 1))) is its slowest request
+P99_SAMPLES = 51
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
@@ -461,13 +465,17 @@ def against_summary(measured: dict, names: tuple[str, str]) -> tuple[list[list],
     from latentloop.eval.stats import format_comparison, paired_comparison
 
     ours, theirs = names
-    table = [["concurrency", "server", "requests", "failed", "short", "req/s", "tokens/s", "p50 latency s",
-              "p99 latency s", "p50 s, short prompt", "p50 s, long prompt", "rows per step"]]
+    table = [["concurrency", "server", "requests (fewest in a cell)", "failed", "short", "req/s", "tokens/s",
+              "p50 latency s", "p99 latency s", "p50 s, short prompt", "p50 s, long prompt", "rows per step"]]
     concurrencies = sorted({c for c, _ in measured})
     for c in concurrencies:
         for name in names:
             cells = measured[c, name]
-            table.append([c, name, sum(r["requests"] for r in cells), sum(r["failed"] + r["abandoned"] for r in cells),
+            fewest = min(r["requests"] for r in cells)
+            # a cell's p99 is its slowest request below P99_SAMPLES requests: said so in the table
+            requests = f"{sum(r['requests'] for r in cells)} ({fewest}" + (
+                ": p99 is a cell's slowest)" if fewest < P99_SAMPLES else ")")
+            table.append([c, name, requests, sum(r["failed"] + r["abandoned"] for r in cells),
                           sum(r["short"] for r in cells),
                           *(cell_spread([r[key] for r in cells], digits) for key, digits in
                             (("req/s", 2), ("tokens/s", 0), ("p50", 2), ("p99", 2))),

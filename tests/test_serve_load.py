@@ -159,6 +159,10 @@ def test_the_summary_gives_percentiles_and_ratios_over_repeats(serve_load):
     assert [row[:2] for row in table[1:]] == [[1, "latentloop"], [1, "llama.cpp"], [8, "latentloop"],
                                               [8, "llama.cpp"]]
     assert table[1][5] == "3.00 [2.00–4.00]"  # req/s: median [min–max] over the repeats
+    assert table[1][2] == "30 (10: p99 is a cell's slowest)"  # 10 requests a cell: its p99 is its maximum
+    for n, slowest in ((50, True), (51, False)):  # where `percentile`'s p99 stops being the maximum
+        assert (serve_load.percentile(list(range(n)), 0.99) == n - 1) is slowest
+        assert (n < serve_load.P99_SAMPLES) is slowest
     # repeat by repeat, the geometric mean: (1 x 1.5 x 2) ** (1/3), its interval taken on the logs
     assert ratios["1"]["req/s"]["mean"] == pytest.approx(3 ** (1 / 3))
     assert 0 < ratios["1"]["req/s"]["low"] < 3 ** (1 / 3) < ratios["1"]["req/s"]["high"]
