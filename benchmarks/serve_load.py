@@ -233,13 +233,13 @@ def cell_spread(values: list[float], digits: int) -> str:
     return fmt.format(values[0]) if len(values) == 1 else spread(values, fmt)
 
 
-# below this many requests a cell's p99 (`percentile`: the rank round(0.99 (n - 1))) is its slowest request
-P99_SAMPLES = 51
-
-
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+# below this many requests a cell's p99 (`percentile`'s rank, round(0.99 (n - 1))) is its slowest request (52)
+P99_SAMPLES = next(n for n in range(2, 1000) if percentile(list(range(n)), 0.99) != n - 1)
 
 
 # --- --against llama.cpp ----------------------------------------------------------------------
