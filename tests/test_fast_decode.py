@@ -1275,3 +1275,11 @@ def test_a_compiler_that_fails_leaves_the_generation_eager_and_says_why(monkeypa
     heard.clear()
     ll.generate(mor, prompt, 3, temperature=0.0, compile=True, on_compile=heard.append)
     assert any(line.startswith("decoding eagerly: ") for line in heard), heard
+
+
+def test_a_compiles_expected_time_under_a_second_is_said_so():
+    """A cached package loads in a fraction of a second: the announcement read "~0 s, as last time"."""
+    from latentloop.inference.fast import about_seconds
+
+    assert about_seconds(0.3) == "under a second" and about_seconds(0.999) == "under a second"
+    assert about_seconds(1.0) == "~1 s" and about_seconds(12.4) == "~12 s"

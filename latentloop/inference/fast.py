@@ -712,8 +712,8 @@ class FastDecoder:
         record = CompileRecord(self.model, self.options, self.cache, self.kv_dtype, full_window=full)
         expected = record.expected_seconds()
         if self.on_compile is not None:
-            known = (f"~{expected:.0f} s, as last time" if record.seen() else
-                     f"the first time for this model and shape: ~{expected:.0f} s or more")
+            known = (f"{about_seconds(expected)}, as last time" if record.seen() else
+                     f"the first time for this model and shape: {about_seconds(expected)} or more")
             which = "the decode step for the buffer's last tokens" if full else "the decode step"
             self.on_compile(f"compiling {which} ({known}; cached in {compile_cache_dir()}) ...")
         start = time.perf_counter()
@@ -995,6 +995,12 @@ DYNAMO_STEPS_LOCK = threading.RLock()
 _BANKED_SAVING: dict[Path, float] = {}
 # model -> {ran_shape(...)}: compiled steps that have run in this process
 _RAN_SHAPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def about_seconds(seconds: float) -> str:
+    """A compile's expected time as said before it: "~12 s", or "under a second" for a cached load (which
+    read "~0 s")."""
+    return "under a second" if seconds < 1 else f"~{seconds:.0f} s"
 
 
 def step_key(device_type: str, options: dict, kv_dtype: torch.dtype | None = None) -> tuple:

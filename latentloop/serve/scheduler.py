@@ -51,6 +51,7 @@ import torch
 
 from ..engine import model_options, row_info, stream, teacher_forced_logits, written_rows
 from ..errors import ConfigError
+from ..inference.fast import about_seconds
 from ..util import first_line
 from .batch import (
     AUTO_START_BUDGET_S,
@@ -613,7 +614,7 @@ class ContinuousScheduler(Scheduler):
         chosen = seconds is not None and seconds <= AUTO_START_BUDGET_S
         if self.announce is not None:
             self.announce(f"--decode auto: the compiled path (its steps for 1 to {self.max_rows} rows are in the "
-                          f"on-disk cache: ~{seconds:.0f} s to load)" if chosen else
+                          f"on-disk cache: {about_seconds(seconds)} to load)" if chosen else
                           f"--decode auto: decoding eagerly; the compiled path's steps for 1 to {self.max_rows} rows "
                           f"are not all in the on-disk cache (one start with --decode compiled compiles them, "
                           f"minutes on a small CPU; later starts load them in seconds)"
