@@ -1009,8 +1009,10 @@ def pool(paths: list[Path]) -> str:
                     high = comparison["high"]
                     shown = ("—" if high is None else "ahead" if high < 1 else "at" if high <= AT_MARGIN
                              else "not shown")
+                    interval = format_comparison(comparison, 3) + (" (over rounds: one run)" if len(per_run) == 1
+                                                                    else "")
                     rows.append((engine, threads, str(len(per_run)), str(sum(map(len, per_run))),
-                                 ", ".join(f"{mean:.3f}" for mean in means), format_comparison(comparison, 3), shown))
+                                 ", ".join(f"{mean:.3f}" for mean in means), interval, shown))
             if len(rows) > 1:
                 tables.append(f"{name}, {what}:\n\n{render_table(rows)}")
     return "\n\n".join(tables)

@@ -411,3 +411,9 @@ def test_a_text_file_with_a_byte_order_mark_is_tokenized_again_and_others_keep_t
     listing = sources._file_listing(marked, sorted(marked.glob("*.txt")))
     before = sources._digest(["text", str(marked.resolve()), 0.05, listing])
     assert parse_source(f"text:{marked}", val_fraction=0.05).fingerprint() != before
+    notes = tmp_path / "notes.md"  # a file named directly is read as text whatever its suffix: the same
+    notes.write_bytes(b"\xef\xbb\xbfsome text\n")
+    source = parse_source(f"text:{notes}", val_fraction=0.05)
+    before = sources._digest(["text", str(source.root.resolve()), 0.05, sources._file_listing(source.root,
+                                                                                              source.files)])
+    assert source.fingerprint() != before

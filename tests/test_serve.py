@@ -157,6 +157,8 @@ def test_parse_completion_refuses(fbt_model, body, status, words):
     (TokenizeBody, {"messages": [{"role": "user", "content": "hi"}]}, 400, "/tokenize takes a prompt, not messages"),
     (TokenizeBody, {"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": True}, 400,
      "/tokenize takes a prompt, not messages"),  # as vLLM's clients send the chat form
+    (TokenizeBody, {"prompt": "x", "chat_template": "{{ x }}"}, 400,
+     "unknown field(s): chat_template (this endpoint takes model, prompt"),  # not read: not silently ignored
     (TokenizeBody, {"prompt": "x", "model": "other"}, 404, "does not exist: this server serves 'm'"),
     (TokenizeBody, {"prompt": 5}, 400, "prompt must be a string, got 5"),
     (DetokenizeBody, {"tokens": [1], "text": "x"}, 400, "unknown field(s): text (this endpoint takes model, tokens)"),

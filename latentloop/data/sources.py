@@ -96,8 +96,9 @@ def _file_listing(root: Path, files: list[Path]) -> list[tuple[str, int, int, in
 
 
 def _starts_with_mark(path: Path) -> bool:
-    """Whether a `.txt` file begins with UTF-8's byte-order mark (which `_read_text` passes over)."""
-    if path.suffix != ".txt":
+    """Whether a file read as text (any but `.jsonl` and `.parquet`, as `_read_documents` splits them) begins
+    with UTF-8's byte-order mark, which `_read_text` passes over."""
+    if path.suffix in (".jsonl", ".parquet"):
         return False
     try:
         with path.open("rb") as handle:
@@ -203,7 +204,7 @@ class TextSource(Source):
     def fingerprint(self) -> str:
         listing = _file_listing(self.root, self.files)
         parts = ["text", str(self.root.resolve()), self.val_fraction, listing]
-        # .txt files read since 12-07 without their byte-order mark: their shards tokenized before it (the
+        # text files read since 12-07 without their byte-order mark: their shards tokenized before it (the
         # mark as the first character) are not reused; every other source keeps its key, and its cache
         marked = [path.relative_to(self.root).as_posix() for path in self.files if _starts_with_mark(path)]
         return _digest(parts + [["byte order mark passed over", marked]] if marked else parts)

@@ -272,6 +272,11 @@ def chat_body() -> type[_ChatFields]:
     return _with_arch_options(_ChatFields)
 
 
+# vLLM's chat-form fields of /tokenize beside `messages` (read so that such a body hears about messages)
+CHAT_FORM_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
+                    "tools")
+
+
 class TokenizeBody(_NamesTheModel):
     """/tokenize: vLLM's completion form (lm-eval's remote tokenizer sends prompt and
     add_special_tokens). vLLM's chat form (messages) and its token strings are refused by name, and
@@ -295,6 +300,15 @@ class TokenizeBody(_NamesTheModel):
         if value:
             raise refuse("return_token_strs is not supported (/detokenize turns ids into text)", "return_token_strs")
         return value
+
+    @model_validator(mode="after")
+    def _chat_fields_only_with_messages(self) -> TokenizeBody:
+        """The chat form's other fields in a prompt body: unknown there, as any field this endpoint ignores."""
+        given = sorted(name for name in CHAT_FORM_FIELDS if getattr(self, name) is not None)
+        if self.messages is None and given:
+            taken = ", ".join(name for name, field in type(self).model_fields.items() if field.description)
+            raise refuse(f"unknown field(s): {', '.join(given)} (this endpoint takes {taken})", given[0])
+        return self
 
     @field_validator("messages")
     @classmethod

@@ -388,7 +388,7 @@ async function init() {
     (c.chat ? "" : " · no chat format: the page continues your text");
   $("key-box").hidden = !storedKey() && !$("api-key").value;  // a key in use stays changeable
   if (started) {  // a key entered again: the controls keep what the user set, a streaming reply streams on
-    if (!page.controller) { setBusy(false); setStatus(""); }
+    if (page.controller) setBusy(true); else { setBusy(false); setStatus(""); }  // "loading" set above: put back
     return;
   }
   started = true;
