@@ -201,20 +201,25 @@ def absolute_source(spec: str) -> str:
     return "text:" + os.path.abspath(os.path.expanduser(path))
 
 
-def _recorded_text_source(config: RunConfig, checkpoint: Path | None) -> tuple[str, dict | None]:
-    """The `text:` source a run was trained on, as this machine can read it: the absolute path the
-    checkpoint's state.json records (`data_source`), else the config's own (relative paths from
-    here), and the token checksums training recorded. A source whose files are not here is a
-    ConfigError naming it."""
-    source = config.data.source
+def _recorded_source(config: RunConfig, checkpoint: Path | None) -> tuple[str, dict | None]:
+    """The source a run was trained on and the token checksums training recorded: the absolute path the
+    checkpoint's state.json records (`data_source`), else the config's own, and state.json's `data`."""
     recorded = {} if checkpoint is None else read_json_object(checkpoint / "state.json")
-    spec = recorded.get("data_source") if isinstance(recorded.get("data_source"), str) else source
+    spec = recorded.get("data_source") if isinstance(recorded.get("data_source"), str) else config.data.source
+    checksums = recorded.get("data")
+    return spec, checksums if isinstance(checksums, dict) else None
+
+
+def _recorded_text_source(config: RunConfig, checkpoint: Path | None) -> tuple[str, dict | None]:
+    """The `text:` source a run was trained on, as this machine can read it (`_recorded_source`: relative
+    paths from here where the checkpoint records none), and its checksums. A source whose files are
+    not here is a ConfigError naming it."""
+    spec, checksums = _recorded_source(config, checkpoint)
     path = spec[len("text:"):]
     if not (Path(path).expanduser().exists() or glob.glob(os.path.expanduser(path))):
         raise ConfigError(f"this run was trained on {spec!r}, which is not on this machine; name the data to "
                           f"evaluate on with --data")
-    checksums = recorded.get("data")
-    return spec, checksums if isinstance(checksums, dict) else None
+    return spec, checksums
 
 
 def _check_own_chat_split(config: RunConfig, checkpoint: Path | None, data: str, prepared) -> None:
@@ -222,11 +227,8 @@ def _check_own_chat_split(config: RunConfig, checkpoint: Path | None, data: str,
     training set aside (its sha256 in the checkpoint's state.json): the file changed since, or its
     conversations were split by an older rule (a file's line before 12-07, its messages since), so the
     split evaluated may hold conversations the run trained on."""
-    recorded = {} if checkpoint is None else read_json_object(checkpoint / "state.json")
-    trained_on = recorded.get("data_source") if isinstance(recorded.get("data_source"), str) else config.data.source
-    checksums = recorded.get("data")
-    own = absolute_source(data) == absolute_source(trained_on)
-    if not own or not isinstance(checksums, dict) or "val" not in checksums:
+    trained_on, checksums = _recorded_source(config, checkpoint)
+    if absolute_source(data) != absolute_source(trained_on) or checksums is None or "val" not in checksums:
         return
     if prepared.meta.get("sha256", {}).get("val") != checksums["val"]:
         print(f"latentloop: warning: the validation split of {data} is not the one this run set aside when it "

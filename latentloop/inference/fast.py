@@ -590,10 +590,7 @@ class FastDecoder:
         self._ran_with: tuple | None = None
 
     def __del__(self) -> None:
-        """The decode is over: the model's shared package step lets go of this decoder's cache."""
-        aot, cache = getattr(self, "aot", None), getattr(self, "cache", None)
-        if aot is not None and cache is not None:
-            aot.release(cache)
+        release_package_cache(self)
 
     def _dynamo_step(self):
         """Dynamo's compiled step, one per model and options (made on first need: `torch.compile`
@@ -659,28 +656,30 @@ class FastDecoder:
         if not ran:
             ran = self.compiled and self._shape(cache) in _RAN_SHAPES.get(self.model, ())
             self._ran_with = (cache, cache.key_pos, threads, inside) if ran else None
+        packaged, skip_guards = None, self.skip_guards and inside
         if ran and self.aot is not None:  # a package: no guards, any window
             try:
-                logits, greedy, info = self.aot(self.model, token, cache, self.options)
+                packaged = self.aot(self.model, token, cache, self.options)
             except AotUnavailable as error:  # this shape ran on dynamo's step in an earlier decoder
                 self._fall_back_to_dynamo(error)
-                with DYNAMO_STEPS_LOCK:
-                    logits, greedy, info = self._step(self.model, token, cache, self.options)
+                skip_guards = False  # its first call here checks them
+        if packaged is not None:
+            logits, greedy, info = packaged
         elif not self.compiled:
             logits, greedy, info = self._step(self.model, token, cache, self.options)
-        elif ran and not (self.skip_guards and self.window_inside_buffer(cache)):
-            with DYNAMO_STEPS_LOCK:
-                logits, greedy, info = self._step(self.model, token, cache, self.options)
-        elif ran:
-            # Dynamo checks its guards before every call (80-380 us a step measured at batch 1, issue 26).
-            # This decoder's graph exists for these shapes and the window is a dynamic dimension, so the
-            # only guards that matter are those telling this graph from others of the same step (other
-            # batch sizes or lengths): `skip_guard_eval_unsafe` evaluates just those.
-            with DYNAMO_STEPS_LOCK, torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                logits, greedy, info = self._step(self.model, token, cache, self.options)
         else:
             with DYNAMO_STEPS_LOCK:
-                logits, greedy, info = self._first_compiled_step(token)
+                if not ran:
+                    logits, greedy, info = self._first_compiled_step(token)
+                elif skip_guards:
+                    # Dynamo checks its guards before every call (80-380 us a step measured at batch 1, issue
+                    # 26). This decoder's graph exists for these shapes and the window is a dynamic dimension,
+                    # so the only guards that matter are those telling this graph from others of the same step
+                    # (other batch sizes or lengths): `skip_guard_eval_unsafe` evaluates just those.
+                    with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                        logits, greedy, info = self._step(self.model, token, cache, self.options)
+                else:
+                    logits, greedy, info = self._step(self.model, token, cache, self.options)
         cache.filled += 1
         if self.cuda and self.compiled:
             # CUDA graph trees free a call's outputs when the next call begins (each call in inference is
@@ -995,6 +994,15 @@ DYNAMO_STEPS_LOCK = threading.RLock()
 _BANKED_SAVING: dict[Path, float] = {}
 # model -> {ran_shape(...)}: compiled steps that have run in this process
 _RAN_SHAPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def release_package_cache(decoder) -> None:
+    """A decoder is gone (`FastDecoder`, `speculative.CompiledDrafting`): the model's shared package step
+    (`decoder.aot`) lets go of the decoder's cache (`AotDecodeStep.release`). Read with getattr: a
+    constructor that raised leaves the object without them."""
+    aot, cache = getattr(decoder, "aot", None), getattr(decoder, "cache", None)
+    if aot is not None and cache is not None:
+        aot.release(cache)
 
 
 def about_seconds(seconds: float) -> str:

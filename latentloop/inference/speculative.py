@@ -41,6 +41,7 @@ from .fast import (
     compiled_steps,
     fallback_reason,
     keep_state_buffers,
+    release_package_cache,
     static_cache,
     static_length,
     use_compile_cache,
@@ -104,10 +105,7 @@ class CompiledDrafting:
         self.cache: KVCache | None = None
 
     def __del__(self) -> None:
-        """The decode is over: the model's shared verification package lets go of this decoder's cache."""
-        aot, cache = getattr(self, "aot", None), getattr(self, "cache", None)
-        if aot is not None and cache is not None:
-            aot.release(cache)
+        release_package_cache(self)  # the verification package's hold on this decoder's cache
 
     def _dynamo_verify(self):
         per_model = compiled_steps(self.model)

@@ -272,6 +272,12 @@ def chat_body() -> type[_ChatFields]:
     return _with_arch_options(_ChatFields)
 
 
+def _fields_taken(model_class: type[BaseModel]) -> str:
+    """The fields a body takes, as its refusals list them: those with a description (a field read only to be
+    refused, `messages` say, has none)."""
+    return ", ".join(name for name, field in model_class.model_fields.items() if field.description)
+
+
 # vLLM's chat-form fields of /tokenize beside `messages` (read so that such a body hears about messages)
 CHAT_FORM_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
                     "tools")
@@ -306,8 +312,8 @@ class TokenizeBody(_NamesTheModel):
         """The chat form's other fields in a prompt body: unknown there, as any field this endpoint ignores."""
         given = sorted(name for name in CHAT_FORM_FIELDS if getattr(self, name) is not None)
         if self.messages is None and given:
-            taken = ", ".join(name for name, field in type(self).model_fields.items() if field.description)
-            raise refuse(f"unknown field(s): {', '.join(given)} (this endpoint takes {taken})", given[0])
+            raise refuse(f"unknown field(s): {', '.join(given)} (this endpoint takes {_fields_taken(type(self))})",
+                         given[0])
         return self
 
     @field_validator("messages")
@@ -355,9 +361,8 @@ def refusal(error: ValidationError, model_class: type[BaseModel], body: Any, con
         return bad_request(f"unknown field(s): {', '.join(sorted(unknown))} (options of this model's arch "
                            f"{model.config.arch!r}: {supported})", sorted(unknown)[0])
     if unknown:
-        taken = [name for name, field in model_class.model_fields.items() if field.description]  # not refused ones
         return bad_request(f"unknown field(s): {', '.join(sorted(unknown))} (this endpoint takes "
-                           f"{', '.join(taken)})", sorted(unknown)[0])
+                           f"{_fields_taken(model_class)})", sorted(unknown)[0])
     first = errors[0]
     if first["type"] == REFUSED:
         return _own(first)
