@@ -39,7 +39,8 @@ after the settle pause is slower), and stamps the moment its first token exists,
 to first token: the prompt's prefill, one token and whatever the engine does before it hands it over,
 as a streaming user waits for it); the decode is the rest per token after the first. (Until 12-07 the
 first token was a call of its own, which on latentloop's compiled paths took the eager path and skipped
-the static cache's setup: that setup, 18-20 ms at a 4,096-token prompt, was charged to the decode.) Each
+the static cache's setup: that setup, 18-20 ms at a 4,096-token prompt by a review's measure, was
+charged to the decode.) Each
 figure of each engine is also given over llama.cpp's in the same round, a ratio per round, and
 their geometric mean with its 95% t-interval (on the logs) over the interleaved rounds (below 1: faster than llama.cpp).
 The compiled rows are warmed up (compiled) before timing; the default path is warmed up as a user's
@@ -603,7 +604,7 @@ def time_prompt(call, prompt: list[int], new_tokens: int, clock=time.perf_counte
     does before it included). An untimed one-token call goes first: the first call after the settle
     pause ran slower (1.6 ms against 1.0 for the same one-token call, every round). The first token
     was a call of its own before 12-07, which on latentloop's compiled paths took another path (no
-    static cache to set up: 18-20 ms at a 4,096-token prompt, then charged to the decode)."""
+    static cache to set up: 18-20 ms at a 4,096-token prompt by a review's measure, then charged to the decode)."""
     call(prompt, 1)  # untimed: whatever the first call after the pause pays, the timed call does not carry it
     marks: list[float] = []
     start = clock()
