@@ -379,7 +379,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return checkpoints[-1]
 
 
-def _own_or_run_file(checkpoint: Path, name: str) -> Path | None:
+def own_or_run_file(checkpoint: Path, name: str) -> Path | None:
     """The checkpoint's own copy of `name` (checked against its checksums), else its run folder's.
     A checkpoint whose checksums record the name never falls back: its copy deleted, the run folder's
     unchecked one (an edited config) was loaded without a word."""
@@ -411,16 +411,16 @@ def _refuse_hugging_face_folder(folder: Path) -> None:
 
 
 def find_tokenizer_file(checkpoint: Path) -> Path:
-    """The tokenizer.json of a checkpoint (`_own_or_run_file`)."""
-    found = _own_or_run_file(checkpoint, "tokenizer.json")
+    """The tokenizer.json of a checkpoint (`own_or_run_file`)."""
+    found = own_or_run_file(checkpoint, "tokenizer.json")
     if found is None:
         raise CheckpointError(f"no tokenizer.json found for checkpoint {checkpoint}")
     return found
 
 
 def read_run_config(checkpoint: Path) -> RunConfig:
-    """The run config of a checkpoint (`_own_or_run_file`)."""
-    found = _own_or_run_file(checkpoint, "config.json")
+    """The run config of a checkpoint (`own_or_run_file`)."""
+    found = own_or_run_file(checkpoint, "config.json")
     if found is None:
         raise CheckpointError(f"no config.json found for checkpoint {checkpoint}")
     try:

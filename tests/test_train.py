@@ -762,3 +762,35 @@ def test_a_run_resumes_on_its_data_moved_to_another_path_and_not_on_other_data(c
     first.write_text(first.read_text().upper())
     with pytest.raises(ll.DataError, match="the token data of .* changed since checkpoint"):
         setup(_config(other, steps=7), run, resume=True, progress=False)
+
+
+def test_a_source_no_checksum_proves_the_same_data_is_refused_naming_the_trained_one(corpus, tmp_path):
+    """A resume may name its data by another path because the checkpoint's shard checksums prove it the same
+    data. A checkpoint from before they were recorded was resumed on any folder unchecked: refused now, naming
+    the source it was trained on; a refusal of other data (here another task) names it too."""
+    import dataclasses
+    import shutil
+
+    from latentloop.checkpoint import add_checksum
+
+    task_run = tmp_path / "task-run"
+    on_addition = dataclasses.replace(_config(corpus, steps=3), data=DataConfig(source="task:addition"))
+    fit(setup(on_addition, task_run, progress=False), progress=False)
+    other_task = dataclasses.replace(_config(corpus, steps=5), data=DataConfig(source="task:multiplication"))
+    with pytest.raises(ll.DataError, match="changed since checkpoint .*where it was trained on 'task:addition'"):
+        setup(other_task, task_run, resume=True, progress=False)
+    assert setup(dataclasses.replace(on_addition, train=other_task.train), task_run, resume=True,
+                 progress=False).step == 3  # its own task resumes
+
+    run = tmp_path / "run"
+    fit(setup(_config(corpus, steps=3), run, progress=False), progress=False)
+    checkpoint = sorted((run / "checkpoints").iterdir())[-1]
+    state_json = json.loads((checkpoint / "state.json").read_text())
+    del state_json["data"]  # as a checkpoint saved before the shards' checksums were recorded
+    (checkpoint / "state.json").write_text(json.dumps(state_json))
+    add_checksum(checkpoint, "state.json")  # its manifest agrees with the edit
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(corpus, moved)
+    with pytest.raises(ll.DataError, match="records no checksums of its token data"):
+        setup(_config(moved, steps=5), run, resume=True, progress=False)
+    assert setup(_config(corpus, steps=5), run, resume=True, progress=False).step == 3

@@ -23,6 +23,7 @@ from ..checkpoint import (
     commit_checkpoint,
     fsync_dir,
     load_weights,
+    own_or_run_file,
     read_failure,
     read_trainer_state,
     read_weights,
@@ -117,15 +118,36 @@ def _data_checksums(data: TokenData) -> dict[str, str] | None:
     return data.meta.get("sha256")
 
 
+def _other_source(state: TrainState, checkpoint: Path) -> str | None:
+    """The data.source `checkpoint` was trained on where it is another than this run's, else None.
+    `check_run_folder` lets a resume name its data by another path (`MOVED_DATA`) because the
+    checkpoint's shard checksums are then compared; a checkpoint from before they were recorded was
+    resumed on any folder unchecked."""
+    found = own_or_run_file(checkpoint, "config.json")
+    try:
+        saved = json.loads(found.read_text())["data"]["source"] if found is not None else None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+        return None  # check_run_folder refused an unreadable run config; a checkpoint's own is checksummed
+    if not isinstance(saved, str) or absolute_source(saved) == absolute_source(state.config.data.source):
+        return None
+    return saved
+
+
 def _read_checkpoint(state: TrainState, checkpoint: Path) -> tuple[dict, dict, dict[str, torch.Tensor] | None]:
     """What every process reads of a checkpoint on its own: state.json, the trainer state and (for
     an unsharded checkpoint) the weights, checked against the model."""
     meta, trainer = read_trainer_state(checkpoint)
-    saved_data = meta.get("data")
+    saved_data, other_source = meta.get("data"), _other_source(state, checkpoint)
     if saved_data is not None and saved_data != _data_checksums(state.data):
+        trained_on = "" if other_source is None else f", where it was trained on {other_source!r}"
         raise DataError(f"the token data of {state.run_dir} changed since checkpoint {checkpoint.name} (its shards' "
-                        f"sha256 differ): resume with the data it was trained on (moved, under the same file names: "
-                        f"documents go to train or val by their file's name), or start a new run")
+                        f"sha256 differ{trained_on}): resume with the data it was trained on (moved, under the same "
+                        f"file names: documents go to train or val by their file's name), or start a new run")
+    if saved_data is None and other_source is not None:
+        raise DataError(f"cannot resume {state.run_dir} on data.source {state.config.data.source!r}: checkpoint "
+                        f"{checkpoint.name} was trained on {other_source!r} and records no checksums of its token "
+                        f"data to prove the two the same; resume with data.source {other_source!r}, or start a new "
+                        f"run from its weights (--init-from)")
     if (checkpoint / SHARDED_DIR).is_dir():
         return meta, trainer, None
     if state.config.train.strategy != "fsdp2":
