@@ -712,6 +712,44 @@ def test_compile_record_expects_the_cold_cost_then_the_fastest_first_call(compil
     assert not again.seen() and again.expected_seconds() == COLD_COMPILE_S
 
 
+def test_a_recorded_package_gone_from_the_cache_is_expected_to_compile_again_and_said_so(compile_dir, monkeypatch):
+    """An ahead-of-time package's process records what loading it cost (all a later process pays). With
+    the package gone (a cleared cache), the next first call compiles again: it was announced as "under
+    a second, as last time" and the automatic mode counted the load time against a minute's compile."""
+    from latentloop.inference import fast as fast_module
+    from latentloop.inference.fast import COLD_COMPILE_S, CompileRecord
+
+    model = model_for("gpt")
+    fast = FastDecoder(model, compile=False)
+    record = CompileRecord(model, {}, fast.new_cache(1, 8))
+    package = compile_dir / "package.pt2"
+    package.parent.mkdir(parents=True, exist_ok=True)
+    package.write_bytes(b"a package")
+    record.add(0.2, package=package, compile_seconds=41.5)
+    assert not record.package_gone() and record.expected_seconds() == 0.2
+    package.unlink()
+    assert record.package_gone() and record.expected_seconds() == 41.5
+    record.path.write_text(json.dumps({"first_call_s": [0.2], "package": str(package), "compile_s": "x"}))
+    assert record.expected_seconds() == COLD_COMPILE_S  # a damaged compile time: the cold cost
+    heard = []
+
+    class GoneAgain(fast_module.CompileRecord):  # the decoder's own record: the package gone
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.path = record.path
+
+    monkeypatch.setattr(fast_module, "CompileRecord", GoneAgain)
+    decoder = FastDecoder(model, compile=False, on_compile=heard.append)
+    cache = decoder.new_cache(1, 8)
+    with torch.inference_mode():
+        model.prefill(torch.full((1, 2), BOS), cache)
+    decoder.begin_decoding(cache)
+    cache.set_window()
+    decoder._step = lambda *args: (None, None, {})  # the announcement is what is checked, not the step
+    decoder._first_compiled_step(torch.tensor([1]))
+    assert "its ahead-of-time package is gone from the cache, built again: ~20 s" in heard[0], heard
+
+
 def test_compile_cache_dir_counts_inductors_default_as_unset_without_importing_inductor(tmp_path, monkeypatch):
     import subprocess
     import sys

@@ -572,6 +572,7 @@ class AotDecodeStep:
         self.packages: dict[tuple, _Package] = {}
         self.compiled_now = False  # the last `prepare` compiled (as opposed to loading from disk)
         self.load_seconds = 0.0  # what loading the last package took (all a later process pays for it)
+        self.package_path: Path | None = None  # the last `prepare`'s package file
         self.unavailable: dict[tuple, str] = {}  # shape -> why it did not compile
         self._bound: _Bound | None = None  # what the steps run with until the cache or its window changes
         self.holder = _ExportedStep(model, options, step_fn)  # what packages resolve their constants from
@@ -623,7 +624,7 @@ class AotDecodeStep:
         from .fast import compile_cache_dir
 
         key = package_key(self.model, self.options, cache, fields, self.tokens)
-        path = compile_cache_dir() / AOT_SUBDIR / f"{key}.pt2"
+        path = self.package_path = compile_cache_dir() / AOT_SUBDIR / f"{key}.pt2"
         if path.exists():
             try:
                 if unverified_file(path) is not None:  # damaged, replaced, or from before digests

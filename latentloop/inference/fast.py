@@ -711,7 +711,8 @@ class FastDecoder:
         record = CompileRecord(self.model, self.options, self.cache, self.kv_dtype, full_window=full)
         expected = record.expected_seconds()
         if self.on_compile is not None:
-            known = (f"{about_seconds(expected)}, as last time" if record.seen() else
+            known = (f"its ahead-of-time package is gone from the cache, built again: {about_seconds(expected)}"
+                     if record.package_gone() else f"{about_seconds(expected)}, as last time" if record.seen() else
                      f"the first time for this model and shape: {about_seconds(expected)} or more")
             which = "the decode step for the buffer's last tokens" if full else "the decode step"
             self.on_compile(f"compiling {which} ({known}; cached in {compile_cache_dir()}) ...")
@@ -736,7 +737,8 @@ class FastDecoder:
         seconds = time.perf_counter() - start
         _RAN_SHAPES.setdefault(self.model, set()).add(self._shape(self.cache))
         if self.aot is not None and self.aot.compiled_now:  # the next process only loads the package
-            record.add(self.aot.load_seconds + time.perf_counter() - prepared)
+            record.add(self.aot.load_seconds + time.perf_counter() - prepared, package=self.aot.package_path,
+                       compile_seconds=seconds)
         else:
             record.add(seconds)
         if self.on_compile is not None:
@@ -893,12 +895,29 @@ class CompileRecord:
     def seen(self) -> bool:
         return bool(self._seconds())
 
+    def package_gone(self) -> bool:
+        """The recorded first calls loaded an ahead-of-time package that is no longer on disk (a cleared
+        or pruned cache, a package key that changed): the next first call compiles it again. Its
+        recorded load time was announced ("under a second, as last time") and counted by the automatic
+        mode before a compile of a minute."""
+        package = self._read().get("package")
+        return isinstance(package, str) and bool(self._seconds()) and not os.path.exists(package)
+
     def expected_seconds(self) -> float:
         seconds = self._seconds()
-        return min(seconds) if seconds else COLD_COMPILE_S
+        if not seconds:
+            return COLD_COMPILE_S
+        if self.package_gone():  # what compiling it took, when recorded
+            compiled = self._read().get("compile_s")
+            return float(compiled) if isinstance(compiled, (int, float)) and math.isfinite(compiled) \
+                and compiled >= 0 else COLD_COMPILE_S
+        return min(seconds)
 
-    def add(self, seconds: float) -> None:
-        self._write(first_call_s=(self._seconds() + [round(seconds, 3)])[-RECORDS_KEPT:])
+    def add(self, seconds: float, package: Path | None = None, compile_seconds: float | None = None) -> None:
+        """A first call took `seconds`. After compiling an ahead-of-time package (`package`, in
+        `compile_seconds`), `seconds` is what loading it cost: all a later process pays while it is there."""
+        fields = {} if package is None else {"package": str(package), "compile_s": round(compile_seconds or 0.0, 3)}
+        self._write(first_call_s=(self._seconds() + [round(seconds, 3)])[-RECORDS_KEPT:], **fields)
 
     def banked_seconds(self) -> float:
         """The saving banked so far by eager calls of this shape, in this and earlier processes (this
