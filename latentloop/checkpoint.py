@@ -40,6 +40,7 @@ folder never looks like a checkpoint.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import hashlib
 import io
@@ -298,7 +299,24 @@ def write_checkpoint_files(tmp: Path, run_dir: Path, step: int, weights: dict[st
     except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as its own error
         shutil.rmtree(tmp, ignore_errors=True)
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else first_line(exc)
+        if (isinstance(exc, OSError) and exc.errno == errno.ENOSPC) or "os error 28" in reason:
+            reason += (f" ({_checkpoint_size_text(tmp, weights, trainer_state)}; a run keeps train.keep_last "
+                       f"checkpoints and writes the next one before it removes the oldest: free that much, or "
+                       f"lower train.keep_last, then --resume)")
         raise OutputError(f"cannot write checkpoint {checkpoint_folder(run_dir, step)}: {reason}") from None
+
+
+def _checkpoint_size_text(tmp: Path, weights: dict[str, torch.Tensor] | None,
+                          trainer_state: dict[str, Any] | None) -> str:
+    """About what a checkpoint takes on disk: the last complete one beside `tmp`, else the tensors
+    being written ("a checkpoint takes about 1,234 MiB")."""
+    done = sorted(p for p in tmp.parent.glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir())
+    if done:
+        size = sum(f.stat().st_size for f in done[-1].rglob("*") if f.is_file())
+    else:
+        tensors = [*(weights or {}).values(), *(flatten_state(trainer_state)[1].values() if trainer_state else ())]
+        size = sum(t.numel() * t.element_size() for t in tensors)
+    return f"a checkpoint takes about {max(1, round(size / 2**20)):,} MiB"
 
 
 def commit_checkpoint(run_dir: Path, step: int, keep_last: int) -> Path:

@@ -3,6 +3,7 @@ saves, foreign tokenizers, corrupted shards, unwritable outputs, untrusted run c
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -534,9 +535,20 @@ def test_a_full_disk_while_saving_is_one_error_and_leaves_no_partial_checkpoint(
     monkeypatch.setattr(ckpt, "save_file", full)
     tmp = tmp_path / "checkpoints" / ".tmp-step_00000003"
     tmp.mkdir(parents=True)
-    with pytest.raises(OutputError, match="cannot write checkpoint .*No space left on device"):
+    with pytest.raises(OutputError, match="cannot write checkpoint .*No space left on device") as raised:
         ckpt.write_checkpoint_files(tmp, tmp_path, 3, {"w": torch.zeros(2)}, None, {"step": 3})
     assert not tmp.exists()
+    # what to do: a save needs room for one checkpoint more than keep_last keeps, named with its size
+    assert "about 1 MiB; a run keeps train.keep_last checkpoints and writes the next one before" in str(raised.value)
+    done = tmp_path / "checkpoints" / "step_00000002"
+    done.mkdir()
+    (done / "model.safetensors").write_bytes(bytes(3 * 2**20))
+    tmp.mkdir()
+    monkeypatch.setattr(ckpt, "save_file", lambda *args, **kwargs: (_ for _ in ()).throw(
+        OSError(errno.ENOSPC, "No space left on device")))
+    with pytest.raises(OutputError, match="No space left on device .a checkpoint takes about 3 MiB; .*lower "
+                                          "train.keep_last, then --resume"):
+        ckpt.write_checkpoint_files(tmp, tmp_path, 3, {"w": torch.zeros(2)}, None, {"step": 3})
 
 
 def test_write_json_atomic_reports_an_unwritable_path(a_file):
