@@ -433,3 +433,51 @@ def test_kernels_that_cannot_be_written_are_said_not_switched_off_silently(tmp_p
         assert "Read-only file system" in err and "slower torch path" in err and "LATENTLOOP_CACHE" in err
     finally:
         native.native_library.cache_clear()
+
+
+def test_two_builds_published_at_once_leave_one_file_with_its_own_digest(tmp_path, monkeypatch):
+    """Two processes building one artifact (a cold cache): each wrote its digest, then renamed its file,
+    so one build's digest could sit beside the other's file; both then found it "damaged", one deleting
+    what the other had just made, and each fell back to the slow path. The digest and the rename are one
+    step now for every other process: a second publisher and a reader wait while the first is between
+    them, and a removal keeps a file published since its check failed."""
+    import threading
+
+    from latentloop.inference.cache_trust import digest_path, publish_artifact, remove_artifact
+
+    folder = private(tmp_path / "kernels")
+    final = folder / "lib.so"
+    first, second = folder / "a.partial", folder / "b.partial"
+    first.write_bytes(b"first build")
+    second.write_bytes(b"second build, other bytes")
+    between, go_on = threading.Event(), threading.Event()
+    real_record = cache_trust.record_digest
+
+    def paused_record(artifact, final_path=None):
+        real_record(artifact, final_path)
+        if artifact == first:  # the first publisher stops between its digest and its rename
+            between.set()
+            assert go_on.wait(30)
+
+    monkeypatch.setattr(cache_trust, "record_digest", paused_record)
+    writer = threading.Thread(target=publish_artifact, args=(first, final))
+    writer.start()
+    assert between.wait(30)
+    done = {}
+    other = threading.Thread(target=lambda: done.setdefault("second", publish_artifact(second, final)))
+    reader = threading.Thread(target=lambda: done.setdefault("check", unverified_file(final)))
+    other.start()
+    reader.start()
+    other.join(0.5)
+    reader.join(0.1)
+    assert other.is_alive() and reader.is_alive() and not done  # both wait for the first to finish
+    go_on.set()
+    for thread in (writer, other, reader):
+        thread.join(30)
+    assert unverified_file(final) is None  # whichever came last: its file beside its own digest
+    assert final.read_bytes() in (b"first build", b"second build, other bytes")
+    assert done["check"] is None
+    # a reader whose check failed before a fresh build was published does not delete that build
+    assert remove_artifact(final) is None and final.exists() and digest_path(final).exists()
+    final.write_bytes(b"damaged")
+    assert remove_artifact(final) is None and not final.exists()

@@ -64,7 +64,7 @@ from torch import Tensor, nn
 
 from ..util import first_line
 from . import native, quant, torch_internals
-from .cache_trust import private_folder, record_digest, remove_artifact, unverified_file
+from .cache_trust import private_folder, publish_artifact, remove_artifact, unverified_file
 
 AOT_ENV = "LATENTLOOP_AOT"  # "0": no ahead-of-time packages, dynamo's compiled step everywhere
 AOT_SUBDIR = "aot"  # under compile_cache_dir()
@@ -678,8 +678,7 @@ class AotDecodeStep:
                     aoti_compile_and_package(program, package_path=temp, inductor_configs={
                         "aot_inductor.package_constants_in_so": False,
                         "aot_inductor.metadata": {INFO_KEY: json.dumps(info)}, **_kernel_config()})
-                record_digest(Path(temp), final=path)  # checked before the package is ever loaded
-                os.replace(temp, path)
+                publish_artifact(Path(temp), path)  # with its digest, checked before the package is ever loaded
             finally:
                 Path(temp).unlink(missing_ok=True)
         except AotUnavailable:

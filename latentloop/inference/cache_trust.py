@@ -36,6 +36,8 @@ and carries checksums of its own (`data/shards.py`).
 from __future__ import annotations
 
 import atexit
+import contextlib
+import fcntl
 import hashlib
 import os
 import shutil
@@ -47,6 +49,7 @@ from pathlib import Path
 from ..util import default_cache_dir
 
 DIGEST_SUFFIX = ".sha256"  # beside each artifact: its hex sha256, written when it was built
+LOCK_SUFFIX = ".lock"  # beside each artifact: held while its digest and file change or are checked together
 PRIVATE_MODE = 0o700  # the cache's folders: only their owner reads, writes or lists them
 FILE_MODE = 0o600  # an artifact: its owner reads and writes it (mapping a library needs no exec bit)
 _READ_CHUNK = 1 << 20
@@ -182,7 +185,7 @@ def digest_path(path: Path) -> Path:
 def record_digest(artifact: Path, final: Path | None = None) -> None:
     """Record `artifact`'s sha256 beside `final` (where it will be renamed to; itself by default),
     atomically, and make the artifact readable by its owner only. Call it before the rename: a reader
-    that finds the artifact then finds its digest."""
+    that finds the artifact then finds its digest (`publish_artifact` does both, locked)."""
     final = final or artifact
     os.chmod(artifact, FILE_MODE)
     fd, temp = tempfile.mkstemp(dir=final.parent, suffix=DIGEST_SUFFIX + ".partial")
@@ -194,9 +197,43 @@ def record_digest(artifact: Path, final: Path | None = None) -> None:
         Path(temp).unlink(missing_ok=True)
 
 
+@contextlib.contextmanager
+def _artifact_lock(path: Path, exclusive: bool):
+    """`path`'s lock file (`LOCK_SUFFIX`) held, exclusively to change the artifact and its digest,
+    shared to check them. Two processes building one artifact at once (a cold cache, two `generate`s)
+    each wrote its digest and then renamed its file: one build's digest beside the other's file, which
+    both then found "damaged", one deleting what the other had just made, each falling back to the
+    slow path. A folder where the lock cannot be made (a read-only cache: nobody builds there) is
+    used unlocked."""
+    try:
+        fd = os.open(path.with_name(path.name + LOCK_SUFFIX), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def publish_artifact(built: Path, final: Path) -> None:
+    """A freshly built artifact renamed to `final` with its digest recorded, as one step for every
+    other process (`_artifact_lock`)."""
+    with _artifact_lock(final, exclusive=True):
+        record_digest(built, final)
+        os.replace(built, final)
+
+
 def unverified_file(path: Path) -> str | None:
     """None when `path` is this user's own file, not writable by others, and matches its recorded
-    digest; else why not (one line: the caller builds it again or loads nothing)."""
+    digest; else why not (one line: the caller builds it again or loads nothing). Checked under the
+    artifact's shared lock: never between another process's digest and its rename."""
+    with _artifact_lock(path, exclusive=False):
+        return _unverified_file(path)
+
+
+def _unverified_file(path: Path) -> str | None:
     try:
         info = os.lstat(path)
     except OSError as exc:
@@ -225,7 +262,14 @@ def unverified_file(path: Path) -> str | None:
 def remove_artifact(path: Path) -> str | None:
     """An artifact that failed its check, and its digest, removed (to be built again); None, or why it
     could not be (a read-only cache: the caller loads nothing from there, where an OSError ended the
-    generation)."""
+    generation). One that another process has published since it failed is kept."""
+    with _artifact_lock(path, exclusive=True):
+        if path.exists() and _unverified_file(path) is None:
+            return None
+        return _remove_pair(path)
+
+
+def _remove_pair(path: Path) -> str | None:
     for stale in (path, digest_path(path)):
         try:
             stale.unlink()

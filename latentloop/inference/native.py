@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from ..util import CACHE_ENV, default_cache_dir, warn_once
-from .cache_trust import private_folder, record_digest, remove_artifact, untrusted_folder, unverified_file
+from .cache_trust import private_folder, publish_artifact, remove_artifact, untrusted_folder, unverified_file
 
 NATIVE_ENV = "LATENTLOOP_NATIVE"  # "0" turns the native kernels off (the torch paths run instead)
 LIBRARY_FLAGS = ("-O3", "-shared", "-fPIC")
@@ -127,8 +127,7 @@ def _build(cc: str, source: Path, target: Path, flags: tuple[str, ...], librarie
                               timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:
             return (done.stderr.strip().splitlines() or [f"{cc} exited with {done.returncode}"])[-1]
-        record_digest(Path(partial), final=target)  # before the rename: a reader finding it finds its digest
-        os.replace(partial, target)
+        publish_artifact(Path(partial), target)  # its digest with it: a reader finding it finds its digest
         return None
     except (OSError, subprocess.SubprocessError) as exc:
         return str(exc)
