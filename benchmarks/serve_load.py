@@ -31,8 +31,8 @@ and written as an fp32 GGUF by `benchmarks.engines.write_gguf`, given the byte t
 (llama-server turns every token into text, which write_gguf's "none" vocabulary cannot: it aborts).
 Both servers get the same requests as token ids (BOS, then bytes of a stdlib source file), short
 and long prompts alternating (`--short` / `--long` tokens), `--new-tokens` (128) greedy tokens each
-with no early stop on llama.cpp's side (`ignore_eos`; latentloop stops on BOS/EOS: such requests
-are counted as "short" completions), no prompt cache on either (llama.cpp:
+with no early stop on either side (`ignore_eos`, which both servers take: equal work; a request
+that still ends early is counted as a "short" completion), no prompt cache on either (llama.cpp:
 `cache_prompt: false`, `--cache-ram 0`). The same `--threads` for both (default: the CPU count).
 Cells (server x concurrency) are interleaved repeat by repeat, the server order alternating; in a
 cell C clients send requests back to back for the cell's seconds, then the requests in flight run
@@ -296,7 +296,7 @@ class LatentloopEndpoint(Server):
         super().__init__(run, "continuous", BATCHED_ROWS, decode, log, threads, kv_dtype)
 
     def body(self, ids: list[int], new_tokens: int, tokens: bool = False) -> dict:
-        body = {"prompt": ids, "max_tokens": new_tokens, "temperature": 0}
+        body = {"prompt": ids, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
         return {**body, "logprobs": 0} if tokens else body
 
     @staticmethod
@@ -489,8 +489,8 @@ def against_summary(measured: dict, names: tuple[str, str]) -> tuple[list[list],
         ratios[str(c)] = {key: paired_comparison(dict(enumerate(r[key] for r in a)),
                                                  dict(enumerate(r[key] for r in b)), kind="log_ratio")
                           for key in ("req/s", "p50", "p99")}
-        # latentloop stops a request at BOS / EOS and llama.cpp does not (`ignore_eos`): a cell where any
-        # request stopped short compares unequal work (fewer tokens: more req/s, less latency), and says so
+        # both servers are asked to ignore their end tokens (`ignore_eos`): a cell where any request still
+        # stopped short (a server that ignores the field) compares unequal work, and says so
         short = {name: sum(r["short"] for r in measured[c, name]) for name in names}
         ratios[str(c)]["stopped_short"] = short
         same = "yes" if not any(short.values()) else "no: " + ", ".join(

@@ -896,3 +896,56 @@ def test_auto_keeps_its_start_budget_for_every_set_of_options(models, tmp_path, 
         assert warmed == [] and type(auto._new_batch(defaults)) is DecodeBatch and len(heard) == 1
     finally:
         auto.join(SCHEDULER_TIMEOUT_S)
+
+
+@pytest.mark.parametrize("scheduler_kind", ["continuous", "rounds"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_ignore_eos_decodes_past_the_end_tokens_to_max_tokens_and_stop_strings_still_cut(arch, scheduler_kind, models):
+    """`ignore_eos` (vLLM's and llama.cpp's field): the server's end tokens do not end the reply, which
+    has max_tokens tokens, the engine's without stop tokens; beside it in the same batch a request
+    without it stops there; a `stop` string still cuts. The server's end tokens are set here to a
+    token the model writes (random weights rarely write EOS): every architecture, both schedulers."""
+    import threading
+
+    from latentloop.data import ByteTokenizer
+    from latentloop.serve.limits import Limits
+    from latentloop.serve.requests import parse_completion
+    from latentloop.serve.scheduler import ContinuousScheduler, Delta, Done, Failed, Job, RoundScheduler
+
+    model, tokenizer = models[arch], ByteTokenizer()
+    prompt, budget = "def f(x):", 8
+    ids = [BOS, *tokenizer.encode(prompt)]
+    free = ll.generate(model, ids, budget, temperature=0.0)
+    end = free[2]  # the server's end token for this test: one the model writes third
+    stopped = ll.generate(model, ids, budget, temperature=0.0, stop_tokens=[end])
+    assert len(stopped) < budget
+    if scheduler_kind == "continuous":
+        scheduler = ContinuousScheduler(model, tokenizer, 8, 16, 0.05, compiled=False, compile_steps=False)
+    else:
+        scheduler = RoundScheduler(model, tokenizer, 8, 16, 0.05)
+    scheduler.stop_tokens = (end,)
+    cut = tokenizer.decode(free[4:5])  # a stop string: the text is cut before it
+    bodies = [{"prompt": prompt, "max_tokens": budget, "temperature": 0, "ignore_eos": True},
+              {"prompt": prompt, "max_tokens": budget, "temperature": 0},
+              {"prompt": prompt, "max_tokens": budget, "temperature": 0, "ignore_eos": True, "stop": cut}]
+    events: list[list] = [[] for _ in bodies]
+    finished = [threading.Event() for _ in bodies]
+    limits = Limits(model.config.sequence_len, 64, 8)
+    for i, body in enumerate(bodies):
+        def post(event, i: int = i):  # noqa: B008 - binds this request's index
+            events[i].append(event)
+            if isinstance(event, (Done, Failed)):
+                finished[i].set()
+
+        scheduler.submit(Job(parse_completion(body, model, tokenizer, limits, "m"), post, tokenizer))
+    scheduler.start()
+    try:
+        for event in finished:
+            assert event.wait(SCHEDULER_TIMEOUT_S), "a request did not finish"
+    finally:
+        scheduler.join(SCHEDULER_TIMEOUT_S)
+    texts = ["".join(e.text for e in got if isinstance(e, Delta)) for got in events]
+    assert all(isinstance(got[-1], Done) for got in events), [got[-1] for got in events]
+    assert texts[0] == tokenizer.decode(free) and events[0][-1].completion_tokens == budget
+    assert texts[1] == tokenizer.decode(stopped) and events[1][-1].completion_tokens == len(stopped) + 1  # its end
+    assert texts[2] == tokenizer.decode(free).split(cut)[0] and cut

@@ -54,6 +54,7 @@ class Sampling:
     generator: torch.Generator | None = None
     logprobs: bool = False  # each new token's log-probability
     top_logprobs: int = 0  # and the k most likely tokens with theirs
+    ignore_eos: bool = False  # the batch's stop tokens do not end this request's rows
     members: list[Member] = field(default_factory=list)
 
     @property
@@ -262,7 +263,7 @@ class DecodeBatch:
         for i, (member, token) in enumerate(zip(self.members, tokens.tolist())):
             if member.done:
                 continue
-            if token in self.stop_tokens:
+            if token in self.stop_tokens and not member.sampling.ignore_eos:
                 member.done = True
                 steps.append(MemberStep(member, None))
                 continue

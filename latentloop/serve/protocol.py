@@ -56,6 +56,7 @@ class CompletionRequest:
     n: int = 1
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # decode on past the model's end tokens, to max_tokens (vLLM's and llama.cpp's field)
     logprobs: int | None = None  # None: no logprobs; k: the chosen token's and the k most likely
     echo: bool = False
     stream: bool = False

@@ -112,6 +112,9 @@ class _GenerationFields(_NamesTheModel):
     stream_options: StreamOptions | None = Field(None, description='{{"include_usage": true|false}}')
     max_tokens: int | None = Field(None, ge=0, description="an integer in [0, {max_tokens_cap}] (--max-tokens-cap)")
     stop: str | list[str] | None = Field(None, description="a string or a list of strings")
+    # beyond OpenAI's, as vLLM and llama.cpp's server take it: every request generates max_tokens tokens (a
+    # load test's equal work), `stop` strings still apply
+    ignore_eos: bool | None = Field(None, description="true or false")
     _options: dict[str, Any] = PrivateAttr(default_factory=dict)  # set by `_together`
     _resolved: dict[str, Any] = PrivateAttr(default_factory=dict)
 
@@ -424,6 +427,7 @@ def completion_request(body: _GenerationFields, model, tokenizer, limits: Limits
         temperature=1.0 if body.temperature is None else body.temperature,  # OpenAI's default
         top_p=None if body.top_p in (None, 1) else body.top_p, top_k=body.top_k, n=n, seed=body.seed,
         stop=tuple(s for s in stop if s),  # an empty stop string would stop before any text
+        ignore_eos=bool(body.ignore_eos),
         logprobs=logprobs, echo=echo, stream=bool(body.stream),
         include_usage=bool(body.stream_options is not None and body.stream_options.include_usage),
         options=options, resolved=resolved, written=written,

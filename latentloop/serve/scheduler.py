@@ -486,6 +486,11 @@ class RoundScheduler(Scheduler):
 
     # -- grouping and batches -----------------------------------------------------------------
     def _group_key(self, job: Job) -> tuple:
+        """What a batch's rows share: options, how they sample, and their stop tokens (none with
+        `ignore_eos`): (options, (kind, ...), ignore_eos)."""
+        return (*self._sampling_key(job), job.request.ignore_eos)
+
+    def _sampling_key(self, job: Job) -> tuple:
         request = job.request
         options = tuple(sorted(request.resolved.items()))  # {} and {"regime": "soft"} decode alike
         if any(option.couples_rows is not None and option.couples_rows(request.resolved.get(option.name))
@@ -527,7 +532,7 @@ class RoundScheduler(Scheduler):
         top = max((row.job.request.logprobs or 0) for row in rows)
         steps = stream(self.model, [row.prompt for row in rows], max(row.job.request.max_tokens for row in rows),
                        temperature=request.temperature, top_k=request.top_k, top_p=request.top_p, seed=request.seed,
-                       stop_tokens=self.stop_tokens, pad_id=self.tokenizer.pad_id,
+                       stop_tokens=() if request.ignore_eos else self.stop_tokens, pad_id=self.tokenizer.pad_id,
                        logprobs=any(row.job.request.logprobs is not None for row in rows), top_logprobs=top,
                        written=written_rows([(row.prompt, row.written) for row in rows]), **request.options)
         self.stats.batches += 1
@@ -763,7 +768,8 @@ class ContinuousScheduler(Scheduler):
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed(request.seed) if request.seed is not None else generator.seed()
             sampling = Sampling(request.temperature, request.top_k, request.top_p, generator,
-                                logprobs=request.logprobs is not None, top_logprobs=request.logprobs or 0)
+                                logprobs=request.logprobs is not None, top_logprobs=request.logprobs or 0,
+                                ignore_eos=request.ignore_eos)
             if any(not member.done for member in batch.members):
                 self.stats.rows_joined_running += len(job.rows)
             batch.add([Member(row.prompt, request.max_tokens, sampling, owner=row, written=row.written)
