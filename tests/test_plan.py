@@ -508,3 +508,23 @@ def test_a_tokenizer_named_json_in_capitals_is_a_file(tmp_path, capsys):
     assert main(["tokenizer", "train", "--data", f"text:{corpus}", "--out", str(tmp_path / "t.JSON"),
                  "--vocab-size", "300"]) == 0
     assert (tmp_path / "t.JSON").is_file()
+
+
+def test_a_compiled_bf16_step_on_a_cpu_without_bf16_is_planned_without_the_emulations_copies(monkeypatch):
+    """On a CPU without bf16 instructions an eager bf16 step emulates its linear layers, which hold float32
+    copies of their inputs and outputs (planned since 12-07); a compiled one (train.compile) is left to
+    torch's autocast and holds none, but was planned with them (a checkpointed step 7-11% over)."""
+    from latentloop.train import memory
+
+    def planned(compile: bool, bf16_instructions: str | None) -> float:
+        monkeypatch.setattr("latentloop.runtime.cpu_bf16_support", lambda: bf16_instructions)
+        config = RunConfig.from_dict({"model": {"arch": "gpt", "preset": "test"},
+                                      "train": {"batch_size": 4, "steps": 1, "dtype": "bfloat16", "compile": compile}})
+        parts, probe = memory.step_memory(config, build_objective_for(config), [0], precision="bfloat16",
+                                          cpu_probe=False, on_cpu=True)
+        assert probe == "meta"
+        return parts["activations_checkpointed"]  # the copies are what a checkpointed step holds more
+
+    emulated, compiled = planned(False, None), planned(True, None)
+    assert compiled < emulated  # the copies are counted only where the step makes them
+    assert compiled == planned(True, "avx512_bf16") == planned(False, "avx512_bf16")  # as bf16 instructions run it

@@ -71,12 +71,14 @@ class _MetaProbe(TorchFunctionMode):
     (its inputs and output float32 copies, which the step holds: lrt's in bf16 with checkpointing was
     planned 8% under without it). On a CPU without bf16 instructions the linear layers run as the
     trainer emulates them (`precision.bf16_linear`: float32 copies of their inputs and outputs while they
-    run; without them the checkpointed bf16 steps of gpt, rgpt and mor were planned 7-11% under)."""
+    run; without them the checkpointed bf16 steps of gpt, rgpt and mor were planned 7-11% under), unless
+    `emulate` is False: a compiled step (train.compile) is left to torch's autocast, which holds no such
+    copies (`runtime.autocast_for`), and counting them planned it 7-11% over."""
 
-    def __init__(self, bf16: bool, on_cpu: bool = False):
+    def __init__(self, bf16: bool, on_cpu: bool = False, emulate: bool = True):
         super().__init__()
         self.bf16, self.on_cpu = bf16, on_cpu
-        self.emulated = bf16 and on_cpu and emulates_bf16(torch.device("cpu"), "bfloat16")
+        self.emulated = emulate and bf16 and on_cpu and emulates_bf16(torch.device("cpu"), "bfloat16")
         self.casts: dict[int, Tensor] = {}
 
     def _lowered(self, value):
@@ -463,6 +465,7 @@ def probe_forwards(config: RunConfig, model: nn.Module, objective, forward_steps
     the CPU (`_MetaProbe`; a probe on the CPU runs the CPU's rules anyway)."""
     T = config.model.sequence_len
     kinds: dict[str, Forward] = {}
+    emulate = not config.train.compile  # as the trainer's autocast does (`runtime.autocast_for`)
     for step in forward_steps:
         kind = repr(objective.forward_mix(step))
         if kind in kinds:
@@ -471,11 +474,11 @@ def probe_forwards(config: RunConfig, model: nn.Module, objective, forward_steps
         x = torch.zeros(batch, T, dtype=torch.long, device=device)
         if device == "meta":
             def run(step=step, x=x):
-                with _MetaProbe(bf16, on_cpu):
+                with _MetaProbe(bf16, on_cpu, emulate):
                     objective(model, x, x, step)
         else:
             def run(step=step, x=x):
-                with autocast_for(torch.device("cpu"), "bfloat16" if bf16 else "float32"):
+                with autocast_for(torch.device("cpu"), "bfloat16" if bf16 else "float32", emulate):
                     objective(model, x, x, step)
         model.train()
         kinds[kind] = Forward(count_saved(model, run), after_first_step=step > 0)
