@@ -343,43 +343,55 @@ SERVED = [  # (request body, arrival delay in scheduler steps is not controlled:
 SCHEDULER_TIMEOUT_S = 60  # all requests of one scheduler run
 
 
+def served(scheduler, model, tokenizer, bodies: list[dict]) -> list[tuple]:
+    """Each body submitted to `scheduler` (before it starts) as a completion request; each request
+    with its events (Delta, ..., then Done), once all finished: [(request, events), ...]."""
+    import threading
+
+    from latentloop.serve.limits import Limits
+    from latentloop.serve.requests import parse_completion
+    from latentloop.serve.scheduler import Done, Failed, Job
+
+    limits = Limits(model.config.sequence_len, 64, 8)
+    answers = []
+    for body in bodies:
+        request, events, finished = parse_completion(body, model, tokenizer, limits, "m"), [], threading.Event()
+
+        def post(event, events: list = events, finished: threading.Event = finished):  # noqa: B008 - binds its own
+            events.append(event)
+            if isinstance(event, (Done, Failed)):
+                finished.set()
+
+        scheduler.submit(Job(request, post, tokenizer))
+        answers.append((request, events, finished))
+    scheduler.start()
+    try:
+        for _, _, finished in answers:
+            assert finished.wait(SCHEDULER_TIMEOUT_S), "a request did not finish"
+    finally:
+        scheduler.join(SCHEDULER_TIMEOUT_S)
+    assert all(isinstance(events[-1], Done) for _, events, _ in answers), [events[-1] for _, events, _ in answers]
+    return [(request, events) for request, events, _ in answers]
+
+
 def serve_in_process(model, compiled: bool) -> list[list[str]]:
     """SERVED through a ContinuousScheduler (the compiled path's step run eagerly): each request's
     choices' texts."""
-    import threading
-
     from latentloop.data import ByteTokenizer
-    from latentloop.serve.limits import Limits
-    from latentloop.serve.requests import parse_completion
-    from latentloop.serve.scheduler import ContinuousScheduler, Delta, Done, Failed, Job
+    from latentloop.serve.scheduler import ContinuousScheduler, Delta
 
     tokenizer = ByteTokenizer()
-    limits = Limits(model.config.sequence_len, 64, 8)
     scheduler = ContinuousScheduler(model, tokenizer, 8, 16, 0.05, compiled=compiled, compile_steps=False)
-    texts, finished = [], []
-    for body in SERVED:
-        request = parse_completion(body, model, tokenizer, limits, "m")
-        texts.append([""] * len(request.prompts) * request.n)
-        finished.append(threading.Event())
-
-        def post(event, i: int = len(texts) - 1):  # noqa: B008 - binds this request's index
-            if isinstance(event, Delta):
-                texts[i][event.choice] += event.text
-            elif isinstance(event, (Done, Failed)):
-                texts[i].append(event)
-                finished[i].set()
-
-        scheduler.submit(Job(request, post, tokenizer))
     options = model_options(model, {})
     assert isinstance(scheduler._new_batch(options), SlotBatch) == (compiled and compiles(model, options, 8))
-    scheduler.start()
-    try:
-        for event in finished:
-            assert event.wait(SCHEDULER_TIMEOUT_S), "a request did not finish"
-    finally:
-        scheduler.join(SCHEDULER_TIMEOUT_S)
-    assert all(isinstance(t[-1], Done) for t in texts), [t[-1] for t in texts]
-    return [t[:-1] for t in texts]
+    texts = []
+    for request, events in served(scheduler, model, tokenizer, SERVED):
+        choices = [""] * request.rows
+        for event in events:
+            if isinstance(event, Delta):
+                choices[event.choice] += event.text
+        texts.append(choices)
+    return texts
 
 
 @needs_cxx
@@ -905,12 +917,8 @@ def test_ignore_eos_decodes_past_the_end_tokens_to_max_tokens_and_stop_strings_s
     has max_tokens tokens, the engine's without stop tokens; beside it in the same batch a request
     without it stops there; a `stop` string still cuts. The server's end tokens are set here to a
     token the model writes (random weights rarely write EOS): every architecture, both schedulers."""
-    import threading
-
     from latentloop.data import ByteTokenizer
-    from latentloop.serve.limits import Limits
-    from latentloop.serve.requests import parse_completion
-    from latentloop.serve.scheduler import ContinuousScheduler, Delta, Done, Failed, Job, RoundScheduler
+    from latentloop.serve.scheduler import ContinuousScheduler, Delta, RoundScheduler
 
     model, tokenizer = models[arch], ByteTokenizer()
     prompt, budget = "def f(x):", 8
@@ -928,24 +936,8 @@ def test_ignore_eos_decodes_past_the_end_tokens_to_max_tokens_and_stop_strings_s
     bodies = [{"prompt": prompt, "max_tokens": budget, "temperature": 0, "ignore_eos": True},
               {"prompt": prompt, "max_tokens": budget, "temperature": 0},
               {"prompt": prompt, "max_tokens": budget, "temperature": 0, "ignore_eos": True, "stop": cut}]
-    events: list[list] = [[] for _ in bodies]
-    finished = [threading.Event() for _ in bodies]
-    limits = Limits(model.config.sequence_len, 64, 8)
-    for i, body in enumerate(bodies):
-        def post(event, i: int = i):  # noqa: B008 - binds this request's index
-            events[i].append(event)
-            if isinstance(event, (Done, Failed)):
-                finished[i].set()
-
-        scheduler.submit(Job(parse_completion(body, model, tokenizer, limits, "m"), post, tokenizer))
-    scheduler.start()
-    try:
-        for event in finished:
-            assert event.wait(SCHEDULER_TIMEOUT_S), "a request did not finish"
-    finally:
-        scheduler.join(SCHEDULER_TIMEOUT_S)
+    events = [got for _, got in served(scheduler, model, tokenizer, bodies)]
     texts = ["".join(e.text for e in got if isinstance(e, Delta)) for got in events]
-    assert all(isinstance(got[-1], Done) for got in events), [got[-1] for got in events]
     assert texts[0] == tokenizer.decode(free) and events[0][-1].completion_tokens == budget
     assert texts[1] == tokenizer.decode(stopped) and events[1][-1].completion_tokens == len(stopped) + 1  # its end
     assert texts[2] == tokenizer.decode(free).split(cut)[0] and cut
