@@ -211,20 +211,24 @@ def sampling_probs(logits: Tensor, temperature: float, top_k: int | None = None,
     top_k keeps the k most likely tokens (ties at the k-th value all stay); top_p keeps the
     smallest set of most likely tokens whose probability reaches p (the token that crosses p
     stays; of tokens tied there, the lower ids first)."""
-    logits = logits.float()
-    # shifted to a maximum of 0 and divided by at least float32's smallest normal number: a tiny
-    # temperature (1e-300, 0 in float32) then sends the other tokens to -inf (greedy in the limit)
-    # instead of every logit to +-inf or 0/0 (NaN probabilities)
+    shifted = logits.float() - logits.float().amax(dim=-1, keepdim=True)  # (..., V), a maximum of 0
+    # divided by at least float32's smallest normal number: a tiny temperature (1e-300, 0 in float32)
+    # then sends the other tokens to -inf (greedy in the limit) instead of every logit to +-inf or 0/0
+    # (NaN probabilities)
     temperature = max(temperature, torch.finfo(torch.float32).tiny)
-    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
+    logits = shifted / temperature
+    # which tokens top_k and top_p keep is read off the logits before the temperature, whose order is
+    # the same: a temperature past float32's range (1e39, which a "finite number" admits) divided every
+    # logit to 0, and top_k=1 then kept every token (a uniform draw where the greedy token was asked)
     if top_k is not None and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # (..., 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        kth = torch.topk(shifted, top_k, dim=-1).values[..., -1:]  # (..., 1)
+        logits = logits.masked_fill(shifted < kth, float("-inf"))
     if top_p is not None and top_p < 1:
         # stable: of tokens tied at the cut the lower ids stay, whatever the tensor's shape (a draft
         # drawn from one row and checked in a stack of rows must see the same support)
-        sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
-        probs = sorted_logits.softmax(dim=-1)
+        order = shifted.masked_fill(logits == float("-inf"), float("-inf")).sort(dim=-1, descending=True,
+                                                                                 stable=True).indices
+        probs = logits.gather(-1, order).softmax(dim=-1)
         before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above each one
         drop_sorted = before >= top_p
         # the most likely token always stays: a top_p below float32's smallest number (1e-300, which

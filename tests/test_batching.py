@@ -824,6 +824,25 @@ def test_a_tiny_temperature_or_top_p_samples_the_greedy_token_and_fails_no_neigh
     assert texts[0] == texts[2]  # the tiny draw is the greedy text
 
 
+def test_top_k_and_top_p_keep_the_most_likely_tokens_at_a_temperature_past_float32s_range(models):
+    """A temperature of 1e39 is a finite number the checks admit, but divided every float32 logit to 0:
+    top_k=1 and a tiny top_p then kept every token, a uniform draw where the greedy token was asked
+    (12-07 review). The tokens they keep are read off the logits before the temperature now."""
+    from latentloop.engine import sampling_probs
+
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [0.5, -1.0, 0.25, 0.4]])
+    for temperature in (1e39, 1e300, 1.0):
+        torch.testing.assert_close(sampling_probs(logits, temperature, top_k=1), torch.eye(4)[[1, 0]], rtol=0, atol=0)
+        torch.testing.assert_close(sampling_probs(logits, temperature, top_p=1e-9), torch.eye(4)[[1, 0]],
+                                   rtol=0, atol=0)
+    # two kept of four, evenly at a temperature so high the logits' differences vanish
+    torch.testing.assert_close(sampling_probs(logits, 1e39, top_k=2), torch.tensor([[0, .5, .5, 0], [.5, 0, 0, .5]]),
+                               rtol=0, atol=0)
+    prompt = [BOS, *b"ab"]
+    greedy = _greedy_alone(models["gpt"], prompt, 6)
+    assert ll.generate(models["gpt"], prompt, 6, temperature=1e39, top_k=1, seed=0, stop_tokens=()) == greedy
+
+
 def _greedy_alone(model, prompt: list[int], new_tokens: int) -> list[int]:
     return [s.tokens[0] for s in stream(model, [prompt], new_tokens, stop_tokens=(), temperature=0.0)]
 
