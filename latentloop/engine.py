@@ -527,7 +527,19 @@ def _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, sto
             info = {**info, **reported(out.info)}
 
 
-_decode_in_inference_mode = torch.inference_mode()(_decode)
+def _decode_in_inference_mode(*args) -> Iterator[DecodeStep]:
+    """`_decode`, each of its steps under `torch.inference_mode`, as torch's decorator runs a generator
+    function; but a generator dropped unfinished closes without entering the mode again: torch's
+    decorator did, which at the interpreter's exit (a `stream` held in a variable, one step taken)
+    found torch half torn down and printed a traceback."""
+    steps = _decode(*args)
+    while True:
+        with torch.inference_mode():
+            try:
+                step = next(steps)
+            except StopIteration:
+                return
+        yield step
 
 
 def _step(tokens: list[int | None], ids: Tensor, logits: Tensor, logprobs: bool, top_logprobs: int,

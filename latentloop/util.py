@@ -45,7 +45,7 @@ _EVALUATING_LOCK = threading.Lock()
 
 
 @contextmanager
-def evaluating(model) -> Iterator[None]:
+def evaluating(model, _finalizing=sys.is_finalizing) -> Iterator[None]:  # bound here: globals may be gone at exit
     """`model` (an `nn.Module`) in eval mode inside the block; after the last open block on it ends
     (decodes interleave: two streams of one model each hold one), the submodules that were training
     train again, the others stay as they were. Restored by the first to end, a stream still decoding
@@ -66,13 +66,16 @@ def evaluating(model) -> Iterator[None]:
     try:
         yield
     finally:
-        with _EVALUATING_LOCK:
-            entry[0] -= 1
-            _train_again(own)
-            if entry[0] == 0:
-                # pop: a stream collected with its model (a cycle) finds the weak key cleared already
-                _EVALUATING.pop(model, None)
-                _train_again(entry[1])
+        # a stream dropped unfinished at the interpreter's exit has nothing to give back, and torch is half torn
+        # down then (setting a module's flag raised inside torch, printed as a traceback)
+        if not _finalizing():
+            with _EVALUATING_LOCK:
+                entry[0] -= 1
+                _train_again(own)
+                if entry[0] == 0:
+                    # pop: a stream collected with its model (a cycle) finds the weak key cleared already
+                    _EVALUATING.pop(model, None)
+                    _train_again(entry[1])
 
 
 def keep_evaluating(model) -> None:

@@ -240,3 +240,38 @@ def test_teacher_forced_scoring_builds_no_autograd_graph(model):
 
     assert torch.is_grad_enabled()
     assert not teacher_forced_logits(model, torch.tensor([PROMPTS[0]])).requires_grad
+
+
+def test_a_stream_dropped_unfinished_at_exit_says_nothing_and_its_steps_run_in_inference_mode(model, tmp_path):
+    """A `stream` held in a variable, one step taken, when the interpreter exits: torch's generator
+    decorator entered inference mode again to close it, found torch half torn down and printed a
+    traceback; a compiled decoder's `__del__` called a module global already gone, another (review).
+    The steps still run in inference mode."""
+    import subprocess
+    import sys
+
+    from latentloop.inference import fast
+    from latentloop.inference.fast import FastDecoder
+
+    modes = []
+    handle = model.blocks[0].register_forward_hook(lambda *args: modes.append(torch.is_inference_mode_enabled()))
+    try:
+        steps = ll.stream(model, [1, 2, 3], 3, temperature=0.0)
+        next(steps)
+        steps.close()
+        list(ll.stream(model, [1, 2, 3], 3, temperature=0.0))
+    finally:
+        handle.remove()
+    assert modes and all(modes)
+    script = ("import torch\nimport latentloop as ll\ntorch.manual_seed(0)\n"
+              "model = ll.build('gpt', preset='test')\n"
+              "steps = ll.stream(model, [1, 2, 3], 8, temperature=0.0)\nprint(next(steps).tokens)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0 and done.stderr == "", done.stderr[-2000:]
+    decoder = FastDecoder(model, compile=False)
+    real = fast.release_package_cache
+    try:
+        fast.release_package_cache = None  # as module globals are at the interpreter's exit
+        decoder.__del__(_finalizing=lambda: True)
+    finally:
+        fast.release_package_cache = real

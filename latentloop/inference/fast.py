@@ -589,8 +589,9 @@ class FastDecoder:
         # new tensors (another cache, a view of other rows: a new key_pos) or thread count look the shape up again
         self._ran_with: tuple | None = None
 
-    def __del__(self) -> None:
-        release_package_cache(self)
+    def __del__(self, _finalizing=sys.is_finalizing) -> None:  # bound here: globals may be gone at exit
+        if not _finalizing():
+            release_package_cache(self)
 
     def _dynamo_step(self):
         """Dynamo's compiled step, one per model and options (made on first need: `torch.compile`

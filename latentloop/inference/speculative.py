@@ -26,6 +26,8 @@ the same static cache instead of compiling another shape.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import Tensor
 
@@ -104,8 +106,9 @@ class CompiledDrafting:
         self._verified_once = False
         self.cache: KVCache | None = None
 
-    def __del__(self) -> None:
-        release_package_cache(self)  # the verification package's hold on this decoder's cache
+    def __del__(self, _finalizing=sys.is_finalizing) -> None:  # bound here: globals may be gone at exit
+        if not _finalizing():
+            release_package_cache(self)  # the verification package's hold on this decoder's cache
 
     def _dynamo_verify(self):
         per_model = compiled_steps(self.model)
