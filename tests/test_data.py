@@ -258,6 +258,22 @@ def test_hf_source_from_local_jsonl_folder(tmp_path):
     assert train and val and not set(train) & set(val)
 
 
+def test_a_local_hf_folder_with_a_row_that_does_not_read_is_one_error(tmp_path):
+    """The datasets library reads a local folder's rows as the source iterates: a broken JSON line or a
+    non-UTF-8 text file ended `train` in pyarrow's or the codec's traceback (review)."""
+    pytest.importorskip("datasets")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "a.jsonl").write_text('{"text": "hello"}\n{"text": \n')
+    with pytest.raises(DataError, match=r"cannot read Hugging Face dataset 'hf:.*broken' at row \d+: \w+"):
+        list(parse_source(f"hf:{broken}").iter_documents("train"))
+    binary = tmp_path / "binary"
+    binary.mkdir()
+    (binary / "a.txt").write_bytes(b"fine\n\xff\xfe not text\n")
+    with pytest.raises(DataError, match=r"dataset 'hf:.*binary' at row \d+: UnicodeDecodeError"):
+        list(parse_source(f"hf:{binary}").iter_documents("train"))
+
+
 def test_a_hub_dataset_with_no_network_is_one_line_at_once(monkeypatch):
     """Where the Hub's host cannot be looked up, the source says so before the datasets library's
     retries (about 23 s, printing a line each) begin; behind a proxy the lookup is the proxy's."""

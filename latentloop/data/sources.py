@@ -23,6 +23,7 @@ from __future__ import annotations
 import codecs
 import glob
 import hashlib
+import itertools
 import json
 import os
 import socket
@@ -464,9 +465,17 @@ class HFSource(Source):
         _check_split(split)
         want_val = split == "val"
         text_field = None
-        for index, record in enumerate(self._load_stream()):
+        records = iter(self._load_stream())
+        for index in itertools.count():
             if self.max_documents is not None and index >= self.max_documents:
                 break
+            try:
+                record = next(records)
+            except StopIteration:
+                break
+            except Exception as exc:  # noqa: BLE001 - the library's own, as rows are read: bad JSON, non-UTF-8 text
+                raise DataError(f"cannot read Hugging Face dataset '{self.spec}' at row {index:,}: "
+                                f"{type(exc).__name__}: {first_line(exc)}") from None
             if text_field is None:
                 text_field = _pick_text_field(record, self.spec)
             if goes_to_val(str(index), self.val_fraction) != want_val:
