@@ -215,6 +215,29 @@ def test_a_file_added_in_a_sibling_folder_moves_no_glob_document(tmp_path):
     assert sources._glob_prefix(Path(f"{root}/**/*.txt")) == root
 
 
+def test_a_recursive_glob_matches_as_glob_does_but_never_enters_a_symlinked_folder(tmp_path, monkeypatch):
+    """`text:DIR/**/*.txt` went through glob, which follows symlinked folders: a link to its own folder
+    listed its files again under loop/, loop/loop/, ... (the copies split between train and val), and
+    two such links grew the list until the memory ran out (review). It matches what glob matched
+    otherwise: `**` any number of folders, hidden names only where the pattern names them."""
+    import glob as glob_module
+
+    root = tmp_path / "corpus"
+    for name in ("a.txt", "sub/b.txt", "sub/deep/c.txt", "sub/d.md", ".hidden/e.txt", "sub/.f.txt", "g.jsonl"):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(f"document {name}")
+    for pattern in ("**/*.txt", "**", "sub/**/*.txt", "*/*.txt", "**/.*.txt", "**/deep/*.txt", "*.txt"):
+        want = sorted(p for p in glob_module.glob(f"{root}/{pattern}", recursive=True) if Path(p).is_file())
+        got = sorted(str(p) for p in sources._walk_glob(Path(f"{root}/{pattern}"), root) if p.is_file())
+        assert got == want, pattern
+    monkeypatch.chdir(tmp_path)  # a pattern that starts with its wildcard: paths relative to here
+    assert sorted(map(str, sources._walk_glob(Path("**/b.txt"), Path()))) == ["corpus/sub/b.txt"]
+    (root / "loop").symlink_to(root)
+    (root / "sub" / "up").symlink_to(root)
+    source = parse_source(f"text:{root}/**/*.txt")
+    assert sorted(p.relative_to(root).as_posix() for p in source.files) == ["a.txt", "sub/b.txt", "sub/deep/c.txt"]
+
+
 # 9. very long inputs --------------------------------------------------------------------------------
 
 

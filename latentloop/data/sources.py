@@ -21,6 +21,7 @@ below) changes every document's split.
 from __future__ import annotations
 
 import codecs
+import fnmatch
 import glob
 import hashlib
 import itertools
@@ -271,13 +272,41 @@ def _resolve_text_files(path: str) -> tuple[Path, list[Path]]:
             raise DataError(f"no .txt, .jsonl or .parquet files in folder {expanded}")
         return expanded, files
     if any(char in path for char in GLOB_CHARS):
-        matches = [Path(p) for p in glob.glob(str(expanded), recursive=True)]
+        root = _glob_prefix(expanded)
+        matches = (_walk_glob(expanded, root) if "**" in expanded.parts
+                   else [Path(p) for p in glob.glob(str(expanded))])
         files = [p for p in matches if p.is_file() and p.suffix in TEXT_SUFFIXES]
         if not files:
             raise DataError(f"no .txt, .jsonl or .parquet files match {path}")
-        root = _glob_prefix(expanded)
         return root, sorted(files, key=lambda p: p.relative_to(root).as_posix())
     raise DataError(f"data path not found: {expanded}")
+
+
+def _walk_glob(pattern: Path, root: Path) -> list[Path]:
+    """The paths below `root` that a recursive glob (`root/**/*.txt`) matches, as `glob.glob` matches
+    them (`**` any number of folders, names starting with a dot only where the pattern's part does),
+    but without entering symlinked folders, as the folder form (`text:DIR`) does not: glob followed
+    them, so a link to its own folder listed every file again under loop/, loop/loop/, ... (their
+    copies split apart between train and val), and two such links grew the list past the memory."""
+    wanted = pattern.parts[len(root.parts):]
+    found = []
+    for folder, subfolders, names in os.walk(root if root.parts else Path("."), followlinks=False):
+        subfolders.sort()
+        relative = Path(folder).relative_to(root if root.parts else Path(".")).parts
+        found.extend(Path(folder, name) if root.parts else Path(*relative, name)
+                     for name in sorted(names) if _parts_match(wanted, (*relative, name)))
+    return found
+
+
+def _parts_match(pattern: tuple[str, ...], parts: tuple[str, ...]) -> bool:
+    if not pattern:
+        return not parts
+    head, rest = pattern[0], pattern[1:]
+    if head == "**":  # no folder, or any number of them (not hidden ones, as glob's)
+        return any(_parts_match(rest, parts[skip:]) for skip in range(len(parts) + 1)
+                   if not any(part.startswith(".") for part in parts[:skip]))
+    return (bool(parts) and (head.startswith(".") or not parts[0].startswith("."))
+            and fnmatch.fnmatchcase(parts[0], head) and _parts_match(rest, parts[1:]))
 
 
 def _glob_prefix(pattern: Path) -> Path:
