@@ -20,6 +20,7 @@ import dataclasses
 import math
 import numbers
 import os
+import reprlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -440,6 +441,16 @@ MAX_CONFIG_INT = 2**40  # no count a config holds (tokens, steps, widths) comes 
 BOOLS = (bool, np.bool_)  # numpy's is no subclass of bool
 
 
+# A value as an error message shows it: a few items and characters of each level. A 600-byte YAML file
+# of aliases is a list of 10**9 strings, whose whole repr ran out of memory (a MemoryError traceback).
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxtuple, _SHOWN.maxdict, _SHOWN.maxstring, _SHOWN.maxother = 2, 4, 4, 4, 60, 60
+
+
+def _shown(value: Any) -> str:
+    return _SHOWN.repr(value)
+
+
 def _coerce(value: Any, type_name: Any, name: str) -> Any:
     """Convert YAML/CLI values, and what Python code passes (paths, numpy scalars and arrays, ranges,
     0-d tensors), to the annotated type (annotations are strings here); refuse what does not convert
@@ -453,13 +464,13 @@ def _coerce(value: Any, type_name: Any, name: str) -> Any:
         if t.startswith("bool"):
             if isinstance(value, str):
                 require(value.lower() in ("true", "false", "1", "0", "yes", "no"),
-                         f"{name} must be true or false, got {value!r}")
+                         f"{name} must be true or false, got {_shown(value)}")
                 return value.lower() in ("true", "1", "yes")
             require(isinstance(value, BOOLS) or (isinstance(value, numbers.Integral) and value in (0, 1)),
-                    f"{name} must be true or false, got {value!r}")
+                    f"{name} must be true or false, got {_shown(value)}")
             return bool(value)
         if t.startswith("int"):
-            require(not isinstance(value, BOOLS), f"{name} must be an integer, got {value!r}")
+            require(not isinstance(value, BOOLS), f"{name} must be an integer, got {_shown(value)}")
             if isinstance(value, numbers.Integral) or (isinstance(value, str) and value.strip().lstrip("+-").isdigit()):
                 number = int(value)  # exact, however long (through a float a 64-bit seed would round)
             else:  # a float, a numeric string, a 0-d tensor: only a whole number
@@ -475,9 +486,9 @@ def _coerce(value: Any, type_name: Any, name: str) -> Any:
                                                       f"integer of {number.bit_length()} bits")
             return number
         if t.startswith("float"):
-            require(not isinstance(value, BOOLS), f"{name} must be a number, got {value!r}")
+            require(not isinstance(value, BOOLS), f"{name} must be a number, got {_shown(value)}")
             number = float(value)
-            require(math.isfinite(number), f"{name} must be a finite number, got {value!r}")
+            require(math.isfinite(number), f"{name} must be a finite number, got {_shown(value)}")
             return number
         if t.startswith("tuple"):
             if isinstance(value, str):
@@ -486,10 +497,10 @@ def _coerce(value: Any, type_name: Any, name: str) -> Any:
                 value = [value]
             # a mapping or a set iterates as its keys, or in no set order: {wandb: 1} read as (wandb,)
             require(not isinstance(value, (Mapping, set, frozenset, bytes)) and isinstance(value, Iterable),
-                    f"{name} must be a list, got {value!r}")
+                    f"{name} must be a list, got {_shown(value)}")
             value = list(value)  # a list, tuple, range, numpy array or tensor
             if t.startswith("tuple[str"):  # names (train.trackers)
-                require(all(isinstance(v, str) for v in value), f"{name} must be names, got {value!r}")
+                require(all(isinstance(v, str) for v in value), f"{name} must be names, got {_shown(value)}")
                 return tuple(value)
             # each item as one number of its type is: a block index of 0.7 is refused, not read as 0
             item_type = "int" if "int" in t else "float"
@@ -498,12 +509,12 @@ def _coerce(value: Any, type_name: Any, name: str) -> Any:
             if isinstance(value, os.PathLike):
                 return os.fspath(value)
             require(isinstance(value, (str, int, float)) and not isinstance(value, bool),
-                    f"{name} must be a string, got {value!r}")
+                    f"{name} must be a string, got {_shown(value)}")
             return str(value)
     except ConfigError:
         raise
     except (TypeError, ValueError, OverflowError):
-        raise ConfigError(f"{name} has an invalid value {value!r} (expected {t})") from None
+        raise ConfigError(f"{name} has an invalid value {_shown(value)} (expected {t})") from None
     return value
 
 

@@ -278,3 +278,17 @@ def test_a_merge_key_may_be_overridden_and_a_pipe_is_read(tmp_path):
         assert load_yaml(f"/dev/fd/{read}") == {"model": {"arch": "gpt"}}
     finally:
         os.close(read)
+
+
+def test_a_yaml_alias_bomb_is_refused_in_one_short_line():
+    """600 bytes of YAML aliases are a list of 10**9 strings: the refusal put the whole value's repr in its
+    message and ran out of memory (a MemoryError traceback after 100 s; review). The message shows a few
+    items of a few levels."""
+    source = "x: &b0 [" + ", ".join(['"lol"'] * 10) + "]\n"
+    for level in range(1, 9):
+        source += f"b{level}: &b{level} [" + ", ".join([f"*b{level - 1}"] * 10) + "]\n"
+    value = yaml.safe_load(source)["b8"]  # 10**8 leaves, shared: cheap to hold, not to print
+    with pytest.raises(ConfigError) as refused:
+        RunConfig.from_dict({"train": {"muon_exclude": value}})
+    message = str(refused.value)
+    assert "train.muon_exclude must be names" in message and len(message) < 400, message[:500]
