@@ -528,3 +528,15 @@ def test_a_compiled_bf16_step_on_a_cpu_without_bf16_is_planned_without_the_emula
     emulated, compiled = planned(False, None), planned(True, None)
     assert compiled < emulated  # the copies are counted only where the step makes them
     assert compiled == planned(True, "avx512_bf16") == planned(False, "avx512_bf16")  # as bf16 instructions run it
+
+
+def test_a_step_larger_than_the_token_budget_is_said(capsys):
+    """`--tokens 1B --set train.grad_accum=1000000000` planned one step of 1,024B tokens without a word (review)."""
+    from latentloop.cli import main
+
+    assert main(["plan", "--arch", "gpt", "--preset", "test", "--tokens", "1000", "--set", "train.grad_accum=100",
+                 "--json"]) == 0
+    err = capsys.readouterr().err
+    assert "so --tokens 1,000 is planned as 1 step(s) = " in err and "lower the batch or give more tokens" in err
+    assert main(["plan", "--arch", "gpt", "--preset", "test", "--tokens", "10M", "--json"]) == 0
+    assert "is planned as" not in capsys.readouterr().err  # rounded up to whole steps by less: not said

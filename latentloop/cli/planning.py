@@ -16,6 +16,8 @@ SUFFIXES = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 # checks they agree): named here so that the parser imports no torch.
 GPUS = ("h200", "h100", "a100", "cpu")
 PLANNED_STRATEGIES = ("ddp", "fsdp2")
+# --tokens is rounded up to whole steps; past this share over it (a step larger than the budget) it is said
+OVERSHOOT_SAID = 0.1
 COUNT = re.compile(r"^\s*([0-9][0-9_]*(?:\.[0-9]+)?(?:e[+-]?[0-9]+)?)\s*([kmbgt]?)\s*$", re.IGNORECASE)
 
 
@@ -144,6 +146,12 @@ def cmd_plan(args) -> int:
 
     strategy = args.strategy or (config.train.strategy if config.train.strategy in STRATEGIES else None)
     plan = plan_run(config, args.tokens, devices=args.gpus, gpu=args.gpu, strategy=strategy, mfu=args.mfu)
+    if plan.tokens > args.tokens * (1 + OVERSHOOT_SAID):  # a step larger than the budget: planned, but said
+        from ..util import warn_once
+
+        warn_once(f"one step takes {plan.tokens_per_step:,} tokens (batch, accumulation, devices and sequence "
+                  f"length), so --tokens {args.tokens:,} is planned as {plan.steps:,} step(s) = {plan.tokens:,} "
+                  f"tokens; lower the batch or give more tokens")
     if args.json:
         print_json(plan.to_dict())
     else:
