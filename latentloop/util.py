@@ -393,23 +393,25 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
-def remove_abandoned_staging(folder: Path, prefix: str, name: str) -> list[Path]:
-    """Remove the staging folders for `name` in `folder` that `staged_folder` left when its process
-    was killed (SIGKILL, a power cut): named `prefix` + name + `-PID-` + a random tail, where no
-    process PID lives on this machine. A leftover inside an empty output folder made every retry
-    refuse it as not empty. (Names from a process on another machine sharing the folder cannot be
-    told apart: such an export must not write into the same folder at the same time.) Returns what
-    was removed."""
+def remove_abandoned_staging(folder: Path, prefix: str, name: str | None) -> list[Path]:
+    """Remove the staging folders for `name` (None: for any name without a "-") in `folder` that
+    `staged_folder` left when its process was killed (SIGKILL, a power cut): named `prefix` + name +
+    `-PID-` + a random tail of 8 characters, where no process PID lives on this machine. A leftover
+    inside an empty output folder made every retry refuse it as not empty. (Names from a process on
+    another machine sharing the folder cannot be told apart: such an export must not write into the
+    same folder at the same time.) Returns what was removed."""
     removed = []
     try:
         entries = list(os.scandir(folder))
     except OSError:
         return removed
-    start = prefix + name + "-"
     for entry in entries:
-        pid, _, tail = entry.name[len(start):].partition("-")
-        if (not entry.name.startswith(start) or not pid.isdigit() or len(tail) != 8
-                or not entry.is_dir(follow_symlinks=False) or _process_alive(int(pid))):
+        if not entry.name.startswith(prefix):
+            continue
+        named, _, rest = entry.name[len(prefix):].rpartition("-")  # rest: the random tail
+        named, _, pid = named.rpartition("-")
+        if ((name is not None and named != name) or (name is None and "-" in named) or not pid.isdigit()
+                or len(rest) != 8 or not entry.is_dir(follow_symlinks=False) or _process_alive(int(pid))):
             continue
         shutil.rmtree(entry.path, ignore_errors=True)
         removed.append(Path(entry.path))

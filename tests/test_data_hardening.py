@@ -92,6 +92,28 @@ def test_cache_entries_get_the_default_mode_not_mkdtemps_0700(tmp_path):
         assert file.stat().st_mode & 0o777 == 0o644, file
 
 
+def test_a_build_killed_part_way_leaves_no_folder_past_the_next_build(tmp_path):
+    """A first tokenization killed (SIGKILL) left its `.tmp-KEY-...` folder, a partial shard, in the cache
+    for good (review). The next build removes such folders whose process is gone, of any entry, and
+    leaves a live process's build alone."""
+    import subprocess
+    import sys
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(gone.stdout)
+    abandoned = cache / f"{shards.TEMP_PREFIX}0123456789abcdef-{dead_pid}-abc_1234"
+    other_key = cache / f"{shards.TEMP_PREFIX}fedcba9876543210-{dead_pid}-zz9_8765"
+    building = cache / f"{shards.TEMP_PREFIX}0123456789abcdef-{os.getpid()}-live1234"  # a live process's
+    for folder in (abandoned, other_key, building):
+        folder.mkdir()
+        (folder / "train.bin").write_bytes(b"partial")
+    data = prepare(make_docs(tmp_path / "a"), cache)
+    assert not abandoned.exists() and not other_key.exists() and building.exists()
+    assert data.directory.parent == cache and data.directory.name[:1] != "."
+
+
 def test_an_entry_that_cannot_be_read_is_one_error_naming_it(tmp_path, monkeypatch):
     folder, cache = make_docs(tmp_path / "a"), tmp_path / "cache"
     directory = prepare(folder, cache).directory

@@ -42,7 +42,7 @@ from tqdm import tqdm
 
 from latentloop.data.tokenizers import encode_in_pieces
 from latentloop.errors import ConfigError, DataError, OutputError
-from latentloop.util import current_umask, give_default_mode
+from latentloop.util import current_umask, give_default_mode, remove_abandoned_staging
 
 # Bump when the layout or the packing of shards changes, so that old caches are not reused.
 # 2: meta.json holds a sha256 and the largest token id per split.
@@ -63,6 +63,7 @@ NEW_DIR_MODE = 0o777
 CACHE_SETTING = "$LATENTLOOP_CACHE (or data.cache_dir)"
 # Name prefix of a damaged entry set aside to be removed (see `_remove_entry`).
 ASIDE_PREFIX = ".old-"
+TEMP_PREFIX = ".tmp-"  # an entry being built: TEMP_PREFIX + key[:16] + -PID- + mkdtemp's tail
 
 
 @dataclass
@@ -157,7 +158,10 @@ def _make_temp_dir(cache_dir: Path, key: str) -> Path:
     a file, or a folder this user cannot write, is an `OutputError` naming it and where it is set."""
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=f".tmp-{key[:16]}-", dir=cache_dir))
+        # a build killed part way (SIGKILL, a power cut) left its folder for good: removed once its
+        # process is gone, by the next build of any entry (`util.remove_abandoned_staging`)
+        remove_abandoned_staging(cache_dir, TEMP_PREFIX, None)
+        return Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{key[:16]}-{os.getpid()}-", dir=cache_dir))
     except FileExistsError:  # mkdir(exist_ok=True) still refuses a file (or a link to one) at the path
         reason = "it is not a folder"
     except OSError as exc:
