@@ -510,6 +510,16 @@ def test_train_and_tokenizer_outputs_in_the_way_of_a_file(corpus, a_file, below,
     assert a_file.read_text() == "mine"
 
 
+def test_an_output_folder_that_is_a_dangling_link_names_the_link(corpus, tmp_path, capsys):
+    """`--out LINK` where the link's target does not exist was "cannot create output folder LINK: File
+    exists" (review)."""
+    link = tmp_path / "run"
+    link.symlink_to(tmp_path / "nowhere" / "run")
+    err = _one_line_exit_2(["train", "--preset", "test", "--data", f"text:{corpus}", "--out", link], capsys)
+    assert "is a link to" in err and "nowhere" in err and "which does not exist" in err
+    assert link.is_symlink() and not (tmp_path / "nowhere").exists()
+
+
 def test_compare_analyze_eval_and_demo_outputs_in_the_way_of_a_file(tiny_run_copy, tmp_path, a_file, capsys):
     run = tiny_run_copy("gpt")
     assert "is a file" in _one_line_exit_2(["compare", run, "--out", a_file], capsys)

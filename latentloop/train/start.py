@@ -5,6 +5,7 @@ and resume from its newest loadable checkpoint when asked."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -43,6 +44,9 @@ def _check_output_path(run_dir: Path) -> None:
     before any data is prepared."""
     if run_dir.exists() and not run_dir.is_dir():
         raise OutputError(f"output folder {run_dir} is a file")
+    if run_dir.is_symlink() and not run_dir.exists():  # mkdir said only "File exists"
+        raise OutputError(f"output folder {run_dir} is a link to {os.readlink(run_dir)}, which does not exist: "
+                          f"make the folder it points to, or choose another output folder")
     for parent in run_dir.parents:
         if parent.exists():
             if not parent.is_dir():
