@@ -960,3 +960,37 @@ def test_ignore_eos_decodes_past_the_end_tokens_to_max_tokens_and_stop_strings_s
     assert texts[0] == tokenizer.decode(free) and events[0][-1].completion_tokens == budget
     assert texts[1] == tokenizer.decode(stopped) and events[1][-1].completion_tokens == len(stopped) + 1  # its end
     assert texts[2] == tokenizer.decode(free).split(cut)[0] and cut
+
+
+def test_joiners_of_unlike_lengths_are_prefilled_apart_and_decode_as_alone(models):
+    """Joiners were prefilled in one left-padded batch: rows of 32 and 352 tokens joining together (as rows
+    that finish together do) each cost 352, half the server's time at concurrency 32. Now in groups of
+    like lengths (each at least `PREFILL_PADDING_KEPT` of its group's longest); every row still decodes
+    as it does alone."""
+    from latentloop.serve.batch import PREFILL_PADDING_KEPT, by_length
+
+    model = models["gpt"]
+    prompts = [[BOS, *range(1, 40)], [BOS, 5, 6], [BOS, *range(7, 37)], [BOS, 9, 9, 9]]
+    groups = by_length([Member(p, 4, Sampling()) for p in prompts])
+    assert [[len(m.prompt) for m in group] for group in groups] == [[40, 31], [4, 3]]
+    assert all(len(m.prompt) >= PREFILL_PADDING_KEPT * len(group[0].prompt) for group in groups for m in group)
+    widths = []
+    real_prefill = type(model).prefill
+
+    def recorded(self, idx, *args, **kwargs):
+        widths.append(tuple(idx.shape))
+        return real_prefill(self, idx, *args, **kwargs)
+
+    batch = DecodeBatch(model, model_options(model, {}), STOPS)
+    members = [Member(p, 4, Sampling()) for p in prompts]
+    batch.add(members)
+    seen = {id(m): [] for m in members}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(type(model), "prefill", recorded)
+        while len(batch) or batch.waiting:
+            for out in batch.step():
+                if out.token is not None:
+                    seen[id(out.member)].append(out.token)
+    assert sorted(widths) == [(2, 4), (2, 40)]
+    for member in members:
+        assert seen[id(member)] == ll.generate(model, member.prompt, 4, temperature=0.0, stop_tokens=STOPS)

@@ -191,9 +191,10 @@ class DecodeBatch:
         return len(self.waiting)
 
     def _prefill_waiting(self, joining: list[list[Member]]) -> list[tuple[list[Member], object, Tensor]]:
-        """The joining members prefilled, each group in a left-padded cache of its own (together,
-        or each request alone when the options couple rows): (members, cache, last logits (n, V))."""
-        groups = joining if self.coupled else [[m for group in joining for m in group]]
+        """The joining members prefilled, each group in a left-padded cache of its own (together, in
+        groups of like lengths, `by_length`; or each request alone when the options couple rows):
+        (members, cache, last logits (n, V))."""
+        groups = joining if self.coupled else by_length([m for group in joining for m in group])
         prefilled = []
         for group in groups:
             idx, pad_mask = left_pad([m.prompt for m in group], self.pad_id, self.device)
@@ -275,6 +276,25 @@ class DecodeBatch:
                                     list(zip(top_ids[i][:n], top_values[i][:n])) if n else None,
                                     last[i].clone() if self.keep_logits else None))  # the next step writes `last`
         return steps
+
+
+# Joiners prefilled together are left-padded to the longest of them: one whose prompt is shorter than this
+# share of the longest goes into another prefill. At concurrency 32 with prompts of 32 and 352 tokens
+# alternating, the rows finish together and join together: one prefill padded 30,720 prompt tokens to 56,320,
+# half of the server's time (a 6 x 384 model, one thread).
+PREFILL_PADDING_KEPT = 0.75
+
+
+def by_length(members: list[Member]) -> list[list[Member]]:
+    """Members in groups to prefill together, longest prompts first, each no shorter than
+    `PREFILL_PADDING_KEPT` of its group's longest (a group's padding under a quarter of its width)."""
+    groups: list[list[Member]] = []
+    for member in sorted(members, key=lambda m: -len(m.prompt)):
+        if groups and len(member.prompt) >= PREFILL_PADDING_KEPT * len(groups[-1][0].prompt):
+            groups[-1].append(member)
+        else:
+            groups.append([member])
+    return groups
 
 
 def couples_rows(model, options: dict) -> bool:
