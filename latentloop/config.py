@@ -226,7 +226,7 @@ def model_config(arch: str = "gpt", preset: str | None = None, **overrides: Any)
     classes = config_classes()
     for what, name in (("arch", arch), ("preset", preset)):
         if name is not None and not isinstance(name, str):
-            raise ConfigError(f"{what} must be a name, got {type(name).__name__} {name!r}"[:200])
+            raise ConfigError(f"{what} must be a name, got {type(name).__name__} {_shown(name)}"[:200])
     if arch not in classes:
         raise ConfigError(f"unknown arch {arch!r}: choose from {', '.join(sorted(classes))}")
     values: dict[str, Any] = {}
@@ -418,7 +418,7 @@ def config_sections(raw: Any) -> dict[str, Any]:
         value = raw.get(section) or {}
         if not isinstance(value, dict):
             raise ConfigError(f"config section {section!r} must be a mapping of fields, got "
-                              f"{type(value).__name__} {value!r}"[:200])
+                              f"{type(value).__name__} {_shown(value)}"[:200])
         out[section] = dict(value)
     return out
 

@@ -481,3 +481,23 @@ def test_two_builds_published_at_once_leave_one_file_with_its_own_digest(tmp_pat
     assert remove_artifact(final) is None and final.exists() and digest_path(final).exists()
     final.write_bytes(b"damaged")
     assert remove_artifact(final) is None and not final.exists()
+
+
+def test_without_flock_artifacts_are_published_and_checked_unlocked(tmp_path, monkeypatch):
+    """`fcntl` is not everywhere (Windows): importing it at the top made `import latentloop.engine` fail
+    there (a review). The lock is skipped where it cannot be taken, as in a read-only cache."""
+    import subprocess
+    import sys
+
+    from latentloop.inference.cache_trust import publish_artifact
+
+    script = ("import sys\nsys.modules['fcntl'] = None\nimport latentloop.inference.cache_trust as trust\n"
+              "print(trust.fcntl)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "None", done.stderr[-2000:]
+    monkeypatch.setattr(cache_trust, "fcntl", None)
+    folder = private(tmp_path / "kernels")
+    built = folder / "lib.so.partial"
+    built.write_bytes(b"a build")
+    publish_artifact(built, folder / "lib.so")
+    assert unverified_file(folder / "lib.so") is None and not (folder / "lib.so.lock").exists()

@@ -288,7 +288,10 @@ def test_a_yaml_alias_bomb_is_refused_in_one_short_line():
     for level in range(1, 9):
         source += f"b{level}: &b{level} [" + ", ".join([f"*b{level - 1}"] * 10) + "]\n"
     value = yaml.safe_load(source)["b8"]  # 10**8 leaves, shared: cheap to hold, not to print
-    with pytest.raises(ConfigError) as refused:
-        RunConfig.from_dict({"train": {"muon_exclude": value}})
-    message = str(refused.value)
-    assert "train.muon_exclude must be names" in message and len(message) < 400, message[:500]
+    for given, said in (({"train": {"muon_exclude": value}}, "train.muon_exclude must be names"),
+                        ({"model": value}, "config section 'model' must be a mapping of fields"),
+                        ({"model": {"arch": value}}, "arch must be a name, got list")):  # a later review's
+        with pytest.raises(ConfigError) as refused:
+            RunConfig.from_dict(given)
+        message = str(refused.value)
+        assert said in message and len(message) < 400, message[:500]

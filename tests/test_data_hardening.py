@@ -94,8 +94,8 @@ def test_cache_entries_get_the_default_mode_not_mkdtemps_0700(tmp_path):
 
 def test_a_build_killed_part_way_leaves_no_folder_past_the_next_build(tmp_path):
     """A first tokenization killed (SIGKILL) left its `.tmp-KEY-...` folder, a partial shard, in the cache
-    for good (review). The next build removes such folders whose process is gone, of any entry, and
-    leaves a live process's build alone."""
+    for good (review). The next build on this machine removes this machine's such folders whose process is
+    gone, of any entry, and leaves a live process's build and another machine's (a shared cache) alone."""
     import subprocess
     import sys
 
@@ -103,14 +103,17 @@ def test_a_build_killed_part_way_leaves_no_folder_past_the_next_build(tmp_path):
     cache.mkdir()
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_pid = int(gone.stdout)
-    abandoned = cache / f"{shards.TEMP_PREFIX}0123456789abcdef-{dead_pid}-abc_1234"
-    other_key = cache / f"{shards.TEMP_PREFIX}fedcba9876543210-{dead_pid}-zz9_8765"
-    building = cache / f"{shards.TEMP_PREFIX}0123456789abcdef-{os.getpid()}-live1234"  # a live process's
-    for folder in (abandoned, other_key, building):
+    here = f"{shards.TEMP_PREFIX}{shards._machine_tag()}-"
+    abandoned = cache / f"{here}0123456789abcdef-{dead_pid}-abc_1234"
+    other_key = cache / f"{here}fedcba9876543210-{dead_pid}-zz9_8765"
+    building = cache / f"{here}0123456789abcdef-{os.getpid()}-live1234"  # a live process's
+    # another machine sharing the cache (NFS): its processes cannot be seen from here, so its build stays
+    elsewhere = cache / f"{shards.TEMP_PREFIX}00000000-0123456789abcdef-{dead_pid}-abc_1234"
+    for folder in (abandoned, other_key, building, elsewhere):
         folder.mkdir()
         (folder / "train.bin").write_bytes(b"partial")
     data = prepare(make_docs(tmp_path / "a"), cache)
-    assert not abandoned.exists() and not other_key.exists() and building.exists()
+    assert not abandoned.exists() and not other_key.exists() and building.exists() and elsewhere.exists()
     assert data.directory.parent == cache and data.directory.name[:1] != "."
 
 

@@ -33,6 +33,7 @@ import math
 import os
 import secrets
 import shutil
+import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,7 +64,7 @@ NEW_DIR_MODE = 0o777
 CACHE_SETTING = "$LATENTLOOP_CACHE (or data.cache_dir)"
 # Name prefix of a damaged entry set aside to be removed (see `_remove_entry`).
 ASIDE_PREFIX = ".old-"
-TEMP_PREFIX = ".tmp-"  # an entry being built: TEMP_PREFIX + key[:16] + -PID- + mkdtemp's tail
+TEMP_PREFIX = ".tmp-"  # an entry being built: TEMP_PREFIX + machine tag + - + key[:16] + -PID- + mkdtemp's tail
 
 
 @dataclass
@@ -153,15 +154,23 @@ def prepare_tokens(
     return opened
 
 
+def _machine_tag() -> str:
+    """This machine's name as 8 hex digits (no "-", which splits a build folder's name)."""
+    return hashlib.sha256(socket.gethostname().encode("utf-8", "replace")).hexdigest()[:8]
+
+
 def _make_temp_dir(cache_dir: Path, key: str) -> Path:
     """A new private folder in `cache_dir` (made if missing) to build an entry in. A cache root that is
     a file, or a folder this user cannot write, is an `OutputError` naming it and where it is set."""
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
         # a build killed part way (SIGKILL, a power cut) left its folder for good: removed once its
-        # process is gone, by the next build of any entry (`util.remove_abandoned_staging`)
-        remove_abandoned_staging(cache_dir, TEMP_PREFIX, None)
-        return Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{key[:16]}-{os.getpid()}-", dir=cache_dir))
+        # process is gone, by this machine's next build of any entry (`util.remove_abandoned_staging`).
+        # Only this machine's: a cache shared by several (NFS, a volume mounted in containers) holds other
+        # machines' builds, whose processes this one cannot see (a review found them deleted mid-build)
+        ours = f"{TEMP_PREFIX}{_machine_tag()}-"
+        remove_abandoned_staging(cache_dir, ours, None)
+        return Path(tempfile.mkdtemp(prefix=f"{ours}{key[:16]}-{os.getpid()}-", dir=cache_dir))
     except FileExistsError:  # mkdir(exist_ok=True) still refuses a file (or a link to one) at the path
         reason = "it is not a folder"
     except OSError as exc:

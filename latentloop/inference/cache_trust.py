@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import fcntl
 import hashlib
 import os
 import shutil
@@ -47,6 +46,11 @@ import tempfile
 from pathlib import Path
 
 from ..util import default_cache_dir
+
+try:
+    import fcntl
+except ImportError:  # no flock (Windows): artifacts are published and checked unlocked, as before the lock
+    fcntl = None
 
 DIGEST_SUFFIX = ".sha256"  # beside each artifact: its hex sha256, written when it was built
 LOCK_SUFFIX = ".lock"  # beside each artifact: held while its digest and file change or are checked together
@@ -206,6 +210,8 @@ def _artifact_lock(path: Path, exclusive: bool):
     slow path. A folder where the lock cannot be made (a read-only cache: nobody builds there) is
     used unlocked."""
     try:
+        if fcntl is None:
+            raise OSError("no flock here")
         fd = os.open(path.with_name(path.name + LOCK_SUFFIX), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
     except OSError:
         yield
