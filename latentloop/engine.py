@@ -211,7 +211,8 @@ def sampling_probs(logits: Tensor, temperature: float, top_k: int | None = None,
     top_k keeps the k most likely tokens (ties at the k-th value all stay); top_p keeps the
     smallest set of most likely tokens whose probability reaches p (the token that crosses p
     stays; of tokens tied there, the lower ids first)."""
-    shifted = logits.float() - logits.float().amax(dim=-1, keepdim=True)  # (..., V), a maximum of 0
+    logits = logits.float()
+    shifted = logits - logits.amax(dim=-1, keepdim=True)  # (..., V), a maximum of 0
     # divided by at least float32's smallest normal number: a tiny temperature (1e-300, 0 in float32)
     # then sends the other tokens to -inf (greedy in the limit) instead of every logit to +-inf or 0/0
     # (NaN probabilities)

@@ -290,11 +290,10 @@ def _walk_glob(pattern: Path, root: Path) -> list[Path]:
     copies split apart between train and val), and two such links grew the list past the memory."""
     wanted = pattern.parts[len(root.parts):]
     found = []
-    for folder, subfolders, names in os.walk(root if root.parts else Path("."), followlinks=False):
+    for folder, subfolders, names in os.walk(root, followlinks=False):  # Path() walks ".": paths stay relative
         subfolders.sort()
-        relative = Path(folder).relative_to(root if root.parts else Path(".")).parts
-        found.extend(Path(folder, name) if root.parts else Path(*relative, name)
-                     for name in sorted(names) if _parts_match(wanted, (*relative, name)))
+        relative = Path(folder).relative_to(root).parts
+        found.extend(Path(folder, name) for name in sorted(names) if _parts_match(wanted, (*relative, name)))
     return found
 
 

@@ -839,6 +839,12 @@ COLD_COMPILE_S = 20.0
 RECORDS_KEPT = 8  # first-call times kept per key (the minimum is the estimate: the warm load)
 
 
+def _recorded_package_missing(data: dict) -> bool:
+    """A compile record (`CompileRecord`, as read) names an ahead-of-time package that is not on disk."""
+    package = data.get("package")
+    return isinstance(package, str) and not os.path.exists(package)
+
+
 class CompileRecord:
     """What the first call of a compiled step cost for one (torch version, model code, class and
     config, options, cache shape, CPU threads), kept as a small JSON file under
@@ -869,11 +875,12 @@ class CompileRecord:
         except (OSError, ValueError):
             return {}
 
-    def _seconds(self) -> list[float]:
-        """The first calls recorded: finite and not negative only (a NaN in the file made the minimum
-        NaN for good, so the automatic mode never compiled that shape again; -5 made it always compile)."""
+    def _seconds(self, data: dict | None = None) -> list[float]:
+        """The first calls recorded (in `data`, the record as read; read here when not given): finite and
+        not negative only (a NaN in the file made the minimum NaN for good, so the automatic mode never
+        compiled that shape again; -5 made it always compile)."""
         try:
-            seconds = [float(s) for s in self._read().get("first_call_s", [])]
+            seconds = [float(s) for s in (self._read() if data is None else data).get("first_call_s", [])]
         except (ValueError, TypeError):
             return []
         return [s for s in seconds if math.isfinite(s) and s >= 0]
@@ -901,15 +908,16 @@ class CompileRecord:
         or pruned cache, a package key that changed): the next first call compiles it again. Its
         recorded load time was announced ("under a second, as last time") and counted by the automatic
         mode before a compile of a minute."""
-        package = self._read().get("package")
-        return isinstance(package, str) and bool(self._seconds()) and not os.path.exists(package)
+        data = self._read()
+        return bool(self._seconds(data)) and _recorded_package_missing(data)
 
     def expected_seconds(self) -> float:
-        seconds = self._seconds()
+        data = self._read()  # once: the automatic mode asks before each call's decision
+        seconds = self._seconds(data)
         if not seconds:
             return COLD_COMPILE_S
-        if self.package_gone():  # what compiling it took, when recorded
-            compiled = self._read().get("compile_s")
+        if _recorded_package_missing(data):  # what compiling it took, when recorded
+            compiled = data.get("compile_s")
             return float(compiled) if isinstance(compiled, (int, float)) and math.isfinite(compiled) \
                 and compiled >= 0 else COLD_COMPILE_S
         return min(seconds)
