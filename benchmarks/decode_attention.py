@@ -9,10 +9,13 @@ is called through ctypes, which adds a few microseconds a layer that a package d
 short windows the ratio overstates its cost. Prints each window's milliseconds, the cache's GB/s and
 the kernel's time over the reductions' per round (geometric mean [95% t-interval on the logs]); a
 ratio below 1 is the kernel ahead. `--cache-dtype float16`: the cache a `kv_dtype=float16` decoder
-stores, which the kernel reads as stored and the reductions widen as they read it.
+stores, which the kernel reads as stored and the reductions widen as they read it. `--rows N`: a
+continuous batch's N rows, whose filled lengths spread evenly up to the window (the longest row's):
+each shorter row's window ends in masked slots, which the kernel skips and the reductions read. GB/s
+are over the bytes of the keys and values the rows attend to.
 
     .venv/bin/python -m benchmarks.decode_attention [--shape large] [--windows 128,512,2048,4096]
-        [--threads 1] [--rounds 15] [--cache-dtype float32] [--json out.json]
+        [--threads 1] [--rounds 15] [--cache-dtype float32] [--rows 1] [--json out.json]
 """
 
 from __future__ import annotations
@@ -44,26 +47,35 @@ MASKED_TAIL = 5  # the window's last slots hold no key yet (the window is the fi
 CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 
-def layer_caches(shape: dict[str, int], window: int,
-                 dtype: torch.dtype = torch.float32) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Each layer's keys and values, (1, H, window + EMPTY_SLOTS, hd) in `dtype`, random."""
+def layer_caches(shape: dict[str, int], window: int, dtype: torch.dtype = torch.float32,
+                 rows: int = 1) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each layer's keys and values, (rows, H, window + EMPTY_SLOTS, hd) in `dtype`, random."""
     heads, layers, head_dim = shape["n_head"], shape["n_layer"], shape["n_embd"] // shape["n_head"]
-    size = (1, heads, window + EMPTY_SLOTS, head_dim)
+    size = (rows, heads, window + EMPTY_SLOTS, head_dim)
     return ([torch.randn(size).to(dtype) for _ in range(layers)],
             [torch.randn(size).to(dtype) for _ in range(layers)])
 
 
+def filled_lengths(window: int, rows: int) -> list[int]:
+    """Each row's filled slots: the longest row's window ends in MASKED_TAIL empty slots (the filled
+    length rounded up); the others' lengths step evenly down from it, as a continuous batch's rows
+    that joined at different times."""
+    longest = window - MASKED_TAIL
+    return [max(1, longest * (row + 1) // rows) for row in range(rows)]
+
+
 def measure_window(shape: dict[str, int], window: int, rounds: int,
-                   dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+                   dtype: torch.dtype = torch.float32, rows: int = 1) -> dict[str, Any]:
     """One window's paired rounds: the kernel's and the reductions' milliseconds (medians) and ratios."""
     from latentloop.inference import fast, native, torch_internals
 
-    keys, values = layer_caches(shape, window, dtype)
+    keys, values = layer_caches(shape, window, dtype, rows)
     heads, head_dim = shape["n_head"], shape["n_embd"] // shape["n_head"]
-    query = torch.randn(1, heads, 1, head_dim)
-    key_pos = torch.arange(window + EMPTY_SLOTS)
-    key_pos[window - MASKED_TAIL:] = -1
-    mask = (key_pos[:window] >= 0)[None, None, None, :]  # (1, 1, 1, W): the static cache's mask, no future keys
+    query = torch.randn(rows, heads, 1, head_dim)
+    filled = filled_lengths(window, rows)
+    key_pos = torch.arange(window + EMPTY_SLOTS).repeat(rows, 1)  # (rows, slots)
+    key_pos[torch.arange(window + EMPTY_SLOTS)[None, :] >= torch.tensor(filled)[:, None]] = -1
+    mask = (key_pos[:, :window] >= 0)[:, None, None, :]  # (rows, 1, 1, W): the static cache's mask, no future keys
 
     def by_kernel():
         return [native.decode_attention(query, k[:, :, :window], v[:, :, :window], mask, head_dim ** -0.5)
@@ -96,7 +108,7 @@ def measure_window(shape: dict[str, int], window: int, rounds: int,
     for times in seconds.values():
         times.clear()
     ratios = paired_ratios(reductions_call, kernel_call, rounds)
-    cache_bytes = 2 * shape["n_layer"] * heads * window * head_dim * keys[0].element_size()
+    cache_bytes = 2 * shape["n_layer"] * heads * sum(filled) * head_dim * keys[0].element_size()  # attended
     return {"kernel_ms": statistics.median(seconds["kernel"]) * 1e3,
             "reductions_ms": statistics.median(seconds["reductions"]) * 1e3,
             "cache_mb": cache_bytes / 1e6, "ratios": ratios, "ratio": describe_ratios(ratios)}
@@ -109,16 +121,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if native.decode_attention_status() != "native":
         raise SystemExit(f"no attention kernel here: {native.decode_attention_status()}")
     results: dict[str, Any] = {"env": env, "shape": args.shape, "rounds": args.rounds,
-                               "cache_dtype": args.cache_dtype, "windows": {}}
+                               "cache_dtype": args.cache_dtype, "rows": args.rows, "windows": {}}
     for window in args.windows:
         results["windows"][window] = measure_window(SHAPES[args.shape], window, args.rounds,
-                                                    CACHE_DTYPES[args.cache_dtype])
+                                                    CACHE_DTYPES[args.cache_dtype], args.rows)
         print(f"window {window}: {results['windows'][window]['ratio']}", flush=True)
     return results
 
 
 def table(results: dict[str, Any]) -> str:
-    rows = [["window", "cache MB", "kernel ms (GB/s)", "reductions ms (GB/s)", "kernel / reductions"]]
+    rows = [["window", "attended MB", "kernel ms (GB/s)", "reductions ms (GB/s)", "kernel / reductions"]]
     for window, row in results["windows"].items():
         rates = [f"{row[name]:.2f} ({row['cache_mb'] / row[name]:.1f})" for name in ("kernel_ms", "reductions_ms")]
         rows.append([window, f"{row['cache_mb']:.0f}", *rates, row["ratio"]])  # MB / ms = GB/s
@@ -144,8 +156,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=15, help="paired rounds per window (at least 2)")
     parser.add_argument("--cache-dtype", default="float32", choices=sorted(CACHE_DTYPES),
                         help="the cache's keys and values (float16: a kv_dtype=float16 decoder's)")
+    parser.add_argument("--rows", type=int, default=1,
+                        help="a batch of this many rows, their filled lengths spread evenly up to the window")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write all results as JSON")
     args = parser.parse_args(argv)
+    if args.rows < 1:
+        parser.error(f"--rows must be at least 1, got {args.rows}")
     require_threads(parser, args)
     require_rounds(parser, args)
     return args

@@ -72,6 +72,32 @@ def test_the_kernel_equals_sdpa(B, H, Hkv, L, D, Dv, mask_kind, threads, cache_d
 
 
 @needs_kernel
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16], ids=["float32 cache", "float16 cache"])
+def test_a_batchs_rows_of_other_lengths_attend_over_their_own_keys(cache_dtype):
+    """A batch's rows share one window, as long as its longest row: the others' windows end in
+    slots they never filled (masked, skipped four at a time without being read), and a free row sees
+    only its first slot. Those slots hold what a row that left wrote there (here: huge keys and
+    values, which would swamp any output they reached). Tails of every length mod 4, a masked run
+    inside a row, one thread so that each row's scores reuse the last row's buffer."""
+    B, H, L, D = 6, 2, 64, 64
+    q, k, v, _ = case_inputs(B, H, H, L, D, D, "rows", seed=3, cache_dtype=cache_dtype)
+    filled = [64, 37, 6, 1, 50, 13]  # the free row (1) sees its first slot only
+    mask = torch.arange(L)[None, None, None, :] < torch.tensor(filled)[:, None, None, None]  # (B, 1, 1, L)
+    mask[4, ..., 8:24] = False  # a masked run of whole blocks of four inside a row
+    k, v = k.clone(), v.clone()
+    k.masked_fill_(~mask.transpose(-1, -2), 3e4)  # (B, 1, L, 1) over the keys' slots
+    v.masked_fill_(~mask.transpose(-1, -2), -3e4)
+    expected = sdpa_reference(q, k, v, mask)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        got = native.decode_attention(q, k, v, mask, D ** -0.5)
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=2e-6)
+
+
+@needs_kernel
 def test_the_scale_is_the_callers():
     q, k, v, mask = case_inputs(1, 2, 2, 40, 64, 64, "shared")
     expected = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask, scale=0.3)

@@ -475,7 +475,8 @@ def test_decode_attention_benchmark_pairs_the_kernel_with_the_reductions(tmp_pat
     assert len(row["ratios"]) == 3 and min(row["ratios"]) > 0 and row["kernel_ms"] > 0
     assert "kernel / reductions" in capsys.readouterr().out
     shape = bench.SHAPES["smoke"]  # keys and values of every layer, 2 bytes each: half float32's bytes streamed
-    assert row["cache_mb"] == pytest.approx(2 * shape["n_layer"] * 40 * shape["n_embd"] * 2 / 1e6)
+    attended = 40 - bench.MASKED_TAIL  # the window's last slots hold no key yet
+    assert row["cache_mb"] == pytest.approx(2 * shape["n_layer"] * attended * shape["n_embd"] * 2 / 1e6)
 
 
 @pytest.mark.slow
@@ -484,14 +485,26 @@ def test_decode_attention_benchmark_measures_every_window_it_is_given(tmp_path):
 
     if native.decode_attention_status() != "native":
         pytest.skip(f"no attention kernel here: {native.decode_attention_status()}")
-    out = tmp_path / "attention.json"  # the model's own float32 cache, two windows
-    assert _benchmark("decode_attention").main(["--shape", "smoke", "--windows", "40,70", "--rounds", "2",
-                                                "--json", str(out)]) == 0
+    bench = _benchmark("decode_attention")
+    out = tmp_path / "attention.json"  # the model's own float32 cache, two windows, a batch of rows
+    assert bench.main(["--shape", "smoke", "--windows", "40,70", "--rounds", "2", "--rows", "3",
+                       "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     windows = result["windows"]
-    assert result["cache_dtype"] == "float32" and set(windows) == {"40", "70"}
-    assert windows["70"]["cache_mb"] == pytest.approx(windows["40"]["cache_mb"] * 70 / 40)
+    assert result["cache_dtype"] == "float32" and result["rows"] == 3 and set(windows) == {"40", "70"}
+    attended = {window: sum(bench.filled_lengths(window, 3)) for window in (40, 70)}
+    assert windows["70"]["cache_mb"] == pytest.approx(windows["40"]["cache_mb"] * attended[70] / attended[40])
     assert all(len(row["ratios"]) == 2 and min(row["ratios"]) > 0 for row in windows.values())
+
+
+def test_decode_attention_benchmarks_rows_step_down_from_the_longest_and_zero_rows_are_refused(capsys):
+    bench = _benchmark("decode_attention")
+    assert bench.filled_lengths(40, 1) == [40 - bench.MASKED_TAIL]
+    assert bench.filled_lengths(40, 4) == [8, 17, 26, 35]  # a continuous batch's rows of other lengths
+    assert bench.filled_lengths(8, 32)[0] == 1  # no row is empty
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--rows", "0"])
+    assert exc.value.code == 2 and "--rows must be at least 1" in capsys.readouterr().err
 
 
 def test_prefill_products_refuses_bad_rows(capsys):

@@ -183,6 +183,12 @@ ALWAYS_INLINE float scores(const float *q, const void *k, int64_t ks, const uint
 #if LANES > 1
     if (D % LANES == 0) {
         for (; l + 4 <= L; l += 4) {
+            /* Four masked keys are not read: a batch's rows share one window, as long as its longest
+             * row, so a shorter row's (or a free row's) window ends in slots it never filled. */
+            if (mask && !(mask[l * ms] | mask[(l + 1) * ms] | mask[(l + 2) * ms] | mask[(l + 3) * ms])) {
+                s[l] = s[l + 1] = s[l + 2] = s[l + 3] = -INFINITY;
+                continue;
+            }
             int64_t k0 = l * ks, k1 = k0 + ks, k2 = k1 + ks, k3 = k2 + ks, ahead = k0 + PREFETCH_KEYS * ks;
             vec a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
             for (int64_t d = 0; d < D; d += LANES) {
