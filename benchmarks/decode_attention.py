@@ -6,13 +6,14 @@ after 2,048 tokens the compiled step's attention streamed the cache slower than 
 Each call runs one attention per layer, each layer its own keys and values (a window of a longer
 buffer, as the static cache's), so the cache streams from memory as a decode step's does. The kernel
 is called through ctypes, which adds a few microseconds a layer that a package does not pay: at
-short windows the ratio overstates its cost. Prints each window's milliseconds, the cache's GB/s and
+short windows the ratio overstates its cost. Prints each window's milliseconds, the GB/s each streams and
 the kernel's time over the reductions' per round (geometric mean [95% t-interval on the logs]); a
 ratio below 1 is the kernel ahead. `--cache-dtype float16`: the cache a `kv_dtype=float16` decoder
 stores, which the kernel reads as stored and the reductions widen as they read it. `--rows N`: a
 continuous batch's N rows, whose filled lengths spread evenly up to the window (the longest row's):
-each shorter row's window ends in masked slots, which the kernel skips and the reductions read. GB/s
-are over the bytes of the keys and values the rows attend to.
+each shorter row's window ends in masked slots, which the kernel skips and the reductions read. The
+kernel's GB/s are over the bytes of the keys and values the rows attend to (`attended_mb`), the
+reductions' over the whole window's, which they read (`window_mb`).
 
     .venv/bin/python -m benchmarks.decode_attention [--shape large] [--windows 128,512,2048,4096]
         [--threads 1] [--rounds 15] [--cache-dtype float32] [--rows 1] [--json out.json]
@@ -108,10 +109,11 @@ def measure_window(shape: dict[str, int], window: int, rounds: int,
     for times in seconds.values():
         times.clear()
     ratios = paired_ratios(reductions_call, kernel_call, rounds)
-    cache_bytes = 2 * shape["n_layer"] * heads * sum(filled) * head_dim * keys[0].element_size()  # attended
+    slot_bytes = 2 * shape["n_layer"] * heads * head_dim * keys[0].element_size()  # a slot's keys and values
     return {"kernel_ms": statistics.median(seconds["kernel"]) * 1e3,
             "reductions_ms": statistics.median(seconds["reductions"]) * 1e3,
-            "cache_mb": cache_bytes / 1e6, "ratios": ratios, "ratio": describe_ratios(ratios)}
+            "attended_mb": slot_bytes * sum(filled) / 1e6, "window_mb": slot_bytes * rows * window / 1e6,
+            "ratios": ratios, "ratio": describe_ratios(ratios)}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -130,10 +132,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def table(results: dict[str, Any]) -> str:
-    rows = [["window", "attended MB", "kernel ms (GB/s)", "reductions ms (GB/s)", "kernel / reductions"]]
+    rows = [["window", "attended MB", "kernel ms (GB/s attended)", "reductions ms (GB/s of the window)",
+             "kernel / reductions"]]
     for window, row in results["windows"].items():
-        rates = [f"{row[name]:.2f} ({row['cache_mb'] / row[name]:.1f})" for name in ("kernel_ms", "reductions_ms")]
-        rows.append([window, f"{row['cache_mb']:.0f}", *rates, row["ratio"]])  # MB / ms = GB/s
+        rates = [f"{row[name]:.2f} ({row[mb] / row[name]:.1f})"  # MB / ms = GB/s
+                 for name, mb in (("kernel_ms", "attended_mb"), ("reductions_ms", "window_mb"))]
+        rows.append([window, f"{row['attended_mb']:.0f}", *rates, row["ratio"]])
     return render_table(rows)
 
 

@@ -77,14 +77,14 @@ def test_a_batchs_rows_of_other_lengths_attend_over_their_own_keys(cache_dtype):
     """A batch's rows share one window, as long as its longest row: the others' windows end in
     slots they never filled (masked, skipped four at a time without being read), and a free row sees
     only its first slot. Those slots hold what a row that left wrote there (here: huge keys and
-    values, which would swamp any output they reached). Tails of every length mod 4, a masked run
-    inside a row, one thread so that each row's scores reuse the last row's buffer."""
+    values, which would swamp any output they reached). Last blocks of four holding 0 to 3 visible keys, a
+    masked run inside a row that starts and ends inside blocks, the keys and values a window of a longer
+    buffer as the static cache's, one thread so that each row's scores reuse the last row's buffer."""
     B, H, L, D = 6, 2, 64, 64
     q, k, v, _ = case_inputs(B, H, H, L, D, D, "rows", seed=3, cache_dtype=cache_dtype)
-    filled = [64, 37, 6, 1, 50, 13]  # the free row (1) sees its first slot only
+    filled = [64, 37, 6, 1, 50, 15]  # the free row (1) sees its first slot only
     mask = torch.arange(L)[None, None, None, :] < torch.tensor(filled)[:, None, None, None]  # (B, 1, 1, L)
-    mask[4, ..., 8:24] = False  # a masked run of whole blocks of four inside a row
-    k, v = k.clone(), v.clone()
+    mask[4, ..., 9:23] = False  # a masked run inside a row, partial blocks at both ends
     k.masked_fill_(~mask.transpose(-1, -2), 3e4)  # (B, 1, L, 1) over the keys' slots
     v.masked_fill_(~mask.transpose(-1, -2), -3e4)
     expected = sdpa_reference(q, k, v, mask)

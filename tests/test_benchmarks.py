@@ -476,7 +476,8 @@ def test_decode_attention_benchmark_pairs_the_kernel_with_the_reductions(tmp_pat
     assert "kernel / reductions" in capsys.readouterr().out
     shape = bench.SHAPES["smoke"]  # keys and values of every layer, 2 bytes each: half float32's bytes streamed
     attended = 40 - bench.MASKED_TAIL  # the window's last slots hold no key yet
-    assert row["cache_mb"] == pytest.approx(2 * shape["n_layer"] * attended * shape["n_embd"] * 2 / 1e6)
+    assert row["attended_mb"] == pytest.approx(2 * shape["n_layer"] * attended * shape["n_embd"] * 2 / 1e6)
+    assert row["window_mb"] == pytest.approx(row["attended_mb"] * 40 / attended)  # the reductions read it all
 
 
 @pytest.mark.slow
@@ -493,7 +494,8 @@ def test_decode_attention_benchmark_measures_every_window_it_is_given(tmp_path):
     windows = result["windows"]
     assert result["cache_dtype"] == "float32" and result["rows"] == 3 and set(windows) == {"40", "70"}
     attended = {window: sum(bench.filled_lengths(window, 3)) for window in (40, 70)}
-    assert windows["70"]["cache_mb"] == pytest.approx(windows["40"]["cache_mb"] * attended[70] / attended[40])
+    assert windows["70"]["attended_mb"] == pytest.approx(windows["40"]["attended_mb"] * attended[70] / attended[40])
+    assert windows["70"]["window_mb"] == pytest.approx(windows["40"]["window_mb"] * 70 / 40)
     assert all(len(row["ratios"]) == 2 and min(row["ratios"]) > 0 for row in windows.values())
 
 
