@@ -937,3 +937,34 @@ def test_prefill_products_refuses_to_time_a_variant_that_computes_something_else
         products.paired(wrong, 2)
     with pytest.raises(SystemExit):
         products.paired({products.KERNEL: lambda: [1, 2], "other": lambda: [1, 3]}, 2)  # tokens: exactly
+
+
+def test_batch_load_finishes_every_request_and_times_its_parts(tiny_run, tmp_path, capsys):
+    """The continuous batch in-process, eager: every request runs to --new-tokens (no stop token), so
+    the steps are at least the tokens over the rows in flight; decode and joins are parts of the wall."""
+    bench = _benchmark("batch_load")
+    out = tmp_path / "load.json"
+    rows, requests, new_tokens = 3, 7, 5
+    assert bench.main([str(tiny_run("gpt")), "--rows", str(rows), "--requests", str(requests), "--short", "4",
+                       "--long", "12", "--new-tokens", str(new_tokens), "--decode", "eager", "--repeats", "2",
+                       "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert len(result["loads"]) == 2 and result["kv_dtype"] == "float32"
+    for load in result["loads"]:
+        assert load["steps"] >= math.ceil(requests * new_tokens / rows)
+        assert 0 < load["decode_s"] + load["join_s"] <= load["wall_s"]
+        assert load["requests_per_s"] == pytest.approx(requests / load["wall_s"])
+    assert "decode ms a step" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--rows", "0"], "--rows must be at least 1"),
+    (["--short", "40", "--long", "20"], "must not be longer than --long"),
+    (["--short", "4", "--long", "30", "--new-tokens", "10"], "more than the model's context (32)"),
+])
+def test_batch_load_refuses_bad_loads_in_one_line(tiny_run, argv, message, capsys):
+    bench = _benchmark("batch_load")
+    with pytest.raises(SystemExit) as exc:
+        bench.main([str(tiny_run("gpt")), *argv])
+    said = str(exc.value.code) + capsys.readouterr().err
+    assert message in said and "Traceback" not in said
