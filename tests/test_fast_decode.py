@@ -35,6 +35,17 @@ from latentloop.inference.fast import (
 # rfbt, the carried state through a recurrent depth, 6e-7 at the first step growing to 4e-5 with the
 # full cache and 2.2e-4 with the running-mean one, tokens equal throughout)
 FAST_TOL = 5e-4
+# rfbt's running-mean cache (`cache_mode=mean`) averages every step's state into all later ones, so a
+# rounding difference compounds: over the 20 steps it grew from 7.7e-7 to 6.3e-4 in dynamo's step and
+# from 6e-7 to 2.0e-4 in the eager static step, about 2.5x every two steps near the end, tokens equal
+# throughout (2026-12-07, AMD EPYC; on the Intel Xeon 2.2e-4)
+RUNNING_MEAN_TOL = 2e-3
+
+
+def tolerance(options: dict) -> float:
+    """The largest logit difference a case's static or compiled step may show against the ordinary cache's."""
+    return RUNNING_MEAN_TOL if options.get("cache_mode") == "mean" else FAST_TOL
+
 STEPS = WINDOW_BUCKET + 4  # decode steps per check: the attended window grows past its first bucket
 ROUNDED_STEPS = 4  # steps compared with a float16 cache's emulation (see its test)
 BOS = 256
@@ -118,7 +129,7 @@ def _decode_both(model, options: dict, compile: bool, kv_dtype: torch.dtype | No
 @pytest.mark.parametrize(("arch", "options"), CASES, ids=IDS)
 def test_static_cache_eager_step_matches_the_ordinary_cache(arch, options):
     eager, fast = decode_both(arch, options, compile=False)
-    torch.testing.assert_close(fast, eager, rtol=0, atol=FAST_TOL)
+    torch.testing.assert_close(fast, eager, rtol=0, atol=tolerance(options))
     assert torch.equal(fast.argmax(-1), eager.argmax(-1))  # token for token
 
 
@@ -602,7 +613,7 @@ def test_compiled_step_matches_the_eager_step(arch, options, backend, monkeypatc
     else:
         assert not counters["graph_break"], dict(counters["graph_break"])  # the whole step is one graph
         assert counters["stats"]["unique_graphs"] == 1  # one graph as the window grows (a dynamic dimension)
-    torch.testing.assert_close(fast, eager, rtol=0, atol=FAST_TOL)
+    torch.testing.assert_close(fast, eager, rtol=0, atol=tolerance(options))
     assert torch.equal(fast.argmax(-1), eager.argmax(-1))
 
 
