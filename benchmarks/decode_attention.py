@@ -74,9 +74,8 @@ def measure_window(shape: dict[str, int], window: int, rounds: int,
     heads, head_dim = shape["n_head"], shape["n_embd"] // shape["n_head"]
     query = torch.randn(rows, heads, 1, head_dim)
     filled = filled_lengths(window, rows)
-    key_pos = torch.arange(window + EMPTY_SLOTS).repeat(rows, 1)  # (rows, slots)
-    key_pos[torch.arange(window + EMPTY_SLOTS)[None, :] >= torch.tensor(filled)[:, None]] = -1
-    mask = (key_pos[:, :window] >= 0)[:, None, None, :]  # (rows, 1, 1, W): the static cache's mask, no future keys
+    # (rows, 1, 1, W): the static cache's mask, each row's filled slots visible, no future keys
+    mask = (torch.arange(window)[None, :] < torch.tensor(filled)[:, None])[:, None, None, :]
 
     def by_kernel():
         return [native.decode_attention(query, k[:, :, :window], v[:, :, :window], mask, head_dim ** -0.5)
