@@ -27,6 +27,7 @@ from latentloop.inference.fast import (
     fallback_reason,
     rewrite_as_reductions,
 )
+from latentloop.inference.products import ROWS_KERNEL_MAX_ROWS
 
 # fp32 max abs logit difference between the static step and the ordinary one: the static step
 # attends over the whole buffer with masked keys, which the attention kernel sums in another
@@ -370,9 +371,9 @@ def test_linear_by_reduction_is_the_linear_product(rows):
                                atol=REDUCTION_TOL)
 
 
-def test_linear_by_reduction_keeps_the_library_product_past_its_row_limit():
+def test_linear_by_reduction_keeps_the_library_product_past_the_rows_kernels_rows():
     torch.manual_seed(0)
-    x, weight = torch.randn(REDUCTION_MAX_ROWS + 1, 1024), torch.randn(96, 1024)
+    x, weight = torch.randn(ROWS_KERNEL_MAX_ROWS + 1, 1024), torch.randn(96, 1024)
     assert torch.equal(_linear_by_reduction(x, weight), F.linear(x, weight))
 
 
@@ -396,28 +397,29 @@ def test_a_wide_head_keeps_the_library_product_only_where_mkl_runs_on_an_intel_c
         fast._library_streams_wide_products.cache_clear()
 
 
-@pytest.mark.parametrize("rows", [6, 16, 64])
+@pytest.mark.parametrize("rows", [REDUCTION_MAX_ROWS + 1, 6, 16, 64])
 def test_a_batchs_rows_go_through_the_rows_kernel_operator(rows, monkeypatch):
-    """6 to 64 rows of float32 without a bias: the compiled step's product is the rows kernel's
-    operator (the C function a package calls), equal to `F.linear` to float32 rounding; with a bias,
-    past 64 rows, or without the kernel's package build, torch's own product."""
+    """Past the reductions' rows, up to 64 rows of float32: the compiled step's product is the rows
+    kernel's operator (the C function a package calls), equal to `F.linear` to float32 rounding, a
+    bias added after it; past 64 rows, or without the kernel's package build, torch's own product."""
     from latentloop.inference import native
 
     if native.rows_package_kernel() is None:
         pytest.skip(f"no rows kernel for packages here: {native.native_status(native.ROWS_KERNEL, for_packages=True)}")
     torch.manual_seed(0)
-    x, weight = torch.randn(2, rows // 2, 256), torch.randn(96, 256)
+    x, weight, bias = torch.randn(1, rows, 256), torch.randn(96, 256), torch.randn(96)
     calls = []
     operator = torch.ops.latentloop.rows_linear
     monkeypatch.setattr(torch.ops.latentloop, "rows_linear", lambda *a: calls.append(a) or operator(*a))
     y = _linear_by_reduction(x, weight)
-    assert len(calls) == 1 and y.shape == (2, rows // 2, 96)
+    assert len(calls) == 1 and y.shape == (1, rows, 96)
     torch.testing.assert_close(y, F.linear(x, weight), rtol=1e-5, atol=1e-4)  # another summation order
-    _linear_by_reduction(x, weight, torch.zeros(96))
-    _linear_by_reduction(torch.randn(65, 256), weight)
+    torch.testing.assert_close(_linear_by_reduction(x, weight, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+    assert len(calls) == 2
+    _linear_by_reduction(torch.randn(ROWS_KERNEL_MAX_ROWS + 1, 256), weight)
     monkeypatch.setattr(native, "rows_package_kernel", lambda: None)
     _linear_by_reduction(x, weight)
-    assert len(calls) == 1
+    assert len(calls) == 2
 
 
 @pytest.mark.parametrize("rows", [1, 3, REDUCTION_MAX_ROWS, REDUCTION_MAX_ROWS + 1])

@@ -29,9 +29,9 @@ decode step has static shapes:
 - On CPU the step's weight products (up to `REDUCTION_MAX_ROWS` rows) and its one-query attention
   are rewritten as reductions that inductor generates and fuses itself (`_cpu_decode_backend`):
   torch's matmul runs a one-row product far below the memory bandwidth on the machine this was
-  built on, and one attention kernel call per layer cost more than the fused loops. A batch's
-  products of 6 to 64 rows (continuous batching) call the rows kernel (`native.rows_linear_op`),
-  as the eager path's do.
+  built on, and one attention kernel call per layer cost more than the fused loops. A step's
+  products of 5 to 64 rows (continuous batching, a self-speculative verification) call the rows
+  kernel (`native.rows_linear_op`), as the eager path's do from 6.
 - On CPU the step runs from an AOTInductor package (`inference/aot.py`: `torch.export` of the same
   rewritten step, a shared library on disk bound to the model's own weights), called from C++ with
   no dynamo frame, guards or AOT autograd wrappers in between (about as much time as the kernels
@@ -93,7 +93,7 @@ from . import native, quant, torch_internals
 from .aot import AotDecodeStep, AotUnavailable, aot_enabled, cpu_vendor, model_code_digest
 from .cache_trust import private_temporary_folder, untrusted_folder, unwritable_folder
 from .huge_pages import weights_on_huge_pages
-from .products import ROWS_KERNEL_MAX_ROWS, ROWS_KERNEL_MIN_ROWS
+from .products import ROWS_KERNEL_MAX_ROWS
 
 # The static cache's length is rounded up to a multiple of this when a whole context's buffer would be
 # too large (`FULL_CONTEXT_CACHE_BYTES`), so prompts of nearby lengths share one compiled step (a new
@@ -1121,18 +1121,24 @@ def _linear_by_reduction(input: Tensor, weight: Tensor, bias: Tensor | None = No
     """`F.linear` (its parameter names, so keyword calls map too) for a few rows as a multiply-and-sum
     over the input dimension: inductor emits one vectorised loop that streams each weight row once
     per input row, where torch's CPU matmul runs a (1, in) x (in, out) product at a fraction of the
-    memory bandwidth. Rows past `REDUCTION_MAX_ROWS` keep the library's product, or, for 6 to 64
-    rows of float32 without a bias, the rows kernel's (`native.rows_linear_op`). Same products,
+    memory bandwidth. Rows past `REDUCTION_MAX_ROWS` take the rows kernel's product up to 64 rows of
+    float32 (`native.rows_linear_op`, a bias added after it), else the library's. Same products,
     another summation order (rounding differs in the last bits)."""
     rows = input.numel() // input.shape[-1]
     if rows <= REDUCTION_MAX_ROWS and weight.shape[0] > REDUCTION_MAX_OUTPUTS and _library_streams_wide_products():
         return torch.ops.aten.linear.default(input, weight, bias)  # a large vocabulary's head
     if rows > REDUCTION_MAX_ROWS:
-        if (ROWS_KERNEL_MIN_ROWS <= rows <= ROWS_KERNEL_MAX_ROWS and bias is None
-                and input.dtype == weight.dtype == torch.float32 and native.rows_package_kernel() is not None):
-            # a batch's rows (continuous batching's 8 to 32) through the rows kernel, as an eager batch's
-            # products run (`products.accelerated_linear`): a package calls its C function
-            return torch.ops.latentloop.rows_linear(input.contiguous(), weight)
+        if (rows <= ROWS_KERNEL_MAX_ROWS and input.dtype == weight.dtype == torch.float32
+                and native.rows_package_kernel() is not None):
+            # a batch's rows (continuous batching's 8 to 32) or a verification's k + 1 tokens through the
+            # rows kernel, as an eager batch's products run (`products.accelerated_linear`): a package calls
+            # its C function. From REDUCTION_MAX_ROWS + 1 rows (the eager path's choice starts at 6) and with
+            # a bias added after, since the alternative here is torch's op, MKL, slow on an AMD CPU: the
+            # self-speculative verification of 5 tokens (rgpt d 512, R = 8, its biased gates included)
+            # took 34 instead of 42 ms, 9.3 instead of 11.2 ms a token at k = 4 (AMD EPYC, 1 thread,
+            # experiments/logs/2026-12-08-twenty-seventh-session.md).
+            y = torch.ops.latentloop.rows_linear(input.contiguous(), weight)
+            return y if bias is None else y + bias
         return torch.ops.aten.linear.default(input, weight, bias)  # torch's own op: `F.linear` is this function
     input = _stored(input)  # computed once, not in every output row's loop (`_stored`)
     y = (input[..., None, :] * weight).sum(-1)  # (..., out, in) -> (..., out): one fused loop, never materialised

@@ -21,7 +21,7 @@
  *
  * LATENTLOOP_AOTI (the library's second build, linked with libtorch): `aoti_torch_cpu_rows_linear`,
  * the C function an ahead-of-time compiled decode step (aot.py) calls for `latentloop::rows_linear`
- * (a batch's products of 6 to 64 rows) in place of torch's matrix product.
+ * (a batch's or a verification's products of 5 to 64 rows) in place of torch's matrix product.
  */
 #include <stdint.h>
 #include <stdlib.h>
