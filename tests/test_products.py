@@ -35,7 +35,9 @@ def _ops_run(fn) -> set[str]:
 
 # (rows, out, in): one vector of rows, a partial one, several; outputs that are and are not whole
 # tiles of the kernel (12); widths of one, odd and long
-ROWS_SHAPES = [(1, 12, 16), (2, 7, 1), (5, 13, 37), (16, 24, 256), (17, 100, 33), (64, 25, 683), (70, 12, 8)]
+# up to 8 rows and an even width: rows_linear.c's paired tile (with AVX-512); the others its plain one
+ROWS_SHAPES = [(1, 12, 16), (2, 7, 1), (3, 5, 2), (5, 13, 37), (6, 25, 130), (8, 30, 512), (9, 30, 512),
+               (16, 24, 256), (17, 100, 33), (64, 25, 683), (70, 12, 8)]
 
 
 @needs_rows_kernel
@@ -60,6 +62,9 @@ def test_the_rows_kernel_equals_blas(rows, out, width, monkeypatch):
     strided = torch.randn(width, out).T  # a transposed view: made contiguous first, same product
     torch.testing.assert_close(native.rows_linear(x, strided).double(), torch.nn.functional.linear(
         x.double(), strided.double()), rtol=1e-5, atol=1e-5 * float(expected.abs().max() + 1))
+    shifted = torch.randn(out * width + 1)[1:].view(out, width)  # contiguous, 4 bytes past an 8-byte boundary
+    torch.testing.assert_close(native.rows_linear(x, shifted).double(), torch.nn.functional.linear(
+        x.double(), shifted.double()), rtol=1e-5, atol=1e-5 * float(expected.abs().max() + 1))
     with pytest.raises(TypeError, match="float32 weight"):
         native.rows_linear(x, weight.double())
 
