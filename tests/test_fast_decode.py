@@ -417,6 +417,9 @@ def test_a_batchs_rows_go_through_the_rows_kernel_operator(rows, monkeypatch):
     torch.testing.assert_close(_linear_by_reduction(x, weight, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
     assert len(calls) == 2
     _linear_by_reduction(torch.randn(ROWS_KERNEL_MAX_ROWS + 1, 256), weight)
+    _linear_by_reduction(x.double(), weight.double(), bias.double())
+    with pytest.raises(RuntimeError, match="dtype"):  # a float64 bias: torch's product refuses it, as F.linear does
+        _linear_by_reduction(x, weight, bias.double())
     monkeypatch.setattr(native, "rows_package_kernel", lambda: None)
     _linear_by_reduction(x, weight)
     assert len(calls) == 2

@@ -1129,13 +1129,13 @@ def _linear_by_reduction(input: Tensor, weight: Tensor, bias: Tensor | None = No
         return torch.ops.aten.linear.default(input, weight, bias)  # a large vocabulary's head
     if rows > REDUCTION_MAX_ROWS:
         if (rows <= ROWS_KERNEL_MAX_ROWS and input.dtype == weight.dtype == torch.float32
-                and native.rows_package_kernel() is not None):
+                and (bias is None or bias.dtype == torch.float32) and native.rows_package_kernel() is not None):
             # a batch's rows (continuous batching's 8 to 32) or a verification's k + 1 tokens through the
             # rows kernel, as an eager batch's products run (`products.accelerated_linear`): a package calls
             # its C function. From REDUCTION_MAX_ROWS + 1 rows (the eager path's choice starts at 6) and with
             # a bias added after, since the alternative here is torch's op, MKL, slow on an AMD CPU: the
             # self-speculative verification of 5 tokens (rgpt d 512, R = 8, its biased gates included)
-            # took 34 instead of 42 ms, 9.3 instead of 11.2 ms a token at k = 4 (AMD EPYC, 1 thread,
+            # took 34 instead of 42 ms (median), 9.3 instead of 11.2 ms a token at k = 4 (AMD EPYC, 1 thread,
             # experiments/logs/2026-12-08-twenty-seventh-session.md).
             y = torch.ops.latentloop.rows_linear(input.contiguous(), weight)
             return y if bias is None else y + bias
@@ -1213,7 +1213,7 @@ def _int8_linear_by_reduction(x: Tensor, weight_int8: Tensor, scale: Tensor, pac
     is the package's product elsewhere. Rows past `REDUCTION_MAX_ROWS` take the product over the
     converted weight, as eager decoding does. `packed` (the kernel's copy) is not read."""
     rows = x.numel() // x.shape[-1]
-    if rows > REDUCTION_MAX_ROWS:  # its `F.linear` is the library's product here (`_linear_by_reduction`)
+    if rows > REDUCTION_MAX_ROWS:  # its `F.linear` is `_linear_by_reduction` here: the rows kernel up to 64 rows
         return quant._converted_product(x, weight_int8, scale)
     x = _stored(x)  # as in `_linear_by_reduction`
     return (x[..., None, :] * weight_int8).sum(-1) * scale  # (..., N, K) -> (..., N), never materialised

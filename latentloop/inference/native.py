@@ -57,8 +57,8 @@ BUILD_TIMEOUT_S = 120  # one small C file: seconds at most, even on a busy machi
 PARALLEL_MIN_MACS = 1 << 16  # parallel.h has the same (the kernels' package functions count threads themselves)
 ROWS_KERNEL = "rows_linear"
 KERNELS_SUBDIR = "kernels"  # under the cache's root
-# The rows kernel computes one vector of rows per weight element: with fewer lanes than an AVX2
-# register (a build without AVX2 + FMA, or not x86) it is a plain loop, slower than any BLAS.
+# The rows kernel puts the rows in a vector's lanes (with AVX-512, up to 8 rows as pairs of k): with fewer
+# lanes than an AVX2 register (a build without AVX2 + FMA, or not x86) it is a plain loop, slower than any BLAS.
 ROWS_MIN_LANES = 8
 
 _failures: dict[str, str] = {}

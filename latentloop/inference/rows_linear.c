@@ -127,10 +127,10 @@ static void tile_pairs(const float *xp, const float *w, float *y, int64_t M, int
     for (int j = 0; j < TILE; ++j)
         acc[j] = vzero();
     for (int64_t k2 = 0; k2 < K / 2; ++k2) {
-        if (k2 * 2 * LINE < ahead_bytes) {
+        if (k2 * 2 * LINE < ahead_bytes) /* two lines a step: K / 2 steps cover the next tile's TILE * K * 4 bytes */
             __builtin_prefetch(ahead + k2 * 2 * LINE);
+        if (k2 * 2 * LINE + LINE < ahead_bytes)
             __builtin_prefetch(ahead + k2 * 2 * LINE + LINE);
-        }
         vec xv = vload(xp + k2 * LANES);
         for (int j = 0; j < TILE; ++j) {
             double pair;
@@ -171,9 +171,9 @@ int latentloop_rows_linear_lanes(void) { return LANES; }
 /* Both return 0, or -1 when a buffer could not be allocated (y is then not written). */
 int latentloop_rows_linear_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K,
                                int threads) {
-    int pairs = M <= PAIR_MAX_ROWS && K % 2 == 0;
     int64_t padded = (M + LANES - 1) / LANES * LANES;
 #if PAIR_MAX_ROWS
+    int pairs = M <= PAIR_MAX_ROWS && K % 2 == 0;
     float *xt = pairs ? paired(x, M, K) : transposed(x, M, K, padded);
 #else
     float *xt = transposed(x, M, K, padded);

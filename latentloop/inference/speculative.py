@@ -12,9 +12,10 @@ through a frozen static cache (`fast.static_cache`):
   depth runs, shared with it;
 - the verification is the model's own `decode` of the pending token and the k drafts in one call,
   compiled once per (model, options, k + 1 tokens): on CPU an ahead-of-time package (`aot.AotDecodeStep`
-  over k + 1 tokens per row; its products of 5-64 rows call the rows kernel's C function, which
-  dynamo's graph reaches through Python, 81 calls a verification; r = 2, k = 8 on the trained `tiny`
-  rgpt: 0.84x against 1.11x compiled full depth's speed), dynamo's graph where no package builds; the
+  over k + 1 tokens per row; its products of 5-64 rows, biased ones too, call the rows kernel's C
+  function, which dynamo's graph reaches through Python; under the earlier rule, 6-64 rows without a
+  bias, on the Intel Xeon: 81 calls a verification, and r = 2, k = 8 on the trained `tiny` rgpt 0.84x
+  against 1.11x compiled full depth's speed), dynamo's graph where no package builds; the
   static cache writes the k + 1 slots from its write position (`StaticCacheMixin.begin_tokens`);
 - taking drafts back moves the cache's write position back (`StaticCacheMixin.keep_recent`), outside
   compiled code.
