@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import benchmark_main, render_table, require_threads, start_run
+from benchmarks.common import benchmark_main, render_table, require_at_least_one, require_threads, start_run
 from benchmarks.serve_load import AGAINST_NEW_TOKENS, LONG_PROMPT, SHORT_PROMPT, prompt_source, request_mix
 
 ROWS = 32  # requests in flight, as serve_load's concurrency 32 keeps
@@ -127,9 +127,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write all results as JSON")
     args = parser.parse_args(argv)
     require_threads(parser, args)
-    for name in ("rows", "requests", "short", "long", "new_tokens", "repeats"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    require_at_least_one(parser, args, ("rows", "requests", "short", "long", "new_tokens", "repeats"))
     if args.short > args.long:
         parser.error(f"--short ({args.short}) must not be longer than --long ({args.long})")
     if not (args.run / "config.json").is_file():

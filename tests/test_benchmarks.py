@@ -958,7 +958,8 @@ def test_batch_load_finishes_every_request_and_times_its_parts(tiny_run, tmp_pat
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--rows", "0"], "--rows must be at least 1"),
+    (["--rows", "0"], "--rows must be >= 1"),
+    (["--new-tokens", "0"], "--new-tokens must be >= 1"),
     (["--short", "40", "--long", "20"], "must not be longer than --long"),
     (["--short", "4", "--long", "30", "--new-tokens", "10"], "more than the model's context (32)"),
 ])
