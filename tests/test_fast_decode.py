@@ -407,12 +407,12 @@ def test_a_batchs_rows_go_through_the_rows_kernel_operator(rows, monkeypatch):
     if native.rows_package_kernel() is None:
         pytest.skip(f"no rows kernel for packages here: {native.native_status(native.ROWS_KERNEL, for_packages=True)}")
     torch.manual_seed(0)
-    x, weight, bias = torch.randn(1, rows, 256), torch.randn(96, 256), torch.randn(96)
+    x, weight, bias = torch.randn(rows, 1, 256), torch.randn(96, 256), torch.randn(96)  # a batch's rows, one token each
     calls = []
     operator = torch.ops.latentloop.rows_linear
     monkeypatch.setattr(torch.ops.latentloop, "rows_linear", lambda *a: calls.append(a) or operator(*a))
     y = _linear_by_reduction(x, weight)
-    assert len(calls) == 1 and y.shape == (1, rows, 96)
+    assert len(calls) == 1 and y.shape == (rows, 1, 96)
     torch.testing.assert_close(y, F.linear(x, weight), rtol=1e-5, atol=1e-4)  # another summation order
     torch.testing.assert_close(_linear_by_reduction(x, weight, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
     assert len(calls) == 2
